@@ -1,0 +1,45 @@
+"""Variable-length flash-attention kernels (Triton) and their torch reference.
+
+``prefill`` and ``decode`` are the Triton kernels (CUDA tensors, or any tensor under
+``TRITON_INTERPRET=1``); ``prefill_ref`` and ``decode_ref`` are plain torch with the same
+signatures. The Triton modules are imported lazily so the reference works without Triton.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
+from attention_kernels.reference import decode_ref, prefill_ref
+
+if TYPE_CHECKING:
+    from attention_kernels.decode import decode
+    from attention_kernels.prefill import prefill
+    from attention_kernels.warmup import warmup
+
+__all__ = [
+    "SUPPORTED_DTYPES",
+    "decode",
+    "decode_ref",
+    "prefill",
+    "prefill_ref",
+    "supported_head_dim",
+    "warmup",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name == "prefill":
+        from attention_kernels.prefill import prefill
+
+        return prefill
+    if name == "decode":
+        from attention_kernels.decode import decode
+
+        return decode
+    if name == "warmup":
+        from attention_kernels.warmup import warmup
+
+        return warmup
+    raise AttributeError(f"module 'attention_kernels' has no attribute {name!r}")

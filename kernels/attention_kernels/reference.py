@@ -1,0 +1,140 @@
+"""Plain-torch attention with the exact semantics of the Triton kernels.
+
+It is the oracle in the tests and the ``cpu`` backend of the service, so it is written for
+clarity and bounded memory, not speed: one sequence at a time, query rows in chunks so a long
+sequence never materialises a full ``[heads, seqlen_q, seqlen_k]`` score matrix.
+
+Conventions (shared with :mod:`attention_kernels.prefill` and :mod:`attention_kernels.decode`):
+
+* Packed varlen layout: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``; sequence ``b`` owns
+  rows ``cu_seqlens[b]:cu_seqlens[b + 1]``.
+* GQA: query head ``h`` reads kv head ``h // (H // H_kv)``.
+* Causal masking is aligned bottom-right: query ``i`` of a sequence sees key ``j`` iff
+  ``j <= i + seqlen_k - seqlen_q``.
+* A query row that sees no key outputs zeros and has ``lse = -inf`` (never NaN).
+* ``lse`` is the natural-log log-sum-exp of the scaled scores, float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention_kernels._checks import (
+    check_cu_seqlens_values,
+    check_decode_inputs,
+    check_prefill_inputs,
+)
+
+# Query rows per chunk: bounds the score matrix at H * 1024 * seqlen_k elements.
+_ROW_CHUNK = 1024
+
+
+def _default_compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _attend_rows(
+    q: torch.Tensor,  # [rows, H, D] compute dtype
+    k: torch.Tensor,  # [seqlen_k, H, D] compute dtype (already expanded for GQA)
+    v: torch.Tensor,
+    scale: float,
+    first_row: int,
+    causal_offset: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``rows`` query rows (row ``r`` is query ``first_row + r`` of its sequence)."""
+    rows, seqlen_k = q.shape[0], k.shape[0]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if causal_offset is not None:
+        qi = torch.arange(first_row, first_row + rows).unsqueeze(1)
+        kj = torch.arange(seqlen_k).unsqueeze(0)
+        scores = scores.masked_fill(kj > qi + causal_offset, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # [H, rows]; -inf where a row sees no key
+    # exp(-inf - -inf) would be NaN: give fully masked rows a finite shift, their p is 0 anyway.
+    shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(scores - shift.unsqueeze(-1))
+    out = torch.einsum("hqk,khd->qhd", p, v)
+    return out, lse
+
+
+def prefill_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length attention prefill; same signature and semantics as ``prefill``.
+
+    ``compute_dtype`` (default float32, float64 for float64 inputs) is the precision of the
+    arithmetic; pass ``torch.float64`` for an oracle. The output has the input dtype; ``lse`` is
+    float32 ``[H, total_q]``. ``max_seqlen_*`` are accepted for signature parity and ignored.
+    """
+    del max_seqlen_q, max_seqlen_k
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+    check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    total_q, num_heads, head_dim = q.shape
+    group = num_heads // k.shape[1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    cdt = compute_dtype or _default_compute_dtype(q.dtype)
+
+    cq = cu_seqlens_q.tolist()
+    ck = cu_seqlens_k.tolist()
+    check_cu_seqlens_values(cq, total_q, "cu_seqlens_q")
+    check_cu_seqlens_values(ck, k.shape[0], "cu_seqlens_k")
+    out = torch.zeros((total_q, num_heads, head_dim), dtype=cdt, device=q.device)
+    lse = torch.full((num_heads, total_q), float("-inf"), dtype=torch.float32, device=q.device)
+    for b in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[b], cq[b + 1], ck[b], ck[b + 1]
+        if q1 == q0:
+            continue
+        kb = k[k0:k1].to(cdt).repeat_interleave(group, dim=1)
+        vb = v[k0:k1].to(cdt).repeat_interleave(group, dim=1)
+        offset = (k1 - k0) - (q1 - q0) if causal else None
+        for r0 in range(0, q1 - q0, _ROW_CHUNK):
+            r1 = min(r0 + _ROW_CHUNK, q1 - q0)
+            o, l = _attend_rows(q[q0 + r0 : q0 + r1].to(cdt), kb, vb, scale, r0, offset)
+            out[q0 + r0 : q0 + r1] = o
+            lse[:, q0 + r0 : q0 + r1] = l.float()
+    out = out.to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def decode_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One query token per sequence against its packed keys; same semantics as ``decode``.
+
+    ``q [B, H, D]``; ``lse`` is float32 ``[B, H]``. ``num_splits`` and ``max_seqlen_k`` only
+    steer the kernel's schedule and are ignored here.
+    """
+    del max_seqlen_k, num_splits
+    check_decode_inputs(q, k, v, cu_seqlens_k)
+    batch = q.shape[0]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
+    # A decode step is a prefill with one query per sequence and no causal mask (the new token
+    # sees its whole context).
+    out, lse = prefill_ref(
+        q, k, v, cu_q, cu_seqlens_k, softmax_scale=softmax_scale, return_lse=True,
+        compute_dtype=compute_dtype,
+    )
+    lse = lse.t().contiguous()
+    return (out, lse) if return_lse else out
