@@ -1,0 +1,1 @@
+"""Generated protobuf/gRPC stubs (proto/generate.py). Do not edit."""

@@ -1,0 +1,187 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    FLOAT16: _ClassVar[DType]
+    BFLOAT16: _ClassVar[DType]
+    FLOAT32: _ClassVar[DType]
+
+class InputField(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    INPUT_FIELD_UNSPECIFIED: _ClassVar[InputField]
+    Q: _ClassVar[InputField]
+    K: _ClassVar[InputField]
+    V: _ClassVar[InputField]
+
+class OutputField(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_FIELD_UNSPECIFIED: _ClassVar[OutputField]
+    OUT: _ClassVar[OutputField]
+    LSE: _ClassVar[OutputField]
+DTYPE_UNSPECIFIED: DType
+FLOAT16: DType
+BFLOAT16: DType
+FLOAT32: DType
+INPUT_FIELD_UNSPECIFIED: InputField
+Q: InputField
+K: InputField
+V: InputField
+OUTPUT_FIELD_UNSPECIFIED: OutputField
+OUT: OutputField
+LSE: OutputField
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "shape")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("field", "offset", "data")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    field: InputField
+    offset: int
+    data: bytes
+    def __init__(self, field: _Optional[_Union[InputField, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PrefillHeader(_message.Message):
+    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse")
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    CU_SEQLENS_Q_FIELD_NUMBER: _ClassVar[int]
+    CU_SEQLENS_K_FIELD_NUMBER: _ClassVar[int]
+    CAUSAL_FIELD_NUMBER: _ClassVar[int]
+    SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    cu_seqlens_q: _containers.RepeatedScalarFieldContainer[int]
+    cu_seqlens_k: _containers.RepeatedScalarFieldContainer[int]
+    causal: bool
+    softmax_scale: float
+    return_lse: bool
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("header", "chunks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    header: PrefillHeader
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class DecodeHeader(_message.Message):
+    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse")
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    CU_SEQLENS_K_FIELD_NUMBER: _ClassVar[int]
+    SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    q: TensorSpec
+    k: TensorSpec
+    v: TensorSpec
+    cu_seqlens_k: _containers.RepeatedScalarFieldContainer[int]
+    softmax_scale: float
+    num_splits: int
+    return_lse: bool
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("header", "chunks")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    header: DecodeHeader
+    chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
+    def __init__(self, header: _Optional[_Union[DecodeHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+
+class OutputChunk(_message.Message):
+    __slots__ = ("field", "spec", "row_start", "row_count", "data")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    ROW_START_FIELD_NUMBER: _ClassVar[int]
+    ROW_COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    field: OutputField
+    spec: TensorSpec
+    row_start: int
+    row_count: int
+    data: bytes
+    def __init__(self, field: _Optional[_Union[OutputField, str]] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class RequestStats(_message.Message):
+    __slots__ = ("queue_seconds", "h2d_seconds", "kernel_seconds", "d2h_seconds", "bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens")
+    QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    H2D_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    D2H_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    FLOPS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    queue_seconds: float
+    h2d_seconds: float
+    kernel_seconds: float
+    d2h_seconds: float
+    bytes_in: int
+    bytes_out: int
+    flops: float
+    batch_requests: int
+    batch_tokens: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., d2h_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., flops: _Optional[float] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+
+class AttentionResponse(_message.Message):
+    __slots__ = ("chunk", "stats")
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    chunk: OutputChunk
+    stats: RequestStats
+    def __init__(self, chunk: _Optional[_Union[OutputChunk, _Mapping]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
+class GetServerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPES_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIMS_FIELD_NUMBER: _ClassVar[int]
+    MAX_REQUEST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TORCH_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRITON_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    BATCHING_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    backend: str
+    dtypes: _containers.RepeatedScalarFieldContainer[DType]
+    head_dims: _containers.RepeatedScalarFieldContainer[int]
+    max_request_bytes: int
+    chunk_bytes: int
+    max_message_bytes: int
+    server_version: str
+    torch_version: str
+    triton_version: str
+    cuda_version: str
+    batching: bool
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ...) -> None: ...
