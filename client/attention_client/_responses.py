@@ -1,0 +1,135 @@
+"""Response assembler: OUT/LSE row slices -> preallocated arrays, with every row checked.
+
+Each slice is copied straight from the message bytes into its rows of the final array (one
+copy). Every row must arrive exactly once and the stream must end with RequestStats; anything
+else raises ProtocolError rather than returning a silently wrong tensor.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attention_client._errors import ProtocolError
+from attention_client._tensors import dtype_name, storage_dtype
+from attention_client.pb import attention_pb2 as pb
+
+
+class _Target:
+    """One output tensor being filled: its storage, a [rows, row_bytes] byte view, rows seen."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], wire_dtype: int) -> None:
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.wire_dtype = wire_dtype
+        self.array = np.empty(self.shape, storage_dtype(wire_dtype))
+        self.rows = self.shape[0]
+        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.array.itemsize
+        self.bytes = self.array.reshape(-1).view(np.uint8).reshape(self.rows, self.row_bytes)
+        self.seen = np.zeros(self.rows, dtype=bool)
+
+    def add(self, chunk: pb.OutputChunk, method: str) -> None:
+        spec_shape = tuple(chunk.spec.shape)
+        if chunk.spec.dtype != self.wire_dtype or spec_shape != self.shape:
+            raise ProtocolError(
+                f"{self.name} chunk has spec {dtype_name(chunk.spec.dtype)}{list(spec_shape)}, "
+                f"expected {dtype_name(self.wire_dtype)}{list(self.shape)}",
+                method,
+            )
+        start, count = chunk.row_start, chunk.row_count
+        if start < 0 or count < 0 or start + count > self.rows:
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) outside [0, {self.rows})", method
+            )
+        if len(chunk.data) != count * self.row_bytes:
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) carry {len(chunk.data)} bytes, "
+                f"expected {count * self.row_bytes}",
+                method,
+            )
+        if self.seen[start : start + count].any():
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) arrived more than once", method
+            )
+        self.seen[start : start + count] = True
+        if count:
+            self.bytes[start : start + count] = np.frombuffer(chunk.data, np.uint8).reshape(
+                count, self.row_bytes
+            )
+
+    def check_complete(self, method: str) -> None:
+        if self.row_bytes == 0 or self.seen.all():  # zero-width rows carry nothing to wait for
+            return
+        missing = np.flatnonzero(~self.seen)
+        raise ProtocolError(
+            f"{self.name} is missing {missing.size} of {self.rows} rows "
+            f"(first missing row {int(missing[0])})",
+            method,
+        )
+
+
+def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
+    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+
+
+class ResponseAssembler:
+    """Feed every AttentionResponse to ``add``; ``finish`` returns (out, lse, stats)."""
+
+    def __init__(
+        self,
+        method: str,
+        out_shape: tuple[int, ...],
+        out_dtype: int,
+        lse_shape: tuple[int, ...] | None,
+    ) -> None:
+        self.method = method
+        self._targets = {pb.OUT: _Target("OUT", out_shape, out_dtype)}
+        if lse_shape is not None:
+            self._targets[pb.LSE] = _Target("LSE", lse_shape, pb.FLOAT32)
+        self._stats: pb.RequestStats | None = None
+
+    def add(self, response: pb.AttentionResponse) -> None:
+        if self._stats is not None:
+            raise ProtocolError("message after the final RequestStats", self.method)
+        kind = response.WhichOneof("payload")
+        if kind == "stats":
+            self._stats = response.stats
+            return
+        if kind != "chunk":
+            raise ProtocolError("response message with no payload", self.method)
+        chunk = response.chunk
+        target = self._targets.get(chunk.field)
+        if target is None:
+            raise ProtocolError(
+                f"unexpected output field {pb.OutputField.Name(chunk.field)}"
+                if chunk.field in pb.OutputField.values()
+                else f"unknown output field {chunk.field}",
+                self.method,
+            )
+        target.add(chunk, self.method)
+
+    def finish(self) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+        for target in self._targets.values():
+            target.check_complete(self.method)
+        if self._stats is None:
+            raise ProtocolError("response stream ended without RequestStats", self.method)
+        lse = self._targets.get(pb.LSE)
+        return (
+            self._targets[pb.OUT].array,
+            lse.array if lse is not None else None,
+            stats_dict(self._stats),
+        )
+
+
+def server_info_dict(info: pb.ServerInfo) -> dict[str, Any]:
+    """GetServerInfo as plain Python values; dtypes by name ("FLOAT16", ...)."""
+    out: dict[str, Any] = {}
+    for field in info.DESCRIPTOR.fields:
+        value = getattr(info, field.name)
+        if field.name == "dtypes":
+            value = [pb.DType.Name(d) for d in value]
+        elif not isinstance(value, str | bytes | int | float | bool):
+            value = list(value)
+        out[field.name] = value
+    return out

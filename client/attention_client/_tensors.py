@@ -1,0 +1,148 @@
+"""Tensor codec: user arrays (numpy or torch) <-> little-endian row-major bytes on the wire.
+
+torch is never imported here: a tensor is recognised through ``sys.modules`` (if torch is not
+imported, the caller cannot hold a tensor), so the client works where torch is not installed.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attention_client.pb import attention_pb2 as pb
+
+# Storage dtype of each wire dtype. bfloat16 is held as int16 bits: numpy has no bfloat16 of its
+# own, and torch can reinterpret int16 storage as bfloat16 with a free ``.view``.
+_STORAGE = {
+    pb.FLOAT16: np.dtype("<f2"),
+    pb.BFLOAT16: np.dtype("<i2"),
+    pb.FLOAT32: np.dtype("<f4"),
+}
+
+
+def storage_dtype(wire_dtype: int) -> np.dtype:
+    return _STORAGE[wire_dtype]
+
+
+def dtype_name(wire_dtype: int) -> str:
+    return pb.DType.Name(wire_dtype)
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a user tensor came from, so results go back the same way."""
+
+    kind: str  # "numpy" | "torch"
+    dtype: Any  # the user's dtype: np.dtype or torch.dtype
+    device: Any = None  # torch device (None for numpy)
+
+
+@dataclass(frozen=True)
+class WireTensor:
+    """A C-contiguous little-endian array ready to be sent as raw bytes."""
+
+    name: str
+    array: np.ndarray
+    dtype: int  # pb.DType
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.array.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+    def byte_view(self) -> memoryview:
+        """The raw bytes without a copy (the array is contiguous)."""
+        return memoryview(self.array.reshape(-1).view(np.uint8))
+
+    def reshaped(self, shape: tuple[int, ...]) -> WireTensor:
+        return WireTensor(self.name, self.array.reshape(shape), self.dtype)
+
+
+def _torch_module() -> Any:
+    return sys.modules.get("torch")
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = _torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
+    torch = _torch_module()
+    wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
+    if x.dtype not in wire:
+        raise ValueError(
+            f"{name} has unsupported dtype {x.dtype}: use float16, bfloat16 or float32"
+        )
+    origin = Origin("torch", x.dtype, x.device)
+    t = x.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if x.dtype == torch.bfloat16:
+        t = t.view(torch.int16)  # numpy cannot hold bfloat16; the bits are what we send
+    return WireTensor(name, t.numpy(), wire[x.dtype]), origin
+
+
+def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:
+    if x.dtype.kind == "f" and x.dtype.itemsize == 2:
+        wire = pb.FLOAT16
+    elif x.dtype.kind == "f" and x.dtype.itemsize == 4:
+        wire = pb.FLOAT32
+    elif x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (only present if ml_dtypes is loaded)
+        wire = pb.BFLOAT16
+    else:
+        raise ValueError(
+            f"{name} has unsupported dtype {x.dtype}: use float16, float32 or "
+            "bfloat16 (ml_dtypes)"
+        )
+    if x.dtype.byteorder == ">":
+        x = x.astype(x.dtype.newbyteorder("<"))
+    origin = Origin("numpy", x.dtype)  # results come back little-endian
+    x = np.ascontiguousarray(x)  # no copy when already C-contiguous
+    if wire == pb.BFLOAT16:
+        x = x.view(np.int16)
+    return WireTensor(name, x, wire), origin
+
+
+def to_wire(x: Any, name: str) -> tuple[WireTensor, Origin]:
+    """Encode one user tensor; raises ValueError naming ``name`` for unsupported inputs."""
+    if is_torch_tensor(x):
+        return _from_torch(x, name)
+    if isinstance(x, np.ndarray):
+        return _from_numpy(x, name)
+    raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def to_user(storage: np.ndarray, origin: Origin, *, is_lse: bool = False) -> Any:
+    """Give a received array back in the caller's flavour (numpy or torch, dtype, device)."""
+    if origin.kind == "numpy":
+        return storage if is_lse else storage.view(origin.dtype)
+    import torch  # present: the caller passed a tensor
+
+    t = torch.from_numpy(storage)
+    if not is_lse and origin.dtype == torch.bfloat16:
+        t = t.view(torch.bfloat16)
+    if origin.device is not None and origin.device.type != "cpu":
+        t = t.to(origin.device)
+    return t
+
+
+def as_cu_seqlens(x: Any, name: str) -> np.ndarray:
+    """Accept a list, numpy array or torch tensor of integers; return int32 ``[batch + 1]``."""
+    if is_torch_tensor(x):
+        x = x.detach().cpu().numpy()
+    arr = np.asarray(x)
+    if arr.ndim != 1 or arr.shape[0] < 1:
+        raise ValueError(f"{name} must be 1-D with batch+1 entries, got shape {arr.shape}")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+    if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
+        raise ValueError(f"{name} values must fit in int32")
+    return arr.astype(np.int32, copy=False)

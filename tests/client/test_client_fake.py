@@ -1,0 +1,280 @@
+"""The clients against the in-process fake server: transport, metadata, retries, errors.
+
+The fake echoes q as OUT and sends LSE[r, c] = 1000 r + c, so these tests check the plumbing
+(placement, reshapes, dtypes, types) and leave the math to the end-to-end tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+
+import grpc
+import numpy as np
+import pytest
+from attention_client import AsyncAttentionClient, AttentionClient, AttentionError, ProtocolError
+
+from ._fakes import start_fake
+
+ml_dtypes = pytest.importorskip("ml_dtypes")
+torch = pytest.importorskip("torch")
+
+RNG = np.random.default_rng(0)
+
+
+def _np(*shape, dtype=np.float16):
+    return RNG.standard_normal(shape).astype(dtype)
+
+
+def _lse_ref(rows, cols):
+    return (np.arange(rows)[:, None] * 1000 + np.arange(cols)[None, :]).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, ml_dtypes.bfloat16])
+def test_numpy_round_trip_3d(fake, dtype):
+    servicer, target = fake
+    q, k = _np(11, 4, 16, dtype=dtype), _np(13, 2, 16, dtype=dtype)
+    with AttentionClient(target) as client:
+        out, lse = client.attention(q, k, k * 2, return_lse=True)
+        stats = client.last_stats
+    assert isinstance(out, np.ndarray) and out.dtype == q.dtype and out.shape == q.shape
+    assert np.array_equal(out.view(np.uint8), q.view(np.uint8))
+    assert np.array_equal(lse, _lse_ref(4, 11)) and lse.dtype == np.float32
+    assert np.array_equal(servicer.knobs.arrays["v"].view(np.uint8), (k * 2).view(np.uint8))
+    assert stats["batch_requests"] == 1 and stats["bytes_out"] == q.nbytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_torch_round_trip_4d(fake, dtype):
+    servicer, target = fake
+    q, k = torch.randn(3, 5, 4, 16).to(dtype), torch.randn(3, 7, 2, 16).to(dtype)
+    with AttentionClient(target) as client:
+        out, lse = client.attention(q, k, k, causal=True, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(out, q)
+    assert lse.dtype == torch.float32 and lse.shape == (3, 4, 5)
+    ref = torch.from_numpy(_lse_ref(4, 15)).reshape(4, 3, 5).permute(1, 0, 2)
+    assert torch.equal(lse, ref)
+    header = servicer.knobs.headers[-1]
+    assert list(header.cu_seqlens_q) == [0, 5, 10, 15] and header.causal
+
+
+def test_varlen_and_decode(fake):
+    servicer, target = fake
+    q, k = _np(6, 2, 8), _np(9, 1, 8)
+    with AttentionClient(target) as client:
+        out = client.attention(q, k, k, [0, 2, 6], np.array([0, 4, 9]))
+        assert np.array_equal(out, q)
+        dq = torch.randn(3, 2, 8).to(torch.bfloat16)
+        out, lse = client.decode(dq, torch.randn(9, 1, 8).to(torch.bfloat16),
+                                 torch.randn(9, 1, 8).to(torch.bfloat16),
+                                 torch.tensor([0, 2, 5, 9], dtype=torch.int32),
+                                 num_splits=2, softmax_scale=0.25, return_lse=True)
+    assert torch.equal(out, dq) and out.dtype == torch.bfloat16
+    assert torch.equal(lse, torch.from_numpy(_lse_ref(3, 2)))
+    h = servicer.knobs.headers[-1]
+    assert h.num_splits == 2 and h.softmax_scale == 0.25 and list(h.cu_seqlens_k) == [0, 2, 5, 9]
+
+
+def test_request_over_four_mib_with_default_limits(fake):
+    servicer, target = fake
+    q = _np(4096, 8, 64, dtype=np.float32)  # 8 MiB; k and v 4 MiB each
+    k = _np(2048, 8, 64, dtype=np.float32)
+    with AttentionClient(target) as client:
+        out = client.attention(q, k, k)
+    assert np.array_equal(out, q)
+    assert max(servicer.knobs.message_sizes) < 1024 * 1024 + 1024
+    assert len(servicer.knobs.message_sizes) >= 16
+
+
+def test_small_chunks_many_messages(fake):
+    servicer, target = fake
+    q = _np(100, 4, 32)
+    with AttentionClient(target, max_chunk_bytes=4096) as client:
+        out = client.attention(q, q, q)
+    assert np.array_equal(out, q)
+    assert max(servicer.knobs.message_sizes) <= 4096 + 200
+    assert len(servicer.knobs.message_sizes) >= 3 * q.nbytes // 4096
+
+
+def test_token_metadata_and_interceptor(fake):
+    servicer, target = fake
+    seen = []
+
+    class Tag(grpc.StreamStreamClientInterceptor):
+        def intercept_stream_stream(self, continuation, details, request_iterator):
+            seen.append(details.method)
+            return continuation(details, request_iterator)
+
+    q = _np(2, 1, 8)
+    with AttentionClient(target, token="s3cret", interceptors=[Tag()]) as client:
+        client.attention(q, q, q)
+    assert servicer.knobs.metadata[-1]["authorization"] == "Bearer s3cret"
+    assert seen == ["/attention.v1.AttentionService/Prefill"]
+
+
+def test_info_and_health(fake):
+    _, target = fake
+    with AttentionClient(target) as client:
+        info = client.info()
+        assert client.health() == "SERVING"
+        with pytest.raises(AttentionError) as exc:
+            client.health("no.such.Service")
+    assert info["device"] == "fake" and info["dtypes"] == ["FLOAT16", "BFLOAT16"]
+    assert exc.value.code == grpc.StatusCode.NOT_FOUND
+
+
+def test_unavailable_is_retried(fake):
+    servicer, target = fake
+    servicer.knobs.fail_first = 2
+    q = _np(4, 2, 8)
+    with AttentionClient(target) as client:
+        out = client.attention(q, q, q)
+    assert np.array_equal(out, q) and servicer.knobs.attempts == 3
+
+
+def test_retries_give_up_after_five_attempts(fake):
+    servicer, target = fake
+    servicer.knobs.fail_first = 10
+    q = _np(4, 2, 8)
+    with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
+        client.attention(q, q, q)
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and exc.value.details == "warming up"
+    assert servicer.knobs.attempts == 5
+
+
+def test_request_past_retry_buffer_is_not_replayed(fake):
+    servicer, target = fake
+    servicer.knobs.fail_first = 1
+    q = _np(4096, 8, 64, dtype=np.float32)  # 24 MiB of q, k, v > the 8 MiB retry buffer
+    with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
+        client.attention(q, q, q)
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE and servicer.knobs.attempts == 1
+
+
+def test_server_error_carries_status(fake):
+    servicer, target = fake
+    servicer.knobs.abort = (grpc.StatusCode.INVALID_ARGUMENT, "q: head_dim 12 unsupported")
+    q = _np(4, 2, 8)
+    with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
+        client.attention(q, q, q)
+    err = exc.value
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details == "q: head_dim 12 unsupported"
+    assert str(err) == "Prefill failed: INVALID_ARGUMENT: q: head_dim 12 unsupported"
+
+
+def test_deadline(fake):
+    servicer, target = fake
+    servicer.knobs.sleep = 2.0
+    q = _np(4, 2, 8)
+    with AttentionClient(target, timeout=0.3) as client, pytest.raises(AttentionError) as exc:
+        client.attention(q, q, q)
+    assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize(
+    ("knob", "match"),
+    [("drop_slice", "missing 3 of 10 rows"), ("repeat_slice", "more than once"),
+     ("skip_stats", "without RequestStats")],
+)
+def test_broken_streams_raise(fake, knob, match):
+    servicer, target = fake
+    setattr(servicer.knobs, knob, True if knob == "skip_stats" else 1)
+    q = _np(10, 2, 8)
+    with AttentionClient(target) as client, pytest.raises(ProtocolError, match=match):
+        client.attention(q, q, q)
+    assert client.last_stats is None
+
+
+def test_reversed_slices_are_fine(fake):
+    servicer, target = fake
+    servicer.knobs.reverse = True
+    q = _np(10, 2, 8)
+    with AttentionClient(target) as client:
+        assert np.array_equal(client.attention(q, q, q), q)
+
+
+def test_connection_refused_is_unavailable():
+    q = _np(2, 1, 8)
+    start = time.monotonic()
+    with AttentionClient("localhost:1", timeout=10) as client, pytest.raises(AttentionError) as e:
+        client.attention(q, q, q)
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start > 0.1  # at least one backoff happened
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="timeout"):
+        AttentionClient("localhost:1", timeout=0)
+    with pytest.raises(ValueError, match="tls"):
+        AttentionClient("localhost:1", tls=3.5)
+    with pytest.raises(ValueError, match="max_chunk_bytes"):
+        AttentionClient("localhost:1", max_chunk_bytes=10)
+
+
+def test_async_client(fake):
+    servicer, target = fake
+
+    async def main():
+        async with AsyncAttentionClient(target, token="t") as client:
+            q = torch.randn(2, 6, 4, 16).to(torch.bfloat16)
+            outs = await asyncio.gather(*[client.attention(q, q, q) for _ in range(4)])
+            out, lse = await client.decode(_np(3, 4, 16), _np(5, 2, 16), _np(5, 2, 16),
+                                           [0, 1, 3, 5], return_lse=True)
+            info, status = await client.info(), await client.health()
+            servicer.knobs.abort = (grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+            with pytest.raises(AttentionError) as exc:
+                await client.attention(q, q, q)
+            return q, outs, lse, info, status, exc.value, client.last_stats
+
+    q, outs, lse, info, status, err, stats = asyncio.run(main())
+    assert all(torch.equal(o, q) for o in outs)
+    assert np.array_equal(lse, _lse_ref(3, 4))
+    assert info["server_version"] == "0.0-fake" and status == "SERVING"
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in str(err)
+    assert servicer.knobs.metadata[0]["authorization"] == "Bearer t"
+    assert stats["batch_requests"] == 1
+
+
+def test_async_errors(fake):
+    servicer, target = fake
+
+    async def main():
+        q = _np(10, 2, 8)
+        async with AsyncAttentionClient(target, timeout=0.3) as client:
+            servicer.knobs.drop_slice = 0
+            with pytest.raises(ProtocolError):
+                await client.attention(q, q, q)
+            servicer.knobs.drop_slice = None
+            servicer.knobs.sleep = 2.0
+            with pytest.raises(AttentionError) as exc:
+                await client.attention(q, q, q)
+            return exc.value
+
+    assert asyncio.run(main()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_tls_with_custom_root(tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost"],
+        check=True, capture_output=True,
+    )
+    creds = grpc.ssl_server_credentials([(key.read_bytes(), cert.read_bytes())])
+    server, _, port = start_fake(creds)
+    try:
+        q = _np(3, 1, 8)
+        for tls in (str(cert), cert.read_bytes()):
+            with AttentionClient(f"localhost:{port}", tls=tls) as client:
+                assert np.array_equal(client.attention(q, q, q), q)
+        with AttentionClient(f"localhost:{port}", timeout=3) as plain, pytest.raises(
+            AttentionError
+        ) as exc:
+            plain.attention(q, q, q)
+        assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+    finally:
+        server.stop(None)
