@@ -19,7 +19,7 @@ serve:
 
 lint:
 	$(PYTHON) -m ruff check .
-	$(PYTHON) -m ruff format --check kernels benchmarks
+
 
 proto:
 	$(PYTHON) -m attention_service.proto_gen

@@ -13,9 +13,9 @@ from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
 from attention_kernels.reference import decode_ref, prefill_ref
 
 if TYPE_CHECKING:
-    from attention_kernels.decode import decode
-    from attention_kernels.prefill import prefill
-    from attention_kernels.warmup import warmup
+    from attention_kernels.decode_kernel import decode
+    from attention_kernels.kernel_warmup import warmup
+    from attention_kernels.prefill_kernel import prefill
 
 __all__ = [
     "SUPPORTED_DTYPES",
@@ -31,15 +31,15 @@ __version__ = "0.1.0"
 
 def __getattr__(name: str) -> Any:
     if name == "prefill":
-        from attention_kernels.prefill import prefill
+        from attention_kernels.prefill_kernel import prefill
 
         return prefill
     if name == "decode":
-        from attention_kernels.decode import decode
+        from attention_kernels.decode_kernel import decode
 
         return decode
     if name == "warmup":
-        from attention_kernels.warmup import warmup
+        from attention_kernels.kernel_warmup import warmup
 
         return warmup
     raise AttributeError(f"module 'attention_kernels' has no attribute {name!r}")

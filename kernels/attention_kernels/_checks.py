@@ -92,3 +92,16 @@ def check_cu_seqlens_values(cu: list[int] | torch.Tensor, total: int, name: str)
             raise ValueError(f"{name} must be non-decreasing (entry {i}: {vals[i]} < {vals[i-1]})")
     if vals[-1] != total:
         raise ValueError(f"{name} must end at the token count {total}, got {vals[-1]}")
+
+
+def output_buffer(buf: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device, name: str) -> torch.Tensor:
+    """A caller-provided output buffer after checks, or a fresh one."""
+    if buf is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if tuple(buf.shape) != shape or buf.dtype != dtype or buf.device != device:
+        raise ValueError(f"{name} must be {dtype} {list(shape)} on {device}, got "
+                         f"{buf.dtype} {list(buf.shape)} on {buf.device}")
+    if not buf.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+    return buf

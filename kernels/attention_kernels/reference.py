@@ -4,7 +4,7 @@ It is the oracle in the tests and the ``cpu`` backend of the service, so it is w
 clarity and bounded memory, not speed: one sequence at a time, query rows in chunks so a long
 sequence never materialises a full ``[heads, seqlen_q, seqlen_k]`` score matrix.
 
-Conventions (shared with :mod:`attention_kernels.prefill` and :mod:`attention_kernels.decode`):
+Conventions (shared with the Triton kernels in ``prefill_kernel`` and ``decode_kernel``):
 
 * Packed varlen layout: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``; sequence ``b`` owns
   rows ``cu_seqlens[b]:cu_seqlens[b + 1]``.

@@ -1,0 +1,332 @@
+"""Kernel benchmark on a GPU: our Triton prefill/decode against the kernels users would pick.
+
+    python benchmarks/bench_kernels.py [--out benchmarks/results] [--quick]
+
+Peers, measured in the same run:
+* prefill, dense bf16 ``[B, H, N, D]``: torch SDPA with the FLASH (FlashAttention-2) and CUDNN
+  backends; ours runs on the same data packed as ``[B*N, H, D]`` with equal-length cu_seqlens.
+* prefill, packed varlen batches (16 q / 8 kv heads, D 128): ``torch.nn.attention.varlen
+  .varlen_attn`` (causal via ``window_size=(-1, 0)``).
+* decode (32 q / 8 kv heads, D 128, bf16, one query token): SDPA CUDNN and FLASH with
+  ``enable_gqa=True`` on dense ``[B, H, L, D]`` caches; ours reads the same bytes packed.
+* ceilings: device-to-device copy bandwidth (read + write bytes) and an 8192^3 bf16 matmul.
+
+Prefill TFLOP/s count ``4 * Lq * Lk * H * D`` per sequence, halved for causal. Decode GB/s
+count the K and V bytes read. Every kernel output is checked against a peer (or the reference)
+before it is timed; a failed check aborts the row. Writes CSV, JSON and a PNG plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import inspect
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from attention_kernels import decode, prefill
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+DTYPE = torch.bfloat16
+CHECK_TOL = 2e-2  # relative-norm agreement with the peer (both bf16, different summation order)
+
+
+def bench(fn: Callable[[], object]) -> float:
+    """Median milliseconds; do_bench clears L2 between runs and times with CUDA events."""
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.float(), b.float()
+    if torch.isnan(a).any():
+        return math.inf
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return torch.tensor(out, dtype=torch.int32, device="cuda")
+
+
+def flops(lens_q: list[int], lens_k: list[int], heads: int, d: int, causal: bool) -> float:
+    total = 0.0
+    for lq, lk in zip(lens_q, lens_k, strict=True):
+        total += 4.0 * lq * lk * heads * d / (2.0 if causal else 1.0)
+    return total
+
+
+def ceilings() -> dict[str, float]:
+    n = 1 << 30  # 2 GiB of bf16: several times the L2
+    src = torch.empty(n, dtype=DTYPE, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = bench(lambda: dst.copy_(src))
+    copy_gbs = 2 * n * 2 / ms / 1e6
+    a = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    b = torch.randn(8192, 8192, dtype=DTYPE, device="cuda")
+    ms = bench(lambda: a @ b)
+    return {"copy_GBps": copy_gbs, "matmul_bf16_TFLOPs": 2 * 8192**3 / ms / 1e9}
+
+
+def sdpa(backend: SDPBackend, q, k, v, causal: bool, gqa: bool = False):
+    def run():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return run
+
+
+def dense_prefill_rows(quick: bool) -> list[dict]:
+    rows = []
+    ns = [1024, 2048, 4096, 8192, 16384] if not quick else [4096, 16384]
+    for d in (64, 128):
+        heads = 2048 // d
+        for causal in (False, True):
+            for n in ns:
+                b = 16384 // n
+                q, k, v = (torch.randn(b, heads, n, d, dtype=DTYPE, device="cuda")
+                           for _ in range(3))
+                # Our packed layout [B*N, H, D] from the same values.
+                qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
+                              for t in (q, k, v))
+                cus = cu([n] * b)
+                ours = lambda: prefill(  # noqa: E731
+                    qp, kp, vp, cus, max_seqlen_q=n, max_seqlen_k=n, causal=causal)
+                fl = flops([n] * b, [n] * b, heads, d, causal)
+                row = {"kind": "dense", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
+                peers = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+                ref = None
+                for name, backend in peers.items():
+                    try:
+                        fn = sdpa(backend, q, k, v, causal)
+                        out = fn()
+                        ref = out if ref is None else ref
+                        row[f"{name}_TFLOPs"] = fl / bench(fn) / 1e9
+                    except RuntimeError as e:  # backend unavailable for this shape
+                        row[f"{name}_TFLOPs"] = float("nan")
+                        row[f"{name}_error"] = str(e).splitlines()[0][:120]
+                got = ours().reshape(b, n, heads, d).transpose(1, 2)
+                row["check_rel_err"] = rel(got, ref) if ref is not None else float("nan")
+                if not row["check_rel_err"] < CHECK_TOL:
+                    raise SystemExit(f"prefill check failed: {row}")
+                row["ours_TFLOPs"] = fl / bench(ours) / 1e9
+                rows.append(row)
+                print_row(row)
+    return rows
+
+
+VARLEN_BATCHES = [
+    [64, 128, 256], [128, 256, 512], [1024] * 3, [64, 78, 2048], [78, 40, 8192], [512] * 32,
+    [8192, 16, 16, 16, 16],
+]
+
+
+def _varlen_attn_fn():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, False
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def varlen_prefill_rows(quick: bool) -> list[dict]:
+    rows = []
+    varlen_attn, has_gqa = _varlen_attn_fn()
+    heads, kv_heads, d = 16, 8, 128
+    for causal in (True, False):
+        for lens in VARLEN_BATCHES:
+            total, mx = sum(lens), max(lens)
+            q = torch.randn(total, heads, d, dtype=DTYPE, device="cuda")
+            k = torch.randn(total, kv_heads, d, dtype=DTYPE, device="cuda")
+            v = torch.randn(total, kv_heads, d, dtype=DTYPE, device="cuda")
+            cus = cu(lens)
+            fl = flops(lens, lens, heads, d, causal)
+            row = {"kind": "varlen", "lens": str(lens), "H": heads, "Hkv": kv_heads, "D": d,
+                   "causal": causal}
+            ours = lambda: prefill(  # noqa: E731
+                q, k, v, cus, max_seqlen_q=mx, max_seqlen_k=mx, causal=causal)
+            ref = None
+            if varlen_attn is not None:
+                ws = (-1, 0) if causal else (-1, -1)
+                if has_gqa:
+                    kk, vv, extra = k, v, {"enable_gqa": True}
+                else:  # older torch: expand kv heads (reads more bytes; noted in the row)
+                    kk = k.repeat_interleave(heads // kv_heads, 1)
+                    vv = v.repeat_interleave(heads // kv_heads, 1)
+                    extra = {}
+                    row["peer_note"] = "kv heads expanded (no enable_gqa)"
+                peer = lambda: varlen_attn(q, kk, vv, cus, cus, mx, mx, window_size=ws, **extra)  # noqa: E731
+                try:
+                    ref = peer()
+                    row["varlen_attn_TFLOPs"] = fl / bench(peer) / 1e9
+                except (RuntimeError, TypeError) as e:
+                    row["varlen_attn_TFLOPs"] = float("nan")
+                    row["varlen_attn_error"] = str(e).splitlines()[0][:120]
+            if ref is None:
+                from attention_kernels import prefill_ref
+                ref = prefill_ref(q, k, v, cus, causal=causal)
+            row["check_rel_err"] = rel(ours(), ref)
+            if not row["check_rel_err"] < CHECK_TOL:
+                raise SystemExit(f"varlen check failed: {row}")
+            row["ours_TFLOPs"] = fl / bench(ours) / 1e9
+            rows.append(row)
+            print_row(row)
+        if quick:
+            break
+    return rows
+
+
+DECODE_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (64, 8192),
+                 (128, 2048)]
+
+
+def decode_rows(quick: bool) -> list[dict]:
+    rows = []
+    heads, kv_heads, d = 32, 8, 128
+    for batch, ctx in DECODE_SHAPES:
+        q = torch.randn(batch, heads, 1, d, dtype=DTYPE, device="cuda")
+        k = torch.randn(batch, kv_heads, ctx, d, dtype=DTYPE, device="cuda")
+        v = torch.randn(batch, kv_heads, ctx, d, dtype=DTYPE, device="cuda")
+        qp = q[:, :, 0, :].contiguous()
+        kp = k.transpose(1, 2).reshape(batch * ctx, kv_heads, d).contiguous()
+        vp = v.transpose(1, 2).reshape(batch * ctx, kv_heads, d).contiguous()
+        cus = cu([ctx] * batch)
+        nbytes = 2 * kp.numel() * kp.element_size()
+        row = {"kind": "decode", "B": batch, "ctx": ctx, "H": heads, "Hkv": kv_heads, "D": d}
+        ref = None
+        for name, backend in {"cudnn": SDPBackend.CUDNN_ATTENTION,
+                              "flash": SDPBackend.FLASH_ATTENTION}.items():
+            try:
+                fn = sdpa(backend, q, k, v, False, gqa=True)
+                out = fn()
+                ref = out[:, :, 0, :] if ref is None else ref
+                row[f"{name}_GBps"] = nbytes / bench(fn) / 1e6
+            except RuntimeError as e:
+                row[f"{name}_GBps"] = float("nan")
+                row[f"{name}_error"] = str(e).splitlines()[0][:120]
+        ours = lambda: decode(qp, kp, vp, cus, max_seqlen_k=ctx)  # noqa: E731
+        if ref is None:
+            from attention_kernels import decode_ref
+            ref = decode_ref(qp, kp, vp, cus)
+        row["check_rel_err"] = rel(ours(), ref)
+        if not row["check_rel_err"] < CHECK_TOL:
+            raise SystemExit(f"decode check failed: {row}")
+        row["ours_GBps"] = nbytes / bench(ours) / 1e6
+        rows.append(row)
+        print_row(row)
+        if quick and len(rows) >= 3:
+            break
+    return rows
+
+
+def print_row(row: dict) -> None:
+    if row["kind"] == "decode":
+        peer = row.get("cudnn_GBps", float("nan"))
+        print(f"decode B={row['B']:<4d} ctx={row['ctx']:<7d} ours {row['ours_GBps']:7.0f} GB/s"
+              f" | cudnn {peer:7.0f} | flash {row.get('flash_GBps', float('nan')):7.0f}"
+              f" | ours/cudnn {row['ours_GBps'] / peer:5.2f}", flush=True)
+    elif row["kind"] == "dense":
+        fl = row.get("flash_TFLOPs", float("nan"))
+        print(f"dense  D={row['D']:<3d} N={row['N']:<6d} causal={row['causal']!s:<5} ours "
+              f"{row['ours_TFLOPs']:6.1f} TFLOP/s | flash {fl:6.1f} | cudnn "
+              f"{row.get('cudnn_TFLOPs', float('nan')):6.1f} | ours/flash "
+              f"{row['ours_TFLOPs'] / fl:5.2f}", flush=True)
+    else:
+        va = row.get("varlen_attn_TFLOPs", float("nan"))
+        print(f"varlen {row['lens'][:22]:<22} causal={row['causal']!s:<5} ours "
+              f"{row['ours_TFLOPs']:6.1f} TFLOP/s | varlen_attn {va:6.1f} | ratio "
+              f"{row['ours_TFLOPs'] / va:5.2f}", flush=True)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
+    dense = [r for r in rows if r["kind"] == "dense" and r["D"] == 128]
+    for causal, style in ((False, "-"), (True, "--")):
+        sel = [r for r in dense if r["causal"] == causal]
+        ns = [r["N"] for r in sel]
+        for key, label in (("ours_TFLOPs", "ours"), ("flash_TFLOPs", "SDPA flash"),
+                           ("cudnn_TFLOPs", "SDPA cudnn")):
+            axes[0].plot(ns, [r.get(key, float("nan")) for r in sel], style, marker="o",
+                         label=f"{label}{' causal' if causal else ''}")
+    axes[0].set(xscale="log", xlabel="N (batch*N = 16K)", ylabel="TFLOP/s",
+                title="dense prefill bf16 D128")
+    axes[0].legend(fontsize=7)
+    var = [r for r in rows if r["kind"] == "varlen" and r["causal"]]
+    x = range(len(var))
+    axes[1].bar([i - 0.2 for i in x], [r["ours_TFLOPs"] for r in var], 0.4, label="ours")
+    axes[1].bar([i + 0.2 for i in x], [r.get("varlen_attn_TFLOPs", 0) for r in var], 0.4,
+                label="varlen_attn")
+    axes[1].set_xticks(list(x), [r["lens"][:18] for r in var], rotation=30, fontsize=6)
+    axes[1].set(ylabel="TFLOP/s", title="varlen causal prefill, 16q/8kv D128")
+    axes[1].legend()
+    dec = [r for r in rows if r["kind"] == "decode"]
+    x = range(len(dec))
+    for off, key, label in ((-0.27, "ours_GBps", "ours"), (0, "cudnn_GBps", "SDPA cudnn"),
+                            (0.27, "flash_GBps", "SDPA flash")):
+        axes[2].bar([i + off for i in x], [r.get(key, 0) for r in dec], 0.27, label=label)
+    axes[2].set_xticks(list(x), [f"{r['B']}x{r['ctx']}" for r in dec], rotation=30, fontsize=7)
+    axes[2].set(ylabel="GB/s (K+V)", title="decode 32q/8kv D128 bf16")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results", help="folder for CSV/JSON/PNG")
+    parser.add_argument("--quick", action="store_true", help="a few rows of each table")
+    parser.add_argument("--only", choices=["dense", "varlen", "decode"], action="append")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_kernels.py needs a CUDA GPU")
+    torch.manual_seed(0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "command": " ".join(["python", *sys.argv]),
+        "gpu": torch.cuda.get_device_name(),
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__, "triton": triton.__version__,
+        "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+    }
+    print(json.dumps(meta))
+    meta.update(ceilings())
+    print(f"ceilings: copy {meta['copy_GBps']:.0f} GB/s, bf16 matmul "
+          f"{meta['matmul_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    only = set(args.only or ["dense", "varlen", "decode"])
+    rows: list[dict] = []
+    if "dense" in only:
+        rows += dense_prefill_rows(args.quick)
+    if "varlen" in only:
+        rows += varlen_prefill_rows(args.quick)
+    if "decode" in only:
+        rows += decode_rows(args.quick)
+        for r in rows:
+            if r["kind"] == "decode":
+                r["ours_pct_of_copy"] = 100 * r["ours_GBps"] / meta["copy_GBps"]
+    stamp = f"kernels_{meta['gpu'].replace(' ', '_')}"
+    (out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    keys = sorted({k for r in rows for k in r})
+    with open(out / f"{stamp}.csv", "w") as f:
+        f.write("# " + json.dumps(meta) + "\n" + ",".join(keys) + "\n")
+        for r in rows:
+            f.write(",".join(f'"{r.get(k, "")}"' for k in keys) + "\n")
+    plot(rows, out / f"{stamp}.png")
+    print(f"wrote {out}/{stamp}.{{json,csv,png}}")
+
+
+if __name__ == "__main__":
+    main()

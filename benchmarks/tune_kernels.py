@@ -1,0 +1,112 @@
+"""Sweep launch configs on a GPU; the winners go into attention_kernels/configs.py by hand.
+
+    python benchmarks/tune_kernels.py [--out benchmarks/results]
+
+Prefill: dense bf16 packed batches (batch*N = 16K tokens, N = 8K, 2048 / D heads), causal and
+not, per padded head dim. Decode: (batch, ctx) = (1, 32K) and (16, 32K), 32q/8kv heads, D 128.
+Each config is checked against the default before timing; failures (e.g. out of shared memory)
+are reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+import triton
+from attention_kernels import decode, prefill
+from attention_kernels.configs import DecodeConfig, PrefillConfig
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def tune_prefill(results: list[dict]) -> None:
+    n, batch = 8192, 2
+    for d in (64, 128):
+        heads = 2048 // d
+        q, k, v = (torch.randn(batch * n, heads, d, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        cu = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
+        for causal in (False, True):
+            fl = 4.0 * n * n * heads * d * batch / (2 if causal else 1)
+            ref = prefill(q, k, v, cu, causal=causal)
+            best = None
+            for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
+                cfg = PrefillConfig(bm, bn, w, st)
+                fn = lambda cfg=cfg: prefill(q, k, v, cu, causal=causal, _config=cfg)  # noqa: E731
+                try:
+                    err = rel(fn(), ref)
+                    if err > 1e-2:
+                        raise RuntimeError(f"wrong result: rel err {err:.3g}")
+                    tf = fl / bench(fn) / 1e9
+                except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
+                    results.append({"op": "prefill", "D": d, "causal": causal, "cfg": str(cfg),
+                                    "error": str(e).splitlines()[0][:100]})
+                    continue
+                results.append({"op": "prefill", "D": d, "causal": causal, "cfg": str(cfg),
+                                "TFLOPs": tf})
+                if best is None or tf > best[0]:
+                    best = (tf, cfg)
+            print(f"prefill D={d} causal={causal}: best {best}", flush=True)
+
+
+def tune_decode(results: list[dict]) -> None:
+    heads, kv_heads, d = 32, 8, 128
+    for batch, ctx in ((1, 32768), (16, 32768), (128, 2048)):
+        q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
+        k, v = (torch.randn(batch * ctx, kv_heads, d, dtype=torch.bfloat16, device="cuda")
+                for _ in range(2))
+        cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * ctx
+        nbytes = 2 * k.numel() * 2
+        ref = decode(q, k, v, cu)
+        best = None
+        for bn, w, st, splits in itertools.product((32, 64, 128), (4,), (2, 3, 4),
+                                                   (0, 1, 4, 16, 48)):
+            if batch >= 16 and splits > 4:
+                continue
+            cfg = DecodeConfig(bn, w, st)
+            fn = lambda cfg=cfg, s=splits: decode(q, k, v, cu, num_splits=s, _config=cfg)  # noqa: E731
+            try:
+                if rel(fn(), ref) > 1e-2:
+                    raise RuntimeError("wrong result")
+                gbs = nbytes / bench(fn) / 1e6
+            except Exception as e:  # noqa: BLE001
+                results.append({"op": "decode", "B": batch, "ctx": ctx, "cfg": str(cfg),
+                                "splits": splits, "error": str(e).splitlines()[0][:100]})
+                continue
+            results.append({"op": "decode", "B": batch, "ctx": ctx, "cfg": str(cfg),
+                            "splits": splits, "GBps": gbs})
+            if best is None or gbs > best[0]:
+                best = (gbs, cfg, splits)
+        auto = nbytes / bench(lambda: decode(q, k, v, cu)) / 1e6
+        print(f"decode B={batch} ctx={ctx}: best {best}; default {auto:.0f} GB/s", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--only", choices=["prefill", "decode"])
+    args = parser.parse_args()
+    results: list[dict] = []
+    if args.only in (None, "prefill"):
+        tune_prefill(results)
+    if args.only in (None, "decode"):
+        tune_decode(results)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"tune_{torch.cuda.get_device_name().replace(' ', '_')}.json"
+    (out / name).write_text(json.dumps(results, indent=1))
+    print(f"wrote {out / name}")
+
+
+if __name__ == "__main__":
+    main()

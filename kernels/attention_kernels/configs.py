@@ -1,0 +1,102 @@
+"""Launch configurations, table-driven per (head dim, dtype, causal, GPU).
+
+Why a table and not ``triton.autotune``: autotuning would time whatever shape reaches the server
+first (often a tiny request) and cache that choice for every later shape. The table below was
+filled from ``benchmarks/tune_kernels.py`` sweeps on an H100 (see benchmarks/results/); a GPU
+we have not measured falls back to the Hopper rows, which are conservative in shared memory.
+Compilation is per (config, dtype, head dim); ``attention_kernels.warmup`` pays it ahead of
+traffic and Triton's on-disk cache keeps it across restarts.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def interpreting() -> bool:
+    """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Triton 3.6's interpreter computes bf16 ``tl.dot`` on the raw bits (garbage); there, upcast
+    the operands (after the same bf16 rounding) so CI checks the real algorithm. Compiled
+    kernels always use the tensor cores on the input dtype."""
+    return interpreting() and dtype == torch.bfloat16
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """The kernels work on a power-of-two head dim (masked), at least 16 for tl.dot."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# (padded head dim, causal) -> config, for Hopper (sm_90) with 16-bit inputs.
+_PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
+    (16, False): PrefillConfig(128, 64, 4, 3),
+    (32, False): PrefillConfig(128, 64, 4, 3),
+    (64, False): PrefillConfig(128, 128, 8, 3),
+    (128, False): PrefillConfig(128, 128, 8, 3),
+    (256, False): PrefillConfig(128, 64, 8, 2),
+    (16, True): PrefillConfig(128, 64, 4, 3),
+    (32, True): PrefillConfig(128, 64, 4, 3),
+    (64, True): PrefillConfig(128, 128, 8, 3),
+    (128, True): PrefillConfig(128, 128, 8, 3),
+    (256, True): PrefillConfig(128, 64, 8, 2),
+}
+
+
+def prefill_config(
+    head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device
+) -> PrefillConfig:
+    if interpreting() or device.type != "cuda":
+        # The interpreter runs every program in numpy: small tiles keep CI fast, and
+        # BLOCK_M != BLOCK_N exercises the generalised causal bounds.
+        return PrefillConfig(32, 16, 4, 1)
+    d = padded_head_dim(head_dim)
+    cfg = _PREFILL_SM90[(d, causal)]
+    if dtype == torch.float32:
+        # fp32 tiles are twice the bytes: halve the key block to stay within shared memory.
+        cfg = PrefillConfig(cfg.block_m, max(16, cfg.block_n // 2), cfg.num_warps, 2)
+    major, _ = _capability(device.index or 0)
+    if major < 9:
+        # Pre-Hopper parts have less shared memory per SM: fewer stages.
+        cfg = PrefillConfig(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, 2)
+    return cfg
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+    if interpreting() or device.type != "cuda":
+        return DecodeConfig(16, 4, 1)
+    d = padded_head_dim(head_dim)
+    if d >= 256 or dtype == torch.float32:
+        return DecodeConfig(32, 4, 3)
+    return DecodeConfig(64, 4, 3)

@@ -1,0 +1,271 @@
+"""Split-K flash-decoding in Triton: one new query token per sequence.
+
+Decode reads every K/V byte once and does little arithmetic per byte, so it is bound by memory
+bandwidth. Two choices follow:
+
+* GQA head packing: one program owns a (sequence, kv head, split) and computes *all* query heads
+  of that kv group as the rows of one ``[BLOCK_G, D] x [D, BLOCK_N]`` dot, so each K/V byte is
+  loaded once per group rather than once per query head (4x less traffic at 32q/8kv heads).
+* Split-K: at batch 1 there are only ``H_kv`` (sequence, kv head) pairs, far fewer than SMs, so
+  the key range is split over ``num_splits`` programs. Each writes a normalised partial output and
+  its log-sum-exp; a second kernel merges the partials in fp32. With one split the first kernel
+  writes the final output directly and the merge is skipped.
+
+The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
+``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attention_kernels._checks import check_decode_inputs, output_buffer
+from attention_kernels.configs import (
+    DecodeConfig,
+    decode_config,
+    dot_in_fp32,
+    num_sms,
+    padded_head_dim,
+)
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 128
+
+
+@triton.jit
+def _decode_inner(
+    K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+    lo, hi, qk_scale, offs_n, d_ok,
+    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
+        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+        if MASKED:
+            n_ok = (start_n + offs_n) < hi
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+            v = tl.load(v_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if MASKED:
+            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        # At least one key per block is valid, so the running max is finite after this block.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(K.dtype.element_ty)  # round P like the prefill kernel does
+        if DOT_F32:
+            p = p.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p, v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits"])
+def _decode_split_kernel(
+    Q, K, V, Out, Lse, OutPart, LsePart, cu_k,
+    stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
+    qk_scale, num_kv_heads, group, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    split = tl.program_id(0)
+    pid = tl.program_id(1)
+    seq = pid // num_kv_heads
+    kv_head = pid % num_kv_heads
+    num_heads = num_kv_heads * group
+
+    k_start = tl.load(cu_k + seq)
+    seqlen = tl.load(cu_k + seq + 1) - k_start
+    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+    lo = tl.minimum(split * split_len, seqlen)
+    hi = tl.minimum(lo + split_len, seqlen)
+    full_hi = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < group
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_head * group + offs_g
+    q_ptrs = (Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+              + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+
+    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+    kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
+    kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    acc, l_i, m_i = _decode_inner(
+        K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        lo, full_hi, qk_scale, offs_n, d_ok, False, EVEN_D, BLOCK_N, DOT_F32,
+    )
+    acc, l_i, m_i = _decode_inner(
+        K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        full_hi, hi, qk_scale, offs_n, d_ok, True, EVEN_D, BLOCK_N, DOT_F32,
+    )
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    # log2-domain lse of this split; -inf for an empty split (weight 0 in the merge).
+    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    if DIRECT:
+        o_ptrs = (Out + seq.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh
+                  + offs_d[None, :])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+        if RETURN_LSE:
+            tl.store(Lse + seq * num_heads + heads, lse2 * 0.6931471805599453, mask=g_ok)
+    else:
+        row = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [B*H, S] rows
+        # All BLOCK_D columns (the padded ones are exact zeros) so the merge reads no garbage.
+        tl.store(OutPart + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
+        tl.store(LsePart + row, lse2, mask=g_ok)
+
+
+@triton.jit(do_not_specialize=["num_heads", "num_splits"])
+def _decode_merge_kernel(
+    Out, Lse, OutPart, LsePart, stride_ob, stride_oh, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    bh = tl.program_id(0).to(tl.int64)
+    seq = bh // num_heads
+    head = bh % num_heads
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    lse_row = LsePart + bh * num_splits
+    parts = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
+    m = tl.max(parts, 0)
+    m_shift = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.sum(tl.math.exp2(parts - m_shift), 0)
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s in range(0, num_splits):
+        w = tl.math.exp2(tl.load(lse_row + s) - m_shift)
+        acc += w * tl.load(OutPart + (bh * num_splits + s) * BLOCK_D + offs_d)
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)
+    d_ok = offs_d < HEAD_DIM
+    tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
+             mask=d_ok)
+    if RETURN_LSE:
+        lse2 = m_shift + tl.math.log2(tl.where(seen, total, 1.0))
+        lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + bh, lse)
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, est_seqlen: int, device: torch.device,
+                      block_n: int) -> int:
+    """Enough programs to keep every SM streaming, but splits of at least a few key blocks."""
+    if device.type != "cuda":
+        return max(1, min(4, triton.cdiv(est_seqlen, 4 * block_n)))
+    units = batch * num_kv_heads
+    target = 2 * num_sms(device.index or 0)  # two resident programs per SM cover memory latency
+    if units >= target:
+        return 1
+    by_occupancy = triton.cdiv(target, units)
+    by_length = max(1, est_seqlen // (4 * block_n))
+    return max(1, min(by_occupancy, by_length, MAX_SPLITS))
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    _config: DecodeConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query token per sequence against its packed keys/values.
+
+    Args:
+        q: ``[batch, H, D]``; ``k, v``: ``[total_k, H_kv, D]`` packed by ``cu_seqlens_k`` (int32
+            ``[batch + 1]``, trusted values).
+        max_seqlen_k: only a hint for the automatic split count (``total_k / batch`` otherwise);
+            never read from the device.
+        num_splits: 0 chooses from the SM count and lengths; any positive value is honoured
+            (clamped to 128) and gives the same answer up to rounding.
+        return_lse: also return float32 natural-log ``lse [batch, H]``.
+        out / lse_out: optional preallocated contiguous outputs.
+    Empty sequences give zeros (lse -inf).
+    """
+    check_decode_inputs(q, k, v, cu_seqlens_k)
+    if q.dtype == torch.float64:
+        raise ValueError("float64 is supported by decode_ref only; kernels take fp16/bf16/fp32")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    cu_seqlens_k = cu_seqlens_k.contiguous()
+
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_heads // num_kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = output_buffer(out, (batch, num_heads, head_dim), q.dtype, q.device, "out")
+    lse = (output_buffer(lse_out, (batch, num_heads), torch.float32, q.device, "lse_out")
+           if return_lse else out)
+    if batch == 0:
+        return (out, lse) if return_lse else out
+
+    cfg = _config or decode_config(head_dim, q.dtype, q.device)
+    if num_splits == 0:
+        est = max_seqlen_k if max_seqlen_k is not None else triton.cdiv(k.shape[0], batch)
+        num_splits = choose_num_splits(batch, num_kv_heads, est, q.device, cfg.block_n)
+    num_splits = min(num_splits, MAX_SPLITS)
+    block_d = padded_head_dim(head_dim)
+    direct = num_splits == 1
+    if direct:
+        out_part = lse_part = out  # unused dummies
+    else:
+        out_part = torch.empty((batch * num_heads * num_splits, block_d), dtype=torch.float32,
+                               device=q.device)
+        lse_part = torch.empty((batch * num_heads * num_splits,), dtype=torch.float32,
+                               device=q.device)
+    _decode_split_kernel[(num_splits, batch * num_kv_heads)](
+        q, k, v, out, lse, out_part, lse_part, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1),
+        scale * LOG2E, num_kv_heads, group, num_splits,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
+        DOT_F32=dot_in_fp32(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _decode_merge_kernel[(batch * num_heads,)](
+            out, lse, out_part, lse_part, out.stride(0), out.stride(1), num_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            BLOCK_S=triton.next_power_of_2(num_splits), RETURN_LSE=return_lse,
+            num_warps=4 if block_d <= 128 else 8,
+        )
+    return (out, lse) if return_lse else out

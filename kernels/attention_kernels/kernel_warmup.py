@@ -1,0 +1,46 @@
+"""Compile the Triton kernels ahead of traffic.
+
+Triton compiles one binary per (dtype, head dim, causal, return_lse, config) on first use, which
+takes about a second each; a server calls ``warmup`` before it reports SERVING so no request pays
+that. Binaries also land in Triton's on-disk cache (``TRITON_CACHE_DIR``), so a restart with a
+persistent cache only loads them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+
+import torch
+
+from attention_kernels.decode_kernel import decode
+from attention_kernels.prefill_kernel import prefill
+
+
+def warmup(
+    head_dims: Iterable[int] = (64, 128),
+    dtypes: Iterable[torch.dtype] = (torch.bfloat16, torch.float16),
+    device: str | torch.device = "cuda",
+    *,
+    with_lse: bool = True,
+) -> float:
+    """Run every kernel variant once on tiny inputs; returns the seconds it took."""
+    device = torch.device(device)
+    t0 = time.perf_counter()
+    lse_flags = (False, True) if with_lse else (False,)
+    for dtype in dtypes:
+        for d in head_dims:
+            # 2 query heads per kv head and two sequences: a realistic specialisation of strides.
+            q = torch.randn(40, 4, d, dtype=dtype, device=device)
+            kv = torch.randn(40, 2, d, dtype=dtype, device=device)
+            cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+            for causal in (False, True):
+                for lse in lse_flags:
+                    prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
+            qd = torch.randn(2, 4, d, dtype=dtype, device=device)
+            for splits in (1, 2):  # direct write and split + merge
+                for lse in lse_flags:
+                    decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0

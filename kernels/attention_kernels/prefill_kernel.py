@@ -1,0 +1,258 @@
+"""Variable-length flash-attention prefill (forward) in Triton.
+
+Layout: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]`` packed by ``cu_seqlens``. One program
+computes one (sequence, query block, head) tile with an online softmax in fp32.
+
+Scheduling: programs map to real tiles without reading ``cu_seqlens`` on the host. Sequence ``b``
+owns the tile slots ``[cu_q[b] // BLOCK_M + b, cu_q[b+1] // BLOCK_M + b + 1)``: that range is
+never shorter than ``cdiv(seqlen_b, BLOCK_M)`` and wastes at most two slots per sequence, so the
+grid is ``total_q // BLOCK_M + batch + 1`` slots (known from shapes alone) instead of
+``batch * cdiv(max_seqlen, BLOCK_M)``, which for lengths ``[78, 40, 8192]`` would be two-thirds
+empty programs. Slots run in reverse so each sequence's last query blocks, which see the most keys
+under a causal mask, are dispatched first; heads are the fastest-varying index so all heads of a
+heavy tile start together and GQA heads that share K/V hit L2 together.
+
+Causal work skipping (bottom-right aligned, ``offset = seqlen_k - seqlen_q``): a query block
+starting at row ``r0`` visits keys ``[0, n_full)`` without any mask, where every key is visible to
+every row of the block, then ``[n_full, n_end)`` with the mask, where ``n_end`` is the last row's
+bound. Key blocks above the diagonal are never loaded. This generalises the tutorial's
+``range(start_m + 1)`` bound to ``BLOCK_M != BLOCK_N`` and to ``seqlen_q != seqlen_k``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from attention_kernels._checks import check_prefill_inputs, output_buffer
+from attention_kernels.configs import (
+    PrefillConfig,
+    dot_in_fp32,
+    padded_head_dim,
+    prefill_config,
+)
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@triton.jit
+def _prefill_inner(
+    acc, l_i, m_i, q,
+    k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+    lo, hi, seqlen_k, causal_offset, qk_scale,
+    offs_m, offs_n, d_ok,
+    MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units."""
+    for start_n in range(lo, hi, BLOCK_N):
+        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
+        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+        if MASKED:
+            n_ok = (start_n + offs_n) < seqlen_k
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k))
+        if MASKED:
+            keep = n_ok[None, :]
+            if IS_CAUSAL:
+                keep = keep & ((start_n + offs_n)[None, :] <= (offs_m + causal_offset)[:, None])
+            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, 1))
+            # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+            m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            qk = qk - m_shift[:, None]
+        else:
+            # Every key here is visible to every row, so the new max is finite.
+            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            m_shift = m_new
+            qk = qk * qk_scale - m_shift[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        p = p.to(v.dtype)
+        if DOT_F32:
+            p = p.to(tl.float32)
+            v = v.to(tl.float32)
+        acc = tl.dot(p, v, acc)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots"])
+def _prefill_kernel(
+    Q, K, V, Out, Lse, cu_q, cu_k,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_lh,
+    qk_scale, batch, num_heads, group, num_slots,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    pid = tl.program_id(0)
+    head = pid % num_heads
+    # Reverse slot order: the last query blocks of each sequence (most causal work) go first.
+    slot = num_slots - 1 - pid // num_heads
+
+    # Find the sequence owning this slot: the number of b with slot_start(b) <= slot, minus one.
+    count = 0
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + tl.arange(0, BLOCK_B)
+        starts = tl.load(cu_q + bs, mask=bs < batch, other=0) // BLOCK_M + bs
+        count += tl.sum(((starts <= slot) & (bs < batch)).to(tl.int32), 0)
+    seq = count - 1
+    q_start = tl.load(cu_q + seq)
+    seqlen_q = tl.load(cu_q + seq + 1) - q_start
+    block = slot - (q_start // BLOCK_M + seq)
+    if block * BLOCK_M >= seqlen_q:
+        return  # one of the <= 2 spare slots of this sequence
+    k_start = tl.load(cu_k + seq)
+    seqlen_k = tl.load(cu_k + seq + 1) - k_start
+    kv_head = head // group
+
+    offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    m_ok = offs_m < seqlen_q
+
+    # int64 bases: total * heads * head_dim may exceed 2**31.
+    q_ptrs = (Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :])
+    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    if DOT_F32:
+        q = q.to(tl.float32)
+    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+    kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
+    kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    causal_offset = seqlen_k - seqlen_q
+    if IS_CAUSAL:
+        first_row = block * BLOCK_M
+        last_row_end = tl.minimum(first_row + BLOCK_M, seqlen_q)
+        n_full = tl.minimum(tl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
+        n_end = tl.minimum(tl.maximum(last_row_end + causal_offset, 0), seqlen_k)
+    else:
+        n_full = seqlen_k
+        n_end = seqlen_k
+    n_full = (n_full // BLOCK_N) * BLOCK_N
+
+    acc, l_i, m_i = _prefill_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        0, n_full, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32,
+    )
+    acc, l_i, m_i = _prefill_inner(
+        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        n_full, n_end, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32,
+    )
+
+    # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    o_ptrs = (Out + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+              + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        l_ptrs = Lse + head.to(tl.int64) * stride_lh + q_start + offs_m
+        tl.store(l_ptrs, lse, mask=m_ok)
+
+
+def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # The kernel takes any token/head strides but needs unit stride along the head dim for
+    # vectorised loads; anything else is copied once (correct, just slower).
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor | None = None,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    _config: PrefillConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length flash attention forward.
+
+    Args:
+        q: ``[total_q, H, D]`` fp16/bf16/fp32; ``k, v``: ``[total_k, H_kv, D]``, ``H % H_kv == 0``.
+        cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` prefix sums (k defaults to q). Their
+            values are trusted (validated by the caller); nothing here reads them on the host.
+        max_seqlen_q / max_seqlen_k: accepted for API parity; the schedule needs neither.
+        causal: bottom-right aligned mask; rows that see no key output zeros (lse -inf).
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        return_lse: also return float32 natural-log ``lse [H, total_q]``.
+        out / lse_out: optional preallocated outputs (contiguous, right shape and dtype); the
+            service passes pinned or pooled buffers, the tests pass poisoned ones.
+
+    fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
+    """
+    del max_seqlen_q, max_seqlen_k
+    if cu_seqlens_k is None:
+        cu_seqlens_k = cu_seqlens_q
+    check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if q.dtype == torch.float64:
+        raise ValueError("float64 is supported by prefill_ref only; kernels take fp16/bf16/fp32")
+    q, k, v = _head_dim_contiguous(q), _head_dim_contiguous(k), _head_dim_contiguous(v)
+    cu_seqlens_q = cu_seqlens_q.contiguous()
+    cu_seqlens_k = cu_seqlens_k.contiguous()
+
+    total_q, num_heads, head_dim = q.shape
+    batch = cu_seqlens_q.shape[0] - 1
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = output_buffer(out, (total_q, num_heads, head_dim), q.dtype, q.device, "out")
+    lse = (output_buffer(lse_out, (num_heads, total_q), torch.float32, q.device, "lse_out")
+           if return_lse else out)  # dummy pointer when unused
+    if total_q == 0 or batch == 0:
+        if return_lse:
+            return out, lse
+        return out
+
+    cfg = _config or prefill_config(head_dim, q.dtype, causal, q.device)
+    num_slots = total_q // cfg.block_m + batch + 1
+    grid = (num_slots * num_heads,)
+    _prefill_kernel[grid](
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
+        scale * LOG2E, batch, num_heads, num_heads // k.shape[1], num_slots,
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_B=min(1024, triton.next_power_of_2(max(batch, 1))),
+        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return (out, lse) if return_lse else out

@@ -1,0 +1,231 @@
+"""Locust load test of the attention service over gRPC (prefill and decode, weighted).
+
+    locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 3m --host 127.0.0.1:50051 \
+        --csv loadtest/results/run
+
+Locust speaks HTTP only; other protocols follow its documented pattern: make the protocol
+library gevent-cooperative (gRPC: ``grpc.experimental.gevent.init_gevent()`` before any channel
+exists), time each call and fire a ``request`` event with its response time and length, passing
+the exception when the call failed. The process exits non-zero if any request failed (or none
+ran), so a CI step or a script can gate on it.
+
+Everything is configurable through environment variables (defaults in brackets):
+  LOADTEST_TARGET          host:port when --host is not given                 [127.0.0.1:50051]
+  LOADTEST_TOKEN           bearer token (the server's ATTENTION_AUTH_TOKEN)   [none]
+  LOADTEST_TIMEOUT         per-call deadline, seconds                         [60]
+  LOADTEST_DTYPE           float16 | bfloat16 | float32                       [float16]
+  LOADTEST_HEADS           query heads                                        [32]
+  LOADTEST_KV_HEADS        key/value heads (GQA when fewer than heads)        [8]
+  LOADTEST_HEAD_DIM        head dim                                           [128]
+  LOADTEST_PREFILL_LEN     LO:HI sequence length of a prefill sequence        [64:2048]
+  LOADTEST_PREFILL_BATCH   most sequences in one prefill request              [4]
+  LOADTEST_CAUSAL          1 = causal prefill, 0 = full                       [1]
+  LOADTEST_DECODE_CONTEXT  LO:HI keys of a decode sequence                    [128:4096]
+  LOADTEST_DECODE_BATCH    most sequences in one decode request               [16]
+  LOADTEST_PREFILL_WEIGHT  relative weight of the prefill task                [1]
+  LOADTEST_DECODE_WEIGHT   relative weight of the decode task                 [4]
+  LOADTEST_WAIT            LO:HI seconds a user waits between calls           [0:0]
+  LOADTEST_SEED            seed of the shape sampler                          [0]
+Lengths are drawn log-uniformly from LO:HI, so short sequences are common and long ones still
+appear (a mix like real traffic); each request holds 1..BATCH sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import time
+
+# First, before any channel exists: run gRPC's I/O on gevent, not on its own threads.
+import grpc.experimental.gevent as grpc_gevent
+
+grpc_gevent.init_gevent()
+
+import numpy as np  # noqa: E402
+from attention_client import AttentionClient  # noqa: E402
+from locust import User, between, events, task  # noqa: E402
+
+log = logging.getLogger("loadtest")
+
+
+def _int(name: str, default: int) -> int:
+    return int(os.environ.get(name) or default)
+
+
+def _range(name: str, default: str, cast=int) -> tuple:
+    lo, _, hi = (os.environ.get(name) or default).partition(":")
+    lo, hi = cast(lo), cast(hi or lo)
+    if not 0 <= lo <= hi:
+        raise ValueError(f"{name} must be LO:HI with 0 <= LO <= HI, got {lo}:{hi}")
+    return lo, hi
+
+
+TARGET = os.environ.get("LOADTEST_TARGET") or "127.0.0.1:50051"
+TOKEN = os.environ.get("LOADTEST_TOKEN") or None
+TIMEOUT = float(os.environ.get("LOADTEST_TIMEOUT") or 60)
+DTYPE = os.environ.get("LOADTEST_DTYPE") or "float16"
+HEADS = _int("LOADTEST_HEADS", 32)
+KV_HEADS = _int("LOADTEST_KV_HEADS", 8)
+HEAD_DIM = _int("LOADTEST_HEAD_DIM", 128)
+PREFILL_LEN = _range("LOADTEST_PREFILL_LEN", "64:2048")
+PREFILL_BATCH = _int("LOADTEST_PREFILL_BATCH", 4)
+CAUSAL = (os.environ.get("LOADTEST_CAUSAL") or "1") != "0"
+DECODE_CONTEXT = _range("LOADTEST_DECODE_CONTEXT", "128:4096")
+DECODE_BATCH = _int("LOADTEST_DECODE_BATCH", 16)
+PREFILL_WEIGHT = _int("LOADTEST_PREFILL_WEIGHT", 1)
+DECODE_WEIGHT = _int("LOADTEST_DECODE_WEIGHT", 4)
+WAIT = _range("LOADTEST_WAIT", "0:0", cast=float)
+SEED = _int("LOADTEST_SEED", 0)
+
+if HEADS % KV_HEADS:
+    raise ValueError(f"LOADTEST_HEADS={HEADS} must be a multiple of LOADTEST_KV_HEADS={KV_HEADS}")
+if min(PREFILL_LEN[0], DECODE_CONTEXT[0]) < 1 or min(PREFILL_BATCH, DECODE_BATCH) < 1:
+    raise ValueError("lengths and batch sizes must be at least 1")
+
+
+def _numpy_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        import ml_dtypes  # the client sends ml_dtypes.bfloat16 arrays as BFLOAT16
+
+        return np.dtype(ml_dtypes.bfloat16)
+    if name in ("float16", "float32"):
+        return np.dtype(name)
+    raise ValueError(f"LOADTEST_DTYPE must be float16, bfloat16 or float32, got {name!r}")
+
+
+_POOL: np.ndarray | None = None
+_WINDOW = 1 << 20  # random offsets into the pool, so calls do not all send identical bytes
+
+
+def _pool() -> np.ndarray:
+    """One read-only block of random values shared by all users; tensors are views into it.
+
+    Generating fresh tensors per call would make the load generator, not the server, the
+    bottleneck; a view costs nothing and the client sends it without a copy.
+    """
+    global _POOL
+    if _POOL is None:
+        most = max(
+            PREFILL_BATCH * PREFILL_LEN[1] * HEADS * HEAD_DIM,
+            DECODE_BATCH * DECODE_CONTEXT[1] * KV_HEADS * HEAD_DIM,
+        )
+        block = np.random.default_rng(SEED).standard_normal(_WINDOW, dtype=np.float32)
+        reps = math.ceil((most + _WINDOW) / _WINDOW)
+        _POOL = np.tile(block.astype(_numpy_dtype(DTYPE)), reps)
+        _POOL.flags.writeable = False
+    return _POOL
+
+
+def _tensor(rng: random.Random, rows: int, heads: int) -> np.ndarray:
+    n = rows * heads * HEAD_DIM
+    start = rng.randrange(_WINDOW)
+    return _pool()[start : start + n].reshape(rows, heads, HEAD_DIM)
+
+
+def _lengths(rng: random.Random, lo_hi: tuple[int, int], most: int) -> list[int]:
+    lo, hi = lo_hi
+    count = rng.randint(1, most)
+    return [int(round(math.exp(rng.uniform(math.log(lo), math.log(hi))))) for _ in range(count)]
+
+
+def _cu(lengths: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+class AttentionUser(User):
+    """One caller with its own channel, issuing prefill and decode calls back to back."""
+
+    wait_time = between(*WAIT)
+
+    def on_start(self) -> None:
+        target = (self.host or TARGET).removeprefix("grpc://")
+        self.client = AttentionClient(target, token=TOKEN, timeout=TIMEOUT)
+        # Per-user sampler: reproducible for a given seed, different across users.
+        self.rng = random.Random(f"{SEED}-{id(self)}")
+        _pool()
+
+    def on_stop(self) -> None:
+        self.client.close()
+
+    def _call(self, name: str, tokens: int, fn, expected_shape: tuple[int, ...]) -> None:
+        """Time one call and report it to Locust; any exception is a failed request."""
+        start = time.perf_counter()
+        length, exc = 0, None
+        try:
+            out = fn()
+            length = int(out.nbytes)
+            if tuple(out.shape) != expected_shape:
+                raise AssertionError(f"output shape {tuple(out.shape)} != {expected_shape}")
+        except Exception as e:  # reported, not raised: Locust counts it as a failure
+            exc = e
+        self.environment.events.request.fire(
+            request_type="grpc",
+            name=name,
+            response_time=(time.perf_counter() - start) * 1000.0,
+            response_length=length,
+            exception=exc,
+            context={"tokens": tokens},
+        )
+
+    @task(PREFILL_WEIGHT)
+    def prefill(self) -> None:
+        lengths = _lengths(self.rng, PREFILL_LEN, PREFILL_BATCH)
+        total = sum(lengths)
+        q = _tensor(self.rng, total, HEADS)
+        k = _tensor(self.rng, total, KV_HEADS)
+        v = _tensor(self.rng, total, KV_HEADS)
+        cu = _cu(lengths)
+        self._call(
+            "Prefill",
+            total,
+            lambda: self.client.attention(q, k, v, cu_seqlens=cu, causal=CAUSAL),
+            q.shape,
+        )
+
+    @task(DECODE_WEIGHT)
+    def decode(self) -> None:
+        contexts = _lengths(self.rng, DECODE_CONTEXT, DECODE_BATCH)
+        q = _tensor(self.rng, len(contexts), HEADS)
+        k = _tensor(self.rng, sum(contexts), KV_HEADS)
+        v = _tensor(self.rng, sum(contexts), KV_HEADS)
+        cu = _cu(contexts)
+        self._call(
+            "Decode",
+            sum(contexts),
+            lambda: self.client.decode(q, k, v, cu),
+            q.shape,
+        )
+
+
+@events.test_start.add_listener
+def _describe(environment, **_kwargs) -> None:
+    log.info(
+        "target=%s dtype=%s heads=%d/%d head_dim=%d prefill len=%s x<=%d causal=%s "
+        "decode ctx=%s x<=%d weights prefill:decode=%d:%d",
+        environment.host or TARGET,
+        DTYPE,
+        HEADS,
+        KV_HEADS,
+        HEAD_DIM,
+        PREFILL_LEN,
+        PREFILL_BATCH,
+        CAUSAL,
+        DECODE_CONTEXT,
+        DECODE_BATCH,
+        PREFILL_WEIGHT,
+        DECODE_WEIGHT,
+    )
+
+
+@events.quitting.add_listener
+def _gate(environment, **_kwargs) -> None:
+    """Fail the process on any failed request, or when nothing ran at all."""
+    total = environment.stats.total
+    if total.num_failures > 0 or total.fail_ratio > 0:
+        log.error("%d of %d requests failed", total.num_failures, total.num_requests)
+        environment.process_exit_code = 1
+    elif total.num_requests == 0:
+        log.error("no request completed")
+        environment.process_exit_code = 1

@@ -1,0 +1,135 @@
+"""Server configuration: command-line flags with environment-variable equivalents.
+
+Precedence: flag > environment variable > default. The names are pinned in docs/CONTRACTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+# gRPC's default receive limit; the server keeps it so default clients interoperate.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Room left in a response message for the non-data fields of an OutputChunk.
+MESSAGE_OVERHEAD_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "auto"  # auto | cuda | cpu
+    metrics_port: int = 8000  # 0 = ephemeral, -1 = off
+    max_request_bytes: int = 1 << 30
+    chunk_bytes: int = 1 << 20
+    auth_token: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    grace_seconds: float = 30.0
+    warmup: bool = True
+    batching: bool = True
+    # Placeholders until the batching helper measures them on the GPU.
+    max_batch_tokens: int = 16384
+    max_queue_delay_ms: float = 2.0
+    max_queue_size: int = 1024
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not -1 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
+        if self.max_request_bytes <= 0:
+            raise ValueError("max_request_bytes must be positive")
+        # Output slices must fit the peer's default 4 MiB receive limit.
+        if not 1 <= self.chunk_bytes <= MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES:
+            raise ValueError(
+                f"chunk_bytes must be in [1, {MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES}]"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ValueError("tls_cert and tls_key must be given together")
+        if self.grace_seconds < 0:
+            raise ValueError("grace_seconds must be >= 0")
+        if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
+            raise ValueError("batching limits must be positive")
+
+    def replace(self, **changes: object) -> ServerConfig:
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _bool_env(value: str) -> bool:
+    low = value.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"not a boolean: {value!r}")
+
+
+# field name -> (flag, env var, parser of the env string)
+_ENV: dict[str, tuple[str, str, type | object]] = {
+    "host": ("--host", "ATTENTION_HOST", str),
+    "port": ("--port", "ATTENTION_PORT", int),
+    "device": ("--device", "ATTENTION_DEVICE", str),
+    "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
+    "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
+    "chunk_bytes": ("--chunk-bytes", "ATTENTION_CHUNK_BYTES", int),
+    "auth_token": ("--auth-token", "ATTENTION_AUTH_TOKEN", str),
+    "tls_cert": ("--tls-cert", "ATTENTION_TLS_CERT", str),
+    "tls_key": ("--tls-key", "ATTENTION_TLS_KEY", str),
+    "grace_seconds": ("--grace-seconds", "ATTENTION_GRACE_SECONDS", float),
+    "warmup": ("--warmup", "ATTENTION_WARMUP", _bool_env),
+    "batching": ("--batching", "ATTENTION_BATCHING", _bool_env),
+    "max_batch_tokens": ("--max-batch-tokens", "ATTENTION_MAX_BATCH_TOKENS", int),
+    "max_queue_delay_ms": ("--max-queue-delay-ms", "ATTENTION_MAX_QUEUE_DELAY_MS", float),
+    "max_queue_size": ("--max-queue-size", "ATTENTION_MAX_QUEUE_SIZE", int),
+    "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="attention-server",
+        description="Remote attention gRPC server. Every flag has an ATTENTION_* env equivalent.",
+    )
+    d = ServerConfig()
+    for name, (flag, env, kind) in _ENV.items():
+        default = getattr(d, name)
+        if kind is _bool_env:
+            p.add_argument(
+                flag, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                help=f"[{env}=1/0] (default: {'on' if default else 'off'})",
+            )
+            continue
+        p.add_argument(
+            flag, dest=name, type=kind, default=None,  # type: ignore[arg-type]
+            help=f"[{env}] (default: {default})",
+        )
+    return p
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> ServerConfig:
+    """Flags override environment variables, which override the defaults."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, object] = {}
+    for name, (_flag, env, kind) in _ENV.items():
+        flag_value = getattr(args, name)
+        if flag_value is not None:
+            values[name] = flag_value
+        elif env in environ:
+            try:
+                values[name] = kind(environ[env])  # type: ignore[operator]
+            except ValueError as exc:
+                raise ValueError(f"{env}: {exc}") from exc
+    for name in ("auth_token", "tls_cert", "tls_key"):
+        if values.get(name) == "":
+            values[name] = None  # an empty env var means unset
+    return ServerConfig(**values)  # type: ignore[arg-type]

@@ -1,0 +1,107 @@
+"""decode (split-K flash-decoding) vs the float64 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_kernels import decode, decode_ref
+from attention_kernels.configs import DecodeConfig
+
+from tests.kernels.conftest import (
+    DEVICE,
+    ON_GPU,
+    TOL,
+    check_lse,
+    cu_seqlens,
+    poison_,
+    randn,
+    rel_err,
+)
+
+
+def run_case(
+    lens: list[int],
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_splits: int = 0,
+    config: DecodeConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    batch, total = len(lens), sum(lens)
+    cu = cu_seqlens(lens)
+    q = randn(batch, heads, head_dim, dtype=dtype)
+    k = randn(total, kv_heads, head_dim, dtype=dtype)
+    v = randn(total, kv_heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    got, got_lse = decode(
+        q, k, v, cu, num_splits=num_splits, return_lse=True, out=out, lse_out=lse,
+        _config=config,
+    )
+    ref, ref_lse = decode_ref(q.double(), k.double(), v.double(), cu, return_lse=True)
+    err = rel_err(got, ref)
+    assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]:.3g}"
+    empty = torch.tensor(lens) == 0
+    assert (got.cpu()[empty] == 0).all(), "empty sequences give zeros"
+    check_lse(got_lse, ref_lse, dtype)
+    return got, got_lse, (q, k, v, cu)
+
+
+LENGTHS = [[1], [17], [127, 1], [0, 5, 0], [1000], [5, 300, 1, 64]]
+if ON_GPU:
+    LENGTHS += [[32768], [4096] * 16, [70000, 3, 0, 4096]]
+
+
+@pytest.mark.parametrize("lens", LENGTHS, ids=lambda x: "-".join(map(str, x))[:40])
+@pytest.mark.parametrize("num_splits", [0, 1, 3, 7], ids=lambda s: f"splits{s}")
+def test_lengths_and_splits(lens: list[int], num_splits: int) -> None:
+    run_case(lens, 8, 2, 64, torch.float16, num_splits)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
+    run_case([33, 2], 4, 2, head_dim, dtype, num_splits=2)
+
+
+@pytest.mark.parametrize("kv_heads", [32, 16, 4], ids=["mha", "gqa2", "gqa8"])
+def test_gqa(kv_heads: int) -> None:
+    run_case([50, 7], 32, kv_heads, 64, torch.bfloat16)
+
+
+def test_explicit_splits_match_automatic() -> None:
+    lens = [200, 31, 0, 97]
+    got_auto, lse_auto, inputs = run_case(lens, 4, 1, 64, torch.float32, 0)
+    q, k, v, cu = inputs
+    for splits in (1, 2, 5, 16, 200):  # 200 > blocks per sequence: many empty splits
+        got, lse = decode(q, k, v, cu, num_splits=splits, return_lse=True)
+        assert rel_err(got, got_auto) < 1e-5
+        check_lse(lse, lse_auto, torch.float16)
+
+
+def test_block_shape_other_than_default() -> None:
+    run_case([70, 33], 4, 2, 64, torch.float16, 3, config=DecodeConfig(32, 4, 1))
+
+
+def test_strided_q() -> None:
+    lens = [12, 30]
+    cu = cu_seqlens(lens)
+    q = randn(4, 2, 64, dtype=torch.float16)[::2]  # batch stride doubled
+    k = randn(sum(lens), 2, 64, dtype=torch.float16)
+    got = decode(q, k, k, cu)
+    ref = decode_ref(q.double(), k.double(), k.double(), cu)
+    assert rel_err(got, ref) < TOL[torch.float16]
+
+
+def test_bad_inputs_raise() -> None:
+    q = randn(2, 4, 64, dtype=torch.float16)
+    k = randn(10, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="batch\\+1"):
+        decode(q, k, k, cu_seqlens([10]))
+    with pytest.raises(ValueError, match="num_splits"):
+        decode(q, k, k, cu_seqlens([4, 6]), num_splits=-1)
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        decode(randn(2, 3, 64, dtype=torch.float16), k, k, cu_seqlens([4, 6]))

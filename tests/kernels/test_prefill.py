@@ -1,0 +1,185 @@
+"""prefill vs the float64 reference: odd lengths, head dims, GQA, causal alignment, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_kernels import prefill, prefill_ref
+from attention_kernels.configs import PrefillConfig
+
+from tests.kernels.conftest import (
+    DEVICE,
+    ON_GPU,
+    TOL,
+    check_lse,
+    cu_seqlens,
+    poison_,
+    randn,
+    rel_err,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+def run_case(
+    lens_q: list[int],
+    lens_k: list[int] | None,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    causal: bool,
+    dtype: torch.dtype,
+    config: PrefillConfig | None = None,
+    softmax_scale: float | None = None,
+) -> None:
+    cu_q = cu_seqlens(lens_q)
+    cu_k = cu_seqlens(lens_k) if lens_k is not None else None
+    total_q, total_k = sum(lens_q), sum(lens_k if lens_k is not None else lens_q)
+    q = randn(total_q, heads, head_dim, dtype=dtype)
+    k = randn(total_k, kv_heads, head_dim, dtype=dtype)
+    v = randn(total_k, kv_heads, head_dim, dtype=dtype)
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, total_q, dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    got, got_lse = prefill(
+        q, k, v, cu_q, cu_k, causal=causal, return_lse=True, out=out, lse_out=lse,
+        softmax_scale=softmax_scale, _config=config,
+    )
+    assert got.data_ptr() == out.data_ptr() and got.dtype == dtype
+    ref, ref_lse = prefill_ref(
+        q.double(), k.double(), v.double(), cu_q, cu_k, causal=causal, return_lse=True,
+        softmax_scale=softmax_scale,
+    )
+    if total_q:
+        err = rel_err(got, ref)
+        assert err < TOL[dtype], f"relative error {err:.3g} >= {TOL[dtype]:.3g}"
+        # Rows that see no key must be exactly zero (a NaN or stale row fails here).
+        empty_rows = torch.isneginf(ref_lse.cpu()).t()  # [total_q, H]
+        assert (got.cpu()[empty_rows] == 0).all()
+    check_lse(got_lse, ref_lse, dtype)
+
+
+LENGTHS = [
+    [1],
+    [17],
+    [127],
+    [0, 1, 17],
+    [5, 0, 33, 0],
+    [78, 40, 130],  # skewed
+]
+if ON_GPU:
+    LENGTHS += [[1000], [78, 40, 8192], [8192, 16, 16, 16, 16], [512] * 8]
+
+
+@pytest.mark.parametrize("lens", LENGTHS, ids=lambda x: "-".join(map(str, x))[:40])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_lengths(lens: list[int], causal: bool) -> None:
+    run_case(lens, None, 4, 2, 64, causal, torch.float16)
+
+
+def test_length_1000() -> None:
+    run_case([1000], None, 2, 1, 32, True, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [8, 40, 64, 80, 96, 128, 192, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_head_dims_and_dtypes(head_dim: int, dtype: torch.dtype) -> None:
+    run_case([17, 40], None, 2, 1, head_dim, True, dtype)
+
+
+@pytest.mark.parametrize("kv_heads", [8, 4, 1], ids=["mha", "gqa2", "gqa8"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gqa(kv_heads: int, causal: bool) -> None:
+    run_case([33, 20], None, 8, kv_heads, 64, causal, torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    ("lens_q", "lens_k"),
+    [
+        ([1, 5, 17], [40, 5, 60]),  # q shorter than k: decode-like rows see the whole prefix
+        ([30, 9], [7, 2]),  # q longer than k: the first rows see no key under causal
+        ([3, 0, 10], [0, 4, 10]),  # empty k with non-empty q, and the reverse
+    ],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_q_and_k_lengths_differ(lens_q: list[int], lens_k: list[int], causal: bool) -> None:
+    run_case(lens_q, lens_k, 4, 2, 64, causal, torch.float16)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [PrefillConfig(16, 32, 4, 1), PrefillConfig(64, 16, 4, 1), PrefillConfig(16, 16, 4, 1)],
+    ids=["m16n32", "m64n16", "m16n16"],
+)
+def test_block_shapes_other_than_default(config: PrefillConfig) -> None:
+    # The causal bounds must hold for BLOCK_M < BLOCK_N and BLOCK_M > BLOCK_N alike.
+    run_case([50, 3, 70], [60, 3, 70], 2, 1, 64, True, torch.float16, config=config)
+
+
+def test_softmax_scale() -> None:
+    run_case([20, 9], None, 2, 2, 64, True, torch.float32, softmax_scale=0.37)
+
+
+def test_strided_inputs_are_handled() -> None:
+    # q/k/v as views into one packed qkv projection [T, 3, H, D]: token stride 3*H*D.
+    lens = [9, 23]
+    cu = cu_seqlens(lens)
+    qkv = randn(sum(lens), 3, 4, 64, dtype=torch.float16)
+    q, k, v = qkv.unbind(1)
+    got = prefill(q, k, v, cu, causal=True)
+    ref = prefill_ref(q.double(), k.double(), v.double(), cu, causal=True)
+    assert rel_err(got, ref) < TOL[torch.float16]
+    # A transposed head dim (stride != 1) is copied, never read wrongly.
+    qt = randn(sum(lens), 64, 4, dtype=torch.float16).transpose(1, 2)
+    got = prefill(qt, k, v, cu)
+    ref = prefill_ref(qt.double(), k.double(), v.double(), cu)
+    assert rel_err(got, ref) < TOL[torch.float16]
+
+
+def test_empty_batch_and_no_tokens() -> None:
+    q = randn(0, 2, 64, dtype=torch.float16)
+    out, lse = prefill(q, q, q, cu_seqlens([0, 0]), return_lse=True)
+    assert out.shape == (0, 2, 64) and lse.shape == (2, 0)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "match"),
+    [
+        (((5, 4, 64), (5, 3, 64)), "multiple of num_kv_heads"),
+        (((5, 4, 60), (5, 2, 60)), "head_dim 60"),
+        (((5, 4, 264), (5, 2, 264)), "head_dim 264"),
+        (((5, 4, 64), (5, 2, 32)), "head_dim of q"),
+        (((5, 64), (5, 2, 64)), "q must be 3-D"),
+    ],
+)
+def test_bad_shapes_raise(shapes: tuple, match: str) -> None:
+    q = randn(*shapes[0], dtype=torch.float16)
+    k = randn(*shapes[1], dtype=torch.float16)
+    with pytest.raises(ValueError, match=match):
+        prefill(q, k, k, cu_seqlens([5]))
+
+
+def test_bad_dtypes_raise() -> None:
+    q = randn(5, 2, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtypes differ"):
+        prefill(q, q.float(), q.float(), cu_seqlens([5]))
+    with pytest.raises(ValueError, match="cu_seqlens_q must be int32"):
+        prefill(q, q, q, cu_seqlens([5]).long())
+    with pytest.raises(ValueError, match="sequences"):
+        prefill(q, q, q, cu_seqlens([5]), cu_seqlens([2, 3]))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs > 2**31 elements: GPU only")
+def test_int64_offsets() -> None:
+    # total_q * H * D > 2**31: rows of the last sequence live past the int32 range.
+    heads, head_dim, seqlen = 1, 128, 4096
+    batch = (2**31 // (heads * head_dim)) // seqlen + 2
+    lens = [seqlen] * batch
+    q = randn(seqlen * batch, heads, head_dim, dtype=torch.bfloat16)
+    assert q.numel() > 2**31
+    out = prefill(q, q, q, cu_seqlens(lens), causal=True)
+    last = slice(seqlen * (batch - 1), seqlen * batch)
+    ql = q[last]
+    ref = prefill_ref(ql.double(), ql.double(), ql.double(), cu_seqlens([seqlen]), causal=True)
+    assert rel_err(out[last], ref) < TOL[torch.bfloat16]
