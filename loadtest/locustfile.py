@@ -12,6 +12,7 @@ ran), so a CI step or a script can gate on it.
 Everything is configurable through environment variables (defaults in brackets):
   LOADTEST_TARGET          host:port when --host is not given                 [127.0.0.1:50051]
   LOADTEST_TOKEN           bearer token (the server's ATTENTION_AUTH_TOKEN)   [none]
+  LOADTEST_TLS             1 = TLS with system roots, or a root PEM's path    [plaintext]
   LOADTEST_TIMEOUT         per-call deadline, seconds                         [60]
   LOADTEST_DTYPE           float16 | bfloat16 | float32                       [float16]
   LOADTEST_HEADS           query heads                                        [32]
@@ -64,6 +65,9 @@ def _range(name: str, default: str, cast=int) -> tuple:
 
 TARGET = os.environ.get("LOADTEST_TARGET") or "127.0.0.1:50051"
 TOKEN = os.environ.get("LOADTEST_TOKEN") or None
+TLS: bool | str | None = {"": None, "0": None, "1": True}.get(
+    os.environ.get("LOADTEST_TLS", ""), os.environ.get("LOADTEST_TLS")
+)
 TIMEOUT = float(os.environ.get("LOADTEST_TIMEOUT") or 60)
 DTYPE = os.environ.get("LOADTEST_DTYPE") or "float16"
 HEADS = _int("LOADTEST_HEADS", 32)
@@ -141,7 +145,7 @@ class AttentionUser(User):
 
     def on_start(self) -> None:
         target = (self.host or TARGET).removeprefix("grpc://")
-        self.client = AttentionClient(target, token=TOKEN, timeout=TIMEOUT)
+        self.client = AttentionClient(target, token=TOKEN, tls=TLS, timeout=TIMEOUT)
         # Per-user sampler: reproducible for a given seed, different across users.
         self.rng = random.Random(f"{SEED}-{id(self)}")
         _pool()

@@ -27,7 +27,7 @@ def _table_rows(heading: str) -> list[list[str]]:
     section = text.split(f"## {heading}", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     cells = [[c.strip() for c in row.strip("|").split("|")] for row in rows]
-    return [r for r in cells[2:]]  # drop the header and the |---| line
+    return cells[2:]  # drop the header and the |---| line
 
 
 def contract_config() -> list[tuple[list[str], list[str]]]:
@@ -49,11 +49,9 @@ def contract_metrics() -> dict[str, tuple[str, set[str]]]:
     out = {}
     for row in _table_rows("Prometheus metrics"):
         name = row[0].strip("`")
-        labels = {x.strip() for x in row[2].split(",") if x.strip() not in ("-", "")}
-        labels = {re.sub(r"\s*\(.*", "", x) for x in labels}
-        if row[1].startswith("info"):  # "info (gauge = 1)": labels listed in the table
-            labels = {x.strip() for x in row[2].split(",")}
-        out[name] = (row[1].split()[0], labels)
+        cell = re.sub(r"\(.*?\)", "", row[2])  # "rpc, stage (`h2d`, ...)": drop the values
+        labels = {x.strip() for x in cell.split(",")} - {"-", ""}
+        out[name] = (row[1].split()[0], labels)  # "info (gauge = 1)" -> "info"
     return out
 
 
@@ -102,8 +100,19 @@ def compose_command() -> list[str]:
 # --- PromQL ----------------------------------------------------------------------------------
 
 _KEYWORDS = {
-    "by", "without", "on", "ignoring", "group_left", "group_right", "bool", "and", "or",
-    "unless", "offset", "inf", "nan",
+    "by",
+    "without",
+    "on",
+    "ignoring",
+    "group_left",
+    "group_right",
+    "bool",
+    "and",
+    "or",
+    "unless",
+    "offset",
+    "inf",
+    "nan",
 }
 _COUNTER_FUNCS = ("rate", "irate", "increase")
 
@@ -190,3 +199,80 @@ def template_metrics(dashboard: dict) -> list[tuple[str, str]]:
         text = query.get("query", "") if isinstance(query, dict) else str(query or "")
         out += re.findall(r"label_values\(\s*(\w+)\s*,\s*(\w+)\s*\)", text)
     return out
+
+
+# --- dashboard vs metrics --------------------------------------------------------------------
+
+# sample name -> (family type, label names)
+Catalog = dict[str, tuple[str, set[str]]]
+
+
+def catalog_from_contract() -> Catalog:
+    """The series names the contract promises, with the suffixes Prometheus exposes."""
+    out: Catalog = {}
+    for name, (kind, labels) in contract_metrics().items():
+        if kind == "histogram":
+            out[f"{name}_bucket"] = (kind, labels | {"le"})
+            out[f"{name}_sum"] = (kind, set(labels))
+            out[f"{name}_count"] = (kind, set(labels))
+        else:
+            out[name] = (kind, set(labels))
+    return out
+
+
+def catalog_from_exposition(text: str) -> Catalog:
+    """The series a /metrics page exports (text format), by sample name."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: Catalog = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            kind, labels = out.setdefault(sample.name, (family.type, set()))
+            labels |= set(sample.labels)
+    return out
+
+
+def check_dashboard(dashboard: dict, catalog: Catalog, target_labels: set[str]) -> list[str]:
+    """Every problem of the dashboard's queries against a catalog of exported series.
+
+    Suffix rules: a ``_total`` counter and a histogram's ``_bucket``/``_sum``/``_count`` are
+    cumulative, so they are read only through rate()/irate()/increase(); gauges and info
+    metrics are read as they are; histogram_quantile() takes ``_bucket`` series grouped by le;
+    ``_created`` series are never queried.
+    """
+    problems = []
+    for title, expr in dashboard_queries(dashboard):
+        where = f"panel {title!r}: {expr}"
+        query = parse_promql(expr)
+        if not query.selectors:
+            problems.append(f"{where}: no metric")
+        known = set(target_labels)
+        for sel in query.selectors:
+            if not sel.name:
+                problems.append(f"{where}: selector without a metric name")
+                continue
+            if sel.name.endswith("_created"):
+                problems.append(f"{where}: {sel.name} is a creation timestamp")
+            if sel.name not in catalog:
+                problems.append(f"{where}: {sel.name} is not exported")
+                continue
+            kind, labels = catalog[sel.name]
+            known |= labels
+            if sel.labels - labels - target_labels:
+                problems.append(f"{where}: {sel.name} has no label {sel.labels - labels}")
+            cumulative = kind in ("counter", "histogram")
+            if cumulative and not sel.in_counter_func:
+                problems.append(f"{where}: cumulative {sel.name} read without rate()")
+            if not cumulative and sel.in_counter_func:
+                problems.append(f"{where}: rate() of {kind} {sel.name}")
+        if query.grouping - known:
+            problems.append(f"{where}: grouping by unknown labels {query.grouping - known}")
+        for name in query.quantile_args:
+            if catalog.get(name, ("",))[0] != "histogram" or "le" not in query.grouping:
+                problems.append(f"{where}: histogram_quantile needs {name} grouped by le")
+    for metric, label in template_metrics(dashboard):
+        if metric not in catalog:
+            problems.append(f"template variable: {metric} is not exported")
+        elif label not in catalog[metric][1] | target_labels:
+            problems.append(f"template variable: {metric} has no label {label}")
+    return problems

@@ -1,0 +1,1 @@
+"""Deployment tests: Docker and compose files, monitoring config, dashboard, load test."""

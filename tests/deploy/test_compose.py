@@ -1,0 +1,140 @@
+"""docker-compose.yml (and the cpu override), parsed and validated by Docker Compose itself.
+
+`docker compose config` loads, merges, interpolates and validates the files against the
+Compose specification without a Docker engine; the JSON it prints is what `up` would run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+import yaml
+
+from ._helpers import REPO, compose_command, contract_envs
+
+BASE = ["-f", "docker-compose.yml"]
+CPU = [*BASE, "-f", "docker-compose.cpu.yml"]
+
+
+def _config(files: list[str], *extra: str) -> dict:
+    # A clean environment: the defaults written in the files are what gets checked.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTENTION_", "LOADTEST_"))}
+    res = subprocess.run(
+        [*compose_command(), *files, "--profile", "loadtest", *extra, "config", "--format", "json"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=env,
+    )
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict:
+    return _config(BASE)
+
+
+@pytest.fixture(scope="module")
+def cpu() -> dict:
+    return _config(CPU)
+
+
+def test_compose_rejects_an_invalid_file(tmp_path) -> None:
+    """The validator is real: a misspelt key fails."""
+    bad = tmp_path / "compose.yml"
+    bad.write_text("services:\n  a:\n    image: busybox:1.36\n    restart_policy: always\n")
+    res = subprocess.run(
+        [*compose_command(), "-f", str(bad), "config", "-q"], capture_output=True, text=True
+    )
+    assert res.returncode != 0 and "restart_policy" in res.stderr
+
+
+def test_services(gpu: dict) -> None:
+    assert set(gpu["services"]) == {"attention", "prometheus", "grafana", "loadtest"}
+    for name, svc in gpu["services"].items():
+        image = svc["image"]
+        assert ":" in image and not image.endswith(":latest"), f"{name}: unpinned {image}"
+
+
+def test_attention_reserves_the_gpu(gpu: dict) -> None:
+    att = gpu["services"]["attention"]
+    (device,) = att["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert att["environment"]["ATTENTION_DEVICE"] == "cuda"
+    assert att["build"]["target"] == "runtime"
+
+
+def test_attention_runtime_settings(gpu: dict) -> None:
+    att = gpu["services"]["attention"]
+    assert att["restart"] in ("always", "unless-stopped", "on-failure")
+    assert att["healthcheck"]["test"] == ["CMD", "python", "/opt/attention/healthcheck.py"]
+    published = {(p["target"], str(p["published"])) for p in att["ports"]}
+    assert published == {(50051, "50051"), (8000, "8000")}
+    env = att["environment"]
+    assert (env["ATTENTION_PORT"], env["ATTENTION_METRICS_PORT"]) == ("50051", "8000")
+    # Drains in-flight calls (ATTENTION_GRACE_SECONDS) before Docker's SIGKILL.
+    grace = float(env["ATTENTION_GRACE_SECONDS"])
+    stop = att["stop_grace_period"]
+    assert stop.endswith("s") and float(stop[:-1]) > grace
+
+
+def test_every_contract_variable_is_configurable(gpu: dict) -> None:
+    env = gpu["services"]["attention"]["environment"]
+    names = {k for k in env if k.startswith("ATTENTION_")}
+    assert names == contract_envs()
+    # Unset optional ones stay unset (null = passed through only when set in the shell).
+    assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
+
+
+def test_cpu_override_drops_the_gpu(cpu: dict) -> None:
+    att = cpu["services"]["attention"]
+    assert "deploy" not in att or not att["deploy"].get("resources")
+    assert att["environment"]["ATTENTION_DEVICE"] == "cpu"
+    assert att["build"]["args"]["TORCH_INDEX_URL"].endswith("/cpu")
+    assert not att["build"]["args"]["BASE_IMAGE"].startswith("nvidia/")
+    assert att["image"] != _config(BASE)["services"]["attention"]["image"]
+    assert set(cpu["services"]) == {"attention", "prometheus", "grafana", "loadtest"}
+
+
+def test_monitoring_mounts_the_deploy_files(gpu: dict) -> None:
+    def mounts(svc: str) -> dict[str, str]:
+        return {v["target"]: v.get("source", "") for v in gpu["services"][svc]["volumes"]}
+
+    prom = mounts("prometheus")
+    assert prom["/etc/prometheus/prometheus.yml"] == str(REPO / "deploy/prometheus/prometheus.yml")
+    graf = mounts("grafana")
+    assert graf["/etc/grafana/provisioning"] == str(REPO / "deploy/grafana/provisioning")
+    provider = yaml.safe_load(
+        (REPO / "deploy/grafana/provisioning/dashboards/attention.yml").read_text()
+    )
+    path = provider["providers"][0]["options"]["path"]
+    assert graf[path] == str(REPO / "deploy/grafana/dashboards")
+
+
+def test_loadtest_profile(gpu: dict) -> None:
+    lt = gpu["services"]["loadtest"]
+    assert lt["profiles"] == ["loadtest"]
+    assert lt["build"]["target"] == "loadtest"
+    assert lt["depends_on"]["attention"]["condition"] == "service_healthy"
+    env = lt["environment"]
+    assert env["LOCUST_HOST"] == "attention:50051" and env["LOCUST_HEADLESS"] == "true"
+    assert env["LOCUST_CSV"].startswith("/results/")
+    # Every LOADTEST_* knob the locustfile documents can be passed through.
+    doc = (REPO / "loadtest/locustfile.py").read_text()
+    knobs = {k for k in env if k.startswith("LOADTEST_")}
+    assert knobs and all(k in doc for k in knobs)
+
+
+def test_profiles_hide_the_loadtest_by_default() -> None:
+    res = subprocess.run(
+        [*compose_command(), *BASE, "config", "--services"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert res.returncode == 0, res.stderr
+    assert set(res.stdout.split()) == {"attention", "prometheus", "grafana"}
