@@ -119,14 +119,14 @@ class CpuBackend:
             if cancel.is_set():
                 raise Cancelled()
             q0, q1, k0, k1 = cu_q[b0], cu_q[b1], cu_k[b0], cu_k[b1]
-            o, l = prefill_ref(
+            o, lse_b = prefill_ref(
                 job.q[q0:q1], job.k[k0:k1], job.v[k0:k1],
                 _rebased(cu_q, b0, b1), _rebased(cu_k, b0, b1),
                 causal=job.causal, softmax_scale=job.softmax_scale, return_lse=True,
             )
             out[q0:q1] = o
             if lse is not None:
-                lse[:, q0:q1] = l
+                lse[:, q0:q1] = lse_b
         if lse is not None and decode:
             lse = lse.t().contiguous()  # decode lse is [batch, heads]
         return LaunchOutput(out=out, lse=lse, kernel_seconds=time.perf_counter() - t0)

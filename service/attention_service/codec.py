@@ -11,7 +11,6 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-
 from attention_client.pb import attention_pb2 as pb
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in scope

@@ -150,7 +150,7 @@ class Metrics:
         self.batches.labels(rpc=rpc).inc()
         self.batch_requests.labels(rpc=rpc).observe(requests)
         self.batch_tokens.labels(rpc=rpc).observe(tokens)
-        for stage, seconds in zip(STAGES, (h2d, kernel, d2h)):
+        for stage, seconds in zip(STAGES, (h2d, kernel, d2h), strict=True):
             self.stage.labels(rpc=rpc, stage=stage).observe(seconds)
         if kernel <= 0:
             return

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterable, AsyncIterator
 
 import grpc
 import torch
-
 from attention_client.pb import attention_pb2 as pb
 from attention_client.pb import attention_pb2_grpc as pb_grpc
+
 from attention_service.backends import Cancelled
 from attention_service.config import ServerConfig
 from attention_service.errors import RequestError
@@ -47,6 +47,8 @@ class CallTracker:
             self._idle.set()
 
     async def wait_idle(self, timeout: float) -> bool:
+        if self.inflight == 0:
+            return True
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
         except asyncio.TimeoutError:

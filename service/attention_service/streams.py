@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterable, Iterator
 
 import torch
-
 from attention_client.pb import attention_pb2 as pb
+
 from attention_service.codec import HostAllocator, output_messages
 from attention_service.errors import invalid
 from attention_service.execution import Result

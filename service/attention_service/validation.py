@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 import torch
-
 from attention_client.pb import attention_pb2 as pb
 from attention_kernels._checks import check_cu_seqlens_values, supported_head_dim
+
 from attention_service.codec import (
     ELEMENT_BYTES,
     TORCH_DTYPES,
@@ -81,7 +81,7 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[
             f"header.{name}.shape",
             f"must have rank 3 [{', '.join(dims)}], got rank {len(shape)} {list(shape)}",
         )
-    for i, (size, dim) in enumerate(zip(shape, dims)):
+    for i, (size, dim) in enumerate(zip(shape, dims, strict=True)):
         # Token counts may be 0 for k/v (rows then see no key); heads and head_dim may not.
         least = 0 if i == 0 and name in ("k", "v") else 1
         if size < least:
@@ -222,9 +222,9 @@ def validate_prefill_header(h: pb.PrefillHeader, max_request_bytes: int) -> Plan
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
     len_q, len_k = _lengths(cu_q), _lengths(cu_k)
     if h.causal:
-        pairs = sum(_causal_pairs(sq, sk) for sq, sk in zip(len_q, len_k))
+        pairs = sum(_causal_pairs(sq, sk) for sq, sk in zip(len_q, len_k, strict=True))
     else:
-        pairs = sum(sq * sk for sq, sk in zip(len_q, len_k))
+        pairs = sum(sq * sk for sq, sk in zip(len_q, len_k, strict=True))
     return Plan(
         rpc="Prefill", dtype=TORCH_DTYPES[dt], q_shape=q_shape, k_shape=k_shape, nbytes=nbytes,
         cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max(len_q), max_seqlen_k=max(len_k),
@@ -237,7 +237,9 @@ def validate_decode_header(h: pb.DecodeHeader, max_request_bytes: int) -> Plan:
     dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"))
     scale = _scale(h)
     if h.num_splits < 0:
-        raise invalid("header.num_splits", f"must be >= 0 (0 = server's choice), got {h.num_splits}")
+        raise invalid(
+            "header.num_splits", f"must be >= 0 (0 = server's choice), got {h.num_splits}"
+        )
     batch, num_heads, head_dim = q_shape
     esize = ELEMENT_BYTES[dt]
     nbytes = {

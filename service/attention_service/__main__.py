@@ -1,0 +1,62 @@
+"""Entry point: ``attention-server`` / ``python -m attention_service``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from attention_service.config import ServerConfig, load_config
+
+log = logging.getLogger("attention_service")
+
+
+async def serve(config: ServerConfig) -> int:
+    from attention_service.server import create_server  # after logging is configured
+
+    server, port = await create_server(config)
+    # Parseable lines: tests and scripts read the bound ports from them.
+    log.info("listening on port %d (backend %s, device %s)", port, server.backend.name,
+             server.backend.device_name)
+    if server.metrics_port is not None:
+        log.info("metrics on port %d", server.metrics_port)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining in-flight calls for up to %.1fs", config.grace_seconds)
+    drain = asyncio.ensure_future(server.stop(config.grace_seconds))
+    force = asyncio.Event()
+    for sig in signals:  # a second signal skips the rest of the grace period
+        loop.add_signal_handler(sig, force.set)
+    forced = asyncio.ensure_future(force.wait())
+    await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
+    if not drain.done():
+        log.warning("second signal: cancelling in-flight calls")
+        await server.grpc_server.stop(0)
+        await drain
+    forced.cancel()
+    log.info("stopped")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config = load_config(argv)
+    except ValueError as exc:
+        print(f"attention-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Test helpers: a real server on a background event loop, and raw-stub request encoding.
+
+Deliberately independent of the client package's AttentionClient (only its generated stubs):
+these tests pin the wire protocol the server speaks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import urllib.request
+from collections.abc import Coroutine, Iterable, Iterator
+from typing import Any, TypeVar
+
+import grpc
+import torch
+from attention_client.pb import attention_pb2 as pb
+from attention_client.pb import attention_pb2_grpc as pb_grpc
+from attention_kernels import decode_ref, prefill_ref
+from attention_service.backends import Backend
+from attention_service.config import ServerConfig
+from attention_service.server import AttentionServer, create_server
+from prometheus_client.parser import text_string_to_metric_families
+
+T = TypeVar("T")
+PB_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
+TORCH_DTYPE = {v: k for k, v in PB_DTYPE.items()}
+# Server (float32 compute, rounded to dtype) vs float64 oracle.
+TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}
+MiB = 1 << 20
+
+
+def make_config(**overrides: Any) -> ServerConfig:
+    base = dict(host="127.0.0.1", port=0, device="cpu", metrics_port=-1, batching=False)
+    base.update(overrides)
+    return ServerConfig(**base)  # type: ignore[arg-type]
+
+
+class ServerHandle:
+    """A server on its own event loop thread, so tests can use plain synchronous stubs."""
+
+    def __init__(self, config: ServerConfig, backend: Backend | None = None) -> None:
+        self.config = config
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.server: AttentionServer
+        self.server, self.port = self.run(create_server(config, backend=backend))
+        self._channels: list[grpc.Channel] = []
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def channel(
+        self, credentials: grpc.ChannelCredentials | None = None, **kw: Any
+    ) -> grpc.Channel:
+        if credentials is None:
+            ch = grpc.insecure_channel(self.target, **kw)
+        else:
+            ch = grpc.secure_channel(self.target, credentials, **kw)
+        self._channels.append(ch)
+        return ch
+
+    def stub(self) -> pb_grpc.AttentionServiceStub:
+        return pb_grpc.AttentionServiceStub(self.channel())
+
+    def scrape(self) -> dict[str, Any]:
+        """/metrics parsed: family name -> family."""
+        assert self.server.metrics_port is not None
+        url = f"http://127.0.0.1:{self.server.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        return {f.name: f for f in text_string_to_metric_families(text)}
+
+    def close(self, grace: float = 0.0) -> None:
+        for ch in self._channels:
+            ch.close()
+        try:
+            self.run(self.server.stop(grace))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(10)
+            self.loop.close()
+
+
+def sample(metrics: dict[str, Any], family: str, sample_name: str, **labels: str) -> float:
+    """Sum of the samples of ``family`` named ``sample_name`` whose labels include ``labels``."""
+    fam = metrics[family]
+    return sum(
+        s.value for s in fam.samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def spec(t: torch.Tensor) -> pb.TensorSpec:
+    return pb.TensorSpec(dtype=PB_DTYPE[t.dtype], shape=list(t.shape))
+
+
+def chunk_messages(
+    cls: type, tensors: dict[int, torch.Tensor], chunk: int = 1 * MiB
+) -> Iterator[Any]:
+    """Chunk-only request messages carrying the tensors' bytes, <= ``chunk`` bytes each."""
+    for field, t in tensors.items():
+        data = memoryview(raw_bytes(t))
+        for off in range(0, len(data), chunk):
+            part = bytes(data[off : off + chunk])
+            yield cls(chunks=[pb.TensorChunk(field=field, offset=off, data=part)])
+
+
+def prefill_messages(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int],
+    cu_k: list[int] | None = None, *, causal: bool = False, scale: float | None = None,
+    return_lse: bool = False, chunk: int = 1 * MiB,
+) -> Iterator[pb.PrefillRequest]:
+    header = pb.PrefillHeader(
+        q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=cu_q, cu_seqlens_k=cu_k or [],
+        causal=causal, return_lse=return_lse,
+    )
+    if scale is not None:
+        header.softmax_scale = scale
+    yield pb.PrefillRequest(header=header)
+    yield from chunk_messages(pb.PrefillRequest, {pb.Q: q, pb.K: k, pb.V: v}, chunk)
+
+
+def decode_messages(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_k: list[int], *,
+    scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+    chunk: int = 1 * MiB,
+) -> Iterator[pb.DecodeRequest]:
+    header = pb.DecodeHeader(
+        q=spec(q), k=spec(k), v=spec(v), cu_seqlens_k=cu_k, num_splits=num_splits,
+        return_lse=return_lse,
+    )
+    if scale is not None:
+        header.softmax_scale = scale
+    yield pb.DecodeRequest(header=header)
+    yield from chunk_messages(pb.DecodeRequest, {pb.Q: q, pb.K: k, pb.V: v}, chunk)
+
+
+class Response:
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.rows_seen: dict[int, int] = {}
+        self.stats: pb.RequestStats | None = None
+        self.messages = 0
+        self.max_data = 0
+
+    @property
+    def out(self) -> torch.Tensor:
+        return self.tensors[pb.OUT]
+
+    @property
+    def lse(self) -> torch.Tensor | None:
+        return self.tensors.get(pb.LSE)
+
+
+def collect(responses: Iterable[pb.AttentionResponse]) -> Response:
+    """Reassemble OUT/LSE row slices, checking they arrive in order and cover every row."""
+    r = Response()
+    for msg in responses:
+        r.messages += 1
+        assert r.stats is None, "stats must be the last message"
+        if msg.HasField("stats"):
+            r.stats = msg.stats
+            continue
+        c = msg.chunk
+        shape = tuple(c.spec.shape)
+        dtype = TORCH_DTYPE[c.spec.dtype]
+        if c.field not in r.tensors:
+            r.tensors[c.field] = torch.empty(shape, dtype=dtype)
+            r.rows_seen[c.field] = 0
+        t = r.tensors[c.field]
+        assert c.row_start == r.rows_seen[c.field]
+        row_bytes = math.prod(shape[1:]) * t.element_size()
+        assert len(c.data) == c.row_count * row_bytes
+        r.max_data = max(r.max_data, len(c.data))
+        rows = torch.frombuffer(bytearray(c.data), dtype=torch.uint8).view(dtype)
+        t[c.row_start : c.row_start + c.row_count] = rows.view(c.row_count, *shape[1:])
+        r.rows_seen[c.field] += c.row_count
+    assert r.stats is not None, "no stats message"
+    for field, t in r.tensors.items():
+        assert r.rows_seen[field] == t.shape[0]
+    return r
+
+
+def prefill_oracle(q, k, v, cu_q, cu_k=None, **kw):  # type: ignore[no-untyped-def]
+    as64 = lambda t: t.double()  # noqa: E731
+    cu_q_t = torch.tensor(cu_q, dtype=torch.int32)
+    cu_k_t = torch.tensor(cu_k, dtype=torch.int32) if cu_k else None
+    return prefill_ref(as64(q), as64(k), as64(v), cu_q_t, cu_k_t, return_lse=True, **kw)
+
+
+def decode_oracle(q, k, v, cu_k, **kw):  # type: ignore[no-untyped-def]
+    cu = torch.tensor(cu_k, dtype=torch.int32)
+    return decode_ref(q.double(), k.double(), v.double(), cu, return_lse=True, **kw)
+
+
+def random_qkv(
+    total_q: int, total_k: int, heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+    seed: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total_q, heads, dim, generator=g).to(dtype)
+    k = torch.randn(total_k, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(total_k, kv_heads, dim, generator=g).to(dtype)
+    return q, k, v
+
+
+def cu_from_lengths(lengths: list[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
