@@ -32,6 +32,8 @@ RETRY_POLICY = {
     "backoffMultiplier": 2,
     "retryableStatusCodes": ["UNAVAILABLE"],
 }
+# gRPC core (Python) has only this per-call buffer (default 256 KiB); the channel-wide
+# "grpc.retry_buffer_size" is a grpc-js option. 8 MiB covers every small request.
 RETRY_BUFFER_BYTES = 8 * 1024 * 1024
 
 SERVICE_CONFIG = json.dumps(

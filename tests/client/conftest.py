@@ -1,4 +1,4 @@
-"""Fixtures of the client tests: an in-process fake server (unit tests)."""
+"""Fixtures of the client tests: an in-process fake server (unit tests), the real one (e2e)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 
 from ._fakes import FakeAttention, start_fake
+from ._server import RunningServer, require_server, start_server
 
 
 @pytest.fixture(scope="module")
@@ -24,3 +25,12 @@ def fake(fake_server: tuple[FakeAttention, str]) -> tuple[FakeAttention, str]:
     servicer, target = fake_server
     servicer.knobs = Knobs()
     return servicer, target
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[RunningServer]:
+    """The real server on the cpu backend (skips when attention_service is absent)."""
+    require_server()
+    running = start_server()
+    yield running
+    running.stop()
