@@ -1,0 +1,85 @@
+"""A short headless Locust run of loadtest/locustfile.py against the real server (cpu backend).
+
+Locust monkey-patches the standard library with gevent on import, so it only ever runs in a
+subprocess here, never inside the pytest process.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from ._helpers import REPO
+from .conftest import Server
+
+# Small shapes: the cpu backend is the torch reference on 2 cores.
+SMALL = {
+    "LOADTEST_HEADS": "4",
+    "LOADTEST_KV_HEADS": "2",
+    "LOADTEST_HEAD_DIM": "64",
+    "LOADTEST_PREFILL_LEN": "8:96",
+    "LOADTEST_PREFILL_BATCH": "3",
+    "LOADTEST_DECODE_CONTEXT": "16:256",
+    "LOADTEST_DECODE_BATCH": "4",
+    "LOADTEST_TIMEOUT": "30",
+}
+
+
+def _locust(host: str, run_time: str, csv_prefix: Path, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("LOADTEST_", "LOCUST_"))}
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(REPO / "loadtest" / "locustfile.py"),
+        "--headless",
+        "-u",
+        "4",
+        "-r",
+        "4",
+        "-t",
+        run_time,
+        "--host",
+        host,
+        "--csv",
+        str(csv_prefix),
+        "--only-summary",
+        "--stop-timeout",
+        "10",
+    ]
+    return subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=REPO, env={**clean, **SMALL, **env}
+    )
+
+
+def _rows(csv_prefix: Path) -> dict[str, dict[str, str]]:
+    with open(f"{csv_prefix}_stats.csv", newline="") as f:
+        return {row["Name"]: row for row in csv.DictReader(f)}
+
+
+def test_locust_run_has_no_failures(server: Server, tmp_path: Path) -> None:
+    prefix = tmp_path / "run"
+    res = _locust(server.target, "15s", prefix)
+    log = res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, log
+    rows = _rows(prefix)
+    total = rows["Aggregated"]
+    assert int(total["Request Count"]) > 0 and int(total["Failure Count"]) == 0, log
+    for name in ("Prefill", "Decode"):  # both tasks ran, and every call of each succeeded
+        assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0
+    assert float(rows["Prefill"]["Average Content Size"]) > 0  # response bytes were counted
+
+
+def test_locust_fails_the_process_on_failed_requests(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on: every call fails UNAVAILABLE
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    prefix = tmp_path / "dead"
+    res = _locust(dead, "3s", prefix, LOADTEST_WAIT="0.2:0.2", LOADTEST_TIMEOUT="2")
+    assert res.returncode != 0, res.stderr[-3000:]
+    assert int(_rows(prefix)["Aggregated"]["Failure Count"]) > 0
