@@ -15,7 +15,7 @@ from attention_client.pb import attention_pb2_grpc as pb_grpc
 from attention_service.backends import Cancelled
 from attention_service.config import ServerConfig
 from attention_service.errors import RequestError
-from attention_service.execution import Executor, Job
+from attention_service.execution import ExecStats, Executor, Job
 from attention_service.metrics import Metrics
 from attention_service.streams import (
     Request,
@@ -95,69 +95,91 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def _serve(
         self, rpc: str, requests: AsyncIterable[Request], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.AttentionResponse]:
-        t0 = time.perf_counter()
-        code, details = "OK", ""
-        bytes_in = bytes_out = tokens = flops = 0
-        queue_seconds: float | None = None
-        extra = ""
+        call = _CallRecord(rpc, context)
         self.tracker.enter()
         self._metrics.inflight.inc()
+        refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
             plan, tensors = await receive_request(
                 rpc, requests, self._config.max_request_bytes, self._alloc  # type: ignore[arg-type]
             )
-            bytes_in = plan.bytes_in
+            call.bytes_in = plan.bytes_in
             job = Job.from_plan(plan, tensors)
             del tensors
             run = self._executor.run_prefill if rpc == "Prefill" else self._executor.run_decode
             result = await run(job)
-            queue_seconds = result.stats.queue_seconds
+            call.queue_seconds = result.stats.queue_seconds
             for msg in response_messages(result, self._config.chunk_bytes):
-                bytes_out += len(msg.chunk.data)
+                call.bytes_out += len(msg.chunk.data)
                 yield msg
-            yield stats_message(result, bytes_in, bytes_out)
-            tokens, flops = plan.tokens, plan.flops
-            s = result.stats
-            extra = (
-                f" tokens={tokens} queue_ms={s.queue_seconds * 1e3:.3f}"
-                f" kernel_ms={s.kernel_seconds * 1e3:.3f} batch_requests={s.batch_requests}"
-            )
-        except RequestError as exc:
-            code, details = exc.code.name, exc.details
-            await context.abort(exc.code, exc.details)
-        except torch.OutOfMemoryError as exc:
-            code = "RESOURCE_EXHAUSTED"
-            details = f"device out of memory: {str(exc).splitlines()[0] if str(exc) else ''}"
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+            # Accounted before the last message, so it is done when the client sees OK.
+            call.ok(plan.tokens, plan.flops, result.stats)
+            self._finish(call)
+            yield stats_message(result, call.bytes_in, call.bytes_out)
+            return
         except (asyncio.CancelledError, GeneratorExit):
-            code = _gone_code(context)
+            call.code = _gone_code(context)
+            self._finish(call)
             raise
+        except RequestError as exc:
+            refusal = (exc.code, exc.details)
+        except torch.OutOfMemoryError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"device out of memory: {first}")
         except Cancelled:
-            code = _gone_code(context)
-            await context.abort(grpc.StatusCode[code], "call ended before its compute finished")
+            code = grpc.StatusCode[_gone_code(context)]
+            refusal = (code, "call ended before its compute finished")
         except ValueError as exc:
             # A kernel refused what validation let through: still the caller's input.
-            code, details = "INVALID_ARGUMENT", f"rejected by the kernel: {exc}"
             log.warning("validation gap: %s", exc)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
+            refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the kernel: {exc}")
         except Exception as exc:
-            code, details = "INTERNAL", f"internal error: {type(exc).__name__}: {exc}"
             log.exception("rpc=%s internal error", rpc)
-            await context.abort(grpc.StatusCode.INTERNAL, details)
-        finally:
-            seconds = time.perf_counter() - t0
-            self.tracker.leave()
-            self._metrics.inflight.dec()
-            self._metrics.observe_request(
-                rpc, code, seconds, bytes_in=bytes_in, bytes_out=bytes_out, tokens=tokens,
-                flops=flops, queue_seconds=queue_seconds,
-            )
-            line = (
-                f"rpc={rpc} code={code} duration_ms={seconds * 1e3:.3f} bytes_in={bytes_in} "
-                f"bytes_out={bytes_out}{extra} peer={context.peer()}"
-            )
-            if details:
-                line += f" details={details!r}"
-            log.log(logging.ERROR if code == "INTERNAL" else logging.INFO, line)
+            refusal = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        # Accounted before the status goes out, so metrics and logs are final when it arrives.
+        call.code, call.details = refusal[0].name, refusal[1]
+        self._finish(call)
+        await context.abort(*refusal)
+
+    def _finish(self, call: _CallRecord) -> None:
+        """Exactly once per compute call: release it, record metrics, write its log line."""
+        if call.finished:
+            return
+        call.finished = True
+        seconds = time.perf_counter() - call.t0
+        self.tracker.leave()
+        self._metrics.inflight.dec()
+        self._metrics.observe_request(
+            call.rpc, call.code, seconds, bytes_in=call.bytes_in, bytes_out=call.bytes_out,
+            tokens=call.tokens, flops=call.flops, queue_seconds=call.queue_seconds,
+        )
+        line = (
+            f"rpc={call.rpc} code={call.code} duration_ms={seconds * 1e3:.3f} "
+            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra} "
+            f"peer={call.peer}"
+        )
+        if call.details:
+            line += f" details={call.details!r}"
+        log.log(logging.ERROR if call.code == "INTERNAL" else logging.INFO, line)
+
+
+class _CallRecord:
+    """What one compute call did, for its metrics and log line."""
+
+    def __init__(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+        self.rpc = rpc
+        self.peer = context.peer()
+        self.t0 = time.perf_counter()
+        self.code, self.details, self.extra = "OK", "", ""
+        self.bytes_in = self.bytes_out = self.tokens = self.flops = 0
+        self.queue_seconds: float | None = None
+        self.finished = False
+
+    def ok(self, tokens: int, flops: int, stats: ExecStats) -> None:
+        self.tokens, self.flops = tokens, flops
+        self.extra = (
+            f" tokens={tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
+            f" kernel_ms={stats.kernel_seconds * 1e3:.3f} batch_requests={stats.batch_requests}"
+        )

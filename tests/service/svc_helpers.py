@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import math
 import threading
+import time
 import urllib.request
 from collections.abc import Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
@@ -219,3 +220,65 @@ def cu_from_lengths(lengths: list[int]) -> list[int]:
     for n in lengths:
         cu.append(cu[-1] + n)
     return cu
+
+
+class GatedBackend:
+    """The cpu backend behind a gate: launches wait until ``release`` is set, polling ``cancel``
+    so tests can see whether the server stops compute of a dead call."""
+
+    def __init__(self) -> None:
+        from attention_service.backends import CpuBackend
+
+        self._inner = CpuBackend()
+        self.name, self.device_name = self._inner.name, self._inner.device_name
+        self.alloc_host, self.memory = self._inner.alloc_host, self._inner.memory
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.saw_cancel = threading.Event()
+
+    def warmup(self) -> None:
+        self._inner.warmup()
+
+    def _gate(self, cancel: threading.Event) -> None:
+        from attention_service.backends import Cancelled
+
+        self.entered.set()
+        give_up = time.monotonic() + 30
+        while not self.release.is_set():
+            if cancel.is_set():
+                self.saw_cancel.set()
+                raise Cancelled()
+            if time.monotonic() > give_up:
+                raise RuntimeError("test gate never opened")
+            time.sleep(0.005)
+
+    def prefill(self, job, cancel):  # type: ignore[no-untyped-def]
+        self._gate(cancel)
+        return self._inner.prefill(job, cancel)
+
+    def decode(self, job, cancel):  # type: ignore[no-untyped-def]
+        self._gate(cancel)
+        return self._inner.decode(job, cancel)
+
+
+def small_prefill() -> list[pb.PrefillRequest]:
+    q, k, v = random_qkv(8, 8, 2, 1, 8, torch.float32)
+    return list(prefill_messages(q, k, v, [0, 3, 8]))
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def health_status(channel: grpc.Channel, service: str = "") -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    resp = health_pb2_grpc.HealthStub(channel).Check(
+        health_pb2.HealthCheckRequest(service=service), timeout=5
+    )
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)

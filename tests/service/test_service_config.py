@@ -1,0 +1,72 @@
+"""Flags, environment variables and defaults (docs/CONTRACTS.md table)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from attention_service.config import ServerConfig, build_parser, load_config
+
+CONTRACTS = Path(__file__).resolve().parents[2] / "docs" / "CONTRACTS.md"
+
+
+def test_defaults() -> None:
+    c = load_config([], {})
+    assert c == ServerConfig()
+    assert (c.host, c.port, c.device, c.metrics_port) == ("0.0.0.0", 50051, "auto", 8000)
+    assert (c.max_request_bytes, c.chunk_bytes) == (1 << 30, 1 << 20)
+    assert c.auth_token is None and c.tls_cert is None and c.tls_key is None
+    assert (c.grace_seconds, c.warmup, c.batching, c.max_queue_size) == (30.0, True, True, 1024)
+    assert c.log_level == "INFO"
+
+
+def test_env_then_flags_override() -> None:
+    env = {
+        "ATTENTION_PORT": "6000", "ATTENTION_DEVICE": "cpu", "ATTENTION_METRICS_PORT": "-1",
+        "ATTENTION_MAX_REQUEST_BYTES": "1000", "ATTENTION_CHUNK_BYTES": "4096",
+        "ATTENTION_AUTH_TOKEN": "t", "ATTENTION_GRACE_SECONDS": "2.5", "ATTENTION_WARMUP": "0",
+        "ATTENTION_BATCHING": "false", "ATTENTION_MAX_BATCH_TOKENS": "8192",
+        "ATTENTION_MAX_QUEUE_DELAY_MS": "1.5", "ATTENTION_MAX_QUEUE_SIZE": "7",
+        "ATTENTION_LOG_LEVEL": "DEBUG", "ATTENTION_HOST": "127.0.0.1",
+    }
+    c = load_config([], env)
+    assert (c.port, c.device, c.metrics_port, c.max_request_bytes) == (6000, "cpu", -1, 1000)
+    assert (c.chunk_bytes, c.auth_token, c.grace_seconds, c.warmup) == (4096, "t", 2.5, False)
+    assert (c.batching, c.max_batch_tokens, c.max_queue_delay_ms) == (False, 8192, 1.5)
+    assert (c.max_queue_size, c.log_level, c.host) == (7, "DEBUG", "127.0.0.1")
+    c = load_config(["--port", "7000", "--warmup", "--batching", "--auth-token", "u"], env)
+    assert (c.port, c.warmup, c.batching, c.auth_token) == (7000, True, True, "u")
+    assert load_config(["--no-warmup"], {}).warmup is False
+
+
+def test_empty_env_means_unset() -> None:
+    assert load_config([], {"ATTENTION_AUTH_TOKEN": ""}).auth_token is None
+
+
+@pytest.mark.parametrize(
+    "argv,env",
+    [
+        (["--device", "tpu"], {}),
+        (["--chunk-bytes", "0"], {}),
+        (["--chunk-bytes", str(8 << 20)], {}),  # would break the peer's 4 MiB default limit
+        (["--tls-cert", "c.pem"], {}),  # cert without key
+        (["--metrics-port", "-2"], {}),
+        ([], {"ATTENTION_WARMUP": "maybe"}),
+        ([], {"ATTENTION_PORT": "http"}),
+    ],
+)
+def test_invalid_values_rejected(argv: list[str], env: dict[str, str]) -> None:
+    with pytest.raises(ValueError):
+        load_config(argv, env)
+
+
+def test_every_contract_flag_and_env_exists() -> None:
+    help_text = build_parser().format_help()
+    rows = [ln for ln in CONTRACTS.read_text().splitlines() if ln.startswith("| `--")]
+    assert len(rows) >= 15
+    for row in rows:
+        for flag in re.findall(r"`(--[\w-]+)`", row.split("|")[1]):
+            assert flag in help_text, flag
+        for env in re.findall(r"`(ATTENTION_\w+)`", row.split("|")[2]):
+            assert env in help_text, env

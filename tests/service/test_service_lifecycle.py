@@ -1,0 +1,181 @@
+"""Deadlines, cancellation, device OOM, health, reflection and in-process draining."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+import pytest
+import torch
+from attention_client.pb import attention_pb2 as pb
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from .svc_helpers import (
+    GatedBackend,
+    health_status,
+    small_prefill,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _idle(srv) -> bool:  # type: ignore[no-untyped-def]
+    return srv.server.servicer.tracker.inflight == 0 and srv.server.executor.queue_depth(
+        "Prefill"
+    ) == 0
+
+
+def _header_then_wait(msgs, release: threading.Event):  # type: ignore[no-untyped-def]
+    yield msgs[0]
+    release.wait(20)
+    yield from msgs[1:]
+
+
+def test_deadline_during_compute_stops_it(start_server) -> None:  # type: ignore[no-untyped-def]
+    backend = GatedBackend()
+    srv = start_server(backend=backend, metrics_port=0)
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Prefill(iter(small_prefill()), timeout=0.5))
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert backend.saw_cancel.wait(10), "compute kept running for a dead call"
+    assert wait_until(lambda: _idle(srv))
+    backend.release.set()
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+    assert health_status(srv.channel()) == "SERVING"
+
+
+def test_deadline_while_receiving(server) -> None:  # type: ignore[no-untyped-def]
+    release = threading.Event()
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            list(server.stub().Prefill(_header_then_wait(small_prefill(), release), timeout=0.5))
+    finally:
+        release.set()
+    assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until(lambda: _idle(server))
+
+
+def test_client_cancel_during_compute(start_server) -> None:  # type: ignore[no-untyped-def]
+    backend = GatedBackend()
+    srv = start_server(backend=backend, metrics_port=0)
+    call = srv.stub().Prefill(iter(small_prefill()), timeout=30)
+    assert backend.entered.wait(10)
+    call.cancel()
+    assert backend.saw_cancel.wait(10), "compute kept running for a cancelled call"
+    assert wait_until(lambda: _idle(srv))
+    assert wait_until(
+        lambda: srv.scrape()["attention_inflight_requests"].samples[0].value == 0
+    )
+    backend.release.set()
+    assert health_status(srv.channel()) == "SERVING"
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+    codes = {
+        s.labels["code"] for s in srv.scrape()["attention_requests"].samples
+        if s.name == "attention_requests_total" and s.value > 0
+    }
+    assert {"CANCELLED", "OK"} <= codes
+
+
+def test_client_cancel_while_receiving(server) -> None:  # type: ignore[no-untyped-def]
+    release = threading.Event()
+    call = server.stub().Prefill(_header_then_wait(small_prefill(), release), timeout=30)
+    assert wait_until(lambda: server.server.servicer.tracker.inflight == 1)
+    call.cancel()
+    release.set()
+    assert wait_until(lambda: _idle(server))
+    assert health_status(server.channel()) == "SERVING"
+
+
+def test_device_oom_is_resource_exhausted(start_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server()
+    real = srv.server.backend.prefill
+    calls = []
+
+    def oom_once(job, cancel):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(job, cancel)
+
+    monkeypatch.setattr(srv.server.backend, "prefill", oom_once)
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Prefill(iter(small_prefill()), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "out of memory" in info.value.details()
+    # The server keeps serving.
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+    assert health_status(srv.channel()) == "SERVING"
+
+
+def test_unexpected_backend_error_is_internal(start_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server()
+
+    def boom(job, cancel):  # type: ignore[no-untyped-def]
+        raise RuntimeError("kaboom")
+
+    monkeypatch.setattr(srv.server.backend, "decode", boom)
+    q = torch.zeros(1, 2, 8)
+    from .svc_helpers import decode_messages
+
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Decode(decode_messages(q, q, q, [0, 1]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert "kaboom" in info.value.details()
+
+
+def test_health_serving(server) -> None:  # type: ignore[no-untyped-def]
+    ch = server.channel()
+    assert health_status(ch) == "SERVING"
+    assert health_status(ch, "attention.v1.AttentionService") == "SERVING"
+    with pytest.raises(grpc.RpcError) as info:
+        health_status(ch, "no.such.Service")
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_reflection_lists_services(server) -> None:  # type: ignore[no-untyped-def]
+    stub = reflection_pb2_grpc.ServerReflectionStub(server.channel())
+    req = reflection_pb2.ServerReflectionRequest(list_services="")
+    names = set()
+    for resp in stub.ServerReflectionInfo(iter([req]), timeout=5):
+        names |= {s.name for s in resp.list_services_response.service}
+    assert {
+        "attention.v1.AttentionService", "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    } <= names
+    req = reflection_pb2.ServerReflectionRequest(
+        file_containing_symbol="attention.v1.AttentionService"
+    )
+    resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=5)))
+    assert resp.file_descriptor_response.file_descriptor_proto
+
+
+def test_server_info(server) -> None:  # type: ignore[no-untyped-def]
+    info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
+    assert (info.device, info.backend) == ("cpu", "cpu")
+    assert set(info.dtypes) == {pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32}
+    assert list(info.head_dims) == list(range(8, 257, 8))
+    assert info.max_request_bytes == 1 << 30 and info.chunk_bytes == 64 * 1024
+    assert info.max_message_bytes == 4 * 1024 * 1024
+    assert info.server_version and info.torch_version == torch.__version__
+    assert info.cuda_version == "" and info.batching is False
+
+
+def test_drain_in_process(start_server) -> None:  # type: ignore[no-untyped-def]
+    """stop(grace): NOT_SERVING at once, new calls refused, the in-flight call completes."""
+    backend = GatedBackend()
+    srv = start_server(backend=backend)
+    inflight = srv.stub().Prefill(iter(small_prefill()), timeout=30)
+    assert backend.entered.wait(10)
+    stopping = asyncio.run_coroutine_threadsafe(srv.server.stop(20), srv.loop)
+    ch = srv.channel()
+    assert wait_until(lambda: health_status(ch) == "NOT_SERVING")
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Prefill(iter(small_prefill()), timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "shutting down" in info.value.details()
+    backend.release.set()
+    resp = list(inflight)
+    assert resp[-1].HasField("stats")
+    stopping.result(20)

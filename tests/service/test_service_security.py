@@ -1,0 +1,96 @@
+"""Bearer-token auth (health stays open) and TLS with a self-signed certificate."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import grpc
+import pytest
+from attention_client.pb import attention_pb2 as pb
+from attention_client.pb import attention_pb2_grpc as pb_grpc
+
+from .svc_helpers import health_status, small_prefill
+
+pytestmark = pytest.mark.timeout(60)
+TOKEN = "s3cret-token"
+
+
+def _prefill(stub, metadata=None):  # type: ignore[no-untyped-def]
+    return list(stub.Prefill(iter(small_prefill()), timeout=10, metadata=metadata))
+
+
+@pytest.fixture(scope="module")
+def auth_server():  # type: ignore[no-untyped-def]
+    from .svc_helpers import ServerHandle, make_config
+
+    handle = ServerHandle(make_config(auth_token=TOKEN, metrics_port=0))
+    yield handle
+    handle.close()
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [None, [("authorization", "Bearer wrong")], [("authorization", TOKEN)],
+     [("x-token", f"Bearer {TOKEN}")]],
+    ids=["none", "wrong_token", "no_bearer_prefix", "other_key"],
+)
+def test_auth_refuses_calls_without_the_token(auth_server, metadata) -> None:  # type: ignore[no-untyped-def]
+    stub = auth_server.stub()
+    with pytest.raises(grpc.RpcError) as info:
+        _prefill(stub, metadata)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "authorization" in info.value.details()
+    with pytest.raises(grpc.RpcError) as info:
+        stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5, metadata=metadata)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_auth_accepts_the_token(auth_server) -> None:  # type: ignore[no-untyped-def]
+    stub = auth_server.stub()
+    md = [("authorization", f"Bearer {TOKEN}")]
+    assert _prefill(stub, md)[-1].HasField("stats")
+    assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5, metadata=md).backend == "cpu"
+    families = auth_server.scrape()
+    refused = sum(
+        s.value for s in families["attention_requests"].samples
+        if s.name == "attention_requests_total" and s.labels["code"] == "UNAUTHENTICATED"
+    )
+    assert refused >= 1
+
+
+def test_health_is_open_without_token(auth_server) -> None:  # type: ignore[no-untyped-def]
+    assert health_status(auth_server.channel()) == "SERVING"
+
+
+def test_no_token_configured_means_open(server) -> None:  # type: ignore[no-untyped-def]
+    assert _prefill(server.stub())[-1].HasField("stats")
+    assert _prefill(server.stub(), [("authorization", "Bearer anything")])[-1].HasField("stats")
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not available")
+    key, cert = tmp / "key.pem", tmp / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+         "-nodes", "-keyout", str(key), "-out", str(cert), "-days", "1", "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"],
+        check=True, capture_output=True, timeout=30,
+    )
+    return cert, key
+
+
+def test_tls(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cert, key = _self_signed(tmp_path)
+    srv = start_server(tls_cert=str(cert), tls_key=str(key), auth_token=TOKEN)
+    creds = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    channel = srv.channel(creds)
+    assert health_status(channel) == "SERVING"
+    stub = pb_grpc.AttentionServiceStub(channel)
+    assert _prefill(stub, [("authorization", f"Bearer {TOKEN}")])[-1].HasField("stats")
+    # A plaintext client cannot talk to a TLS server.
+    with pytest.raises(grpc.RpcError) as info:
+        health_status(srv.channel())
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,129 @@
+"""The real entry point: ``python -m attention_service``, SIGTERM with a call in flight."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from attention_client.pb import attention_pb2_grpc as pb_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from .svc_helpers import health_status, small_prefill, wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class ServerProcess:
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", "0",
+             "--device", "cpu", "--no-batching", *args],
+            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line.rstrip())
+
+    def port(self, what: str, timeout: float = 60) -> int:
+        pattern = re.compile(rf"{what} on port (\d+)")
+        found: list[int] = []
+
+        def scan() -> bool:
+            found.extend(int(m.group(1)) for ln in self.lines if (m := pattern.search(ln)))
+            return bool(found) or self.proc.poll() is not None
+
+        wait_until(scan, timeout)
+        assert found, f"no '{what} on port' line; log:\n" + "\n".join(self.lines)
+        return found[0]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def _inflight(metrics_port: int) -> float:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return families["attention_inflight_requests"].samples[0].value
+
+
+@pytest.fixture
+def server_process() -> Iterator[type[ServerProcess]]:
+    procs: list[ServerProcess] = []
+
+    class Tracked(ServerProcess):
+        def __init__(self, *args: str) -> None:
+            super().__init__(*args)
+            procs.append(self)
+
+    yield Tracked
+    for p in procs:
+        p.kill()
+
+
+def test_sigterm_drains_in_flight_call_and_exits_0(server_process) -> None:  # type: ignore[no-untyped-def]
+    srv = server_process("--metrics-port", "0", "--grace-seconds", "30")
+    port = srv.port("listening")
+    metrics_port = srv.port("metrics")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    stub = pb_grpc.AttentionServiceStub(channel)
+    assert health_status(channel) == "SERVING"
+
+    # A slow call: the client holds back its bytes until after SIGTERM.
+    msgs, release, sent_header = small_prefill(), threading.Event(), threading.Event()
+
+    def slow_stream():  # type: ignore[no-untyped-def]
+        yield msgs[0]
+        sent_header.set()
+        release.wait(30)
+        yield from msgs[1:]
+
+    inflight = stub.Prefill(slow_stream(), timeout=60)
+    assert sent_header.wait(10)
+    assert wait_until(lambda: _inflight(metrics_port) == 1)  # the handler has the call
+    srv.proc.send_signal(signal.SIGTERM)
+
+    assert wait_until(lambda: health_status(channel) == "NOT_SERVING")
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Prefill(iter(small_prefill()), timeout=5))
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+    release.set()
+    responses = list(inflight)
+    assert responses[-1].HasField("stats")
+    assert srv.proc.wait(30) == 0
+    channel.close()
+    log = "\n".join(srv.lines)
+    assert "rpc=Prefill code=OK" in log and "shutting down" in log
+
+
+def test_sigint_idle_server_exits_0(server_process) -> None:  # type: ignore[no-untyped-def]
+    srv = server_process("--metrics-port", "-1", "--no-warmup")
+    srv.port("listening")
+    srv.proc.send_signal(signal.SIGINT)
+    assert srv.proc.wait(30) == 0
+    assert not any("metrics on port" in ln for ln in srv.lines)
+
+
+def test_bad_flag_value_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "attention_service", "--device", "tpu"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2
+    assert "device" in proc.stderr
