@@ -16,17 +16,17 @@ log = logging.getLogger("attention_service")
 async def serve(config: ServerConfig) -> int:
     from attention_service.server import create_server  # after logging is configured
 
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    for sig in signals:  # before start-up, so a signal during warm-up still exits cleanly
+        loop.add_signal_handler(sig, stop.set)
     server, port = await create_server(config)
     # Parseable lines: tests and scripts read the bound ports from them.
     log.info("listening on port %d (backend %s, device %s)", port, server.backend.name,
              server.backend.device_name)
     if server.metrics_port is not None:
         log.info("metrics on port %d", server.metrics_port)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = (signal.SIGTERM, signal.SIGINT)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining in-flight calls for up to %.1fs", config.grace_seconds)
     drain = asyncio.ensure_future(server.stop(config.grace_seconds))

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from attention_service.backends import Backend, Cancelled, LaunchOutput
+from attention_service.errors import exhausted
 
 if TYPE_CHECKING:
     from attention_service.config import ServerConfig
@@ -108,8 +109,12 @@ class DirectExecutor:
 
     batching = False
 
-    def __init__(self, backend: Backend, observer: LaunchObserver | None = None) -> None:
+    def __init__(
+        self, backend: Backend, observer: LaunchObserver | None = None,
+        max_queue_size: int = 1024,
+    ) -> None:
         self.backend = backend
+        self.max_queue_size = max_queue_size
         self._observer = observer or _NullObserver()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="attention-compute")
         self._lock = threading.Lock()
@@ -137,6 +142,10 @@ class DirectExecutor:
         job.submitted_at = time.perf_counter()
         ticket = [False]  # dequeued yet?
         with self._lock:
+            if sum(self._queued.values()) >= self.max_queue_size:
+                raise exhausted(
+                    "queue", f"{self.max_queue_size} requests already wait for the device"
+                )
             self._queued[job.rpc] += 1
         loop = asyncio.get_running_loop()
         try:
@@ -181,4 +190,4 @@ def make_executor(
                         "serving one request per launch")
         else:
             return BatchingExecutor(backend, config, observer)  # type: ignore[no-any-return]
-    return DirectExecutor(backend, observer)
+    return DirectExecutor(backend, observer, max_queue_size=config.max_queue_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterable, Iterator
 
 import torch
@@ -35,7 +36,8 @@ async def receive_request(
         plan = validate_prefill_header(first.header, max_request_bytes)
     else:
         plan = validate_decode_header(first.header, max_request_bytes)
-    assembler = InputAssembler(plan, alloc)
+    # Off the event loop: pinning a large host buffer can take a while.
+    assembler = await asyncio.to_thread(InputAssembler, plan, alloc)
     assembler.add(first.chunks)
     async for msg in it:
         if msg.HasField("header"):

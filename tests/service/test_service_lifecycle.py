@@ -179,3 +179,18 @@ def test_drain_in_process(start_server) -> None:  # type: ignore[no-untyped-def]
     resp = list(inflight)
     assert resp[-1].HasField("stats")
     stopping.result(20)
+
+
+def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore[no-untyped-def]
+    backend = GatedBackend()
+    srv = start_server(backend=backend, max_queue_size=1)
+    running = srv.stub().Prefill(iter(small_prefill()), timeout=30)
+    assert backend.entered.wait(10)  # first call holds the device
+    queued = srv.stub().Prefill(iter(small_prefill()), timeout=30)
+    assert wait_until(lambda: srv.server.executor.queue_depth("Prefill") == 1)
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Prefill(iter(small_prefill()), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue" in info.value.details()
+    backend.release.set()
+    assert list(running)[-1].HasField("stats") and list(queued)[-1].HasField("stats")

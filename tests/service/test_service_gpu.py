@@ -1,0 +1,74 @@
+"""The cuda backend end to end (Triton kernels); skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from attention_client.pb import attention_pb2 as pb
+
+from .svc_helpers import (
+    TOLERANCE,
+    ServerHandle,
+    collect,
+    cu_from_lengths,
+    decode_messages,
+    decode_oracle,
+    make_config,
+    prefill_messages,
+    prefill_oracle,
+    random_qkv,
+    sample,
+)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+
+
+@pytest.fixture(scope="module")
+def gpu_server():  # type: ignore[no-untyped-def]
+    handle = ServerHandle(make_config(device="cuda", metrics_port=0))
+    yield handle
+    handle.close()
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    # The kernels accumulate in float32 like the cpu backend, in a different order.
+    tol = 2 * TOLERANCE[dtype]
+    torch.testing.assert_close(actual.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_prefill_on_gpu(gpu_server, dtype) -> None:  # type: ignore[no-untyped-def]
+    len_q, len_k = [3, 40, 1, 17], [9, 40, 0, 30]
+    cu_q, cu_k = cu_from_lengths(len_q), cu_from_lengths(len_k)
+    q, k, v = random_qkv(cu_q[-1], cu_k[-1], 8, 2, 128, dtype)
+    resp = collect(gpu_server.stub().Prefill(
+        prefill_messages(q, k, v, cu_q, cu_k, causal=True, return_lse=True), timeout=120))
+    out_ref, lse_ref = prefill_oracle(q, k, v, cu_q, cu_k, causal=True)
+    _close(resp.out, out_ref, dtype)
+    assert resp.lse is not None
+    torch.testing.assert_close(resp.lse.double(), lse_ref.double(), atol=1e-3, rtol=1e-3)
+    s = resp.stats
+    assert s.kernel_seconds > 0 and s.h2d_seconds > 0 and s.d2h_seconds > 0
+
+
+@pytest.mark.parametrize("num_splits", [0, 1, 4])
+def test_decode_on_gpu(gpu_server, num_splits) -> None:  # type: ignore[no-untyped-def]
+    len_k = [100, 0, 513, 7]
+    cu_k = cu_from_lengths(len_k)
+    q, k, v = random_qkv(len(len_k), cu_k[-1], 16, 4, 64, torch.bfloat16)
+    resp = collect(gpu_server.stub().Decode(
+        decode_messages(q, k, v, cu_k, num_splits=num_splits, return_lse=True), timeout=120))
+    out_ref, lse_ref = decode_oracle(q, k, v, cu_k)
+    _close(resp.out, out_ref, torch.bfloat16)
+    assert resp.lse is not None
+    torch.testing.assert_close(resp.lse.double(), lse_ref.double(), atol=1e-3, rtol=1e-3)
+
+
+def test_gpu_server_info_and_metrics(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    info = gpu_server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.backend == "cuda" and info.device == torch.cuda.get_device_name()
+    assert info.cuda_version == torch.version.cuda and info.triton_version
+    families = gpu_server.scrape()
+    reserved = "attention_gpu_memory_reserved_bytes"
+    assert sample(families, reserved, reserved) > 0
+    assert families["attention_device_info"].samples[0].labels["backend"] == "cuda"
