@@ -1,8 +1,8 @@
 """Response assembler: OUT/LSE row slices -> preallocated arrays, with every row checked.
 
-Each slice is copied straight from the message bytes into its rows of the final array (one
-copy). Every row must arrive exactly once and the stream must end with RequestStats; anything
-else raises ProtocolError rather than returning a silently wrong tensor.
+Each slice (parsed by _wire without copying its bytes) is copied straight into its rows of the
+final array: the one copy on the client. Every row must arrive exactly once and the stream must
+end with RequestStats; anything else raises ProtocolError, never a silently wrong tensor.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import numpy as np
 
 from attention_client._errors import ProtocolError
 from attention_client._tensors import dtype_name, storage_dtype
+from attention_client._wire import OutputSlice
 from attention_client.pb import attention_pb2 as pb
 
 
@@ -29,11 +30,10 @@ class _Target:
         self.bytes = self.array.reshape(-1).view(np.uint8).reshape(self.rows, self.row_bytes)
         self.seen = np.zeros(self.rows, dtype=bool)
 
-    def add(self, chunk: pb.OutputChunk, method: str) -> None:
-        spec_shape = tuple(chunk.spec.shape)
-        if chunk.spec.dtype != self.wire_dtype or spec_shape != self.shape:
+    def add(self, chunk: OutputSlice, method: str) -> None:
+        if chunk.dtype != self.wire_dtype or chunk.shape != self.shape:
             raise ProtocolError(
-                f"{self.name} chunk has spec {dtype_name(chunk.spec.dtype)}{list(spec_shape)}, "
+                f"{self.name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
                 f"expected {dtype_name(self.wire_dtype)}{list(self.shape)}",
                 method,
             )
@@ -42,9 +42,10 @@ class _Target:
             raise ProtocolError(
                 f"{self.name} rows [{start}, {start + count}) outside [0, {self.rows})", method
             )
-        if len(chunk.data) != count * self.row_bytes:
+        data = chunk.data
+        if len(data) != count * self.row_bytes:
             raise ProtocolError(
-                f"{self.name} rows [{start}, {start + count}) carry {len(chunk.data)} bytes, "
+                f"{self.name} rows [{start}, {start + count}) carry {len(data)} bytes, "
                 f"expected {count * self.row_bytes}",
                 method,
             )
@@ -54,7 +55,7 @@ class _Target:
             )
         self.seen[start : start + count] = True
         if count:
-            self.bytes[start : start + count] = np.frombuffer(chunk.data, np.uint8).reshape(
+            self.bytes[start : start + count] = np.frombuffer(data, np.uint8).reshape(
                 count, self.row_bytes
             )
 
@@ -69,12 +70,17 @@ class _Target:
         )
 
 
+def _name(dtype: int) -> str:
+    return dtype_name(dtype) if dtype in pb.DType.values() else f"dtype {dtype}"
+
+
 def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
     return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
 
 
 class ResponseAssembler:
-    """Feed every AttentionResponse to ``add``; ``finish`` returns (out, lse, stats)."""
+    """Feed every parsed response (``_wire.parse_response``) to ``add``; ``finish`` returns
+    (out, lse, stats)."""
 
     def __init__(
         self,
@@ -89,16 +95,15 @@ class ResponseAssembler:
             self._targets[pb.LSE] = _Target("LSE", lse_shape, pb.FLOAT32)
         self._stats: pb.RequestStats | None = None
 
-    def add(self, response: pb.AttentionResponse) -> None:
+    def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
         if self._stats is not None:
             raise ProtocolError("message after the final RequestStats", self.method)
-        kind = response.WhichOneof("payload")
-        if kind == "stats":
-            self._stats = response.stats
+        if isinstance(response, pb.RequestStats):
+            self._stats = response
             return
-        if kind != "chunk":
+        if response is None:
             raise ProtocolError("response message with no payload", self.method)
-        chunk = response.chunk
+        chunk = response
         target = self._targets.get(chunk.field)
         if target is None:
             raise ProtocolError(

@@ -14,6 +14,7 @@ from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._requests import DECODE, PREFILL, PreparedRequest
 from attention_client._responses import server_info_dict
+from attention_client._wire import parse_response
 from attention_client.pb import attention_pb2 as pb
 
 
@@ -52,13 +53,13 @@ class AttentionClient(ClientBase):
         if interceptors:
             channel = grpc.intercept_channel(channel, *interceptors)
         self._channel = channel
-        # Requests are pre-serialized bytes (see _chunks): no request serializer.
+        # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
         self._streams = {
             PREFILL: channel.stream_stream(
-                PREFILL_METHOD, response_deserializer=pb.AttentionResponse.FromString
+                PREFILL_METHOD, response_deserializer=parse_response
             ),
             DECODE: channel.stream_stream(
-                DECODE_METHOD, response_deserializer=pb.AttentionResponse.FromString
+                DECODE_METHOD, response_deserializer=parse_response
             ),
         }
         self._info = channel.unary_unary(

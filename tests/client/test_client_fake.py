@@ -217,8 +217,16 @@ def test_bad_arguments():
 def test_async_client(fake):
     servicer, target = fake
 
+    seen = []
+
+    class Tag(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, details, request_iterator):
+            method = details.method
+            seen.append(method.decode() if isinstance(method, bytes) else method)
+            return await continuation(details, request_iterator)
+
     async def main():
-        async with AsyncAttentionClient(target, token="t") as client:
+        async with AsyncAttentionClient(target, token="t", interceptors=[Tag()]) as client:
             q = torch.randn(2, 6, 4, 16).to(torch.bfloat16)
             outs = await asyncio.gather(*[client.attention(q, q, q) for _ in range(4)])
             out, lse = await client.decode(_np(3, 4, 16), _np(5, 2, 16), _np(5, 2, 16),
@@ -236,6 +244,8 @@ def test_async_client(fake):
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue full" in str(err)
     assert servicer.knobs.metadata[0]["authorization"] == "Bearer t"
     assert stats["batch_requests"] == 1
+    assert seen.count("/attention.v1.AttentionService/Prefill") == 5
+    assert seen.count("/attention.v1.AttentionService/Decode") == 1
 
 
 def test_async_errors(fake):

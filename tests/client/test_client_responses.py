@@ -7,9 +7,15 @@ import numpy as np
 import pytest
 from attention_client import AttentionError, ProtocolError
 from attention_client._responses import ResponseAssembler, server_info_dict
+from attention_client._wire import parse_response
 from attention_client.pb import attention_pb2 as pb
 
 SHAPE = (10, 2, 8)
+
+
+def feed(asm: ResponseAssembler, msg: pb.AttentionResponse) -> None:
+    """Through the wire, as the clients do: serialize, then the client's own parser."""
+    asm.add(parse_response(msg.SerializeToString()))
 
 
 def _out_chunk(arr, start, count, *, shape=SHAPE, dtype=pb.FLOAT16, field=pb.OUT):
@@ -34,10 +40,10 @@ def test_out_of_order_slices_and_lse():
     lse = np.arange(2 * 10, dtype=np.float32).reshape(2, 10)
     asm = ResponseAssembler("Prefill", SHAPE, pb.FLOAT16, (2, 10))
     for start, count in [(7, 3), (0, 4), (4, 3)]:
-        asm.add(_out_chunk(out, start, count))
-    asm.add(_out_chunk(lse, 1, 1, shape=(2, 10), dtype=pb.FLOAT32, field=pb.LSE))
-    asm.add(_out_chunk(lse, 0, 1, shape=(2, 10), dtype=pb.FLOAT32, field=pb.LSE))
-    asm.add(_stats())
+        feed(asm, _out_chunk(out, start, count))
+    feed(asm, _out_chunk(lse, 1, 1, shape=(2, 10), dtype=pb.FLOAT32, field=pb.LSE))
+    feed(asm, _out_chunk(lse, 0, 1, shape=(2, 10), dtype=pb.FLOAT32, field=pb.LSE))
+    feed(asm, _stats())
     got, got_lse, stats = asm.finish()
     assert np.array_equal(got, out) and np.array_equal(got_lse, lse)
     assert stats["bytes_in"] == 7 and stats["batch_requests"] == 3 and stats["kernel_seconds"] == 0
@@ -46,8 +52,8 @@ def test_out_of_order_slices_and_lse():
 def test_bf16_storage_is_raw_bits():
     bits = np.arange(np.prod(SHAPE), dtype=np.int16).reshape(SHAPE)
     asm = ResponseAssembler("Prefill", SHAPE, pb.BFLOAT16, None)
-    asm.add(_out_chunk(bits, 0, 10, dtype=pb.BFLOAT16))
-    asm.add(_stats())
+    feed(asm, _out_chunk(bits, 0, 10, dtype=pb.BFLOAT16))
+    feed(asm, _stats())
     got, lse, _ = asm.finish()
     assert got.dtype == np.int16 and np.array_equal(got, bits) and lse is None
 
@@ -55,9 +61,9 @@ def test_bf16_storage_is_raw_bits():
 def test_missing_rows_detected():
     out = _expected()
     asm = ResponseAssembler("Prefill", SHAPE, pb.FLOAT16, None)
-    asm.add(_out_chunk(out, 0, 4))
-    asm.add(_out_chunk(out, 6, 4))
-    asm.add(_stats())
+    feed(asm, _out_chunk(out, 0, 4))
+    feed(asm, _out_chunk(out, 6, 4))
+    feed(asm, _stats())
     with pytest.raises(ProtocolError, match=r"OUT is missing 2 of 10 rows \(first missing row 4"):
         asm.finish()
 
@@ -65,8 +71,8 @@ def test_missing_rows_detected():
 def test_missing_lse_detected():
     out = _expected()
     asm = ResponseAssembler("Decode", SHAPE, pb.FLOAT16, (10, 2))
-    asm.add(_out_chunk(out, 0, 10))
-    asm.add(_stats())
+    feed(asm, _out_chunk(out, 0, 10))
+    feed(asm, _stats())
     with pytest.raises(ProtocolError, match="LSE is missing 10 of 10 rows"):
         asm.finish()
 
@@ -74,9 +80,9 @@ def test_missing_lse_detected():
 def test_duplicate_rows_detected():
     out = _expected()
     asm = ResponseAssembler("Prefill", SHAPE, pb.FLOAT16, None)
-    asm.add(_out_chunk(out, 0, 5))
+    feed(asm, _out_chunk(out, 0, 5))
     with pytest.raises(ProtocolError, match="rows \\[4, 6\\) arrived more than once"):
-        asm.add(_out_chunk(out, 4, 2))
+        feed(asm, _out_chunk(out, 4, 2))
 
 
 @pytest.mark.parametrize(
@@ -88,7 +94,7 @@ def test_rows_out_of_range(start, count, match):
     chunk = _out_chunk(_expected(), 0, 0)
     chunk.chunk.row_start, chunk.chunk.row_count = start, count
     with pytest.raises(ProtocolError, match=match):
-        asm.add(chunk)
+        feed(asm, chunk)
 
 
 def test_wrong_byte_count_spec_and_field():
@@ -97,33 +103,33 @@ def test_wrong_byte_count_spec_and_field():
     bad = _out_chunk(out, 0, 2)
     bad.chunk.data = bad.chunk.data[:-1]
     with pytest.raises(ProtocolError, match="carry 63 bytes, expected 64"):
-        asm.add(bad)
+        feed(asm, bad)
     with pytest.raises(ProtocolError, match="spec FLOAT32\\[10, 2, 8\\], expected FLOAT16"):
-        asm.add(_out_chunk(out, 0, 2, dtype=pb.FLOAT32))
+        feed(asm, _out_chunk(out, 0, 2, dtype=pb.FLOAT32))
     with pytest.raises(ProtocolError, match="expected FLOAT16\\[10, 2, 8\\]"):
-        asm.add(_out_chunk(out, 0, 2, shape=(10, 16)))
+        feed(asm, _out_chunk(out, 0, 2, shape=(10, 16)))
     with pytest.raises(ProtocolError, match="unexpected output field LSE"):
-        asm.add(_out_chunk(out, 0, 2, field=pb.LSE))
+        feed(asm, _out_chunk(out, 0, 2, field=pb.LSE))
     with pytest.raises(ProtocolError, match="unknown output field 9"):
-        asm.add(_out_chunk(out, 0, 2, field=9))
+        feed(asm, _out_chunk(out, 0, 2, field=9))
     with pytest.raises(ProtocolError, match="no payload"):
-        asm.add(pb.AttentionResponse())
+        feed(asm, pb.AttentionResponse())
 
 
 def test_stats_must_be_last_and_present():
     out = _expected()
     asm = ResponseAssembler("Prefill", SHAPE, pb.FLOAT16, None)
-    asm.add(_out_chunk(out, 0, 10))
+    feed(asm, _out_chunk(out, 0, 10))
     with pytest.raises(ProtocolError, match="ended without RequestStats"):
         asm.finish()
-    asm.add(_stats())
+    feed(asm, _stats())
     with pytest.raises(ProtocolError, match="after the final RequestStats"):
-        asm.add(_out_chunk(out, 0, 1))
+        feed(asm, _out_chunk(out, 0, 1))
 
 
 def test_empty_output_needs_no_chunks():
     asm = ResponseAssembler("Prefill", (0, 2, 8), pb.FLOAT32, (2, 0))
-    asm.add(_stats())
+    feed(asm, _stats())
     out, lse, _ = asm.finish()
     assert out.shape == (0, 2, 8) and lse.shape == (2, 0)
 

@@ -1,0 +1,70 @@
+"""The hand-written response parser agrees with protobuf's, on valid and odd messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from attention_client._chunks import varint
+from attention_client._wire import OutputSlice, WireError, parse_response
+from attention_client.pb import attention_pb2 as pb
+
+
+def _chunk(**kw) -> pb.AttentionResponse:
+    return pb.AttentionResponse(chunk=pb.OutputChunk(**kw))
+
+
+@pytest.mark.parametrize(
+    "msg",
+    [
+        _chunk(field=pb.OUT, spec=pb.TensorSpec(dtype=pb.BFLOAT16, shape=[7, 3, 64]),
+               row_start=5, row_count=2, data=np.random.default_rng(0).bytes(768)),
+        _chunk(field=pb.LSE, spec=pb.TensorSpec(dtype=pb.FLOAT32, shape=[3, 2**40]),
+               row_start=2**40 - 1, row_count=1, data=b"\x00" * 4),
+        _chunk(field=pb.OUT, row_start=-3, row_count=-1),  # negative int64: 10-byte varints
+        _chunk(),  # all defaults: an empty chunk is still a chunk
+    ],
+)
+def test_chunk_matches_protobuf(msg):
+    got = parse_response(msg.SerializeToString())
+    c = msg.chunk
+    assert isinstance(got, OutputSlice)
+    assert (got.field, got.dtype, got.shape, got.row_start, got.row_count) == (
+        c.field, c.spec.dtype, tuple(c.spec.shape), c.row_start, c.row_count
+    )
+    assert bytes(got.data) == c.data and isinstance(got.data, memoryview)
+
+
+def test_stats_and_empty():
+    stats = pb.RequestStats(queue_seconds=0.5, bytes_in=2**50, flops=1e15, batch_requests=3)
+    assert parse_response(pb.AttentionResponse(stats=stats).SerializeToString()) == stats
+    assert parse_response(b"") is None
+
+
+def test_unknown_fields_are_skipped():
+    msg = _chunk(field=pb.OUT, row_start=4, row_count=1, data=b"abcd")
+    extra = (
+        b"\x38" + varint(99)  # field 7 varint
+        + b"\x41" + b"\x00" * 8  # field 8 fixed64
+        + b"\x4d" + b"\x00" * 4  # field 9 fixed32
+        + b"\x52" + varint(3) + b"xyz"  # field 10 bytes
+    )
+    inner = msg.chunk.SerializeToString() + extra
+    raw = b"\x0a" + varint(len(inner)) + inner + extra
+    got = parse_response(raw)
+    assert pb.AttentionResponse.FromString(raw).chunk.data == b"abcd"
+    assert (got.row_start, got.row_count, bytes(got.data)) == (4, 1, b"abcd")
+
+
+def test_oneof_last_wins_like_protobuf():
+    raw = (pb.AttentionResponse(stats=pb.RequestStats(flops=1.0)).SerializeToString()
+           + _chunk(field=pb.LSE).SerializeToString())
+    assert pb.AttentionResponse.FromString(raw).WhichOneof("payload") == "chunk"
+    assert isinstance(parse_response(raw), OutputSlice)
+
+
+@pytest.mark.parametrize(
+    "raw", [b"\x0a\x05ab", b"\x08", b"\x08\xff", b"\x0b", b"\x0a" + b"\xff" * 11]
+)
+def test_malformed_raises(raw):
+    with pytest.raises(WireError):
+        parse_response(raw)
