@@ -7,14 +7,23 @@ subprocess here, never inside the pytest process.
 from __future__ import annotations
 
 import csv
+import importlib.util
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
-from ._helpers import REPO
+import pytest
+
+from ._helpers import CI, REPO
 from .conftest import Server
+
+if importlib.util.find_spec("locust") is None:
+    message = "locust not installed: pip install -r requirements-dev.txt"
+    if CI:
+        raise ImportError(message)  # CI must run the load test, not skip it
+    pytest.skip(message, allow_module_level=True)
 
 # Small shapes: the cpu backend is the torch reference on 2 cores.
 SMALL = {
