@@ -22,7 +22,7 @@ lint:
 
 
 proto:
-	$(PYTHON) -m attention_service.proto_gen
+	$(PYTHON) proto/generate.py
 
 bench:
 	$(PYTHON) benchmarks/bench_kernels.py

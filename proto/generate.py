@@ -54,8 +54,12 @@ def main() -> int:
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
-        stale = [n for n in (*FILES, "__init__.py")
-                 if not (OUT_DIR / n).exists() or not filecmp.cmp(Path(tmp) / n, OUT_DIR / n, False)]
+        stale = [
+            n
+            for n in (*FILES, "__init__.py")
+            if not (OUT_DIR / n).exists()
+            or not filecmp.cmp(Path(tmp) / n, OUT_DIR / n, shallow=False)
+        ]
     if stale:
         print(f"stale generated stubs: {stale}; run: python proto/generate.py", file=sys.stderr)
         return 1

@@ -78,7 +78,8 @@ def test_explicit_splits_match_automatic() -> None:
     q, k, v, cu = inputs
     for splits in (1, 2, 5, 16, 200):  # 200 > blocks per sequence: many empty splits
         got, lse = decode(q, k, v, cu, num_splits=splits, return_lse=True)
-        assert rel_err(got, got_auto) < 1e-5
+        # Splits change the summation order; on a GPU fp32 dots run in TF32.
+        assert rel_err(got, got_auto) < (1e-3 if ON_GPU else 1e-5)
         check_lse(lse, lse_auto, torch.float16)
 
 
