@@ -47,8 +47,8 @@ def _attend_rows(
     rows, seqlen_k = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if causal_offset is not None:
-        qi = torch.arange(first_row, first_row + rows).unsqueeze(1)
-        kj = torch.arange(seqlen_k).unsqueeze(0)
+        qi = torch.arange(first_row, first_row + rows, device=q.device).unsqueeze(1)
+        kj = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(kj > qi + causal_offset, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, rows]; -inf where a row sees no key
     # exp(-inf - -inf) would be NaN: give fully masked rows a finite shift, their p is 0 anyway.
