@@ -94,7 +94,24 @@ def prefill_config(
     if major < 9:
         # Pre-Hopper parts have less shared memory per SM: fewer stages.
         cfg = PrefillConfig(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, 2)
-    return cfg
+    return _fit_shared_memory(cfg, d, dtype.itemsize)
+
+
+# Hopper's per-block shared memory limit. Triton keeps the Q tile plus num_stages K and V tiles
+# there: bf16 128x128x3 at D 128 takes 224 KB (fits); fp32 128x32x2 at D 256 took 256 KB and
+# failed to launch on an H100, hence this check.
+_SHARED_BUDGET = 227 * 1024
+
+
+def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConfig:
+    """Shrink the query block, then the key block, until the tiles fit in shared memory."""
+    bm, bn = cfg.block_m, cfg.block_n
+    while (bm + 2 * cfg.num_stages * bn) * d * itemsize > _SHARED_BUDGET and max(bm, bn) > 16:
+        if bm > 64:
+            bm //= 2
+        else:
+            bn = max(16, bn // 2)
+    return PrefillConfig(bm, bn, cfg.num_warps if bm >= 128 else 4, cfg.num_stages)
 
 
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
