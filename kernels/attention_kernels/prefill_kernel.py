@@ -17,20 +17,28 @@ starting at row ``r0`` visits keys ``[0, n_full)`` without any mask, where every
 every row of the block, then ``[n_full, n_end)`` with the mask, where ``n_end`` is the last row's
 bound. Key blocks above the diagonal are never loaded. This generalises the tutorial's
 ``range(start_m + 1)`` bound to ``BLOCK_M != BLOCK_N`` and to ``seqlen_q != seqlen_k``.
+
+Loads: on Hopper at D 128 the unmasked key loop reads K/V through tensor descriptors (the TMA
+copy engine), worth 7-11% there (see ``_TMA_HEAD_DIMS``); masked blocks always use masked
+pointer loads so a block that crosses into the next sequence never brings its values in.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attention_kernels._checks import check_prefill_inputs, output_buffer
 from attention_kernels.configs import (
     PrefillConfig,
+    _capability,
     dot_in_fp32,
+    interpreting,
     padded_head_dim,
     prefill_config,
 )
@@ -43,10 +51,11 @@ LN2 = 0.6931471805599453
 def _prefill_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+    desc_k, desc_v, k_row0, kv_col,
     lo, hi, seqlen_k, causal_offset, qk_scale,
     offs_m, offs_n, d_ok,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -55,6 +64,9 @@ def _prefill_inner(
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif USE_TMA:
+            # Whole blocks inside this sequence: the copy engine moves them (no address math).
+            k = desc_k.load([k_row0 + start_n, kv_col])
         elif EVEN_D:
             k = tl.load(k_ptrs)
         else:
@@ -81,7 +93,11 @@ def _prefill_inner(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
+            # Masked loads here, never TMA: a block that crosses into the next sequence must not
+            # bring its values in (p = 0 times an inf there would still be NaN).
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif USE_TMA:
+            v = desc_v.load([k_row0 + start_n, kv_col])
         elif EVEN_D:
             v = tl.load(v_ptrs)
         else:
@@ -97,13 +113,13 @@ def _prefill_inner(
 
 @triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots"])
 def _prefill_kernel(
-    Q, K, V, Out, Lse, cu_q, cu_k,
+    Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh,
     qk_scale, batch, num_heads, group, num_slots,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr,
 ):
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
@@ -161,13 +177,15 @@ def _prefill_kernel(
 
     acc, l_i, m_i = _prefill_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         0, n_full, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32,
+        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA,
     )
     acc, l_i, m_i = _prefill_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         n_full, n_end, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32,
+        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA,
     )
 
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
@@ -181,6 +199,35 @@ def _prefill_kernel(
                        float("-inf"))
         l_ptrs = Lse + head.to(tl.int64) * stride_lh + q_start + offs_m
         tl.store(l_ptrs, lse, mask=m_ok)
+
+
+# Head dims where descriptor (TMA) loads of K/V win. H100, bf16 dense B*N = 16K, 16 heads
+# (.gpu A/B, 2026-11-22): D128 pointer -> TMA 427 -> 475 (N 4K), 439 -> 480 (8K), 459 -> 491
+# (16K) TFLOP/s non-causal, 400 -> 431 .. 456 -> 490 causal; D64 got slower with the same
+# tiles (370 -> 212 non-causal at 4K), so it keeps pointer loads. D256 is not measured yet.
+_TMA_HEAD_DIMS = (128,)
+
+
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig) -> bool:
+    """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
+    a head dim in ``_TMA_HEAD_DIMS``, and ``[total, H_kv * D]`` viewable with 16-byte aligned
+    rows. ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
+    if interpreting() or not q.is_cuda or os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
+        return False
+    if q.shape[2] not in _TMA_HEAD_DIMS or _capability(q.device.index or 0)[0] < 9:
+        return False
+    return all(
+        t.stride(2) == 1 and t.stride(1) == t.shape[2]
+        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+        for t in (k, v)
+    )
+
+
+def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
+    rows, heads, dim = t.shape
+    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_n, dim])
 
 
 def _head_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -244,8 +291,13 @@ def prefill(
     cfg = _config or prefill_config(head_dim, q.dtype, causal, q.device)
     num_slots = total_q // cfg.block_m + batch + 1
     grid = (num_slots * num_heads,)
+    use_tma = _tma_ok(q, k, v, cfg)
+    if use_tma:
+        desc_k, desc_v = (_kv_descriptor(t, cfg.block_n) for t in (k, v))
+    else:
+        desc_k, desc_v = k, v  # unused placeholders
     _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k,
+        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, desc_k, desc_v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
         scale * LOG2E, batch, num_heads, num_heads // k.shape[1], num_slots,
@@ -253,6 +305,6 @@ def prefill(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=min(1024, triton.next_power_of_2(max(batch, 1))),
         IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out

@@ -183,3 +183,38 @@ def test_int64_offsets() -> None:
     ql = q[last]
     ref = prefill_ref(ql.double(), ql.double(), ql.double(), cu_seqlens([seqlen]), causal=True)
     assert rel_err(out[last], ref) < TOL[torch.bfloat16]
+
+
+# Head dim 128 in 16-bit takes the tensor-descriptor (TMA) path on Hopper: long enough
+# sequences that the unmasked key loop runs many blocks, with ends off the block grid.
+LONG_128 = [300, 1000, 129, 4096] if ON_GPU else [40, 70]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_128_long_sequences(dtype: torch.dtype, causal: bool) -> None:
+    run_case(LONG_128, None, 4, 2, 128, causal, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_neighbour_sequences_do_not_leak(head_dim: int, causal: bool) -> None:
+    """inf/NaN in one sequence's K/V must not reach another sequence's rows: the service packs
+    different callers' requests into one launch."""
+    lens = [200, 77, 300] if ON_GPU else [20, 7, 30]
+    cu = cu_seqlens(lens)
+    q = randn(sum(lens), 4, head_dim, dtype=torch.bfloat16)
+    k = randn(sum(lens), 2, head_dim, dtype=torch.bfloat16)
+    v = randn(sum(lens), 2, head_dim, dtype=torch.bfloat16)
+    a, b = lens[0], lens[0] + lens[1]
+    v[a:b] = float("inf")
+    k[a:b, :, 0] = float("nan")
+    out = prefill(q, k, v, cu, causal=causal)
+    keep = torch.ones(sum(lens), dtype=torch.bool, device=DEVICE)
+    keep[a:b] = False
+    v[a:b] = 0
+    k[a:b] = 0
+    ref = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal)
+    assert torch.isfinite(out[keep]).all(), "a neighbour's inf/NaN leaked"
+    err = rel_err(out[keep], ref[keep])
+    assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
