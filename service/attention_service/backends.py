@@ -3,10 +3,15 @@
 A backend runs one launch synchronously on the caller's thread (the executor keeps it off the
 event loop) and returns host tensors plus stage timings. ``cancel`` is checked wherever work can
 still be skipped: before a GPU launch, and between sequence groups on the cpu backend.
+
+``launch_batch`` (used by the batching executor) runs a merged ``BatchPlan`` as one launch and
+returns a ``PendingLaunch``: the cuda backend returns as soon as the work is queued on one of
+its streams, so the next batch's copies can be issued while this one computes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from attention_service.batch_plan import BatchPlan
     from attention_service.execution import Job
 
 
@@ -31,14 +37,36 @@ class LaunchOutput:
     d2h_seconds: float = 0.0
 
 
+class CancelFlag(Protocol):
+    def is_set(self) -> bool: ...
+
+
+class PendingLaunch(Protocol):
+    """An issued launch; ``wait`` blocks until its output is in host memory."""
+
+    def wait(self) -> LaunchOutput: ...
+
+
+class DoneLaunch:
+    """A launch that finished while it was issued (cpu backend, batches without keys)."""
+
+    def __init__(self, output: LaunchOutput) -> None:
+        self._output = output
+
+    def wait(self) -> LaunchOutput:
+        return self._output
+
+
 class Backend(Protocol):
     name: str  # "cuda" | "cpu"
     device_name: str  # GPU name or "cpu"
+    max_inflight: int  # launch_batch results the executor may hold un-waited at once
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
     def warmup(self) -> None: ...
     def prefill(self, job: Job, cancel: threading.Event) -> LaunchOutput: ...
     def decode(self, job: Job, cancel: threading.Event) -> LaunchOutput: ...
+    def launch_batch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
     def memory(self) -> tuple[int, int]: ...  # (allocated, reserved) device bytes
 
 
@@ -52,6 +80,12 @@ def _no_keys(job: Job) -> LaunchOutput:
     """total_k == 0: every query sees no key, so the answer is known without a launch."""
     lse = torch.full(_lse_shape(job), float("-inf")) if job.return_lse else None
     return LaunchOutput(out=torch.zeros_like(job.q), lse=lse)
+
+
+def _packed(plan: BatchPlan) -> Job:
+    """The batch as one Job over host tensors packed with torch.cat (cpu path only)."""
+    q, k, v = (torch.cat([getattr(j, name) for j in plan.jobs]) for name in ("q", "k", "v"))
+    return plan.merged_job(q, k, v)
 
 
 def _rebased(cu: list[int], b0: int, b1: int) -> torch.Tensor:
@@ -78,6 +112,7 @@ class CpuBackend:
 
     name = "cpu"
     device_name = "cpu"
+    max_inflight = 1  # launches finish while issued
 
     def __init__(self, group_work: int = 1 << 25) -> None:
         self.group_work = group_work
@@ -103,7 +138,7 @@ class CpuBackend:
             groups.append((start, len(cu_k) - 1))
         return groups
 
-    def _run(self, job: Job, cancel: threading.Event) -> LaunchOutput:
+    def _run(self, job: Job, cancel: CancelFlag) -> LaunchOutput:
         from attention_kernels import prefill_ref
 
         if job.k.shape[0] == 0:
@@ -138,11 +173,20 @@ class CpuBackend:
         # A decode step is a prefill with one query per sequence and no mask.
         return self._run(job, cancel)
 
+    def launch_batch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+        # The reference over the packed batch: the same merge/split path as the GPU's.
+        return DoneLaunch(self._run(_packed(plan), cancel))
+
 
 class CudaBackend:
-    """Our Triton kernels on the current CUDA device, timed with CUDA events on one stream."""
+    """Our Triton kernels on the current CUDA device, timed with CUDA events.
+
+    Single launches use ``stream``; batches alternate over ``batch_streams`` so that one
+    batch's copies run while the previous batch's kernel does (see cuda_batch.py).
+    """
 
     name = "cuda"
+    max_inflight = 2  # one batch computing while the next one's copies go in
 
     def __init__(self) -> None:
         import attention_kernels  # the Triton modules load lazily, only on this backend
@@ -151,6 +195,8 @@ class CudaBackend:
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.stream = torch.cuda.Stream(self.device)
+        self.batch_streams = [torch.cuda.Stream(self.device) for _ in range(self.max_inflight)]
+        self._next_stream = 0
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         # Pinned, so the h2d copy is a true async DMA (torch caches pinned blocks).
@@ -166,6 +212,14 @@ class CudaBackend:
                 job = _tiny_job(rpc, dtype)
                 job.q, job.k, job.v = (t.pin_memory() for t in (job.q, job.k, job.v))
                 self._launch(job, threading.Event())
+                self._warm_batch(job)
+
+    def _warm_batch(self, job: Job) -> None:
+        """Run the batched path once (two copies of ``job`` merged) before traffic arrives."""
+        from attention_service.batch_plan import BatchPlan
+
+        plan = BatchPlan([job, dataclasses.replace(job, cancel=threading.Event())])
+        self.launch_batch(plan, threading.Event()).wait()
 
     def _launch(self, job: Job, cancel: threading.Event) -> LaunchOutput:
         if cancel.is_set():
@@ -217,6 +271,18 @@ class CudaBackend:
 
     def decode(self, job: Job, cancel: threading.Event) -> LaunchOutput:
         return self._launch(job, cancel)
+
+    def launch_batch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+        """Issue the batch on the next batch stream and return without waiting for the GPU.
+        Called from one thread only (the executor's dispatcher); round-robin streams let
+        consecutive batches overlap, and a reused stream simply orders its batches."""
+        from attention_service.cuda_batch import launch_on_stream
+
+        if cancel.is_set():
+            raise Cancelled()
+        stream = self.batch_streams[self._next_stream]
+        self._next_stream = (self._next_stream + 1) % len(self.batch_streams)
+        return launch_on_stream(self._kernels, plan, self.device, stream)
 
 
 def resolve_device(device: str) -> str:

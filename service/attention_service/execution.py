@@ -189,5 +189,8 @@ def make_executor(
             log.warning("batching requested but attention_service.batching is not available; "
                         "serving one request per launch")
         else:
-            return BatchingExecutor(backend, config, observer)  # type: ignore[no-any-return]
+            if hasattr(backend, "launch_batch"):
+                return BatchingExecutor(backend, config, observer)  # type: ignore[no-any-return]
+            log.warning("backend %s cannot run merged launches; serving one request per launch",
+                        getattr(backend, "name", type(backend).__name__))
     return DirectExecutor(backend, observer, max_queue_size=config.max_queue_size)
