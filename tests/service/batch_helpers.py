@@ -24,8 +24,8 @@ from .svc_helpers import (
 )
 
 
-class StepBackend(CpuBackend):
-    """The cpu backend, but launch ``i`` waits until ``open(i)`` (or ``open_all()``), so tests
+class Steps:
+    """Mixin for a backend: launch ``i`` waits until ``open(i)`` (or ``open_all()``), so tests
     decide when the device frees up and what piles up in the queue meanwhile. ``plans`` lists
     every launch's BatchPlan in order."""
 
@@ -43,7 +43,7 @@ class StepBackend(CpuBackend):
             self._cv.notify_all()
             if not self._cv.wait_for(lambda: self._all or index in self._opened, timeout=30):
                 raise RuntimeError(f"test never opened launch {index}")
-        return super().launch_batch(plan, cancel)
+        return super().launch_batch(plan, cancel)  # type: ignore[misc, no-any-return]
 
     def open(self, index: int) -> None:
         with self._cv:
@@ -55,6 +55,13 @@ class StepBackend(CpuBackend):
             self._all = True
             self._cv.notify_all()
 
+    def reset(self) -> None:
+        """Forget launches so far and hold the next ones (e.g. after a warm-up)."""
+        with self._cv:
+            self.plans.clear()
+            self._opened.clear()
+            self._all = False
+
     def wait_launches(self, n: int, timeout: float = 10.0) -> bool:
         with self._cv:
             return self._cv.wait_for(lambda: len(self.plans) >= n, timeout=timeout)
@@ -62,6 +69,10 @@ class StepBackend(CpuBackend):
     def batch_sizes(self) -> list[int]:
         with self._cv:
             return [len(p) for p in self.plans]
+
+
+class StepBackend(Steps, CpuBackend):
+    """The cpu backend with launches held until the test opens them."""
 
 
 @dataclass

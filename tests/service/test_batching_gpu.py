@@ -1,0 +1,128 @@
+"""The batched cuda path (cuda_batch.py): merged launches on two streams, each caller's rows
+against the float64 reference; skipped without a GPU."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from .batch_helpers import Steps, decode_req, prefill_req, start_all
+from .svc_helpers import ServerHandle, make_config, random_qkv, sample, wait_until
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
+BF16_TOL = 3.2e-2  # twice the cpu tolerance: a different float32 summation order
+
+
+def _cuda_step_backend():  # type: ignore[no-untyped-def]
+    from attention_service.backends import CudaBackend
+
+    class CudaStepBackend(Steps, CudaBackend):
+        pass
+
+    return CudaStepBackend()
+
+
+@pytest.fixture
+def held_gpu_server():  # type: ignore[no-untyped-def]
+    backend = _cuda_step_backend()
+    backend.open_all()  # the warm-up's own launches must not wait for the test
+    backend.warmup()
+    backend.reset()
+    handle = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0,
+                                      warmup=False), backend=backend)
+    yield handle, backend
+    backend.open_all()
+    handle.close()
+
+
+def test_merged_gpu_launch_gives_each_caller_its_rows(held_gpu_server) -> None:  # type: ignore[no-untyped-def]
+    srv, backend = held_gpu_server
+    kw = dict(heads=16, kv_heads=8, dim=128, dtype=torch.bfloat16)
+    reqs = [prefill_req(i, [17 + 31 * i, 5 + i], lse=i % 2 == 0, **kw)  # type: ignore[arg-type]
+            for i in range(12)]
+    reqs += [prefill_req(50, [7, 9], k_lengths=[40, 0], lse=True, **kw)]  # type: ignore[arg-type]
+    reqs += [decode_req(60 + i, [100 * i + 1, 0, 7], lse=i % 2 == 1, **kw)  # type: ignore[arg-type]
+             for i in range(5)]
+    before = srv.scrape()
+    with ThreadPoolExecutor(len(reqs) + 1) as pool:
+        blocker = start_all(pool, srv, [prefill_req(99, [8], **kw)])[0]  # type: ignore[arg-type]
+        assert backend.wait_launches(1)
+        futures = start_all(pool, srv, reqs)
+        executor = srv.server.executor
+        assert wait_until(lambda: executor.queue_depth("Prefill") + executor.queue_depth(
+            "Decode") == len(reqs))
+        backend.open_all()
+        responses = [f.result(120) for f in futures]
+        blocker.result(120)
+    assert backend.batch_sizes() == [1, 13, 5]
+    for req, resp in zip(reqs, responses, strict=True):
+        tol = BF16_TOL
+        torch.testing.assert_close(resp.out.double(), req.out, atol=tol, rtol=tol)
+        if req.lse is None:
+            assert resp.lse is None
+        else:
+            torch.testing.assert_close(resp.lse.double(), req.lse.double(), atol=1e-3,
+                                       rtol=1e-3)
+        s = resp.stats
+        assert s.kernel_seconds > 0 and s.h2d_seconds > 0 and s.d2h_seconds > 0
+    after = srv.scrape()
+    launches = sample(after, "attention_batches", "attention_batches_total") - sample(
+        before, "attention_batches", "attention_batches_total")
+    assert launches == 3
+
+
+def test_launch_batch_matches_single_launches_and_overlaps_streams() -> None:
+    """Two batches issued back to back (two streams, no wait in between) equal the same jobs
+    launched one by one on the single-launch path."""
+    from attention_service.backends import CudaBackend
+    from attention_service.batch_plan import BatchPlan
+    from attention_service.execution import Job
+
+    backend = CudaBackend()
+
+    def job(seed: int, lens: list[int]) -> Job:
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        q, k, v = (t.pin_memory() for t in random_qkv(cu[-1], cu[-1], 16, 8, 128,
+                                                         torch.float16, seed=seed))
+        return Job(rpc="Prefill", q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                   max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
+                   softmax_scale=None, return_lse=True, num_splits=0, flops=0,
+                   tokens=cu[-1])
+
+    batches = [[job(10 * b + i, [64 * (i + 1), 300, 5]) for i in range(8)] for b in range(2)]
+    plans = [BatchPlan(jobs) for jobs in batches]
+    pending = [backend.launch_batch(p, threading.Event()) for p in plans]  # both in flight
+    outputs = [p.wait() for p in pending]
+    for plan, output, jobs in zip(plans, outputs, batches, strict=True):
+        for j, (out, lse) in zip(jobs, plan.split(output.out, output.lse), strict=True):
+            alone = backend.prefill(j, threading.Event())
+            torch.testing.assert_close(out, alone.out, atol=2e-3, rtol=2e-3)
+            assert lse is not None and alone.lse is not None
+            torch.testing.assert_close(lse, alone.lse, atol=1e-4, rtol=1e-4)
+        assert output.h2d_seconds > 0 and output.kernel_seconds > 0 and output.d2h_seconds > 0
+
+
+def test_gpu_batching_server_under_concurrency() -> None:
+    """No gate: 32 concurrent callers on the real cuda backend all get correct rows and
+    share launches."""
+    handle = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0))
+    try:
+        kw = dict(heads=8, kv_heads=2, dim=64, dtype=torch.bfloat16)
+        reqs = [prefill_req(i, [1 + (37 * i) % 200, 1 + (11 * i) % 50], lse=i % 3 == 0,
+                            **kw) for i in range(64)]  # type: ignore[arg-type]
+        with ThreadPoolExecutor(32) as pool:
+            responses = [f.result(120) for f in start_all(pool, handle, reqs)]
+        for req, resp in zip(reqs, responses, strict=True):
+            torch.testing.assert_close(resp.out.double(), req.out, atol=BF16_TOL, rtol=BF16_TOL)
+        m = handle.scrape()
+        assert sample(m, "attention_batch_requests", "attention_batch_requests_sum",
+                      rpc="Prefill") == 64
+        print("launches for 64 requests:",
+              sample(m, "attention_batches", "attention_batches_total", rpc="Prefill"))
+    finally:
+        handle.close()
