@@ -311,3 +311,48 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
     exhausted = sample(srv.scrape(), "attention_requests", "attention_requests_total",
                        rpc="Prefill", code="RESOURCE_EXHAUSTED")
     assert exhausted == 1
+
+
+class _NoMergeMemory(StepBackend):
+    """Runs out of device memory for any launch of more than one request."""
+
+    def launch_batch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        if len(plan) > 1:
+            with self._cv:
+                self.plans.append(plan)
+            raise torch.OutOfMemoryError("CUDA out of memory (test)")
+        return super().launch_batch(plan, cancel)
+
+
+def test_failed_merged_launch_retries_each_request_alone(start_server) -> None:  # type: ignore[no-untyped-def]
+    backend = _NoMergeMemory()
+    srv = _batching_server(start_server, backend)
+    reqs = [prefill_req(i, [3 + i], lse=i == 1) for i in range(3)]
+    with ThreadPoolExecutor(8) as pool:
+        _hold_device(pool, srv, backend)
+        futures = start_all(pool, srv, reqs)
+        assert wait_until(lambda: _depth(srv) == 3)
+        backend.open_all()
+        for req, fut in zip(reqs, futures, strict=True):
+            resp = fut.result(30)
+            req.check(resp)
+            assert resp.stats.batch_requests == 1
+    assert backend.batch_sizes() == [1, 3, 1, 1, 1]
+
+
+def test_close_refuses_what_still_waits(start_server) -> None:  # type: ignore[no-untyped-def]
+    backend = StepBackend()
+    srv = _batching_server(start_server, backend)
+    with ThreadPoolExecutor(4) as pool:
+        _hold_device(pool, srv, backend)
+        waiting = start_all(pool, srv, [prefill_req(1, [4])])[0]
+        assert wait_until(lambda: _depth(srv) == 1)
+        # close() drains the queue at once, then waits for the launch in flight.
+        closing = asyncio.run_coroutine_threadsafe(srv.server.executor.close(), srv.loop)
+        with pytest.raises(grpc.RpcError) as info:
+            waiting.result(30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "shutting down" in info.value.details()
+        backend.open_all()
+        closing.result(30)
+    assert _depth(srv) == 0
