@@ -180,7 +180,13 @@ class BatchingExecutor:
 
     def _issue(self, waiters: list[Waiter]) -> None:
         started = time.perf_counter()
-        plan = BatchPlan([w.job for w in waiters])
+        try:
+            plan = BatchPlan([w.job for w in waiters])
+        except Exception as exc:  # a bug, not the callers' fault: fail them, keep serving
+            log.exception("could not plan a batch of %d", len(waiters))
+            self._release_slot()
+            self._deliver(waiters, [exc] * len(waiters))
+            return
         try:
             pending: PendingLaunch = self.backend.launch_batch(plan, _AllCancelled(plan.jobs))
         except Exception as exc:
