@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attention_client._base import ClientBase
 from attention_client._channel import DECODE_METHOD, INFO_METHOD, PREFILL_METHOD
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._errors import from_rpc_error
 from attention_client._requests import DECODE, PREFILL, PreparedRequest
 from attention_client._responses import server_info_dict
 from attention_client._wire import parse_response
@@ -149,7 +149,12 @@ class AttentionClient(ClientBase):
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
             raise from_rpc_error(err, prep.method) from err
-        except AttentionError:
-            call.cancel()  # a broken stream: stop the server's work too
+        except BaseException:
+            # A broken stream (AttentionError), or the caller abandoned the call (a killed
+            # greenlet, KeyboardInterrupt, task cancellation): cancel it, so the server stops its
+            # work and sees CANCELLED. Otherwise gRPC may half-close the upload it was sending,
+            # and the server answers a truncated request with INVALID_ARGUMENT (seen in Locust
+            # runs, whose users are killed mid-call at the end).
+            call.cancel()
             raise
 

@@ -210,15 +210,26 @@ def _prefill_kernel(
 # (16K) TFLOP/s non-causal, 400 -> 431 .. 456 -> 490 causal; D64 got slower with the same
 # tiles (370 -> 212 non-causal at 4K), so it keeps pointer loads. D256 is not measured yet.
 _TMA_HEAD_DIMS = (128,)
+# Descriptors cost host time: the launcher encodes both tensor maps on every call, +30 to
+# +50 us per launch on the H100 VM, against a 3-10% GPU-time gain. So only launches whose
+# work bound ``total_q * total_k * heads`` (exact for one sequence, an upper bound for many)
+# reaches 2**28 take them; below that the kernel runs for well under 100 us and the host cost
+# would show. H100, 2026-11-22 (small_shapes.py, bench_kernels.py): [64, 128, 256] 80 us/call
+# with TMA vs 51 without for the same 10 us of GPU time; [1024]*3 causal 52 us of GPU time but
+# 86 us per call with TMA.
+_TMA_MIN_WORK = 1 << 28
 
 
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
-    a head dim in ``_TMA_HEAD_DIMS``, and ``[total, H_kv * D]`` viewable with 16-byte aligned
+    a head dim in ``_TMA_HEAD_DIMS``, a work bound of at least ``_TMA_MIN_WORK``, and
+    ``[total, H_kv * D]`` viewable with 16-byte aligned
     rows. ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
     if interpreting() or not q.is_cuda or os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
+        return False
+    if q.shape[0] * k.shape[0] * q.shape[1] < _TMA_MIN_WORK:
         return False
     if q.shape[2] not in _TMA_HEAD_DIMS or _capability(q.device.index or 0)[0] < 9:
         return False

@@ -288,3 +288,51 @@ def test_tls_with_custom_root(tmp_path):
         assert exc.value.code == grpc.StatusCode.UNAVAILABLE
     finally:
         server.stop(None)
+
+
+class _AbandonedCall:
+    """A call whose caller goes away while it streams (a killed greenlet, Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.cancelled = False
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise KeyboardInterrupt
+
+    def __aiter__(self):  # type: ignore[no-untyped-def]
+        return self
+
+    async def __anext__(self):  # type: ignore[no-untyped-def]
+        raise asyncio.CancelledError
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_abandoned_call_is_cancelled_not_half_closed():
+    """Before the fix a killed caller left gRPC uploading the rest of the request (204 MB
+    in 1 s in a gevent test) and the server could see a truncated, half-closed stream."""
+    q = np.zeros((2, 4, 8), np.float16)
+    calls: list[_AbandonedCall] = []
+
+    def stream(*_args, **_kwargs):  # type: ignore[no-untyped-def]
+        calls.append(_AbandonedCall())
+        return calls[-1]
+
+    client = AttentionClient("127.0.0.1:1")
+    client._streams = {m: stream for m in client._streams}
+    with pytest.raises(KeyboardInterrupt):
+        client.attention(q, q, q)
+    assert calls and calls[-1].cancelled
+    client.close()
+
+    async def run() -> None:
+        aclient = AsyncAttentionClient("127.0.0.1:1")
+        aclient._streams = {m: stream for m in aclient._streams}
+        with pytest.raises(asyncio.CancelledError):
+            await aclient.decode(q, q, q, [0, 1, 2])
+        assert calls[-1].cancelled
+        await aclient.close()
+
+    asyncio.run(run())

@@ -185,15 +185,41 @@ def test_int64_offsets() -> None:
     assert rel_err(out[last], ref) < TOL[torch.bfloat16]
 
 
-# Head dim 128 in 16-bit takes the tensor-descriptor (TMA) path on Hopper: long enough
-# sequences that the unmasked key loop runs many blocks, with ends off the block grid.
+# Head dim 128 in 16-bit takes the tensor-descriptor (TMA) path on Hopper once a launch has
+# enough work (_TMA_MIN_WORK): long enough sequences that the unmasked key loop runs many
+# blocks, with ends off the block grid, and 16 heads so 5525 rows clear the threshold.
 LONG_128 = [300, 1000, 129, 4096] if ON_GPU else [40, 70]
+LONG_128_HEADS = 16
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_head_dim_128_long_sequences(dtype: torch.dtype, causal: bool) -> None:
-    run_case(LONG_128, None, 4, 2, 128, causal, dtype)
+    run_case(LONG_128, None, LONG_128_HEADS, 2, 128, causal, dtype)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_capability()[0] < 9,
+                    reason="TMA loads: Hopper or newer")
+def test_tma_path_is_taken_where_the_tests_expect() -> None:
+    """The TMA tests above (and the leak test below) must really run the descriptor path, and
+    small launches must not pay for it."""
+    from attention_kernels.configs import prefill_config
+    from attention_kernels.prefill_kernel import _tma_ok
+
+    cfg = prefill_config(128, torch.bfloat16, False, torch.device(DEVICE))
+    big = randn(sum(LONG_128), LONG_128_HEADS, 128, dtype=torch.bfloat16)
+    kv = randn(sum(LONG_128), 2, 128, dtype=torch.bfloat16)
+    assert _tma_ok(big, kv, kv, cfg)
+    n = sum(LEAK_LENS)
+    leak_q = randn(n, LEAK_HEADS, 128, dtype=torch.bfloat16)
+    assert _tma_ok(leak_q, kv[:n], kv[:n], cfg)
+    small = randn(3072, 16, 128, dtype=torch.bfloat16)  # [1024] * 3: host-bound, no TMA
+    assert not _tma_ok(small, kv[:3072], kv[:3072], cfg)
+
+
+# On a GPU, long enough that the D128 case takes the TMA path (5077^2 x 16 heads of work).
+LEAK_LENS = [2000, 77, 3000] if ON_GPU else [20, 7, 30]
+LEAK_HEADS = 16 if ON_GPU else 4
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -201,9 +227,9 @@ def test_head_dim_128_long_sequences(dtype: torch.dtype, causal: bool) -> None:
 def test_neighbour_sequences_do_not_leak(head_dim: int, causal: bool) -> None:
     """inf/NaN in one sequence's K/V must not reach another sequence's rows: the service packs
     different callers' requests into one launch."""
-    lens = [200, 77, 300] if ON_GPU else [20, 7, 30]
+    lens = LEAK_LENS
     cu = cu_seqlens(lens)
-    q = randn(sum(lens), 4, head_dim, dtype=torch.bfloat16)
+    q = randn(sum(lens), LEAK_HEADS, head_dim, dtype=torch.bfloat16)
     k = randn(sum(lens), 2, head_dim, dtype=torch.bfloat16)
     v = randn(sum(lens), 2, head_dim, dtype=torch.bfloat16)
     a, b = lens[0], lens[0] + lens[1]

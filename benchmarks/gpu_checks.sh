@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# GPU checks and benchmarks in one command, for a GPU host that has torch, triton and pytest
+# (e.g. the CUDA image of docs/deploy.md, or a dev box):
+#
+#   bash benchmarks/gpu_checks.sh OUT_DIR STAGE...
+#
+# Stages (run in the order given; each writes its log and results under OUT_DIR):
+#   tests      GPU tests: kernels at full shapes, the cuda service and batching tests
+#   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
+#   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback)
+#   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..128 clients)
+#   locust     the server started as the container starts it (attention-server, ATTENTION_*
+#              variables), a headless Locust run of LOCUST_TIME (default 3m), then SIGTERM
+#
+# Python packages the host lacks can come as wheels in ./.whl (installed into /tmp/site).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:?usage: gpu_checks.sh OUT_DIR STAGE...}
+shift
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 CC=${CC:-gcc}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/triton-cache}
+
+if compgen -G ".whl/*.whl" >/dev/null && [ ! -e /tmp/site/.done ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  touch /tmp/site/.done
+fi
+[ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+if ! command -v attention-server >/dev/null; then
+  # The project itself, as the image installs it (console script included).
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
+    --target /tmp/app . ./client || exit 1
+  export PATH=/tmp/app/bin:$PATH PYTHONPATH=/tmp/app:$PYTHONPATH
+fi
+
+status=0
+stage() {  # stage NAME LIMIT_SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $* ($(date -u +%H:%M:%S))"
+  local t0=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1
+}
+
+locust_run() {
+  local port=50051 mport=8000
+  ATTENTION_HOST=127.0.0.1 ATTENTION_PORT=$port ATTENTION_METRICS_PORT=$mport \
+    ATTENTION_DEVICE=cuda ATTENTION_LOG_LEVEL=WARNING attention-server &
+  local pid=$!
+  local t0=$SECONDS
+  until python3 deploy/healthcheck.py "127.0.0.1:$port" >/dev/null 2>&1; do
+    if ! kill -0 "$pid" 2>/dev/null; then echo "server exited"; return 1; fi
+    sleep 2
+  done
+  echo "server SERVING after $((SECONDS - t0)) s"
+  python3 -m locust -f loadtest/locustfile.py --headless -u "${LOCUST_USERS:-32}" -r 8 \
+    -t "${LOCUST_TIME:-3m}" --stop-timeout 30 --host "127.0.0.1:$port" --csv "$OUT/locust" \
+    --only-summary
+  local rc=$?
+  python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
+    "http://127.0.0.1:$mport/metrics" > "$OUT/locust_metrics.txt" || true
+  kill -TERM "$pid"
+  wait "$pid"
+  local src=$?
+  echo "locust rc=$rc, server exit after SIGTERM: $src"
+  [ "$rc" = 0 ] && [ "$src" = 0 ]
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpcio', grpc.__version__)" | tee -a "$OUT/gpu.txt"
+
+for s in "$@"; do
+  case $s in
+    tests) stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
+             tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py ;;
+    kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
+    roundtrip) stage roundtrip 240 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
+                 --heads 16 --head-dim 128 --out "$OUT" ;;
+    service) stage service 480 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
+               --prime 3 --out "$OUT" ;;
+    locust) export OUT; export -f locust_run; stage locust 420 bash -c locust_run ;;
+    *) echo "unknown stage $s"; status=1 ;;
+  esac
+done
+exit $status
