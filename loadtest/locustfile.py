@@ -1,7 +1,7 @@
 """Locust load test of the attention service over gRPC (prefill and decode, weighted).
 
-    locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 3m --host 127.0.0.1:50051 \
-        --csv loadtest/results/run
+    locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 3m --stop-timeout 30 \
+        --host 127.0.0.1:50051 --csv loadtest/results/run
 
 Locust speaks HTTP only; other protocols follow its documented pattern: make the protocol
 library gevent-cooperative (gRPC: ``grpc.experimental.gevent.init_gevent()`` before any channel
