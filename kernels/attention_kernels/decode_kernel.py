@@ -252,7 +252,7 @@ def decode(
     if direct:
         out_part = lse_part = out  # unused dummies
     else:
-        # One allocation for both partial buffers: host time per call matters at small shapes.
+        # Both partial buffers from one allocator call (the host cost of a call shows at batch 1).
         rows = batch * num_heads * num_splits
         parts = torch.empty(rows * (block_d + 1), dtype=torch.float32, device=q.device)
         out_part = parts[: rows * block_d].view(rows, block_d)

@@ -223,8 +223,8 @@ _TMA_MIN_WORK = 1 << 28
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
     a head dim in ``_TMA_HEAD_DIMS``, a work bound of at least ``_TMA_MIN_WORK``, and
-    ``[total, H_kv * D]`` viewable with 16-byte aligned
-    rows. ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
+    ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``ATTENTION_KERNELS_TMA=0`` turns
+    it off (A/B measurements)."""
     if interpreting() or not q.is_cuda or os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
