@@ -19,7 +19,8 @@ bound. Key blocks above the diagonal are never loaded. This generalises the tuto
 ``range(start_m + 1)`` bound to ``BLOCK_M != BLOCK_N`` and to ``seqlen_q != seqlen_k``.
 
 Loads: on Hopper at D 128 the unmasked key loop reads K/V through tensor descriptors (the TMA
-copy engine), worth 7-11% there (see ``_TMA_HEAD_DIMS``); masked blocks always use masked
+copy engine), worth 7-11% there (see ``_TMA_HEAD_DIMS``) for launches with enough work to hide
+the descriptors' host cost (``_TMA_MIN_WORK``); masked blocks always use masked
 pointer loads so a block that crosses into the next sequence never brings its values in.
 """
 
