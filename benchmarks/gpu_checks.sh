@@ -28,7 +28,10 @@ if compgen -G ".whl/*.whl" >/dev/null && [ ! -e /tmp/site/.done ]; then
 fi
 [ -d /tmp/site ] && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 if ! command -v attention-server >/dev/null; then
-  # The project itself, as the image installs it (console script included).
+  # The project itself, as the image installs it (console script included). Afresh on every
+  # call: a warm machine keeps /tmp, and pip --target leaves an existing copy in place, so a
+  # second call would otherwise test the first call's code.
+  rm -rf /tmp/app
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
     --target /tmp/app . ./client || exit 1
   export PATH=/tmp/app/bin:$PATH PYTHONPATH=/tmp/app:$PYTHONPATH

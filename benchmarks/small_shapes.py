@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +30,10 @@ from pathlib import Path
 import torch
 import triton
 from attention_kernels import decode, prefill
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import bench, cu, graph_us, sdpa  # noqa: E402
 
 
 def host_us(fn: Callable[[], object], n: int = 300) -> float:
@@ -45,13 +49,8 @@ def host_us(fn: Callable[[], object], n: int = 300) -> float:
 
 def measure(name: str, fn: Callable[[], object]) -> dict:
     fn()
-    runs = [triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3
-            for _ in range(3)]
-    try:
-        graph = triton.testing.do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3
-    except Exception as e:  # a peer that cannot be captured
-        graph = float("nan")
-        print(f"  {name}: no graph ({type(e).__name__}: {str(e).splitlines()[0][:80]})")
+    runs = [bench(fn) * 1e3 for _ in range(3)]
+    graph = graph_us(fn)
     row = {"case": name, "do_bench_us": runs, "graph_us": graph, "host_us": host_us(fn)}
     print(f"{name:44s} do_bench {' '.join(f'{r:6.1f}' for r in runs)} us | graph {graph:6.1f}"
           f" us | host {row['host_us']:6.1f} us/call")
@@ -68,16 +67,12 @@ def decode_cases() -> list[dict]:
     q = q4[:, :, 0].contiguous()
     k = k4.transpose(1, 2).reshape(batch * ctx, kv_heads, d).contiguous()
     v = v4.transpose(1, 2).reshape(batch * ctx, kv_heads, d).contiguous()
-    cu = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
-
-    def cudnn() -> torch.Tensor:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return torch.nn.functional.scaled_dot_product_attention(q4, k4, v4, enable_gqa=True)
-
+    cus = cu([ctx])
+    cudnn = sdpa(SDPBackend.CUDNN_ATTENTION, q4, k4, v4, causal=False, gqa=True)
     rows.append(measure("decode 1x4K cudnn", cudnn))
     for splits in (0, 1, 4, 8, 16, 32):
         rows.append(measure(f"decode 1x4K ours splits={splits}",
-                            lambda s=splits: decode(q, k, v, cu, max_seqlen_k=ctx, num_splits=s)))
+                            lambda s=splits: decode(q, k, v, cus, max_seqlen_k=ctx, num_splits=s)))
     return rows
 
 
@@ -93,14 +88,11 @@ def varlen_cases() -> list[dict]:
         v = torch.randn_like(k)
         # torch 2.11's varlen_attn has no enable_gqa: give it expanded kv heads.
         kx, vx = (t.repeat_interleave(heads // kv_heads, 1) for t in (k, v))
-        cu = [0]
-        for n in lens:
-            cu.append(cu[-1] + n)
-        cus = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        cus = cu(lens)
         for causal in (True, False):
             tag = f"{lens[:3]}{'...' if len(lens) > 3 else ''} {'causal' if causal else 'full'}"
             ws = (-1, 0) if causal else (-1, -1)
-            rows.append(measure(f"varlen {tag} varlen_attn", lambda c=causal, w=ws: varlen_attn(
+            rows.append(measure(f"varlen {tag} varlen_attn", lambda w=ws: varlen_attn(
                 q, kx, vx, cus, cus, mx, mx, window_size=w)))
             for tma in ("1", "0"):
                 os.environ["ATTENTION_KERNELS_TMA"] = tma
@@ -113,10 +105,13 @@ def varlen_cases() -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--only", choices=["decode", "varlen"], action="append")
     args = p.parse_args()
+    only = set(args.only or ["decode", "varlen"])
     gpu = torch.cuda.get_device_name()
     print(gpu, "torch", torch.__version__, "triton", triton.__version__)
-    rows = ([] if os.environ.get('SKIP_DECODE') else decode_cases()) + varlen_cases()
+    rows = (decode_cases() if "decode" in only else []) + (
+        varlen_cases() if "varlen" in only else [])
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"small_shapes_{gpu.replace(' ', '_')}.json"
     path.write_text(json.dumps({"gpu": gpu, "rows": rows,

@@ -187,7 +187,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, est_seqlen: int, device: to
     target = num_sms(device.index or 0)
     if 2 * units >= target:
         return 1
-    by_occupancy = max(1, target // units)
+    by_occupancy = target // units  # >= 2 here
     by_length = max(1, est_seqlen // (2 * block_n))  # splits of >= 2 key blocks
     return max(1, min(by_occupancy, by_length, MAX_SPLITS))
 
@@ -252,11 +252,10 @@ def decode(
     if direct:
         out_part = lse_part = out  # unused dummies
     else:
-        # Both partial buffers from one allocator call (the host cost of a call shows at batch 1).
-        rows = batch * num_heads * num_splits
-        parts = torch.empty(rows * (block_d + 1), dtype=torch.float32, device=q.device)
-        out_part = parts[: rows * block_d].view(rows, block_d)
-        lse_part = parts[rows * block_d :]
+        out_part = torch.empty((batch * num_heads * num_splits, block_d), dtype=torch.float32,
+                               device=q.device)
+        lse_part = torch.empty((batch * num_heads * num_splits,), dtype=torch.float32,
+                               device=q.device)
     _decode_split_kernel[(num_splits, batch * num_kv_heads)](
         q, k, v, out, lse, out_part, lse_part, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
