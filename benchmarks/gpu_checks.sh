@@ -9,6 +9,7 @@
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
 #   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..128 clients)
+#   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
 #              variables), a headless Locust run of LOCUST_TIME (default 3m), then SIGTERM
 #
@@ -85,6 +86,7 @@ for s in "$@"; do
                  --heads 16 --head-dim 128 --out "$OUT" ;;
     service) stage service 480 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
                --prime 3 --out "$OUT" ;;
+    batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
     locust) export OUT; export -f locust_run; stage locust 420 bash -c locust_run ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac

@@ -43,7 +43,7 @@ def _varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(buf: memoryview):
+def iter_fields(buf: memoryview):  # also the server's request parser
     """Yield (field number, wire type, value): an int, or a memoryview for LEN fields."""
     pos, end = 0, len(buf)
     while pos < end:
@@ -74,7 +74,7 @@ def _parse_chunk(buf: memoryview) -> OutputSlice:
     field = row_start = row_count = 0
     spec = pb.TensorSpec()
     data = memoryview(b"")
-    for number, wire_type, value in _fields(buf):
+    for number, wire_type, value in iter_fields(buf):
         if number == 1 and wire_type == _VARINT:
             field = value
         elif number == 2 and wire_type == _LEN:
@@ -91,7 +91,7 @@ def _parse_chunk(buf: memoryview) -> OutputSlice:
 def parse_response(message: bytes) -> OutputSlice | pb.RequestStats | None:
     """One AttentionResponse: its chunk, its stats, or None when no payload is set."""
     payload: OutputSlice | pb.RequestStats | None = None
-    for number, wire_type, value in _fields(memoryview(message)):
+    for number, wire_type, value in iter_fields(memoryview(message)):
         if number == 1 and wire_type == _LEN:
             payload = _parse_chunk(value)
         elif number == 2 and wire_type == _LEN:

@@ -13,6 +13,8 @@ import numpy as np
 import torch
 from attention_client.pb import attention_pb2 as pb
 
+from attention_service.wire import encode_output_chunk
+
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in scope
     raise ImportError("attention_service needs a little-endian host")
 
@@ -59,8 +61,9 @@ def spec(tensor: torch.Tensor) -> pb.TensorSpec:
 
 def output_messages(
     field: int, tensor: torch.Tensor, chunk_bytes: int
-) -> Iterator[pb.AttentionResponse]:
-    """Row slices of ``tensor`` (a host tensor) of at most ``chunk_bytes`` data each.
+) -> Iterator[tuple[int, bytes]]:
+    """Row slices of ``tensor`` (a host tensor) of at most ``chunk_bytes`` data each, as
+    (data bytes, encoded AttentionResponse) pairs (see wire.py).
 
     A single row larger than ``chunk_bytes`` still goes out whole (one row per message):
     validation keeps every row under the 4 MiB message limit.
@@ -69,17 +72,14 @@ def output_messages(
     rows = tensor.shape[0]
     row_bytes = tensor[0].numel() * tensor.element_size() if rows else 0
     per_msg = max(1, chunk_bytes // row_bytes) if row_bytes else max(rows, 1)
-    raw = tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else np.empty(0, np.uint8)
+    raw = memoryview(tensor.view(-1).view(torch.uint8).numpy() if tensor.numel()
+                     else np.empty(0, np.uint8))
     tspec = spec(tensor)
     start = 0
     while True:
         count = min(per_msg, rows - start)
-        data = raw[start * row_bytes : (start + count) * row_bytes].tobytes()
-        yield pb.AttentionResponse(
-            chunk=pb.OutputChunk(
-                field=field, spec=tspec, row_start=start, row_count=count, data=data
-            )
-        )
+        data = raw[start * row_bytes : (start + count) * row_bytes]
+        yield len(data), encode_output_chunk(field, tspec, start, count, data)
         start += count
         if start >= rows:
             return

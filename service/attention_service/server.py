@@ -11,7 +11,6 @@ from pathlib import Path
 import grpc
 import torch
 from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
 from attention_kernels._checks import supported_head_dim
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -24,10 +23,10 @@ from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.execution import Executor, make_executor
 from attention_service.metrics import Metrics
 from attention_service.servicer import AttentionServicer, CallTracker
+from attention_service.wire import SERVICE_NAME, add_to_server
 
 log = logging.getLogger("attention_service")
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEAD_DIMS = [d for d in range(1, 257) if supported_head_dim(d)]
 
@@ -151,7 +150,7 @@ async def create_server(
             ("grpc.so_reuseport", 0),
         ],
     )
-    pb_grpc.add_AttentionServiceServicer_to_server(servicer, grpc_server)
+    add_to_server(servicer, grpc_server)  # raw bytes on the compute rpcs (see wire.py)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
     reflection.enable_server_reflection(

@@ -18,7 +18,6 @@ from attention_service.errors import RequestError
 from attention_service.execution import ExecStats, Executor, Job
 from attention_service.metrics import Metrics
 from attention_service.streams import (
-    Request,
     receive_request,
     response_messages,
     stats_message,
@@ -81,20 +80,20 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         return self._info
 
     async def Prefill(
-        self, request_iterator: AsyncIterable[pb.PrefillRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttentionResponse]:
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         async for msg in self._serve("Prefill", request_iterator, context):
             yield msg
 
     async def Decode(
-        self, request_iterator: AsyncIterable[pb.DecodeRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttentionResponse]:
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         async for msg in self._serve("Decode", request_iterator, context):
             yield msg
 
     async def _serve(
-        self, rpc: str, requests: AsyncIterable[Request], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.AttentionResponse]:
+        self, rpc: str, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         call = _CallRecord(rpc, context)
         self.tracker.enter()
         self._metrics.inflight.inc()
@@ -111,9 +110,9 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             run = self._executor.run_prefill if rpc == "Prefill" else self._executor.run_decode
             result = await run(job)
             call.queue_seconds = result.stats.queue_seconds
-            for msg in response_messages(result, self._config.chunk_bytes):
-                call.bytes_out += len(msg.chunk.data)
-                yield msg
+            for nbytes, msg in response_messages(result, self._config.chunk_bytes):
+                call.bytes_out += nbytes
+                yield msg  # pre-encoded (wire.py)
             # Accounted before the last message, so it is done when the client sees OK.
             call.ok(plan.tokens, plan.flops, result.stats)
             self._finish(call)

@@ -17,20 +17,20 @@ from attention_service.validation import (
     validate_decode_header,
     validate_prefill_header,
 )
-
-Request = pb.PrefillRequest | pb.DecodeRequest
+from attention_service.wire import parse_request
 
 
 async def receive_request(
-    rpc: str, requests: AsyncIterable[Request], max_request_bytes: int, alloc: HostAllocator
+    rpc: str, requests: AsyncIterable[bytes], max_request_bytes: int, alloc: HostAllocator
 ) -> tuple[Plan, dict[str, torch.Tensor]]:
-    """Header first (validated before any byte is buffered), then chunks until end of stream."""
+    """Header first (validated before any byte is buffered), then chunks until end of stream.
+    ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py)."""
     it = requests.__aiter__()
     try:
-        first = await it.__anext__()
+        first = parse_request(await it.__anext__(), rpc)
     except StopAsyncIteration:
         raise invalid("header", "missing: the stream ended before any message") from None
-    if not first.HasField("header"):
+    if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
     if rpc == "Prefill":
         plan = validate_prefill_header(first.header, max_request_bytes)
@@ -39,15 +39,17 @@ async def receive_request(
     # Off the event loop: pinning a large host buffer can take a while.
     assembler = await asyncio.to_thread(InputAssembler, plan, alloc)
     assembler.add(first.chunks)
-    async for msg in it:
-        if msg.HasField("header"):
+    async for raw in it:
+        msg = parse_request(raw, rpc)
+        if msg.header is not None:
             raise invalid("header", "repeated: only the first message may carry a header")
         assembler.add(msg.chunks)
     return plan, assembler.finish()
 
 
-def response_messages(result: Result, chunk_bytes: int) -> Iterator[pb.AttentionResponse]:
-    """OUT row slices, then LSE row slices (when present); the caller appends the stats."""
+def response_messages(result: Result, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(data bytes, encoded AttentionResponse) for the OUT row slices, then the LSE row slices
+    (when present); the caller appends the stats."""
     yield from output_messages(pb.OUT, result.out, chunk_bytes)
     if result.lse is not None:
         yield from output_messages(pb.LSE, result.lse, chunk_bytes)

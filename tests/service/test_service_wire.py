@@ -1,0 +1,112 @@
+"""wire.py: the hand-written request parser and response encoder agree with protobuf, and
+bytes that are not protobuf are refused with INVALID_ARGUMENT naming the message."""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+import pytest
+import torch
+from attention_client._chunks import varint
+from attention_client.pb import attention_pb2 as pb
+from attention_service.codec import output_messages
+from attention_service.errors import RequestError
+from attention_service.wire import encode_output_chunk, parse_request
+
+from .svc_helpers import ServerHandle, prefill_messages, random_qkv
+
+pytestmark = pytest.mark.timeout(30)
+
+# Fields this schema does not have, one of each wire type: parsers must skip them.
+UNKNOWN = (
+    varint(15 << 3 | 0) + varint(300)
+    + varint(16 << 3 | 2) + varint(3) + b"abc"
+    + varint(17 << 3 | 1) + bytes(8)
+    + varint(18 << 3 | 5) + bytes(4)
+)
+
+
+def _chunk(field: int, offset: int, data: bytes) -> pb.TensorChunk:
+    return pb.TensorChunk(field=field, offset=offset, data=data)
+
+
+@pytest.mark.parametrize("size", [0, 1, 127, 128, 70_000])
+@pytest.mark.parametrize("row_start", [0, 5])
+@pytest.mark.parametrize("field", [pb.OUT, pb.LSE])
+def test_output_chunk_bytes_equal_protobufs(size: int, row_start: int, field: int) -> None:
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    spec = pb.TensorSpec(dtype=pb.BFLOAT16, shape=[9, 3, 70])
+    mine = encode_output_chunk(field, spec, row_start, size // 7, memoryview(data))
+    theirs = pb.AttentionResponse(chunk=pb.OutputChunk(
+        field=field, spec=spec, row_start=row_start, row_count=size // 7, data=data,
+    )).SerializeToString()
+    assert mine == theirs
+
+
+def test_output_messages_cover_every_row_once() -> None:
+    t = torch.randn(37, 3, 5)  # 60-byte rows, 128-byte chunks: 2 rows per message
+    seen = b""
+    for nbytes, msg in output_messages(pb.OUT, t, 128):
+        chunk = pb.AttentionResponse.FromString(msg).chunk
+        assert nbytes == len(chunk.data) <= 128
+        assert chunk.row_start * 60 == len(seen) and chunk.row_count * 60 == nbytes
+        assert list(chunk.spec.shape) == [37, 3, 5]
+        seen += chunk.data
+    assert seen == t.numpy().tobytes()
+
+
+def test_request_parse_matches_protobuf_unknown_fields_included() -> None:
+    q, k, v = random_qkv(6, 6, 2, 1, 8, torch.float32)
+    header, *rest = prefill_messages(q, k, v, [0, 2, 6], causal=True, chunk=40)
+    first = pb.PrefillRequest(header=header.header, chunks=[_chunk(pb.Q, 0, b"xyz")])
+    raw = first.SerializeToString() + UNKNOWN
+    parsed = parse_request(raw, "Prefill")
+    assert parsed.header == pb.PrefillRequest.FromString(raw).header
+    assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [(pb.Q, 0, b"xyz")]
+    for msg in rest:
+        parsed = parse_request(msg.SerializeToString(), "Prefill")
+        assert parsed.header is None
+        assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [
+            (c.field, c.offset, c.data) for c in msg.chunks
+        ]
+
+
+def test_repeated_occurrences_merge_like_protobuf() -> None:
+    # A chunk sent as two concatenated halves: scalars and bytes take the last value.
+    a = _chunk(pb.K, 8, b"first").SerializeToString()
+    b = _chunk(pb.V, 16, b"second").SerializeToString() + UNKNOWN
+    inner = a + b
+    raw = varint(2 << 3 | 2) + varint(len(inner)) + inner
+    # The header split over two occurrences merges too.
+    h1 = pb.DecodeHeader(num_splits=3).SerializeToString()
+    h2 = pb.DecodeHeader(return_lse=True).SerializeToString()
+    raw += b"\x0a" + varint(len(h1)) + h1 + b"\x0a" + varint(len(h2)) + h2
+    theirs = pb.DecodeRequest.FromString(raw)
+    mine = parse_request(raw, "Decode")
+    assert mine.header == theirs.header and mine.header.num_splits == 3
+    ((field, offset, data),) = mine.chunks
+    assert (field, offset, bytes(data)) == (pb.V, 16, b"second") == (
+        theirs.chunks[0].field, theirs.chunks[0].offset, theirs.chunks[0].data)
+
+
+@pytest.mark.parametrize("raw", [
+    b"\x12\x05abc",  # length past the end
+    b"\x12",  # length missing
+    b"\x0a\x02\xff\xff",  # a header that is not a DecodeHeader
+    b"\x13",  # a group (wire type 3), which proto3 does not have
+    b"\x12\x03\x1a\x05a",  # a chunk whose data runs past the chunk
+    b"\x80" * 11,  # an overlong varint
+])
+def test_malformed_messages_are_invalid_argument(raw: bytes) -> None:
+    with pytest.raises(RequestError) as info:
+        parse_request(raw, "Decode")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details.startswith("message: not a valid DecodeRequest")
+
+
+def test_garbage_over_grpc_is_refused_naming_the_message(server: ServerHandle) -> None:
+    call = server.channel().stream_stream("/attention.v1.AttentionService/Prefill")
+    with pytest.raises(grpc.RpcError) as info:
+        list(call(iter([b"\x12\x7fnot protobuf"]), timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "message: not a valid PrefillRequest" in info.value.details()
