@@ -41,3 +41,19 @@ def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path) -> No
     assert rows[("on", 4)]["mean_batch_requests"] > 1  # 4 closed-loop clients on a busy device
     with (tmp_path / "batching_prefill_cpu.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
+
+
+def test_tune_batching_measures_every_setting(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "tune_batching.py"), "--device", "cpu",
+        "--clients", "3", "--tokens", "64,256", "--delays-ms", "0,2", "--duration", "0.4",
+        "--warmup", "0.1", "--prime", "0", "--max-len", "48", "--heads", "4", "--kv-heads", "2",
+        "--head-dim", "32", "--pool", "8", "--out", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "tune_batching_cpu.json").read_text())["results"]
+    settings = {(r["side"], r["max_batch_tokens"], r["max_queue_delay_ms"]) for r in rows}
+    assert settings == {("off", None, None), ("on", 64, 0.0), ("on", 64, 2.0), ("on", 256, 0.0),
+                        ("on", 256, 2.0)}
+    assert all(r["completed"] > 0 and r["errors"] == 0 for r in rows)
