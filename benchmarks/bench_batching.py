@@ -5,7 +5,8 @@ through gRPC is the ceiling for both sides. This script asks the other question:
 batching executor (queue + packed launches + stream overlap) gives when requests arrive as fast
 as the executor takes them. N asyncio tasks in this process submit ready jobs (pinned host
 tensors, lengths log-uniform in [--min-len, --max-len], the same distribution and seed as
-bench_service.py) straight to ``BatchingExecutor`` / ``DirectExecutor`` over one backend, for
+bench_service.py; ``--mode decode``: one query over that many cached keys) straight to
+``BatchingExecutor`` / ``DirectExecutor`` over one backend, for
 ``--duration`` seconds per point; each side's answers are checked against the float64
 reference first. Prints requests/s, p50/p95/p99 latency (submit to result), mean batch size,
 queue wait, kernel busy, side by side with on/off ratios, and writes JSON + CSV.
@@ -30,7 +31,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from attention_kernels import prefill_ref
+from attention_kernels import decode_ref, prefill_ref
 from attention_service.backends import Backend, make_backend
 from attention_service.config import ServerConfig
 from attention_service.execution import DirectExecutor, Executor, Job
@@ -75,7 +76,8 @@ class LaunchTally:
 
 def make_jobs(args: argparse.Namespace, backend: Backend, count: int, seed: int,
               max_len: int | None = None) -> list[Job]:
-    """Prefill jobs as the servicer hands them over: host tensors in the backend's buffers."""
+    """Jobs as the servicer hands them over (host tensors in the backend's buffers): one
+    prefill sequence of n tokens, or one decode query over n cached keys."""
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     dtype = DTYPES[args.dtype]
@@ -89,6 +91,14 @@ def make_jobs(args: argparse.Namespace, backend: Backend, count: int, seed: int,
             buf = backend.alloc_host(t.nbytes).view(dtype).view(t.shape)
             return buf.copy_(t)
 
+        if args.mode == "decode":
+            jobs.append(Job(
+                rpc="Decode", q=host(1, h), k=host(n, hk), v=host(n, hk), cu_seqlens_q=None,
+                cu_seqlens_k=[0, n], max_seqlen_q=1, max_seqlen_k=n, causal=False,
+                softmax_scale=None, return_lse=False, num_splits=0, flops=4 * n * h * d,
+                tokens=n,
+            ))
+            continue
         jobs.append(Job(
             rpc="Prefill", q=host(n, h), k=host(n, hk), v=host(n, hk), cu_seqlens_q=[0, n],
             cu_seqlens_k=[0, n], max_seqlen_q=n, max_seqlen_k=n, causal=args.causal,
@@ -103,14 +113,21 @@ def fresh(job: Job) -> Job:
     return dataclasses.replace(job, cancel=threading.Event(), submitted_at=0.0)
 
 
+def _run(executor: Executor, job: Job) -> Any:
+    return executor.run_decode(job) if job.rpc == "Decode" else executor.run_prefill(job)
+
+
 async def verify(executor: Executor, jobs: list[Job], dtype: str) -> str:
     """All jobs at once (so batching merges them); every caller must get its own rows."""
-    results = await asyncio.gather(*(executor.run_prefill(fresh(j)) for j in jobs))
+    results = await asyncio.gather(*(_run(executor, fresh(j)) for j in jobs))
     worst = 0.0
     for job, res in zip(jobs, results, strict=True):
         cu = torch.tensor(job.cu_seqlens_k, dtype=torch.int32)
-        ref = prefill_ref(job.q, job.k, job.v, cu, cu, causal=job.causal,
-                          compute_dtype=torch.float64)
+        if job.rpc == "Decode":
+            ref = decode_ref(job.q, job.k, job.v, cu, compute_dtype=torch.float64)
+        else:
+            ref = prefill_ref(job.q, job.k, job.v, cu, cu, causal=job.causal,
+                              compute_dtype=torch.float64)
         err = (res.out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
         if not err <= TOLERANCE[dtype]:
             raise SystemExit(f"verify: a result differs from the reference by {err:.3g}")
@@ -135,7 +152,7 @@ async def drive(executor: Executor, tally: LaunchTally, pool: list[Job], clients
             job = fresh(pool[int(rng.integers(len(pool)))])
             t0 = time.perf_counter()
             try:
-                res = await executor.run_prefill(job)
+                res = await _run(executor, job)
             except Exception as exc:  # counted, never fatal: the table shows them
                 errors[type(exc).__name__] += 1
                 continue
@@ -195,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per point")
     p.add_argument("--prime", type=float, default=2.0,
                    help="unmeasured seconds at each client count before the measured points")
+    p.add_argument("--mode", default="prefill", choices=["prefill", "decode"],
+                   help="decode: one query over n cached keys per request")
     p.add_argument("--batching", default="on,off", help="sides to run: on,off | on | off")
     p.add_argument("--max-batch-tokens", type=int, help="executor budget (server default)")
     p.add_argument("--max-queue-delay-ms", type=float, help="executor delay (server default)")
@@ -234,8 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     for side in args.sides:
         rows += asyncio.run(run_side(args, backend, side, pool, checks))
     print()
-    print(f"{backend.device_name}: executor alone (no gRPC), prefill {args.dtype} "
-          f"H{args.heads}/{args.kv_heads} D{args.head_dim}{' causal' if args.causal else ''}, "
+    causal = " causal" if args.causal and args.mode == "prefill" else ""
+    print(f"{backend.device_name}: executor alone (no gRPC), {args.mode} {args.dtype} "
+          f"H{args.heads}/{args.kv_heads} D{args.head_dim}{causal}, "
           f"lengths log-uniform {args.min_len}..{args.max_len}, {args.duration:g} s per point")
     print(table(rows, args.client_counts))
     report = {
@@ -248,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("client_counts", "sides")},
         "results": rows,
     }
-    paths = write_outputs(Path(args.out), f"batching_prefill_{_slug(backend.device_name)}",
+    paths = write_outputs(Path(args.out), f"batching_{args.mode}_{_slug(backend.device_name)}",
                           report)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in rows) else 1

@@ -14,9 +14,11 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path, mode: str) -> None:
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_batching.py"), "--device", "cpu",
+        "--mode", mode,
         "--clients", "1,4", "--duration", "0.6", "--warmup", "0.2", "--prime", "0",
         "--max-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
         "--verify", "4", "--pool", "8", "--out", str(tmp_path),
@@ -29,7 +31,7 @@ def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path) -> No
     assert "largest launch 1 requests" in proc.stdout
     assert "req/s on/off" in proc.stdout
 
-    report = json.loads((tmp_path / "batching_prefill_cpu.json").read_text())
+    report = json.loads((tmp_path / f"batching_{mode}_cpu.json").read_text())
     assert report["device"] == "cpu"
     rows = {(r["side"], r["clients"]): r for r in report["results"]}
     assert set(rows) == {("on", 1), ("on", 4), ("off", 1), ("off", 4)}
@@ -39,7 +41,7 @@ def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path) -> No
         assert row["mean_queue_ms"] >= 0
     assert rows[("off", 4)]["mean_batch_requests"] == 1
     assert rows[("on", 4)]["mean_batch_requests"] > 1  # 4 closed-loop clients on a busy device
-    with (tmp_path / "batching_prefill_cpu.csv").open() as f:
+    with (tmp_path / f"batching_{mode}_cpu.csv").open() as f:
         assert len(list(csv.DictReader(f))) == 4
 
 
