@@ -11,7 +11,8 @@
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..128 clients)
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
-#              variables), a headless Locust run of LOCUST_TIME (default 3m), then SIGTERM
+#              variables), a headless Locust run of LOCUST_TIME (default 3m) with LOCUST_USERS
+#              (32) users in LOCUST_PROCESSES load processes (default: one), then SIGTERM
 #
 # Python packages the host lacks can come as wheels in ./.whl (installed into /tmp/site).
 set -uo pipefail
@@ -63,7 +64,7 @@ locust_run() {
   echo "server SERVING after $((SECONDS - t0)) s"
   python3 -m locust -f loadtest/locustfile.py --headless -u "${LOCUST_USERS:-32}" -r 8 \
     -t "${LOCUST_TIME:-3m}" --stop-timeout 30 --host "127.0.0.1:$port" --csv "$OUT/locust" \
-    --only-summary
+    --only-summary ${LOCUST_PROCESSES:+--processes "$LOCUST_PROCESSES"}
   local rc=$?
   python3 -c "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1]).read().decode())" \
     "http://127.0.0.1:$mport/metrics" > "$OUT/locust_metrics.txt" || true
