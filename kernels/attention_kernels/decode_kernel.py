@@ -8,8 +8,11 @@ bandwidth. Two choices follow:
   loaded once per group rather than once per query head (4x less traffic at 32q/8kv heads).
 * Split-K: at batch 1 there are only ``H_kv`` (sequence, kv head) pairs, far fewer than SMs, so
   the key range is split over ``num_splits`` programs. Each writes a normalised partial output and
-  its log-sum-exp; a second kernel merges the partials in fp32. With one split the first kernel
-  writes the final output directly and the merge is skipped.
+  its log-sum-exp, then counts itself done on an atomic counter of its (sequence, kv head); the
+  program that finishes last merges the group's partials in fp32. One launch, not a split kernel
+  plus a merge kernel: at batch 1 the call is host-bound (the GPU work is ~9 us at 1 x 4K keys),
+  and the second Triton launch cost ~50 us of host time on an H100 VM. With one split the
+  kernel writes the final output directly and nothing is counted.
 
 The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
 ``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host.
@@ -74,9 +77,46 @@ def _decode_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _merge_group(
+    Out, Lse, OutPart, LsePart, seq, heads, g_ok, offs_d, d_ok, stride_ob, stride_oh, num_heads,
+    num_splits, BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
+):
+    """Merge the ``num_splits`` partials of query heads ``heads`` of sequence ``seq`` (online,
+    one split at a time, so no tile size depends on the split count).
+
+    Other programs wrote them (in L2, write-through): loads use ``.cg`` (L2 only), so no
+    stale L1 line can answer, and unlike volatile ``.cv`` they can be issued ahead.
+    """
+    rows = (seq * num_heads + heads).to(tl.int64) * num_splits  # first partial of each head
+    m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
+    total = tl.zeros(heads.shape, dtype=tl.float32)
+    acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
+    for s in tl.range(0, num_splits, num_stages=3):  # loads of later splits issued early
+        lse_s = tl.load(LsePart + rows + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(OutPart + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
+                       mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse_s)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
+        alpha = tl.math.exp2(m - shift)
+        w = tl.math.exp2(lse_s - shift)
+        total = total * alpha + w
+        acc = acc * alpha[:, None] + w[:, None] * part
+        m = m_new
+    seen = total > 0.0
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    o_ptrs = (Out + seq.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh
+              + offs_d[None, :])
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
+    if RETURN_LSE:
+        lse2 = tl.where(m == float("-inf"), 0.0, m) + tl.math.log2(tl.where(seen, total, 1.0))
+        lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))
+        tl.store(Lse + seq * num_heads + heads, lse, mask=g_ok)
+
+
 @triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits"])
 def _decode_split_kernel(
-    Q, K, V, Out, Lse, OutPart, LsePart, cu_k,
+    Q, K, V, Out, Lse, OutPart, LsePart, Counter, cu_k,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     qk_scale, num_kv_heads, group, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -138,39 +178,38 @@ def _decode_split_kernel(
     else:
         row = (seq * num_heads + heads).to(tl.int64) * num_splits + split  # [B*H, S] rows
         # All BLOCK_D columns (the padded ones are exact zeros) so the merge reads no garbage.
-        tl.store(OutPart + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None])
-        tl.store(LsePart + row, lse2, mask=g_ok)
+        # Write-through, so the partials are in L2 for whichever SM merges them.
+        tl.store(OutPart + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None],
+                 cache_modifier=".wt")
+        tl.store(LsePart + row, lse2, mask=g_ok, cache_modifier=".wt")
+        # Every thread's stores are issued before the count; acq_rel orders them (release)
+        # before the last program's reads (acquire). The last of the group's programs merges.
+        tl.debug_barrier()
+        done = tl.atomic_add(Counter + pid, 1, sem="acq_rel", scope="gpu")
+        if done == num_splits - 1:
+            _merge_group(Out, Lse, OutPart, LsePart, seq, heads, g_ok, offs_d, d_ok, stride_ob,
+                         stride_oh, num_heads, num_splits, BLOCK_D, RETURN_LSE)
+            # Every program of the group has counted: back to zero for the next call.
+            tl.store(Counter + pid, 0)
 
 
-@triton.jit(do_not_specialize=["num_heads", "num_splits"])
-def _decode_merge_kernel(
-    Out, Lse, OutPart, LsePart, stride_ob, stride_oh, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    RETURN_LSE: tl.constexpr,
-):
-    bh = tl.program_id(0).to(tl.int64)
-    seq = bh // num_heads
-    head = bh % num_heads
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_D)
-    lse_row = LsePart + bh * num_splits
-    parts = tl.load(lse_row + offs_s, mask=offs_s < num_splits, other=float("-inf"))
-    m = tl.max(parts, 0)
-    m_shift = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.math.exp2(parts - m_shift), 0)
-    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for s in range(0, num_splits):
-        w = tl.math.exp2(tl.load(lse_row + s) - m_shift)
-        acc += w * tl.load(OutPart + (bh * num_splits + s) * BLOCK_D + offs_d)
-    seen = total > 0.0
-    out = acc / tl.where(seen, total, 1.0)
-    d_ok = offs_d < HEAD_DIM
-    tl.store(Out + seq * stride_ob + head * stride_oh + offs_d, out.to(Out.dtype.element_ty),
-             mask=d_ok)
-    if RETURN_LSE:
-        lse2 = m_shift + tl.math.log2(tl.where(seen, total, 1.0))
-        lse = tl.where(seen, lse2 * 0.6931471805599453, float("-inf"))
-        tl.store(Lse + bh, lse)
+# (device, stream) -> int32 counters, all zero between calls (each launch's last programs reset
+# theirs). One buffer per stream: calls on a stream run in order, calls on different streams
+# may overlap and must not share. A zeroed buffer per call would cost a memset kernel (~2 us of
+# GPU time at batch 1, where the whole decode is ~10 us) and its host time.
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
+
+
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _COUNTERS.get(key)
+    if buf is None or buf.numel() < n:
+        # Allocated on this stream, so even a replaced buffer is reused only after the
+        # launches already queued here.
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _COUNTERS[key] = buf
+    return buf
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, est_seqlen: int, device: torch.device,
@@ -250,14 +289,15 @@ def decode(
     block_d = padded_head_dim(head_dim)
     direct = num_splits == 1
     if direct:
-        out_part = lse_part = out  # unused dummies
+        out_part = lse_part = counter = out  # unused dummies
     else:
         out_part = torch.empty((batch * num_heads * num_splits, block_d), dtype=torch.float32,
                                device=q.device)
         lse_part = torch.empty((batch * num_heads * num_splits,), dtype=torch.float32,
                                device=q.device)
+        counter = _counters(batch * num_kv_heads, q.device)
     _decode_split_kernel[(num_splits, batch * num_kv_heads)](
-        q, k, v, out, lse, out_part, lse_part, cu_seqlens_k,
+        q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         out.stride(0), out.stride(1),
         scale * LOG2E, num_kv_heads, group, num_splits,
@@ -266,11 +306,4 @@ def decode(
         DOT_F32=dot_in_fp32(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if not direct:
-        _decode_merge_kernel[(batch * num_heads,)](
-            out, lse, out_part, lse_part, out.stride(0), out.stride(1), num_heads, num_splits,
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
-            BLOCK_S=triton.next_power_of_2(num_splits), RETURN_LSE=return_lse,
-            num_warps=4 if block_d <= 128 else 8,
-        )
     return (out, lse) if return_lse else out

@@ -38,7 +38,7 @@ def warmup(
                 for lse in lse_flags:
                     prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
             qd = torch.randn(2, 4, d, dtype=dtype, device=device)
-            for splits in (1, 2):  # direct write and split + merge
+            for splits in (1, 2):  # direct write, and splits with the fused merge
                 for lse in lse_flags:
                     decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
     if device.type == "cuda":
