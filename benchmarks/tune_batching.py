@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in asyncio.run(run_side(args, backend, side, pool, [])):
             r.update(max_batch_tokens=tokens, max_queue_delay_ms=delay)
             rows.append(r)
-    print(f"\n{backend.device_name}: executor alone, prefill {args.dtype} H{args.heads}/"
+    print(f"\n{backend.device_name}: executor alone, {args.mode} {args.dtype} H{args.heads}/"
           f"{args.kv_heads} D{args.head_dim}, lengths {args.min_len}..{args.max_len}")
     print(f"{'tokens':>8} {'delay ms':>8} " + " ".join(
         f"{f'req/s@{n}':>10} {f'p99@{n}':>8} {f'batch@{n}':>8}" for n in args.client_counts))
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }, indent=2, default=str) + "\n")
     print(f"wrote {path}")
-    return 0
+    return 0 if all(r["errors"] == 0 and r["completed"] > 0 for r in rows) else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -201,12 +202,17 @@ _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 def _counters(n: int, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A CUDA graph owns its counters and zeroes them on every replay (the memset is part
+        # of the graph): replays of graphs captured on one stream may run on several streams
+        # at once, and must never share a buffer that eager calls also use.
+        return torch.zeros(n, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (str(device), stream)
     buf = _COUNTERS.get(key)
     if buf is None or buf.numel() < n:
-        # Allocated on this stream, so even a replaced buffer is reused only after the
-        # launches already queued here.
+        # Allocated on this stream, so a replaced buffer's memory is reused only after the
+        # launches already queued here; only eager calls ever hold these buffers.
         buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
         _COUNTERS[key] = buf
     return buf
@@ -296,6 +302,28 @@ def decode(
         lse_part = torch.empty((batch * num_heads * num_splits,), dtype=torch.float32,
                                device=q.device)
         counter = _counters(batch * num_kv_heads, q.device)
+    with _on_device(q.device):  # Triton launches on the current device's current stream
+        _launch_split_kernel(
+            q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k, scale, num_kv_heads,
+            group, num_splits, head_dim, block_d, cfg, direct, return_lse,
+        )
+    return (out, lse) if return_lse else out
+
+
+def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    # The common case (already current) skips the device switch and its host time.
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+def _launch_split_kernel(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    out_part: torch.Tensor, lse_part: torch.Tensor, counter: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, scale: float, num_kv_heads: int, group: int, num_splits: int,
+    head_dim: int, block_d: int, cfg: DecodeConfig, direct: bool, return_lse: bool,
+) -> None:
+    batch = q.shape[0]
     _decode_split_kernel[(num_splits, batch * num_kv_heads)](
         q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -306,4 +334,3 @@ def decode(
         DOT_F32=dot_in_fp32(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return (out, lse) if return_lse else out

@@ -10,8 +10,11 @@ the pinned input buffer; into the response bytes). On an H100 host the event loo
 So the Prefill/Decode handlers are registered with raw bytes in and out (``add_to_server``):
 requests are read field by field with ``data`` as a memoryview into the received message, and
 responses are written with the tensor bytes joined once behind a prefix that protobuf itself
-serializes. The output is byte-for-byte what ``SerializeToString`` gives (tests check both
-directions, unknown fields included); small messages (headers, stats) still use the classes.
+serializes. The output is byte-for-byte what ``SerializeToString`` gives, and valid messages
+parse as protobuf parses them, unknown fields included (tests check both). The parser is
+stricter in corners a conforming sender never reaches, and refuses rather than guesses there
+(INVALID_ARGUMENT): groups (wire types 3/4, absent from proto3), and enum values above 32 bits
+(protobuf truncates them). Small messages (headers, stats) still use the generated classes.
 """
 
 from __future__ import annotations

@@ -117,4 +117,5 @@ def test_locust_multiprocess_fails_on_failed_requests(tmp_path: Path) -> None:
     res = _locust(dead, "3s", prefix, "--processes", "2", LOADTEST_WAIT="0.2:0.2",
                   LOADTEST_TIMEOUT="2")
     assert res.returncode != 0, res.stderr[-3000:]
+    assert "requests failed" in res.stdout + res.stderr  # the gate said why, not a crash
     assert int(_rows(prefix)["Aggregated"]["Failure Count"]) > 0
