@@ -80,3 +80,21 @@ def test_gpu_server_info_and_metrics(gpu_server) -> None:  # type: ignore[no-unt
     reserved = "attention_gpu_memory_reserved_bytes"
     assert sample(families, reserved, reserved) > 0
     assert families["attention_device_info"].samples[0].labels["backend"] == "cuda"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_client_with_cuda_tensors(gpu_server, dtype) -> None:  # type: ignore[no-untyped-def]
+    """The client's cuda path (pinned staging): inputs on the GPU, one of them a
+    non-contiguous view; the answer comes back on the same device, equal to the oracle."""
+    from attention_client import AttentionClient
+
+    len_q = [5, 300, 1]
+    cu_q = cu_from_lengths(len_q)
+    q, k, v = random_qkv(cu_q[-1], cu_q[-1], 8, 2, 64, dtype)
+    k_wide = torch.cat([k, torch.full_like(k, float("nan"))], dim=1).cuda()  # [T, 4, 64]
+    k_view = k_wide[:, :2]  # non-contiguous, NaN beside it
+    with AttentionClient(gpu_server.target, timeout=120) as client:
+        out = client.attention(q.cuda(), k_view, v.cuda(), torch.tensor(cu_q), causal=True)
+    assert out.is_cuda and out.dtype == dtype and out.shape == q.shape
+    out_ref, _ = prefill_oracle(q, k, v, cu_q, cu_q, causal=True)
+    _close(out.cpu(), out_ref, dtype)
