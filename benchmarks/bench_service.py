@@ -119,6 +119,40 @@ def server_info(target: str) -> pb.ServerInfo:
 
 # ---- metrics ------------------------------------------------------------------------------
 
+def cpu_times(pid: int | None) -> dict[str, float] | None:
+    """CPU seconds of process ``pid`` so far: ``"total"`` (ended threads included) and per
+    live thread id (Linux /proc), or None."""
+    if pid is None:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+
+    def seconds(path: str) -> float:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+
+    try:
+        times = {"total": seconds(f"/proc/{pid}/stat")}
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        try:
+            times[task] = seconds(f"/proc/{pid}/task/{task}/stat")
+        except OSError:  # the thread ended meanwhile
+            continue
+    return times
+
+
+def cpu_usage(c0: dict[str, float] | None, c1: dict[str, float] | None,
+              seconds: float) -> tuple[float, float]:
+    """(whole process, busiest thread) CPU use over the window, as fractions of one core."""
+    if not c0 or not c1:
+        return math.nan, math.nan
+    busiest = max((c1[t] - c0.get(t, 0.0) for t in c1 if t != "total"), default=0.0)
+    return (c1["total"] - c0["total"]) / seconds, busiest / seconds
+
+
 def scrape(url: str | None) -> dict[str, float] | None:
     """Sums of the series the report needs (all rpcs together), or None without metrics."""
     if not url:
@@ -162,6 +196,7 @@ def summarize(
         "errors": sum(errors.values()), "errors_by_code": errors,
         "mean_batch_requests": math.nan, "mean_batch_tokens": math.nan,
         "mean_queue_ms": math.nan, "kernel_busy": math.nan,
+        "server_cpu": math.nan, "server_busiest_thread": math.nan,
     }
     if m0 is not None and m1 is not None:
         d = {k: m1[k] - m0[k] for k in m0}
@@ -196,7 +231,7 @@ class Workers:
 
     def run(
         self, target: str, clients: int, warmup: float, duration: float, metrics: str | None,
-        seed: int,
+        seed: int, server_pid: int | None = None,
     ) -> dict[str, Any]:
         used = self.conns[: min(clients, len(self.conns))]
         shares = [clients // len(used) + (i < clients % len(used)) for i in range(len(used))]
@@ -207,11 +242,13 @@ class Workers:
             conn.send(dict(target=target, n_clients=share, seed=seed * 1000 + i,
                            t_start=t_start, t_measure=t_measure, t_end=t_end))
         time.sleep(max(0.0, t_measure - time.time()))
-        m0 = scrape(metrics)
+        m0, c0 = scrape(metrics), cpu_times(server_pid)
         time.sleep(max(0.0, t_end - time.time()))
-        m1 = scrape(metrics)
+        m1, c1 = scrape(metrics), cpu_times(server_pid)
         results = [conn.recv() for conn in used]
-        return summarize(results, duration, m0, m1)
+        row = summarize(results, duration, m0, m1)
+        row["server_cpu"], row["server_busiest_thread"] = cpu_usage(c0, c1, duration)
+        return row
 
     def close(self) -> None:
         for c in self.conns:
@@ -305,7 +342,8 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
     js, cs = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     js.write_text(json.dumps(report, indent=2, default=str) + "\n")
     cols = ["side", "clients", "rps", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "completed",
-            "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms", "kernel_busy"]
+            "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms", "kernel_busy",
+            "server_cpu", "server_busiest_thread"]
     with cs.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -388,13 +426,17 @@ def run_side(
                 workers.run(target, n, 0.0, args.prime, None, args.seed + 1)
         rows = []
         for n in args.client_counts:
-            row = workers.run(target, n, args.warmup, args.duration, metrics, args.seed)
+            row = workers.run(target, n, args.warmup, args.duration, metrics, args.seed,
+                              server.proc.pid if server is not None else None)
             row.update(side=side, clients=n)
             rows.append(row)
             print(f"  clients {n:4d}: {row['rps']:9.1f} req/s  p50 {_f(row['p50_ms'], 2)}  "
                   f"p99 {_f(row['p99_ms'], 2)} ms  batch {_f(row['mean_batch_requests'], 2)}  "
                   f"queue {_f(row['mean_queue_ms'], 2)} ms  kernel busy "
-                  f"{_f(100 * row['kernel_busy'], 1)}%  errors {row['errors']}", flush=True)
+                  f"{_f(100 * row['kernel_busy'], 1)}%  server cpu "
+                  f"{_f(100 * row['server_cpu'], 0)}% (busiest thread "
+                  f"{_f(100 * row['server_busiest_thread'], 0)}%)  errors {row['errors']}",
+                  flush=True)
         return rows, info
     finally:
         if server is not None:
