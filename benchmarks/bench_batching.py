@@ -37,7 +37,16 @@ from attention_service.config import ServerConfig
 from attention_service.execution import DirectExecutor, Executor, Job
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _f, _slug, summarize, table, write_outputs  # noqa: E402
+from bench_service import (  # noqa: E402
+    SUMMARY_SERIES,
+    _f,
+    _slug,
+    add_common_args,
+    parse_common,
+    summarize,
+    table,
+    write_outputs,
+)
 from service_load import loguniform_lengths  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -50,11 +59,7 @@ class LaunchTally:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.totals: dict[str, float] = dict.fromkeys((
-            "attention_batch_requests_sum", "attention_batch_requests_count",
-            "attention_batch_tokens_sum", "attention_queue_wait_seconds_sum",
-            "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
-        ), 0.0)
+        self.totals: dict[str, float] = dict.fromkeys(SUMMARY_SERIES, 0.0)
 
     def observe_launch(self, rpc: str, *, requests: int, tokens: int, kernel: float,
                        **_: object) -> None:
@@ -206,38 +211,18 @@ async def run_side(args: argparse.Namespace, backend: Backend, side: str,
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--clients", default="1,8,32,64,128", help="comma-separated client counts")
+    add_common_args(p)
     p.add_argument("--duration", type=float, default=5.0, help="measured seconds per point")
     p.add_argument("--warmup", type=float, default=1.0, help="unmeasured seconds per point")
     p.add_argument("--prime", type=float, default=2.0,
                    help="unmeasured seconds at each client count before the measured points")
     p.add_argument("--mode", default="prefill", choices=["prefill", "decode"],
                    help="decode: one query over n cached keys per request")
-    p.add_argument("--batching", default="on,off", help="sides to run: on,off | on | off")
     p.add_argument("--max-batch-tokens", type=int, help="executor budget (server default)")
     p.add_argument("--max-queue-delay-ms", type=float, help="executor delay (server default)")
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
-    p.add_argument("--min-len", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--no-causal", dest="causal", action="store_false")
     p.add_argument("--pool", type=int, default=64, help="distinct jobs to draw from")
     p.add_argument("--verify", type=int, default=16, help="jobs checked first (0 = skip)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
-    args = p.parse_args(argv)
-    args.client_counts = [int(x) for x in args.clients.split(",") if x.strip()]
-    args.sides = [s.strip() for s in args.batching.split(",") if s.strip()]
-    if not args.client_counts or any(n < 1 for n in args.client_counts):
-        p.error("--clients needs positive counts")
-    if not set(args.sides) <= {"on", "off"} or not args.sides:
-        p.error("--batching takes on, off or on,off")
-    if not 1 <= args.min_len <= args.max_len:
-        p.error("need 1 <= --min-len <= --max-len")
-    return args
+    return parse_common(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

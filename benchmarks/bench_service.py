@@ -153,6 +153,14 @@ def cpu_usage(c0: dict[str, float] | None, c1: dict[str, float] | None,
     return (c1["total"] - c0["total"]) / seconds, busiest / seconds
 
 
+# The series ``summarize`` reads (sums over all rpcs; the stage histogram's kernel stage only).
+SUMMARY_SERIES = (
+    "attention_batch_requests_sum", "attention_batch_requests_count",
+    "attention_batch_tokens_sum", "attention_queue_wait_seconds_sum",
+    "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
+)
+
+
 def scrape(url: str | None) -> dict[str, float] | None:
     """Sums of the series the report needs (all rpcs together), or None without metrics."""
     if not url:
@@ -161,15 +169,10 @@ def scrape(url: str | None) -> dict[str, float] | None:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
         return None
-    wanted = {
-        "attention_batch_requests_sum", "attention_batch_requests_count",
-        "attention_batch_tokens_sum", "attention_queue_wait_seconds_sum",
-        "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
-    }
-    totals: dict[str, float] = dict.fromkeys(wanted, 0.0)
+    totals: dict[str, float] = dict.fromkeys(SUMMARY_SERIES, 0.0)
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name in wanted and s.labels.get("stage", "kernel") == "kernel":
+            if s.name in SUMMARY_SERIES and s.labels.get("stage", "kernel") == "kernel":
                 totals[s.name] += s.value
     return totals
 
@@ -354,37 +357,25 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
 
 # ---- main ---------------------------------------------------------------------------------
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_common_args(p: argparse.ArgumentParser) -> None:
+    """Flags bench_service.py and bench_batching.py share: device, client counts, sides, the
+    request shapes and length distribution, seed, output folder."""
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--clients", default="1,8,32,64,128", help="comma-separated client counts")
-    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
-    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per point")
-    p.add_argument("--prime", type=float, default=3.0,
-                   help="unmeasured seconds at each client count before the measured points")
-    p.add_argument("--mode", default="prefill", choices=["prefill", "decode", "mix"])
     p.add_argument("--batching", default="on,off", help="sides to run: on,off | on | off")
-    p.add_argument("--target", help="drive this running server instead of starting servers")
-    p.add_argument("--metrics-url", help="its /metrics (with --target) for the batch columns")
-    p.add_argument("--max-batch-tokens", type=int, help="passed to the started servers")
-    p.add_argument("--max-queue-delay-ms", type=float, help="passed to the started servers")
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--min-len", type=int, default=16)
     p.add_argument("--max-len", type=int, default=2048)
-    p.add_argument("--decode-seqs", type=int, default=1, help="sequences per decode request")
     p.add_argument("--no-causal", dest="causal", action="store_false")
-    p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
-                   help="load processes (each an asyncio loop)")
-    p.add_argument("--pool", type=int, default=16, help="distinct requests per worker")
-    p.add_argument("--verify", type=int, default=16, help="requests checked first (0 = skip)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    p.add_argument("--server-log-level", default="WARNING",
-                   help="server log level (INFO logs a line per call, which costs throughput)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+
+
+def parse_common(p: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """Parse, then check and split the shared flags (``client_counts``, ``sides``)."""
     args = p.parse_args(argv)
     args.client_counts = [int(x) for x in args.clients.split(",") if x.strip()]
     args.sides = [s.strip() for s in args.batching.split(",") if s.strip()]
@@ -395,6 +386,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.min_len <= args.max_len:
         p.error("need 1 <= --min-len <= --max-len")
     return args
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_common_args(p)
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per point")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds per point")
+    p.add_argument("--prime", type=float, default=3.0,
+                   help="unmeasured seconds at each client count before the measured points")
+    p.add_argument("--mode", default="prefill", choices=["prefill", "decode", "mix"])
+    p.add_argument("--target", help="drive this running server instead of starting servers")
+    p.add_argument("--metrics-url", help="its /metrics (with --target) for the batch columns")
+    p.add_argument("--max-batch-tokens", type=int, help="passed to the started servers")
+    p.add_argument("--max-queue-delay-ms", type=float, help="passed to the started servers")
+    p.add_argument("--decode-seqs", type=int, default=1, help="sequences per decode request")
+    p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)),
+                   help="load processes (each an asyncio loop)")
+    p.add_argument("--pool", type=int, default=16, help="distinct requests per worker")
+    p.add_argument("--verify", type=int, default=16, help="requests checked first (0 = skip)")
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.add_argument("--server-log-level", default="WARNING",
+                   help="server log level (INFO logs a line per call, which costs throughput)")
+    return parse_common(p, argv)
 
 
 def _slug(name: str) -> str:

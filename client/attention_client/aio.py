@@ -137,11 +137,6 @@ class AsyncAttentionClient(ClientBase):
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
             raise from_rpc_error(err, prep.method) from err
-        except BaseException:
-            # A broken stream (AttentionError), or the caller abandoned the call (a killed
-            # greenlet, KeyboardInterrupt, task cancellation): cancel it, so the server stops its
-            # work and sees CANCELLED. Otherwise gRPC may half-close the upload it was sending,
-            # and the server answers a truncated request with INVALID_ARGUMENT (seen in Locust
-            # runs, whose users are killed mid-call at the end).
+        except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
             call.cancel()
             raise

@@ -303,9 +303,15 @@ def decode(
                                device=q.device)
         counter = _counters(batch * num_kv_heads, q.device)
     with _on_device(q.device):  # Triton launches on the current device's current stream
-        _launch_split_kernel(
-            q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k, scale, num_kv_heads,
-            group, num_splits, head_dim, block_d, cfg, direct, return_lse,
+        _decode_split_kernel[(num_splits, batch * num_kv_heads)](
+            q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            out.stride(0), out.stride(1),
+            scale * LOG2E, num_kv_heads, group, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
+            BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
+            DOT_F32=dot_in_fp32(q.dtype),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out
 
@@ -315,22 +321,3 @@ def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object
     if device.type == "cuda" and device.index != torch.cuda.current_device():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
-
-
-def _launch_split_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    out_part: torch.Tensor, lse_part: torch.Tensor, counter: torch.Tensor,
-    cu_seqlens_k: torch.Tensor, scale: float, num_kv_heads: int, group: int, num_splits: int,
-    head_dim: int, block_d: int, cfg: DecodeConfig, direct: bool, return_lse: bool,
-) -> None:
-    batch = q.shape[0]
-    _decode_split_kernel[(num_splits, batch * num_kv_heads)](
-        q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1),
-        scale * LOG2E, num_kv_heads, group, num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
-        DOT_F32=dot_in_fp32(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
