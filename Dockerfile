@@ -36,14 +36,14 @@ RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_
  && pip install --no-cache-dir "triton==${TRITON_VERSION}"
 
 WORKDIR /src
-# The client first: the server imports its generated protobuf stubs (attention_client.pb).
+# The client first: the server imports its generated protobuf stubs (attention_wire.pb).
 COPY client/ client/
 RUN pip install --no-cache-dir ./client
 COPY pyproject.toml README.md ./
 COPY kernels/ kernels/
 COPY service/ service/
 RUN pip install --no-cache-dir . \
- && python -c "import attention_kernels, attention_service, attention_client.pb"
+ && python -c "import attention_kernels, attention_service, attention_wire.pb"
 
 # ---------------------------------------------------------------------------------------------
 # loadtest: Locust plus the client (no torch), for `docker compose --profile loadtest`.

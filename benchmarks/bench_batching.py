@@ -5,11 +5,12 @@ through gRPC is the ceiling for both sides. This script asks the other question:
 batching executor (queue + packed launches + stream overlap) gives when requests arrive as fast
 as the executor takes them. N asyncio tasks in this process submit ready jobs (pinned host
 tensors, lengths log-uniform in [--min-len, --max-len], the same distribution and seed as
-bench_service.py; ``--mode decode``: one query over that many cached keys) straight to
-``BatchingExecutor`` / ``DirectExecutor`` over one backend, for
-``--duration`` seconds per point; each side's answers are checked against the float64
-reference first. Prints requests/s, p50/p95/p99 latency (submit to result), mean batch size,
-queue wait, kernel busy, side by side with on/off ratios, and writes JSON + CSV.
+bench_service.py; ``--mode decode``: one query over that many cached keys) straight to the
+engine's ``Executor`` over one backend (batching off: every job its own launch, through the
+same queue and launch path), for ``--duration`` seconds per point; each side's answers are
+checked against the float64 reference first. Prints requests/s, p50/p95/p99 latency (submit
+to result), mean batch size, queue wait, kernel busy, side by side with on/off ratios, and
+writes JSON + CSV.
 
     python benchmarks/bench_batching.py                                    # GPU: defaults
     python benchmarks/bench_batching.py --device cpu --clients 1,4 --duration 1 --max-len 48 \
@@ -31,10 +32,13 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from attention_kernels import decode_ref, prefill_ref
-from attention_service.backends import Backend, make_backend
 from attention_service.config import ServerConfig
-from attention_service.execution import DirectExecutor, Executor, Job
+from attention_service.engine.backends import WIRE_DTYPES, Backend, make_backend
+from attention_service.engine.executor import Executor
+from attention_service.engine.jobs import Job
+from attention_service.params import Op, make_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import (  # noqa: E402
@@ -61,7 +65,7 @@ class LaunchTally:
         self._lock = threading.Lock()
         self.totals: dict[str, float] = dict.fromkeys(SUMMARY_SERIES, 0.0)
 
-    def observe_launch(self, rpc: str, *, requests: int, tokens: int, kernel: float,
+    def observe_launch(self, op: Op, *, requests: int, tokens: int, kernel: float,
                        **_: object) -> None:
         with self._lock:
             self.totals["attention_batch_requests_sum"] += requests
@@ -91,53 +95,47 @@ def make_jobs(args: argparse.Namespace, backend: Backend, count: int, seed: int,
     for n in loguniform_lengths(rng, count, args.min_len, max_len or args.max_len):
         n = int(n)
 
-        def host(rows: int, heads: int) -> torch.Tensor:
+        def host(rows: int, heads: int, fill: bool = True) -> torch.Tensor:
             t = torch.randn(rows, heads, d, generator=g).to(dtype)
             buf = backend.alloc_host(t.nbytes).view(dtype).view(t.shape)
-            return buf.copy_(t)
+            return buf.copy_(t) if fill else buf.fill_(float("nan"))
 
         if args.mode == "decode":
-            jobs.append(Job(
-                rpc="Decode", q=host(1, h), k=host(n, hk), v=host(n, hk), cu_seqlens_q=None,
-                cu_seqlens_k=[0, n], max_seqlen_q=1, max_seqlen_k=n, causal=False,
-                softmax_scale=None, return_lse=False, num_splits=0, flops=4 * n * h * d,
-                tokens=n,
-            ))
+            params = make_params(Op.DECODE, WIRE_DTYPES[dtype], (1, h, d), (n, hk, d), (0, n))
+            jobs.append(Job(params, host(1, h), host(n, hk), host(n, hk), host(1, h, False),
+                            None))
             continue
-        jobs.append(Job(
-            rpc="Prefill", q=host(n, h), k=host(n, hk), v=host(n, hk), cu_seqlens_q=[0, n],
-            cu_seqlens_k=[0, n], max_seqlen_q=n, max_seqlen_k=n, causal=args.causal,
-            softmax_scale=None, return_lse=False, num_splits=0,
-            flops=4 * (n * (n + 1) // 2 if args.causal else n * n) * h * d, tokens=n,
-        ))
+        params = make_params(Op.PREFILL, WIRE_DTYPES[dtype], (n, h, d), (n, hk, d), (0, n),
+                             (0, n), causal=args.causal)
+        jobs.append(Job(params, host(n, h), host(n, hk), host(n, hk), host(n, h, False), None))
     return jobs
 
 
-def fresh(job: Job) -> Job:
-    """A new submission of the same tensors (own cancel flag and timestamps)."""
-    return dataclasses.replace(job, cancel=threading.Event(), submitted_at=0.0)
-
-
-def _run(executor: Executor, job: Job) -> Any:
-    return executor.run_decode(job) if job.rpc == "Decode" else executor.run_prefill(job)
+def fresh(job: Job, own_output: bool = False) -> Job:
+    """A new submission of the same tensors (own cancel flag and timestamps); the output
+    buffer is shared unless ``own_output`` (speed runs don't read it)."""
+    out = torch.full_like(job.out, float("nan")) if own_output else job.out
+    return dataclasses.replace(job, out=out, cancel=threading.Event(), submitted_at=0.0)
 
 
 async def verify(executor: Executor, jobs: list[Job], dtype: str) -> str:
     """All jobs at once (so batching merges them); every caller must get its own rows."""
-    results = await asyncio.gather(*(_run(executor, fresh(j)) for j in jobs))
+    runs = [fresh(j, own_output=True) for j in jobs]
+    results = await asyncio.gather(*(executor.run(j) for j in runs))
     worst = 0.0
-    for job, res in zip(jobs, results, strict=True):
-        cu = torch.tensor(job.cu_seqlens_k, dtype=torch.int32)
-        if job.rpc == "Decode":
+    for job in runs:
+        p = job.params
+        cu = torch.tensor(p.cu_seqlens_k, dtype=torch.int32)
+        if p.op is Op.DECODE:
             ref = decode_ref(job.q, job.k, job.v, cu, compute_dtype=torch.float64)
         else:
-            ref = prefill_ref(job.q, job.k, job.v, cu, cu, causal=job.causal,
+            ref = prefill_ref(job.q, job.k, job.v, cu, cu, causal=p.causal,
                               compute_dtype=torch.float64)
-        err = (res.out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+        err = (job.out.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
         if not err <= TOLERANCE[dtype]:
             raise SystemExit(f"verify: a result differs from the reference by {err:.3g}")
         worst = max(worst, err)
-    batched = max(r.stats.batch_requests for r in results)
+    batched = max(r.batch_requests for r in results)
     return (f"{len(jobs)} concurrent jobs match the reference (max abs err {worst:.2g}, "
             f"largest launch {batched} requests)")
 
@@ -157,13 +155,13 @@ async def drive(executor: Executor, tally: LaunchTally, pool: list[Job], clients
             job = fresh(pool[int(rng.integers(len(pool)))])
             t0 = time.perf_counter()
             try:
-                res = await _run(executor, job)
+                stats = await executor.run(job)
             except Exception as exc:  # counted, never fatal: the table shows them
                 errors[type(exc).__name__] += 1
                 continue
             if t_measure <= loop.time() <= t_end:
                 latencies.append(time.perf_counter() - t0)
-                tally.queue_wait(res.stats.queue_seconds)
+                tally.queue_wait(stats.queue_seconds)
 
     async def mark() -> None:
         await asyncio.sleep(warmup)
@@ -179,15 +177,16 @@ async def drive(executor: Executor, tally: LaunchTally, pool: list[Job], clients
 
 async def run_side(args: argparse.Namespace, backend: Backend, side: str,
                    pool: list[Job], checks: list[Job]) -> list[dict[str, Any]]:
-    from attention_service.batching import BatchingExecutor
-
     tally = LaunchTally()
     config = ServerConfig(batching=side == "on", **({"max_batch_tokens": args.max_batch_tokens}
                           if args.max_batch_tokens else {}),
                           **({"max_queue_delay_ms": args.max_queue_delay_ms}
                              if args.max_queue_delay_ms is not None else {}))
-    executor: Executor = (BatchingExecutor(backend, config, tally) if side == "on"
-                          else DirectExecutor(backend, tally, config.max_queue_size))
+    executor = Executor(
+        backend, batching=config.batching, max_batch_tokens=config.max_batch_tokens,
+        max_queue_delay_s=config.max_queue_delay_ms / 1e3, max_queue_size=config.max_queue_size,
+        observer=tally,
+    )
     print(f"batching {side}", flush=True)
     try:
         if checks:
@@ -206,7 +205,7 @@ async def run_side(args: argparse.Namespace, backend: Backend, side: str,
                   f"{_f(100 * row['kernel_busy'], 1)}%  errors {row['errors']}", flush=True)
         return rows
     finally:
-        await executor.close()
+        await asyncio.to_thread(executor.close)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

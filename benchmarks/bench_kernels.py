@@ -33,8 +33,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-from attention_kernels import decode, prefill
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attention_kernels import decode, prefill
 
 DTYPE = torch.bfloat16
 CHECK_TOL = 2e-2  # relative-norm agreement with the peer (both bf16, different summation order)

@@ -39,9 +39,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_load import LoadSpec, loguniform_lengths, worker_main  # noqa: E402
@@ -266,6 +267,7 @@ def verify(target: str, args: argparse.Namespace, count: int) -> str:
     """``count`` concurrent requests (short ones, so the cpu reference is quick) checked against
     attention_kernels.reference: batching must hand every caller its own rows."""
     import torch
+
     from attention_client import AsyncAttentionClient
     from attention_kernels import decode_ref, prefill_ref
 

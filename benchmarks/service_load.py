@@ -19,7 +19,8 @@ from typing import Any
 
 import grpc
 import numpy as np
-from attention_client.pb import attention_pb2 as pb
+
+from attention_wire.pb import attention_pb2 as pb
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"

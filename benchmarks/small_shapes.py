@@ -29,8 +29,9 @@ from pathlib import Path
 
 import torch
 import triton
-from attention_kernels import decode, prefill
 from torch.nn.attention import SDPBackend
+
+from attention_kernels import decode, prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench, cu, graph_us, sdpa  # noqa: E402

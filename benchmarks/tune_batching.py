@@ -18,7 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from attention_service.backends import make_backend
+from attention_service.engine.backends import make_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_batching import make_jobs, parse_args, run_side  # noqa: E402

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import triton
+
 from attention_kernels import decode, prefill
 from attention_kernels.configs import DecodeConfig, PrefillConfig
 

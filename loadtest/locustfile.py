@@ -48,9 +48,10 @@ import grpc.experimental.gevent as grpc_gevent
 grpc_gevent.init_gevent()
 
 import numpy as np  # noqa: E402
-from attention_client import AttentionClient  # noqa: E402
 from locust import User, between, events, task  # noqa: E402
 from locust.runners import WorkerRunner  # noqa: E402
+
+from attention_client import AttentionClient  # noqa: E402
 
 log = logging.getLogger("loadtest")
 

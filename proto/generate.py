@@ -1,9 +1,10 @@
-"""Regenerate the Python stubs of proto/attention/v1/attention.proto into the client package.
+"""Regenerate the Python stubs of proto/attention/v1/attention.proto into ``attention_wire.pb``.
 
-    python proto/generate.py          # write client/attention_client/pb/*
+    python proto/generate.py          # write client/attention_wire/pb/*
     python proto/generate.py --check  # exit 1 if the checked-in stubs are stale
 
-The stubs live in the client (installable alone) and the server imports them from there.
+The stubs live in ``attention_wire``, the package client and server share (it ships with the
+client distribution, which installs alone).
 grpc_tools writes ``from attention.v1 import attention_pb2``; we rewrite that to the package
 path so no bare ``attention`` module is ever needed on sys.path.
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 PROTO = "attention/v1/attention.proto"
-OUT_DIR = ROOT / "client" / "attention_client" / "pb"
+OUT_DIR = ROOT / "client" / "attention_wire" / "pb"
 FILES = ("attention_pb2.py", "attention_pb2.pyi", "attention_pb2_grpc.py")
 
 
@@ -37,7 +38,7 @@ def generate(dest: Path) -> None:
             text = (src / name).read_text()
             text = text.replace(
                 "from attention.v1 import attention_pb2",
-                "from attention_client.pb import attention_pb2",
+                "from attention_wire.pb import attention_pb2",
             )
             (dest / name).write_text(text)
     init = dest / "__init__.py"

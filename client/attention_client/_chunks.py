@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from attention_client._tensors import WireTensor
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.codec import field_key, varint
+from attention_wire.pb import attention_pb2 as pb
 
 MIN_CHUNK_BYTES = 4 * 1024
 MAX_CHUNK_BYTES = 3 * 1024 * 1024 + 512 * 1024  # with the ~100 B framing, under 4 MiB
@@ -22,22 +23,14 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Chunks that do not end a tensor end on this boundary, so every chunk holds whole elements.
 _ALIGN = 64
 
-_HEADER_KEY = b"\x0a"  # field 1 (header), wire type 2 (length-delimited)
-_CHUNKS_KEY = b"\x12"  # field 2 (chunks), wire type 2
-_FIELD_KEY = b"\x08"  # TensorChunk.field = 1, varint
-_OFFSET_KEY = b"\x10"  # TensorChunk.offset = 2, varint
-_DATA_KEY = b"\x1a"  # TensorChunk.data = 3, length-delimited
+# PrefillRequest and DecodeRequest number these fields alike (a test checks it).
+_HEADER_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "header")
+_CHUNKS_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "chunks")
+_FIELD_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "field")
+_OFFSET_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "offset")
+_DATA_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "data")
 
 _FIELDS = (pb.Q, pb.K, pb.V)
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
 
 
 def check_chunk_bytes(max_chunk_bytes: int) -> int:

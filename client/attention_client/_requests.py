@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from attention_client._tensors import Origin, WireTensor, as_cu_seqlens, to_user, to_wire
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 PREFILL = "Prefill"
 DECODE = "Decode"

@@ -14,7 +14,7 @@ import numpy as np
 from attention_client._errors import ProtocolError
 from attention_client._tensors import dtype_name, storage_dtype
 from attention_client._wire import OutputSlice
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 
 class _Target:

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 # Storage dtype of each wire dtype. bfloat16 is held as int16 bits: numpy has no bfloat16 of its
 # own, and torch can reinterpret int16 storage as bfloat16 with a free ``.view``.

@@ -19,7 +19,7 @@ from attention_client._errors import from_rpc_error
 from attention_client._requests import DECODE, PREFILL, PreparedRequest
 from attention_client._responses import server_info_dict
 from attention_client._wire import parse_response
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 
 class AsyncAttentionClient(ClientBase):

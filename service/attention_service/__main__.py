@@ -14,6 +14,7 @@ log = logging.getLogger("attention_service")
 
 
 async def serve(config: ServerConfig) -> int:
+    """The single-process model: front end and engine in this process."""
     from attention_service.server import create_server  # after logging is configured
 
     loop = asyncio.get_running_loop()
@@ -23,8 +24,8 @@ async def serve(config: ServerConfig) -> int:
         loop.add_signal_handler(sig, stop.set)
     server, port = await create_server(config)
     # Parseable lines: tests and scripts read the bound ports from them.
-    log.info("listening on port %d (backend %s, device %s)", port, server.backend.name,
-             server.backend.device_name)
+    log.info("listening on port %d (backend %s, device %s, 1 process)", port,
+             server.backend.name, server.backend.device_name)
     if server.metrics_port is not None:
         log.info("metrics on port %d", server.metrics_port)
     await stop.wait()
@@ -55,6 +56,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    if config.process_count > 1:
+        from attention_service.ipc.group import run_group
+
+        return run_group(config)
     return asyncio.run(serve(config))
 
 

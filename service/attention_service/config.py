@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -15,6 +16,23 @@ from dataclasses import dataclass
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # Room left in a response message for the non-data fields of an OutputChunk.
 MESSAGE_OVERHEAD_BYTES = 4096
+MAX_FRONTENDS = 64
+
+
+def auto_frontends(cores: int | None = None) -> int:
+    """``--frontends 0``: one gRPC front end per four cores, at most 8, at least 1 (so a
+    2-core box runs one process). docs/service.md, "Process model", has the measurement."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    return max(1, min(8, cores // 4))
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -38,6 +56,14 @@ class ServerConfig:
     max_queue_delay_ms: float = 0.5
     max_queue_size: int = 1024
     log_level: str = "INFO"
+    # Process model: 1 = one process; N > 1 = N gRPC front-end processes over one engine
+    # process; 0 = auto_frontends() from the core count.
+    frontends: int = 0
+    # Shared memory per front-end process for request/response tensors (pinned by the engine).
+    arena_bytes: int = 256 << 20
+    # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
+    # is loopback; off otherwise, so no remote caller can make the server map host memory).
+    regions: str = "auto"
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -59,6 +85,33 @@ class ServerConfig:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
             raise ValueError("batching limits must be positive")
+        if not 0 <= self.frontends <= MAX_FRONTENDS:
+            raise ValueError(f"frontends must be in [0, {MAX_FRONTENDS}] (0 = auto)")
+        if self.arena_bytes < 1 << 20:
+            raise ValueError("arena_bytes must be at least 1 MiB")
+        if self.regions not in ("auto", "on", "off"):
+            raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
+        if self.auth_token is not None and not all(self.tokens):
+            raise ValueError("auth_token: empty token in the comma-separated list")
+
+    @property
+    def tokens(self) -> tuple[str, ...]:
+        """The accepted bearer tokens (``--auth-token`` is a comma-separated list); each one is
+        its own principal: it sees only the regions it registered."""
+        if not self.auth_token:
+            return ()
+        return tuple(t.strip() for t in self.auth_token.split(","))
+
+    @property
+    def process_count(self) -> int:
+        """Front-end processes: 1 means a single process (front end and engine together)."""
+        return self.frontends or auto_frontends()
+
+    @property
+    def regions_allowed(self) -> bool:
+        if self.regions != "auto":
+            return self.regions == "on"
+        return bool(self.auth_token) or is_loopback(self.host)
 
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
@@ -91,6 +144,9 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_queue_delay_ms": ("--max-queue-delay-ms", "ATTENTION_MAX_QUEUE_DELAY_MS", float),
     "max_queue_size": ("--max-queue-size", "ATTENTION_MAX_QUEUE_SIZE", int),
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
+    "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
+    "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),
+    "regions": ("--regions", "ATTENTION_REGIONS", str),
 }
 
 

@@ -1,8 +1,12 @@
-"""Request errors that carry the gRPC status to answer with."""
+"""Request errors that carry the gRPC status to answer with (a leaf: grpc only)."""
 
 from __future__ import annotations
 
 import grpc
+
+
+class Cancelled(Exception):
+    """The call went away (cancel or deadline) before its compute finished."""
 
 
 class RequestError(Exception):
@@ -13,6 +17,14 @@ class RequestError(Exception):
         self.code = code
         self.details = details
 
+    def __reduce__(self):  # crosses process boundaries (engine -> front end) by pickle
+        return (type(self), (self.code, self.details))
+
+    @classmethod
+    def internal(cls, exc: BaseException) -> RequestError:
+        """A bug's answer to the caller (the traceback stays in the server's log)."""
+        return cls(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
 
 def invalid(field: str, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
@@ -20,3 +32,11 @@ def invalid(field: str, message: str) -> RequestError:
 
 def exhausted(field: str, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{field}: {message}")
+
+
+def not_found(field: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.NOT_FOUND, f"{field}: {message}")
+
+
+def unavailable(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE, message)

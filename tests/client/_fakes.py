@@ -17,9 +17,10 @@ from typing import Any
 
 import grpc
 import numpy as np
-from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 STORAGE = {pb.FLOAT16: np.dtype("<f2"), pb.BFLOAT16: np.dtype("<i2"), pb.FLOAT32: np.dtype("<f4")}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from attention_client._chunks import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -13,7 +14,7 @@ from attention_client._chunks import (
 )
 from attention_client._requests import MAX_HEADER_BYTES, prepare_decode, prepare_prefill
 from attention_client._tensors import WireTensor
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 FOUR_MIB = 4 * 1024 * 1024
 

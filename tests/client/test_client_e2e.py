@@ -7,6 +7,7 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
 
 from ._server import require_server, start_server

@@ -13,6 +13,7 @@ import time
 import grpc
 import numpy as np
 import pytest
+
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError, ProtocolError
 
 from ._fakes import start_fake

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from attention_client._requests import prepare_decode, prepare_prefill
 from attention_client._tensors import as_cu_seqlens, to_user, to_wire
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 torch = pytest.importorskip("torch")

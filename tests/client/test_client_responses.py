@@ -5,10 +5,11 @@ from __future__ import annotations
 import grpc
 import numpy as np
 import pytest
+
 from attention_client import AttentionError, ProtocolError
 from attention_client._responses import ResponseAssembler, server_info_dict
 from attention_client._wire import parse_response
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2 as pb
 
 SHAPE = (10, 2, 8)
 

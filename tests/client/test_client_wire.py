@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from attention_client._chunks import varint
+
 from attention_client._wire import OutputSlice, WireError, parse_response
-from attention_client.pb import attention_pb2 as pb
+from attention_wire.codec import varint
+from attention_wire.pb import attention_pb2 as pb
 
 
 def _chunk(**kw) -> pb.AttentionResponse:

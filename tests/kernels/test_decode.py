@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from attention_kernels import decode, decode_ref
 from attention_kernels.configs import DecodeConfig
-
 from tests.kernels.conftest import (
     DEVICE,
     ON_GPU,

@@ -16,13 +16,14 @@ from typing import Any, TypeVar
 
 import grpc
 import torch
-from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
-from attention_kernels import decode_ref, prefill_ref
-from attention_service.backends import Backend
-from attention_service.config import ServerConfig
-from attention_service.server import AttentionServer, create_server
 from prometheus_client.parser import text_string_to_metric_families
+
+from attention_kernels import decode_ref, prefill_ref
+from attention_service.config import ServerConfig
+from attention_service.engine.backends import Backend
+from attention_service.server import AttentionServer, create_server
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 PB_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
@@ -227,10 +228,11 @@ class GatedBackend:
     so tests can see whether the server stops compute of a dead call."""
 
     def __init__(self) -> None:
-        from attention_service.backends import CpuBackend
+        from attention_service.engine.backends import CpuBackend
 
         self._inner = CpuBackend()
         self.name, self.device_name = self._inner.name, self._inner.device_name
+        self.device, self.max_inflight = self._inner.device, self._inner.max_inflight
         self.alloc_host, self.memory = self._inner.alloc_host, self._inner.memory
         self.entered = threading.Event()
         self.release = threading.Event()
@@ -239,8 +241,8 @@ class GatedBackend:
     def warmup(self) -> None:
         self._inner.warmup()
 
-    def _gate(self, cancel: threading.Event) -> None:
-        from attention_service.backends import Cancelled
+    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        from attention_service.errors import Cancelled
 
         self.entered.set()
         give_up = time.monotonic() + 30
@@ -251,14 +253,7 @@ class GatedBackend:
             if time.monotonic() > give_up:
                 raise RuntimeError("test gate never opened")
             time.sleep(0.005)
-
-    def prefill(self, job, cancel):  # type: ignore[no-untyped-def]
-        self._gate(cancel)
-        return self._inner.prefill(job, cancel)
-
-    def decode(self, job, cancel):  # type: ignore[no-untyped-def]
-        self._gate(cancel)
-        return self._inner.decode(job, cancel)
+        return self._inner.launch(plan, cancel)
 
 
 def small_prefill() -> list[pb.PrefillRequest]:

@@ -1,22 +1,37 @@
-"""Merge/split (batch_plan.py) and the launch policy (batch_queue.py), without a server."""
+"""Merge (batch_plan.py), the one launch path on cpu (each job's rows into its own
+destinations), the launch policy (batch_queue.py) and the executor, without a server."""
 
 from __future__ import annotations
 
-import asyncio
 import math
+import threading
 
 import grpc
 import pytest
 import torch
+
 from attention_kernels import decode_ref, prefill_ref
-from attention_service.batch_plan import BatchPlan, batch_key, budget_tokens
-from attention_service.batch_queue import BatchQueue, Waiter
-from attention_service.errors import RequestError
-from attention_service.execution import Job
+from attention_service.engine.backends import WIRE_DTYPES, CpuBackend
+from attention_service.engine.batch_plan import BatchPlan, batch_key
+from attention_service.engine.batch_queue import BatchQueue, Waiter
+from attention_service.engine.executor import Executor
+from attention_service.engine.jobs import Job
+from attention_service.errors import Cancelled, RequestError
+from attention_service.params import Op, make_params
 
 from .svc_helpers import cu_from_lengths, random_qkv
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _job(op: Op, q, k, v, cu_k, cu_q=None, *, causal=False, scale=None, lse=False, splits=0):  # type: ignore[no-untyped-def]
+    params = make_params(
+        op, WIRE_DTYPES[q.dtype], tuple(q.shape), tuple(k.shape), cu_k, cu_q, causal=causal,
+        softmax_scale=scale, return_lse=lse, num_splits=splits,
+    )
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype)  # poisoned: every row must be written
+    lse_t = torch.full(params.lse_shape, float("nan")) if lse else None
+    return Job(params, q, k, v, out, lse_t)
 
 
 def _prefill_job(
@@ -26,24 +41,16 @@ def _prefill_job(
     cu_q = cu_from_lengths(len_q)
     cu_k = cu_from_lengths(len_k if len_k is not None else len_q)
     q, k, v = random_qkv(cu_q[-1], cu_k[-1], 4, 2, dim, torch.float32, seed=seed)
-    return Job(
-        rpc="Prefill", q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
-        max_seqlen_q=max(len_q), max_seqlen_k=max(len_k or len_q), causal=causal,
-        softmax_scale=scale, return_lse=lse, num_splits=0, flops=seed, tokens=cu_q[-1],
-    )
+    return _job(Op.PREFILL, q, k, v, cu_k, cu_q, causal=causal, scale=scale, lse=lse)
 
 
 def _decode_job(seed: int, len_k: list[int], *, lse: bool = False, splits: int = 0) -> Job:
     cu_k = cu_from_lengths(len_k)
     q, k, v = random_qkv(len(len_k), cu_k[-1], 4, 2, 8, torch.float32, seed=seed)
-    return Job(
-        rpc="Decode", q=q, k=k, v=v, cu_seqlens_q=None, cu_seqlens_k=cu_k, max_seqlen_q=1,
-        max_seqlen_k=max(len_k), causal=False, softmax_scale=None, return_lse=lse,
-        num_splits=splits, flops=0, tokens=cu_k[-1],
-    )
+    return _job(Op.DECODE, q, k, v, cu_k, lse=lse, splits=splits)
 
 
-# ---- batch_plan ---------------------------------------------------------------------------
+# ---- batch_plan and the cpu launch --------------------------------------------------------
 
 def test_plan_merges_cu_seqlens_and_offsets() -> None:
     a = _prefill_job(1, [2, 3], [4, 0], lse=False)
@@ -53,79 +60,86 @@ def test_plan_merges_cu_seqlens_and_offsets() -> None:
     assert plan.cu_seqlens_k == [0, 4, 4, 5, 11]
     assert (plan.q_offsets, plan.k_offsets) == ([0, 5, 10], [0, 4, 11])
     assert (plan.max_seqlen_q, plan.max_seqlen_k) == (5, 6)
-    assert plan.return_lse and plan.tokens == 10 and plan.flops == 3
+    assert plan.return_lse and plan.tokens == 10
+    assert plan.flops == a.params.flops + b.params.flops
     assert plan.kv_bytes == sum(j.k.nbytes + j.v.nbytes for j in (a, b))
 
 
-def test_merged_reference_split_equals_each_job_alone() -> None:
+def _cu(values: tuple[int, ...] | None) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
+
+
+def test_merged_launch_writes_each_job_its_own_answer() -> None:
     jobs = [_prefill_job(1, [3, 4], [5, 4], lse=True), _prefill_job(2, [6], lse=False),
             _prefill_job(3, [1, 2], [0, 7], lse=True)]
-    plan = BatchPlan(jobs)
-    merged = plan.merged_job(*(torch.cat([getattr(j, n) for j in jobs]) for n in "qkv"))
-    out, lse = prefill_ref(
-        merged.q, merged.k, merged.v, torch.tensor(merged.cu_seqlens_q, dtype=torch.int32),
-        torch.tensor(merged.cu_seqlens_k, dtype=torch.int32), causal=True, return_lse=True,
-    )
-    for job, (o, l_) in zip(jobs, plan.split(out, lse), strict=True):
+    CpuBackend().launch(BatchPlan(jobs), threading.Event()).wait()
+    for job in jobs:
+        p = job.params
         ref_o, ref_l = prefill_ref(
-            job.q, job.k, job.v, torch.tensor(job.cu_seqlens_q, dtype=torch.int32),
-            torch.tensor(job.cu_seqlens_k, dtype=torch.int32), causal=True, return_lse=True,
+            job.q.double(), job.k.double(), job.v.double(), _cu(p.cu_seqlens_q),
+            _cu(p.cu_seqlens_k), causal=True, return_lse=True,
         )
-        torch.testing.assert_close(o, ref_o)
-        if job.return_lse:
-            assert l_ is not None and l_.is_contiguous() and l_.shape == ref_l.shape
-            torch.testing.assert_close(l_, ref_l)
+        torch.testing.assert_close(job.out.double(), ref_o, atol=2e-5, rtol=2e-5)
+        if p.return_lse:
+            assert job.lse is not None and job.lse.shape == ref_l.shape
+            torch.testing.assert_close(job.lse.double(), ref_l.double(), atol=1e-5, rtol=1e-5)
         else:
-            assert l_ is None
+            assert job.lse is None
 
 
-def test_decode_split_keeps_batch_major_lse() -> None:
+def test_merged_decode_keeps_batch_major_lse() -> None:
     jobs = [_decode_job(1, [3, 0, 5], lse=True), _decode_job(2, [7], lse=True)]
     plan = BatchPlan(jobs)
     assert plan.cu_seqlens_q is None and plan.cu_seqlens_k == [0, 3, 3, 8, 15]
-    merged = plan.merged_job(*(torch.cat([getattr(j, n) for j in jobs]) for n in "qkv"))
-    out, lse = decode_ref(merged.q, merged.k, merged.v,
-                          torch.tensor(merged.cu_seqlens_k, dtype=torch.int32), return_lse=True)
-    for job, (o, l_) in zip(jobs, plan.split(out, lse), strict=True):
-        ref_o, ref_l = decode_ref(job.q, job.k, job.v,
-                                  torch.tensor(job.cu_seqlens_k, dtype=torch.int32),
-                                  return_lse=True)
-        torch.testing.assert_close(o, ref_o)
-        assert l_ is not None and l_.shape == (job.q.shape[0], 4)
-        torch.testing.assert_close(l_, ref_l)
+    CpuBackend().launch(plan, threading.Event()).wait()
+    for job in jobs:
+        ref_o, ref_l = decode_ref(job.q.double(), job.k.double(), job.v.double(),
+                                  _cu(job.params.cu_seqlens_k), return_lse=True)
+        torch.testing.assert_close(job.out.double(), ref_o, atol=2e-5, rtol=2e-5)
+        assert job.lse is not None and job.lse.shape == (job.q.shape[0], 4)
+        torch.testing.assert_close(job.lse.double(), ref_l.double(), atol=1e-5, rtol=1e-5)
+
+
+def test_batch_without_keys_writes_zeros_and_minus_inf() -> None:
+    job = _prefill_job(1, [3], [0], lse=True)
+    CpuBackend().launch(BatchPlan([job]), threading.Event()).wait()
+    assert torch.equal(job.out, torch.zeros_like(job.out))
+    assert job.lse is not None and torch.isneginf(job.lse).all()
+
+
+def _key(job: Job):  # type: ignore[no-untyped-def]
+    return batch_key(job.params)
 
 
 def test_batch_key_separates_what_cannot_share_a_launch() -> None:
     base = _prefill_job(1, [4])
-    assert batch_key(base) == batch_key(_prefill_job(2, [9, 1], lse=True))
-    assert batch_key(base) == batch_key(_prefill_job(3, [4], scale=1 / math.sqrt(8)))
-    assert batch_key(base) != batch_key(_prefill_job(4, [4], causal=False))
-    assert batch_key(base) != batch_key(_prefill_job(5, [4], dim=16))
-    assert batch_key(base) != batch_key(_prefill_job(6, [4], scale=0.3))
-    assert batch_key(base) != batch_key(_decode_job(7, [4]))
-    assert batch_key(_decode_job(8, [4])) != batch_key(_decode_job(9, [4], splits=2))
+    assert _key(base) == _key(_prefill_job(2, [9, 1], lse=True))
+    assert _key(base) == _key(_prefill_job(3, [4], scale=1 / math.sqrt(8)))
+    assert _key(base) != _key(_prefill_job(4, [4], causal=False))
+    assert _key(base) != _key(_prefill_job(5, [4], dim=16))
+    assert _key(base) != _key(_prefill_job(6, [4], scale=0.3))
+    assert _key(base) != _key(_decode_job(7, [4]))
+    assert _key(_decode_job(8, [4])) != _key(_decode_job(9, [4], splits=2))
     with pytest.raises(ValueError, match="different batch keys"):
         BatchPlan([base, _prefill_job(4, [4], causal=False)])
 
 
 def test_budget_tokens_counts_the_larger_side() -> None:
-    assert budget_tokens(_prefill_job(1, [2, 3])) == 5
-    assert budget_tokens(_prefill_job(1, [1], [40])) == 40  # few queries, long prefix
-    assert budget_tokens(_decode_job(1, [10, 20])) == 30
+    assert _prefill_job(1, [2, 3]).params.budget_tokens == 5
+    assert _prefill_job(1, [1], [40]).params.budget_tokens == 40  # few queries, long prefix
+    assert _decode_job(1, [10, 20]).params.budget_tokens == 30
 
 
 # ---- batch_queue --------------------------------------------------------------------------
 
 @pytest.fixture
 def loop():  # type: ignore[no-untyped-def]
-    lp = asyncio.new_event_loop()
-    yield lp
-    lp.close()
+    return None  # waiters carry a done callback now; the fixture name stays for the tests
 
 
-def _waiter(loop: asyncio.AbstractEventLoop, job: Job, at: float) -> Waiter:
+def _waiter(loop: object, job: Job, at: float) -> Waiter:
     job.submitted_at = at
-    return Waiter(job, loop, loop.create_future())
+    return Waiter(job, lambda value: None)
 
 
 def _tokens(batch: list[Waiter]) -> list[int]:
@@ -175,7 +189,7 @@ def test_keys_are_batched_apart_oldest_first(loop) -> None:  # type: ignore[no-u
     order = []
     while len(q):
         batch = q.next_batch(9.0, device_idle=True)[0]
-        order.append((batch[0].job.rpc, _tokens(batch)))
+        order.append((batch[0].job.params.op.rpc, _tokens(batch)))
     assert order == [("Prefill", [5, 7]), ("Decode", [6]), ("Prefill", [4])]
 
 
@@ -185,11 +199,13 @@ def test_cancelled_waiters_are_removed_or_skipped(loop) -> None:  # type: ignore
     for w in ws:
         q.add(w)
     assert q.remove(ws[1]) and not q.remove(ws[1])
-    assert q.depth("Prefill") == 3
+    assert q.depth(Op.PREFILL) == 3
     ws[0].job.cancel.set()  # cancelled without removal (a race): never launched either
     ws[3].job.cancel.set()
     assert _tokens(q.next_batch(9.0, device_idle=True)[0]) == [5]
     assert len(q) == 0 and q.next_batch(9.0, device_idle=True) == ([], None)
+    # ... and handed back, so the executor answers each exactly once.
+    assert q.take_dropped() == [ws[0], ws[3]] and q.take_dropped() == []
 
 
 def test_queue_bound_and_drain(loop) -> None:  # type: ignore[no-untyped-def]
@@ -199,7 +215,93 @@ def test_queue_bound_and_drain(loop) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(RequestError) as info:
         q.add(_waiter(loop, _prefill_job(3, [3]), at=1.0))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert (q.depth("Prefill"), q.depth("Decode")) == (1, 1)
-    assert len(q.drain()) == 2 and len(q) == 0 and q.depth("Decode") == 0
+    assert (q.depth(Op.PREFILL), q.depth(Op.DECODE)) == (1, 1)
+    assert len(q.drain()) == 2 and len(q) == 0 and q.depth(Op.DECODE) == 0
     q.add(_waiter(loop, _prefill_job(4, [3]), at=2.0))  # usable after a drain
     assert _tokens(q.next_batch(2.0, device_idle=True)[0]) == [3]
+
+
+def test_batching_off_launches_one_job_at_a_time_without_waiting(loop) -> None:  # type: ignore[no-untyped-def]
+    q = BatchQueue(max_batch_tokens=1000, max_delay_s=10.0, max_size=10, max_requests=1)
+    for i in range(3):
+        q.add(_waiter(loop, _prefill_job(i, [4 + i]), at=1.0))
+    # Busy device, delay far off: a lone job is still a full batch when batching is off.
+    assert _tokens(q.next_batch(1.0, device_idle=False)[0]) == [4]
+    assert _tokens(q.next_batch(1.0, device_idle=True)[0]) == [5]
+    assert _tokens(q.next_batch(1.0, device_idle=True)[0]) == [6]
+
+
+# ---- executor: every job answered exactly once ----------------------------------------------
+
+class _Slow(CpuBackend):
+    """Launches wait for ``gate`` so jobs pile up in the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.sizes: list[int] = []
+
+    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        self.sizes.append(len(plan))
+        self.gate.wait(10)
+        return super().launch(plan, cancel)
+
+
+@pytest.mark.parametrize("batching", [True, False])
+def test_executor_answers_every_job_once_under_cancellation(batching: bool) -> None:
+    backend = _Slow()
+    ex = Executor(backend, batching=batching, max_queue_delay_s=0.0)
+    answers: dict[int, list[object]] = {}
+    lock = threading.Lock()
+    jobs = [_prefill_job(i, [3 + i % 4], lse=i % 2 == 0) for i in range(24)]
+
+    def done_for(i: int):  # type: ignore[no-untyped-def]
+        def done(value: object) -> None:
+            with lock:
+                answers.setdefault(i, []).append(value)
+        return done
+
+    try:
+        for i, job in enumerate(jobs):
+            ex.submit(job, done_for(i))
+        cancelled = set(range(1, 24, 3))
+        for i in cancelled:
+            ex.cancel(jobs[i])
+        backend.gate.set()
+        deadline = threading.Event()
+        for _ in range(200):
+            with lock:
+                if len(answers) == len(jobs):
+                    break
+            deadline.wait(0.05)
+    finally:
+        ex.close()
+    assert sorted(answers) == list(range(24)) and all(len(a) == 1 for a in answers.values())
+    for i, job in enumerate(jobs):
+        value = answers[i][0]
+        if isinstance(value, Cancelled):
+            assert i in cancelled  # only cancelled jobs may end so
+            continue
+        assert not isinstance(value, BaseException), value
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+    if not batching:
+        assert set(backend.sizes) == {1}
+    else:
+        assert max(backend.sizes) > 1
+
+
+def test_closed_executor_refuses_and_answers_what_waited() -> None:
+    backend = _Slow()
+    ex = Executor(backend, max_queue_delay_s=0.0)
+    got: list[object] = []
+    ex.submit(_prefill_job(1, [4]), got.append)  # taken by the dispatcher, held at the gate
+    ex.submit(_prefill_job(2, [4]), got.append)
+    ex.submit(_prefill_job(3, [4]), got.append)
+    threading.Timer(0.2, backend.gate.set).start()
+    ex.close()
+    with pytest.raises(RequestError) as info:
+        ex.submit(_prefill_job(4, [4]), got.append)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+    assert len(got) == 3

@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
+
 from attention_client import AsyncAttentionClient
-from attention_client.pb import attention_pb2 as pb
+from attention_service.params import Op
+from attention_wire.pb import attention_pb2 as pb
 
 from .batch_helpers import Req, StepBackend, decode_req, prefill_req, start_all
 from .svc_helpers import collect, random_qkv, sample, wait_until
@@ -24,11 +26,13 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _batching_server(start_server, backend: StepBackend, **overrides):  # type: ignore[no-untyped-def]
-    return start_server(backend=backend, batching=True, metrics_port=0, **overrides)
+    # No warm-up: its launches would go through the held gate (launch 0 is the test's).
+    return start_server(backend=backend, batching=True, metrics_port=0, warmup=False,
+                        **overrides)
 
 
 def _depth(srv, rpc: str = "Prefill") -> int:  # type: ignore[no-untyped-def]
-    return int(srv.server.executor.queue_depth(rpc))
+    return int(srv.server.executor.queue_depth(Op(rpc)))
 
 
 def _queued(srv) -> int:  # type: ignore[no-untyped-def]
@@ -248,7 +252,7 @@ def test_request_over_the_budget_runs_alone(start_server) -> None:  # type: igno
         responses = [f.result(30) for f in futures]
     for req, resp in zip(reqs, responses, strict=True):
         req.check(resp)
-    tokens = [[j.tokens for j in p.jobs] for p in backend.plans[1:]]
+    tokens = [[j.params.tokens for j in p.jobs] for p in backend.plans[1:]]
     assert tokens == [[20], [100], [20, 20], [30]]
     assert responses[1].stats.batch_requests == 1 and responses[1].stats.batch_tokens == 100
 
@@ -268,7 +272,7 @@ def test_cancelled_while_queued_leaves_the_queue(start_server) -> None:  # type:
         with pytest.raises(grpc.RpcError) as info:
             futures[1].result(30)
     assert info.value.code() == grpc.StatusCode.CANCELLED
-    assert [[j.tokens for j in p.jobs] for p in backend.plans[1:]] == [[3, 5]]
+    assert [[j.params.tokens for j in p.jobs] for p in backend.plans[1:]] == [[3, 5]]
 
 
 def test_cancelled_inside_a_running_launch_spares_its_mates(start_server) -> None:  # type: ignore[no-untyped-def]
@@ -316,12 +320,12 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
 class _NoMergeMemory(StepBackend):
     """Runs out of device memory for any launch of more than one request."""
 
-    def launch_batch(self, plan, cancel):  # type: ignore[no-untyped-def]
+    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
         if len(plan) > 1:
             with self._cv:
                 self.plans.append(plan)
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return super().launch_batch(plan, cancel)
+        return super().launch(plan, cancel)
 
 
 def test_failed_merged_launch_retries_each_request_alone(start_server) -> None:  # type: ignore[no-untyped-def]
@@ -348,7 +352,9 @@ def test_close_refuses_what_still_waits(start_server) -> None:  # type: ignore[n
         waiting = start_all(pool, srv, [prefill_req(1, [4])])[0]
         assert wait_until(lambda: _depth(srv) == 1)
         # close() drains the queue at once, then waits for the launch in flight.
-        closing = asyncio.run_coroutine_threadsafe(srv.server.executor.close(), srv.loop)
+        closing = asyncio.run_coroutine_threadsafe(
+            asyncio.to_thread(srv.server.executor.close), srv.loop
+        )
         with pytest.raises(grpc.RpcError) as info:
             waiting.result(30)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE

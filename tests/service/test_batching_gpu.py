@@ -1,5 +1,5 @@
-"""The batched cuda path (cuda_batch.py): merged launches on two streams, each caller's rows
-against the float64 reference; skipped without a GPU."""
+"""The cuda launch path (engine/cuda_launch.py): merged launches on two streams, each caller's
+rows against the float64 reference; skipped without a GPU."""
 
 from __future__ import annotations
 
@@ -9,15 +9,24 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from attention_service.params import Op
+
 from .batch_helpers import Steps, decode_req, prefill_req, start_all
-from .svc_helpers import ServerHandle, make_config, random_qkv, sample, wait_until
+from .svc_helpers import (
+    ServerHandle,
+    make_config,
+    prefill_oracle,
+    random_qkv,
+    sample,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 BF16_TOL = 3.2e-2  # twice the cpu tolerance: a different float32 summation order
 
 
 def _cuda_step_backend():  # type: ignore[no-untyped-def]
-    from attention_service.backends import CudaBackend
+    from attention_service.engine.backends import CudaBackend
 
     class CudaStepBackend(Steps, CudaBackend):
         pass
@@ -52,8 +61,8 @@ def test_merged_gpu_launch_gives_each_caller_its_rows(held_gpu_server) -> None: 
         assert backend.wait_launches(1)
         futures = start_all(pool, srv, reqs)
         executor = srv.server.executor
-        assert wait_until(lambda: executor.queue_depth("Prefill") + executor.queue_depth(
-            "Decode") == len(reqs))
+        assert wait_until(lambda: executor.queue_depth(Op.PREFILL) + executor.queue_depth(
+            Op.DECODE) == len(reqs))
         backend.open_all()
         responses = [f.result(120) for f in futures]
         blocker.result(120)
@@ -74,12 +83,13 @@ def test_merged_gpu_launch_gives_each_caller_its_rows(held_gpu_server) -> None: 
     assert launches == 3
 
 
-def test_launch_batch_matches_single_launches_and_overlaps_streams() -> None:
-    """Two batches issued back to back (two streams, no wait in between) equal the same jobs
-    launched one by one on the single-launch path."""
-    from attention_service.backends import CudaBackend
-    from attention_service.batch_plan import BatchPlan
-    from attention_service.execution import Job
+def test_batches_in_flight_match_single_launches() -> None:
+    """Two batches issued back to back (two streams, no wait in between) write each job the
+    same rows as that job launched alone."""
+    from attention_service.engine.backends import WIRE_DTYPES, CudaBackend
+    from attention_service.engine.batch_plan import BatchPlan
+    from attention_service.engine.jobs import Job
+    from attention_service.params import make_params
 
     backend = CudaBackend()
 
@@ -89,22 +99,46 @@ def test_launch_batch_matches_single_launches_and_overlaps_streams() -> None:
             cu.append(cu[-1] + n)
         q, k, v = (t.pin_memory() for t in random_qkv(cu[-1], cu[-1], 16, 8, 128,
                                                          torch.float16, seed=seed))
-        return Job(rpc="Prefill", q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu,
-                   max_seqlen_q=max(lens), max_seqlen_k=max(lens), causal=True,
-                   softmax_scale=None, return_lse=True, num_splits=0, flops=0,
-                   tokens=cu[-1])
+        params = make_params(Op.PREFILL, WIRE_DTYPES[q.dtype], tuple(q.shape), tuple(k.shape),
+                             cu, cu, causal=True, return_lse=True)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype).pin_memory()
+        lse = torch.full(params.lse_shape, float("nan")).pin_memory()
+        return Job(params, q, k, v, out, lse)
 
     batches = [[job(10 * b + i, [64 * (i + 1), 300, 5]) for i in range(8)] for b in range(2)]
     plans = [BatchPlan(jobs) for jobs in batches]
-    pending = [backend.launch_batch(p, threading.Event()) for p in plans]  # both in flight
-    outputs = [p.wait() for p in pending]
-    for plan, output, jobs in zip(plans, outputs, batches, strict=True):
-        for j, (out, lse) in zip(jobs, plan.split(output.out, output.lse), strict=True):
-            alone = backend.prefill(j, threading.Event())
-            torch.testing.assert_close(out, alone.out, atol=2e-3, rtol=2e-3)
-            assert lse is not None and alone.lse is not None
-            torch.testing.assert_close(lse, alone.lse, atol=1e-4, rtol=1e-4)
-        assert output.h2d_seconds > 0 and output.kernel_seconds > 0 and output.d2h_seconds > 0
+    pending = [backend.launch(p, threading.Event()) for p in plans]  # both in flight
+    times = [p.wait() for p in pending]
+    for jobs, t in zip(batches, times, strict=True):
+        assert t.h2d_seconds > 0 and t.kernel_seconds > 0 and t.d2h_seconds > 0
+        for j in jobs:
+            alone = Job(j.params, j.q, j.k, j.v, torch.full_like(j.out, float("nan")),
+                        torch.full_like(j.lse, float("nan")))
+            backend.launch(BatchPlan([alone]), threading.Event()).wait()
+            torch.testing.assert_close(j.out, alone.out, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(j.lse, alone.lse, atol=1e-4, rtol=1e-4)
+
+
+def test_lone_device_job_runs_in_place() -> None:
+    """A job whose tensors already live on the GPU (a CUDA region) is read and written in
+    place: the kernel's output is the job's own destination."""
+    from attention_service.engine.backends import WIRE_DTYPES, CudaBackend
+    from attention_service.engine.batch_plan import BatchPlan
+    from attention_service.engine.jobs import Job
+    from attention_service.params import make_params
+
+    backend = CudaBackend()
+    cu = [0, 100, 130]
+    q, k, v = (t.cuda() for t in random_qkv(130, 130, 8, 2, 64, torch.bfloat16, seed=3))
+    params = make_params(Op.PREFILL, WIRE_DTYPES[q.dtype], tuple(q.shape), tuple(k.shape),
+                         cu, cu, causal=True, return_lse=True)
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full(params.lse_shape, float("nan"), device="cuda")
+    job = Job(params, q, k, v, out, lse)
+    backend.launch(BatchPlan([job]), threading.Event()).wait()
+    ref, ref_lse = prefill_oracle(q.cpu(), k.cpu(), v.cpu(), cu, cu, causal=True)
+    torch.testing.assert_close(out.cpu().double(), ref, atol=BF16_TOL, rtol=BF16_TOL)
+    torch.testing.assert_close(lse.cpu().double(), ref_lse.double(), atol=2e-3, rtol=0)
 
 
 def test_gpu_batching_server_under_concurrency() -> None:

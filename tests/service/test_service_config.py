@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from attention_service.config import ServerConfig, build_parser, load_config
 
 CONTRACTS = Path(__file__).resolve().parents[2] / "docs" / "CONTRACTS.md"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from attention_client.pb import attention_pb2 as pb
+
+from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import (
     ServerHandle,

@@ -8,8 +8,10 @@ import threading
 import grpc
 import pytest
 import torch
-from attention_client.pb import attention_pb2 as pb
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from attention_service.params import Op
+from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import (
     GatedBackend,
@@ -23,7 +25,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def _idle(srv) -> bool:  # type: ignore[no-untyped-def]
     return srv.server.servicer.tracker.inflight == 0 and srv.server.executor.queue_depth(
-        "Prefill"
+        Op.PREFILL
     ) == 0
 
 
@@ -90,16 +92,16 @@ def test_client_cancel_while_receiving(server) -> None:  # type: ignore[no-untyp
 
 def test_device_oom_is_resource_exhausted(start_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     srv = start_server()
-    real = srv.server.backend.prefill
+    real = srv.server.backend.launch
     calls = []
 
-    def oom_once(job, cancel):  # type: ignore[no-untyped-def]
+    def oom_once(plan, cancel):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(job, cancel)
+        return real(plan, cancel)
 
-    monkeypatch.setattr(srv.server.backend, "prefill", oom_once)
+    monkeypatch.setattr(srv.server.backend, "launch", oom_once)
     with pytest.raises(grpc.RpcError) as info:
         list(srv.stub().Prefill(iter(small_prefill()), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -112,10 +114,10 @@ def test_device_oom_is_resource_exhausted(start_server, monkeypatch) -> None:  #
 def test_unexpected_backend_error_is_internal(start_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     srv = start_server()
 
-    def boom(job, cancel):  # type: ignore[no-untyped-def]
+    def boom(plan, cancel):  # type: ignore[no-untyped-def]
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr(srv.server.backend, "decode", boom)
+    monkeypatch.setattr(srv.server.backend, "launch", boom)
     q = torch.zeros(1, 2, 8)
     from .svc_helpers import decode_messages
 
@@ -187,7 +189,7 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
     running = srv.stub().Prefill(iter(small_prefill()), timeout=30)
     assert backend.entered.wait(10)  # first call holds the device
     queued = srv.stub().Prefill(iter(small_prefill()), timeout=30)
-    assert wait_until(lambda: srv.server.executor.queue_depth("Prefill") == 1)
+    assert wait_until(lambda: srv.server.executor.queue_depth(Op.PREFILL) == 1)
     with pytest.raises(grpc.RpcError) as info:
         list(srv.stub().Prefill(iter(small_prefill()), timeout=10))
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -6,7 +6,8 @@ import math
 
 import pytest
 import torch
-from attention_client.pb import attention_pb2 as pb
+
+from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import (
     TOLERANCE,

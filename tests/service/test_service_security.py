@@ -8,8 +8,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
+
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from .svc_helpers import health_status, small_prefill
 

@@ -13,8 +13,9 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from attention_client.pb import attention_pb2_grpc as pb_grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from .svc_helpers import health_status, small_prefill, wait_until
 

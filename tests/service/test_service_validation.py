@@ -10,8 +10,9 @@ from typing import Any
 import grpc
 import pytest
 import torch
-from attention_client.pb import attention_pb2 as pb
-from attention_service.validation import _causal_pairs
+
+from attention_service.params import causal_pairs as _causal_pairs
+from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import decode_messages, prefill_messages, random_qkv
 

@@ -7,11 +7,13 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from attention_client._chunks import varint
-from attention_client.pb import attention_pb2 as pb
-from attention_service.codec import output_messages
+
 from attention_service.errors import RequestError
-from attention_service.wire import encode_output_chunk, parse_request
+from attention_service.frontend.streams import output_messages
+from attention_service.frontend.wire import encode_output_chunk, parse_request
+from attention_service.params import Op
+from attention_wire.codec import varint
+from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import ServerHandle, prefill_messages, random_qkv
 
@@ -46,7 +48,8 @@ def test_output_chunk_bytes_equal_protobufs(size: int, row_start: int, field: in
 def test_output_messages_cover_every_row_once() -> None:
     t = torch.randn(37, 3, 5)  # 60-byte rows, 128-byte chunks: 2 rows per message
     seen = b""
-    for nbytes, msg in output_messages(pb.OUT, t, 128):
+    data = t.view(-1).view(torch.uint8).numpy()
+    for nbytes, msg in output_messages(pb.OUT, pb.FLOAT32, tuple(t.shape), data, 128):
         chunk = pb.AttentionResponse.FromString(msg).chunk
         assert nbytes == len(chunk.data) <= 128
         assert chunk.row_start * 60 == len(seen) and chunk.row_count * 60 == nbytes
@@ -60,11 +63,11 @@ def test_request_parse_matches_protobuf_unknown_fields_included() -> None:
     header, *rest = prefill_messages(q, k, v, [0, 2, 6], causal=True, chunk=40)
     first = pb.PrefillRequest(header=header.header, chunks=[_chunk(pb.Q, 0, b"xyz")])
     raw = first.SerializeToString() + UNKNOWN
-    parsed = parse_request(raw, "Prefill")
+    parsed = parse_request(raw, Op.PREFILL)
     assert parsed.header == pb.PrefillRequest.FromString(raw).header
     assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [(pb.Q, 0, b"xyz")]
     for msg in rest:
-        parsed = parse_request(msg.SerializeToString(), "Prefill")
+        parsed = parse_request(msg.SerializeToString(), Op.PREFILL)
         assert parsed.header is None
         assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [
             (c.field, c.offset, c.data) for c in msg.chunks
@@ -82,7 +85,7 @@ def test_repeated_occurrences_merge_like_protobuf() -> None:
     h2 = pb.DecodeHeader(return_lse=True).SerializeToString()
     raw += b"\x0a" + varint(len(h1)) + h1 + b"\x0a" + varint(len(h2)) + h2
     theirs = pb.DecodeRequest.FromString(raw)
-    mine = parse_request(raw, "Decode")
+    mine = parse_request(raw, Op.DECODE)
     assert mine.header == theirs.header and mine.header.num_splits == 3
     ((field, offset, data),) = mine.chunks
     assert (field, offset, bytes(data)) == (pb.V, 16, b"second") == (
@@ -96,12 +99,31 @@ def test_repeated_occurrences_merge_like_protobuf() -> None:
     b"\x13",  # a group (wire type 3), which proto3 does not have
     b"\x12\x03\x1a\x05a",  # a chunk whose data runs past the chunk
     b"\x80" * 11,  # an overlong varint
+    b"\x02\x00",  # field number 0, which protobuf rejects
+    varint((1 << 29) << 3 | 2) + b"\x00",  # field number 2**29, past protobuf's largest
 ])
 def test_malformed_messages_are_invalid_argument(raw: bytes) -> None:
     with pytest.raises(RequestError) as info:
-        parse_request(raw, "Decode")
+        parse_request(raw, Op.DECODE)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details.startswith("message: not a valid DecodeRequest")
+
+
+def test_parser_strictness_matches_protobuf() -> None:
+    from google.protobuf.message import DecodeError
+
+    for raw in (b"\x02\x00", varint((1 << 29) << 3 | 2) + b"\x00"):
+        with pytest.raises(DecodeError):
+            pb.DecodeRequest.FromString(raw)
+    largest = varint(((1 << 29) - 1) << 3 | 2) + b"\x00"  # the largest legal number: unknown
+    assert not pb.DecodeRequest.FromString(largest).HasField("header")
+    assert parse_request(largest, Op.DECODE) == (None, [])
+
+
+def test_request_layouts_number_their_fields_alike() -> None:
+    for name in ("header", "chunks"):
+        assert (pb.PrefillRequest.DESCRIPTOR.fields_by_name[name].number
+                == pb.DecodeRequest.DESCRIPTOR.fields_by_name[name].number)
 
 
 def test_garbage_over_grpc_is_refused_naming_the_message(server: ServerHandle) -> None:

@@ -56,8 +56,32 @@ class TensorChunk(_message.Message):
     data: bytes
     def __init__(self, field: _Optional[_Union[InputField, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
+class RegionSpan(_message.Message):
+    __slots__ = ("region", "offset", "byte_size")
+    REGION_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    region: str
+    offset: int
+    byte_size: int
+    def __init__(self, region: _Optional[str] = ..., offset: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class TensorRegions(_message.Message):
+    __slots__ = ("q", "k", "v", "out", "lse")
+    Q_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    OUT_FIELD_NUMBER: _ClassVar[int]
+    LSE_FIELD_NUMBER: _ClassVar[int]
+    q: RegionSpan
+    k: RegionSpan
+    v: RegionSpan
+    out: RegionSpan
+    lse: RegionSpan
+    def __init__(self, q: _Optional[_Union[RegionSpan, _Mapping]] = ..., k: _Optional[_Union[RegionSpan, _Mapping]] = ..., v: _Optional[_Union[RegionSpan, _Mapping]] = ..., out: _Optional[_Union[RegionSpan, _Mapping]] = ..., lse: _Optional[_Union[RegionSpan, _Mapping]] = ...) -> None: ...
+
 class PrefillHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse")
+    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +90,7 @@ class PrefillHeader(_message.Message):
     CAUSAL_FIELD_NUMBER: _ClassVar[int]
     SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -74,7 +99,8 @@ class PrefillHeader(_message.Message):
     causal: bool
     softmax_scale: float
     return_lse: bool
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+    regions: TensorRegions
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -85,7 +111,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class DecodeHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse")
+    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -93,6 +119,7 @@ class DecodeHeader(_message.Message):
     SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
     NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -100,7 +127,8 @@ class DecodeHeader(_message.Message):
     softmax_scale: float
     num_splits: int
     return_lse: bool
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ...) -> None: ...
+    regions: TensorRegions
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -125,7 +153,7 @@ class OutputChunk(_message.Message):
     def __init__(self, field: _Optional[_Union[OutputField, str]] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("queue_seconds", "h2d_seconds", "kernel_seconds", "d2h_seconds", "bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens")
+    __slots__ = ("queue_seconds", "h2d_seconds", "kernel_seconds", "d2h_seconds", "bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens", "region_bytes_in", "region_bytes_out")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     H2D_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +163,8 @@ class RequestStats(_message.Message):
     FLOPS_FIELD_NUMBER: _ClassVar[int]
     BATCH_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    REGION_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     h2d_seconds: float
     kernel_seconds: float
@@ -144,7 +174,9 @@ class RequestStats(_message.Message):
     flops: float
     batch_requests: int
     batch_tokens: int
-    def __init__(self, queue_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., d2h_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., flops: _Optional[float] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ...) -> None: ...
+    region_bytes_in: int
+    region_bytes_out: int
+    def __init__(self, queue_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., d2h_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., flops: _Optional[float] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., region_bytes_in: _Optional[int] = ..., region_bytes_out: _Optional[int] = ...) -> None: ...
 
 class AttentionResponse(_message.Message):
     __slots__ = ("chunk", "stats")
@@ -159,7 +191,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +204,8 @@ class ServerInfo(_message.Message):
     TRITON_VERSION_FIELD_NUMBER: _ClassVar[int]
     CUDA_VERSION_FIELD_NUMBER: _ClassVar[int]
     BATCHING_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    FRONTENDS_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -184,4 +218,70 @@ class ServerInfo(_message.Message):
     triton_version: str
     cuda_version: str
     batching: bool
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ...) -> None: ...
+    regions: bool
+    frontends: int
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ...) -> None: ...
+
+class SystemRegion(_message.Message):
+    __slots__ = ("key", "offset")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    offset: int
+    def __init__(self, key: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class CudaRegion(_message.Message):
+    __slots__ = ("ipc_handle", "device_uuid", "offset")
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_UUID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    ipc_handle: bytes
+    device_uuid: bytes
+    offset: int
+    def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class RegisterRegionRequest(_message.Message):
+    __slots__ = ("name", "byte_size", "system", "cuda")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SYSTEM_FIELD_NUMBER: _ClassVar[int]
+    CUDA_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    byte_size: int
+    system: SystemRegion
+    cuda: CudaRegion
+    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ..., system: _Optional[_Union[SystemRegion, _Mapping]] = ..., cuda: _Optional[_Union[CudaRegion, _Mapping]] = ...) -> None: ...
+
+class RegionInfo(_message.Message):
+    __slots__ = ("name", "kind", "byte_size", "inflight")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kind: str
+    byte_size: int
+    inflight: int
+    def __init__(self, name: _Optional[str] = ..., kind: _Optional[str] = ..., byte_size: _Optional[int] = ..., inflight: _Optional[int] = ...) -> None: ...
+
+class UnregisterRegionRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnregisterRegionResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class ListRegionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRegionsResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
+    def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...

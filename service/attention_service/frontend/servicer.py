@@ -1,4 +1,8 @@
-"""The AttentionService handlers: receive, execute, stream back; account every call."""
+"""The AttentionService handlers: receive, hand to the engine, stream back; account every call.
+
+Thin: validation is in streams/validation, compute behind the ``EngineLink``, regions in the
+engine's registry. Every call ends in exactly one metrics record and one log line.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +10,23 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterable, AsyncIterator
+from typing import Any
 
 import grpc
-import torch
-from attention_client.pb import attention_pb2 as pb
-from attention_client.pb import attention_pb2_grpc as pb_grpc
 
-from attention_service.backends import Cancelled
 from attention_service.config import ServerConfig
-from attention_service.errors import RequestError
-from attention_service.execution import ExecStats, Executor, Job
-from attention_service.metrics import Metrics
-from attention_service.streams import (
+from attention_service.errors import Cancelled, RequestError
+from attention_service.frontend.auth import Principals
+from attention_service.frontend.streams import (
+    Received,
     receive_request,
     response_messages,
     stats_message,
 )
+from attention_service.link import EngineLink, ExecStats
+from attention_service.metrics import Metrics
+from attention_service.params import Op
+from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 
@@ -60,16 +65,16 @@ def _gone_code(context: grpc.aio.ServicerContext) -> str:
     return "DEADLINE_EXCEEDED" if remaining is not None and remaining <= 0 else "CANCELLED"
 
 
-class AttentionServicer(pb_grpc.AttentionServiceServicer):
+class AttentionServicer:
     def __init__(
-        self, *, config: ServerConfig, executor: Executor, alloc: object, metrics: Metrics,
-        info: pb.ServerInfo, tracker: CallTracker,
+        self, *, config: ServerConfig, link: EngineLink, metrics: Metrics, info: pb.ServerInfo,
+        tracker: CallTracker, principals: Principals,
     ) -> None:
         self._config = config
-        self._executor = executor
-        self._alloc = alloc
+        self._link = link
         self._metrics = metrics
         self._info = info
+        self._principals = principals
         self.tracker = tracker
 
     async def GetServerInfo(
@@ -82,41 +87,72 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
     async def Prefill(
         self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve("Prefill", request_iterator, context):
+        async for msg in self._serve(Op.PREFILL, request_iterator, context):
             yield msg
 
     async def Decode(
         self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve("Decode", request_iterator, context):
+        async for msg in self._serve(Op.DECODE, request_iterator, context):
             yield msg
 
+    async def RegisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._region_rpc("RegisterRegion", request, context)
+
+    async def UnregisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._region_rpc("UnregisterRegion", request, context)
+
+    async def ListRegions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await self._region_rpc("ListRegions", request, context)
+
+    async def _region_rpc(
+        self, method: str, request: Any, context: grpc.aio.ServicerContext
+    ) -> Any:
+        t0 = time.perf_counter()
+        try:
+            reply = await self._link.region_call(method, request, self._principals.of(context))
+        except RequestError as exc:
+            self._region_log(method, exc.code.name, t0, context, exc.details)
+            await context.abort(exc.code, exc.details)
+        self._region_log(method, "OK", t0, context)
+        return reply
+
+    def _region_log(
+        self, method: str, code: str, t0: float, context: grpc.aio.ServicerContext,
+        details: str = "",
+    ) -> None:
+        seconds = time.perf_counter() - t0
+        self._metrics.observe_request(method, code, seconds)
+        line = f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
+        log.info(line + (f" details={details!r}" if details else ""))
+
     async def _serve(
-        self, rpc: str, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+        self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        call = _CallRecord(rpc, context)
+        call = _CallRecord(op.rpc, context)
         self.tracker.enter()
         self._metrics.inflight.inc()
+        received: Received | None = None
         refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
-            plan, tensors = await receive_request(
-                rpc, requests, self._config.max_request_bytes, self._alloc  # type: ignore[arg-type]
+            received = await receive_request(
+                op, requests, self._config.max_request_bytes, self._link
             )
-            call.bytes_in = plan.bytes_in
-            job = Job.from_plan(plan, tensors)
-            del tensors
-            run = self._executor.run_prefill if rpc == "Prefill" else self._executor.run_decode
-            result = await run(job)
-            call.queue_seconds = result.stats.queue_seconds
-            for nbytes, msg in response_messages(result, self._config.chunk_bytes):
+            call.bytes_in = received.wire_bytes_in
+            stats = await self._link.run(
+                received.params, received.buffers, received.regions,
+                self._principals.of(context),
+            )
+            call.queue_seconds = stats.queue_seconds
+            for nbytes, msg in response_messages(received, self._config.chunk_bytes):
                 call.bytes_out += nbytes
                 yield msg  # pre-encoded (wire.py)
             # Accounted before the last message, so it is done when the client sees OK.
-            call.ok(plan.tokens, plan.flops, result.stats)
+            call.ok(received, stats)
             self._finish(call)
-            yield stats_message(result, call.bytes_in, call.bytes_out)
+            yield stats_message(stats, received, call.bytes_out)
             return
         except (asyncio.CancelledError, GeneratorExit):
             call.code = _gone_code(context)
@@ -124,19 +160,15 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
             raise
         except RequestError as exc:
             refusal = (exc.code, exc.details)
-        except torch.OutOfMemoryError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else ""
-            refusal = (grpc.StatusCode.RESOURCE_EXHAUSTED, f"device out of memory: {first}")
         except Cancelled:
             code = grpc.StatusCode[_gone_code(context)]
             refusal = (code, "call ended before its compute finished")
-        except ValueError as exc:
-            # A kernel refused what validation let through: still the caller's input.
-            log.warning("validation gap: %s", exc)
-            refusal = (grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the kernel: {exc}")
         except Exception as exc:
-            log.exception("rpc=%s internal error", rpc)
+            log.exception("rpc=%s internal error", op.rpc)
             refusal = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            if received is not None:
+                received.buffers.release()
         # Accounted before the status goes out, so metrics and logs are final when it arrives.
         call.code, call.details = refusal[0].name, refusal[1]
         self._finish(call)
@@ -152,7 +184,8 @@ class AttentionServicer(pb_grpc.AttentionServiceServicer):
         self._metrics.inflight.dec()
         self._metrics.observe_request(
             call.rpc, call.code, seconds, bytes_in=call.bytes_in, bytes_out=call.bytes_out,
-            tokens=call.tokens, flops=call.flops, queue_seconds=call.queue_seconds,
+            region_in=call.region_in, region_out=call.region_out, tokens=call.tokens,
+            flops=call.flops, queue_seconds=call.queue_seconds,
         )
         line = (
             f"rpc={call.rpc} code={call.code} duration_ms={seconds * 1e3:.3f} "
@@ -172,13 +205,18 @@ class _CallRecord:
         self.peer = context.peer()
         self.t0 = time.perf_counter()
         self.code, self.details, self.extra = "OK", "", ""
-        self.bytes_in = self.bytes_out = self.tokens = self.flops = 0
+        self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
+        self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
         self.finished = False
 
-    def ok(self, tokens: int, flops: int, stats: ExecStats) -> None:
-        self.tokens, self.flops = tokens, flops
+    def ok(self, received: Received, stats: ExecStats) -> None:
+        p = received.params
+        self.tokens, self.flops = p.tokens, p.flops
+        self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
+        regions = f" regions={','.join(sorted(received.regions))}" if received.regions else ""
         self.extra = (
-            f" tokens={tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
+            f" tokens={p.tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
             f" kernel_ms={stats.kernel_seconds * 1e3:.3f} batch_requests={stats.batch_requests}"
+            f"{regions}"
         )

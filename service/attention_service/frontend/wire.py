@@ -8,13 +8,14 @@ the pinned input buffer; into the response bytes). On an H100 host the event loo
 5 ms per 5 MB request, mostly on those copies.
 
 So the Prefill/Decode handlers are registered with raw bytes in and out (``add_to_server``):
-requests are read field by field with ``data`` as a memoryview into the received message, and
-responses are written with the tensor bytes joined once behind a prefix that protobuf itself
-serializes. The output is byte-for-byte what ``SerializeToString`` gives, and valid messages
-parse as protobuf parses them, unknown fields included (tests check both). The parser is
-stricter in corners a conforming sender never reaches, and refuses rather than guesses there
-(INVALID_ARGUMENT): groups (wire types 3/4, absent from proto3), and enum values above 32 bits
-(protobuf truncates them). Small messages (headers, stats) still use the generated classes.
+requests are read field by field (``attention_wire.codec``) with ``data`` as a memoryview into
+the received message, and responses are written with the tensor bytes joined once behind a
+prefix that protobuf itself serializes. The output is byte-for-byte what ``SerializeToString``
+gives, and valid messages parse as protobuf parses them, unknown fields included (tests check
+both). The parser is as strict as protobuf about field numbers, and stricter in corners a
+conforming sender never reaches, where it refuses rather than guesses (INVALID_ARGUMENT):
+groups (wire types 3/4, absent from proto3), and enum values above 32 bits (protobuf truncates
+them). Small messages (headers, stats, the region rpcs) still use the generated classes.
 """
 
 from __future__ import annotations
@@ -22,17 +23,29 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import grpc
-from attention_client._chunks import varint
-from attention_client._wire import WireError, iter_fields
-from attention_client.pb import attention_pb2 as pb
 from google.protobuf.message import DecodeError
 
 from attention_service.errors import invalid
+from attention_service.params import Op
+from attention_wire.codec import (
+    LEN,
+    VARINT,
+    WireError,
+    field_key,
+    field_number,
+    iter_fields,
+    varint,
+)
+from attention_wire.pb import attention_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
-_VARINT, _LEN = 0, 2
-_CHUNK_KEY = b"\x0a"  # AttentionResponse.chunk = 1, length-delimited
-_DATA_KEY = b"\x2a"  # OutputChunk.data = 5, length-delimited
+_CHUNK_KEY = field_key(pb.AttentionResponse.DESCRIPTOR, "chunk")
+_DATA_KEY = field_key(pb.OutputChunk.DESCRIPTOR, "data")
+# PrefillRequest and DecodeRequest number their fields alike (a test checks it).
+_HEADER = field_number(pb.PrefillRequest.DESCRIPTOR, "header")
+_CHUNKS = field_number(pb.PrefillRequest.DESCRIPTOR, "chunks")
+_TC = pb.TensorChunk.DESCRIPTOR
+_TC_FIELD, _TC_OFFSET, _TC_DATA = (field_number(_TC, n) for n in ("field", "offset", "data"))
 
 
 class RawChunk(NamedTuple):
@@ -55,34 +68,34 @@ def _chunk(buf: memoryview) -> RawChunk:
     data = memoryview(b"")
     for number, wire_type, value in iter_fields(buf):
         # Last occurrence wins and a mismatched wire type is an unknown field, as in protobuf.
-        if number == 1 and wire_type == _VARINT:
+        if number == _TC_FIELD and wire_type == VARINT:
             field = value
-        elif number == 2 and wire_type == _VARINT:
+        elif number == _TC_OFFSET and wire_type == VARINT:
             offset = value
-        elif number == 3 and wire_type == _LEN:
+        elif number == _TC_DATA and wire_type == LEN:
             data = value
     return RawChunk(field, offset, data)
 
 
-_HEADERS = {"Prefill": pb.PrefillHeader, "Decode": pb.DecodeHeader}
+_HEADERS = {Op.PREFILL: pb.PrefillHeader, Op.DECODE: pb.DecodeHeader}
 
 
-def parse_request(message: bytes, rpc: str) -> RawRequest:
-    """``message`` as a PrefillRequest / DecodeRequest (``rpc``); INVALID_ARGUMENT if it is
-    not valid protobuf."""
+def parse_request(message: bytes, op: Op) -> RawRequest:
+    """``message`` as a PrefillRequest / DecodeRequest; INVALID_ARGUMENT if it is not valid
+    protobuf."""
     header_parts: list[memoryview] = []
     chunks: list[RawChunk] = []
     try:
         for number, wire_type, value in iter_fields(memoryview(message)):
-            if wire_type != _LEN:
+            if wire_type != LEN:
                 continue  # unknown
-            if number == 1:
+            if number == _HEADER:
                 header_parts.append(value)  # repeated occurrences merge, as in protobuf
-            elif number == 2:
+            elif number == _CHUNKS:
                 chunks.append(_chunk(value))
-        header = _HEADERS[rpc].FromString(b"".join(header_parts)) if header_parts else None
+        header = _HEADERS[op].FromString(b"".join(header_parts)) if header_parts else None
     except (WireError, DecodeError) as exc:
-        raise invalid("message", f"not a valid {rpc}Request: {exc}") from None
+        raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
     return RawRequest(header, chunks)
 
 
@@ -105,21 +118,25 @@ def _serialize(message: bytes | Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
+def _unary(servicer: Any, method: str) -> grpc.RpcMethodHandler:
+    desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
+    request_cls = getattr(pb, desc.input_type.name)
+    return grpc.unary_unary_rpc_method_handler(
+        getattr(servicer, method), request_deserializer=request_cls.FromString,
+        response_serializer=_serialize,
+    )
+
+
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     """Register AttentionService like the generated ``add_..._to_server``, except that the
     compute rpcs take raw request bytes and may yield pre-encoded response bytes."""
     handlers = {
-        "Prefill": grpc.stream_stream_rpc_method_handler(
-            servicer.Prefill, request_deserializer=None, response_serializer=_serialize
-        ),
-        "Decode": grpc.stream_stream_rpc_method_handler(
-            servicer.Decode, request_deserializer=None, response_serializer=_serialize
-        ),
-        "GetServerInfo": grpc.unary_unary_rpc_method_handler(
-            servicer.GetServerInfo,
-            request_deserializer=pb.GetServerInfoRequest.FromString,
-            response_serializer=pb.ServerInfo.SerializeToString,
-        ),
+        op.rpc: grpc.stream_stream_rpc_method_handler(
+            getattr(servicer, op.rpc), request_deserializer=None, response_serializer=_serialize
+        )
+        for op in Op
     }
+    for method in ("GetServerInfo", "RegisterRegion", "UnregisterRegion", "ListRegions"):
+        handlers[method] = _unary(servicer, method)
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

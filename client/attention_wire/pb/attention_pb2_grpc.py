@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from attention_client.pb import attention_pb2 as attention_dot_v1_dot_attention__pb2
+from attention_wire.pb import attention_pb2 as attention_dot_v1_dot_attention__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -50,6 +50,21 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.RegisterRegion = channel.unary_unary(
+                '/attention.v1.AttentionService/RegisterRegion',
+                request_serializer=attention_dot_v1_dot_attention__pb2.RegisterRegionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.RegionInfo.FromString,
+                _registered_method=True)
+        self.UnregisterRegion = channel.unary_unary(
+                '/attention.v1.AttentionService/UnregisterRegion',
+                request_serializer=attention_dot_v1_dot_attention__pb2.UnregisterRegionRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.UnregisterRegionResponse.FromString,
+                _registered_method=True)
+        self.ListRegions = channel.unary_unary(
+                '/attention.v1.AttentionService/ListRegions',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -81,6 +96,32 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterRegion(self, request, context):
+        """Registers a same-host shared-memory region (system or CUDA IPC) for zero-copy tensors.
+        Errors: FAILED_PRECONDITION when registration is off on this server; ALREADY_EXISTS for a
+        name in use; NOT_FOUND when the server cannot open the object (another host or IPC
+        namespace); INVALID_ARGUMENT naming the bad field (bounds, device, name);
+        RESOURCE_EXHAUSTED past the per-caller region limit.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnregisterRegion(self, request, context):
+        """Drops one region of the caller (or all of them). Calls using it finish first; new calls
+        that name it get NOT_FOUND. Errors: NOT_FOUND for an unknown name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRegions(self, request, context):
+        """Lists the caller's regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -98,6 +139,21 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.GetServerInfoRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.ServerInfo.SerializeToString,
+            ),
+            'RegisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterRegion,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.RegisterRegionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.RegionInfo.SerializeToString,
+            ),
+            'UnregisterRegion': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnregisterRegion,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.UnregisterRegionRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.UnregisterRegionResponse.SerializeToString,
+            ),
+            'ListRegions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRegions,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -182,6 +238,87 @@ class AttentionService:
             '/attention.v1.AttentionService/GetServerInfo',
             attention_dot_v1_dot_attention__pb2.GetServerInfoRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/RegisterRegion',
+            attention_dot_v1_dot_attention__pb2.RegisterRegionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.RegionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnregisterRegion(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/UnregisterRegion',
+            attention_dot_v1_dot_attention__pb2.UnregisterRegionRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.UnregisterRegionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRegions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ListRegions',
+            attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,194 @@
+"""Compute backends: ``cuda`` (our Triton kernels) and ``cpu`` (the torch reference).
+
+A backend does four things: host buffers (``alloc_host``, pinned on cuda), ``warmup``,
+``launch`` of a ``BatchPlan`` (a single request is a batch of one) and ``memory``. ``launch``
+writes every job's outputs into its own destination tensors and returns a ``PendingLaunch``:
+the cuda backend returns as soon as the work is queued on one of its streams, so the next
+batch's copies can be issued while this one computes; the cpu backend computes right away in
+sequence groups and stops between groups once every job of the batch is cancelled.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.jobs import (
+    CancelFlag,
+    Cancelled,
+    DoneLaunch,
+    LaunchTimes,
+    PendingLaunch,
+)
+from attention_service.params import Op
+from attention_wire.pb import attention_pb2 as pb
+
+TORCH_DTYPES: dict[int, torch.dtype] = {
+    pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32,
+}
+WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
+
+
+class Backend(Protocol):
+    name: str  # "cuda" | "cpu"
+    device_name: str  # GPU name or "cpu"
+    device: torch.device
+    max_inflight: int  # launches the executor may hold issued and un-waited at once
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor: ...
+    def warmup(self) -> None: ...
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
+    def memory(self) -> tuple[int, int]: ...  # (allocated, reserved) device bytes
+
+
+def fill_no_keys(plan: BatchPlan) -> None:
+    """total_k == 0: every query sees no key, so outputs are zeros and lse -inf, no kernel."""
+    for job in plan.jobs:
+        job.out.zero_()
+        if job.lse is not None:
+            job.lse.fill_(float("-inf"))
+
+
+def _rebased(cu: list[int], b0: int, b1: int) -> torch.Tensor:
+    """cu_seqlens of sequences b0..b1-1 alone, starting at 0."""
+    return torch.tensor([x - cu[b0] for x in cu[b0 : b1 + 1]], dtype=torch.int32)
+
+
+def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+class CpuBackend:
+    """The torch reference over the packed batch (the same merge path as the GPU's); slow but
+    runs anywhere. Work goes in sequence groups so a cancelled batch stops after at most one
+    group (about ``group_work`` multiply-adds)."""
+
+    name = "cpu"
+    device_name = "cpu"
+    device = torch.device("cpu")
+    max_inflight = 1  # launches finish while issued
+
+    def __init__(self, group_work: int = 1 << 25) -> None:
+        self.group_work = group_work
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def memory(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def warmup(self) -> None:
+        from attention_service.engine.warmup import tiny_plans
+
+        for plan in tiny_plans(self, (torch.float32,)):
+            self.launch(plan, plan.jobs[0].cancel).wait()
+
+    def _groups(self, cu_q: list[int], cu_k: list[int], row_work: int) -> list[tuple[int, int]]:
+        groups, start, work = [], 0, 0
+        for b in range(len(cu_k) - 1):
+            work += (cu_q[b + 1] - cu_q[b]) * (cu_k[b + 1] - cu_k[b] + 1) * row_work
+            if work >= self.group_work:
+                groups.append((start, b + 1))
+                start, work = b + 1, 0
+        if start < len(cu_k) - 1:
+            groups.append((start, len(cu_k) - 1))
+        return groups
+
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+        from attention_kernels import prefill_ref
+
+        if cancel.is_set():
+            raise Cancelled()
+        if plan.total_k == 0:
+            fill_no_keys(plan)
+            return DoneLaunch(LaunchTimes())
+        t0 = time.perf_counter()
+        key = plan.key
+        q = _packed([j.q for j in plan.jobs])
+        k = _packed([j.k for j in plan.jobs])
+        v = _packed([j.v for j in plan.jobs])
+        cu_k = plan.cu_seqlens_k
+        # A decode step is a prefill with one query per sequence and no mask.
+        cu_q = plan.cu_seqlens_q if plan.op is Op.PREFILL else list(range(len(cu_k)))
+        assert cu_q is not None
+        out = torch.empty_like(q)
+        lse = torch.empty(key.num_heads, plan.total_q) if plan.return_lse else None
+        for b0, b1 in self._groups(cu_q, cu_k, key.num_heads * key.head_dim):
+            if cancel.is_set():
+                raise Cancelled()
+            q0, q1, k0, k1 = cu_q[b0], cu_q[b1], cu_k[b0], cu_k[b1]
+            o, lse_b = prefill_ref(
+                q[q0:q1], k[k0:k1], v[k0:k1], _rebased(cu_q, b0, b1), _rebased(cu_k, b0, b1),
+                causal=key.causal, softmax_scale=key.softmax_scale, return_lse=True,
+            )
+            out[q0:q1] = o
+            if lse is not None:
+                lse[:, q0:q1] = lse_b
+        if lse is not None and plan.op is Op.DECODE:
+            lse = lse.t()  # decode lse is [batch, heads]
+        for i, job in enumerate(plan.jobs):
+            r0, r1 = plan.rows(i)
+            job.out.copy_(out[r0:r1])
+            if job.lse is not None:
+                assert lse is not None
+                job.lse.copy_(plan.op.lse_rows(lse, r0, r1))
+        return DoneLaunch(LaunchTimes(kernel_seconds=time.perf_counter() - t0))
+
+
+class CudaBackend:
+    """Our Triton kernels on the current CUDA device, timed with CUDA events. Launches
+    alternate over ``max_inflight`` streams so that one batch's copies run while the previous
+    batch's kernel does (see cuda_launch.py)."""
+
+    name = "cuda"
+    max_inflight = 2  # one batch computing while the next one's copies go in
+
+    def __init__(self) -> None:
+        import attention_kernels  # the Triton modules load lazily, only on this backend
+
+        self._kernels = attention_kernels
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device_name = torch.cuda.get_device_name(self.device)
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(self.max_inflight)]
+        self._next_stream = 0
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        # torch's caching host allocator: repeat sizes reuse pinned blocks (no page faults).
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def memory(self) -> tuple[int, int]:
+        return (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
+
+    def warmup(self) -> None:
+        from attention_service.engine.warmup import tiny_plans
+
+        self._kernels.warmup(device=str(self.device))
+        for plan in tiny_plans(self, (torch.bfloat16, torch.float16, torch.float32)):
+            self.launch(plan, plan.jobs[0].cancel).wait()
+
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+        """Issue the batch on the next stream and return without waiting for the GPU. Called
+        from one thread only (the executor's dispatcher); round-robin streams let consecutive
+        batches overlap, and a reused stream simply orders its batches."""
+        from attention_service.engine.cuda_launch import launch_on_stream
+
+        if cancel.is_set():
+            raise Cancelled()
+        stream = self.streams[self._next_stream]
+        self._next_stream = (self._next_stream + 1) % len(self.streams)
+        return launch_on_stream(self._kernels, plan, self.device, stream)
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda requested but torch sees no CUDA device")
+    return device
+
+
+def make_backend(device: str) -> Backend:
+    return CudaBackend() if resolve_device(device) == "cuda" else CpuBackend()

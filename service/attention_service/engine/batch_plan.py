@@ -1,0 +1,106 @@
+"""Merging jobs into one packed varlen launch (pure host-side bookkeeping, no device work):
+which jobs may share a launch (``batch_key``) and ``BatchPlan``, the merged ``cu_seqlens``,
+row offsets and launch parameters of a list of jobs with one key."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from attention_service.engine.jobs import Job
+from attention_service.params import Op, Params
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """Jobs with equal keys run the same kernel with the same parameters, so they can merge."""
+
+    op: Op
+    dtype: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool
+    softmax_scale: float
+    # Decode only; kept in the key so an explicit split count is honoured exactly as asked.
+    num_splits: int
+
+
+def batch_key(params: Params) -> BatchKey:
+    # None and an explicit 1/sqrt(D) are the same float in the kernel: let them merge.
+    scale = params.softmax_scale
+    if scale is None:
+        scale = 1.0 / math.sqrt(params.head_dim)
+    return BatchKey(
+        op=params.op, dtype=params.dtype, num_heads=params.num_heads,
+        num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
+        softmax_scale=scale, num_splits=params.num_splits,
+    )
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    acc = [0]
+    for n in sizes:
+        acc.append(acc[-1] + n)
+    return acc
+
+
+def _merge_cu(cus: Sequence[Sequence[int]], starts: Sequence[int]) -> list[int]:
+    """Concatenate per-job cu_seqlens, each shifted by where its tokens start."""
+    merged = [0]
+    for cu, start in zip(cus, starts, strict=False):
+        merged.extend(x + start for x in cu[1:])
+    return merged
+
+
+class BatchPlan:
+    """One launch serving ``jobs`` (all with the same ``BatchKey``), packed in their order.
+
+    Job i owns query rows ``q_offsets[i]:q_offsets[i+1]`` (tokens for prefill, sequences for
+    decode) and key rows ``k_offsets[i]:k_offsets[i+1]`` of the packed tensors.
+    """
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        if not jobs:
+            raise ValueError("a batch needs at least one job")
+        self.jobs = list(jobs)
+        self.key = batch_key(self.jobs[0].params)
+        if any(batch_key(j.params) != self.key for j in self.jobs[1:]):
+            raise ValueError("jobs of different batch keys cannot share a launch")
+        params = [j.params for j in self.jobs]
+        self.op = self.key.op
+        self.q_offsets = _offsets([p.rows for p in params])
+        self.k_offsets = _offsets([p.total_k for p in params])
+        self.cu_seqlens_k = _merge_cu([p.cu_seqlens_k for p in params], self.k_offsets)
+        self.cu_seqlens_q: list[int] | None = None
+        if self.op is Op.PREFILL:
+            self.cu_seqlens_q = _merge_cu(
+                [p.cu_seqlens_q for p in params], self.q_offsets  # type: ignore[misc]
+            )
+        self.max_seqlen_q = max(p.max_seqlen_q for p in params)
+        self.max_seqlen_k = max(p.max_seqlen_k for p in params)
+        # The kernel computes lse for everyone or no one; it costs little, so any asker wins.
+        self.return_lse = any(p.return_lse for p in params)
+        self.tokens = sum(p.tokens for p in params)
+        self.flops = sum(p.flops for p in params)
+        self.kv_bytes = sum(p.kv_bytes for p in params)
+
+    @property
+    def total_q(self) -> int:
+        return self.q_offsets[-1]
+
+    @property
+    def total_k(self) -> int:
+        return self.k_offsets[-1]
+
+    @property
+    def lse_shape(self) -> tuple[int, int]:
+        return self.op.lse_shape(self.total_q, self.key.num_heads)
+
+    def rows(self, i: int) -> tuple[int, int]:
+        """Job i's query rows in the packed output."""
+        return self.q_offsets[i], self.q_offsets[i + 1]
+
+    def __len__(self) -> int:
+        return len(self.jobs)

@@ -1,0 +1,135 @@
+"""The engine core: one backend, one executor, one region registry, whatever the process model.
+
+Both links end here: ``LocalLink`` (same process) calls it directly, and in the multi-process
+model each front end's connection handler (``ipc.engine_conn``) calls it with tensors that are
+views into that front end's shared-memory arena. ``submit`` turns a request (params + where its
+tensors live) into a Job and queues it; the caller's ``done`` is called exactly once.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import grpc
+import torch
+
+from attention_service.config import ServerConfig
+from attention_service.engine.backends import TORCH_DTYPES, Backend
+from attention_service.engine.executor import Executor, LaunchObserver
+from attention_service.engine.jobs import ExecStats, Job
+from attention_service.engine.regions import RegionRegistry
+from attention_service.errors import Cancelled, RequestError, invalid
+from attention_service.link import EngineInfo
+from attention_service.params import Op, Params, RegionSpan
+
+Done = Callable[[ExecStats | BaseException], None]
+# A tensor's bytes: a uint8 tensor (host or device) of exactly its size, or a region span.
+Source = torch.Tensor | RegionSpan
+log = logging.getLogger("attention_service")
+
+
+def as_request_failure(exc: BaseException) -> BaseException:
+    """What a caller is told (and what crosses to a front-end process): Cancelled, or a
+    RequestError with the status that fits; tracebacks stay in the engine's log."""
+    if isinstance(exc, RequestError | Cancelled):
+        return exc
+    if isinstance(exc, torch.OutOfMemoryError):
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"device out of memory: {first}")
+    if isinstance(exc, ValueError):
+        # A kernel refused what validation let through: still the caller's input.
+        log.warning("validation gap: %s", exc)
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the kernel: {exc}")
+    log.error("internal error in a launch", exc_info=exc)
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _dist_version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return ""
+
+
+class EngineCore:
+    def __init__(
+        self, config: ServerConfig, backend: Backend, observer: LaunchObserver | None = None,
+        frontends: int = 1,
+    ) -> None:
+        self.backend = backend
+        self.executor = Executor(
+            backend, batching=config.batching, max_batch_tokens=config.max_batch_tokens,
+            max_queue_delay_s=config.max_queue_delay_ms / 1e3,
+            max_queue_size=config.max_queue_size, observer=observer,
+        )
+        self.regions = RegionRegistry(backend, allowed=config.regions_allowed)
+        self.info = EngineInfo(
+            device=backend.device_name, backend=backend.name, batching=config.batching,
+            regions=config.regions_allowed, frontends=frontends,
+            torch_version=str(torch.__version__), triton_version=_dist_version("triton"),
+            cuda_version=(torch.version.cuda or "") if backend.name == "cuda" else "",
+        )
+
+    def queue_depth(self, op: Op) -> int:
+        return self.executor.queue_depth(op)
+
+    def warmup(self) -> None:
+        self.backend.warmup()
+
+    def close(self) -> None:
+        self.executor.close()
+        self.regions.close()
+
+    def submit(
+        self, params: Params, sources: Mapping[str, Source], owner: str, done: Done
+    ) -> Job:
+        """Queue one request; ``done`` gets its stats or the exception that ended it, once.
+        Raises RequestError (unknown region, bounds, queue full) without calling ``done``."""
+        held: list[Callable[[], None]] = []
+        try:
+            tensors = {}
+            for name, src in sources.items():
+                if isinstance(src, RegionSpan):
+                    raw, release = self.regions.acquire(owner, src, name)
+                    held.append(release)
+                else:
+                    raw = src
+                tensors[name] = self._typed(params, name, raw)
+            job = Job(
+                params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
+                tensors.get("lse"),
+            )
+
+            def finish(value: ExecStats | BaseException) -> None:
+                for release in held:
+                    release()
+                done(as_request_failure(value) if isinstance(value, BaseException) else value)
+
+            self.executor.submit(job, finish)
+        except BaseException:
+            for release in held:
+                release()
+            raise
+        return job
+
+    def cancel(self, job: Job) -> None:
+        self.executor.cancel(job)
+
+    def region_call(self, method: str, request: Any, owner: str) -> Any:
+        return self.regions.call(method, request, owner)
+
+    @staticmethod
+    def _typed(params: Params, name: str, raw: torch.Tensor) -> torch.Tensor:
+        """``raw`` (uint8, exactly the tensor's bytes) viewed with the tensor's dtype/shape."""
+        dtype = torch.float32 if name == "lse" else TORCH_DTYPES[params.dtype]
+        if raw.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
+            raise AssertionError(f"{name}: {raw.numel()} bytes, expected {params.nbytes(name)}")
+        if raw.data_ptr() % dtype.itemsize:  # only a region span can be misaligned
+            raise invalid(
+                f"header.regions.{name}.offset",
+                f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
+            )
+        return raw.view(dtype).view(params.shape(name))

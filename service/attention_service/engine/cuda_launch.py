@@ -1,0 +1,134 @@
+"""The one GPU launch path: a batch (a single request is a batch of one) on one stream.
+
+Each job's inputs go straight into slices of packed device tensors (host pinned memory: async
+DMA; CUDA regions: device-to-device copies), the merged cu_seqlens go up in one pinned buffer
+and one copy, one kernel call runs over the merged cu_seqlens, and each job's rows of the
+output go straight into that job's destination (pinned host memory or its CUDA region).
+Everything is queued on one stream and timed with CUDA events; the caller gets a
+``PendingLaunch`` at once, so it can issue the next batch on another stream while this one's
+kernel runs (copy engines and SMs work in parallel).
+
+A lone job whose tensors already live on the GPU (CUDA regions) skips the packing copies and
+has the kernel write its outputs in place: its round trip is the kernel plus small launches.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+
+from attention_service.engine.backends import TORCH_DTYPES, fill_no_keys
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.jobs import DoneLaunch, LaunchTimes, PendingLaunch
+from attention_service.params import Op
+
+_ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
+
+
+def _on_device(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device == device and t.is_contiguous()
+
+
+def _packed(
+    plan: BatchPlan, name: str, rows: int, row_shape: tuple[int, int], offsets: list[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """The batch's ``name`` tensors packed into one device tensor (or the lone job's own)."""
+    parts = [getattr(job, name) for job in plan.jobs]
+    if len(parts) == 1 and _on_device(parts[0], device):
+        return parts[0]
+    dst = torch.empty((rows, *row_shape), dtype=TORCH_DTYPES[plan.key.dtype], device=device)
+    for start, src in zip(offsets, parts, strict=False):
+        if src.shape[0]:
+            # Pinned source + non_blocking: an async DMA on the current stream (a device
+            # source: a device-to-device copy). The source outlives the launch (the job holds
+            # it until its done callback).
+            dst[start : start + src.shape[0]].copy_(src, non_blocking=True)
+    return dst
+
+
+def _cu_seqlens(
+    plan: BatchPlan, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Merged cu_seqlens_k (and _q) in one pinned buffer and one h2d copy."""
+    n_k = len(plan.cu_seqlens_k)
+    q_at = -(-n_k // _ALIGN) * _ALIGN
+    n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
+    host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
+    view = host.numpy()
+    view[:n_k] = plan.cu_seqlens_k
+    if plan.cu_seqlens_q is not None:
+        view[q_at:] = plan.cu_seqlens_q
+    dev = host.to(device, non_blocking=True)
+    cu_q = dev[q_at:] if plan.cu_seqlens_q is not None else None
+    return host, dev[:n_k], cu_q
+
+
+class _CudaLaunch:
+    """Holds every buffer of an issued batch until its last event has completed."""
+
+    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...]) -> None:
+        self._events = events
+        self._keep: tuple[object, ...] | None = keep
+
+    def wait(self) -> LaunchTimes:
+        e = self._events
+        e[3].synchronize()  # releases the GIL while the GPU finishes
+        self._keep = None  # device buffers go back to their stream's pool
+        return LaunchTimes(
+            h2d_seconds=e[0].elapsed_time(e[1]) / 1e3,
+            kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
+            d2h_seconds=e[2].elapsed_time(e[3]) / 1e3,
+        )
+
+
+def launch_on_stream(
+    kernels: ModuleType, plan: BatchPlan, device: torch.device, stream: torch.cuda.Stream
+) -> PendingLaunch:
+    """Queue the input copies, the kernel and the output copies of ``plan`` on ``stream``;
+    don't wait. Device tensors are allocated while ``stream`` is current and used on it alone,
+    so the caching allocator never hands their memory to another stream while they are in use.
+    """
+    key = plan.key
+    with torch.cuda.device(device), torch.cuda.stream(stream):
+        if plan.total_k == 0:
+            fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
+            stream.synchronize()
+            return DoneLaunch(LaunchTimes())
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        events[0].record()
+        q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets, device)
+        kv_row = (key.num_kv_heads, key.head_dim)
+        k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
+        v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
+        cu_host, cu_k, cu_q = _cu_seqlens(plan, device)
+        events[1].record()
+        lone = plan.jobs[0] if len(plan) == 1 else None
+        # A lone job with device destinations gets the kernel's output written in place.
+        out = lone.out if lone is not None and _on_device(lone.out, device) else None
+        lse = None
+        if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
+            lse = lone.lse
+        if plan.op is Op.PREFILL:
+            res = kernels.prefill(
+                q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
+                max_seqlen_k=plan.max_seqlen_k, causal=key.causal,
+                softmax_scale=key.softmax_scale, return_lse=plan.return_lse, out=out,
+                lse_out=lse,
+            )
+        else:
+            res = kernels.decode(
+                q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
+                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
+            )
+        out, lse = res if plan.return_lse else (res, None)
+        events[2].record()
+        for i, job in enumerate(plan.jobs):
+            r0, r1 = plan.rows(i)
+            if job.out.data_ptr() != out.data_ptr() and r1 > r0:
+                job.out.copy_(out[r0:r1], non_blocking=True)
+            if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
+                job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
+        events[3].record()
+    return _CudaLaunch(events, keep=(q, k, v, cu_host, cu_k, out, lse, plan))

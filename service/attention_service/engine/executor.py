@@ -1,0 +1,312 @@
+"""The executor: jobs in, launches out, every job answered exactly once.
+
+One executor serves both modes: with batching on, concurrent jobs with the same batch key share
+one packed kernel launch; with batching off, every job is a batch of one (same queue, same
+launch path, same accounting). Two threads beside the callers:
+
+* the dispatcher waits until ``BatchQueue.next_batch`` says launch (device idle, a full token
+  budget, or the oldest waiter's delay is up), builds the ``BatchPlan`` and issues it with
+  ``backend.launch``, which on the GPU returns once the work is queued on a stream;
+* the completer waits for issued launches in order (``PendingLaunch.wait``) and calls each
+  job's ``done`` with its stats (its outputs are already in its destination buffers).
+
+At most ``backend.max_inflight`` launches are issued and not yet waited for (2 on cuda: the
+next batch's copies and kernel issue overlap the running batch; 1 on cpu).
+
+``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
+asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.batch_queue import BatchQueue, Done, Waiter
+from attention_service.engine.jobs import (
+    CancelFlag,
+    Cancelled,
+    ExecStats,
+    Job,
+    LaunchTimes,
+    PendingLaunch,
+)
+from attention_service.errors import unavailable
+from attention_service.params import Op
+
+log = logging.getLogger("attention_service")
+
+
+class Backend(Protocol):
+    max_inflight: int  # launches the executor may hold issued and un-waited at once
+
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
+
+
+class LaunchObserver(Protocol):
+    """Per-launch accounting (metrics); called on the completer thread once per launch."""
+
+    def observe_launch(
+        self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,
+        h2d: float, kernel: float, d2h: float,
+    ) -> None: ...
+
+
+class _AllCancelled:
+    """A batch's cancel flag: compute may stop only once every member has gone."""
+
+    def __init__(self, jobs: Sequence[Job]) -> None:
+        self._jobs = jobs
+
+    def is_set(self) -> bool:
+        return all(j.cancel.is_set() for j in self._jobs)
+
+
+class _Failed:
+    def __init__(self, exc: BaseException) -> None:
+        self._exc = exc
+
+    def wait(self) -> LaunchTimes:
+        raise self._exc
+
+
+@dataclass
+class _Issued:
+    waiters: list[Waiter]
+    plan: BatchPlan
+    pending: PendingLaunch
+    started: float  # perf_counter when the batch left the queue
+
+
+def _settle(fut: asyncio.Future[ExecStats], value: ExecStats | BaseException) -> None:
+    if fut.done():  # the caller was cancelled meanwhile
+        return
+    if isinstance(value, BaseException):
+        fut.set_exception(value)
+    else:
+        fut.set_result(value)
+
+
+def future_done() -> tuple[asyncio.Future[ExecStats], Done]:
+    """A future of the running loop and the thread-safe ``done`` that settles it."""
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[ExecStats] = loop.create_future()
+
+    def done(value: ExecStats | BaseException) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: nobody waits
+            loop.call_soon_threadsafe(_settle, fut, value)
+
+    return fut, done
+
+
+class Executor:
+    def __init__(
+        self, backend: Backend, *, batching: bool = True, max_batch_tokens: int = 16384,
+        max_queue_delay_s: float = 0.0005, max_queue_size: int = 1024,
+        observer: LaunchObserver | None = None,
+    ) -> None:
+        self.backend = backend
+        self.batching = batching
+        self._observer = observer
+        self._queue = BatchQueue(
+            max_batch_tokens, max_queue_delay_s, max_queue_size,
+            max_requests=0 if batching else 1,
+        )
+        self._max_inflight = max(1, int(getattr(backend, "max_inflight", 1)))
+        self._cond = threading.Condition()
+        self._waiting: dict[Job, Waiter] = {}  # queued, not yet in a launch
+        self._inflight = 0  # issued launches not yet waited for
+        self._closed = False
+        self._issued: queue.SimpleQueue[_Issued | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._dispatch_loop, name="attention-batcher", daemon=True),
+            threading.Thread(target=self._complete_loop, name="attention-completer", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- callers' side ------------------------------------------------------------------
+
+    def queue_depth(self, op: Op) -> int:
+        with self._cond:
+            return self._queue.depth(op)
+
+    def submit(self, job: Job, done: Done) -> None:
+        """Queue ``job``; ``done(stats | exception)`` is called exactly once, on an executor
+        thread, unless this raises (queue full: RESOURCE_EXHAUSTED; closed: UNAVAILABLE)."""
+        job.submitted_at = time.perf_counter()
+        waiter = Waiter(job, done)
+        with self._cond:
+            if self._closed:
+                raise unavailable("server is shutting down")
+            self._queue.add(waiter)
+            self._waiting[job] = waiter
+            self._cond.notify_all()
+
+    def cancel(self, job: Job) -> None:
+        """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
+        running launch it completes for its batch mates and the caller drops the result."""
+        with self._cond:
+            job.cancel.set()
+            waiter = self._waiting.pop(job, None)
+            removed = waiter is not None and self._queue.remove(waiter)
+            if removed:
+                self._cond.notify_all()
+        if removed:
+            self._deliver([waiter], [Cancelled()])  # type: ignore[list-item]
+
+    async def run(self, job: Job) -> ExecStats:
+        """``submit`` for asyncio callers; cancelling the await cancels the job."""
+        fut, done = future_done()
+        self.submit(job, done)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            self.cancel(job)
+            raise
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse what still waits (UNAVAILABLE), let issued launches finish, stop threads."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            left = self._queue.drain()
+            self._waiting.clear()
+            self._cond.notify_all()
+        gone = unavailable("server is shutting down")
+        self._deliver(left, [gone] * len(left))
+        end = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
+
+    # ---- dispatcher thread --------------------------------------------------------------
+
+    def _dispatch_loop(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    waiters, dropped = self._wait_for_batch()
+                    if waiters:
+                        self._inflight += 1
+                        for w in waiters:
+                            self._waiting.pop(w.job, None)
+                self._deliver(dropped, [Cancelled()] * len(dropped))
+                if waiters is None:
+                    return
+                if waiters:
+                    self._issue(waiters)
+        finally:
+            self._issued.put(None)  # the completer finishes what was issued, then stops
+
+    def _wait_for_batch(self) -> tuple[list[Waiter] | None, list[Waiter]]:
+        """Under the lock: (the next batch, waiters dropped as cancelled); batch None once
+        closed, [] when only dropped waiters are to be answered."""
+        while not self._closed:
+            timeout = None
+            if self._inflight < self._max_inflight:
+                batch, timeout = self._queue.next_batch(
+                    time.perf_counter(), device_idle=self._inflight == 0
+                )
+                dropped = self._queue.take_dropped()
+                for w in dropped:
+                    self._waiting.pop(w.job, None)
+                if batch or dropped:
+                    return batch, dropped
+            self._cond.wait(timeout)
+        return None, []
+
+    def _issue(self, waiters: list[Waiter]) -> None:
+        started = time.perf_counter()
+        try:
+            plan = BatchPlan([w.job for w in waiters])
+        except Exception as exc:  # a bug, not the callers' fault: fail them, keep serving
+            log.exception("could not plan a batch of %d", len(waiters))
+            self._release_slot()
+            self._deliver(waiters, [exc] * len(waiters))
+            return
+        try:
+            pending: PendingLaunch = self.backend.launch(plan, _AllCancelled(plan.jobs))
+        except Exception as exc:
+            if len(waiters) == 1 or isinstance(exc, Cancelled):
+                pending = _Failed(exc)
+            else:
+                self._issue_alone(waiters, started, exc)
+                return
+        self._issued.put(_Issued(waiters, plan, pending, started))
+
+    def _issue_alone(self, waiters: list[Waiter], started: float, exc: Exception) -> None:
+        """A merged launch failed to start (e.g. out of memory): retry each job on its own, so
+        every caller gets its own answer rather than its batch mates' failure."""
+        log.warning("batch of %d failed to launch (%s: %s); retrying each request alone",
+                    len(waiters), type(exc).__name__, exc)
+        with self._cond:
+            self._inflight += len(waiters) - 1
+        for w in waiters:
+            plan = BatchPlan([w.job])
+            try:
+                pending: PendingLaunch = self.backend.launch(plan, w.job.cancel)
+            except Exception as single_exc:
+                pending = _Failed(single_exc)
+            self._issued.put(_Issued([w], plan, pending, started))
+
+    # ---- completer thread ---------------------------------------------------------------
+
+    def _complete_loop(self) -> None:
+        while True:
+            issued = self._issued.get()
+            if issued is None:
+                return
+            try:
+                self._complete(issued)
+            except Exception:  # never lose the thread: that would hang every later call
+                log.exception("batch completion failed")
+
+    def _release_slot(self) -> None:
+        with self._cond:
+            self._inflight -= 1
+            self._cond.notify_all()
+
+    def _complete(self, issued: _Issued) -> None:
+        waiters, plan = issued.waiters, issued.plan
+        try:
+            times = issued.pending.wait()
+        except Exception as exc:
+            self._release_slot()
+            self._deliver(waiters, [exc] * len(waiters))
+            return
+        self._release_slot()  # the device is done with it: the next batch may go
+        if self._observer is not None:
+            try:
+                self._observer.observe_launch(
+                    plan.op, requests=len(plan), tokens=plan.tokens, flops=plan.flops,
+                    kv_bytes=plan.kv_bytes, h2d=times.h2d_seconds, kernel=times.kernel_seconds,
+                    d2h=times.d2h_seconds,
+                )
+            except Exception:
+                log.exception("launch accounting failed")
+        stats = [
+            ExecStats(
+                queue_seconds=issued.started - w.job.submitted_at, h2d_seconds=times.h2d_seconds,
+                kernel_seconds=times.kernel_seconds, d2h_seconds=times.d2h_seconds,
+                batch_requests=len(plan), batch_tokens=plan.tokens,
+            )
+            for w in waiters
+        ]
+        self._deliver(waiters, stats)
+
+    @staticmethod
+    def _deliver(waiters: Sequence[Waiter], values: Sequence[ExecStats | BaseException]) -> None:
+        for w, value in zip(waiters, values, strict=True):
+            try:
+                w.done(value)
+            except Exception:  # a caller's callback must not take the executor down
+                log.exception("result delivery failed")

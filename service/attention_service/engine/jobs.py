@@ -1,0 +1,59 @@
+"""The engine's leaf types: a Job (params + tensors + cancel flag), launch timings, Cancelled,
+and the PendingLaunch handles the backends return."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from attention_service.errors import Cancelled
+from attention_service.link import ExecStats
+from attention_service.params import Params
+
+__all__ = ["Cancelled", "DoneLaunch", "ExecStats", "Job", "LaunchTimes", "PendingLaunch"]
+
+
+@dataclass(eq=False)
+class Job:
+    """One request inside the engine: its params, its input tensors (host, usually pinned, or
+    device for CUDA regions) and the destinations its outputs are written to."""
+
+    params: Params
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor | None  # None unless params.return_lse
+    # Set when the call is cancelled or its deadline passes: compute stops where it can.
+    cancel: threading.Event = field(default_factory=threading.Event)
+    submitted_at: float = 0.0  # perf_counter when handed to the executor
+
+
+@dataclass(frozen=True)
+class LaunchTimes:
+    h2d_seconds: float = 0.0
+    kernel_seconds: float = 0.0
+    d2h_seconds: float = 0.0
+
+
+class PendingLaunch(Protocol):
+    """An issued launch; ``wait`` blocks until every output is in its job's destination."""
+
+    def wait(self) -> LaunchTimes: ...
+
+
+class DoneLaunch:
+    """A launch that finished while it was issued (cpu backend, batches without keys)."""
+
+    def __init__(self, times: LaunchTimes) -> None:
+        self._times = times
+
+    def wait(self) -> LaunchTimes:
+        return self._times
+
+
+class CancelFlag(Protocol):
+    def is_set(self) -> bool: ...

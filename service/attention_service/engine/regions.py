@@ -1,0 +1,248 @@
+"""Registered shared-memory regions: same-host zero copy, in the manner of Triton Inference
+Server's shared-memory extension.
+
+A client registers a region once; requests then name ``(region, offset, byte_size)`` spans
+instead of carrying bytes. Two kinds:
+
+* **system**: a POSIX shared-memory object (``/dev/shm/<key>``) mapped read-write here and, on
+  the cuda backend, page-locked (``cudaHostRegister``) once at registration, so copies to and
+  from the GPU run at full PCIe speed straight from the client's memory;
+* **cuda**: device memory of another process, opened through its CUDA IPC handle; the bytes
+  never leave the GPU.
+
+Safety rules:
+
+* registration is allowed only when the operator allows it (``--regions``; by default only
+  with auth on or on a loopback address: it makes the server map memory a caller names);
+* a region belongs to its owner (the caller's token with auth on): another owner's lookups
+  answer NOT_FOUND, never the bytes;
+* every span is bounds-checked against its region (INVALID_ARGUMENT naming the field);
+* a region dropped while calls use it stays mapped until the last of them finishes;
+* keys are one path component under /dev/shm, opened without following symlinks.
+
+A system region's object must not shrink while registered: the server would fault on pages
+that vanished (a same-host trust assumption Triton shares; it is why registration is opt-in).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import torch
+
+from attention_service.errors import RequestError, exhausted, invalid, not_found
+from attention_service.params import RegionSpan
+from attention_wire import cuda_ipc, shm
+from attention_wire.pb import attention_pb2 as pb
+
+log = logging.getLogger("attention_service")
+
+MAX_REGIONS_PER_OWNER = 64
+
+
+class _Backend:  # the part of a Backend the registry needs
+    name: str
+    device: torch.device
+
+
+@dataclass(eq=False)
+class _Region:
+    owner: str
+    name: str
+    kind: str  # "system" | "cuda"
+    tensor: torch.Tensor  # uint8 [byte_size], host or device
+    closer: Callable[[], None]
+    inflight: int = 0
+    dropped: bool = False
+
+    def info(self) -> pb.RegionInfo:
+        return pb.RegionInfo(name=self.name, kind=self.kind, byte_size=self.tensor.numel(),
+                             inflight=self.inflight)
+
+
+def pin(tensor: torch.Tensor, nbytes: int) -> Callable[[], None]:
+    """Page-lock host memory for full-speed DMA; returns the undo (a no-op if it failed)."""
+    cudart = torch.cuda.cudart()
+    ptr = tensor.data_ptr()
+    rc = cudart.cudaHostRegister(ptr, nbytes, 0)
+    if int(rc) != 0:
+        log.warning("cudaHostRegister of %d bytes failed (error %s): copies run unpinned",
+                    nbytes, int(rc))
+        return lambda: None
+    return lambda: cudart.cudaHostUnregister(ptr)
+
+
+class RegionRegistry:
+    def __init__(self, backend: Any, allowed: bool) -> None:
+        self.backend = backend
+        self.allowed = allowed
+        self._lock = threading.Lock()
+        self._regions: dict[tuple[str, str], _Region] = {}
+
+    # ---- rpcs --------------------------------------------------------------------------
+
+    def call(self, method: str, request: Any, owner: str) -> Any:
+        if method == "RegisterRegion":
+            return self.register(owner, request)
+        if method == "UnregisterRegion":
+            return pb.UnregisterRegionResponse(released=self.unregister(owner, request.name))
+        if method == "ListRegions":
+            with self._lock:
+                mine = [r.info() for (o, _), r in self._regions.items() if o == owner]
+            return pb.ListRegionsResponse(regions=mine)
+        raise ValueError(f"unknown region method {method}")
+
+    def register(self, owner: str, req: pb.RegisterRegionRequest) -> pb.RegionInfo:
+        if not self.allowed:
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "regions: shared-memory registration is off on this server (--regions on "
+                "enables it; by default it is on only with auth or on a loopback address)",
+            )
+        try:
+            shm.check_name(req.name)
+        except ValueError as exc:
+            raise invalid("name", str(exc)) from None
+        if req.byte_size == 0:
+            raise invalid("byte_size", "must be positive")
+        kind = req.WhichOneof("source")
+        with self._lock:
+            if (owner, req.name) in self._regions:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"name: region {req.name!r} is already registered")
+            if sum(1 for o, _ in self._regions if o == owner) >= MAX_REGIONS_PER_OWNER:
+                raise exhausted("name", f"at most {MAX_REGIONS_PER_OWNER} regions per caller")
+        if kind == "system":
+            tensor, closer = self._open_system(req.system, req.byte_size)
+        elif kind == "cuda":
+            tensor, closer = self._open_cuda(req.cuda, req.byte_size)
+        else:
+            raise invalid("source", "set system or cuda")
+        region = _Region(owner, req.name, kind, tensor, closer)
+        with self._lock:
+            if (owner, req.name) in self._regions:  # a concurrent registration won
+                closer()
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"name: region {req.name!r} is already registered")
+            self._regions[(owner, req.name)] = region
+        log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
+        return region.info()
+
+    def unregister(self, owner: str, name: str) -> int:
+        with self._lock:
+            if name:
+                if (owner, name) not in self._regions:
+                    raise not_found("name", f"no region {name!r} is registered")
+                keys = [(owner, name)]
+            else:
+                keys = [k for k in self._regions if k[0] == owner]
+            gone = [self._regions.pop(k) for k in keys]
+            to_close = []
+            for r in gone:
+                r.dropped = True
+                if r.inflight == 0:
+                    to_close.append(r)
+        for r in to_close:
+            self._close(r)
+        return len(gone)
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def acquire(
+        self, owner: str, span: RegionSpan, tensor_name: str
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        """The span's bytes (uint8 view) and the release to call once the call is done."""
+        field = f"header.regions.{tensor_name}"
+        with self._lock:
+            region = self._regions.get((owner, span.region))
+            if region is None:
+                raise not_found(f"{field}.region", f"no region {span.region!r} is registered")
+            size = region.tensor.numel()
+            if span.end > size:
+                raise invalid(
+                    field, f"bytes [{span.offset}, {span.end}) run past the end of region "
+                    f"{span.region!r} ({size} bytes)",
+                )
+            region.inflight += 1
+        view = region.tensor[span.offset : span.end]
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if released:
+                return
+            released = True
+            with self._lock:
+                region.inflight -= 1
+                close = region.dropped and region.inflight == 0
+            if close:
+                self._close(region)
+
+        return view, release
+
+    def close(self) -> None:
+        """Engine shutdown: drop every region (mappings go as their calls finish)."""
+        with self._lock:
+            owners = {o for o, _ in self._regions}
+        for owner in owners:
+            self.unregister(owner, "")
+
+    # ---- backing memory ----------------------------------------------------------------
+
+    def _open_system(
+        self, src: pb.SystemRegion, nbytes: int
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        try:
+            mapping = shm.map_object(src.key, src.offset, nbytes)
+        except ValueError as exc:
+            raise invalid("system", str(exc)) from None
+        except FileNotFoundError:
+            raise not_found(
+                "system.key", f"no shared-memory object {src.key!r} on the server's host (a "
+                "client on another host, or in another IPC namespace, cannot use regions)",
+            ) from None
+        except PermissionError:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"system.key: the server may not open {src.key!r}") from None
+        # The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
+        tensor = torch.frombuffer(mapping.view, dtype=torch.uint8)
+        unpin = pin(tensor, nbytes) if self.backend.name == "cuda" else (lambda: None)
+        return tensor, unpin
+
+    def _open_cuda(
+        self, src: pb.CudaRegion, nbytes: int
+    ) -> tuple[torch.Tensor, Callable[[], None]]:
+        if self.backend.name != "cuda":
+            raise invalid("cuda", "this server runs the cpu backend: register a system region")
+        device = self.backend.device
+        mine = torch.cuda.get_device_properties(device).uuid.bytes
+        if bytes(src.device_uuid) != mine:
+            raise invalid("cuda.device_uuid", "the region is on another GPU than the server's")
+        torch.cuda.set_device(device)  # the primary context, current on this thread
+        try:
+            ptr, alloc = cuda_ipc.open_handle(bytes(src.ipc_handle))
+        except (ValueError, cuda_ipc.CudaIpcError) as exc:
+            raise invalid("cuda.ipc_handle", str(exc)) from None
+        if src.offset + nbytes > alloc:
+            cuda_ipc.close_handle(ptr)
+            raise invalid("cuda", f"bytes [{src.offset}, {src.offset + nbytes}) run past the "
+                          f"end of the allocation ({alloc} bytes)")
+        tensor = torch.as_tensor(cuda_ipc.DeviceBytes(ptr + src.offset, nbytes), device=device)
+
+        def closer() -> None:
+            torch.cuda.set_device(device)
+            cuda_ipc.close_handle(ptr)
+
+        return tensor, closer
+
+    def _close(self, region: _Region) -> None:
+        try:
+            region.closer()
+        except Exception:
+            log.exception("closing region %s failed", region.name)
+        log.info("region released: kind=%s name=%s", region.kind, region.name)

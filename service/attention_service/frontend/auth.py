@@ -1,0 +1,111 @@
+"""Optional bearer-token auth as a grpc.aio server interceptor (health checks stay open), and
+the principal of a call: who owns the regions it registers or names.
+
+``--auth-token`` takes one token or several, comma-separated; each token is its own principal
+(a region registered with one token is invisible to the others). Without auth every caller is
+the anonymous principal "".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import grpc
+
+from attention_service.metrics import Metrics
+
+# Probes (load balancers, Kubernetes) must reach health without credentials.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+SERVICE_PREFIX = "/attention.v1.AttentionService/"
+
+
+def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED.
+
+    Same cardinality and (de)serializers, so the transport reads the call as it was declared.
+    """
+
+    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kwargs = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+
+
+def _presented(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value.encode() if isinstance(value, str) else bytes(value)
+    return None
+
+
+class Principals:
+    """Accepted tokens and the principal id of each (a digest, never the token itself)."""
+
+    def __init__(self, tokens: Sequence[str]) -> None:
+        self._ids = {
+            f"Bearer {t}".encode(): "token-" + hashlib.sha256(t.encode()).hexdigest()[:16]
+            for t in tokens
+        }
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._ids)
+
+    def match(self, presented: bytes | None) -> str | None:
+        """The principal of an authorization value, or None if it is not accepted."""
+        if presented is None:
+            return None
+        found = None
+        for expected, pid in self._ids.items():  # constant-time compare against every token
+            if hmac.compare_digest(presented, expected):
+                found = pid
+        return found
+
+    def of(self, context: grpc.aio.ServicerContext) -> str:
+        """The caller's principal ("" without auth). The interceptor already refused callers
+        without an accepted token, so this always finds one when auth is on."""
+        if not self._ids:
+            return ""
+        pid = self.match(_presented(context.invocation_metadata()))
+        if pid is None:  # unreachable behind the interceptor; never fall back to anonymous
+            raise PermissionError("unauthenticated call reached a handler")
+        return pid
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, principals: Principals, metrics: Metrics | None = None) -> None:
+        self._principals = principals
+        self._metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method = details.method or ""
+        if handler is None or method.startswith(OPEN_PREFIXES):
+            return handler
+        presented = _presented(details.invocation_metadata)
+        if self._principals.match(presented) is not None:
+            return handler
+        if self._metrics is not None and method.startswith(SERVICE_PREFIX):
+            rpc = method[len(SERVICE_PREFIX):]
+            self._metrics.observe_request(rpc, "UNAUTHENTICATED", 0.0)
+        reason = "missing" if presented is None else "invalid"
+        return _denying_handler(
+            handler, f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')"
+        )

@@ -1,0 +1,123 @@
+"""Request streams in, response streams out (protocol framing only, no policy)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from attention_service.errors import invalid
+from attention_service.frontend.validation import VALIDATORS, ChunkAssembler
+from attention_service.frontend.wire import encode_output_chunk, parse_request
+from attention_service.link import Buffers, EngineLink, ExecStats
+from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
+from attention_wire.pb import attention_pb2 as pb
+
+
+@dataclass
+class Received:
+    """A fully received request: its params, the tensors in regions, the rest in buffers."""
+
+    params: Params
+    regions: dict[str, RegionSpan]
+    buffers: Buffers
+
+    @property
+    def wire_bytes_in(self) -> int:
+        return sum(self.params.nbytes(n) for n in INPUTS if n not in self.regions)
+
+    @property
+    def region_bytes_in(self) -> int:
+        return sum(self.params.nbytes(n) for n in INPUTS if n in self.regions)
+
+    @property
+    def region_bytes_out(self) -> int:
+        return sum(self.params.nbytes(n) for n in OUTPUTS if n in self.regions)
+
+
+async def receive_request(
+    op: Op, requests: AsyncIterable[bytes], max_request_bytes: int, link: EngineLink
+) -> Received:
+    """Header first (validated before any byte is buffered), then chunks until end of stream.
+    ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
+    from ``link`` for every tensor not in a region, outputs included; on any failure they are
+    released before this raises."""
+    it = requests.__aiter__()
+    try:
+        first = parse_request(await it.__anext__(), op)
+    except StopAsyncIteration:
+        raise invalid("header", "missing: the stream ended before any message") from None
+    if first.header is None:
+        raise invalid("header", "missing: the first message must carry the header")
+    params, regions = VALIDATORS[op](first.header, max_request_bytes)
+    sizes = {
+        n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
+        if n not in regions and (n != "lse" or params.return_lse)
+    }
+    buffers = await link.allocate(sizes)
+    try:
+        chunks = ChunkAssembler(
+            params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}
+        )
+        chunks.add(first.chunks)
+        async for raw in it:
+            msg = parse_request(raw, op)
+            if msg.header is not None:
+                raise invalid("header", "repeated: only the first message may carry a header")
+            chunks.add(msg.chunks)
+        chunks.finish()
+    except BaseException:
+        buffers.release()
+        raise
+    return Received(params, regions, buffers)
+
+
+def output_messages(
+    field: int, dtype: int, shape: tuple[int, ...], data: np.ndarray, chunk_bytes: int
+) -> Iterator[tuple[int, bytes]]:
+    """Row slices of a tensor (its bytes in ``data``) of at most ``chunk_bytes`` data each, as
+    (data bytes, encoded AttentionResponse) pairs (see wire.py).
+
+    A single row larger than ``chunk_bytes`` still goes out whole (one row per message):
+    validation keeps every row under the 4 MiB message limit.
+    """
+    rows = shape[0]
+    row_bytes = data.size // rows if rows else 0
+    per_msg = max(1, chunk_bytes // row_bytes) if row_bytes else max(rows, 1)
+    raw = memoryview(data)
+    spec = pb.TensorSpec(dtype=dtype, shape=list(shape))
+    start = 0
+    while True:
+        count = min(per_msg, rows - start)
+        piece = raw[start * row_bytes : (start + count) * row_bytes]
+        yield len(piece), encode_output_chunk(field, spec, start, count, piece)
+        start += count
+        if start >= rows:
+            return
+
+
+def response_messages(received: Received, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
+    """(data bytes, encoded AttentionResponse) for the OUT row slices, then the LSE row slices
+    (when asked for), of the outputs not written into regions; the caller appends the stats."""
+    p, arrays = received.params, received.buffers.arrays
+    if "out" not in received.regions:
+        yield from output_messages(pb.OUT, p.dtype, p.q_shape, arrays["out"], chunk_bytes)
+    lse_shape = p.lse_shape
+    if lse_shape is not None and "lse" not in received.regions:
+        yield from output_messages(pb.LSE, pb.FLOAT32, lse_shape, arrays["lse"], chunk_bytes)
+
+
+def stats_message(
+    stats: ExecStats, received: Received, bytes_out: int
+) -> pb.AttentionResponse:
+    return pb.AttentionResponse(
+        stats=pb.RequestStats(
+            queue_seconds=stats.queue_seconds, h2d_seconds=stats.h2d_seconds,
+            kernel_seconds=stats.kernel_seconds, d2h_seconds=stats.d2h_seconds,
+            bytes_in=received.wire_bytes_in, bytes_out=bytes_out,
+            flops=float(received.params.flops), batch_requests=stats.batch_requests,
+            batch_tokens=stats.batch_tokens, region_bytes_in=received.region_bytes_in,
+            region_bytes_out=received.region_bytes_out,
+        )
+    )

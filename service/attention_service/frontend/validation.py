@@ -1,0 +1,304 @@
+"""Validation of request headers and chunk streams: bad input never reaches the engine.
+
+Every refusal names the offending field first (``header.q.shape: ...``). Header checks use only
+the header, so a request over the size limit is refused before any of its bytes are buffered.
+cu_seqlens are untrusted: their values are checked here, on the host, before any launch.
+Pure Python: front-end processes do not import torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
+from attention_service.errors import exhausted, invalid
+from attention_service.params import (
+    ELEMENT_BYTES,
+    INPUTS,
+    LSE_BYTES,
+    OUTPUTS,
+    Op,
+    Params,
+    RegionSpan,
+    make_params,
+)
+from attention_wire.pb import attention_pb2 as pb
+
+INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
+# One output row must fit one default-sized response message (see streams.output_messages).
+MAX_ROW_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
+MAX_HEAD_DIM = 256
+INT32_MAX = (1 << 31) - 1
+
+
+def supported_head_dim(head_dim: int) -> bool:
+    """The kernels' rule (attention_kernels._checks; a test keeps the two equal): every
+    multiple of 8 from 8 to 256."""
+    return 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+
+
+def dtype_name(value: int) -> str:
+    try:
+        return pb.DType.Name(value)
+    except ValueError:
+        return str(value)
+
+
+def _dtype(header_spec: pb.TensorSpec, name: str) -> int:
+    if header_spec.dtype not in ELEMENT_BYTES:
+        raise invalid(
+            f"header.{name}.dtype",
+            f"unknown or unsupported dtype {dtype_name(header_spec.dtype)}; "
+            "use FLOAT16, BFLOAT16 or FLOAT32",
+        )
+    return int(header_spec.dtype)
+
+
+def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[int, int, int]:
+    shape = tuple(header_spec.shape)
+    if len(shape) != 3:
+        raise invalid(
+            f"header.{name}.shape",
+            f"must have rank 3 [{', '.join(dims)}], got rank {len(shape)} {list(shape)}",
+        )
+    for i, (size, dim) in enumerate(zip(shape, dims, strict=True)):
+        # Token counts may be 0 for k/v (rows then see no key); heads and head_dim may not.
+        least = 0 if i == 0 and name in ("k", "v") else 1
+        if size < least:
+            raise invalid(f"header.{name}.shape[{i}]", f"{dim} must be >= {least}, got {size}")
+    return shape  # type: ignore[return-value]
+
+
+def _check_qkv(
+    h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str]
+) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
+    """Dtypes and shapes of q, k, v; returns (pb dtype, q shape, k shape)."""
+    if not h.HasField("q"):
+        raise invalid("header.q", "missing")
+    dt = _dtype(h.q, "q")
+    for name in ("k", "v"):
+        if not h.HasField(name):
+            raise invalid(f"header.{name}", "missing")
+        other = _dtype(getattr(h, name), name)
+        if other != dt:
+            raise invalid(
+                f"header.{name}.dtype",
+                f"{dtype_name(other)} differs from q's dtype {dtype_name(dt)}",
+            )
+    q_shape = _shape(h.q, "q", q_dims)
+    kv_dims = ("total_k", "num_kv_heads", "head_dim")
+    k_shape = _shape(h.k, "k", kv_dims)
+    v_shape = _shape(h.v, "v", kv_dims)
+    if v_shape != k_shape:
+        raise invalid("header.v.shape", f"{list(v_shape)} differs from k's shape {list(k_shape)}")
+    num_heads, head_dim = q_shape[1], q_shape[2]
+    if k_shape[2] != head_dim:
+        raise invalid(
+            "header.k.shape[2]", f"head_dim {k_shape[2]} differs from q's head_dim {head_dim}"
+        )
+    if not supported_head_dim(head_dim):
+        raise invalid(
+            "header.q.shape[2]",
+            f"head_dim {head_dim} unsupported: must be a multiple of 8 in [8, 256]",
+        )
+    if num_heads % k_shape[1] != 0:
+        raise invalid(
+            "header.k.shape[1]",
+            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k_shape[1]})",
+        )
+    row_bytes = num_heads * head_dim * ELEMENT_BYTES[dt]
+    if row_bytes > MAX_ROW_BYTES:
+        raise invalid(
+            "header.q.shape[1]",
+            f"one output row (num_heads * head_dim) is {row_bytes} bytes, over the "
+            f"{MAX_ROW_BYTES}-byte message limit",
+        )
+    return dt, q_shape, k_shape
+
+
+def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
+    if not h.HasField("softmax_scale"):
+        return None
+    if not math.isfinite(h.softmax_scale):
+        raise invalid("header.softmax_scale", f"must be finite, got {h.softmax_scale}")
+    return float(h.softmax_scale)
+
+
+def _check_size(params: Params, limit: int) -> None:
+    total = params.bytes_in
+    if total > limit:
+        sizes = ", ".join(f"{n} {params.nbytes(n)}" for n in INPUTS)
+        raise exhausted(
+            "header",
+            f"request tensors take {total} bytes ({sizes}), over the server limit of {limit} "
+            "bytes",
+        )
+
+
+def _check_cu(values: Sequence[int], total: int, name: str) -> list[int]:
+    """Values check (untrusted): batch+1 >= 2 entries, no negative entry, starts at 0,
+    non-decreasing, ends at the token count."""
+    vals = list(values)
+    if len(vals) < 2:
+        raise invalid(name, f"must have batch+1 >= 2 entries, got {len(vals)}")
+    arr = np.asarray(vals, dtype=np.int64)
+    if (arr < 0).any():
+        i = int(np.flatnonzero(arr < 0)[0])
+        raise invalid(name, f"entry {i} is negative ({vals[i]})")
+    if vals[0] != 0:
+        raise invalid(name, "must start at 0")
+    steps = np.diff(arr)
+    if (steps < 0).any():
+        i = int(np.flatnonzero(steps < 0)[0]) + 1
+        raise invalid(name, f"must be non-decreasing (entry {i}: {vals[i]} < {vals[i - 1]})")
+    if vals[-1] != total:
+        raise invalid(name, f"must end at the token count {total}, got {vals[-1]}")
+    return vals
+
+
+def _regions(h: pb.PrefillHeader | pb.DecodeHeader, params: Params) -> dict[str, RegionSpan]:
+    """The tensors the header places in registered regions, with their sizes checked."""
+    if not h.HasField("regions"):
+        return {}
+    spans: dict[str, RegionSpan] = {}
+    for name in (*INPUTS, *OUTPUTS):
+        if not h.regions.HasField(name):
+            continue
+        s = getattr(h.regions, name)
+        field = f"header.regions.{name}"
+        if name == "lse" and not params.return_lse:
+            raise invalid(field, "set, but return_lse is not")
+        if not s.region:
+            raise invalid(f"{field}.region", "missing: name a registered region")
+        want = params.nbytes(name)
+        if s.byte_size != want:
+            raise invalid(
+                f"{field}.byte_size",
+                f"{s.byte_size} bytes, but {name}'s shape and dtype take {want}",
+            )
+        spans[name] = RegionSpan(s.region, int(s.offset), int(s.byte_size))
+    return spans
+
+
+def validate_prefill_header(
+    h: pb.PrefillHeader, max_request_bytes: int
+) -> tuple[Params, dict[str, RegionSpan]]:
+    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"))
+    scale = _scale(h)
+    total_q = q_shape[0]
+    if h.return_lse and total_q * LSE_BYTES > MAX_ROW_BYTES:
+        # lse is [num_heads, total_q] and travels in rows of total_q floats.
+        raise invalid(
+            "header.return_lse",
+            f"lse rows of total_q={total_q} floats exceed the {MAX_ROW_BYTES}-byte message "
+            f"limit; at most {MAX_ROW_BYTES // LSE_BYTES} query tokens per request with "
+            "return_lse",
+        )
+    cu_q = _check_cu(h.cu_seqlens_q, total_q, "header.cu_seqlens_q")
+    if len(h.cu_seqlens_k) == 0:
+        if k_shape[0] != total_q:
+            raise invalid(
+                "header.cu_seqlens_k",
+                f"empty (so equal to cu_seqlens_q, ending at {total_q}) but k has "
+                f"{k_shape[0]} tokens",
+            )
+        cu_k = cu_q
+    else:
+        if len(h.cu_seqlens_k) != len(cu_q):
+            raise invalid(
+                "header.cu_seqlens_k",
+                f"q/k batch mismatch: {len(h.cu_seqlens_k) - 1} sequences but cu_seqlens_q "
+                f"has {len(cu_q) - 1}",
+            )
+        cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    params = make_params(
+        Op.PREFILL, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
+        return_lse=h.return_lse,
+    )
+    _check_size(params, max_request_bytes)
+    return params, _regions(h, params)
+
+
+def validate_decode_header(
+    h: pb.DecodeHeader, max_request_bytes: int
+) -> tuple[Params, dict[str, RegionSpan]]:
+    dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"))
+    scale = _scale(h)
+    if h.num_splits < 0:
+        raise invalid(
+            "header.num_splits", f"must be >= 0 (0 = server's choice), got {h.num_splits}"
+        )
+    batch = q_shape[0]
+    if len(h.cu_seqlens_k) != batch + 1:
+        raise invalid(
+            "header.cu_seqlens_k",
+            f"has {len(h.cu_seqlens_k)} entries but q has batch {batch} (needs batch+1 = "
+            f"{batch + 1})",
+        )
+    cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    params = make_params(
+        Op.DECODE, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
+        num_splits=h.num_splits,
+    )
+    _check_size(params, max_request_bytes)
+    return params, _regions(h, params)
+
+
+VALIDATORS = {Op.PREFILL: validate_prefill_header, Op.DECODE: validate_decode_header}
+
+
+class ChunkAssembler:
+    """Writes the chunks of q, k and v into their buffers, checking offsets as they come.
+    Tensors that live in regions get no chunks."""
+
+    def __init__(self, params: Params, arrays: Mapping[str, np.ndarray]) -> None:
+        self.params = params
+        self.arrays = arrays  # uint8 views, by input name (only the ones sent as chunks)
+        self.received = dict.fromkeys(arrays, 0)
+
+    def add(self, chunks: Iterable[object]) -> None:
+        for c in chunks:
+            name = INPUT_FIELDS.get(c.field)  # type: ignore[attr-defined]
+            if name is None:
+                raise invalid(
+                    "chunks.field",
+                    f"unknown input field {c.field} (use Q, K or V)",  # type: ignore[attr-defined]
+                )
+            if name not in self.arrays:
+                raise invalid(f"chunks[{name}]",
+                              f"{name} lives in a region (header.regions.{name}): send no bytes")
+            offset, data = c.offset, c.data  # type: ignore[attr-defined]
+            done, size = self.received[name], self.arrays[name].size
+            if offset < done:
+                raise invalid(
+                    f"chunks[{name}].offset",
+                    f"{offset} overlaps bytes already received (next offset is {done})",
+                )
+            if offset > done:
+                raise invalid(
+                    f"chunks[{name}].offset",
+                    f"{offset} is out of order (next offset is {done})",
+                )
+            n = len(data)
+            if offset + n > size:
+                raise invalid(
+                    f"chunks[{name}]",
+                    f"bytes [{offset}, {offset + n}) run past the end of {name} "
+                    f"({size} bytes for its shape and dtype)",
+                )
+            self.arrays[name][done : done + n] = np.frombuffer(data, dtype=np.uint8)
+            self.received[name] = done + n
+
+    def finish(self) -> None:
+        """Every byte arrived?"""
+        for name, arr in self.arrays.items():
+            got = self.received[name]
+            if got != arr.size:
+                raise invalid(
+                    f"chunks[{name}]",
+                    f"missing bytes at end of stream: received {got} of {arr.size} bytes for "
+                    f"{name}'s shape and dtype",
+                )

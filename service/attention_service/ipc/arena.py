@@ -1,0 +1,107 @@
+"""Shared memory between a front-end process and the engine: one arena per front end.
+
+The engine creates each arena (an anonymous ``memfd``: no file in /dev/shm, gone with the last
+process that maps it), page-locks it for the GPU (``cudaHostRegister``) and hands the
+descriptor to the front end it belongs to. The front end alone allocates from it (one event
+loop, no locks): a call's tensors, inputs and outputs, in one block. The front end writes the
+request bytes there once; the engine copies them to the GPU and the outputs back into the same
+block; the front end streams them out and frees the block when both are done with it.
+
+A call that does not fit the free space gets a one-off segment (another memfd, sent with the
+request), so nothing waits or fails for want of arena; those copies run from pageable memory.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+from collections.abc import Mapping
+
+import numpy as np
+
+ALIGN = 4096  # every tensor starts on a page: aligned for any dtype and for DMA
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def create(size: int, name: str = "attention-arena") -> int:
+    """A new anonymous shared-memory object of ``size`` bytes; returns its descriptor."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
+
+
+def layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Offsets of each tensor inside one block, and the block's size."""
+    offsets, at = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = at
+        at += align(n)
+    return offsets, max(at, ALIGN)
+
+
+class FreeList:
+    """First-fit allocator of [0, size) in ALIGN units, coalescing on free."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._starts: list[int] = [0]  # sorted free ranges [start, end)
+        self._ends: list[int] = [size]
+        self.used = 0
+
+    def alloc(self, n: int) -> int | None:
+        n = align(n)
+        for i, (s, e) in enumerate(zip(self._starts, self._ends, strict=True)):
+            if e - s >= n:
+                if e - s == n:
+                    del self._starts[i], self._ends[i]
+                else:
+                    self._starts[i] = s + n
+                self.used += n
+                return s
+        return None
+
+    def free(self, start: int, n: int) -> None:
+        n = align(n)
+        end = start + n
+        i = bisect.bisect_left(self._starts, start)
+        if i < len(self._starts) and self._starts[i] < end:
+            raise ValueError(f"double free of [{start}, {end})")
+        if i and self._ends[i - 1] > start:
+            raise ValueError(f"double free of [{start}, {end})")
+        merge_left = i > 0 and self._ends[i - 1] == start
+        merge_right = i < len(self._starts) and self._starts[i] == end
+        if merge_left and merge_right:
+            self._ends[i - 1] = self._ends[i]
+            del self._starts[i], self._ends[i]
+        elif merge_left:
+            self._ends[i - 1] = end
+        elif merge_right:
+            self._starts[i] = start
+        else:
+            self._starts.insert(i, start)
+            self._ends.insert(i, end)
+        self.used -= n
+
+    @property
+    def free_bytes(self) -> int:
+        return self.size - self.used
+
+
+class Mapped:
+    """A shared-memory object mapped read-write: ``array`` is its bytes (uint8, writable)."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        self.size = size
+        self.mm = mmap.mmap(fd, size)
+        self.array = np.frombuffer(self.mm, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.array = np.empty(0, np.uint8)
+        # Views still alive somewhere: the mapping goes with the last one.
+        with contextlib.suppress(BufferError):
+            self.mm.close()

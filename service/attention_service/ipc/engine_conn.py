@@ -1,0 +1,165 @@
+"""The engine's side of one front-end process: its channel, its arena, its calls.
+
+Requests arrive on the channel's reader thread and go straight to the engine core (no event
+loop in the engine's request path); answers go back from the executor's completer thread
+through the channel's writer thread. The connection tracks its calls so that when its front
+end dies they are cancelled and the arena is not handed to a new front end before the last
+copy into it has finished.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor as ThreadPool
+from typing import Any
+
+import torch
+
+from attention_service.engine.core import EngineCore, Source
+from attention_service.engine.jobs import ExecStats, Job
+from attention_service.errors import RequestError
+from attention_service.ipc.channel import Channel
+from attention_service.ipc.messages import (
+    ArenaSpan,
+    Bound,
+    Cancel,
+    Done,
+    Failed,
+    RegionCall,
+    Reply,
+    SegmentSpan,
+    Submit,
+)
+from attention_service.params import RegionSpan
+
+log = logging.getLogger("attention_service")
+
+
+class FrontendConnection:
+    def __init__(
+        self, slot: int, core: EngineCore, arena: torch.Tensor, region_pool: ThreadPool,
+        on_bound: Callable[[Bound], None], on_close: Callable[[FrontendConnection], None],
+    ) -> None:
+        self.slot = slot
+        self.core = core
+        self.arena = arena  # uint8 view of the front end's arena (pinned on cuda)
+        self._region_pool = region_pool
+        self._on_bound = on_bound
+        self._on_close = on_close
+        self._lock = threading.Condition()
+        self._calls: dict[int, Job | None] = {}  # in the engine; None: being submitted
+        self.channel: Channel | None = None
+
+    def attach(self, channel: Channel) -> None:
+        self.channel = channel
+
+    def send(self, msg: Any) -> None:
+        assert self.channel is not None
+        self.channel.send(msg)
+
+    # ---- reader thread ------------------------------------------------------------------
+
+    def on_message(self, msg: Any, fds: list[int]) -> None:
+        if isinstance(msg, Submit):
+            self._submit(msg, fds)
+        elif isinstance(msg, Cancel):
+            with self._lock:
+                job = self._calls.get(msg.call_id)
+            if job is not None:
+                self.core.cancel(job)
+        elif isinstance(msg, RegionCall):
+            self._region_pool.submit(self._region_call, msg)
+        elif isinstance(msg, Bound):
+            self._on_bound(msg)
+        else:
+            log.error("front end %d sent an unknown message %s", self.slot, type(msg).__name__)
+        for fd in fds:  # segments were mapped (a mapping outlives its descriptor)
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def on_channel_close(self) -> None:
+        self._on_close(self)
+
+    def _sources(self, msg: Submit, fds: list[int]) -> dict[str, Source]:
+        segments: dict[int, torch.Tensor] = {}
+        sources: dict[str, Source] = {}
+        for name, span in msg.spans.items():
+            if isinstance(span, ArenaSpan):
+                sources[name] = self.arena[span.offset : span.offset + span.nbytes]
+            elif isinstance(span, SegmentSpan):
+                if span.fd_index not in segments:
+                    # Unmapped when the last tensor viewing it goes (after the call's done).
+                    fd = fds[span.fd_index]
+                    mm = mmap.mmap(fd, os.fstat(fd).st_size)
+                    segments[span.fd_index] = torch.frombuffer(mm, dtype=torch.uint8)
+                seg = segments[span.fd_index]
+                sources[name] = seg[span.offset : span.offset + span.nbytes]
+            elif isinstance(span, RegionSpan):
+                sources[name] = span
+            else:
+                raise TypeError(f"unknown span {span!r}")
+        return sources
+
+    def _submit(self, msg: Submit, fds: list[int]) -> None:
+        with self._lock:
+            self._calls[msg.call_id] = None
+        try:
+            job = self.core.submit(
+                msg.params, self._sources(msg, fds), msg.owner,
+                lambda value, call_id=msg.call_id: self._done(call_id, value),
+            )
+        except RequestError as exc:
+            self._done(msg.call_id, exc)
+            return
+        except Exception as exc:  # a bug: answer the call, keep the connection
+            log.exception("front end %d: submit failed", self.slot)
+            self._done(msg.call_id, RequestError.internal(exc))
+            return
+        with self._lock:
+            if msg.call_id in self._calls:  # not already answered
+                self._calls[msg.call_id] = job
+
+    def _done(self, call_id: int, value: ExecStats | BaseException) -> None:
+        """Exactly once per Submit (executor thread, or the reader for a refusal)."""
+        with self._lock:
+            self._calls.pop(call_id, None)
+            self._lock.notify_all()
+        if isinstance(value, BaseException):
+            self.send(Failed(call_id, value))
+        else:
+            self.send(Done(call_id, value))
+
+    def _region_call(self, msg: RegionCall) -> None:
+        try:
+            reply = self.core.region_call(msg.method, msg.request, msg.owner)
+        except RequestError as exc:
+            self.send(Failed(msg.call_id, exc))
+        except Exception as exc:
+            log.exception("front end %d: %s failed", self.slot, msg.method)
+            self.send(Failed(msg.call_id, RequestError.internal(exc)))
+        else:
+            self.send(Reply(msg.call_id, reply))
+
+    # ---- supervisor ---------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        with self._lock:
+            return len(self._calls)
+
+    def cancel_all(self) -> None:
+        """Its front end is gone: nobody will read these results."""
+        with self._lock:
+            jobs = [j for j in self._calls.values() if j is not None]
+        for job in jobs:
+            self.core.cancel(job)
+
+    def wait_idle(self, timeout: float) -> bool:
+        """Until no call of this connection is in the engine (its arena is quiet)."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._calls, timeout)

@@ -1,0 +1,313 @@
+"""The process group (``attention-server --frontends N``, N > 1): this process is the engine.
+
+It owns CUDA, the executor (batching spans every front end) and the region registry, and it
+supervises N front-end processes (``ipc.frontend_main``) that do all the gRPC work on one port
+(``SO_REUSEPORT``). Per front end: a channel (a socketpair) and an arena (shared memory the
+engine page-locks once), so tensor bytes are written once by the front end and DMA'd to the
+GPU from there. Lifecycle:
+
+* start: reserve the port (fail loudly if taken), start the front ends, wait until each
+  listens, warm up, then tell them to serve (health SERVING);
+* a front end dies (kill -9, a crash): its calls are cancelled (its clients see UNAVAILABLE as
+  their connections drop), the engine waits until no copy into its arena is pending, and
+  starts a new one in its place (backing off if it keeps dying);
+* SIGTERM/SIGINT: forwarded to every front end (each drains for ``--grace-seconds`` and exits
+  0) while the engine keeps serving their in-flight calls; then the engine stops, exit 0. A
+  second signal is forwarded too (cancel in-flight calls now);
+* the engine dies: every front end sees its channel close, logs it and exits 1. Nothing hangs.
+
+Metrics: prometheus_client's multiprocess mode, in a private directory made here before the
+library is imported; the engine serves the merged ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from attention_service.config import ServerConfig
+
+log = logging.getLogger("attention_service")
+
+START_TIMEOUT_S = 120.0
+RESTART_WINDOW_S = 60.0
+
+
+def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
+    """Hold ``port`` (0: a free one) on every address ``host`` resolves to, with SO_REUSEPORT,
+    so the front ends can bind it too; fail loudly if anything else listens there."""
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    held: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, addr in infos:
+            if port:  # a probe without SO_REUSEPORT: refused while another server listens
+                with socket.socket(family, kind, proto) as probe:
+                    probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    try:
+                        probe.bind(addr[:2])
+                    except OSError as exc:
+                        raise RuntimeError(f"could not bind {host}:{port}: {exc}") from None
+            s = socket.socket(family, kind, proto)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            s.bind((addr[0], port) + tuple(addr[2:]))
+            port = s.getsockname()[1]
+            held.append(s)
+    except BaseException:
+        for s in held:
+            s.close()
+        raise
+    return held, port
+
+
+@dataclass
+class _Slot:
+    index: int
+    arena_fd: int
+    arena: Any  # torch uint8 tensor over the engine's mapping
+    unpin: Any
+    proc: subprocess.Popen[bytes] | None = None
+    conn: Any = None
+    pid: int = 0
+    bound: bool = False
+    deaths: list[float] = field(default_factory=list)
+
+
+class Group:
+    def __init__(self, config: ServerConfig, count: int) -> None:
+        self.config = config
+        self.count = count
+        self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.slots: list[_Slot] = []
+        self.draining = False
+        self._region_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-regions")
+
+    # ---- events (signal handlers and helper threads post here) ---------------------------
+
+    def _post(self, *event: Any) -> None:
+        self.events.put(event)
+
+    def _watch(self, slot: _Slot, proc: subprocess.Popen[bytes]) -> None:
+        rc = proc.wait()
+        self._post("exited", slot.index, proc, rc)
+
+    # ---- front ends ---------------------------------------------------------------------
+
+    def _spawn(self, slot: _Slot) -> None:
+        from attention_service.ipc.channel import Channel
+        from attention_service.ipc.engine_conn import FrontendConnection
+        from attention_service.ipc.messages import Hello
+
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        cmd = [sys.executable, "-m", "attention_service.ipc.frontend_main",
+               "--sock-fd", str(theirs.fileno()), "--arena-fd", str(slot.arena_fd)]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(), slot.arena_fd))
+        finally:
+            theirs.close()
+        conn = FrontendConnection(
+            slot.index, self.core, slot.arena, self._region_pool,
+            on_bound=lambda msg: self._post("bound", msg),
+            on_close=lambda conn: None,  # the process's exit is what the supervisor acts on
+        )
+        channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}")
+        conn.attach(channel)
+        channel.start()
+        slot.proc, slot.conn, slot.pid, slot.bound = proc, conn, proc.pid, False
+        config = self.config.replace(port=self.port)
+        channel.send(Hello(config, self.core.info, slot.index, self.config.arena_bytes))
+        threading.Thread(target=self._watch, args=(slot, proc), daemon=True,
+                         name=f"attention-watch-{slot.index}").start()
+
+    def _replace(self, slot: _Slot) -> None:
+        """A front end died: cancel its calls, wait until its arena is quiet, start another."""
+        conn = slot.conn
+        conn.cancel_all()
+        if not conn.wait_idle(60.0):
+            log.error("front end %d: calls still in the engine after 60 s", slot.index)
+        conn.channel.close()
+        now = time.monotonic()
+        slot.deaths = [t for t in slot.deaths if now - t < RESTART_WINDOW_S] + [now]
+        # At once the first time; then 0.5, 1, 2 ... 30 s while it keeps dying within a minute.
+        repeats = len(slot.deaths) - 1
+        time.sleep(min(30.0, 0.5 * 2 ** (repeats - 1)) if repeats else 0.0)
+        self._post("respawn", slot.index)
+
+    def _signal_all(self, sig: int) -> None:
+        for slot in self.slots:
+            if slot.proc is not None and slot.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    slot.proc.send_signal(sig)
+
+    # ---- the engine process -------------------------------------------------------------
+
+    def run(self) -> int:
+        from prometheus_client import multiprocess
+
+        from attention_service.engine.backends import make_backend
+        from attention_service.engine.core import EngineCore
+        from attention_service.ipc import arena as arenas
+        from attention_service.ipc.messages import Serving
+        from attention_service.metrics import LiveCollector, Metrics
+        from attention_service.server import versions
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda signum, _frame: self._post("signal", signum))
+        cfg = self.config
+        backend = make_backend(cfg.device)
+        metrics = Metrics(multiprocess=True)
+        self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count)
+        held, self.port = reserve_port(cfg.host, cfg.port)
+        alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
+        metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
+                                   alive))
+        metrics_port = None
+        try:
+            for i in range(self.count):
+                fd = arenas.create(cfg.arena_bytes)
+                tensor, unpin = _engine_view(fd, cfg.arena_bytes, backend.name)
+                self.slots.append(_Slot(i, fd, tensor, unpin))
+            metrics_port = metrics.serve(cfg.host, cfg.metrics_port)
+            for slot in self.slots:
+                self._spawn(slot)
+            warm = threading.Event()
+            failed: list[BaseException] = []
+
+            def warmup() -> None:
+                try:
+                    if cfg.warmup:
+                        t0 = time.perf_counter()
+                        core.warmup()
+                        log.info("warm-up on %s took %.2fs", backend.name,
+                                 time.perf_counter() - t0)
+                except BaseException as exc:
+                    failed.append(exc)
+                finally:
+                    warm.set()
+                    self._post("warm")
+
+            started = False
+            serving = False
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                try:
+                    event = self.events.get(timeout=1.0)
+                except queue.Empty:
+                    if not started and time.monotonic() > deadline:
+                        raise RuntimeError("front ends did not start in time") from None
+                    continue
+                kind = event[0]
+                if kind == "bound":
+                    msg = event[1]
+                    self.slots[msg.slot].bound = True
+                    if started:
+                        log.info("front end %d restarted (pid %d)", msg.slot, msg.pid)
+                    if serving:
+                        self.slots[msg.slot].conn.send(Serving())
+                    if not started and all(s.bound for s in self.slots):
+                        started = True
+                        # Parseable lines: tests and scripts read the bound ports from them.
+                        log.info("listening on port %d (backend %s, device %s, %d front ends)",
+                                 self.port, backend.name, backend.device_name, self.count)
+                        if metrics_port is not None:
+                            log.info("metrics on port %d", metrics_port)
+                        threading.Thread(target=warmup, daemon=True,
+                                         name="attention-warmup").start()
+                elif kind == "warm":
+                    if failed:
+                        raise failed[0]
+                    if not self.draining:
+                        serving = True
+                        for slot in self.slots:
+                            if slot.bound:
+                                slot.conn.send(Serving())
+                elif kind == "signal":
+                    if not self.draining:
+                        self.draining = True
+                        log.info("shutting down: front ends drain in-flight calls for up to "
+                                 "%.1fs", cfg.grace_seconds)
+                        self._signal_all(signal.SIGTERM)
+                    else:
+                        log.warning("second signal: front ends cancel in-flight calls")
+                        self._signal_all(signal.SIGTERM)
+                elif kind == "exited":
+                    index, proc, rc = event[1], event[2], event[3]
+                    slot = self.slots[index]
+                    if proc is not slot.proc:
+                        continue
+                    multiprocess.mark_process_dead(proc.pid)
+                    if self.draining:
+                        if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
+                            break
+                        continue
+                    if not started:
+                        raise RuntimeError(f"front end {index} exited with code {rc} while "
+                                           "starting (see its log above)")
+                    log.error("front end %d (pid %d) exited with code %s: its in-flight calls "
+                              "are lost (their clients see UNAVAILABLE); restarting it", index,
+                              proc.pid, rc)
+                    metrics.frontend_restarts.inc()
+                    slot.bound = False
+                    threading.Thread(target=self._replace, args=(slot,), daemon=True).start()
+                elif kind == "respawn" and not self.draining:
+                    self._spawn(self.slots[event[1]])
+            log.info("front ends stopped; stopping the engine")
+            return 0
+        except BaseException:
+            log.exception("engine failed: stopping every front end")
+            self._signal_all(signal.SIGKILL)
+            return 1
+        finally:
+            for slot in self.slots:
+                if slot.proc is not None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        slot.proc.wait(5)
+                    if slot.proc.poll() is None:
+                        slot.proc.kill()
+                if slot.conn is not None and slot.conn.channel is not None:
+                    slot.conn.channel.close()
+            core.close()
+            metrics.close()
+            self._region_pool.shutdown(wait=False)
+            for slot in self.slots:
+                slot.unpin()
+                os.close(slot.arena_fd)
+            for s in held:
+                s.close()
+            log.info("stopped")
+
+
+def _engine_view(fd: int, size: int, backend: str) -> tuple[Any, Any]:
+    """The engine's uint8 tensor over an arena, page-locked for the GPU on cuda."""
+    import mmap
+
+    import torch
+
+    from attention_service.engine.regions import pin
+
+    tensor = torch.frombuffer(mmap.mmap(fd, size), dtype=torch.uint8)
+    unpin = pin(tensor, size) if backend == "cuda" else (lambda: None)
+    return tensor, unpin
+
+
+def run_group(config: ServerConfig) -> int:
+    count = config.process_count
+    metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
+    # Before prometheus_client is imported anywhere in this process or its children.
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    try:
+        return Group(config, count).run()
+    finally:
+        shutil.rmtree(metrics_dir, ignore_errors=True)

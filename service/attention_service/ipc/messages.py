@@ -1,0 +1,87 @@
+"""What front-end processes and the engine process say to each other (``channel.Channel``).
+
+Small on purpose: tensor bytes never travel here, only where they are. A tensor lives in the
+sender's arena (``ArenaSpan``), in a one-off segment whose descriptor rides with the message
+(``SegmentSpan``, for a request that does not fit the arena), or in a registered region
+(``params.RegionSpan``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from attention_service.config import ServerConfig
+from attention_service.link import EngineInfo, ExecStats
+from attention_service.params import Params, RegionSpan
+
+
+class ArenaSpan(NamedTuple):
+    offset: int
+    nbytes: int
+
+
+class SegmentSpan(NamedTuple):
+    fd_index: int  # index into the descriptors sent with the message
+    offset: int
+    nbytes: int
+
+
+Span = ArenaSpan | SegmentSpan | RegionSpan
+
+
+# ---- engine -> front end ----------------------------------------------------------------
+
+class Hello(NamedTuple):
+    """First message to a new front end: what to serve and with what."""
+
+    config: ServerConfig  # its port is the reserved one
+    info: EngineInfo
+    slot: int
+    arena_bytes: int
+
+
+class Serving(NamedTuple):
+    """The engine is warm: accept compute calls, answer health SERVING."""
+
+
+class Done(NamedTuple):
+    call_id: int
+    stats: ExecStats
+
+
+class Failed(NamedTuple):
+    call_id: int
+    error: BaseException  # RequestError or Cancelled
+
+
+class Reply(NamedTuple):
+    call_id: int
+    value: Any  # a region rpc's pb reply
+
+
+# ---- front end -> engine ----------------------------------------------------------------
+
+class Bound(NamedTuple):
+    """The front end listens (its port), pid for the record."""
+
+    slot: int
+    port: int
+    pid: int
+
+
+class Submit(NamedTuple):
+    call_id: int
+    params: Params
+    spans: dict[str, Span]  # q, k, v, out (and lse when asked for)
+    owner: str
+
+
+class Cancel(NamedTuple):
+    call_id: int
+
+
+class RegionCall(NamedTuple):
+    call_id: int
+    method: str
+    request: Any  # the pb request
+    owner: str

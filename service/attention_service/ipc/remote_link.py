@@ -1,0 +1,191 @@
+"""``EngineLink`` of a front-end process: buffers in its shared arena, calls over a Channel.
+
+Runs on the front end's event loop; the channel's reader thread posts every engine message to
+the loop, so everything here is single-threaded. A call's buffers are freed only once both the
+call is done with them (``release``) and the engine is (its Done/Failed arrived): the engine
+may still be copying into them when a client cancels.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from attention_service.errors import unavailable
+from attention_service.ipc import arena as arenas
+from attention_service.ipc.channel import Channel
+from attention_service.ipc.messages import (
+    ArenaSpan,
+    Cancel,
+    Done,
+    Failed,
+    RegionCall,
+    Reply,
+    SegmentSpan,
+    Serving,
+    Span,
+    Submit,
+)
+from attention_service.link import EngineInfo, ExecStats
+from attention_service.params import Params, RegionSpan
+
+log = logging.getLogger("attention_service")
+
+
+class RemoteBuffers:
+    """One call's tensors: a block of the arena, or a one-off segment when it did not fit."""
+
+    def __init__(
+        self, link: RemoteLink, sizes: Mapping[str, int], block: int | None,
+        segment: arenas.Mapped | None, segment_fd: int | None, total: int,
+    ) -> None:
+        self._link = link
+        self._block, self._total = block, total
+        self._segment, self.segment_fd = segment, segment_fd
+        offsets, _ = arenas.layout(sizes)
+        base = block if block is not None else 0
+        memory = link.arena.array if segment is None else segment.array
+        self.spans: dict[str, ArenaSpan | SegmentSpan] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        for name, n in sizes.items():
+            at = base + offsets[name]
+            self.arrays[name] = memory[at : at + n]
+            self.spans[name] = (
+                ArenaSpan(at, n) if segment is None else SegmentSpan(0, at, n)
+            )
+        self._holders = 1  # the call; +1 while the engine has it
+        self._released = False
+
+    def hold_for_engine(self) -> None:
+        self._holders += 1
+
+    def engine_done(self) -> None:
+        self._drop()
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._drop()
+
+    def _drop(self) -> None:
+        self._holders -= 1
+        if self._holders:
+            return
+        self.arrays = {}
+        if self._block is not None:
+            self._link.free_list.free(self._block, self._total)
+        if self._segment is not None:
+            self._segment.close()
+        if self.segment_fd is not None:  # never sent (the channel closes what it sends)
+            os.close(self.segment_fd)
+            self.segment_fd = None
+
+
+class RemoteLink:
+    def __init__(
+        self, channel: Channel | None, arena: arenas.Mapped, info: EngineInfo,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self.channel = channel  # set by the caller once the channel exists (it needs us)
+        self.arena = arena
+        self.free_list = arenas.FreeList(arena.size)
+        self.info = info
+        self._loop = loop
+        self._ids = itertools.count(1)
+        self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
+        self.serving = asyncio.Event()
+        self.gone = asyncio.Event()
+        self.overflow_segments = 0
+
+    # ---- called by the channel's reader thread ------------------------------------------
+
+    def on_message(self, msg: Any, fds: list[int]) -> None:
+        for fd in fds:  # the engine sends none
+            os.close(fd)
+        self._loop.call_soon_threadsafe(self._dispatch, msg)
+
+    def on_close(self) -> None:
+        self._loop.call_soon_threadsafe(self._engine_gone)
+
+    # ---- event loop ---------------------------------------------------------------------
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, Serving):
+            self.serving.set()
+            return
+        entry = self._pending.pop(msg.call_id, None)
+        if entry is None:
+            return
+        fut, buffers = entry
+        if buffers is not None:
+            buffers.engine_done()
+        if fut.done():  # the caller went away meanwhile
+            return
+        if isinstance(msg, Failed):
+            fut.set_exception(msg.error)
+        elif isinstance(msg, Done | Reply):
+            fut.set_result(msg.stats if isinstance(msg, Done) else msg.value)
+
+    def _engine_gone(self) -> None:
+        if self.gone.is_set():
+            return
+        self.gone.set()
+        pending, self._pending = self._pending, {}
+        for fut, buffers in pending.values():
+            if buffers is not None:
+                buffers.engine_done()
+            if not fut.done():
+                fut.set_exception(unavailable("the engine process exited"))
+
+    def _send(self, msg: Any, fds: list[int] | None = None) -> None:
+        if self.gone.is_set() or self.channel is None:
+            raise unavailable("the engine process exited")
+        self.channel.send(msg, fds or [])
+
+    async def allocate(self, sizes: Mapping[str, int]) -> RemoteBuffers:
+        _, total = arenas.layout(sizes)
+        block = self.free_list.alloc(total)
+        if block is not None:
+            return RemoteBuffers(self, sizes, block, None, None, total)
+        # Does not fit now (or ever): a segment of its own, sent along with the request.
+        self.overflow_segments += 1
+        fd = arenas.create(total, "attention-segment")
+        try:
+            segment = arenas.Mapped(fd, total)
+        except BaseException:
+            os.close(fd)
+            raise
+        return RemoteBuffers(self, sizes, None, segment, fd, total)
+
+    async def run(
+        self, params: Params, buffers: RemoteBuffers,  # type: ignore[override]
+        regions: Mapping[str, RegionSpan], owner: str,
+    ) -> ExecStats:
+        call_id = next(self._ids)
+        spans: dict[str, Span] = {**buffers.spans, **regions}
+        fds = []
+        if buffers.segment_fd is not None:
+            fds, buffers.segment_fd = [buffers.segment_fd], None  # the channel owns it now
+        fut: asyncio.Future[ExecStats] = self._loop.create_future()
+        self._send(Submit(call_id, params, spans, owner), fds)
+        buffers.hold_for_engine()
+        self._pending[call_id] = (fut, buffers)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            if call_id in self._pending and not self.gone.is_set():
+                self._send(Cancel(call_id))  # the buffers stay held until the engine answers
+            raise
+
+    async def region_call(self, method: str, request: Any, owner: str) -> Any:
+        call_id = next(self._ids)
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._send(RegionCall(call_id, method, request, owner))
+        self._pending[call_id] = (fut, None)
+        return await fut

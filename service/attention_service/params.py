@@ -1,0 +1,188 @@
+"""What a validated request is, in plain Python: the leaf that front end and engine share.
+
+Front-end processes never import torch, so dtypes here are wire enums (``pb.DType`` values)
+and shapes are tuples; the engine maps them to torch types. ``Params`` is immutable and
+pickles small (it crosses from a front-end process to the engine with every call).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from attention_wire.pb import attention_pb2 as pb
+
+ELEMENT_BYTES: dict[int, int] = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
+INPUTS = ("q", "k", "v")
+OUTPUTS = ("out", "lse")
+LSE_BYTES = 4  # float32
+
+
+class Op(enum.Enum):
+    """The two compute rpcs. The per-kind rules live on this class, not in string switches."""
+
+    PREFILL = "Prefill"
+    DECODE = "Decode"
+
+    @property
+    def rpc(self) -> str:
+        return self.value
+
+    @classmethod
+    def from_rpc(cls, rpc: str) -> Op:
+        return cls(rpc)
+
+    def lse_shape(self, rows: int, heads: int) -> tuple[int, int]:
+        """The kernels' lse layout: prefill ``[H, total_q]``, decode ``[batch, H]``."""
+        return (heads, rows) if self is Op.PREFILL else (rows, heads)
+
+    def lse_rows(self, lse: Any, start: int, stop: int) -> Any:
+        """Query rows ``start:stop`` of an lse in this op's layout (columns for prefill)."""
+        return lse[:, start:stop] if self is Op.PREFILL else lse[start:stop]
+
+
+@dataclass(frozen=True)
+class RegionSpan:
+    """Bytes of a tensor inside a registered shared-memory region (same-host zero copy)."""
+
+    region: str
+    offset: int
+    nbytes: int
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
+
+
+@dataclass(frozen=True)
+class Params:
+    """A validated request: shapes, sequence boundaries and kernel parameters."""
+
+    op: Op
+    dtype: int  # pb.DType
+    q_shape: tuple[int, int, int]  # prefill [total_q, H, D]; decode [batch, H, D]
+    k_shape: tuple[int, int, int]  # [total_k, H_kv, D]
+    cu_seqlens_q: tuple[int, ...] | None  # prefill only
+    cu_seqlens_k: tuple[int, ...]
+    max_seqlen_q: int
+    max_seqlen_k: int
+    causal: bool
+    softmax_scale: float | None
+    return_lse: bool
+    num_splits: int  # decode only (0 = the server's choice)
+    flops: int  # this request's floating-point operations (causal work counted once)
+
+    @property
+    def num_heads(self) -> int:
+        return self.q_shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_shape[1]
+
+    @property
+    def head_dim(self) -> int:
+        return self.q_shape[2]
+
+    @property
+    def rows(self) -> int:
+        """Query rows: tokens for prefill, sequences for decode."""
+        return self.q_shape[0]
+
+    @property
+    def total_k(self) -> int:
+        return self.k_shape[0]
+
+    @property
+    def tokens(self) -> int:
+        """The batch-token unit: queries for prefill, keys for decode."""
+        return self.q_shape[0] if self.op is Op.PREFILL else self.k_shape[0]
+
+    @property
+    def budget_tokens(self) -> int:
+        """Weight against the batching token budget: keys for decode; for prefill the larger of
+        queries and keys, so a few queries over a long cached prefix still count as large."""
+        if self.op is Op.DECODE:
+            return self.k_shape[0]
+        return max(self.q_shape[0], self.k_shape[0])
+
+    @property
+    def lse_shape(self) -> tuple[int, int] | None:
+        """Prefill ``[H, total_q]``; decode ``[batch, H]``; None unless asked for."""
+        if not self.return_lse:
+            return None
+        return self.op.lse_shape(self.q_shape[0], self.q_shape[1])
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name in ("q", "out"):
+            return self.q_shape
+        if name in ("k", "v"):
+            return self.k_shape
+        lse = self.lse_shape
+        if name != "lse" or lse is None:
+            raise KeyError(name)
+        return lse
+
+    def nbytes(self, name: str) -> int:
+        """Bytes of tensor ``name`` (q, k, v, out, lse); 0 for an lse not asked for."""
+        if name == "lse":
+            lse = self.lse_shape
+            return math.prod(lse) * LSE_BYTES if lse else 0
+        return math.prod(self.shape(name)) * ELEMENT_BYTES[self.dtype]
+
+    @property
+    def bytes_in(self) -> int:
+        return sum(self.nbytes(n) for n in INPUTS)
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.nbytes("k") + self.nbytes("v")
+
+
+def lengths(cu: Sequence[int]) -> list[int]:
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+
+
+def causal_pairs(seqlen_q: int, seqlen_k: int) -> int:
+    """Visible (query, key) pairs under the bottom-right causal mask.
+
+    Query i sees keys j <= i + seqlen_k - seqlen_q, i.e. max(0, i + seqlen_k - seqlen_q + 1)
+    keys (never more than seqlen_k): a sum of consecutive integers ending at seqlen_k.
+    """
+    a = seqlen_k - seqlen_q + 1
+    first_i = max(0, 1 - a)
+    count = seqlen_q - first_i
+    if count <= 0:
+        return 0
+    return (first_i + a + seqlen_k) * count // 2
+
+
+def make_params(
+    op: Op, dtype: int, q_shape: tuple[int, int, int], k_shape: tuple[int, int, int],
+    cu_seqlens_k: Sequence[int], cu_seqlens_q: Sequence[int] | None = None, *,
+    causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
+    num_splits: int = 0,
+) -> Params:
+    """Params with the derived fields (max lengths, FLOPs) computed; inputs already checked."""
+    heads, dim = q_shape[1], q_shape[2]
+    len_k = lengths(cu_seqlens_k)
+    if op is Op.PREFILL:
+        assert cu_seqlens_q is not None
+        len_q = lengths(cu_seqlens_q)
+        if causal:
+            pairs = sum(causal_pairs(sq, sk) for sq, sk in zip(len_q, len_k, strict=True))
+        else:
+            pairs = sum(sq * sk for sq, sk in zip(len_q, len_k, strict=True))
+        max_q = max(len_q)
+    else:
+        cu_seqlens_q, causal, pairs, max_q = None, False, sum(len_k), 1
+    return Params(
+        op=op, dtype=dtype, q_shape=tuple(q_shape), k_shape=tuple(k_shape),  # type: ignore[arg-type]
+        cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
+        cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k),
+        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+        num_splits=num_splits if op is Op.DECODE else 0, flops=4 * pairs * heads * dim,
+    )
