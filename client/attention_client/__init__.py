@@ -7,8 +7,12 @@ ml_dtypes bfloat16 arrays are accepted when those packages are installed.
 """
 
 from attention_client._errors import AttentionError, ProtocolError
+from attention_client._regions import SharedRegion
 from attention_client.aio import AsyncAttentionClient
 from attention_client.client import AttentionClient
 
-__all__ = ["AsyncAttentionClient", "AttentionClient", "AttentionError", "ProtocolError"]
+__all__ = [
+    "AsyncAttentionClient", "AttentionClient", "AttentionError", "ProtocolError",
+    "SharedRegion",
+]
 __version__ = "0.1.0"

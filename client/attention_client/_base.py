@@ -1,4 +1,5 @@
-"""What the sync and async clients share: argument checks and request preparation."""
+"""What the sync and async clients share: argument checks, request preparation, and the
+bookkeeping of registered shared-memory regions (the rpcs themselves are the subclasses')."""
 
 from __future__ import annotations
 
@@ -7,8 +8,16 @@ from typing import Any
 
 from attention_client._channel import call_metadata, channel_options, check_timeout, credentials
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from attention_client._regions import (
+    Placement,
+    RegionSet,
+    SharedRegion,
+    create_cuda_region,
+    create_system_region,
+)
 from attention_client._requests import PreparedRequest, prepare_decode, prepare_prefill
 from attention_client._responses import ResponseAssembler
+from attention_wire.pb import attention_pb2 as pb
 
 
 class ClientBase:
@@ -23,6 +32,7 @@ class ClientBase:
         timeout: float | None = 60.0,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
+        use_regions: bool = True,
     ) -> None:
         self.target = target
         self.timeout = check_timeout(timeout)
@@ -30,46 +40,90 @@ class ClientBase:
         self._metadata = call_metadata(token)
         self._credentials = credentials(tls)
         self._options = channel_options(options)
+        # Calls use registered regions when their tensors live there or fit (see _regions.py).
+        self.use_regions = bool(use_regions)
+        self.regions = RegionSet()
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
         self.last_stats: dict[str, Any] | None = None
 
-    @staticmethod
-    def _prepare_attention(
-        q: Any,
-        k: Any,
-        v: Any,
-        cu_seqlens: Any,
-        cu_seqlens_k: Any,
-        causal: bool,
-        softmax_scale: float | None,
-        return_lse: bool,
-    ) -> PreparedRequest:
-        return prepare_prefill(
-            q, k, v, cu_seqlens, cu_seqlens_k,
-            causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-        )
+    def _placement(self, use_regions: bool | None) -> Placement | None:
+        wanted = self.use_regions if use_regions is None else use_regions
+        return Placement(self.regions, stage=True) if wanted and self.regions else None
 
-    @staticmethod
-    def _prepare_decode(
-        q: Any,
-        k: Any,
-        v: Any,
-        cu_seqlens_k: Any,
-        softmax_scale: float | None,
-        num_splits: int,
-        return_lse: bool,
+    def _prepare_attention(
+        self, q: Any, k: Any, v: Any, cu_seqlens: Any, cu_seqlens_k: Any, causal: bool,
+        softmax_scale: float | None, return_lse: bool, out: Any = None,
+        use_regions: bool | None = None,
     ) -> PreparedRequest:
-        return prepare_decode(
-            q, k, v, cu_seqlens_k,
-            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
-        )
+        placement = self._placement(use_regions)
+        try:
+            return prepare_prefill(
+                q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+                return_lse=return_lse, placement=placement, out=out,
+            )
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)  # nothing was sent
+            raise
+
+    def _prepare_decode(
+        self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, softmax_scale: float | None,
+        num_splits: int, return_lse: bool, out: Any = None, use_regions: bool | None = None,
+    ) -> PreparedRequest:
+        placement = self._placement(use_regions)
+        try:
+            return prepare_decode(
+                q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
+                return_lse=return_lse, placement=placement, out=out,
+            )
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)
+            raise
 
     @staticmethod
     def _assembler(prep: PreparedRequest) -> ResponseAssembler:
-        return ResponseAssembler(prep.method, prep.out_shape, prep.out_dtype, prep.lse_shape)
+        if prep.placement is not None:
+            prep.placement.synchronize()  # the GPU work that fills the tensors is done
+        return ResponseAssembler(
+            prep.method, prep.streamed_out_shape, prep.out_dtype, prep.streamed_lse_shape
+        )
 
     def _complete(self, prep: PreparedRequest, assembler: ResponseAssembler) -> Any:
         out, lse, stats = assembler.finish()
         self.last_stats = stats
-        return prep.finish(out, lse)
+        result = prep.result(out, lse)
+        if prep.placement is not None:
+            prep.placement.finish(ok=True)
+        return result
+
+    @staticmethod
+    def _abandon(prep: PreparedRequest) -> None:
+        """The call failed or went away: its scratch waits until the region is idle."""
+        if prep.placement is not None:
+            prep.placement.finish(ok=False)
+
+    # ---- regions ------------------------------------------------------------------------
+
+    @staticmethod
+    def _new_region(
+        kind: str, nbytes: int, name: str | None, device: Any
+    ) -> tuple[SharedRegion, pb.RegisterRegionRequest]:
+        if kind == "system":
+            region, key = create_system_region(nbytes, name)
+            source = {"system": pb.SystemRegion(key=key)}
+        else:
+            region, cuda = create_cuda_region(nbytes, device, name)
+            source = {"cuda": cuda}
+        request = pb.RegisterRegionRequest(name=region.name, byte_size=region.nbytes, **source)
+        return region, request
+
+    def _quarantined(self) -> list[SharedRegion]:
+        return [r for r in self.regions.all() if r.has_quarantine]
+
+    def _release_idle(self, listing: pb.ListRegionsResponse) -> None:
+        idle = {r.name for r in listing.regions if r.inflight == 0}
+        for region in self._quarantined():
+            if region.name in idle:
+                region.release_quarantine()

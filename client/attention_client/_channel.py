@@ -24,6 +24,12 @@ SERVICE = "attention.v1.AttentionService"
 PREFILL_METHOD = f"/{SERVICE}/Prefill"
 DECODE_METHOD = f"/{SERVICE}/Decode"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
+# Region rpc -> its reply message's name in attention_wire.pb.
+REGION_RPCS = {
+    "RegisterRegion": "RegionInfo",
+    "UnregisterRegion": "UnregisterRegionResponse",
+    "ListRegions": "ListRegionsResponse",
+}
 
 RETRY_POLICY = {
     "maxAttempts": 5,  # gRPC caps this at 5

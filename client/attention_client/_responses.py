@@ -80,17 +80,20 @@ def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
 
 class ResponseAssembler:
     """Feed every parsed response (``_wire.parse_response``) to ``add``; ``finish`` returns
-    (out, lse, stats)."""
+    (out, lse, stats). A shape of None: that output is not streamed (it went into a region,
+    or lse was not asked for) and must not arrive."""
 
     def __init__(
         self,
         method: str,
-        out_shape: tuple[int, ...],
+        out_shape: tuple[int, ...] | None,
         out_dtype: int,
         lse_shape: tuple[int, ...] | None,
     ) -> None:
         self.method = method
-        self._targets = {pb.OUT: _Target("OUT", out_shape, out_dtype)}
+        self._targets: dict[int, _Target] = {}
+        if out_shape is not None:
+            self._targets[pb.OUT] = _Target("OUT", out_shape, out_dtype)
         if lse_shape is not None:
             self._targets[pb.LSE] = _Target("LSE", lse_shape, pb.FLOAT32)
         self._stats: pb.RequestStats | None = None
@@ -114,14 +117,14 @@ class ResponseAssembler:
             )
         target.add(chunk, self.method)
 
-    def finish(self) -> tuple[np.ndarray, np.ndarray | None, dict[str, Any]]:
+    def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
         for target in self._targets.values():
             target.check_complete(self.method)
         if self._stats is None:
             raise ProtocolError("response stream ended without RequestStats", self.method)
-        lse = self._targets.get(pb.LSE)
+        out, lse = self._targets.get(pb.OUT), self._targets.get(pb.LSE)
         return (
-            self._targets[pb.OUT].array,
+            out.array if out is not None else None,
             lse.array if lse is not None else None,
             stats_dict(self._stats),
         )

@@ -64,6 +64,26 @@ class WireTensor:
         return WireTensor(self.name, self.array.reshape(shape), self.dtype)
 
 
+@dataclass(frozen=True)
+class RegionTensor:
+    """A tensor the server reads from (or writes into) a registered region: no wire bytes."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: int  # pb.DType
+    span: Any  # _regions.Span
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.span.nbytes)
+
+    def byte_view(self) -> memoryview:
+        return memoryview(b"")  # nothing to send
+
+    def reshaped(self, shape: tuple[int, ...]) -> RegionTensor:
+        return RegionTensor(self.name, shape, self.dtype, self.span)
+
+
 def _torch_module() -> Any:
     return sys.modules.get("torch")
 
@@ -73,13 +93,41 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
+def _torch_wire_dtype(x: Any, name: str) -> int:
     torch = _torch_module()
     wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
     if x.dtype not in wire:
         raise ValueError(
             f"{name} has unsupported dtype {x.dtype}: use float16, bfloat16 or float32"
         )
+    return wire[x.dtype]
+
+
+def _numpy_wire_dtype(x: np.ndarray, name: str) -> int:
+    if x.dtype.kind == "f" and x.dtype.itemsize == 2:
+        return pb.FLOAT16
+    if x.dtype.kind == "f" and x.dtype.itemsize == 4:
+        return pb.FLOAT32
+    if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (only present if ml_dtypes is loaded)
+        return pb.BFLOAT16
+    raise ValueError(
+        f"{name} has unsupported dtype {x.dtype}: use float16, float32 or bfloat16 (ml_dtypes)"
+    )
+
+
+def describe(x: Any, name: str) -> tuple[tuple[int, ...], int, Origin]:
+    """Shape, wire dtype and origin of a user tensor, without touching its bytes."""
+    if is_torch_tensor(x):
+        return tuple(x.shape), _torch_wire_dtype(x, name), Origin("torch", x.dtype, x.device)
+    if isinstance(x, np.ndarray):
+        dtype = x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype
+        return tuple(x.shape), _numpy_wire_dtype(x, name), Origin("numpy", dtype)
+    raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+
+
+def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
+    torch = _torch_module()
+    wire_dtype = _torch_wire_dtype(x, name)
     origin = Origin("torch", x.dtype, x.device)
     t = x.detach().contiguous()
     if t.device.type != "cpu":
@@ -91,21 +139,11 @@ def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
         t = host
     if x.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # numpy cannot hold bfloat16; the bits are what we send
-    return WireTensor(name, t.numpy(), wire[x.dtype]), origin
+    return WireTensor(name, t.numpy(), wire_dtype), origin
 
 
 def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:
-    if x.dtype.kind == "f" and x.dtype.itemsize == 2:
-        wire = pb.FLOAT16
-    elif x.dtype.kind == "f" and x.dtype.itemsize == 4:
-        wire = pb.FLOAT32
-    elif x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (only present if ml_dtypes is loaded)
-        wire = pb.BFLOAT16
-    else:
-        raise ValueError(
-            f"{name} has unsupported dtype {x.dtype}: use float16, float32 or "
-            "bfloat16 (ml_dtypes)"
-        )
+    wire = _numpy_wire_dtype(x, name)
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
     origin = Origin("numpy", x.dtype)  # results come back little-endian
@@ -124,13 +162,15 @@ def to_wire(x: Any, name: str) -> tuple[WireTensor, Origin]:
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def to_user(storage: np.ndarray, origin: Origin, *, is_lse: bool = False) -> Any:
-    """Give a received array back in the caller's flavour (numpy or torch, dtype, device)."""
+def to_user(storage: Any, origin: Origin, *, is_lse: bool = False) -> Any:
+    """Give a received array back in the caller's flavour (numpy or torch, dtype, device).
+    ``storage`` is a numpy array of the wire's storage dtype, or (a CUDA region's output) a
+    torch tensor of it; it becomes the result without a copy where the flavour allows."""
     if origin.kind == "numpy":
         return storage if is_lse else storage.view(origin.dtype)
     import torch  # present: the caller passed a tensor
 
-    t = torch.from_numpy(storage)
+    t = storage if isinstance(storage, torch.Tensor) else torch.from_numpy(storage)
     if not is_lse and origin.dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
     if origin.device is not None and origin.device.type != "cpu":

@@ -6,6 +6,7 @@ it). Many calls may run concurrently on one client; they share one HTTP/2 connec
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,13 +14,24 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client._base import ClientBase
-from attention_client._channel import DECODE_METHOD, INFO_METHOD, PREFILL_METHOD
+from attention_client._channel import (
+    DECODE_METHOD,
+    INFO_METHOD,
+    PREFILL_METHOD,
+    REGION_RPCS,
+    SERVICE,
+)
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import from_rpc_error
+from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._regions import SharedRegion
 from attention_client._requests import DECODE, PREFILL, PreparedRequest
 from attention_client._responses import server_info_dict
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
 
 
 class AsyncAttentionClient(ClientBase):
@@ -35,10 +47,11 @@ class AsyncAttentionClient(ClientBase):
         interceptors: Sequence[Any] | None = None,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
+        use_regions: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout,
-            max_chunk_bytes=max_chunk_bytes, options=options,
+            max_chunk_bytes=max_chunk_bytes, options=options, use_regions=use_regions,
         )
         icpts = list(interceptors) if interceptors else None
         if self._credentials is None:
@@ -63,6 +76,13 @@ class AsyncAttentionClient(ClientBase):
             response_deserializer=pb.ServerInfo.FromString,
         )
         self._health = health_pb2_grpc.HealthStub(channel)
+        self._region_rpcs = {
+            method: channel.unary_unary(
+                f"/{SERVICE}/{method}", request_serializer=_serialize,
+                response_deserializer=getattr(pb, reply).FromString,
+            )
+            for method, reply in REGION_RPCS.items()
+        }
 
     async def attention(
         self,
@@ -75,10 +95,13 @@ class AsyncAttentionClient(ClientBase):
         causal: bool = False,
         softmax_scale: float | None = None,
         return_lse: bool = False,
+        out: Any = None,
+        use_regions: bool | None = None,
     ) -> Any:
         """See AttentionClient.attention."""
         prep = self._prepare_attention(
-            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse
+            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
+            use_regions,
         )
         return await self._run(prep)
 
@@ -92,10 +115,53 @@ class AsyncAttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        out: Any = None,
+        use_regions: bool | None = None,
     ) -> Any:
         """See AttentionClient.decode."""
-        prep = self._prepare_decode(q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse)
+        prep = self._prepare_decode(
+            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
+        )
         return await self._run(prep)
+
+    async def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
+        """See AttentionClient.register_shm; close it with ``await region.aclose()``."""
+        return await self._register("system", nbytes, name, None)
+
+    async def register_cuda(
+        self, nbytes: int, *, device: Any = None, name: str | None = None
+    ) -> SharedRegion:
+        """See AttentionClient.register_cuda."""
+        return await self._register("cuda", nbytes, name, device)
+
+    async def list_regions(self) -> list[dict[str, Any]]:
+        reply = await self._region_rpc("ListRegions", pb.ListRegionsRequest())
+        return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
+
+    async def _register(
+        self, kind: str, nbytes: int, name: str | None, device: Any
+    ) -> SharedRegion:
+        region, request = self._new_region(kind, nbytes, name, device)
+        try:
+            await self._region_rpc("RegisterRegion", request)
+        except BaseException:
+            region._release()
+            raise
+        region._unregister, region._aunregister = None, self._unregister
+        self.regions.add(region)
+        return region
+
+    async def _unregister(self, region: SharedRegion) -> None:
+        self.regions.discard(region)
+        await self._region_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+
+    async def _region_rpc(self, method: str, request: Any) -> Any:
+        try:
+            return await self._region_rpcs[method](
+                request, timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, method) from err
 
     async def info(self) -> dict[str, Any]:
         try:
@@ -118,6 +184,10 @@ class AsyncAttentionClient(ClientBase):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     async def close(self) -> None:
+        """Unregister this client's regions (best effort) and close the channel."""
+        for region in self.regions.all():
+            with contextlib.suppress(AttentionError):
+                await region.aclose()
         await self._channel.close()
 
     async def __aenter__(self) -> AsyncAttentionClient:
@@ -127,6 +197,8 @@ class AsyncAttentionClient(ClientBase):
         await self.close()
 
     async def _run(self, prep: PreparedRequest) -> Any:
+        if self._quarantined():  # a failed call's scratch: free again once the server is idle
+            self._release_idle(await self._region_rpc("ListRegions", pb.ListRegionsRequest()))
         assembler = self._assembler(prep)
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
@@ -136,7 +208,9 @@ class AsyncAttentionClient(ClientBase):
                 assembler.add(response)
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
+            self._abandon(prep)
             raise from_rpc_error(err, prep.method) from err
         except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
+            self._abandon(prep)
             call.cancel()
             raise

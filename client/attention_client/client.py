@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -9,13 +10,24 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client._base import ClientBase
-from attention_client._channel import DECODE_METHOD, INFO_METHOD, PREFILL_METHOD
+from attention_client._channel import (
+    DECODE_METHOD,
+    INFO_METHOD,
+    PREFILL_METHOD,
+    REGION_RPCS,
+    SERVICE,
+)
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import from_rpc_error
+from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._regions import SharedRegion
 from attention_client._requests import DECODE, PREFILL, PreparedRequest
 from attention_client._responses import server_info_dict
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
 
 
 class AttentionClient(ClientBase):
@@ -28,6 +40,10 @@ class AttentionClient(ClientBase):
     ``tls``: None (plaintext), True (system roots), or a root certificate as PEM bytes or a
     file path. ``token`` goes as ``authorization: Bearer <token>``. ``timeout`` is each call's
     deadline in seconds (None: none). ``options`` are extra gRPC channel options.
+
+    Same host: ``register_shm`` / ``register_cuda`` register a shared-memory region; calls then
+    pass tensors that live in (or fit into) it by reference instead of bytes (see
+    ``SharedRegion``). ``use_regions=False`` turns that off for the client or for one call.
     """
 
     def __init__(
@@ -40,10 +56,11 @@ class AttentionClient(ClientBase):
         interceptors: Sequence[Any] | None = None,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
+        use_regions: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout,
-            max_chunk_bytes=max_chunk_bytes, options=options,
+            max_chunk_bytes=max_chunk_bytes, options=options, use_regions=use_regions,
         )
         if self._credentials is None:
             channel = grpc.insecure_channel(target, options=self._options)
@@ -68,6 +85,13 @@ class AttentionClient(ClientBase):
             response_deserializer=pb.ServerInfo.FromString,
         )
         self._health = health_pb2_grpc.HealthStub(channel)
+        self._region_rpcs = {
+            method: channel.unary_unary(
+                f"/{SERVICE}/{method}", request_serializer=_serialize,
+                response_deserializer=getattr(pb, reply).FromString,
+            )
+            for method, reply in REGION_RPCS.items()
+        }
 
     def attention(
         self,
@@ -80,6 +104,8 @@ class AttentionClient(ClientBase):
         causal: bool = False,
         softmax_scale: float | None = None,
         return_lse: bool = False,
+        out: Any = None,
+        use_regions: bool | None = None,
     ) -> Any:
         """Prefill attention; returns ``out`` or ``(out, lse)``.
 
@@ -87,9 +113,12 @@ class AttentionClient(ClientBase):
         ``[B, N, H, D]`` a batch of equal-length ones (lse ``[B, H, N]``). With ``cu_seqlens``
         (int32 ``[B + 1]``; ``cu_seqlens_k`` defaults to it) q, k, v are packed
         ``[total, H, D]`` and lse is ``[H, total_q]``. out always has q's shape.
+        ``out``: a tensor inside a registered region that the server writes in place (and
+        that is returned). ``use_regions``: None follows the client's setting.
         """
         prep = self._prepare_attention(
-            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse
+            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
+            use_regions,
         )
         return self._run(prep)
 
@@ -103,10 +132,57 @@ class AttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        out: Any = None,
+        use_regions: bool | None = None,
     ) -> Any:
-        """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``."""
-        prep = self._prepare_decode(q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse)
+        """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
+        ``out`` and ``use_regions`` as in ``attention``."""
+        prep = self._prepare_decode(
+            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
+        )
         return self._run(prep)
+
+    # ---- same-host shared memory ----------------------------------------------------------
+
+    def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
+        """Create a POSIX shared-memory region of ``nbytes`` and register it with the server
+        (which must run on this host with registration on: ``info()["regions"]``)."""
+        return self._register("system", nbytes, name, None)
+
+    def register_cuda(
+        self, nbytes: int, *, device: Any = None, name: str | None = None
+    ) -> SharedRegion:
+        """Allocate ``nbytes`` on a GPU (default: the current one; it must be the server's)
+        and register it through CUDA IPC. Needs torch."""
+        return self._register("cuda", nbytes, name, device)
+
+    def list_regions(self) -> list[dict[str, Any]]:
+        """The server's view of this caller's regions (name, kind, byte_size, inflight)."""
+        reply = self._region_rpc("ListRegions", pb.ListRegionsRequest())
+        return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
+
+    def _register(self, kind: str, nbytes: int, name: str | None, device: Any) -> SharedRegion:
+        region, request = self._new_region(kind, nbytes, name, device)
+        try:
+            self._region_rpc("RegisterRegion", request)
+        except BaseException:
+            region._release()
+            raise
+        region._unregister = self._unregister
+        self.regions.add(region)
+        return region
+
+    def _unregister(self, region: SharedRegion) -> None:
+        self.regions.discard(region)
+        self._region_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+
+    def _region_rpc(self, method: str, request: Any) -> Any:
+        try:
+            return self._region_rpcs[method](
+                request, timeout=self.timeout, metadata=self._metadata
+            )
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, method) from err
 
     def info(self) -> dict[str, Any]:
         """GetServerInfo as a dict (device, backend, dtypes, head_dims, limits, versions)."""
@@ -131,6 +207,11 @@ class AttentionClient(ClientBase):
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
     def close(self) -> None:
+        """Unregister this client's regions (best effort) and close the channel."""
+        for region in self.regions.all():
+            # A server that is gone has nothing left to unregister.
+            with contextlib.suppress(AttentionError):
+                region.close()
         self._base_channel.close()
 
     def __enter__(self) -> AttentionClient:
@@ -140,6 +221,8 @@ class AttentionClient(ClientBase):
         self.close()
 
     def _run(self, prep: PreparedRequest) -> Any:
+        if self._quarantined():  # a failed call's scratch: free again once the server is idle
+            self._release_idle(self._region_rpc("ListRegions", pb.ListRegionsRequest()))
         assembler = self._assembler(prep)
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
         call = self._streams[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
@@ -148,8 +231,10 @@ class AttentionClient(ClientBase):
                 assembler.add(response)
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
+            self._abandon(prep)
             raise from_rpc_error(err, prep.method) from err
         except BaseException:
+            self._abandon(prep)
             # A broken stream (AttentionError), or the caller abandoned the call (a killed
             # greenlet, KeyboardInterrupt, task cancellation): cancel it, so the server stops its
             # work and sees CANCELLED. Otherwise gRPC may half-close the upload it was sending,

@@ -133,7 +133,7 @@ def test_dense_4d_packs_without_copy_and_reshapes_lse():
     assert not h.HasField("softmax_scale")
     assert np.shares_memory(prep.tensors[0].array, q)
     lse = np.arange(4 * 15, dtype=np.float32).reshape(4, 15)
-    out, lse_b = prep.finish(q.reshape(15, 4, 8).copy(), lse)
+    out, lse_b = prep.result(q.reshape(15, 4, 8).copy(), lse)
     assert out.shape == (3, 5, 4, 8) and lse_b.shape == (3, 4, 5)
     assert lse_b.flags.c_contiguous
     for b in range(3):

@@ -63,7 +63,10 @@ def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
 
 def send_message(sock: socket.socket, msg: Any, fds: Sequence[int] = ()) -> None:
     """One message (blocking)."""
-    payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    _send_payload(sock, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), fds)
+
+
+def _send_payload(sock: socket.socket, payload: bytes, fds: Sequence[int]) -> None:
     head = _HEADER.pack(len(payload), len(fds))
     if fds:
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
@@ -85,7 +88,7 @@ class Channel:
         self.name = name
         self._on_message = on_message
         self._on_close = on_close
-        self._outbox: queue.SimpleQueue[tuple[Any, Sequence[int]] | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[tuple[bytes, Sequence[int]] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._threads = [
             threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True),
@@ -101,12 +104,19 @@ class Channel:
         return self._closed.is_set()
 
     def send(self, msg: Any, fds: Sequence[int] = ()) -> None:
-        """Queue ``msg``; the channel owns ``fds`` from here (closed once sent or dropped)."""
+        """Queue ``msg`` (pickled here, so a message that cannot travel fails its sender);
+        the channel owns ``fds`` from here (closed once sent or dropped)."""
+        try:
+            payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
         if self._closed.is_set():
             for fd in fds:
                 os.close(fd)
             return
-        self._outbox.put((msg, fds))
+        self._outbox.put((payload, fds))
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -144,9 +154,9 @@ class Channel:
             item = self._outbox.get()
             if item is None:
                 break
-            msg, fds = item
+            payload, fds = item
             try:
-                send_message(self.sock, msg, fds)
+                _send_payload(self.sock, payload, fds)
             except OSError as exc:
                 log.debug("%s: send failed (%s)", self.name, exc)
                 self.close()

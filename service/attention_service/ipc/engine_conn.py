@@ -34,6 +34,7 @@ from attention_service.ipc.messages import (
     Reply,
     SegmentSpan,
     Submit,
+    region_types,
 )
 from attention_service.params import RegionSpan
 
@@ -136,7 +137,8 @@ class FrontendConnection:
 
     def _region_call(self, msg: RegionCall) -> None:
         try:
-            reply = self.core.region_call(msg.method, msg.request, msg.owner)
+            request = region_types(msg.method)[0].FromString(msg.request)
+            reply = self.core.region_call(msg.method, request, msg.owner).SerializeToString()
         except RequestError as exc:
             self.send(Failed(msg.call_id, exc))
         except Exception as exc:

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 from attention_service.config import ServerConfig
 from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
+from attention_wire.pb import attention_pb2 as pb
 
 
 class ArenaSpan(NamedTuple):
@@ -56,7 +57,7 @@ class Failed(NamedTuple):
 
 class Reply(NamedTuple):
     call_id: int
-    value: Any  # a region rpc's pb reply
+    value: bytes  # a region rpc's serialized pb reply
 
 
 # ---- front end -> engine ----------------------------------------------------------------
@@ -83,5 +84,12 @@ class Cancel(NamedTuple):
 class RegionCall(NamedTuple):
     call_id: int
     method: str
-    request: Any  # the pb request
+    request: bytes  # the serialized pb request
     owner: str
+
+
+def region_types(method: str) -> tuple[Any, Any]:
+    """(request class, reply class) of an AttentionService region rpc. Generated messages
+    cross the channel serialized: they do not pickle (their module is not importable)."""
+    desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
+    return getattr(pb, desc.input_type.name), getattr(pb, desc.output_type.name)

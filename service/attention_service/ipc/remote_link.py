@@ -31,6 +31,7 @@ from attention_service.ipc.messages import (
     Serving,
     Span,
     Submit,
+    region_types,
 )
 from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
@@ -129,8 +130,10 @@ class RemoteLink:
             return
         if isinstance(msg, Failed):
             fut.set_exception(msg.error)
-        elif isinstance(msg, Done | Reply):
-            fut.set_result(msg.stats if isinstance(msg, Done) else msg.value)
+        elif isinstance(msg, Done):
+            fut.set_result(msg.stats)
+        elif isinstance(msg, Reply):
+            fut.set_result(msg.value)
 
     def _engine_gone(self) -> None:
         if self.gone.is_set():
@@ -185,7 +188,7 @@ class RemoteLink:
 
     async def region_call(self, method: str, request: Any, owner: str) -> Any:
         call_id = next(self._ids)
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        self._send(RegionCall(call_id, method, request, owner))
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        self._send(RegionCall(call_id, method, request.SerializeToString(), owner))
         self._pending[call_id] = (fut, None)
-        return await fut
+        return region_types(method)[1].FromString(await fut)

@@ -1,0 +1,426 @@
+"""Same-host zero copy: shared-memory regions registered with the server.
+
+``client.register_shm(nbytes)`` creates a POSIX shared-memory object, maps it and registers
+it; ``client.register_cuda(nbytes)`` allocates device memory and registers its CUDA IPC
+handle. Then every call looks at where its tensors live:
+
+* a tensor inside a registered region (e.g. made with ``region.empty(shape, dtype)``) is sent
+  as a span of it: no bytes on the wire, the server reads it in place;
+* otherwise, if a region has room, the tensor is staged into it (one local copy, far cheaper
+  than gRPC; host tensors into a system region, cuda tensors into a cuda region of their GPU,
+  else a system region);
+* the outputs go into the region that holds q (scratch space), and are copied out to a fresh
+  array or tensor when the call returns, unless ``out=`` names a tensor inside a region: then
+  the server writes it in place and that tensor is returned.
+
+``use_regions=False`` (per client or per call) sends bytes as usual. A call whose tensors fit
+nowhere also falls back to bytes. Scratch space of a call that failed or was cancelled is not
+reused until the server reports the region idle (its copies into it may still be running).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import secrets
+import sys
+import threading
+import weakref
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attention_client._tensors import is_torch_tensor, storage_dtype
+from attention_wire import shm
+from attention_wire.alloc import FreeList
+from attention_wire.pb import attention_pb2 as pb
+
+_names = itertools.count()
+
+
+def region_name(prefix: str = "client") -> str:
+    return f"{prefix}-{os.getpid()}-{next(_names)}-{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes of one tensor in a region."""
+
+    region: SharedRegion
+    offset: int
+    nbytes: int
+
+    def message(self) -> pb.RegionSpan:
+        return pb.RegionSpan(region=self.region.name, offset=self.offset, byte_size=self.nbytes)
+
+
+def _pointer(x: Any) -> tuple[int, int, str, int] | None:
+    """(address, bytes, device type, device index) of a C-contiguous array or tensor."""
+    if is_torch_tensor(x):
+        if not x.is_contiguous():
+            return None
+        dev = x.device
+        return x.data_ptr(), x.numel() * x.element_size(), dev.type, dev.index or 0
+    if isinstance(x, np.ndarray):
+        if not x.flags.c_contiguous:
+            return None
+        return x.__array_interface__["data"][0], x.nbytes, "cpu", 0
+    return None
+
+
+class SharedRegion:
+    """A registered region: ``name``, ``kind`` ("system" | "cuda"), ``nbytes``. Allocate
+    tensors in it with ``empty``; ``close`` (or the context manager) unregisters it."""
+
+    def __init__(
+        self, name: str, kind: str, memory: Any, release: Callable[[], None],
+        buffer: Any = None,
+    ) -> None:
+        self.name = name
+        self.kind = kind
+        # uint8 view of the whole region: np.ndarray (system) or torch tensor (cuda).
+        self._memory = memory
+        self._buffer = buffer  # system: the mmap that ``empty`` arrays view
+        if kind == "cuda":
+            self.nbytes = int(memory.numel())
+            self.device = memory.device
+            self._base = memory.data_ptr()
+        else:
+            self.nbytes = int(memory.size)
+            self.device = None
+            self._base = memory.__array_interface__["data"][0]
+        # Set by the client that registers it: tells the server the region is gone (the async
+        # client sets ``_aunregister`` instead: close it with ``await region.aclose()``).
+        self._unregister: Callable[[SharedRegion], None] | None = lambda region: None
+        self._aunregister: Callable[[SharedRegion], Awaitable[None]] | None = None
+        self._release = release
+        self._lock = threading.Lock()
+        self._free = FreeList(self.nbytes)
+        self._quarantine: list[tuple[int, int]] = []  # scratch the server may still write
+        self.closed = False
+
+    def __repr__(self) -> str:
+        return f"SharedRegion({self.name!r}, {self.kind}, {self.nbytes} bytes)"
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def locate(self, x: Any) -> int | None:
+        """Offset of ``x`` in this region if all of its bytes are inside, else None."""
+        ptr = _pointer(x)
+        if ptr is None or self.closed:
+            return None
+        addr, n, dev_type, dev_index = ptr
+        if (dev_type == "cuda") != (self.kind == "cuda"):
+            return None
+        if self.kind == "cuda" and dev_index != self.device.index:
+            return None
+        off = addr - self._base
+        return off if off >= 0 and off + n <= self.nbytes and n > 0 else None
+
+    def _alloc(self, nbytes: int) -> int | None:
+        with self._lock:
+            return self._free.alloc(max(nbytes, 1))
+
+    def free(self, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._free.free(offset, max(nbytes, 1))
+
+    def quarantine(self, offset: int, nbytes: int) -> None:
+        with self._lock:
+            self._quarantine.append((offset, nbytes))
+
+    def release_quarantine(self) -> None:
+        """The server reports no call using this region: quarantined scratch is free again."""
+        with self._lock:
+            held, self._quarantine = self._quarantine, []
+            for off, n in held:
+                self._free.free(off, max(n, 1))
+
+    @property
+    def has_quarantine(self) -> bool:
+        return bool(self._quarantine)
+
+    def raw(self, offset: int, nbytes: int) -> Any:
+        """uint8 view of bytes [offset, offset + nbytes): numpy (system) or torch (cuda)."""
+        return self._memory[offset : offset + nbytes]
+
+    def typed(self, offset: int, shape: tuple[int, ...], wire_dtype: int) -> Any:
+        """A wire-dtype storage view (numpy storage dtype, or torch for cuda) of the span."""
+        n = int(np.prod(shape, dtype=np.int64)) * storage_dtype(wire_dtype).itemsize
+        raw = self.raw(offset, n)
+        if self.kind == "cuda":
+            import torch
+
+            return raw.view(_TORCH_STORAGE[wire_dtype](torch)).view(shape)
+        return raw.view(storage_dtype(wire_dtype)).reshape(shape)
+
+    def empty(self, shape: Any, dtype: Any) -> Any:
+        """A new uninitialised array (numpy dtype) or tensor (torch dtype; always for cuda)
+        inside the region; its space returns to the region when it is garbage collected.
+        Raises MemoryError when the region is full."""
+        shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else (shape,)))
+        torch_dtype = _torch_dtype(dtype)
+        itemsize = torch_dtype.itemsize if torch_dtype is not None else np.dtype(dtype).itemsize
+        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        off = self._alloc(nbytes)
+        if off is None:
+            raise MemoryError(f"region {self.name!r} has no room for {nbytes} bytes")
+        # Each allocation gets an object of its own that every view of it references, so its
+        # space comes back exactly when the last view is gone.
+        if self.kind == "cuda":
+            import torch
+
+            from attention_wire.cuda_ipc import DeviceBytes
+
+            # The whole region's tensor is the owner: its memory outlives every view.
+            dev_holder = DeviceBytes(self._base + off, max(nbytes, 1), owner=self._memory)
+            weakref.finalize(dev_holder, self.free, off, nbytes)
+            t = torch.as_tensor(dev_holder, device=self.device)[:nbytes]
+            return t.view(torch_dtype or torch.uint8).view(shape)
+        holder = np.frombuffer(self._buffer, dtype=np.uint8, count=max(nbytes, 1), offset=off)
+        weakref.finalize(holder, self.free, off, nbytes)
+        arr = holder[:nbytes]
+        if torch_dtype is not None:
+            import torch
+
+            return torch.from_numpy(arr).view(torch_dtype).view(shape)
+        return arr.view(np.dtype(dtype)).reshape(shape)
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister from the server and give the memory back (idempotent). Arrays made with
+        ``empty`` keep their bytes mapped until they are garbage collected."""
+        if self.closed:
+            return
+        if self._unregister is None:
+            raise RuntimeError("a region of an AsyncAttentionClient: await region.aclose()")
+        self.closed = True
+        try:
+            self._unregister(self)
+        finally:
+            self._release()
+
+    async def aclose(self) -> None:
+        """``close`` for a region of an AsyncAttentionClient."""
+        if self.closed:
+            return
+        if self._aunregister is None:
+            self.close()
+            return
+        self.closed = True
+        try:
+            await self._aunregister(self)
+        finally:
+            self._release()
+
+    def __enter__(self) -> SharedRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> SharedRegion:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+_TORCH_STORAGE = {
+    pb.FLOAT16: lambda torch: torch.float16,
+    pb.BFLOAT16: lambda torch: torch.int16,
+    pb.FLOAT32: lambda torch: torch.float32,
+}
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return dtype
+    return None
+
+
+def create_system_region(nbytes: int, name: str | None = None) -> tuple[SharedRegion, str]:
+    """A new POSIX shared-memory object mapped here (not yet registered): (region, key)."""
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    key = shm.new_key("attention-client")
+    mapping = shm.map_object(key, 0, nbytes, create=True)
+    memory = np.frombuffer(mapping.mm, dtype=np.uint8)
+
+    def release() -> None:
+        shm.unlink(key)
+        with contextlib.suppress(BufferError):  # arrays still alive: unmapped with the last
+            mapping.close()
+
+    return SharedRegion(name or region_name(), "system", memory, release, mapping.mm), key
+
+
+def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None) -> tuple[
+    SharedRegion, pb.CudaRegion
+]:
+    """Device memory (one allocation of its own) and its IPC export (not yet registered)."""
+    import torch
+
+    from attention_wire import cuda_ipc
+
+    if nbytes <= 0:
+        raise ValueError(f"nbytes must be positive, got {nbytes}")
+    dev = torch.device("cuda", torch.cuda.current_device() if device is None
+                       else torch.device(device).index or 0)
+    with torch.cuda.device(dev):
+        memory = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        exported = cuda_ipc.export(memory.data_ptr())
+        uuid = torch.cuda.get_device_properties(dev).uuid.bytes
+    source = pb.CudaRegion(ipc_handle=exported.handle, device_uuid=uuid,
+                           offset=exported.offset)
+    # Nothing to release by hand: the tensor (and every view handed out) frees it.
+    return SharedRegion(name or region_name(), "cuda", memory, lambda: None), source
+
+
+def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[int, ...],
+           wire_dtype: int) -> None:
+    """Copy ``x`` into the region (host memcpy, or a torch copy to or from the GPU)."""
+    from attention_client._tensors import to_wire
+
+    dst = region.typed(offset, shape, wire_dtype)
+    if is_torch_tensor(x):
+        import torch
+
+        src = x.detach()
+        if src.dtype == torch.bfloat16:
+            src = src.view(torch.int16)  # the storage dtype: the bits are what travels
+        target = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
+        target.copy_(src.reshape(shape))
+        return
+    wire, _ = to_wire(x, name)
+    if isinstance(dst, np.ndarray):
+        np.copyto(dst, wire.array.reshape(shape))
+    else:
+        import torch
+
+        dst.copy_(torch.from_numpy(wire.array.reshape(shape)))
+
+
+class RegionSet:
+    """The regions one client registered (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._regions: list[SharedRegion] = []
+
+    def add(self, region: SharedRegion) -> None:
+        with self._lock:
+            self._regions.append(region)
+
+    def discard(self, region: SharedRegion) -> None:
+        with self._lock:
+            if region in self._regions:
+                self._regions.remove(region)
+
+    def all(self) -> list[SharedRegion]:
+        with self._lock:
+            return [r for r in self._regions if not r.closed]
+
+    def __bool__(self) -> bool:
+        return bool(self.all())
+
+
+class Placement:
+    """Where one call's tensors live. Scratch space (staged inputs, outputs) goes back when
+    the call ends: at once after a success, after the server reports the region idle
+    otherwise (a cancelled call's copies may still be running on the server)."""
+
+    def __init__(self, regions: RegionSet, stage: bool) -> None:
+        self._regions = regions.all()
+        self._stage = stage
+        self.scratch: list[Span] = []
+        self.cuda_devices: set[Any] = set()
+
+    def _note(self, region: SharedRegion) -> None:
+        if region.kind == "cuda":
+            self.cuda_devices.add(region.device)
+
+    def _scratch(self, region: SharedRegion, nbytes: int) -> Span | None:
+        off = region._alloc(nbytes)
+        if off is None:
+            return None
+        span = Span(region, off, nbytes)
+        self.scratch.append(span)
+        return span
+
+    def _stage_order(self, x: Any) -> list[SharedRegion]:
+        """Where a tensor not in any region may be copied: same GPU first, then host."""
+        ptr = _pointer(x) or (0, 0, "cuda" if is_torch_tensor(x) and x.is_cuda else "cpu", 0)
+        on_gpu = ptr[2] == "cuda"
+        gpu = [r for r in self._regions
+               if r.kind == "cuda" and on_gpu and r.device.index == x.device.index]
+        host = [r for r in self._regions if r.kind == "system"]
+        return gpu + host
+
+    def input(self, x: Any, name: str) -> Any:
+        """A RegionTensor for ``x``, or None (send its bytes)."""
+        from attention_client._tensors import RegionTensor, describe
+
+        shape, wire_dtype, _ = describe(x, name)
+        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_dtype(wire_dtype).itemsize
+        if nbytes == 0:
+            return None
+        big_endian = isinstance(x, np.ndarray) and x.dtype.byteorder == ">"
+        for region in self._regions:
+            off = None if big_endian else region.locate(x)
+            if off is not None:
+                self._note(region)
+                return RegionTensor(name, shape, wire_dtype, Span(region, off, nbytes))
+        if not self._stage:
+            return None
+        for region in self._stage_order(x):
+            span = self._scratch(region, nbytes)
+            if span is not None:
+                _stage(x, name, region, span.offset, shape, wire_dtype)
+                self._note(region)
+                return RegionTensor(name, shape, wire_dtype, span)
+        return None
+
+    def output(self, near: Span, nbytes: int) -> Span | None:
+        """Scratch for an output in the region of ``near`` (q's), or None (stream it)."""
+        if nbytes == 0:
+            return None
+        span = self._scratch(near.region, nbytes)
+        if span is not None:
+            self._note(near.region)
+        return span
+
+    def user_output(self, x: Any) -> Span | None:
+        """``out=``: a tensor inside a region, written in place."""
+        for region in self._regions:
+            off = region.locate(x)
+            if off is not None:
+                self._note(region)
+                return Span(region, off, _pointer(x)[1])  # type: ignore[index]
+        return None
+
+    def synchronize(self) -> None:
+        """Before the request goes: the GPU work that fills the tensors has finished."""
+        if self.cuda_devices:
+            import torch
+
+            for dev in self.cuda_devices:
+                torch.cuda.synchronize(dev)
+
+    def read(self, span: Span, shape: tuple[int, ...], wire_dtype: int) -> Any:
+        """A private copy of an output in scratch (numpy storage, or a torch tensor)."""
+        view = span.region.typed(span.offset, shape, wire_dtype)
+        return view.clone() if not isinstance(view, np.ndarray) else np.array(view)
+
+    def finish(self, ok: bool) -> None:
+        for span in self.scratch:
+            if ok:
+                span.region.free(span.offset, span.nbytes)
+            else:
+                span.region.quarantine(span.offset, span.nbytes)
+        self.scratch = []
