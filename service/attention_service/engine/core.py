@@ -90,14 +90,13 @@ class EngineCore:
         Raises RequestError (unknown region, bounds, queue full) without calling ``done``."""
         held: list[Callable[[], None]] = []
         try:
-            tensors = {}
-            for name, src in sources.items():
-                if isinstance(src, RegionSpan):
-                    raw, release = self.regions.acquire(owner, src, name)
-                    held.append(release)
-                else:
-                    raw = src
-                tensors[name] = self._typed(params, name, raw)
+            spans = {n: s for n, s in sources.items() if isinstance(s, RegionSpan)}
+            raw = {n: s for n, s in sources.items() if not isinstance(s, RegionSpan)}
+            if spans:
+                in_regions, release = self.regions.acquire(owner, spans)
+                held.append(release)
+                raw.update(in_regions)
+            tensors = {name: self._typed(params, name, t) for name, t in raw.items()}
             job = Job(
                 params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
                 tensors.get("lse"),

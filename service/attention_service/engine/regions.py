@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -154,22 +154,29 @@ class RegionRegistry:
     # ---- requests ----------------------------------------------------------------------
 
     def acquire(
-        self, owner: str, span: RegionSpan, tensor_name: str
-    ) -> tuple[torch.Tensor, Callable[[], None]]:
-        """The span's bytes (uint8 view) and the release to call once the call is done."""
-        field = f"header.regions.{tensor_name}"
+        self, owner: str, spans: Mapping[str, RegionSpan]
+    ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
+        """The spans' bytes (uint8 views, by tensor name), each checked against its region,
+        and the release to call once the call is done (the regions count it as in flight)."""
+        views: dict[str, torch.Tensor] = {}
+        held: list[_Region] = []
         with self._lock:
-            region = self._regions.get((owner, span.region))
-            if region is None:
-                raise not_found(f"{field}.region", f"no region {span.region!r} is registered")
-            size = region.tensor.numel()
-            if span.end > size:
-                raise invalid(
-                    field, f"bytes [{span.offset}, {span.end}) run past the end of region "
-                    f"{span.region!r} ({size} bytes)",
-                )
-            region.inflight += 1
-        view = region.tensor[span.offset : span.end]
+            for name, span in spans.items():
+                field = f"header.regions.{name}"
+                region = self._regions.get((owner, span.region))
+                if region is None:
+                    raise not_found(f"{field}.region", f"no region {span.region!r} is registered")
+                size = region.tensor.numel()
+                if span.end > size:
+                    raise invalid(
+                        field, f"bytes [{span.offset}, {span.end}) run past the end of region "
+                        f"{span.region!r} ({size} bytes)",
+                    )
+                views[name] = region.tensor[span.offset : span.end]
+                if region not in held:
+                    held.append(region)
+            for region in held:
+                region.inflight += 1
         released = False
 
         def release() -> None:
@@ -178,12 +185,15 @@ class RegionRegistry:
                 return
             released = True
             with self._lock:
-                region.inflight -= 1
-                close = region.dropped and region.inflight == 0
-            if close:
+                to_close = []
+                for region in held:
+                    region.inflight -= 1
+                    if region.dropped and region.inflight == 0:
+                        to_close.append(region)
+            for region in to_close:
                 self._close(region)
 
-        return view, release
+        return views, release
 
     def close(self) -> None:
         """Engine shutdown: drop every region (mappings go as their calls finish)."""

@@ -212,8 +212,9 @@ class Group:
                 if kind == "bound":
                     msg = event[1]
                     self.slots[msg.slot].bound = True
-                    if started:
-                        log.info("front end %d restarted (pid %d)", msg.slot, msg.pid)
+                    # Parseable: tests find each front end's pid here.
+                    log.info("front end %d listening (pid %d)%s", msg.slot, msg.pid,
+                             ", restarted" if started else "")
                     if serving:
                         self.slots[msg.slot].conn.send(Serving())
                     if not started and all(s.bound for s in self.slots):

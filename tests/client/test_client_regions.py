@@ -1,0 +1,218 @@
+"""The client's same-host path against the real server (cpu backend), one process and a
+process group: tensors in a registered region travel by reference, others are staged into it,
+outputs come back through it; opt-out, fallback, ``out=``, scratch after failures, async."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
+from attention_kernels import decode_ref, prefill_ref
+
+from ._server import RunningServer, require_server, start_server
+
+pytestmark = pytest.mark.timeout(120)
+CU = [0, 10, 30]
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-frontends"])
+def srv(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    require_server()
+    running = start_server("--frontends", request.param)
+    yield running
+    running.stop()
+
+
+def _ref(q, k, v, cu=CU, cu_k=None, causal=True):  # type: ignore[no-untyped-def]
+    t = [torch.as_tensor(np.asarray(x, dtype=np.float64)) if isinstance(x, np.ndarray)
+         else x.double() for x in (q, k, v)]
+    cu_k_t = torch.tensor(cu_k, dtype=torch.int32) if cu_k is not None else None
+    return prefill_ref(*t, torch.tensor(cu, dtype=torch.int32), cu_k_t, causal=causal,
+                       return_lse=True)
+
+
+def _close(got, ref, tol=2e-5):  # type: ignore[no-untyped-def]
+    got = torch.as_tensor(np.asarray(got, dtype=np.float64)) if isinstance(got, np.ndarray) \
+        else got.double()
+    torch.testing.assert_close(got, ref.double(), atol=tol, rtol=tol)
+
+
+def test_tensors_in_a_region_travel_by_reference(srv: RunningServer) -> None:
+    with AttentionClient(srv.target) as c:
+        region = c.register_shm(1 << 20)
+        q = region.empty((30, 4, 16), torch.float32)
+        k = region.empty((30, 2, 16), torch.float32)
+        v = region.empty((30, 2, 16), torch.float32)
+        for t in (q, k, v):
+            t.copy_(torch.randn(t.shape))
+        out, lse = c.attention(q, k, v, CU, causal=True, return_lse=True)
+        ref, ref_lse = _ref(q, k, v)
+        _close(out, ref)
+        _close(lse, ref_lse, 1e-5)
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["bytes_out"] == 0
+        assert s["region_bytes_in"] == (q.numel() + 2 * k.numel()) * 4
+        assert s["region_bytes_out"] == q.numel() * 4 + 4 * 30 * 4
+        # The result is the caller's own: the region's scratch is free again.
+        assert out.data_ptr() != q.data_ptr()
+        assert c.list_regions() == [{"name": region.name, "kind": "system",
+                                     "byte_size": 1 << 20, "inflight": 0}]
+
+
+@pytest.mark.parametrize("kind", ["numpy-fp16", "torch-bf16", "batch-4d"])
+def test_tensors_outside_a_region_are_staged(srv: RunningServer, kind: str) -> None:
+    rng = np.random.default_rng(3)
+    with AttentionClient(srv.target) as c:
+        c.register_shm(1 << 20)
+        if kind == "numpy-fp16":
+            q, k, v = (rng.standard_normal(s).astype(np.float16)
+                       for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+            out = c.attention(q, k, v, CU, causal=True)
+            assert isinstance(out, np.ndarray) and out.dtype == np.float16
+            _close(out, _ref(q, k, v)[0], 2e-3)
+        elif kind == "torch-bf16":
+            q, k, v = (torch.randn(s).bfloat16() for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+            qd = q[:2]
+            out, lse = c.decode(qd, k, v, CU, return_lse=True)
+            ref, ref_lse = decode_ref(qd.double(), k.double(), v.double(),
+                                      torch.tensor(CU, dtype=torch.int32), return_lse=True)
+            assert out.dtype == torch.bfloat16 and lse.shape == (2, 4)
+            _close(out, ref, 1.6e-2)
+            _close(lse, ref_lse, 1e-4)
+        else:
+            q, k, v = (torch.randn(s) for s in ((3, 7, 4, 8), (3, 9, 2, 8), (3, 9, 2, 8)))
+            out, lse = c.attention(q, k, v, causal=True, return_lse=True)
+            for b in range(3):
+                ref, ref_lse = _ref(q[b], k[b], v[b], [0, 7], [0, 9])
+                _close(out[b], ref)
+                _close(lse[b], ref_lse, 1e-5)
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["region_bytes_in"] > 0
+
+
+def test_no_room_falls_back_to_bytes(srv: RunningServer) -> None:
+    q, k, v = (torch.randn(s) for s in ((300, 4, 16), (300, 2, 16), (300, 2, 16)))
+    with AttentionClient(srv.target) as c:
+        c.register_shm(16 * 1024)  # too small for q
+        out = c.attention(q, k, v, [0, 300], causal=True)
+        _close(out, _ref(q, k, v, [0, 300])[0])
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] > 0 and s["bytes_out"] > 0
+
+
+def test_out_is_written_in_place(srv: RunningServer) -> None:
+    with AttentionClient(srv.target) as c:
+        region = c.register_shm(1 << 20)
+        q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+        out = region.empty((30, 4, 16), torch.float32)
+        out.fill_(float("nan"))
+        got = c.attention(q, k, v, CU, causal=True, out=out)
+        assert got is out
+        _close(out, _ref(q, k, v)[0])
+        assert c.last_stats["bytes_out"] == 0  # type: ignore[index]
+        with pytest.raises(ValueError, match="out"):
+            c.attention(q, k, v, CU, causal=True, out=torch.empty(30, 4, 16))  # not in a region
+        with pytest.raises(ValueError, match="bytes"):
+            c.attention(q, k, v, CU, causal=True, out=region.empty((29, 4, 16), torch.float32))
+
+
+def test_opt_out_per_call_and_per_client(srv: RunningServer) -> None:
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    with AttentionClient(srv.target) as c:
+        c.register_shm(1 << 20)
+        c.attention(q, k, v, CU, causal=True, use_regions=False)
+        assert c.last_stats["region_bytes_in"] == 0 and c.last_stats["bytes_in"] > 0  # type: ignore[index]
+    with AttentionClient(srv.target, use_regions=False) as c:
+        c.register_shm(1 << 20)
+        out = c.attention(q, k, v, CU, causal=True)
+        assert c.last_stats["region_bytes_in"] == 0  # type: ignore[index]
+        _close(out, _ref(q, k, v)[0])
+
+
+def test_region_space_comes_back_when_arrays_go(srv: RunningServer) -> None:
+    with AttentionClient(srv.target) as c:
+        region = c.register_shm(64 * 1024)
+        a = region.empty((8192,), np.float32)  # 32 KiB
+        b = region.empty((4096,), np.float32)  # 16 KiB
+        view = a[10:20]
+        with pytest.raises(MemoryError):
+            region.empty((8192,), np.float32)
+        del a
+        gc.collect()
+        with pytest.raises(MemoryError):  # a view of it is still alive
+            region.empty((8192,), np.float32)
+        del view
+        gc.collect()
+        c_ = region.empty((8192,), np.float32)
+        assert c_.size == 8192 and b.size == 4096
+
+
+def test_failed_call_scratch_is_reused_once_the_server_is_idle(srv: RunningServer) -> None:
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    with AttentionClient(srv.target) as c:
+        region = c.register_shm(64 * 1024)  # room for one call's scratch at a time
+        free = region._free.free_bytes
+        with pytest.raises(AttentionError) as info:
+            c.attention(q, k, v, [0, 10, 31], causal=True)  # the server refuses cu_seqlens
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert region.has_quarantine and region._free.free_bytes < free
+        out = c.attention(q, k, v, CU, causal=True)  # asks the server, frees, stages again
+        _close(out, _ref(q, k, v)[0])
+        assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+        assert not region.has_quarantine and region._free.free_bytes == free
+
+
+def test_close_unregisters_and_removes_the_object(srv: RunningServer) -> None:
+    c = AttentionClient(srv.target)
+    region = c.register_shm(4096)
+    name = region.name
+    before = set(os.listdir("/dev/shm"))
+    c.close()
+    with AttentionClient(srv.target) as other:
+        assert name not in [r["name"] for r in other.list_regions()]
+    assert region.closed
+    assert len(set(os.listdir("/dev/shm")) - before) == 0
+
+
+def test_registration_refused_leaves_nothing_behind() -> None:
+    require_server()
+    running = start_server("--regions", "off")
+    try:
+        before = set(os.listdir("/dev/shm"))
+        with AttentionClient(running.target) as c:
+            assert c.info()["regions"] is False
+            with pytest.raises(AttentionError) as info:
+                c.register_shm(4096)
+            assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+            q = torch.randn(4, 2, 8)
+            c.attention(q, q[:, :1], q[:, :1], causal=True)  # bytes, as ever
+        assert set(os.listdir("/dev/shm")) == before
+    finally:
+        running.stop()
+
+
+def test_async_client_regions(srv: RunningServer) -> None:
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+
+    async def main() -> None:
+        async with AsyncAttentionClient(srv.target) as c:
+            async with await c.register_shm(1 << 20) as region:
+                outs = await asyncio.gather(*(c.attention(q, k, v, CU, causal=True)
+                                              for _ in range(4)))
+                for out in outs:
+                    _close(out, _ref(q, k, v)[0])
+                assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+                with pytest.raises(RuntimeError, match="aclose"):
+                    region.close()
+                assert [r["name"] for r in await c.list_regions()] == [region.name]
+            assert await c.list_regions() == []
+
+    asyncio.run(main())

@@ -1,0 +1,254 @@
+"""The process group (``--frontends 2``, cpu backend): correct answers through every front end,
+batching across front-end processes, a front end killed mid-call, SIGTERM drain of the whole
+group, the engine's death, metrics merged in one scrape, torch-free front ends."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb import attention_pb2_grpc as pb_grpc
+
+from .group_helpers import Group, connect_to
+from .svc_helpers import (
+    TOLERANCE,
+    collect,
+    health_status,
+    prefill_messages,
+    prefill_oracle,
+    random_qkv,
+    sample,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[Group]:
+    g = Group(2)
+    yield g
+    assert g.stop() == 0
+
+
+def _request(seed: int, n: int = 24) -> tuple[list[Any], torch.Tensor]:
+    q, k, v = random_qkv(n, n, 4, 2, 16, torch.float32, seed=seed)
+    cu = [0, n // 3, n]
+    out, _ = prefill_oracle(q, k, v, cu, causal=True)
+    return list(prefill_messages(q, k, v, cu, causal=True)), out
+
+
+def _check(resp: Any, ref: torch.Tensor) -> None:
+    tol = TOLERANCE[torch.float32]
+    torch.testing.assert_close(resp.out.double(), ref, atol=tol, rtol=tol)
+
+
+def _held(msgs: list[Any], release: threading.Event) -> Iterator[Any]:
+    """The header at once, the tensor bytes only once released: a call held in flight."""
+    yield msgs[0]
+    release.wait(60)
+    yield from msgs[1:]
+
+
+def _frontends_in_log(group: Group, start: int = 0) -> set[str]:
+    lines = group.log().splitlines()[start:]
+    return {ln.split("[", 1)[1].split("]", 1)[0] for ln in lines
+            if "rpc=Prefill code=OK" in ln and "[frontend" in ln}
+
+
+def test_every_frontend_serves_correct_answers(group: Group) -> None:
+    pids = group.frontend_pids()
+    assert sorted(pids) == [0, 1]
+    start = len(group.log().splitlines())
+    for slot, pid in pids.items():
+        stub = pb_grpc.AttentionServiceStub(connect_to(group, pid))
+        for seed in range(3):
+            msgs, ref = _request(10 * slot + seed)
+            _check(collect(stub.Prefill(iter(msgs), timeout=30)), ref)
+        info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        assert info.frontends == 2 and info.backend == "cpu"
+    assert wait_until(lambda: _frontends_in_log(group, start) == {"frontend 0", "frontend 1"})
+
+
+def test_frontends_never_load_torch(group: Group) -> None:
+    for pid in group.frontend_pids().values():
+        with open(f"/proc/{pid}/maps") as f:
+            maps = f.read()
+        assert "libtorch" not in maps, f"front end {pid} loaded torch"
+    with open(f"/proc/{group.proc.pid}/maps") as f:
+        assert "libtorch" in f.read()  # the engine does: the check can fail
+
+
+def test_metrics_of_every_process_in_one_scrape(group: Group) -> None:
+    before = sample(group.scrape(), "attention_requests", "attention_requests_total",
+                    rpc="Prefill", code="OK")
+    calls = 0
+    for pid in group.frontend_pids().values():
+        stub = pb_grpc.AttentionServiceStub(connect_to(group, pid))
+        for seed in range(2):
+            msgs, _ = _request(100 + seed)
+            collect(stub.Prefill(iter(msgs), timeout=30))
+            calls += 1
+    m = group.scrape()
+    # Front ends count calls, the engine counts launches: both in the engine's one /metrics.
+    assert sample(m, "attention_requests", "attention_requests_total", rpc="Prefill",
+                  code="OK") == before + calls
+    assert sample(m, "attention_batches", "attention_batches_total", rpc="Prefill") >= calls
+    assert sample(m, "attention_frontends", "attention_frontends") == 2
+    assert m["attention_device_info"].samples[0].labels["backend"] == "cpu"
+
+
+def _blocker(seed: int) -> list[Any]:
+    """A request the cpu reference needs a few seconds for: the device stays busy."""
+    q, k, v = random_qkv(3072, 3072, 16, 16, 64, torch.float32, seed=seed)
+    return list(prefill_messages(q, k, v, [0, 3072]))
+
+
+def test_batching_spans_frontend_processes() -> None:
+    g = Group(2, "--max-queue-delay-ms", "0.5")
+    try:
+        a, b = g.frontend_pids()[0], g.frontend_pids()[1]
+        stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid)) for pid in (a, a, a, b, b, b)]
+        blocker = pb_grpc.AttentionServiceStub(connect_to(g, a))
+        reqs = [_request(200 + i) for i in range(6)]
+        with ThreadPoolExecutor(8) as pool:
+            busy = pool.submit(lambda: collect(blocker.Prefill(iter(_blocker(1)), timeout=120)))
+            # The blocker is in the engine (computing) before the small calls go out.
+            assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
+                                             "attention_inflight_requests") >= 1)
+            time.sleep(0.3)
+            futures = [pool.submit(lambda s=s, m=m: collect(s.Prefill(iter(m), timeout=120)))
+                       for s, (m, _) in zip(stubs, reqs, strict=True)]
+            responses = [f.result(120) for f in futures]
+            busy.result(120)
+        for resp, (_, ref) in zip(responses, reqs, strict=True):
+            _check(resp, ref)
+        # All six waited behind the blocker and left in one launch, three from each process.
+        assert [r.stats.batch_requests for r in responses] == [6] * 6
+    finally:
+        assert g.stop() == 0
+
+
+def test_killed_frontend_loses_only_its_own_calls() -> None:
+    g = Group(2)
+    try:
+        pids = g.frontend_pids()
+        victim, other = pids[0], pids[1]
+        ch_victim, ch_other = connect_to(g, victim), connect_to(g, other)
+        done_before = sample(g.scrape(), "attention_requests", "attention_requests_total",
+                             rpc="GetServerInfo", code="OK")
+        assert done_before >= 2  # connect_to's probes, counted before the kill
+        rel_victim, rel_other = threading.Event(), threading.Event()
+        msgs_v, _ = _request(300)
+        msgs_o, ref_o = _request(301)
+        with ThreadPoolExecutor(2) as pool:
+            fut_v = pool.submit(lambda: collect(pb_grpc.AttentionServiceStub(ch_victim).Prefill(
+                _held(msgs_v, rel_victim), timeout=60)))
+            fut_o = pool.submit(lambda: collect(pb_grpc.AttentionServiceStub(ch_other).Prefill(
+                _held(msgs_o, rel_other), timeout=60)))
+            assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
+                                             "attention_inflight_requests") == 2)
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as info:
+                fut_v.result(30)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            rel_other.set()
+            _check(fut_o.result(30), ref_o)  # the other front end's call is untouched
+            rel_victim.set()
+        g.wait_for(r"front end 0 \(pid \d+\) exited with code -9")
+        g.wait_for(r"front end 0 listening \(pid \d+\), restarted")
+        assert g.frontend_pids()[0] != victim
+        g.wait_until_serving()
+        for seed in range(4):  # new connections, wherever the kernel puts them
+            msgs, ref = _request(310 + seed)
+            _check(collect(pb_grpc.AttentionServiceStub(g.channel()).Prefill(
+                iter(msgs), timeout=30)), ref)
+        m = g.scrape()
+        # The dead process's counts are kept (multiprocess files), not reset by the restart.
+        assert sample(m, "attention_requests", "attention_requests_total",
+                      rpc="GetServerInfo", code="OK") >= done_before
+        assert sample(m, "attention_frontend_restarts", "attention_frontend_restarts_total") == 1
+        assert sample(m, "attention_frontends", "attention_frontends") == 2
+    finally:
+        assert g.stop() == 0
+
+
+def test_frontend_killed_while_the_engine_computes_its_call() -> None:
+    g = Group(2)
+    try:
+        victim = g.frontend_pids()[0]
+        stub = pb_grpc.AttentionServiceStub(connect_to(g, victim))
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(lambda: collect(stub.Prefill(iter(_blocker(2)), timeout=120)))
+            assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
+                                             "attention_inflight_requests") == 1)
+            time.sleep(1.0)  # received (38 MB on loopback): computing in the engine
+            os.kill(victim, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError):
+                fut.result(60)
+        # The engine cancels that call and waits until its arena is quiet, then restarts it.
+        g.wait_for(r"front end 0 listening \(pid \d+\), restarted", timeout=60)
+        g.wait_until_serving()
+        for pid in g.frontend_pids().values():
+            msgs, ref = _request(400 + pid % 7)
+            _check(collect(pb_grpc.AttentionServiceStub(connect_to(g, pid)).Prefill(
+                iter(msgs), timeout=30)), ref)
+    finally:
+        assert g.stop() == 0
+
+
+def test_sigterm_drains_every_process_and_exits_0() -> None:
+    g = Group(2, "--grace-seconds", "30")
+    pids = list(g.frontend_pids().values())
+    release = threading.Event()
+    msgs, ref = _request(500)
+    ch = g.channel()
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: collect(pb_grpc.AttentionServiceStub(ch).Prefill(
+            _held(msgs, release), timeout=60)))
+        assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
+                                         "attention_inflight_requests") == 1)
+        g.proc.send_signal(signal.SIGTERM)
+        g.wait_for("shutting down")
+        # Draining: a new call is refused, health says NOT_SERVING (on either front end).
+        assert wait_until(lambda: health_status(g.channel()) == "NOT_SERVING")
+        with pytest.raises(grpc.RpcError) as info:
+            collect(pb_grpc.AttentionServiceStub(g.channel()).Prefill(
+                iter(_request(501)[0]), timeout=10))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        release.set()
+        _check(fut.result(30), ref)  # the call in flight finishes
+    assert g.proc.wait(60) == 0
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_engine_death_takes_the_group_down() -> None:
+    g = Group(2)
+    pids = list(g.frontend_pids().values())
+    os.kill(g.proc.pid, signal.SIGKILL)
+    g.proc.wait(10)
+    end = time.monotonic() + 20
+    while time.monotonic() < end and not all(_zombie(p) for p in pids):
+        time.sleep(0.1)
+    assert all(_zombie(p) for p in pids), "front ends outlived the engine"
+    for slot in (0, 1):
+        g.wait_for(rf"\[frontend {slot}\] .*engine process is gone")
