@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_checks.sh OUT_DIR STAGE...
 #
 # Stages (run in the order given; each writes its log and results under OUT_DIR):
-#   tests      GPU tests: kernels at full shapes, the cuda service and batching tests
+#   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
+#   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
 #   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..128 clients)
@@ -81,7 +82,11 @@ python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda'
 for s in "$@"; do
   case $s in
     tests) stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
-             tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py ;;
+             tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
+             tests/service/test_regions_gpu.py ;;
+    service-tests) stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \
+             --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
+             tests/service/test_regions_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     roundtrip) stage roundtrip 240 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
                  --heads 16 --head-dim 128 --out "$OUT" ;;

@@ -26,9 +26,9 @@ class Group:
     """``python -m attention_service`` with ``--frontends n``; its log is kept in memory."""
 
     def __init__(self, n: int = 2, *args: str, env: dict[str, str] | None = None,
-                 timeout: float = 60.0) -> None:
+                 timeout: float = 60.0, device: str = "cpu") -> None:
         cmd = [sys.executable, "-m", "attention_service", "--frontends", str(n), "--device",
-               "cpu", "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
+               device, "--host", "127.0.0.1", "--port", "0", "--metrics-port", "0", *args]
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
             env={**os.environ, **(env or {})},
