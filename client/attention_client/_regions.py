@@ -275,7 +275,7 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
     with torch.cuda.device(dev):
         memory = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         exported = cuda_ipc.export(memory.data_ptr())
-        uuid = torch.cuda.get_device_properties(dev).uuid.bytes
+        uuid = cuda_ipc.device_uuid(dev)
     source = pb.CudaRegion(ipc_handle=exported.handle, device_uuid=uuid,
                            offset=exported.offset)
     # Nothing to release by hand: the tensor (and every view handed out) frees it.

@@ -77,7 +77,8 @@ def export(ptr: int) -> Export:
     base, size = address_range(ptr)
     h = _Handle()
     _check(_driver().cuIpcGetMemHandle(ctypes.byref(h), base), "cuIpcGetMemHandle")
-    return Export(bytes(h.reserved), ptr - base, size)
+    # Not h.reserved: a c_char array reads as a NUL-terminated string.
+    return Export(ctypes.string_at(ctypes.addressof(h), HANDLE_BYTES), ptr - base, size)
 
 
 def open_handle(handle: bytes) -> tuple[int, int]:
@@ -94,6 +95,13 @@ def open_handle(handle: bytes) -> tuple[int, int]:
 
 def close_handle(ptr: int) -> None:
     _check(_driver().cuIpcCloseMemHandle(ptr), "cuIpcCloseMemHandle")
+
+
+def device_uuid(device: object) -> bytes:
+    """The 16-byte UUID of a torch CUDA device (torch gives it as a list of ints)."""
+    import torch
+
+    return bytes(torch.cuda.get_device_properties(device).uuid.bytes)
 
 
 class DeviceBytes:

@@ -92,6 +92,11 @@ class Group:
         self.channels.append(ch)
         return ch
 
+    def stub(self) -> Any:
+        from attention_wire.pb import attention_pb2_grpc as pb_grpc
+
+        return pb_grpc.AttentionServiceStub(self.channel())
+
     def wait_until_serving(self, timeout: float = 60.0) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 

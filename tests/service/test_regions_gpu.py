@@ -1,10 +1,13 @@
 """CUDA IPC regions (and system regions page-locked by the cuda backend) on the GPU: the bytes
 never leave the device; wrong device, bad handle and bounds are refused naming the field; a
-region dropped while its call runs. Skipped without a GPU."""
+region dropped while its call runs. Skipped without a GPU.
+
+Client and server are always separate processes here: CUDA refuses to open an IPC handle in
+the process that exported it (error 201), so an in-process server could not take a region of
+its own test process."""
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -27,9 +30,9 @@ CU = [0, 100, 130, 387]
 
 @pytest.fixture(scope="module")
 def gpu_server():  # type: ignore[no-untyped-def]
-    handle = ServerHandle(make_config(device="cuda", metrics_port=0, batching=True))
-    yield handle
-    handle.close()
+    g = Group(1, "--no-warmup", device="cuda", timeout=240)  # one process, not this one
+    yield g
+    assert g.stop() == 0
 
 
 def _qkv(seed: int, dtype: torch.dtype = torch.bfloat16, total: int = 387):  # type: ignore[no-untyped-def]
@@ -105,7 +108,7 @@ def _register_raw(stub, **cuda):  # type: ignore[no-untyped-def]
 def test_bad_cuda_registrations_name_the_field(gpu_server) -> None:  # type: ignore[no-untyped-def]
     mem = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     exp = cuda_ipc.export(mem.data_ptr())
-    uuid = torch.cuda.get_device_properties(0).uuid.bytes
+    uuid = cuda_ipc.device_uuid(0)
     stub = gpu_server.stub()
     cases = [
         (dict(ipc_handle=exp.handle, device_uuid=b"\x01" * 16, offset=exp.offset),
@@ -123,7 +126,28 @@ def test_bad_cuda_registrations_name_the_field(gpu_server) -> None:  # type: ign
     assert not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions
 
 
+def _client_that_drops_its_region(target: str, conn) -> None:  # type: ignore[no-untyped-def]
+    """Runs in a child process: a call into its CUDA region, and the region closed mid-call."""
+    with AttentionClient(target, timeout=120) as c:
+        region = c.register_cuda(64 << 20)
+        q, k, v = (region.empty(t.shape, t.dtype).copy_(t) for t in _qkv(5))
+        dst = region.empty(q.shape, q.dtype).fill_(float("nan"))
+        torch.cuda.synchronize()
+        conn.send("registered")
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(lambda: c.attention(q, k, v, torch.tensor(CU), causal=True,
+                                                  out=dst))
+            assert conn.recv() == "close"
+            region.close()  # unregistered mid-call: the server keeps its mapping
+            conn.send(("closed", c.list_regions()))
+            result = fut.result(120)
+        torch.cuda.synchronize()
+        conn.send(("done", result is dst, _rel(dst, _ref(q, k, v)[0])))
+
+
 def test_cuda_region_dropped_while_its_call_runs() -> None:
+    import multiprocessing as mp
+
     from attention_service.engine.backends import CudaBackend
 
     class Held(Steps, CudaBackend):
@@ -135,25 +159,26 @@ def test_cuda_region_dropped_while_its_call_runs() -> None:
     backend.reset()
     handle = ServerHandle(make_config(device="cuda", metrics_port=0, warmup=False),
                           backend=backend)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_client_that_drops_its_region, args=(handle.target, child))
+    proc.start()
     try:
-        with AttentionClient(handle.target, timeout=120) as c:
-            region = c.register_cuda(64 << 20)
-            q, k, v = (region.empty(t.shape, t.dtype).copy_(t) for t in _qkv(5))
-            ref, _ = _ref(q, k, v)
-            dst = region.empty(q.shape, q.dtype).fill_(float("nan"))
-            with ThreadPoolExecutor(1) as pool:
-                fut = pool.submit(lambda: c.attention(q, k, v, torch.tensor(CU), causal=True,
-                                                      out=dst))
-                assert backend.wait_launches(1)  # held inside the engine
-                region.close()  # unregistered mid-call: the server keeps its mapping
-                assert c.list_regions() == []
-                threading.Timer(0.2, backend.open_all).start()
-                assert fut.result(60) is dst
-            torch.cuda.synchronize()
-            assert _rel(dst, ref) < BF16
+        assert parent.poll(120) and parent.recv() == "registered"
+        assert backend.wait_launches(1, timeout=60)  # the call is held inside the engine
+        parent.send("close")
+        assert parent.poll(60)
+        tag, listed = parent.recv()
+        assert tag == "closed" and listed == []  # gone for new calls already
+        backend.open_all()
+        assert parent.poll(120)
+        tag, same, err = parent.recv()
+        assert tag == "done" and same and err < BF16  # the held call finished, correct
     finally:
         backend.open_all()
+        proc.join(60)
         handle.close()
+    assert proc.exitcode == 0
 
 
 def test_process_group_bytes_through_pinned_arenas_and_overflow() -> None:

@@ -230,7 +230,7 @@ class RegionRegistry:
         if self.backend.name != "cuda":
             raise invalid("cuda", "this server runs the cpu backend: register a system region")
         device = self.backend.device
-        mine = torch.cuda.get_device_properties(device).uuid.bytes
+        mine = cuda_ipc.device_uuid(device)
         if bytes(src.device_uuid) != mine:
             raise invalid("cuda.device_uuid", "the region is on another GPU than the server's")
         torch.cuda.set_device(device)  # the primary context, current on this thread
