@@ -1,22 +1,31 @@
-"""Where the time of one remote prefill goes: round trip vs kernel vs raw gRPC transfer.
+"""Where the time of a remote prefill goes, per data path, with the machine's ceilings beside.
 
-Starts two servers in their own processes on loopback: the attention service and a bare gRPC
-"transfer" server that receives the same request bytes in the same chunk size and streams back
-as many bytes as the attention output. Then, from this process:
+One run, one machine (loopback), in this order:
 
-- ``round trip``: ``AttentionClient.attention`` wall time (encode, upload, validate, queue,
-  h2d, kernel, d2h, stream back, assemble), checked against the float64 reference first;
-- ``server stages``: queue/h2d/kernel/d2h as the server reports them (``last_stats``);
-- ``kernel``: ``attention_kernels.prefill`` timed in this process with CUDA events;
-- ``raw gRPC``: the same bytes up and down through the transfer server.
+1. ceilings: host memcpy GB/s (one thread), H2D and D2H GB/s from pinned memory, raw gRPC of
+   the request's bytes through a bare transfer server (one Python process), and the kernel in
+   this process (CUDA events);
+2. the service with one process (``--frontends 1``), then with ``--frontends N`` for each N of
+   ``--frontends``: one call's round trip (median of ``--iters``) per path:
+   ``grpc host`` / ``grpc cuda`` (tensor bytes through gRPC from host / cuda tensors),
+   ``shm in region`` (tensors in a registered system region), ``shm staged`` (host tensors
+   copied into one), ``shm out=`` (output written in place too), ``cuda ipc in region`` and
+   ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU); every path's answer is
+   checked against the float64 reference first;
+3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
+   calling for ``--agg-seconds`` with ``--agg-tokens`` tokens per request (bytes in + out per
+   second, all clients together), against each server of step 2.
 
     python benchmarks/bench_roundtrip.py --tokens 8192 --heads 16 --head-dim 128 --out DIR
+    python benchmarks/bench_roundtrip.py --device cpu --tokens 256 --heads 4 --head-dim 32 \\
+        --frontends 2 --clients 2 --agg-tokens 128 --agg-seconds 1 --iters 3   # a cpu check
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import re
 import statistics
@@ -24,12 +33,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from datetime import date
 from pathlib import Path
+from typing import Any
 
 import grpc
+import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,13 +100,61 @@ def _start(
     raise RuntimeError(f"{cmd} did not report a port")
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _wait_serving(target: str, timeout: float = 300.0) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                         timeout=5)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+        time.sleep(0.5)
+    raise RuntimeError("server never SERVING")
+
+
 def _median_ms(samples: list[float]) -> float:
-    return 1e3 * statistics.median(samples)
+    return 1e3 * statistics.median(samples) if samples else float("nan")
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out = out.to(ref.device).double()
     assert torch.isfinite(out).all(), "non-finite output"
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _timed(fn: Callable[[], Any], iters: int, cuda: bool = False) -> list[float]:
+    fn()  # warm: compiles, first allocations, region scratch
+    times = []
+    for _ in range(iters):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return times
 
 
 def _transfer_seconds(
@@ -126,6 +185,119 @@ def _transfer_seconds(
     return times
 
 
+def ceilings(iters: int) -> dict[str, float]:
+    """GB/s the machine itself gives: host memcpy (one thread), H2D/D2H from pinned memory."""
+    n = 256 << 20
+    src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    t = min(_timed(lambda: np.copyto(dst, src), iters))
+    out = {"host_memcpy_GBps": n / t / 1e9}
+    if torch.cuda.is_available():
+        h = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        d = torch.empty(n, dtype=torch.uint8, device="cuda")
+        out["h2d_pinned_GBps"] = n / min(_timed(lambda: d.copy_(h, non_blocking=True), iters,
+                                                cuda=True)) / 1e9
+        out["d2h_pinned_GBps"] = n / min(_timed(lambda: h.copy_(d, non_blocking=True), iters,
+                                                cuda=True)) / 1e9
+    return out
+
+
+# ---- one call per path ------------------------------------------------------------------------
+def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+          causal: bool, ref: torch.Tensor, tol: float, iters: int) -> dict[str, Any]:
+    """Round trip (median ms) per data path, each checked against the reference first."""
+    from attention_client import AttentionClient
+
+    rows: dict[str, Any] = {}
+    stats: dict[str, dict[str, float]] = {}
+    nbytes = sum(t.numel() * t.element_size() for t in (q, k, v)) + q.numel() * q.element_size()
+
+    def measure(name: str, client: AttentionClient, call: Callable[[], Any], cuda: bool) -> None:
+        err = _rel_err(call(), ref)
+        if err > tol:
+            raise SystemExit(f"{name}: output differs from the reference: {err:.2e}")
+        rows[name] = _median_ms(_timed(call, iters, cuda))
+        stats[name] = dict(client.last_stats or {})
+
+    with AttentionClient(target, timeout=600, use_regions=False) as c:
+        measure("grpc host", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
+        if torch.cuda.is_available():
+            qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+            measure("grpc cuda", c, lambda: c.attention(qc, kc, vc, cu, causal=causal), True)
+    with AttentionClient(target, timeout=600) as c:
+        if not c.info()["regions"]:
+            return {"round_trip_ms": rows, "stats": stats, "note": "regions off"}
+        region = c.register_shm(2 * nbytes + (64 << 20))
+        qs, ks, vs = (region.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
+        measure("shm in region", c, lambda: c.attention(qs, ks, vs, cu, causal=causal), False)
+        measure("shm staged", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
+        out = region.empty(q.shape, q.dtype)
+        measure("shm out=", c, lambda: c.attention(qs, ks, vs, cu, causal=causal, out=out),
+                False)
+        region.close()
+        if torch.cuda.is_available() and c.info()["backend"] == "cuda":
+            cregion = c.register_cuda(2 * nbytes + (64 << 20))
+            qg, kg, vg = (cregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
+            measure("cuda ipc in region", c,
+                    lambda: c.attention(qg, kg, vg, cu, causal=causal), True)
+            og = cregion.empty(q.shape, q.dtype)
+            measure("cuda ipc out=", c,
+                    lambda: c.attention(qg, kg, vg, cu, causal=causal, out=og), True)
+            cregion.close()
+    return {"round_trip_ms": rows, "stats": stats}
+
+
+# ---- aggregate gRPC throughput ------------------------------------------------------------
+def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seconds: float,
+                start: Any, conn: Any) -> None:
+    import torch as _torch
+
+    from attention_client import AttentionClient
+
+    g = _torch.Generator().manual_seed(os.getpid())
+    q, k, v = (_torch.randn(tokens, heads, dim, generator=g).to(DTYPES[dtype]) for _ in range(3))
+    cu = _torch.tensor([0, tokens], dtype=_torch.int32)
+    moved = 4 * q.numel() * q.element_size()  # q, k, v in; out back
+    with AttentionClient(target, timeout=600, use_regions=False) as c:
+        for _ in range(2):
+            c.attention(q, k, v, cu)
+        start.wait()
+        t_end = time.perf_counter() + seconds
+        calls, lat = 0, []
+        while time.perf_counter() < t_end:
+            t0 = time.perf_counter()
+            c.attention(q, k, v, cu)
+            lat.append(time.perf_counter() - t0)
+            calls += 1
+    conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat})
+
+
+def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtype: str,
+              seconds: float) -> dict[str, float]:
+    ctx = mp.get_context("spawn")
+    start = ctx.Event()
+    pipes, procs = [], []
+    for _ in range(clients):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_agg_worker,
+                        args=(target, tokens, heads, dim, dtype, seconds, start, child))
+        p.start()
+        pipes.append(parent)
+        procs.append(p)
+    time.sleep(2.0 + 0.3 * clients)  # imports and two warm-up calls each
+    start.set()
+    results = [p.recv() for p in pipes]
+    for p in procs:
+        p.join(60)
+    lat = [x for r in results for x in r["latencies"]]
+    return {
+        "clients": clients, "calls": sum(r["calls"] for r in results),
+        "GBps": sum(r["bytes"] for r in results) / seconds / 1e9,
+        "p50_ms": _median_ms(lat), "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else 0,
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
@@ -137,6 +309,10 @@ def main() -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--device", default="auto", help="server device: auto, cuda or cpu")
+    p.add_argument("--frontends", default="4", help="comma list of N > 1 to compare with N=1")
+    p.add_argument("--clients", default="8", help="comma list of aggregate client counts")
+    p.add_argument("--agg-tokens", type=int, default=2048, help="tokens per aggregate request")
+    p.add_argument("--agg-seconds", type=float, default=8.0)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--serve-transfer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -144,115 +320,112 @@ def main() -> int:
         _serve_transfer()
         return 0
 
-    from attention_client import AttentionClient
     from attention_client._chunks import DEFAULT_CHUNK_BYTES
     from attention_kernels.reference import prefill_ref
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    server, port = _start(
-        [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", "0",
-         "--device", args.device, "--metrics-port", "0"], env)
+    dtype = DTYPES[args.dtype]
+    n, h, d = args.tokens, args.heads, args.head_dim
+    hk = args.kv_heads or h
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, h, d, generator=g).to(dtype)
+    k = torch.randn(n, hk, d, generator=g).to(dtype)
+    v = torch.randn(n, hk, d, generator=g).to(dtype)
+    bounds = [round(i * n / args.seqs) for i in range(args.seqs + 1)]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    in_bytes = q.nbytes + k.nbytes + v.nbytes + cu.nbytes
+    out_bytes = q.nbytes
+    ref_dev = "cuda" if torch.cuda.is_available() else "cpu"
+    ref = prefill_ref(q.to(ref_dev), k.to(ref_dev), v.to(ref_dev), cu.to(ref_dev),
+                      causal=args.causal, compute_dtype=torch.float64)
+    tol = {torch.float32: 1e-3}.get(dtype, 1e-2)
+
+    result: dict[str, Any] = {
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "date": date.today().isoformat(), "torch": torch.__version__, "grpcio": grpc.__version__,
+        "host_cpus": os.cpu_count(),
+        "shape": {"tokens": n, "seqs": args.seqs, "heads": h, "kv_heads": hk, "head_dim": d,
+                  "dtype": args.dtype, "causal": args.causal},
+        "bytes_in": in_bytes, "bytes_out": out_bytes,
+    }
+    result["ceilings"] = ceilings(args.iters)
     transfer, tport = _start([sys.executable, __file__, "--serve-transfer"], env)
     try:
-        dtype = DTYPES[args.dtype]
-        n, h, d = args.tokens, args.heads, args.head_dim
-        hk = args.kv_heads or h
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(n, h, d, generator=g).to(dtype)
-        k = torch.randn(n, hk, d, generator=g).to(dtype)
-        v = torch.randn(n, hk, d, generator=g).to(dtype)
-        bounds = [round(i * n / args.seqs) for i in range(args.seqs + 1)]
-        cu = torch.tensor(bounds, dtype=torch.int32)
-        in_bytes = q.nbytes + k.nbytes + v.nbytes + cu.nbytes
-        out_bytes = q.nbytes
-
-        with AttentionClient(f"127.0.0.1:{port}", timeout=600) as client:
-            info = client.info()
-            device_name = info["device"]
-            out = client.attention(q, k, v, cu, causal=args.causal)
-            ref_dev = "cuda" if torch.cuda.is_available() else "cpu"
-            ref = prefill_ref(
-                q.to(ref_dev), k.to(ref_dev), v.to(ref_dev), cu.to(ref_dev), causal=args.causal,
-                compute_dtype=torch.float64,
-            )
-            err = _rel_err(out.to(ref_dev), ref)
-            del ref
-            tol = {torch.float32: 1e-3}.get(dtype, 1e-2)
-            if err > tol:
-                raise SystemExit(f"round-trip output differs from the reference: {err:.2e}")
-            rt, stages = [], []
-            for _ in range(args.iters):
-                t0 = time.perf_counter()
-                client.attention(q, k, v, cu, causal=args.causal)
-                rt.append(time.perf_counter() - t0)
-                stages.append(client.last_stats)
-            rt_cuda: list[float] = []
-            if torch.cuda.is_available():  # the user's tensors on the GPU of the calling host
-                qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
-                for _ in range(args.iters):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    o = client.attention(qc, kc, vc, cu, causal=args.causal)
-                    torch.cuda.synchronize()
-                    rt_cuda.append(time.perf_counter() - t0)
-                assert o.is_cuda
-        chunk = int(info["chunk_bytes"]) or DEFAULT_CHUNK_BYTES
-        raw = _transfer_seconds(tport, in_bytes, out_bytes, chunk, args.iters)
-
-        kernel: list[float] = []
-        if torch.cuda.is_available():
-            from attention_kernels import prefill
-
-            qd, kd, vd, cud = q.cuda(), k.cuda(), v.cuda(), cu.cuda()
-            for _ in range(args.iters + 3):
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-                prefill(qd, kd, vd, cud, max_seqlen_q=n, max_seqlen_k=n, causal=args.causal)
-                e1.record()
-                e1.synchronize()
-                kernel.append(e0.elapsed_time(e1) / 1e3)
-            kernel = kernel[3:]
+        raw = _transfer_seconds(tport, in_bytes, out_bytes, DEFAULT_CHUNK_BYTES, args.iters)
     finally:
-        for proc in (server, transfer):
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        _stop(transfer)
+    result["ceilings"]["raw_grpc_ms"] = _median_ms(raw)
+    result["ceilings"]["raw_grpc_GBps"] = (in_bytes + out_bytes) / statistics.median(raw) / 1e9
+    kernel: list[float] = []
+    if torch.cuda.is_available():
+        from attention_kernels import prefill
 
-    def stage(name: str) -> float:
-        return _median_ms([s[name] for s in stages])
+        qd, kd, vd, cud = q.cuda(), k.cuda(), v.cuda(), cu.cuda()
+        for _ in range(args.iters + 3):
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            prefill(qd, kd, vd, cud, max_seqlen_q=n, max_seqlen_k=n, causal=args.causal)
+            e1.record()
+            e1.synchronize()
+            kernel.append(e0.elapsed_time(e1) / 1e3)
+        kernel = kernel[3:]
+    result["kernel_ms"] = _median_ms(kernel)
 
-    rows = [
-        ("round trip (host tensors)", _median_ms(rt)),
-        ("round trip (cuda tensors)", _median_ms(rt_cuda) if rt_cuda else float("nan")),
-        ("  server queue", stage("queue_seconds")),
-        ("  server h2d", stage("h2d_seconds")),
-        ("  server kernel", stage("kernel_seconds")),
-        ("  server d2h", stage("d2h_seconds")),
-        ("kernel in-process (CUDA events)", _median_ms(kernel) if kernel else float("nan")),
-        ("raw gRPC transfer, same bytes", _median_ms(raw)),
-    ]
+    counts = [1] + [int(x) for x in args.frontends.split(",") if x and int(x) > 1]
+    client_counts = [int(x) for x in args.clients.split(",") if x]
+    result["servers"] = []
+    device_name = "cpu"
+    for count in counts:
+        # A free port of our choosing and WARNING logs: no per-call log line in the way.
+        port = _free_port()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port",
+             str(port), "--device", args.device, "--metrics-port", "-1", "--frontends",
+             str(count), "--log-level", "WARNING"], env=env, cwd=ROOT)
+        target = f"127.0.0.1:{port}"
+        try:
+            _wait_serving(target)
+            from attention_client import AttentionClient
+
+            with AttentionClient(target) as c:
+                device_name = c.info()["device"]
+            entry: dict[str, Any] = {"frontends": count}
+            entry.update(paths(target, q, k, v, cu, args.causal, ref, tol, args.iters))
+            entry["aggregate"] = [
+                aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds)
+                for nc in client_counts
+            ]
+            result["servers"].append(entry)
+        finally:
+            _stop(proc)
+    result["server_device"] = device_name
+
     print(f"\nprefill {n} tokens x {h} heads ({hk} kv) x {d} {args.dtype}, causal={args.causal}, "
           f"{args.seqs} seq; in {in_bytes / 2**20:.1f} MiB, out {out_bytes / 2**20:.1f} MiB; "
-          f"server device {device_name}; median of {args.iters}; rel err {err:.2e}")
-    for name, ms in rows:
-        print(f"{name:34s} {ms:9.2f} ms")
-    gbps = (in_bytes + out_bytes) / statistics.median(raw) / 1e9
-    print(f"raw gRPC loopback throughput {gbps:.2f} GB/s")
+          f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters}")
+    c = result["ceilings"]
+    print("ceilings: " + ", ".join(f"{k_} {v_:.2f}" for k_, v_ in c.items()))
+    print(f"kernel in-process (CUDA events) {result['kernel_ms']:.2f} ms")
+    paths_seen = sorted({name for s in result["servers"] for name in s["round_trip_ms"]},
+                        key=lambda x: list(result["servers"][0]["round_trip_ms"]).index(x)
+                        if x in result["servers"][0]["round_trip_ms"] else 99)
+    head = "round trip (ms)".ljust(22) + "".join(f"{'N=' + str(s['frontends']):>12}"
+                                                 for s in result["servers"])
+    print(head)
+    for name in paths_seen:
+        print(name.ljust(22) + "".join(f"{s['round_trip_ms'].get(name, float('nan')):12.2f}"
+                                       for s in result["servers"]))
+    print(f"aggregate gRPC payload, {args.agg_tokens}-token requests "
+          f"({4 * args.agg_tokens * h * d * q.element_size() / 2**20:.0f} MiB in+out each):")
+    base = {a["clients"]: a["GBps"] for a in result["servers"][0]["aggregate"]}
+    for s in result["servers"]:
+        for a in s["aggregate"]:
+            print(f"  N={s['frontends']:<3d} clients {a['clients']:3d}: {a['GBps']:6.2f} GB/s "
+                  f"({a['GBps'] / base[a['clients']]:.2f}x N=1), {a['calls']} calls, "
+                  f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms")
 
     args.out.mkdir(parents=True, exist_ok=True)
     tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-    result = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        "date": date.today().isoformat(), "server_device": device_name,
-        "torch": torch.__version__, "grpcio": grpc.__version__,
-        "shape": {"tokens": n, "seqs": args.seqs, "heads": h, "kv_heads": hk, "head_dim": d,
-                  "dtype": args.dtype, "causal": args.causal},
-        "bytes_in": in_bytes, "bytes_out": out_bytes, "rel_err": err,
-        "median_ms": dict(rows), "raw_grpc_GBps": gbps,
-        "samples_s": {"round_trip": rt, "round_trip_cuda": rt_cuda, "kernel": kernel, "raw": raw},
-    }
     path = args.out / f"roundtrip_{tag}.json"
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

@@ -86,6 +86,8 @@ class Server:
             cmd += ["--max-batch-tokens", str(args.max_batch_tokens)]
         if args.max_queue_delay_ms is not None:
             cmd += ["--max-queue-delay-ms", str(args.max_queue_delay_ms)]
+        if args.frontends is not None:
+            cmd += ["--frontends", str(args.frontends)]
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
@@ -120,9 +122,20 @@ def server_info(target: str) -> pb.ServerInfo:
 
 # ---- metrics ------------------------------------------------------------------------------
 
+def _children(pid: int) -> list[int]:
+    kids: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                kids += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return kids
+
+
 def cpu_times(pid: int | None) -> dict[str, float] | None:
-    """CPU seconds of process ``pid`` so far: ``"total"`` (ended threads included) and per
-    live thread id (Linux /proc), or None."""
+    """CPU seconds of process ``pid`` and its descendants (a process group's front ends) so
+    far: ``"total"`` (ended threads included) and per live thread (Linux /proc), or None."""
     if pid is None:
         return None
     tick = os.sysconf("SC_CLK_TCK")
@@ -132,22 +145,33 @@ def cpu_times(pid: int | None) -> dict[str, float] | None:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
 
-    try:
-        times = {"total": seconds(f"/proc/{pid}/stat")}
-        tasks = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    for task in tasks:
-        try:
-            times[task] = seconds(f"/proc/{pid}/task/{task}/stat")
-        except OSError:  # the thread ended meanwhile
+    times: dict[str, float] = {"total": 0.0}
+    todo, seen = [pid], set()
+    while todo:
+        p = todo.pop()
+        if p in seen:
             continue
+        seen.add(p)
+        try:
+            times["total"] += seconds(f"/proc/{p}/stat")
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            if p == pid:
+                return None
+            continue
+        for task in tasks:
+            try:
+                times[f"{p}/{task}"] = seconds(f"/proc/{p}/task/{task}/stat")
+            except OSError:  # the thread ended meanwhile
+                continue
+        todo += _children(p)
     return times
 
 
 def cpu_usage(c0: dict[str, float] | None, c1: dict[str, float] | None,
               seconds: float) -> tuple[float, float]:
-    """(whole process, busiest thread) CPU use over the window, as fractions of one core."""
+    """(all server processes, busiest thread) CPU use over the window, as fractions of one
+    core (a front end that restarted in the window would count from zero: none should)."""
     if not c0 or not c1:
         return math.nan, math.nan
     busiest = max((c1[t] - c0.get(t, 0.0) for t in c1 if t != "total"), default=0.0)
@@ -159,6 +183,7 @@ SUMMARY_SERIES = (
     "attention_batch_requests_sum", "attention_batch_requests_count",
     "attention_batch_tokens_sum", "attention_queue_wait_seconds_sum",
     "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
+    "attention_input_bytes_total", "attention_region_bytes_total",
 )
 
 
@@ -200,6 +225,7 @@ def summarize(
         "errors": sum(errors.values()), "errors_by_code": errors,
         "mean_batch_requests": math.nan, "mean_batch_tokens": math.nan,
         "mean_queue_ms": math.nan, "kernel_busy": math.nan,
+        "wire_in_MBps": math.nan, "region_MBps": math.nan,
         "server_cpu": math.nan, "server_busiest_thread": math.nan,
     }
     if m0 is not None and m1 is not None:
@@ -211,6 +237,9 @@ def summarize(
                                             d["attention_queue_wait_seconds_count"])
         # Fraction of wall time the device spent in kernels (launches may overlap copies).
         row["kernel_busy"] = d["attention_stage_seconds_sum"] / duration
+        # Tensor bytes per second through gRPC and through registered regions (in + out).
+        row["wire_in_MBps"] = d["attention_input_bytes_total"] / duration / 1e6
+        row["region_MBps"] = d["attention_region_bytes_total"] / duration / 1e6
     return row
 
 
@@ -219,13 +248,14 @@ def summarize(
 class Workers:
     """Persistent load processes (spawned once, each with its own request pool)."""
 
-    def __init__(self, spec: LoadSpec, count: int) -> None:
+    def __init__(self, spec: LoadSpec, count: int, max_clients: int = 256) -> None:
         ctx = mp.get_context("spawn")
         self.conns = []
         self.procs = []
+        per_worker = -(-max_clients // count)
         for i in range(count):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=worker_main, args=(child, spec, i), daemon=True)
+            p = ctx.Process(target=worker_main, args=(child, spec, i, per_worker), daemon=True)
             p.start()
             self.conns.append(parent)
             self.procs.append(p)
@@ -286,6 +316,8 @@ def verify(target: str, args: argparse.Namespace, count: int) -> str:
 
     async def run() -> list[Any]:
         async with AsyncAttentionClient(target, timeout=120) as client:
+            if args.path == "shm":  # the same path as the load: staged into a region
+                await client.register_shm(64 << 20)
             return list(await asyncio.gather(*(
                 client.decode(q, k, v, [0, k.shape[0]], return_lse=lse) if dec else
                 client.attention(q, k, v, causal=args.causal, return_lse=lse)
@@ -410,6 +442,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.add_argument("--server-log-level", default="WARNING",
                    help="server log level (INFO logs a line per call, which costs throughput)")
+    p.add_argument("--frontends", type=int, help="passed to the started servers (default: theirs)")
+    p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
+                   help="shm: tensors in registered shared memory, requests carry spans only")
     return parse_common(p, argv)
 
 
@@ -467,9 +502,10 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, min_len=args.min_len, max_len=args.max_len,
         decode_seqs=args.decode_seqs, causal=args.causal, pool=args.pool, seed=args.seed,
+        path=args.path,
     )
     t0 = time.time()
-    workers = Workers(spec, min(args.workers, max(args.client_counts)))
+    workers = Workers(spec, min(args.workers, max(args.client_counts)), max(args.client_counts))
     rows: list[dict[str, Any]] = []
     info = None
     try:
@@ -482,20 +518,23 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(f"{info.device}: {args.mode}, {args.dtype} H{args.heads}/{args.kv_heads} "
           f"D{args.head_dim}{' causal' if args.causal else ''}, lengths log-uniform "
-          f"{args.min_len}..{args.max_len}, {args.duration:g} s per point")
+          f"{args.min_len}..{args.max_len}, {args.duration:g} s per point, path {args.path}, "
+          f"{info.frontends} front end(s)")
     print(table(rows, args.client_counts))
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else
                                                        sys.argv[1:])]),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "wall_seconds": round(time.time() - t0, 1),
-        "server": {"device": info.device, "backend": info.backend,
+        "server": {"device": info.device, "backend": info.backend, "frontends": info.frontends,
                    "server_version": info.server_version, "torch_version": info.torch_version,
                    "triton_version": info.triton_version, "cuda_version": info.cuda_version},
         "config": {k: v for k, v in vars(args).items() if k not in ("client_counts", "sides")},
         "results": rows,
     }
-    paths = write_outputs(out_dir, f"service_{args.mode}_{_slug(info.device)}", report)
+    suffix = f"_{args.path}" if args.path != "grpc" else ""
+    suffix += f"_fe{info.frontends}" if info.frontends > 1 else ""
+    paths = write_outputs(out_dir, f"service_{args.mode}{suffix}_{_slug(info.device)}", report)
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -5,6 +5,11 @@ ahead of time, so the client spends its CPU on gRPC alone), then, per measuremen
 its share of the concurrent clients until a common wall-clock deadline and sends back the
 latencies of the calls that completed inside the window. Needs grpcio, protobuf, numpy and
 the ``attention_client`` package (for the generated messages), not torch.
+
+``path="shm"``: the same-host path. Each worker writes its pool's tensors once into a POSIX
+shared-memory object of its own, registers it with the server of each point, and sends
+header-only requests that name spans of it; every concurrent client has its own output span
+there, so a call is one small message up and one stats message back.
 """
 
 from __future__ import annotations
@@ -41,6 +46,22 @@ class LoadSpec:
     causal: bool
     pool: int  # distinct requests per worker
     seed: int
+    path: str = "grpc"  # grpc | shm
+
+
+@dataclass
+class ShmPool:
+    """A worker's shared-memory object: the pool's inputs, then one output slot per client."""
+
+    key: str
+    name: str
+    mapping: Any
+    headers: list[Any]  # per request: its header with input spans set (out span per call)
+    out_bytes: list[int]
+    slot_bytes: int
+    slots_at: int
+    cache: dict[tuple[int, int], bytes]
+    registered: set[str]
 
 
 @dataclass
@@ -118,6 +139,71 @@ def _decode(spec: LoadSpec, lengths: list[int], data: _Slicer) -> Request:
     return Request(DECODE_METHOD, [first, *_chunks(pb.DecodeRequest, tensors)], total)
 
 
+def build_shm_pool(spec: LoadSpec, worker: int, reqs: list[Request], max_clients: int) -> ShmPool:
+    """Move the pool's tensor bytes into a shared-memory object; keep header-only messages."""
+    from attention_wire import shm
+    from attention_wire.alloc import align
+
+    esize = DTYPES[spec.dtype][1]
+    parsed = []
+    for r in reqs:
+        cls = pb.PrefillRequest if r.method == PREFILL_METHOD else pb.DecodeRequest
+        msgs = [cls.FromString(m) for m in r.messages]
+        tensors: dict[int, bytes] = {}
+        for m in msgs:
+            for c in m.chunks:
+                tensors[c.field] = tensors.get(c.field, b"") + c.data
+        parsed.append((msgs[0].header, tensors))
+    sizes = [sum(align(len(b)) for b in t.values()) for _, t in parsed]
+    slot = align(max(h.q.shape[0] * h.q.shape[1] * h.q.shape[2] * esize for h, _ in parsed))
+    total = sum(sizes) + slot * max_clients
+    key = shm.new_key(f"attention-bench-w{worker}")
+    mapping = shm.map_object(key, 0, total, create=True)
+    buf = np.frombuffer(mapping.mm, dtype=np.uint8)
+    name = f"bench-{worker}-{key[-8:]}"
+    headers, out_bytes, at = [], [], 0
+    for header, tensors in parsed:
+        regions = pb.TensorRegions()
+        for field, data in tensors.items():
+            buf[at : at + len(data)] = np.frombuffer(data, np.uint8)
+            span = pb.RegionSpan(region=name, offset=at, byte_size=len(data))
+            getattr(regions, {pb.Q: "q", pb.K: "k", pb.V: "v"}[field]).CopyFrom(span)
+            at += align(len(data))
+        header.regions.CopyFrom(regions)
+        headers.append(header)
+        out_bytes.append(header.q.shape[0] * header.q.shape[1] * header.q.shape[2] * esize)
+    return ShmPool(key, name, mapping, headers, out_bytes, slot, at, {}, set())
+
+
+def shm_message(pool: ShmPool, index: int, slot: int) -> bytes:
+    """Request ``index`` with its output in client ``slot``'s span (built once, then cached)."""
+    msg = pool.cache.get((index, slot))
+    if msg is None:
+        header = pool.headers[index]
+        h = type(header)()
+        h.CopyFrom(header)
+        h.regions.out.CopyFrom(pb.RegionSpan(region=pool.name, offset=pool.slots_at + slot
+                                             * pool.slot_bytes, byte_size=pool.out_bytes[index]))
+        cls = pb.PrefillRequest if isinstance(h, pb.PrefillHeader) else pb.DecodeRequest
+        msg = pool.cache[(index, slot)] = cls(header=h).SerializeToString()
+    return msg
+
+
+async def register_shm(target: str, pool: ShmPool) -> None:
+    if target in pool.registered:
+        return
+    async with grpc.aio.insecure_channel(target) as ch:
+        call = ch.unary_unary(
+            "/attention.v1.AttentionService/RegisterRegion",
+            request_serializer=pb.RegisterRegionRequest.SerializeToString,
+            response_deserializer=pb.RegionInfo.FromString,
+        )
+        await call(pb.RegisterRegionRequest(
+            name=pool.name, byte_size=pool.mapping.mm.size(),
+            system=pb.SystemRegion(key=pool.key)), timeout=30)
+    pool.registered.add(target)
+
+
 def build_requests(spec: LoadSpec, worker: int) -> list[Request]:
     rng = np.random.default_rng([spec.seed, worker])
     longest = max(spec.max_len * spec.decode_seqs, spec.max_len)
@@ -137,13 +223,16 @@ def build_requests(spec: LoadSpec, worker: int) -> list[Request]:
 async def _client(
     calls: dict[str, Any], pool: list[Request], rng: np.random.Generator,
     window: tuple[float, float], latencies: list[float], errors: Counter[str],
+    shm_pool: ShmPool | None = None, slot: int = 0,
 ) -> None:
     t_measure, t_end = window
     while time.time() < t_end:
-        req = pool[int(rng.integers(len(pool)))]
+        index = int(rng.integers(len(pool)))
+        req = pool[index]
+        messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
         t0 = time.perf_counter()
         try:
-            async for _ in calls[req.method](iter(req.messages)):
+            async for _ in calls[req.method](iter(messages)):
                 pass
         except grpc.aio.AioRpcError as err:
             if t_measure <= time.time() <= t_end:
@@ -157,8 +246,10 @@ async def _client(
 
 async def _run_point(
     target: str, pool: list[Request], n_clients: int, seed: int,
-    t_start: float, t_measure: float, t_end: float,
+    t_start: float, t_measure: float, t_end: float, shm_pool: ShmPool | None = None,
 ) -> dict[str, Any]:
+    if shm_pool is not None:
+        await register_shm(target, shm_pool)
     # A few HTTP/2 connections per worker: one would serialize every client on one socket.
     channels = [grpc.aio.insecure_channel(target) for _ in range(min(n_clients, 4))]
     try:
@@ -171,7 +262,8 @@ async def _run_point(
         errors: Counter[str] = Counter()
         rngs = np.random.default_rng(seed).spawn(n_clients)
         await asyncio.gather(*(
-            _client(calls[i % len(calls)], pool, rngs[i], (t_measure, t_end), latencies, errors)
+            _client(calls[i % len(calls)], pool, rngs[i], (t_measure, t_end), latencies, errors,
+                    shm_pool, i)
             for i in range(n_clients)
         ))
         return {"latencies": latencies, "errors": dict(errors)}
@@ -180,12 +272,19 @@ async def _run_point(
             await ch.close()
 
 
-def worker_main(conn: Connection, spec: LoadSpec, worker: int) -> None:
+def worker_main(conn: Connection, spec: LoadSpec, worker: int, max_clients: int = 256) -> None:
     """Process entry: build the pool, say ready, then serve one command per point."""
     pool = build_requests(spec, worker)
+    shm_pool = build_shm_pool(spec, worker, pool, max_clients) if spec.path == "shm" else None
     conn.send("ready")
-    while True:
-        cmd = conn.recv()
-        if cmd is None:
-            return
-        conn.send(asyncio.run(_run_point(pool=pool, **cmd)))
+    try:
+        while True:
+            cmd = conn.recv()
+            if cmd is None:
+                return
+            conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, **cmd)))
+    finally:
+        if shm_pool is not None:
+            from attention_wire import shm
+
+            shm.unlink(shm_pool.key)

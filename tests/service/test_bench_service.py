@@ -41,3 +41,22 @@ def test_bench_service_runs_both_sides_and_writes_results(tmp_path: Path) -> Non
     with (tmp_path / "service_prefill_cpu.csv").open() as f:
         lines = list(csv.DictReader(f))
     assert len(lines) == 4 and {"side", "clients", "rps", "p99_ms"} <= set(lines[0])
+
+
+def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--device", "cpu",
+        "--clients", "1,3", "--duration", "1", "--warmup", "0.3", "--prime", "0",
+        "--max-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
+        "--verify", "4", "--workers", "2", "--pool", "4", "--batching", "on",
+        "--frontends", "2", "--path", "shm", "--out", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "path shm, 2 front end(s)" in proc.stdout
+    report = json.loads((tmp_path / "service_prefill_shm_fe2_cpu.json").read_text())
+    assert report["server"]["frontends"] == 2
+    for row in report["results"]:
+        assert row["completed"] > 0 and row["errors"] == 0
+        # Every tensor byte went through the region: none through gRPC.
+        assert row["region_MBps"] > 0 and row["wire_in_MBps"] == 0

@@ -1,0 +1,38 @@
+"""benchmarks/bench_roundtrip.py end to end on the cpu backend, with tiny settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
+        "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
+        "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
+        "--out", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "roundtrip_cpu.json").read_text())
+    assert [s["frontends"] for s in report["servers"]] == [1, 2]
+    assert report["ceilings"]["host_memcpy_GBps"] > 0 and report["ceilings"]["raw_grpc_GBps"] > 0
+    for server in report["servers"]:
+        rt = server["round_trip_ms"]
+        assert {"grpc host", "shm in region", "shm staged", "shm out="} <= set(rt)
+        assert all(v > 0 for v in rt.values())
+        # The region paths moved no tensor byte through gRPC; the gRPC path did.
+        assert server["stats"]["grpc host"]["bytes_in"] > 0
+        for path in ("shm in region", "shm staged", "shm out="):
+            assert server["stats"][path]["bytes_in"] == 0
+            assert server["stats"][path]["region_bytes_in"] > 0
+        (agg,) = server["aggregate"]
+        assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
