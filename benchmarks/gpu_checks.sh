@@ -8,8 +8,12 @@
 #   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
-#   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback)
-#   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..128 clients)
+#   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback):
+#              every data path with 1, 2, 4 and 8 front ends, aggregate gRPC at 8 and 16 clients
+#   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
+#   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
+#              the default front-end count)
+#   service-shm  the same with the load's tensors in registered shared memory (--path shm)
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
 #              variables), a headless Locust run of LOCUST_TIME (default 3m) with LOCUST_USERS
@@ -88,10 +92,13 @@ for s in "$@"; do
              --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
              tests/service/test_regions_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
-    roundtrip) stage roundtrip 240 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
-                 --heads 16 --head-dim 128 --out "$OUT" ;;
-    service) stage service 480 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
-               --prime 3 --out "$OUT" ;;
+    roundtrip) stage roundtrip 540 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
+                 --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --out "$OUT" ;;
+    transfer) stage transfer 300 python3 benchmarks/tune_transfer.py --out "$OUT" ;;
+    service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
+               --prime 3 --clients 1,8,32,64 --out "$OUT" ;;
+    service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
+               --warmup 2 --prime 3 --clients 1,8,32,64 --path shm --out "$OUT" ;;
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
     locust) export OUT; export -f locust_run; stage locust 420 bash -c locust_run ;;
     *) echo "unknown stage $s"; status=1 ;;

@@ -3,6 +3,7 @@ bookkeeping of registered shared-memory regions (the rpcs themselves are the sub
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,13 +34,22 @@ class ClientBase:
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
+        channels: int = 1,
     ) -> None:
         self.target = target
+        # Compute calls go round-robin over this many channels, each with a connection of its
+        # own: a server with several front ends (SO_REUSEPORT) spreads connections, not calls.
+        self.channels = int(channels)
+        if not 1 <= self.channels <= 64:
+            raise ValueError(f"channels must be in [1, 64], got {channels!r}")
+        self._turn = itertools.count()
         self.timeout = check_timeout(timeout)
         self.max_chunk_bytes = check_chunk_bytes(max_chunk_bytes)
         self._metadata = call_metadata(token)
         self._credentials = credentials(tls)
         self._options = channel_options(options)
+        if self.channels > 1:  # else grpc shares one connection among equal channels
+            self._options.append(("grpc.use_local_subchannel_pool", 1))
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)
         self.regions = RegionSet()

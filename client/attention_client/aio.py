@@ -48,28 +48,29 @@ class AsyncAttentionClient(ClientBase):
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
+        channels: int = 1,
     ) -> None:
         super().__init__(
-            target, token=token, tls=tls, timeout=timeout,
-            max_chunk_bytes=max_chunk_bytes, options=options, use_regions=use_regions,
+            target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
+            options=options, use_regions=use_regions, channels=channels,
         )
         icpts = list(interceptors) if interceptors else None
-        if self._credentials is None:
-            channel = grpc.aio.insecure_channel(target, options=self._options, interceptors=icpts)
-        else:
-            channel = grpc.aio.secure_channel(
-                target, self._credentials, options=self._options, interceptors=icpts
-            )
-        self._channel = channel
-        # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
-        self._streams = {
-            PREFILL: channel.stream_stream(
-                PREFILL_METHOD, response_deserializer=parse_response
-            ),
-            DECODE: channel.stream_stream(
-                DECODE_METHOD, response_deserializer=parse_response
-            ),
-        }
+        self._channels: list[grpc.aio.Channel] = []
+        self._lanes: list[dict[str, Any]] = []
+        for _ in range(self.channels):
+            if self._credentials is None:
+                ch = grpc.aio.insecure_channel(target, options=self._options, interceptors=icpts)
+            else:
+                ch = grpc.aio.secure_channel(
+                    target, self._credentials, options=self._options, interceptors=icpts
+                )
+            self._channels.append(ch)
+            # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
+            self._lanes.append({
+                PREFILL: ch.stream_stream(PREFILL_METHOD, response_deserializer=parse_response),
+                DECODE: ch.stream_stream(DECODE_METHOD, response_deserializer=parse_response),
+            })
+        channel = self._channel = self._channels[0]
         self._info = channel.unary_unary(
             INFO_METHOD,
             request_serializer=pb.GetServerInfoRequest.SerializeToString,
@@ -188,7 +189,8 @@ class AsyncAttentionClient(ClientBase):
         for region in self.regions.all():
             with contextlib.suppress(AttentionError):
                 await region.aclose()
-        await self._channel.close()
+        for ch in self._channels:
+            await ch.close()
 
     async def __aenter__(self) -> AsyncAttentionClient:
         return self
@@ -202,7 +204,8 @@ class AsyncAttentionClient(ClientBase):
         assembler = self._assembler(prep)
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
-        call = self._streams[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
+        lane = self._lanes[next(self._turn) % len(self._lanes)]
+        call = lane[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
         try:
             async for response in call:
                 assembler.add(response)

@@ -40,6 +40,8 @@ class AttentionClient(ClientBase):
     ``tls``: None (plaintext), True (system roots), or a root certificate as PEM bytes or a
     file path. ``token`` goes as ``authorization: Bearer <token>``. ``timeout`` is each call's
     deadline in seconds (None: none). ``options`` are extra gRPC channel options.
+    ``channels``: compute calls go round-robin over this many connections (for concurrent calls
+    from many threads against a server with several front ends).
 
     Same host: ``register_shm`` / ``register_cuda`` register a shared-memory region; calls then
     pass tensors that live in (or fit into) it by reference instead of bytes (see
@@ -57,28 +59,29 @@ class AttentionClient(ClientBase):
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
+        channels: int = 1,
     ) -> None:
         super().__init__(
-            target, token=token, tls=tls, timeout=timeout,
-            max_chunk_bytes=max_chunk_bytes, options=options, use_regions=use_regions,
+            target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
+            options=options, use_regions=use_regions, channels=channels,
         )
-        if self._credentials is None:
-            channel = grpc.insecure_channel(target, options=self._options)
-        else:
-            channel = grpc.secure_channel(target, self._credentials, options=self._options)
-        self._base_channel = channel
-        if interceptors:
-            channel = grpc.intercept_channel(channel, *interceptors)
-        self._channel = channel
-        # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
-        self._streams = {
-            PREFILL: channel.stream_stream(
-                PREFILL_METHOD, response_deserializer=parse_response
-            ),
-            DECODE: channel.stream_stream(
-                DECODE_METHOD, response_deserializer=parse_response
-            ),
-        }
+        self._base_channels: list[grpc.Channel] = []
+        self._lanes: list[dict[str, Any]] = []
+        for _ in range(self.channels):
+            if self._credentials is None:
+                base = grpc.insecure_channel(target, options=self._options)
+            else:
+                base = grpc.secure_channel(target, self._credentials, options=self._options)
+            self._base_channels.append(base)
+            ch = grpc.intercept_channel(base, *interceptors) if interceptors else base
+            # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
+            self._lanes.append({
+                PREFILL: ch.stream_stream(PREFILL_METHOD, response_deserializer=parse_response),
+                DECODE: ch.stream_stream(DECODE_METHOD, response_deserializer=parse_response),
+            })
+        self._base_channel = self._base_channels[0]
+        channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
+                                   if interceptors else self._base_channel)
         self._info = channel.unary_unary(
             INFO_METHOD,
             request_serializer=pb.GetServerInfoRequest.SerializeToString,
@@ -212,7 +215,8 @@ class AttentionClient(ClientBase):
             # A server that is gone has nothing left to unregister.
             with contextlib.suppress(AttentionError):
                 region.close()
-        self._base_channel.close()
+        for ch in self._base_channels:
+            ch.close()
 
     def __enter__(self) -> AttentionClient:
         return self
@@ -225,7 +229,8 @@ class AttentionClient(ClientBase):
             self._release_idle(self._region_rpc("ListRegions", pb.ListRegionsRequest()))
         assembler = self._assembler(prep)
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
-        call = self._streams[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
+        lane = self._lanes[next(self._turn) % len(self._lanes)]
+        call = lane[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
         try:
             for response in call:
                 assembler.add(response)

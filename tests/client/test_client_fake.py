@@ -322,7 +322,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
         return calls[-1]
 
     client = AttentionClient("127.0.0.1:1")
-    client._streams = {m: stream for m in client._streams}
+    client._lanes = [{m: stream for m in lane} for lane in client._lanes]
     with pytest.raises(KeyboardInterrupt):
         client.attention(q, q, q)
     assert calls and calls[-1].cancelled
@@ -330,7 +330,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
 
     async def run() -> None:
         aclient = AsyncAttentionClient("127.0.0.1:1")
-        aclient._streams = {m: stream for m in aclient._streams}
+        aclient._lanes = [{m: stream for m in lane} for lane in aclient._lanes]
         with pytest.raises(asyncio.CancelledError):
             await aclient.decode(q, q, q, [0, 1, 2])
         assert calls[-1].cancelled

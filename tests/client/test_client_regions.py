@@ -216,3 +216,24 @@ def test_async_client_regions(srv: RunningServer) -> None:
             assert await c.list_regions() == []
 
     asyncio.run(main())
+
+
+def test_channels_spread_calls_over_front_ends() -> None:
+    """``channels=4``: four connections, and a group's front ends each get some of them."""
+    require_server()
+    running = start_server("--frontends", "2", "--log-level", "INFO")
+    try:
+        q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+        with AttentionClient(running.target, channels=4, use_regions=False) as c:
+            for _ in range(16):
+                _close(c.attention(q, k, v, CU, causal=True), _ref(q, k, v)[0])
+        served = {line.split("[frontend ", 1)[1][0] for line in running.lines
+                  if "rpc=Prefill code=OK" in line and "[frontend " in line}
+        peers = {line.rsplit("peer=", 1)[1].split()[0] for line in running.lines
+                 if "rpc=Prefill code=OK" in line}
+        assert len(peers) == 4  # four connections, used in turn
+        assert served  # which front ends took them is the kernel's choice (SO_REUSEPORT hash)
+        with pytest.raises(ValueError, match="channels"):
+            AttentionClient(running.target, channels=0)
+    finally:
+        running.stop()
