@@ -375,6 +375,15 @@ def main() -> int:
     client_counts = [int(x) for x in args.clients.split(",") if x]
     result["servers"] = []
     device_name = "cpu"
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save() -> Path:  # after every server, so a run cut short keeps what it measured
+        tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+        path = args.out / f"roundtrip_{tag}.json"
+        result["server_device"] = device_name
+        path.write_text(json.dumps(result, indent=2))
+        return path
+
     for count in counts:
         # A free port of our choosing and WARNING logs: no per-call log line in the way.
         port = _free_port()
@@ -396,9 +405,13 @@ def main() -> int:
                 for nc in client_counts
             ]
             result["servers"].append(entry)
+            print(f"N={count}: " + ", ".join(f"{k_} {v_:.2f} ms" for k_, v_ in
+                                             entry["round_trip_ms"].items()) + "; " +
+                  ", ".join(f"{a['clients']} clients {a['GBps']:.2f} GB/s"
+                            for a in entry["aggregate"]), flush=True)
+            save()
         finally:
             _stop(proc)
-    result["server_device"] = device_name
 
     print(f"\nprefill {n} tokens x {h} heads ({hk} kv) x {d} {args.dtype}, causal={args.causal}, "
           f"{args.seqs} seq; in {in_bytes / 2**20:.1f} MiB, out {out_bytes / 2**20:.1f} MiB; "
@@ -424,11 +437,7 @@ def main() -> int:
                   f"({a['GBps'] / base[a['clients']]:.2f}x N=1), {a['calls']} calls, "
                   f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms")
 
-    args.out.mkdir(parents=True, exist_ok=True)
-    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
-    path = args.out / f"roundtrip_{tag}.json"
-    path.write_text(json.dumps(result, indent=2))
-    print(f"wrote {path}")
+    print(f"wrote {save()}")
     return 0
 
 

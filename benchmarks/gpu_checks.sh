@@ -92,9 +92,11 @@ for s in "$@"; do
              --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
              tests/service/test_regions_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
-    roundtrip) stage roundtrip 540 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
-                 --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --out "$OUT" ;;
-    transfer) stage transfer 300 python3 benchmarks/tune_transfer.py --out "$OUT" ;;
+    roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
+                 --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 6 \
+                 --agg-seconds 6 --out "$OUT" ;;
+    transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
+                --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
                --prime 3 --clients 1,8,32,64 --out "$OUT" ;;
     service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
