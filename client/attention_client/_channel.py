@@ -62,6 +62,9 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.keepalive_time_ms", 300_000),
     ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 0),
+    # The server may answer in frames as large as its messages (16 KiB by default): raw gRPC
+    # of 96 MiB up / 32 MiB down went 1.43 -> 1.66 GB/s with both ends set (tune_transfer.py).
+    ("grpc.http2.max_frame_size", (1 << 24) - 1),
 ]
 
 

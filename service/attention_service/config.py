@@ -20,10 +20,13 @@ MAX_FRONTENDS = 64
 
 
 def auto_frontends(cores: int | None = None) -> int:
-    """``--frontends 0``: one gRPC front end per four cores, at most 8, at least 1 (so a
-    2-core box runs one process). docs/service.md, "Process model", has the measurement."""
+    """``--frontends 0``: one gRPC front end per two cores, at most 8, at least 1 (a 2-core
+    box runs one process). Measured on a 16-vCPU H100 host with the load generator on the
+    same cores (benchmarks/results/issue10/roundtrip_*): aggregate gRPC payload at 8 / 16
+    clients was 1.68 / 1.42 GB/s with 1 process, 5.15 / 5.35 with 4 front ends and
+    5.96 / 5.83 with 8; clients on other hosts leave the server more of the cores."""
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    return max(1, min(8, cores // 4))
+    return max(1, min(8, cores // 2))
 
 
 def is_loopback(host: str) -> bool:

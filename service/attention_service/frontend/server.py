@@ -25,6 +25,7 @@ from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 
+HTTP2_MAX_FRAME = (1 << 24) - 1  # the HTTP/2 maximum
 HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEAD_DIMS = [d for d in range(1, 257) if supported_head_dim(d)]
 
@@ -115,6 +116,9 @@ async def start_frontend(
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 1 if reuse_port else 0),
+            # Let peers send 1 MiB messages in one HTTP/2 frame instead of 64 of 16 KiB: raw
+            # gRPC of 96 MiB up / 32 down went 1.43 -> 1.66 GB/s (benchmarks/tune_transfer.py).
+            ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME),
         ],
     )
     add_to_server(servicer, grpc_server)  # raw bytes on the compute rpcs (see wire.py)
