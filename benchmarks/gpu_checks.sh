@@ -14,6 +14,8 @@
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
+#   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
+#              profiles (carry the py-spy wheel in .whl) of a process group under shm load
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
 #              variables), a headless Locust run of LOCUST_TIME (default 3m) with LOCUST_USERS
@@ -95,6 +97,10 @@ for s in "$@"; do
     roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
                  --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 6 \
                  --agg-seconds 6 --out "$OUT" ;;
+    profile) stage profile-on 150 python3 benchmarks/profile_group.py --out "$OUT" \
+               --batching on
+             stage profile-off 150 python3 benchmarks/profile_group.py --out "$OUT" \
+               --batching off ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \

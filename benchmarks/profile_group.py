@@ -1,0 +1,105 @@
+"""Where a process group's CPU goes under load: per-process CPU (engine, each front end, load
+workers) and py-spy profiles (GIL holders) of the engine and one front end, while
+bench_service.py drives it. Diagnostic, not a benchmark of record.
+
+    python benchmarks/profile_group.py --out DIR [--path shm] [--frontends 8] [--batching on]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_service import _children, _healthy  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _cpu(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _name(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read().replace("\0", " ")[:90]
+    except OSError:
+        return "?"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--path", default="shm")
+    p.add_argument("--frontends", type=int, default=8)
+    p.add_argument("--batching", default="on")
+    p.add_argument("--clients", type=int, default=64)
+    p.add_argument("--seconds", type=float, default=12.0)
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    port, mport = _free_port(), _free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", str(port),
+         "--metrics-port", str(mport), "--frontends", str(args.frontends), "--log-level",
+         "WARNING", "--batching" if args.batching == "on" else "--no-batching"], cwd=ROOT)
+    target = f"127.0.0.1:{port}"
+    while not _healthy(target):
+        time.sleep(0.5)
+    load = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--target", target,
+         "--metrics-url", f"http://127.0.0.1:{mport}/metrics", "--clients", str(args.clients),
+         "--duration", str(args.seconds), "--warmup", "3", "--prime", "3", "--verify", "0",
+         "--path", args.path, "--out", "/tmp/profile_load"], cwd=ROOT,
+        stdout=open(args.out / f"profile_load_{args.batching}.log", "w"),  # noqa: SIM115
+        stderr=subprocess.STDOUT)
+    time.sleep(9.0)  # workers up, priming done, measuring
+    pids = [server.pid, *_children(server.pid)]
+    workers = [c for c in _children(load.pid)]
+    c0 = {pid: _cpu(pid) for pid in pids + workers}
+    spy = shutil.which("py-spy")
+    profs = []
+    if spy:
+        for pid, tag in ((server.pid, "engine"), (pids[1], "frontend")):
+            profs.append(subprocess.Popen(
+                [spy, "record", "-p", str(pid), "-d", "6", "-r", "250", "--gil", "-f", "raw",
+                 "-o", str(args.out / f"pyspy_{tag}_{args.batching}.txt"), "--nonblocking"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    t0 = time.time()
+    time.sleep(6.0)
+    c1 = {pid: _cpu(pid) for pid in c0}
+    dt = time.time() - t0
+    for pr in profs:
+        pr.wait(60)
+    load.wait(120)
+    lines = [f"batching {args.batching}, path {args.path}, {args.frontends} front ends, "
+             f"{args.clients} clients; CPU over {dt:.1f} s (cores):"]
+    for pid in pids + workers:
+        lines.append(f"  {100 * (c1[pid] - c0[pid]) / dt:6.0f}%  {pid}  {_name(pid)}")
+    text = "\n".join(lines)
+    print(text)
+    (args.out / f"profile_cpu_{args.batching}.txt").write_text(text + "\n")
+    print((args.out / f"profile_load_{args.batching}.log").read_text()[-600:])
+    server.terminate()
+    server.wait(60)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
