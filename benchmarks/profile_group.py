@@ -73,7 +73,8 @@ def main() -> int:
     pids = [server.pid, *_children(server.pid)]
     workers = [c for c in _children(load.pid)]
     c0 = {pid: _cpu(pid) for pid in pids + workers}
-    spy = shutil.which("py-spy")
+    spy = shutil.which("py-spy") or next(
+        (p for p in ("/tmp/site/bin/py-spy",) if os.path.exists(p)), None)
     profs = []
     if spy:
         for pid, tag in ((server.pid, "engine"), (pids[1], "frontend")):

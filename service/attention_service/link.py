@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
@@ -36,9 +36,9 @@ class EngineInfo:
     cuda_version: str
 
 
-@dataclass(frozen=True)
-class ExecStats:
-    """Where one request's time went, as the engine saw it."""
+class ExecStats(NamedTuple):
+    """Where one request's time went, as the engine saw it (a tuple: made per request on the
+    engine's hot path, and it crosses to the front end with every answer)."""
 
     queue_seconds: float  # fully received -> its launch started
     h2d_seconds: float  # of the launch that served it

@@ -88,6 +88,8 @@ def test_every_contract_variable_is_configurable(gpu: dict) -> None:
     assert names == contract_envs()
     # Unset optional ones stay unset (null = passed through only when set in the shell).
     assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
+    # The process model is the server's default (front ends by core count), regions its auto.
+    assert env["ATTENTION_FRONTENDS"] == "0" and env["ATTENTION_REGIONS"] is None
 
 
 def test_cpu_override_drops_the_gpu(cpu: dict) -> None:

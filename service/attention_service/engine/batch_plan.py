@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from attention_service.engine.jobs import Job
 from attention_service.params import Op, Params
 
 
-@dataclass(frozen=True)
-class BatchKey:
-    """Jobs with equal keys run the same kernel with the same parameters, so they can merge."""
+class BatchKey(NamedTuple):
+    """Jobs with equal keys run the same kernel with the same parameters, so they can merge.
+    (A tuple: made and hashed per request on the engine's hot path.)"""
 
     op: Op
     dtype: int
@@ -61,13 +61,17 @@ class BatchPlan:
     decode) and key rows ``k_offsets[i]:k_offsets[i+1]`` of the packed tensors.
     """
 
-    def __init__(self, jobs: Sequence[Job]) -> None:
+    def __init__(self, jobs: Sequence[Job], key: BatchKey | None = None) -> None:
+        """``key``: the jobs' batch key when the caller knows it (the queue grouped them by
+        it); otherwise every job's key is computed and must agree."""
         if not jobs:
             raise ValueError("a batch needs at least one job")
         self.jobs = list(jobs)
-        self.key = batch_key(self.jobs[0].params)
-        if any(batch_key(j.params) != self.key for j in self.jobs[1:]):
-            raise ValueError("jobs of different batch keys cannot share a launch")
+        if key is None:
+            key = batch_key(self.jobs[0].params)
+            if any(batch_key(j.params) != key for j in self.jobs[1:]):
+                raise ValueError("jobs of different batch keys cannot share a launch")
+        self.key = key
         params = [j.params for j in self.jobs]
         self.op = self.key.op
         self.q_offsets = _offsets([p.rows for p in params])

@@ -124,6 +124,7 @@ class Executor:
         self._cond = threading.Condition()
         self._waiting: dict[Job, Waiter] = {}  # queued, not yet in a launch
         self._inflight = 0  # issued launches not yet waited for
+        self._dispatcher_waits = False  # in _cond.wait: a submit must wake it
         self._closed = False
         self._issued: queue.SimpleQueue[_Issued | None] = queue.SimpleQueue()
         self._threads = [
@@ -149,7 +150,8 @@ class Executor:
                 raise unavailable("server is shutting down")
             self._queue.add(waiter)
             self._waiting[job] = waiter
-            self._cond.notify_all()
+            if self._dispatcher_waits:  # else it looks at the queue before it waits again
+                self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
         """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
@@ -221,13 +223,15 @@ class Executor:
                     self._waiting.pop(w.job, None)
                 if batch or dropped:
                     return batch, dropped
+            self._dispatcher_waits = True
             self._cond.wait(timeout)
+            self._dispatcher_waits = False
         return None, []
 
     def _issue(self, waiters: list[Waiter]) -> None:
         started = time.perf_counter()
         try:
-            plan = BatchPlan([w.job for w in waiters])
+            plan = BatchPlan([w.job for w in waiters], waiters[0].key)
         except Exception as exc:  # a bug, not the callers' fault: fail them, keep serving
             log.exception("could not plan a batch of %d", len(waiters))
             self._release_slot()

@@ -60,6 +60,10 @@ class _Region:
     inflight: int = 0
     dropped: bool = False
 
+    @property
+    def size(self) -> int:
+        return self.tensor.numel()
+
     def info(self) -> pb.RegionInfo:
         return pb.RegionInfo(name=self.name, kind=self.kind, byte_size=self.tensor.numel(),
                              inflight=self.inflight)
@@ -158,7 +162,7 @@ class RegionRegistry:
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
         """The spans' bytes (uint8 views, by tensor name), each checked against its region,
         and the release to call once the call is done (the regions count it as in flight)."""
-        views: dict[str, torch.Tensor] = {}
+        found: dict[str, _Region] = {}
         held: list[_Region] = []
         with self._lock:
             for name, span in spans.items():
@@ -166,17 +170,18 @@ class RegionRegistry:
                 region = self._regions.get((owner, span.region))
                 if region is None:
                     raise not_found(f"{field}.region", f"no region {span.region!r} is registered")
-                size = region.tensor.numel()
-                if span.end > size:
+                if span.end > region.size:
                     raise invalid(
                         field, f"bytes [{span.offset}, {span.end}) run past the end of region "
-                        f"{span.region!r} ({size} bytes)",
+                        f"{span.region!r} ({region.size} bytes)",
                     )
-                views[name] = region.tensor[span.offset : span.end]
+                found[name] = region
                 if region not in held:
                     held.append(region)
             for region in held:
                 region.inflight += 1
+        # Held (in flight): the mappings stay; the views need no lock.
+        views = {n: r.tensor[spans[n].offset : spans[n].end] for n, r in found.items()}
         released = False
 
         def release() -> None:

@@ -2,11 +2,15 @@
 connected AF_UNIX stream socket, in both directions, with file descriptors riding along.
 
 A frame is an 8-byte header (payload length, descriptor count) and the payload; descriptors
-travel as SCM_RIGHTS with the frame's first bytes. The receiver reads exactly one frame at a
-time (the kernel never hands out one frame's descriptors with another's bytes when each read
-stops at a frame boundary). A reader thread hands every message to ``on_message(msg, fds)``
-and calls ``on_close()`` once at end of stream or error; ``send`` queues for a writer thread,
-so a slow or stopped peer never blocks the caller (the engine's completer thread sends here).
+travel as SCM_RIGHTS with the frame's first bytes. The kernel hands a frame's descriptors to
+the read that takes its first byte and ends that read there, so a reader may take many frames
+at once and give the descriptors out in frame order.
+
+Sending never blocks the caller (the engine's completer thread sends here): a frame goes out
+at once with MSG_DONTWAIT, and only what the socket cannot take right now waits for a writer
+thread (which then also takes every later frame, to keep the order). Receiving happens on a
+reader thread, or, given an event loop, on that loop (``loop.add_reader``): a front end's
+replies then cost no thread hand-off.
 
 Both ends are our own processes (same code, same user), so pickle is safe here.
 """
@@ -14,6 +18,8 @@ Both ends are our own processes (same code, same user), so pickle is safe here.
 from __future__ import annotations
 
 import array
+import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -28,54 +34,92 @@ from typing import Any
 log = logging.getLogger("attention_service")
 
 _HEADER = struct.Struct("<II")
-MAX_FDS = 8  # per message; a request carries at most one overflow segment
+MAX_FDS = 16  # per read; a request carries at most one overflow segment
+_READ = 256 * 1024
+_ANC = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
 
 
 class ChannelClosed(Exception):
     pass
 
 
-def _recv_exact(sock: socket.socket, n: int, fds: list[int]) -> bytes:
-    """Exactly ``n`` bytes (descriptors that arrive meanwhile are appended to ``fds``)."""
-    chunks, got = [], 0
-    anc_size = socket.CMSG_SPACE(MAX_FDS * array.array("i").itemsize)
-    while got < n:
-        data, ancdata, _flags, _addr = sock.recvmsg(n - got, anc_size, socket.MSG_CMSG_CLOEXEC)
-        for level, kind, payload in ancdata:
-            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                a = array.array("i")
-                a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
-                fds.extend(a)
-        if not data:
-            raise ChannelClosed("peer closed the connection")
-        chunks.append(data)
-        got += len(data)
-    return b"".join(chunks)
-
-
-def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
-    """One message (blocking): the object and the descriptors sent with it (now ours)."""
+def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     fds: list[int] = []
-    size, _nfds = _HEADER.unpack(_recv_exact(sock, _HEADER.size, fds))
-    payload = _recv_exact(sock, size, fds)
-    return pickle.loads(payload), fds
+    for level, kind, payload in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            a = array.array("i")
+            a.frombytes(payload[: len(payload) - len(payload) % a.itemsize])
+            fds.extend(a)
+    return fds
+
+
+def _frame(msg: Any, nfds: int) -> bytes:
+    payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(payload), nfds) + payload
+
+
+def _anc(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
+    if not fds:
+        return []
+    return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
 
 
 def send_message(sock: socket.socket, msg: Any, fds: Sequence[int] = ()) -> None:
-    """One message (blocking)."""
-    _send_payload(sock, pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL), fds)
+    """One message (blocking), for the handshake before a Channel exists."""
+    data = _frame(msg, len(fds))
+    sent = sock.sendmsg([data], _anc(fds))
+    if sent < len(data):
+        sock.sendall(data[sent:])
 
 
-def _send_payload(sock: socket.socket, payload: bytes, fds: Sequence[int]) -> None:
-    head = _HEADER.pack(len(payload), len(fds))
-    if fds:
-        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
-        sent = sock.sendmsg([head, payload], anc)
-    else:
-        sent = sock.sendmsg([head, payload])
-    rest = (head + payload)[sent:]
-    if rest:
-        sock.sendall(rest)
+def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
+    """One message (blocking), for the handshake: reads exactly one frame."""
+    fds: list[int] = []
+    buf = b""
+    need = _HEADER.size
+    while True:
+        while len(buf) < need:
+            data, anc, _, _ = sock.recvmsg(need - len(buf), _ANC, socket.MSG_CMSG_CLOEXEC)
+            fds += _fds_of(anc)
+            if not data:
+                raise ChannelClosed("peer closed the connection")
+            buf += data
+        if need == _HEADER.size:
+            size, _ = _HEADER.unpack(buf)
+            need += size
+            if size:
+                continue
+        return pickle.loads(buf[_HEADER.size:]), fds
+
+
+class _Decoder:
+    """Frames out of a byte stream; descriptors handed to frames in order."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+        self.fds: collections.deque[int] = collections.deque()
+
+    def frames(self) -> list[tuple[Any, list[int]]]:
+        out = []
+        buf = self.buf
+        at = 0
+        while len(buf) - at >= _HEADER.size:
+            size, nfds = _HEADER.unpack_from(buf, at)
+            end = at + _HEADER.size + size
+            if end > len(buf):
+                break
+            msg = pickle.loads(buf[at + _HEADER.size : end])
+            fds = [self.fds.popleft() for _ in range(min(nfds, len(self.fds)))]
+            out.append((msg, fds))
+            at = end
+        if at:
+            del buf[:at]
+        return out
+
+    def close(self) -> None:
+        while self.fds:
+            with contextlib.suppress(OSError):
+                os.close(self.fds.popleft())
 
 
 class Channel:
@@ -88,89 +132,163 @@ class Channel:
         self.name = name
         self._on_message = on_message
         self._on_close = on_close
+        self._decoder = _Decoder()
+        self._send_lock = threading.Lock()
+        self._backlog = False  # frames wait in the writer's queue: later ones must too
         self._outbox: queue.SimpleQueue[tuple[bytes, Sequence[int]] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._read_loop, name=f"{name}-reader", daemon=True),
-            threading.Thread(target=self._write_loop, name=f"{name}-writer", daemon=True),
-        ]
+        self._closed_reported = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._writer = threading.Thread(target=self._write_loop, name=f"{name}-writer",
+                                        daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader",
+                                        daemon=True)
 
-    def start(self) -> None:
-        for t in self._threads:
-            t.start()
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start receiving: on ``loop`` if given (called from its thread), else a thread."""
+        self._writer.start()
+        if loop is None:
+            self._reader.start()
+        else:
+            self._loop = loop
+            loop.add_reader(self.sock.fileno(), self._on_readable)
 
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
 
+    # ---- sending ------------------------------------------------------------------------
+
     def send(self, msg: Any, fds: Sequence[int] = ()) -> None:
-        """Queue ``msg`` (pickled here, so a message that cannot travel fails its sender);
-        the channel owns ``fds`` from here (closed once sent or dropped)."""
+        """Send ``msg`` (pickled here, so a message that cannot travel fails its sender);
+        the channel owns ``fds`` from here (closed once sent or dropped). Never blocks."""
         try:
-            payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+            data = _frame(msg, len(fds))
         except BaseException:
-            for fd in fds:
-                os.close(fd)
+            self._close_fds(fds)
             raise
-        if self._closed.is_set():
-            for fd in fds:
-                os.close(fd)
-            return
-        self._outbox.put((payload, fds))
-
-    def close(self) -> None:
-        if self._closed.is_set():
-            return
-        self._closed.set()
-        self._outbox.put(None)
-        with contextlib.suppress(OSError):
-            self.sock.shutdown(socket.SHUT_RDWR)
-
-    def join(self, timeout: float | None = None) -> None:
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout)
-
-    def _read_loop(self) -> None:
-        try:
-            while True:
-                msg, fds = recv_message(self.sock)
+        with self._send_lock:
+            if self._closed.is_set():
+                self._close_fds(fds)
+                return
+            if not self._backlog:
                 try:
-                    self._on_message(msg, fds)
-                except Exception:  # a handler bug must not end the connection silently
-                    log.exception("%s: message handler failed", self.name)
-                    for fd in fds:
-                        with contextlib.suppress(OSError):
-                            os.close(fd)
-        except (ChannelClosed, OSError, EOFError, pickle.UnpicklingError) as exc:
-            if not self._closed.is_set():
-                log.debug("%s: closed (%s)", self.name, exc)
-        finally:
-            self.close()
-            self._on_close()
+                    sent = self.sock.sendmsg([data], _anc(fds), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    log.debug("%s: send failed (%s)", self.name, exc)
+                    self._close_fds(fds)
+                    self._shutdown()
+                    return
+                if sent == len(data):
+                    self._close_fds(fds)
+                    return
+                if sent:  # the descriptors went with the first bytes
+                    self._close_fds(fds)
+                    data, fds = data[sent:], ()
+                self._backlog = True
+            self._outbox.put((data, fds))
 
     def _write_loop(self) -> None:
         while True:
             item = self._outbox.get()
             if item is None:
                 break
-            payload, fds = item
+            data, fds = item
             try:
-                _send_payload(self.sock, payload, fds)
+                sent = self.sock.sendmsg([data], _anc(fds)) if fds else 0
+                if sent < len(data):
+                    self.sock.sendall(data[sent:])
             except OSError as exc:
                 log.debug("%s: send failed (%s)", self.name, exc)
-                self.close()
+                self._shutdown()
             finally:
-                for fd in fds:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
-        # Drop what is left (descriptors included).
-        while True:
+                self._close_fds(fds)
+            with self._send_lock:
+                if self._outbox.empty():
+                    self._backlog = False
+        while True:  # drop what is left (descriptors included)
             try:
                 item = self._outbox.get_nowait()
             except queue.Empty:
                 return
             if item is not None:
-                for fd in item[1]:
-                    with contextlib.suppress(OSError):
-                        os.close(fd)
+                self._close_fds(item[1])
+
+    @staticmethod
+    def _close_fds(fds: Sequence[int]) -> None:
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # ---- receiving ----------------------------------------------------------------------
+
+    def _deliver(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+        self._decoder.fds.extend(_fds_of(anc))
+        self._decoder.buf += data
+        for msg, fds in self._decoder.frames():
+            try:
+                self._on_message(msg, fds)
+            except Exception:  # a handler bug must not end the connection silently
+                log.exception("%s: message handler failed", self.name)
+                self._close_fds(fds)
+
+    def _read_loop(self) -> None:
+        try:
+            while True:
+                data, anc, _, _ = self.sock.recvmsg(_READ, _ANC, socket.MSG_CMSG_CLOEXEC)
+                if not data:
+                    break
+                self._deliver(data, anc)
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            if not self._closed.is_set():
+                log.debug("%s: closed (%s)", self.name, exc)
+        finally:
+            self._finish()
+
+    def _on_readable(self) -> None:
+        try:
+            while True:
+                data, anc, _, _ = self.sock.recvmsg(
+                    _READ, _ANC, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+                )
+                if not data:
+                    break
+                self._deliver(data, anc)
+                if len(data) < _READ:
+                    return
+        except BlockingIOError:
+            return
+        except (OSError, EOFError, pickle.UnpicklingError) as exc:
+            if not self._closed.is_set():
+                log.debug("%s: closed (%s)", self.name, exc)
+        self._finish()
+
+    def _finish(self) -> None:
+        if self._loop is not None:
+            with contextlib.suppress(Exception):
+                self._loop.remove_reader(self.sock.fileno())
+        self.close()
+        self._decoder.close()
+        if not self._closed_reported:
+            self._closed_reported = True
+            self._on_close()
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    def _shutdown(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        self._outbox.put(None)
+        self._shutdown()
+
+    def join(self, timeout: float | None = None) -> None:
+        for t in (self._reader, self._writer):
+            if t.is_alive() and t is not threading.current_thread():
+                t.join(timeout)

@@ -41,7 +41,7 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
     link = RemoteLink(None, arena, hello.info, loop)
     channel = Channel(sock, link.on_message, link.on_close, f"frontend-{hello.slot}")
     link.channel = channel
-    channel.start()
+    channel.start(loop)  # replies are read on this loop: no thread hand-off per call
     stop = asyncio.Event()
     force = asyncio.Event()
 

@@ -1,7 +1,7 @@
 """``EngineLink`` of a front-end process: buffers in its shared arena, calls over a Channel.
 
-Runs on the front end's event loop; the channel's reader thread posts every engine message to
-the loop, so everything here is single-threaded. A call's buffers are freed only once both the
+Runs on the front end's event loop, and so does the channel's reading (``Channel.start(loop)``),
+so everything here is single-threaded. A call's buffers are freed only once both the
 call is done with them (``release``) and the engine is (its Done/Failed arrived): the engine
 may still be copying into them when a client cancels.
 """
@@ -104,15 +104,15 @@ class RemoteLink:
         self.gone = asyncio.Event()
         self.overflow_segments = 0
 
-    # ---- called by the channel's reader thread ------------------------------------------
+    # ---- called by the channel, on the event loop -----------------------------------------
 
     def on_message(self, msg: Any, fds: list[int]) -> None:
         for fd in fds:  # the engine sends none
             os.close(fd)
-        self._loop.call_soon_threadsafe(self._dispatch, msg)
+        self._dispatch(msg)
 
     def on_close(self) -> None:
-        self._loop.call_soon_threadsafe(self._engine_gone)
+        self._engine_gone()
 
     # ---- event loop ---------------------------------------------------------------------
 

@@ -1,0 +1,99 @@
+"""The server's layout holds: no import circles, leaves that stay leaves, a front end that never
+imports torch or the engine, an engine that never imports the front end."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[2] / "service" / "attention_service"
+FRONT_END = ("attention_service.frontend", "attention_service.ipc.frontend_main",
+             "attention_service.ipc.remote_link", "attention_service.ipc.channel",
+             "attention_service.ipc.messages", "attention_service.ipc.arena",
+             "attention_service.link", "attention_service.params", "attention_service.errors",
+             "attention_service.metrics", "attention_service.config")
+
+
+def _module(path: Path) -> str:
+    parts = path.relative_to(PKG.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, top_level_only: bool) -> set[str]:
+    tree = ast.parse(path.read_text())
+    nodes = tree.body if top_level_only else list(ast.walk(tree))
+    found = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def _graph(top_level_only: bool) -> dict[str, set[str]]:
+    modules = {_module(p): p for p in PKG.rglob("*.py")}
+    return {
+        m: {i for i in _imports(p, top_level_only) if i in modules and i != m}
+        for m, p in modules.items()
+    }
+
+
+def test_no_import_circles() -> None:
+    graph = _graph(top_level_only=True)
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for dep in graph[m]:
+            if state.get(dep) == 1:
+                raise AssertionError("import circle: " + " -> ".join(
+                    path[path.index(dep):] + [dep]))
+            if dep not in state:
+                visit(dep)
+        path.pop()
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+    assert len(graph) > 25  # the check saw the package
+
+
+def test_leaves_import_nothing_of_the_service_but_leaves() -> None:
+    graph = _graph(top_level_only=False)
+    leaves = {"attention_service.errors": set(),
+              "attention_service.params": set(),
+              "attention_service.link": {"attention_service.params"}}
+    for leaf, allowed in leaves.items():
+        assert graph[leaf] <= allowed, (leaf, graph[leaf])
+
+
+def test_front_end_never_imports_torch_or_the_engine() -> None:
+    for path in PKG.rglob("*.py"):
+        module = _module(path)
+        if not module.startswith(FRONT_END):
+            continue
+        for imp in _imports(path, top_level_only=False):
+            assert imp.split(".")[0] not in ("torch", "triton", "attention_kernels"), (module, imp)
+            assert not imp.startswith("attention_service.engine"), (module, imp)
+
+
+def test_engine_never_imports_the_front_end() -> None:
+    for path in (PKG / "engine").rglob("*.py"):
+        for imp in _imports(path, top_level_only=False):
+            assert not imp.startswith("attention_service.frontend"), (_module(path), imp)
+
+
+def test_a_front_end_process_runs_without_torch() -> None:
+    code = ("import sys\n"
+            "import attention_service.ipc.frontend_main, attention_service.frontend.server\n"
+            "import attention_service.frontend.servicer, attention_service.metrics\n"
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
