@@ -43,13 +43,16 @@ import grpc
 import numpy as np
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_service import _free_port, _healthy  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFER_METHOD = "/bench.Transfer/Echo"
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # ---- the bare transfer server (runs in its own process) -------------------------------------
-def _serve_transfer() -> None:
+def serve_transfer(options: list[tuple[str, Any]] | None = None) -> None:
     """Receive a stream of chunks; the first 8 bytes of the first one say how many bytes to send
     back, which go out in chunks of the same size as the largest chunk received."""
 
@@ -69,7 +72,8 @@ def _serve_transfer() -> None:
     handler = grpc.method_handlers_generic_handler(
         "bench.Transfer", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}
     )
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
+        ("grpc.max_receive_message_length", 8 << 20), *(options or [])])
     server.add_generic_rpc_handlers((handler,))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -100,14 +104,6 @@ def _start(
     raise RuntimeError(f"{cmd} did not report a port")
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _stop(proc: subprocess.Popen) -> None:
     proc.terminate()
     try:
@@ -117,20 +113,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def _wait_serving(target: str, timeout: float = 300.0) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with grpc.insecure_channel(target) as ch:
-            try:
-                r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                         timeout=5)
-                if r.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
+    while not _healthy(target):
+        if time.monotonic() > end:
+            raise RuntimeError("server never SERVING")
         time.sleep(0.5)
-    raise RuntimeError("server never SERVING")
 
 
 def _median_ms(samples: list[float]) -> float:
@@ -157,10 +144,13 @@ def _timed(fn: Callable[[], Any], iters: int, cuda: bool = False) -> list[float]
     return times
 
 
-def _transfer_seconds(
-    port: int, in_bytes: int, out_bytes: int, chunk: int, iters: int
+def transfer_seconds(
+    port: int, in_bytes: int, out_bytes: int, chunk: int, iters: int,
+    options: list[tuple[str, Any]] | None = None,
 ) -> list[float]:
-    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    """Round trips of ``in_bytes`` up in ``chunk``-byte messages and ``out_bytes`` down."""
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=[
+        ("grpc.max_receive_message_length", 8 << 20), *(options or [])])
     call = channel.stream_stream(TRANSFER_METHOD)
     payload = bytes(chunk)
 
@@ -317,7 +307,7 @@ def main() -> int:
     p.add_argument("--serve-transfer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_transfer:
-        _serve_transfer()
+        serve_transfer()
         return 0
 
     from attention_client._chunks import DEFAULT_CHUNK_BYTES
@@ -351,7 +341,7 @@ def main() -> int:
     result["ceilings"] = ceilings(args.iters)
     transfer, tport = _start([sys.executable, __file__, "--serve-transfer"], env)
     try:
-        raw = _transfer_seconds(tport, in_bytes, out_bytes, DEFAULT_CHUNK_BYTES, args.iters)
+        raw = transfer_seconds(tport, in_bytes, out_bytes, DEFAULT_CHUNK_BYTES, args.iters)
     finally:
         _stop(transfer)
     result["ceilings"]["raw_grpc_ms"] = _median_ms(raw)

@@ -24,8 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from concurrent import futures
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -33,10 +31,16 @@ from typing import Any
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import _free_port, _start, _stop, _wait_serving  # noqa: E402
+from bench_roundtrip import (  # noqa: E402
+    _start,
+    _stop,
+    _wait_serving,
+    serve_transfer,
+    transfer_seconds,
+)
+from bench_service import _free_port  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-METHOD = "/bench.Transfer/Echo"
 MiB = 1 << 20
 OPTION_SETS: dict[str, list[tuple[str, Any]]] = {
     "default": [],
@@ -46,52 +50,10 @@ OPTION_SETS: dict[str, list[tuple[str, Any]]] = {
 }
 
 
-def _serve(options: list[tuple[str, Any]]) -> None:
-    def echo(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        first = next(requests)
-        reply, chunk = int.from_bytes(first[:8], "little"), len(first)
-        for msg in requests:
-            chunk = max(chunk, len(msg))
-        payload = bytes(chunk)
-        sent = 0
-        while sent < reply:
-            n = min(chunk, reply - sent)
-            yield payload[:n]
-            sent += n
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=[
-        ("grpc.max_receive_message_length", 8 * MiB), *options])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "bench.Transfer", {"Echo": grpc.stream_stream_rpc_method_handler(echo)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    print(f"listening on port {port}", flush=True)
-    server.wait_for_termination()
-
-
 def raw(port: int, options: list[tuple[str, Any]], up: int, down: int, chunk: int,
         iters: int) -> float:
     """Median seconds of one round trip of ``up`` bytes in ``chunk``-byte messages."""
-    with grpc.insecure_channel(f"127.0.0.1:{port}", options=[
-            ("grpc.max_receive_message_length", 8 * MiB), *options]) as ch:
-        call = ch.stream_stream(METHOD)
-        payload = bytes(chunk)
-
-        def msgs() -> Iterator[bytes]:
-            sent = 0
-            while sent < up:
-                n = min(chunk, up - sent)
-                yield (down.to_bytes(8, "little") + payload[8:n]) if sent == 0 else payload[:n]
-                sent += n
-
-        times = []
-        for i in range(iters + 1):
-            t0 = time.perf_counter()
-            got = sum(len(m) for m in call(msgs()))
-            assert got == down
-            if i:
-                times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(transfer_seconds(port, up, down, chunk, iters, options))
 
 
 def service_round_trip(args: argparse.Namespace, chunk: int) -> float:
@@ -170,7 +132,7 @@ def main() -> int:
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve is not None:
-        _serve(OPTION_SETS[args.serve])
+        serve_transfer(OPTION_SETS[args.serve])
         return 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     chunks = [int(x) for x in args.chunks.split(",")]

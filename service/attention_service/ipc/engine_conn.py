@@ -44,14 +44,13 @@ log = logging.getLogger("attention_service")
 class FrontendConnection:
     def __init__(
         self, slot: int, core: EngineCore, arena: torch.Tensor, region_pool: ThreadPool,
-        on_bound: Callable[[Bound], None], on_close: Callable[[FrontendConnection], None],
+        on_bound: Callable[[Bound], None],
     ) -> None:
         self.slot = slot
         self.core = core
         self.arena = arena  # uint8 view of the front end's arena (pinned on cuda)
         self._region_pool = region_pool
         self._on_bound = on_bound
-        self._on_close = on_close
         self._lock = threading.Condition()
         self._calls: dict[int, Job | None] = {}  # in the engine; None: being submitted
         self.channel: Channel | None = None
@@ -84,7 +83,8 @@ class FrontendConnection:
                 os.close(fd)
 
     def on_channel_close(self) -> None:
-        self._on_close(self)
+        """Nothing to do here: the supervisor acts on the process's exit (``Group._watch``);
+        the channel closes when that process goes (or when the supervisor closes it)."""
 
     def _sources(self, msg: Submit, fds: list[int]) -> dict[str, Source]:
         segments: dict[int, torch.Tensor] = {}

@@ -120,7 +120,6 @@ class Group:
         conn = FrontendConnection(
             slot.index, self.core, slot.arena, self._region_pool,
             on_bound=lambda msg: self._post("bound", msg),
-            on_close=lambda conn: None,  # the process's exit is what the supervisor acts on
         )
         channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}")
         conn.attach(channel)

@@ -102,7 +102,6 @@ class RemoteLink:
         self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
         self.serving = asyncio.Event()
         self.gone = asyncio.Event()
-        self.overflow_segments = 0
 
     # ---- called by the channel, on the event loop -----------------------------------------
 
@@ -157,7 +156,6 @@ class RemoteLink:
         if block is not None:
             return RemoteBuffers(self, sizes, block, None, None, total)
         # Does not fit now (or ever): a segment of its own, sent along with the request.
-        self.overflow_segments += 1
         fd = arenas.create(total, "attention-segment")
         try:
             segment = arenas.Mapped(fd, total)
