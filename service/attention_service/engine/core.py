@@ -19,7 +19,7 @@ import torch
 from attention_service.config import ServerConfig
 from attention_service.engine.backends import TORCH_DTYPES, Backend
 from attention_service.engine.executor import Executor, LaunchObserver
-from attention_service.engine.jobs import ExecStats, Job
+from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.engine.regions import RegionRegistry
 from attention_service.errors import Cancelled, RequestError, invalid
 from attention_service.link import EngineInfo
@@ -27,7 +27,9 @@ from attention_service.params import Op, Params, RegionSpan
 
 Done = Callable[[ExecStats | BaseException], None]
 # A tensor's bytes: a uint8 tensor (host or device) of exactly its size, or a region span.
-Source = torch.Tensor | RegionSpan
+# Where a tensor's bytes are: a uint8 tensor of exactly its size (pinned buffers), a byte offset
+# into a ByteBase (a front end's arena or segment), or a span of a registered region.
+Source = torch.Tensor | tuple[ByteBase, int] | RegionSpan
 log = logging.getLogger("attention_service")
 
 
@@ -91,12 +93,12 @@ class EngineCore:
         held: list[Callable[[], None]] = []
         try:
             spans = {n: s for n, s in sources.items() if isinstance(s, RegionSpan)}
-            raw = {n: s for n, s in sources.items() if not isinstance(s, RegionSpan)}
+            placed = {n: s for n, s in sources.items() if not isinstance(s, RegionSpan)}
             if spans:
                 in_regions, release = self.regions.acquire(owner, spans)
                 held.append(release)
-                raw.update(in_regions)
-            tensors = {name: self._typed(params, name, t) for name, t in raw.items()}
+                placed.update(in_regions)
+            tensors = {name: self._typed(params, name, at) for name, at in placed.items()}
             job = Job(
                 params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
                 tensors.get("lse"),
@@ -121,14 +123,23 @@ class EngineCore:
         return self.regions.call(method, request, owner)
 
     @staticmethod
-    def _typed(params: Params, name: str, raw: torch.Tensor) -> torch.Tensor:
-        """``raw`` (uint8, exactly the tensor's bytes) viewed with the tensor's dtype/shape."""
+    def _typed(
+        params: Params, name: str, at: torch.Tensor | tuple[ByteBase, int]
+    ) -> torch.Tensor:
+        """The tensor ``name`` with its dtype and shape, from where its bytes are."""
         dtype = torch.float32 if name == "lse" else TORCH_DTYPES[params.dtype]
-        if raw.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
-            raise AssertionError(f"{name}: {raw.numel()} bytes, expected {params.nbytes(name)}")
-        if raw.data_ptr() % dtype.itemsize:  # only a region span can be misaligned
-            raise invalid(
-                f"header.regions.{name}.offset",
-                f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
-            )
-        return raw.view(dtype).view(params.shape(name))
+        shape = params.shape(name)
+        if isinstance(at, tuple):
+            base, offset = at
+            if offset + params.nbytes(name) > base.nbytes:  # the front end sized it: a bug
+                raise AssertionError(f"{name}: bytes past the end of their block")
+            try:
+                return base.view(offset, dtype, shape)
+            except ValueError:  # only a region span can be misaligned
+                raise invalid(
+                    f"header.regions.{name}.offset",
+                    f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
+                ) from None
+        if at.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
+            raise AssertionError(f"{name}: {at.numel()} bytes, expected {params.nbytes(name)}")
+        return at.view(dtype).view(shape)

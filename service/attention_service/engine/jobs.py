@@ -57,3 +57,29 @@ class DoneLaunch:
 
 class CancelFlag(Protocol):
     def is_set(self) -> bool: ...
+
+
+class ByteBase:
+    """A block of bytes (an arena, a region, a segment) that hands out typed tensors at byte
+    offsets with one ``as_strided`` each, from a typed view per dtype made once. (A slice plus
+    two views per tensor cost about a sixth of the engine's time per request: measured.)"""
+
+    def __init__(self, u8: torch.Tensor) -> None:
+        self.u8 = u8
+        self.nbytes = int(u8.numel())
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
+
+    def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        """``shape`` of ``dtype`` at byte ``offset``; ValueError if misaligned for ``dtype``.
+        The caller has checked that the bytes lie inside the block."""
+        size = dtype.itemsize
+        if (self.u8.data_ptr() + offset) % size:
+            raise ValueError(f"offset {offset} leaves {dtype} misaligned")
+        typed = self._typed.get(dtype)
+        if typed is None:
+            typed = self._typed[dtype] = self.u8[: self.nbytes - self.nbytes % size].view(dtype)
+        strides, step = [], 1
+        for dim in reversed(shape):
+            strides.append(step)
+            step *= dim
+        return typed.as_strided(shape, strides[::-1], typed.storage_offset() + offset // size)

@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 import torch
 
+from attention_service.engine.jobs import ByteBase
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import RegionSpan
 from attention_wire import cuda_ipc, shm
@@ -59,10 +60,14 @@ class _Region:
     closer: Callable[[], None]
     inflight: int = 0
     dropped: bool = False
+    base: ByteBase = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.base = ByteBase(self.tensor)
 
     @property
     def size(self) -> int:
-        return self.tensor.numel()
+        return self.base.nbytes
 
     def info(self) -> pb.RegionInfo:
         return pb.RegionInfo(name=self.name, kind=self.kind, byte_size=self.tensor.numel(),
@@ -159,9 +164,10 @@ class RegionRegistry:
 
     def acquire(
         self, owner: str, spans: Mapping[str, RegionSpan]
-    ) -> tuple[dict[str, torch.Tensor], Callable[[], None]]:
-        """The spans' bytes (uint8 views, by tensor name), each checked against its region,
-        and the release to call once the call is done (the regions count it as in flight)."""
+    ) -> tuple[dict[str, tuple[ByteBase, int]], Callable[[], None]]:
+        """Where the spans' bytes are (each region's ByteBase and the span's offset, by tensor
+        name), each checked against its region, and the release to call once the call is done
+        (the regions count it as in flight)."""
         found: dict[str, _Region] = {}
         held: list[_Region] = []
         with self._lock:
@@ -180,8 +186,7 @@ class RegionRegistry:
                     held.append(region)
             for region in held:
                 region.inflight += 1
-        # Held (in flight): the mappings stay; the views need no lock.
-        views = {n: r.tensor[spans[n].offset : spans[n].end] for n, r in found.items()}
+        views = {n: (r.base, spans[n].offset) for n, r in found.items()}
         released = False
 
         def release() -> None:

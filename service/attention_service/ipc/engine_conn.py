@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from attention_service.engine.core import EngineCore, Source
-from attention_service.engine.jobs import ExecStats, Job
+from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.errors import RequestError
 from attention_service.ipc.channel import Channel
 from attention_service.ipc.messages import (
@@ -48,7 +48,7 @@ class FrontendConnection:
     ) -> None:
         self.slot = slot
         self.core = core
-        self.arena = arena  # uint8 view of the front end's arena (pinned on cuda)
+        self.arena = ByteBase(arena)  # the front end's arena (page-locked on cuda)
         self._region_pool = region_pool
         self._on_bound = on_bound
         self._lock = threading.Condition()
@@ -87,19 +87,18 @@ class FrontendConnection:
         the channel closes when that process goes (or when the supervisor closes it)."""
 
     def _sources(self, msg: Submit, fds: list[int]) -> dict[str, Source]:
-        segments: dict[int, torch.Tensor] = {}
+        segments: dict[int, ByteBase] = {}
         sources: dict[str, Source] = {}
         for name, span in msg.spans.items():
             if isinstance(span, ArenaSpan):
-                sources[name] = self.arena[span.offset : span.offset + span.nbytes]
+                sources[name] = (self.arena, span.offset)
             elif isinstance(span, SegmentSpan):
                 if span.fd_index not in segments:
                     # Unmapped when the last tensor viewing it goes (after the call's done).
                     fd = fds[span.fd_index]
                     mm = mmap.mmap(fd, os.fstat(fd).st_size)
-                    segments[span.fd_index] = torch.frombuffer(mm, dtype=torch.uint8)
-                seg = segments[span.fd_index]
-                sources[name] = seg[span.offset : span.offset + span.nbytes]
+                    segments[span.fd_index] = ByteBase(torch.frombuffer(mm, dtype=torch.uint8))
+                sources[name] = (segments[span.fd_index], span.offset)
             elif isinstance(span, RegionSpan):
                 sources[name] = span
             else:
