@@ -106,6 +106,7 @@ def _register_raw(stub, **cuda):  # type: ignore[no-untyped-def]
 
 
 def test_bad_cuda_registrations_name_the_field(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    torch.cuda.set_device(0)  # the driver API needs the primary context current (cuda_ipc)
     mem = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
     exp = cuda_ipc.export(mem.data_ptr())
     uuid = cuda_ipc.device_uuid(0)
