@@ -43,11 +43,11 @@ def new_key(prefix: str = "attention") -> str:
 
 @dataclass
 class Mapping:
-    """``size`` bytes of an object mapped read-write from ``start``; ``view`` is exactly them."""
+    """``size`` bytes of an object mapped read-write from ``start``; ``view`` is exactly them
+    (``mm`` starts at the page below ``start``: mmap offsets must be page-aligned)."""
 
     mm: mmap.mmap
     view: memoryview
-    base_offset: int  # where ``view`` starts inside ``mm`` (mmap offsets must be page-aligned)
 
     def close(self) -> None:
         self.view.release()
@@ -78,7 +78,7 @@ def map_object(key: str, start: int, size: int, *, create: bool = False) -> Mapp
     finally:
         os.close(fd)
     skip = start - aligned
-    return Mapping(mm, memoryview(mm)[skip : skip + size], skip)
+    return Mapping(mm, memoryview(mm)[skip : skip + size])
 
 
 def unlink(key: str) -> None:

@@ -35,8 +35,6 @@ from attention_service.link import EngineInfo
 from attention_service.params import Op
 
 COMPUTE_RPCS = tuple(op.rpc for op in Op)
-REGION_RPCS = ("RegisterRegion", "UnregisterRegion", "ListRegions")
-RPCS = (*COMPUTE_RPCS, "GetServerInfo", *REGION_RPCS)
 STAGES = ("h2d", "kernel", "d2h")
 
 _DURATION = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

@@ -31,10 +31,6 @@ class Op(enum.Enum):
     def rpc(self) -> str:
         return self.value
 
-    @classmethod
-    def from_rpc(cls, rpc: str) -> Op:
-        return cls(rpc)
-
     def lse_shape(self, rows: int, heads: int) -> tuple[int, int]:
         """The kernels' lse layout: prefill ``[H, total_q]``, decode ``[batch, H]``."""
         return (heads, rows) if self is Op.PREFILL else (rows, heads)

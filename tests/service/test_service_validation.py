@@ -220,3 +220,11 @@ def test_exactly_at_limit_is_accepted(start_server) -> None:  # type: ignore[no-
 def test_causal_pairs_counts_visible_keys(sq: int, sk: int) -> None:
     brute = sum(1 for i in range(sq) for j in range(sk) if j <= i + sk - sq)
     assert _causal_pairs(sq, sk) == brute
+
+
+def test_front_end_head_dim_rule_is_the_kernels() -> None:
+    """validation.py repeats the kernels' rule (front ends do not import torch): keep them equal."""
+    from attention_kernels._checks import supported_head_dim as kernels_rule
+    from attention_service.frontend.validation import supported_head_dim
+
+    assert all(supported_head_dim(d) == kernels_rule(d) for d in range(-8, 300))

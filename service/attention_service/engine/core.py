@@ -46,7 +46,7 @@ def as_request_failure(exc: BaseException) -> BaseException:
         log.warning("validation gap: %s", exc)
         return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"rejected by the kernel: {exc}")
     log.error("internal error in a launch", exc_info=exc)
-    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+    return RequestError.internal(exc)
 
 
 def _dist_version(name: str) -> str:

@@ -46,11 +46,6 @@ log = logging.getLogger("attention_service")
 MAX_REGIONS_PER_OWNER = 64
 
 
-class _Backend:  # the part of a Backend the registry needs
-    name: str
-    device: torch.device
-
-
 @dataclass(eq=False)
 class _Region:
     owner: str

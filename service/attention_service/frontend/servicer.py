@@ -165,7 +165,8 @@ class AttentionServicer:
             refusal = (code, "call ended before its compute finished")
         except Exception as exc:
             log.exception("rpc=%s internal error", op.rpc)
-            refusal = (grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            internal = RequestError.internal(exc)
+            refusal = (internal.code, internal.details)
         finally:
             if received is not None:
                 received.buffers.release()

@@ -31,7 +31,6 @@ INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
 # One output row must fit one default-sized response message (see streams.output_messages).
 MAX_ROW_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
 MAX_HEAD_DIM = 256
-INT32_MAX = (1 << 31) - 1
 
 
 def supported_head_dim(head_dim: int) -> bool:

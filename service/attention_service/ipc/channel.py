@@ -64,14 +64,6 @@ def _anc(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
     return [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds).tobytes())]
 
 
-def send_message(sock: socket.socket, msg: Any, fds: Sequence[int] = ()) -> None:
-    """One message (blocking), for the handshake before a Channel exists."""
-    data = _frame(msg, len(fds))
-    sent = sock.sendmsg([data], _anc(fds))
-    if sent < len(data):
-        sock.sendall(data[sent:])
-
-
 def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
     """One message (blocking), for the handshake: reads exactly one frame."""
     fds: list[int] = []
@@ -287,8 +279,3 @@ class Channel:
         self._closed.set()
         self._outbox.put(None)
         self._shutdown()
-
-    def join(self, timeout: float | None = None) -> None:
-        for t in (self._reader, self._writer):
-            if t.is_alive() and t is not threading.current_thread():
-                t.join(timeout)

@@ -80,7 +80,6 @@ class _Slot:
     unpin: Any
     proc: subprocess.Popen[bytes] | None = None
     conn: Any = None
-    pid: int = 0
     bound: bool = False
     deaths: list[float] = field(default_factory=list)
 
@@ -124,7 +123,7 @@ class Group:
         channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}")
         conn.attach(channel)
         channel.start()
-        slot.proc, slot.conn, slot.pid, slot.bound = proc, conn, proc.pid, False
+        slot.proc, slot.conn, slot.bound = proc, conn, False
         config = self.config.replace(port=self.port)
         channel.send(Hello(config, self.core.info, slot.index, self.config.arena_bytes))
         threading.Thread(target=self._watch, args=(slot, proc), daemon=True,
