@@ -8,6 +8,7 @@
 #   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
+#   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback):
 #              every data path with 1, 2, 4 and 8 front ends, aggregate gRPC at 8 and 16 clients
 #   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
@@ -17,6 +18,8 @@
 #   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
 #              profiles (carry the py-spy wheel in .whl) of a process group under shm load
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
+#   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
+#              the cache; batching on/off; 1, 8, 64 clients)
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
 #              variables), a headless Locust run of LOCUST_TIME (default 3m) with LOCUST_USERS
 #              (32) users in LOCUST_PROCESSES load processes (default: one), then SIGTERM
@@ -89,11 +92,12 @@ for s in "$@"; do
   case $s in
     tests) stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
              tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
-             tests/service/test_regions_gpu.py ;;
+             tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py ;;
     service-tests) stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \
              --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
-             tests/service/test_regions_gpu.py ;;
+             tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
+    paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
     roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
                  --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 6 \
                  --agg-seconds 6 --out "$OUT" ;;
@@ -108,6 +112,8 @@ for s in "$@"; do
     service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
                --warmup 2 --prime 3 --clients 1,8,32,64 --path shm --out "$OUT" ;;
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
+    sessions) stage sessions 560 python3 benchmarks/bench_sessions.py --duration 6 --warmup 2 \
+                --clients 1,8,64 --out "$OUT" ;;
     locust) export OUT; export -f locust_run; stage locust 420 bash -c locust_run ;;
     *) echo "unknown stage $s"; status=1 ;;
   esac

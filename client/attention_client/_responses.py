@@ -75,7 +75,17 @@ def _name(dtype: int) -> str:
 
 
 def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
-    return {f.name: getattr(stats, f.name) for f in stats.DESCRIPTOR.fields}
+    """The stats as plain Python values (repeated fields as lists)."""
+    return {
+        f.name: list(getattr(stats, f.name)) if _is_repeated(f) else getattr(stats, f.name)
+        for f in stats.DESCRIPTOR.fields
+    }
+
+
+def _is_repeated(field: Any) -> bool:
+    # FieldDescriptor.label is deprecated in newer protobuf; is_repeated replaces it.
+    rep = getattr(field, "is_repeated", None)
+    return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
 
 
 class ResponseAssembler:
@@ -141,3 +151,23 @@ def server_info_dict(info: pb.ServerInfo) -> dict[str, Any]:
             value = list(value)
         out[field.name] = value
     return out
+
+
+def cache_info_dict(info: pb.CacheInfo) -> dict[str, Any]:
+    """CacheInfo as plain values, its layout flattened (dtype by name: "FLOAT16", ...)."""
+    return {
+        "cache_id": info.cache_id,
+        "dtype": pb.DType.Name(info.layout.dtype),
+        "num_kv_heads": info.layout.num_kv_heads,
+        "head_dim": info.layout.head_dim,
+        "length": info.length,
+        "pages": info.pages,
+        "shared_pages": info.shared_pages,
+        "idle_seconds": info.idle_seconds,
+        "busy": info.busy,
+    }
+
+
+def pool_info_dict(pool: pb.KvPoolInfo) -> dict[str, Any]:
+    """KvPoolInfo as a dict (page_bytes, pages_total/used/free, caches_live, ttl_seconds)."""
+    return {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}

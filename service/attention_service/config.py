@@ -67,6 +67,17 @@ class ServerConfig:
     # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
     # is loopback; off otherwise, so no remote caller can make the server map host memory).
     regions: str = "auto"
+    # Server-side KV caches (CreateCaches / CacheDecode ...): the pool's bytes, allocated once
+    # at start on the engine's device (0 = caches off; -1 = auto: a quarter of the device
+    # memory free at start on cuda, 1 GiB of lazily touched host memory on cpu).
+    kv_cache_bytes: int = -1
+    # One page of that pool. 64 KiB holds 16 tokens of the common 8 kv heads x 128 bf16 layout
+    # (vLLM's block size); see docs/service.md for the measurement.
+    kv_page_bytes: int = 64 << 10
+    # Idle seconds after which a cache no call uses is released (0 = never).
+    kv_cache_ttl: float = 600.0
+    # Caches one caller (token) may hold at once.
+    max_caches: int = 1 << 20
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -94,6 +105,12 @@ class ServerConfig:
             raise ValueError("arena_bytes must be at least 1 MiB")
         if self.regions not in ("auto", "on", "off"):
             raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
+        if self.kv_cache_bytes < -1:
+            raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")
+        if self.kv_page_bytes < 256 or self.kv_page_bytes % 256:
+            raise ValueError("kv_page_bytes must be a positive multiple of 256")
+        if self.kv_cache_ttl < 0 or self.max_caches < 1:
+            raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
         if self.auth_token is not None and not all(self.tokens):
             raise ValueError("auth_token: empty token in the comma-separated list")
 
@@ -150,6 +167,10 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),
     "regions": ("--regions", "ATTENTION_REGIONS", str),
+    "kv_cache_bytes": ("--kv-cache-bytes", "ATTENTION_KV_CACHE_BYTES", int),
+    "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
+    "kv_cache_ttl": ("--kv-cache-ttl", "ATTENTION_KV_CACHE_TTL", float),
+    "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
 }
 
 

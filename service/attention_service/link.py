@@ -34,6 +34,8 @@ class EngineInfo:
     torch_version: str
     triton_version: str
     cuda_version: str
+    kv_cache_bytes: int = 0  # the KV-cache pool (0: caches off)
+    kv_page_bytes: int = 0
 
 
 class ExecStats(NamedTuple):
@@ -46,6 +48,8 @@ class ExecStats(NamedTuple):
     d2h_seconds: float
     batch_requests: int  # requests merged into that launch
     batch_tokens: int  # tokens in that launch
+    flops: int = 0  # this request's work (for cached ops known only to the engine)
+    cache_lengths: tuple[int, ...] = ()  # cached ops: each cache's tokens afterwards
 
 
 class Buffers(Protocol):
@@ -73,7 +77,8 @@ class EngineLink(Protocol):
         cancelling the await cancels the request."""
         ...
 
-    async def region_call(self, method: str, request: Any, owner: str) -> Any:
-        """RegisterRegion / UnregisterRegion / ListRegions for ``owner``: the pb request in,
-        the pb reply out."""
+    async def control_call(self, method: str, request: Any, owner: str) -> Any:
+        """A unary control rpc for ``owner`` (RegisterRegion, UnregisterRegion, ListRegions,
+        CreateCaches, ReleaseCaches, ForkCache, ListCaches): the pb request in, the pb reply
+        out. Raises RequestError for a refusal."""
         ...

@@ -28,7 +28,12 @@ from prometheus_client import (
     Histogram,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from attention_service.link import EngineInfo
@@ -54,12 +59,15 @@ class LiveCollector(Collector):
     def __init__(
         self, info: EngineInfo, versions: dict[str, str], queue_depth: Callable[[Op], int],
         memory: Callable[[], tuple[int, int]], frontends: Callable[[], int],
+        kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
     ) -> None:
+        """``kv_caches``: (pages used, pages total, caches live, caches expired so far)."""
         self._info = info
         self._versions = versions
         self._queue_depth = queue_depth
         self._memory = memory
         self._frontends = frontends
+        self._kv_caches = kv_caches
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check for clashes at registration; collect() says it all
@@ -79,6 +87,17 @@ class LiveCollector(Collector):
         yield GaugeMetricFamily("attention_frontends",
                                 "gRPC front-end processes alive (1 in a single process).",
                                 value=self._frontends())
+        used, total, live, expired = self._kv_caches()
+        page = self._info.kv_page_bytes
+        yield GaugeMetricFamily("attention_kv_pool_used_bytes",
+                                "KV-cache pool bytes held by caches (whole pages).",
+                                value=used * page)
+        yield GaugeMetricFamily("attention_kv_pool_bytes", "KV-cache pool size (0: caches off).",
+                                value=total * page)
+        yield GaugeMetricFamily("attention_kv_caches", "KV caches alive, all callers.",
+                                value=live)
+        yield CounterMetricFamily("attention_kv_caches_expired",
+                                  "KV caches released by the idle TTL.", value=expired)
         # Exposed as attention_device_info{...} 1.
         yield InfoMetricFamily(
             "attention_device", "Device and versions.",
@@ -209,7 +228,9 @@ class Metrics:
             self.stage.labels(rpc=rpc, stage=stage).observe(seconds)
         if kernel <= 0:
             return
-        if op is Op.PREFILL:
+        if op is Op.APPEND_KV:
+            return  # stores only: no attention to rate
+        if not op.decode_like:
             tflops = flops / kernel / 1e12
             self.prefill_tflops.observe(tflops)
             self.prefill_tflops_recent.set(tflops)

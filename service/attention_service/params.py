@@ -13,8 +13,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attention_service.errors import invalid
 from attention_wire.pb import attention_pb2 as pb
 
+MAX_CACHE_ID_BYTES = 256
 ELEMENT_BYTES: dict[int, int] = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
 INPUTS = ("q", "k", "v")
 OUTPUTS = ("out", "lse")
@@ -22,22 +24,38 @@ LSE_BYTES = 4  # float32
 
 
 class Op(enum.Enum):
-    """The two compute rpcs. The per-kind rules live on this class, not in string switches."""
+    """The compute rpcs. The per-kind rules live on this class, not in string switches."""
 
     PREFILL = "Prefill"
     DECODE = "Decode"
+    APPEND_KV = "AppendKV"  # a cache prefill without queries: k/v stored, nothing computed
+    CACHE_PREFILL = "CachePrefill"
+    CACHE_DECODE = "CacheDecode"
 
     @property
     def rpc(self) -> str:
         return self.value
 
+    @property
+    def decode_like(self) -> bool:
+        """One query per sequence, DecodeHeader on the wire, lse ``[batch, H]``."""
+        return self is Op.DECODE or self is Op.CACHE_DECODE
+
+    @property
+    def cached(self) -> bool:
+        """Runs against server-side KV caches (its k/v are the sequences' new tokens)."""
+        return self in _CACHED
+
     def lse_shape(self, rows: int, heads: int) -> tuple[int, int]:
         """The kernels' lse layout: prefill ``[H, total_q]``, decode ``[batch, H]``."""
-        return (heads, rows) if self is Op.PREFILL else (rows, heads)
+        return (rows, heads) if self.decode_like else (heads, rows)
 
     def lse_rows(self, lse: Any, start: int, stop: int) -> Any:
         """Query rows ``start:stop`` of an lse in this op's layout (columns for prefill)."""
-        return lse[:, start:stop] if self is Op.PREFILL else lse[start:stop]
+        return lse[start:stop] if self.decode_like else lse[:, start:stop]
+
+
+_CACHED = frozenset((Op.APPEND_KV, Op.CACHE_PREFILL, Op.CACHE_DECODE))
 
 
 @dataclass(frozen=True)
@@ -70,6 +88,11 @@ class Params:
     return_lse: bool
     num_splits: int  # decode only (0 = the server's choice)
     flops: int  # this request's floating-point operations (causal work counted once)
+    # Cached ops: one cache per sequence, and whether the new k/v tokens are kept. Their k/v
+    # hold only new tokens, so ``flops`` above counts only those; the engine, which knows the
+    # cached lengths, computes the real work.
+    cache_ids: tuple[str, ...] = ()
+    store: bool = False
 
     @property
     def num_heads(self) -> int:
@@ -94,14 +117,16 @@ class Params:
 
     @property
     def tokens(self) -> int:
-        """The batch-token unit: queries for prefill, keys for decode."""
-        return self.q_shape[0] if self.op is Op.PREFILL else self.k_shape[0]
+        """The batch-token unit: keys for decode, queries for prefill (new keys for AppendKV)."""
+        if self.op.decode_like or self.op is Op.APPEND_KV:
+            return self.k_shape[0]
+        return self.q_shape[0]
 
     @property
     def budget_tokens(self) -> int:
         """Weight against the batching token budget: keys for decode; for prefill the larger of
         queries and keys, so a few queries over a long cached prefix still count as large."""
-        if self.op is Op.DECODE:
+        if self.op.decode_like:
             return self.k_shape[0]
         return max(self.q_shape[0], self.k_shape[0])
 
@@ -138,6 +163,19 @@ class Params:
         return self.nbytes("k") + self.nbytes("v")
 
 
+def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
+    """Cache ids as the server accepts them: 1-256 bytes of UTF-8 each, none twice."""
+    seen: set[str] = set()
+    for i, cid in enumerate(ids):
+        size = len(cid.encode())
+        if not 1 <= size <= MAX_CACHE_ID_BYTES:
+            raise invalid(f"{field}[{i}]", f"{size} bytes; ids take 1-{MAX_CACHE_ID_BYTES}")
+        if cid in seen:
+            raise invalid(f"{field}[{i}]", f"{cid!r} appears twice")
+        seen.add(cid)
+    return tuple(ids)
+
+
 def lengths(cu: Sequence[int]) -> list[int]:
     return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
@@ -160,12 +198,13 @@ def make_params(
     op: Op, dtype: int, q_shape: tuple[int, int, int], k_shape: tuple[int, int, int],
     cu_seqlens_k: Sequence[int], cu_seqlens_q: Sequence[int] | None = None, *,
     causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
-    num_splits: int = 0,
+    num_splits: int = 0, cache_ids: Sequence[str] = (), store: bool = False,
 ) -> Params:
-    """Params with the derived fields (max lengths, FLOPs) computed; inputs already checked."""
+    """Params with the derived fields (max lengths, FLOPs) computed; inputs already checked.
+    For cached ops the lengths and FLOPs count only the request's new tokens."""
     heads, dim = q_shape[1], q_shape[2]
     len_k = lengths(cu_seqlens_k)
-    if op is Op.PREFILL:
+    if not op.decode_like:
         assert cu_seqlens_q is not None
         len_q = lengths(cu_seqlens_q)
         if causal:
@@ -180,5 +219,6 @@ def make_params(
         cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
         cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k),
         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-        num_splits=num_splits if op is Op.DECODE else 0, flops=4 * pairs * heads * dim,
+        num_splits=num_splits if op.decode_like else 0, flops=4 * pairs * heads * dim,
+        cache_ids=tuple(cache_ids), store=store or op is Op.APPEND_KV,
     )

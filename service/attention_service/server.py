@@ -70,7 +70,7 @@ async def create_server(
     metrics = Metrics()
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
-                               lambda: 1))
+                               lambda: 1, core.caches.gauges))
     frontend = await start_frontend(config, LocalLink(core), metrics)
     server = AttentionServer(frontend=frontend, core=core, metrics=metrics, port=frontend.port)
     try:

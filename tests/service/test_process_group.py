@@ -20,9 +20,11 @@ from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from .group_helpers import Group, connect_to
+from .kv_helpers import Model, append_messages, cache_decode_messages, layout
 from .svc_helpers import (
     TOLERANCE,
     collect,
+    decode_oracle,
     health_status,
     prefill_messages,
     prefill_oracle,
@@ -78,6 +80,31 @@ def test_every_frontend_serves_correct_answers(group: Group) -> None:
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         assert info.frontends == 2 and info.backend == "cpu"
     assert wait_until(lambda: _frontends_in_log(group, start) == {"frontend 0", "frontend 1"})
+
+
+def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:
+    """A cache created and filled through one front-end process serves decode steps through
+    the other: caches, like the executor, belong to the engine."""
+    stubs = [pb_grpc.AttentionServiceStub(connect_to(group, pid))
+             for _, pid in sorted(group.frontend_pids().items())]
+    stubs[0].CreateCaches(pb.CreateCachesRequest(
+        cache_ids=["s0", "s1"], layout=layout(torch.float32, 2, 16)), timeout=10)
+    model = Model(2, 16, torch.float32)
+    model.create(["s0", "s1"])
+    _, k, v = random_qkv(0, 30, 4, 2, 16, torch.float32, seed=5)
+    collect(stubs[0].AppendKV(append_messages(["s0", "s1"], k, v, [12, 18]), timeout=30))
+    model.append(["s0", "s1"], k, v, [12, 18])
+    for step, stub in enumerate([stubs[1], stubs[0], stubs[1]]):
+        q, kn, vn = random_qkv(2, 2, 4, 2, 16, torch.float32, seed=50 + step)
+        r = collect(stub.CacheDecode(cache_decode_messages(["s0", "s1"], q, kn, vn),
+                                     timeout=30))
+        model.append(["s0", "s1"], kn, vn, [1, 1])
+        kk, vv, cu = model.packed(["s0", "s1"])
+        _check(r, decode_oracle(q, kk, vv, cu)[0])
+        assert list(r.stats.cache_lengths) == [13 + step, 19 + step]
+    listed = stubs[1].ListCaches(pb.ListCachesRequest(), timeout=10)
+    assert [c.length for c in listed.caches] == [15, 21]
+    assert stubs[1].ReleaseCaches(pb.ReleaseCachesRequest(all=True), timeout=10).released == 2
 
 
 def test_frontends_never_load_torch(group: Group) -> None:

@@ -37,7 +37,7 @@ def _contract_metrics() -> dict[str, tuple[str, set[str]]]:
 
 def test_contract_table_parsed() -> None:
     rows = _contract_metrics()
-    assert len(rows) == 23 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
+    assert len(rows) == 27 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
 
 
 def test_metric_names_types_labels_match_contract(start_server) -> None:  # type: ignore[no-untyped-def]

@@ -80,8 +80,16 @@ class TensorRegions(_message.Message):
     lse: RegionSpan
     def __init__(self, q: _Optional[_Union[RegionSpan, _Mapping]] = ..., k: _Optional[_Union[RegionSpan, _Mapping]] = ..., v: _Optional[_Union[RegionSpan, _Mapping]] = ..., out: _Optional[_Union[RegionSpan, _Mapping]] = ..., lse: _Optional[_Union[RegionSpan, _Mapping]] = ...) -> None: ...
 
+class CacheTarget(_message.Message):
+    __slots__ = ("cache_ids", "store")
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    STORE_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    store: bool
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., store: _Optional[bool] = ...) -> None: ...
+
 class PrefillHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions")
+    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions", "cache")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +99,7 @@ class PrefillHeader(_message.Message):
     SOFTMAX_SCALE_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -100,7 +109,8 @@ class PrefillHeader(_message.Message):
     softmax_scale: float
     return_lse: bool
     regions: TensorRegions
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ...) -> None: ...
+    cache: CacheTarget
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -111,7 +121,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class DecodeHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions")
+    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +130,7 @@ class DecodeHeader(_message.Message):
     NUM_SPLITS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -128,7 +139,8 @@ class DecodeHeader(_message.Message):
     num_splits: int
     return_lse: bool
     regions: TensorRegions
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ...) -> None: ...
+    cache: CacheTarget
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -153,7 +165,7 @@ class OutputChunk(_message.Message):
     def __init__(self, field: _Optional[_Union[OutputField, str]] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., row_start: _Optional[int] = ..., row_count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class RequestStats(_message.Message):
-    __slots__ = ("queue_seconds", "h2d_seconds", "kernel_seconds", "d2h_seconds", "bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens", "region_bytes_in", "region_bytes_out")
+    __slots__ = ("queue_seconds", "h2d_seconds", "kernel_seconds", "d2h_seconds", "bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens", "region_bytes_in", "region_bytes_out", "cache_lengths")
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     H2D_SECONDS_FIELD_NUMBER: _ClassVar[int]
     KERNEL_SECONDS_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +177,7 @@ class RequestStats(_message.Message):
     BATCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     REGION_BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     queue_seconds: float
     h2d_seconds: float
     kernel_seconds: float
@@ -176,7 +189,8 @@ class RequestStats(_message.Message):
     batch_tokens: int
     region_bytes_in: int
     region_bytes_out: int
-    def __init__(self, queue_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., d2h_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., flops: _Optional[float] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., region_bytes_in: _Optional[int] = ..., region_bytes_out: _Optional[int] = ...) -> None: ...
+    cache_lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, queue_seconds: _Optional[float] = ..., h2d_seconds: _Optional[float] = ..., kernel_seconds: _Optional[float] = ..., d2h_seconds: _Optional[float] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., flops: _Optional[float] = ..., batch_requests: _Optional[int] = ..., batch_tokens: _Optional[int] = ..., region_bytes_in: _Optional[int] = ..., region_bytes_out: _Optional[int] = ..., cache_lengths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AttentionResponse(_message.Message):
     __slots__ = ("chunk", "stats")
@@ -191,7 +205,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -206,6 +220,8 @@ class ServerInfo(_message.Message):
     BATCHING_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     FRONTENDS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -220,7 +236,9 @@ class ServerInfo(_message.Message):
     batching: bool
     regions: bool
     frontends: int
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ...) -> None: ...
+    kv_cache_bytes: int
+    kv_page_bytes: int
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ...) -> None: ...
 
 class SystemRegion(_message.Message):
     __slots__ = ("key", "offset")
@@ -285,3 +303,99 @@ class ListRegionsResponse(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     regions: _containers.RepeatedCompositeFieldContainer[RegionInfo]
     def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
+
+class CacheLayout(_message.Message):
+    __slots__ = ("dtype", "num_kv_heads", "head_dim")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    num_kv_heads: int
+    head_dim: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+
+class CreateCachesRequest(_message.Message):
+    __slots__ = ("cache_ids", "layout")
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    layout: CacheLayout
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ...) -> None: ...
+
+class CreateCachesResponse(_message.Message):
+    __slots__ = ("created",)
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    created: int
+    def __init__(self, created: _Optional[int] = ...) -> None: ...
+
+class ReleaseCachesRequest(_message.Message):
+    __slots__ = ("cache_ids", "all")
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    all: bool
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., all: _Optional[bool] = ...) -> None: ...
+
+class ReleaseCachesResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class ForkCacheRequest(_message.Message):
+    __slots__ = ("source_id", "target_id", "length")
+    SOURCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TARGET_ID_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    source_id: str
+    target_id: str
+    length: int
+    def __init__(self, source_id: _Optional[str] = ..., target_id: _Optional[str] = ..., length: _Optional[int] = ...) -> None: ...
+
+class CacheInfo(_message.Message):
+    __slots__ = ("cache_id", "layout", "length", "pages", "shared_pages", "idle_seconds", "busy")
+    CACHE_ID_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_PAGES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    BUSY_FIELD_NUMBER: _ClassVar[int]
+    cache_id: str
+    layout: CacheLayout
+    length: int
+    pages: int
+    shared_pages: int
+    idle_seconds: float
+    busy: bool
+    def __init__(self, cache_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., length: _Optional[int] = ..., pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
+
+class KvPoolInfo(_message.Message):
+    __slots__ = ("page_bytes", "pages_total", "pages_used", "pages_free", "caches_live", "ttl_seconds")
+    PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
+    CACHES_LIVE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    page_bytes: int
+    pages_total: int
+    pages_used: int
+    pages_free: int
+    caches_live: int
+    ttl_seconds: float
+    def __init__(self, page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_free: _Optional[int] = ..., caches_live: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
+class ListCachesRequest(_message.Message):
+    __slots__ = ("cache_ids",)
+    CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    cache_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListCachesResponse(_message.Message):
+    __slots__ = ("caches", "pool")
+    CACHES_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    caches: _containers.RepeatedCompositeFieldContainer[CacheInfo]
+    pool: KvPoolInfo
+    def __init__(self, caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ..., pool: _Optional[_Union[KvPoolInfo, _Mapping]] = ...) -> None: ...

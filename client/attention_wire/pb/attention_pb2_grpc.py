@@ -65,6 +65,41 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
                 _registered_method=True)
+        self.CreateCaches = channel.unary_unary(
+                '/attention.v1.AttentionService/CreateCaches',
+                request_serializer=attention_dot_v1_dot_attention__pb2.CreateCachesRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.CreateCachesResponse.FromString,
+                _registered_method=True)
+        self.AppendKV = channel.stream_stream(
+                '/attention.v1.AttentionService/AppendKV',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+                _registered_method=True)
+        self.CachePrefill = channel.stream_stream(
+                '/attention.v1.AttentionService/CachePrefill',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+                _registered_method=True)
+        self.CacheDecode = channel.stream_stream(
+                '/attention.v1.AttentionService/CacheDecode',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+                _registered_method=True)
+        self.ForkCache = channel.unary_unary(
+                '/attention.v1.AttentionService/ForkCache',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ForkCacheRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.CacheInfo.FromString,
+                _registered_method=True)
+        self.ReleaseCaches = channel.unary_unary(
+                '/attention.v1.AttentionService/ReleaseCaches',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ReleaseCachesRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ReleaseCachesResponse.FromString,
+                _registered_method=True)
+        self.ListCaches = channel.unary_unary(
+                '/attention.v1.AttentionService/ListCaches',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ListCachesRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ListCachesResponse.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -122,6 +157,66 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateCaches(self, request, context):
+        """Creates empty KV caches of one layout. Errors: FAILED_PRECONDITION when caches are off;
+        ALREADY_EXISTS for an id in use (nothing is created); INVALID_ARGUMENT naming the bad field.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendKV(self, request_iterator, context):
+        """Appends keys and values to caches: a PrefillHeader with k, v, cu_seqlens_k (one sequence
+        per cache) and `cache`, and no q; the response is RequestStats alone (cache_lengths).
+        Errors: NOT_FOUND for an unknown cache; INVALID_ARGUMENT when k/v do not match a cache's
+        layout; RESOURCE_EXHAUSTED when the pool is full (nothing is stored); ABORTED when another
+        call is using one of the caches.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CachePrefill(self, request_iterator, context):
+        """Prefill against caches: each sequence's queries attend to its cache's tokens plus the
+        request's new k/v (bottom-right causal when `causal`), which `cache.store` keeps (chunked
+        prefill, prefix reuse). Streams and outputs as Prefill; errors as AppendKV and Prefill.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheDecode(self, request_iterator, context):
+        """A decode step on many caches at once: one query token per sequence against its cache,
+        after that sequence's new k/v tokens (cu_seqlens_k; usually one or none) are appended.
+        Output [batch, num_heads, head_dim] (+ lse [batch, num_heads]). Errors as AppendKV.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ForkCache(self, request, context):
+        """Copies a cache's first tokens into a new cache (full pages shared, the last one copied).
+        Errors: NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT (length), RESOURCE_EXHAUSTED, ABORTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseCaches(self, request, context):
+        """Releases caches; a cache in use is released when its call ends. Errors: NOT_FOUND for an
+        unknown id (nothing is released).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCaches(self, request, context):
+        """Describes the caller's caches and the pool. Errors: NOT_FOUND for an unknown id.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -154,6 +249,41 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ListRegions,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.SerializeToString,
+            ),
+            'CreateCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCaches,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.CreateCachesRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.CreateCachesResponse.SerializeToString,
+            ),
+            'AppendKV': grpc.stream_stream_rpc_method_handler(
+                    servicer.AppendKV,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.SerializeToString,
+            ),
+            'CachePrefill': grpc.stream_stream_rpc_method_handler(
+                    servicer.CachePrefill,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.SerializeToString,
+            ),
+            'CacheDecode': grpc.stream_stream_rpc_method_handler(
+                    servicer.CacheDecode,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResponse.SerializeToString,
+            ),
+            'ForkCache': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkCache,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ForkCacheRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.CacheInfo.SerializeToString,
+            ),
+            'ReleaseCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseCaches,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ReleaseCachesRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ReleaseCachesResponse.SerializeToString,
+            ),
+            'ListCaches': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCaches,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ListCachesRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ListCachesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -319,6 +449,195 @@ class AttentionService:
             '/attention.v1.AttentionService/ListRegions',
             attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/CreateCaches',
+            attention_dot_v1_dot_attention__pb2.CreateCachesRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.CreateCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendKV(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/AppendKV',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachePrefill(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/CachePrefill',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheDecode(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/CacheDecode',
+            attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForkCache(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ForkCache',
+            attention_dot_v1_dot_attention__pb2.ForkCacheRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.CacheInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ReleaseCaches',
+            attention_dot_v1_dot_attention__pb2.ReleaseCachesRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ReleaseCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCaches(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ListCaches',
+            attention_dot_v1_dot_attention__pb2.ListCachesRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ListCachesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,14 +38,46 @@ class Backend(Protocol):
     device: torch.device
     max_inflight: int  # launches the executor may hold issued and un-waited at once
 
+    warmup_dtypes: tuple[torch.dtype, ...]  # what warmup compiles
+
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
     def warmup(self) -> None: ...
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
     def memory(self) -> tuple[int, int]: ...  # (allocated, reserved) device bytes
 
 
+def no_keys(plan: BatchPlan) -> bool:
+    """No query of the batch sees a key (cached ops: nothing cached and nothing new)."""
+    if plan.op.cached:
+        return plan.max_seqlen_k == 0
+    return plan.total_k == 0
+
+
+def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A cached batch's block table as int32 ``[batch, max pages]`` (short rows padded with
+    page 0, which the kernels never read past a sequence's length), written into ``out``."""
+    rows = plan.block_table
+    width = max(1, max((len(r) for r in rows), default=0))
+    table = out if out is not None else torch.zeros((len(rows), width), dtype=torch.int32)
+    view = table.numpy()
+    for i, r in enumerate(rows):
+        view[i, : len(r)] = r
+    return table
+
+
+def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
+                     slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Write a cached batch's new k/v rows (packed) into their reserved pool slots."""
+    if not plan.slot_pages:
+        return
+    work = plan.jobs[0].cache  # one layout per batch: every job's views are the same
+    assert work is not None
+    work.k_pages.index_put_(slots, k)
+    work.v_pages.index_put_(slots, v)
+
+
 def fill_no_keys(plan: BatchPlan) -> None:
-    """total_k == 0: every query sees no key, so outputs are zeros and lse -inf, no kernel."""
+    """No query sees a key: outputs are zeros and lse -inf, no kernel."""
     for job in plan.jobs:
         job.out.zero_()
         if job.lse is not None:
@@ -70,6 +102,7 @@ class CpuBackend:
     device_name = "cpu"
     device = torch.device("cpu")
     max_inflight = 1  # launches finish while issued
+    warmup_dtypes = (torch.float32,)
 
     def __init__(self, group_work: int = 1 << 25) -> None:
         self.group_work = group_work
@@ -83,7 +116,7 @@ class CpuBackend:
     def warmup(self) -> None:
         from attention_service.engine.warmup import tiny_plans
 
-        for plan in tiny_plans(self, (torch.float32,)):
+        for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
     def _groups(self, cu_q: list[int], cu_k: list[int], row_work: int) -> list[tuple[int, int]]:
@@ -102,17 +135,30 @@ class CpuBackend:
 
         if cancel.is_set():
             raise Cancelled()
-        if plan.total_k == 0:
-            fill_no_keys(plan)
-            return DoneLaunch(LaunchTimes())
         t0 = time.perf_counter()
         key = plan.key
         q = _packed([j.q for j in plan.jobs])
         k = _packed([j.k for j in plan.jobs])
         v = _packed([j.v for j in plan.jobs])
         cu_k = plan.cu_seqlens_k
+        if plan.op.cached:
+            from attention_kernels.paged_reference import gather_pages
+
+            slots = (torch.tensor(plan.slot_pages), torch.tensor(plan.slot_offsets))
+            store_new_tokens(plan, k, v, slots)
+            if plan.op is Op.APPEND_KV or no_keys(plan):
+                fill_no_keys(plan)
+                return DoneLaunch(LaunchTimes(kernel_seconds=time.perf_counter() - t0))
+            work = plan.jobs[0].cache
+            assert work is not None
+            k, v, cu = gather_pages(work.k_pages, work.v_pages, block_table(plan),
+                                    torch.tensor(plan.seq_lens, dtype=torch.int32))
+            cu_k = cu.tolist()
+        elif no_keys(plan):
+            fill_no_keys(plan)
+            return DoneLaunch(LaunchTimes())
         # A decode step is a prefill with one query per sequence and no mask.
-        cu_q = plan.cu_seqlens_q if plan.op is Op.PREFILL else list(range(len(cu_k)))
+        cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None
         out = torch.empty_like(q)
         lse = torch.empty(key.num_heads, plan.total_q) if plan.return_lse else None
@@ -127,7 +173,7 @@ class CpuBackend:
             out[q0:q1] = o
             if lse is not None:
                 lse[:, q0:q1] = lse_b
-        if lse is not None and plan.op is Op.DECODE:
+        if lse is not None and plan.op.decode_like:
             lse = lse.t()  # decode lse is [batch, heads]
         for i, job in enumerate(plan.jobs):
             r0, r1 = plan.rows(i)
@@ -145,6 +191,7 @@ class CudaBackend:
 
     name = "cuda"
     max_inflight = 2  # one batch computing while the next one's copies go in
+    warmup_dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self) -> None:
         import attention_kernels  # the Triton modules load lazily, only on this backend
@@ -166,7 +213,7 @@ class CudaBackend:
         from attention_service.engine.warmup import tiny_plans
 
         self._kernels.warmup(device=str(self.device))
-        for plan in tiny_plans(self, (torch.bfloat16, torch.float16, torch.float32)):
+        for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:

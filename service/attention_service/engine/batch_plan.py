@@ -78,7 +78,7 @@ class BatchPlan:
         self.k_offsets = _offsets([p.total_k for p in params])
         self.cu_seqlens_k = _merge_cu([p.cu_seqlens_k for p in params], self.k_offsets)
         self.cu_seqlens_q: list[int] | None = None
-        if self.op is Op.PREFILL:
+        if not self.op.decode_like:
             self.cu_seqlens_q = _merge_cu(
                 [p.cu_seqlens_q for p in params], self.q_offsets  # type: ignore[misc]
             )
@@ -86,9 +86,24 @@ class BatchPlan:
         self.max_seqlen_k = max(p.max_seqlen_k for p in params)
         # The kernel computes lse for everyone or no one; it costs little, so any asker wins.
         self.return_lse = any(p.return_lse for p in params)
-        self.tokens = sum(p.tokens for p in params)
-        self.flops = sum(p.flops for p in params)
-        self.kv_bytes = sum(p.kv_bytes for p in params)
+        self.tokens = sum(j.tokens for j in self.jobs)
+        self.flops = sum(j.flops for j in self.jobs)
+        self.kv_bytes = sum(j.kv_bytes for j in self.jobs)
+        # Cached ops: the sequences' pages and lengths, and where each new k/v row goes, in
+        # the packed order (k's rows are the new tokens, packed like any k).
+        self.block_table: list[list[int]] = []
+        self.seq_lens: list[int] = []
+        self.slot_pages: list[int] = []
+        self.slot_offsets: list[int] = []
+        if self.op.cached:
+            for j in self.jobs:
+                work = j.cache
+                assert work is not None, "a cached op's job carries its cache work"
+                self.block_table += work.block_table
+                self.seq_lens += work.seq_lens
+                self.slot_pages += work.slot_pages
+                self.slot_offsets += work.slot_offsets
+            self.max_seqlen_k = max(self.seq_lens, default=0)
 
     @property
     def total_q(self) -> int:

@@ -40,7 +40,7 @@ class Waiter:
 
     def __post_init__(self) -> None:
         self.key = batch_key(self.job.params)
-        self.tokens = self.job.params.budget_tokens
+        self.tokens = self.job.budget_tokens
 
     @property
     def submitted(self) -> float:

@@ -1,4 +1,5 @@
-"""The engine core: one backend, one executor, one region registry, whatever the process model.
+"""The engine core: one backend, one executor, one region registry, one KV-cache registry,
+whatever the process model.
 
 Both links end here: ``LocalLink`` (same process) calls it directly, and in the multi-process
 model each front end's connection handler (``ipc.engine_conn``) calls it with tensors that are
@@ -19,7 +20,10 @@ import torch
 from attention_service.config import ServerConfig
 from attention_service.engine.backends import TORCH_DTYPES, Backend
 from attention_service.engine.executor import Executor, LaunchObserver
-from attention_service.engine.jobs import ByteBase, ExecStats, Job
+from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job
+from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
+from attention_service.engine.kv_caches import CacheRegistry
+from attention_service.engine.kv_pool import KvPool
 from attention_service.engine.regions import RegionRegistry
 from attention_service.errors import Cancelled, RequestError, invalid
 from attention_service.link import EngineInfo
@@ -68,22 +72,34 @@ class EngineCore:
             max_queue_size=config.max_queue_size, observer=observer,
         )
         self.regions = RegionRegistry(backend, allowed=config.regions_allowed)
+        self.caches = CacheRegistry(
+            _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,
+            max_caches=config.max_caches,
+        )
+        pool = self.caches.pool
         self.info = EngineInfo(
             device=backend.device_name, backend=backend.name, batching=config.batching,
             regions=config.regions_allowed, frontends=frontends,
             torch_version=str(torch.__version__), triton_version=_dist_version("triton"),
             cuda_version=(torch.version.cuda or "") if backend.name == "cuda" else "",
+            kv_cache_bytes=pool.nbytes if pool is not None else 0,
+            kv_page_bytes=pool.page_bytes if pool is not None else 0,
         )
 
     def queue_depth(self, op: Op) -> int:
         return self.executor.queue_depth(op)
 
     def warmup(self) -> None:
+        from attention_service.engine.warmup import warm_caches
+
         self.backend.warmup()
+        # Test doubles of a backend may not say what to compile: they skip this part.
+        warm_caches(self.backend, self.caches, getattr(self.backend, "warmup_dtypes", ()))
 
     def close(self) -> None:
         self.executor.close()
         self.regions.close()
+        self.caches.close()
 
     def submit(
         self, params: Params, sources: Mapping[str, Source], owner: str, done: Done
@@ -99,12 +115,21 @@ class EngineCore:
                 held.append(release)
                 placed.update(in_regions)
             tensors = {name: self._typed(params, name, at) for name, at in placed.items()}
+            cache: CacheWork | None = None
+            if params.op.cached:  # last: from here on, its caches are reserved
+                cache = self.caches.begin(params, owner)
+                held.append(lambda: cache.finish(False))  # type: ignore[union-attr]
             job = Job(
                 params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
-                tensors.get("lse"),
+                tensors.get("lse"), cache,
             )
 
             def finish(value: ExecStats | BaseException) -> None:
+                if cache is not None:  # before the caller hears: its next call sees the cache
+                    held.pop()
+                    lengths = cache.finish(not isinstance(value, BaseException))
+                    if not isinstance(value, BaseException):
+                        value = value._replace(cache_lengths=lengths)
                 for release in held:
                     release()
                 done(as_request_failure(value) if isinstance(value, BaseException) else value)
@@ -119,7 +144,10 @@ class EngineCore:
     def cancel(self, job: Job) -> None:
         self.executor.cancel(job)
 
-    def region_call(self, method: str, request: Any, owner: str) -> Any:
+    def control_call(self, method: str, request: Any, owner: str) -> Any:
+        """A unary control rpc (regions, caches): the pb request in, the pb reply out."""
+        if method in CACHE_METHODS:
+            return self.caches.call(method, request, owner)
         return self.regions.call(method, request, owner)
 
     @staticmethod
@@ -143,3 +171,21 @@ class EngineCore:
         if at.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
             raise AssertionError(f"{name}: {at.numel()} bytes, expected {params.nbytes(name)}")
         return at.view(dtype).view(shape)
+
+
+def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:
+    """The KV-cache pool of ``--kv-cache-bytes`` (auto: a quarter of the free device memory
+    on cuda, 256 MiB on cpu), allocated once now; None when caches are off."""
+    nbytes = config.kv_cache_bytes
+    if nbytes == -1:
+        if backend.device.type == "cuda":
+            nbytes = torch.cuda.mem_get_info(backend.device)[0] // 4
+        else:
+            nbytes = 256 << 20
+    nbytes -= nbytes % config.kv_page_bytes
+    if nbytes <= 0:
+        return None
+    storage = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+    log.info("kv cache pool: %d pages of %d bytes (%.1f GiB) on %s", nbytes //
+             config.kv_page_bytes, config.kv_page_bytes, nbytes / 2**30, backend.device)
+    return KvPool(storage, config.kv_page_bytes)

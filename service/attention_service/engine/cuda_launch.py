@@ -10,6 +10,10 @@ kernel runs (copy engines and SMs work in parallel).
 
 A lone job whose tensors already live on the GPU (CUDA regions) skips the packing copies and
 has the kernel write its outputs in place: its round trip is the kernel plus small launches.
+
+Cached ops (AppendKV / CachePrefill / CacheDecode) take the same path: their k/v are the new
+tokens, which go into their reserved pool slots (two scatter kernels) before the paged kernel
+reads the whole sequences through the block table.
 """
 
 from __future__ import annotations
@@ -18,7 +22,13 @@ from types import ModuleType
 
 import torch
 
-from attention_service.engine.backends import TORCH_DTYPES, fill_no_keys
+from attention_service.engine.backends import (
+    TORCH_DTYPES,
+    block_table,
+    fill_no_keys,
+    no_keys,
+    store_new_tokens,
+)
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import DoneLaunch, LaunchTimes, PendingLaunch
 from attention_service.params import Op
@@ -46,6 +56,35 @@ def _packed(
             # it until its done callback).
             dst[start : start + src.shape[0]].copy_(src, non_blocking=True)
     return dst
+
+
+class _PagedMeta:
+    """A cached batch's block table, lengths, cu_seqlens_q and slots: built in pinned memory,
+    sent with two copies (int32 and int64 parts)."""
+
+    def __init__(self, plan: BatchPlan, device: torch.device) -> None:
+        batch = len(plan.seq_lens)
+        width = max(1, max((len(r) for r in plan.block_table), default=0))
+        n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
+        lens_at = batch * width
+        q_at = -(-(lens_at + batch) // _ALIGN) * _ALIGN
+        host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
+        block_table(plan, host[:lens_at].view(batch, width))
+        view = host.numpy()
+        view[lens_at : lens_at + batch] = plan.seq_lens
+        if plan.cu_seqlens_q is not None:
+            view[q_at:] = plan.cu_seqlens_q
+        n = len(plan.slot_pages)
+        slots = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+        slots.numpy()[0] = plan.slot_pages
+        slots.numpy()[1] = plan.slot_offsets
+        dev = host.to(device, non_blocking=True)
+        dev_slots = slots.to(device, non_blocking=True)
+        self.keep = (host, slots, dev, dev_slots)
+        self.table = dev[:lens_at].view(batch, width)
+        self.seq_lens = dev[lens_at : lens_at + batch]
+        self.cu_q = dev[q_at:] if plan.cu_seqlens_q is not None else None
+        self.slots = (dev_slots[0], dev_slots[1])
 
 
 def _cu_seqlens(
@@ -92,7 +131,7 @@ def launch_on_stream(
     """
     key = plan.key
     with torch.cuda.device(device), torch.cuda.stream(stream):
-        if plan.total_k == 0:
+        if no_keys(plan):
             fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
             stream.synchronize()
             return DoneLaunch(LaunchTimes())
@@ -102,15 +141,41 @@ def launch_on_stream(
         kv_row = (key.num_kv_heads, key.head_dim)
         k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
         v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
-        cu_host, cu_k, cu_q = _cu_seqlens(plan, device)
+        if plan.op.cached:
+            meta: _PagedMeta | None = _PagedMeta(plan, device)
+            cu_host, cu_k, cu_q = meta, None, meta.cu_q  # type: ignore[assignment]
+            store_new_tokens(plan, k, v, meta.slots)
+        else:
+            meta = None
+            cu_host, cu_k, cu_q = _cu_seqlens(plan, device)
         events[1].record()
+        if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
+            events[2].record()
+            events[3].record()
+            return _CudaLaunch(events, keep=(q, k, v, cu_host, plan))
         lone = plan.jobs[0] if len(plan) == 1 else None
         # A lone job with device destinations gets the kernel's output written in place.
         out = lone.out if lone is not None and _on_device(lone.out, device) else None
         lse = None
         if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
             lse = lone.lse
-        if plan.op is Op.PREFILL:
+        if meta is not None:
+            work = plan.jobs[0].cache
+            assert work is not None
+            if plan.op.decode_like:
+                res = kernels.paged_decode(
+                    q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
+                    max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
+                    num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
+                )
+            else:
+                res = kernels.paged_prefill(
+                    q, work.k_pages, work.v_pages, meta.table, meta.cu_q, meta.seq_lens,
+                    max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+                    causal=key.causal, softmax_scale=key.softmax_scale,
+                    return_lse=plan.return_lse, out=out, lse_out=lse,
+                )
+        elif not plan.op.decode_like:
             res = kernels.prefill(
                 q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
                 max_seqlen_k=plan.max_seqlen_k, causal=key.causal,

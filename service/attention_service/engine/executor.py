@@ -301,7 +301,7 @@ class Executor:
             ExecStats(
                 queue_seconds=issued.started - w.job.submitted_at, h2d_seconds=times.h2d_seconds,
                 kernel_seconds=times.kernel_seconds, d2h_seconds=times.d2h_seconds,
-                batch_requests=len(plan), batch_tokens=plan.tokens,
+                batch_requests=len(plan), batch_tokens=plan.tokens, flops=w.job.flops,
             )
             for w in waiters
         ]

@@ -1,9 +1,10 @@
-"""The engine's leaf types: a Job (params + tensors + cancel flag), launch timings, Cancelled,
-and the PendingLaunch handles the backends return."""
+"""The engine's leaf types: a Job (params + tensors + cancel flag), its KV-cache work, launch
+timings, Cancelled, and the PendingLaunch handles the backends return."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,7 +14,28 @@ from attention_service.errors import Cancelled
 from attention_service.link import ExecStats
 from attention_service.params import Params
 
-__all__ = ["Cancelled", "DoneLaunch", "ExecStats", "Job", "LaunchTimes", "PendingLaunch"]
+__all__ = [
+    "CacheWork", "Cancelled", "DoneLaunch", "ExecStats", "Job", "LaunchTimes", "PendingLaunch",
+]
+
+
+@dataclass(eq=False)
+class CacheWork:
+    """What a cached op (AppendKV / CachePrefill / CacheDecode) does to the KV pool, fixed when
+    the engine accepts it (``kv_caches.CacheRegistry.begin``): the pages of its sequences, with
+    room for the new tokens already reserved, and where each new token goes."""
+
+    k_pages: torch.Tensor  # [pages, page_tokens, H_kv, D] view of the pool (this layout)
+    v_pages: torch.Tensor
+    block_table: list[list[int]]  # per sequence: its pages, in key order
+    seq_lens: list[int]  # per sequence: keys after the new tokens (cached + new)
+    slot_pages: list[int]  # per new token, in k's packed order: its page ...
+    slot_offsets: list[int]  # ... and its row inside that page
+    flops: int  # the real work (the params count only the new tokens)
+    kv_bytes: int  # key/value bytes the kernel reads
+    # Called once with whether the op succeeded: keeps (store) or drops the new tokens, frees
+    # the caches for the next call; returns each cache's length afterwards.
+    finish: Callable[[bool], tuple[int, ...]]
 
 
 @dataclass(eq=False)
@@ -27,9 +49,33 @@ class Job:
     v: torch.Tensor
     out: torch.Tensor
     lse: torch.Tensor | None  # None unless params.return_lse
+    cache: CacheWork | None = None  # cached ops only
     # Set when the call is cancelled or its deadline passes: compute stops where it can.
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted_at: float = 0.0  # perf_counter when handed to the executor
+
+    @property
+    def flops(self) -> int:
+        return self.cache.flops if self.cache is not None else self.params.flops
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.cache.kv_bytes if self.cache is not None else self.params.kv_bytes
+
+    @property
+    def tokens(self) -> int:
+        """The batch-token unit (queries for prefill, keys for decode, cached keys included)."""
+        if self.cache is not None and self.params.op.decode_like:
+            return sum(self.cache.seq_lens)
+        return self.params.tokens
+
+    @property
+    def budget_tokens(self) -> int:
+        """Weight against the batching token budget (cached keys included)."""
+        if self.cache is None:
+            return self.params.budget_tokens
+        keys = sum(self.cache.seq_lens)
+        return keys if self.params.op.decode_like else max(self.params.rows, keys)
 
 
 @dataclass(frozen=True)

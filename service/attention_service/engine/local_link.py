@@ -61,6 +61,7 @@ class LocalLink:
             self.core.cancel(job)
             raise
 
-    async def region_call(self, method: str, request: Any, owner: str) -> Any:
-        # Off the event loop: mapping and page-locking a large region takes a while.
-        return await asyncio.to_thread(self.core.region_call, method, request, owner)
+    async def control_call(self, method: str, request: Any, owner: str) -> Any:
+        # Off the event loop: mapping and page-locking a large region takes a while, and a
+        # fork copies a page on the device.
+        return await asyncio.to_thread(self.core.control_call, method, request, owner)

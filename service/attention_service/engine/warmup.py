@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -9,17 +10,34 @@ import torch
 from attention_service.engine.backends import WIRE_DTYPES, Backend
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import Job
+from attention_service.engine.kv_caches import CacheRegistry
+from attention_service.errors import RequestError
 from attention_service.params import Op, make_params
+from attention_wire.pb import attention_pb2 as pb
+
+log = logging.getLogger("attention_service")
+_WARMUP_OWNER = "\x00warmup"  # no token can be this: caches of its own namespace
 
 
-def tiny_job(backend: Backend, op: Op, dtype: torch.dtype, seed: int = 0) -> Job:
-    """Two short sequences, two heads over one kv head, head_dim 64, with lse."""
+def tiny_job(
+    backend: Backend, op: Op, dtype: torch.dtype, seed: int = 0,
+    cache_ids: tuple[str, ...] = (),
+) -> Job:
+    """Two short sequences, two heads over one kv head, head_dim 64, with lse (a cached op:
+    on ``cache_ids``, its k/v the new tokens)."""
     g = torch.Generator().manual_seed(seed)
-    rows = 4 if op is Op.PREFILL else 2
-    cu_q = (0, 2, 4) if op is Op.PREFILL else None
+    if cache_ids:  # one sequence per cache
+        cu_k = (0, 2)
+        rows, cu_q = (1, None) if op.decode_like else (2, (0, 2))
+    else:
+        cu_k = (0, 2, 4)
+        rows, cu_q = (2, None) if op.decode_like else (4, (0, 2, 4))
+    if op is Op.APPEND_KV:
+        rows, cu_q = 0, (0, 0)
     params = make_params(
-        op, WIRE_DTYPES[dtype], (rows, 2, 64), (4, 1, 64), (0, 2, 4), cu_q,
-        causal=op is Op.PREFILL, return_lse=True,
+        op, WIRE_DTYPES[dtype], (rows, 2 if rows else 1, 64), (cu_k[-1], 1, 64), cu_k, cu_q,
+        causal=not op.decode_like, return_lse=op is not Op.APPEND_KV, cache_ids=cache_ids,
+        store=True,
     )
 
     def host(t: torch.Tensor) -> torch.Tensor:
@@ -35,8 +53,38 @@ def tiny_job(backend: Backend, op: Op, dtype: torch.dtype, seed: int = 0) -> Job
 
 
 def tiny_plans(backend: Backend, dtypes: Iterable[torch.dtype]) -> Iterator[BatchPlan]:
-    """Per dtype and op: one job alone, then two merged (the batched path)."""
+    """Per dtype and stateless op: one job alone, then two merged (the batched path)."""
     for dtype in dtypes:
-        for op in Op:
+        for op in (Op.PREFILL, Op.DECODE):
             yield BatchPlan([tiny_job(backend, op, dtype)])
             yield BatchPlan([tiny_job(backend, op, dtype, 1), tiny_job(backend, op, dtype, 2)])
+
+
+def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.dtype]) -> None:
+    """Compile and run the paged paths (store, paged prefill, paged decode; alone and merged)
+    on two caches of a private owner, released afterwards. Only AppendKV keeps its tokens, so
+    a pool of 2 pages is enough; a smaller one skips this (and says so)."""
+    if not caches.enabled:
+        return
+    for dtype in dtypes:
+        ids = ("a", "b")
+        layout = pb.CacheLayout(dtype=WIRE_DTYPES[dtype], num_kv_heads=1, head_dim=64)
+        caches.call("CreateCaches", pb.CreateCachesRequest(cache_ids=ids, layout=layout),
+                    _WARMUP_OWNER)
+        try:
+            for op in (Op.APPEND_KV, Op.CACHE_PREFILL, Op.CACHE_DECODE):
+                jobs = [tiny_job(backend, op, dtype, i, ids[i : i + 1]) for i in (0, 1)]
+                for group in ([jobs[0]], jobs):
+                    for j in group:
+                        j.cache = caches.begin(j.params, _WARMUP_OWNER)
+                    try:
+                        backend.launch(BatchPlan(group), group[0].cancel).wait()
+                    finally:
+                        for j in group:
+                            assert j.cache is not None
+                            j.cache.finish(op is Op.APPEND_KV)
+        except RequestError as exc:  # a pool too small for even this
+            log.warning("kv cache warmup skipped: %s", exc.details)
+            return
+        finally:
+            caches.call("ReleaseCaches", pb.ReleaseCachesRequest(all=True), _WARMUP_OWNER)

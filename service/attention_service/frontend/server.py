@@ -38,6 +38,7 @@ def server_info(config: ServerConfig, info: EngineInfo) -> pb.ServerInfo:
         server_version=attention_service.__version__, torch_version=info.torch_version,
         triton_version=info.triton_version, cuda_version=info.cuda_version,
         batching=info.batching, regions=info.regions, frontends=info.frontends,
+        kv_cache_bytes=info.kv_cache_bytes, kv_page_bytes=info.kv_page_bytes,
     )
 
 

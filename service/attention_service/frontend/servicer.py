@@ -96,28 +96,38 @@ class AttentionServicer:
         async for msg in self._serve(Op.DECODE, request_iterator, context):
             yield msg
 
-    async def RegisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._region_rpc("RegisterRegion", request, context)
+    async def AppendKV(
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
+        async for msg in self._serve(Op.APPEND_KV, request_iterator, context):
+            yield msg
 
-    async def UnregisterRegion(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._region_rpc("UnregisterRegion", request, context)
+    async def CachePrefill(
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
+        async for msg in self._serve(Op.CACHE_PREFILL, request_iterator, context):
+            yield msg
 
-    async def ListRegions(self, request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return await self._region_rpc("ListRegions", request, context)
+    async def CacheDecode(
+        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
+        async for msg in self._serve(Op.CACHE_DECODE, request_iterator, context):
+            yield msg
 
-    async def _region_rpc(
+    async def control_rpc(
         self, method: str, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
+        """The unary control rpcs (CONTROL_METHODS): regions and caches, run by the engine."""
         t0 = time.perf_counter()
         try:
-            reply = await self._link.region_call(method, request, self._principals.of(context))
+            reply = await self._link.control_call(method, request, self._principals.of(context))
         except RequestError as exc:
-            self._region_log(method, exc.code.name, t0, context, exc.details)
+            self._control_log(method, exc.code.name, t0, context, exc.details)
             await context.abort(exc.code, exc.details)
-        self._region_log(method, "OK", t0, context)
+        self._control_log(method, "OK", t0, context)
         return reply
 
-    def _region_log(
+    def _control_log(
         self, method: str, code: str, t0: float, context: grpc.aio.ServicerContext,
         details: str = "",
     ) -> None:
@@ -213,7 +223,7 @@ class _CallRecord:
 
     def ok(self, received: Received, stats: ExecStats) -> None:
         p = received.params
-        self.tokens, self.flops = p.tokens, p.flops
+        self.tokens, self.flops = p.tokens, stats.flops
         self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
         regions = f" regions={','.join(sorted(received.regions))}" if received.regions else ""
         self.extra = (

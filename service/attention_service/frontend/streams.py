@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from attention_service.errors import invalid
-from attention_service.frontend.validation import VALIDATORS, ChunkAssembler
+from attention_service.frontend.validation import ChunkAssembler, validate_header
 from attention_service.frontend.wire import encode_output_chunk, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
@@ -50,7 +50,7 @@ async def receive_request(
         raise invalid("header", "missing: the stream ended before any message") from None
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
-    params, regions = VALIDATORS[op](first.header, max_request_bytes)
+    params, regions = validate_header(op, first.header, max_request_bytes)
     sizes = {
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)
@@ -101,6 +101,8 @@ def response_messages(received: Received, chunk_bytes: int) -> Iterator[tuple[in
     """(data bytes, encoded AttentionResponse) for the OUT row slices, then the LSE row slices
     (when asked for), of the outputs not written into regions; the caller appends the stats."""
     p, arrays = received.params, received.buffers.arrays
+    if p.op is Op.APPEND_KV:
+        return  # no outputs: the stats (cache lengths) are the answer
     if "out" not in received.regions:
         yield from output_messages(pb.OUT, p.dtype, p.q_shape, arrays["out"], chunk_bytes)
     lse_shape = p.lse_shape
@@ -116,8 +118,8 @@ def stats_message(
             queue_seconds=stats.queue_seconds, h2d_seconds=stats.h2d_seconds,
             kernel_seconds=stats.kernel_seconds, d2h_seconds=stats.d2h_seconds,
             bytes_in=received.wire_bytes_in, bytes_out=bytes_out,
-            flops=float(received.params.flops), batch_requests=stats.batch_requests,
+            flops=float(stats.flops), batch_requests=stats.batch_requests,
             batch_tokens=stats.batch_tokens, region_bytes_in=received.region_bytes_in,
-            region_bytes_out=received.region_bytes_out,
+            region_bytes_out=received.region_bytes_out, cache_lengths=stats.cache_lengths,
         )
     )

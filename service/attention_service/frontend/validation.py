@@ -23,6 +23,7 @@ from attention_service.params import (
     Op,
     Params,
     RegionSpan,
+    check_cache_ids,
     make_params,
 )
 from attention_wire.pb import attention_pb2 as pb
@@ -72,12 +73,18 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[
 
 
 def _check_qkv(
-    h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str]
+    h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True
 ) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
-    """Dtypes and shapes of q, k, v; returns (pb dtype, q shape, k shape)."""
-    if not h.HasField("q"):
+    """Dtypes and shapes of q, k, v; returns (pb dtype, q shape, k shape). ``with_q`` False
+    (AppendKV): q must be absent and its shape is taken as ``[0, num_kv_heads, head_dim]``."""
+    if not with_q:
+        if h.HasField("q"):
+            raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
+        if not h.HasField("k"):
+            raise invalid("header.k", "missing")
+    elif not h.HasField("q"):
         raise invalid("header.q", "missing")
-    dt = _dtype(h.q, "q")
+    dt = _dtype(h.q if with_q else h.k, "q" if with_q else "k")
     for name in ("k", "v"):
         if not h.HasField(name):
             raise invalid(f"header.{name}", "missing")
@@ -87,10 +94,10 @@ def _check_qkv(
                 f"header.{name}.dtype",
                 f"{dtype_name(other)} differs from q's dtype {dtype_name(dt)}",
             )
-    q_shape = _shape(h.q, "q", q_dims)
     kv_dims = ("total_k", "num_kv_heads", "head_dim")
     k_shape = _shape(h.k, "k", kv_dims)
     v_shape = _shape(h.v, "v", kv_dims)
+    q_shape = _shape(h.q, "q", q_dims) if with_q else (0, k_shape[1], k_shape[2])
     if v_shape != k_shape:
         raise invalid("header.v.shape", f"{list(v_shape)} differs from k's shape {list(k_shape)}")
     num_heads, head_dim = q_shape[1], q_shape[2]
@@ -100,7 +107,7 @@ def _check_qkv(
         )
     if not supported_head_dim(head_dim):
         raise invalid(
-            "header.q.shape[2]",
+            f"header.{'q' if with_q else 'k'}.shape[2]",
             f"head_dim {head_dim} unsupported: must be a multiple of 8 in [8, 256]",
         )
     if num_heads % k_shape[1] != 0:
@@ -170,6 +177,8 @@ def _regions(h: pb.PrefillHeader | pb.DecodeHeader, params: Params) -> dict[str,
         field = f"header.regions.{name}"
         if name == "lse" and not params.return_lse:
             raise invalid(field, "set, but return_lse is not")
+        if name in ("q", "out") and params.op is Op.APPEND_KV:
+            raise invalid(field, "set, but AppendKV has no queries and no output")
         if not s.region:
             raise invalid(f"{field}.region", "missing: name a registered region")
         want = params.nbytes(name)
@@ -182,12 +191,42 @@ def _regions(h: pb.PrefillHeader | pb.DecodeHeader, params: Params) -> dict[str,
     return spans
 
 
+def _cache_target(
+    h: pb.PrefillHeader | pb.DecodeHeader, op: Op, batch: int
+) -> tuple[tuple[str, ...], bool]:
+    """(cache ids, store) of a cached op; a plain op must not name caches."""
+    if not op.cached:
+        if h.HasField("cache"):
+            raise invalid("header.cache", f"set, but {op.rpc} does not use server-side caches "
+                          "(CachePrefill, CacheDecode and AppendKV do)")
+        return (), False
+    if not h.HasField("cache"):
+        raise invalid("header.cache", f"missing: {op.rpc} needs one cache id per sequence")
+    ids = check_cache_ids(h.cache.cache_ids, "header.cache.cache_ids")
+    if len(ids) != batch:
+        raise invalid("header.cache.cache_ids",
+                      f"{len(ids)} ids for {batch} sequences: name one cache per sequence")
+    return ids, h.cache.store
+
+
 def validate_prefill_header(
-    h: pb.PrefillHeader, max_request_bytes: int
+    h: pb.PrefillHeader, max_request_bytes: int, op: Op = Op.PREFILL
 ) -> tuple[Params, dict[str, RegionSpan]]:
-    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"))
+    """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
+    append = op is Op.APPEND_KV
+    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append)
     scale = _scale(h)
     total_q = q_shape[0]
+    if append:
+        if h.return_lse:
+            raise invalid("header.return_lse", "set, but AppendKV computes no attention")
+        if len(h.cu_seqlens_q):
+            raise invalid("header.cu_seqlens_q", "set, but AppendKV takes no queries")
+        cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+        ids, _ = _cache_target(h, op, len(cu_k) - 1)
+        params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids)
+        _check_size(params, max_request_bytes)
+        return params, _regions(h, params)
     if h.return_lse and total_q * LSE_BYTES > MAX_ROW_BYTES:
         # lse is [num_heads, total_q] and travels in rows of total_q floats.
         raise invalid(
@@ -213,17 +252,20 @@ def validate_prefill_header(
                 f"has {len(cu_q) - 1}",
             )
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    ids, store = _cache_target(h, op, len(cu_q) - 1)
     params = make_params(
-        Op.PREFILL, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
-        return_lse=h.return_lse,
+        op, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
+        return_lse=h.return_lse, cache_ids=ids, store=store,
     )
     _check_size(params, max_request_bytes)
     return params, _regions(h, params)
 
 
 def validate_decode_header(
-    h: pb.DecodeHeader, max_request_bytes: int
+    h: pb.DecodeHeader, max_request_bytes: int, op: Op = Op.DECODE
 ) -> tuple[Params, dict[str, RegionSpan]]:
+    """Decode and CacheDecode (whose empty cu_seqlens_k means one new token per sequence, or
+    none when k has no rows)."""
     dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"))
     scale = _scale(h)
     if h.num_splits < 0:
@@ -231,22 +273,31 @@ def validate_decode_header(
             "header.num_splits", f"must be >= 0 (0 = server's choice), got {h.num_splits}"
         )
     batch = q_shape[0]
-    if len(h.cu_seqlens_k) != batch + 1:
+    cu_seqlens_k = list(h.cu_seqlens_k)
+    if op.cached and not cu_seqlens_k and k_shape[0] in (0, batch):
+        cu_seqlens_k = list(range(batch + 1)) if k_shape[0] else [0] * (batch + 1)
+    if len(cu_seqlens_k) != batch + 1:
         raise invalid(
             "header.cu_seqlens_k",
-            f"has {len(h.cu_seqlens_k)} entries but q has batch {batch} (needs batch+1 = "
+            f"has {len(cu_seqlens_k)} entries but q has batch {batch} (needs batch+1 = "
             f"{batch + 1})",
         )
-    cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    cu_k = _check_cu(cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    ids, store = _cache_target(h, op, batch)
     params = make_params(
-        Op.DECODE, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
-        num_splits=h.num_splits,
+        op, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
+        num_splits=h.num_splits, cache_ids=ids, store=store,
     )
     _check_size(params, max_request_bytes)
     return params, _regions(h, params)
 
 
-VALIDATORS = {Op.PREFILL: validate_prefill_header, Op.DECODE: validate_decode_header}
+def validate_header(
+    op: Op, h: pb.PrefillHeader | pb.DecodeHeader, max_request_bytes: int
+) -> tuple[Params, dict[str, RegionSpan]]:
+    if op.decode_like:
+        return validate_decode_header(h, max_request_bytes, op)  # type: ignore[arg-type]
+    return validate_prefill_header(h, max_request_bytes, op)  # type: ignore[arg-type]
 
 
 class ChunkAssembler:

@@ -77,7 +77,12 @@ def _chunk(buf: memoryview) -> RawChunk:
     return RawChunk(field, offset, data)
 
 
-_HEADERS = {Op.PREFILL: pb.PrefillHeader, Op.DECODE: pb.DecodeHeader}
+_HEADERS = {op: pb.DecodeHeader if op.decode_like else pb.PrefillHeader for op in Op}
+# The unary rpcs the engine answers (servicer.control_rpc), by method name.
+CONTROL_METHODS = (
+    "RegisterRegion", "UnregisterRegion", "ListRegions",
+    "CreateCaches", "ReleaseCaches", "ForkCache", "ListCaches",
+)
 
 
 def parse_request(message: bytes, op: Op) -> RawRequest:
@@ -118,13 +123,19 @@ def _serialize(message: bytes | Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _unary(servicer: Any, method: str) -> grpc.RpcMethodHandler:
+def _unary(method: str, behavior: Any) -> grpc.RpcMethodHandler:
     desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
     request_cls = getattr(pb, desc.input_type.name)
     return grpc.unary_unary_rpc_method_handler(
-        getattr(servicer, method), request_deserializer=request_cls.FromString,
-        response_serializer=_serialize,
+        behavior, request_deserializer=request_cls.FromString, response_serializer=_serialize,
     )
+
+
+def _control(servicer: Any, method: str) -> Any:
+    async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        return await servicer.control_rpc(method, request, context)
+
+    return behavior
 
 
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
@@ -136,7 +147,8 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         )
         for op in Op
     }
-    for method in ("GetServerInfo", "RegisterRegion", "UnregisterRegion", "ListRegions"):
-        handlers[method] = _unary(servicer, method)
+    handlers["GetServerInfo"] = _unary("GetServerInfo", servicer.GetServerInfo)
+    for method in CONTROL_METHODS:
+        handlers[method] = _unary(method, _control(servicer, method))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -28,13 +28,13 @@ from attention_service.ipc.messages import (
     ArenaSpan,
     Bound,
     Cancel,
+    ControlCall,
     Done,
     Failed,
-    RegionCall,
     Reply,
     SegmentSpan,
     Submit,
-    region_types,
+    rpc_types,
 )
 from attention_service.params import RegionSpan
 
@@ -43,13 +43,13 @@ log = logging.getLogger("attention_service")
 
 class FrontendConnection:
     def __init__(
-        self, slot: int, core: EngineCore, arena: torch.Tensor, region_pool: ThreadPool,
+        self, slot: int, core: EngineCore, arena: torch.Tensor, control_pool: ThreadPool,
         on_bound: Callable[[Bound], None],
     ) -> None:
         self.slot = slot
         self.core = core
         self.arena = ByteBase(arena)  # the front end's arena (page-locked on cuda)
-        self._region_pool = region_pool
+        self._control_pool = control_pool
         self._on_bound = on_bound
         self._lock = threading.Condition()
         self._calls: dict[int, Job | None] = {}  # in the engine; None: being submitted
@@ -72,8 +72,8 @@ class FrontendConnection:
                 job = self._calls.get(msg.call_id)
             if job is not None:
                 self.core.cancel(job)
-        elif isinstance(msg, RegionCall):
-            self._region_pool.submit(self._region_call, msg)
+        elif isinstance(msg, ControlCall):
+            self._control_pool.submit(self._control_call, msg)
         elif isinstance(msg, Bound):
             self._on_bound(msg)
         else:
@@ -134,10 +134,10 @@ class FrontendConnection:
         else:
             self.send(Done(call_id, value))
 
-    def _region_call(self, msg: RegionCall) -> None:
+    def _control_call(self, msg: ControlCall) -> None:
         try:
-            request = region_types(msg.method)[0].FromString(msg.request)
-            reply = self.core.region_call(msg.method, request, msg.owner).SerializeToString()
+            request = rpc_types(msg.method)[0].FromString(msg.request)
+            reply = self.core.control_call(msg.method, request, msg.owner).SerializeToString()
         except RequestError as exc:
             self.send(Failed(msg.call_id, exc))
         except Exception as exc:

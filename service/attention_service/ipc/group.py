@@ -91,7 +91,7 @@ class Group:
         self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.slots: list[_Slot] = []
         self.draining = False
-        self._region_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-regions")
+        self._control_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-control")
 
     # ---- events (signal handlers and helper threads post here) ---------------------------
 
@@ -117,7 +117,7 @@ class Group:
         finally:
             theirs.close()
         conn = FrontendConnection(
-            slot.index, self.core, slot.arena, self._region_pool,
+            slot.index, self.core, slot.arena, self._control_pool,
             on_bound=lambda msg: self._post("bound", msg),
         )
         channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}")
@@ -170,7 +170,7 @@ class Group:
         held, self.port = reserve_port(cfg.host, cfg.port)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
-                                   alive))
+                                   alive, core.caches.gauges))
         metrics_port = None
         try:
             for i in range(self.count):
@@ -279,7 +279,7 @@ class Group:
                     slot.conn.channel.close()
             core.close()
             metrics.close()
-            self._region_pool.shutdown(wait=False)
+            self._control_pool.shutdown(wait=False)
             for slot in self.slots:
                 slot.unpin()
                 os.close(slot.arena_fd)

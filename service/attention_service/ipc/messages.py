@@ -57,7 +57,7 @@ class Failed(NamedTuple):
 
 class Reply(NamedTuple):
     call_id: int
-    value: bytes  # a region rpc's serialized pb reply
+    value: bytes  # a control rpc's serialized pb reply
 
 
 # ---- front end -> engine ----------------------------------------------------------------
@@ -81,15 +81,15 @@ class Cancel(NamedTuple):
     call_id: int
 
 
-class RegionCall(NamedTuple):
+class ControlCall(NamedTuple):
     call_id: int
     method: str
     request: bytes  # the serialized pb request
     owner: str
 
 
-def region_types(method: str) -> tuple[Any, Any]:
-    """(request class, reply class) of an AttentionService region rpc. Generated messages
+def rpc_types(method: str) -> tuple[Any, Any]:
+    """(request class, reply class) of an AttentionService control rpc. Generated messages
     cross the channel serialized: they do not pickle (their module is not importable)."""
     desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
     return getattr(pb, desc.input_type.name), getattr(pb, desc.output_type.name)

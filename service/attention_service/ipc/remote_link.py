@@ -23,15 +23,15 @@ from attention_service.ipc.channel import Channel
 from attention_service.ipc.messages import (
     ArenaSpan,
     Cancel,
+    ControlCall,
     Done,
     Failed,
-    RegionCall,
     Reply,
     SegmentSpan,
     Serving,
     Span,
     Submit,
-    region_types,
+    rpc_types,
 )
 from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
@@ -184,9 +184,9 @@ class RemoteLink:
                 self._send(Cancel(call_id))  # the buffers stay held until the engine answers
             raise
 
-    async def region_call(self, method: str, request: Any, owner: str) -> Any:
+    async def control_call(self, method: str, request: Any, owner: str) -> Any:
         call_id = next(self._ids)
         fut: asyncio.Future[bytes] = self._loop.create_future()
-        self._send(RegionCall(call_id, method, request.SerializeToString(), owner))
+        self._send(ControlCall(call_id, method, request.SerializeToString(), owner))
         self._pending[call_id] = (fut, None)
-        return region_types(method)[1].FromString(await fut)
+        return rpc_types(method)[1].FromString(await fut)

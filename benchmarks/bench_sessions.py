@@ -1,0 +1,288 @@
+"""Decode through server-side KV caches vs re-sending the cache: wire bytes, steps/s, latency.
+
+Every client owns one sequence with a ``--context``-token prompt. "sessions" clients create a
+cache, append the prompt once (AppendKV), then loop CacheDecode steps that carry one token's
+q/k/v (stored). "resend" clients loop the stateless Decode with the whole K/V every step (what
+a client had to do before caches). Each point runs ``--warmup`` + ``--duration`` seconds with N
+clients spread over ``--workers`` load processes (one gRPC connection per client), against a
+server started here (``python -m attention_service``, batching on, and off for sessions).
+
+Reports per point: steps/s, p50/p99 step latency, wire bytes per step (serialized requests),
+the kernel's own time per step (RequestStats.kernel_seconds, CUDA events on a GPU) and the
+p50 service overhead (p50 latency minus p50 kernel time); plus the analytic bytes per step for
+contexts 1K-32K. Writes JSON and a markdown table to ``--out``.
+
+    python benchmarks/bench_sessions.py --out benchmarks/results/issue11      # GPU defaults
+    python benchmarks/bench_sessions.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
+        --context 64 --clients 1,2 --duration 1 --warmup 0.5                  # quick cpu check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from attention_wire.pb import attention_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_service import Server, server_info  # noqa: E402
+
+ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
+METHOD = "/attention.v1.AttentionService/"
+CHUNK = 1 << 20
+
+
+def _tensor_messages(cls: Any, header: Any, tensors: list[tuple[int, bytes]]) -> list[bytes]:
+    """Serialized request messages: the header, then <= 1 MiB chunks of each tensor."""
+    msgs = [cls(header=header).SerializeToString()]
+    for field, data in tensors:
+        for off in range(0, len(data), CHUNK):
+            chunk = pb.TensorChunk(field=field, offset=off, data=data[off : off + CHUNK])
+            msgs.append(cls(chunks=[chunk]).SerializeToString())
+    return msgs
+
+
+def _bytes(rng: np.random.Generator, n: int, dtype: str) -> bytes:
+    # Values do not matter for speed; small normals keep every dtype finite.
+    arr = (rng.standard_normal(n, dtype=np.float32) * 0.5).astype(np.float32)
+    if dtype == "fp32":
+        return arr.tobytes()
+    if dtype == "fp16":
+        return arr.astype(np.float16).tobytes()
+    return (arr.view(np.uint32) >> 16).astype(np.uint16).tobytes()  # bf16: the top half
+
+
+class Shapes:
+    def __init__(self, a: argparse.Namespace) -> None:
+        self.h, self.hkv, self.d, self.ctx, self.dtype = (a.heads, a.kv_heads, a.head_dim,
+                                                          a.context, a.dtype)
+        self.wire, self.elem = ELEM[a.dtype]
+
+    def spec(self, *shape: int) -> pb.TensorSpec:
+        return pb.TensorSpec(dtype=self.wire, shape=list(shape))
+
+    def step_bytes(self, context: int, sessions: bool) -> int:
+        """Tensor bytes one decode step sends."""
+        q = self.h * self.d * self.elem
+        kv_rows = 1 if sessions else context
+        return q + 2 * kv_rows * self.hkv * self.d * self.elem
+
+
+def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[bytes], list[bytes]]:
+    """(setup messages: the AppendKV of the prompt, or none; one step's messages)."""
+    rng = np.random.default_rng(seed)
+    q = _bytes(rng, s.h * s.d, s.dtype)
+    if mode == "resend":
+        k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
+        header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(s.ctx, s.hkv, s.d),
+                                 v=s.spec(s.ctx, s.hkv, s.d), cu_seqlens_k=[0, s.ctx])
+        return [], _tensor_messages(pb.DecodeRequest, header, [(pb.Q, q), (pb.K, k), (pb.V, v)])
+    k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
+    append = pb.PrefillHeader(k=s.spec(s.ctx, s.hkv, s.d), v=s.spec(s.ctx, s.hkv, s.d),
+                              cu_seqlens_k=[0, s.ctx], cache=pb.CacheTarget(cache_ids=[cache_id]))
+    setup = _tensor_messages(pb.PrefillRequest, append, [(pb.K, k), (pb.V, v)])
+    kn, vn = (_bytes(rng, s.hkv * s.d, s.dtype) for _ in range(2))
+    header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(1, s.hkv, s.d),
+                             v=s.spec(1, s.hkv, s.d),
+                             cache=pb.CacheTarget(cache_ids=[cache_id], store=True))
+    step = _tensor_messages(pb.DecodeRequest, header, [(pb.Q, q), (pb.K, kn), (pb.V, vn)])
+    return setup, step
+
+
+async def _stream(channel: grpc.aio.Channel, method: str, msgs: list[bytes]) -> pb.RequestStats:
+    call = channel.stream_stream(METHOD + method, request_serializer=None,
+                                 response_deserializer=pb.AttentionResponse.FromString)
+    stats = None
+    async for reply in call(iter(msgs), timeout=60):
+        if reply.HasField("stats"):
+            stats = reply.stats
+    assert stats is not None
+    return stats
+
+
+async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
+                  t_measure: float, t_end: float, out: dict[str, Any]) -> None:
+    setup, step = _requests(s, mode, cache_id, seed)
+    method = "CacheDecode" if mode == "sessions" else "Decode"
+    async with grpc.aio.insecure_channel(target) as ch:
+        if mode == "sessions":
+            create = ch.unary_unary(METHOD + "CreateCaches",
+                                    request_serializer=pb.CreateCachesRequest.SerializeToString,
+                                    response_deserializer=pb.CreateCachesResponse.FromString)
+            await create(pb.CreateCachesRequest(
+                cache_ids=[cache_id], layout=pb.CacheLayout(dtype=s.wire, num_kv_heads=s.hkv,
+                                                            head_dim=s.d)), timeout=60)
+            await _stream(ch, "AppendKV", setup)
+        out["step_bytes"] = sum(len(m) for m in step)
+        while time.time() < t_end:
+            t0 = time.perf_counter()
+            try:
+                stats = await _stream(ch, method, step)
+            except grpc.aio.AioRpcError as exc:
+                out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
+                continue
+            if time.time() >= t_measure:
+                out["lat"].append(time.perf_counter() - t0)
+                out["kernel"].append(stats.kernel_seconds)
+                out["batch"].append(stats.batch_requests)
+        if mode == "sessions":
+            release = ch.unary_unary(METHOD + "ReleaseCaches",
+                                     request_serializer=pb.ReleaseCachesRequest.SerializeToString,
+                                     response_deserializer=pb.ReleaseCachesResponse.FromString)
+            await release(pb.ReleaseCachesRequest(cache_ids=[cache_id]), timeout=60)
+
+
+def _worker(target: str, args: argparse.Namespace, mode: str, clients: list[int],
+            t_measure: float, t_end: float, q: Any) -> None:
+    s = Shapes(args)
+    out: dict[str, Any] = {"lat": [], "kernel": [], "batch": [], "errors": {}, "step_bytes": 0}
+
+    async def main() -> None:
+        await asyncio.gather(*(_client(target, s, mode, f"bench-{os.getpid()}-{i}", i,
+                                       t_measure, t_end, out) for i in clients))
+
+    try:
+        asyncio.run(main())
+    except Exception as exc:  # reported, not hidden
+        out["errors"][type(exc).__name__] = out["errors"].get(type(exc).__name__, 0) + 1
+    q.put(out)
+
+
+def run_point(target: str, args: argparse.Namespace, mode: str, n: int) -> dict[str, Any]:
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    workers = min(args.workers, n)
+    setup = 3.0 + args.context * n / 2e5  # time for the prompts' AppendKV before the clock
+    t_measure = time.time() + setup + args.warmup
+    t_end = t_measure + args.duration
+    procs = [ctx.Process(target=_worker, args=(target, args, mode, list(range(w, n, workers)),
+                                               t_measure, t_end, q)) for w in range(workers)]
+    for p in procs:
+        p.start()
+    outs = [q.get(timeout=setup + args.warmup + args.duration + 120) for _ in procs]
+    for p in procs:
+        p.join(30)
+    lat = np.array([x for o in outs for x in o["lat"]]) * 1e3
+    kern = np.array([x for o in outs for x in o["kernel"]]) * 1e3
+    batch = np.array([x for o in outs for x in o["batch"]], dtype=np.float64)
+    errors: dict[str, int] = {}
+    for o in outs:
+        for k, v in o["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    pct = lambda a, p: float(np.percentile(a, p)) if a.size else math.nan  # noqa: E731
+    return {
+        "mode": mode, "clients": n, "steps": int(lat.size), "steps_per_s": lat.size / args.duration,
+        "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99), "kernel_p50_ms": pct(kern, 50),
+        "overhead_p50_ms": pct(lat, 50) - pct(kern, 50),
+        "mean_batch": float(batch.mean()) if batch.size else math.nan,
+        "wire_bytes_per_step": max(o["step_bytes"] for o in outs), "errors": errors,
+    }
+
+
+def _f(x: float, nd: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=list(ELEM))
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
+    p.add_argument("--clients", default="1,8,64")
+    p.add_argument("--duration", type=float, default=8.0)
+    p.add_argument("--warmup", type=float, default=2.0)
+    p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
+    p.add_argument("--frontends", type=int, help="passed to the servers (default: theirs)")
+    p.add_argument("--out", default="benchmarks/results")
+    # What bench_service.Server reads from the namespace.
+    p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
+                   startup_timeout=600.0)
+    args = p.parse_args(argv)
+    counts = [int(x) for x in args.clients.split(",")]
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    s = Shapes(args)
+    rows: list[dict[str, Any]] = []
+    info = None
+    for label, mode, batching in (("sessions, batching on", "sessions", True),
+                                  ("sessions, batching off", "sessions", False),
+                                  ("resend (Decode), batching on", "resend", True)):
+        server = Server(args, batching, out_dir / f"bench_sessions_server_{mode}_{batching}.log")
+        try:
+            info = server_info(server.target)
+            print(f"{label}: {info.device} ({info.backend}), pool {info.kv_cache_bytes >> 20} MiB",
+                  flush=True)
+            for n in counts:
+                row = run_point(server.target, args, mode, n)
+                row.update(side=label, batching=batching)
+                rows.append(row)
+                print(f"  {n:3d} clients: {row['steps_per_s']:9.1f} steps/s  p50 "
+                      f"{_f(row['p50_ms'])}  p99 {_f(row['p99_ms'])} ms  kernel p50 "
+                      f"{_f(row['kernel_p50_ms'], 3)} ms  batch {_f(row['mean_batch'])}  "
+                      f"{row['wire_bytes_per_step']} B/step  errors {row['errors']}", flush=True)
+        finally:
+            server.stop()
+    by = {(r["side"], r["clients"]): r for r in rows}
+    ratios = {}
+    top = max(counts)
+    on, off = by[("sessions, batching on", top)], by[("sessions, batching off", top)]
+    resend = by[("resend (Decode), batching on", top)]
+    ratios[f"sessions/resend steps/s at {top} clients"] = on["steps_per_s"] / max(
+        resend["steps_per_s"], 1e-9)
+    ratios[f"sessions batching on/off steps/s at {top} clients"] = on["steps_per_s"] / max(
+        off["steps_per_s"], 1e-9)
+    ratios[f"sessions batching on/off p99 at {top} clients"] = on["p99_ms"] / max(
+        off["p99_ms"], 1e-9)
+    one = by.get(("sessions, batching on", 1))
+    if one is not None:
+        ratios["p50 overhead over kernel at 1 client (ms)"] = one["overhead_p50_ms"]
+    analytic = [{"context": c, "sessions_bytes": s.step_bytes(c, True),
+                 "resend_bytes": s.step_bytes(c, False),
+                 "ratio": s.step_bytes(c, False) / s.step_bytes(c, True)}
+                for c in (1024, 2048, 4096, 8192, 16384, 32768)]
+    lines = [
+        f"# bench_sessions: {info.device if info else '?'}, {datetime.now(timezone.utc):%Y-%m-%d}",
+        "", f"`python benchmarks/bench_sessions.py {' '.join(argv or sys.argv[1:])}`", "",
+        f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx} tokens per client", "",
+        "| side | clients | steps/s | p50 ms | p99 ms | kernel p50 ms | overhead p50 ms | "
+        "mean batch | wire B/step | errors |", "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['side']} | {r['clients']} | {r['steps_per_s']:.1f} | "
+                     f"{_f(r['p50_ms'])} | {_f(r['p99_ms'])} | {_f(r['kernel_p50_ms'], 3)} | "
+                     f"{_f(r['overhead_p50_ms'], 3)} | {_f(r['mean_batch'])} | "
+                     f"{r['wire_bytes_per_step']} | {sum(r['errors'].values())} |")
+    lines += ["", "| ratio | value |", "|---|---|"]
+    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    lines += ["", "Tensor bytes per decode step (one sequence):", "",
+              "| context | sessions | resend | resend / sessions |", "|---|---|---|---|"]
+    lines += [f"| {a['context']} | {a['sessions_bytes']} | {a['resend_bytes']} | "
+              f"{a['ratio']:.0f}x |" for a in analytic]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
+    (out_dir / f"bench_sessions_{stamp}.md").write_text(table)
+    (out_dir / f"bench_sessions_{stamp}.json").write_text(json.dumps(
+        {"args": vars(args), "rows": rows, "ratios": ratios, "bytes_per_step": analytic,
+         "device": info.device if info else None}, indent=2))
+    errors = sum(sum(r["errors"].values()) for r in rows)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Server-side KV caches: named, owned, paged, expiring.
+
+A cache is one sequence of one attention layer, named by its client and holding that
+sequence's keys and values in ``KvPool`` pages. Rules (docs/service.md, "KV caches"):
+
+* Ownership: ids live in the owner's namespace (the caller's token with auth on); another owner
+  asking for the same id gets NOT_FOUND, never the data.
+* One call at a time per cache: a second call while one runs gets ABORTED (a decode step must
+  see the token its predecessor appended, so concurrent calls on one sequence are a client bug).
+* A call reserves the pages its new tokens need when the engine accepts it, so a full pool
+  answers RESOURCE_EXHAUSTED before anything is written; when the call ends, ``store`` keeps
+  the tokens, anything else (no store, an error, a cancel) puts the cache back as it was.
+* Idle caches expire after the TTL; a cache in use never does. Releasing a cache in use
+  removes its name at once and frees its pages when its call ends.
+
+Thread-safe: one lock around the registry and the pool (callers: the engine's connection
+threads for submit, the control-rpc threads, the executor's completer for ``finish``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+
+from attention_service.engine.jobs import CacheWork
+from attention_service.engine.kv_pool import KvPool, Layout
+from attention_service.errors import RequestError, exhausted, invalid, not_found
+from attention_service.params import (
+    ELEMENT_BYTES,
+    Op,
+    Params,
+    causal_pairs,
+    check_cache_ids,
+    lengths,
+)
+from attention_wire.pb import attention_pb2 as pb
+
+log = logging.getLogger("attention_service")
+
+MAX_HEADS = 1024
+METHODS = ("CreateCaches", "ReleaseCaches", "ForkCache", "ListCaches")
+
+
+@dataclass(eq=False)
+class _Cache:
+    owner: str
+    cache_id: str
+    layout: Layout
+    page_tokens: int
+    last_used: float
+    length: int = 0
+    pages: list[int] = field(default_factory=list)
+    busy: bool = False
+    released: bool = False  # released while busy: pages go when its call ends
+
+
+def _aborted(field_name: str, message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.ABORTED, f"{field_name}: {message}")
+
+
+def _pages_for(tokens: int, page_tokens: int) -> int:
+    return -(-tokens // page_tokens)
+
+
+class CacheRegistry:
+    def __init__(
+        self, pool: KvPool | None, *, ttl_seconds: float = 600.0, max_caches: int = 1 << 20,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """``pool`` None: caches are off (every call answers FAILED_PRECONDITION)."""
+        self.pool = pool
+        self.ttl = ttl_seconds
+        self.max_caches = max_caches
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._caches: dict[tuple[str, str], _Cache] = {}
+        self._per_owner: dict[str, int] = {}
+        self.expired_total = 0  # caches released by the TTL (a metric)
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        if pool is not None and ttl_seconds > 0:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="kv-cache-ttl",
+                                             daemon=True)
+            self._sweeper.start()
+
+    # ---- accounting (metrics, ServerInfo) -----------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self.pool is not None
+
+    def gauges(self) -> tuple[int, int, int, int]:
+        """(pages used, pages total, caches live, caches expired so far)."""
+        if self.pool is None:
+            return 0, 0, 0, 0
+        with self._lock:
+            return (self.pool.pages_used, self.pool.pages_total, len(self._caches),
+                    self.expired_total)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5)
+
+    # ---- the data ops -------------------------------------------------------------------
+
+    def begin(self, params: Params, owner: str) -> CacheWork:
+        """Accept a cached op: check its caches, reserve pages for its new tokens, mark the
+        caches busy. Raises RequestError (nothing reserved) on any refusal."""
+        pool = self._pool()
+        ids = params.cache_ids
+        new = lengths(params.cu_seqlens_k)
+        name = "k" if params.op is Op.APPEND_KV else "q"
+        with self._lock:
+            caches = [self._lookup(owner, cid, f"header.cache.cache_ids[{i}]")
+                      for i, cid in enumerate(ids)]
+            for i, c in enumerate(caches):
+                self._check_layout(c, params, name)
+                if c.busy:
+                    raise _aborted(f"header.cache.cache_ids[{i}]",
+                                   f"cache {c.cache_id!r} is in use by another call; calls on "
+                                   "one cache must be sequential")
+            need = [_pages_for(c.length + n, c.page_tokens) - len(c.pages)
+                    for c, n in zip(caches, new, strict=True)]
+            fresh = pool.alloc(sum(need), "header.k")
+            view = pool.view(caches[0].layout) if caches else None
+            now = self._clock()
+            table, seq_lens, slot_pages, slot_offsets = [], [], [], []
+            at = 0
+            for c, n, k in zip(caches, new, need, strict=True):
+                c.busy, c.last_used = True, now
+                pages = c.pages + fresh[at : at + k]
+                at += k
+                table.append(pages)
+                seq_lens.append(c.length + n)
+                if n:
+                    pos = np.arange(c.length, c.length + n)
+                    slot_pages += np.asarray(pages, dtype=np.int64)[pos // c.page_tokens].tolist()
+                    slot_offsets += (pos % c.page_tokens).tolist()
+        flops, kv_bytes = _work(params, seq_lens)
+
+        def finish(ok: bool) -> tuple[int, ...]:
+            return self._finish(caches, table, seq_lens, keep=ok and params.store)
+
+        if view is None:  # no sequences: validation forbids it, keep the types honest
+            raise invalid("header.cache.cache_ids", "empty")
+        return CacheWork(
+            k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
+            slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
+            finish=finish,
+        )
+
+    def _finish(
+        self, caches: list[_Cache], table: list[list[int]], seq_lens: list[int], keep: bool
+    ) -> tuple[int, ...]:
+        pool = self._pool()
+        with self._lock:
+            now = self._clock()
+            for c, pages, total in zip(caches, table, seq_lens, strict=True):
+                if keep:
+                    c.pages, c.length = pages, total
+                else:
+                    pool.free(pages[len(c.pages) :])  # the reserved ones; the rest is intact
+                c.busy, c.last_used = False, now
+                if c.released:
+                    pool.free(c.pages)
+                    c.pages = []
+            return tuple(c.length for c in caches)
+
+    # ---- the control rpcs ---------------------------------------------------------------
+
+    def call(self, method: str, request: Any, owner: str) -> Any:
+        self._pool()
+        if method == "CreateCaches":
+            return self._create(request, owner)
+        if method == "ReleaseCaches":
+            return self._release(request, owner)
+        if method == "ForkCache":
+            return self._fork(request, owner)
+        if method == "ListCaches":
+            return self._list(request, owner)
+        raise ValueError(f"unknown cache method {method}")
+
+    def _create(self, req: pb.CreateCachesRequest, owner: str) -> pb.CreateCachesResponse:
+        pool = self._pool()
+        ids = _check_ids(req.cache_ids, "cache_ids")
+        if not ids:
+            raise invalid("cache_ids", "empty: name at least one cache")
+        layout = _check_layout_msg(req, pool)
+        page_tokens = pool.page_tokens(layout)
+        with self._lock:
+            for i, cid in enumerate(ids):
+                if (owner, cid) in self._caches:
+                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                                       f"cache_ids[{i}]: cache {cid!r} exists")
+            held = self._per_owner.get(owner, 0)
+            if held + len(ids) > self.max_caches:
+                raise exhausted("cache_ids", f"{held} caches held, {len(ids)} more would pass "
+                                f"the per-caller limit of {self.max_caches}")
+            now = self._clock()
+            for cid in ids:
+                self._caches[(owner, cid)] = _Cache(owner, cid, layout, page_tokens, now)
+            self._per_owner[owner] = held + len(ids)
+        return pb.CreateCachesResponse(created=len(ids))
+
+    def _release(self, req: pb.ReleaseCachesRequest, owner: str) -> pb.ReleaseCachesResponse:
+        with self._lock:
+            if req.all:
+                if req.cache_ids:
+                    raise invalid("all", "set together with cache_ids: use one or the other")
+                caches = [c for c in self._caches.values() if c.owner == owner]
+            else:
+                ids = _check_ids(req.cache_ids, "cache_ids")
+                caches = [self._lookup(owner, cid, f"cache_ids[{i}]")
+                          for i, cid in enumerate(ids)]
+            for c in caches:
+                self._drop(c)
+        return pb.ReleaseCachesResponse(released=len(caches))
+
+    def _fork(self, req: pb.ForkCacheRequest, owner: str) -> pb.CacheInfo:
+        pool = self._pool()
+        (target,) = _check_ids([req.target_id], "target_id")
+        with self._lock:
+            src = self._lookup(owner, req.source_id, "source_id")
+            if src.busy:
+                raise _aborted("source_id", f"cache {src.cache_id!r} is in use by another call")
+            if (owner, target) in self._caches:
+                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                                   f"target_id: cache {target!r} exists")
+            length = req.length if req.HasField("length") else src.length
+            if length > src.length:
+                raise invalid("length", f"{length} tokens, but the source holds {src.length}")
+            held = self._per_owner.get(owner, 0)
+            if held + 1 > self.max_caches:
+                raise exhausted("target_id", f"the per-caller limit of {self.max_caches} "
+                                "caches is reached")
+            full, part = divmod(length, src.page_tokens)
+            shared = src.pages[:full]
+            copied = pool.alloc(1, "target_id") if part else []
+            if copied:
+                pool.copy_page(src.pages[full], copied[0])
+            pool.share(shared)
+            c = _Cache(owner, target, src.layout, src.page_tokens, self._clock(), length,
+                       shared + copied)
+            self._caches[(owner, target)] = c
+            self._per_owner[owner] = held + 1
+            src.last_used = c.last_used
+            return self._info(c)
+
+    def _list(self, req: pb.ListCachesRequest, owner: str) -> pb.ListCachesResponse:
+        pool = self._pool()
+        with self._lock:
+            if req.cache_ids:
+                caches = [self._lookup(owner, cid, f"cache_ids[{i}]")
+                          for i, cid in enumerate(req.cache_ids)]
+            else:
+                caches = [c for c in self._caches.values() if c.owner == owner]
+            return pb.ListCachesResponse(
+                caches=[self._info(c) for c in caches],
+                pool=pb.KvPoolInfo(
+                    page_bytes=pool.page_bytes, pages_total=pool.pages_total,
+                    pages_used=pool.pages_used, pages_free=pool.pages_free,
+                    caches_live=len(self._caches), ttl_seconds=self.ttl,
+                ),
+            )
+
+    # ---- helpers (under the lock) -------------------------------------------------------
+
+    def _pool(self) -> KvPool:
+        if self.pool is None:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION,
+                               "server-side KV caches are off on this server (--kv-cache-bytes)")
+        return self.pool
+
+    def _lookup(self, owner: str, cache_id: str, field_name: str) -> _Cache:
+        c = self._caches.get((owner, cache_id))
+        if c is None:
+            raise not_found(field_name, f"no cache {cache_id!r} (never created, released, "
+                            "expired, or the server restarted)")
+        return c
+
+    def _drop(self, c: _Cache) -> None:
+        """Remove ``c``'s name; its pages go now, or when its call ends."""
+        del self._caches[(c.owner, c.cache_id)]
+        self._per_owner[c.owner] -= 1
+        if not self._per_owner[c.owner]:
+            del self._per_owner[c.owner]
+        c.released = True
+        if not c.busy:
+            self._pool().free(c.pages)
+            c.pages = []
+
+    def _info(self, c: _Cache) -> pb.CacheInfo:
+        pool = self._pool()
+        return pb.CacheInfo(
+            cache_id=c.cache_id,
+            layout=pb.CacheLayout(dtype=c.layout.dtype, num_kv_heads=c.layout.num_kv_heads,
+                                  head_dim=c.layout.head_dim),
+            length=c.length, pages=len(c.pages),
+            shared_pages=sum(1 for p in c.pages if pool.refs(p) > 1),
+            idle_seconds=0.0 if c.busy else max(0.0, self._clock() - c.last_used), busy=c.busy,
+        )
+
+    @staticmethod
+    def _check_layout(c: _Cache, params: Params, q_or_k: str) -> None:
+        lay = c.layout
+        if params.dtype != lay.dtype:
+            raise invalid(f"header.{q_or_k}.dtype",
+                          f"{pb.DType.Name(params.dtype)}, but cache {c.cache_id!r} holds "
+                          f"{pb.DType.Name(lay.dtype)}")
+        if params.num_kv_heads != lay.num_kv_heads:
+            raise invalid("header.k.shape[1]",
+                          f"num_kv_heads {params.num_kv_heads}, but cache {c.cache_id!r} has "
+                          f"{lay.num_kv_heads}")
+        if params.head_dim != lay.head_dim:
+            raise invalid(f"header.{q_or_k}.shape[2]",
+                          f"head_dim {params.head_dim}, but cache {c.cache_id!r} has "
+                          f"{lay.head_dim}")
+
+    # ---- TTL ----------------------------------------------------------------------------
+
+    def expire(self) -> int:
+        """Release every idle cache past the TTL; returns how many."""
+        if self.ttl <= 0:
+            return 0
+        with self._lock:
+            cutoff = self._clock() - self.ttl
+            old = [c for c in self._caches.values() if not c.busy and c.last_used < cutoff]
+            for c in old:
+                self._drop(c)
+            self.expired_total += len(old)
+        for c in old:
+            log.info("kv cache %r of %s expired after %.0f s idle", c.cache_id,
+                     "a caller" if c.owner else "anonymous", self.ttl)
+        return len(old)
+
+    def _sweep_loop(self) -> None:
+        period = min(max(self.ttl / 8, 0.05), 30.0)
+        while not self._stop.wait(period):
+            try:
+                self.expire()
+            except Exception:  # never lose the sweeper
+                log.exception("kv cache expiry failed")
+
+
+def _check_ids(ids: Sequence[str], field_name: str) -> list[str]:
+    return list(check_cache_ids(ids, field_name))
+
+
+def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool) -> Layout:
+    from attention_kernels import supported_head_dim
+
+    if not req.HasField("layout"):
+        raise invalid("layout", "missing")
+    lay = req.layout
+    if lay.dtype not in ELEMENT_BYTES:
+        raise invalid("layout.dtype", "unknown or unsupported; use FLOAT16, BFLOAT16 or FLOAT32")
+    if not 1 <= lay.num_kv_heads <= MAX_HEADS:
+        raise invalid("layout.num_kv_heads", f"must be in [1, {MAX_HEADS}], got "
+                      f"{lay.num_kv_heads}")
+    if not supported_head_dim(lay.head_dim):
+        raise invalid("layout.head_dim", f"{lay.head_dim} unsupported: must be a multiple of "
+                      "8 in [8, 256]")
+    layout = Layout(int(lay.dtype), int(lay.num_kv_heads), int(lay.head_dim))
+    if pool.page_tokens(layout) < 1:
+        raise invalid("layout", f"one token's keys and values take {layout.token_bytes} "
+                      f"bytes, more than a {pool.page_bytes}-byte page (--kv-page-bytes)")
+    return layout
+
+
+def _work(params: Params, seq_lens: list[int]) -> tuple[int, int]:
+    """(FLOPs, K/V bytes read) of a cached op over its sequences' full key ranges."""
+    if params.op is Op.APPEND_KV:
+        return 0, 0
+    h, d = params.num_heads, params.head_dim
+    if params.op.decode_like:
+        pairs = sum(seq_lens)
+    else:
+        assert params.cu_seqlens_q is not None
+        len_q = lengths(params.cu_seqlens_q)
+        if params.causal:
+            pairs = sum(causal_pairs(sq, sk) for sq, sk in zip(len_q, seq_lens, strict=True))
+        else:
+            pairs = sum(sq * sk for sq, sk in zip(len_q, seq_lens, strict=True))
+    kv = 2 * sum(seq_lens) * params.num_kv_heads * d * ELEMENT_BYTES[params.dtype]
+    return 4 * pairs * h * d, kv

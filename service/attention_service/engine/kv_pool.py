@@ -1,0 +1,126 @@
+"""The paged KV pool: one block of device memory cut into fixed-size pages.
+
+Every layout (dtype, kv heads, head dim) shares the same pages, so the pool never fragments:
+any free page serves any cache, and the byte accounting is exact (pages x page bytes). A page
+holds ``page_tokens`` tokens of one layout, keys first, then values::
+
+    page p:  K[0..page_tokens) [H_kv, D]  |  V[0..page_tokens) [H_kv, D]  |  unused tail
+
+which the kernels see as ``k_pages, v_pages [pages, page_tokens, H_kv, D]`` strided views of
+the same bytes (``flash_attn_with_kvcache``'s paged layout). Pages are reference-counted: a
+fork shares the full pages of its prefix, which no cache ever writes again (appends only
+write past a cache's length).
+
+Not thread-safe by itself: ``kv_caches.CacheRegistry`` calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from attention_service.errors import exhausted
+from attention_service.params import ELEMENT_BYTES
+
+
+class Layout(NamedTuple):
+    dtype: int  # pb.DType
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def token_bytes(self) -> int:
+        """Key plus value bytes of one token."""
+        return 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+
+
+class LayoutView(NamedTuple):
+    k_pages: torch.Tensor  # [pages, page_tokens, H_kv, D]
+    v_pages: torch.Tensor
+    page_tokens: int
+
+
+class KvPool:
+    def __init__(self, storage: torch.Tensor, page_bytes: int) -> None:
+        """``storage``: uint8, on the engine's device; ``page_bytes`` a multiple of 256 (so
+        every page starts aligned for every dtype and for 128-byte loads)."""
+        self.storage = storage
+        self.page_bytes = page_bytes
+        self.pages_total = storage.numel() // page_bytes
+        self._free = list(range(self.pages_total - 1, -1, -1))  # pop() hands out low pages first
+        self._refs = [0] * self.pages_total
+        self._views: dict[Layout, LayoutView] = {}
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages_total * self.page_bytes
+
+    @property
+    def pages_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def pages_used(self) -> int:
+        return self.pages_total - len(self._free)
+
+    def page_tokens(self, layout: Layout) -> int:
+        """Tokens of ``layout`` per page (0: one token does not fit a page)."""
+        return self.page_bytes // layout.token_bytes
+
+    def view(self, layout: Layout) -> LayoutView:
+        """The kernels' view of the pool for ``layout`` (made once per layout)."""
+        got = self._views.get(layout)
+        if got is not None:
+            return got
+        from attention_service.engine.backends import TORCH_DTYPES  # torch types, engine-only
+
+        dtype = TORCH_DTYPES[layout.dtype]
+        tokens = self.page_tokens(layout)
+        if tokens < 1:
+            raise ValueError(f"{layout} does not fit a {self.page_bytes}-byte page")
+        typed = self.storage[: self.nbytes].view(dtype)
+        row = layout.num_kv_heads * layout.head_dim
+        shape = (self.pages_total, tokens, layout.num_kv_heads, layout.head_dim)
+        strides = (self.page_bytes // dtype.itemsize, row, layout.head_dim, 1)
+        k = typed.as_strided(shape, strides, 0)
+        v = typed.as_strided(shape, strides, tokens * row)
+        got = self._views[layout] = LayoutView(k, v, tokens)
+        return got
+
+    def alloc(self, count: int, field: str) -> list[int]:
+        """``count`` fresh pages (reference 1), or RESOURCE_EXHAUSTED naming ``field`` and
+        nothing taken."""
+        if count > len(self._free):
+            raise exhausted(
+                field,
+                f"the KV-cache pool is full: this needs {count} more pages of "
+                f"{self.page_bytes} bytes, {len(self._free)} of {self.pages_total} are free "
+                "(release caches, or raise --kv-cache-bytes)",
+            )
+        pages = [self._free.pop() for _ in range(count)]
+        for p in pages:
+            self._refs[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        for p in pages:
+            self._refs[p] += 1
+
+    def free(self, pages: list[int]) -> None:
+        """Drop one reference to each page; a page nobody references is free again."""
+        for p in pages:
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._free.append(p)
+            assert self._refs[p] >= 0, f"page {p} freed twice"
+
+    def refs(self, page: int) -> int:
+        return self._refs[page]
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Page ``src``'s bytes into page ``dst``, done when this returns."""
+        b = self.page_bytes
+        self.storage[dst * b : (dst + 1) * b].copy_(self.storage[src * b : (src + 1) * b])
+        if self.storage.is_cuda:
+            torch.cuda.current_stream(self.storage.device).synchronize()

@@ -1,0 +1,400 @@
+"""Server-side KV caches at the wire level (raw stubs, cpu backend): the pool and registry as
+units, then create / append / prefill against a cache / decode steps / fork / release / TTL /
+pool full / cross-token isolation / concurrency end to end, every result against the float64
+reference on the concatenated keys and values."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from attention_service.engine.kv_caches import CacheRegistry
+from attention_service.engine.kv_pool import KvPool, Layout
+from attention_service.errors import RequestError
+from attention_service.params import Op, make_params
+from attention_wire.pb import attention_pb2 as pb
+
+from .kv_helpers import (
+    Model,
+    append_messages,
+    cache_decode_messages,
+    cache_prefill_messages,
+    decode_step,
+    layout,
+    rand,
+    session,
+)
+from .svc_helpers import (
+    GatedBackend,
+    ServerHandle,
+    collect,
+    make_config,
+    prefill_oracle,
+    sample,
+    wait_until,
+)
+
+pytestmark = pytest.mark.timeout(60)
+PAGE = 4096  # 16 tokens of the 2 x 16 float32 layout below: lengths cross pages often
+F32 = Layout(pb.FLOAT32, 2, 16)
+
+
+def _code(fn: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+@pytest.fixture(scope="module")
+def srv() -> Any:
+    handle = ServerHandle(make_config(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE))
+    yield handle
+    handle.close()
+
+
+# ---- units: the pool and the registry ----------------------------------------------------
+
+
+def test_pool_pages_any_layout_and_counts_exactly() -> None:
+    pool = KvPool(torch.zeros(10 * PAGE, dtype=torch.uint8), PAGE)
+    assert (pool.pages_total, pool.pages_free) == (10, 10)
+    assert pool.page_tokens(F32) == 16 and pool.page_tokens(Layout(pb.BFLOAT16, 1, 24)) == 42
+    a = pool.alloc(4, "x")
+    b = pool.alloc(6, "x")
+    assert sorted(a + b) == list(range(10)) and pool.pages_free == 0
+    with pytest.raises(RequestError) as info:
+        pool.alloc(1, "header.k")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details.startswith("header.k: the KV-cache pool is full")
+    pool.share(a[:2])
+    pool.free(a)
+    assert pool.pages_free == 2  # the shared two stay until their second owner lets go
+    pool.free(a[:2])
+    assert pool.pages_free == 4
+    # K and V of a page are disjoint views of the same bytes; pages do not overlap.
+    view = pool.view(F32)
+    view.k_pages[3].fill_(1.0)
+    view.v_pages[3].fill_(2.0)
+    assert view.k_pages[3].sum() == 16 * 2 * 16 and view.v_pages[3].sum() == 2 * 16 * 2 * 16
+    assert view.k_pages[2].abs().sum() == 0 and view.k_pages[4].abs().sum() == 0
+
+
+def _params(op: Op, ids: tuple[str, ...], new: list[int], store: bool = True) -> Any:
+    cu = [0]
+    for n in new:
+        cu.append(cu[-1] + n)
+    batch = len(ids)
+    if op is Op.CACHE_DECODE:
+        return make_params(op, pb.FLOAT32, (batch, 4, 16), (cu[-1], 2, 16), cu,
+                           cache_ids=ids, store=store)
+    return make_params(op, pb.FLOAT32, (0, 2, 16), (cu[-1], 2, 16), cu, [0] * (batch + 1),
+                       cache_ids=ids, store=store)
+
+
+def _create(reg: CacheRegistry, ids: list[str], owner: str = "") -> None:
+    reg.call("CreateCaches", pb.CreateCachesRequest(
+        cache_ids=ids, layout=pb.CacheLayout(dtype=pb.FLOAT32, num_kv_heads=2, head_dim=16)),
+        owner)
+
+
+def test_registry_reserves_then_keeps_or_rolls_back() -> None:
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["a", "b"])
+    work = reg.begin(_params(Op.APPEND_KV, ("a", "b"), [20, 3]), "")
+    assert pool.pages_used == 3 and work.seq_lens == [20, 3]
+    assert work.slot_offsets[:17] == list(range(16)) + [0]  # token 16 starts a's second page
+    assert work.slot_pages[16] == work.block_table[0][1]
+    with pytest.raises(RequestError) as info:  # busy: one call per cache at a time
+        reg.begin(_params(Op.CACHE_DECODE, ("b",), [1]), "")
+    assert info.value.code == grpc.StatusCode.ABORTED and "cache_ids[0]" in info.value.details
+    assert work.finish(True) == (20, 3)
+    # A decode step without store rolls back; so does a failed call.
+    w2 = reg.begin(_params(Op.CACHE_DECODE, ("a", "b"), [13, 0], store=False), "")
+    assert pool.pages_used == 4 and w2.seq_lens == [33, 3]
+    assert w2.finish(True) == (20, 3) and pool.pages_used == 3
+    w3 = reg.begin(_params(Op.APPEND_KV, ("a",), [12]), "")
+    assert w3.finish(False) == (20,) and pool.pages_used == 3
+    # Pool full: refused before anything is reserved, the caches as they were.
+    with pytest.raises(RequestError) as info:
+        reg.begin(_params(Op.APPEND_KV, ("a", "b"), [16 * 4, 16 * 2]), "")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert pool.pages_used == 3
+    listed = reg.call("ListCaches", pb.ListCachesRequest(), "")
+    assert [(c.cache_id, c.length, c.busy) for c in listed.caches] == [
+        ("a", 20, False), ("b", 3, False)]
+
+
+def test_fork_shares_full_pages_and_release_frees_them_last() -> None:
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["a"])
+    reg.begin(_params(Op.APPEND_KV, ("a",), [40]), "").finish(True)  # 3 pages, last partial
+    info = reg.call("ForkCache", pb.ForkCacheRequest(source_id="a", target_id="f"), "")
+    assert (info.length, info.pages, info.shared_pages) == (40, 3, 2)
+    assert pool.pages_used == 4  # two shared, the partial one copied
+    info = reg.call("ForkCache", pb.ForkCacheRequest(source_id="a", target_id="g", length=32),
+                    "")
+    assert (info.length, info.pages, info.shared_pages) == (32, 2, 2) and pool.pages_used == 4
+    code = _registry_code(reg, "ForkCache", pb.ForkCacheRequest(source_id="a", target_id="h",
+                                                                length=41))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["a"]), "")
+    assert pool.pages_used == 3  # a's own partial page went; the shared two stay
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(all=True), "")
+    assert pool.pages_used == 0
+
+
+def _registry_code(reg: CacheRegistry, method: str, req: Any, owner: str = "") -> Any:
+    with pytest.raises(RequestError) as info:
+        reg.call(method, req, owner)
+    return info.value.code
+
+
+def test_ttl_expires_idle_caches_never_busy_ones() -> None:
+    now = [0.0]
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=10, clock=lambda: now[0])
+    try:
+        _create(reg, ["idle", "busy"])
+        work = reg.begin(_params(Op.APPEND_KV, ("busy",), [5]), "")
+        now[0] = 11.0
+        assert reg.expire() == 1  # "idle" only
+        assert [c.cache_id for c in reg.call("ListCaches", pb.ListCachesRequest(), "").caches] \
+            == ["busy"]
+        work.finish(True)  # used just now: its idle clock restarts
+        now[0] = 20.0
+        assert reg.expire() == 0
+        now[0] = 21.5
+        assert reg.expire() == 1 and pool.pages_used == 0 and reg.expired_total == 2
+    finally:
+        reg.close()
+
+
+def test_release_while_busy_frees_pages_when_the_call_ends() -> None:
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["a"])
+    work = reg.begin(_params(Op.APPEND_KV, ("a",), [20]), "")
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["a"]), "")
+    assert pool.pages_used == 2  # the running call still writes into them
+    assert _registry_code(reg, "ListCaches", pb.ListCachesRequest(cache_ids=["a"])) == \
+        grpc.StatusCode.NOT_FOUND
+    work.finish(True)
+    assert pool.pages_used == 0
+
+
+# ---- end to end ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_then_decode_steps_match_the_reference(srv: ServerHandle,
+                                                      dtype: torch.dtype) -> None:
+    stub = srv.stub()
+    ids, model = session(stub, f"steps-{dtype}-", [0, 1, 16, 37], dtype=dtype)
+    for i in range(5):  # crosses page boundaries: 16 -> 21, 37 -> 42
+        r = decode_step(stub, ids, model, heads=4, seed=100 + i)
+    assert r.stats.flops == 4 * sum(model.k[i].shape[0] for i in ids) * 4 * 16
+    decode_step(stub, ids, model, heads=4, seed=200, new=False)  # no new token: attend only
+    decode_step(stub, ids, model, heads=4, seed=300, store=False)  # attended to, then dropped
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
+
+
+def test_prefill_against_a_cached_prefix(srv: ServerHandle) -> None:
+    stub = srv.stub()
+    ids, model = session(stub, "pf-", [0, 19, 33], heads=8, kv_heads=2)
+    q_lens, k_lens = [5, 1, 17], [5, 1, 17]  # chunked prefill: new queries = new keys
+    q = rand(sum(q_lens), 8, 16, seed=7)
+    k, v = rand(sum(k_lens), 2, 16, seed=8), rand(sum(k_lens), 2, 16, seed=9)
+    for store in (False, True):
+        r = collect(stub.CachePrefill(cache_prefill_messages(
+            ids, q, k, v, q_lens, k_lens, store=store), timeout=30))
+        trial = Model(2, 16, torch.float32)
+        trial.k, trial.v = dict(model.k), dict(model.v)
+        trial.append(ids, k, v, k_lens)
+        kk, vv, cu_k = trial.packed(ids)
+        cu_q = [0, 5, 6, 23]
+        out, lse = prefill_oracle(q, kk, vv, cu_q, cu_k, causal=True)
+        torch.testing.assert_close(r.out.double(), out, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(r.lse.double(), lse.double(), atol=1e-4, rtol=1e-4)
+        want = [model.k[i].shape[0] + (n if store else 0) for i, n in zip(ids, k_lens,
+                                                                           strict=True)]
+        assert list(r.stats.cache_lengths) == want
+    model.k, model.v = trial.k, trial.v
+    decode_step(stub, ids, model, heads=8, seed=11)  # the stored chunk is there for the next step
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
+
+
+def test_fork_then_both_diverge_correctly(srv: ServerHandle) -> None:
+    stub = srv.stub()
+    ids, model = session(stub, "fork-", [37])
+    info = stub.ForkCache(pb.ForkCacheRequest(source_id=ids[0], target_id="fork-child",
+                                              length=20), timeout=10)
+    assert (info.length, info.shared_pages) == (20, 1)
+    model.create(["fork-child"])
+    model.k["fork-child"], model.v["fork-child"] = model.k[ids[0]][:20], model.v[ids[0]][:20]
+    for i in range(3):
+        decode_step(stub, [ids[0], "fork-child"], model, heads=4, seed=40 + i)
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(all=True), timeout=10)
+
+
+def test_refusals_name_the_field_and_change_nothing(srv: ServerHandle) -> None:
+    stub = srv.stub()
+    ids, model = session(stub, "bad-", [3, 4])
+    q, k, v = rand(2, 4, 16, seed=1), rand(2, 1, 16, seed=2), rand(2, 1, 16, seed=3)
+    code, details = _code(lambda: collect(stub.CacheDecode(cache_decode_messages(ids, q, k, v),
+                                                           timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("header.k.shape[1]")
+    q64 = rand(2, 4, 16, seed=1, dtype=torch.float16)
+    k2, v2 = rand(2, 2, 16, seed=2, dtype=torch.float16), rand(2, 2, 16, seed=3,
+                                                                 dtype=torch.float16)
+    code, details = _code(lambda: collect(stub.CacheDecode(
+        cache_decode_messages(ids, q64, k2, v2), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("header.q.dtype")
+    q, k, v = rand(2, 4, 16, seed=1), rand(2, 2, 16, seed=2), rand(2, 2, 16, seed=3)
+    code, details = _code(lambda: collect(stub.CacheDecode(
+        cache_decode_messages([ids[0], "nope"], q, k, v), timeout=10)))
+    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("header.cache.cache_ids[1]")
+    code, details = _code(lambda: collect(stub.CacheDecode(
+        cache_decode_messages([ids[0], ids[0]], q, k, v), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "appears twice" in details
+    code, details = _code(lambda: collect(stub.CacheDecode(
+        cache_decode_messages(ids[:1], q, k, v), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(
+        "header.cache.cache_ids")
+    code, _ = _code(lambda: stub.CreateCaches(pb.CreateCachesRequest(
+        cache_ids=[ids[1]], layout=layout(torch.float32, 2, 16)), timeout=10))
+    assert code == grpc.StatusCode.ALREADY_EXISTS
+    code, details = _code(lambda: stub.CreateCaches(pb.CreateCachesRequest(
+        cache_ids=["x"], layout=layout(torch.float32, 2, 12)), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("layout.head_dim")
+    # A stateless Prefill must not name caches; AppendKV takes no queries.
+    req = list(cache_prefill_messages(ids, q, k, v, [1, 1], [1, 1]))
+    code, details = _code(lambda: collect(stub.Prefill(iter(req), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("header.cache")
+    code, details = _code(lambda: collect(stub.AppendKV(iter(req), timeout=10)))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("header.q")
+    listed = stub.ListCaches(pb.ListCachesRequest(cache_ids=ids), timeout=10)
+    assert [c.length for c in listed.caches] == [3, 4]  # nothing changed
+    decode_step(stub, ids, model, heads=4, seed=5)
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
+    code, details = _code(lambda: stub.ReleaseCaches(
+        pb.ReleaseCachesRequest(cache_ids=ids), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND and details.startswith("cache_ids[0]")
+
+
+def test_full_pool_answers_exhausted_and_loses_nothing(start_server: Any) -> None:
+    srv = start_server(kv_cache_bytes=4 * PAGE, kv_page_bytes=PAGE)
+    stub = srv.stub()
+    ids, model = session(stub, "full-", [30, 10])  # 3 of 4 pages
+    k, v = rand(20, 2, 16, seed=1), rand(20, 2, 16, seed=2)
+    code, details = _code(lambda: collect(stub.AppendKV(append_messages(ids, k, v, [10, 10]),
+                                                        timeout=10)))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "pool is full" in details
+    pool = stub.ListCaches(pb.ListCachesRequest(), timeout=10).pool
+    assert (pool.pages_used, pool.pages_total) == (3, 4)
+    decode_step(stub, ids, model, heads=4, seed=3)  # both fit their last pages: still correct
+    m = srv.scrape() if srv.server.metrics_port else None
+    assert m is None or sample(m, "attention_kv_caches", "attention_kv_caches") == 2
+
+
+def test_caches_belong_to_their_token(start_server: Any) -> None:
+    srv = start_server(auth_token="alice,bob", kv_cache_bytes=16 * PAGE, kv_page_bytes=PAGE)
+    alice, bob = [(("authorization", f"Bearer {t}"),) for t in ("alice", "bob")]
+    stub = srv.stub()
+    ids, model = session(stub, "mine-", [5], metadata=alice)
+    q, k, v = rand(1, 4, 16, seed=1), rand(1, 2, 16, seed=2), rand(1, 2, 16, seed=3)
+    code, _ = _code(lambda: collect(stub.CacheDecode(cache_decode_messages(ids, q, k, v),
+                                                     timeout=10, metadata=bob)))
+    assert code == grpc.StatusCode.NOT_FOUND
+    assert not stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=bob).caches
+    code, _ = _code(lambda: stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids),
+                                               timeout=10, metadata=bob))
+    assert code == grpc.StatusCode.NOT_FOUND
+    # Bob may use the same id for his own cache: a separate one.
+    stub.CreateCaches(pb.CreateCachesRequest(cache_ids=ids, layout=layout(torch.float32, 2, 16)),
+                      timeout=10, metadata=bob)
+    decode_step(stub, ids, model, heads=4, seed=4, metadata=alice)
+    assert stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=bob).caches[0].length == 0
+
+
+def test_caches_off_answer_failed_precondition(start_server: Any) -> None:
+    srv = start_server(kv_cache_bytes=0)
+    stub = srv.stub()
+    assert stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).kv_cache_bytes == 0
+    code, details = _code(lambda: stub.CreateCaches(pb.CreateCachesRequest(
+        cache_ids=["a"], layout=layout(torch.float32, 2, 16)), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "--kv-cache-bytes" in details
+
+
+def test_idle_caches_expire_after_the_ttl(start_server: Any) -> None:
+    srv = start_server(kv_cache_bytes=16 * PAGE, kv_page_bytes=PAGE, kv_cache_ttl=0.5,
+                       metrics_port=0)
+    stub = srv.stub()
+    ids, _ = session(stub, "ttl-", [3])
+    assert wait_until(lambda: not stub.ListCaches(pb.ListCachesRequest(), timeout=10).caches,
+                      timeout=10)
+    code, _ = _code(lambda: stub.ListCaches(pb.ListCachesRequest(cache_ids=ids), timeout=10))
+    assert code == grpc.StatusCode.NOT_FOUND
+    m = srv.scrape()
+    assert sample(m, "attention_kv_caches_expired", "attention_kv_caches_expired_total") == 1
+    assert sample(m, "attention_kv_pool_used_bytes", "attention_kv_pool_used_bytes") == 0
+
+
+def test_a_second_call_on_a_busy_cache_is_aborted(start_server: Any) -> None:
+    gate = GatedBackend()
+    gate.release.set()  # warm up, then close the gate
+    srv = start_server(backend=gate, kv_cache_bytes=16 * PAGE, kv_page_bytes=PAGE)
+    gate.release.clear()
+    stub = srv.stub()
+    stub.CreateCaches(pb.CreateCachesRequest(cache_ids=["a"], layout=layout(torch.float32, 2,
+                                                                            16)), timeout=10)
+    k, v = rand(4, 2, 16, seed=1), rand(4, 2, 16, seed=2)
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(lambda: collect(stub.AppendKV(append_messages(["a"], k, v, [4]),
+                                                          timeout=30)))
+        assert gate.entered.wait(10)
+        code, details = _code(lambda: collect(stub.AppendKV(append_messages(["a"], k, v, [4]),
+                                                            timeout=10)))
+        assert code == grpc.StatusCode.ABORTED and "in use" in details
+        gate.release.set()
+        assert list(first.result(30).stats.cache_lengths) == [4]
+
+
+def test_concurrent_steps_on_many_caches_equal_solo_calls_bitwise(start_server: Any) -> None:
+    solo_srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE, batching=False)
+    batch_srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE, batching=True,
+                             max_queue_delay_ms=30.0)
+    lens = [3, 17, 0, 40, 9, 16, 1, 25]
+    outs: dict[str, list[torch.Tensor]] = {}
+    merged = []
+    for name, srv in (("solo", solo_srv), ("batch", batch_srv)):
+        stub = srv.stub()
+        ids, _ = session(stub, "c", lens)
+        barrier = threading.Barrier(len(ids))
+
+        def steps(i: int, stub: Any = stub, ids: list[str] = ids,
+                  barrier: threading.Barrier = barrier) -> list[Any]:
+            got = []
+            for s in range(3):
+                q = rand(1, 4, 16, seed=1000 * i + s)
+                k, v = rand(1, 2, 16, seed=1000 * i + s + 1), rand(1, 2, 16,
+                                                                     seed=1000 * i + s + 2)
+                barrier.wait(10)
+                got.append(collect(stub.CacheDecode(cache_decode_messages([ids[i]], q, k, v),
+                                                    timeout=30)))
+            return got
+
+        with ThreadPoolExecutor(len(ids)) as pool:
+            results = list(pool.map(steps, range(len(ids))))
+        outs[name] = [r.out for rs in results for r in rs]
+        if name == "batch":
+            merged = [r.stats.batch_requests for rs in results for r in rs]
+    assert max(merged) > 1, "no step was merged with another: the test proves nothing"
+    for a, b in zip(outs["solo"], outs["batch"], strict=True):
+        assert torch.equal(a, b)
