@@ -1,4 +1,5 @@
-"""Locust load test of the attention service over gRPC (prefill and decode, weighted).
+"""Locust load test of the attention service over gRPC (prefill, decode and decode sessions,
+weighted).
 
     locust -f loadtest/locustfile.py --headless -u 16 -r 4 -t 3m --stop-timeout 30 \
         --host 127.0.0.1:50051 --csv loadtest/results/run [--processes 4]
@@ -28,10 +29,15 @@ Everything is configurable through environment variables (defaults in brackets):
   LOADTEST_DECODE_BATCH    most sequences in one decode request               [16]
   LOADTEST_PREFILL_WEIGHT  relative weight of the prefill task                [1]
   LOADTEST_DECODE_WEIGHT   relative weight of the decode task                 [4]
+  LOADTEST_SESSION_WEIGHT  relative weight of the decode-session task         [1]
+  LOADTEST_SESSION_STEPS   decode steps per session                           [16]
   LOADTEST_WAIT            LO:HI seconds a user waits between calls           [0:0]
   LOADTEST_SEED            seed of the shape sampler                          [0]
 Lengths are drawn log-uniformly from LO:HI, so short sequences are common and long ones still
-appear (a mix like real traffic); each request holds 1..BATCH sequences.
+appear (a mix like real traffic); each request holds 1..BATCH sequences. A decode session keeps
+its KV cache on the server: it creates a cache, appends a prompt of DECODE_CONTEXT tokens once
+(``AppendKV``), runs SESSION_STEPS one-token steps (``CacheDecode``) and releases the cache
+(``ReleaseCaches``); each of those is its own row in Locust's table.
 """
 
 from __future__ import annotations
@@ -85,6 +91,8 @@ DECODE_CONTEXT = _range("LOADTEST_DECODE_CONTEXT", "128:4096")
 DECODE_BATCH = _int("LOADTEST_DECODE_BATCH", 16)
 PREFILL_WEIGHT = _int("LOADTEST_PREFILL_WEIGHT", 1)
 DECODE_WEIGHT = _int("LOADTEST_DECODE_WEIGHT", 4)
+SESSION_WEIGHT = _int("LOADTEST_SESSION_WEIGHT", 1)
+SESSION_STEPS = _int("LOADTEST_SESSION_STEPS", 16)
 WAIT = _range("LOADTEST_WAIT", "0:0", cast=float)
 SEED = _int("LOADTEST_SEED", 0)
 
@@ -153,17 +161,19 @@ class AttentionUser(User):
         self.client = AttentionClient(target, token=TOKEN, tls=TLS, timeout=TIMEOUT)
         # Per-user sampler: reproducible for a given seed, different across users.
         self.rng = random.Random(f"{SEED}-{id(self)}")
+        self.sessions = 0
         _pool()
 
     def on_stop(self) -> None:
         self.client.close()
 
-    def _call(self, name: str, tokens: int, fn, expected_shape: tuple[int, ...]) -> None:
-        """Time one call and report it to Locust; any exception is a failed request."""
+    def _call(self, name: str, tokens: int, fn, expected_shape: tuple[int, ...]) -> bool:
+        """Time one call and report it to Locust; any exception is a failed request. Returns
+        whether it succeeded."""
         start = time.perf_counter()
         length, exc = 0, None
         try:
-            out = fn()
+            out = np.asarray(fn())
             length = int(out.nbytes)
             if tuple(out.shape) != expected_shape:
                 raise AssertionError(f"output shape {tuple(out.shape)} != {expected_shape}")
@@ -177,6 +187,7 @@ class AttentionUser(User):
             exception=exc,
             context={"tokens": tokens},
         )
+        return exc is None
 
     @task(PREFILL_WEIGHT)
     def prefill(self) -> None:
@@ -208,11 +219,31 @@ class AttentionUser(User):
         )
 
 
+    @task(SESSION_WEIGHT)
+    def session(self) -> None:
+        context = _lengths(self.rng, DECODE_CONTEXT, 1)[0]
+        cache_id = f"locust-{os.getpid()}-{id(self)}-{self.sessions}"
+        self.sessions += 1
+        cache = self.client.kv_cache(KV_HEADS, HEAD_DIM, DTYPE)
+        k = _tensor(self.rng, context, KV_HEADS)
+        v = _tensor(self.rng, context, KV_HEADS)
+        ok = self._call("AppendKV", context, lambda: cache.append(cache_id, k, v), (1,))
+        for step in range(SESSION_STEPS if ok else 0):
+            q = _tensor(self.rng, 1, HEADS)
+            k1, v1 = _tensor(self.rng, 1, KV_HEADS), _tensor(self.rng, 1, KV_HEADS)
+            if not self._call("CacheDecode", context + step + 1,
+                              lambda q=q, k1=k1, v1=v1: cache.decode(q, [cache_id], k1, v1),
+                              q.shape):
+                break
+        # Always released (the handle knows what it created), and timed like every call.
+        self._call("ReleaseCaches", 0, lambda: [cache.release()], (1,))
+
+
 @events.test_start.add_listener
 def _describe(environment, **_kwargs) -> None:
     log.info(
         "target=%s dtype=%s heads=%d/%d head_dim=%d prefill len=%s x<=%d causal=%s "
-        "decode ctx=%s x<=%d weights prefill:decode=%d:%d",
+        "decode ctx=%s x<=%d session steps=%d weights prefill:decode:session=%d:%d:%d",
         environment.host or TARGET,
         DTYPE,
         HEADS,
@@ -223,8 +254,10 @@ def _describe(environment, **_kwargs) -> None:
         CAUSAL,
         DECODE_CONTEXT,
         DECODE_BATCH,
+        SESSION_STEPS,
         PREFILL_WEIGHT,
         DECODE_WEIGHT,
+        SESSION_WEIGHT,
     )
 
 

@@ -1,5 +1,6 @@
 """What the sync and async clients share: argument checks, request preparation, and the
-bookkeeping of registered shared-memory regions (the rpcs themselves are the subclasses')."""
+bookkeeping of registered shared-memory regions and of server-side KV caches (the rpcs
+themselves are the subclasses')."""
 
 from __future__ import annotations
 
@@ -16,8 +17,17 @@ from attention_client._regions import (
     create_cuda_region,
     create_system_region,
 )
-from attention_client._requests import PreparedRequest, prepare_decode, prepare_prefill
+from attention_client._requests import (
+    CacheTarget,
+    KvLayout,
+    PreparedRequest,
+    as_cache_ids,
+    prepare_cache_decode,
+    prepare_decode,
+    prepare_prefill,
+)
 from attention_client._responses import ResponseAssembler
+from attention_client._tensors import describe
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -56,6 +66,9 @@ class ClientBase:
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
         self.last_stats: dict[str, Any] | None = None
+        # Layouts of the caches this client created or forked (decode_step without new tokens
+        # needs their num_kv_heads); others are looked up with ListCaches once.
+        self._cache_layouts: dict[str, KvLayout] = {}
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
         wanted = self.use_regions if use_regions is None else use_regions
@@ -103,6 +116,7 @@ class ClientBase:
     def _complete(self, prep: PreparedRequest, assembler: ResponseAssembler) -> Any:
         out, lse, stats = assembler.finish()
         self.last_stats = stats
+        prep.take_stats(stats)
         result = prep.result(out, lse)
         if prep.placement is not None:
             prep.placement.finish(ok=True)
@@ -113,6 +127,69 @@ class ClientBase:
         """The call failed or went away: its scratch waits until the region is idle."""
         if prep.placement is not None:
             prep.placement.finish(ok=False)
+
+    # ---- KV caches ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _decode_step_ids(q: Any, cache_ids: Any) -> tuple[str, ...]:
+        """decode_step's cheap checks, made before any lookup goes to the server."""
+        ids = as_cache_ids(cache_ids, "cache_ids")
+        shape, _, _ = describe(q, "q")
+        if len(shape) != 3:
+            raise ValueError(f"q must be 3-D [B, H, D], got shape {shape}")
+        if shape[0] != len(ids):
+            raise ValueError(
+                f"cache_ids names {len(ids)} caches, but q has batch {shape[0]}: name one "
+                "cache per sequence"
+            )
+        return ids
+
+    def _unknown_layouts(self, ids: tuple[str, ...], k_new: Any, v_new: Any) -> list[str]:
+        """Caches whose layout decode_step needs (no new tokens) but this client lacks."""
+        if k_new is not None or v_new is not None:
+            return []
+        return [i for i in ids if i not in self._cache_layouts]
+
+    def _prepare_decode_step(
+        self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,
+        softmax_scale: float | None, num_splits: int, return_lse: bool,
+    ) -> PreparedRequest:
+        layout = None
+        if k_new is None and v_new is None:  # empty k/v: their shape is the caches' layout
+            layouts = {self._cache_layouts[i] for i in ids}
+            if len(layouts) != 1:
+                raise ValueError("cache_ids name caches of different layouts: one call takes one")
+            layout = layouts.pop()
+        return prepare_cache_decode(
+            q, k_new, v_new, CacheTarget(ids, bool(store), layout), softmax_scale=softmax_scale,
+            num_splits=num_splits, return_lse=return_lse,
+        )
+
+    def _note_layouts(self, infos: Any) -> None:
+        """Remember the layouts in CacheInfo messages."""
+        for info in infos:
+            self._cache_layouts[info.cache_id] = KvLayout.from_message(info.layout)
+
+    def _forget_layouts(self, ids: Any = None) -> None:
+        if ids is None:
+            self._cache_layouts.clear()
+        for i in ids or ():
+            self._cache_layouts.pop(i, None)
+
+    @staticmethod
+    def _list_request(ids: Any) -> pb.ListCachesRequest:
+        return pb.ListCachesRequest(cache_ids=() if ids is None else as_cache_ids(ids))
+
+    @staticmethod
+    def _release_request(ids: Any, all: bool) -> tuple[pb.ReleaseCachesRequest, Any]:
+        if all:
+            if ids is not None:
+                raise ValueError("release_caches: pass ids or all=True, not both")
+            return pb.ReleaseCachesRequest(all=True), None
+        if ids is None:
+            raise ValueError("release_caches: pass ids, or all=True to release every cache")
+        ids = as_cache_ids(ids)
+        return pb.ReleaseCachesRequest(cache_ids=ids), ids
 
     # ---- regions ------------------------------------------------------------------------
 

@@ -21,14 +21,21 @@ from typing import Any
 import grpc
 
 SERVICE = "attention.v1.AttentionService"
-PREFILL_METHOD = f"/{SERVICE}/Prefill"
-DECODE_METHOD = f"/{SERVICE}/Decode"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
+# The client-streaming compute rpcs (PrefillRequest / DecodeRequest in, AttentionResponse out).
+STREAM_RPCS = ("Prefill", "Decode", "AppendKV", "CachePrefill", "CacheDecode")
 # Region rpc -> its reply message's name in attention_wire.pb.
 REGION_RPCS = {
     "RegisterRegion": "RegionInfo",
     "UnregisterRegion": "UnregisterRegionResponse",
     "ListRegions": "ListRegionsResponse",
+}
+# Unary KV-cache rpc -> its reply message's name.
+CACHE_RPCS = {
+    "CreateCaches": "CreateCachesResponse",
+    "ReleaseCaches": "ReleaseCachesResponse",
+    "ForkCache": "CacheInfo",
+    "ListCaches": "ListCachesResponse",
 }
 
 RETRY_POLICY = {

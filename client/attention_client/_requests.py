@@ -5,6 +5,10 @@ authority on everything else (head dims, cu_seqlens values, limits) and answers
 INVALID_ARGUMENT naming the field. With a ``Placement`` (registered regions, see _regions.py)
 tensors that live in (or are staged into) a region travel as spans instead of bytes, and the
 outputs go into q's region when it has room.
+
+The KV-cache ops (AppendKV, CachePrefill, CacheDecode) reuse the same headers with a
+``CacheTarget``; they always send bytes (no regions), and their tensors are checked against the
+caches' layout here when the caller knows it (a ``KvLayout``).
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ from typing import Any
 
 import numpy as np
 
+from attention_client._errors import ProtocolError
 from attention_client._regions import Placement, Span
 from attention_client._tensors import (
     Origin,
     RegionTensor,
     WireTensor,
     as_cu_seqlens,
+    as_wire_dtype,
     describe,
+    dtype_name,
     storage_dtype,
     to_user,
     to_wire,
@@ -34,19 +41,120 @@ Tensor = WireTensor | RegionTensor
 
 PREFILL = "Prefill"
 DECODE = "Decode"
+APPEND_KV = "AppendKV"
+CACHE_PREFILL = "CachePrefill"
+CACHE_DECODE = "CacheDecode"
+
+# What the server takes as a cache id (check_cache_ids in attention_service.params).
+MAX_CACHE_ID_BYTES = 256
 
 # gRPC's default receive limit is 4 MiB; every message we send stays below this, header included.
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
+
+
+@dataclass(frozen=True)
+class KvLayout:
+    """The layout of server-side caches: every token's keys and values (and the queries run
+    against them) are ``dtype`` (a pb.DType) with ``num_kv_heads`` heads of ``head_dim``."""
+
+    dtype: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, num_kv_heads: int, head_dim: int, dtype: Any) -> KvLayout:
+        heads, dim = _positive(num_kv_heads, "num_kv_heads"), _positive(head_dim, "head_dim")
+        return cls(as_wire_dtype(dtype), heads, dim)
+
+    @classmethod
+    def from_message(cls, layout: pb.CacheLayout) -> KvLayout:
+        return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim))
+
+    def message(self) -> pb.CacheLayout:
+        return pb.CacheLayout(
+            dtype=self.dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
+        )
+
+    def empty_kv(self, name: str, lead: tuple[int, ...] = (0,)) -> WireTensor:
+        """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows."""
+        shape = (*lead, self.num_kv_heads, self.head_dim)
+        return WireTensor(name, np.empty(shape, storage_dtype(self.dtype)), self.dtype)
+
+    def check(self, t: Tensor, kv: bool) -> None:
+        """ValueError naming ``t`` when it does not fit: dtype, head_dim, kv heads (or, for a
+        query, a head count the kv heads divide)."""
+        if t.dtype != self.dtype:
+            raise ValueError(
+                f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches hold "
+                f"{dtype_name(self.dtype)}"
+            )
+        heads, dim = t.shape[-2], t.shape[-1]
+        if dim != self.head_dim:
+            raise ValueError(
+                f"{t.name} has head_dim {dim} (shape {t.shape}), but the caches have "
+                f"head_dim {self.head_dim}"
+            )
+        if kv and heads != self.num_kv_heads:
+            raise ValueError(
+                f"{t.name} has {heads} kv heads (shape {t.shape}), but the caches have "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+        if not kv and heads % self.num_kv_heads:
+            raise ValueError(
+                f"{t.name} has {heads} heads (shape {t.shape}), not a multiple of the caches' "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+
+
+@dataclass(frozen=True)
+class CacheTarget:
+    """The caches a cache op runs against (one per sequence), and whether the new tokens are
+    kept. ``layout``, when known, is what the tensors are checked against before sending."""
+
+    ids: tuple[str, ...]
+    store: bool = True
+    layout: KvLayout | None = None
+
+    def message(self) -> pb.CacheTarget:
+        return pb.CacheTarget(cache_ids=self.ids, store=self.store)
+
+
+def _positive(x: Any, name: str) -> int:
+    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
+        raise ValueError(f"{name} must be a positive integer, got {x!r}")
+    return int(x)
+
+
+def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
+    """A str or a sequence of str -> a tuple; ValueError naming ``name`` for an empty list, an
+    id of 0 or over 256 UTF-8 bytes, a non-str, or an id given twice."""
+    if isinstance(ids, str):
+        ids = (ids,)
+    elif isinstance(ids, bytes | bytearray) or not hasattr(ids, "__iter__"):
+        raise ValueError(f"{name} must be a str or a sequence of str, got {type(ids).__name__}")
+    out = tuple(ids)
+    if not out:
+        raise ValueError(f"{name} is empty: name at least one cache")
+    seen: set[str] = set()
+    for i, cid in enumerate(out):
+        if not isinstance(cid, str):
+            raise ValueError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
+        if not 1 <= len(cid.encode()) <= MAX_CACHE_ID_BYTES:
+            raise ValueError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
+        if cid in seen:
+            raise ValueError(f"{name}[{i}] {cid!r} appears twice")
+        seen.add(cid)
+    return out
 
 
 @dataclass
 class PreparedRequest:
     """Everything needed to send one call and to rebuild its result."""
 
-    method: str  # PREFILL | DECODE
+    method: str  # PREFILL | DECODE | APPEND_KV | CACHE_PREFILL | CACHE_DECODE (the rpc)
     header: bytes  # serialized PrefillHeader / DecodeHeader
     tensors: tuple[Tensor, Tensor, Tensor]  # q, k, v: wire bytes, or spans of regions
-    out_shape: tuple[int, ...]  # OUT as the server sends it
+    out_shape: tuple[int, ...] | None  # OUT as the server sends it (None: AppendKV, no output)
     out_dtype: int  # pb.DType of OUT (q's)
     lse_shape: tuple[int, ...] | None  # LSE as the server sends it, None if not requested
     origin: Origin  # the flavour results come back in (q's)
@@ -56,10 +164,24 @@ class PreparedRequest:
     out_span: Span | None = None  # OUT written into a region instead of streamed
     lse_span: Span | None = None
     user_out: Any = None  # ``out=``: returned as the result once the server wrote it
+    cache: CacheTarget | None = None  # the cache ops' caches
+    cache_lengths: list[int] | None = None  # their lengths after the call (set on completion)
 
     @property
     def streamed_out_shape(self) -> tuple[int, ...] | None:
         return None if self.out_span is not None else self.out_shape
+
+    def take_stats(self, stats: dict[str, Any]) -> None:
+        """Note the completed call's RequestStats (the cache ops' ``cache_lengths``)."""
+        if self.cache is None:
+            return
+        lengths = [int(n) for n in stats.get("cache_lengths", ())]
+        if len(lengths) != len(self.cache.ids):
+            raise ProtocolError(
+                f"RequestStats.cache_lengths has {len(lengths)} entries for "
+                f"{len(self.cache.ids)} caches", self.method,
+            )
+        self.cache_lengths = lengths
 
     @property
     def streamed_lse_shape(self) -> tuple[int, ...] | None:
@@ -67,7 +189,10 @@ class PreparedRequest:
 
     def result(self, out: Any, lse: Any) -> Any:
         """The user's result: ``out``/``lse`` as streamed (storage arrays), or read from the
-        region spans the server wrote (a private copy; ``out=`` is returned as it is)."""
+        region spans the server wrote (a private copy; ``out=`` is returned as it is).
+        AppendKV, which has no output: the caches' lengths."""
+        if self.out_shape is None:
+            return self.cache_lengths
         if self.placement is not None and self.lse_span is not None:
             assert self.lse_shape is not None
             lse = self.placement.read(self.lse_span, self.lse_shape, pb.FLOAT32)
@@ -88,15 +213,21 @@ def _tensor(x: Any, name: str, placement: Placement | None) -> Tensor:
 
 
 def _encode_qkv(
-    q: Any, k: Any, v: Any, placement: Placement | None = None
+    q: Any, k: Any, v: Any, placement: Placement | None = None,
+    names: tuple[str, str, str] = ("q", "k", "v"),
 ) -> tuple[Tensor, Tensor, Tensor, Origin]:
-    _, _, origin = describe(q, "q")
-    wq, wk, wv = (_tensor(x, n, placement) for x, n in ((q, "q"), (k, "k"), (v, "v")))
+    """Encode q, k, v (q None: k alone gives the origin, and the q returned is k);
+    ValueError when their dtypes or k/v shapes differ."""
+    first = (q, names[0]) if q is not None else (k, names[1])
+    _, _, origin = describe(*first)
+    wk, wv = _tensor(k, names[1], placement), _tensor(v, names[2], placement)
+    wq = _tensor(q, names[0], placement) if q is not None else wk
     if not wq.dtype == wk.dtype == wv.dtype:
-        names = ", ".join(pb.DType.Name(t.dtype) for t in (wq, wk, wv))
-        raise ValueError(f"q, k, v must share one dtype, got {names}")
+        given = (wq, wk, wv) if q is not None else (wk, wv)
+        dtypes = ", ".join(pb.DType.Name(t.dtype) for t in given)
+        raise ValueError(f"{', '.join(t.name for t in given)} must share one dtype, got {dtypes}")
     if wk.shape != wv.shape:
-        raise ValueError(f"v shape {wv.shape} differs from k shape {wk.shape}")
+        raise ValueError(f"{names[2]} shape {wv.shape} differs from {names[1]} shape {wk.shape}")
     return wq, wk, wv, origin
 
 
@@ -176,20 +307,12 @@ def _same(lse: Any) -> Any:
     return lse
 
 
-def prepare_prefill(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens: Any = None,
-    cu_seqlens_k: Any = None,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-    placement: Placement | None = None,
-    out: Any = None,
-) -> PreparedRequest:
-    wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
+def _prefill_form(
+    wq: Tensor, wk: Tensor, wv: Tensor, cu_seqlens: Any, cu_seqlens_k: Any
+) -> tuple[Tensor, Tensor, Tensor, np.ndarray, np.ndarray, tuple[int, ...], Callable[[Any], Any]]:
+    """The three prefill forms (one sequence, a dense batch, packed varlen) -> packed q, k, v,
+    cu_seqlens_q, cu_seqlens_k (empty: the server uses cu_seqlens_q), out's shape as the caller
+    sees it, and the lse layout fix."""
     user_shape = wq.shape
     lse_fix: Callable[[Any], Any] = _same
     if cu_seqlens is None:
@@ -233,6 +356,15 @@ def prepare_prefill(
             raise ValueError(
                 f"cu_seqlens has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}"
             )
+    return wq, wk, wv, cu_q, cu_k, user_shape, lse_fix
+
+
+def _prefill_request(
+    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_q: np.ndarray, cu_k: np.ndarray,
+    user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], origin: Origin, *,
+    causal: bool, softmax_scale: float | None, return_lse: bool,
+    placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
+) -> PreparedRequest:
     header = pb.PrefillHeader(
         q=_spec(wq),
         k=_spec(wk),
@@ -242,6 +374,8 @@ def prepare_prefill(
         causal=bool(causal),
         return_lse=bool(return_lse),
     )
+    if cache is not None:
+        header.cache.CopyFrom(cache.message())
     scale = _scale(softmax_scale)
     if scale is not None:
         header.softmax_scale = scale
@@ -252,10 +386,66 @@ def prepare_prefill(
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0,
     )
     return PreparedRequest(
-        method=PREFILL, header=_checked_header(header), tensors=(wq, wk, wv),
+        method=method, header=_checked_header(header), tensors=(wq, wk, wv),
         out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
         user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out,
+        lse_span=lse_span, user_out=out, cache=cache,
+    )
+
+
+def prepare_prefill(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens: Any = None,
+    cu_seqlens_k: Any = None,
+    *,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    placement: Placement | None = None,
+    out: Any = None,
+) -> PreparedRequest:
+    wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
+    form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
+    return _prefill_request(
+        PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,
+        return_lse=return_lse, placement=placement, out=out,
+    )
+
+
+def _decode_request(
+    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, origin: Origin, *,
+    softmax_scale: float | None, num_splits: int, return_lse: bool,
+    placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
+) -> PreparedRequest:
+    batch, heads = wq.shape[0], wq.shape[1]
+    splits = int(num_splits)
+    if not 0 <= splits <= np.iinfo(np.int32).max:
+        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+    header = pb.DecodeHeader(
+        q=_spec(wq),
+        k=_spec(wk),
+        v=_spec(wv),
+        cu_seqlens_k=cu_k.tolist(),
+        num_splits=splits,
+        return_lse=bool(return_lse),
+    )
+    if cache is not None:
+        header.cache.CopyFrom(cache.message())
+    scale = _scale(softmax_scale)
+    if scale is not None:
+        header.softmax_scale = scale
+    lse_shape = (batch, heads) if return_lse else None
+    out_span, lse_span = _place_outputs(
+        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
+        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0,
+    )
+    return PreparedRequest(
+        method=method, header=_checked_header(header), tensors=(wq, wk, wv),
+        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
+        user_shape=wq.shape, lse_fix=_same, placement=placement, out_span=out_span,
+        lse_span=lse_span, user_out=out, cache=cache,
     )
 
 
@@ -278,34 +468,166 @@ def prepare_decode(
     if cu_seqlens_k is None:
         raise ValueError("cu_seqlens_k is required for decode")
     cu_k = as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-    batch, heads = wq.shape[0], wq.shape[1]
+    batch = wq.shape[0]
     if cu_k.size != batch + 1:
         raise ValueError(
             f"cu_seqlens_k must have batch+1 = {batch + 1} entries (q has batch {batch}), "
             f"got {cu_k.size}"
         )
-    splits = int(num_splits)
-    if not 0 <= splits <= np.iinfo(np.int32).max:
-        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-    header = pb.DecodeHeader(
-        q=_spec(wq),
-        k=_spec(wk),
-        v=_spec(wv),
-        cu_seqlens_k=cu_k.tolist(),
-        num_splits=splits,
-        return_lse=bool(return_lse),
+    return _decode_request(
+        DECODE, wq, wk, wv, cu_k, origin, softmax_scale=softmax_scale, num_splits=num_splits,
+        return_lse=return_lse, placement=placement, out=out,
     )
-    scale = _scale(softmax_scale)
-    if scale is not None:
-        header.softmax_scale = scale
-    lse_shape = (batch, heads) if return_lse else None
-    out_span, lse_span = _place_outputs(
-        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
-        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0,
+
+
+# ---- KV-cache ops: bytes only (no regions), tensors checked against the layout if known ----
+
+
+def _check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> None:
+    """The cache ops check boundaries here too: a refused request must not come after its
+    caches were created."""
+    if cu.size and (cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total):
+        raise ValueError(
+            f"{name} must start at 0, never decrease and end at {total} (the rows of "
+            f"{rows_of}), got {cu.tolist()}"
+        )
+
+
+def _check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -> None:
+    if target.layout is None:
+        return
+    if q is not None:
+        target.layout.check(q, kv=False)
+    target.layout.check(k, kv=True)
+    target.layout.check(v, kv=True)
+
+
+def _new_kv(
+    k: Any, v: Any, names: tuple[str, str], target: CacheTarget, lead: tuple[int, ...] = (0,)
+) -> tuple[Tensor, Tensor] | None:
+    """No new tokens (k and v both None): empty k and v of the caches' layout. None when k and
+    v are given."""
+    if (k is None) != (v is None):
+        raise ValueError(f"{names[0]} and {names[1]} must both be given, or both be None")
+    if k is not None:
+        return None
+    if target.layout is None:
+        raise ValueError(
+            f"{names[0]}/{names[1]} None (no new tokens) needs the caches' layout "
+            "(use a kv_cache handle)"
+        )
+    return target.layout.empty_kv(names[0], lead), target.layout.empty_kv(names[1], lead)
+
+
+def _count_check(sequences: int, target: CacheTarget, what: str) -> None:
+    if sequences != len(target.ids):
+        raise ValueError(
+            f"ids names {len(target.ids)} caches, but {what} has {sequences} sequences: "
+            "name one cache per sequence"
+        )
+
+
+def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget) -> PreparedRequest:
+    """AppendKV: k, v ``[total, H_kv, D]`` split by ``cu_seqlens`` over ``target.ids`` (None:
+    one cache gets all rows). The result is the caches' lengths."""
+    _, wk, wv, origin = _encode_qkv(None, k, v, names=("q", "k", "v"))
+    for t in (wk, wv):
+        _require_rank(t, 3, "[total, H_kv, D]")
+    if cu_seqlens is None:
+        if len(target.ids) != 1:
+            raise ValueError(
+                f"cu_seqlens is required with {len(target.ids)} cache ids (one sequence each)"
+            )
+        cu_k = np.array([0, wk.shape[0]], np.int32)
+    else:
+        cu_k = as_cu_seqlens(cu_seqlens, "cu_seqlens")
+        _count_check(cu_k.size - 1, target, "cu_seqlens")
+    _check_cu_values(cu_k, wk.shape[0], "cu_seqlens", "k")
+    _check_layout(target, None, wk, wv)
+    header = pb.PrefillHeader(
+        k=_spec(wk), v=_spec(wv), cu_seqlens_k=cu_k.tolist(), cache=target.message()
     )
+    no_q = WireTensor("q", np.empty(0, storage_dtype(wk.dtype)), wk.dtype)
     return PreparedRequest(
-        method=DECODE, header=_checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
-        user_shape=wq.shape, lse_fix=_same, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out,
+        method=APPEND_KV, header=_checked_header(header), tensors=(no_q, wk, wv),
+        out_shape=None, out_dtype=wk.dtype, lse_shape=None, origin=origin, user_shape=(),
+        lse_fix=_same, cache=target,
+    )
+
+
+def prepare_cache_prefill(
+    q: Any,
+    k: Any,
+    v: Any,
+    cu_seqlens_q: Any,
+    cu_seqlens_k: Any,
+    target: CacheTarget,
+    *,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> PreparedRequest:
+    """CachePrefill: the forms of ``prepare_prefill``, with k/v the new tokens (None: none;
+    0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence."""
+    q_shape, _, _ = describe(q, "q")
+    lead = (q_shape[0], 0) if len(q_shape) == 4 and cu_seqlens_q is None else (0,)
+    empty = _new_kv(k, v, ("k", "v"), target, lead)
+    if empty is None:
+        wq, wk, wv, origin = _encode_qkv(q, k, v)
+    else:
+        (wq, origin), (wk, wv) = to_wire(q, "q"), empty
+    _check_layout(target, wq, wk, wv)
+    wq, wk, wv, cu_q, cu_k, user_shape, lse_fix = _prefill_form(
+        wq, wk, wv, cu_seqlens_q, cu_seqlens_k
+    )
+    if not cu_k.size:  # sent explicitly: empty would mean cu_seqlens_q even without keys
+        if wk.shape[0] == 0:
+            cu_k = np.zeros_like(cu_q)
+        elif wk.shape[0] == wq.shape[0]:
+            cu_k = cu_q
+        else:
+            raise ValueError(
+                f"cu_seqlens_k is needed: k has {wk.shape[0]} new rows, q {wq.shape[0]}"
+            )
+    _count_check(cu_q.size - 1, target, "q")
+    _check_cu_values(cu_q, wq.shape[0], "cu_seqlens_q", "q")
+    _check_cu_values(cu_k, wk.shape[0], "cu_seqlens_k", "k")
+    return _prefill_request(
+        CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, origin, causal=causal,
+        softmax_scale=softmax_scale, return_lse=return_lse, cache=target,
+    )
+
+
+def prepare_cache_decode(
+    q: Any,
+    k_new: Any,
+    v_new: Any,
+    target: CacheTarget,
+    *,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+) -> PreparedRequest:
+    """CacheDecode: q ``[B, H, D]``, one cache per sequence, k_new/v_new ``[B, H_kv, D]`` (one
+    new token per sequence, appended before attending) or None (none)."""
+    empty = _new_kv(k_new, v_new, ("k_new", "v_new"), target)
+    if empty is None:
+        wq, wk, wv, origin = _encode_qkv(q, k_new, v_new, names=("q", "k_new", "v_new"))
+    else:
+        (wq, origin), (wk, wv) = to_wire(q, "q"), empty
+    _require_rank(wq, 3, "[B, H, D]")
+    for t in (wk, wv):
+        _require_rank(t, 3, "[B, H_kv, D] (one new token per sequence)")
+    batch = wq.shape[0]
+    _count_check(batch, target, "q")
+    if wk.shape[0] not in (0, batch):
+        raise ValueError(
+            f"{wk.name} must hold one new token per sequence, [{batch}, H_kv, D], "
+            f"got shape {wk.shape}"
+        )
+    _check_layout(target, wq, wk, wv)
+    # Empty cu_seqlens_k: one new token per sequence (or none when k has no rows).
+    return _decode_request(
+        CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), origin, softmax_scale=softmax_scale,
+        num_splits=num_splits, return_lse=return_lse, cache=target,
     )

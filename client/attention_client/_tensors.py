@@ -115,6 +115,33 @@ def _numpy_wire_dtype(x: np.ndarray, name: str) -> int:
     )
 
 
+_DTYPE_NAMES = {
+    "float16": pb.FLOAT16, "half": pb.FLOAT16, "fp16": pb.FLOAT16,
+    "bfloat16": pb.BFLOAT16, "bf16": pb.BFLOAT16,
+    "float32": pb.FLOAT32, "float": pb.FLOAT32, "fp32": pb.FLOAT32,
+}
+
+
+def as_wire_dtype(dtype: Any, name: str = "dtype") -> int:
+    """A dtype given as a numpy dtype (or type), a torch dtype, or a name ("float16",
+    "bfloat16", "float32", or the wire's "FLOAT16" ...) -> its pb.DType."""
+    torch = _torch_module()
+    if torch is not None and isinstance(dtype, torch.dtype):
+        return _torch_wire_dtype(torch.empty(0, dtype=dtype), name)
+    if isinstance(dtype, str):
+        wire = _DTYPE_NAMES.get(dtype.lower().removeprefix("torch."))
+        if wire is None:
+            raise ValueError(f"{name} {dtype!r} unsupported: use float16, bfloat16 or float32")
+        return wire
+    try:
+        np_dtype = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(
+            f"{name} must be a numpy or torch dtype or a name like 'float16', got {dtype!r}"
+        ) from None
+    return _numpy_wire_dtype(np.empty(0, np_dtype), name)
+
+
 def describe(x: Any, name: str) -> tuple[tuple[int, ...], int, Origin]:
     """Shape, wire dtype and origin of a user tensor, without touching its bytes."""
     if is_torch_tensor(x):

@@ -14,18 +14,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client._base import ClientBase
-from attention_client._channel import (
-    DECODE_METHOD,
-    INFO_METHOD,
-    PREFILL_METHOD,
-    REGION_RPCS,
-    SERVICE,
-)
+from attention_client._caches import AsyncKvCache
+from attention_client._channel import CACHE_RPCS, INFO_METHOD, REGION_RPCS, SERVICE, STREAM_RPCS
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
-from attention_client._requests import DECODE, PREFILL, PreparedRequest
-from attention_client._responses import server_info_dict
+from attention_client._requests import KvLayout, PreparedRequest
+from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
 
@@ -35,7 +30,8 @@ def _serialize(message: Any) -> bytes:
 
 
 class AsyncAttentionClient(ClientBase):
-    """See AttentionClient; ``interceptors`` are ``grpc.aio`` client interceptors here."""
+    """See AttentionClient; ``interceptors`` are ``grpc.aio`` client interceptors here, and
+    ``kv_cache`` returns an ``AsyncKvCache`` (awaited methods, ``async with``)."""
 
     def __init__(
         self,
@@ -67,8 +63,10 @@ class AsyncAttentionClient(ClientBase):
             self._channels.append(ch)
             # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
             self._lanes.append({
-                PREFILL: ch.stream_stream(PREFILL_METHOD, response_deserializer=parse_response),
-                DECODE: ch.stream_stream(DECODE_METHOD, response_deserializer=parse_response),
+                method: ch.stream_stream(
+                    f"/{SERVICE}/{method}", response_deserializer=parse_response
+                )
+                for method in STREAM_RPCS
             })
         channel = self._channel = self._channels[0]
         self._info = channel.unary_unary(
@@ -77,12 +75,12 @@ class AsyncAttentionClient(ClientBase):
             response_deserializer=pb.ServerInfo.FromString,
         )
         self._health = health_pb2_grpc.HealthStub(channel)
-        self._region_rpcs = {
+        self._unary_rpcs = {
             method: channel.unary_unary(
                 f"/{SERVICE}/{method}", request_serializer=_serialize,
                 response_deserializer=getattr(pb, reply).FromString,
             )
-            for method, reply in REGION_RPCS.items()
+            for method, reply in (REGION_RPCS | CACHE_RPCS).items()
         }
 
     async def attention(
@@ -125,6 +123,56 @@ class AsyncAttentionClient(ClientBase):
         )
         return await self._run(prep)
 
+    # ---- server-side KV caches -------------------------------------------------------------
+
+    def kv_cache(self, num_kv_heads: int, head_dim: int, dtype: Any) -> AsyncKvCache:
+        """See AttentionClient.kv_cache (not a coroutine: nothing is sent yet)."""
+        return AsyncKvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype))
+
+    async def decode_step(
+        self,
+        q: Any,
+        cache_ids: Any,
+        k_new: Any = None,
+        v_new: Any = None,
+        *,
+        store: bool = True,
+        softmax_scale: float | None = None,
+        num_splits: int = 0,
+        return_lse: bool = False,
+    ) -> Any:
+        """See AttentionClient.decode_step."""
+        ids = self._decode_step_ids(q, cache_ids)
+        missing = self._unknown_layouts(ids, k_new, v_new)
+        if missing:
+            await self._list_caches(missing)
+        prep = self._prepare_decode_step(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+        )
+        return await self._run(prep)
+
+    async def release_caches(self, ids: Any = None, *, all: bool = False) -> int:
+        """See AttentionClient.release_caches."""
+        request, ids = self._release_request(ids, all)
+        reply = await self._unary_rpc("ReleaseCaches", request)
+        self._forget_layouts(ids)
+        return int(reply.released)
+
+    async def list_caches(self, ids: Any = None) -> list[dict[str, Any]]:
+        """See AttentionClient.list_caches."""
+        return [cache_info_dict(c) for c in (await self._list_caches(ids)).caches]
+
+    async def kv_pool_info(self) -> dict[str, Any]:
+        """See AttentionClient.kv_pool_info."""
+        return pool_info_dict((await self._list_caches(None)).pool)
+
+    async def _list_caches(self, ids: Any) -> pb.ListCachesResponse:
+        reply = await self._unary_rpc("ListCaches", self._list_request(ids))
+        self._note_layouts(reply.caches)
+        return reply
+
+    # ---- same-host shared memory -----------------------------------------------------------
+
     async def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
         """See AttentionClient.register_shm; close it with ``await region.aclose()``."""
         return await self._register("system", nbytes, name, None)
@@ -136,7 +184,7 @@ class AsyncAttentionClient(ClientBase):
         return await self._register("cuda", nbytes, name, device)
 
     async def list_regions(self) -> list[dict[str, Any]]:
-        reply = await self._region_rpc("ListRegions", pb.ListRegionsRequest())
+        reply = await self._unary_rpc("ListRegions", pb.ListRegionsRequest())
         return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
 
     async def _register(
@@ -144,7 +192,7 @@ class AsyncAttentionClient(ClientBase):
     ) -> SharedRegion:
         region, request = self._new_region(kind, nbytes, name, device)
         try:
-            await self._region_rpc("RegisterRegion", request)
+            await self._unary_rpc("RegisterRegion", request)
         except BaseException:
             region._release()
             raise
@@ -154,11 +202,11 @@ class AsyncAttentionClient(ClientBase):
 
     async def _unregister(self, region: SharedRegion) -> None:
         self.regions.discard(region)
-        await self._region_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+        await self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
 
-    async def _region_rpc(self, method: str, request: Any) -> Any:
+    async def _unary_rpc(self, method: str, request: Any) -> Any:
         try:
-            return await self._region_rpcs[method](
+            return await self._unary_rpcs[method](
                 request, timeout=self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as err:
@@ -200,7 +248,7 @@ class AsyncAttentionClient(ClientBase):
 
     async def _run(self, prep: PreparedRequest) -> Any:
         if self._quarantined():  # a failed call's scratch: free again once the server is idle
-            self._release_idle(await self._region_rpc("ListRegions", pb.ListRegionsRequest()))
+            self._release_idle(await self._unary_rpc("ListRegions", pb.ListRegionsRequest()))
         assembler = self._assembler(prep)
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)

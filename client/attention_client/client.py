@@ -10,18 +10,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client._base import ClientBase
-from attention_client._channel import (
-    DECODE_METHOD,
-    INFO_METHOD,
-    PREFILL_METHOD,
-    REGION_RPCS,
-    SERVICE,
-)
+from attention_client._caches import KvCache
+from attention_client._channel import CACHE_RPCS, INFO_METHOD, REGION_RPCS, SERVICE, STREAM_RPCS
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
-from attention_client._requests import DECODE, PREFILL, PreparedRequest
-from attention_client._responses import server_info_dict
+from attention_client._requests import KvLayout, PreparedRequest
+from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
 
@@ -46,6 +41,10 @@ class AttentionClient(ClientBase):
     Same host: ``register_shm`` / ``register_cuda`` register a shared-memory region; calls then
     pass tensors that live in (or fit into) it by reference instead of bytes (see
     ``SharedRegion``). ``use_regions=False`` turns that off for the client or for one call.
+
+    Server-side KV caches: ``kv_cache(num_kv_heads, head_dim, dtype)`` returns a ``KvCache``
+    handle (append, prefill, decode, fork, release, info); ``decode_step``, ``release_caches``,
+    ``list_caches`` and ``kv_pool_info`` work on caches by id without one.
     """
 
     def __init__(
@@ -76,8 +75,10 @@ class AttentionClient(ClientBase):
             ch = grpc.intercept_channel(base, *interceptors) if interceptors else base
             # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
             self._lanes.append({
-                PREFILL: ch.stream_stream(PREFILL_METHOD, response_deserializer=parse_response),
-                DECODE: ch.stream_stream(DECODE_METHOD, response_deserializer=parse_response),
+                method: ch.stream_stream(
+                    f"/{SERVICE}/{method}", response_deserializer=parse_response
+                )
+                for method in STREAM_RPCS
             })
         self._base_channel = self._base_channels[0]
         channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
@@ -88,12 +89,12 @@ class AttentionClient(ClientBase):
             response_deserializer=pb.ServerInfo.FromString,
         )
         self._health = health_pb2_grpc.HealthStub(channel)
-        self._region_rpcs = {
+        self._unary_rpcs = {
             method: channel.unary_unary(
                 f"/{SERVICE}/{method}", request_serializer=_serialize,
                 response_deserializer=getattr(pb, reply).FromString,
             )
-            for method, reply in REGION_RPCS.items()
+            for method, reply in (REGION_RPCS | CACHE_RPCS).items()
         }
 
     def attention(
@@ -145,6 +146,61 @@ class AttentionClient(ClientBase):
         )
         return self._run(prep)
 
+    # ---- server-side KV caches -------------------------------------------------------------
+
+    def kv_cache(self, num_kv_heads: int, head_dim: int, dtype: Any) -> KvCache:
+        """A handle for server-side caches of one layout (``dtype``: a numpy or torch dtype, or
+        "float16" / "bfloat16" / "float32"). Nothing is sent until it is used; ``with`` it to
+        release its caches at the end."""
+        return KvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype))
+
+    def decode_step(
+        self,
+        q: Any,
+        cache_ids: Any,
+        k_new: Any = None,
+        v_new: Any = None,
+        *,
+        store: bool = True,
+        softmax_scale: float | None = None,
+        num_splits: int = 0,
+        return_lse: bool = False,
+    ) -> Any:
+        """``KvCache.decode`` on existing caches by id, without a handle. Without k_new/v_new
+        the caches' num_kv_heads must be known: from this client's handles, else one
+        ListCaches call."""
+        ids = self._decode_step_ids(q, cache_ids)
+        missing = self._unknown_layouts(ids, k_new, v_new)
+        if missing:
+            self._list_caches(missing)
+        prep = self._prepare_decode_step(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+        )
+        return self._run(prep)
+
+    def release_caches(self, ids: Any = None, *, all: bool = False) -> int:
+        """Release caches by id, or every cache of this caller (``all=True``); returns how
+        many were released (NOT_FOUND for an unknown id: then none is)."""
+        request, ids = self._release_request(ids, all)
+        reply = self._unary_rpc("ReleaseCaches", request)
+        self._forget_layouts(ids)
+        return int(reply.released)
+
+    def list_caches(self, ids: Any = None) -> list[dict[str, Any]]:
+        """The caller's caches (None: all of them) as dicts: cache_id, dtype, num_kv_heads,
+        head_dim, length, pages, shared_pages, idle_seconds, busy."""
+        return [cache_info_dict(c) for c in self._list_caches(ids).caches]
+
+    def kv_pool_info(self) -> dict[str, Any]:
+        """The server's cache pool: page_bytes, pages_total/used/free, caches_live,
+        ttl_seconds."""
+        return pool_info_dict(self._list_caches(None).pool)
+
+    def _list_caches(self, ids: Any) -> pb.ListCachesResponse:
+        reply = self._unary_rpc("ListCaches", self._list_request(ids))
+        self._note_layouts(reply.caches)
+        return reply
+
     # ---- same-host shared memory ----------------------------------------------------------
 
     def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
@@ -161,13 +217,13 @@ class AttentionClient(ClientBase):
 
     def list_regions(self) -> list[dict[str, Any]]:
         """The server's view of this caller's regions (name, kind, byte_size, inflight)."""
-        reply = self._region_rpc("ListRegions", pb.ListRegionsRequest())
+        reply = self._unary_rpc("ListRegions", pb.ListRegionsRequest())
         return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
 
     def _register(self, kind: str, nbytes: int, name: str | None, device: Any) -> SharedRegion:
         region, request = self._new_region(kind, nbytes, name, device)
         try:
-            self._region_rpc("RegisterRegion", request)
+            self._unary_rpc("RegisterRegion", request)
         except BaseException:
             region._release()
             raise
@@ -177,11 +233,11 @@ class AttentionClient(ClientBase):
 
     def _unregister(self, region: SharedRegion) -> None:
         self.regions.discard(region)
-        self._region_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+        self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
 
-    def _region_rpc(self, method: str, request: Any) -> Any:
+    def _unary_rpc(self, method: str, request: Any) -> Any:
         try:
-            return self._region_rpcs[method](
+            return self._unary_rpcs[method](
                 request, timeout=self.timeout, metadata=self._metadata
             )
         except grpc.RpcError as err:
@@ -226,7 +282,7 @@ class AttentionClient(ClientBase):
 
     def _run(self, prep: PreparedRequest) -> Any:
         if self._quarantined():  # a failed call's scratch: free again once the server is idle
-            self._release_idle(self._region_rpc("ListRegions", pb.ListRegionsRequest()))
+            self._release_idle(self._unary_rpc("ListRegions", pb.ListRegionsRequest()))
         assembler = self._assembler(prep)
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
         lane = self._lanes[next(self._turn) % len(self._lanes)]

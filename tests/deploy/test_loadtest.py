@@ -34,6 +34,7 @@ SMALL = {
     "LOADTEST_PREFILL_BATCH": "3",
     "LOADTEST_DECODE_CONTEXT": "16:256",
     "LOADTEST_DECODE_BATCH": "4",
+    "LOADTEST_SESSION_STEPS": "4",
     "LOADTEST_TIMEOUT": "30",
 }
 
@@ -82,7 +83,9 @@ def test_locust_run_has_no_failures(server: Server, tmp_path: Path) -> None:
     rows = _rows(prefix)
     total = rows["Aggregated"]
     assert int(total["Request Count"]) > 0 and int(total["Failure Count"]) == 0, log
-    for name in ("Prefill", "Decode"):  # both tasks ran, and every call of each succeeded
+    # Every task ran (a decode session: append, steps, release), and every call succeeded.
+    for name in ("Prefill", "Decode", "AppendKV", "CacheDecode", "ReleaseCaches"):
+        assert name in rows, (name, log)
         assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0
     assert float(rows["Prefill"]["Average Content Size"]) > 0  # response bytes were counted
 

@@ -1,0 +1,379 @@
+"""Handles of server-side KV caches: ``client.kv_cache(num_kv_heads, head_dim, dtype)``.
+
+A handle stands for caches of one layout. It creates the caches its calls name the first time
+(CreateCaches, then the call; an id it released is not created again: NOT_FOUND), checks every
+tensor against its layout before anything is sent, and releases what it created on
+``release()`` or when its ``with`` block ends. The cache calls (AppendKV, CachePrefill,
+CacheDecode) send tensor bytes: they do not use shared-memory regions.
+
+``KvCache`` belongs to ``AttentionClient``, ``AsyncKvCache`` (the same methods, awaited) to
+``AsyncAttentionClient``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from attention_client._errors import AttentionError
+from attention_client._requests import (
+    CacheTarget,
+    KvLayout,
+    PreparedRequest,
+    as_cache_ids,
+    prepare_append_kv,
+    prepare_cache_decode,
+    prepare_cache_prefill,
+)
+from attention_client._responses import cache_info_dict
+from attention_client._tensors import dtype_name
+from attention_wire.pb import attention_pb2 as pb
+
+if TYPE_CHECKING:
+    from attention_client.aio import AsyncAttentionClient
+    from attention_client.client import AttentionClient
+
+
+class _KvCacheBase:
+    """What both handles share: the layout, the ids created, request preparation."""
+
+    def __init__(self, layout: KvLayout) -> None:
+        self.layout = layout
+        self._created: dict[str, None] = {}  # insertion-ordered set
+        # Every id this handle created: one released (or expired) is not created again by a
+        # call that names it (NOT_FOUND, rather than attending to a fresh empty cache).
+        self._seen: set[str] = set()
+        self._lengths: dict[str, int] = {}
+
+    @property
+    def dtype(self) -> str:
+        """The caches' dtype as the wire names it ("FLOAT16", "BFLOAT16", "FLOAT32")."""
+        return dtype_name(self.layout.dtype)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layout.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layout.head_dim
+
+    @property
+    def ids(self) -> list[str]:
+        """The caches this handle created (or forked) and has not released."""
+        return list(self._created)
+
+    @property
+    def lengths(self) -> dict[str, int]:
+        """Each cache's token count as the server last reported it to this handle."""
+        return dict(self._lengths)
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, dtype={self.dtype}, caches={len(self._created)})"
+        )
+
+    def _missing(self, ids: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(i for i in ids if i not in self._seen)
+
+    def _create_request(self, ids: tuple[str, ...]) -> pb.CreateCachesRequest:
+        return pb.CreateCachesRequest(cache_ids=ids, layout=self.layout.message())
+
+    def _mark_created(self, ids: tuple[str, ...], layouts: dict[str, KvLayout]) -> None:
+        for i in ids:
+            self._created[i] = None
+            self._seen.add(i)
+            self._lengths[i] = 0
+            layouts[i] = self.layout
+
+    def _mark_released(self, ids: tuple[str, ...], layouts: dict[str, KvLayout]) -> None:
+        for i in ids:
+            self._created.pop(i, None)
+            self._lengths.pop(i, None)
+            layouts.pop(i, None)
+
+    def _note(self, prep: PreparedRequest) -> None:
+        if prep.cache is not None and prep.cache_lengths is not None:
+            self._lengths.update(zip(prep.cache.ids, prep.cache_lengths, strict=True))
+
+    def _note_infos(self, infos: Any) -> list[dict[str, Any]]:
+        out = [cache_info_dict(c) for c in infos]
+        for c in out:
+            if c["cache_id"] in self._created:
+                self._lengths[c["cache_id"]] = c["length"]
+        return out
+
+    def _prep_append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any) -> PreparedRequest:
+        target = CacheTarget(as_cache_ids(ids), True, self.layout)
+        return prepare_append_kv(k, v, cu_seqlens, target)
+
+    def _prep_prefill(
+        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
+        causal: bool, store: bool, softmax_scale: float | None, return_lse: bool,
+    ) -> PreparedRequest:
+        return prepare_cache_prefill(
+            q, k, v, cu_seqlens_q, cu_seqlens_k,
+            CacheTarget(as_cache_ids(ids), bool(store), self.layout), causal=causal,
+            softmax_scale=softmax_scale, return_lse=return_lse,
+        )
+
+    def _prep_decode(
+        self, q: Any, ids: Any, k_new: Any, v_new: Any, store: bool,
+        softmax_scale: float | None, num_splits: int, return_lse: bool,
+    ) -> PreparedRequest:
+        return prepare_cache_decode(
+            q, k_new, v_new, CacheTarget(as_cache_ids(ids), bool(store), self.layout),
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+        )
+
+    @staticmethod
+    def _fork_request(source_id: str, target_id: str, length: int | None) -> pb.ForkCacheRequest:
+        (source,) = as_cache_ids([source_id], "source_id")
+        (target,) = as_cache_ids([target_id], "target_id")
+        request = pb.ForkCacheRequest(source_id=source, target_id=target)
+        if length is not None:
+            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+                raise ValueError(f"length must be a non-negative int or None, got {length!r}")
+            request.length = length
+        return request
+
+    def _own_ids(self, ids: Any) -> tuple[str, ...]:
+        return as_cache_ids(ids) if ids is not None else tuple(self._created)
+
+
+def _not_found(err: AttentionError) -> bool:
+    return err.code == grpc.StatusCode.NOT_FOUND
+
+
+class KvCache(_KvCacheBase):
+    """Server-side KV caches of one layout (see the module doc); from ``client.kv_cache``.
+
+    ``ids`` arguments are a str or a sequence of str, one cache per sequence. Tensors are numpy
+    arrays or torch tensors of the handle's dtype; results come back like ``q``. Mistakes the
+    client can see raise ValueError before anything is sent; the server's refusals raise
+    AttentionError (NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, RESOURCE_EXHAUSTED when the
+    pool is full, ABORTED while another call uses one of the caches, FAILED_PRECONDITION when
+    the server has caches off).
+    """
+
+    def __init__(self, client: AttentionClient, layout: KvLayout) -> None:
+        super().__init__(layout)
+        self.client = client
+        self._lock = threading.Lock()  # one CreateCaches at a time per handle
+
+    def create(self, ids: Any) -> None:
+        """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
+        ids = as_cache_ids(ids)
+        with self._lock:
+            self._create(ids)
+
+    def append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None) -> list[int]:
+        """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
+        None for a single id); returns each cache's length after."""
+        return self._run(self._prep_append(ids, k, v, cu_seqlens))
+
+    def prefill(
+        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
+        cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
+        softmax_scale: float | None = None, return_lse: bool = False,
+    ) -> Any:
+        """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
+        causal); ``store`` keeps the new tokens. Forms as ``client.attention`` (packed with
+        ``cu_seqlens_q``; ``cu_seqlens_k`` defaults to it, or to no new keys when k has no
+        rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
+        return self._run(self._prep_prefill(
+            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
+        ))
+
+    def decode(
+        self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
+        softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+    ) -> Any:
+        """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
+        token, appended first, kept if ``store``) or None. Returns out ``[B, H, D]`` or
+        ``(out, lse [B, H])``."""
+        return self._run(self._prep_decode(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+        ))
+
+    def fork(self, source_id: str, target_id: str, length: int | None = None) -> dict[str, Any]:
+        """Copy the first ``length`` tokens (default: all) of a cache into a new one, which
+        this handle then owns; returns the new cache's info."""
+        request = self._fork_request(source_id, target_id, length)
+        info = self.client._unary_rpc("ForkCache", request)
+        self._mark_created((info.cache_id,), self.client._cache_layouts)
+        return self._note_infos([info])[0]
+
+    def release(self, ids: Any = None) -> int:
+        """Release caches; None: every cache this handle created, skipping those already gone
+        (expired, or released elsewhere). Returns how many were released."""
+        if ids is not None:
+            return self._release(as_cache_ids(ids))
+        ids = tuple(self._created)
+        if not ids:
+            return 0
+        try:
+            return self._release(ids)
+        except AttentionError as err:  # nothing was released: one by one, skipping the gone
+            if not _not_found(err):
+                raise
+        released = 0
+        for i in ids:
+            try:
+                released += self._release((i,))
+            except AttentionError as e:
+                if not _not_found(e):
+                    raise
+                self._mark_released((i,), self.client._cache_layouts)
+        return released
+
+    def info(self, ids: Any = None) -> list[dict[str, Any]]:
+        """The server's view of caches (None: this handle's): cache_id, dtype, num_kv_heads,
+        head_dim, length, pages, shared_pages, idle_seconds, busy."""
+        ids = self._own_ids(ids)
+        if not ids:
+            return []
+        return self._note_infos(self.client._list_caches(ids).caches)
+
+    def __enter__(self) -> KvCache:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.release()
+        else:  # do not hide the error in flight
+            with contextlib.suppress(AttentionError):
+                self.release()
+
+    def _create(self, ids: tuple[str, ...]) -> None:
+        self.client._unary_rpc("CreateCaches", self._create_request(ids))
+        self._mark_created(ids, self.client._cache_layouts)
+
+    def _release(self, ids: tuple[str, ...]) -> int:
+        reply = self.client._unary_rpc("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids))
+        self._mark_released(ids, self.client._cache_layouts)
+        return int(reply.released)
+
+    def _run(self, prep: PreparedRequest) -> Any:
+        assert prep.cache is not None
+        if self._missing(prep.cache.ids):
+            with self._lock:
+                missing = self._missing(prep.cache.ids)
+                if missing:
+                    self._create(missing)
+        result = self.client._run(prep)
+        self._note(prep)
+        return result
+
+
+class AsyncKvCache(_KvCacheBase):
+    """KvCache for AsyncAttentionClient: the same methods as coroutines; ``async with``."""
+
+    def __init__(self, client: AsyncAttentionClient, layout: KvLayout) -> None:
+        super().__init__(layout)
+        self.client = client
+        self._lock = asyncio.Lock()  # one CreateCaches at a time per handle
+
+    async def create(self, ids: Any) -> None:
+        """See KvCache.create."""
+        ids = as_cache_ids(ids)
+        async with self._lock:
+            await self._create(ids)
+
+    async def append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None) -> list[int]:
+        """See KvCache.append."""
+        return await self._run(self._prep_append(ids, k, v, cu_seqlens))
+
+    async def prefill(
+        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
+        cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
+        softmax_scale: float | None = None, return_lse: bool = False,
+    ) -> Any:
+        """See KvCache.prefill."""
+        return await self._run(self._prep_prefill(
+            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
+        ))
+
+    async def decode(
+        self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
+        softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+    ) -> Any:
+        """See KvCache.decode."""
+        return await self._run(self._prep_decode(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+        ))
+
+    async def fork(
+        self, source_id: str, target_id: str, length: int | None = None
+    ) -> dict[str, Any]:
+        """See KvCache.fork."""
+        request = self._fork_request(source_id, target_id, length)
+        info = await self.client._unary_rpc("ForkCache", request)
+        self._mark_created((info.cache_id,), self.client._cache_layouts)
+        return self._note_infos([info])[0]
+
+    async def release(self, ids: Any = None) -> int:
+        """See KvCache.release."""
+        if ids is not None:
+            return await self._release(as_cache_ids(ids))
+        ids = tuple(self._created)
+        if not ids:
+            return 0
+        try:
+            return await self._release(ids)
+        except AttentionError as err:
+            if not _not_found(err):
+                raise
+        released = 0
+        for i in ids:
+            try:
+                released += await self._release((i,))
+            except AttentionError as e:
+                if not _not_found(e):
+                    raise
+                self._mark_released((i,), self.client._cache_layouts)
+        return released
+
+    async def info(self, ids: Any = None) -> list[dict[str, Any]]:
+        """See KvCache.info."""
+        ids = self._own_ids(ids)
+        if not ids:
+            return []
+        return self._note_infos((await self.client._list_caches(ids)).caches)
+
+    async def __aenter__(self) -> AsyncKvCache:
+        return self
+
+    async def __aexit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            await self.release()
+        else:
+            with contextlib.suppress(AttentionError):
+                await self.release()
+
+    async def _create(self, ids: tuple[str, ...]) -> None:
+        await self.client._unary_rpc("CreateCaches", self._create_request(ids))
+        self._mark_created(ids, self.client._cache_layouts)
+
+    async def _release(self, ids: tuple[str, ...]) -> int:
+        reply = await self.client._unary_rpc(
+            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids)
+        )
+        self._mark_released(ids, self.client._cache_layouts)
+        return int(reply.released)
+
+    async def _run(self, prep: PreparedRequest) -> Any:
+        assert prep.cache is not None
+        if self._missing(prep.cache.ids):
+            async with self._lock:
+                missing = self._missing(prep.cache.ids)
+                if missing:
+                    await self._create(missing)
+        result = await self.client._run(prep)
+        self._note(prep)
+        return result
