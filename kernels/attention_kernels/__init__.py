@@ -2,7 +2,9 @@
 
 ``prefill`` and ``decode`` are the Triton kernels (CUDA tensors, or any tensor under
 ``TRITON_INTERPRET=1``); ``prefill_ref`` and ``decode_ref`` are plain torch with the same
-signatures. The Triton modules are imported lazily so the reference works without Triton.
+signatures. ``paged_prefill`` / ``paged_decode`` read K/V from a paged cache through a block
+table (``paged_*_ref`` and ``gather_pages`` are their torch side). The Triton modules are
+imported lazily so the reference works without Triton.
 """
 
 from __future__ import annotations
@@ -10,17 +12,23 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
+from attention_kernels.paged_reference import gather_pages, paged_decode_ref, paged_prefill_ref
 from attention_kernels.reference import decode_ref, prefill_ref
 
 if TYPE_CHECKING:
-    from attention_kernels.decode_kernel import decode
+    from attention_kernels.decode_kernel import decode, paged_decode
     from attention_kernels.kernel_warmup import warmup
-    from attention_kernels.prefill_kernel import prefill
+    from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 __all__ = [
     "SUPPORTED_DTYPES",
     "decode",
     "decode_ref",
+    "gather_pages",
+    "paged_decode",
+    "paged_decode_ref",
+    "paged_prefill",
+    "paged_prefill_ref",
     "prefill",
     "prefill_ref",
     "supported_head_dim",
@@ -30,14 +38,14 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    if name == "prefill":
-        from attention_kernels.prefill_kernel import prefill
+    if name in ("prefill", "paged_prefill"):
+        from attention_kernels import prefill_kernel
 
-        return prefill
-    if name == "decode":
-        from attention_kernels.decode_kernel import decode
+        return getattr(prefill_kernel, name)
+    if name in ("decode", "paged_decode"):
+        from attention_kernels import decode_kernel
 
-        return decode
+        return getattr(decode_kernel, name)
     if name == "warmup":
         from attention_kernels.kernel_warmup import warmup
 

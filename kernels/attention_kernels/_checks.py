@@ -24,16 +24,26 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = 
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
         if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
+    _check_common(q, k, v, q_name, "k", "v")
+
+
+def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str, k_name: str,
+                  v_name: str) -> None:
+    """Dtypes, devices and heads of ``q [.., H, D]`` and ``k, v [.., H_kv, D]`` (each dtype
+    already checked to be supported)."""
     if not (q.dtype == k.dtype == v.dtype):
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"{q_name}, {k_name}, {v_name} dtypes differ: {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     if not (q.device == k.device == v.device):
-        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+        raise ValueError(f"{q_name}, {k_name}, {v_name} devices differ: {q.device}, {k.device}, "
+                         f"{v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k.shape[1]
-    if k.shape[2] != head_dim:
-        raise ValueError(f"head_dim of {q_name} ({head_dim}) and k ({k.shape[2]}) differ")
+        raise ValueError(f"{k_name} and {v_name} shapes differ: {tuple(k.shape)} vs "
+                         f"{tuple(v.shape)}")
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads = k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"head_dim of {q_name} ({head_dim}) and {k_name} ({k.shape[-1]}) differ")
     if not supported_head_dim(head_dim):
         raise ValueError(f"head_dim {head_dim} unsupported: must be a multiple of 8 in [8, 256]")
     if num_kv_heads == 0 or num_heads == 0:
@@ -80,6 +90,70 @@ def check_decode_inputs(
             f"cu_seqlens_k must have batch+1 = {q.shape[0] + 1} entries (q has batch "
             f"{q.shape[0]}), got {cu_seqlens_k.shape[0]}"
         )
+
+
+def check_paged_inputs(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None = None,
+) -> None:
+    """Shapes, dtypes and layout of a paged call; the batch is ``cu_seqlens_q``'s (prefill) or
+    ``q``'s (decode, ``cu_seqlens_q`` None). Reads no values."""
+    for name, t, dims in (("q", q, 3), ("k_pages", k_pages, 4), ("v_pages", v_pages, 4)):
+        if t.dim() != dims:
+            layout = ("[tokens, num_heads, head_dim]" if dims == 3 else
+                      "[num_pages, page_tokens, num_kv_heads, head_dim]")
+            raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
+        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
+            raise ValueError(f"{name} has unsupported dtype {t.dtype}")
+    _check_common(q, k_pages, v_pages, "q", "k_pages", "v_pages")
+    if k_pages.shape[1] < 1:
+        raise ValueError(f"page_tokens (k_pages.shape[1]) must be positive, got shape "
+                         f"{tuple(k_pages.shape)}")
+    for name, t in (("k_pages", k_pages), ("v_pages", v_pages)):
+        # A copy would be of the whole pool on every call: the caller must lay pages out so.
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along head_dim, got strides "
+                             f"{t.stride()}")
+    if cu_seqlens_q is None:
+        batch = q.shape[0]
+    else:
+        _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
+        batch = cu_seqlens_q.shape[0] - 1
+    if block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32, got {block_table.dtype}")
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise ValueError(f"block_table must be 2-D [batch={batch}, max_pages_per_seq], got shape "
+                         f"{tuple(block_table.shape)}")
+    if seqlens_k.dtype != torch.int32:
+        raise ValueError(f"seqlens_k must be int32, got {seqlens_k.dtype}")
+    if seqlens_k.dim() != 1 or seqlens_k.shape[0] != batch:
+        raise ValueError(f"seqlens_k must be 1-D [batch={batch}], got shape "
+                         f"{tuple(seqlens_k.shape)}")
+    for name, t in (("block_table", block_table), ("seqlens_k", seqlens_k)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_paged_values(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_pages: int,
+                       page_tokens: int) -> None:
+    """Values check of a paged call (reads values: host): lengths in ``[0, table width *
+    page_tokens]`` and every page a sequence uses in ``[0, num_pages)``."""
+    lens = seqlens_k.to(device=block_table.device, dtype=torch.int64)
+    width = block_table.shape[1]
+    if lens.numel() and int(lens.min()) < 0:
+        raise ValueError("seqlens_k must be non-negative")
+    if lens.numel() and int(lens.max()) > width * page_tokens:
+        raise ValueError(f"seqlens_k has a length of {int(lens.max())} keys but block_table rows "
+                         f"hold {width} pages of {page_tokens} tokens")
+    pages_used = (lens + page_tokens - 1) // page_tokens
+    pages = block_table[torch.arange(width, device=lens.device) < pages_used[:, None]]
+    if pages.numel() and (int(pages.min()) < 0 or int(pages.max()) >= num_pages):
+        raise ValueError(f"block_table names pages outside [0, {num_pages}) within a sequence's "
+                         "length")
 
 
 def check_cu_seqlens_values(cu: list[int] | torch.Tensor, total: int, name: str) -> None:

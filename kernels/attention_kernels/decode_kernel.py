@@ -27,13 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-from attention_kernels._checks import check_decode_inputs, output_buffer
+from attention_kernels._checks import check_decode_inputs, check_paged_inputs, output_buffer
+from attention_kernels._paging import block_pages, block_rows
 from attention_kernels.configs import (
     DecodeConfig,
     decode_config,
     dot_in_fp32,
     num_sms,
     padded_head_dim,
+    paged_decode_config,
 )
 
 LOG2E = 1.4426950408889634
@@ -43,12 +45,27 @@ MAX_SPLITS = 128
 @triton.jit
 def _decode_inner(
     K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-    lo, hi, qk_scale, offs_n, d_ok,
+    lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
 ):
+    """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
+    the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
+    each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys)."""
+    if PAGED:
+        page = block_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
-        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+        if PAGED:
+            k_ptrs = (k_base + block_rows(page, start_n, offs_n, stride_kp, stride_kt,
+                                          PAGE_TOKENS)[:, None] + kv_offs_k)
+            v_ptrs = (v_base + block_rows(page, start_n, offs_n, stride_vp, stride_vt,
+                                          PAGE_TOKENS)[:, None] + kv_offs_v)
+            # The next block's pages now: the table lookup is off this block's critical path.
+            page = block_pages(table_row, start_n + BLOCK_N, offs_n, seqlen, PAGE_TOKENS,
+                               BLOCK_N)
+        else:
+            k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
+            v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
         if MASKED:
             n_ok = (start_n + offs_n) < hi
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -115,14 +132,20 @@ def _merge_group(
         tl.store(Lse + seq * num_heads + heads, lse, mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits"])
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits", "stride_tb"])
 def _decode_split_kernel(
-    Q, K, V, Out, Lse, OutPart, LsePart, Counter, cu_k,
+    Q, K, V, Out, Lse, OutPart, LsePart, Counter, cu_k, Table,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
+    stride_tb, stride_kp, stride_vp,
     qk_scale, num_kv_heads, group, num_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
 ):
+    """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
+    are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
+    is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
+    """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     split = tl.program_id(0)
     pid = tl.program_id(1)
@@ -130,8 +153,11 @@ def _decode_split_kernel(
     kv_head = pid % num_kv_heads
     num_heads = num_kv_heads * group
 
-    k_start = tl.load(cu_k + seq)
-    seqlen = tl.load(cu_k + seq + 1) - k_start
+    if PAGED:
+        seqlen = tl.load(cu_k + seq)
+    else:
+        k_start = tl.load(cu_k + seq)
+        seqlen = tl.load(cu_k + seq + 1) - k_start
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     lo = tl.minimum(split * split_len, seqlen)
     hi = tl.minimum(lo + split_len, seqlen)
@@ -149,21 +175,31 @@ def _decode_split_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
-    kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
-    kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+    if PAGED:
+        table_row = Table + seq.to(tl.int64) * stride_tb
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+        kv_offs_k = offs_d[None, :]  # rows are added per key block from the table
+        kv_offs_v = offs_d[None, :]
+    else:
+        table_row = Table  # unused
+        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+        kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
+        kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _decode_inner(
         K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        lo, full_hi, qk_scale, offs_n, d_ok, False, EVEN_D, BLOCK_N, DOT_F32,
+        lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+        False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS,
     )
     acc, l_i, m_i = _decode_inner(
         K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        full_hi, hi, qk_scale, offs_n, d_ok, True, EVEN_D, BLOCK_N, DOT_F32,
+        full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+        True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS,
     )
 
     seen = l_i > 0.0
@@ -265,20 +301,82 @@ def decode(
     Empty sequences give zeros (lse -inf).
     """
     check_decode_inputs(q, k, v, cu_seqlens_k)
-    if q.dtype == torch.float64:
-        raise ValueError("float64 is supported by decode_ref only; kernels take fp16/bf16/fp32")
-    if num_splits < 0:
-        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    _check_kernel_args(q, num_splits)
     if k.stride(-1) != 1:
         k = k.contiguous()
     if v.stride(-1) != 1:
         v = v.contiguous()
-    cu_seqlens_k = cu_seqlens_k.contiguous()
+    # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
+    est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
+    return _decode(q, k, v, cu_seqlens_k.contiguous(), None, est, softmax_scale, num_splits,
+                   return_lse, out, lse_out, _config)
 
+
+def paged_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_k: int | None = None,
+    softmax_scale: float | None = None,
+    num_splits: int = 0,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    _config: DecodeConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``decode`` over a paged KV cache (``flash_attn_with_kvcache``'s layout).
+
+    Args:
+        q: ``[batch, H, D]``.
+        k_pages, v_pages: ``[num_pages, page_tokens, H_kv, D]``, unit stride along ``D``, any
+            other strides (e.g. K and V of a page interleaved in one pool).
+        block_table: int32 ``[batch, max_pages_per_seq]``: key ``j`` of sequence ``b`` is
+            ``k_pages[block_table[b, j // page_tokens], j % page_tokens]``. Entries past a
+            sequence's length are never read.
+        seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed).
+        max_seqlen_k: a host-side hint for the split count (``max_pages_per_seq * page_tokens``
+            otherwise, an upper bound); never read from the device.
+        Other arguments and the outputs as in ``decode``. One compiled variant per page size.
+    """
+    check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
+    _check_kernel_args(q, num_splits)
+    page_tokens = k_pages.shape[1]
+    est = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_tokens
+    return _decode(q, k_pages, v_pages, seqlens_k.contiguous(), block_table.contiguous(), est,
+                   softmax_scale, num_splits, return_lse, out, lse_out, _config)
+
+
+def _check_kernel_args(q: torch.Tensor, num_splits: int) -> None:
+    if q.dtype == torch.float64:
+        raise ValueError("float64 is supported by the references only; kernels take "
+                         "fp16/bf16/fp32")
+    if num_splits < 0:
+        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+
+
+def _decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    table: torch.Tensor | None,
+    est_seqlen: int,
+    softmax_scale: float | None,
+    num_splits: int,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    config: DecodeConfig | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
+    ``lens`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens`` = seqlens_k."""
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     batch, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
+    num_kv_heads = k.shape[-2]
     group = num_heads // num_kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     out = output_buffer(out, (batch, num_heads, head_dim), q.dtype, q.device, "out")
@@ -286,11 +384,22 @@ def decode(
            if return_lse else out)
     if batch == 0:
         return (out, lse) if return_lse else out
+    if table is not None and (k.shape[0] == 0 or table.shape[1] == 0):
+        # No pages at all, so every sequence is empty: nothing to launch (and no pointer into
+        # an empty pool).
+        out.zero_()
+        if return_lse:
+            lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
 
-    cfg = _config or decode_config(head_dim, q.dtype, q.device)
+    if config is not None:
+        cfg = config
+    elif table is None:
+        cfg = decode_config(head_dim, q.dtype, q.device)
+    else:
+        cfg = paged_decode_config(head_dim, q.dtype, q.device)
     if num_splits == 0:
-        est = max_seqlen_k if max_seqlen_k is not None else triton.cdiv(k.shape[0], batch)
-        num_splits = choose_num_splits(batch, num_kv_heads, est, q.device, cfg.block_n)
+        num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
     block_d = padded_head_dim(head_dim)
     direct = num_splits == 1
@@ -302,15 +411,24 @@ def decode(
         lse_part = torch.empty((batch * num_heads * num_splits,), dtype=torch.float32,
                                device=q.device)
         counter = _counters(batch * num_kv_heads, q.device)
+    paged = table is not None
+    if table is None:
+        # None for the paged-only arguments: Triton makes them compile-time constants, so the
+        # contiguous launch passes (and costs) no more than it did before paging existed.
+        page_tokens = 1
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
+    else:
+        page_tokens = k.shape[1]
+        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
+                   k.stride(0), v.stride(0))
     with _on_device(q.device):  # Triton launches on the current device's current stream
         _decode_split_kernel[(num_splits, batch * num_kv_heads)](
-            q, k, v, out, lse, out_part, lse_part, counter, cu_seqlens_k,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1),
+            q, k, v, out, lse, out_part, lse_part, counter, lens, table,
+            q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1), *strides[4:],
             scale * LOG2E, num_kv_heads, group, num_splits,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
-            DOT_F32=dot_in_fp32(q.dtype),
+            DOT_F32=dot_in_fp32(q.dtype), PAGED=paged, PAGE_TOKENS=page_tokens,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

@@ -13,8 +13,8 @@ from collections.abc import Iterable
 
 import torch
 
-from attention_kernels.decode_kernel import decode
-from attention_kernels.prefill_kernel import prefill
+from attention_kernels.decode_kernel import decode, paged_decode
+from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 
 def warmup(
@@ -23,8 +23,12 @@ def warmup(
     device: str | torch.device = "cuda",
     *,
     with_lse: bool = True,
+    page_tokens: Iterable[int] = (),
 ) -> float:
-    """Run every kernel variant once on tiny inputs; returns the seconds it took."""
+    """Run every kernel variant once on tiny inputs; returns the seconds it took.
+
+    ``page_tokens``: also the paged variants for these page sizes (one compile each, as the
+    page size is a compile-time constant of the paged kernels)."""
     device = torch.device(device)
     t0 = time.perf_counter()
     lse_flags = (False, True) if with_lse else (False,)
@@ -41,6 +45,19 @@ def warmup(
             for splits in (1, 2):  # direct write, and splits with the fused merge
                 for lse in lse_flags:
                     decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
+            for p in page_tokens:
+                pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
+                lens = torch.tensor([17, 23], dtype=torch.int32, device=device)
+                table = torch.arange(pages.shape[0], dtype=torch.int32, device=device)
+                table = table.view(2, -1)
+                for causal in (False, True):
+                    for lse in lse_flags:
+                        paged_prefill(q, pages, pages, table, cu, lens, causal=causal,
+                                      return_lse=lse)
+                for splits in (1, 2):
+                    for lse in lse_flags:
+                        paged_decode(qd, pages, pages, table, lens, num_splits=splits,
+                                     return_lse=lse)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0

@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attention_kernels._checks import check_prefill_inputs, output_buffer
+from attention_kernels._checks import check_paged_inputs, check_prefill_inputs, output_buffer
+from attention_kernels._paging import block_pages, block_rows
 from attention_kernels.configs import (
     PrefillConfig,
     _capability,
@@ -58,14 +59,27 @@ def _prefill_inner(
     k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     desc_k, desc_v, k_row0, kv_col,
     lo, hi, seqlen_k, causal_offset, qk_scale,
-    offs_m, offs_n, d_ok,
+    offs_m, offs_n, d_ok, table_row, stride_kp, stride_vp,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
 ):
-    """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units."""
+    """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
+    Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
+    are the head-dim offsets and each key's row comes from the block-table row ``table_row``."""
+    if PAGED:
+        page = block_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
-        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
-        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+        if PAGED:
+            k_ptrs = (k_base + block_rows(page, start_n, offs_n, stride_kp, stride_kt,
+                                          PAGE_TOKENS)[:, None] + kv_offs_k)
+            v_ptrs = (v_base + block_rows(page, start_n, offs_n, stride_vp, stride_vt,
+                                          PAGE_TOKENS)[:, None] + kv_offs_v)
+            # The next block's pages now: the table lookup is off this block's critical path.
+            page = block_pages(table_row, start_n + BLOCK_N, offs_n, seqlen_k, PAGE_TOKENS,
+                               BLOCK_N)
+        else:
+            k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
+            v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -116,16 +130,20 @@ def _prefill_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots"])
+@triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "stride_tb"])
 def _prefill_kernel(
-    Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v,
+    Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    stride_lh,
+    stride_lh, stride_tb, stride_kp, stride_vp,
     qk_scale, batch, num_heads, group, num_slots,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr,
+    DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
 ):
+    """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
+    are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
+    is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
+    """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
     head = pid % num_heads
@@ -144,8 +162,12 @@ def _prefill_kernel(
     block = slot - (q_start // BLOCK_M + seq)
     if block * BLOCK_M >= seqlen_q:
         return  # one of the <= 2 spare slots of this sequence
-    k_start = tl.load(cu_k + seq)
-    seqlen_k = tl.load(cu_k + seq + 1) - k_start
+    if PAGED:
+        k_start = 0  # unused: keys are found through the table
+        seqlen_k = tl.load(cu_k + seq)
+    else:
+        k_start = tl.load(cu_k + seq)
+        seqlen_k = tl.load(cu_k + seq + 1) - k_start
     kv_head = head // group
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -160,10 +182,18 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
-    v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
-    kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
-    kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+    if PAGED:
+        table_row = Table + seq.to(tl.int64) * stride_tb
+        k_base = K + kv_head.to(tl.int64) * stride_kh
+        v_base = V + kv_head.to(tl.int64) * stride_vh
+        kv_offs_k = offs_d[None, :]  # rows are added per key block from the table
+        kv_offs_v = offs_d[None, :]
+    else:
+        table_row = Table  # unused
+        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
+        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+        kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
+        kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -184,13 +214,15 @@ def _prefill_kernel(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         0, n_full, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA,
+        table_row, stride_kp, stride_vp,
+        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
     )
     acc, l_i, m_i = _prefill_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         n_full, n_end, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA,
+        table_row, stride_kp, stride_vp,
+        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
     )
 
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
@@ -287,12 +319,75 @@ def prefill(
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    if q.dtype == torch.float64:
-        raise ValueError("float64 is supported by prefill_ref only; kernels take fp16/bf16/fp32")
-    q, k, v = _head_dim_contiguous(q), _head_dim_contiguous(k), _head_dim_contiguous(v)
-    cu_seqlens_q = cu_seqlens_q.contiguous()
-    cu_seqlens_k = cu_seqlens_k.contiguous()
+    _check_not_float64(q)
+    k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
+    return _prefill(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), None,
+                    causal, softmax_scale, return_lse, out, lse_out, _config)
 
+
+def paged_prefill(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+    out: torch.Tensor | None = None,
+    lse_out: torch.Tensor | None = None,
+    _config: PrefillConfig | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``prefill`` against a paged KV cache (``flash_attn_with_kvcache``'s layout).
+
+    Args:
+        q: ``[total_q, H, D]`` packed by ``cu_seqlens_q`` (int32 ``[batch + 1]``).
+        k_pages, v_pages: ``[num_pages, page_tokens, H_kv, D]``, unit stride along ``D``, any
+            other strides.
+        block_table: int32 ``[batch, max_pages_per_seq]``: key ``j`` of sequence ``b`` is
+            ``k_pages[block_table[b, j // page_tokens], j % page_tokens]``; entries past a
+            sequence's length are never read.
+        seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed). The queries
+            of sequence ``b`` are its last ``seqlen_q`` positions for the causal mask (bottom-right
+            aligned), e.g. new tokens already appended to the cache.
+        Other arguments and the outputs (``lse [H, total_q]``) as in ``prefill``. One compiled
+        variant per page size.
+    """
+    del max_seqlen_q, max_seqlen_k
+    check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
+    _check_not_float64(q)
+    return _prefill(q, k_pages, v_pages, cu_seqlens_q.contiguous(), seqlens_k.contiguous(),
+                    block_table.contiguous(), causal, softmax_scale, return_lse, out, lse_out,
+                    _config)
+
+
+def _check_not_float64(q: torch.Tensor) -> None:
+    if q.dtype == torch.float64:
+        raise ValueError("float64 is supported by the references only; kernels take "
+                         "fp16/bf16/fp32")
+
+
+def _prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    lens_k: torch.Tensor,
+    table: torch.Tensor | None,
+    causal: bool,
+    softmax_scale: float | None,
+    return_lse: bool,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    config: PrefillConfig | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
+    ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` = seqlens_k."""
+    q = _head_dim_contiguous(q)
     total_q, num_heads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -303,24 +398,41 @@ def prefill(
         if return_lse:
             return out, lse
         return out
+    paged = table is not None
+    if paged and (k.shape[0] == 0 or table.shape[1] == 0):
+        # No pages at all, so no keys: nothing to launch (and no pointer into an empty pool).
+        out.zero_()
+        if return_lse:
+            lse.fill_(float("-inf"))
+        return (out, lse) if return_lse else out
 
-    cfg = _config or prefill_config(head_dim, q.dtype, causal, q.device)
+    cfg = config or prefill_config(head_dim, q.dtype, causal, q.device)
     num_slots = total_q // cfg.block_m + batch + 1
     grid = (num_slots * num_heads,)
-    use_tma = _tma_ok(q, k, v, cfg)
+    use_tma = not paged and _tma_ok(q, k, v, cfg)
     if use_tma:
         desc_k, desc_v = (_kv_descriptor(t, cfg.block_n) for t in (k, v))
     else:
         desc_k, desc_v = k, v  # unused placeholders
+    if table is None:
+        # None for the paged-only arguments: Triton makes them compile-time constants, so the
+        # contiguous launch passes (and costs) no more than it did before paging existed.
+        page_tokens = 1
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
+    else:
+        page_tokens = k.shape[1]
+        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
+                   k.stride(0), v.stride(0))
     _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, desc_k, desc_v,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0) if return_lse else 0,
-        scale * LOG2E, batch, num_heads, num_heads // k.shape[1], num_slots,
+        q, k, v, out, lse, cu_seqlens_q, lens_k, desc_k, desc_v, table,
+        q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1),
+        lse.stride(0) if return_lse else 0, *strides[4:],
+        scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
         IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype),
-        USE_TMA=use_tma, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        USE_TMA=use_tma, PAGED=paged, PAGE_TOKENS=page_tokens,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out
