@@ -124,13 +124,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> De
 
 
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
-    """``decode_config`` with 128-key blocks where 64 is the contiguous choice: a paged block
-    pays a page lookup and per-row addresses, so fewer, larger blocks win. H100, bf16, 32q/8kv,
-    GPU time (graph) of paged_decode, 64 -> 128 keys: D128 page 16: 1x32K 60.2 -> 59.1 us,
-    8x8K 105 -> 101, 64x8K 792 -> 729; D64 8x8K 74.8 -> 59.2; page 64: 1x32K 54.8 -> 56.9,
-    8x8K 95.9 -> 97.2, 64x8K 758 -> 706, D64 8x8K 59.6 -> 55.2 (contiguous at 64: 53.1, 92.6,
-    742, 57.1). 128 x D128 x 2 bytes x (K + V) x 3 stages = 192 KB of shared memory fits."""
+    """``decode_config``, but 128-key blocks at (padded) head dim 64 and below, where a 64-key
+    block is too little work to hide a block's page lookups. H100, bf16, 32q/8kv, 8 x 8K keys,
+    GPU time (graph) 64 -> 128 keys: D64 page 16 74.9 -> 60.0 us, page 64 59.8 -> 54.8
+    (contiguous decode, 64 keys: 57.3). At D128 128 keys helped some shapes and hurt others
+    (page 16: 64x8K 786 -> 725 us but 128x2K 365 -> 384, 1x4K 15.1 -> 16.0), so 64 stays."""
     cfg = decode_config(head_dim, dtype, device)
-    if cfg.block_n == 64:
+    if cfg.block_n == 64 and padded_head_dim(head_dim) <= 64:
         return DecodeConfig(128, cfg.num_warps, cfg.num_stages)
     return cfg

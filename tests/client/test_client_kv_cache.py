@@ -162,15 +162,17 @@ def test_decode_store_false_and_no_new_tokens(client):
 def test_fork_then_diverge(client):
     ctx = Context(["src", "fork-all", "fork-20"])
     with client.kv_cache(HKV, D, "float16") as cache:
-        k = make("torch", "float16", 150, HKV, D, seed=50)  # past one page (128 tokens)
-        v = make("torch", "float16", 150, HKV, D, seed=51)
-        assert cache.append("src", k, v) == [150]
+        # Past one page, whatever the server's page size (float16 keys and values).
+        n = client.info()["kv_page_bytes"] // (2 * HKV * D * 2) + 22
+        k = make("torch", "float16", n, HKV, D, seed=50)
+        v = make("torch", "float16", n, HKV, D, seed=51)
+        assert cache.append("src", k, v) == [n]
         info = cache.fork("src", "fork-all")
-        assert info["cache_id"] == "fork-all" and info["length"] == 150
+        assert info["cache_id"] == "fork-all" and info["length"] == n
         assert info["shared_pages"] >= 1
         assert cache.fork("src", "fork-20", length=20)["length"] == 20
         assert set(cache.ids) == {"src", "fork-all", "fork-20"}
-        ctx.add(["src", "fork-all"], torch.cat([k, k]), torch.cat([v, v]), [150, 150])
+        ctx.add(["src", "fork-all"], torch.cat([k, k]), torch.cat([v, v]), [n, n])
         ctx.add(["fork-20"], k[:20], v[:20], [20])
         ids = ["src", "fork-all", "fork-20"]
         for step in range(2):  # each fork gets different new tokens
@@ -180,7 +182,7 @@ def test_fork_then_diverge(client):
             out = cache.decode(q, ids, kn, vn)
             ctx.add(ids, kn, vn, [1, 1, 1])
             check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float16", q)
-        assert cache.lengths == {"src": 152, "fork-all": 152, "fork-20": 22}
+        assert cache.lengths == {"src": n + 2, "fork-all": n + 2, "fork-20": 22}
         assert cache.release() == 3
     assert client.list_caches() == []
 
