@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from attention_kernels._checks import check_decode_inputs, check_paged_inputs, output_buffer
-from attention_kernels._paging import block_pages, block_rows
+from attention_kernels._paging import block_pages, block_rows, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
     decode_config,
@@ -153,11 +153,7 @@ def _decode_split_kernel(
     kv_head = pid % num_kv_heads
     num_heads = num_kv_heads * group
 
-    if PAGED:
-        seqlen = tl.load(cu_k + seq)
-    else:
-        k_start = tl.load(cu_k + seq)
-        seqlen = tl.load(cu_k + seq + 1) - k_start
+    k_start, seqlen = seq_keys(cu_k, seq, PAGED)
     split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
     lo = tl.minimum(split * split_len, seqlen)
     hi = tl.minimum(lo + split_len, seqlen)
@@ -175,18 +171,10 @@ def _decode_split_kernel(
     if DOT_F32:
         q = q.to(tl.float32)
 
-    if PAGED:
-        table_row = Table + seq.to(tl.int64) * stride_tb
-        k_base = K + kv_head.to(tl.int64) * stride_kh
-        v_base = V + kv_head.to(tl.int64) * stride_vh
-        kv_offs_k = offs_d[None, :]  # rows are added per key block from the table
-        kv_offs_v = offs_d[None, :]
-    else:
-        table_row = Table  # unused
-        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
-        kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
-        kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+    table_row, k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
+        K, V, Table, seq, k_start, kv_head, offs_n, offs_d, stride_tb, stride_kt, stride_kh,
+        stride_vt, stride_vh, PAGED,
+    )
 
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)

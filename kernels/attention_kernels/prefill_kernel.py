@@ -35,7 +35,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attention_kernels._checks import check_paged_inputs, check_prefill_inputs, output_buffer
-from attention_kernels._paging import block_pages, block_rows
+from attention_kernels._paging import block_pages, block_rows, kv_bases, seq_keys
 from attention_kernels.configs import (
     PrefillConfig,
     _capability,
@@ -162,12 +162,7 @@ def _prefill_kernel(
     block = slot - (q_start // BLOCK_M + seq)
     if block * BLOCK_M >= seqlen_q:
         return  # one of the <= 2 spare slots of this sequence
-    if PAGED:
-        k_start = 0  # unused: keys are found through the table
-        seqlen_k = tl.load(cu_k + seq)
-    else:
-        k_start = tl.load(cu_k + seq)
-        seqlen_k = tl.load(cu_k + seq + 1) - k_start
+    k_start, seqlen_k = seq_keys(cu_k, seq, PAGED)
     kv_head = head // group
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -182,18 +177,10 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    if PAGED:
-        table_row = Table + seq.to(tl.int64) * stride_tb
-        k_base = K + kv_head.to(tl.int64) * stride_kh
-        v_base = V + kv_head.to(tl.int64) * stride_vh
-        kv_offs_k = offs_d[None, :]  # rows are added per key block from the table
-        kv_offs_v = offs_d[None, :]
-    else:
-        table_row = Table  # unused
-        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
-        kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
-        kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
+    table_row, k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
+        K, V, Table, seq, k_start, kv_head, offs_n, offs_d, stride_tb, stride_kt, stride_kh,
+        stride_vt, stride_vh, PAGED,
+    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
