@@ -57,8 +57,8 @@ def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tenso
     """A cached batch's block table as int32 ``[batch, max pages]`` (short rows padded with
     page 0, which the kernels never read past a sequence's length), written into ``out``."""
     rows = plan.block_table
-    width = max(1, max((len(r) for r in rows), default=0))
-    table = out if out is not None else torch.zeros((len(rows), width), dtype=torch.int32)
+    table = out if out is not None else torch.zeros((len(rows), plan.table_width),
+                                                    dtype=torch.int32)
     view = table.numpy()
     for i, r in enumerate(rows):
         view[i, : len(r)] = r

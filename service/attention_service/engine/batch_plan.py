@@ -104,6 +104,8 @@ class BatchPlan:
                 self.slot_pages += work.slot_pages
                 self.slot_offsets += work.slot_offsets
             self.max_seqlen_k = max(self.seq_lens, default=0)
+        # Block-table columns (at least one, so the table is never empty).
+        self.table_width = max(1, max((len(r) for r in self.block_table), default=0))
 
     @property
     def total_q(self) -> int:

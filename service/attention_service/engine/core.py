@@ -106,7 +106,8 @@ class EngineCore:
     ) -> Job:
         """Queue one request; ``done`` gets its stats or the exception that ended it, once.
         Raises RequestError (unknown region, bounds, queue full) without calling ``done``."""
-        held: list[Callable[[], None]] = []
+        held: list[Callable[[], None]] = []  # region releases
+        cache: CacheWork | None = None
         try:
             spans = {n: s for n, s in sources.items() if isinstance(s, RegionSpan)}
             placed = {n: s for n, s in sources.items() if not isinstance(s, RegionSpan)}
@@ -115,27 +116,27 @@ class EngineCore:
                 held.append(release)
                 placed.update(in_regions)
             tensors = {name: self._typed(params, name, at) for name, at in placed.items()}
-            cache: CacheWork | None = None
             if params.op.cached:  # last: from here on, its caches are reserved
                 cache = self.caches.begin(params, owner)
-                held.append(lambda: cache.finish(False))  # type: ignore[union-attr]
             job = Job(
                 params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
                 tensors.get("lse"), cache,
             )
 
             def finish(value: ExecStats | BaseException) -> None:
+                failed = isinstance(value, BaseException)
                 if cache is not None:  # before the caller hears: its next call sees the cache
-                    held.pop()
-                    lengths = cache.finish(not isinstance(value, BaseException))
-                    if not isinstance(value, BaseException):
-                        value = value._replace(cache_lengths=lengths)
+                    lengths = cache.finish(not failed)
+                    if not failed:
+                        value = value._replace(cache_lengths=lengths)  # type: ignore[union-attr]
                 for release in held:
                     release()
-                done(as_request_failure(value) if isinstance(value, BaseException) else value)
+                done(as_request_failure(value) if failed else value)  # type: ignore[arg-type]
 
             self.executor.submit(job, finish)
         except BaseException:
+            if cache is not None:
+                cache.finish(False)
             for release in held:
                 release()
             raise

@@ -63,8 +63,7 @@ class _PagedMeta:
     sent with two copies (int32 and int64 parts)."""
 
     def __init__(self, plan: BatchPlan, device: torch.device) -> None:
-        batch = len(plan.seq_lens)
-        width = max(1, max((len(r) for r in plan.block_table), default=0))
+        batch, width = len(plan.seq_lens), plan.table_width
         n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
         lens_at = batch * width
         q_at = -(-(lens_at + batch) // _ALIGN) * _ALIGN
@@ -141,18 +140,18 @@ def launch_on_stream(
         kv_row = (key.num_kv_heads, key.head_dim)
         k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
         v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
+        meta: _PagedMeta | None = None
+        cu_k = cu_q = None
         if plan.op.cached:
-            meta: _PagedMeta | None = _PagedMeta(plan, device)
-            cu_host, cu_k, cu_q = meta, None, meta.cu_q  # type: ignore[assignment]
+            meta = index = _PagedMeta(plan, device)
             store_new_tokens(plan, k, v, meta.slots)
         else:
-            meta = None
-            cu_host, cu_k, cu_q = _cu_seqlens(plan, device)
+            index, cu_k, cu_q = _cu_seqlens(plan, device)
         events[1].record()
         if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
             events[2].record()
             events[3].record()
-            return _CudaLaunch(events, keep=(q, k, v, cu_host, plan))
+            return _CudaLaunch(events, keep=(q, k, v, index, plan))
         lone = plan.jobs[0] if len(plan) == 1 else None
         # A lone job with device destinations gets the kernel's output written in place.
         out = lone.out if lone is not None and _on_device(lone.out, device) else None
@@ -196,4 +195,4 @@ def launch_on_stream(
             if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
                 job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
         events[3].record()
-    return _CudaLaunch(events, keep=(q, k, v, cu_host, cu_k, out, lse, plan))
+    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan))

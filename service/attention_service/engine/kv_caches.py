@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -116,6 +116,8 @@ class CacheRegistry:
         caches busy. Raises RequestError (nothing reserved) on any refusal."""
         pool = self._pool()
         ids = params.cache_ids
+        if not ids:  # validation names one cache per sequence, and a request has one or more
+            raise invalid("header.cache.cache_ids", "empty")
         new = lengths(params.cu_seqlens_k)
         name = "k" if params.op is Op.APPEND_KV else "q"
         with self._lock:
@@ -130,7 +132,7 @@ class CacheRegistry:
             need = [_pages_for(c.length + n, c.page_tokens) - len(c.pages)
                     for c, n in zip(caches, new, strict=True)]
             fresh = pool.alloc(sum(need), "header.k")
-            view = pool.view(caches[0].layout) if caches else None
+            view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
             table, seq_lens, slot_pages, slot_offsets = [], [], [], []
             at = 0
@@ -149,8 +151,6 @@ class CacheRegistry:
         def finish(ok: bool) -> tuple[int, ...]:
             return self._finish(caches, table, seq_lens, keep=ok and params.store)
 
-        if view is None:  # no sequences: validation forbids it, keep the types honest
-            raise invalid("header.cache.cache_ids", "empty")
         return CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
@@ -190,7 +190,7 @@ class CacheRegistry:
 
     def _create(self, req: pb.CreateCachesRequest, owner: str) -> pb.CreateCachesResponse:
         pool = self._pool()
-        ids = _check_ids(req.cache_ids, "cache_ids")
+        ids = check_cache_ids(req.cache_ids, "cache_ids")
         if not ids:
             raise invalid("cache_ids", "empty: name at least one cache")
         layout = _check_layout_msg(req, pool)
@@ -217,7 +217,7 @@ class CacheRegistry:
                     raise invalid("all", "set together with cache_ids: use one or the other")
                 caches = [c for c in self._caches.values() if c.owner == owner]
             else:
-                ids = _check_ids(req.cache_ids, "cache_ids")
+                ids = check_cache_ids(req.cache_ids, "cache_ids")
                 caches = [self._lookup(owner, cid, f"cache_ids[{i}]")
                           for i, cid in enumerate(ids)]
             for c in caches:
@@ -226,7 +226,7 @@ class CacheRegistry:
 
     def _fork(self, req: pb.ForkCacheRequest, owner: str) -> pb.CacheInfo:
         pool = self._pool()
-        (target,) = _check_ids([req.target_id], "target_id")
+        (target,) = check_cache_ids([req.target_id], "target_id")
         with self._lock:
             src = self._lookup(owner, req.source_id, "source_id")
             if src.busy:
@@ -348,10 +348,6 @@ class CacheRegistry:
                 self.expire()
             except Exception:  # never lose the sweeper
                 log.exception("kv cache expiry failed")
-
-
-def _check_ids(ids: Sequence[str], field_name: str) -> list[str]:
-    return list(check_cache_ids(ids, field_name))
 
 
 def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool) -> Layout:

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+from attention_service.engine.backends import TORCH_DTYPES
 from attention_service.errors import exhausted
 from attention_service.params import ELEMENT_BYTES
 
@@ -73,8 +74,6 @@ class KvPool:
         got = self._views.get(layout)
         if got is not None:
             return got
-        from attention_service.engine.backends import TORCH_DTYPES  # torch types, engine-only
-
         dtype = TORCH_DTYPES[layout.dtype]
         tokens = self.page_tokens(layout)
         if tokens < 1:

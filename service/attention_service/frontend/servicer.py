@@ -84,36 +84,6 @@ class AttentionServicer:
         log.info("rpc=GetServerInfo code=OK duration_ms=0 peer=%s", context.peer())
         return self._info
 
-    async def Prefill(
-        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve(Op.PREFILL, request_iterator, context):
-            yield msg
-
-    async def Decode(
-        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve(Op.DECODE, request_iterator, context):
-            yield msg
-
-    async def AppendKV(
-        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve(Op.APPEND_KV, request_iterator, context):
-            yield msg
-
-    async def CachePrefill(
-        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve(Op.CACHE_PREFILL, request_iterator, context):
-            yield msg
-
-    async def CacheDecode(
-        self, request_iterator: AsyncIterable[bytes], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        async for msg in self._serve(Op.CACHE_DECODE, request_iterator, context):
-            yield msg
-
     async def control_rpc(
         self, method: str, request: Any, context: grpc.aio.ServicerContext
     ) -> Any:
@@ -136,9 +106,11 @@ class AttentionServicer:
         line = f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
         log.info(line + (f" details={details!r}" if details else ""))
 
-    async def _serve(
+    async def serve(
         self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
+        """A compute rpc (every ``Op``: wire.add_to_server registers one handler per op):
+        receive, run on the engine, stream the outputs back, account the call."""
         call = _CallRecord(op.rpc, context)
         self.tracker.enter()
         self._metrics.inflight.inc()

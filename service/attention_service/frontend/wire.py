@@ -131,6 +131,15 @@ def _unary(method: str, behavior: Any) -> grpc.RpcMethodHandler:
     )
 
 
+def _compute(servicer: Any, op: Op) -> Any:
+    # An async generator function, as grpc.aio requires of a streaming handler.
+    async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for msg in servicer.serve(op, requests, context):
+            yield msg
+
+    return behavior
+
+
 def _control(servicer: Any, method: str) -> Any:
     async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await servicer.control_rpc(method, request, context)
@@ -143,7 +152,7 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     compute rpcs take raw request bytes and may yield pre-encoded response bytes."""
     handlers = {
         op.rpc: grpc.stream_stream_rpc_method_handler(
-            getattr(servicer, op.rpc), request_deserializer=None, response_serializer=_serialize
+            _compute(servicer, op), request_deserializer=None, response_serializer=_serialize
         )
         for op in Op
     }
