@@ -53,22 +53,21 @@ def seq_keys(lens, seq, PAGED: tl.constexpr):
 
 
 @triton.jit
-def kv_bases(K, V, Table, seq, k_start, kv_head, offs_n, offs_d, stride_tb, stride_kt,
-             stride_kh, stride_vt, stride_vh, PAGED: tl.constexpr):
-    """Where a program's keys and values start: (table row, K base, V base, K tile offsets,
-    V tile offsets). Contiguous: the bases point at the sequence's first key and the offsets
-    span a tile of keys. Paged: the bases point at the kv head only and the offsets span the
-    head dim; each key block adds its rows from the table row (``block_rows``)."""
+def kv_bases(K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt,
+             stride_vh, PAGED: tl.constexpr):
+    """Where a program's keys and values start: (K base, V base, K tile offsets, V tile
+    offsets). Contiguous: the bases point at the sequence's first key and the offsets span a
+    tile of keys. Paged: the bases point at the kv head only and the offsets span the head dim;
+    each key block adds its rows from the block table (``block_rows``). (The table row stays
+    with the caller: returning the contiguous path's None table would not compile.)"""
     if PAGED:
-        table_row = Table + seq.to(tl.int64) * stride_tb
         k_base = K + kv_head.to(tl.int64) * stride_kh
         v_base = V + kv_head.to(tl.int64) * stride_vh
         kv_offs_k = offs_d[None, :]
         kv_offs_v = offs_d[None, :]
     else:
-        table_row = Table  # unused
         k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
         v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
         kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
         kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
-    return table_row, k_base, v_base, kv_offs_k, kv_offs_v
+    return k_base, v_base, kv_offs_k, kv_offs_v

@@ -177,9 +177,11 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    table_row, k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
-        K, V, Table, seq, k_start, kv_head, offs_n, offs_d, stride_tb, stride_kt, stride_kh,
-        stride_vt, stride_vh, PAGED,
+    table_row = Table  # contiguous: None, never read
+    if PAGED:
+        table_row = Table + seq.to(tl.int64) * stride_tb
+    k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
+        K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
