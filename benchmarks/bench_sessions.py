@@ -5,7 +5,8 @@ cache, append the prompt once (AppendKV), then loop CacheDecode steps that carry
 q/k/v (stored). "resend" clients loop the stateless Decode with the whole K/V every step (what
 a client had to do before caches). Each point runs ``--warmup`` + ``--duration`` seconds with N
 clients spread over ``--workers`` load processes (one gRPC connection per client), against a
-server started here (``python -m attention_service``, batching on, and off for sessions).
+server started here (``python -m attention_service``, batching on, and off for sessions), or
+against ``--target``. Requests are packed as attention_client packs them (a step is one message).
 
 Reports per point: steps/s, p50/p99 step latency, wire bytes per step (serialized requests),
 the kernel's own time per step (RequestStats.kernel_seconds, CUDA events on a GPU) and the
@@ -42,15 +43,28 @@ from bench_service import Server, server_info  # noqa: E402
 ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 METHOD = "/attention.v1.AttentionService/"
 CHUNK = 1 << 20
+SIDES = {"on": ("sessions, batching on", "sessions", True),
+         "off": ("sessions, batching off", "sessions", False),
+         "resend": ("resend (Decode), batching on", "resend", True)}
 
 
 def _tensor_messages(cls: Any, header: Any, tensors: list[tuple[int, bytes]]) -> list[bytes]:
-    """Serialized request messages: the header, then <= 1 MiB chunks of each tensor."""
-    msgs = [cls(header=header).SerializeToString()]
+    """Serialized request messages as attention_client packs them: the header and the first
+    bytes in one message, <= 1 MiB of tensor bytes per message, small tensors sharing one (a
+    decode step is a single message)."""
+    msgs: list[bytes] = []
+    current, room = cls(header=header), CHUNK
     for field, data in tensors:
-        for off in range(0, len(data), CHUNK):
-            chunk = pb.TensorChunk(field=field, offset=off, data=data[off : off + CHUNK])
-            msgs.append(cls(chunks=[chunk]).SerializeToString())
+        off = 0
+        while off < len(data):
+            if room == 0:
+                msgs.append(current.SerializeToString())
+                current, room = cls(), CHUNK
+            take = min(room, len(data) - off)
+            current.chunks.append(pb.TensorChunk(field=field, offset=off,
+                                                 data=data[off : off + take]))
+            off, room = off + take, room - take
+    msgs.append(current.SerializeToString())
     return msgs
 
 
@@ -208,6 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
     p.add_argument("--frontends", type=int, help="passed to the servers (default: theirs)")
+    p.add_argument("--sides", default="on,off,resend",
+                   help="which sides to run: on/off = sessions with batching on/off, resend")
+    p.add_argument("--target", help="drive this running server instead of starting one per "
+                   "side (its batching setting is whatever it was started with)")
     p.add_argument("--out", default="benchmarks/results")
     # What bench_service.Server reads from the namespace.
     p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
@@ -219,16 +237,17 @@ def main(argv: list[str] | None = None) -> int:
     s = Shapes(args)
     rows: list[dict[str, Any]] = []
     info = None
-    for label, mode, batching in (("sessions, batching on", "sessions", True),
-                                  ("sessions, batching off", "sessions", False),
-                                  ("resend (Decode), batching on", "resend", True)):
-        server = Server(args, batching, out_dir / f"bench_sessions_server_{mode}_{batching}.log")
+    sides = [SIDES[x] for x in args.sides.split(",")]
+    for label, mode, batching in sides:
+        server = None if args.target else Server(
+            args, batching, out_dir / f"bench_sessions_server_{mode}_{batching}.log")
+        target = args.target or server.target
         try:
-            info = server_info(server.target)
+            info = server_info(target)
             print(f"{label}: {info.device} ({info.backend}), pool {info.kv_cache_bytes >> 20} MiB",
                   flush=True)
             for n in counts:
-                row = run_point(server.target, args, mode, n)
+                row = run_point(target, args, mode, n)
                 row.update(side=label, batching=batching)
                 rows.append(row)
                 print(f"  {n:3d} clients: {row['steps_per_s']:9.1f} steps/s  p50 "
@@ -236,18 +255,22 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_f(row['kernel_p50_ms'], 3)} ms  batch {_f(row['mean_batch'])}  "
                       f"{row['wire_bytes_per_step']} B/step  errors {row['errors']}", flush=True)
         finally:
-            server.stop()
+            if server is not None:
+                server.stop()
     by = {(r["side"], r["clients"]): r for r in rows}
-    ratios = {}
+    ratios: dict[str, float] = {}
     top = max(counts)
-    on, off = by[("sessions, batching on", top)], by[("sessions, batching off", top)]
-    resend = by[("resend (Decode), batching on", top)]
-    ratios[f"sessions/resend steps/s at {top} clients"] = on["steps_per_s"] / max(
-        resend["steps_per_s"], 1e-9)
-    ratios[f"sessions batching on/off steps/s at {top} clients"] = on["steps_per_s"] / max(
-        off["steps_per_s"], 1e-9)
-    ratios[f"sessions batching on/off p99 at {top} clients"] = on["p99_ms"] / max(
-        off["p99_ms"], 1e-9)
+    on = by.get(("sessions, batching on", top))
+    off = by.get(("sessions, batching off", top))
+    resend = by.get(("resend (Decode), batching on", top))
+    if on and resend:
+        ratios[f"sessions/resend steps/s at {top} clients"] = on["steps_per_s"] / max(
+            resend["steps_per_s"], 1e-9)
+    if on and off:
+        ratios[f"sessions batching on/off steps/s at {top} clients"] = on["steps_per_s"] / max(
+            off["steps_per_s"], 1e-9)
+        ratios[f"sessions batching on/off p99 at {top} clients"] = on["p99_ms"] / max(
+            off["p99_ms"], 1e-9)
     one = by.get(("sessions, batching on", 1))
     if one is not None:
         ratios["p50 overhead over kernel at 1 client (ms)"] = one["overhead_p50_ms"]

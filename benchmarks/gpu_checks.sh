@@ -17,6 +17,8 @@
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
 #   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
 #              profiles (carry the py-spy wheel in .whl) of a process group under shm load
+#   profile-sessions  the same for KV-cache decode steps (bench_sessions.py load, 1 and 64
+#              clients, the default front-end count)
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients)
@@ -105,6 +107,10 @@ for s in "$@"; do
                --batching on
              stage profile-off 150 python3 benchmarks/profile_group.py --out "$OUT" \
                --batching off ;;
+    profile-sessions) stage profile-sessions-1 150 python3 benchmarks/profile_group.py \
+               --out "$OUT" --load sessions --clients 1 --frontends 0
+             stage profile-sessions-64 150 python3 benchmarks/profile_group.py --out "$OUT" \
+               --load sessions --clients 64 --frontends 0 ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \

@@ -3,6 +3,10 @@ workers) and py-spy profiles (GIL holders) of the engine and one front end, whil
 bench_service.py drives it. Diagnostic, not a benchmark of record.
 
     python benchmarks/profile_group.py --out DIR [--path shm] [--frontends 8] [--batching on]
+    python benchmarks/profile_group.py --out DIR --load sessions --clients 64   # KV-cache steps
+
+Each py-spy profile is also summarised (``pyspy_summary.py``: top functions by own and by
+inclusive samples) beside the raw file.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import _children, _free_port, _healthy  # noqa: E402
+from pyspy_summary import summarise  # noqa: E402
 
 
 def _cpu(pid: int) -> float:
@@ -41,26 +46,37 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--path", default="shm")
-    p.add_argument("--frontends", type=int, default=8)
+    p.add_argument("--frontends", type=int, default=8, help="0 = the server's auto count")
     p.add_argument("--batching", default="on")
+    p.add_argument("--device", default="auto")
     p.add_argument("--clients", type=int, default=64)
     p.add_argument("--seconds", type=float, default=12.0)
+    p.add_argument("--load", default="service", choices=["service", "sessions"],
+                   help="bench_service.py requests, or bench_sessions.py decode steps")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     port, mport = _free_port(), _free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(mport), "--frontends", str(args.frontends), "--log-level",
-         "WARNING", "--batching" if args.batching == "on" else "--no-batching"], cwd=ROOT)
+         "--metrics-port", str(mport), "--device", args.device, "--frontends",
+         str(args.frontends), "--log-level", "WARNING",
+         "--batching" if args.batching == "on" else "--no-batching"], cwd=ROOT)
     target = f"127.0.0.1:{port}"
     while not _healthy(target):
         time.sleep(0.5)
+    if args.load == "sessions":
+        cmd = ["bench_sessions.py", "--target", target, "--sides", "on", "--warmup", "3",
+               "--clients", str(args.clients), "--duration", str(args.seconds)]
+    else:
+        cmd = ["bench_service.py", "--target", target, "--metrics-url",
+               f"http://127.0.0.1:{mport}/metrics", "--clients", str(args.clients), "--duration",
+               str(args.seconds), "--warmup", "3", "--prime", "3", "--verify", "0", "--path",
+               args.path]
+    tag = f"{args.load}_{args.clients}_{args.batching}"
     load = subprocess.Popen(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--target", target,
-         "--metrics-url", f"http://127.0.0.1:{mport}/metrics", "--clients", str(args.clients),
-         "--duration", str(args.seconds), "--warmup", "3", "--prime", "3", "--verify", "0",
-         "--path", args.path, "--out", "/tmp/profile_load"], cwd=ROOT,
-        stdout=open(args.out / f"profile_load_{args.batching}.log", "w"),  # noqa: SIM115
+        [sys.executable, str(ROOT / "benchmarks" / cmd[0]), *cmd[1:], "--out",
+         "/tmp/profile_load"], cwd=ROOT,
+        stdout=open(args.out / f"profile_load_{tag}.log", "w"),  # noqa: SIM115
         stderr=subprocess.STDOUT)
     time.sleep(9.0)  # workers up, priming done, measuring
     pids = [server.pid, *_children(server.pid)]
@@ -70,10 +86,12 @@ def main() -> int:
         (p for p in ("/tmp/site/bin/py-spy",) if os.path.exists(p)), None)
     profs = []
     if spy:
-        for pid, tag in ((server.pid, "engine"), (pids[1], "frontend")):
+        for pid, who in ((server.pid, "engine"), (pids[1] if len(pids) > 1 else None, "frontend")):
+            if pid is None:
+                continue
             profs.append(subprocess.Popen(
                 [spy, "record", "-p", str(pid), "-d", "6", "-r", "250", "--gil", "-f", "raw",
-                 "-o", str(args.out / f"pyspy_{tag}_{args.batching}.txt"), "--nonblocking"],
+                 "-o", str(args.out / f"pyspy_{who}_{tag}.txt"), "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     t0 = time.time()
     time.sleep(6.0)
@@ -81,15 +99,17 @@ def main() -> int:
     dt = time.time() - t0
     for pr in profs:
         pr.wait(60)
+    for raw in sorted(args.out.glob(f"pyspy_*_{tag}.txt")):
+        (raw.parent / f"{raw.stem}_summary.txt").write_text(summarise(raw.read_text()))
     load.wait(120)
-    lines = [f"batching {args.batching}, path {args.path}, {args.frontends} front ends, "
-             f"{args.clients} clients; CPU over {dt:.1f} s (cores):"]
+    lines = [f"{args.load} load, batching {args.batching}, path {args.path}, "
+             f"{args.frontends} front ends, {args.clients} clients; CPU over {dt:.1f} s (cores):"]
     for pid in pids + workers:
         lines.append(f"  {100 * (c1[pid] - c0[pid]) / dt:6.0f}%  {pid}  {_name(pid)}")
     text = "\n".join(lines)
     print(text)
-    (args.out / f"profile_cpu_{args.batching}.txt").write_text(text + "\n")
-    print((args.out / f"profile_load_{args.batching}.log").read_text()[-600:])
+    (args.out / f"profile_cpu_{tag}.txt").write_text(text + "\n")
+    print((args.out / f"profile_load_{tag}.log").read_text()[-600:])
     server.terminate()
     server.wait(60)
     return 0
