@@ -80,6 +80,9 @@ class ServerConfig:
     kv_cache_ttl: float = 600.0
     # Caches one caller (token) may hold at once.
     max_caches: int = 1 << 20
+    # CacheDecode launches replay CUDA graphs captured per shape bucket (engine/decode_steps.py);
+    # off runs the same staged launch eagerly. Ignored on cpu.
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -173,6 +176,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
     "kv_cache_ttl": ("--kv-cache-ttl", "ATTENTION_KV_CACHE_TTL", float),
     "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
+    "cuda_graphs": ("--cuda-graphs", "ATTENTION_CUDA_GRAPHS", _bool_env),
 }
 
 

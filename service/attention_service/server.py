@@ -66,7 +66,7 @@ async def create_server(
     its gRPC port. ``config.port == 0`` binds an ephemeral port; ``server.metrics_port`` is the
     bound metrics port. ``backend`` overrides the one ``config.device`` selects (tests inject
     fakes)."""
-    backend = backend or make_backend(config.device)
+    backend = backend or make_backend(config.device, config.cuda_graphs)
     metrics = Metrics()
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,

@@ -193,14 +193,16 @@ class CudaBackend:
     max_inflight = 2  # one batch computing while the next one's copies go in
     warmup_dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
-    def __init__(self) -> None:
+    def __init__(self, cuda_graphs: bool = True) -> None:
         import attention_kernels  # the Triton modules load lazily, only on this backend
+        from attention_service.engine.decode_steps import DecodeSteps
 
         self._kernels = attention_kernels
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(self.max_inflight)]
         self._next_stream = 0
+        self.steps = DecodeSteps(attention_kernels, self.device, self.streams, cuda_graphs)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         # torch's caching host allocator: repeat sizes reuse pinned blocks (no page faults).
@@ -221,12 +223,15 @@ class CudaBackend:
         from one thread only (the executor's dispatcher); round-robin streams let consecutive
         batches overlap, and a reused stream simply orders its batches."""
         from attention_service.engine.cuda_launch import launch_on_stream
+        from attention_service.engine.decode_steps import eligible
 
         if cancel.is_set():
             raise Cancelled()
-        stream = self.streams[self._next_stream]
-        self._next_stream = (self._next_stream + 1) % len(self.streams)
-        return launch_on_stream(self._kernels, plan, self.device, stream)
+        index = self._next_stream
+        self._next_stream = (index + 1) % len(self.streams)
+        if eligible(plan):
+            return self.steps.launch(plan, index)
+        return launch_on_stream(self._kernels, plan, self.device, self.streams[index])
 
 
 def resolve_device(device: str) -> str:
@@ -237,5 +242,5 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def make_backend(device: str) -> Backend:
-    return CudaBackend() if resolve_device(device) == "cuda" else CpuBackend()
+def make_backend(device: str, cuda_graphs: bool = True) -> Backend:
+    return CudaBackend(cuda_graphs) if resolve_device(device) == "cuda" else CpuBackend()

@@ -164,7 +164,7 @@ class Group:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self._post("signal", signum))
         cfg = self.config
-        backend = make_backend(cfg.device)
+        backend = make_backend(cfg.device, cfg.cuda_graphs)
         metrics = Metrics(multiprocess=True)
         self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count)
         held, self.port = reserve_port(cfg.host, cfg.port)

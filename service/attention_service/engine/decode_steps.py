@@ -1,0 +1,294 @@
+"""Cached decode steps on the GPU: one copy in, one CUDA-graph replay, one copy out.
+
+A ``CacheDecode`` launch is tiny on the GPU (64 steps over 4K-token caches: ~0.1 ms) and was
+expensive on the host: the general path (cuda_launch.py) packs q/k/v with one device copy per
+job and tensor, builds the block table and slots in two more pinned buffers, scatters the new
+tokens with two indexing kernels and launches the Triton kernel through its Python wrapper;
+profiled on an H100 at 64 clients, that was ~0.55 ms of engine time per launch and the engine
+(one process, one GIL) capped the server near 1,300 steps/s.
+
+Here a launch's inputs are packed on the host into one pinned staging buffer (a ``torch.cat``
+per tensor, numpy for the int tables), copied up in one H2D copy into a device buffer of the
+same layout, and a CUDA graph captured once per shape bucket replays the scatter of the new
+tokens into their pool slots and the split-K paged decode kernel. Outputs come back in one D2H
+copy (straight into the job's destination when the launch has one job).
+
+Shapes are bucketed so a few graphs serve every step: the batch to the power of two above it
+(padding rows have length 0: zeros out, never read), the block-table width likewise (entries
+past a sequence's length are never read). Padding slots repeat the first new token's slot and
+value, so their writes are identical duplicates. Graphs are captured lazily on first use, one
+set per launch stream (replays on two streams must not share buffers), each set sharing one
+memory pool (its graphs replay in stream order). ``--no-cuda-graphs`` keeps this staging but
+runs the same device work eagerly.
+
+Only ``CacheDecode`` launches whose tensors are in host memory and whose shape fits
+(``MAX_BATCH`` sequences, ``MAX_TABLE_WIDTH`` pages) come here; everything else takes the
+general path.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from attention_service.engine.backends import TORCH_DTYPES
+from attention_service.engine.batch_plan import BatchKey, BatchPlan
+from attention_service.engine.jobs import LaunchTimes, PendingLaunch
+from attention_service.params import Op
+
+MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
+MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
+_ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
+
+
+def bucket(n: int) -> int:
+    """The power of two at or above ``n`` (at least 1)."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+def eligible(plan: BatchPlan) -> bool:
+    """A CacheDecode launch with keys, host tensors and a shape within this path's limits."""
+    if plan.op is not Op.CACHE_DECODE or plan.max_seqlen_k == 0:
+        return False
+    if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
+        return False
+    return all(j.q.device.type == "cpu" and j.out.device.type == "cpu" for j in plan.jobs)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """A graph's shape bucket: everything its captured work depends on."""
+
+    key: BatchKey
+    batch: int  # bucketed sequences
+    width: int  # bucketed block-table columns
+    store: bool  # the steps carry new tokens to write first
+
+    @staticmethod
+    def of(plan: BatchPlan) -> StepShape:
+        return StepShape(plan.key, bucket(len(plan.seq_lens)), bucket(plan.table_width),
+                         bool(plan.slot_pages))
+
+    def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        k = self.key
+        dtype = TORCH_DTYPES[k.dtype]
+        return [
+            ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
+            ("k", dtype, (self.batch, k.num_kv_heads, k.head_dim)),
+            ("v", dtype, (self.batch, k.num_kv_heads, k.head_dim)),
+            ("slots", torch.int64, (2, self.batch)),
+            ("lens", torch.int32, (self.batch,)),
+            ("table", torch.int32, (self.batch, self.width)),
+        ]
+
+
+def _carve(u8: torch.Tensor, shape: StepShape) -> dict[str, torch.Tensor]:
+    """Typed views of ``u8`` at ``shape``'s field offsets (the same layout on host and device,
+    so one copy moves them all)."""
+    views, at = {}, 0
+    for name, dtype, dims in shape.fields():
+        n = int(np.prod(dims)) * dtype.itemsize
+        views[name] = u8[at : at + n].view(dtype).view(dims)
+        at = -(-(at + n) // _ALIGN) * _ALIGN
+    return views
+
+
+def layout_bytes(shape: StepShape) -> int:
+    at = 0
+    for _, dtype, dims in shape.fields():
+        at = -(-(at + int(np.prod(dims)) * dtype.itemsize) // _ALIGN) * _ALIGN
+    return at
+
+
+class Staging:
+    """One launch's pinned host buffers: the packed inputs and, for batches, the outputs."""
+
+    def __init__(self, shape: StepShape, pin: bool = True) -> None:
+        k = shape.key
+        self.u8 = torch.empty(layout_bytes(shape), dtype=torch.uint8, pin_memory=pin)
+        self.views = _carve(self.u8, shape)
+        self.lens = self.views["lens"].numpy()
+        self.table = self.views["table"].numpy()
+        self.slots = self.views["slots"].numpy()
+        self.out = torch.empty((shape.batch, k.num_heads, k.head_dim),
+                               dtype=TORCH_DTYPES[k.dtype], pin_memory=pin)
+        self.lse = torch.empty((shape.batch, k.num_heads), dtype=torch.float32, pin_memory=pin)
+
+    def fill(self, plan: BatchPlan, shape: StepShape) -> None:
+        v = self.views
+        jobs = plan.jobs
+        b = len(plan.seq_lens)
+        _pack([j.q for j in jobs], v["q"], b)
+        n = len(plan.slot_pages)
+        if shape.store:
+            _pack([j.k for j in jobs if j.k.shape[0]], v["k"], n)
+            _pack([j.v for j in jobs if j.v.shape[0]], v["v"], n)
+            if n < shape.batch:  # duplicates of the first write: harmless
+                v["k"][n:] = v["k"][0]
+                v["v"][n:] = v["v"][0]
+            self.slots[0, :n] = plan.slot_pages
+            self.slots[1, :n] = plan.slot_offsets
+            self.slots[0, n:] = plan.slot_pages[0]
+            self.slots[1, n:] = plan.slot_offsets[0]
+        self.lens[:b] = plan.seq_lens
+        self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
+        for i, row in enumerate(plan.block_table):
+            self.table[i, : len(row)] = row  # columns past a sequence's length: never read
+
+
+def _pack(parts: list[torch.Tensor], dst: torch.Tensor, rows: int) -> None:
+    if len(parts) == 1:
+        dst[:rows].copy_(parts[0])
+    elif parts:
+        torch.cat(parts, out=dst[:rows])
+
+
+class _StepGraph:
+    """The device side of one shape bucket on one stream: the input/output buffers, the
+    captured graph (or the eager work), and a free list of host staging sets."""
+
+    def __init__(self, kernels: ModuleType, shape: StepShape, k_pages: torch.Tensor,
+                 v_pages: torch.Tensor, device: torch.device) -> None:
+        self.kernels, self.shape = kernels, shape
+        self.k_pages, self.v_pages = k_pages, v_pages
+        key = shape.key
+        self.dev_u8 = torch.zeros(layout_bytes(shape), dtype=torch.uint8, device=device)
+        self.dev = _carve(self.dev_u8, shape)
+        self.out = torch.empty((shape.batch, key.num_heads, key.head_dim),
+                               dtype=TORCH_DTYPES[key.dtype], device=device)
+        self.lse = torch.empty((shape.batch, key.num_heads), dtype=torch.float32, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._free: deque[Staging] = deque()  # popped by the dispatcher, pushed by the completer
+
+    def run_eager(self, store: bool = True) -> None:
+        d, shape = self.dev, self.shape
+        if store and shape.store:
+            slots = (d["slots"][0], d["slots"][1])
+            self.k_pages.index_put_(slots, d["k"])
+            self.v_pages.index_put_(slots, d["v"])
+        key = shape.key
+        self.kernels.paged_decode(
+            d["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
+            max_seqlen_k=shape.width * self.k_pages.shape[1], softmax_scale=key.softmax_scale,
+            num_splits=key.num_splits, return_lse=True, out=self.out, lse_out=self.lse,
+        )
+
+    def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        # A first eager run compiles whatever Triton variant this shape needs (a capture
+        # cannot). Its inputs are zeros: every length is 0, so nothing is read; the store is
+        # left out, since slot (0, 0) may hold a live cache's key.
+        with torch.cuda.stream(stream):
+            self.run_eager(store=False)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: the completer thread synchronizes on events meanwhile, which a global
+        # capture would refuse.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            self.run_eager()
+        self.graph = graph
+
+    def staging(self) -> Staging:
+        try:
+            return self._free.pop()
+        except IndexError:
+            return Staging(self.shape)
+
+    def give_back(self, staging: Staging) -> None:
+        self._free.append(staging)
+
+
+class _StepLaunch:
+    """An issued step launch: waits, scatters a batch's outputs from the pinned staging into
+    each job's destination, and returns the staging to its graph."""
+
+    def __init__(self, events: list[torch.cuda.Event], plan: BatchPlan, graph: _StepGraph,
+                 staging: Staging, scatter: bool) -> None:
+        self._events, self._plan, self._graph = events, plan, graph
+        self._staging, self._scatter = staging, scatter
+
+    def wait(self) -> LaunchTimes:
+        e = self._events
+        e[3].synchronize()  # releases the GIL while the GPU finishes
+        plan, s = self._plan, self._staging
+        try:
+            if self._scatter:
+                for i, job in enumerate(plan.jobs):
+                    r0, r1 = plan.rows(i)
+                    job.out.copy_(s.out[r0:r1])
+                    if job.lse is not None:
+                        job.lse.copy_(plan.op.lse_rows(s.lse, r0, r1))
+        finally:
+            self._graph.give_back(s)
+        return LaunchTimes(
+            h2d_seconds=e[0].elapsed_time(e[1]) / 1e3,
+            kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
+            d2h_seconds=e[2].elapsed_time(e[3]) / 1e3,
+        )
+
+
+class DecodeSteps:
+    """Step graphs per (shape bucket, stream), captured on first use; see the module doc."""
+
+    def __init__(self, kernels: ModuleType, device: torch.device, streams: list[torch.cuda.Stream],
+                 graphs: bool = True) -> None:
+        self.kernels, self.device, self.streams = kernels, device, streams
+        self.use_graphs = graphs
+        # One memory pool per stream: a stream's graphs replay one after another, so their
+        # temporaries may share memory; graphs of two streams may run at once, so they don't.
+        self._pools = [torch.cuda.graph_pool_handle() for _ in streams] if graphs else []
+        self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
+
+    @property
+    def captured(self) -> int:
+        return sum(g.graph is not None for g in self._graphs.values())
+
+    def _graph(self, shape: StepShape, stream_index: int, k_pages: torch.Tensor,
+               v_pages: torch.Tensor) -> _StepGraph:
+        gkey = (shape, stream_index, k_pages.data_ptr())
+        got = self._graphs.get(gkey)
+        if got is None:
+            got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device)
+            if self.use_graphs:
+                got.capture(self._pools[stream_index], self.streams[stream_index])
+            self._graphs[gkey] = got
+        return got
+
+    def launch(self, plan: BatchPlan, stream_index: int) -> PendingLaunch:
+        """Issue ``plan`` (``eligible``) on stream ``stream_index``; don't wait."""
+        work = plan.jobs[0].cache
+        assert work is not None
+        shape = StepShape.of(plan)
+        graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
+        staging = graph.staging()
+        try:
+            staging.fill(plan, shape)
+        except BaseException:
+            graph.give_back(staging)
+            raise
+        stream = self.streams[stream_index]
+        b = len(plan.seq_lens)
+        lone = plan.jobs[0] if len(plan) == 1 else None
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+            events[0].record()
+            graph.dev_u8.copy_(staging.u8, non_blocking=True)
+            events[1].record()
+            if graph.graph is not None:
+                graph.graph.replay()
+            else:
+                graph.run_eager()
+            events[2].record()
+            if lone is not None:  # straight into the destination (pinned arena memory)
+                lone.out.copy_(graph.out[:b], non_blocking=True)
+                if lone.lse is not None:
+                    lone.lse.copy_(plan.op.lse_rows(graph.lse, 0, b), non_blocking=True)
+            else:
+                staging.out[:b].copy_(graph.out[:b], non_blocking=True)
+                if plan.return_lse:
+                    staging.lse[:b].copy_(graph.lse[:b], non_blocking=True)
+            events[3].record()
+        return _StepLaunch(events, plan, graph, staging, scatter=lone is None)

@@ -1,0 +1,141 @@
+"""The staged CacheDecode launch on the GPU (engine/decode_steps.py), CUDA graphs on and off,
+against the float64 paged reference: padded batches, steps with and without new tokens, a
+graph replayed with new data, and nothing in the pool written but the new tokens' slots."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import attention_kernels
+from attention_kernels.paged_reference import paged_decode_ref
+from attention_service.engine.backends import WIRE_DTYPES
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.decode_steps import DecodeSteps, eligible
+from attention_service.engine.jobs import CacheWork, Job
+from attention_service.params import Op, make_params
+
+pytestmark = [
+    pytest.mark.timeout(300),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+TOL = {torch.bfloat16: 1.6e-2, torch.float16: 2e-3, torch.float32: 2e-3}  # fp32 dots: TF32
+PAGE_TOKENS = 16
+
+
+class Pool:
+    def __init__(self, pages: int, kv_heads: int, dim: int, dtype: torch.dtype) -> None:
+        g = torch.Generator(device="cuda").manual_seed(pages)
+        shape = (pages, PAGE_TOKENS, kv_heads, dim)
+        self.k = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+        self.v = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+        self.next = 1  # page 0 is left to padding and stale slots: never handed out here
+
+    def take(self, n: int) -> list[int]:
+        pages = list(range(self.next, self.next + n))
+        self.next += n
+        return pages
+
+
+def _job(pool: Pool, seq_lens: list[int], new: bool, heads: int, seed: int,
+         lse: bool = True) -> Job:
+    """A step over fresh caches of ``seq_lens`` keys (the new token included when ``new``)."""
+    g = torch.Generator().manual_seed(seed)
+    b, kv_heads, dim, dtype = len(seq_lens), pool.k.shape[2], pool.k.shape[3], pool.k.dtype
+    q = torch.randn(b, heads, dim, generator=g).to(dtype)
+    rows = b if new else 0
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    cu = list(range(b + 1)) if new else [0] * (b + 1)
+    params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[dtype], tuple(q.shape), tuple(k.shape), cu,
+                         return_lse=lse)
+    table, slot_pages, slot_offsets = [], [], []
+    for n in seq_lens:
+        pages = pool.take(math.ceil(n / PAGE_TOKENS))
+        table.append(pages)
+        if new:
+            slot_pages.append(pages[(n - 1) // PAGE_TOKENS])
+            slot_offsets.append((n - 1) % PAGE_TOKENS)
+    out = torch.full_like(q, float("nan")).pin_memory()  # poisoned destinations
+    lse_t = torch.full((b, heads), float("nan")).pin_memory() if lse else None
+    job = Job(params, q, k, v, out, lse_t)
+    job.cache = CacheWork(k_pages=pool.k, v_pages=pool.v, block_table=table, seq_lens=seq_lens,
+                          slot_pages=slot_pages, slot_offsets=slot_offsets, flops=0, kv_bytes=0,
+                          finish=lambda ok: ())
+    return job
+
+
+def _expected(pool_k: torch.Tensor, pool_v: torch.Tensor, jobs: list[Job]) -> None:
+    """Write every job's new tokens into copies of the pool, as the launch must."""
+    for job in jobs:
+        work = job.cache
+        assert work is not None
+        for i, (p, o) in enumerate(zip(work.slot_pages, work.slot_offsets, strict=True)):
+            pool_k[p, o] = job.k[i].cuda()
+            pool_v[p, o] = job.v[i].cuda()
+
+
+def _check(jobs: list[Job], pool_k: torch.Tensor, pool_v: torch.Tensor, heads: int) -> None:
+    for job in jobs:
+        work = job.cache
+        assert work is not None
+        width = max(len(r) for r in work.block_table)
+        table = torch.tensor([r + [0] * (width - len(r)) for r in work.block_table],
+                             dtype=torch.int32, device="cuda")
+        lens = torch.tensor(work.seq_lens, dtype=torch.int32, device="cuda")
+        ref, ref_lse = paged_decode_ref(job.q.cuda(), pool_k, pool_v, table, lens,
+                                        return_lse=True)
+        tol = TOL[job.q.dtype]
+        assert not job.out.isnan().any()
+        torch.testing.assert_close(job.out.double(), ref.double().cpu(), atol=tol, rtol=tol)
+        if job.lse is not None:
+            torch.testing.assert_close(job.lse.double(), ref_lse.double().cpu(), atol=2e-2,
+                                       rtol=2e-3)
+
+
+@pytest.fixture(params=[True, False], ids=["graphs", "eager"])
+def steps(request: pytest.FixtureRequest) -> DecodeSteps:
+    streams = [torch.cuda.Stream() for _ in range(2)]
+    return DecodeSteps(attention_kernels, torch.device("cuda", torch.cuda.current_device()),
+                       streams, graphs=request.param)
+
+
+@pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim"), [
+    (torch.bfloat16, 32, 8, 128), (torch.float16, 12, 4, 96), (torch.float32, 8, 8, 64),
+])
+def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads: int,
+                                   kv_heads: int, dim: int) -> None:
+    pool = Pool(256, kv_heads, dim, dtype)
+    before_k, before_v = pool.k.clone(), pool.v.clone()
+    # Three launches: one lone step, a padded batch of three jobs (5 sequences -> bucket 8,
+    # one job without new tokens), and a batch whose widths need a wider table bucket.
+    launches = [
+        [_job(pool, [33], True, heads, 1)],
+        [_job(pool, [1, 17], True, heads, 2), _job(pool, [16], False, heads, 3),
+         _job(pool, [100, 5], True, heads, 4, lse=False)],
+        [_job(pool, [300], True, heads, 5), _job(pool, [2], True, heads, 6)],
+    ]
+    for i, jobs in enumerate(launches):
+        plan = BatchPlan(jobs)
+        assert eligible(plan)
+        steps.launch(plan, i % 2).wait()
+        _expected(before_k, before_v, jobs)
+        _check(jobs, before_k, before_v, heads)
+    # Nothing else in the pool changed: padding slots repeat real writes, never page 0 or
+    # another cache's keys.
+    torch.testing.assert_close(pool.k, before_k, rtol=0, atol=0)
+    torch.testing.assert_close(pool.v, before_v, rtol=0, atol=0)
+
+
+def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
+    pool = Pool(128, 2, 64, torch.bfloat16)
+    expect_k, expect_v = pool.k.clone(), pool.v.clone()
+    for seed in range(4):  # same shape bucket every time: one graph per stream
+        jobs = [_job(pool, [20 + seed, 7], True, 8, 10 + seed)]
+        steps.launch(BatchPlan(jobs), seed % 2).wait()
+        _expected(expect_k, expect_v, jobs)
+        _check(jobs, expect_k, expect_v, 8)
+    assert steps.captured == (2 if steps.use_graphs else 0)
