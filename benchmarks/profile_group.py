@@ -63,6 +63,9 @@ def main() -> int:
          "--batching" if args.batching == "on" else "--no-batching"], cwd=ROOT)
     target = f"127.0.0.1:{port}"
     while not _healthy(target):
+        if server.poll() is not None:
+            print(f"server exited ({server.returncode}) before SERVING")
+            return 1
         time.sleep(0.5)
     if args.load == "sessions":
         cmd = ["bench_sessions.py", "--target", target, "--sides", "on", "--warmup", "3",

@@ -69,7 +69,7 @@ def test_staging_packs_a_batch_and_pads_it_harmlessly() -> None:
     c = _step([4], new=False, seed=3, pages_from=20)  # no new token: no slot
     plan = BatchPlan([a, b, c])
     shape = StepShape.of(plan)
-    assert (shape.batch, shape.width, shape.store) == (4, 4, True)
+    assert (shape.batch, shape.width, shape.new_rows) == (4, 4, 4)
     staging = Staging(shape, pin=False)
     assert staging.u8.numel() == layout_bytes(shape)
     for view in staging.views.values():
@@ -95,11 +95,28 @@ def test_staging_packs_a_batch_and_pads_it_harmlessly() -> None:
 def test_padding_rows_have_no_keys() -> None:
     plan = BatchPlan([_step([7, 2, 30], new=False, seed=4)])
     shape = StepShape.of(plan)
-    assert (shape.batch, shape.width, shape.store) == (4, 8, False)
+    assert (shape.batch, shape.width, shape.new_rows) == (4, 8, 0)
     staging = Staging(shape, pin=False)
     staging.lens[:] = 99
     staging.fill(plan, shape)
     assert staging.lens.tolist() == [7, 2, 30, 0]
+
+
+def test_more_new_tokens_than_sequences_get_their_own_bucket() -> None:
+    job = _step([6], new=True, seed=7)
+    # Three new tokens for the one sequence (cu_seqlens_k [0, 3]).
+    job.k, job.v = torch.randn(3, HKV, D), torch.randn(3, HKV, D)
+    job.params = make_params(Op.CACHE_DECODE, job.params.dtype, (1, H, D), (3, HKV, D), [0, 3])
+    work = job.cache
+    assert work is not None
+    work.slot_pages, work.slot_offsets = [0, 1, 1], [3, 0, 1]
+    plan = BatchPlan([job])
+    shape = StepShape.of(plan)
+    assert (shape.batch, shape.new_rows) == (1, 4)
+    staging = Staging(shape, pin=False)
+    staging.fill(plan, shape)
+    torch.testing.assert_close(staging.views["k"][:3], job.k, rtol=0, atol=0)
+    assert staging.slots.tolist() == [[0, 1, 1, 0], [3, 0, 1, 3]]
 
 
 @pytest.mark.parametrize("b", [1, 2, 3])
@@ -108,7 +125,7 @@ def test_a_reused_staging_is_refilled_exactly(b: int) -> None:
     second = BatchPlan([_step([3] * b, new=True, seed=6)])
     staging = Staging(StepShape.of(first), pin=False)
     staging.fill(first, StepShape.of(first))
-    shape = StepShape(second.key, 4, StepShape.of(first).width, True)  # same bucket, fewer rows
+    shape = StepShape(second.key, 4, StepShape.of(first).width, 4)  # same bucket, fewer rows
     staging.fill(second, shape)
     assert staging.lens.tolist() == [3] * b + [0] * (4 - b)
     torch.testing.assert_close(staging.views["q"][:b], second.jobs[0].q, rtol=0, atol=0)

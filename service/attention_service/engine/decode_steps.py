@@ -66,21 +66,26 @@ class StepShape:
     key: BatchKey
     batch: int  # bucketed sequences
     width: int  # bucketed block-table columns
-    store: bool  # the steps carry new tokens to write first
+    new_rows: int  # bucketed new tokens to write first (usually one per sequence); 0: none
 
     @staticmethod
     def of(plan: BatchPlan) -> StepShape:
+        n = len(plan.slot_pages)
         return StepShape(plan.key, bucket(len(plan.seq_lens)), bucket(plan.table_width),
-                         bool(plan.slot_pages))
+                         bucket(n) if n else 0)
+
+    @property
+    def store(self) -> bool:
+        return self.new_rows > 0
 
     def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         k = self.key
         dtype = TORCH_DTYPES[k.dtype]
         return [
             ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
-            ("k", dtype, (self.batch, k.num_kv_heads, k.head_dim)),
-            ("v", dtype, (self.batch, k.num_kv_heads, k.head_dim)),
-            ("slots", torch.int64, (2, self.batch)),
+            ("k", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("v", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("slots", torch.int64, (2, self.new_rows)),
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
         ]
@@ -127,7 +132,7 @@ class Staging:
         if shape.store:
             _pack([j.k for j in jobs if j.k.shape[0]], v["k"], n)
             _pack([j.v for j in jobs if j.v.shape[0]], v["v"], n)
-            if n < shape.batch:  # duplicates of the first write: harmless
+            if n < shape.new_rows:  # duplicates of the first write: harmless
                 v["k"][n:] = v["k"][0]
                 v["v"][n:] = v["v"][0]
             self.slots[0, :n] = plan.slot_pages
