@@ -40,25 +40,26 @@ class Pool:
         return pages
 
 
-def _job(pool: Pool, seq_lens: list[int], new: bool, heads: int, seed: int,
+def _job(pool: Pool, seq_lens: list[int], new: int, heads: int, seed: int,
          lse: bool = True) -> Job:
-    """A step over fresh caches of ``seq_lens`` keys (the new token included when ``new``)."""
+    """A step over fresh caches of ``seq_lens`` keys, the last ``new`` of each sequence's
+    keys its new tokens (usually 1; 0: none)."""
     g = torch.Generator().manual_seed(seed)
     b, kv_heads, dim, dtype = len(seq_lens), pool.k.shape[2], pool.k.shape[3], pool.k.dtype
     q = torch.randn(b, heads, dim, generator=g).to(dtype)
-    rows = b if new else 0
+    rows = b * new
     k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
     v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
-    cu = list(range(b + 1)) if new else [0] * (b + 1)
+    cu = [new * i for i in range(b + 1)]
     params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[dtype], tuple(q.shape), tuple(k.shape), cu,
                          return_lse=lse)
     table, slot_pages, slot_offsets = [], [], []
     for n in seq_lens:
         pages = pool.take(math.ceil(n / PAGE_TOKENS))
         table.append(pages)
-        if new:
-            slot_pages.append(pages[(n - 1) // PAGE_TOKENS])
-            slot_offsets.append((n - 1) % PAGE_TOKENS)
+        for pos in range(n - new, n):
+            slot_pages.append(pages[pos // PAGE_TOKENS])
+            slot_offsets.append(pos % PAGE_TOKENS)
     out = torch.full_like(q, float("nan")).pin_memory()  # poisoned destinations
     lse_t = torch.full((b, heads), float("nan")).pin_memory() if lse else None
     job = Job(params, q, k, v, out, lse_t)
@@ -110,13 +111,14 @@ def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads
                                    kv_heads: int, dim: int) -> None:
     pool = Pool(256, kv_heads, dim, dtype)
     before_k, before_v = pool.k.clone(), pool.v.clone()
-    # Three launches: one lone step, a padded batch of three jobs (5 sequences -> bucket 8,
+    # Launches: one lone step, a padded batch of three jobs (5 sequences -> bucket 8,
     # one job without new tokens), and a batch whose widths need a wider table bucket.
     launches = [
-        [_job(pool, [33], True, heads, 1)],
-        [_job(pool, [1, 17], True, heads, 2), _job(pool, [16], False, heads, 3),
-         _job(pool, [100, 5], True, heads, 4, lse=False)],
-        [_job(pool, [300], True, heads, 5), _job(pool, [2], True, heads, 6)],
+        [_job(pool, [33], 1, heads, 1)],
+        [_job(pool, [1, 17], 1, heads, 2), _job(pool, [16], 0, heads, 3),
+         _job(pool, [100, 5], 1, heads, 4, lse=False)],
+        [_job(pool, [300], 1, heads, 5), _job(pool, [2], 1, heads, 6)],
+        [_job(pool, [40], 3, heads, 7)],  # several new tokens for one sequence
     ]
     for i, jobs in enumerate(launches):
         plan = BatchPlan(jobs)
@@ -134,7 +136,7 @@ def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
     pool = Pool(128, 2, 64, torch.bfloat16)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
     for seed in range(4):  # same shape bucket every time: one graph per stream
-        jobs = [_job(pool, [20 + seed, 7], True, 8, 10 + seed)]
+        jobs = [_job(pool, [20 + seed, 7], 1, 8, 10 + seed)]
         steps.launch(BatchPlan(jobs), seed % 2).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 8)
