@@ -130,7 +130,11 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
                   t_measure: float, t_end: float, out: dict[str, Any]) -> None:
     setup, step = _requests(s, mode, cache_id, seed)
     method = "CacheDecode" if mode == "sessions" else "Decode"
-    async with grpc.aio.insecure_channel(target) as ch:
+    # A connection per client, as separate user processes would have (grpc otherwise shares
+    # one among a process's equal channels, and a multi-front-end server spreads connections).
+    async with grpc.aio.insecure_channel(
+        target, options=[("grpc.use_local_subchannel_pool", 1)]
+    ) as ch:
         if mode == "sessions":
             create = ch.unary_unary(METHOD + "CreateCaches",
                                     request_serializer=pb.CreateCachesRequest.SerializeToString,

@@ -3,6 +3,7 @@ timings, Cancelled, and the PendingLaunch handles the backends return."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -119,6 +120,16 @@ class CancelFlag(Protocol):
     def is_set(self) -> bool: ...
 
 
+@functools.lru_cache(maxsize=4096)
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Contiguous strides of ``shape`` (requests repeat a few shapes: cached)."""
+    strides, step = [], 1
+    for dim in reversed(shape):
+        strides.append(step)
+        step *= dim
+    return tuple(strides[::-1])
+
+
 class ByteBase:
     """A block of bytes (an arena, a region, a segment) that hands out typed tensors at byte
     offsets with one ``as_strided`` each, from a typed view per dtype made once. (A slice plus
@@ -127,19 +138,18 @@ class ByteBase:
     def __init__(self, u8: torch.Tensor) -> None:
         self.u8 = u8
         self.nbytes = int(u8.numel())
-        self._typed: dict[torch.dtype, torch.Tensor] = {}
+        self._ptr = u8.data_ptr()
+        # Per dtype: the typed view of the whole block and its storage offset (in elements).
+        self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """``shape`` of ``dtype`` at byte ``offset``; ValueError if misaligned for ``dtype``.
         The caller has checked that the bytes lie inside the block."""
         size = dtype.itemsize
-        if (self.u8.data_ptr() + offset) % size:
+        if (self._ptr + offset) % size:
             raise ValueError(f"offset {offset} leaves {dtype} misaligned")
-        typed = self._typed.get(dtype)
-        if typed is None:
-            typed = self._typed[dtype] = self.u8[: self.nbytes - self.nbytes % size].view(dtype)
-        strides, step = [], 1
-        for dim in reversed(shape):
-            strides.append(step)
-            step *= dim
-        return typed.as_strided(shape, strides[::-1], typed.storage_offset() + offset // size)
+        got = self._typed.get(dtype)
+        if got is None:
+            typed = self.u8[: self.nbytes - self.nbytes % size].view(dtype)
+            got = self._typed[dtype] = (typed, typed.storage_offset())
+        return got[0].as_strided(shape, _strides(shape), got[1] + offset // size)

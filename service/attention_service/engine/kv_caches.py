@@ -45,6 +45,7 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 
 MAX_HEADS = 1024
+_NUMPY_SLOTS = 64  # new tokens per cache above which slots are computed with numpy
 METHODS = ("CreateCaches", "ReleaseCaches", "ForkCache", "ListCaches")
 
 
@@ -142,10 +143,15 @@ class CacheRegistry:
                 at += k
                 table.append(pages)
                 seq_lens.append(c.length + n)
-                if n:
+                if n > _NUMPY_SLOTS:
                     pos = np.arange(c.length, c.length + n)
                     slot_pages += np.asarray(pages, dtype=np.int64)[pos // c.page_tokens].tolist()
                     slot_offsets += (pos % c.page_tokens).tolist()
+                else:  # a decode step's token or few: plain ints are ~10x cheaper
+                    pt = c.page_tokens
+                    for pos in range(c.length, c.length + n):
+                        slot_pages.append(pages[pos // pt])
+                        slot_offsets.append(pos % pt)
         flops, kv_bytes = _work(params, seq_lens)
 
         def finish(ok: bool) -> tuple[int, ...]:
