@@ -88,14 +88,16 @@ RUN apt-get update \
 COPY --from=builder /opt/venv /opt/venv
 COPY deploy/healthcheck.py /opt/attention/healthcheck.py
 
-# Configuration is the ATTENTION_* variables of docs/CONTRACTS.md; these three match EXPOSE.
+# Configuration is the ATTENTION_* variables of docs/CONTRACTS.md; these match EXPOSE (and
+# /metrics listens on all interfaces here, for Prometheus over the compose network).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     CC=gcc \
     TRITON_CACHE_DIR=/home/attention/.triton/cache \
     ATTENTION_HOST=0.0.0.0 \
     ATTENTION_PORT=50051 \
-    ATTENTION_METRICS_PORT=8000
+    ATTENTION_METRICS_PORT=8000 \
+    ATTENTION_METRICS_HOST=0.0.0.0
 
 USER 10001:10001
 WORKDIR /home/attention

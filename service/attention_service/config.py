@@ -44,6 +44,9 @@ class ServerConfig:
     port: int = 50051
     device: str = "auto"  # auto | cuda | cpu
     metrics_port: int = 8000  # 0 = ephemeral, -1 = off
+    # /metrics has no auth: loopback unless asked (the container image binds all interfaces,
+    # where Prometheus scrapes it over the compose network).
+    metrics_host: str = "127.0.0.1"
     max_request_bytes: int = 1 << 30
     chunk_bytes: int = 1 << 20
     auth_token: str | None = None
@@ -157,6 +160,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "port": ("--port", "ATTENTION_PORT", int),
     "device": ("--device", "ATTENTION_DEVICE", str),
     "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
+    "metrics_host": ("--metrics-host", "ATTENTION_METRICS_HOST", str),
     "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
     "chunk_bytes": ("--chunk-bytes", "ATTENTION_CHUNK_BYTES", int),
     "auth_token": ("--auth-token", "ATTENTION_AUTH_TOKEN", str),

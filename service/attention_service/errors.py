@@ -26,6 +26,11 @@ class RequestError(Exception):
         return cls(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+class StreamEnded(RequestError):
+    """The request stream ended before the request was complete (INVALID_ARGUMENT), which is
+    also how a client's cancel or deadline looks from the reading side."""
+
+
 def invalid(field: str, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"{field}: {message}")
 

@@ -74,7 +74,7 @@ async def create_server(
     frontend = await start_frontend(config, LocalLink(core), metrics)
     server = AttentionServer(frontend=frontend, core=core, metrics=metrics, port=frontend.port)
     try:
-        server.metrics_port = metrics.serve(config.host, config.metrics_port)
+        server.metrics_port = metrics.serve(config.metrics_host, config.metrics_port)
         if config.warmup:
             t0 = time.perf_counter()
             await asyncio.to_thread(core.warmup)

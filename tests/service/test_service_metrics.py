@@ -138,3 +138,11 @@ def test_one_log_line_per_request(server, caplog) -> None:  # type: ignore[no-un
     assert "code=OK" in lines[0] and f"bytes_in={q.nbytes + k.nbytes + v.nbytes}" in lines[0]
     assert "duration_ms=" in lines[0] and "bytes_out=" in lines[0]
     assert "code=INVALID_ARGUMENT" in lines[1] and "cu_seqlens_q" in lines[1]
+
+
+@pytest.mark.parametrize(("host", "bound"), [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])
+def test_metrics_bind_loopback_unless_told(start_server, host, bound) -> None:  # type: ignore[no-untyped-def]
+    # /metrics has no auth: a bare server must not expose it on every interface.
+    srv = start_server(metrics_port=0, **({} if host is None else {"metrics_host": host}))
+    assert srv.server.metrics._http.server_address[0] == bound
+    assert "attention_requests" in srv.scrape()

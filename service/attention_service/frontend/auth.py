@@ -22,26 +22,17 @@ OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 SERVICE_PREFIX = "/attention.v1.AttentionService/"
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of the same kind as ``handler`` that answers UNAUTHENTICATED.
+def _denying_handler(message: str) -> grpc.RpcMethodHandler:
+    """A handler that answers UNAUTHENTICATED without reading the request: registered as
+    streaming with raw bytes in, it never waits for, receives or parses a request message,
+    whatever the rpc's declared kind (the status ends the call either way)."""
 
-    Same cardinality and (de)serializers, so the transport reads the call as it was declared.
-    """
-
-    async def deny(_request: Any, context: grpc.aio.ServicerContext) -> None:
+    async def deny(_requests: Any, context: grpc.aio.ServicerContext) -> None:
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+    return grpc.stream_stream_rpc_method_handler(
+        deny, request_deserializer=None, response_serializer=None
+    )
 
 
 def _presented(metadata: Sequence[tuple[str, Any]] | None) -> bytes | None:
@@ -107,5 +98,5 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             self._metrics.observe_request(rpc, "UNAUTHENTICATED", 0.0)
         reason = "missing" if presented is None else "invalid"
         return _denying_handler(
-            handler, f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')"
+            f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')"
         )

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from attention_service.config import ServerConfig
-from attention_service.errors import Cancelled, RequestError
+from attention_service.errors import Cancelled, RequestError, StreamEnded
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Received,
@@ -58,6 +58,11 @@ class CallTracker:
         except asyncio.TimeoutError:
             return False
         return True
+
+
+# How long a request stream that ended early waits for a cancel or deadline to surface (the
+# cancel arrives within a few milliseconds on loopback; an incomplete upload pays this once).
+_CUT_OFF_WAIT_S = 0.05
 
 
 def _gone_code(context: grpc.aio.ServicerContext) -> str:
@@ -140,6 +145,17 @@ class AttentionServicer:
             call.code = _gone_code(context)
             self._finish(call)
             raise
+        except StreamEnded as exc:
+            refusal = (exc.code, exc.details)
+            # A client's cancel or deadline cuts the request stream exactly like a short
+            # upload; grpc reports the cancel a moment later. Wait for it, so the call is
+            # counted as what it was, not as the client's INVALID_ARGUMENT.
+            try:
+                await asyncio.sleep(_CUT_OFF_WAIT_S)
+            except asyncio.CancelledError:
+                call.code = _gone_code(context)
+                self._finish(call)
+                raise
         except RequestError as exc:
             refusal = (exc.code, exc.details)
         except Cancelled:

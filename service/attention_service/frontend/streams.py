@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterable, Iterator
 from dataclasses import dataclass
 
+import grpc
 import numpy as np
 
-from attention_service.errors import invalid
+from attention_service.errors import StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, validate_header
 from attention_service.frontend.wire import encode_output_chunk, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
+
+log = logging.getLogger("attention_service")
 
 
 @dataclass
@@ -47,7 +51,8 @@ async def receive_request(
     try:
         first = parse_request(await it.__anext__(), op)
     except StopAsyncIteration:
-        raise invalid("header", "missing: the stream ended before any message") from None
+        raise StreamEnded(grpc.StatusCode.INVALID_ARGUMENT,
+                          "header: missing: the stream ended before any message") from None
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
     params, regions = validate_header(op, first.header, max_request_bytes)
@@ -55,7 +60,15 @@ async def receive_request(
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)
     }
-    buffers = await link.allocate(sizes)
+    try:
+        buffers = await link.allocate(sizes)
+    except (MemoryError, OSError, RuntimeError) as exc:  # host memory, shm or pinning failed
+        log.warning("could not reserve %d bytes for a request: %s: %s", sum(sizes.values()),
+                    type(exc).__name__, exc)
+        raise exhausted(
+            "header", f"the server could not reserve {sum(sizes.values())} bytes of host "
+            "memory for this request's tensors; retry later or send less"
+        ) from None
     try:
         chunks = ChunkAssembler(
             params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}

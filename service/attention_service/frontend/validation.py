@@ -11,10 +11,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+import grpc
 import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
-from attention_service.errors import exhausted, invalid
+from attention_service.errors import StreamEnded, exhausted, invalid
 from attention_service.params import (
     ELEMENT_BYTES,
     INPUTS,
@@ -347,8 +348,8 @@ class ChunkAssembler:
         for name, arr in self.arrays.items():
             got = self.received[name]
             if got != arr.size:
-                raise invalid(
-                    f"chunks[{name}]",
-                    f"missing bytes at end of stream: received {got} of {arr.size} bytes for "
-                    f"{name}'s shape and dtype",
+                raise StreamEnded(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunks[{name}]: missing bytes at end of stream: received {got} of "
+                    f"{arr.size} bytes for {name}'s shape and dtype",
                 )

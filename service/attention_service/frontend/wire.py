@@ -124,10 +124,22 @@ def _serialize(message: bytes | Any) -> bytes:
 
 
 def _unary(method: str, behavior: Any) -> grpc.RpcMethodHandler:
+    """A unary handler that parses its request itself: bytes that are not the rpc's message
+    answer INVALID_ARGUMENT (a deserializer that raises inside grpc answers UNKNOWN and logs
+    a traceback)."""
     desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
     request_cls = getattr(pb, desc.input_type.name)
+
+    async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            request = request_cls.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"message: not a valid {request_cls.__name__}: {exc}")
+        return await behavior(request, context)
+
     return grpc.unary_unary_rpc_method_handler(
-        behavior, request_deserializer=request_cls.FromString, response_serializer=_serialize,
+        parsed, request_deserializer=None, response_serializer=_serialize,
     )
 
 

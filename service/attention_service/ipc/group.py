@@ -177,7 +177,7 @@ class Group:
                 fd = arenas.create(cfg.arena_bytes)
                 tensor, unpin = _engine_view(fd, cfg.arena_bytes, backend.name)
                 self.slots.append(_Slot(i, fd, tensor, unpin))
-            metrics_port = metrics.serve(cfg.host, cfg.metrics_port)
+            metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
             for slot in self.slots:
                 self._spawn(slot)
             warm = threading.Event()

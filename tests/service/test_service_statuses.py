@@ -1,0 +1,106 @@
+"""Every failure gets its true status (issue 12): uploads cut off by a cancel or a deadline
+are counted as such, a corrupt unary request is INVALID_ARGUMENT, a host allocation failure is
+RESOURCE_EXHAUSTED without internals, and an unauthenticated caller is refused before any of
+its bytes are parsed."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import grpc
+import pytest
+
+from .svc_helpers import ServerHandle, make_config, small_prefill, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+METHOD = "/attention.v1.AttentionService/"
+
+
+def _codes(srv: ServerHandle, rpc: str) -> dict[str, float]:
+    return {
+        s.labels["code"]: s.value for s in srv.scrape()["attention_requests"].samples
+        if s.name == "attention_requests_total" and s.labels["rpc"] == rpc and s.value > 0
+    }
+
+
+def _header_then_wait(msgs: list[Any], release: threading.Event) -> Any:
+    yield msgs[0]
+    release.wait(20)
+    yield from msgs[1:]
+
+
+@pytest.mark.parametrize("how", ["cancel", "deadline"])
+def test_a_cut_off_upload_is_counted_as_cancelled_or_expired(start_server: Any, how: str) -> None:
+    srv = start_server(metrics_port=0)
+    release = threading.Event()
+    try:
+        call = srv.stub().Prefill(_header_then_wait(small_prefill(), release),
+                                  timeout=0.5 if how == "deadline" else 30)
+        if how == "cancel":
+            assert wait_until(lambda: srv.server.servicer.tracker.inflight == 1)
+            call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    finally:
+        release.set()
+    want = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
+    assert wait_until(lambda: want in _codes(srv, "Prefill"))
+    assert "INVALID_ARGUMENT" not in _codes(srv, "Prefill")  # never a client error
+
+
+@pytest.mark.parametrize("method", ["GetServerInfo", "ListRegions", "CreateCaches"])
+def test_a_corrupt_unary_request_is_invalid_argument(server: ServerHandle, method: str) -> None:
+    call = server.channel().unary_unary(METHOD + method, request_serializer=None,
+                                        response_deserializer=None)
+    with pytest.raises(grpc.RpcError) as info:
+        call(b"\xff\xff\xff", timeout=10)  # field 0x1fff.. with a truncated varint
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details().startswith("message: not a valid ")
+    assert list(server.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+
+
+def test_a_host_allocation_failure_is_resource_exhausted(start_server: Any,
+                                                         monkeypatch: Any) -> None:
+    srv = start_server(metrics_port=0)
+    link = srv.server.servicer._link
+    real = link.allocate
+
+    async def fail(sizes: dict[str, int]) -> Any:
+        raise RuntimeError("CUDA error: out of memory (cudaHostAlloc at pinned.cpp:123)")
+
+    monkeypatch.setattr(link, "allocate", fail)
+    with pytest.raises(grpc.RpcError) as info:
+        list(srv.stub().Prefill(iter(small_prefill()), timeout=10))
+    assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details().startswith("header: the server could not reserve ")
+    assert "cudaHostAlloc" not in info.value.details()  # no internals
+    monkeypatch.setattr(link, "allocate", real)
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+
+
+@pytest.fixture(scope="module")
+def auth_server() -> Any:
+    handle = ServerHandle(make_config(auth_token="tok", metrics_port=0))
+    yield handle
+    handle.close()
+
+
+@pytest.mark.parametrize("method", ["Prefill", "GetServerInfo", "CreateCaches"])
+def test_unauthenticated_bytes_are_never_parsed(auth_server: ServerHandle, method: str) -> None:
+    # Garbage that any parse would refuse as INVALID_ARGUMENT: the caller must learn only
+    # that it is not authenticated.
+    streaming = method == "Prefill"
+    ch = auth_server.channel()
+    if streaming:
+        call = ch.stream_stream(METHOD + method, request_serializer=None,
+                                response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(iter([b"\xff\xff\xff"] * 3), timeout=10))
+    else:
+        call = ch.unary_unary(METHOD + method, request_serializer=None,
+                              response_deserializer=None)
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"\xff\xff\xff", timeout=10)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "INVALID_ARGUMENT" not in _codes(auth_server, method)
