@@ -61,6 +61,12 @@ class ServerConfig:
     max_batch_tokens: int = 16384
     max_queue_delay_ms: float = 0.5
     max_queue_size: int = 1024
+    # Admission limits per request (docs/service.md, "Admission"): sequences in one request,
+    # query heads per kv head, and attention FLOPs (2e15: a 128K-token causal prefill of
+    # 128 x 128 heads is 5.6e14).
+    max_sequences: int = 1 << 16
+    max_heads_ratio: int = 128
+    max_request_flops: float = 2e15
     log_level: str = "INFO"
     # Process model: 1 = one process; N > 1 = N gRPC front-end processes over one engine
     # process; 0 = auto_frontends() from the core count.
@@ -107,6 +113,9 @@ class ServerConfig:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
             raise ValueError("batching limits must be positive")
+        if self.max_sequences < 1 or self.max_heads_ratio < 1 or self.max_request_flops <= 0:
+            raise ValueError("max_sequences, max_heads_ratio and max_request_flops must be "
+                             "positive")
         if not 0 <= self.frontends <= MAX_FRONTENDS:
             raise ValueError(f"frontends must be in [0, {MAX_FRONTENDS}] (0 = auto)")
         if self.arena_bytes < 1 << 20:
@@ -172,6 +181,9 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_batch_tokens": ("--max-batch-tokens", "ATTENTION_MAX_BATCH_TOKENS", int),
     "max_queue_delay_ms": ("--max-queue-delay-ms", "ATTENTION_MAX_QUEUE_DELAY_MS", float),
     "max_queue_size": ("--max-queue-size", "ATTENTION_MAX_QUEUE_SIZE", int),
+    "max_sequences": ("--max-sequences", "ATTENTION_MAX_SEQUENCES", int),
+    "max_heads_ratio": ("--max-heads-ratio", "ATTENTION_MAX_HEADS_RATIO", int),
+    "max_request_flops": ("--max-request-flops", "ATTENTION_MAX_REQUEST_FLOPS", float),
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),

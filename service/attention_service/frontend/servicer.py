@@ -23,6 +23,7 @@ from attention_service.frontend.streams import (
     response_messages,
     stats_message,
 )
+from attention_service.frontend.validation import Limits
 from attention_service.link import EngineLink, ExecStats
 from attention_service.metrics import Metrics
 from attention_service.params import Op
@@ -76,6 +77,7 @@ class AttentionServicer:
         tracker: CallTracker, principals: Principals,
     ) -> None:
         self._config = config
+        self._limits = Limits.of(config)
         self._link = link
         self._metrics = metrics
         self._info = info
@@ -124,9 +126,7 @@ class AttentionServicer:
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
-            received = await receive_request(
-                op, requests, self._config.max_request_bytes, self._link
-            )
+            received = await receive_request(op, requests, self._limits, self._link)
             call.bytes_in = received.wire_bytes_in
             stats = await self._link.run(
                 received.params, received.buffers, received.regions,

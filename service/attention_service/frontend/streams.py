@@ -10,7 +10,7 @@ import grpc
 import numpy as np
 
 from attention_service.errors import StreamEnded, exhausted, invalid
-from attention_service.frontend.validation import ChunkAssembler, validate_header
+from attention_service.frontend.validation import ChunkAssembler, Limits, validate_header
 from attention_service.frontend.wire import encode_output_chunk, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
@@ -41,7 +41,7 @@ class Received:
 
 
 async def receive_request(
-    op: Op, requests: AsyncIterable[bytes], max_request_bytes: int, link: EngineLink
+    op: Op, requests: AsyncIterable[bytes], limits: Limits | int, link: EngineLink
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
@@ -55,7 +55,7 @@ async def receive_request(
                           "header: missing: the stream ended before any message") from None
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
-    params, regions = validate_header(op, first.header, max_request_bytes)
+    params, regions = validate_header(op, first.header, limits)
     sizes = {
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)

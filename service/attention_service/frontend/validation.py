@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
-from attention_service.errors import StreamEnded, exhausted, invalid
+from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.params import (
     ELEMENT_BYTES,
     INPUTS,
@@ -33,6 +34,35 @@ INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
 # One output row must fit one default-sized response message (see streams.output_messages).
 MAX_ROW_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
 MAX_HEAD_DIM = 256
+
+
+class Limits(NamedTuple):
+    """What one request may ask of the server (``ServerConfig``'s admission limits)."""
+
+    max_request_bytes: int
+    max_sequences: int = 1 << 16
+    max_heads_ratio: int = 128
+    max_request_flops: float = 2e15
+
+    @staticmethod
+    def of(config: object) -> Limits:
+        return Limits(*(getattr(config, f) for f in Limits._fields))
+
+
+def _over(field: str, what: str, value: object, limit: object, flag: str) -> RequestError:
+    return exhausted(field, f"{what} {value}, over the server's limit of {limit} ({flag})")
+
+
+def _check_sequences(count: int, field: str, limits: Limits) -> None:
+    # Before the list is converted or checked: a 4 MiB cu_seqlens must cost nothing.
+    if count > limits.max_sequences:
+        raise _over(field, "sequences:", count, limits.max_sequences, "--max-sequences")
+
+
+def _check_work(params: Params, limits: Limits) -> None:
+    if params.flops > limits.max_request_flops:
+        raise _over("header", "attention FLOPs:", f"{params.flops:.3g}",
+                    f"{limits.max_request_flops:.3g}", "--max-request-flops")
 
 
 def supported_head_dim(head_dim: int) -> bool:
@@ -74,7 +104,8 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[
 
 
 def _check_qkv(
-    h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True
+    h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True,
+    max_heads_ratio: int = 1 << 30,
 ) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
     """Dtypes and shapes of q, k, v; returns (pb dtype, q shape, k shape). ``with_q`` False
     (AppendKV): q must be absent and its shape is taken as ``[0, num_kv_heads, head_dim]``."""
@@ -123,6 +154,10 @@ def _check_qkv(
             f"one output row (num_heads * head_dim) is {row_bytes} bytes, over the "
             f"{MAX_ROW_BYTES}-byte message limit",
         )
+    if num_heads // k_shape[1] > max_heads_ratio:
+        raise _over("header.q.shape[1]", "query heads per kv head:",
+                    f"{num_heads // k_shape[1]} ({num_heads} / {k_shape[1]})", max_heads_ratio,
+                    "--max-heads-ratio")
     return dt, q_shape, k_shape
 
 
@@ -211,11 +246,14 @@ def _cache_target(
 
 
 def validate_prefill_header(
-    h: pb.PrefillHeader, max_request_bytes: int, op: Op = Op.PREFILL
+    h: pb.PrefillHeader, limits: Limits, op: Op = Op.PREFILL
 ) -> tuple[Params, dict[str, RegionSpan]]:
     """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
     append = op is Op.APPEND_KV
-    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append)
+    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
+                                      limits.max_heads_ratio)
+    _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
+    _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)
     total_q = q_shape[0]
     if append:
@@ -226,7 +264,7 @@ def validate_prefill_header(
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
         ids, _ = _cache_target(h, op, len(cu_k) - 1)
         params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids)
-        _check_size(params, max_request_bytes)
+        _check_size(params, limits.max_request_bytes)
         return params, _regions(h, params)
     if h.return_lse and total_q * LSE_BYTES > MAX_ROW_BYTES:
         # lse is [num_heads, total_q] and travels in rows of total_q floats.
@@ -258,16 +296,19 @@ def validate_prefill_header(
         op, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
         return_lse=h.return_lse, cache_ids=ids, store=store,
     )
-    _check_size(params, max_request_bytes)
+    _check_size(params, limits.max_request_bytes)
+    _check_work(params, limits)
     return params, _regions(h, params)
 
 
 def validate_decode_header(
-    h: pb.DecodeHeader, max_request_bytes: int, op: Op = Op.DECODE
+    h: pb.DecodeHeader, limits: Limits, op: Op = Op.DECODE
 ) -> tuple[Params, dict[str, RegionSpan]]:
     """Decode and CacheDecode (whose empty cu_seqlens_k means one new token per sequence, or
     none when k has no rows)."""
-    dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"))
+    dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"),
+                                      max_heads_ratio=limits.max_heads_ratio)
+    _check_sequences(q_shape[0], "header.q.shape[0]", limits)
     scale = _scale(h)
     if h.num_splits < 0:
         raise invalid(
@@ -289,16 +330,20 @@ def validate_decode_header(
         op, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
         num_splits=h.num_splits, cache_ids=ids, store=store,
     )
-    _check_size(params, max_request_bytes)
+    _check_size(params, limits.max_request_bytes)
+    _check_work(params, limits)
     return params, _regions(h, params)
 
 
 def validate_header(
-    op: Op, h: pb.PrefillHeader | pb.DecodeHeader, max_request_bytes: int
+    op: Op, h: pb.PrefillHeader | pb.DecodeHeader, limits: Limits | int
 ) -> tuple[Params, dict[str, RegionSpan]]:
+    """``limits``: the admission limits (an int: only the byte limit, the rest defaults)."""
+    if isinstance(limits, int):
+        limits = Limits(limits)
     if op.decode_like:
-        return validate_decode_header(h, max_request_bytes, op)  # type: ignore[arg-type]
-    return validate_prefill_header(h, max_request_bytes, op)  # type: ignore[arg-type]
+        return validate_decode_header(h, limits, op)  # type: ignore[arg-type]
+    return validate_prefill_header(h, limits, op)  # type: ignore[arg-type]
 
 
 class ChunkAssembler:

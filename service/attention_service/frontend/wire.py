@@ -63,10 +63,19 @@ class RawRequest(NamedTuple):
     chunks: list[RawChunk]
 
 
+# Fields per message and per chunk the parser reads before it refuses the message: a 4 MiB
+# message of millions of empty fields must not hold the event loop for seconds. A real
+# message has a header and a few chunks (attention_client: at most 3) of 3 fields each.
+MAX_FIELDS_PER_MESSAGE = 1024
+MAX_FIELDS_PER_CHUNK = 16
+
+
 def _chunk(buf: memoryview) -> RawChunk:
     field = offset = 0
     data = memoryview(b"")
-    for number, wire_type, value in iter_fields(buf):
+    for n, (number, wire_type, value) in enumerate(iter_fields(buf)):
+        if n == MAX_FIELDS_PER_CHUNK:
+            raise WireError(f"a chunk with more than {MAX_FIELDS_PER_CHUNK} fields")
         # Last occurrence wins and a mismatched wire type is an unknown field, as in protobuf.
         if number == _TC_FIELD and wire_type == VARINT:
             field = value
@@ -91,7 +100,10 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
     header_parts: list[memoryview] = []
     chunks: list[RawChunk] = []
     try:
-        for number, wire_type, value in iter_fields(memoryview(message)):
+        for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
+            if n == MAX_FIELDS_PER_MESSAGE:
+                raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message "
+                                "(send fewer, larger chunks)")
             if wire_type != LEN:
                 continue  # unknown
             if number == _HEADER:

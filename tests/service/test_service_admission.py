@@ -1,0 +1,104 @@
+"""Admission limits (issue 12): no request may cost the server more than its size allows.
+Each limit answers RESOURCE_EXHAUSTED naming the field, the value and the flag; oversized
+repeated fields and messages of countless tiny fields are refused at once, and the server
+stays responsive meanwhile."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from attention_service.frontend.wire import MAX_FIELDS_PER_MESSAGE
+from attention_wire.codec import varint
+from attention_wire.pb import attention_pb2 as pb
+
+from .svc_helpers import (
+    ServerHandle,
+    decode_messages,
+    health_status,
+    make_config,
+    prefill_messages,
+    random_qkv,
+    small_prefill,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def tight() -> Any:
+    handle = ServerHandle(make_config(max_sequences=4, max_heads_ratio=4,
+                                      max_request_flops=1e6))
+    yield handle
+    handle.close()
+
+
+def _refused(call: Any) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as info:
+        list(call)
+    return info.value
+
+
+def _prefill(lengths: list[int], heads: int, kv_heads: int) -> list[Any]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    q, k, v = random_qkv(cu[-1], cu[-1], heads, kv_heads, 8, torch.float32)
+    return list(prefill_messages(q, k, v, cu))
+
+
+@pytest.mark.parametrize(("rpc", "msgs", "field", "flag"), [
+    ("Prefill", lambda: _prefill([1] * 5, 2, 1), "header.cu_seqlens_q", "--max-sequences"),
+    ("Decode", lambda: list(decode_messages(*random_qkv(5, 5, 2, 1, 8, torch.float32),
+                                            [0, 1, 2, 3, 4, 5])),
+     "header.q.shape[0]", "--max-sequences"),
+    ("Prefill", lambda: _prefill([2], 8, 1), "header.q.shape[1]", "--max-heads-ratio"),
+    ("Prefill", lambda: _prefill([64, 64], 4, 1), "header", "--max-request-flops"),
+])
+def test_each_limit_names_field_value_and_flag(tight: ServerHandle, rpc: str, msgs: Any,
+                                               field: str, flag: str) -> None:
+    err = _refused(getattr(tight.stub(), rpc)(iter(msgs()), timeout=10))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.details().startswith(field + ": ")
+    assert flag in err.details()
+    # Within the limits the same server serves.
+    assert list(tight.stub().Prefill(iter(_prefill([3, 2], 4, 1)), timeout=10))[-1].HasField(
+        "stats")
+
+
+def test_a_huge_cu_seqlens_is_refused_before_it_is_read(server: ServerHandle) -> None:
+    # 1M sequence boundaries (~4 MiB of varints): refused by count, in well under a second.
+    n = 1 << 20
+    header = pb.PrefillHeader(
+        q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]),
+        k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]),
+        v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]), cu_seqlens_q=list(range(n + 1)),
+    )
+    t0 = time.perf_counter()
+    err = _refused(server.stub().Prefill(iter([pb.PrefillRequest(header=header)]), timeout=30))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.details().startswith("header.cu_seqlens_q: sequences: 1048576")
+    assert time.perf_counter() - t0 < 2.0
+    assert health_status(server.channel()) == "SERVING"
+
+
+@pytest.mark.parametrize("kind", ["empty_unknown_fields", "empty_chunks"])
+def test_a_message_of_countless_tiny_fields_is_refused(server: ServerHandle, kind: str) -> None:
+    msgs = [m.SerializeToString() for m in small_prefill()]
+    if kind == "empty_unknown_fields":  # field 15, varint 0: two bytes each
+        junk = (varint(15 << 3) + b"\x00") * (MAX_FIELDS_PER_MESSAGE * 100)
+    else:  # empty TensorChunk messages
+        junk = (varint(2 << 3 | 2) + b"\x00") * (MAX_FIELDS_PER_MESSAGE * 100)
+    call = server.channel().stream_stream("/attention.v1.AttentionService/Prefill",
+                                          request_serializer=None,
+                                          response_deserializer=pb.AttentionResponse.FromString)
+    t0 = time.perf_counter()
+    err = _refused(call(iter([msgs[0], junk, *msgs[1:]]), timeout=10))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"more than {MAX_FIELDS_PER_MESSAGE} fields" in err.details()
+    assert time.perf_counter() - t0 < 2.0
+    assert list(server.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
