@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import grpc
 import pytest
@@ -196,3 +197,18 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
     assert "queue" in info.value.details()
     backend.release.set()
     assert list(running)[-1].HasField("stats") and list(queued)[-1].HasField("stats")
+
+
+def test_a_cancelled_long_cpu_sequence_frees_the_device_promptly(server) -> None:  # type: ignore[no-untyped-def]
+    # One long sequence (seconds of cpu work): cancelled, it must not hold the next call.
+    from .svc_helpers import prefill_messages, random_qkv
+
+    q, k, v = random_qkv(4096, 16384, 8, 8, 64, torch.float32)  # ~9 s for the reference
+    call = server.stub().Prefill(prefill_messages(q, k, v, [0, 4096], [0, 16384]), timeout=60)
+    executor = server.server.executor
+    assert wait_until(lambda: executor._inflight == 1, timeout=30)  # computing now
+    time.sleep(0.2)
+    call.cancel()
+    t0 = time.perf_counter()
+    assert list(server.stub().Prefill(iter(small_prefill()), timeout=30))[-1].HasField("stats")
+    assert time.perf_counter() - t0 < 1.5

@@ -1,4 +1,4 @@
-"""Compute backends: ``cuda`` (our Triton kernels) and ``cpu`` (the torch reference).
+"""Compute backends: ``cuda`` (our Triton kernels) and ``cpu`` (tiled torch attention).
 
 A backend does four things: host buffers (``alloc_host``, pinned on cuda), ``warmup``,
 ``launch`` of a ``BatchPlan`` (a single request is a batch of one) and ``memory``. ``launch``
@@ -84,19 +84,14 @@ def fill_no_keys(plan: BatchPlan) -> None:
             job.lse.fill_(float("-inf"))
 
 
-def _rebased(cu: list[int], b0: int, b1: int) -> torch.Tensor:
-    """cu_seqlens of sequences b0..b1-1 alone, starting at 0."""
-    return torch.tensor([x - cu[b0] for x in cu[b0 : b1 + 1]], dtype=torch.int32)
-
-
 def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
 class CpuBackend:
-    """The torch reference over the packed batch (the same merge path as the GPU's); slow but
-    runs anywhere. Work goes in sequence groups so a cancelled batch stops after at most one
-    group (about ``group_work`` multiply-adds)."""
+    """Attention in torch over the packed batch (the same merge path as the GPU's); slow but
+    runs anywhere. ``cpu_attention.attend`` works in bounded tiles and checks the cancel flag
+    between them, so memory stays bounded and a cancelled batch stops within a tile."""
 
     name = "cpu"
     device_name = "cpu"
@@ -104,8 +99,8 @@ class CpuBackend:
     max_inflight = 1  # launches finish while issued
     warmup_dtypes = (torch.float32,)
 
-    def __init__(self, group_work: int = 1 << 25) -> None:
-        self.group_work = group_work
+    def __init__(self, tile_elements: int = 0) -> None:
+        self.tile_elements = tile_elements  # 0: cpu_attention's default
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
@@ -119,19 +114,8 @@ class CpuBackend:
         for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
-    def _groups(self, cu_q: list[int], cu_k: list[int], row_work: int) -> list[tuple[int, int]]:
-        groups, start, work = [], 0, 0
-        for b in range(len(cu_k) - 1):
-            work += (cu_q[b + 1] - cu_q[b]) * (cu_k[b + 1] - cu_k[b] + 1) * row_work
-            if work >= self.group_work:
-                groups.append((start, b + 1))
-                start, work = b + 1, 0
-        if start < len(cu_k) - 1:
-            groups.append((start, len(cu_k) - 1))
-        return groups
-
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
-        from attention_kernels import prefill_ref
+        from attention_service.engine.cpu_attention import TILE_ELEMENTS, attend
 
         if cancel.is_set():
             raise Cancelled()
@@ -160,19 +144,11 @@ class CpuBackend:
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None
-        out = torch.empty_like(q)
-        lse = torch.empty(key.num_heads, plan.total_q) if plan.return_lse else None
-        for b0, b1 in self._groups(cu_q, cu_k, key.num_heads * key.head_dim):
-            if cancel.is_set():
-                raise Cancelled()
-            q0, q1, k0, k1 = cu_q[b0], cu_q[b1], cu_k[b0], cu_k[b1]
-            o, lse_b = prefill_ref(
-                q[q0:q1], k[k0:k1], v[k0:k1], _rebased(cu_q, b0, b1), _rebased(cu_k, b0, b1),
-                causal=key.causal, softmax_scale=key.softmax_scale, return_lse=True,
-            )
-            out[q0:q1] = o
-            if lse is not None:
-                lse[:, q0:q1] = lse_b
+        out, lse_all = attend(
+            q, k, v, cu_q, cu_k, causal=key.causal, scale=key.softmax_scale, cancel=cancel,
+            tile_elements=self.tile_elements or TILE_ELEMENTS,
+        )
+        lse = lse_all if plan.return_lse else None
         if lse is not None and plan.op.decode_like:
             lse = lse.t()  # decode lse is [batch, heads]
         for i, job in enumerate(plan.jobs):

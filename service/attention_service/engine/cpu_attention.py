@@ -1,0 +1,80 @@
+"""The cpu backend's attention: bounded memory and prompt cancellation for any request shape.
+
+The kernels' reference (``attention_kernels.prefill_ref``) is an oracle: it expands K/V to
+every query head and scores a whole row chunk against all keys, so a ~128 KiB request with a
+huge heads ratio grew the server by ~600 MiB, and one long sequence ran as one uncancellable
+unit (the next call waited 6.9 s after a cancel). Here each kv head's query group attends
+to its own K/V (never expanded) in tiles of query rows x keys with an online softmax, so the
+scratch memory is at most ``tile_elements`` scores (plus the tile's K/V and accumulators),
+and the cancel flag is checked between tiles (each ~``tile_elements * head_dim`` multiply-adds,
+milliseconds).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from attention_service.engine.jobs import CancelFlag, Cancelled
+
+TILE_ELEMENTS = 1 << 21  # scores per tile: 8 MiB of float32
+
+
+def attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], *,
+    causal: bool, scale: float | None, cancel: CancelFlag,
+    tile_elements: int = TILE_ELEMENTS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed varlen attention (causal aligned bottom-right) in float32: ``out`` like ``q``
+    (its dtype) and float32 ``lse [H, total_q]`` (-inf and zeros for rows without keys)."""
+    total_q, heads, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    scale = scale if scale is not None else 1.0 / math.sqrt(dim)
+    out = torch.zeros((total_q, heads, dim), dtype=q.dtype)
+    lse = torch.full((heads, total_q), float("-inf"), dtype=torch.float32)
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]
+        n_q, n_k = q1 - q0, k1 - k0
+        if n_q == 0 or n_k == 0:
+            continue
+        # Tiles of rows x keys with group * rows * keys <= tile_elements.
+        keys = max(1, min(n_k, tile_elements // group))
+        rows = max(1, min(n_q, tile_elements // (group * keys)))
+        offset = n_k - n_q  # causal: query i sees keys j <= i + offset
+        for g in range(kv_heads):
+            hs = slice(g * group, (g + 1) * group)
+            for r0 in range(0, n_q, rows):
+                r1 = min(r0 + rows, n_q)
+                qt = q[q0 + r0 : q0 + r1, hs].float().transpose(0, 1) * scale  # [G, R, D]
+                m = torch.full((group, r1 - r0), float("-inf"))
+                den = torch.zeros((group, r1 - r0))
+                acc = torch.zeros((group, r1 - r0, dim))
+                last = min(n_k, r1 - 1 + offset + 1) if causal else n_k  # keys any row sees
+                for c0 in range(0, max(0, last), keys):
+                    if cancel.is_set():
+                        raise Cancelled()
+                    c1 = min(c0 + keys, last)
+                    kt = k[k0 + c0 : k0 + c1, g].float()  # [C, D]
+                    s = torch.einsum("grd,cd->grc", qt, kt)
+                    if causal:
+                        qi = torch.arange(r0, r1).unsqueeze(1)
+                        kj = torch.arange(c0, c1).unsqueeze(0)
+                        s = s.masked_fill(kj > qi + offset, float("-inf"))
+                    m_new = torch.maximum(m, s.amax(dim=-1))
+                    # Rows that have seen no key yet keep a finite shift (their p is 0).
+                    shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+                    p = torch.exp(s - shift.unsqueeze(-1))
+                    alpha = torch.exp(torch.where(torch.isinf(m), m, m - shift))
+                    den = den * alpha + p.sum(dim=-1)
+                    acc = acc * alpha.unsqueeze(-1) + torch.einsum(
+                        "grc,cd->grd", p, v[k0 + c0 : k0 + c1, g].float())
+                    m = m_new
+                seen = den > 0
+                o = torch.where(seen.unsqueeze(-1), acc / den.clamp_min(1e-30).unsqueeze(-1),
+                                torch.zeros_like(acc))
+                out[q0 + r0 : q0 + r1, hs] = o.transpose(0, 1).to(q.dtype)
+                lse[hs, q0 + r0 : q0 + r1] = torch.where(
+                    seen, m + torch.log(den.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
+    return out, lse

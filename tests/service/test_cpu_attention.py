@@ -1,0 +1,83 @@
+"""The cpu backend's tiled attention (engine/cpu_attention.py) against the float64 reference:
+odd lengths, empty sequences, bottom-right causal with more queries than keys, GQA ratios,
+tiles small enough to split rows and keys; its scratch bounded by the tile size whatever the
+heads ratio; a cancel honoured within a tile."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from attention_kernels import prefill_ref
+from attention_service.engine import cpu_attention
+from attention_service.engine.cpu_attention import attend
+from attention_service.errors import Cancelled
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _cu(lengths: list[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(2, 2), (8, 2), (16, 1)])
+@pytest.mark.parametrize("tile", [7, 64, 1 << 21])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tiled_attention_matches_the_reference(causal: bool, heads: int, kv_heads: int,
+                                               tile: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(heads * 31 + tile)
+    len_q, len_k = [1, 0, 37, 5, 19], [1, 4, 37, 0, 3]  # q > k (causal: rows see nothing)
+    cu_q, cu_k = _cu(len_q), _cu(len_k)
+    q = torch.randn(cu_q[-1], heads, 24, generator=g).to(dtype)
+    k = torch.randn(cu_k[-1], kv_heads, 24, generator=g).to(dtype)
+    v = torch.randn(cu_k[-1], kv_heads, 24, generator=g).to(dtype)
+    never = threading.Event()
+    out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=None, cancel=never,
+                      tile_elements=tile)
+    ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(),
+                               torch.tensor(cu_q, dtype=torch.int32),
+                               torch.tensor(cu_k, dtype=torch.int32), causal=causal,
+                               return_lse=True)
+    tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+    assert out.dtype == dtype and not out.isnan().any()
+    torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+    torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_scratch_stays_within_a_tile_whatever_the_heads_ratio(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # 256 query heads over one kv head, 2048 keys: the reference would score 256 x 2048 per
+    # row and expand K/V 256 times.
+    largest = [0]
+    real = torch.einsum
+
+    def spy(eq: str, *ops: torch.Tensor) -> torch.Tensor:
+        res = real(eq, *ops)
+        largest[0] = max(largest[0], res.numel())
+        return res
+
+    monkeypatch.setattr(cpu_attention.torch, "einsum", spy)
+    q = torch.randn(64, 256, 8)
+    k, v = torch.randn(2048, 1, 8), torch.randn(2048, 1, 8)
+    attend(q, k, v, [0, 64], [0, 2048], causal=True, scale=None, cancel=threading.Event(),
+           tile_elements=1 << 14)
+    assert 0 < largest[0] <= 1 << 14
+
+
+def test_a_cancel_stops_a_long_sequence_within_a_tile() -> None:
+    q = torch.randn(4096, 8, 64)
+    k, v = torch.randn(8192, 8, 64), torch.randn(8192, 8, 64)
+    cancel = threading.Event()
+    timer = threading.Timer(0.2, cancel.set)
+    timer.start()
+    t0 = time.perf_counter()
+    with pytest.raises(Cancelled):
+        attend(q, k, v, [0, 4096], [0, 8192], causal=False, scale=None, cancel=cancel,
+               tile_elements=1 << 18)
+    assert time.perf_counter() - t0 < 1.5  # the whole sequence takes several seconds
