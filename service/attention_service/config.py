@@ -67,6 +67,9 @@ class ServerConfig:
     max_sequences: int = 1 << 16
     max_heads_ratio: int = 128
     max_request_flops: float = 2e15
+    # Host bytes (pinned on cuda) that the uploads in flight in one front-end process may
+    # reserve together; at least max_request_bytes.
+    max_upload_bytes: int = 4 << 30
     log_level: str = "INFO"
     # Process model: 1 = one process; N > 1 = N gRPC front-end processes over one engine
     # process; 0 = auto_frontends() from the core count.
@@ -116,6 +119,9 @@ class ServerConfig:
         if self.max_sequences < 1 or self.max_heads_ratio < 1 or self.max_request_flops <= 0:
             raise ValueError("max_sequences, max_heads_ratio and max_request_flops must be "
                              "positive")
+        if self.max_upload_bytes < self.max_request_bytes:
+            raise ValueError("max_upload_bytes must be >= max_request_bytes (else the largest "
+                             "allowed request could never be admitted)")
         if not 0 <= self.frontends <= MAX_FRONTENDS:
             raise ValueError(f"frontends must be in [0, {MAX_FRONTENDS}] (0 = auto)")
         if self.arena_bytes < 1 << 20:
@@ -184,6 +190,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_sequences": ("--max-sequences", "ATTENTION_MAX_SEQUENCES", int),
     "max_heads_ratio": ("--max-heads-ratio", "ATTENTION_MAX_HEADS_RATIO", int),
     "max_request_flops": ("--max-request-flops", "ATTENTION_MAX_REQUEST_FLOPS", float),
+    "max_upload_bytes": ("--max-upload-bytes", "ATTENTION_MAX_UPLOAD_BYTES", int),
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),

@@ -102,3 +102,35 @@ def test_a_message_of_countless_tiny_fields_is_refused(server: ServerHandle, kin
     assert f"more than {MAX_FIELDS_PER_MESSAGE} fields" in err.details()
     assert time.perf_counter() - t0 < 2.0
     assert list(server.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+
+
+def test_uploads_in_flight_share_one_budget_of_reserved_bytes(start_server: Any) -> None:
+    import threading
+
+    from .svc_helpers import wait_until
+
+    # small_prefill reserves 8x2x8 q + 2 x 8x1x8 k/v + 8x2x8 out floats = 1536 bytes.
+    srv = start_server(max_request_bytes=2048, max_upload_bytes=2048)
+    release = threading.Event()
+
+    def slow() -> Any:
+        msgs = small_prefill()
+        yield msgs[0]
+        release.wait(20)
+        yield from msgs[1:]
+
+    first = srv.stub().Prefill(slow(), timeout=30)
+    uploads = srv.server.servicer._uploads
+    assert wait_until(lambda: uploads.used == 1536)  # reserved at the header, no bytes yet
+    err = _refused(srv.stub().Prefill(iter(small_prefill()), timeout=10))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-upload-bytes" in err.details() and err.details().startswith("header: ")
+    release.set()
+    assert list(first)[-1].HasField("stats")
+    assert wait_until(lambda: uploads.used == 0)  # given back when the call ends
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+    # A refused or failed upload gives its reservation back too.
+    bad = small_prefill()[:1]  # header only: missing bytes
+    assert _refused(srv.stub().Prefill(iter(bad), timeout=10)).code() == (
+        grpc.StatusCode.INVALID_ARGUMENT)
+    assert uploads.used == 0

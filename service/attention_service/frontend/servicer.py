@@ -19,6 +19,7 @@ from attention_service.errors import Cancelled, RequestError, StreamEnded
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Received,
+    UploadBudget,
     receive_request,
     response_messages,
     stats_message,
@@ -78,6 +79,7 @@ class AttentionServicer:
     ) -> None:
         self._config = config
         self._limits = Limits.of(config)
+        self._uploads = UploadBudget(config.max_upload_bytes)
         self._link = link
         self._metrics = metrics
         self._info = info
@@ -126,7 +128,8 @@ class AttentionServicer:
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
-            received = await receive_request(op, requests, self._limits, self._link)
+            received = await receive_request(op, requests, self._limits, self._link,
+                                             self._uploads)
             call.bytes_in = received.wire_bytes_in
             stats = await self._link.run(
                 received.params, received.buffers, received.regions,
@@ -167,7 +170,7 @@ class AttentionServicer:
             refusal = (internal.code, internal.details)
         finally:
             if received is not None:
-                received.buffers.release()
+                received.release()
         # Accounted before the status goes out, so metrics and logs are final when it arrives.
         call.code, call.details = refusal[0].name, refusal[1]
         self._finish(call)

@@ -19,13 +19,44 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 
 
+class UploadBudget:
+    """Host bytes reserved by the uploads in flight in one front-end process: a request's
+    buffers are reserved against it when its header is accepted (before any byte arrives),
+    so headers that declare large tensors cannot together reserve more than ``limit``.
+    Event-loop only (no lock)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def reserve(self, nbytes: int) -> None:
+        if self.used + nbytes > self.limit:
+            raise exhausted(
+                "header", f"this request needs {nbytes} bytes of buffers and uploads in flight "
+                f"hold {self.used} of the server's {self.limit} (--max-upload-bytes); retry "
+                "later")
+        self.used += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.used -= nbytes
+
+
 @dataclass
 class Received:
-    """A fully received request: its params, the tensors in regions, the rest in buffers."""
+    """A fully received request: its params, the tensors in regions, the rest in buffers
+    (``reserved`` bytes of them counted against the upload budget until ``release``)."""
 
     params: Params
     regions: dict[str, RegionSpan]
     buffers: Buffers
+    budget: UploadBudget | None = None
+    reserved: int = 0
+
+    def release(self) -> None:
+        self.buffers.release()
+        if self.budget is not None:
+            self.budget.release(self.reserved)
+            self.budget = None
 
     @property
     def wire_bytes_in(self) -> int:
@@ -41,7 +72,8 @@ class Received:
 
 
 async def receive_request(
-    op: Op, requests: AsyncIterable[bytes], limits: Limits | int, link: EngineLink
+    op: Op, requests: AsyncIterable[bytes], limits: Limits | int, link: EngineLink,
+    budget: UploadBudget | None = None,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
@@ -60,13 +92,21 @@ async def receive_request(
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)
     }
+    total = sum(sizes.values())
+    if budget is not None:
+        budget.reserve(total)
     try:
         buffers = await link.allocate(sizes)
-    except (MemoryError, OSError, RuntimeError) as exc:  # host memory, shm or pinning failed
-        log.warning("could not reserve %d bytes for a request: %s: %s", sum(sizes.values()),
+    except BaseException as exc:
+        if budget is not None:
+            budget.release(total)
+        if not isinstance(exc, (MemoryError, OSError, RuntimeError)):
+            raise
+        # Host memory, shared memory or pinning failed: the caller's status, not ours.
+        log.warning("could not reserve %d bytes for a request: %s: %s", total,
                     type(exc).__name__, exc)
         raise exhausted(
-            "header", f"the server could not reserve {sum(sizes.values())} bytes of host "
+            "header", f"the server could not reserve {total} bytes of host "
             "memory for this request's tensors; retry later or send less"
         ) from None
     try:
@@ -82,8 +122,10 @@ async def receive_request(
         chunks.finish()
     except BaseException:
         buffers.release()
+        if budget is not None:
+            budget.release(total)
         raise
-    return Received(params, regions, buffers)
+    return Received(params, regions, buffers, budget, total)
 
 
 def output_messages(
