@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import CHECK_TOL, DTYPE, bench, graph_us, rel, sdpa  # noqa: E402
 
 from attention_kernels import decode, paged_decode, paged_prefill, prefill  # noqa: E402
+from attention_service.params import causal_pairs  # noqa: E402
 
 HEADS, KV_HEADS = 32, 8
 DECODE_SHAPES = [(1, 4096, 128), (1, 32768, 128), (8, 8192, 128), (64, 8192, 128),
@@ -162,15 +163,6 @@ def decode_rows(shapes: list[tuple[int, int, int]], page_sizes: list[int], heads
     return rows
 
 
-def causal_pairs(lens_q: list[int], lens_k: list[int]) -> int:
-    """Visible (query, key) pairs under the bottom-right aligned causal mask."""
-    total = 0
-    for lq, lk in zip(lens_q, lens_k, strict=True):
-        # Query i sees keys 0 .. i + lk - lq (clamped to [0, lk]).
-        total += sum(min(lk, max(0, i + lk - lq + 1)) for i in range(lq))
-    return total
-
-
 def prefill_rows(cases: list[tuple[str, list[int], list[int]]], page_sizes: list[int],
                  heads: int, kv_heads: int, d: int, timer: Timer,
                  device: torch.device) -> list[dict]:
@@ -181,7 +173,8 @@ def prefill_rows(cases: list[tuple[str, list[int], list[int]]], page_sizes: list
         k = torch.randn(sum(lens_k), kv_heads, d, dtype=DTYPE, device=device)
         v = torch.randn(sum(lens_k), kv_heads, d, dtype=DTYPE, device=device)
         cu_q, cu_k = cu(lens_q, device), cu(lens_k, device)
-        fl = 4.0 * causal_pairs(lens_q, lens_k) * heads * d
+        fl = 4.0 * sum(causal_pairs(lq, lk) for lq, lk in zip(lens_q, lens_k, strict=True))
+        fl *= heads * d
         contiguous = lambda: prefill(q, k, v, cu_q, cu_k, causal=True)
         want = contiguous()
         base = {"kind": "prefill", "case": name, "H": heads, "Hkv": kv_heads, "D": d,

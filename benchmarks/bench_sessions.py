@@ -35,6 +35,8 @@ from typing import Any
 import grpc
 import numpy as np
 
+from attention_client._chunks import encode_messages
+from attention_client._tensors import WireTensor
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -48,24 +50,12 @@ SIDES = {"on": ("sessions, batching on", "sessions", True),
          "resend": ("resend (Decode), batching on", "resend", True)}
 
 
-def _tensor_messages(cls: Any, header: Any, tensors: list[tuple[int, bytes]]) -> list[bytes]:
-    """Serialized request messages as attention_client packs them: the header and the first
-    bytes in one message, <= 1 MiB of tensor bytes per message, small tensors sharing one (a
-    decode step is a single message)."""
-    msgs: list[bytes] = []
-    current, room = cls(header=header), CHUNK
-    for field, data in tensors:
-        off = 0
-        while off < len(data):
-            if room == 0:
-                msgs.append(current.SerializeToString())
-                current, room = cls(), CHUNK
-            take = min(room, len(data) - off)
-            current.chunks.append(pb.TensorChunk(field=field, offset=off,
-                                                 data=data[off : off + take]))
-            off, room = off + take, room - take
-    msgs.append(current.SerializeToString())
-    return msgs
+def _tensor_messages(header: Any, q: bytes, k: bytes, v: bytes) -> list[bytes]:
+    """The request messages attention_client sends (its own encoder): header and tensor bytes
+    packed <= 1 MiB per message, so a decode step is a single message."""
+    tensors = [WireTensor(n, np.frombuffer(b, dtype=np.uint8), header.k.dtype)
+               for n, b in (("q", q), ("k", k), ("v", v))]
+    return list(encode_messages(header.SerializeToString(), tensors, CHUNK))
 
 
 def _bytes(rng: np.random.Generator, n: int, dtype: str) -> bytes:
@@ -102,16 +92,16 @@ def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[byte
         k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
         header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(s.ctx, s.hkv, s.d),
                                  v=s.spec(s.ctx, s.hkv, s.d), cu_seqlens_k=[0, s.ctx])
-        return [], _tensor_messages(pb.DecodeRequest, header, [(pb.Q, q), (pb.K, k), (pb.V, v)])
+        return [], _tensor_messages(header, q, k, v)
     k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
     append = pb.PrefillHeader(k=s.spec(s.ctx, s.hkv, s.d), v=s.spec(s.ctx, s.hkv, s.d),
                               cu_seqlens_k=[0, s.ctx], cache=pb.CacheTarget(cache_ids=[cache_id]))
-    setup = _tensor_messages(pb.PrefillRequest, append, [(pb.K, k), (pb.V, v)])
+    setup = _tensor_messages(append, b"", k, v)
     kn, vn = (_bytes(rng, s.hkv * s.d, s.dtype) for _ in range(2))
     header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(1, s.hkv, s.d),
                              v=s.spec(1, s.hkv, s.d),
                              cache=pb.CacheTarget(cache_ids=[cache_id], store=True))
-    step = _tensor_messages(pb.DecodeRequest, header, [(pb.Q, q), (pb.K, kn), (pb.V, vn)])
+    step = _tensor_messages(header, q, kn, vn)
     return setup, step
 
 
