@@ -98,6 +98,23 @@ def sample(metrics: dict[str, Any], family: str, sample_name: str, **labels: str
     )
 
 
+def request_codes(handle: ServerHandle, rpc: str | None = None) -> set[str]:
+    """The status codes the server has counted (``attention_requests_total`` above 0), of
+    ``rpc`` or of every rpc."""
+    return {
+        s.labels["code"] for s in handle.scrape()["attention_requests"].samples
+        if s.name == "attention_requests_total" and s.value > 0
+        and (rpc is None or s.labels["rpc"] == rpc)
+    }
+
+
+def header_then_wait(msgs: list[Any], release: threading.Event) -> Iterator[Any]:
+    """A request stream that sends its first message, then waits for ``release``."""
+    yield msgs[0]
+    release.wait(20)
+    yield from msgs[1:]
+
+
 def raw_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 

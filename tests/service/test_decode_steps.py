@@ -15,7 +15,6 @@ from attention_service.engine.decode_steps import (
     StepShape,
     bucket,
     eligible,
-    layout_bytes,
 )
 from attention_service.engine.jobs import CacheWork, Job
 from attention_service.params import Op, make_params
@@ -71,7 +70,7 @@ def test_staging_packs_a_batch_and_pads_it_harmlessly() -> None:
     shape = StepShape.of(plan)
     assert (shape.batch, shape.width, shape.new_rows) == (4, 4, 4)
     staging = Staging(shape, pin=False)
-    assert staging.u8.numel() == layout_bytes(shape)
+    assert staging.u8.numel() == shape.layout[1]
     for view in staging.views.values():
         assert (view.data_ptr() - staging.u8.data_ptr()) % 128 == 0  # every field aligned
     staging.views["q"].fill_(float("nan"))

@@ -31,6 +31,7 @@ from .svc_helpers import (
     prefill_messages,
     prefill_oracle,
     random_qkv,
+    request_codes,
 )
 
 pytestmark = pytest.mark.timeout(300)
@@ -152,13 +153,6 @@ def _call_stream(ch: grpc.Channel, op: str, msgs: list[bytes]) -> grpc.StatusCod
     return grpc.StatusCode.OK
 
 
-def _codes(srv: ServerHandle) -> set[str]:
-    return {
-        s.labels["code"] for s in srv.scrape()["attention_requests"].samples
-        if s.name == "attention_requests_total" and s.value > 0
-    }
-
-
 def _create_cache(ch: grpc.Channel) -> None:
     stub_create = ch.unary_unary(METHOD + "CreateCaches",
                                  request_serializer=pb.CreateCachesRequest.SerializeToString,
@@ -223,7 +217,7 @@ def test_mutated_unary_requests_get_documented_statuses(srv: ServerHandle, metho
 def _after(srv: ServerHandle) -> None:
     """SERVING, nothing recorded as INTERNAL/UNKNOWN, and a good call is still correct."""
     assert health_status(srv.channel()) == "SERVING"
-    assert not {"INTERNAL", "UNKNOWN"} & _codes(srv)
+    assert not {"INTERNAL", "UNKNOWN"} & request_codes(srv)
     q, k, v = random_qkv(8, 8, 2, 1, 8, torch.float32, seed=99)
     r = collect(srv.stub().Prefill(prefill_messages(q, k, v, [0, 5, 8], causal=True), timeout=20))
     out, _ = prefill_oracle(q, k, v, [0, 5, 8], causal=True)

@@ -107,19 +107,12 @@ def test_a_message_of_countless_tiny_fields_is_refused(server: ServerHandle, kin
 def test_uploads_in_flight_share_one_budget_of_reserved_bytes(start_server: Any) -> None:
     import threading
 
-    from .svc_helpers import wait_until
+    from .svc_helpers import header_then_wait, wait_until
 
     # small_prefill reserves 8x2x8 q + 2 x 8x1x8 k/v + 8x2x8 out floats = 1536 bytes.
     srv = start_server(max_request_bytes=2048, max_upload_bytes=2048)
     release = threading.Event()
-
-    def slow() -> Any:
-        msgs = small_prefill()
-        yield msgs[0]
-        release.wait(20)
-        yield from msgs[1:]
-
-    first = srv.stub().Prefill(slow(), timeout=30)
+    first = srv.stub().Prefill(header_then_wait(small_prefill(), release), timeout=30)
     uploads = srv.server.servicer._uploads
     assert wait_until(lambda: uploads.used == 1536)  # reserved at the header, no bytes yet
     err = _refused(srv.stub().Prefill(iter(small_prefill()), timeout=10))

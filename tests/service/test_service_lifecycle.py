@@ -16,7 +16,9 @@ from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import (
     GatedBackend,
+    header_then_wait,
     health_status,
+    request_codes,
     small_prefill,
     wait_until,
 )
@@ -28,12 +30,6 @@ def _idle(srv) -> bool:  # type: ignore[no-untyped-def]
     return srv.server.servicer.tracker.inflight == 0 and srv.server.executor.queue_depth(
         Op.PREFILL
     ) == 0
-
-
-def _header_then_wait(msgs, release: threading.Event):  # type: ignore[no-untyped-def]
-    yield msgs[0]
-    release.wait(20)
-    yield from msgs[1:]
 
 
 def test_deadline_during_compute_stops_it(start_server) -> None:  # type: ignore[no-untyped-def]
@@ -53,7 +49,7 @@ def test_deadline_while_receiving(server) -> None:  # type: ignore[no-untyped-de
     release = threading.Event()
     try:
         with pytest.raises(grpc.RpcError) as info:
-            list(server.stub().Prefill(_header_then_wait(small_prefill(), release), timeout=0.5))
+            list(server.stub().Prefill(header_then_wait(small_prefill(), release), timeout=0.5))
     finally:
         release.set()
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -74,16 +70,12 @@ def test_client_cancel_during_compute(start_server) -> None:  # type: ignore[no-
     backend.release.set()
     assert health_status(srv.channel()) == "SERVING"
     assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
-    codes = {
-        s.labels["code"] for s in srv.scrape()["attention_requests"].samples
-        if s.name == "attention_requests_total" and s.value > 0
-    }
-    assert {"CANCELLED", "OK"} <= codes
+    assert {"CANCELLED", "OK"} <= request_codes(srv)
 
 
 def test_client_cancel_while_receiving(server) -> None:  # type: ignore[no-untyped-def]
     release = threading.Event()
-    call = server.stub().Prefill(_header_then_wait(small_prefill(), release), timeout=30)
+    call = server.stub().Prefill(header_then_wait(small_prefill(), release), timeout=30)
     assert wait_until(lambda: server.server.servicer.tracker.inflight == 1)
     call.cancel()
     release.set()

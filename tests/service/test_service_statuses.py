@@ -11,23 +11,17 @@ from typing import Any
 import grpc
 import pytest
 
-from .svc_helpers import ServerHandle, make_config, small_prefill, wait_until
+from .svc_helpers import (
+    ServerHandle,
+    header_then_wait,
+    make_config,
+    request_codes,
+    small_prefill,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(60)
 METHOD = "/attention.v1.AttentionService/"
-
-
-def _codes(srv: ServerHandle, rpc: str) -> dict[str, float]:
-    return {
-        s.labels["code"]: s.value for s in srv.scrape()["attention_requests"].samples
-        if s.name == "attention_requests_total" and s.labels["rpc"] == rpc and s.value > 0
-    }
-
-
-def _header_then_wait(msgs: list[Any], release: threading.Event) -> Any:
-    yield msgs[0]
-    release.wait(20)
-    yield from msgs[1:]
 
 
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
@@ -35,7 +29,7 @@ def test_a_cut_off_upload_is_counted_as_cancelled_or_expired(start_server: Any, 
     srv = start_server(metrics_port=0)
     release = threading.Event()
     try:
-        call = srv.stub().Prefill(_header_then_wait(small_prefill(), release),
+        call = srv.stub().Prefill(header_then_wait(small_prefill(), release),
                                   timeout=0.5 if how == "deadline" else 30)
         if how == "cancel":
             assert wait_until(lambda: srv.server.servicer.tracker.inflight == 1)
@@ -45,8 +39,8 @@ def test_a_cut_off_upload_is_counted_as_cancelled_or_expired(start_server: Any, 
     finally:
         release.set()
     want = "CANCELLED" if how == "cancel" else "DEADLINE_EXCEEDED"
-    assert wait_until(lambda: want in _codes(srv, "Prefill"))
-    assert "INVALID_ARGUMENT" not in _codes(srv, "Prefill")  # never a client error
+    assert wait_until(lambda: want in request_codes(srv, "Prefill"))
+    assert "INVALID_ARGUMENT" not in request_codes(srv, "Prefill")  # never a client error
 
 
 @pytest.mark.parametrize("method", ["GetServerInfo", "ListRegions", "CreateCaches"])
@@ -103,4 +97,4 @@ def test_unauthenticated_bytes_are_never_parsed(auth_server: ServerHandle, metho
         with pytest.raises(grpc.RpcError) as info:
             call(b"\xff\xff\xff", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert "INVALID_ARGUMENT" not in _codes(auth_server, method)
+    assert "INVALID_ARGUMENT" not in request_codes(auth_server, method)

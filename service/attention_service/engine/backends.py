@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 
 from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.cpu_attention import attend
 from attention_service.engine.jobs import (
     CancelFlag,
     Cancelled,
@@ -99,9 +100,6 @@ class CpuBackend:
     max_inflight = 1  # launches finish while issued
     warmup_dtypes = (torch.float32,)
 
-    def __init__(self, tile_elements: int = 0) -> None:
-        self.tile_elements = tile_elements  # 0: cpu_attention's default
-
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8)
 
@@ -115,8 +113,6 @@ class CpuBackend:
             self.launch(plan, plan.jobs[0].cancel).wait()
 
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
-        from attention_service.engine.cpu_attention import TILE_ELEMENTS, attend
-
         if cancel.is_set():
             raise Cancelled()
         t0 = time.perf_counter()
@@ -144,10 +140,8 @@ class CpuBackend:
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None
-        out, lse_all = attend(
-            q, k, v, cu_q, cu_k, causal=key.causal, scale=key.softmax_scale, cancel=cancel,
-            tile_elements=self.tile_elements or TILE_ELEMENTS,
-        )
+        out, lse_all = attend(q, k, v, cu_q, cu_k, causal=key.causal, scale=key.softmax_scale,
+                              cancel=cancel)
         lse = lse_all if plan.return_lse else None
         if lse is not None and plan.op.decode_like:
             lse = lse.t()  # decode lse is [batch, heads]
@@ -199,13 +193,12 @@ class CudaBackend:
         from one thread only (the executor's dispatcher); round-robin streams let consecutive
         batches overlap, and a reused stream simply orders its batches."""
         from attention_service.engine.cuda_launch import launch_on_stream
-        from attention_service.engine.decode_steps import eligible
 
         if cancel.is_set():
             raise Cancelled()
         index = self._next_stream
         self._next_stream = (index + 1) % len(self.streams)
-        if eligible(plan):
+        if self.steps.eligible(plan):
             return self.steps.launch(plan, index)
         return launch_on_stream(self._kernels, plan, self.device, self.streams[index])
 

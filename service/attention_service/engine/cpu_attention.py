@@ -51,8 +51,8 @@ def attend(
                 m = torch.full((group, r1 - r0), float("-inf"))
                 den = torch.zeros((group, r1 - r0))
                 acc = torch.zeros((group, r1 - r0, dim))
-                last = min(n_k, r1 - 1 + offset + 1) if causal else n_k  # keys any row sees
-                for c0 in range(0, max(0, last), keys):
+                last = min(n_k, r1 + offset) if causal else n_k  # keys any row sees
+                for c0 in range(0, last, keys):
                     if cancel.is_set():
                         raise Cancelled()
                     c1 = min(c0 + keys, last)
@@ -66,7 +66,7 @@ def attend(
                     # Rows that have seen no key yet keep a finite shift (their p is 0).
                     shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
                     p = torch.exp(s - shift.unsqueeze(-1))
-                    alpha = torch.exp(torch.where(torch.isinf(m), m, m - shift))
+                    alpha = torch.exp(m - shift)  # m = -inf (nothing seen yet): 0
                     den = den * alpha + p.sum(dim=-1)
                     acc = acc * alpha.unsqueeze(-1) + torch.einsum(
                         "grc,cd->grd", p, v[k0 + c0 : k0 + c1, g].float())

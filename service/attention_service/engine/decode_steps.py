@@ -28,11 +28,12 @@ general path.
 
 from __future__ import annotations
 
+import functools
+import math
 from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
 
-import numpy as np
 import torch
 
 from attention_service.engine.backends import TORCH_DTYPES
@@ -78,10 +79,13 @@ class StepShape:
     def store(self) -> bool:
         return self.new_rows > 0
 
-    def fields(self) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    @functools.cached_property
+    def layout(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
+        """The staged fields (name, dtype, dims, byte offset, each 128-byte aligned) and the
+        bytes they take: the same layout on host and device, so one copy moves them all."""
         k = self.key
         dtype = TORCH_DTYPES[k.dtype]
-        return [
+        fields = [
             ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
             ("k", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
             ("v", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
@@ -89,39 +93,36 @@ class StepShape:
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
         ]
+        placed, at = [], 0
+        for name, dt, dims in fields:
+            placed.append((name, dt, dims, at))
+            at = -(-(at + math.prod(dims) * dt.itemsize) // _ALIGN) * _ALIGN
+        return placed, at
 
+    def outputs(self, **alloc: object) -> tuple[torch.Tensor, torch.Tensor]:
+        """Buffers for the bucket's out ``[batch, H, D]`` and lse ``[batch, H]``."""
+        k = self.key
+        out = torch.empty((self.batch, k.num_heads, k.head_dim), dtype=TORCH_DTYPES[k.dtype],
+                          **alloc)  # type: ignore[arg-type]
+        return out, torch.empty((self.batch, k.num_heads), dtype=torch.float32,
+                                **alloc)  # type: ignore[arg-type]
 
-def _carve(u8: torch.Tensor, shape: StepShape) -> dict[str, torch.Tensor]:
-    """Typed views of ``u8`` at ``shape``'s field offsets (the same layout on host and device,
-    so one copy moves them all)."""
-    views, at = {}, 0
-    for name, dtype, dims in shape.fields():
-        n = int(np.prod(dims)) * dtype.itemsize
-        views[name] = u8[at : at + n].view(dtype).view(dims)
-        at = -(-(at + n) // _ALIGN) * _ALIGN
-    return views
-
-
-def layout_bytes(shape: StepShape) -> int:
-    at = 0
-    for _, dtype, dims in shape.fields():
-        at = -(-(at + int(np.prod(dims)) * dtype.itemsize) // _ALIGN) * _ALIGN
-    return at
+    def carve(self, u8: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of the fields in ``u8`` (``layout[1]`` bytes)."""
+        return {name: u8[at : at + math.prod(dims) * dt.itemsize].view(dt).view(dims)
+                for name, dt, dims, at in self.layout[0]}
 
 
 class Staging:
     """One launch's pinned host buffers: the packed inputs and, for batches, the outputs."""
 
     def __init__(self, shape: StepShape, pin: bool = True) -> None:
-        k = shape.key
-        self.u8 = torch.empty(layout_bytes(shape), dtype=torch.uint8, pin_memory=pin)
-        self.views = _carve(self.u8, shape)
+        self.u8 = torch.empty(shape.layout[1], dtype=torch.uint8, pin_memory=pin)
+        self.views = shape.carve(self.u8)
         self.lens = self.views["lens"].numpy()
         self.table = self.views["table"].numpy()
         self.slots = self.views["slots"].numpy()
-        self.out = torch.empty((shape.batch, k.num_heads, k.head_dim),
-                               dtype=TORCH_DTYPES[k.dtype], pin_memory=pin)
-        self.lse = torch.empty((shape.batch, k.num_heads), dtype=torch.float32, pin_memory=pin)
+        self.out, self.lse = shape.outputs(pin_memory=pin)
 
     def fill(self, plan: BatchPlan, shape: StepShape) -> None:
         v = self.views
@@ -160,12 +161,9 @@ class _StepGraph:
                  v_pages: torch.Tensor, device: torch.device) -> None:
         self.kernels, self.shape = kernels, shape
         self.k_pages, self.v_pages = k_pages, v_pages
-        key = shape.key
-        self.dev_u8 = torch.zeros(layout_bytes(shape), dtype=torch.uint8, device=device)
-        self.dev = _carve(self.dev_u8, shape)
-        self.out = torch.empty((shape.batch, key.num_heads, key.head_dim),
-                               dtype=TORCH_DTYPES[key.dtype], device=device)
-        self.lse = torch.empty((shape.batch, key.num_heads), dtype=torch.float32, device=device)
+        self.dev_u8 = torch.zeros(shape.layout[1], dtype=torch.uint8, device=device)
+        self.dev = shape.carve(self.dev_u8)
+        self.out, self.lse = shape.outputs(device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._free: deque[Staging] = deque()  # popped by the dispatcher, pushed by the completer
 
@@ -246,6 +244,8 @@ class DecodeSteps:
         # temporaries may share memory; graphs of two streams may run at once, so they don't.
         self._pools = [torch.cuda.graph_pool_handle() for _ in streams] if graphs else []
         self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
+
+    eligible = staticmethod(eligible)
 
     @property
     def captured(self) -> int:

@@ -43,20 +43,18 @@ class UploadBudget:
 
 @dataclass
 class Received:
-    """A fully received request: its params, the tensors in regions, the rest in buffers
-    (``reserved`` bytes of them counted against the upload budget until ``release``)."""
+    """A fully received request: its params, the tensors in regions, the rest in buffers,
+    whose ``reserved`` bytes count against ``budget`` until ``release``."""
 
     params: Params
     regions: dict[str, RegionSpan]
     buffers: Buffers
-    budget: UploadBudget | None = None
-    reserved: int = 0
+    budget: UploadBudget
+    reserved: int
 
     def release(self) -> None:
         self.buffers.release()
-        if self.budget is not None:
-            self.budget.release(self.reserved)
-            self.budget = None
+        self.budget.release(self.reserved)
 
     @property
     def wire_bytes_in(self) -> int:
@@ -72,13 +70,13 @@ class Received:
 
 
 async def receive_request(
-    op: Op, requests: AsyncIterable[bytes], limits: Limits | int, link: EngineLink,
-    budget: UploadBudget | None = None,
+    op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
+    budget: UploadBudget,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
-    from ``link`` for every tensor not in a region, outputs included; on any failure they are
-    released before this raises."""
+    from ``link`` for every tensor not in a region, outputs included, reserved against
+    ``budget``; on any failure both are given back before this raises."""
     it = requests.__aiter__()
     try:
         first = parse_request(await it.__anext__(), op)
@@ -93,39 +91,41 @@ async def receive_request(
         if n not in regions and (n != "lse" or params.return_lse)
     }
     total = sum(sizes.values())
-    if budget is not None:
-        budget.reserve(total)
+    budget.reserve(total)
     try:
-        buffers = await link.allocate(sizes)
-    except BaseException as exc:
-        if budget is not None:
-            budget.release(total)
-        if not isinstance(exc, (MemoryError, OSError, RuntimeError)):
+        buffers = await _allocate(link, sizes, total)
+        try:
+            chunks = ChunkAssembler(
+                params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}
+            )
+            chunks.add(first.chunks)
+            async for raw in it:
+                msg = parse_request(raw, op)
+                if msg.header is not None:
+                    raise invalid("header", "repeated: only the first message may carry a "
+                                  "header")
+                chunks.add(msg.chunks)
+            chunks.finish()
+        except BaseException:
+            buffers.release()
             raise
+    except BaseException:
+        budget.release(total)
+        raise
+    return Received(params, regions, buffers, budget, total)
+
+
+async def _allocate(link: EngineLink, sizes: dict[str, int], total: int) -> Buffers:
+    try:
+        return await link.allocate(sizes)
+    except (MemoryError, OSError, RuntimeError) as exc:
         # Host memory, shared memory or pinning failed: the caller's status, not ours.
         log.warning("could not reserve %d bytes for a request: %s: %s", total,
                     type(exc).__name__, exc)
         raise exhausted(
-            "header", f"the server could not reserve {total} bytes of host "
-            "memory for this request's tensors; retry later or send less"
+            "header", f"the server could not reserve {total} bytes of host memory for this "
+            "request's tensors; retry later or send less"
         ) from None
-    try:
-        chunks = ChunkAssembler(
-            params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}
-        )
-        chunks.add(first.chunks)
-        async for raw in it:
-            msg = parse_request(raw, op)
-            if msg.header is not None:
-                raise invalid("header", "repeated: only the first message may carry a header")
-            chunks.add(msg.chunks)
-        chunks.finish()
-    except BaseException:
-        buffers.release()
-        if budget is not None:
-            budget.release(total)
-        raise
-    return Received(params, regions, buffers, budget, total)
 
 
 def output_messages(

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import grpc
 import numpy as np
 
-from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
+from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.params import (
     ELEMENT_BYTES,
@@ -40,12 +40,12 @@ class Limits(NamedTuple):
     """What one request may ask of the server (``ServerConfig``'s admission limits)."""
 
     max_request_bytes: int
-    max_sequences: int = 1 << 16
-    max_heads_ratio: int = 128
-    max_request_flops: float = 2e15
+    max_sequences: int
+    max_heads_ratio: int
+    max_request_flops: float
 
     @staticmethod
-    def of(config: object) -> Limits:
+    def of(config: ServerConfig) -> Limits:
         return Limits(*(getattr(config, f) for f in Limits._fields))
 
 
@@ -336,11 +336,8 @@ def validate_decode_header(
 
 
 def validate_header(
-    op: Op, h: pb.PrefillHeader | pb.DecodeHeader, limits: Limits | int
+    op: Op, h: pb.PrefillHeader | pb.DecodeHeader, limits: Limits
 ) -> tuple[Params, dict[str, RegionSpan]]:
-    """``limits``: the admission limits (an int: only the byte limit, the rest defaults)."""
-    if isinstance(limits, int):
-        limits = Limits(limits)
     if op.decode_like:
         return validate_decode_header(h, limits, op)  # type: ignore[arg-type]
     return validate_prefill_header(h, limits, op)  # type: ignore[arg-type]
