@@ -40,6 +40,36 @@ def block_rows(page, start_n, offs_n, stride_p, stride_t, PAGE_TOKENS: tl.conste
 
 
 @triton.jit
+def first_pages(table_row, lo, offs_n, end, PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+                PAGED: tl.constexpr):
+    """The pages of the first key block (paged), or a placeholder the contiguous path carries
+    through ``block_kv_ptrs`` unused."""
+    if PAGED:
+        return block_pages(table_row, lo, offs_n, end, PAGE_TOKENS, BLOCK_N)
+    else:
+        return 0
+
+
+@triton.jit
+def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, end,
+                  stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS: tl.constexpr,
+                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
+    """(K pointers, V pointers, next block's pages) of the key block at ``start_n``, for the
+    bases and offsets ``kv_bases`` gave. Paged: rows from ``page`` (this block's pages), and
+    the next block's pages are looked up now, off that block's critical path."""
+    if PAGED:
+        k_ptrs = k_base + block_rows(page, start_n, offs_n, stride_kp, stride_kt,
+                                     PAGE_TOKENS)[:, None] + kv_offs_k
+        v_ptrs = v_base + block_rows(page, start_n, offs_n, stride_vp, stride_vt,
+                                     PAGE_TOKENS)[:, None] + kv_offs_v
+        page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)
+    else:
+        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
+        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+    return k_ptrs, v_ptrs, page
+
+
+@triton.jit
 def seq_keys(lens, seq, PAGED: tl.constexpr):
     """(first packed key row, key count) of sequence ``seq``: ``lens`` is cu_seqlens_k, or
     seqlens_k when paged (the first row is then unused: keys come through the table)."""

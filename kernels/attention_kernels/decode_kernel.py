@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from attention_kernels._checks import check_decode_inputs, check_paged_inputs, output_buffer
-from attention_kernels._paging import block_pages, block_rows, kv_bases, seq_keys
+from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
     decode_config,
@@ -52,20 +52,11 @@ def _decode_inner(
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
     each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys)."""
-    if PAGED:
-        page = block_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N)
+    page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
-        if PAGED:
-            k_ptrs = (k_base + block_rows(page, start_n, offs_n, stride_kp, stride_kt,
-                                          PAGE_TOKENS)[:, None] + kv_offs_k)
-            v_ptrs = (v_base + block_rows(page, start_n, offs_n, stride_vp, stride_vt,
-                                          PAGE_TOKENS)[:, None] + kv_offs_v)
-            # The next block's pages now: the table lookup is off this block's critical path.
-            page = block_pages(table_row, start_n + BLOCK_N, offs_n, seqlen, PAGE_TOKENS,
-                               BLOCK_N)
-        else:
-            k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
-            v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+        k_ptrs, v_ptrs, page = block_kv_ptrs(
+            k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, seqlen,
+            stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
         if MASKED:
             n_ok = (start_n + offs_n) < hi
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)

@@ -17,6 +17,7 @@ DEVICE = "cuda" if ON_GPU else "cpu"
 # Relative-norm error bounds vs the float64 reference. bf16 keeps 8 mantissa bits (~4e-3 per
 # rounding); P is rounded to the input dtype before the PV dot. fp32 dots run in TF32 on a GPU.
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-3 if ON_GPU else 1e-5}
+DTYPES = list(TOL)  # every dtype the kernels take
 
 if not ON_GPU and not INTERPRET:
     pytest.skip("kernel tests need a GPU or TRITON_INTERPRET=1", allow_module_level=True)

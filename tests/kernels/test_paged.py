@@ -31,6 +31,7 @@ from attention_kernels import (
 from attention_kernels.configs import DecodeConfig, PrefillConfig
 from tests.kernels.conftest import (
     DEVICE,
+    DTYPES,
     ON_GPU,
     TOL,
     check_lse,
@@ -40,7 +41,6 @@ from tests.kernels.conftest import (
     rel_err,
 )
 
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 ODD_HEAD_DIM = 40  # not a power of two (padded to 64 in the kernels)
 assert supported_head_dim(ODD_HEAD_DIM)
 PAGE_ALIGN = 256  # the server's pages are a multiple of 256 bytes

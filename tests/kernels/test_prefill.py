@@ -9,6 +9,7 @@ from attention_kernels import prefill, prefill_ref
 from attention_kernels.configs import PrefillConfig
 from tests.kernels.conftest import (
     DEVICE,
+    DTYPES,
     ON_GPU,
     TOL,
     check_lse,
@@ -17,8 +18,6 @@ from tests.kernels.conftest import (
     randn,
     rel_err,
 )
-
-DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 
 
 def run_case(
