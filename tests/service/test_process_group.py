@@ -136,9 +136,10 @@ def test_metrics_of_every_process_in_one_scrape(group: Group) -> None:
 
 
 def _blocker(seed: int) -> list[Any]:
-    """A request the cpu reference needs a few seconds for: the device stays busy."""
-    q, k, v = random_qkv(3072, 3072, 16, 16, 64, torch.float32, seed=seed)
-    return list(prefill_messages(q, k, v, [0, 3072]))
+    """A request the cpu backend needs a few seconds for (2.5 s on a 2-core dev box; 50 MB):
+    the device stays busy."""
+    q, k, v = random_qkv(8192, 8192, 8, 8, 64, torch.float32, seed=seed)
+    return list(prefill_messages(q, k, v, [0, 8192]))
 
 
 def test_batching_spans_frontend_processes() -> None:
@@ -219,7 +220,7 @@ def test_frontend_killed_while_the_engine_computes_its_call() -> None:
             fut = pool.submit(lambda: collect(stub.Prefill(iter(_blocker(2)), timeout=120)))
             assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
                                              "attention_inflight_requests") == 1)
-            time.sleep(1.0)  # received (38 MB on loopback): computing in the engine
+            time.sleep(1.0)  # received (50 MB on loopback): computing in the engine
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(grpc.RpcError):
                 fut.result(60)
