@@ -130,6 +130,26 @@ def test_registry_reserves_then_keeps_or_rolls_back() -> None:
         ("a", 20, False), ("b", 3, False)]
 
 
+def test_cached_keys_count_against_the_request_flops_limit() -> None:
+    # A one-token step is cheap on the wire but reads every cached key: the limit the front
+    # end checks on new tokens is applied here to the whole call.
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
+    per_key = 4 * 4 * 16  # 4 * heads * head_dim FLOPs per (query, key) pair
+    reg = CacheRegistry(pool, ttl_seconds=0, max_request_flops=per_key * 40)
+    _create(reg, ["a"])
+    reg.begin(_params(Op.APPEND_KV, ("a",), [39]), "").finish(True)
+    assert reg.begin(_params(Op.CACHE_DECODE, ("a",), [1], store=False), "").finish(True) == (39,)
+    reg.begin(_params(Op.APPEND_KV, ("a",), [1]), "").finish(True)
+    used = pool.pages_used
+    with pytest.raises(RequestError) as info:  # 41 keys x 1 query: over by one pair
+        reg.begin(_params(Op.CACHE_DECODE, ("a",), [1]), "")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "--max-request-flops" in info.value.details and "1.05e+04" in info.value.details
+    # Nothing reserved, the cache not left busy: a smaller call still goes through.
+    assert pool.pages_used == used
+    assert reg.begin(_params(Op.CACHE_DECODE, ("a",), [0]), "").finish(True) == (40,)
+
+
 def test_fork_shares_full_pages_and_release_frees_them_last() -> None:
     pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
     reg = CacheRegistry(pool, ttl_seconds=0)

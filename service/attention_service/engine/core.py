@@ -74,7 +74,7 @@ class EngineCore:
         self.regions = RegionRegistry(backend, allowed=config.regions_allowed)
         self.caches = CacheRegistry(
             _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,
-            max_caches=config.max_caches,
+            max_caches=config.max_caches, max_request_flops=config.max_request_flops,
         )
         pool = self.caches.pool
         self.info = EngineInfo(

@@ -73,10 +73,14 @@ def _pages_for(tokens: int, page_tokens: int) -> int:
 class CacheRegistry:
     def __init__(
         self, pool: KvPool | None, *, ttl_seconds: float = 600.0, max_caches: int = 1 << 20,
-        clock: Callable[[], float] = time.monotonic,
+        max_request_flops: float = float("inf"), clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """``pool`` None: caches are off (every call answers FAILED_PRECONDITION)."""
+        """``pool`` None: caches are off (every call answers FAILED_PRECONDITION).
+        ``max_request_flops``: the front end checks a cached call's new tokens only; here,
+        where the cached lengths are known, the whole call (cached keys included) is held to
+        the same --max-request-flops."""
         self.pool = pool
+        self.max_request_flops = max_request_flops
         self.ttl = ttl_seconds
         self.max_caches = max_caches
         self._clock = clock
@@ -130,6 +134,12 @@ class CacheRegistry:
                     raise _aborted(f"header.cache.cache_ids[{i}]",
                                    f"cache {c.cache_id!r} is in use by another call; calls on "
                                    "one cache must be sequential")
+            flops, kv_bytes = _work(params, [c.length + n for c, n in zip(caches, new,
+                                                                         strict=True)])
+            if flops > self.max_request_flops:
+                raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
+                                f"over the server's limit of {self.max_request_flops:.3g} "
+                                "(--max-request-flops)")
             need = [_pages_for(c.length + n, c.page_tokens) - len(c.pages)
                     for c, n in zip(caches, new, strict=True)]
             fresh = pool.alloc(sum(need), "header.k")
@@ -152,7 +162,6 @@ class CacheRegistry:
                     for pos in range(c.length, c.length + n):
                         slot_pages.append(pages[pos // pt])
                         slot_offsets.append(pos % pt)
-        flops, kv_bytes = _work(params, seq_lens)
 
         def finish(ok: bool) -> tuple[int, ...]:
             return self._finish(caches, table, seq_lens, keep=ok and params.store)
