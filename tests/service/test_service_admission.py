@@ -127,3 +127,58 @@ def test_uploads_in_flight_share_one_budget_of_reserved_bytes(start_server: Any)
     assert _refused(srv.stub().Prefill(iter(bad), timeout=10)).code() == (
         grpc.StatusCode.INVALID_ARGUMENT)
     assert uploads.used == 0
+
+
+def test_health_stays_fast_under_a_flood_of_costly_small_requests(server: ServerHandle) -> None:
+    # The attack: concurrent requests that are cheap to send and costly to parse
+    # (the largest admitted cu_seqlens list, messages of fields just under the cap). A liveness
+    # probe (kubelet's default timeout is 1 s) must answer promptly throughout.
+    import threading
+
+    n = 65536  # --max-sequences default: admitted by count, then read and checked in full
+    cu = list(range(n + 1))
+    cu[-1] = n + 7  # wrong end: refused only after the whole list was parsed and checked
+    header = pb.PrefillHeader(
+        q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]),
+        k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]),
+        v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[n, 1, 8]), cu_seqlens_q=cu,
+    )
+    long_cu = pb.PrefillRequest(header=header).SerializeToString()
+    fields = (varint(15 << 3) + b"\x00") * (MAX_FIELDS_PER_MESSAGE - 8)
+    first = small_prefill()[0].SerializeToString()
+    call = server.channel().stream_stream("/attention.v1.AttentionService/Prefill",
+                                          request_serializer=None,
+                                          response_deserializer=pb.AttentionResponse.FromString)
+    stop = threading.Event()
+    codes: list[grpc.StatusCode] = []
+
+    def flood(msgs: list[bytes]) -> None:
+        while not stop.is_set():
+            try:
+                list(call(iter(msgs), timeout=10))
+            except grpc.RpcError as e:
+                codes.append(e.code())
+
+    floods = [threading.Thread(target=flood, args=(m,), daemon=True)
+              for m in ([long_cu], [first, *[fields] * 50]) * 3]
+    for t in floods:
+        t.start()
+    latencies = []
+    try:
+        end = time.perf_counter() + 2.0
+        while time.perf_counter() < end:
+            t0 = time.perf_counter()
+            assert health_status(server.channel()) == "SERVING"
+            latencies.append(time.perf_counter() - t0)
+            time.sleep(0.02)
+        t0 = time.perf_counter()
+        assert list(server.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField(
+            "stats")
+        good_call = time.perf_counter() - t0
+    finally:
+        stop.set()
+        for t in floods:
+            t.join(timeout=15)
+    assert len(codes) >= 6 and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, set(codes)
+    assert max(latencies) < 1.0, sorted(latencies)[-5:]
+    assert good_call < 2.0
