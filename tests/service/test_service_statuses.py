@@ -51,6 +51,7 @@ def test_a_corrupt_unary_request_is_invalid_argument(server: ServerHandle, metho
         call(b"\xff\xff\xff", timeout=10)  # field 0x1fff.. with a truncated varint
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert info.value.details().startswith("message: not a valid ")
+    assert "INVALID_ARGUMENT" in request_codes(server, method)  # counted like any refusal
     assert list(server.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
 
 

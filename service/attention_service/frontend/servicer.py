@@ -89,9 +89,12 @@ class AttentionServicer:
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.ServerInfo:
-        self._metrics.observe_request("GetServerInfo", "OK", 0.0)
-        log.info("rpc=GetServerInfo code=OK duration_ms=0 peer=%s", context.peer())
-        return self._info
+        # Timed like the control rpcs: from the handler's start (a unary call's request is
+        # already parsed then) to its reply.
+        t0 = time.perf_counter()
+        reply = self._info
+        self.record_control("GetServerInfo", "OK", t0, context)
+        return reply
 
     async def control_rpc(
         self, method: str, request: Any, context: grpc.aio.ServicerContext
@@ -101,12 +104,12 @@ class AttentionServicer:
         try:
             reply = await self._link.control_call(method, request, self._principals.of(context))
         except RequestError as exc:
-            self._control_log(method, exc.code.name, t0, context, exc.details)
+            self.record_control(method, exc.code.name, t0, context, exc.details)
             await context.abort(exc.code, exc.details)
-        self._control_log(method, "OK", t0, context)
+        self.record_control(method, "OK", t0, context)
         return reply
 
-    def _control_log(
+    def record_control(
         self, method: str, code: str, t0: float, context: grpc.aio.ServicerContext,
         details: str = "",
     ) -> None:

@@ -20,6 +20,7 @@ them). Small messages (headers, stats, the region rpcs) still use the generated 
 
 from __future__ import annotations
 
+import time
 from typing import Any, NamedTuple
 
 import grpc
@@ -135,19 +136,21 @@ def _serialize(message: bytes | Any) -> bytes:
     return message if isinstance(message, bytes) else message.SerializeToString()
 
 
-def _unary(method: str, behavior: Any) -> grpc.RpcMethodHandler:
+def _unary(servicer: Any, method: str, behavior: Any) -> grpc.RpcMethodHandler:
     """A unary handler that parses its request itself: bytes that are not the rpc's message
-    answer INVALID_ARGUMENT (a deserializer that raises inside grpc answers UNKNOWN and logs
-    a traceback)."""
+    answer INVALID_ARGUMENT, counted and logged like any refusal (a deserializer that raises
+    inside grpc answers UNKNOWN, logs a traceback and is never counted)."""
     desc = pb.DESCRIPTOR.services_by_name["AttentionService"].methods_by_name[method]
     request_cls = getattr(pb, desc.input_type.name)
 
     async def parsed(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+        t0 = time.perf_counter()
         try:
             request = request_cls.FromString(raw)
         except DecodeError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"message: not a valid {request_cls.__name__}: {exc}")
+            details = f"message: not a valid {request_cls.__name__}: {exc}"
+            servicer.record_control(method, "INVALID_ARGUMENT", t0, context, details)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
         return await behavior(request, context)
 
     return grpc.unary_unary_rpc_method_handler(
@@ -180,8 +183,8 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         )
         for op in Op
     }
-    handlers["GetServerInfo"] = _unary("GetServerInfo", servicer.GetServerInfo)
+    handlers["GetServerInfo"] = _unary(servicer, "GetServerInfo", servicer.GetServerInfo)
     for method in CONTROL_METHODS:
-        handlers[method] = _unary(method, _control(servicer, method))
+        handlers[method] = _unary(servicer, method, _control(servicer, method))
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)
