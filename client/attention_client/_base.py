@@ -5,11 +5,23 @@ themselves are the subclasses')."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from attention_client._channel import call_metadata, channel_options, check_timeout, credentials
+from attention_client._channel import (
+    DEFAULT,
+    CallSettings,
+    as_metadata,
+    call_metadata,
+    channel_options,
+    check_timeout,
+    check_wait_for_ready,
+    credentials,
+    merge_metadata,
+)
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from attention_client._errors import AttentionInputError
 from attention_client._regions import (
     Placement,
     RegionSet,
@@ -28,6 +40,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import ResponseAssembler
 from attention_client._tensors import describe
+from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -45,18 +58,24 @@ class ClientBase:
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
         channels: int = 1,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
+        client_cert: Any = None,
+        client_key: Any = None,
     ) -> None:
         self.target = target
         # Compute calls go round-robin over this many channels, each with a connection of its
         # own: a server with several front ends (SO_REUSEPORT) spreads connections, not calls.
         self.channels = int(channels)
         if not 1 <= self.channels <= 64:
-            raise ValueError(f"channels must be in [1, 64], got {channels!r}")
+            raise AttentionInputError(f"channels must be in [1, 64], got {channels!r}")
         self._turn = itertools.count()
         self.timeout = check_timeout(timeout)
+        self.wait_for_ready = check_wait_for_ready(wait_for_ready)
         self.max_chunk_bytes = check_chunk_bytes(max_chunk_bytes)
-        self._metadata = call_metadata(token)
-        self._credentials = credentials(tls)
+        # Sent with every call: the token (authorization), then ``metadata``.
+        self._metadata = call_metadata(token, metadata)
+        self._credentials = credentials(tls, client_cert, client_key)
         self._options = channel_options(options)
         if self.channels > 1:  # else grpc shares one connection among equal channels
             self._options.append(("grpc.use_local_subchannel_pool", 1))
@@ -69,6 +88,22 @@ class ClientBase:
         # Layouts of the caches this client created or forked (decode_step without new tokens
         # needs their num_kv_heads); others are looked up with ListCaches once.
         self._cache_layouts: dict[str, KvLayout] = {}
+
+    def _settings(
+        self, timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
+        names: Mapping[str, str] | None = None,
+    ) -> CallSettings:
+        """One public call's settings: ``timeout`` (DEFAULT: the client's; None: no deadline)
+        runs from now over every rpc of the call; ``metadata`` is merged over the client's
+        (a key it names replaces the client's); ``wait_for_ready`` None: the client's."""
+        seconds = self.timeout if timeout is DEFAULT else check_timeout(timeout)
+        return CallSettings(
+            deadline=None if seconds is None else time.monotonic() + seconds,
+            metadata=merge_metadata(self._metadata, as_metadata(metadata)),
+            wait_for_ready=(self.wait_for_ready if wait_for_ready is None
+                            else check_wait_for_ready(wait_for_ready)),
+            names=names,
+        )
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
         wanted = self.use_regions if use_regions is None else use_regions
@@ -136,9 +171,9 @@ class ClientBase:
         ids = as_cache_ids(cache_ids, "cache_ids")
         shape, _, _ = describe(q, "q")
         if len(shape) != 3:
-            raise ValueError(f"q must be 3-D [B, H, D], got shape {shape}")
+            raise AttentionInputError(f"q must be 3-D [B, H, D], got shape {shape}")
         if shape[0] != len(ids):
-            raise ValueError(
+            raise AttentionInputError(
                 f"cache_ids names {len(ids)} caches, but q has batch {shape[0]}: name one "
                 "cache per sequence"
             )
@@ -158,7 +193,9 @@ class ClientBase:
         if k_new is None and v_new is None:  # empty k/v: their shape is the caches' layout
             layouts = {self._cache_layouts[i] for i in ids}
             if len(layouts) != 1:
-                raise ValueError("cache_ids name caches of different layouts: one call takes one")
+                raise AttentionInputError(
+                    "cache_ids name caches of different layouts: one call takes one"
+                )
             layout = layouts.pop()
         return prepare_cache_decode(
             q, k_new, v_new, CacheTarget(ids, bool(store), layout), softmax_scale=softmax_scale,
@@ -184,10 +221,12 @@ class ClientBase:
     def _release_request(ids: Any, all: bool) -> tuple[pb.ReleaseCachesRequest, Any]:
         if all:
             if ids is not None:
-                raise ValueError("release_caches: pass ids or all=True, not both")
+                raise AttentionInputError("release_caches: pass ids or all=True, not both")
             return pb.ReleaseCachesRequest(all=True), None
         if ids is None:
-            raise ValueError("release_caches: pass ids, or all=True to release every cache")
+            raise AttentionInputError(
+                "release_caches: pass ids, or all=True to release every cache"
+            )
         ids = as_cache_ids(ids)
         return pb.ReleaseCachesRequest(cache_ids=ids), ids
 
@@ -197,6 +236,11 @@ class ClientBase:
     def _new_region(
         kind: str, nbytes: int, name: str | None, device: Any
     ) -> tuple[SharedRegion, pb.RegisterRegionRequest]:
+        if name is not None:
+            try:
+                shm.check_name(name)
+            except (TypeError, ValueError) as exc:
+                raise AttentionInputError(f"name: {exc}") from None
         if kind == "system":
             region, key = create_system_region(nbytes, name)
             source = {"system": pb.SystemRegion(key=key)}

@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from attention_client._errors import AttentionError
+from attention_client import _argnames as argnames
+from attention_client._channel import DEFAULT, CallSettings
+from attention_client._errors import AttentionError, AttentionInputError
 from attention_client._requests import (
     CacheTarget,
     KvLayout,
@@ -138,12 +140,23 @@ class _KvCacheBase:
         request = pb.ForkCacheRequest(source_id=source, target_id=target)
         if length is not None:
             if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-                raise ValueError(f"length must be a non-negative int or None, got {length!r}")
+                raise AttentionInputError(
+                    f"length must be a non-negative int or None, got {length!r}"
+                )
             request.length = length
         return request
 
     def _own_ids(self, ids: Any) -> tuple[str, ...]:
         return as_cache_ids(ids) if ids is not None else tuple(self._created)
+
+    def _settings(
+        self, timeout: Any, metadata: Any, wait_for_ready: bool | None, names: Any = None
+    ) -> CallSettings:
+        return self.client._settings(timeout, metadata, wait_for_ready, names)
+
+    @staticmethod
+    def _prefill_names(prep: PreparedRequest) -> argnames.Names:
+        return argnames.cache_prefill(len(prep.user_shape) == 4)
 
 
 def _not_found(err: AttentionError) -> bool:
@@ -155,10 +168,13 @@ class KvCache(_KvCacheBase):
 
     ``ids`` arguments are a str or a sequence of str, one cache per sequence. Tensors are numpy
     arrays or torch tensors of the handle's dtype; results come back like ``q``. Mistakes the
-    client can see raise ValueError before anything is sent; the server's refusals raise
-    AttentionError (NOT_FOUND, ALREADY_EXISTS, INVALID_ARGUMENT, RESOURCE_EXHAUSTED when the
-    pool is full, ABORTED while another call uses one of the caches, FAILED_PRECONDITION when
-    the server has caches off).
+    client can see raise AttentionInputError (a ValueError) before anything is sent; the
+    server's refusals raise AttentionError subclasses (NOT_FOUND, ALREADY_EXISTS,
+    INVALID_ARGUMENT, RESOURCE_EXHAUSTED when the pool is full, ABORTED while another call uses
+    one of the caches, FAILED_PRECONDITION when the server has caches off).
+
+    Every method takes ``timeout=``, ``metadata=`` and ``wait_for_ready=`` as the client's
+    calls do; a call that creates caches first spends one ``timeout`` on both rpcs.
     """
 
     def __init__(self, client: AttentionClient, layout: KvLayout) -> None:
@@ -166,79 +182,104 @@ class KvCache(_KvCacheBase):
         self.client = client
         self._lock = threading.Lock()  # one CreateCaches at a time per handle
 
-    def create(self, ids: Any) -> None:
+    def create(
+        self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> None:
         """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         ids = as_cache_ids(ids)
         with self._lock:
-            self._create(ids)
+            self._create(ids, settings)
 
-    def append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None) -> list[int]:
+    def append(
+        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> list[int]:
         """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
         None for a single id); returns each cache's length after."""
-        return self._run(self._prep_append(ids, k, v, cu_seqlens))
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
+        return self._run(self._prep_append(ids, k, v, cu_seqlens), settings)
 
     def prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False,
+        softmax_scale: float | None = None, return_lse: bool = False, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
         causal); ``store`` keeps the new tokens. Forms as ``client.attention`` (packed with
         ``cu_seqlens_q``; ``cu_seqlens_k`` defaults to it, or to no new keys when k has no
         rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
-        return self._run(self._prep_prefill(
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
-        ))
+        )
+        return self._run(prep, settings.named(self._prefill_names(prep)))
 
     def decode(
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
         token, appended first, kept if ``store``) or None. Returns out ``[B, H, D]`` or
         ``(out, lse [B, H])``."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return self._run(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
-        ))
+        ), settings)
 
-    def fork(self, source_id: str, target_id: str, length: int | None = None) -> dict[str, Any]:
+    def fork(
+        self, source_id: str, target_id: str, length: int | None = None, *,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
         """Copy the first ``length`` tokens (default: all) of a cache into a new one, which
         this handle then owns; returns the new cache's info."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
         request = self._fork_request(source_id, target_id, length)
-        info = self.client._unary_rpc("ForkCache", request)
+        info = self.client._unary_rpc("ForkCache", request, settings)
         self._mark_created((info.cache_id,), self.client._cache_layouts)
         return self._note_infos([info])[0]
 
-    def release(self, ids: Any = None) -> int:
+    def release(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> int:
         """Release caches; None: every cache this handle created, skipping those already gone
         (expired, or released elsewhere). Returns how many were released."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         if ids is not None:
-            return self._release(as_cache_ids(ids))
+            return self._release(as_cache_ids(ids), settings)
         ids = tuple(self._created)
         if not ids:
             return 0
         try:
-            return self._release(ids)
+            return self._release(ids, settings)
         except AttentionError as err:  # nothing was released: one by one, skipping the gone
             if not _not_found(err):
                 raise
         released = 0
         for i in ids:
             try:
-                released += self._release((i,))
+                released += self._release((i,), settings)
             except AttentionError as e:
                 if not _not_found(e):
                     raise
                 self._mark_released((i,), self.client._cache_layouts)
         return released
 
-    def info(self, ids: Any = None) -> list[dict[str, Any]]:
+    def info(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
         """The server's view of caches (None: this handle's): cache_id, dtype, num_kv_heads,
         head_dim, length, pages, shared_pages, idle_seconds, busy."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         ids = self._own_ids(ids)
         if not ids:
             return []
-        return self._note_infos(self.client._list_caches(ids).caches)
+        return self._note_infos(self.client._list_caches(ids, settings).caches)
 
     def __enter__(self) -> KvCache:
         return self
@@ -250,23 +291,25 @@ class KvCache(_KvCacheBase):
             with contextlib.suppress(AttentionError):
                 self.release()
 
-    def _create(self, ids: tuple[str, ...]) -> None:
-        self.client._unary_rpc("CreateCaches", self._create_request(ids))
+    def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
+        self.client._unary_rpc("CreateCaches", self._create_request(ids), settings)
         self._mark_created(ids, self.client._cache_layouts)
 
-    def _release(self, ids: tuple[str, ...]) -> int:
-        reply = self.client._unary_rpc("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids))
+    def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
+        reply = self.client._unary_rpc(
+            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids), settings
+        )
         self._mark_released(ids, self.client._cache_layouts)
         return int(reply.released)
 
-    def _run(self, prep: PreparedRequest) -> Any:
+    def _run(self, prep: PreparedRequest, settings: CallSettings) -> Any:
         assert prep.cache is not None
         if self._missing(prep.cache.ids):
             with self._lock:
                 missing = self._missing(prep.cache.ids)
                 if missing:
-                    self._create(missing)
-        result = self.client._run(prep)
+                    self._create(missing, settings)
+        result = self.client._run(prep, settings)
         self._note(prep)
         return result
 
@@ -279,72 +322,95 @@ class AsyncKvCache(_KvCacheBase):
         self.client = client
         self._lock = asyncio.Lock()  # one CreateCaches at a time per handle
 
-    async def create(self, ids: Any) -> None:
+    async def create(
+        self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> None:
         """See KvCache.create."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         ids = as_cache_ids(ids)
         async with self._lock:
-            await self._create(ids)
+            await self._create(ids, settings)
 
-    async def append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None) -> list[int]:
+    async def append(
+        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> list[int]:
         """See KvCache.append."""
-        return await self._run(self._prep_append(ids, k, v, cu_seqlens))
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
+        return await self._run(self._prep_append(ids, k, v, cu_seqlens), settings)
 
     async def prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False,
+        softmax_scale: float | None = None, return_lse: bool = False, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """See KvCache.prefill."""
-        return await self._run(self._prep_prefill(
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
-        ))
+        )
+        return await self._run(prep, settings.named(self._prefill_names(prep)))
 
     async def decode(
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """See KvCache.decode."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return await self._run(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
-        ))
+        ), settings)
 
     async def fork(
-        self, source_id: str, target_id: str, length: int | None = None
+        self, source_id: str, target_id: str, length: int | None = None, *,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> dict[str, Any]:
         """See KvCache.fork."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
         request = self._fork_request(source_id, target_id, length)
-        info = await self.client._unary_rpc("ForkCache", request)
+        info = await self.client._unary_rpc("ForkCache", request, settings)
         self._mark_created((info.cache_id,), self.client._cache_layouts)
         return self._note_infos([info])[0]
 
-    async def release(self, ids: Any = None) -> int:
+    async def release(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> int:
         """See KvCache.release."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         if ids is not None:
-            return await self._release(as_cache_ids(ids))
+            return await self._release(as_cache_ids(ids), settings)
         ids = tuple(self._created)
         if not ids:
             return 0
         try:
-            return await self._release(ids)
+            return await self._release(ids, settings)
         except AttentionError as err:
             if not _not_found(err):
                 raise
         released = 0
         for i in ids:
             try:
-                released += await self._release((i,))
+                released += await self._release((i,), settings)
             except AttentionError as e:
                 if not _not_found(e):
                     raise
                 self._mark_released((i,), self.client._cache_layouts)
         return released
 
-    async def info(self, ids: Any = None) -> list[dict[str, Any]]:
+    async def info(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
         """See KvCache.info."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         ids = self._own_ids(ids)
         if not ids:
             return []
-        return self._note_infos((await self.client._list_caches(ids)).caches)
+        return self._note_infos((await self.client._list_caches(ids, settings)).caches)
 
     async def __aenter__(self) -> AsyncKvCache:
         return self
@@ -356,24 +422,24 @@ class AsyncKvCache(_KvCacheBase):
             with contextlib.suppress(AttentionError):
                 await self.release()
 
-    async def _create(self, ids: tuple[str, ...]) -> None:
-        await self.client._unary_rpc("CreateCaches", self._create_request(ids))
+    async def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
+        await self.client._unary_rpc("CreateCaches", self._create_request(ids), settings)
         self._mark_created(ids, self.client._cache_layouts)
 
-    async def _release(self, ids: tuple[str, ...]) -> int:
+    async def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
         reply = await self.client._unary_rpc(
-            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids)
+            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids), settings
         )
         self._mark_released(ids, self.client._cache_layouts)
         return int(reply.released)
 
-    async def _run(self, prep: PreparedRequest) -> Any:
+    async def _run(self, prep: PreparedRequest, settings: CallSettings) -> Any:
         assert prep.cache is not None
         if self._missing(prep.cache.ids):
             async with self._lock:
                 missing = self._missing(prep.cache.ids)
                 if missing:
-                    await self._create(missing)
-        result = await self.client._run(prep)
+                    await self._create(missing, settings)
+        result = await self.client._run(prep, settings)
         self._note(prep)
         return result

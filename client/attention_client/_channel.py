@@ -9,16 +9,27 @@ which happens before anything is sent) are retried; a large request cut off mid-
 
 Message sizes stay at gRPC's defaults (4 MiB receive): requests and responses are streamed in
 chunks well under it, so no limit needs raising on either side.
+
+Per call (``CallSettings``): one deadline over all of a public call's rpcs, the client's
+metadata with the call's merged over it, and ``wait_for_ready``; ``DEFAULT`` marks a
+``timeout`` left out (the client's), since ``None`` means no deadline.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import numbers
 import os
-from collections.abc import Sequence
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+
+from attention_client._errors import AttentionInputError
 
 SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
@@ -82,32 +93,169 @@ def channel_options(extra: Sequence[tuple[str, Any]] | None = None) -> list[tupl
     return list(merged.items())
 
 
-def credentials(tls: Any) -> grpc.ChannelCredentials | None:
-    """None/False: plaintext. True: system roots. bytes: PEM roots. str/path: PEM file."""
-    if tls is None or tls is False:
-        return None
-    if tls is True:
-        return grpc.ssl_channel_credentials()
-    if isinstance(tls, grpc.ChannelCredentials):
-        return tls
-    if isinstance(tls, bytes | bytearray):
-        return grpc.ssl_channel_credentials(root_certificates=bytes(tls))
-    if isinstance(tls, str | os.PathLike):
-        with open(tls, "rb") as f:
-            return grpc.ssl_channel_credentials(root_certificates=f.read())
-    raise ValueError(
-        f"tls must be None, True, PEM bytes or a PEM file path, got {type(tls).__name__}"
+def _pem(value: Any, name: str) -> bytes:
+    """PEM given as bytes, or as a file path (str or os.PathLike)."""
+    if isinstance(value, bytes | bytearray):
+        return bytes(value)
+    if isinstance(value, str | os.PathLike):
+        try:
+            with open(value, "rb") as f:
+                return f.read()
+        except OSError as exc:
+            raise AttentionInputError(f"{name}: cannot read {os.fspath(value)!r}: {exc}") from exc
+    raise AttentionInputError(
+        f"{name} must be PEM bytes or a PEM file path, got {type(value).__name__}"
     )
 
 
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+def credentials(
+    tls: Any, client_cert: Any = None, client_key: Any = None
+) -> grpc.ChannelCredentials | None:
+    """None/False: plaintext. True: system roots. bytes: PEM roots. str/path: PEM file.
+    A ``grpc.ChannelCredentials`` is used as it is. ``client_cert`` and ``client_key`` (PEM
+    bytes or file paths, both or neither) add a client certificate: mutual TLS."""
+    if (client_cert is None) != (client_key is None):
+        raise AttentionInputError("client_cert and client_key must be given together")
+    mtls = client_cert is not None
+    if tls is None or tls is False:
+        if mtls:
+            raise AttentionInputError(
+                "client_cert/client_key need tls: True (system roots) or the server's root "
+                "certificate"
+            )
+        return None
+    if isinstance(tls, grpc.ChannelCredentials):
+        if mtls:
+            raise AttentionInputError(
+                "client_cert/client_key cannot be added to ready-made grpc.ChannelCredentials: "
+                "build them into those credentials, or pass tls as True, PEM bytes or a path"
+            )
+        return tls
+    if tls is True:
+        roots = None
+    elif isinstance(tls, bytes | bytearray | str | os.PathLike):
+        roots = _pem(tls, "tls")
+    else:
+        raise AttentionInputError(
+            "tls must be None, True, PEM bytes, a PEM file path or grpc.ChannelCredentials, "
+            f"got {type(tls).__name__}"
+        )
+    if not mtls:
+        return grpc.ssl_channel_credentials(root_certificates=roots)
+    return grpc.ssl_channel_credentials(
+        root_certificates=roots, private_key=_pem(client_key, "client_key"),
+        certificate_chain=_pem(client_cert, "client_cert"),
+    )
 
 
-def check_timeout(timeout: float | None) -> float | None:
+# ---- per-call settings -------------------------------------------------------------------
+
+
+class _Default:
+    """The value of a per-call argument left out: the client's setting applies."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT: Any = _Default()
+
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+_METADATA_KEY = re.compile(r"^[0-9a-z_.-]+$")
+
+
+def as_metadata(metadata: Any, name: str = "metadata") -> Metadata:
+    """Extra gRPC metadata as given (a mapping, or a sequence of (key, value) pairs) ->
+    checked pairs. Keys are lowercased; text values must be printable ASCII, ``-bin`` keys take
+    bytes. AttentionInputError for what gRPC itself would refuse (as INTERNAL)."""
+    if metadata is None:
+        return ()
+    if isinstance(metadata, Mapping):
+        items = list(metadata.items())
+    elif isinstance(metadata, str | bytes) or not hasattr(metadata, "__iter__"):
+        raise AttentionInputError(
+            f"{name} must be a mapping or a sequence of (key, value) pairs, got "
+            f"{type(metadata).__name__}"
+        )
+    else:
+        items = list(metadata)
+    out: list[tuple[str, str | bytes]] = []
+    for i, item in enumerate(items):
+        if not isinstance(item, tuple | list) or len(item) != 2:
+            raise AttentionInputError(f"{name}[{i}] must be a (key, value) pair, got {item!r}")
+        key, value = item
+        if not isinstance(key, str) or not _METADATA_KEY.match(key.lower()):
+            raise AttentionInputError(
+                f"{name} key {key!r} must be a str of letters, digits, '-', '_' and '.'"
+            )
+        key = key.lower()
+        if key.endswith("-bin"):
+            if not isinstance(value, bytes | str):
+                raise AttentionInputError(
+                    f"{name}[{key!r}] must be bytes, got {type(value).__name__}"
+                )
+        elif not isinstance(value, str) or not all(" " <= c <= "~" for c in value):
+            raise AttentionInputError(
+                f"{name}[{key!r}] must be a str of printable ASCII (binary values need a key "
+                f"ending in '-bin'), got {value!r}"
+            )
+        out.append((key, value))
+    return tuple(out)
+
+
+def merge_metadata(base: Metadata, extra: Metadata) -> Metadata:
+    """``base`` with ``extra`` added; a key ``extra`` names replaces all of ``base``'s."""
+    if not extra:
+        return base
+    replaced = {k for k, _ in extra}
+    return tuple(kv for kv in base if kv[0] not in replaced) + extra
+
+
+def call_metadata(token: str | None, metadata: Any = None) -> Metadata:
+    """The client's own metadata: its token as ``authorization``, then ``metadata``."""
+    auth: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
+    return merge_metadata(auth, as_metadata(metadata))
+
+
+def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:
     if timeout is None:
         return None
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        raise AttentionInputError(
+            f"{name} must be positive seconds or None, got {type(timeout).__name__}"
+        )
     t = float(timeout)
     if not t > 0:
-        raise ValueError(f"timeout must be positive seconds or None, got {timeout!r}")
+        raise AttentionInputError(f"{name} must be positive seconds or None, got {timeout!r}")
     return t
+
+
+def check_wait_for_ready(value: Any, name: str = "wait_for_ready") -> bool | None:
+    if value is None or isinstance(value, bool):
+        return value
+    raise AttentionInputError(f"{name} must be True, False or None, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CallSettings:
+    """What one public call sends with each of its rpcs: a deadline shared by all of them
+    (a cache call may create caches first), metadata, wait_for_ready, and the wire field ->
+    argument name mapping its errors are reported in."""
+
+    deadline: float | None  # time.monotonic() seconds
+    metadata: Metadata
+    wait_for_ready: bool | None
+    names: Mapping[str, str] | None = None
+
+    def kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of a grpc call (sync or aio)."""
+        timeout = None
+        if self.deadline is not None:
+            timeout = max(self.deadline - time.monotonic(), 0.0)
+        return {
+            "timeout": timeout, "metadata": self.metadata, "wait_for_ready": self.wait_for_ready
+        }
+
+    def named(self, names: Mapping[str, str] | None) -> CallSettings:
+        return dataclasses.replace(self, names=names)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
+from attention_client._errors import AttentionInputError
 from attention_client._tensors import WireTensor
 from attention_wire.codec import field_key, varint
 from attention_wire.pb import attention_pb2 as pb
@@ -36,7 +37,7 @@ _FIELDS = (pb.Q, pb.K, pb.V)
 def check_chunk_bytes(max_chunk_bytes: int) -> int:
     n = int(max_chunk_bytes)
     if not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES:
-        raise ValueError(
+        raise AttentionInputError(
             f"max_chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {n}"
         )
     return n

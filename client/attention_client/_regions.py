@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_client._errors import AttentionInputError
 from attention_client._tensors import is_torch_tensor, storage_dtype
 from attention_wire import shm
 from attention_wire.alloc import FreeList
@@ -247,7 +248,7 @@ def _torch_dtype(dtype: Any) -> Any:
 def create_system_region(nbytes: int, name: str | None = None) -> tuple[SharedRegion, str]:
     """A new POSIX shared-memory object mapped here (not yet registered): (region, key)."""
     if nbytes <= 0:
-        raise ValueError(f"nbytes must be positive, got {nbytes}")
+        raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
     key = shm.new_key("attention-client")
     mapping = shm.map_object(key, 0, nbytes, create=True)
     memory = np.frombuffer(mapping.mm, dtype=np.uint8)
@@ -269,7 +270,7 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
     from attention_wire import cuda_ipc
 
     if nbytes <= 0:
-        raise ValueError(f"nbytes must be positive, got {nbytes}")
+        raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
     dev = torch.device("cuda", torch.cuda.current_device() if device is None
                        else torch.device(device).index or 0)
     with torch.cuda.device(dev):

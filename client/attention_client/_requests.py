@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from attention_client._errors import ProtocolError
+from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
 from attention_client._tensors import (
     Origin,
@@ -81,26 +81,26 @@ class KvLayout:
         return WireTensor(name, np.empty(shape, storage_dtype(self.dtype)), self.dtype)
 
     def check(self, t: Tensor, kv: bool) -> None:
-        """ValueError naming ``t`` when it does not fit: dtype, head_dim, kv heads (or, for a
-        query, a head count the kv heads divide)."""
+        """AttentionInputError naming ``t`` when it does not fit: dtype, head_dim, kv heads
+        (or, for a query, a head count the kv heads divide)."""
         if t.dtype != self.dtype:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches hold "
                 f"{dtype_name(self.dtype)}"
             )
         heads, dim = t.shape[-2], t.shape[-1]
         if dim != self.head_dim:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{t.name} has head_dim {dim} (shape {t.shape}), but the caches have "
                 f"head_dim {self.head_dim}"
             )
         if kv and heads != self.num_kv_heads:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{t.name} has {heads} kv heads (shape {t.shape}), but the caches have "
                 f"num_kv_heads {self.num_kv_heads}"
             )
         if not kv and heads % self.num_kv_heads:
-            raise ValueError(
+            raise AttentionInputError(
                 f"{t.name} has {heads} heads (shape {t.shape}), not a multiple of the caches' "
                 f"num_kv_heads {self.num_kv_heads}"
             )
@@ -121,28 +121,30 @@ class CacheTarget:
 
 def _positive(x: Any, name: str) -> int:
     if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
-        raise ValueError(f"{name} must be a positive integer, got {x!r}")
+        raise AttentionInputError(f"{name} must be a positive integer, got {x!r}")
     return int(x)
 
 
 def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
-    """A str or a sequence of str -> a tuple; ValueError naming ``name`` for an empty list, an
-    id of 0 or over 256 UTF-8 bytes, a non-str, or an id given twice."""
+    """A str or a sequence of str -> a tuple; AttentionInputError naming ``name`` for an empty
+    list, an id of 0 or over 256 UTF-8 bytes, a non-str, or an id given twice."""
     if isinstance(ids, str):
         ids = (ids,)
     elif isinstance(ids, bytes | bytearray) or not hasattr(ids, "__iter__"):
-        raise ValueError(f"{name} must be a str or a sequence of str, got {type(ids).__name__}")
+        raise AttentionInputError(
+            f"{name} must be a str or a sequence of str, got {type(ids).__name__}"
+        )
     out = tuple(ids)
     if not out:
-        raise ValueError(f"{name} is empty: name at least one cache")
+        raise AttentionInputError(f"{name} is empty: name at least one cache")
     seen: set[str] = set()
     for i, cid in enumerate(out):
         if not isinstance(cid, str):
-            raise ValueError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
+            raise AttentionInputError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
         if not 1 <= len(cid.encode()) <= MAX_CACHE_ID_BYTES:
-            raise ValueError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
+            raise AttentionInputError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
         if cid in seen:
-            raise ValueError(f"{name}[{i}] {cid!r} appears twice")
+            raise AttentionInputError(f"{name}[{i}] {cid!r} appears twice")
         seen.add(cid)
     return out
 
@@ -217,7 +219,7 @@ def _encode_qkv(
     names: tuple[str, str, str] = ("q", "k", "v"),
 ) -> tuple[Tensor, Tensor, Tensor, Origin]:
     """Encode q, k, v (q None: k alone gives the origin, and the q returned is k);
-    ValueError when their dtypes or k/v shapes differ."""
+    AttentionInputError when their dtypes or k/v shapes differ."""
     first = (q, names[0]) if q is not None else (k, names[1])
     _, _, origin = describe(*first)
     wk, wv = _tensor(k, names[1], placement), _tensor(v, names[2], placement)
@@ -225,15 +227,19 @@ def _encode_qkv(
     if not wq.dtype == wk.dtype == wv.dtype:
         given = (wq, wk, wv) if q is not None else (wk, wv)
         dtypes = ", ".join(pb.DType.Name(t.dtype) for t in given)
-        raise ValueError(f"{', '.join(t.name for t in given)} must share one dtype, got {dtypes}")
+        raise AttentionInputError(
+            f"{', '.join(t.name for t in given)} must share one dtype, got {dtypes}"
+        )
     if wk.shape != wv.shape:
-        raise ValueError(f"{names[2]} shape {wv.shape} differs from {names[1]} shape {wk.shape}")
+        raise AttentionInputError(
+            f"{names[2]} shape {wv.shape} differs from {names[1]} shape {wk.shape}"
+        )
     return wq, wk, wv, origin
 
 
 def _require_rank(t: Tensor, rank: int, layout: str) -> None:
     if len(t.shape) != rank:
-        raise ValueError(f"{t.name} must be {rank}-D {layout}, got shape {t.shape}")
+        raise AttentionInputError(f"{t.name} must be {rank}-D {layout}, got shape {t.shape}")
 
 
 def _nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
@@ -255,9 +261,13 @@ def _place_outputs(
         if out is not None:
             out_span = placement.user_output(out)
             if out_span is None:
-                raise ValueError("out must be a contiguous tensor inside a registered region")
+                raise AttentionInputError(
+                    "out must be a contiguous tensor inside a registered region"
+                )
             if out_span.nbytes != out_nbytes:
-                raise ValueError(f"out has {out_span.nbytes} bytes, the result {out_nbytes}")
+                raise AttentionInputError(
+                    f"out has {out_span.nbytes} bytes, the result {out_nbytes}"
+                )
         q_span = spans.get("q")
         if q_span is not None:
             if out_span is None:
@@ -265,7 +275,7 @@ def _place_outputs(
             if lse_nbytes:
                 lse_span = placement.output(q_span, lse_nbytes)
     elif out is not None:
-        raise ValueError("out= needs registered regions (use_regions is off)")
+        raise AttentionInputError("out= needs registered regions (use_regions is off)")
     if out_span is not None:
         spans["out"] = out_span
     if lse_span is not None:
@@ -278,16 +288,19 @@ def _place_outputs(
 def _scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
-    scale = float(softmax_scale)
+    try:
+        scale = float(softmax_scale)
+    except (TypeError, ValueError):
+        scale = math.nan
     if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite, got {softmax_scale!r}")
+        raise AttentionInputError(f"softmax_scale must be finite, got {softmax_scale!r}")
     return scale
 
 
 def _checked_header(header: Any) -> bytes:
     data = header.SerializeToString()
     if len(data) > MAX_HEADER_BYTES:
-        raise ValueError(
+        raise AttentionInputError(
             f"request header is {len(data)} bytes (cu_seqlens too long), over the "
             f"{MAX_HEADER_BYTES} byte limit that keeps messages under gRPC's 4 MiB default: "
             "split the batch over several calls"
@@ -317,7 +330,7 @@ def _prefill_form(
     lse_fix: Callable[[Any], Any] = _same
     if cu_seqlens is None:
         if cu_seqlens_k is not None:
-            raise ValueError("cu_seqlens_k needs cu_seqlens (the query boundaries) too")
+            raise AttentionInputError("cu_seqlens_k needs cu_seqlens (the query boundaries) too")
         if len(wq.shape) == 3:  # one sequence
             for t in (wk, wv):
                 _require_rank(t, 3, "[N_k, H_kv, D] (q is 3-D)")
@@ -328,19 +341,19 @@ def _prefill_form(
                 _require_rank(t, 4, "[B, N_k, H_kv, D] (q is 4-D)")
             batch, n_q, heads = wq.shape[0], wq.shape[1], wq.shape[2]
             if wk.shape[0] != batch:
-                raise ValueError(f"k batch {wk.shape[0]} differs from q batch {batch}")
+                raise AttentionInputError(f"k batch {wk.shape[0]} differs from q batch {batch}")
             n_k = wk.shape[1]
             cu_q = np.arange(batch + 1, dtype=np.int64) * n_q
             cu_k = np.arange(batch + 1, dtype=np.int64) * n_k
             if cu_q[-1] > np.iinfo(np.int32).max or cu_k[-1] > np.iinfo(np.int32).max:
-                raise ValueError("q or k has more than 2**31 - 1 tokens")
+                raise AttentionInputError("q or k has more than 2**31 - 1 tokens")
             cu_q, cu_k = cu_q.astype(np.int32), cu_k.astype(np.int32)
             wq = wq.reshaped((batch * n_q, *wq.shape[2:]))
             wk = wk.reshaped((batch * n_k, *wk.shape[2:]))
             wv = wv.reshaped((batch * n_k, *wv.shape[2:]))
             lse_fix = functools.partial(_batch_major, heads=heads, batch=batch, n_q=n_q)
         else:
-            raise ValueError(
+            raise AttentionInputError(
                 f"q must be 3-D [N, H, D] or 4-D [B, N, H, D], got shape {wq.shape}"
             )
     else:
@@ -353,7 +366,7 @@ def _prefill_form(
             else np.empty(0, np.int32)  # empty: the server uses cu_seqlens_q
         )
         if cu_k.size and cu_k.size != cu_q.size:
-            raise ValueError(
+            raise AttentionInputError(
                 f"cu_seqlens has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}"
             )
     return wq, wk, wv, cu_q, cu_k, user_shape, lse_fix
@@ -420,9 +433,9 @@ def _decode_request(
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
 ) -> PreparedRequest:
     batch, heads = wq.shape[0], wq.shape[1]
-    splits = int(num_splits)
+    splits = int(num_splits) if isinstance(num_splits, int | np.integer) else -1
     if not 0 <= splits <= np.iinfo(np.int32).max:
-        raise ValueError(f"num_splits must be >= 0, got {num_splits}")
+        raise AttentionInputError(f"num_splits must be an int >= 0, got {num_splits!r}")
     header = pb.DecodeHeader(
         q=_spec(wq),
         k=_spec(wk),
@@ -466,11 +479,11 @@ def prepare_decode(
     for t in (wk, wv):
         _require_rank(t, 3, "packed [total_k, H_kv, D]")
     if cu_seqlens_k is None:
-        raise ValueError("cu_seqlens_k is required for decode")
+        raise AttentionInputError("cu_seqlens_k is required for decode")
     cu_k = as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
     batch = wq.shape[0]
     if cu_k.size != batch + 1:
-        raise ValueError(
+        raise AttentionInputError(
             f"cu_seqlens_k must have batch+1 = {batch + 1} entries (q has batch {batch}), "
             f"got {cu_k.size}"
         )
@@ -487,7 +500,7 @@ def _check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> Non
     """The cache ops check boundaries here too: a refused request must not come after its
     caches were created."""
     if cu.size and (cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total):
-        raise ValueError(
+        raise AttentionInputError(
             f"{name} must start at 0, never decrease and end at {total} (the rows of "
             f"{rows_of}), got {cu.tolist()}"
         )
@@ -508,11 +521,11 @@ def _new_kv(
     """No new tokens (k and v both None): empty k and v of the caches' layout. None when k and
     v are given."""
     if (k is None) != (v is None):
-        raise ValueError(f"{names[0]} and {names[1]} must both be given, or both be None")
+        raise AttentionInputError(f"{names[0]} and {names[1]} must both be given, or both be None")
     if k is not None:
         return None
     if target.layout is None:
-        raise ValueError(
+        raise AttentionInputError(
             f"{names[0]}/{names[1]} None (no new tokens) needs the caches' layout "
             "(use a kv_cache handle)"
         )
@@ -521,7 +534,7 @@ def _new_kv(
 
 def _count_check(sequences: int, target: CacheTarget, what: str) -> None:
     if sequences != len(target.ids):
-        raise ValueError(
+        raise AttentionInputError(
             f"ids names {len(target.ids)} caches, but {what} has {sequences} sequences: "
             "name one cache per sequence"
         )
@@ -535,7 +548,7 @@ def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget) -> P
         _require_rank(t, 3, "[total, H_kv, D]")
     if cu_seqlens is None:
         if len(target.ids) != 1:
-            raise ValueError(
+            raise AttentionInputError(
                 f"cu_seqlens is required with {len(target.ids)} cache ids (one sequence each)"
             )
         cu_k = np.array([0, wk.shape[0]], np.int32)
@@ -586,7 +599,7 @@ def prepare_cache_prefill(
         elif wk.shape[0] == wq.shape[0]:
             cu_k = cu_q
         else:
-            raise ValueError(
+            raise AttentionInputError(
                 f"cu_seqlens_k is needed: k has {wk.shape[0]} new rows, q {wq.shape[0]}"
             )
     _count_check(cu_q.size - 1, target, "q")
@@ -621,7 +634,7 @@ def prepare_cache_decode(
     batch = wq.shape[0]
     _count_check(batch, target, "q")
     if wk.shape[0] not in (0, batch):
-        raise ValueError(
+        raise AttentionInputError(
             f"{wk.name} must hold one new token per sequence, [{batch}, H_kv, D], "
             f"got shape {wk.shape}"
         )

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from attention_client._errors import AttentionInputError
 from attention_wire.pb import attention_pb2 as pb
 
 # Storage dtype of each wire dtype. bfloat16 is held as int16 bits: numpy has no bfloat16 of its
@@ -97,7 +98,7 @@ def _torch_wire_dtype(x: Any, name: str) -> int:
     torch = _torch_module()
     wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
     if x.dtype not in wire:
-        raise ValueError(
+        raise AttentionInputError(
             f"{name} has unsupported dtype {x.dtype}: use float16, bfloat16 or float32"
         )
     return wire[x.dtype]
@@ -110,7 +111,7 @@ def _numpy_wire_dtype(x: np.ndarray, name: str) -> int:
         return pb.FLOAT32
     if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (only present if ml_dtypes is loaded)
         return pb.BFLOAT16
-    raise ValueError(
+    raise AttentionInputError(
         f"{name} has unsupported dtype {x.dtype}: use float16, float32 or bfloat16 (ml_dtypes)"
     )
 
@@ -131,12 +132,14 @@ def as_wire_dtype(dtype: Any, name: str = "dtype") -> int:
     if isinstance(dtype, str):
         wire = _DTYPE_NAMES.get(dtype.lower().removeprefix("torch."))
         if wire is None:
-            raise ValueError(f"{name} {dtype!r} unsupported: use float16, bfloat16 or float32")
+            raise AttentionInputError(
+                f"{name} {dtype!r} unsupported: use float16, bfloat16 or float32"
+            )
         return wire
     try:
         np_dtype = np.dtype(dtype)
     except TypeError:
-        raise ValueError(
+        raise AttentionInputError(
             f"{name} must be a numpy or torch dtype or a name like 'float16', got {dtype!r}"
         ) from None
     return _numpy_wire_dtype(np.empty(0, np_dtype), name)
@@ -149,7 +152,9 @@ def describe(x: Any, name: str) -> tuple[tuple[int, ...], int, Origin]:
     if isinstance(x, np.ndarray):
         dtype = x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype
         return tuple(x.shape), _numpy_wire_dtype(x, name), Origin("numpy", dtype)
-    raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+    raise AttentionInputError(
+        f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}"
+    )
 
 
 def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
@@ -181,12 +186,14 @@ def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:
 
 
 def to_wire(x: Any, name: str) -> tuple[WireTensor, Origin]:
-    """Encode one user tensor; raises ValueError naming ``name`` for unsupported inputs."""
+    """Encode one user tensor; raises AttentionInputError naming ``name`` for unsupported inputs."""
     if is_torch_tensor(x):
         return _from_torch(x, name)
     if isinstance(x, np.ndarray):
         return _from_numpy(x, name)
-    raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
+    raise AttentionInputError(
+        f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}"
+    )
 
 
 def to_user(storage: Any, origin: Origin, *, is_lse: bool = False) -> Any:
@@ -211,9 +218,9 @@ def as_cu_seqlens(x: Any, name: str) -> np.ndarray:
         x = x.detach().cpu().numpy()
     arr = np.asarray(x)
     if arr.ndim != 1 or arr.shape[0] < 1:
-        raise ValueError(f"{name} must be 1-D with batch+1 entries, got shape {arr.shape}")
+        raise AttentionInputError(f"{name} must be 1-D with batch+1 entries, got shape {arr.shape}")
     if arr.dtype.kind not in "iu":
-        raise ValueError(f"{name} must hold integers, got dtype {arr.dtype}")
+        raise AttentionInputError(f"{name} must hold integers, got dtype {arr.dtype}")
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
-        raise ValueError(f"{name} values must fit in int32")
+        raise AttentionInputError(f"{name} values must fit in int32")
     return arr.astype(np.int32, copy=False)

