@@ -52,6 +52,9 @@ class ServerConfig:
     auth_token: str | None = None
     tls_cert: str | None = None
     tls_key: str | None = None
+    # PEM of the CA(s) that sign client certificates: set, the port requires and verifies a
+    # client certificate on every connection (mutual TLS). Needs tls_cert/tls_key.
+    tls_client_ca: str | None = None
     grace_seconds: float = 30.0
     warmup: bool = True
     batching: bool = True
@@ -112,6 +115,8 @@ class ServerConfig:
             )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("tls_cert and tls_key must be given together")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
@@ -181,6 +186,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "auth_token": ("--auth-token", "ATTENTION_AUTH_TOKEN", str),
     "tls_cert": ("--tls-cert", "ATTENTION_TLS_CERT", str),
     "tls_key": ("--tls-key", "ATTENTION_TLS_KEY", str),
+    "tls_client_ca": ("--tls-client-ca", "ATTENTION_TLS_CLIENT_CA", str),
     "grace_seconds": ("--grace-seconds", "ATTENTION_GRACE_SECONDS", float),
     "warmup": ("--warmup", "ATTENTION_WARMUP", _bool_env),
     "batching": ("--batching", "ATTENTION_BATCHING", _bool_env),
@@ -240,7 +246,7 @@ def load_config(
                 values[name] = kind(environ[env])  # type: ignore[operator]
             except ValueError as exc:
                 raise ValueError(f"{env}: {exc}") from exc
-    for name in ("auth_token", "tls_cert", "tls_key"):
+    for name in ("auth_token", "tls_cert", "tls_key", "tls_client_ca"):
         if values.get(name) == "":
             values[name] = None  # an empty env var means unset
     return ServerConfig(**values)  # type: ignore[arg-type]

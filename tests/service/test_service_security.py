@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from attention_wire.pb import attention_pb2 as pb
@@ -95,3 +96,26 @@ def test_tls(start_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(grpc.RpcError) as info:
         health_status(srv.channel())
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_mutual_tls_requires_a_certificate_the_client_ca_signed(  # type: ignore[no-untyped-def]
+    start_server, tmp_path
+) -> None:
+    from attention_client import AttentionClient, AttentionUnavailableError
+
+    cert, key = _self_signed(tmp_path)
+    ca_dir, other_dir = tmp_path / "ca", tmp_path / "other"
+    ca_dir.mkdir()
+    other_dir.mkdir()
+    client_cert, client_key = _self_signed(ca_dir)  # self-signed: its own CA
+    stranger_cert, stranger_key = _self_signed(other_dir)
+    srv = start_server(tls_cert=str(cert), tls_key=str(key), tls_client_ca=str(client_cert))
+    target = f"localhost:{srv.port}"
+    q = np.random.default_rng(0).standard_normal((5, 2, 8)).astype(np.float32)
+    with AttentionClient(target, tls=str(cert), client_cert=str(client_cert),
+                         client_key=str(client_key), timeout=10) as client:
+        assert client.attention(q, q, q).shape == q.shape
+    for extra in ({}, {"client_cert": str(stranger_cert), "client_key": str(stranger_key)}):
+        with AttentionClient(target, tls=str(cert), timeout=5, **extra) as client, \
+                pytest.raises(AttentionUnavailableError):
+            client.attention(q, q, q)

@@ -130,8 +130,10 @@ async def start_frontend(
     )
     where = address(config.host, config.port)
     if config.tls_cert and config.tls_key:
+        client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
         creds = grpc.ssl_server_credentials(
-            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())]
+            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+            root_certificates=client_ca, require_client_auth=client_ca is not None,
         )
         port = grpc_server.add_secure_port(where, creds)
     else:
