@@ -49,6 +49,7 @@ MiB = 1 << 20
 # Growth allowed between the settled start and the end (allocator and page-cache noise).
 RSS_SLACK = 64 * MiB
 GPU_SLACK = 64 * MiB
+GOOD_TOL = 2e-3
 
 
 def _free_port() -> int:
@@ -137,6 +138,7 @@ class Chaos:
         self.got: Counter[tuple[str, str, str]] = Counter()  # (case, expected, got)
         self.wrong: list[str] = []
         self.good_calls = 0
+        self.max_err = 0.0
         self.bad_good_calls: list[str] = []
 
     def cases(self) -> dict[str, tuple[grpc.StatusCode, str, Callable[[], Any]]]:
@@ -198,9 +200,13 @@ class Chaos:
                 rows = np.frombuffer(c.data, np.float32).reshape(c.row_count, *out.shape[1:])
                 out[c.row_start : c.row_start + c.row_count] = rows
                 filled += len(c.data)
+        # The kernel tests' float32 tolerance on a GPU (tests/kernels/conftest.py): tl.dot
+        # runs float32 as TF32 there, ~2e-3 off the float64 reference.
+        excess = np.abs(out - self.good.want) - (GOOD_TOL + GOOD_TOL * np.abs(self.good.want))
         err = float(np.abs(out - self.good.want).max())
+        self.max_err = max(self.max_err, err)
         self.good_calls += 1
-        if filled != out.nbytes or not err < 1e-3:
+        if filled != out.nbytes or not float(excess.max()) <= 0:
             self.bad_good_calls.append(f"filled {filled}/{out.nbytes}, max err {err}")
 
     def round(self) -> None:
@@ -284,6 +290,21 @@ def _metric_counts(text: str, name: str) -> Counter[tuple[str, str]]:
     return counts
 
 
+def _torch_memory(mport: int) -> dict[str, int | None]:
+    """The engine's torch allocator: live tensor bytes (a leak shows here) and bytes reserved
+    by its caching allocator (grows in steps as new shapes and CUDA-graph pools appear)."""
+    out: dict[str, int | None] = {"allocated_bytes": None, "reserved_bytes": None}
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).read()
+    except OSError:
+        return out
+    for line in text.decode().splitlines():
+        for key in out:
+            if line.startswith(f"attention_gpu_memory_{key} "):
+                out[key] = int(float(line.split()[-1]))
+    return out
+
+
 def _locust_failures(csv_path: Path) -> tuple[int, int]:
     with csv_path.open() as f:
         for row in csv.DictReader(f):
@@ -361,9 +382,10 @@ def _drive(args: argparse.Namespace, server: subprocess.Popen, locust: subproces
         while not stop.is_set():
             pids = _tree(server.pid)
             rss = {p: _rss(p) for p in pids}
+            torch_mem = _torch_memory(mport)
             samples.append({"t": round(time.time() - start, 1), "processes": len(pids),
                             "rss_bytes": sum(rss.values()),
-                            "gpu_bytes": _gpu_bytes(set(pids))})
+                            "gpu_bytes": _gpu_bytes(set(pids)), **torch_mem})
             stop.wait(args.sample_every)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -389,14 +411,20 @@ def _drive(args: argparse.Namespace, server: subprocess.Popen, locust: subproces
         server_rc = -9
 
     with (args.out / "soak_memory.csv").open("w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["t", "processes", "rss_bytes", "gpu_bytes"])
+        w = csv.DictWriter(f, fieldnames=["t", "processes", "rss_bytes", "gpu_bytes",
+                                          "allocated_bytes", "reserved_bytes"])
         w.writeheader()
         w.writerows(samples)
     loaded = [s for s in samples if s["t"] >= args.settle] or samples
     first, last = loaded[0], loaded[-1]
     rss_growth = last["rss_bytes"] - first["rss_bytes"]
-    gpu_growth = (None if first["gpu_bytes"] is None or last["gpu_bytes"] is None
-                  else last["gpu_bytes"] - first["gpu_bytes"])
+    def growth(key: str) -> int | None:
+        a, b = first.get(key), last.get(key)
+        return None if a is None or b is None else b - a
+
+    gpu_growth = growth("gpu_bytes")
+    alloc_growth = growth("allocated_bytes")
+    reserved_growth = growth("reserved_bytes")
     requests, failures = _locust_failures(args.out / "soak_locust_stats.csv")
     want = chaos.expected_server_counts()
     count_mismatch = {f"{rpc} {code}": {"caused": n, "server": server_counts[(rpc, code)]}
@@ -411,8 +439,10 @@ def _drive(args: argparse.Namespace, server: subprocess.Popen, locust: subproces
         "known prefill correct every round": not chaos.bad_good_calls,
         "health SERVING every round": health_misses == 0,
         f"RSS flat (<= {RSS_SLACK // MiB} MiB growth)": rss_growth <= RSS_SLACK,
-        f"GPU memory flat (<= {GPU_SLACK // MiB} MiB growth)":
-            gpu_growth is None or gpu_growth <= GPU_SLACK,
+        # Live tensors must not grow. What the device reports (nvidia-smi) also holds the
+        # caching allocator's reserve and CUDA-graph pools, bounded but filled lazily: reported.
+        f"GPU live tensors flat (<= {GPU_SLACK // MiB} MiB growth)":
+            alloc_growth is None or alloc_growth <= GPU_SLACK,
         "server exit 0 on SIGTERM": server_rc == 0,
     }
     summary = {
@@ -423,24 +453,32 @@ def _drive(args: argparse.Namespace, server: subprocess.Popen, locust: subproces
         "chaos": {"rounds": rounds, "bad_calls": sum(chaos.sent.values()),
                   "by_case": {f"{n} -> {g}": c for (n, _e, g), c in sorted(chaos.got.items())},
                   "wrong": chaos.wrong[:50], "good_calls": chaos.good_calls,
+                  "good_max_abs_err": chaos.max_err,
                   "bad_good_calls": chaos.bad_good_calls[:20]},
         "server_counts_mismatch": count_mismatch, "unknown_or_internal": internal,
         "health_misses": health_misses, "server_exit": server_rc,
         "memory": {"settle_s": args.settle, "start": first, "end": last,
-                   "rss_growth_bytes": rss_growth, "gpu_growth_bytes": gpu_growth},
+                   "rss_growth_bytes": rss_growth, "gpu_growth_bytes": gpu_growth,
+                   "allocated_growth_bytes": alloc_growth,
+                   "reserved_growth_bytes": reserved_growth,
+                   "gpu_bytes_max": max((s["gpu_bytes"] or 0) for s in loaded)},
         "checks": checks, "passed": all(checks.values()),
     }
     (args.out / "soak_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     lines = [f"# Soak, {summary['date']}", "", f"`{summary['command']}`", "",
              f"Locust: {requests} requests, {failures} failures (rc {locust_rc}); chaos: "
              f"{rounds} rounds, {summary['chaos']['bad_calls']} bad calls, "
-             f"{chaos.good_calls} checked good calls.", "",
+             f"{chaos.good_calls} checked good calls (max abs error {chaos.max_err:.2g}).", "",
              "| memory | start | end | growth |", "|---|---|---|---|",
              f"| RSS, all server processes (MiB) | {first['rss_bytes'] / MiB:.0f} | "
              f"{last['rss_bytes'] / MiB:.0f} | {rss_growth / MiB:+.1f} |"]
-    if gpu_growth is not None:
-        lines.append(f"| GPU memory, nvidia-smi (MiB) | {first['gpu_bytes'] / MiB:.0f} | "
-                     f"{last['gpu_bytes'] / MiB:.0f} | {gpu_growth / MiB:+.1f} |")
+    for key, label in (("allocated_bytes", "GPU live tensors, torch allocated"),
+                       ("reserved_bytes", "GPU reserved by torch's caching allocator"),
+                       ("gpu_bytes", "GPU memory of the server processes, nvidia-smi")):
+        g = growth(key)
+        if g is not None:
+            lines.append(f"| {label} (MiB) | {first[key] / MiB:.0f} | {last[key] / MiB:.0f} | "
+                         f"{g / MiB:+.1f} |")
     lines += ["", "| bad call -> status | count |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in summary["chaos"]["by_case"].items()]
     lines += ["", "| check | result |", "|---|---|"]

@@ -99,3 +99,20 @@ def test_unauthenticated_bytes_are_never_parsed(auth_server: ServerHandle, metho
             call(b"\xff\xff\xff", timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "INVALID_ARGUMENT" not in request_codes(auth_server, method)
+
+
+@pytest.mark.parametrize(("remaining", "code"), [
+    (None, "CANCELLED"), (5.0, "CANCELLED"), (0.2, "CANCELLED"), (0.01, "DEADLINE_EXCEEDED"),
+    (0.0, "DEADLINE_EXCEEDED"), (-0.5, "DEADLINE_EXCEEDED"),
+])
+def test_a_call_the_client_ended_counts_as_its_deadline_or_a_cancel(remaining: float | None,
+                                                                     code: str) -> None:
+    # The server's deadline trails the client's by the headers' transit: a cut-off seen with a
+    # few milliseconds left is the deadline, not a cancel.
+    from attention_service.frontend.servicer import _gone_code
+
+    class Context:
+        def time_remaining(self) -> float | None:
+            return remaining
+
+    assert _gone_code(Context()) == code  # type: ignore[arg-type]
