@@ -10,22 +10,35 @@ Two modes, one set of names:
   (``MultiProcessCollector``), so counters of a front end that died and was restarted are
   kept, and live gauges of dead processes are dropped (``mark_process_dead``).
 
-Values read at scrape time (queue depth, GPU memory, device info, live front ends) come from a
-collector in the serving process. Histograms (not summaries) so quantiles aggregate across
-replicas.
+Values read at scrape time (queue depth, GPU memory, device info, live front ends, each
+process's CPU and memory from /proc, NVML's GPU readings) come from a collector in the serving
+process. The client library's own ``process_*``/``python_*`` series describe the serving
+process only (multiprocess mode cannot merge them), so every process of a group is also
+reported, by ``role`` and ``pid``, in ``attention_process_*``.
+
+Histograms (not summaries) so quantiles aggregate across replicas. Throughput comes from
+counters (work and kernel seconds, per rpc): ``rate(work) / rate(seconds)`` weighs each
+launch by its time, where a per-launch histogram weighs a tiny launch like a huge one.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     start_http_server,
 )
 from prometheus_client.core import (
@@ -39,6 +52,12 @@ from prometheus_client.registry import Collector
 from attention_service.link import EngineInfo
 from attention_service.params import Op
 
+# A `_created` timestamp beside every counter and histogram doubles the output; no query
+# reads them (multiprocess mode never had them).
+disable_created_metrics()
+
+log = logging.getLogger("attention_service")
+
 COMPUTE_RPCS = tuple(op.rpc for op in Op)
 STAGES = ("h2d", "kernel", "d2h")
 
@@ -48,9 +67,121 @@ _STAGE = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.02
           0.25, 0.5, 1, 2.5, 5, 10)
 _BATCH_REQUESTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _BATCH_TOKENS = (16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576, 4194304)
-# cpu reference launches land in the low buckets, H100/H200 launches in the high ones.
-_TFLOPS = (0.01, 0.1, 1, 5, 10, 25, 50, 100, 150, 200, 300, 400, 500, 700, 1000)
-_GBPS = (0.1, 1, 10, 50, 100, 250, 500, 1000, 1500, 2000, 2500, 3000, 3500, 4000, 5000)
+# Per-launch rates in base units: cpu reference launches land in the low buckets, H100/H200
+# launches in the high ones (FLOP/s up to 1 PFLOP/s, bytes/s up to 5 TB/s).
+_FLOPS_PER_S = tuple(x * 1e12 for x in (0.01, 0.1, 1, 5, 10, 25, 50, 100, 150, 200, 300, 400,
+                                        500, 700, 1000))
+_BYTES_PER_S = tuple(x * 1e9 for x in (0.1, 1, 10, 50, 100, 250, 500, 1000, 1500, 2000, 2500,
+                                       3000, 3500, 4000, 5000))
+
+
+def _proc_stat(path: str) -> list[bytes]:
+    """The fields of a /proc ``stat`` file after the command name (which may hold spaces):
+    index 0 is field 3 (state), so field n of proc(5) is index n - 3."""
+    with open(path, "rb") as f:
+        return f.read().rsplit(b")", 1)[1].split()
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def process_usage(pid: int) -> tuple[float, float, int] | None:
+    """(CPU seconds, CPU seconds of its main thread, resident bytes) of a process, from /proc;
+    None when it is gone or there is no /proc (not Linux)."""
+    try:
+        proc = _proc_stat(f"/proc/{pid}/stat")
+        main = _proc_stat(f"/proc/{pid}/task/{pid}/stat")
+    except (OSError, IndexError):
+        return None
+    # utime, stime: fields 14, 15 (clock ticks); rss: field 24 (pages).
+    cpu = (int(proc[11]) + int(proc[12])) / _CLK_TCK
+    main_cpu = (int(main[11]) + int(main[12])) / _CLK_TCK
+    return cpu, main_cpu, int(proc[21]) * _PAGE
+
+
+def _own_process() -> list[tuple[str, int]]:
+    return [("server", os.getpid())]
+
+
+def _uuid_hex(text: str | bytes) -> str:
+    """A GPU UUID as bare hex, whatever its spelling (NVML's ``GPU-8ecf...``, torch's)."""
+    if isinstance(text, bytes):
+        text = text.decode()
+    text = text.lower()
+    if text.startswith(("gpu-", "mig-")):
+        text = text[4:]
+    return text.replace("-", "")
+
+
+class NvmlGauges:
+    """GPU utilisation, memory, power, temperature and SM clock of one GPU, read from NVML
+    (``nvidia-ml-py``) at scrape time. Optional: without the library, a driver or the GPU,
+    nothing is exported (and nothing fails); a reading the GPU does not support is left out."""
+
+    def __init__(self, uuid_hex: str) -> None:
+        """``uuid_hex``: the GPU's UUID as bare hex (``server.gpu_uuid``)."""
+        self._uuid = uuid_hex
+        self._nvml: Any = None
+        self._handle: Any = None
+        self._tried = False
+
+    def _open(self) -> None:
+        self._tried = True
+        try:
+            import pynvml  # nvidia-ml-py
+
+            pynvml.nvmlInit()
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                if _uuid_hex(pynvml.nvmlDeviceGetUUID(handle)) == self._uuid:
+                    self._nvml, self._handle = pynvml, handle
+                    return
+            log.info("NVML does not list this GPU (uuid %s): no attention_gpu_* NVML gauges",
+                     self._uuid)
+        except Exception as exc:  # no library, no driver, no permission
+            log.info("NVML unavailable (%s: %s): no attention_gpu_* NVML gauges",
+                     type(exc).__name__, exc)
+
+    def _read(self, fn: Callable[[], float]) -> float | None:
+        try:
+            return float(fn())
+        except Exception:  # NVMLError_NotSupported and the like: leave this reading out
+            return None
+
+    def collect(self) -> Iterator[Metric]:
+        if not self._tried:
+            self._open()
+        nv, h = self._nvml, self._handle
+        if h is None:
+            return
+        # In base units: ratios from NVML's percent, watts from mW, hertz from MHz.
+        util = self._read(lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100)
+        mem_busy = self._read(lambda: nv.nvmlDeviceGetUtilizationRates(h).memory / 100)
+        used = self._read(lambda: nv.nvmlDeviceGetMemoryInfo(h).used)
+        total = self._read(lambda: nv.nvmlDeviceGetMemoryInfo(h).total)
+        power = self._read(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000)
+        limit = self._read(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000)
+        temp = self._read(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
+        clock = self._read(lambda: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM) * 1_000_000)
+        readings = [
+            ("attention_gpu_utilization_ratio",
+             "Fraction of NVML's last sample period in which a kernel ran on the GPU (any "
+             "process).", util),
+            ("attention_gpu_memory_busy_ratio",
+             "Fraction of NVML's last sample period in which device memory was read or "
+             "written.", mem_busy),
+            ("attention_gpu_memory_used_bytes", "Device memory in use, all processes (NVML).",
+             used),
+            ("attention_gpu_memory_total_bytes", "Device memory (NVML).", total),
+            ("attention_gpu_power_watts", "Power draw (NVML).", power),
+            ("attention_gpu_power_limit_watts", "Enforced power limit (NVML).", limit),
+            ("attention_gpu_temperature_celsius", "GPU temperature (NVML).", temp),
+            ("attention_gpu_sm_clock_hertz", "SM clock (NVML).", clock),
+        ]
+        for name, doc, value in readings:
+            if value is not None:
+                yield GaugeMetricFamily(name, doc, value=value)
 
 
 class LiveCollector(Collector):
@@ -59,15 +190,23 @@ class LiveCollector(Collector):
     def __init__(
         self, info: EngineInfo, versions: dict[str, str], queue_depth: Callable[[Op], int],
         memory: Callable[[], tuple[int, int]], frontends: Callable[[], int],
-        kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
+        kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0), *,
+        queue_capacity: int = 0,
+        processes: Callable[[], list[tuple[str, int]]] = _own_process,
+        gpu_uuid: str | None = None,
     ) -> None:
-        """``kv_caches``: (pages used, pages total, caches live, caches expired so far)."""
+        """``kv_caches``: (pages used, pages total, caches live, caches expired so far);
+        ``queue_capacity``: requests the queue holds (``--max-queue-size``); ``processes``:
+        (role, pid) of every process to report; ``gpu_uuid``: the GPU to read NVML for."""
         self._info = info
         self._versions = versions
         self._queue_depth = queue_depth
+        self._queue_capacity = queue_capacity
         self._memory = memory
         self._frontends = frontends
         self._kv_caches = kv_caches
+        self._processes = processes
+        self._nvml = NvmlGauges(gpu_uuid) if gpu_uuid else None
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check for clashes at registration; collect() says it all
@@ -79,14 +218,22 @@ class LiveCollector(Collector):
         for op in Op:
             depth.add_metric([op.rpc], self._queue_depth(op))
         yield depth
+        yield GaugeMetricFamily(
+            "attention_queue_capacity",
+            "Requests the queue holds, all rpcs together, before it answers RESOURCE_EXHAUSTED "
+            "(--max-queue-size).", value=self._queue_capacity,
+        )
         allocated, reserved = self._memory()
         yield GaugeMetricFamily("attention_gpu_memory_allocated_bytes",
                                 "torch.cuda.memory_allocated (0 on cpu).", value=allocated)
         yield GaugeMetricFamily("attention_gpu_memory_reserved_bytes",
                                 "torch.cuda.memory_reserved (0 on cpu).", value=reserved)
+        if self._nvml is not None:
+            yield from self._nvml.collect()
         yield GaugeMetricFamily("attention_frontends",
                                 "gRPC front-end processes alive (1 in a single process).",
                                 value=self._frontends())
+        yield from self._process_families()
         used, total, live, expired = self._kv_caches()
         page = self._info.kv_page_bytes
         yield GaugeMetricFamily("attention_kv_pool_used_bytes",
@@ -104,6 +251,40 @@ class LiveCollector(Collector):
             value={"device": self._info.device, "backend": self._info.backend, **self._versions},
         )
 
+    def _process_families(self) -> Iterator[Metric]:
+        labels = ["role", "pid"]
+        cpu = CounterMetricFamily(
+            "attention_process_cpu_seconds",
+            "CPU time (user + system) of each process of the server: role server (one "
+            "process), engine or frontend.", labels=labels,
+        )
+        main = CounterMetricFamily(
+            "attention_process_main_thread_cpu_seconds",
+            "CPU time of each process's main thread: the asyncio event loop of a front end "
+            "(and of a single process).", labels=labels,
+        )
+        rss = GaugeMetricFamily(
+            "attention_process_resident_memory_bytes", "Resident memory of each process.",
+            labels=labels,
+        )
+        for role, pid in self._processes():
+            usage = process_usage(pid)
+            if usage is None:
+                continue
+            key = [role, str(pid)]
+            cpu.add_metric(key, usage[0])
+            main.add_metric(key, usage[1])
+            rss.add_metric(key, usage[2])
+        yield from (cpu, main, rss)
+
+
+def _standard_collectors(registry: CollectorRegistry) -> None:
+    """The client library's process_* (this process: CPU, memory, fds, start time) and
+    python_* (version, GC) series."""
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+
 
 class Metrics:
     def __init__(self, multiprocess: bool = False) -> None:
@@ -111,6 +292,8 @@ class Metrics:
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
+        if r is not None:
+            _standard_collectors(r)
         self.requests = Counter(
             "attention_requests", "Finished calls by rpc and gRPC status code.",
             ["rpc", "code"], registry=r,
@@ -152,23 +335,36 @@ class Metrics:
             ["rpc"], registry=r,
         )
         self.flops = Counter(
-            "attention_flops", "Floating-point operations served.", ["rpc"], registry=r
+            "attention_flops", "Floating-point operations served (OK calls).", ["rpc"],
+            registry=r,
         )
-        self.prefill_tflops = Histogram(
-            "attention_prefill_kernel_tflops", "Prefill kernel TFLOP/s per launch.",
-            buckets=_TFLOPS, registry=r,
+        self.kernel_seconds = Counter(
+            "attention_kernel_seconds",
+            "Kernel time of every launch, summed: rate() is the share of time a kernel of "
+            "this rpc ran.", ["rpc"], registry=r,
         )
-        self.decode_gbps = Histogram(
-            "attention_decode_kernel_gbps", "Decode kernel GB/s (K+V bytes) per launch.",
-            buckets=_GBPS, registry=r,
+        self.kernel_flops = Counter(
+            "attention_kernel_flops",
+            "Floating-point operations of every launch: rate(this) / "
+            "rate(attention_kernel_seconds_total) is the kernels' FLOP/s.", ["rpc"], registry=r,
         )
-        self.prefill_tflops_recent = Gauge(
-            "attention_prefill_kernel_tflops_recent", "Prefill TFLOP/s of the last launch.",
-            registry=r, multiprocess_mode="livemostrecent",
+        self.kernel_kv_bytes = Counter(
+            "attention_kernel_kv_bytes",
+            "Key/value bytes every launch's kernel reads: rate(this) / "
+            "rate(attention_kernel_seconds_total) is the kernels' bytes/s.", ["rpc"],
+            registry=r,
         )
-        self.decode_gbps_recent = Gauge(
-            "attention_decode_kernel_gbps_recent", "Decode GB/s of the last launch.",
-            registry=r, multiprocess_mode="livemostrecent",
+        self.prefill_flops_rate = Histogram(
+            "attention_prefill_kernel_flops_per_second",
+            "FLOP/s of each prefill launch (each launch counts once, whatever its size: for "
+            "throughput use the attention_kernel_* counters).",
+            ["rpc"], buckets=_FLOPS_PER_S, registry=r,
+        )
+        self.decode_bytes_rate = Histogram(
+            "attention_decode_kernel_bytes_per_second",
+            "K/V bytes/s of each decode launch (each launch counts once, whatever its size: "
+            "for throughput use the attention_kernel_* counters).",
+            ["rpc"], buckets=_BYTES_PER_S, registry=r,
         )
         self.inflight = Gauge(
             "attention_inflight_requests", "Prefill/Decode calls in progress.", registry=r,
@@ -183,7 +379,8 @@ class Metrics:
         self._http_thread: threading.Thread | None = None
         # Pre-create label sets so dashboards see zeros before the first call.
         for rpc in COMPUTE_RPCS:
-            for m in (self.input_bytes, self.output_bytes, self.tokens, self.flops, self.batches):
+            for m in (self.input_bytes, self.output_bytes, self.tokens, self.flops, self.batches,
+                      self.kernel_seconds, self.kernel_flops, self.kernel_kv_bytes):
                 m.labels(rpc=rpc)
             for direction in ("in", "out"):
                 self.region_bytes.labels(rpc=rpc, direction=direction)
@@ -227,26 +424,28 @@ class Metrics:
         for stage, seconds in zip(STAGES, (h2d, kernel, d2h), strict=True):
             self.stage.labels(rpc=rpc, stage=stage).observe(seconds)
         if kernel <= 0:
-            return
+            return  # nothing ran (no keys to attend to): no time, no work
+        # Work and time together, so their rates divide into a kernel-time-weighted rate.
+        self.kernel_seconds.labels(rpc=rpc).inc(kernel)
+        self.kernel_flops.labels(rpc=rpc).inc(flops)
+        self.kernel_kv_bytes.labels(rpc=rpc).inc(kv_bytes)
         if op is Op.APPEND_KV:
             return  # stores only: no attention to rate
-        if not op.decode_like:
-            tflops = flops / kernel / 1e12
-            self.prefill_tflops.observe(tflops)
-            self.prefill_tflops_recent.set(tflops)
+        if op.decode_like:
+            self.decode_bytes_rate.labels(rpc=rpc).observe(kv_bytes / kernel)
         else:
-            gbps = kv_bytes / kernel / 1e9
-            self.decode_gbps.observe(gbps)
-            self.decode_gbps_recent.set(gbps)
+            self.prefill_flops_rate.labels(rpc=rpc).observe(flops / kernel)
 
     def exposition_registry(self) -> CollectorRegistry:
-        """What /metrics serves: this server's registry, or every process's samples merged."""
+        """What /metrics serves: this server's registry, or every process's samples merged
+        (with this process's standard process_*/python_* series)."""
         if self.registry is not None:
             return self.registry
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
         multiprocess.MultiProcessCollector(registry)
+        _standard_collectors(registry)
         if self._live is not None:
             registry.register(self._live)
         return registry

@@ -27,6 +27,19 @@ def versions(core: EngineCore) -> dict[str, str]:
     }
 
 
+def gpu_uuid(backend: Backend) -> str | None:
+    """The UUID (bare hex) of the GPU a cuda backend runs on, for the metrics' NVML readings;
+    None for any other backend (or a torch that does not say)."""
+    if getattr(backend, "name", "") != "cuda":
+        return None
+    import torch
+
+    try:
+        return bytes(torch.cuda.get_device_properties(backend.device).uuid.bytes).hex()
+    except Exception:  # no NVML gauges rather than no server
+        return None
+
+
 class AttentionServer:
     """A running server: ``port``, ``metrics_port`` (None when off), ``stop``."""
 
@@ -70,7 +83,8 @@ async def create_server(
     metrics = Metrics()
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
-                               lambda: 1, core.caches.gauges))
+                               lambda: 1, core.caches.gauges,
+                               queue_capacity=config.max_queue_size, gpu_uuid=gpu_uuid(backend)))
     frontend = await start_frontend(config, LocalLink(core), metrics)
     server = AttentionServer(frontend=frontend, core=core, metrics=metrics, port=frontend.port)
     try:

@@ -15,6 +15,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 CONTRACTS = REPO / "docs" / "CONTRACTS.md"
 DASHBOARD = REPO / "deploy" / "grafana" / "dashboards" / "attention.json"
+PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
+RULES = REPO / "deploy" / "prometheus" / "rules" / "attention.yml"
+RULES_TESTS = REPO / "tests" / "deploy" / "prometheus" / "attention_rules_test.yml"
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -53,6 +56,11 @@ def contract_metrics() -> dict[str, tuple[str, set[str]]]:
         labels = {x.strip() for x in cell.split(",")} - {"-", ""}
         out[name] = (row[1].split()[0], labels)  # "info (gauge = 1)" -> "info"
     return out
+
+
+def optional_metrics() -> set[str]:
+    """Metrics the contract marks (NVML): exported only on a GPU with its driver."""
+    return {row[0].strip("`") for row in _table_rows("Prometheus metrics") if "NVML" in row[2]}
 
 
 # --- tools -----------------------------------------------------------------------------------
@@ -99,22 +107,10 @@ def compose_command() -> list[str]:
 
 # --- PromQL ----------------------------------------------------------------------------------
 
-_KEYWORDS = {
-    "by",
-    "without",
-    "on",
-    "ignoring",
-    "group_left",
-    "group_right",
-    "bool",
-    "and",
-    "or",
-    "unless",
-    "offset",
-    "inf",
-    "nan",
-}
 _COUNTER_FUNCS = ("rate", "irate", "increase")
+# What Grafana substitutes before Prometheus sees a query (variables inside label strings,
+# such as "$instance", are valid PromQL as they are).
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "1m", "$__range": "1h"}
 
 
 @dataclass
@@ -130,50 +126,63 @@ class Selector:
 class Query:
     selectors: list[Selector]
     grouping: set[str]  # labels named in by(...)/without(...)/on(...)/ignoring(...)/group_*(...)
-    quantile_args: list[str]  # metric names passed to histogram_quantile
+    quantile_args: list[str]  # metric names read inside histogram_quantile(...)
+    quantile_at_top: bool = False  # the whole expression is a histogram_quantile(...)
+
+
+def grafana_to_promql(expr: str) -> str:
+    for var, value in GRAFANA_VARIABLES.items():
+        expr = expr.replace(var, value)
+    return expr
 
 
 def parse_promql(expr: str) -> Query:
-    """The metric selectors and grouping labels of a PromQL expression.
+    """The metric selectors and grouping labels of a PromQL expression, from the syntax tree of
+    a real PromQL parser (promql-parser: Python bindings of GreptimeTeam's Rust parser), which
+    also type-checks it (a range where an instant vector belongs, an unknown function, a
+    missing parenthesis all raise ValueError)."""
+    import promql_parser as pp
 
-    Enough of PromQL for dashboards: Grafana variables, strings, numbers, ranges, label
-    matchers and grouping clauses are recognised; any other identifier not followed by "(" is
-    a metric name.
-    """
-    s = re.sub(r"\$\{[^}]*\}|\[\[[^\]]*\]\]|\$\w+", "X", expr)  # Grafana variables
-    s = re.sub(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'', '""', s)  # string literals
-    grouping: set[str] = set()
-    group_re = r"\b(by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)"
-    for m in re.finditer(group_re, s):
-        grouping |= {x.strip() for x in m.group(2).split(",") if x.strip()}
-    s = re.sub(group_re, " ", s)
+    tree = pp.parse(grafana_to_promql(expr))
     selectors: list[Selector] = []
-    ident = r"[a-zA-Z_:][a-zA-Z0-9_:]*"
-    # name{matchers}[range] | {matchers} | name
-    token = re.compile(
-        rf"(?P<num>\d[\w.]*(?:[eE][+-]?\d+)?)|"
-        rf"(?P<name>{ident})?\s*(?P<m>\{{[^}}]*\}})?\s*(?P<r>\[[^\]]*\])?"
-    )
-    pos = 0
-    while pos < len(s):
-        m = token.match(s, pos)
-        if not m or m.end() == pos:
-            pos += 1
-            continue
-        pos = m.end()
-        name = m.group("name")
-        if m.group("num") or (name is None and m.group("m") is None):
-            continue
-        if name and not m.group("m") and s[pos:].lstrip().startswith("("):
-            continue  # a function or aggregation
-        if name and name.lower() in _KEYWORDS:
-            continue
-        labels = set(re.findall(r"(\w+)\s*(?:=~|!~|!=|=)", m.group("m") or ""))
-        before = s[: m.start()].rstrip()
-        in_counter = any(before.endswith(f"{f}(") for f in _COUNTER_FUNCS)
-        selectors.append(Selector(name or "", labels, in_counter))
-    quantile_args = re.findall(rf"histogram_quantile\s*\([^,]+,.*?({ident}_bucket)\b", s)
-    return Query(selectors, grouping, quantile_args)
+    grouping: set[str] = set()
+    quantile_args: list[str] = []
+    stack: list[object] = []
+
+    def func(node: object) -> str:
+        return node.func.name if isinstance(node, pp.Call) else ""  # type: ignore[attr-defined]
+
+    def pre(node: object) -> bool:
+        stack.append(node)
+        if isinstance(node, pp.AggregateExpr) and node.modifier is not None:
+            grouping.update(node.modifier.labels)
+        if isinstance(node, pp.BinaryExpr) and node.modifier is not None:
+            if node.modifier.matching is not None:
+                grouping.update(node.modifier.matching.labels)
+            grouping.update(node.modifier.group_labels or [])
+        if isinstance(node, pp.VectorSelector):
+            matchers = node.matchers.matchers
+            name = node.name or next(
+                (m.value for m in matchers if m.name == "__name__" and m.op == pp.MatchOp.Equal),
+                "",
+            )
+            parents = stack[:-1]
+            in_counter = (
+                len(parents) >= 2 and isinstance(parents[-1], pp.MatrixSelector)
+                and func(parents[-2]) in _COUNTER_FUNCS
+            )
+            labels = {m.name for m in matchers} - {"__name__"}
+            selectors.append(Selector(name, labels, in_counter))
+            if any(func(p) == "histogram_quantile" for p in parents):
+                quantile_args.append(name)
+        return True
+
+    def post(node: object) -> bool:
+        stack.pop()
+        return True
+
+    pp.walk(tree, pre, post)
+    return Query(selectors, grouping, quantile_args, func(tree) == "histogram_quantile")
 
 
 def dashboard_queries(dashboard: dict) -> list[tuple[str, str]]:
@@ -232,18 +241,25 @@ def catalog_from_exposition(text: str) -> Catalog:
     return out
 
 
-def check_dashboard(dashboard: dict, catalog: Catalog, target_labels: set[str]) -> list[str]:
-    """Every problem of the dashboard's queries against a catalog of exported series.
+def check_queries(
+    queries: list[tuple[str, str]], catalog: Catalog, target_labels: set[str]
+) -> list[str]:
+    """Every problem of (where, PromQL) queries against a catalog of exported series.
 
-    Suffix rules: a ``_total`` counter and a histogram's ``_bucket``/``_sum``/``_count`` are
-    cumulative, so they are read only through rate()/irate()/increase(); gauges and info
-    metrics are read as they are; histogram_quantile() takes ``_bucket`` series grouped by le;
-    ``_created`` series are never queried.
+    Each query must parse (a real PromQL parser). Suffix rules: a ``_total`` counter and a
+    histogram's ``_bucket``/``_sum``/``_count`` are cumulative, so they are read only through
+    rate()/irate()/increase(); gauges, info metrics and recorded series are read as they are;
+    histogram_quantile() takes ``_bucket`` series grouped by le; ``_created`` series are never
+    queried.
     """
     problems = []
-    for title, expr in dashboard_queries(dashboard):
-        where = f"panel {title!r}: {expr}"
-        query = parse_promql(expr)
+    for title, expr in queries:
+        where = f"{title}: {expr}"
+        try:
+            query = parse_promql(expr)
+        except ValueError as exc:
+            problems.append(f"{where}: does not parse: {exc}")
+            continue
         if not query.selectors:
             problems.append(f"{where}: no metric")
         known = set(target_labels)
@@ -268,11 +284,56 @@ def check_dashboard(dashboard: dict, catalog: Catalog, target_labels: set[str]) 
         if query.grouping - known:
             problems.append(f"{where}: grouping by unknown labels {query.grouping - known}")
         for name in query.quantile_args:
-            if catalog.get(name, ("",))[0] != "histogram" or "le" not in query.grouping:
+            if name not in catalog:
+                continue  # reported above
+            kind, labels = catalog[name]
+            by_le = "le" in query.grouping or (kind == "recorded" and "le" in labels)
+            if not by_le or kind not in ("histogram", "recorded"):
                 problems.append(f"{where}: histogram_quantile needs {name} grouped by le")
+    return problems
+
+
+def check_dashboard(dashboard: dict, catalog: Catalog, target_labels: set[str]) -> list[str]:
+    """check_queries of every panel query, and the template variables' metrics and labels."""
+    queries = [(f"panel {t!r}", e) for t, e in dashboard_queries(dashboard)]
+    problems = check_queries(queries, catalog, target_labels)
     for metric, label in template_metrics(dashboard):
         if metric not in catalog:
             problems.append(f"template variable: {metric} is not exported")
         elif label not in catalog[metric][1] | target_labels:
             problems.append(f"template variable: {metric} has no label {label}")
     return problems
+
+
+# --- Prometheus rules ------------------------------------------------------------------------
+
+
+def rules(path: Path = RULES) -> list[dict]:
+    """Every rule (recording and alerting) of a rules file, in order."""
+    import yaml
+
+    return [r for g in yaml.safe_load(path.read_text())["groups"] for r in g["rules"]]
+
+
+def rule_queries(path: Path = RULES) -> list[tuple[str, str]]:
+    return [(f"rule {r.get('record') or r.get('alert')}", r["expr"]) for r in rules(path)]
+
+
+def with_recorded_series(catalog: Catalog, path: Path = RULES) -> Catalog:
+    """The catalog plus ``up`` and the series the recording rules write (kind "recorded"),
+    each with the labels its expression keeps: its grouping labels and those of the recorded
+    series it reads, less ``le`` under histogram_quantile."""
+    out = dict(catalog)
+    out["up"] = ("gauge", {"job", "instance"})
+    for rule in rules(path):
+        if "record" not in rule:
+            continue
+        query = parse_promql(rule["expr"])
+        labels = set(query.grouping)
+        for sel in query.selectors:
+            if out.get(sel.name, ("",))[0] == "recorded":
+                labels |= out[sel.name][1]
+        if query.quantile_at_top:
+            labels.discard("le")
+        out[rule["record"]] = ("recorded", labels)
+    return out

@@ -108,6 +108,8 @@ def test_monitoring_mounts_the_deploy_files(gpu: dict) -> None:
 
     prom = mounts("prometheus")
     assert prom["/etc/prometheus/prometheus.yml"] == str(REPO / "deploy/prometheus/prometheus.yml")
+    # prometheus.yml's rule_files (rules/*.yml) resolve beside it in the container.
+    assert prom["/etc/prometheus/rules"] == str(REPO / "deploy/prometheus/rules")
     graf = mounts("grafana")
     assert graf["/etc/grafana/provisioning"] == str(REPO / "deploy/grafana/provisioning")
     provider = yaml.safe_load(
@@ -140,3 +142,14 @@ def test_profiles_hide_the_loadtest_by_default() -> None:
     )
     assert res.returncode == 0, res.stderr
     assert set(res.stdout.split()) == {"attention", "prometheus", "grafana"}
+
+
+def test_dcgm_exporter_profile() -> None:
+    """Off by default; `--profile dcgm` adds NVIDIA's exporter with every GPU reserved."""
+    dcgm = _config(BASE, "--profile", "dcgm")["services"]["dcgm-exporter"]
+    assert dcgm["profiles"] == ["dcgm"]
+    image = dcgm["image"]
+    assert image.startswith("nvcr.io/nvidia/k8s/dcgm-exporter:") and not image.endswith("latest")
+    (device,) = dcgm["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
+    assert "SYS_ADMIN" in dcgm["cap_add"]

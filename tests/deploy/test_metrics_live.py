@@ -1,4 +1,6 @@
-"""Against the real server (cpu backend): health probe, and every dashboard metric exported."""
+"""Against the real server (cpu backend): health probe, every dashboard and rule metric exported,
+and (with Debian's prometheus installed) every panel query and recording rule evaluated by a real
+Prometheus scraping it."""
 
 from __future__ import annotations
 
@@ -19,12 +21,21 @@ import yaml
 
 from ._helpers import (
     DASHBOARD,
+    PROMETHEUS,
     REPO,
+    RULES,
     catalog_from_exposition,
     check_dashboard,
+    check_queries,
     contract_metrics,
     dashboard_queries,
+    grafana_to_promql,
+    optional_metrics,
+    parse_promql,
+    rule_queries,
+    rules,
     template_metrics,
+    with_recorded_series,
 )
 from .conftest import Server
 from .test_monitoring_config import target_labels
@@ -75,9 +86,24 @@ def exposition(server: Server) -> str:
         return r.read().decode()
 
 
+def _without_optional(dashboard: dict) -> dict:
+    """The dashboard less the queries that read only (NVML) metrics, absent on cpu."""
+    optional = optional_metrics()
+    d = json.loads(json.dumps(dashboard))
+    for p in d["panels"]:
+        p["targets"] = [
+            t for t in p.get("targets", [])
+            if not {s.name for s in parse_promql(t["expr"]).selectors} <= optional
+        ]
+    return d
+
+
 def test_every_contract_metric_is_exported(exposition: str) -> None:
     catalog = catalog_from_exposition(exposition)
     for name, (kind, labels) in contract_metrics().items():
+        if name in optional_metrics():
+            assert name not in catalog, f"{name}: NVML on a cpu server"
+            continue
         sample = f"{name}_count" if kind == "histogram" else name
         assert sample in catalog, f"{name} missing from /metrics"
         assert labels <= catalog[sample][1], f"{name}: labels {catalog[sample][1]} != {labels}"
@@ -85,9 +111,23 @@ def test_every_contract_metric_is_exported(exposition: str) -> None:
 
 def test_every_dashboard_query_reads_exported_series(exposition: str) -> None:
     """Each panel's PromQL names series the running server exports, with their labels."""
-    dashboard = json.loads(DASHBOARD.read_text())
+    dashboard = _without_optional(json.loads(DASHBOARD.read_text()))
     catalog = catalog_from_exposition(exposition)
     assert check_dashboard(dashboard, catalog, target_labels()) == []
+
+
+def test_every_rule_reads_exported_series(exposition: str) -> None:
+    catalog = with_recorded_series(catalog_from_exposition(exposition))
+    assert check_queries(rule_queries(), catalog, target_labels()) == []
+
+
+def test_standard_series_and_no_created(exposition: str) -> None:
+    catalog = catalog_from_exposition(exposition)
+    assert {"process_cpu_seconds_total", "process_resident_memory_bytes", "python_info"} <= set(
+        catalog
+    )
+    assert not [line for line in exposition.splitlines() if "_created" in line]
+    assert catalog["attention_process_cpu_seconds_total"][1] == {"role", "pid"}
 
 
 def test_error_codes_are_labelled(exposition: str) -> None:
@@ -103,7 +143,8 @@ def test_error_codes_are_labelled(exposition: str) -> None:
 
 
 def _traffic(target: str, seconds: float) -> None:
-    """Prefill, decode and one rejected call, repeatedly, for ``seconds``."""
+    """Prefill, decode, a KV cache's append, prefill and decode, and one rejected call,
+    repeatedly, for ``seconds``."""
     from attention_client import AttentionClient, AttentionError
 
     rng = np.random.default_rng(1)
@@ -114,18 +155,26 @@ def _traffic(target: str, seconds: float) -> None:
         while time.monotonic() < deadline:
             client.attention(q, k, k, cu_seqlens=[0, 10, 24], causal=True)
             client.decode(q[:2], k, k, [0, 7, 24])
+            with client.kv_cache(2, 64, "float16") as cache:
+                cache.append(["live"], k[:8], k[:8])
+                cache.prefill(q[:4], ["live"], k[:4], k[:4])
+                cache.decode(q[:1], ["live"])
             with pytest.raises(AttentionError):
                 client.attention(q, k, k, cu_seqlens=[0, 10, 30])
             time.sleep(0.2)
 
 
-def test_dashboard_queries_return_data_in_prometheus(server: Server, tmp_path: Path) -> None:
-    """A real Prometheus scrapes the server; every panel query must return series."""
+def test_dashboard_and_rules_return_data_in_prometheus(server: Server, tmp_path: Path) -> None:
+    """A real Prometheus scrapes the server with the shipped config and rules; every panel
+    query and every recording rule must return series, and every rule evaluate cleanly."""
     prometheus = shutil.which("prometheus")
     if prometheus is None:
-        pytest.skip("prometheus not installed (optional: apt-get install prometheus)")
-    config = yaml.safe_load((REPO / "deploy" / "prometheus" / "prometheus.yml").read_text())
-    config["global"]["scrape_interval"] = "1s"  # the shipped config, faster and local
+        pytest.skip("prometheus not installed: Debian's prometheus package (apt-get install -y "
+                    "--no-install-recommends prometheus; .ci/run does it when root)")
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    # The shipped config, faster and local.
+    config["global"]["scrape_interval"] = config["global"]["evaluation_interval"] = "1s"
+    config["rule_files"] = [str(RULES)]
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "attention"]
     job["static_configs"][0]["targets"] = [server.metrics_url.split("/")[2]]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
@@ -146,12 +195,15 @@ def test_dashboard_queries_return_data_in_prometheus(server: Server, tmp_path: P
             stderr=subprocess.STDOUT,
         )
 
-    def query(expr: str) -> list[dict]:
-        url = f"{api}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    def get(path: str, **params: str) -> dict:
+        url = f"{api}/api/v1/{path}?" + urllib.parse.urlencode(params)
         with urllib.request.urlopen(url, timeout=10) as r:
             reply = json.load(r)
         assert reply["status"] == "success", reply
-        return reply["data"]["result"]
+        return reply["data"]
+
+    def query(expr: str) -> list[dict]:
+        return get("query", query=expr)["result"]
 
     try:
         deadline = time.monotonic() + 60
@@ -164,17 +216,26 @@ def test_dashboard_queries_return_data_in_prometheus(server: Server, tmp_path: P
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
         _traffic(server.target, 4.0)
-        time.sleep(3.0)  # a few scrapes after the last call
-        dashboard = json.loads(DASHBOARD.read_text())
+        time.sleep(3.0)  # a few scrapes and rule evaluations after the last call
+        dashboard = _without_optional(json.loads(DASHBOARD.read_text()))
         empty = []
         for title, expr in dashboard_queries(dashboard):
             # What Grafana substitutes: a window holding many 1 s scrapes, all instances.
-            expr = expr.replace("$__rate_interval", "30s").replace("$instance", ".*")
-            if not query(expr):
+            expr = grafana_to_promql(expr.replace("$__rate_interval", "30s"))
+            if not query(expr.replace("$instance", ".*")):
                 empty.append(f"{title}: {expr}")
+        for rule in rules():
+            if "record" in rule and not query(rule["record"]):
+                empty.append(f"recorded {rule['record']}: {rule['expr']}")
         assert not empty, "queries without data:\n" + "\n".join(empty)
         for metric, label in template_metrics(dashboard):
             assert all(label in r["metric"] for r in query(metric)), metric
+        loaded = [r for g in get("rules")["groups"] for r in g["rules"]]
+        assert len(loaded) == len(rules())
+        for r in loaded:
+            assert r["health"] == "ok" and not r.get("lastError"), r
+        # Nothing is wrong with this server: no alert fires.
+        assert [r["name"] for r in loaded if r.get("state") == "firing"] == []
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -155,7 +155,11 @@ def test_held_device_merges_queue_into_one_launch_and_metrics_move(start_server)
                  **pre) == 16
     assert delta("attention_stage_seconds", "attention_stage_seconds_count", stage="kernel",
                  **pre) == 2
-    assert delta("attention_prefill_kernel_tflops", "attention_prefill_kernel_tflops_count") == 2
+    assert delta("attention_prefill_kernel_flops_per_second",
+                 "attention_prefill_kernel_flops_per_second_count", **pre) == 2
+    # The kernel counters count each launch's work once: the sum of its members' FLOPs.
+    assert delta("attention_kernel_flops", "attention_kernel_flops_total", **pre) == sum(
+        r.stats.flops for r in everyone)
     assert _depth(srv) == 0
     info = srv.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert info.batching is True
@@ -237,7 +241,8 @@ def test_decode_requests_merge_with_batch_major_lse(start_server) -> None:  # ty
     sums = [sample(m, "attention_batch_tokens", "attention_batch_tokens_sum", rpc="Decode")
             for m in (before, after)]
     assert sums[1] - sums[0] == 5 + 17 + 30 + 10
-    assert sample(after, "attention_decode_kernel_gbps", "attention_decode_kernel_gbps_count") == 1
+    assert sample(after, "attention_decode_kernel_bytes_per_second",
+                  "attention_decode_kernel_bytes_per_second_count", rpc="Decode") == 1
 
 
 def test_request_over_the_budget_runs_alone(start_server) -> None:  # type: ignore[no-untyped-def]

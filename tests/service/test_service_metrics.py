@@ -3,13 +3,23 @@
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
+import types
+import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
 
+from attention_service.link import EngineInfo
+from attention_service.metrics import LiveCollector
+from attention_service.server import gpu_uuid
+from attention_wire.pb import attention_pb2 as pb
+
+from .group_helpers import Group
 from .svc_helpers import (
     decode_messages,
     prefill_messages,
@@ -23,12 +33,13 @@ CONTRACTS = Path(__file__).resolve().parents[2] / "docs" / "CONTRACTS.md"
 EXPOSED_TYPE = {"counter": "counter", "histogram": "histogram", "gauge": "gauge", "info": "gauge"}
 
 
-def _contract_metrics() -> dict[str, tuple[str, set[str]]]:
-    """name -> (type, labels) from the metrics table of docs/CONTRACTS.md."""
+def _contract_metrics(nvml: bool = False) -> dict[str, tuple[str, set[str]]]:
+    """name -> (type, labels) from the metrics table of docs/CONTRACTS.md; those marked (NVML)
+    (a GPU's readings, absent on the cpu backend) only with ``nvml``."""
     rows = {}
     for line in CONTRACTS.read_text().splitlines():
         m = re.match(r"\| `(attention_\w+)` \| (\w+)[^|]*\| ([^|]+) \|", line)
-        if m:
+        if m and ("(NVML)" in m.group(3)) == nvml:
             text = re.sub(r"\(.*?\)", "", m.group(3))  # drop notes like (`h2d`, ...)
             labels = {x.strip() for x in text.split(",")} - {"-", ""}
             rows[m.group(1)] = (m.group(2), labels)
@@ -37,7 +48,9 @@ def _contract_metrics() -> dict[str, tuple[str, set[str]]]:
 
 def test_contract_table_parsed() -> None:
     rows = _contract_metrics()
-    assert len(rows) == 27 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
+    assert len(rows) == 32 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
+    assert rows["attention_process_cpu_seconds_total"] == ("counter", {"role", "pid"})
+    assert len(_contract_metrics(nvml=True)) == 8
 
 
 def test_metric_names_types_labels_match_contract(start_server) -> None:  # type: ignore[no-untyped-def]
@@ -102,12 +115,11 @@ def test_counters_move(start_server) -> None:  # type: ignore[no-untyped-def]
     for stage in ("h2d", "kernel", "d2h"):
         assert delta("attention_stage_seconds", "attention_stage_seconds_count",
                      rpc="Decode", stage=stage) == 1
-    assert delta("attention_prefill_kernel_tflops", "attention_prefill_kernel_tflops_count") == 1
-    assert delta("attention_decode_kernel_gbps", "attention_decode_kernel_gbps_count") == 1
-    assert sample(after, "attention_prefill_kernel_tflops_recent",
-                  "attention_prefill_kernel_tflops_recent") > 0
-    assert sample(after, "attention_decode_kernel_gbps_recent",
-                  "attention_decode_kernel_gbps_recent") > 0
+    # Per launch: one observation each, in base units (FLOP/s, bytes/s), labelled by rpc.
+    assert delta("attention_prefill_kernel_flops_per_second",
+                 "attention_prefill_kernel_flops_per_second_count", **pre) == 1
+    assert delta("attention_decode_kernel_bytes_per_second",
+                 "attention_decode_kernel_bytes_per_second_count", rpc="Decode") == 1
     assert sample(after, "attention_inflight_requests", "attention_inflight_requests") == 0
     assert sample(after, "attention_queue_depth", "attention_queue_depth", rpc="Prefill") == 0
     gpu = "attention_gpu_memory_allocated_bytes"
@@ -146,3 +158,233 @@ def test_metrics_bind_loopback_unless_told(start_server, host, bound) -> None:  
     srv = start_server(metrics_port=0, **({} if host is None else {"metrics_host": host}))
     assert srv.server.metrics._http.server_address[0] == bound
     assert "attention_requests" in srv.scrape()
+
+
+def test_kernel_work_counters_move_by_the_work_done(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Kernel seconds, FLOPs and K/V bytes per rpc: their rates divide into the kernels'
+    time-weighted throughput, so each must count exactly the work of each launch."""
+    srv = start_server(metrics_port=0)
+    before = srv.scrape()
+    h, hkv, d = 4, 2, 16
+    q, k, v = random_qkv(10, 12, h, hkv, d, torch.float32)
+    cu_q, cu_k = [0, 4, 10], [0, 5, 12]
+    resp = list(srv.stub().Prefill(prefill_messages(q, k, v, cu_q, cu_k), timeout=10))
+    dq = torch.zeros(2, h, d)
+    list(srv.stub().Decode(decode_messages(dq, k, v, cu_k), timeout=10))
+    after = srv.scrape()
+
+    def delta(name: str, rpc: str) -> float:
+        family = name.removesuffix("_total")
+        return sample(after, family, name, rpc=rpc) - sample(before, family, name, rpc=rpc)
+
+    # 4 FLOPs per (query, key) pair per head and head dim (QK^T and PV, multiply-add each).
+    prefill_pairs = 4 * 5 + 6 * 7  # no causal mask: every query sees its sequence's keys
+    assert delta("attention_kernel_flops_total", "Prefill") == 4 * prefill_pairs * h * d
+    assert delta("attention_kernel_flops_total", "Prefill") == resp[-1].stats.flops
+    decode_pairs = 12  # one query per sequence over its 5 + 7 keys
+    assert delta("attention_kernel_flops_total", "Decode") == 4 * decode_pairs * h * d
+    # K and V, float32: every key of every sequence is read once.
+    kv_bytes = k.nbytes + v.nbytes
+    assert kv_bytes == 2 * 12 * hkv * d * 4
+    assert delta("attention_kernel_kv_bytes_total", "Prefill") == kv_bytes
+    assert delta("attention_kernel_kv_bytes_total", "Decode") == kv_bytes
+    for rpc in ("Prefill", "Decode"):
+        assert delta("attention_kernel_seconds_total", rpc) > 0
+        # The same seconds as the kernel stage's histogram.
+        assert delta("attention_kernel_seconds_total", rpc) == pytest.approx(
+            sample(after, "attention_stage_seconds", "attention_stage_seconds_sum", rpc=rpc,
+                   stage="kernel")
+            - sample(before, "attention_stage_seconds", "attention_stage_seconds_sum", rpc=rpc,
+                     stage="kernel")
+        )
+    for rpc in ("AppendKV", "CachePrefill", "CacheDecode"):  # untouched, but there from start
+        assert delta("attention_kernel_seconds_total", rpc) == 0
+        assert "rpc" in after["attention_kernel_seconds"].samples[0].labels
+    # The per-launch rate is that launch's work over its kernel seconds.
+    seconds = delta("attention_kernel_seconds_total", "Decode")
+    per_launch = (
+        sample(after, "attention_decode_kernel_bytes_per_second",
+               "attention_decode_kernel_bytes_per_second_sum", rpc="Decode")
+        - sample(before, "attention_decode_kernel_bytes_per_second",
+                 "attention_decode_kernel_bytes_per_second_sum", rpc="Decode")
+    )
+    assert per_launch == pytest.approx(kv_bytes / seconds)
+
+
+def _text(srv) -> str:  # type: ignore[no-untyped-def]
+    url = f"http://127.0.0.1:{srv.server.metrics_port}/metrics"
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def test_standard_collectors_and_no_created_series(start_server) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server(metrics_port=0)
+    q, k, v = random_qkv(4, 4, 2, 1, 8, torch.float32)
+    list(srv.stub().Prefill(prefill_messages(q, k, v, [0, 4]), timeout=10))
+    text = _text(srv)
+    assert "_created" not in text
+    families = srv.scrape()
+    for name in ("process_cpu_seconds", "process_resident_memory_bytes",
+                 "process_start_time_seconds", "python_info", "python_gc_collections"):
+        assert name in families, name
+    # This process, by role and pid, beside the standard series.
+    pid = str(os.getpid())
+    cpu = families["attention_process_cpu_seconds"].samples
+    assert [(s.labels["role"], s.labels["pid"]) for s in cpu] == [("server", pid)]
+    assert cpu[0].value > 0
+    main = sample(families, "attention_process_main_thread_cpu_seconds",
+                  "attention_process_main_thread_cpu_seconds_total", pid=pid)
+    assert 0 < main <= cpu[0].value
+    rss = sample(families, "attention_process_resident_memory_bytes",
+                 "attention_process_resident_memory_bytes", role="server")
+    assert rss == pytest.approx(
+        sample(families, "process_resident_memory_bytes", "process_resident_memory_bytes"),
+        rel=0.2,
+    )
+    capacity = sample(families, "attention_queue_capacity", "attention_queue_capacity")
+    assert capacity == srv.config.max_queue_size
+
+
+def test_get_server_info_duration_is_measured(start_server) -> None:  # type: ignore[no-untyped-def]
+    srv = start_server(metrics_port=0)
+    for _ in range(3):
+        srv.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    m = srv.scrape()
+    labels = {"rpc": "GetServerInfo", "code": "OK"}
+    dur = "attention_request_duration_seconds"
+    assert sample(m, dur, f"{dur}_count", **labels) == 3
+    assert 0 < sample(m, dur, f"{dur}_sum", **labels) < 3.0
+
+
+# --- NVML ------------------------------------------------------------------------------------
+
+
+class _FakeNvml(types.ModuleType):
+    """pynvml as nvidia-ml-py presents it, for two GPUs; ours is the second."""
+
+    NVML_TEMPERATURE_GPU = 0
+    NVML_CLOCK_SM = 1
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, *, fail_init: bool = False, power: bool = True) -> None:
+        super().__init__("pynvml")
+        self.fail_init, self.power, self.inits = fail_init, power, 0
+
+    def nvmlInit(self) -> None:
+        self.inits += 1
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-{h:08x}-0000-0000-0000-00000000000{h}"
+
+    def nvmlDeviceGetUtilizationRates(self, h: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(gpu=87, memory=41)
+
+    def nvmlDeviceGetMemoryInfo(self, h: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(used=30 << 30, total=80 << 30, free=50 << 30)
+
+    def nvmlDeviceGetPowerUsage(self, h: int) -> int:
+        if not self.power:
+            raise self.NVMLError("Not Supported")
+        return 412_500  # mW
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, h: int) -> int:
+        return 700_000
+
+    def nvmlDeviceGetTemperature(self, h: int, sensor: int) -> int:
+        return 63
+
+    def nvmlDeviceGetClockInfo(self, h: int, clock: int) -> int:
+        return 1980  # MHz
+
+
+def _live(gpu_uuid: str | None) -> LiveCollector:
+    info = EngineInfo(device="H100", backend="cuda", batching=True, regions=False, frontends=1,
+                      torch_version="t", triton_version="t", cuda_version="c")
+    return LiveCollector(info, {}, lambda op: 0, lambda: (0, 0), lambda: 1, gpu_uuid=gpu_uuid)
+
+
+def _gauges(collector: LiveCollector) -> dict[str, float]:
+    return {m.name: m.samples[0].value for m in collector.collect()
+            if m.name.startswith("attention_gpu_") and m.samples}
+
+
+OURS = "00000001" + "0" * 23 + "1"  # GPU 1's UUID, as server.gpu_uuid gives it (bare hex)
+
+
+def test_nvml_gauges(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml())
+    got = _gauges(_live(OURS))
+    assert got == {
+        "attention_gpu_memory_allocated_bytes": 0, "attention_gpu_memory_reserved_bytes": 0,
+        "attention_gpu_utilization_ratio": 0.87, "attention_gpu_memory_busy_ratio": 0.41,
+        "attention_gpu_memory_used_bytes": 30 << 30, "attention_gpu_memory_total_bytes": 80 << 30,
+        "attention_gpu_power_watts": 412.5, "attention_gpu_power_limit_watts": 700.0,
+        "attention_gpu_temperature_celsius": 63, "attention_gpu_sm_clock_hertz": 1.98e9,
+    }
+    names = {n for n in got if n not in ("attention_gpu_memory_allocated_bytes",
+                                         "attention_gpu_memory_reserved_bytes")}
+    assert names == set(_contract_metrics(nvml=True))
+
+
+def test_nvml_reading_not_supported_is_left_out(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(power=False))
+    got = _gauges(_live(OURS))
+    assert "attention_gpu_power_watts" not in got and "attention_gpu_utilization_ratio" in got
+
+
+@pytest.mark.parametrize("case", ["no library", "no driver", "another GPU", "cpu backend"])
+def test_no_nvml_no_gauges_no_error(monkeypatch, case) -> None:  # type: ignore[no-untyped-def]
+    nvml = _FakeNvml(fail_init=case == "no driver")
+    monkeypatch.setitem(sys.modules, "pynvml", None if case == "no library" else nvml)
+    uuid = {"another GPU": "ab" * 16, "cpu backend": None}.get(case, OURS)
+    collector = _live(uuid)
+    for _ in range(2):  # NVML is tried once, not at every scrape
+        assert set(_gauges(collector)) == {"attention_gpu_memory_allocated_bytes",
+                                           "attention_gpu_memory_reserved_bytes"}
+    assert nvml.inits == (0 if case in ("no library", "cpu backend") else 1)
+
+
+def test_gpu_uuid_only_for_the_cuda_backend() -> None:
+    assert gpu_uuid(types.SimpleNamespace(name="cpu")) is None  # type: ignore[arg-type]
+
+
+# --- the process group ----------------------------------------------------------------------
+
+
+def test_process_group_reports_every_process() -> None:
+    """Multiprocess mode cannot merge process_* series: the engine reports its own (standard
+    collectors) and every process of the group by role and pid (read from /proc)."""
+    g = Group(2)
+    try:
+        text = urllib.request.urlopen(
+            f"http://127.0.0.1:{g.metrics_port}/metrics", timeout=10
+        ).read().decode()
+        m = g.scrape()
+    finally:
+        assert g.stop() == 0
+    assert "_created" not in text
+    assert "process_cpu_seconds" in m and "python_info" in m
+    cpu = {(s.labels["role"], int(s.labels["pid"])): s.value
+           for s in m["attention_process_cpu_seconds"].samples}
+    expected = {("engine", g.proc.pid)} | {("frontend", p) for p in g.frontend_pids().values()}
+    assert set(cpu) == expected and len(expected) == 3
+    assert all(v > 0 for v in cpu.values())
+    rss = {(s.labels["role"], int(s.labels["pid"])): s.value
+           for s in m["attention_process_resident_memory_bytes"].samples}
+    assert set(rss) == expected
+    # The engine holds torch; front ends never import it, so they are far smaller.
+    engine = rss[("engine", g.proc.pid)]
+    assert all(v < engine for (role, _), v in rss.items() if role == "frontend")
+    # The standard series are the engine's own.
+    assert sample(m, "process_resident_memory_bytes", "process_resident_memory_bytes") == (
+        pytest.approx(engine, rel=0.2)
+    )

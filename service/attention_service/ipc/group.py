@@ -149,6 +149,11 @@ class Group:
                 with contextlib.suppress(ProcessLookupError):
                     slot.proc.send_signal(sig)
 
+    def _processes(self) -> list[tuple[str, int]]:
+        """(role, pid) of the engine and every live front end, for the per-process metrics."""
+        live = [s.proc for s in self.slots if s.proc is not None and s.proc.poll() is None]
+        return [("engine", os.getpid())] + [("frontend", p.pid) for p in live]
+
     # ---- the engine process -------------------------------------------------------------
 
     def run(self) -> int:
@@ -159,7 +164,7 @@ class Group:
         from attention_service.ipc import arena as arenas
         from attention_service.ipc.messages import Serving
         from attention_service.metrics import LiveCollector, Metrics
-        from attention_service.server import versions
+        from attention_service.server import gpu_uuid, versions
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self._post("signal", signum))
@@ -170,7 +175,8 @@ class Group:
         held, self.port = reserve_port(cfg.host, cfg.port)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
-                                   alive, core.caches.gauges))
+                                   alive, core.caches.gauges, queue_capacity=cfg.max_queue_size,
+                                   processes=self._processes, gpu_uuid=gpu_uuid(backend)))
         metrics_port = None
         try:
             for i in range(self.count):
