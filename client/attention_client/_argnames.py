@@ -14,7 +14,12 @@ from collections.abc import Mapping
 
 Names = Mapping[str, str]
 
-_SCALARS = {n: n for n in ("causal", "softmax_scale", "return_lse", "num_splits")}
+_SCALARS = {
+    **{n: n for n in ("causal", "softmax_scale", "return_lse", "num_splits")},
+    "score.window_left": "window_size[0]", "score.window_right": "window_size[1]",
+    "score.softcap": "softcap", "score.alibi_slopes": "alibi_slopes",
+    "score": "window_size / softcap / alibi_slopes",
+}
 # CreateCaches, sent by a cache handle before a call that names a new id.
 _LAYOUT = {
     "layout.dtype": "dtype", "layout.num_kv_heads": "num_kv_heads",

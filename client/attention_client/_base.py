@@ -39,6 +39,7 @@ from attention_client._requests import (
     prepare_prefill,
 )
 from attention_client._responses import ResponseAssembler
+from attention_client._score import ScoreMods
 from attention_client._tensors import describe
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
@@ -112,13 +113,13 @@ class ClientBase:
     def _prepare_attention(
         self, q: Any, k: Any, v: Any, cu_seqlens: Any, cu_seqlens_k: Any, causal: bool,
         softmax_scale: float | None, return_lse: bool, out: Any = None,
-        use_regions: bool | None = None,
+        use_regions: bool | None = None, score: ScoreMods | None = None,
     ) -> PreparedRequest:
         placement = self._placement(use_regions)
         try:
             return prepare_prefill(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
-                return_lse=return_lse, placement=placement, out=out,
+                return_lse=return_lse, placement=placement, out=out, score=score,
             )
         except BaseException:
             if placement is not None:
@@ -128,12 +129,13 @@ class ClientBase:
     def _prepare_decode(
         self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, softmax_scale: float | None,
         num_splits: int, return_lse: bool, out: Any = None, use_regions: bool | None = None,
+        score: ScoreMods | None = None,
     ) -> PreparedRequest:
         placement = self._placement(use_regions)
         try:
             return prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
-                return_lse=return_lse, placement=placement, out=out,
+                return_lse=return_lse, placement=placement, out=out, score=score,
             )
         except BaseException:
             if placement is not None:
@@ -188,6 +190,7 @@ class ClientBase:
     def _prepare_decode_step(
         self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,
         softmax_scale: float | None, num_splits: int, return_lse: bool,
+        score: ScoreMods | None = None,
     ) -> PreparedRequest:
         layout = None
         if k_new is None and v_new is None:  # empty k/v: their shape is the caches' layout
@@ -199,7 +202,7 @@ class ClientBase:
             layout = layouts.pop()
         return prepare_cache_decode(
             q, k_new, v_new, CacheTarget(ids, bool(store), layout), softmax_scale=softmax_scale,
-            num_splits=num_splits, return_lse=return_lse,
+            num_splits=num_splits, return_lse=return_lse, score=score,
         )
 
     def _note_layouts(self, infos: Any) -> None:

@@ -32,6 +32,7 @@ from attention_client._requests import (
     prepare_cache_prefill,
 )
 from attention_client._responses import cache_info_dict
+from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb
 
@@ -117,20 +118,23 @@ class _KvCacheBase:
     def _prep_prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         causal: bool, store: bool, softmax_scale: float | None, return_lse: bool,
+        score: ScoreMods | None = None,
     ) -> PreparedRequest:
         return prepare_cache_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k,
             CacheTarget(as_cache_ids(ids), bool(store), self.layout), causal=causal,
-            softmax_scale=softmax_scale, return_lse=return_lse,
+            softmax_scale=softmax_scale, return_lse=return_lse, score=score,
         )
 
     def _prep_decode(
         self, q: Any, ids: Any, k_new: Any, v_new: Any, store: bool,
         softmax_scale: float | None, num_splits: int, return_lse: bool,
+        score: ScoreMods | None = None,
     ) -> PreparedRequest:
         return prepare_cache_decode(
             q, k_new, v_new, CacheTarget(as_cache_ids(ids), bool(store), self.layout),
             softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+            score=score,
         )
 
     @staticmethod
@@ -204,7 +208,9 @@ class KvCache(_KvCacheBase):
     def prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False, timeout: Any = DEFAULT,
+        softmax_scale: float | None = None, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        timeout: Any = DEFAULT,
         metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
@@ -213,13 +219,15 @@ class KvCache(_KvCacheBase):
         rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prep_prefill(
-            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
+            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return self._run(prep, settings.named(self._prefill_names(prep)))
 
     def decode(
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
         timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
@@ -227,7 +235,8 @@ class KvCache(_KvCacheBase):
         ``(out, lse [B, H])``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return self._run(self._prep_decode(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         ), settings)
 
     def fork(
@@ -343,25 +352,30 @@ class AsyncKvCache(_KvCacheBase):
     async def prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
         cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False, timeout: Any = DEFAULT,
+        softmax_scale: float | None = None, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        timeout: Any = DEFAULT,
         metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """See KvCache.prefill."""
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prep_prefill(
-            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse
+            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return await self._run(prep, settings.named(self._prefill_names(prep)))
 
     async def decode(
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
         timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """See KvCache.decode."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return await self._run(self._prep_decode(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         ), settings)
 
     async def fork(

@@ -23,6 +23,7 @@ import numpy as np
 
 from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
+from attention_client._score import ScoreMods
 from attention_client._tensors import (
     Origin,
     RegionTensor,
@@ -377,6 +378,7 @@ def _prefill_request(
     user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], origin: Origin, *,
     causal: bool, softmax_scale: float | None, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     header = pb.PrefillHeader(
         q=_spec(wq),
@@ -389,6 +391,8 @@ def _prefill_request(
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())
+    if score is not None:
+        header.score.CopyFrom(score.message(wq.shape[1], cu_q.size - 1))
     scale = _scale(softmax_scale)
     if scale is not None:
         header.softmax_scale = scale
@@ -418,12 +422,13 @@ def prepare_prefill(
     return_lse: bool = False,
     placement: Placement | None = None,
     out: Any = None,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
     form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
     return _prefill_request(
         PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, placement=placement, out=out,
+        return_lse=return_lse, placement=placement, out=out, score=score,
     )
 
 
@@ -431,6 +436,7 @@ def _decode_request(
     method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, origin: Origin, *,
     softmax_scale: float | None, num_splits: int, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     batch, heads = wq.shape[0], wq.shape[1]
     splits = int(num_splits) if isinstance(num_splits, int | np.integer) else -1
@@ -446,6 +452,8 @@ def _decode_request(
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())
+    if score is not None:
+        header.score.CopyFrom(score.message(heads, batch))
     scale = _scale(softmax_scale)
     if scale is not None:
         header.softmax_scale = scale
@@ -473,6 +481,7 @@ def prepare_decode(
     return_lse: bool = False,
     placement: Placement | None = None,
     out: Any = None,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
     _require_rank(wq, 3, "[B, H, D]")
@@ -489,7 +498,7 @@ def prepare_decode(
         )
     return _decode_request(
         DECODE, wq, wk, wv, cu_k, origin, softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=return_lse, placement=placement, out=out,
+        return_lse=return_lse, placement=placement, out=out, score=score,
     )
 
 
@@ -579,6 +588,7 @@ def prepare_cache_prefill(
     causal: bool = True,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     """CachePrefill: the forms of ``prepare_prefill``, with k/v the new tokens (None: none;
     0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence."""
@@ -607,7 +617,7 @@ def prepare_cache_prefill(
     _check_cu_values(cu_k, wk.shape[0], "cu_seqlens_k", "k")
     return _prefill_request(
         CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, origin, causal=causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, cache=target,
+        softmax_scale=softmax_scale, return_lse=return_lse, cache=target, score=score,
     )
 
 
@@ -620,6 +630,7 @@ def prepare_cache_decode(
     softmax_scale: float | None = None,
     num_splits: int = 0,
     return_lse: bool = False,
+    score: ScoreMods | None = None,
 ) -> PreparedRequest:
     """CacheDecode: q ``[B, H, D]``, one cache per sequence, k_new/v_new ``[B, H_kv, D]`` (one
     new token per sequence, appended before attending) or None (none)."""
@@ -642,5 +653,5 @@ def prepare_cache_decode(
     # Empty cu_seqlens_k: one new token per sequence (or none when k has no rows).
     return _decode_request(
         CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), origin, softmax_scale=softmax_scale,
-        num_splits=num_splits, return_lse=return_lse, cache=target,
+        num_splits=num_splits, return_lse=return_lse, cache=target, score=score,
     )

@@ -30,6 +30,7 @@ from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
+from attention_client._score import ScoreMods
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
 
@@ -108,6 +109,9 @@ class AsyncAttentionClient(ClientBase):
         causal: bool = False,
         softmax_scale: float | None = None,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -118,7 +122,7 @@ class AsyncAttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions,
+            use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return await self._run(
             prep, settings.named(argnames.attention(len(prep.user_shape) == 4))
@@ -134,6 +138,9 @@ class AsyncAttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -143,7 +150,8 @@ class AsyncAttentionClient(ClientBase):
         """See AttentionClient.decode."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
-            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
+            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return await self._run(prep, settings)
 
@@ -164,6 +172,9 @@ class AsyncAttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         timeout: Any = DEFAULT,
         metadata: Any = None,
         wait_for_ready: bool | None = None,
@@ -177,7 +188,8 @@ class AsyncAttentionClient(ClientBase):
         if missing:
             await self._list_caches(missing, settings)
         prep = self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return await self._run(prep, settings)
 

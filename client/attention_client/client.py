@@ -26,6 +26,7 @@ from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
+from attention_client._score import ScoreMods
 from attention_client._wire import parse_response
 from attention_wire.pb import attention_pb2 as pb
 
@@ -131,6 +132,9 @@ class AttentionClient(ClientBase):
         causal: bool = False,
         softmax_scale: float | None = None,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -145,12 +149,16 @@ class AttentionClient(ClientBase):
         ``[total, H, D]`` and lse is ``[H, total_q]``. out always has q's shape.
         ``out``: a tensor inside a registered region that the server writes in place (and
         that is returned). ``use_regions``: None follows the client's setting.
+        ``window_size`` ``(left, right)`` (-1: unbounded; a query at key position ``p``
+        sees keys ``p - left .. p + right``, bottom-right aligned), ``softcap`` (> 0: logits
+        ``softcap * tanh(logit / softcap)``) and ``alibi_slopes`` (float32 ``[H]`` or
+        ``[B, H]``: ``-slope * |p - j|`` added) are flash_attn's, with its semantics.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the class).
         """
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions,
+            use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return self._run(prep, settings.named(argnames.attention(len(prep.user_shape) == 4)))
 
@@ -164,6 +172,9 @@ class AttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -175,7 +186,8 @@ class AttentionClient(ClientBase):
         ``attention``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
-            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions
+            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return self._run(prep, settings)
 
@@ -198,6 +210,9 @@ class AttentionClient(ClientBase):
         softmax_scale: float | None = None,
         num_splits: int = 0,
         return_lse: bool = False,
+        window_size: Any = (-1, -1),
+        softcap: float = 0.0,
+        alibi_slopes: Any = None,
         timeout: Any = DEFAULT,
         metadata: Any = None,
         wait_for_ready: bool | None = None,
@@ -213,7 +228,8 @@ class AttentionClient(ClientBase):
         if missing:
             self._list_caches(missing, settings)
         prep = self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return self._run(prep, settings)
 

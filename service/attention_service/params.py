@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from attention_service.errors import invalid
 from attention_wire.pb import attention_pb2 as pb
 
@@ -93,6 +95,11 @@ class Params:
     # cached lengths, computes the real work.
     cache_ids: tuple[str, ...] = ()
     store: bool = False
+    # flash_attn's score modifiers (ScoreOptions): window (left, right), -1 unbounded; softcap
+    # 0 off; ALiBi slopes flat, num_heads or batch * num_heads of them, () off.
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: tuple[float, ...] = ()
 
     @property
     def num_heads(self) -> int:
@@ -199,6 +206,8 @@ def make_params(
     cu_seqlens_k: Sequence[int], cu_seqlens_q: Sequence[int] | None = None, *,
     causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
     num_splits: int = 0, cache_ids: Sequence[str] = (), store: bool = False,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: Sequence[float] = (),
 ) -> Params:
     """Params with the derived fields (max lengths, FLOPs) computed; inputs already checked.
     For cached ops the lengths and FLOPs count only the request's new tokens."""
@@ -207,13 +216,11 @@ def make_params(
     if not op.decode_like:
         assert cu_seqlens_q is not None
         len_q = lengths(cu_seqlens_q)
-        if causal:
-            pairs = sum(causal_pairs(sq, sk) for sq, sk in zip(len_q, len_k, strict=True))
-        else:
-            pairs = sum(sq * sk for sq, sk in zip(len_q, len_k, strict=True))
         max_q = max(len_q)
     else:
-        cu_seqlens_q, causal, pairs, max_q = None, False, sum(len_k), 1
+        cu_seqlens_q, causal, max_q = None, False, 1
+        len_q = [1] * len(len_k)
+    pairs = visible_pairs(len_q, len_k, causal, window)
     return Params(
         op=op, dtype=dtype, q_shape=tuple(q_shape), k_shape=tuple(k_shape),  # type: ignore[arg-type]
         cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
@@ -221,4 +228,28 @@ def make_params(
         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
         num_splits=num_splits if op.decode_like else 0, flops=4 * pairs * heads * dim,
         cache_ids=tuple(cache_ids), store=store or op is Op.APPEND_KV,
+        window=(int(window[0]), int(window[1])), softcap=float(softcap),
+        alibi_slopes=tuple(float(x) for x in alibi_slopes),
     )
+
+
+def visible_pairs(
+    len_q: Sequence[int], len_k: Sequence[int], causal: bool, window: tuple[int, int] = (-1, -1)
+) -> int:
+    """(query, key) pairs that the masks leave visible, summed over sequences: the work of a
+    request. Query i of a sequence sits at key position p = i + len_k - len_q and sees keys
+    max(0, p - left) .. min(len_k - 1, p + right), with right 0 when causal; -1 is unbounded."""
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left < 0 and right < 0:
+        return sum(sq * sk for sq, sk in zip(len_q, len_k, strict=True))
+    if left < 0 and right == 0:
+        return sum(causal_pairs(sq, sk) for sq, sk in zip(len_q, len_k, strict=True))
+    sq = np.asarray(len_q, dtype=np.int64)
+    sk = np.repeat(np.asarray(len_k, dtype=np.int64), sq)
+    starts = np.repeat(np.cumsum(sq) - sq, sq)
+    p = np.arange(int(sq.sum()), dtype=np.int64) - starts + sk - np.repeat(sq, sq)
+    lo = np.maximum(0, p - left) if left >= 0 else np.zeros_like(p)
+    hi = np.minimum(sk - 1, p + right) if right >= 0 else sk - 1
+    return int(np.clip(hi - lo + 1, 0, None).sum())

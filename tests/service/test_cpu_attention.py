@@ -81,3 +81,35 @@ def test_a_cancel_stops_a_long_sequence_within_a_tile() -> None:
         attend(q, k, v, [0, 4096], [0, 8192], causal=False, scale=None, cancel=cancel,
                tile_elements=1 << 18)
     assert time.perf_counter() - t0 < 1.5  # the whole sequence takes several seconds
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_window_softcap_and_alibi_match_the_reference(seed: int) -> None:
+    # Random lengths (q longer than k too), windows, softcap and per-sequence ALiBi slopes,
+    # in tiles small enough that the window's skipped and partial tiles both occur.
+    import random
+
+    rng = random.Random(seed)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(8):
+        batch, heads, kv_heads = rng.randint(1, 3), 4, rng.choice([1, 2, 4])
+        len_q = [rng.randint(0, 19) for _ in range(batch)]
+        len_k = [rng.randint(0, 23) for _ in range(batch)]
+        cu_q, cu_k = _cu(len_q), _cu(len_k)
+        causal = rng.random() < 0.5
+        window = (rng.randint(-1, 7), rng.randint(-1, 7))
+        softcap = rng.choice([0.0, 1.5])
+        slopes = torch.rand(batch, heads, generator=g) if rng.random() < 0.5 else None
+        q = torch.randn(cu_q[-1], heads, 16, generator=g)
+        k = torch.randn(cu_k[-1], kv_heads, 16, generator=g)
+        v = torch.randn(cu_k[-1], kv_heads, 16, generator=g)
+        out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=None,
+                          cancel=threading.Event(), window=window, softcap=softcap,
+                          alibi_slopes=slopes, tile_elements=rng.choice([5, 48, 1 << 21]))
+        ref, ref_lse = prefill_ref(
+            q.double(), k.double(), v.double(), torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32), causal=causal, return_lse=True,
+            window_size=window, softcap=softcap, alibi_slopes=slopes)
+        assert not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-4)

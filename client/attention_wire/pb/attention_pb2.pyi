@@ -88,8 +88,20 @@ class CacheTarget(_message.Message):
     store: bool
     def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., store: _Optional[bool] = ...) -> None: ...
 
+class ScoreOptions(_message.Message):
+    __slots__ = ("window_left", "window_right", "softcap", "alibi_slopes")
+    WINDOW_LEFT_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_RIGHT_FIELD_NUMBER: _ClassVar[int]
+    SOFTCAP_FIELD_NUMBER: _ClassVar[int]
+    ALIBI_SLOPES_FIELD_NUMBER: _ClassVar[int]
+    window_left: int
+    window_right: int
+    softcap: float
+    alibi_slopes: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, window_left: _Optional[int] = ..., window_right: _Optional[int] = ..., softcap: _Optional[float] = ..., alibi_slopes: _Optional[_Iterable[float]] = ...) -> None: ...
+
 class PrefillHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions", "cache")
+    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions", "cache", "score")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -100,6 +112,7 @@ class PrefillHeader(_message.Message):
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -110,7 +123,8 @@ class PrefillHeader(_message.Message):
     return_lse: bool
     regions: TensorRegions
     cache: CacheTarget
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ...) -> None: ...
+    score: ScoreOptions
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -121,7 +135,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class DecodeHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache")
+    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache", "score")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +145,7 @@ class DecodeHeader(_message.Message):
     RETURN_LSE_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -140,7 +155,8 @@ class DecodeHeader(_message.Message):
     return_lse: bool
     regions: TensorRegions
     cache: CacheTarget
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ...) -> None: ...
+    score: ScoreOptions
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("header", "chunks")

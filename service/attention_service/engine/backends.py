@@ -140,8 +140,10 @@ class CpuBackend:
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None
+        slopes = plan.score_kwargs().get("alibi_slopes")
         out, lse_all = attend(q, k, v, cu_q, cu_k, causal=key.causal, scale=key.softmax_scale,
-                              cancel=cancel)
+                              cancel=cancel, window=key.window, softcap=key.softcap,
+                              alibi_slopes=slopes)  # type: ignore[arg-type]
         lse = lse_all if plan.return_lse else None
         if lse is not None and plan.op.decode_like:
             lse = lse.t()  # decode lse is [batch, heads]

@@ -25,6 +25,11 @@ class BatchKey(NamedTuple):
     softmax_scale: float
     # Decode only; kept in the key so an explicit split count is honoured exactly as asked.
     num_splits: int
+    # Score modifiers: jobs merge only with the same window and softcap. ALiBi slopes are per
+    # sequence in the launch (BatchPlan.alibi_slopes), so any two ALiBi jobs merge.
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
 
 
 def batch_key(params: Params) -> BatchKey:
@@ -35,7 +40,8 @@ def batch_key(params: Params) -> BatchKey:
     return BatchKey(
         op=params.op, dtype=params.dtype, num_heads=params.num_heads,
         num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
-        softmax_scale=scale, num_splits=params.num_splits,
+        softmax_scale=scale, num_splits=params.num_splits, window=params.window,
+        softcap=params.softcap, alibi=bool(params.alibi_slopes),
     )
 
 
@@ -86,6 +92,16 @@ class BatchPlan:
         self.max_seqlen_k = max(p.max_seqlen_k for p in params)
         # The kernel computes lse for everyone or no one; it costs little, so any asker wins.
         self.return_lse = any(p.return_lse for p in params)
+        # ALiBi: [sequences, num_heads] slopes, row-major, each job's rows in its order (a
+        # job that gave num_heads slopes has them repeated for each of its sequences).
+        self.alibi_slopes: list[float] | None = None
+        if self.key.alibi:
+            h = self.key.num_heads
+            self.alibi_slopes = []
+            for p in params:
+                seqs = len(p.cu_seqlens_k) - 1
+                given = list(p.alibi_slopes)
+                self.alibi_slopes += given if len(given) == seqs * h else given * seqs
         self.tokens = sum(j.tokens for j in self.jobs)
         self.flops = sum(j.flops for j in self.jobs)
         self.kv_bytes = sum(j.kv_bytes for j in self.jobs)
@@ -106,6 +122,21 @@ class BatchPlan:
             self.max_seqlen_k = max(self.seq_lens, default=0)
         # Block-table columns (at least one, so the table is never empty).
         self.table_width = max(1, max((len(r) for r in self.block_table), default=0))
+
+    def score_kwargs(self, device: object = "cpu") -> dict[str, object]:
+        """The kernels' (and the reference's) window_size / softcap / alibi_slopes arguments;
+        empty when the launch uses none, so plain launches pass nothing new."""
+        import torch
+
+        key, out = self.key, {}
+        if key.window != (-1, -1):
+            out["window_size"] = key.window
+        if key.softcap > 0:
+            out["softcap"] = key.softcap
+        if self.alibi_slopes is not None:
+            out["alibi_slopes"] = torch.tensor(self.alibi_slopes, dtype=torch.float32,
+                                               device=device).view(-1, key.num_heads)
+        return out
 
     @property
     def total_q(self) -> int:

@@ -24,10 +24,13 @@ TILE_ELEMENTS = 1 << 21  # scores per tile: 8 MiB of float32
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], *,
     causal: bool, scale: float | None, cancel: CancelFlag,
-    tile_elements: int = TILE_ELEMENTS,
+    window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Packed varlen attention (causal aligned bottom-right) in float32: ``out`` like ``q``
-    (its dtype) and float32 ``lse [H, total_q]`` (-inf and zeros for rows without keys)."""
+    (its dtype) and float32 ``lse [H, total_q]`` (-inf and zeros for rows without keys).
+    ``window``, ``softcap`` and ``alibi_slopes`` ([batch, H]) as in attention_kernels'
+    reference; a window's key range is skipped, not masked, outside each row tile's reach."""
     total_q, heads, dim = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
@@ -42,7 +45,7 @@ def attend(
         # Tiles of rows x keys with group * rows * keys <= tile_elements.
         keys = max(1, min(n_k, tile_elements // group))
         rows = max(1, min(n_q, tile_elements // (group * keys)))
-        offset = n_k - n_q  # causal: query i sees keys j <= i + offset
+        offset = n_k - n_q  # query i sits at key position p = i + offset
         for g in range(kv_heads):
             hs = slice(g * group, (g + 1) * group)
             for r0 in range(0, n_q, rows):
@@ -51,17 +54,23 @@ def attend(
                 m = torch.full((group, r1 - r0), float("-inf"))
                 den = torch.zeros((group, r1 - r0))
                 acc = torch.zeros((group, r1 - r0, dim))
-                last = min(n_k, r1 + offset) if causal else n_k  # keys any row sees
-                for c0 in range(0, last, keys):
+                first, last = _key_range(r0 + offset, r1 - 1 + offset, n_k, causal, window)
+                for c0 in range(first, last, keys):
                     if cancel.is_set():
                         raise Cancelled()
                     c1 = min(c0 + keys, last)
                     kt = k[k0 + c0 : k0 + c1, g].float()  # [C, D]
                     s = torch.einsum("grd,cd->grc", qt, kt)
-                    if causal:
-                        qi = torch.arange(r0, r1).unsqueeze(1)
-                        kj = torch.arange(c0, c1).unsqueeze(0)
-                        s = s.masked_fill(kj > qi + offset, float("-inf"))
+                    if softcap > 0:
+                        s = softcap * torch.tanh(s / softcap)
+                    # p - j for the tile: [R, C]
+                    dist = (torch.arange(r0, r1).unsqueeze(1) + offset
+                            - torch.arange(c0, c1).unsqueeze(0))
+                    if alibi_slopes is not None:
+                        s = s - alibi_slopes[b, hs].float()[:, None, None] * dist.abs()
+                    hidden = _hidden(dist, causal, window)
+                    if hidden is not None:
+                        s = s.masked_fill(hidden, float("-inf"))
                     m_new = torch.maximum(m, s.amax(dim=-1))
                     # Rows that have seen no key yet keep a finite shift (their p is 0).
                     shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
@@ -78,3 +87,29 @@ def attend(
                 lse[hs, q0 + r0 : q0 + r1] = torch.where(
                     seen, m + torch.log(den.clamp_min(1e-30)), torch.full_like(m, float("-inf")))
     return out, lse
+
+
+def _key_range(p_first: int, p_last: int, n_k: int, causal: bool,
+               window: tuple[int, int]) -> tuple[int, int]:
+    """Keys [first, last) that rows at positions p_first..p_last can see at all."""
+    left, right = window
+    first = max(0, p_first - left) if left >= 0 else 0
+    if not causal and right < 0:
+        return first, max(first, n_k)  # no right bound (p may be negative: q longer than k)
+    reach = min(right, 0) if causal and right >= 0 else (0 if causal else right)
+    return first, max(first, min(n_k, p_last + reach + 1))
+
+
+def _hidden(dist: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor | None:
+    """Masked (row, key) pairs of a tile from p - j; None when every pair is visible."""
+    left, right = window
+    if not causal and left < 0 and right < 0:
+        return None
+    hidden = torch.zeros(dist.shape, dtype=torch.bool)
+    if causal:
+        hidden |= dist < 0
+    if left >= 0:
+        hidden |= dist > left
+    if right >= 0:
+        hidden |= dist < -right
+    return hidden

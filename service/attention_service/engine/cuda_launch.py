@@ -158,6 +158,7 @@ def launch_on_stream(
         lse = None
         if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
             lse = lone.lse
+        mods = plan.score_kwargs(device)  # window / softcap / ALiBi, when the launch has any
         if meta is not None:
             work = plan.jobs[0].cache
             assert work is not None
@@ -166,25 +167,26 @@ def launch_on_stream(
                     q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
                     max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
                     num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
+                    **mods,
                 )
             else:
                 res = kernels.paged_prefill(
                     q, work.k_pages, work.v_pages, meta.table, meta.cu_q, meta.seq_lens,
                     max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
                     causal=key.causal, softmax_scale=key.softmax_scale,
-                    return_lse=plan.return_lse, out=out, lse_out=lse,
+                    return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
                 )
         elif not plan.op.decode_like:
             res = kernels.prefill(
                 q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
                 max_seqlen_k=plan.max_seqlen_k, causal=key.causal,
                 softmax_scale=key.softmax_scale, return_lse=plan.return_lse, out=out,
-                lse_out=lse,
+                lse_out=lse, **mods,
             )
         else:
             res = kernels.decode(
                 q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
-                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
+                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
             )
         out, lse = res if plan.return_lse else (res, None)
         events[2].record()

@@ -55,6 +55,8 @@ def eligible(plan: BatchPlan) -> bool:
     """A CacheDecode launch with keys, host tensors and a shape within this path's limits."""
     if plan.op is not Op.CACHE_DECODE or plan.max_seqlen_k == 0:
         return False
+    if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
+        return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
     return all(j.q.device.type == "cpu" and j.out.device.type == "cpu" for j in plan.jobs)

@@ -36,9 +36,9 @@ from attention_service.params import (
     ELEMENT_BYTES,
     Op,
     Params,
-    causal_pairs,
     check_cache_ids,
     lengths,
+    visible_pairs,
 )
 from attention_wire.pb import attention_pb2 as pb
 
@@ -392,13 +392,10 @@ def _work(params: Params, seq_lens: list[int]) -> tuple[int, int]:
         return 0, 0
     h, d = params.num_heads, params.head_dim
     if params.op.decode_like:
-        pairs = sum(seq_lens)
+        len_q = [1] * len(seq_lens)
     else:
         assert params.cu_seqlens_q is not None
         len_q = lengths(params.cu_seqlens_q)
-        if params.causal:
-            pairs = sum(causal_pairs(sq, sk) for sq, sk in zip(len_q, seq_lens, strict=True))
-        else:
-            pairs = sum(sq * sk for sq, sk in zip(len_q, seq_lens, strict=True))
+    pairs = visible_pairs(len_q, seq_lens, params.causal, params.window)
     kv = 2 * sum(seq_lens) * params.num_kv_heads * d * ELEMENT_BYTES[params.dtype]
     return 4 * pairs * h * d, kv

@@ -169,6 +169,41 @@ def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
     return float(h.softmax_scale)
 
 
+class ScoreMods(NamedTuple):
+    """A header's ScoreOptions, checked (the kernels' defaults when absent)."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi_slopes: tuple[float, ...] = ()
+
+    def kwargs(self) -> dict[str, object]:
+        return self._asdict()
+
+
+def _score(h: pb.PrefillHeader | pb.DecodeHeader, num_heads: int, batch: int) -> ScoreMods:
+    if not h.HasField("score"):
+        return ScoreMods()
+    s = h.score
+    window = []
+    for side in ("window_left", "window_right"):
+        value = getattr(s, side) if s.HasField(side) else -1
+        if value < -1:
+            raise invalid(f"header.score.{side}", f"must be >= -1 (-1: unbounded), got {value}")
+        window.append(int(value))
+    if not (math.isfinite(s.softcap) and s.softcap >= 0):
+        raise invalid("header.score.softcap", f"must be finite and >= 0 (0: off), got {s.softcap}")
+    slopes = tuple(s.alibi_slopes)
+    if slopes:
+        if len(slopes) not in (num_heads, batch * num_heads):
+            raise invalid("header.score.alibi_slopes",
+                          f"{len(slopes)} slopes: give num_heads ({num_heads}) or batch * "
+                          f"num_heads ({batch} * {num_heads} = {batch * num_heads})")
+        bad = next((i for i, x in enumerate(slopes) if not math.isfinite(x)), None)
+        if bad is not None:
+            raise invalid(f"header.score.alibi_slopes[{bad}]", f"must be finite, got {slopes[bad]}")
+    return ScoreMods((window[0], window[1]), float(s.softcap), slopes)
+
+
 def _check_size(params: Params, limit: int) -> None:
     total = params.bytes_in
     if total > limit:
@@ -261,6 +296,8 @@ def validate_prefill_header(
             raise invalid("header.return_lse", "set, but AppendKV computes no attention")
         if len(h.cu_seqlens_q):
             raise invalid("header.cu_seqlens_q", "set, but AppendKV takes no queries")
+        if h.HasField("score"):
+            raise invalid("header.score", "set, but AppendKV computes no attention")
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
         ids, _ = _cache_target(h, op, len(cu_k) - 1)
         params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids)
@@ -292,9 +329,10 @@ def validate_prefill_header(
             )
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
     ids, store = _cache_target(h, op, len(cu_q) - 1)
+    mods = _score(h, q_shape[1], len(cu_q) - 1)
     params = make_params(
         op, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
-        return_lse=h.return_lse, cache_ids=ids, store=store,
+        return_lse=h.return_lse, cache_ids=ids, store=store, **mods.kwargs(),
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)
@@ -326,9 +364,10 @@ def validate_decode_header(
         )
     cu_k = _check_cu(cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
     ids, store = _cache_target(h, op, batch)
+    mods = _score(h, q_shape[1], batch)
     params = make_params(
         op, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
-        num_splits=h.num_splits, cache_ids=ids, store=store,
+        num_splits=h.num_splits, cache_ids=ids, store=store, **mods.kwargs(),
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)

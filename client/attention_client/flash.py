@@ -1,0 +1,266 @@
+"""Drop-in entry points for code written against ``flash_attn`` or torch's ``varlen_attn``,
+computed by a remote attention server, and a ``torch.library`` custom op so that
+``torch.compile``d models can call it.
+
+    from attention_client.flash import flash_attn_varlen_func, set_client
+    set_client(AttentionClient("gpu-box:50051"))          # or ATTENTION_TARGET=gpu-box:50051
+    out = flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                 causal=True, window_size=(256, 0))
+
+Same argument names, order and defaults as ``flash_attn.flash_attn_varlen_func`` /
+``flash_attn_func`` (2.x) and ``torch.nn.attention.varlen.varlen_attn``. What a remote
+inference op cannot do is refused with ``NotImplementedError`` naming the argument: dropout,
+attention probabilities (``return_attn_probs``), a local paged cache (``block_table``: keep the
+cache on the server instead, ``client.kv_cache``). ``max_seqlen_*`` are accepted and checked
+against ``cu_seqlens`` (the server derives them). Needs torch (the rest of the client does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from attention_client._errors import AttentionInputError
+from attention_client.client import AttentionClient
+
+__all__ = [
+    "flash_attn_func",
+    "flash_attn_varlen_func",
+    "get_client",
+    "set_client",
+    "use_client",
+    "varlen_attn",
+]
+
+_lock = threading.Lock()
+_default: AttentionClient | None = None
+_local = threading.local()
+
+
+def set_client(client: AttentionClient | None) -> None:
+    """The client these functions (and the custom op) use when not given one."""
+    global _default
+    with _lock:
+        _default = client
+
+
+@contextlib.contextmanager
+def use_client(client: AttentionClient) -> Iterator[AttentionClient]:
+    """Route the calls of this thread through ``client`` inside the block."""
+    previous = getattr(_local, "client", None)
+    _local.client = client
+    try:
+        yield client
+    finally:
+        _local.client = previous
+
+
+def get_client() -> AttentionClient:
+    """This thread's client (``use_client``), else the default (``set_client``), else one
+    made on first use from ``ATTENTION_TARGET`` (and ``ATTENTION_TOKEN``, plaintext)."""
+    global _default
+    local = getattr(_local, "client", None)
+    if local is not None:
+        return local
+    with _lock:
+        if _default is None:
+            target = os.environ.get("ATTENTION_TARGET")
+            if not target:
+                raise RuntimeError(
+                    "no attention server: call attention_client.flash.set_client(client), use "
+                    "use_client(client), or set ATTENTION_TARGET=host:port"
+                )
+            _default = AttentionClient(target, token=os.environ.get("ATTENTION_TOKEN") or None)
+        return _default
+
+
+# ---- the custom op: what torch.compile sees -----------------------------------------------
+
+@torch.library.custom_op("attention_client::varlen_attention", mutates_args=())
+def _varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor, causal: bool, softmax_scale: float | None, window_left: int,
+    window_right: int, softcap: float, alibi_slopes: torch.Tensor | None,
+) -> torch.Tensor:
+    out = get_client().attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+    )
+    return out.contiguous()  # a fresh tensor: a custom op's output may not alias an input
+
+
+@_varlen_attention.register_fake
+def _varlen_attention_fake(q: torch.Tensor, *args: Any) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+varlen_attention = torch.ops.attention_client.varlen_attention
+
+
+def _refuse(name: str, why: str) -> NotImplementedError:
+    return NotImplementedError(f"{name}: {why}")
+
+
+def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
+    if value is None or torch.compiler.is_compiling():
+        return  # a data-dependent check: left out of compiled graphs (the server checks cu)
+    longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+    if not isinstance(value, int) or value < longest:
+        raise AttentionInputError(
+            f"{name} must be an int >= the longest sequence ({longest}), got {value!r}"
+        )
+
+
+def _varlen(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    *, causal: bool, softmax_scale: float | None, window_size: Any, softcap: float,
+    alibi_slopes: Any, return_lse: bool, client: AttentionClient | None,
+) -> Any:
+    left, right = (int(x) for x in window_size)
+    if client is None and not return_lse:
+        return varlen_attention(q, k, v, cu_q, cu_k, bool(causal), softmax_scale, left, right,
+                                float(softcap), alibi_slopes)
+    return (client or get_client()).attention(
+        q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
+        return_lse=return_lse,
+    )
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: torch.Tensor | None = None,
+    *,
+    client: AttentionClient | None = None,
+) -> torch.Tensor:
+    """``flash_attn.flash_attn_varlen_func``: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``,
+    int32 ``cu_seqlens_*``; returns out ``[total_q, H, D]``. ``deterministic`` is accepted (the
+    forward pass is deterministic anyway)."""
+    if dropout_p:
+        raise _refuse("dropout_p", f"{dropout_p}: the remote op is inference only; pass 0.0")
+    if return_attn_probs:
+        raise _refuse("return_attn_probs", "the server never materializes attention "
+                      "probabilities; use client.attention(..., return_lse=True) for the lse")
+    if block_table is not None:
+        raise _refuse("block_table", "a local paged KV cache cannot be read remotely; keep "
+                      "the cache on the server (client.kv_cache / decode_step)")
+    _check_max("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
+    _check_max("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,  # type: ignore[no-any-return]
+                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                   alibi_slopes=alibi_slopes, return_lse=False, client=client)
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    *,
+    client: AttentionClient | None = None,
+) -> torch.Tensor:
+    """``flash_attn.flash_attn_func``: q ``[B, N_q, H, D]``, k/v ``[B, N_k, H_kv, D]``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise AttentionInputError(
+            f"q, k, v must be 4-D [batch, seqlen, heads, head_dim], got {list(q.shape)}, "
+            f"{list(k.shape)}, {list(v.shape)}"
+        )
+    batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * n_q
+    cu_k = torch.arange(batch + 1, dtype=torch.int32) * n_k
+    out = flash_attn_varlen_func(
+        q.reshape(batch * n_q, *q.shape[2:]), k.reshape(batch * n_k, *k.shape[2:]),
+        v.reshape(batch * n_k, *v.shape[2:]), cu_q, cu_k, n_q, n_k, dropout_p, softmax_scale,
+        causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+        client=client,
+    )
+    return out.reshape(q.shape)
+
+
+def varlen_attn(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: torch.Tensor | None,
+    max_q: int,
+    max_k: int,
+    *,
+    return_aux: Any = None,
+    scale: float | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    enable_gqa: bool = False,
+    seqused_k: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    client: AttentionClient | None = None,
+) -> Any:
+    """``torch.nn.attention.varlen.varlen_attn``: causal is ``window_size=(-1, 0)`` there, as
+    here; ``return_aux`` with ``lse=True`` adds lse ``[T_q, H]``. ``seqused_k`` keeps the first
+    ``seqused_k[i]`` keys of each sequence. ``num_splits`` is accepted (the server chooses; the
+    answer does not depend on it beyond rounding)."""
+    if block_table is not None:
+        raise _refuse("block_table", "a local paged KV cache cannot be read remotely; keep "
+                      "the cache on the server (client.kv_cache / decode_step)")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise AttentionInputError(
+            f"query has {query.shape[1]} heads but key {key.shape[1]}: pass enable_gqa=True "
+            "for grouped-query attention"
+        )
+    cu_k = cu_seq_q if cu_seq_k is None else cu_seq_k
+    if seqused_k is not None:
+        key, value, cu_k = _used_keys(key, value, cu_k, seqused_k)
+    _check_max("max_q", max_q, cu_seq_q)
+    want_lse = bool(return_aux is not None and getattr(return_aux, "lse", False))
+    res = _varlen(query, key, value, cu_seq_q, cu_k, causal=False, softmax_scale=scale,
+                  window_size=window_size, softcap=0.0, alibi_slopes=None,
+                  return_lse=want_lse, client=client)
+    if want_lse:
+        out, lse = res
+        return out, lse.transpose(0, 1).contiguous()  # ours [H, T_q], torch's [T_q, H]
+    return res
+
+
+def _used_keys(
+    key: torch.Tensor, value: torch.Tensor, cu_k: torch.Tensor, seqused_k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The first ``seqused_k[i]`` keys of each sequence, repacked."""
+    starts, used = cu_k[:-1].long().cpu(), seqused_k.long().cpu()
+    room = cu_k[1:].long().cpu() - starts
+    if used.shape != starts.shape or bool((used < 0).any()) or bool((used > room).any()):
+        raise AttentionInputError(
+            f"seqused_k must hold one count per sequence in [0, its key length], got "
+            f"{seqused_k.tolist()}"
+        )
+    index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), used.tolist(),
+                                                                 strict=True)])
+    index = index.to(key.device)
+    cu = torch.zeros(len(used) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(used, 0)
+    return key.index_select(0, index), value.index_select(0, index), cu.to(cu_k.device)

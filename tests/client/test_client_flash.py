@@ -1,0 +1,180 @@
+"""attention_client.flash against the real cpu server: flash_attn's and torch varlen_attn's
+signatures and semantics (window, softcap, ALiBi included) vs the float64 reference, the
+refusals, and the custom op under torch.compile."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+
+torch = pytest.importorskip("torch")
+attention_kernels = pytest.importorskip("attention_kernels")
+
+from attention_client import (  # noqa: E402
+    AttentionClient,
+    AttentionInputError,
+    flash,  # noqa: E402
+)
+
+# flash_attn 2.x, in order (flash_attn/flash_attn_interface.py).
+FLASH_VARLEN_ARGS = [
+    "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p",
+    "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
+    "return_attn_probs", "block_table",
+]
+FLASH_ARGS = [
+    "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+    "alibi_slopes", "deterministic", "return_attn_probs",
+]
+
+
+@pytest.fixture(scope="module")
+def client(server):  # type: ignore[no-untyped-def]
+    with AttentionClient(server.target, timeout=60) as c:
+        flash.set_client(c)
+        yield c
+        flash.set_client(None)
+
+
+def _ref(q, k, v, cu_q, cu_k, **kw):  # type: ignore[no-untyped-def]
+    out = attention_kernels.prefill_ref(q.double(), k.double(), v.double(), cu_q, cu_k, **kw)
+    return out.float()
+
+
+def _packed(lens_q, lens_k, heads=4, kv_heads=2, dim=16, seed=0):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+    cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+    q = torch.randn(int(cu_q[-1]), heads, dim, generator=g)
+    k = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=g)
+    v = torch.randn(int(cu_k[-1]), kv_heads, dim, generator=g)
+    return q, k, v, cu_q, cu_k
+
+
+def test_signatures_match_flash_attn() -> None:
+    assert list(inspect.signature(flash.flash_attn_varlen_func).parameters)[:16] == (
+        FLASH_VARLEN_ARGS)
+    assert list(inspect.signature(flash.flash_attn_func).parameters)[:11] == FLASH_ARGS
+    defaults = {n: p.default for n, p in
+                inspect.signature(flash.flash_attn_varlen_func).parameters.items()}
+    assert defaults["dropout_p"] == 0.0 and defaults["causal"] is False
+    assert defaults["window_size"] == (-1, -1) and defaults["softcap"] == 0.0
+    assert defaults["alibi_slopes"] is None and defaults["return_attn_probs"] is False
+
+
+@pytest.mark.parametrize(("causal", "window", "softcap", "alibi"), [
+    (False, (-1, -1), 0.0, False),
+    (True, (-1, -1), 0.0, False),
+    (True, (5, 0), 0.0, True),
+    (False, (3, 2), 1.5, False),
+    (True, (-1, -1), 2.0, True),
+])
+def test_flash_attn_varlen_func_positional_like_flash_attn(client, causal, window, softcap,  # type: ignore[no-untyped-def]
+                                                           alibi) -> None:
+    q, k, v, cu_q, cu_k = _packed([7, 1, 12], [9, 4, 12])
+    slopes = torch.rand(4) if alibi else None
+    out = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 12, 12, 0.0, None, causal, window,
+                                       softcap, slopes)
+    want = _ref(q, k, v, cu_q, cu_k, causal=causal, window_size=window, softcap=softcap,
+                alibi_slopes=slopes)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape and out.dtype == q.dtype
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attn_func_dense_batch(client) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, 6, h, 8, generator=g) for h in (4, 1, 1))
+    out = flash.flash_attn_func(q, k, v, causal=True, window_size=(2, 0))
+    cu = torch.tensor([0, 6, 12], dtype=torch.int32)
+    want = _ref(q.reshape(12, 4, 8), k.reshape(12, 1, 8), v.reshape(12, 1, 8), cu, cu,
+                causal=True, window_size=(2, 0))
+    torch.testing.assert_close(out, want.reshape(2, 6, 4, 8), atol=1e-5, rtol=1e-5)
+
+
+def test_torch_varlen_attn_causal_window_lse_and_seqused(client) -> None:  # type: ignore[no-untyped-def]
+    from torch.nn.attention.varlen import AuxRequest
+
+    q, k, v, cu_q, cu_k = _packed([5, 8], [5, 8], heads=2, kv_heads=2)
+    out, lse = flash.varlen_attn(q, k, v, cu_q, cu_k, 8, 8, window_size=(-1, 0),
+                                 return_aux=AuxRequest(lse=True))
+    want, want_lse = attention_kernels.prefill_ref(q.double(), k.double(), v.double(), cu_q,
+                                                   cu_k, causal=True, return_lse=True)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    assert lse.shape == (13, 2)  # torch's [T_q, H]
+    torch.testing.assert_close(lse, want_lse.float().t(), atol=1e-4, rtol=1e-4)
+    # seqused_k: only the first 3 and 6 keys of each sequence take part.
+    used = torch.tensor([3, 6], dtype=torch.int32)
+    out = flash.varlen_attn(q, k, v, cu_q, cu_k, 8, 8, seqused_k=used)
+    keep = torch.cat([torch.arange(0, 3), torch.arange(5, 11)])
+    want = _ref(q, k[keep], v[keep], cu_q, torch.tensor([0, 3, 9], dtype=torch.int32))
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AttentionInputError, match="enable_gqa"):
+        flash.varlen_attn(q, k[:, :1], v[:, :1], cu_q, cu_k, 8, 8)
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [
+    ({"dropout_p": 0.1}, "dropout_p"),
+    ({"return_attn_probs": True}, "return_attn_probs"),
+    ({"block_table": torch.zeros(1, 1, dtype=torch.int32)}, "block_table"),
+])
+def test_what_a_remote_op_cannot_do_is_refused_by_name(kwargs, name) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, cu_q, cu_k = _packed([3], [3])
+    with pytest.raises(NotImplementedError, match=f"^{name}: "):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, **kwargs)
+
+
+def test_bad_arguments_are_input_errors_in_the_callers_names(client) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, cu_q, cu_k = _packed([4, 6], [4, 6])
+    with pytest.raises(AttentionInputError, match="max_seqlen_q"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6)
+    with pytest.raises(AttentionInputError, match=r"window_size\[0\]"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, window_size=(-3, 0))
+    with pytest.raises(AttentionInputError, match="alibi_slopes"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, alibi_slopes=torch.ones(3))
+
+
+def test_custom_op_runs_under_torch_compile(client) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, cu_q, cu_k = _packed([6, 9], [6, 9])
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        y = flash.flash_attn_varlen_func(x * 2, k, v, cu_q, cu_k, 9, 9, causal=True,
+                                         window_size=(4, 0))
+        return y + 1
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    got = compiled(q)
+    want = _ref(q * 2, k, v, cu_q, cu_k, causal=True, window_size=(4, 0)) + 1
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_no_client_no_target_says_how_to_set_one(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(flash, "_default", None)
+    monkeypatch.delenv("ATTENTION_TARGET", raising=False)
+    q, k, v, cu_q, cu_k = _packed([2], [2])
+    with pytest.raises(RuntimeError, match="ATTENTION_TARGET"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 2, 2)
+
+
+def test_client_decode_and_cache_calls_take_score_options(client) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 16, generator=g)
+    k = torch.randn(20, 2, 16, generator=g)
+    v = torch.randn(20, 2, 16, generator=g)
+    cu = torch.tensor([0, 12, 20], dtype=torch.int32)
+    slopes = torch.rand(2, 4, generator=g)
+    out = client.decode(q, k, v, cu, window_size=(5, -1), softcap=3.0, alibi_slopes=slopes)
+    want = attention_kernels.decode_ref(q.double(), k.double(), v.double(), cu,
+                                        window_size=(5, -1), softcap=3.0, alibi_slopes=slopes)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    with client.kv_cache(2, 16, torch.float32) as cache:
+        cache.append(["s0", "s1"], k, v, cu)
+        out = cache.decode(q, ["s0", "s1"], window_size=(5, -1), alibi_slopes=slopes[0])
+        want = attention_kernels.decode_ref(q.double(), k.double(), v.double(), cu,
+                                            window_size=(5, -1), alibi_slopes=slopes[0])
+        torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+        out = client.decode_step(q, ["s0", "s1"], softcap=2.0, store=False)
+        want = attention_kernels.decode_ref(q.double(), k.double(), v.double(), cu, softcap=2.0)
+        torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+        with pytest.raises(AttentionInputError, match="alibi_slopes must have shape"):
+            cache.decode(q, ["s0", "s1"], alibi_slopes=torch.ones(3, 4))
