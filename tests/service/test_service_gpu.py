@@ -99,3 +99,30 @@ def test_client_with_cuda_tensors(gpu_server, dtype) -> None:  # type: ignore[no
     assert out.is_cuda and out.dtype == dtype and out.shape == q.shape
     out_ref, _ = prefill_oracle(q, k, v, cu_q, cu_q, causal=True)
     _close(out.cpu(), out_ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_score_options_on_gpu(gpu_server, dtype) -> None:  # type: ignore[no-untyped-def]
+    # Window, softcap and per-sequence ALiBi through the cuda backend's kernels (prefill and
+    # decode), against the float64 reference.
+    len_q, len_k = [37, 1, 70], [90, 5, 70]
+    cu_q, cu_k = cu_from_lengths(len_q), cu_from_lengths(len_k)
+    q, k, v = random_qkv(cu_q[-1], cu_k[-1], 8, 2, 128, dtype, seed=11)
+    slopes = torch.rand(3, 8, generator=torch.Generator().manual_seed(1))
+    msgs = list(prefill_messages(q, k, v, cu_q, cu_k, causal=True, return_lse=True))
+    score = msgs[0].header.score
+    score.window_left, score.softcap = 24, 30.0
+    score.alibi_slopes.extend(slopes.flatten().tolist())
+    resp = collect(gpu_server.stub().Prefill(iter(msgs), timeout=120))
+    want, want_lse = prefill_oracle(q, k, v, cu_q, cu_k, causal=True, window_size=(24, -1),
+                                    softcap=30.0, alibi_slopes=slopes)
+    _close(resp.out, want, dtype)
+    torch.testing.assert_close(resp.lse.double(), want_lse.double(),
+                               atol=GPU_LSE_ATOL[dtype], rtol=0)
+    qd = q[:3].contiguous()
+    msgs = list(decode_messages(qd, k, v, cu_k))
+    msgs[0].header.score.window_left = 40
+    msgs[0].header.score.alibi_slopes.extend(slopes[0].tolist())
+    resp = collect(gpu_server.stub().Decode(iter(msgs), timeout=120))
+    want, _ = decode_oracle(qd, k, v, cu_k, window_size=(40, -1), alibi_slopes=slopes[0])
+    _close(resp.out, want, dtype)
