@@ -9,6 +9,9 @@
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
+#   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
+#              benchmarks/bench_features.py (window skip vs full causal, varlen_attn and SDPA
+#              with a mask; softcap and ALiBi overhead; windowed decode)
 #   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback):
 #              every data path with 1, 2, 4 and 8 front ends, aggregate gRPC at 8 and 16 clients
 #   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
@@ -47,10 +50,12 @@ if ! command -v attention-server >/dev/null; then
   # The project itself, as the image installs it (console script included). Afresh on every
   # call: a warm machine keeps /tmp, and pip --target leaves an existing copy in place, so a
   # second call would otherwise test the first call's code.
-  rm -rf /tmp/app
+  # GPU_CHECKS_APP: another folder lets a second run go on beside a long one (e.g. a soak).
+  APP=${GPU_CHECKS_APP:-/tmp/app}
+  rm -rf "$APP"
   python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-    --target /tmp/app . ./client || exit 1
-  export PATH=/tmp/app/bin:$PATH PYTHONPATH=/tmp/app:$PYTHONPATH
+    --target "$APP" . ./client || exit 1
+  export PATH=$APP/bin:$PATH PYTHONPATH=$APP:$PYTHONPATH
 fi
 
 status=0
@@ -104,6 +109,9 @@ for s in "$@"; do
              tests/service/test_decode_steps_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
+    features) stage features-tests 360 python3 -m pytest -q -p no:cacheprovider -n 4 \
+                --timeout 600 tests/kernels/test_features.py
+              stage features 420 python3 benchmarks/bench_features.py --out "$OUT" ;;
     roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
                  --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 6 \
                  --agg-seconds 6 --out "$OUT" ;;

@@ -3,8 +3,10 @@
 ``prefill`` and ``decode`` are the Triton kernels (CUDA tensors, or any tensor under
 ``TRITON_INTERPRET=1``); ``prefill_ref`` and ``decode_ref`` are plain torch with the same
 signatures. ``paged_prefill`` / ``paged_decode`` read K/V from a paged cache through a block
-table (``paged_*_ref`` and ``gather_pages`` are their torch side). The Triton modules are
-imported lazily so the reference works without Triton.
+table (``paged_*_ref`` and ``gather_pages`` are their torch side). Every one of them takes
+flash_attn's ``window_size=(left, right)``, ``softcap`` and ``alibi_slopes`` (see
+``reference.py`` for the semantics). The Triton modules are imported lazily so the reference
+works without Triton.
 """
 
 from __future__ import annotations

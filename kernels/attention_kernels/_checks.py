@@ -7,6 +7,8 @@ reference and the service call it on host tensors; the kernel hot path does not.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -179,3 +181,49 @@ def output_buffer(buf: torch.Tensor | None, shape: tuple[int, ...], dtype: torch
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return buf
+
+
+def check_features(
+    window_size: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    num_heads: int,
+    batch: int,
+    device: torch.device,
+) -> tuple[int, int]:
+    """Sliding window, softcap and ALiBi arguments (flash_attn's semantics); reads no values.
+    Returns ``window_size`` as a plain ``(left, right)`` pair of ints.
+
+    ``window_size``: two ints >= -1 (-1: unbounded on that side). ``softcap``: a finite number
+    >= 0 (0: off). ``alibi_slopes``: None, or float32 ``[num_heads]`` or ``[batch, num_heads]``
+    on the device of ``q``. Its values are trusted like ``cu_seqlens``' (a finiteness check is a
+    sync on a GPU, and breaks CUDA-graph capture): the references check them
+    (``check_alibi_values``)."""
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window_size)):
+        raise ValueError(f"window_size must be a pair of ints (left, right), got {window_size!r}")
+    left, right = int(window_size[0]), int(window_size[1])
+    if left < -1 or right < -1:
+        raise ValueError(f"window_size entries must be >= -1 (-1: unbounded), got "
+                         f"{(left, right)}")
+    if (not isinstance(softcap, (int, float)) or isinstance(softcap, bool)
+            or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if alibi_slopes is not None:
+        if not isinstance(alibi_slopes, torch.Tensor):
+            raise ValueError(f"alibi_slopes must be a tensor or None, got "
+                             f"{type(alibi_slopes).__name__}")
+        if alibi_slopes.dtype != torch.float32:
+            raise ValueError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
+        if tuple(alibi_slopes.shape) not in ((num_heads,), (batch, num_heads)):
+            raise ValueError(f"alibi_slopes must be [num_heads={num_heads}] or [batch={batch}, "
+                             f"num_heads={num_heads}], got shape {tuple(alibi_slopes.shape)}")
+        if alibi_slopes.device != device:
+            raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    return left, right
+
+
+def check_alibi_values(alibi_slopes: torch.Tensor | None) -> None:
+    """Values check of ``alibi_slopes`` (reads values: a sync for a GPU tensor)."""
+    if alibi_slopes is not None and not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError("alibi_slopes must be finite")

@@ -15,7 +15,9 @@ bandwidth. Two choices follow:
   kernel writes the final output directly and nothing is counted.
 
 The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
-``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host.
+``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host. With a sliding window the splits
+share only the window's keys ``[seqlen - 1 - left, seqlen)`` (from its first key block): keys
+before it are never read, and the automatic split count is sized on the window, not the cache.
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from attention_kernels._checks import check_decode_inputs, check_paged_inputs, output_buffer
+from attention_kernels._checks import (
+    check_decode_inputs,
+    check_features,
+    check_paged_inputs,
+    output_buffer,
+)
+from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
@@ -46,12 +54,16 @@ MAX_SPLITS = 128
 def _decode_inner(
     K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+    key_lo, cap_scale, cap_log2, slopes2,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
-    each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys)."""
+    each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys).
+    ``LOW_MASK`` (masked blocks): keys below ``key_lo`` (the window's left edge) are hidden too.
+    Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e)."""
     page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -59,6 +71,8 @@ def _decode_inner(
             stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
         if MASKED:
             n_ok = (start_n + offs_n) < hi
+            if LOW_MASK:
+                n_ok = n_ok & ((start_n + offs_n) >= key_lo)
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
@@ -70,7 +84,14 @@ def _decode_inner(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_SOFTCAP:
+            qk = softcap_logits(tl.dot(q, tl.trans(k)), cap_scale, cap_log2)
+        else:
+            qk = tl.dot(q, tl.trans(k)) * qk_scale
+        if HAS_ALIBI:
+            # The query is the last key: its distance to key j is seqlen - 1 - j >= 0.
+            dist = (seqlen - 1 - (start_n + offs_n)).to(tl.float32)
+            qk = qk - slopes2[:, None] * dist[None, :]
         if MASKED:
             qk = tl.where(n_ok[None, :], qk, float("-inf"))
         # At least one key per block is valid, so the running max is finite after this block.
@@ -123,19 +144,25 @@ def _merge_group(
         tl.store(Lse + seq * num_heads + heads, lse, mask=g_ok)
 
 
-@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits", "stride_tb"])
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits", "stride_tb", "win_left",
+                               "stride_ab"])
 def _decode_split_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Counter, cu_k, Table,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     stride_tb, stride_kp, stride_vp,
     qk_scale, num_kv_heads, group, num_splits,
+    win_left, cap_scale, cap_log2, Alibi, stride_ab,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
+    Window (``HAS_WINDOW``): the query sees keys ``[seqlen - 1 - win_left, seqlen)``; that range,
+    not the whole sequence, is split. ALiBi: the slope of (sequence b, head h) is
+    ``Alibi[b * stride_ab + h]``.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     split = tl.program_id(0)
@@ -145,10 +172,24 @@ def _decode_split_kernel(
     num_heads = num_kv_heads * group
 
     k_start, seqlen = seq_keys(cu_k, seq, PAGED)
-    split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
-    lo = tl.minimum(split * split_len, seqlen)
-    hi = tl.minimum(lo + split_len, seqlen)
-    full_hi = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        # Keys before the window are never visited: the splits share [base, seqlen), base the
+        # window's first key rounded down to a block; keys [base, key_lo) of that first block
+        # are masked (stage [lo, full_lo) below, non-empty in the first split only).
+        key_lo = tl.maximum(seqlen - 1 - win_left, 0)
+        base = (key_lo // BLOCK_N) * BLOCK_N
+        split_len = tl.cdiv(tl.cdiv(seqlen - base, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(base + split * split_len, seqlen)
+        hi = tl.minimum(lo + split_len, seqlen)
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(key_lo, BLOCK_N) * BLOCK_N, lo), hi)
+        full_hi = full_lo + ((hi - full_lo) // BLOCK_N) * BLOCK_N
+    else:
+        key_lo = 0
+        split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
+        lo = tl.minimum(split * split_len, seqlen)
+        hi = tl.minimum(lo + split_len, seqlen)
+        full_lo = lo
+        full_hi = lo + ((hi - lo) // BLOCK_N) * BLOCK_N
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_n = tl.arange(0, BLOCK_N)
@@ -169,18 +210,32 @@ def _decode_split_kernel(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
     )
 
+    slopes2 = Alibi  # None without ALiBi, never read
+    if HAS_ALIBI:
+        slopes2 = tl.load(Alibi + seq * stride_ab + heads, mask=g_ok, other=0.0)
+        slopes2 = slopes2 * 1.4426950408889634
+
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _decode_inner(
+            K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+            lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+            key_lo, cap_scale, cap_log2, slopes2,
+            True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, True, HAS_SOFTCAP, HAS_ALIBI,
+        )
     acc, l_i, m_i = _decode_inner(
         K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-        False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS,
+        full_lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+        key_lo, cap_scale, cap_log2, slopes2,
+        False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
     )
     acc, l_i, m_i = _decode_inner(
         K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-        True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS,
+        key_lo, cap_scale, cap_log2, slopes2,
+        True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
     )
 
     seen = l_i > 0.0
@@ -266,6 +321,9 @@ def decode(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence against its packed keys/values.
@@ -279,9 +337,17 @@ def decode(
             (clamped to 128) and gives the same answer up to rounding.
         return_lse: also return float32 natural-log ``lse [batch, H]``.
         out / lse_out: optional preallocated contiguous outputs.
+        window_size: ``(left, right)``, flash_attn's semantics with the query at position
+            ``seqlen_k - 1``: it sees keys ``j >= seqlen_k - 1 - left`` (-1: all); ``right``
+            hides nothing. Only the window's keys are read, and they are what the splits share.
+        softcap: when > 0, logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
+        alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
+            ``-slope * (seqlen_k - 1 - j)`` to the logit of key ``j`` (after the softcap).
     Empty sequences give zeros (lse -inf).
     """
     check_decode_inputs(q, k, v, cu_seqlens_k)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
+                            q.device)
     _check_kernel_args(q, num_splits)
     if k.stride(-1) != 1:
         k = k.contiguous()
@@ -290,7 +356,7 @@ def decode(
     # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
     est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
     return _decode(q, k, v, cu_seqlens_k.contiguous(), None, est, softmax_scale, num_splits,
-                   return_lse, out, lse_out, _config)
+                   return_lse, out, lse_out, _config, window[0], softcap, alibi_slopes)
 
 
 def paged_decode(
@@ -306,6 +372,9 @@ def paged_decode(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode`` over a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -320,14 +389,18 @@ def paged_decode(
         seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed).
         max_seqlen_k: a host-side hint for the split count (``max_pages_per_seq * page_tokens``
             otherwise, an upper bound); never read from the device.
-        Other arguments and the outputs as in ``decode``. One compiled variant per page size.
+        Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
+        outputs as in ``decode``. One compiled variant per page size.
     """
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
+                            q.device)
     _check_kernel_args(q, num_splits)
     page_tokens = k_pages.shape[1]
     est = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_tokens
     return _decode(q, k_pages, v_pages, seqlens_k.contiguous(), block_table.contiguous(), est,
-                   softmax_scale, num_splits, return_lse, out, lse_out, _config)
+                   softmax_scale, num_splits, return_lse, out, lse_out, _config, window[0],
+                   softcap, alibi_slopes)
 
 
 def _check_kernel_args(q: torch.Tensor, num_splits: int) -> None:
@@ -351,9 +424,13 @@ def _decode(
     out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
     config: DecodeConfig | None,
+    win_left: int,
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
-    ``lens`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens`` = seqlens_k."""
+    ``lens`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens`` = seqlens_k. ``win_left``:
+    the window's left bound (-1: none)."""
     if q.stride(-1) != 1:
         q = q.contiguous()
     batch, num_heads, head_dim = q.shape
@@ -379,6 +456,14 @@ def _decode(
         cfg = decode_config(head_dim, q.dtype, q.device)
     else:
         cfg = paged_decode_config(head_dim, q.dtype, q.device)
+    # A left bound past any sequence's length hides nothing: no window variant for it.
+    max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]
+    has_window = 0 <= win_left < max_keys
+    if has_window:
+        # At most left + 1 keys are read per sequence (+ one block of alignment): split those.
+        est_seqlen = min(est_seqlen, win_left + 1 + cfg.block_n)
+    cap_scale, cap_log2 = softcap_args(softcap, scale)
+    slopes, stride_ab = alibi_args(alibi_slopes, num_heads)
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
@@ -407,9 +492,12 @@ def _decode(
             q, k, v, out, lse, out_part, lse_part, counter, lens, table,
             q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1), *strides[4:],
             scale * LOG2E, num_kv_heads, group, num_splits,
+            win_left if has_window else None, cap_scale, cap_log2, slopes, stride_ab,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
             DOT_F32=dot_in_fp32(q.dtype), PAGED=paged, PAGE_TOKENS=page_tokens,
+            HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
+            HAS_ALIBI=slopes is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

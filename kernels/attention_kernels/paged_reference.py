@@ -66,12 +66,16 @@ def paged_decode_ref(
     num_splits: int = 0,
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` in plain torch: ``decode_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
     k, v, cu_k = gather_pages(k_pages, v_pages, block_table, seqlens_k)
     return decode_ref(q, k, v, cu_k, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
-                      num_splits=num_splits, return_lse=return_lse, compute_dtype=compute_dtype)
+                      num_splits=num_splits, return_lse=return_lse, compute_dtype=compute_dtype,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def paged_prefill_ref(
@@ -88,10 +92,14 @@ def paged_prefill_ref(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_prefill`` in plain torch: ``prefill_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
     k, v, cu_k = gather_pages(k_pages, v_pages, block_table, seqlens_k)
     return prefill_ref(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-                       return_lse=return_lse, compute_dtype=compute_dtype)
+                       return_lse=return_lse, compute_dtype=compute_dtype,
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)

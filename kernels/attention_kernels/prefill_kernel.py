@@ -18,6 +18,13 @@ every row of the block, then ``[n_full, n_end)`` with the mask, where ``n_end`` 
 bound. Key blocks above the diagonal are never loaded. This generalises the tutorial's
 ``range(start_m + 1)`` bound to ``BLOCK_M != BLOCK_N`` and to ``seqlen_q != seqlen_k``.
 
+Sliding window (``window_size``, flash_attn's semantics) skips the same way, on both edges: a
+query block visits only the key blocks between the first key its first row sees and the last
+key its last row sees, in three stages: the left edge masked, then blocks every row sees in full
+(unmasked, TMA where enabled), then the right edge or diagonal masked. Causal is the window's
+right bound 0. Softcap and ALiBi only change the logits; all three are compile-time flags, so
+a launch without them compiles to the code it compiled to before they existed.
+
 Loads: on Hopper at D 128 the unmasked key loop reads K/V through tensor descriptors (the TMA
 copy engine), worth 7-11% there (see ``_TMA_HEAD_DIMS``) for launches with enough work to hide
 the descriptors' host cost (``_TMA_MIN_WORK``); masked blocks always use masked
@@ -34,7 +41,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attention_kernels._checks import check_paged_inputs, check_prefill_inputs, output_buffer
+from attention_kernels._checks import (
+    check_features,
+    check_paged_inputs,
+    check_prefill_inputs,
+    output_buffer,
+)
+from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     PrefillConfig,
@@ -54,18 +67,35 @@ LN2 = 0.6931471805599453
 
 
 @triton.jit
+def _logits(qk, qk_scale, cap_scale, cap_log2, alibi2, pos_f, start_n, offs_n,
+            HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Log2-unit logits of a raw ``q.k`` tile under softcap and/or ALiBi."""
+    s = softcap_logits(qk, cap_scale, cap_log2) if HAS_SOFTCAP else qk * qk_scale
+    if HAS_ALIBI:
+        key_f = (start_n + offs_n).to(tl.float32)
+        s = s - alibi2 * tl.abs(pos_f[:, None] - key_f[None, :])
+    return s
+
+
+@triton.jit
 def _prefill_inner(
     acc, l_i, m_i, q,
     k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     desc_k, desc_v, k_row0, kv_col,
     lo, hi, seqlen_k, causal_offset, qk_scale,
     offs_m, offs_n, d_ok, table_row, stride_kp, stride_vp,
+    win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
-    are the head-dim offsets and each key's row comes from the block-table row ``table_row``."""
+    are the head-dim offsets and each key's row comes from the block-table row ``table_row``.
+    Window (masked blocks only; ``IS_CAUSAL`` is then folded into ``win_right = 0``): row ``r``
+    at key position ``p = r + causal_offset`` keeps keys ``p - win_left <= j <= p + win_right``.
+    Softcap / ALiBi: see ``_features``; ``alibi2`` is this head's slope times log2(e) and
+    ``pos_f`` the rows' key positions as floats."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -86,12 +116,30 @@ def _prefill_inner(
         qk = tl.dot(q, tl.trans(k))
         if MASKED:
             keep = n_ok[None, :]
-            if IS_CAUSAL:
+            if HAS_WINDOW:
+                # p - win_left <= j <= p + win_right as one unsigned compare of j - (p - win_left)
+                # (negative: huge) with the span: two compares took ~20 more registers at D 128
+                # and spilled (ptxas, sm_90a).
+                rel = (start_n + offs_n)[None, :] - (offs_m + causal_offset - win_left)[:, None]
+                span = (win_left + win_right).to(tl.uint32, bitcast=True)
+                keep = keep & (rel.to(tl.uint32, bitcast=True) <= span)
+            elif IS_CAUSAL:
                 keep = keep & ((start_n + offs_n)[None, :] <= (offs_m + causal_offset)[:, None])
-            qk = tl.where(keep, qk * qk_scale, float("-inf"))
+            if HAS_SOFTCAP or HAS_ALIBI:
+                qk = _logits(qk, qk_scale, cap_scale, cap_log2, alibi2, pos_f, start_n, offs_n,
+                             HAS_SOFTCAP, HAS_ALIBI)
+                qk = tl.where(keep, qk, float("-inf"))
+            else:
+                qk = tl.where(keep, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             # A row that has seen no key yet keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
             m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            qk = qk - m_shift[:, None]
+        elif HAS_SOFTCAP or HAS_ALIBI:
+            qk = _logits(qk, qk_scale, cap_scale, cap_log2, alibi2, pos_f, start_n, offs_n,
+                         HAS_SOFTCAP, HAS_ALIBI)
+            m_new = tl.maximum(m_i, tl.max(qk, 1))  # every key visible: finite
+            m_shift = m_new
             qk = qk - m_shift[:, None]
         else:
             # Every key here is visible to every row, so the new max is finite.
@@ -121,19 +169,25 @@ def _prefill_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "stride_tb"])
+@triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "stride_tb",
+                               "win_left", "win_right", "stride_ab"])
 def _prefill_kernel(
     Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, stride_tb, stride_kp, stride_vp,
     qk_scale, batch, num_heads, group, num_slots,
+    win_left, win_right, cap_scale, cap_log2, Alibi, stride_ab,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
+    Window (``HAS_WINDOW``): ``win_left`` / ``win_right`` >= 0, causal already folded into
+    ``win_right = 0``, unbounded sides already replaced by a bound no row reaches. ALiBi: the
+    slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
@@ -180,29 +234,60 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_offset = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        first_row = block * BLOCK_M
-        last_row_end = tl.minimum(first_row + BLOCK_M, seqlen_q)
-        n_full = tl.minimum(tl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
-        n_end = tl.minimum(tl.maximum(last_row_end + causal_offset, 0), seqlen_k)
+    alibi2 = Alibi  # None without ALiBi, never read
+    pos_f = Alibi
+    if HAS_ALIBI:
+        alibi2 = tl.load(Alibi + seq * stride_ab + head) * 1.4426950408889634
+        pos_f = (offs_m + causal_offset).to(tl.float32)
+    if HAS_WINDOW:
+        # Key blocks [n_lo, n_a) masked (the window's left edge), [n_a, n_b) unmasked (every
+        # key visible to every row of the block), [n_b, n_hi) masked (right edge or diagonal).
+        # Blocks wholly outside every row's window are never visited.
+        p_first = block * BLOCK_M + causal_offset
+        p_last = tl.minimum(block * BLOCK_M + BLOCK_M, seqlen_q) - 1 + causal_offset
+        lo_key = tl.maximum(p_first - win_left, 0)  # the first key any row sees
+        n_hi = tl.minimum(tl.maximum(p_last + win_right + 1, 0), seqlen_k)  # past the last
+        n_lo = tl.minimum((lo_key // BLOCK_N) * BLOCK_N, n_hi)
+        full_lo = tl.maximum(p_last - win_left, 0)  # keys every row sees: [full_lo, full_hi)
+        full_hi = tl.minimum(tl.maximum(p_first + win_right + 1, 0), seqlen_k)
+        n_a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, n_lo), n_hi)
+        n_b = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, n_a), n_hi)
+        acc, l_i, m_i = _prefill_inner(
+            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+            desc_k, desc_v, k_start, kv_head * HEAD_DIM,
+            n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+            table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
+            pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+        )
     else:
-        n_full = seqlen_k
-        n_end = seqlen_k
-    n_full = (n_full // BLOCK_N) * BLOCK_N
+        if IS_CAUSAL:
+            first_row = block * BLOCK_M
+            last_row_end = tl.minimum(first_row + BLOCK_M, seqlen_q)
+            n_full = tl.minimum(tl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
+            n_end = tl.minimum(tl.maximum(last_row_end + causal_offset, 0), seqlen_k)
+        else:
+            n_full = seqlen_k
+            n_end = seqlen_k
+        n_a = 0
+        n_b = (n_full // BLOCK_N) * BLOCK_N
+        n_hi = n_end
 
     acc, l_i, m_i = _prefill_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        0, n_full, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        table_row, stride_kp, stride_vp,
+        n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
     )
     acc, l_i, m_i = _prefill_inner(
         acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        n_full, n_end, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-        table_row, stride_kp, stride_vp,
+        n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
     )
 
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
@@ -233,16 +318,19 @@ _TMA_HEAD_DIMS = (128,)
 _TMA_MIN_WORK = 1 << 28
 
 
-def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig) -> bool:
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig,
+            span: int | None = None) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
     a head dim in ``_TMA_HEAD_DIMS``, a work bound of at least ``_TMA_MIN_WORK``, and
-    ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``ATTENTION_KERNELS_TMA=0`` turns
-    it off (A/B measurements)."""
+    ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
+    per query (a sliding window). ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B
+    measurements)."""
     if interpreting() or not q.is_cuda or os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
         return False
-    if q.shape[0] * k.shape[0] * q.shape[1] < _TMA_MIN_WORK:
+    keys = k.shape[0] if span is None else min(k.shape[0], span)
+    if q.shape[0] * keys * q.shape[1] < _TMA_MIN_WORK:
         return False
     if q.shape[2] not in _TMA_HEAD_DIMS or _capability(q.device.index or 0)[0] < 9:
         return False
@@ -278,6 +366,9 @@ def prefill(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length flash attention forward.
@@ -292,6 +383,13 @@ def prefill(
         return_lse: also return float32 natural-log ``lse [H, total_q]``.
         out / lse_out: optional preallocated outputs (contiguous, right shape and dtype); the
             service passes pinned or pooled buffers, the tests pass poisoned ones.
+        window_size: ``(left, right)`` sliding window, flash_attn's semantics: query ``i`` at key
+            position ``p = i + seqlen_k - seqlen_q`` sees keys ``p - left <= j <= p + right``
+            (-1: that side unbounded); ``causal`` adds ``j <= p``. Key blocks outside every
+            row's window are skipped, not masked.
+        softcap: when > 0, logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
+        alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
+            ``-slope * |p - j|`` to the logit (after the softcap).
 
     fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
     """
@@ -299,10 +397,13 @@ def prefill(
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
+                            cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
     k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
     return _prefill(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), None,
-                    causal, softmax_scale, return_lse, out, lse_out, _config)
+                    causal, softmax_scale, return_lse, out, lse_out, _config,
+                    window, softcap, alibi_slopes, k.shape[0])
 
 
 def paged_prefill(
@@ -320,6 +421,9 @@ def paged_prefill(
     return_lse: bool = False,
     out: torch.Tensor | None = None,
     lse_out: torch.Tensor | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``prefill`` against a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -334,15 +438,40 @@ def paged_prefill(
         seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed). The queries
             of sequence ``b`` are its last ``seqlen_q`` positions for the causal mask (bottom-right
             aligned), e.g. new tokens already appended to the cache.
-        Other arguments and the outputs (``lse [H, total_q]``) as in ``prefill``. One compiled
-        variant per page size.
+        Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
+        outputs (``lse [H, total_q]``) as in ``prefill``. One compiled variant per page size.
     """
     del max_seqlen_q, max_seqlen_k
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
+                            cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
     return _prefill(q, k_pages, v_pages, cu_seqlens_q.contiguous(), seqlens_k.contiguous(),
                     block_table.contiguous(), causal, softmax_scale, return_lse, out, lse_out,
-                    _config)
+                    _config, window, softcap, alibi_slopes,
+                    block_table.shape[1] * k_pages.shape[1])
+
+
+def _window_args(window: tuple[int, int], causal: bool, max_keys: int,
+                 total_q: int) -> tuple[bool, int | None, int | None]:
+    """``(causal, win_left, win_right)`` for the kernel from a checked ``window_size``.
+
+    ``win_left`` is None when the window hides nothing that ``causal`` does not (the kernel is
+    then compiled without it). Otherwise both are >= 0: causal folded into ``win_right = 0``,
+    and an unbounded side (-1, or wider than any sequence) replaced by ``max_keys + total_q``,
+    a bound no row reaches (key positions lie in ``[-total_q, max_keys)``), small enough that
+    ``p +- bound`` stays in int32. ``(-1, 0)`` without causal is causal, and runs as such."""
+    left, right = window
+    limit = max_keys + total_q
+    left = -1 if left >= limit else left
+    right = -1 if right >= limit else right
+    if causal:
+        right = 0
+    elif left == -1 and right == 0:
+        return True, None, None
+    if left == -1 and (right == -1 or causal):
+        return causal, None, None
+    return causal, (limit if left == -1 else left), (limit if right == -1 else right)
 
 
 def _check_not_float64(q: torch.Tensor) -> None:
@@ -364,13 +493,23 @@ def _prefill(
     out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
     config: PrefillConfig | None,
+    window: tuple[int, int],
+    softcap: float,
+    alibi_slopes: torch.Tensor | None,
+    max_keys: int,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
-    ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` = seqlens_k."""
+    ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` = seqlens_k.
+    ``max_keys``: a bound on any sequence's key count known from shapes (total_k, or the
+    block table's capacity)."""
     q = _head_dim_contiguous(q)
     total_q, num_heads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    causal, win_left, win_right = _window_args(window, causal, max_keys, total_q)
+    has_window = win_left is not None
+    cap_scale, cap_log2 = softcap_args(softcap, scale)
+    slopes, stride_ab = alibi_args(alibi_slopes, num_heads)
     out = output_buffer(out, (total_q, num_heads, head_dim), q.dtype, q.device, "out")
     lse = (output_buffer(lse_out, (num_heads, total_q), torch.float32, q.device, "lse_out")
            if return_lse else out)  # dummy pointer when unused
@@ -386,10 +525,15 @@ def _prefill(
             lse.fill_(float("-inf"))
         return (out, lse) if return_lse else out
 
-    cfg = config or prefill_config(head_dim, q.dtype, causal, q.device)
+    # A window's blocks are split into masked and unmasked stages like causal ones: causal's
+    # tiles.
+    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device)
     num_slots = total_q // cfg.block_m + batch + 1
     grid = (num_slots * num_heads,)
-    use_tma = not paged and _tma_ok(q, k, v, cfg)
+    # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
+    # does, so it takes the descriptor loads too; only the work bound shrinks.
+    span = (win_left + win_right + 1) if has_window else None
+    use_tma = not paged and _tma_ok(q, k, v, cfg, span)
     if use_tma:
         desc_k, desc_v = (_kv_descriptor(t, cfg.block_n) for t in (k, v))
     else:
@@ -408,11 +552,13 @@ def _prefill(
         q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1),
         lse.stride(0) if return_lse else 0, *strides[4:],
         scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
+        win_left, win_right, cap_scale, cap_log2, slopes, stride_ab,
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
         IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype),
         USE_TMA=use_tma, PAGED=paged, PAGE_TOKENS=page_tokens,
+        HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None, HAS_ALIBI=slopes is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out

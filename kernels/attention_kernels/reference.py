@@ -9,10 +9,16 @@ Conventions (shared with the Triton kernels in ``prefill_kernel`` and ``decode_k
 * Packed varlen layout: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``; sequence ``b`` owns
   rows ``cu_seqlens[b]:cu_seqlens[b + 1]``.
 * GQA: query head ``h`` reads kv head ``h // (H // H_kv)``.
-* Causal masking is aligned bottom-right: query ``i`` of a sequence sees key ``j`` iff
-  ``j <= i + seqlen_k - seqlen_q``.
+* Causal masking is aligned bottom-right: query ``i`` of a sequence sits at key position
+  ``p = i + seqlen_k - seqlen_q`` and sees key ``j`` iff ``j <= p``.
+* Sliding window ``window_size = (left, right)`` (flash_attn's): query ``i`` sees key ``j`` iff
+  ``p - left <= j <= p + right``, a bound dropped where it is -1; ``causal`` adds ``j <= p``.
+  A decode query is the last position, ``p = seqlen_k - 1``.
+* ``softcap > 0``: the logit is ``softcap * tanh(softmax_scale * q.k / softcap)``, else
+  ``softmax_scale * q.k``. ALiBi then adds ``-slope * |p - j|`` (``alibi_slopes`` float32
+  ``[H]`` or ``[batch, H]``, per query head).
 * A query row that sees no key outputs zeros and has ``lse = -inf`` (never NaN).
-* ``lse`` is the natural-log log-sum-exp of the scaled scores, float32.
+* ``lse`` is the natural-log log-sum-exp of the logits (after softcap and ALiBi), float32.
 """
 
 from __future__ import annotations
@@ -22,8 +28,10 @@ import math
 import torch
 
 from attention_kernels._checks import (
+    check_alibi_values,
     check_cu_seqlens_values,
     check_decode_inputs,
+    check_features,
     check_prefill_inputs,
 )
 
@@ -40,16 +48,31 @@ def _attend_rows(
     k: torch.Tensor,  # [seqlen_k, H, D] compute dtype (already expanded for GQA)
     v: torch.Tensor,
     scale: float,
-    first_row: int,
-    causal_offset: int | None,
+    first_pos: int,
+    causal: bool,
+    window: tuple[int, int],
+    softcap: float,
+    slopes: torch.Tensor | None,  # [H] compute dtype, or None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of ``rows`` query rows (row ``r`` is query ``first_row + r`` of its sequence)."""
+    """Attention of ``rows`` query rows; row ``r`` sits at key position ``first_pos + r``."""
     rows, seqlen_k = q.shape[0], k.shape[0]
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
-    if causal_offset is not None:
-        qi = torch.arange(first_row, first_row + rows, device=q.device).unsqueeze(1)
-        kj = torch.arange(seqlen_k, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(kj > qi + causal_offset, float("-inf"))
+    if softcap > 0:
+        scores = softcap * torch.tanh(scores / softcap)
+    left, right = window
+    if causal or left >= 0 or right >= 0 or slopes is not None:
+        pos = torch.arange(first_pos, first_pos + rows, device=q.device).unsqueeze(1)
+        dist = pos - torch.arange(seqlen_k, device=q.device).unsqueeze(0)  # p - j [rows, keys]
+        if slopes is not None:
+            scores = scores - slopes[:, None, None] * dist.abs().to(scores.dtype)
+        hidden = torch.zeros_like(dist, dtype=torch.bool)
+        if causal:
+            hidden |= dist < 0
+        if left >= 0:
+            hidden |= dist > left
+        if right >= 0:
+            hidden |= dist < -right
+        scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, rows]; -inf where a row sees no key
     # exp(-inf - -inf) would be NaN: give fully masked rows a finite shift, their p is 0 anyway.
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
@@ -71,6 +94,9 @@ def prefill_ref(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length attention prefill; same signature and semantics as ``prefill``.
 
@@ -82,6 +108,9 @@ def prefill_ref(
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
+                            cu_seqlens_q.shape[0] - 1, q.device)
+    check_alibi_values(alibi_slopes)
     total_q, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
@@ -99,10 +128,14 @@ def prefill_ref(
             continue
         kb = k[k0:k1].to(cdt).repeat_interleave(group, dim=1)
         vb = v[k0:k1].to(cdt).repeat_interleave(group, dim=1)
-        offset = (k1 - k0) - (q1 - q0) if causal else None
+        offset = (k1 - k0) - (q1 - q0)  # query row i sits at key position i + offset
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = (alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[b]).to(cdt)
         for r0 in range(0, q1 - q0, _ROW_CHUNK):
             r1 = min(r0 + _ROW_CHUNK, q1 - q0)
-            o, l = _attend_rows(q[q0 + r0 : q0 + r1].to(cdt), kb, vb, scale, r0, offset)
+            o, l = _attend_rows(q[q0 + r0 : q0 + r1].to(cdt), kb, vb, scale, r0 + offset,
+                                causal, window, float(softcap), slopes)
             out[q0 + r0 : q0 + r1] = o
             lse[:, q0 + r0 : q0 + r1] = l.float()
     out = out.to(q.dtype)
@@ -120,21 +153,26 @@ def decode_ref(
     num_splits: int = 0,
     return_lse: bool = False,
     compute_dtype: torch.dtype | None = None,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence against its packed keys; same semantics as ``decode``.
 
     ``q [B, H, D]``; ``lse`` is float32 ``[B, H]``. ``num_splits`` and ``max_seqlen_k`` only
-    steer the kernel's schedule and are ignored here.
+    steer the kernel's schedule and are ignored here. The query sits at position
+    ``seqlen_k - 1``, so only the window's left bound can hide keys.
     """
     del max_seqlen_k, num_splits
     check_decode_inputs(q, k, v, cu_seqlens_k)
     batch = q.shape[0]
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=q.device)
     # A decode step is a prefill with one query per sequence and no causal mask (the new token
-    # sees its whole context).
+    # sees its whole context, or its window).
     out, lse = prefill_ref(
         q, k, v, cu_q, cu_seqlens_k, softmax_scale=softmax_scale, return_lse=True,
-        compute_dtype=compute_dtype,
+        compute_dtype=compute_dtype, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     lse = lse.t().contiguous()
     return (out, lse) if return_lse else out
