@@ -32,9 +32,14 @@ class DecodeConfig:
     num_stages: int
 
 
+# Read once: Triton decides interpreter or compiler when a kernel is decorated (import time),
+# and reading os.environ on every launch cost ~2 us of a decode call's host path.
+_INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _INTERPRETING
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -78,6 +83,7 @@ _PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
 }
 
 
+@functools.lru_cache(maxsize=512)  # per launch on the host path: ~10 us uncached
 def prefill_config(
     head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device
 ) -> PrefillConfig:
@@ -114,6 +120,7 @@ def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConf
     return PrefillConfig(bm, bn, cfg.num_warps if bm >= 128 else 4, cfg.num_stages)
 
 
+@functools.lru_cache(maxsize=512)
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
@@ -123,6 +130,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> De
     return DecodeConfig(64, 4, 3)
 
 
+@functools.lru_cache(maxsize=512)
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
     """``decode_config``, but 128-key blocks at (padded) head dim 64 and below, where a 64-key
     block is too little work to hide a block's page lookups. H100, bf16, 32q/8kv, 8 x 8K keys,

@@ -325,12 +325,14 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfi
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
     per query (a sliding window). ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B
     measurements)."""
-    if interpreting() or not q.is_cuda or os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
+    if interpreting() or not q.is_cuda:
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
         return False
     keys = k.shape[0] if span is None else min(k.shape[0], span)
     if q.shape[0] * keys * q.shape[1] < _TMA_MIN_WORK:
+        return False  # small launches (host-bound) return before the environment lookup
+    if os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
     if q.shape[2] not in _TMA_HEAD_DIMS or _capability(q.device.index or 0)[0] < 9:
         return False
