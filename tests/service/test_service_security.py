@@ -119,3 +119,18 @@ def test_mutual_tls_requires_a_certificate_the_client_ca_signed(  # type: ignore
         with AttentionClient(target, tls=str(cert), timeout=5, **extra) as client, \
                 pytest.raises(AttentionUnavailableError):
             client.attention(q, q, q)
+
+
+def test_a_refused_call_is_timed_not_recorded_as_zero(start_server) -> None:  # type: ignore[no-untyped-def]
+    from .svc_helpers import sample
+
+    srv = start_server(auth_token=TOKEN, metrics_port=0)
+    with pytest.raises(grpc.RpcError) as info:
+        _prefill(srv.stub())
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    metrics = srv.scrape()
+    labels = {"rpc": "Prefill", "code": "UNAUTHENTICATED"}
+    assert sample(metrics, "attention_request_duration_seconds",
+                  "attention_request_duration_seconds_count", **labels) == 1
+    assert sample(metrics, "attention_request_duration_seconds",
+                  "attention_request_duration_seconds_sum", **labels) > 0

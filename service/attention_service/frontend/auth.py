@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -86,6 +87,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
+        t0 = time.perf_counter()
         handler = await continuation(details)
         method = details.method or ""
         if handler is None or method.startswith(OPEN_PREFIXES):
@@ -95,7 +97,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             return handler
         if self._metrics is not None and method.startswith(SERVICE_PREFIX):
             rpc = method[len(SERVICE_PREFIX):]
-            self._metrics.observe_request(rpc, "UNAUTHENTICATED", 0.0)
+            # Timed from the call's arrival to its refusal (no payload is read for it).
+            self._metrics.observe_request(rpc, "UNAUTHENTICATED", time.perf_counter() - t0)
         reason = "missing" if presented is None else "invalid"
         return _denying_handler(
             f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')"
