@@ -33,9 +33,7 @@ import datetime as dt
 import json
 import math
 import sys
-import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -44,9 +42,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CHECK_TOL, DTYPE, _varlen_attn_fn, bench, graph_us, rel  # noqa: E402
+from bench_kernels import CHECK_TOL, DTYPE, Timer, _varlen_attn_fn, rel  # noqa: E402
 
 from attention_kernels import decode, decode_ref, prefill, prefill_ref  # noqa: E402
+from attention_service.params import visible_pairs  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_NS = [8192, 16384]
@@ -58,38 +57,6 @@ DECODE_WINDOW = 4096
 # --smoke: the same code paths on the CPU under TRITON_INTERPRET=1, on shapes it can run.
 SMOKE = {"heads": 2, "kv_heads": 1, "head_dim": 32, "ns": [40], "windows": [-1, 8],
          "overhead_n": 24, "decode": [(2, 60)], "decode_window": 20}
-
-
-@dataclass(frozen=True)
-class Timer:
-    """do_bench and CUDA-graph replays on a GPU; one wall-clock call under --smoke."""
-
-    smoke: bool
-
-    def ms(self, fn: Callable[[], object]) -> float:
-        if not self.smoke:
-            return bench(fn)
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-
-    def graph_us(self, fn: Callable[[], object]) -> float:
-        return math.nan if self.smoke else graph_us(fn)
-
-
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, left: int, right: int) -> int:
-    """(query, key) pairs visible under a bottom-right aligned window (flash_attn's)."""
-    total = 0
-    for i in range(seqlen_q):
-        p = i + seqlen_k - seqlen_q
-        lo = max(0, p - left) if left >= 0 else 0
-        hi = seqlen_k - 1
-        if causal:
-            hi = min(hi, p)
-        if right >= 0:
-            hi = min(hi, p + right)
-        total += max(0, hi - lo + 1)
-    return total
 
 
 def alibi_slopes(heads: int, device: torch.device) -> torch.Tensor:
@@ -146,7 +113,7 @@ def window_rows(ns: list[int], windows: list[int], heads: int, kv_heads: int, d:
         full_ms = math.nan
         for left in windows:
             ws = (left, 0)
-            pairs = visible_pairs(n, n, True, left, 0)
+            pairs = visible_pairs([n], [n], True, (left, 0))
             work = 4.0 * pairs * heads * d
             ours = lambda: prefill(q, k, v, cu, max_seqlen_q=n, max_seqlen_k=n, causal=True,
                                    window_size=ws)
@@ -191,7 +158,7 @@ def overhead_rows(n: int, heads: int, kv_heads: int, d: int, timer: Timer,
     v = torch.randn(n, kv_heads, d, dtype=DTYPE, device=device)
     cu = torch.tensor([0, n], dtype=torch.int32, device=device)
     slopes = alibi_slopes(heads, device)
-    work = 4.0 * visible_pairs(n, n, True, -1, 0) * heads * d
+    work = 4.0 * visible_pairs([n], [n], True) * heads * d
     plain_ms = math.nan
     for name, feats in (("plain", {}), ("softcap", {"softcap": SOFTCAP}),
                         ("alibi", {"alibi_slopes": slopes}),

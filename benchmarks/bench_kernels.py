@@ -27,7 +27,9 @@ import inspect
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,6 +57,26 @@ def graph_us(fn: Callable[[], object]) -> float:
     except Exception as e:  # a peer that cannot be captured: say so, keep the row
         print(f"  (no CUDA graph: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
         return float("nan")
+
+
+@dataclass(frozen=True)
+class Timer:
+    """``bench`` and ``graph_us`` on a GPU; under ``--smoke`` (the interpreter, on the CPU) the
+    wall-clock mean of two calls after a first one, and no GPU time (NaN)."""
+
+    smoke: bool
+
+    def ms(self, fn: Callable[[], object]) -> float:
+        if not self.smoke:
+            return bench(fn)
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(2):
+            fn()
+        return (time.perf_counter() - t0) / 2 * 1e3
+
+    def graph_us(self, fn: Callable[[], object]) -> float:
+        return math.nan if self.smoke else graph_us(fn)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -28,9 +28,6 @@ import json
 import math
 import os
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -38,7 +35,7 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CHECK_TOL, DTYPE, bench, graph_us, rel, sdpa  # noqa: E402
+from bench_kernels import CHECK_TOL, DTYPE, Timer, rel, sdpa  # noqa: E402
 
 from attention_kernels import decode, paged_decode, paged_prefill, prefill  # noqa: E402
 from attention_service.params import causal_pairs  # noqa: E402
@@ -54,25 +51,6 @@ SMOKE_HEADS, SMOKE_KV_HEADS = 4, 2
 SMOKE_DECODE = [(2, 40, 64), (1, 100, 32)]
 SMOKE_PREFILL = [("2x(32 cached + 8 new)", [8] * 2, [40] * 2), ("1x48", [48], [48])]
 PAGE_ALIGN = 256
-
-
-@dataclass(frozen=True)
-class Timer:
-    """do_bench and CUDA-graph replays on a GPU; wall-clock means under --smoke."""
-
-    smoke: bool
-
-    def ms(self, fn: Callable[[], object]) -> float:
-        if not self.smoke:
-            return bench(fn)
-        fn()
-        t0 = time.perf_counter()
-        for _ in range(2):
-            fn()
-        return (time.perf_counter() - t0) / 2 * 1e3
-
-    def graph_us(self, fn: Callable[[], object]) -> float:
-        return math.nan if self.smoke else graph_us(fn)
 
 
 def paged_copy(k: torch.Tensor, v: torch.Tensor, lens: list[int], page_tokens: int,
