@@ -14,7 +14,6 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -22,6 +21,8 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from small_shapes import host_us  # noqa: E402
+
 from attention_kernels import decode, prefill  # noqa: E402
 
 
@@ -31,17 +32,6 @@ def _noop(a, b, c, d, e, f, g, h, i, j, n0, n1, n2, n3, n4, n5, n6, n7, n8, n9, 
     pid = tl.program_id(0)
     if pid < 0:
         tl.store(a, n0)
-
-
-def _host_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def _profile(fn, calls: int) -> str:
@@ -87,7 +77,7 @@ def main() -> None:
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "calls": args.calls, "host_us": {}}
     for name, fn in cases.items():
-        us = _host_us(fn, args.calls)
+        us = host_us(fn, args.calls)
         result["host_us"][name] = us
         print(f"{name:32s} {us:8.1f} us per call (host loop)", flush=True)
     for name in ("decode 1x4K", "decode 1x4K window 1024", "prefill [64,128,64] causal"):

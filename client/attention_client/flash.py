@@ -106,6 +106,12 @@ def _refuse(name: str, why: str) -> NotImplementedError:
     return NotImplementedError(f"{name}: {why}")
 
 
+def _refuse_block_table(block_table: torch.Tensor | None) -> None:
+    if block_table is not None:
+        raise _refuse("block_table", "a local paged KV cache cannot be read remotely; keep "
+                      "the cache on the server (client.kv_cache / decode_step)")
+
+
 def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
     if value is None or torch.compiler.is_compiling():
         return  # a data-dependent check: left out of compiled graphs (the server checks cu)
@@ -160,9 +166,7 @@ def flash_attn_varlen_func(
     if return_attn_probs:
         raise _refuse("return_attn_probs", "the server never materializes attention "
                       "probabilities; use client.attention(..., return_lse=True) for the lse")
-    if block_table is not None:
-        raise _refuse("block_table", "a local paged KV cache cannot be read remotely; keep "
-                      "the cache on the server (client.kv_cache / decode_step)")
+    _refuse_block_table(block_table)
     _check_max("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     _check_max("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,  # type: ignore[no-any-return]
@@ -225,9 +229,7 @@ def varlen_attn(
     here; ``return_aux`` with ``lse=True`` adds lse ``[T_q, H]``. ``seqused_k`` keeps the first
     ``seqused_k[i]`` keys of each sequence. ``num_splits`` is accepted (the server chooses; the
     answer does not depend on it beyond rounding)."""
-    if block_table is not None:
-        raise _refuse("block_table", "a local paged KV cache cannot be read remotely; keep "
-                      "the cache on the server (client.kv_cache / decode_step)")
+    _refuse_block_table(block_table)
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise AttentionInputError(
             f"query has {query.shape[1]} heads but key {key.shape[1]}: pass enable_gqa=True "

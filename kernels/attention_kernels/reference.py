@@ -43,6 +43,23 @@ def _default_compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def hidden_pairs(dist: torch.Tensor, causal: bool,
+                 window: tuple[int, int]) -> torch.Tensor | None:
+    """The (row, key) pairs the causal mask and the window hide, from ``dist = p - j`` (a
+    query's key position minus the key's); None when nothing is hidden."""
+    left, right = window
+    if not causal and left < 0 and right < 0:
+        return None
+    hidden = torch.zeros(dist.shape, dtype=torch.bool, device=dist.device)
+    if causal:
+        hidden |= dist < 0
+    if left >= 0:
+        hidden |= dist > left
+    if right >= 0:
+        hidden |= dist < -right
+    return hidden
+
+
 def _attend_rows(
     q: torch.Tensor,  # [rows, H, D] compute dtype
     k: torch.Tensor,  # [seqlen_k, H, D] compute dtype (already expanded for GQA)
@@ -65,14 +82,9 @@ def _attend_rows(
         dist = pos - torch.arange(seqlen_k, device=q.device).unsqueeze(0)  # p - j [rows, keys]
         if slopes is not None:
             scores = scores - slopes[:, None, None] * dist.abs().to(scores.dtype)
-        hidden = torch.zeros_like(dist, dtype=torch.bool)
-        if causal:
-            hidden |= dist < 0
-        if left >= 0:
-            hidden |= dist > left
-        if right >= 0:
-            hidden |= dist < -right
-        scores = scores.masked_fill(hidden, float("-inf"))
+        hidden = hidden_pairs(dist, causal, window)
+        if hidden is not None:
+            scores = scores.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, rows]; -inf where a row sees no key
     # exp(-inf - -inf) would be NaN: give fully masked rows a finite shift, their p is 0 anyway.
     shift = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from attention_kernels.reference import hidden_pairs
 from attention_service.engine.jobs import CancelFlag, Cancelled
 
 TILE_ELEMENTS = 1 << 21  # scores per tile: 8 MiB of float32
@@ -68,7 +69,7 @@ def attend(
                             - torch.arange(c0, c1).unsqueeze(0))
                     if alibi_slopes is not None:
                         s = s - alibi_slopes[b, hs].float()[:, None, None] * dist.abs()
-                    hidden = _hidden(dist, causal, window)
+                    hidden = hidden_pairs(dist, causal, window)
                     if hidden is not None:
                         s = s.masked_fill(hidden, float("-inf"))
                     m_new = torch.maximum(m, s.amax(dim=-1))
@@ -99,17 +100,3 @@ def _key_range(p_first: int, p_last: int, n_k: int, causal: bool,
     reach = min(right, 0) if causal and right >= 0 else (0 if causal else right)
     return first, max(first, min(n_k, p_last + reach + 1))
 
-
-def _hidden(dist: torch.Tensor, causal: bool, window: tuple[int, int]) -> torch.Tensor | None:
-    """Masked (row, key) pairs of a tile from p - j; None when every pair is visible."""
-    left, right = window
-    if not causal and left < 0 and right < 0:
-        return None
-    hidden = torch.zeros(dist.shape, dtype=torch.bool)
-    if causal:
-        hidden |= dist < 0
-    if left >= 0:
-        hidden |= dist > left
-    if right >= 0:
-        hidden |= dist < -right
-    return hidden
