@@ -143,11 +143,16 @@ class NvmlGauges:
             log.info("NVML unavailable (%s: %s): no attention_gpu_* NVML gauges",
                      type(exc).__name__, exc)
 
-    def _read(self, fn: Callable[[], float]) -> float | None:
+    @staticmethod
+    def _query(fn: Callable[[], Any]) -> Any:
         try:
-            return float(fn())
+            return fn()
         except Exception:  # NVMLError_NotSupported and the like: leave this reading out
             return None
+
+    def _read(self, fn: Callable[[], float]) -> float | None:
+        value = self._query(fn)
+        return None if value is None else float(value)
 
     def collect(self) -> Iterator[Metric]:
         if not self._tried:
@@ -156,10 +161,12 @@ class NvmlGauges:
         if h is None:
             return
         # In base units: ratios from NVML's percent, watts from mW, hertz from MHz.
-        util = self._read(lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu / 100)
-        mem_busy = self._read(lambda: nv.nvmlDeviceGetUtilizationRates(h).memory / 100)
-        used = self._read(lambda: nv.nvmlDeviceGetMemoryInfo(h).used)
-        total = self._read(lambda: nv.nvmlDeviceGetMemoryInfo(h).total)
+        rates = self._query(lambda: nv.nvmlDeviceGetUtilizationRates(h))
+        memory = self._query(lambda: nv.nvmlDeviceGetMemoryInfo(h))
+        util = None if rates is None else rates.gpu / 100
+        mem_busy = None if rates is None else rates.memory / 100
+        used = None if memory is None else float(memory.used)
+        total = None if memory is None else float(memory.total)
         power = self._read(lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000)
         limit = self._read(lambda: nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000)
         temp = self._read(lambda: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU))
