@@ -6,7 +6,8 @@ q/k/v (stored). "resend" clients loop the stateless Decode with the whole K/V ev
 a client had to do before caches). Each point runs ``--warmup`` + ``--duration`` seconds with N
 clients spread over ``--workers`` load processes (one gRPC connection per client), against a
 server started here (``python -m attention_service``, batching on, and off for sessions), or
-against ``--target``. Requests are packed as attention_client packs them (a step is one message).
+against ``--target``. Requests are packed and sent as attention_client sends them (a step is
+one message, through the unary CacheDecodeUnary; ``--no-unary`` streams it).
 
 Reports per point: steps/s, p50/p99 step latency, wire bytes per step (serialized requests),
 the kernel's own time per step (RequestStats.kernel_seconds, CUDA events on a GPU) and the
@@ -105,7 +106,14 @@ def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[byte
     return setup, step
 
 
-async def _stream(channel: grpc.aio.Channel, method: str, msgs: list[bytes]) -> pb.RequestStats:
+async def _stream(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
+                  unary: bool = False) -> pb.RequestStats:
+    """One call; ``unary`` and a one-message request: through the rpc's unary twin, as
+    attention_client sends such a call (a decode step is one)."""
+    if unary and len(msgs) == 1:
+        once = channel.unary_unary(METHOD + method + "Unary", request_serializer=None,
+                                   response_deserializer=pb.AttentionResult.FromString)
+        return (await once(msgs[0], timeout=60)).stats
     call = channel.stream_stream(METHOD + method, request_serializer=None,
                                  response_deserializer=pb.AttentionResponse.FromString)
     stats = None
@@ -117,7 +125,7 @@ async def _stream(channel: grpc.aio.Channel, method: str, msgs: list[bytes]) -> 
 
 
 async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
-                  t_measure: float, t_end: float, out: dict[str, Any]) -> None:
+                  t_measure: float, t_end: float, out: dict[str, Any], unary: bool) -> None:
     setup, step = _requests(s, mode, cache_id, seed)
     method = "CacheDecode" if mode == "sessions" else "Decode"
     # A connection per client, as separate user processes would have (grpc otherwise shares
@@ -137,7 +145,7 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
         while time.time() < t_end:
             t0 = time.perf_counter()
             try:
-                stats = await _stream(ch, method, step)
+                stats = await _stream(ch, method, step, unary)
             except grpc.aio.AioRpcError as exc:
                 out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
                 continue
@@ -159,7 +167,7 @@ def _worker(target: str, args: argparse.Namespace, mode: str, clients: list[int]
 
     async def main() -> None:
         await asyncio.gather(*(_client(target, s, mode, f"bench-{os.getpid()}-{i}", i,
-                                       t_measure, t_end, out) for i in clients))
+                                       t_measure, t_end, out, args.unary) for i in clients))
 
     try:
         asyncio.run(main())
@@ -216,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=float, default=2.0)
     p.add_argument("--workers", type=int, default=min(8, max(1, (os.cpu_count() or 2) // 2)))
     p.add_argument("--frontends", type=int, help="passed to the servers (default: theirs)")
+    p.add_argument("--no-unary", dest="unary", action="store_false",
+                   help="stream every call (default: one-message calls use the unary twin "
+                        "rpcs, as attention_client does)")
     p.add_argument("--sides", default="on,off,resend",
                    help="which sides to run: on/off = sessions with batching on/off, resend")
     p.add_argument("--target", help="drive this running server instead of starting one per "
@@ -275,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# bench_sessions: {info.device if info else '?'}, {datetime.now(timezone.utc):%Y-%m-%d}",
         "", f"`python benchmarks/bench_sessions.py {' '.join(argv or sys.argv[1:])}`", "",
-        f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx} tokens per client", "",
+        f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx} tokens per client; "
+        + ("one-message calls (steps) through the unary rpcs" if args.unary
+           else "every call streamed (--no-unary)"), "",
         "| side | clients | steps/s | p50 ms | p99 ms | kernel p50 ms | overhead p50 ms | "
         "mean batch | wire B/step | errors |", "|---|---|---|---|---|---|---|---|---|---|",
     ]

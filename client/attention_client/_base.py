@@ -5,9 +5,12 @@ themselves are the subclasses')."""
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import grpc
 
 from attention_client._channel import (
     DEFAULT,
@@ -20,7 +23,7 @@ from attention_client._channel import (
     credentials,
     merge_metadata,
 )
-from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes
+from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes, single_message
 from attention_client._errors import AttentionInputError
 from attention_client._regions import (
     Placement,
@@ -40,7 +43,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods
-from attention_client._tensors import describe
+from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
 
@@ -63,6 +66,7 @@ class ClientBase:
         wait_for_ready: bool | None = None,
         client_cert: Any = None,
         client_key: Any = None,
+        unary: bool = True,
     ) -> None:
         self.target = target
         # Compute calls go round-robin over this many channels, each with a connection of its
@@ -82,6 +86,9 @@ class ClientBase:
             self._options.append(("grpc.use_local_subchannel_pool", 1))
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)
+        # Calls that fit one message each way go through the unary twin rpcs (see
+        # _single_message); turned off for good if the server has no such rpc.
+        self.unary = bool(unary)
         self.regions = RegionSet()
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
@@ -141,6 +148,29 @@ class ClientBase:
             if placement is not None:
                 placement.finish(ok=True)
             raise
+
+    def _single_message(self, prep: PreparedRequest) -> bytes | None:
+        """The request as one message when the call goes through its unary twin: unary on,
+        the request fits one message of ``max_chunk_bytes`` and the outputs that come back
+        fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
+        alone). None: stream it."""
+        if not self.unary:
+            return None
+        out_bytes = 0
+        if prep.streamed_out_shape is not None:
+            out_bytes += math.prod(prep.streamed_out_shape) * storage_dtype(prep.out_dtype).itemsize
+        if prep.streamed_lse_shape is not None:
+            out_bytes += math.prod(prep.streamed_lse_shape) * 4  # float32
+        if out_bytes > self.max_chunk_bytes:
+            return None
+        return single_message(prep.header, prep.tensors, self.max_chunk_bytes)
+
+    def _unary_missing(self, err: grpc.RpcError) -> bool:
+        """A server without the unary twins (UNIMPLEMENTED: nothing ran): stream from now on."""
+        if err.code() is grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
+            self.unary = False
+            return True
+        return False
 
     @staticmethod
     def _assembler(prep: PreparedRequest) -> ResponseAssembler:

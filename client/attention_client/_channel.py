@@ -35,6 +35,14 @@ SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
 # The client-streaming compute rpcs (PrefillRequest / DecodeRequest in, AttentionResponse out).
 STREAM_RPCS = ("Prefill", "Decode", "AppendKV", "CachePrefill", "CacheDecode")
+
+
+def unary_method(method: str) -> str:
+    """The unary twin of a compute rpc (one message each way): ``CacheDecode`` ->
+    ``CacheDecodeUnary``."""
+    return f"{method}Unary"
+
+
 # Region rpc -> its reply message's name in attention_wire.pb.
 REGION_RPCS = {
     "RegisterRegion": "RegionInfo",

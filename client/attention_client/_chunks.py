@@ -51,6 +51,17 @@ def _chunk(field: int, offset: int, data: memoryview) -> list[bytes | memoryview
     return [_CHUNKS_KEY, varint(len(prefix) + len(data)), prefix, data]
 
 
+def single_message(
+    header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> bytes | None:
+    """The request as one message when ``encode_messages`` would send it in one (its tensor
+    bytes fit beside the header), else None."""
+    size = sum(t.byte_view().nbytes for t in tensors)
+    if size > max(0, max_chunk_bytes - len(header)):
+        return None
+    return next(encode_messages(header, tensors, max_chunk_bytes))
+
+
 def encode_messages(
     header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
 ) -> Iterator[bytes]:

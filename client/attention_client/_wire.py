@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from attention_wire.codec import LEN, VARINT, WireError, as_int64, field_number, iter_fields
 from attention_wire.pb import attention_pb2 as pb
 
-__all__ = ["OutputSlice", "WireError", "parse_response"]
+__all__ = ["OutputSlice", "WireError", "parse_response", "parse_result"]
 
 _OC = pb.OutputChunk.DESCRIPTOR
 _FIELD, _SPEC, _ROW_START, _ROW_COUNT, _DATA = (
@@ -62,3 +62,20 @@ def parse_response(message: bytes) -> OutputSlice | pb.RequestStats | None:
         elif number == _STATS and wire_type == LEN:
             payload = pb.RequestStats.FromString(bytes(value))
     return payload
+
+
+def parse_result(message: bytes) -> list[OutputSlice | pb.RequestStats]:
+    """One AttentionResult (a unary compute rpc's answer): its chunks in order, then its
+    stats when present (repeated occurrences merge, as in protobuf). Same field numbers as
+    AttentionResponse, so the same parser reads both."""
+    chunks: list[OutputSlice | pb.RequestStats] = []
+    stats: pb.RequestStats | None = None
+    for number, wire_type, value in iter_fields(memoryview(message)):
+        if number == _CHUNK and wire_type == LEN:
+            chunks.append(_parse_chunk(value))
+        elif number == _STATS and wire_type == LEN:
+            stats = stats or pb.RequestStats()
+            stats.MergeFromString(bytes(value))
+    if stats is not None:
+        chunks.append(stats)
+    return chunks

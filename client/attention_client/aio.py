@@ -24,6 +24,7 @@ from attention_client._channel import (
     SERVICE,
     STREAM_RPCS,
     CallSettings,
+    unary_method,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
@@ -31,7 +32,7 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
-from attention_client._wire import parse_response
+from attention_client._wire import parse_response, parse_result
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -59,11 +60,13 @@ class AsyncAttentionClient(ClientBase):
         wait_for_ready: bool | None = None,
         client_cert: Any = None,
         client_key: Any = None,
+        unary: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
+            unary=unary,
         )
         icpts = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
@@ -80,6 +83,11 @@ class AsyncAttentionClient(ClientBase):
             self._lanes.append({
                 method: ch.stream_stream(
                     f"/{SERVICE}/{method}", response_deserializer=parse_response
+                )
+                for method in STREAM_RPCS
+            } | {
+                unary_method(method): ch.unary_unary(
+                    f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
                 )
                 for method in STREAM_RPCS
             })
@@ -332,9 +340,28 @@ class AsyncAttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
+        lane = self._lanes[next(self._turn) % len(self._lanes)]
+        message = self._single_message(prep)
+        if message is not None:
+            try:
+                responses = await lane[unary_method(prep.method)](message, **settings.kwargs())
+            except grpc.RpcError as err:
+                if not self._unary_missing(err):
+                    self._abandon(prep)
+                    raise from_rpc_error(err, prep.method, settings.names) from err
+            except BaseException:  # cancelled: the unary call is cancelled with the task
+                self._abandon(prep)
+                raise
+            else:
+                try:
+                    for response in responses:
+                        assembler.add(response)
+                    return self._complete(prep, assembler)
+                except BaseException:
+                    self._abandon(prep)
+                    raise
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
-        lane = self._lanes[next(self._turn) % len(self._lanes)]
         call = lane[prep.method](messages, **settings.kwargs())
         try:
             async for response in call:

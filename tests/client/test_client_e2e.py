@@ -52,9 +52,10 @@ def check_lse(lse, ref: torch.Tensor) -> None:
     np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-4, atol=1e-3)
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with AttentionClient(server.target, timeout=60) as c:
+@pytest.fixture(scope="module", params=[True, False], ids=["unary", "stream"])
+def client(server, request):
+    """Both ways a call travels: the unary twin rpcs (small calls, the default) and streams."""
+    with AttentionClient(server.target, timeout=60, unary=request.param) as c:
         yield c
 
 
@@ -212,3 +213,41 @@ def test_auth_token():
             assert out.shape == q.shape
     finally:
         running.stop()
+
+
+class _Methods(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """The rpcs a client used."""
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+        self.names.append(details.method.rsplit("/", 1)[-1])
+        return continuation(details, request)
+
+    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
+        self.names.append(details.method.rsplit("/", 1)[-1])
+        return continuation(details, request_iterator)
+
+
+def test_small_calls_go_unary_and_large_ones_stream(server):
+    """Unary when the request and the outputs each fit one message of max_chunk_bytes; the
+    result is the same either way (cpu backend, batching off in this server: bitwise)."""
+    seen = _Methods()
+    with AttentionClient(server.target, max_chunk_bytes=16384, interceptors=[seen]) as c, \
+            AttentionClient(server.target, unary=False) as streamed:
+        q = make("numpy", "float16", 16, 2, 64, seed=30)  # 4 KiB: q, k, v 12 KiB
+        small = c.attention(q, q, q, causal=True)
+        assert seen.names == ["PrefillUnary"]
+        np.testing.assert_array_equal(small, streamed.attention(q, q, q, causal=True))
+        big = make("numpy", "float16", 70, 2, 64, seed=31)  # 17.5 KiB of q: over 16 KiB
+        c.attention(big, big[:1], big[:1])
+        # 14 KiB in, but out (14 KiB) and lse (3.5 KiB) together are over 16 KiB.
+        narrow = make("numpy", "float16", 896, 1, 8, seed=32)
+        c.attention(narrow, narrow[:1], narrow[:1], [0, 896], [0, 1], return_lse=True)
+        assert seen.names == ["PrefillUnary", "Prefill", "Prefill"]
+        out, lse = c.decode(q[:2], q, q, [0, 7, 16], return_lse=True)
+        assert seen.names[-1] == "DecodeUnary"
+        ref_out, ref_lse = streamed.decode(q[:2], q, q, [0, 7, 16], return_lse=True)
+        np.testing.assert_array_equal(out, ref_out)
+        np.testing.assert_array_equal(lse, ref_lse)

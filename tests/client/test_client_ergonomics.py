@@ -247,7 +247,9 @@ class _Capture(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercep
 
 def test_settings_reach_every_kind_of_rpc(fake):
     """Compute, cache, region, info and health calls each pass the per-call settings on (the
-    fake answers the cache and region rpcs UNIMPLEMENTED; the call still went out)."""
+    fake answers the cache and region rpcs UNIMPLEMENTED; the call still went out). The fake
+    has no unary twins either: the first compute call tries PrefillUnary, gets UNIMPLEMENTED
+    and goes on as a stream, and the client streams from then on."""
     _, target = fake
     capture = _Capture()
     q = _q(2, 1, 8)
@@ -274,8 +276,8 @@ def test_settings_reach_every_kind_of_rpc(fake):
         client.info()  # the client's own settings
     methods = [c[0] for c in capture.calls]
     assert methods == [
-        "Prefill", "Decode", "GetServerInfo", "ListCaches", "ReleaseCaches", "ListCaches",
-        "CacheDecode", "ListRegions", "RegisterRegion", "CreateCaches", "ForkCache",
+        "PrefillUnary", "Prefill", "Decode", "GetServerInfo", "ListCaches", "ReleaseCaches",
+        "ListCaches", "CacheDecode", "ListRegions", "RegisterRegion", "CreateCaches", "ForkCache",
         "GetServerInfo",
     ]
     for method, timeout, metadata, wait in capture.calls[:-1]:

@@ -313,7 +313,8 @@ class _AbandonedCall:
 
 def test_abandoned_call_is_cancelled_not_half_closed():
     """Before the fix a killed caller left gRPC uploading the rest of the request (204 MB
-    in 1 s in a gevent test) and the server could see a truncated, half-closed stream."""
+    in 1 s in a gevent test) and the server could see a truncated, half-closed stream.
+    (Streams only: a unary call's one message is sent whole.)"""
     q = np.zeros((2, 4, 8), np.float16)
     calls: list[_AbandonedCall] = []
 
@@ -321,7 +322,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
         calls.append(_AbandonedCall())
         return calls[-1]
 
-    client = AttentionClient("127.0.0.1:1")
+    client = AttentionClient("127.0.0.1:1", unary=False)
     client._lanes = [{m: stream for m in lane} for lane in client._lanes]
     with pytest.raises(KeyboardInterrupt):
         client.attention(q, q, q)
@@ -329,7 +330,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
     client.close()
 
     async def run() -> None:
-        aclient = AsyncAttentionClient("127.0.0.1:1")
+        aclient = AsyncAttentionClient("127.0.0.1:1", unary=False)
         aclient._lanes = [{m: stream for m in lane} for lane in aclient._lanes]
         with pytest.raises(asyncio.CancelledError):
             await aclient.decode(q, q, q, [0, 1, 2])

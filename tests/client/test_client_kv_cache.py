@@ -62,9 +62,10 @@ class Context:
         return [len(self.k[i]) for i in ids]
 
 
-@pytest.fixture(scope="module")
-def client(server):
-    with AttentionClient(server.target, timeout=60) as c:
+@pytest.fixture(scope="module", params=[True, False], ids=["unary", "stream"])
+def client(server, request):
+    """Both ways a call travels: the unary twin rpcs (small calls, the default) and streams."""
+    with AttentionClient(server.target, timeout=60, unary=request.param) as c:
         yield c
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_client._wire import OutputSlice, WireError, parse_response
+from attention_client._wire import OutputSlice, WireError, parse_response, parse_result
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
 
@@ -69,3 +69,25 @@ def test_oneof_last_wins_like_protobuf():
 def test_malformed_raises(raw):
     with pytest.raises(WireError):
         parse_response(raw)
+
+
+def test_result_is_the_stream_concatenated():
+    """AttentionResult (a unary compute rpc's answer) numbers its fields as AttentionResponse
+    does: the stream's messages joined parse as one result, and parse_result reads it as
+    protobuf does, the stats last."""
+    rng = np.random.default_rng(1)
+    stream = [
+        _chunk(field=pb.OUT, spec=pb.TensorSpec(dtype=pb.FLOAT16, shape=[2, 1, 8]),
+               row_start=0, row_count=2, data=rng.bytes(32)),
+        _chunk(field=pb.LSE, spec=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 1]),
+               row_start=0, row_count=2, data=rng.bytes(8)),
+        pb.AttentionResponse(stats=pb.RequestStats(flops=7.0, cache_lengths=[3, 4])),
+    ]
+    joined = b"".join(m.SerializeToString() for m in stream)
+    result = pb.AttentionResult.FromString(joined)
+    assert list(result.chunks) == [stream[0].chunk, stream[1].chunk]
+    assert result.stats == stream[2].stats
+    parsed = parse_result(joined)
+    assert parsed == [parse_response(m.SerializeToString()) for m in stream]
+    assert parse_result(result.SerializeToString()) == parsed
+    assert parse_result(b"") == []  # no stats: the assembler refuses it

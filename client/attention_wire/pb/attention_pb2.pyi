@@ -216,6 +216,14 @@ class AttentionResponse(_message.Message):
     stats: RequestStats
     def __init__(self, chunk: _Optional[_Union[OutputChunk, _Mapping]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
+class AttentionResult(_message.Message):
+    __slots__ = ("chunks", "stats")
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    chunks: _containers.RepeatedCompositeFieldContainer[OutputChunk]
+    stats: RequestStats
+    def __init__(self, chunks: _Optional[_Iterable[_Union[OutputChunk, _Mapping]]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

@@ -100,6 +100,31 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.ListCachesRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.ListCachesResponse.FromString,
                 _registered_method=True)
+        self.PrefillUnary = channel.unary_unary(
+                '/attention.v1.AttentionService/PrefillUnary',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
+        self.DecodeUnary = channel.unary_unary(
+                '/attention.v1.AttentionService/DecodeUnary',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
+        self.AppendKVUnary = channel.unary_unary(
+                '/attention.v1.AttentionService/AppendKVUnary',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
+        self.CachePrefillUnary = channel.unary_unary(
+                '/attention.v1.AttentionService/CachePrefillUnary',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
+        self.CacheDecodeUnary = channel.unary_unary(
+                '/attention.v1.AttentionService/CacheDecodeUnary',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -217,6 +242,47 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillUnary(self, request, context):
+        """The unary twins of the compute rpcs: the same call (semantics, limits, errors, metrics)
+        with the whole request in one message and the whole response in one AttentionResult. For
+        small calls (a decode step, a short prefill) they cost about half the host time of a
+        stream. The request must fit the server's message limit (4 MiB) and so must the outputs:
+        INVALID_ARGUMENT naming header.q otherwise (send such a call through the stream).
+
+        Prefill in one message each way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeUnary(self, request, context):
+        """Decode in one message each way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AppendKVUnary(self, request, context):
+        """AppendKV in one message each way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CachePrefillUnary(self, request, context):
+        """CachePrefill in one message each way.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CacheDecodeUnary(self, request, context):
+        """CacheDecode in one message each way: one decode step of many sequences.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -284,6 +350,31 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ListCaches,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.ListCachesRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.ListCachesResponse.SerializeToString,
+            ),
+            'PrefillUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefillUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'DecodeUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecodeUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'AppendKVUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.AppendKVUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'CachePrefillUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachePrefillUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'CacheDecodeUnary': grpc.unary_unary_rpc_method_handler(
+                    servicer.CacheDecodeUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -638,6 +729,141 @@ class AttentionService:
             '/attention.v1.AttentionService/ListCaches',
             attention_dot_v1_dot_attention__pb2.ListCachesRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.ListCachesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/PrefillUnary',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/DecodeUnary',
+            attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AppendKVUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/AppendKVUnary',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachePrefillUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/CachePrefillUnary',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheDecodeUnary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/CacheDecodeUnary',
+            attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
             options,
             channel_credentials,
             insecure,

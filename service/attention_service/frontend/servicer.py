@@ -14,7 +14,7 @@ from typing import Any
 
 import grpc
 
-from attention_service.config import ServerConfig
+from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.errors import Cancelled, RequestError, StreamEnded
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
@@ -128,11 +128,17 @@ class AttentionServicer:
         log.info(line + (f" details={details!r}" if details else ""))
 
     async def serve(
-        self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext
+        self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext,
+        unary: bool = False,
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         """A compute rpc (every ``Op``: wire.add_to_server registers one handler per op):
-        receive, run on the engine, stream the outputs back, account the call."""
+        receive, run on the engine, stream the outputs back, account the call. ``unary``: the
+        rpc's unary twin (``requests`` is its one message; the caller joins what this yields
+        into one message, so each output goes out as one slice). Both count under the op's
+        name in the metrics; the log line says which."""
         call = _CallRecord(op.rpc, context)
+        if unary:
+            call.extra_flags = " unary=1"
         self.tracker.enter()
         self._metrics.inflight.inc()
         received: Received | None = None
@@ -141,14 +147,15 @@ class AttentionServicer:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
             received = await receive_request(op, requests, self._limits, self._link,
-                                             self._uploads)
+                                             self._uploads, unary=unary)
             call.bytes_in = received.wire_bytes_in
             stats = await self._link.run(
                 received.params, received.buffers, received.regions,
                 self._principals.of(context),
             )
             call.queue_seconds = stats.queue_seconds
-            for nbytes, msg in response_messages(received, self._config.chunk_bytes):
+            chunk_bytes = MAX_MESSAGE_BYTES if unary else self._config.chunk_bytes
+            for nbytes, msg in response_messages(received, chunk_bytes):
                 call.bytes_out += nbytes
                 yield msg  # pre-encoded (wire.py)
             # Accounted before the last message, so it is done when the client sees OK.
@@ -164,9 +171,11 @@ class AttentionServicer:
             refusal = (exc.code, exc.details)
             # A client's cancel or deadline cuts the request stream exactly like a short
             # upload; grpc reports the cancel a moment later. Wait for it, so the call is
-            # counted as what it was, not as the client's INVALID_ARGUMENT.
+            # counted as what it was, not as the client's INVALID_ARGUMENT. (A unary request
+            # arrived whole: nothing to wait for.)
             try:
-                await asyncio.sleep(_CUT_OFF_WAIT_S)
+                if not unary:
+                    await asyncio.sleep(_CUT_OFF_WAIT_S)
             except asyncio.CancelledError:
                 call.code = _gone_code(context)
                 self._finish(call)
@@ -203,7 +212,7 @@ class AttentionServicer:
         )
         line = (
             f"rpc={call.rpc} code={call.code} duration_ms={seconds * 1e3:.3f} "
-            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra} "
+            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra_flags}{call.extra} "
             f"peer={call.peer}"
         )
         if call.details:
@@ -218,7 +227,7 @@ class _CallRecord:
         self.rpc = rpc
         self.peer = context.peer()
         self.t0 = time.perf_counter()
-        self.code, self.details, self.extra = "OK", "", ""
+        self.code, self.details, self.extra, self.extra_flags = "OK", "", "", ""
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None

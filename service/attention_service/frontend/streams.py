@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
+from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, Limits, validate_header
 from attention_service.frontend.wire import encode_output_chunk, parse_request
@@ -17,6 +18,11 @@ from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
+
+
+# Output bytes a unary compute rpc answers in its one message (gRPC's 4 MiB limit, less room
+# for the slices' headers and the stats).
+MAX_UNARY_OUTPUT_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
 
 
 class UploadBudget:
@@ -71,12 +77,13 @@ class Received:
 
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
-    budget: UploadBudget,
+    budget: UploadBudget, unary: bool = False,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
     from ``link`` for every tensor not in a region, outputs included, reserved against
-    ``budget``; on any failure both are given back before this raises."""
+    ``budget``; on any failure both are given back before this raises. ``unary``: the
+    outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES)."""
     it = requests.__aiter__()
     try:
         first = parse_request(await it.__anext__(), op)
@@ -91,6 +98,12 @@ async def receive_request(
         if n not in regions and (n != "lse" or params.return_lse)
     }
     total = sum(sizes.values())
+    if unary:
+        outputs = sum(sizes.get(n, 0) for n in OUTPUTS)
+        if outputs > MAX_UNARY_OUTPUT_BYTES:
+            raise invalid(
+                "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
+                f"one response message of {op.rpc}Unary can carry: use the stream rpc {op.rpc}")
     budget.reserve(total)
     try:
         buffers = await _allocate(link, sizes, total)

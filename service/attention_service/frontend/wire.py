@@ -167,6 +167,28 @@ def _compute(servicer: Any, op: Op) -> Any:
     return behavior
 
 
+async def _one(message: bytes) -> Any:
+    yield message
+
+
+def _compute_unary(servicer: Any, op: Op) -> Any:
+    """The unary twin of a compute rpc: the stream handler fed one message, its response
+    messages joined into one AttentionResult (whose field numbers are AttentionResponse's, so
+    the concatenation is that message: a test checks it)."""
+
+    async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        parts = [_serialize(msg) async for msg in servicer.serve(op, _one(raw), context,
+                                                                  unary=True)]
+        return b"".join(parts)
+
+    return behavior
+
+
+def unary_method(op: Op) -> str:
+    """The name of ``op``'s unary twin (PrefillUnary, ..., CacheDecodeUnary)."""
+    return f"{op.rpc}Unary"
+
+
 def _control(servicer: Any, method: str) -> Any:
     async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await servicer.control_rpc(method, request, context)
@@ -183,6 +205,10 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         )
         for op in Op
     }
+    for op in Op:
+        handlers[unary_method(op)] = grpc.unary_unary_rpc_method_handler(
+            _compute_unary(servicer, op), request_deserializer=None, response_serializer=None
+        )
     handlers["GetServerInfo"] = _unary(servicer, "GetServerInfo", servicer.GetServerInfo)
     for method in CONTROL_METHODS:
         handlers[method] = _unary(servicer, method, _control(servicer, method))
