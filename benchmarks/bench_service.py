@@ -445,6 +445,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, help="passed to the started servers (default: theirs)")
     p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
                    help="shm: tensors in registered shared memory, requests carry spans only")
+    p.add_argument("--no-unary", dest="unary", action="store_false",
+                   help="stream every call (default: one-message requests use the unary twin "
+                        "rpcs, as attention_client does)")
     return parse_common(p, argv)
 
 
@@ -502,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, min_len=args.min_len, max_len=args.max_len,
         decode_seqs=args.decode_seqs, causal=args.causal, pool=args.pool, seed=args.seed,
-        path=args.path,
+        path=args.path, unary=args.unary,
     )
     t0 = time.time()
     workers = Workers(spec, min(args.workers, max(args.client_counts)), max(args.client_counts))

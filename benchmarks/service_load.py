@@ -47,6 +47,7 @@ class LoadSpec:
     pool: int  # distinct requests per worker
     seed: int
     path: str = "grpc"  # grpc | shm
+    unary: bool = True  # one-message requests through the unary twin rpcs (as attention_client)
 
 
 @dataclass
@@ -232,8 +233,11 @@ async def _client(
         messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
         t0 = time.perf_counter()
         try:
-            async for _ in calls[req.method](iter(messages)):
-                pass
+            if len(messages) == 1 and req.method + "Unary" in calls:
+                await calls[req.method + "Unary"](messages[0])
+            else:
+                async for _ in calls[req.method](iter(messages)):
+                    pass
         except grpc.aio.AioRpcError as err:
             if t_measure <= time.time() <= t_end:
                 errors[err.code().name] += 1
@@ -247,14 +251,17 @@ async def _client(
 async def _run_point(
     target: str, pool: list[Request], n_clients: int, seed: int,
     t_start: float, t_measure: float, t_end: float, shm_pool: ShmPool | None = None,
+    unary: bool = True,
 ) -> dict[str, Any]:
     if shm_pool is not None:
         await register_shm(target, shm_pool)
     # A few HTTP/2 connections per worker: one would serialize every client on one socket.
     channels = [grpc.aio.insecure_channel(target) for _ in range(min(n_clients, 4))]
     try:
+        methods = (PREFILL_METHOD, DECODE_METHOD)
         calls = [
-            {m: ch.stream_stream(m) for m in (PREFILL_METHOD, DECODE_METHOD)}
+            {m: ch.stream_stream(m) for m in methods}
+            | ({m + "Unary": ch.unary_unary(m + "Unary") for m in methods} if unary else {})
             for ch in channels
         ]
         await asyncio.sleep(max(0.0, t_start - time.time()))
@@ -282,7 +289,8 @@ def worker_main(conn: Connection, spec: LoadSpec, worker: int, max_clients: int 
             cmd = conn.recv()
             if cmd is None:
                 return
-            conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, **cmd)))
+            conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, unary=spec.unary,
+                                             **cmd)))
     finally:
         if shm_pool is not None:
             from attention_wire import shm
