@@ -10,6 +10,8 @@ Peers, measured in the same run:
 * decode (32 q / 8 kv heads, D 128, bf16, one query token): SDPA CUDNN and FLASH with
   ``enable_gqa=True`` on dense ``[B, H, L, D]`` caches; ours reads the same bytes packed.
 * ceilings: device-to-device copy bandwidth (read + write bytes) and an 8192^3 bf16 matmul.
+* FP8 K/V (``quantize_kv``: e4m3 with per-kv-head scales, bf16 queries): ours again on the
+  same data quantized, decode GB/s counting the FP8 bytes read (half), dense prefill at D 128.
 
 Varlen and decode rows also give the GPU time alone (``*_graph_us``: the launches replayed from
 a CUDA graph), since at their smallest shapes the host's launch cost exceeds the kernel's.
@@ -37,10 +39,12 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_kernels import decode, prefill
+from attention_kernels import decode, prefill, quantize_kv
 
 DTYPE = torch.bfloat16
 CHECK_TOL = 2e-2  # relative-norm agreement with the peer (both bf16, different summation order)
+# FP8 K/V against the bf16 peer: e4m3 rounding of K and V (tests/kernels/test_fp8.py: 0.03-0.04)
+FP8_CHECK_TOL = 6e-2
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -153,6 +157,14 @@ def dense_prefill_rows(quick: bool) -> list[dict]:
                 if not row["check_rel_err"] < CHECK_TOL:
                     raise SystemExit(f"prefill check failed: {row}")
                 row["ours_TFLOPs"] = fl / bench(ours) / 1e9
+                if d == 128:  # FP8 K/V (per-head scales), bf16 queries: error vs bf16 K/V
+                    (k8, ks), (v8, vs) = quantize_kv(kp), quantize_kv(vp)
+                    fp8 = lambda: prefill(  # noqa: E731
+                        qp, k8, v8, cus, causal=causal, k_scale=ks, v_scale=vs)
+                    row["fp8_rel_err"] = rel(fp8().reshape(b, n, heads, d).transpose(1, 2), ref)
+                    if not row["fp8_rel_err"] < FP8_CHECK_TOL:
+                        raise SystemExit(f"fp8 prefill check failed: {row}")
+                    row["ours_fp8_TFLOPs"] = fl / bench(fp8) / 1e9
                 rows.append(row)
                 print_row(row)
     return rows
@@ -259,6 +271,14 @@ def decode_rows(quick: bool) -> list[dict]:
             raise SystemExit(f"decode check failed: {row}")
         row["ours_GBps"] = nbytes / bench(ours) / 1e6
         row["ours_graph_us"] = graph_us(ours)
+        # FP8 K/V (per-head scales): half the bytes; GB/s count the FP8 bytes actually read.
+        (k8, ks), (v8, vs) = quantize_kv(kp), quantize_kv(vp)
+        fp8 = lambda: decode(qp, k8, v8, cus, max_seqlen_k=ctx, k_scale=ks, v_scale=vs)  # noqa: E731
+        row["fp8_rel_err"] = rel(fp8(), ref)
+        if not row["fp8_rel_err"] < FP8_CHECK_TOL:
+            raise SystemExit(f"fp8 decode check failed: {row}")
+        row["ours_fp8_GBps"] = nbytes / 2 / bench(fp8) / 1e6
+        row["ours_fp8_graph_us"] = graph_us(fp8)
         rows.append(row)
         print_row(row)
         if quick and len(rows) >= 3:
@@ -273,14 +293,18 @@ def print_row(row: dict) -> None:
               f" | cudnn {peer:7.0f} | flash {row.get('flash_GBps', float('nan')):7.0f}"
               f" | ours/cudnn {row['ours_GBps'] / peer:5.2f} | GPU time (graph) ours "
               f"{row['ours_graph_us']:6.1f} us cudnn {row.get('cudnn_graph_us', math.nan):6.1f}"
-              f" -> {row.get('cudnn_graph_us', math.nan) / row['ours_graph_us']:5.2f}",
+              f" -> {row.get('cudnn_graph_us', math.nan) / row['ours_graph_us']:5.2f}"
+              f" | fp8 K/V {row['ours_fp8_GBps']:6.0f} GB/s {row['ours_fp8_graph_us']:6.1f} us"
+              f" -> {row.get('cudnn_graph_us', math.nan) / row['ours_fp8_graph_us']:5.2f}",
               flush=True)
     elif row["kind"] == "dense":
         fl = row.get("flash_TFLOPs", float("nan"))
         print(f"dense  D={row['D']:<3d} N={row['N']:<6d} causal={row['causal']!s:<5} ours "
               f"{row['ours_TFLOPs']:6.1f} TFLOP/s | flash {fl:6.1f} | cudnn "
               f"{row.get('cudnn_TFLOPs', float('nan')):6.1f} | ours/flash "
-              f"{row['ours_TFLOPs'] / fl:5.2f}", flush=True)
+              f"{row['ours_TFLOPs'] / fl:5.2f}"
+              + (f" | fp8 K/V {row['ours_fp8_TFLOPs']:6.1f}" if "ours_fp8_TFLOPs" in row else ""),
+              flush=True)
     else:
         va = row.get("varlen_attn_TFLOPs", float("nan"))
         print(f"varlen {row['lens'][:22]:<22} causal={row['causal']!s:<5} ours "

@@ -5,8 +5,9 @@
 signatures. ``paged_prefill`` / ``paged_decode`` read K/V from a paged cache through a block
 table (``paged_*_ref`` and ``gather_pages`` are their torch side). Every one of them takes
 flash_attn's ``window_size=(left, right)``, ``softcap`` and ``alibi_slopes`` (see
-``reference.py`` for the semantics). The Triton modules are imported lazily so the reference
-works without Triton.
+``reference.py`` for the semantics), and FP8 (e4m3) K/V with per-kv-head scales
+(``k_scale=, v_scale=``; ``quantize_kv`` makes them, see ``fp8.py``). The Triton modules are
+imported lazily so the reference works without Triton.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
+from attention_kernels.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
 from attention_kernels.paged_reference import gather_pages, paged_decode_ref, paged_prefill_ref
 from attention_kernels.reference import decode_ref, prefill_ref
 
@@ -23,9 +25,11 @@ if TYPE_CHECKING:
     from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 __all__ = [
+    "FP8_DTYPE",
     "SUPPORTED_DTYPES",
     "decode",
     "decode_ref",
+    "dequantize_kv",
     "gather_pages",
     "paged_decode",
     "paged_decode_ref",
@@ -33,6 +37,7 @@ __all__ = [
     "paged_prefill_ref",
     "prefill",
     "prefill_ref",
+    "quantize_kv",
     "supported_head_dim",
     "warmup",
 ]

@@ -12,6 +12,9 @@ import math
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# K/V may also be float8_e4m3fn (with per-kv-head scales, ``fp8.py``) beside these queries.
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+FP8_Q_DTYPES = (torch.float16, torch.bfloat16, torch.float64)  # float64: the references
 MAX_HEAD_DIM = 256
 
 
@@ -20,11 +23,16 @@ def supported_head_dim(head_dim: int) -> bool:
     return 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
 
 
+def _supported(t: torch.Tensor, kv: bool) -> bool:
+    return (t.dtype in SUPPORTED_DTYPES or t.dtype == torch.float64
+            or (kv and t.dtype in FP8_KV_DTYPES))
+
+
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
     for name, t in ((q_name, q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
+        if not _supported(t, name != q_name):
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k, v, q_name, "k", "v")
 
@@ -33,9 +41,10 @@ def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str
                   v_name: str) -> None:
     """Dtypes, devices and heads of ``q [.., H, D]`` and ``k, v [.., H_kv, D]`` (each dtype
     already checked to be supported)."""
-    if not (q.dtype == k.dtype == v.dtype):
+    fp8 = k.dtype in FP8_KV_DTYPES and q.dtype in FP8_Q_DTYPES
+    if k.dtype != v.dtype or (k.dtype != q.dtype and not fp8):
         raise ValueError(f"{q_name}, {k_name}, {v_name} dtypes differ: {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+                         f"{v.dtype} (k and v may be float8_e4m3fn beside fp16/bf16 queries)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{q_name}, {k_name}, {v_name} devices differ: {q.device}, {k.device}, "
                          f"{v.device}")
@@ -109,7 +118,7 @@ def check_paged_inputs(
             layout = ("[tokens, num_heads, head_dim]" if dims == 3 else
                       "[num_pages, page_tokens, num_kv_heads, head_dim]")
             raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES and t.dtype != torch.float64:
+        if not _supported(t, name != "q"):
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k_pages, v_pages, "q", "k_pages", "v_pages")
     if k_pages.shape[1] < 1:
@@ -138,6 +147,28 @@ def check_paged_inputs(
     for name, t in (("block_table", block_table), ("seqlens_k", seqlens_k)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+
+
+def check_kv_scales(k: torch.Tensor, k_scale: torch.Tensor | None,
+                    v_scale: torch.Tensor | None) -> bool:
+    """FP8 K/V need float32 ``k_scale`` and ``v_scale`` ``[num_kv_heads]`` on K's device;
+    other K/V take none. Returns whether K/V are FP8. Reads no values."""
+    fp8 = k.dtype in FP8_KV_DTYPES
+    if not fp8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale / v_scale are for float8_e4m3fn k and v; k is {k.dtype}")
+        return False
+    heads = k.shape[-2]
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{name} is required with float8_e4m3fn k and v (float32 "
+                             f"[num_kv_heads={heads}], see attention_kernels.fp8)")
+        if s.dtype != torch.float32 or tuple(s.shape) != (heads,):
+            raise ValueError(f"{name} must be float32 [num_kv_heads={heads}], got {s.dtype} "
+                             f"{list(s.shape)}")
+        if s.device != k.device:
+            raise ValueError(f"{name} is on {s.device} but k is on {k.device}")
+    return True
 
 
 def check_paged_values(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_pages: int,

@@ -32,6 +32,7 @@ import triton.language as tl
 from attention_kernels._checks import (
     check_decode_inputs,
     check_features,
+    check_kv_scales,
     check_paged_inputs,
     output_buffer,
 )
@@ -52,18 +53,20 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _decode_inner(
-    K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+    Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
     key_lo, cap_scale, cap_log2, slopes2,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
     each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys).
     ``LOW_MASK`` (masked blocks): keys below ``key_lo`` (the window's left edge) are hidden too.
-    Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e)."""
+    Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e).
+    ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to the queries' dtype here; the
+    caller folded K's scale into ``qk_scale`` / ``cap_scale`` and applies V's to the output."""
     page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -84,6 +87,9 @@ def _decode_inner(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
+        elif KV_FP8:
+            k = k.to(Q.dtype.element_ty)
+            v = v.to(Q.dtype.element_ty)
         if HAS_SOFTCAP:
             qk = softcap_logits(tl.dot(q, tl.trans(k)), cap_scale, cap_log2)
         else:
@@ -99,7 +105,7 @@ def _decode_inner(
         p = tl.math.exp2(qk - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(K.dtype.element_ty)  # round P like the prefill kernel does
+        p = p.to(Q.dtype.element_ty)  # round P like the prefill kernel does
         if DOT_F32:
             p = p.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
@@ -151,18 +157,20 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     stride_tb, stride_kp, stride_vp,
     qk_scale, num_kv_heads, group, num_splits,
-    win_left, cap_scale, cap_log2, Alibi, stride_ab,
+    win_left, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
     Window (``HAS_WINDOW``): the query sees keys ``[seqlen - 1 - win_left, seqlen)``; that range,
     not the whole sequence, is split. ALiBi: the slope of (sequence b, head h) is
-    ``Alibi[b * stride_ab + h]``.
+    ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` stands for its values
+    times ``KScale[g]`` / ``VScale[g]``.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     split = tl.program_id(0)
@@ -210,6 +218,12 @@ def _decode_split_kernel(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
     )
 
+    if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
+        k_s = tl.load(KScale + kv_head)
+        qk_scale = qk_scale * k_s
+        if HAS_SOFTCAP:
+            cap_scale = cap_scale * k_s
+
     slopes2 = Alibi  # None without ALiBi, never read
     if HAS_ALIBI:
         slopes2 = tl.load(Alibi + seq * stride_ab + heads, mask=g_ok, other=0.0)
@@ -220,24 +234,29 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
         acc, l_i, m_i = _decode_inner(
-            K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
             lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
             key_lo, cap_scale, cap_log2, slopes2,
             True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, True, HAS_SOFTCAP, HAS_ALIBI,
+            KV_FP8,
         )
     acc, l_i, m_i = _decode_inner(
-        K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         key_lo, cap_scale, cap_log2, slopes2,
         False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
+        KV_FP8,
     )
     acc, l_i, m_i = _decode_inner(
-        K, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         key_lo, cap_scale, cap_log2, slopes2,
         True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
+        KV_FP8,
     )
 
+    if KV_FP8:
+        acc = acc * tl.load(VScale + kv_head)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # log2-domain lse of this split; -inf for an empty split (weight 0 in the merge).
@@ -351,6 +370,8 @@ def decode(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence against its packed keys/values.
@@ -370,9 +391,12 @@ def decode(
         softcap: when > 0, logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
         alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
             ``-slope * (seqlen_k - 1 - j)`` to the logit of key ``j`` (after the softcap).
+        k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
+            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``).
     Empty sequences give zeros (lse -inf).
     """
     check_decode_inputs(q, k, v, cu_seqlens_k)
+    fp8 = check_kv_scales(k, k_scale, v_scale)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                             q.device)
     _check_kernel_args(q, num_splits)
@@ -383,7 +407,8 @@ def decode(
     # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
     est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
     return _decode(q, k, v, cu_seqlens_k.contiguous(), None, est, softmax_scale, num_splits,
-                   return_lse, out, lse_out, _config, window[0], softcap, alibi_slopes)
+                   return_lse, out, lse_out, _config, window[0], softcap, alibi_slopes,
+                   (k_scale, v_scale) if fp8 else None)
 
 
 def paged_decode(
@@ -402,6 +427,8 @@ def paged_decode(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode`` over a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -420,6 +447,7 @@ def paged_decode(
         outputs as in ``decode``. One compiled variant per page size.
     """
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
+    fp8 = check_kv_scales(k_pages, k_scale, v_scale)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                             q.device)
     _check_kernel_args(q, num_splits)
@@ -427,7 +455,7 @@ def paged_decode(
     est = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_tokens
     return _decode(q, k_pages, v_pages, seqlens_k.contiguous(), block_table.contiguous(), est,
                    softmax_scale, num_splits, return_lse, out, lse_out, _config, window[0],
-                   softcap, alibi_slopes)
+                   softcap, alibi_slopes, (k_scale, v_scale) if fp8 else None)
 
 
 def _check_kernel_args(q: torch.Tensor, num_splits: int) -> None:
@@ -454,6 +482,7 @@ def _decode(
     win_left: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
     ``lens`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens`` = seqlens_k. ``win_left``:
@@ -518,11 +547,12 @@ def _decode(
             q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1), *strides[4:],
             scale * LOG2E, num_kv_heads, group, num_splits,
             win_left if has_window else None, cap_scale, cap_log2, slopes, stride_ab,
+            *(kv_scales if kv_scales is not None else (None, None)),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
             DOT_F32=dot_in_fp32(q.dtype), PAGED=paged, PAGE_TOKENS=page_tokens,
             HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
-            HAS_ALIBI=slopes is not None,
+            HAS_ALIBI=slopes is not None, KV_FP8=kv_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

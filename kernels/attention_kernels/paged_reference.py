@@ -69,13 +69,16 @@ def paged_decode_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` in plain torch: ``decode_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
     k, v, cu_k = gather_pages(k_pages, v_pages, block_table, seqlens_k)
     return decode_ref(q, k, v, cu_k, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                       num_splits=num_splits, return_lse=return_lse, compute_dtype=compute_dtype,
-                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_prefill_ref(
@@ -95,6 +98,8 @@ def paged_prefill_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_prefill`` in plain torch: ``prefill_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
@@ -102,4 +107,5 @@ def paged_prefill_ref(
     return prefill_ref(q, k, v, cu_seqlens_q, cu_k, max_seqlen_q=max_seqlen_q,
                        max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                        return_lse=return_lse, compute_dtype=compute_dtype,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+        k_scale=k_scale, v_scale=v_scale)

@@ -43,6 +43,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attention_kernels._checks import (
     check_features,
+    check_kv_scales,
     check_paged_inputs,
     check_prefill_inputs,
     output_buffer,
@@ -79,7 +80,7 @@ def _logits(qk, qk_scale, cap_scale, cap_log2, alibi2, pos_f, start_n, offs_n,
 
 @triton.jit
 def _prefill_inner(
-    acc, l_i, m_i, q,
+    Q, acc, l_i, m_i, q,
     k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     desc_k, desc_v, k_row0, kv_col,
     lo, hi, seqlen_k, causal_offset, qk_scale,
@@ -88,6 +89,7 @@ def _prefill_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -95,7 +97,8 @@ def _prefill_inner(
     Window (masked blocks only; ``IS_CAUSAL`` is then folded into ``win_right = 0``): row ``r``
     at key position ``p = r + causal_offset`` keeps keys ``p - win_left <= j <= p + win_right``.
     Softcap / ALiBi: see ``_features``; ``alibi2`` is this head's slope times log2(e) and
-    ``pos_f`` the rows' key positions as floats."""
+    ``pos_f`` the rows' key positions as floats. ``KV_FP8``: K/V tiles are float8_e4m3fn,
+    converted (exactly) to the queries' dtype ``Q``'s; their scales are the caller's."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -111,6 +114,8 @@ def _prefill_inner(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        if KV_FP8:
+            k = k.to(Q.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
@@ -160,6 +165,8 @@ def _prefill_inner(
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if KV_FP8:
+            v = v.to(Q.dtype.element_ty)
         p = p.to(v.dtype)
         if DOT_F32:
             p = p.to(tl.float32)
@@ -176,18 +183,20 @@ def _prefill_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, stride_tb, stride_kp, stride_vp,
     qk_scale, batch, num_heads, group, num_slots,
-    win_left, win_right, cap_scale, cap_log2, Alibi, stride_ab,
+    win_left, win_right, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
     Window (``HAS_WINDOW``): ``win_left`` / ``win_right`` >= 0, causal already folded into
     ``win_right = 0``, unbounded sides already replaced by a bound no row reaches. ALiBi: the
-    slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``.
+    slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv
+    head ``g`` stands for its values times ``KScale[g]`` / ``VScale[g]``.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
@@ -209,6 +218,11 @@ def _prefill_kernel(
         return  # one of the <= 2 spare slots of this sequence
     k_start, seqlen_k = seq_keys(cu_k, seq, PAGED)
     kv_head = head // group
+    if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
+        k_s = tl.load(KScale + kv_head)
+        qk_scale = qk_scale * k_s
+        if HAS_SOFTCAP:
+            cap_scale = cap_scale * k_s
 
     offs_m = block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -253,12 +267,12 @@ def _prefill_kernel(
         n_a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, n_lo), n_hi)
         n_b = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, n_a), n_hi)
         acc, l_i, m_i = _prefill_inner(
-            acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
             desc_k, desc_v, k_start, kv_head * HEAD_DIM,
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
             table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
             pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
         )
     else:
         if IS_CAUSAL:
@@ -274,22 +288,24 @@ def _prefill_kernel(
         n_hi = n_end
 
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
     )
     acc, l_i, m_i = _prefill_inner(
-        acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
     )
 
+    if KV_FP8:
+        acc = acc * tl.load(VScale + kv_head)
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -327,8 +343,8 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfi
     measurements)."""
     if interpreting() or not q.is_cuda:
         return False
-    if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
-        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or k.shape[0] == 0:
+        return False  # FP8 K/V: pointer loads (descriptor loads of fp8 tiles not measured)
     keys = k.shape[0] if span is None else min(k.shape[0], span)
     if q.shape[0] * keys * q.shape[1] < _TMA_MIN_WORK:
         return False  # small launches (host-bound) return before the environment lookup
@@ -371,6 +387,8 @@ def prefill(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length flash attention forward.
@@ -392,6 +410,8 @@ def prefill(
         softcap: when > 0, logits are ``softcap * tanh(softmax_scale * q.k / softcap)``.
         alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
             ``-slope * |p - j|`` to the logit (after the softcap).
+        k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
+            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``).
 
     fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
     """
@@ -399,13 +419,15 @@ def prefill(
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    fp8 = check_kv_scales(k, k_scale, v_scale)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                             cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
     k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
     return _prefill(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), None,
                     causal, softmax_scale, return_lse, out, lse_out, _config,
-                    window, softcap, alibi_slopes, k.shape[0])
+                    window, softcap, alibi_slopes, k.shape[0],
+                    (k_scale, v_scale) if fp8 else None)
 
 
 def paged_prefill(
@@ -426,6 +448,8 @@ def paged_prefill(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``prefill`` against a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -445,13 +469,15 @@ def paged_prefill(
     """
     del max_seqlen_q, max_seqlen_k
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
+    fp8 = check_kv_scales(k_pages, k_scale, v_scale)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                             cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
     return _prefill(q, k_pages, v_pages, cu_seqlens_q.contiguous(), seqlens_k.contiguous(),
                     block_table.contiguous(), causal, softmax_scale, return_lse, out, lse_out,
                     _config, window, softcap, alibi_slopes,
-                    block_table.shape[1] * k_pages.shape[1])
+                    block_table.shape[1] * k_pages.shape[1],
+                    (k_scale, v_scale) if fp8 else None)
 
 
 def _window_args(window: tuple[int, int], causal: bool, max_keys: int,
@@ -499,6 +525,7 @@ def _prefill(
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     max_keys: int,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
     ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` = seqlens_k.
@@ -555,12 +582,14 @@ def _prefill(
         lse.stride(0) if return_lse else 0, *strides[4:],
         scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
         win_left, win_right, cap_scale, cap_log2, slopes, stride_ab,
+        *(kv_scales if kv_scales is not None else (None, None)),
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
         IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype),
         USE_TMA=use_tma, PAGED=paged, PAGE_TOKENS=page_tokens,
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None, HAS_ALIBI=slopes is not None,
+        KV_FP8=kv_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out

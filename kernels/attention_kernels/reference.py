@@ -32,8 +32,10 @@ from attention_kernels._checks import (
     check_cu_seqlens_values,
     check_decode_inputs,
     check_features,
+    check_kv_scales,
     check_prefill_inputs,
 )
+from attention_kernels.fp8 import dequantize_kv
 
 # Query rows per chunk: bounds the score matrix at H * 1024 * seqlen_k elements.
 _ROW_CHUNK = 1024
@@ -109,8 +111,12 @@ def prefill_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length attention prefill; same signature and semantics as ``prefill``.
+    FP8 ``k, v`` (float8_e4m3fn with float32 ``k_scale, v_scale [H_kv]``) are dequantized
+    (``fp8.dequantize_kv``) in the compute dtype first.
 
     ``compute_dtype`` (default float32, float64 for float64 inputs) is the precision of the
     arithmetic; pass ``torch.float64`` for an oracle. The output has the input dtype; ``lse`` is
@@ -127,6 +133,8 @@ def prefill_ref(
     group = num_heads // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     cdt = compute_dtype or _default_compute_dtype(q.dtype)
+    if check_kv_scales(k, k_scale, v_scale):
+        k, v = dequantize_kv(k, k_scale, cdt), dequantize_kv(v, v_scale, cdt)  # type: ignore[arg-type]
 
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
@@ -168,8 +176,11 @@ def decode_ref(
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """One query token per sequence against its packed keys; same semantics as ``decode``.
+    """One query token per sequence against its packed keys; same semantics as ``decode``
+    (FP8 ``k, v`` with their scales as in ``prefill_ref``).
 
     ``q [B, H, D]``; ``lse`` is float32 ``[B, H]``. ``num_splits`` and ``max_seqlen_k`` only
     steer the kernel's schedule and are ignored here. The query sits at position
@@ -184,7 +195,7 @@ def decode_ref(
     out, lse = prefill_ref(
         q, k, v, cu_q, cu_seqlens_k, softmax_scale=softmax_scale, return_lse=True,
         compute_dtype=compute_dtype, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
     )
     lse = lse.t().contiguous()
     return (out, lse) if return_lse else out

@@ -1,0 +1,41 @@
+"""FP8 (e4m3) keys and values: per-kv-head scales, quantize and dequantize.
+
+A K/V tensor stored as ``float8_e4m3fn`` with a float32 scale per kv head stands for
+``x_fp8.float() * scale[head]``. Half the bytes of bf16 for the same tokens: decode, which is
+bound by K/V reads, moves half as much, and so does a client that sends its cache. The kernels
+take such K/V beside fp16/bf16 queries (``k_scale=, v_scale=``), convert each loaded tile to the
+queries' dtype and fold the scales into the softmax scale (K) and the output (V), so the
+arithmetic is that of the unquantized kernel on the dequantized values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+
+
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., H_kv, D]`` as (float8_e4m3fn values, float32 scales ``[H_kv]``). Without
+    ``scale``, each head's is its absolute maximum over 448 (every value representable, none
+    saturated); with one, values beyond ``448 * scale`` saturate to +-448."""
+    if x.dim() < 2:
+        raise ValueError(f"x must be [..., num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+    heads = x.shape[-2]
+    xf = x.float()
+    if scale is None:
+        amax = xf.abs().transpose(0, -2).reshape(heads, -1).amax(dim=1) if xf.numel() else \
+            torch.zeros(heads, device=x.device)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    if scale.shape != (heads,):
+        raise ValueError(f"scale must be [num_kv_heads={heads}], got shape {tuple(scale.shape)}")
+    scale = scale.to(device=x.device, dtype=torch.float32)
+    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` (float8_e4m3fn ``[..., H_kv, D]``) times its per-head ``scale``, in ``dtype``."""
+    return x.to(dtype) * scale.to(dtype)[:, None]

@@ -1,0 +1,224 @@
+"""FP8 (e4m3) K/V with per-kv-head scales in every kernel, vs the float64 reference.
+
+Two checks per case: against the reference on the *dequantized* K/V (the kernel's arithmetic,
+so the queries' dtype tolerance applies), and against the reference on the original K/V
+before quantization (what a user gives up by storing FP8: ``FP8_TOL``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_kernels import (
+    decode,
+    decode_ref,
+    paged_decode,
+    paged_decode_ref,
+    paged_prefill,
+    paged_prefill_ref,
+    prefill,
+    prefill_ref,
+)
+from attention_kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
+from tests.kernels.conftest import (
+    DEVICE,
+    TOL,
+    check_lse,
+    cu_seqlens,
+    poison_,
+    randn,
+    rel_err,
+)
+
+# Relative-norm error of the output against the float64 reference on the unquantized K/V,
+# random normal inputs with per-head amax scales: e4m3 keeps 3 mantissa bits (a value's
+# rounding error up to 1/16); the output averages many values, and measured 0.03-0.04.
+FP8_TOL = 0.06
+Q_DTYPES = [torch.float16, torch.bfloat16]
+
+
+def _kv(total: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """Original K/V (heads of very different magnitudes: each needs its own scale) and their
+    FP8 forms."""
+    spread = torch.logspace(-1, 1, kv_heads, device=DEVICE)[None, :, None]
+    k = torch.randn(total, kv_heads, dim, device=DEVICE) * spread
+    v = torch.randn(total, kv_heads, dim, device=DEVICE) * spread.flip(1)
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    return k, v, k8, v8, ks, vs
+
+
+def _check(got: torch.Tensor, ref8: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    err = rel_err(got, ref8)
+    assert err < TOL[dtype], f"vs the dequantized reference: {err:.3g} >= {TOL[dtype]:.3g}"
+    err = rel_err(got, ref)
+    assert err < FP8_TOL, f"vs the unquantized reference: {err:.3g} >= {FP8_TOL}"
+
+
+def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
+                 splits: int, paged_tokens: int = 0, **features: object) -> None:
+    batch, total = len(lens), sum(lens)
+    cu = cu_seqlens(lens)
+    q = randn(batch, heads, dim, dtype=dtype)
+    k, v, k8, v8, ks, vs = _kv(total, kv_heads, dim)
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    if paged_tokens:
+        kp, vp, table, seqlens = _pages(k8, v8, lens, paged_tokens)
+        got, got_lse = paged_decode(q, kp, vp, table, seqlens, num_splits=splits,
+                                    return_lse=True, out=out, lse_out=lse, k_scale=ks,
+                                    v_scale=vs, **features)
+    else:
+        got, got_lse = decode(q, k8, v8, cu, num_splits=splits, return_lse=True, out=out,
+                              lse_out=lse, k_scale=ks, v_scale=vs, **features)
+    ref8, ref8_lse = decode_ref(q.double(), k8, v8, cu, return_lse=True, k_scale=ks,
+                                v_scale=vs, **features)
+    if paged_tokens:  # the paged reference gathers the same FP8 keys
+        torch.testing.assert_close(paged_decode_ref(q.double(), kp, vp, table, seqlens,
+                                                    k_scale=ks, v_scale=vs, **features), ref8)
+    ref = decode_ref(q.double(), k.double(), v.double(), cu, **features)
+    _check(got, ref8, ref, dtype)
+    check_lse(got_lse, ref8_lse, dtype)
+    empty = torch.tensor(lens) == 0
+    assert (got.cpu()[empty] == 0).all(), "empty sequences give zeros"
+
+
+def _pages(k8: torch.Tensor, v8: torch.Tensor, lens: list[int], page_tokens: int
+           ) -> tuple[torch.Tensor, ...]:
+    """The packed FP8 K/V laid out in shuffled pages (plus a spare page never used)."""
+    per_seq = [-(-n // page_tokens) for n in lens]
+    num_pages = sum(per_seq) + 1
+    order = torch.randperm(num_pages, device=DEVICE)
+    shape = (num_pages, page_tokens) + tuple(k8.shape[1:])
+    kp = torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE)
+    vp = torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE)
+    table = torch.zeros(len(lens), max(per_seq + [1]), dtype=torch.int32, device=DEVICE)
+    at, used = 0, 0
+    for b, n in enumerate(lens):
+        for j in range(per_seq[b]):
+            page = int(order[used])
+            rows = min(page_tokens, n - j * page_tokens)
+            kp[page, :rows] = k8[at + j * page_tokens : at + j * page_tokens + rows]
+            vp[page, :rows] = v8[at + j * page_tokens : at + j * page_tokens + rows]
+            table[b, j] = page
+            used += 1
+        at += n
+    return kp, vp, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+
+
+@pytest.mark.parametrize("lens", [[1], [0, 5, 0], [127, 1], [300, 31]],
+                         ids=lambda x: "-".join(map(str, x)))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_lengths_and_splits(lens: list[int], splits: int) -> None:
+    _decode_case(lens, 8, 2, 64, torch.float16, splits)
+
+
+@pytest.mark.parametrize("dim", [40, 128])
+@pytest.mark.parametrize("dtype", Q_DTYPES, ids=str)
+def test_decode_dtypes_and_head_dims(dim: int, dtype: torch.dtype) -> None:
+    _decode_case([33, 70], 8, 4, dim, dtype, 2)
+
+
+@pytest.mark.parametrize("page_tokens", [7, 16])
+def test_paged_decode(page_tokens: int) -> None:
+    _decode_case([40, 0, 17], 8, 2, 64, torch.bfloat16, 3, paged_tokens=page_tokens)
+
+
+@pytest.mark.parametrize("features", [
+    {"window_size": (20, -1)}, {"softcap": 5.0}, {"alibi_slopes": "per-head"},
+], ids=["window", "softcap", "alibi"])
+def test_decode_with_score_features(features: dict) -> None:
+    if features.get("alibi_slopes") == "per-head":
+        features = {"alibi_slopes": torch.rand(8, device=DEVICE) * 0.2}
+    _decode_case([90, 13], 8, 2, 64, torch.float16, 2, **features)
+
+
+def _prefill_case(len_q: list[int], len_k: list[int], heads: int, kv_heads: int, dim: int,
+                  dtype: torch.dtype, causal: bool, paged_tokens: int = 0,
+                  **features: object) -> None:
+    cu_q, cu_k = cu_seqlens(len_q), cu_seqlens(len_k)
+    q = randn(sum(len_q), heads, dim, dtype=dtype)
+    k, v, k8, v8, ks, vs = _kv(sum(len_k), kv_heads, dim)
+    out = torch.empty_like(q)
+    lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    if paged_tokens:
+        kp, vp, table, seqlens = _pages(k8, v8, len_k, paged_tokens)
+        got, got_lse = paged_prefill(q, kp, vp, table, cu_q, seqlens, causal=causal,
+                                     return_lse=True, out=out, lse_out=lse, k_scale=ks,
+                                     v_scale=vs, **features)
+    else:
+        got, got_lse = prefill(q, k8, v8, cu_q, cu_k, causal=causal, return_lse=True, out=out,
+                               lse_out=lse, k_scale=ks, v_scale=vs, **features)
+    ref8, ref8_lse = prefill_ref(q.double(), k8, v8, cu_q, cu_k, causal=causal,
+                                 return_lse=True, k_scale=ks, v_scale=vs, **features)
+    if paged_tokens:
+        torch.testing.assert_close(paged_prefill_ref(q.double(), kp, vp, table, cu_q, seqlens,
+                                                     causal=causal, k_scale=ks, v_scale=vs,
+                                                     **features), ref8)
+    ref = prefill_ref(q.double(), k.double(), v.double(), cu_q, cu_k, causal=causal,
+                      **features)
+    _check(got, ref8, ref, dtype)
+    check_lse(got_lse, ref8_lse, dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", Q_DTYPES, ids=str)
+def test_prefill(causal: bool, dtype: torch.dtype) -> None:
+    # q shorter than k (a continuation), one empty sequence, lengths off the block sizes.
+    _prefill_case([5, 0, 37, 1], [9, 4, 37, 70], 4, 2, 40, dtype, causal)
+
+
+@pytest.mark.parametrize("page_tokens", [7, 16])
+def test_paged_prefill(page_tokens: int) -> None:
+    _prefill_case([3, 20], [50, 20], 8, 2, 64, torch.bfloat16, True, paged_tokens=page_tokens)
+
+
+def test_prefill_with_window_and_softcap() -> None:
+    _prefill_case([40, 17], [40, 30], 4, 4, 64, torch.float16, True, window_size=(11, 0),
+                  softcap=8.0)
+
+
+def test_bad_scales_and_dtypes_raise() -> None:
+    q = randn(2, 4, 64, dtype=torch.float16)
+    k, v, k8, v8, ks, vs = _kv(10, 2, 64)
+    cu = cu_seqlens([4, 6])
+    cases = [
+        ({"k": k8, "v": v8}, "k_scale is required"),
+        ({"k": k8, "v": v8, "k_scale": ks}, "v_scale is required"),
+        ({"k": k8, "v": v8, "k_scale": ks.double(), "v_scale": vs}, "k_scale must be float32"),
+        ({"k": k8, "v": v8, "k_scale": ks[:1], "v_scale": vs}, "num_kv_heads=2"),
+        ({"k": k.half(), "v": v.half(), "k_scale": ks, "v_scale": vs}, "float8_e4m3fn"),
+        ({"k": k8, "v": v.half(), "k_scale": ks, "v_scale": vs}, "dtypes differ"),
+    ]
+    for kwargs, words in cases:
+        for fn in (decode, decode_ref):
+            with pytest.raises(ValueError, match=words):
+                fn(q, kwargs["k"], kwargs["v"], cu,
+                   **{n: t for n, t in kwargs.items() if n in ("k_scale", "v_scale")})
+    with pytest.raises(ValueError, match="dtypes differ"):  # fp32 queries: not with FP8 K/V
+        decode(q.float(), k8, v8, cu, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        prefill(randn(10, 4, 64, dtype=torch.float16), k8, v8, cu)
+
+
+def test_quantize_kv_scales_per_head() -> None:
+    k = torch.randn(33, 3, 16, device=DEVICE) * torch.tensor([0.01, 1.0, 300.0],
+                                                             device=DEVICE)[None, :, None]
+    k[:, 1] = 0.0  # an all-zero head: scale 1, zeros back
+    k8, scale = quantize_kv(k)
+    assert k8.dtype == FP8_DTYPE and scale.dtype == torch.float32 and scale.shape == (3,)
+    amax = k.abs().amax(dim=(0, 2))
+    torch.testing.assert_close(scale[[0, 2]], amax[[0, 2]] / FP8_MAX)
+    assert scale[1] == 1.0 and (k8[:, 1].float() == 0).all()
+    back = dequantize_kv(k8, scale, torch.float64)
+    # e4m3: 3 mantissa bits, so |error| <= 2^-4 |x| for normal values; a subnormal step of
+    # 2^-9 * scale below 2^-6 * scale.
+    bound = (k.double().abs() / 16).clamp_min(2.0**-9 * scale.double()[None, :, None])
+    assert ((back - k.double()).abs() <= bound + 1e-12).all()
+    # A given scale saturates what it cannot reach.
+    sat, _ = quantize_kv(k, scale=torch.full((3,), 1e-3, device=DEVICE))
+    assert sat[:, 2].float().abs().max() == FP8_MAX
