@@ -38,6 +38,7 @@ import numpy as np
 
 from attention_client._chunks import encode_messages
 from attention_client._tensors import WireTensor
+from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,12 +107,12 @@ def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[byte
     return setup, step
 
 
-async def _stream(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
-                  unary: bool = False) -> pb.RequestStats:
+async def _call(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
+                unary: bool = False) -> pb.RequestStats:
     """One call; ``unary`` and a one-message request: through the rpc's unary twin, as
     attention_client sends such a call (a decode step is one)."""
     if unary and len(msgs) == 1:
-        once = channel.unary_unary(METHOD + method + "Unary", request_serializer=None,
+        once = channel.unary_unary(METHOD + unary_method(method), request_serializer=None,
                                    response_deserializer=pb.AttentionResult.FromString)
         return (await once(msgs[0], timeout=60)).stats
     call = channel.stream_stream(METHOD + method, request_serializer=None,
@@ -140,12 +141,12 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
             await create(pb.CreateCachesRequest(
                 cache_ids=[cache_id], layout=pb.CacheLayout(dtype=s.wire, num_kv_heads=s.hkv,
                                                             head_dim=s.d)), timeout=60)
-            await _stream(ch, "AppendKV", setup)
+            await _call(ch, "AppendKV", setup)
         out["step_bytes"] = sum(len(m) for m in step)
         while time.time() < t_end:
             t0 = time.perf_counter()
             try:
-                stats = await _stream(ch, method, step, unary)
+                stats = await _call(ch, method, step, unary)
             except grpc.aio.AioRpcError as exc:
                 out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
                 continue

@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
@@ -233,8 +234,8 @@ async def _client(
         messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
         t0 = time.perf_counter()
         try:
-            if len(messages) == 1 and req.method + "Unary" in calls:
-                await calls[req.method + "Unary"](messages[0])
+            if len(messages) == 1 and unary_method(req.method) in calls:
+                await calls[unary_method(req.method)](messages[0])
             else:
                 async for _ in calls[req.method](iter(messages)):
                     pass
@@ -261,7 +262,8 @@ async def _run_point(
         methods = (PREFILL_METHOD, DECODE_METHOD)
         calls = [
             {m: ch.stream_stream(m) for m in methods}
-            | ({m + "Unary": ch.unary_unary(m + "Unary") for m in methods} if unary else {})
+            | ({unary_method(m): ch.unary_unary(unary_method(m)) for m in methods}
+               if unary else {})
             for ch in channels
         ]
         await asyncio.sleep(max(0.0, t_start - time.time()))

@@ -24,7 +24,7 @@ from attention_client._channel import (
     merge_metadata,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes, single_message
-from attention_client._errors import AttentionInputError
+from attention_client._errors import AttentionInputError, from_rpc_error
 from attention_client._regions import (
     Placement,
     RegionSet,
@@ -165,12 +165,27 @@ class ClientBase:
             return None
         return single_message(prep.header, prep.tensors, self.max_chunk_bytes)
 
-    def _unary_missing(self, err: grpc.RpcError) -> bool:
-        """A server without the unary twins (UNIMPLEMENTED: nothing ran): stream from now on."""
+    def _unary_failed(self, prep: PreparedRequest, err: grpc.RpcError,
+                      settings: CallSettings) -> None:
+        """A unary call's error, raised as AttentionError; except from a server without the
+        unary twins (UNIMPLEMENTED: nothing ran), where this returns and the client streams
+        from now on."""
         if err.code() is grpc.StatusCode.UNIMPLEMENTED:  # type: ignore[attr-defined]
             self.unary = False
-            return True
-        return False
+            return
+        self._abandon(prep)
+        raise from_rpc_error(err, prep.method, settings.names) from err
+
+    def _assemble(self, prep: PreparedRequest, assembler: ResponseAssembler,
+                  responses: Any) -> Any:
+        """The result from a unary call's parsed responses (``_wire.parse_result``)."""
+        try:
+            for response in responses:
+                assembler.add(response)
+            return self._complete(prep, assembler)
+        except BaseException:
+            self._abandon(prep)
+            raise
 
     @staticmethod
     def _assembler(prep: PreparedRequest) -> ResponseAssembler:

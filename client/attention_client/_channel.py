@@ -37,12 +37,6 @@ INFO_METHOD = f"/{SERVICE}/GetServerInfo"
 STREAM_RPCS = ("Prefill", "Decode", "AppendKV", "CachePrefill", "CacheDecode")
 
 
-def unary_method(method: str) -> str:
-    """The unary twin of a compute rpc (one message each way): ``CacheDecode`` ->
-    ``CacheDecodeUnary``."""
-    return f"{method}Unary"
-
-
 # Region rpc -> its reply message's name in attention_wire.pb.
 REGION_RPCS = {
     "RegisterRegion": "RegionInfo",

@@ -20,7 +20,6 @@ from attention_client._channel import (
     SERVICE,
     STREAM_RPCS,
     CallSettings,
-    unary_method,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
@@ -29,6 +28,7 @@ from attention_client._requests import KvLayout, PreparedRequest
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._wire import parse_response, parse_result
+from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -395,20 +395,12 @@ class AttentionClient(ClientBase):
             try:
                 responses = lane[unary_method(prep.method)](message, **settings.kwargs())
             except grpc.RpcError as err:
-                if not self._unary_missing(err):
-                    self._abandon(prep)
-                    raise from_rpc_error(err, prep.method, settings.names) from err
+                self._unary_failed(prep, err, settings)  # returns: stream it instead
             except BaseException:
                 self._abandon(prep)
                 raise
             else:
-                try:
-                    for response in responses:
-                        assembler.add(response)
-                    return self._complete(prep, assembler)
-                except BaseException:
-                    self._abandon(prep)
-                    raise
+                return self._assemble(prep, assembler, responses)
         messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
         call = lane[prep.method](messages, **settings.kwargs())
         try:

@@ -7,3 +7,9 @@ alone; the server depends on this package, never on the client's private modules
 """
 
 __version__ = "0.1.0"
+
+
+def unary_method(rpc: str) -> str:
+    """The unary twin of a compute rpc (the whole request and the whole answer in one message
+    each): ``CacheDecode`` -> ``CacheDecodeUnary``."""
+    return f"{rpc}Unary"

@@ -26,8 +26,8 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None = None
     heads = x.shape[-2]
     xf = x.float()
     if scale is None:
-        amax = xf.abs().transpose(0, -2).reshape(heads, -1).amax(dim=1) if xf.numel() else \
-            torch.zeros(heads, device=x.device)
+        per_head = xf.abs().movedim(-2, 0).reshape(heads, -1)
+        amax = per_head.amax(dim=1) if per_head.shape[1] else per_head.new_zeros(heads)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
     if scale.shape != (heads,):
         raise ValueError(f"scale must be [num_kv_heads={heads}], got shape {tuple(scale.shape)}")

@@ -30,6 +30,7 @@ from tests.kernels.conftest import (
     randn,
     rel_err,
 )
+from tests.kernels.test_paged import Paged
 
 # Relative-norm error of the output against the float64 reference on the unquantized K/V,
 # random normal inputs with per-head amax scales: e4m3 keeps 3 mantissa bits (a value's
@@ -66,7 +67,8 @@ def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: to
     poison_(out)
     poison_(lse)
     if paged_tokens:
-        kp, vp, table, seqlens = _pages(k8, v8, lens, paged_tokens)
+        c = Paged(lens, paged_tokens, kv_heads, dim, FP8_DTYPE, kv=(k8, v8))
+        kp, vp, table, seqlens = *c.cache, c.seqlens_k
         got, got_lse = paged_decode(q, kp, vp, table, seqlens, num_splits=splits,
                                     return_lse=True, out=out, lse_out=lse, k_scale=ks,
                                     v_scale=vs, **features)
@@ -83,29 +85,6 @@ def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: to
     check_lse(got_lse, ref8_lse, dtype)
     empty = torch.tensor(lens) == 0
     assert (got.cpu()[empty] == 0).all(), "empty sequences give zeros"
-
-
-def _pages(k8: torch.Tensor, v8: torch.Tensor, lens: list[int], page_tokens: int
-           ) -> tuple[torch.Tensor, ...]:
-    """The packed FP8 K/V laid out in shuffled pages (plus a spare page never used)."""
-    per_seq = [-(-n // page_tokens) for n in lens]
-    num_pages = sum(per_seq) + 1
-    order = torch.randperm(num_pages, device=DEVICE)
-    shape = (num_pages, page_tokens) + tuple(k8.shape[1:])
-    kp = torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE)
-    vp = torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE)
-    table = torch.zeros(len(lens), max(per_seq + [1]), dtype=torch.int32, device=DEVICE)
-    at, used = 0, 0
-    for b, n in enumerate(lens):
-        for j in range(per_seq[b]):
-            page = int(order[used])
-            rows = min(page_tokens, n - j * page_tokens)
-            kp[page, :rows] = k8[at + j * page_tokens : at + j * page_tokens + rows]
-            vp[page, :rows] = v8[at + j * page_tokens : at + j * page_tokens + rows]
-            table[b, j] = page
-            used += 1
-        at += n
-    return kp, vp, table, torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
 
 @pytest.mark.parametrize("lens", [[1], [0, 5, 0], [127, 1], [300, 31]],
@@ -146,7 +125,8 @@ def _prefill_case(len_q: list[int], len_k: list[int], heads: int, kv_heads: int,
     poison_(out)
     poison_(lse)
     if paged_tokens:
-        kp, vp, table, seqlens = _pages(k8, v8, len_k, paged_tokens)
+        c = Paged(len_k, paged_tokens, kv_heads, dim, FP8_DTYPE, kv=(k8, v8))
+        kp, vp, table, seqlens = *c.cache, c.seqlens_k
         got, got_lse = paged_prefill(q, kp, vp, table, cu_q, seqlens, causal=causal,
                                      return_lse=True, out=out, lse_out=lse, k_scale=ks,
                                      v_scale=vs, **features)

@@ -51,9 +51,11 @@ class Paged:
 
     def __init__(self, lens: list[int], page_tokens: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, seed: int = 0, spare_pages: int = 3,
-                 separate_v: bool = False) -> None:
+                 separate_v: bool = False,
+                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """``separate_v``: V in a pool of its own, with other page, token and head strides
-        than K (padded heads), so a K/V stride mix-up shows."""
+        than K (padded heads), so a K/V stride mix-up shows. ``kv``: the packed keys and
+        values to lay out (``[sum(lens), kv_heads, head_dim]`` of ``dtype``; default random)."""
         g = torch.Generator().manual_seed(seed)
         row = kv_heads * head_dim
         # Strictly more than K + V of page_tokens tokens: every page has an unused (NaN) tail.
@@ -86,8 +88,8 @@ class Paged:
         self.seqlens_k = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
 
         self.cu_k = cu_seqlens(lens)
-        self.k = randn(sum(lens), kv_heads, head_dim, dtype=dtype)
-        self.v = randn(sum(lens), kv_heads, head_dim, dtype=dtype)
+        self.k, self.v = kv if kv is not None else (
+            randn(sum(lens), kv_heads, head_dim, dtype=dtype) for _ in range(2))
         for b, n in enumerate(lens):
             k0 = int(self.cu_k[b])
             for j0 in range(0, n, page_tokens):

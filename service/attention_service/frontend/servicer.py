@@ -136,9 +136,7 @@ class AttentionServicer:
         rpc's unary twin (``requests`` is its one message; the caller joins what this yields
         into one message, so each output goes out as one slice). Both count under the op's
         name in the metrics; the log line says which."""
-        call = _CallRecord(op.rpc, context)
-        if unary:
-            call.extra_flags = " unary=1"
+        call = _CallRecord(op.rpc, context, unary)
         self.tracker.enter()
         self._metrics.inflight.inc()
         received: Received | None = None
@@ -212,7 +210,7 @@ class AttentionServicer:
         )
         line = (
             f"rpc={call.rpc} code={call.code} duration_ms={seconds * 1e3:.3f} "
-            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra_flags}{call.extra} "
+            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra} "
             f"peer={call.peer}"
         )
         if call.details:
@@ -223,11 +221,12 @@ class AttentionServicer:
 class _CallRecord:
     """What one compute call did, for its metrics and log line."""
 
-    def __init__(self, rpc: str, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, rpc: str, context: grpc.aio.ServicerContext, unary: bool = False) -> None:
         self.rpc = rpc
         self.peer = context.peer()
         self.t0 = time.perf_counter()
-        self.code, self.details, self.extra, self.extra_flags = "OK", "", "", ""
+        self.code, self.details = "OK", ""
+        self.extra = " unary=1" if unary else ""  # then what the call did (``ok``)
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
@@ -238,7 +237,7 @@ class _CallRecord:
         self.tokens, self.flops = p.tokens, stats.flops
         self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
         regions = f" regions={','.join(sorted(received.regions))}" if received.regions else ""
-        self.extra = (
+        self.extra += (
             f" tokens={p.tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
             f" kernel_ms={stats.kernel_seconds * 1e3:.3f} batch_requests={stats.batch_requests}"
             f"{regions}"

@@ -15,6 +15,7 @@ from attention_service.frontend.validation import ChunkAssembler, Limits, valida
 from attention_service.frontend.wire import encode_output_chunk, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
+from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -103,7 +104,8 @@ async def receive_request(
         if outputs > MAX_UNARY_OUTPUT_BYTES:
             raise invalid(
                 "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
-                f"one response message of {op.rpc}Unary can carry: use the stream rpc {op.rpc}")
+                f"one response message of {unary_method(op.rpc)} can carry: use the stream rpc "
+                f"{op.rpc}")
     budget.reserve(total)
     try:
         buffers = await _allocate(link, sizes, total)

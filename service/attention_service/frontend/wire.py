@@ -28,6 +28,7 @@ from google.protobuf.message import DecodeError
 
 from attention_service.errors import invalid
 from attention_service.params import Op
+from attention_wire import unary_method
 from attention_wire.codec import (
     LEN,
     VARINT,
@@ -184,11 +185,6 @@ def _compute_unary(servicer: Any, op: Op) -> Any:
     return behavior
 
 
-def unary_method(op: Op) -> str:
-    """The name of ``op``'s unary twin (PrefillUnary, ..., CacheDecodeUnary)."""
-    return f"{op.rpc}Unary"
-
-
 def _control(servicer: Any, method: str) -> Any:
     async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await servicer.control_rpc(method, request, context)
@@ -206,7 +202,7 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
         for op in Op
     }
     for op in Op:
-        handlers[unary_method(op)] = grpc.unary_unary_rpc_method_handler(
+        handlers[unary_method(op.rpc)] = grpc.unary_unary_rpc_method_handler(
             _compute_unary(servicer, op), request_deserializer=None, response_serializer=None
         )
     handlers["GetServerInfo"] = _unary(servicer, "GetServerInfo", servicer.GetServerInfo)
