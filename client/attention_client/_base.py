@@ -35,6 +35,7 @@ from attention_client._regions import (
 from attention_client._requests import (
     CacheTarget,
     KvLayout,
+    KvScales,
     PreparedRequest,
     as_cache_ids,
     prepare_cache_decode,
@@ -121,12 +122,14 @@ class ClientBase:
         self, q: Any, k: Any, v: Any, cu_seqlens: Any, cu_seqlens_k: Any, causal: bool,
         softmax_scale: float | None, return_lse: bool, out: Any = None,
         use_regions: bool | None = None, score: ScoreMods | None = None,
+        kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
         placement = self._placement(use_regions)
         try:
             return prepare_prefill(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
                 return_lse=return_lse, placement=placement, out=out, score=score,
+                kv_scales=kv_scales,
             )
         except BaseException:
             if placement is not None:
@@ -136,13 +139,14 @@ class ClientBase:
     def _prepare_decode(
         self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, softmax_scale: float | None,
         num_splits: int, return_lse: bool, out: Any = None, use_regions: bool | None = None,
-        score: ScoreMods | None = None,
+        score: ScoreMods | None = None, kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
         placement = self._placement(use_regions)
         try:
             return prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
                 return_lse=return_lse, placement=placement, out=out, score=score,
+                kv_scales=kv_scales,
             )
         except BaseException:
             if placement is not None:

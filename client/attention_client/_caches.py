@@ -58,6 +58,11 @@ class _KvCacheBase:
         return dtype_name(self.layout.dtype)
 
     @property
+    def kv_dtype(self) -> str:
+        """What the caches store keys and values in: ``dtype``, or "FLOAT8_E4M3"."""
+        return dtype_name(self.layout.stored_dtype)
+
+    @property
     def num_kv_heads(self) -> int:
         return self.layout.num_kv_heads
 

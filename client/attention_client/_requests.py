@@ -25,6 +25,8 @@ from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
 from attention_client._score import ScoreMods
 from attention_client._tensors import (
+    FP8_QUERY_DTYPES,
+    QUERY_DTYPES,
     Origin,
     RegionTensor,
     WireTensor,
@@ -32,6 +34,7 @@ from attention_client._tensors import (
     as_wire_dtype,
     describe,
     dtype_name,
+    is_torch_tensor,
     storage_dtype,
     to_user,
     to_wire,
@@ -53,28 +56,114 @@ MAX_CACHE_ID_BYTES = 256
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
 
 
+KvScales = tuple[tuple[float, ...], tuple[float, ...]]
+
+
+def kv_scales_of(k_scale: Any, v_scale: Any) -> KvScales | None:
+    """``k_scale`` and ``v_scale`` (a list, numpy array or torch tensor of one float per kv
+    head; both or neither) as float tuples; None when neither is given."""
+    if k_scale is None and v_scale is None:
+        return None
+    out = []
+    for x, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+        if x is None:
+            raise AttentionInputError(f"{name} is missing: give k_scale and v_scale together")
+        if is_torch_tensor(x):
+            x = x.detach().float().cpu().numpy()
+        try:
+            arr = np.asarray(x, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise AttentionInputError(f"{name} must hold floats, got {x!r}") from None
+        if arr.ndim != 1 or not arr.size:
+            raise AttentionInputError(f"{name} must be 1-D [num_kv_heads], got shape {arr.shape}")
+        if not (np.isfinite(arr).all() and (arr > 0).all()):
+            raise AttentionInputError(f"{name} must be finite and > 0, got {arr.tolist()}")
+        out.append(tuple(float(s) for s in arr))
+    return out[0], out[1]
+
+
+def _scales_message(scales: KvScales) -> pb.KvScales:
+    return pb.KvScales(k=scales[0], v=scales[1])
+
+
+def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
+    """A stateless call's FP8 scales into its header: required with FP8 k/v, refused
+    otherwise."""
+    if wk.dtype != pb.FLOAT8_E4M3:
+        if scales is not None:
+            raise AttentionInputError(f"k_scale/v_scale given, but k is "
+                                      f"{dtype_name(wk.dtype)}: they are for float8_e4m3fn k/v")
+        return
+    if scales is None:
+        raise AttentionInputError("float8_e4m3fn k and v need k_scale and v_scale (one float "
+                                  "per kv head: attention_kernels.quantize_kv makes them)")
+    heads = wk.shape[-2]
+    for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
+        if len(part) != heads:
+            raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+    header.kv_scales.CopyFrom(_scales_message(scales))
+
+
 @dataclass(frozen=True)
 class KvLayout:
-    """The layout of server-side caches: every token's keys and values (and the queries run
-    against them) are ``dtype`` (a pb.DType) with ``num_kv_heads`` heads of ``head_dim``."""
+    """The layout of server-side caches: the queries run against them (and their outputs)
+    are ``dtype`` (a pb.DType) with heads that ``num_kv_heads`` divides; keys and values
+    have ``num_kv_heads`` heads of ``head_dim`` and are stored in ``kv_dtype`` (0: ``dtype``;
+    FLOAT8_E4M3 with ``kv_scales``)."""
 
     dtype: int
     num_kv_heads: int
     head_dim: int
+    kv_dtype: int = 0
+    kv_scales: KvScales | None = None
 
     @classmethod
-    def of(cls, num_kv_heads: int, head_dim: int, dtype: Any) -> KvLayout:
+    def of(cls, num_kv_heads: int, head_dim: int, dtype: Any, kv_dtype: Any = None,
+           k_scale: Any = None, v_scale: Any = None) -> KvLayout:
         heads, dim = _positive(num_kv_heads, "num_kv_heads"), _positive(head_dim, "head_dim")
-        return cls(as_wire_dtype(dtype), heads, dim)
+        wire = as_wire_dtype(dtype)
+        if wire not in QUERY_DTYPES:
+            raise AttentionInputError(f"dtype {dtype_name(wire)} is for keys and values only: "
+                                      "give the queries' dtype, and kv_dtype for the stored one")
+        stored = as_wire_dtype(kv_dtype, "kv_dtype") if kv_dtype is not None else wire
+        scales = kv_scales_of(k_scale, v_scale)
+        if stored == wire:
+            if scales is not None:
+                raise AttentionInputError("k_scale/v_scale are for kv_dtype float8_e4m3fn")
+            return cls(wire, heads, dim)
+        if stored != pb.FLOAT8_E4M3 or wire not in FP8_QUERY_DTYPES:
+            raise AttentionInputError(f"kv_dtype {dtype_name(stored)} with dtype "
+                                      f"{dtype_name(wire)}: leave kv_dtype unset, or "
+                                      "float8_e4m3fn with float16 or bfloat16")
+        if scales is None:
+            raise AttentionInputError("kv_dtype float8_e4m3fn needs k_scale and v_scale (one "
+                                      "float per kv head)")
+        for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
+            if len(part) != heads:
+                raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+        return cls(wire, heads, dim, stored, scales)
 
     @classmethod
     def from_message(cls, layout: pb.CacheLayout) -> KvLayout:
-        return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim))
+        kv_dtype = int(layout.kv_dtype) if layout.kv_dtype != layout.dtype else 0
+        scales = None
+        if layout.HasField("kv_scales"):
+            scales = (tuple(layout.kv_scales.k), tuple(layout.kv_scales.v))
+        return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim),
+                   kv_dtype, scales)
 
     def message(self) -> pb.CacheLayout:
-        return pb.CacheLayout(
-            dtype=self.dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim
+        msg = pb.CacheLayout(
+            dtype=self.dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+            kv_dtype=self.kv_dtype,
         )
+        if self.kv_scales is not None:
+            msg.kv_scales.CopyFrom(_scales_message(self.kv_scales))
+        return msg
+
+    @property
+    def stored_dtype(self) -> int:
+        return self.kv_dtype or self.dtype
 
     def empty_kv(self, name: str, lead: tuple[int, ...] = (0,)) -> WireTensor:
         """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows."""
@@ -84,10 +173,12 @@ class KvLayout:
     def check(self, t: Tensor, kv: bool) -> None:
         """AttentionInputError naming ``t`` when it does not fit: dtype, head_dim, kv heads
         (or, for a query, a head count the kv heads divide)."""
-        if t.dtype != self.dtype:
+        if t.dtype != self.dtype and not (kv and t.dtype == self.stored_dtype):
+            held = dtype_name(self.dtype)
+            if kv and self.stored_dtype != self.dtype:
+                held += f" (or {dtype_name(self.stored_dtype)}, as they are stored)"
             raise AttentionInputError(
-                f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches hold "
-                f"{dtype_name(self.dtype)}"
+                f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches take {held}"
             )
         heads, dim = t.shape[-2], t.shape[-1]
         if dim != self.head_dim:
@@ -225,11 +316,16 @@ def _encode_qkv(
     _, _, origin = describe(*first)
     wk, wv = _tensor(k, names[1], placement), _tensor(v, names[2], placement)
     wq = _tensor(q, names[0], placement) if q is not None else wk
-    if not wq.dtype == wk.dtype == wv.dtype:
+    if q is not None and wq.dtype not in QUERY_DTYPES:
+        raise AttentionInputError(f"{names[0]} has dtype {dtype_name(wq.dtype)}: queries take "
+                                  "float16, bfloat16 or float32")
+    fp8_pair = wk.dtype == wv.dtype == pb.FLOAT8_E4M3 and wq.dtype in FP8_QUERY_DTYPES
+    if not (wq.dtype == wk.dtype == wv.dtype or fp8_pair):
         given = (wq, wk, wv) if q is not None else (wk, wv)
         dtypes = ", ".join(pb.DType.Name(t.dtype) for t in given)
         raise AttentionInputError(
-            f"{', '.join(t.name for t in given)} must share one dtype, got {dtypes}"
+            f"{', '.join(t.name for t in given)} must share one dtype (or k and v be "
+            f"float8_e4m3fn beside float16/bfloat16 queries), got {dtypes}"
         )
     if wk.shape != wv.shape:
         raise AttentionInputError(
@@ -378,7 +474,7 @@ def _prefill_request(
     user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], origin: Origin, *,
     causal: bool, softmax_scale: float | None, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
-    score: ScoreMods | None = None,
+    score: ScoreMods | None = None, kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
     header = pb.PrefillHeader(
         q=_spec(wq),
@@ -391,6 +487,8 @@ def _prefill_request(
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())
+    else:
+        _set_kv_scales(header, wk, kv_scales)
     if score is not None:
         header.score.CopyFrom(score.message(wq.shape[1], cu_q.size - 1))
     scale = _scale(softmax_scale)
@@ -423,12 +521,13 @@ def prepare_prefill(
     placement: Placement | None = None,
     out: Any = None,
     score: ScoreMods | None = None,
+    kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
     wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
     form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
     return _prefill_request(
         PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, placement=placement, out=out, score=score,
+        return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
     )
 
 
@@ -436,7 +535,7 @@ def _decode_request(
     method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, origin: Origin, *,
     softmax_scale: float | None, num_splits: int, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
-    score: ScoreMods | None = None,
+    score: ScoreMods | None = None, kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
     batch, heads = wq.shape[0], wq.shape[1]
     splits = int(num_splits) if isinstance(num_splits, int | np.integer) else -1
@@ -452,6 +551,8 @@ def _decode_request(
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())
+    else:
+        _set_kv_scales(header, wk, kv_scales)
     if score is not None:
         header.score.CopyFrom(score.message(heads, batch))
     scale = _scale(softmax_scale)
@@ -482,6 +583,7 @@ def prepare_decode(
     placement: Placement | None = None,
     out: Any = None,
     score: ScoreMods | None = None,
+    kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
     wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
     _require_rank(wq, 3, "[B, H, D]")
@@ -498,7 +600,7 @@ def prepare_decode(
         )
     return _decode_request(
         DECODE, wq, wk, wv, cu_k, origin, softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=return_lse, placement=placement, out=out, score=score,
+        return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
     )
 
 

@@ -154,10 +154,15 @@ def server_info_dict(info: pb.ServerInfo) -> dict[str, Any]:
 
 
 def cache_info_dict(info: pb.CacheInfo) -> dict[str, Any]:
-    """CacheInfo as plain values, its layout flattened (dtype by name: "FLOAT16", ...)."""
+    """CacheInfo as plain values, its layout flattened (dtypes by name: "FLOAT16", ...;
+    kv_dtype is what keys and values are stored in; k_scale/v_scale only for FP8)."""
+    lay = info.layout
+    fp8 = {"k_scale": list(lay.kv_scales.k), "v_scale": list(lay.kv_scales.v)}
     return {
         "cache_id": info.cache_id,
-        "dtype": pb.DType.Name(info.layout.dtype),
+        "dtype": pb.DType.Name(lay.dtype),
+        "kv_dtype": pb.DType.Name(lay.kv_dtype or lay.dtype),
+        **(fp8 if lay.HasField("kv_scales") else {}),
         "num_kv_heads": info.layout.num_kv_heads,
         "head_dim": info.layout.head_dim,
         "length": info.length,

@@ -21,7 +21,10 @@ _STORAGE = {
     pb.FLOAT16: np.dtype("<f2"),
     pb.BFLOAT16: np.dtype("<i2"),
     pb.FLOAT32: np.dtype("<f4"),
+    pb.FLOAT8_E4M3: np.dtype("u1"),  # e4m3fn bits: keys and values only
 }
+QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32)
+FP8_QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16)  # the query dtypes FP8 keys and values go with
 
 
 def storage_dtype(wire_dtype: int) -> np.dtype:
@@ -96,10 +99,12 @@ def is_torch_tensor(x: Any) -> bool:
 
 def _torch_wire_dtype(x: Any, name: str) -> int:
     torch = _torch_module()
-    wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
+    wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32,
+            torch.float8_e4m3fn: pb.FLOAT8_E4M3}
     if x.dtype not in wire:
         raise AttentionInputError(
-            f"{name} has unsupported dtype {x.dtype}: use float16, bfloat16 or float32"
+            f"{name} has unsupported dtype {x.dtype}: use float16, bfloat16 or float32 "
+            "(float8_e4m3fn for keys and values)"
         )
     return wire[x.dtype]
 
@@ -109,10 +114,14 @@ def _numpy_wire_dtype(x: np.ndarray, name: str) -> int:
         return pb.FLOAT16
     if x.dtype.kind == "f" and x.dtype.itemsize == 4:
         return pb.FLOAT32
-    if x.dtype.name == "bfloat16":  # ml_dtypes.bfloat16 (only present if ml_dtypes is loaded)
+    # ml_dtypes' types (only present if ml_dtypes is loaded).
+    if x.dtype.name == "bfloat16":
         return pb.BFLOAT16
+    if x.dtype.name == "float8_e4m3fn":
+        return pb.FLOAT8_E4M3
     raise AttentionInputError(
-        f"{name} has unsupported dtype {x.dtype}: use float16, float32 or bfloat16 (ml_dtypes)"
+        f"{name} has unsupported dtype {x.dtype}: use float16, float32 or bfloat16 (ml_dtypes; "
+        "float8_e4m3fn for keys and values)"
     )
 
 
@@ -120,6 +129,8 @@ _DTYPE_NAMES = {
     "float16": pb.FLOAT16, "half": pb.FLOAT16, "fp16": pb.FLOAT16,
     "bfloat16": pb.BFLOAT16, "bf16": pb.BFLOAT16,
     "float32": pb.FLOAT32, "float": pb.FLOAT32, "fp32": pb.FLOAT32,
+    "float8_e4m3fn": pb.FLOAT8_E4M3, "float8_e4m3": pb.FLOAT8_E4M3, "fp8": pb.FLOAT8_E4M3,
+    "e4m3": pb.FLOAT8_E4M3,
 }
 
 
@@ -133,7 +144,8 @@ def as_wire_dtype(dtype: Any, name: str = "dtype") -> int:
         wire = _DTYPE_NAMES.get(dtype.lower().removeprefix("torch."))
         if wire is None:
             raise AttentionInputError(
-                f"{name} {dtype!r} unsupported: use float16, bfloat16 or float32"
+                f"{name} {dtype!r} unsupported: use float16, bfloat16 or float32 (or "
+                "float8_e4m3fn for keys and values)"
             )
         return wire
     try:
@@ -171,6 +183,8 @@ def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
         t = host
     if x.dtype == torch.bfloat16:
         t = t.view(torch.int16)  # numpy cannot hold bfloat16; the bits are what we send
+    elif x.dtype == torch.float8_e4m3fn:
+        t = t.view(torch.uint8)
     return WireTensor(name, t.numpy(), wire_dtype), origin
 
 
@@ -182,6 +196,8 @@ def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:
     x = np.ascontiguousarray(x)  # no copy when already C-contiguous
     if wire == pb.BFLOAT16:
         x = x.view(np.int16)
+    elif wire == pb.FLOAT8_E4M3:
+        x = x.view(np.uint8)
     return WireTensor(name, x, wire), origin
 
 

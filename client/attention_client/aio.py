@@ -28,7 +28,7 @@ from attention_client._channel import (
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
-from attention_client._requests import KvLayout, PreparedRequest
+from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._wire import parse_response, parse_result
@@ -120,6 +120,8 @@ class AsyncAttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -131,6 +133,7 @@ class AsyncAttentionClient(ClientBase):
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
             use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
+            kv_scales_of(k_scale, v_scale),
         )
         return await self._run(
             prep, settings.named(argnames.attention(len(prep.user_shape) == 4))
@@ -149,6 +152,8 @@ class AsyncAttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -159,15 +164,19 @@ class AsyncAttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(k_scale, v_scale),
         )
         return await self._run(prep, settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
-    def kv_cache(self, num_kv_heads: int, head_dim: int, dtype: Any) -> AsyncKvCache:
+    def kv_cache(
+        self, num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None,
+        k_scale: Any = None, v_scale: Any = None,
+    ) -> AsyncKvCache:
         """See AttentionClient.kv_cache (not a coroutine: nothing is sent yet)."""
-        return AsyncKvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype))
+        return AsyncKvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype, kv_dtype,
+                                              k_scale, v_scale))
 
     async def decode_step(
         self,

@@ -24,7 +24,7 @@ from attention_client._channel import (
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import AttentionError, from_rpc_error
 from attention_client._regions import SharedRegion
-from attention_client._requests import KvLayout, PreparedRequest
+from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._wire import parse_response, parse_result
@@ -146,6 +146,8 @@ class AttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -164,12 +166,16 @@ class AttentionClient(ClientBase):
         sees keys ``p - left .. p + right``, bottom-right aligned), ``softcap`` (> 0: logits
         ``softcap * tanh(logit / softcap)``) and ``alibi_slopes`` (float32 ``[H]`` or
         ``[B, H]``: ``-slope * |p - j|`` added) are flash_attn's, with its semantics.
+        FP8 keys and values: k and v float8_e4m3fn (beside float16/bfloat16 q) with
+        ``k_scale`` / ``v_scale``, one float per kv head (k stands for ``k * k_scale[h]``;
+        ``attention_kernels.quantize_kv`` makes both): half the bytes on the wire.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the class).
         """
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
             use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
+            kv_scales_of(k_scale, v_scale),
         )
         return self._run(prep, settings.named(argnames.attention(len(prep.user_shape) == 4)))
 
@@ -186,6 +192,8 @@ class AttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        k_scale: Any = None,
+        v_scale: Any = None,
         out: Any = None,
         use_regions: bool | None = None,
         timeout: Any = DEFAULT,
@@ -193,22 +201,32 @@ class AttentionClient(ClientBase):
         wait_for_ready: bool | None = None,
     ) -> Any:
         """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
-        ``out``, ``use_regions``, ``timeout``, ``metadata``, ``wait_for_ready`` as in
-        ``attention``."""
+        ``k_scale``/``v_scale`` (FP8 k/v), ``out``, ``use_regions``, ``timeout``,
+        ``metadata``, ``wait_for_ready`` as in ``attention``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         prep = self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(k_scale, v_scale),
         )
         return self._run(prep, settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
-    def kv_cache(self, num_kv_heads: int, head_dim: int, dtype: Any) -> KvCache:
-        """A handle for server-side caches of one layout (``dtype``: a numpy or torch dtype, or
-        "float16" / "bfloat16" / "float32"). Nothing is sent until it is used; ``with`` it to
-        release its caches at the end."""
-        return KvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype))
+    def kv_cache(
+        self, num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None,
+        k_scale: Any = None, v_scale: Any = None,
+    ) -> KvCache:
+        """A handle for server-side caches of one layout (``dtype``: the queries', a numpy or
+        torch dtype, or "float16" / "bfloat16" / "float32"). Nothing is sent until it is used;
+        ``with`` it to release its caches at the end.
+
+        ``kv_dtype="float8_e4m3fn"`` (with float16/bfloat16 ``dtype``) stores keys and values
+        in one byte each, quantized with ``k_scale`` / ``v_scale`` (one float per kv head, for
+        every cache of the handle): half the pool and half the decode reads. New tokens may be
+        given in ``dtype`` (the server quantizes them, saturating at 448 x scale) or already
+        as float8_e4m3fn quantized with those scales."""
+        return KvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype, kv_dtype, k_scale,
+                                         v_scale))
 
     def decode_step(
         self,

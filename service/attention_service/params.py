@@ -19,7 +19,14 @@ from attention_service.errors import invalid
 from attention_wire.pb import attention_pb2 as pb
 
 MAX_CACHE_ID_BYTES = 256
-ELEMENT_BYTES: dict[int, int] = {pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4}
+ELEMENT_BYTES: dict[int, int] = {
+    pb.FLOAT16: 2, pb.BFLOAT16: 2, pb.FLOAT32: 4, pb.FLOAT8_E4M3: 1,
+}
+# Queries (and outputs) take these; keys and values also FLOAT8_E4M3 beside a 16-bit query.
+QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32)
+FP8_QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16)
+# Per-kv-head dequantization scales of FP8 keys and values: (k scales, v scales).
+KvScales = tuple[tuple[float, ...], tuple[float, ...]]
 INPUTS = ("q", "k", "v")
 OUTPUTS = ("out", "lse")
 LSE_BYTES = 4  # float32
@@ -100,6 +107,10 @@ class Params:
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi_slopes: tuple[float, ...] = ()
+    # The wire dtype of k and v (``dtype`` or FLOAT8_E4M3), and the scales of FP8 k/v on a
+    # stateless op (cached ops use their caches' scales, which the engine knows).
+    kv_dtype: int = 0
+    kv_scales: KvScales | None = None
 
     @property
     def num_heads(self) -> int:
@@ -159,7 +170,8 @@ class Params:
         if name == "lse":
             lse = self.lse_shape
             return math.prod(lse) * LSE_BYTES if lse else 0
-        return math.prod(self.shape(name)) * ELEMENT_BYTES[self.dtype]
+        dtype = self.kv_dtype if name in ("k", "v") else self.dtype
+        return math.prod(self.shape(name)) * ELEMENT_BYTES[dtype]
 
     @property
     def bytes_in(self) -> int:
@@ -181,6 +193,22 @@ def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
             raise invalid(f"{field}[{i}]", f"{cid!r} appears twice")
         seen.add(cid)
     return tuple(ids)
+
+
+def check_kv_scales(msg: pb.KvScales, num_kv_heads: int, field: str) -> KvScales:
+    """A KvScales message as the kernels take it: num_kv_heads finite positive floats for
+    keys and for values; INVALID_ARGUMENT naming the entry otherwise."""
+    out = []
+    for part in ("k", "v"):
+        values = tuple(float(x) for x in getattr(msg, part))
+        if len(values) != num_kv_heads:
+            raise invalid(f"{field}.{part}", f"{len(values)} scales for {num_kv_heads} kv "
+                          "heads: give one per kv head")
+        bad = next((i for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)), None)
+        if bad is not None:
+            raise invalid(f"{field}.{part}[{bad}]", f"must be finite and > 0, got {values[bad]}")
+        out.append(values)
+    return out[0], out[1]
 
 
 def lengths(cu: Sequence[int]) -> list[int]:
@@ -207,10 +235,11 @@ def make_params(
     causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
     num_splits: int = 0, cache_ids: Sequence[str] = (), store: bool = False,
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
-    alibi_slopes: Sequence[float] = (),
+    alibi_slopes: Sequence[float] = (), kv_dtype: int = 0, kv_scales: KvScales | None = None,
 ) -> Params:
     """Params with the derived fields (max lengths, FLOPs) computed; inputs already checked.
-    For cached ops the lengths and FLOPs count only the request's new tokens."""
+    For cached ops the lengths and FLOPs count only the request's new tokens. ``kv_dtype`` 0
+    means ``dtype``."""
     heads, dim = q_shape[1], q_shape[2]
     len_k = lengths(cu_seqlens_k)
     if not op.decode_like:
@@ -229,7 +258,8 @@ def make_params(
         num_splits=num_splits if op.decode_like else 0, flops=4 * pairs * heads * dim,
         cache_ids=tuple(cache_ids), store=store or op is Op.APPEND_KV,
         window=(int(window[0]), int(window[1])), softcap=float(softcap),
-        alibi_slopes=tuple(float(x) for x in alibi_slopes),
+        alibi_slopes=tuple(float(x) for x in alibi_slopes), kv_dtype=kv_dtype or dtype,
+        kv_scales=kv_scales,
     )
 
 

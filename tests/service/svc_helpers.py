@@ -26,7 +26,8 @@ from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
-PB_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32}
+PB_DTYPE = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32,
+            torch.float8_e4m3fn: pb.FLOAT8_E4M3}
 TORCH_DTYPE = {v: k for k, v in PB_DTYPE.items()}
 # Server (float32 compute, rounded to dtype) vs float64 oracle.
 TOLERANCE = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}

@@ -108,7 +108,7 @@ def test_batch_without_keys_writes_zeros_and_minus_inf() -> None:
 
 
 def _key(job: Job):  # type: ignore[no-untyped-def]
-    return batch_key(job.params)
+    return batch_key(job)
 
 
 def test_batch_key_separates_what_cannot_share_a_launch() -> None:

@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FLOAT16: _ClassVar[DType]
     BFLOAT16: _ClassVar[DType]
     FLOAT32: _ClassVar[DType]
+    FLOAT8_E4M3: _ClassVar[DType]
 
 class InputField(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -30,6 +31,7 @@ DTYPE_UNSPECIFIED: DType
 FLOAT16: DType
 BFLOAT16: DType
 FLOAT32: DType
+FLOAT8_E4M3: DType
 INPUT_FIELD_UNSPECIFIED: InputField
 Q: InputField
 K: InputField
@@ -37,6 +39,14 @@ V: InputField
 OUTPUT_FIELD_UNSPECIFIED: OutputField
 OUT: OutputField
 LSE: OutputField
+
+class KvScales(_message.Message):
+    __slots__ = ("k", "v")
+    K_FIELD_NUMBER: _ClassVar[int]
+    V_FIELD_NUMBER: _ClassVar[int]
+    k: _containers.RepeatedScalarFieldContainer[float]
+    v: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, k: _Optional[_Iterable[float]] = ..., v: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("dtype", "shape")
@@ -101,7 +111,7 @@ class ScoreOptions(_message.Message):
     def __init__(self, window_left: _Optional[int] = ..., window_right: _Optional[int] = ..., softcap: _Optional[float] = ..., alibi_slopes: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions", "cache", "score")
+    __slots__ = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "causal", "softmax_scale", "return_lse", "regions", "cache", "score", "kv_scales")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -113,6 +123,7 @@ class PrefillHeader(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -124,7 +135,8 @@ class PrefillHeader(_message.Message):
     regions: TensorRegions
     cache: CacheTarget
     score: ScoreOptions
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
+    kv_scales: KvScales
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -135,7 +147,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
 
 class DecodeHeader(_message.Message):
-    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache", "score")
+    __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache", "score", "kv_scales")
     Q_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +158,7 @@ class DecodeHeader(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     CACHE_FIELD_NUMBER: _ClassVar[int]
     SCORE_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     q: TensorSpec
     k: TensorSpec
     v: TensorSpec
@@ -156,7 +169,8 @@ class DecodeHeader(_message.Message):
     regions: TensorRegions
     cache: CacheTarget
     score: ScoreOptions
-    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ...) -> None: ...
+    kv_scales: KvScales
+    def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("header", "chunks")
@@ -329,14 +343,18 @@ class ListRegionsResponse(_message.Message):
     def __init__(self, regions: _Optional[_Iterable[_Union[RegionInfo, _Mapping]]] = ...) -> None: ...
 
 class CacheLayout(_message.Message):
-    __slots__ = ("dtype", "num_kv_heads", "head_dim")
+    __slots__ = ("dtype", "num_kv_heads", "head_dim", "kv_dtype", "kv_scales")
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    KV_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     dtype: DType
     num_kv_heads: int
     head_dim: int
-    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ...) -> None: ...
+    kv_dtype: DType
+    kv_scales: KvScales
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., kv_dtype: _Optional[_Union[DType, str]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
 
 class CreateCachesRequest(_message.Message):
     __slots__ = ("cache_ids", "layout")

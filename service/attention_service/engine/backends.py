@@ -15,6 +15,7 @@ from typing import Protocol
 
 import torch
 
+from attention_kernels.fp8 import dequantize_kv, quantize_kv
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.cpu_attention import attend
 from attention_service.engine.jobs import (
@@ -29,6 +30,7 @@ from attention_wire.pb import attention_pb2 as pb
 
 TORCH_DTYPES: dict[int, torch.dtype] = {
     pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32,
+    pb.FLOAT8_E4M3: torch.float8_e4m3fn,
 }
 WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
 
@@ -68,13 +70,28 @@ def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tenso
 
 def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
                      slots: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Write a cached batch's new k/v rows (packed) into their reserved pool slots."""
+    """Write a cached batch's new k/v rows (packed) into their reserved pool slots. New
+    tokens sent in the queries' dtype for an FP8 cache are quantized with its scales here."""
     if not plan.slot_pages:
         return
     work = plan.jobs[0].cache  # one layout per batch: every job's views are the same
     assert work is not None
+    if k.dtype != work.k_pages.dtype:
+        scales = plan.fp8_kwargs(k.device)
+        k = quantize_kv(k, scales["k_scale"])[0]  # type: ignore[arg-type]
+        v = quantize_kv(v, scales["v_scale"])[0]  # type: ignore[arg-type]
     work.k_pages.index_put_(slots, k)
     work.v_pages.index_put_(slots, v)
+
+
+def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 launch's keys and values as float32 (the cpu backend's arithmetic)."""
+    if not plan.key.fp8:
+        return k, v
+    scales = plan.fp8_kwargs(k.device)
+    return (dequantize_kv(k, scales["k_scale"], torch.float32),  # type: ignore[arg-type]
+            dequantize_kv(v, scales["v_scale"], torch.float32))  # type: ignore[arg-type]
 
 
 def fill_no_keys(plan: BatchPlan) -> None:
@@ -137,6 +154,7 @@ class CpuBackend:
         elif no_keys(plan):
             fill_no_keys(plan)
             return DoneLaunch(LaunchTimes())
+        k, v = dequantized(plan, k, v)
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from attention_service.engine.jobs import Job
-from attention_service.params import Op, Params
+from attention_service.params import KvScales, Op
 
 
 class BatchKey(NamedTuple):
@@ -30,9 +30,19 @@ class BatchKey(NamedTuple):
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi: bool = False
+    # The wire dtype of the jobs' k/v (packed together), and the FP8 scales the kernel
+    # applies: a stateless op's own, or (cached ops) those of the caches it runs against,
+    # None when the keys and values are not FP8.
+    kv_dtype: int = 0
+    kv_scales: KvScales | None = None
+
+    @property
+    def fp8(self) -> bool:
+        return self.kv_scales is not None
 
 
-def batch_key(params: Params) -> BatchKey:
+def batch_key(job: Job) -> BatchKey:
+    params = job.params
     # None and an explicit 1/sqrt(D) are the same float in the kernel: let them merge.
     scale = params.softmax_scale
     if scale is None:
@@ -41,7 +51,8 @@ def batch_key(params: Params) -> BatchKey:
         op=params.op, dtype=params.dtype, num_heads=params.num_heads,
         num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
         softmax_scale=scale, num_splits=params.num_splits, window=params.window,
-        softcap=params.softcap, alibi=bool(params.alibi_slopes),
+        softcap=params.softcap, alibi=bool(params.alibi_slopes), kv_dtype=params.kv_dtype,
+        kv_scales=job.cache.kv_scales if job.cache is not None else params.kv_scales,
     )
 
 
@@ -74,8 +85,8 @@ class BatchPlan:
             raise ValueError("a batch needs at least one job")
         self.jobs = list(jobs)
         if key is None:
-            key = batch_key(self.jobs[0].params)
-            if any(batch_key(j.params) != key for j in self.jobs[1:]):
+            key = batch_key(self.jobs[0])
+            if any(batch_key(j) != key for j in self.jobs[1:]):
                 raise ValueError("jobs of different batch keys cannot share a launch")
         self.key = key
         params = [j.params for j in self.jobs]
@@ -137,6 +148,16 @@ class BatchPlan:
             out["alibi_slopes"] = torch.tensor(self.alibi_slopes, dtype=torch.float32,
                                                device=device).view(-1, key.num_heads)
         return out
+
+    def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:
+        """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise)."""
+        import torch
+
+        if self.key.kv_scales is None:
+            return {}
+        k, v = self.key.kv_scales
+        return {"k_scale": torch.tensor(k, dtype=torch.float32, device=device),
+                "v_scale": torch.tensor(v, dtype=torch.float32, device=device)}
 
     @property
     def total_q(self) -> int:

@@ -39,7 +39,7 @@ class Waiter:
     tokens: int = field(init=False)  # weight against the token budget
 
     def __post_init__(self) -> None:
-        self.key = batch_key(self.job.params)
+        self.key = batch_key(self.job)
         self.tokens = self.job.budget_tokens
 
     @property

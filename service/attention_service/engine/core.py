@@ -156,7 +156,10 @@ class EngineCore:
         params: Params, name: str, at: torch.Tensor | tuple[ByteBase, int]
     ) -> torch.Tensor:
         """The tensor ``name`` with its dtype and shape, from where its bytes are."""
-        dtype = torch.float32 if name == "lse" else TORCH_DTYPES[params.dtype]
+        if name == "lse":
+            dtype = torch.float32
+        else:
+            dtype = TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype]
         shape = params.shape(name)
         if isinstance(at, tuple):
             base, offset = at

@@ -48,7 +48,8 @@ def _packed(
     parts = [getattr(job, name) for job in plan.jobs]
     if len(parts) == 1 and _on_device(parts[0], device):
         return parts[0]
-    dst = torch.empty((rows, *row_shape), dtype=TORCH_DTYPES[plan.key.dtype], device=device)
+    dtype = TORCH_DTYPES[plan.key.dtype if name == "q" else plan.key.kv_dtype]
+    dst = torch.empty((rows, *row_shape), dtype=dtype, device=device)
     for start, src in zip(offsets, parts, strict=False):
         if src.shape[0]:
             # Pinned source + non_blocking: an async DMA on the current stream (a device
@@ -158,7 +159,8 @@ def launch_on_stream(
         lse = None
         if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
             lse = lone.lse
-        mods = plan.score_kwargs(device)  # window / softcap / ALiBi, when the launch has any
+        # Window / softcap / ALiBi and FP8 scales, when the launch has any.
+        mods = {**plan.score_kwargs(device), **plan.fp8_kwargs(device)}
         if meta is not None:
             work = plan.jobs[0].cache
             assert work is not None

@@ -57,6 +57,8 @@ def eligible(plan: BatchPlan) -> bool:
         return False
     if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
         return False  # score modifiers run on the eager path (not staged or captured)
+    if plan.key.fp8:
+        return False  # FP8 caches run on the eager path (not staged or captured yet)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
     return all(j.q.device.type == "cpu" and j.out.device.type == "cpu" for j in plan.jobs)

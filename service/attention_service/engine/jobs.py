@@ -13,7 +13,7 @@ import torch
 
 from attention_service.errors import Cancelled
 from attention_service.link import ExecStats
-from attention_service.params import Params
+from attention_service.params import KvScales, Params
 
 __all__ = [
     "CacheWork", "Cancelled", "DoneLaunch", "ExecStats", "Job", "LaunchTimes", "PendingLaunch",
@@ -37,6 +37,8 @@ class CacheWork:
     # Called once with whether the op succeeded: keeps (store) or drops the new tokens, frees
     # the caches for the next call; returns each cache's length afterwards.
     finish: Callable[[bool], tuple[int, ...]]
+    # FP8 caches: their scales (equal for every cache of the op; the pool pages are e4m3).
+    kv_scales: KvScales | None = None
 
 
 @dataclass(eq=False)

@@ -34,9 +34,13 @@ from attention_service.engine.kv_pool import KvPool, Layout
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
     ELEMENT_BYTES,
+    FP8_QUERY_DTYPES,
+    QUERY_DTYPES,
+    KvScales,
     Op,
     Params,
     check_cache_ids,
+    check_kv_scales,
     lengths,
     visible_pairs,
 )
@@ -54,6 +58,7 @@ class _Cache:
     owner: str
     cache_id: str
     layout: Layout
+    kv_scales: KvScales | None  # FP8 layouts only
     page_tokens: int
     last_used: float
     length: int = 0
@@ -130,12 +135,18 @@ class CacheRegistry:
                       for i, cid in enumerate(ids)]
             for i, c in enumerate(caches):
                 self._check_layout(c, params, name)
+                if c.layout != caches[0].layout or c.kv_scales != caches[0].kv_scales:
+                    raise invalid(f"header.cache.cache_ids[{i}]",
+                                  f"cache {c.cache_id!r} differs from {caches[0].cache_id!r} "
+                                  "in layout or FP8 scales: one request runs caches of one "
+                                  "layout and one set of scales")
                 if c.busy:
                     raise _aborted(f"header.cache.cache_ids[{i}]",
                                    f"cache {c.cache_id!r} is in use by another call; calls on "
                                    "one cache must be sequential")
             flops, kv_bytes = _work(params, [c.length + n for c, n in zip(caches, new,
-                                                                         strict=True)])
+                                                                         strict=True)],
+                                    caches[0].layout)
             if flops > self.max_request_flops:
                 raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
                                 f"over the server's limit of {self.max_request_flops:.3g} "
@@ -169,7 +180,7 @@ class CacheRegistry:
         return CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
-            finish=finish,
+            finish=finish, kv_scales=caches[0].kv_scales,
         )
 
     def _finish(
@@ -208,7 +219,7 @@ class CacheRegistry:
         ids = check_cache_ids(req.cache_ids, "cache_ids")
         if not ids:
             raise invalid("cache_ids", "empty: name at least one cache")
-        layout = _check_layout_msg(req, pool)
+        layout, kv_scales = _check_layout_msg(req, pool)
         page_tokens = pool.page_tokens(layout)
         with self._lock:
             for i, cid in enumerate(ids):
@@ -221,7 +232,8 @@ class CacheRegistry:
                                 f"the per-caller limit of {self.max_caches}")
             now = self._clock()
             for cid in ids:
-                self._caches[(owner, cid)] = _Cache(owner, cid, layout, page_tokens, now)
+                self._caches[(owner, cid)] = _Cache(owner, cid, layout, kv_scales,
+                                                    page_tokens, now)
             self._per_owner[owner] = held + len(ids)
         return pb.CreateCachesResponse(created=len(ids))
 
@@ -262,8 +274,8 @@ class CacheRegistry:
             if copied:
                 pool.copy_page(src.pages[full], copied[0])
             pool.share(shared)
-            c = _Cache(owner, target, src.layout, src.page_tokens, self._clock(), length,
-                       shared + copied)
+            c = _Cache(owner, target, src.layout, src.kv_scales, src.page_tokens,
+                       self._clock(), length, shared + copied)
             self._caches[(owner, target)] = c
             self._per_owner[owner] = held + 1
             src.last_used = c.last_used
@@ -315,9 +327,7 @@ class CacheRegistry:
     def _info(self, c: _Cache) -> pb.CacheInfo:
         pool = self._pool()
         return pb.CacheInfo(
-            cache_id=c.cache_id,
-            layout=pb.CacheLayout(dtype=c.layout.dtype, num_kv_heads=c.layout.num_kv_heads,
-                                  head_dim=c.layout.head_dim),
+            cache_id=c.cache_id, layout=_layout_msg(c),
             length=c.length, pages=len(c.pages),
             shared_pages=sum(1 for p in c.pages if pool.refs(p) > 1),
             idle_seconds=0.0 if c.busy else max(0.0, self._clock() - c.last_used), busy=c.busy,
@@ -326,10 +336,15 @@ class CacheRegistry:
     @staticmethod
     def _check_layout(c: _Cache, params: Params, q_or_k: str) -> None:
         lay = c.layout
-        if params.dtype != lay.dtype:
-            raise invalid(f"header.{q_or_k}.dtype",
-                          f"{pb.DType.Name(params.dtype)}, but cache {c.cache_id!r} holds "
-                          f"{pb.DType.Name(lay.dtype)}")
+        name = pb.DType.Name
+        if q_or_k == "q" and params.dtype != lay.dtype:
+            raise invalid("header.q.dtype", f"{name(params.dtype)}, but cache {c.cache_id!r} "
+                          f"takes {name(lay.dtype)} queries")
+        if params.kv_dtype not in (lay.dtype, lay.stored_dtype):
+            stored = "" if lay.stored_dtype == lay.dtype else f" (stored {name(lay.kv_dtype)})"
+            raise invalid("header.k.dtype",
+                          f"{name(params.kv_dtype)}, but cache {c.cache_id!r} holds "
+                          f"{name(lay.dtype)}{stored} keys and values")
         if params.num_kv_heads != lay.num_kv_heads:
             raise invalid("header.k.shape[1]",
                           f"num_kv_heads {params.num_kv_heads}, but cache {c.cache_id!r} has "
@@ -365,28 +380,52 @@ class CacheRegistry:
                 log.exception("kv cache expiry failed")
 
 
-def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool) -> Layout:
+def _layout_msg(c: _Cache) -> pb.CacheLayout:
+    lay = c.layout
+    msg = pb.CacheLayout(dtype=lay.dtype, num_kv_heads=lay.num_kv_heads, head_dim=lay.head_dim,
+                         kv_dtype=lay.kv_dtype)
+    if c.kv_scales is not None:
+        msg.kv_scales.k.extend(c.kv_scales[0])
+        msg.kv_scales.v.extend(c.kv_scales[1])
+    return msg
+
+
+def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool
+                      ) -> tuple[Layout, KvScales | None]:
     from attention_kernels import supported_head_dim
 
     if not req.HasField("layout"):
         raise invalid("layout", "missing")
     lay = req.layout
-    if lay.dtype not in ELEMENT_BYTES:
+    if lay.dtype not in QUERY_DTYPES:
         raise invalid("layout.dtype", "unknown or unsupported; use FLOAT16, BFLOAT16 or FLOAT32")
+    kv_dtype = 0 if lay.kv_dtype in (pb.DTYPE_UNSPECIFIED, lay.dtype) else int(lay.kv_dtype)
+    if kv_dtype not in (0, pb.FLOAT8_E4M3) or (kv_dtype and lay.dtype not in FP8_QUERY_DTYPES):
+        given = pb.DType.Name(lay.kv_dtype) if lay.kv_dtype in ELEMENT_BYTES else lay.kv_dtype
+        raise invalid("layout.kv_dtype", f"{given} with dtype {pb.DType.Name(lay.dtype)}: "
+                      "leave it unset (dtype), or FLOAT8_E4M3 with FLOAT16 or BFLOAT16")
     if not 1 <= lay.num_kv_heads <= MAX_HEADS:
         raise invalid("layout.num_kv_heads", f"must be in [1, {MAX_HEADS}], got "
                       f"{lay.num_kv_heads}")
     if not supported_head_dim(lay.head_dim):
         raise invalid("layout.head_dim", f"{lay.head_dim} unsupported: must be a multiple of "
                       "8 in [8, 256]")
-    layout = Layout(int(lay.dtype), int(lay.num_kv_heads), int(lay.head_dim))
+    scales = None
+    if kv_dtype:
+        if not lay.HasField("kv_scales"):
+            raise invalid("layout.kv_scales", "missing: FLOAT8_E4M3 caches need per-kv-head "
+                          "scales")
+        scales = check_kv_scales(lay.kv_scales, lay.num_kv_heads, "layout.kv_scales")
+    elif lay.HasField("kv_scales"):
+        raise invalid("layout.kv_scales", "set, but kv_dtype is not FLOAT8_E4M3")
+    layout = Layout(int(lay.dtype), int(lay.num_kv_heads), int(lay.head_dim), kv_dtype)
     if pool.page_tokens(layout) < 1:
         raise invalid("layout", f"one token's keys and values take {layout.token_bytes} "
                       f"bytes, more than a {pool.page_bytes}-byte page (--kv-page-bytes)")
-    return layout
+    return layout, scales
 
 
-def _work(params: Params, seq_lens: list[int]) -> tuple[int, int]:
+def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int]:
     """(FLOPs, K/V bytes read) of a cached op over its sequences' full key ranges."""
     if params.op is Op.APPEND_KV:
         return 0, 0
@@ -397,5 +436,5 @@ def _work(params: Params, seq_lens: list[int]) -> tuple[int, int]:
         assert params.cu_seqlens_q is not None
         len_q = lengths(params.cu_seqlens_q)
     pairs = visible_pairs(len_q, seq_lens, params.causal, params.window)
-    kv = 2 * sum(seq_lens) * params.num_kv_heads * d * ELEMENT_BYTES[params.dtype]
+    kv = 2 * sum(seq_lens) * params.num_kv_heads * d * ELEMENT_BYTES[layout.stored_dtype]
     return 4 * pairs * h * d, kv

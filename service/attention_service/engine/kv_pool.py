@@ -26,14 +26,19 @@ from attention_service.params import ELEMENT_BYTES
 
 
 class Layout(NamedTuple):
-    dtype: int  # pb.DType
+    dtype: int  # pb.DType of the queries run against it
     num_kv_heads: int
     head_dim: int
+    kv_dtype: int = 0  # pb.DType the keys and values are stored in (0: dtype)
+
+    @property
+    def stored_dtype(self) -> int:
+        return self.kv_dtype or self.dtype
 
     @property
     def token_bytes(self) -> int:
         """Key plus value bytes of one token."""
-        return 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.dtype]
+        return 2 * self.num_kv_heads * self.head_dim * ELEMENT_BYTES[self.stored_dtype]
 
 
 class LayoutView(NamedTuple):
@@ -74,7 +79,7 @@ class KvPool:
         got = self._views.get(layout)
         if got is not None:
             return got
-        dtype = TORCH_DTYPES[layout.dtype]
+        dtype = TORCH_DTYPES[layout.stored_dtype]
         tokens = self.page_tokens(layout)
         if tokens < 1:
             raise ValueError(f"{layout} does not fit a {self.page_bytes}-byte page")

@@ -19,12 +19,17 @@ log = logging.getLogger("attention_service")
 _WARMUP_OWNER = "\x00warmup"  # no token can be this: caches of its own namespace
 
 
+# FP8 keys and values go with these query dtypes (their kernels are separate compilations).
+FP8_PARTNERS = (torch.bfloat16, torch.float16)
+
+
 def tiny_job(
     backend: Backend, op: Op, dtype: torch.dtype, seed: int = 0,
-    cache_ids: tuple[str, ...] = (),
+    cache_ids: tuple[str, ...] = (), fp8: bool = False,
 ) -> Job:
     """Two short sequences, two heads over one kv head, head_dim 64, with lse (a cached op:
-    on ``cache_ids``, its k/v the new tokens)."""
+    on ``cache_ids``, its k/v the new tokens). ``fp8``: k/v in float8_e4m3fn (a stateless
+    op with unit scales; a cached op's caches must be FP8)."""
     g = torch.Generator().manual_seed(seed)
     if cache_ids:  # one sequence per cache
         cu_k = (0, 2)
@@ -34,10 +39,13 @@ def tiny_job(
         rows, cu_q = (2, None) if op.decode_like else (4, (0, 2, 4))
     if op is Op.APPEND_KV:
         rows, cu_q = 0, (0, 0)
+    kv_dtype = torch.float8_e4m3fn if fp8 else dtype
     params = make_params(
-        op, WIRE_DTYPES[dtype], (rows, 2 if rows else 1, 64), (cu_k[-1], 1, 64), cu_k, cu_q,
+        op, WIRE_DTYPES[dtype if op is not Op.APPEND_KV else kv_dtype],
+        (rows, 2 if rows else 1, 64), (cu_k[-1], 1, 64), cu_k, cu_q,
         causal=not op.decode_like, return_lse=op is not Op.APPEND_KV, cache_ids=cache_ids,
-        store=True,
+        store=True, kv_dtype=WIRE_DTYPES[kv_dtype],
+        kv_scales=((1.0,), (1.0,)) if fp8 and not cache_ids else None,
     )
 
     def host(t: torch.Tensor) -> torch.Tensor:
@@ -45,19 +53,26 @@ def tiny_job(
         return buf.copy_(t)
 
     q = host(torch.randn(params.q_shape, generator=g).to(dtype))
-    k = host(torch.randn(params.k_shape, generator=g).to(dtype))
-    v = host(torch.randn(params.k_shape, generator=g).to(dtype))
+    k = host(torch.randn(params.k_shape, generator=g).to(kv_dtype))
+    v = host(torch.randn(params.k_shape, generator=g).to(kv_dtype))
     out = host(torch.empty(params.q_shape, dtype=dtype))
     lse = host(torch.empty(params.lse_shape or (0,), dtype=torch.float32))
     return Job(params, q, k, v, out, lse)
 
 
 def tiny_plans(backend: Backend, dtypes: Iterable[torch.dtype]) -> Iterator[BatchPlan]:
-    """Per dtype and stateless op: one job alone, then two merged (the batched path)."""
-    for dtype in dtypes:
+    """Per dtype (and FP8 k/v beside bf16/fp16) and stateless op: one job alone, then two
+    merged (the batched path)."""
+    for dtype, fp8 in _variants(dtypes):
         for op in (Op.PREFILL, Op.DECODE):
-            yield BatchPlan([tiny_job(backend, op, dtype)])
-            yield BatchPlan([tiny_job(backend, op, dtype, 1), tiny_job(backend, op, dtype, 2)])
+            yield BatchPlan([tiny_job(backend, op, dtype, fp8=fp8)])
+            yield BatchPlan([tiny_job(backend, op, dtype, 1, fp8=fp8),
+                             tiny_job(backend, op, dtype, 2, fp8=fp8)])
+
+
+def _variants(dtypes: Iterable[torch.dtype]) -> list[tuple[torch.dtype, bool]]:
+    dtypes = list(dtypes)
+    return [(d, False) for d in dtypes] + [(d, True) for d in dtypes if d in FP8_PARTNERS]
 
 
 def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.dtype]) -> None:
@@ -66,14 +81,17 @@ def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.
     a pool of 2 pages is enough; a smaller one skips this (and says so)."""
     if not caches.enabled:
         return
-    for dtype in dtypes:
+    for dtype, fp8 in _variants(dtypes):
         ids = ("a", "b")
         layout = pb.CacheLayout(dtype=WIRE_DTYPES[dtype], num_kv_heads=1, head_dim=64)
+        if fp8:
+            layout.kv_dtype = pb.FLOAT8_E4M3
+            layout.kv_scales.CopyFrom(pb.KvScales(k=[1.0], v=[1.0]))
         caches.call("CreateCaches", pb.CreateCachesRequest(cache_ids=ids, layout=layout),
                     _WARMUP_OWNER)
         try:
             for op in (Op.APPEND_KV, Op.CACHE_PREFILL, Op.CACHE_DECODE):
-                jobs = [tiny_job(backend, op, dtype, i, ids[i : i + 1]) for i in (0, 1)]
+                jobs = [tiny_job(backend, op, dtype, i, ids[i : i + 1], fp8) for i in (0, 1)]
                 for group in ([jobs[0]], jobs):
                     for j in group:
                         j.cache = caches.begin(j.params, _WARMUP_OWNER)

@@ -19,13 +19,17 @@ from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, 
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.params import (
     ELEMENT_BYTES,
+    FP8_QUERY_DTYPES,
     INPUTS,
     LSE_BYTES,
     OUTPUTS,
+    QUERY_DTYPES,
+    KvScales,
     Op,
     Params,
     RegionSpan,
     check_cache_ids,
+    check_kv_scales,
     make_params,
 )
 from attention_wire.pb import attention_pb2 as pb
@@ -78,12 +82,13 @@ def dtype_name(value: int) -> str:
         return str(value)
 
 
-def _dtype(header_spec: pb.TensorSpec, name: str) -> int:
-    if header_spec.dtype not in ELEMENT_BYTES:
+def _dtype(header_spec: pb.TensorSpec, name: str, kv: bool = False) -> int:
+    accepted = ELEMENT_BYTES if kv else QUERY_DTYPES
+    if header_spec.dtype not in accepted:
         raise invalid(
             f"header.{name}.dtype",
-            f"unknown or unsupported dtype {dtype_name(header_spec.dtype)}; "
-            "use FLOAT16, BFLOAT16 or FLOAT32",
+            f"unknown or unsupported dtype {dtype_name(header_spec.dtype)}; use FLOAT16, "
+            f"BFLOAT16 or FLOAT32{' (or FLOAT8_E4M3 for keys and values)' if kv else ''}",
         )
     return int(header_spec.dtype)
 
@@ -103,29 +108,50 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[
     return shape  # type: ignore[return-value]
 
 
+class QKV(NamedTuple):
+    """A header's checked dtypes and shapes."""
+
+    dtype: int  # q's (AppendKV: k's)
+    kv_dtype: int  # k's and v's: dtype, or FLOAT8_E4M3 beside 16-bit queries
+    q_shape: tuple[int, int, int]
+    k_shape: tuple[int, int, int]
+
+
+def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
+    """k's and v's dtype: both the same, and q's or FLOAT8_E4M3 beside fp16/bf16 queries."""
+    for name in ("k", "v"):
+        if not h.HasField(name):
+            raise invalid(f"header.{name}", "missing")
+    kv_dt = _dtype(h.k, "k", kv=True)
+    other = _dtype(h.v, "v", kv=True)
+    if other != kv_dt:
+        raise invalid("header.v.dtype", f"{dtype_name(other)} differs from k's dtype "
+                      f"{dtype_name(kv_dt)}")
+    if kv_dt != dt and not (kv_dt == pb.FLOAT8_E4M3 and dt in FP8_QUERY_DTYPES):
+        why = ("FLOAT8_E4M3 keys and values need FLOAT16 or BFLOAT16 queries"
+               if kv_dt == pb.FLOAT8_E4M3 else "use q's dtype (or FLOAT8_E4M3)")
+        raise invalid("header.k.dtype", f"{dtype_name(kv_dt)} with q's dtype "
+                      f"{dtype_name(dt)}: {why}")
+    return kv_dt
+
+
 def _check_qkv(
     h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True,
     max_heads_ratio: int = 1 << 30,
-) -> tuple[int, tuple[int, int, int], tuple[int, int, int]]:
-    """Dtypes and shapes of q, k, v; returns (pb dtype, q shape, k shape). ``with_q`` False
-    (AppendKV): q must be absent and its shape is taken as ``[0, num_kv_heads, head_dim]``."""
+) -> QKV:
+    """Dtypes and shapes of q, k, v. ``with_q`` False (AppendKV): q must be absent, its
+    dtype is taken as k's and its shape as ``[0, num_kv_heads, head_dim]``."""
     if not with_q:
         if h.HasField("q"):
             raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
         if not h.HasField("k"):
             raise invalid("header.k", "missing")
+        dt = _dtype(h.k, "k", kv=True)
     elif not h.HasField("q"):
         raise invalid("header.q", "missing")
-    dt = _dtype(h.q if with_q else h.k, "q" if with_q else "k")
-    for name in ("k", "v"):
-        if not h.HasField(name):
-            raise invalid(f"header.{name}", "missing")
-        other = _dtype(getattr(h, name), name)
-        if other != dt:
-            raise invalid(
-                f"header.{name}.dtype",
-                f"{dtype_name(other)} differs from q's dtype {dtype_name(dt)}",
-            )
+    else:
+        dt = _dtype(h.q, "q")
+    kv_dt = _kv_dtype(h, dt)
     kv_dims = ("total_k", "num_kv_heads", "head_dim")
     k_shape = _shape(h.k, "k", kv_dims)
     v_shape = _shape(h.v, "v", kv_dims)
@@ -158,7 +184,24 @@ def _check_qkv(
         raise _over("header.q.shape[1]", "query heads per kv head:",
                     f"{num_heads // k_shape[1]} ({num_heads} / {k_shape[1]})", max_heads_ratio,
                     "--max-heads-ratio")
-    return dt, q_shape, k_shape
+    return QKV(dt, kv_dt, q_shape, k_shape)
+
+
+def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, qkv: QKV) -> KvScales | None:
+    """The scales of a stateless op's FP8 keys and values (None for any other request)."""
+    fp8 = qkv.kv_dtype == pb.FLOAT8_E4M3
+    if not h.HasField("kv_scales"):
+        if fp8 and not op.cached:
+            raise invalid("header.kv_scales", "missing: FLOAT8_E4M3 keys and values need "
+                          "their per-kv-head scales")
+        return None
+    if op.cached:
+        raise invalid("header.kv_scales", f"set, but {op.rpc} uses its caches' scales "
+                      "(CacheLayout.kv_scales): leave it unset")
+    if not fp8:
+        raise invalid("header.kv_scales", f"set, but k and v are {dtype_name(qkv.kv_dtype)}: "
+                      "scales are for FLOAT8_E4M3 keys and values")
+    return check_kv_scales(h.kv_scales, qkv.k_shape[1], "header.kv_scales")
 
 
 def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
@@ -285,8 +328,10 @@ def validate_prefill_header(
 ) -> tuple[Params, dict[str, RegionSpan]]:
     """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
     append = op is Op.APPEND_KV
-    dt, q_shape, k_shape = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
-                                      limits.max_heads_ratio)
+    qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
+                     limits.max_heads_ratio)
+    dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
+    kv = {"kv_dtype": qkv.kv_dtype, "kv_scales": _kv_scales(h, op, qkv)}
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)
@@ -300,7 +345,8 @@ def validate_prefill_header(
             raise invalid("header.score", "set, but AppendKV computes no attention")
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
         ids, _ = _cache_target(h, op, len(cu_k) - 1)
-        params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids)
+        params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids,
+                             **kv)  # type: ignore[arg-type]
         _check_size(params, limits.max_request_bytes)
         return params, _regions(h, params)
     if h.return_lse and total_q * LSE_BYTES > MAX_ROW_BYTES:
@@ -333,6 +379,7 @@ def validate_prefill_header(
     params = make_params(
         op, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
         return_lse=h.return_lse, cache_ids=ids, store=store, **mods.kwargs(),
+        **kv,  # type: ignore[arg-type]
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)
@@ -344,8 +391,10 @@ def validate_decode_header(
 ) -> tuple[Params, dict[str, RegionSpan]]:
     """Decode and CacheDecode (whose empty cu_seqlens_k means one new token per sequence, or
     none when k has no rows)."""
-    dt, q_shape, k_shape = _check_qkv(h, ("batch", "num_heads", "head_dim"),
-                                      max_heads_ratio=limits.max_heads_ratio)
+    qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
+                     max_heads_ratio=limits.max_heads_ratio)
+    dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
+    kv_scales = _kv_scales(h, op, qkv)
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
     scale = _scale(h)
     if h.num_splits < 0:
@@ -368,6 +417,7 @@ def validate_decode_header(
     params = make_params(
         op, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
         num_splits=h.num_splits, cache_ids=ids, store=store, **mods.kwargs(),
+        kv_dtype=qkv.kv_dtype, kv_scales=kv_scales,
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)

@@ -1,0 +1,202 @@
+"""FP8 (e4m3) keys and values through the clients: the codec (torch float8_e4m3fn, numpy
+ml_dtypes.float8_e4m3fn), the scales in headers and cache layouts, client-side refusals, and
+end to end against the real server (cpu backend) vs float64 on the dequantized keys/values."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from attention_client import AsyncAttentionClient, AttentionClient, AttentionInputError
+from attention_client._requests import KvLayout, kv_scales_of, prepare_decode, prepare_prefill
+from attention_client._tensors import as_wire_dtype, to_wire
+from attention_wire.pb import attention_pb2 as pb
+
+from .test_client_e2e import check_out, f64
+
+torch = pytest.importorskip("torch")
+ml_dtypes = pytest.importorskip("ml_dtypes")
+attention_kernels = pytest.importorskip("attention_kernels")
+FP8 = torch.float8_e4m3fn
+
+
+def _qkv(total_q: int, total_k: int, heads: int = 4, kv_heads: int = 2, dim: int = 32,
+         dtype=torch.bfloat16, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total_q, heads, dim, generator=g).to(dtype)
+    k = torch.randn(total_k, kv_heads, dim, generator=g)
+    v = torch.randn(total_k, kv_heads, dim, generator=g)
+    k = k * torch.tensor([0.1, 10.0][:kv_heads])[None, :, None]  # heads need their own scales
+    k8, ks = attention_kernels.quantize_kv(k)
+    v8, vs = attention_kernels.quantize_kv(v)
+    return q, k8, v8, ks, vs
+
+
+def _deq(x8, s):
+    return attention_kernels.dequantize_kv(x8, s, torch.float64)
+
+
+# ---- codec and request preparation ---------------------------------------------------------
+
+
+def test_fp8_codec_torch_and_numpy():
+    x = torch.randn(5, 2, 8).to(FP8)
+    w, _ = to_wire(x, "k")
+    assert w.dtype == pb.FLOAT8_E4M3 and w.nbytes == 80
+    assert bytes(w.byte_view()) == x.view(torch.uint8).numpy().tobytes()
+    a = np.random.default_rng(0).standard_normal((3, 2, 8)).astype(ml_dtypes.float8_e4m3fn)
+    w, _ = to_wire(a, "v")
+    assert w.dtype == pb.FLOAT8_E4M3 and bytes(w.byte_view()) == a.tobytes()
+    for name in ("float8_e4m3fn", "fp8", "FLOAT8_E4M3", "torch.float8_e4m3fn"):
+        assert as_wire_dtype(name) == pb.FLOAT8_E4M3
+    assert as_wire_dtype(FP8) == pb.FLOAT8_E4M3
+
+
+def test_fp8_headers_carry_the_scales():
+    q, k8, v8, ks, vs = _qkv(6, 9)
+    prep = prepare_prefill(q, k8, v8, kv_scales=kv_scales_of(ks, vs))
+    h = pb.PrefillHeader.FromString(prep.header)
+    assert h.k.dtype == h.v.dtype == pb.FLOAT8_E4M3 and h.q.dtype == pb.BFLOAT16
+    assert list(h.kv_scales.k) == pytest.approx(ks.tolist())
+    assert list(h.kv_scales.v) == pytest.approx(vs.tolist())
+    assert prep.tensors[1].nbytes == 9 * 2 * 32  # one byte per element
+    prep = prepare_decode(q[:2], k8, v8, [0, 4, 9], kv_scales=kv_scales_of(ks.numpy(),
+                                                                             vs.tolist()))
+    h = pb.DecodeHeader.FromString(prep.header)
+    assert len(h.kv_scales.k) == 2 and h.k.dtype == pb.FLOAT8_E4M3
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"scales": None}, "need k_scale and v_scale"),
+    ({"k": "bf16"}, "they are for float8_e4m3fn"),
+    ({"q": FP8}, "queries take float16, bfloat16 or float32"),
+    ({"q": torch.float32}, "must share one dtype"),
+    ({"v": "bf16"}, "must share one dtype"),
+    ({"scales": ((0.1,), (0.2, 0.3))}, "k_scale has 1 entries for 2 kv heads"),
+])
+def test_fp8_client_refusals(change, words):
+    q, k8, v8, ks, vs = _qkv(4, 4)
+    scales = kv_scales_of(ks, vs)
+    if "q" in change:
+        q = q.float().to(change["q"])
+    if change.get("k") == "bf16":
+        k8, v8 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    if change.get("v") == "bf16":
+        v8 = v8.to(torch.bfloat16)
+    if "scales" in change:
+        scales = change["scales"]
+    with pytest.raises(AttentionInputError, match=words):
+        prepare_prefill(q, k8, v8, kv_scales=scales)
+
+
+@pytest.mark.parametrize(("k_scale", "v_scale", "words"), [
+    ([1.0], None, "v_scale is missing"),
+    ([1.0, float("nan")], [1.0, 1.0], "finite and > 0"),
+    ([[1.0]], [1.0], "1-D"),
+    (["x"], [1.0], "must hold floats"),
+])
+def test_fp8_scale_argument_checks(k_scale, v_scale, words):
+    with pytest.raises(AttentionInputError, match=words):
+        kv_scales_of(k_scale, v_scale)
+
+
+def test_fp8_cache_layouts():
+    lay = KvLayout.of(2, 64, "bfloat16", "float8_e4m3fn", [0.5, 1.0], np.array([1.0, 2.0]))
+    assert lay.stored_dtype == pb.FLOAT8_E4M3 and lay.kv_scales == ((0.5, 1.0), (1.0, 2.0))
+    assert KvLayout.from_message(lay.message()) == lay
+    plain = KvLayout.of(2, 64, torch.float16, torch.float16)
+    assert plain.kv_dtype == 0 and KvLayout.from_message(plain.message()) == plain
+    for args, words in [
+        ((2, 64, "bfloat16", "fp8"), "needs k_scale and v_scale"),
+        ((2, 64, "float32", "fp8", [1.0, 1.0], [1.0, 1.0]), "float8_e4m3fn with float16"),
+        ((2, 64, "bfloat16", "float16"), "leave kv_dtype unset"),
+        ((2, 64, "bfloat16", None, [1.0, 1.0], [1.0, 1.0]), "are for kv_dtype"),
+        ((2, 64, "fp8"), "keys and values only"),
+        ((2, 64, "bf16", "fp8", [1.0], [1.0]), "k_scale has 1 entries for 2 kv heads"),
+    ]:
+        with pytest.raises(AttentionInputError, match=words):
+            KvLayout.of(*args)
+
+
+# ---- end to end -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["unary", "stream"])
+def client(server, request):
+    with AttentionClient(server.target, timeout=60, unary=request.param) as c:
+        yield c
+
+
+def test_fp8_attention_and_decode_torch(client):
+    q, k8, v8, ks, vs = _qkv(45, 45, seed=1)
+    cu = torch.tensor([0, 1, 20, 45], dtype=torch.int32)
+    out = client.attention(q, k8, v8, cu, causal=True, k_scale=ks, v_scale=vs)
+    ref = attention_kernels.prefill_ref(q.double(), _deq(k8, ks), _deq(v8, vs), cu, causal=True)
+    check_out(out, ref, "bfloat16", q)
+    qd = q[:3].half()
+    out, lse = client.decode(qd, k8, v8, cu, k_scale=ks, v_scale=vs, return_lse=True)
+    ref, ref_lse = attention_kernels.decode_ref(qd.double(), _deq(k8, ks), _deq(v8, vs), cu,
+                                                return_lse=True)
+    check_out(out, ref, "float16", qd)
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_fp8_attention_numpy_ml_dtypes(client):
+    q, k8, v8, ks, vs = _qkv(3, 30, kv_heads=1, seed=2, dtype=torch.float16)
+    ks, vs = ks[:1], vs[:1]
+    qn = q.numpy()
+    kn = k8.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    vn = v8.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn)
+    out = client.attention(qn, kn, vn, k_scale=ks.numpy(), v_scale=vs.tolist())
+    ref = attention_kernels.prefill_ref(q.double(), _deq(k8, ks), _deq(v8, vs),
+                                        torch.tensor([0, 3], dtype=torch.int32),
+                                        torch.tensor([0, 30], dtype=torch.int32))
+    check_out(out, ref, "float16", qn)
+
+
+def test_fp8_kv_cache_session(client):
+    """An FP8 cache fed bf16 tokens (the server quantizes) answers like float64 on what it
+    stores: the same tokens quantized with the cache's scales."""
+    _, k, v = (torch.randn(40, 2, 32, generator=torch.Generator().manual_seed(s))
+               for s in (3, 4, 5))
+    ks = attention_kernels.quantize_kv(k)[1] * 2
+    vs = attention_kernels.quantize_kv(v)[1] * 2
+    with client.kv_cache(2, 32, torch.bfloat16, kv_dtype=FP8, k_scale=ks, v_scale=vs) as cache:
+        assert cache.kv_dtype == "FLOAT8_E4M3" and cache.dtype == "BFLOAT16"
+        cache.append(["s0", "s1"], k[:30].bfloat16(), v[:30].bfloat16(), [0, 12, 30])
+        q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(6)).bfloat16()
+        kn8 = attention_kernels.quantize_kv(k[30:32].bfloat16(), ks)[0]
+        vn8 = attention_kernels.quantize_kv(v[30:32].bfloat16(), vs)[0]
+        out = cache.decode(q, ["s0", "s1"], kn8, vn8)  # already quantized: sent as is
+        stored_k = attention_kernels.quantize_kv(k[:30].bfloat16(), ks)[0]
+        stored_v = attention_kernels.quantize_kv(v[:30].bfloat16(), vs)[0]
+        kk = torch.cat([stored_k[:12], kn8[:1], stored_k[12:], kn8[1:]])
+        vv = torch.cat([stored_v[:12], vn8[:1], stored_v[12:], vn8[1:]])
+        ref = attention_kernels.decode_ref(q.double(), _deq(kk, ks), _deq(vv, vs),
+                                           torch.tensor([0, 13, 32], dtype=torch.int32))
+        check_out(out, ref, "bfloat16", q)
+        assert cache.lengths == {"s0": 13, "s1": 19}
+        info = cache.info()
+        assert info[0]["kv_dtype"] == "FLOAT8_E4M3"
+        assert info[0]["k_scale"] == pytest.approx(ks.tolist())
+        with pytest.raises(AttentionInputError, match="must share one dtype"):
+            cache.decode(q, ["s0", "s1"], kn8.half(), vn8.half())
+        with pytest.raises(AttentionInputError, match=r"caches take BFLOAT16 \(or FLOAT8"):
+            cache.append("s0", kn8.half(), vn8.half())
+
+
+def test_fp8_async_decode(server):
+    q, k8, v8, ks, vs = _qkv(2, 17, seed=7, dtype=torch.float16)
+    cu = [0, 5, 17]
+
+    async def run():
+        async with AsyncAttentionClient(server.target, timeout=60) as c:
+            return await c.decode(q, k8, v8, cu, k_scale=ks, v_scale=vs)
+
+    out = asyncio.run(run())
+    ref = attention_kernels.decode_ref(q.double(), _deq(k8, ks), _deq(v8, vs),
+                                       torch.tensor(cu, dtype=torch.int32))
+    check_out(out, ref, "float16", q)
+    assert f64(out).isfinite().all()
