@@ -60,7 +60,14 @@ def _tensor_messages(header: Any, q: bytes, k: bytes, v: bytes) -> list[bytes]:
     return list(encode_messages(header.SerializeToString(), tensors, CHUNK))
 
 
+FP8_SCALE = 1 / 64  # e4m3 values stand for value * this: the keys' and values' scale
+
+
 def _bytes(rng: np.random.Generator, n: int, dtype: str) -> bytes:
+    if dtype == "fp8":
+        # Random e4m3 bit patterns with both signs, never 0x7f/0xff (NaN): |x| <= 448.
+        mag = rng.integers(0, 0x7F, n, dtype=np.uint8)
+        return (mag | (rng.integers(0, 2, n, dtype=np.uint8) << 7)).tobytes()
     # Values do not matter for speed; small normals keep every dtype finite.
     arr = (rng.standard_normal(n, dtype=np.float32) * 0.5).astype(np.float32)
     if dtype == "fp32":
@@ -75,33 +82,53 @@ class Shapes:
         self.h, self.hkv, self.d, self.ctx, self.dtype = (a.heads, a.kv_heads, a.head_dim,
                                                           a.context, a.dtype)
         self.wire, self.elem = ELEM[a.dtype]
+        # Keys and values: the queries' dtype, or FP8 (e4m3, one byte, per-head scales).
+        self.kv_dtype = a.kv_dtype or a.dtype
+        self.kv_wire, self.kv_elem = (pb.FLOAT8_E4M3, 1) if a.kv_dtype == "fp8" else (
+            self.wire, self.elem)
 
-    def spec(self, *shape: int) -> pb.TensorSpec:
-        return pb.TensorSpec(dtype=self.wire, shape=list(shape))
+    @property
+    def fp8(self) -> bool:
+        return self.kv_wire == pb.FLOAT8_E4M3
+
+    def spec(self, *shape: int, kv: bool = False) -> pb.TensorSpec:
+        return pb.TensorSpec(dtype=self.kv_wire if kv else self.wire, shape=list(shape))
+
+    def scales(self) -> pb.KvScales:
+        return pb.KvScales(k=[FP8_SCALE] * self.hkv, v=[FP8_SCALE] * self.hkv)
+
+    def layout(self) -> pb.CacheLayout:
+        lay = pb.CacheLayout(dtype=self.wire, num_kv_heads=self.hkv, head_dim=self.d)
+        if self.fp8:
+            lay.kv_dtype = self.kv_wire
+            lay.kv_scales.CopyFrom(self.scales())
+        return lay
 
     def step_bytes(self, context: int, sessions: bool) -> int:
         """Tensor bytes one decode step sends."""
         q = self.h * self.d * self.elem
         kv_rows = 1 if sessions else context
-        return q + 2 * kv_rows * self.hkv * self.d * self.elem
+        return q + 2 * kv_rows * self.hkv * self.d * self.kv_elem
 
 
 def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[bytes], list[bytes]]:
     """(setup messages: the AppendKV of the prompt, or none; one step's messages)."""
     rng = np.random.default_rng(seed)
     q = _bytes(rng, s.h * s.d, s.dtype)
+    kv_shape = (s.ctx, s.hkv, s.d)
+    k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.kv_dtype) for _ in range(2))
     if mode == "resend":
-        k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
-        header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(s.ctx, s.hkv, s.d),
-                                 v=s.spec(s.ctx, s.hkv, s.d), cu_seqlens_k=[0, s.ctx])
+        header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(*kv_shape, kv=True),
+                                 v=s.spec(*kv_shape, kv=True), cu_seqlens_k=[0, s.ctx])
+        if s.fp8:
+            header.kv_scales.CopyFrom(s.scales())
         return [], _tensor_messages(header, q, k, v)
-    k, v = (_bytes(rng, s.ctx * s.hkv * s.d, s.dtype) for _ in range(2))
-    append = pb.PrefillHeader(k=s.spec(s.ctx, s.hkv, s.d), v=s.spec(s.ctx, s.hkv, s.d),
+    append = pb.PrefillHeader(k=s.spec(*kv_shape, kv=True), v=s.spec(*kv_shape, kv=True),
                               cu_seqlens_k=[0, s.ctx], cache=pb.CacheTarget(cache_ids=[cache_id]))
     setup = _tensor_messages(append, b"", k, v)
-    kn, vn = (_bytes(rng, s.hkv * s.d, s.dtype) for _ in range(2))
-    header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(1, s.hkv, s.d),
-                             v=s.spec(1, s.hkv, s.d),
+    kn, vn = (_bytes(rng, s.hkv * s.d, s.kv_dtype) for _ in range(2))
+    header = pb.DecodeHeader(q=s.spec(1, s.h, s.d), k=s.spec(1, s.hkv, s.d, kv=True),
+                             v=s.spec(1, s.hkv, s.d, kv=True),
                              cache=pb.CacheTarget(cache_ids=[cache_id], store=True))
     step = _tensor_messages(header, q, kn, vn)
     return setup, step
@@ -138,9 +165,8 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
             create = ch.unary_unary(METHOD + "CreateCaches",
                                     request_serializer=pb.CreateCachesRequest.SerializeToString,
                                     response_deserializer=pb.CreateCachesResponse.FromString)
-            await create(pb.CreateCachesRequest(
-                cache_ids=[cache_id], layout=pb.CacheLayout(dtype=s.wire, num_kv_heads=s.hkv,
-                                                            head_dim=s.d)), timeout=60)
+            await create(pb.CreateCachesRequest(cache_ids=[cache_id], layout=s.layout()),
+                         timeout=60)
             await _call(ch, "AppendKV", setup)
         out["step_bytes"] = sum(len(m) for m in step)
         while time.time() < t_end:
@@ -219,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=list(ELEM))
+    p.add_argument("--kv-dtype", choices=["fp8"], help="keys and values in FP8 (e4m3, per-head "
+                   "scales; with bf16/fp16 --dtype): FP8 caches, and FP8 resent caches")
     p.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
     p.add_argument("--clients", default="1,8,64")
     p.add_argument("--duration", type=float, default=8.0)
@@ -237,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
                    startup_timeout=600.0)
     args = p.parse_args(argv)
+    if args.kv_dtype == "fp8" and args.dtype == "fp32":
+        p.error("--kv-dtype fp8 goes with --dtype bf16 or fp16")
     counts = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -287,7 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         f"# bench_sessions: {info.device if info else '?'}, {datetime.now(timezone.utc):%Y-%m-%d}",
         "", f"`python benchmarks/bench_sessions.py {' '.join(argv or sys.argv[1:])}`", "",
-        f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx} tokens per client; "
+        f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype} (keys/values {s.kv_dtype}), context "
+        f"{s.ctx} tokens per client; "
         + ("one-message calls (steps) through the unary rpcs" if args.unary
            else "every call streamed (--no-unary)"), "",
         "| side | clients | steps/s | p50 ms | p99 ms | kernel p50 ms | overhead p50 ms | "

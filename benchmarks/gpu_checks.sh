@@ -102,11 +102,11 @@ for s in "$@"; do
     tests) stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
              tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
              tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py \
-             tests/service/test_decode_steps_gpu.py ;;
+             tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py ;;
     service-tests) stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \
              --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
              tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py \
-             tests/service/test_decode_steps_gpu.py ;;
+             tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
     features) stage features-tests 360 python3 -m pytest -q -p no:cacheprovider -n 4 \
