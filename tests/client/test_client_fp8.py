@@ -200,3 +200,24 @@ def test_fp8_async_decode(server):
                                        torch.tensor(cu, dtype=torch.int32))
     check_out(out, ref, "float16", q)
     assert f64(out).isfinite().all()
+
+
+def test_fp8_tensors_in_a_region(server):
+    """FP8 k/v that live in a registered shared-memory region travel by reference (their
+    bytes counted at one byte per element), with the scales in the header."""
+    with AttentionClient(server.target, timeout=60) as c:
+        region = c.register_shm(1 << 20)
+        q0, k80, v80, ks, vs = _qkv(30, 30, seed=8, dtype=torch.float16)
+        q = region.empty(tuple(q0.shape), torch.float16)
+        k8 = region.empty(tuple(k80.shape), FP8)
+        v8 = region.empty(tuple(v80.shape), FP8)
+        q.copy_(q0)
+        k8.copy_(k80)
+        v8.copy_(v80)
+        out = c.attention(q, k8, v8, [0, 12, 30], causal=True, k_scale=ks, v_scale=vs)
+        s = c.last_stats
+        assert s["bytes_in"] == 0 and s["region_bytes_in"] == q.numel() * 2 + 2 * k8.numel()
+        ref = attention_kernels.prefill_ref(q0.double(), _deq(k80, ks), _deq(v80, vs),
+                                            torch.tensor([0, 12, 30], dtype=torch.int32),
+                                            causal=True)
+        check_out(out, ref, "float16", q0)
