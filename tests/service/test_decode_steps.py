@@ -4,6 +4,8 @@ buckets, which launches take the path, and how a batch is packed into one stagin
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -130,3 +132,90 @@ def test_a_reused_staging_is_refilled_exactly(b: int) -> None:
     torch.testing.assert_close(staging.views["q"][:b], second.jobs[0].q, rtol=0, atol=0)
     assert staging.slots[0].tolist() == [0, 1, 2][:b] + [0] * (4 - b)  # one page each
     assert staging.slots[1].tolist() == [2] * 4
+
+
+# ---- FP8 caches on the staged path: its host side, and its device work run eagerly on the
+# CPU (the kernels under TRITON_INTERPRET=1); test_decode_steps_gpu.py adds the CUDA graphs.
+
+FP8 = torch.float8_e4m3fn
+SCALES = ((0.02, 0.5), (0.01, 0.04))  # per kv head: keys, values
+
+
+def _fp8_step(seq_lens: list[int], seed: int, send_fp8: bool) -> tuple[Job, torch.Tensor]:
+    """A bf16 step over an FP8 pool (random e4m3 contents, its ``SCALES``), one new token per
+    sequence, sent in bf16 (``send_fp8`` False: the engine quantizes it) or already as e4m3."""
+    from attention_kernels import quantize_kv
+
+    job = _step(seq_lens, new=True, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    pages = job.cache.k_pages.shape[0]  # type: ignore[union-attr]
+    pool = (torch.randn(pages, PAGE_TOKENS, HKV, D, generator=g) * 100).to(FP8)
+    ks, vs = (torch.tensor(s) for s in SCALES)
+    q, k, v = job.q.bfloat16(), job.k.bfloat16(), job.v.bfloat16()
+    if send_fp8:
+        k, v = quantize_kv(k, ks)[0], quantize_kv(v, vs)[0]
+    job.params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[q.dtype], tuple(q.shape),
+                             tuple(k.shape), job.params.cu_seqlens_k, None, return_lse=True,
+                             kv_dtype=WIRE_DTYPES[k.dtype])
+    job.q, job.k, job.v = q, k, v
+    job.out = torch.full_like(q, float("nan"))
+    job.lse = torch.full((len(seq_lens), H), float("nan"))
+    work = job.cache
+    assert work is not None
+    work.k_pages, work.v_pages, work.kv_scales = pool, pool.clone(), SCALES
+    return job, pool
+
+
+def test_fp8_staging_holds_one_byte_keys_and_values() -> None:
+    job, _ = _fp8_step([5, 9], seed=8, send_fp8=True)
+    plan = BatchPlan([job])
+    assert eligible(plan) and plan.key.fp8
+    shape = StepShape.of(plan)
+    staging = Staging(shape, pin=False)
+    assert staging.views["k"].dtype == FP8 and staging.views["q"].dtype == torch.bfloat16
+    staging.fill(plan, shape)
+    assert torch.equal(staging.views["k"][:2].view(torch.uint8), job.k.view(torch.uint8))
+    # Caches of other scales are another key: another bucket, another graph.
+    other, _ = _fp8_step([5, 9], seed=8, send_fp8=True)
+    other.cache.kv_scales = ((0.02, 0.5), (0.01, 0.05))  # type: ignore[union-attr]
+    assert StepShape.of(BatchPlan([other])) != shape
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0"),
+                    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("send_fp8", [False, True])
+def test_fp8_step_runs_eagerly_like_the_reference(send_fp8: bool) -> None:
+    """The staged work (store the new tokens, quantizing bf16 ones; paged FP8 decode) equals
+    the float64 reference on the dequantized pool, and the stored bytes are the quantized
+    tokens."""
+    import attention_kernels
+    from attention_kernels import quantize_kv
+    from attention_kernels.paged_reference import paged_decode_ref
+    from attention_service.engine.decode_steps import _StepGraph
+
+    job, pool = _fp8_step([5, 9, 1], seed=9, send_fp8=send_fp8)
+    plan = BatchPlan([job])
+    shape = StepShape.of(plan)
+    work = job.cache
+    assert work is not None
+    graph = _StepGraph(attention_kernels, shape, work.k_pages, work.v_pages, torch.device("cpu"))
+    staging = Staging(shape, pin=False)
+    staging.fill(plan, shape)
+    graph.dev_u8.copy_(staging.u8)
+    graph.run_eager()
+    ks, vs = (torch.tensor(s) for s in SCALES)
+    want_k = job.k if send_fp8 else quantize_kv(job.k, ks)[0]
+    slots = (torch.tensor(work.slot_pages), torch.tensor(work.slot_offsets))
+    assert torch.equal(work.k_pages[slots].view(torch.uint8), want_k.view(torch.uint8))
+    b = len(work.seq_lens)
+    table = torch.zeros(b, shape.width, dtype=torch.int32)
+    for i, row in enumerate(work.block_table):
+        table[i, : len(row)] = torch.tensor(row)
+    ref, ref_lse = paged_decode_ref(job.q.double(), work.k_pages, work.v_pages, table,
+                                    torch.tensor(work.seq_lens, dtype=torch.int32),
+                                    return_lse=True, k_scale=ks, v_scale=vs)
+    out = graph.out[:b].double()
+    assert not out.isnan().any() and pool.shape == work.k_pages.shape
+    err = ((out - ref.double()).norm() / ref.double().norm()).item()
+    assert err < 1.6e-2, err
+    torch.testing.assert_close(graph.lse[:b].double(), ref_lse.double(), atol=2e-3, rtol=0)

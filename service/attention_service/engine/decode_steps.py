@@ -36,6 +36,7 @@ from types import ModuleType
 
 import torch
 
+from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.backends import TORCH_DTYPES
 from attention_service.engine.batch_plan import BatchKey, BatchPlan
 from attention_service.engine.jobs import LaunchTimes, PendingLaunch
@@ -57,8 +58,6 @@ def eligible(plan: BatchPlan) -> bool:
         return False
     if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
         return False  # score modifiers run on the eager path (not staged or captured)
-    if plan.key.fp8:
-        return False  # FP8 caches run on the eager path (not staged or captured yet)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
     return all(j.q.device.type == "cpu" and j.out.device.type == "cpu" for j in plan.jobs)
@@ -88,11 +87,11 @@ class StepShape:
         """The staged fields (name, dtype, dims, byte offset, each 128-byte aligned) and the
         bytes they take: the same layout on host and device, so one copy moves them all."""
         k = self.key
-        dtype = TORCH_DTYPES[k.dtype]
+        dtype, kv_dtype = TORCH_DTYPES[k.dtype], TORCH_DTYPES[k.kv_dtype]
         fields = [
             ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
-            ("k", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
-            ("v", dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("k", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("v", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
             ("slots", torch.int64, (2, self.new_rows)),
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
@@ -168,6 +167,13 @@ class _StepGraph:
         self.dev_u8 = torch.zeros(shape.layout[1], dtype=torch.uint8, device=device)
         self.dev = shape.carve(self.dev_u8)
         self.out, self.lse = shape.outputs(device=device)
+        # FP8 caches: the scales as device tensors that live as long as the graph (the key
+        # holds them, so one graph serves one set of scales).
+        self.fp8: dict[str, torch.Tensor] = {}
+        if shape.key.kv_scales is not None:
+            ks, vs = shape.key.kv_scales
+            self.fp8 = {"k_scale": torch.tensor(ks, dtype=torch.float32, device=device),
+                        "v_scale": torch.tensor(vs, dtype=torch.float32, device=device)}
         self.graph: torch.cuda.CUDAGraph | None = None
         self._free: deque[Staging] = deque()  # popped by the dispatcher, pushed by the completer
 
@@ -175,13 +181,18 @@ class _StepGraph:
         d, shape = self.dev, self.shape
         if store and shape.store:
             slots = (d["slots"][0], d["slots"][1])
-            self.k_pages.index_put_(slots, d["k"])
-            self.v_pages.index_put_(slots, d["v"])
+            k, v = d["k"], d["v"]
+            if k.dtype != self.k_pages.dtype:  # new tokens in the queries' dtype, FP8 cache
+                k = quantize_kv(k, self.fp8["k_scale"])[0]
+                v = quantize_kv(v, self.fp8["v_scale"])[0]
+            self.k_pages.index_put_(slots, k)
+            self.v_pages.index_put_(slots, v)
         key = shape.key
         self.kernels.paged_decode(
             d["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
             max_seqlen_k=shape.width * self.k_pages.shape[1], softmax_scale=key.softmax_scale,
             num_splits=key.num_splits, return_lse=True, out=self.out, lse_out=self.lse,
+            **self.fp8,
         )
 
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
