@@ -4,6 +4,7 @@ row offsets and launch parameters of a list of jobs with one key."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -54,6 +55,17 @@ def batch_key(job: Job) -> BatchKey:
         softcap=params.softcap, alibi=bool(params.alibi_slopes), kv_dtype=params.kv_dtype,
         kv_scales=job.cache.kv_scales if job.cache is not None else params.kv_scales,
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _scale_tensors(scales: KvScales, device: str) -> tuple[object, object]:
+    """FP8 scales as float32 device tensors, made once per (scales, device): a fresh one per
+    launch would be a pageable host-to-device copy, which waits for the stream's earlier
+    work. Read-only, so launches on any stream share them."""
+    import torch
+
+    return (torch.tensor(scales[0], dtype=torch.float32, device=device),
+            torch.tensor(scales[1], dtype=torch.float32, device=device))
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -151,13 +163,10 @@ class BatchPlan:
 
     def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise)."""
-        import torch
-
         if self.key.kv_scales is None:
             return {}
-        k, v = self.key.kv_scales
-        return {"k_scale": torch.tensor(k, dtype=torch.float32, device=device),
-                "v_scale": torch.tensor(v, dtype=torch.float32, device=device)}
+        k, v = _scale_tensors(self.key.kv_scales, str(device))
+        return {"k_scale": k, "v_scale": v}
 
     @property
     def total_q(self) -> int:

@@ -199,4 +199,4 @@ def launch_on_stream(
             if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
                 job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
         events[3].record()
-    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan))
+    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods))
