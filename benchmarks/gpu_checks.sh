@@ -25,6 +25,8 @@
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients)
+#   sessions-fp8  the same with FP8 (e4m3) keys and values: FP8 caches and FP8 resends
+#              (batching on; 1 and 64 clients)
 #   soak       benchmarks/soak.py: SOAK_SECONDS (default 600) of mixed Locust load (SOAK_USERS,
 #              32) plus a concurrent stream of bad inputs and cut-off calls; memory sampled
 #   locust     the server started as the container starts it (attention-server, ATTENTION_*
@@ -132,6 +134,8 @@ for s in "$@"; do
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
     sessions) stage sessions 560 python3 benchmarks/bench_sessions.py --duration 6 --warmup 2 \
                 --clients 1,8,64 --out "$OUT" ;;
+    sessions-fp8) stage sessions-fp8 400 python3 benchmarks/bench_sessions.py --duration 6 \
+                --warmup 2 --clients 1,64 --sides on,resend --kv-dtype fp8 --out "$OUT" ;;
     soak) stage soak $(( ${SOAK_SECONDS:-600} + 240 )) python3 benchmarks/soak.py \
             --duration "${SOAK_SECONDS:-600}" --users "${SOAK_USERS:-32}" --out "$OUT" ;;
     locust) export OUT; export -f locust_run; stage locust 420 bash -c locust_run ;;

@@ -19,6 +19,9 @@ Everything is configurable through environment variables (defaults in brackets):
   LOADTEST_TLS             1 = TLS with system roots, or a root PEM's path    [plaintext]
   LOADTEST_TIMEOUT         per-call deadline, seconds                         [60]
   LOADTEST_DTYPE           float16 | bfloat16 | float32                       [float16]
+  LOADTEST_KV_DTYPE        float8_e4m3fn: FP8 keys/values (with a 16-bit     [LOADTEST_DTYPE]
+                           LOADTEST_DTYPE): Prefill/Decode send e4m3 k/v with
+                           per-head scales, sessions use FP8 caches
   LOADTEST_HEADS           query heads                                        [32]
   LOADTEST_KV_HEADS        key/value heads (GQA when fewer than heads)        [8]
   LOADTEST_HEAD_DIM        head dim                                           [128]
@@ -37,7 +40,9 @@ Lengths are drawn log-uniformly from LO:HI, so short sequences are common and lo
 appear (a mix like real traffic); each request holds 1..BATCH sequences. A decode session keeps
 its KV cache on the server: it creates a cache, appends a prompt of DECODE_CONTEXT tokens once
 (``AppendKV``), runs SESSION_STEPS one-token steps (``CacheDecode``) and releases the cache
-(``ReleaseCaches``); each of those is its own row in Locust's table.
+(``ReleaseCaches``); each of those is its own row in Locust's table. With FP8 keys and values
+the prompt goes in LOADTEST_DTYPE (the server quantizes it into the FP8 cache) and each step's
+new token already in e4m3, so both ways into an FP8 cache are loaded.
 """
 
 from __future__ import annotations
@@ -81,6 +86,7 @@ TLS: bool | str | None = {"": None, "0": None, "1": True}.get(
 )
 TIMEOUT = float(os.environ.get("LOADTEST_TIMEOUT") or 60)
 DTYPE = os.environ.get("LOADTEST_DTYPE") or "float16"
+KV_DTYPE = os.environ.get("LOADTEST_KV_DTYPE") or DTYPE
 HEADS = _int("LOADTEST_HEADS", 32)
 KV_HEADS = _int("LOADTEST_KV_HEADS", 8)
 HEAD_DIM = _int("LOADTEST_HEAD_DIM", 128)
@@ -100,19 +106,28 @@ if HEADS % KV_HEADS:
     raise ValueError(f"LOADTEST_HEADS={HEADS} must be a multiple of LOADTEST_KV_HEADS={KV_HEADS}")
 if min(PREFILL_LEN[0], DECODE_CONTEXT[0]) < 1 or min(PREFILL_BATCH, DECODE_BATCH) < 1:
     raise ValueError("lengths and batch sizes must be at least 1")
+FP8 = KV_DTYPE != DTYPE
+if FP8 and (KV_DTYPE != "float8_e4m3fn" or DTYPE == "float32"):
+    raise ValueError(f"LOADTEST_KV_DTYPE={KV_DTYPE!r}: leave it unset, or float8_e4m3fn with a "
+                     "float16/bfloat16 LOADTEST_DTYPE")
+# e4m3 values stand for value * FP8_SCALE: the pool's standard normals (|x| < 6) stay under
+# e4m3's 448 after dividing by it, and the server quantizes the sessions' prompts with it.
+FP8_SCALE = 1 / 64
+SCALES = {"k_scale": [FP8_SCALE] * KV_HEADS, "v_scale": [FP8_SCALE] * KV_HEADS} if FP8 else {}
 
 
 def _numpy_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
-        import ml_dtypes  # the client sends ml_dtypes.bfloat16 arrays as BFLOAT16
+    if name in ("bfloat16", "float8_e4m3fn"):
+        import ml_dtypes  # the client sends ml_dtypes arrays as BFLOAT16 / FLOAT8_E4M3
 
-        return np.dtype(ml_dtypes.bfloat16)
+        return np.dtype(getattr(ml_dtypes, name))
     if name in ("float16", "float32"):
         return np.dtype(name)
     raise ValueError(f"LOADTEST_DTYPE must be float16, bfloat16 or float32, got {name!r}")
 
 
 _POOL: np.ndarray | None = None
+_KV_POOL: np.ndarray | None = None  # FP8 runs: the same values in e4m3 (/ FP8_SCALE)
 _WINDOW = 1 << 20  # random offsets into the pool, so calls do not all send identical bytes
 
 
@@ -122,7 +137,7 @@ def _pool() -> np.ndarray:
     Generating fresh tensors per call would make the load generator, not the server, the
     bottleneck; a view costs nothing and the client sends it without a copy.
     """
-    global _POOL
+    global _POOL, _KV_POOL
     if _POOL is None:
         most = max(
             PREFILL_BATCH * PREFILL_LEN[1] * HEADS * HEAD_DIM,
@@ -132,13 +147,19 @@ def _pool() -> np.ndarray:
         reps = math.ceil((most + _WINDOW) / _WINDOW)
         _POOL = np.tile(block.astype(_numpy_dtype(DTYPE)), reps)
         _POOL.flags.writeable = False
+        if FP8:
+            _KV_POOL = np.tile((block / FP8_SCALE).astype(_numpy_dtype(KV_DTYPE)), reps)
+            _KV_POOL.flags.writeable = False
     return _POOL
 
 
-def _tensor(rng: random.Random, rows: int, heads: int) -> np.ndarray:
+def _tensor(rng: random.Random, rows: int, heads: int, kv: bool = False) -> np.ndarray:
+    """``[rows, heads, HEAD_DIM]`` of LOADTEST_DTYPE (``kv`` in an FP8 run: e4m3)."""
     n = rows * heads * HEAD_DIM
     start = rng.randrange(_WINDOW)
-    return _pool()[start : start + n].reshape(rows, heads, HEAD_DIM)
+    pool = _pool() if not (kv and FP8) else _KV_POOL
+    assert pool is not None
+    return pool[start : start + n].reshape(rows, heads, HEAD_DIM)
 
 
 def _lengths(rng: random.Random, lo_hi: tuple[int, int], most: int) -> list[int]:
@@ -194,13 +215,13 @@ class AttentionUser(User):
         lengths = _lengths(self.rng, PREFILL_LEN, PREFILL_BATCH)
         total = sum(lengths)
         q = _tensor(self.rng, total, HEADS)
-        k = _tensor(self.rng, total, KV_HEADS)
-        v = _tensor(self.rng, total, KV_HEADS)
+        k = _tensor(self.rng, total, KV_HEADS, kv=True)
+        v = _tensor(self.rng, total, KV_HEADS, kv=True)
         cu = _cu(lengths)
         self._call(
             "Prefill",
             total,
-            lambda: self.client.attention(q, k, v, cu_seqlens=cu, causal=CAUSAL),
+            lambda: self.client.attention(q, k, v, cu_seqlens=cu, causal=CAUSAL, **SCALES),
             q.shape,
         )
 
@@ -208,13 +229,13 @@ class AttentionUser(User):
     def decode(self) -> None:
         contexts = _lengths(self.rng, DECODE_CONTEXT, DECODE_BATCH)
         q = _tensor(self.rng, len(contexts), HEADS)
-        k = _tensor(self.rng, sum(contexts), KV_HEADS)
-        v = _tensor(self.rng, sum(contexts), KV_HEADS)
+        k = _tensor(self.rng, sum(contexts), KV_HEADS, kv=True)
+        v = _tensor(self.rng, sum(contexts), KV_HEADS, kv=True)
         cu = _cu(contexts)
         self._call(
             "Decode",
             sum(contexts),
-            lambda: self.client.decode(q, k, v, cu),
+            lambda: self.client.decode(q, k, v, cu, **SCALES),
             q.shape,
         )
 
@@ -224,13 +245,15 @@ class AttentionUser(User):
         context = _lengths(self.rng, DECODE_CONTEXT, 1)[0]
         cache_id = f"locust-{os.getpid()}-{id(self)}-{self.sessions}"
         self.sessions += 1
-        cache = self.client.kv_cache(KV_HEADS, HEAD_DIM, DTYPE)
+        fp8 = {"kv_dtype": KV_DTYPE, **SCALES} if FP8 else {}
+        cache = self.client.kv_cache(KV_HEADS, HEAD_DIM, DTYPE, **fp8)
         k = _tensor(self.rng, context, KV_HEADS)
         v = _tensor(self.rng, context, KV_HEADS)
         ok = self._call("AppendKV", context, lambda: cache.append(cache_id, k, v), (1,))
         for step in range(SESSION_STEPS if ok else 0):
             q = _tensor(self.rng, 1, HEADS)
-            k1, v1 = _tensor(self.rng, 1, KV_HEADS), _tensor(self.rng, 1, KV_HEADS)
+            k1 = _tensor(self.rng, 1, KV_HEADS, kv=True)
+            v1 = _tensor(self.rng, 1, KV_HEADS, kv=True)
             if not self._call("CacheDecode", context + step + 1,
                               lambda q=q, k1=k1, v1=v1: cache.decode(q, [cache_id], k1, v1),
                               q.shape):
@@ -242,10 +265,11 @@ class AttentionUser(User):
 @events.test_start.add_listener
 def _describe(environment, **_kwargs) -> None:
     log.info(
-        "target=%s dtype=%s heads=%d/%d head_dim=%d prefill len=%s x<=%d causal=%s "
+        "target=%s dtype=%s kv_dtype=%s heads=%d/%d head_dim=%d prefill len=%s x<=%d causal=%s "
         "decode ctx=%s x<=%d session steps=%d weights prefill:decode:session=%d:%d:%d",
         environment.host or TARGET,
         DTYPE,
+        KV_DTYPE,
         HEADS,
         KV_HEADS,
         HEAD_DIM,

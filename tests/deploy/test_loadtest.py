@@ -90,6 +90,21 @@ def test_locust_run_has_no_failures(server: Server, tmp_path: Path) -> None:
     assert float(rows["Prefill"]["Average Content Size"]) > 0  # response bytes were counted
 
 
+def test_locust_fp8_run_has_no_failures(server: Server, tmp_path: Path) -> None:
+    """LOADTEST_KV_DTYPE=float8_e4m3fn: e4m3 k/v with scales in Prefill/Decode, FP8 caches fed
+    bf16 prompts and e4m3 steps; every call succeeds."""
+    prefix = tmp_path / "fp8"
+    res = _locust(server.target, "8s", prefix, LOADTEST_DTYPE="bfloat16",
+                  LOADTEST_KV_DTYPE="float8_e4m3fn")
+    log = res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.returncode == 0, log
+    assert "kv_dtype=float8_e4m3fn" in res.stdout + res.stderr  # the run said what it sent
+    rows = _rows(prefix)
+    for name in ("Prefill", "Decode", "AppendKV", "CacheDecode"):
+        assert name in rows, (name, log)
+        assert int(rows[name]["Request Count"]) > 0 and int(rows[name]["Failure Count"]) == 0
+
+
 def test_locust_fails_the_process_on_failed_requests(tmp_path: Path) -> None:
     with socket.socket() as s:  # a port nobody listens on: every call fails UNAVAILABLE
         s.bind(("127.0.0.1", 0))
