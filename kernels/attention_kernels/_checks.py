@@ -150,8 +150,9 @@ def check_paged_inputs(
 
 
 def check_kv_scales(k: torch.Tensor, k_scale: torch.Tensor | None,
-                    v_scale: torch.Tensor | None) -> bool:
-    """FP8 K/V need float32 ``k_scale`` and ``v_scale`` ``[num_kv_heads]`` on K's device;
+                    v_scale: torch.Tensor | None, batch: int) -> bool:
+    """FP8 K/V need float32 ``k_scale`` and ``v_scale`` on K's device, ``[num_kv_heads]`` (one
+    per kv head) or ``[batch, num_kv_heads]`` (per sequence and kv head), both the same shape;
     other K/V take none. Returns whether K/V are FP8. Reads no values."""
     fp8 = k.dtype in FP8_KV_DTYPES
     if not fp8:
@@ -159,16 +160,31 @@ def check_kv_scales(k: torch.Tensor, k_scale: torch.Tensor | None,
             raise ValueError(f"k_scale / v_scale are for float8_e4m3fn k and v; k is {k.dtype}")
         return False
     heads = k.shape[-2]
+    shapes = ((heads,), (batch, heads))
     for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         if s is None:
             raise ValueError(f"{name} is required with float8_e4m3fn k and v (float32 "
                              f"[num_kv_heads={heads}], see attention_kernels.fp8)")
-        if s.dtype != torch.float32 or tuple(s.shape) != (heads,):
-            raise ValueError(f"{name} must be float32 [num_kv_heads={heads}], got {s.dtype} "
-                             f"{list(s.shape)}")
+        if s.dtype != torch.float32 or tuple(s.shape) not in shapes:
+            raise ValueError(f"{name} must be float32 [num_kv_heads={heads}] or [batch={batch}, "
+                             f"num_kv_heads={heads}], got {s.dtype} {list(s.shape)}")
         if s.device != k.device:
             raise ValueError(f"{name} is on {s.device} but k is on {k.device}")
+    assert k_scale is not None and v_scale is not None
+    if k_scale.shape != v_scale.shape:
+        raise ValueError(f"k_scale {list(k_scale.shape)} and v_scale {list(v_scale.shape)} "
+                         "must have the same shape")
     return True
+
+
+def kv_scale_args(kv_scales: tuple[torch.Tensor, torch.Tensor] | None
+                  ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """The kernels' ``(KScale, VScale, stride_sb)``: the scale of (sequence ``b``, kv head
+    ``g``) is at ``KScale + b * stride_sb + g`` (stride 0 for per-head scales)."""
+    if kv_scales is None:
+        return None, None, 0
+    ks, vs = (s.contiguous() for s in kv_scales)
+    return ks, vs, (ks.shape[1] if ks.dim() == 2 else 0)
 
 
 def check_paged_values(block_table: torch.Tensor, seqlens_k: torch.Tensor, num_pages: int,

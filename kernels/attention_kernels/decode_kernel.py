@@ -34,6 +34,7 @@ from attention_kernels._checks import (
     check_features,
     check_kv_scales,
     check_paged_inputs,
+    kv_scale_args,
     output_buffer,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
@@ -151,13 +152,13 @@ def _merge_group(
 
 
 @triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits", "stride_tb", "win_left",
-                               "stride_ab"])
+                               "stride_ab", "stride_sb"])
 def _decode_split_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Counter, cu_k, Table,
     stride_qb, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ob, stride_oh,
     stride_tb, stride_kp, stride_vp,
     qk_scale, num_kv_heads, group, num_splits,
-    win_left, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale,
+    win_left, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale, stride_sb,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
@@ -169,8 +170,9 @@ def _decode_split_kernel(
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
     Window (``HAS_WINDOW``): the query sees keys ``[seqlen - 1 - win_left, seqlen)``; that range,
     not the whole sequence, is split. ALiBi: the slope of (sequence b, head h) is
-    ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` stands for its values
-    times ``KScale[g]`` / ``VScale[g]``.
+    ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` of sequence ``b`` stands
+    for its values times ``KScale[b * stride_sb + g]`` / ``VScale[...]`` (``stride_sb`` 0: one
+    scale per kv head).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     split = tl.program_id(0)
@@ -219,7 +221,7 @@ def _decode_split_kernel(
     )
 
     if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
-        k_s = tl.load(KScale + kv_head)
+        k_s = tl.load(KScale + seq * stride_sb + kv_head)
         qk_scale = qk_scale * k_s
         if HAS_SOFTCAP:
             cap_scale = cap_scale * k_s
@@ -256,7 +258,7 @@ def _decode_split_kernel(
     )
 
     if KV_FP8:
-        acc = acc * tl.load(VScale + kv_head)
+        acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # log2-domain lse of this split; -inf for an empty split (weight 0 in the merge).
@@ -392,11 +394,12 @@ def decode(
         alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
             ``-slope * (seqlen_k - 1 - j)`` to the logit of key ``j`` (after the softcap).
         k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
-            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``).
+            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``); or
+            ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
     Empty sequences give zeros (lse -inf).
     """
     check_decode_inputs(q, k, v, cu_seqlens_k)
-    fp8 = check_kv_scales(k, k_scale, v_scale)
+    fp8 = check_kv_scales(k, k_scale, v_scale, q.shape[0])
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                             q.device)
     _check_kernel_args(q, num_splits)
@@ -447,7 +450,7 @@ def paged_decode(
         outputs as in ``decode``. One compiled variant per page size.
     """
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
-    fp8 = check_kv_scales(k_pages, k_scale, v_scale)
+    fp8 = check_kv_scales(k_pages, k_scale, v_scale, q.shape[0])
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                             q.device)
     _check_kernel_args(q, num_splits)
@@ -547,7 +550,7 @@ def _decode(
             q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1), *strides[4:],
             scale * LOG2E, num_kv_heads, group, num_splits,
             win_left if has_window else None, cap_scale, cap_log2, slopes, stride_ab,
-            *(kv_scales if kv_scales is not None else (None, None)),
+            *kv_scale_args(kv_scales),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
             DOT_F32=dot_in_fp32(q.dtype), PAGED=paged, PAGE_TOKENS=page_tokens,

@@ -20,7 +20,9 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [..., H_kv, D]`` as (float8_e4m3fn values, float32 scales ``[H_kv]``). Without
     ``scale``, each head's is its absolute maximum over 448 (every value representable, none
-    saturated); with one, values beyond ``448 * scale`` saturate to +-448."""
+    saturated); with one, values beyond ``448 * scale`` saturate to +-448. A given ``scale``
+    may also be ``[rows, H_kv]`` for ``x [rows, H_kv, D]``: one per row and kv head (rows of
+    packed sequences with scales of their own)."""
     if x.dim() < 2:
         raise ValueError(f"x must be [..., num_kv_heads, head_dim], got shape {tuple(x.shape)}")
     heads = x.shape[-2]
@@ -29,13 +31,23 @@ def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None = None
         per_head = xf.abs().movedim(-2, 0).reshape(heads, -1)
         amax = per_head.amax(dim=1) if per_head.shape[1] else per_head.new_zeros(heads)
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    if scale.shape != (heads,):
-        raise ValueError(f"scale must be [num_kv_heads={heads}], got shape {tuple(scale.shape)}")
+    per_row = x.dim() == 3 and tuple(scale.shape) == (x.shape[0], heads)
+    if tuple(scale.shape) != (heads,) and not per_row:
+        raise ValueError(f"scale must be [num_kv_heads={heads}] (or [rows, num_kv_heads] for "
+                         f"3-D x), got shape {tuple(scale.shape)}")
     scale = scale.to(device=x.device, dtype=torch.float32)
-    q = (xf / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q = (xf / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return q, scale
 
 
-def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``x`` (float8_e4m3fn ``[..., H_kv, D]``) times its per-head ``scale``, in ``dtype``."""
-    return x.to(dtype) * scale.to(dtype)[:, None]
+def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (float8_e4m3fn ``[..., H_kv, D]``) times its per-head ``scale``, in ``dtype``.
+    With per-sequence scales (``[batch, H_kv]``), ``x`` is packed ``[total, H_kv, D]`` and
+    ``cu_seqlens`` (``[batch + 1]``) says which rows take which sequence's scales."""
+    if scale.dim() == 2:
+        if cu_seqlens is None:
+            raise ValueError("per-sequence scales [batch, num_kv_heads] need cu_seqlens")
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=scale.device, dtype=torch.int64)
+        scale = scale.repeat_interleave(lens, dim=0)  # [total, H_kv]: each row's scales
+    return x.to(dtype) * scale.to(dtype)[..., None]

@@ -46,6 +46,7 @@ from attention_kernels._checks import (
     check_kv_scales,
     check_paged_inputs,
     check_prefill_inputs,
+    kv_scale_args,
     output_buffer,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
@@ -177,13 +178,13 @@ def _prefill_inner(
 
 
 @triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "stride_tb",
-                               "win_left", "win_right", "stride_ab"])
+                               "win_left", "win_right", "stride_ab", "stride_sb"])
 def _prefill_kernel(
     Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_lh, stride_tb, stride_kp, stride_vp,
     qk_scale, batch, num_heads, group, num_slots,
-    win_left, win_right, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale,
+    win_left, win_right, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale, stride_sb,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
@@ -196,7 +197,8 @@ def _prefill_kernel(
     Window (``HAS_WINDOW``): ``win_left`` / ``win_right`` >= 0, causal already folded into
     ``win_right = 0``, unbounded sides already replaced by a bound no row reaches. ALiBi: the
     slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv
-    head ``g`` stands for its values times ``KScale[g]`` / ``VScale[g]``.
+    head ``g`` of sequence ``b`` stands for its values times ``KScale[b * stride_sb + g]`` /
+    ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
@@ -219,7 +221,7 @@ def _prefill_kernel(
     k_start, seqlen_k = seq_keys(cu_k, seq, PAGED)
     kv_head = head // group
     if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
-        k_s = tl.load(KScale + kv_head)
+        k_s = tl.load(KScale + seq * stride_sb + kv_head)
         qk_scale = qk_scale * k_s
         if HAS_SOFTCAP:
             cap_scale = cap_scale * k_s
@@ -305,7 +307,7 @@ def _prefill_kernel(
     )
 
     if KV_FP8:
-        acc = acc * tl.load(VScale + kv_head)
+        acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -411,7 +413,8 @@ def prefill(
         alibi_slopes: float32 ``[H]`` or ``[batch, H]`` (trusted values): adds
             ``-slope * |p - j|`` to the logit (after the softcap).
         k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
-            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``).
+            kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``); or
+            ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
 
     fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
     """
@@ -419,7 +422,7 @@ def prefill(
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
     check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    fp8 = check_kv_scales(k, k_scale, v_scale)
+    fp8 = check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                             cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
@@ -469,7 +472,7 @@ def paged_prefill(
     """
     del max_seqlen_q, max_seqlen_k
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
-    fp8 = check_kv_scales(k_pages, k_scale, v_scale)
+    fp8 = check_kv_scales(k_pages, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                             cu_seqlens_q.shape[0] - 1, q.device)
     _check_not_float64(q)
@@ -582,7 +585,7 @@ def _prefill(
         lse.stride(0) if return_lse else 0, *strides[4:],
         scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
         win_left, win_right, cap_scale, cap_log2, slopes, stride_ab,
-        *(kv_scales if kv_scales is not None else (None, None)),
+        *kv_scale_args(kv_scales),
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,

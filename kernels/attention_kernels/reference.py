@@ -115,8 +115,8 @@ def prefill_ref(
     v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length attention prefill; same signature and semantics as ``prefill``.
-    FP8 ``k, v`` (float8_e4m3fn with float32 ``k_scale, v_scale [H_kv]``) are dequantized
-    (``fp8.dequantize_kv``) in the compute dtype first.
+    FP8 ``k, v`` (float8_e4m3fn with float32 ``k_scale, v_scale``, ``[H_kv]`` or per sequence
+    ``[batch, H_kv]``) are dequantized (``fp8.dequantize_kv``) in the compute dtype first.
 
     ``compute_dtype`` (default float32, float64 for float64 inputs) is the precision of the
     arithmetic; pass ``torch.float64`` for an oracle. The output has the input dtype; ``lse`` is
@@ -133,8 +133,9 @@ def prefill_ref(
     group = num_heads // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     cdt = compute_dtype or _default_compute_dtype(q.dtype)
-    if check_kv_scales(k, k_scale, v_scale):
-        k, v = dequantize_kv(k, k_scale, cdt), dequantize_kv(v, v_scale, cdt)  # type: ignore[arg-type]
+    if check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1):
+        k = dequantize_kv(k, k_scale, cdt, cu_seqlens_k)  # type: ignore[arg-type]
+        v = dequantize_kv(v, v_scale, cdt, cu_seqlens_k)  # type: ignore[arg-type]
 
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()

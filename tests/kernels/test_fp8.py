@@ -49,6 +49,24 @@ def _kv(total: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
     return k, v, k8, v8, ks, vs
 
 
+def _kv_per_sequence(lens: list[int], kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
+    """Like ``_kv``, but sequence ``b``'s values are 30**b and its keys 0.1**b times the
+    first's (keys shrink so the logits stay tame), each sequence quantized with scales of its
+    own: ``ks, vs [batch, H_kv]``. One shared set would flush the small ones to zero."""
+    k, v, *_ = _kv(sum(lens), kv_heads, dim)
+    parts, at = [], 0
+    for b, n in enumerate(lens):
+        kb, vb = k[at : at + n] * 0.1 ** b, v[at : at + n] * 30.0 ** b
+        k[at : at + n], v[at : at + n] = kb, vb
+        parts.append((quantize_kv(kb), quantize_kv(vb)))
+        at += n
+    k8 = torch.cat([kq for (kq, _), _ in parts])
+    v8 = torch.cat([vq for _, (vq, _) in parts])
+    ks = torch.stack([s for (_, s), _ in parts])
+    vs = torch.stack([s for _, (_, s) in parts])
+    return k, v, k8, v8, ks, vs
+
+
 def _check(got: torch.Tensor, ref8: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     err = rel_err(got, ref8)
     assert err < TOL[dtype], f"vs the dequantized reference: {err:.3g} >= {TOL[dtype]:.3g}"
@@ -57,11 +75,13 @@ def _check(got: torch.Tensor, ref8: torch.Tensor, ref: torch.Tensor, dtype: torc
 
 
 def _decode_case(lens: list[int], heads: int, kv_heads: int, dim: int, dtype: torch.dtype,
-                 splits: int, paged_tokens: int = 0, **features: object) -> None:
+                 splits: int, paged_tokens: int = 0, per_seq: bool = False,
+                 **features: object) -> None:
     batch, total = len(lens), sum(lens)
     cu = cu_seqlens(lens)
     q = randn(batch, heads, dim, dtype=dtype)
-    k, v, k8, v8, ks, vs = _kv(total, kv_heads, dim)
+    k, v, k8, v8, ks, vs = (_kv_per_sequence(lens, kv_heads, dim) if per_seq
+                            else _kv(total, kv_heads, dim))
     out = torch.empty_like(q)
     lse = torch.empty(batch, heads, dtype=torch.float32, device=DEVICE)
     poison_(out)
@@ -115,11 +135,12 @@ def test_decode_with_score_features(features: dict) -> None:
 
 
 def _prefill_case(len_q: list[int], len_k: list[int], heads: int, kv_heads: int, dim: int,
-                  dtype: torch.dtype, causal: bool, paged_tokens: int = 0,
+                  dtype: torch.dtype, causal: bool, paged_tokens: int = 0, per_seq: bool = False,
                   **features: object) -> None:
     cu_q, cu_k = cu_seqlens(len_q), cu_seqlens(len_k)
     q = randn(sum(len_q), heads, dim, dtype=dtype)
-    k, v, k8, v8, ks, vs = _kv(sum(len_k), kv_heads, dim)
+    k, v, k8, v8, ks, vs = (_kv_per_sequence(len_k, kv_heads, dim) if per_seq
+                            else _kv(sum(len_k), kv_heads, dim))
     out = torch.empty_like(q)
     lse = torch.empty(heads, q.shape[0], dtype=torch.float32, device=DEVICE)
     poison_(out)
@@ -157,6 +178,20 @@ def test_paged_prefill(page_tokens: int) -> None:
     _prefill_case([3, 20], [50, 20], 8, 2, 64, torch.bfloat16, True, paged_tokens=page_tokens)
 
 
+@pytest.mark.parametrize("paged_tokens", [0, 16], ids=["contiguous", "paged"])
+def test_per_sequence_scales(paged_tokens: int) -> None:
+    """``k_scale, v_scale [batch, H_kv]``: sequences whose magnitudes differ 10-30x per step,
+    each quantized with its own scales (one shared set would lose the small ones), in decode
+    (split and not) and prefill, contiguous and paged; with a softcap, whose scale K's folds
+    into."""
+    _decode_case([40, 0, 17, 3], 8, 2, 64, torch.bfloat16, 3, paged_tokens=paged_tokens,
+                 per_seq=True)
+    _decode_case([9, 70], 8, 4, 64, torch.float16, 1, paged_tokens=paged_tokens, per_seq=True,
+                 softcap=20.0)
+    _prefill_case([3, 20, 0], [50, 20, 6], 8, 2, 64, torch.bfloat16, True,
+                  paged_tokens=paged_tokens, per_seq=True)
+
+
 def test_prefill_with_window_and_softcap() -> None:
     _prefill_case([40, 17], [40, 30], 4, 4, 64, torch.float16, True, window_size=(11, 0),
                   softcap=8.0)
@@ -171,6 +206,9 @@ def test_bad_scales_and_dtypes_raise() -> None:
         ({"k": k8, "v": v8, "k_scale": ks}, "v_scale is required"),
         ({"k": k8, "v": v8, "k_scale": ks.double(), "v_scale": vs}, "k_scale must be float32"),
         ({"k": k8, "v": v8, "k_scale": ks[:1], "v_scale": vs}, "num_kv_heads=2"),
+        ({"k": k8, "v": v8, "k_scale": ks.expand(3, 2), "v_scale": vs.expand(3, 2)},
+         r"\[batch=2, num_kv_heads=2\]"),
+        ({"k": k8, "v": v8, "k_scale": ks.expand(2, 2), "v_scale": vs}, "the same shape"),
         ({"k": k.half(), "v": v.half(), "k_scale": ks, "v_scale": vs}, "float8_e4m3fn"),
         ({"k": k8, "v": v.half(), "k_scale": ks, "v_scale": vs}, "dtypes differ"),
     ]
