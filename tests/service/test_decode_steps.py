@@ -138,19 +138,22 @@ def test_a_reused_staging_is_refilled_exactly(b: int) -> None:
 # CPU (the kernels under TRITON_INTERPRET=1); test_decode_steps_gpu.py adds the CUDA graphs.
 
 FP8 = torch.float8_e4m3fn
-SCALES = ((0.02, 0.5), (0.01, 0.04))  # per kv head: keys, values
+# Per kv head (keys, values), per sequence: caches of different scales share a launch.
+SCALES = [((0.02, 0.5), (0.01, 0.04)), ((0.3, 0.001), (0.2, 0.5)), ((1.0, 1.0), (0.05, 0.05))]
 
 
 def _fp8_step(seq_lens: list[int], seed: int, send_fp8: bool) -> tuple[Job, torch.Tensor]:
-    """A bf16 step over an FP8 pool (random e4m3 contents, its ``SCALES``), one new token per
-    sequence, sent in bf16 (``send_fp8`` False: the engine quantizes it) or already as e4m3."""
+    """A bf16 step over an FP8 pool (random e4m3 contents; sequence i's cache has scales
+    ``SCALES[i]``), one new token per sequence, sent in bf16 (``send_fp8`` False: the engine
+    quantizes it with its cache's scales) or already as e4m3."""
     from attention_kernels import quantize_kv
 
     job = _step(seq_lens, new=True, seed=seed)
     g = torch.Generator().manual_seed(seed + 100)
     pages = job.cache.k_pages.shape[0]  # type: ignore[union-attr]
     pool = (torch.randn(pages, PAGE_TOKENS, HKV, D, generator=g) * 100).to(FP8)
-    ks, vs = (torch.tensor(s) for s in SCALES)
+    scales = SCALES[: len(seq_lens)]
+    ks, vs = (torch.tensor([s[i] for s in scales]) for i in (0, 1))  # [batch, H_kv]
     q, k, v = job.q.bfloat16(), job.k.bfloat16(), job.v.bfloat16()
     if send_fp8:
         k, v = quantize_kv(k, ks)[0], quantize_kv(v, vs)[0]
@@ -162,7 +165,7 @@ def _fp8_step(seq_lens: list[int], seed: int, send_fp8: bool) -> tuple[Job, torc
     job.lse = torch.full((len(seq_lens), H), float("nan"))
     work = job.cache
     assert work is not None
-    work.k_pages, work.v_pages, work.kv_scales = pool, pool.clone(), SCALES
+    work.k_pages, work.v_pages, work.seq_scales = pool, pool.clone(), scales
     return job, pool
 
 
@@ -175,10 +178,22 @@ def test_fp8_staging_holds_one_byte_keys_and_values() -> None:
     assert staging.views["k"].dtype == FP8 and staging.views["q"].dtype == torch.bfloat16
     staging.fill(plan, shape)
     assert torch.equal(staging.views["k"][:2].view(torch.uint8), job.k.view(torch.uint8))
-    # Caches of other scales are another key: another bucket, another graph.
+    scales = staging.views["scales"]  # [k/v, batch bucket, H_kv]; padding rows 1
+    want = torch.tensor([[s[0] for s in SCALES[:2]], [s[1] for s in SCALES[:2]]])
+    torch.testing.assert_close(scales[:, :2], want, rtol=0, atol=0)
+    assert (scales[:, 2:] == 1).all()
+    assert "new_scales" not in staging.views  # FP8 tokens: stored as sent
+    # Caches of other scales are the same key: the same bucket, the same graph.
     other, _ = _fp8_step([5, 9], seed=8, send_fp8=True)
-    other.cache.kv_scales = ((0.02, 0.5), (0.01, 0.05))  # type: ignore[union-attr]
-    assert StepShape.of(BatchPlan([other])) != shape
+    other.cache.seq_scales = [((0.5, 0.5), (0.5, 0.5))] * 2  # type: ignore[union-attr]
+    assert StepShape.of(BatchPlan([other])) == shape
+    bf16_in, _ = _fp8_step([5, 9, 1], seed=8, send_fp8=False)
+    plan = BatchPlan([bf16_in])
+    shape = StepShape.of(plan)
+    staging = Staging(shape, pin=False)
+    staging.fill(plan, shape)
+    new = staging.views["new_scales"]  # one row per new token, padding repeats row 0
+    assert new[0, :4, 0].tolist() == pytest.approx([0.02, 0.3, 1.0, 0.02])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0"),
@@ -203,7 +218,8 @@ def test_fp8_step_runs_eagerly_like_the_reference(send_fp8: bool) -> None:
     staging.fill(plan, shape)
     graph.dev_u8.copy_(staging.u8)
     graph.run_eager()
-    ks, vs = (torch.tensor(s) for s in SCALES)
+    assert work.seq_scales is not None
+    ks, vs = (torch.tensor([s[i] for s in work.seq_scales]) for i in (0, 1))
     want_k = job.k if send_fp8 else quantize_kv(job.k, ks)[0]
     slots = (torch.tensor(work.slot_pages), torch.tensor(work.slot_offsets))
     assert torch.equal(work.k_pages[slots].view(torch.uint8), want_k.view(torch.uint8))

@@ -145,26 +145,28 @@ def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
 
 @pytest.mark.parametrize("send_fp8", [False, True], ids=["bf16-in", "fp8-in"])
 def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
-    """FP8 pool (per-kv-head scales): new tokens sent in bf16 are quantized inside the graph,
-    FP8 ones stored as sent; outputs match the reference on the dequantized pool and the pool
-    holds exactly the quantized tokens."""
+    """FP8 pool, each job's caches with scales of their own (one launch): new tokens sent in
+    bf16 are quantized inside the graph with their cache's scales, FP8 ones stored as sent;
+    outputs match the reference on the dequantized pool and the pool holds exactly the
+    quantized tokens."""
     from attention_kernels import quantize_kv
 
     heads, kv_heads, dim = 16, 4, 128
     pool = Pool(64, kv_heads, dim, torch.bfloat16)
-    scales = (tuple(0.01 * (i + 1) for i in range(kv_heads)),
-              tuple(0.02 * (i + 1) for i in range(kv_heads)))
-    ks, vs = (torch.tensor(s, device="cuda") for s in scales)
-    pool.k = quantize_kv(pool.k * 3, ks)[0]
-    pool.v = quantize_kv(pool.v * 3, vs)[0]
+    base = torch.arange(1, kv_heads + 1, dtype=torch.float32)
+    job_scales = [(tuple((0.01 * base).tolist()), tuple((0.02 * base).tolist())),
+                  (tuple((0.3 * base).tolist()), tuple((0.005 * base).tolist()))]
+    pool.k = (pool.k * 3).to(FP8)
+    pool.v = (pool.v * 3).to(FP8)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
     for round_ in range(2):  # the second launch replays the captured graph
         jobs = [_job(pool, [37, 200], 1, heads, 20 + round_),
                 _job(pool, [5], 1, heads, 30 + round_)]
-        for job in jobs:
+        for job, scales in zip(jobs, job_scales, strict=True):
+            ks, vs = (torch.tensor(s) for s in scales)
             q = job.q.to(torch.bfloat16)
             k, v = job.k.to(torch.bfloat16), job.v.to(torch.bfloat16)
-            k8, v8 = quantize_kv(k, ks.cpu())[0], quantize_kv(v, vs.cpu())[0]
+            k8, v8 = quantize_kv(k, ks)[0], quantize_kv(v, vs)[0]
             if send_fp8:
                 k, v = k8, v8
             job.params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[q.dtype], tuple(q.shape),
@@ -174,7 +176,8 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
             job.out = torch.full_like(q, float("nan")).pin_memory()
             work = job.cache
             assert work is not None
-            work.k_pages, work.v_pages, work.kv_scales = pool.k, pool.v, scales
+            work.k_pages, work.v_pages = pool.k, pool.v
+            work.seq_scales = [scales] * len(work.seq_lens)
             for i, (p, o) in enumerate(zip(work.slot_pages, work.slot_offsets, strict=True)):
                 expect_k[p, o] = k8[i].cuda()
                 expect_v[p, o] = v8[i].cuda()
@@ -183,16 +186,20 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
         steps.launch(plan, round_ % 2).wait()
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))
         assert torch.equal(pool.v.view(torch.uint8), expect_v.view(torch.uint8))
-        for job in jobs:
+        for job, scales in zip(jobs, job_scales, strict=True):
             work = job.cache
             assert work is not None
             width = max(len(r) for r in work.block_table)
             table = torch.tensor([r + [0] * (width - len(r)) for r in work.block_table],
                                  dtype=torch.int32, device="cuda")
             lens = torch.tensor(work.seq_lens, dtype=torch.int32, device="cuda")
+            ks, vs = (torch.tensor(s, device="cuda") for s in scales)
             ref = paged_decode_ref(job.q.cuda().double(), pool.k, pool.v, table, lens,
                                    k_scale=ks, v_scale=vs)
             out = job.out.double()
             assert not out.isnan().any()
             err = ((out - ref.double().cpu()).norm() / ref.double().norm()).item()
             assert err < TOL[torch.bfloat16], err
+
+
+FP8 = torch.float8_e4m3fn

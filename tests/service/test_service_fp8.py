@@ -203,30 +203,42 @@ def test_fp8_decode_refusal_and_info(server) -> None:  # type: ignore[no-untyped
 # ---- batching -------------------------------------------------------------------------------
 
 
-def test_fp8_requests_merge_only_with_equal_scales(start_server) -> None:  # type: ignore[no-untyped-def]
+def test_fp8_requests_of_any_scales_share_a_launch(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Scales are per sequence in the launch: FP8 requests with their own scales merge (and
+    each gets its own answer); FP8 and 16-bit k/v do not."""
     backend = StepBackend()
     srv = start_server(backend=backend, batching=True, warmup=False)
     shared = (torch.tensor([0.02, 0.5]), torch.tensor([0.01, 0.03]))
     reqs = [fp8_prefill_req(i, [3 + i, 5], scale_of=shared) for i in range(3)]
     reqs += [fp8_prefill_req(10 + i, [4, 2 + i]) for i in range(2)]  # scales of their own
     reqs += [fp8_prefill_req(20, [6])]
+    plain = Req("Prefill", *_plain_prefill(21, [4, 3]))  # same shapes, bf16 k/v: its own key
     blocker = fp8_prefill_req(99, [2])
     with ThreadPoolExecutor(len(reqs) + 2) as pool:
         first = start_all(pool, srv, [blocker])[0]
         assert backend.wait_launches(1)
-        futures = start_all(pool, srv, reqs)
-        assert wait_until(lambda: srv.server.executor.queue_depth(Op.PREFILL) == len(reqs))
+        futures = start_all(pool, srv, [*reqs, plain])
+        assert wait_until(lambda: srv.server.executor.queue_depth(Op.PREFILL) == len(reqs) + 1)
         backend.open_all()
         responses = [f.result(30) for f in futures]
         first.result(30)
-    for req, resp in zip(reqs, responses, strict=True):
+    for req, resp in zip([*reqs, plain], responses, strict=True):
         _no_nan(resp)
         req.check(resp)
-    assert [r.stats.batch_requests for r in responses] == [3, 3, 3, 1, 1, 1]
-    assert sorted(backend.batch_sizes()[1:]) == [1, 1, 1, 3]
+    assert [r.stats.batch_requests for r in responses] == [6] * 6 + [1]
+    assert sorted(backend.batch_sizes()[1:]) == [1, 6]
 
 
 # ---- FP8 caches -----------------------------------------------------------------------------
+
+
+def _plain_prefill(seed: int, lengths: list[int]) -> tuple[Any, ...]:
+    """A bf16 Prefill (16-bit k/v) of fp8_prefill_req's shapes: (messages, out, lse, dtype,
+    tokens) for a Req."""
+    cu = cu_from_lengths(lengths)
+    q, k, v = random_qkv(cu[-1], cu[-1], 4, 2, 40, torch.bfloat16, seed=seed)
+    out, _ = prefill_oracle(q, k, v, cu, causal=True)
+    return list(prefill_messages(q, k, v, cu, causal=True)), out, None, torch.bfloat16, cu[-1]
 
 
 def _fp8_layout(kv_heads: int, dim: int, ks: torch.Tensor, vs: torch.Tensor,
@@ -358,8 +370,8 @@ def test_fp8_cache_layout_refusals(server, lay, field) -> None:  # type: ignore[
 
 
 def test_fp8_cache_request_refusals(server) -> None:  # type: ignore[no-untyped-def]
-    """FP8 tokens for a bf16 cache, scales in a cached header, and one request over caches of
-    different scales: refused naming the field, nothing stored."""
+    """FP8 tokens for a bf16 cache, scales in a cached header, and one request over an FP8
+    and a bf16 cache: refused naming the field, nothing stored."""
     stub = server.stub()
     ks, vs = torch.tensor([0.1, 0.2]), torch.tensor([0.3, 0.4])
     stub.CreateCaches(pb.CreateCachesRequest(cache_ids=["r8"], layout=_fp8_layout(2, 16, ks, vs)),
@@ -372,7 +384,6 @@ def test_fp8_cache_request_refusals(server) -> None:  # type: ignore[no-untyped-
     cases = [
         (["r16"], q[:1], k[:1].to(FP8), v[:1].to(FP8), None, "header.k.dtype"),
         (["r8"], q[:1], k[:1].to(FP8), v[:1].to(FP8), GOOD, "header.kv_scales"),
-        (["r8", "r8b"], q, k, v, None, "header.cache.cache_ids[1]"),
         (["r8", "r16"], q, k, v, None, "header.cache.cache_ids[1]"),
     ]
     for ids, qq, kk, vv, scales, field in cases:
@@ -385,6 +396,33 @@ def test_fp8_cache_request_refusals(server) -> None:  # type: ignore[no-untyped-
     listed = stub.ListCaches(pb.ListCachesRequest(cache_ids=["r8", "r8b", "r16"]), timeout=10)
     assert [c.length for c in listed.caches] == [0, 0, 0]
     stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["r8", "r8b", "r16"]), timeout=10)
+
+
+def test_one_request_over_fp8_caches_of_different_scales(server) -> None:  # type: ignore[no-untyped-def]
+    """Each cache's tokens are quantized and read with its own scales: the step equals, per
+    sequence and bit for bit, a stateless FP8 Decode of that sequence alone."""
+    stub = server.stub()
+    _, k, v = random_qkv(1, 24, 4, 2, 16, torch.bfloat16, seed=12)
+    scales = [(quantize_kv(k)[1] * f, quantize_kv(v)[1] * f) for f in (1.0, 40.0)]
+    for cid, (ks, vs) in zip(("d0", "d1"), scales, strict=True):
+        stub.CreateCaches(pb.CreateCachesRequest(cache_ids=[cid], layout=_fp8_layout(
+            2, 16, ks, vs)), timeout=10)
+    collect(stub.AppendKV(append_messages(["d0", "d1"], k[:20], v[:20], [9, 11]), timeout=30))
+    q, kn, vn = random_qkv(2, 2, 4, 2, 16, torch.bfloat16, seed=13)
+    r = collect(stub.CacheDecode(cache_decode_messages(["d0", "d1"], q, kn, vn), timeout=30))
+    _no_nan(r)
+    rows = ((0, 9), (9, 20))
+    for i, ((ks, vs), (a, b)) in enumerate(zip(scales, rows, strict=True)):
+        kk = quantize_kv(torch.cat([k[a:b], kn[i : i + 1]]), ks)[0]
+        vv = quantize_kv(torch.cat([v[a:b], vn[i : i + 1]]), vs)[0]
+        msgs = _with_scales(list(decode_messages(q[i : i + 1], kk, vv, [0, kk.shape[0]],
+                                                 return_lse=True)), ks, vs)
+        alone = collect(stub.Decode(iter(msgs), timeout=30))
+        assert torch.equal(r.out[i : i + 1], alone.out), i
+        exact, _ = decode_oracle(q[i : i + 1], _deq(kk, ks), _deq(vv, vs), [0, kk.shape[0]])
+        tol = TOLERANCE[torch.bfloat16]
+        torch.testing.assert_close(alone.out.double(), exact, atol=tol, rtol=tol)
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["d0", "d1"]), timeout=10)
 
 
 def test_warmup_runs_the_fp8_variants() -> None:

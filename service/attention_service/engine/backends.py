@@ -77,21 +77,23 @@ def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
     work = plan.jobs[0].cache  # one layout per batch: every job's views are the same
     assert work is not None
     if k.dtype != work.k_pages.dtype:
-        scales = plan.fp8_kwargs(k.device)
-        k = quantize_kv(k, scales["k_scale"])[0]  # type: ignore[arg-type]
-        v = quantize_kv(v, scales["v_scale"])[0]  # type: ignore[arg-type]
+        k_scale, v_scale = plan.new_token_scales(k.device)
+        k = quantize_kv(k, k_scale)[0]  # type: ignore[arg-type]
+        v = quantize_kv(v, v_scale)[0]  # type: ignore[arg-type]
     work.k_pages.index_put_(slots, k)
     work.v_pages.index_put_(slots, v)
 
 
-def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor
+def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, cu_k: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """An FP8 launch's keys and values as float32 (the cpu backend's arithmetic)."""
+    """An FP8 launch's keys and values (packed by ``cu_k``) as float32, each sequence with
+    its scales (the cpu backend's arithmetic)."""
     if not plan.key.fp8:
         return k, v
     scales = plan.fp8_kwargs(k.device)
-    return (dequantize_kv(k, scales["k_scale"], torch.float32),  # type: ignore[arg-type]
-            dequantize_kv(v, scales["v_scale"], torch.float32))  # type: ignore[arg-type]
+    cu = torch.tensor(cu_k)
+    return (dequantize_kv(k, scales["k_scale"], torch.float32, cu),  # type: ignore[arg-type]
+            dequantize_kv(v, scales["v_scale"], torch.float32, cu))  # type: ignore[arg-type]
 
 
 def fill_no_keys(plan: BatchPlan) -> None:
@@ -154,7 +156,7 @@ class CpuBackend:
         elif no_keys(plan):
             fill_no_keys(plan)
             return DoneLaunch(LaunchTimes())
-        k, v = dequantized(plan, k, v)
+        k, v = dequantized(plan, k, v, cu_k)
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None

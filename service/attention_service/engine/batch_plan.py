@@ -31,15 +31,11 @@ class BatchKey(NamedTuple):
     window: tuple[int, int] = (-1, -1)
     softcap: float = 0.0
     alibi: bool = False
-    # The wire dtype of the jobs' k/v (packed together), and the FP8 scales the kernel
-    # applies: a stateless op's own, or (cached ops) those of the caches it runs against,
-    # None when the keys and values are not FP8.
+    # The wire dtype of the jobs' k/v (packed together), and whether the kernel reads FP8
+    # keys and values (a stateless op's FP8 k/v, or FP8 caches). Their scales are per
+    # sequence in the launch (BatchPlan.seq_scales), so FP8 jobs of any scales merge.
     kv_dtype: int = 0
-    kv_scales: KvScales | None = None
-
-    @property
-    def fp8(self) -> bool:
-        return self.kv_scales is not None
+    fp8: bool = False
 
 
 def batch_key(job: Job) -> BatchKey:
@@ -53,19 +49,30 @@ def batch_key(job: Job) -> BatchKey:
         num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
         softmax_scale=scale, num_splits=params.num_splits, window=params.window,
         softcap=params.softcap, alibi=bool(params.alibi_slopes), kv_dtype=params.kv_dtype,
-        kv_scales=job.cache.kv_scales if job.cache is not None else params.kv_scales,
+        fp8=(job.cache.seq_scales if job.cache is not None else params.kv_scales) is not None,
     )
 
 
 @functools.lru_cache(maxsize=256)
 def _scale_tensors(scales: KvScales, device: str) -> tuple[object, object]:
-    """FP8 scales as float32 device tensors, made once per (scales, device): a fresh one per
-    launch would be a pageable host-to-device copy, which waits for the stream's earlier
-    work. Read-only, so launches on any stream share them."""
+    """One set of FP8 scales as float32 ``[H_kv]`` device tensors, made once per (scales,
+    device): a fresh one per launch would be a pageable host-to-device copy, which waits for
+    the stream's earlier work. Read-only, so launches on any stream share them."""
     import torch
 
     return (torch.tensor(scales[0], dtype=torch.float32, device=device),
             torch.tensor(scales[1], dtype=torch.float32, device=device))
+
+
+def scale_rows(rows: Sequence[KvScales], device: object) -> tuple[object, object]:
+    """Scales given per row (sequence or token) as float32 ``[rows, H_kv]`` tensors for
+    ``k`` and ``v``; through pinned memory and an async copy on a GPU (no stream sync)."""
+    import torch
+
+    host = torch.tensor([[k for k, _ in rows], [v for _, v in rows]], dtype=torch.float32)
+    if str(device) != "cpu":
+        host = host.pin_memory().to(device, non_blocking=True)
+    return host[0], host[1]
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -143,6 +150,21 @@ class BatchPlan:
                 self.slot_pages += work.slot_pages
                 self.slot_offsets += work.slot_offsets
             self.max_seqlen_k = max(self.seq_lens, default=0)
+        # FP8: every sequence's scales in launch order, and how many new k/v rows each
+        # sequence brings (the rows a cached op's store quantizes with those scales).
+        self.seq_scales: list[KvScales] = []
+        self.seq_new_rows: list[int] = []
+        if self.key.fp8:
+            for j in self.jobs:
+                lens = [b - a for a, b in zip(j.params.cu_seqlens_k, j.params.cu_seqlens_k[1:],
+                                              strict=False)]
+                if j.cache is not None:
+                    assert j.cache.seq_scales is not None
+                    self.seq_scales += j.cache.seq_scales
+                else:
+                    assert j.params.kv_scales is not None
+                    self.seq_scales += [j.params.kv_scales] * len(lens)
+                self.seq_new_rows += lens
         # Block-table columns (at least one, so the table is never empty).
         self.table_width = max(1, max((len(r) for r in self.block_table), default=0))
 
@@ -162,11 +184,26 @@ class BatchPlan:
         return out
 
     def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:
-        """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise)."""
-        if self.key.kv_scales is None:
+        """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise): ``[H_kv]``
+        when every sequence has the same scales (the cached tensors), else ``[batch, H_kv]``."""
+        if not self.key.fp8:
             return {}
-        k, v = _scale_tensors(self.key.kv_scales, str(device))
+        first = self.seq_scales[0]
+        if all(s == first for s in self.seq_scales):
+            k, v = _scale_tensors(first, str(device))
+        else:
+            k, v = scale_rows(self.seq_scales, device)
         return {"k_scale": k, "v_scale": v}
+
+    def new_token_scales(self, device: object = "cpu") -> tuple[object, object]:
+        """The scales each new k/v row is stored with (a cached FP8 batch): ``[H_kv]`` when
+        all equal, else ``[rows, H_kv]`` in the packed rows' order."""
+        first = self.seq_scales[0]
+        if all(s == first for s in self.seq_scales):
+            return _scale_tensors(first, str(device))
+        rows = [s for s, n in zip(self.seq_scales, self.seq_new_rows, strict=True)
+                for _ in range(n)]
+        return scale_rows(rows, device)
 
     @property
     def total_q(self) -> int:

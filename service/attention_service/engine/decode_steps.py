@@ -34,6 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 from types import ModuleType
 
+import numpy as np
 import torch
 
 from attention_kernels.fp8 import quantize_kv
@@ -41,6 +42,7 @@ from attention_service.engine.backends import TORCH_DTYPES
 from attention_service.engine.batch_plan import BatchKey, BatchPlan
 from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.params import Op
+from attention_wire.pb import attention_pb2 as pb
 
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
@@ -82,6 +84,11 @@ class StepShape:
     def store(self) -> bool:
         return self.new_rows > 0
 
+    @property
+    def quantize(self) -> bool:
+        """New tokens arrive in the queries' dtype for FP8 caches: quantized before the store."""
+        return self.key.fp8 and self.store and self.key.kv_dtype != pb.FLOAT8_E4M3
+
     @functools.cached_property
     def layout(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
         """The staged fields (name, dtype, dims, byte offset, each 128-byte aligned) and the
@@ -96,6 +103,10 @@ class StepShape:
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
         ]
+        if k.fp8:  # FP8 caches: each sequence's scales (k, v), and each new token's
+            fields.append(("scales", torch.float32, (2, self.batch, k.num_kv_heads)))
+            if self.quantize:
+                fields.append(("new_scales", torch.float32, (2, self.new_rows, k.num_kv_heads)))
         placed, at = [], 0
         for name, dt, dims in fields:
             placed.append((name, dt, dims, at))
@@ -145,6 +156,16 @@ class Staging:
             self.slots[1, n:] = plan.slot_offsets[0]
         self.lens[:b] = plan.seq_lens
         self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
+        if shape.key.fp8:
+            scales = v["scales"].numpy()
+            scales[:, :b] = np.asarray(plan.seq_scales, dtype=np.float32).transpose(1, 0, 2)
+            scales[:, b:] = 1.0  # padding rows read no keys
+            if shape.quantize:  # per new token, its sequence's scales; padding repeats row 0
+                rows = [s for s, m in zip(plan.seq_scales, plan.seq_new_rows, strict=True)
+                        for _ in range(m)]
+                new = v["new_scales"].numpy()
+                new[:, :n] = np.asarray(rows, dtype=np.float32).transpose(1, 0, 2)
+                new[:, n:] = new[:, :1]
         for i, row in enumerate(plan.block_table):
             self.table[i, : len(row)] = row  # columns past a sequence's length: never read
 
@@ -167,13 +188,11 @@ class _StepGraph:
         self.dev_u8 = torch.zeros(shape.layout[1], dtype=torch.uint8, device=device)
         self.dev = shape.carve(self.dev_u8)
         self.out, self.lse = shape.outputs(device=device)
-        # FP8 caches: the scales as device tensors that live as long as the graph (the key
-        # holds them, so one graph serves one set of scales).
+        # FP8 caches: the staged per-sequence scales ([batch, H_kv] each), so any caches'
+        # scales share the bucket's graph.
         self.fp8: dict[str, torch.Tensor] = {}
-        if shape.key.kv_scales is not None:
-            ks, vs = shape.key.kv_scales
-            self.fp8 = {"k_scale": torch.tensor(ks, dtype=torch.float32, device=device),
-                        "v_scale": torch.tensor(vs, dtype=torch.float32, device=device)}
+        if shape.key.fp8:
+            self.fp8 = {"k_scale": self.dev["scales"][0], "v_scale": self.dev["scales"][1]}
         self.graph: torch.cuda.CUDAGraph | None = None
         self._free: deque[Staging] = deque()  # popped by the dispatcher, pushed by the completer
 
@@ -182,9 +201,9 @@ class _StepGraph:
         if store and shape.store:
             slots = (d["slots"][0], d["slots"][1])
             k, v = d["k"], d["v"]
-            if k.dtype != self.k_pages.dtype:  # new tokens in the queries' dtype, FP8 cache
-                k = quantize_kv(k, self.fp8["k_scale"])[0]
-                v = quantize_kv(v, self.fp8["v_scale"])[0]
+            if shape.quantize:  # new tokens in the queries' dtype, FP8 cache
+                k = quantize_kv(k, d["new_scales"][0])[0]
+                v = quantize_kv(v, d["new_scales"][1])[0]
             self.k_pages.index_put_(slots, k)
             self.v_pages.index_put_(slots, v)
         key = shape.key

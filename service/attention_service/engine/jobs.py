@@ -37,8 +37,8 @@ class CacheWork:
     # Called once with whether the op succeeded: keeps (store) or drops the new tokens, frees
     # the caches for the next call; returns each cache's length afterwards.
     finish: Callable[[bool], tuple[int, ...]]
-    # FP8 caches: their scales (equal for every cache of the op; the pool pages are e4m3).
-    kv_scales: KvScales | None = None
+    # FP8 caches: each sequence's cache's scales (the pool pages are e4m3); None otherwise.
+    seq_scales: list[KvScales] | None = None
 
 
 @dataclass(eq=False)

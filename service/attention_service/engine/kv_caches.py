@@ -135,11 +135,11 @@ class CacheRegistry:
                       for i, cid in enumerate(ids)]
             for i, c in enumerate(caches):
                 self._check_layout(c, params, name)
-                if c.layout != caches[0].layout or c.kv_scales != caches[0].kv_scales:
+                if c.layout != caches[0].layout:
                     raise invalid(f"header.cache.cache_ids[{i}]",
                                   f"cache {c.cache_id!r} differs from {caches[0].cache_id!r} "
-                                  "in layout or FP8 scales: one request runs caches of one "
-                                  "layout and one set of scales")
+                                  "in layout (an FP8 cache and a 16-bit one): one request "
+                                  "runs caches of one layout")
                 if c.busy:
                     raise _aborted(f"header.cache.cache_ids[{i}]",
                                    f"cache {c.cache_id!r} is in use by another call; calls on "
@@ -180,7 +180,8 @@ class CacheRegistry:
         return CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
-            finish=finish, kv_scales=caches[0].kv_scales,
+            finish=finish,
+            seq_scales=[c.kv_scales for c in caches] if caches[0].kv_scales else None,  # type: ignore[misc]
         )
 
     def _finish(
