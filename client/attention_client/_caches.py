@@ -287,8 +287,9 @@ class KvCache(_KvCacheBase):
         self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
         wait_for_ready: bool | None = None,
     ) -> list[dict[str, Any]]:
-        """The server's view of caches (None: this handle's): cache_id, dtype, num_kv_heads,
-        head_dim, length, pages, shared_pages, idle_seconds, busy."""
+        """The server's view of caches (None: this handle's): cache_id, dtype, kv_dtype,
+        num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
+        v_scale for FP8 caches)."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         ids = self._own_ids(ids)
         if not ids:

@@ -235,6 +235,7 @@ _TORCH_STORAGE = {
     pb.FLOAT16: lambda torch: torch.float16,
     pb.BFLOAT16: lambda torch: torch.int16,
     pb.FLOAT32: lambda torch: torch.float32,
+    pb.FLOAT8_E4M3: lambda torch: torch.uint8,
 }
 
 
@@ -293,8 +294,11 @@ def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[in
         import torch
 
         src = x.detach()
+        # The storage dtype: the bits are what travels (a copy between dtypes would convert).
         if src.dtype == torch.bfloat16:
-            src = src.view(torch.int16)  # the storage dtype: the bits are what travels
+            src = src.view(torch.int16)
+        elif src.dtype == torch.float8_e4m3fn:
+            src = src.view(torch.uint8)
         target = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
         target.copy_(src.reshape(shape))
         return

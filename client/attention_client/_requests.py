@@ -71,13 +71,17 @@ def kv_scales_of(k_scale: Any, v_scale: Any) -> KvScales | None:
         if is_torch_tensor(x):
             x = x.detach().float().cpu().numpy()
         try:
-            arr = np.asarray(x, dtype=np.float64)
+            # float32, as the wire carries them: what is checked (and compared) is what the
+            # server gets (1e-50 would arrive as 0, 1e39 as inf).
+            with np.errstate(over="ignore", under="ignore"):
+                arr = np.asarray(x, dtype=np.float64).astype(np.float32)
         except (TypeError, ValueError):
             raise AttentionInputError(f"{name} must hold floats, got {x!r}") from None
         if arr.ndim != 1 or not arr.size:
             raise AttentionInputError(f"{name} must be 1-D [num_kv_heads], got shape {arr.shape}")
         if not (np.isfinite(arr).all() and (arr > 0).all()):
-            raise AttentionInputError(f"{name} must be finite and > 0, got {arr.tolist()}")
+            raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
+                                      f"{arr.tolist()}")
         out.append(tuple(float(s) for s in arr))
     return out[0], out[1]
 
@@ -147,7 +151,7 @@ class KvLayout:
     def from_message(cls, layout: pb.CacheLayout) -> KvLayout:
         kv_dtype = int(layout.kv_dtype) if layout.kv_dtype != layout.dtype else 0
         scales = None
-        if layout.HasField("kv_scales"):
+        if layout.HasField("kv_scales"):  # float32 on the wire, as kv_scales_of keeps them
             scales = (tuple(layout.kv_scales.k), tuple(layout.kv_scales.v))
         return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim),
                    kv_dtype, scales)
@@ -166,9 +170,11 @@ class KvLayout:
         return self.kv_dtype or self.dtype
 
     def empty_kv(self, name: str, lead: tuple[int, ...] = (0,)) -> WireTensor:
-        """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows."""
+        """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows, in the
+        stored dtype (so a step without tokens merges with steps sending FP8 ones)."""
         shape = (*lead, self.num_kv_heads, self.head_dim)
-        return WireTensor(name, np.empty(shape, storage_dtype(self.dtype)), self.dtype)
+        dtype = self.stored_dtype
+        return WireTensor(name, np.empty(shape, storage_dtype(dtype)), dtype)
 
     def check(self, t: Tensor, kv: bool) -> None:
         """AttentionInputError naming ``t`` when it does not fit: dtype, head_dim, kv heads

@@ -278,8 +278,8 @@ class AttentionClient(ClientBase):
         self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
         wait_for_ready: bool | None = None,
     ) -> list[dict[str, Any]]:
-        """The caller's caches (None: all of them) as dicts: cache_id, dtype, num_kv_heads,
-        head_dim, length, pages, shared_pages, idle_seconds, busy."""
+        """The caller's caches (None: all of them) as dicts, as ``KvCache.info`` gives them:
+        cache_id, dtype, kv_dtype, num_kv_heads, head_dim, length, pages, ... ."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         return [cache_info_dict(c) for c in self._list_caches(ids, settings).caches]
 

@@ -221,3 +221,47 @@ def test_fp8_tensors_in_a_region(server):
                                             torch.tensor([0, 12, 30], dtype=torch.int32),
                                             causal=True)
         check_out(out, ref, "float16", q0)
+
+
+def test_fp8_torch_tensors_staged_into_a_region(server):
+    """use_regions with torch FP8 k/v that live outside the region: the client copies their
+    bits (not their values) into it."""
+    q, k8, v8, ks, vs = _qkv(20, 20, seed=9, dtype=torch.float16)
+    with AttentionClient(server.target, timeout=60, use_regions=True) as c:
+        c.register_shm(1 << 20)
+        out = c.attention(q, k8, v8, causal=True, k_scale=ks, v_scale=vs)
+        assert c.last_stats["region_bytes_in"] > 0 and c.last_stats["bytes_in"] == 0
+        out_d = c.decode(q[:2], k8, v8, [0, 7, 20], k_scale=ks, v_scale=vs)
+    cu = torch.tensor([0, 20], dtype=torch.int32)
+    ref = attention_kernels.prefill_ref(q.double(), _deq(k8, ks), _deq(v8, vs), cu, causal=True)
+    check_out(out, ref, "float16", q)
+    ref_d = attention_kernels.decode_ref(q[:2].double(), _deq(k8, ks), _deq(v8, vs),
+                                         torch.tensor([0, 7, 20], dtype=torch.int32))
+    check_out(out_d, ref_d, "float16", q)
+
+
+def test_fp8_scales_are_what_float32_carries():
+    with pytest.raises(AttentionInputError, match="as float32"):
+        kv_scales_of([1e-50, 1.0], [1.0, 1.0])  # 0 once float32
+    with pytest.raises(AttentionInputError, match="as float32"):
+        kv_scales_of([1e39, 1.0], [1.0, 1.0])  # inf once float32
+    ks = kv_scales_of([0.1, 0.3], [0.7, 1 / 3])
+    assert ks == tuple(tuple(float(np.float32(x)) for x in part)
+                       for part in ((0.1, 0.3), (0.7, 1 / 3)))
+
+
+def test_fp8_step_without_tokens_on_listed_caches(client):
+    """A step with no new tokens names caches the client learned from ListCaches and from its
+    handle: one layout (scales compared as float32), the empty k/v sent in the stored dtype."""
+    ks, vs = [0.1, 0.3], [0.7, 1 / 3]
+    cache = client.kv_cache(2, 32, "bfloat16", kv_dtype="fp8", k_scale=ks, v_scale=vs)
+    _, k8, v8, _, _ = _qkv(0, 10, seed=10)
+    cache.append("L0", k8.bfloat16(), v8.bfloat16())
+    client.list_caches(["L0"])  # the layout as the server reports it
+    cache.append("L1", k8[:4].bfloat16(), v8[:4].bfloat16())
+    q = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(11)).bfloat16()
+    out = client.decode_step(q, ["L0", "L1"])
+    assert tuple(out.shape) == (2, 4, 32) and f64(out).isfinite().all()
+    empty = cache.layout.empty_kv("k")
+    assert empty.dtype == pb.FLOAT8_E4M3 and empty.nbytes == 0
+    cache.release()

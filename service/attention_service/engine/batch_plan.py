@@ -4,7 +4,6 @@ row offsets and launch parameters of a list of jobs with one key."""
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -53,25 +52,22 @@ def batch_key(job: Job) -> BatchKey:
     )
 
 
-@functools.lru_cache(maxsize=256)
-def _scale_tensors(scales: KvScales, device: str) -> tuple[object, object]:
-    """One set of FP8 scales as float32 ``[H_kv]`` device tensors, made once per (scales,
-    device): a fresh one per launch would be a pageable host-to-device copy, which waits for
-    the stream's earlier work. Read-only, so launches on any stream share them."""
-    import torch
-
-    return (torch.tensor(scales[0], dtype=torch.float32, device=device),
-            torch.tensor(scales[1], dtype=torch.float32, device=device))
-
-
 def scale_rows(rows: Sequence[KvScales], device: object) -> tuple[object, object]:
-    """Scales given per row (sequence or token) as float32 ``[rows, H_kv]`` tensors for
-    ``k`` and ``v``; through pinned memory and an async copy on a GPU (no stream sync)."""
+    """FP8 scales per row (sequence or token) as float32 tensors for ``k`` and ``v``:
+    ``[H_kv]`` when every row has the same (the kernels' shared form), else ``[rows, H_kv]``.
+    On a GPU they go up from pinned memory with an async copy on the current stream (the
+    launch's): a pageable copy would wait for the stream's earlier work. Made per launch (a
+    few hundred bytes), so no buffer is shared between streams."""
     import torch
 
+    first = rows[0]
+    if all(r == first for r in rows):
+        rows = [first]
     host = torch.tensor([[k for k, _ in rows], [v for _, v in rows]], dtype=torch.float32)
     if str(device) != "cpu":
         host = host.pin_memory().to(device, non_blocking=True)
+    if len(rows) == 1:
+        return host[0, 0], host[1, 0]
     return host[0], host[1]
 
 
@@ -185,22 +181,15 @@ class BatchPlan:
 
     def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise): ``[H_kv]``
-        when every sequence has the same scales (the cached tensors), else ``[batch, H_kv]``."""
+        when every sequence has the same scales, else ``[batch, H_kv]``."""
         if not self.key.fp8:
             return {}
-        first = self.seq_scales[0]
-        if all(s == first for s in self.seq_scales):
-            k, v = _scale_tensors(first, str(device))
-        else:
-            k, v = scale_rows(self.seq_scales, device)
+        k, v = scale_rows(self.seq_scales, device)
         return {"k_scale": k, "v_scale": v}
 
     def new_token_scales(self, device: object = "cpu") -> tuple[object, object]:
         """The scales each new k/v row is stored with (a cached FP8 batch): ``[H_kv]`` when
         all equal, else ``[rows, H_kv]`` in the packed rows' order."""
-        first = self.seq_scales[0]
-        if all(s == first for s in self.seq_scales):
-            return _scale_tensors(first, str(device))
         rows = [s for s, n in zip(self.seq_scales, self.seq_new_rows, strict=True)
                 for _ in range(n)]
         return scale_rows(rows, device)
