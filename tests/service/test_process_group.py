@@ -107,6 +107,20 @@ def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:
     assert stubs[1].ReleaseCaches(pb.ReleaseCachesRequest(all=True), timeout=10).released == 2
 
 
+def test_fp8_through_frontend_processes(group: Group) -> None:
+    """FP8 k/v and scales cross from a torch-free front end to the engine: a stateless FP8
+    Prefill and an FP8 cache session, each through a different front end."""
+    from .test_service_fp8 import fp8_cache_session, fp8_prefill_req
+
+    stubs = [pb_grpc.AttentionServiceStub(connect_to(group, pid))
+             for _, pid in sorted(group.frontend_pids().items())]
+    req = fp8_prefill_req(3, [5, 20], [9, 20], lse=True)
+    req.check(collect(stubs[0].Prefill(iter(req.messages), timeout=30)))
+    tol = TOLERANCE[torch.bfloat16]
+    fp8_cache_session(stubs[1], "group", lambda got, exact: torch.testing.assert_close(
+        got.double(), exact, atol=tol, rtol=tol))
+
+
 def test_frontends_never_load_torch(group: Group) -> None:
     for pid in group.frontend_pids().values():
         with open(f"/proc/{pid}/maps") as f:
