@@ -80,8 +80,18 @@ def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
         k_scale, v_scale = plan.new_token_scales(k.device)
         k = quantize_kv(k, k_scale)[0]  # type: ignore[arg-type]
         v = quantize_kv(v, v_scale)[0]  # type: ignore[arg-type]
-    work.k_pages.index_put_(slots, k)
-    work.v_pages.index_put_(slots, v)
+    scatter_rows(work.k_pages, slots, k)
+    scatter_rows(work.v_pages, slots, v)
+
+
+def scatter_rows(pages: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> None:
+    """``pages[slots] = rows``. One-byte (FP8) rows go as their bits through uint8 views: the
+    same bytes, and an index_put_ that every device supports for uint8 (not every one has a
+    float8 kernel for it)."""
+    if pages.element_size() == 1:
+        pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
+    pages.index_put_(slots, rows)
 
 
 def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, cu_k: list[int]

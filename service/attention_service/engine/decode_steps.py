@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from attention_kernels.fp8 import quantize_kv
-from attention_service.engine.backends import TORCH_DTYPES
+from attention_service.engine.backends import TORCH_DTYPES, scatter_rows
 from attention_service.engine.batch_plan import BatchKey, BatchPlan
 from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.params import Op
@@ -204,8 +204,8 @@ class _StepGraph:
             if shape.quantize:  # new tokens in the queries' dtype, FP8 cache
                 k = quantize_kv(k, d["new_scales"][0])[0]
                 v = quantize_kv(v, d["new_scales"][1])[0]
-            self.k_pages.index_put_(slots, k)
-            self.v_pages.index_put_(slots, v)
+            scatter_rows(self.k_pages, slots, k)
+            scatter_rows(self.v_pages, slots, v)
         key = shape.key
         self.kernels.paged_decode(
             d["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
