@@ -3,11 +3,21 @@ service): stateless Prefill/Decode, FP8 caches, and the FP8 warm-up; skipped wit
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
-from .svc_helpers import ServerHandle, collect, make_config
-from .test_service_fp8 import fp8_cache_session, fp8_decode_req, fp8_prefill_req
+from attention_service.params import Op
+
+from .batch_helpers import Steps, start_all
+from .svc_helpers import ServerHandle, collect, make_config, wait_until
+from .test_service_fp8 import (
+    fp8_cache_session,
+    fp8_decode_req,
+    fp8_mixed_scales_case,
+    fp8_prefill_req,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 # Relative-norm bounds vs float64 on the dequantized K/V (test_service_gpu's, per q dtype).
@@ -46,3 +56,45 @@ def test_fp8_cache_session_on_gpu(gpu_server) -> None:  # type: ignore[no-untype
     fp8_cache_session(gpu_server.stub(), "gpu",
                       lambda got, exact: _close(got, exact, torch.bfloat16),
                       stateless_bitwise=False)
+
+
+def test_fp8_caches_of_different_scales_in_one_request_on_gpu(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    """The general launch path with [batch, H_kv] scales: prompts quantized per row on
+    AppendKV, then one CacheDecode over caches of scales 40x apart."""
+    fp8_mixed_scales_case(gpu_server.stub(), "gpu",
+                          lambda got, exact: _close(got, exact, torch.bfloat16), bitwise=False)
+
+
+def test_fp8_requests_of_different_scales_merge_on_gpu() -> None:
+    """Stateless FP8 Prefill and Decode requests with scales of their own, held until all
+    queue: one launch per op, each caller right against its own float64 answer."""
+    from attention_service.engine.backends import CudaBackend
+
+    class CudaStepBackend(Steps, CudaBackend):
+        pass
+
+    backend = CudaStepBackend()
+    backend.open_all()
+    backend.warmup()
+    backend.reset()
+    srv = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0, warmup=False),
+                       backend=backend)
+    try:
+        reqs = [fp8_prefill_req(i, [9 + 7 * i, 30], dim=128) for i in range(4)]
+        reqs += [fp8_decode_req(10 + i, [1 + 500 * i, 0, 70], dim=128) for i in range(3)]
+        with ThreadPoolExecutor(len(reqs) + 1) as pool:
+            blocker = start_all(pool, srv, [fp8_prefill_req(99, [4], dim=128)])[0]
+            assert backend.wait_launches(1)
+            futures = start_all(pool, srv, reqs)
+            ex = srv.server.executor
+            assert wait_until(lambda: ex.queue_depth(Op.PREFILL) + ex.queue_depth(Op.DECODE)
+                              == len(reqs))
+            backend.open_all()
+            responses = [f.result(120) for f in futures]
+            blocker.result(120)
+        assert sorted(backend.batch_sizes()[1:]) == [3, 4]
+        for req, resp in zip(reqs, responses, strict=True):
+            _close(resp.out, req.out, req.dtype)
+    finally:
+        backend.open_all()
+        srv.close()

@@ -401,28 +401,37 @@ def test_fp8_cache_request_refusals(server) -> None:  # type: ignore[no-untyped-
 def test_one_request_over_fp8_caches_of_different_scales(server) -> None:  # type: ignore[no-untyped-def]
     """Each cache's tokens are quantized and read with its own scales: the step equals, per
     sequence and bit for bit, a stateless FP8 Decode of that sequence alone."""
-    stub = server.stub()
+    fp8_mixed_scales_case(server.stub(), "cpu", _max_err_within(TOLERANCE[torch.bfloat16]))
+
+
+def fp8_mixed_scales_case(stub: Any, prefix: str,
+                          close: Callable[[torch.Tensor, torch.Tensor], None],
+                          bitwise: bool = True) -> None:
+    """Two FP8 caches of scales 40x apart, prompts appended in bf16 (quantized per cache, per
+    row), one CacheDecode over both: each sequence within ``close`` of float64 on what its
+    cache stores and (``bitwise``, one code path) equal to a stateless FP8 Decode alone."""
     _, k, v = random_qkv(1, 24, 4, 2, 16, torch.bfloat16, seed=12)
     scales = [(quantize_kv(k)[1] * f, quantize_kv(v)[1] * f) for f in (1.0, 40.0)]
-    for cid, (ks, vs) in zip(("d0", "d1"), scales, strict=True):
+    ids = [f"{prefix}d0", f"{prefix}d1"]
+    for cid, (ks, vs) in zip(ids, scales, strict=True):
         stub.CreateCaches(pb.CreateCachesRequest(cache_ids=[cid], layout=_fp8_layout(
             2, 16, ks, vs)), timeout=10)
-    collect(stub.AppendKV(append_messages(["d0", "d1"], k[:20], v[:20], [9, 11]), timeout=30))
+    collect(stub.AppendKV(append_messages(ids, k[:20], v[:20], [9, 11]), timeout=30))
     q, kn, vn = random_qkv(2, 2, 4, 2, 16, torch.bfloat16, seed=13)
-    r = collect(stub.CacheDecode(cache_decode_messages(["d0", "d1"], q, kn, vn), timeout=30))
+    r = collect(stub.CacheDecode(cache_decode_messages(ids, q, kn, vn), timeout=30))
     _no_nan(r)
     rows = ((0, 9), (9, 20))
     for i, ((ks, vs), (a, b)) in enumerate(zip(scales, rows, strict=True)):
         kk = quantize_kv(torch.cat([k[a:b], kn[i : i + 1]]), ks)[0]
         vv = quantize_kv(torch.cat([v[a:b], vn[i : i + 1]]), vs)[0]
-        msgs = _with_scales(list(decode_messages(q[i : i + 1], kk, vv, [0, kk.shape[0]],
-                                                 return_lse=True)), ks, vs)
-        alone = collect(stub.Decode(iter(msgs), timeout=30))
-        assert torch.equal(r.out[i : i + 1], alone.out), i
         exact, _ = decode_oracle(q[i : i + 1], _deq(kk, ks), _deq(vv, vs), [0, kk.shape[0]])
-        tol = TOLERANCE[torch.bfloat16]
-        torch.testing.assert_close(alone.out.double(), exact, atol=tol, rtol=tol)
-    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["d0", "d1"]), timeout=10)
+        close(r.out[i : i + 1], exact)
+        if bitwise:
+            msgs = _with_scales(list(decode_messages(q[i : i + 1], kk, vv, [0, kk.shape[0]],
+                                                     return_lse=True)), ks, vs)
+            alone = collect(stub.Decode(iter(msgs), timeout=30))
+            assert torch.equal(r.out[i : i + 1], alone.out), i
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
 
 
 def test_warmup_runs_the_fp8_variants() -> None:

@@ -52,21 +52,25 @@ def batch_key(job: Job) -> BatchKey:
     )
 
 
-def scale_rows(rows: Sequence[KvScales], device: object) -> tuple[object, object]:
-    """FP8 scales per row (sequence or token) as float32 tensors for ``k`` and ``v``:
-    ``[H_kv]`` when every row has the same (the kernels' shared form), else ``[rows, H_kv]``.
-    On a GPU they go up from pinned memory with an async copy on the current stream (the
-    launch's): a pageable copy would wait for the stream's earlier work. Made per launch (a
-    few hundred bytes), so no buffer is shared between streams."""
+def scale_rows(rows: Sequence[KvScales], device: object,
+               repeats: Sequence[int] | None = None) -> tuple[object, object]:
+    """FP8 scales per row (sequence) as float32 tensors for ``k`` and ``v``: ``[H_kv]`` when
+    every row has the same (the kernels' shared form), else ``[rows, H_kv]``, or with
+    ``repeats`` row i repeated ``repeats[i]`` times (per new token: done on the host in one
+    call, not per token in Python). On a GPU they go up from pinned memory with an async copy
+    on the current stream (the launch's): a pageable copy would wait for the stream's earlier
+    work. Made per launch, so no buffer is shared between streams."""
     import torch
 
     first = rows[0]
     if all(r == first for r in rows):
-        rows = [first]
+        rows, repeats = [first], None
     host = torch.tensor([[k for k, _ in rows], [v for _, v in rows]], dtype=torch.float32)
+    if repeats is not None:
+        host = host.repeat_interleave(torch.tensor(repeats), dim=1)
     if str(device) != "cpu":
         host = host.pin_memory().to(device, non_blocking=True)
-    if len(rows) == 1:
+    if len(rows) == 1 and repeats is None:
         return host[0, 0], host[1, 0]
     return host[0], host[1]
 
@@ -190,9 +194,7 @@ class BatchPlan:
     def new_token_scales(self, device: object = "cpu") -> tuple[object, object]:
         """The scales each new k/v row is stored with (a cached FP8 batch): ``[H_kv]`` when
         all equal, else ``[rows, H_kv]`` in the packed rows' order."""
-        rows = [s for s, n in zip(self.seq_scales, self.seq_new_rows, strict=True)
-                for _ in range(n)]
-        return scale_rows(rows, device)
+        return scale_rows(self.seq_scales, device, self.seq_new_rows)
 
     @property
     def total_q(self) -> int:

@@ -161,10 +161,8 @@ class Staging:
             scales[:, :b] = np.asarray(plan.seq_scales, dtype=np.float32).transpose(1, 0, 2)
             scales[:, b:] = 1.0  # padding rows read no keys
             if shape.quantize:  # per new token, its sequence's scales; padding repeats row 0
-                rows = [s for s, m in zip(plan.seq_scales, plan.seq_new_rows, strict=True)
-                        for _ in range(m)]
                 new = v["new_scales"].numpy()
-                new[:, :n] = np.asarray(rows, dtype=np.float32).transpose(1, 0, 2)
+                new[:, :n] = np.repeat(scales[:, :b], plan.seq_new_rows, axis=1)
                 new[:, n:] = new[:, :1]
         for i, row in enumerate(plan.block_table):
             self.table[i, : len(row)] = row  # columns past a sequence's length: never read
