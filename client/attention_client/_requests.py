@@ -90,6 +90,12 @@ def _scales_message(scales: KvScales) -> pb.KvScales:
     return pb.KvScales(k=scales[0], v=scales[1])
 
 
+def _check_scale_heads(scales: KvScales, heads: int) -> None:
+    for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
+        if len(part) != heads:
+            raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+
+
 def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
     """A stateless call's FP8 scales into its header: required with FP8 k/v, refused
     otherwise."""
@@ -101,10 +107,7 @@ def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
     if scales is None:
         raise AttentionInputError("float8_e4m3fn k and v need k_scale and v_scale (one float "
                                   "per kv head: attention_kernels.quantize_kv makes them)")
-    heads = wk.shape[-2]
-    for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
-        if len(part) != heads:
-            raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+    _check_scale_heads(scales, wk.shape[-2])
     header.kv_scales.CopyFrom(_scales_message(scales))
 
 
@@ -142,9 +145,7 @@ class KvLayout:
         if scales is None:
             raise AttentionInputError("kv_dtype float8_e4m3fn needs k_scale and v_scale (one "
                                       "float per kv head)")
-        for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
-            if len(part) != heads:
-                raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+        _check_scale_heads(scales, heads)
         return cls(wire, heads, dim, stored, scales)
 
     @classmethod

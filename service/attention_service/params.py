@@ -25,6 +25,13 @@ ELEMENT_BYTES: dict[int, int] = {
 # Queries (and outputs) take these; keys and values also FLOAT8_E4M3 beside a 16-bit query.
 QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16, pb.FLOAT32)
 FP8_QUERY_DTYPES = (pb.FLOAT16, pb.BFLOAT16)
+
+
+def kv_dtype_allowed(dtype: int, kv_dtype: int) -> bool:
+    """Keys and values in ``kv_dtype`` beside queries in ``dtype``: the same, or FLOAT8_E4M3
+    beside FLOAT16/BFLOAT16 (the kernels' rule)."""
+    return kv_dtype == dtype or (kv_dtype == pb.FLOAT8_E4M3 and dtype in FP8_QUERY_DTYPES)
+
 # Per-kv-head dequantization scales of FP8 keys and values: (k scales, v scales).
 KvScales = tuple[tuple[float, ...], tuple[float, ...]]
 INPUTS = ("q", "k", "v")

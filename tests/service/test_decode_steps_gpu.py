@@ -79,14 +79,19 @@ def _expected(pool_k: torch.Tensor, pool_v: torch.Tensor, jobs: list[Job]) -> No
             pool_v[p, o] = job.v[i].cuda()
 
 
+def _table(job: Job) -> tuple[torch.Tensor, torch.Tensor]:
+    """A job's block table (rows padded with page 0) and lengths, on the GPU."""
+    work = job.cache
+    assert work is not None
+    width = max(len(r) for r in work.block_table)
+    table = torch.tensor([r + [0] * (width - len(r)) for r in work.block_table],
+                         dtype=torch.int32, device="cuda")
+    return table, torch.tensor(work.seq_lens, dtype=torch.int32, device="cuda")
+
+
 def _check(jobs: list[Job], pool_k: torch.Tensor, pool_v: torch.Tensor, heads: int) -> None:
     for job in jobs:
-        work = job.cache
-        assert work is not None
-        width = max(len(r) for r in work.block_table)
-        table = torch.tensor([r + [0] * (width - len(r)) for r in work.block_table],
-                             dtype=torch.int32, device="cuda")
-        lens = torch.tensor(work.seq_lens, dtype=torch.int32, device="cuda")
+        table, lens = _table(job)
         ref, ref_lse = paged_decode_ref(job.q.cuda(), pool_k, pool_v, table, lens,
                                         return_lse=True)
         tol = TOL[job.q.dtype]
@@ -190,12 +195,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))
         assert torch.equal(pool.v.view(torch.uint8), expect_v.view(torch.uint8))
         for job, scales in zip(jobs, job_scales, strict=True):
-            work = job.cache
-            assert work is not None
-            width = max(len(r) for r in work.block_table)
-            table = torch.tensor([r + [0] * (width - len(r)) for r in work.block_table],
-                                 dtype=torch.int32, device="cuda")
-            lens = torch.tensor(work.seq_lens, dtype=torch.int32, device="cuda")
+            table, lens = _table(job)
             ks, vs = (torch.tensor(s, device="cuda") for s in scales)
             ref = paged_decode_ref(job.q.cuda().double(), pool.k, pool.v, table, lens,
                                    k_scale=ks, v_scale=vs)

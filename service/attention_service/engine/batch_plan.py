@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from attention_service.engine.jobs import Job
-from attention_service.params import KvScales, Op
+from attention_service.params import KvScales, Op, lengths
 
 
 class BatchKey(NamedTuple):
@@ -57,9 +57,8 @@ def scale_rows(rows: Sequence[KvScales], device: object,
     """FP8 scales per row (sequence) as float32 tensors for ``k`` and ``v``: ``[H_kv]`` when
     every row has the same (the kernels' shared form), else ``[rows, H_kv]``, or with
     ``repeats`` row i repeated ``repeats[i]`` times (per new token: done on the host in one
-    call, not per token in Python). On a GPU they go up from pinned memory with an async copy
-    on the current stream (the launch's): a pageable copy would wait for the stream's earlier
-    work. Made per launch, so no buffer is shared between streams."""
+    call, not per token in Python). Made per launch and sent with ``upload``, so no buffer is
+    shared between streams."""
     import torch
 
     first = rows[0]
@@ -68,11 +67,19 @@ def scale_rows(rows: Sequence[KvScales], device: object,
     host = torch.tensor([[k for k, _ in rows], [v for _, v in rows]], dtype=torch.float32)
     if repeats is not None:
         host = host.repeat_interleave(torch.tensor(repeats), dim=1)
-    if str(device) != "cpu":
-        host = host.pin_memory().to(device, non_blocking=True)
-    if len(rows) == 1 and repeats is None:
-        return host[0, 0], host[1, 0]
-    return host[0], host[1]
+    dev = upload(host, device)
+    if len(rows) == 1:  # shared by every row (repeats dropped with the others)
+        return dev[0, 0], dev[1, 0]
+    return dev[0], dev[1]
+
+
+def upload(host: Any, device: object) -> Any:
+    """A launch's small host tensor (scales, slopes) on ``device``: on a GPU through pinned
+    memory and an async copy on the current stream (the launch's), since a pageable copy
+    would wait for the stream's earlier work; the launch holds the result."""
+    if str(device) == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -156,8 +163,7 @@ class BatchPlan:
         self.seq_new_rows: list[int] = []
         if self.key.fp8:
             for j in self.jobs:
-                lens = [b - a for a, b in zip(j.params.cu_seqlens_k, j.params.cu_seqlens_k[1:],
-                                              strict=False)]
+                lens = lengths(j.params.cu_seqlens_k)
                 if j.cache is not None:
                     assert j.cache.seq_scales is not None
                     self.seq_scales += j.cache.seq_scales
@@ -179,8 +185,8 @@ class BatchPlan:
         if key.softcap > 0:
             out["softcap"] = key.softcap
         if self.alibi_slopes is not None:
-            out["alibi_slopes"] = torch.tensor(self.alibi_slopes, dtype=torch.float32,
-                                               device=device).view(-1, key.num_heads)
+            slopes = torch.tensor(self.alibi_slopes, dtype=torch.float32)
+            out["alibi_slopes"] = upload(slopes, device).view(-1, key.num_heads)
         return out
 
     def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:

@@ -34,13 +34,13 @@ from attention_service.engine.kv_pool import KvPool, Layout
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
     ELEMENT_BYTES,
-    FP8_QUERY_DTYPES,
     QUERY_DTYPES,
     KvScales,
     Op,
     Params,
     check_cache_ids,
     check_kv_scales,
+    kv_dtype_allowed,
     lengths,
     visible_pairs,
 )
@@ -401,7 +401,7 @@ def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool
     if lay.dtype not in QUERY_DTYPES:
         raise invalid("layout.dtype", "unknown or unsupported; use FLOAT16, BFLOAT16 or FLOAT32")
     kv_dtype = 0 if lay.kv_dtype in (pb.DTYPE_UNSPECIFIED, lay.dtype) else int(lay.kv_dtype)
-    if kv_dtype not in (0, pb.FLOAT8_E4M3) or (kv_dtype and lay.dtype not in FP8_QUERY_DTYPES):
+    if kv_dtype and not kv_dtype_allowed(lay.dtype, kv_dtype):
         given = pb.DType.Name(lay.kv_dtype) if lay.kv_dtype in ELEMENT_BYTES else lay.kv_dtype
         raise invalid("layout.kv_dtype", f"{given} with dtype {pb.DType.Name(lay.dtype)}: "
                       "leave it unset (dtype), or FLOAT8_E4M3 with FLOAT16 or BFLOAT16")

@@ -12,15 +12,11 @@ from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import Job
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.errors import RequestError
-from attention_service.params import Op, make_params
+from attention_service.params import Op, kv_dtype_allowed, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 _WARMUP_OWNER = "\x00warmup"  # no token can be this: caches of its own namespace
-
-
-# FP8 keys and values go with these query dtypes (their kernels are separate compilations).
-FP8_PARTNERS = (torch.bfloat16, torch.float16)
 
 
 def tiny_job(
@@ -71,8 +67,10 @@ def tiny_plans(backend: Backend, dtypes: Iterable[torch.dtype]) -> Iterator[Batc
 
 
 def _variants(dtypes: Iterable[torch.dtype]) -> list[tuple[torch.dtype, bool]]:
+    """Each dtype, then FP8 k/v beside those that take them (separate compilations)."""
     dtypes = list(dtypes)
-    return [(d, False) for d in dtypes] + [(d, True) for d in dtypes if d in FP8_PARTNERS]
+    return [(d, False) for d in dtypes] + [
+        (d, True) for d in dtypes if kv_dtype_allowed(WIRE_DTYPES[d], pb.FLOAT8_E4M3)]
 
 
 def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.dtype]) -> None:

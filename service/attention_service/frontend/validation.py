@@ -19,7 +19,6 @@ from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, 
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.params import (
     ELEMENT_BYTES,
-    FP8_QUERY_DTYPES,
     INPUTS,
     LSE_BYTES,
     OUTPUTS,
@@ -30,6 +29,7 @@ from attention_service.params import (
     RegionSpan,
     check_cache_ids,
     check_kv_scales,
+    kv_dtype_allowed,
     make_params,
 )
 from attention_wire.pb import attention_pb2 as pb
@@ -127,7 +127,7 @@ def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
     if other != kv_dt:
         raise invalid("header.v.dtype", f"{dtype_name(other)} differs from k's dtype "
                       f"{dtype_name(kv_dt)}")
-    if kv_dt != dt and not (kv_dt == pb.FLOAT8_E4M3 and dt in FP8_QUERY_DTYPES):
+    if not kv_dtype_allowed(dt, kv_dt):
         why = ("FLOAT8_E4M3 keys and values need FLOAT16 or BFLOAT16 queries"
                if kv_dt == pb.FLOAT8_E4M3 else "use q's dtype (or FLOAT8_E4M3)")
         raise invalid("header.k.dtype", f"{dtype_name(kv_dt)} with q's dtype "
