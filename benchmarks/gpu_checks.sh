@@ -8,6 +8,8 @@
 #   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
+#   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (bf16- vs fp16-dot
+#              conversion, tile configs, descriptor loads of FP8 tiles)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
 #              benchmarks/bench_features.py (window skip vs full causal, varlen_attn and SDPA
@@ -110,6 +112,9 @@ for s in "$@"; do
              tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py \
              tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
+    tune-fp8) stage fp8-tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 600 \
+                tests/kernels/test_fp8.py tests/service/test_fp8_gpu.py
+              stage tune-fp8 420 python3 benchmarks/tune_fp8.py --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
     features) stage features-tests 360 python3 -m pytest -q -p no:cacheprovider -n 4 \
                 --timeout 600 tests/kernels/test_features.py

@@ -49,6 +49,16 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
+# FP8 K/V with bf16 queries: dots in fp16 (``_fp8_dot``). ``ATTENTION_KERNELS_FP8_F16=0`` keeps
+# them in bf16 (A/B measurements); read once, like the interpreter flag.
+FP8_F16_DOT = os.environ.get("ATTENTION_KERNELS_FP8_F16", "1") != "0"
+
+
+def fp8_f16_dot(q_dtype: torch.dtype, kv_fp8: bool) -> bool:
+    """Whether a launch with FP8 K/V (``kv_fp8``) runs its dots in fp16 (``_fp8_dot``)."""
+    return kv_fp8 and q_dtype == torch.bfloat16 and FP8_F16_DOT
+
+
 def padded_head_dim(head_dim: int) -> int:
     """The kernels work on a power-of-two head dim (masked), at least 16 for tl.dot."""
     return max(16, 1 << (head_dim - 1).bit_length())
@@ -83,16 +93,30 @@ _PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
 }
 
 
+# FP8 K/V (fp16 dots, ``_fp8_dot``), D 128: benchmarks/tune_fp8.py, H200, 2026-11-23, dense
+# 16K tokens x 16 heads, TFLOP/s full 4K / 8K, causal 4K / 8K: 128x128x8w x3 (the bf16 row)
+# 344 / 344 / 328 / 350; 128x64 x4 warps x3 stages 362 / 369 / 332 / 351, the best of 8
+# configs at every shape. Descriptor (TMA) loads of FP8 tiles lost 2-11% with every config.
+_PREFILL_FP8_SM90: dict[tuple[int, bool], PrefillConfig] = {
+    (128, False): PrefillConfig(128, 64, 4, 3),
+    (128, True): PrefillConfig(128, 64, 4, 3),
+}
+
+
 @functools.lru_cache(maxsize=512)  # per launch on the host path: ~10 us uncached
 def prefill_config(
-    head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device
+    head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device,
+    kv_fp8: bool = False,
 ) -> PrefillConfig:
+    """``kv_fp8``: the keys and values are float8_e4m3fn (``dtype`` is the queries')."""
     if interpreting() or device.type != "cuda":
         # The interpreter runs every program in numpy: small tiles keep CI fast, and
         # BLOCK_M != BLOCK_N exercises the generalised causal bounds.
         return PrefillConfig(32, 16, 4, 1)
     d = padded_head_dim(head_dim)
     cfg = _PREFILL_SM90[(d, causal)]
+    if kv_fp8:
+        cfg = _PREFILL_FP8_SM90.get((d, causal), cfg)
     if dtype == torch.float32:
         # fp32 tiles are twice the bytes: halve the key block to stay within shared memory.
         cfg = PrefillConfig(cfg.block_m, max(16, cfg.block_n // 2), cfg.num_warps, 2)
@@ -121,10 +145,18 @@ def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConf
 
 
 @functools.lru_cache(maxsize=512)
-def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                  kv_fp8: bool = False) -> DecodeConfig:
+    """``kv_fp8``: FP8 K/V (contiguous decode). 128-key blocks: a block of one-byte keys is
+    half the bytes, and 64 of them too little work per load. benchmarks/tune_fp8.py, H200,
+    2026-11-23, 32q/8kv x 128, GPU time 64 -> 128 keys (4 warps, 3 stages): 1x32K 40.3 ->
+    36.6 us, 16x32K 473 -> 363, 64x8K 333 -> 314, 128x2K 160 -> 163, 1x4K 12.6 -> 12.7;
+    within 5% of the best of 12 configs at each of 7 shapes."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     d = padded_head_dim(head_dim)
+    if kv_fp8 and d == 128 and dtype != torch.float32:
+        return DecodeConfig(128, 4, 3)
     if d >= 256 or dtype == torch.float32:
         return DecodeConfig(32, 4, 3)
     return DecodeConfig(64, 4, 3)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from attention_kernels import (
+    configs,
     decode,
     decode_ref,
     paged_decode,
@@ -209,6 +210,37 @@ def test_per_sequence_scales(paged_tokens: int) -> None:
                   paged_tokens=paged_tokens, per_seq=True)
 
 
+@pytest.mark.parametrize("f16_dot", [True, False], ids=["f16-dot", "bf16-dot"])
+@pytest.mark.parametrize("magnitude", [1e5, 1e-7, "mixed"], ids=str)
+def test_bf16_queries_of_any_magnitude(magnitude: float | str, f16_dot: bool,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """bf16 queries with FP8 K/V run their dots in fp16 (``_fp8_dot``), whose range is far
+    narrower than bf16's: queries past fp16's largest (1e5) or below its smallest subnormal
+    (1e-7), and heads 1e6 apart in one tile, must still give bf16 accuracy. The softmax scale
+    undoes the magnitude so the logits stay ordinary. Also the bf16-dot path (the flag off)."""
+    monkeypatch.setattr(configs, "FP8_F16_DOT", f16_dot)
+    assert configs.fp8_f16_dot(torch.bfloat16, True) is f16_dot
+    dim, heads, kv_heads = 64, 8, 2
+    if magnitude == "mixed":
+        factor = torch.logspace(-3, 3, heads, device=DEVICE)[None, :, None]
+        scale = dim**-0.5
+    else:
+        factor, scale = magnitude, dim**-0.5 / magnitude
+    lens = [37, 70]
+    cu = cu_seqlens(lens)
+    k, v, k8, v8, ks, vs = _kv(sum(lens), kv_heads, dim)
+    q = (randn(len(lens), heads, dim, dtype=torch.float32) * factor).bfloat16()
+    got = decode(q, k8, v8, cu, num_splits=2, softmax_scale=scale, k_scale=ks, v_scale=vs)
+    ref8 = decode_ref(q.double(), k8, v8, cu, softmax_scale=scale, k_scale=ks, v_scale=vs)
+    assert rel_err(got, ref8) < TOL[torch.bfloat16]
+    qp = (randn(sum(lens), heads, dim, dtype=torch.float32) * factor).bfloat16()
+    got = prefill(qp, k8, v8, cu, cu, causal=True, softmax_scale=scale, k_scale=ks,
+                  v_scale=vs)
+    ref8 = prefill_ref(qp.double(), k8, v8, cu, cu, causal=True, softmax_scale=scale,
+                       k_scale=ks, v_scale=vs)
+    assert rel_err(got, ref8) < TOL[torch.bfloat16]
+
+
 def test_prefill_with_window_and_softcap() -> None:
     _prefill_case([40, 17], [40, 30], 4, 4, 64, torch.float16, True, window_size=(11, 0),
                   softcap=8.0)
@@ -257,3 +289,21 @@ def test_quantize_kv_scales_per_head() -> None:
     # A given scale saturates what it cannot reach.
     sat, _ = quantize_kv(k, scale=torch.full((3,), 1e-3, device=DEVICE))
     assert sat[:, 2].float().abs().max() == FP8_MAX
+
+
+def test_fp8_launch_configs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 K/V pick their own measured tiles on Hopper (``configs``), 16-bit K/V keep theirs;
+    the cached functions are called unwrapped, as for an H100 (no GPU needed)."""
+    monkeypatch.setattr(configs, "_INTERPRETING", False)
+    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    gpu = torch.device("cuda", 0)
+    decode_cfg = configs.decode_config.__wrapped__
+    assert decode_cfg(128, torch.bfloat16, gpu, True) == configs.DecodeConfig(128, 4, 3)
+    assert decode_cfg(128, torch.bfloat16, gpu) == configs.DecodeConfig(64, 4, 3)
+    assert decode_cfg(64, torch.bfloat16, gpu, True) == configs.DecodeConfig(64, 4, 3)
+    prefill_cfg = configs.prefill_config.__wrapped__
+    for causal in (False, True):
+        assert prefill_cfg(128, torch.bfloat16, causal, gpu, True) == configs.PrefillConfig(
+            128, 64, 4, 3)
+        assert prefill_cfg(128, torch.bfloat16, causal, gpu) == configs.PrefillConfig(
+            128, 128, 8, 3)
