@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, graph_us, rel  # noqa: E402
+from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, rel  # noqa: E402
+from bench_kernels import graph_us as _graph_us  # noqa: E402
 
 from attention_kernels import (  # noqa: E402
     configs,
@@ -45,6 +46,16 @@ DECODE_CONFIGS = [DecodeConfig(n, w, s) for n in (64, 128) for w in (4, 8) for s
 PREFILL_CONFIGS = [PrefillConfig(*c) for c in [
     (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4),
     (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]]
+
+
+def graph_us(fn) -> float:
+    """``bench_kernels.graph_us`` after a device synchronize: Triton's do_bench_cudagraph
+    captures and replays on a stream of its own, which does not wait for this stream's work
+    (the inputs just made, the previous shape's buffers being reused). Without it a run hit an
+    illegal address in the first graph of a new shape (H200, 2026-11-23; with
+    CUDA_LAUNCH_BLOCKING=1, and in an eager rerun of the same calls, every output matched)."""
+    torch.cuda.synchronize()
+    return _graph_us(fn)
 
 
 def conversion_ptx() -> dict[str, dict[str, int]]:

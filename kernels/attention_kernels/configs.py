@@ -163,13 +163,17 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 
 
 @functools.lru_cache(maxsize=512)
-def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device) -> DecodeConfig:
+def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
+                        kv_fp8: bool = False) -> DecodeConfig:
     """``decode_config``, but 128-key blocks at (padded) head dim 64 and below, where a 64-key
     block is too little work to hide a block's page lookups. H100, bf16, 32q/8kv, 8 x 8K keys,
     GPU time (graph) 64 -> 128 keys: D64 page 16 74.9 -> 60.0 us, page 64 59.8 -> 54.8
     (contiguous decode, 64 keys: 57.3). At D128 128 keys helped some shapes and hurt others
-    (page 16: 64x8K 786 -> 725 us but 128x2K 365 -> 384, 1x4K 15.1 -> 16.0), so 64 stays."""
-    cfg = decode_config(head_dim, dtype, device)
+    (page 16: 64x8K 786 -> 725 us but 128x2K 365 -> 384, 1x4K 15.1 -> 16.0), so 64 stays.
+    FP8 pages at D128 take the contiguous FP8 tiles (128 keys, 4 warps, 3 stages): H200,
+    2026-11-23, page 16, GPU time 64 -> 128 keys: 1x32K 55.2 -> 48.3 us, 16x32K 699 -> 534,
+    but 64x8K 385 -> 412 and 128x2K 199 -> 213 (bf16 pages: 55.1, 761, 621, 260)."""
+    cfg = decode_config(head_dim, dtype, device, kv_fp8)
     if cfg.block_n == 64 and padded_head_dim(head_dim) <= 64:
         return DecodeConfig(128, cfg.num_warps, cfg.num_stages)
     return cfg

@@ -528,7 +528,7 @@ def _decode(
     elif table is None:
         cfg = decode_config(head_dim, q.dtype, q.device, kv_scales is not None)
     else:
-        cfg = paged_decode_config(head_dim, q.dtype, q.device)
+        cfg = paged_decode_config(head_dim, q.dtype, q.device, kv_scales is not None)
     # A left bound past any sequence's length hides nothing: no window variant for it.
     max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]
     has_window = 0 <= win_left < max_keys

@@ -301,6 +301,9 @@ def test_fp8_launch_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_cfg(128, torch.bfloat16, gpu, True) == configs.DecodeConfig(128, 4, 3)
     assert decode_cfg(128, torch.bfloat16, gpu) == configs.DecodeConfig(64, 4, 3)
     assert decode_cfg(64, torch.bfloat16, gpu, True) == configs.DecodeConfig(64, 4, 3)
+    paged_cfg = configs.paged_decode_config.__wrapped__
+    assert paged_cfg(128, torch.bfloat16, gpu, True) == configs.DecodeConfig(128, 4, 3)
+    assert paged_cfg(128, torch.bfloat16, gpu) == configs.DecodeConfig(64, 4, 3)
     prefill_cfg = configs.prefill_config.__wrapped__
     for causal in (False, True):
         assert prefill_cfg(128, torch.bfloat16, causal, gpu, True) == configs.PrefillConfig(
