@@ -6,9 +6,10 @@ Prints and writes (``tune_fp8_<gpu>.json``):
 * the PTX of an e4m3 -> bf16 and an e4m3 -> fp16 conversion for sm_90 (conversion
   instructions per element: why the kernels' dots run in fp16, see ``_fp8_dot``);
 * decode (32 q / 8 kv heads, D 128, bf16 queries), GPU time from a CUDA graph: bf16 K/V, then
-  FP8 K/V with the dots in bf16 (the old path) and in fp16, then FP8 tile configs;
+  FP8 K/V with the default config, then FP8 tile configs (the dots in bf16, the path before
+  ``_fp8_dot``, are in ``results/issue13/h200_2026-11-23/tune_fp8.log``);
 * paged decode (the KV-cache kernel, 16-token pages): bf16 pages, FP8 pages per tile config;
-* dense prefill (16 heads, D 128, 16K tokens): bf16 K/V, FP8 K/V bf16/fp16 dots, descriptor
+* dense prefill (16 heads, D 128, 16K tokens): bf16 K/V, FP8 K/V, descriptor
   (TMA) loads of FP8 tiles, then FP8 tile configs.
 
 Every FP8 output is checked against the bf16 K/V output first (``bench_kernels.FP8_CHECK_TOL``).
@@ -31,7 +32,6 @@ from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, rel  # noqa: E402
 from bench_kernels import graph_us as _graph_us  # noqa: E402
 
 from attention_kernels import (  # noqa: E402
-    configs,
     decode,
     paged_decode,
     prefill,
@@ -110,15 +110,7 @@ def decode_rows(quick: bool) -> list[dict]:
         def fp8(cfg=None, q=q, k8=k8, v8=v8, ks=ks, vs=vs, cus=cus):
             return lambda: decode(q, k8, v8, cus, k_scale=ks, v_scale=vs, _config=cfg)
 
-        for label, flag in (("fp8_bf16dot", False), ("fp8_f16dot", True)):
-            def run(label=label):
-                fn = fp8()
-                err = rel(fn(), ref)
-                if not err < FP8_CHECK_TOL:
-                    raise SystemExit(f"fp8 decode check failed ({label}, {b}x{ctx}): {err}")
-                return graph_us(fn)
-            row[f"{label}_us"] = _with_flag(configs, "FP8_F16_DOT", flag, run)
-        for cfg in DECODE_CONFIGS:
+        for cfg in (None, *DECODE_CONFIGS):  # None: the default one
             fn = fp8(cfg)
             try:
                 err = rel(fn(), ref)
@@ -126,14 +118,14 @@ def decode_rows(quick: bool) -> list[dict]:
             except Exception as e:  # noqa: BLE001 - a config that does not compile: say so
                 print(f"  {cfg}: {type(e).__name__}")
                 us = float("nan")
-            row[f"cfg_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}_us"] = us
+            label = "fp8" if cfg is None else f"cfg_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}"
+            row[f"{label}_us"] = us
         cfg_us = {k_: v_ for k_, v_ in row.items() if k_.startswith("cfg_")}
         best = min(cfg_us, key=lambda k_: cfg_us[k_] if cfg_us[k_] == cfg_us[k_] else 1e30)
         row["best_cfg"], row["best_cfg_us"] = best, cfg_us[best]
         print(f"decode B={b:<4} ctx={ctx:<7} bf16 {row['bf16_us']:7.1f} us "
-              f"({2 * kv_bytes / row['bf16_us'] / 1e3:5.0f} GB/s) | fp8 bf16-dot "
-              f"{row['fp8_bf16dot_us']:7.1f} | fp8 f16-dot {row['fp8_f16dot_us']:7.1f} us "
-              f"({kv_bytes / row['fp8_f16dot_us'] / 1e3:5.0f} GB/s) | best {best} "
+              f"({2 * kv_bytes / row['bf16_us'] / 1e3:5.0f} GB/s) | fp8 {row['fp8_us']:7.1f} us "
+              f"({kv_bytes / row['fp8_us'] / 1e3:5.0f} GB/s) | best {best} "
               f"{row['best_cfg_us']:7.1f} us -> {row['bf16_us'] / row['best_cfg_us']:.2f}x bf16")
         rows.append(row)
     return rows
@@ -204,10 +196,8 @@ def prefill_rows(quick: bool) -> list[dict]:
                     return float("nan")
                 return fl / bench(fn) / 1e9
 
-            row["fp8_bf16dot_TFLOPs"] = _with_flag(
-                configs, "FP8_F16_DOT", False, lambda: timed(fp8(), "bf16dot"))
-            row["fp8_f16dot_TFLOPs"] = timed(fp8(), "f16dot")
-            row["fp8_f16dot_tma_TFLOPs"] = _with_flag(
+            row["fp8_TFLOPs"] = timed(fp8(), "fp8")
+            row["fp8_tma_TFLOPs"] = _with_flag(
                 prefill_kernel, "TMA_FP8", True, lambda: timed(fp8(), "tma"))
             for cfg in PREFILL_CONFIGS:
                 label = f"cfg_{cfg.block_m}_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}"
@@ -219,8 +209,7 @@ def prefill_rows(quick: bool) -> list[dict]:
             best = max(cfgs, key=lambda k_: cfgs[k_] if cfgs[k_] == cfgs[k_] else -1.0)
             row["best_cfg"], row["best_cfg_TFLOPs"] = best, cfgs[best]
             print(f"prefill N={n:<6} causal={causal!s:<5} bf16 {row['bf16_TFLOPs']:6.1f} | "
-                  f"fp8 bf16-dot {row['fp8_bf16dot_TFLOPs']:6.1f} | f16-dot "
-                  f"{row['fp8_f16dot_TFLOPs']:6.1f} | +TMA {row['fp8_f16dot_tma_TFLOPs']:6.1f}"
+                  f"fp8 {row['fp8_TFLOPs']:6.1f} | +TMA {row['fp8_tma_TFLOPs']:6.1f}"
                   f" | best {best} {row['best_cfg_TFLOPs']:6.1f} TFLOP/s")
             rows.append(row)
     return rows

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) keys and values with bf16 queries: the kernels' dots run in fp16.
+"""FP8 (e4m3) keys and values: the kernels' dots run in fp16, whatever the queries' 16-bit dtype.
 
 Why: sm_90 has no e4m3 -> bf16 conversion. Triton 3.6 emits ``cvt.rn.f16x2.e4m3x2`` and then
 a scalar ``cvt.bf16.f16`` per element (PTX for sm_90; ``benchmarks/tune_fp8.py`` prints it),
@@ -6,7 +6,8 @@ so an FP8 tile cost more to convert than it saved in bytes: H200, 2026-11-23, bf
 decode 16 x 32K went 496 us (bf16 K/V) -> 735 us (FP8 K/V), dense prefill 8K 475 -> 304
 TFLOP/s. To fp16 the conversion is the single paired ``cvt`` (e4m3 values are exact in fp16).
 
-The queries then go to fp16 too, and fp16 has the precision but not the range of bf16: each
+bf16 queries then go to fp16 too (fp16 ones are rescaled the same way, at the cost of one max
+per program), and fp16 has the precision but not the range of bf16: each
 program scales its query tile by one power of two, so the tile's largest magnitude lands in
 ``[2^13, 2^15)`` (fp16 tops out at 65504), and multiplies the logit scale back. Powers of two
 are exact, fp16 keeps 3 more mantissa bits than bf16, and only entries below ``2^-28`` of the

@@ -49,16 +49,6 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return interpreting() and dtype == torch.bfloat16
 
 
-# FP8 K/V with bf16 queries: dots in fp16 (``_fp8_dot``). ``ATTENTION_KERNELS_FP8_F16=0`` keeps
-# them in bf16 (A/B measurements); read once, like the interpreter flag.
-FP8_F16_DOT = os.environ.get("ATTENTION_KERNELS_FP8_F16", "1") != "0"
-
-
-def fp8_f16_dot(q_dtype: torch.dtype, kv_fp8: bool) -> bool:
-    """Whether a launch with FP8 K/V (``kv_fp8``) runs its dots in fp16 (``_fp8_dot``)."""
-    return kv_fp8 and q_dtype == torch.bfloat16 and FP8_F16_DOT
-
-
 def padded_head_dim(head_dim: int) -> int:
     """The kernels work on a power-of-two head dim (masked), at least 16 for tl.dot."""
     return max(16, 1 << (head_dim - 1).bit_length())

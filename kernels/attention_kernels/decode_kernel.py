@@ -44,7 +44,6 @@ from attention_kernels.configs import (
     DecodeConfig,
     decode_config,
     dot_in_fp32,
-    fp8_f16_dot,
     num_sms,
     padded_head_dim,
     paged_decode_config,
@@ -62,16 +61,15 @@ def _decode_inner(
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
-    F16_DOT: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
     each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys).
     ``LOW_MASK`` (masked blocks): keys below ``key_lo`` (the window's left edge) are hidden too.
     Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e).
-    ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to the queries' dtype here, or
-    to fp16 (``F16_DOT``: ``q`` is already fp16, see ``_fp8_dot``); the caller folded K's scale
-    into ``qk_scale`` / ``cap_scale`` and applies V's to the output."""
+    ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to fp16 here, the dtype the
+    caller brought ``q`` to (``_fp8_dot``); the caller folded K's scale into ``qk_scale`` /
+    ``cap_scale`` and applies V's to the output."""
     page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -92,12 +90,9 @@ def _decode_inner(
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        elif F16_DOT:
+        elif KV_FP8:
             k = k.to(tl.float16)
             v = v.to(tl.float16)
-        elif KV_FP8:
-            k = k.to(Q.dtype.element_ty)
-            v = v.to(Q.dtype.element_ty)
         if HAS_SOFTCAP:
             qk = softcap_logits(tl.dot(q, tl.trans(k)), cap_scale, cap_log2)
         else:
@@ -114,7 +109,7 @@ def _decode_inner(
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         # Round P like the prefill kernel does (to the dot's dtype).
-        p = p.to(tl.float16) if F16_DOT else p.to(Q.dtype.element_ty)
+        p = p.to(tl.float16) if KV_FP8 else p.to(Q.dtype.element_ty)
         if DOT_F32:
             p = p.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p, v)
@@ -171,7 +166,7 @@ def _decode_split_kernel(
     DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, F16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -180,8 +175,7 @@ def _decode_split_kernel(
     not the whole sequence, is split. ALiBi: the slope of (sequence b, head h) is
     ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` of sequence ``b`` stands
     for its values times ``KScale[b * stride_sb + g]`` / ``VScale[...]`` (``stride_sb`` 0: one
-    scale per kv head). ``F16_DOT`` (FP8 K/V, bf16 queries): the dots run in fp16
-    (``_fp8_dot``).
+    scale per kv head); the dots then run in fp16 (``_fp8_dot``).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     split = tl.program_id(0)
@@ -234,7 +228,7 @@ def _decode_split_kernel(
         qk_scale = qk_scale * k_s
         if HAS_SOFTCAP:
             cap_scale = cap_scale * k_s
-    if F16_DOT:
+    if KV_FP8:  # the dots run in fp16 (_fp8_dot)
         q, q_unit = f16_queries(q)
         qk_scale = qk_scale * q_unit
         if HAS_SOFTCAP:
@@ -254,21 +248,21 @@ def _decode_split_kernel(
             lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
             key_lo, cap_scale, cap_log2, slopes2,
             True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, True, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8, F16_DOT,
+            KV_FP8,
         )
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         key_lo, cap_scale, cap_log2, slopes2,
         False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-        KV_FP8, F16_DOT,
+        KV_FP8,
     )
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         key_lo, cap_scale, cap_log2, slopes2,
         True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-        KV_FP8, F16_DOT,
+        KV_FP8,
     )
 
     if KV_FP8:
@@ -549,7 +543,6 @@ def _decode(
         out_part, lse_part = _workspace(batch * num_heads * num_splits, block_d, q.device, key)
         counter = _counters(batch * num_kv_heads, q.device, key)
     paged = table is not None
-    f16_dot = fp8_f16_dot(q.dtype, kv_scales is not None)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -568,9 +561,10 @@ def _decode(
             *kv_scale_args(kv_scales),
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
             BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
-            DOT_F32=dot_in_fp32(q.dtype) and not f16_dot, PAGED=paged, PAGE_TOKENS=page_tokens,
+            DOT_F32=dot_in_fp32(q.dtype) and kv_scales is None, PAGED=paged,
+            PAGE_TOKENS=page_tokens,
             HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
-            HAS_ALIBI=slopes is not None, KV_FP8=kv_scales is not None, F16_DOT=f16_dot,
+            HAS_ALIBI=slopes is not None, KV_FP8=kv_scales is not None,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
     return (out, lse) if return_lse else out

@@ -56,7 +56,6 @@ from attention_kernels.configs import (
     PrefillConfig,
     _capability,
     dot_in_fp32,
-    fp8_f16_dot,
     interpreting,
     padded_head_dim,
     prefill_config,
@@ -92,7 +91,7 @@ def _prefill_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, F16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -101,8 +100,8 @@ def _prefill_inner(
     at key position ``p = r + causal_offset`` keeps keys ``p - win_left <= j <= p + win_right``.
     Softcap / ALiBi: see ``_features``; ``alibi2`` is this head's slope times log2(e) and
     ``pos_f`` the rows' key positions as floats. ``KV_FP8``: K/V tiles are float8_e4m3fn,
-    converted (exactly) to the queries' dtype ``Q``'s, or to fp16 (``F16_DOT``: ``q`` is already
-    fp16, see ``_fp8_dot``); their scales are the caller's."""
+    converted (exactly) to fp16, the dtype the caller brought ``q`` to (``_fp8_dot``); their
+    scales are the caller's."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -118,10 +117,8 @@ def _prefill_inner(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        if F16_DOT:
+        if KV_FP8:
             k = k.to(tl.float16)
-        elif KV_FP8:
-            k = k.to(Q.dtype.element_ty)
         if DOT_F32:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k))
@@ -171,10 +168,8 @@ def _prefill_inner(
             v = tl.load(v_ptrs)
         else:
             v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        if F16_DOT:
+        if KV_FP8:
             v = v.to(tl.float16)
-        elif KV_FP8:
-            v = v.to(Q.dtype.element_ty)
         p = p.to(v.dtype)
         if DOT_F32:
             p = p.to(tl.float32)
@@ -196,7 +191,7 @@ def _prefill_kernel(
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, F16_DOT: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -206,7 +201,7 @@ def _prefill_kernel(
     slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv
     head ``g`` of sequence ``b`` stands for its values times ``KScale[b * stride_sb + g]`` /
     ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence).
-    ``F16_DOT`` (FP8 K/V, bf16 queries): the dots run in fp16 (``_fp8_dot``).
+    The dots then run in fp16 (``_fp8_dot``).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     pid = tl.program_id(0)
@@ -246,7 +241,7 @@ def _prefill_kernel(
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    if F16_DOT:
+    if KV_FP8:  # the dots run in fp16 (_fp8_dot)
         q, q_unit = f16_queries(q)
         qk_scale = qk_scale * q_unit
         if HAS_SOFTCAP:
@@ -287,7 +282,7 @@ def _prefill_kernel(
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
             table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
             pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, F16_DOT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
         )
     else:
         if IS_CAUSAL:
@@ -308,7 +303,7 @@ def _prefill_kernel(
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, F16_DOT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
@@ -316,7 +311,7 @@ def _prefill_kernel(
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, F16_DOT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
     )
 
     if KV_FP8:
@@ -585,7 +580,6 @@ def _prefill(
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
-    f16_dot = fp8_f16_dot(q.dtype, kv_scales is not None)
     use_tma = not paged and _tma_ok(q, k, v, cfg, span)
     if use_tma:
         desc_k, desc_v = (_kv_descriptor(t, cfg.block_n) for t in (k, v))
@@ -610,10 +604,10 @@ def _prefill(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
-        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and not f16_dot,
+        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and kv_scales is None,
         USE_TMA=use_tma, PAGED=paged, PAGE_TOKENS=page_tokens,
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None, HAS_ALIBI=slopes is not None,
-        KV_FP8=kv_scales is not None, F16_DOT=f16_dot,
+        KV_FP8=kv_scales is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return (out, lse) if return_lse else out
