@@ -12,7 +12,10 @@ one message, through the unary CacheDecodeUnary; ``--no-unary`` streams it).
 Reports per point: steps/s, p50/p99 step latency, wire bytes per step (serialized requests),
 the kernel's own time per step (RequestStats.kernel_seconds, CUDA events on a GPU) and the
 p50 service overhead (p50 latency minus p50 kernel time); plus the analytic bytes per step for
-contexts 1K-32K. Writes JSON and a markdown table to ``--out``.
+contexts 1K-32K, and the floor under any Python gRPC step on this host: the p50 of a bare
+grpc.aio server that answers at once, same request and reply sizes, measured in the same run
+(the overhead target of issue 11 is judged above it). Writes JSON and a markdown table to
+``--out``.
 
     python benchmarks/bench_sessions.py --out benchmarks/results/issue11      # GPU defaults
     python benchmarks/bench_sessions.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
@@ -187,6 +190,53 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
             await release(pb.ReleaseCachesRequest(cache_ids=[cache_id]), timeout=60)
 
 
+def _echo_server(q: Any, reply_bytes: int) -> None:
+    """A bare grpc.aio server whose one unary rpc answers ``reply_bytes`` bytes at once."""
+    reply = b"\0" * reply_bytes
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return reply
+
+    async def serve() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "echo.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)}),))
+        q.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def echo_floor(request: bytes, reply_bytes: int, seconds: float) -> float:
+    """p50 ms of a unary call to a bare Python gRPC server that does nothing (same request,
+    a reply of the step's size, one aio client, loopback): the floor under any Python
+    gRPC service's step on this host, measured in the same run."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_echo_server, args=(q, reply_bytes), daemon=True)
+    proc.start()
+    try:
+        port = q.get(timeout=60)
+
+        async def drive() -> list[float]:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+                call = ch.unary_unary("/echo.Echo/Call")
+                lat, t_end = [], time.perf_counter() + seconds
+                for _ in range(50):  # warm the connection
+                    await call(request, timeout=60)
+                while time.perf_counter() < t_end:
+                    t0 = time.perf_counter()
+                    await call(request, timeout=60)
+                    lat.append(time.perf_counter() - t0)
+                return lat
+
+        return float(np.percentile(asyncio.run(drive()), 50)) * 1e3
+    finally:
+        proc.terminate()
+        proc.join(10)
+
+
 def _worker(target: str, args: argparse.Namespace, mode: str, clients: list[int],
             t_measure: float, t_end: float, q: Any) -> None:
     s = Shapes(args)
@@ -293,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if server is not None:
                 server.stop()
+    # The step's request and reply sizes: q/k/v in, out + stats back (~the q's bytes + 64).
+    step = _requests(s, "sessions", "echo", 0)[1][0]
+    floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0))
+    print(f"bare gRPC echo p50 (the floor): {floor_ms:.3f} ms", flush=True)
     by = {(r["side"], r["clients"]): r for r in rows}
     ratios: dict[str, float] = {}
     top = max(counts)
@@ -308,8 +362,11 @@ def main(argv: list[str] | None = None) -> int:
         ratios[f"sessions batching on/off p99 at {top} clients"] = on["p99_ms"] / max(
             off["p99_ms"], 1e-9)
     one = by.get(("sessions, batching on", 1))
+    ratios["bare Python gRPC echo p50, same request and reply sizes (ms)"] = floor_ms
     if one is not None:
         ratios["p50 overhead over kernel at 1 client (ms)"] = one["overhead_p50_ms"]
+        ratios["p50 overhead over kernel and the echo floor at 1 client (ms)"] = (
+            one["overhead_p50_ms"] - floor_ms)
     analytic = [{"context": c, "sessions_bytes": s.step_bytes(c, True),
                  "resend_bytes": s.step_bytes(c, False),
                  "ratio": s.step_bytes(c, False) / s.step_bytes(c, True)}
@@ -330,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{_f(r['overhead_p50_ms'], 3)} | {_f(r['mean_batch'])} | "
                      f"{r['wire_bytes_per_step']} | {sum(r['errors'].values())} |")
     lines += ["", "| ratio | value |", "|---|---|"]
-    lines += [f"| {k} | {v:.2f} |" for k, v in ratios.items()]
+    lines += [f"| {k} | {v:.3f} |" if "(ms)" in k else f"| {k} | {v:.2f} |"
+              for k, v in ratios.items()]
     lines += ["", "Tensor bytes per decode step (one sequence):", "",
               "| context | sessions | resend | resend / sessions |", "|---|---|---|---|"]
     lines += [f"| {a['context']} | {a['sessions_bytes']} | {a['resend_bytes']} | "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import grpc
 import pytest
@@ -330,3 +331,94 @@ def test_closed_executor_refuses_and_answers_what_waited() -> None:
         ex.submit(_prefill_job(4, [4]), got.append)
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
     assert len(got) == 3
+
+
+class _AsyncCpu(CpuBackend):
+    """A backend that says its launches only queue work (as cuda's do): the executor may
+    issue on the submitting thread. Records where each launch ran and checks none overlap."""
+
+    max_inflight = 2
+    async_launch = True
+
+    def __init__(self, hold_s: float = 0.0) -> None:
+        super().__init__()
+        self.hold_s = hold_s
+        self.threads: list[str] = []
+        self.active = 0
+        self.overlapped = False
+
+    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        self.active += 1
+        self.overlapped |= self.active > 1
+        try:
+            self.threads.append(threading.current_thread().name)
+            time.sleep(self.hold_s)
+            return super().launch(plan, cancel)
+        finally:
+            self.active -= 1
+
+
+def _wait_answers(answers: dict[int, list[object]], n: int, lock: threading.Lock) -> None:
+    for _ in range(400):
+        with lock:
+            if len(answers) >= n:
+                return
+        time.sleep(0.01)
+
+
+def test_idle_device_issues_on_the_submitting_thread() -> None:
+    backend = _AsyncCpu()
+    ex = Executor(backend, max_queue_delay_s=0.0)
+    try:
+        time.sleep(0.05)  # the dispatcher is waiting: the device is idle
+        got: list[object] = []
+        job = _prefill_job(1, [5])
+        ex.submit(job, got.append)
+        assert backend.threads == [threading.current_thread().name]  # issued right here
+        for _ in range(200):
+            if got:
+                break
+            time.sleep(0.01)
+    finally:
+        ex.close()
+    assert len(got) == 1 and not isinstance(got[0], BaseException), got
+    ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                      _cu(job.params.cu_seqlens_q), causal=True)
+    torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:
+    backend = _AsyncCpu(hold_s=0.002)
+    ex = Executor(backend, max_queue_delay_s=0.0005)
+    answers: dict[int, list[object]] = {}
+    lock = threading.Lock()
+    jobs = [_prefill_job(i, [1 + i % 7]) for i in range(160)]
+
+    def submit_some(ids: range) -> None:
+        for i in ids:
+            def done(value: object, i: int = i) -> None:
+                with lock:
+                    answers.setdefault(i, []).append(value)
+            ex.submit(jobs[i], done)
+            time.sleep(0.0005 * (i % 3))
+
+    try:
+        threads = [threading.Thread(target=submit_some, args=(range(t, 160, 8),))
+                   for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        _wait_answers(answers, len(jobs), lock)
+    finally:
+        ex.close()
+    assert not backend.overlapped
+    assert sorted(answers) == list(range(160)) and all(len(a) == 1 for a in answers.values())
+    for i, job in enumerate(jobs):
+        assert not isinstance(answers[i][0], BaseException), answers[i]
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+    # Both paths ran: some launches on the submitters' threads, some on the dispatcher.
+    assert "attention-batcher" in backend.threads
+    assert set(backend.threads) - {"attention-batcher"}

@@ -40,6 +40,7 @@ class Backend(Protocol):
     device_name: str  # GPU name or "cpu"
     device: torch.device
     max_inflight: int  # launches the executor may hold issued and un-waited at once
+    async_launch: bool  # launch only queues work: cheap enough for a request's thread
 
     warmup_dtypes: tuple[torch.dtype, ...]  # what warmup compiles
 
@@ -127,6 +128,7 @@ class CpuBackend:
     device_name = "cpu"
     device = torch.device("cpu")
     max_inflight = 1  # launches finish while issued
+    async_launch = False  # it computes: only the dispatcher thread may take that time
     warmup_dtypes = (torch.float32,)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
@@ -193,6 +195,7 @@ class CudaBackend:
 
     name = "cuda"
     max_inflight = 2  # one batch computing while the next one's copies go in
+    async_launch = True
     warmup_dtypes = (torch.bfloat16, torch.float16, torch.float32)
 
     def __init__(self, cuda_graphs: bool = True) -> None:
@@ -222,8 +225,9 @@ class CudaBackend:
 
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
         """Issue the batch on the next stream and return without waiting for the GPU. Called
-        from one thread only (the executor's dispatcher); round-robin streams let consecutive
-        batches overlap, and a reused stream simply orders its batches."""
+        by one thread at a time (the executor's dispatcher, or a request's thread when the
+        device is idle, under the executor's launch lock); round-robin streams let
+        consecutive batches overlap, and a reused stream simply orders its batches."""
         from attention_service.engine.cuda_launch import launch_on_stream
 
         if cancel.is_set():

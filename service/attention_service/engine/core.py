@@ -9,9 +9,11 @@ tensors live) into a Job and queues it; the caller's ``done`` is called exactly 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from typing import Any
 
 import grpc
@@ -64,12 +66,14 @@ class EngineCore:
     def __init__(
         self, config: ServerConfig, backend: Backend, observer: LaunchObserver | None = None,
         frontends: int = 1,
+        delivery_scope: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.backend = backend
         self.executor = Executor(
             backend, batching=config.batching, max_batch_tokens=config.max_batch_tokens,
             max_queue_delay_s=config.max_queue_delay_ms / 1e3,
             max_queue_size=config.max_queue_size, observer=observer,
+            delivery_scope=delivery_scope,
         )
         self.regions = RegionRegistry(backend, allowed=config.regions_allowed)
         self.caches = CacheRegistry(

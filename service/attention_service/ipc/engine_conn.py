@@ -25,18 +25,19 @@ from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.errors import RequestError
 from attention_service.ipc.channel import Channel
 from attention_service.ipc.messages import (
-    ArenaSpan,
     Bound,
     Cancel,
     ControlCall,
+    DefineParams,
     Done,
     Failed,
+    ForgetParams,
     Reply,
     SegmentSpan,
     Submit,
     rpc_types,
 )
-from attention_service.params import RegionSpan
+from attention_service.params import Params, RegionSpan
 
 log = logging.getLogger("attention_service")
 
@@ -53,6 +54,7 @@ class FrontendConnection:
         self._on_bound = on_bound
         self._lock = threading.Condition()
         self._calls: dict[int, Job | None] = {}  # in the engine; None: being submitted
+        self._params: dict[int, Params] = {}  # DefineParams of this front end (reader only)
         self.channel: Channel | None = None
 
     def attach(self, channel: Channel) -> None:
@@ -67,6 +69,10 @@ class FrontendConnection:
     def on_message(self, msg: Any, fds: list[int]) -> None:
         if isinstance(msg, Submit):
             self._submit(msg, fds)
+        elif isinstance(msg, DefineParams):
+            self._params[msg.params_id] = msg.params
+        elif isinstance(msg, ForgetParams):
+            self._params.clear()
         elif isinstance(msg, Cancel):
             with self._lock:
                 job = self._calls.get(msg.call_id)
@@ -90,8 +96,8 @@ class FrontendConnection:
         segments: dict[int, ByteBase] = {}
         sources: dict[str, Source] = {}
         for name, span in msg.spans.items():
-            if isinstance(span, ArenaSpan):
-                sources[name] = (self.arena, span.offset)
+            if type(span) is tuple:  # ArenaSpan
+                sources[name] = (self.arena, span[0])
             elif isinstance(span, SegmentSpan):
                 if span.fd_index not in segments:
                     # Unmapped when the last tensor viewing it goes (after the call's done).
@@ -110,7 +116,7 @@ class FrontendConnection:
             self._calls[msg.call_id] = None
         try:
             job = self.core.submit(
-                msg.params, self._sources(msg, fds), msg.owner,
+                self._params[msg.params_id], self._sources(msg, fds), msg.owner,
                 lambda value, call_id=msg.call_id: self._done(call_id, value),
             )
         except RequestError as exc:

@@ -162,6 +162,7 @@ class Group:
         from attention_service.engine.backends import make_backend
         from attention_service.engine.core import EngineCore
         from attention_service.ipc import arena as arenas
+        from attention_service.ipc.channel import corked
         from attention_service.ipc.messages import Serving
         from attention_service.metrics import LiveCollector, Metrics
         from attention_service.server import gpu_uuid, versions
@@ -171,7 +172,8 @@ class Group:
         cfg = self.config
         backend = make_backend(cfg.device, cfg.cuda_graphs)
         metrics = Metrics(multiprocess=True)
-        self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count)
+        self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count,
+                                      delivery_scope=corked)
         held, self.port = reserve_port(cfg.host, cfg.port)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,

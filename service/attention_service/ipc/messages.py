@@ -15,10 +15,11 @@ from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
 
-
-class ArenaSpan(NamedTuple):
-    offset: int
-    nbytes: int
+# A tensor in the sender's arena: (byte offset, byte count). A plain tuple, not a NamedTuple,
+# because a call carries four or five of them: with interned params (``DefineParams``) a
+# decode step's Submit unpickles in 1.8 us instead of 7.7 (NamedTuples unpickle through a
+# class lookup and a Python-level ``__getnewargs__`` each).
+ArenaSpan = tuple[int, int]
 
 
 class SegmentSpan(NamedTuple):
@@ -70,9 +71,21 @@ class Bound(NamedTuple):
     pid: int
 
 
+class DefineParams(NamedTuple):
+    """Params that later Submits on this channel name by ``params_id``: a front end's calls
+    repeat a few (a decode session's every step has the same), so each crosses once."""
+
+    params_id: int
+    params: Params
+
+
+class ForgetParams(NamedTuple):
+    """Drop every DefineParams so far (the front end's table was full; ids start over)."""
+
+
 class Submit(NamedTuple):
     call_id: int
-    params: Params
+    params_id: int  # of a DefineParams sent earlier on this channel
     spans: dict[str, Span]  # q, k, v, out (and lse when asked for)
     owner: str
 

@@ -24,8 +24,10 @@ from attention_service.ipc.messages import (
     ArenaSpan,
     Cancel,
     ControlCall,
+    DefineParams,
     Done,
     Failed,
+    ForgetParams,
     Reply,
     SegmentSpan,
     Serving,
@@ -37,6 +39,10 @@ from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
 
 log = logging.getLogger("attention_service")
+
+# Distinct Params a front end keeps defined on its channel before it starts over: far more
+# than the shapes x caches of a busy server's concurrent sessions, small for the engine.
+MAX_DEFINED_PARAMS = 4096
 
 
 class RemoteBuffers:
@@ -57,9 +63,7 @@ class RemoteBuffers:
         for name, n in sizes.items():
             at = base + offsets[name]
             self.arrays[name] = memory[at : at + n]
-            self.spans[name] = (
-                ArenaSpan(at, n) if segment is None else SegmentSpan(0, at, n)
-            )
+            self.spans[name] = (at, n) if segment is None else SegmentSpan(0, at, n)
         self._holders = 1  # the call; +1 while the engine has it
         self._released = False
 
@@ -100,6 +104,7 @@ class RemoteLink:
         self._loop = loop
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
+        self._params_ids: dict[Params, int] = {}  # defined on the channel (DefineParams)
         self.serving = asyncio.Event()
         self.gone = asyncio.Event()
 
@@ -174,7 +179,7 @@ class RemoteLink:
         if buffers.segment_fd is not None:
             fds, buffers.segment_fd = [buffers.segment_fd], None  # the channel owns it now
         fut: asyncio.Future[ExecStats] = self._loop.create_future()
-        self._send(Submit(call_id, params, spans, owner), fds)
+        self._send(Submit(call_id, self._params_id(params), spans, owner), fds)
         buffers.hold_for_engine()
         self._pending[call_id] = (fut, buffers)
         try:
@@ -183,6 +188,17 @@ class RemoteLink:
             if call_id in self._pending and not self.gone.is_set():
                 self._send(Cancel(call_id))  # the buffers stay held until the engine answers
             raise
+
+    def _params_id(self, params: Params) -> int:
+        """The id ``params`` has on the channel, defining it first if new."""
+        pid = self._params_ids.get(params)
+        if pid is None:
+            if len(self._params_ids) >= MAX_DEFINED_PARAMS:
+                self._send(ForgetParams())
+                self._params_ids.clear()
+            pid = self._params_ids[params] = len(self._params_ids)
+            self._send(DefineParams(pid, params))
+        return pid
 
     async def control_call(self, method: str, request: Any, owner: str) -> Any:
         call_id = next(self._ids)

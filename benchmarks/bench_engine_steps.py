@@ -1,0 +1,272 @@
+"""The engine process's host cost per KV-cache decode step, with no gRPC and no GPU.
+
+What caps cached decode at 64 clients is the engine process's Python (one GIL; about 0.3 ms
+per step on the H200 host of 2026-11-23, ``profile-sessions``). This drives the real engine
+side of one front end -- ``FrontendConnection`` over a ``Channel`` on a socketpair, the
+``EngineCore`` with its cache registry, executor and batching -- from a load process that
+speaks the channel protocol as a front end does (Submit frames in, Done frames back, one
+outstanding step per cache). Only the device work is left out: the backend stages each
+CacheDecode launch into a host staging buffer exactly as ``decode_steps`` does (same layout,
+same ``Staging.fill``), copies the outputs back out per job, and returns at once.
+
+Reports steps/s, the engine process's CPU seconds per step and the mean batch, per client
+count. Diagnostic (runs anywhere, CPU only); the service-level numbers are bench_sessions.py.
+
+    python benchmarks/bench_engine_steps.py --clients 1,64 --seconds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from attention_service.config import ServerConfig
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.core import EngineCore
+from attention_service.engine.decode_steps import Staging, StepShape, eligible
+from attention_service.engine.jobs import CancelFlag, LaunchTimes, PendingLaunch
+from attention_service.ipc.channel import Channel, corked
+from attention_service.ipc.engine_conn import FrontendConnection
+from attention_service.ipc.messages import ControlCall, DefineParams, Done, Failed, Submit
+from attention_service.metrics import Metrics
+from attention_service.params import Op, make_params
+from attention_wire.pb import attention_pb2 as pb
+
+OWNER = ""
+
+
+class StagingOnlyBackend:
+    """The cuda backend's host side of a CacheDecode launch (staging fill, per-job output
+    copies), no device: every other launch is a no-op."""
+
+    name = "cpu"
+    device_name = "none (host cost only)"
+    device = torch.device("cpu")
+    max_inflight = 2  # as on cuda: the next batch is planned while one "runs"
+    async_launch = True
+    warmup_dtypes = ()
+
+    def __init__(self) -> None:
+        self._staging: dict[StepShape, Staging] = {}
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def memory(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def warmup(self) -> None:
+        pass
+
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+        if eligible(plan):
+            shape = StepShape.of(plan)
+            staging = self._staging.get(shape)
+            if staging is None:
+                staging = self._staging[shape] = Staging(shape, pin=False)
+            staging.fill(plan, shape)
+            for i, job in enumerate(plan.jobs):  # what _StepLaunch.wait does for a batch
+                r0, r1 = plan.rows(i)
+                job.out.copy_(staging.out[r0:r1])
+        # The device's time: a launch "runs" for the H200's measured kernel time of that
+        # batch (bench_sessions, 4K contexts: 0.038 ms alone, 0.327 ms for 46 steps), and
+        # waiting for it releases the GIL as an event synchronize does.
+        return _Timed(time.perf_counter() + 32e-6 + 6.3e-6 * len(plan))
+
+
+class _Timed:
+    def __init__(self, until: float) -> None:
+        self.until = until
+
+    def wait(self) -> LaunchTimes:
+        left = self.until - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        return LaunchTimes()
+
+
+def _cpu_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process ``pid`` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+class _Load:
+    """The load process: a front end's side of the channel, one outstanding step per cache."""
+
+    def __init__(self, sock: socket.socket, args: argparse.Namespace) -> None:
+        self.args = args
+        self.cond = threading.Condition()
+        self.replies: dict[int, Any] = {}
+        self.channel = Channel(sock, self._on_message, lambda: None, "load")
+        self.channel.start()
+        self._ids = iter(range(1, 1 << 62))
+
+    def _on_message(self, msg: Any, fds: list[int]) -> None:
+        with self.cond:
+            self.replies[msg.call_id] = msg
+            self.cond.notify_all()
+
+    def call(self, msg: Any) -> Any:
+        with self.cond:
+            self.channel.send(msg)
+            self.cond.wait_for(lambda: msg.call_id in self.replies)
+            reply = self.replies.pop(msg.call_id)
+        if isinstance(reply, Failed):
+            raise reply.error
+        return reply
+
+    def define(self, params: Any) -> int:
+        """Params crossing once, as a front end sends them (DefineParams)."""
+        pid = self._params_ids = getattr(self, "_params_ids", -1) + 1
+        self.channel.send(DefineParams(pid, params))
+        return pid
+
+    def run(self, n: int, seconds: float) -> dict[str, Any]:
+        a = self.args
+        elem = 2
+        q_bytes, kv_bytes = a.heads * a.head_dim * elem, a.kv_heads * a.head_dim * elem
+        layout = pb.CacheLayout(dtype=pb.BFLOAT16, num_kv_heads=a.kv_heads, head_dim=a.head_dim)
+        ids = [f"c{n}-{i}" for i in range(n)]
+        create = pb.CreateCachesRequest(cache_ids=ids, layout=layout)
+        self.call(ControlCall(next(self._ids), "CreateCaches", create.SerializeToString(), OWNER))
+        kv = (a.context, a.kv_heads, a.head_dim)
+        for cid in ids:  # the prompt: lengths only (no device), as AppendKV leaves them
+            p = make_params(Op.APPEND_KV, pb.BFLOAT16, (0, a.heads, a.head_dim), kv,
+                            [0, a.context], [0, 0], cache_ids=[cid])
+            spans = {"q": (0, 0), "k": (0, a.context * kv_bytes),
+                     "v": (0, a.context * kv_bytes), "out": (0, 0)}
+            self.call(Submit(next(self._ids), self.define(p), spans, OWNER))
+        # Each client's step: its own arena block (q, k, v, out), as a front end lays it out.
+        block = 2 * q_bytes + 2 * kv_bytes
+        steps = []
+        for i, cid in enumerate(ids):
+            at = i * block
+            p = make_params(Op.CACHE_DECODE, pb.BFLOAT16, (1, a.heads, a.head_dim),
+                            (1, a.kv_heads, a.head_dim), [0, 1], cache_ids=[cid], store=True)
+            steps.append((self.define(p), {"q": (at, q_bytes),
+                                           "k": (at + q_bytes, kv_bytes),
+                                           "v": (at + q_bytes + kv_bytes, kv_bytes),
+                                           "out": (at + q_bytes + 2 * kv_bytes, q_bytes)}))
+        owner_of: dict[int, int] = {}
+        done = 0
+        t_start = time.perf_counter()
+        t_measure = t_start + a.warmup
+        t_end = t_measure + seconds
+        measured, cpu0, batch_sum = 0, None, 0
+
+        def send(i: int) -> None:
+            cid = next(self._ids)
+            owner_of[cid] = i
+            self.channel.send(Submit(cid, steps[i][0], steps[i][1], OWNER))
+
+        with self.cond:
+            for i in range(n):
+                send(i)
+            while True:
+                self.cond.wait_for(lambda: self.replies)
+                now = time.perf_counter()
+                for call_id, reply in list(self.replies.items()):
+                    del self.replies[call_id]
+                    if isinstance(reply, Failed):
+                        raise reply.error
+                    assert isinstance(reply, Done)
+                    done += 1
+                    if cpu0 is not None and now < t_end:
+                        measured += 1
+                        batch_sum += reply.stats.batch_requests
+                    if now < t_end:
+                        send(owner_of.pop(call_id))
+                    else:
+                        owner_of.pop(call_id)
+                if cpu0 is None and now >= t_measure:
+                    cpu0 = _cpu_seconds(os.getppid())
+                    measured = batch_sum = 0
+                if now >= t_end:
+                    user, system = _cpu_seconds(os.getppid())
+                    cpu = (user - cpu0[0], system - cpu0[1])
+                    if not owner_of:
+                        break
+        release = pb.ReleaseCachesRequest(cache_ids=ids)
+        self.call(ControlCall(next(self._ids), "ReleaseCaches", release.SerializeToString(),
+                              OWNER))
+        return {"clients": n, "steps_per_s": measured / seconds,
+                "engine_cpu_us_per_step": 1e6 * sum(cpu) / max(measured, 1),
+                "engine_sys_us_per_step": 1e6 * cpu[1] / max(measured, 1),
+                "mean_batch": batch_sum / max(measured, 1)}
+
+
+def _load_main(fd: int, args: argparse.Namespace, q: Any) -> None:
+    load = _Load(socket.socket(fileno=fd), args)
+    q.put([load.run(n, args.seconds) for n in args.clients])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--clients", default="1,8,64")
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--warmup", type=float, default=1.0)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batching", default="on", choices=["on", "off"])
+    p.add_argument("--no-metrics", dest="metrics", action="store_false",
+                   help="leave out the launch metrics (the server always has them)")
+    p.add_argument("--out", type=Path, help="write the rows as JSON here")
+    args = p.parse_args()
+    args.clients = [int(x) for x in args.clients.split(",")]
+    page_bytes = 2 * 64 * args.kv_heads * args.head_dim * 2  # 64-token pages
+    pages = sum(args.clients) * (-(-(args.context + 4096) // 64))
+    config = ServerConfig(device="cpu", batching=args.batching == "on",
+                          kv_cache_bytes=pages * page_bytes, kv_page_bytes=page_bytes,
+                          kv_cache_ttl=0)
+    backend = StagingOnlyBackend()
+    # The pool is never read (no device work): a meta tensor would do, but the views must be
+    # real to slice; a lazily touched host block costs nothing until written.
+    core = EngineCore(config, backend, observer=Metrics() if args.metrics else None,
+                      delivery_scope=corked)  # as the process group runs it
+    kv_bytes = args.kv_heads * args.head_dim * 2
+    arena = torch.zeros(max(max(args.clients) * 2 * (args.heads * args.head_dim * 2 + kv_bytes),
+                            args.context * kv_bytes), dtype=torch.uint8)
+    mine, theirs = socket.socketpair()
+    conn = FrontendConnection(0, core, arena, ThreadPoolExecutor(1), lambda m: None)
+    channel = Channel(mine, conn.on_message, conn.on_channel_close, "engine-0")
+    conn.attach(channel)
+    channel.start()
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_load_main, args=(theirs.fileno(), args, q))
+    proc.start()
+    rows = q.get(timeout=600)
+    proc.join(30)
+    channel.close()
+    core.close()
+    print(f"engine host cost per CacheDecode step ({args.heads}/{args.kv_heads} heads x "
+          f"{args.head_dim} bf16, {args.context}-token caches, batching {args.batching}, "
+          f"metrics {'on' if args.metrics else 'off'}; no gRPC, no device)")
+    print("| clients | steps/s | engine CPU us/step | of which system | mean batch |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['clients']} | {r['steps_per_s']:.0f} | {r['engine_cpu_us_per_step']:.1f} "
+              f"| {r['engine_sys_us_per_step']:.1f} | {r['mean_batch']:.1f} |")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

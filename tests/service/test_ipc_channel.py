@@ -1,0 +1,136 @@
+"""The front-end/engine channel's hot-path economies, without processes: corked sends go out
+as one write per channel in order, and a front end's Params cross once (DefineParams) and
+start over when its table is full (ForgetParams)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+from attention_service.ipc import remote_link
+from attention_service.ipc.channel import Channel, _Decoder, corked
+from attention_service.ipc.messages import Cancel, DefineParams, ForgetParams, Submit
+from attention_service.ipc.remote_link import RemoteLink
+from attention_service.params import Op, make_params
+from attention_wire.pb import attention_pb2 as pb
+
+
+def _read_frames(sock: socket.socket, want: int, timeout: float = 5.0) -> tuple[list[Any], int]:
+    """(the messages of ``want`` frames, how many reads they took)."""
+    sock.settimeout(timeout)
+    decoder, got, reads = _Decoder(), [], 0
+    while len(got) < want:
+        data = sock.recv(1 << 16)
+        assert data, "channel closed"
+        reads += 1
+        decoder.buf += data
+        got += [msg for msg, _ in decoder.frames()]
+    return got, reads
+
+
+@pytest.fixture
+def pair():  # type: ignore[no-untyped-def]
+    mine, theirs = socket.socketpair()
+    channel = Channel(mine, lambda msg, fds: None, lambda: None, "test")
+    channel.start()
+    yield channel, theirs
+    channel.close()
+    theirs.close()
+
+
+def test_corked_sends_wait_for_the_block_and_go_out_in_order(pair) -> None:  # type: ignore[no-untyped-def]
+    channel, theirs = pair
+    with corked():
+        for i in range(20):
+            channel.send(Cancel(i))
+        theirs.settimeout(0.1)
+        with pytest.raises(TimeoutError):
+            theirs.recv(1)  # nothing went out yet
+    got, reads = _read_frames(theirs, 20)
+    assert [m.call_id for m in got] == list(range(20))
+    assert reads == 1  # one write, read at once
+
+
+def test_cork_is_per_thread_and_nested_blocks_join_the_outer(pair) -> None:  # type: ignore[no-untyped-def]
+    channel, theirs = pair
+    with corked():
+        channel.send(Cancel(1))
+        with corked():
+            channel.send(Cancel(2))
+        # Another thread's sends are not corked by this one's block.
+        t = threading.Thread(target=channel.send, args=(Cancel(99),))
+        t.start()
+        t.join()
+        got, _ = _read_frames(theirs, 1)
+        assert [m.call_id for m in got] == [99]
+        channel.send(Cancel(3))
+    got, _ = _read_frames(theirs, 3)
+    assert [m.call_id for m in got] == [1, 2, 3]
+
+
+class _Sent:
+    """A stand-in channel that records what a RemoteLink sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any, fds: Any = ()) -> None:
+        self.sent.append(msg)
+
+
+def _params(cache: str) -> Any:
+    return make_params(Op.CACHE_DECODE, pb.BFLOAT16, (1, 4, 8), (1, 2, 8), [0, 1],
+                       cache_ids=[cache], store=True)
+
+
+def test_params_cross_once_and_start_over_when_the_table_is_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setattr(remote_link, "MAX_DEFINED_PARAMS", 3)
+    loop = asyncio.new_event_loop()
+    try:
+        sent = _Sent()
+        arena = type("Arena", (), {"size": 1 << 12})()
+        link = RemoteLink(sent, arena, None, loop)  # type: ignore[arg-type]
+        a, b = _params("a"), _params("b")
+        assert link._params_id(a) == link._params_id(_params("a")) == 0  # equal: same id
+        assert link._params_id(b) == 1
+        assert sent.sent == [DefineParams(0, a), DefineParams(1, b)]
+        sent.sent.clear()
+        ids = [link._params_id(_params(c)) for c in ("c", "d")]
+        # The fourth distinct Params found the table full: the engine forgets, ids restart.
+        assert ids == [2, 0]
+        assert sent.sent == [DefineParams(2, _params("c")), ForgetParams(),
+                             DefineParams(0, _params("d"))]
+        sent.sent.clear()
+        assert link._params_id(a) == 1  # forgotten with the rest: defined again
+        assert sent.sent == [DefineParams(1, a)]
+    finally:
+        loop.close()
+
+
+def test_engine_connection_resolves_params_by_id() -> None:
+    from attention_service.ipc.engine_conn import FrontendConnection
+
+    seen: list[Any] = []
+
+    class Core:
+        def submit(self, params, sources, owner, done):  # type: ignore[no-untyped-def]
+            seen.append(params)
+            return object()
+
+    arena = torch.zeros(64, dtype=torch.uint8)
+    conn = FrontendConnection(0, Core(), arena, None, lambda m: None)  # type: ignore[arg-type]
+    a, b = _params("a"), _params("b")
+    spans = {"q": (0, 8)}
+    conn.on_message(DefineParams(0, a), [])
+    conn.on_message(DefineParams(1, b), [])
+    conn.on_message(Submit(1, 1, spans, ""), [])
+    conn.on_message(Submit(2, 0, spans, ""), [])
+    conn.on_message(ForgetParams(), [])
+    conn.on_message(DefineParams(0, b), [])
+    conn.on_message(Submit(3, 0, spans, ""), [])
+    assert seen == [b, a, b]
