@@ -372,16 +372,23 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
     try:
         time.sleep(0.05)  # the dispatcher is waiting: the device is idle
         got: list[object] = []
-        job = _prefill_job(1, [5])
-        ex.submit(job, got.append)
-        assert backend.threads == [threading.current_thread().name]  # issued right here
+        first = _prefill_job(0, [3])
+        ex.submit(first, got.append)  # a caller that did not offer its thread
         for _ in range(200):
             if got:
                 break
             time.sleep(0.01)
+        assert backend.threads == ["attention-batcher"]
+        job = _prefill_job(1, [5])
+        ex.submit(job, got.append, issue_here=True)
+        assert backend.threads[1:] == [threading.current_thread().name]  # issued right here
+        for _ in range(200):
+            if len(got) == 2:
+                break
+            time.sleep(0.01)
     finally:
         ex.close()
-    assert len(got) == 1 and not isinstance(got[0], BaseException), got
+    assert len(got) == 2 and not any(isinstance(g, BaseException) for g in got), got
     ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
                       _cu(job.params.cu_seqlens_q), causal=True)
     torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
@@ -399,7 +406,7 @@ def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:
             def done(value: object, i: int = i) -> None:
                 with lock:
                     answers.setdefault(i, []).append(value)
-            ex.submit(jobs[i], done)
+            ex.submit(jobs[i], done, issue_here=True)
             time.sleep(0.0005 * (i % 3))
 
     try:

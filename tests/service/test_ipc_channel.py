@@ -118,7 +118,7 @@ def test_engine_connection_resolves_params_by_id() -> None:
     seen: list[Any] = []
 
     class Core:
-        def submit(self, params, sources, owner, done):  # type: ignore[no-untyped-def]
+        def submit(self, params, sources, owner, done, issue_here=False):  # type: ignore[no-untyped-def]
             seen.append(params)
             return object()
 

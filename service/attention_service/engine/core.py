@@ -106,10 +106,12 @@ class EngineCore:
         self.caches.close()
 
     def submit(
-        self, params: Params, sources: Mapping[str, Source], owner: str, done: Done
+        self, params: Params, sources: Mapping[str, Source], owner: str, done: Done,
+        issue_here: bool = False,
     ) -> Job:
         """Queue one request; ``done`` gets its stats or the exception that ended it, once.
-        Raises RequestError (unknown region, bounds, queue full) without calling ``done``."""
+        Raises RequestError (unknown region, bounds, queue full) without calling ``done``.
+        ``issue_here``: ``Executor.submit``'s (this thread may take a launch's time)."""
         held: list[Callable[[], None]] = []  # region releases
         cache: CacheWork | None = None
         try:
@@ -137,7 +139,7 @@ class EngineCore:
                     release()
                 done(as_request_failure(value) if failed else value)  # type: ignore[arg-type]
 
-            self.executor.submit(job, finish)
+            self.executor.submit(job, finish, issue_here=issue_here)
         except BaseException:
             if cache is not None:
                 cache.finish(False)

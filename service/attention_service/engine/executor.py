@@ -14,9 +14,12 @@ At most ``backend.max_inflight`` launches are issued and not yet waited for (2 o
 next batch's copies and kernel issue overlap the running batch; 1 on cpu).
 
 When the device is idle the policy launches a new job at once, so on a backend whose launch
-only queues work (``backend.async_launch``, cuda) ``submit`` issues it itself, on the
-caller's thread, instead of waking the dispatcher: one thread hand-off less per request (on
-the H100 host of 2026-11-23 that hand-off was 0.3 ms of a 1-client decode step's 3.4 ms;
+only queues work (``backend.async_launch``, cuda) ``submit(issue_here=True)`` issues it
+itself, on the caller's thread, instead of waking the dispatcher: one thread hand-off less
+per request. Only callers whose thread may block for a launch say so (the engine's channel
+readers); an event loop never does, since a launch may compile a kernel or capture a graph
+first (seconds). On the H100 host of 2026-11-23 the hand-off was 0.3 ms of a 1-client decode
+step's 3.4 ms (
 benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at 64 clients
 unchanged at 37-39). Launches never overlap: both paths issue under one lock.
 
@@ -155,10 +158,11 @@ class Executor:
         with self._cond:
             return self._queue.depth(op)
 
-    def submit(self, job: Job, done: Done) -> None:
+    def submit(self, job: Job, done: Done, *, issue_here: bool = False) -> None:
         """Queue ``job``; ``done(stats | exception)`` is called exactly once, unless this
         raises (queue full: RESOURCE_EXHAUSTED; closed: UNAVAILABLE): on an executor thread,
-        or on this one for a job dropped or refused while ``submit`` issues directly."""
+        or on this one for a job dropped or refused while ``submit`` issues directly.
+        ``issue_here``: this thread may take a launch's time (see the module doc)."""
         job.submitted_at = now = time.perf_counter()
         waiter = Waiter(job, done)
         with self._cond:
@@ -168,7 +172,7 @@ class Executor:
             self._waiting[job] = waiter
             if not self._dispatcher_waits:  # it looks at the queue before it waits again
                 return
-            if not (self._direct and self._inflight == 0):
+            if not (issue_here and self._direct and self._inflight == 0):
                 self._cond.notify_all()
                 return
             # The device is idle: the dispatcher would launch at once; do it here.

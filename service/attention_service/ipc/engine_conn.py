@@ -118,6 +118,7 @@ class FrontendConnection:
             job = self.core.submit(
                 self._params[msg.params_id], self._sources(msg, fds), msg.owner,
                 lambda value, call_id=msg.call_id: self._done(call_id, value),
+                issue_here=True,  # the channel's reader thread: no event loop to stall
             )
         except RequestError as exc:
             self._done(msg.call_id, exc)
