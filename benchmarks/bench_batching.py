@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import sys
 import threading
 import time
@@ -115,7 +114,7 @@ def fresh(job: Job, own_output: bool = False) -> Job:
     """A new submission of the same tensors (own cancel flag and timestamps); the output
     buffer is shared unless ``own_output`` (speed runs don't read it)."""
     out = torch.full_like(job.out, float("nan")) if own_output else job.out
-    return dataclasses.replace(job, out=out, cancel=threading.Event(), submitted_at=0.0)
+    return Job(job.params, job.q, job.k, job.v, out, job.lse, job.cache)
 
 
 async def verify(executor: Executor, jobs: list[Job], dtype: str) -> str:

@@ -22,7 +22,7 @@ import torch
 from attention_service.config import ServerConfig
 from attention_service.engine.backends import TORCH_DTYPES, Backend
 from attention_service.engine.executor import Executor, LaunchObserver
-from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job
+from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job, LazyTensor
 from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import KvPool
@@ -121,13 +121,15 @@ class EngineCore:
                 in_regions, release = self.regions.acquire(owner, spans)
                 held.append(release)
                 placed.update(in_regions)
-            tensors = {name: self._typed(params, name, at) for name, at in placed.items()}
+            tensors, spans = {}, {}
+            for name, at in placed.items():
+                if isinstance(at, tuple):
+                    spans[name] = self._span(params, name, at)
+                else:
+                    tensors[name] = self._typed(params, name, at)
             if params.op.cached:  # last: from here on, its caches are reserved
                 cache = self.caches.begin(params, owner)
-            job = Job(
-                params, tensors["q"], tensors["k"], tensors["v"], tensors["out"],
-                tensors.get("lse"), cache,
-            )
+            job = Job(params, cache=cache, spans=spans, **tensors)
 
             def finish(value: ExecStats | BaseException) -> None:
                 failed = isinstance(value, BaseException)
@@ -158,29 +160,33 @@ class EngineCore:
         return self.regions.call(method, request, owner)
 
     @staticmethod
-    def _typed(
-        params: Params, name: str, at: torch.Tensor | tuple[ByteBase, int]
-    ) -> torch.Tensor:
-        """The tensor ``name`` with its dtype and shape, from where its bytes are."""
+    def _dtype(params: Params, name: str) -> torch.dtype:
         if name == "lse":
-            dtype = torch.float32
-        else:
-            dtype = TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype]
-        shape = params.shape(name)
-        if isinstance(at, tuple):
-            base, offset = at
-            if offset + params.nbytes(name) > base.nbytes:  # the front end sized it: a bug
-                raise AssertionError(f"{name}: bytes past the end of their block")
-            try:
-                return base.view(offset, dtype, shape)
-            except ValueError:  # only a region span can be misaligned
-                raise invalid(
-                    f"header.regions.{name}.offset",
-                    f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
-                ) from None
+            return torch.float32
+        return TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype]
+
+    @classmethod
+    def _span(cls, params: Params, name: str, at: tuple[ByteBase, int]) -> LazyTensor:
+        """Tensor ``name`` at a byte offset of a ByteBase, checked, its view made later."""
+        base, offset = at
+        dtype = cls._dtype(params, name)
+        if offset + params.nbytes(name) > base.nbytes:  # the front end sized it: a bug
+            raise AssertionError(f"{name}: bytes past the end of their block")
+        try:
+            base.check_aligned(offset, dtype)
+        except ValueError:  # only a region span can be misaligned
+            raise invalid(
+                f"header.regions.{name}.offset",
+                f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
+            ) from None
+        return base, offset, dtype, params.shape(name)
+
+    @classmethod
+    def _typed(cls, params: Params, name: str, at: torch.Tensor) -> torch.Tensor:
+        """The tensor ``name`` with its dtype and shape, over a uint8 buffer of its size."""
         if at.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
             raise AssertionError(f"{name}: {at.numel()} bytes, expected {params.nbytes(name)}")
-        return at.view(dtype).view(shape)
+        return at.view(cls._dtype(params, name)).view(params.shape(name))
 
 
 def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:

@@ -62,7 +62,8 @@ def eligible(plan: BatchPlan) -> bool:
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
-    return all(j.q.device.type == "cpu" and j.out.device.type == "cpu" for j in plan.jobs)
+    return all(j.host_bytes("q") is not None and j.host_bytes("out") is not None
+               for j in plan.jobs)
 
 
 @dataclass(frozen=True)
@@ -133,20 +134,27 @@ class Staging:
     def __init__(self, shape: StepShape, pin: bool = True) -> None:
         self.u8 = torch.empty(shape.layout[1], dtype=torch.uint8, pin_memory=pin)
         self.views = shape.carve(self.u8)
+        # The same fields as numpy bytes: jobs' tensors are packed in and unpacked out with
+        # numpy, no torch call per job (each would release and retake the engine's GIL).
+        u8 = self.u8.numpy()
+        self.bytes = {name: u8[at : at + math.prod(dims) * dt.itemsize]
+                      for name, dt, dims, at in shape.layout[0]}
         self.lens = self.views["lens"].numpy()
         self.table = self.views["table"].numpy()
         self.slots = self.views["slots"].numpy()
         self.out, self.lse = shape.outputs(pin_memory=pin)
+        self.out_bytes = self.out.view(-1).view(torch.uint8).numpy()
+        self.lse_bytes = self.lse.view(-1).view(torch.uint8).numpy()
 
     def fill(self, plan: BatchPlan, shape: StepShape) -> None:
         v = self.views
         jobs = plan.jobs
         b = len(plan.seq_lens)
-        _pack([j.q for j in jobs], v["q"], b)
+        _pack([j.host_bytes("q") for j in jobs], self.bytes["q"])
         n = len(plan.slot_pages)
         if shape.store:
-            _pack([j.k for j in jobs if j.k.shape[0]], v["k"], n)
-            _pack([j.v for j in jobs if j.v.shape[0]], v["v"], n)
+            _pack([j.host_bytes("k") for j in jobs], self.bytes["k"])
+            _pack([j.host_bytes("v") for j in jobs], self.bytes["v"])
             if n < shape.new_rows:  # duplicates of the first write: harmless
                 v["k"][n:] = v["k"][0]
                 v["v"][n:] = v["v"][0]
@@ -168,11 +176,11 @@ class Staging:
             self.table[i, : len(row)] = row  # columns past a sequence's length: never read
 
 
-def _pack(parts: list[torch.Tensor], dst: torch.Tensor, rows: int) -> None:
-    if len(parts) == 1:
-        dst[:rows].copy_(parts[0])
-    elif parts:
-        torch.cat(parts, out=dst[:rows])
+def _pack(parts: list[np.ndarray | None], dst: np.ndarray) -> None:
+    """The parts' bytes one after another at the start of ``dst`` (empty parts add none)."""
+    size = sum(p.size for p in parts)  # type: ignore[union-attr]
+    if size:
+        np.concatenate(parts, out=dst[:size])  # type: ignore[arg-type]
 
 
 class _StepGraph:
@@ -250,12 +258,15 @@ class _StepLaunch:
         e[3].synchronize()  # releases the GIL while the GPU finishes
         plan, s = self._plan, self._staging
         try:
-            if self._scatter:
+            if self._scatter:  # rows are contiguous bytes in out [B, H, D] and lse [B, H]
+                out_row = s.out_bytes.size // s.out.shape[0]
+                lse_row = s.lse_bytes.size // s.lse.shape[0]
                 for i, job in enumerate(plan.jobs):
                     r0, r1 = plan.rows(i)
-                    job.out.copy_(s.out[r0:r1])
-                    if job.lse is not None:
-                        job.lse.copy_(plan.op.lse_rows(s.lse, r0, r1))
+                    job.host_bytes("out")[:] = s.out_bytes[r0 * out_row : r1 * out_row]  # type: ignore[index]
+                    lse = job.host_bytes("lse")
+                    if lse is not None:
+                        lse[:] = s.lse_bytes[r0 * lse_row : r1 * lse_row]
         finally:
             self._graph.give_back(s)
         return LaunchTimes(

@@ -4,10 +4,12 @@ timings, Cancelled, and the PendingLaunch handles the backends return."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from attention_service.errors import Cancelled
@@ -58,21 +60,67 @@ class CancelEvent:
         return self._set
 
 
-@dataclass(eq=False)
+# Where a tensor's bytes are, for a typed view made on first use: (base, byte offset, dtype,
+# shape). The engine's request path makes none (``Job.host_bytes`` reads the bytes through
+# numpy): every torch call releases and retakes the GIL, and on the engine's reader thread,
+# against the dispatcher and completer, four views a request took a fifth of its GIL time
+# (py-spy, H100 host, 64 decode sessions).
+LazyTensor = tuple["ByteBase", int, torch.dtype, tuple[int, ...]]
+
+
 class Job:
     """One request inside the engine: its params, its input tensors (host, usually pinned, or
-    device for CUDA regions) and the destinations its outputs are written to."""
+    device for CUDA regions) and the destinations its outputs are written to. Tensors are
+    given, or made from ``spans`` when first asked for."""
 
-    params: Params
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    out: torch.Tensor
-    lse: torch.Tensor | None  # None unless params.return_lse
-    cache: CacheWork | None = None  # cached ops only
-    # Set when the call is cancelled or its deadline passes: compute stops where it can.
-    cancel: CancelEvent = field(default_factory=CancelEvent)
-    submitted_at: float = 0.0  # perf_counter when handed to the executor
+    __slots__ = ("params", "cache", "cancel", "submitted_at", "_tensors", "_spans")
+
+    def __init__(
+        self, params: Params, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None, out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,  # None unless params.return_lse
+        cache: CacheWork | None = None,  # cached ops only
+        *, spans: dict[str, LazyTensor] | None = None,
+    ) -> None:
+        self.params = params
+        self.cache = cache
+        # Set when the call is cancelled or its deadline passes: compute stops where it can.
+        self.cancel = CancelEvent()
+        self.submitted_at = 0.0  # perf_counter when handed to the executor
+        self._tensors: dict[str, torch.Tensor | None] = {
+            "q": q, "k": k, "v": v, "out": out, "lse": lse}
+        self._spans = spans or {}
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        t = self._tensors[name]
+        if t is None and name in self._spans:
+            base, offset, dtype, shape = self._spans[name]
+            t = self._tensors[name] = base.view(offset, dtype, shape)
+        return t
+
+    def set_tensor(self, name: str, t: torch.Tensor | None) -> None:
+        self._tensors[name] = t
+        self._spans.pop(name, None)
+
+    q = property(lambda self: self.tensor("q"), lambda self, t: self.set_tensor("q", t))
+    k = property(lambda self: self.tensor("k"), lambda self, t: self.set_tensor("k", t))
+    v = property(lambda self: self.tensor("v"), lambda self, t: self.set_tensor("v", t))
+    out = property(lambda self: self.tensor("out"), lambda self, t: self.set_tensor("out", t))
+    lse = property(lambda self: self.tensor("lse"), lambda self, t: self.set_tensor("lse", t))
+
+    def host_bytes(self, name: str) -> np.ndarray | None:
+        """Tensor ``name``'s bytes as a uint8 numpy array over its memory when that is host
+        memory (None otherwise, or when absent): no torch call on the request path."""
+        span = self._spans.get(name)
+        if span is not None:
+            base, offset, dtype, shape = span
+            if base.np is None:
+                return None
+            return base.np[offset : offset + math.prod(shape) * dtype.itemsize]
+        t = self._tensors[name]
+        if t is None or t.device.type != "cpu":
+            return None
+        return t.reshape(-1).view(torch.uint8).numpy()
 
     @property
     def flops(self) -> int:
@@ -158,15 +206,20 @@ class ByteBase:
         self.u8 = u8
         self.nbytes = int(u8.numel())
         self._ptr = u8.data_ptr()
+        # Host memory: the same bytes through numpy, sliced without torch calls.
+        self.np: np.ndarray | None = u8.numpy() if u8.device.type == "cpu" else None
         # Per dtype: the typed view of the whole block and its storage offset (in elements).
         self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+    def check_aligned(self, offset: int, dtype: torch.dtype) -> None:
+        if (self._ptr + offset) % dtype.itemsize:
+            raise ValueError(f"offset {offset} leaves {dtype} misaligned")
 
     def view(self, offset: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         """``shape`` of ``dtype`` at byte ``offset``; ValueError if misaligned for ``dtype``.
         The caller has checked that the bytes lie inside the block."""
         size = dtype.itemsize
-        if (self._ptr + offset) % size:
-            raise ValueError(f"offset {offset} leaves {dtype} misaligned")
+        self.check_aligned(offset, dtype)
         got = self._typed.get(dtype)
         if got is None:
             typed = self.u8[: self.nbytes - self.nbytes % size].view(dtype)
