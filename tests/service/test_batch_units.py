@@ -429,3 +429,31 @@ def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:
     # Both paths ran: some launches on the submitters' threads, some on the dispatcher.
     assert "attention-batcher" in backend.threads
     assert set(backend.threads) - {"attention-batcher"}
+
+
+def _submit_or_refusal(ex: Executor, job: Job, got: list[object]) -> None:
+    try:
+        ex.submit(job, got.append, issue_here=True)
+    except RequestError as exc:  # closed first: refused, which answers it too
+        got.append(exc)
+
+
+def test_a_direct_launch_racing_close_is_still_answered() -> None:
+    """close() while a submitter issues on its own thread: the completer must not stop before
+    that launch is queued, so its caller is answered (stats or UNAVAILABLE), never dropped."""
+    for attempt in range(20):
+        backend = _AsyncCpu(hold_s=0.003)
+        ex = Executor(backend, max_queue_delay_s=0.0)
+        time.sleep(0.01)  # the dispatcher waits: the next submit issues directly
+        got: list[object] = []
+        submitter = threading.Thread(target=_submit_or_refusal,
+                                     args=(ex, _prefill_job(attempt, [4]), got))
+        submitter.start()
+        time.sleep(0.001 * (attempt % 4))
+        ex.close()
+        submitter.join()
+        for _ in range(300):
+            if got:
+                break
+            time.sleep(0.01)
+        assert len(got) == 1, (attempt, got)

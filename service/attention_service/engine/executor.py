@@ -142,6 +142,7 @@ class Executor:
         self._cond = threading.Condition()
         self._waiting: dict[Job, Waiter] = {}  # queued, not yet in a launch
         self._inflight = 0  # issued launches not yet waited for
+        self._issuing = 0  # submits issuing a launch on their own thread right now
         self._dispatcher_waits = False  # in _cond.wait: a submit must wake it
         self._closed = False
         self._issued: queue.SimpleQueue[_Issued | None] = queue.SimpleQueue()
@@ -177,9 +178,15 @@ class Executor:
                 return
             # The device is idle: the dispatcher would launch at once; do it here.
             waiters, dropped, _ = self._take(now, device_idle=True)
-        self._deliver(dropped, [Cancelled()] * len(dropped))
-        if waiters:
-            self._issue(waiters)
+            self._issuing += 1  # the completer must not stop before this launch is queued
+        try:
+            self._deliver(dropped, [Cancelled()] * len(dropped))
+            if waiters:
+                self._issue(waiters)
+        finally:
+            with self._cond:
+                self._issuing -= 1
+                self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
         """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
@@ -231,6 +238,8 @@ class Executor:
                 if waiters:
                     self._issue(waiters)
         finally:
+            with self._cond:  # launches being issued by submitters go in before the end
+                self._cond.wait_for(lambda: self._issuing == 0, timeout=60)
             self._issued.put(None)  # the completer finishes what was issued, then stops
 
     def _wait_for_batch(self) -> tuple[list[Waiter] | None, list[Waiter]]:
