@@ -18,7 +18,7 @@ from attention_service.engine.decode_steps import (
     bucket,
     eligible,
 )
-from attention_service.engine.jobs import CacheWork, Job
+from attention_service.engine.jobs import ByteBase, CacheWork, Job
 from attention_service.params import Op, make_params
 
 H, HKV, D = 4, 2, 8
@@ -258,3 +258,38 @@ def test_fp8_step_runs_eagerly_like_the_reference(send_fp8: bool) -> None:
         err = ((out[i] - ref[i].double()).norm() / ref[i].double().norm()).item()
         assert err < 1.6e-2, (i, err)
     torch.testing.assert_close(graph.lse[:b].double(), ref_lse.double(), atol=2e-3, rtol=0)
+
+
+def test_jobs_in_an_arena_pack_and_unpack_through_numpy() -> None:
+    """Jobs whose tensors are spans of a front end's arena (the process group's path): fill
+    packs their bytes, scatter writes each job's out/lse rows back into the arena, and no
+    torch view of the arena is made on the way."""
+    arena = ByteBase(torch.full((1 << 16,), 0xFF, dtype=torch.uint8))  # NaN-ish poison
+    at = 0
+
+    def place(t: torch.Tensor) -> tuple[ByteBase, int, torch.dtype, tuple[int, ...]]:
+        nonlocal at
+        arena.u8[at : at + t.numel() * t.element_size()] = t.reshape(-1).view(torch.uint8)
+        span = (arena, at, t.dtype, tuple(t.shape))
+        at += -(-t.numel() * t.element_size() // 128) * 128
+        return span
+
+    sources = [_step([5, 9], new=True, seed=11), _step([12], new=True, seed=12, pages_from=10)]
+    jobs = [Job(s.params, cache=s.cache, spans={n: place(getattr(s, n)) for n in
+                                                ("q", "k", "v", "out", "lse")})
+            for s in sources]
+    plan = BatchPlan(jobs)
+    shape = StepShape.of(plan)
+    staging = Staging(shape, pin=False)
+    staging.fill(plan, shape)
+    torch.testing.assert_close(staging.views["q"][:3], torch.cat([s.q for s in sources]))
+    torch.testing.assert_close(staging.views["k"][:3], torch.cat([s.k for s in sources]))
+    torch.testing.assert_close(staging.views["v"][:3], torch.cat([s.v for s in sources]))
+    staging.out.copy_(torch.randn(staging.out.shape))
+    staging.lse.copy_(torch.randn(staging.lse.shape))
+    staging.scatter(plan)
+    assert all(j._tensors[n] is None for j in jobs for n in ("q", "k", "v", "out", "lse"))
+    for i, job in enumerate(jobs):
+        r0, r1 = plan.rows(i)
+        assert torch.equal(job.out, staging.out[r0:r1])  # views made now, for the check
+        assert torch.equal(job.lse, staging.lse[r0:r1])

@@ -176,6 +176,19 @@ class Staging:
             self.table[i, : len(row)] = row  # columns past a sequence's length: never read
 
 
+    def scatter(self, plan: BatchPlan) -> None:
+        """Each job's rows of the staged out [B, H, D] and lse [B, H] (contiguous bytes) into
+        its own destination, through numpy."""
+        out_row = self.out_bytes.size // self.out.shape[0]
+        lse_row = self.lse_bytes.size // self.lse.shape[0]
+        for i, job in enumerate(plan.jobs):
+            r0, r1 = plan.rows(i)
+            job.host_bytes("out")[:] = self.out_bytes[r0 * out_row : r1 * out_row]  # type: ignore[index]
+            lse = job.host_bytes("lse")
+            if lse is not None:
+                lse[:] = self.lse_bytes[r0 * lse_row : r1 * lse_row]
+
+
 def _pack(parts: list[np.ndarray | None], dst: np.ndarray) -> None:
     """The parts' bytes one after another at the start of ``dst`` (empty parts add none)."""
     size = sum(p.size for p in parts)  # type: ignore[union-attr]
@@ -258,15 +271,8 @@ class _StepLaunch:
         e[3].synchronize()  # releases the GIL while the GPU finishes
         plan, s = self._plan, self._staging
         try:
-            if self._scatter:  # rows are contiguous bytes in out [B, H, D] and lse [B, H]
-                out_row = s.out_bytes.size // s.out.shape[0]
-                lse_row = s.lse_bytes.size // s.lse.shape[0]
-                for i, job in enumerate(plan.jobs):
-                    r0, r1 = plan.rows(i)
-                    job.host_bytes("out")[:] = s.out_bytes[r0 * out_row : r1 * out_row]  # type: ignore[index]
-                    lse = job.host_bytes("lse")
-                    if lse is not None:
-                        lse[:] = s.lse_bytes[r0 * lse_row : r1 * lse_row]
+            if self._scatter:
+                s.scatter(plan)
         finally:
             self._graph.give_back(s)
         return LaunchTimes(
