@@ -1,8 +1,11 @@
 """The engine's side of one front-end process: its channel, its arena, its calls.
 
 Requests arrive on the channel's reader thread and go straight to the engine core (no event
-loop in the engine's request path); answers go back from the executor's completer thread
-through the channel's writer thread. The connection tracks its calls so that when its front
+loop in the engine's request path; when the device is idle the reader issues the launch
+itself); answers go back from the executor's completer thread, one corked write per launch
+(the channel's writer thread takes over only what the socket cannot take at once). Params
+arrive once each (``DefineParams``) and Submits name them by id. The connection tracks its
+calls so that when its front
 end dies they are cancelled and the arena is not handed to a new front end before the last
 copy into it has finished.
 """
