@@ -18,6 +18,7 @@ count. Diagnostic (runs anywhere, CPU only); the service-level numbers are bench
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -42,6 +43,9 @@ from attention_service.ipc.messages import ControlCall, DefineParams, Done, Fail
 from attention_service.metrics import Metrics
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_group import _cpu  # noqa: E402
 
 OWNER = ""
 
@@ -94,14 +98,6 @@ class _Timed:
         return LaunchTimes()
 
 
-def _cpu_seconds(pid: int) -> tuple[float, float]:
-    """(user, system) CPU seconds of process ``pid`` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
-
-
 class _Load:
     """The load process: a front end's side of the channel, one outstanding step per cache."""
 
@@ -111,7 +107,8 @@ class _Load:
         self.replies: dict[int, Any] = {}
         self.channel = Channel(sock, self._on_message, lambda: None, "load")
         self.channel.start()
-        self._ids = iter(range(1, 1 << 62))
+        self._ids = itertools.count(1)
+        self._params_ids = itertools.count()
 
     def _on_message(self, msg: Any, fds: list[int]) -> None:
         with self.cond:
@@ -129,7 +126,7 @@ class _Load:
 
     def define(self, params: Any) -> int:
         """Params crossing once, as a front end sends them (DefineParams)."""
-        pid = self._params_ids = getattr(self, "_params_ids", -1) + 1
+        pid = next(self._params_ids)
         self.channel.send(DefineParams(pid, params))
         return pid
 
@@ -160,11 +157,10 @@ class _Load:
                                            "v": (at + q_bytes + kv_bytes, kv_bytes),
                                            "out": (at + q_bytes + 2 * kv_bytes, q_bytes)}))
         owner_of: dict[int, int] = {}
-        done = 0
-        t_start = time.perf_counter()
-        t_measure = t_start + a.warmup
+        t_measure = time.perf_counter() + a.warmup
         t_end = t_measure + seconds
-        measured, cpu0, batch_sum = 0, None, 0
+        measured = batch_sum = 0
+        cpu0 = cpu = None  # the engine's CPU seconds at t_measure, then over the window
 
         def send(i: int) -> None:
             cid = next(self._ids)
@@ -182,7 +178,6 @@ class _Load:
                     if isinstance(reply, Failed):
                         raise reply.error
                     assert isinstance(reply, Done)
-                    done += 1
                     if cpu0 is not None and now < t_end:
                         measured += 1
                         batch_sum += reply.stats.batch_requests
@@ -191,19 +186,18 @@ class _Load:
                     else:
                         owner_of.pop(call_id)
                 if cpu0 is None and now >= t_measure:
-                    cpu0 = _cpu_seconds(os.getppid())
+                    cpu0 = _cpu(os.getppid())
                     measured = batch_sum = 0
                 if now >= t_end:
-                    user, system = _cpu_seconds(os.getppid())
-                    cpu = (user - cpu0[0], system - cpu0[1])
+                    if cpu is None:  # the window's end, not the drain after it
+                        cpu = _cpu(os.getppid()) - cpu0
                     if not owner_of:
                         break
         release = pb.ReleaseCachesRequest(cache_ids=ids)
         self.call(ControlCall(next(self._ids), "ReleaseCaches", release.SerializeToString(),
                               OWNER))
         return {"clients": n, "steps_per_s": measured / seconds,
-                "engine_cpu_us_per_step": 1e6 * sum(cpu) / max(measured, 1),
-                "engine_sys_us_per_step": 1e6 * cpu[1] / max(measured, 1),
+                "engine_cpu_us_per_step": 1e6 * cpu / max(measured, 1),
                 "mean_batch": batch_sum / max(measured, 1)}
 
 
@@ -256,11 +250,11 @@ def main() -> int:
     print(f"engine host cost per CacheDecode step ({args.heads}/{args.kv_heads} heads x "
           f"{args.head_dim} bf16, {args.context}-token caches, batching {args.batching}, "
           f"metrics {'on' if args.metrics else 'off'}; no gRPC, no device)")
-    print("| clients | steps/s | engine CPU us/step | of which system | mean batch |")
-    print("|---|---|---|---|---|")
+    print("| clients | steps/s | engine CPU us/step | mean batch |")
+    print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['clients']} | {r['steps_per_s']:.0f} | {r['engine_cpu_us_per_step']:.1f} "
-              f"| {r['engine_sys_us_per_step']:.1f} | {r['mean_batch']:.1f} |")
+              f"| {r['mean_batch']:.1f} |")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=1))
     return 0

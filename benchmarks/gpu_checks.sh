@@ -8,8 +8,8 @@
 #   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
-#   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (bf16- vs fp16-dot
-#              conversion, tile configs, descriptor loads of FP8 tiles)
+#   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (the e4m3 conversions'
+#              PTX, tile configs, descriptor loads of FP8 tiles)
 #   tune-fp8-paged  benchmarks/tune_fp8.py --only paged (FP8 pages: paged decode tile configs)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
@@ -102,16 +102,19 @@ locust_run() {
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpcio', grpc.__version__)" | tee -a "$OUT/gpu.txt"
 
+# The service's GPU tests (the cuda service, batching, CUDA IPC regions, KV caches, decode
+# steps, FP8, the process group on cuda): the tests and service-tests stages run them.
+SERVICE_GPU_TESTS="tests/service/test_service_gpu.py tests/service/test_batching_gpu.py
+  tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py
+  tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py
+  tests/service/test_process_group_gpu.py"
+
 for s in "$@"; do
   case $s in
     tests) stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
-             tests/kernels tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
-             tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py \
-             tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py ;;
+             tests/kernels $SERVICE_GPU_TESTS ;;
     service-tests) stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \
-             --timeout 600 tests/service/test_service_gpu.py tests/service/test_batching_gpu.py \
-             tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py \
-             tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py ;;
+             --timeout 600 $SERVICE_GPU_TESTS ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     tune-fp8) stage fp8-tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 600 \
                 tests/kernels/test_fp8.py tests/service/test_fp8_gpu.py

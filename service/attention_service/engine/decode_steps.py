@@ -62,8 +62,7 @@ def eligible(plan: BatchPlan) -> bool:
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
-    return all(j.host_bytes("q") is not None and j.host_bytes("out") is not None
-               for j in plan.jobs)
+    return all(j.on_host("q") and j.on_host("out") for j in plan.jobs)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ itself, on the caller's thread, instead of waking the dispatcher: one thread han
 per request. Only callers whose thread may block for a launch say so (the engine's channel
 readers); an event loop never does, since a launch may compile a kernel or capture a graph
 first (seconds). On the H100 host of 2026-11-23 the hand-off was 0.3 ms of a 1-client decode
-step's 3.4 ms (
-benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at 64 clients
-unchanged at 37-39). Launches never overlap: both paths issue under one lock.
+step's 3.4 ms (benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at
+64 clients unchanged at 37-39). Launches never overlap: both paths issue under one lock.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).

@@ -108,6 +108,14 @@ class Job:
     out = property(lambda self: self.tensor("out"), lambda self, t: self.set_tensor("out", t))
     lse = property(lambda self: self.tensor("lse"), lambda self, t: self.set_tensor("lse", t))
 
+    def on_host(self, name: str) -> bool:
+        """Whether tensor ``name`` exists and lies in host memory (no view or slice made)."""
+        span = self._spans.get(name)
+        if span is not None:
+            return span[0].np is not None
+        t = self._tensors[name]
+        return t is not None and t.device.type == "cpu"
+
     def host_bytes(self, name: str) -> np.ndarray | None:
         """Tensor ``name``'s bytes as a uint8 numpy array over its memory when that is host
         memory (None otherwise, or when absent): no torch call on the request path."""
