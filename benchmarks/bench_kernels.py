@@ -55,7 +55,13 @@ def bench(fn: Callable[[], object]) -> float:
 def graph_us(fn: Callable[[], object]) -> float:
     """GPU time alone, in microseconds: the launches replayed from a CUDA graph (no host cost).
     Small launches (decode at batch 1, varlen of a few hundred tokens) run for 10-30 us while a
-    Python launch costs 50-130 us on the benchmark VM, so ``bench`` there times the host."""
+    Python launch costs 50-130 us on the benchmark VM, so ``bench`` there times the host.
+
+    Synchronizes first: ``do_bench_cudagraph`` captures and replays on a stream of its own,
+    which does not wait for this stream's work (inputs just made, a previous shape's buffers
+    being reused). Without it a tune_fp8 run hit an illegal address in the first graph of a new
+    shape (H200, 2026-11-23; under CUDA_LAUNCH_BLOCKING=1, and eagerly, every output matched)."""
+    torch.cuda.synchronize()
     try:
         return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
     except Exception as e:  # a peer that cannot be captured: say so, keep the row

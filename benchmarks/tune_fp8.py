@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, rel  # noqa: E402
-from bench_kernels import graph_us as _graph_us  # noqa: E402
+from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, graph_us, rel  # noqa: E402
 
 from attention_kernels import (  # noqa: E402
     decode,
@@ -46,16 +45,6 @@ DECODE_CONFIGS = [DecodeConfig(n, w, s) for n in (64, 128) for w in (4, 8) for s
 PREFILL_CONFIGS = [PrefillConfig(*c) for c in [
     (128, 128, 8, 3), (128, 128, 8, 4), (128, 128, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4),
     (128, 64, 4, 3), (64, 128, 4, 3), (64, 64, 4, 4)]]
-
-
-def graph_us(fn) -> float:
-    """``bench_kernels.graph_us`` after a device synchronize: Triton's do_bench_cudagraph
-    captures and replays on a stream of its own, which does not wait for this stream's work
-    (the inputs just made, the previous shape's buffers being reused). Without it a run hit an
-    illegal address in the first graph of a new shape (H200, 2026-11-23; with
-    CUDA_LAUNCH_BLOCKING=1, and in an eager rerun of the same calls, every output matched)."""
-    torch.cuda.synchronize()
-    return _graph_us(fn)
 
 
 def conversion_ptx() -> dict[str, dict[str, int]]:
@@ -85,6 +74,20 @@ def conversion_ptx() -> dict[str, dict[str, int]]:
     return out
 
 
+def checked(fn, ref: torch.Tensor, label: str, measure) -> float:
+    """``measure(fn)`` once ``fn``'s output matches ``ref`` (``FP8_CHECK_TOL``); NaN, and why,
+    for a config that does not compile or misses."""
+    try:
+        err = rel(fn(), ref)
+    except Exception as e:  # noqa: BLE001 - a config that does not compile: say so
+        print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+        return float("nan")
+    if not err < FP8_CHECK_TOL:
+        print(f"  {label}: check failed ({err:.3g})")
+        return float("nan")
+    return measure(fn)
+
+
 def _with_flag(module, name: str, value: bool, fn):
     old = getattr(module, name)
     setattr(module, name, value)
@@ -111,15 +114,8 @@ def decode_rows(quick: bool) -> list[dict]:
             return lambda: decode(q, k8, v8, cus, k_scale=ks, v_scale=vs, _config=cfg)
 
         for cfg in (None, *DECODE_CONFIGS):  # None: the default one
-            fn = fp8(cfg)
-            try:
-                err = rel(fn(), ref)
-                us = graph_us(fn) if err < FP8_CHECK_TOL else float("nan")
-            except Exception as e:  # noqa: BLE001 - a config that does not compile: say so
-                print(f"  {cfg}: {type(e).__name__}")
-                us = float("nan")
             label = "fp8" if cfg is None else f"cfg_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}"
-            row[f"{label}_us"] = us
+            row[f"{label}_us"] = checked(fp8(cfg), ref, label, graph_us)
         cfg_us = {k_: v_ for k_, v_ in row.items() if k_.startswith("cfg_")}
         best = min(cfg_us, key=lambda k_: cfg_us[k_] if cfg_us[k_] == cfg_us[k_] else 1e30)
         row["best_cfg"], row["best_cfg_us"] = best, cfg_us[best]
@@ -155,9 +151,8 @@ def paged_rows(quick: bool, page_tokens: int = 16) -> list[dict]:
         for cfg in PAGED_CONFIGS:
             fn = (lambda cfg=cfg, q=q, k8=k8, v8=v8, table=table, lens=lens, ks=ks, vs=vs:
                   paged_decode(q, k8, v8, table, lens, k_scale=ks, v_scale=vs, _config=cfg))
-            err = rel(fn(), ref)
-            us = graph_us(fn) if err < FP8_CHECK_TOL else float("nan")
-            row[f"fp8_cfg_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}_us"] = us
+            label = f"fp8_cfg_{cfg.block_n}_{cfg.num_warps}_{cfg.num_stages}"
+            row[f"{label}_us"] = checked(fn, ref, label, graph_us)
         print(f"paged decode B={b:<4} ctx={ctx:<6} page {page_tokens}: bf16 "
               f"{row['bf16_us']:7.1f} us | fp8 " + " | ".join(
                   f"{k_[8:-3]} {v_:7.1f}" for k_, v_ in row.items() if k_.startswith("fp8_")))
@@ -186,15 +181,7 @@ def prefill_rows(quick: bool) -> list[dict]:
                                        _config=cfg)
 
             def timed(fn, label, ref=ref, fl=fl):
-                try:
-                    err = rel(fn(), ref)
-                except Exception as e:  # noqa: BLE001 - a config that does not compile
-                    print(f"  {label}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-                    return float("nan")
-                if not err < FP8_CHECK_TOL:
-                    print(f"  {label}: check failed ({err:.3g})")
-                    return float("nan")
-                return fl / bench(fn) / 1e9
+                return checked(fn, ref, label, lambda f: fl / bench(f) / 1e9)
 
             row["fp8_TFLOPs"] = timed(fp8(), "fp8")
             row["fp8_tma_TFLOPs"] = _with_flag(
