@@ -3,7 +3,9 @@ that carry their own float64 oracle."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -15,10 +17,12 @@ from attention_service.engine.backends import CpuBackend, PendingLaunch
 from .svc_helpers import (
     TOLERANCE,
     Response,
+    ServerHandle,
     collect,
     cu_from_lengths,
     decode_messages,
     decode_oracle,
+    make_config,
     prefill_messages,
     prefill_oracle,
     random_qkv,
@@ -74,6 +78,28 @@ class Steps:
 
 class StepBackend(Steps, CpuBackend):
     """The cpu backend with launches held until the test opens them."""
+
+
+@contextlib.contextmanager
+def held_gpu_server() -> Iterator[tuple[ServerHandle, Any]]:
+    """A batching cuda server whose launches wait for the test (``Steps``), warmed up with
+    launches open; every launch is opened on the way out so nothing hangs."""
+    from attention_service.engine.backends import CudaBackend
+
+    class CudaStepBackend(Steps, CudaBackend):
+        pass
+
+    backend = CudaStepBackend()
+    backend.open_all()  # the warm-up's own launches must not wait for the test
+    backend.warmup()
+    backend.reset()
+    handle = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0,
+                                      warmup=False), backend=backend)
+    try:
+        yield handle, backend
+    finally:
+        backend.open_all()
+        handle.close()
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 
 from attention_service.params import Op
 
-from .batch_helpers import Steps, decode_req, prefill_req, start_all
+from .batch_helpers import decode_req, prefill_req, start_all
+from .batch_helpers import held_gpu_server as held_gpu_server_of
 from .svc_helpers import (
     ServerHandle,
     make_config,
@@ -25,26 +26,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 BF16_TOL = 3.2e-2  # twice the cpu tolerance: a different float32 summation order
 
 
-def _cuda_step_backend():  # type: ignore[no-untyped-def]
-    from attention_service.engine.backends import CudaBackend
-
-    class CudaStepBackend(Steps, CudaBackend):
-        pass
-
-    return CudaStepBackend()
-
-
 @pytest.fixture
 def held_gpu_server():  # type: ignore[no-untyped-def]
-    backend = _cuda_step_backend()
-    backend.open_all()  # the warm-up's own launches must not wait for the test
-    backend.warmup()
-    backend.reset()
-    handle = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0,
-                                      warmup=False), backend=backend)
-    yield handle, backend
-    backend.open_all()
-    handle.close()
+    with held_gpu_server_of() as held:
+        yield held
 
 
 def test_merged_gpu_launch_gives_each_caller_its_rows(held_gpu_server) -> None:  # type: ignore[no-untyped-def]

@@ -10,7 +10,7 @@ import torch
 
 from attention_service.params import Op
 
-from .batch_helpers import Steps, start_all
+from .batch_helpers import held_gpu_server, start_all
 from .svc_helpers import ServerHandle, collect, make_config, wait_until
 from .test_service_fp8 import (
     fp8_cache_session,
@@ -68,18 +68,7 @@ def test_fp8_caches_of_different_scales_in_one_request_on_gpu(gpu_server) -> Non
 def test_fp8_requests_of_different_scales_merge_on_gpu() -> None:
     """Stateless FP8 Prefill and Decode requests with scales of their own, held until all
     queue: one launch per op, each caller right against its own float64 answer."""
-    from attention_service.engine.backends import CudaBackend
-
-    class CudaStepBackend(Steps, CudaBackend):
-        pass
-
-    backend = CudaStepBackend()
-    backend.open_all()
-    backend.warmup()
-    backend.reset()
-    srv = ServerHandle(make_config(device="cuda", batching=True, metrics_port=0, warmup=False),
-                       backend=backend)
-    try:
+    with held_gpu_server() as (srv, backend):
         reqs = [fp8_prefill_req(i, [9 + 7 * i, 30], dim=128) for i in range(4)]
         reqs += [fp8_decode_req(10 + i, [1 + 500 * i, 0, 70], dim=128) for i in range(3)]
         with ThreadPoolExecutor(len(reqs) + 1) as pool:
@@ -95,6 +84,3 @@ def test_fp8_requests_of_different_scales_merge_on_gpu() -> None:
         assert sorted(backend.batch_sizes()[1:]) == [3, 4]
         for req, resp in zip(reqs, responses, strict=True):
             _close(resp.out, req.out, req.dtype)
-    finally:
-        backend.open_all()
-        srv.close()
