@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -39,6 +40,7 @@ from attention_kernels._checks import (
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
+from attention_kernels._launch import KernelLaunch, PlanCache, tensor_sig
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
@@ -404,22 +406,31 @@ def decode(
         k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
             kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``); or
             ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
-    Empty sequences give zeros (lse -inf).
+    Empty sequences give zeros (lse -inf). A call whose inputs have the shapes, strides, dtypes,
+    devices and alignment of an earlier call with the same other arguments reuses that call's
+    checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.
     """
-    check_decode_inputs(q, k, v, cu_seqlens_k)
-    fp8 = check_kv_scales(k, k_scale, v_scale, q.shape[0])
-    window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
-                            q.device)
-    _check_kernel_args(q, num_splits)
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
-    est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
-    return _decode(q, k, v, cu_seqlens_k.contiguous(), None, est, softmax_scale, num_splits,
-                   return_lse, out, lse_out, _config, window[0], softcap, alibi_slopes,
-                   (k_scale, v_scale) if fp8 else None)
+    key = _plan_key(False, q, k, v, cu_seqlens_k, None, max_seqlen_k, softmax_scale, num_splits,
+                    return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
+                    v_scale, _config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_decode_inputs(q, k, v, cu_seqlens_k)
+        fp8 = check_kv_scales(k, k_scale, v_scale, q.shape[0])
+        window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
+                                q.device)
+        _check_kernel_args(q, num_splits)
+        if out is not None:
+            output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
+        if return_lse and lse_out is not None:
+            output_buffer(lse_out, tuple(q.shape[:2]), torch.float32, q.device, "lse_out")
+        # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
+        est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
+        plan = _plan(q, k, v, None, est, softmax_scale, num_splits, return_lse, _config,
+                     window[0], softcap, alibi_slopes, fp8)
+        _PLANS.put(key, plan)
+    return _run(plan, q, k, v, cu_seqlens_k, None, out, lse_out, alibi_slopes, k_scale,
+                v_scale)
 
 
 def paged_decode(
@@ -457,16 +468,27 @@ def paged_decode(
         Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
         outputs as in ``decode``. One compiled variant per page size.
     """
-    check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
-    fp8 = check_kv_scales(k_pages, k_scale, v_scale, q.shape[0])
-    window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
-                            q.device)
-    _check_kernel_args(q, num_splits)
-    page_tokens = k_pages.shape[1]
-    est = max_seqlen_k if max_seqlen_k is not None else block_table.shape[1] * page_tokens
-    return _decode(q, k_pages, v_pages, seqlens_k.contiguous(), block_table.contiguous(), est,
-                   softmax_scale, num_splits, return_lse, out, lse_out, _config, window[0],
-                   softcap, alibi_slopes, (k_scale, v_scale) if fp8 else None)
+    key = _plan_key(True, q, k_pages, v_pages, seqlens_k, block_table, max_seqlen_k,
+                    softmax_scale, num_splits, return_lse, out, lse_out, window_size, softcap,
+                    alibi_slopes, k_scale, v_scale, _config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
+        fp8 = check_kv_scales(k_pages, k_scale, v_scale, q.shape[0])
+        window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
+                                q.device)
+        _check_kernel_args(q, num_splits)
+        if out is not None:
+            output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
+        if return_lse and lse_out is not None:
+            output_buffer(lse_out, tuple(q.shape[:2]), torch.float32, q.device, "lse_out")
+        est = (max_seqlen_k if max_seqlen_k is not None
+               else block_table.shape[1] * k_pages.shape[1])
+        plan = _plan(q, k_pages, v_pages, block_table, est, softmax_scale, num_splits,
+                     return_lse, _config, window[0], softcap, alibi_slopes, fp8)
+        _PLANS.put(key, plan)
+    return _run(plan, q, k_pages, v_pages, seqlens_k, block_table, out, lse_out, alibi_slopes,
+                k_scale, v_scale)
 
 
 def _check_kernel_args(q: torch.Tensor, num_splits: int) -> None:
@@ -477,52 +499,91 @@ def _check_kernel_args(q: torch.Tensor, num_splits: int) -> None:
         raise ValueError(f"num_splits must be >= 0, got {num_splits}")
 
 
-def _decode(
+# Checked launch set-ups by call signature (``_plan_key``); see ``_launch``.
+_PLANS = PlanCache()
+
+
+def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              lens: torch.Tensor, table: torch.Tensor | None, max_seqlen_k: object,
+              softmax_scale: object, num_splits: object, return_lse: object,
+              out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
+              softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
+              config: DecodeConfig | None) -> tuple | None:
+    """Everything a decode call's checks and set-up read, or None (no reuse) where an argument
+    is of a type the checks would judge by more than its value (``True == 1`` in a key)."""
+    if not (type(window_size) is tuple and len(window_size) == 2
+            and type(window_size[0]) is int and type(window_size[1]) is int
+            and type(softcap) in (float, int) and type(num_splits) is int
+            and type(return_lse) is bool and type(max_seqlen_k) in (int, type(None))
+            and type(softmax_scale) in (float, int, type(None))
+            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and isinstance(v, torch.Tensor) and isinstance(lens, torch.Tensor)
+            and all(t is None or isinstance(t, torch.Tensor)
+                    for t in (table, out, lse_out, alibi_slopes, k_scale, v_scale))):
+        return None
+    return (paged, tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(lens),
+            tensor_sig(table), max_seqlen_k, softmax_scale, num_splits, return_lse,
+            tensor_sig(out), tensor_sig(lse_out) if return_lse else None, window_size, softcap,
+            tensor_sig(alibi_slopes), tensor_sig(k_scale), tensor_sig(v_scale), config)
+
+
+@dataclass(frozen=True, slots=True)
+class _DecodePlan:
+    """A checked decode call's derived set-up; ``_run`` launches it on the call's tensors."""
+
+    out_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    return_lse: bool
+    empty: bool  # no launch: batch 0 (nothing to write) or no pages (zeros, lse -inf)
+    copy_q: bool  # inputs without unit stride along D go through a contiguous copy
+    copy_kv: bool
+    direct: bool  # one split: the kernel writes the output, no partials and no counters
+    workspace_rows: int
+    block_d: int
+    counters: int
+    scalars: tuple[object, ...]  # the launch arguments between the tensors and the features
+    stride_ab: int | None
+    launch: KernelLaunch | None  # None when empty
+
+
+def _plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    lens: torch.Tensor,
     table: torch.Tensor | None,
     est_seqlen: int,
     softmax_scale: float | None,
     num_splits: int,
     return_lse: bool,
-    out: torch.Tensor | None,
-    lse_out: torch.Tensor | None,
     config: DecodeConfig | None,
     win_left: int,
     softcap: float,
     alibi_slopes: torch.Tensor | None,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
-    ``lens`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens`` = seqlens_k. ``win_left``:
-    the window's left bound (-1: none)."""
-    if q.stride(-1) != 1:
+    fp8: bool,
+) -> _DecodePlan:
+    """The set-up of a checked call. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``.
+    Paged: ``k, v`` are the pages. ``win_left``: the window's left bound (-1: none)."""
+    copy_q = q.stride(-1) != 1
+    copy_kv = table is None and (k.stride(-1) != 1 or v.stride(-1) != 1)
+    if copy_q:
         q = q.contiguous()
+    if copy_kv:
+        k, v = k.contiguous(), v.contiguous()
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[-2]
     group = num_heads // num_kv_heads
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    out = output_buffer(out, (batch, num_heads, head_dim), q.dtype, q.device, "out")
-    lse = (output_buffer(lse_out, (batch, num_heads), torch.float32, q.device, "lse_out")
-           if return_lse else out)
-    if batch == 0:
-        return (out, lse) if return_lse else out
-    if table is not None and (k.shape[0] == 0 or table.shape[1] == 0):
-        # No pages at all, so every sequence is empty: nothing to launch (and no pointer into
-        # an empty pool).
-        out.zero_()
-        if return_lse:
-            lse.fill_(float("-inf"))
-        return (out, lse) if return_lse else out
-
+    if batch == 0 or (table is not None and (k.shape[0] == 0 or table.shape[1] == 0)):
+        return _DecodePlan(
+            out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
+            empty=True, copy_q=False, copy_kv=False, direct=True, workspace_rows=0, block_d=0,
+            counters=0, scalars=(), stride_ab=None, launch=None)
     if config is not None:
         cfg = config
     elif table is None:
-        cfg = decode_config(head_dim, q.dtype, q.device, kv_scales is not None)
+        cfg = decode_config(head_dim, q.dtype, q.device, fp8)
     else:
-        cfg = paged_decode_config(head_dim, q.dtype, q.device, kv_scales is not None)
+        cfg = paged_decode_config(head_dim, q.dtype, q.device, fp8)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     # A left bound past any sequence's length hides nothing: no window variant for it.
     max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]
     has_window = 0 <= win_left < max_keys
@@ -530,19 +591,11 @@ def _decode(
         # At most left + 1 keys are read per sequence (+ one block of alignment): split those.
         est_seqlen = min(est_seqlen, win_left + 1 + cfg.block_n)
     cap_scale, cap_log2 = softcap_args(softcap, scale)
-    slopes, stride_ab = alibi_args(alibi_slopes, num_heads)
+    stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
     block_d = padded_head_dim(head_dim)
-    direct = num_splits == 1
-    if direct:
-        out_part = lse_part = counter = out  # unused dummies
-    else:
-        key = _stream_key(q.device)
-        out_part, lse_part = _workspace(batch * num_heads * num_splits, block_d, q.device, key)
-        counter = _counters(batch * num_kv_heads, q.device, key)
-    paged = table is not None
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -552,26 +605,79 @@ def _decode(
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
                    k.stride(0), v.stride(0))
-    with _on_device(q.device):  # Triton launches on the current device's current stream
-        _decode_split_kernel[(num_splits, batch * num_kv_heads)](
-            q, k, v, out, lse, out_part, lse_part, counter, lens, table,
-            q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1), *strides[4:],
-            scale * LOG2E, num_kv_heads, group, num_splits,
-            win_left if has_window else None, cap_scale, cap_log2, slopes, stride_ab,
-            *kv_scale_args(kv_scales),
+    # Outputs are contiguous [batch, H, D] (fresh, or checked so).
+    scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,
+               *strides[4:], scale * LOG2E, num_kv_heads, group, num_splits,
+               win_left if has_window else None, cap_scale, cap_log2)
+    launch = KernelLaunch(
+        _decode_split_kernel, (num_splits, batch * num_kv_heads), dict(
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=cfg.block_n, DIRECT=direct, RETURN_LSE=return_lse,
-            DOT_F32=dot_in_fp32(q.dtype) and kv_scales is None, PAGED=paged,
-            PAGE_TOKENS=page_tokens,
-            HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
-            HAS_ALIBI=slopes is not None, KV_FP8=kv_scales is not None,
+            BLOCK_N=cfg.block_n, DIRECT=num_splits == 1, RETURN_LSE=return_lse,
+            DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
+            PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
+            HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-    return (out, lse) if return_lse else out
+        ))
+    return _DecodePlan(
+        out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
+        empty=False, copy_q=copy_q, copy_kv=copy_kv, direct=num_splits == 1,
+        workspace_rows=batch * num_heads * num_splits, block_d=block_d,
+        counters=batch * num_kv_heads, scalars=scalars, stride_ab=stride_ab, launch=launch,
+    )
+
+
+def _run(
+    plan: _DecodePlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lens: torch.Tensor,
+    table: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``plan`` on a call's tensors (which passed the checks its key stands for)."""
+    device = q.device
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    lse = out  # an unused dummy without return_lse
+    if plan.return_lse:
+        lse = (lse_out if lse_out is not None else
+               torch.empty(plan.out_shape[:2], dtype=torch.float32, device=device))
+    if plan.empty:
+        if plan.out_shape[0]:  # no pages at all: every sequence is empty
+            out.zero_()
+            if plan.return_lse:
+                lse.fill_(float("-inf"))
+        return (out, lse) if plan.return_lse else out
+    if plan.copy_q:
+        q = q.contiguous()
+    if plan.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    if lens.stride(0) != 1:
+        lens = lens.contiguous()
+    if table is not None and not table.is_contiguous():
+        table = table.contiguous()
+    if plan.direct:
+        out_part = lse_part = counter = out  # unused dummies
+    else:
+        key = _stream_key(device)
+        out_part, lse_part = _workspace(plan.workspace_rows, plan.block_d, device, key)
+        counter = _counters(plan.counters, device, key)
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
+    assert plan.launch is not None
+    with _on_device(device):  # Triton launches on the current device's current stream
+        plan.launch(q, k, v, out, lse, out_part, lse_part, counter, lens, table, *plan.scalars,
+                    slopes, plan.stride_ab, ks, vs, stride_sb)
+    return (out, lse) if plan.return_lse else out
 
 
 def _on_device(device: torch.device) -> contextlib.AbstractContextManager[object]:
     # The common case (already current) skips the device switch and its host time.
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
+    if device.type == "cuda" and device.index != torch._C._cuda_getDevice():
         return torch.cuda.device(device)
     return contextlib.nullcontext()
