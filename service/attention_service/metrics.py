@@ -296,6 +296,7 @@ def _standard_collectors(registry: CollectorRegistry) -> None:
 class Metrics:
     def __init__(self, multiprocess: bool = False) -> None:
         self.multiprocess = multiprocess
+        self._launch_children: dict[Op, tuple[Any, ...]] = {}  # observe_launch's series
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
@@ -424,24 +425,34 @@ class Metrics:
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,
         h2d: float, kernel: float, d2h: float,
     ) -> None:
-        rpc = op.rpc
-        self.batches.labels(rpc=rpc).inc()
-        self.batch_requests.labels(rpc=rpc).observe(requests)
-        self.batch_tokens.labels(rpc=rpc).observe(tokens)
-        for stage, seconds in zip(STAGES, (h2d, kernel, d2h), strict=True):
-            self.stage.labels(rpc=rpc, stage=stage).observe(seconds)
+        children = self._launch_children.get(op)
+        if children is None:
+            # The labelled series of one op, looked up once: ``labels()`` validates and locks
+            # on every call, ten times per launch here.
+            rpc = op.rpc
+            rate = self.decode_bytes_rate if op.decode_like else self.prefill_flops_rate
+            children = self._launch_children[op] = (
+                self.batches.labels(rpc=rpc), self.batch_requests.labels(rpc=rpc),
+                self.batch_tokens.labels(rpc=rpc),
+                tuple(self.stage.labels(rpc=rpc, stage=stage) for stage in STAGES),
+                self.kernel_seconds.labels(rpc=rpc), self.kernel_flops.labels(rpc=rpc),
+                self.kernel_kv_bytes.labels(rpc=rpc), rate.labels(rpc=rpc),
+            )
+        batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate = children
+        batches.inc()
+        batch_requests.observe(requests)
+        batch_tokens.observe(tokens)
+        for child, seconds in zip(stages, (h2d, kernel, d2h), strict=True):
+            child.observe(seconds)
         if kernel <= 0:
             return  # nothing ran (no keys to attend to): no time, no work
         # Work and time together, so their rates divide into a kernel-time-weighted rate.
-        self.kernel_seconds.labels(rpc=rpc).inc(kernel)
-        self.kernel_flops.labels(rpc=rpc).inc(flops)
-        self.kernel_kv_bytes.labels(rpc=rpc).inc(kv_bytes)
+        k_seconds.inc(kernel)
+        k_flops.inc(flops)
+        k_bytes.inc(kv_bytes)
         if op is Op.APPEND_KV:
             return  # stores only: no attention to rate
-        if op.decode_like:
-            self.decode_bytes_rate.labels(rpc=rpc).observe(kv_bytes / kernel)
-        else:
-            self.prefill_flops_rate.labels(rpc=rpc).observe(flops / kernel)
+        rate.observe((kv_bytes if op.decode_like else flops) / kernel)
 
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this server's registry, or every process's samples merged

@@ -8,6 +8,7 @@ pickles small (it crosses from a front-end process to the engine with every call
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ class Op(enum.Enum):
     APPEND_KV = "AppendKV"  # a cache prefill without queries: k/v stored, nothing computed
     CACHE_PREFILL = "CachePrefill"
     CACHE_DECODE = "CacheDecode"
+
+    # Members are singletons: identity hashing is exact, and a C-level hash where Enum's own
+    # is a Python call (hashed several times per request on the engine's hot path).
+    __hash__ = object.__hash__
 
     @property
     def rpc(self) -> str:
@@ -118,6 +123,12 @@ class Params:
     # stateless op (cached ops use their caches' scales, which the engine knows).
     kv_dtype: int = 0
     kv_scales: KvScales | None = None
+
+    @functools.cached_property
+    def memo(self) -> dict[object, object]:
+        """Scratch for values the engine derives from these (immutable) params and reuses on
+        every request that carries the same params object (front ends define them once)."""
+        return {}
 
     @property
     def num_heads(self) -> int:

@@ -5,6 +5,8 @@ start over when its table is full (ForgetParams)."""
 from __future__ import annotations
 
 import asyncio
+import os
+import pickle
 import socket
 import threading
 from typing import Any
@@ -13,9 +15,17 @@ import pytest
 import torch
 
 from attention_service.ipc import remote_link
-from attention_service.ipc.channel import Channel, _Decoder, corked
-from attention_service.ipc.messages import Cancel, DefineParams, ForgetParams, Submit
+from attention_service.ipc.channel import _HEADER, Channel, _Decoder, _frame, compact, corked
+from attention_service.ipc.messages import (
+    Cancel,
+    DefineParams,
+    Done,
+    ForgetParams,
+    SegmentSpan,
+    Submit,
+)
 from attention_service.ipc.remote_link import RemoteLink
+from attention_service.link import ExecStats
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
@@ -134,3 +144,50 @@ def test_engine_connection_resolves_params_by_id() -> None:
     conn.on_message(DefineParams(0, b), [])
     conn.on_message(Submit(3, 0, spans, ""), [])
     assert seen == [b, a, b]
+
+
+def test_compact_messages_cross_as_plain_tuples_with_their_descriptors() -> None:
+    # Done and Submit travel as plain tuples (no class references to pickle) and arrive as
+    # the same NamedTuples, descriptors in order beside ordinary frames.
+    mine, theirs = socket.socketpair()
+    got: list[tuple[Any, list[int]]] = []
+    arrived = threading.Event()
+
+    def on_message(msg: Any, fds: list[int]) -> None:
+        got.append((msg, fds))
+        if len(got) == 3:
+            arrived.set()
+
+    receiver = Channel(theirs, on_message, lambda: None, "receiver")
+    receiver.start()
+    sender = Channel(mine, lambda msg, fds: None, lambda: None, "sender")
+    sender.start()
+    stats = ExecStats(0.5, 0.1, 0.2, 0.0, 3, 4096, 17, (4097, 12))
+    submit = Submit(7, 3, {"q": (0, 256), "k": SegmentSpan(0, 64, 128)}, "token-a")
+    r, w = os.pipe()
+    try:
+        sender.send(Done(9, stats))
+        sender.send(submit, [r])
+        sender.send(Cancel(9))
+        assert arrived.wait(5)
+        (done, no_fds), (sub, fds), (cancel, _) = got
+        assert type(done) is Done and type(done.stats) is ExecStats and no_fds == []
+        assert done == (9, stats)
+        assert type(sub) is Submit and sub == submit and len(fds) == 1
+        assert type(cancel) is Cancel
+        os.close(fds[0])
+        assert pickle.loads(_frame(Done(9, stats), 0)[_HEADER.size:]) == (9, tuple(stats))
+    finally:
+        os.close(w)
+        sender.close()
+        receiver.close()
+
+
+def test_an_unknown_compact_code_is_a_broken_channel_not_a_crash() -> None:
+    decoder = _Decoder()
+    payload = pickle.dumps((1, 2))
+    decoder.buf += _HEADER.pack(len(payload), 999 << 16) + payload
+    with pytest.raises(pickle.UnpicklingError, match="compact"):
+        decoder.frames()
+    with pytest.raises(ValueError, match="taken"):
+        compact(tuple, 1, tuple, tuple)  # Done's code

@@ -39,17 +39,22 @@ class BatchKey(NamedTuple):
 
 def batch_key(job: Job) -> BatchKey:
     params = job.params
-    # None and an explicit 1/sqrt(D) are the same float in the kernel: let them merge.
-    scale = params.softmax_scale
-    if scale is None:
-        scale = 1.0 / math.sqrt(params.head_dim)
-    return BatchKey(
-        op=params.op, dtype=params.dtype, num_heads=params.num_heads,
-        num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
-        softmax_scale=scale, num_splits=params.num_splits, window=params.window,
-        softcap=params.softcap, alibi=bool(params.alibi_slopes), kv_dtype=params.kv_dtype,
-        fp8=(job.cache.seq_scales if job.cache is not None else params.kv_scales) is not None,
-    )
+    fp8 = (job.cache.seq_scales if job.cache is not None else params.kv_scales) is not None
+    memo = params.memo  # one key per params object and FP8-ness, made once
+    key = memo.get((batch_key, fp8))
+    if key is None:
+        # None and an explicit 1/sqrt(D) are the same float in the kernel: let them merge.
+        scale = params.softmax_scale
+        if scale is None:
+            scale = 1.0 / math.sqrt(params.head_dim)
+        key = memo[(batch_key, fp8)] = BatchKey(
+            op=params.op, dtype=params.dtype, num_heads=params.num_heads,
+            num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
+            softmax_scale=scale, num_splits=params.num_splits, window=params.window,
+            softcap=params.softcap, alibi=bool(params.alibi_slopes),
+            kv_dtype=params.kv_dtype, fp8=fp8,
+        )
+    return key  # type: ignore[return-value]
 
 
 def scale_rows(rows: Sequence[KvScales], device: object,

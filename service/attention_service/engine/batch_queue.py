@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from attention_service.engine.batch_plan import BatchKey, batch_key
 from attention_service.engine.jobs import ExecStats, Job
@@ -29,18 +28,17 @@ from attention_service.params import Op
 Done = Callable[[ExecStats | BaseException], None]
 
 
-@dataclass(eq=False)
 class Waiter:
-    """A queued job and where its result goes."""
+    """A queued job and where its result goes. (A slots class: one is made per request on
+    the engine's hot path.)"""
 
-    job: Job
-    done: Done
-    key: BatchKey = field(init=False)
-    tokens: int = field(init=False)  # weight against the token budget
+    __slots__ = ("job", "done", "key", "tokens")
 
-    def __post_init__(self) -> None:
-        self.key = batch_key(self.job)
-        self.tokens = self.job.budget_tokens
+    def __init__(self, job: Job, done: Done) -> None:
+        self.job = job
+        self.done = done
+        self.key: BatchKey = batch_key(job)
+        self.tokens: int = job.budget_tokens  # weight against the token budget
 
     @property
     def submitted(self) -> float:

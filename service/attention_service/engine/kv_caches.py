@@ -431,11 +431,15 @@ def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int
     if params.op is Op.APPEND_KV:
         return 0, 0
     h, d = params.num_heads, params.head_dim
-    if params.op.decode_like:
-        len_q = [1] * len(seq_lens)
+    keys = sum(seq_lens)
+    if params.op.decode_like and params.window[0] < 0:
+        pairs = keys  # one query at the end of each sequence sees every key (a decode step)
     else:
-        assert params.cu_seqlens_q is not None
-        len_q = lengths(params.cu_seqlens_q)
-    pairs = visible_pairs(len_q, seq_lens, params.causal, params.window)
-    kv = 2 * sum(seq_lens) * params.num_kv_heads * d * ELEMENT_BYTES[layout.stored_dtype]
+        if params.op.decode_like:
+            len_q = [1] * len(seq_lens)
+        else:
+            assert params.cu_seqlens_q is not None
+            len_q = lengths(params.cu_seqlens_q)
+        pairs = visible_pairs(len_q, seq_lens, params.causal, params.window)
+    kv = 2 * keys * params.num_kv_heads * d * ELEMENT_BYTES[layout.stored_dtype]
     return 4 * pairs * h * d, kv

@@ -77,9 +77,43 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
+# Compact message types (``compact``): code -> (type, to plain tuple, from plain tuple).
+_COMPACT: dict[type, tuple[int, Callable[[Any], tuple]]] = {}
+_EXPAND: dict[int, Callable[[tuple], Any]] = {}
+_KIND_SHIFT = 16  # a frame's compact code rides above its descriptor count in the header
+
+
+def compact(cls: type, code: int, to_plain: Callable[[Any], tuple],
+            from_plain: Callable[[tuple], Any]) -> None:
+    """Send messages of type ``cls`` as the plain tuple ``to_plain(msg)`` and rebuild them
+    with ``from_plain`` on arrival. For the per-call messages: pickle saves a class by
+    reference and checks that reference on every ``dumps``, ~2.3 us a class (a decode
+    step's answer, a NamedTuple inside a NamedTuple, pickled in 5.2 us and unpickled in 3.7;
+    as plain tuples 0.6 and 1.5). Both ends register the same codes (>= 1) at import."""
+    if not 1 <= code < 1 << 15 or _EXPAND.get(code, from_plain) is not from_plain:
+        raise ValueError(f"compact code {code} taken or out of range")
+    _COMPACT[cls] = (code, to_plain)
+    _EXPAND[code] = from_plain
+
+
 def _frame(msg: Any, nfds: int) -> bytes:
+    plain = _COMPACT.get(type(msg))
+    if plain is not None:
+        code, to_plain = plain
+        payload = pickle.dumps(to_plain(msg), protocol=pickle.HIGHEST_PROTOCOL)
+        return _HEADER.pack(len(payload), nfds | code << _KIND_SHIFT) + payload
     payload = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
     return _HEADER.pack(len(payload), nfds) + payload
+
+
+def _unframe(payload: bytes | bytearray, kind: int) -> Any:
+    msg = pickle.loads(payload)
+    if not kind:
+        return msg
+    expand = _EXPAND.get(kind)
+    if expand is None:  # the peer runs other code: a broken channel, not a crashed reader
+        raise pickle.UnpicklingError(f"unknown compact message code {kind}")
+    return expand(msg)
 
 
 def _anc(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
@@ -105,7 +139,7 @@ def recv_message(sock: socket.socket) -> tuple[Any, list[int]]:
             need += size
             if size:
                 continue
-        return pickle.loads(buf[_HEADER.size:]), fds
+        return _unframe(buf[_HEADER.size:], _HEADER.unpack_from(buf)[1] >> _KIND_SHIFT), fds
 
 
 class _Decoder:
@@ -124,7 +158,8 @@ class _Decoder:
             end = at + _HEADER.size + size
             if end > len(buf):
                 break
-            msg = pickle.loads(buf[at + _HEADER.size : end])
+            msg = _unframe(buf[at + _HEADER.size : end], nfds >> _KIND_SHIFT)
+            nfds &= (1 << _KIND_SHIFT) - 1
             fds = [self.fds.popleft() for _ in range(min(nfds, len(self.fds)))]
             out.append((msg, fds))
             at = end

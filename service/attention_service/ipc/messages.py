@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 from attention_service.config import ServerConfig
+from attention_service.ipc.channel import compact
 from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
@@ -51,6 +52,10 @@ class Done(NamedTuple):
     stats: ExecStats
 
 
+compact(Done, 1, lambda m: (m.call_id, tuple(m.stats)),
+        lambda t: Done(t[0], ExecStats._make(t[1])))
+
+
 class Failed(NamedTuple):
     call_id: int
     error: BaseException  # RequestError or Cancelled
@@ -88,6 +93,9 @@ class Submit(NamedTuple):
     params_id: int  # of a DefineParams sent earlier on this channel
     spans: dict[str, Span]  # q, k, v, out (and lse when asked for)
     owner: str
+
+
+compact(Submit, 2, tuple, Submit._make)
 
 
 class Cancel(NamedTuple):
