@@ -49,7 +49,11 @@ class ServerHandle:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self.server: AttentionServer
-        self.server, self.port = self.run(create_server(config, backend=backend))
+        # A cuda server compiles every kernel variant before it serves: about 60-70 s on an
+        # H100 host with a cold Triton cache (old and new code alike, 2026-11-23), seconds
+        # with a warm one.
+        start = 280.0 if config.device == "cuda" else 60.0
+        self.server, self.port = self.run(create_server(config, backend=backend), start)
         self._channels: list[grpc.Channel] = []
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float = 60.0) -> T:
