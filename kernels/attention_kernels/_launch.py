@@ -8,10 +8,11 @@ checks and set-up added another 38 us, against 21 us of host time for a whole cu
 
 Two pieces cut both:
 
-* ``tensor_sig``: the part of a tensor a launch depends on without reading values (shape,
-  strides, dtype, device, and the 16-byte alignment Triton specializes pointers on). A wrapper
-  keys its checked, derived launch set-up (``plan``) on the signatures of its inputs and on its
-  scalar arguments, so a repeated call skips checks and set-up it already did for the same key.
+* ``call_key``: what a call's checks and set-up depend on without reading values (per tensor
+  its shape, strides, dtype, device, and the 16-byte alignment Triton specializes pointers
+  on; the scalar arguments and their types). A wrapper keeps its checked, derived launch
+  set-up (a plan) under that key (``PlanCache``), so a repeated call skips the checks and set-up
+  it already did for the same key.
 * ``KernelLaunch``: one kernel with a fixed grid and fixed compile-time arguments. Its first
   call goes through Triton (compiling if need be) and keeps the compiled kernel; later calls on
   the GPU hand the run-time arguments straight to the compiled kernel's launcher. Triton's
@@ -21,6 +22,7 @@ Two pieces cut both:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Hashable
 from typing import Any
 
@@ -29,15 +31,27 @@ from triton import knobs
 
 from attention_kernels.configs import interpreting
 
-TensorSig = tuple[Any, ...] | None
 
-
-def tensor_sig(t: torch.Tensor | None) -> TensorSig:
-    """What a launch reads of ``t`` besides its values. Two tensors with equal signatures pass
-    the same shape/dtype/device checks and compile to the same Triton specialization."""
-    if t is None:
+def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],
+             window: object) -> tuple[Any, ...] | None:
+    """What a kernel wrapper's checks and set-up read of a call, without reading any tensor
+    value: per tensor its shape, strides, dtype, device and the 16-byte alignment Triton
+    specializes pointers on; the scalar arguments with their types (``True == 1`` and
+    ``False == 0.0`` as values, but the checks refuse a bool where a number belongs); and
+    ``window`` (a pair of ints). None where a call cannot be keyed (then it takes the
+    checked path every time)."""
+    if not (type(window) is tuple and len(window) == 2 and type(window[0]) is int
+            and type(window[1]) is int):
         return None
-    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0)
+    sigs: list[object] = []
+    for t in tensors:
+        if t is None:
+            sigs.append(None)
+        elif isinstance(t, torch.Tensor):
+            sigs.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0))
+        else:
+            return None
+    return (*sigs, window, *scalars, *map(type, scalars))
 
 
 class PlanCache:
@@ -50,14 +64,20 @@ class PlanCache:
         self._plans: dict[Hashable, Any] = {}
 
     def get(self, key: Hashable | None) -> Any:
-        return None if key is None else self._plans.get(key)
+        if key is None:
+            return None
+        try:
+            return self._plans.get(key)
+        except TypeError:  # an unhashable argument (a list where a tuple goes): no reuse
+            return None
 
     def put(self, key: Hashable | None, plan: Any) -> None:
         if key is None:
             return
         if len(self._plans) >= self.capacity:
             self._plans.clear()
-        self._plans[key] = plan
+        with contextlib.suppress(TypeError):
+            self._plans[key] = plan
 
     def clear(self) -> None:
         self._plans.clear()

@@ -40,7 +40,7 @@ from attention_kernels._checks import (
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
-from attention_kernels._launch import KernelLaunch, PlanCache, tensor_sig
+from attention_kernels._launch import KernelLaunch, PlanCache, call_key
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
@@ -509,22 +509,11 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
               softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
               config: DecodeConfig | None) -> tuple | None:
-    """Everything a decode call's checks and set-up read, or None (no reuse) where an argument
-    is of a type the checks would judge by more than its value (``True == 1`` in a key)."""
-    if not (type(window_size) is tuple and len(window_size) == 2
-            and type(window_size[0]) is int and type(window_size[1]) is int
-            and type(softcap) in (float, int) and type(num_splits) is int
-            and type(return_lse) is bool and type(max_seqlen_k) in (int, type(None))
-            and type(softmax_scale) in (float, int, type(None))
-            and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
-            and isinstance(v, torch.Tensor) and isinstance(lens, torch.Tensor)
-            and all(t is None or isinstance(t, torch.Tensor)
-                    for t in (table, out, lse_out, alibi_slopes, k_scale, v_scale))):
-        return None
-    return (paged, tensor_sig(q), tensor_sig(k), tensor_sig(v), tensor_sig(lens),
-            tensor_sig(table), max_seqlen_k, softmax_scale, num_splits, return_lse,
-            tensor_sig(out), tensor_sig(lse_out) if return_lse else None, window_size, softcap,
-            tensor_sig(alibi_slopes), tensor_sig(k_scale), tensor_sig(v_scale), config)
+    """Everything a decode call's checks and set-up read (``_launch.call_key``)."""
+    return call_key((q, k, v, lens, table, out, lse_out if return_lse else None, alibi_slopes,
+                     k_scale, v_scale),
+                    (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
+                     config), window_size)
 
 
 @dataclass(frozen=True, slots=True)

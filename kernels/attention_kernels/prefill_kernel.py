@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -51,6 +52,7 @@ from attention_kernels._checks import (
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
+from attention_kernels._launch import KernelLaunch, PlanCache, call_key
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     PrefillConfig,
@@ -435,16 +437,23 @@ def prefill(
     del max_seqlen_q, max_seqlen_k
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
-    check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    fp8 = check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
-    window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
-                            cu_seqlens_q.shape[0] - 1, q.device)
-    _check_not_float64(q)
-    k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
-    return _prefill(q, k, v, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), None,
-                    causal, softmax_scale, return_lse, out, lse_out, _config,
-                    window, softcap, alibi_slopes, k.shape[0],
-                    (k_scale, v_scale) if fp8 else None)
+    key = _plan_key(False, q, k, v, cu_seqlens_q, cu_seqlens_k, None, causal, softmax_scale,
+                    return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
+                    v_scale, _config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
+        fp8 = check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
+        window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
+                                cu_seqlens_q.shape[0] - 1, q.device)
+        _check_not_float64(q)
+        _check_outputs(q, return_lse, out, lse_out)
+        plan = _plan(q, k, v, cu_seqlens_q, None, causal, softmax_scale, return_lse, _config,
+                     window, softcap, alibi_slopes, k.shape[0], fp8)
+        if not plan.use_tma:  # TMA launches are long (GPU-bound) and read the environment
+            _PLANS.put(key, plan)
+    return _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, None, out, lse_out, alibi_slopes,
+                k_scale, v_scale)
 
 
 def paged_prefill(
@@ -485,16 +494,23 @@ def paged_prefill(
         outputs (``lse [H, total_q]``) as in ``prefill``. One compiled variant per page size.
     """
     del max_seqlen_q, max_seqlen_k
-    check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
-    fp8 = check_kv_scales(k_pages, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
-    window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
-                            cu_seqlens_q.shape[0] - 1, q.device)
-    _check_not_float64(q)
-    return _prefill(q, k_pages, v_pages, cu_seqlens_q.contiguous(), seqlens_k.contiguous(),
-                    block_table.contiguous(), causal, softmax_scale, return_lse, out, lse_out,
-                    _config, window, softcap, alibi_slopes,
-                    block_table.shape[1] * k_pages.shape[1],
-                    (k_scale, v_scale) if fp8 else None)
+    key = _plan_key(True, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, causal,
+                    softmax_scale, return_lse, out, lse_out, window_size, softcap,
+                    alibi_slopes, k_scale, v_scale, _config)
+    plan = _PLANS.get(key)
+    if plan is None:
+        check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
+        fp8 = check_kv_scales(k_pages, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
+        window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
+                                cu_seqlens_q.shape[0] - 1, q.device)
+        _check_not_float64(q)
+        _check_outputs(q, return_lse, out, lse_out)
+        plan = _plan(q, k_pages, v_pages, cu_seqlens_q, block_table, causal, softmax_scale,
+                     return_lse, _config, window, softcap, alibi_slopes,
+                     block_table.shape[1] * k_pages.shape[1], fp8)
+        _PLANS.put(key, plan)  # paged launches never take descriptor loads
+    return _run(plan, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, out, lse_out,
+                alibi_slopes, k_scale, v_scale)
 
 
 def _window_args(window: tuple[int, int], causal: bool, max_keys: int,
@@ -525,66 +541,92 @@ def _check_not_float64(q: torch.Tensor) -> None:
                          "fp16/bf16/fp32")
 
 
-def _prefill(
+# Checked launch set-ups by call signature (``_plan_key``); see ``_launch``.
+_PLANS = PlanCache()
+
+
+def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              cu_q: torch.Tensor, lens_k: torch.Tensor, table: torch.Tensor | None,
+              causal: object, softmax_scale: object, return_lse: object,
+              out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
+              softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
+              config: PrefillConfig | None) -> tuple | None:
+    """Everything a prefill call's checks and set-up read (``_launch.call_key``)."""
+    return call_key((q, k, v, cu_q, lens_k, table, out, lse_out if return_lse else None,
+                     alibi_slopes, k_scale, v_scale),
+                    (paged, causal, softmax_scale, return_lse, softcap, config), window_size)
+
+
+def _check_outputs(q: torch.Tensor, return_lse: bool, out: torch.Tensor | None,
+                   lse_out: torch.Tensor | None) -> None:
+    if out is not None:
+        output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
+    if return_lse and lse_out is not None:
+        output_buffer(lse_out, (q.shape[1], q.shape[0]), torch.float32, q.device, "lse_out")
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillPlan:
+    """A checked prefill call's derived set-up; ``_run`` launches it on the call's tensors."""
+
+    out_shape: tuple[int, int, int]
+    dtype: torch.dtype
+    return_lse: bool
+    empty: bool  # no launch: no queries (nothing to write) or no pages (zeros, lse -inf)
+    copy_q: bool  # inputs without unit stride along D go through a contiguous copy
+    copy_kv: bool
+    use_tma: bool  # K/V through tensor descriptors (made per call: they hold the pointers)
+    block_n: int
+    scalars: tuple[object, ...]  # the launch arguments between the tensors and the features
+    stride_ab: int | None
+    launch: KernelLaunch | None  # None when empty
+
+
+def _plan(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     cu_seqlens_q: torch.Tensor,
-    lens_k: torch.Tensor,
     table: torch.Tensor | None,
     causal: bool,
     softmax_scale: float | None,
     return_lse: bool,
-    out: torch.Tensor | None,
-    lse_out: torch.Tensor | None,
     config: PrefillConfig | None,
     window: tuple[int, int],
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     max_keys: int,
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Launch on checked inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]`` and
-    ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` = seqlens_k.
-    ``max_keys``: a bound on any sequence's key count known from shapes (total_k, or the
-    block table's capacity)."""
+    fp8: bool,
+) -> _PrefillPlan:
+    """The set-up of a checked call. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``.
+    Paged: ``k, v`` are the pages. ``max_keys``: a bound on any sequence's key count known
+    from shapes (total_k, or the block table's capacity)."""
+    copy_q = q.stride(-1) != 1
+    copy_kv = table is None and (k.stride(-1) != 1 or v.stride(-1) != 1)
     q = _head_dim_contiguous(q)
+    if copy_kv:
+        k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
     total_q, num_heads, head_dim = q.shape
     batch = cu_seqlens_q.shape[0] - 1
+    out_shape = (total_q, num_heads, head_dim)
+    if total_q == 0 or batch == 0 or (table is not None and (k.shape[0] == 0
+                                                              or table.shape[1] == 0)):
+        # With pages but no keys at all: zeros, and no pointer into an empty pool.
+        return _PrefillPlan(out_shape, q.dtype, return_lse, True, False, False, False, 0, (),
+                            None, None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     causal, win_left, win_right = _window_args(window, causal, max_keys, total_q)
     has_window = win_left is not None
     cap_scale, cap_log2 = softcap_args(softcap, scale)
-    slopes, stride_ab = alibi_args(alibi_slopes, num_heads)
-    out = output_buffer(out, (total_q, num_heads, head_dim), q.dtype, q.device, "out")
-    lse = (output_buffer(lse_out, (num_heads, total_q), torch.float32, q.device, "lse_out")
-           if return_lse else out)  # dummy pointer when unused
-    if total_q == 0 or batch == 0:
-        if return_lse:
-            return out, lse
-        return out
-    paged = table is not None
-    if paged and (k.shape[0] == 0 or table.shape[1] == 0):
-        # No pages at all, so no keys: nothing to launch (and no pointer into an empty pool).
-        out.zero_()
-        if return_lse:
-            lse.fill_(float("-inf"))
-        return (out, lse) if return_lse else out
-
+    stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     # A window's blocks are split into masked and unmasked stages like causal ones: causal's
     # tiles.
-    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device,
-                                   kv_scales is not None)
+    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8)
     num_slots = total_q // cfg.block_m + batch + 1
-    grid = (num_slots * num_heads,)
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
-    use_tma = not paged and _tma_ok(q, k, v, cfg, span)
-    if use_tma:
-        desc_k, desc_v = (_kv_descriptor(t, cfg.block_n) for t in (k, v))
-    else:
-        desc_k, desc_v = k, v  # unused placeholders
+    use_tma = table is None and _tma_ok(q, k, v, cfg, span)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -594,20 +636,73 @@ def _prefill(
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
                    k.stride(0), v.stride(0))
-    _prefill_kernel[grid](
-        q, k, v, out, lse, cu_seqlens_q, lens_k, desc_k, desc_v, table,
-        q.stride(0), q.stride(1), *strides[:4], out.stride(0), out.stride(1),
-        lse.stride(0) if return_lse else 0, *strides[4:],
-        scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
-        win_left, win_right, cap_scale, cap_log2, slopes, stride_ab,
-        *kv_scale_args(kv_scales),
+    # Outputs are contiguous: out [total_q, H, D], lse [H, total_q] (fresh, or checked so).
+    scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,
+               total_q if return_lse else 0, *strides[4:],
+               scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots,
+               win_left, win_right, cap_scale, cap_log2)
+    launch = KernelLaunch(_prefill_kernel, (num_slots * num_heads,), dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
-        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and kv_scales is None,
-        USE_TMA=use_tma, PAGED=paged, PAGE_TOKENS=page_tokens,
-        HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None, HAS_ALIBI=slopes is not None,
-        KV_FP8=kv_scales is not None,
+        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and not fp8,
+        USE_TMA=use_tma, PAGED=table is not None, PAGE_TOKENS=page_tokens,
+        HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
+        HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    return (out, lse) if return_lse else out
+    ))
+    return _PrefillPlan(out_shape, q.dtype, return_lse, False, copy_q, copy_kv, use_tma,
+                        cfg.block_n, scalars, stride_ab, launch)
+
+
+def _run(
+    plan: _PrefillPlan,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    lens_k: torch.Tensor,
+    table: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``plan`` on a call's tensors (which passed the checks its key stands for).
+    Contiguous: ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` =
+    seqlens_k."""
+    device = q.device
+    total_q, num_heads, _ = plan.out_shape
+    if out is None:
+        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
+    lse = out  # a dummy pointer without return_lse
+    if plan.return_lse:
+        lse = (lse_out if lse_out is not None else
+               torch.empty((num_heads, total_q), dtype=torch.float32, device=device))
+    if plan.empty:
+        if table is not None and total_q and cu_seqlens_q.shape[0] > 1:
+            out.zero_()  # no pages at all, so no keys
+            if plan.return_lse:
+                lse.fill_(float("-inf"))
+        return (out, lse) if plan.return_lse else out
+    if plan.copy_q:
+        q = q.contiguous()
+    if plan.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    if cu_seqlens_q.stride(0) != 1:
+        cu_seqlens_q = cu_seqlens_q.contiguous()
+    if lens_k.stride(0) != 1:
+        lens_k = lens_k.contiguous()
+    if table is not None and not table.is_contiguous():
+        table = table.contiguous()
+    if plan.use_tma:
+        desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)
+    else:
+        desc_k, desc_v = k, v  # unused placeholders
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
+    assert plan.launch is not None
+    plan.launch(q, k, v, out, lse, cu_seqlens_q, lens_k, desc_k, desc_v, table, *plan.scalars,
+                slopes, plan.stride_ab, ks, vs, stride_sb)
+    return (out, lse) if plan.return_lse else out

@@ -10,7 +10,17 @@ import torch
 from triton import knobs
 
 import attention_kernels.decode_kernel as dk
-from attention_kernels import decode, decode_ref, paged_decode, paged_decode_ref
+import attention_kernels.prefill_kernel as pk
+from attention_kernels import (
+    decode,
+    decode_ref,
+    paged_decode,
+    paged_decode_ref,
+    paged_prefill,
+    paged_prefill_ref,
+    prefill,
+    prefill_ref,
+)
 from tests.kernels.conftest import DEVICE, ON_GPU, TOL, cu_seqlens, poison_, randn, rel_err
 
 
@@ -111,6 +121,73 @@ def test_paged_reuse_follows_the_block_table() -> None:
     assert len(dk._PLANS) == 1
 
 
+def test_unkeyable_arguments_take_the_checked_path_every_time() -> None:
+    q, k, v, cu = _inputs([30, 4])
+    dk._PLANS.clear()
+    want = decode(q, k, v, cu, window_size=(7, -1))
+    got = decode(q, k, v, cu, window_size=[7, -1])  # a list: accepted, never a key
+    assert torch.equal(got, want) and len(dk._PLANS) == 1
+    assert dk.call_key((q, "not a tensor"), (), (-1, -1)) is None
+
+
+def _prefill_inputs(lens: list[int], dtype: torch.dtype = torch.float16):
+    total = sum(lens)
+    return (randn(total, 4, 32, dtype=dtype), randn(total, 2, 32, dtype=dtype),
+            randn(total, 2, 32, dtype=dtype), cu_seqlens(lens))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_prefill_reuse_reads_lengths_on_the_device(causal: bool) -> None:
+    pk._PLANS.clear()
+    for lens in ([40, 9, 0], [1, 0, 48], [16, 16, 17]):  # same total, other boundaries
+        q, k, v, cu = _prefill_inputs(lens)
+        out = torch.empty_like(q)
+        poison_(out)
+        lse = torch.empty(q.shape[1], q.shape[0], device=q.device)
+        poison_(lse)
+        got, got_lse = prefill(q, k, v, cu, causal=causal, return_lse=True, out=out,
+                               lse_out=lse)
+        ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal,
+                                   return_lse=True)
+        assert rel_err(got, ref) < TOL[q.dtype]
+        seen = ~torch.isneginf(ref_lse.cpu())
+        assert torch.equal(seen, ~torch.isneginf(got_lse.cpu()))
+        assert (got_lse.cpu()[seen] - ref_lse.cpu()[seen]).abs().max() < 2e-3
+    assert len(pk._PLANS) == 1
+
+
+def test_prefill_bad_arguments_still_raise_after_a_good_call() -> None:
+    q, k, v, cu = _prefill_inputs([20, 5])
+    prefill(q, k, v, cu, window_size=(3, 0), out=torch.empty_like(q))
+    with pytest.raises(ValueError, match="window_size"):
+        prefill(q, k, v, cu, window_size=(3, False), out=torch.empty_like(q))
+    with pytest.raises(ValueError, match="out"):
+        prefill(q, k, v, cu, out=torch.empty_like(q).double())
+    lse = torch.empty(q.shape[1], q.shape[0], device=q.device)
+    prefill(q, k, v, cu, return_lse=True, lse_out=lse)
+    with pytest.raises(ValueError, match="lse_out"):
+        prefill(q, k, v, cu, return_lse=True, lse_out=lse.t().contiguous())
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        prefill(q, k, v, cu[:-1].contiguous().long())
+
+
+def test_paged_prefill_reuse_follows_the_block_table() -> None:
+    pk._PLANS.clear()
+    page = 16
+    k_pages = randn(8, page, 2, 32, dtype=torch.bfloat16)
+    v_pages = randn(8, page, 2, 32, dtype=torch.bfloat16)
+    q = randn(10, 4, 32, dtype=torch.bfloat16)
+    cu_q = cu_seqlens([6, 4])
+    for table, lens in (([[0, 1, 2], [3, 4, 5]], [40, 17]), ([[7, 6, 5], [1, 0, 2]], [9, 48])):
+        tab = torch.tensor(table, dtype=torch.int32, device=DEVICE)
+        sl = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+        got = paged_prefill(q, k_pages, v_pages, tab, cu_q, sl, causal=True)
+        ref = paged_prefill_ref(q.double(), k_pages.double(), v_pages.double(), tab, cu_q, sl,
+                                causal=True)
+        assert rel_err(got, ref) < TOL[torch.bfloat16]
+    assert len(pk._PLANS) == 1
+
+
 def test_plan_cache_is_bounded() -> None:
     cache = dk.PlanCache(capacity=3)
     for i in range(7):
@@ -152,3 +229,24 @@ def test_launch_hooks_see_every_launch() -> None:
     finally:
         knobs.runtime.launch_enter_hook.remove(hook)
     assert seen == ["_decode_split_kernel"]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="the direct launcher is the compiled kernel's")
+def test_prefill_direct_launch_matches_and_descriptor_launches_are_not_kept() -> None:
+    pk._PLANS.clear()
+    lens = [64, 128, 64]
+    q, k, v, cu = _prefill_inputs(lens, torch.bfloat16)
+    first = prefill(q, k, v, cu, causal=True)
+    (plan,) = pk._PLANS._plans.values()
+    assert plan.launch.compiled is not None
+    for _ in range(3):
+        assert torch.equal(prefill(q, k, v, cu, causal=True), first)
+    # A launch big enough for descriptor (TMA) loads reads ATTENTION_KERNELS_TMA each call:
+    # it is never kept (and it is GPU-bound anyway).
+    n = 4096
+    qb = randn(n, 16, 128, dtype=torch.bfloat16)
+    kb = randn(n, 16, 128, dtype=torch.bfloat16)
+    cub = cu_seqlens([n])
+    prefill(qb, kb, kb, cub)
+    if pk._capability(0)[0] >= 9:
+        assert len(pk._PLANS) == 1
