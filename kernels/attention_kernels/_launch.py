@@ -2,9 +2,12 @@
 
 A Triton launch through ``kernel[grid](...)`` binds and specializes every argument, builds a
 cache key and looks the compiled kernel up on every call. Measured on an H100 host (triton
-3.6, ``probe``: decode 1 x 4K, 38 launch arguments): 28 us per launch that way, 8 us when the
-same arguments go straight to the compiled kernel's launcher, and our decode wrapper's own
-checks and set-up added another 38 us, against 21 us of host time for a whole cuDNN SDPA call.
+3.6, a one-off timing loop, 2026-11-23; decode 1 x 4K, 38 launch arguments): 28 us per
+launch that way, 8 us when the same arguments go straight to the compiled kernel's launcher,
+and our decode wrapper's own checks and set-up added another 38 us, against 21 us of host
+time for a whole cuDNN SDPA call. With both pieces below: decode 1 x 4K 31.6 us against
+cuDNN's 46.7 on another host, prefill [64, 128, 64] causal 77.7 -> 27.0 us
+(``benchmarks/profile_host.py``, ``benchmarks/results/issue13/h100_2026-11-23b/``).
 
 Two pieces cut both:
 
