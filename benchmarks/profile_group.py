@@ -53,6 +53,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--load", default="service", choices=["service", "sessions"],
                    help="bench_service.py requests, or bench_sessions.py decode steps")
+    p.add_argument("--load-arg", action="append", default=[], metavar="ARG",
+                   help="passed on to the load tool, e.g. --load-arg=--context=256 (repeat)")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     port, mport = _free_port(), _free_port()
@@ -75,6 +77,7 @@ def main() -> int:
                f"http://127.0.0.1:{mport}/metrics", "--clients", str(args.clients), "--duration",
                str(args.seconds), "--warmup", "3", "--prime", "3", "--verify", "0", "--path",
                args.path]
+    cmd += args.load_arg
     tag = f"{args.load}_{args.clients}_{args.batching}"
     load = subprocess.Popen(
         [sys.executable, str(ROOT / "benchmarks" / cmd[0]), *cmd[1:], "--out",
@@ -84,12 +87,17 @@ def main() -> int:
     time.sleep(9.0)  # workers up, priming done, measuring
     pids = [server.pid, *_children(server.pid)]
     workers = [c for c in _children(load.pid)]
+    # The busiest front end: with few clients most front ends sit idle (the first child may
+    # have no samples at all).
+    before = {pid: _cpu(pid) for pid in pids}
+    time.sleep(1.0)
+    busy = max(pids[1:], key=lambda pid: _cpu(pid) - before[pid], default=None)
     c0 = {pid: _cpu(pid) for pid in pids + workers}
     spy = shutil.which("py-spy") or next(
         (p for p in ("/tmp/site/bin/py-spy",) if os.path.exists(p)), None)
     profs = []
     if spy:
-        for pid, who in ((server.pid, "engine"), (pids[1] if len(pids) > 1 else None, "frontend")):
+        for pid, who in ((server.pid, "engine"), (busy, "frontend")):
             if pid is None:
                 continue
             profs.append(subprocess.Popen(
