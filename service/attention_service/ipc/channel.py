@@ -77,7 +77,7 @@ def _fds_of(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-# Compact message types (``compact``): code -> (type, to plain tuple, from plain tuple).
+# Compact message types (``compact``): type -> (code, to plain tuple); code -> from plain.
 _COMPACT: dict[type, tuple[int, Callable[[Any], tuple]]] = {}
 _EXPAND: dict[int, Callable[[tuple], Any]] = {}
 _KIND_SHIFT = 16  # a frame's compact code rides above its descriptor count in the header
@@ -88,8 +88,9 @@ def compact(cls: type, code: int, to_plain: Callable[[Any], tuple],
     """Send messages of type ``cls`` as the plain tuple ``to_plain(msg)`` and rebuild them
     with ``from_plain`` on arrival. For the per-call messages: pickle saves a class by
     reference and checks that reference on every ``dumps``, ~2.3 us a class (a decode
-    step's answer, a NamedTuple inside a NamedTuple, pickled in 5.2 us and unpickled in 3.7;
-    as plain tuples 0.6 and 1.5). Both ends register the same codes (>= 1) at import."""
+    step's answer, a NamedTuple inside a NamedTuple, was framed in 5.2 us and unframed in 3.7;
+    as a plain tuple 1.3 and 1.3, rebuilding included). Both ends register the same codes
+    (>= 1) at import."""
     if not 1 <= code < 1 << 15 or _EXPAND.get(code, from_plain) is not from_plain:
         raise ValueError(f"compact code {code} taken or out of range")
     _COMPACT[cls] = (code, to_plain)
