@@ -17,13 +17,13 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import sdpa  # noqa: E402
 from small_shapes import host_us  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.nn.attention import SDPBackend  # noqa: E402
 
 from attention_kernels import decode, prefill  # noqa: E402
 
@@ -77,13 +77,9 @@ def main() -> None:
         "torch.empty x2": lambda: (torch.empty(4096, device=dev), torch.empty(64, device=dev)),
     }
     # The peer: one SDPA cuDNN call on the same decode shape (GQA heads expanded by SDPA).
-    qs, ks, vs = q.view(1, 32, 1, 128), k[None].transpose(1, 2), v[None].transpose(1, 2)
-
-    def cudnn() -> torch.Tensor:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
-
-    cases["SDPA cuDNN decode 1x4K"] = cudnn
+    cases["SDPA cuDNN decode 1x4K"] = sdpa(
+        SDPBackend.CUDNN_ATTENTION, q.view(1, 32, 1, 128), k[None].transpose(1, 2),
+        v[None].transpose(1, 2), causal=False, gqa=True)
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "triton": triton.__version__, "calls": args.calls, "host_us": {}}
     for name, fn in cases.items():

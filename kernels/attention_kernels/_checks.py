@@ -230,6 +230,16 @@ def output_buffer(buf: torch.Tensor | None, shape: tuple[int, ...], dtype: torch
     return buf
 
 
+def check_outputs(out: torch.Tensor | None, lse_out: torch.Tensor | None, return_lse: bool,
+                  out_shape: tuple[int, ...], lse_shape: tuple[int, ...], dtype: torch.dtype,
+                  device: torch.device) -> None:
+    """Caller-provided ``out`` (and ``lse_out``, read only with ``return_lse``) buffers."""
+    if out is not None:
+        output_buffer(out, out_shape, dtype, device, "out")
+    if return_lse and lse_out is not None:
+        output_buffer(lse_out, lse_shape, torch.float32, device, "lse_out")
+
+
 def check_features(
     window_size: tuple[int, int],
     softcap: float,

@@ -124,3 +124,24 @@ class KernelLaunch:
                 self._tail = tuple(self.kwargs.get(p.name, p.default) for p in params)
                 self.device = torch._C._cuda_getDevice()
                 self.compiled = kernel
+
+
+def outputs(out: torch.Tensor | None, lse_out: torch.Tensor | None, return_lse: bool,
+            out_shape: tuple[int, ...], lse_shape: tuple[int, ...], dtype: torch.dtype,
+            device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A call's ``(out, lse)``: the caller's buffers (already checked) or fresh ones. Without
+    ``return_lse`` the lse is ``out`` again, a pointer the kernel never writes through."""
+    if out is None:
+        out = torch.empty(out_shape, dtype=dtype, device=device)
+    if not return_lse:
+        return out, out
+    if lse_out is None:
+        lse_out = torch.empty(lse_shape, dtype=torch.float32, device=device)
+    return out, lse_out
+
+
+def no_keys(out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> None:
+    """What a launch with no keys at all would write: zeros, lse -inf."""
+    out.zero_()
+    if return_lse:
+        lse.fill_(float("-inf"))

@@ -34,13 +34,13 @@ from attention_kernels._checks import (
     check_decode_inputs,
     check_features,
     check_kv_scales,
+    check_outputs,
     check_paged_inputs,
     kv_scale_args,
-    output_buffer,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
-from attention_kernels._launch import KernelLaunch, PlanCache, call_key
+from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
@@ -420,10 +420,8 @@ def decode(
         window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                                 q.device)
         _check_kernel_args(q, num_splits)
-        if out is not None:
-            output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
-        if return_lse and lse_out is not None:
-            output_buffer(lse_out, tuple(q.shape[:2]), torch.float32, q.device, "lse_out")
+        check_outputs(out, lse_out, return_lse, tuple(q.shape), tuple(q.shape[:2]), q.dtype,
+                      q.device)
         # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
         est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
         plan = _plan(q, k, v, None, est, softmax_scale, num_splits, return_lse, _config,
@@ -478,10 +476,8 @@ def paged_decode(
         window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
                                 q.device)
         _check_kernel_args(q, num_splits)
-        if out is not None:
-            output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
-        if return_lse and lse_out is not None:
-            output_buffer(lse_out, tuple(q.shape[:2]), torch.float32, q.device, "lse_out")
+        check_outputs(out, lse_out, return_lse, tuple(q.shape), tuple(q.shape[:2]), q.dtype,
+                      q.device)
         est = (max_seqlen_k if max_seqlen_k is not None
                else block_table.shape[1] * k_pages.shape[1])
         plan = _plan(q, k_pages, v_pages, block_table, est, softmax_scale, num_splits,
@@ -523,7 +519,8 @@ class _DecodePlan:
     out_shape: tuple[int, int, int]
     dtype: torch.dtype
     return_lse: bool
-    empty: bool  # no launch: batch 0 (nothing to write) or no pages (zeros, lse -inf)
+    empty: bool  # no launch: batch 0 (nothing to write) or no pages
+    zero_fill: bool  # empty with sequences but no pages: zeros, lse -inf
     copy_q: bool  # inputs without unit stride along D go through a contiguous copy
     copy_kv: bool
     direct: bool  # one split: the kernel writes the output, no partials and no counters
@@ -564,7 +561,8 @@ def _plan(
     if batch == 0 or (table is not None and (k.shape[0] == 0 or table.shape[1] == 0)):
         return _DecodePlan(
             out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
-            empty=True, copy_q=False, copy_kv=False, direct=True, workspace_rows=0, block_d=0,
+            empty=True, zero_fill=batch > 0, copy_q=False, copy_kv=False, direct=True,
+            workspace_rows=0, block_d=0,
             counters=0, scalars=(), stride_ab=None, launch=None)
     if config is not None:
         cfg = config
@@ -609,7 +607,7 @@ def _plan(
         ))
     return _DecodePlan(
         out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
-        empty=False, copy_q=copy_q, copy_kv=copy_kv, direct=num_splits == 1,
+        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=copy_kv, direct=num_splits == 1,
         workspace_rows=batch * num_heads * num_splits, block_d=block_d,
         counters=batch * num_kv_heads, scalars=scalars, stride_ab=stride_ab, launch=launch,
     )
@@ -630,17 +628,11 @@ def _run(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Launch ``plan`` on a call's tensors (which passed the checks its key stands for)."""
     device = q.device
-    if out is None:
-        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
-    lse = out  # an unused dummy without return_lse
-    if plan.return_lse:
-        lse = (lse_out if lse_out is not None else
-               torch.empty(plan.out_shape[:2], dtype=torch.float32, device=device))
+    out, lse = outputs(out, lse_out, plan.return_lse, plan.out_shape, plan.out_shape[:2],
+                       plan.dtype, device)
     if plan.empty:
-        if plan.out_shape[0]:  # no pages at all: every sequence is empty
-            out.zero_()
-            if plan.return_lse:
-                lse.fill_(float("-inf"))
+        if plan.zero_fill:
+            no_keys(out, lse, plan.return_lse)
         return (out, lse) if plan.return_lse else out
     if plan.copy_q:
         q = q.contiguous()

@@ -45,14 +45,14 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from attention_kernels._checks import (
     check_features,
     check_kv_scales,
+    check_outputs,
     check_paged_inputs,
     check_prefill_inputs,
     kv_scale_args,
-    output_buffer,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
-from attention_kernels._launch import KernelLaunch, PlanCache, call_key
+from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     PrefillConfig,
@@ -447,7 +447,8 @@ def prefill(
         window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                                 cu_seqlens_q.shape[0] - 1, q.device)
         _check_not_float64(q)
-        _check_outputs(q, return_lse, out, lse_out)
+        check_outputs(out, lse_out, return_lse, tuple(q.shape), (q.shape[1], q.shape[0]),
+                      q.dtype, q.device)
         plan = _plan(q, k, v, cu_seqlens_q, None, causal, softmax_scale, return_lse, _config,
                      window, softcap, alibi_slopes, k.shape[0], fp8)
         if not plan.use_tma:  # TMA launches are long (GPU-bound) and read the environment
@@ -504,7 +505,8 @@ def paged_prefill(
         window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
                                 cu_seqlens_q.shape[0] - 1, q.device)
         _check_not_float64(q)
-        _check_outputs(q, return_lse, out, lse_out)
+        check_outputs(out, lse_out, return_lse, tuple(q.shape), (q.shape[1], q.shape[0]),
+                      q.dtype, q.device)
         plan = _plan(q, k_pages, v_pages, cu_seqlens_q, block_table, causal, softmax_scale,
                      return_lse, _config, window, softcap, alibi_slopes,
                      block_table.shape[1] * k_pages.shape[1], fp8)
@@ -557,14 +559,6 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     (paged, causal, softmax_scale, return_lse, softcap, config), window_size)
 
 
-def _check_outputs(q: torch.Tensor, return_lse: bool, out: torch.Tensor | None,
-                   lse_out: torch.Tensor | None) -> None:
-    if out is not None:
-        output_buffer(out, tuple(q.shape), q.dtype, q.device, "out")
-    if return_lse and lse_out is not None:
-        output_buffer(lse_out, (q.shape[1], q.shape[0]), torch.float32, q.device, "lse_out")
-
-
 @dataclass(frozen=True, slots=True)
 class _PrefillPlan:
     """A checked prefill call's derived set-up; ``_run`` launches it on the call's tensors."""
@@ -572,7 +566,8 @@ class _PrefillPlan:
     out_shape: tuple[int, int, int]
     dtype: torch.dtype
     return_lse: bool
-    empty: bool  # no launch: no queries (nothing to write) or no pages (zeros, lse -inf)
+    empty: bool  # no launch: no queries (nothing to write) or no pages
+    zero_fill: bool  # empty with queries but no pages: zeros, lse -inf
     copy_q: bool  # inputs without unit stride along D go through a contiguous copy
     copy_kv: bool
     use_tma: bool  # K/V through tensor descriptors (made per call: they hold the pointers)
@@ -612,8 +607,9 @@ def _plan(
     if total_q == 0 or batch == 0 or (table is not None and (k.shape[0] == 0
                                                               or table.shape[1] == 0)):
         # With pages but no keys at all: zeros, and no pointer into an empty pool.
-        return _PrefillPlan(out_shape, q.dtype, return_lse, True, False, False, False, 0, (),
-                            None, None)
+        return _PrefillPlan(out_shape, q.dtype, return_lse, True,
+                            table is not None and total_q > 0 and batch > 0, False, False,
+                            False, 0, (), None, None)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     causal, win_left, win_right = _window_args(window, causal, max_keys, total_q)
     has_window = win_left is not None
@@ -651,7 +647,7 @@ def _plan(
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
-    return _PrefillPlan(out_shape, q.dtype, return_lse, False, copy_q, copy_kv, use_tma,
+    return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch)
 
 
@@ -672,19 +668,12 @@ def _run(
     """Launch ``plan`` on a call's tensors (which passed the checks its key stands for).
     Contiguous: ``lens_k`` = cu_seqlens_k. Paged: ``k, v`` are the pages, ``lens_k`` =
     seqlens_k."""
-    device = q.device
     total_q, num_heads, _ = plan.out_shape
-    if out is None:
-        out = torch.empty(plan.out_shape, dtype=plan.dtype, device=device)
-    lse = out  # a dummy pointer without return_lse
-    if plan.return_lse:
-        lse = (lse_out if lse_out is not None else
-               torch.empty((num_heads, total_q), dtype=torch.float32, device=device))
+    out, lse = outputs(out, lse_out, plan.return_lse, plan.out_shape, (num_heads, total_q),
+                       plan.dtype, q.device)
     if plan.empty:
-        if table is not None and total_q and cu_seqlens_q.shape[0] > 1:
-            out.zero_()  # no pages at all, so no keys
-            if plan.return_lse:
-                lse.fill_(float("-inf"))
+        if plan.zero_fill:
+            no_keys(out, lse, plan.return_lse)
         return (out, lse) if plan.return_lse else out
     if plan.copy_q:
         q = q.contiguous()
