@@ -1,7 +1,13 @@
-"""Sweep decode launch configs on GPU time (CUDA-graph replays), for the small-batch shapes
-where the split count and tile decide the time; SDPA cuDNN in the same run as the yardstick.
+"""Sweep decode launch configs on GPU time (CUDA-graph replays); SDPA cuDNN in the same run as
+the yardstick.
 
-    python benchmarks/tune_decode_gpu.py [--out DIR]
+    python benchmarks/tune_decode_gpu.py [--sweep configs|merge|large] [--out DIR]
+
+``configs``: tile x split count at the small-batch shapes, where they decide the time.
+``merge``: how the split partials are merged (``decode_kernel.MERGE_MODE``: fused into the last
+split program, a merge kernel, the same as a programmatic dependent launch; and the fused
+merge's tile) at the small-batch shapes, over split counts.
+``large``: tile x split count at the large-batch shapes (one wave or more of programs).
 
 32 q / 8 kv heads, D 128, bf16. Each config is checked against the default first.
 """
@@ -21,66 +27,134 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_kernels import decode  # noqa: E402
+from attention_kernels import decode_kernel as dk  # noqa: E402
 from attention_kernels.configs import DecodeConfig  # noqa: E402
 
 SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 32768)]
+LARGE_SHAPES = [(64, 8192), (128, 2048), (16, 4096), (16, 32768)]
+HEADS, KV_HEADS, D = 32, 8, 128
 
 
 def gpu_us(fn) -> float:
+    torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=60, return_mode="median") * 1e3
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    heads, kv_heads, d = 32, 8, 128
+def inputs(batch: int, ctx: int):
+    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    return q, k, v, cu
+
+
+def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
+    qd = q[:, :, None, :]
+    kd = k.view(batch, ctx, KV_HEADS, D).transpose(1, 2)
+    vd = v.view(batch, ctx, KV_HEADS, D).transpose(1, 2)
+
+    def run():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
+
+    return gpu_us(run)
+
+
+def measure(fn, ref: torch.Tensor) -> float | str:
+    """GPU us of ``fn`` after checking it against ``ref``; a string says why not."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        if not err < 1e-2:
+            return f"wrong (rel err {err:.3g})"
+        return gpu_us(fn)
+    except Exception as e:  # noqa: BLE001 (out of resources and the like: skip)
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def set_merge(mode: str, tile: int) -> None:
+    dk.MERGE_MODE, dk.MERGE_TILE_ELEMS = mode, tile
+    dk._PLANS.clear()  # the plans hold the launch of the previous mode
+
+
+def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
     rows = []
-    for batch, ctx in SHAPES:
-        q = torch.randn(batch, heads, d, dtype=torch.bfloat16, device="cuda")
-        k = torch.randn(batch * ctx, kv_heads, d, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
-        cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
-        qd = q[:, :, None, :]
-        kd = k.view(batch, ctx, kv_heads, d).transpose(1, 2)
-        vd = v.view(batch, ctx, kv_heads, d).transpose(1, 2)
-
-        def cudnn():
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
-
+    for batch, ctx in shapes:
+        q, k, v, cu = inputs(batch, ctx)
         ref = decode(q, k, v, cu)
-        peer = gpu_us(cudnn)
+        peer = cudnn_us(q, k, v, batch, ctx)
         default = gpu_us(lambda: decode(q, k, v, cu))
         best = (default, "default")
-        for bn, warps, stages, splits in itertools.product(
-                (32, 64, 128), (4, 8), (2, 3), (4, 8, 12, 16, 24, 32, 48, 64)):
-            if splits * bn > ctx:
+        for bn, w, st, sp in itertools.product(blocks, warps, stages, splits):
+            if sp * bn > ctx:
                 continue
-            cfg = DecodeConfig(bn, warps, stages)
-            fn = lambda cfg=cfg, s=splits: decode(q, k, v, cu, num_splits=s, _config=cfg)  # noqa: E731
-            try:
-                err = ((fn().float() - ref.float()).norm() / ref.float().norm()).item()
-                if not err < 1e-2:
-                    print(f"  {cfg} splits {splits}: wrong (rel err {err:.3g})")
-                    continue
-                us = gpu_us(fn)
-            except Exception as e:  # noqa: BLE001 (out of resources and the like: skip)
-                print(f"  {cfg} splits {splits}: {type(e).__name__}")
+            cfg = DecodeConfig(bn, w, st)
+            us = measure(lambda cfg=cfg, sp=sp: decode(q, k, v, cu, num_splits=sp,
+                                                       _config=cfg), ref)
+            if isinstance(us, str):
+                print(f"  {cfg} splits {sp}: {us}")
                 continue
-            rows.append({"B": batch, "ctx": ctx, "block_n": bn, "warps": warps,
-                         "stages": stages, "splits": splits, "gpu_us": us})
+            rows.append({"B": batch, "ctx": ctx, "block_n": bn, "warps": w, "stages": st,
+                         "splits": sp, "gpu_us": us})
             if us < best[0]:
-                best = (us, f"block_n {bn} warps {warps} stages {stages} splits {splits}")
+                best = (us, f"block_n {bn} warps {w} stages {st} splits {sp}")
         print(f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us | ours default {default:.1f} us "
               f"({peer / default:.2f}x) | best {best[0]:.1f} us ({peer / best[0]:.2f}x): "
               f"{best[1]}", flush=True)
         rows.append({"B": batch, "ctx": ctx, "cudnn_us": peer, "default_us": default,
                      "best_us": best[0], "best": best[1]})
+    return rows
+
+
+def sweep_merge() -> list[dict]:
+    rows = []
+    variants = [("fused", 1024), ("fused", 4096), ("fused", 8192), ("fused", 16384),
+                ("separate", 8192), ("pdl", 8192)]
+    for batch, ctx in SHAPES:
+        q, k, v, cu = inputs(batch, ctx)
+        ref = decode(q, k, v, cu)
+        peer = cudnn_us(q, k, v, batch, ctx)
+        line = [f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us"]
+        for mode, tile in variants:
+            set_merge(mode, tile)
+            best = (float("inf"), 0)
+            for sp in (0, 8, 12, 16, 24, 32, 48, 64):
+                us = measure(lambda sp=sp: decode(q, k, v, cu, num_splits=sp), ref)
+                if isinstance(us, str):
+                    print(f"  {mode} tile {tile} splits {sp}: {us}")
+                    continue
+                rows.append({"B": batch, "ctx": ctx, "mode": mode, "tile": tile, "splits": sp,
+                             "gpu_us": us, "cudnn_us": peer})
+                if sp == 0:
+                    line.append(f"{mode}/{tile} default {us:.1f} ({peer / us:.2f}x)")
+                if us < best[0]:
+                    best = (us, sp)
+            line.append(f"best {best[0]:.1f} @ {best[1]} splits ({peer / best[0]:.2f}x)")
+        set_merge("fused", 8192)
+        print(" | ".join(line), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", choices=("configs", "merge", "large"), default="configs")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
+    if args.sweep == "configs":
+        rows = sweep_configs(SHAPES, (32, 64, 128), (4, 8), (2, 3),
+                             (4, 8, 12, 16, 24, 32, 48, 64))
+    elif args.sweep == "merge":
+        rows = sweep_merge()
+    else:
+        rows = sweep_configs(LARGE_SHAPES, (32, 64, 128), (4, 8), (2, 3, 4), (1, 2, 3))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "tune_decode_gpu.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep,
+             "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1]},
+             "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from attention_kernels._checks import (
     check_decode_inputs,
@@ -46,6 +47,7 @@ from attention_kernels.configs import (
     DecodeConfig,
     decode_config,
     dot_in_fp32,
+    interpreting,
     num_sms,
     padded_head_dim,
     paged_decode_config,
@@ -53,6 +55,13 @@ from attention_kernels.configs import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
+# How the split partials are merged (benchmarks/tune_decode_gpu.py compares them): "fused" (the
+# group's last split program merges, after an atomic count), "separate" (a merge kernel) or
+# "pdl" (that kernel launched as a programmatic dependent, Hopper and later).
+MERGE_MODE = "fused"
+# Elements of one merge step's [heads, splits, D] fp32 tile: 8192 is 64 registers per thread
+# at 4 warps.
+MERGE_TILE_ELEMS = 8192
 
 
 @triton.jit
@@ -121,29 +130,38 @@ def _decode_inner(
 
 @triton.jit
 def _merge_group(
-    Out, Lse, OutPart, LsePart, seq, heads, g_ok, offs_d, d_ok, stride_ob, stride_oh, num_heads,
-    num_splits, BLOCK_D: tl.constexpr, RETURN_LSE: tl.constexpr,
+    Out, Lse, OutPart, LsePart, seq, kv_head, group, offs_d, d_ok, stride_ob, stride_oh,
+    num_heads, num_splits, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
 ):
-    """Merge the ``num_splits`` partials of query heads ``heads`` of sequence ``seq`` (online,
-    one split at a time, so no tile size depends on the split count).
+    """Merge the ``num_splits`` partials of the ``group`` query heads of (``seq``,
+    ``kv_head``), ``MERGE_S`` splits of all heads per step: one ``[MERGE_G, MERGE_S, D]`` load
+    rather than a chain of dependent per-split loads, so the merge costs about one L2 round trip
+    when ``num_splits <= MERGE_S``.
 
-    Other programs wrote them (in L2, write-through): loads use ``.cg`` (L2 only), so no
-    stale L1 line can answer, and unlike volatile ``.cv`` they can be issued ahead.
+    Other programs wrote the partials (in L2, write-through): loads use ``.cg`` (L2 only), so no
+    stale L1 line can answer.
     """
+    offs_g = tl.arange(0, MERGE_G)
+    g_ok = offs_g < group
+    heads = kv_head * group + offs_g
     rows = (seq * num_heads + heads).to(tl.int64) * num_splits  # first partial of each head
-    m = tl.full(heads.shape, float("-inf"), dtype=tl.float32)
-    total = tl.zeros(heads.shape, dtype=tl.float32)
-    acc = tl.zeros([heads.shape[0], BLOCK_D], dtype=tl.float32)
-    for s in tl.range(0, num_splits, num_stages=3):  # loads of later splits issued early
-        lse_s = tl.load(LsePart + rows + s, mask=g_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(OutPart + (rows + s)[:, None] * BLOCK_D + offs_d[None, :],
-                       mask=g_ok[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse_s)
+    offs_s = tl.arange(0, MERGE_S)
+    m = tl.full([MERGE_G], float("-inf"), dtype=tl.float32)
+    total = tl.zeros([MERGE_G], dtype=tl.float32)
+    acc = tl.zeros([MERGE_G, BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_splits, MERGE_S):
+        ok = g_ok[:, None] & ((s0 + offs_s) < num_splits)[None, :]
+        idx = rows[:, None] + (s0 + offs_s)[None, :]
+        lse_s = tl.load(LsePart + idx, mask=ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(OutPart + idx[:, :, None] * BLOCK_D + offs_d[None, None, :],
+                       mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, tl.max(lse_s, 1))
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # all empty so far: weights 0
         alpha = tl.math.exp2(m - shift)
-        w = tl.math.exp2(lse_s - shift)
-        total = total * alpha + w
-        acc = acc * alpha[:, None] + w[:, None] * part
+        w = tl.math.exp2(lse_s - shift[:, None])
+        total = total * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part, 1)
         m = m_new
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)[:, None]
@@ -156,6 +174,24 @@ def _merge_group(
         tl.store(Lse + seq * num_heads + heads, lse, mask=g_ok)
 
 
+@triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits"])
+def _decode_merge_kernel(
+    Out, Lse, OutPart, LsePart, stride_ob, stride_oh, num_kv_heads, group, num_splits,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_S: tl.constexpr, RETURN_LSE: tl.constexpr, PDL: tl.constexpr,
+):
+    """The merge as a kernel of its own (``MERGE_MODE`` "separate"/"pdl"): one program per
+    (sequence, kv head). With ``PDL`` it is launched while the split kernel still runs and
+    waits here for its partials."""
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    _merge_group(Out, Lse, OutPart, LsePart, pid // num_kv_heads, pid % num_kv_heads, group,
+                 offs_d, offs_d < HEAD_DIM, stride_ob, stride_oh, num_kv_heads * group,
+                 num_splits, BLOCK_D, MERGE_G, MERGE_S, RETURN_LSE)
+
+
 @triton.jit(do_not_specialize=["num_kv_heads", "group", "num_splits", "stride_tb", "win_left",
                                "stride_ab", "stride_sb"])
 def _decode_split_kernel(
@@ -165,7 +201,8 @@ def _decode_split_kernel(
     qk_scale, num_kv_heads, group, num_splits,
     win_left, cap_scale, cap_log2, Alibi, stride_ab, KScale, VScale, stride_sb,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    DIRECT: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
+    DIRECT: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_G: tl.constexpr,
+    MERGE_S: tl.constexpr, PDL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -180,6 +217,8 @@ def _decode_split_kernel(
     scale per kv head); the dots then run in fp16 (``_fp8_dot``).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    if PDL:  # the merge kernel may be scheduled now; it waits for this grid's end
+        gdc_launch_dependents()
     split = tl.program_id(0)
     pid = tl.program_id(1)
     seq = pid // num_kv_heads
@@ -286,15 +325,18 @@ def _decode_split_kernel(
         tl.store(OutPart + row[:, None] * BLOCK_D + offs_d[None, :], out, mask=g_ok[:, None],
                  cache_modifier=".wt")
         tl.store(LsePart + row, lse2, mask=g_ok, cache_modifier=".wt")
-        # Every thread's stores are issued before the count; acq_rel orders them (release)
-        # before the last program's reads (acquire). The last of the group's programs merges.
-        tl.debug_barrier()
-        done = tl.atomic_add(Counter + pid, 1, sem="acq_rel", scope="gpu")
-        if done == num_splits - 1:
-            _merge_group(Out, Lse, OutPart, LsePart, seq, heads, g_ok, offs_d, d_ok, stride_ob,
-                         stride_oh, num_heads, num_splits, BLOCK_D, RETURN_LSE)
-            # Every program of the group has counted: back to zero for the next call.
-            tl.store(Counter + pid, 0)
+        if FUSED_MERGE:
+            # Every thread's stores are issued before the count; acq_rel orders them (release)
+            # before the last program's reads (acquire). The last of the group's programs
+            # merges.
+            tl.debug_barrier()
+            done = tl.atomic_add(Counter + pid, 1, sem="acq_rel", scope="gpu")
+            if done == num_splits - 1:
+                _merge_group(Out, Lse, OutPart, LsePart, seq, kv_head, group, offs_d, d_ok,
+                             stride_ob, stride_oh, num_heads, num_splits, BLOCK_D, MERGE_G,
+                             MERGE_S, RETURN_LSE)
+                # Every program of the group has counted: back to zero for the next call.
+                tl.store(Counter + pid, 0)
 
 
 # (device, stream) -> int32 counters, all zero between calls (each launch's last programs reset
@@ -530,6 +572,8 @@ class _DecodePlan:
     scalars: tuple[object, ...]  # the launch arguments between the tensors and the features
     stride_ab: int | None
     launch: KernelLaunch | None  # None when empty
+    merge: KernelLaunch | None  # the merge kernel (MERGE_MODE "separate"/"pdl"), else None
+    merge_scalars: tuple[int, ...]
 
 
 def _plan(
@@ -563,7 +607,8 @@ def _plan(
             out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
             empty=True, zero_fill=batch > 0, copy_q=False, copy_kv=False, direct=True,
             workspace_rows=0, block_d=0,
-            counters=0, scalars=(), stride_ab=None, launch=None)
+            counters=0, scalars=(), stride_ab=None, launch=None, merge=None,
+            merge_scalars=())
     if config is not None:
         cfg = config
     elif table is None:
@@ -596,10 +641,25 @@ def _plan(
     scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,
                *strides[4:], scale * LOG2E, num_kv_heads, group, num_splits,
                win_left if has_window else None, cap_scale, cap_log2)
+    direct = num_splits == 1
+    mode = "fused" if direct or interpreting() or q.device.type != "cuda" else MERGE_MODE
+    if mode == "pdl" and torch.cuda.get_device_capability(q.device)[0] < 9:
+        mode = "separate"
+    merge_g = triton.next_power_of_2(group)
+    merge_s = min(triton.next_power_of_2(num_splits),
+                  max(1, MERGE_TILE_ELEMS // (merge_g * block_d)))
+    merge = None
+    if not direct and mode != "fused":
+        merge = KernelLaunch(
+            _decode_merge_kernel, (batch * num_kv_heads,), dict(
+                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g, MERGE_S=merge_s,
+                RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
+                num_warps=4, num_stages=1))
     launch = KernelLaunch(
         _decode_split_kernel, (num_splits, batch * num_kv_heads), dict(
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=cfg.block_n, DIRECT=num_splits == 1, RETURN_LSE=return_lse,
+            BLOCK_N=cfg.block_n, DIRECT=direct, FUSED_MERGE=mode == "fused", MERGE_G=merge_g,
+            MERGE_S=merge_s, PDL=mode == "pdl", RETURN_LSE=return_lse,
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
@@ -607,9 +667,11 @@ def _plan(
         ))
     return _DecodePlan(
         out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
-        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=copy_kv, direct=num_splits == 1,
+        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=copy_kv, direct=direct,
         workspace_rows=batch * num_heads * num_splits, block_d=block_d,
-        counters=batch * num_kv_heads, scalars=scalars, stride_ab=stride_ab, launch=launch,
+        counters=batch * num_kv_heads if merge is None else 0, scalars=scalars,
+        stride_ab=stride_ab, launch=launch, merge=merge,
+        merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads, group, num_splits),
     )
 
 
@@ -647,13 +709,15 @@ def _run(
     else:
         key = _stream_key(device)
         out_part, lse_part = _workspace(plan.workspace_rows, plan.block_d, device, key)
-        counter = _counters(plan.counters, device, key)
+        counter = _counters(plan.counters, device, key) if plan.counters else out
     slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
     ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
     assert plan.launch is not None
     with _on_device(device):  # Triton launches on the current device's current stream
         plan.launch(q, k, v, out, lse, out_part, lse_part, counter, lens, table, *plan.scalars,
                     slopes, plan.stride_ab, ks, vs, stride_sb)
+        if plan.merge is not None:
+            plan.merge(out, lse, out_part, lse_part, *plan.merge_scalars)
     return (out, lse) if plan.return_lse else out
 
 

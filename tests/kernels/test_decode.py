@@ -128,6 +128,27 @@ def test_fused_merge_is_deterministic_and_race_free() -> None:
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
 
 
+MERGE_MODES = ["fused", "separate", "pdl"] if ON_GPU else ["fused"]
+
+
+@pytest.mark.parametrize("mode", MERGE_MODES)
+@pytest.mark.parametrize("tile", [256, 512, 8192], ids=lambda t: f"tile{t}")
+def test_merge_modes_and_tiles(monkeypatch: pytest.MonkeyPatch, mode: str, tile: int) -> None:
+    """Every way of merging the split partials, with merge steps of 1, 2 and all splits (tile
+    256 / 512 at 4 heads x D 64: one split / two splits of the 7 per step, the last step
+    partial), on lengths with empty splits and empty sequences."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
+    monkeypatch.setattr(decode_kernel, "MERGE_TILE_ELEMS", tile)
+    decode_kernel._PLANS.clear()
+    try:
+        for lens in ([300, 70], [0, 5, 130], [64]):
+            run_case(lens, 8, 2, 64, torch.bfloat16, 7)
+    finally:
+        decode_kernel._PLANS.clear()
+
+
 def test_split_counters_are_zero_after_every_call() -> None:
     """The last program of each group resets its counter, so the per-stream buffer can be
     reused without a memset, whatever the next call's split count or batch. (Meaningful on a
