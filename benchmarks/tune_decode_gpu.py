@@ -8,6 +8,8 @@ the yardstick.
 split program, a merge kernel, the same as a programmatic dependent launch; and the fused
 merge's tile) at the small-batch shapes, over split counts.
 ``large``: tile x split count at the large-batch shapes (one wave or more of programs).
+``rule``: the default (``configs.decode_shape_config``'s tile) against the fixed ``DECODE_TILE``
+at the same split count, over shapes on both sides of the rule's bounds.
 
 32 q / 8 kv heads, D 128, bf16. Each config is checked against the default first.
 """
@@ -28,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from attention_kernels import decode  # noqa: E402
 from attention_kernels import decode_kernel as dk  # noqa: E402
-from attention_kernels.configs import DecodeConfig  # noqa: E402
+from attention_kernels.configs import DECODE_TILE, DecodeConfig  # noqa: E402
 
 SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 32768)]
 LARGE_SHAPES = [(64, 8192), (128, 2048), (16, 4096), (16, 32768), (1, 131072)]
@@ -137,14 +139,42 @@ def sweep_merge() -> list[dict]:
     return rows
 
 
+RULE_SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 16384), (8, 4096), (48, 8192),
+               (64, 8192), (96, 4096), (128, 2048)]
+
+
+def sweep_rule() -> list[dict]:
+    rows = []
+    for batch, ctx in RULE_SHAPES:
+        q, k, v, cu = inputs(batch, ctx)
+        ref = decode(q, k, v, cu)
+        peer = cudnn_us(q, k, v, batch, ctx)
+        plan = next(iter(dk._PLANS._plans.values()))  # the default call's (only) plan
+        splits = plan.merge_scalars[-1] if plan.merge_scalars else 1
+        tile = plan.launch.kwargs["BLOCK_N"], plan.launch.kwargs["num_stages"]
+        rule = gpu_us(lambda: decode(q, k, v, cu))
+        fixed = measure(lambda s=splits: decode(q, k, v, cu, num_splits=s,
+                                                _config=DECODE_TILE), ref)
+        dk._PLANS.clear()
+        print(f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
+              f"{rule:.1f} us ({peer / rule:.2f}x) | fixed {fixed:.1f} us "
+              f"({peer / fixed:.2f}x)" if not isinstance(fixed, str) else fixed, flush=True)
+        rows.append({"B": batch, "ctx": ctx, "splits": splits, "rule_tile": tile,
+                     "rule_us": rule, "fixed_us": fixed, "cudnn_us": peer})
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", choices=("configs", "merge", "large"), default="configs")
+    ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule"), default="configs")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, (64, 128), (4, 8), (3, 4, 5), (8, 16, 24, 32))
+    elif args.sweep == "rule":
+        dk._PLANS.clear()
+        rows = sweep_rule()
     elif args.sweep == "merge":
         rows = sweep_merge()
     else:

@@ -44,8 +44,10 @@ from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
+    DECODE_TILE,
     DecodeConfig,
     decode_config,
+    decode_shape_config,
     dot_in_fp32,
     interpreting,
     num_sms,
@@ -627,6 +629,9 @@ def _plan(
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
+    if config is None and table is None and cfg == DECODE_TILE:  # a GPU's contiguous tile
+        cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
+                                  -(-est_seqlen // num_splits), num_sms(q.device.index or 0))
     block_d = padded_head_dim(head_dim)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from attention_kernels import decode, decode_ref
-from attention_kernels.configs import DecodeConfig
+from attention_kernels.configs import DECODE_TILE, DecodeConfig, decode_shape_config
 from tests.kernels.conftest import (
     DEVICE,
     ON_GPU,
@@ -126,6 +126,28 @@ def test_fused_merge_is_deterministic_and_race_free() -> None:
         del junk
         out, lse = decode(q, k, v, cu, num_splits=splits, return_lse=True)
         assert torch.equal(out, first) and torch.equal(lse, first_lse)
+
+
+def test_shape_config_rule() -> None:
+    """The measured points of ``decode_shape_config`` (132 SMs, an H100)."""
+    sms = 132
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms) == DecodeConfig(32, 4, 2)
+    assert decode_shape_config(DECODE_TILE, 128, 1, 32768, sms) == DECODE_TILE  # 1 per SM
+    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms) == DECODE_TILE  # > 4 per SM
+    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms) == DecodeConfig(128, 4, 3)
+    assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms) == DECODE_TILE
+    assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms) == DECODE_TILE
+    other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
+    assert decode_shape_config(other, 512, 1, 8192, sms) is other
+
+
+@pytest.mark.parametrize("config", [DecodeConfig(32, 4, 2), DecodeConfig(128, 4, 3)],
+                         ids=lambda c: f"{c.block_n}x{c.num_warps}x{c.num_stages}")
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_shape_config_tiles(config: DecodeConfig, num_splits: int) -> None:
+    """The tiles the shape rule picks, on lengths that are not multiples of them."""
+    run_case([700, 3, 0, 129], 8, 2, 64, torch.bfloat16, num_splits, config)
+    run_case([300, 1], 4, 4, 80, torch.float16, num_splits, config)
 
 
 MERGE_MODES = ["fused", "separate", "pdl"] if ON_GPU else ["fused"]
