@@ -161,24 +161,25 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
     """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE``. ``programs``: (sequence,
     kv head) pairs; ``split_len``: keys per split program.
 
-    GPU time (CUDA-graph replay), H100, 32q/8kv x 128 bf16, 2026-11-23 (tune_decode_gpu.py):
+    GPU time (CUDA-graph replay), H100, 32q/8kv x 128 bf16, 2026-11-23, two host instances
+    (tune_decode_gpu.py ``--sweep large/configs``, then ``--sweep rule``):
 
-    * One split with 2-4 programs per SM: 32-key tiles in 2 stages (32 KB of shared memory) put
-      every program on the GPU in one wave, where 64-key tiles in 3 stages (96 KB, 2 per SM) run
-      two waves with a ragged end. 64 x 8K (512 programs): 739 -> 684 us (cuDNN 692). Below that
-      (16 x 32K, 128 programs, one per SM) 32-key tiles starve each SM: 680 -> 816 us; above it
-      (128 x 2K, 1024 programs) the tiles tie (356 vs 358 us).
-    * Splits of 512-1024 keys: 128-key tiles, half the loop trips and twice the bytes in flight
-      per stage. 1 x 8K (16 splits of 512): 12.3 -> 11.5 us (cuDNN 11.7); 2 x 4K (8 of 512):
-      12.1 -> 11.2 (cuDNN 11.0). Shorter splits have too few blocks to fill 3 stages (1 x 4K,
-      splits of 256: 9.0 -> 9.2 us); longer ones stream from HBM and gain nothing (1 x 32K,
-      splits of 2048: 49.5 -> 50.2).
+    * One split, more programs than fit 3 per SM (``DECODE_TILE`` takes 72 KB of shared
+      memory: 3 per SM) but no more than 4 per SM: 32-key tiles in 2 stages run them all in one
+      wave instead of two with a ragged end. 64 x 8K (512 programs): 739 / 737 -> 684 / 689 us
+      (cuDNN 692 / 693). At 48 x 8K (384 programs, one wave either way) 536 vs 531 us; at
+      16 x 32K (128 programs, one per SM) 32-key tiles starve each SM: 680 -> 816 us.
+    * Splits of 512 up to 1024 keys: 128-key tiles, half the loop trips and twice the bytes in
+      flight per stage. 1 x 8K (16 splits of 512): 12.3 / 12.4 -> 11.5 / 12.2 us (cuDNN 11.7 /
+      11.8); 2 x 4K (8 of 512): 12.1 / 12.3 -> 11.2 / 11.8 (cuDNN 11.0 / 11.5). Splits of 1024
+      lost (4 x 4K: 28.3 -> 29.1 us; 1 x 16K: 29.2 -> 30.8), and so did splits of 256 (1 x 4K:
+      9.0 -> 9.2).
     """
     if cfg != DECODE_TILE:
         return cfg
-    if num_splits == 1 and 2 * sms < programs <= 4 * sms:
+    if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return DecodeConfig(32, 4, 2)
-    if num_splits > 1 and 512 <= split_len <= 1024:
+    if num_splits > 1 and 512 <= split_len < 1024:
         return DecodeConfig(128, 4, 3)
     return cfg
 

@@ -134,9 +134,11 @@ def test_shape_config_rule() -> None:
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms) == DecodeConfig(32, 4, 2)
     assert decode_shape_config(DECODE_TILE, 128, 1, 32768, sms) == DECODE_TILE  # 1 per SM
     assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms) == DECODE_TILE  # > 4 per SM
+    assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms) == DECODE_TILE  # 3 per SM fit
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms) == DecodeConfig(128, 4, 3)
     assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms) == DECODE_TILE
+    assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms) == DECODE_TILE
     other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
     assert decode_shape_config(other, 512, 1, 8192, sms) is other
 
