@@ -18,6 +18,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
         "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
+        "--agg-channels", "1,2",
         "--out", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
@@ -34,5 +35,6 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         for path in ("shm in region", "shm staged", "shm out="):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
-        (agg,) = server["aggregate"]
-        assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
+        assert [(a["clients"], a["channels"]) for a in server["aggregate"]] == [(2, 1), (2, 2)]
+        for agg in server["aggregate"]:
+            assert agg["calls"] > 0 and agg["GBps"] > 0
