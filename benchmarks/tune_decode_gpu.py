@@ -167,8 +167,13 @@ def sweep_rule() -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule"), default="configs")
+    ap.add_argument("--shapes", default=None,
+                    help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    if args.shapes:
+        shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
+        SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
     defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, (64, 128), (4, 8), (3, 4, 5), (8, 16, 24, 32))
