@@ -117,7 +117,7 @@ def test_parser_strictness_matches_protobuf() -> None:
             pb.DecodeRequest.FromString(raw)
     largest = varint(((1 << 29) - 1) << 3 | 2) + b"\x00"  # the largest legal number: unknown
     assert not pb.DecodeRequest.FromString(largest).HasField("header")
-    assert parse_request(largest, Op.DECODE) == (None, [])
+    assert parse_request(largest, Op.DECODE) == (None, [], None)
 
 
 def test_request_layouts_number_their_fields_alike() -> None:
@@ -132,3 +132,33 @@ def test_garbage_over_grpc_is_refused_naming_the_message(server: ServerHandle) -
         list(call(iter([b"\x12\x7fnot protobuf"]), timeout=10))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "message: not a valid PrefillRequest" in info.value.details()
+
+
+def test_repeated_headers_are_parsed_and_checked_once() -> None:
+    """A header seen before (same op, bytes and limits) is answered from the memos: the same
+    parsed message and the same checked params. Another op, other limits or a refused header
+    are not served from them."""
+    from attention_service.config import ServerConfig
+    from attention_service.frontend import validation, wire
+
+    q, k, v = random_qkv(6, 6, 2, 1, 8, torch.float32)
+    header = next(iter(prefill_messages(q, k, v, [0, 2, 6], chunk=40))).header
+    raw = pb.PrefillRequest(header=header).SerializeToString()
+    limits = validation.Limits.of(ServerConfig())
+    first, again = parse_request(raw, Op.PREFILL), parse_request(raw, Op.PREFILL)
+    assert first.header_bytes == header.SerializeToString()
+    assert again.header is first.header
+    checked = validation.checked_header(Op.PREFILL, first.header, first.header_bytes, limits)
+    assert checked == validation.validate_header(Op.PREFILL, header, limits)
+    assert validation.checked_header(
+        Op.PREFILL, again.header, again.header_bytes, limits) is checked
+    tight = limits._replace(max_request_bytes=1)
+    with pytest.raises(RequestError, match="header"):
+        validation.checked_header(Op.PREFILL, again.header, again.header_bytes, tight)
+    with pytest.raises(RequestError, match="header"):  # refused again, not remembered
+        validation.checked_header(Op.PREFILL, again.header, again.header_bytes, tight)
+    decode_raw = pb.DecodeRequest(header=pb.DecodeHeader(num_splits=2)).SerializeToString()
+    assert isinstance(parse_request(decode_raw, Op.DECODE).header, pb.DecodeHeader)
+    assert isinstance(parse_request(decode_raw, Op.PREFILL).header, pb.PrefillHeader)
+    assert len(wire._PARSED) <= wire.MEMO_ENTRIES
+    assert len(validation._CHECKED) <= wire.MEMO_ENTRIES

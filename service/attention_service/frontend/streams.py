@@ -11,7 +11,7 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import StreamEnded, exhausted, invalid
-from attention_service.frontend.validation import ChunkAssembler, Limits, validate_header
+from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
 from attention_service.frontend.wire import encode_output_chunk, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
@@ -93,7 +93,7 @@ async def receive_request(
                           "header: missing: the stream ended before any message") from None
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
-    params, regions = validate_header(op, first.header, limits)
+    params, regions = checked_header(op, first.header, first.header_bytes, limits)
     sizes = {
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)

@@ -63,6 +63,28 @@ class RawRequest(NamedTuple):
 
     header: Any  # pb.PrefillHeader | pb.DecodeHeader | None
     chunks: list[RawChunk]
+    header_bytes: bytes | None = None  # the header's wire bytes (its occurrences joined)
+
+
+# Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a client's decode
+# steps repeat one header (same shapes, same caches) call after call. Shared messages are
+# only read. Bounded: a server that sees more distinct headers starts over.
+MEMO_HEADER_BYTES = 1024
+MEMO_ENTRIES = 4096
+_PARSED: dict[tuple[Op, bytes], Any] = {}
+
+
+def _parse_header(op: Op, raw: bytes) -> Any:
+    if len(raw) > MEMO_HEADER_BYTES:
+        return _HEADERS[op].FromString(raw)
+    key = (op, raw)
+    header = _PARSED.get(key)
+    if header is None:
+        header = _HEADERS[op].FromString(raw)
+        if len(_PARSED) >= MEMO_ENTRIES:
+            _PARSED.clear()
+        _PARSED[key] = header
+    return header
 
 
 # Fields per message and per chunk the parser reads before it refuses the message: a 4 MiB
@@ -112,10 +134,11 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
                 header_parts.append(value)  # repeated occurrences merge, as in protobuf
             elif number == _CHUNKS:
                 chunks.append(_chunk(value))
-        header = _HEADERS[op].FromString(b"".join(header_parts)) if header_parts else None
+        header_bytes = b"".join(header_parts) if header_parts else None
+        header = _parse_header(op, header_bytes) if header_bytes is not None else None
     except (WireError, DecodeError) as exc:
         raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
-    return RawRequest(header, chunks)
+    return RawRequest(header, chunks, header_bytes)
 
 
 def encode_output_chunk(
