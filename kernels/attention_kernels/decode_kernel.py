@@ -11,8 +11,13 @@ bandwidth. Two choices follow:
   its log-sum-exp, then counts itself done on an atomic counter of its (sequence, kv head); the
   program that finishes last merges the group's partials in fp32. One launch, not a split kernel
   plus a merge kernel: at batch 1 the call is host-bound (the GPU work is ~9 us at 1 x 4K keys),
-  and the second Triton launch cost ~50 us of host time on an H100 VM. With one split the
-  kernel writes the final output directly and nothing is counted.
+  and a second launch costs host time too. With one split the kernel writes the final output
+  directly and nothing is counted.
+* The merge loads ``[heads, splits, D]`` tiles (``MERGE_TILE_ELEMS``), all 16 splits of a 1 x
+  4K call in one step. Merging one split per step made the fused tail a chain of dependent L2
+  round trips: GPU time (CUDA graph, H100, 32q/8kv x 128 bf16) at 1 x 4K 10.3 -> 9.0 us, against
+  cuDNN's 9.5; a merge kernel of its own measured 9.1 us and one launched as a programmatic
+  dependent (PDL, ``MERGE_MODE = "pdl"``) 8.8 (``tune_decode_gpu.py --sweep merge``).
 
 The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
 ``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host. With a sliding window the splits
