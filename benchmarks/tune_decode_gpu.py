@@ -112,8 +112,9 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
 
 def sweep_merge() -> list[dict]:
     rows = []
-    variants = [("fused", 1024), ("fused", 4096), ("fused", 8192), ("fused", 16384),
-                ("separate", 8192), ("pdl", 8192)]
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
+    variants = [("fused", 4096), ("fused", 8192), ("fused", 16384), ("fused", 32768),
+                ("separate", 16384), ("pdl", 16384)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = decode(q, k, v, cu)
@@ -134,7 +135,7 @@ def sweep_merge() -> list[dict]:
                 if us < best[0]:
                     best = (us, sp)
             line.append(f"best {best[0]:.1f} @ {best[1]} splits ({peer / best[0]:.2f}x)")
-        set_merge("fused", 8192)
+        set_merge(*defaults)
         print(" | ".join(line), flush=True)
     return rows
 
@@ -156,9 +157,10 @@ def sweep_rule() -> list[dict]:
         fixed = measure(lambda s=splits: decode(q, k, v, cu, num_splits=s,
                                                 _config=DECODE_TILE), ref)
         dk._PLANS.clear()
-        print(f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
-              f"{rule:.1f} us ({peer / rule:.2f}x) | fixed {fixed:.1f} us "
-              f"({peer / fixed:.2f}x)" if not isinstance(fixed, str) else fixed, flush=True)
+        head = f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
+        head += f"{rule:.1f} us ({peer / rule:.2f}x) | fixed "
+        print(head + (f"{fixed:.1f} us ({peer / fixed:.2f}x)" if not isinstance(fixed, str)
+                      else fixed), flush=True)
         rows.append({"B": batch, "ctx": ctx, "splits": splits, "rule_tile": tile,
                      "rule_us": rule, "fixed_us": fixed, "cudnn_us": peer})
     return rows

@@ -157,9 +157,11 @@ DECODE_TILE = DecodeConfig(64, 4, 3)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
-                        sms: int) -> DecodeConfig:
-    """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE``. ``programs``: (sequence,
-    kv head) pairs; ``split_len``: keys per split program.
+                        sms: int, block_d: int) -> DecodeConfig:
+    """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE`` and the (padded) head dim
+    is 128 with 16-bit keys on a Hopper GPU of ``sms`` SMs: where it was measured (the
+    caller checks the GPU and the key dtype). ``programs``: (sequence, kv head) pairs;
+    ``split_len``: keys per split program.
 
     GPU time (CUDA-graph replay), H100, 32q/8kv x 128 bf16, 2026-11-23, two host instances
     (tune_decode_gpu.py ``--sweep large/configs``, then ``--sweep rule``):
@@ -175,7 +177,7 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       lost (4 x 4K: 28.3 -> 29.1 us; 1 x 16K: 29.2 -> 30.8), and so did splits of 256 (1 x 4K:
       9.0 -> 9.2).
     """
-    if cfg != DECODE_TILE:
+    if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return DecodeConfig(32, 4, 2)

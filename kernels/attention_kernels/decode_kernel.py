@@ -49,7 +49,6 @@ from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
-    DECODE_TILE,
     DecodeConfig,
     decode_config,
     decode_shape_config,
@@ -66,9 +65,11 @@ MAX_SPLITS = 128
 # group's last split program merges, after an atomic count), "separate" (a merge kernel) or
 # "pdl" (that kernel launched as a programmatic dependent, Hopper and later).
 MERGE_MODE = "fused"
-# Elements of one merge step's [heads, splits, D] fp32 tile: 8192 is 64 registers per thread
-# at 4 warps.
-MERGE_TILE_ELEMS = 8192
+# Elements of one merge step's [BLOCK_G heads, splits, D] fp32 tile (a power of two). The head
+# rows are the dot's (at least 16, so 4-head groups mask 12): the merge then compiles into the
+# variant the split loop already needs, whatever the group (<= 16) and split count, so the
+# warm-up's variants serve every shape. 16384 at D 128 is 8 splits per step.
+MERGE_TILE_ELEMS = 16384
 
 
 @triton.jit
@@ -558,7 +559,7 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return call_key((q, k, v, lens, table, out, lse_out if return_lse else None, alibi_slopes,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
-                     config), window_size)
+                     config, MERGE_MODE, MERGE_TILE_ELEMS), window_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -634,10 +635,12 @@ def _plan(
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
-    if config is None and table is None and cfg == DECODE_TILE:  # a GPU's contiguous tile
-        cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
-                                  -(-est_seqlen // num_splits), num_sms(q.device.index or 0))
     block_d = padded_head_dim(head_dim)
+    if config is None and table is None and not fp8:
+        sms = _shape_rule_sms(q.device)
+        if sms:
+            cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
+                                      -(-est_seqlen // num_splits), sms, block_d)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -652,24 +655,26 @@ def _plan(
                *strides[4:], scale * LOG2E, num_kv_heads, group, num_splits,
                win_left if has_window else None, cap_scale, cap_log2)
     direct = num_splits == 1
-    mode = "fused" if direct or interpreting() or q.device.type != "cuda" else MERGE_MODE
-    if mode == "pdl" and torch.cuda.get_device_capability(q.device)[0] < 9:
-        mode = "separate"
-    merge_g = triton.next_power_of_2(group)
-    merge_s = min(triton.next_power_of_2(num_splits),
-                  max(1, MERGE_TILE_ELEMS // (merge_g * block_d)))
+    mode = "fused" if direct else MERGE_MODE
+    if mode == "pdl" and (q.device.type != "cuda"
+                          or torch.cuda.get_device_capability(q.device)[0] < 9):
+        mode = "separate"  # PDL is Hopper's (and the interpreter has no griddepcontrol)
+    block_g = max(16, triton.next_power_of_2(group))
+    merge_s = _merge_splits(block_g, block_d)
     merge = None
     if not direct and mode != "fused":
         merge = KernelLaunch(
             _decode_merge_kernel, (batch * num_kv_heads,), dict(
-                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g, MERGE_S=merge_s,
+                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=block_g, MERGE_S=merge_s,
                 RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
                 num_warps=4, num_stages=1))
+    fused = not direct and mode == "fused"
     launch = KernelLaunch(
         _decode_split_kernel, (num_splits, batch * num_kv_heads), dict(
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)),
-            BLOCK_N=cfg.block_n, DIRECT=direct, FUSED_MERGE=mode == "fused", MERGE_G=merge_g,
-            MERGE_S=merge_s, PDL=mode == "pdl", RETURN_LSE=return_lse,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=block_g,
+            BLOCK_N=cfg.block_n, DIRECT=direct, FUSED_MERGE=fused, MERGE_G=block_g,
+            # Unused without the fused merge: fixed, so they make no variant of their own.
+            MERGE_S=merge_s if fused else 1, PDL=mode == "pdl", RETURN_LSE=return_lse,
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
@@ -683,6 +688,20 @@ def _plan(
         stride_ab=stride_ab, launch=launch, merge=merge,
         merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads, group, num_splits),
     )
+
+
+def _merge_splits(block_g: int, block_d: int) -> int:
+    """Splits per merge step: the largest power of two whose tile fits MERGE_TILE_ELEMS."""
+    per_split = block_g * block_d
+    return max(1, 1 << max(0, (MERGE_TILE_ELEMS // per_split).bit_length() - 1))
+
+
+def _shape_rule_sms(device: torch.device) -> int:
+    """The SM count where ``decode_shape_config`` was measured (Hopper GPUs), else 0."""
+    if device.type != "cuda" or interpreting():
+        return 0
+    index = device.index or 0
+    return num_sms(index) if torch.cuda.get_device_capability(index)[0] == 9 else 0
 
 
 def _run(

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
+from attention_kernels.configs import DecodeConfig
 from attention_kernels.decode_kernel import decode, paged_decode
 from attention_kernels.prefill_kernel import paged_prefill, prefill
 
@@ -45,6 +46,10 @@ def warmup(
             for splits in (1, 2):  # direct write, and splits with the fused merge
                 for lse in lse_flags:
                     decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
+            if d == 128 and device.type == "cuda":  # decode_shape_config's other tiles
+                for splits, tile in ((1, DecodeConfig(32, 4, 2)), (2, DecodeConfig(128, 4, 3))):
+                    for lse in lse_flags:
+                        decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse, _config=tile)
             for p in page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
                 lens = torch.tensor([17, 23], dtype=torch.int32, device=device)

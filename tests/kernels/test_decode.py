@@ -129,18 +129,41 @@ def test_fused_merge_is_deterministic_and_race_free() -> None:
 
 
 def test_shape_config_rule() -> None:
-    """The measured points of ``decode_shape_config`` (132 SMs, an H100)."""
-    sms = 132
-    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms) == DecodeConfig(32, 4, 2)
-    assert decode_shape_config(DECODE_TILE, 128, 1, 32768, sms) == DECODE_TILE  # 1 per SM
-    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms) == DECODE_TILE  # > 4 per SM
-    assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms) == DECODE_TILE  # 3 per SM fit
-    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms) == DecodeConfig(128, 4, 3)
-    assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms) == DECODE_TILE
-    assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms) == DECODE_TILE
-    assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms) == DECODE_TILE
+    """The measured points of ``decode_shape_config`` (132 SMs, an H100; D 128)."""
+    sms, d = 132, 128
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d) == DecodeConfig(32, 4, 2)
+    assert decode_shape_config(DECODE_TILE, 128, 1, 32768, sms, d) == DECODE_TILE  # 1 per SM
+    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d) == DECODE_TILE  # > 4 per SM
+    assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms, d) == DECODE_TILE  # 3 per SM fit
+    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d) == DecodeConfig(128, 4, 3)
+    assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms, d) == DECODE_TILE
+    assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms, d) == DECODE_TILE
+    assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms, d) == DECODE_TILE
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, 64) == DECODE_TILE  # unmeasured
     other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
-    assert decode_shape_config(other, 512, 1, 8192, sms) is other
+    assert decode_shape_config(other, 512, 1, 8192, sms, d) is other
+
+
+@pytest.mark.parametrize(("lens", "splits", "block_n"), [
+    ([300] * 7, 1, 32),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
+    ([1100], 2, 128),  # splits of 550 keys
+    ([300] * 2, 1, 64),  # 4 programs: the default tile
+])
+def test_shape_rule_is_applied(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,
+                               block_n: int) -> None:
+    """decode's plan takes the rule's tile when no config is given (here on a faked 4-SM
+    Hopper), and the answer still matches the reference."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 4)
+    decode_kernel._PLANS.clear()
+    try:
+        run_case(lens, 4, 2, 128, torch.bfloat16, splits)
+        (plan,) = decode_kernel._PLANS._plans.values()
+        assert plan.launch.kwargs["BLOCK_N"] == block_n
+    finally:
+        decode_kernel._PLANS.clear()
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(32, 4, 2), DecodeConfig(128, 4, 3)],
@@ -152,15 +175,16 @@ def test_shape_config_tiles(config: DecodeConfig, num_splits: int) -> None:
     run_case([300, 1], 4, 4, 80, torch.float16, num_splits, config)
 
 
-MERGE_MODES = ["fused", "separate", "pdl"] if ON_GPU else ["fused"]
+MERGE_MODES = ["fused", "separate", "pdl"] if ON_GPU else ["fused", "separate"]
 
 
 @pytest.mark.parametrize("mode", MERGE_MODES)
-@pytest.mark.parametrize("tile", [256, 512, 8192], ids=lambda t: f"tile{t}")
+@pytest.mark.parametrize("tile", [1024, 2048, 3000, 16384], ids=lambda t: f"tile{t}")
 def test_merge_modes_and_tiles(monkeypatch: pytest.MonkeyPatch, mode: str, tile: int) -> None:
-    """Every way of merging the split partials, with merge steps of 1, 2 and all splits (tile
-    256 / 512 at 4 heads x D 64: one split / two splits of the 7 per step, the last step
-    partial), on lengths with empty splits and empty sequences."""
+    """The ways of merging the split partials (PDL on a GPU only), with merge steps of 1, 2
+    and all splits (tile 1024 / 2048 at 16 head rows x D 64: one / two of the 7 splits per
+    step, the last step partial; 3000 rounds down to 2), on lengths with empty splits and
+    empty sequences."""
     from attention_kernels import decode_kernel
 
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
@@ -238,3 +262,26 @@ def test_cuda_graph_replays_zero_their_own_counters() -> None:
         eager = decode(q, k, v, cu, num_splits=16)
         torch.cuda.synchronize()
         assert torch.equal(captured, expected) and torch.equal(eager, expected)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
+def test_warmup_compiles_what_decode_serves() -> None:
+    """After ``warmup`` at D 128, decodes of other batch sizes, lengths, GQA ratios up to 16
+    and split counts (the shape rule's tiles included) compile nothing new: a server's first
+    request of a new shape does not stall on a compile."""
+    from attention_kernels import decode_kernel, warmup
+
+    def variants() -> int:
+        caches = decode_kernel._decode_split_kernel.device_caches.values()
+        return sum(len(c[0]) for c in caches)
+
+    warmup((128,), (torch.bfloat16,), DEVICE)
+    before = variants()
+    for batch, ctx, heads, kv_heads in ((1, 4096, 32, 8), (2, 4096, 32, 8), (1, 8192, 32, 8),
+                                        (64, 8192, 32, 8), (3, 1000, 16, 1), (5, 300, 64, 8)):
+        lens = [ctx] * batch
+        q = randn(batch, heads, 128, dtype=torch.bfloat16)
+        k = randn(batch * ctx, kv_heads, 128, dtype=torch.bfloat16)
+        for lse in (False, True):
+            decode(q, k, k, cu_seqlens(lens), max_seqlen_k=ctx, return_lse=lse)
+    assert variants() == before

@@ -149,7 +149,10 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     assert first.header_bytes == header.SerializeToString()
     assert again.header is first.header
     checked = validation.checked_header(Op.PREFILL, first.header, first.header_bytes, limits)
-    assert checked == validation.validate_header(Op.PREFILL, header, limits)
+    params, regions = validation.validate_header(Op.PREFILL, header, limits)
+    assert checked[0] == params and dict(checked[1]) == regions
+    with pytest.raises(TypeError):  # shared between calls: read-only
+        checked[1]["q"] = None  # type: ignore[index]
     assert validation.checked_header(
         Op.PREFILL, again.header, again.header_bytes, limits) is checked
     tight = limits._replace(max_request_bytes=1)
@@ -160,5 +163,11 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     decode_raw = pb.DecodeRequest(header=pb.DecodeHeader(num_splits=2)).SerializeToString()
     assert isinstance(parse_request(decode_raw, Op.DECODE).header, pb.DecodeHeader)
     assert isinstance(parse_request(decode_raw, Op.PREFILL).header, pb.PrefillHeader)
-    assert len(wire._PARSED) <= wire.MEMO_ENTRIES
-    assert len(validation._CHECKED) <= wire.MEMO_ENTRIES
+    big = pb.DecodeRequest(header=pb.DecodeHeader(cu_seqlens_k=list(range(200))))
+    raw_big = big.SerializeToString()
+    assert len(big.header.SerializeToString()) > wire.MEMO_HEADER_BYTES
+    assert parse_request(raw_big, Op.DECODE).header is not parse_request(raw_big, Op.DECODE).header
+    memo: dict[int, int] = {}
+    for i in range(wire.MEMO_ENTRIES + 5):  # bounded: a full memo starts over
+        assert wire.memoized(memo, i, lambda i=i: i + 1) == i + 1
+        assert len(memo) <= wire.MEMO_ENTRIES

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterable, Iterator
+from collections.abc import AsyncIterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -54,7 +54,7 @@ class Received:
     whose ``reserved`` bytes count against ``budget`` until ``release``."""
 
     params: Params
-    regions: dict[str, RegionSpan]
+    regions: Mapping[str, RegionSpan]
     buffers: Buffers
     budget: UploadBudget
     reserved: int

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from types import MappingProxyType
 from typing import NamedTuple
 
 import grpc
@@ -17,7 +18,7 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
-from attention_service.frontend.wire import MEMO_ENTRIES, MEMO_HEADER_BYTES
+from attention_service.frontend.wire import MEMO_HEADER_BYTES, memoized
 from attention_service.params import (
     ELEMENT_BYTES,
     INPUTS,
@@ -434,27 +435,25 @@ def validate_header(
 
 
 # Checked headers by (op, wire bytes, limits), for headers up to MEMO_HEADER_BYTES: the checks
-# are a pure function of those three, and a decode step's header (one client, same caches)
-# repeats. A front end at one client spent ~15% of its samples in validate_decode_header (H200,
-# py-spy, 2026-11-23). Refused headers are not kept: they raise again. Bounded like wire's.
-_CHECKED: dict[tuple[Op, bytes, Limits], tuple[Params, dict[str, RegionSpan]]] = {}
+# are a pure function of those three, and a KV-cache session's step header repeats. A front end
+# at one client spent ~15% of its samples in validate_decode_header (H200, py-spy,
+# 2026-11-23). Refused headers are not kept: they raise again. Bounded like wire's memo.
+_CHECKED: dict[tuple[Op, bytes, Limits], tuple[Params, Mapping[str, RegionSpan]]] = {}
 
 
 def checked_header(
     op: Op, h: pb.PrefillHeader | pb.DecodeHeader, header_bytes: bytes | None, limits: Limits
-) -> tuple[Params, dict[str, RegionSpan]]:
+) -> tuple[Params, Mapping[str, RegionSpan]]:
     """``validate_header``, answered from a memo when ``header_bytes`` (``h``'s wire bytes)
-    passed the same checks before. The regions mapping is shared: callers only read it."""
+    passed the same checks before. The regions are a read-only view, shared by the calls."""
     if header_bytes is None or len(header_bytes) > MEMO_HEADER_BYTES:
         return validate_header(op, h, limits)
-    key = (op, header_bytes, limits)
-    got = _CHECKED.get(key)
-    if got is None:
-        got = validate_header(op, h, limits)
-        if len(_CHECKED) >= MEMO_ENTRIES:
-            _CHECKED.clear()
-        _CHECKED[key] = got
-    return got
+
+    def check() -> tuple[Params, Mapping[str, RegionSpan]]:
+        params, regions = validate_header(op, h, limits)
+        return params, MappingProxyType(regions)
+
+    return memoized(_CHECKED, (op, header_bytes, limits), check)  # type: ignore[no-any-return]
 
 
 class ChunkAssembler:

@@ -21,6 +21,7 @@ them). Small messages (headers, stats, the region rpcs) still use the generated 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import grpc
@@ -66,27 +67,6 @@ class RawRequest(NamedTuple):
     header_bytes: bytes | None = None  # the header's wire bytes (its occurrences joined)
 
 
-# Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a client's decode
-# steps repeat one header (same shapes, same caches) call after call. Shared messages are
-# only read. Bounded: a server that sees more distinct headers starts over.
-MEMO_HEADER_BYTES = 1024
-MEMO_ENTRIES = 4096
-_PARSED: dict[tuple[Op, bytes], Any] = {}
-
-
-def _parse_header(op: Op, raw: bytes) -> Any:
-    if len(raw) > MEMO_HEADER_BYTES:
-        return _HEADERS[op].FromString(raw)
-    key = (op, raw)
-    header = _PARSED.get(key)
-    if header is None:
-        header = _HEADERS[op].FromString(raw)
-        if len(_PARSED) >= MEMO_ENTRIES:
-            _PARSED.clear()
-        _PARSED[key] = header
-    return header
-
-
 # Fields per message and per chunk the parser reads before it refuses the message: a 4 MiB
 # message of millions of empty fields must not hold the event loop for seconds. A real
 # message has a header and a few chunks (attention_client: at most 3) of 3 fields each.
@@ -111,6 +91,33 @@ def _chunk(buf: memoryview) -> RawChunk:
 
 
 _HEADERS = {op: pb.DecodeHeader if op.decode_like else pb.PrefillHeader for op in Op}
+
+# Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a KV-cache
+# session's decode steps repeat one header (same shapes, same caches) call after call; plain
+# Decode headers change every step (k grows) and only pass through. Shared messages are only
+# read. Small and bounded: at most MEMO_ENTRIES headers of MEMO_HEADER_BYTES (a 256-byte
+# header's checked Params are a few KB), and a full memo starts over.
+MEMO_HEADER_BYTES = 256
+MEMO_ENTRIES = 1024
+_PARSED: dict[tuple[Op, bytes], Any] = {}
+
+
+def memoized(memo: dict[Any, Any], key: Any, make: Callable[[], Any]) -> Any:
+    """``memo[key]``, made by ``make()`` (and kept) when missing; ``make``'s exceptions
+    propagate and leave nothing behind. At MEMO_ENTRIES the memo starts over."""
+    got = memo.get(key)
+    if got is None:
+        got = make()
+        if len(memo) >= MEMO_ENTRIES:
+            memo.clear()
+        memo[key] = got
+    return got
+
+
+def _parse_header(op: Op, raw: bytes) -> Any:
+    if len(raw) > MEMO_HEADER_BYTES:
+        return _HEADERS[op].FromString(raw)
+    return memoized(_PARSED, (op, raw), lambda: _HEADERS[op].FromString(raw))
 # The unary rpcs the engine answers (servicer.control_rpc), by method name.
 CONTROL_METHODS = (
     "RegisterRegion", "UnregisterRegion", "ListRegions",
