@@ -276,6 +276,7 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
                        else torch.device(device).index or 0)
     with torch.cuda.device(dev):
         memory = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        cuda_ipc.use_primary_context(dev.index or 0)
         exported = cuda_ipc.export(memory.data_ptr())
         uuid = cuda_ipc.device_uuid(dev)
     source = pb.CudaRegion(ipc_handle=exported.handle, device_uuid=uuid,

@@ -7,8 +7,9 @@ allocator hands out slices of larger ``cudaMalloc`` blocks, hence the offset. Me
 ``cudaMallocAsync`` pools or torch's expandable segments cannot be exported this way (the
 driver refuses, and the error says so).
 
-Every call needs the device's primary context current on the calling thread (any torch CUDA
-call on that device, e.g. ``torch.cuda.set_device``, makes it so).
+Every call needs the device's primary context current on the calling thread. A torch call on
+the device usually makes it so, but not always (a thread whose allocation came from torch's
+cache never touched the runtime): ``use_primary_context`` makes sure.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ def _driver() -> ctypes.CDLL:
         lib.cuMemGetAddressRange_v2.argtypes = [u64p, ctypes.POINTER(ctypes.c_size_t),
                                                 ctypes.c_uint64]
         lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
+        lib.cuDeviceGet.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRetain.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.cuDevicePrimaryCtxRelease_v2.argtypes = [ctypes.c_int]
         _lib = lib
     return _lib
 
@@ -55,6 +61,26 @@ def _check(rc: int, what: str) -> None:
         _driver().cuGetErrorString(rc, ctypes.byref(msg))
         text = msg.value.decode() if msg.value else "unknown error"
         raise CudaIpcError(f"{what} failed: CUDA error {rc} ({text})")
+
+
+def use_primary_context(ordinal: int) -> None:
+    """Make device ``ordinal``'s primary context (the one torch and the runtime use) current
+    on this thread if no context is. Seen on an H200 host: a pytest worker's region export
+    failed with CUDA_ERROR_INVALID_CONTEXT although torch had just handed it the memory."""
+    lib = _driver()
+    ctx = ctypes.c_void_p()
+    _check(lib.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+    if ctx.value:
+        return
+    dev = ctypes.c_int()
+    _check(lib.cuDeviceGet(ctypes.byref(dev), ordinal), "cuDeviceGet")
+    primary = ctypes.c_void_p()
+    _check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(primary), dev), "cuDevicePrimaryCtxRetain")
+    try:
+        _check(lib.cuCtxSetCurrent(primary), "cuCtxSetCurrent")
+    finally:
+        # The runtime holds its own reference: the context stays alive (and current).
+        lib.cuDevicePrimaryCtxRelease_v2(dev)
 
 
 def address_range(ptr: int) -> tuple[int, int]:

@@ -46,6 +46,12 @@ def warmup(
             for splits in (1, 2):  # direct write, and splits with the fused merge
                 for lse in lse_flags:
                     decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
+            # The fused merge's tile has one row per query head of a group: the common GQA
+            # ratios (2 above; 1, 4 and 8 here) get their variants now.
+            for group in (1, 4, 8):
+                qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
+                for lse in lse_flags:
+                    decode(qg, kv, kv, cu, num_splits=2, return_lse=lse)
             if d == 128 and device.type == "cuda":  # decode_shape_config's other tiles
                 for splits, tile in ((1, DecodeConfig(32, 4, 2)), (2, DecodeConfig(128, 4, 3))):
                     for lse in lse_flags:
@@ -62,6 +68,11 @@ def warmup(
                 for splits in (1, 2):
                     for lse in lse_flags:
                         paged_decode(qd, pages, pages, table, lens, num_splits=splits,
+                                     return_lse=lse)
+                for group in (1, 4, 8):
+                    qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
+                    for lse in lse_flags:
+                        paged_decode(qg, pages, pages, table, lens, num_splits=2,
                                      return_lse=lse)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -238,8 +238,9 @@ class RegionRegistry:
         mine = cuda_ipc.device_uuid(device)
         if bytes(src.device_uuid) != mine:
             raise invalid("cuda.device_uuid", "the region is on another GPU than the server's")
-        torch.cuda.set_device(device)  # the primary context, current on this thread
+        torch.cuda.set_device(device)
         try:
+            cuda_ipc.use_primary_context(torch.device(device).index or 0)
             ptr, alloc = cuda_ipc.open_handle(bytes(src.ipc_handle))
         except (ValueError, cuda_ipc.CudaIpcError) as exc:
             raise invalid("cuda.ipc_handle", str(exc)) from None
