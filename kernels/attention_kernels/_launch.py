@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from triton import knobs
 
+from attention_kernels._checks import kv_scale_args
 from attention_kernels.configs import interpreting
 
 
@@ -138,6 +139,24 @@ def outputs(out: torch.Tensor | None, lse_out: torch.Tensor | None, return_lse: 
     if lse_out is None:
         lse_out = torch.empty(lse_shape, dtype=torch.float32, device=device)
     return out, lse_out
+
+
+def launch_inputs(
+    plan: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, table: torch.Tensor | None,
+    alibi_slopes: torch.Tensor | None, k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> tuple[Any, ...]:
+    """A checked call's tensors as its ``plan`` (``copy_q`` / ``copy_kv``) launches them:
+    ``(q, k, v, table, slopes, k_scales, v_scales, scale_stride)``."""
+    if plan.copy_q:
+        q = q.contiguous()
+    if plan.copy_kv:
+        k, v = k.contiguous(), v.contiguous()
+    if table is not None and not table.is_contiguous():
+        table = table.contiguous()
+    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
+    ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
+    return q, k, v, table, slopes, ks, vs, stride_sb
 
 
 def no_keys(out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> None:

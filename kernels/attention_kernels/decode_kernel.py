@@ -42,11 +42,17 @@ from attention_kernels._checks import (
     check_kv_scales,
     check_outputs,
     check_paged_inputs,
-    kv_scale_args,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
-from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
+from attention_kernels._launch import (
+    KernelLaunch,
+    PlanCache,
+    call_key,
+    launch_inputs,
+    no_keys,
+    outputs,
+)
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
@@ -467,16 +473,10 @@ def decode(
     plan = _PLANS.get(key)
     if plan is None:
         check_decode_inputs(q, k, v, cu_seqlens_k)
-        fp8 = check_kv_scales(k, k_scale, v_scale, q.shape[0])
-        window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
-                                q.device)
-        _check_kernel_args(q, num_splits)
-        check_outputs(out, lse_out, return_lse, tuple(q.shape), tuple(q.shape[:2]), q.dtype,
-                      q.device)
         # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
         est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
         plan = _plan(q, k, v, None, est, softmax_scale, num_splits, return_lse, _config,
-                     window[0], softcap, alibi_slopes, fp8)
+                     window_size, softcap, alibi_slopes, k_scale, v_scale, out, lse_out)
         _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_k, None, out, lse_out, alibi_slopes, k_scale,
                 v_scale)
@@ -523,16 +523,11 @@ def paged_decode(
     plan = _PLANS.get(key)
     if plan is None:
         check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
-        fp8 = check_kv_scales(k_pages, k_scale, v_scale, q.shape[0])
-        window = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
-                                q.device)
-        _check_kernel_args(q, num_splits)
-        check_outputs(out, lse_out, return_lse, tuple(q.shape), tuple(q.shape[:2]), q.dtype,
-                      q.device)
         est = (max_seqlen_k if max_seqlen_k is not None
                else block_table.shape[1] * k_pages.shape[1])
         plan = _plan(q, k_pages, v_pages, block_table, est, softmax_scale, num_splits,
-                     return_lse, _config, window[0], softcap, alibi_slopes, fp8)
+                     return_lse, _config, window_size, softcap, alibi_slopes, k_scale, v_scale,
+                     out, lse_out)
         _PLANS.put(key, plan)
     return _run(plan, q, k_pages, v_pages, seqlens_k, block_table, out, lse_out, alibi_slopes,
                 k_scale, v_scale)
@@ -595,13 +590,23 @@ def _plan(
     num_splits: int,
     return_lse: bool,
     config: DecodeConfig | None,
-    win_left: int,
+    window_size: tuple[int, int],
     softcap: float,
     alibi_slopes: torch.Tensor | None,
-    fp8: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
 ) -> _DecodePlan:
-    """The set-up of a checked call. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``.
-    Paged: ``k, v`` are the pages. ``win_left``: the window's left bound (-1: none)."""
+    """The checks decode and paged decode share, then the call's set-up; the caller checked
+    the inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``. Paged: ``k, v`` are
+    the pages."""
+    fp8 = check_kv_scales(k, k_scale, v_scale, q.shape[0])
+    win_left = check_features(window_size, softcap, alibi_slopes, q.shape[1], q.shape[0],
+                              q.device)[0]  # the window's left bound (-1: none)
+    _check_kernel_args(q, num_splits)
+    check_outputs(out, lse_out, return_lse, tuple(q.shape), tuple(q.shape[:2]), q.dtype,
+                  q.device)
     copy_q = q.stride(-1) != 1
     copy_kv = table is None and (k.stride(-1) != 1 or v.stride(-1) != 1)
     if copy_q:
@@ -727,22 +732,16 @@ def _run(
         if plan.zero_fill:
             no_keys(out, lse, plan.return_lse)
         return (out, lse) if plan.return_lse else out
-    if plan.copy_q:
-        q = q.contiguous()
-    if plan.copy_kv:
-        k, v = k.contiguous(), v.contiguous()
+    q, k, v, table, slopes, ks, vs, stride_sb = launch_inputs(
+        plan, q, k, v, table, alibi_slopes, k_scale, v_scale)
     if lens.stride(0) != 1:
         lens = lens.contiguous()
-    if table is not None and not table.is_contiguous():
-        table = table.contiguous()
     if plan.direct:
         out_part = lse_part = counter = out  # unused dummies
     else:
         key = _stream_key(device)
         out_part, lse_part = _workspace(plan.workspace_rows, plan.block_d, device, key)
         counter = _counters(plan.counters, device, key) if plan.counters else out
-    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
     assert plan.launch is not None
     with _on_device(device):  # Triton launches on the current device's current stream
         plan.launch(q, k, v, out, lse, out_part, lse_part, counter, lens, table, *plan.scalars,

@@ -48,11 +48,17 @@ from attention_kernels._checks import (
     check_outputs,
     check_paged_inputs,
     check_prefill_inputs,
-    kv_scale_args,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
-from attention_kernels._launch import KernelLaunch, PlanCache, call_key, no_keys, outputs
+from attention_kernels._launch import (
+    KernelLaunch,
+    PlanCache,
+    call_key,
+    launch_inputs,
+    no_keys,
+    outputs,
+)
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     PrefillConfig,
@@ -443,14 +449,9 @@ def prefill(
     plan = _PLANS.get(key)
     if plan is None:
         check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
-        fp8 = check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
-        window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
-                                cu_seqlens_q.shape[0] - 1, q.device)
-        _check_not_float64(q)
-        check_outputs(out, lse_out, return_lse, tuple(q.shape), (q.shape[1], q.shape[0]),
-                      q.dtype, q.device)
         plan = _plan(q, k, v, cu_seqlens_q, None, causal, softmax_scale, return_lse, _config,
-                     window, softcap, alibi_slopes, k.shape[0], fp8)
+                     window_size, softcap, alibi_slopes, k.shape[0], k_scale, v_scale, out,
+                     lse_out)
         if not plan.use_tma:  # TMA launches are long (GPU-bound) and read the environment
             _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, None, out, lse_out, alibi_slopes,
@@ -501,15 +502,9 @@ def paged_prefill(
     plan = _PLANS.get(key)
     if plan is None:
         check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
-        fp8 = check_kv_scales(k_pages, k_scale, v_scale, cu_seqlens_q.shape[0] - 1)
-        window = check_features(window_size, softcap, alibi_slopes, q.shape[1],
-                                cu_seqlens_q.shape[0] - 1, q.device)
-        _check_not_float64(q)
-        check_outputs(out, lse_out, return_lse, tuple(q.shape), (q.shape[1], q.shape[0]),
-                      q.dtype, q.device)
         plan = _plan(q, k_pages, v_pages, cu_seqlens_q, block_table, causal, softmax_scale,
-                     return_lse, _config, window, softcap, alibi_slopes,
-                     block_table.shape[1] * k_pages.shape[1], fp8)
+                     return_lse, _config, window_size, softcap, alibi_slopes,
+                     block_table.shape[1] * k_pages.shape[1], k_scale, v_scale, out, lse_out)
         _PLANS.put(key, plan)  # paged launches never take descriptor loads
     return _run(plan, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, out, lse_out,
                 alibi_slopes, k_scale, v_scale)
@@ -587,22 +582,31 @@ def _plan(
     softmax_scale: float | None,
     return_lse: bool,
     config: PrefillConfig | None,
-    window: tuple[int, int],
+    window_size: tuple[int, int],
     softcap: float,
     alibi_slopes: torch.Tensor | None,
     max_keys: int,
-    fp8: bool,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    out: torch.Tensor | None,
+    lse_out: torch.Tensor | None,
 ) -> _PrefillPlan:
-    """The set-up of a checked call. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``.
-    Paged: ``k, v`` are the pages. ``max_keys``: a bound on any sequence's key count known
-    from shapes (total_k, or the block table's capacity)."""
+    """The checks prefill and paged prefill share, then the call's set-up; the caller checked
+    the inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``. Paged: ``k, v`` are
+    the pages. ``max_keys``: a bound on any sequence's key count known from shapes (total_k,
+    or the block table's capacity)."""
+    batch = cu_seqlens_q.shape[0] - 1
+    fp8 = check_kv_scales(k, k_scale, v_scale, batch)
+    window = check_features(window_size, softcap, alibi_slopes, q.shape[1], batch, q.device)
+    _check_not_float64(q)
+    check_outputs(out, lse_out, return_lse, tuple(q.shape), (q.shape[1], q.shape[0]),
+                  q.dtype, q.device)
     copy_q = q.stride(-1) != 1
     copy_kv = table is None and (k.stride(-1) != 1 or v.stride(-1) != 1)
     q = _head_dim_contiguous(q)
     if copy_kv:
         k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
     total_q, num_heads, head_dim = q.shape
-    batch = cu_seqlens_q.shape[0] - 1
     out_shape = (total_q, num_heads, head_dim)
     if total_q == 0 or batch == 0 or (table is not None and (k.shape[0] == 0
                                                               or table.shape[1] == 0)):
@@ -675,22 +679,16 @@ def _run(
         if plan.zero_fill:
             no_keys(out, lse, plan.return_lse)
         return (out, lse) if plan.return_lse else out
-    if plan.copy_q:
-        q = q.contiguous()
-    if plan.copy_kv:
-        k, v = k.contiguous(), v.contiguous()
+    q, k, v, table, slopes, ks, vs, stride_sb = launch_inputs(
+        plan, q, k, v, table, alibi_slopes, k_scale, v_scale)
     if cu_seqlens_q.stride(0) != 1:
         cu_seqlens_q = cu_seqlens_q.contiguous()
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
-    if table is not None and not table.is_contiguous():
-        table = table.contiguous()
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)
     else:
         desc_k, desc_v = k, v  # unused placeholders
-    slopes = alibi_slopes.contiguous() if alibi_slopes is not None else None
-    ks, vs, stride_sb = kv_scale_args((k_scale, v_scale) if k_scale is not None else None)
     assert plan.launch is not None
     plan.launch(q, k, v, out, lse, cu_seqlens_q, lens_k, desc_k, desc_v, table, *plan.scalars,
                 slopes, plan.stride_ab, ks, vs, stride_sb)
