@@ -76,7 +76,8 @@ def measure(fn, ref: torch.Tensor) -> float | str:
 
 
 def set_merge(mode: str, tile: int) -> None:
-    dk.MERGE_MODE, dk.MERGE_TILE_ELEMS = mode, tile
+    # The tile of whichever merge the mode runs (fused in the split kernel, or a kernel).
+    dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = mode, tile, tile
     dk._PLANS.clear()  # the plans hold the launch of the previous mode
 
 
@@ -112,16 +113,21 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
 
 def sweep_merge() -> list[dict]:
     rows = []
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
-    variants = [("fused", 4096), ("fused", 8192), ("fused", 16384), ("fused", 32768),
-                ("separate", 16384), ("pdl", 16384)]
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS)
+    # "default": the module's own settings (in a CUDA graph on Hopper, the PDL merge kernel).
+    variants = [("default", 0), ("fused", 8192), ("fused", 16384), ("separate", 8192),
+                ("separate", 16384), ("pdl", 8192), ("pdl", 16384), ("pdl", 32768)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = decode(q, k, v, cu)
         peer = cudnn_us(q, k, v, batch, ctx)
         line = [f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us"]
         for mode, tile in variants:
-            set_merge(mode, tile)
+            if mode == "default":
+                dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
+                dk._PLANS.clear()
+            else:
+                set_merge(mode, tile)
             best = (float("inf"), 0)
             for sp in (0, 8, 12, 16, 24, 32, 48, 64):
                 us = measure(lambda sp=sp: decode(q, k, v, cu, num_splits=sp), ref)
@@ -135,7 +141,8 @@ def sweep_merge() -> list[dict]:
                 if us < best[0]:
                     best = (us, sp)
             line.append(f"best {best[0]:.1f} @ {best[1]} splits ({peer / best[0]:.2f}x)")
-        set_merge(*defaults)
+        dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
+        dk._PLANS.clear()
         print(" | ".join(line), flush=True)
     return rows
 
@@ -176,7 +183,7 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS)
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS)
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, (64, 128), (4, 8), (3, 4, 5), (8, 16, 24, 32))
     elif args.sweep == "rule":
@@ -190,7 +197,8 @@ def main() -> None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
             {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep,
-             "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1]},
+             "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
+                          "merge_kernel_tile": defaults[2]},
              "rows": rows}, indent=1))
 
 

@@ -1,11 +1,12 @@
 """Sweep launch configs on a GPU; the winners go into attention_kernels/configs.py by hand.
 
-    python benchmarks/tune_kernels.py [--out benchmarks/results]
+    python benchmarks/tune_kernels.py [--out benchmarks/results] [--only prefill|decode|prefill-ws]
 
 Prefill: dense bf16 packed batches (batch*N = 16K tokens, N = 8K, 2048 / D heads), causal and
 not, per padded head dim. Decode: (batch, ctx) = (1, 32K) and (16, 32K), 32q/8kv heads, D 128.
 Each config is checked against the default before timing; failures (e.g. out of shared memory)
-are reported and skipped.
+are reported and skipped. ``prefill-ws``: Triton's automatic warp specialization of the unmasked
+key loop (``PrefillConfig.warp_specialize``) against the table's tiles and SDPA cuDNN, same run.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from attention_kernels import decode, prefill
 from attention_kernels.configs import DecodeConfig, PrefillConfig
@@ -60,6 +63,45 @@ def tune_prefill(results: list[dict]) -> None:
             print(f"prefill D={d} causal={causal}: best {best}", flush=True)
 
 
+def tune_prefill_ws(results: list[dict]) -> None:
+    n, batch = 8192, 2
+    for d in (128, 64):
+        heads = 2048 // d
+        q, k, v = (torch.randn(batch * n, heads, d, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        cu = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
+        qd, kd, vd = (t.view(batch, n, heads, d).transpose(1, 2) for t in (q, k, v))
+        for causal in (False, True):
+            fl = 4.0 * n * n * heads * d * batch / (2 if causal else 1)
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                cudnn = fl / bench(lambda: F.scaled_dot_product_attention(  # noqa: B023
+                    qd, kd, vd, is_causal=causal)) / 1e9
+            ref = prefill(q, k, v, cu, causal=causal)
+            default = fl / bench(lambda: prefill(q, k, v, cu, causal=causal)) / 1e9  # noqa: B023
+            line = [f"prefill D={d} causal={causal}: cuDNN {cudnn:.0f} TFLOP/s, "
+                    f"ours default {default:.0f} ({default / cudnn:.2f}x)"]
+            for bm, bn, w, st in itertools.product((128,), (64, 128), (4, 8), (2, 3)):
+                cfg = PrefillConfig(bm, bn, w, st, warp_specialize=True)
+                fn = lambda cfg=cfg: prefill(q, k, v, cu, causal=causal, _config=cfg)  # noqa: E731
+                try:
+                    err = rel(fn(), ref)
+                    if err > 1e-2:
+                        raise RuntimeError(f"wrong result: rel err {err:.3g}")
+                    tf = fl / bench(fn) / 1e9
+                except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
+                    msg = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+                    print(f"  {bm}x{bn} w{w} s{st} ws: {msg}", flush=True)
+                    results.append({"op": "prefill-ws", "D": d, "causal": causal,
+                                    "cfg": str(cfg), "error": msg})
+                    continue
+                print(f"  {bm}x{bn} w{w} s{st} ws: {tf:.0f} TFLOP/s "
+                      f"({tf / cudnn:.2f}x cuDNN)", flush=True)
+                results.append({"op": "prefill-ws", "D": d, "causal": causal, "cfg": str(cfg),
+                                "TFLOPs": tf, "cudnn_TFLOPs": cudnn, "default_TFLOPs": default})
+                line.append(f"{bm}x{bn}w{w}s{st} {tf:.0f}")
+            print(" | ".join(line), flush=True)
+
+
 def tune_decode(results: list[dict]) -> None:
     heads, kv_heads, d = 32, 8, 128
     for batch, ctx in ((1, 32768), (16, 32768), (128, 2048)):
@@ -95,13 +137,15 @@ def tune_decode(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", choices=["prefill", "decode"])
+    parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws"])
     args = parser.parse_args()
     results: list[dict] = []
     if args.only in (None, "prefill"):
         tune_prefill(results)
     if args.only in (None, "decode"):
         tune_decode(results)
+    if args.only == "prefill-ws":
+        tune_prefill_ws(results)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"tune_{torch.cuda.get_device_name().replace(' ', '_')}.json"

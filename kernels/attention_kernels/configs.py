@@ -23,6 +23,12 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # Triton's automatic warp specialization of the unmasked key loop (``tl.range``'s
+    # ``warp_specialize``). Off: on an H100 (triton 3.6, ``tune_kernels.py --only prefill-ws``,
+    # 2026-11-23) 4 warps crash its Hopper pass (a TaskIdPropagation assertion) and the best
+    # 8-warp tiles gave 0.97-1.04x of the table's tiles (D 128 non-causal 512 vs 496 TFLOP/s,
+    # cuDNN 690), not the gap to cuDNN.
+    warp_specialize: bool = False
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,9 @@ bandwidth. Two choices follow:
   round trips: GPU time (CUDA graph, H100, 32q/8kv x 128 bf16) at 1 x 4K 10.3 -> 9.0 us, against
   cuDNN's 9.5; a merge kernel of its own measured 9.1 us and one launched as a programmatic
   dependent (PDL, ``MERGE_MODE = "pdl"``) 8.8 (``tune_decode_gpu.py --sweep merge``).
+* Inside a CUDA graph (captured on Hopper) the merge is that PDL kernel: a replay costs no
+  launch host time, so the second launch is free there and its GPU time the lowest
+  (``MERGE_MODE`` "auto").
 
 The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
 ``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host. With a sliding window the splits
@@ -68,15 +71,23 @@ from attention_kernels.configs import (
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 # How the split partials are merged (benchmarks/tune_decode_gpu.py compares them): "fused" (the
-# group's last split program merges, after an atomic count), "separate" (a merge kernel) or
-# "pdl" (that kernel launched as a programmatic dependent, Hopper and later).
-MERGE_MODE = "fused"
+# group's last split program merges, after an atomic count), "separate" (a merge kernel), "pdl"
+# (that kernel launched as a programmatic dependent, Hopper and later), or "auto": "pdl" while
+# a CUDA graph is being captured on Hopper, else "fused". A second launch costs host time on
+# every eager call, but a graph replays both launches for nothing, and there the PDL merge is
+# the fastest: GPU time at 1 x 4K (H100, CUDA graph) fused 8.9-9.4 us, separate 8.3, PDL 7.6
+# against cuDNN's 9.5 (``tune_decode_gpu.py --sweep merge``).
+MERGE_MODE = "auto"
 # Elements of one merge step's [group heads, splits, D] fp32 tile: 8192 at 4 heads x D 128 is
 # 16 splits per step, 64 registers per thread at 4 warps. The splits per step depend on the
 # group and head dim only, not the split count, so a group's variant serves every length (the
 # warm-up compiles groups 1-8). Padding the heads to the dot's 16 rows instead (one variant
 # for every group) cost 9.0 -> 9.8 us at 1 x 4K (tile 16384, 8 splits per step, H200).
 MERGE_TILE_ELEMS = 8192
+# The same for the merge kernel of its own ("separate"/"pdl"): 16384 (32 splits per step at 4
+# heads x D 128) measured 8.3 / 7.6-7.7 us at 1 x 4K against 9.2 / 8.7-8.8 with 8192, in two
+# runs on one H100 (tune_decode_gpu.py --sweep merge); the fused merge gained nothing from it.
+MERGE_KERNEL_TILE_ELEMS = 16384
 
 
 @triton.jit
@@ -467,15 +478,16 @@ def decode(
     devices and alignment of an earlier call with the same other arguments reuses that call's
     checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.
     """
+    mode = _merge_mode(q.device)
     key = _plan_key(False, q, k, v, cu_seqlens_k, None, max_seqlen_k, softmax_scale, num_splits,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
-                    v_scale, _config)
+                    v_scale, _config, mode)
     plan = _PLANS.get(key)
     if plan is None:
         check_decode_inputs(q, k, v, cu_seqlens_k)
         # Plain ints: triton.cdiv costs microseconds of host time per call at batch 1.
         est = max_seqlen_k if max_seqlen_k is not None else -(-k.shape[0] // max(1, q.shape[0]))
-        plan = _plan(q, k, v, None, est, softmax_scale, num_splits, return_lse, _config,
+        plan = _plan(q, k, v, None, est, softmax_scale, num_splits, return_lse, _config, mode,
                      window_size, softcap, alibi_slopes, k_scale, v_scale, out, lse_out)
         _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_k, None, out, lse_out, alibi_slopes, k_scale,
@@ -517,17 +529,18 @@ def paged_decode(
         Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
         outputs as in ``decode``. One compiled variant per page size.
     """
+    mode = _merge_mode(q.device)
     key = _plan_key(True, q, k_pages, v_pages, seqlens_k, block_table, max_seqlen_k,
                     softmax_scale, num_splits, return_lse, out, lse_out, window_size, softcap,
-                    alibi_slopes, k_scale, v_scale, _config)
+                    alibi_slopes, k_scale, v_scale, _config, mode)
     plan = _PLANS.get(key)
     if plan is None:
         check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
         est = (max_seqlen_k if max_seqlen_k is not None
                else block_table.shape[1] * k_pages.shape[1])
         plan = _plan(q, k_pages, v_pages, block_table, est, softmax_scale, num_splits,
-                     return_lse, _config, window_size, softcap, alibi_slopes, k_scale, v_scale,
-                     out, lse_out)
+                     return_lse, _config, mode, window_size, softcap, alibi_slopes, k_scale,
+                     v_scale, out, lse_out)
         _PLANS.put(key, plan)
     return _run(plan, q, k_pages, v_pages, seqlens_k, block_table, out, lse_out, alibi_slopes,
                 k_scale, v_scale)
@@ -550,12 +563,13 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               softmax_scale: object, num_splits: object, return_lse: object,
               out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
               softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
-              config: DecodeConfig | None) -> tuple | None:
+              config: DecodeConfig | None, merge_mode: str) -> tuple | None:
     """Everything a decode call's checks and set-up read (``_launch.call_key``)."""
     return call_key((q, k, v, lens, table, out, lse_out if return_lse else None, alibi_slopes,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
-                     config, MERGE_MODE, MERGE_TILE_ELEMS), window_size)
+                     config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS),
+                    window_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -576,7 +590,7 @@ class _DecodePlan:
     scalars: tuple[object, ...]  # the launch arguments between the tensors and the features
     stride_ab: int | None
     launch: KernelLaunch | None  # None when empty
-    merge: KernelLaunch | None  # the merge kernel (MERGE_MODE "separate"/"pdl"), else None
+    merge: KernelLaunch | None  # the merge kernel (merge mode "separate"/"pdl"), else None
     merge_scalars: tuple[int, ...]
 
 
@@ -590,6 +604,7 @@ def _plan(
     num_splits: int,
     return_lse: bool,
     config: DecodeConfig | None,
+    merge_mode: str,
     window_size: tuple[int, int],
     softcap: float,
     alibi_slopes: torch.Tensor | None,
@@ -661,12 +676,12 @@ def _plan(
                *strides[4:], scale * LOG2E, num_kv_heads, group, num_splits,
                win_left if has_window else None, cap_scale, cap_log2)
     direct = num_splits == 1
-    mode = "fused" if direct else MERGE_MODE
-    if mode == "pdl" and (q.device.type != "cuda"
-                          or torch.cuda.get_device_capability(q.device)[0] < 9):
+    mode = "fused" if direct else merge_mode
+    if mode == "pdl" and not _hopper(q.device):
         mode = "separate"  # PDL is Hopper's (and the interpreter has no griddepcontrol)
     merge_g = triton.next_power_of_2(group)
-    merge_s = _merge_splits(merge_g, block_d)
+    merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS if mode == "fused"
+                            else MERGE_KERNEL_TILE_ELEMS)
     merge = None
     if not direct and mode != "fused":
         merge = KernelLaunch(
@@ -697,10 +712,25 @@ def _plan(
     )
 
 
-def _merge_splits(merge_g: int, block_d: int) -> int:
-    """Splits per merge step: the largest power of two whose tile fits MERGE_TILE_ELEMS."""
+def _hopper(device: torch.device) -> bool:
+    """Compute capability 9 or later (PDL); never under the interpreter."""
+    return (device.type == "cuda" and not interpreting()
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _merge_mode(device: torch.device) -> str:
+    """``MERGE_MODE`` for a call on ``device`` now, "auto" resolved (a plan key part)."""
+    if MERGE_MODE != "auto":
+        return MERGE_MODE
+    if device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing() and _hopper(device):
+        return "pdl"
+    return "fused"
+
+
+def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:
+    """Splits per merge step: the largest power of two whose tile fits ``tile_elems``."""
     per_split = merge_g * block_d
-    return max(1, 1 << max(0, (MERGE_TILE_ELEMS // per_split).bit_length() - 1))
+    return max(1, 1 << max(0, (tile_elems // per_split).bit_length() - 1))
 
 
 def _shape_rule_sms(device: torch.device) -> int:

@@ -8,8 +8,9 @@ persistent cache only loads them.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -33,6 +34,7 @@ def warmup(
     device = torch.device(device)
     t0 = time.perf_counter()
     lse_flags = (False, True) if with_lse else (False,)
+    merges: list[Callable[[], object]] = []  # split decodes, captured in a graph at the end
     for dtype in dtypes:
         for d in head_dims:
             # 2 query heads per kv head and two sequences: a realistic specialisation of strides.
@@ -43,19 +45,27 @@ def warmup(
                 for lse in lse_flags:
                     prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
             qd = torch.randn(2, 4, d, dtype=dtype, device=device)
-            for splits in (1, 2):  # direct write, and splits with the fused merge
-                for lse in lse_flags:
-                    decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse)
-            # The fused merge's tile has one row per query head of a group: the common GQA
-            # ratios (2 above; 1, 4 and 8 here) get their variants now.
-            for group in (1, 4, 8):
+            for lse in lse_flags:  # one split: the kernel writes the output directly
+                decode(qd, kv, kv, cu, num_splits=1, return_lse=lse)
+            # Splits merge (fused eagerly; a kernel of its own in a CUDA graph on Hopper) with
+            # one tile row per query head of a group: the common GQA ratios get their variants.
+            for group in (1, 2, 4, 8):
                 qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
                 for lse in lse_flags:
-                    decode(qg, kv, kv, cu, num_splits=2, return_lse=lse)
+                    merges.append(functools.partial(decode, qg, kv, kv, cu, num_splits=2,
+                                                    return_lse=lse))
+                    merges[-1]()
             if d == 128 and device.type == "cuda":  # decode_shape_config's other tiles
-                for splits, tile in ((1, DecodeConfig(32, 4, 2)), (2, DecodeConfig(128, 4, 3))):
+                for lse in lse_flags:  # one split writes directly: one variant for any group
+                    decode(qd, kv, kv, cu, num_splits=1, return_lse=lse,
+                           _config=DecodeConfig(32, 4, 2))
+                for group in (1, 2, 4, 8):  # splits merge: a variant per group, as above
+                    qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
                     for lse in lse_flags:
-                        decode(qd, kv, kv, cu, num_splits=splits, return_lse=lse, _config=tile)
+                        merges.append(functools.partial(decode, qg, kv, kv, cu, num_splits=2,
+                                                        return_lse=lse,
+                                                        _config=DecodeConfig(128, 4, 3)))
+                        merges[-1]()
             for p in page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
                 lens = torch.tensor([17, 23], dtype=torch.int32, device=device)
@@ -69,11 +79,27 @@ def warmup(
                     for lse in lse_flags:
                         paged_decode(qd, pages, pages, table, lens, num_splits=splits,
                                      return_lse=lse)
-                for group in (1, 4, 8):
+                for group in (1, 2, 4, 8):
                     qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
                     for lse in lse_flags:
-                        paged_decode(qg, pages, pages, table, lens, num_splits=2,
-                                     return_lse=lse)
+                        merges.append(functools.partial(paged_decode, qg, pages, pages, table,
+                                                        lens, num_splits=2, return_lse=lse))
+                        merges[-1]()
     if device.type == "cuda":
+        _capture_once(merges, device)
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+def _capture_once(calls: list[Callable[[], object]], device: torch.device) -> None:
+    """Capture ``calls`` in a throwaway CUDA graph: the variants a capture takes (on Hopper the
+    split decode's PDL merge kernel, ``decode_kernel.MERGE_MODE``) compile now, not inside a
+    caller's first capture."""
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: other threads of the process may use the device meanwhile.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            for call in calls:
+                call()
+        del graph

@@ -99,7 +99,7 @@ def _prefill_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -111,7 +111,7 @@ def _prefill_inner(
     converted (exactly) to fp16, the dtype the caller brought ``q`` to (``_fp8_dot``); their
     scales are the caller's."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
-    for start_n in range(lo, hi, BLOCK_N):
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, seqlen_k,
             stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
@@ -199,7 +199,7 @@ def _prefill_kernel(
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -290,7 +290,7 @@ def _prefill_kernel(
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
             table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
             pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
         )
     else:
         if IS_CAUSAL:
@@ -311,7 +311,7 @@ def _prefill_kernel(
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
@@ -319,7 +319,7 @@ def _prefill_kernel(
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
     )
 
     if KV_FP8:
@@ -649,6 +649,7 @@ def _plan(
         USE_TMA=use_tma, PAGED=table is not None, PAGE_TOKENS=page_tokens,
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
+        WARP_SPEC=cfg.warp_specialize and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,

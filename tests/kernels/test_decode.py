@@ -189,6 +189,7 @@ def test_merge_modes_and_tiles(monkeypatch: pytest.MonkeyPatch, mode: str, tile:
 
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
     monkeypatch.setattr(decode_kernel, "MERGE_TILE_ELEMS", tile)
+    monkeypatch.setattr(decode_kernel, "MERGE_KERNEL_TILE_ELEMS", tile)
     decode_kernel._PLANS.clear()
     try:
         for lens in ([300, 70], [0, 5, 130], [64]):
@@ -264,16 +265,50 @@ def test_cuda_graph_replays_zero_their_own_counters() -> None:
         assert torch.equal(captured, expected) and torch.equal(eager, expected)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
+@pytest.mark.parametrize("capture_mode", ["global", "thread_local"])
+def test_graph_capture_merges_with_pdl_on_hopper(capture_mode: str) -> None:
+    """``MERGE_MODE`` "auto": a capture on Hopper takes the PDL merge kernel (eager calls the
+    fused merge), compiled inside the capture when no eager call needed it first; replays are
+    bitwise equal to the eager call, in either capture mode."""
+    from attention_kernels import decode_kernel
+
+    decode_kernel._PLANS.clear()
+    bf16 = torch.bfloat16
+    q, k, v = (randn(1, 32, 128, dtype=bf16), randn(4096, 8, 128, dtype=bf16),
+               randn(4096, 8, 128, dtype=bf16))
+    cu = cu_seqlens([4096])
+    expected = decode(q, k, v, cu, num_splits=16)
+    eager_plans = list(decode_kernel._PLANS._plans.values())
+    assert [p.merge for p in eager_plans] == [None], "eager calls merge in the split kernel"
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_mode):
+        captured = decode(q, k, v, cu, num_splits=16)
+    plans = [p for p in decode_kernel._PLANS._plans.values() if p not in eager_plans]
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    assert len(plans) == (1 if hopper else 0)
+    if hopper:
+        assert plans[0].merge is not None and plans[0].merge.kwargs["launch_pdl"]
+    for _ in range(3):
+        captured.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, expected)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
 def test_warmup_compiles_what_decode_serves() -> None:
     """After ``warmup`` at D 128, decodes of other batch sizes, lengths, split counts and GQA
-    ratios 4 and 8 (the shape rule's tiles included) compile nothing new: a server's first
-    request of a new shape does not stall on a compile."""
+    ratios 4 and 8 (the shape rule's tiles included) compile nothing new, eagerly or captured
+    in a CUDA graph (the PDL merge on Hopper): a server's first request of a new shape does
+    not stall on a compile."""
     from attention_kernels import decode_kernel, warmup
 
     def variants() -> int:
-        caches = decode_kernel._decode_split_kernel.device_caches.values()
-        return sum(len(c[0]) for c in caches)
+        kernels = (decode_kernel._decode_split_kernel, decode_kernel._decode_merge_kernel)
+        return sum(len(c[0]) for kernel in kernels for c in kernel.device_caches.values())
 
     warmup((128,), (torch.bfloat16,), DEVICE)
     before = variants()
@@ -282,6 +317,11 @@ def test_warmup_compiles_what_decode_serves() -> None:
         lens = [ctx] * batch
         q = randn(batch, heads, 128, dtype=torch.bfloat16)
         k = randn(batch * ctx, kv_heads, 128, dtype=torch.bfloat16)
+        cu = cu_seqlens(lens)
         for lse in (False, True):
-            decode(q, k, k, cu_seqlens(lens), max_seqlen_k=ctx, return_lse=lse)
+            decode(q, k, k, cu, max_seqlen_k=ctx, return_lse=lse)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                decode(q, k, k, cu, max_seqlen_k=ctx, return_lse=lse)
+            del graph
     assert variants() == before

@@ -236,9 +236,11 @@ class _StepGraph:
         )
 
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
-        # A first eager run compiles whatever Triton variant this shape needs (a capture
-        # cannot). Its inputs are zeros: every length is 0, so nothing is read; the store is
-        # left out, since slot (0, 0) may hold a live cache's key.
+        # A first eager run compiles the shape's Triton variants and allocates the kernels'
+        # per-stream buffers outside the capture (on Hopper the capture takes the PDL merge,
+        # which the kernels' warm-up compiled, or which compiles inside the capture). Its inputs
+        # are zeros: every length is 0, so nothing is read; the store is left out, since slot
+        # (0, 0) may hold a live cache's key.
         with torch.cuda.stream(stream):
             self.run_eager(store=False)
         stream.synchronize()
