@@ -10,6 +10,7 @@ merge's tile) at the small-batch shapes, over split counts.
 ``large``: tile x split count at the large-batch shapes (one wave or more of programs).
 ``rule``: the default (``configs.decode_shape_config``'s tile) against the fixed ``DECODE_TILE``
 at the same split count, over shapes on both sides of the rule's bounds.
+``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens.
 
 32 q / 8 kv heads, D 128, bf16. Each config is checked against the default first.
 """
@@ -28,13 +29,14 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_kernels import decode  # noqa: E402
+from attention_kernels import decode, paged_decode  # noqa: E402
 from attention_kernels import decode_kernel as dk  # noqa: E402
 from attention_kernels.configs import DECODE_TILE, DecodeConfig  # noqa: E402
 
 SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 32768)]
 LARGE_SHAPES = [(64, 8192), (128, 2048), (16, 4096), (16, 32768), (1, 131072)]
 HEADS, KV_HEADS, D = 32, 8, 128
+PAGE = 0  # --page: the same keys as pages of this many tokens, through paged_decode
 
 
 def gpu_us(fn) -> float:
@@ -47,7 +49,19 @@ def inputs(batch: int, ctx: int):
     k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
     v = torch.randn_like(k)
     cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    if PAGE:  # the same memory as pages; sequence b's pages in order
+        table = torch.arange(batch * ctx // PAGE, dtype=torch.int32, device="cuda")
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+        return (q, k.view(-1, PAGE, KV_HEADS, D), v.view(-1, PAGE, KV_HEADS, D),
+                (table.view(batch, -1), lens))
     return q, k, v, cu
+
+
+def run_decode(q, k, v, cu, **kw):
+    """``decode``, or ``paged_decode`` where ``cu`` is ``(block_table, seqlens)``."""
+    if isinstance(cu, tuple):
+        return paged_decode(q, k, v, *cu, **kw)
+    return decode(q, k, v, cu, **kw)
 
 
 def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
@@ -85,15 +99,15 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
     rows = []
     for batch, ctx in shapes:
         q, k, v, cu = inputs(batch, ctx)
-        ref = decode(q, k, v, cu)
+        ref = run_decode(q, k, v, cu)
         peer = cudnn_us(q, k, v, batch, ctx)
-        default = gpu_us(lambda: decode(q, k, v, cu))
+        default = gpu_us(lambda: run_decode(q, k, v, cu))
         best = (default, "default")
         for bn, w, st, sp in itertools.product(blocks, warps, stages, splits):
             if sp * bn > ctx:
                 continue
             cfg = DecodeConfig(bn, w, st)
-            us = measure(lambda cfg=cfg, sp=sp: decode(q, k, v, cu, num_splits=sp,
+            us = measure(lambda cfg=cfg, sp=sp: run_decode(q, k, v, cu, num_splits=sp,
                                                        _config=cfg), ref)
             if isinstance(us, str):
                 print(f"  {cfg} splits {sp}: {us}")
@@ -119,7 +133,7 @@ def sweep_merge() -> list[dict]:
                 ("separate", 16384), ("pdl", 8192), ("pdl", 16384), ("pdl", 32768)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
-        ref = decode(q, k, v, cu)
+        ref = run_decode(q, k, v, cu)
         peer = cudnn_us(q, k, v, batch, ctx)
         line = [f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us"]
         for mode, tile in variants:
@@ -130,7 +144,7 @@ def sweep_merge() -> list[dict]:
                 set_merge(mode, tile)
             best = (float("inf"), 0)
             for sp in (0, 8, 12, 16, 24, 32, 48, 64):
-                us = measure(lambda sp=sp: decode(q, k, v, cu, num_splits=sp), ref)
+                us = measure(lambda sp=sp: run_decode(q, k, v, cu, num_splits=sp), ref)
                 if isinstance(us, str):
                     print(f"  {mode} tile {tile} splits {sp}: {us}")
                     continue
@@ -155,13 +169,13 @@ def sweep_rule() -> list[dict]:
     rows = []
     for batch, ctx in RULE_SHAPES:
         q, k, v, cu = inputs(batch, ctx)
-        ref = decode(q, k, v, cu)
+        ref = run_decode(q, k, v, cu)
         peer = cudnn_us(q, k, v, batch, ctx)
         plan = next(iter(dk._PLANS._plans.values()))  # the default call's (only) plan
         splits = plan.merge_scalars[-1] if plan.merge_scalars else 1
         tile = plan.launch.kwargs["BLOCK_N"], plan.launch.kwargs["num_stages"]
-        rule = gpu_us(lambda: decode(q, k, v, cu))
-        fixed = measure(lambda s=splits: decode(q, k, v, cu, num_splits=s,
+        rule = gpu_us(lambda: run_decode(q, k, v, cu))
+        fixed = measure(lambda s=splits: run_decode(q, k, v, cu, num_splits=s,
                                                 _config=DECODE_TILE), ref)
         dk._PLANS.clear()
         head = f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
@@ -178,8 +192,12 @@ def main() -> None:
     ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule"), default="configs")
     ap.add_argument("--shapes", default=None,
                     help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")
+    ap.add_argument("--page", type=int, default=0,
+                    help="run paged_decode over pages of this many tokens (same keys)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
+    global PAGE
+    PAGE = args.page
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
