@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_kernels import decode, prefill, quantize_kv
+from attention_kernels import decode, for_cuda_graphs, prefill, quantize_kv
 
 DTYPE = torch.bfloat16
 CHECK_TOL = 2e-2  # relative-norm agreement with the peer (both bf16, different summation order)
@@ -60,10 +60,18 @@ def graph_us(fn: Callable[[], object]) -> float:
     Synchronizes first: ``do_bench_cudagraph`` captures and replays on a stream of its own,
     which does not wait for this stream's work (inputs just made, a previous shape's buffers
     being reused). Without it a tune_fp8 run hit an illegal address in the first graph of a new
-    shape (H200, 2026-11-23; under CUDA_LAUNCH_BLOCKING=1, and eagerly, every output matched)."""
+    shape (H200, 2026-11-23; under CUDA_LAUNCH_BLOCKING=1, and eagerly, every output matched).
+
+    Our calls run under ``for_cuda_graphs()``, as a graph user's would (on Hopper the decode's
+    PDL merge); it changes nothing for the peers."""
+
+    def run() -> object:
+        with for_cuda_graphs():
+            return fn()
+
     torch.cuda.synchronize()
     try:
-        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median") * 1e3
+        return triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median") * 1e3
     except Exception as e:  # a peer that cannot be captured: say so, keep the row
         print(f"  (no CUDA graph: {type(e).__name__}: {str(e).splitlines()[0][:80]})")
         return float("nan")

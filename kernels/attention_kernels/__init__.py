@@ -22,7 +22,7 @@ from attention_kernels.paged_reference import gather_pages, paged_decode_ref, pa
 from attention_kernels.reference import decode_ref, prefill_ref
 
 if TYPE_CHECKING:
-    from attention_kernels.decode_kernel import decode, paged_decode
+    from attention_kernels.decode_kernel import decode, for_cuda_graphs, paged_decode
     from attention_kernels.kernel_warmup import warmup
     from attention_kernels.prefill_kernel import paged_prefill, prefill
 
@@ -32,6 +32,7 @@ __all__ = [
     "decode",
     "decode_ref",
     "dequantize_kv",
+    "for_cuda_graphs",
     "gather_pages",
     "paged_decode",
     "paged_decode_ref",
@@ -51,7 +52,7 @@ def __getattr__(name: str) -> Any:
         from attention_kernels import prefill_kernel
 
         return getattr(prefill_kernel, name)
-    if name in ("decode", "paged_decode"):
+    if name in ("decode", "paged_decode", "for_cuda_graphs"):
         from attention_kernels import decode_kernel
 
         return getattr(decode_kernel, name)

@@ -18,9 +18,9 @@ bandwidth. Two choices follow:
   round trips: GPU time (CUDA graph, H100, 32q/8kv x 128 bf16) at 1 x 4K 10.3 -> 9.0 us, against
   cuDNN's 9.5; a merge kernel of its own measured 9.1 us and one launched as a programmatic
   dependent (PDL, ``MERGE_MODE = "pdl"``) 8.8 (``tune_decode_gpu.py --sweep merge``).
-* Inside a CUDA graph (captured on Hopper) the merge is that PDL kernel: a replay costs no
-  launch host time, so the second launch is free there and its GPU time the lowest
-  (``MERGE_MODE`` "auto").
+* Calls to be captured in a CUDA graph (``for_cuda_graphs()``) merge in that PDL kernel on
+  Hopper: a replay costs no launch host time, so the second launch is free there and its GPU
+  time the lowest: 1 x 4K 7.6 us against cuDNN's 9.6 (``MERGE_MODE`` "auto").
 
 The split length is chosen per sequence in the kernel (``cdiv(seqlen, num_splits)`` rounded up to
 ``BLOCK_N``), so ``cu_seqlens_k`` is never read on the host. With a sliding window the splits
@@ -31,7 +31,10 @@ before it are never read, and the automatic split count is sized on the window, 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +75,13 @@ LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
 # How the split partials are merged (benchmarks/tune_decode_gpu.py compares them): "fused" (the
 # group's last split program merges, after an atomic count), "separate" (a merge kernel), "pdl"
-# (that kernel launched as a programmatic dependent, Hopper and later), or "auto": "pdl" while
-# a CUDA graph is being captured on Hopper, else "fused". A second launch costs host time on
-# every eager call, but a graph replays both launches for nothing, and there the PDL merge is
-# the fastest: GPU time at 1 x 4K (H100, CUDA graph) fused 8.9-9.4 us, separate 8.3, PDL 7.6
-# against cuDNN's 9.5 (``tune_decode_gpu.py --sweep merge``).
+# (that kernel launched as a programmatic dependent, Hopper and later), or "auto": "pdl" for
+# calls inside ``for_cuda_graphs()`` on Hopper, else "fused". A second launch costs host time
+# on every eager call, but a graph replays both launches for nothing, and there the PDL merge
+# is the fastest: GPU time at 1 x 4K (H100, CUDA graph) fused 8.9-9.1 us, PDL 7.5-7.7 against
+# cuDNN's 9.5-9.6 (``tune_decode_gpu.py --sweep merge``, three runs).
 MERGE_MODE = "auto"
+_FOR_GRAPHS: contextvars.ContextVar[bool] = contextvars.ContextVar("for_graphs", default=False)
 # Elements of one merge step's [group heads, splits, D] fp32 tile: 8192 at 4 heads x D 128 is
 # 16 splits per step, 64 registers per thread at 4 warps. The splits per step depend on the
 # group and head dim only, not the split count, so a group's variant serves every length (the
@@ -712,19 +716,37 @@ def _plan(
     )
 
 
+@contextlib.contextmanager
+def for_cuda_graphs() -> Iterator[None]:
+    """Decode calls inside are, or will be, captured in CUDA graphs, where a launch costs no
+    host time: on Hopper their split partials merge in a kernel of its own, launched as a
+    programmatic dependent (``MERGE_MODE`` "auto"), the lowest GPU time. Make the same calls
+    once eagerly inside it before capturing them, so their kernels compile outside the capture
+    (a Triton compile inside one failed for an fp32 variant on an H100)."""
+    token = _FOR_GRAPHS.set(True)
+    try:
+        yield
+    finally:
+        _FOR_GRAPHS.reset(token)
+
+
+@functools.cache
+def _hopper_index(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
 def _hopper(device: torch.device) -> bool:
     """Compute capability 9 or later (PDL); never under the interpreter."""
     return (device.type == "cuda" and not interpreting()
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and _hopper_index(device.index if device.index is not None
+                              else torch.cuda.current_device()))
 
 
 def _merge_mode(device: torch.device) -> str:
     """``MERGE_MODE`` for a call on ``device`` now, "auto" resolved (a plan key part)."""
     if MERGE_MODE != "auto":
         return MERGE_MODE
-    if device.type == "cuda" and torch._C._cuda_isCurrentStreamCapturing() and _hopper(device):
-        return "pdl"
-    return "fused"
+    return "pdl" if _FOR_GRAPHS.get() and _hopper(device) else "fused"
 
 
 def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:

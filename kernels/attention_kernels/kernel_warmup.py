@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from attention_kernels.configs import DecodeConfig
-from attention_kernels.decode_kernel import decode, paged_decode
+from attention_kernels.decode_kernel import decode, for_cuda_graphs, paged_decode
 from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 
@@ -34,7 +34,7 @@ def warmup(
     device = torch.device(device)
     t0 = time.perf_counter()
     lse_flags = (False, True) if with_lse else (False,)
-    merges: list[Callable[[], object]] = []  # split decodes, captured in a graph at the end
+    merges: list[Callable[[], object]] = []  # split decodes, again for CUDA graphs at the end
     for dtype in dtypes:
         for d in head_dims:
             # 2 query heads per kv head and two sequences: a realistic specialisation of strides.
@@ -86,20 +86,14 @@ def warmup(
                                                         lens, num_splits=2, return_lse=lse))
                         merges[-1]()
     if device.type == "cuda":
-        _capture_once(merges, device)
+        _graph_variants(merges)
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
-def _capture_once(calls: list[Callable[[], object]], device: torch.device) -> None:
-    """Capture ``calls`` in a throwaway CUDA graph: the variants a capture takes (on Hopper the
-    split decode's PDL merge kernel, ``decode_kernel.MERGE_MODE``) compile now, not inside a
-    caller's first capture."""
-    with torch.cuda.device(device):
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads of the process may use the device meanwhile.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            for call in calls:
-                call()
-        del graph
+def _graph_variants(calls: list[Callable[[], object]]) -> None:
+    """The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split decode's
+    PDL merge kernel), compiled now by eager calls."""
+    with for_cuda_graphs():
+        for call in calls:
+            call()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -265,46 +267,66 @@ def test_cuda_graph_replays_zero_their_own_counters() -> None:
         assert torch.equal(captured, expected) and torch.equal(eager, expected)
 
 
-@pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
-@pytest.mark.parametrize("capture_mode", ["global", "thread_local"])
-def test_graph_capture_merges_with_pdl_on_hopper(capture_mode: str) -> None:
-    """``MERGE_MODE`` "auto": a capture on Hopper takes the PDL merge kernel (eager calls the
-    fused merge), compiled inside the capture when no eager call needed it first; replays are
-    bitwise equal to the eager call, in either capture mode."""
-    from attention_kernels import decode_kernel
+def test_for_cuda_graphs_scopes_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MERGE_MODE`` "auto" takes the PDL merge (on Hopper) inside ``for_cuda_graphs()`` only,
+    also after an exception leaves it, and fused elsewhere."""
+    from attention_kernels import decode_kernel, for_cuda_graphs
 
-    decode_kernel._PLANS.clear()
+    device = torch.device("cuda", 0)
+    monkeypatch.setattr(decode_kernel, "_hopper", lambda d: True)
+    assert decode_kernel._merge_mode(device) == "fused"
+    with pytest.raises(RuntimeError), for_cuda_graphs():
+        assert decode_kernel._merge_mode(device) == "pdl"
+        raise RuntimeError
+    assert decode_kernel._merge_mode(device) == "fused"
+    monkeypatch.setattr(decode_kernel, "_hopper", lambda d: False)
+    with for_cuda_graphs():
+        assert decode_kernel._merge_mode(device) == "fused"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
+def test_graphs_take_the_pdl_merge_on_hopper() -> None:
+    """A plain capture keeps the fused merge; calls under ``for_cuda_graphs()`` (eager first,
+    then captured) take the PDL merge kernel on Hopper. Replays of both are bitwise equal to
+    the eager call."""
+    from attention_kernels import decode_kernel, for_cuda_graphs
+
     bf16 = torch.bfloat16
     q, k, v = (randn(1, 32, 128, dtype=bf16), randn(4096, 8, 128, dtype=bf16),
                randn(4096, 8, 128, dtype=bf16))
     cu = cu_seqlens([4096])
-    expected = decode(q, k, v, cu, num_splits=16)
-    eager_plans = list(decode_kernel._PLANS._plans.values())
-    assert [p.merge for p in eager_plans] == [None], "eager calls merge in the split kernel"
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream, capture_error_mode=capture_mode):
-        captured = decode(q, k, v, cu, num_splits=16)
-    plans = [p for p in decode_kernel._PLANS._plans.values() if p not in eager_plans]
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    assert len(plans) == (1 if hopper else 0)
-    if hopper:
-        assert plans[0].merge is not None and plans[0].merge.kwargs["launch_pdl"]
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(captured, expected)
+    for scoped in (False, True):
+        decode_kernel._PLANS.clear()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with for_cuda_graphs() if scoped else contextlib.nullcontext():
+            with torch.cuda.stream(stream):
+                expected = decode(q, k, v, cu, num_splits=16)  # compiles outside the capture
+            stream.synchronize()
+            with torch.cuda.graph(graph, stream=stream):
+                captured = decode(q, k, v, cu, num_splits=16)
+        (plan,) = decode_kernel._PLANS._plans.values()
+        if scoped and hopper:
+            assert plan.merge is not None and plan.merge.kwargs["launch_pdl"]
+        else:
+            assert plan.merge is None, "the split kernel merges"
+        for _ in range(3):
+            captured.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, expected)
+        assert torch.equal(decode(q, k, v, cu, num_splits=16), expected)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
 def test_warmup_compiles_what_decode_serves() -> None:
     """After ``warmup`` at D 128, decodes of other batch sizes, lengths, split counts and GQA
-    ratios 4 and 8 (the shape rule's tiles included) compile nothing new, eagerly or captured
-    in a CUDA graph (the PDL merge on Hopper): a server's first request of a new shape does
-    not stall on a compile."""
-    from attention_kernels import decode_kernel, warmup
+    ratios 4 and 8 (the shape rule's tiles included) compile nothing new, eagerly or for CUDA
+    graphs (``for_cuda_graphs``: the PDL merge on Hopper): a server's first request of a new
+    shape does not stall on a compile."""
+    from attention_kernels import decode_kernel, for_cuda_graphs, warmup
 
     def variants() -> int:
         kernels = (decode_kernel._decode_split_kernel, decode_kernel._decode_merge_kernel)
@@ -320,8 +342,6 @@ def test_warmup_compiles_what_decode_serves() -> None:
         cu = cu_seqlens(lens)
         for lse in (False, True):
             decode(q, k, k, cu, max_seqlen_k=ctx, return_lse=lse)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with for_cuda_graphs():
                 decode(q, k, k, cu, max_seqlen_k=ctx, return_lse=lse)
-            del graph
     assert variants() == before

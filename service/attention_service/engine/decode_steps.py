@@ -236,19 +236,21 @@ class _StepGraph:
         )
 
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
-        # A first eager run compiles the shape's Triton variants and allocates the kernels'
-        # per-stream buffers outside the capture (on Hopper the capture takes the PDL merge,
-        # which the kernels' warm-up compiled, or which compiles inside the capture). Its inputs
-        # are zeros: every length is 0, so nothing is read; the store is left out, since slot
-        # (0, 0) may hold a live cache's key.
-        with torch.cuda.stream(stream):
-            self.run_eager(store=False)
-        stream.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: the completer thread synchronizes on events meanwhile, which a global
-        # capture would refuse.
-        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-            self.run_eager()
+        # A first eager run compiles whatever Triton variant this shape needs (a compile inside
+        # a capture failed for an fp32 variant on an H100), as the captured calls take it
+        # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its inputs are zeros: every
+        # length is 0, so nothing is read; the store is left out, since slot (0, 0) may hold a
+        # live cache's key.
+        with self.kernels.for_cuda_graphs():
+            with torch.cuda.stream(stream):
+                self.run_eager(store=False)
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: the completer thread synchronizes on events meanwhile, which a
+            # global capture would refuse.
+            with torch.cuda.graph(graph, pool=pool, stream=stream,
+                                  capture_error_mode="thread_local"):
+                self.run_eager()
         self.graph = graph
 
     def staging(self) -> Staging:
