@@ -163,7 +163,7 @@ DECODE_TILE = DecodeConfig(64, 4, 3)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
-                        sms: int, block_d: int) -> DecodeConfig:
+                        sms: int, block_d: int, paged: bool = False) -> DecodeConfig:
     """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE`` and the (padded) head dim
     is 128 with 16-bit keys on a Hopper GPU of ``sms`` SMs: where it was measured (the
     caller checks the GPU and the key dtype). ``programs``: (sequence, kv head) pairs;
@@ -182,12 +182,17 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       11.8); 2 x 4K (8 of 512): 12.1 / 12.3 -> 11.2 / 11.8 (cuDNN 11.0 / 11.5). Splits of 1024
       lost (4 x 4K: 28.3 -> 29.1 us; 1 x 16K: 29.2 -> 30.8), and so did splits of 256 (1 x 4K:
       9.0 -> 9.2).
+
+    ``paged`` (``paged_decode``, bf16 pages): the first rule only. 64 x 8K, H100, 2026-11-23
+    (``tune_decode_gpu.py --sweep large --page N``): page 16 778 -> 706 us, page 64 756 -> 690
+    (cuDNN 692); 64-key tiles in 2 stages were as good (705 / 699). The second is not measured
+    on pages.
     """
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return DecodeConfig(32, 4, 2)
-    if num_splits > 1 and 512 <= split_len < 1024:
+    if num_splits > 1 and 512 <= split_len < 1024 and not paged:
         return DecodeConfig(128, 4, 3)
     return cfg
 

@@ -661,11 +661,12 @@ def _plan(
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
     block_d = padded_head_dim(head_dim)
-    if config is None and table is None and not fp8:
+    if config is None and not fp8:
         sms = _shape_rule_sms(q.device)
         if sms:
             cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
-                                      -(-est_seqlen // num_splits), sms, block_d)
+                                      -(-est_seqlen // num_splits), sms, block_d,
+                                      paged=table is not None)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.

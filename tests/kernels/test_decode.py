@@ -142,6 +142,10 @@ def test_shape_config_rule() -> None:
     assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, 64) == DECODE_TILE  # unmeasured
+    # Pages: the one-split rule only.
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
+        32, 4, 2)
+    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, paged=True) == DECODE_TILE
     other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
     assert decode_shape_config(other, 512, 1, 8192, sms, d) is other
 

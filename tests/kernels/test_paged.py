@@ -195,6 +195,28 @@ def test_decode_key_block_larger_than_page() -> None:
     run_decode([70, 33], 16, 4, 2, 64, torch.float16, 3, config=DecodeConfig(32, 4, 1))
 
 
+@pytest.mark.parametrize(("lens", "splits", "block_n"), [
+    ([300] * 7, 1, 32),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
+    ([1100], 2, 64),  # splits of 550 keys: the contiguous rule's 128-key tile, not for pages
+])
+def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,
+                             block_n: int) -> None:
+    """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper) over pages
+    of 16 tokens (two per 32-key block), and the answer matches the reference."""
+    from attention_kernels import decode_kernel
+    from attention_kernels.configs import DECODE_TILE
+
+    monkeypatch.setattr(decode_kernel, "paged_decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 4)
+    decode_kernel._PLANS.clear()
+    try:
+        run_decode(lens, 16, 4, 2, 128, torch.bfloat16, splits)
+        (plan,) = decode_kernel._PLANS._plans.values()
+        assert plan.launch.kwargs["BLOCK_N"] == block_n
+    finally:
+        decode_kernel._PLANS.clear()
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("page_tokens", [7, 16])
 def test_decode_paged_equals_contiguous(num_splits: int, page_tokens: int) -> None:
