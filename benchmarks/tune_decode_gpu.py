@@ -29,7 +29,9 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from attention_kernels import decode, for_cuda_graphs, paged_decode  # noqa: E402
+from bench_kernels import for_graphs  # noqa: E402
+
+from attention_kernels import decode, paged_decode  # noqa: E402
 from attention_kernels import decode_kernel as dk  # noqa: E402
 from attention_kernels.configs import DECODE_TILE, DecodeConfig  # noqa: E402
 
@@ -40,15 +42,10 @@ PAGE = 0  # --page: the same keys as pages of this many tokens, through paged_de
 
 
 def gpu_us(fn) -> float:
-    """GPU us from CUDA-graph replays, our calls as a graph user makes them
-    (``for_cuda_graphs``; forced merge modes ignore it)."""
-
-    def run():
-        with for_cuda_graphs():
-            return fn()
-
+    """GPU us from CUDA-graph replays, our calls as a graph user makes them (``for_graphs``;
+    forced merge modes ignore it)."""
     torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(run, rep=60, return_mode="median") * 1e3
+    return triton.testing.do_bench_cudagraph(for_graphs(fn), rep=60, return_mode="median") * 1e3
 
 
 def inputs(batch: int, ctx: int):
@@ -86,14 +83,21 @@ def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
 def measure(fn, ref: torch.Tensor) -> float | str:
     """GPU us of ``fn`` after checking it against ``ref``; a string says why not."""
     try:
-        out = fn()
-        torch.cuda.synchronize()
-        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        err = 0.0
+        for call in (fn, for_graphs(fn)):  # eager and graph calls may merge differently
+            out = call()
+            torch.cuda.synchronize()
+            err = max(err, ((out.float() - ref.float()).norm() / ref.float().norm()).item())
         if not err < 1e-2:
             return f"wrong (rel err {err:.3g})"
         return gpu_us(fn)
     except Exception as e:  # noqa: BLE001 (out of resources and the like: skip)
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def restore(defaults: tuple[str, int, int]) -> None:
+    dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
+    dk._PLANS.clear()
 
 
 def set_merge(mode: str, tile: int) -> None:
@@ -145,8 +149,7 @@ def sweep_merge() -> list[dict]:
         line = [f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us"]
         for mode, tile in variants:
             if mode == "default":
-                dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
-                dk._PLANS.clear()
+                restore(defaults)
             else:
                 set_merge(mode, tile)
             best = (float("inf"), 0)
@@ -162,8 +165,7 @@ def sweep_merge() -> list[dict]:
                 if us < best[0]:
                     best = (us, sp)
             line.append(f"best {best[0]:.1f} @ {best[1]} splits ({peer / best[0]:.2f}x)")
-        dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
-        dk._PLANS.clear()
+        restore(defaults)
         print(" | ".join(line), flush=True)
     return rows
 

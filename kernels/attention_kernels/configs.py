@@ -10,6 +10,7 @@ traffic and Triton's on-disk cache keeps it across restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -115,11 +116,12 @@ def prefill_config(
         cfg = _PREFILL_FP8_SM90.get((d, causal), cfg)
     if dtype == torch.float32:
         # fp32 tiles are twice the bytes: halve the key block to stay within shared memory.
-        cfg = PrefillConfig(cfg.block_m, max(16, cfg.block_n // 2), cfg.num_warps, 2)
-    major, _ = _capability(device.index or 0)
+        cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), num_stages=2)
+    major, _ = _capability(device.index if device.index is not None
+                           else torch.cuda.current_device())
     if major < 9:
         # Pre-Hopper parts have less shared memory per SM: fewer stages.
-        cfg = PrefillConfig(cfg.block_m, min(cfg.block_n, 64), cfg.num_warps, 2)
+        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64), num_stages=2)
     return _fit_shared_memory(cfg, d, dtype.itemsize)
 
 
@@ -137,7 +139,8 @@ def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConf
             bm //= 2
         else:
             bn = max(16, bn // 2)
-    return PrefillConfig(bm, bn, cfg.num_warps if bm >= 128 else 4, cfg.num_stages)
+    return dataclasses.replace(cfg, block_m=bm, block_n=bn,
+                               num_warps=cfg.num_warps if bm >= 128 else 4)
 
 
 @functools.lru_cache(maxsize=512)
@@ -160,6 +163,9 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 
 # The contiguous bf16/fp16 decode tile below D 256; decode_shape_config may trade it for another.
 DECODE_TILE = DecodeConfig(64, 4, 3)
+# decode_shape_config's two other tiles (the warm-up compiles them).
+ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
+LONG_SPLIT_TILE = DecodeConfig(128, 4, 3)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
@@ -191,9 +197,9 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
-        return DecodeConfig(32, 4, 2)
+        return ONE_SPLIT_TILE
     if num_splits > 1 and 512 <= split_len < 1024 and not paged:
-        return DecodeConfig(128, 4, 3)
+        return LONG_SPLIT_TILE
     return cfg
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from attention_kernels._launch import (
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels.configs import (
     DecodeConfig,
+    _capability,
     decode_config,
     decode_shape_config,
     dot_in_fp32,
@@ -683,7 +683,7 @@ def _plan(
     direct = num_splits == 1
     mode = "fused" if direct else merge_mode
     if mode == "pdl" and not _hopper(q.device):
-        mode = "separate"  # PDL is Hopper's (and the interpreter has no griddepcontrol)
+        mode = "separate"  # PDL measured on Hopper only (and the interpreter has none)
     merge_g = triton.next_power_of_2(group)
     merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS if mode == "fused"
                             else MERGE_KERNEL_TILE_ELEMS)
@@ -731,16 +731,17 @@ def for_cuda_graphs() -> Iterator[None]:
         _FOR_GRAPHS.reset(token)
 
 
-@functools.cache
-def _hopper_index(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+def _hopper_index(device: torch.device) -> int | None:
+    """The index of ``device`` when it is a Hopper GPU (compute capability 9.x: where PDL, the
+    merge modes and the shape rule were measured), else None; never under the interpreter."""
+    if device.type != "cuda" or interpreting():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return index if _capability(index)[0] == 9 else None
 
 
 def _hopper(device: torch.device) -> bool:
-    """Compute capability 9 or later (PDL); never under the interpreter."""
-    return (device.type == "cuda" and not interpreting()
-            and _hopper_index(device.index if device.index is not None
-                              else torch.cuda.current_device()))
+    return _hopper_index(device) is not None
 
 
 def _merge_mode(device: torch.device) -> str:
@@ -758,10 +759,8 @@ def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:
 
 def _shape_rule_sms(device: torch.device) -> int:
     """The SM count where ``decode_shape_config`` was measured (Hopper GPUs), else 0."""
-    if device.type != "cuda" or interpreting():
-        return 0
-    index = device.index or 0
-    return num_sms(index) if torch.cuda.get_device_capability(index)[0] == 9 else 0
+    index = _hopper_index(device)
+    return 0 if index is None else num_sms(index)
 
 
 def _run(

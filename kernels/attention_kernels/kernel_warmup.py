@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from attention_kernels.configs import DecodeConfig
-from attention_kernels.decode_kernel import decode, for_cuda_graphs, paged_decode
+from attention_kernels.configs import LONG_SPLIT_TILE, ONE_SPLIT_TILE
+from attention_kernels.decode_kernel import _merge_mode, decode, for_cuda_graphs, paged_decode
 from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 
@@ -47,25 +47,14 @@ def warmup(
             qd = torch.randn(2, 4, d, dtype=dtype, device=device)
             for lse in lse_flags:  # one split: the kernel writes the output directly
                 decode(qd, kv, kv, cu, num_splits=1, return_lse=lse)
-            # Splits merge (fused eagerly; a kernel of its own in a CUDA graph on Hopper) with
-            # one tile row per query head of a group: the common GQA ratios get their variants.
-            for group in (1, 2, 4, 8):
-                qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
-                for lse in lse_flags:
-                    merges.append(functools.partial(decode, qg, kv, kv, cu, num_splits=2,
-                                                    return_lse=lse))
-                    merges[-1]()
-            if d == 128 and device.type == "cuda":  # decode_shape_config's other tiles
+            splits = functools.partial(_split_decodes, d, dtype, device, lse_flags, merges)
+            splits(decode, kv, kv, cu)
+            rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
+            if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
                     decode(qd, kv, kv, cu, num_splits=1, return_lse=lse,
-                           _config=DecodeConfig(32, 4, 2))
-                for group in (1, 2, 4, 8):  # splits merge: a variant per group, as above
-                    qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
-                    for lse in lse_flags:
-                        merges.append(functools.partial(decode, qg, kv, kv, cu, num_splits=2,
-                                                        return_lse=lse,
-                                                        _config=DecodeConfig(128, 4, 3)))
-                        merges[-1]()
+                           _config=ONE_SPLIT_TILE)
+                splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
             for p in page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
                 lens = torch.tensor([17, 23], dtype=torch.int32, device=device)
@@ -75,25 +64,37 @@ def warmup(
                     for lse in lse_flags:
                         paged_prefill(q, pages, pages, table, cu, lens, causal=causal,
                                       return_lse=lse)
-                for splits in (1, 2):
-                    for lse in lse_flags:
-                        paged_decode(qd, pages, pages, table, lens, num_splits=splits,
-                                     return_lse=lse)
-                for group in (1, 2, 4, 8):
-                    qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
-                    for lse in lse_flags:
-                        merges.append(functools.partial(paged_decode, qg, pages, pages, table,
-                                                        lens, num_splits=2, return_lse=lse))
-                        merges[-1]()
+                for lse in lse_flags:
+                    paged_decode(qd, pages, pages, table, lens, num_splits=1, return_lse=lse)
+                    if rule:  # pages take the one-split rule only
+                        paged_decode(qd, pages, pages, table, lens, num_splits=1,
+                                     return_lse=lse, _config=ONE_SPLIT_TILE)
+                splits(paged_decode, pages, pages, table, lens)
     if device.type == "cuda":
-        _graph_variants(merges)
+        _graph_variants(merges, device)
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
 
 
-def _graph_variants(calls: list[Callable[[], object]]) -> None:
+def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,
+                   lse_flags: tuple[bool, ...], merges: list[Callable[[], object]],
+                   fn: Callable[..., object], *args: object, **kwargs: object) -> None:
+    """``fn(q, *args, num_splits=2, return_lse=..., **kwargs)`` (two sequences) for the common
+    GQA ratios (the merge has one tile row per query head of a group: a variant per ratio) and
+    lse flags: now, and into ``merges`` to run again for CUDA graphs."""
+    for group in (1, 2, 4, 8):
+        qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
+        for lse in lse_flags:
+            call = functools.partial(fn, qg, *args, num_splits=2, return_lse=lse, **kwargs)
+            call()
+            merges.append(call)
+
+
+def _graph_variants(calls: list[Callable[[], object]], device: torch.device) -> None:
     """The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split decode's
-    PDL merge kernel), compiled now by eager calls."""
+    PDL merge kernel), compiled now by eager calls; nothing where they are the eager ones."""
     with for_cuda_graphs():
+        if _merge_mode(device) == "fused":
+            return
         for call in calls:
             call()

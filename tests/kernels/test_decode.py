@@ -272,16 +272,24 @@ def test_cuda_graph_replays_zero_their_own_counters() -> None:
 
 
 def test_for_cuda_graphs_scopes_the_merge(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``MERGE_MODE`` "auto" takes the PDL merge (on Hopper) inside ``for_cuda_graphs()`` only,
-    also after an exception leaves it, and fused elsewhere."""
+    """``MERGE_MODE`` "auto" takes the PDL merge (on Hopper) inside ``for_cuda_graphs()`` only:
+    not after an exception leaves it, and not in another thread meanwhile (the engine's
+    threads launch eagerly while one captures)."""
+    import threading
+
     from attention_kernels import decode_kernel, for_cuda_graphs
 
     device = torch.device("cuda", 0)
     monkeypatch.setattr(decode_kernel, "_hopper", lambda d: True)
     assert decode_kernel._merge_mode(device) == "fused"
+    seen: list[str] = []
     with pytest.raises(RuntimeError), for_cuda_graphs():
         assert decode_kernel._merge_mode(device) == "pdl"
+        other = threading.Thread(target=lambda: seen.append(decode_kernel._merge_mode(device)))
+        other.start()
+        other.join()
         raise RuntimeError
+    assert seen == ["fused"]
     assert decode_kernel._merge_mode(device) == "fused"
     monkeypatch.setattr(decode_kernel, "_hopper", lambda d: False)
     with for_cuda_graphs():
@@ -291,8 +299,8 @@ def test_for_cuda_graphs_scopes_the_merge(monkeypatch: pytest.MonkeyPatch) -> No
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA graphs")
 def test_graphs_take_the_pdl_merge_on_hopper() -> None:
     """A plain capture keeps the fused merge; calls under ``for_cuda_graphs()`` (eager first,
-    then captured) take the PDL merge kernel on Hopper. Replays of both are bitwise equal to
-    the eager call."""
+    then captured) take the PDL merge kernel on Hopper. Replays are bitwise equal to the eager
+    call of the same scope, before and after."""
     from attention_kernels import decode_kernel, for_cuda_graphs
 
     bf16 = torch.bfloat16
@@ -321,7 +329,9 @@ def test_graphs_take_the_pdl_merge_on_hopper() -> None:
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, expected)
-        assert torch.equal(decode(q, k, v, cu, num_splits=16), expected)
+        with for_cuda_graphs() if scoped else contextlib.nullcontext():
+            again = decode(q, k, v, cu, num_splits=16)
+        assert torch.equal(again, expected)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")

@@ -202,7 +202,8 @@ def test_decode_key_block_larger_than_page() -> None:
 def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,
                              block_n: int) -> None:
     """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper) over pages
-    of 16 tokens (two per 32-key block), and the answer matches the reference."""
+    of 16 tokens (two per 32-key block), not its long-split tile, and the answer matches the
+    reference."""
     from attention_kernels import decode_kernel
     from attention_kernels.configs import DECODE_TILE
 
@@ -441,3 +442,28 @@ def test_warmup_compiles_the_paged_variants() -> None:
     from attention_kernels import warmup
 
     assert warmup((64,), (torch.float16,), DEVICE, with_lse=False, page_tokens=(16, 5)) > 0
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
+def test_warmup_compiles_what_paged_decode_serves() -> None:
+    """After ``warmup`` at D 128 with 16-token pages, paged decodes of other batch sizes,
+    lengths and GQA ratios (the one-split rule's tile at 64 x 8 kv heads included), eager or
+    for CUDA graphs, compile nothing new."""
+    import contextlib
+
+    from attention_kernels import decode_kernel, for_cuda_graphs, warmup
+
+    def variants() -> int:
+        kernels = (decode_kernel._decode_split_kernel, decode_kernel._decode_merge_kernel)
+        return sum(len(c[0]) for kernel in kernels for c in kernel.device_caches.values())
+
+    warmup((128,), (torch.bfloat16,), DEVICE, page_tokens=(16,))
+    before = variants()
+    for batch, ctx, heads, kv_heads in ((1, 4096, 32, 8), (64, 1024, 32, 8), (3, 1000, 16, 2)):
+        c = Paged([ctx] * batch, 16, kv_heads, 128, torch.bfloat16)
+        q = randn(batch, heads, 128, dtype=torch.bfloat16)
+        for lse in (False, True):
+            for scope in (contextlib.nullcontext(), for_cuda_graphs()):
+                with scope:
+                    paged_decode(q, *c.cache, c.seqlens_k, return_lse=lse)
+    assert variants() == before
