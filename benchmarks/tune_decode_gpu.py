@@ -95,14 +95,16 @@ def measure(fn, ref: torch.Tensor) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def restore(defaults: tuple[str, int, int]) -> None:
-    dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = defaults
+def restore(defaults: tuple[str, int, int, int]) -> None:
+    (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
+     dk.MERGE_KERNEL_WARPS) = defaults
     dk._PLANS.clear()
 
 
-def set_merge(mode: str, tile: int) -> None:
+def set_merge(mode: str, tile: int, warps: int = 4) -> None:
     # The tile of whichever merge the mode runs (fused in the split kernel, or a kernel).
     dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = mode, tile, tile
+    dk.MERGE_KERNEL_WARPS = warps
     dk._PLANS.clear()  # the plans hold the launch of the previous mode
 
 
@@ -138,30 +140,33 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
 
 def sweep_merge() -> list[dict]:
     rows = []
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS)
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
+                dk.MERGE_KERNEL_WARPS)
     # "default": the module's own settings (for CUDA graphs on Hopper, the PDL merge kernel).
-    variants = [("default", 0), ("fused", 8192), ("fused", 16384), ("separate", 8192),
-                ("separate", 16384), ("pdl", 8192), ("pdl", 16384), ("pdl", 32768)]
+    # (mode, tile, merge-kernel warps)
+    variants = [("default", 0, 0), ("fused", 8192, 4), ("fused", 16384, 4),
+                ("separate", 16384, 4), ("pdl", 8192, 4), ("pdl", 16384, 1),
+                ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl", 16384, 8)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = run_decode(q, k, v, cu)
         peer = cudnn_us(q, k, v, batch, ctx)
         line = [f"B={batch} ctx={ctx}: cuDNN {peer:.1f} us"]
-        for mode, tile in variants:
+        for mode, tile, warps in variants:
             if mode == "default":
                 restore(defaults)
             else:
-                set_merge(mode, tile)
+                set_merge(mode, tile, warps)
             best = (float("inf"), 0)
             for sp in (0, 8, 12, 16, 24, 32, 48, 64):
                 us = measure(lambda sp=sp: run_decode(q, k, v, cu, num_splits=sp), ref)
                 if isinstance(us, str):
-                    print(f"  {mode} tile {tile} splits {sp}: {us}")
+                    print(f"  {mode} tile {tile} w{warps} splits {sp}: {us}")
                     continue
-                rows.append({"B": batch, "ctx": ctx, "mode": mode, "tile": tile, "splits": sp,
-                             "gpu_us": us, "cudnn_us": peer})
+                rows.append({"B": batch, "ctx": ctx, "mode": mode, "tile": tile, "warps": warps,
+                             "splits": sp, "gpu_us": us, "cudnn_us": peer})
                 if sp == 0:
-                    line.append(f"{mode}/{tile} default {us:.1f} ({peer / us:.2f}x)")
+                    line.append(f"{mode}/{tile}/w{warps} default {us:.1f} ({peer / us:.2f}x)")
                 if us < best[0]:
                     best = (us, sp)
             line.append(f"best {best[0]:.1f} @ {best[1]} splits ({peer / best[0]:.2f}x)")
@@ -210,7 +215,8 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS)
+    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
+                dk.MERGE_KERNEL_WARPS)
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, (64, 128), (4, 8), (3, 4, 5), (8, 16, 24, 32))
     elif args.sweep == "rule":
@@ -219,13 +225,13 @@ def main() -> None:
     elif args.sweep == "merge":
         rows = sweep_merge()
     else:
-        rows = sweep_configs(LARGE_SHAPES, (32, 64), (4, 8), (2, 3), (1, 2))
+        rows = sweep_configs(LARGE_SHAPES, (32, 64), (2, 4, 8), (2, 3), (1, 2))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
             {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
-                          "merge_kernel_tile": defaults[2]},
+                          "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},
              "rows": rows}, indent=1))
 
 

@@ -92,6 +92,7 @@ MERGE_TILE_ELEMS = 8192
 # heads x D 128) measured 8.3 / 7.6-7.7 us at 1 x 4K against 9.2 / 8.7-8.8 with 8192, in two
 # runs on one H100 (tune_decode_gpu.py --sweep merge); the fused merge gained nothing from it.
 MERGE_KERNEL_TILE_ELEMS = 16384
+MERGE_KERNEL_WARPS = 4  # the merge kernel's warps (tune_decode_gpu.py --sweep merge)
 
 
 @triton.jit
@@ -572,7 +573,8 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return call_key((q, k, v, lens, table, out, lse_out if return_lse else None, alibi_slopes,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
-                     config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS),
+                     config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS,
+                     MERGE_KERNEL_WARPS),
                     window_size)
 
 
@@ -693,7 +695,7 @@ def _plan(
             _decode_merge_kernel, (batch * num_kv_heads,), dict(
                 HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g, MERGE_S=merge_s,
                 RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
-                num_warps=4, num_stages=1))
+                num_warps=MERGE_KERNEL_WARPS, num_stages=1))
     fused = not direct and mode == "fused"
     launch = KernelLaunch(
         _decode_split_kernel, (num_splits, batch * num_kv_heads), dict(
