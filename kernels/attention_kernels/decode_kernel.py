@@ -684,8 +684,6 @@ def _plan(
                win_left if has_window else None, cap_scale, cap_log2)
     direct = num_splits == 1
     mode = "fused" if direct else merge_mode
-    if mode == "pdl" and not _hopper(q.device):
-        mode = "separate"  # PDL measured on Hopper only (and the interpreter has none)
     merge_g = triton.next_power_of_2(group)
     merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS if mode == "fused"
                             else MERGE_KERNEL_TILE_ELEMS)
@@ -747,10 +745,15 @@ def _hopper(device: torch.device) -> bool:
 
 
 def _merge_mode(device: torch.device) -> str:
-    """``MERGE_MODE`` for a call on ``device`` now, "auto" resolved (a plan key part)."""
-    if MERGE_MODE != "auto":
-        return MERGE_MODE
-    return "pdl" if _FOR_GRAPHS.get() and _hopper(device) else "fused"
+    """The merge a split call on ``device`` takes now (a plan key part): ``MERGE_MODE`` with
+    "auto" resolved, and "pdl" run as "separate" where PDL was not measured (off Hopper) or
+    does not exist (the interpreter)."""
+    mode = MERGE_MODE
+    if mode == "auto":
+        return "pdl" if _FOR_GRAPHS.get() and _hopper(device) else "fused"
+    if mode == "pdl" and not _hopper(device):
+        return "separate"
+    return mode
 
 
 def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:

@@ -292,6 +292,9 @@ def test_for_cuda_graphs_scopes_the_merge(monkeypatch: pytest.MonkeyPatch) -> No
         raise RuntimeError
     assert seen == ["fused"]
     assert decode_kernel._merge_mode(device) == "fused"
+    monkeypatch.setattr(decode_kernel, "MERGE_MODE", "pdl")  # forced, where there is no PDL
+    monkeypatch.setattr(decode_kernel, "_hopper", lambda d: False)
+    assert decode_kernel._merge_mode(device) == "separate"
     monkeypatch.undo()
     with for_cuda_graphs():  # elsewhere than Hopper: the same fused merge, the same answers
         if not ON_GPU or torch.cuda.get_device_capability()[0] != 9:
