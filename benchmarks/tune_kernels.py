@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -33,73 +34,77 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def tune_prefill(results: list[dict]) -> None:
+def prefill_cases(head_dims: tuple[int, ...]) -> Iterator[tuple[int, bool, tuple, float]]:
+    """(D, causal, (q, k, v, cu), FLOPs): dense bf16, 2 sequences of N = 8K, 2048 / D heads."""
     n, batch = 8192, 2
-    for d in (64, 128):
+    for d in head_dims:
         heads = 2048 // d
         q, k, v = (torch.randn(batch * n, heads, d, dtype=torch.bfloat16, device="cuda")
                    for _ in range(3))
         cu = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
         for causal in (False, True):
-            fl = 4.0 * n * n * heads * d * batch / (2 if causal else 1)
-            ref = prefill(q, k, v, cu, causal=causal)
-            best = None
-            for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
-                cfg = PrefillConfig(bm, bn, w, st)
-                fn = lambda cfg=cfg: prefill(q, k, v, cu, causal=causal, _config=cfg)  # noqa: E731
-                try:
-                    err = rel(fn(), ref)
-                    if err > 1e-2:
-                        raise RuntimeError(f"wrong result: rel err {err:.3g}")
-                    tf = fl / bench(fn) / 1e9
-                except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
-                    results.append({"op": "prefill", "D": d, "causal": causal, "cfg": str(cfg),
-                                    "error": str(e).splitlines()[0][:100]})
-                    continue
-                results.append({"op": "prefill", "D": d, "causal": causal, "cfg": str(cfg),
-                                "TFLOPs": tf})
-                if best is None or tf > best[0]:
-                    best = (tf, cfg)
-            print(f"prefill D={d} causal={causal}: best {best}", flush=True)
+            yield d, causal, (q, k, v, cu), 4.0 * n * n * heads * d * batch / (2 if causal else 1)
+
+
+def config_tflops(inputs: tuple, causal: bool, cfg: PrefillConfig, ref: torch.Tensor,
+                  flops: float) -> float:
+    """TFLOP/s of ``prefill`` with ``cfg``, after checking it against ``ref``; raises when it
+    cannot compile, run, or answer right."""
+    fn = lambda: prefill(*inputs, causal=causal, _config=cfg)  # noqa: E731
+    err = rel(fn(), ref)
+    if err > 1e-2:
+        raise RuntimeError(f"wrong result: rel err {err:.3g}")
+    return flops / bench(fn) / 1e9
+
+
+def error_text(e: Exception) -> str:
+    return str(e).splitlines()[0][:100] if str(e) else type(e).__name__
+
+
+def tune_prefill(results: list[dict]) -> None:
+    for d, causal, inputs, fl in prefill_cases((64, 128)):
+        ref = prefill(*inputs, causal=causal)
+        best = None
+        for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)):
+            cfg = PrefillConfig(bm, bn, w, st)
+            row = {"op": "prefill", "D": d, "causal": causal, "cfg": str(cfg)}
+            try:
+                tf = config_tflops(inputs, causal, cfg, ref, fl)
+            except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
+                results.append({**row, "error": error_text(e)})
+                continue
+            results.append({**row, "TFLOPs": tf})
+            if best is None or tf > best[0]:
+                best = (tf, cfg)
+        print(f"prefill D={d} causal={causal}: best {best}", flush=True)
 
 
 def tune_prefill_ws(results: list[dict]) -> None:
-    n, batch = 8192, 2
-    for d in (128, 64):
-        heads = 2048 // d
-        q, k, v = (torch.randn(batch * n, heads, d, dtype=torch.bfloat16, device="cuda")
-                   for _ in range(3))
-        cu = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
-        qd, kd, vd = (t.view(batch, n, heads, d).transpose(1, 2) for t in (q, k, v))
-        for causal in (False, True):
-            fl = 4.0 * n * n * heads * d * batch / (2 if causal else 1)
-            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
-                cudnn = fl / bench(lambda: F.scaled_dot_product_attention(  # noqa: B023
-                    qd, kd, vd, is_causal=causal)) / 1e9
-            ref = prefill(q, k, v, cu, causal=causal)
-            default = fl / bench(lambda: prefill(q, k, v, cu, causal=causal)) / 1e9  # noqa: B023
-            line = [f"prefill D={d} causal={causal}: cuDNN {cudnn:.0f} TFLOP/s, "
-                    f"ours default {default:.0f} ({default / cudnn:.2f}x)"]
-            for bm, bn, w, st in itertools.product((128,), (64, 128), (4, 8), (2, 3)):
-                cfg = PrefillConfig(bm, bn, w, st, warp_specialize=True)
-                fn = lambda cfg=cfg: prefill(q, k, v, cu, causal=causal, _config=cfg)  # noqa: E731
-                try:
-                    err = rel(fn(), ref)
-                    if err > 1e-2:
-                        raise RuntimeError(f"wrong result: rel err {err:.3g}")
-                    tf = fl / bench(fn) / 1e9
-                except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
-                    msg = str(e).splitlines()[0][:100] if str(e) else type(e).__name__
-                    print(f"  {bm}x{bn} w{w} s{st} ws: {msg}", flush=True)
-                    results.append({"op": "prefill-ws", "D": d, "causal": causal,
-                                    "cfg": str(cfg), "error": msg})
-                    continue
-                print(f"  {bm}x{bn} w{w} s{st} ws: {tf:.0f} TFLOP/s "
-                      f"({tf / cudnn:.2f}x cuDNN)", flush=True)
-                results.append({"op": "prefill-ws", "D": d, "causal": causal, "cfg": str(cfg),
-                                "TFLOPs": tf, "cudnn_TFLOPs": cudnn, "default_TFLOPs": default})
-                line.append(f"{bm}x{bn}w{w}s{st} {tf:.0f}")
-            print(" | ".join(line), flush=True)
+    for d, causal, inputs, fl in prefill_cases((128, 64)):
+        q, k, v, cu = inputs
+        qd, kd, vd = (t.unflatten(0, (2, -1)).transpose(1, 2) for t in (q, k, v))
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            cudnn = fl / bench(lambda: F.scaled_dot_product_attention(  # noqa: B023
+                qd, kd, vd, is_causal=causal)) / 1e9  # noqa: B023
+        ref = prefill(*inputs, causal=causal)
+        default = fl / bench(lambda: prefill(*inputs, causal=causal)) / 1e9  # noqa: B023
+        line = [f"prefill D={d} causal={causal}: cuDNN {cudnn:.0f} TFLOP/s, "
+                f"ours default {default:.0f} ({default / cudnn:.2f}x)"]
+        for bm, bn, w, st in itertools.product((128,), (64, 128), (4, 8), (2, 3)):
+            cfg = PrefillConfig(bm, bn, w, st, warp_specialize=True)
+            row = {"op": "prefill-ws", "D": d, "causal": causal, "cfg": str(cfg)}
+            try:
+                tf = config_tflops(inputs, causal, cfg, ref, fl)
+            except Exception as e:  # noqa: BLE001 - a config that cannot compile or run
+                print(f"  {bm}x{bn} w{w} s{st} ws: {error_text(e)}", flush=True)
+                results.append({**row, "error": error_text(e)})
+                continue
+            print(f"  {bm}x{bn} w{w} s{st} ws: {tf:.0f} TFLOP/s ({tf / cudnn:.2f}x cuDNN)",
+                  flush=True)
+            results.append({**row, "TFLOPs": tf, "cudnn_TFLOPs": cudnn,
+                            "default_TFLOPs": default})
+            line.append(f"{bm}x{bn}w{w}s{st} {tf:.0f}")
+        print(" | ".join(line), flush=True)
 
 
 def tune_decode(results: list[dict]) -> None:
