@@ -10,7 +10,9 @@ merge's tile) at the small-batch shapes, over split counts.
 ``large``: tile x split count at the large-batch shapes (one wave or more of programs).
 ``rule``: the default (``configs.decode_shape_config``'s tile) against the fixed ``DECODE_TILE``
 at the same split count, over shapes on both sides of the rule's bounds.
-``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens.
+``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens;
+``--page-span N`` with it: ``decode_kernel.PAGE_SPAN`` (0: per-block page lookups).
+``--blocks/--warps/--stages/--splits``: override the ``configs``/``large`` grids (comma lists).
 
 32 q / 8 kv heads, D 128, bf16. Each config is checked against the default first.
 """
@@ -208,28 +210,39 @@ def main() -> None:
                     help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")
     ap.add_argument("--page", type=int, default=0,
                     help="run paged_decode over pages of this many tokens (same keys)")
+    ap.add_argument("--page-span", type=int, default=dk.PAGE_SPAN)
+    for name in ("blocks", "warps", "stages", "splits"):
+        ap.add_argument(f"--{name}", default=None, help="comma list: the grid's " + name)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     global PAGE
     PAGE = args.page
+    dk.PAGE_SPAN = args.page_span
+
+    def grid(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
+        given = getattr(args, name)
+        return tuple(int(x) for x in given.split(",")) if given else default
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
     defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
                 dk.MERGE_KERNEL_WARPS)
     if args.sweep == "configs":
-        rows = sweep_configs(SHAPES, (64, 128), (4, 8), (3, 4, 5), (8, 16, 24, 32))
+        rows = sweep_configs(SHAPES, grid("blocks", (64, 128)), grid("warps", (4, 8)),
+                             grid("stages", (3, 4, 5)), grid("splits", (8, 16, 24, 32)))
     elif args.sweep == "rule":
         dk._PLANS.clear()
         rows = sweep_rule()
     elif args.sweep == "merge":
         rows = sweep_merge()
     else:
-        rows = sweep_configs(LARGE_SHAPES, (32, 64), (2, 4, 8), (2, 3), (1, 2))
+        rows = sweep_configs(LARGE_SHAPES, grid("blocks", (32, 64)), grid("warps", (2, 4, 8)),
+                             grid("stages", (2, 3)), grid("splits", (1, 2)))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep,
+            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE,
+             "page_span": args.page_span,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
                           "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},
              "rows": rows}, indent=1))

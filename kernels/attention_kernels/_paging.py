@@ -40,29 +40,57 @@ def block_rows(page, start_n, offs_n, stride_p, stride_t, PAGE_TOKENS: tl.conste
 
 
 @triton.jit
+def span_pages(table_row, lo, end, PAGE_TOKENS: tl.constexpr, PAGED: tl.constexpr,
+               SPAN: tl.constexpr):
+    """(pages, first) for ``block_kv_ptrs``'s ``SPAN`` > 0 path: the table entries of the
+    ``SPAN`` pages from key ``lo``'s on, and the index of the first; placeholders (0, 0)
+    otherwise. Only the entries of keys below ``end`` (the split's end) are read: the others
+    are 0 (and may lie past the table row)."""
+    if PAGED and SPAN > 0:
+        first = lo // PAGE_TOKENS
+        idx = first + tl.arange(0, SPAN)
+        pages = tl.load(table_row + idx, mask=idx * PAGE_TOKENS < end, other=0).to(tl.int64)
+        return pages, first
+    else:
+        return 0, 0
+
+
+@triton.jit
 def first_pages(table_row, lo, offs_n, end, PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
-                PAGED: tl.constexpr):
-    """The pages of the first key block (paged), or a placeholder the contiguous path carries
-    through ``block_kv_ptrs`` unused."""
-    if PAGED:
+                PAGED: tl.constexpr, span=0, SPAN: tl.constexpr = 0):
+    """What ``block_kv_ptrs`` carries into a key loop that starts at ``lo``: ``span`` (what
+    ``span_pages`` gave) when ``SPAN`` > 0, else the first block's pages (paged) or a
+    placeholder (contiguous)."""
+    if PAGED and SPAN > 0:
+        return span
+    elif PAGED:
         return block_pages(table_row, lo, offs_n, end, PAGE_TOKENS, BLOCK_N)
     else:
         return 0
 
 
 @triton.jit
-def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, end,
-                  stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS: tl.constexpr,
-                  BLOCK_N: tl.constexpr, PAGED: tl.constexpr):
-    """(K pointers, V pointers, next block's pages) of the key block at ``start_n``, for the
-    bases and offsets ``kv_bases`` gave. Paged: rows from ``page`` (this block's pages), and
-    the next block's pages are looked up now, off that block's critical path."""
+def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n,
+                  offs_n, end, stride_kp, stride_kt, stride_vp, stride_vt,
+                  PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+                  SPAN: tl.constexpr = 0):
+    """(K pointers, V pointers, pages carried to the next block) of the key block at
+    ``start_n``, for the bases and offsets ``kv_bases`` gave and what ``first_pages`` gave.
+    Paged, ``SPAN`` > 0: the block's pages come out of the loop's page span in registers, so
+    every block's addresses are known from the start and the loop's pipeliner can issue loads
+    blocks ahead, as on contiguous keys. ``SPAN`` 0: ``page`` holds this block's pages and the
+    next block's are looked up now, off this block's critical path (but the loads of a block
+    cannot be issued before the previous iteration has looked its pages up)."""
     if PAGED:
-        k_ptrs = k_base + block_rows(page, start_n, offs_n, stride_kp, stride_kt,
+        if SPAN > 0:
+            here = tl.gather(page, (start_n + offs_n) // PAGE_TOKENS - first, 0)
+        else:
+            here = page
+            page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)
+        k_ptrs = k_base + block_rows(here, start_n, offs_n, stride_kp, stride_kt,
                                      PAGE_TOKENS)[:, None] + kv_offs_k
-        v_ptrs = v_base + block_rows(page, start_n, offs_n, stride_vp, stride_vt,
+        v_ptrs = v_base + block_rows(here, start_n, offs_n, stride_vp, stride_vt,
                                      PAGE_TOKENS)[:, None] + kv_offs_v
-        page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)
     else:
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
         v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v

@@ -58,7 +58,13 @@ from attention_kernels._launch import (
     no_keys,
     outputs,
 )
-from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
+from attention_kernels._paging import (
+    block_kv_ptrs,
+    first_pages,
+    kv_bases,
+    seq_keys,
+    span_pages,
+)
 from attention_kernels.configs import (
     DecodeConfig,
     _capability,
@@ -93,30 +99,39 @@ MERGE_TILE_ELEMS = 8192
 # runs on one H100 (tune_decode_gpu.py --sweep merge); the fused merge gained nothing from it.
 MERGE_KERNEL_TILE_ELEMS = 16384
 MERGE_KERNEL_WARPS = 4  # the merge kernel's warps (tune_decode_gpu.py --sweep merge)
+# Paged decode: a split program holds the block-table entries of its whole key range in
+# registers (``_paging.span_pages``), this many (a power of two), where its range can span no
+# more pages; else it looks each block's pages up one block ahead. One size, so a page size
+# and tile make two variants (span or not), not one per table width and split count.
+PAGE_SPAN = 1024
 
 
 @triton.jit
 def _decode_inner(
     Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-    lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+    lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp, span, first,
     key_lo, cap_scale, cap_log2, slopes2,
     MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
+    PAGE_SPAN: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
-    each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys).
+    each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys),
+    through ``span, first`` (``span_pages``) when ``PAGE_SPAN`` > 0.
     ``LOW_MASK`` (masked blocks): keys below ``key_lo`` (the window's left edge) are hidden too.
     Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e).
     ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to fp16 here, the dtype the
     caller brought ``q`` to (``_fp8_dot``); the caller folded K's scale into ``qk_scale`` /
     ``cap_scale`` and applies V's to the output."""
-    page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED)
+    page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED, span,
+                       PAGE_SPAN)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
-            k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, seqlen,
-            stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
+            k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n, offs_n,
+            seqlen, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
+            PAGE_SPAN)
         if MASKED:
             n_ok = (start_n + offs_n) < hi
             if LOW_MASK:
@@ -236,7 +251,7 @@ def _decode_split_kernel(
     MERGE_S: tl.constexpr, PDL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -311,6 +326,8 @@ def _decode_split_kernel(
         slopes2 = tl.load(Alibi + seq * stride_ab + heads, mask=g_ok, other=0.0)
         slopes2 = slopes2 * 1.4426950408889634
 
+    # PAGE_SPAN: the table entries of this split's keys, looked up once for all its blocks.
+    span, first = span_pages(table_row, lo, hi, PAGE_TOKENS, PAGED, PAGE_SPAN)
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -318,23 +335,23 @@ def _decode_split_kernel(
         acc, l_i, m_i = _decode_inner(
             Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
             lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-            key_lo, cap_scale, cap_log2, slopes2,
+            span, first, key_lo, cap_scale, cap_log2, slopes2,
             True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, True, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8,
+            KV_FP8, PAGE_SPAN,
         )
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-        key_lo, cap_scale, cap_log2, slopes2,
+        span, first, key_lo, cap_scale, cap_log2, slopes2,
         False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-        KV_FP8,
+        KV_FP8, PAGE_SPAN,
     )
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-        key_lo, cap_scale, cap_log2, slopes2,
+        span, first, key_lo, cap_scale, cap_log2, slopes2,
         True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-        KV_FP8,
+        KV_FP8, PAGE_SPAN,
     )
 
     if KV_FP8:
@@ -678,6 +695,8 @@ def _plan(
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
                    k.stride(0), v.stride(0))
+    page_span = 0 if table is None else _page_span(table.shape[1] * page_tokens, num_splits,
+                                                   cfg.block_n, page_tokens)
     # Outputs are contiguous [batch, H, D] (fresh, or checked so).
     scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,
                *strides[4:], scale * LOG2E, num_kv_heads, group, num_splits,
@@ -705,6 +724,7 @@ def _plan(
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
+            PAGE_SPAN=page_span,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
     return _DecodePlan(
@@ -754,6 +774,20 @@ def _merge_mode(device: torch.device) -> str:
     if mode == "pdl" and not _hopper(device):
         return "separate"
     return mode
+
+
+def _page_span(max_keys: int, num_splits: int, block_n: int, page_tokens: int) -> int:
+    """The kernel's ``PAGE_SPAN`` for splits of sequences of at most ``max_keys`` keys:
+    ``PAGE_SPAN`` where a split can touch no more pages, else 0 (per-block lookups). A split
+    starts at a multiple of ``block_n`` and spans a multiple of it (the kernel's
+    ``split_len``)."""
+    per_split = -(-max_keys // num_splits)
+    split_len = -(-per_split // block_n) * block_n
+    if block_n % page_tokens == 0:  # starts on a page
+        pages = split_len // page_tokens
+    else:
+        pages = (split_len + page_tokens - 2) // page_tokens + 1
+    return PAGE_SPAN if pages <= PAGE_SPAN else 0
 
 
 def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:

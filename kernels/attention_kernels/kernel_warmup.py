@@ -15,7 +15,13 @@ from collections.abc import Callable, Iterable
 import torch
 
 from attention_kernels.configs import LONG_SPLIT_TILE, ONE_SPLIT_TILE
-from attention_kernels.decode_kernel import _merge_mode, decode, for_cuda_graphs, paged_decode
+from attention_kernels.decode_kernel import (
+    PAGE_SPAN,
+    _merge_mode,
+    decode,
+    for_cuda_graphs,
+    paged_decode,
+)
 from attention_kernels.prefill_kernel import paged_prefill, prefill
 
 
@@ -64,12 +70,16 @@ def warmup(
                     for lse in lse_flags:
                         paged_prefill(q, pages, pages, table, cu, lens, causal=causal,
                                       return_lse=lse)
-                for lse in lse_flags:
-                    paged_decode(qd, pages, pages, table, lens, num_splits=1, return_lse=lse)
-                    if rule:  # pages take the one-split rule only
-                        paged_decode(qd, pages, pages, table, lens, num_splits=1,
-                                     return_lse=lse, _config=ONE_SPLIT_TILE)
-                splits(paged_decode, pages, pages, table, lens)
+                # Tables too wide for one page span per split take per-block page lookups,
+                # a variant of their own (decode_kernel.PAGE_SPAN); page 0 stands in for all.
+                wide = torch.zeros(2, 2 * PAGE_SPAN + 2, dtype=torch.int32, device=device)
+                for t in (table, wide):
+                    for lse in lse_flags:
+                        paged_decode(qd, pages, pages, t, lens, num_splits=1, return_lse=lse)
+                        if rule:  # pages take the one-split rule only
+                            paged_decode(qd, pages, pages, t, lens, num_splits=1,
+                                         return_lse=lse, _config=ONE_SPLIT_TILE)
+                    splits(paged_decode, pages, pages, t, lens)
     if device.type == "cuda":
         _graph_variants(merges, device)
         torch.cuda.synchronize(device)

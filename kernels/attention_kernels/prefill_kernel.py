@@ -113,8 +113,8 @@ def _prefill_inner(
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
-            k_base, v_base, kv_offs_k, kv_offs_v, page, table_row, start_n, offs_n, seqlen_k,
-            stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
+            k_base, v_base, kv_offs_k, kv_offs_v, page, 0, table_row, start_n, offs_n,
+            seqlen_k, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)

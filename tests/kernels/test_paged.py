@@ -52,10 +52,12 @@ class Paged:
     def __init__(self, lens: list[int], page_tokens: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, seed: int = 0, spare_pages: int = 3,
                  separate_v: bool = False,
-                 kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+                 kv: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 width: int = 0) -> None:
         """``separate_v``: V in a pool of its own, with other page, token and head strides
         than K (padded heads), so a K/V stride mix-up shows. ``kv``: the packed keys and
-        values to lay out (``[sum(lens), kv_heads, head_dim]`` of ``dtype``; default random)."""
+        values to lay out (``[sum(lens), kv_heads, head_dim]`` of ``dtype``; default random).
+        ``width``: at least this many table columns (the extra ones poisoned)."""
         g = torch.Generator().manual_seed(seed)
         row = kv_heads * head_dim
         # Strictly more than K + V of page_tokens tokens: every page has an unused (NaN) tail.
@@ -77,7 +79,7 @@ class Paged:
 
         perm = torch.randperm(num_pages, generator=g).tolist()
         nan_page = perm.pop()  # a spare page, all NaN
-        width = max(used, default=0) + 2
+        width = max(max(used, default=0) + 2, width)
         poison = [nan_page, -1, 2**31 - 1]
         table = []
         for n_pages in used:
@@ -108,9 +110,9 @@ class Paged:
 def run_decode(
     lens: list[int], page_tokens: int, heads: int, kv_heads: int, head_dim: int,
     dtype: torch.dtype, num_splits: int = 0, config: DecodeConfig | None = None,
-    separate_v: bool = False,
+    separate_v: bool = False, width: int = 0,
 ) -> tuple[Paged, torch.Tensor, torch.Tensor, torch.Tensor]:
-    c = Paged(lens, page_tokens, kv_heads, head_dim, dtype, separate_v=separate_v)
+    c = Paged(lens, page_tokens, kv_heads, head_dim, dtype, separate_v=separate_v, width=width)
     q = randn(len(lens), heads, head_dim, dtype=dtype)
     out = torch.empty_like(q)
     lse = torch.empty(len(lens), heads, dtype=torch.float32, device=DEVICE)
@@ -193,6 +195,66 @@ def test_decode_k_and_v_with_different_strides(page_tokens: int) -> None:
 def test_decode_key_block_larger_than_page() -> None:
     # 32-key blocks over 16-token pages: each block spans two pages (per-key table loads).
     run_decode([70, 33], 16, 4, 2, 64, torch.float16, 3, config=DecodeConfig(32, 4, 1))
+
+
+def page_spans() -> set[int]:
+    from attention_kernels import decode_kernel
+
+    return {plan.launch.kwargs["PAGE_SPAN"] for plan in decode_kernel._PLANS._plans.values()
+            if plan.launch is not None}
+
+
+@pytest.mark.parametrize("page_tokens", [1, 7, 16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("span", [0, 8], ids=["per_block", "span8"])
+def test_decode_page_lookups(monkeypatch: pytest.MonkeyPatch, span: int, page_tokens: int,
+                             num_splits: int) -> None:
+    """Both ways a split finds its keys' pages: the table entries of its whole range at once
+    (``PAGE_SPAN``; 8 here) or each block's one block ahead (ranges of more pages, or
+    ``PAGE_SPAN`` 0)."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "PAGE_SPAN", span)
+    decode_kernel._PLANS.clear()
+    try:
+        run_decode(DECODE_LENS, page_tokens, 8, 2, 64, torch.float16, num_splits)
+        run_decode([5, 0, 9], page_tokens, 8, 2, 64, torch.float16, num_splits)
+        assert page_spans() <= {0, span}
+    finally:
+        decode_kernel._PLANS.clear()
+
+
+def test_decode_wide_table_takes_per_block_lookups() -> None:
+    """A block table wider than ``PAGE_SPAN`` pages per split (its extra columns poisoned)
+    takes the per-block lookups, and they read no entry past a sequence's length."""
+    from attention_kernels import decode_kernel
+
+    decode_kernel._PLANS.clear()
+    try:
+        run_decode([70, 3, 0], 16, 4, 2, 64, torch.bfloat16, 1,
+                   width=decode_kernel.PAGE_SPAN + 1)
+        assert page_spans() == {0}
+        run_decode([70, 3, 0], 16, 4, 2, 64, torch.bfloat16, 1)
+        assert page_spans() == {0, decode_kernel.PAGE_SPAN}
+    finally:
+        decode_kernel._PLANS.clear()
+
+
+@pytest.mark.parametrize(("max_keys", "splits", "block_n", "page", "span", "want"), [
+    (4096, 16, 64, 16, 1024, 1024),  # 16 pages per split
+    (4096, 16, 64, 16, 16, 16),  # exactly the span
+    (4096, 8, 64, 16, 16, 0),  # 32 pages: per-block lookups
+    (4096, 16, 64, 7, 38, 38),  # 256 keys from any 7-token slot: up to 38 pages
+    (4096, 16, 64, 7, 37, 0),
+    (100, 1, 64, 64, 2, 2),  # one split of 128 keys (two blocks): 2 pages of 64
+    (100, 3, 64, 1, 64, 64),  # splits rounded up to one 64-key block
+])
+def test_page_span_bound(monkeypatch: pytest.MonkeyPatch, max_keys: int, splits: int,
+                         block_n: int, page: int, span: int, want: int) -> None:
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "PAGE_SPAN", span)
+    assert decode_kernel._page_span(max_keys, splits, block_n, page) == want
 
 
 @pytest.mark.parametrize(("lens", "splits", "block_n"), [
@@ -447,8 +509,8 @@ def test_warmup_compiles_the_paged_variants() -> None:
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
 def test_warmup_compiles_what_paged_decode_serves() -> None:
     """After ``warmup`` at D 128 with 16-token pages, paged decodes of other batch sizes,
-    lengths and GQA ratios (the one-split rule's tile at 64 x 8 kv heads included), eager or
-    for CUDA graphs, compile nothing new."""
+    lengths, GQA ratios and table widths (the one-split rule's tile at 64 x 8 kv heads and
+    per-block page lookups included), eager or for CUDA graphs, compile nothing new."""
     import contextlib
 
     from attention_kernels import decode_kernel, for_cuda_graphs, warmup
@@ -459,8 +521,10 @@ def test_warmup_compiles_what_paged_decode_serves() -> None:
 
     warmup((128,), (torch.bfloat16,), DEVICE, page_tokens=(16,))
     before = variants()
-    for batch, ctx, heads, kv_heads in ((1, 4096, 32, 8), (64, 1024, 32, 8), (3, 1000, 16, 2)):
-        c = Paged([ctx] * batch, 16, kv_heads, 128, torch.bfloat16)
+    for batch, ctx, heads, kv_heads, width in ((1, 4096, 32, 8, 0), (64, 1024, 32, 8, 0),
+                                               (3, 1000, 16, 2, 0), (2, 300, 32, 8, 5000)):
+        # The last: a table too wide for one page span per split (per-block lookups).
+        c = Paged([ctx] * batch, 16, kv_heads, 128, torch.bfloat16, width=width)
         q = randn(batch, heads, 128, dtype=torch.bfloat16)
         for lse in (False, True):
             for scope in (contextlib.nullcontext(), for_cuda_graphs()):
