@@ -49,7 +49,8 @@ def span_pages(table_row, lo, end, PAGE_TOKENS: tl.constexpr, PAGED: tl.constexp
     if PAGED and SPAN > 0:
         first = lo // PAGE_TOKENS
         idx = first + tl.arange(0, SPAN)
-        pages = tl.load(table_row + idx, mask=idx * PAGE_TOKENS < end, other=0).to(tl.int64)
+        # int32 as stored: the gather per block moves half the bytes of int64 entries.
+        pages = tl.load(table_row + idx, mask=idx * PAGE_TOKENS < end, other=0)
         return pages, first
     else:
         return 0, 0
@@ -83,7 +84,7 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     cannot be issued before the previous iteration has looked its pages up)."""
     if PAGED:
         if SPAN > 0:
-            here = tl.gather(page, (start_n + offs_n) // PAGE_TOKENS - first, 0)
+            here = tl.gather(page, (start_n + offs_n) // PAGE_TOKENS - first, 0).to(tl.int64)
         else:
             here = page
             page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)
