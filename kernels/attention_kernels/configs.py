@@ -166,6 +166,7 @@ DECODE_TILE = DecodeConfig(64, 4, 3)
 # decode_shape_config's two other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 LONG_SPLIT_TILE = DecodeConfig(128, 4, 3)
+MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
@@ -189,6 +190,11 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       lost (4 x 4K: 28.3 -> 29.1 us; 1 x 16K: 29.2 -> 30.8), and so did splits of 256 (1 x 4K:
       9.0 -> 9.2).
 
+    * One split, more programs than fit 4 per SM: 64-key tiles in 2 stages (48 KB: 4 per SM,
+      so fewer and fuller waves than 3 per SM). 128 x 2K (1024 programs): 374.8 -> 352.4 us
+      (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
+      those starve the SMs at fewer programs).
+
     ``paged`` (``paged_decode``, bf16 pages): the first rule only. 64 x 8K, H100, 2026-11-23
     (``tune_decode_gpu.py --sweep large --page N``): page 16 778 -> 706 us, page 64 756 -> 690
     (cuDNN 692); 64-key tiles in 2 stages were as good (705 / 699). The second is not measured
@@ -198,6 +204,8 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return ONE_SPLIT_TILE
+    if num_splits == 1 and programs > 4 * sms and not paged:
+        return MANY_PROGRAMS_TILE
     if num_splits > 1 and 512 <= split_len < 1024 and not paged:
         return LONG_SPLIT_TILE
     return cfg

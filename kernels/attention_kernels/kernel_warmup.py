@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from attention_kernels.configs import LONG_SPLIT_TILE, ONE_SPLIT_TILE
+from attention_kernels.configs import LONG_SPLIT_TILE, MANY_PROGRAMS_TILE, ONE_SPLIT_TILE
 from attention_kernels.decode_kernel import (
     PAGE_SPAN,
     _merge_mode,
@@ -58,8 +58,8 @@ def warmup(
             rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
             if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
-                    decode(qd, kv, kv, cu, num_splits=1, return_lse=lse,
-                           _config=ONE_SPLIT_TILE)
+                    for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE):
+                        decode(qd, kv, kv, cu, num_splits=1, return_lse=lse, _config=tile)
                 splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
             for p in page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)

@@ -135,7 +135,8 @@ def test_shape_config_rule() -> None:
     sms, d = 132, 128
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d) == DecodeConfig(32, 4, 2)
     assert decode_shape_config(DECODE_TILE, 128, 1, 32768, sms, d) == DECODE_TILE  # 1 per SM
-    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d) == DECODE_TILE  # > 4 per SM
+    # More than 4 per SM: 2 stages, 4 fit per SM.
+    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d) == DecodeConfig(64, 4, 2)
     assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms, d) == DECODE_TILE  # 3 per SM fit
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d) == DecodeConfig(128, 4, 3)
     assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms, d) == DECODE_TILE
@@ -145,6 +146,7 @@ def test_shape_config_rule() -> None:
     # Pages: the one-split rule only.
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
         32, 4, 2)
+    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, paged=True) == DECODE_TILE
     other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
     assert decode_shape_config(other, 512, 1, 8192, sms, d) is other
@@ -355,7 +357,8 @@ def test_warmup_compiles_what_decode_serves() -> None:
     warmup((128,), (torch.bfloat16,), DEVICE)
     before = variants()
     for batch, ctx, heads, kv_heads in ((1, 4096, 32, 8), (2, 4096, 32, 8), (1, 8192, 32, 8),
-                                        (64, 8192, 32, 8), (3, 1000, 16, 2), (5, 300, 64, 8)):
+                                        (64, 8192, 32, 8), (3, 1000, 16, 2), (5, 300, 64, 8),
+                                        (80, 300, 32, 8)):
         lens = [ctx] * batch
         q = randn(batch, heads, 128, dtype=torch.bfloat16)
         k = randn(batch * ctx, kv_heads, 128, dtype=torch.bfloat16)

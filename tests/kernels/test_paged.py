@@ -226,15 +226,16 @@ def test_decode_page_lookups(monkeypatch: pytest.MonkeyPatch, span: int, page_to
 
 def test_decode_wide_table_takes_per_block_lookups() -> None:
     """A block table wider than ``PAGE_SPAN`` pages per split (its extra columns poisoned)
-    takes the per-block lookups, and they read no entry past a sequence's length."""
+    takes the per-block lookups, and they read no entry past a sequence's length (pages of 7
+    tokens: smaller than any key block, where spans apply)."""
     from attention_kernels import decode_kernel
 
     decode_kernel._PLANS.clear()
     try:
-        run_decode([70, 3, 0], 16, 4, 2, 64, torch.bfloat16, 1,
+        run_decode([70, 3, 0], 7, 4, 2, 64, torch.bfloat16, 1,
                    width=decode_kernel.PAGE_SPAN + 1)
         assert page_spans() == {0}
-        run_decode([70, 3, 0], 16, 4, 2, 64, torch.bfloat16, 1)
+        run_decode([70, 3, 0], 7, 4, 2, 64, torch.bfloat16, 1)
         assert page_spans() == {0, decode_kernel.PAGE_SPAN}
     finally:
         decode_kernel._PLANS.clear()
@@ -246,8 +247,9 @@ def test_decode_wide_table_takes_per_block_lookups() -> None:
     (4096, 8, 64, 16, 16, 0),  # 32 pages: per-block lookups
     (4096, 16, 64, 7, 38, 38),  # 256 keys from any 7-token slot: up to 38 pages
     (4096, 16, 64, 7, 37, 0),
-    (100, 1, 64, 64, 2, 2),  # one split of 128 keys (two blocks): 2 pages of 64
     (100, 3, 64, 1, 64, 64),  # splits rounded up to one 64-key block
+    (4096, 16, 64, 64, 1024, 0),  # a block within one page: one scalar lookup per block
+    (4096, 16, 32, 64, 1024, 0),
 ])
 def test_page_span_bound(monkeypatch: pytest.MonkeyPatch, max_keys: int, splits: int,
                          block_n: int, page: int, span: int, want: int) -> None:
