@@ -236,11 +236,14 @@ class _StepGraph:
         )
 
     def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
+        """Capture on ``stream``: DecodeSteps' own, never a launch stream (see there)."""
         # A first eager run compiles whatever Triton variant this shape needs (a compile inside
         # a capture failed for an fp32 variant on an H100), as the captured calls take it
         # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its inputs are zeros: every
         # length is 0, so nothing is read; the store is left out, since slot (0, 0) may hold a
         # live cache's key.
+        # After this thread's work so far (the zero fill of this graph's fresh buffers).
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
         with self.kernels.for_cuda_graphs():
             with torch.cuda.stream(stream):
                 self.run_eager(store=False)
@@ -299,6 +302,14 @@ class DecodeSteps:
         # One memory pool per stream: a stream's graphs replay one after another, so their
         # temporaries may share memory; graphs of two streams may run at once, so they don't.
         self._pools = [torch.cuda.graph_pool_handle() for _ in streams] if graphs else []
+        # Captures run on a stream of their own (a graph replays on any stream; captured
+        # kernels get buffers of the graph's own). On a launch stream, a pinned host buffer
+        # freed meanwhile by another thread (its last copy ran on that stream) had torch's host
+        # allocator record an event into the capture, and the next pinned allocation's event
+        # query failed and invalidated it (a GPU service test, H100, 2026-11-24: "operation
+        # not permitted on an event last recorded in a capturing stream"). No copy ever runs
+        # on this one; captures are one at a time (launches are, under the executor's lock).
+        self._capture_stream = torch.cuda.Stream(device) if graphs else None
         self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
 
     eligible = staticmethod(eligible)
@@ -314,7 +325,8 @@ class DecodeSteps:
         if got is None:
             got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device)
             if self.use_graphs:
-                got.capture(self._pools[stream_index], self.streams[stream_index])
+                assert self._capture_stream is not None
+                got.capture(self._pools[stream_index], self._capture_stream)
             self._graphs[gkey] = got
         return got
 
