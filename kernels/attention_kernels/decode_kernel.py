@@ -784,9 +784,8 @@ def _merge_mode(device: torch.device) -> str:
 def _page_span(max_keys: int, num_splits: int, block_n: int, page_tokens: int) -> int:
     """The kernel's ``PAGE_SPAN`` for splits of sequences of at most ``max_keys`` keys:
     ``PAGE_SPAN`` where a key block spans several pages and a split can touch no more than
-    ``PAGE_SPAN`` pages, else 0 (per-block lookups). A split
-    starts at a multiple of ``block_n`` and spans a multiple of it (the kernel's
-    ``split_len``)."""
+    ``PAGE_SPAN`` pages, else 0 (per-block lookups). A split starts at a multiple of
+    ``block_n`` and spans a multiple of it (the kernel's ``split_len``)."""
     per_split = -(-max_keys // num_splits)
     split_len = -(-per_split // block_n) * block_n
     if page_tokens >= block_n:
