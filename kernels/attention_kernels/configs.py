@@ -163,7 +163,7 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 
 # The contiguous bf16/fp16 decode tile below D 256; decode_shape_config may trade it for another.
 DECODE_TILE = DecodeConfig(64, 4, 3)
-# decode_shape_config's two other tiles (the warm-up compiles them).
+# decode_shape_config's other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 LONG_SPLIT_TILE = DecodeConfig(128, 4, 3)
 MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)

@@ -14,7 +14,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from attention_kernels.configs import LONG_SPLIT_TILE, MANY_PROGRAMS_TILE, ONE_SPLIT_TILE
+from attention_kernels.configs import (
+    LONG_SPLIT_TILE,
+    MANY_PROGRAMS_TILE,
+    ONE_SPLIT_TILE,
+    paged_decode_config,
+)
 from attention_kernels.decode_kernel import (
     PAGE_SPAN,
     _merge_mode,
@@ -61,6 +66,10 @@ def warmup(
                     for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE):
                         decode(qd, kv, kv, cu, num_splits=1, return_lse=lse, _config=tile)
                 splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
+            # Key blocks of the paged decode tiles (a page span needs pages smaller).
+            blocks = [paged_decode_config(d, dtype, device).block_n]
+            if rule:
+                blocks.append(ONE_SPLIT_TILE.block_n)
             for p in page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
                 lens = torch.tensor([17, 23], dtype=torch.int32, device=device)
@@ -70,10 +79,14 @@ def warmup(
                     for lse in lse_flags:
                         paged_prefill(q, pages, pages, table, cu, lens, causal=causal,
                                       return_lse=lse)
-                # Tables too wide for one page span per split take per-block page lookups,
-                # a variant of their own (decode_kernel.PAGE_SPAN); page 0 stands in for all.
-                wide = torch.zeros(2, 2 * PAGE_SPAN + 2, dtype=torch.int32, device=device)
-                for t in (table, wide):
+                tables = [table]
+                if p < max(blocks):
+                    # Pages smaller than a key block: tables too wide for one page span per
+                    # split take per-block lookups, a variant of their own
+                    # (decode_kernel.PAGE_SPAN); page 0 stands in for every entry.
+                    tables.append(torch.zeros(2, 2 * PAGE_SPAN + 2, dtype=torch.int32,
+                                              device=device))
+                for t in tables:
                     for lse in lse_flags:
                         paged_decode(qd, pages, pages, t, lens, num_splits=1, return_lse=lse)
                         if rule:  # pages take the one-split rule only
