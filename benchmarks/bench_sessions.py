@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import sys
 import time
+import weakref
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -137,16 +138,33 @@ def _requests(s: Shapes, mode: str, cache_id: str, seed: int) -> tuple[list[byte
     return setup, step
 
 
+_CALLABLES: weakref.WeakKeyDictionary[grpc.aio.Channel, dict[tuple[str, bool], Any]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _callable(channel: grpc.aio.Channel, method: str, unary: bool) -> Any:
+    """The channel's multicallable for ``method``, made once (as attention_client does: one
+    made per call cost the client tens of microseconds a step)."""
+    per_channel = _CALLABLES.setdefault(channel, {})
+    got = per_channel.get((method, unary))
+    if got is None:
+        if unary:
+            got = channel.unary_unary(METHOD + unary_method(method), request_serializer=None,
+                                      response_deserializer=pb.AttentionResult.FromString)
+        else:
+            got = channel.stream_stream(METHOD + method, request_serializer=None,
+                                        response_deserializer=pb.AttentionResponse.FromString)
+        per_channel[(method, unary)] = got
+    return got
+
+
 async def _call(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
                 unary: bool = False) -> pb.RequestStats:
     """One call; ``unary`` and a one-message request: through the rpc's unary twin, as
     attention_client sends such a call (a decode step is one)."""
     if unary and len(msgs) == 1:
-        once = channel.unary_unary(METHOD + unary_method(method), request_serializer=None,
-                                   response_deserializer=pb.AttentionResult.FromString)
-        return (await once(msgs[0], timeout=60)).stats
-    call = channel.stream_stream(METHOD + method, request_serializer=None,
-                                 response_deserializer=pb.AttentionResponse.FromString)
+        return (await _callable(channel, method, True)(msgs[0], timeout=60)).stats
+    call = _callable(channel, method, False)
     stats = None
     async for reply in call(iter(msgs), timeout=60):
         if reply.HasField("stats"):

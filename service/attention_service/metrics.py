@@ -297,6 +297,8 @@ class Metrics:
     def __init__(self, multiprocess: bool = False) -> None:
         self.multiprocess = multiprocess
         self._launch_children: dict[Op, tuple[Any, ...]] = {}  # observe_launch's series
+        self._request_children: dict[tuple[str, str], tuple[Any, ...]] = {}  # observe_request's
+        self._queue_children: dict[str, Any] = {}
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
@@ -405,21 +407,39 @@ class Metrics:
         region_in: int = 0, region_out: int = 0, tokens: int = 0, flops: int = 0,
         queue_seconds: float | None = None,
     ) -> None:
-        self.requests.labels(rpc=rpc, code=code).inc()
-        self.duration.labels(rpc=rpc, code=code).observe(seconds)
-        if rpc not in COMPUTE_RPCS:
+        children = self._request_children.get((rpc, code))
+        if children is None:
+            # The labelled series of one (rpc, code), looked up once: ``labels()`` validates
+            # and locks on every call, eight times per compute call here.
+            compute = rpc in COMPUTE_RPCS
+            children = self._request_children[(rpc, code)] = (
+                self.requests.labels(rpc=rpc, code=code),
+                self.duration.labels(rpc=rpc, code=code),
+                (self.input_bytes.labels(rpc=rpc), self.output_bytes.labels(rpc=rpc),
+                 self.region_bytes.labels(rpc=rpc, direction="in"),
+                 self.region_bytes.labels(rpc=rpc, direction="out"),
+                 self.tokens.labels(rpc=rpc), self.flops.labels(rpc=rpc)) if compute else None,
+            )
+        requests, duration, compute_children = children
+        requests.inc()
+        duration.observe(seconds)
+        if compute_children is None:
             return
-        self.input_bytes.labels(rpc=rpc).inc(bytes_in)
-        self.output_bytes.labels(rpc=rpc).inc(bytes_out)
+        c_in, c_out, c_region_in, c_region_out, c_tokens, c_flops = compute_children
+        c_in.inc(bytes_in)
+        c_out.inc(bytes_out)
         if region_in:
-            self.region_bytes.labels(rpc=rpc, direction="in").inc(region_in)
+            c_region_in.inc(region_in)
         if region_out:
-            self.region_bytes.labels(rpc=rpc, direction="out").inc(region_out)
+            c_region_out.inc(region_out)
         if code == "OK":
-            self.tokens.labels(rpc=rpc).inc(tokens)
-            self.flops.labels(rpc=rpc).inc(flops)
+            c_tokens.inc(tokens)
+            c_flops.inc(flops)
         if queue_seconds is not None:
-            self.queue_wait.labels(rpc=rpc).observe(queue_seconds)
+            queue = self._queue_children.get(rpc)
+            if queue is None:
+                queue = self._queue_children[rpc] = self.queue_wait.labels(rpc=rpc)
+            queue.observe(queue_seconds)
 
     def observe_launch(
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,

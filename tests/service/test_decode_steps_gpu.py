@@ -148,6 +148,26 @@ def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
     assert steps.captured == (2 if steps.use_graphs else 0)
 
 
+def test_steps_in_flight_on_one_stream_get_stagings_of_their_own(steps: DecodeSteps) -> None:
+    """Two launches of one shape bucket issued on one stream before either is waited for (the
+    executor's retry of a failed batch job by job can do this): the second takes a second
+    staging (and graph), so neither overwrites the other's inputs or outputs; later launches
+    reuse both."""
+    pool = Pool(128, 2, 64, torch.bfloat16)
+    expect_k, expect_v = pool.k.clone(), pool.v.clone()
+    for round_ in range(2):
+        jobs = [[_job(pool, [30 + i, 9], 1, 8, 40 + 2 * round_ + i)] for i in range(2)]
+        pending = [steps.launch(BatchPlan(j), 0) for j in jobs]  # both in flight
+        for p in pending:
+            p.wait()
+        for j in jobs:
+            _expected(expect_k, expect_v, j)
+        for j in jobs:
+            _check(j, expect_k, expect_v, 8)
+        assert steps.captured == (2 if steps.use_graphs else 0)
+    torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("send_fp8", [False, True], ids=["bf16-in", "fp8-in"])
 def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
     """FP8 pool, each job's caches with scales of their own (one launch): new tokens sent in

@@ -1,4 +1,4 @@
-"""Cached decode steps on the GPU: one copy in, one CUDA-graph replay, one copy out.
+"""Cached decode steps on the GPU: one CUDA-graph replay per launch, its copies included.
 
 A ``CacheDecode`` launch is tiny on the GPU (64 steps over 4K-token caches: ~0.1 ms) and was
 expensive on the host: the general path (cuda_launch.py) packs q/k/v with one device copy per
@@ -7,11 +7,18 @@ tokens with two indexing kernels and launches the Triton kernel through its Pyth
 profiled on an H100 at 64 clients, that was ~0.55 ms of engine time per launch and the engine
 (one process, one GIL) capped the server near 1,300 steps/s.
 
-Here a launch's inputs are packed on the host into one pinned staging buffer (a ``torch.cat``
-per tensor, numpy for the int tables), copied up in one H2D copy into a device buffer of the
-same layout, and a CUDA graph captured once per shape bucket replays the scatter of the new
-tokens into their pool slots and the split-K paged decode kernel. Outputs come back in one D2H
-copy (straight into the job's destination when the launch has one job).
+Here a launch's inputs are packed on the host (numpy) into one pinned staging buffer, and one
+CUDA graph replay does the rest: the H2D copy of the staging into a device buffer of the same
+layout, the scatter of the new tokens into their pool slots, the split-K paged decode kernel,
+and the D2H copy of out and lse into the staging's pinned outputs, from where numpy copies
+each job's rows into its destination once the launch is done. Each staging has its own graph
+(captured with its addresses); a shape bucket keeps one staging per launch in flight, usually
+one. The copies are graph nodes because each torch call on the launch path costs the engine
+tens of microseconds at one client (a timestamp trace on an H100, benchmarks/trace_step.py:
+the two copies, their events and the destination's view took ~110 us of a step's ~340 us
+launch, against ~4 us each in a warm loop, benchmarks/host_calls.py). So a step's
+``kernel_seconds`` is the graph's GPU time, its few-KB copies included, and its h2d/d2h
+seconds are 0.
 
 Shapes are bucketed so a few graphs serve every step: the batch to the power of two above it
 (padding rows have length 0: zeros out, never read), the block-table width likewise (entries
@@ -55,14 +62,17 @@ def bucket(n: int) -> int:
 
 
 def eligible(plan: BatchPlan) -> bool:
-    """A CacheDecode launch with keys, host tensors and a shape within this path's limits."""
+    """A CacheDecode launch with keys, host tensors (outputs included) and a shape within this
+    path's limits."""
     if plan.op is not Op.CACHE_DECODE or plan.max_seqlen_k == 0:
         return False
     if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
-    return all(j.on_host("q") and j.on_host("out") for j in plan.jobs)
+    # Outputs come back through the staging and numpy: every destination in host memory.
+    return all(j.on_host("q") and j.on_host("out") and (not j.params.return_lse or j.on_host("lse"))
+               for j in plan.jobs)
 
 
 @dataclass(frozen=True)
@@ -144,9 +154,10 @@ class Staging:
         self.out, self.lse = shape.outputs(pin_memory=pin)
         self.out_bytes = self.out.view(-1).view(torch.uint8).numpy()
         self.lse_bytes = self.lse.view(-1).view(torch.uint8).numpy()
-        # The launch's four timing events, made on its first launch and reused with it: the
+        # The launch's two timing events, made on its first launch and reused with it: the
         # staging goes back to its graph only after they are read.
         self.events: list[torch.cuda.Event] | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # copies in, work, copies out
 
     def fill(self, plan: BatchPlan, shape: StepShape) -> None:
         v = self.views
@@ -180,7 +191,7 @@ class Staging:
 
     def scatter(self, plan: BatchPlan) -> None:
         """Each job's rows of the staged out [B, H, D] and lse [B, H] (contiguous bytes) into
-        its own destination, through numpy."""
+        its own destination, through numpy (a lone job's too: no torch view of it is made)."""
         out_row = self.out_bytes.size // self.out.shape[0]
         lse_row = self.lse_bytes.size // self.lse.shape[0]
         for i, job in enumerate(plan.jobs):
@@ -199,11 +210,14 @@ def _pack(parts: list[np.ndarray | None], dst: np.ndarray) -> None:
 
 
 class _StepGraph:
-    """The device side of one shape bucket on one stream: the input/output buffers, the
-    captured graph (or the eager work), and a free list of host staging sets."""
+    """The device side of one shape bucket on one stream: the device buffers, the eager work,
+    and a free list of host stagings, each with the graph captured over its buffers."""
 
     def __init__(self, kernels: ModuleType, shape: StepShape, k_pages: torch.Tensor,
-                 v_pages: torch.Tensor, device: torch.device) -> None:
+                 v_pages: torch.Tensor, device: torch.device,
+                 capture: tuple[object, torch.cuda.Stream] | None) -> None:
+        """``capture``: (memory pool, capture stream) to capture each staging's graph with;
+        None: run the staged work eagerly (``--no-cuda-graphs``)."""
         self.kernels, self.shape = kernels, shape
         self.k_pages, self.v_pages = k_pages, v_pages
         self.dev_u8 = torch.zeros(shape.layout[1], dtype=torch.uint8, device=device)
@@ -214,8 +228,10 @@ class _StepGraph:
         self.fp8: dict[str, torch.Tensor] = {}
         if shape.key.fp8:
             self.fp8 = {"k_scale": self.dev["scales"][0], "v_scale": self.dev["scales"][1]}
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self._free: deque[Staging] = deque()  # popped by the dispatcher, pushed by the completer
+        self._capture = capture
+        self.captured = 0  # graphs captured (one per staging)
+        # Popped by the launching thread, pushed back by the completer.
+        self._free: deque[Staging] = deque()
 
     def run_eager(self, store: bool = True) -> None:
         d, shape = self.dev, self.shape
@@ -235,8 +251,18 @@ class _StepGraph:
             **self.fp8,
         )
 
-    def capture(self, pool: object, stream: torch.cuda.Stream) -> None:
-        """Capture on ``stream``: DecodeSteps' own, never a launch stream (see there)."""
+    def run_staged(self, staging: Staging) -> None:
+        """The whole step on the current stream: staging in, the work, out and lse back."""
+        self.dev_u8.copy_(staging.u8, non_blocking=True)
+        self.run_eager()
+        staging.out.copy_(self.out, non_blocking=True)
+        staging.lse.copy_(self.lse, non_blocking=True)
+
+    def _capture_for(self, staging: Staging) -> None:
+        """Capture ``staging``'s graph on the capture stream (DecodeSteps' own, never a launch
+        stream: see there)."""
+        assert self._capture is not None
+        pool, stream = self._capture
         # A first eager run compiles whatever Triton variant this shape needs (a compile inside
         # a capture failed for an fp32 variant on an H100), as the captured calls take it
         # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its inputs are zeros: every
@@ -245,51 +271,53 @@ class _StepGraph:
         # After this thread's work so far (the zero fill of this graph's fresh buffers).
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with self.kernels.for_cuda_graphs():
-            with torch.cuda.stream(stream):
-                self.run_eager(store=False)
-            stream.synchronize()
+            if not self.captured:
+                with torch.cuda.stream(stream):
+                    self.run_eager(store=False)
+                stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the completer thread synchronizes on events meanwhile, which a
-            # global capture would refuse.
+            # global capture would refuse. The staging's pinned buffers are never freed while
+            # the graph lives (its copies are nodes of the graph).
             with torch.cuda.graph(graph, pool=pool, stream=stream,
                                   capture_error_mode="thread_local"):
-                self.run_eager()
-        self.graph = graph
+                self.run_staged(staging)
+        staging.graph = graph
+        self.captured += 1
 
     def staging(self) -> Staging:
+        """A free staging (its graph captured), or a new one when all are in flight."""
         try:
             return self._free.pop()
         except IndexError:
-            return Staging(self.shape)
+            pass
+        staging = Staging(self.shape)
+        if self._capture is not None:
+            self._capture_for(staging)
+        return staging
 
     def give_back(self, staging: Staging) -> None:
         self._free.append(staging)
 
 
 class _StepLaunch:
-    """An issued step launch: waits, scatters a batch's outputs from the pinned staging into
-    each job's destination, and returns the staging to its graph."""
+    """An issued step launch: waits, copies each job's rows from the pinned staging into its
+    destination, and returns the staging to its graph."""
 
     def __init__(self, events: list[torch.cuda.Event], plan: BatchPlan, graph: _StepGraph,
-                 staging: Staging, scatter: bool) -> None:
+                 staging: Staging) -> None:
         self._events, self._plan, self._graph = events, plan, graph
-        self._staging, self._scatter = staging, scatter
+        self._staging = staging
 
     def wait(self) -> LaunchTimes:
         e = self._events
-        e[3].synchronize()  # releases the GIL while the GPU finishes
-        plan, s = self._plan, self._staging
+        e[1].synchronize()  # releases the GIL while the GPU finishes
         try:
-            if self._scatter:
-                s.scatter(plan)
+            self._staging.scatter(self._plan)
             # Read before the staging (and its events) can be launched again.
-            return LaunchTimes(
-                h2d_seconds=e[0].elapsed_time(e[1]) / 1e3,
-                kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
-                d2h_seconds=e[2].elapsed_time(e[3]) / 1e3,
-            )
+            return LaunchTimes(kernel_seconds=e[0].elapsed_time(e[1]) / 1e3)
         finally:
-            self._graph.give_back(s)
+            self._graph.give_back(self._staging)
 
 
 class DecodeSteps:
@@ -316,17 +344,18 @@ class DecodeSteps:
 
     @property
     def captured(self) -> int:
-        return sum(g.graph is not None for g in self._graphs.values())
+        return sum(g.captured for g in self._graphs.values())
 
     def _graph(self, shape: StepShape, stream_index: int, k_pages: torch.Tensor,
                v_pages: torch.Tensor) -> _StepGraph:
         gkey = (shape, stream_index, k_pages.data_ptr())
         got = self._graphs.get(gkey)
         if got is None:
-            got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device)
+            capture = None
             if self.use_graphs:
                 assert self._capture_stream is not None
-                got.capture(self._pools[stream_index], self._capture_stream)
+                capture = (self._pools[stream_index], self._capture_stream)
+            got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device, capture)
             self._graphs[gkey] = got
         return got
 
@@ -343,29 +372,22 @@ class DecodeSteps:
             graph.give_back(staging)
             raise
         stream = self.streams[stream_index]
-        b = len(plan.seq_lens)
-        lone = plan.jobs[0] if len(plan) == 1 else None
         events = staging.events
         if events is None:
-            events = staging.events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        # Events recorded on the stream named: record() without one looks the current stream
-        # up (~4% of the engine's samples at one client, py-spy, H200).
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            events = staging.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        # The stream made current by hand (set_stream also makes its device current, and the
+        # restore puts both back): ``with torch.cuda.device(...), torch.cuda.stream(...)``
+        # took ~13 us a launch in a warm loop (host_calls.py), ~60 us on an idle engine.
+        # Events are recorded on the stream named (record() without one looks it up).
+        previous = torch.cuda.current_stream()
+        torch.cuda.set_stream(stream)
+        try:
             events[0].record(stream)
-            graph.dev_u8.copy_(staging.u8, non_blocking=True)
+            if staging.graph is not None:
+                staging.graph.replay()
+            else:
+                graph.run_staged(staging)
             events[1].record(stream)
-            if graph.graph is not None:
-                graph.graph.replay()
-            else:
-                graph.run_eager()
-            events[2].record(stream)
-            if lone is not None:  # straight into the destination (pinned arena memory)
-                lone.out.copy_(graph.out[:b], non_blocking=True)
-                if lone.lse is not None:
-                    lone.lse.copy_(plan.op.lse_rows(graph.lse, 0, b), non_blocking=True)
-            else:
-                staging.out[:b].copy_(graph.out[:b], non_blocking=True)
-                if plan.return_lse:
-                    staging.lse[:b].copy_(graph.lse[:b], non_blocking=True)
-            events[3].record(stream)
-        return _StepLaunch(events, plan, graph, staging, scatter=lone is None)
+        finally:
+            torch.cuda.set_stream(previous)
+        return _StepLaunch(events, plan, graph, staging)

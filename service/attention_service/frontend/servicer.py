@@ -208,14 +208,10 @@ class AttentionServicer:
             region_in=call.region_in, region_out=call.region_out, tokens=call.tokens,
             flops=call.flops, queue_seconds=call.queue_seconds,
         )
-        line = (
-            f"rpc={call.rpc} code={call.code} duration_ms={seconds * 1e3:.3f} "
-            f"bytes_in={call.bytes_in} bytes_out={call.bytes_out}{call.extra} "
-            f"peer={call.peer}"
-        )
-        if call.details:
-            line += f" details={call.details!r}"
-        log.log(logging.ERROR if call.code == "INTERNAL" else logging.INFO, line)
+        level = logging.ERROR if call.code == "INTERNAL" else logging.INFO
+        if not log.isEnabledFor(level):  # the line costs ~10 us to build; skip it unread
+            return
+        log.log(level, call.log_line(seconds))
 
 
 class _CallRecord:
@@ -226,19 +222,34 @@ class _CallRecord:
         self.peer = context.peer()
         self.t0 = time.perf_counter()
         self.code, self.details = "OK", ""
-        self.extra = " unary=1" if unary else ""  # then what the call did (``ok``)
+        self.unary = unary
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
+        self.stats: ExecStats | None = None  # set by ``ok``
+        self.regions: tuple[str, ...] = ()
         self.finished = False
 
     def ok(self, received: Received, stats: ExecStats) -> None:
-        p = received.params
-        self.tokens, self.flops = p.tokens, stats.flops
+        self.tokens, self.flops = received.params.tokens, stats.flops
         self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
-        regions = f" regions={','.join(sorted(received.regions))}" if received.regions else ""
-        self.extra += (
-            f" tokens={p.tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
-            f" kernel_ms={stats.kernel_seconds * 1e3:.3f} batch_requests={stats.batch_requests}"
-            f"{regions}"
-        )
+        self.stats, self.regions = stats, tuple(received.regions)
+
+    def log_line(self, seconds: float) -> str:
+        line = (f"rpc={self.rpc} code={self.code} duration_ms={seconds * 1e3:.3f} "
+                f"bytes_in={self.bytes_in} bytes_out={self.bytes_out}")
+        if self.unary:
+            line += " unary=1"
+        stats = self.stats
+        if stats is not None:
+            line += (
+                f" tokens={self.tokens} queue_ms={stats.queue_seconds * 1e3:.3f}"
+                f" kernel_ms={stats.kernel_seconds * 1e3:.3f}"
+                f" batch_requests={stats.batch_requests}"
+            )
+            if self.regions:
+                line += f" regions={','.join(sorted(self.regions))}"
+        line += f" peer={self.peer}"
+        if self.details:
+            line += f" details={self.details!r}"
+        return line

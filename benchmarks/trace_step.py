@@ -1,0 +1,168 @@
+"""Where one client's decode step spends its time: a timestamp at every hand-off, every process.
+
+Starts a server (``python -m attention_service``, batching on) with the hooks of
+``benchmarks/step_trace_hooks`` loaded in each of its processes, creates one KV cache, appends a
+``--context``-token prompt and runs ``--steps`` CacheDecode steps one after another from one
+client (the unary rpc, as attention_client sends a step). The client times each step; the
+server's processes record entry (``>``) and exit (``<``) of the functions a step passes through
+(front end, channel, engine, executor, launch) on one clock. For every step, the events inside
+its client interval are put in time order; the most common order is the step's path, and the
+table gives the median time between consecutive events over the steps that took that path,
+plus the client's own share (call start to the first server event, last event to the reply).
+
+    python benchmarks/trace_step.py --out benchmarks/results/issue11/trace   # GPU defaults
+    python benchmarks/trace_step.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
+        --context 64 --steps 300                                              # quick cpu run
+
+Wrapped calls cost ~1 us each (some 30 per step), so the total is a little above an untraced
+step's; the breakdown is what this is for, not the total.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_service import Server, server_info  # noqa: E402
+from bench_sessions import ELEM, METHOD, Shapes, _call, _requests  # noqa: E402
+
+from attention_wire.pb import attention_pb2 as pb  # noqa: E402
+
+HOOKS = Path(__file__).resolve().parent / "step_trace_hooks"
+
+
+async def _drive(target: str, s: Shapes, steps: int, warm: int) -> list[tuple[int, int, float]]:
+    """(t0 ns, t1 ns, kernel seconds) of each measured step."""
+    setup, step = _requests(s, "sessions", "trace", 0)
+    async with grpc.aio.insecure_channel(target) as ch:
+        create = ch.unary_unary(METHOD + "CreateCaches",
+                                request_serializer=pb.CreateCachesRequest.SerializeToString,
+                                response_deserializer=pb.CreateCachesResponse.FromString)
+        await create(pb.CreateCachesRequest(cache_ids=["trace"], layout=s.layout()), timeout=60)
+        await _call(ch, "AppendKV", setup)
+        out = []
+        for i in range(warm + steps):
+            t0 = time.perf_counter_ns()
+            stats = await _call(ch, "CacheDecode", step, unary=True)
+            t1 = time.perf_counter_ns()
+            if i >= warm:
+                out.append((t0, t1, stats.kernel_seconds))
+        return out
+
+
+def _load(trace_dir: Path) -> list[tuple[int, str]]:
+    """Every server event as (ns, label@role); role: fe (a front end), engine, or server
+    (the single-process model), told apart by the functions each process ran."""
+    merged: list[tuple[int, str]] = []
+    for f in trace_dir.glob("trace_*.json"):
+        data = json.loads(f.read_text())
+        labels = {label for label, _ in data["events"]}
+        if any(x.startswith("RemoteLink.") for x in labels):
+            role = "fe"
+        elif any(x.startswith("FrontendConnection.") for x in labels):
+            role = "engine"
+        else:
+            role = "server"
+        merged += [(t, f"{label}@{role}") for label, t in data["events"]]
+    merged.sort()
+    return merged
+
+
+def breakdown(steps: list[tuple[int, int, float]], events: list[tuple[int, str]]
+              ) -> dict[str, Any]:
+    import bisect
+
+    times = [t for t, _ in events]
+    paths: list[tuple[tuple[str, ...], list[int], int, int]] = []
+    for t0, t1, _ in steps:
+        lo, hi = bisect.bisect_left(times, t0), bisect.bisect_right(times, t1)
+        inside = events[lo:hi]
+        paths.append((tuple(lab for _, lab in inside), [t for t, _ in inside], t0, t1))
+    common, n = collections.Counter(p for p, *_ in paths).most_common(1)[0]
+    rows: list[tuple[str, float]] = []
+    chosen = [(ts, t0, t1) for p, ts, t0, t1 in paths if p == common]
+    hops = ["client call"] + [f"{a} -> {b}" for a, b in zip(common, common[1:], strict=False)]
+    hops.append("reply")
+    for i, hop in enumerate(hops):
+        deltas = []
+        for ts, t0, t1 in chosen:
+            points = [t0, *ts, t1]
+            deltas.append(points[i + 1] - points[i])
+        rows.append((hop, statistics.median(deltas) / 1e3))
+    total = statistics.median([(t1 - t0) / 1e3 for _, t0, t1 in chosen])
+    return {"path_share": n / len(paths), "rows": rows, "median_total_us": total}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=list(ELEM))
+    p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--warm-steps", type=int, default=200)
+    p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
+    p.add_argument("--out", default="benchmarks/results")
+    p.set_defaults(kv_dtype=None, max_batch_tokens=None, max_queue_delay_ms=None,
+                   server_log_level="WARNING", startup_timeout=600.0)
+    args = p.parse_args(argv)
+    s = Shapes(args)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="step-trace-") as tmp:
+        trace_dir = Path(tmp)
+        env_before = dict(os.environ)
+        os.environ["ATTENTION_STEP_TRACE"] = str(trace_dir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(HOOKS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        try:
+            server = Server(args, True, out_dir / "trace_step_server.log")
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        try:
+            info = server_info(server.target)
+            steps = asyncio.run(_drive(server.target, s, args.steps, args.warm_steps))
+            time.sleep(1.2)  # the hooks write every 0.5 s
+        finally:
+            server.stop()
+        events = _load(trace_dir)
+    if not events:
+        print("no server events: were the hooks loaded? (see trace_step_server.log)")
+        return 1
+    result = breakdown(steps, events)
+    kernel_us = statistics.median(k for *_, k in steps) * 1e6
+    lines = [
+        f"# trace_step: {info.device} ({info.backend}, {info.frontends} front end(s)), "
+        f"{datetime.now(timezone.utc):%Y-%m-%d}", "",
+        f"`python benchmarks/trace_step.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
+        "", f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}; {len(steps)} steps, "
+        f"{result['path_share']:.0%} took the path below. Step p50 "
+        f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.", "",
+        "| hop | median us |", "|---|---|",
+    ]
+    lines += [f"| {hop} | {us:.1f} |" for hop, us in result["rows"]]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
+    (out_dir / f"trace_step_{stamp}.md").write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
