@@ -18,6 +18,7 @@ from attention_service.frontend.auth import BearerTokenInterceptor, Principals
 from attention_service.frontend.servicer import AttentionServicer, CallTracker
 from attention_service.frontend.validation import supported_head_dim
 from attention_service.frontend.wire import SERVICE_NAME, add_to_server
+from attention_service.heap import freeze_startup_heap
 from attention_service.link import EngineInfo, EngineLink
 from attention_service.metrics import Metrics
 from attention_service.params import ELEMENT_BYTES
@@ -72,6 +73,7 @@ class FrontEnd:
 
     async def set_serving(self) -> None:
         """Accept compute calls and answer health SERVING (once the engine is warm)."""
+        freeze_startup_heap()  # this process's start-up objects (the engine's too, in-process)
         self.tracker.accepting = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attention_service.config import ServerConfig
+from attention_service.heap import freeze_startup_heap
 
 log = logging.getLogger("attention_service")
 
@@ -198,6 +199,7 @@ class Group:
                         core.warmup()
                         log.info("warm-up on %s took %.2fs", backend.name,
                                  time.perf_counter() - t0)
+                    freeze_startup_heap()
                 except BaseException as exc:
                     failed.append(exc)
                 finally:
