@@ -204,6 +204,7 @@ def sweep_rule() -> list[dict]:
 
 
 def main() -> None:
+    global PAGE, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule"), default="configs")
     ap.add_argument("--shapes", default=None,
@@ -211,12 +212,12 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=0,
                     help="run paged_decode over pages of this many tokens (same keys)")
     ap.add_argument("--page-span", type=int, default=dk.PAGE_SPAN)
+    ap.add_argument("--head-dim", type=int, default=D, help="head dim (default 128)")
     for name in ("blocks", "warps", "stages", "splits"):
         ap.add_argument(f"--{name}", default=None, help="comma list: the grid's " + name)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    global PAGE
-    PAGE = args.page
+    PAGE, D = args.page, args.head_dim
     dk.PAGE_SPAN = args.page_span
 
     def grid(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -241,7 +242,7 @@ def main() -> None:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE,
+            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE, "head_dim": D,
              "page_span": args.page_span,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
                           "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},

@@ -150,7 +150,15 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     half the bytes, and 64 of them too little work per load. benchmarks/tune_fp8.py, H200,
     2026-11-23, 32q/8kv x 128, GPU time 64 -> 128 keys (4 warps, 3 stages): 1x32K 40.3 ->
     36.6 us, 16x32K 473 -> 363, 64x8K 333 -> 314, 128x2K 160 -> 163, 1x4K 12.6 -> 12.7;
-    within 5% of the best of 12 configs at each of 7 shapes."""
+    within 5% of the best of 12 configs at each of 7 shapes.
+
+    16-bit K/V at (padded) head dim 64 and below: ``SMALL_HEAD_TILE``, 128-key blocks (a
+    64-key block of 64-wide rows moves too few bytes per load). ``tune_decode_gpu.py --sweep
+    configs --head-dim 64`` (H100, 2026-11-24, 32q/8kv bf16, GPU time, the split count left to
+    ``choose_num_splits``), 64 -> 128 keys (4 warps, 3 stages), cuDNN in brackets: 1x4K 6.8 ->
+    6.2 us (7.5), 2x8K 14.8 -> 11.3 (10.7), 4x8K 30.6 -> 27.7 (28.1), 8x8K 55.8 -> 49.4
+    (49.4), 16x8K 102.3 -> 89.5 (91.4), 4x32K 104.2 -> 90.9 (92.9); the best of 20 configs
+    (64/128 keys, 2/3 stages, 1-16 splits) at every shape but 2x8K (16 splits: 10.8)."""
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     d = padded_head_dim(head_dim)
@@ -158,11 +166,15 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
         return DecodeConfig(128, 4, 3)
     if d >= 256 or dtype == torch.float32:
         return DecodeConfig(32, 4, 3)
+    if d <= 64 and not kv_fp8:
+        return SMALL_HEAD_TILE
     return DECODE_TILE
 
 
 # The contiguous bf16/fp16 decode tile below D 256; decode_shape_config may trade it for another.
 DECODE_TILE = DecodeConfig(64, 4, 3)
+# 16-bit decode at head dim 64 and below (decode_config).
+SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
 # decode_shape_config's other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 LONG_SPLIT_TILE = DecodeConfig(128, 4, 3)
@@ -214,8 +226,9 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
 @functools.lru_cache(maxsize=512)
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                         kv_fp8: bool = False) -> DecodeConfig:
-    """``decode_config``, but 128-key blocks at (padded) head dim 64 and below, where a 64-key
-    block is too little work to hide a block's page lookups. H100, bf16, 32q/8kv, 8 x 8K keys,
+    """``decode_config``, and 128-key blocks for FP8 pages at (padded) head dim 64 and below
+    too (16-bit ones get them from ``decode_config``): a 64-key block there is too little work
+    to hide a block's page lookups. Measured first on pages: H100, bf16, 32q/8kv, 8 x 8K keys,
     GPU time (graph) 64 -> 128 keys: D64 page 16 74.9 -> 60.0 us, page 64 59.8 -> 54.8
     (contiguous decode, 64 keys: 57.3). At D128 128 keys helped some shapes and hurt others
     (page 16: 64x8K 786 -> 725 us but 128x2K 365 -> 384, 1x4K 15.1 -> 16.0), so 64 stays.
@@ -223,6 +236,6 @@ def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     2026-11-23, page 16, GPU time 64 -> 128 keys: 1x32K 55.2 -> 48.3 us, 16x32K 699 -> 534,
     but 64x8K 385 -> 412 and 128x2K 199 -> 213 (bf16 pages: 55.1, 761, 621, 260)."""
     cfg = decode_config(head_dim, dtype, device, kv_fp8)
-    if cfg.block_n == 64 and padded_head_dim(head_dim) <= 64:
+    if cfg.block_n == 64 and padded_head_dim(head_dim) <= 64:  # FP8 pages (16-bit: already)
         return DecodeConfig(128, cfg.num_warps, cfg.num_stages)
     return cfg

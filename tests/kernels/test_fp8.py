@@ -297,6 +297,12 @@ def test_fp8_launch_configs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert decode_cfg(128, torch.bfloat16, gpu, True) == configs.DecodeConfig(128, 4, 3)
     assert decode_cfg(128, torch.bfloat16, gpu) == configs.DecodeConfig(64, 4, 3)
     assert decode_cfg(64, torch.bfloat16, gpu, True) == configs.DecodeConfig(64, 4, 3)
+    # 16-bit K/V at head dim 64 and below: 128-key blocks, contiguous and paged alike.
+    for d in (64, 40, 32):
+        assert decode_cfg(d, torch.bfloat16, gpu) == configs.SMALL_HEAD_TILE
+        assert configs.paged_decode_config.__wrapped__(d, torch.float16, gpu) == (
+            configs.SMALL_HEAD_TILE)
+    assert decode_cfg(96, torch.bfloat16, gpu) == configs.DECODE_TILE
     paged_cfg = configs.paged_decode_config.__wrapped__
     assert paged_cfg(128, torch.bfloat16, gpu, True) == configs.DecodeConfig(128, 4, 3)
     assert paged_cfg(128, torch.bfloat16, gpu) == configs.DecodeConfig(64, 4, 3)
