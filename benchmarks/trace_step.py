@@ -161,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
     (out_dir / f"trace_step_{stamp}.md").write_text(table)
+    (out_dir / f"trace_step_{stamp}.json").write_text(json.dumps(
+        {"args": vars(args), "device": info.device, "frontends": info.frontends,
+         "steps": len(steps), "kernel_p50_us": kernel_us, **result}, indent=1))
     return 0
 
 
