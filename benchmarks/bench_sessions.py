@@ -306,16 +306,22 @@ def _f(x: float, nd: int = 2) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """The server device and the step's shape (what ``Shapes`` and ``Server`` read); the
+    caller adds ``--kv-dtype`` or sets it to None."""
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--dtype", default="bf16", choices=list(ELEM))
+    p.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_shape_args(p)
     p.add_argument("--kv-dtype", choices=["fp8"], help="keys and values in FP8 (e4m3, per-head "
                    "scales; with bf16/fp16 --dtype): FP8 caches, and FP8 resent caches")
-    p.add_argument("--context", type=int, default=4096, help="prompt tokens per sequence")
     p.add_argument("--clients", default="1,8,64")
     p.add_argument("--duration", type=float, default=8.0)
     p.add_argument("--warmup", type=float, default=2.0)

@@ -37,7 +37,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import Server, server_info  # noqa: E402
-from bench_sessions import ELEM, METHOD, Shapes, _call, _requests  # noqa: E402
+from bench_sessions import METHOD, Shapes, _call, _requests, add_shape_args  # noqa: E402
 
 from attention_wire.pb import attention_pb2 as pb  # noqa: E402
 
@@ -108,12 +108,7 @@ def breakdown(steps: list[tuple[int, int, float]], events: list[tuple[int, str]]
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--dtype", default="bf16", choices=list(ELEM))
-    p.add_argument("--context", type=int, default=4096)
+    add_shape_args(p)
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--warm-steps", type=int, default=200)
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")

@@ -4,12 +4,22 @@ per-front-end arenas, the client's shared-memory regions). Not thread-safe: call
 from __future__ import annotations
 
 import bisect
+from collections.abc import Mapping
 
 ALIGN = 4096  # every tensor starts on a page: aligned for any dtype and for DMA
 
 
 def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
+
+
+def layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
+    """Offsets of each tensor inside one block, and the block's size."""
+    offsets, at = {}, 0
+    for name, n in sizes.items():
+        offsets[name] = at
+        at += align(n)
+    return offsets, max(at, ALIGN)
 
 
 class FreeList:

@@ -1,11 +1,11 @@
 """``EngineLink`` for the single-process model: the front end and the engine share a process.
 
 A call's buffers are one host block from the backend (pinned on cuda, from torch's caching
-host allocator, so repeat sizes cost no page faults), each tensor at an aligned offset, handed
-to the engine as byte spans of a ``ByteBase``, as a front-end process's arena is: the front end
-fills them through numpy views, and the engine packs a decode step's bytes through numpy too
-(no torch call per tensor: as torch tensors, a step's staging fill and output scatter took
-~200 us of engine time at one client, ~80 us as spans; H100, benchmarks/trace_step.py).
+host allocator, so repeat sizes cost no page faults), laid out and handed to the engine as
+byte spans of a ``ByteBase`` just as a front-end process's arena block is: the front end fills
+them through numpy views, and the engine packs a decode step's bytes through numpy too (no
+torch call per tensor: as torch tensors, a step's staging fill and output scatter took ~200 us
+of engine time at one client, ~80 us as spans; H100, benchmarks/trace_step.py).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from attention_service.engine.executor import future_done
 from attention_service.engine.jobs import ByteBase, ExecStats
 from attention_service.link import EngineInfo
 from attention_service.params import Params, RegionSpan
+from attention_wire.alloc import layout
 
 _INLINE_ALLOC_BYTES = 1 << 20
-_ALIGN = 128  # bytes: each tensor starts aligned like a fresh allocation
 
 
 class LocalBuffers:
@@ -45,16 +45,13 @@ class LocalLink:
         self.info: EngineInfo = core.info
 
     async def allocate(self, sizes: Mapping[str, int]) -> LocalBuffers:
-        offsets, at = {}, 0
-        for name, n in sizes.items():
-            offsets[name] = at
-            at += -(-n // _ALIGN) * _ALIGN
+        offsets, total = layout(sizes)  # as in a front end's arena
 
         def alloc() -> LocalBuffers:
-            block = self.core.backend.alloc_host(max(at, _ALIGN))
+            block = self.core.backend.alloc_host(total)
             return LocalBuffers(ByteBase(block), offsets, sizes)
 
-        if sum(sizes.values()) <= _INLINE_ALLOC_BYTES:
+        if total <= _INLINE_ALLOC_BYTES:
             return alloc()
         # Off the event loop: a first pinned allocation of a large size takes milliseconds.
         return await asyncio.to_thread(alloc)

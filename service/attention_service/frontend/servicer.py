@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -227,13 +227,13 @@ class _CallRecord:
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
         self.stats: ExecStats | None = None  # set by ``ok``
-        self.regions: tuple[str, ...] = ()
+        self.regions: Mapping[str, object] = {}  # names read only for the log line
         self.finished = False
 
     def ok(self, received: Received, stats: ExecStats) -> None:
         self.tokens, self.flops = received.params.tokens, stats.flops
         self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
-        self.stats, self.regions = stats, tuple(received.regions)
+        self.stats, self.regions = stats, received.regions
 
     def log_line(self, seconds: float) -> str:
         line = (f"rpc={self.rpc} code={self.code} duration_ms={seconds * 1e3:.3f} "

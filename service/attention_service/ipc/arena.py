@@ -16,11 +16,10 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-from collections.abc import Mapping
 
 import numpy as np
 
-from attention_wire.alloc import ALIGN, FreeList, align
+from attention_wire.alloc import ALIGN, FreeList, align, layout
 
 __all__ = ["ALIGN", "FreeList", "Mapped", "align", "create", "layout"]
 
@@ -30,15 +29,6 @@ def create(size: int, name: str = "attention-arena") -> int:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     os.ftruncate(fd, size)
     return fd
-
-
-def layout(sizes: Mapping[str, int]) -> tuple[dict[str, int], int]:
-    """Offsets of each tensor inside one block, and the block's size."""
-    offsets, at = {}, 0
-    for name, n in sizes.items():
-        offsets[name] = at
-        at += align(n)
-    return offsets, max(at, ALIGN)
 
 
 class Mapped:
