@@ -11,6 +11,7 @@
 #   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (the e4m3 conversions'
 #              PTX, tile configs, descriptor loads of FP8 tiles)
 #   tune-fp8-paged  benchmarks/tune_fp8.py --only paged (FP8 pages: paged decode tile configs)
+#   prefill-order  benchmarks/tune_prefill_order.py (the prefill grid's program order, vs cuDNN)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
 #              benchmarks/bench_features.py (window skip vs full causal, varlen_attn and SDPA
@@ -123,6 +124,8 @@ for s in "$@"; do
               stage tune-fp8 420 python3 benchmarks/tune_fp8.py --out "$OUT" ;;
     tune-fp8-paged) stage tune-fp8-paged 300 python3 benchmarks/tune_fp8.py --only paged \
                       --out "$OUT" ;;
+    prefill-order) stage prefill-order 300 python3 benchmarks/tune_prefill_order.py \
+                     --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
     features) stage features-tests 360 python3 -m pytest -q -p no:cacheprovider -n 4 \
                 --timeout 600 tests/kernels/test_features.py

@@ -119,7 +119,7 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
         default = gpu_us(lambda: run_decode(q, k, v, cu))
         best = (default, "default")
         for bn, w, st, sp in itertools.product(blocks, warps, stages, splits):
-            if sp * bn > ctx:
+            if sp * bn > ctx:  # 0: the default split count
                 continue
             cfg = DecodeConfig(bn, w, st)
             us = measure(lambda cfg=cfg, sp=sp: run_decode(q, k, v, cu, num_splits=sp,

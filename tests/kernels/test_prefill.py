@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_kernels import prefill, prefill_ref
+from attention_kernels import prefill, prefill_kernel, prefill_ref
 from attention_kernels.configs import PrefillConfig
 from tests.kernels.conftest import (
     DEVICE,
@@ -114,6 +114,19 @@ def test_q_and_k_lengths_differ(lens_q: list[int], lens_k: list[int], causal: bo
 def test_block_shapes_other_than_default(config: PrefillConfig) -> None:
     # The causal bounds must hold for BLOCK_M < BLOCK_N and BLOCK_M > BLOCK_N alike.
     run_case([50, 3, 70], [60, 3, 70], 2, 1, 64, True, torch.float16, config=config)
+
+
+@pytest.mark.parametrize("slot_run", [1, 5, 0], ids=["heads-inner", "runs-of-5", "heads-outer"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_every_program_order_covers_every_tile(
+    slot_run: int, causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 12 slots in runs of 5 leave 3 spare programs in the last run (slot < 0): they must write
+    # nothing.
+    monkeypatch.setitem(prefill_kernel.SLOT_RUN, causal, slot_run)
+    monkeypatch.setattr(prefill_kernel, "_PLANS", type(prefill_kernel._PLANS)())
+    run_case([45, 0, 70, 1], None, 3, 1, 64, causal, torch.float16,
+             config=PrefillConfig(16, 16, 4, 1))
 
 
 def test_softmax_scale() -> None:
