@@ -1,12 +1,15 @@
 """Sweep launch configs on a GPU; the winners go into attention_kernels/configs.py by hand.
 
-    python benchmarks/tune_kernels.py [--out benchmarks/results] [--only prefill|decode|prefill-ws]
+    python benchmarks/tune_kernels.py [--out benchmarks/results]
+        [--only prefill|decode|prefill-ws|prefill-short]
 
 Prefill: dense bf16 packed batches (batch*N = 16K tokens, N = 8K, 2048 / D heads), causal and
 not, per padded head dim. Decode: (batch, ctx) = (1, 32K) and (16, 32K), 32q/8kv heads, D 128.
 Each config is checked against the default before timing; failures (e.g. out of shared memory)
 are reported and skipped. ``prefill-ws``: Triton's automatic warp specialization of the unmasked
 key loop (``PrefillConfig.warp_specialize``) against the table's tiles and SDPA cuDNN, same run.
+``prefill-short``: batches of equal sequences (512-2048 tokens unless ``--lengths``), tile
+configs (a grid, or ``--configs``) against the default and SDPA cuDNN, same run.
 """
 
 from __future__ import annotations
@@ -107,6 +110,60 @@ def tune_prefill_ws(results: list[dict]) -> None:
         print(" | ".join(line), flush=True)
 
 
+# prefill-short: batches of equal sequences of 16K tokens in all (short ones: a batch of
+# prompts, where a program streams only a few key blocks and the 8K-token table rows may not be
+# the best tiles). ``--lengths`` / ``--configs`` override the grid (e.g. to check a candidate
+# tile on long sequences too).
+SHORT_LENGTHS = (512, 1024, 2048)
+SHORT_GRID = [PrefillConfig(bm, bn, w, st)
+              for bm, bn, w, st in itertools.product((64, 128), (64, 128), (4, 8), (2, 3))]
+
+
+def parse_configs(text: str) -> list[PrefillConfig]:
+    """``BMxBNxWARPSxSTAGES`` items, comma separated."""
+    return [PrefillConfig(*(int(x) for x in item.split("x"))) for item in text.split(",")]
+
+
+def tune_prefill_short(results: list[dict], lengths: tuple[int, ...], grid: list[PrefillConfig],
+                       head_dims: tuple[int, ...], rounds: int) -> None:
+    for d in head_dims:
+        heads = 2048 // d
+        for n, causal in itertools.product(lengths, (True, False)):
+            batch = 16384 // n
+            q, k, v = (torch.randn(batch * n, heads, d, dtype=torch.bfloat16, device="cuda")
+                       for _ in range(3))
+            cu = torch.arange(0, batch + 1, dtype=torch.int32, device="cuda") * n
+            fl = 4.0 * n * n * heads * d * batch / (2 if causal else 1)
+            qd, kd, vd = (t.unflatten(0, (batch, n)).transpose(1, 2) for t in (q, k, v))
+            with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+                cudnn = fl / bench(lambda: F.scaled_dot_product_attention(  # noqa: B023
+                    qd, kd, vd, is_causal=causal)) / 1e9  # noqa: B023
+            ref = prefill(q, k, v, cu, causal=causal)
+            # Every config, then again (alternating): the median of ``rounds`` runs each.
+            runs: dict[str, list[float]] = {}
+            for _ in range(rounds):
+                runs.setdefault("default", []).append(
+                    fl / bench(lambda: prefill(q, k, v, cu, causal=causal)) / 1e9)  # noqa: B023
+                for cfg in grid:
+                    name = f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}"
+                    try:
+                        runs.setdefault(name, []).append(
+                            config_tflops((q, k, v, cu), causal, cfg, ref, fl))
+                    except Exception as e:  # noqa: BLE001 - a config that cannot compile/run
+                        results.append({"op": "prefill-short", "D": d, "N": n, "B": batch,
+                                        "causal": causal, "cfg": name, "error": error_text(e)})
+            tf = {name: sorted(v)[len(v) // 2] for name, v in runs.items() if v}
+            for name, value in tf.items():
+                results.append({"op": "prefill-short", "D": d, "N": n, "B": batch,
+                                "causal": causal, "cfg": name, "TFLOPs": value,
+                                "cudnn_TFLOPs": cudnn, "default_TFLOPs": tf["default"]})
+            best = max(tf, key=tf.get)
+            cells = " | ".join(f"{name} {value:.0f}" for name, value in tf.items())
+            print(f"prefill-short D={d} {batch}x{n} causal={causal}: cuDNN {cudnn:.0f} | "
+                  f"{cells} | best {best} ({tf[best] / cudnn:.2f}x cuDNN, "
+                  f"{tf[best] / tf['default']:.3f}x default)", flush=True)
+
+
 def tune_decode(results: list[dict]) -> None:
     heads, kv_heads, d = 32, 8, 128
     for batch, ctx in ((1, 32768), (16, 32768), (128, 2048)):
@@ -142,7 +199,12 @@ def tune_decode(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws"])
+    parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws", "prefill-short"])
+    parser.add_argument("--lengths", default=None, help="prefill-short: comma list of N")
+    parser.add_argument("--configs", default=None,
+                        help="prefill-short: comma list of BMxBNxWARPSxSTAGES")
+    parser.add_argument("--head-dims", default="128,64", help="prefill-short: comma list")
+    parser.add_argument("--rounds", type=int, default=1, help="prefill-short: runs per config")
     args = parser.parse_args()
     results: list[dict] = []
     if args.only in (None, "prefill"):
@@ -151,6 +213,12 @@ def main() -> None:
         tune_decode(results)
     if args.only == "prefill-ws":
         tune_prefill_ws(results)
+    if args.only == "prefill-short":
+        lengths = (tuple(int(x) for x in args.lengths.split(",")) if args.lengths
+                   else SHORT_LENGTHS)
+        grid = parse_configs(args.configs) if args.configs else SHORT_GRID
+        tune_prefill_short(results, lengths, grid,
+                           tuple(int(x) for x in args.head_dims.split(",")), args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"tune_{torch.cuda.get_device_name().replace(' ', '_')}.json"

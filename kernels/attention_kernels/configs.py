@@ -76,16 +76,21 @@ def num_sms(device_index: int) -> int:
 # D128: 128x128, 8 warps, 3 stages gave 459 / 447 TFLOP/s (full / causal); the next best was
 # 128x64 at 403 / 387; 4 stages of 128x128 does not fit in 227 KB of shared memory.
 # D64: 128x128 x4 warps 393 full; causal prefers 128x64 x8 warps x4 stages (391).
+# D128 since then (descriptor loads of K/V, heads-outer order): 128x64, 4 warps, 2 stages. H100,
+# 2026-11-24, ``tune_kernels.py --only prefill-short --lengths 512,...,16384 --rounds 2``
+# (16K tokens, 16 heads, bf16), TFLOP/s 128x128 w8 s3 -> 128x64 w4 s2, non-causal N 512 / 1K /
+# 2K / 4K / 8K / 16K: 297 -> 314, 380 -> 405, 447 -> 470, 489 -> 489, 510 -> 526, 510 -> 536;
+# causal 182 -> 179, 280 -> 274, 366 -> 376, 433 -> 451, 461 -> 495, 475 -> 509 (cuDNN 316-663).
 _PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
     (16, False): PrefillConfig(128, 128, 4, 3),
     (32, False): PrefillConfig(128, 128, 4, 3),
     (64, False): PrefillConfig(128, 128, 4, 3),
-    (128, False): PrefillConfig(128, 128, 8, 3),
+    (128, False): PrefillConfig(128, 64, 4, 2),
     (256, False): PrefillConfig(128, 64, 8, 2),
     (16, True): PrefillConfig(128, 64, 8, 4),
     (32, True): PrefillConfig(128, 64, 8, 4),
     (64, True): PrefillConfig(128, 64, 8, 4),
-    (128, True): PrefillConfig(128, 128, 8, 3),
+    (128, True): PrefillConfig(128, 64, 4, 2),
     (256, True): PrefillConfig(128, 64, 8, 2),
 }
 
@@ -100,18 +105,48 @@ _PREFILL_FP8_SM90: dict[tuple[int, bool], PrefillConfig] = {
 }
 
 
+# Short sequences (every query length at most the bound; 16-bit, Hopper): (padded head dim,
+# causal) -> (bound, config). 64x64 tiles: less of each causal diagonal block wasted, and
+# more programs to spread. H100, 2026-11-24, same runs as above, TFLOP/s table -> short tile:
+# D128 causal N 512 / 1K 182 -> 210, 280 -> 290 (2K: 366 -> 361, so not there); D64
+# (64x64 w4 s3) causal N 512 / 1K / 2K / 4K 182 -> 216, 265 -> 297, 335 -> 348, 373 -> 375,
+# non-causal 288 -> 323, 341 -> 387, 369 -> 397, 390 -> 403 (8K: 384 -> 387 and 410 -> 402,
+# so not there).
+_PREFILL_SHORT_SM90: dict[tuple[int, bool], tuple[int, PrefillConfig]] = {
+    (128, True): (1024, PrefillConfig(64, 64, 4, 2)),
+    (64, True): (4096, PrefillConfig(64, 64, 4, 3)),
+    (64, False): (4096, PrefillConfig(64, 64, 4, 3)),
+}
+# The largest bound above: callers bucket their ``max_seqlen_q`` hint up to it (plan keys).
+SHORT_PREFILL_MAX = max(bound for bound, _ in _PREFILL_SHORT_SM90.values())
+
+
+def short_rows_bucket(max_seqlen_q: int | None) -> int | None:
+    """The hint ``prefill_config`` needs from a call's ``max_seqlen_q``: the next power of two
+    (the bounds are powers of two), or None where no short-sequence tile can apply."""
+    if max_seqlen_q is None or max_seqlen_q > SHORT_PREFILL_MAX:
+        return None
+    return 1 << max(0, max_seqlen_q - 1).bit_length()
+
+
 @functools.lru_cache(maxsize=512)  # per launch on the host path: ~10 us uncached
 def prefill_config(
     head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device,
-    kv_fp8: bool = False,
+    kv_fp8: bool = False, max_rows: int | None = None,
 ) -> PrefillConfig:
-    """``kv_fp8``: the keys and values are float8_e4m3fn (``dtype`` is the queries')."""
+    """``kv_fp8``: the keys and values are float8_e4m3fn (``dtype`` is the queries').
+    ``max_rows``: no sequence has more queries than this (``short_rows_bucket`` of the
+    caller's hint; None: unknown), which picks the short-sequence tiles where measured."""
     if interpreting() or device.type != "cuda":
         # The interpreter runs every program in numpy: small tiles keep CI fast, and
         # BLOCK_M != BLOCK_N exercises the generalised causal bounds.
         return PrefillConfig(32, 16, 4, 1)
     d = padded_head_dim(head_dim)
     cfg = _PREFILL_SM90[(d, causal)]
+    short = _PREFILL_SHORT_SM90.get((d, causal))
+    if (short is not None and max_rows is not None and max_rows <= short[0] and not kv_fp8
+            and dtype != torch.float32):
+        cfg = short[1]
     if kv_fp8:
         cfg = _PREFILL_FP8_SM90.get((d, causal), cfg)
     if dtype == torch.float32:

@@ -19,6 +19,7 @@ from attention_kernels.configs import (
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
     paged_decode_config,
+    prefill_config,
 )
 from attention_kernels.decode_kernel import (
     PAGE_SPAN,
@@ -27,7 +28,7 @@ from attention_kernels.decode_kernel import (
     for_cuda_graphs,
     paged_decode,
 )
-from attention_kernels.prefill_kernel import paged_prefill, prefill
+from attention_kernels.prefill_kernel import _TMA_HEAD_DIMS, _tma_ok, paged_prefill, prefill
 
 
 def warmup(
@@ -52,9 +53,7 @@ def warmup(
             q = torch.randn(40, 4, d, dtype=dtype, device=device)
             kv = torch.randn(40, 2, d, dtype=dtype, device=device)
             cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
-            for causal in (False, True):
-                for lse in lse_flags:
-                    prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
+            _prefill_variants(q, kv, cu, lse_flags)
             qd = torch.randn(2, 4, d, dtype=dtype, device=device)
             for lse in lse_flags:  # one split: the kernel writes the output directly
                 decode(qd, kv, kv, cu, num_splits=1, return_lse=lse)
@@ -97,6 +96,29 @@ def warmup(
         _graph_variants(merges, device)
         torch.cuda.synchronize(device)
     return time.perf_counter() - t0
+
+
+def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
+                      lse_flags: tuple[bool, ...]) -> None:
+    """``prefill``'s variants for ``q``'s dtype and head dim: the table's tiles, the
+    short-sequence tiles (a ``max_seqlen_q`` hint), and on Hopper at the head dims that take
+    them the descriptor (TMA) loads, which only launches with enough work take
+    (``_TMA_MIN_WORK``): without this the first long prompt compiled them (~1-2 s)."""
+    d = q.shape[2]
+    big_q = big_kv = None
+    if q.is_cuda and d in _TMA_HEAD_DIMS:
+        n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
+        big_q = torch.randn(n, 16, d, dtype=q.dtype, device=q.device)
+        big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
+        big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+    for causal in (False, True):
+        for lse in lse_flags:
+            prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
+            prefill(q, kv, kv, cu, causal=causal, return_lse=lse, max_seqlen_q=23)
+            if big_q is not None and big_kv is not None:
+                cfg = prefill_config(d, q.dtype, causal, q.device)
+                if _tma_ok(big_q, big_kv, big_kv, cfg):
+                    prefill(big_q, big_kv, big_kv, big_cu, causal=causal, return_lse=lse)
 
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,

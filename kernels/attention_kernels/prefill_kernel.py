@@ -69,6 +69,7 @@ from attention_kernels.configs import (
     interpreting,
     padded_head_dim,
     prefill_config,
+    short_rows_bucket,
 )
 
 LOG2E = 1.4426950408889634
@@ -437,7 +438,10 @@ def prefill(
         q: ``[total_q, H, D]`` fp16/bf16/fp32; ``k, v``: ``[total_k, H_kv, D]``, ``H % H_kv == 0``.
         cu_seqlens_q / cu_seqlens_k: int32 ``[batch + 1]`` prefix sums (k defaults to q). Their
             values are trusted (validated by the caller); nothing here reads them on the host.
-        max_seqlen_q / max_seqlen_k: accepted for API parity; the schedule needs neither.
+        max_seqlen_q / max_seqlen_k: host-side hints, never read on the device. A
+            ``max_seqlen_q`` no sequence exceeds picks smaller tiles for short sequences where
+            they were measured faster (``configs.prefill_config``); a wrong one costs only
+            speed. ``max_seqlen_k`` is accepted for API parity.
         causal: bottom-right aligned mask; rows that see no key output zeros (lse -inf).
         softmax_scale: defaults to ``1 / sqrt(D)``.
         return_lse: also return float32 natural-log ``lse [H, total_q]``.
@@ -456,18 +460,19 @@ def prefill(
 
     fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
     """
-    del max_seqlen_q, max_seqlen_k
+    del max_seqlen_k
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
+    rows = short_rows_bucket(max_seqlen_q)
     key = _plan_key(False, q, k, v, cu_seqlens_q, cu_seqlens_k, None, causal, softmax_scale,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
-                    v_scale, _config)
+                    v_scale, _config, rows)
     plan = _PLANS.get(key)
     if plan is None:
         check_prefill_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k)
         plan = _plan(q, k, v, cu_seqlens_q, None, causal, softmax_scale, return_lse, _config,
                      window_size, softcap, alibi_slopes, k.shape[0], k_scale, v_scale, out,
-                     lse_out)
+                     lse_out, rows)
         if not plan.use_tma:  # TMA launches are long (GPU-bound) and read the environment
             _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, None, out, lse_out, alibi_slopes,
@@ -508,13 +513,15 @@ def paged_prefill(
         seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed). The queries
             of sequence ``b`` are its last ``seqlen_q`` positions for the causal mask (bottom-right
             aligned), e.g. new tokens already appended to the cache.
+        max_seqlen_q / max_seqlen_k: accepted for API parity (pages take the default tiles:
+            the short-sequence ones were measured on contiguous keys of the same length only).
         Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
         outputs (``lse [H, total_q]``) as in ``prefill``. One compiled variant per page size.
     """
     del max_seqlen_q, max_seqlen_k
     key = _plan_key(True, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, causal,
                     softmax_scale, return_lse, out, lse_out, window_size, softcap,
-                    alibi_slopes, k_scale, v_scale, _config)
+                    alibi_slopes, k_scale, v_scale, _config, None)
     plan = _PLANS.get(key)
     if plan is None:
         check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
@@ -563,11 +570,12 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: object, softmax_scale: object, return_lse: object,
               out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
               softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
-              config: PrefillConfig | None) -> tuple | None:
+              config: PrefillConfig | None, rows: int | None) -> tuple | None:
     """Everything a prefill call's checks and set-up read (``_launch.call_key``)."""
     return call_key((q, k, v, cu_q, lens_k, table, out, lse_out if return_lse else None,
                      alibi_slopes, k_scale, v_scale),
-                    (paged, causal, softmax_scale, return_lse, softcap, config), window_size)
+                    (paged, causal, softmax_scale, return_lse, softcap, config, rows),
+                    window_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -606,11 +614,13 @@ def _plan(
     v_scale: torch.Tensor | None,
     out: torch.Tensor | None,
     lse_out: torch.Tensor | None,
+    rows: int | None = None,
 ) -> _PrefillPlan:
     """The checks prefill and paged prefill share, then the call's set-up; the caller checked
     the inputs. Contiguous (``table`` None): ``k, v [total_k, H_kv, D]``. Paged: ``k, v`` are
     the pages. ``max_keys``: a bound on any sequence's key count known from shapes (total_k,
-    or the block table's capacity)."""
+    or the block table's capacity). ``rows``: ``short_rows_bucket`` of the caller's
+    ``max_seqlen_q`` hint (the tile choice only)."""
     batch = cu_seqlens_q.shape[0] - 1
     fp8 = check_kv_scales(k, k_scale, v_scale, batch)
     window = check_features(window_size, softcap, alibi_slopes, q.shape[1], batch, q.device)
@@ -637,7 +647,8 @@ def _plan(
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     # A window's blocks are split into masked and unmasked stages like causal ones: causal's
     # tiles.
-    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8)
+    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8,
+                                   rows)
     num_slots = total_q // cfg.block_m + batch + 1
     slot_run = SLOT_RUN[causal or has_window] or num_slots
     runs = -(-num_slots // slot_run)  # the last run's spare programs (slot < 0) return

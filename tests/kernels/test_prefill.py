@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_kernels import prefill, prefill_kernel, prefill_ref
+from attention_kernels import configs, prefill, prefill_kernel, prefill_ref
 from attention_kernels.configs import PrefillConfig
 from tests.kernels.conftest import (
     DEVICE,
@@ -127,6 +127,31 @@ def test_every_program_order_covers_every_tile(
     monkeypatch.setattr(prefill_kernel, "_PLANS", type(prefill_kernel._PLANS)())
     run_case([45, 0, 70, 1], None, 3, 1, 64, causal, torch.float16,
              config=PrefillConfig(16, 16, 4, 1))
+
+
+def test_short_sequence_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``max_seqlen_q`` hint within a measured bound picks the short-sequence tile; above
+    it, unknown, fp32, or another (head dim, causal), the table's."""
+    monkeypatch.setattr(configs, "_INTERPRETING", False)
+    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    gpu = torch.device("cuda", 0)
+    cfg = configs.prefill_config.__wrapped__
+    bucket = configs.short_rows_bucket
+    assert [bucket(n) for n in (None, 0, 1, 2, 3, 512, 513, 4096, 4097)] == [
+        None, 1, 1, 2, 4, 512, 1024, 4096, None]
+    short = configs.PrefillConfig(64, 64, 4, 2)
+    assert cfg(128, torch.bfloat16, True, gpu, False, bucket(1000)) == short
+    assert cfg(128, torch.float16, True, gpu, False, bucket(1024)) == short
+    assert cfg(128, torch.bfloat16, True, gpu, False, bucket(1025)) == configs.PrefillConfig(
+        128, 64, 4, 2)
+    assert cfg(128, torch.bfloat16, False, gpu, False, bucket(100)) == configs.PrefillConfig(
+        128, 64, 4, 2)
+    for causal in (False, True):
+        assert cfg(64, torch.bfloat16, causal, gpu, False, bucket(4096)) == (
+            configs.PrefillConfig(64, 64, 4, 3))
+        assert cfg(64, torch.bfloat16, causal, gpu, False, None) != configs.PrefillConfig(
+            64, 64, 4, 3)
+    assert cfg(128, torch.float32, True, gpu, False, 512).block_m == 128
 
 
 def test_softmax_scale() -> None:
@@ -265,3 +290,27 @@ def test_more_sequences_than_one_search_block(causal: bool) -> None:
     g = torch.Generator().manual_seed(7)
     lens = torch.randint(0, 6, (150,), generator=g).tolist()
     run_case(lens, None, 2, 1, 64, causal, torch.float16)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
+def test_warmup_compiles_what_prefill_serves() -> None:
+    """After ``warmup``, prefills of other lengths (a long prompt taking the descriptor loads
+    at D 128 on Hopper, short ones with a ``max_seqlen_q`` hint taking the short tiles), GQA
+    ratios and batch sizes compile nothing new."""
+    from attention_kernels import warmup
+
+    def variants() -> int:
+        return sum(len(c[0]) for c in prefill_kernel._prefill_kernel.device_caches.values())
+
+    warmup((64, 128), (torch.bfloat16,), DEVICE)
+    before = variants()
+    for d in (64, 128):
+        for lens, heads, kv_heads, hint in (([8192], 16, 16, None), ([512] * 4, 32, 8, 512),
+                                            ([1000, 3000], 16, 2, 3000), ([77, 5], 4, 4, None)):
+            q = randn(sum(lens), heads, d, dtype=torch.bfloat16)
+            kv = randn(sum(lens), kv_heads, d, dtype=torch.bfloat16)
+            for causal in (False, True):
+                for lse in (False, True):
+                    prefill(q, kv, kv, cu_seqlens(lens), causal=causal, return_lse=lse,
+                            max_seqlen_q=hint)
+    assert variants() == before
