@@ -1,7 +1,7 @@
 """Sweep launch configs on a GPU; the winners go into attention_kernels/configs.py by hand.
 
     python benchmarks/tune_kernels.py [--out benchmarks/results]
-        [--only prefill|decode|prefill-ws|prefill-short]
+        [--only prefill|decode|prefill-ws|prefill-short|prefill-varlen]
 
 Prefill: dense bf16 packed batches (batch*N = 16K tokens, N = 8K, 2048 / D heads), causal and
 not, per padded head dim. Decode: (batch, ctx) = (1, 32K) and (16, 32K), 32q/8kv heads, D 128.
@@ -10,6 +10,8 @@ are reported and skipped. ``prefill-ws``: Triton's automatic warp specialization
 key loop (``PrefillConfig.warp_specialize``) against the table's tiles and SDPA cuDNN, same run.
 ``prefill-short``: batches of equal sequences (512-2048 tokens unless ``--lengths``), tile
 configs (a grid, or ``--configs``) against the default and SDPA cuDNN, same run.
+``prefill-varlen``: GPU time of the default and ``--configs`` tiles on bench_kernels.py's
+varlen batches (launches of a few waves).
 """
 
 from __future__ import annotations
@@ -164,6 +166,41 @@ def tune_prefill_short(results: list[dict], lengths: tuple[int, ...], grid: list
                   f"{tf[best] / tf['default']:.3f}x default)", flush=True)
 
 
+def tune_prefill_varlen(results: list[dict], grid: list[PrefillConfig], rounds: int) -> None:
+    """GPU time (CUDA-graph replays) of the default tiles and ``grid`` on bench_kernels.py's
+    varlen batches (plus two mid-size dense ones), 16 heads x 128 bf16: launches of a few waves
+    of programs, where the time is the longest programs' latency rather than throughput."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_kernels import VARLEN_BATCHES, cu
+
+    heads, d = 16, 128
+    for lens in [*VARLEN_BATCHES, [2048] * 4, [4096] * 2]:
+        q, k, v = (torch.randn(sum(lens), heads, d, dtype=torch.bfloat16, device="cuda")
+                   for _ in range(3))
+        cus = cu(lens)
+        for causal in (True, False):
+            us: dict[str, list[float]] = {}
+            ref = prefill(q, k, v, cus, causal=causal, max_seqlen_q=max(lens))
+            for _ in range(rounds):
+                for cfg in (None, *grid):
+                    name = ("default" if cfg is None else
+                            f"{cfg.block_m}x{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages}")
+                    fn = lambda cfg=cfg: prefill(q, k, v, cus, causal=causal,  # noqa: B023
+                                                 max_seqlen_q=max(lens), _config=cfg)  # noqa: B023
+                    if rel(fn(), ref) > 1e-2:
+                        raise SystemExit(f"{lens} {name}: wrong result")
+                    torch.cuda.synchronize()
+                    us.setdefault(name, []).append(triton.testing.do_bench_cudagraph(
+                        fn, rep=50, return_mode="median") * 1e3)
+            best = {name: min(v) for name, v in us.items()}
+            results.append({"op": "prefill-varlen", "lens": lens, "causal": causal,
+                            "gpu_us": best})
+            print(f"{str(lens)[:28]:<28} causal={causal!s:<5} GPU us: "
+                  + " | ".join(f"{name} {t:7.1f}" for name, t in best.items()), flush=True)
+
+
 def tune_decode(results: list[dict]) -> None:
     heads, kv_heads, d = 32, 8, 128
     for batch, ctx in ((1, 32768), (16, 32768), (128, 2048)):
@@ -199,12 +236,14 @@ def tune_decode(results: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws", "prefill-short"])
+    parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws", "prefill-short",
+                                           "prefill-varlen"])
     parser.add_argument("--lengths", default=None, help="prefill-short: comma list of N")
     parser.add_argument("--configs", default=None,
-                        help="prefill-short: comma list of BMxBNxWARPSxSTAGES")
+                        help="prefill-short/-varlen: comma list of BMxBNxWARPSxSTAGES")
     parser.add_argument("--head-dims", default="128,64", help="prefill-short: comma list")
-    parser.add_argument("--rounds", type=int, default=1, help="prefill-short: runs per config")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="prefill-short/-varlen: runs per config")
     args = parser.parse_args()
     results: list[dict] = []
     if args.only in (None, "prefill"):
@@ -219,6 +258,9 @@ def main() -> None:
         grid = parse_configs(args.configs) if args.configs else SHORT_GRID
         tune_prefill_short(results, lengths, grid,
                            tuple(int(x) for x in args.head_dims.split(",")), args.rounds)
+    if args.only == "prefill-varlen":
+        tune_prefill_varlen(results, parse_configs(args.configs or "128x128x8x3,128x64x4x2,"
+                                                   "64x64x4x2"), args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"tune_{torch.cuda.get_device_name().replace(' ', '_')}.json"

@@ -76,21 +76,16 @@ def num_sms(device_index: int) -> int:
 # D128: 128x128, 8 warps, 3 stages gave 459 / 447 TFLOP/s (full / causal); the next best was
 # 128x64 at 403 / 387; 4 stages of 128x128 does not fit in 227 KB of shared memory.
 # D64: 128x128 x4 warps 393 full; causal prefers 128x64 x8 warps x4 stages (391).
-# D128 since then (descriptor loads of K/V, heads-outer order): 128x64, 4 warps, 2 stages. H100,
-# 2026-11-24, ``tune_kernels.py --only prefill-short --lengths 512,...,16384 --rounds 2``
-# (16K tokens, 16 heads, bf16), TFLOP/s 128x128 w8 s3 -> 128x64 w4 s2, non-causal N 512 / 1K /
-# 2K / 4K / 8K / 16K: 297 -> 314, 380 -> 405, 447 -> 470, 489 -> 489, 510 -> 526, 510 -> 536;
-# causal 182 -> 179, 280 -> 274, 366 -> 376, 433 -> 451, 461 -> 495, 475 -> 509 (cuDNN 316-663).
 _PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
     (16, False): PrefillConfig(128, 128, 4, 3),
     (32, False): PrefillConfig(128, 128, 4, 3),
     (64, False): PrefillConfig(128, 128, 4, 3),
-    (128, False): PrefillConfig(128, 64, 4, 2),
+    (128, False): PrefillConfig(128, 128, 8, 3),
     (256, False): PrefillConfig(128, 64, 8, 2),
     (16, True): PrefillConfig(128, 64, 8, 4),
     (32, True): PrefillConfig(128, 64, 8, 4),
     (64, True): PrefillConfig(128, 64, 8, 4),
-    (128, True): PrefillConfig(128, 64, 4, 2),
+    (128, True): PrefillConfig(128, 128, 8, 3),
     (256, True): PrefillConfig(128, 64, 8, 2),
 }
 
@@ -105,55 +100,89 @@ _PREFILL_FP8_SM90: dict[tuple[int, bool], PrefillConfig] = {
 }
 
 
-# Short sequences (every query length at most the bound; 16-bit, Hopper): (padded head dim,
-# causal) -> (bound, config). 64x64 tiles: less of each causal diagonal block wasted, and
-# more programs to spread. H100, 2026-11-24, same runs as above, TFLOP/s table -> short tile:
-# D128 causal N 512 / 1K 182 -> 210, 280 -> 290 (2K: 366 -> 361, so not there); D64
-# (64x64 w4 s3) causal N 512 / 1K / 2K / 4K 182 -> 216, 265 -> 297, 335 -> 348, 373 -> 375,
-# non-causal 288 -> 323, 341 -> 387, 369 -> 397, 390 -> 403 (8K: 384 -> 387 and 410 -> 402,
-# so not there).
-_PREFILL_SHORT_SM90: dict[tuple[int, bool], tuple[int, PrefillConfig]] = {
-    (128, True): (1024, PrefillConfig(64, 64, 4, 2)),
-    (64, True): (4096, PrefillConfig(64, 64, 4, 3)),
-    (64, False): (4096, PrefillConfig(64, 64, 4, 3)),
+# Launches of many programs: at least this many per SM, (query-block slots of 128 rows) x
+# heads. Only there do the tiles of ``_PREFILL_MANY_SM90`` pay: a launch of a few waves is as
+# long as its longest programs, which 8 warps of 128x128 finish sooner. H100, 2026-11-24
+# (``benchmarks/results/issue13/h100_2026-11-24c/ab_varlen.log``), GPU time of the table's
+# D128 tile -> 128x64 x4 warps x2 stages, 16 heads: [1024] * 3 (448 programs) 71 -> 96 us
+# non-causal, [64, 78, 2048] causal (336) 53 -> 83; [4096] * 2 (1072) 589 -> 569 non-causal,
+# 324 -> 320 causal; [8192, 16 x 4] (1120) 1143 -> 1088 non-causal.
+MANY_PROGRAMS_PER_SM = 8
+# (padded head dim, causal) -> [(bound, config)], 16-bit, Hopper, many programs: the first
+# entry whose bound (None: any) is at least every sequence's query count (``max_rows``).
+# H100, 2026-11-24, ``tune_kernels.py --only prefill-short --lengths 512,...,16384 --rounds
+# 2`` (16K tokens, 2048 / D heads, bf16: 1056+ programs), TFLOP/s table tile -> this one:
+# * D128, 128x64 x4 warps x2 stages (descriptor loads of K/V, heads-outer order):
+#   non-causal N 512 / 1K / 2K / 4K / 8K / 16K 297 -> 314, 380 -> 405, 447 -> 470,
+#   489 -> 489, 510 -> 526, 510 -> 536; causal 366 -> 376 (2K), 433 -> 451, 461 -> 495,
+#   475 -> 509 (cuDNN 316-663).
+# * D128 causal N <= 1K, 64x64 x4 x2 (less of each diagonal block wasted): 182 -> 210,
+#   280 -> 290 (2K: 366 -> 361).
+# * D64 N <= 4K, 64x64 x4 x3: causal 182 -> 216, 265 -> 297, 335 -> 348, 373 -> 375;
+#   non-causal 288 -> 323, 341 -> 387, 369 -> 397, 390 -> 403 (8K: 384 -> 387, 410 -> 402).
+_PREFILL_MANY_SM90: dict[tuple[int, bool], list[tuple[int | None, PrefillConfig]]] = {
+    (128, False): [(None, PrefillConfig(128, 64, 4, 2))],
+    (128, True): [(1024, PrefillConfig(64, 64, 4, 2)), (None, PrefillConfig(128, 64, 4, 2))],
+    (64, False): [(4096, PrefillConfig(64, 64, 4, 3))],
+    (64, True): [(4096, PrefillConfig(64, 64, 4, 3))],
 }
-# The largest bound above: callers bucket their ``max_seqlen_q`` hint up to it (plan keys).
-SHORT_PREFILL_MAX = max(bound for bound, _ in _PREFILL_SHORT_SM90.values())
+# The same for launches of fewer programs: D128 causal N <= 512, 64x64 x4 x2. Same A/B, GPU
+# time: [64, 128, 256] 10.6 -> 8.6 us, [128, 256, 512] 15.2 -> 14.5 ([1024] * 3: 54 -> 60,
+# so not there).
+_PREFILL_FEW_SM90: dict[tuple[int, bool], list[tuple[int | None, PrefillConfig]]] = {
+    (128, True): [(512, PrefillConfig(64, 64, 4, 2))],
+}
+# The largest finite bound above: callers bucket their ``max_seqlen_q`` hint up to it.
+SHORT_PREFILL_MAX = max(bound for rules in (*_PREFILL_MANY_SM90.values(),
+                                            *_PREFILL_FEW_SM90.values())
+                        for bound, _ in rules if bound is not None)
 
 
 def short_rows_bucket(max_seqlen_q: int | None) -> int | None:
     """The hint ``prefill_config`` needs from a call's ``max_seqlen_q``: the next power of two
-    (the bounds are powers of two), or None where no short-sequence tile can apply."""
+    (the bounds are powers of two), or None where no bounded rule can apply."""
     if max_seqlen_q is None or max_seqlen_q > SHORT_PREFILL_MAX:
         return None
     return 1 << max(0, max_seqlen_q - 1).bit_length()
 
 
+def many_programs(slots: int, heads: int, device: torch.device) -> bool:
+    """Whether a prefill launch of ``slots`` 128-row query-block slots per head keeps at least
+    ``MANY_PROGRAMS_PER_SM`` programs per SM busy (``prefill_config``'s ``many``)."""
+    if device.type != "cuda" or interpreting():
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return slots * heads >= MANY_PROGRAMS_PER_SM * num_sms(index)
+
+
 @functools.lru_cache(maxsize=512)  # per launch on the host path: ~10 us uncached
 def prefill_config(
     head_dim: int, dtype: torch.dtype, causal: bool, device: torch.device,
-    kv_fp8: bool = False, max_rows: int | None = None,
+    kv_fp8: bool = False, max_rows: int | None = None, many: bool = False,
 ) -> PrefillConfig:
     """``kv_fp8``: the keys and values are float8_e4m3fn (``dtype`` is the queries').
     ``max_rows``: no sequence has more queries than this (``short_rows_bucket`` of the
-    caller's hint; None: unknown), which picks the short-sequence tiles where measured."""
+    caller's hint; None: unknown). ``many``: the launch has many programs
+    (``many_programs``). Both pick measured tiles of 16-bit launches on Hopper."""
     if interpreting() or device.type != "cuda":
         # The interpreter runs every program in numpy: small tiles keep CI fast, and
         # BLOCK_M != BLOCK_N exercises the generalised causal bounds.
         return PrefillConfig(32, 16, 4, 1)
     d = padded_head_dim(head_dim)
     cfg = _PREFILL_SM90[(d, causal)]
-    short = _PREFILL_SHORT_SM90.get((d, causal))
-    if (short is not None and max_rows is not None and max_rows <= short[0] and not kv_fp8
-            and dtype != torch.float32):
-        cfg = short[1]
+    major, _ = _capability(device.index if device.index is not None
+                           else torch.cuda.current_device())
+    if not kv_fp8 and dtype != torch.float32 and major == 9:
+        rules = (_PREFILL_MANY_SM90 if many else _PREFILL_FEW_SM90).get((d, causal), [])
+        for bound, rule_cfg in rules:
+            if bound is None or (max_rows is not None and max_rows <= bound):
+                cfg = rule_cfg
+                break
     if kv_fp8:
         cfg = _PREFILL_FP8_SM90.get((d, causal), cfg)
     if dtype == torch.float32:
         # fp32 tiles are twice the bytes: halve the key block to stay within shared memory.
         cfg = dataclasses.replace(cfg, block_n=max(16, cfg.block_n // 2), num_stages=2)
-    major, _ = _capability(device.index if device.index is not None
-                           else torch.cuda.current_device())
     if major < 9:
         # Pre-Hopper parts have less shared memory per SM: fewer stages.
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64), num_stages=2)

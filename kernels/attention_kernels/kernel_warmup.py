@@ -16,8 +16,11 @@ import torch
 
 from attention_kernels.configs import (
     LONG_SPLIT_TILE,
+    MANY_PROGRAMS_PER_SM,
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
+    many_programs,
+    num_sms,
     paged_decode_config,
     prefill_config,
 )
@@ -100,25 +103,43 @@ def warmup(
 
 def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
                       lse_flags: tuple[bool, ...]) -> None:
-    """``prefill``'s variants for ``q``'s dtype and head dim: the table's tiles, the
-    short-sequence tiles (a ``max_seqlen_q`` hint), and on Hopper at the head dims that take
-    them the descriptor (TMA) loads, which only launches with enough work take
-    (``_TMA_MIN_WORK``): without this the first long prompt compiled them (~1-2 s)."""
+    """``prefill``'s variants for ``q``'s dtype and head dim: the tiles of launches of few and
+    of many programs (``configs.many_programs``), each with and without a short
+    ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor (TMA)
+    loads, which only launches with enough work take (``_TMA_MIN_WORK``). Without these the
+    first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
-    big_q = big_kv = None
-    if q.is_cuda and d in _TMA_HEAD_DIMS:
-        n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
-        big_q = torch.randn(n, 16, d, dtype=q.dtype, device=q.device)
-        big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
-        big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-    for causal in (False, True):
-        for lse in lse_flags:
-            prefill(q, kv, kv, cu, causal=causal, return_lse=lse)
-            prefill(q, kv, kv, cu, causal=causal, return_lse=lse, max_seqlen_q=23)
-            if big_q is not None and big_kv is not None:
-                cfg = prefill_config(d, q.dtype, causal, q.device)
+    inputs = [(q, kv, cu)]
+    if q.is_cuda:
+        # One query per sequence, many heads: the fewest bytes that make a many-program launch.
+        one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+        inputs.append((torch.randn(1, _many_heads(2, q.device), d, dtype=q.dtype,
+                                   device=q.device), kv[:1], one))
+        if d in _TMA_HEAD_DIMS:
+            n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
+            slots = n // 128 + 2
+            big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
+            big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
+            for heads in {16, _many_heads(slots, q.device)}:
+                big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
+                cfg = prefill_config(d, q.dtype, False, q.device)
                 if _tma_ok(big_q, big_kv, big_kv, cfg):
-                    prefill(big_q, big_kv, big_kv, big_cu, causal=causal, return_lse=lse)
+                    inputs.append((big_q, big_kv, big_cu))
+    for q_in, kv_in, cu_in in inputs:
+        for causal in (False, True):
+            for lse in lse_flags:
+                for hint in (None, 23):
+                    prefill(q_in, kv_in, kv_in, cu_in, causal=causal, return_lse=lse,
+                            max_seqlen_q=hint)
+
+
+def _many_heads(slots: int, device: torch.device) -> int:
+    """An even head count (two kv heads) that makes ``slots`` query-block slots a launch of
+    many programs on ``device``."""
+    want = -(-MANY_PROGRAMS_PER_SM * num_sms(device.index or 0) // slots)
+    heads = max(16, want + want % 2)
+    assert many_programs(slots, heads, device)
+    return heads
 
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,

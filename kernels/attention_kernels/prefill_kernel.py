@@ -67,6 +67,7 @@ from attention_kernels.configs import (
     _capability,
     dot_in_fp32,
     interpreting,
+    many_programs,
     padded_head_dim,
     prefill_config,
     short_rows_bucket,
@@ -647,8 +648,10 @@ def _plan(
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     # A window's blocks are split into masked and unmasked stages like causal ones: causal's
     # tiles.
+    # Paged launches keep the table's tiles: the others were measured on contiguous keys.
+    many = table is None and many_programs(total_q // 128 + batch + 1, num_heads, q.device)
     cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8,
-                                   rows)
+                                   rows, many)
     num_slots = total_q // cfg.block_m + batch + 1
     slot_run = SLOT_RUN[causal or has_window] or num_slots
     runs = -(-num_slots // slot_run)  # the last run's spare programs (slot < 0) return

@@ -311,7 +311,7 @@ def test_fp8_launch_configs(monkeypatch: pytest.MonkeyPatch) -> None:
         assert prefill_cfg(128, torch.bfloat16, causal, gpu, True) == configs.PrefillConfig(
             128, 64, 4, 3)
         assert prefill_cfg(128, torch.bfloat16, causal, gpu) == configs.PrefillConfig(
-            128, 64, 4, 2)
+            128, 128, 8, 3)
         # FP8 K/V keep their tiles for short sequences too.
-        assert prefill_cfg(128, torch.bfloat16, causal, gpu, True, 512) == (
+        assert prefill_cfg(128, torch.bfloat16, causal, gpu, True, 512, True) == (
             configs.PrefillConfig(128, 64, 4, 3))

@@ -129,29 +129,42 @@ def test_every_program_order_covers_every_tile(
              config=PrefillConfig(16, 16, 4, 1))
 
 
-def test_short_sequence_prefill_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A ``max_seqlen_q`` hint within a measured bound picks the short-sequence tile; above
-    it, unknown, fp32, or another (head dim, causal), the table's."""
+def test_prefill_tiles_by_launch_size_and_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Hopper, 16-bit launches of many programs take the many-program tiles (bounded ones
+    by the ``max_seqlen_q`` hint), fewer programs the table's but for short causal D 128;
+    FP8, fp32 and other GPUs keep the table's (no GPU needed: the cached functions unwrapped)."""
     monkeypatch.setattr(configs, "_INTERPRETING", False)
     monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(configs, "num_sms", lambda index: 132)
     gpu = torch.device("cuda", 0)
     cfg = configs.prefill_config.__wrapped__
     bucket = configs.short_rows_bucket
     assert [bucket(n) for n in (None, 0, 1, 2, 3, 512, 513, 4096, 4097)] == [
         None, 1, 1, 2, 4, 512, 1024, 4096, None]
-    short = configs.PrefillConfig(64, 64, 4, 2)
-    assert cfg(128, torch.bfloat16, True, gpu, False, bucket(1000)) == short
-    assert cfg(128, torch.float16, True, gpu, False, bucket(1024)) == short
-    assert cfg(128, torch.bfloat16, True, gpu, False, bucket(1025)) == configs.PrefillConfig(
-        128, 64, 4, 2)
-    assert cfg(128, torch.bfloat16, False, gpu, False, bucket(100)) == configs.PrefillConfig(
-        128, 64, 4, 2)
+    assert configs.many_programs(66, 16, gpu) and not configs.many_programs(65, 16, gpu)
+    assert not configs.many_programs(10**6, 16, torch.device("cpu"))
+    table = configs.PrefillConfig(128, 128, 8, 3)
+    wide, short64 = configs.PrefillConfig(128, 64, 4, 2), configs.PrefillConfig(64, 64, 4, 2)
+    bf16 = torch.bfloat16
+    # Many programs.
+    assert cfg(128, bf16, False, gpu, False, None, True) == wide
+    assert cfg(128, bf16, False, gpu, False, bucket(100), True) == wide
+    assert cfg(128, bf16, True, gpu, False, None, True) == wide
+    assert cfg(128, torch.float16, True, gpu, False, bucket(1024), True) == short64
+    assert cfg(128, bf16, True, gpu, False, bucket(1025), True) == wide
     for causal in (False, True):
-        assert cfg(64, torch.bfloat16, causal, gpu, False, bucket(4096)) == (
+        assert cfg(64, bf16, causal, gpu, False, bucket(4096), True) == (
             configs.PrefillConfig(64, 64, 4, 3))
-        assert cfg(64, torch.bfloat16, causal, gpu, False, None) != configs.PrefillConfig(
-            64, 64, 4, 3)
-    assert cfg(128, torch.float32, True, gpu, False, 512).block_m == 128
+        assert cfg(64, bf16, causal, gpu, False, None, True) == cfg(64, bf16, causal, gpu)
+    # Few programs: the table, but short causal D 128.
+    assert cfg(128, bf16, False, gpu, False, bucket(100)) == table
+    assert cfg(128, bf16, True, gpu, False, bucket(512)) == short64
+    assert cfg(128, bf16, True, gpu, False, bucket(513)) == table
+    assert cfg(64, bf16, True, gpu, False, bucket(100)) == cfg(64, bf16, True, gpu)
+    # fp32 and pre-Hopper GPUs: the table's tile, adjusted.
+    assert cfg(128, torch.float32, True, gpu, False, 512, True).block_m == 128
+    monkeypatch.setattr(configs, "_capability", lambda index: (8, 0))
+    assert cfg(128, bf16, False, gpu, False, None, True) == configs.PrefillConfig(128, 64, 8, 2)
 
 
 def test_softmax_scale() -> None:
@@ -296,7 +309,7 @@ def test_more_sequences_than_one_search_block(causal: bool) -> None:
 def test_warmup_compiles_what_prefill_serves() -> None:
     """After ``warmup``, prefills of other lengths (a long prompt taking the descriptor loads
     at D 128 on Hopper, short ones with a ``max_seqlen_q`` hint taking the short tiles), GQA
-    ratios and batch sizes compile nothing new."""
+    ratios and batch sizes (launches of few and of many programs) compile nothing new."""
     from attention_kernels import warmup
 
     def variants() -> int:
@@ -306,7 +319,9 @@ def test_warmup_compiles_what_prefill_serves() -> None:
     before = variants()
     for d in (64, 128):
         for lens, heads, kv_heads, hint in (([8192], 16, 16, None), ([512] * 4, 32, 8, 512),
-                                            ([1000, 3000], 16, 2, 3000), ([77, 5], 4, 4, None)):
+                                            ([1000, 3000], 16, 2, 3000), ([77, 5], 4, 4, None),
+                                            ([512] * 32, 16, 16, 512), ([2048] * 8, 16, 4, 2048),
+                                            ([300] * 40, 32, 8, None)):
             q = randn(sum(lens), heads, d, dtype=torch.bfloat16)
             kv = randn(sum(lens), kv_heads, d, dtype=torch.bfloat16)
             for causal in (False, True):
