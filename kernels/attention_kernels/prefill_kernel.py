@@ -191,8 +191,11 @@ def _prefill_inner(
     return acc, l_i, m_i
 
 
+# Arguments that vary with the batch are not specialized (``do_not_specialize``): Triton
+# compiles a variant per value 1 / multiple of 16 of the others. ``stride_lh`` is total_q
+# (the lse rows): without it every lse launch compiled twice, by total_q % 16.
 @triton.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run", "stride_tb",
-                               "win_left", "win_right", "stride_ab", "stride_sb"])
+                               "stride_lh", "win_left", "win_right", "stride_ab", "stride_sb"])
 def _prefill_kernel(
     Q, K, V, Out, Lse, cu_q, cu_k, desc_k, desc_v, Table,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
