@@ -19,7 +19,6 @@ from attention_kernels.configs import (
     MANY_PROGRAMS_PER_SM,
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
-    many_programs,
     num_sms,
     paged_decode_config,
     prefill_config,
@@ -137,9 +136,7 @@ def _many_heads(slots: int, device: torch.device) -> int:
     """An even head count (two kv heads) that makes ``slots`` query-block slots a launch of
     many programs on ``device``."""
     want = -(-MANY_PROGRAMS_PER_SM * num_sms(device.index or 0) // slots)
-    heads = max(16, want + want % 2)
-    assert many_programs(slots, heads, device)
-    return heads
+    return max(16, want + want % 2)
 
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,
