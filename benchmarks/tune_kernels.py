@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,16 +28,16 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_kernels import decode, prefill
-from attention_kernels.configs import DecodeConfig, PrefillConfig
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import VARLEN_BATCHES, cu, rel  # noqa: E402  (rel: NaN is inf)
+
+from attention_kernels import decode, prefill  # noqa: E402
+from attention_kernels.configs import DecodeConfig, PrefillConfig  # noqa: E402
 
 
 def bench(fn) -> float:
+    """Shorter than bench_kernels' ``bench``: a sweep times hundreds of configs."""
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median")
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def prefill_cases(head_dims: tuple[int, ...]) -> Iterator[tuple[int, bool, tuple, float]]:
@@ -170,11 +171,6 @@ def tune_prefill_varlen(results: list[dict], grid: list[PrefillConfig], rounds: 
     """GPU time (CUDA-graph replays) of the default tiles and ``grid`` on bench_kernels.py's
     varlen batches (plus two mid-size dense ones), 16 heads x 128 bf16: launches of a few waves
     of programs, where the time is the longest programs' latency rather than throughput."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_kernels import VARLEN_BATCHES, cu
-
     heads, d = 16, 128
     for lens in [*VARLEN_BATCHES, [2048] * 4, [4096] * 2]:
         q, k, v = (torch.randn(sum(lens), heads, d, dtype=torch.bfloat16, device="cuda")

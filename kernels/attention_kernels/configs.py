@@ -146,12 +146,14 @@ def short_rows_bucket(max_seqlen_q: int | None) -> int | None:
     return 1 << max(0, max_seqlen_q - 1).bit_length()
 
 
-def many_programs(slots: int, heads: int, device: torch.device) -> bool:
-    """Whether a prefill launch of ``slots`` 128-row query-block slots per head keeps at least
-    ``MANY_PROGRAMS_PER_SM`` programs per SM busy (``prefill_config``'s ``many``)."""
+def many_programs(total_q: int, batch: int, heads: int, device: torch.device) -> bool:
+    """Whether a prefill launch of ``total_q`` queries in ``batch`` sequences and ``heads``
+    heads has at least ``MANY_PROGRAMS_PER_SM`` programs per SM (``prefill_config``'s
+    ``many``), counted as the kernel's grid at 128-row query blocks."""
     if device.type != "cuda" or interpreting():
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
+    slots = total_q // 128 + batch + 1  # prefill_kernel's slot count
     return slots * heads >= MANY_PROGRAMS_PER_SM * num_sms(index)
 
 

@@ -16,12 +16,11 @@ import torch
 
 from attention_kernels.configs import (
     LONG_SPLIT_TILE,
-    MANY_PROGRAMS_PER_SM,
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
-    num_sms,
+    interpreting,
+    many_programs,
     paged_decode_config,
-    prefill_config,
 )
 from attention_kernels.decode_kernel import (
     PAGE_SPAN,
@@ -109,20 +108,18 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
-    if q.is_cuda:
+    if q.is_cuda and not interpreting():  # the interpreter has one tile, and no TMA
         # One query per sequence, many heads: the fewest bytes that make a many-program launch.
         one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
-        inputs.append((torch.randn(1, _many_heads(2, q.device), d, dtype=q.dtype,
+        inputs.append((torch.randn(1, _many_heads(1, q.device), d, dtype=q.dtype,
                                    device=q.device), kv[:1], one))
         if d in _TMA_HEAD_DIMS:
             n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
-            slots = n // 128 + 2
             big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
             big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-            for heads in {16, _many_heads(slots, q.device)}:
+            for heads in {16, _many_heads(n, q.device)}:
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
-                cfg = prefill_config(d, q.dtype, False, q.device)
-                if _tma_ok(big_q, big_kv, big_kv, cfg):
+                if _tma_ok(big_q, big_kv, big_kv):
                     inputs.append((big_q, big_kv, big_cu))
     for q_in, kv_in, cu_in in inputs:
         for causal in (False, True):
@@ -132,11 +129,13 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
                             max_seqlen_q=hint)
 
 
-def _many_heads(slots: int, device: torch.device) -> int:
-    """An even head count (two kv heads) that makes ``slots`` query-block slots a launch of
-    many programs on ``device``."""
-    want = -(-MANY_PROGRAMS_PER_SM * num_sms(device.index or 0) // slots)
-    return max(16, want + want % 2)
+def _many_heads(total_q: int, device: torch.device) -> int:
+    """The least even head count, at least 16 (two kv heads divide it), that makes one
+    sequence of ``total_q`` queries a launch of many programs on ``device``."""
+    heads = 16
+    while not many_programs(total_q, 1, heads, device):
+        heads += 2
+    return heads
 
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,

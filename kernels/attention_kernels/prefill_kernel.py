@@ -376,7 +376,7 @@ SLOT_RUN = {False: 0, True: 1}
 TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
 
 
-def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: PrefillConfig,
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             span: int | None = None) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
     a head dim in ``_TMA_HEAD_DIMS``, a work bound of at least ``_TMA_MIN_WORK``, and
@@ -652,7 +652,7 @@ def _plan(
     # A window's blocks are split into masked and unmasked stages like causal ones: causal's
     # tiles.
     # Paged launches keep the table's tiles: the others were measured on contiguous keys.
-    many = table is None and many_programs(total_q // 128 + batch + 1, num_heads, q.device)
+    many = table is None and many_programs(total_q, batch, num_heads, q.device)
     cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8,
                                    rows, many)
     num_slots = total_q // cfg.block_m + batch + 1
@@ -661,7 +661,7 @@ def _plan(
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
-    use_tma = table is None and _tma_ok(q, k, v, cfg, span)
+    use_tma = table is None and _tma_ok(q, k, v, span)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.

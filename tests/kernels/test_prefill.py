@@ -141,8 +141,10 @@ def test_prefill_tiles_by_launch_size_and_length(monkeypatch: pytest.MonkeyPatch
     bucket = configs.short_rows_bucket
     assert [bucket(n) for n in (None, 0, 1, 2, 3, 512, 513, 4096, 4097)] == [
         None, 1, 1, 2, 4, 512, 1024, 4096, None]
-    assert configs.many_programs(66, 16, gpu) and not configs.many_programs(65, 16, gpu)
-    assert not configs.many_programs(10**6, 16, torch.device("cpu"))
+    # 8192 queries in one sequence: 64 + 2 slots x 16 heads = 8 programs per SM of 132.
+    assert configs.many_programs(8192, 1, 16, gpu)
+    assert not configs.many_programs(8191, 1, 16, gpu)
+    assert not configs.many_programs(10**6, 1, 16, torch.device("cpu"))
     table = configs.PrefillConfig(128, 128, 8, 3)
     wide, short64 = configs.PrefillConfig(128, 64, 4, 2), configs.PrefillConfig(64, 64, 4, 2)
     bf16 = torch.bfloat16
@@ -253,18 +255,16 @@ def test_head_dim_128_long_sequences(dtype: torch.dtype, causal: bool) -> None:
 def test_tma_path_is_taken_where_the_tests_expect() -> None:
     """The TMA tests above (and the leak test below) must really run the descriptor path, and
     small launches must not pay for it."""
-    from attention_kernels.configs import prefill_config
     from attention_kernels.prefill_kernel import _tma_ok
 
-    cfg = prefill_config(128, torch.bfloat16, False, torch.device(DEVICE))
     big = randn(sum(LONG_128), LONG_128_HEADS, 128, dtype=torch.bfloat16)
     kv = randn(sum(LONG_128), 2, 128, dtype=torch.bfloat16)
-    assert _tma_ok(big, kv, kv, cfg)
+    assert _tma_ok(big, kv, kv)
     n = sum(LEAK_LENS)
     leak_q = randn(n, LEAK_HEADS, 128, dtype=torch.bfloat16)
-    assert _tma_ok(leak_q, kv[:n], kv[:n], cfg)
+    assert _tma_ok(leak_q, kv[:n], kv[:n])
     small = randn(3072, 16, 128, dtype=torch.bfloat16)  # [1024] * 3: host-bound, no TMA
-    assert not _tma_ok(small, kv[:3072], kv[:3072], cfg)
+    assert not _tma_ok(small, kv[:3072], kv[:3072])
 
 
 # On a GPU, long enough that the D128 case takes the TMA path (5077^2 x 16 heads of work).
