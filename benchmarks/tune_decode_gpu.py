@@ -97,16 +97,24 @@ def measure(fn, ref: torch.Tensor) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def restore(defaults: tuple[str, int, int, int]) -> None:
+def merge_settings() -> tuple[str, int, int, int, bool]:
+    return (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
+            dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD)
+
+
+def restore(defaults: tuple[str, int, int, int, bool]) -> None:
     (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
-     dk.MERGE_KERNEL_WARPS) = defaults
+     dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD) = defaults
     dk._PLANS.clear()
 
 
 def set_merge(mode: str, tile: int, warps: int = 4) -> None:
-    # The tile of whichever merge the mode runs (fused in the split kernel, or a kernel).
+    """``mode``: a ``MERGE_MODE``, with "/head" for a merge kernel of a program per query
+    head (``MERGE_KERNEL_PER_HEAD``). The tile is the one of whichever merge the mode runs
+    (fused in the split kernel, or a kernel)."""
+    mode, _, per = mode.partition("/")
     dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = mode, tile, tile
-    dk.MERGE_KERNEL_WARPS = warps
+    dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD = warps, per == "head"
     dk._PLANS.clear()  # the plans hold the launch of the previous mode
 
 
@@ -142,13 +150,14 @@ def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
 
 def sweep_merge() -> list[dict]:
     rows = []
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
-                dk.MERGE_KERNEL_WARPS)
+    defaults = merge_settings()
     # "default": the module's own settings (for CUDA graphs on Hopper, the PDL merge kernel).
-    # (mode, tile, merge-kernel warps)
-    variants = [("default", 0, 0), ("fused", 8192, 4), ("fused", 16384, 4),
-                ("separate", 16384, 4), ("pdl", 8192, 4), ("pdl", 16384, 1),
-                ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl", 16384, 8)]
+    # (mode, tile, merge-kernel warps); "/head": a merge program per query head, whose tile
+    # holds one head's splits (2048 elements: 16 splits at D 128).
+    variants = [("default", 0, 0), ("fused", 8192, 4), ("separate", 16384, 4),
+                ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl/head", 2048, 1),
+                ("pdl/head", 2048, 2), ("pdl/head", 4096, 1), ("pdl/head", 4096, 2),
+                ("pdl/head", 4096, 4), ("pdl/head", 8192, 4)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = run_decode(q, k, v, cu)
@@ -226,8 +235,7 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
-    defaults = (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
-                dk.MERGE_KERNEL_WARPS)
+    defaults = merge_settings()
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, grid("blocks", (64, 128)), grid("warps", (4, 8)),
                              grid("stages", (3, 4, 5)), grid("splits", (8, 16, 24, 32)))
@@ -245,7 +253,8 @@ def main() -> None:
             {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE, "head_dim": D,
              "page_span": args.page_span,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
-                          "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},
+                          "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3],
+                          "merge_kernel_per_head": defaults[4]},
              "rows": rows}, indent=1))
 
 

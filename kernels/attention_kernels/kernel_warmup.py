@@ -3,14 +3,20 @@
 Triton compiles one binary per (dtype, head dim, causal, return_lse, config) on first use, which
 takes about a second each; a server calls ``warmup`` before it reports SERVING so no request pays
 that. Binaries also land in Triton's on-disk cache (``TRITON_CACHE_DIR``), so a restart with a
-persistent cache only loads them.
+persistent cache only loads them. Compiles run in parallel worker processes first
+(``compile_in_workers``), as they are CPU work.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import multiprocessing as mp
+import os
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -31,6 +37,29 @@ from attention_kernels.decode_kernel import (
 )
 from attention_kernels.prefill_kernel import _TMA_HEAD_DIMS, _tma_ok, paged_prefill, prefill
 
+# Compiling is CPU work (Triton's passes, then ptxas), about a second per variant, and a
+# server warms ~150 of them: 258 s in one process from an empty cache (H100 host, 2026-11-24).
+# So ``warmup`` first runs its calls in worker processes that share the on-disk cache, each
+# taking the next call not yet taken, then runs them all itself, which then loads binaries.
+# ``ATTENTION_KERNELS_WARMUP_WORKERS`` (or ``workers=``) sets how many; 1 compiles in-process.
+WORKERS_ENV = "ATTENTION_KERNELS_WARMUP_WORKERS"
+MAX_DEFAULT_WORKERS = 8
+# A worker still running after this long is stopped; the in-process pass compiles what it left.
+WORKER_TIMEOUT_S = 1200.0
+
+log = logging.getLogger("attention_kernels")
+
+
+@dataclass(frozen=True)
+class WarmupSpec:
+    """What ``warmup`` compiles: picklable, so worker processes rebuild the same calls."""
+
+    head_dims: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]
+    device: str
+    with_lse: bool
+    page_tokens: tuple[int, ...]
+
 
 def warmup(
     head_dims: Iterable[int] = (64, 128),
@@ -39,46 +68,137 @@ def warmup(
     *,
     with_lse: bool = True,
     page_tokens: Iterable[int] = (),
+    workers: int | None = None,
 ) -> float:
     """Run every kernel variant once on tiny inputs; returns the seconds it took.
 
     ``page_tokens``: also the paged variants for these page sizes (one compile each, as the
-    page size is a compile-time constant of the paged kernels)."""
+    page size is a compile-time constant of the paged kernels). ``workers``: processes that
+    compile first, in parallel, into Triton's on-disk cache (``default_workers``: from
+    ``ATTENTION_KERNELS_WARMUP_WORKERS``, else half the CPUs up to 8 on a GPU, else 1)."""
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # workers must take the same one
+        device = torch.device("cuda", torch.cuda.current_device())
     t0 = time.perf_counter()
-    lse_flags = (False, True) if with_lse else (False,)
+    spec = WarmupSpec(tuple(head_dims), tuple(dtypes), str(device), with_lse,
+                      tuple(page_tokens))
+    calls = warmup_calls(spec)
+    n = default_workers(device) if workers is None else workers
+    if n < 1:
+        raise ValueError(f"warmup workers must be >= 1, got {n}")
+    if n > 1:
+        compile_in_workers(spec, len(calls), n)
+    for call in calls:
+        call()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def default_workers(device: torch.device) -> int:
+    """``ATTENTION_KERNELS_WARMUP_WORKERS`` when set, else half the usable CPUs (at most
+    ``MAX_DEFAULT_WORKERS``) for a GPU; 1 where nothing compiles (the interpreter, the CPU)."""
+    raw = os.environ.get(WORKERS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{WORKERS_ENV} must be an integer >= 1, got {raw!r}")
+        return n
+    if device.type != "cuda" or interpreting():
+        return 1
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // 2))
+
+
+def compile_in_workers(spec: WarmupSpec, total: int, workers: int) -> None:
+    """Run ``warmup_calls(spec)`` across ``workers`` spawned processes, each taking the next
+    call index not yet taken, so their compiles land in the shared on-disk cache. Best effort:
+    a worker that fails or cannot start costs nothing but time (the in-process pass that
+    follows compiles whatever is missing), and one still running after ``WORKER_TIMEOUT_S``
+    is stopped."""
+    ctx = mp.get_context("spawn")  # a forked CUDA context is unusable
+    taken = ctx.Value("i", 0)
+    procs = []
+    try:
+        for _ in range(min(workers, total)):
+            proc = ctx.Process(target=_worker, args=(spec, taken, total), daemon=True)
+            proc.start()
+            procs.append(proc)
+    except (AssertionError, OSError) as exc:  # e.g. a daemonic process may not have children
+        log.warning("warm-up workers not started (%s): compiling in this process", exc)
+    deadline = time.monotonic() + WORKER_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            log.warning("warm-up worker %s still running after %.0f s: stopped", proc.pid,
+                        WORKER_TIMEOUT_S)
+            proc.terminate()
+            proc.join()
+        elif proc.exitcode != 0:
+            log.warning("warm-up worker %s exited with %s", proc.pid, proc.exitcode)
+
+
+def _worker(spec: WarmupSpec, taken: Any, total: int) -> None:
+    device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    calls = warmup_calls(spec)
+    if len(calls) != total:  # another build than the parent's: indices would not match
+        raise RuntimeError(f"warm-up worker built {len(calls)} calls, the parent {total}")
+    while True:
+        with taken.get_lock():
+            i = taken.value
+            taken.value = i + 1
+        if i >= total:
+            break
+        calls[i]()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
+    """The calls ``warmup`` makes, in order, inputs allocated now (tiny, but for the long
+    prompts that take the descriptor loads: 16 MB each)."""
+    device = torch.device(spec.device)
+    calls: list[Callable[[], object]] = []
+    lse_flags = (False, True) if spec.with_lse else (False,)
     merges: list[Callable[[], object]] = []  # split decodes, again for CUDA graphs at the end
-    for dtype in dtypes:
-        for d in head_dims:
+    for dtype in spec.dtypes:
+        for d in spec.head_dims:
             # 2 query heads per kv head and two sequences: a realistic specialisation of strides.
             q = torch.randn(40, 4, d, dtype=dtype, device=device)
             kv = torch.randn(40, 2, d, dtype=dtype, device=device)
             cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
-            _prefill_variants(q, kv, cu, lse_flags)
+            calls += _prefill_variants(q, kv, cu, lse_flags)
             qd = torch.randn(2, 4, d, dtype=dtype, device=device)
             for lse in lse_flags:  # one split: the kernel writes the output directly
-                decode(qd, kv, kv, cu, num_splits=1, return_lse=lse)
+                calls.append(functools.partial(decode, qd, kv, kv, cu, num_splits=1,
+                                               return_lse=lse))
             splits = functools.partial(_split_decodes, d, dtype, device, lse_flags, merges)
-            splits(decode, kv, kv, cu)
+            calls += splits(decode, kv, kv, cu)
             rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
             if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
                     for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE):
-                        decode(qd, kv, kv, cu, num_splits=1, return_lse=lse, _config=tile)
-                splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
+                        calls.append(functools.partial(decode, qd, kv, kv, cu, num_splits=1,
+                                                       return_lse=lse, _config=tile))
+                calls += splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
             # Key blocks of the paged decode tiles (a page span needs pages smaller).
             blocks = [paged_decode_config(d, dtype, device).block_n]
             if rule:
                 blocks.append(ONE_SPLIT_TILE.block_n)
-            for p in page_tokens:
+            for p in spec.page_tokens:
                 pages = torch.randn(2 * -(-23 // p), p, 2, d, dtype=dtype, device=device)
                 lens = torch.tensor([17, 23], dtype=torch.int32, device=device)
                 table = torch.arange(pages.shape[0], dtype=torch.int32, device=device)
                 table = table.view(2, -1)
                 for causal in (False, True):
                     for lse in lse_flags:
-                        paged_prefill(q, pages, pages, table, cu, lens, causal=causal,
-                                      return_lse=lse)
+                        calls.append(functools.partial(
+                            paged_prefill, q, pages, pages, table, cu, lens, causal=causal,
+                            return_lse=lse))
                 tables = [table]
                 if p < max(blocks):
                     # Pages smaller than a key block: tables too wide for one page span per
@@ -88,23 +208,33 @@ def warmup(
                                               device=device))
                 for t in tables:
                     for lse in lse_flags:
-                        paged_decode(qd, pages, pages, t, lens, num_splits=1, return_lse=lse)
+                        calls.append(functools.partial(paged_decode, qd, pages, pages, t, lens,
+                                                       num_splits=1, return_lse=lse))
                         if rule:  # pages take the one-split rule only
-                            paged_decode(qd, pages, pages, t, lens, num_splits=1,
-                                         return_lse=lse, _config=ONE_SPLIT_TILE)
-                    splits(paged_decode, pages, pages, t, lens)
+                            calls.append(functools.partial(
+                                paged_decode, qd, pages, pages, t, lens, num_splits=1,
+                                return_lse=lse, _config=ONE_SPLIT_TILE))
+                    calls += splits(paged_decode, pages, pages, t, lens)
     if device.type == "cuda":
-        _graph_variants(merges, device)
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - t0
+        # The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split
+        # decode's PDL merge kernel), compiled by eager calls; none where they are the eager
+        # ones.
+        calls += [functools.partial(_for_graphs, call, device) for call in merges]
+    return calls
+
+
+def _for_graphs(call: Callable[[], object], device: torch.device) -> None:
+    with for_cuda_graphs():
+        if _merge_mode(device) != "fused":
+            call()
 
 
 def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
-                      lse_flags: tuple[bool, ...]) -> None:
-    """``prefill``'s variants for ``q``'s dtype and head dim: the tiles of launches of few and
-    of many programs (``configs.many_programs``), each with and without a short
-    ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor (TMA)
-    loads, which only launches with enough work take (``_TMA_MIN_WORK``). Without these the
+                      lse_flags: tuple[bool, ...]) -> list[Callable[[], object]]:
+    """The calls of ``prefill``'s variants for ``q``'s dtype and head dim: the tiles of
+    launches of few and of many programs (``configs.many_programs``), each with and without a
+    short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
+    (TMA) loads, which only launches with enough work take (``_TMA_MIN_WORK``). Without these the
     first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
@@ -121,12 +251,10 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
                 if _tma_ok(big_q, big_kv, big_kv):
                     inputs.append((big_q, big_kv, big_cu))
-    for q_in, kv_in, cu_in in inputs:
-        for causal in (False, True):
-            for lse in lse_flags:
-                for hint in (None, 23):
-                    prefill(q_in, kv_in, kv_in, cu_in, causal=causal, return_lse=lse,
-                            max_seqlen_q=hint)
+    return [functools.partial(prefill, q_in, kv_in, kv_in, cu_in, causal=causal,
+                              return_lse=lse, max_seqlen_q=hint)
+            for q_in, kv_in, cu_in in inputs for causal in (False, True) for lse in lse_flags
+            for hint in (None, 23)]
 
 
 def _many_heads(total_q: int, device: torch.device) -> int:
@@ -140,23 +268,16 @@ def _many_heads(total_q: int, device: torch.device) -> int:
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,
                    lse_flags: tuple[bool, ...], merges: list[Callable[[], object]],
-                   fn: Callable[..., object], *args: object, **kwargs: object) -> None:
-    """``fn(q, *args, num_splits=2, return_lse=..., **kwargs)`` (two sequences) for the common
-    GQA ratios (the merge has one tile row per query head of a group: a variant per ratio) and
-    lse flags: now, and into ``merges`` to run again for CUDA graphs."""
+                   fn: Callable[..., object], *args: object,
+                   **kwargs: object) -> list[Callable[[], object]]:
+    """The calls ``fn(q, *args, num_splits=2, return_lse=..., **kwargs)`` (two sequences) for
+    the common GQA ratios (the merge has one tile row per query head of a group: a variant per
+    ratio) and lse flags; also added to ``merges``, to run again for CUDA graphs."""
+    calls: list[Callable[[], object]] = []
     for group in (1, 2, 4, 8):
         qg = torch.randn(2, 2 * group, d, dtype=dtype, device=device)
         for lse in lse_flags:
-            call = functools.partial(fn, qg, *args, num_splits=2, return_lse=lse, **kwargs)
-            call()
-            merges.append(call)
-
-
-def _graph_variants(calls: list[Callable[[], object]], device: torch.device) -> None:
-    """The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split decode's
-    PDL merge kernel), compiled now by eager calls; nothing where they are the eager ones."""
-    with for_cuda_graphs():
-        if _merge_mode(device) == "fused":
-            return
-        for call in calls:
-            call()
+            calls.append(functools.partial(fn, qg, *args, num_splits=2, return_lse=lse,
+                                           **kwargs))
+    merges += calls
+    return calls

@@ -1,0 +1,73 @@
+"""Cold and warm start of ``attention_kernels.warmup``: seconds from an empty Triton cache with 1
+(everything compiled in-process) and N worker processes, then a restart on the filled cache.
+
+    python benchmarks/bench_warmup.py [--workers 1,4,8] [--page-tokens 16] [--out DIR]
+
+Each run is a fresh Python process (imports and CUDA start-up included, as a server pays them)
+with its own empty ``TRITON_CACHE_DIR``; the restart reuses the last run's cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+RUN = """
+import sys, time, torch
+from attention_kernels import warmup
+t = warmup((64, 128), (torch.bfloat16, torch.float16), "cuda",
+           page_tokens=tuple(int(p) for p in sys.argv[2].split(",") if p),
+           workers=int(sys.argv[1]))
+print(f"warmup {t:.1f}")
+"""
+
+
+def run(workers: int, pages: str, cache: Path) -> tuple[float, float]:
+    """(wall seconds of the whole process, seconds ``warmup`` reported)."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", RUN, str(workers), pages], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"workers={workers}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
+    return wall, float(proc.stdout.split("warmup")[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--workers", default="1,8", help="comma list of worker counts")
+    ap.add_argument("--page-tokens", default="16", help="comma list (empty: no paged variants)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; bf16 + fp16, D 64 + 128, "
+          f"pages {args.page_tokens or '-'}")
+    print(f"{'start':<22} {'process s':>10} {'warmup s':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for w in (int(x) for x in args.workers.split(",")):
+            cache = Path(tmp) / f"cache_{w}"
+            wall, inner = run(w, args.page_tokens, cache)
+            rows.append({"start": "cold", "workers": w, "process_s": wall, "warmup_s": inner})
+            print(f"{f'cold, {w} worker(s)':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
+        wall, inner = run(1, args.page_tokens, cache)
+        rows.append({"start": "warm", "workers": 1, "process_s": wall, "warmup_s": inner})
+        print(f"{'restart, warm cache':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_warmup.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
+             "page_tokens": args.page_tokens, "date": time.strftime("%Y-%m-%d"),
+             "command": " ".join(sys.argv), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""``warmup``'s worker processes: how many, each call run once, failures that cost only time,
+and (GPU) that the in-process pass after them compiles nothing."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from attention_kernels import kernel_warmup
+from attention_kernels.kernel_warmup import (
+    WORKERS_ENV,
+    WarmupSpec,
+    compile_in_workers,
+    default_workers,
+    warmup,
+)
+from tests.kernels.conftest import DEVICE, ON_GPU
+
+SPEC = WarmupSpec((64,), (torch.float16,), "cpu", False, ())
+
+
+def test_default_workers_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    assert default_workers(torch.device("cpu")) == 3
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv(WORKERS_ENV, bad)
+        with pytest.raises(ValueError, match=WORKERS_ENV):
+            default_workers(torch.device("cpu"))
+    monkeypatch.delenv(WORKERS_ENV)
+    assert default_workers(torch.device("cpu")) == 1  # nothing compiles on the CPU
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        warmup((64,), (torch.float16,), "cpu", workers=0)
+
+
+def test_a_worker_runs_every_call_once_in_turn(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers share one counter: each call index goes to exactly one of them."""
+    ran: list[int] = []
+    monkeypatch.setattr(kernel_warmup, "warmup_calls",
+                        lambda spec: [lambda i=i: ran.append(i) for i in range(7)])
+    taken = mp.get_context("spawn").Value("i", 3)  # another worker took 0-2 already
+    kernel_warmup._worker(SPEC, taken, 7)
+    assert ran == [3, 4, 5, 6]
+    with pytest.raises(RuntimeError, match="built 7 calls, the parent 8"):
+        kernel_warmup._worker(SPEC, taken, 8)
+
+
+def test_warmup_through_workers_runs_clean(caplog: pytest.LogCaptureFixture) -> None:
+    """Spawned workers rebuild the same calls and run them (no worker warns: a failing one
+    would only be logged, the in-process pass covering for it)."""
+    with caplog.at_level(logging.WARNING, logger="attention_kernels"):
+        assert warmup((64,), (torch.float16,), DEVICE, with_lse=False, workers=2) > 0
+    assert not [r for r in caplog.records if r.name == "attention_kernels"], caplog.text
+
+
+def test_a_failing_worker_costs_only_time(caplog: pytest.LogCaptureFixture) -> None:
+    bad = WarmupSpec((64,), (torch.float16,), "cpu", False, (0,))  # page size 0 divides by 0
+    with caplog.at_level(logging.WARNING, logger="attention_kernels"):
+        compile_in_workers(bad, 3, 1)
+    assert "exited with 1" in caplog.text
+
+
+@pytest.mark.skipif(not ON_GPU, reason="compiles happen on a GPU only")
+def test_workers_leave_nothing_to_compile(tmp_path: Path) -> None:
+    """From an empty Triton cache, the workers compile every variant: the in-process pass
+    after them adds nothing to the on-disk cache (it only loads)."""
+    script = textwrap.dedent("""
+        import os, torch
+        from attention_kernels.kernel_warmup import (
+            WarmupSpec, compile_in_workers, warmup, warmup_calls)
+        spec = WarmupSpec((64, 128), (torch.bfloat16,), "cuda", True, (16,))
+        compile_in_workers(spec, len(warmup_calls(spec)), 4)
+        def files():
+            return {os.path.join(d, f) for d, _, fs in os.walk(os.environ["TRITON_CACHE_DIR"])
+                    for f in fs}
+        before = files()
+        warmup(spec.head_dims, spec.dtypes, spec.device, page_tokens=spec.page_tokens,
+               workers=1)
+        new = sorted(files() - before)
+        print(len(before), "new:", new)
+        assert before and not new
+    """)
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
