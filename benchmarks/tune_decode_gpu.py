@@ -97,24 +97,21 @@ def measure(fn, ref: torch.Tensor) -> float | str:
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
 
-def merge_settings() -> tuple[str, int, int, int, bool]:
+def merge_settings() -> tuple[str, int, int, int]:
     return (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
-            dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD)
+            dk.MERGE_KERNEL_WARPS)
 
 
-def restore(defaults: tuple[str, int, int, int, bool]) -> None:
+def restore(defaults: tuple[str, int, int, int]) -> None:
     (dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS,
-     dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD) = defaults
+     dk.MERGE_KERNEL_WARPS) = defaults
     dk._PLANS.clear()
 
 
 def set_merge(mode: str, tile: int, warps: int = 4) -> None:
-    """``mode``: a ``MERGE_MODE``, with "/head" for a merge kernel of a program per query
-    head (``MERGE_KERNEL_PER_HEAD``). The tile is the one of whichever merge the mode runs
-    (fused in the split kernel, or a kernel)."""
-    mode, _, per = mode.partition("/")
+    # The tile of whichever merge the mode runs (fused in the split kernel, or a kernel).
     dk.MERGE_MODE, dk.MERGE_TILE_ELEMS, dk.MERGE_KERNEL_TILE_ELEMS = mode, tile, tile
-    dk.MERGE_KERNEL_WARPS, dk.MERGE_KERNEL_PER_HEAD = warps, per == "head"
+    dk.MERGE_KERNEL_WARPS = warps
     dk._PLANS.clear()  # the plans hold the launch of the previous mode
 
 
@@ -152,12 +149,12 @@ def sweep_merge() -> list[dict]:
     rows = []
     defaults = merge_settings()
     # "default": the module's own settings (for CUDA graphs on Hopper, the PDL merge kernel).
-    # (mode, tile, merge-kernel warps); "/head": a merge program per query head, whose tile
-    # holds one head's splits (2048 elements: 16 splits at D 128).
-    variants = [("default", 0, 0), ("fused", 8192, 4), ("separate", 16384, 4),
-                ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl/head", 2048, 1),
-                ("pdl/head", 2048, 2), ("pdl/head", 4096, 1), ("pdl/head", 4096, 2),
-                ("pdl/head", 4096, 4), ("pdl/head", 8192, 4)]
+    # (mode, tile, merge-kernel warps). A merge program per query head rather than per kv
+    # group (tiles of 2048-8192, 1-4 warps) lost at 1 x 4K: 7.7-8.7 us against 7.6 (H100,
+    # 2026-11-24, results/issue13/h100_2026-11-24d/merge.log).
+    variants = [("default", 0, 0), ("fused", 8192, 4), ("fused", 16384, 4),
+                ("separate", 16384, 4), ("pdl", 8192, 4), ("pdl", 16384, 1),
+                ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl", 16384, 8)]
     for batch, ctx in SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = run_decode(q, k, v, cu)
@@ -253,8 +250,7 @@ def main() -> None:
             {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE, "head_dim": D,
              "page_span": args.page_span,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
-                          "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3],
-                          "merge_kernel_per_head": defaults[4]},
+                          "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},
              "rows": rows}, indent=1))
 
 

@@ -99,9 +99,6 @@ MERGE_TILE_ELEMS = 8192
 # runs on one H100 (tune_decode_gpu.py --sweep merge); the fused merge gained nothing from it.
 MERGE_KERNEL_TILE_ELEMS = 16384
 MERGE_KERNEL_WARPS = 4  # the merge kernel's warps (tune_decode_gpu.py --sweep merge)
-# The merge kernel's programs: one per (sequence, kv head), merging the group's query heads in
-# one tile (False), or one per (sequence, query head) (True): more programs, shorter chains.
-MERGE_KERNEL_PER_HEAD = False
 # Paged decode: a split program holds the block-table entries of its whole key range in
 # registers (``_paging.span_pages``), this many, where its range can span no more pages; else
 # it looks each block's pages up one block ahead, and a block's loads wait for the previous
@@ -599,7 +596,7 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
                      config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS,
-                     MERGE_KERNEL_WARPS, MERGE_KERNEL_PER_HEAD),
+                     MERGE_KERNEL_WARPS),
                     window_size)
 
 
@@ -714,15 +711,11 @@ def _plan(
     merge_g = triton.next_power_of_2(group)
     merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS)  # the fused merge's
     merge = None
-    # The merge kernel's (sequence, head group) programs: kv groups, or single query heads.
-    merge_groups, merge_group = ((num_heads, 1) if MERGE_KERNEL_PER_HEAD
-                                 else (num_kv_heads, group))
     if not direct and mode != "fused":
-        tile_g = triton.next_power_of_2(merge_group)
         merge = KernelLaunch(
-            _decode_merge_kernel, (batch * merge_groups,), dict(
-                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=tile_g,
-                MERGE_S=_merge_splits(tile_g, block_d, MERGE_KERNEL_TILE_ELEMS),
+            _decode_merge_kernel, (batch * num_kv_heads,), dict(
+                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g,
+                MERGE_S=_merge_splits(merge_g, block_d, MERGE_KERNEL_TILE_ELEMS),
                 RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
                 num_warps=MERGE_KERNEL_WARPS, num_stages=1))
     fused = not direct and mode == "fused"
@@ -745,7 +738,7 @@ def _plan(
         workspace_rows=batch * num_heads * num_splits, block_d=block_d,
         counters=batch * num_kv_heads if merge is None else 0, scalars=scalars,
         stride_ab=stride_ab, launch=launch, merge=merge,
-        merge_scalars=(num_heads * head_dim, head_dim, merge_groups, merge_group, num_splits),
+        merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads, group, num_splits),
     )
 
 

@@ -186,17 +186,15 @@ def test_shape_config_tiles(config: DecodeConfig, num_splits: int) -> None:
 MERGE_MODES = ["fused", "separate", "pdl"] if ON_GPU else ["fused", "separate"]
 
 
-@pytest.mark.parametrize("mode", MERGE_MODES + [m + "/head" for m in MERGE_MODES[1:]])
+@pytest.mark.parametrize("mode", MERGE_MODES)
 @pytest.mark.parametrize("tile", [256, 512, 700, 8192], ids=lambda t: f"tile{t}")
 def test_merge_modes_and_tiles(monkeypatch: pytest.MonkeyPatch, mode: str, tile: int) -> None:
-    """The ways of merging the split partials (PDL on a GPU only; a merge kernel's programs
-    per kv group or per query head: "/head"), with merge steps of 1, 2 and all splits (tile
-    256 / 512 at 4 heads x D 64: one / two of the 7 splits per step, the last step partial;
-    700 rounds down to 2), on lengths with empty splits and empty sequences."""
+    """The ways of merging the split partials (PDL on a GPU only), with merge steps of 1, 2
+    and all splits (tile 256 / 512 at 4 heads x D 64: one / two of the 7 splits per step, the
+    last step partial; 700 rounds down to 2), on lengths with empty splits and empty
+    sequences."""
     from attention_kernels import decode_kernel
 
-    mode, _, per = mode.partition("/")
-    monkeypatch.setattr(decode_kernel, "MERGE_KERNEL_PER_HEAD", per == "head")
     monkeypatch.setattr(decode_kernel, "MERGE_MODE", mode)
     monkeypatch.setattr(decode_kernel, "MERGE_TILE_ELEMS", tile)
     monkeypatch.setattr(decode_kernel, "MERGE_KERNEL_TILE_ELEMS", tile)
