@@ -1,10 +1,13 @@
 """Cold and warm start of ``attention_kernels.warmup``: seconds from an empty Triton cache with 1
 (everything compiled in-process) and N worker processes, then a restart on the filled cache.
 
-    python benchmarks/bench_warmup.py [--workers 1,4,8] [--page-tokens 16] [--out DIR]
+    python benchmarks/bench_warmup.py [--workers 1,4,8] [--page-tokens 16] [--profile]
+        [--out DIR]
 
 Each run is a fresh Python process (imports and CUDA start-up included, as a server pays them)
 with its own empty ``TRITON_CACHE_DIR``; the restart reuses the last run's cache.
+``--profile``: first, in one more process from an empty cache, each warm-up call timed on its
+own (in-process, in order): the slowest calls and the sum, what the workers share out.
 """
 
 from __future__ import annotations
@@ -29,6 +32,38 @@ t = warmup((64, 128), (torch.bfloat16, torch.float16), "cuda",
 print(f"warmup {t:.1f}")
 """
 
+PROFILE = """
+import json, sys, time, torch
+from attention_kernels.kernel_warmup import WarmupSpec, warmup_calls
+spec = WarmupSpec((64, 128), (torch.bfloat16, torch.float16), "cuda:0", True,
+                  tuple(int(p) for p in sys.argv[1].split(",") if p))
+rows = []
+for call in warmup_calls(spec):
+    t = time.perf_counter()
+    call()
+    torch.cuda.synchronize()
+    graphs = getattr(call, "func", None) is not None and call.func.__name__ == "_for_graphs"
+    inner = call.args[0] if graphs else call  # the decode it repeats for CUDA graphs
+    f = getattr(inner, "func", inner)
+    args = getattr(inner, "args", ())
+    shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)][:2]
+    kw = {k: str(v) for k, v in getattr(inner, "keywords", {}).items()}
+    kw["graphs"] = str(graphs)
+    rows.append({"s": time.perf_counter() - t, "fn": getattr(f, "__name__", str(f)),
+                 "dtype": str(args[0].dtype) if args and isinstance(args[0], torch.Tensor)
+                 else "", "shapes": shapes, "kw": kw})
+print("PROFILE" + json.dumps(rows))
+"""
+
+
+def profile(pages: str, cache: Path) -> list[dict]:
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
+    proc = subprocess.run([sys.executable, "-c", PROFILE, pages], env=env, capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"profile: rc {proc.returncode}\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.split("PROFILE")[-1])
+
 
 def run(workers: int, pages: str, cache: Path) -> tuple[float, float]:
     """(wall seconds of the whole process, seconds ``warmup`` reported)."""
@@ -46,13 +81,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", default="1,8", help="comma list of worker counts")
     ap.add_argument("--page-tokens", default="16", help="comma list (empty: no paged variants)")
+    ap.add_argument("--profile", action="store_true", help="time each call (cold, in order)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    rows = []
+    rows, calls = [], []
     print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; bf16 + fp16, D 64 + 128, "
           f"pages {args.page_tokens or '-'}")
     print(f"{'start':<22} {'process s':>10} {'warmup s':>9}")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:
+            calls = profile(args.page_tokens, Path(tmp) / "cache_profile")
+            slow = sorted(calls, key=lambda r: -r["s"])
+            print(f"{len(calls)} calls, {sum(r['s'] for r in calls):.1f} s in all; "
+                  f"{sum(r['s'] > 0.3 for r in calls)} over 0.3 s (compiles); slowest:")
+            for r in slow[:15]:
+                print(f"  {r['s']:6.1f} s  {r['fn']} {r['dtype']} {r['shapes']} {r['kw']}")
         for w in (int(x) for x in args.workers.split(",")):
             cache = Path(tmp) / f"cache_{w}"
             wall, inner = run(w, args.page_tokens, cache)
@@ -66,7 +109,7 @@ def main() -> None:
         (args.out / "bench_warmup.json").write_text(json.dumps(
             {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
              "page_tokens": args.page_tokens, "date": time.strftime("%Y-%m-%d"),
-             "command": " ".join(sys.argv), "rows": rows}, indent=1))
+             "command": " ".join(sys.argv), "rows": rows, "profile": calls}, indent=1))
 
 
 if __name__ == "__main__":
