@@ -96,15 +96,21 @@ def main() -> None:
                   f"{sum(r['s'] > 0.3 for r in calls)} over 0.3 s (compiles); slowest:")
             for r in slow[:15]:
                 print(f"  {r['s']:6.1f} s  {r['fn']} {r['dtype']} {r['shapes']} {r['kw']}")
+            save(args, rows, calls)
         for w in (int(x) for x in args.workers.split(",")):
             cache = Path(tmp) / f"cache_{w}"
             wall, inner = run(w, args.page_tokens, cache)
             rows.append({"start": "cold", "workers": w, "process_s": wall, "warmup_s": inner})
             print(f"{f'cold, {w} worker(s)':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
+            save(args, rows, calls)
         wall, inner = run(1, args.page_tokens, cache)
         rows.append({"start": "warm", "workers": 1, "process_s": wall, "warmup_s": inner})
         print(f"{'restart, warm cache':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
-    if args.out:
+    save(args, rows, calls)
+
+
+def save(args: argparse.Namespace, rows: list[dict], calls: list[dict]) -> None:
+    if args.out:  # after every run: a later one may not finish within its limit
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "bench_warmup.json").write_text(json.dumps(
             {"gpu": torch.cuda.get_device_name(), "cpus": os.cpu_count(),
