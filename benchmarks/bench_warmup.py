@@ -29,6 +29,9 @@ from attention_kernels import warmup
 t = warmup((64, 128), (torch.bfloat16, torch.float16), "cuda",
            page_tokens=tuple(int(p) for p in sys.argv[2].split(",") if p),
            workers=int(sys.argv[1]))
+import resource
+# The largest worker's peak resident memory (children waited for; 0 without workers).
+print(f"rss_mib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f}")
 print(f"warmup {t:.1f}")
 """
 
@@ -65,8 +68,9 @@ def profile(pages: str, cache: Path) -> list[dict]:
     return json.loads(proc.stdout.split("PROFILE")[-1])
 
 
-def run(workers: int, pages: str, cache: Path) -> tuple[float, float]:
-    """(wall seconds of the whole process, seconds ``warmup`` reported)."""
+def run(workers: int, pages: str, cache: Path) -> tuple[float, float, float]:
+    """(wall seconds of the whole process, seconds ``warmup`` reported, the largest worker's
+    peak RSS in MiB)."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
     t0 = time.perf_counter()
     proc = subprocess.run([sys.executable, "-c", RUN, str(workers), pages], env=env,
@@ -74,12 +78,13 @@ def run(workers: int, pages: str, cache: Path) -> tuple[float, float]:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise RuntimeError(f"workers={workers}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
-    return wall, float(proc.stdout.split("warmup")[-1])
+    rss = float(proc.stdout.split("rss_mib")[-1].split()[0])
+    return wall, float(proc.stdout.split("warmup")[-1]), rss
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", default="1,8", help="comma list of worker counts")
+    ap.add_argument("--workers", default="1,16", help="comma list of worker counts")
     ap.add_argument("--page-tokens", default="16", help="comma list (empty: no paged variants)")
     ap.add_argument("--profile", action="store_true", help="time each call (cold, in order)")
     ap.add_argument("--out", type=Path, default=None)
@@ -87,7 +92,7 @@ def main() -> None:
     rows, calls = [], []
     print(f"{torch.cuda.get_device_name()}, {os.cpu_count()} CPUs; bf16 + fp16, D 64 + 128, "
           f"pages {args.page_tokens or '-'}")
-    print(f"{'start':<22} {'process s':>10} {'warmup s':>9}")
+    print(f"{'start':<22} {'process s':>10} {'warmup s':>9} {'worker RSS MiB':>15}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.profile:
             calls = profile(args.page_tokens, Path(tmp) / "cache_profile")
@@ -99,11 +104,13 @@ def main() -> None:
             save(args, rows, calls)
         for w in (int(x) for x in args.workers.split(",")):
             cache = Path(tmp) / f"cache_{w}"
-            wall, inner = run(w, args.page_tokens, cache)
-            rows.append({"start": "cold", "workers": w, "process_s": wall, "warmup_s": inner})
-            print(f"{f'cold, {w} worker(s)':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
+            wall, inner, rss = run(w, args.page_tokens, cache)
+            rows.append({"start": "cold", "workers": w, "process_s": wall, "warmup_s": inner,
+                         "worker_rss_mib": rss})
+            print(f"{f'cold, {w} worker(s)':<22} {wall:>10.1f} {inner:>9.1f} {rss:>15.0f}",
+                  flush=True)
             save(args, rows, calls)
-        wall, inner = run(1, args.page_tokens, cache)
+        wall, inner, _ = run(1, args.page_tokens, cache)
         rows.append({"start": "warm", "workers": 1, "process_s": wall, "warmup_s": inner})
         print(f"{'restart, warm cache':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
     save(args, rows, calls)

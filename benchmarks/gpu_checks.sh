@@ -8,7 +8,7 @@
 #   tests      GPU tests: kernels at full shapes, the cuda service, batching and region tests
 #   service-tests  the cuda service, batching and region (CUDA IPC) tests alone
 #   warmup     benchmarks/bench_warmup.py (kernel warm-up from an empty Triton cache, in-process
-#              and with 8 worker processes, then a restart on the filled cache)
+#              and with 16 worker processes, then a restart on the filled cache)
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
 #   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (the e4m3 conversions'
 #              PTX, tile configs, descriptor loads of FP8 tiles)
@@ -120,7 +120,7 @@ TEST_WARMUP_WORKERS=${ATTENTION_KERNELS_WARMUP_WORKERS:-2}
 for s in "$@"; do
   case $s in
     warmup) stage warmup 900 python3 benchmarks/bench_warmup.py \
-              --workers "${WARMUP_WORKERS:-1,8}" --out "$OUT" ;;
+              --workers "${WARMUP_WORKERS:-1,16}" --out "$OUT" ;;
     tests) ATTENTION_KERNELS_WARMUP_WORKERS=$TEST_WARMUP_WORKERS stage tests 420 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
              tests/kernels $SERVICE_GPU_TESTS ;;
     service-tests) ATTENTION_KERNELS_WARMUP_WORKERS=$TEST_WARMUP_WORKERS stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \

@@ -37,13 +37,15 @@ from attention_kernels.decode_kernel import (
 )
 from attention_kernels.prefill_kernel import _TMA_HEAD_DIMS, _tma_ok, paged_prefill, prefill
 
-# Compiling is CPU work (Triton's passes, then ptxas), about a second per variant, and a
-# server warms ~150 of them: 258 s in one process from an empty cache (H100 host, 2026-11-24).
-# So ``warmup`` first runs its calls in worker processes that share the on-disk cache, each
-# taking the next call not yet taken, then runs them all itself, which then loads binaries.
+# Compiling is CPU work (Triton's passes, then ptxas), 1-4 s per variant, and the default
+# warm-up compiles ~280 of them. So ``warmup`` first runs its calls in worker processes that
+# share the on-disk cache, each taking the next call not yet taken, then runs them all itself,
+# which then only loads binaries. H100 host, 16 vCPUs, bf16 + fp16, D 64 + 128, 16-token pages
+# (benchmarks/bench_warmup.py, 2026-11-24): 419 s in-process (258 s on another host), 75-89 s
+# with 8 workers, 52 s with 12, 46 s with 16; a restart on the filled cache 1.8 s.
 # ``ATTENTION_KERNELS_WARMUP_WORKERS`` (or ``workers=``) sets how many; 1 compiles in-process.
 WORKERS_ENV = "ATTENTION_KERNELS_WARMUP_WORKERS"
-MAX_DEFAULT_WORKERS = 8
+MAX_DEFAULT_WORKERS = 16
 # A worker still running after this long is stopped; the in-process pass compiles what it left.
 WORKER_TIMEOUT_S = 1200.0
 
@@ -75,7 +77,7 @@ def warmup(
     ``page_tokens``: also the paged variants for these page sizes (one compile each, as the
     page size is a compile-time constant of the paged kernels). ``workers``: processes that
     compile first, in parallel, into Triton's on-disk cache (``default_workers``: from
-    ``ATTENTION_KERNELS_WARMUP_WORKERS``, else half the CPUs up to 8 on a GPU, else 1)."""
+    ``ATTENTION_KERNELS_WARMUP_WORKERS``, else one per CPU up to 16 on a GPU, else 1)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:  # workers must take the same one
         device = torch.device("cuda", torch.cuda.current_device())
@@ -96,7 +98,7 @@ def warmup(
 
 
 def default_workers(device: torch.device) -> int:
-    """``ATTENTION_KERNELS_WARMUP_WORKERS`` when set, else half the usable CPUs (at most
+    """``ATTENTION_KERNELS_WARMUP_WORKERS`` when set, else one per usable CPU (at most
     ``MAX_DEFAULT_WORKERS``) for a GPU; 1 where nothing compiles (the interpreter, the CPU)."""
     raw = os.environ.get(WORKERS_ENV, "").strip()
     if raw:
@@ -109,7 +111,7 @@ def default_workers(device: torch.device) -> int:
         return n
     if device.type != "cuda" or interpreting():
         return 1
-    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0)) // 2))
+    return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
 
 
 def compile_in_workers(spec: WarmupSpec, total: int, workers: int) -> None:
@@ -142,7 +144,7 @@ def compile_in_workers(spec: WarmupSpec, total: int, workers: int) -> None:
 
 def _worker(spec: WarmupSpec, taken: Any, total: int) -> None:
     device = torch.device(spec.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:  # else the default, as the parent's
         torch.cuda.set_device(device)
     calls = warmup_calls(spec)
     if len(calls) != total:  # another build than the parent's: indices would not match

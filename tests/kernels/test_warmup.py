@@ -84,10 +84,9 @@ def test_workers_leave_nothing_to_compile(tmp_path: Path) -> None:
         warmup(spec.head_dims, spec.dtypes, spec.device, page_tokens=spec.page_tokens,
                workers=1)
         new = sorted(files() - before)
-        print(len(before), "new:", new)
-        assert before and not new
+        assert before and not new, f"{len(before)} files, {len(new)} new: {new[:4]}"
     """)
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
