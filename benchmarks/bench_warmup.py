@@ -8,6 +8,10 @@ Each run is a fresh Python process (imports and CUDA start-up included, as a ser
 with its own empty ``TRITON_CACHE_DIR``; the restart reuses the last run's cache.
 ``--profile``: first, in one more process from an empty cache, each warm-up call timed on its
 own (in-process, in order): the slowest calls and the sum, what the workers share out.
+``--server``: then ``attention-server`` as the container starts it (the default worker count),
+from an empty cache and again on the filled one: seconds until the health check says SERVING
+(the kernels' warm-up plus the service's own: fp32 and FP8 launches, KV-cache paths, decode
+graphs).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -82,11 +87,35 @@ def run(workers: int, pages: str, cache: Path) -> tuple[float, float, float]:
     return wall, float(proc.stdout.split("warmup")[-1]), rss
 
 
+def server_start(cache: Path, port: int = 50077) -> float:
+    """Seconds from launching ``attention-server`` until it reports SERVING; then SIGTERM."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache), "ATTENTION_HOST": "127.0.0.1",
+           "ATTENTION_PORT": str(port), "ATTENTION_METRICS_PORT": str(port + 1),
+           "ATTENTION_DEVICE": "cuda", "ATTENTION_LOG_LEVEL": "WARNING"}
+    env.pop("ATTENTION_KERNELS_WARMUP_WORKERS", None)  # the default, as a container has it
+    probe = [sys.executable, str(Path(__file__).resolve().parent.parent / "deploy" /
+                                 "healthcheck.py"), f"127.0.0.1:{port}"]
+    t0 = time.perf_counter()
+    server = subprocess.Popen(["attention-server"], env=env)
+    try:
+        while subprocess.run(probe, capture_output=True).returncode != 0:
+            if server.poll() is not None:
+                raise RuntimeError(f"attention-server exited with {server.returncode}")
+            if time.perf_counter() - t0 > 1500:
+                raise RuntimeError("attention-server not SERVING after 1500 s")
+            time.sleep(0.5)
+        return time.perf_counter() - t0
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(120)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workers", default="1,16", help="comma list of worker counts")
     ap.add_argument("--page-tokens", default="16", help="comma list (empty: no paged variants)")
     ap.add_argument("--profile", action="store_true", help="time each call (cold, in order)")
+    ap.add_argument("--server", action="store_true", help="time attention-server to SERVING")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     rows, calls = [], []
@@ -113,6 +142,12 @@ def main() -> None:
         wall, inner, _ = run(1, args.page_tokens, cache)
         rows.append({"start": "warm", "workers": 1, "process_s": wall, "warmup_s": inner})
         print(f"{'restart, warm cache':<22} {wall:>10.1f} {inner:>9.1f}", flush=True)
+        if args.server:
+            save(args, rows, calls)
+            for start in ("cold", "warm"):
+                secs = server_start(Path(tmp) / "cache_server")
+                rows.append({"start": f"server {start}", "serving_s": secs})
+                print(f"{f'server, {start} cache':<22} {secs:>10.1f}  (to SERVING)", flush=True)
     save(args, rows, calls)
 
 
