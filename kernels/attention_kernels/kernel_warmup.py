@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from triton import knobs
 
 from attention_kernels.configs import (
     LONG_SPLIT_TILE,
@@ -88,7 +89,7 @@ def warmup(
     n = default_workers(device) if workers is None else workers
     if n < 1:
         raise ValueError(f"warmup workers must be >= 1, got {n}")
-    if n > 1:
+    if n > 1 and not _cache_is_warm(calls):
         compile_in_workers(spec, len(calls), n)
     for call in calls:
         call()
@@ -112,6 +113,27 @@ def default_workers(device: torch.device) -> int:
     if device.type != "cuda" or interpreting():
         return 1
     return max(1, min(MAX_DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
+
+
+def _cache_files() -> int:
+    """Files in Triton's on-disk cache (-1 when it cannot be listed)."""
+    try:
+        return sum(len(files) for _, _, files in os.walk(knobs.cache.dir))
+    except OSError:
+        return -1
+
+
+def _cache_is_warm(calls: list[Callable[[], object]]) -> bool:
+    """Whether the first, middle and last calls (a prefill, a decode, a decode for graphs: both
+    kernel files' variants) found their binaries without compiling: then the cache holds the
+    rest too (a restart), and starting workers would only cost ~10 s and their memory. A cache
+    half filled by another version of one kernel file would compile its rest in-process."""
+    if not calls:
+        return True
+    before = _cache_files()
+    for call in {id(c): c for c in (calls[0], calls[len(calls) // 2], calls[-1])}.values():
+        call()
+    return before > 0 and _cache_files() == before
 
 
 def compile_in_workers(spec: WarmupSpec, total: int, workers: int) -> None:

@@ -52,12 +52,48 @@ def test_a_worker_runs_every_call_once_in_turn(monkeypatch: pytest.MonkeyPatch) 
         kernel_warmup._worker(SPEC, taken, 8)
 
 
-def test_warmup_through_workers_runs_clean(caplog: pytest.LogCaptureFixture) -> None:
+def test_warmup_through_workers_runs_clean(caplog: pytest.LogCaptureFixture,
+                                           monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
     """Spawned workers rebuild the same calls and run them (no worker warns: a failing one
-    would only be logged, the in-process pass covering for it)."""
+    would only be logged, the in-process pass covering for it). An empty cache: a cold start,
+    so the workers do start."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     with caplog.at_level(logging.WARNING, logger="attention_kernels"):
         assert warmup((64,), (torch.float16,), DEVICE, with_lse=False, workers=2) > 0
     assert not [r for r in caplog.records if r.name == "attention_kernels"], caplog.text
+
+
+def test_workers_start_only_on_a_cold_cache(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    """Before starting workers, the first, middle and last calls run in-process: when none of
+    them adds a file to Triton's cache (a restart), no worker starts."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    ran: list[int] = []
+    calls = [lambda i=i: ran.append(i) for i in range(9)]
+    assert not kernel_warmup._cache_is_warm(calls)  # an empty cache is a cold one
+    assert ran == [0, 4, 8]
+    (tmp_path / "old").write_text("x")
+    assert kernel_warmup._cache_is_warm(calls)
+
+    def compile_one() -> None:
+        (tmp_path / f"new{len(ran)}").write_text("x")
+        ran.append(-1)
+
+    assert not kernel_warmup._cache_is_warm([compile_one])
+
+
+@pytest.mark.skipif(ON_GPU, reason="the interpreter compiles nothing: files alone tell the state")
+def test_warmup_skips_workers_on_a_warm_cache(monkeypatch: pytest.MonkeyPatch,
+                                              tmp_path: Path) -> None:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    started: list[int] = []
+    monkeypatch.setattr(kernel_warmup, "compile_in_workers", lambda spec, n, w: started.append(w))
+    warmup((64,), (torch.float16,), DEVICE, with_lse=False, workers=3)
+    assert started == [3]  # empty: cold
+    (tmp_path / "old").write_text("x")
+    warmup((64,), (torch.float16,), DEVICE, with_lse=False, workers=3)
+    assert started == [3]  # the probes added nothing: warm
 
 
 def test_a_failing_worker_costs_only_time(caplog: pytest.LogCaptureFixture) -> None:
