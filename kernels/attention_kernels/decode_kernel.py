@@ -709,13 +709,13 @@ def _plan(
     direct = num_splits == 1
     mode = "fused" if direct else merge_mode
     merge_g = triton.next_power_of_2(group)
-    merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS)  # the fused merge's
+    merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS if mode == "fused"
+                            else MERGE_KERNEL_TILE_ELEMS)
     merge = None
     if not direct and mode != "fused":
         merge = KernelLaunch(
             _decode_merge_kernel, (batch * num_kv_heads,), dict(
-                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g,
-                MERGE_S=_merge_splits(merge_g, block_d, MERGE_KERNEL_TILE_ELEMS),
+                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g, MERGE_S=merge_s,
                 RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
                 num_warps=MERGE_KERNEL_WARPS, num_stages=1))
     fused = not direct and mode == "fused"
