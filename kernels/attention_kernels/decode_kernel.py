@@ -313,6 +313,7 @@ def _decode_split_kernel(
         table_row = Table + seq.to(tl.int64) * stride_tb
     k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
+        PAGE_TOKENS, BLOCK_N,
     )
 
     if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output

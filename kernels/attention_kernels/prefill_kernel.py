@@ -270,6 +270,7 @@ def _prefill_kernel(
         table_row = Table + seq.to(tl.int64) * stride_tb
     k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
+        PAGE_TOKENS, BLOCK_N,
     )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
