@@ -95,6 +95,9 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     cannot be issued before the previous iteration has looked its pages up)."""
     if PAGED:
         if SPAN > 0:
+            # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
+            # block is a scalar lookup, which block_rows takes as a scalar.
+            tl.static_assert(PAGE_TOKENS % BLOCK_N != 0)
             here = tl.gather(page, (start_n + offs_n) // PAGE_TOKENS - first, 0).to(tl.int64)
         else:
             here = page
