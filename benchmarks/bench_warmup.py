@@ -28,23 +28,26 @@ from pathlib import Path
 
 import torch
 
-RUN = """
+# What every run warms: bf16 + fp16 at head dims 64 and 128, the page sizes of argv[1].
+SPEC = """
 import sys, time, torch
-from attention_kernels import warmup
-t = warmup((64, 128), (torch.bfloat16, torch.float16), "cuda",
-           page_tokens=tuple(int(p) for p in sys.argv[2].split(",") if p),
-           workers=int(sys.argv[1]))
+from attention_kernels.kernel_warmup import WarmupSpec, warmup_calls
+spec = WarmupSpec((64, 128), (torch.bfloat16, torch.float16), "cuda:0", True,
+                  tuple(int(p) for p in sys.argv[1].split(",") if p))
+"""
+
+RUN = SPEC + """
 import resource
+from attention_kernels import warmup
+t = warmup(spec.head_dims, spec.dtypes, spec.device, page_tokens=spec.page_tokens,
+           workers=int(sys.argv[2]))
 # The largest worker's peak resident memory (children waited for; 0 without workers).
 print(f"rss_mib {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f}")
 print(f"warmup {t:.1f}")
 """
 
-PROFILE = """
-import json, sys, time, torch
-from attention_kernels.kernel_warmup import WarmupSpec, warmup_calls
-spec = WarmupSpec((64, 128), (torch.bfloat16, torch.float16), "cuda:0", True,
-                  tuple(int(p) for p in sys.argv[1].split(",") if p))
+PROFILE = SPEC + """
+import json
 rows = []
 for call in warmup_calls(spec):
     t = time.perf_counter()
@@ -64,27 +67,27 @@ print("PROFILE" + json.dumps(rows))
 """
 
 
-def profile(pages: str, cache: Path) -> list[dict]:
+def python(script: str, cache: Path, *argv: str) -> tuple[float, str]:
+    """(wall seconds, stdout) of ``script`` in a fresh Python with ``cache`` as Triton's."""
     env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
-    proc = subprocess.run([sys.executable, "-c", PROFILE, pages], env=env, capture_output=True,
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", script, *argv], env=env, capture_output=True,
                           text=True, timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"profile: rc {proc.returncode}\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.split("PROFILE")[-1])
+        raise RuntimeError(f"{argv}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
+    return time.perf_counter() - t0, proc.stdout
+
+
+def profile(pages: str, cache: Path) -> list[dict]:
+    return json.loads(python(PROFILE, cache, pages)[1].split("PROFILE")[-1])
 
 
 def run(workers: int, pages: str, cache: Path) -> tuple[float, float, float]:
     """(wall seconds of the whole process, seconds ``warmup`` reported, the largest worker's
     peak RSS in MiB)."""
-    env = {**os.environ, "TRITON_CACHE_DIR": str(cache)}
-    t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", RUN, str(workers), pages], env=env,
-                          capture_output=True, text=True, timeout=1800)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise RuntimeError(f"workers={workers}: rc {proc.returncode}\n{proc.stderr[-3000:]}")
-    rss = float(proc.stdout.split("rss_mib")[-1].split()[0])
-    return wall, float(proc.stdout.split("warmup")[-1]), rss
+    wall, out = python(RUN, cache, pages, str(workers))
+    rss = float(out.split("rss_mib")[-1].split()[0])
+    return wall, float(out.split("warmup")[-1]), rss
 
 
 def server_start(cache: Path, port: int = 50077) -> float:

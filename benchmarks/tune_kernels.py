@@ -29,7 +29,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import VARLEN_BATCHES, cu, rel  # noqa: E402  (rel: NaN is inf)
+from bench_kernels import VARLEN_BATCHES, cu, graph_us, rel  # noqa: E402  (rel: NaN is inf)
 
 from attention_kernels import decode, prefill  # noqa: E402
 from attention_kernels.configs import DecodeConfig, PrefillConfig  # noqa: E402
@@ -187,9 +187,7 @@ def tune_prefill_varlen(results: list[dict], grid: list[PrefillConfig], rounds: 
                                                  max_seqlen_q=max(lens), _config=cfg)  # noqa: B023
                     if rel(fn(), ref) > 1e-2:
                         raise SystemExit(f"{lens} {name}: wrong result")
-                    torch.cuda.synchronize()
-                    us.setdefault(name, []).append(triton.testing.do_bench_cudagraph(
-                        fn, rep=50, return_mode="median") * 1e3)
+                    us.setdefault(name, []).append(graph_us(fn))
             best = {name: min(v) for name, v in us.items()}
             results.append({"op": "prefill-varlen", "lens": lens, "causal": causal,
                             "gpu_us": best})

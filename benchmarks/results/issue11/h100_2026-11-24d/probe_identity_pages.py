@@ -2,7 +2,8 @@
 is paged decode's fixed ~1.6 us over contiguous at 1 x 4K the block-table reads, or the rest
 of the paged program? ``python probe_identity_pages.py [identity]``: with ``identity``, the
 per-block page lookup is replaced by ``start_n // PAGE_TOKENS`` (no table read; right only for
-the identity table used here). GPU time of CUDA-graph replays under for_cuda_graphs()."""
+the identity table used here). GPU time of CUDA-graph replays under for_cuda_graphs()
+(``bench_kernels.graph_us``; the recorded runs used a copy of it at ``rep=200``)."""
 import sys
 
 import torch
@@ -23,20 +24,11 @@ if "identity" in sys.argv[1:]:
         return page.to(tl.int64)
     _paging.block_pages = identity_pages
 
-from bench_kernels import for_graphs  # noqa: E402
+from bench_kernels import graph_us  # noqa: E402
 
 from attention_kernels import decode, paged_decode  # noqa: E402
 
 H, HK, D = 32, 8, 128
-
-
-def us(fn):
-    fn()
-    torch.cuda.synchronize()
-    g = for_graphs(fn)
-    g()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench_cudagraph(g, rep=200, return_mode="median") * 1e3
 
 
 tag = "identity" if "identity" in sys.argv[1:] else "table"
@@ -47,11 +39,11 @@ for ctx in (4096, 32768):
     cu = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
     lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
     ref = decode(q, k, v, cu)
-    row = [f"ctx {ctx} contig {us(lambda: decode(q, k, v, cu)):.2f}"]
+    row = [f"ctx {ctx} contig {graph_us(lambda: decode(q, k, v, cu)):.2f}"]
     for page in (4096, 64):
         kp, vp = k.view(-1, page, HK, D), v.view(-1, page, HK, D)
         table = torch.arange(ctx // page, dtype=torch.int32, device="cuda").view(1, -1)
         err = (paged_decode(q, kp, vp, table, lens).float() - ref.float()).abs().max().item()
-        t = us(lambda: paged_decode(q, kp, vp, table, lens))
+        t = graph_us(lambda: paged_decode(q, kp, vp, table, lens))
         row.append(f"page {page} {tag} {t:.2f} (err {err:.1e})")
     print(" | ".join(row), flush=True)
