@@ -72,6 +72,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
+from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
 # Sequences scanned per step when a program looks up its sequence. A constant, not a function of
@@ -405,6 +406,30 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )
 
 
+# The warp-specialized Gluon kernel (``prefill_hopper``) for launches that would take the TMA
+# path at D 128 on Hopper with no feature: H100, 2026-11-24 (tune_hopper_prefill.py, bf16 dense
+# B * N = 16K x 16 heads), TFLOP/s against cuDNN non-causal 585 / 594 / 620 vs 610 / 611 / 630
+# (N 4K / 8K / 16K), causal 523 / 538 / 578 vs 521 / 544 / 565, where the portable kernel gave
+# 492-511 and 447-497. At D 64 it gave 0.84-0.92x cuDNN against the portable 0.86-0.90x, so D 64
+# stays portable. ``ATTENTION_KERNELS_GLUON=0`` turns it off (A/B measurements).
+_GLUON_HEAD_DIMS = (128,)
+
+
+def _gluon_ok(q: torch.Tensor, k: torch.Tensor, use_tma: bool, plain: bool) -> bool:
+    """The Gluon kernel: a launch that takes the descriptor loads (``_tma_ok``: Hopper, 16-bit
+    K/V like ``q``, enough work) with no window, softcap, ALiBi or FP8 (``plain``), on sm_90
+    exactly (its wgmma/setmaxnreg code), at a head dim in ``_GLUON_HEAD_DIMS``, with ``q``'s
+    rows 16-byte aligned for its own descriptor."""
+    if not (use_tma and plain) or q.shape[2] not in _GLUON_HEAD_DIMS or k.dtype != q.dtype:
+        return False
+    if _capability(q.device.index or 0)[0] != 9:
+        return False
+    if os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
+        return False
+    return (q.stride(2) == 1 and q.stride(1) == q.shape[2]
+            and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
+
+
 def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
     rows, heads, dim = t.shape
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_n, dim])
@@ -599,6 +624,9 @@ class _PrefillPlan:
     scalars: tuple[object, ...]  # the launch arguments between the tensors and the features
     stride_ab: int | None
     launch: KernelLaunch | None  # None when empty
+    gluon: bool = False  # the warp-specialized Gluon kernel instead (``_gluon_ok``)
+    causal: bool = False  # for the Gluon launch
+    scale_log2: float = 0.0
 
 
 def _plan(
@@ -688,8 +716,10 @@ def _plan(
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
+    plain = not (fp8 or has_window or cap_scale is not None or alibi_slopes is not None)
+    gluon = table is None and _gluon_ok(q, k, use_tma, plain)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
-                        cfg.block_n, scalars, stride_ab, launch)
+                        cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E)
 
 
 def _run(
@@ -722,6 +752,10 @@ def _run(
         cu_seqlens_q = cu_seqlens_q.contiguous()
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
+    if plan.gluon:
+        hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
+                          plan.causal, plan.scale_log2)
+        return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)
     else:

@@ -311,9 +311,12 @@ def test_warmup_compiles_what_prefill_serves() -> None:
     at D 128 on Hopper, short ones with a ``max_seqlen_q`` hint taking the short tiles), GQA
     ratios and batch sizes (launches of few and of many programs) compile nothing new."""
     from attention_kernels import warmup
+    from attention_kernels.prefill_hopper import _hopper_prefill_ws_kernel
 
     def variants() -> int:
-        return sum(len(c[0]) for c in prefill_kernel._prefill_kernel.device_caches.values())
+        return sum(len(c[0]) for kernel in (prefill_kernel._prefill_kernel,
+                                            _hopper_prefill_ws_kernel)
+                   for c in kernel.device_caches.values())
 
     warmup((64, 128), (torch.bfloat16,), DEVICE)
     before = variants()

@@ -1,0 +1,63 @@
+"""One dense prefill launch for Nsight Compute: ours (the Gluon Hopper kernel, or the portable
+Triton kernel: ``prefill`` with ``ATTENTION_KERNELS_GLUON=0``) or SDPA cuDNN, D 128 bf16,
+2 x 8K x 16 heads, non-causal unless ``--causal``.
+
+Compiles and warms up first; only the launch between ``cudaProfilerStart/Stop`` is profiled:
+
+    ncu --profile-from-start off --section SpeedOfLight --section WarpStateStats \
+        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        python benchmarks/probe_prefill_ncu.py --which gluon
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attention_kernels import prefill
+from attention_kernels.prefill_hopper import hopper_prefill_ws
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--which", choices=["gluon", "portable", "cudnn"], required=True)
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--tile", default="128,2", help="gluon: block_n,stages")
+    p.add_argument("--head-dim", type=int, default=128)
+    a = p.parse_args()
+    d, n, b = a.head_dim, 8192, 2
+    h = 2048 // d
+    q, k, v = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    qp, kp, vp = (t.transpose(1, 2).reshape(b * n, h, d).contiguous() for t in (q, k, v))
+    cus = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(qp)
+    bn, st = (int(x) for x in a.tile.split(","))
+    if a.which == "portable":
+        os.environ["ATTENTION_KERNELS_GLUON"] = "0"
+
+    def run() -> None:
+        if a.which == "gluon":
+            hopper_prefill_ws(qp, kp, vp, cus, cus, out, None, a.causal,
+                              1.4426950408889634 / math.sqrt(d), block_n=bn, stages=st)
+        elif a.which == "portable":
+            prefill(qp, kp, vp, cus, causal=a.causal, out=out)
+        else:
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                F.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()

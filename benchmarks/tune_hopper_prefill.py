@@ -1,0 +1,264 @@
+"""The Gluon Hopper prefill (``attention_kernels.prefill_hopper``): checks, then tiles against
+the portable kernel (``ATTENTION_KERNELS_GLUON=0``) and SDPA cuDNN / FLASH in the same run.
+
+    python benchmarks/tune_hopper_prefill.py                 # checks + sweep, H100/H200
+    python benchmarks/tune_hopper_prefill.py --no-sweep      # checks only
+
+Checks: the kernel against the float64 reference (odd lengths, empty sequences, causal with
+q != k lengths, GQA, fp16/bf16, D 64/128, every swept tile) with poisoned outputs, and a
+neighbour sequence full of inf/NaN. Sweep: dense ``[B, H, N, D]`` bf16 with ``B * N = 16K``
+and ``H * D = 2048`` (bench_kernels' dense rows), TFLOP/s from ``do_bench`` medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from attention_kernels import prefill, prefill_ref
+from attention_kernels.prefill_hopper import hopper_prefill_ws
+
+LOG2E = 1.4426950408889634
+# (block_n, stages) per head dim (128-row query tiles, two 64-row consumer warpgroups).
+TILES = {128: [(128, 2), (64, 3)], 64: [(128, 3), (64, 4)]}
+
+
+def cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
+                        device="cuda")
+
+
+def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
+    out = torch.full_like(q, float("nan"))
+    lse_t = torch.full((q.shape[1], q.shape[0]), float("nan"), device="cuda") if lse else None
+    launch(q, k, v, cu_q, cu_k, out, lse_t, causal, tile)
+    return out, lse_t
+
+
+def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
+    bn, st = tile
+    hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
+                      block_n=bn, stages=st)
+
+
+def check(failures: list[str]) -> int:
+    cases = [  # lens_q, lens_k, heads, kv_heads
+        ([1], None, 4, 4), ([17], None, 4, 2), ([127, 129], None, 4, 1), ([0, 1, 17], None, 4, 4),
+        ([5, 0, 33, 0], None, 8, 2), ([78, 40, 130], None, 8, 8), ([1000], None, 16, 4),
+        ([78, 40, 2050], None, 4, 4), ([300, 1], [700, 5], 4, 2), ([64, 200], [10, 600], 4, 4),
+        ([256, 128], None, 8, 8), ([4096], None, 16, 2),
+    ]
+    n = 0
+    for d in TILES:
+        for dtype in (torch.bfloat16, torch.float16):
+            for causal in (False, True):
+                for lens_q, lens_k, h, hk in cases:
+                    for tile in TILES[d]:
+                        lens_k = lens_k or lens_q
+                        cq, ck = cu(lens_q), cu(lens_k)
+                        q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype)
+                        k = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype)
+                        v = torch.randn(sum(lens_k), hk, d, device="cuda", dtype=dtype)
+                        if q.shape[0] == 0 or k.shape[0] == 0:
+                            continue
+                        out, lse = run(q, k, v, cq, ck, causal, tile)
+                        ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cq, ck,
+                                                   causal=causal, return_lse=True)
+                        err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                        fin = torch.isfinite(ref_lse)
+                        lerr = (lse[fin].double() - ref_lse[fin]).abs().max().item() \
+                            if fin.any() else 0.0
+                        bad_empty = bool((lse[~fin] != float("-inf")).any()) or bool(
+                            (out[~fin.t()] != 0).any())
+                        n += 1
+                        if not (err < 2e-2 and lerr < 2e-2) or bad_empty or torch.isnan(out).any():
+                            failures.append(f"d={d} {dtype} causal={causal} q={lens_q} "
+                                            f"k={lens_k} h={h}/{hk} tile={tile}: err {err:.3g} "
+                                            f"lse {lerr:.3g} empty-rows-wrong {bad_empty}")
+    # A neighbour's inf/NaN must not leak (values past a sequence's end meet p = 0).
+    for d in TILES:
+        for causal in (False, True):
+            lens = [2000, 77, 3000]
+            cq = cu(lens)
+            q = torch.randn(sum(lens), 16, d, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(sum(lens), 2, d, device="cuda", dtype=torch.bfloat16)
+            v = torch.randn_like(k)
+            a, b = lens[0], lens[0] + lens[1]
+            v[a:b] = float("inf")
+            k[a:b, :, 0] = float("nan")
+            for tile in TILES[d]:
+                out, _ = run(q, k, v, cq, cq, causal, tile, lse=False)
+                keep = torch.ones(sum(lens), dtype=torch.bool, device="cuda")
+                keep[a:b] = False
+                k2, v2 = k.clone(), v.clone()
+                k2[a:b] = 0
+                v2[a:b] = 0
+                ref = prefill_ref(q.double(), k2.double(), v2.double(), cq, causal=causal)
+                err = ((out[keep].double() - ref[keep]).norm() / ref[keep].norm()).item()
+                n += 1
+                if not torch.isfinite(out[keep]).all() or not err < 2e-2:
+                    failures.append(f"leak d={d} causal={causal} tile={tile}: err {err:.3g}")
+    return n
+
+
+def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
+                 tile: tuple[int, int] = (128, 2)) -> dict:
+    """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
+    without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits."""
+    import os.path
+    import re
+    import subprocess
+    import tempfile
+
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    from attention_kernels.prefill_hopper import _hopper_prefill_ws_kernel, descriptor
+
+    fn = _hopper_prefill_ws_kernel
+    t = torch.empty(256, 2, head_dim, dtype=dtype)  # descriptors read only shape and dtype
+    descs = {"desc_q": descriptor(t, 128), "desc_k": descriptor(t, tile[0]),
+             "desc_v": descriptor(t, tile[0])}
+    const = dict(HEAD_DIM=head_dim, BLOCK_M=128, BLOCK_N=tile[0], BLOCK_B=64, STAGES=tile[1],
+                 IS_CAUSAL=causal, RETURN_LSE=True, CONSUMER_REGS=224, PRODUCER_REGS=32)
+    elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
+    ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32"}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in descs:
+            sig[name] = mangle_type(descs[name])
+        elif name in ptrs:
+            sig[name] = ptrs[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            if name in ("stride_vt", "stride_ot", "stride_oh"):  # multiples of 16 on launch
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(GluonASTSource(fn, sig, const, attrs),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        raise FileNotFoundError(ptxas)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o",
+                               os.path.join(tmp, "k.cubin")],
+                              capture_output=True, text=True, check=True).stderr
+    return {
+        "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
+        "setmaxnreg_inc": sorted({int(x) for x in re.findall(
+            r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+        "wgmma_wait_1": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)),
+        "shared_bytes": kernel.metadata.shared,
+    }
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
+
+
+def sweep(ns: list[int]) -> list[dict]:
+    rows = []
+    for d in sorted(TILES, reverse=True):
+        heads = 2048 // d
+        for causal in (False, True):
+            for n in ns:
+                b = 16384 // n
+                q, k, v = (torch.randn(b, heads, n, d, dtype=torch.bfloat16, device="cuda")
+                           for _ in range(3))
+                qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
+                              for t in (q, k, v))
+                cus = cu([n] * b)
+                fl = 4.0 * n * n * heads * d * b / (2.0 if causal else 1.0)
+                row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal}
+                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                      ("flash", SDPBackend.FLASH_ATTENTION)):
+                    def peer(backend=backend):
+                        with sdpa_kernel(backend):
+                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    row[name] = fl / bench(peer) / 1e9
+                os.environ["ATTENTION_KERNELS_GLUON"] = "0"  # prefill() as it was before Gluon
+                ref = prefill(qp, kp, vp, cus, causal=causal)
+                row["portable"] = fl / bench(lambda: prefill(qp, kp, vp, cus, causal=causal)) / 1e9
+                os.environ.pop("ATTENTION_KERNELS_GLUON")
+                out = torch.empty_like(qp)
+                for tile in TILES[d]:
+                    def ours(tile=tile):
+                        launch(qp, kp, vp, cus, cus, out, None, causal, tile)
+                    ours()
+                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                    key = f"gluon_{tile[0]}x{tile[1]}"
+                    row[key] = fl / bench(ours) / 1e9 if err < 2e-2 else float("nan")
+                    row[key + "_err"] = err
+                best = max(v for kk, v in row.items() if kk.startswith("gluon") and
+                           not kk.endswith("_err") and v == v)
+                mask = "causal" if causal else "full  "
+                print(f"D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
+                      f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "
+                      + " ".join(f"{kk[6:]} {v:6.1f}" for kk, v in row.items()
+                                 if kk.startswith("gluon") and not kk.endswith("_err"))
+                      + f" | best/cudnn {best / row['cudnn']:.2f} "
+                      f"portable/cudnn {row['portable'] / row['cudnn']:.2f}", flush=True)
+                rows.append(row)
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--no-sweep", action="store_true")
+    p.add_argument("--no-check", action="store_true")
+    p.add_argument("--ns", default="4096,8192,16384")
+    p.add_argument("--compile-only", action="store_true",
+                   help="no GPU needed: build for sm_90a and print spills / registers as JSON "
+                        "(exit 3 when this triton ships no ptxas)")
+    p.add_argument("--causal", action="store_true", help="with --compile-only")
+    p.add_argument("--tiles", help="replace the tile lists: 'D:block_n,stages;...'")
+    p.add_argument("--out", default="benchmarks/results")
+    args = p.parse_args()
+    if args.tiles:
+        TILES.clear()
+        for item in args.tiles.split(";"):
+            d, tile = item.split(":")
+            TILES.setdefault(int(d), []).append(tuple(int(x) for x in tile.split(",")))
+    if args.compile_only:
+        try:
+            print(json.dumps(compile_sm90(args.causal)))
+        except FileNotFoundError as e:
+            print(f"no ptxas in this triton wheel: {e}")
+            return 3
+        return 0
+    failures: list[str] = []
+    if not args.no_check:
+        n = check(failures)
+        print(f"checks: {n - len(failures)} / {n} passed", flush=True)
+        for f in failures:
+            print("  FAIL", f, flush=True)
+    rows = [] if args.no_sweep else sweep([int(x) for x in args.ns.split(",")])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name().replace(" ", "_")
+    (out / f"tune_hopper_prefill_{name}.json").write_text(json.dumps({
+        "command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
+        "date": datetime.now(timezone.utc).isoformat(), "torch": torch.__version__,
+        "triton": triton.__version__, "failures": failures, "rows": rows}, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,350 @@
+"""Hopper (sm_90) prefill in Gluon: warp specialization and the wgmma order written out.
+
+The portable kernel (``prefill_kernel.py``) leaves the order of the two GEMMs and the softmax to
+Triton's pipeliner, which waits for every QK^T wgmma before the softmax reads it and for every
+PV wgmma before the next block (``warp_group_dot_wait pendings=0`` after each dot in its TTGIR),
+so the tensor cores idle while the warps do exponentials: 0.81-0.88x SDPA cuDNN at D 128 on an
+H100. This kernel is laid out as FlashAttention-3 is (and as cuDNN's sm90 kernel is: ncu shows
+384 threads, 168 registers at launch):
+
+* a producer warp issues every TMA copy of Q, K and V into rings of ``STAGES`` shared-memory
+  slots, each with a "ready" mbarrier (TMA bytes) and an "empty" one (one arrival per consumer);
+* two consumer warpgroups take 64 query rows each of a 128-row tile, with 224 registers each
+  (``setmaxnreg``; the producer keeps 32), and per key block j run
+
+      issue S_j = Q K_j^T          (async)
+      issue O += P_{j-1} V_{j-1}   (async, P from registers)
+      wait until S_j is done       (the PV keeps running); K_j's slot is empty
+      softmax of S_j -> P_j        (exp2 on the SFUs while the tensor cores do the PV)
+      wait for the PV; V_{j-1}'s slot is empty; O *= alpha_j
+
+No CTA-wide barrier sits in the loop, so the two consumers drift apart and one's softmax runs
+under the other's GEMMs. The same order without warp specialization (all 8 warps issuing, each
+refill behind a CTA barrier that keeps both warpgroups in lockstep) measured no better than the
+portable kernel (H100, 2026-11-24: 482-537 TFLOP/s at D 128 non-causal; ncu at 2 x 8K x 16 heads:
+2.40 ms against cuDNN's 1.92); this one 585-620 against cuDNN's 610-630.
+
+Scope: contiguous packed varlen inputs (``[total, H, D]``), fp16/bf16, D 64 or 128, causal or
+not, GQA, LSE; no window, softcap, ALiBi, FP8 or pages (those keep the portable kernel). The
+program-to-tile mapping is the portable kernel's (``prefill_kernel`` module docstring): reverse
+slots, heads fastest under a causal mask. Varlen edges: TMA reads whole tiles, so a tile can hold
+rows of the next sequence. Queries there only produce rows that are never stored; keys there
+are masked to -inf before the softmax (a ``where``, so NaN or inf in them cannot leak); values
+there would meet ``p = 0`` but ``0 * inf`` is NaN, so the producer brings the last key block's
+values through masked pointer loads (zeros past the sequence) instead of TMA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+
+@gluon.jit
+def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr):
+    """The sequence owning tile slot ``slot`` (``prefill_kernel``'s slot scheme)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    count = 0
+    for b0 in range(0, batch, BLOCK_B):
+        bs = b0 + gl.arange(0, BLOCK_B, layout=lay)
+        starts = gl.load(cu_q + bs, mask=bs < batch, other=0) // BLOCK_M + bs
+        count += gl.sum(((starts <= slot) & (bs < batch)).to(gl.int32), 0)
+    return count - 1
+
+
+@gluon.jit
+def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale,
+                   MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Online-softmax update for one block of scores ``s`` (log2 units after ``qk_scale``).
+    Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum."""
+    if MASKED:
+        offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
+        keep = gl.expand_dims(offs_n < seqlen_k, 0)
+        if IS_CAUSAL:
+            keep = keep & (gl.expand_dims(offs_n, 0) <= gl.expand_dims(rows_pos, 1))
+        qk = gl.where(keep, s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(qk, 1))
+        # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
+        m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
+        p = gl.exp2(qk - gl.expand_dims(m_shift, 1))
+    else:
+        # Every key of the block is visible to every row: the new max is finite.
+        m_new = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        m_shift = m_new
+        p = gl.exp2(s * qk_scale - gl.expand_dims(m_shift, 1))
+    alpha = gl.exp2(m_i - m_shift)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    return p, m_new, alpha, l_i
+
+
+@gluon.jit
+def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
+                stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr):
+    """Normalise and store rows ``row0 .. row0 + BLOCK_M`` of the sequence (those that exist).
+    Rows that saw no key: output 0, lse -inf."""
+    # 16-byte stores along D (the wgmma layout holds 2 columns per thread per row).
+    TPW_D: gl.constexpr = HEAD_DIM // 8
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D],
+                                                [NUM_WARPS, 1], [1, 0])
+    seen = l_i > 0.0
+    inv = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+    out = acc * gl.expand_dims(gl.convert_layout(inv, o_rows), 1)
+    out = gl.convert_layout(out.to(Out.dtype.element_ty), out_layout)
+    offs_m = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
+    o_ptrs = (Out + q_start.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
+              + gl.expand_dims(offs_m.to(gl.int64) * stride_ot, 1) + gl.expand_dims(offs_d, 0))
+    gl.store(o_ptrs, out, mask=gl.expand_dims(offs_m < seqlen_q, 1))
+    if RETURN_LSE:
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+                       float("-inf"))
+        rows = row0 + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
+        gl.store(Lse + head.to(gl.int64) * stride_lh + q_start + rows, lse, mask=rows < seqlen_q)
+
+
+def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """A TMA descriptor over packed ``[total, heads, D]`` as ``[total, heads * D]``, one
+    ``[block_rows, D]`` tile per copy."""
+    rows, heads, dim = t.shape
+    gl_dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([block_rows, dim], gl_dtype)
+    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim], layout)
+
+
+@gluon.jit
+def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
+                 k_empty, v_empty, q_row, q_col, k_start, kv_col, n_blocks, seqlen_k, stride_vt,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    mbarrier.expect(q_bar, desc_q.block_type.nbytes)
+    tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_bar, q_smem)
+    ragged = n_blocks * BLOCK_N > seqlen_k  # the last block runs past the sequence
+    for j in range(n_blocks):
+        slot = j % STAGES
+        reuse = j >= STAGES
+        phase = ((j // STAGES) & 1) ^ 1  # the phase the consumers completed on this slot
+        mbarrier.wait(k_empty.index(slot), phase, pred=reuse)
+        mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
+        tma.async_copy_global_to_shared(desc_k, [k_start + j * BLOCK_N, kv_col],
+                                        k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), phase, pred=reuse)
+        if ragged and j == n_blocks - 1:
+            # Values past the sequence's end would meet p = 0, and 0 * inf is NaN: this block
+            # comes through masked loads (zeros past the end), 8 rows at a time (the swizzle
+            # unit of the shared tile; the producer runs on few registers).
+            TPW_D: gl.constexpr = HEAD_DIM // 8
+            CH: gl.constexpr = 8
+            v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [1, 1],
+                                                      [1, 0])
+            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, v_layout))
+            for c in gl.static_range(BLOCK_N // CH):
+                rows = j * BLOCK_N + c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, v_layout))
+                ptrs = (V + (k_start.to(gl.int64) + gl.expand_dims(rows, 1)) * stride_vt + kv_col
+                        + gl.expand_dims(offs_d, 0))
+                vals = gl.load(ptrs, mask=gl.expand_dims(rows < seqlen_k, 1), other=0.0)
+                v_smem.index(slot).slice(c * CH, CH).store(vals)
+            fence_async_shared()
+            gl.thread_barrier()
+            mbarrier.arrive(v_ready.index(slot))
+        else:
+            mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc_v, [k_start + j * BLOCK_N, kv_col],
+                                            v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _ws_step(j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
+             v_empty, seqlen_k, rows_pos, qk_scale, s_zero, MASKED: gl.constexpr,
+             IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+             p_layout: gl.constexpr, o_layout: gl.constexpr):
+    kslot = j % STAGES
+    mbarrier.wait(k_ready.index(kslot), (j // STAGES) & 1)
+    s_tok = warpgroup_mma(q_half, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    vslot = (j - 1) % STAGES
+    mbarrier.wait(v_ready.index(vslot), ((j - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(kslot))
+    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, MASKED,
+                                        IS_CAUSAL, BLOCK_N)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    mbarrier.arrive(v_empty.index(vslot))
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    p_next = gl.convert_layout(p.to(p_prev.dtype), p_layout)
+    return acc, p_next, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
+                 v_empty, Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
+                 n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh,
+                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
+    """One warpgroup's 64 query rows (``HALF`` 0 or 1 of the 128-row tile)."""
+    ROWS: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    my_row0 = row0 + HALF * ROWS
+    q_half = q_smem.slice(HALF * ROWS, ROWS)
+    rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + causal_offset
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+
+    mbarrier.wait(q_bar, 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s_tok = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(0))
+    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
+                                        IS_CAUSAL, BLOCK_N)
+    p_prev = gl.convert_layout(p.to(q_smem.dtype), p_layout)
+    for j in range(1, gl.maximum(nb_full, 1)):
+        acc, p_prev, m_i, l_i = _ws_step(
+            j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
+            v_empty, seqlen_k, rows_pos, qk_scale, s_zero, False, IS_CAUSAL, STAGES, BLOCK_N,
+            p_layout, o_layout)
+    for j in range(gl.maximum(nb_full, 1), n_blocks):
+        acc, p_prev, m_i, l_i = _ws_step(
+            j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
+            v_empty, seqlen_k, rows_pos, qk_scale, s_zero, True, IS_CAUSAL, STAGES, BLOCK_N,
+            p_layout, o_layout)
+    last = n_blocks - 1
+    vslot = last % STAGES
+    mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot, stride_oh,
+                stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
+
+
+@gluon.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run",
+                              "stride_lh"])
+def _hopper_prefill_ws_kernel(
+    desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k,
+    stride_vt, stride_ot, stride_oh, stride_lh,
+    qk_scale, batch, num_heads, group, num_slots, slot_run,
+    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+    BLOCK_B: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    gl.static_assert(BLOCK_M == 128, "two 64-row consumer warpgroups")
+    gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
+    pid = gl.program_id(0)
+    run = pid // slot_run
+    head = run % num_heads
+    slot = num_slots - 1 - ((run // num_heads) * slot_run + pid % slot_run)
+    if slot < 0:
+        return
+    seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B)
+    q_start = gl.load(cu_q + seq)
+    seqlen_q = gl.load(cu_q + seq + 1) - q_start
+    block = slot - (q_start // BLOCK_M + seq)
+    if block * BLOCK_M >= seqlen_q:
+        return
+    k_start = gl.load(cu_k + seq)
+    seqlen_k = gl.load(cu_k + seq + 1) - k_start
+    kv_col = (head // group) * HEAD_DIM
+    causal_offset = seqlen_k - seqlen_q
+    if IS_CAUSAL:
+        first_row = block * BLOCK_M
+        last_row_end = gl.minimum(first_row + BLOCK_M, seqlen_q)
+        n_full = gl.minimum(gl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
+        n_end = gl.minimum(gl.maximum(last_row_end + causal_offset, 0), seqlen_k)
+    else:
+        n_full = seqlen_k
+        n_end = seqlen_k
+    nb_full = n_full // BLOCK_N
+    n_blocks = gl.cdiv(n_end, BLOCK_N)
+    if n_blocks == 0:
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
+        rows_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
+        for h in gl.static_range(2):
+            _store_tile(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout),
+                        gl.full([64], float("-inf"), gl.float32, layout=rows_layout),
+                        gl.zeros([64], gl.float32, layout=rows_layout), Out, Lse, q_start,
+                        seqlen_q, block * BLOCK_M + h * 64, head, stride_ot, stride_oh,
+                        stride_lh, HEAD_DIM, 64, RETURN_LSE, 4)
+        return
+
+    dtype: gl.constexpr = desc_q.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], desc_q.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        mbarrier.init(v_empty.index(i), count=2)
+    fence_async_shared()
+
+    row0 = block * BLOCK_M
+    gl.warp_specialize([
+        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                        Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
+                        n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM,
+                        BLOCK_N, STAGES, IS_CAUSAL, RETURN_LSE)),
+        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
+                        Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
+                        n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM,
+                        BLOCK_N, STAGES, IS_CAUSAL, RETURN_LSE)),
+        (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_bar, k_ready,
+                        v_ready, k_empty, v_empty, q_start + block * BLOCK_M,
+                        head * HEAD_DIM, k_start, kv_col, n_blocks, seqlen_k, stride_vt,
+                        HEAD_DIM, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                      cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
+                      causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
+                      consumer_regs: int = 224, producer_regs: int = 32,
+                      slot_run: int | None = None) -> None:
+    """``hopper_prefill``'s contract, through the warp-specialized kernel (128-row tiles).
+    Registers: Triton 3.6 raises the default partition (consumer 0) to 256 per thread, so
+    ``consumer_regs`` + ``producer_regs`` must stay <= 256 (512 x 128 = the whole file);
+    more would block ``setmaxnreg`` forever."""
+    if consumer_regs + producer_regs > 256:
+        raise ValueError("consumer_regs + producer_regs must be <= 256")
+    total_q, num_heads, head_dim = q.shape
+    batch = cu_q.shape[0] - 1
+    block_m = 128
+    num_slots = total_q // block_m + batch + 1
+    if slot_run is None:
+        slot_run = 1 if causal else num_slots
+    runs = triton.cdiv(num_slots, slot_run)
+    grid = (runs * slot_run * num_heads,)
+    _hopper_prefill_ws_kernel[grid](
+        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), v, out,
+        lse if lse is not None else out, cu_q, cu_k,
+        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0,
+        scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages,
+        IS_CAUSAL=causal, RETURN_LSE=lse is not None, CONSUMER_REGS=consumer_regs,
+        PRODUCER_REGS=producer_regs, num_warps=4,
+    )
