@@ -21,21 +21,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
-from attention_kernels import prefill, prefill_ref
-from attention_kernels.prefill_hopper import hopper_prefill_ws
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import bench, cu, flops, rel, sdpa  # noqa: E402
+
+from attention_kernels import prefill, prefill_ref  # noqa: E402
+from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # (block_n, stages) per head dim (128-row query tiles, two 64-row consumer warpgroups).
 TILES = {128: [(128, 2), (64, 3)], 64: [(128, 3), (64, 4)]}
-
-
-def cu(lengths: list[int]) -> torch.Tensor:
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                        device="cuda")
 
 
 def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
@@ -74,7 +71,7 @@ def check(failures: list[str]) -> int:
                         out, lse = run(q, k, v, cq, ck, causal, tile)
                         ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cq, ck,
                                                    causal=causal, return_lse=True)
-                        err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+                        err = rel(out.double(), ref)
                         fin = torch.isfinite(ref_lse)
                         lerr = (lse[fin].double() - ref_lse[fin]).abs().max().item() \
                             if fin.any() else 0.0
@@ -104,7 +101,7 @@ def check(failures: list[str]) -> int:
                 k2[a:b] = 0
                 v2[a:b] = 0
                 ref = prefill_ref(q.double(), k2.double(), v2.double(), cq, causal=causal)
-                err = ((out[keep].double() - ref[keep]).norm() / ref[keep].norm()).item()
+                err = rel(out[keep], ref[keep])
                 n += 1
                 if not torch.isfinite(out[keep]).all() or not err < 2e-2:
                     failures.append(f"leak d={d} causal={causal} tile={tile}: err {err:.3g}")
@@ -169,10 +166,6 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     }
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-
-
 def sweep(ns: list[int]) -> list[dict]:
     rows = []
     for d in sorted(TILES, reverse=True):
@@ -185,14 +178,11 @@ def sweep(ns: list[int]) -> list[dict]:
                 qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
                               for t in (q, k, v))
                 cus = cu([n] * b)
-                fl = 4.0 * n * n * heads * d * b / (2.0 if causal else 1.0)
+                fl = flops([n] * b, [n] * b, heads, d, causal)
                 row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal}
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                                       ("flash", SDPBackend.FLASH_ATTENTION)):
-                    def peer(backend=backend):
-                        with sdpa_kernel(backend):
-                            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-                    row[name] = fl / bench(peer) / 1e9
+                    row[name] = fl / bench(sdpa(backend, q, k, v, causal)) / 1e9
                 os.environ["ATTENTION_KERNELS_GLUON"] = "0"  # prefill() as it was before Gluon
                 ref = prefill(qp, kp, vp, cus, causal=causal)
                 row["portable"] = fl / bench(lambda: prefill(qp, kp, vp, cus, causal=causal)) / 1e9
@@ -202,12 +192,13 @@ def sweep(ns: list[int]) -> list[dict]:
                     def ours(tile=tile):
                         launch(qp, kp, vp, cus, cus, out, None, causal, tile)
                     ours()
-                    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
                     key = f"gluon_{tile[0]}x{tile[1]}"
-                    row[key] = fl / bench(ours) / 1e9 if err < 2e-2 else float("nan")
-                    row[key + "_err"] = err
+                    row[key + "_err"] = rel(out, ref)
+                    if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
+                        raise SystemExit(f"check failed: {row}")
+                    row[key] = fl / bench(ours) / 1e9
                 best = max(v for kk, v in row.items() if kk.startswith("gluon") and
-                           not kk.endswith("_err") and v == v)
+                           not kk.endswith("_err"))
                 mask = "causal" if causal else "full  "
                 print(f"D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
                       f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "

@@ -2,7 +2,7 @@
 
     python benchmarks/tune_prefill_order.py [--out DIR] [--rounds 2]
 
-The prefill grid runs ``prefill_kernel.SLOT_RUN`` slots of one head, then the same slots of the
+The prefill grid runs ``_prefill_slots.SLOT_RUN`` slots of one head, then the same slots of the
 next head. A run of 1 (every head of a slot, then the next slot) starts all heads of causal's
 heaviest tiles together; longer runs keep the ~132 resident programs of an H100 on fewer
 heads, whose K/V tiles then stay in L2; 0 runs every slot of a head before the next head.
@@ -26,8 +26,9 @@ from bench_kernels import CHECK_TOL, DTYPE, bench, cu, flops, rel, sdpa  # noqa:
 
 from attention_kernels import prefill  # noqa: E402
 from attention_kernels import prefill_kernel as pk  # noqa: E402
+from attention_kernels._prefill_slots import SLOT_RUN  # noqa: E402
 
-RUNS = (1, 4, 8, 16, 32, 0)  # slots per head run (prefill_kernel.SLOT_RUN); 0: all of them
+RUNS = (1, 4, 8, 16, 32, 0)  # slots per head run (_prefill_slots.SLOT_RUN); 0: all of them
 # (name, head dim, q heads, kv heads, lengths, causal)
 CASES = [
     *[(f"dense N={n}", d, 2048 // d, 2048 // d, [n] * (16384 // n), c)
@@ -62,10 +63,10 @@ def run_case(name: str, d: int, heads: int, kv_heads: int, lens: list[int], caus
                 row[f"{peer}_error"] = str(e).splitlines()[0][:100]
     ref = row.pop("ref", None)
     times: dict[int, list[float]] = {r: [] for r in RUNS}
-    default = pk.SLOT_RUN[causal]
+    default = SLOT_RUN[causal]
     for _ in range(rounds):
         for run in RUNS:
-            pk.SLOT_RUN[causal] = run
+            SLOT_RUN[causal] = run
             pk._PLANS.clear()
             fn = lambda: prefill(q, k, v, cus, causal=causal)  # noqa: E731
             out = fn()
@@ -74,7 +75,7 @@ def run_case(name: str, d: int, heads: int, kv_heads: int, lens: list[int], caus
                 if not err < CHECK_TOL:
                     raise SystemExit(f"{name}: slot run {run}: check failed ({err:.3g})")
             times[run].append(bench(fn))
-    pk.SLOT_RUN[causal] = default
+    SLOT_RUN[causal] = default
     pk._PLANS.clear()
     row["TFLOPs"] = {run: fl / statistics.median(t) / 1e9 for run, t in times.items()}
     base = row["TFLOPs"][1]

@@ -37,7 +37,6 @@ values through masked pointer loads (zeros past the sequence) instead of TMA.
 from __future__ import annotations
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,10 +48,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
+
 
 @gluon.jit
 def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr):
-    """The sequence owning tile slot ``slot`` (``prefill_kernel``'s slot scheme)."""
+    """The sequence owning tile slot ``slot`` (``_prefill_slots``; the portable kernel's search
+    with a Gluon layout on its index block)."""
     lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
     count = 0
     for b0 in range(0, batch, BLOCK_B):
@@ -248,10 +250,7 @@ def _hopper_prefill_ws_kernel(
 ):
     gl.static_assert(BLOCK_M == 128, "two 64-row consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    pid = gl.program_id(0)
-    run = pid // slot_run
-    head = run % num_heads
-    slot = num_slots - 1 - ((run // num_heads) * slot_run + pid % slot_run)
+    head, slot = program_tile(gl.program_id(0), slot_run, num_heads, num_slots)
     if slot < 0:
         return
     seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B)
@@ -264,14 +263,7 @@ def _hopper_prefill_ws_kernel(
     seqlen_k = gl.load(cu_k + seq + 1) - k_start
     kv_col = (head // group) * HEAD_DIM
     causal_offset = seqlen_k - seqlen_q
-    if IS_CAUSAL:
-        first_row = block * BLOCK_M
-        last_row_end = gl.minimum(first_row + BLOCK_M, seqlen_q)
-        n_full = gl.minimum(gl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
-        n_end = gl.minimum(gl.maximum(last_row_end + causal_offset, 0), seqlen_k)
-    else:
-        n_full = seqlen_k
-        n_end = seqlen_k
+    n_full, n_end = causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
     nb_full = n_full // BLOCK_N
     n_blocks = gl.cdiv(n_end, BLOCK_N)
     if n_blocks == 0:
@@ -323,23 +315,21 @@ def _hopper_prefill_ws_kernel(
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
-                      consumer_regs: int = 224, producer_regs: int = 32,
-                      slot_run: int | None = None) -> None:
-    """``hopper_prefill``'s contract, through the warp-specialized kernel (128-row tiles).
+                      consumer_regs: int = 224, producer_regs: int = 32) -> None:
+    """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
+    with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
+    ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
+
     Registers: Triton 3.6 raises the default partition (consumer 0) to 256 per thread, so
-    ``consumer_regs`` + ``producer_regs`` must stay <= 256 (512 x 128 = the whole file);
-    more would block ``setmaxnreg`` forever."""
+    ``consumer_regs`` + ``producer_regs`` must stay <= 256 (512 x 128 = the whole file); more
+    would block ``setmaxnreg`` forever."""
     if consumer_regs + producer_regs > 256:
         raise ValueError("consumer_regs + producer_regs must be <= 256")
     total_q, num_heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
     block_m = 128
-    num_slots = total_q // block_m + batch + 1
-    if slot_run is None:
-        slot_run = 1 if causal else num_slots
-    runs = triton.cdiv(num_slots, slot_run)
-    grid = (runs * slot_run * num_heads,)
-    _hopper_prefill_ws_kernel[grid](
+    num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, block_m, causal)
+    _hopper_prefill_ws_kernel[(programs,)](
         descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), v, out,
         lse if lse is not None else out, cu_q, cu_k,
         v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0,

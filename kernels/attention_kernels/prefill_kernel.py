@@ -12,7 +12,7 @@ empty programs. Slots run in reverse so each sequence's last query blocks, which
 under a causal mask, are dispatched first. Masked launches (causal, window) make heads the
 fastest-varying index, so all heads of a heavy tile start together; unmasked ones run every slot
 of a head before the next head, so the resident programs share that head's K/V in L2
-(``SLOT_RUN``: 1-7% more TFLOP/s without a mask, none with one).
+(``_prefill_slots.SLOT_RUN``: 1-7% more TFLOP/s without a mask, none with one).
 
 Causal work skipping (bottom-right aligned, ``offset = seqlen_k - seqlen_q``): a query block
 starting at row ``r0`` visits keys ``[0, n_full)`` without any mask, where every key is visible to
@@ -62,6 +62,7 @@ from attention_kernels._launch import (
     outputs,
 )
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
+from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
 from attention_kernels.configs import (
     PrefillConfig,
     _capability,
@@ -220,12 +221,7 @@ def _prefill_kernel(
     The dots then run in fp16 (``_fp8_dot``).
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    # Runs of ``slot_run`` slots of one head (``SLOT_RUN``), in reverse slot order: the last
-    # query blocks of each sequence (most causal work) go first.
-    pid = tl.program_id(0)
-    run = pid // slot_run
-    head = run % num_heads
-    slot = num_slots - 1 - ((run // num_heads) * slot_run + pid % slot_run)
+    head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
     if slot < 0:
         return
 
@@ -306,14 +302,7 @@ def _prefill_kernel(
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
         )
     else:
-        if IS_CAUSAL:
-            first_row = block * BLOCK_M
-            last_row_end = tl.minimum(first_row + BLOCK_M, seqlen_q)
-            n_full = tl.minimum(tl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
-            n_end = tl.minimum(tl.maximum(last_row_end + causal_offset, 0), seqlen_k)
-        else:
-            n_full = seqlen_k
-            n_end = seqlen_k
+        n_full, n_end = causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
         n_a = 0
         n_b = (n_full // BLOCK_N) * BLOCK_N
         n_hi = n_end
@@ -363,16 +352,6 @@ _TMA_HEAD_DIMS = (128,)
 # with TMA vs 51 without for the same 10 us of GPU time; [1024]*3 causal 52 us of GPU time but
 # 86 us per call with TMA.
 _TMA_MIN_WORK = 1 << 28
-# Program order: the grid runs ``slot_run`` query-block slots of one head, then the same
-# slots of the next head, and so on (slots in reverse, so causal's longest blocks go first).
-# 1 (one slot across every head, then the next slot) spreads causal work best; all of them
-# (0 here: every slot of a head, then the next head) keeps the ~132 resident programs on one
-# head's K/V, which then stay in L2. H100, bf16, ``tune_prefill_order.py``, 2026-11-24, two
-# runs, TFLOP/s of all slots over 1: non-causal D128 N 4K / 8K / 16K 1.01-1.04 / 1.03 /
-# 1.05-1.06, D64 1.03-1.05 / 1.04-1.07 / 1.04-1.06; causal 0.96-1.03 (GQA 32/8 0.98,
-# varlen [8192, 16 x 4] 0.94-0.96, runs of 4-32 slots no better): keyed by "masked" (causal
-# or a window).
-SLOT_RUN = {False: 0, True: 1}
 # FP8 K/V tiles through descriptors: ``ATTENTION_KERNELS_TMA_FP8=1``. Off: they lost 2-11% at
 # D 128 with every tile config tried (benchmarks/tune_fp8.py, H200, 2026-11-23).
 TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
@@ -684,9 +663,8 @@ def _plan(
     many = table is None and many_programs(total_q, batch, num_heads, q.device)
     cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8,
                                    rows, many)
-    num_slots = total_q // cfg.block_m + batch + 1
-    slot_run = SLOT_RUN[causal or has_window] or num_slots
-    runs = -(-num_slots // slot_run)  # the last run's spare programs (slot < 0) return
+    num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, cfg.block_m,
+                                              causal or has_window)
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
@@ -705,7 +683,7 @@ def _plan(
                total_q if return_lse else 0, *strides[4:],
                scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots, slot_run,
                win_left, win_right, cap_scale, cap_log2)
-    launch = KernelLaunch(_prefill_kernel, (runs * slot_run * num_heads,), dict(
+    launch = KernelLaunch(_prefill_kernel, (programs,), dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_kernels import configs, prefill, prefill_kernel, prefill_ref
+from attention_kernels import _prefill_slots, configs, prefill, prefill_kernel, prefill_ref
 from attention_kernels.configs import PrefillConfig
 from tests.kernels.conftest import (
     DEVICE,
@@ -123,7 +123,7 @@ def test_every_program_order_covers_every_tile(
 ) -> None:
     # 12 slots in runs of 5 leave 3 spare programs in the last run (slot < 0): they must write
     # nothing.
-    monkeypatch.setitem(prefill_kernel.SLOT_RUN, causal, slot_run)
+    monkeypatch.setitem(_prefill_slots.SLOT_RUN, causal, slot_run)
     monkeypatch.setattr(prefill_kernel, "_PLANS", type(prefill_kernel._PLANS)())
     run_case([45, 0, 70, 1], None, 3, 1, 64, causal, torch.float16,
              config=PrefillConfig(16, 16, 4, 1))
