@@ -13,6 +13,9 @@
 #   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (the e4m3 conversions'
 #              PTX, tile configs, descriptor loads of FP8 tiles)
 #   tune-fp8-paged  benchmarks/tune_fp8.py --only paged (FP8 pages: paged decode tile configs)
+#   hopper-prefill  benchmarks/tune_hopper_prefill.py (the Gluon Hopper prefill: checks against
+#              the float64 reference, then tiles / consumer counts / persistent launches vs
+#              SDPA cuDNN and FLASH and the portable kernel; HOPPER_PREFILL_ARGS adds options)
 #   prefill-order  benchmarks/tune_prefill_order.py (the prefill grid's program order, vs cuDNN)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
@@ -131,6 +134,8 @@ for s in "$@"; do
               stage tune-fp8 420 python3 benchmarks/tune_fp8.py --out "$OUT" ;;
     tune-fp8-paged) stage tune-fp8-paged 300 python3 benchmarks/tune_fp8.py --only paged \
                       --out "$OUT" ;;
+    hopper-prefill) stage hopper-prefill 580 python3 benchmarks/tune_hopper_prefill.py \
+      --out "$OUT" ${HOPPER_PREFILL_ARGS:-} ;;
     prefill-order) stage prefill-order 300 python3 benchmarks/tune_prefill_order.py \
                      --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,11 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import bench, cu, flops, rel, sdpa  # noqa: E402
 
 from attention_kernels import prefill, prefill_ref  # noqa: E402
-from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
+from attention_kernels.prefill_hopper import hopper_prefill_ws, sm_count  # noqa: E402
 
 LOG2E = 1.4426950408889634
-# (block_n, stages) per head dim (128-row query tiles, two 64-row consumer warpgroups).
-TILES = {128: [(128, 2), (64, 3)], 64: [(128, 3), (64, 4)]}
+# (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim; programs 0: one
+# per tile, 1: one per SM (persistent), n > 1: n (the checks walk many tiles per program).
+TILES = {128: [(128, 2, 2, 0), (128, 2, 2, 1)],
+         64: [(128, 3, 2, 0), (128, 2, 3, 0), (128, 2, 3, 1), (128, 3, 3, 1)]}
+
+
+def tile_name(tile) -> str:
+    bn, st, cons, progs = tile
+    return f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else "p" if progs == 1 else f"p{progs}")
 
 
 def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
@@ -43,9 +51,19 @@ def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
 
 
 def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
-    bn, st = tile
+    bn, st, cons, progs = tile
+    programs = None if progs == 0 else sm_count(q.device) if progs == 1 else progs
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
-                      block_n=bn, stages=st)
+                      block_n=bn, stages=st, consumers=cons, programs=programs)
+
+
+def check_tiles(d: int) -> list[tuple]:
+    """The swept tiles plus each on 3 programs (many tiles per program: ring and Q-buffer
+    phases carried from tile to tile, tiles without keys in between)."""
+    tiles = list(TILES[d])
+    for tile in dict.fromkeys(t[:3] for t in TILES[d]):
+        tiles.append(tile + (3,))
+    return tiles
 
 
 def check(failures: list[str]) -> int:
@@ -54,13 +72,17 @@ def check(failures: list[str]) -> int:
         ([5, 0, 33, 0], None, 8, 2), ([78, 40, 130], None, 8, 8), ([1000], None, 16, 4),
         ([78, 40, 2050], None, 4, 4), ([300, 1], [700, 5], 4, 2), ([64, 200], [10, 600], 4, 4),
         ([256, 128], None, 8, 8), ([4096], None, 16, 2),
+        ([300, 1, 2000, 0, 700], [700, 5, 10, 0, 2000], 8, 2),
     ]
     n = 0
+    t0 = time.perf_counter()
     for d in TILES:
         for dtype in (torch.bfloat16, torch.float16):
             for causal in (False, True):
+                print(f"  checking D{d} {dtype} causal={causal} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
                 for lens_q, lens_k, h, hk in cases:
-                    for tile in TILES[d]:
+                    for tile in check_tiles(d):
                         lens_k = lens_k or lens_q
                         cq, ck = cu(lens_q), cu(lens_k)
                         q = torch.randn(sum(lens_q), h, d, device="cuda", dtype=dtype)
@@ -93,7 +115,7 @@ def check(failures: list[str]) -> int:
             a, b = lens[0], lens[0] + lens[1]
             v[a:b] = float("inf")
             k[a:b, :, 0] = float("nan")
-            for tile in TILES[d]:
+            for tile in check_tiles(d):
                 out, _ = run(q, k, v, cq, cq, causal, tile, lse=False)
                 keep = torch.ones(sum(lens), dtype=torch.bool, device="cuda")
                 keep[a:b] = False
@@ -109,7 +131,7 @@ def check(failures: list[str]) -> int:
 
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
-                 tile: tuple[int, int] = (128, 2)) -> dict:
+                 tile: tuple[int, int, int] = (128, 2, 2)) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
     without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits."""
     import os.path
@@ -121,14 +143,16 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from attention_kernels.prefill_hopper import _hopper_prefill_ws_kernel, descriptor
+    from attention_kernels.prefill_hopper import _REGS, _hopper_prefill_ws_kernel, descriptor
 
     fn = _hopper_prefill_ws_kernel
     t = torch.empty(256, 2, head_dim, dtype=dtype)  # descriptors read only shape and dtype
-    descs = {"desc_q": descriptor(t, 128), "desc_k": descriptor(t, tile[0]),
-             "desc_v": descriptor(t, tile[0])}
-    const = dict(HEAD_DIM=head_dim, BLOCK_M=128, BLOCK_N=tile[0], BLOCK_B=64, STAGES=tile[1],
-                 IS_CAUSAL=causal, RETURN_LSE=True, CONSUMER_REGS=224, PRODUCER_REGS=32)
+    bn, st, cons = tile
+    descs = {"desc_q": descriptor(t, 64), "desc_k": descriptor(t, bn),
+             "desc_v": descriptor(t, bn)}
+    const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
+                 IS_CAUSAL=causal, RETURN_LSE=True, CONSUMER_REGS=_REGS[cons][0],
+                 PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32"}
     sig, attrs = {}, {}
@@ -166,20 +190,21 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     }
 
 
-def sweep(ns: list[int]) -> list[dict]:
+def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict]:
     rows = []
     for d in sorted(TILES, reverse=True):
         heads = 2048 // d
         for causal in (False, True):
             for n in ns:
                 b = 16384 // n
-                q, k, v = (torch.randn(b, heads, n, d, dtype=torch.bfloat16, device="cuda")
+                q, k, v = (torch.randn(b, heads, n, d, dtype=dtype, device="cuda")
                            for _ in range(3))
                 qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
                               for t in (q, k, v))
                 cus = cu([n] * b)
                 fl = flops([n] * b, [n] * b, heads, d, causal)
-                row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal}
+                row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal,
+                       "dtype": str(dtype).removeprefix("torch.")}
                 for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                                       ("flash", SDPBackend.FLASH_ATTENTION)):
                     row[name] = fl / bench(sdpa(backend, q, k, v, causal)) / 1e9
@@ -192,7 +217,7 @@ def sweep(ns: list[int]) -> list[dict]:
                     def ours(tile=tile):
                         launch(qp, kp, vp, cus, cus, out, None, causal, tile)
                     ours()
-                    key = f"gluon_{tile[0]}x{tile[1]}"
+                    key = f"gluon_{tile_name(tile)}"
                     row[key + "_err"] = rel(out, ref)
                     if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
                         raise SystemExit(f"check failed: {row}")
@@ -200,7 +225,7 @@ def sweep(ns: list[int]) -> list[dict]:
                 best = max(v for kk, v in row.items() if kk.startswith("gluon") and
                            not kk.endswith("_err"))
                 mask = "causal" if causal else "full  "
-                print(f"D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
+                print(f"{row['dtype']} D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
                       f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "
                       + " ".join(f"{kk[6:]} {v:6.1f}" for kk, v in row.items()
                                  if kk.startswith("gluon") and not kk.endswith("_err"))
@@ -215,21 +240,29 @@ def main() -> int:
     p.add_argument("--no-sweep", action="store_true")
     p.add_argument("--no-check", action="store_true")
     p.add_argument("--ns", default="4096,8192,16384")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"],
+                   help="the sweep's dtype (the checks run both)")
     p.add_argument("--compile-only", action="store_true",
                    help="no GPU needed: build for sm_90a and print spills / registers as JSON "
                         "(exit 3 when this triton ships no ptxas)")
     p.add_argument("--causal", action="store_true", help="with --compile-only")
-    p.add_argument("--tiles", help="replace the tile lists: 'D:block_n,stages;...'")
+    p.add_argument("--head-dim", type=int, default=128, help="with --compile-only")
+    p.add_argument("--tile", default="128,2,2",
+                   help="with --compile-only: block_n,stages,consumers")
+    p.add_argument("--tiles", help="replace the tile lists: "
+                   "'D:block_n,stages[,consumers[,persistent]];...'")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     if args.tiles:
         TILES.clear()
         for item in args.tiles.split(";"):
             d, tile = item.split(":")
-            TILES.setdefault(int(d), []).append(tuple(int(x) for x in tile.split(",")))
+            vals = [int(x) for x in tile.split(",")]
+            TILES.setdefault(int(d), []).append(tuple(vals + [2, 0][len(vals) - 2:]))
     if args.compile_only:
         try:
-            print(json.dumps(compile_sm90(args.causal)))
+            tile = tuple(int(x) for x in args.tile.split(","))
+            print(json.dumps(compile_sm90(args.causal, head_dim=args.head_dim, tile=tile)))
         except FileNotFoundError as e:
             print(f"no ptxas in this triton wheel: {e}")
             return 3
@@ -240,11 +273,12 @@ def main() -> int:
         print(f"checks: {n - len(failures)} / {n} passed", flush=True)
         for f in failures:
             print("  FAIL", f, flush=True)
-    rows = [] if args.no_sweep else sweep([int(x) for x in args.ns.split(",")])
+    rows = [] if args.no_sweep else sweep([int(x) for x in args.ns.split(",")],
+                                          getattr(torch, args.dtype))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "_")
-    (out / f"tune_hopper_prefill_{name}.json").write_text(json.dumps({
+    (out / f"tune_hopper_prefill_{args.dtype}_{name}.json").write_text(json.dumps({
         "command": "python " + " ".join(sys.argv), "gpu": torch.cuda.get_device_name(),
         "date": datetime.now(timezone.utc).isoformat(), "torch": torch.__version__,
         "triton": triton.__version__, "failures": failures, "rows": rows}, indent=1))

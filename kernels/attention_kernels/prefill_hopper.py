@@ -126,56 +126,102 @@ def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 @gluon.jit
-def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready,
-                 k_empty, v_empty, q_row, q_col, k_start, kv_col, n_blocks, seqlen_k, stride_vt,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    mbarrier.expect(q_bar, desc_q.block_type.nbytes)
-    tma.async_copy_global_to_shared(desc_q, [q_row, q_col], q_bar, q_smem)
-    ragged = n_blocks * BLOCK_N > seqlen_k  # the last block runs past the sequence
-    for j in range(n_blocks):
-        slot = j % STAGES
-        reuse = j >= STAGES
-        phase = ((j // STAGES) & 1) ^ 1  # the phase the consumers completed on this slot
-        mbarrier.wait(k_empty.index(slot), phase, pred=reuse)
-        mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
-        tma.async_copy_global_to_shared(desc_k, [k_start + j * BLOCK_N, kv_col],
-                                        k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), phase, pred=reuse)
-        if ragged and j == n_blocks - 1:
-            # Values past the sequence's end would meet p = 0, and 0 * inf is NaN: this block
-            # comes through masked loads (zeros past the end), 8 rows at a time (the swizzle
-            # unit of the shared tile; the producer runs on few registers).
-            TPW_D: gl.constexpr = HEAD_DIM // 8
-            CH: gl.constexpr = 8
-            v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [1, 1],
-                                                      [1, 0])
-            offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, v_layout))
-            for c in gl.static_range(BLOCK_N // CH):
-                rows = j * BLOCK_N + c * CH + gl.arange(0, CH, layout=gl.SliceLayout(1, v_layout))
-                ptrs = (V + (k_start.to(gl.int64) + gl.expand_dims(rows, 1)) * stride_vt + kv_col
-                        + gl.expand_dims(offs_d, 0))
-                vals = gl.load(ptrs, mask=gl.expand_dims(rows < seqlen_k, 1), other=0.0)
-                v_smem.index(slot).slice(c * CH, CH).store(vals)
-            fence_async_shared()
-            gl.thread_barrier()
-            mbarrier.arrive(v_ready.index(slot))
-        else:
-            mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc_v, [k_start + j * BLOCK_N, kv_col],
-                                            v_ready.index(slot), v_smem.index(slot))
+def _tile(t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M: gl.constexpr,
+          BLOCK_B: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Where tile ``t`` of the launch is (``_prefill_slots``): ``(live, head, q_start, seqlen_q,
+    row0, k_start, seqlen_k, n_full, n_end)``; ``live`` is false for spare slots."""
+    head, slot_or_spare = program_tile(t, slot_run, num_heads, num_slots)
+    slot = gl.maximum(slot_or_spare, 0)
+    seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B)
+    q_start = gl.load(cu_q + seq)
+    seqlen_q = gl.load(cu_q + seq + 1) - q_start
+    block = slot - (q_start // BLOCK_M + seq)
+    live = (block * BLOCK_M < seqlen_q) & (slot_or_spare >= 0)
+    k_start = gl.load(cu_k + seq)
+    seqlen_k = gl.load(cu_k + seq + 1) - k_start
+    n_full, n_end = causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
+    return live, head, q_start, seqlen_q, block * BLOCK_M, k_start, seqlen_k, n_full, n_end
 
 
 @gluon.jit
-def _ws_step(j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
+def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                 v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads, group, num_slots,
+                 slot_run, num_tiles, stride_vt, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+                 CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Every TMA copy: per tile its Q (two buffers, so the next tile's Q lands while the
+    consumers finish this one), then its K and V blocks through the rings. ``it`` counts key
+    blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys."""
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
+            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL)
+        n_blocks = gl.cdiv(n_end, BLOCK_N)
+        if live & (n_blocks > 0):
+            qb = tc % 2
+            mbarrier.wait(q_empty.index(qb), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
+            # Q as 64-row parts, one per consumer (TMA boxes and shared tiles are powers of 2).
+            mbarrier.expect(q_ready.index(qb), CONSUMERS * desc_q.block_type.nbytes)
+            for part in gl.static_range(CONSUMERS):
+                tma.async_copy_global_to_shared(
+                    desc_q, [q_start + row0 + part * 64, head * HEAD_DIM], q_ready.index(qb),
+                    q_smem.index(qb * CONSUMERS + part))
+            kv_col = (head // group) * HEAD_DIM
+            ragged = n_blocks * BLOCK_N > seqlen_k  # the last block runs past the sequence
+            for j in range(n_blocks):
+                r = it + j
+                slot = r % STAGES
+                phase = ((r // STAGES) & 1) ^ 1  # the phase the consumers completed on it
+                mbarrier.wait(k_empty.index(slot), phase, pred=r >= STAGES)
+                mbarrier.expect(k_ready.index(slot), desc_k.block_type.nbytes)
+                tma.async_copy_global_to_shared(desc_k, [k_start + j * BLOCK_N, kv_col],
+                                                k_ready.index(slot), k_smem.index(slot))
+                mbarrier.wait(v_empty.index(slot), phase, pred=r >= STAGES)
+                if ragged and j == n_blocks - 1:
+                    # Values past the sequence's end would meet p = 0, and 0 * inf is NaN:
+                    # this block comes through masked loads (zeros past the end), 8 rows at a
+                    # time (the swizzle unit of the shared tile; the producer has few registers).
+                    TPW_D: gl.constexpr = HEAD_DIM // 8
+                    CH: gl.constexpr = 8
+                    v_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D],
+                                                              [1, 1], [1, 0])
+                    # One offset tile for every chunk, and a scalar row base per chunk: tensors
+                    # per chunk would be hoisted out of the tile loop (16 of them) and spill.
+                    chunk_rows = gl.arange(0, CH, layout=gl.SliceLayout(1, v_layout))
+                    offs = (gl.expand_dims(chunk_rows * stride_vt, 1)
+                            + gl.expand_dims(gl.arange(0, HEAD_DIM,
+                                                       layout=gl.SliceLayout(0, v_layout)), 0))
+                    for c in gl.static_range(BLOCK_N // CH):
+                        first = j * BLOCK_N + c * CH
+                        base = V + (k_start + first).to(gl.int64) * stride_vt + kv_col
+                        keep = gl.expand_dims(chunk_rows < seqlen_k - first, 1)
+                        vals = gl.load(base + offs, mask=keep, other=0.0)
+                        v_smem.index(slot).slice(c * CH, CH).store(vals)
+                    fence_async_shared()
+                    gl.thread_barrier()
+                    mbarrier.arrive(v_ready.index(slot))
+                else:
+                    mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
+                    tma.async_copy_global_to_shared(desc_v, [k_start + j * BLOCK_N, kv_col],
+                                                    v_ready.index(slot), v_smem.index(slot))
+            it += n_blocks
+            tc += 1
+
+
+@gluon.jit
+def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
              v_empty, seqlen_k, rows_pos, qk_scale, s_zero, MASKED: gl.constexpr,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
              p_layout: gl.constexpr, o_layout: gl.constexpr):
-    kslot = j % STAGES
-    mbarrier.wait(k_ready.index(kslot), (j // STAGES) & 1)
-    s_tok = warpgroup_mma(q_half, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+    """Key block ``j`` of the tile, ring position ``r``: S_j issued, P_{j-1} V_{j-1} issued,
+    the softmax of S_j under that PV."""
+    kslot = r % STAGES
+    mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
+    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    vslot = (j - 1) % STAGES
-    mbarrier.wait(v_ready.index(vslot), ((j - 1) // STAGES) & 1)
+    vslot = (r - 1) % STAGES
+    mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
@@ -189,12 +235,54 @@ def _ws_step(j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready,
 
 
 @gluon.jit
-def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty,
-                 v_empty, Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
-                 n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh,
-                 HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
+            seqlen_k, rows_pos, qk_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
+            o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """One warpgroup's 64 rows against ``n_blocks`` key blocks (ring positions from ``it``);
+    blocks below ``nb_full`` need no mask. Returns the unnormalised output, max and sum."""
+    ROWS: gl.constexpr = 64
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    kslot = it % STAGES
+    mbarrier.wait(k_ready.index(kslot), (it // STAGES) & 1)
+    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(kslot))
+    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
+                                        IS_CAUSAL, BLOCK_N)
+    p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
+    for j in range(1, gl.maximum(nb_full, 1)):
+        acc, p_prev, m_i, l_i = _ws_step(
+            it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
+            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, False, IS_CAUSAL, STAGES,
+            BLOCK_N, p_layout, o_layout)
+    for j in range(gl.maximum(nb_full, 1), n_blocks):
+        acc, p_prev, m_i, l_i = _ws_step(
+            it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
+            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, True, IS_CAUSAL, STAGES,
+            BLOCK_N, p_layout, o_layout)
+    last = it + n_blocks - 1
+    vslot = last % STAGES
+    mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    mbarrier.arrive(v_empty.index(vslot))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                 v_ready, k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                 slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
-    """One warpgroup's 64 query rows (``HALF`` 0 or 1 of the 128-row tile)."""
+    """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles."""
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -202,139 +290,173 @@ def _ws_consumer(HALF: gl.constexpr, q_smem, k_smem, v_smem, q_bar, k_ready, v_r
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    my_row0 = row0 + HALF * ROWS
-    q_half = q_smem.slice(HALF * ROWS, ROWS)
-    rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + causal_offset
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-
-    mbarrier.wait(q_bar, 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s_tok = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(0))
-    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N)
-    p_prev = gl.convert_layout(p.to(q_smem.dtype), p_layout)
-    for j in range(1, gl.maximum(nb_full, 1)):
-        acc, p_prev, m_i, l_i = _ws_step(
-            j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
-            v_empty, seqlen_k, rows_pos, qk_scale, s_zero, False, IS_CAUSAL, STAGES, BLOCK_N,
-            p_layout, o_layout)
-    for j in range(gl.maximum(nb_full, 1), n_blocks):
-        acc, p_prev, m_i, l_i = _ws_step(
-            j, acc, p_prev, m_i, l_i, q_half, k_smem, v_smem, k_ready, v_ready, k_empty,
-            v_empty, seqlen_k, rows_pos, qk_scale, s_zero, True, IS_CAUSAL, STAGES, BLOCK_N,
-            p_layout, o_layout)
-    last = n_blocks - 1
-    vslot = last % STAGES
-    mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
-    _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot, stride_oh,
-                stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
+    it = 0
+    tc = 0
+    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+        live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
+            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL)
+        n_blocks = gl.cdiv(n_end, BLOCK_N)
+        my_row0 = row0 + PART * ROWS
+        if live & (n_blocks > 0):
+            qb = tc % 2
+            mbarrier.wait(q_ready.index(qb), (tc // 2) & 1)
+            rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + (seqlen_k - seqlen_q)
+            acc, m_i, l_i = _attend(q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem,
+                                    k_ready, v_ready, k_empty, v_empty, it, n_blocks,
+                                    n_full // BLOCK_N, seqlen_k, rows_pos, qk_scale, IS_CAUSAL,
+                                    STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout, p_layout)
+            mbarrier.arrive(q_empty.index(qb))
+            _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
+                        stride_oh, stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
+            it += n_blocks
+            tc += 1
+        elif live:  # no key visible to any row of the tile: output 0, lse -inf
+            _store_tile(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout),
+                        gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout),
+                        gl.zeros([ROWS], gl.float32, layout=rows_layout), Out, Lse, q_start,
+                        seqlen_q, my_row0, head, stride_ot, stride_oh, stride_lh, HEAD_DIM,
+                        ROWS, RETURN_LSE, 4)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run",
-                              "stride_lh"])
+                              "num_tiles", "stride_lh"])
 def _hopper_prefill_ws_kernel(
     desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k,
     stride_vt, stride_ot, stride_oh, stride_lh,
-    qk_scale, batch, num_heads, group, num_slots, slot_run,
-    HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-    BLOCK_B: gl.constexpr, STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+    qk_scale, batch, num_heads, group, num_slots, slot_run, num_tiles,
+    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
     RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
-    gl.static_assert(BLOCK_M == 128, "two 64-row consumer warpgroups")
+    gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    head, slot = program_tile(gl.program_id(0), slot_run, num_heads, num_slots)
-    if slot < 0:
-        return
-    seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B)
-    q_start = gl.load(cu_q + seq)
-    seqlen_q = gl.load(cu_q + seq + 1) - q_start
-    block = slot - (q_start // BLOCK_M + seq)
-    if block * BLOCK_M >= seqlen_q:
-        return
-    k_start = gl.load(cu_k + seq)
-    seqlen_k = gl.load(cu_k + seq + 1) - k_start
-    kv_col = (head // group) * HEAD_DIM
-    causal_offset = seqlen_k - seqlen_q
-    n_full, n_end = causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
-    nb_full = n_full // BLOCK_N
-    n_blocks = gl.cdiv(n_end, BLOCK_N)
-    if n_blocks == 0:
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-        rows_layout: gl.constexpr = gl.SliceLayout(1, o_layout)
-        for h in gl.static_range(2):
-            _store_tile(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout),
-                        gl.full([64], float("-inf"), gl.float32, layout=rows_layout),
-                        gl.zeros([64], gl.float32, layout=rows_layout), Out, Lse, q_start,
-                        seqlen_q, block * BLOCK_M + h * 64, head, stride_ot, stride_oh,
-                        stride_lh, HEAD_DIM, 64, RETURN_LSE, 4)
-        return
-
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
-        mbarrier.init(v_empty.index(i), count=2)
+        mbarrier.init(k_empty.index(i), count=CONSUMERS)
+        mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    row0 = block * BLOCK_M
-    gl.warp_specialize([
-        (_ws_consumer, (0, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                        Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
-                        n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM,
-                        BLOCK_N, STAGES, IS_CAUSAL, RETURN_LSE)),
-        (_ws_consumer, (1, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_empty, v_empty,
-                        Out, Lse, q_start, seqlen_q, row0, head, seqlen_k, causal_offset,
-                        n_blocks, nb_full, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM,
-                        BLOCK_N, STAGES, IS_CAUSAL, RETURN_LSE)),
-        (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_bar, k_ready,
-                        v_ready, k_empty, v_empty, q_start + block * BLOCK_M,
-                        head * HEAD_DIM, k_start, kv_col, n_blocks, seqlen_k, stride_vt,
-                        HEAD_DIM, BLOCK_N, STAGES)),
-    ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+    if CONSUMERS == 3:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
+                            RETURN_LSE)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
+                            RETURN_LSE)),
+            (_ws_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
+                            RETURN_LSE)),
+            (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty,
+                            k_ready, v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads,
+                            group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL)),
+        ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
+    else:
+        gl.warp_specialize([
+            (_ws_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
+                            RETURN_LSE)),
+            (_ws_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
+                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
+                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
+                            RETURN_LSE)),
+            (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty,
+                            k_ready, v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads,
+                            group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM, BLOCK_M,
+                            BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL)),
+        ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# Registers per thread of (consumer warpgroups, producer warp) by consumer count. Two consumers:
+# Triton 3.6 runs the default partition (consumer 0) at 256 outside the specialized region
+# while idle workers sit at 120, and inside at 504 - consumer - producer (a 168-register launch
+# of 12 warps); three: a 128-register launch of 16 warps (see ``register_split``).
+_REGS = {2: (224, 32), 3: (160, 24)}
+_SM_COUNT: dict[int, int] = {}
+
+
+def register_split(consumers: int, consumer_regs: int, producer_regs: int) -> int:
+    """The default partition's registers inside the specialized region (Triton 3.6's
+    AllocateWarpGroups: the launch's 64K registers less the workers' requests, over the
+    default warpgroup), or ValueError where a split cannot be granted: ``setmaxnreg.inc``
+    would then wait forever for registers no warp gives back."""
+    warps = 4 * consumers + 4  # the producer warp's warpgroup is padded to four warps
+    launch = 65536 // (warps * 32) // 8 * 8
+    default = (launch * (consumers + 1) - (consumers - 1) * consumer_regs
+               - producer_regs) // 8 * 8
+    if consumers == 2 and consumer_regs + producer_regs > 256:
+        # Measured (H100, 2026-11-24): 240 + 32 hung; the default partition's 256 outside
+        # the region plus the idle workers' 120 leave no room for more.
+        raise ValueError("consumer_regs + producer_regs must be <= 256 with two consumers")
+    if default < consumer_regs:
+        raise ValueError(f"consumer_regs {consumer_regs} x {consumers} with producer_regs "
+                         f"{producer_regs} leaves the default consumer {default} registers")
+    return default
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's SM count (cached): a persistent launch's program count."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
 
 
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
-                      consumer_regs: int = 224, producer_regs: int = 32) -> None:
+                      consumers: int = 2, programs: int | None = None,
+                      consumer_regs: int | None = None,
+                      producer_regs: int | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
     with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
     ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
 
-    Registers: Triton 3.6 raises the default partition (consumer 0) to 256 per thread, so
-    ``consumer_regs`` + ``producer_regs`` must stay <= 256 (512 x 128 = the whole file); more
-    would block ``setmaxnreg`` forever."""
-    if consumer_regs + producer_regs > 256:
-        raise ValueError("consumer_regs + producer_regs must be <= 256")
+    ``consumers`` warpgroups of 64 query rows each make the tile (2: 128 rows, 3: 192).
+    ``programs``: None launches one program per tile; a number launches at most that many,
+    each walking the tiles ``t = pid, pid + programs, ...`` (persistent: ``sm_count``; the
+    next tile's Q and first keys then load while a program finishes its current tile)."""
+    if consumers not in _REGS:
+        raise ValueError(f"consumers must be one of {sorted(_REGS)}, got {consumers}")
+    c_regs = consumer_regs if consumer_regs is not None else _REGS[consumers][0]
+    p_regs = producer_regs if producer_regs is not None else _REGS[consumers][1]
+    register_split(consumers, c_regs, p_regs)
     total_q, num_heads, head_dim = q.shape
     batch = cu_q.shape[0] - 1
-    block_m = 128
-    num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, block_m, causal)
-    _hopper_prefill_ws_kernel[(programs,)](
-        descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), v, out,
+    block_m = 64 * consumers
+    num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
+    grid = tiles if programs is None else max(1, min(tiles, programs))
+    _hopper_prefill_ws_kernel[(grid,)](
+        descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
         lse if lse is not None else out, cu_q, cu_k,
         v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0,
-        scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages,
-        IS_CAUSAL=causal, RETURN_LSE=lse is not None, CONSUMER_REGS=consumer_regs,
-        PRODUCER_REGS=producer_regs, num_warps=4,
+        scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
+        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
+        IS_CAUSAL=causal, RETURN_LSE=lse is not None, CONSUMER_REGS=c_regs,
+        PRODUCER_REGS=p_regs, num_warps=4,
     )
