@@ -32,15 +32,19 @@ from attention_kernels import prefill, prefill_ref  # noqa: E402
 from attention_kernels.prefill_hopper import hopper_prefill_ws, sm_count  # noqa: E402
 
 LOG2E = 1.4426950408889634
-# (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim; programs 0: one
-# per tile, 1: one per SM (persistent), n > 1: n (the checks walk many tiles per program).
-TILES = {128: [(128, 2, 2, 0), (128, 2, 2, 1)],
-         64: [(128, 3, 2, 0), (128, 2, 3, 0), (128, 2, 3, 1), (128, 3, 3, 1)]}
+# (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim. programs 0: one
+# per tile; 1: one per SM (persistent, every SM-count-th tile); -1: one per SM claiming tiles
+# from a counter (dynamic); n > 1 / n < -1: n programs, static / dynamic (the checks: many
+# tiles per program).
+TILES = {128: [(128, 2, 2, 0), (128, 2, 2, 1), (128, 2, 2, -1)],
+         64: [(128, 3, 2, 0), (128, 2, 3, 0), (128, 2, 3, 1), (128, 2, 3, -1)]}
 
 
 def tile_name(tile) -> str:
     bn, st, cons, progs = tile
-    return f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else "p" if progs == 1 else f"p{progs}")
+    kind = "p" if progs > 0 else "d"
+    return f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else kind if abs(progs) == 1
+                                       else f"{kind}{abs(progs)}")
 
 
 def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
@@ -52,9 +56,10 @@ def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
 
 def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
     bn, st, cons, progs = tile
-    programs = None if progs == 0 else sm_count(q.device) if progs == 1 else progs
+    programs = None if progs == 0 else sm_count(q.device) if abs(progs) == 1 else abs(progs)
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
-                      block_n=bn, stages=st, consumers=cons, programs=programs)
+                      block_n=bn, stages=st, consumers=cons, programs=programs,
+                      dynamic=progs < 0)
 
 
 def check_tiles(d: int) -> list[tuple]:
@@ -62,7 +67,7 @@ def check_tiles(d: int) -> list[tuple]:
     phases carried from tile to tile, tiles without keys in between)."""
     tiles = list(TILES[d])
     for tile in dict.fromkeys(t[:3] for t in TILES[d]):
-        tiles.append(tile + (3,))
+        tiles += [tile + (3,), tile + (-3,)]
     return tiles
 
 
@@ -131,7 +136,8 @@ def check(failures: list[str]) -> int:
 
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
-                 tile: tuple[int, int, int] = (128, 2, 2)) -> dict:
+                 tile: tuple[int, int, int] = (128, 2, 2), q_bufs: int = 1,
+                 dynamic: bool = False) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
     without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits."""
     import os.path
@@ -151,10 +157,12 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     descs = {"desc_q": descriptor(t, 64), "desc_k": descriptor(t, bn),
              "desc_v": descriptor(t, bn)}
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
+                 Q_BUFS=q_bufs, DYNAMIC=dynamic,
                  IS_CAUSAL=causal, RETURN_LSE=True, CONSUMER_REGS=_REGS[cons][0],
                  PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32"}
+    ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
+            "Counter": "*i32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

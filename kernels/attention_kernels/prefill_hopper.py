@@ -52,10 +52,11 @@ from attention_kernels._prefill_slots import causal_key_range, program_tile, slo
 
 
 @gluon.jit
-def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr):
+def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr,
+                   NUM_WARPS: gl.constexpr):
     """The sequence owning tile slot ``slot`` (``_prefill_slots``; the portable kernel's search
     with a Gluon layout on its index block)."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
     count = 0
     for b0 in range(0, batch, BLOCK_B):
         bs = b0 + gl.arange(0, BLOCK_B, layout=lay)
@@ -127,12 +128,12 @@ def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 @gluon.jit
 def _tile(t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M: gl.constexpr,
-          BLOCK_B: gl.constexpr, IS_CAUSAL: gl.constexpr):
+          BLOCK_B: gl.constexpr, IS_CAUSAL: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Where tile ``t`` of the launch is (``_prefill_slots``): ``(live, head, q_start, seqlen_q,
     row0, k_start, seqlen_k, n_full, n_end)``; ``live`` is false for spare slots."""
     head, slot_or_spare = program_tile(t, slot_run, num_heads, num_slots)
     slot = gl.maximum(slot_or_spare, 0)
-    seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B)
+    seq = _find_sequence(cu_q, slot, batch, BLOCK_M, BLOCK_B, NUM_WARPS)
     q_start = gl.load(cu_q + seq)
     seqlen_q = gl.load(cu_q + seq + 1) - q_start
     block = slot - (q_start // BLOCK_M + seq)
@@ -144,23 +145,52 @@ def _tile(t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M: gl.cons
 
 
 @gluon.jit
+def _publish_tile(t, n, tile_ids, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
+    """Hand tile id ``t`` (the ``n``-th handed out) to the consumers through a two-slot ring."""
+    slot = n % 2
+    mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1, pred=n >= 2)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    tile_ids.index(slot).store(gl.full([1], t, gl.int32, layout=lay))
+    mbarrier.arrive(tile_ready.index(slot))  # release: the store is seen after the wait
+    return n + 1
+
+
+@gluon.jit
+def _take_tile(n, tile_ids, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
+    """The ``n``-th tile id the producer handed out."""
+    slot = n % 2
+    mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+    t = gl.max(tile_ids.index(slot).load(lay), 0)
+    mbarrier.arrive(tile_empty.index(slot))
+    return t, n + 1
+
+
+@gluon.jit
 def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads, group, num_slots,
-                 slot_run, num_tiles, stride_vt, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr):
-    """Every TMA copy: per tile its Q (two buffers, so the next tile's Q lands while the
+                 v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q,
+                 cu_k, batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt,
+                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                 BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                 Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, IS_CAUSAL: gl.constexpr):
+    """Every TMA copy: per tile its Q (with two buffers the next tile's Q lands while the
     consumers finish this one), then its K and V blocks through the rings. ``it`` counts key
-    blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys."""
+    blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys.
+    ``DYNAMIC``: the next tile is claimed from ``Counter`` once this one's copies are issued
+    (causal tiles differ in length; a fixed stride left programs 6-25% apart) and handed to
+    the consumers."""
     it = 0
     tc = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    n = 0
+    t = gl.program_id(0)
+    while t < num_tiles:
         live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
-            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL)
+            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL,
+            1)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         if live & (n_blocks > 0):
-            qb = tc % 2
-            mbarrier.wait(q_empty.index(qb), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
+            qb = tc % Q_BUFS
+            mbarrier.wait(q_empty.index(qb), ((tc // Q_BUFS) & 1) ^ 1, pred=tc >= Q_BUFS)
             # Q as 64-row parts, one per consumer (TMA boxes and shared tiles are powers of 2).
             mbarrier.expect(q_ready.index(qb), CONSUMERS * desc_q.block_type.nbytes)
             for part in gl.static_range(CONSUMERS):
@@ -207,6 +237,11 @@ def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_e
                                                     v_ready.index(slot), v_smem.index(slot))
             it += n_blocks
             tc += 1
+        if DYNAMIC:
+            t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
+            n = _publish_tile(t, n, tile_ids, tile_ready, tile_empty, 1)
+        else:
+            t += gl.num_programs(0)
 
 
 @gluon.jit
@@ -277,10 +312,11 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
 
 @gluon.jit
 def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                 slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                 BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                 v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Out, Lse, cu_q,
+                 cu_k, batch, num_heads, num_slots, slot_run, num_tiles, qk_scale, stride_ot,
+                 stride_oh, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
+                 CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles."""
     ROWS: gl.constexpr = 64
@@ -292,14 +328,17 @@ def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     it = 0
     tc = 0
-    for t in range(gl.program_id(0), num_tiles, gl.num_programs(0)):
+    n = 0
+    t = gl.program_id(0)
+    while t < num_tiles:
         live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
-            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL)
+            t, cu_q, cu_k, batch, num_heads, num_slots, slot_run, BLOCK_M, BLOCK_B, IS_CAUSAL,
+            4)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         my_row0 = row0 + PART * ROWS
         if live & (n_blocks > 0):
-            qb = tc % 2
-            mbarrier.wait(q_ready.index(qb), (tc // 2) & 1)
+            qb = tc % Q_BUFS
+            mbarrier.wait(q_ready.index(qb), (tc // Q_BUFS) & 1)
             rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + (seqlen_k - seqlen_q)
             acc, m_i, l_i = _attend(q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem,
                                     k_ready, v_ready, k_empty, v_empty, it, n_blocks,
@@ -316,34 +355,46 @@ def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k
                         gl.zeros([ROWS], gl.float32, layout=rows_layout), Out, Lse, q_start,
                         seqlen_q, my_row0, head, stride_ot, stride_oh, stride_lh, HEAD_DIM,
                         ROWS, RETURN_LSE, 4)
+        if DYNAMIC:
+            t, n = _take_tile(n, tile_ids, tile_ready, tile_empty, 4)
+        else:
+            t += gl.num_programs(0)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run",
                               "num_tiles", "stride_lh"])
 def _hopper_prefill_ws_kernel(
-    desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k,
+    desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k, Counter,
     stride_vt, stride_ot, stride_oh, stride_lh,
     qk_scale, batch, num_heads, group, num_slots, slot_run, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
-    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, IS_CAUSAL: gl.constexpr,
-    RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
+    IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
     dtype: gl.constexpr = desc_q.dtype
-    q_smem = gl.allocate_shared_memory(dtype, [2 * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1],
+                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
+    for i in gl.static_range(Q_BUFS):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(q_empty.index(i), count=CONSUMERS)  # one arrival per consumer
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_empty.index(i), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -351,44 +402,48 @@ def _hopper_prefill_ws_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
+    # Arguments written out per partition: a tuple built once and concatenated loses the
+    # constexpr-ness of its members in Triton 3.6.
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
-                            RETURN_LSE)),
-            (_ws_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
-                            RETURN_LSE)),
-            (_ws_consumer, (2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
-                            RETURN_LSE)),
-            (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty,
-                            k_ready, v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads,
-                            group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL)),
+            (_ws_consumer, (
+                0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (
+                1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (
+                2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_producer, (
+                desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q, cu_k,
+                batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM,
+                BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
-                            RETURN_LSE)),
-            (_ws_consumer, (1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready,
-                            k_empty, v_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                            slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh,
-                            HEAD_DIM, BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL,
-                            RETURN_LSE)),
-            (_ws_producer, (desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty,
-                            k_ready, v_ready, k_empty, v_empty, cu_q, cu_k, batch, num_heads,
-                            group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM, BLOCK_M,
-                            BLOCK_N, BLOCK_B, STAGES, CONSUMERS, IS_CAUSAL)),
+            (_ws_consumer, (
+                0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (
+                1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
+                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
+                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
+                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_producer, (
+                desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q, cu_k,
+                batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM,
+                BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -430,7 +485,7 @@ def sm_count(device: torch.device) -> int:
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
-                      consumers: int = 2, programs: int | None = None,
+                      consumers: int = 2, programs: int | None = None, dynamic: bool = False,
                       consumer_regs: int | None = None,
                       producer_regs: int | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
@@ -440,7 +495,9 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     ``consumers`` warpgroups of 64 query rows each make the tile (2: 128 rows, 3: 192).
     ``programs``: None launches one program per tile; a number launches at most that many,
     each walking the tiles ``t = pid, pid + programs, ...`` (persistent: ``sm_count``; the
-    next tile's Q and first keys then load while a program finishes its current tile)."""
+    next tile's Q and first keys then load while a program finishes its current tile).
+    ``dynamic`` (with ``programs``): programs claim their next tile from a counter instead of
+    taking every ``programs``-th, which keeps causal launches balanced."""
     if consumers not in _REGS:
         raise ValueError(f"consumers must be one of {sorted(_REGS)}, got {consumers}")
     c_regs = consumer_regs if consumer_regs is not None else _REGS[consumers][0]
@@ -451,12 +508,14 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     block_m = 64 * consumers
     num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
     grid = tiles if programs is None else max(1, min(tiles, programs))
+    dynamic = dynamic and grid < tiles
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
     _hopper_prefill_ws_kernel[(grid,)](
         descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
-        lse if lse is not None else out, cu_q, cu_k,
+        lse if lse is not None else out, cu_q, cu_k, counter,
         v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0,
         scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
-        IS_CAUSAL=causal, RETURN_LSE=lse is not None, CONSUMER_REGS=c_regs,
-        PRODUCER_REGS=p_regs, num_warps=4,
+        Q_BUFS=1 if grid == tiles else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
+        RETURN_LSE=lse is not None, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )
