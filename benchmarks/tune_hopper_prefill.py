@@ -36,8 +36,7 @@ LOG2E = 1.4426950408889634
 # per tile; 1: one per SM (persistent, every SM-count-th tile); -1: one per SM claiming tiles
 # from a counter (dynamic); n > 1 / n < -1: n programs, static / dynamic (the checks: many
 # tiles per program).
-TILES = {128: [(128, 2, 2, 0), (128, 2, 2, 1), (128, 2, 2, -1)],
-         64: [(128, 3, 2, 0), (128, 2, 3, 0), (128, 2, 3, 1), (128, 2, 3, -1)]}
+TILES = {128: [(128, 2, 2, 0), (128, 2, 2, -1)], 64: [(128, 2, 3, 0), (128, 2, 3, -1)]}
 
 
 def tile_name(tile) -> str:

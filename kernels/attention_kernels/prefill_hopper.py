@@ -311,6 +311,18 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
 
 
 @gluon.jit
+def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr):
+    """Release ring positions ``r0 .. r1`` unused: each is waited for first, so the arrival
+    counts toward that fill of the slot and not an earlier one."""
+    for r in range(r0, r1):
+        slot = r % STAGES
+        mbarrier.wait(k_ready.index(slot), (r // STAGES) & 1)
+        mbarrier.arrive(k_empty.index(slot))
+        mbarrier.wait(v_ready.index(slot), (r // STAGES) & 1)
+        mbarrier.arrive(v_empty.index(slot))
+
+
+@gluon.jit
 def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                  v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Out, Lse, cu_q,
                  cu_k, batch, num_heads, num_slots, slot_run, num_tiles, qk_scale, stride_ot,
@@ -340,10 +352,25 @@ def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k
             qb = tc % Q_BUFS
             mbarrier.wait(q_ready.index(qb), (tc // Q_BUFS) & 1)
             rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + (seqlen_k - seqlen_q)
-            acc, m_i, l_i = _attend(q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem,
-                                    k_ready, v_ready, k_empty, v_empty, it, n_blocks,
-                                    n_full // BLOCK_N, seqlen_k, rows_pos, qk_scale, IS_CAUSAL,
-                                    STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout, p_layout)
+            # This warpgroup's own key range: under a causal mask its 64 rows see fewer keys
+            # than the tile's last rows (and none past the sequence's end matter); it passes
+            # the tile's other blocks through so the rings stay in step.
+            my_full, my_end = causal_key_range(my_row0 // ROWS, seqlen_q, seqlen_k, ROWS,
+                                               IS_CAUSAL)
+            n_mine = gl.cdiv(my_end, BLOCK_N)
+            if my_row0 >= seqlen_q:
+                n_mine = 0
+            if n_mine > 0:
+                acc, m_i, l_i = _attend(q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem,
+                                        k_ready, v_ready, k_empty, v_empty, it, n_mine,
+                                        my_full // BLOCK_N, seqlen_k, rows_pos, qk_scale,
+                                        IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
+                                        o_layout, p_layout)
+            else:
+                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
+                l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+            _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty, STAGES)
             mbarrier.arrive(q_empty.index(qb))
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
                         stride_oh, stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
