@@ -73,7 +73,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
-from attention_kernels.prefill_hopper import hopper_prefill_ws
+from attention_kernels.prefill_hopper import hopper_prefill_ws, sm_count
 
 LOG2E = 1.4426950408889634
 # Sequences scanned per step when a program looks up its sequence. A constant, not a function of
@@ -386,12 +386,16 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 # The warp-specialized Gluon kernel (``prefill_hopper``) for launches that would take the TMA
-# path at D 128 on Hopper with no feature: H100, 2026-11-24 (tune_hopper_prefill.py, bf16 dense
-# B * N = 16K x 16 heads), TFLOP/s against cuDNN non-causal 585 / 594 / 620 vs 610 / 611 / 630
-# (N 4K / 8K / 16K), causal 523 / 538 / 578 vs 521 / 544 / 565, where the portable kernel gave
-# 492-511 and 447-497. At D 64 it gave 0.84-0.92x cuDNN against the portable 0.86-0.90x, so D 64
-# stays portable. ``ATTENTION_KERNELS_GLUON=0`` turns it off (A/B measurements).
-_GLUON_HEAD_DIMS = (128,)
+# path on Hopper with no feature, persistent (one program per SM claiming tiles from a counter)
+# with 64-row consumer warpgroups: 2 at D 128 (128 x 128 tiles), 3 at D 64 (192 x 128, as
+# FlashAttention-3 does: three warpgroups keep the tensor cores fed where the softmax weighs
+# as much as the GEMMs). H100, 2026-11-24 (tune_hopper_prefill.py, dense B * N = 16K, N 4K /
+# 8K / 16K, against SDPA cuDNN in the same run): bf16 D 128 0.97-0.99x non-causal, 0.97-1.00x
+# causal; D 64 0.99-1.04x non-causal, 0.90-0.95x causal; fp16 0.97-1.05x except D 64 causal
+# 0.93-0.96x; the portable kernel 0.80-0.91x. ``ATTENTION_KERNELS_GLUON=0`` turns it off.
+_GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
+                64: {"consumers": 3, "block_n": 128, "stages": 2}}
+_GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
 
 
 def _gluon_ok(q: torch.Tensor, k: torch.Tensor, use_tma: bool, plain: bool) -> bool:
@@ -732,7 +736,8 @@ def _run(
         lens_k = lens_k.contiguous()
     if plan.gluon:
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
-                          plan.causal, plan.scale_log2)
+                          plan.causal, plan.scale_log2, programs=sm_count(q.device),
+                          dynamic=True, **_GLUON_TILES[q.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)
