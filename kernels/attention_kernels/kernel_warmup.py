@@ -36,7 +36,13 @@ from attention_kernels.decode_kernel import (
     for_cuda_graphs,
     paged_decode,
 )
-from attention_kernels.prefill_kernel import _TMA_HEAD_DIMS, _tma_ok, paged_prefill, prefill
+from attention_kernels.prefill_kernel import (
+    _GLUON_HEAD_DIMS,
+    _TMA_HEAD_DIMS,
+    _tma_ok,
+    paged_prefill,
+    prefill,
+)
 
 # Compiling is CPU work (Triton's passes, then ptxas), 1-4 s per variant, and the default
 # warm-up compiles ~280 of them. So ``warmup`` first runs its calls in worker processes that
@@ -258,7 +264,8 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     """The calls of ``prefill``'s variants for ``q``'s dtype and head dim: the tiles of
     launches of few and of many programs (``configs.many_programs``), each with and without a
     short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
-    (TMA) loads, which only launches with enough work take (``_TMA_MIN_WORK``). Without these the
+    (TMA) loads and the Gluon kernel, which only launches with enough work take
+    (``_TMA_MIN_WORK``). Without these the
     first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
@@ -267,13 +274,14 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
         one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
         inputs.append((torch.randn(1, _many_heads(1, q.device), d, dtype=q.dtype,
                                    device=q.device), kv[:1], one))
-        if d in _TMA_HEAD_DIMS:
+        big_dims = _TMA_HEAD_DIMS + _GLUON_HEAD_DIMS  # descriptors / the Gluon kernel
+        if d in big_dims:
             n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
             big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
             big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
             for heads in {16, _many_heads(n, q.device)}:
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
-                if _tma_ok(big_q, big_kv, big_kv):
+                if _tma_ok(big_q, big_kv, big_kv, head_dims=big_dims):
                     inputs.append((big_q, big_kv, big_cu))
     return [functools.partial(prefill, q_in, kv_in, kv_in, cu_in, causal=causal,
                               return_lse=lse, max_seqlen_q=hint)

@@ -357,10 +357,10 @@ _TMA_MIN_WORK = 1 << 28
 TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
 
 
-def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            span: int | None = None) -> bool:
+def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None = None,
+            head_dims: tuple[int, ...] = _TMA_HEAD_DIMS) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
-    a head dim in ``_TMA_HEAD_DIMS``, a work bound of at least ``_TMA_MIN_WORK``, and
+    a head dim in ``head_dims``, a work bound of at least ``_TMA_MIN_WORK``, and
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
     per query (a sliding window). ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B
     measurements)."""
@@ -376,7 +376,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return False  # small launches (host-bound) return before the environment lookup
     if os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
-    if q.shape[2] not in _TMA_HEAD_DIMS or _capability(q.device.index or 0)[0] < 9:
+    if q.shape[2] not in head_dims or _capability(q.device.index or 0)[0] < 9:
         return False
     return all(
         t.stride(2) == 1 and t.stride(1) == t.shape[2]
@@ -385,25 +385,29 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     )
 
 
-# The warp-specialized Gluon kernel (``prefill_hopper``) for launches that would take the TMA
-# path on Hopper with no feature, persistent (one program per SM claiming tiles from a counter)
-# with 64-row consumer warpgroups: 2 at D 128 (128 x 128 tiles), 3 at D 64 (192 x 128, as
-# FlashAttention-3 does: three warpgroups keep the tensor cores fed where the softmax weighs
-# as much as the GEMMs). H100, 2026-11-24 (tune_hopper_prefill.py, dense B * N = 16K, N 4K /
-# 8K / 16K, against SDPA cuDNN in the same run): bf16 D 128 0.97-0.99x non-causal, 0.97-1.00x
-# causal; D 64 0.99-1.04x non-causal, 0.90-0.95x causal; fp16 0.97-1.05x except D 64 causal
-# 0.93-0.96x; the portable kernel 0.80-0.91x. ``ATTENTION_KERNELS_GLUON=0`` turns it off.
+# The warp-specialized Gluon kernel (``prefill_hopper``) for launches big enough for descriptor
+# loads (``_tma_ok``) on Hopper with no feature, persistent (one program per SM claiming tiles
+# from a counter), with 64-row consumer warpgroups: 2 at D 128 (128 x 128 tiles), 3 at D 64
+# (192 x 128, as FlashAttention-3 does: three warpgroups keep the tensor cores fed where the
+# softmax weighs as much as the GEMMs). H100, 2026-11-24 (tune_hopper_prefill.py, dense
+# B * N = 16K, N 4K / 8K / 16K, against SDPA cuDNN in the same run): bf16 D 128 0.97-0.99x
+# non-causal, 0.97-1.00x causal; D 64 0.99-1.04x non-causal, 0.90-0.95x causal; fp16
+# 0.97-1.05x except D 64 causal 0.93-0.96x; the portable kernel 0.80-0.91x.
+# ``ATTENTION_KERNELS_GLUON=0`` turns it off.
 _GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
                 64: {"consumers": 3, "block_n": 128, "stages": 2}}
 _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
 
 
-def _gluon_ok(q: torch.Tensor, k: torch.Tensor, use_tma: bool, plain: bool) -> bool:
-    """The Gluon kernel: a launch that takes the descriptor loads (``_tma_ok``: Hopper, 16-bit
-    K/V like ``q``, enough work) with no window, softcap, ALiBi or FP8 (``plain``), on sm_90
-    exactly (its wgmma/setmaxnreg code), at a head dim in ``_GLUON_HEAD_DIMS``, with ``q``'s
-    rows 16-byte aligned for its own descriptor."""
-    if not (use_tma and plain) or q.shape[2] not in _GLUON_HEAD_DIMS or k.dtype != q.dtype:
+def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool) -> bool:
+    """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
+    head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
+    softcap, ALiBi or FP8 (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with
+    ``q``'s rows 16-byte aligned for its own descriptor. D 64 qualifies here though the
+    portable kernel keeps pointer loads there."""
+    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or k.dtype != q.dtype:
+        return False
+    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS):
         return False
     if _capability(q.device.index or 0)[0] != 9:
         return False
@@ -699,7 +703,7 @@ def _plan(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     plain = not (fp8 or has_window or cap_scale is not None or alibi_slopes is not None)
-    gluon = table is None and _gluon_ok(q, k, use_tma, plain)
+    gluon = table is None and _gluon_ok(q, k, v, plain)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E)
 

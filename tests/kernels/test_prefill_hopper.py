@@ -67,24 +67,29 @@ def test_register_budget_is_checked() -> None:
 
 
 def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_gluon_ok``: sm_90, D 64 or 128, a launch already on the descriptor path, no
+    """``_gluon_ok``: sm_90, D 64 or 128, a launch big enough for descriptor loads, no
     features."""
-    q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
+    big = [True]
     monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
-    assert prefill_kernel._gluon_ok(q, q, True, True)
-    assert not prefill_kernel._gluon_ok(q, q, False, True)  # small launch: no descriptors
-    assert not prefill_kernel._gluon_ok(q, q, True, False)  # window / softcap / ALiBi / FP8
+    monkeypatch.setattr(prefill_kernel, "_tma_ok",
+                        lambda q, k, v, span=None, head_dims=(): big[0] and q.shape[2] in head_dims)
+    q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
+    assert prefill_kernel._gluon_ok(q, q, q, True)
+    big[0] = False
+    assert not prefill_kernel._gluon_ok(q, q, q, True)  # small launch: host-bound
+    big[0] = True
+    assert not prefill_kernel._gluon_ok(q, q, q, False)  # window / softcap / ALiBi / FP8
     q64 = torch.empty(8, 4, 64, dtype=torch.bfloat16)
-    assert prefill_kernel._gluon_ok(q64, q64, True, True)
+    assert prefill_kernel._gluon_ok(q64, q64, q64, True)
     q96 = torch.empty(8, 4, 96, dtype=torch.bfloat16)
-    assert not prefill_kernel._gluon_ok(q96, q96, True, True)
-    assert not prefill_kernel._gluon_ok(q[:, ::2], q, True, True)  # heads not packed
+    assert not prefill_kernel._gluon_ok(q96, q96, q96, True)
+    assert not prefill_kernel._gluon_ok(q[:, ::2], q, q, True)  # heads not packed
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
-    assert not prefill_kernel._gluon_ok(q, q, True, True)
+    assert not prefill_kernel._gluon_ok(q, q, q, True)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         monkeypatch.setattr(prefill_kernel, "_capability", lambda index, cap=cap: cap)
-        assert not prefill_kernel._gluon_ok(q, q, True, True)
+        assert not prefill_kernel._gluon_ok(q, q, q, True)
 
 
 CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
