@@ -397,15 +397,23 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
 _GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
                 64: {"consumers": 3, "block_n": 128, "stages": 2}}
 _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
+# D 64 causal: 192-row tiles waste much of the diagonal on short prompts. bench_kernels (H100,
+# 2026-11-24, 32 heads, B * N = 16K): 0.67x / 0.83x cuDNN at N 1K / 2K against the portable
+# kernel's 0.87x / 0.89x, 0.90-0.99x at 4K-16K against 0.86-0.91x. Causal D 64 launches take
+# it when their mean prompt (total queries / sequences: exact for a dense batch) is this long.
+_GLUON_D64_CAUSAL_MIN_MEAN = 4096
 
 
-def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool) -> bool:
+def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool,
+              causal: bool = False, batch: int = 1) -> bool:
     """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
     head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
     softcap, ALiBi or FP8 (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with
     ``q``'s rows 16-byte aligned for its own descriptor. D 64 qualifies here though the
-    portable kernel keeps pointer loads there."""
+    portable kernel keeps pointer loads there; causal at D 64 only with long mean prompts."""
     if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or k.dtype != q.dtype:
+        return False
+    if causal and q.shape[2] == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
         return False
     if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS):
         return False
@@ -703,7 +711,7 @@ def _plan(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     plain = not (fp8 or has_window or cap_scale is not None or alibi_slopes is not None)
-    gluon = table is None and _gluon_ok(q, k, v, plain)
+    gluon = table is None and _gluon_ok(q, k, v, plain, causal, batch)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E)
 

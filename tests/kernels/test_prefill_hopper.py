@@ -79,8 +79,10 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     assert not prefill_kernel._gluon_ok(q, q, q, True)  # small launch: host-bound
     big[0] = True
     assert not prefill_kernel._gluon_ok(q, q, q, False)  # window / softcap / ALiBi / FP8
-    q64 = torch.empty(8, 4, 64, dtype=torch.bfloat16)
+    q64 = torch.empty(8192, 4, 64, dtype=torch.bfloat16)
     assert prefill_kernel._gluon_ok(q64, q64, q64, True)
+    assert prefill_kernel._gluon_ok(q64, q64, q64, True, causal=True, batch=2)  # mean 4K
+    assert not prefill_kernel._gluon_ok(q64, q64, q64, True, causal=True, batch=3)
     q96 = torch.empty(8, 4, 96, dtype=torch.bfloat16)
     assert not prefill_kernel._gluon_ok(q96, q96, q96, True)
     assert not prefill_kernel._gluon_ok(q[:, ::2], q, q, True)  # heads not packed
@@ -154,7 +156,7 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
     real = prefill_kernel.hopper_prefill_ws
     monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
                         lambda *a, **kw: calls.append(kw) or real(*a, **kw))
-    lens = [4096, 77]
+    lens = [8192, 77]  # a mean of 4K+ (D 64 causal takes it from there)
     cu = cu_seqlens(lens)
     q = randn(sum(lens), 16, head_dim, dtype=torch.bfloat16)
     kv = randn(sum(lens), 2, head_dim, dtype=torch.bfloat16)
