@@ -144,6 +144,14 @@ def sdpa(backend: SDPBackend, q, k, v, causal: bool, gqa: bool = False):
     return run
 
 
+def dense_inputs(b: int, heads: int, n: int, d: int, dtype: torch.dtype = DTYPE):
+    """Random SDPA inputs ``[b, heads, n, d]`` and the same values in our packed layout
+    (``[b * n, heads, d]``) with their ``cu_seqlens``: ``(q, k, v), (qp, kp, vp), cu``."""
+    sdpa_in = tuple(torch.randn(b, heads, n, d, dtype=dtype, device="cuda") for _ in range(3))
+    packed = tuple(t.transpose(1, 2).reshape(b * n, heads, d).contiguous() for t in sdpa_in)
+    return sdpa_in, packed, cu([n] * b)
+
+
 def dense_prefill_rows(quick: bool) -> list[dict]:
     rows = []
     ns = [1024, 2048, 4096, 8192, 16384] if not quick else [4096, 16384]
@@ -152,12 +160,7 @@ def dense_prefill_rows(quick: bool) -> list[dict]:
         for causal in (False, True):
             for n in ns:
                 b = 16384 // n
-                q, k, v = (torch.randn(b, heads, n, d, dtype=DTYPE, device="cuda")
-                           for _ in range(3))
-                # Our packed layout [B*N, H, D] from the same values.
-                qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
-                              for t in (q, k, v))
-                cus = cu([n] * b)
+                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
                 ours = lambda: prefill(  # noqa: E731
                     qp, kp, vp, cus, max_seqlen_q=n, max_seqlen_k=n, causal=causal)
                 fl = flops([n] * b, [n] * b, heads, d, causal)

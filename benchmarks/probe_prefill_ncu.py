@@ -14,13 +14,18 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_kernels import prefill
-from attention_kernels.prefill_hopper import hopper_prefill_ws
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import dense_inputs  # noqa: E402
+
+from attention_kernels import prefill  # noqa: E402
+from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
 
 
 def main() -> None:
@@ -32,9 +37,7 @@ def main() -> None:
     a = p.parse_args()
     d, n, b = a.head_dim, 8192, 2
     h = 2048 // d
-    q, k, v = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    qp, kp, vp = (t.transpose(1, 2).reshape(b * n, h, d).contiguous() for t in (q, k, v))
-    cus = torch.tensor([0, n, 2 * n], dtype=torch.int32, device="cuda")
+    (q, k, v), (qp, kp, vp), cus = dense_inputs(b, h, n, d, torch.bfloat16)
     out = torch.empty_like(qp)
     bn, st = (int(x) for x in a.tile.split(","))
     if a.which == "portable":

@@ -26,10 +26,11 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench, cu, flops, rel, sdpa  # noqa: E402
+from bench_kernels import bench, cu, dense_inputs, flops, rel, sdpa  # noqa: E402
 
 from attention_kernels import prefill, prefill_ref  # noqa: E402
-from attention_kernels.prefill_hopper import hopper_prefill_ws, sm_count  # noqa: E402
+from attention_kernels.configs import num_sms  # noqa: E402
+from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
 
 LOG2E = 1.4426950408889634
 # (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim. programs 0: one
@@ -55,7 +56,8 @@ def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
 
 def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
     bn, st, cons, progs = tile
-    programs = None if progs == 0 else sm_count(q.device) if abs(progs) == 1 else abs(progs)
+    programs = (None if progs == 0 else num_sms(q.device.index or 0) if abs(progs) == 1
+                else abs(progs))
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
                       block_n=bn, stages=st, consumers=cons, programs=programs,
                       dynamic=progs < 0)
@@ -204,11 +206,7 @@ def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict]:
         for causal in (False, True):
             for n in ns:
                 b = 16384 // n
-                q, k, v = (torch.randn(b, heads, n, d, dtype=dtype, device="cuda")
-                           for _ in range(3))
-                qp, kp, vp = (t.transpose(1, 2).reshape(b * n, heads, d).contiguous()
-                              for t in (q, k, v))
-                cus = cu([n] * b)
+                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d, dtype)
                 fl = flops([n] * b, [n] * b, heads, d, causal)
                 row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal,
                        "dtype": str(dtype).removeprefix("torch.")}

@@ -45,6 +45,8 @@ values through masked pointer loads (zeros past the sequence) instead of TMA.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -176,10 +178,7 @@ def _take_tile(n, tile_ids, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
 
 
 @gluon.jit
-def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q,
-                 cu_k, batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt,
-                 HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, IS_CAUSAL: gl.constexpr):
     """Every TMA copy: per tile its Q (with two buffers the next tile's Q lands while the
@@ -188,6 +187,11 @@ def _ws_producer(desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_e
     ``DYNAMIC``: the next tile is claimed from ``Counter`` once this one's copies are issued
     (causal tiles differ in length; a fixed stride left programs 6-25% apart) and handed to
     the consumers."""
+    desc_q, desc_k, desc_v, V, stride_vt, group, Counter = loads
+    q_smem, k_smem, v_smem, tile_ids = bufs
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
+    cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles = walk
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     it = 0
     tc = 0
     n = 0
@@ -332,14 +336,16 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexp
 
 
 @gluon.jit
-def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                 v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Out, Lse, cu_q,
-                 cu_k, batch, num_heads, num_slots, slot_run, num_tiles, qk_scale, stride_ot,
-                 stride_oh, stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                  CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
                  IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles."""
+    Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
+    q_smem, k_smem, v_smem, tile_ids = bufs
+    q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
+    cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles = walk
+    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -357,40 +363,38 @@ def _ws_consumer(PART: gl.constexpr, q_smem, k_smem, v_smem, q_ready, q_empty, k
             4)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         my_row0 = row0 + PART * ROWS
-        if live & (n_blocks > 0):
-            qb = tc % Q_BUFS
-            mbarrier.wait(q_ready.index(qb), (tc // Q_BUFS) & 1)
-            rows_pos = my_row0 + gl.arange(0, ROWS, layout=rows_layout) + (seqlen_k - seqlen_q)
-            # This warpgroup's own key range: under a causal mask its 64 rows see fewer keys
-            # than the tile's last rows (and none past the sequence's end matter); it passes
-            # the tile's other blocks through so the rings stay in step.
-            my_full, my_end = causal_key_range(my_row0 // ROWS, seqlen_q, seqlen_k, ROWS,
-                                               IS_CAUSAL)
-            n_mine = gl.cdiv(my_end, BLOCK_N)
-            if my_row0 >= seqlen_q:
-                n_mine = 0
-            if n_mine > 0:
-                acc, m_i, l_i = _attend(q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem,
-                                        k_ready, v_ready, k_empty, v_empty, it, n_mine,
-                                        my_full // BLOCK_N, seqlen_k, rows_pos, qk_scale,
-                                        IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
-                                        o_layout, p_layout)
-            else:
-                acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-                m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
-                l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
-            _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty, STAGES)
-            mbarrier.arrive(q_empty.index(qb))
+        if live:
+            # Rows that see no key (a tile without keys, rows past the sequence): output 0,
+            # lse -inf.
+            acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
+            m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
+            l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+            if n_blocks > 0:
+                qb = tc % Q_BUFS
+                mbarrier.wait(q_ready.index(qb), (tc // Q_BUFS) & 1)
+                # This warpgroup's own key range: under a causal mask its 64 rows see fewer
+                # keys than the tile's last rows (and rows past the sequence's end need none);
+                # it passes the tile's other blocks through so the rings stay in step.
+                my_full, my_end = causal_key_range(my_row0 // ROWS, seqlen_q, seqlen_k, ROWS,
+                                                   IS_CAUSAL)
+                n_mine = gl.cdiv(my_end, BLOCK_N)
+                if my_row0 >= seqlen_q:
+                    n_mine = 0
+                if n_mine > 0:
+                    rows_pos = (my_row0 + gl.arange(0, ROWS, layout=rows_layout)
+                                + (seqlen_k - seqlen_q))
+                    acc, m_i, l_i = _attend(
+                        q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready, v_ready,
+                        k_empty, v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
+                        qk_scale, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout,
+                        p_layout)
+                _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty,
+                             STAGES)
+                mbarrier.arrive(q_empty.index(qb))
+                it += n_blocks
+                tc += 1
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
                         stride_oh, stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
-            it += n_blocks
-            tc += 1
-        elif live:  # no key visible to any row of the tile: output 0, lse -inf
-            _store_tile(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout),
-                        gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout),
-                        gl.zeros([ROWS], gl.float32, layout=rows_layout), Out, Lse, q_start,
-                        seqlen_q, my_row0, head, stride_ot, stride_oh, stride_lh, HEAD_DIM,
-                        ROWS, RETURN_LSE, 4)
         if DYNAMIC:
             t, n = _take_tile(n, tile_ids, tile_ready, tile_empty, 4)
         else:
@@ -410,7 +414,6 @@ def _hopper_prefill_ws_kernel(
 ):
     gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
-    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
@@ -438,48 +441,32 @@ def _hopper_prefill_ws_kernel(
         mbarrier.init(v_empty.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    # Arguments written out per partition: a tuple built once and concatenated loses the
-    # constexpr-ness of its members in Triton 3.6.
+    # Runtime values travel in tuples, compile-time ones flat: a tuple loses the constexpr-ness
+    # of its members in Triton 3.6's warp_specialize.
+    bufs = (q_smem, k_smem, v_smem, tile_ids)
+    bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty)
+    walk = (cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles)
+    stores = (Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh)
+    loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (
-                0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
-            (_ws_consumer, (
-                1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
-            (_ws_consumer, (
-                2, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
-            (_ws_producer, (
-                desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q, cu_k,
-                batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM,
-                BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
+            (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (2, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (
-                0, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
-            (_ws_consumer, (
-                1, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready, v_ready, k_empty, v_empty,
-                tile_ids, tile_ready, tile_empty, Out, Lse, cu_q, cu_k, batch, num_heads, num_slots,
-                slot_run, num_tiles, qk_scale, stride_ot, stride_oh, stride_lh, HEAD_DIM, BLOCK_M,
-                BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
-            (_ws_producer, (
-                desc_q, desc_k, desc_v, V, q_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-                v_ready, k_empty, v_empty, tile_ids, tile_ready, tile_empty, Counter, cu_q, cu_k,
-                batch, num_heads, group, num_slots, slot_run, num_tiles, stride_vt, HEAD_DIM,
-                BLOCK_M, BLOCK_N, BLOCK_B, STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
+            (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, RETURN_LSE)),
+            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -488,9 +475,9 @@ def _hopper_prefill_ws_kernel(
 # while idle workers sit at 120, and inside at 504 - consumer - producer (a 168-register launch
 # of 12 warps); three: a 128-register launch of 16 warps (see ``register_split``).
 _REGS = {2: (224, 32), 3: (160, 24)}
-_SM_COUNT: dict[int, int] = {}
 
 
+@functools.cache
 def register_split(consumers: int, consumer_regs: int, producer_regs: int) -> int:
     """The default partition's registers inside the specialized region (Triton 3.6's
     AllocateWarpGroups: the launch's 64K registers less the workers' requests, over the
@@ -510,14 +497,6 @@ def register_split(consumers: int, consumer_regs: int, producer_regs: int) -> in
     return default
 
 
-def sm_count(device: torch.device) -> int:
-    """The device's SM count (cached): a persistent launch's program count."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM_COUNT:
-        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SM_COUNT[index]
-
-
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
@@ -530,7 +509,7 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
 
     ``consumers`` warpgroups of 64 query rows each make the tile (2: 128 rows, 3: 192).
     ``programs``: None launches one program per tile; a number launches at most that many,
-    each walking the tiles ``t = pid, pid + programs, ...`` (persistent: ``sm_count``; the
+    each walking the tiles ``t = pid, pid + programs, ...`` (persistent: ``configs.num_sms``; the
     next tile's Q and first keys then load while a program finishes its current tile).
     ``dynamic`` (with ``programs``): programs claim their next tile from a counter instead of
     taking every ``programs``-th, which keeps causal launches balanced."""
@@ -545,6 +524,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
     grid = tiles if programs is None else max(1, min(tiles, programs))
     dynamic = dynamic and programs is not None  # (variants by launch kind, not by size)
+    # A fresh zeroed counter per launch (one small fill, against launches of 2**28+ work): a
+    # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
     _hopper_prefill_ws_kernel[(grid,)](
         descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,

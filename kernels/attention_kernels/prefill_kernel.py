@@ -69,11 +69,12 @@ from attention_kernels.configs import (
     dot_in_fp32,
     interpreting,
     many_programs,
+    num_sms,
     padded_head_dim,
     prefill_config,
     short_rows_bucket,
 )
-from attention_kernels.prefill_hopper import hopper_prefill_ws, sm_count
+from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
 # Sequences scanned per step when a program looks up its sequence. A constant, not a function of
@@ -404,8 +405,8 @@ _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
 _GLUON_D64_CAUSAL_MIN_MEAN = 4096
 
 
-def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool,
-              causal: bool = False, batch: int = 1) -> bool:
+def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, causal: bool,
+              batch: int) -> bool:
     """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
     head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
     softcap, ALiBi or FP8 (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with
@@ -748,7 +749,7 @@ def _run(
         lens_k = lens_k.contiguous()
     if plan.gluon:
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
-                          plan.causal, plan.scale_log2, programs=sm_count(q.device),
+                          plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, **_GLUON_TILES[q.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
