@@ -74,24 +74,24 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(prefill_kernel, "_tma_ok",
                         lambda q, k, v, span=None, head_dims=(): big[0] and q.shape[2] in head_dims)
     q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
-    assert prefill_kernel._gluon_ok(q, q, q, True)
+    assert prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     big[0] = False
-    assert not prefill_kernel._gluon_ok(q, q, q, True)  # small launch: host-bound
+    assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)  # small launch: host-bound
     big[0] = True
-    assert not prefill_kernel._gluon_ok(q, q, q, False)  # window / softcap / ALiBi / FP8
+    assert not prefill_kernel._gluon_ok(q, q, q, False, False, 1)  # window / softcap / ALiBi / FP8
     q64 = torch.empty(8192, 4, 64, dtype=torch.bfloat16)
-    assert prefill_kernel._gluon_ok(q64, q64, q64, True)
-    assert prefill_kernel._gluon_ok(q64, q64, q64, True, causal=True, batch=2)  # mean 4K
-    assert not prefill_kernel._gluon_ok(q64, q64, q64, True, causal=True, batch=3)
+    assert prefill_kernel._gluon_ok(q64, q64, q64, True, False, 1)
+    assert prefill_kernel._gluon_ok(q64, q64, q64, True, True, 2)  # mean 4K
+    assert not prefill_kernel._gluon_ok(q64, q64, q64, True, True, 3)
     q96 = torch.empty(8, 4, 96, dtype=torch.bfloat16)
-    assert not prefill_kernel._gluon_ok(q96, q96, q96, True)
-    assert not prefill_kernel._gluon_ok(q[:, ::2], q, q, True)  # heads not packed
+    assert not prefill_kernel._gluon_ok(q96, q96, q96, True, False, 1)
+    assert not prefill_kernel._gluon_ok(q[:, ::2], q, q, True, False, 1)  # heads not packed
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
-    assert not prefill_kernel._gluon_ok(q, q, q, True)
+    assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         monkeypatch.setattr(prefill_kernel, "_capability", lambda index, cap=cap: cap)
-        assert not prefill_kernel._gluon_ok(q, q, q, True)
+        assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
 
 
 CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
