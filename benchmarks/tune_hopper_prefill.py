@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
 import time
 from datetime import datetime, timezone
@@ -36,15 +37,17 @@ LOG2E = 1.4426950408889634
 # (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim. programs 0: one
 # per tile; 1: one per SM (persistent, every SM-count-th tile); -1: one per SM claiming tiles
 # from a counter (dynamic); n > 1 / n < -1: n programs, static / dynamic (the checks: many
-# tiles per program).
-TILES = {128: [(128, 2, 2, 0), (128, 2, 2, -1)], 64: [(128, 2, 3, 0), (128, 2, 3, -1)]}
+# tiles per program). An optional fifth value: 1 / 0 ends each sequence's tiles at its last /
+# starts them at its first row (``end_tiles``; default: at the end when causal).
+TILES = {128: [(128, 2, 2, 0), (128, 2, 2, -1)], 64: [(128, 3, 3, 0), (128, 3, 3, -1)]}
 
 
 def tile_name(tile) -> str:
-    bn, st, cons, progs = tile
+    bn, st, cons, progs = tile[:4]
     kind = "p" if progs > 0 else "d"
-    return f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else kind if abs(progs) == 1
-                                       else f"{kind}{abs(progs)}")
+    return (f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else kind if abs(progs) == 1
+                                        else f"{kind}{abs(progs)}")
+            + ("" if len(tile) < 5 else "e" if tile[4] else "s"))
 
 
 def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
@@ -55,12 +58,12 @@ def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
 
 
 def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
-    bn, st, cons, progs = tile
+    bn, st, cons, progs = tile[:4]
     programs = (None if progs == 0 else num_sms(q.device.index or 0) if abs(progs) == 1
                 else abs(progs))
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
                       block_n=bn, stages=st, consumers=cons, programs=programs,
-                      dynamic=progs < 0)
+                      dynamic=progs < 0, end_tiles=None if len(tile) < 5 else bool(tile[4]))
 
 
 def check_tiles(d: int) -> list[tuple]:
@@ -68,7 +71,7 @@ def check_tiles(d: int) -> list[tuple]:
     phases carried from tile to tile, tiles without keys in between)."""
     tiles = list(TILES[d])
     for tile in dict.fromkeys(t[:3] for t in TILES[d]):
-        tiles += [tile + (3,), tile + (-3,)]
+        tiles += [tile + (3,), tile + (-3,), tile + (-3, 1), tile + (-3, 0)]
     return tiles
 
 
@@ -158,9 +161,9 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     descs = {"desc_q": descriptor(t, 64), "desc_k": descriptor(t, bn),
              "desc_v": descriptor(t, bn)}
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
-                 Q_BUFS=q_bufs, DYNAMIC=dynamic,
-                 IS_CAUSAL=causal, RETURN_LSE=True, CONSUMER_REGS=_REGS[cons][0],
-                 PRODUCER_REGS=_REGS[cons][1])
+                 Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal,
+                 END_TILES=causal and cons == 3,  # hopper_prefill_ws's default
+                 RETURN_LSE=True, CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
             "Counter": "*i32"}
@@ -199,7 +202,10 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     }
 
 
-def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict]:
+def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16, rounds: int = 1) -> list[dict]:
+    """TFLOP/s per tile; with ``rounds`` > 1 the tiles are timed in turn that many times and
+    the median kept (``_runs``: every round): the first tile timed in a row once read 7-17%
+    below the same code timed second (call1_tune.log, 2026-11-24)."""
     rows = []
     for d in sorted(TILES, reverse=True):
         heads = 2048 // d
@@ -218,22 +224,29 @@ def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16) -> list[dict]:
                 row["portable"] = fl / bench(lambda: prefill(qp, kp, vp, cus, causal=causal)) / 1e9
                 os.environ.pop("ATTENTION_KERNELS_GLUON")
                 out = torch.empty_like(qp)
-                for tile in TILES[d]:
-                    def ours(tile=tile):
-                        launch(qp, kp, vp, cus, cus, out, None, causal, tile)
-                    ours()
-                    key = f"gluon_{tile_name(tile)}"
-                    row[key + "_err"] = rel(out, ref)
-                    if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
-                        raise SystemExit(f"check failed: {row}")
-                    row[key] = fl / bench(ours) / 1e9
+                for _ in range(rounds):
+                    for tile in TILES[d]:
+                        def ours(tile=tile):
+                            launch(qp, kp, vp, cus, cus, out, None, causal, tile)
+                        key = f"gluon_{tile_name(tile)}"
+                        if key + "_runs" not in row:
+                            ours()
+                            row[key + "_err"] = rel(out, ref)
+                            if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
+                                raise SystemExit(f"check failed: {row}")
+                            row[key + "_runs"] = []
+                        row[key + "_runs"].append(fl / bench(ours) / 1e9)
+                        row[key] = statistics.median(row[key + "_runs"])
                 best = max(v for kk, v in row.items() if kk.startswith("gluon") and
-                           not kk.endswith("_err"))
+                           not kk.endswith(("_err", "_runs")))
                 mask = "causal" if causal else "full  "
                 print(f"{row['dtype']} D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
                       f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "
-                      + " ".join(f"{kk[6:]} {v:6.1f}" for kk, v in row.items()
-                                 if kk.startswith("gluon") and not kk.endswith("_err"))
+                      + " ".join(f"{kk[6:]} {v:6.1f}" + (
+                                  "" if rounds == 1 else " (" + "/".join(
+                                      f"{x:.0f}" for x in row[kk + "_runs"]) + ")")
+                                 for kk, v in row.items()
+                                 if kk.startswith("gluon") and not kk.endswith(("_err", "_runs")))
                       + f" | best/cudnn {best / row['cudnn']:.2f} "
                       f"portable/cudnn {row['portable'] / row['cudnn']:.2f}", flush=True)
                 rows.append(row)
@@ -255,7 +268,9 @@ def main() -> int:
     p.add_argument("--tile", default="128,2,2",
                    help="with --compile-only: block_n,stages,consumers")
     p.add_argument("--tiles", help="replace the tile lists: "
-                   "'D:block_n,stages[,consumers[,persistent]];...'")
+                   "'D:block_n,stages[,consumers[,persistent[,end]]];...'")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the tiles in turn this many times, keep the median")
     p.add_argument("--out", default="benchmarks/results")
     args = p.parse_args()
     if args.tiles:
@@ -279,7 +294,7 @@ def main() -> int:
         for f in failures:
             print("  FAIL", f, flush=True)
     rows = [] if args.no_sweep else sweep([int(x) for x in args.ns.split(",")],
-                                          getattr(torch, args.dtype))
+                                          getattr(torch, args.dtype), args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = torch.cuda.get_device_name().replace(" ", "_")

@@ -48,14 +48,16 @@ def program_tile(pid, slot_run, num_heads, num_slots):
 
 
 @triton.jit
-def causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """``(n_full, n_end)`` for query block ``block`` (bottom-right causal when ``IS_CAUSAL``):
-    keys ``[0, n_full)`` are visible to every row of the block, ``[n_full, n_end)`` to some."""
+def causal_key_range(first_row, seqlen_q, seqlen_k, ROWS: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """``(n_full, n_end)`` for the query rows ``first_row .. first_row + ROWS`` (bottom-right
+    causal when ``IS_CAUSAL``; rows below 0 or past ``seqlen_q`` do not exist): keys
+    ``[0, n_full)`` are visible to every row, ``[n_full, n_end)`` to some. A caller with no
+    existing row must not use ``n_end``."""
     if IS_CAUSAL:
         causal_offset = seqlen_k - seqlen_q
-        first_row = block * BLOCK_M
-        last_row_end = tl.minimum(first_row + BLOCK_M, seqlen_q)
-        n_full = tl.minimum(tl.maximum(first_row + causal_offset + 1, 0), seqlen_k)
+        last_row_end = tl.minimum(first_row + ROWS, seqlen_q)
+        n_full = tl.minimum(tl.maximum(tl.maximum(first_row, 0) + causal_offset + 1, 0),
+                            seqlen_k)
         n_end = tl.minimum(tl.maximum(last_row_end + causal_offset, 0), seqlen_k)
     else:
         n_full = seqlen_k

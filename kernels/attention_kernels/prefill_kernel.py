@@ -303,7 +303,7 @@ def _prefill_kernel(
             HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
         )
     else:
-        n_full, n_end = causal_key_range(block, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
+        n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
         n_a = 0
         n_b = (n_full // BLOCK_N) * BLOCK_N
         n_hi = n_end
@@ -393,10 +393,12 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
 # softmax weighs as much as the GEMMs). H100, 2026-11-24 (tune_hopper_prefill.py, dense
 # B * N = 16K, N 4K / 8K / 16K, against SDPA cuDNN in the same run): bf16 D 128 0.97-0.99x
 # non-causal, 0.97-1.00x causal; D 64 0.99-1.04x non-causal, 0.90-0.95x causal; fp16
-# 0.97-1.05x except D 64 causal 0.93-0.96x; the portable kernel 0.80-0.91x.
-# ``ATTENTION_KERNELS_GLUON=0`` turns it off.
+# 0.97-1.05x except D 64 causal 0.93-0.96x; the portable kernel 0.80-0.91x. D 64 takes three
+# stages (two calls, 2026-11-24g, call1_tune.log / call2_tune.log, medians of 3 rounds): causal
+# 4K / 8K / 16K 388 / 421 / 447 against two stages' 379 / 398 / 408 TFLOP/s (cuDNN 418-441);
+# non-causal even (452-488 against 450-473). ``ATTENTION_KERNELS_GLUON=0`` turns it off.
 _GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
-                64: {"consumers": 3, "block_n": 128, "stages": 2}}
+                64: {"consumers": 3, "block_n": 128, "stages": 3}}
 _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
 # D 64 causal: 192-row tiles waste much of the diagonal on short prompts. bench_kernels (H100,
 # 2026-11-24, 32 heads, B * N = 16K): 0.67x / 0.83x cuDNN at N 1K / 2K against the portable

@@ -36,7 +36,7 @@ def _compile_sm90(causal: bool, head_dim: int, tile: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("head_dim, tile, regs", [(128, "128,2,2", 224), (64, "128,2,3", 160)],
+@pytest.mark.parametrize("head_dim, tile, regs", [(128, "128,2,2", 224), (64, "128,3,3", 160)],
                          ids=["d128-2wg", "d64-3wg"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_compiles_for_sm90_without_spills(causal: bool, head_dim: int, tile: str,
@@ -102,14 +102,19 @@ CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
 ]
 # (head dim, launch options): prefill()'s persistent launches, one program per tile, and 3
 # programs walking many tiles each (ring and Q-buffer phases carried across tiles, tiles
-# without keys between them), statically and claiming tiles from the counter.
+# without keys between them), statically and claiming tiles from the counter; tiles aligned
+# at each sequence's start and at its end (a partial first tile reaching below row 0).
 LAUNCHES = [
     (128, dict(block_n=128, stages=2, consumers=2)),
     (128, dict(block_n=64, stages=3, consumers=2, programs=3)),
     (128, dict(block_n=128, stages=2, consumers=2, programs=3, dynamic=True)),
     (64, dict(block_n=128, stages=2, consumers=3)),
-    (64, dict(block_n=128, stages=2, consumers=3, programs=3, dynamic=True)),
+    (64, dict(block_n=128, stages=3, consumers=3, programs=3, dynamic=True)),
     (64, dict(block_n=128, stages=3, consumers=2, programs=3)),
+    # Tiles aligned at the other end of each sequence than the default (which ends causal
+    # 192-row tiles at each sequence's last row).
+    (128, dict(block_n=128, stages=2, consumers=2, programs=3, dynamic=True, end_tiles=True)),
+    (64, dict(block_n=128, stages=2, consumers=3, programs=3, dynamic=True, end_tiles=False)),
 ]
 
 
