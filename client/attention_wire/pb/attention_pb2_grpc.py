@@ -125,6 +125,11 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
                 _registered_method=True)
+        self.CacheDecodeSteps = channel.stream_stream(
+                '/attention.v1.AttentionService/CacheDecodeSteps',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -283,6 +288,19 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheDecodeSteps(self, request_iterator, context):
+        """A decode loop on one stream: each request message is one whole CacheDecode step (as
+        CacheDecodeUnary takes it), each response message that step's AttentionResult, in order.
+        A step runs once the previous one is answered. Per step it costs about half the host time
+        of a CacheDecodeUnary call at both ends (no call set-up per step). Every step is checked,
+        limited, batched and counted as a CacheDecode call; auth and the deadline are the stream's.
+        The first step that fails ends the stream with that step's status (steps sent after it do
+        not run); a draining server ends it with UNAVAILABLE at the next step.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -373,6 +391,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
             ),
             'CacheDecodeUnary': grpc.unary_unary_rpc_method_handler(
                     servicer.CacheDecodeUnary,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'CacheDecodeSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.CacheDecodeSteps,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
             ),
@@ -862,6 +885,33 @@ class AttentionService:
             request,
             target,
             '/attention.v1.AttentionService/CacheDecodeUnary',
+            attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheDecodeSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/CacheDecodeSteps',
             attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
             options,

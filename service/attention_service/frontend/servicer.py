@@ -129,14 +129,15 @@ class AttentionServicer:
 
     async def serve(
         self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext,
-        unary: bool = False,
+        unary: bool = False, step: bool = False,
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         """A compute rpc (every ``Op``: wire.add_to_server registers one handler per op):
         receive, run on the engine, stream the outputs back, account the call. ``unary``: the
         rpc's unary twin (``requests`` is its one message; the caller joins what this yields
-        into one message, so each output goes out as one slice). Both count under the op's
-        name in the metrics; the log line says which."""
-        call = _CallRecord(op.rpc, context, unary)
+        into one message, so each output goes out as one slice); ``step`` with it: one call
+        of a step stream (``CacheDecodeSteps``). All count under the op's name in the
+        metrics; the log line says which."""
+        call = _CallRecord(op.rpc, context, unary, step)
         self.tracker.enter()
         self._metrics.inflight.inc()
         received: Received | None = None
@@ -217,12 +218,14 @@ class AttentionServicer:
 class _CallRecord:
     """What one compute call did, for its metrics and log line."""
 
-    def __init__(self, rpc: str, context: grpc.aio.ServicerContext, unary: bool = False) -> None:
+    def __init__(self, rpc: str, context: grpc.aio.ServicerContext, unary: bool = False,
+                 step: bool = False) -> None:
         self.rpc = rpc
         self.peer = context.peer()
         self.t0 = time.perf_counter()
         self.code, self.details = "OK", ""
         self.unary = unary
+        self.step = step
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
@@ -238,7 +241,9 @@ class _CallRecord:
     def log_line(self, seconds: float) -> str:
         line = (f"rpc={self.rpc} code={self.code} duration_ms={seconds * 1e3:.3f} "
                 f"bytes_in={self.bytes_in} bytes_out={self.bytes_out}")
-        if self.unary:
+        if self.step:
+            line += " step=1"
+        elif self.unary:
             line += " unary=1"
         stats = self.stats
         if stats is not None:

@@ -215,6 +215,24 @@ def _compute_unary(servicer: Any, op: Op) -> Any:
     return behavior
 
 
+# The compute rpcs with a step stream (each request message one whole call, each response
+# message its AttentionResult), by op: the rpc's name.
+STEP_STREAMS = {Op.CACHE_DECODE: "CacheDecodeSteps"}
+
+
+def _compute_steps(servicer: Any, op: Op) -> Any:
+    """A stream of whole calls: each message served as the unary twin serves its one message,
+    one after another; a failing call aborts the stream with its status (``serve`` does)."""
+
+    async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        async for raw in requests:
+            parts = [_serialize(msg) async for msg in servicer.serve(
+                op, _one(raw), context, unary=True, step=True)]
+            yield b"".join(parts)
+
+    return behavior
+
+
 def _control(servicer: Any, method: str) -> Any:
     async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
         return await servicer.control_rpc(method, request, context)
@@ -234,6 +252,10 @@ def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     for op in Op:
         handlers[unary_method(op.rpc)] = grpc.unary_unary_rpc_method_handler(
             _compute_unary(servicer, op), request_deserializer=None, response_serializer=None
+        )
+    for op, method in STEP_STREAMS.items():
+        handlers[method] = grpc.stream_stream_rpc_method_handler(
+            _compute_steps(servicer, op), request_deserializer=None, response_serializer=None
         )
     handlers["GetServerInfo"] = _unary(servicer, "GetServerInfo", servicer.GetServerInfo)
     for method in CONTROL_METHODS:

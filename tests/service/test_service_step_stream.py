@@ -1,0 +1,172 @@
+"""CacheDecodeSteps: a decode loop on one stream, each message one whole CacheDecode step."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from attention_wire.pb import attention_pb2 as pb
+
+from .kv_helpers import cache_decode_messages, layout, rand
+from .svc_helpers import collect, request_codes
+from .test_service_unary import _collect, _one, _same, _unary
+
+pytestmark = pytest.mark.timeout(60)
+SERVICE = "/attention.v1.AttentionService/"
+
+
+class Steps:
+    """A CacheDecodeSteps stream driven one step at a time, as a decode loop does."""
+
+    def __init__(self, channel: grpc.Channel, **kw: Any) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        rpc = channel.stream_stream(SERVICE + "CacheDecodeSteps",
+                                    request_serializer=lambda m: m.SerializeToString(),
+                                    response_deserializer=pb.AttentionResult.FromString)
+        self.call = rpc(self._requests(), **kw)
+
+    def _requests(self) -> Iterator[Any]:
+        while (msg := self._queue.get()) is not None:
+            yield msg
+
+    def step(self, message: Any) -> pb.AttentionResult:
+        self._queue.put(message)
+        return next(self.call)
+
+    def close(self) -> None:
+        self._queue.put(None)
+
+
+def _step_message(ids: list[str], seed: int, dim: int = 16) -> Any:
+    q = rand(len(ids), 4, dim, seed=seed)
+    k, v = rand(len(ids), 2, dim, seed=seed + 1), rand(len(ids), 2, dim, seed=seed + 2)
+    return _one(cache_decode_messages(ids, q, k, v, cu_k=list(range(len(ids) + 1))))
+
+
+def _create(stub: Any, ids: list[str]) -> None:
+    stub.CreateCaches(pb.CreateCachesRequest(cache_ids=ids, layout=layout(torch.float32, 2, 16)),
+                      timeout=10)
+
+
+def _lengths(stub: Any, ids: list[str]) -> list[int]:
+    reply = stub.ListCaches(pb.ListCachesRequest(cache_ids=ids), timeout=10)
+    return [c.length for c in reply.caches]
+
+
+def test_steps_on_one_stream_equal_unary_steps(server) -> None:  # type: ignore[no-untyped-def]
+    """Twin caches, one stepped through the stream and one through CacheDecodeUnary: every
+    answer bitwise the same, every stored token kept, the stream ended cleanly."""
+    stub = server.stub()
+    _create(stub, ["st0", "st1", "un0", "un1"])
+    try:
+        steps = Steps(server.channel(), timeout=30)
+        unary = _unary(server, "CacheDecodeUnary")
+        for seed in range(0, 50, 5):
+            got = steps.step(_step_message(["st0", "st1"], seed))
+            want = unary(_step_message(["un0", "un1"], seed), timeout=30)
+            _same(_collect(got), _collect(want))
+            assert [c.field for c in got.chunks] == [pb.OUT, pb.LSE]
+        assert list(got.stats.cache_lengths) == [10, 10]
+        steps.close()
+        assert list(steps.call) == [] and steps.call.code() == grpc.StatusCode.OK
+        assert _lengths(stub, ["st0", "st1"]) == [10, 10]
+    finally:
+        stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["st0", "st1", "un0", "un1"]),
+                           timeout=10)
+
+
+def test_a_failing_step_ends_the_stream_with_its_status(start_server) -> None:  # type: ignore[no-untyped-def]
+    """An unknown cache: NOT_FOUND naming the cache, counted as a CacheDecode call; the step
+    queued behind it never runs (its token is not stored); a new stream works."""
+    handle = start_server(metrics_port=0)
+    stub = handle.stub()
+    _create(stub, ["a"])
+    steps = Steps(handle.channel(), timeout=30)
+    steps.step(_step_message(["a"], 1))
+    steps._queue.put(_step_message(["missing"], 2))
+    steps._queue.put(_step_message(["a"], 3))  # sent behind the failing step
+    with pytest.raises(grpc.RpcError) as err:
+        next(steps.call)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    assert "missing" in err.value.details()
+    assert _lengths(stub, ["a"]) == [1]
+    assert request_codes(handle, "CacheDecode") == {"OK", "NOT_FOUND"}
+    again = Steps(handle.channel(), timeout=30)
+    assert list(again.step(_step_message(["a"], 4)).stats.cache_lengths) == [2]
+    again.close()
+
+
+def test_a_bad_message_is_refused_like_a_unary_call(server) -> None:  # type: ignore[no-untyped-def]
+    rpc = server.channel().stream_stream(SERVICE + "CacheDecodeSteps")
+    with pytest.raises(grpc.RpcError) as err:
+        list(rpc(iter([b"\xff\xff\xff"]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("message")
+
+
+def test_the_stream_needs_the_token(start_server) -> None:  # type: ignore[no-untyped-def]
+    handle = start_server(auth_token="s3cret")
+    rpc = handle.channel().stream_stream(SERVICE + "CacheDecodeSteps")
+    with pytest.raises(grpc.RpcError) as err:
+        list(rpc(iter([_step_message(["a"], 1).SerializeToString()]), timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_an_idle_stream_does_not_hold_a_drain(start_server) -> None:  # type: ignore[no-untyped-def]
+    """A stream between steps is not a call in flight: the drain goes on, and the stream ends
+    with an error status (the client opens a new one, elsewhere), never hangs."""
+    handle = start_server()
+    stub = handle.stub()
+    _create(stub, ["d"])
+    steps = Steps(handle.channel(), timeout=30)
+    steps.step(_step_message(["d"], 1))
+    t0 = time.monotonic()
+    done = threading.Event()
+
+    def stop() -> None:
+        handle.run(handle.server.stop(10.0))
+        done.set()
+
+    threading.Thread(target=stop, daemon=True).start()
+    assert done.wait(8.0), "the drain waited on an idle step stream"
+    assert time.monotonic() - t0 < 5.0
+    with pytest.raises(grpc.RpcError) as err:
+        steps.step(_step_message(["d"], 2))
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+
+
+def test_a_step_after_the_drain_began_is_refused(start_server) -> None:  # type: ignore[no-untyped-def]
+    handle = start_server()
+    stub = handle.stub()
+    _create(stub, ["r"])
+    steps = Steps(handle.channel(), timeout=30)
+    steps.step(_step_message(["r"], 1))
+    handle.server.frontend.tracker.accepting = False  # what the drain sets first
+    handle.server.frontend.tracker.refusal = "server is shutting down"
+    with pytest.raises(grpc.RpcError) as err:
+        steps.step(_step_message(["r"], 2))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _lengths(stub, ["r"]) == [1]
+
+
+def test_streamed_steps_match_the_stream_rpc(server) -> None:  # type: ignore[no-untyped-def]
+    """The same step through CacheDecode (chunked stream) and CacheDecodeSteps."""
+    stub = server.stub()
+    _create(stub, ["m0", "m1"])
+    try:
+        q, k, v = rand(1, 4, 16, seed=7), rand(1, 2, 16, seed=8), rand(1, 2, 16, seed=9)
+        streamed = collect(stub.CacheDecode(cache_decode_messages(["m0"], q, k, v,
+                                                                  cu_k=[0, 1])))
+        steps = Steps(server.channel(), timeout=30)
+        got = steps.step(_one(cache_decode_messages(["m1"], q, k, v, cu_k=[0, 1])))
+        steps.close()
+        _same(_collect(got), streamed)
+    finally:
+        stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["m0", "m1"]), timeout=10)
