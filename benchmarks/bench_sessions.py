@@ -7,7 +7,9 @@ a client had to do before caches). Each point runs ``--warmup`` + ``--duration``
 clients spread over ``--workers`` load processes (one gRPC connection per client), against a
 server started here (``python -m attention_service``, batching on, and off for sessions), or
 against ``--target``. Requests are packed and sent as attention_client sends them (a step is
-one message, through the unary CacheDecodeUnary; ``--no-unary`` streams it).
+one message on a CacheDecodeSteps stream the client keeps open, as ``client.decode_steps()``
+sends it; the "on-unary" side sends each step as a CacheDecodeUnary call; other one-message
+calls go through the unary twins, and ``--no-unary`` streams them).
 
 Reports per point: steps/s, p50/p99 step latency, wire bytes per step (serialized requests),
 the kernel's own time per step (RequestStats.kernel_seconds, CUDA events on a GPU) and the
@@ -51,9 +53,11 @@ from bench_service import Server, server_info  # noqa: E402
 ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 METHOD = "/attention.v1.AttentionService/"
 CHUNK = 1 << 20
-SIDES = {"on": ("sessions, batching on", "sessions", True),
-         "off": ("sessions, batching off", "sessions", False),
-         "resend": ("resend (Decode), batching on", "resend", True)}
+# side: (label, mode, batching, steps on one CacheDecodeSteps stream)
+SIDES = {"on": ("sessions, batching on", "sessions", True, True),
+         "on-unary": ("sessions, batching on, a unary call per step", "sessions", True, False),
+         "off": ("sessions, batching off", "sessions", False, True),
+         "resend": ("resend (Decode), batching on", "resend", True, False)}
 
 
 def _tensor_messages(header: Any, q: bytes, k: bytes, v: bytes) -> list[bytes]:
@@ -173,8 +177,37 @@ async def _call(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
     return stats
 
 
+class _StepStream:
+    """Steps on one CacheDecodeSteps stream, as ``client.decode_steps()`` sends them (opened
+    again after a failed step)."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._rpc = channel.stream_stream(METHOD + "CacheDecodeSteps", request_serializer=None,
+                                          response_deserializer=pb.AttentionResult.FromString)
+        self._call: Any = None
+
+    async def step(self, message: bytes) -> pb.RequestStats:
+        if self._call is None or self._call.done():
+            self._call = self._rpc()
+        try:
+            await self._call.write(message)
+            reply = await asyncio.wait_for(self._call.read(), 60)
+        except BaseException:
+            self._call.cancel()
+            self._call = None
+            raise
+        if reply is grpc.aio.EOF:
+            raise RuntimeError("the step stream ended")
+        return reply.stats
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+
+
 async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
-                  t_measure: float, t_end: float, out: dict[str, Any], unary: bool) -> None:
+                  t_measure: float, t_end: float, out: dict[str, Any], unary: bool,
+                  step_stream: bool = False) -> None:
     setup, step = _requests(s, mode, cache_id, seed)
     method = "CacheDecode" if mode == "sessions" else "Decode"
     # A connection per client, as separate user processes would have (grpc otherwise shares
@@ -190,10 +223,12 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
                          timeout=60)
             await _call(ch, "AppendKV", setup)
         out["step_bytes"] = sum(len(m) for m in step)
+        steps = _StepStream(ch) if step_stream and len(step) == 1 else None
         while time.time() < t_end:
             t0 = time.perf_counter()
             try:
-                stats = await _call(ch, method, step, unary)
+                stats = await (steps.step(step[0]) if steps is not None
+                               else _call(ch, method, step, unary))
             except grpc.aio.AioRpcError as exc:
                 out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
                 continue
@@ -201,6 +236,8 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
                 out["lat"].append(time.perf_counter() - t0)
                 out["kernel"].append(stats.kernel_seconds)
                 out["batch"].append(stats.batch_requests)
+        if steps is not None:
+            steps.close()
         if mode == "sessions":
             release = ch.unary_unary(METHOD + "ReleaseCaches",
                                      request_serializer=pb.ReleaseCachesRequest.SerializeToString,
@@ -209,16 +246,22 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
 
 
 def _echo_server(q: Any, reply_bytes: int) -> None:
-    """A bare grpc.aio server whose one unary rpc answers ``reply_bytes`` bytes at once."""
+    """A bare grpc.aio server that answers ``reply_bytes`` bytes at once: per unary call
+    (``Call``) and per message of a stream (``Steps``)."""
     reply = b"\0" * reply_bytes
 
     async def echo(request: bytes, context: Any) -> bytes:
         return reply
 
+    async def steps(requests: Any, context: Any) -> Any:
+        async for _ in requests:
+            yield reply
+
     async def serve() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-            "echo.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo)}),))
+            "echo.Echo", {"Call": grpc.unary_unary_rpc_method_handler(echo),
+                          "Steps": grpc.stream_stream_rpc_method_handler(steps)}),))
         q.put(server.add_insecure_port("127.0.0.1:0"))
         await server.start()
         await server.wait_for_termination()
@@ -226,10 +269,12 @@ def _echo_server(q: Any, reply_bytes: int) -> None:
     asyncio.run(serve())
 
 
-def echo_floor(request: bytes, reply_bytes: int, seconds: float) -> float:
-    """p50 ms of a unary call to a bare Python gRPC server that does nothing (same request,
-    a reply of the step's size, one aio client, loopback): the floor under any Python
-    gRPC service's step on this host, measured in the same run."""
+def echo_floor(request: bytes, reply_bytes: int, seconds: float,
+               stream: bool = False) -> float:
+    """p50 ms of a unary call (``stream``: of one message each way on an open stream) to a
+    bare Python gRPC server that does nothing (same request, a reply of the step's size, one
+    aio client, loopback): the floor under any Python gRPC service's step on this host,
+    measured in the same run."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_echo_server, args=(q, reply_bytes), daemon=True)
@@ -239,7 +284,14 @@ def echo_floor(request: bytes, reply_bytes: int, seconds: float) -> float:
 
         async def drive() -> list[float]:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
-                call = ch.unary_unary("/echo.Echo/Call")
+                if stream:
+                    steps = ch.stream_stream("/echo.Echo/Steps")()
+
+                    async def call(message: bytes, timeout: float) -> None:
+                        await steps.write(message)
+                        await steps.read()
+                else:
+                    call = ch.unary_unary("/echo.Echo/Call")
                 lat, t_end = [], time.perf_counter() + seconds
                 for _ in range(50):  # warm the connection
                     await call(request, timeout=60)
@@ -247,6 +299,8 @@ def echo_floor(request: bytes, reply_bytes: int, seconds: float) -> float:
                     t0 = time.perf_counter()
                     await call(request, timeout=60)
                     lat.append(time.perf_counter() - t0)
+                if stream:
+                    steps.cancel()
                 return lat
 
         return float(np.percentile(asyncio.run(drive()), 50)) * 1e3
@@ -256,13 +310,14 @@ def echo_floor(request: bytes, reply_bytes: int, seconds: float) -> float:
 
 
 def _worker(target: str, args: argparse.Namespace, mode: str, clients: list[int],
-            t_measure: float, t_end: float, q: Any) -> None:
+            t_measure: float, t_end: float, q: Any, step_stream: bool = False) -> None:
     s = Shapes(args)
     out: dict[str, Any] = {"lat": [], "kernel": [], "batch": [], "errors": {}, "step_bytes": 0}
 
     async def main() -> None:
         await asyncio.gather(*(_client(target, s, mode, f"bench-{os.getpid()}-{i}", i,
-                                       t_measure, t_end, out, args.unary) for i in clients))
+                                       t_measure, t_end, out, args.unary, step_stream)
+                               for i in clients))
 
     try:
         asyncio.run(main())
@@ -271,7 +326,8 @@ def _worker(target: str, args: argparse.Namespace, mode: str, clients: list[int]
     q.put(out)
 
 
-def run_point(target: str, args: argparse.Namespace, mode: str, n: int) -> dict[str, Any]:
+def run_point(target: str, args: argparse.Namespace, mode: str, n: int,
+              step_stream: bool = False) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     workers = min(args.workers, n)
@@ -279,7 +335,8 @@ def run_point(target: str, args: argparse.Namespace, mode: str, n: int) -> dict[
     t_measure = time.time() + setup + args.warmup
     t_end = t_measure + args.duration
     procs = [ctx.Process(target=_worker, args=(target, args, mode, list(range(w, n, workers)),
-                                               t_measure, t_end, q)) for w in range(workers)]
+                                               t_measure, t_end, q, step_stream))
+             for w in range(workers)]
     for p in procs:
         p.start()
     outs = [q.get(timeout=setup + args.warmup + args.duration + 120) for _ in procs]
@@ -330,8 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-unary", dest="unary", action="store_false",
                    help="stream every call (default: one-message calls use the unary twin "
                         "rpcs, as attention_client does)")
-    p.add_argument("--sides", default="on,off,resend",
-                   help="which sides to run: on/off = sessions with batching on/off, resend")
+    p.add_argument("--sides", default="on,off,resend,on-unary",
+                   help="which sides to run: on/off = sessions with batching on/off (steps on "
+                        "one CacheDecodeSteps stream per client, as client.decode_steps() sends "
+                        "them), resend, on-unary = on with a CacheDecodeUnary call per step")
     p.add_argument("--target", help="drive this running server instead of starting one per "
                    "side (its batching setting is whatever it was started with)")
     p.add_argument("--out", default="benchmarks/results")
@@ -348,16 +407,17 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     info = None
     sides = [SIDES[x] for x in args.sides.split(",")]
-    for label, mode, batching in sides:
+    for label, mode, batching, step_stream in sides:
         server = None if args.target else Server(
-            args, batching, out_dir / f"bench_sessions_server_{mode}_{batching}.log")
+            args, batching,
+            out_dir / f"bench_sessions_server_{mode}_{batching}{'' if step_stream else '_u'}.log")
         target = args.target or server.target
         try:
             info = server_info(target)
             print(f"{label}: {info.device} ({info.backend}), pool {info.kv_cache_bytes >> 20} MiB",
                   flush=True)
             for n in counts:
-                row = run_point(target, args, mode, n)
+                row = run_point(target, args, mode, n, step_stream)
                 row.update(side=label, batching=batching)
                 rows.append(row)
                 print(f"  {n:3d} clients: {row['steps_per_s']:9.1f} steps/s  p50 "
@@ -370,7 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     # The step's request and reply sizes: q/k/v in, out + stats back (~the q's bytes + 64).
     step = _requests(s, "sessions", "echo", 0)[1][0]
     floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0))
-    print(f"bare gRPC echo p50 (the floor): {floor_ms:.3f} ms", flush=True)
+    stream_floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0),
+                                 stream=True)
+    print(f"bare gRPC echo p50 (the floor): {floor_ms:.3f} ms per unary call, "
+          f"{stream_floor_ms:.3f} ms per message on an open stream", flush=True)
     by = {(r["side"], r["clients"]): r for r in rows}
     ratios: dict[str, float] = {}
     top = max(counts)
@@ -387,10 +450,15 @@ def main(argv: list[str] | None = None) -> int:
             off["p99_ms"], 1e-9)
     one = by.get(("sessions, batching on", 1))
     ratios["bare Python gRPC echo p50, same request and reply sizes (ms)"] = floor_ms
+    ratios["the same, one message each way on an open stream (ms)"] = stream_floor_ms
     if one is not None:
         ratios["p50 overhead over kernel at 1 client (ms)"] = one["overhead_p50_ms"]
         ratios["p50 overhead over kernel and the echo floor at 1 client (ms)"] = (
-            one["overhead_p50_ms"] - floor_ms)
+            one["overhead_p50_ms"] - stream_floor_ms)
+    one_unary = by.get(("sessions, batching on, a unary call per step", 1))
+    if one_unary is not None:
+        ratios["p50 overhead over kernel at 1 client, a unary call per step (ms)"] = (
+            one_unary["overhead_p50_ms"])
     analytic = [{"context": c, "sessions_bytes": s.step_bytes(c, True),
                  "resend_bytes": s.step_bytes(c, False),
                  "ratio": s.step_bytes(c, False) / s.step_bytes(c, True)}
@@ -400,8 +468,10 @@ def main(argv: list[str] | None = None) -> int:
         "", f"`python benchmarks/bench_sessions.py {' '.join(argv or sys.argv[1:])}`", "",
         f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype} (keys/values {s.kv_dtype}), context "
         f"{s.ctx} tokens per client; "
-        + ("one-message calls (steps) through the unary rpcs" if args.unary
-           else "every call streamed (--no-unary)"), "",
+        + "sessions steps on one CacheDecodeSteps stream per client (the on/off sides, as "
+        "client.decode_steps() sends them); other "
+        + ("one-message calls through the unary rpcs" if args.unary
+           else "calls streamed (--no-unary)"), "",
         "| side | clients | steps/s | p50 ms | p99 ms | kernel p50 ms | overhead p50 ms | "
         "mean batch | wire B/step | errors |", "|---|---|---|---|---|---|---|---|---|---|",
     ]

@@ -7,6 +7,8 @@ ml_dtypes bfloat16 arrays are accepted when those packages are installed.
         with client.kv_cache(num_kv_heads=8, head_dim=128, dtype="bfloat16") as cache:
             cache.append("seq0", k_prompt, v_prompt)
             out = cache.decode(q_step, "seq0", k_step, v_step)
+            with client.decode_steps() as steps:  # a decode loop on one stream
+                out = steps.step(q_step, ["seq0"], k_step, v_step)
 
 Every failure is an ``AttentionError``; bad arguments are ``AttentionInputError``, also a
 ``ValueError`` (the hierarchy: ``attention_client._errors``).
@@ -25,13 +27,14 @@ from attention_client._errors import (
     ProtocolError,
 )
 from attention_client._regions import SharedRegion
+from attention_client._steps import AsyncDecodeSteps, DecodeSteps
 from attention_client.aio import AsyncAttentionClient
 from attention_client.client import AttentionClient
 
 __all__ = [
-    "DEFAULT", "AsyncAttentionClient", "AsyncKvCache", "AttentionAuthError", "AttentionClient",
-    "AttentionError", "AttentionInputError", "AttentionNotFoundError", "AttentionResourceError",
-    "AttentionTimeoutError", "AttentionUnavailableError", "KvCache", "ProtocolError",
-    "SharedRegion",
+    "DEFAULT", "AsyncAttentionClient", "AsyncDecodeSteps", "AsyncKvCache", "AttentionAuthError",
+    "AttentionClient", "AttentionError", "AttentionInputError", "AttentionNotFoundError",
+    "AttentionResourceError", "AttentionTimeoutError", "AttentionUnavailableError",
+    "DecodeSteps", "KvCache", "ProtocolError", "SharedRegion",
 ]
 __version__ = "0.1.0"

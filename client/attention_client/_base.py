@@ -158,8 +158,10 @@ class ClientBase:
         the request fits one message of ``max_chunk_bytes`` and the outputs that come back
         fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
         alone). None: stream it."""
-        if not self.unary:
-            return None
+        return self._one_message(prep) if self.unary else None
+
+    def _one_message(self, prep: PreparedRequest) -> bytes | None:
+        """The request as one message if it and its outputs fit ``max_chunk_bytes``."""
         out_bytes = 0
         if prep.streamed_out_shape is not None:
             out_bytes += math.prod(prep.streamed_out_shape) * storage_dtype(prep.out_dtype).itemsize

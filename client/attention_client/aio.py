@@ -31,6 +31,8 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
+from attention_client._steps import METHOD as STEPS_METHOD
+from attention_client._steps import AsyncDecodeSteps
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -90,7 +92,7 @@ class AsyncAttentionClient(ClientBase):
                     f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
                 )
                 for method in STREAM_RPCS
-            })
+            } | {STEPS_METHOD: ch.stream_stream(f"/{SERVICE}/{STEPS_METHOD}")})
         channel = self._channel = self._channels[0]
         self._info = channel.unary_unary(
             INFO_METHOD,
@@ -209,6 +211,13 @@ class AsyncAttentionClient(ClientBase):
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return await self._run(prep, settings)
+
+    def decode_steps(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> AsyncDecodeSteps:
+        """See AttentionClient.decode_steps (``async with``; ``await steps.step(...)``)."""
+        return AsyncDecodeSteps(self, timeout, metadata, wait_for_ready)
 
     async def release_caches(
         self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,

@@ -27,6 +27,8 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
+from attention_client._steps import METHOD as STEPS_METHOD
+from attention_client._steps import DecodeSteps
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -114,7 +116,7 @@ class AttentionClient(ClientBase):
                     f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
                 )
                 for method in STREAM_RPCS
-            })
+            } | {STEPS_METHOD: ch.stream_stream(f"/{SERVICE}/{STEPS_METHOD}")})
         self._base_channel = self._base_channels[0]
         channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
                                    if interceptors else self._base_channel)
@@ -261,6 +263,16 @@ class AttentionClient(ClientBase):
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         return self._run(prep, settings)
+
+    def decode_steps(
+        self, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> DecodeSteps:
+        """A decode loop on one stream: ``steps.step(q, cache_ids, k_new, v_new, ...)`` takes
+        and returns what ``decode_step`` does, at about half its host time per step (no call
+        set-up per step). ``timeout`` (default: the client's) applies to each step. Use it as
+        a context manager, or ``close()`` it; one step at a time per handle."""
+        return DecodeSteps(self, timeout, metadata, wait_for_ready)
 
     def release_caches(
         self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,

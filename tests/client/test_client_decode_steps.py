@@ -1,0 +1,196 @@
+"""``client.decode_steps()``: decode loops on one CacheDecodeSteps stream (cpu backend),
+checked against the float64 reference; failures, fallbacks and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from attention_client import (
+    AsyncAttentionClient,
+    AttentionClient,
+    AttentionInputError,
+    AttentionNotFoundError,
+    AttentionTimeoutError,
+)
+
+from .test_client_e2e import check_lse, check_out, f64, make
+from .test_client_kv_cache import HKV, Context, D, H, cu
+
+torch = pytest.importorskip("torch")
+reference = pytest.importorskip("attention_kernels.reference")
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with AttentionClient(server.target, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_caches(client):
+    yield
+    client.release_caches(all=True)
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("torch", "bfloat16")])
+def test_a_decode_loop_on_one_stream(client, kind, dtype):
+    ids = ["st-a", "st-b"]
+    ctx = Context(ids)
+    with client.kv_cache(HKV, D, dtype) as cache, client.decode_steps() as steps:
+        k = make(kind, dtype, 23, HKV, D, seed=1)
+        cache.append(ids, k, k, cu([5, 18]))
+        ctx.add(ids, k, k, [5, 18])
+        for step in range(5):
+            q = make(kind, dtype, 2, H, D, seed=10 + step)
+            kn = make(kind, dtype, 2, HKV, D, seed=20 + step)
+            out, lse = steps.step(q, ids, kn, kn, return_lse=True, num_splits=step % 3)
+            ctx.add(ids, kn, kn, [1, 1])
+            ref, ref_lse = reference.decode_ref(f64(q), *ctx.packed(ids), return_lse=True)
+            check_out(out, ref, dtype, q)  # numpy in -> numpy out, torch in -> torch out
+            check_lse(lse, ref_lse)
+            assert client.last_stats["cache_lengths"] == ctx.lengths(ids)
+        # No new tokens, store=False: the layout comes from the handle; nothing is kept.
+        q = make(kind, dtype, 2, H, D, seed=40)
+        out = steps.step(q, ids, store=False, softmax_scale=0.3)
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids), softmax_scale=0.3),
+                  dtype, q)
+        assert [c["length"] for c in cache.info()] == ctx.lengths(ids)
+
+
+def test_a_failed_step_raises_and_the_next_one_reopens(client):
+    ids = ["re-a"]
+    ctx = Context(ids)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 4, HKV, D, seed=3)
+        cache.append(ids, k, k)
+        ctx.add(ids, k, k, [4])
+        kn = make("numpy", "float32", 1, HKV, D, seed=4)
+        q = make("numpy", "float32", 1, H, D, seed=5)
+        with pytest.raises(AttentionNotFoundError) as exc:
+            steps.step(q, "nope", kn, kn)
+        assert "nope" in str(exc.value)
+        with pytest.raises(AttentionInputError):  # checked before anything is sent
+            steps.step(q, ["re-a", "re-a"], kn, kn)
+        out = steps.step(q, ids, kn, kn)
+        ctx.add(ids, kn, kn, [1])
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        assert [c["length"] for c in cache.info()] == [5]
+    with pytest.raises(Exception, match="closed"):
+        steps.step(q, ids, kn, kn)
+
+
+def test_a_step_over_one_message_and_a_server_without_the_rpc_take_the_other_path(server):
+    """Both go through decode_step's path, with the same answers."""
+    ids = ["fb-a"]
+    ctx = Context(["fb-a", "fb-b"])
+    with AttentionClient(server.target, max_chunk_bytes=4096) as c:
+        cache = c.kv_cache(HKV, D, "float32")
+        k = make("numpy", "float32", 6, HKV, D, seed=6)
+        cache.append(["fb-a", "fb-b"], k, k, [0, 2, 6])
+        ctx.add(["fb-a", "fb-b"], k, k, [2, 4])
+        kn = make("numpy", "float32", 1, HKV, D, seed=9)
+        with c.decode_steps() as steps:
+            q = make("numpy", "float32", 2, H, D, seed=8)
+            k2 = np.concatenate([kn, kn])  # 4 KiB q + 2 KiB k/v: over one 4 KiB message
+            out = steps.step(q, ["fb-a", "fb-b"], k2, k2)
+            ctx.add(["fb-a", "fb-b"], k2, k2, [1, 1])
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed(["fb-a", "fb-b"])),
+                      "float32", q)
+            assert steps._call is None  # never opened
+        with AttentionClient(server.target) as old:
+            for lane in old._lanes:  # as on a server without CacheDecodeSteps: UNIMPLEMENTED
+                lane["CacheDecodeSteps"] = old._base_channels[0].stream_stream(
+                    "/attention.v1.AttentionService/NoSuchSteps")
+            with old.decode_steps() as steps:
+                for seed in (10, 11):
+                    q = make("numpy", "float32", 1, H, D, seed=seed)
+                    out = steps.step(q, ids, kn, kn)
+                    ctx.add(ids, kn, kn, [1])
+                    check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32",
+                              q)
+                assert steps._unsupported
+        assert [c["length"] for c in cache.info()] == [5, 5]
+        cache.release()
+
+
+def _silent_server() -> tuple[grpc.Server, int, threading.Event]:
+    """A server whose CacheDecodeSteps reads a step and never answers (until cancelled)."""
+    cancelled = threading.Event()
+
+    def steps(requests, context):
+        next(requests)
+        while context.is_active():
+            time.sleep(0.01)
+        cancelled.set()
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService",
+        {"CacheDecodeSteps": grpc.stream_stream_rpc_method_handler(steps)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, cancelled
+
+
+def test_a_step_timeout_cancels_the_stream():
+    server, port, cancelled = _silent_server()
+    try:
+        with AttentionClient(f"127.0.0.1:{port}") as c, c.decode_steps(timeout=0.5) as steps:
+            q = make("numpy", "float32", 1, H, D)
+            kn = make("numpy", "float32", 1, HKV, D)
+            t0 = time.monotonic()
+            with pytest.raises(AttentionTimeoutError):
+                steps.step(q, "x", kn, kn)
+            assert time.monotonic() - t0 < 5.0
+            assert cancelled.wait(5.0)  # the server saw the stream go
+
+        async def main():
+            async with (AsyncAttentionClient(f"127.0.0.1:{port}") as c,
+                        c.decode_steps(timeout=0.5) as steps):
+                with pytest.raises(AttentionTimeoutError):
+                    await steps.step(q, "x", kn, kn)
+
+        cancelled.clear()
+        asyncio.run(main())
+        assert cancelled.wait(5.0)
+    finally:
+        server.stop(None)
+
+
+def test_an_async_decode_loop(server):
+    ids = ["as-a", "as-b"]
+    got = []
+
+    async def main():
+        async with (AsyncAttentionClient(server.target) as c,
+                    c.kv_cache(HKV, D, "float32") as cache, c.decode_steps() as steps):
+            k = make("numpy", "float32", 9, HKV, D, seed=90)
+            await cache.append(ids, k, k, [0, 9, 9])
+            for step in range(3):
+                q = make("numpy", "float32", 2, H, D, seed=91 + step)
+                kn = make("numpy", "float32", 2, HKV, D, seed=94 + step)
+                got.append((q, kn, await steps.step(q, ids, kn, kn)))
+            with pytest.raises(AttentionNotFoundError):
+                await steps.step(q, ["as-a", "gone"], kn, kn)
+            # concurrent steps on one handle run one after another
+            outs = await asyncio.gather(steps.step(q[:1], "as-a", store=False),
+                                        steps.step(q[1:], "as-b", store=False))
+            return k, q, outs, [c["length"] for c in await cache.info()]
+
+    k, q, outs, lengths = asyncio.run(main())
+    ctx = Context(ids)
+    ctx.add(ids, k, k, [9, 0])
+    for q_step, kn, out in got:
+        ctx.add(ids, kn, kn, [1, 1])
+        check_out(out, reference.decode_ref(f64(q_step), *ctx.packed(ids)), "float32", q_step)
+    check_out(np.concatenate(outs), reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+    assert lengths == [12, 3]
