@@ -501,8 +501,7 @@ def prefill(
         plan = _plan(q, k, v, cu_seqlens_q, None, causal, softmax_scale, return_lse, _config,
                      window_size, softcap, alibi_slopes, k.shape[0], k_scale, v_scale, out,
                      lse_out, rows)
-        if not plan.use_tma:  # TMA launches are long (GPU-bound) and read the environment
-            _PLANS.put(key, plan)
+        _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, None, out, lse_out, alibi_slopes,
                 k_scale, v_scale)
 
@@ -599,10 +598,16 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: object,
               softcap: object, alibi_slopes: object, k_scale: object, v_scale: object,
               config: PrefillConfig | None, rows: int | None) -> tuple | None:
-    """Everything a prefill call's checks and set-up read (``_launch.call_key``)."""
+    """Everything a prefill call's checks and set-up read (``_launch.call_key``), the A/B
+    switches ``ATTENTION_KERNELS_TMA`` / ``ATTENTION_KERNELS_GLUON`` included. Descriptor and
+    Gluon plans were once made afresh per call: at N = 1K causal D 128 (a 0.2 ms launch)
+    that host work starved the GPU, 212 against 335 TFLOP/s for the same launch made
+    directly (H100, 2026-11-24g, probe_causal_1k.py)."""
     return call_key((q, k, v, cu_q, lens_k, table, out, lse_out if return_lse else None,
                      alibi_slopes, k_scale, v_scale),
-                    (paged, causal, softmax_scale, return_lse, softcap, config, rows),
+                    (paged, causal, softmax_scale, return_lse, softcap, config, rows,
+                     os.environ.get("ATTENTION_KERNELS_TMA"),
+                     os.environ.get("ATTENTION_KERNELS_GLUON")),
                     window_size)
 
 
