@@ -140,12 +140,8 @@ class DecodeSteps(_StepsBase):
         self._check_open()
         client = self._client
         settings = self._settings()
-        ids = client._decode_step_ids(q, cache_ids)
-        missing = client._unknown_layouts(ids, k_new, v_new)
-        if missing:
-            client._list_caches(missing, settings)
-        prep = client._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+        prep = client._decode_step_request(
+            settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         message = client._one_message(prep)
@@ -241,12 +237,8 @@ class AsyncDecodeSteps(_StepsBase):
         self._check_open()
         client = self._client
         settings = self._settings()
-        ids = client._decode_step_ids(q, cache_ids)
-        missing = client._unknown_layouts(ids, k_new, v_new)
-        if missing:
-            await client._list_caches(missing, settings)
-        prep = client._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+        prep = await client._decode_step_request(
+            settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
         message = client._one_message(prep)

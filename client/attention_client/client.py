@@ -254,15 +254,26 @@ class AttentionClient(ClientBase):
         settings = self._settings(
             timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
         )
+        prep = self._decode_step_request(
+            settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
+        )
+        return self._run(prep, settings)
+
+    def _decode_step_request(
+        self, settings: CallSettings, q: Any, cache_ids: Any, k_new: Any, v_new: Any,
+        store: bool, softmax_scale: float | None, num_splits: int, return_lse: bool,
+        score: ScoreMods,
+    ) -> PreparedRequest:
+        """A decode step's request (``decode_step``, ``decode_steps``): the cheap checks, the
+        layouts this client lacks (one ListCaches within ``settings``), then the request."""
         ids = self._decode_step_ids(q, cache_ids)
         missing = self._unknown_layouts(ids, k_new, v_new)
         if missing:
             self._list_caches(missing, settings)
-        prep = self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+        return self._prepare_decode_step(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
         )
-        return self._run(prep, settings)
 
     def decode_steps(
         self, *, timeout: Any = DEFAULT, metadata: Any = None,

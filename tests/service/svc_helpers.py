@@ -11,7 +11,7 @@ import math
 import threading
 import time
 import urllib.request
-from collections.abc import Coroutine, Iterable, Iterator
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -299,3 +299,41 @@ def health_status(channel: grpc.Channel, service: str = "") -> str:
         health_pb2.HealthCheckRequest(service=service), timeout=5
     )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+# ---- the unary twins and step streams: one message per call ------------------------------
+
+
+def unary_rpc(handle: Any, method: str) -> Callable[..., pb.AttentionResult]:
+    """A compute rpc's unary twin (``method``, e.g. "CacheDecodeUnary") on ``handle``."""
+    return handle.channel().unary_unary(
+        "/attention.v1.AttentionService/" + method,
+        request_serializer=lambda m: m.SerializeToString(),
+        response_deserializer=pb.AttentionResult.FromString,
+    )
+
+
+def one_message(messages: Iterable[Any]) -> Any:
+    """A request stream's messages as one message (header and every chunk)."""
+    msgs = list(messages)
+    first = type(msgs[0])(header=msgs[0].header)
+    for m in msgs:
+        first.chunks.extend(m.chunks)
+    return first
+
+
+def collect_result(result: pb.AttentionResult) -> Response:
+    """An AttentionResult read as the stream it stands for (checks rows and stats alike)."""
+    return collect([pb.AttentionResponse(chunk=c) for c in result.chunks]
+                   + [pb.AttentionResponse(stats=result.stats)])
+
+
+def same_answer(a: Response, b: Response) -> None:
+    assert a.tensors.keys() == b.tensors.keys()
+    for field, t in a.tensors.items():
+        assert torch.equal(t, b.tensors[field]), pb.OutputField.Name(field)
+    sa, sb = a.stats, b.stats
+    assert sa is not None and sb is not None
+    for name in ("bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens"):
+        assert getattr(sa, name) == getattr(sb, name), name
+    assert list(sa.cache_lengths) == list(sb.cache_lengths)

@@ -15,8 +15,14 @@ import torch
 from attention_wire.pb import attention_pb2 as pb
 
 from .kv_helpers import cache_decode_messages, layout, rand
-from .svc_helpers import collect, request_codes
-from .test_service_unary import _collect, _one, _same, _unary
+from .svc_helpers import (
+    collect,
+    collect_result,
+    one_message,
+    request_codes,
+    same_answer,
+    unary_rpc,
+)
 
 pytestmark = pytest.mark.timeout(60)
 SERVICE = "/attention.v1.AttentionService/"
@@ -47,7 +53,7 @@ class Steps:
 def _step_message(ids: list[str], seed: int, dim: int = 16) -> Any:
     q = rand(len(ids), 4, dim, seed=seed)
     k, v = rand(len(ids), 2, dim, seed=seed + 1), rand(len(ids), 2, dim, seed=seed + 2)
-    return _one(cache_decode_messages(ids, q, k, v, cu_k=list(range(len(ids) + 1))))
+    return one_message(cache_decode_messages(ids, q, k, v, cu_k=list(range(len(ids) + 1))))
 
 
 def _create(stub: Any, ids: list[str]) -> None:
@@ -67,11 +73,11 @@ def test_steps_on_one_stream_equal_unary_steps(server) -> None:  # type: ignore[
     _create(stub, ["st0", "st1", "un0", "un1"])
     try:
         steps = Steps(server.channel(), timeout=30)
-        unary = _unary(server, "CacheDecodeUnary")
+        unary = unary_rpc(server, "CacheDecodeUnary")
         for seed in range(0, 50, 5):
             got = steps.step(_step_message(["st0", "st1"], seed))
             want = unary(_step_message(["un0", "un1"], seed), timeout=30)
-            _same(_collect(got), _collect(want))
+            same_answer(collect_result(got), collect_result(want))
             assert [c.field for c in got.chunks] == [pb.OUT, pb.LSE]
         assert list(got.stats.cache_lengths) == [10, 10]
         steps.close()
@@ -165,8 +171,8 @@ def test_streamed_steps_match_the_stream_rpc(server) -> None:  # type: ignore[no
         streamed = collect(stub.CacheDecode(cache_decode_messages(["m0"], q, k, v,
                                                                   cu_k=[0, 1])))
         steps = Steps(server.channel(), timeout=30)
-        got = steps.step(_one(cache_decode_messages(["m1"], q, k, v, cu_k=[0, 1])))
+        got = steps.step(one_message(cache_decode_messages(["m1"], q, k, v, cu_k=[0, 1])))
         steps.close()
-        _same(_collect(got), streamed)
+        same_answer(collect_result(got), streamed)
     finally:
         stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["m0", "m1"]), timeout=10)

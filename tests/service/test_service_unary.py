@@ -3,7 +3,7 @@ with the whole request in one message and the whole answer in one AttentionResul
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -22,52 +22,22 @@ from .kv_helpers import (
 )
 from .svc_helpers import (
     TOLERANCE,
-    Response,
     collect,
+    collect_result,
     cu_from_lengths,
     decode_messages,
+    one_message,
     prefill_messages,
     prefill_oracle,
     random_qkv,
     request_codes,
+    same_answer,
     spec,
+    unary_rpc,
 )
 
 pytestmark = pytest.mark.timeout(60)
 SERVICE = "/attention.v1.AttentionService/"
-
-
-def _unary(handle: Any, method: str) -> Callable[..., pb.AttentionResult]:
-    return handle.channel().unary_unary(
-        SERVICE + method, request_serializer=lambda m: m.SerializeToString(),
-        response_deserializer=pb.AttentionResult.FromString,
-    )
-
-
-def _one(messages: Iterable[Any]) -> Any:
-    """A request stream's messages as one message (header and every chunk)."""
-    msgs = list(messages)
-    first = type(msgs[0])(header=msgs[0].header)
-    for m in msgs:
-        first.chunks.extend(m.chunks)
-    return first
-
-
-def _collect(result: pb.AttentionResult) -> Response:
-    """An AttentionResult read as the stream it stands for (checks rows and stats alike)."""
-    return collect([pb.AttentionResponse(chunk=c) for c in result.chunks]
-                   + [pb.AttentionResponse(stats=result.stats)])
-
-
-def _same(a: Response, b: Response) -> None:
-    assert a.tensors.keys() == b.tensors.keys()
-    for field, t in a.tensors.items():
-        assert torch.equal(t, b.tensors[field]), pb.OutputField.Name(field)
-    sa, sb = a.stats, b.stats
-    assert sa is not None and sb is not None
-    for name in ("bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens"):
-        assert getattr(sa, name) == getattr(sb, name), name
-    assert list(sa.cache_lengths) == list(sb.cache_lengths)
 
 
 def test_prefill_and_decode_unary_equal_their_streams(server) -> None:  # type: ignore[no-untyped-def]
@@ -76,10 +46,10 @@ def test_prefill_and_decode_unary_equal_their_streams(server) -> None:  # type: 
     cu = cu_from_lengths([7, 1, 19])
     q, k, v = random_qkv(cu[-1], cu[-1], 4, 2, 40, torch.float16, seed=5)
     msgs = list(prefill_messages(q, k, v, cu, causal=True, return_lse=True))
-    result = _unary(server, "PrefillUnary")(_one(msgs), timeout=30)
+    result = unary_rpc(server, "PrefillUnary")(one_message(msgs), timeout=30)
     assert [c.field for c in result.chunks] == [pb.OUT, pb.LSE]
-    got = _collect(result)
-    _same(got, collect(server.stub().Prefill(iter(msgs), timeout=30)))
+    got = collect_result(result)
+    same_answer(got, collect(server.stub().Prefill(iter(msgs), timeout=30)))
     out_ref, _ = prefill_oracle(q, k, v, cu, causal=True)
     tol = TOLERANCE[torch.float16]
     torch.testing.assert_close(got.out.double(), out_ref, atol=tol, rtol=tol)
@@ -87,8 +57,8 @@ def test_prefill_and_decode_unary_equal_their_streams(server) -> None:  # type: 
     cu_k = cu_from_lengths([13, 0, 5])
     q, k, v = random_qkv(3, cu_k[-1], 8, 2, 64, torch.bfloat16, seed=6)
     msgs = list(decode_messages(q, k, v, cu_k, return_lse=True))
-    got = _collect(_unary(server, "DecodeUnary")(_one(msgs), timeout=30))
-    _same(got, collect(server.stub().Decode(iter(msgs), timeout=30)))
+    got = collect_result(unary_rpc(server, "DecodeUnary")(one_message(msgs), timeout=30))
+    same_answer(got, collect(server.stub().Decode(iter(msgs), timeout=30)))
 
 
 def test_cache_rpcs_unary_equal_their_streams(server) -> None:  # type: ignore[no-untyped-def]
@@ -99,25 +69,26 @@ def test_cache_rpcs_unary_equal_their_streams(server) -> None:  # type: ignore[n
         cache_ids=["u", "s"], layout=layout(torch.float32, 2, 16)), timeout=10)
     try:
         k, v = rand(9, 2, 16, seed=1), rand(9, 2, 16, seed=2)
-        a = _collect(_unary(server, "AppendKVUnary")(_one(append_messages(["u"], k, v, [9]))))
+        append = unary_rpc(server, "AppendKVUnary")
+        a = collect_result(append(one_message(append_messages(["u"], k, v, [9]))))
         b = collect(stub.AppendKV(append_messages(["s"], k, v, [9])))
         assert list(a.stats.cache_lengths) == list(b.stats.cache_lengths) == [9]
         assert not a.tensors
 
         q, kn, vn = rand(3, 4, 16, seed=3), rand(3, 2, 16, seed=4), rand(3, 2, 16, seed=5)
-        _same(
-            _collect(_unary(server, "CachePrefillUnary")(
-                _one(cache_prefill_messages(["u"], q, kn, vn, [3], [3])))),
+        same_answer(
+            collect_result(unary_rpc(server, "CachePrefillUnary")(
+                one_message(cache_prefill_messages(["u"], q, kn, vn, [3], [3])))),
             collect(stub.CachePrefill(cache_prefill_messages(["s"], q, kn, vn, [3], [3]))),
         )
         for seed in range(3):  # steps that store a token each
             q, kn, vn = (rand(1, 4, 16, seed=10 + seed), rand(1, 2, 16, seed=20 + seed),
                          rand(1, 2, 16, seed=30 + seed))
-            unary = _collect(_unary(server, "CacheDecodeUnary")(
-                _one(cache_decode_messages(["u"], q, kn, vn, cu_k=[0, 1]))))
+            unary = collect_result(unary_rpc(server, "CacheDecodeUnary")(
+                one_message(cache_decode_messages(["u"], q, kn, vn, cu_k=[0, 1]))))
             streamed = collect(stub.CacheDecode(
                 cache_decode_messages(["s"], q, kn, vn, cu_k=[0, 1])))
-            _same(unary, streamed)
+            same_answer(unary, streamed)
         assert list(unary.stats.cache_lengths) == [9 + 3 + 3]
     finally:
         stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["u", "s"]), timeout=10)
@@ -130,14 +101,14 @@ def _code_and_details(call: Callable[[], Any]) -> tuple[grpc.StatusCode, str]:
 
 
 def test_unary_refusals_name_the_field(server) -> None:  # type: ignore[no-untyped-def]
-    prefill = _unary(server, "PrefillUnary")
+    prefill = unary_rpc(server, "PrefillUnary")
     q, k, v = random_qkv(6, 6, 3, 2, 32, torch.float16)  # 3 heads over 2 kv heads
     code, details = _code_and_details(
-        lambda: prefill(_one(prefill_messages(q, k, v, [0, 6])), timeout=10))
+        lambda: prefill(one_message(prefill_messages(q, k, v, [0, 6])), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in details
 
     q, k, v = random_qkv(6, 6, 2, 2, 32, torch.float16)
-    short = _one(prefill_messages(q, k, v, [0, 6]))
+    short = one_message(prefill_messages(q, k, v, [0, 6]))
     del short.chunks[-1]  # v's bytes never come
     code, details = _code_and_details(lambda: prefill(short, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and "v" in details
@@ -157,7 +128,7 @@ def test_outputs_over_one_message_are_refused_before_any_work(server) -> None:  
                               cu_seqlens_k=[0, 1], return_lse=True)
     assert q.nbytes + rows * 4 > MAX_UNARY_OUTPUT_BYTES
     code, details = _code_and_details(
-        lambda: _unary(server, "PrefillUnary")(pb.PrefillRequest(header=header), timeout=10))
+        lambda: unary_rpc(server, "PrefillUnary")(pb.PrefillRequest(header=header), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith("header.q") and "Prefill" in details, details
 
@@ -166,8 +137,9 @@ def test_unary_calls_count_under_their_op(start_server) -> None:  # type: ignore
     """Metrics and dashboards see one operation whichever way it travelled."""
     handle = start_server(metrics_port=0)
     q, k, v = random_qkv(4, 4, 2, 2, 16, torch.float32)
-    _unary(handle, "PrefillUnary")(_one(prefill_messages(q, k, v, [0, 4])), timeout=10)
+    prefill = unary_rpc(handle, "PrefillUnary")
+    prefill(one_message(prefill_messages(q, k, v, [0, 4])), timeout=10)
     with pytest.raises(grpc.RpcError):
-        _unary(handle, "PrefillUnary")(_one(prefill_messages(q, k, v, [0, 3])), timeout=10)
+        prefill(one_message(prefill_messages(q, k, v, [0, 3])), timeout=10)
     assert request_codes(handle, "Prefill") == {"OK", "INVALID_ARGUMENT"}
     assert request_codes(handle, "PrefillUnary") == set()

@@ -202,14 +202,15 @@ async def _one(message: bytes) -> Any:
     yield message
 
 
-def _compute_unary(servicer: Any, op: Op) -> Any:
+def _compute_unary(servicer: Any, op: Op, step: bool = False) -> Any:
     """The unary twin of a compute rpc: the stream handler fed one message, its response
     messages joined into one AttentionResult (whose field numbers are AttentionResponse's, so
-    the concatenation is that message: a test checks it)."""
+    the concatenation is that message: a test checks it). ``step``: one call of a step
+    stream."""
 
     async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         parts = [_serialize(msg) async for msg in servicer.serve(op, _one(raw), context,
-                                                                  unary=True)]
+                                                                  unary=True, step=step)]
         return b"".join(parts)
 
     return behavior
@@ -223,12 +224,11 @@ STEP_STREAMS = {Op.CACHE_DECODE: "CacheDecodeSteps"}
 def _compute_steps(servicer: Any, op: Op) -> Any:
     """A stream of whole calls: each message served as the unary twin serves its one message,
     one after another; a failing call aborts the stream with its status (``serve`` does)."""
+    call = _compute_unary(servicer, op, step=True)
 
     async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
         async for raw in requests:
-            parts = [_serialize(msg) async for msg in servicer.serve(
-                op, _one(raw), context, unary=True, step=True)]
-            yield b"".join(parts)
+            yield await call(raw, context)
 
     return behavior
 
