@@ -38,7 +38,9 @@ LOG2E = 1.4426950408889634
 # per tile; 1: one per SM (persistent, every SM-count-th tile); -1: one per SM claiming tiles
 # from a counter (dynamic); n > 1 / n < -1: n programs, static / dynamic (the checks: many
 # tiles per program). An optional fifth value: 1 / 0 ends each sequence's tiles at its last /
-# starts them at its first row (``end_tiles``; default: at the end when causal).
+# starts them at its first row (``end_tiles``; -1 or none: the default, at the end when causal
+# with 192-row tiles); a sixth: 1 / 0 consumers issue their GEMMs in turns or not
+# (``pingpong``; none: the default).
 TILES = {128: [(128, 2, 2, 0), (128, 2, 2, -1)], 64: [(128, 3, 3, 0), (128, 3, 3, -1)]}
 
 
@@ -47,7 +49,8 @@ def tile_name(tile) -> str:
     kind = "p" if progs > 0 else "d"
     return (f"{cons * 64}x{bn}x{st}" + ("" if progs == 0 else kind if abs(progs) == 1
                                         else f"{kind}{abs(progs)}")
-            + ("" if len(tile) < 5 else "e" if tile[4] else "s"))
+            + ("" if len(tile) < 5 or tile[4] < 0 else "e" if tile[4] else "s")
+            + ("" if len(tile) < 6 else "+pp" if tile[5] else "-pp"))
 
 
 def run(q, k, v, cu_q, cu_k, causal: bool, tile, lse: bool = True):
@@ -63,15 +66,19 @@ def launch(q, k, v, cu_q, cu_k, out, lse, causal: bool, tile) -> None:
                 else abs(progs))
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse, causal, LOG2E / math.sqrt(q.shape[2]),
                       block_n=bn, stages=st, consumers=cons, programs=programs,
-                      dynamic=progs < 0, end_tiles=None if len(tile) < 5 else bool(tile[4]))
+                      dynamic=progs < 0,
+                      end_tiles=None if len(tile) < 5 or tile[4] < 0 else bool(tile[4]),
+                      **({} if len(tile) < 6 else {"pingpong": bool(tile[5])}))
 
 
 def check_tiles(d: int) -> list[tuple]:
     """The swept tiles plus each on 3 programs (many tiles per program: ring and Q-buffer
     phases carried from tile to tile, tiles without keys in between)."""
     tiles = list(TILES[d])
-    for tile in dict.fromkeys(t[:3] for t in TILES[d]):
-        tiles += [tile + (3,), tile + (-3,), tile + (-3, 1), tile + (-3, 0)]
+    for base, pp in dict.fromkeys((t[:3], t[5:6]) for t in TILES[d]):
+        tail = (-1,) + pp if pp else ()
+        tiles += [base + (3,) + tail, base + (-3,) + tail, base + (-3, 1) + pp,
+                  base + (-3, 0) + pp]
     return tiles
 
 
@@ -141,7 +148,7 @@ def check(failures: list[str]) -> int:
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                  tile: tuple[int, int, int] = (128, 2, 2), q_bufs: int = 1,
-                 dynamic: bool = False) -> dict:
+                 dynamic: bool = False, pingpong: bool | None = None) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
     without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits."""
     import os.path
@@ -163,7 +170,9 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
                  Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal,
                  END_TILES=causal and cons == 3,  # hopper_prefill_ws's default
-                 RETURN_LSE=True, CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
+                 RETURN_LSE=True,
+                 PINGPONG=not (causal and cons == 3) if pingpong is None else pingpong,
+                 CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
             "Counter": "*i32"}

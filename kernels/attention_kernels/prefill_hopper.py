@@ -101,6 +101,26 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale,
     return p, m_new, alpha, l_i
 
 
+# Named barriers 8.. order the consumers' GEMM issues (Triton 3.6 takes 0-4 for its
+# partitions' own barriers: 0, 1 and 2 appear in this kernel's PTX).
+_TURN_BARRIER = gl.constexpr(8)
+
+
+@gluon.jit
+def _turn(bar_id, ARRIVE: gl.constexpr):
+    """``bar.sync`` (wait for this warpgroup's turn) or ``bar.arrive`` (hand the turn on) on
+    named barrier ``bar_id``, 256 threads: the warpgroup whose turn it is and the one before it
+    in the order. Inline PTX: Gluon has no named barriers."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    ids = gl.full([128], bar_id, gl.int32, layout=lay)
+    if ARRIVE:
+        gl.inline_asm_elementwise("bar.arrive $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [ids],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync $1, 256;\n\tmov.b32 $0, $1;", "=r,r", [ids],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+
+
 @gluon.jit
 def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
                 stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -279,18 +299,25 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
 @gluon.jit
 def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
-             v_empty, seqlen_k, rows_pos, qk_scale, s_zero, MASKED: gl.constexpr,
+             v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, MASKED: gl.constexpr,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr):
+             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr):
     """Key block ``j`` of the tile, ring position ``r``: S_j issued, P_{j-1} V_{j-1} issued,
-    the softmax of S_j under that PV."""
+    the softmax of S_j under that PV. ``PINGPONG``: both issues in this warpgroup's turn
+    (``turns``: its barrier and the next one's)."""
     kslot = r % STAGES
+    vslot = (r - 1) % STAGES
     mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
+        _turn(turns[0], False)
     s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
-    vslot = (r - 1) % STAGES
-    mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
+    if not PINGPONG:
+        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
     acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, MASKED,
@@ -304,11 +331,12 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 
 @gluon.jit
 def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
-            seqlen_k, rows_pos, qk_scale, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+            seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
-            o_layout: gl.constexpr, p_layout: gl.constexpr):
+            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
     """One warpgroup's 64 rows against ``n_blocks`` key blocks (ring positions from ``it``);
-    blocks below ``nb_full`` need no mask. Returns the unnormalised output, max and sum."""
+    blocks below ``nb_full`` need no mask. Returns the unnormalised output, max and sum.
+    ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
     ROWS: gl.constexpr = 64
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
@@ -317,8 +345,12 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
     kslot = it % STAGES
     mbarrier.wait(k_ready.index(kslot), (it // STAGES) & 1)
+    if PINGPONG:
+        _turn(turns[0], False)
     s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
                           is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
@@ -327,40 +359,61 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     for j in range(1, gl.maximum(nb_full, 1)):
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
-            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, False, IS_CAUSAL, STAGES,
-            BLOCK_N, p_layout, o_layout)
+            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, False, IS_CAUSAL,
+            STAGES, BLOCK_N, p_layout, o_layout, PINGPONG)
     for j in range(gl.maximum(nb_full, 1), n_blocks):
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
-            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, True, IS_CAUSAL, STAGES,
-            BLOCK_N, p_layout, o_layout)
+            k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, True, IS_CAUSAL,
+            STAGES, BLOCK_N, p_layout, o_layout, PINGPONG)
     last = it + n_blocks - 1
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
+    if PINGPONG:
+        _turn(turns[0], False)
     acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
     acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
     mbarrier.arrive(v_empty.index(vslot))
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, STAGES: gl.constexpr):
+def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
+                 STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Release ring positions ``r0 .. r1`` unused: each is waited for first, so the arrival
-    counts toward that fill of the slot and not an earlier one."""
+    counts toward that fill of the slot and not an earlier one. ``PINGPONG``: one empty turn
+    per position, and ``extra_turn`` more, so every warpgroup takes as many turns per tile as
+    the others (``n_blocks + 1``) whatever its share of the keys."""
     for r in range(r0, r1):
         slot = r % STAGES
         mbarrier.wait(k_ready.index(slot), (r // STAGES) & 1)
         mbarrier.arrive(k_empty.index(slot))
         mbarrier.wait(v_ready.index(slot), (r // STAGES) & 1)
+        if PINGPONG:
+            _turn(turns[0], False)
+            _turn(turns[1], True)
         mbarrier.arrive(v_empty.index(slot))
+    if PINGPONG:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if extra_turn:
+            _turn(turns[0], False)
+            _turn(turns[1], True)
 
 
 @gluon.jit
 def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
                  CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr):
-    """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles."""
+                 IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
+                 PINGPONG: gl.constexpr):
+    """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles.
+
+    ``PINGPONG`` (FlashAttention-3's warpgroup scheduling): the consumers issue their GEMMs
+    in turns, 0, 1, (2,) 0, ..., each handing the turn on once its wgmma are issued, so one
+    warpgroup's softmax runs while the next one's GEMMs hold the tensor cores. Consumer
+    ``PART`` waits on named barrier ``_TURN_BARRIER + PART`` and arrives on the next one's;
+    the last consumer hands consumer 0 its first turn."""
     Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
     q_smem, k_smem, v_smem, tile_ids = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
@@ -373,6 +426,9 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.cons
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    turns = (_TURN_BARRIER + PART, _TURN_BARRIER + (PART + 1) % CONSUMERS)
+    if PINGPONG and PART == CONSUMERS - 1:
+        _turn(_TURN_BARRIER, True)
     it = 0
     tc = 0
     n = 0
@@ -404,10 +460,10 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.cons
                     acc, m_i, l_i = _attend(
                         q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
-                        qk_scale, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout,
-                        p_layout)
+                        qk_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
+                        o_layout, p_layout, PINGPONG)
                 _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty,
-                             STAGES)
+                             turns, n_mine == 0, STAGES, PINGPONG)
                 mbarrier.arrive(q_empty.index(qb))
                 it += n_blocks
                 tc += 1
@@ -428,7 +484,7 @@ def _hopper_prefill_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
     IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
-    CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
@@ -470,20 +526,25 @@ def _hopper_prefill_ws_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
+                            PINGPONG)),
             (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
+                            PINGPONG)),
             (_ws_consumer, (2, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
+                            PINGPONG)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
+                            PINGPONG)),
             (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
+                            PINGPONG)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
@@ -520,7 +581,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
                       consumers: int = 2, programs: int | None = None, dynamic: bool = False,
-                      end_tiles: bool | None = None, consumer_regs: int | None = None,
+                      end_tiles: bool | None = None, pingpong: bool | None = None,
+                      consumer_regs: int | None = None,
                       producer_regs: int | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
     with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
@@ -537,7 +599,15 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     stages, N 4K / 8K / 16K (2026-11-24g, medians of 3 rounds): 386 / 418 / 442 against 379 /
     416 / 431 TFLOP/s. At D 128 (128-row tiles, no partial tile at those N) the two builds
     measured within noise causal (-1% to +4%), but non-causal the end-aligned build ran 4-8%
-    slower with the same row arithmetic (ptxas allocates it differently): so only causal."""
+    slower with the same row arithmetic (ptxas allocates it differently): so only causal.
+
+    ``pingpong``: the consumers issue their GEMMs in turns (``_ws_consumer``). Default: on,
+    except causal with 192-row tiles. H100, dense, B * N = 16K, medians of 5 rounds
+    (2026-11-24h, ``tune_hopper_prefill.py --rounds 5``), TFLOP/s without -> with, bf16, N 4K /
+    8K / 16K: D 128 non-causal 598 / 609 / 587 -> 605 / 607 / 624 (the rounds without ran
+    bimodal, 562-635 at 16K; with, 617-636), causal 510 / 551 / 575 -> 522 / 548 / 573; D 64
+    non-causal 455 / 455 / 463 -> 472 / 491 / 497, causal 388 / 415 / 419 -> 387 / 416 / 438.
+    fp16 alike, except D 64 causal at 4K: 379 -> 369."""
     if consumers not in _REGS:
         raise ValueError(f"consumers must be one of {sorted(_REGS)}, got {consumers}")
     c_regs = consumer_regs if consumer_regs is not None else _REGS[consumers][0]
@@ -549,6 +619,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
     grid = tiles if programs is None else max(1, min(tiles, programs))
     dynamic = dynamic and programs is not None  # (variants by launch kind, not by size)
+    if pingpong is None:
+        pingpong = not (causal and consumers == 3)
     # A fresh zeroed counter per launch (one small fill, against launches of 2**28+ work): a
     # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
@@ -560,6 +632,6 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
         Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
         END_TILES=(causal and consumers == 3) if end_tiles is None else end_tiles,
-        RETURN_LSE=lse is not None,
+        RETURN_LSE=lse is not None, PINGPONG=pingpong,
         CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )

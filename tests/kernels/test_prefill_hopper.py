@@ -103,18 +103,25 @@ CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
 # (head dim, launch options): prefill()'s persistent launches, one program per tile, and 3
 # programs walking many tiles each (ring and Q-buffer phases carried across tiles, tiles
 # without keys between them), statically and claiming tiles from the counter; tiles aligned
-# at each sequence's start and at its end (a partial first tile reaching below row 0).
+# at each sequence's start and at its end (a partial first tile reaching below row 0); the
+# consumers' GEMMs in turns (the default but for causal 192-row tiles) and not.
 LAUNCHES = [
     (128, dict(block_n=128, stages=2, consumers=2)),
-    (128, dict(block_n=64, stages=3, consumers=2, programs=3)),
+    (128, dict(block_n=64, stages=3, consumers=2, programs=3, pingpong=False)),
     (128, dict(block_n=128, stages=2, consumers=2, programs=3, dynamic=True)),
     (64, dict(block_n=128, stages=2, consumers=3)),
     (64, dict(block_n=128, stages=3, consumers=3, programs=3, dynamic=True)),
-    (64, dict(block_n=128, stages=3, consumers=2, programs=3)),
+    (64, dict(block_n=128, stages=3, consumers=2, programs=3, pingpong=False)),
     # Tiles aligned at the other end of each sequence than the default (which ends causal
     # 192-row tiles at each sequence's last row).
     (128, dict(block_n=128, stages=2, consumers=2, programs=3, dynamic=True, end_tiles=True)),
     (64, dict(block_n=128, stages=2, consumers=3, programs=3, dynamic=True, end_tiles=False)),
+    # Consumers issuing their GEMMs in turns (named barriers): per tile every warpgroup takes
+    # as many turns as the others, including one whose rows see no key.
+    (128, dict(block_n=128, stages=2, consumers=2, pingpong=True)),
+    (128, dict(block_n=128, stages=2, consumers=2, programs=3, dynamic=True, pingpong=True)),
+    (64, dict(block_n=128, stages=3, consumers=3, programs=3, dynamic=True, pingpong=True)),
+    (64, dict(block_n=128, stages=3, consumers=3, programs=3, end_tiles=False, pingpong=True)),
 ]
 
 
