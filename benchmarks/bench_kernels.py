@@ -144,10 +144,12 @@ def sdpa(backend: SDPBackend, q, k, v, causal: bool, gqa: bool = False):
     return run
 
 
-def dense_inputs(b: int, heads: int, n: int, d: int, dtype: torch.dtype = DTYPE):
-    """Random SDPA inputs ``[b, heads, n, d]`` and the same values in our packed layout
-    (``[b * n, heads, d]``) with their ``cu_seqlens``: ``(q, k, v), (qp, kp, vp), cu``."""
-    sdpa_in = tuple(torch.randn(b, heads, n, d, dtype=dtype, device="cuda") for _ in range(3))
+def dense_inputs(b: int, heads: int, n: int, d: int, dtype: torch.dtype | None = None):
+    """Random SDPA inputs ``[b, heads, n, d]`` (``dtype``: default ``DTYPE``) and the same values
+    in our packed layout (``[b * n, heads, d]``) with their ``cu_seqlens``: ``(q, k, v), (qp, kp,
+    vp), cu``."""
+    sdpa_in = tuple(torch.randn(b, heads, n, d, dtype=dtype or DTYPE, device="cuda")
+                    for _ in range(3))
     packed = tuple(t.transpose(1, 2).reshape(b * n, heads, d).contiguous() for t in sdpa_in)
     return sdpa_in, packed, cu([n] * b)
 
@@ -385,7 +387,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results", help="folder for CSV/JSON/PNG")
     parser.add_argument("--quick", action="store_true", help="a few rows of each table")
     parser.add_argument("--only", choices=["dense", "varlen", "decode"], action="append")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                        help="queries, keys and values (the FP8 rows quantize these keys)")
     args = parser.parse_args()
+    global DTYPE
+    DTYPE = getattr(torch, args.dtype)
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU")
     torch.manual_seed(0)
@@ -397,6 +403,7 @@ def main() -> None:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__, "triton": triton.__version__,
         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
+        "dtype": args.dtype,
     }
     print(json.dumps(meta))
     meta.update(ceilings())
@@ -414,6 +421,8 @@ def main() -> None:
             if r["kind"] == "decode":
                 r["ours_pct_of_copy"] = 100 * r["ours_GBps"] / meta["copy_GBps"]
     stamp = f"kernels_{meta['gpu'].replace(' ', '_')}"
+    if args.dtype != "bfloat16":
+        stamp += f"_{args.dtype}"
     (out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     keys = sorted({k for r in rows for k in r})
     with open(out / f"{stamp}.csv", "w") as f:
