@@ -26,6 +26,12 @@ H100. This kernel is laid out as FlashAttention-3 is (and as cuDNN's sm90 kernel
   next from a counter (causal tiles differ in length: every SM-count-th tile left programs
   6-25% apart), with two Q buffers so the next tile's Q and first keys load while the
   consumers finish this one. H100: 0.95-0.97x -> 0.98-1.01x cuDNN at D 128 non-causal.
+  The producer finds each tile's place (global loads of ``cu_seqlens``) and hands it to the
+  consumers through shared memory, off their path between tiles: D 64 causal N 4K 378 -> 400
+  TFLOP/s (H100, 2026-11-24h, call 8, same call);
+* the consumers issue their GEMMs in turns (FlashAttention-3's ping-pong: named barriers, as
+  inline PTX), so one warpgroup's softmax runs under the next one's GEMMs by construction rather
+  than by drift (``_ws_consumer``; off for causal 192-row tiles, where it measured no gain).
 
 No CTA-wide barrier sits in the loop, so the consumers drift apart and one's softmax runs
 under the other's GEMMs. The same order without warp specialization (all 8 warps issuing, each
@@ -193,26 +199,49 @@ def _tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, IS_CAUSAL: gl.c
     return live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end
 
 
+# What the producer hands the consumers per tile (``_publish_tile``): the tile id, then
+# ``_tile``'s live, head, q_start, seqlen_q, row0, seqlen_k, n_end.
+_TILE_FIELDS = gl.constexpr(8)
+
+
 @gluon.jit
-def _publish_tile(t, n, tile_ids, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
-    """Hand tile id ``t`` (the ``n``-th handed out) to the consumers through a two-slot ring."""
+def _publish_tile(n, fields, tile_info, tile_ready, tile_empty):
+    """Hand the consumers the ``n``-th tile (``fields``, as ``_TILE_FIELDS`` lists them)
+    through a two-slot ring. The consumers used to find their tile themselves, a chain of
+    dependent global loads (``_tile``) on their critical path at every tile boundary."""
     slot = n % 2
     mbarrier.wait(tile_empty.index(slot), ((n // 2) & 1) ^ 1, pred=n >= 2)
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    tile_ids.index(slot).store(gl.full([1], t, gl.int32, layout=lay))
-    mbarrier.arrive(tile_ready.index(slot))  # release: the store is seen after the wait
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    for i in gl.static_range(_TILE_FIELDS):
+        tile_info.index(slot * _TILE_FIELDS + i).store(
+            gl.full([1], fields[i], gl.int32, layout=lay))
+    mbarrier.arrive(tile_ready.index(slot))  # release: the stores are seen after the wait
     return n + 1
 
 
 @gluon.jit
-def _take_tile(n, tile_ids, tile_ready, tile_empty, NUM_WARPS: gl.constexpr):
-    """The ``n``-th tile id the producer handed out."""
+def _take_field(tile_info, index):
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    return gl.max(tile_info.index(index).load(lay), 0)
+
+
+@gluon.jit
+def _take_tile(n, tile_info, tile_ready, tile_empty):
+    """The ``n``-th tile the producer handed out: ``(t, live, head, q_start, seqlen_q, row0,
+    seqlen_k, n_end)``."""
     slot = n % 2
     mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-    t = gl.max(tile_ids.index(slot).load(lay), 0)
+    base = slot * _TILE_FIELDS
+    t = _take_field(tile_info, base)
+    live = _take_field(tile_info, base + 1) != 0
+    head = _take_field(tile_info, base + 2)
+    q_start = _take_field(tile_info, base + 3)
+    seqlen_q = _take_field(tile_info, base + 4)
+    row0 = _take_field(tile_info, base + 5)
+    seqlen_k = _take_field(tile_info, base + 6)
+    n_end = _take_field(tile_info, base + 7)
     mbarrier.arrive(tile_empty.index(slot))
-    return t, n + 1
+    return t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n + 1
 
 
 @gluon.jit
@@ -223,11 +252,12 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     """Every TMA copy: per tile its Q (with two buffers the next tile's Q lands while the
     consumers finish this one), then its K and V blocks through the rings. ``it`` counts key
     blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys.
-    ``DYNAMIC``: the next tile is claimed from ``Counter`` once this one's copies are issued
-    (causal tiles differ in length; a fixed stride left programs 6-25% apart) and handed to
-    the consumers."""
+    Each tile's place is handed to the consumers before its copies (``_publish_tile``), and
+    after the last tile one past the end, which stops them. ``DYNAMIC``: the next tile is
+    claimed from ``Counter`` once this one's copies are issued (causal tiles differ in length;
+    a fixed stride left programs 6-25% apart)."""
     desc_q, desc_k, desc_v, V, stride_vt, group, Counter = loads
-    q_smem, k_smem, v_smem, tile_ids = bufs
+    q_smem, k_smem, v_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     num_tiles = walk[6]
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
@@ -238,6 +268,8 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     while t < num_tiles:
         live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
             t, walk, BLOCK_M, BLOCK_B, IS_CAUSAL, END_TILES, 1)
+        n = _publish_tile(n, (t, live.to(gl.int32), head, q_start, seqlen_q, row0, seqlen_k,
+                              n_end), tile_info, tile_ready, tile_empty)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         if live & (n_blocks > 0):
             qb = tc % Q_BUFS
@@ -292,9 +324,9 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             tc += 1
         if DYNAMIC:
             t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
-            n = _publish_tile(t, n, tile_ids, tile_ready, tile_empty, 1)
         else:
             t += gl.num_programs(0)
+    _publish_tile(n, (t, 0, 0, 0, 0, 0, 0, 0), tile_info, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -402,12 +434,11 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
 
 
 @gluon.jit
-def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
-                 IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
+def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
+                 Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
                  PINGPONG: gl.constexpr):
-    """Rows ``PART * 64 .. PART * 64 + 64`` of each of this program's tiles.
+    """Rows ``PART * 64 .. PART * 64 + 64`` of each tile the producer hands out.
 
     ``PINGPONG`` (FlashAttention-3's warpgroup scheduling): the consumers issue their GEMMs
     in turns, 0, 1, (2,) 0, ..., each handing the turn on once its wgmma are issued, so one
@@ -415,10 +446,8 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.cons
     ``PART`` waits on named barrier ``_TURN_BARRIER + PART`` and arrives on the next one's;
     the last consumer hands consumer 0 its first turn."""
     Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
-    q_smem, k_smem, v_smem, tile_ids = bufs
+    q_smem, k_smem, v_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
-    num_tiles = walk[6]
-    BLOCK_M: gl.constexpr = 64 * CONSUMERS
     ROWS: gl.constexpr = 64
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
@@ -431,11 +460,9 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.cons
         _turn(_TURN_BARRIER, True)
     it = 0
     tc = 0
-    n = 0
-    t = gl.program_id(0)
+    t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n = _take_tile(
+        0, tile_info, tile_ready, tile_empty)
     while t < num_tiles:
-        live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
-            t, walk, BLOCK_M, BLOCK_B, IS_CAUSAL, END_TILES, 4)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         my_row0 = row0 + PART * ROWS
         if live:
@@ -469,10 +496,8 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, walk, HEAD_DIM: gl.cons
                 tc += 1
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
                         stride_oh, stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
-        if DYNAMIC:
-            t, n = _take_tile(n, tile_ids, tile_ready, tile_empty, 4)
-        else:
-            t += gl.num_programs(0)
+        t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n = _take_tile(
+            n, tile_info, tile_ready, tile_empty)
 
 
 @gluon.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run",
@@ -493,8 +518,8 @@ def _hopper_prefill_ws_kernel(
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
     v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    tile_ids = gl.allocate_shared_memory(gl.int32, [2, 1],
-                                         gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_info = gl.allocate_shared_memory(gl.int32, [2 * _TILE_FIELDS, 1],
+                                          gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -518,33 +543,28 @@ def _hopper_prefill_ws_kernel(
 
     # Runtime values travel in tuples, compile-time ones flat: a tuple loses the constexpr-ness
     # of its members in Triton 3.6's warp_specialize.
-    bufs = (q_smem, k_smem, v_smem, tile_ids)
+    bufs = (q_smem, k_smem, v_smem, tile_info)
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty)
     walk = (cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles)
     stores = (Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh)
     loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
-                            PINGPONG)),
-            (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
-                            PINGPONG)),
-            (_ws_consumer, (2, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
-                            PINGPONG)),
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+            (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
-                            PINGPONG)),
-            (_ws_consumer, (1, stores, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, RETURN_LSE,
-                            PINGPONG)),
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
