@@ -232,7 +232,8 @@ def test_launch_hooks_see_every_launch() -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="the direct launcher is the compiled kernel's")
-def test_prefill_direct_launch_matches_and_descriptor_launches_are_not_kept() -> None:
+def test_prefill_direct_launch_matches_and_descriptor_launches_are_kept_per_switch(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     pk._PLANS.clear()
     lens = [64, 128, 64]
     q, k, v, cu = _prefill_inputs(lens, torch.bfloat16)
@@ -241,12 +242,19 @@ def test_prefill_direct_launch_matches_and_descriptor_launches_are_not_kept() ->
     assert plan.launch.compiled is not None
     for _ in range(3):
         assert torch.equal(prefill(q, k, v, cu, causal=True), first)
-    # A launch big enough for descriptor (TMA) loads reads ATTENTION_KERNELS_TMA each call:
-    # it is never kept (and it is GPU-bound anyway).
+    # A launch big enough for descriptor (TMA) loads or the Gluon kernel is kept too (made per
+    # call, its host work starved the GPU at N 1K), keyed by the ATTENTION_KERNELS_TMA /
+    # ATTENTION_KERNELS_GLUON switches, which it reads each call.
     n = 4096
     qb = randn(n, 16, 128, dtype=torch.bfloat16)
     kb = randn(n, 16, 128, dtype=torch.bfloat16)
     cub = cu_seqlens([n])
-    prefill(qb, kb, kb, cub)
-    if pk._capability(0)[0] >= 9:
-        assert len(pk._PLANS) == 1
+    big = prefill(qb, kb, kb, cub)
+    assert len(pk._PLANS) == 2
+    assert torch.equal(prefill(qb, kb, kb, cub), big)
+    assert len(pk._PLANS) == 2
+    monkeypatch.setenv("ATTENTION_KERNELS_TMA", "0")
+    monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
+    other = prefill(qb, kb, kb, cub)
+    assert len(pk._PLANS) == 3
+    torch.testing.assert_close(other, big, atol=2e-2, rtol=2e-2)
