@@ -33,11 +33,12 @@ H100. This kernel is laid out as FlashAttention-3 is (and as cuDNN's sm90 kernel
   inline PTX), so one warpgroup's softmax runs under the next one's GEMMs by construction rather
   than by drift (``_ws_consumer``; off for causal 192-row tiles, where it measured no gain).
 
-No CTA-wide barrier sits in the loop, so the consumers drift apart and one's softmax runs
-under the other's GEMMs. The same order without warp specialization (all 8 warps issuing, each
-refill behind a CTA barrier that keeps both warpgroups in lockstep) measured no better than the
-portable kernel (H100, 2026-11-24: 482-537 TFLOP/s at D 128 non-causal; ncu at 2 x 8K x 16 heads:
-2.40 ms against cuDNN's 1.92); this one 593-615 against cuDNN's 611-629.
+No CTA-wide barrier sits in the loop, so without turns the consumers drift apart and one's
+softmax runs under the other's GEMMs some of the time. The same order without warp
+specialization (all 8 warps issuing, each refill behind a CTA barrier that keeps both
+warpgroups in lockstep) measured no better than the portable kernel (H100, 2026-11-24: 482-537
+TFLOP/s at D 128 non-causal; ncu at 2 x 8K x 16 heads: 2.40 ms against cuDNN's 1.92); this one
+593-615 against cuDNN's 611-629.
 
 Scope: contiguous packed varlen inputs (``[total, H, D]``), fp16/bf16, D 64 or 128, causal or
 not, GQA, LSE; no window, softcap, ALiBi, FP8 or pages (those keep the portable kernel). The
@@ -107,8 +108,8 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale,
     return p, m_new, alpha, l_i
 
 
-# Named barriers 8.. order the consumers' GEMM issues (Triton 3.6 takes 0-4 for its
-# partitions' own barriers: 0, 1 and 2 appear in this kernel's PTX).
+# Named barriers 8.. order the consumers' GEMM issues (Triton 3.6 numbers its own from 0: with
+# three consumers 0-3 appear in this kernel's PTX).
 _TURN_BARRIER = gl.constexpr(8)
 
 
