@@ -399,12 +399,11 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
 # non-causal even (452-488 against 450-473); four stages measured within 2% of three
 # (2026-11-24h, call7). With the consumers' GEMMs in turns (``hopper_prefill_ws``'s
 # ``pingpong``) and each tile's place handed to them by the producer, ``prefill()`` as served
-# (bench_kernels.py --only dense, 2026-11-24h, call10), ours / cuDNN at N 4K / 8K / 16K: bf16
-# D 128 0.99 / 0.93 / 0.93 non-causal (launches of one build spread 560-635 TFLOP/s at 8K-16K;
-# call5, before the hand-off: 0.99 / 1.01 / 0.94), 1.00 / 1.02 / 1.03 causal; D 64 1.05 / 1.09
-# / 1.09 non-causal, 0.95 / 1.00 / 1.03 causal; fp16 D 128 0.97 / 1.00 / 1.03 and 1.01 / 1.03
-# / 1.01, D 64 1.06 / 1.09 / 1.13 and 0.98 / 0.99 / 1.02. ``ATTENTION_KERNELS_GLUON=0`` turns
-# it off.
+# (bench_kernels.py --only dense --rounds 3: sides in turn, medians; the H100 sits at its 700 W
+# cap and its clock moves 1545-1980 MHz; 2026-11-24h, calls 14-15), ours / cuDNN at N 4K / 8K /
+# 16K, bf16 and fp16: D 128 non-causal 0.98-0.99 / 0.96-1.00 / 0.93-1.02, causal 1.00-1.01 /
+# 1.01-1.02 / 1.00-1.07; D 64 non-causal 1.06-1.07 / 1.08-1.10 / 1.09-1.12, causal 0.95-0.96 /
+# 1.01-1.04 / 1.00-1.05. ``ATTENTION_KERNELS_GLUON=0`` turns it off.
 _GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
                 64: {"consumers": 3, "block_n": 128, "stages": 3}}
 _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
