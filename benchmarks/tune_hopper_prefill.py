@@ -160,18 +160,22 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     from triton.experimental.gluon._runtime import GluonASTSource
     from triton.runtime.jit import mangle_type
 
-    from attention_kernels.prefill_hopper import _REGS, _hopper_prefill_ws_kernel, descriptor
+    from attention_kernels.prefill_hopper import (
+        _REGS,
+        _hopper_prefill_ws_kernel,
+        descriptor,
+        tile_options,
+    )
 
     fn = _hopper_prefill_ws_kernel
     t = torch.empty(256, 2, head_dim, dtype=dtype)  # descriptors read only shape and dtype
     bn, st, cons = tile
     descs = {"desc_q": descriptor(t, 64), "desc_k": descriptor(t, bn),
              "desc_v": descriptor(t, bn)}
+    end_tiles, pingpong = tile_options(causal, cons, pingpong=pingpong)
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
-                 Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal,
-                 END_TILES=causal and cons == 3,  # hopper_prefill_ws's default
-                 RETURN_LSE=True,
-                 PINGPONG=not (causal and cons == 3) if pingpong is None else pingpong,
+                 Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles,
+                 RETURN_LSE=True, PINGPONG=pingpong,
                  CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
@@ -207,6 +211,8 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         "setmaxnreg_inc": sorted({int(x) for x in re.findall(
             r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}),
         "wgmma_wait_1": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)),
+        # The consumers' turns (``pingpong``): named barriers of 256 threads by register id.
+        "turn_syncs": len(re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)),
         "shared_bytes": kernel.metadata.shared,
     }
 

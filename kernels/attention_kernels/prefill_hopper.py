@@ -598,6 +598,16 @@ def register_split(consumers: int, consumer_regs: int, producer_regs: int) -> in
     return default
 
 
+def tile_options(causal: bool, consumers: int, end_tiles: bool | None = None,
+                 pingpong: bool | None = None) -> tuple[bool, bool]:
+    """``(end_tiles, pingpong)`` with the defaults of ``hopper_prefill_ws`` for those left
+    None: causal 192-row tiles end at each sequence's last row and take no turns; every other
+    launch the other way round."""
+    causal_192 = causal and consumers == 3
+    return (causal_192 if end_tiles is None else end_tiles,
+            (not causal_192) if pingpong is None else pingpong)
+
+
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
                       cu_k: torch.Tensor, out: torch.Tensor, lse: torch.Tensor | None,
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
@@ -640,8 +650,7 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
     grid = tiles if programs is None else max(1, min(tiles, programs))
     dynamic = dynamic and programs is not None  # (variants by launch kind, not by size)
-    if pingpong is None:
-        pingpong = not (causal and consumers == 3)
+    end_tiles, pingpong = tile_options(causal, consumers, end_tiles, pingpong)
     # A fresh zeroed counter per launch (one small fill, against launches of 2**28+ work): a
     # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
@@ -652,7 +661,7 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
         scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
         Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
-        END_TILES=(causal and consumers == 3) if end_tiles is None else end_tiles,
+        END_TILES=end_tiles,
         RETURN_LSE=lse is not None, PINGPONG=pingpong,
         CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from attention_kernels import prefill, prefill_kernel, prefill_ref
-from attention_kernels.prefill_hopper import hopper_prefill_ws, register_split
+from attention_kernels.prefill_hopper import hopper_prefill_ws, register_split, tile_options
 from tests.kernels.conftest import DEVICE, ON_GPU, TOL, check_lse, cu_seqlens, poison_, randn
 
 ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
@@ -43,12 +43,24 @@ def test_compiles_for_sm90_without_spills(causal: bool, head_dim: int, tile: str
                                           regs: int) -> None:
     """The register split holds (consumers at 224 with two warpgroups, 160 with three), the
     wgmma stay asynchronous (the order is the kernel's point), and spills stay a few scalars
-    of the tile walk: 20-68 bytes as built on 2026-11-24; the producer's per-chunk value
-    offsets, before they became one shared tile, spilled 2.9 KB."""
+    of the tile walk: 20-80 bytes as built on 2026-11-24; the producer's per-chunk value
+    offsets, before they became one shared tile, spilled 2.9 KB. The consumers take turns
+    (named-barrier syncs in the PTX) by default except causal with three warpgroups."""
     got = _compile_sm90(causal, head_dim, tile)
     assert got["spill_bytes"] <= 96, got
     assert regs in got["setmaxnreg_inc"], got
     assert got["wgmma_wait_1"] > 0, got  # S_j waited for with the PV in flight
+    turns = tile_options(causal, int(tile.split(",")[2]))[1]
+    assert (got["turn_syncs"] > 0) == turns, got
+
+
+def test_tile_option_defaults() -> None:
+    """Causal 192-row tiles end at each sequence's last row and take no turns; every other
+    launch starts at the first row and takes turns; a value given wins."""
+    assert tile_options(True, 3) == (True, False)
+    assert tile_options(False, 3) == (False, True)
+    assert tile_options(True, 2) == (False, True)
+    assert tile_options(True, 3, end_tiles=False, pingpong=True) == (False, True)
 
 
 def test_register_budget_is_checked() -> None:
