@@ -27,6 +27,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -70,6 +71,15 @@ def _healthy(target: str) -> bool:
     return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
+def cpu_list(spec: str) -> set[int]:
+    """``"0-11,14"`` -> {0, ..., 11, 14} (taskset's list form)."""
+    cpus: set[int] = set()
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
 class Server:
     """``python -m attention_service`` on free ports; its log goes to a file beside the results."""
 
@@ -88,9 +98,13 @@ class Server:
             cmd += ["--max-queue-delay-ms", str(args.max_queue_delay_ms)]
         if args.frontends is not None:
             cmd += ["--frontends", str(args.frontends)]
+        cmd += shlex.split(getattr(args, "server_args", None) or "")
         self.log_path = log_path
         self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
+        if getattr(args, "server_cpus", None):
+            # Before it starts its front ends (they inherit it), long before it serves.
+            os.sched_setaffinity(self.proc.pid, cpu_list(args.server_cpus))
         end = time.monotonic() + args.startup_timeout
         while not _healthy(self.target):
             if self.proc.poll() is not None:

@@ -32,6 +32,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shlex
 import sys
 import time
 import weakref
@@ -48,7 +49,7 @@ from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import Server, server_info  # noqa: E402
+from bench_service import Server, cpu_list, server_info  # noqa: E402
 
 ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 METHOD = "/attention.v1.AttentionService/"
@@ -270,15 +271,17 @@ def _echo_server(q: Any, reply_bytes: int) -> None:
 
 
 def echo_floor(request: bytes, reply_bytes: int, seconds: float,
-               stream: bool = False) -> float:
+               stream: bool = False, cpus: str | None = None) -> float:
     """p50 ms of a unary call (``stream``: of one message each way on an open stream) to a
     bare Python gRPC server that does nothing (same request, a reply of the step's size, one
     aio client, loopback): the floor under any Python gRPC service's step on this host,
-    measured in the same run."""
+    measured in the same run (on ``cpus``, a taskset list, when given: the servers' CPUs)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     proc = ctx.Process(target=_echo_server, args=(q, reply_bytes), daemon=True)
     proc.start()
+    if cpus:
+        os.sched_setaffinity(proc.pid, cpu_list(cpus))
     try:
         port = q.get(timeout=60)
 
@@ -393,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
                         "them), resend, on-unary = on with a CacheDecodeUnary call per step")
     p.add_argument("--target", help="drive this running server instead of starting one per "
                    "side (its batching setting is whatever it was started with)")
+    p.add_argument("--server-args", help="more flags for the servers, e.g. '--busy-poll-ms 50'")
+    p.add_argument("--server-cpus", help="CPUs of the servers (taskset list, e.g. 0-11)")
+    p.add_argument("--client-cpus", help="CPUs of this script and its clients (e.g. 12-15): "
+                   "apart from --server-cpus, as for clients on other hosts")
     p.add_argument("--out", default="benchmarks/results")
     # What bench_service.Server reads from the namespace.
     p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
@@ -400,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.kv_dtype == "fp8" and args.dtype == "fp32":
         p.error("--kv-dtype fp8 goes with --dtype bf16 or fp16")
+    if args.client_cpus:
+        os.sched_setaffinity(0, cpu_list(args.client_cpus))
     counts = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -429,9 +438,10 @@ def main(argv: list[str] | None = None) -> int:
                 server.stop()
     # The step's request and reply sizes: q/k/v in, out + stats back (~the q's bytes + 64).
     step = _requests(s, "sessions", "echo", 0)[1][0]
-    floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0))
+    floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0),
+                          cpus=args.server_cpus)
     stream_floor_ms = echo_floor(step, s.h * s.d * s.elem + 64, min(args.duration, 4.0),
-                                 stream=True)
+                                 stream=True, cpus=args.server_cpus)
     print(f"bare gRPC echo p50 (the floor): {floor_ms:.3f} ms per unary call, "
           f"{stream_floor_ms:.3f} ms per message on an open stream", flush=True)
     by = {(r["side"], r["clients"]): r for r in rows}
@@ -465,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                 for c in (1024, 2048, 4096, 8192, 16384, 32768)]
     lines = [
         f"# bench_sessions: {info.device if info else '?'}, {datetime.now(timezone.utc):%Y-%m-%d}",
-        "", f"`python benchmarks/bench_sessions.py {' '.join(argv or sys.argv[1:])}`", "",
+        "", f"`python benchmarks/bench_sessions.py {shlex.join(argv or sys.argv[1:])}`", "",
         f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype} (keys/values {s.kv_dtype}), context "
         f"{s.ctx} tokens per client; "
         + "sessions steps on one CacheDecodeSteps stream per client (the on/off sides, as "
