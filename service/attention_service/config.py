@@ -98,10 +98,6 @@ class ServerConfig:
     # CacheDecode launches replay CUDA graphs captured per shape bucket (engine/decode_steps.py);
     # off runs the same staged launch eagerly. Ignored on cpu.
     cuda_graphs: bool = True
-    # Milliseconds after each call's arrival during which the engine keeps every CPU the server
-    # may use polling instead of halting (engine/busy_poll.py: on VMs whose idle vCPUs halt,
-    # each thread hand-off of a call pays a vCPU wake-up). 0 = off.
-    busy_poll_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -143,8 +139,6 @@ class ServerConfig:
             raise ValueError("kv_page_bytes must be a positive multiple of 256")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
-        if not 0 <= self.busy_poll_ms <= 60_000:
-            raise ValueError("busy_poll_ms must be in [0, 60000] (0 = off)")
         if self.auth_token is not None and not all(self.tokens):
             raise ValueError("auth_token: empty token in the comma-separated list")
 
@@ -212,7 +206,6 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "kv_cache_ttl": ("--kv-cache-ttl", "ATTENTION_KV_CACHE_TTL", float),
     "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
     "cuda_graphs": ("--cuda-graphs", "ATTENTION_CUDA_GRAPHS", _bool_env),
-    "busy_poll_ms": ("--busy-poll-ms", "ATTENTION_BUSY_POLL_MS", float),
 }
 
 

@@ -21,7 +21,6 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.engine.backends import TORCH_DTYPES, Backend
-from attention_service.engine.busy_poll import BusyPoll
 from attention_service.engine.executor import Executor, LaunchObserver
 from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job, LazyTensor
 from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
@@ -90,8 +89,6 @@ class EngineCore:
             kv_cache_bytes=pool.nbytes if pool is not None else 0,
             kv_page_bytes=pool.page_bytes if pool is not None else 0,
         )
-        # Last: nothing after it can fail and leave the pollers running.
-        self.busy_poll = BusyPoll(config.busy_poll_ms) if config.busy_poll_ms > 0 else None
 
     def queue_depth(self, op: Op) -> int:
         return self.executor.queue_depth(op)
@@ -107,8 +104,6 @@ class EngineCore:
         self.executor.close()
         self.regions.close()
         self.caches.close()
-        if self.busy_poll is not None:
-            self.busy_poll.close()
 
     def submit(
         self, params: Params, sources: Mapping[str, Source], owner: str, done: Done,
@@ -117,10 +112,6 @@ class EngineCore:
         """Queue one request; ``done`` gets its stats or the exception that ended it, once.
         Raises RequestError (unknown region, bounds, queue full) without calling ``done``.
         ``issue_here``: ``Executor.submit``'s (this thread may take a launch's time)."""
-        if self.busy_poll is not None and self.executor.idle:
-            # Only arrivals at an idle engine open a window: under load the CPUs are busy
-            # anyway, and the pollers cost throughput there (-10% steps/s at 8 clients).
-            self.busy_poll.touch()
         held: list[Callable[[], None]] = []  # region releases
         cache: CacheWork | None = None
         try:

@@ -154,11 +154,6 @@ class Executor:
 
     # ---- callers' side ------------------------------------------------------------------
 
-    @property
-    def idle(self) -> bool:
-        """Nothing queued or launched right now (read without the lock: a hint, not a fact)."""
-        return self._inflight == 0 and not self._waiting
-
     def queue_depth(self, op: Op) -> int:
         with self._cond:
             return self._queue.depth(op)
