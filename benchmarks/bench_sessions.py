@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                         "them), resend, on-unary = on with a CacheDecodeUnary call per step")
     p.add_argument("--target", help="drive this running server instead of starting one per "
                    "side (its batching setting is whatever it was started with)")
-    p.add_argument("--server-args", help="more flags for the servers, e.g. '--max-queue-delay-ms 1'")
+    p.add_argument("--server-args",
+                   help="more flags for the servers, e.g. '--max-queue-delay-ms 1'")
     p.add_argument("--server-cpus", help="CPUs of the servers (taskset list, e.g. 0-11)")
     p.add_argument("--client-cpus", help="CPUs of this script and its clients (e.g. 12-15): "
                    "apart from --server-cpus, as for clients on other hosts")

@@ -74,6 +74,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
+from attention_kernels.fp8_dequant_kernel import dequant_kv_packed
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
@@ -359,18 +360,19 @@ TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
 
 
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None = None,
-            head_dims: tuple[int, ...] = _TMA_HEAD_DIMS) -> bool:
+            head_dims: tuple[int, ...] = _TMA_HEAD_DIMS, kv_copied: bool = False) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
     a head dim in ``head_dims``, a work bound of at least ``_TMA_MIN_WORK``, and
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
-    per query (a sliding window). ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B
-    measurements)."""
+    per query (a sliding window). ``kv_copied``: ``k, v`` reach the kernel as fresh
+    contiguous copies in ``q``'s dtype (``_dequant_ok``), so only their shapes count.
+    ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
     if interpreting() or not q.is_cuda:
         return False
     fp8 = k.dtype == torch.float8_e4m3fn
     if q.dtype not in (torch.float16, torch.bfloat16) or k.shape[0] == 0:
         return False
-    if k.dtype != q.dtype and not (fp8 and TMA_FP8):
+    if k.dtype != q.dtype and not (fp8 and TMA_FP8) and not kv_copied:
         return False
     keys = k.shape[0] if span is None else min(k.shape[0], span)
     if q.shape[0] * keys * q.shape[1] < _TMA_MIN_WORK:
@@ -379,7 +381,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
         return False
     if q.shape[2] not in head_dims or _capability(q.device.index or 0)[0] < 9:
         return False
-    return all(
+    return kv_copied or all(
         t.stride(2) == 1 and t.stride(1) == t.shape[2]
         and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
         for t in (k, v)
@@ -415,17 +417,18 @@ _GLUON_D64_CAUSAL_MIN_MEAN = 4096
 
 
 def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, causal: bool,
-              batch: int) -> bool:
+              batch: int, kv_copied: bool = False) -> bool:
     """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
     head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
     softcap, ALiBi or FP8 (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with
     ``q``'s rows 16-byte aligned for its own descriptor. D 64 qualifies here though the
-    portable kernel keeps pointer loads there; causal at D 64 only with long mean prompts."""
-    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or k.dtype != q.dtype:
+    portable kernel keeps pointer loads there; causal at D 64 only with long mean prompts.
+    ``kv_copied``: ``_tma_ok``'s."""
+    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or (k.dtype != q.dtype and not kv_copied):
         return False
     if causal and q.shape[2] == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
         return False
-    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS):
+    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS, kv_copied=kv_copied):
         return False
     if _capability(q.device.index or 0)[0] != 9:
         return False
@@ -433,6 +436,17 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
         return False
     return (q.stride(2) == 1 and q.stride(1) == q.shape[2]
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
+
+
+def _dequant_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                batch: int) -> bool:
+    """FP8 K/V on the Gluon kernel, widened to bf16 first (``fp8_dequant_kernel``): a launch
+    the Gluon kernel would take with bf16 K/V (``_gluon_ok``) and bf16 queries. Not fp16
+    queries: a scaled e4m3 value may pass fp16's 65504 where the portable kernel, which folds
+    the scales into the softmax scale and the output, never forms it. H100, 2026-11-24
+    (bench_kernels.py, D 128, N 4K-16K): FP8 prefill TODO at bf16 K/V's TODO against the
+    portable kernel's 364-382 TFLOP/s."""
+    return q.dtype == torch.bfloat16 and _gluon_ok(q, k, v, True, causal, batch, kv_copied=True)
 
 
 def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
@@ -637,6 +651,7 @@ class _PrefillPlan:
     gluon: bool = False  # the warp-specialized Gluon kernel instead (``_gluon_ok``)
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
+    dequant_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_dequant_ok``)
 
 
 def _plan(
@@ -725,10 +740,12 @@ def _plan(
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
-    plain = not (fp8 or has_window or cap_scale is not None or alibi_slopes is not None)
-    gluon = table is None and _gluon_ok(q, k, v, plain, causal, batch)
+    scored = has_window or cap_scale is not None or alibi_slopes is not None
+    gluon = table is None and _gluon_ok(q, k, v, not (fp8 or scored), causal, batch)
+    dequant = table is None and fp8 and not scored and _dequant_ok(q, k, v, causal, batch)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
-                        cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E)
+                        cfg.block_n, scalars, stride_ab, launch, gluon or dequant, causal,
+                        scale * LOG2E, dequant)
 
 
 def _run(
@@ -762,6 +779,8 @@ def _run(
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
     if plan.gluon:
+        if plan.dequant_kv:
+            k, v = dequant_kv_packed(k, v, ks, vs, stride_sb, lens_k, q.dtype)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, **_GLUON_TILES[q.shape[2]])

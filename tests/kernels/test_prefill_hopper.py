@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from attention_kernels import prefill, prefill_kernel, prefill_ref
+from attention_kernels import prefill, prefill_kernel, prefill_ref, quantize_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws, register_split, tile_options
 from tests.kernels.conftest import DEVICE, ON_GPU, TOL, check_lse, cu_seqlens, poison_, randn
 
@@ -84,7 +84,8 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     big = [True]
     monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(prefill_kernel, "_tma_ok",
-                        lambda q, k, v, span=None, head_dims=(): big[0] and q.shape[2] in head_dims)
+                        lambda q, k, v, span=None, head_dims=(), kv_copied=False:
+                        big[0] and q.shape[2] in head_dims)
     q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
     assert prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     big[0] = False
@@ -101,9 +102,18 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
     assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
+    # FP8 K/V: widened to bf16 first (``_dequant_ok``), with bf16 queries only.
+    k8 = torch.empty(8, 4, 128, dtype=torch.float8_e4m3fn)
+    assert not prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
+    assert prefill_kernel._dequant_ok(q, k8, k8, False, 1)
+    assert not prefill_kernel._dequant_ok(q.half(), k8, k8, False, 1)
+    big[0] = False
+    assert not prefill_kernel._dequant_ok(q, k8, k8, False, 1)
+    big[0] = True
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         monkeypatch.setattr(prefill_kernel, "_capability", lambda index, cap=cap: cap)
         assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
+        assert not prefill_kernel._dequant_ok(q, k8, k8, False, 1)
 
 
 CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
@@ -193,3 +203,45 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
     assert ((out.double() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
     prefill(q, kv, kv, cu, causal=True, window_size=(256, 0))
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
+@pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_prefill_widens_kv_for_it(monkeypatch: pytest.MonkeyPatch, head_dim: int,
+                                      causal: bool, per_seq: bool) -> None:
+    """FP8 K/V with bf16 queries: ``prefill`` widens K/V to bf16 (scales applied, per head
+    or per sequence) and launches the Gluon kernel on the copies; against the float64
+    reference on the same FP8 K/V, at bf16's tolerance (and no NaN)."""
+    calls = []
+    real = prefill_kernel.hopper_prefill_ws
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
+                        lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw))
+    # Long enough for it (D 64 causal: a mean prompt of 4K), a 0 and odd lengths among them.
+    lens = [16384, 0, 77, 300] if causal else [8192, 0, 77, 1400]
+    cu = cu_seqlens(lens)
+    q = randn(sum(lens), 4, head_dim, dtype=torch.bfloat16)
+    k = randn(sum(lens), 2, head_dim, dtype=torch.float32) * 3
+    v = randn(sum(lens), 2, head_dim, dtype=torch.float32) / 3
+    if per_seq:  # each sequence with its own scales (the service's batched launches)
+        ends = cu.tolist()
+        parts = [(quantize_kv(k[a:b]), quantize_kv(v[a:b]))
+                 for a, b in zip(ends[:-1], ends[1:], strict=True)]
+        k8 = torch.cat([kq for (kq, _), _ in parts])
+        v8 = torch.cat([vq for _, (vq, _) in parts])
+        ks = torch.stack([s for (_, s), _ in parts])
+        vs = torch.stack([s for _, (_, s) in parts])
+    else:
+        (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    out = torch.empty_like(q)
+    poison_(out)
+    got, lse = prefill(q, k8, v8, cu, causal=causal, return_lse=True, out=out, k_scale=ks,
+                       v_scale=vs)
+    assert calls == [torch.bfloat16]
+    ref, ref_lse = prefill_ref(q.double(), k8, v8, cu, causal=causal, return_lse=True,
+                               k_scale=ks, v_scale=vs)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
+    check_lse(lse, ref_lse, torch.bfloat16)
