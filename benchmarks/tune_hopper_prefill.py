@@ -148,9 +148,11 @@ def check(failures: list[str]) -> int:
 
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                  tile: tuple[int, int, int] = (128, 2, 2), q_bufs: int = 1,
-                 dynamic: bool = False, pingpong: bool | None = None) -> dict:
+                 dynamic: bool = False, pingpong: bool | None = None,
+                 kv_scales: bool = False) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
-    without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits."""
+    without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits.
+    ``kv_scales``: the build for FP8 K/V (widened, with their scales)."""
     import os.path
     import re
     import subprocess
@@ -175,11 +177,11 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     end_tiles, pingpong = tile_options(causal, cons, pingpong=pingpong)
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
                  Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles,
-                 RETURN_LSE=True, PINGPONG=pingpong,
+                 RETURN_LSE=True, PINGPONG=pingpong, KV_SCALES=kv_scales,
                  CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
     ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
-            "Counter": "*i32"}
+            "Counter": "*i32", "KScale": "*fp32", "VScale": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -280,6 +282,8 @@ def main() -> int:
                         "(exit 3 when this triton ships no ptxas)")
     p.add_argument("--causal", action="store_true", help="with --compile-only")
     p.add_argument("--head-dim", type=int, default=128, help="with --compile-only")
+    p.add_argument("--kv-scales", action="store_true",
+                   help="with --compile-only: the FP8 K/V build (scales per tile)")
     p.add_argument("--tile", default="128,2,2",
                    help="with --compile-only: block_n,stages,consumers")
     p.add_argument("--tiles", help="replace the tile lists: "
@@ -297,7 +301,8 @@ def main() -> int:
     if args.compile_only:
         try:
             tile = tuple(int(x) for x in args.tile.split(","))
-            print(json.dumps(compile_sm90(args.causal, head_dim=args.head_dim, tile=tile)))
+            print(json.dumps(compile_sm90(args.causal, head_dim=args.head_dim, tile=tile,
+                                          kv_scales=args.kv_scales)))
         except FileNotFoundError as e:
             print(f"no ptxas in this triton wheel: {e}")
             return 3

@@ -130,16 +130,17 @@ def _turn(bar_id, ARRIVE: gl.constexpr):
 
 @gluon.jit
 def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
-                stride_lh, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                stride_lh, out_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                 RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr):
-    """Normalise and store rows ``row0 .. row0 + BLOCK_M`` of the sequence (those that exist).
-    Rows that saw no key: output 0, lse -inf."""
+    """Normalise (times ``out_scale``: FP8 values' scale, else 1) and store rows ``row0 ..
+    row0 + BLOCK_M`` of the sequence (those that exist). Rows that saw no key: output 0, lse
+    -inf."""
     # 16-byte stores along D (the wgmma layout holds 2 columns per thread per row).
     TPW_D: gl.constexpr = HEAD_DIM // 8
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D],
                                                 [NUM_WARPS, 1], [1, 0])
     seen = l_i > 0.0
-    inv = gl.where(seen, 1.0 / gl.where(seen, l_i, 1.0), 0.0)
+    inv = gl.where(seen, out_scale / gl.where(seen, l_i, 1.0), 0.0)
     o_rows: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
     out = acc * gl.expand_dims(gl.convert_layout(inv, o_rows), 1)
     out = gl.convert_layout(out.to(Out.dtype.element_ty), out_layout)
@@ -178,7 +179,7 @@ def _tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, IS_CAUSAL: gl.c
           END_TILES: gl.constexpr, NUM_WARPS: gl.constexpr):
     """Where tile ``t`` of the launch (``walk``, as the kernel packs it) is
     (``_prefill_slots``): ``(live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full,
-    n_end)``; ``live`` is false for spare slots.
+    n_end, seq)``; ``live`` is false for spare slots.
 
     ``END_TILES``: a sequence's tiles end at its last row, so a partial tile (rows from
     ``row0 < 0``) is its first. Under a causal mask that tile sees the fewest keys; aligned at
@@ -197,12 +198,14 @@ def _tile(t, walk, BLOCK_M: gl.constexpr, BLOCK_B: gl.constexpr, IS_CAUSAL: gl.c
     k_start = gl.load(cu_k + seq)
     seqlen_k = gl.load(cu_k + seq + 1) - k_start
     n_full, n_end = causal_key_range(row0, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
-    return live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end
+    return live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end, seq
 
 
 # What the producer hands the consumers per tile (``_publish_tile``): the tile id, then
-# ``_tile``'s live, head, q_start, seqlen_q, row0, seqlen_k, n_end.
-_TILE_FIELDS = gl.constexpr(8)
+# ``_tile``'s live, head, q_start, seqlen_q, row0, seqlen_k, n_end, then the bits of the
+# tile's FP8 key and value scales (float32; 1.0 without FP8).
+_TILE_FIELDS = gl.constexpr(10)
+_ONE_BITS = gl.constexpr(0x3F800000)  # 1.0f
 
 
 @gluon.jit
@@ -229,7 +232,7 @@ def _take_field(tile_info, index):
 @gluon.jit
 def _take_tile(n, tile_info, tile_ready, tile_empty):
     """The ``n``-th tile the producer handed out: ``(t, live, head, q_start, seqlen_q, row0,
-    seqlen_k, n_end)``."""
+    seqlen_k, n_end, k_scale, v_scale, n + 1)``."""
     slot = n % 2
     mbarrier.wait(tile_ready.index(slot), (n // 2) & 1)
     base = slot * _TILE_FIELDS
@@ -241,15 +244,17 @@ def _take_tile(n, tile_info, tile_ready, tile_empty):
     row0 = _take_field(tile_info, base + 5)
     seqlen_k = _take_field(tile_info, base + 6)
     n_end = _take_field(tile_info, base + 7)
+    k_scale = _take_field(tile_info, base + 8).to(gl.float32, bitcast=True)
+    v_scale = _take_field(tile_info, base + 9).to(gl.float32, bitcast=True)
     mbarrier.arrive(tile_empty.index(slot))
-    return t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n + 1
+    return t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, k_scale, v_scale, n + 1
 
 
 @gluon.jit
 def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 END_TILES: gl.constexpr):
+                 END_TILES: gl.constexpr, KV_SCALES: gl.constexpr):
     """Every TMA copy: per tile its Q (with two buffers the next tile's Q lands while the
     consumers finish this one), then its K and V blocks through the rings. ``it`` counts key
     blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys.
@@ -257,7 +262,7 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     after the last tile one past the end, which stops them. ``DYNAMIC``: the next tile is
     claimed from ``Counter`` once this one's copies are issued (causal tiles differ in length;
     a fixed stride left programs 6-25% apart)."""
-    desc_q, desc_k, desc_v, V, stride_vt, group, Counter = loads
+    desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb = loads
     q_smem, k_smem, v_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     num_tiles = walk[6]
@@ -267,10 +272,17 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     n = 0
     t = gl.program_id(0)
     while t < num_tiles:
-        live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end = _tile(
+        live, head, q_start, seqlen_q, row0, k_start, seqlen_k, n_full, n_end, seq = _tile(
             t, walk, BLOCK_M, BLOCK_B, IS_CAUSAL, END_TILES, 1)
+        if KV_SCALES:  # (sequence, kv head)'s: stride_sb 0 for one scale per kv head
+            at = seq.to(gl.int64) * stride_sb + head // group
+            k_bits = gl.load(KScale + at).to(gl.int32, bitcast=True)
+            v_bits = gl.load(VScale + at).to(gl.int32, bitcast=True)
+        else:
+            k_bits = _ONE_BITS
+            v_bits = _ONE_BITS
         n = _publish_tile(n, (t, live.to(gl.int32), head, q_start, seqlen_q, row0, seqlen_k,
-                              n_end), tile_info, tile_ready, tile_empty)
+                              n_end, k_bits, v_bits), tile_info, tile_ready, tile_empty)
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         if live & (n_blocks > 0):
             qb = tc % Q_BUFS
@@ -327,7 +339,7 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             t = gl.num_programs(0) + gl.atomic_add(Counter, 1)
         else:
             t += gl.num_programs(0)
-    _publish_tile(n, (t, 0, 0, 0, 0, 0, 0, 0), tile_info, tile_ready, tile_empty)
+    _publish_tile(n, (t, 0, 0, 0, 0, 0, 0, 0, 0, 0), tile_info, tile_ready, tile_empty)
 
 
 @gluon.jit
@@ -438,8 +450,10 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
 def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 PINGPONG: gl.constexpr):
+                 PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each tile the producer hands out.
+    ``KV_SCALES``: K/V are FP8 values widened exactly; the tile's key scale joins the softmax
+    scale and its value scale the output's normalisation.
 
     ``PINGPONG`` (FlashAttention-3's warpgroup scheduling): the consumers issue their GEMMs
     in turns, 0, 1, (2,) 0, ..., each handing the turn on once its wgmma are issued, so one
@@ -461,11 +475,16 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
         _turn(_TURN_BARRIER, True)
     it = 0
     tc = 0
-    t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n = _take_tile(
+    t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, k_scale, v_scale, n = _take_tile(
         0, tile_info, tile_ready, tile_empty)
     while t < num_tiles:
         n_blocks = gl.cdiv(n_end, BLOCK_N)
         my_row0 = row0 + PART * ROWS
+        tile_scale = qk_scale
+        out_scale = 1.0
+        if KV_SCALES:
+            tile_scale = qk_scale * k_scale
+            out_scale = v_scale
         if live:
             # Rows that see no key (a tile without keys, rows past the sequence): output 0,
             # lse -inf.
@@ -488,7 +507,7 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                     acc, m_i, l_i = _attend(
                         q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
-                        qk_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
+                        tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
                         o_layout, p_layout, PINGPONG)
                 _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty,
                              turns, n_mine == 0, STAGES, PINGPONG)
@@ -496,21 +515,21 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                 it += n_blocks
                 tc += 1
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
-                        stride_oh, stride_lh, HEAD_DIM, ROWS, RETURN_LSE, 4)
-        t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, n = _take_tile(
-            n, tile_info, tile_ready, tile_empty)
+                        stride_oh, stride_lh, out_scale, HEAD_DIM, ROWS, RETURN_LSE, 4)
+        t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, k_scale, v_scale, n = (
+            _take_tile(n, tile_info, tile_ready, tile_empty))
 
 
 @gluon.jit(do_not_specialize=["batch", "num_heads", "group", "num_slots", "slot_run",
-                              "num_tiles", "stride_lh"])
+                              "num_tiles", "stride_lh", "stride_sb"])
 def _hopper_prefill_ws_kernel(
-    desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k, Counter,
-    stride_vt, stride_ot, stride_oh, stride_lh,
+    desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k, Counter, KScale, VScale,
+    stride_vt, stride_ot, stride_oh, stride_lh, stride_sb,
     qk_scale, batch, num_heads, group, num_slots, slot_run, num_tiles,
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
     IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
-    PINGPONG: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
@@ -548,26 +567,26 @@ def _hopper_prefill_ws_kernel(
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty)
     walk = (cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles)
     stores = (Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh)
-    loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter)
+    loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb)
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
             (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
             (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
             (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -613,11 +632,14 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
                       causal: bool, scale_log2: float, *, block_n: int = 128, stages: int = 2,
                       consumers: int = 2, programs: int | None = None, dynamic: bool = False,
                       end_tiles: bool | None = None, pingpong: bool | None = None,
-                      consumer_regs: int | None = None,
-                      producer_regs: int | None = None) -> None:
+                      consumer_regs: int | None = None, producer_regs: int | None = None,
+                      kv_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
     with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
     ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
+    ``kv_scales``: ``(k_scale, v_scale, stride_sb)`` (``_checks.kv_scale_args``) of FP8 K/V
+    that ``k, v`` hold widened (exactly) to ``q``'s dtype: the kernel applies them per
+    (sequence, kv head), as the portable kernel does.
 
     ``consumers`` warpgroups of 64 query rows each make the tile (2: 128 rows, 3: 192).
     ``programs``: None launches one program per tile; a number launches at most that many,
@@ -654,14 +676,15 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     # A fresh zeroed counter per launch (one small fill, against launches of 2**28+ work): a
     # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
+    k_scale, v_scale, stride_sb = kv_scales if kv_scales is not None else (cu_q, cu_q, 0)
     _hopper_prefill_ws_kernel[(grid,)](
         descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
-        lse if lse is not None else out, cu_q, cu_k, counter,
-        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0,
+        lse if lse is not None else out, cu_q, cu_k, counter, k_scale, v_scale,
+        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
         scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
         Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
         END_TILES=end_tiles,
-        RETURN_LSE=lse is not None, PINGPONG=pingpong,
+        RETURN_LSE=lse is not None, PINGPONG=pingpong, KV_SCALES=kv_scales is not None,
         CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )

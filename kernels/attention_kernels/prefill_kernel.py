@@ -74,7 +74,6 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
-from attention_kernels.fp8_dequant_kernel import dequant_kv_packed
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
@@ -365,7 +364,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
     a head dim in ``head_dims``, a work bound of at least ``_TMA_MIN_WORK``, and
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
     per query (a sliding window). ``kv_copied``: ``k, v`` reach the kernel as fresh
-    contiguous copies in ``q``'s dtype (``_dequant_ok``), so only their shapes count.
+    contiguous copies in ``q``'s dtype (``_widen_ok``), so only their shapes count.
     ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
     if interpreting() or not q.is_cuda:
         return False
@@ -438,15 +437,17 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
 
 
-def _dequant_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                batch: int) -> bool:
-    """FP8 K/V on the Gluon kernel, widened to bf16 first (``fp8_dequant_kernel``): a launch
-    the Gluon kernel would take with bf16 K/V (``_gluon_ok``) and bf16 queries. Not fp16
-    queries: a scaled e4m3 value may pass fp16's 65504 where the portable kernel, which folds
-    the scales into the softmax scale and the output, never forms it. H100, 2026-11-24
-    (bench_kernels.py, D 128, N 4K-16K): FP8 prefill TODO at bf16 K/V's TODO against the
-    portable kernel's 364-382 TFLOP/s."""
-    return q.dtype == torch.bfloat16 and _gluon_ok(q, k, v, True, causal, batch, kv_copied=True)
+def _widen_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+              batch: int) -> bool:
+    """FP8 K/V on the Gluon kernel: a launch it would take with K/V in ``q``'s dtype
+    (``_gluon_ok``). K/V are widened to that dtype first, exactly (every e4m3 value is a
+    bf16 and an fp16 value), and the kernel applies the scales as the portable kernel does
+    (key scale into the softmax scale, value scale into the output), so the arithmetic is
+    the same. The portable kernel's FP8 path converts each tile inside its key loop:
+    364-382 TFLOP/s at D 128 against 585-625 for bf16 K/V (H100, 2026-11-24); widened,
+    TODO. The copies cost one pass over K/V (O(N) against the launch's O(N^2)) and 2 bytes
+    per element of memory while the launch runs."""
+    return _gluon_ok(q, k, v, True, causal, batch, kv_copied=True)
 
 
 def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
@@ -651,7 +652,7 @@ class _PrefillPlan:
     gluon: bool = False  # the warp-specialized Gluon kernel instead (``_gluon_ok``)
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
-    dequant_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_dequant_ok``)
+    widen_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_widen_ok``)
 
 
 def _plan(
@@ -742,10 +743,10 @@ def _plan(
     ))
     scored = has_window or cap_scale is not None or alibi_slopes is not None
     gluon = table is None and _gluon_ok(q, k, v, not (fp8 or scored), causal, batch)
-    dequant = table is None and fp8 and not scored and _dequant_ok(q, k, v, causal, batch)
+    widen = table is None and fp8 and not scored and _widen_ok(q, k, v, causal, batch)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
-                        cfg.block_n, scalars, stride_ab, launch, gluon or dequant, causal,
-                        scale * LOG2E, dequant)
+                        cfg.block_n, scalars, stride_ab, launch, gluon or widen, causal,
+                        scale * LOG2E, widen)
 
 
 def _run(
@@ -779,11 +780,12 @@ def _run(
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
     if plan.gluon:
-        if plan.dequant_kv:
-            k, v = dequant_kv_packed(k, v, ks, vs, stride_sb, lens_k, q.dtype)
+        scales = None
+        if plan.widen_kv:
+            k, v, scales = k.to(q.dtype), v.to(q.dtype), (ks, vs, stride_sb)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
-                          dynamic=True, **_GLUON_TILES[q.shape[2]])
+                          dynamic=True, kv_scales=scales, **_GLUON_TILES[q.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)

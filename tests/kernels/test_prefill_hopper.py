@@ -22,13 +22,14 @@ ON_SM90 = ON_GPU and torch.cuda.get_device_capability()[0] == 9
 LOG2E = 1.4426950408889634
 
 
-def _compile_sm90(causal: bool, head_dim: int, tile: str) -> dict:
+def _compile_sm90(causal: bool, head_dim: int, tile: str, *extra: str) -> dict:
     """``tune_hopper_prefill.py --compile-only`` in a process of its own: under
     TRITON_INTERPRET=1 (CI) this process's jit functions are the interpreter's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_hopper_prefill.py"
     res = subprocess.run([sys.executable, str(script), "--compile-only", "--head-dim",
-                          str(head_dim), "--tile", tile] + (["--causal"] if causal else []),
+                          str(head_dim), "--tile", tile, *extra]
+                         + (["--causal"] if causal else []),
                          capture_output=True, text=True, env=env, timeout=600)
     if res.returncode == 3:
         pytest.skip(res.stdout.strip())
@@ -36,17 +37,18 @@ def _compile_sm90(causal: bool, head_dim: int, tile: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.parametrize("kv_scales", [False, True], ids=["16bit", "fp8"])
 @pytest.mark.parametrize("head_dim, tile, regs", [(128, "128,2,2", 224), (64, "128,3,3", 160)],
                          ids=["d128-2wg", "d64-3wg"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_compiles_for_sm90_without_spills(causal: bool, head_dim: int, tile: str,
-                                          regs: int) -> None:
+                                          regs: int, kv_scales: bool) -> None:
     """The register split holds (consumers at 224 with two warpgroups, 160 with three), the
     wgmma stay asynchronous (the order is the kernel's point), and spills stay a few scalars
     of the tile walk: 20-80 bytes as built on 2026-11-24; the producer's per-chunk value
     offsets, before they became one shared tile, spilled 2.9 KB. The consumers take turns
     (named-barrier syncs in the PTX) by default except causal with three warpgroups."""
-    got = _compile_sm90(causal, head_dim, tile)
+    got = _compile_sm90(causal, head_dim, tile, *(["--kv-scales"] if kv_scales else []))
     assert got["spill_bytes"] <= 96, got
     assert regs in got["setmaxnreg_inc"], got
     assert got["wgmma_wait_1"] > 0, got  # S_j waited for with the PV in flight
@@ -102,18 +104,18 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
     assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
-    # FP8 K/V: widened to bf16 first (``_dequant_ok``), with bf16 queries only.
+    # FP8 K/V: widened to the queries' dtype first (``_widen_ok``).
     k8 = torch.empty(8, 4, 128, dtype=torch.float8_e4m3fn)
     assert not prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
-    assert prefill_kernel._dequant_ok(q, k8, k8, False, 1)
-    assert not prefill_kernel._dequant_ok(q.half(), k8, k8, False, 1)
+    assert prefill_kernel._widen_ok(q, k8, k8, False, 1)
+    assert prefill_kernel._widen_ok(q.half(), k8, k8, False, 1)
     big[0] = False
-    assert not prefill_kernel._dequant_ok(q, k8, k8, False, 1)
+    assert not prefill_kernel._widen_ok(q, k8, k8, False, 1)
     big[0] = True
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         monkeypatch.setattr(prefill_kernel, "_capability", lambda index, cap=cap: cap)
         assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
-        assert not prefill_kernel._dequant_ok(q, k8, k8, False, 1)
+        assert not prefill_kernel._widen_ok(q, k8, k8, False, 1)
 
 
 CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
@@ -208,25 +210,29 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
 @pytest.mark.parametrize("head_dim", [128, 64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_fp8_prefill_widens_kv_for_it(monkeypatch: pytest.MonkeyPatch, head_dim: int,
-                                      causal: bool, per_seq: bool) -> None:
-    """FP8 K/V with bf16 queries: ``prefill`` widens K/V to bf16 (scales applied, per head
-    or per sequence) and launches the Gluon kernel on the copies; against the float64
-    reference on the same FP8 K/V, at bf16's tolerance (and no NaN)."""
+                                      dtype: torch.dtype, causal: bool, per_seq: bool) -> None:
+    """FP8 K/V: ``prefill`` widens K/V to the queries' dtype and launches the Gluon kernel on
+    the copies with the scales (per kv head, or per sequence and kv head); against the
+    float64 reference on the same FP8 K/V at the queries' dtype's tolerance, lse included:
+    the widening is exact and the scales are applied in float32, as the portable kernel
+    does. Scales far from 1 (keys x3, values /3 before quantizing), a 0 and odd lengths."""
     calls = []
     real = prefill_kernel.hopper_prefill_ws
     monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
-                        lambda *a, **kw: calls.append(a[1].dtype) or real(*a, **kw))
-    # Long enough for it (D 64 causal: a mean prompt of 4K), a 0 and odd lengths among them.
+                        lambda *a, **kw: calls.append((a[1].dtype, kw["kv_scales"] is not None))
+                        or real(*a, **kw))
+    # Long enough for it (D 64 causal: a mean prompt of 4K).
     lens = [16384, 0, 77, 300] if causal else [8192, 0, 77, 1400]
     cu = cu_seqlens(lens)
-    q = randn(sum(lens), 4, head_dim, dtype=torch.bfloat16)
+    q = randn(sum(lens), 4, head_dim, dtype=dtype)
     k = randn(sum(lens), 2, head_dim, dtype=torch.float32) * 3
     v = randn(sum(lens), 2, head_dim, dtype=torch.float32) / 3
     if per_seq:  # each sequence with its own scales (the service's batched launches)
         ends = cu.tolist()
-        parts = [(quantize_kv(k[a:b]), quantize_kv(v[a:b]))
+        parts = [(quantize_kv(k[a:b] * (b % 7 + 1)), quantize_kv(v[a:b] / (b % 5 + 1)))
                  for a, b in zip(ends[:-1], ends[1:], strict=True)]
         k8 = torch.cat([kq for (kq, _), _ in parts])
         v8 = torch.cat([vq for _, (vq, _) in parts])
@@ -235,13 +241,15 @@ def test_fp8_prefill_widens_kv_for_it(monkeypatch: pytest.MonkeyPatch, head_dim:
     else:
         (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
     out = torch.empty_like(q)
+    lse_out = torch.empty(4, q.shape[0], dtype=torch.float32, device=DEVICE)
     poison_(out)
-    got, lse = prefill(q, k8, v8, cu, causal=causal, return_lse=True, out=out, k_scale=ks,
-                       v_scale=vs)
-    assert calls == [torch.bfloat16]
+    poison_(lse_out)
+    got, lse = prefill(q, k8, v8, cu, causal=causal, return_lse=True, out=out, lse_out=lse_out,
+                       k_scale=ks, v_scale=vs)
+    assert calls == [(dtype, True)]
     ref, ref_lse = prefill_ref(q.double(), k8, v8, cu, causal=causal, return_lse=True,
                                k_scale=ks, v_scale=vs)
     assert torch.isfinite(got).all()
     err = ((got.double() - ref).norm() / ref.norm()).item()
-    assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
-    check_lse(lse, ref_lse, torch.bfloat16)
+    assert err < TOL[dtype], f"relative error {err:.3g}"
+    check_lse(lse, ref_lse, dtype)
