@@ -74,6 +74,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
+from attention_kernels.fp8_widen_kernel import widen_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
@@ -782,7 +783,7 @@ def _run(
     if plan.gluon:
         scales = None
         if plan.widen_kv:
-            k, v, scales = k.to(q.dtype), v.to(q.dtype), (ks, vs, stride_sb)
+            (k, v), scales = widen_kv(k, v, q.dtype), (ks, vs, stride_sb)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, kv_scales=scales, **_GLUON_TILES[q.shape[2]])
