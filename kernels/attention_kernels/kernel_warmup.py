@@ -265,10 +265,11 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     launches of few and of many programs (``configs.many_programs``), each with and without a
     short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
     (TMA) loads and the Gluon kernel, which only launches with enough work take
-    (``_TMA_MIN_WORK``). Without these the
+    (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too (``_widen_ok``). Without these the
     first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
+    fp8_calls: list[Callable[[], object]] = []
     if q.is_cuda and not interpreting():  # the interpreter has one tile, and no TMA
         # One query per sequence, many heads: the fewest bytes that make a many-program launch.
         one = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
@@ -283,10 +284,17 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
                 if _tma_ok(big_q, big_kv, big_kv, head_dims=big_dims):
                     inputs.append((big_q, big_kv, big_cu))
+                    if d in _GLUON_HEAD_DIMS:  # FP8 K/V: widened, the Gluon kernel's scales
+                        k8 = big_kv.to(torch.float8_e4m3fn)
+                        ones = torch.ones(2, dtype=torch.float32, device=q.device)
+                        fp8_calls += [functools.partial(
+                            prefill, big_q, k8, k8, big_cu, causal=causal, return_lse=lse,
+                            k_scale=ones, v_scale=ones)
+                            for causal in (False, True) for lse in lse_flags]
     return [functools.partial(prefill, q_in, kv_in, kv_in, cu_in, causal=causal,
                               return_lse=lse, max_seqlen_q=hint)
             for q_in, kv_in, cu_in in inputs for causal in (False, True) for lse in lse_flags
-            for hint in (None, 23)]
+            for hint in (None, 23)] + fp8_calls
 
 
 def _many_heads(total_q: int, device: torch.device) -> int:

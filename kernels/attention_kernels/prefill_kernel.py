@@ -444,10 +444,13 @@ def _widen_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
     (``_gluon_ok``). K/V are widened to that dtype first, exactly (every e4m3 value is a
     bf16 and an fp16 value), and the kernel applies the scales as the portable kernel does
     (key scale into the softmax scale, value scale into the output), so the arithmetic is
-    the same. The portable kernel's FP8 path converts each tile inside its key loop:
-    364-382 TFLOP/s at D 128 against 585-625 for bf16 K/V (H100, 2026-11-24); widened,
-    TODO. The copies cost one pass over K/V (O(N) against the launch's O(N^2)) and 2 bytes
-    per element of memory while the launch runs."""
+    the same. H100, bf16 queries, D 128, B * N = 16K, N 4K / 8K / 16K (bench_kernels.py
+    --only dense --rounds 3, 2026-11-24i call 8): FP8 K/V 584 / 613 / 606 TFLOP/s
+    non-causal and 488 / 558 / 579 causal, against 601 / 612 / 611 and 529 / 566 / 580 for
+    bf16 K/V; the portable kernel's FP8 path, which converts each tile inside its key loop,
+    366 / 364 / 363 and 331 / 347 / 365 (same call, ``ATTENTION_KERNELS_GLUON=0``). The
+    copies (``fp8_widen_kernel``) cost one pass over K/V, O(N) against the launch's O(N^2),
+    and 2 bytes per K/V element of memory while the launch runs."""
     return _gluon_ok(q, k, v, True, causal, batch, kv_copied=True)
 
 

@@ -309,13 +309,15 @@ def test_more_sequences_than_one_search_block(causal: bool) -> None:
 def test_warmup_compiles_what_prefill_serves() -> None:
     """After ``warmup``, prefills of other lengths (a long prompt taking the descriptor loads
     at D 128 on Hopper, short ones with a ``max_seqlen_q`` hint taking the short tiles), GQA
-    ratios and batch sizes (launches of few and of many programs) compile nothing new."""
-    from attention_kernels import warmup
+    ratios and batch sizes (launches of few and of many programs) compile nothing new; nor
+    does a long prompt with FP8 K/V (widened for the Gluon kernel on Hopper)."""
+    from attention_kernels import quantize_kv, warmup
+    from attention_kernels.fp8_widen_kernel import _widen_kv_kernel
     from attention_kernels.prefill_hopper import _hopper_prefill_ws_kernel
 
     def variants() -> int:
         return sum(len(c[0]) for kernel in (prefill_kernel._prefill_kernel,
-                                            _hopper_prefill_ws_kernel)
+                                            _hopper_prefill_ws_kernel, _widen_kv_kernel)
                    for c in kernel.device_caches.values())
 
     warmup((64, 128), (torch.bfloat16,), DEVICE)
@@ -331,4 +333,8 @@ def test_warmup_compiles_what_prefill_serves() -> None:
                 for lse in (False, True):
                     prefill(q, kv, kv, cu_seqlens(lens), causal=causal, return_lse=lse,
                             max_seqlen_q=hint)
+                    if lens == [8192]:
+                        kv8, scale = quantize_kv(kv)
+                        prefill(q, kv8, kv8, cu_seqlens(lens), causal=causal, return_lse=lse,
+                                k_scale=scale, v_scale=scale)
     assert variants() == before
