@@ -18,18 +18,19 @@ from attention_kernels.configs import padded_head_dim
 _BLOCK_ROWS = 64
 
 
-@triton.jit
+# One variant per dtype and head dim: the row count and the kv head count are run-time values
+# (the strides keep their divisibility hints, which the 16-byte loads need).
+@triton.jit(do_not_specialize=["total", "num_kv_heads"])
 def _widen_kv_kernel(
-    K, V, KOut, VOut, total, stride_kt, stride_kh, stride_vt, stride_vh,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_R: tl.constexpr,
+    K, V, KOut, VOut, total, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask = (rows < total)[:, None] & (d[None, :] < HEAD_DIM)
     r64 = rows.to(tl.int64)[:, None]
-    out_at = (r64 * NUM_KV_HEADS + head) * HEAD_DIM + d[None, :]
+    out_at = (r64 * num_kv_heads + head) * HEAD_DIM + d[None, :]
     k = tl.load(K + r64 * stride_kt + head * stride_kh + d[None, :], mask=mask)
     tl.store(KOut + out_at, k.to(KOut.dtype.element_ty), mask=mask)
     v = tl.load(V + r64 * stride_vt + head * stride_vh + d[None, :], mask=mask)
@@ -45,8 +46,8 @@ def widen_kv(k: torch.Tensor, v: torch.Tensor,
     v_out = torch.empty_like(k_out)
     if total:
         _widen_kv_kernel[(triton.cdiv(total, _BLOCK_ROWS), heads)](
-            k, v, k_out, v_out, total, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            NUM_KV_HEADS=heads, HEAD_DIM=dim, BLOCK_D=padded_head_dim(dim),
+            k, v, k_out, v_out, total, heads, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), HEAD_DIM=dim, BLOCK_D=padded_head_dim(dim),
             BLOCK_R=_BLOCK_ROWS, num_warps=4,
         )
     return k_out, v_out
