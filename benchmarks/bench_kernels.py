@@ -11,7 +11,8 @@ Peers, measured in the same run:
   ``enable_gqa=True`` on dense ``[B, H, L, D]`` caches; ours reads the same bytes packed.
 * ceilings: device-to-device copy bandwidth (read + write bytes) and an 8192^3 bf16 matmul.
 * FP8 K/V (``quantize_kv``: e4m3 with per-kv-head scales, bf16 queries): ours again on the
-  same data quantized, decode GB/s counting the FP8 bytes read (half), dense prefill at D 64 and 128.
+  same data quantized, decode GB/s counting the FP8 bytes read (half), dense prefill at D 64
+  and 128.
 
 Varlen and decode rows also give the GPU time alone (``*_graph_us``: the launches replayed from
 a CUDA graph), since at their smallest shapes the host's launch cost exceeds the kernel's.
