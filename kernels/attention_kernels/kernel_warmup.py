@@ -39,6 +39,7 @@ from attention_kernels.decode_kernel import (
 from attention_kernels.prefill_kernel import (
     _GLUON_HEAD_DIMS,
     _TMA_HEAD_DIMS,
+    _gluon_ok,
     _tma_ok,
     paged_prefill,
     prefill,
@@ -266,7 +267,7 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     launches of few and of many programs (``configs.many_programs``), each with and without a
     short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
     (TMA) loads and the Gluon kernel, which only launches with enough work take
-    (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too (``_widen_ok``). Without these the
+    (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too. Without these the
     first long prompt or first big batch compiled them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
@@ -285,8 +286,8 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
                 if _tma_ok(big_q, big_kv, big_kv, head_dims=big_dims):
                     inputs.append((big_q, big_kv, big_cu))
-                    if d in _GLUON_HEAD_DIMS:  # FP8 K/V: widened, the Gluon kernel's scales
-                        k8 = big_kv.to(torch.float8_e4m3fn)
+                    k8 = big_kv.to(torch.float8_e4m3fn)
+                    if _gluon_ok(big_q, k8, k8, True, False, 1):  # FP8 K/V, widened for it
                         ones = torch.ones(2, dtype=torch.float32, device=q.device)
                         fp8_calls += [functools.partial(
                             prefill, big_q, k8, k8, big_cu, causal=causal, return_lse=lse,

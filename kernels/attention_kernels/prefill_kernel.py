@@ -365,7 +365,8 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
     a head dim in ``head_dims``, a work bound of at least ``_TMA_MIN_WORK``, and
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
     per query (a sliding window). ``kv_copied``: ``k, v`` reach the kernel as fresh
-    contiguous copies in ``q``'s dtype (``_widen_ok``), so only their shapes count.
+    contiguous copies in ``q``'s dtype (FP8 K/V widened for the Gluon kernel), so only their
+    shapes count.
     ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
     if interpreting() or not q.is_cuda:
         return False
@@ -417,18 +418,29 @@ _GLUON_D64_CAUSAL_MIN_MEAN = 4096
 
 
 def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, causal: bool,
-              batch: int, kv_copied: bool = False) -> bool:
+              batch: int) -> bool:
     """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
     head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
-    softcap, ALiBi or FP8 (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with
-    ``q``'s rows 16-byte aligned for its own descriptor. D 64 qualifies here though the
-    portable kernel keeps pointer loads there; causal at D 64 only with long mean prompts.
-    ``kv_copied``: ``_tma_ok``'s."""
-    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or (k.dtype != q.dtype and not kv_copied):
+    softcap or ALiBi (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with ``q``'s
+    rows 16-byte aligned for its own descriptor. D 64 qualifies here though the portable
+    kernel keeps pointer loads there; causal at D 64 only with long mean prompts.
+
+    FP8 K/V qualify too: ``_run`` widens them exactly to ``q``'s dtype first (every e4m3
+    value is a bf16 and an fp16 value; ``fp8_widen_kernel``) and the kernel applies the
+    scales as the portable kernel does (key scale into the softmax scale, value scale into
+    the output), so the arithmetic is the same. H100, bf16 queries, D 128, B * N = 16K, N 4K /
+    8K / 16K (bench_kernels.py --only dense --rounds 3, 2026-11-24i call 8): FP8 K/V 584 /
+    613 / 606 TFLOP/s non-causal and 488 / 558 / 579 causal, against 601 / 612 / 611 and 529
+    / 566 / 580 for bf16 K/V; the portable kernel's FP8 path, which converts each tile inside
+    its key loop, 366 / 364 / 363 and 331 / 347 / 365 (same call,
+    ``ATTENTION_KERNELS_GLUON=0``). The copies cost one pass over K/V, O(N) against the
+    launch's O(N^2), and 2 bytes per K/V element of memory while the launch runs."""
+    widened = k.dtype == torch.float8_e4m3fn
+    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or (k.dtype != q.dtype and not widened):
         return False
     if causal and q.shape[2] == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
         return False
-    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS, kv_copied=kv_copied):
+    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS, kv_copied=widened):
         return False
     if _capability(q.device.index or 0)[0] != 9:
         return False
@@ -436,22 +448,6 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
         return False
     return (q.stride(2) == 1 and q.stride(1) == q.shape[2]
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
-
-
-def _widen_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-              batch: int) -> bool:
-    """FP8 K/V on the Gluon kernel: a launch it would take with K/V in ``q``'s dtype
-    (``_gluon_ok``). K/V are widened to that dtype first, exactly (every e4m3 value is a
-    bf16 and an fp16 value), and the kernel applies the scales as the portable kernel does
-    (key scale into the softmax scale, value scale into the output), so the arithmetic is
-    the same. H100, bf16 queries, D 128, B * N = 16K, N 4K / 8K / 16K (bench_kernels.py
-    --only dense --rounds 3, 2026-11-24i call 8): FP8 K/V 584 / 613 / 606 TFLOP/s
-    non-causal and 488 / 558 / 579 causal, against 601 / 612 / 611 and 529 / 566 / 580 for
-    bf16 K/V; the portable kernel's FP8 path, which converts each tile inside its key loop,
-    366 / 364 / 363 and 331 / 347 / 365 (same call, ``ATTENTION_KERNELS_GLUON=0``). The
-    copies (``fp8_widen_kernel``) cost one pass over K/V, O(N) against the launch's O(N^2),
-    and 2 bytes per K/V element of memory while the launch runs."""
-    return _gluon_ok(q, k, v, True, causal, batch, kv_copied=True)
 
 
 def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
@@ -656,7 +652,7 @@ class _PrefillPlan:
     gluon: bool = False  # the warp-specialized Gluon kernel instead (``_gluon_ok``)
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
-    widen_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_widen_ok``)
+    widen_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_gluon_ok``)
 
 
 def _plan(
@@ -746,11 +742,10 @@ def _plan(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     scored = has_window or cap_scale is not None or alibi_slopes is not None
-    gluon = table is None and _gluon_ok(q, k, v, not (fp8 or scored), causal, batch)
-    widen = table is None and fp8 and not scored and _widen_ok(q, k, v, causal, batch)
+    gluon = table is None and _gluon_ok(q, k, v, not scored, causal, batch)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
-                        cfg.block_n, scalars, stride_ab, launch, gluon or widen, causal,
-                        scale * LOG2E, widen)
+                        cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E,
+                        gluon and fp8)
 
 
 def _run(

@@ -93,7 +93,7 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     big[0] = False
     assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)  # small launch: host-bound
     big[0] = True
-    assert not prefill_kernel._gluon_ok(q, q, q, False, False, 1)  # window / softcap / ALiBi / FP8
+    assert not prefill_kernel._gluon_ok(q, q, q, False, False, 1)  # window / softcap / ALiBi
     q64 = torch.empty(8192, 4, 64, dtype=torch.bfloat16)
     assert prefill_kernel._gluon_ok(q64, q64, q64, True, False, 1)
     assert prefill_kernel._gluon_ok(q64, q64, q64, True, True, 2)  # mean 4K
@@ -104,18 +104,19 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
     assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
-    # FP8 K/V: widened to the queries' dtype first (``_widen_ok``).
+    # FP8 K/V: widened to the queries' dtype first, so they qualify like 16-bit ones.
     k8 = torch.empty(8, 4, 128, dtype=torch.float8_e4m3fn)
-    assert not prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
-    assert prefill_kernel._widen_ok(q, k8, k8, False, 1)
-    assert prefill_kernel._widen_ok(q.half(), k8, k8, False, 1)
+    assert prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
+    assert prefill_kernel._gluon_ok(q.half(), k8, k8, True, False, 1)
+    assert not prefill_kernel._gluon_ok(q, k8, k8, False, False, 1)
+    assert not prefill_kernel._gluon_ok(q, q.half(), q.half(), True, False, 1)  # 16-bit, other
     big[0] = False
-    assert not prefill_kernel._widen_ok(q, k8, k8, False, 1)
+    assert not prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
     big[0] = True
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         monkeypatch.setattr(prefill_kernel, "_capability", lambda index, cap=cap: cap)
         assert not prefill_kernel._gluon_ok(q, q, q, True, False, 1)
-        assert not prefill_kernel._widen_ok(q, k8, k8, False, 1)
+        assert not prefill_kernel._gluon_ok(q, k8, k8, True, False, 1)
 
 
 CASES = [  # lens_q, lens_k (None: the same), heads, kv heads
