@@ -41,7 +41,8 @@ TFLOP/s at D 128 non-causal; ncu at 2 x 8K x 16 heads: 2.40 ms against cuDNN's 1
 593-615 against cuDNN's 611-629.
 
 Scope: contiguous packed varlen inputs (``[total, H, D]``), fp16/bf16, D 64 or 128, causal or
-not, GQA, LSE; no window, softcap, ALiBi, FP8 or pages (those keep the portable kernel). The
+not, GQA, LSE, FP8 K/V handed in widened to 16 bits with their scales (``kv_scales``: applied
+per tile); no window, softcap, ALiBi or pages (those keep the portable kernel). The
 program-to-tile mapping is the portable kernel's (``prefill_kernel`` module docstring): reverse
 slots, heads fastest under a causal mask. Varlen edges: TMA reads whole tiles, so a tile can hold
 rows of the next sequence. Queries there only produce rows that are never stored; keys there
