@@ -210,17 +210,18 @@ def _prefill_kernel(
     BLOCK_B: tl.constexpr, IS_CAUSAL: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
+    KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr, WARP_SPEC: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
     is ``stride_kp`` / ``stride_vp``, the token stride inside a page ``stride_kt`` / ``stride_vt``.
     Window (``HAS_WINDOW``): ``win_left`` / ``win_right`` >= 0, causal already folded into
     ``win_right = 0``, unbounded sides already replaced by a bound no row reaches. ALiBi: the
-    slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv
-    head ``g`` of sequence ``b`` stands for its values times ``KScale[b * stride_sb + g]`` /
-    ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence).
-    The dots then run in fp16 (``_fp8_dot``).
+    slope of (sequence b, head h) is ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_SCALED``):
+    kv head ``g`` of sequence ``b`` stands for its values times ``KScale[b * stride_sb + g]`` /
+    ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence). With
+    ``KV_FP8`` the tiles are still e4m3 and the dots run in fp16 (``_fp8_dot``); without it
+    they were widened to ``q``'s dtype first (``fp8_widen_kernel``), and the dots run in it.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
@@ -241,7 +242,7 @@ def _prefill_kernel(
         return  # one of the <= 2 spare slots of this sequence
     k_start, seqlen_k = seq_keys(cu_k, seq, PAGED)
     kv_head = head // group
-    if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
+    if KV_SCALED:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
         k_s = tl.load(KScale + seq * stride_sb + kv_head)
         qk_scale = qk_scale * k_s
         if HAS_SOFTCAP:
@@ -326,7 +327,7 @@ def _prefill_kernel(
         HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
     )
 
-    if KV_FP8:
+    if KV_SCALED:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
     seen = l_i > 0.0
@@ -448,6 +449,33 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
         return False
     return (q.stride(2) == 1 and q.stride(1) == q.shape[2]
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
+
+
+# Contiguous FP8 K/V prefills the Gluon kernel does not take (which always widens) are widened
+# to the queries' dtype first (one launch, ``fp8_widen_kernel``) when a query sees at least
+# this many keys on average (half at head dim 64 and below), then run as 16-bit prefills with
+# the scales applied in the kernel; others convert each tile in the key loop. Widening moves
+# 6 bytes per K/V element once; the per-tile conversion costs on every tile a query block
+# reads. H100, bf16 queries, 16/8 heads, GPU time per-tile -> widened (bf16 K/V)
+# (tune_fp8_widen.py, medians of 3 rounds, 2026-11-24): D 64 causal 16 x 1K 208 -> 150 us
+# (133), 8 x 2K 336 -> 222 (217); D 128 causal 4 x 4K softcap 842 -> 720 (704); but a
+# 512-key window over 4 x 4K 312 -> 323 (287), [512] * 32 192 -> 192 (161), and
+# [64, 128, 256] per call 20.7 -> 20.9 us.
+FP8_WIDEN_MIN_KEYS_SEEN = 1024
+
+
+def _widen_fp8(q: torch.Tensor, k: torch.Tensor, batch: int, causal: bool,
+               span: int | None) -> bool:
+    """Whether a contiguous FP8 K/V prefill widens K/V first: 16-bit queries, and a query
+    sees about ``FP8_WIDEN_MIN_KEYS_SEEN`` keys (half at head dim <= 64), estimated from
+    shapes: the mean sequence length, halved if causal, at most the window's ``span``."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    seen = k.shape[0] / max(batch, 1) / (2 if causal else 1)
+    if span is not None:
+        seen = min(seen, span)
+    need = FP8_WIDEN_MIN_KEYS_SEEN // (2 if q.shape[2] <= 64 else 1)
+    return seen >= need
 
 
 def _kv_descriptor(t: torch.Tensor, block_n: int) -> TensorDescriptor:
@@ -652,7 +680,7 @@ class _PrefillPlan:
     gluon: bool = False  # the warp-specialized Gluon kernel instead (``_gluon_ok``)
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
-    widen_kv: bool = False  # FP8 K/V widened first, for the Gluon kernel (``_gluon_ok``)
+    widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
 
 
 def _plan(
@@ -708,14 +736,18 @@ def _plan(
     # tiles.
     # Paged launches keep the table's tiles: the others were measured on contiguous keys.
     many = table is None and many_programs(total_q, batch, num_heads, q.device)
-    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device, fp8,
-                                   rows, many)
-    num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, cfg.block_m,
-                                              causal or has_window)
+    scored = has_window or cap_scale is not None or alibi_slopes is not None
+    gluon = table is None and _gluon_ok(q, k, v, not scored, causal, batch)
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
-    use_tma = table is None and _tma_ok(q, k, v, span)
+    widen = fp8 and table is None and (gluon or _widen_fp8(q, k, batch, causal, span))
+    fp8_tiles = fp8 and not widen  # the kernel converts each e4m3 tile itself
+    cfg = config or prefill_config(head_dim, q.dtype, causal or has_window, q.device,
+                                   fp8_tiles, rows, many)
+    num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, cfg.block_m,
+                                              causal or has_window)
+    use_tma = table is None and _tma_ok(q, k, v, span, kv_copied=widen)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -734,18 +766,16 @@ def _plan(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
-        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and not fp8,
+        IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and not fp8_tiles,
         USE_TMA=use_tma, PAGED=table is not None, PAGE_TOKENS=page_tokens,
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
-        HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
+        HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
-    scored = has_window or cap_scale is not None or alibi_slopes is not None
-    gluon = table is None and _gluon_ok(q, k, v, not scored, causal, batch)
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E,
-                        gluon and fp8)
+                        widen)
 
 
 def _run(
@@ -778,10 +808,10 @@ def _run(
         cu_seqlens_q = cu_seqlens_q.contiguous()
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
+    if plan.widen_kv:
+        k, v = widen_kv(k, v, q.dtype)
     if plan.gluon:
-        scales = None
-        if plan.widen_kv:
-            (k, v), scales = widen_kv(k, v, q.dtype), (ks, vs, stride_sb)
+        scales = (ks, vs, stride_sb) if plan.widen_kv else None
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, kv_scales=scales, **_GLUON_TILES[q.shape[2]])

@@ -7,6 +7,8 @@ before quantization (what a user gives up by storing FP8: ``FP8_TOL``).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
@@ -19,6 +21,7 @@ from attention_kernels import (
     paged_prefill,
     paged_prefill_ref,
     prefill,
+    prefill_kernel,
     prefill_ref,
 )
 from attention_kernels.fp8 import FP8_DTYPE, FP8_MAX, dequantize_kv, quantize_kv
@@ -38,6 +41,19 @@ from tests.kernels.test_paged import Paged
 # rounding error up to 1/16); the output averages many values, and measured 0.03-0.04.
 FP8_TOL = 0.06
 Q_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["tiles", "widened"])
+def fp8_prefill_path(request: pytest.FixtureRequest,
+                     monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Contiguous FP8 prefills both ways: each e4m3 tile converted in the key loop, or K/V
+    widened to the queries' dtype first (``prefill_kernel._widen_fp8``, which picks by size
+    and would leave these small cases on tiles)."""
+    keys = 0 if request.param == "widened" else 1 << 62
+    monkeypatch.setattr(prefill_kernel, "FP8_WIDEN_MIN_KEYS_SEEN", keys)
+    prefill_kernel._PLANS.clear()  # plans are keyed by the call, not by the threshold
+    yield request.param
+    prefill_kernel._PLANS.clear()
 
 
 def _kv(total: int, kv_heads: int, dim: int) -> tuple[torch.Tensor, ...]:
@@ -186,7 +202,7 @@ def _prefill_case(len_q: list[int], len_k: list[int], heads: int, kv_heads: int,
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", Q_DTYPES, ids=str)
-def test_prefill(causal: bool, dtype: torch.dtype) -> None:
+def test_prefill(causal: bool, dtype: torch.dtype, fp8_prefill_path: str) -> None:
     # q shorter than k (a continuation), one empty sequence, lengths off the block sizes.
     _prefill_case([5, 0, 37, 1], [9, 4, 37, 70], 4, 2, 40, dtype, causal)
 
@@ -197,7 +213,7 @@ def test_paged_prefill(page_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("paged_tokens", [0, 16], ids=["contiguous", "paged"])
-def test_per_sequence_scales(paged_tokens: int) -> None:
+def test_per_sequence_scales(paged_tokens: int, fp8_prefill_path: str) -> None:
     """``k_scale, v_scale [batch, H_kv]``: sequences whose magnitudes differ 10-30x per step,
     each quantized with its own scales (one shared set would lose the small ones), in decode
     (split and not) and prefill, contiguous and paged; with a softcap, whose scale K's folds
@@ -211,7 +227,7 @@ def test_per_sequence_scales(paged_tokens: int) -> None:
 
 
 @pytest.mark.parametrize("magnitude", [1e5, 1e-7, "mixed"], ids=str)
-def test_bf16_queries_of_any_magnitude(magnitude: float | str) -> None:
+def test_bf16_queries_of_any_magnitude(magnitude: float | str, fp8_prefill_path: str) -> None:
     """bf16 queries with FP8 K/V run their dots in fp16 (``_fp8_dot``), whose range is far
     narrower than bf16's: queries past fp16's largest (1e5) or below its smallest subnormal
     (1e-7), and heads 1e6 apart in one tile, must still give bf16 accuracy. The softmax scale
@@ -237,9 +253,38 @@ def test_bf16_queries_of_any_magnitude(magnitude: float | str) -> None:
     assert rel_err(got, ref8) < TOL[torch.bfloat16]
 
 
-def test_prefill_with_window_and_softcap() -> None:
+def test_prefill_with_window_and_softcap(fp8_prefill_path: str) -> None:
     _prefill_case([40, 17], [40, 30], 4, 4, 64, torch.float16, True, window_size=(11, 0),
                   softcap=8.0)
+
+
+def test_widening_rule() -> None:
+    """Contiguous FP8 prefills widen K/V first where a query sees enough keys for the per-tile
+    conversion to cost more than one pass over K/V (``_widen_fp8``, the measured cases in its
+    comment), and paged ones never widen (the pool is not the call's to copy)."""
+    def widen(lens: int, batch: int, d: int, causal: bool, span: int | None = None,
+              dtype: torch.dtype = torch.bfloat16) -> bool:
+        q = torch.empty(0, 4, d, dtype=dtype)
+        k = torch.empty(lens * batch, 2, d, dtype=FP8_DTYPE)
+        return prefill_kernel._widen_fp8(q, k, batch, causal, span)
+
+    assert widen(1024, 16, 64, True)  # D 64 causal 16 x 1K: 208 -> 150 us
+    assert widen(4096, 4, 128, True)  # a softcap over 4 x 4K: 842 -> 720 us
+    assert not widen(4096, 4, 128, True, span=513)  # a 512-key window: 312 -> 323 us
+    assert not widen(512, 32, 128, False)  # even
+    assert not widen(150, 3, 128, True)  # small: host-bound either way
+    assert not widen(4096, 4, 128, True, dtype=torch.float32)  # fp32 queries: tiles
+    q = randn(40, 4, 64, dtype=torch.bfloat16)
+    _, _, k8, v8, ks, vs = _kv(4096, 2, 64)
+    prefill_kernel._PLANS.clear()
+    prefill(q, k8, v8, cu_seqlens([40]), cu_seqlens([4096]), k_scale=ks, v_scale=vs)
+    assert [p.widen_kv for p in prefill_kernel._PLANS._plans.values()] == [True]
+    c = Paged([4096], 64, 2, 64, FP8_DTYPE, kv=(k8, v8))
+    kp, vp, table, seqlens = *c.cache, c.seqlens_k
+    prefill_kernel._PLANS.clear()
+    paged_prefill(q, kp, vp, table, cu_seqlens([40]), seqlens, k_scale=ks, v_scale=vs)
+    assert [p.widen_kv for p in prefill_kernel._PLANS._plans.values()] == [False]
+    prefill_kernel._PLANS.clear()
 
 
 def test_bad_scales_and_dtypes_raise() -> None:
