@@ -46,12 +46,14 @@ from attention_kernels.prefill_kernel import (
 )
 
 # Compiling is CPU work (Triton's passes, then ptxas), 1-4 s per variant, and the default
-# warm-up compiles ~280 of them (on sm_90 ~20 more since: FP8 K/V on the Gluon kernel, not
-# timed). So ``warmup`` first runs its calls in worker processes that share the on-disk cache,
+# warm-up compiles ~280 of them (on sm_90 ~20 more since: FP8 K/V on the Gluon kernel; timed
+# below). So ``warmup`` first runs its calls in worker processes that share the on-disk cache,
 # each taking the next call not yet taken, then runs them all itself, which then only loads
 # binaries. H100 host, 16 vCPUs, bf16 + fp16, D 64 + 128, 16-token pages
 # (benchmarks/bench_warmup.py, 2026-11-24): 419 s in-process (258 s on another host), 75-89 s
-# with 8 workers, 52 s with 12, 46 s with 16; a restart on the filled cache 1.8 s.
+# with 8 workers, 52 s with 12, 46 s with 16; a restart on the filled cache 1.8 s. With the
+# Gluon prefill's and FP8's variants (2026-11-24j, call 3): 76 s with 16 workers (worker RSS
+# ~1 GB), 2.4 s on the filled cache; attention-server 90 s to SERVING cold, 9.4 s warm.
 # ``ATTENTION_KERNELS_WARMUP_WORKERS`` (or ``workers=``) sets how many; 1 compiles in-process.
 WORKERS_ENV = "ATTENTION_KERNELS_WARMUP_WORKERS"
 MAX_DEFAULT_WORKERS = 16
