@@ -1,6 +1,8 @@
-"""One dense prefill launch for Nsight Compute: ours (the Gluon Hopper kernel, or the portable
-Triton kernel: ``prefill`` with ``ATTENTION_KERNELS_GLUON=0``) or SDPA cuDNN, D 128 bf16,
-2 x 8K x 16 heads, non-causal unless ``--causal``.
+"""One dense prefill launch for Nsight Compute: ours (the Gluon Hopper kernel with a given
+tile, ``prefill()`` as served (``served``: the Gluon kernel with its tuned tile, persistent),
+or the portable Triton kernel: ``prefill`` with ``ATTENTION_KERNELS_GLUON=0``) or SDPA cuDNN,
+bf16, ``B x N`` = 16K tokens (``--n``, default 8K) x ``2048 / D`` heads (``--head-dim``,
+default 128), non-causal unless ``--causal``.
 
 Compiles and warms up first; only the launch between ``cudaProfilerStart/Stop`` is profiled:
 
@@ -30,12 +32,13 @@ from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--which", choices=["gluon", "portable", "cudnn"], required=True)
+    p.add_argument("--which", choices=["gluon", "served", "portable", "cudnn"], required=True)
     p.add_argument("--causal", action="store_true")
     p.add_argument("--tile", default="128,2", help="gluon: block_n,stages")
     p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--n", type=int, default=8192, help="tokens per sequence (16K / n of them)")
     a = p.parse_args()
-    d, n, b = a.head_dim, 8192, 2
+    d, n, b = a.head_dim, a.n, 16384 // a.n
     h = 2048 // d
     (q, k, v), (qp, kp, vp), cus = dense_inputs(b, h, n, d, torch.bfloat16)
     out = torch.empty_like(qp)
@@ -47,7 +50,7 @@ def main() -> None:
         if a.which == "gluon":
             hopper_prefill_ws(qp, kp, vp, cus, cus, out, None, a.causal,
                               1.4426950408889634 / math.sqrt(d), block_n=bn, stages=st)
-        elif a.which == "portable":
+        elif a.which in ("served", "portable"):
             prefill(qp, kp, vp, cus, causal=a.causal, out=out)
         else:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
