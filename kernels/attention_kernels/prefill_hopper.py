@@ -406,14 +406,15 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
                                         IS_CAUSAL, BLOCK_N)
     p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
     # One loop, the mask under a run-time branch, rather than an unmasked loop and a masked
-    # one: the consumers' code is a quarter smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
-    # instructions; three consumer copies), and the instruction fetch was what held short
-    # tiles back (ncu, D 64 causal N 4K: warps stalled on "no instruction" 0.99 per issue
-    # against cuDNN's 0.07, 0.37 at N 16K). H100, dense bf16 B * N = 16K, N 4K / 8K / 16K,
-    # medians of 3 rounds, TFLOP/s two loops -> one (2026-11-24k, call 5): D 64 causal 400 /
-    # 427 / 429 -> 419 / 442 / 470 (cuDNN 421 / 436 / 464), non-causal 477 / 476 / 474 ->
-    # 489 / 507 / 524; D 128 causal 528 / 553 / 557 -> 534 / 551 / 582, non-causal 609 /
-    # 607 / 587 -> 600 / 610 / 624.
+    # one: the consumers' code is a fifth smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
+    # instructions over three consumer copies; spills 64 -> 52 bytes). H100, dense bf16
+    # B * N = 16K, N 4K / 8K / 16K, medians of 3 rounds, TFLOP/s two loops -> one
+    # (2026-11-24k, call 5): D 64 causal 400 / 427 / 429 -> 419 / 442 / 470 (cuDNN 421 / 436 /
+    # 464), non-causal 477 / 476 / 474 -> 489 / 507 / 524; D 128 causal 528 / 553 / 557 ->
+    # 534 / 551 / 582, non-causal 609 / 607 / 587 -> 600 / 610 / 624. Under ncu (D 64 causal
+    # N 4K, calls 3 and 6) 5% fewer instructions ran (280M -> 266M) and the launch took
+    # 821 -> 775 us against cuDNN's 788-793; warps stalled on "no instruction" stayed at 1.0
+    # per issue (cuDNN 0.07), so the gain is not fewer instruction-cache misses.
     for j in range(1, n_blocks):
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
