@@ -404,18 +404,20 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
 # (2026-11-24h, call7). With the consumers' GEMMs in turns (``hopper_prefill_ws``'s
 # ``pingpong``) and each tile's place handed to them by the producer, ``prefill()`` as served
 # (bench_kernels.py --only dense --rounds 3: sides in turn, medians; the H100 sits at its 700 W
-# cap and its clock moves 1545-1980 MHz; 2026-11-24h, calls 14-15), ours / cuDNN at N 4K / 8K /
-# 16K, bf16 and fp16: D 128 non-causal 0.98-0.99 / 0.96-1.00 / 0.93-1.02, causal 1.00-1.01 /
-# 1.01-1.02 / 1.00-1.07; D 64 non-causal 1.06-1.07 / 1.08-1.10 / 1.09-1.12, causal 0.95-0.96 /
-# 1.01-1.04 / 1.00-1.05. ``ATTENTION_KERNELS_GLUON=0`` turns it off.
+# cap and its clock moves 1545-1980 MHz), ours / cuDNN at N 4K / 8K / 16K, bf16 and fp16, with
+# the consumers' one key loop (``prefill_hopper._attend``; 2026-11-24k, call 7): D 128
+# non-causal 0.96-0.99 / 0.98-0.99 / 0.96-0.99, causal 1.01-1.04 / 1.01-1.02 / 1.00-1.02;
+# D 64 non-causal 1.07-1.09 / 1.11 / 1.10-1.12, causal 1.01-1.02 / 1.06-1.07 / 1.07-1.08.
+# ``ATTENTION_KERNELS_GLUON=0`` turns it off.
 _GLUON_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2},
                 64: {"consumers": 3, "block_n": 128, "stages": 3}}
 _GLUON_HEAD_DIMS = tuple(_GLUON_TILES)
-# D 64 causal: 192-row tiles waste much of the diagonal on short prompts. bench_kernels (H100,
-# 2026-11-24, 32 heads, B * N = 16K): 0.67x / 0.83x cuDNN at N 1K / 2K against the portable
-# kernel's 0.87x / 0.89x, 0.90-0.99x at 4K-16K against 0.86-0.91x. Causal D 64 launches take
-# it when their mean prompt (total queries / sequences: exact for a dense batch) is this long.
-_GLUON_D64_CAUSAL_MIN_MEAN = 4096
+# D 64 causal: 192-row tiles waste much of the diagonal on short prompts. H100, bf16, 32 heads,
+# B * N = 16K, medians of 3 rounds (tune_hopper_prefill.py, 2026-11-24k, call 8, with the
+# consumers' one key loop): the Gluon kernel / the portable one / cuDNN at N 1K 248 / 263 /
+# 341, 2K 359 / 332 / 388, 4K 412 / 363 / 413 TFLOP/s. Causal D 64 launches take it when their
+# mean prompt (total queries / sequences: exact for a dense batch) is this long.
+_GLUON_D64_CAUSAL_MIN_MEAN = 2048
 
 
 def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, causal: bool,

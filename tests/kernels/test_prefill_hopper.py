@@ -96,8 +96,8 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     assert not prefill_kernel._gluon_ok(q, q, q, False, False, 1)  # window / softcap / ALiBi
     q64 = torch.empty(8192, 4, 64, dtype=torch.bfloat16)
     assert prefill_kernel._gluon_ok(q64, q64, q64, True, False, 1)
-    assert prefill_kernel._gluon_ok(q64, q64, q64, True, True, 2)  # mean 4K
-    assert not prefill_kernel._gluon_ok(q64, q64, q64, True, True, 3)
+    assert prefill_kernel._gluon_ok(q64, q64, q64, True, True, 4)  # mean 2K
+    assert not prefill_kernel._gluon_ok(q64, q64, q64, True, True, 5)
     q96 = torch.empty(8, 4, 96, dtype=torch.bfloat16)
     assert not prefill_kernel._gluon_ok(q96, q96, q96, True, False, 1)
     assert not prefill_kernel._gluon_ok(q[:, ::2], q, q, True, False, 1)  # heads not packed
@@ -225,7 +225,7 @@ def test_fp8_prefill_widens_kv_for_it(monkeypatch: pytest.MonkeyPatch, head_dim:
     monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
                         lambda *a, **kw: calls.append((a[1].dtype, kw["kv_scales"] is not None))
                         or real(*a, **kw))
-    # Long enough for it (D 64 causal: a mean prompt of 4K).
+    # Long enough for it (D 64 causal: a mean prompt of 2K).
     lens = [16384, 0, 77, 300] if causal else [8192, 0, 77, 1400]
     cu = cu_seqlens(lens)
     q = randn(sum(lens), 4, head_dim, dtype=dtype)
