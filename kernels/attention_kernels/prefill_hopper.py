@@ -31,7 +31,7 @@ H100. This kernel is laid out as FlashAttention-3 is (and as cuDNN's sm90 kernel
   TFLOP/s (H100, 2026-11-24h, call 8, same call);
 * the consumers issue their GEMMs in turns (FlashAttention-3's ping-pong: named barriers, as
   inline PTX), so one warpgroup's softmax runs under the next one's GEMMs by construction rather
-  than by drift (``_ws_consumer``; off for causal 192-row tiles, where it measured no gain).
+  than by drift (``_ws_consumer``).
 
 No CTA-wide barrier sits in the loop, so without turns the consumers drift apart and one's
 softmax runs under the other's GEMMs some of the time. The same order without warp
@@ -629,11 +629,11 @@ def register_split(consumers: int, consumer_regs: int, producer_regs: int) -> in
 def tile_options(causal: bool, consumers: int, end_tiles: bool | None = None,
                  pingpong: bool | None = None) -> tuple[bool, bool]:
     """``(end_tiles, pingpong)`` with the defaults of ``hopper_prefill_ws`` for those left
-    None: causal 192-row tiles end at each sequence's last row and take no turns; every other
-    launch the other way round."""
+    None: causal 192-row tiles end at each sequence's last row, other tiles start at its
+    first; every launch takes turns."""
     causal_192 = causal and consumers == 3
     return (causal_192 if end_tiles is None else end_tiles,
-            (not causal_192) if pingpong is None else pingpong)
+            True if pingpong is None else pingpong)
 
 
 def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -663,8 +663,11 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     measured within noise causal (-1% to +4%), but non-causal the end-aligned build ran 4-8%
     slower with the same row arithmetic (ptxas allocates it differently): so only causal.
 
-    ``pingpong``: the consumers issue their GEMMs in turns (``_ws_consumer``). Default: on,
-    except causal with 192-row tiles. H100, dense, B * N = 16K, medians of 5 rounds
+    ``pingpong``: the consumers issue their GEMMs in turns (``_ws_consumer``). Default: on.
+    With one key loop (``_attend``) D 64 causal gained from it too (2026-11-24k, calls 10-11,
+    medians of 3 rounds, N 4K / 8K / 16K, without -> with): bf16 409 / 445 / 470 -> 413 / 452
+    / 477 and 415 / 449 / 478 -> 424 / 452 / 482, fp16 405 / 436 / 437 -> 413 / 436 / 464
+    TFLOP/s. Before that (two key loops), H100, dense, B * N = 16K, medians of 5 rounds
     (2026-11-24h, ``tune_hopper_prefill.py --rounds 5``), TFLOP/s without -> with, bf16, N 4K /
     8K / 16K: D 128 non-causal 598 / 609 / 587 -> 605 / 607 / 624 (the rounds without ran
     bimodal, 562-635 at 16K; with, 617-636), causal 510 / 551 / 575 -> 522 / 548 / 573; D 64
