@@ -100,9 +100,9 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
         # Scaled before the mask: -inf times a zero or negative scale would be NaN or +inf.
         s = gl.where(keep, s * qk_scale, float("-inf"))
         scale = gl.to_tensor(1.0)
-    # Unmasked, every key of the block is visible to every row: max(s) * scale is the max of
-    # the scaled scores (the scale is positive but for odd callers) and one FMA per score
-    # shifts it.
+    # Unmasked, every key of the block is visible to every row, and max(s) * scale, the max of
+    # the scaled scores for a positive scale (as the portable kernel assumes there too), lets
+    # one FMA per score scale and shift it.
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)

@@ -57,8 +57,8 @@ def test_compiles_for_sm90_without_spills(causal: bool, head_dim: int, tile: str
 
 
 def test_tile_option_defaults() -> None:
-    """Causal 192-row tiles end at each sequence's last row and take no turns; every other
-    launch starts at the first row and takes turns; a value given wins."""
+    """Causal 192-row tiles end at each sequence's last row, every other launch starts at the
+    first; every launch takes turns; a value given wins."""
     assert tile_options(True, 3) == (True, True)
     assert tile_options(False, 3) == (False, True)
     assert tile_options(True, 2) == (False, True)
