@@ -337,8 +337,7 @@ def _decode_split_kernel(
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     if HAS_WINDOW:
-        # The first block may start before the window (keys below key_lo masked), the last
-        # may end past the sequence.
+        # The first block may start before the window (keys below key_lo masked).
         acc, l_i, m_i = _decode_inner(
             Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
             lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
@@ -353,28 +352,24 @@ def _decode_split_kernel(
             False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
             KV_FP8, PAGE_SPAN,
         )
-        acc, l_i, m_i = _decode_inner(
-            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-            full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-            span, first, key_lo, cap_scale, cap_log2, slopes2,
-            True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8, PAGE_SPAN,
-        )
     else:
-        # One loop of masked loads rather than an unmasked loop and a masked tail: a split is
-        # a few blocks, and the second pipelined loop's code (prologue, epilogue) cost more
-        # than the masks. H100, GPU time of CUDA-graph replays, 32q/8kv x 128 bf16, two
-        # loops -> one, two rounds each (2026-11-24k, call 13, bench_paged.py --only decode):
-        # contiguous 1 x 4K 7.5 / 7.4 -> 7.1 / 7.1 us (cuDNN 9.5-9.6), 1 x 32K 47.9 / 47.8 ->
-        # 47.4 / 47.6, 128 x 2K 355.2 / 351.7 -> 351.4 / 351.4; paged (64-token pages) 1 x 4K
-        # 8.2 / 8.1 -> 8.1 / 8.1, 1 x 32K 50.2 / 50.0 -> 49.6 / 49.7; no shape slower.
-        acc, l_i, m_i = _decode_inner(
-            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-            lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-            span, first, key_lo, cap_scale, cap_log2, slopes2,
-            True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8, PAGE_SPAN,
-        )
+        # The whole split in the masked loop below rather than an unmasked loop and a masked
+        # tail: a split is a few blocks, and the second pipelined loop's code (prologue,
+        # epilogue) cost more than the masks. H100, GPU time of CUDA-graph replays, 32q/8kv x
+        # 128 bf16, two loops -> one, two rounds each (2026-11-24k, call 13, bench_paged.py
+        # --only decode): contiguous 1 x 4K 7.5 / 7.4 -> 7.1 / 7.1 us (cuDNN 9.5-9.6), 1 x 32K
+        # 47.9 / 47.8 -> 47.4 / 47.6, 128 x 2K 355.2 / 351.7 -> 351.4 / 351.4; paged (64-token
+        # pages) 1 x 4K 8.2 / 8.1 -> 8.1 / 8.1, 1 x 32K 50.2 / 50.0 -> 49.6 / 49.7; no shape
+        # slower.
+        full_hi = lo
+    # The masked tail (its last block may end past the sequence).
+    acc, l_i, m_i = _decode_inner(
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+        span, first, key_lo, cap_scale, cap_log2, slopes2,
+        True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
+        KV_FP8, PAGE_SPAN,
+    )
 
     if KV_FP8:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
