@@ -6,15 +6,16 @@ the scales applied. Picks ``prefill_kernel.FP8_WIDEN_MIN_KEYS_SEEN``.
 
 Per case, in interleaved rounds: per-call time (``bench``: do_bench, L2 flushed, host included)
 and GPU time (``graph_us``: CUDA-graph replays) of the per-tile path, the widened path, and the
-same prefill with bf16 K/V (the ceiling). Cases are those the Gluon kernel does not take
-(``_gluon_ok``): small varlen batches, D 64 causal below a 4K mean prompt, a sliding window,
-softcap.
+same prefill with bf16 K/V (the ceiling). The Gluon kernel, which always widens, is turned off
+(``ATTENTION_KERNELS_GLUON=0``), so every case runs the portable kernel: small varlen batches,
+short D 64 causal prompts, a sliding window, softcap.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
+    os.environ["ATTENTION_KERNELS_GLUON"] = "0"  # the rule is the portable kernel's
     rows = []
     for name, lens, d, causal, feats in CASES:
         total = sum(lens)
