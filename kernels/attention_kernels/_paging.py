@@ -98,7 +98,13 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
             # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
             # block is a scalar lookup, which block_rows takes as a scalar.
             tl.static_assert(PAGE_TOKENS % BLOCK_N != 0)
-            here = tl.gather(page, (start_n + offs_n) // PAGE_TOKENS - first, 0).to(tl.int64)
+            # Clamped: the software pipeliner computes the addresses of blocks past the loop's
+            # end too (their loads are predicated off, the gather is not), and where a split
+            # fills the span those blocks' indices run past it. Unclamped, that gather read
+            # past its shared-memory scratch: an illegal address on an H100 at 1 x 16K keys in
+            # 16-token pages, one split (1024 pages), and at 8 x 32K (2026-11-24).
+            idx = tl.minimum((start_n + offs_n) // PAGE_TOKENS - first, SPAN - 1)
+            here = tl.gather(page, idx, 0).to(tl.int64)
         else:
             here = page
             page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)

@@ -224,6 +224,29 @@ def test_decode_page_lookups(monkeypatch: pytest.MonkeyPatch, span: int, page_to
         decode_kernel._PLANS.clear()
 
 
+def test_decode_splits_that_fill_the_page_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Splits whose keys fill the page span exactly. On a GPU the pipelined key loop computes
+    the addresses of blocks past its end as well, whose span indices then run past the span:
+    before they were clamped (``_paging.block_kv_ptrs``) that gather read past its shared
+    memory, an illegal address on an H100 with the real span (1024 16-token pages, 1 x 16K
+    keys in one split). Under the interpreter (no look-ahead) an 8-page span checks the
+    bound's arithmetic. The tables are ``Paged``'s: two columns wider than the longest
+    sequence, so splits sized on the table's width hold exactly ``span`` pages."""
+    from attention_kernels import decode_kernel
+
+    span = decode_kernel.PAGE_SPAN if ON_GPU else 8
+    page = 16 if ON_GPU else 8  # smaller than a key block (64 on a GPU, 16 interpreted)
+    monkeypatch.setattr(decode_kernel, "PAGE_SPAN", span)
+    decode_kernel._PLANS.clear()
+    try:
+        for lens, splits in (([(span - 2) * page], 1), ([(2 * span - 2) * page, 7], 2)):
+            run_decode(lens, page, 4, 2, 128, torch.bfloat16, splits)
+            assert page_spans() == {span}
+            decode_kernel._PLANS.clear()
+    finally:
+        decode_kernel._PLANS.clear()
+
+
 def test_decode_wide_table_takes_per_block_lookups() -> None:
     """A block table wider than ``PAGE_SPAN`` pages per split (its extra columns poisoned)
     takes the per-block lookups, and they read no entry past a sequence's length (pages of 7
@@ -278,6 +301,52 @@ def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], s
         run_decode(lens, 16, 4, 2, 128, torch.bfloat16, splits)
         (plan,) = decode_kernel._PLANS._plans.values()
         assert plan.launch.kwargs["BLOCK_N"] == block_n
+    finally:
+        decode_kernel._PLANS.clear()
+
+
+@pytest.mark.parametrize(("splits", "est", "block_n", "want"), [
+    (16, 4096, 64, 32),  # 4 blocks per split -> 2
+    (8, 4096, 64, 16),  # 8 blocks -> 4
+    (8, 8192, 128, 16),  # 8 of D 64's 128-key blocks -> 4
+    (16, 16384, 64, 16),  # 16 blocks per split: long enough
+    (16, 32768, 64, 16),
+    (16, 2048, 64, 16),  # 2 blocks: halves would be one block
+    (1, 4096, 64, 1),  # one split (many programs already)
+])
+def test_paged_split_count(splits: int, est: int, block_n: int, want: int) -> None:
+    from attention_kernels.configs import paged_split_count
+
+    assert paged_split_count(splits, est, block_n) == want
+
+
+def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a (faked) H100 a paged 1 x 4K decode takes twice the automatic splits and
+    runs them in 2 stages; contiguous keys keep the automatic count and tile; the answers
+    match the reference."""
+    from attention_kernels import decode_kernel
+    from attention_kernels.configs import DECODE_TILE, MANY_PROGRAMS_TILE
+
+    monkeypatch.setattr(decode_kernel, "paged_decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    # An H100's automatic count at 8 kv heads (the interpreter's is at most 4).
+    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *a: 16)
+    decode_kernel._PLANS.clear()
+    try:
+        c = Paged([4000], 16, 8, 128, torch.bfloat16)
+        q = randn(1, 32, 128, dtype=torch.bfloat16)
+        want = paged_decode_ref(q.double(), *c.double(), c.seqlens_k)
+        for fn, args in ((paged_decode, (*c.cache, c.seqlens_k)), (decode, (c.k, c.v, c.cu_k))):
+            decode_kernel._PLANS.clear()
+            got = fn(q, *args, max_seqlen_k=4096)
+            assert rel_err(got, want) < TOL[torch.bfloat16]
+            (plan,) = decode_kernel._PLANS._plans.values()
+            splits, cfg = plan.launch.grid[0], plan.launch.kwargs
+            if fn is paged_decode:
+                assert (splits, cfg["num_stages"]) == (32, MANY_PROGRAMS_TILE.num_stages)
+            else:
+                assert (splits, cfg["num_stages"]) == (16, DECODE_TILE.num_stages)
     finally:
         decode_kernel._PLANS.clear()
 
@@ -511,8 +580,9 @@ def test_warmup_compiles_the_paged_variants() -> None:
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
 def test_warmup_compiles_what_paged_decode_serves() -> None:
     """After ``warmup`` at D 128 with 16-token pages, paged decodes of other batch sizes,
-    lengths, GQA ratios and table widths (the one-split rule's tile at 64 x 8 kv heads and
-    per-block page lookups included), eager or for CUDA graphs, compile nothing new."""
+    lengths, GQA ratios and table widths (the one-split rule's tile at 64 x 8 kv heads, short
+    splits in 2 stages at 1 x 4K with its length hinted, and per-block page lookups
+    included), eager or for CUDA graphs, compile nothing new."""
     import contextlib
 
     from attention_kernels import decode_kernel, for_cuda_graphs, warmup
@@ -532,4 +602,5 @@ def test_warmup_compiles_what_paged_decode_serves() -> None:
             for scope in (contextlib.nullcontext(), for_cuda_graphs()):
                 with scope:
                     paged_decode(q, *c.cache, c.seqlens_k, return_lse=lse)
+                    paged_decode(q, *c.cache, c.seqlens_k, return_lse=lse, max_seqlen_k=ctx)
     assert variants() == before
