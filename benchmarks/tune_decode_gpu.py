@@ -10,6 +10,9 @@ merge's tile) at the small-batch shapes, over split counts.
 ``large``: tile x split count at the large-batch shapes (one wave or more of programs).
 ``rule``: the default (``configs.decode_shape_config``'s tile) against the fixed ``DECODE_TILE``
 at the same split count, over shapes on both sides of the rule's bounds.
+``paged-rule`` (with ``--page``): paged decode over a shuffled page pool (bench_paged.py's)
+with and without its short-split rule (``configs.paged_split_count`` and the 2-stage tile),
+in turn ``--rounds`` times, against contiguous keys and cuDNN.
 ``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens;
 ``--page-span N`` with it: ``decode_kernel.PAGE_SPAN`` (0: per-block page lookups).
 ``--blocks/--warps/--stages/--splits``: override the ``configs``/``large`` grids (comma lists).
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -209,10 +213,80 @@ def sweep_rule() -> list[dict]:
     return rows
 
 
+PAGED_RULE_SHAPES = [(1, 4096), (2, 4096), (1, 8192), (4, 4096), (1, 16384), (1, 32768),
+                     (8, 8192), (16, 4096), (64, 8192)]
+
+
+def sweep_paged_rule(rounds: int) -> list[dict]:
+    """Paged decode with its short-split rule (as served) and without (the automatic split
+    count and tile of contiguous keys), medians of ``rounds`` turns."""
+    from bench_paged import paged_copy
+
+    from attention_kernels import configs
+
+    plain_shape_config = dk.decode_shape_config
+
+    def without_rule(cfg, programs, num_splits, split_len, sms, block_d, paged=False):
+        got = plain_shape_config(cfg, programs, num_splits, split_len, sms, block_d, paged)
+        return cfg if paged and num_splits > 1 and got == configs.MANY_PROGRAMS_TILE else got
+
+    rows = []
+    gen = torch.Generator().manual_seed(0)
+    for batch, ctx in PAGED_RULE_SHAPES:
+        q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device="cuda")
+        k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+        kp, vp, table, lens = paged_copy(k, v, [ctx] * batch, PAGE, gen)
+        ref = decode(q, k, v, cu, max_seqlen_k=ctx)
+
+        def paged(kp=kp, vp=vp, table=table, lens=lens, ctx=ctx, q=q):
+            return paged_decode(q, kp, vp, table, lens, max_seqlen_k=ctx)
+
+        def plan_of(fn) -> tuple[int, int, int]:
+            dk._PLANS.clear()
+            fn()
+            plan = next(iter(dk._PLANS._plans.values()))
+            kw = plan.launch.kwargs
+            return plan.launch.grid[0], kw["BLOCK_N"], kw["num_stages"]
+
+        sides = {"contiguous": lambda q=q, k=k, v=v, cu=cu, ctx=ctx: decode(
+                     q, k, v, cu, max_seqlen_k=ctx),
+                 "rule": paged, "no_rule": paged}
+        runs: dict[str, list[float]] = {name: [] for name in (*sides, "cudnn")}
+        launches = {}
+        for _ in range(rounds):
+            for name, fn in sides.items():
+                off = name == "no_rule"
+                dk.paged_split_count = (lambda n, *a: n) if off else configs.paged_split_count
+                dk.decode_shape_config = without_rule if off else plain_shape_config
+                launches[name] = plan_of(fn)
+                us = measure(fn, ref)
+                if isinstance(us, str):
+                    raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
+                runs[name].append(us)
+            runs["cudnn"].append(cudnn_us(q, k, v, batch, ctx))
+        dk.paged_split_count = configs.paged_split_count
+        dk.decode_shape_config = plain_shape_config
+        dk._PLANS.clear()
+        med = {name: statistics.median(r) for name, r in runs.items()}
+        row = {"B": batch, "ctx": ctx, "D": D, "page": PAGE, "launches": launches,
+               "runs": runs, **{f"{n}_us": m for n, m in med.items()}}
+        rows.append(row)
+        print(f"B={batch} ctx={ctx} D{D} page {PAGE}: rule {launches['rule']} "
+              f"{med['rule']:.1f} us | no rule {launches['no_rule']} {med['no_rule']:.1f} | "
+              f"contiguous {med['contiguous']:.1f} | cuDNN {med['cudnn']:.1f} | paged/contiguous "
+              f"{med['contiguous'] / med['rule']:.2f} (no rule "
+              f"{med['contiguous'] / med['no_rule']:.2f})", flush=True)
+    return rows
+
+
 def main() -> None:
     global PAGE, D
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule"), default="configs")
+    ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule", "paged-rule"),
+                    default="configs")
+    ap.add_argument("--rounds", type=int, default=3, help="paged-rule: turns per shape")
     ap.add_argument("--shapes", default=None,
                     help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")
     ap.add_argument("--page", type=int, default=0,
@@ -232,6 +306,7 @@ def main() -> None:
     if args.shapes:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
+        PAGED_RULE_SHAPES[:] = shapes
     defaults = merge_settings()
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, grid("blocks", (64, 128)), grid("warps", (4, 8)),
@@ -239,6 +314,10 @@ def main() -> None:
     elif args.sweep == "rule":
         dk._PLANS.clear()
         rows = sweep_rule()
+    elif args.sweep == "paged-rule":
+        if not PAGE:
+            raise SystemExit("--sweep paged-rule needs --page")
+        rows = sweep_paged_rule(args.rounds)
     elif args.sweep == "merge":
         rows = sweep_merge()
     else:

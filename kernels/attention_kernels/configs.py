@@ -273,20 +273,47 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
       those starve the SMs at fewer programs).
 
-    ``paged`` (``paged_decode``, bf16 pages): the first rule only. 64 x 8K, H100, 2026-11-23
-    (``tune_decode_gpu.py --sweep large --page N``): page 16 778 -> 706 us, page 64 756 -> 690
-    (cuDNN 692); 64-key tiles in 2 stages were as good (705 / 699). The second is not measured
-    on pages.
+    ``paged`` (``paged_decode``, bf16 pages): the first rule, and splits of at most two
+    64-key blocks (``paged_split_count`` makes them) in 2 stages rather than 3: a 2-trip loop
+    fills no deeper pipeline. 64 x 8K, H100, 2026-11-23 (``tune_decode_gpu.py --sweep large
+    --page N``): page 16 778 -> 706 us, page 64 756 -> 690 (cuDNN 692); 64-key tiles in 2
+    stages were as good (705 / 699). 1 x 4K in 32 splits, 64-token pages, H100, 2026-11-24: 7.8
+    -> 7.5 us (``--sweep configs --page 64``). The second rule is not measured on pages.
     """
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return ONE_SPLIT_TILE
+    if paged and num_splits > 1 and split_len <= 2 * cfg.block_n:
+        return MANY_PROGRAMS_TILE
     if num_splits == 1 and programs > 4 * sms and not paged:
         return MANY_PROGRAMS_TILE
     if num_splits > 1 and 512 <= split_len < 1024 and not paged:
         return LONG_SPLIT_TILE
     return cfg
+
+
+# paged_split_count doubles the splits where they hold at most this many key blocks.
+PAGED_DOUBLE_MAX_BLOCKS = 8
+
+
+def paged_split_count(num_splits: int, est_seqlen: int, block_n: int) -> int:
+    """Paged decode's split count on Hopper, from the automatic one (``num_splits``, about one
+    program per SM): twice as many where splits hold 4 to ``PAGED_DOUBLE_MAX_BLOCKS`` key
+    blocks (the halves keep two or more). A paged split waits on a table entry before each
+    block's loads, so short splits leave the SMs waiting; two programs per SM hide it.
+
+    H100, 2026-11-24, GPU time (CUDA graph), 32q/8kv bf16, a shuffled pool of 64-token pages
+    (256 KiB, the server's default at 8 kv heads x 128), ``tune_decode_gpu.py --sweep
+    paged-rule --page 64``, medians of 3 turns, automatic -> doubled splits: D 128 (64-key
+    blocks) 1 x 4K 8.3 -> 7.5 us (2 stages, ``decode_shape_config``; contiguous keys 7.5),
+    2 x 4K 12.1 -> 10.9 (10.5), 1 x 8K 12.2 -> 10.9 (10.4); D 64 (128-key blocks) 2 x 8K
+    12.8 -> 11.6 (11.7). 16-token pages alike (1 x 8K 12.2 -> 11.5). Splits of 16 blocks
+    lost: D 128 1 x 16K 27.5 -> 28.3, 4 x 4K 27.9 -> 28.1; and of 32: 1 x 32K 48.6 -> 50.2."""
+    split_len = -(-est_seqlen // max(num_splits, 1))
+    if num_splits > 1 and 4 * block_n <= split_len <= PAGED_DOUBLE_MAX_BLOCKS * block_n:
+        return 2 * num_splits
+    return num_splits
 
 
 @functools.lru_cache(maxsize=512)

@@ -76,6 +76,7 @@ from attention_kernels.configs import (
     num_sms,
     padded_head_dim,
     paged_decode_config,
+    paged_split_count,
 )
 
 LOG2E = 1.4426950408889634
@@ -693,16 +694,17 @@ def _plan(
         est_seqlen = min(est_seqlen, win_left + 1 + cfg.block_n)
     cap_scale, cap_log2 = softcap_args(softcap, scale)
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
+    sms = _shape_rule_sms(q.device) if config is None and not fp8 else 0
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
+        if sms and table is not None:
+            num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n)
     num_splits = min(num_splits, MAX_SPLITS)
     block_d = padded_head_dim(head_dim)
-    if config is None and not fp8:
-        sms = _shape_rule_sms(q.device)
-        if sms:
-            cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
-                                      -(-est_seqlen // num_splits), sms, block_d,
-                                      paged=table is not None)
+    if sms:
+        cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
+                                  -(-est_seqlen // num_splits), sms, block_d,
+                                  paged=table is not None)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.

@@ -244,11 +244,17 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                     for lse in lse_flags:
                         calls.append(functools.partial(paged_decode, qd, pages, pages, t, lens,
                                                        num_splits=1, return_lse=lse))
-                        if rule:  # pages take the one-split rule only
+                        if rule:  # the one-split rule's tile
                             calls.append(functools.partial(
                                 paged_decode, qd, pages, pages, t, lens, num_splits=1,
                                 return_lse=lse, _config=ONE_SPLIT_TILE))
-                    calls += splits(paged_decode, pages, pages, t, lens)
+                    # The tile named: these splits are short, and on Hopper short paged
+                    # splits take the 2-stage tile (decode_shape_config), compiled next.
+                    calls += splits(paged_decode, pages, pages, t, lens,
+                                    _config=paged_decode_config(d, dtype, device))
+                    if rule:
+                        calls += splits(paged_decode, pages, pages, t, lens,
+                                        _config=MANY_PROGRAMS_TILE)
     if device.type == "cuda":
         # The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split
         # decode's PDL merge kernel), compiled by eager calls; none where they are the eager
