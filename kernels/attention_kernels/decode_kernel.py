@@ -118,7 +118,7 @@ def _decode_inner(
     Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp, span, first,
     key_lo, cap_scale, cap_log2, slopes2,
-    MASKED: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
     PAGE_SPAN: tl.constexpr,
@@ -127,7 +127,14 @@ def _decode_inner(
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
     each key's row comes from the sequence's block-table row ``table_row`` (``seqlen`` keys),
     through ``span, first`` (``span_pages``) when ``PAGE_SPAN`` > 0.
-    ``LOW_MASK`` (masked blocks): keys below ``key_lo`` (the window's left edge) are hidden too.
+    Every block's loads are masked (keys at or past ``hi``, columns past the head dim): a split
+    is a few blocks, and an unmasked loop plus a masked tail, two pipelined loops, cost more
+    code than the masks. H100, GPU time of CUDA-graph replays, 32q/8kv x 128 bf16, two loops ->
+    one, two rounds each (2026-11-24k, call 13, bench_paged.py --only decode): contiguous 1 x
+    4K 7.5 / 7.4 -> 7.1 / 7.1 us (cuDNN 9.5-9.6), 1 x 32K 47.9 / 47.8 -> 47.4 / 47.6, 128 x
+    2K 355.2 / 351.7 -> 351.4 / 351.4; paged (64-token pages) 1 x 4K 8.2 / 8.1 -> 8.1 / 8.1,
+    1 x 32K 50.2 / 50.0 -> 49.6 / 49.7; no shape slower.
+    ``LOW_MASK``: keys below ``key_lo`` (the window's left edge) are hidden too.
     Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e).
     ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to fp16 here, the dtype the
     caller brought ``q`` to (``_fp8_dot``); the caller folded K's scale into ``qk_scale`` /
@@ -139,18 +146,11 @@ def _decode_inner(
             k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n, offs_n,
             seqlen, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
             PAGE_SPAN)
-        if MASKED:
-            n_ok = (start_n + offs_n) < hi
-            if LOW_MASK:
-                n_ok = n_ok & ((start_n + offs_n) >= key_lo)
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-            v = tl.load(v_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        n_ok = (start_n + offs_n) < hi
+        if LOW_MASK:
+            n_ok = n_ok & ((start_n + offs_n) >= key_lo)
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -165,8 +165,7 @@ def _decode_inner(
             # The query is the last key: its distance to key j is seqlen - 1 - j >= 0.
             dist = (seqlen - 1 - (start_n + offs_n)).to(tl.float32)
             qk = qk - slopes2[:, None] * dist[None, :]
-        if MASKED:
-            qk = tl.where(n_ok[None, :], qk, float("-inf"))
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
         # At least one key per block is valid, so the running max is finite after this block.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         p = tl.math.exp2(qk - m_new[:, None])
@@ -269,7 +268,6 @@ def _decode_split_kernel(
     for its values times ``KScale[b * stride_sb + g]`` / ``VScale[...]`` (``stride_sb`` 0: one
     scale per kv head); the dots then run in fp16 (``_fp8_dot``).
     """
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
     if PDL:  # the merge kernel may be scheduled now; it waits for this grid's end
         gdc_launch_dependents()
     split = tl.program_id(0)
@@ -282,14 +280,12 @@ def _decode_split_kernel(
     if HAS_WINDOW:
         # Keys before the window are never visited: the splits share [base, seqlen), base the
         # window's first key rounded down to a block; keys [base, key_lo) of that first block
-        # are masked (stage [lo, full_lo) below, non-empty in the first split only).
+        # are masked (``_decode_inner``'s ``LOW_MASK``).
         key_lo = tl.maximum(seqlen - 1 - win_left, 0)
         base = (key_lo // BLOCK_N) * BLOCK_N
         split_len = tl.cdiv(tl.cdiv(seqlen - base, num_splits), BLOCK_N) * BLOCK_N
         lo = tl.minimum(base + split * split_len, seqlen)
         hi = tl.minimum(lo + split_len, seqlen)
-        full_lo = tl.minimum(tl.maximum(tl.cdiv(key_lo, BLOCK_N) * BLOCK_N, lo), hi)
-        full_hi = full_lo + ((hi - full_lo) // BLOCK_N) * BLOCK_N
     else:
         key_lo = 0
         split_len = tl.cdiv(tl.cdiv(seqlen, num_splits), BLOCK_N) * BLOCK_N
@@ -337,39 +333,12 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    if HAS_WINDOW:
-        # The first block may start before the window (keys below key_lo masked).
-        acc, l_i, m_i = _decode_inner(
-            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-            lo, full_lo, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-            span, first, key_lo, cap_scale, cap_log2, slopes2,
-            True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, True, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8, PAGE_SPAN,
-        )
-        acc, l_i, m_i = _decode_inner(
-            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-            full_lo, full_hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-            span, first, key_lo, cap_scale, cap_log2, slopes2,
-            False, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-            KV_FP8, PAGE_SPAN,
-        )
-    else:
-        # The whole split in the masked loop below rather than an unmasked loop and a masked
-        # tail: a split is a few blocks, and the second pipelined loop's code (prologue,
-        # epilogue) cost more than the masks. H100, GPU time of CUDA-graph replays, 32q/8kv x
-        # 128 bf16, two loops -> one, two rounds each (2026-11-24k, call 13, bench_paged.py
-        # --only decode): contiguous 1 x 4K 7.5 / 7.4 -> 7.1 / 7.1 us (cuDNN 9.5-9.6), 1 x 32K
-        # 47.9 / 47.8 -> 47.4 / 47.6, 128 x 2K 355.2 / 351.7 -> 351.4 / 351.4; paged (64-token
-        # pages) 1 x 4K 8.2 / 8.1 -> 8.1 / 8.1, 1 x 32K 50.2 / 50.0 -> 49.6 / 49.7; no shape
-        # slower.
-        full_hi = lo
-    # The masked tail (its last block may end past the sequence).
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        full_hi, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
+        lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         span, first, key_lo, cap_scale, cap_log2, slopes2,
-        True, EVEN_D, BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, False, HAS_SOFTCAP, HAS_ALIBI,
-        KV_FP8, PAGE_SPAN,
+        BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        PAGE_SPAN,
     )
 
     if KV_FP8:
