@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_paged import cu, paged_copy  # noqa: E402
+from probe_prefill_ncu import profile_once  # noqa: E402
 
 from attention_kernels import decode, paged_decode  # noqa: E402
 
@@ -59,13 +60,7 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
 
-    for _ in range(3):
-        run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.start()
-    run()
-    torch.cuda.synchronize()
-    torch.cuda.profiler.stop()
+    profile_once(run)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import argparse
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -56,6 +57,12 @@ def main() -> None:
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 F.scaled_dot_product_attention(q, k, v, is_causal=a.causal)
 
+    profile_once(run)
+
+
+def profile_once(run: Callable[[], object]) -> None:
+    """``run`` three times (compiles, warms up), then once between ``cudaProfilerStart/Stop``:
+    the launch an ``ncu --profile-from-start off`` run profiles."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
