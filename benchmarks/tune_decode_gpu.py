@@ -13,6 +13,11 @@ at the same split count, over shapes on both sides of the rule's bounds.
 ``paged-rule`` (with ``--page``): paged decode over a shuffled page pool (bench_paged.py's)
 with and without its short-split rule (``configs.paged_split_count`` and the 2-stage tile),
 in turn ``--rounds`` times, against contiguous keys and cuDNN.
+``ab`` (with ``--base-configs FILE``): the default calls under this tree's shape rules
+(``decode_shape_config``, ``paged_split_count``) and under another ``configs.py``'s, in turn.
+``--cold`` (configs, large, rule, ab): each config's GPU time over rotating copies of the keys and
+values (``bench_kernels.graph_cold_us``), so they come from HBM as in a model's decode, not
+from L2 (a 1 x 4K cache is 16 MiB); cuDNN likewise.
 ``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens;
 ``--page-span N`` with it: ``decode_kernel.PAGE_SPAN`` (0: per-block page lookups).
 ``--blocks/--warps/--stages/--splits``: override the ``configs``/``large`` grids (comma lists).
@@ -35,7 +40,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import for_graphs  # noqa: E402
+from bench_kernels import COLD_BYTES, MAX_COLD_SETS, for_graphs  # noqa: E402
 
 from attention_kernels import decode, paged_decode  # noqa: E402
 from attention_kernels import decode_kernel as dk  # noqa: E402
@@ -45,6 +50,7 @@ SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 32768)]
 LARGE_SHAPES = [(64, 8192), (128, 2048), (16, 4096), (16, 32768), (1, 131072)]
 HEADS, KV_HEADS, D = 32, 8, 128
 PAGE = 0  # --page: the same keys as pages of this many tokens, through paged_decode
+COLD = False  # --cold
 
 
 def gpu_us(fn) -> float:
@@ -74,7 +80,8 @@ def run_decode(q, k, v, cu, **kw):
     return decode(q, k, v, cu, **kw)
 
 
-def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
+def cudnn_call(q, k, v, batch: int, ctx: int):
+    """SDPA cuDNN on the same keys as ``decode(q, k, v, ...)`` reads (views, no copies)."""
     qd = q[:, :, None, :]
     kd = k.view(batch, ctx, KV_HEADS, D).transpose(1, 2)
     vd = v.view(batch, ctx, KV_HEADS, D).transpose(1, 2)
@@ -83,11 +90,16 @@ def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             return F.scaled_dot_product_attention(qd, kd, vd, enable_gqa=True)
 
-    return gpu_us(run)
+    return run
 
 
-def measure(fn, ref: torch.Tensor) -> float | str:
-    """GPU us of ``fn`` after checking it against ``ref``; a string says why not."""
+def cudnn_us(q, k, v, batch: int, ctx: int) -> float:
+    return gpu_us(cudnn_call(q, k, v, batch, ctx))
+
+
+def measure(fn, ref: torch.Tensor, timer=gpu_us) -> float | str:
+    """``timer()`` (default: GPU us of ``fn``) after checking ``fn`` against ``ref``; a string
+    says why not."""
     try:
         err = 0.0
         for call in (fn, for_graphs(fn)):  # eager and graph calls may merge differently
@@ -96,7 +108,7 @@ def measure(fn, ref: torch.Tensor) -> float | str:
             err = max(err, ((out.float() - ref.float()).norm() / ref.float().norm()).item())
         if not err < 1e-2:
             return f"wrong (rel err {err:.3g})"
-        return gpu_us(fn)
+        return timer(fn)
     except Exception as e:  # noqa: BLE001 (out of resources and the like: skip)
         return f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
 
@@ -119,20 +131,35 @@ def set_merge(mode: str, tile: int, warps: int = 4) -> None:
     dk._PLANS.clear()  # the plans hold the launch of the previous mode
 
 
+def cold_us(call, sets: list[tuple]) -> float:
+    """GPU us per call of ``call(*inputs)`` cycling through ``sets`` (a cold L2: see
+    ``bench_kernels.graph_cold_us``)."""
+    return gpu_us(lambda: [call(*s) for s in sets]) / len(sets)
+
+
 def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
     rows = []
     for batch, ctx in shapes:
         q, k, v, cu = inputs(batch, ctx)
         ref = run_decode(q, k, v, cu)
-        peer = cudnn_us(q, k, v, batch, ctx)
-        default = gpu_us(lambda: run_decode(q, k, v, cu))
+        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else []
+
+        def timed(call):
+            return measure(lambda: call(q, k, v, cu), ref,
+                           (lambda _: cold_us(call, sets)) if COLD else gpu_us)
+
+        if COLD:
+            peer = cold_us(lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)(), sets)
+        else:
+            peer = cudnn_us(q, k, v, batch, ctx)
+        default = timed(run_decode)
         best = (default, "default")
         for bn, w, st, sp in itertools.product(blocks, warps, stages, splits):
             if sp * bn > ctx:  # 0: the default split count
                 continue
             cfg = DecodeConfig(bn, w, st)
-            us = measure(lambda cfg=cfg, sp=sp: run_decode(q, k, v, cu, num_splits=sp,
-                                                       _config=cfg), ref)
+            us = timed(lambda q, k, v, cu, cfg=cfg, sp=sp: run_decode(
+                q, k, v, cu, num_splits=sp, _config=cfg))
             if isinstance(us, str):
                 print(f"  {cfg} splits {sp}: {us}")
                 continue
@@ -191,25 +218,51 @@ RULE_SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 16384), (8, 4096)
                (64, 8192), (96, 4096), (128, 2048)]
 
 
-def sweep_rule() -> list[dict]:
+def _cold_sets(q, k, v, cu, batch: int, ctx: int) -> list[tuple]:
+    """The inputs and others covering ``COLD_BYTES`` (``cold_us``): new keys and values, the
+    same queries and ``cu`` (a step's layers share their metadata; paged: block table and
+    lengths over another pool)."""
+    n = max(1, min(MAX_COLD_SETS, -(-COLD_BYTES // (2 * k.numel() * k.element_size()))))
+    return [(q, k, v, cu)] + [(q, *inputs(batch, ctx)[1:3], cu) for _ in range(n - 1)]
+
+
+def sweep_rule(rounds: int = 1) -> list[dict]:
+    """The shape rule's tile against ``DECODE_TILE`` at the same split count, in turn
+    ``rounds`` times (medians); with ``--cold`` over rotating input copies."""
     rows = []
     for batch, ctx in RULE_SHAPES:
         q, k, v, cu = inputs(batch, ctx)
         ref = run_decode(q, k, v, cu)
-        peer = cudnn_us(q, k, v, batch, ctx)
+        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else []
+        dk._PLANS.clear()
+        run_decode(q, k, v, cu)
         plan = next(iter(dk._PLANS._plans.values()))  # the default call's (only) plan
         splits = plan.merge_scalars[-1] if plan.merge_scalars else 1
         tile = plan.launch.kwargs["BLOCK_N"], plan.launch.kwargs["num_stages"]
-        rule = gpu_us(lambda: run_decode(q, k, v, cu))
-        fixed = measure(lambda s=splits: run_decode(q, k, v, cu, num_splits=s,
-                                                _config=DECODE_TILE), ref)
+        sides = {"rule": run_decode,
+                 "fixed": lambda q, k, v, cu, s=splits: run_decode(
+                     q, k, v, cu, num_splits=s, _config=DECODE_TILE),
+                 "cudnn": lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)()}
+        runs: dict[str, list[float]] = {name: [] for name in sides}
+        for _ in range(rounds):
+            for name, call in sides.items():
+                if COLD:
+                    us = cold_us(call, sets)
+                elif name == "cudnn":
+                    us = gpu_us(lambda call=call: call(q, k, v, cu))
+                else:
+                    us = measure(lambda call=call: call(q, k, v, cu), ref)
+                if isinstance(us, str):
+                    raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
+                runs[name].append(us)
         dk._PLANS.clear()
-        head = f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
-        head += f"{rule:.1f} us ({peer / rule:.2f}x) | fixed "
-        print(head + (f"{fixed:.1f} us ({peer / fixed:.2f}x)" if not isinstance(fixed, str)
-                      else fixed), flush=True)
+        med = {name: statistics.median(r) for name, r in runs.items()}
+        peer, rule, fixed = med["cudnn"], med["rule"], med["fixed"]
+        print(f"B={batch} ctx={ctx} splits {splits}: cuDNN {peer:.1f} us | rule {tile} "
+              f"{rule:.1f} us ({peer / rule:.2f}x) | fixed {fixed:.1f} us ({peer / fixed:.2f}x)",
+              flush=True)
         rows.append({"B": batch, "ctx": ctx, "splits": splits, "rule_tile": tile,
-                     "rule_us": rule, "fixed_us": fixed, "cudnn_us": peer})
+                     "rule_us": rule, "fixed_us": fixed, "cudnn_us": peer, "runs": runs})
     return rows
 
 
@@ -281,12 +334,81 @@ def sweep_paged_rule(rounds: int) -> list[dict]:
     return rows
 
 
+def _base_rules(path: Path):
+    """``(decode_shape_config, paged_split_count)`` of another ``configs.py`` (an A/B base),
+    speaking this tree's ``DecodeConfig``."""
+    import importlib.util
+
+    from attention_kernels.configs import DecodeConfig as Config
+
+    spec = importlib.util.spec_from_file_location("base_configs", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(mod)
+
+    def shape_config(cfg, *args, **kwargs):
+        got = mod.decode_shape_config(mod.DecodeConfig(cfg.block_n, cfg.num_warps,
+                                                       cfg.num_stages), *args, **kwargs)
+        return Config(got.block_n, got.num_warps, got.num_stages)
+
+    return shape_config, mod.paged_split_count
+
+
+def sweep_ab(base: Path, rounds: int) -> list[dict]:
+    """The default call (split count and tile as chosen) under this tree's shape rules and
+    under ``base``'s (another ``configs.py``), in turn ``rounds`` times, cuDNN beside; medians.
+    Contiguous keys, or pages with ``--page``; ``--cold`` over rotating keys and values."""
+    sides = {"new": (dk.decode_shape_config, dk.paged_split_count), "base": _base_rules(base)}
+    rows = []
+    for batch, ctx in AB_SHAPES:
+        q, k, v, cu = inputs(batch, ctx)
+        ref = decode(q, k.reshape(-1, KV_HEADS, D), v.reshape(-1, KV_HEADS, D), torch.arange(
+            0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda"))
+        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else [(q, k, v, cu)]
+        runs: dict[str, list[float]] = {"new": [], "base": [], "cudnn": []}
+        launches = {}
+        for _ in range(rounds):
+            for name, (shape_config, split_count) in sides.items():
+                dk.decode_shape_config, dk.paged_split_count = shape_config, split_count
+                dk._PLANS.clear()
+                run_decode(q, k, v, cu)
+                plan = next(iter(dk._PLANS._plans.values()))
+                kw = plan.launch.kwargs
+                launches[name] = (plan.launch.grid[0], kw["BLOCK_N"], kw["num_warps"],
+                                  kw["num_stages"])
+                us = measure(lambda: run_decode(q, k, v, cu), ref,
+                             (lambda _: cold_us(run_decode, sets)) if COLD else gpu_us)
+                if isinstance(us, str):
+                    raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
+                runs[name].append(us)
+            # Pages (``inputs``' table is in order) are the same memory as packed keys.
+            runs["cudnn"].append(cold_us(lambda q, k, v, cu: cudnn_call(
+                q, k.reshape(-1, KV_HEADS, D), v.reshape(-1, KV_HEADS, D), batch, ctx)(), sets))
+        dk.decode_shape_config, dk.paged_split_count = sides["new"]
+        dk._PLANS.clear()
+        med = {name: statistics.median(r) for name, r in runs.items()}
+        rows.append({"B": batch, "ctx": ctx, "launches": launches, "runs": runs,
+                     **{f"{n}_us": m for n, m in med.items()}})
+        print(f"B={batch} ctx={ctx} page {PAGE}: new {launches['new']} {med['new']:.2f} us | "
+              f"base {launches['base']} {med['base']:.2f} | cuDNN {med['cudnn']:.2f} | "
+              f"new/base {med['base'] / med['new']:.3f}x (> 1: new faster)", flush=True)
+    return rows
+
+
+AB_SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 2048), (8, 1024), (2, 8192), (1, 16384),
+             (4, 4096), (64, 8192)]
+
+
 def main() -> None:
-    global PAGE, D
+    global PAGE, D, COLD
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule", "paged-rule"),
-                    default="configs")
-    ap.add_argument("--rounds", type=int, default=3, help="paged-rule: turns per shape")
+    ap.add_argument("--sweep", choices=("configs", "merge", "large", "rule", "paged-rule",
+                                        "ab"), default="configs")
+    ap.add_argument("--base-configs", type=Path,
+                    help="ab: another configs.py, whose shape rules are the base side")
+    ap.add_argument("--cold", action="store_true",
+                    help="configs/large/rule: GPU time with a cold L2 (rotating input copies)")
+    ap.add_argument("--rounds", type=int, default=3, help="rule, paged-rule, ab: turns per shape")
     ap.add_argument("--shapes", default=None,
                     help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")
     ap.add_argument("--page", type=int, default=0,
@@ -297,7 +419,7 @@ def main() -> None:
         ap.add_argument(f"--{name}", default=None, help="comma list: the grid's " + name)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    PAGE, D = args.page, args.head_dim
+    PAGE, D, COLD = args.page, args.head_dim, args.cold
     dk.PAGE_SPAN = args.page_span
 
     def grid(name: str, default: tuple[int, ...]) -> tuple[int, ...]:
@@ -307,17 +429,22 @@ def main() -> None:
         shapes = [tuple(int(x) for x in item.split("x")) for item in args.shapes.split(",")]
         SHAPES[:], LARGE_SHAPES[:], RULE_SHAPES[:] = shapes, shapes, shapes
         PAGED_RULE_SHAPES[:] = shapes
+        AB_SHAPES[:] = shapes
     defaults = merge_settings()
     if args.sweep == "configs":
         rows = sweep_configs(SHAPES, grid("blocks", (64, 128)), grid("warps", (4, 8)),
                              grid("stages", (3, 4, 5)), grid("splits", (8, 16, 24, 32)))
     elif args.sweep == "rule":
         dk._PLANS.clear()
-        rows = sweep_rule()
+        rows = sweep_rule(args.rounds)
     elif args.sweep == "paged-rule":
         if not PAGE:
             raise SystemExit("--sweep paged-rule needs --page")
         rows = sweep_paged_rule(args.rounds)
+    elif args.sweep == "ab":
+        if not args.base_configs:
+            raise SystemExit("--sweep ab needs --base-configs")
+        rows = sweep_ab(args.base_configs, args.rounds)
     elif args.sweep == "merge":
         rows = sweep_merge()
     else:
@@ -325,8 +452,10 @@ def main() -> None:
                              grid("stages", (2, 3)), grid("splits", (1, 2)))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / f"tune_decode_gpu_{args.sweep}.json").write_text(json.dumps(
-            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "page": PAGE, "head_dim": D,
+        name = args.sweep + ("_cold" if COLD else "")
+        (args.out / f"tune_decode_gpu_{name}.json").write_text(json.dumps(
+            {"gpu": torch.cuda.get_device_name(), "sweep": args.sweep, "cold": COLD,
+             "page": PAGE, "head_dim": D,
              "page_span": args.page_span,
              "defaults": {"merge_mode": defaults[0], "merge_tile": defaults[1],
                           "merge_kernel_tile": defaults[2], "merge_kernel_warps": defaults[3]},

@@ -243,8 +243,8 @@ DECODE_TILE = DecodeConfig(64, 4, 3)
 SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
 # decode_shape_config's other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
-LONG_SPLIT_TILE = DecodeConfig(128, 4, 3)
 MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)
+SHORT_PAGED_SPLIT_TILE = DecodeConfig(32, 2, 3)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
@@ -262,34 +262,36 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       wave instead of two with a ragged end. 64 x 8K (512 programs): 739 / 737 -> 684 / 689 us
       (cuDNN 692 / 693). At 48 x 8K (384 programs, one wave either way) 536 vs 531 us; at
       16 x 32K (128 programs, one per SM) 32-key tiles starve each SM: 680 -> 816 us.
-    * Splits of 512 up to 1024 keys: 128-key tiles, half the loop trips and twice the bytes in
-      flight per stage. 1 x 8K (16 splits of 512): 12.3 / 12.4 -> 11.5 / 12.2 us (cuDNN 11.7 /
-      11.8); 2 x 4K (8 of 512): 12.1 / 12.3 -> 11.2 / 11.8 (cuDNN 11.0 / 11.5). Splits of 1024
-      lost (4 x 4K: 28.3 -> 29.1 us; 1 x 16K: 29.2 -> 30.8), and so did splits of 256 (1 x 4K:
-      9.0 -> 9.2).
+    * (Splits of 512 up to 1024 keys used to take 128-key tiles, measured on one replayed call
+      whose keys sat in L2: 1 x 8K 12.3 -> 11.5 us. With the keys cold, as layer after layer
+      of a model reads them, the 64-key tile is the faster. H100, 2026-11-24m, ``--sweep ab
+      --cold`` (medians of 3 interleaved rounds), 128 -> 64 keys: 1 x 8K 16.13 -> 15.68 us,
+      2 x 4K 16.22 -> 15.81, 4 x 2K 16.40 -> 15.88, 8 x 1K 16.62 -> 15.92.)
 
     * One split, more programs than fit 4 per SM: 64-key tiles in 2 stages (48 KB: 4 per SM,
       so fewer and fuller waves than 3 per SM). 128 x 2K (1024 programs): 374.8 -> 352.4 us
       (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
       those starve the SMs at fewer programs).
 
-    ``paged`` (``paged_decode``, bf16 pages): the first rule, and splits of at most two
-    64-key blocks (``paged_split_count`` makes them) in 2 stages rather than 3: a 2-trip loop
-    fills no deeper pipeline. 64 x 8K, H100, 2026-11-23 (``tune_decode_gpu.py --sweep large
-    --page N``): page 16 778 -> 706 us, page 64 756 -> 690 (cuDNN 692); 64-key tiles in 2
-    stages were as good (705 / 699). 1 x 4K in 32 splits, 64-token pages, H100, 2026-11-24: 7.8
-    -> 7.5 us (``--sweep configs --page 64``). The second rule is not measured on pages.
+    ``paged`` (``paged_decode``, bf16 pages): the first rule, and splits of at most four
+    64-key blocks (``paged_split_count`` makes them) in 32-key blocks of 2 warps: twice the
+    programs' loop trips to hide each block's page lookup behind the previous block's loads.
+    64 x 8K, H100, 2026-11-23 (``tune_decode_gpu.py --sweep large --page N``): page 16 778 ->
+    706 us, page 64 756 -> 690 (cuDNN 692). Short splits, keys cold (H100, 2026-11-24m,
+    ``--sweep ab --cold --page N``, medians of 3 interleaved rounds), the previous tiles (64
+    keys, 4 warps, 2 or 3 stages) -> this one, 64-token pages: 1 x 4K 10.72 -> 10.41 us
+    (contiguous keys 9.96, cuDNN 12.9), 1 x 8K 16.76 -> 16.11, 2 x 4K 16.73 -> 16.03, 4 x 2K
+    16.74 -> 16.04, 8 x 1K 16.71 -> 16.15; 16-token pages 1 x 4K 10.84 -> 10.56, 1 x 8K
+    16.92 -> 16.42. Shapes with longer splits were unchanged.
     """
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return ONE_SPLIT_TILE
-    if paged and num_splits > 1 and split_len <= 2 * cfg.block_n:
-        return MANY_PROGRAMS_TILE
+    if paged and num_splits > 1 and split_len <= 4 * cfg.block_n:
+        return SHORT_PAGED_SPLIT_TILE
     if num_splits == 1 and programs > 4 * sms and not paged:
         return MANY_PROGRAMS_TILE
-    if num_splits > 1 and 512 <= split_len < 1024 and not paged:
-        return LONG_SPLIT_TILE
     return cfg
 
 
@@ -306,7 +308,7 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int) -> int:
     H100, 2026-11-24, GPU time (CUDA graph), 32q/8kv bf16, a shuffled pool of 64-token pages
     (256 KiB, the server's default at 8 kv heads x 128), ``tune_decode_gpu.py --sweep
     paged-rule --page 64``, medians of 3 turns, automatic -> doubled splits: D 128 (64-key
-    blocks) 1 x 4K 8.3 -> 7.5 us (2 stages, ``decode_shape_config``; contiguous keys 7.5),
+    blocks) 1 x 4K 8.3 -> 7.5 us (then 2 stages, ``decode_shape_config``; contiguous 7.5),
     2 x 4K 12.1 -> 10.9 (10.5), 1 x 8K 12.2 -> 10.9 (10.4); D 64 (128-key blocks) 2 x 8K
     12.8 -> 11.6 (11.7). 16-token pages alike (1 x 8K 12.2 -> 11.5). Splits of 16 blocks
     lost: D 128 1 x 16K 27.5 -> 28.3, 4 x 4K 27.9 -> 28.1; and of 32: 1 x 32K 48.6 -> 50.2."""

@@ -22,9 +22,9 @@ import torch
 from triton import knobs
 
 from attention_kernels.configs import (
-    LONG_SPLIT_TILE,
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
+    SHORT_PAGED_SPLIT_TILE,
     interpreting,
     many_programs,
     paged_decode_config,
@@ -218,7 +218,6 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                     for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE):
                         calls.append(functools.partial(decode, qd, kv, kv, cu, num_splits=1,
                                                        return_lse=lse, _config=tile))
-                calls += splits(decode, kv, kv, cu, _config=LONG_SPLIT_TILE)
             # Key blocks of the paged decode tiles (a page span needs pages smaller).
             blocks = [paged_decode_config(d, dtype, device).block_n]
             if rule:
@@ -254,7 +253,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                                     _config=paged_decode_config(d, dtype, device))
                     if rule:
                         calls += splits(paged_decode, pages, pages, t, lens,
-                                        _config=MANY_PROGRAMS_TILE)
+                                        _config=SHORT_PAGED_SPLIT_TILE)
     if device.type == "cuda":
         # The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split
         # decode's PDL merge kernel), compiled by eager calls; none where they are the eager

@@ -138,23 +138,28 @@ def test_shape_config_rule() -> None:
     # More than 4 per SM: 2 stages, 4 fit per SM.
     assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d) == DecodeConfig(64, 4, 2)
     assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms, d) == DECODE_TILE  # 3 per SM fit
-    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d) == DecodeConfig(128, 4, 3)
+    # Splits of contiguous keys keep the default tile, long or short.
+    assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 256, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, 64) == DECODE_TILE  # unmeasured
-    # Pages: the one-split rule only.
+    # Pages: the one-split rule, and splits of at most four 64-key blocks in 32-key blocks.
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
         32, 4, 2)
     assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, paged=True) == DECODE_TILE
+    for split_len in (128, 256):
+        assert decode_shape_config(DECODE_TILE, 8, 32, split_len, sms, d,
+                                   paged=True) == DecodeConfig(32, 2, 3)
+    assert decode_shape_config(DECODE_TILE, 8, 32, 257, sms, d, paged=True) == DECODE_TILE
     other = DecodeConfig(32, 4, 3)  # fp32 / D 256: not the rule's to change
     assert decode_shape_config(other, 512, 1, 8192, sms, d) is other
 
 
 @pytest.mark.parametrize(("lens", "splits", "block_n"), [
     ([300] * 7, 1, 32),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
-    ([1100], 2, 128),  # splits of 550 keys
+    ([1100], 2, 64),  # splits of 550 keys: the default tile (cold keys: 128 lost)
     ([300] * 2, 1, 64),  # 4 programs: the default tile
 ])
 def test_shape_rule_is_applied(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,

@@ -322,10 +322,10 @@ def test_paged_split_count(splits: int, est: int, block_n: int, want: int) -> No
 
 def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a (faked) H100 a paged 1 x 4K decode takes twice the automatic splits and
-    runs them in 2 stages; contiguous keys keep the automatic count and tile; the answers
-    match the reference."""
+    runs them in the short paged splits' tile; contiguous keys keep the automatic count and
+    tile; the answers match the reference."""
     from attention_kernels import decode_kernel
-    from attention_kernels.configs import DECODE_TILE, MANY_PROGRAMS_TILE
+    from attention_kernels.configs import DECODE_TILE, SHORT_PAGED_SPLIT_TILE
 
     monkeypatch.setattr(decode_kernel, "paged_decode_config", lambda *a, **k: DECODE_TILE)
     monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
@@ -343,10 +343,10 @@ def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
             assert rel_err(got, want) < TOL[torch.bfloat16]
             (plan,) = decode_kernel._PLANS._plans.values()
             splits, cfg = plan.launch.grid[0], plan.launch.kwargs
-            if fn is paged_decode:
-                assert (splits, cfg["num_stages"]) == (32, MANY_PROGRAMS_TILE.num_stages)
-            else:
-                assert (splits, cfg["num_stages"]) == (16, DECODE_TILE.num_stages)
+            want_splits, tile = ((32, SHORT_PAGED_SPLIT_TILE) if fn is paged_decode
+                                 else (16, DECODE_TILE))
+            assert (splits, cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (
+                want_splits, tile.block_n, tile.num_warps, tile.num_stages)
     finally:
         decode_kernel._PLANS.clear()
 
