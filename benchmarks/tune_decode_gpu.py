@@ -354,36 +354,59 @@ def _base_rules(path: Path):
     return shape_config, mod.paged_split_count
 
 
+def _ab_sets(batch: int, ctx: int, gen: torch.Generator) -> tuple[list[tuple], list[tuple]]:
+    """(our calls' inputs, cuDNN's packed keys) for ``sweep_ab``: one set, or with ``--cold``
+    sets covering ``COLD_BYTES`` that share the queries and metadata. With ``--page``, the
+    keys go into a shuffled pool laid out as the server's (``bench_paged.paged_copy``), the
+    cold sets into pools of the same block table."""
+    from bench_paged import paged_copy
+
+    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device="cuda")
+    cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    nbytes = 2 * batch * ctx * KV_HEADS * D * 2
+    count = max(1, min(MAX_COLD_SETS, -(-COLD_BYTES // nbytes))) if COLD else 1
+    ours, packed, meta = [], [], None
+    for _ in range(count):
+        k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        packed.append((q, k, v, cu))
+        if PAGE:
+            kp, vp, table, lens = paged_copy(k, v, [ctx] * batch, PAGE, gen, meta)
+            meta = table, lens
+            ours.append((q, kp, vp, meta))
+        else:
+            ours.append((q, k, v, cu))
+    return ours, packed
+
+
 def sweep_ab(base: Path, rounds: int) -> list[dict]:
     """The default call (split count and tile as chosen) under this tree's shape rules and
     under ``base``'s (another ``configs.py``), in turn ``rounds`` times, cuDNN beside; medians.
     Contiguous keys, or pages with ``--page``; ``--cold`` over rotating keys and values."""
     sides = {"new": (dk.decode_shape_config, dk.paged_split_count), "base": _base_rules(base)}
     rows = []
+    gen = torch.Generator().manual_seed(0)
     for batch, ctx in AB_SHAPES:
-        q, k, v, cu = inputs(batch, ctx)
-        ref = decode(q, k.reshape(-1, KV_HEADS, D), v.reshape(-1, KV_HEADS, D), torch.arange(
-            0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda"))
-        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else [(q, k, v, cu)]
+        sets, packed = _ab_sets(batch, ctx, gen)
+        ref = decode(*packed[0])
         runs: dict[str, list[float]] = {"new": [], "base": [], "cudnn": []}
         launches = {}
         for _ in range(rounds):
             for name, (shape_config, split_count) in sides.items():
                 dk.decode_shape_config, dk.paged_split_count = shape_config, split_count
                 dk._PLANS.clear()
-                run_decode(q, k, v, cu)
+                run_decode(*sets[0])
                 plan = next(iter(dk._PLANS._plans.values()))
                 kw = plan.launch.kwargs
                 launches[name] = (plan.launch.grid[0], kw["BLOCK_N"], kw["num_warps"],
                                   kw["num_stages"])
-                us = measure(lambda: run_decode(q, k, v, cu), ref,
-                             (lambda _: cold_us(run_decode, sets)) if COLD else gpu_us)
+                us = measure(lambda: run_decode(*sets[0]), ref,
+                             lambda _: cold_us(run_decode, sets))
                 if isinstance(us, str):
                     raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
                 runs[name].append(us)
-            # Pages (``inputs``' table is in order) are the same memory as packed keys.
-            runs["cudnn"].append(cold_us(lambda q, k, v, cu: cudnn_call(
-                q, k.reshape(-1, KV_HEADS, D), v.reshape(-1, KV_HEADS, D), batch, ctx)(), sets))
+            runs["cudnn"].append(cold_us(
+                lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)(), packed))
         dk.decode_shape_config, dk.paged_split_count = sides["new"]
         dk._PLANS.clear()
         med = {name: statistics.median(r) for name, r in runs.items()}

@@ -273,21 +273,25 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
       those starve the SMs at fewer programs).
 
-    ``paged`` (``paged_decode``, bf16 pages): the first rule, and splits of at most four
-    64-key blocks (``paged_split_count`` makes them) in 32-key blocks of 2 warps: twice the
-    programs' loop trips to hide each block's page lookup behind the previous block's loads.
-    64 x 8K, H100, 2026-11-23 (``tune_decode_gpu.py --sweep large --page N``): page 16 778 ->
-    706 us, page 64 756 -> 690 (cuDNN 692). Short splits, keys cold (H100, 2026-11-24m,
-    ``--sweep ab --cold --page N``, medians of 3 interleaved rounds), the previous tiles (64
-    keys, 4 warps, 2 or 3 stages) -> this one, 64-token pages: 1 x 4K 10.72 -> 10.41 us
-    (contiguous keys 9.96, cuDNN 12.9), 1 x 8K 16.76 -> 16.11, 2 x 4K 16.73 -> 16.03, 4 x 2K
-    16.74 -> 16.04, 8 x 1K 16.71 -> 16.15; 16-token pages 1 x 4K 10.84 -> 10.56, 1 x 8K
-    16.92 -> 16.42. Shapes with longer splits were unchanged.
+    ``paged`` (``paged_decode``, bf16 pages): the first rule; splits of at most two 64-key
+    blocks in 2 stages rather than 3 (a 2-trip loop fills no deeper pipeline); splits of three
+    or four (``paged_split_count`` makes them) in 32-key blocks of 2 warps: twice the loop
+    trips, each block's page lookup hidden behind the previous block's loads. 64 x 8K, H100,
+    2026-11-23 (``tune_decode_gpu.py --sweep large --page N``): page 16 778 -> 706 us, page 64
+    756 -> 690 (cuDNN 692). Short splits, H100, 2026-11-24m, ``--sweep ab [--cold] --page N``
+    (the server's shuffled pool layout, medians of 3 interleaved rounds), 64-key blocks of 4
+    warps -> 32-key blocks of 2, 64-token pages, keys cold / in L2: 1 x 8K 16.89 -> 16.45 /
+    10.97 -> 10.80 us, 2 x 4K 17.00 -> 16.52 / 10.55 -> 10.52, 4 x 2K 16.94 -> 16.41 / 10.60
+    -> 10.42, 8 x 1K 17.05 -> 16.56 / 10.64 -> 10.55; 16-token pages (cold) 1 x 8K 17.19 ->
+    16.74. Splits of two blocks (1 x 4K) split the regimes: cold 10.85 -> 10.61 but in L2
+    7.47 -> 7.80, so they keep the 2-stage tile.
     """
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         return ONE_SPLIT_TILE
+    if paged and num_splits > 1 and split_len <= 2 * cfg.block_n:
+        return MANY_PROGRAMS_TILE
     if paged and num_splits > 1 and split_len <= 4 * cfg.block_n:
         return SHORT_PAGED_SPLIT_TILE
     if num_splits == 1 and programs > 4 * sms and not paged:

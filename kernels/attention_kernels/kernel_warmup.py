@@ -252,8 +252,8 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                     calls += splits(paged_decode, pages, pages, t, lens,
                                     _config=paged_decode_config(d, dtype, device))
                     if rule:
-                        calls += splits(paged_decode, pages, pages, t, lens,
-                                        _config=SHORT_PAGED_SPLIT_TILE)
+                        for tile in (MANY_PROGRAMS_TILE, SHORT_PAGED_SPLIT_TILE):
+                            calls += splits(paged_decode, pages, pages, t, lens, _config=tile)
     if device.type == "cuda":
         # The variants CUDA-graph callers take (``for_cuda_graphs``: on Hopper the split
         # decode's PDL merge kernel), compiled by eager calls; none where they are the eager

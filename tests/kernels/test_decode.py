@@ -144,12 +144,15 @@ def test_shape_config_rule() -> None:
     assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, 64) == DECODE_TILE  # unmeasured
-    # Pages: the one-split rule, and splits of at most four 64-key blocks in 32-key blocks.
+    # Pages: the one-split rule; splits of two 64-key blocks in 2 stages, of three or four in
+    # 32-key blocks of 2 warps.
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
         32, 4, 2)
     assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, paged=True) == DECODE_TILE
-    for split_len in (128, 256):
+    assert decode_shape_config(DECODE_TILE, 8, 32, 128, sms, d, paged=True) == DecodeConfig(
+        64, 4, 2)
+    for split_len in (129, 256):
         assert decode_shape_config(DECODE_TILE, 8, 32, split_len, sms, d,
                                    paged=True) == DecodeConfig(32, 2, 3)
     assert decode_shape_config(DECODE_TILE, 8, 32, 257, sms, d, paged=True) == DECODE_TILE

@@ -322,10 +322,14 @@ def test_paged_split_count(splits: int, est: int, block_n: int, want: int) -> No
 
 def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a (faked) H100 a paged 1 x 4K decode takes twice the automatic splits and
-    runs them in the short paged splits' tile; contiguous keys keep the automatic count and
-    tile; the answers match the reference."""
+    runs them in 2 stages, and 1 x 8K in the short paged splits' tile; contiguous keys keep
+    the automatic count and tile; the answers match the reference."""
     from attention_kernels import decode_kernel
-    from attention_kernels.configs import DECODE_TILE, SHORT_PAGED_SPLIT_TILE
+    from attention_kernels.configs import (
+        DECODE_TILE,
+        MANY_PROGRAMS_TILE,
+        SHORT_PAGED_SPLIT_TILE,
+    )
 
     monkeypatch.setattr(decode_kernel, "paged_decode_config", lambda *a, **k: DECODE_TILE)
     monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
@@ -337,16 +341,19 @@ def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
         c = Paged([4000], 16, 8, 128, torch.bfloat16)
         q = randn(1, 32, 128, dtype=torch.bfloat16)
         want = paged_decode_ref(q.double(), *c.double(), c.seqlens_k)
-        for fn, args in ((paged_decode, (*c.cache, c.seqlens_k)), (decode, (c.k, c.v, c.cu_k))):
-            decode_kernel._PLANS.clear()
-            got = fn(q, *args, max_seqlen_k=4096)
-            assert rel_err(got, want) < TOL[torch.bfloat16]
-            (plan,) = decode_kernel._PLANS._plans.values()
-            splits, cfg = plan.launch.grid[0], plan.launch.kwargs
-            want_splits, tile = ((32, SHORT_PAGED_SPLIT_TILE) if fn is paged_decode
-                                 else (16, DECODE_TILE))
-            assert (splits, cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (
-                want_splits, tile.block_n, tile.num_warps, tile.num_stages)
+        # The hint sizes the splits: 4K keys make splits of two 64-key blocks, 8K of four.
+        for hint, paged_tile in ((4096, MANY_PROGRAMS_TILE), (8192, SHORT_PAGED_SPLIT_TILE)):
+            for fn, args in ((paged_decode, (*c.cache, c.seqlens_k)),
+                             (decode, (c.k, c.v, c.cu_k))):
+                decode_kernel._PLANS.clear()
+                got = fn(q, *args, max_seqlen_k=hint)
+                assert rel_err(got, want) < TOL[torch.bfloat16]
+                (plan,) = decode_kernel._PLANS._plans.values()
+                splits, cfg = plan.launch.grid[0], plan.launch.kwargs
+                want_splits, tile = ((32, paged_tile) if fn is paged_decode
+                                     else (16, DECODE_TILE))
+                assert (splits, cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (
+                    want_splits, tile.block_n, tile.num_warps, tile.num_stages)
     finally:
         decode_kernel._PLANS.clear()
 
