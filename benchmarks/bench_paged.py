@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import math
 import os
@@ -93,11 +94,6 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, lens: list[int], page_tokens: i
     return k_pages, v_pages, table, seqlens
 
 
-def _call(fn, *args, **kwargs):
-    """``fn`` bound to these inputs (a cold-L2 timing's copy of them)."""
-    return lambda: fn(*args, **kwargs)
-
-
 def cu(lengths: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
                         device=device)
@@ -120,7 +116,8 @@ def decode_rows(shapes: list[tuple[int, int, int]], page_sizes: list[int], heads
                 "contiguous_GBps": nbytes / timer.ms(contiguous) / 1e6,
                 "contiguous_graph_us": timer.graph_us(contiguous),
                 "contiguous_cold_us": timer.cold_us(
-                    lambda: _call(decode, q, k.clone(), v.clone(), cus, max_seqlen_k=ctx),
+                    lambda: functools.partial(decode, q, k.clone(), v.clone(), cus,
+                                              max_seqlen_k=ctx),
                     nbytes)}
         if not timer.smoke:  # SDPA cuDNN on dense [B, H_kv, L, D] caches, as bench_kernels
             qd = q[:, :, None, :]
@@ -148,7 +145,7 @@ def decode_rows(shapes: list[tuple[int, int, int]], page_sizes: list[int], heads
             row["paged_GBps"] = nbytes / timer.ms(paged) / 1e6
             row["paged_graph_us"] = timer.graph_us(paged)
             row["paged_cold_us"] = timer.cold_us(  # pools of other layers, one block table
-                lambda pt=page_tokens, meta=(table, seqlens): _call(
+                lambda pt=page_tokens, meta=(table, seqlens): functools.partial(
                     paged_decode, q, *paged_copy(k, v, lens, pt, gen, meta), max_seqlen_k=ctx),
                 nbytes)
             row["paged_over_contiguous_cold"] = row["contiguous_cold_us"] / row["paged_cold_us"]

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import COLD_BYTES, MAX_COLD_SETS, graph_us, sdpa  # noqa: E402
+from bench_kernels import graph_cold_us, graph_us, sdpa  # noqa: E402
 from torch.nn.attention import SDPBackend  # noqa: E402
 
 from attention_kernels import decode  # noqa: E402
@@ -43,13 +43,6 @@ def _read_kernel(X, Out, n, per_program, BLOCK: tl.constexpr):
 @triton.jit
 def _empty_kernel(Out):
     pass
-
-
-def cold_us(make, nbytes: int) -> float:
-    """Per-call GPU us of ``make()``'s calls over copies covering ``COLD_BYTES``."""
-    sets = max(1, min(MAX_COLD_SETS, -(-COLD_BYTES // nbytes)))
-    calls = [make() for _ in range(sets)]
-    return graph_us(lambda: [c() for c in calls]) / sets
 
 
 def read_call(nbytes: int, programs: int):
@@ -73,7 +66,7 @@ def main() -> None:
         nbytes = 2 * ctx * 8 * 128 * 2  # K and V of 1 x ctx keys, 8 kv heads x 128 bf16
         row = {"ctx": ctx, "bytes": nbytes}
         for programs in (sms, 2 * sms, 4 * sms, 8 * sms):
-            us = cold_us(lambda p=programs: read_call(nbytes, p), nbytes)
+            us = graph_cold_us(lambda p=programs: read_call(nbytes, p), nbytes)
             row[f"read_{programs}_us"] = us
         q = torch.randn(1, 32, 128, dtype=torch.bfloat16, device="cuda")
         cu = torch.tensor([0, ctx], dtype=torch.int32, device="cuda")
@@ -88,8 +81,8 @@ def main() -> None:
             return sdpa(SDPBackend.CUDNN_ATTENTION, q[:, :, None], k, torch.randn_like(k),
                         False, gqa=True)
 
-        row["ours_decode_us"] = cold_us(ours, nbytes)
-        row["cudnn_decode_us"] = cold_us(cudnn, nbytes)
+        row["ours_decode_us"] = graph_cold_us(ours, nbytes)
+        row["cudnn_decode_us"] = graph_cold_us(cudnn, nbytes)
         reads = {k: v for k, v in row.items() if k.startswith("read_")}
         best = min(reads.values())
         print(f"1 x {ctx} ({nbytes / 2**20:.0f} MiB), cold: read "

@@ -11,14 +11,16 @@ merge's tile) at the small-batch shapes, over split counts.
 ``rule``: the default (``configs.decode_shape_config``'s tile) against the fixed ``DECODE_TILE``
 at the same split count, over shapes on both sides of the rule's bounds.
 ``paged-rule`` (with ``--page``): paged decode over a shuffled page pool (bench_paged.py's)
-with and without its short-split rule (``configs.paged_split_count`` and the 2-stage tile),
+with and without its short-split rule (``configs.paged_split_count`` and the short-split
+tiles),
 in turn ``--rounds`` times, against contiguous keys and cuDNN.
 ``ab`` (with ``--base-configs FILE``): the default calls under this tree's shape rules
 (``decode_shape_config``, ``paged_split_count``) and under another ``configs.py``'s, in turn.
 ``--cold`` (configs, large, rule, ab): each config's GPU time over rotating copies of the keys and
 values (``bench_kernels.graph_cold_us``), so they come from HBM as in a model's decode, not
 from L2 (a 1 x 4K cache is 16 MiB); cuDNN likewise.
-``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens;
+``--page N``: the same sweeps through ``paged_decode`` over pages of N tokens (configs, rule,
+ab: a shuffled pool laid out as the server's; the others: pages in order);
 ``--page-span N`` with it: ``decode_kernel.PAGE_SPAN`` (0: per-block page lookups).
 ``--blocks/--warps/--stages/--splits``: override the ``configs``/``large`` grids (comma lists).
 
@@ -40,7 +42,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import COLD_BYTES, MAX_COLD_SETS, for_graphs  # noqa: E402
+from bench_kernels import cold_set_count, for_graphs  # noqa: E402
 
 from attention_kernels import decode, paged_decode  # noqa: E402
 from attention_kernels import decode_kernel as dk  # noqa: E402
@@ -132,26 +134,51 @@ def set_merge(mode: str, tile: int, warps: int = 4) -> None:
 
 
 def cold_us(call, sets: list[tuple]) -> float:
-    """GPU us per call of ``call(*inputs)`` cycling through ``sets`` (a cold L2: see
-    ``bench_kernels.graph_cold_us``)."""
+    """GPU us per call of ``call(*inputs)`` cycling through ``sets`` (``input_sets``: one set
+    is ``gpu_us``; more, with ``--cold``, a cold L2: see ``bench_kernels.graph_cold_us``)."""
     return gpu_us(lambda: [call(*s) for s in sets]) / len(sets)
+
+
+def cudnn_packed(batch: int, ctx: int):
+    """``call(q, k, v, cu)`` of SDPA cuDNN on packed keys (``input_sets``' second list)."""
+    return lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)()
+
+
+def input_sets(batch: int, ctx: int, gen: torch.Generator) -> tuple[list[tuple], list[tuple]]:
+    """(our calls' inputs, the same keys packed for the reference and cuDNN): one set, or with
+    ``--cold`` sets covering ``bench_kernels.COLD_BYTES`` that share the queries and metadata,
+    as a step's layers do. With ``--page``, the keys go into a shuffled pool laid out as the
+    server's (``bench_paged.paged_copy``), the cold sets into pools of the same block table."""
+    from bench_paged import paged_copy
+
+    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device="cuda")
+    cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
+    count = cold_set_count(2 * batch * ctx * KV_HEADS * D * 2) if COLD else 1
+    ours, packed, meta = [], [], None
+    for _ in range(count):
+        k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
+        v = torch.randn_like(k)
+        packed.append((q, k, v, cu))
+        if PAGE:
+            kp, vp, table, lens = paged_copy(k, v, [ctx] * batch, PAGE, gen, meta)
+            meta = table, lens
+            ours.append((q, kp, vp, meta))
+        else:
+            ours.append((q, k, v, cu))
+    return ours, packed
 
 
 def sweep_configs(shapes, blocks, warps, stages, splits) -> list[dict]:
     rows = []
+    gen = torch.Generator().manual_seed(0)
     for batch, ctx in shapes:
-        q, k, v, cu = inputs(batch, ctx)
-        ref = run_decode(q, k, v, cu)
-        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else []
+        sets, packed = input_sets(batch, ctx, gen)
+        ref = decode(*packed[0])
 
         def timed(call):
-            return measure(lambda: call(q, k, v, cu), ref,
-                           (lambda _: cold_us(call, sets)) if COLD else gpu_us)
+            return measure(lambda: call(*sets[0]), ref, lambda _: cold_us(call, sets))
 
-        if COLD:
-            peer = cold_us(lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)(), sets)
-        else:
-            peer = cudnn_us(q, k, v, batch, ctx)
+        peer = cold_us(cudnn_packed(batch, ctx), packed)
         default = timed(run_decode)
         best = (default, "default")
         for bn, w, st, sp in itertools.product(blocks, warps, stages, splits):
@@ -218,43 +245,31 @@ RULE_SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 16384), (8, 4096)
                (64, 8192), (96, 4096), (128, 2048)]
 
 
-def _cold_sets(q, k, v, cu, batch: int, ctx: int) -> list[tuple]:
-    """The inputs and others covering ``COLD_BYTES`` (``cold_us``): new keys and values, the
-    same queries and ``cu`` (a step's layers share their metadata; paged: block table and
-    lengths over another pool)."""
-    n = max(1, min(MAX_COLD_SETS, -(-COLD_BYTES // (2 * k.numel() * k.element_size()))))
-    return [(q, k, v, cu)] + [(q, *inputs(batch, ctx)[1:3], cu) for _ in range(n - 1)]
-
-
 def sweep_rule(rounds: int = 1) -> list[dict]:
     """The shape rule's tile against ``DECODE_TILE`` at the same split count, in turn
-    ``rounds`` times (medians); with ``--cold`` over rotating input copies."""
+    ``rounds`` times (medians); with ``--cold`` over rotating keys and values."""
     rows = []
+    gen = torch.Generator().manual_seed(0)
     for batch, ctx in RULE_SHAPES:
-        q, k, v, cu = inputs(batch, ctx)
-        ref = run_decode(q, k, v, cu)
-        sets = _cold_sets(q, k, v, cu, batch, ctx) if COLD else []
+        sets, packed = input_sets(batch, ctx, gen)
+        ref = decode(*packed[0])
         dk._PLANS.clear()
-        run_decode(q, k, v, cu)
+        run_decode(*sets[0])
         plan = next(iter(dk._PLANS._plans.values()))  # the default call's (only) plan
         splits = plan.merge_scalars[-1] if plan.merge_scalars else 1
         tile = plan.launch.kwargs["BLOCK_N"], plan.launch.kwargs["num_stages"]
         sides = {"rule": run_decode,
                  "fixed": lambda q, k, v, cu, s=splits: run_decode(
-                     q, k, v, cu, num_splits=s, _config=DECODE_TILE),
-                 "cudnn": lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)()}
-        runs: dict[str, list[float]] = {name: [] for name in sides}
+                     q, k, v, cu, num_splits=s, _config=DECODE_TILE)}
+        runs: dict[str, list[float]] = {name: [] for name in (*sides, "cudnn")}
         for _ in range(rounds):
             for name, call in sides.items():
-                if COLD:
-                    us = cold_us(call, sets)
-                elif name == "cudnn":
-                    us = gpu_us(lambda call=call: call(q, k, v, cu))
-                else:
-                    us = measure(lambda call=call: call(q, k, v, cu), ref)
+                us = measure(lambda call=call: call(*sets[0]), ref,
+                             lambda _, call=call: cold_us(call, sets))
                 if isinstance(us, str):
                     raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
                 runs[name].append(us)
+            runs["cudnn"].append(cold_us(cudnn_packed(batch, ctx), packed))
         dk._PLANS.clear()
         med = {name: statistics.median(r) for name, r in runs.items()}
         peer, rule, fixed = med["cudnn"], med["rule"], med["fixed"]
@@ -280,8 +295,9 @@ def sweep_paged_rule(rounds: int) -> list[dict]:
     plain_shape_config = dk.decode_shape_config
 
     def without_rule(cfg, programs, num_splits, split_len, sms, block_d, paged=False):
-        got = plain_shape_config(cfg, programs, num_splits, split_len, sms, block_d, paged)
-        return cfg if paged and num_splits > 1 and got == configs.MANY_PROGRAMS_TILE else got
+        if paged and num_splits > 1:  # the short-split tiles are the rule's
+            return cfg
+        return plain_shape_config(cfg, programs, num_splits, split_len, sms, block_d, paged)
 
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -354,31 +370,6 @@ def _base_rules(path: Path):
     return shape_config, mod.paged_split_count
 
 
-def _ab_sets(batch: int, ctx: int, gen: torch.Generator) -> tuple[list[tuple], list[tuple]]:
-    """(our calls' inputs, cuDNN's packed keys) for ``sweep_ab``: one set, or with ``--cold``
-    sets covering ``COLD_BYTES`` that share the queries and metadata. With ``--page``, the
-    keys go into a shuffled pool laid out as the server's (``bench_paged.paged_copy``), the
-    cold sets into pools of the same block table."""
-    from bench_paged import paged_copy
-
-    q = torch.randn(batch, HEADS, D, dtype=torch.bfloat16, device="cuda")
-    cu = torch.arange(0, (batch + 1) * ctx, ctx, dtype=torch.int32, device="cuda")
-    nbytes = 2 * batch * ctx * KV_HEADS * D * 2
-    count = max(1, min(MAX_COLD_SETS, -(-COLD_BYTES // nbytes))) if COLD else 1
-    ours, packed, meta = [], [], None
-    for _ in range(count):
-        k = torch.randn(batch * ctx, KV_HEADS, D, dtype=torch.bfloat16, device="cuda")
-        v = torch.randn_like(k)
-        packed.append((q, k, v, cu))
-        if PAGE:
-            kp, vp, table, lens = paged_copy(k, v, [ctx] * batch, PAGE, gen, meta)
-            meta = table, lens
-            ours.append((q, kp, vp, meta))
-        else:
-            ours.append((q, k, v, cu))
-    return ours, packed
-
-
 def sweep_ab(base: Path, rounds: int) -> list[dict]:
     """The default call (split count and tile as chosen) under this tree's shape rules and
     under ``base``'s (another ``configs.py``), in turn ``rounds`` times, cuDNN beside; medians.
@@ -387,7 +378,7 @@ def sweep_ab(base: Path, rounds: int) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for batch, ctx in AB_SHAPES:
-        sets, packed = _ab_sets(batch, ctx, gen)
+        sets, packed = input_sets(batch, ctx, gen)
         ref = decode(*packed[0])
         runs: dict[str, list[float]] = {"new": [], "base": [], "cudnn": []}
         launches = {}
@@ -405,8 +396,7 @@ def sweep_ab(base: Path, rounds: int) -> list[dict]:
                 if isinstance(us, str):
                     raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
                 runs[name].append(us)
-            runs["cudnn"].append(cold_us(
-                lambda q, k, v, cu: cudnn_call(q, k, v, batch, ctx)(), packed))
+            runs["cudnn"].append(cold_us(cudnn_packed(batch, ctx), packed))
         dk.decode_shape_config, dk.paged_split_count = sides["new"]
         dk._PLANS.clear()
         med = {name: statistics.median(r) for name, r in runs.items()}
@@ -430,7 +420,7 @@ def main() -> None:
     ap.add_argument("--base-configs", type=Path,
                     help="ab: another configs.py, whose shape rules are the base side")
     ap.add_argument("--cold", action="store_true",
-                    help="configs/large/rule: GPU time with a cold L2 (rotating input copies)")
+                    help="configs/large/rule/ab: GPU time with a cold L2 (rotating K/V copies)")
     ap.add_argument("--rounds", type=int, default=3, help="rule, paged-rule, ab: turns per shape")
     ap.add_argument("--shapes", default=None,
                     help="override the sweep's shapes: comma list of BATCHxCTX, e.g. 128x2048")

@@ -248,7 +248,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                                 paged_decode, qd, pages, pages, t, lens, num_splits=1,
                                 return_lse=lse, _config=ONE_SPLIT_TILE))
                     # The tile named: these splits are short, and on Hopper short paged
-                    # splits take the 2-stage tile (decode_shape_config), compiled next.
+                    # splits take the short-split tiles (decode_shape_config), compiled next.
                     calls += splits(paged_decode, pages, pages, t, lens,
                                     _config=paged_decode_config(d, dtype, device))
                     if rule:

@@ -587,9 +587,9 @@ def test_warmup_compiles_the_paged_variants() -> None:
 @pytest.mark.skipif(not ON_GPU, reason="compiled variants exist on a GPU only")
 def test_warmup_compiles_what_paged_decode_serves() -> None:
     """After ``warmup`` at D 128 with 16-token pages, paged decodes of other batch sizes,
-    lengths, GQA ratios and table widths (the one-split rule's tile at 64 x 8 kv heads, short
-    splits in 2 stages at 1 x 4K with its length hinted, and per-block page lookups
-    included), eager or for CUDA graphs, compile nothing new."""
+    lengths, GQA ratios and table widths (the one-split rule's tile at 64 x 8 kv heads, the
+    short-split tiles at 1 x 4K and 1 x 8K with their lengths hinted, and per-block page
+    lookups included), eager or for CUDA graphs, compile nothing new."""
     import contextlib
 
     from attention_kernels import decode_kernel, for_cuda_graphs, warmup
@@ -600,7 +600,8 @@ def test_warmup_compiles_what_paged_decode_serves() -> None:
 
     warmup((128,), (torch.bfloat16,), DEVICE, page_tokens=(16,))
     before = variants()
-    for batch, ctx, heads, kv_heads, width in ((1, 4096, 32, 8, 0), (64, 1024, 32, 8, 0),
+    for batch, ctx, heads, kv_heads, width in ((1, 4096, 32, 8, 0), (1, 8192, 32, 8, 0),
+                                               (64, 1024, 32, 8, 0),
                                                (3, 1000, 16, 2, 0), (2, 300, 32, 8, 5000)):
         # The last: a table too wide for one page span per split (per-block lookups).
         c = Paged([ctx] * batch, 16, kv_heads, 128, torch.bfloat16, width=width)
