@@ -32,7 +32,8 @@
 #   profile-sessions  the same for KV-cache decode steps (bench_sessions.py load, 1 and 64
 #              clients, the default front-end count)
 #   trace-step benchmarks/trace_step.py: one client's decode step, a timestamp at every hand-off
-#              in every server process (the default front-end count, then --frontends 1)
+#              in every server process (steps on one stream, then unary calls, at the default
+#              front-end count; then steps on one stream with --frontends 1)
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients)
@@ -153,9 +154,10 @@ for s in "$@"; do
                --out "$OUT" --load sessions --clients 1 --frontends 0
              stage profile-sessions-64 150 python3 benchmarks/profile_group.py --out "$OUT" \
                --load sessions --clients 64 --frontends 0 ;;
-    trace-step) stage trace-step 200 python3 benchmarks/trace_step.py --out "$OUT"
-                stage trace-step-1fe 200 python3 benchmarks/trace_step.py --frontends 1 \
-                  --out "$OUT" ;;
+    trace-step) stage trace-step 200 python3 benchmarks/trace_step.py --stream --out "$OUT"
+                stage trace-step-unary 200 python3 benchmarks/trace_step.py --out "$OUT"
+                stage trace-step-1fe 200 python3 benchmarks/trace_step.py --stream \
+                  --frontends 1 --out "$OUT" ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \

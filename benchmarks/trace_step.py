@@ -37,15 +37,24 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import Server, server_info  # noqa: E402
-from bench_sessions import METHOD, Shapes, _call, _requests, add_shape_args  # noqa: E402
+from bench_sessions import (  # noqa: E402
+    METHOD,
+    Shapes,
+    _call,
+    _requests,
+    _StepStream,
+    add_shape_args,
+)
 
 from attention_wire.pb import attention_pb2 as pb  # noqa: E402
 
 HOOKS = Path(__file__).resolve().parent / "step_trace_hooks"
 
 
-async def _drive(target: str, s: Shapes, steps: int, warm: int) -> list[tuple[int, int, float]]:
-    """(t0 ns, t1 ns, kernel seconds) of each measured step."""
+async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool
+                 ) -> list[tuple[int, int, float]]:
+    """(t0 ns, t1 ns, kernel seconds) of each measured step; ``stream``: the steps go on one
+    CacheDecodeSteps stream (``client.decode_steps()``), else a unary call each."""
     setup, step = _requests(s, "sessions", "trace", 0)
     async with grpc.aio.insecure_channel(target) as ch:
         create = ch.unary_unary(METHOD + "CreateCaches",
@@ -54,12 +63,20 @@ async def _drive(target: str, s: Shapes, steps: int, warm: int) -> list[tuple[in
         await create(pb.CreateCachesRequest(cache_ids=["trace"], layout=s.layout()), timeout=60)
         await _call(ch, "AppendKV", setup)
         out = []
-        for i in range(warm + steps):
-            t0 = time.perf_counter_ns()
-            stats = await _call(ch, "CacheDecode", step, unary=True)
-            t1 = time.perf_counter_ns()
-            if i >= warm:
-                out.append((t0, t1, stats.kernel_seconds))
+        steps_stream = _StepStream(ch) if stream else None
+        try:
+            for i in range(warm + steps):
+                t0 = time.perf_counter_ns()
+                if steps_stream is not None:
+                    stats = await steps_stream.step(step[0])
+                else:
+                    stats = await _call(ch, "CacheDecode", step, unary=True)
+                t1 = time.perf_counter_ns()
+                if i >= warm:
+                    out.append((t0, t1, stats.kernel_seconds))
+        finally:
+            if steps_stream is not None:
+                steps_stream.close()
         return out
 
 
@@ -112,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--warm-steps", type=int, default=200)
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
+    p.add_argument("--stream", action="store_true",
+                   help="steps on one CacheDecodeSteps stream (default: a unary call each)")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(kv_dtype=None, max_batch_tokens=None, max_queue_delay_ms=None,
                    server_log_level="WARNING", startup_timeout=600.0)
@@ -132,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.update(env_before)
         try:
             info = server_info(server.target)
-            steps = asyncio.run(_drive(server.target, s, args.steps, args.warm_steps))
+            steps = asyncio.run(_drive(server.target, s, args.steps, args.warm_steps,
+                                       args.stream))
             time.sleep(1.2)  # the hooks write every 0.5 s
         finally:
             server.stop()
