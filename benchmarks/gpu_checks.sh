@@ -34,6 +34,8 @@
 #   trace-step benchmarks/trace_step.py: one client's decode step, a timestamp at every hand-off
 #              in every server process (steps on one stream, then unary calls, at the default
 #              front-end count; then steps on one stream with --frontends 1)
+#   trace-call benchmarks/trace_call.py: one client's region call (CUDA IPC with and without
+#              out=, system shm with out=), client and server hand-offs; then CUDA IPC, 1 process
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients)
@@ -158,6 +160,12 @@ for s in "$@"; do
                 stage trace-step-unary 200 python3 benchmarks/trace_step.py --out "$OUT"
                 stage trace-step-1fe 200 python3 benchmarks/trace_step.py --stream \
                   --frontends 1 --out "$OUT" ;;
+    trace-call) for path in ipc-out ipc shm-out; do
+                  stage trace-call-$path 200 python3 benchmarks/trace_call.py --path $path \
+                    --out "$OUT"
+                done
+                stage trace-call-ipc-out-1fe 200 python3 benchmarks/trace_call.py \
+                  --path ipc-out --frontends 1 --out "$OUT" ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \

@@ -61,6 +61,25 @@ TARGETS = [
     ("torch.cuda.graphs", "CUDAGraph.replay"),
     ("torch.cuda.streams", "Event.record"),
     ("torch", "Tensor.copy_"),
+    # The general launch path (prefill, regions: benchmarks/trace_call.py).
+    ("attention_service.engine.regions", "RegionRegistry.acquire"),
+    ("attention_service.engine.cuda_launch", "launch_on_stream"),
+    ("attention_service.engine.cuda_launch", "_cu_seqlens"),
+    ("attention_kernels", "prefill"),
+    ("torch.cuda.streams", "Event.synchronize"),
+]
+
+# The client's side of a call (installed by trace_call.py in its own process).
+CLIENT_TARGETS = [
+    ("attention_client.client", "AttentionClient.attention"),
+    ("attention_client.client", "AttentionClient._run"),
+    ("attention_client.client", "AttentionClient._assemble"),
+    ("attention_client._requests", "prepare_prefill"),
+    ("attention_client._regions", "Placement.input"),
+    ("attention_client._regions", "Placement.user_output"),
+    ("attention_client._regions", "Placement.synchronize"),
+    ("attention_client._regions", "Placement.finish"),
+    ("grpc._channel", "_UnaryUnaryMultiCallable.__call__"),
 ]
 
 # (module, function, label): functions that make a handler; the handlers they return are timed.
@@ -96,8 +115,8 @@ def _wrap(label: str, fn):  # noqa: ANN001, ANN202
     return timed
 
 
-def _install() -> None:
-    for module_name, path in TARGETS:
+def _install(targets: list[tuple[str, str]] = TARGETS) -> None:
+    for module_name, path in targets:
         try:
             owner = importlib.import_module(module_name)
         except Exception:  # noqa: BLE001 (e.g. a process without torch: skip its hooks)

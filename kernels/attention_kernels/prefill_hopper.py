@@ -67,6 +67,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from attention_kernels._launch import KernelLaunch
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
 
 
@@ -642,7 +643,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
                       consumers: int = 2, programs: int | None = None, dynamic: bool = False,
                       end_tiles: bool | None = None, pingpong: bool | None = None,
                       consumer_regs: int | None = None, producer_regs: int | None = None,
-                      kv_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+                      kv_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                      launches: dict[tuple[object, ...], KernelLaunch] | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
     with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
     ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
@@ -672,7 +674,13 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     8K / 16K: D 128 non-causal 598 / 609 / 587 -> 605 / 607 / 624 (the rounds without ran
     bimodal, 562-635 at 16K; with, 617-636), causal 510 / 551 / 575 -> 522 / 548 / 573; D 64
     non-causal 455 / 455 / 463 -> 472 / 491 / 497, causal 388 / 415 / 419 -> 387 / 416 / 438.
-    fp16 alike, except D 64 causal at 4K: 379 -> 369."""
+    fp16 alike, except D 64 causal at 4K: 379 -> 369.
+
+    ``launches``: a caller's cache of this kernel's launches (``_launch.KernelLaunch``), for
+    calls whose arguments Triton specializes alike (``prefill``'s plans are keyed on exactly
+    that): repeated calls then skip Triton's argument binding. Host time of one launch inside
+    the service's prefill of 8192 x 16 x 128 (H100, ``trace_call.py``, 2026-11-24): 280-340 us
+    through ``kernel[grid]`` on an idle engine."""
     if consumers not in _REGS:
         raise ValueError(f"consumers must be one of {sorted(_REGS)}, got {consumers}")
     c_regs = consumer_regs if consumer_regs is not None else _REGS[consumers][0]
@@ -689,14 +697,22 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
     k_scale, v_scale, stride_sb = kv_scales if kv_scales is not None else (cu_q, cu_q, 0)
-    _hopper_prefill_ws_kernel[(grid,)](
-        descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
-        lse if lse is not None else out, cu_q, cu_k, counter, k_scale, v_scale,
-        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
-        scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
+    constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
         Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
         END_TILES=end_tiles,
         RETURN_LSE=lse is not None, PINGPONG=pingpong, KV_SCALES=kv_scales is not None,
         CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
+    )
+    key = (grid, *constexprs.values())
+    launch = launches.get(key) if launches is not None else None
+    if launch is None:
+        launch = KernelLaunch(_hopper_prefill_ws_kernel, (grid,), constexprs)
+        if launches is not None:
+            launches[key] = launch
+    launch(
+        descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
+        lse if lse is not None else out, cu_q, cu_k, counter, k_scale, v_scale,
+        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
+        scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
     )

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -683,6 +683,9 @@ class _PrefillPlan:
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
     widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
+    # The Gluon kernel's launches (``hopper_prefill_ws``): the plan's key is everything
+    # Triton specializes them on, so each is bound once.
+    gluon_launches: dict[tuple[object, ...], KernelLaunch] = field(default_factory=dict)
 
 
 def _plan(
@@ -816,7 +819,8 @@ def _run(
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
-                          dynamic=True, kv_scales=scales, **_GLUON_TILES[q.shape[2]])
+                          dynamic=True, kv_scales=scales, launches=plan.gluon_launches,
+                          **_GLUON_TILES[q.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)

@@ -209,6 +209,35 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+def test_repeated_prefill_reuses_its_bound_gluon_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repeated call of one shape goes straight to the kernel Triton compiled for the first
+    (the plan's ``gluon_launches``: one launch, its compiled kernel kept) and is right on
+    fresh inputs and outputs every time, lse included; other lengths of the same shape too
+    (``cu_seqlens`` values are run-time arguments, not part of the key)."""
+    monkeypatch.setattr(prefill_kernel, "_PLANS", type(prefill_kernel._PLANS)())
+    for i, lens in enumerate(([8192, 77], [8192, 77], [77, 8192])):
+        cu = cu_seqlens(lens)
+        q = randn(sum(lens), 8, 128, dtype=torch.bfloat16)
+        kv = randn(sum(lens), 2, 128, dtype=torch.bfloat16)
+        out = torch.empty_like(q)
+        lse_out = torch.empty(8, q.shape[0], dtype=torch.float32, device=DEVICE)
+        poison_(out)
+        poison_(lse_out)
+        got, lse = prefill(q, kv, kv, cu, causal=i == 1, return_lse=True, out=out,
+                           lse_out=lse_out)
+        ref, ref_lse = prefill_ref(q.double(), kv.double(), kv.double(), cu, causal=i == 1,
+                                   return_lse=True)
+        assert torch.isfinite(got).all()
+        assert ((got.double() - ref).norm() / ref.norm()).item() < TOL[torch.bfloat16]
+        check_lse(lse, ref_lse, torch.bfloat16)
+    plans = list(prefill_kernel._PLANS._plans.values())
+    assert len(plans) == 2  # non-causal (calls 1 and 3: other lengths, one shape) and causal
+    for plan in plans:
+        assert plan.gluon and len(plan.gluon_launches) == 1
+        assert next(iter(plan.gluon_launches.values())).compiled is not None
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
 @pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
 @pytest.mark.parametrize("head_dim", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -18,6 +18,8 @@ reads the whole sequences through the block table.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from types import ModuleType
 
 import torch
@@ -34,6 +36,48 @@ from attention_service.engine.jobs import DoneLaunch, LaunchTimes, PendingLaunch
 from attention_service.params import Op
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
+
+
+class _Reusable:
+    """What every launch makes afresh and the next can take once this one is waited for: its
+    four timing events and its pinned int buffers (cu_seqlens, block tables). Made per launch
+    they cost an idle engine ~0.2 ms of host time before a prefill's kernel could start (H100,
+    ``benchmarks/trace_call.py``, 2026-11-24: four ``Event()`` plus records 0.12 ms, the
+    pinned ``torch.zeros`` and its copy 0.09-0.13 ms). Launches take from it under the
+    executor's launch lock; the completer gives back after the launch's last event."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._events: deque[list[torch.cuda.Event]] = deque()
+        self._pinned: dict[int, deque[torch.Tensor]] = {}  # int32 buffers by capacity
+
+    def events(self) -> list[torch.cuda.Event]:
+        with self._lock:
+            if self._events:
+                return self._events.pop()
+        return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+
+    def pinned_ints(self, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """A pinned buffer of ``n`` elements (at least), zeroed; a power-of-two capacity."""
+        cap = 1 << max(6, (n * dtype.itemsize - 1).bit_length())  # bytes
+        with self._lock:
+            free = self._pinned.get(cap)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
+        view = buf.view(dtype)[:n]
+        view.numpy().fill(0)
+        return view
+
+    def give_back(self, events: list[torch.cuda.Event], pinned: list[torch.Tensor]) -> None:
+        with self._lock:
+            self._events.append(events)
+            for t in pinned:
+                base = t._base if t._base is not None else t
+                self._pinned.setdefault(base.numel(), deque()).append(base)
+
+
+_REUSABLE = _Reusable()
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -68,19 +112,20 @@ class _PagedMeta:
         n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
         lens_at = batch * width
         q_at = -(-(lens_at + batch) // _ALIGN) * _ALIGN
-        host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
+        host = _REUSABLE.pinned_ints(q_at + n_q)
         block_table(plan, host[:lens_at].view(batch, width))
         view = host.numpy()
         view[lens_at : lens_at + batch] = plan.seq_lens
         if plan.cu_seqlens_q is not None:
             view[q_at:] = plan.cu_seqlens_q
         n = len(plan.slot_pages)
-        slots = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
+        slots = _REUSABLE.pinned_ints(2 * n, torch.int64).view(2, n)
         slots.numpy()[0] = plan.slot_pages
         slots.numpy()[1] = plan.slot_offsets
         dev = host.to(device, non_blocking=True)
         dev_slots = slots.to(device, non_blocking=True)
-        self.keep = (host, slots, dev, dev_slots)
+        self.pinned = [host, slots]
+        self.keep = (dev, dev_slots)
         self.table = dev[:lens_at].view(batch, width)
         self.seq_lens = dev[lens_at : lens_at + batch]
         self.cu_q = dev[q_at:] if plan.cu_seqlens_q is not None else None
@@ -94,7 +139,7 @@ def _cu_seqlens(
     n_k = len(plan.cu_seqlens_k)
     q_at = -(-n_k // _ALIGN) * _ALIGN
     n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
-    host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
+    host = _REUSABLE.pinned_ints(q_at + n_q)
     view = host.numpy()
     view[:n_k] = plan.cu_seqlens_k
     if plan.cu_seqlens_q is not None:
@@ -105,21 +150,26 @@ def _cu_seqlens(
 
 
 class _CudaLaunch:
-    """Holds every buffer of an issued batch until its last event has completed."""
+    """Holds every buffer of an issued batch until its last event has completed; then gives
+    its events and pinned buffers back for later launches."""
 
-    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...]) -> None:
+    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...],
+                 pinned: list[torch.Tensor]) -> None:
         self._events = events
         self._keep: tuple[object, ...] | None = keep
+        self._pinned = pinned
 
     def wait(self) -> LaunchTimes:
         e = self._events
         e[3].synchronize()  # releases the GIL while the GPU finishes
         self._keep = None  # device buffers go back to their stream's pool
-        return LaunchTimes(
+        times = LaunchTimes(
             h2d_seconds=e[0].elapsed_time(e[1]) / 1e3,
             kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
             d2h_seconds=e[2].elapsed_time(e[3]) / 1e3,
         )
+        _REUSABLE.give_back(e, self._pinned)
+        return times
 
 
 def launch_on_stream(
@@ -129,74 +179,89 @@ def launch_on_stream(
     don't wait. Device tensors are allocated while ``stream`` is current and used on it alone,
     so the caching allocator never hands their memory to another stream while they are in use.
     """
+    # The stream made current by hand, as DecodeSteps.launch does (``with
+    # torch.cuda.device(...), torch.cuda.stream(...)`` took ~60 us on an idle engine).
+    previous = torch.cuda.current_stream()
+    torch.cuda.set_stream(stream)
+    try:
+        return _launch(kernels, plan, device, stream)
+    finally:
+        torch.cuda.set_stream(previous)
+
+
+def _launch(
+    kernels: ModuleType, plan: BatchPlan, device: torch.device, stream: torch.cuda.Stream
+) -> PendingLaunch:
+    """``launch_on_stream``'s work, with ``stream`` (and its device) current."""
     key = plan.key
-    with torch.cuda.device(device), torch.cuda.stream(stream):
-        if no_keys(plan):
-            fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
-            stream.synchronize()
-            return DoneLaunch(LaunchTimes())
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        events[0].record()
-        q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets, device)
-        kv_row = (key.num_kv_heads, key.head_dim)
-        k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
-        v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
-        meta: _PagedMeta | None = None
-        cu_k = cu_q = None
-        if plan.op.cached:
-            meta = index = _PagedMeta(plan, device)
-            store_new_tokens(plan, k, v, meta.slots)
-        else:
-            index, cu_k, cu_q = _cu_seqlens(plan, device)
-        events[1].record()
-        if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
-            events[2].record()
-            events[3].record()
-            return _CudaLaunch(events, keep=(q, k, v, index, plan))
-        lone = plan.jobs[0] if len(plan) == 1 else None
-        # A lone job with device destinations gets the kernel's output written in place.
-        out = lone.out if lone is not None and _on_device(lone.out, device) else None
-        lse = None
-        if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
-            lse = lone.lse
-        # Window / softcap / ALiBi and FP8 scales, when the launch has any.
-        mods = {**plan.score_kwargs(device), **plan.fp8_kwargs(device)}
-        if meta is not None:
-            work = plan.jobs[0].cache
-            assert work is not None
-            if plan.op.decode_like:
-                res = kernels.paged_decode(
-                    q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
-                    max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
-                    num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
-                    **mods,
-                )
-            else:
-                res = kernels.paged_prefill(
-                    q, work.k_pages, work.v_pages, meta.table, meta.cu_q, meta.seq_lens,
-                    max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
-                    causal=key.causal, softmax_scale=key.softmax_scale,
-                    return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
-                )
-        elif not plan.op.decode_like:
-            res = kernels.prefill(
-                q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
-                max_seqlen_k=plan.max_seqlen_k, causal=key.causal,
-                softmax_scale=key.softmax_scale, return_lse=plan.return_lse, out=out,
-                lse_out=lse, **mods,
+    if no_keys(plan):
+        fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
+        stream.synchronize()
+        return DoneLaunch(LaunchTimes())
+    events = _REUSABLE.events()
+    events[0].record(stream)
+    q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets, device)
+    kv_row = (key.num_kv_heads, key.head_dim)
+    k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
+    v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
+    meta: _PagedMeta | None = None
+    cu_k = cu_q = None
+    if plan.op.cached:
+        meta = index = _PagedMeta(plan, device)
+        store_new_tokens(plan, k, v, meta.slots)
+        pinned = meta.pinned
+    else:
+        host, cu_k, cu_q = _cu_seqlens(plan, device)
+        index, pinned = cu_k, [host]
+    events[1].record(stream)
+    if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
+        events[2].record(stream)
+        events[3].record(stream)
+        return _CudaLaunch(events, (q, k, v, index, plan), pinned)
+    lone = plan.jobs[0] if len(plan) == 1 else None
+    # A lone job with device destinations gets the kernel's output written in place.
+    out = lone.out if lone is not None and _on_device(lone.out, device) else None
+    lse = None
+    if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
+        lse = lone.lse
+    # Window / softcap / ALiBi and FP8 scales, when the launch has any.
+    mods = {**plan.score_kwargs(device), **plan.fp8_kwargs(device)}
+    if meta is not None:
+        work = plan.jobs[0].cache
+        assert work is not None
+        if plan.op.decode_like:
+            res = kernels.paged_decode(
+                q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
+                max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
+                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
+                **mods,
             )
         else:
-            res = kernels.decode(
-                q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
-                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
+            res = kernels.paged_prefill(
+                q, work.k_pages, work.v_pages, meta.table, meta.cu_q, meta.seq_lens,
+                max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
+                causal=key.causal, softmax_scale=key.softmax_scale,
+                return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
             )
-        out, lse = res if plan.return_lse else (res, None)
-        events[2].record()
-        for i, job in enumerate(plan.jobs):
-            r0, r1 = plan.rows(i)
-            if job.out.data_ptr() != out.data_ptr() and r1 > r0:
-                job.out.copy_(out[r0:r1], non_blocking=True)
-            if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
-                job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
-        events[3].record()
-    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods))
+    elif not plan.op.decode_like:
+        res = kernels.prefill(
+            q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k, causal=key.causal,
+            softmax_scale=key.softmax_scale, return_lse=plan.return_lse, out=out,
+            lse_out=lse, **mods,
+        )
+    else:
+        res = kernels.decode(
+            q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
+            num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
+        )
+    out, lse = res if plan.return_lse else (res, None)
+    events[2].record(stream)
+    for i, job in enumerate(plan.jobs):
+        r0, r1 = plan.rows(i)
+        if job.out.data_ptr() != out.data_ptr() and r1 > r0:
+            job.out.copy_(out[r0:r1], non_blocking=True)
+        if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
+            job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
+    events[3].record(stream)
+    return _CudaLaunch(events, (q, k, v, index, cu_k, out, lse, plan, mods), pinned)
