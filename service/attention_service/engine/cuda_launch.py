@@ -38,46 +38,30 @@ from attention_service.params import Op
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
 
 
-class _Reusable:
-    """What every launch makes afresh and the next can take once this one is waited for: its
-    four timing events and its pinned int buffers (cu_seqlens, block tables). Made per launch
-    they cost an idle engine ~0.2 ms of host time before a prefill's kernel could start (H100,
-    ``benchmarks/trace_call.py``, 2026-11-24: four ``Event()`` plus records 0.12 ms, the
-    pinned ``torch.zeros`` and its copy 0.09-0.13 ms). Launches take from it under the
-    executor's launch lock; the completer gives back after the launch's last event."""
+class _Events:
+    """Each launch's four timing events, given back once the launch is waited for and taken by
+    a later one: made per launch, the four ``Event()`` and their first records cost an idle
+    engine ~0.12 ms before a prefill's kernel could start, ~0.035 ms reused (H100,
+    ``benchmarks/trace_call.py``, 2026-11-24). Launches take them under the executor's launch
+    lock; the completer gives them back. (Pinned buffers need no such pool: torch's caching
+    host allocator already reuses them, and a pool of our own measured slower.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: deque[list[torch.cuda.Event]] = deque()
-        self._pinned: dict[int, deque[torch.Tensor]] = {}  # int32 buffers by capacity
+        self._free: deque[list[torch.cuda.Event]] = deque()
 
-    def events(self) -> list[torch.cuda.Event]:
+    def take(self) -> list[torch.cuda.Event]:
         with self._lock:
-            if self._events:
-                return self._events.pop()
+            if self._free:
+                return self._free.pop()
         return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
-    def pinned_ints(self, n: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """A pinned buffer of ``n`` elements (at least), zeroed; a power-of-two capacity."""
-        cap = 1 << max(6, (n * dtype.itemsize - 1).bit_length())  # bytes
+    def give_back(self, events: list[torch.cuda.Event]) -> None:
         with self._lock:
-            free = self._pinned.get(cap)
-            buf = free.pop() if free else None
-        if buf is None:
-            buf = torch.empty(cap, dtype=torch.uint8, pin_memory=True)
-        view = buf.view(dtype)[:n]
-        view.numpy().fill(0)
-        return view
-
-    def give_back(self, events: list[torch.cuda.Event], pinned: list[torch.Tensor]) -> None:
-        with self._lock:
-            self._events.append(events)
-            for t in pinned:
-                base = t._base if t._base is not None else t
-                self._pinned.setdefault(base.numel(), deque()).append(base)
+            self._free.append(events)
 
 
-_REUSABLE = _Reusable()
+_EVENTS = _Events()
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -112,20 +96,19 @@ class _PagedMeta:
         n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
         lens_at = batch * width
         q_at = -(-(lens_at + batch) // _ALIGN) * _ALIGN
-        host = _REUSABLE.pinned_ints(q_at + n_q)
+        host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
         block_table(plan, host[:lens_at].view(batch, width))
         view = host.numpy()
         view[lens_at : lens_at + batch] = plan.seq_lens
         if plan.cu_seqlens_q is not None:
             view[q_at:] = plan.cu_seqlens_q
         n = len(plan.slot_pages)
-        slots = _REUSABLE.pinned_ints(2 * n, torch.int64).view(2, n)
+        slots = torch.empty((2, n), dtype=torch.int64, pin_memory=True)
         slots.numpy()[0] = plan.slot_pages
         slots.numpy()[1] = plan.slot_offsets
         dev = host.to(device, non_blocking=True)
         dev_slots = slots.to(device, non_blocking=True)
-        self.pinned = [host, slots]
-        self.keep = (dev, dev_slots)
+        self.keep = (host, slots, dev, dev_slots)
         self.table = dev[:lens_at].view(batch, width)
         self.seq_lens = dev[lens_at : lens_at + batch]
         self.cu_q = dev[q_at:] if plan.cu_seqlens_q is not None else None
@@ -139,7 +122,7 @@ def _cu_seqlens(
     n_k = len(plan.cu_seqlens_k)
     q_at = -(-n_k // _ALIGN) * _ALIGN
     n_q = len(plan.cu_seqlens_q) if plan.cu_seqlens_q is not None else 0
-    host = _REUSABLE.pinned_ints(q_at + n_q)
+    host = torch.zeros(q_at + n_q, dtype=torch.int32, pin_memory=True)
     view = host.numpy()
     view[:n_k] = plan.cu_seqlens_k
     if plan.cu_seqlens_q is not None:
@@ -151,13 +134,11 @@ def _cu_seqlens(
 
 class _CudaLaunch:
     """Holds every buffer of an issued batch until its last event has completed; then gives
-    its events and pinned buffers back for later launches."""
+    its events back for later launches."""
 
-    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...],
-                 pinned: list[torch.Tensor]) -> None:
+    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...]) -> None:
         self._events = events
         self._keep: tuple[object, ...] | None = keep
-        self._pinned = pinned
 
     def wait(self) -> LaunchTimes:
         e = self._events
@@ -168,7 +149,7 @@ class _CudaLaunch:
             kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
             d2h_seconds=e[2].elapsed_time(e[3]) / 1e3,
         )
-        _REUSABLE.give_back(e, self._pinned)
+        _EVENTS.give_back(e)
         return times
 
 
@@ -198,7 +179,7 @@ def _launch(
         fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
         stream.synchronize()
         return DoneLaunch(LaunchTimes())
-    events = _REUSABLE.events()
+    events = _EVENTS.take()
     events[0].record(stream)
     q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets, device)
     kv_row = (key.num_kv_heads, key.head_dim)
@@ -209,15 +190,13 @@ def _launch(
     if plan.op.cached:
         meta = index = _PagedMeta(plan, device)
         store_new_tokens(plan, k, v, meta.slots)
-        pinned = meta.pinned
     else:
-        host, cu_k, cu_q = _cu_seqlens(plan, device)
-        index, pinned = cu_k, [host]
+        index, cu_k, cu_q = _cu_seqlens(plan, device)
     events[1].record(stream)
     if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
         events[2].record(stream)
         events[3].record(stream)
-        return _CudaLaunch(events, (q, k, v, index, plan), pinned)
+        return _CudaLaunch(events, keep=(q, k, v, index, plan))
     lone = plan.jobs[0] if len(plan) == 1 else None
     # A lone job with device destinations gets the kernel's output written in place.
     out = lone.out if lone is not None and _on_device(lone.out, device) else None
@@ -264,4 +243,4 @@ def _launch(
         if job.lse is not None and lse is not None and job.lse.data_ptr() != lse.data_ptr():
             job.lse.copy_(plan.op.lse_rows(lse, r0, r1), non_blocking=True)
     events[3].record(stream)
-    return _CudaLaunch(events, (q, k, v, index, cu_k, out, lse, plan, mods), pinned)
+    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods))
