@@ -1,5 +1,6 @@
-"""benchmarks/trace_step.py end to end on the cpu backend: the hooks load in every server
-process and a step's hops come out in order, front end and engine both."""
+"""benchmarks/trace_step.py and trace_call.py end to end on the cpu backend: the hooks load
+in every server process (and trace_call's in its client) and a call's hops come out in order,
+front end and engine both."""
 
 from __future__ import annotations
 
@@ -14,10 +15,12 @@ pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_trace_step_times_every_hop_of_a_step(tmp_path: Path) -> None:
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+def test_trace_step_times_every_hop_of_a_step(tmp_path: Path, stream: bool) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "trace_step.py"), "--device", "cpu",
            "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--context", "40",
            "--steps", "40", "--warm-steps", "10", "--frontends", "2", "--out", str(tmp_path)]
+    cmd += ["--stream"] if stream else []
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [path] = tmp_path.glob("trace_step_*.json")
@@ -34,3 +37,25 @@ def test_trace_step_times_every_hop_of_a_step(tmp_path: Path) -> None:
     assert at == sorted(at), labels
     assert all(us >= 0 for _, us in got["rows"])
     assert got["median_total_us"] >= sum(us for _, us in got["rows"]) * 0.5
+
+
+def test_trace_call_times_client_and_server_hops_of_a_region_call(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "trace_call.py"), "--path", "shm-out",
+           "--device", "cpu", "--tokens", "24", "--heads", "2", "--head-dim", "16",
+           "--calls", "30", "--warm-calls", "5", "--frontends", "2", "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = tmp_path.glob("trace_call_shm-out_*.json")
+    got = json.loads(path.read_text())
+    assert got["calls"] == 30 and got["frontends"] == 2
+    labels = " ".join(hop for hop, _ in got["rows"])
+    # The client placed its tensors and called, the engine took the region spans and
+    # launched, the answer came back to the client: in that order.
+    order = ["Placement.input>@client", "_UnaryUnaryMultiCallable.__call__>@client",
+             "RegionRegistry.acquire>@engine", "CpuBackend.launch>@engine",
+             "RemoteLink.on_message>@fe", "_UnaryUnaryMultiCallable.__call__<@client",
+             "AttentionClient.attention<@client"]
+    at = [labels.index(x) for x in order]
+    assert at == sorted(at), labels
+    assert all(us >= 0 for _, us in got["rows"])
+    assert got["call_p50_us"] >= sum(us for _, us in got["rows"]) * 0.5
