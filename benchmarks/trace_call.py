@@ -22,21 +22,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import statistics
 import sys
-import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import Server, server_info  # noqa: E402
-from trace_step import HOOKS, _load, breakdown  # noqa: E402
+from trace_step import HOOKS, breakdown, traced_run, write_report  # noqa: E402
 
 PATHS = ("ipc", "ipc-out", "shm-out")
 
@@ -106,24 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     hooks = _client_hooks()
-    with tempfile.TemporaryDirectory(prefix="call-trace-") as tmp:
-        trace_dir = Path(tmp)
-        env_before = dict(os.environ)
-        os.environ["ATTENTION_STEP_TRACE"] = str(trace_dir)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(HOOKS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-        try:
-            server = Server(args, True, out_dir / "trace_call_server.log")
-        finally:
-            os.environ.clear()
-            os.environ.update(env_before)
-        try:
-            info = server_info(server.target)
-            calls = _drive(server.target, args)
-            time.sleep(1.2)  # the hooks write every 0.5 s
-        finally:
-            server.stop()
-        events = _load(trace_dir)
+    calls, info, events = traced_run(args, out_dir, "trace_call",
+                                     lambda target: _drive(target, args))
     if not events:
         print("no server events: were the hooks loaded? (see trace_call_server.log)")
         return 1
@@ -131,26 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     result = breakdown(calls, events)
     kernel_us = statistics.median(k for *_, k in calls) * 1e6
     total_us = statistics.median((t1 - t0) / 1e3 for t0, t1, _ in calls)
-    lines = [
-        f"# trace_call: {info.device} ({info.backend}, {info.frontends} front end(s)), "
-        f"{datetime.now(timezone.utc):%Y-%m-%d}", "",
-        f"`python benchmarks/trace_call.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-        "", f"--path {args.path}: {args.tokens} x {args.heads} x {args.head_dim} {args.dtype}, "
-        f"causal={args.causal}; {len(calls)} calls, {result['path_share']:.0%} took the path "
-        f"below. Call p50 {total_us:.0f} us (traced), kernel p50 {kernel_us:.1f} us.", "",
-        "| hop | median us |", "|---|---|",
-    ]
-    lines += [f"| {hop} | {us:.1f} |" for hop, us in result["rows"]]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
-    (out_dir / f"trace_call_{args.path}_{stamp}.md").write_text(table)
-    (out_dir / f"trace_call_{args.path}_{stamp}.json").write_text(json.dumps(
-        {"args": vars(args), "device": info.device, "frontends": info.frontends,
-         "calls": len(calls), "kernel_p50_us": kernel_us, "call_p50_us": total_us, **result},
-        indent=1))
+    summary = (f"--path {args.path}: {args.tokens} x {args.heads} x {args.head_dim} "
+               f"{args.dtype}, causal={args.causal}; {len(calls)} calls, "
+               f"{result['path_share']:.0%} took the path below. Call p50 {total_us:.0f} us "
+               f"(traced), kernel p50 {kernel_us:.1f} us.")
+    write_report(out_dir, "trace_call", f"trace_call_{args.path}", info, argv, summary, result,
+                 {"args": vars(args), "calls": len(calls), "kernel_p50_us": kernel_us,
+                  "call_p50_us": total_us})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

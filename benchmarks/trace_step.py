@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,52 @@ def breakdown(steps: list[tuple[int, int, float]], events: list[tuple[int, str]]
     return {"path_share": n / len(paths), "rows": rows, "median_total_us": total}
 
 
+def traced_run(args: argparse.Namespace, out_dir: Path, name: str,
+               drive: Callable[[str], Any]) -> tuple[Any, Any, list[tuple[int, str]]]:
+    """Start the server (``args``' settings) with the hooks in each of its processes, run
+    ``drive(target)``, stop it: (what ``drive`` returned, the server's info, its events as
+    ``_load`` gives them; empty when the hooks did not load). Its log: ``<name>_server.log``."""
+    with tempfile.TemporaryDirectory(prefix=f"{name}-") as tmp:
+        trace_dir = Path(tmp)
+        env_before = dict(os.environ)
+        os.environ["ATTENTION_STEP_TRACE"] = str(trace_dir)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(HOOKS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
+        try:
+            server = Server(args, True, out_dir / f"{name}_server.log")
+        finally:
+            os.environ.clear()
+            os.environ.update(env_before)
+        try:
+            info = server_info(server.target)
+            got = drive(server.target)
+            time.sleep(1.2)  # the hooks write every 0.5 s
+        finally:
+            server.stop()
+        return got, info, _load(trace_dir)
+
+
+def write_report(out_dir: Path, script: str, stem: str, info: Any, argv: list[str] | None,
+                 summary: str, result: dict[str, Any], extra: dict[str, Any]) -> None:
+    """Print and write (``<stem>_<time>.md`` / ``.json``) the hop table of ``breakdown``'s
+    ``result`` under a title naming the device, the command (``benchmarks/<script>.py``) and
+    ``summary``."""
+    lines = [
+        f"# {script}: {info.device} ({info.backend}, {info.frontends} front end(s)), "
+        f"{datetime.now(timezone.utc):%Y-%m-%d}", "",
+        f"`python benchmarks/{script}.py "
+        f"{' '.join(argv if argv is not None else sys.argv[1:])}`", "", summary, "",
+        "| hop | median us |", "|---|---|",
+    ]
+    lines += [f"| {hop} | {us:.1f} |" for hop, us in result["rows"]]
+    table = "\n".join(lines) + "\n"
+    print(table)
+    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
+    (out_dir / f"{stem}_{stamp}.md").write_text(table)
+    (out_dir / f"{stem}_{stamp}.json").write_text(json.dumps(
+        {"device": info.device, "frontends": info.frontends, **extra, **result}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_shape_args(p)
@@ -138,47 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     s = Shapes(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix="step-trace-") as tmp:
-        trace_dir = Path(tmp)
-        env_before = dict(os.environ)
-        os.environ["ATTENTION_STEP_TRACE"] = str(trace_dir)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(HOOKS)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
-        try:
-            server = Server(args, True, out_dir / "trace_step_server.log")
-        finally:
-            os.environ.clear()
-            os.environ.update(env_before)
-        try:
-            info = server_info(server.target)
-            steps = asyncio.run(_drive(server.target, s, args.steps, args.warm_steps,
-                                       args.stream))
-            time.sleep(1.2)  # the hooks write every 0.5 s
-        finally:
-            server.stop()
-        events = _load(trace_dir)
+    steps, info, events = traced_run(
+        args, out_dir, "trace_step",
+        lambda target: asyncio.run(_drive(target, s, args.steps, args.warm_steps, args.stream)))
     if not events:
         print("no server events: were the hooks loaded? (see trace_step_server.log)")
         return 1
     result = breakdown(steps, events)
     kernel_us = statistics.median(k for *_, k in steps) * 1e6
-    lines = [
-        f"# trace_step: {info.device} ({info.backend}, {info.frontends} front end(s)), "
-        f"{datetime.now(timezone.utc):%Y-%m-%d}", "",
-        f"`python benchmarks/trace_step.py {' '.join(argv if argv is not None else sys.argv[1:])}`",
-        "", f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}; {len(steps)} steps, "
-        f"{result['path_share']:.0%} took the path below. Step p50 "
-        f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.", "",
-        "| hop | median us |", "|---|---|",
-    ]
-    lines += [f"| {hop} | {us:.1f} |" for hop, us in result["rows"]]
-    table = "\n".join(lines) + "\n"
-    print(table)
-    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
-    (out_dir / f"trace_step_{stamp}.md").write_text(table)
-    (out_dir / f"trace_step_{stamp}.json").write_text(json.dumps(
-        {"args": vars(args), "device": info.device, "frontends": info.frontends,
-         "steps": len(steps), "kernel_p50_us": kernel_us, **result}, indent=1))
+    summary = (f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}; {len(steps)} "
+               f"steps, {result['path_share']:.0%} took the path below. Step p50 "
+               f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.")
+    write_report(out_dir, "trace_step", "trace_step", info, argv, summary, result,
+                 {"args": vars(args), "steps": len(steps), "kernel_p50_us": kernel_us})
     return 0
 
 
