@@ -10,7 +10,8 @@ One run, one machine (loopback), in this order:
    ``grpc host`` / ``grpc cuda`` (tensor bytes through gRPC from host / cuda tensors),
    ``shm in region`` (tensors in a registered system region), ``shm staged`` (host tensors
    copied into one), ``shm out=`` (output written in place too), ``cuda ipc in region`` and
-   ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU); every path's answer is
+   ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU), and the two ``out=``
+   paths again with a unary call each (``... unary``: call_streams off); every path's answer is
    checked against the float64 reference first;
 3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
    calling for ``--agg-seconds`` with ``--agg-tokens`` tokens per request (bytes in + out per
@@ -215,6 +216,15 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
         if torch.cuda.is_available():
             qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
             measure("grpc cuda", c, lambda: c.attention(qc, kc, vc, cu, causal=causal), True)
+    def unary(run: Callable[[], None]) -> None:
+        """``run`` with this client's region calls sent unary (call_streams off), as an A/B
+        of the kept-open call streams in the same run."""
+        c.call_streams = False
+        try:
+            run()
+        finally:
+            c.call_streams = True
+
     with AttentionClient(target, timeout=600) as c:
         if not c.info()["regions"]:
             return {"round_trip_ms": rows, "stats": stats, "note": "regions off"}
@@ -225,6 +235,8 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
         out = region.empty(q.shape, q.dtype)
         measure("shm out=", c, lambda: c.attention(qs, ks, vs, cu, causal=causal, out=out),
                 False)
+        unary(lambda: measure("shm out= unary", c, lambda: c.attention(
+            qs, ks, vs, cu, causal=causal, out=out), False))
         region.close()
         if torch.cuda.is_available() and c.info()["backend"] == "cuda":
             cregion = c.register_cuda(2 * nbytes + (64 << 20))
@@ -234,6 +246,8 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
             og = cregion.empty(q.shape, q.dtype)
             measure("cuda ipc out=", c,
                     lambda: c.attention(qg, kg, vg, cu, causal=causal, out=og), True)
+            unary(lambda: measure("cuda ipc out= unary", c, lambda: c.attention(
+                qg, kg, vg, cu, causal=causal, out=og), True))
             cregion.close()
     return {"round_trip_ms": rows, "stats": stats}
 

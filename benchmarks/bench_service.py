@@ -459,9 +459,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--frontends", type=int, help="passed to the started servers (default: theirs)")
     p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
                    help="shm: tensors in registered shared memory, requests carry spans only")
-    p.add_argument("--no-unary", dest="unary", action="store_false",
-                   help="stream every call (default: one-message requests use the unary twin "
-                        "rpcs, as attention_client does)")
+    p.add_argument("--send", default="steps", choices=["steps", "unary", "stream"],
+                   help="how a one-message request goes: on a kept-open PrefillSteps/"
+                        "DecodeSteps stream per client (default, as attention_client sends "
+                        "it), a unary twin call each, or a request stream each")
     return parse_common(p, argv)
 
 
@@ -519,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, min_len=args.min_len, max_len=args.max_len,
         decode_seqs=args.decode_seqs, causal=args.causal, pool=args.pool, seed=args.seed,
-        path=args.path, unary=args.unary,
+        path=args.path, send=args.send,
     )
     t0 = time.time()
     workers = Workers(spec, min(args.workers, max(args.client_counts)), max(args.client_counts))
@@ -536,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info.device}: {args.mode}, {args.dtype} H{args.heads}/{args.kv_heads} "
           f"D{args.head_dim}{' causal' if args.causal else ''}, lengths log-uniform "
           f"{args.min_len}..{args.max_len}, {args.duration:g} s per point, path {args.path}, "
-          f"{info.frontends} front end(s)")
+          f"send {args.send}, {info.frontends} front end(s)")
     print(table(rows, args.client_counts))
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else

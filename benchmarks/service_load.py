@@ -30,6 +30,7 @@ from attention_wire.pb import attention_pb2 as pb
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"
+STEPS = "Steps"  # PrefillSteps / DecodeSteps: the stream rpc of each
 CHUNK_BYTES = 1 << 20
 DTYPES = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 
@@ -48,7 +49,10 @@ class LoadSpec:
     pool: int  # distinct requests per worker
     seed: int
     path: str = "grpc"  # grpc | shm
-    unary: bool = True  # one-message requests through the unary twin rpcs (as attention_client)
+    # How a one-message request goes (as attention_client sends it: "steps"): on a kept-open
+    # PrefillSteps/DecodeSteps stream per client, a unary twin call each ("unary"), or a
+    # request stream each ("stream", which every larger request takes).
+    send: str = "steps"
 
 
 @dataclass
@@ -222,37 +226,74 @@ def build_requests(spec: LoadSpec, worker: int) -> list[Request]:
     return reqs
 
 
+class _CallStreams:
+    """One load client's kept-open PrefillSteps/DecodeSteps streams, one per method."""
+
+    def __init__(self, calls: dict[str, Any]) -> None:
+        self._calls = calls
+        self._open: dict[str, Any] = {}
+
+    async def call(self, method: str, message: bytes) -> bool:
+        """One call on ``method``'s stream; False if the stream ended unanswered."""
+        call = self._open.get(method)
+        if call is None or call.done():
+            call = self._open[method] = self._calls[method + STEPS]()
+        try:
+            await call.write(message)
+            answered = await call.read() is not grpc.aio.EOF
+        except BaseException:
+            self._open.pop(method).cancel()
+            raise
+        if not answered:
+            self._open.pop(method)
+        return answered
+
+    def close(self) -> None:
+        for call in self._open.values():
+            call.cancel()
+
+
 async def _client(
     calls: dict[str, Any], pool: list[Request], rng: np.random.Generator,
     window: tuple[float, float], latencies: list[float], errors: Counter[str],
     shm_pool: ShmPool | None = None, slot: int = 0,
 ) -> None:
     t_measure, t_end = window
-    while time.time() < t_end:
-        index = int(rng.integers(len(pool)))
-        req = pool[index]
-        messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
-        t0 = time.perf_counter()
-        try:
-            if len(messages) == 1 and unary_method(req.method) in calls:
-                await calls[unary_method(req.method)](messages[0])
-            else:
-                async for _ in calls[req.method](iter(messages)):
-                    pass
-        except grpc.aio.AioRpcError as err:
-            if t_measure <= time.time() <= t_end:
-                errors[err.code().name] += 1
-            await asyncio.sleep(0.01)  # a failing server must not turn this into a spin
-            continue
-        done = time.time()
-        if t_measure <= done <= t_end:
-            latencies.append(time.perf_counter() - t0)
+    streams = _CallStreams(calls)
+    try:
+        while time.time() < t_end:
+            index = int(rng.integers(len(pool)))
+            req = pool[index]
+            messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
+            t0 = time.perf_counter()
+            code = None
+            try:
+                if len(messages) == 1 and req.method + STEPS in calls:
+                    if not await streams.call(req.method, messages[0]):
+                        code = "STREAM_ENDED"
+                elif len(messages) == 1 and unary_method(req.method) in calls:
+                    await calls[unary_method(req.method)](messages[0])
+                else:
+                    async for _ in calls[req.method](iter(messages)):
+                        pass
+            except grpc.aio.AioRpcError as err:
+                code = err.code().name
+            if code is not None:
+                if t_measure <= time.time() <= t_end:
+                    errors[code] += 1
+                await asyncio.sleep(0.01)  # a failing server must not turn this into a spin
+                continue
+            done = time.time()
+            if t_measure <= done <= t_end:
+                latencies.append(time.perf_counter() - t0)
+    finally:
+        streams.close()
 
 
 async def _run_point(
     target: str, pool: list[Request], n_clients: int, seed: int,
     t_start: float, t_measure: float, t_end: float, shm_pool: ShmPool | None = None,
-    unary: bool = True,
+    send: str = "steps",
 ) -> dict[str, Any]:
     if shm_pool is not None:
         await register_shm(target, shm_pool)
@@ -263,7 +304,9 @@ async def _run_point(
         calls = [
             {m: ch.stream_stream(m) for m in methods}
             | ({unary_method(m): ch.unary_unary(unary_method(m)) for m in methods}
-               if unary else {})
+               if send == "unary" else {})
+            | ({m + STEPS: ch.stream_stream(m + STEPS) for m in methods}
+               if send == "steps" else {})
             for ch in channels
         ]
         await asyncio.sleep(max(0.0, t_start - time.time()))
@@ -291,7 +334,7 @@ def worker_main(conn: Connection, spec: LoadSpec, worker: int, max_clients: int 
             cmd = conn.recv()
             if cmd is None:
                 return
-            conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, unary=spec.unary,
+            conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, send=spec.send,
                                              **cmd)))
     finally:
         if shm_pool is not None:

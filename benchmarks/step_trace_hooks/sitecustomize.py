@@ -80,6 +80,7 @@ CLIENT_TARGETS = [
     ("attention_client._regions", "Placement.synchronize"),
     ("attention_client._regions", "Placement.finish"),
     ("grpc._channel", "_UnaryUnaryMultiCallable.__call__"),
+    ("attention_client._call_streams", "StreamCall.exchange"),
 ]
 
 # (module, function, label): functions that make a handler; the handlers they return are timed.

@@ -12,6 +12,7 @@ from typing import Any
 
 import grpc
 
+from attention_client._call_streams import POOLED
 from attention_client._channel import (
     DEFAULT,
     CallSettings,
@@ -68,6 +69,7 @@ class ClientBase:
         client_cert: Any = None,
         client_key: Any = None,
         unary: bool = True,
+        call_streams: bool = True,
     ) -> None:
         self.target = target
         # Compute calls go round-robin over this many channels, each with a connection of its
@@ -90,6 +92,9 @@ class ClientBase:
         # Calls that fit one message each way go through the unary twin rpcs (see
         # _single_message); turned off for good if the server has no such rpc.
         self.unary = bool(unary)
+        # Of those, Prefill and Decode calls go as messages on streams kept open between
+        # calls (_call_streams); per op turned off for good if the server has no such rpc.
+        self.call_streams = bool(call_streams)
         self.regions = RegionSet()
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
@@ -159,6 +164,11 @@ class ClientBase:
         fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
         alone). None: stream it."""
         return self._one_message(prep) if self.unary else None
+
+    def _streamed(self, prep: PreparedRequest) -> bool:
+        """Whether a single-message call goes on a kept-open stream (``_call_streams``)."""
+        return (self.call_streams and prep.method in POOLED
+                and prep.method not in self._streams.unsupported)
 
     def _one_message(self, prep: PreparedRequest) -> bytes | None:
         """The request as one message if it and its outputs fit ``max_chunk_bytes``."""

@@ -16,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._caches import AsyncKvCache
+from attention_client._call_streams import STEP_METHODS, AsyncCallStreams
 from attention_client._channel import (
     CACHE_RPCS,
     DEFAULT,
@@ -31,7 +32,6 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
-from attention_client._steps import METHOD as STEPS_METHOD
 from attention_client._steps import AsyncDecodeSteps
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
@@ -63,16 +63,18 @@ class AsyncAttentionClient(ClientBase):
         client_cert: Any = None,
         client_key: Any = None,
         unary: bool = True,
+        call_streams: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary,
+            unary=unary, call_streams=call_streams,
         )
         icpts = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
         self._lanes: list[dict[str, Any]] = []
+        self._streams = AsyncCallStreams()
         for _ in range(self.channels):
             if self._credentials is None:
                 ch = grpc.aio.insecure_channel(target, options=self._options, interceptors=icpts)
@@ -92,7 +94,10 @@ class AsyncAttentionClient(ClientBase):
                     f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
                 )
                 for method in STREAM_RPCS
-            } | {STEPS_METHOD: ch.stream_stream(f"/{SERVICE}/{STEPS_METHOD}")})
+            } | {
+                method: ch.stream_stream(f"/{SERVICE}/{method}")
+                for method in STEP_METHODS.values()
+            })
         channel = self._channel = self._channels[0]
         self._info = channel.unary_unary(
             INFO_METHOD,
@@ -348,6 +353,7 @@ class AsyncAttentionClient(ClientBase):
         for region in self.regions.all():
             with contextlib.suppress(AttentionError):
                 await region.aclose()
+        await self._streams.close()
         for ch in self._channels:
             await ch.close()
 
@@ -369,8 +375,17 @@ class AsyncAttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
-        lane = self._lanes[next(self._turn) % len(self._lanes)]
+        lane_no = next(self._turn) % len(self._lanes)
+        lane = self._lanes[lane_no]
         message = self._single_message(prep)
+        if message is not None and self._streamed(prep):
+            try:
+                raw = await self._streams.run(lane_no, lane, prep.method, message, settings)
+            except BaseException:
+                self._abandon(prep)
+                raise
+            if raw is not None:
+                return self._assemble(prep, assembler, parse_result(raw))
         if message is not None:
             try:
                 responses = await lane[unary_method(prep.method)](message, **settings.kwargs())

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._caches import KvCache
+from attention_client._call_streams import STEP_METHODS, CallStreams
 from attention_client._channel import (
     CACHE_RPCS,
     DEFAULT,
@@ -27,7 +28,6 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
-from attention_client._steps import METHOD as STEPS_METHOD
 from attention_client._steps import DecodeSteps
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
@@ -89,15 +89,17 @@ class AttentionClient(ClientBase):
         client_cert: Any = None,
         client_key: Any = None,
         unary: bool = True,
+        call_streams: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary,
+            unary=unary, call_streams=call_streams,
         )
         self._base_channels: list[grpc.Channel] = []
         self._lanes: list[dict[str, Any]] = []
+        self._streams = CallStreams()
         for _ in range(self.channels):
             if self._credentials is None:
                 base = grpc.insecure_channel(target, options=self._options)
@@ -116,7 +118,10 @@ class AttentionClient(ClientBase):
                     f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
                 )
                 for method in STREAM_RPCS
-            } | {STEPS_METHOD: ch.stream_stream(f"/{SERVICE}/{STEPS_METHOD}")})
+            } | {
+                method: ch.stream_stream(f"/{SERVICE}/{method}")
+                for method in STEP_METHODS.values()
+            })
         self._base_channel = self._base_channels[0]
         channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
                                    if interceptors else self._base_channel)
@@ -409,6 +414,7 @@ class AttentionClient(ClientBase):
             # A server that is gone has nothing left to unregister.
             with contextlib.suppress(AttentionError):
                 region.close()
+        self._streams.close()
         for ch in self._base_channels:
             ch.close()
 
@@ -430,8 +436,17 @@ class AttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
-        lane = self._lanes[next(self._turn) % len(self._lanes)]
+        lane_no = next(self._turn) % len(self._lanes)
+        lane = self._lanes[lane_no]
         message = self._single_message(prep)
+        if message is not None and self._streamed(prep):
+            try:
+                raw = self._streams.run(lane_no, lane, prep.method, message, settings)
+            except BaseException:
+                self._abandon(prep)
+                raise
+            if raw is not None:
+                return self._assemble(prep, assembler, parse_result(raw))
         if message is not None:
             try:
                 responses = lane[unary_method(prep.method)](message, **settings.kwargs())

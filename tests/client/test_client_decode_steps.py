@@ -104,7 +104,7 @@ def test_a_step_over_one_message_and_a_server_without_the_rpc_take_the_other_pat
             ctx.add(["fb-a", "fb-b"], k2, k2, [1, 1])
             check_out(out, reference.decode_ref(f64(q), *ctx.packed(["fb-a", "fb-b"])),
                       "float32", q)
-            assert steps._call is None  # never opened
+            assert steps._stream is None  # never opened
         with AttentionClient(server.target) as old:
             for lane in old._lanes:  # as on a server without CacheDecodeSteps: UNIMPLEMENTED
                 lane["CacheDecodeSteps"] = old._base_channels[0].stream_stream(

@@ -230,24 +230,33 @@ class _Methods(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercep
         return continuation(details, request_iterator)
 
 
-def test_small_calls_go_unary_and_large_ones_stream(server):
-    """Unary when the request and the outputs each fit one message of max_chunk_bytes; the
-    result is the same either way (cpu backend, batching off in this server: bitwise)."""
+@pytest.mark.parametrize("call_streams", [True, False], ids=["call-streams", "unary"])
+def test_small_calls_go_in_one_message_and_large_ones_stream(server, call_streams):
+    """One message each way when the request and the outputs each fit one of max_chunk_bytes:
+    on a kept-open PrefillSteps/DecodeSteps stream (opened once, then reused), or with
+    call_streams=False a unary call each. The result is the same every way (cpu backend,
+    batching off in this server: bitwise)."""
     seen = _Methods()
-    with AttentionClient(server.target, max_chunk_bytes=16384, interceptors=[seen]) as c, \
+    one = ("PrefillSteps", "DecodeSteps") if call_streams else ("PrefillUnary", "DecodeUnary")
+    with AttentionClient(server.target, max_chunk_bytes=16384, interceptors=[seen],
+                         call_streams=call_streams) as c, \
             AttentionClient(server.target, unary=False) as streamed:
         q = make("numpy", "float16", 16, 2, 64, seed=30)  # 4 KiB: q, k, v 12 KiB
         small = c.attention(q, q, q, causal=True)
-        assert seen.names == ["PrefillUnary"]
+        assert seen.names == [one[0]]
         np.testing.assert_array_equal(small, streamed.attention(q, q, q, causal=True))
         big = make("numpy", "float16", 70, 2, 64, seed=31)  # 17.5 KiB of q: over 16 KiB
         c.attention(big, big[:1], big[:1])
         # 14 KiB in, but out (14 KiB) and lse (3.5 KiB) together are over 16 KiB.
         narrow = make("numpy", "float16", 896, 1, 8, seed=32)
         c.attention(narrow, narrow[:1], narrow[:1], [0, 896], [0, 1], return_lse=True)
-        assert seen.names == ["PrefillUnary", "Prefill", "Prefill"]
+        assert seen.names == [one[0], "Prefill", "Prefill"]
+        again = c.attention(q, q, q, causal=True)
+        np.testing.assert_array_equal(again, small)
+        # A stream is opened once and carries every later call.
+        assert seen.names[-1] == ("Prefill" if call_streams else one[0])
         out, lse = c.decode(q[:2], q, q, [0, 7, 16], return_lse=True)
-        assert seen.names[-1] == "DecodeUnary"
+        assert seen.names[-1] == one[1]
         ref_out, ref_lse = streamed.decode(q[:2], q, q, [0, 7, 16], return_lse=True)
         np.testing.assert_array_equal(out, ref_out)
         np.testing.assert_array_equal(lse, ref_lse)

@@ -248,8 +248,10 @@ class _Capture(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientIntercep
 def test_settings_reach_every_kind_of_rpc(fake):
     """Compute, cache, region, info and health calls each pass the per-call settings on (the
     fake answers the cache and region rpcs UNIMPLEMENTED; the call still went out). The fake
-    has no unary twins either: the first compute call tries PrefillUnary, gets UNIMPLEMENTED
-    and goes on as a stream, and the client streams from then on."""
+    has no call streams and no unary twins either: the first compute call tries PrefillSteps,
+    then PrefillUnary, gets UNIMPLEMENTED from each and goes on as a stream, and the client
+    streams from then on. A call stream carries no gRPC deadline (it outlives its calls; the
+    call's own deadline cancels it)."""
     _, target = fake
     capture = _Capture()
     q = _q(2, 1, 8)
@@ -276,12 +278,14 @@ def test_settings_reach_every_kind_of_rpc(fake):
         client.info()  # the client's own settings
     methods = [c[0] for c in capture.calls]
     assert methods == [
-        "PrefillUnary", "Prefill", "Decode", "GetServerInfo", "ListCaches", "ReleaseCaches",
-        "ListCaches", "CacheDecode", "ListRegions", "RegisterRegion", "CreateCaches", "ForkCache",
-        "GetServerInfo",
+        "PrefillSteps", "PrefillUnary", "Prefill", "Decode", "GetServerInfo", "ListCaches",
+        "ReleaseCaches", "ListCaches", "CacheDecode", "ListRegions", "RegisterRegion",
+        "CreateCaches", "ForkCache", "GetServerInfo",
     ]
+    assert capture.calls[0][1] is None
     for method, timeout, metadata, wait in capture.calls[:-1]:
-        assert 6 < timeout <= 7 and wait is True, method
+        assert method == "PrefillSteps" or 6 < timeout <= 7, method
+        assert wait is True, method
         assert metadata == {"x-client": "c", "x-call": "1"}, method
     _, timeout, metadata, wait = capture.calls[-1]
     assert 2 < timeout <= 3 and wait is False and metadata == {"x-client": "c"}

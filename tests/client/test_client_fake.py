@@ -112,7 +112,9 @@ def test_token_metadata_and_interceptor(fake):
     with AttentionClient(target, token="s3cret", interceptors=[Tag()]) as client:
         client.attention(q, q, q)
     assert servicer.knobs.metadata[-1]["authorization"] == "Bearer s3cret"
-    assert seen == ["/attention.v1.AttentionService/Prefill"]
+    # The fake has neither PrefillSteps nor PrefillUnary (unary: not this interceptor's).
+    assert seen == ["/attention.v1.AttentionService/PrefillSteps",
+                    "/attention.v1.AttentionService/Prefill"]
 
 
 def test_info_and_health(fake):

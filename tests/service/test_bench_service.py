@@ -14,16 +14,18 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_service_runs_both_sides_and_writes_results(tmp_path: Path) -> None:
+@pytest.mark.parametrize("send", ["steps", "unary"])
+def test_bench_service_runs_both_sides_and_writes_results(tmp_path: Path, send: str) -> None:
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_service.py"), "--device", "cpu",
         "--clients", "1,3", "--duration", "1", "--warmup", "0.3", "--prime", "0",
         "--max-len", "48", "--heads", "4", "--kv-heads", "2", "--head-dim", "32",
-        "--verify", "4", "--workers", "2", "--pool", "4", "--out", str(tmp_path),
+        "--verify", "4", "--workers", "2", "--pool", "4", "--send", send, "--out", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "4 concurrent requests match the reference" in proc.stdout
+    assert f"send {send}," in proc.stdout
     assert "req/s on/off" in proc.stdout  # the side-by-side table
 
     report = json.loads((tmp_path / "service_prefill_cpu.json").read_text())
@@ -53,7 +55,7 @@ def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "path shm, 2 front end(s)" in proc.stdout
+    assert "path shm, send steps, 2 front end(s)" in proc.stdout
     report = json.loads((tmp_path / "service_prefill_shm_fe2_cpu.json").read_text())
     assert report["server"]["frontends"] == 2
     for row in report["results"]:

@@ -51,9 +51,9 @@ def test_trace_call_times_client_and_server_hops_of_a_region_call(tmp_path: Path
     labels = " ".join(hop for hop, _ in got["rows"])
     # The client placed its tensors and called, the engine took the region spans and
     # launched, the answer came back to the client: in that order.
-    order = ["Placement.input>@client", "_UnaryUnaryMultiCallable.__call__>@client",
+    order = ["Placement.input>@client", "StreamCall.exchange>@client",
              "RegionRegistry.acquire>@engine", "CpuBackend.launch>@engine",
-             "RemoteLink.on_message>@fe", "_UnaryUnaryMultiCallable.__call__<@client",
+             "RemoteLink.on_message>@fe", "StreamCall.exchange<@client",
              "AttentionClient.attention<@client"]
     at = [labels.index(x) for x in order]
     assert at == sorted(at), labels

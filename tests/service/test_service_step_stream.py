@@ -1,4 +1,5 @@
-"""CacheDecodeSteps: a decode loop on one stream, each message one whole CacheDecode step."""
+"""Step streams: CacheDecodeSteps (a decode loop on one stream, each message one whole
+CacheDecode step), and PrefillSteps / DecodeSteps (stateless calls on one stream)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from .kv_helpers import cache_decode_messages, layout, rand
 from .svc_helpers import (
     collect,
     collect_result,
+    cu_from_lengths,
+    decode_messages,
     one_message,
+    prefill_messages,
+    random_qkv,
     request_codes,
     same_answer,
     unary_rpc,
@@ -31,9 +36,10 @@ SERVICE = "/attention.v1.AttentionService/"
 class Steps:
     """A CacheDecodeSteps stream driven one step at a time, as a decode loop does."""
 
-    def __init__(self, channel: grpc.Channel, **kw: Any) -> None:
+    def __init__(self, channel: grpc.Channel, method: str = "CacheDecodeSteps",
+                 **kw: Any) -> None:
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        rpc = channel.stream_stream(SERVICE + "CacheDecodeSteps",
+        rpc = channel.stream_stream(SERVICE + method,
                                     request_serializer=lambda m: m.SerializeToString(),
                                     response_deserializer=pb.AttentionResult.FromString)
         self.call = rpc(self._requests(), **kw)
@@ -176,3 +182,38 @@ def test_streamed_steps_match_the_stream_rpc(server) -> None:  # type: ignore[no
         same_answer(collect_result(got), streamed)
     finally:
         stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=["m0", "m1"]), timeout=10)
+
+
+def _stateless_call(method: str, seed: int) -> Any:
+    """A Prefill or Decode call of its own shapes (GQA, odd lengths) as one message."""
+    lengths = [1 + seed % 7, 5 + seed % 3]
+    cu = cu_from_lengths(lengths)
+    if method == "Prefill":
+        q, k, v = random_qkv(cu[-1], cu[-1], 4, 2, 24, torch.float16, seed=seed)
+        return one_message(prefill_messages(q, k, v, cu, causal=True, return_lse=True))
+    q, _, _ = random_qkv(2, 0, 4, 2, 24, torch.float16, seed=seed)
+    _, k, v = random_qkv(0, cu[-1], 4, 2, 24, torch.float16, seed=seed + 1)
+    return one_message(decode_messages(q, k, v, cu, return_lse=True))
+
+
+@pytest.mark.parametrize("method", ["Prefill", "Decode"])
+def test_stateless_calls_on_one_stream_equal_unary_calls(start_server, method) -> None:  # type: ignore[no-untyped-def]
+    """PrefillSteps / DecodeSteps: each answer bitwise the unary twin's, counted under the
+    op's name; a failing call ends the stream with its status, naming the field."""
+    handle = start_server(metrics_port=0)
+    steps = Steps(handle.channel(), method + "Steps", timeout=30)
+    unary = unary_rpc(handle, method + "Unary")
+    for seed in range(4):
+        message = _stateless_call(method, seed)
+        same_answer(collect_result(steps.step(message)),
+                    collect_result(unary(message, timeout=30)))
+    steps.close()
+    assert list(steps.call) == [] and steps.call.code() == grpc.StatusCode.OK
+    bad = _stateless_call(method, 9)
+    bad.header.q.shape[2] = 25  # q's head dim no longer k's
+    steps = Steps(handle.channel(), method + "Steps", timeout=30)
+    with pytest.raises(grpc.RpcError) as err:
+        steps.step(bad)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("header.k.shape[2]: head_dim 24 differs from q's")
+    assert request_codes(handle, method) == {"OK", "INVALID_ARGUMENT"}

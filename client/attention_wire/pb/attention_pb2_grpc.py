@@ -130,6 +130,16 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
                 _registered_method=True)
+        self.PrefillSteps = channel.stream_stream(
+                '/attention.v1.AttentionService/PrefillSteps',
+                request_serializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
+        self.DecodeSteps = channel.stream_stream(
+                '/attention.v1.AttentionService/DecodeSteps',
+                request_serializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+                _registered_method=True)
 
 
 class AttentionServiceServicer:
@@ -301,6 +311,27 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillSteps(self, request_iterator, context):
+        """Stateless calls on one kept-open stream, as CacheDecodeSteps runs CacheDecode steps:
+        each request message one whole call (as the unary twin takes it), each response message
+        its AttentionResult, in order; a call runs once the previous one is answered. For small
+        calls and same-host region calls, whose payload is a few hundred bytes, the per-call
+        HTTP/2 stream set-up is most of the wire time. Errors, limits, batching and metrics as
+        the unary twin; the first failing call ends the stream with its status.
+
+        Prefill calls on one stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecodeSteps(self, request_iterator, context):
+        """Decode calls on one stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -396,6 +427,16 @@ def add_AttentionServiceServicer_to_server(servicer, server):
             ),
             'CacheDecodeSteps': grpc.stream_stream_rpc_method_handler(
                     servicer.CacheDecodeSteps,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'PrefillSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.PrefillSteps,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.PrefillRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
+            ),
+            'DecodeSteps': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSteps,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.DecodeRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.AttentionResult.SerializeToString,
             ),
@@ -912,6 +953,60 @@ class AttentionService:
             request_iterator,
             target,
             '/attention.v1.AttentionService/CacheDecodeSteps',
+            attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/PrefillSteps',
+            attention_dot_v1_dot_attention__pb2.PrefillRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSteps(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/attention.v1.AttentionService/DecodeSteps',
             attention_dot_v1_dot_attention__pb2.DecodeRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.AttentionResult.FromString,
             options,

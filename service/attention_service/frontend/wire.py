@@ -218,7 +218,9 @@ def _compute_unary(servicer: Any, op: Op, step: bool = False) -> Any:
 
 # The compute rpcs with a step stream (each request message one whole call, each response
 # message its AttentionResult), by op: the rpc's name.
-STEP_STREAMS = {Op.CACHE_DECODE: "CacheDecodeSteps"}
+STEP_STREAMS = {
+    Op.CACHE_DECODE: "CacheDecodeSteps", Op.PREFILL: "PrefillSteps", Op.DECODE: "DecodeSteps",
+}
 
 
 def _compute_steps(servicer: Any, op: Op) -> Any:
