@@ -126,3 +126,21 @@ def test_score_options_on_gpu(gpu_server, dtype) -> None:  # type: ignore[no-unt
     resp = collect(gpu_server.stub().Decode(iter(msgs), timeout=120))
     want, _ = decode_oracle(qd, k, v, cu_k, window_size=(40, -1), alibi_slopes=slopes[0])
     _close(resp.out, want, dtype)
+
+
+def test_same_lengths_reuse_their_device_cu_seqlens(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    """cu_seqlens go up once per distinct lengths (``cuda_launch._CU_MEMO``): other splits of
+    the same totals get their own copy, a repeat reuses it, and every answer (fresh values each
+    call) matches the float64 oracle."""
+    from attention_service.engine import cuda_launch
+
+    cases = [([5, 7], [9, 3]), ([7, 5], [9, 3]), ([5, 7], [9, 3]), ([5, 7], [3, 9])]
+    for seed, (len_q, len_k) in enumerate(cases):
+        cu_q, cu_k = cu_from_lengths(len_q), cu_from_lengths(len_k)
+        q, k, v = random_qkv(cu_q[-1], cu_k[-1], 4, 2, 64, torch.float16, seed=100 + seed)
+        resp = collect(gpu_server.stub().Prefill(
+            prefill_messages(q, k, v, cu_q, cu_k, causal=True), timeout=120))
+        _close(resp.out, prefill_oracle(q, k, v, cu_q, cu_k, causal=True)[0], torch.float16)
+    kept = {(key[1], key[2]) for key in cuda_launch._CU_MEMO}
+    assert {((0, 9, 12), (0, 5, 12)), ((0, 9, 12), (0, 7, 12)),
+            ((0, 3, 12), (0, 5, 12))} <= kept
