@@ -146,7 +146,7 @@ for s in "$@"; do
                 --timeout 600 tests/kernels/test_features.py
               stage features 420 python3 benchmarks/bench_features.py --out "$OUT" ;;
     roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
-                 --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 6 \
+                 --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 20 \
                  --agg-seconds 6 --out "$OUT" ;;
     profile) stage profile-on 150 python3 benchmarks/profile_group.py --out "$OUT" \
                --batching on
