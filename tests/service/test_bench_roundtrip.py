@@ -28,13 +28,32 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
     assert report["ceilings"]["host_memcpy_GBps"] > 0 and report["ceilings"]["raw_grpc_GBps"] > 0
     for server in report["servers"]:
         rt = server["round_trip_ms"]
-        assert {"grpc host", "shm in region", "shm staged", "shm out="} <= set(rt)
+        assert {"grpc host", "shm in region", "shm staged", "shm out=", "shm out= unary"} <= set(rt)
         assert all(v > 0 for v in rt.values())
         # The region paths moved no tensor byte through gRPC; the gRPC path did.
         assert server["stats"]["grpc host"]["bytes_in"] > 0
-        for path in ("shm in region", "shm staged", "shm out="):
+        for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
         assert [(a["clients"], a["channels"]) for a in server["aggregate"]] == [(2, 1), (2, 2)]
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
+
+
+def test_ab_call_streams_times_both_sides_in_turn(tmp_path: Path) -> None:
+    cmd = [
+        sys.executable, str(ROOT / "benchmarks" / "ab_call_streams.py"), "--device", "cpu",
+        "--path", "shm-out", "--tokens", "32", "--heads", "2", "--head-dim", "16",
+        "--frontends", "1,2", "--calls", "20", "--warm", "2", "--out", str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    [path] = tmp_path.glob("ab_call_streams_shm-out_*.json")
+    report = json.loads(path.read_text())
+    assert [r["frontends"] for r in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert set(row["sides"]) == {"streams", "unary"}
+        for side in row["sides"].values():
+            assert 0 < side["p10_ms"] <= side["p50_ms"] <= side["p90_ms"]
+        assert row["kernel_ms"] > 0
+    assert "streams - unary (paired p50)" in proc.stdout
