@@ -3,8 +3,10 @@
 A unary call sets up and tears down an HTTP/2 stream per call; on an open stream a call is one
 message each way. Measured on the 2-core dev box (grpcio 1.85, 12 KB up / 8 KB down, a bare
 echo server, p50): sync client 551 -> 302 us per call, server CPU 404 -> 169 us; aio client
-573 -> 251 us, server CPU 399 -> 155 us. On an H100 host the two gRPC legs of a same-host
-region call took ~1.1 ms as a unary call against ~0.37 ms for a message on a stream.
+573 -> 251 us, server CPU 399 -> 155 us. A same-host CUDA IPC prefill (8192 x 16 x 128 bf16,
+``out=`` in the region) on an H100 host, paired A/B against a unary call each: 2.63 vs 2.92 ms
+p50 with one server process, -0.30 to -0.32 ms with 4 and 8 (``ab_call_streams.py``,
+2026-11-24).
 
 Two users: ``decode_steps()`` (one stream per handle, ``CacheDecodeSteps``), and the clients'
 pools (``CallStreams`` / ``AsyncCallStreams``) that carry every single-message ``Prefill`` and
