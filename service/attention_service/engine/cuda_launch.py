@@ -78,12 +78,17 @@ def _packed(
         return parts[0]
     dtype = TORCH_DTYPES[plan.key.dtype if name == "q" else plan.key.kv_dtype]
     dst = torch.empty((rows, *row_shape), dtype=dtype, device=device)
-    for start, src in zip(offsets, parts, strict=False):
-        if src.shape[0]:
-            # Pinned source + non_blocking: an async DMA on the current stream (a device
-            # source: a device-to-device copy). The source outlives the launch (the job holds
-            # it until its done callback).
-            dst[start : start + src.shape[0]].copy_(src, non_blocking=True)
+    # Job i's rows start at offsets[i]: one split gives every job's slot, one foreach call
+    # queues every copy (a pinned source + non_blocking: an async DMA on the current stream;
+    # a device source: a device-to-device copy). Per job a slice and a ``copy_`` from Python
+    # cost the engine ~17% of its time under 64 clients of small prefills (py-spy, H100
+    # host, 2026-11-24). The sources outlive the launch (each job holds its own until its
+    # done callback).
+    slots = dst.split([b - a for a, b in zip(offsets, [*offsets[1:], rows], strict=False)])
+    pairs = [(d if d.shape[0] == s.shape[0] else d[: s.shape[0]], s)
+             for d, s in zip(slots, parts, strict=False) if s.shape[0]]
+    if pairs:
+        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
     return dst
 
 
