@@ -185,6 +185,9 @@ class Channel:
         self._on_message = on_message
         self._on_close = on_close
         self._decoder = _Decoder()
+        # Received into one buffer: ``recvmsg(_READ)`` allocates _READ bytes per call and
+        # shrinks them, 19-37 us for a 600-byte message against 3-5 us here (dev box).
+        self._rbuf = memoryview(bytearray(_READ))
         self._send_lock = threading.Lock()
         self._backlog = False  # frames wait in the writer's queue: later ones must too
         self._outbox: queue.SimpleQueue[tuple[bytes, Sequence[int]] | None] = queue.SimpleQueue()
@@ -283,7 +286,7 @@ class Channel:
 
     # ---- receiving ----------------------------------------------------------------------
 
-    def _deliver(self, data: bytes, anc: list[tuple[int, int, bytes]]) -> None:
+    def _deliver(self, data: bytes | memoryview, anc: list[tuple[int, int, bytes]]) -> None:
         self._decoder.fds.extend(_fds_of(anc))
         self._decoder.buf += data
         for msg, fds in self._decoder.frames():
@@ -296,10 +299,11 @@ class Channel:
     def _read_loop(self) -> None:
         try:
             while True:
-                data, anc, _, _ = self.sock.recvmsg(_READ, _ANC, socket.MSG_CMSG_CLOEXEC)
-                if not data:
+                n, anc, _, _ = self.sock.recvmsg_into([self._rbuf], _ANC,
+                                                      socket.MSG_CMSG_CLOEXEC)
+                if not n:
                     break
-                self._deliver(data, anc)
+                self._deliver(self._rbuf[:n], anc)
         except (OSError, EOFError, pickle.UnpicklingError) as exc:
             if not self._closed.is_set():
                 log.debug("%s: closed (%s)", self.name, exc)
@@ -309,13 +313,13 @@ class Channel:
     def _on_readable(self) -> None:
         try:
             while True:
-                data, anc, _, _ = self.sock.recvmsg(
-                    _READ, _ANC, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
+                n, anc, _, _ = self.sock.recvmsg_into(
+                    [self._rbuf], _ANC, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
                 )
-                if not data:
+                if not n:
                     break
-                self._deliver(data, anc)
-                if len(data) < _READ:
+                self._deliver(self._rbuf[:n], anc)
+                if n < _READ:
                     return
         except BlockingIOError:
             return
