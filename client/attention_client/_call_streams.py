@@ -274,14 +274,15 @@ class _Pool:
         return streams
 
     def failed(self, method: str, stream: Any, err: grpc.RpcError,
-               settings: CallSettings) -> Exception | None:
-        """The error to raise for a call whose stream failed; None: nothing ran, send it
-        another way (from now on if the server has no such rpc)."""
+               settings: CallSettings) -> None:
+        """A call's stream failed: drop the stream, then return if nothing ran (send the call
+        another way; from now on if the server has no such rpc), else raise its error."""
+        stream.drop()
         if not_sent(err, stream):
             if unimplemented(err):
                 self.unsupported.add(method)
-            return None
-        return from_rpc_error(err, method, settings.names)
+            return
+        raise from_rpc_error(err, method, settings.names) from err
 
 
 class CallStreams(_Pool):
@@ -293,18 +294,15 @@ class CallStreams(_Pool):
 
     def run(self, lane_no: int, lane: dict[str, Any], method: str, message: bytes,
             settings: CallSettings) -> bytes | None:
-        """One call's answer; None when the server has no stream rpc for it (send it
-        unary). AttentionError if it failed."""
+        """One call's answer; None when it did not run (the server has no stream rpc for
+        it, or the stream had ended): send it unary. AttentionError if it failed."""
         key = self.key(lane_no, method, settings)
         stream = self.take(key) or StreamCall(lane[STEP_METHODS[method]], settings)
         try:
             raw = stream.exchange(message, settings.deadline, self.watchdog)
         except grpc.RpcError as err:
-            stream.drop()
-            error = self.failed(method, stream, err, settings)
-            if error is None:
-                return None
-            raise error from err
+            self.failed(method, stream, err, settings)
+            return None
         except BaseException:
             stream.drop()  # the caller went away mid-call: the stream's state is unknown
             raise
@@ -329,11 +327,8 @@ class AsyncCallStreams(_Pool):
         try:
             raw = await stream.exchange(message, settings.deadline)
         except grpc.RpcError as err:
-            stream.drop()
-            error = self.failed(method, stream, err, settings)
-            if error is None:
-                return None
-            raise error from err
+            self.failed(method, stream, err, settings)
+            return None
         except BaseException:
             stream.drop()
             raise

@@ -165,3 +165,24 @@ def start_fake(
         port = server.add_secure_port(f"localhost:{port}", credentials)
     server.start()
     return server, servicer, port
+
+
+def silent_server(method: str) -> tuple[grpc.Server, int, threading.Event]:
+    """A server whose stream rpc ``method`` (e.g. "PrefillSteps") reads one message and never
+    answers; the event is set once the server sees the stream cancelled."""
+    cancelled = threading.Event()
+
+    def steps(requests, context):  # type: ignore[no-untyped-def]
+        next(requests)
+        while context.is_active():
+            time.sleep(0.01)
+        cancelled.set()
+        return iter(())
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService",
+        {method: grpc.stream_stream_rpc_method_handler(steps)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port, cancelled

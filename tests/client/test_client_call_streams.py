@@ -4,11 +4,9 @@ backend): reuse, concurrency, failures, timeouts, a restarted server, the opt-ou
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from concurrent import futures
 
-import grpc
 import numpy as np
 import pytest
 
@@ -19,31 +17,12 @@ from attention_client import (
     AttentionTimeoutError,
 )
 
+from ._fakes import silent_server
 from ._server import start_server
-from .test_client_e2e import check_out, f64, make
+from .test_client_e2e import RpcNames, check_out, f64, make
 
 reference = pytest.importorskip("attention_kernels.reference")
 pytestmark = pytest.mark.timeout(120)
-
-
-class _Opened(grpc.StreamStreamClientInterceptor, grpc.UnaryUnaryClientInterceptor):
-    """The rpcs a client opened (each stream once, however many calls it carried)."""
-
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self._lock = threading.Lock()
-
-    def _note(self, details) -> None:  # type: ignore[no-untyped-def]
-        with self._lock:
-            self.names.append(details.method.rsplit("/", 1)[-1])
-
-    def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
-        self._note(details)
-        return continuation(details, request_iterator)
-
-    def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        self._note(details)
-        return continuation(details, request)
 
 
 def _qkv(seed: int, n: int = 9):
@@ -64,7 +43,7 @@ def _check(out, q, k, v, causal: bool = True) -> None:
 def test_concurrent_calls_share_a_few_streams(server):
     """16 threads x 6 calls on one client: every result right, at most one stream per thread
     (an idle one is reused), and no unary call."""
-    opened = _Opened()
+    opened = RpcNames()
     with AttentionClient(server.target, interceptors=[opened]) as client:
         def work(t: int) -> None:
             for i in range(6):
@@ -78,7 +57,7 @@ def test_concurrent_calls_share_a_few_streams(server):
 
 
 def test_a_failed_call_ends_its_stream_and_the_next_one_opens_another(server):
-    opened = _Opened()
+    opened = RpcNames()
     with AttentionClient(server.target, interceptors=[opened]) as client:
         q, k, v = _qkv(1)
         _check(client.attention(q, k, v, causal=True), q, k, v)
@@ -92,7 +71,7 @@ def test_a_failed_call_ends_its_stream_and_the_next_one_opens_another(server):
 
 
 def test_metadata_of_its_own_opens_a_stream_of_its_own(server):
-    opened = _Opened()
+    opened = RpcNames()
     with AttentionClient(server.target, interceptors=[opened]) as client:
         q, k, v = _qkv(4)
         for metadata in (None, {"x-tenant": "a"}, None, {"x-tenant": "a"}, {"x-tenant": "b"}):
@@ -101,7 +80,7 @@ def test_metadata_of_its_own_opens_a_stream_of_its_own(server):
 
 
 def test_call_streams_off_sends_unary_calls(server):
-    opened = _Opened()
+    opened = RpcNames()
     with AttentionClient(server.target, interceptors=[opened], call_streams=False) as client:
         q, k, v = _qkv(5)
         for _ in range(2):
@@ -147,28 +126,8 @@ def test_async_calls_share_streams_and_match_solo_calls(server):
             np.testing.assert_array_equal(out, client.attention(q, k, v, causal=True))
 
 
-def _silent_server() -> tuple[grpc.Server, int, threading.Event]:
-    """A server whose PrefillSteps reads a call and never answers (until cancelled)."""
-    cancelled = threading.Event()
-
-    def steps(requests, context):
-        next(requests)
-        while context.is_active():
-            time.sleep(0.01)
-        cancelled.set()
-        return iter(())
-
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "attention.v1.AttentionService",
-        {"PrefillSteps": grpc.stream_stream_rpc_method_handler(steps)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port, cancelled
-
-
 def test_a_call_timeout_cancels_its_stream():
-    server, port, cancelled = _silent_server()
+    server, port, cancelled = silent_server("PrefillSteps")
     q, k, v = _qkv(7)
     try:
         with AttentionClient(f"127.0.0.1:{port}") as client:

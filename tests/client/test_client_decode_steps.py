@@ -4,11 +4,8 @@ checked against the float64 reference; failures, fallbacks and timeouts."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from concurrent import futures
 
-import grpc
 import numpy as np
 import pytest
 
@@ -20,6 +17,7 @@ from attention_client import (
     AttentionTimeoutError,
 )
 
+from ._fakes import silent_server
 from .test_client_e2e import check_lse, check_out, f64, make
 from .test_client_kv_cache import HKV, Context, D, H, cu
 
@@ -121,28 +119,8 @@ def test_a_step_over_one_message_and_a_server_without_the_rpc_take_the_other_pat
         cache.release()
 
 
-def _silent_server() -> tuple[grpc.Server, int, threading.Event]:
-    """A server whose CacheDecodeSteps reads a step and never answers (until cancelled)."""
-    cancelled = threading.Event()
-
-    def steps(requests, context):
-        next(requests)
-        while context.is_active():
-            time.sleep(0.01)
-        cancelled.set()
-        return iter(())
-
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
-        "attention.v1.AttentionService",
-        {"CacheDecodeSteps": grpc.stream_stream_rpc_method_handler(steps)}),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port, cancelled
-
-
 def test_a_step_timeout_cancels_the_stream():
-    server, port, cancelled = _silent_server()
+    server, port, cancelled = silent_server("CacheDecodeSteps")
     try:
         with AttentionClient(f"127.0.0.1:{port}") as c, c.decode_steps(timeout=0.5) as steps:
             q = make("numpy", "float32", 1, H, D)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import numpy as np
@@ -215,18 +216,24 @@ def test_auth_token():
         running.stop()
 
 
-class _Methods(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
-    """The rpcs a client used."""
+class RpcNames(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """The rpcs a client used: each call once, each stream once however many calls it
+    carried (thread-safe)."""
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self._lock = threading.Lock()
+
+    def _note(self, details) -> None:  # type: ignore[no-untyped-def]
+        with self._lock:
+            self.names.append(details.method.rsplit("/", 1)[-1])
 
     def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
-        self.names.append(details.method.rsplit("/", 1)[-1])
+        self._note(details)
         return continuation(details, request)
 
     def intercept_stream_stream(self, continuation, details, request_iterator):  # type: ignore[no-untyped-def]
-        self.names.append(details.method.rsplit("/", 1)[-1])
+        self._note(details)
         return continuation(details, request_iterator)
 
 
@@ -236,7 +243,7 @@ def test_small_calls_go_in_one_message_and_large_ones_stream(server, call_stream
     on a kept-open PrefillSteps/DecodeSteps stream (opened once, then reused), or with
     call_streams=False a unary call each. The result is the same every way (cpu backend,
     batching off in this server: bitwise)."""
-    seen = _Methods()
+    seen = RpcNames()
     one = ("PrefillSteps", "DecodeSteps") if call_streams else ("PrefillUnary", "DecodeUnary")
     with AttentionClient(server.target, max_chunk_bytes=16384, interceptors=[seen],
                          call_streams=call_streams) as c, \
