@@ -25,12 +25,15 @@ from typing import Any
 import grpc
 import numpy as np
 
+from attention_client._call_streams import AsyncStreamCall
+from attention_client._channel import CallSettings
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"
 STEPS = "Steps"  # PrefillSteps / DecodeSteps: the stream rpc of each
+NO_SETTINGS = CallSettings(deadline=None, metadata=(), wait_for_ready=None)
 CHUNK_BYTES = 1 << 20
 DTYPES = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 
@@ -227,30 +230,29 @@ def build_requests(spec: LoadSpec, worker: int) -> list[Request]:
 
 
 class _CallStreams:
-    """One load client's kept-open PrefillSteps/DecodeSteps streams, one per method."""
+    """One load client's kept-open PrefillSteps/DecodeSteps streams, one per method, driven
+    by the client's own ``AsyncStreamCall`` (no deadline: the load has none)."""
 
     def __init__(self, calls: dict[str, Any]) -> None:
         self._calls = calls
-        self._open: dict[str, Any] = {}
+        self._open: dict[str, AsyncStreamCall] = {}
 
-    async def call(self, method: str, message: bytes) -> bool:
-        """One call on ``method``'s stream; False if the stream ended unanswered."""
-        call = self._open.get(method)
-        if call is None or call.done():
-            call = self._open[method] = self._calls[method + STEPS]()
+    async def call(self, method: str, message: bytes) -> None:
+        """One call on ``method``'s stream; grpc.RpcError if it failed (the stream is
+        dropped)."""
+        stream = self._open.get(method)
+        if stream is None or not stream.alive():
+            stream = self._open[method] = AsyncStreamCall(self._calls[method + STEPS],
+                                                          NO_SETTINGS)
         try:
-            await call.write(message)
-            answered = await call.read() is not grpc.aio.EOF
+            await stream.exchange(message, None)
         except BaseException:
-            self._open.pop(method).cancel()
+            self._open.pop(method).drop()
             raise
-        if not answered:
-            self._open.pop(method)
-        return answered
 
     def close(self) -> None:
-        for call in self._open.values():
-            call.cancel()
+        for stream in self._open.values():
+            stream.drop()
 
 
 async def _client(
@@ -269,14 +271,13 @@ async def _client(
             code = None
             try:
                 if len(messages) == 1 and req.method + STEPS in calls:
-                    if not await streams.call(req.method, messages[0]):
-                        code = "STREAM_ENDED"
+                    await streams.call(req.method, messages[0])
                 elif len(messages) == 1 and unary_method(req.method) in calls:
                     await calls[unary_method(req.method)](messages[0])
                 else:
                     async for _ in calls[req.method](iter(messages)):
                         pass
-            except grpc.aio.AioRpcError as err:
+            except grpc.RpcError as err:  # AioRpcError, or the stream's own StreamError
                 code = err.code().name
             if code is not None:
                 if t_measure <= time.time() <= t_end:
