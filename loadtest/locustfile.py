@@ -179,7 +179,11 @@ class AttentionUser(User):
 
     def on_start(self) -> None:
         target = (self.host or TARGET).removeprefix("grpc://")
-        self.client = AttentionClient(target, token=TOKEN, tls=TLS, timeout=TIMEOUT)
+        # A connection of its own, as a separate caller would have: grpc otherwise shares one
+        # among a process's equal channels, and a server with several front ends spreads
+        # connections (SO_REUSEPORT), not calls.
+        self.client = AttentionClient(target, token=TOKEN, tls=TLS, timeout=TIMEOUT,
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
         # Per-user sampler: reproducible for a given seed, different across users.
         self.rng = random.Random(f"{SEED}-{id(self)}")
         self.sessions = 0

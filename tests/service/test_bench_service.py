@@ -62,3 +62,67 @@ def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
         assert row["completed"] > 0 and row["errors"] == 0
         # Every tensor byte went through the region: none through gRPC.
         assert row["region_MBps"] > 0 and row["wire_in_MBps"] == 0
+
+
+def test_each_load_client_has_a_connection_of_its_own() -> None:
+    """A server with several front ends is handed connections, not calls (SO_REUSEPORT): the
+    load's clients must not share one, as equal grpc channels of a process otherwise do."""
+    import asyncio
+    import time
+    from concurrent import futures
+
+    import grpc
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import service_load
+
+    peers: set[str] = set()
+
+    def echo(requests, context):  # PrefillSteps: one answer per message
+        for message in requests:
+            peers.add(context.peer())
+            yield message
+
+    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService",
+        {"PrefillSteps": grpc.stream_stream_rpc_method_handler(echo)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        spec = service_load.LoadSpec(
+            mode="prefill", heads=2, kv_heads=1, head_dim=8, dtype="bf16", min_len=1,
+            max_len=4, decode_seqs=1, causal=True, pool=2, seed=0)
+        now = time.time()
+        result = asyncio.run(service_load._run_point(
+            target=f"127.0.0.1:{port}", pool=service_load.build_requests(spec, 0),
+            n_clients=5, seed=0, t_start=now, t_measure=now, t_end=now + 0.5))
+    finally:
+        server.stop(0)
+    assert result["errors"] == {} and result["latencies"]
+    assert len(peers) == 5
+
+
+def test_load_requests_are_packed_as_the_client_packs_them() -> None:
+    """Header and tensor bytes share messages up to 1 MiB, as attention_client sends them: a
+    small request is one message (a call on a kept-open steps stream), a large one several."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import service_load
+
+    from attention_wire.pb import attention_pb2 as pb
+
+    spec = service_load.LoadSpec(
+        mode="prefill", heads=16, kv_heads=8, head_dim=128, dtype="bf16", min_len=16,
+        max_len=2048, decode_seqs=1, causal=True, pool=32, seed=0)
+    sizes = set()
+    for req in service_load.build_requests(spec, 0):
+        per_token = (16 + 8 + 8) * 128 * 2
+        assert len(req.messages) == -(-(req.tokens * per_token + 200) // (1 << 20))
+        msgs = [pb.PrefillRequest.FromString(m) for m in req.messages]
+        assert msgs[0].header.q.shape == [req.tokens, 16, 128]
+        got = {f: sum(len(c.data) for m in msgs for c in m.chunks if c.field == f)
+               for f in (pb.Q, pb.K, pb.V)}
+        assert got == {pb.Q: req.tokens * 4096, pb.K: req.tokens * 2048,
+                       pb.V: req.tokens * 2048}
+        sizes.add(len(req.messages))
+    assert 1 in sizes and max(sizes) > 1
