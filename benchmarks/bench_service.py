@@ -457,13 +457,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-log-level", default="WARNING",
                    help="server log level (INFO logs a line per call, which costs throughput)")
     p.add_argument("--frontends", type=int, help="passed to the started servers (default: theirs)")
+    p.add_argument("--connections", type=int, default=1,
+                   help="connections per client, calls round-robin over them (channels=)")
     p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
                    help="shm: tensors in registered shared memory, requests carry spans only")
     p.add_argument("--send", default="steps", choices=["steps", "unary", "stream"],
                    help="how a one-message request goes: on a kept-open PrefillSteps/"
                         "DecodeSteps stream per client (default, as attention_client sends "
                         "it), a unary twin call each, or a request stream each")
-    return parse_common(p, argv)
+    args = parse_common(p, argv)
+    if not 1 <= args.connections <= 16:
+        p.error("--connections must be in [1, 16]")
+    return args
 
 
 def _slug(name: str) -> str:
@@ -520,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, min_len=args.min_len, max_len=args.max_len,
         decode_seqs=args.decode_seqs, causal=args.causal, pool=args.pool, seed=args.seed,
-        path=args.path, send=args.send,
+        path=args.path, send=args.send, connections=args.connections,
     )
     t0 = time.time()
     workers = Workers(spec, min(args.workers, max(args.client_counts)), max(args.client_counts))
@@ -537,7 +542,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info.device}: {args.mode}, {args.dtype} H{args.heads}/{args.kv_heads} "
           f"D{args.head_dim}{' causal' if args.causal else ''}, lengths log-uniform "
           f"{args.min_len}..{args.max_len}, {args.duration:g} s per point, path {args.path}, "
-          f"send {args.send}, {info.frontends} front end(s)")
+          f"send {args.send}, {args.connections} connection(s) per client, "
+          f"{info.frontends} front end(s)")
     print(table(rows, args.client_counts))
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else

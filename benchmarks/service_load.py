@@ -59,6 +59,7 @@ class LoadSpec:
     # PrefillSteps/DecodeSteps stream per client, a unary twin call each ("unary"), or a
     # request stream each ("stream", which every larger request takes).
     send: str = "steps"
+    connections: int = 1  # per client, its calls round-robin over them (the client's channels=)
 
 
 @dataclass
@@ -258,14 +259,19 @@ class _CallStreams:
 
 
 async def _client(
-    calls: dict[str, Any], pool: list[Request], rng: np.random.Generator,
+    connections: list[dict[str, Any]], pool: list[Request], rng: np.random.Generator,
     window: tuple[float, float], latencies: list[float], errors: Counter[str],
     shm_pool: ShmPool | None = None, slot: int = 0,
 ) -> None:
+    """One closed-loop client: its calls go round-robin over its connections (the client's
+    ``channels=``), each with its own kept-open call streams."""
     t_measure, t_end = window
-    streams = _CallStreams(calls)
+    all_streams = [_CallStreams(calls) for calls in connections]
+    turn = 0
     try:
         while time.time() < t_end:
+            calls, streams = connections[turn], all_streams[turn]
+            turn = (turn + 1) % len(connections)
             index = int(rng.integers(len(pool)))
             req = pool[index]
             messages = req.messages if shm_pool is None else [shm_message(shm_pool, index, slot)]
@@ -290,13 +296,14 @@ async def _client(
             if t_measure <= done <= t_end:
                 latencies.append(time.perf_counter() - t0)
     finally:
-        streams.close()
+        for streams in all_streams:
+            streams.close()
 
 
 async def _run_point(
     target: str, pool: list[Request], n_clients: int, seed: int,
     t_start: float, t_measure: float, t_end: float, shm_pool: ShmPool | None = None,
-    send: str = "steps",
+    send: str = "steps", connections: int = 1,
 ) -> dict[str, Any]:
     if shm_pool is not None:
         await register_shm(target, shm_pool)
@@ -305,7 +312,7 @@ async def _run_point(
     # made 8 connections, and a server's SO_REUSEPORT front ends, which are handed
     # connections, not calls, left 3 of 8 idle (profile_group, 2026-11-24).
     channels = [grpc.aio.insecure_channel(target, options=LOCAL_CONNECTION)
-                for _ in range(n_clients)]
+                for _ in range(n_clients * connections)]
     try:
         methods = (PREFILL_METHOD, DECODE_METHOD)
         calls = [
@@ -321,7 +328,8 @@ async def _run_point(
         errors: Counter[str] = Counter()
         rngs = np.random.default_rng(seed).spawn(n_clients)
         await asyncio.gather(*(
-            _client(calls[i % len(calls)], pool, rngs[i], (t_measure, t_end), latencies, errors,
+            _client(calls[i * connections : (i + 1) * connections], pool, rngs[i],
+                    (t_measure, t_end), latencies, errors,
                     shm_pool, i)
             for i in range(n_clients)
         ))
@@ -342,7 +350,7 @@ def worker_main(conn: Connection, spec: LoadSpec, worker: int, max_clients: int 
             if cmd is None:
                 return
             conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, send=spec.send,
-                                             **cmd)))
+                                             connections=spec.connections, **cmd)))
     finally:
         if shm_pool is not None:
             from attention_wire import shm

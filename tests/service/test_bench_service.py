@@ -55,7 +55,7 @@ def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "path shm, send steps, 2 front end(s)" in proc.stdout
+    assert "path shm, send steps, 1 connection(s) per client, 2 front end(s)" in proc.stdout
     report = json.loads((tmp_path / "service_prefill_shm_fe2_cpu.json").read_text())
     assert report["server"]["frontends"] == 2
     for row in report["results"]:
@@ -64,9 +64,11 @@ def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
         assert row["region_MBps"] > 0 and row["wire_in_MBps"] == 0
 
 
-def test_each_load_client_has_a_connection_of_its_own() -> None:
+@pytest.mark.parametrize("connections", [1, 3])
+def test_each_load_client_has_connections_of_its_own(connections: int) -> None:
     """A server with several front ends is handed connections, not calls (SO_REUSEPORT): the
-    load's clients must not share one, as equal grpc channels of a process otherwise do."""
+    load's clients must not share one, as equal grpc channels of a process otherwise do; with
+    ``--connections N`` each client's calls go round-robin over N of its own."""
     import asyncio
     import time
     from concurrent import futures
@@ -96,11 +98,12 @@ def test_each_load_client_has_a_connection_of_its_own() -> None:
         now = time.time()
         result = asyncio.run(service_load._run_point(
             target=f"127.0.0.1:{port}", pool=service_load.build_requests(spec, 0),
-            n_clients=5, seed=0, t_start=now, t_measure=now, t_end=now + 0.5))
+            n_clients=5, seed=0, t_start=now, t_measure=now, t_end=now + 0.5,
+            connections=connections))
     finally:
         server.stop(0)
     assert result["errors"] == {} and result["latencies"]
-    assert len(peers) == 5
+    assert len(peers) == 5 * connections  # round-robin: every connection carried calls
 
 
 def test_load_requests_are_packed_as_the_client_packs_them() -> None:
