@@ -85,7 +85,7 @@ def test_each_load_client_has_connections_of_its_own(connections: int) -> None:
             peers.add(context.peer())
             yield message
 
-    server = grpc.server(futures.ThreadPoolExecutor(8))
+    server = grpc.server(futures.ThreadPoolExecutor(32))  # a thread per open stream
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
         "attention.v1.AttentionService",
         {"PrefillSteps": grpc.stream_stream_rpc_method_handler(echo)}),))
