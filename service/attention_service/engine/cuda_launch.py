@@ -94,8 +94,10 @@ def _packed(
 
 def _scatter_rows(plan: BatchPlan, out: torch.Tensor) -> None:
     """Each job's rows of the packed output into its destination: one split and one foreach
-    call, as ``_packed`` does the other way (a slice and a ``copy_`` per job from Python cost
-    the dispatcher ~25 us a job)."""
+    call, as ``_packed`` does the other way, instead of a slice and a ``copy_`` per job. An
+    A/B under 64 clients of small prefills (batches of ~17) measured no difference beyond
+    the run-to-run spread (3288 / 3385 against 3509 / 3316 req/s, H100, 2026-11-24): what
+    bounds that load is not this loop."""
     slots = out.split([b - a for a, b in zip(plan.q_offsets, plan.q_offsets[1:], strict=False)])
     pairs = [(job.out, s) for job, s in zip(plan.jobs, slots, strict=True) if s.shape[0]]
     if pairs:
