@@ -66,6 +66,24 @@ def test_plan_merges_cu_seqlens_and_offsets() -> None:
     assert plan.kv_bytes == sum(j.k.nbytes + j.v.nbytes for j in (a, b))
 
 
+def test_cuda_launch_packs_and_scatters_each_jobs_rows() -> None:
+    """The GPU launch's packing and output scatter (``cuda_launch``) on host tensors: job i's
+    rows land at its offsets, an empty job is skipped, and each job gets back its own rows."""
+    from attention_service.engine import cuda_launch
+
+    jobs = [_prefill_job(1, [2, 3], [4, 0]), _prefill_job(2, [0]), _prefill_job(3, [0, 5], [1, 6])]
+    plan = BatchPlan(jobs)
+    cpu = torch.device("cpu")
+    q = cuda_launch._packed(plan, "q", plan.total_q, (4, 8), plan.q_offsets, cpu)
+    k = cuda_launch._packed(plan, "k", plan.total_k, (2, 8), plan.k_offsets, cpu)
+    assert torch.equal(q, torch.cat([j.q for j in jobs]))
+    assert torch.equal(k, torch.cat([j.k for j in jobs]))
+    out = torch.randn(q.shape)
+    cuda_launch._scatter_rows(plan, out)
+    for i, job in enumerate(jobs):
+        assert torch.equal(job.out, out[plan.q_offsets[i] : plan.q_offsets[i + 1]])
+
+
 def _cu(values: tuple[int, ...] | None) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 

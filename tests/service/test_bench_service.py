@@ -119,9 +119,10 @@ def test_load_requests_are_packed_as_the_client_packs_them() -> None:
         max_len=2048, decode_seqs=1, causal=True, pool=32, seed=0)
     sizes = set()
     for req in service_load.build_requests(spec, 0):
-        per_token = (16 + 8 + 8) * 128 * 2
-        assert len(req.messages) == -(-(req.tokens * per_token + 200) // (1 << 20))
         msgs = [pb.PrefillRequest.FromString(m) for m in req.messages]
+        # The first message carries the header and 1 MiB less its size, the others 1 MiB.
+        header_and_bytes = len(msgs[0].header.SerializeToString()) + req.tokens * 8192
+        assert len(msgs) == -(-header_and_bytes // service_load.CHUNK_BYTES)
         assert msgs[0].header.q.shape == [req.tokens, 16, 128]
         got = {f: sum(len(c.data) for m in msgs for c in m.chunks if c.field == f)
                for f in (pb.Q, pb.K, pb.V)}

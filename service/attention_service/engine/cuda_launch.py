@@ -84,24 +84,32 @@ def _packed(
     # cost the engine ~17% of its time under 64 clients of small prefills (py-spy, H100
     # host, 2026-11-24). The sources outlive the launch (each job holds its own until its
     # done callback).
-    slots = dst.split([b - a for a, b in zip(offsets, [*offsets[1:], rows], strict=False)])
-    pairs = [(d if d.shape[0] == s.shape[0] else d[: s.shape[0]], s)
-             for d, s in zip(slots, parts, strict=False) if s.shape[0]]
-    if pairs:
-        torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+    slots = _row_slots(dst, offsets)
+    _copy_each([(d if d.shape[0] == s.shape[0] else d[: s.shape[0]], s)
+                for d, s in zip(slots, parts, strict=True)])
     return dst
 
 
-def _scatter_rows(plan: BatchPlan, out: torch.Tensor) -> None:
-    """Each job's rows of the packed output into its destination: one split and one foreach
-    call, as ``_packed`` does the other way, instead of a slice and a ``copy_`` per job. An
-    A/B under 64 clients of small prefills (batches of ~17) measured no difference beyond
-    the run-to-run spread (3288 / 3385 against 3509 / 3316 req/s, H100, 2026-11-24): what
-    bounds that load is not this loop."""
-    slots = out.split([b - a for a, b in zip(plan.q_offsets, plan.q_offsets[1:], strict=False)])
-    pairs = [(job.out, s) for job, s in zip(plan.jobs, slots, strict=True) if s.shape[0]]
+def _row_slots(t: torch.Tensor, offsets: list[int]) -> tuple[torch.Tensor, ...]:
+    """``t``'s rows cut at ``offsets``: job i's are ``offsets[i]:offsets[i + 1]`` (the last
+    offset is ``t``'s length)."""
+    return t.split([b - a for a, b in zip(offsets, offsets[1:], strict=False)])
+
+
+def _copy_each(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src, non_blocking=True)`` for every pair with rows, in one foreach call."""
+    pairs = [(d, s) for d, s in pairs if s.shape[0]]
     if pairs:
         torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs], non_blocking=True)
+
+
+def _scatter_rows(plan: BatchPlan, out: torch.Tensor) -> None:
+    """Each job's rows of the packed output into its destination, the way ``_packed`` packs
+    its inputs, instead of a slice and a ``copy_`` per job. An A/B under 64 clients of small
+    prefills (batches of ~17) measured no difference beyond the run-to-run spread (3288 /
+    3385 against 3509 / 3316 req/s, H100, 2026-11-24): what bounds that load is not this."""
+    slots = _row_slots(out, plan.q_offsets)
+    _copy_each([(job.out, s) for job, s in zip(plan.jobs, slots, strict=True)])
 
 
 class _PagedMeta:
