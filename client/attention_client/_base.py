@@ -25,7 +25,12 @@ from attention_client._channel import (
     merge_metadata,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes, single_message
-from attention_client._errors import AttentionInputError, from_rpc_error
+from attention_client._errors import (
+    AttentionError,
+    AttentionInputError,
+    AttentionNotFoundError,
+    from_rpc_error,
+)
 from attention_client._regions import (
     Placement,
     RegionSet,
@@ -102,6 +107,7 @@ class ClientBase:
         # Layouts of the caches this client created or forked (decode_step without new tokens
         # needs their num_kv_heads); others are looked up with ListCaches once.
         self._cache_layouts: dict[str, KvLayout] = {}
+        self.closed = False  # set by close(): every later call raises AttentionError
 
     def _settings(
         self, timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
@@ -110,6 +116,9 @@ class ClientBase:
         """One public call's settings: ``timeout`` (DEFAULT: the client's; None: no deadline)
         runs from now over every rpc of the call; ``metadata`` is merged over the client's
         (a key it names replaces the client's); ``wait_for_ready`` None: the client's."""
+        if self.closed:  # else grpc's ValueError / UsageError, which reads as a bad argument
+            raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION,
+                                 "the client is closed: make a new one")
         seconds = self.timeout if timeout is DEFAULT else check_timeout(timeout)
         return CallSettings(
             deadline=None if seconds is None else time.monotonic() + seconds,
@@ -312,7 +321,21 @@ class ClientBase:
             region, cuda = create_cuda_region(nbytes, device, name)
             source = {"cuda": cuda}
         request = pb.RegisterRegionRequest(name=region.name, byte_size=region.nbytes, **source)
+        region._register_request = request
         return region, request
+
+    def _forgotten(self, listing: pb.ListRegionsResponse) -> list[SharedRegion]:
+        """This client's regions the server does not know: it restarted (regions do not
+        survive a restart) or dropped them. Re-registering them (``_register_request``: the same
+        memory, same name) lets calls go on."""
+        known = {r.name for r in listing.regions}
+        return [r for r in self.regions.all() if r.name not in known and not r.closed]
+
+    @staticmethod
+    def _region_lost(prep: PreparedRequest, err: AttentionError) -> bool:
+        """Whether a compute call failed because the server does not know a region it used
+        (NOT_FOUND on a call that placed tensors in regions)."""
+        return isinstance(err, AttentionNotFoundError) and prep.placement is not None
 
     def _quarantined(self) -> list[SharedRegion]:
         return [r for r in self.regions.all() if r.has_quarantine]

@@ -31,9 +31,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import numpy as np
 
-from attention_client._errors import AttentionInputError
+from attention_client._errors import AttentionInputError, AttentionResourceError
 from attention_client._tensors import is_torch_tensor, storage_dtype
 from attention_wire import shm
 from attention_wire.alloc import FreeList
@@ -98,6 +99,8 @@ class SharedRegion:
         self._unregister: Callable[[SharedRegion], None] | None = lambda region: None
         self._aunregister: Callable[[SharedRegion], Awaitable[None]] | None = None
         self._release = release
+        # What registered it (set by the client): sent again if the server forgets it.
+        self._register_request: pb.RegisterRegionRequest | None = None
         self._lock = threading.Lock()
         self._free = FreeList(self.nbytes)
         self._quarantine: list[tuple[int, int]] = []  # scratch the server may still write
@@ -251,7 +254,13 @@ def create_system_region(nbytes: int, name: str | None = None) -> tuple[SharedRe
     if nbytes <= 0:
         raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
     key = shm.new_key("attention-client")
-    mapping = shm.map_object(key, 0, nbytes, create=True)
+    try:
+        mapping = shm.map_object(key, 0, nbytes, create=True)
+    except OSError as exc:  # e.g. /dev/shm too small, or more than the address space
+        raise AttentionResourceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"nbytes: could not create a shared-memory region of {nbytes} bytes: {exc}",
+        ) from exc
     memory = np.frombuffer(mapping.mm, dtype=np.uint8)
 
     def release() -> None:
@@ -272,6 +281,11 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
 
     if nbytes <= 0:
         raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
+    if not torch.cuda.is_available():
+        raise AttentionInputError(
+            "register_cuda needs a CUDA build of torch and a visible GPU (torch "
+            f"{torch.__version__} sees none); register_shm makes a host-memory region"
+        )
     dev = torch.device("cuda", torch.cuda.current_device() if device is None
                        else torch.device(device).index or 0)
     with torch.cuda.device(dev):

@@ -354,13 +354,27 @@ def _spec(t: Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(dtype=t.dtype, shape=t.shape)
 
 
+def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
+    """``out=`` must be what the result would be: its bytes are the server's output as they
+    are, so another dtype or shape of the same size would read as garbage."""
+    shape, dtype, _ = describe(out, "out")
+    if dtype != wire_dtype or shape != tuple(user_shape):
+        raise AttentionInputError(
+            f"out has shape {shape} and dtype {dtype_name(dtype)}: the result has shape "
+            f"{tuple(user_shape)} and dtype {dtype_name(wire_dtype)} (q's)"
+        )
+
+
 def _place_outputs(
     header: Any, tensors: tuple[Tensor, ...], placement: Placement | None, out: Any,
-    out_nbytes: int, lse_nbytes: int,
+    out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...] = (),
 ) -> tuple[Span | None, Span | None]:
-    """Spans of the inputs in regions, and of the outputs (``out=`` or scratch near q)."""
+    """Spans of the inputs in regions, and of the outputs (``out=``, whose shape must be
+    ``user_shape`` and dtype q's, or scratch near q)."""
     spans = {t.name: t.span for t in tensors if isinstance(t, RegionTensor)}
     out_span = lse_span = None
+    if out is not None:
+        _check_out(out, user_shape, tensors[0].dtype)
     if placement is not None:
         if out is not None:
             out_span = placement.user_output(out)
@@ -368,10 +382,7 @@ def _place_outputs(
                 raise AttentionInputError(
                     "out must be a contiguous tensor inside a registered region"
                 )
-            if out_span.nbytes != out_nbytes:
-                raise AttentionInputError(
-                    f"out has {out_span.nbytes} bytes, the result {out_nbytes}"
-                )
+            assert out_span.nbytes == out_nbytes  # its shape and dtype were checked
         q_span = spans.get("q")
         if q_span is not None:
             if out_span is None:
@@ -379,7 +390,10 @@ def _place_outputs(
             if lse_nbytes:
                 lse_span = placement.output(q_span, lse_nbytes)
     elif out is not None:
-        raise AttentionInputError("out= needs registered regions (use_regions is off)")
+        raise AttentionInputError(
+            "out= must lie in a registered region (register_shm / register_cuda), and the "
+            "call must use regions (use_regions on, the default)"
+        )
     if out_span is not None:
         spans["out"] = out_span
     if lse_span is not None:
@@ -505,7 +519,7 @@ def _prefill_request(
     lse_shape = (heads, total_q) if return_lse else None
     out_span, lse_span = _place_outputs(
         header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
-        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0,
+        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )
     return PreparedRequest(
         method=method, header=_checked_header(header), tensors=(wq, wk, wv),
@@ -568,7 +582,7 @@ def _decode_request(
     lse_shape = (batch, heads) if return_lse else None
     out_span, lse_span = _place_outputs(
         header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
-        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0,
+        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, wq.shape,
     )
     return PreparedRequest(
         method=method, header=_checked_header(header), tensors=(wq, wk, wv),

@@ -7,7 +7,8 @@ it). Many calls may run concurrently on one client; they share one HTTP/2 connec
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -27,7 +28,12 @@ from attention_client._channel import (
     CallSettings,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._errors import (
+    AttentionError,
+    AttentionNotFoundError,
+    AttentionTimeoutError,
+    from_rpc_error,
+)
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
@@ -137,14 +143,12 @@ class AsyncAttentionClient(ClientBase):
     ) -> Any:
         """See AttentionClient.attention."""
         settings = self._settings(timeout, metadata, wait_for_ready)
-        prep = self._prepare_attention(
+        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
+            k_scale, v_scale)
+        return await self._run_placed(lambda: self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
-            kv_scales_of(k_scale, v_scale),
-        )
-        return await self._run(
-            prep, settings.named(argnames.attention(len(prep.user_shape) == 4))
-        )
+            use_regions, score, kv_scales,
+        ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
 
     async def decode(
         self,
@@ -169,11 +173,12 @@ class AsyncAttentionClient(ClientBase):
     ) -> Any:
         """See AttentionClient.decode."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
-        prep = self._prepare_decode(
+        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
+            k_scale, v_scale)
+        return await self._run_placed(lambda: self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(k_scale, v_scale),
-        )
-        return await self._run(prep, settings)
+            score, kv_scales,
+        ), settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -311,7 +316,37 @@ class AsyncAttentionClient(ClientBase):
 
     async def _unregister(self, region: SharedRegion) -> None:
         self.regions.discard(region)
-        await self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+        # NOT_FOUND: the server no longer knows it (it restarted): nothing to unregister.
+        with contextlib.suppress(AttentionNotFoundError):
+            await self._unary_rpc(
+                "UnregisterRegion", pb.UnregisterRegionRequest(name=region.name)
+            )
+
+    async def _run_placed(
+        self, make: Callable[[], PreparedRequest], settings: CallSettings,
+        names: Callable[[PreparedRequest], Any] | None = None,
+    ) -> Any:
+        """See AttentionClient._run_placed."""
+        prep = make()
+        try:
+            return await self._run(prep, settings.named(names(prep)) if names else settings)
+        except AttentionError as err:
+            if not self._region_lost(prep, err) or not await self._reregister(settings):
+                raise
+        prep = make()
+        return await self._run(prep, settings.named(names(prep)) if names else settings)
+
+    async def _reregister(self, settings: CallSettings) -> bool:
+        """See AttentionClient._reregister."""
+        listing = await self._unary_rpc(
+            "ListRegions", pb.ListRegionsRequest(), settings.named(None)
+        )
+        lost = self._forgotten(listing)
+        for region in lost:
+            await self._unary_rpc(
+                "RegisterRegion", region._register_request, settings.named(None)
+            )
+        return bool(lost)
 
     async def _unary_rpc(
         self, method: str, request: Any, settings: CallSettings | None = None
@@ -356,6 +391,7 @@ class AsyncAttentionClient(ClientBase):
         await self._streams.close()
         for ch in self._channels:
             await ch.close()
+        self.closed = True
 
     async def __aenter__(self) -> AsyncAttentionClient:
         return self
@@ -405,8 +441,21 @@ class AsyncAttentionClient(ClientBase):
             return self._complete(prep, assembler)
         except grpc.RpcError as err:
             self._abandon(prep)
-            raise from_rpc_error(err, prep.method, settings.names) from err
+            raise _upload_error(err, prep.method, settings) from err
         except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
             self._abandon(prep)
             call.cancel()
             raise
+
+
+def _upload_error(err: grpc.RpcError, method: str, settings: CallSettings) -> AttentionError:
+    """A streamed call's error. grpc.aio reports a request stream cut off mid-upload by the
+    call's deadline as INTERNAL ("Internal error from Core"), not DEADLINE_EXCEEDED: a call
+    whose deadline has passed is reported as timed out, as the sync client reports it."""
+    expired = settings.deadline is not None and time.monotonic() >= settings.deadline
+    if expired and err.code() is grpc.StatusCode.INTERNAL:
+        return AttentionTimeoutError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "the call's timeout ran out while its request was being sent", method,
+        )
+    return from_rpc_error(err, method, settings.names)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -23,7 +23,7 @@ from attention_client._channel import (
     CallSettings,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import AttentionError, from_rpc_error
+from attention_client._errors import AttentionError, AttentionNotFoundError, from_rpc_error
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
@@ -179,12 +179,12 @@ class AttentionClient(ClientBase):
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the class).
         """
         settings = self._settings(timeout, metadata, wait_for_ready)
-        prep = self._prepare_attention(
+        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
+            k_scale, v_scale)
+        return self._run_placed(lambda: self._prepare_attention(
             q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions, ScoreMods.of(window_size, softcap, alibi_slopes),
-            kv_scales_of(k_scale, v_scale),
-        )
-        return self._run(prep, settings.named(argnames.attention(len(prep.user_shape) == 4)))
+            use_regions, score, kv_scales,
+        ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
 
     def decode(
         self,
@@ -211,11 +211,12 @@ class AttentionClient(ClientBase):
         ``k_scale``/``v_scale`` (FP8 k/v), ``out``, ``use_regions``, ``timeout``,
         ``metadata``, ``wait_for_ready`` as in ``attention``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
-        prep = self._prepare_decode(
+        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
+            k_scale, v_scale)
+        return self._run_placed(lambda: self._prepare_decode(
             q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(k_scale, v_scale),
-        )
-        return self._run(prep, settings)
+            score, kv_scales,
+        ), settings)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -369,7 +370,33 @@ class AttentionClient(ClientBase):
 
     def _unregister(self, region: SharedRegion) -> None:
         self.regions.discard(region)
-        self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+        # NOT_FOUND: the server no longer knows it (it restarted): nothing to unregister.
+        with contextlib.suppress(AttentionNotFoundError):
+            self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))
+
+    def _run_placed(
+        self, make: Callable[[], PreparedRequest], settings: CallSettings,
+        names: Callable[[PreparedRequest], Any] | None = None,
+    ) -> Any:
+        """``_run`` of a call whose tensors may go into regions (``make`` prepares it; ``names``
+        gives its argument names for errors). A server that no longer knows this client's
+        regions (it restarted) gets them registered again, and the call is made once more."""
+        prep = make()
+        try:
+            return self._run(prep, settings.named(names(prep)) if names else settings)
+        except AttentionError as err:
+            if not self._region_lost(prep, err) or not self._reregister(settings):
+                raise
+        prep = make()
+        return self._run(prep, settings.named(names(prep)) if names else settings)
+
+    def _reregister(self, settings: CallSettings) -> bool:
+        """Register again the regions the server does not know; whether there were any."""
+        listing = self._unary_rpc("ListRegions", pb.ListRegionsRequest(), settings.named(None))
+        lost = self._forgotten(listing)
+        for region in lost:
+            self._unary_rpc("RegisterRegion", region._register_request, settings.named(None))
+        return bool(lost)
 
     def _unary_rpc(
         self, method: str, request: Any, settings: CallSettings | None = None
@@ -417,6 +444,7 @@ class AttentionClient(ClientBase):
         self._streams.close()
         for ch in self._base_channels:
             ch.close()
+        self.closed = True
 
     def __enter__(self) -> AttentionClient:
         return self

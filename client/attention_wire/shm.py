@@ -75,6 +75,10 @@ def map_object(key: str, start: int, size: int, *, create: bool = False) -> Mapp
             )
         aligned = start - start % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, size + start - aligned, offset=aligned)
+    except BaseException:
+        if create:  # an object made here and not mapped must not outlive the failure
+            unlink(key)
+        raise
     finally:
         os.close(fd)
     skip = start - aligned

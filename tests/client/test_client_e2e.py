@@ -9,7 +9,12 @@ import grpc
 import numpy as np
 import pytest
 
-from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
+from attention_client import (
+    AsyncAttentionClient,
+    AttentionClient,
+    AttentionError,
+    AttentionTimeoutError,
+)
 
 from ._server import require_server, start_server
 
@@ -173,6 +178,48 @@ def test_deadline_exceeded(server):
     with AttentionClient(server.target, timeout=0.05) as c, pytest.raises(AttentionError) as e:
         c.attention(q, q, q)
     assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize("timeout", [0.005, 0.02])
+def test_async_deadline_during_a_streamed_upload_is_a_timeout(server, timeout):
+    """A deadline that runs out while an async call still sends its request stream (32 MiB
+    a tensor: many messages, far more than the deadline to send) is AttentionTimeoutError,
+    as with the sync client; grpc.aio itself reports INTERNAL ("Internal error from Core")
+    there."""
+    q = make("numpy", "float32", 8192, 8, 128)
+
+    async def main():
+        async with AsyncAttentionClient(server.target) as c:
+            with pytest.raises(AttentionTimeoutError) as e:
+                await c.attention(q, q, q, timeout=timeout)
+            with pytest.raises(AttentionTimeoutError):
+                await c.decode(q[:1], q, q, [0, 8192], timeout=timeout)
+            return e.value
+
+    assert asyncio.run(main()).code == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_closed_client_says_so(server):
+    """Calls on a closed client raise AttentionError, not grpc's ValueError / UsageError
+    (which ``except ValueError`` would take for a bad argument)."""
+    q = make("numpy", "float32", 4, 2, 8)
+    c = AttentionClient(server.target)
+    c.attention(q, q, q)
+    c.close()
+    c.close()  # twice: harmless
+    for call in (lambda: c.attention(q, q, q), c.info, c.list_caches):
+        with pytest.raises(AttentionError, match="closed") as e:
+            call()
+        assert not isinstance(e.value, ValueError)
+
+    async def main():
+        ac = AsyncAttentionClient(server.target)
+        await ac.attention(q, q, q)
+        await ac.close()
+        with pytest.raises(AttentionError, match="closed"):
+            await ac.attention(q, q, q)
+
+    asyncio.run(main())
 
 
 def test_async_client_concurrent(server):

@@ -14,7 +14,13 @@ import numpy as np
 import pytest
 import torch
 
-from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
+from attention_client import (
+    AsyncAttentionClient,
+    AttentionClient,
+    AttentionError,
+    AttentionInputError,
+    AttentionResourceError,
+)
 from attention_kernels import decode_ref, prefill_ref
 
 from ._server import RunningServer, require_server, start_server
@@ -120,8 +126,16 @@ def test_out_is_written_in_place(srv: RunningServer) -> None:
         assert c.last_stats["bytes_out"] == 0  # type: ignore[index]
         with pytest.raises(ValueError, match="out"):
             c.attention(q, k, v, CU, causal=True, out=torch.empty(30, 4, 16))  # not in a region
-        with pytest.raises(ValueError, match="bytes"):
-            c.attention(q, k, v, CU, causal=True, out=region.empty((29, 4, 16), torch.float32))
+        # Another shape or dtype, of any size: refused, naming out (its bytes would be
+        # the result's read another way).
+        for wrong in (region.empty((29, 4, 16), torch.float32),
+                      region.empty((60, 4, 16), torch.float16),
+                      region.empty((120, 16), torch.float32)):
+            with pytest.raises(AttentionInputError, match="out has shape"):
+                c.attention(q, k, v, CU, causal=True, out=wrong)
+        bare = AttentionClient(srv.target)  # no region registered
+        with bare, pytest.raises(AttentionInputError, match="registered region"):
+            bare.attention(q, k, v, CU, causal=True, out=out)
 
 
 def test_opt_out_per_call_and_per_client(srv: RunningServer) -> None:
@@ -195,6 +209,75 @@ def test_registration_refused_leaves_nothing_behind() -> None:
             q = torch.randn(4, 2, 8)
             c.attention(q, q[:, :1], q[:, :1], causal=True)  # bytes, as ever
         assert set(os.listdir("/dev/shm")) == before
+    finally:
+        running.stop()
+
+
+def test_a_region_too_large_is_refused_and_leaves_no_object(srv: RunningServer) -> None:
+    before = set(os.listdir("/dev/shm"))
+    with AttentionClient(srv.target) as c:
+        with pytest.raises(AttentionResourceError, match="nbytes"):
+            c.register_shm(1 << 50)  # 1 PiB: more than any address space here
+        assert c.regions.all() == []
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def _restart(running: RunningServer) -> RunningServer:
+    """Stop the server and start a new one on the same port: regions are gone."""
+    port = running.port
+    running.stop()
+    return start_server("--port", str(port))
+
+
+def test_regions_are_registered_again_after_a_server_restart() -> None:
+    """A restarted server knows none of a client's regions: the client's next call (staged
+    or in place, out= included) registers them again and goes through, and closing a
+    region the server forgot is quiet."""
+    require_server()
+    running = start_server()
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    ref = _ref(q, k, v)[0]
+    try:
+        with AttentionClient(running.target, timeout=30) as c:
+            region = c.register_shm(1 << 20)
+            _close(c.attention(q, k, v, CU, causal=True), ref)
+            running = _restart(running)
+            _close(c.attention(q, k, v, CU, causal=True), ref)  # staged, after registering
+            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+            assert [r["name"] for r in c.list_regions()] == [region.name]
+            running = _restart(running)
+            out = region.empty((30, 4, 16), torch.float32)
+            assert c.attention(q, k, v, CU, causal=True, out=out) is out
+            _close(out, ref)
+            running = _restart(running)
+            region.close()  # the new server never knew it: nothing to unregister, no error
+            assert c.list_regions() == []
+            _close(c.attention(q, k, v, CU, causal=True), ref)  # bytes now: no region left
+    finally:
+        running.stop()
+
+
+def test_async_regions_are_registered_again_after_a_server_restart() -> None:
+    require_server()
+    running = start_server()
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    ref = _ref(q, k, v)[0]
+
+    async def main() -> None:
+        nonlocal running
+        async with AsyncAttentionClient(running.target, timeout=30) as c:
+            region = await c.register_shm(1 << 20)
+            _close(await c.attention(q, k, v, CU, causal=True), ref)
+            running = _restart(running)
+            _close(await c.decode(q[:2], k, v, CU[:1] + [15, 30]),
+                   decode_ref(q[:2].double(), k.double(), v.double(),
+                              torch.tensor([0, 15, 30], dtype=torch.int32)))
+            assert [r["name"] for r in await c.list_regions()] == [region.name]
+            running = _restart(running)
+            await region.aclose()  # unknown to the new server: quiet
+
+    try:
+        asyncio.run(main())
     finally:
         running.stop()
 
