@@ -1,11 +1,14 @@
 """Channel set-up shared by the sync and async clients: options, retry policy, credentials.
 
-Retries: gRPC itself retries UNAVAILABLE with exponential backoff (service config below), for
-every method, within the call's deadline. A client-streaming call can only be replayed while
-the messages sent so far fit the per-call retry buffer (``RETRY_BUFFER_BYTES``); once a request
-outgrows it, or once the server has started answering, the call is committed and an
-UNAVAILABLE then surfaces as AttentionError. So small requests (and every connection failure,
-which happens before anything is sent) are retried; a large request cut off mid-stream is not.
+Retries: gRPC itself retries UNAVAILABLE with exponential backoff (service config below),
+within the call's deadline, for the unary methods and the kept-open step streams (whose calls
+have a deadline of the client's own: ``_call_streams``). The chunked upload rpcs (Prefill,
+Decode, AppendKV, CachePrefill, CacheDecode: ``STREAM_RPCS``) are not in that policy: grpcio
+1.85 replaying such a request (one that fits the per-call retry buffer, ``RETRY_BUFFER_BYTES``)
+after the server answered UNAVAILABLE and went away hung past the call's deadline, for good
+(a drained or crashed server; ``test_a_stream_cut_off_by_a_server_that_goes_away_fails_in_
+time``). Those calls fail with AttentionUnavailableError instead, as a request too large to
+replay always did.
 
 Message sizes stay at gRPC's defaults (4 MiB receive): requests and responses are streamed in
 chunks well under it, so no limit needs raising on either side.
@@ -30,6 +33,7 @@ from typing import Any
 import grpc
 
 from attention_client._errors import AttentionInputError
+from attention_wire.pb import attention_pb2 as pb
 
 SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
@@ -62,11 +66,18 @@ RETRY_POLICY = {
 # "grpc.retry_buffer_size" is a grpc-js option. 8 MiB covers every small request.
 RETRY_BUFFER_BYTES = 8 * 1024 * 1024
 
+# Every method but the chunked uploads, each named (a method config naming the service alone
+# would cover those too: see the module doc).
+RETRIED_METHODS = tuple(
+    m.name for m in pb.DESCRIPTOR.services_by_name["AttentionService"].methods
+    if m.name not in STREAM_RPCS
+)
 SERVICE_CONFIG = json.dumps(
     {
         "methodConfig": [
             {
-                "name": [{"service": SERVICE}, {"service": "grpc.health.v1.Health"}],
+                "name": [{"service": SERVICE, "method": m} for m in RETRIED_METHODS]
+                + [{"service": "grpc.health.v1.Health", "method": "Check"}],
                 "retryPolicy": RETRY_POLICY,
             }
         ]

@@ -36,6 +36,8 @@ class Knobs:
     abort: tuple[grpc.StatusCode, str] | None = None
     sleep: float = 0.0  # stall before answering
     attempts: int = 0
+    fail_info_first: int = 0  # the same for GetServerInfo (a unary rpc)
+    info_attempts: int = 0
     headers: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     message_sizes: list[int] = field(default_factory=list)
@@ -139,6 +141,10 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
         knobs = self.knobs
         with self._lock:
             knobs.metadata.append(dict(context.invocation_metadata()))
+            knobs.info_attempts += 1
+            if knobs.fail_info_first > 0:
+                knobs.fail_info_first -= 1
+                context.abort(grpc.StatusCode.UNAVAILABLE, "warming up")
         if knobs.abort is not None:
             context.abort(*knobs.abort)
         if knobs.sleep:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+import threading
 import time
 
 import grpc
@@ -129,31 +130,62 @@ def test_info_and_health(fake):
 
 
 def test_unavailable_is_retried(fake):
+    """gRPC retries UNAVAILABLE on the unary rpcs (the compute calls' unary twins included)."""
     servicer, target = fake
-    servicer.knobs.fail_first = 2
-    q = _np(4, 2, 8)
+    servicer.knobs.fail_info_first = 2
     with AttentionClient(target) as client:
-        out = client.attention(q, q, q)
-    assert np.array_equal(out, q) and servicer.knobs.attempts == 3
+        assert client.info()["device"] == "fake"
+    assert servicer.knobs.info_attempts == 3
 
 
 def test_retries_give_up_after_five_attempts(fake):
     servicer, target = fake
-    servicer.knobs.fail_first = 10
-    q = _np(4, 2, 8)
+    servicer.knobs.fail_info_first = 10
     with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
-        client.attention(q, q, q)
+        client.info()
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE and exc.value.details == "warming up"
-    assert servicer.knobs.attempts == 5
+    assert servicer.knobs.info_attempts == 5
 
 
-def test_request_past_retry_buffer_is_not_replayed(fake):
+@pytest.mark.parametrize("rows", [4, 4096], ids=["small", "past_the_retry_buffer"])
+def test_streamed_requests_are_not_replayed(fake, rows):
+    """A chunked upload the server refuses with UNAVAILABLE fails at once (grpcio hung past
+    the deadline replaying one when the server then went away: the next test)."""
     servicer, target = fake
     servicer.knobs.fail_first = 1
-    q = _np(4096, 8, 64, dtype=np.float32)  # 24 MiB of q, k, v > the 8 MiB retry buffer
+    q = _np(rows, 8, 64, dtype=np.float32)
     with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
         client.attention(q, q, q)
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE and servicer.knobs.attempts == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_stream_cut_off_by_a_server_that_goes_away_fails_in_time():
+    """A draining or crashed server answers a chunked upload UNAVAILABLE and then its port
+    closes. With gRPC's retry policy on the upload rpcs (a 2 MiB request fits its replay
+    buffer) grpcio 1.85 hung in the replay past the call's 5 s deadline, for good."""
+    from concurrent import futures
+
+    def refuse(requests, context):  # reads the request, then the engine is "gone"
+        for _ in requests:
+            pass
+        time.sleep(0.3)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "the engine process is gone")
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService",
+        {"Prefill": grpc.stream_stream_rpc_method_handler(refuse)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    threading.Timer(0.5, server.stop, args=(0,)).start()
+    q = _np(2048, 8, 32, dtype=np.float32)  # 2 MiB a tensor: chunked
+    t0 = time.monotonic()
+    client = AttentionClient(f"127.0.0.1:{port}", timeout=5, unary=False, call_streams=False)
+    with client, pytest.raises(AttentionError) as exc:
+        client.attention(q, q, q)
+    assert time.monotonic() - t0 < 4.0
+    assert exc.value.code == grpc.StatusCode.UNAVAILABLE
 
 
 def test_server_error_carries_status(fake):
