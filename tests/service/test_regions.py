@@ -272,9 +272,21 @@ def test_regions_belong_to_their_token(start_server: Any, obj: Shm) -> None:
     code, _ = _code(lambda: stub.UnregisterRegion(pb.UnregisterRegionRequest(name="mine"),
                                                   timeout=10, metadata=b))
     assert code == grpc.StatusCode.NOT_FOUND
-    _register(stub, "mine", obj.key, 4096, metadata=b)  # b's own namespace
-    resp = list(stub.Prefill(iter(msgs), timeout=30, metadata=a))  # a's call still works
-    assert resp[-1].HasField("stats")
+    # Token b names a's object by its key (anyone on the host can list /dev/shm): refused
+    # while a has it registered, under any name, with the same key spelled either way.
+    for key in (obj.key, "/" + obj.key.lstrip("/")):
+        code, details = _code(lambda key=key: _register(stub, "stolen", key, 4096, metadata=b))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and "system.key" in details
+    other = Shm()
+    try:
+        _register(stub, "mine", other.key, 4096, metadata=b)  # b's own namespace and object
+        resp = list(stub.Prefill(iter(msgs), timeout=30, metadata=a))  # a's call still works
+        assert resp[-1].HasField("stats")
+        _register(stub, "again", obj.key, 4096, metadata=a)  # a may name its object twice
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10, metadata=a)  # all a's
+        _register(stub, "now_mine", obj.key, 4096, metadata=b)  # free again: b may take it
+    finally:
+        other.close()
     code, _ = _code(lambda: _register(stub, "x", obj.key, 4096))  # no token at all
     assert code == grpc.StatusCode.UNAUTHENTICATED
 

@@ -15,13 +15,18 @@ Safety rules:
 * registration is allowed only when the operator allows it (``--regions``; by default only
   with auth on or on a loopback address: it makes the server map memory a caller names);
 * a region belongs to its owner (the caller's token with auth on): another owner's lookups
-  answer NOT_FOUND, never the bytes;
+  answer NOT_FOUND, never the bytes, and another owner cannot register the same system object
+  (PERMISSION_DENIED) while it is registered;
 * every span is bounds-checked against its region (INVALID_ARGUMENT naming the field);
 * a region dropped while calls use it stays mapped until the last of them finishes;
 * keys are one path component under /dev/shm, opened without following symlinks.
 
 A system region's object must not shrink while registered: the server would fault on pages
 that vanished (a same-host trust assumption Triton shares; it is why registration is opt-in).
+Likewise, a caller may name any object in /dev/shm that the server's user may open and no
+other caller has registered: system regions trust the processes of the host that run as the
+server's user (which could map those objects themselves). The server's own shared memory
+(arenas) is anonymous (memfd), never in /dev/shm.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class _Region:
     kind: str  # "system" | "cuda"
     tensor: torch.Tensor  # uint8 [byte_size], host or device
     closer: Callable[[], None]
+    key: str = ""  # a system region's object (``shm.check_key`` form); "" for cuda
     inflight: int = 0
     dropped: bool = False
     base: ByteBase = field(init=False)
@@ -115,27 +121,49 @@ class RegionRegistry:
         if req.byte_size == 0:
             raise invalid("byte_size", "must be positive")
         kind = req.WhichOneof("source")
+        key = ""
+        if kind == "system":
+            try:
+                key = shm.check_key(req.system.key)
+            except ValueError as exc:
+                raise invalid("system.key", str(exc)) from None
         with self._lock:
             if (owner, req.name) in self._regions:
                 raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                    f"name: region {req.name!r} is already registered")
             if sum(1 for o, _ in self._regions if o == owner) >= MAX_REGIONS_PER_OWNER:
                 raise exhausted("name", f"at most {MAX_REGIONS_PER_OWNER} regions per caller")
+            self._check_key_free(owner, key)
         if kind == "system":
             tensor, closer = self._open_system(req.system, req.byte_size)
         elif kind == "cuda":
             tensor, closer = self._open_cuda(req.cuda, req.byte_size)
         else:
             raise invalid("source", "set system or cuda")
-        region = _Region(owner, req.name, kind, tensor, closer)
+        region = _Region(owner, req.name, kind, tensor, closer, key)
         with self._lock:
-            if (owner, req.name) in self._regions:  # a concurrent registration won
+            try:
+                if (owner, req.name) in self._regions:  # a concurrent registration won
+                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                                       f"name: region {req.name!r} is already registered")
+                self._check_key_free(owner, key)
+            except RequestError:
                 closer()
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"name: region {req.name!r} is already registered")
+                raise
             self._regions[(owner, req.name)] = region
         log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
         return region.info()
+
+    def _check_key_free(self, owner: str, key: str) -> None:
+        """A system object registered by one caller is theirs: another caller (token) naming
+        the same object is refused, so a token cannot read or write another's region memory
+        by its key (keys are visible to anyone on the host who lists /dev/shm). Under the
+        lock."""
+        if key and any(r.key == key and r.owner != owner for r in self._regions.values()):
+            raise RequestError(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "system.key: that shared-memory object is registered by another caller",
+            )
 
     def unregister(self, owner: str, name: str) -> int:
         with self._lock:
