@@ -19,13 +19,22 @@ MESSAGE_OVERHEAD_BYTES = 4096
 MAX_FRONTENDS = 64
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity: a container's cpuset, ``taskset``), not the
+    host's count, which a container pinned to 2 of 64 cores would otherwise size itself by."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):  # no affinity on this platform
+        return os.cpu_count() or 1
+
+
 def auto_frontends(cores: int | None = None) -> int:
-    """``--frontends 0``: one gRPC front end per two cores, at most 8, at least 1 (a 2-core
+    """``--frontends 0``: one gRPC front end per two usable cores, at most 8, at least 1 (a 2-core
     box runs one process). Measured on a 16-vCPU H100 host with the load generator on the
     same cores (benchmarks/results/issue10/roundtrip_*): aggregate gRPC payload at 8 / 16
     clients was 1.68 / 1.42 GB/s with 1 process, 5.15 / 5.35 with 4 front ends and
     5.96 / 5.83 with 8; clients on other hosts leave the server more of the cores."""
-    cores = cores if cores is not None else (os.cpu_count() or 1)
+    cores = cores if cores is not None else usable_cpus()
     return max(1, min(8, cores // 2))
 
 

@@ -71,3 +71,18 @@ def test_every_contract_flag_and_env_exists() -> None:
             assert flag in help_text, flag
         for env in re.findall(r"`(ATTENTION_\w+)`", row.split("|")[2]):
             assert env in help_text, env
+
+
+def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A container pinned to 2 CPUs of a 64-core host runs one front end, not eight: the
+    count comes from the process's affinity (cpuset, taskset), not the host's core count."""
+    import os
+
+    from attention_service import config
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    assert config.usable_cpus() == 2
+    assert config.auto_frontends() == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert config.auto_frontends() == 8

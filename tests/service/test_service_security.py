@@ -134,3 +134,26 @@ def test_a_refused_call_is_timed_not_recorded_as_zero(start_server) -> None:  # 
                   "attention_request_duration_seconds_count", **labels) == 1
     assert sample(metrics, "attention_request_duration_seconds",
                   "attention_request_duration_seconds_sum", **labels) > 0
+
+
+def test_refused_twins_and_step_streams_count_under_their_rpc(start_server) -> None:  # type: ignore[no-untyped-def]
+    """A refused PrefillUnary or PrefillSteps call counts as rpc="Prefill", as the calls
+    let in do; a query on rpc="Prefill" sees every refusal."""
+    from .svc_helpers import sample
+
+    srv = start_server(auth_token=TOKEN, metrics_port=0)
+    channel = srv.channel()
+    for method, call in (
+        ("PrefillUnary", lambda m: channel.unary_unary(m)(b"", timeout=5)),
+        ("PrefillSteps", lambda m: list(channel.stream_stream(m)(iter([b""]), timeout=5))),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call(f"/attention.v1.AttentionService/{method}")
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    metrics = srv.scrape()
+    assert sample(metrics, "attention_requests", "attention_requests_total",
+                  rpc="Prefill", code="UNAUTHENTICATED") == 2
+    for raw in ("PrefillUnary", "PrefillSteps"):
+        assert sample(metrics, "attention_requests", "attention_requests_total",
+                      rpc=raw, code="UNAUTHENTICATED") == 0
+

@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 
+from attention_service.frontend.wire import metric_rpc
 from attention_service.metrics import Metrics
 
 # Probes (load balancers, Kubernetes) must reach health without credentials.
@@ -96,7 +97,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self._principals.match(presented) is not None:
             return handler
         if self._metrics is not None and method.startswith(SERVICE_PREFIX):
-            rpc = method[len(SERVICE_PREFIX):]
+            # Under the label the call would have counted under had it been let in.
+            rpc = metric_rpc(method[len(SERVICE_PREFIX):])
             # Timed from the call's arrival to its refusal (no payload is read for it).
             self._metrics.observe_request(rpc, "UNAUTHENTICATED", time.perf_counter() - t0)
         reason = "missing" if presented is None else "invalid"

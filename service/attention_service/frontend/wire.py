@@ -242,6 +242,16 @@ def _control(servicer: Any, method: str) -> Any:
     return behavior
 
 
+def metric_rpc(method: str) -> str:
+    """The ``rpc`` label a method's calls count under: a compute rpc's unary twin and step
+    stream count as the rpc itself (``PrefillSteps`` -> ``Prefill``), as their handlers count
+    them; any other method as its name."""
+    for op in Op:
+        if method == unary_method(op.rpc) or method == STEP_STREAMS.get(op):
+            return op.rpc
+    return method
+
+
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
     """Register AttentionService like the generated ``add_..._to_server``, except that the
     compute rpcs take raw request bytes and may yield pre-encoded response bytes."""
