@@ -6,6 +6,9 @@ The server turns SERVING only after its kernels are warmed up, so "healthy" mean
 Usage: python healthcheck.py [HOST:PORT]   (default 127.0.0.1:$ATTENTION_PORT, port 50051)
 Reads the server's own environment: ATTENTION_TLS_CERT (probe over TLS, trusting that
 certificate), ATTENTION_AUTH_TOKEN (sent as a bearer token in case the server guards health).
+With ATTENTION_TLS_CLIENT_CA (mutual TLS: the server wants a client certificate) the probe
+presents ATTENTION_HEALTHCHECK_CLIENT_CERT / ATTENTION_HEALTHCHECK_CLIENT_KEY, by default the
+server's own certificate and key (enough where one CA signs both; else name a client pair).
 """
 
 from __future__ import annotations
@@ -27,7 +30,16 @@ def _channel(target: str) -> grpc.Channel:
         roots = f.read()
     # The certificate names the public host, not 127.0.0.1: verify it against that name.
     name = os.environ.get("ATTENTION_HEALTHCHECK_TLS_NAME", "localhost")
-    creds = grpc.ssl_channel_credentials(root_certificates=roots)
+    pair: dict[str, bytes] = {}
+    if os.environ.get("ATTENTION_TLS_CLIENT_CA"):  # mutual TLS: present a certificate too
+        chain = os.environ.get("ATTENTION_HEALTHCHECK_CLIENT_CERT") or cert
+        key = (os.environ.get("ATTENTION_HEALTHCHECK_CLIENT_KEY")
+               or os.environ.get("ATTENTION_TLS_KEY", ""))
+        with open(chain, "rb") as f:
+            pair["certificate_chain"] = f.read()
+        with open(key, "rb") as f:
+            pair["private_key"] = f.read()
+    creds = grpc.ssl_channel_credentials(root_certificates=roots, **pair)
     return grpc.secure_channel(target, creds, options=[("grpc.ssl_target_name_override", name)])
 
 

@@ -85,7 +85,9 @@ def test_attention_runtime_settings(gpu: dict) -> None:
 def test_every_contract_variable_is_configurable(gpu: dict) -> None:
     env = gpu["services"]["attention"]["environment"]
     names = {k for k in env if k.startswith("ATTENTION_")}
-    assert names == contract_envs()
+    # The server's settings, and the health probe's client certificate (mutual TLS).
+    probe = {"ATTENTION_HEALTHCHECK_CLIENT_CERT", "ATTENTION_HEALTHCHECK_CLIENT_KEY"}
+    assert names == contract_envs() | probe
     # Unset optional ones stay unset (null = passed through only when set in the shell).
     assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
     # The process model is the server's default (front ends by core count), regions its auto.
@@ -153,3 +155,12 @@ def test_dcgm_exporter_profile() -> None:
     (device,) = dcgm["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and "gpu" in device["capabilities"]
     assert "SYS_ADMIN" in dcgm["cap_add"]
+
+
+def test_the_contract_lists_every_server_setting() -> None:
+    """Every variable the server reads (config._ENV) is in docs/CONTRACTS.md, hence in the
+    compose file (the test above): ATTENTION_TLS_CLIENT_CA was missing from both."""
+    from attention_service.config import _ENV
+
+    assert {env for _, env, _ in _ENV.values()} <= contract_envs()
+

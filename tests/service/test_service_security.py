@@ -119,6 +119,28 @@ def test_mutual_tls_requires_a_certificate_the_client_ca_signed(  # type: ignore
         with AttentionClient(target, tls=str(cert), timeout=5, **extra) as client, \
                 pytest.raises(AttentionUnavailableError):
             client.attention(q, q, q)
+    # The container's health probe, given the server's environment: it must present a
+    # certificate the client CA signed (here not the server's own, which another CA signed).
+    env = {"ATTENTION_PORT": str(srv.port), "ATTENTION_TLS_CERT": str(cert),
+           "ATTENTION_TLS_KEY": str(key), "ATTENTION_TLS_CLIENT_CA": str(client_cert)}
+    assert _health_probe(**env, ATTENTION_HEALTHCHECK_CLIENT_CERT=str(client_cert),
+                         ATTENTION_HEALTHCHECK_CLIENT_KEY=str(client_key)).returncode == 0
+    assert _health_probe(**env).returncode == 1  # the server's own pair: not the CA's
+    del env["ATTENTION_TLS_CLIENT_CA"]
+    assert _health_probe(**env).returncode == 1  # no certificate at all
+
+
+def _health_probe(**env: str):  # type: ignore[no-untyped-def]
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    probe = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("ATTENTION_")}
+    return subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
+                          env={**clean, **env, "ATTENTION_HEALTHCHECK_TIMEOUT": "5"},
+                          timeout=60)
 
 
 def test_a_refused_call_is_timed_not_recorded_as_zero(start_server) -> None:  # type: ignore[no-untyped-def]
