@@ -367,7 +367,7 @@ def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
 
 def _place_outputs(
     header: Any, tensors: tuple[Tensor, ...], placement: Placement | None, out: Any,
-    out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...] = (),
+    out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...],
 ) -> tuple[Span | None, Span | None]:
     """Spans of the inputs in regions, and of the outputs (``out=``, whose shape must be
     ``user_shape`` and dtype q's, or scratch near q)."""

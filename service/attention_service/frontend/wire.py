@@ -242,14 +242,15 @@ def _control(servicer: Any, method: str) -> Any:
     return behavior
 
 
+# A compute rpc's unary twin and step stream -> the rpc (``PrefillSteps`` -> ``Prefill``): the
+# op their handlers (add_to_server) serve, hence the ``rpc`` label their calls count under.
+_OP_RPC = {unary_method(op.rpc): op.rpc for op in Op} | {
+    method: op.rpc for op, method in STEP_STREAMS.items()}
+
+
 def metric_rpc(method: str) -> str:
-    """The ``rpc`` label a method's calls count under: a compute rpc's unary twin and step
-    stream count as the rpc itself (``PrefillSteps`` -> ``Prefill``), as their handlers count
-    them; any other method as its name."""
-    for op in Op:
-        if method == unary_method(op.rpc) or method == STEP_STREAMS.get(op):
-            return op.rpc
-    return method
+    """The ``rpc`` label of a method's calls: its op's rpc, or the method's own name."""
+    return _OP_RPC.get(method, method)
 
 
 def add_to_server(servicer: Any, server: grpc.aio.Server) -> None:
