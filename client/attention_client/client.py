@@ -317,7 +317,7 @@ class AttentionClient(ClientBase):
         wait_for_ready: bool | None = None,
     ) -> dict[str, Any]:
         """The server's cache pool: page_bytes, pages_total/used/free, caches_live,
-        ttl_seconds."""
+        ttl_seconds, and the caller's share: caller_pages_used, caller_pages_limit (0: none)."""
         settings = self._settings(timeout, metadata, wait_for_ready)
         return pool_info_dict(self._list_caches(None, settings).pool)
 

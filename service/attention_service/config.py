@@ -93,8 +93,11 @@ class ServerConfig:
     regions: str = "auto"
     # Server-side KV caches (CreateCaches / CacheDecode ...): the pool's bytes, allocated once
     # at start on the engine's device (0 = caches off; -1 = auto: a quarter of the device
-    # memory free at start on cuda, 1 GiB of lazily touched host memory on cpu).
+    # memory free at start on cuda, 256 MiB of lazily touched host memory on cpu).
     kv_cache_bytes: int = -1
+    # The most pool bytes one caller (token) may hold, in whole pages (0 = no limit but the
+    # pool's): with several tokens, keeps one from filling the pool for the others.
+    kv_cache_bytes_per_caller: int = 0
     # One page of that pool: 256 KiB holds 64 tokens of the common 8 kv heads x 128 bf16
     # layout. Measured on an H100 (benchmarks/results/issue11/paged_*): 64-token pages read
     # K/V at 0.95-1.11x our contiguous decode kernel where 16-token pages gave 0.91-1.05x
@@ -146,6 +149,11 @@ class ServerConfig:
             raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")
         if self.kv_page_bytes < 256 or self.kv_page_bytes % 256:
             raise ValueError("kv_page_bytes must be a positive multiple of 256")
+        if self.kv_cache_bytes_per_caller and (
+            self.kv_cache_bytes_per_caller < self.kv_page_bytes
+        ):
+            raise ValueError("kv_cache_bytes_per_caller must be 0 (no limit) or at least one "
+                             f"page (kv_page_bytes = {self.kv_page_bytes})")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
         if self.auth_token is not None and not all(self.tokens):
@@ -212,6 +220,8 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "regions": ("--regions", "ATTENTION_REGIONS", str),
     "kv_cache_bytes": ("--kv-cache-bytes", "ATTENTION_KV_CACHE_BYTES", int),
     "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
+    "kv_cache_bytes_per_caller": ("--kv-cache-bytes-per-caller",
+                                  "ATTENTION_KV_CACHE_BYTES_PER_CALLER", int),
     "kv_cache_ttl": ("--kv-cache-ttl", "ATTENTION_KV_CACHE_TTL", float),
     "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
     "cuda_graphs": ("--cuda-graphs", "ATTENTION_CUDA_GRAPHS", _bool_env),

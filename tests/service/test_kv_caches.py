@@ -84,6 +84,25 @@ def test_pool_pages_any_layout_and_counts_exactly() -> None:
     assert view.k_pages[2].abs().sum() == 0 and view.k_pages[4].abs().sum() == 0
 
 
+def test_pool_holds_each_caller_to_its_quota() -> None:
+    pool = KvPool(torch.zeros(10 * PAGE, dtype=torch.uint8), PAGE, caller_pages=4)
+    a = pool.alloc(3, "x", "alice")
+    with pytest.raises(RequestError) as info:  # 3 + 2 > 4: refused, nothing taken
+        pool.alloc(2, "header.k", "alice")
+    assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert info.value.details.startswith("header.k: this caller's KV-cache quota is full")
+    assert (pool.held("alice"), pool.pages_free) == (3, 7)
+    b = pool.alloc(4, "x", "bob")  # another caller has its own quota
+    pool.share(a[:2])  # a fork's shared pages count once
+    assert (pool.held("alice"), pool.held("bob")) == (3, 4)
+    pool.free(a)
+    assert pool.held("alice") == 2  # the shared two are still referenced
+    pool.free(a[:2])
+    pool.free(b)
+    assert (pool.held("alice"), pool.held("bob"), pool.pages_free) == (0, 0, 10)
+    assert len(pool.alloc(4, "x", "alice")) == 4  # freed pages give the quota back
+
+
 def _params(op: Op, ids: tuple[str, ...], new: list[int], store: bool = True) -> Any:
     cu = [0]
     for n in new:
@@ -341,6 +360,35 @@ def test_caches_belong_to_their_token(start_server: Any) -> None:
                       timeout=10, metadata=bob)
     decode_step(stub, ids, model, heads=4, seed=4, metadata=alice)
     assert stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=bob).caches[0].length == 0
+
+
+def test_a_caller_past_its_quota_is_refused_and_others_are_not(start_server: Any) -> None:
+    srv = start_server(auth_token="alice,bob", kv_cache_bytes=16 * PAGE, kv_page_bytes=PAGE,
+                       kv_cache_bytes_per_caller=3 * PAGE)
+    alice, bob = [(("authorization", f"Bearer {t}"),) for t in ("alice", "bob")]
+    stub = srv.stub()
+    ids, model = session(stub, "q-", [30, 10], metadata=alice)  # 2 + 1 pages: the quota
+    k, v = rand(3, 2, 16, seed=1), rand(3, 2, 16, seed=2)
+    code, details = _code(lambda: collect(stub.AppendKV(
+        append_messages(ids[:1], k, v, [3]), timeout=10, metadata=alice)))  # a 4th page
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert details.startswith("header.k: this caller's KV-cache quota is full")
+    pool = stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=alice).pool
+    assert (pool.caller_pages_used, pool.caller_pages_limit, pool.pages_used) == (3, 3, 3)
+    # A fork that needs a copied page is refused too; nothing of alice's changed.
+    code, _ = _code(lambda: stub.ForkCache(pb.ForkCacheRequest(
+        source_id=ids[0], target_id="f", length=20), timeout=10, metadata=alice))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    decode_step(stub, ids, model, heads=4, seed=3, metadata=alice)  # fits its pages: correct
+    # Bob's quota is his own, and the pool has room: he gets his three pages.
+    session(stub, "q-", [48], metadata=bob)
+    got = stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=bob).pool
+    assert (got.caller_pages_used, got.pages_used) == (3, 6)
+    # Releasing gives alice's quota back.
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids[1:]), timeout=10, metadata=alice)
+    collect(stub.AppendKV(append_messages(ids[:1], k, v, [3]), timeout=10, metadata=alice))
+    got = stub.ListCaches(pb.ListCachesRequest(), timeout=10, metadata=alice).pool
+    assert got.caller_pages_used == 3 and got.caches_live == 2
 
 
 def test_caches_off_answer_failed_precondition(start_server: Any) -> None:

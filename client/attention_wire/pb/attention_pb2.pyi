@@ -413,20 +413,24 @@ class CacheInfo(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., length: _Optional[int] = ..., pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class KvPoolInfo(_message.Message):
-    __slots__ = ("page_bytes", "pages_total", "pages_used", "pages_free", "caches_live", "ttl_seconds")
+    __slots__ = ("page_bytes", "pages_total", "pages_used", "pages_free", "caches_live", "ttl_seconds", "caller_pages_used", "caller_pages_limit")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     PAGES_FREE_FIELD_NUMBER: _ClassVar[int]
     CACHES_LIVE_FIELD_NUMBER: _ClassVar[int]
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CALLER_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
+    CALLER_PAGES_LIMIT_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     pages_total: int
     pages_used: int
     pages_free: int
     caches_live: int
     ttl_seconds: float
-    def __init__(self, page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_free: _Optional[int] = ..., caches_live: _Optional[int] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+    caller_pages_used: int
+    caller_pages_limit: int
+    def __init__(self, page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_free: _Optional[int] = ..., caches_live: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., caller_pages_used: _Optional[int] = ..., caller_pages_limit: _Optional[int] = ...) -> None: ...
 
 class ListCachesRequest(_message.Message):
     __slots__ = ("cache_ids",)

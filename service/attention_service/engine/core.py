@@ -202,6 +202,8 @@ def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:
     if nbytes <= 0:
         return None
     storage = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
-    log.info("kv cache pool: %d pages of %d bytes (%.1f GiB) on %s", nbytes //
-             config.kv_page_bytes, config.kv_page_bytes, nbytes / 2**30, backend.device)
-    return KvPool(storage, config.kv_page_bytes)
+    caller_pages = config.kv_cache_bytes_per_caller // config.kv_page_bytes
+    log.info("kv cache pool: %d pages of %d bytes (%.1f GiB) on %s; %s pages per caller",
+             nbytes // config.kv_page_bytes, config.kv_page_bytes, nbytes / 2**30,
+             backend.device, caller_pages or "no limit on")
+    return KvPool(storage, config.kv_page_bytes, caller_pages)

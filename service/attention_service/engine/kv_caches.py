@@ -153,7 +153,7 @@ class CacheRegistry:
                                 "(--max-request-flops)")
             need = [_pages_for(c.length + n, c.page_tokens) - len(c.pages)
                     for c, n in zip(caches, new, strict=True)]
-            fresh = pool.alloc(sum(need), "header.k")
+            fresh = pool.alloc(sum(need), "header.k", owner)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
             table, seq_lens, slot_pages, slot_offsets = [], [], [], []
@@ -271,7 +271,7 @@ class CacheRegistry:
                                 "caches is reached")
             full, part = divmod(length, src.page_tokens)
             shared = src.pages[:full]
-            copied = pool.alloc(1, "target_id") if part else []
+            copied = pool.alloc(1, "target_id", owner) if part else []
             if copied:
                 pool.copy_page(src.pages[full], copied[0])
             pool.share(shared)
@@ -296,6 +296,7 @@ class CacheRegistry:
                     page_bytes=pool.page_bytes, pages_total=pool.pages_total,
                     pages_used=pool.pages_used, pages_free=pool.pages_free,
                     caches_live=len(self._caches), ttl_seconds=self.ttl,
+                    caller_pages_used=pool.held(owner), caller_pages_limit=pool.caller_pages,
                 ),
             )
 

@@ -11,6 +11,11 @@ the same bytes (``flash_attn_with_kvcache``'s paged layout). Pages are reference
 fork shares the full pages of its prefix, which no cache ever writes again (appends only
 write past a cache's length).
 
+Every page in use belongs to one caller (its owner: a token with auth on). Forks stay in their
+owner's namespace, so a shared page never has two owners, and a caller's pages are counted
+once however many of its caches share them; ``alloc`` holds each caller to ``caller_pages``
+(0: no limit) so one token cannot fill the pool for every other.
+
 Not thread-safe by itself: ``kv_caches.CacheRegistry`` calls it under its lock.
 """
 
@@ -48,14 +53,18 @@ class LayoutView(NamedTuple):
 
 
 class KvPool:
-    def __init__(self, storage: torch.Tensor, page_bytes: int) -> None:
+    def __init__(self, storage: torch.Tensor, page_bytes: int, caller_pages: int = 0) -> None:
         """``storage``: uint8, on the engine's device; ``page_bytes`` a multiple of 256 (so
-        every page starts aligned for every dtype and for 128-byte loads)."""
+        every page starts aligned for every dtype and for 128-byte loads); ``caller_pages``:
+        the most pages one owner may hold (0: no limit)."""
         self.storage = storage
         self.page_bytes = page_bytes
         self.pages_total = storage.numel() // page_bytes
+        self.caller_pages = caller_pages
         self._free = list(range(self.pages_total - 1, -1, -1))  # pop() hands out low pages first
         self._refs = [0] * self.pages_total
+        self._owner: list[str] = [""] * self.pages_total  # meaningful while refs > 0
+        self._held: dict[str, int] = {}  # pages in use per owner (absent: none)
         self._views: dict[Layout, LayoutView] = {}
 
     @property
@@ -69,6 +78,10 @@ class KvPool:
     @property
     def pages_used(self) -> int:
         return self.pages_total - len(self._free)
+
+    def held(self, owner: str) -> int:
+        """Pages ``owner``'s caches hold (a page its caches share counts once)."""
+        return self._held.get(owner, 0)
 
     def page_tokens(self, layout: Layout) -> int:
         """Tokens of ``layout`` per page (0: one token does not fit a page)."""
@@ -92,9 +105,17 @@ class KvPool:
         got = self._views[layout] = LayoutView(k, v, tokens)
         return got
 
-    def alloc(self, count: int, field: str) -> list[int]:
-        """``count`` fresh pages (reference 1), or RESOURCE_EXHAUSTED naming ``field`` and
-        nothing taken."""
+    def alloc(self, count: int, field: str, owner: str = "") -> list[int]:
+        """``count`` fresh pages (reference 1) for ``owner``, or RESOURCE_EXHAUSTED naming
+        ``field`` and nothing taken."""
+        held = self._held.get(owner, 0)
+        if self.caller_pages and count and held + count > self.caller_pages:
+            raise exhausted(
+                field,
+                f"this caller's KV-cache quota is full: it holds {held} pages of "
+                f"{self.page_bytes} bytes and this needs {count} more, over its limit of "
+                f"{self.caller_pages} (release caches, or raise --kv-cache-bytes-per-caller)",
+            )
         if count > len(self._free):
             raise exhausted(
                 field,
@@ -105,6 +126,9 @@ class KvPool:
         pages = [self._free.pop() for _ in range(count)]
         for p in pages:
             self._refs[p] = 1
+            self._owner[p] = owner
+        if count:
+            self._held[owner] = held + count
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -115,9 +139,15 @@ class KvPool:
         """Drop one reference to each page; a page nobody references is free again."""
         for p in pages:
             self._refs[p] -= 1
+            assert self._refs[p] >= 0, f"page {p} freed twice"
             if self._refs[p] == 0:
                 self._free.append(p)
-            assert self._refs[p] >= 0, f"page {p} freed twice"
+                owner = self._owner[p]
+                left = self._held[owner] - 1
+                if left:
+                    self._held[owner] = left
+                else:
+                    del self._held[owner]
 
     def refs(self, page: int) -> int:
         return self._refs[page]
