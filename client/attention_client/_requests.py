@@ -406,6 +406,10 @@ def _place_outputs(
 def _scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
+    if isinstance(softmax_scale, (str, bytes, bool)):  # float() would take "0.5" and True
+        raise AttentionInputError(
+            f"softmax_scale must be a real number, got {type(softmax_scale).__name__} "
+            f"{softmax_scale!r}")
     try:
         scale = float(softmax_scale)
     except (TypeError, ValueError):

@@ -263,7 +263,7 @@ def make_params(
     if not op.decode_like:
         assert cu_seqlens_q is not None
         len_q = lengths(cu_seqlens_q)
-        max_q = max(len_q)
+        max_q = max(len_q, default=0)
     else:
         cu_seqlens_q, causal, max_q = None, False, 1
         len_q = [1] * len(len_k)
@@ -271,7 +271,7 @@ def make_params(
     return Params(
         op=op, dtype=dtype, q_shape=tuple(q_shape), k_shape=tuple(k_shape),  # type: ignore[arg-type]
         cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
-        cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k),
+        cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k, default=0),
         causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
         num_splits=num_splits if op.decode_like else 0, flops=4 * pairs * heads * dim,
         cache_ids=tuple(cache_ids), store=store or op is Op.APPEND_KV,

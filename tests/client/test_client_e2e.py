@@ -131,6 +131,22 @@ def test_decode(client, kind, dtype, num_splits):
     check_lse(lse, ref_lse)
 
 
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_an_empty_batch_gets_empty_results(client, kind):
+    """No queries (a step of an engine with nothing to prefill): empty outputs of q's type,
+    as flash_attn answers, for prefill (with or without sequences or keys) and decode."""
+    q = make(kind, "float16", 0, 4, 64)
+    k = make(kind, "float16", 5, 2, 64, seed=1)
+    for kk, cu in ((q[:, :2], None), (q[:, :2], ([0], [0])), (k, ([0, 0], [0, 5]))):
+        out, lse = client.attention(q, kk, kk, *(cu or ()), causal=True, return_lse=True)
+        check_out(out, f64(q), "float16", q)
+        assert tuple(lse.shape) == (4, 0)
+    out, lse = client.decode(q, q[:, :2], q[:, :2], [0], return_lse=True)
+    check_out(out, f64(q), "float16", q)
+    assert tuple(lse.shape) == (0, 4)
+    assert client.last_stats["batch_requests"] == 0
+
+
 def test_large_request_and_response_with_default_limits(client):
     q = make("numpy", "float32", 6144, 4, 64, seed=10)  # 6 MiB in, 6 MiB out
     k = make("numpy", "float32", 64, 4, 64, seed=11)

@@ -177,6 +177,21 @@ def test_softmax_scale_must_be_finite():
         prepare_decode(q, q, q, [0, 1, 2], softmax_scale=float("inf"))
 
 
+@pytest.mark.parametrize("bad", ["0.5", b"0.5", True])
+def test_softmax_scale_must_be_a_number(bad):
+    q = _np(2, 1, 8)
+    with pytest.raises(ValueError, match="softmax_scale must be a real number"):
+        prepare_prefill(q, q, q, softmax_scale=bad)
+
+
+def test_softmax_scale_takes_numpy_and_0d_tensor_numbers():
+    torch = pytest.importorskip("torch")
+    q = _np(2, 1, 8)
+    for scale in (np.float32(0.25), np.int64(2), torch.tensor(0.25), 1):
+        h = pb.PrefillHeader.FromString(prepare_prefill(q, q, q, softmax_scale=scale).header)
+        assert h.softmax_scale == float(scale)
+
+
 def test_decode_header_and_validation():
     q, k = _np(3, 4, 8), _np(10, 2, 8)
     prep = prepare_decode(q, k, k, [0, 2, 5, 10], num_splits=4, return_lse=True)

@@ -206,6 +206,9 @@ def collect(responses: Iterable[pb.AttentionResponse]) -> Response:
         row_bytes = math.prod(shape[1:]) * t.element_size()
         assert len(c.data) == c.row_count * row_bytes
         r.max_data = max(r.max_data, len(c.data))
+        if not c.data:  # an empty tensor's one message (torch.frombuffer refuses b"")
+            r.rows_seen[c.field] += c.row_count
+            continue
         rows = torch.frombuffer(bytearray(c.data), dtype=torch.uint8).view(dtype)
         t[c.row_start : c.row_start + c.row_count] = rows.view(c.row_count, *shape[1:])
         r.rows_seen[c.field] += c.row_count

@@ -24,6 +24,7 @@ from .kv_helpers import Model, append_messages, cache_decode_messages, layout
 from .svc_helpers import (
     TOLERANCE,
     collect,
+    decode_messages,
     decode_oracle,
     health_status,
     prefill_messages,
@@ -119,6 +120,22 @@ def test_fp8_through_frontend_processes(group: Group) -> None:
     tol = TOLERANCE[torch.bfloat16]
     fp8_cache_session(stubs[1], "group", lambda got, exact: torch.testing.assert_close(
         got.double(), exact, atol=tol, rtol=tol))
+
+
+def test_an_empty_batch_is_answered_by_every_frontend(group: Group) -> None:
+    """A Prefill of no queries and a Decode of no sequences: empty outputs (and lse), no
+    launch; through each front-end process, so the engine's answer crosses the channel."""
+    for _, pid in sorted(group.frontend_pids().items()):
+        stub = pb_grpc.AttentionServiceStub(connect_to(group, pid))
+        for cu_q, cu_k, nk in (([0], [0], 0), ([0, 0], [], 0), ([0, 0], [0, 5], 5)):
+            q, k, v = random_qkv(0, nk, 4, 2, 16, torch.float32, seed=nk)
+            r = collect(stub.Prefill(prefill_messages(q, k, v, cu_q, cu_k, causal=True,
+                                                      return_lse=True), timeout=30))
+            assert r.out.shape == (0, 4, 16) and r.lse.shape == (4, 0)
+            assert r.stats.batch_requests == 0 and r.stats.flops == 0
+        q, k, v = random_qkv(0, 0, 4, 2, 16, torch.float32, seed=1)
+        r = collect(stub.Decode(decode_messages(q, k, v, [0], return_lse=True), timeout=30))
+        assert r.out.shape == (0, 4, 16) and r.lse.shape == (0, 4)
 
 
 def test_frontends_never_load_torch(group: Group) -> None:

@@ -14,6 +14,7 @@ import torch
 from attention_service.params import causal_pairs as _causal_pairs
 from attention_wire.pb import attention_pb2 as pb
 
+from .kv_helpers import cache_decode_messages, cache_prefill_messages
 from .svc_helpers import decode_messages, prefill_messages, random_qkv
 
 pytestmark = pytest.mark.timeout(30)
@@ -148,6 +149,17 @@ CASES: list[tuple[str, str, list[Any], grpc.StatusCode, str]] = [
      "cu_seqlens_k"),
     ("decode_negative_num_splits", "Decode", _decode(num_splits=-1), INVALID,
      "header.num_splits"),
+    # An empty batch is answered (test_process_group), but not by the cached ops, whose
+    # requests name one cache per sequence.
+    ("cache_decode_empty_batch", "CacheDecode",
+     list(cache_decode_messages([], *random_qkv(0, 0, 2, 1, 8, torch.float32))), INVALID,
+     "header.q.shape[0]"),
+    ("cache_prefill_no_queries", "CachePrefill",
+     list(cache_prefill_messages(["a"], *random_qkv(0, 0, 2, 1, 8, torch.float32), [0, 0],
+                                 [0, 0])), INVALID, "header.q.shape[0]"),
+    ("empty_batch_k_past_cu_k", "Prefill",
+     _prefill(q=_spec([0, 2, 8]), cu_seqlens_q=[0], cu_seqlens_k=[0]), INVALID,
+     "cu_seqlens_k"),
     ("empty_stream", "Prefill", [], INVALID, "header"),
     ("missing_header", "Prefill", _prefill()[1:], INVALID, "header"),
     ("header_repeated", "Prefill", _repeat_header(_prefill()), INVALID, "header"),

@@ -62,6 +62,9 @@ def _dist_version(name: str) -> str:
         return ""
 
 
+_NO_WORK = ExecStats(0.0, 0.0, 0.0, 0.0, batch_requests=0, batch_tokens=0)
+
+
 class EngineCore:
     def __init__(
         self, config: ServerConfig, backend: Backend, observer: LaunchObserver | None = None,
@@ -141,6 +144,11 @@ class EngineCore:
                     release()
                 done(as_request_failure(value) if failed else value)  # type: ignore[arg-type]
 
+            if not params.rows and not params.op.cached:
+                # An empty batch (a stateless call of no queries): no launch, empty outputs,
+                # as flash_attn answers it. Its regions were still checked above.
+                finish(_NO_WORK)
+                return job
             self.executor.submit(job, finish, issue_here=issue_here)
         except BaseException:
             if cache is not None:

@@ -95,7 +95,10 @@ def _dtype(header_spec: pb.TensorSpec, name: str, kv: bool = False) -> int:
     return int(header_spec.dtype)
 
 
-def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[int, int, int]:
+def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str],
+           empty_q: bool = False) -> tuple[int, int, int]:
+    """``empty_q``: q may have 0 rows (an empty batch of a stateless Prefill or Decode, answered
+    with empty outputs, as flash_attn does); k and v always may."""
     shape = tuple(header_spec.shape)
     if len(shape) != 3:
         raise invalid(
@@ -104,7 +107,7 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str]) -> tuple[
         )
     for i, (size, dim) in enumerate(zip(shape, dims, strict=True)):
         # Token counts may be 0 for k/v (rows then see no key); heads and head_dim may not.
-        least = 0 if i == 0 and name in ("k", "v") else 1
+        least = 0 if i == 0 and (name in ("k", "v") or empty_q) else 1
         if size < least:
             raise invalid(f"header.{name}.shape[{i}]", f"{dim} must be >= {least}, got {size}")
     return shape  # type: ignore[return-value]
@@ -139,10 +142,11 @@ def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
 
 def _check_qkv(
     h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True,
-    max_heads_ratio: int = 1 << 30,
+    max_heads_ratio: int = 1 << 30, empty_q: bool = False,
 ) -> QKV:
     """Dtypes and shapes of q, k, v. ``with_q`` False (AppendKV): q must be absent, its
-    dtype is taken as k's and its shape as ``[0, num_kv_heads, head_dim]``."""
+    dtype is taken as k's and its shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q
+    may have 0 rows."""
     if not with_q:
         if h.HasField("q"):
             raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
@@ -157,7 +161,7 @@ def _check_qkv(
     kv_dims = ("total_k", "num_kv_heads", "head_dim")
     k_shape = _shape(h.k, "k", kv_dims)
     v_shape = _shape(h.v, "v", kv_dims)
-    q_shape = _shape(h.q, "q", q_dims) if with_q else (0, k_shape[1], k_shape[2])
+    q_shape = _shape(h.q, "q", q_dims, empty_q) if with_q else (0, k_shape[1], k_shape[2])
     if v_shape != k_shape:
         raise invalid("header.v.shape", f"{list(v_shape)} differs from k's shape {list(k_shape)}")
     num_heads, head_dim = q_shape[1], q_shape[2]
@@ -260,12 +264,12 @@ def _check_size(params: Params, limit: int) -> None:
         )
 
 
-def _check_cu(values: Sequence[int], total: int, name: str) -> list[int]:
-    """Values check (untrusted): batch+1 >= 2 entries, no negative entry, starts at 0,
-    non-decreasing, ends at the token count."""
+def _check_cu(values: Sequence[int], total: int, name: str, least: int = 2) -> list[int]:
+    """Values check (untrusted): batch+1 >= ``least`` entries (1: a decode of no sequences),
+    no negative entry, starts at 0, non-decreasing, ends at the token count."""
     vals = list(values)
-    if len(vals) < 2:
-        raise invalid(name, f"must have batch+1 >= 2 entries, got {len(vals)}")
+    if len(vals) < least:
+        raise invalid(name, f"must have batch+1 >= {least} entries, got {len(vals)}")
     arr = np.asarray(vals, dtype=np.int64)
     if (arr < 0).any():
         i = int(np.flatnonzero(arr < 0)[0])
@@ -331,7 +335,7 @@ def validate_prefill_header(
     """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
     append = op is Op.APPEND_KV
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
-                     limits.max_heads_ratio)
+                     limits.max_heads_ratio, empty_q=not op.cached)
     dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
     kv = {"kv_dtype": qkv.kv_dtype, "kv_scales": _kv_scales(h, op, qkv)}
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
@@ -359,7 +363,9 @@ def validate_prefill_header(
             f"limit; at most {MAX_ROW_BYTES // LSE_BYTES} query tokens per request with "
             "return_lse",
         )
-    cu_q = _check_cu(h.cu_seqlens_q, total_q, "header.cu_seqlens_q")
+    # An empty batch of a stateless Prefill may name no sequence at all (cu_seqlens_q [0]).
+    least = 1 if total_q == 0 and not op.cached else 2
+    cu_q = _check_cu(h.cu_seqlens_q, total_q, "header.cu_seqlens_q", least)
     if len(h.cu_seqlens_k) == 0:
         if k_shape[0] != total_q:
             raise invalid(
@@ -375,7 +381,7 @@ def validate_prefill_header(
                 f"q/k batch mismatch: {len(h.cu_seqlens_k) - 1} sequences but cu_seqlens_q "
                 f"has {len(cu_q) - 1}",
             )
-        cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+        cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k", least)
     ids, store = _cache_target(h, op, len(cu_q) - 1)
     mods = _score(h, q_shape[1], len(cu_q) - 1)
     params = make_params(
@@ -394,7 +400,7 @@ def validate_decode_header(
     """Decode and CacheDecode (whose empty cu_seqlens_k means one new token per sequence, or
     none when k has no rows)."""
     qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
-                     max_heads_ratio=limits.max_heads_ratio)
+                     max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached)
     dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
     kv_scales = _kv_scales(h, op, qkv)
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
@@ -413,7 +419,7 @@ def validate_decode_header(
             f"has {len(cu_seqlens_k)} entries but q has batch {batch} (needs batch+1 = "
             f"{batch + 1})",
         )
-    cu_k = _check_cu(cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
+    cu_k = _check_cu(cu_seqlens_k, k_shape[0], "header.cu_seqlens_k", 2 if batch else 1)
     ids, store = _cache_target(h, op, batch)
     mods = _score(h, q_shape[1], batch)
     params = make_params(
