@@ -72,7 +72,8 @@ class _KvCacheBase:
 
     @property
     def ids(self) -> list[str]:
-        """The caches this handle created (or forked) and has not released."""
+        """The caches this handle created (or forked) and has not released. The server may
+        drop one on its own (idle TTL, a restart): ``info()`` then takes it off this list."""
         return list(self._created)
 
     @property
@@ -108,6 +109,13 @@ class _KvCacheBase:
     def _note(self, prep: PreparedRequest) -> None:
         if prep.cache is not None and prep.cache_lengths is not None:
             self._lengths.update(zip(prep.cache.ids, prep.cache_lengths, strict=True))
+
+    def _own_gone(self, infos: Any, layouts: dict[str, KvLayout]) -> list[Any]:
+        """Of all the caller's caches (``infos``), this handle's; the ones the server no longer
+        has (expired, released elsewhere, a restart) leave ``ids``."""
+        live = {c.cache_id: c for c in infos}
+        self._mark_released(tuple(i for i in self._created if i not in live), layouts)
+        return [live[i] for i in self._created]
 
     def _note_infos(self, infos: Any) -> list[dict[str, Any]]:
         out = [cache_info_dict(c) for c in infos]
@@ -289,12 +297,20 @@ class KvCache(_KvCacheBase):
     ) -> list[dict[str, Any]]:
         """The server's view of caches (None: this handle's): cache_id, dtype, kv_dtype,
         num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
-        v_scale for FP8 caches)."""
+        v_scale for FP8 caches). With None, caches of this handle the server no longer has
+        (expired, a restart) are left out and leave ``ids``; named ids must all exist."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        own = ids is None
         ids = self._own_ids(ids)
         if not ids:
             return []
-        return self._note_infos(self.client._list_caches(ids, settings).caches)
+        try:
+            return self._note_infos(self.client._list_caches(ids, settings).caches)
+        except AttentionError as err:
+            if not (own and _not_found(err)):
+                raise
+        every = self.client._list_caches(None, settings).caches
+        return self._note_infos(self._own_gone(every, self.client._cache_layouts))
 
     def __enter__(self) -> KvCache:
         return self
@@ -427,10 +443,17 @@ class AsyncKvCache(_KvCacheBase):
     ) -> list[dict[str, Any]]:
         """See KvCache.info."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        own = ids is None
         ids = self._own_ids(ids)
         if not ids:
             return []
-        return self._note_infos((await self.client._list_caches(ids, settings)).caches)
+        try:
+            return self._note_infos((await self.client._list_caches(ids, settings)).caches)
+        except AttentionError as err:
+            if not (own and _not_found(err)):
+                raise
+        every = (await self.client._list_caches(None, settings)).caches
+        return self._note_infos(self._own_gone(every, self.client._cache_layouts))
 
     async def __aenter__(self) -> AsyncKvCache:
         return self

@@ -206,6 +206,30 @@ def test_release_then_not_found(client):
     assert client.list_caches() == [] and cache.ids == []
 
 
+def test_info_drops_caches_the_server_no_longer_has(client, server):
+    """A cache gone on the server's side (released elsewhere here; the TTL or a restart
+    alike) leaves the handle's ids at its next info(), which lists the rest."""
+    cache = client.kv_cache(HKV, D, "float32")
+    k = make("numpy", "float32", 6, HKV, D, seed=62)
+    cache.append(["gone-a", "gone-b", "gone-c"], k, k, [0, 1, 3, 6])
+    assert client.release_caches("gone-b") == 1
+    assert cache.ids == ["gone-a", "gone-b", "gone-c"]  # not known yet
+    with pytest.raises(AttentionError) as exc:  # named ids must exist
+        cache.info(["gone-b"])
+    assert exc.value.code == grpc.StatusCode.NOT_FOUND
+    assert [(c["cache_id"], c["length"]) for c in cache.info()] == [("gone-a", 1), ("gone-c", 3)]
+    assert cache.ids == ["gone-a", "gone-c"] and cache.lengths == {"gone-a": 1, "gone-c": 3}
+
+    async def main():
+        async with AsyncAttentionClient(server.target) as c:
+            handle = c.kv_cache(HKV, D, "float32")
+            await handle.append(["gone-x", "gone-y"], k[:2], k[:2], [0, 1, 2])
+            await c.release_caches("gone-x")
+            return [i["cache_id"] for i in await handle.info()], handle.ids
+
+    assert asyncio.run(main()) == (["gone-y"], ["gone-y"])
+
+
 def test_context_manager_cleanup_and_pool(client):
     pool = client.kv_pool_info()
     assert pool["page_bytes"] > 0 and pool["pages_total"] > 0
