@@ -101,6 +101,23 @@ def test_client_with_cuda_tensors(gpu_server, dtype) -> None:  # type: ignore[no
     _close(out.cpu(), out_ref, dtype)
 
 
+def test_an_empty_batch_from_cuda_tensors(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    """An empty batch of cuda tensors (the client's cuda path): empty results on the device,
+    and the server goes on serving a real call after it."""
+    from attention_client import AttentionClient
+
+    empty = torch.zeros(0, 8, 128, dtype=torch.bfloat16, device="cuda")
+    with AttentionClient(gpu_server.target, timeout=120) as client:
+        out, lse = client.attention(empty, empty[:, :2], empty[:, :2], causal=True,
+                                    return_lse=True)
+        assert out.is_cuda and out.shape == (0, 8, 128) and lse.shape == (8, 0)
+        out = client.decode(empty, empty[:, :2], empty[:, :2], [0])
+        assert out.is_cuda and out.shape == (0, 8, 128)
+        q, k, v = random_qkv(7, 7, 8, 2, 128, torch.bfloat16)
+        out = client.attention(q.cuda(), k.cuda(), v.cuda(), causal=True)
+    _close(out.cpu(), prefill_oracle(q, k, v, [0, 7], [0, 7], causal=True)[0], torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_score_options_on_gpu(gpu_server, dtype) -> None:  # type: ignore[no-untyped-def]
     # Window, softcap and per-sequence ALiBi through the cuda backend's kernels (prefill and
