@@ -110,12 +110,15 @@ class _KvCacheBase:
         if prep.cache is not None and prep.cache_lengths is not None:
             self._lengths.update(zip(prep.cache.ids, prep.cache_lengths, strict=True))
 
-    def _own_gone(self, infos: Any, layouts: dict[str, KvLayout]) -> list[Any]:
-        """Of all the caller's caches (``infos``), this handle's; the ones the server no longer
-        has (expired, released elsewhere, a restart) leave ``ids``."""
+    def _own_gone(
+        self, asked: tuple[str, ...], infos: Any, layouts: dict[str, KvLayout]
+    ) -> list[Any]:
+        """Of all the caller's caches (``infos``, listed after ``asked`` was taken from
+        ``ids``), those of ``asked``; the ones the server no longer has (expired, released
+        elsewhere, a restart) leave ``ids``. Ids created meanwhile are not judged."""
         live = {c.cache_id: c for c in infos}
-        self._mark_released(tuple(i for i in self._created if i not in live), layouts)
-        return [live[i] for i in self._created]
+        self._mark_released(tuple(i for i in asked if i not in live), layouts)
+        return [live[i] for i in asked if i in live]
 
     def _note_infos(self, infos: Any) -> list[dict[str, Any]]:
         out = [cache_info_dict(c) for c in infos]
@@ -310,7 +313,7 @@ class KvCache(_KvCacheBase):
             if not (own and _not_found(err)):
                 raise
         every = self.client._list_caches(None, settings).caches
-        return self._note_infos(self._own_gone(every, self.client._cache_layouts))
+        return self._note_infos(self._own_gone(ids, every, self.client._cache_layouts))
 
     def __enter__(self) -> KvCache:
         return self
@@ -453,7 +456,7 @@ class AsyncKvCache(_KvCacheBase):
             if not (own and _not_found(err)):
                 raise
         every = (await self.client._list_caches(None, settings)).caches
-        return self._note_infos(self._own_gone(every, self.client._cache_layouts))
+        return self._note_infos(self._own_gone(ids, every, self.client._cache_layouts))
 
     async def __aenter__(self) -> AsyncKvCache:
         return self

@@ -375,6 +375,8 @@ def _place_outputs(
     out_span = lse_span = None
     if out is not None:
         _check_out(out, user_shape, tensors[0].dtype)
+        if not out_nbytes:  # an empty batch: nothing to write; ``out`` is returned as it is
+            out = None
     if placement is not None:
         if out is not None:
             out_span = placement.user_output(out)
@@ -403,10 +405,28 @@ def _place_outputs(
     return out_span, lse_span
 
 
+def _real_number(x: Any) -> bool:
+    """A Python int or float, a numpy integer or floating scalar, or a 0-d numpy array or torch
+    tensor of such a dtype; never a bool, a string or a bytes-like object."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return True
+    if getattr(x, "ndim", None) != 0:
+        return False
+    if isinstance(x, np.ndarray):
+        return x.dtype.kind in "iuf"
+    dtype = getattr(x, "dtype", None)  # a torch tensor (torch may be absent: duck-typed)
+    return bool(getattr(dtype, "is_floating_point", False)) or str(dtype) in _TORCH_INTS
+
+
+_TORCH_INTS = {f"torch.{n}" for n in ("int8", "uint8", "int16", "int32", "int64")}
+
+
 def _scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
-    if isinstance(softmax_scale, (str, bytes, bool)):  # float() would take "0.5" and True
+    if not _real_number(softmax_scale):  # float() would take "0.5", True, bytearray ...
         raise AttentionInputError(
             f"softmax_scale must be a real number, got {type(softmax_scale).__name__} "
             f"{softmax_scale!r}")

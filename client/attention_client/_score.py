@@ -89,7 +89,7 @@ def _slopes(alibi_slopes: Any) -> np.ndarray | None:
         s = np.asarray(alibi_slopes, dtype=np.float32)
     except (TypeError, ValueError):
         raise AttentionInputError("alibi_slopes must be numbers, [H] or [B, H]") from None
-    if s.ndim not in (1, 2) or s.size == 0:
+    if s.ndim not in (1, 2) or s.shape[-1] == 0:  # [0, H]: per sequence, of an empty batch
         raise AttentionInputError(f"alibi_slopes must be [H] or [B, H], got shape {s.shape}")
     if not np.isfinite(s).all():
         raise AttentionInputError("alibi_slopes must be finite")

@@ -261,7 +261,8 @@ def _used_keys(
             f"{seqused_k.tolist()}"
         )
     index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts.tolist(), used.tolist(),
-                                                                 strict=True)])
+                                                                 strict=True)]
+                      or [torch.zeros(0, dtype=torch.long)])  # no sequences: no keys
     index = index.to(key.device)
     cu = torch.zeros(len(used) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(used, 0)

@@ -144,6 +144,8 @@ def test_an_empty_batch_gets_empty_results(client, kind):
     out, lse = client.decode(q, q[:, :2], q[:, :2], [0], return_lse=True)
     check_out(out, f64(q), "float16", q)
     assert tuple(lse.shape) == (0, 4)
+    out = client.decode(q, q[:, :2], q[:, :2], [0], alibi_slopes=np.zeros((0, 4)))  # [B, H]
+    check_out(out, f64(q), "float16", q)
     assert client.last_stats["batch_requests"] == 0
 
 

@@ -111,6 +111,11 @@ def test_torch_varlen_attn_causal_window_lse_and_seqused(client) -> None:  # typ
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(AttentionInputError, match="enable_gqa"):
         flash.varlen_attn(q, k[:, :1], v[:, :1], cu_q, cu_k, 8, 8)
+    # An empty batch with seqused_k: an empty result.
+    none = torch.zeros(1, dtype=torch.int32)
+    out = flash.varlen_attn(q[:0], k[:0], v[:0], none, none, 0, 0,
+                            seqused_k=torch.zeros(0, dtype=torch.int32))
+    assert out.shape == (0, 2, q.shape[2])
 
 
 @pytest.mark.parametrize(("kwargs", "name"), [

@@ -219,6 +219,22 @@ def test_info_drops_caches_the_server_no_longer_has(client, server):
     assert exc.value.code == grpc.StatusCode.NOT_FOUND
     assert [(c["cache_id"], c["length"]) for c in cache.info()] == [("gone-a", 1), ("gone-c", 3)]
     assert cache.ids == ["gone-a", "gone-c"] and cache.lengths == {"gone-a": 1, "gone-c": 3}
+    # A cache this handle creates while info() lists is not taken for gone.
+    client.release_caches("gone-c")
+    listing = client._list_caches
+
+    def racing(ids, settings=None):  # type: ignore[no-untyped-def]
+        reply = listing(ids, settings)
+        if ids is None:  # created after the server listed the caller's caches
+            cache.append("gone-new", k[:1], k[:1])
+        return reply
+
+    client._list_caches = racing
+    try:
+        assert [c["cache_id"] for c in cache.info()] == ["gone-a"]
+    finally:
+        del client._list_caches
+    assert cache.ids == ["gone-a", "gone-new"]
 
     async def main():
         async with AsyncAttentionClient(server.target) as c:

@@ -136,6 +136,12 @@ def test_out_is_written_in_place(srv: RunningServer) -> None:
         bare = AttentionClient(srv.target)  # no region registered
         with bare, pytest.raises(AttentionInputError, match="registered region"):
             bare.attention(q, k, v, CU, causal=True, out=out)
+        # An empty batch: nothing to write, so out= of the empty result's shape is returned
+        # as it is, in a region or not.
+        empty = torch.zeros(0, 4, 16)
+        for target in (region.empty((0, 4, 16), torch.float32), torch.empty(0, 4, 16)):
+            assert c.attention(empty, empty[:, :2], empty[:, :2], out=target) is target
+            assert c.decode(empty, empty[:, :2], empty[:, :2], [0], out=target) is target
 
 
 def test_opt_out_per_call_and_per_client(srv: RunningServer) -> None:

@@ -177,7 +177,8 @@ def test_softmax_scale_must_be_finite():
         prepare_decode(q, q, q, [0, 1, 2], softmax_scale=float("inf"))
 
 
-@pytest.mark.parametrize("bad", ["0.5", b"0.5", True])
+@pytest.mark.parametrize("bad", ["0.5", b"0.5", bytearray(b"0.5"), memoryview(b"0.5"), True,
+                                 np.True_, np.array(True), np.array([0.5]), 1 + 2j])
 def test_softmax_scale_must_be_a_number(bad):
     q = _np(2, 1, 8)
     with pytest.raises(ValueError, match="softmax_scale must be a real number"):
@@ -187,9 +188,13 @@ def test_softmax_scale_must_be_a_number(bad):
 def test_softmax_scale_takes_numpy_and_0d_tensor_numbers():
     torch = pytest.importorskip("torch")
     q = _np(2, 1, 8)
-    for scale in (np.float32(0.25), np.int64(2), torch.tensor(0.25), 1):
+    for scale in (np.float32(0.25), np.int64(2), np.array(0.5), torch.tensor(0.25),
+                  torch.tensor(3), 1):
         h = pb.PrefillHeader.FromString(prepare_prefill(q, q, q, softmax_scale=scale).header)
         assert h.softmax_scale == float(scale)
+    for bad in (torch.tensor(True), torch.tensor([0.5])):
+        with pytest.raises(ValueError, match="softmax_scale must be a real number"):
+            prepare_prefill(q, q, q, softmax_scale=bad)
 
 
 def test_decode_header_and_validation():

@@ -466,3 +466,29 @@ def test_concurrent_steps_on_many_caches_equal_solo_calls_bitwise(start_server: 
     assert max(merged) > 1, "no step was merged with another: the test proves nothing"
     for a, b in zip(outs["solo"], outs["batch"], strict=True):
         assert torch.equal(a, b)
+
+
+def test_warmup_is_outside_the_quota_and_leaks_no_page_when_skipped() -> None:
+    """Warm-up runs its two caches under a server owner, which a one-page quota does not
+    hold; a pool too small for them skips warm-up and leaves every page free (the merged
+    group's first cache used to stay busy, and its page taken, when the second was refused)."""
+    from attention_service.engine.backends import CpuBackend
+    from attention_service.engine.warmup import warm_caches
+
+    launched = []
+
+    class Recording(CpuBackend):
+        def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+            launched.append(plan.key)
+            return super().launch(plan, cancel)
+
+    caps = CacheRegistry(KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE,
+                                caller_pages=1), ttl_seconds=0)
+    warm_caches(Recording(), caps, (torch.float32,))
+    assert len(launched) == 6 and caps.gauges()[:3] == (0, 8, 0)
+    launched.clear()
+    tiny = CacheRegistry(KvPool(torch.zeros(1 * PAGE, dtype=torch.uint8), PAGE),
+                         ttl_seconds=0)
+    warm_caches(Recording(), tiny, (torch.float32,))
+    assert len(launched) == 1  # AppendKV alone; the pair is refused a second page
+    assert tiny.gauges()[:3] == (0, 1, 0)

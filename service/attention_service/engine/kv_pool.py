@@ -29,6 +29,10 @@ from attention_service.engine.backends import TORCH_DTYPES
 from attention_service.errors import exhausted
 from attention_service.params import ELEMENT_BYTES
 
+# Owners that start with this are the server's own (warm-up): no token can be one, and the
+# per-caller quota does not hold them (warm-up needs two pages however small the quota).
+SERVER_OWNER_PREFIX = "\x00"
+
 
 class Layout(NamedTuple):
     dtype: int  # pb.DType of the queries run against it
@@ -109,7 +113,8 @@ class KvPool:
         """``count`` fresh pages (reference 1) for ``owner``, or RESOURCE_EXHAUSTED naming
         ``field`` and nothing taken."""
         held = self._held.get(owner, 0)
-        if self.caller_pages and count and held + count > self.caller_pages:
+        if (self.caller_pages and count and held + count > self.caller_pages
+                and not owner.startswith(SERVER_OWNER_PREFIX)):
             raise exhausted(
                 field,
                 f"this caller's KV-cache quota is full: it holds {held} pages of "

@@ -11,12 +11,14 @@ from attention_service.engine.backends import WIRE_DTYPES, Backend
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import Job
 from attention_service.engine.kv_caches import CacheRegistry
+from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX
 from attention_service.errors import RequestError
 from attention_service.params import Op, kv_dtype_allowed, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
-_WARMUP_OWNER = "\x00warmup"  # no token can be this: caches of its own namespace
+# No token can be this: caches of its own namespace, outside the per-caller quota.
+_WARMUP_OWNER = SERVER_OWNER_PREFIX + "warmup"
 
 
 def tiny_job(
@@ -91,14 +93,15 @@ def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.
             for op in (Op.APPEND_KV, Op.CACHE_PREFILL, Op.CACHE_DECODE):
                 jobs = [tiny_job(backend, op, dtype, i, ids[i : i + 1], fp8) for i in (0, 1)]
                 for group in ([jobs[0]], jobs):
-                    for j in group:
-                        j.cache = caches.begin(j.params, _WARMUP_OWNER)
+                    begun = []  # finished however the group ends, or a busy cache leaks
                     try:
+                        for j in group:
+                            j.cache = caches.begin(j.params, _WARMUP_OWNER)
+                            begun.append(j.cache)
                         backend.launch(BatchPlan(group), group[0].cancel).wait()
                     finally:
-                        for j in group:
-                            assert j.cache is not None
-                            j.cache.finish(op is Op.APPEND_KV)
+                        for work in begun:
+                            work.finish(op is Op.APPEND_KV)
         except RequestError as exc:  # a pool too small for even this
             log.warning("kv cache warmup skipped: %s", exc.details)
             return
