@@ -37,6 +37,8 @@
 #   trace-call benchmarks/trace_call.py: one client's region call (CUDA IPC with and without
 #              out=, system shm with out=), client and server hand-offs; then CUDA IPC, 1 process
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
+#   sigterm-warmup  benchmarks/sigterm_during_warmup.sh (SIGTERM 5 s into a cold warm-up, the
+#              process group and the single process: exit code and seconds to exit)
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients)
 #   sessions-fp8  the same with FP8 (e4m3) keys and values: FP8 caches and FP8 resends
@@ -173,6 +175,7 @@ for s in "$@"; do
     service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
                --warmup 2 --prime 3 --clients 1,8,32,64 --path shm --out "$OUT" ;;
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
+    sigterm-warmup) stage sigterm-warmup 400 bash benchmarks/sigterm_during_warmup.sh "$OUT" ;;
     sessions) stage sessions 560 python3 benchmarks/bench_sessions.py --duration 6 --warmup 2 \
                 --clients 1,8,64 --out "$OUT" ;;
     sessions-fp8) stage sessions-fp8 400 python3 benchmarks/bench_sessions.py --duration 6 \

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -22,7 +24,20 @@ async def serve(config: ServerConfig) -> int:
     signals = (signal.SIGTERM, signal.SIGINT)
     for sig in signals:  # before start-up, so a signal during warm-up still exits cleanly
         loop.add_signal_handler(sig, stop.set)
-    server, port = await create_server(config)
+    starting = asyncio.ensure_future(create_server(config))
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():  # a signal during warm-up: stop now, not after it (a minute)
+        starting.cancel()  # create_server stops what it started
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        # The warm-up thread is inside Triton or CUDA: asyncio.run would wait for it, and
+        # finalizing the interpreter under it can abort the process. Everything is closed.
+        log.info("warm-up cut short by the shutdown")
+        logging.shutdown()
+        os._exit(0)
+    stopping.cancel()
+    server, port = starting.result()
     # Parseable lines: tests and scripts read the bound ports from them.
     log.info("listening on port %d (backend %s, device %s, 1 process)", port,
              server.backend.name, server.backend.device_name)

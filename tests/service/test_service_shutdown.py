@@ -128,3 +128,43 @@ def test_bad_flag_value_exits_2() -> None:
     )
     assert proc.returncode == 2
     assert "device" in proc.stderr
+
+
+_SLOW_WARMUP = '''
+import os, sys, time
+if os.environ.get("ATTENTION_TEST_SLOW_WARMUP"):
+    import attention_service.engine.core as core
+
+    def warmup(self):  # a long compile, in the engine
+        print("slow warm-up started", file=sys.stderr, flush=True)
+        time.sleep(120)
+
+    core.EngineCore.warmup = warmup
+'''
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"], ids=["one-process", "group"])
+def test_sigterm_during_warmup_exits_0_at_once(tmp_path, frontends) -> None:  # type: ignore[no-untyped-def]
+    """A server stopped while it warms up (a pod stopped during start-up): exit 0 in seconds,
+    not after the warm-up (the single process used to wait it out: ~60 s on an H100 with an
+    empty Triton cache; the group aborted on cuda, benchmarks/sigterm_during_warmup.sh)."""
+    (tmp_path / "sitecustomize.py").write_text(_SLOW_WARMUP)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ATTENTION_TEST_SLOW_WARMUP": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", "0",
+         "--device", "cpu", "--metrics-port", "-1", "--frontends", frontends],
+        stderr=subprocess.PIPE, text=True, env=env,
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(ln.rstrip() for ln in proc.stderr),  # type: ignore[union-attr]
+                     daemon=True).start()
+    try:
+        assert wait_until(lambda: any("slow warm-up started" in ln for ln in lines), 60)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert wait_until(lambda: any("warm-up cut short" in ln for ln in lines), 5), lines
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

@@ -92,6 +92,7 @@ class Group:
         self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.slots: list[_Slot] = []
         self.draining = False
+        self.warmup_thread: threading.Thread | None = None
         self._control_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-control")
 
     # ---- events (signal handlers and helper threads post here) ---------------------------
@@ -232,8 +233,9 @@ class Group:
                                  self.port, backend.name, backend.device_name, self.count)
                         if metrics_port is not None:
                             log.info("metrics on port %d", metrics_port)
-                        threading.Thread(target=warmup, daemon=True,
-                                         name="attention-warmup").start()
+                        self.warmup_thread = threading.Thread(
+                            target=warmup, daemon=True, name="attention-warmup")
+                        self.warmup_thread.start()
                 elif kind == "warm":
                     if failed:
                         raise failed[0]
@@ -316,7 +318,16 @@ def run_group(config: ServerConfig) -> int:
     metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
     # Before prometheus_client is imported anywhere in this process or its children.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
+    group = Group(config, count)
     try:
-        return Group(config, count).run()
+        rc = group.run()
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
+    if group.warmup_thread is not None and group.warmup_thread.is_alive():
+        # A signal during warm-up: the thread is inside Triton or CUDA, and letting the
+        # interpreter finalize under it aborted the process ("terminate called without an
+        # active exception", exit 134; H100, 2026-11-25). Everything else is closed: leave now.
+        log.info("warm-up cut short by the shutdown")
+        logging.shutdown()
+        os._exit(rc)
+    return rc
