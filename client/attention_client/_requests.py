@@ -750,6 +750,9 @@ def prepare_cache_prefill(
     wq, wk, wv, cu_q, cu_k, user_shape, lse_fix = _prefill_form(
         wq, wk, wv, cu_seqlens_q, cu_seqlens_k
     )
+    if not wq.shape[0]:  # refused before a handle creates the caches it names
+        raise AttentionInputError("q has no tokens: a cache prefill needs at least one query "
+                                  "(cache.append stores keys and values alone)")
     if not cu_k.size:  # sent explicitly: empty would mean cu_seqlens_q even without keys
         if wk.shape[0] == 0:
             cu_k = np.zeros_like(cu_q)

@@ -394,6 +394,7 @@ def test_value_errors_before_anything_is_sent(client):
         (lambda: cache.prefill(q, ["x"], k, k, [0, 3]), "cu_seqlens_k is needed"),
         (lambda: cache.prefill(q, ["x"], k, k, [0, 3], [0, 6]), "cu_seqlens_q must"),
         (lambda: cache.prefill(make("numpy", "float32", 2, H, D), "x", None, None), "q has dtype"),
+        (lambda: cache.prefill(q[:0], "x", k, k), "q has no tokens"),
         (lambda: cache.fork("x", "y", length=-1), "length"),
         (lambda: client.kv_cache(0, D, "float16"), "num_kv_heads"),
         (lambda: client.kv_cache(HKV, D, "float64"), "dtype"),
