@@ -128,12 +128,9 @@ class RegionRegistry:
             except ValueError as exc:
                 raise invalid("system.key", str(exc)) from None
         with self._lock:
-            if (owner, req.name) in self._regions:
-                raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                   f"name: region {req.name!r} is already registered")
+            self._check_free(owner, req.name, key)
             if sum(1 for o, _ in self._regions if o == owner) >= MAX_REGIONS_PER_OWNER:
                 raise exhausted("name", f"at most {MAX_REGIONS_PER_OWNER} regions per caller")
-            self._check_key_free(owner, key)
         if kind == "system":
             tensor, closer = self._open_system(req.system, req.byte_size)
         elif kind == "cuda":
@@ -143,10 +140,7 @@ class RegionRegistry:
         region = _Region(owner, req.name, kind, tensor, closer, key)
         with self._lock:
             try:
-                if (owner, req.name) in self._regions:  # a concurrent registration won
-                    raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
-                                       f"name: region {req.name!r} is already registered")
-                self._check_key_free(owner, key)
+                self._check_free(owner, req.name, key)  # a concurrent registration may have won
             except RequestError:
                 closer()
                 raise
@@ -154,11 +148,15 @@ class RegionRegistry:
         log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
         return region.info()
 
-    def _check_key_free(self, owner: str, key: str) -> None:
-        """A system object registered by one caller is theirs: another caller (token) naming
-        the same object is refused, so a token cannot read or write another's region memory
-        by its key (keys are visible to anyone on the host who lists /dev/shm). Under the
-        lock."""
+    def _check_free(self, owner: str, name: str, key: str) -> None:
+        """Under the lock: ``name`` is not one of the owner's regions, and no other caller has
+        registered system object ``key``. A system object registered by one caller is theirs:
+        another caller (token) naming the same object is refused, so a token cannot read or
+        write another's region memory by its key (keys are visible to anyone on the host who
+        lists /dev/shm)."""
+        if (owner, name) in self._regions:
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
+                               f"name: region {name!r} is already registered")
         if key and any(r.key == key and r.owner != owner for r in self._regions.values()):
             raise RequestError(
                 grpc.StatusCode.PERMISSION_DENIED,
