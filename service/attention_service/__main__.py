@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -31,11 +30,9 @@ async def serve(config: ServerConfig) -> int:
         starting.cancel()  # create_server stops what it started
         with contextlib.suppress(asyncio.CancelledError):
             await starting
-        # The warm-up thread is inside Triton or CUDA: asyncio.run would wait for it, and
-        # finalizing the interpreter under it can abort the process. Everything is closed.
-        log.info("warm-up cut short by the shutdown")
-        logging.shutdown()
-        os._exit(0)
+        from attention_service.engine.warmup import exit_during_warmup
+
+        exit_during_warmup(0)
     stopping.cancel()
     server, port = starting.result()
     # Parseable lines: tests and scripts read the bound ports from them.

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Iterator
+from typing import NoReturn
 
 import torch
 
@@ -19,6 +21,16 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 # No token can be this: caches of its own namespace, outside the per-caller quota.
 _WARMUP_OWNER = SERVER_OWNER_PREFIX + "warmup"
+
+
+def exit_during_warmup(rc: int) -> NoReturn:
+    """End the process now, everything but the warm-up closed: a signal came while the
+    warm-up thread is inside Triton or CUDA. Finalizing the interpreter under that thread
+    aborted the process group ("terminate called without an active exception"), and
+    ``asyncio.run`` would first wait for it (a cold warm-up: ~60 s on an H100, 2026-11-25)."""
+    log.info("warm-up cut short by the shutdown")
+    logging.shutdown()
+    os._exit(rc)
 
 
 def tiny_job(

@@ -324,10 +324,7 @@ def run_group(config: ServerConfig) -> int:
     finally:
         shutil.rmtree(metrics_dir, ignore_errors=True)
     if group.warmup_thread is not None and group.warmup_thread.is_alive():
-        # A signal during warm-up: the thread is inside Triton or CUDA, and letting the
-        # interpreter finalize under it aborted the process ("terminate called without an
-        # active exception", exit 134; H100, 2026-11-25). Everything else is closed: leave now.
-        log.info("warm-up cut short by the shutdown")
-        logging.shutdown()
-        os._exit(rc)
+        from attention_service.engine.warmup import exit_during_warmup
+
+        exit_during_warmup(rc)
     return rc
