@@ -412,15 +412,9 @@ def _real_number(x: Any) -> bool:
         return False
     if isinstance(x, (int, float, np.integer, np.floating)):
         return True
-    if getattr(x, "ndim", None) != 0:
-        return False
-    if isinstance(x, np.ndarray):
-        return x.dtype.kind in "iuf"
-    dtype = getattr(x, "dtype", None)  # a torch tensor (torch may be absent: duck-typed)
-    return bool(getattr(dtype, "is_floating_point", False)) or str(dtype) in _TORCH_INTS
-
-
-_TORCH_INTS = {f"torch.{n}" for n in ("int8", "uint8", "int16", "int32", "int64")}
+    if is_torch_tensor(x):
+        return x.ndim == 0 and not x.dtype.is_complex and str(x.dtype) != "torch.bool"
+    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
 
 
 def _scale(softmax_scale: float | None) -> float | None:
