@@ -15,11 +15,19 @@ One run, one machine (loopback), in this order:
    checked against the float64 reference first;
 3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
    calling for ``--agg-seconds`` with ``--agg-tokens`` tokens per request (bytes in + out per
-   second, all clients together), against each server of step 2.
+   second, all clients together), against each server of step 2;
+4. with ``--baseline-tree DIR`` (a source tree of an earlier commit, e.g. ``git archive``
+   of the one before the process group), the aggregate against that tree's server too, before
+   step 2 and again after it, with the same clients: issue 10 asks for 4x "today's single
+   process", the server as it was, whose single process was slower than ``--frontends 1`` is
+   now. Only the server comes from DIR (its ``kernels/`` and ``service/``); the clients are
+   this tree's.
 
     python benchmarks/bench_roundtrip.py --tokens 8192 --heads 16 --head-dim 128 --out DIR
     python benchmarks/bench_roundtrip.py --device cpu --tokens 256 --heads 4 --head-dim 32 \\
         --frontends 2 --clients 2 --agg-tokens 128 --agg-seconds 1 --iters 3   # a cpu check
+    git archive 8091d8f | tar x -C /tmp/base && python benchmarks/bench_roundtrip.py \
+        --baseline-tree /tmp/base ...      # issue 10's baseline: the server before it
 """
 
 from __future__ import annotations
@@ -113,9 +121,13 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.kill()
 
 
-def _wait_serving(target: str, timeout: float = 300.0) -> None:
+def _wait_serving(
+    target: str, timeout: float = 300.0, proc: subprocess.Popen | None = None
+) -> None:
     end = time.monotonic() + timeout
     while not _healthy(target):
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before SERVING")
         if time.monotonic() > end:
             raise RuntimeError("server never SERVING")
         time.sleep(0.5)
@@ -307,6 +319,36 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
     }
 
 
+def baseline_aggregate(
+    tree: Path, device: str, env: dict[str, str], client_counts: list[int],
+    channel_counts: list[int], tokens: int, heads: int, dim: int, dtype: str, seconds: float,
+) -> dict[str, Any]:
+    """The aggregate against the server of source tree ``tree`` (one process, the flags every
+    version had), after one call of the request's shape (its kernels compiled). The server
+    process gets the tree's ``client/`` too: older servers took their stubs from it."""
+    from attention_client import AttentionClient
+
+    path = os.pathsep.join(str(tree / part) for part in ("kernels", "service", "client"))
+    benv = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])))
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", str(port),
+         "--device", device, "--metrics-port", "0", "--log-level", "WARNING", "--no-warmup"],
+        env=benv, cwd=tree)  # no warm-up: the priming call below compiles what the load runs
+    target = f"127.0.0.1:{port}"
+    try:
+        _wait_serving(target, proc=proc)
+        q = torch.randn(tokens, heads, dim).to(DTYPES[dtype])
+        with AttentionClient(target, timeout=600, use_regions=False) as c:
+            c.attention(q, q, q, torch.tensor([0, tokens], dtype=torch.int32))
+        return {"tree": str(tree), "aggregate": [
+            aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch)
+            for nc in client_counts for ch in channel_counts
+        ]}
+    finally:
+        _stop(proc)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tokens", type=int, default=8192)
@@ -324,6 +366,9 @@ def main() -> int:
     p.add_argument("--agg-channels", default="1",
                    help="comma list of connections per aggregate client (channels=)")
     p.add_argument("--agg-seconds", type=float, default=8.0)
+    p.add_argument("--baseline-tree", type=Path, default=None,
+                   help="source tree of an earlier commit whose server's aggregate is measured "
+                        "too, before and after this tree's servers")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--serve-transfer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -396,6 +441,20 @@ def main() -> int:
         path.write_text(json.dumps(result, indent=2))
         return path
 
+    def baseline(turn: str) -> None:
+        if args.baseline_tree is None:
+            return
+        entry = baseline_aggregate(args.baseline_tree, args.device, env, client_counts,
+                                   channel_counts, args.agg_tokens, h, d, args.dtype,
+                                   args.agg_seconds)
+        entry["turn"] = turn
+        result.setdefault("baseline", []).append(entry)
+        print(f"baseline ({turn}): " + ", ".join(
+            f"{a['clients']} clients x {a['channels']} ch {a['GBps']:.2f} GB/s"
+            for a in entry["aggregate"]), flush=True)
+        save()
+
+    baseline("first")
     for count in counts:
         # A free port of our choosing and WARNING logs: no per-call log line in the way.
         port = _free_port()
@@ -425,6 +484,8 @@ def main() -> int:
         finally:
             _stop(proc)
 
+    baseline("last")
+
     print(f"\nprefill {n} tokens x {h} heads ({hk} kv) x {d} {args.dtype}, causal={args.causal}, "
           f"{args.seqs} seq; in {in_bytes / 2**20:.1f} MiB, out {out_bytes / 2**20:.1f} MiB; "
           f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters}")
@@ -453,6 +514,22 @@ def main() -> int:
                   f"{a['calls']} calls, "
                   f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms")
 
+    if result.get("baseline"):
+        # The baseline's better turn at each client count: the ratio is not flattered by a
+        # slow first server.
+        best: dict[int, float] = {}
+        for entry in result["baseline"]:
+            for a in entry["aggregate"]:
+                best[a["clients"]] = max(best.get(a["clients"], 0.0), a["GBps"])
+        print(f"against the baseline tree's server ({args.baseline_tree}), its better turn:")
+        for entry in result["baseline"]:
+            for a in entry["aggregate"]:
+                print(f"  baseline ({entry['turn']}) clients {a['clients']:3d} x "
+                      f"{a['channels']} ch: {a['GBps']:6.2f} GB/s, {a['calls']} calls")
+        for s in result["servers"]:
+            for a in s["aggregate"]:
+                print(f"  N={s['frontends']:<3d} clients {a['clients']:3d} x {a['channels']} ch: "
+                      f"{a['GBps'] / best[a['clients']]:.2f}x the baseline")
     print(f"wrote {save()}")
     return 0
 

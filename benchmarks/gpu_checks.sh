@@ -23,6 +23,9 @@
 #              with a mask; softcap and ALiBi overhead; windowed decode)
 #   roundtrip  benchmarks/bench_roundtrip.py (8192 tokens x 16 heads x 128 bf16, loopback):
 #              every data path with 1, 2, 4 and 8 front ends, aggregate gRPC at 8 and 16 clients
+#   roundtrip-baseline  the roundtrip stage's aggregate with 8 front ends against the server of
+#              BASELINE_COMMIT (default 8091d8f, the last commit before the process group: issue
+#              10's "today's single process"), measured before and after this tree's servers
 #   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
@@ -168,6 +171,13 @@ for s in "$@"; do
                 done
                 stage trace-call-ipc-out-1fe 200 python3 benchmarks/trace_call.py \
                   --path ipc-out --frontends 1 --out "$OUT" ;;
+    roundtrip-baseline)
+      base=/tmp/baseline-tree
+      rm -rf "$base" && mkdir -p "$base" \
+        && git archive "${BASELINE_COMMIT:-8091d8f}" | tar x -C "$base" || exit 1
+      stage roundtrip-baseline 560 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
+        --heads 16 --head-dim 128 --frontends 8 --clients 8,16 --iters 10 \
+        --agg-seconds 6 --baseline-tree "$base" --out "$OUT" ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
