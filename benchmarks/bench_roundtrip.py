@@ -431,7 +431,9 @@ def main() -> int:
     client_counts = [int(x) for x in args.clients.split(",") if x]
     channel_counts = [int(x) for x in args.agg_channels.split(",") if x]
     result["servers"] = []
-    device_name = "cpu"
+    # The server names its device once it is up; until then (the baseline turn) the GPU here.
+    device_name = (torch.cuda.get_device_name() if args.device != "cpu"
+                   and torch.cuda.is_available() else "cpu")
     args.out.mkdir(parents=True, exist_ok=True)
 
     def save() -> Path:  # after every server, so a run cut short keeps what it measured

@@ -91,6 +91,12 @@ class ServerConfig:
     # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
     # is loopback; off otherwise, so no remote caller can make the server map host memory).
     regions: str = "auto"
+    # Regions one caller (token) may have registered at once, and the bytes of its system
+    # regions together (0 = no limit): the server maps those and, on cuda, page-locks them, so
+    # with several tokens this keeps one from pinning the host's memory. CUDA IPC regions are
+    # the caller's own device memory and count only towards the number.
+    max_regions_per_caller: int = 64
+    system_region_bytes_per_caller: int = 0
     # Server-side KV caches (CreateCaches / CacheDecode ...): the pool's bytes, allocated once
     # at start on the engine's device (0 = caches off; -1 = auto: a quarter of the device
     # memory free at start on cuda, 256 MiB of lazily touched host memory on cpu).
@@ -145,6 +151,9 @@ class ServerConfig:
             raise ValueError("arena_bytes must be at least 1 MiB")
         if self.regions not in ("auto", "on", "off"):
             raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
+        if self.max_regions_per_caller < 1 or self.system_region_bytes_per_caller < 0:
+            raise ValueError("max_regions_per_caller must be >= 1 and "
+                             "system_region_bytes_per_caller >= 0 (0 = no limit)")
         if self.kv_cache_bytes < -1:
             raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")
         if self.kv_page_bytes < 256 or self.kv_page_bytes % 256:
@@ -218,6 +227,10 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),
     "regions": ("--regions", "ATTENTION_REGIONS", str),
+    "max_regions_per_caller": ("--max-regions-per-caller", "ATTENTION_MAX_REGIONS_PER_CALLER",
+                               int),
+    "system_region_bytes_per_caller": ("--system-region-bytes-per-caller",
+                                       "ATTENTION_SYSTEM_REGION_BYTES_PER_CALLER", int),
     "kv_cache_bytes": ("--kv-cache-bytes", "ATTENTION_KV_CACHE_BYTES", int),
     "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
     "kv_cache_bytes_per_caller": ("--kv-cache-bytes-per-caller",

@@ -135,11 +135,104 @@ def test_registration_errors(server: ServerHandle, obj: Shm, case: str) -> None:
 def test_regions_per_caller_are_bounded(start_server: Any, obj: Shm) -> None:
     srv = start_server()
     stub = srv.stub()
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller) == (64, 0)
     for i in range(64):
         _register(stub, f"n{i}", obj.key, 4096)
     code, details = _code(lambda: _register(stub, "n64", obj.key, 4096))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "64" in details
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("name:"), details
+    assert "64" in details and "--max-regions-per-caller" in details
     assert stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10).released == 64
+
+
+def test_system_region_bytes_per_caller_are_bounded(start_server: Any, obj: Shm) -> None:
+    """Past --system-region-bytes-per-caller: RESOURCE_EXHAUSTED naming byte_size, before
+    anything is mapped; per token; room comes back with an unregistration."""
+    srv = start_server(auth_token="token-a,token-b", max_regions_per_caller=3,
+                       system_region_bytes_per_caller=MiB // 2)
+    stub = srv.stub()
+    a = (("authorization", "Bearer token-a"),)
+    b = (("authorization", "Bearer token-b"),)
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10, metadata=a)
+    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller) == (3, MiB // 2)
+    _register(stub, "big", obj.key, MiB // 4, metadata=a)
+    _register(stub, "more", obj.key, MiB // 8, offset=MiB // 4, metadata=a)
+    code, details = _code(lambda: _register(stub, "over", obj.key, MiB // 4, metadata=a))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED, details
+    assert details.startswith("byte_size:") and str(MiB // 2) in details, details
+    assert "--system-region-bytes-per-caller" in details
+    assert {r.name for r in stub.ListRegions(pb.ListRegionsRequest(), timeout=10,
+                                             metadata=a).regions} == {"big", "more"}
+    _register(stub, "fits", obj.key, MiB // 8, metadata=a)  # exactly at the limit
+    code, details = _code(lambda: _register(stub, "fourth", obj.key, 1, metadata=a))
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "3 regions" in details, details
+    # Another token has its own room (its own object: a's is a's while registered).
+    other = Shm()
+    try:
+        _register(stub, "big", other.key, MiB // 2, metadata=b)
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(name="big"), timeout=10, metadata=a)
+        _register(stub, "again", obj.key, MiB // 4, metadata=a)  # room came back
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10, metadata=b)
+    finally:
+        other.close()
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10, metadata=a)
+
+
+def test_a_registration_being_mapped_holds_its_name_key_and_room(
+    obj: Shm, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Name, key, count and bytes are taken before the (slow) mapping, so registrations racing
+    for them cannot both win; a failed mapping gives them back."""
+    from attention_service.engine import regions as regions_mod
+    from attention_service.errors import RequestError
+
+    class _Cpu:
+        name = "cpu"
+
+    reg = regions_mod.RegionRegistry(_Cpu(), allowed=True, max_per_owner=2,
+                                     system_bytes_per_owner=MiB // 2)
+    entered, release = threading.Event(), threading.Event()
+    real_open = regions_mod.RegionRegistry._open_system
+
+    def slow_open(self: Any, src: Any, nbytes: int) -> Any:
+        if src.offset == 4096:  # the first registration's mapping waits for the test
+            entered.set()
+            assert release.wait(10)
+        if src.offset == 8192:
+            raise RequestError(grpc.StatusCode.NOT_FOUND, "system.key: gone")
+        return real_open(self, src, nbytes)
+
+    monkeypatch.setattr(regions_mod.RegionRegistry, "_open_system", slow_open)
+
+    def req(name: str, size: int, offset: int = 0, key: str = obj.key) -> Any:
+        return pb.RegisterRegionRequest(name=name, byte_size=size,
+                                        system=pb.SystemRegion(key=key, offset=offset))
+
+    def code(fn: Any) -> tuple[grpc.StatusCode, str]:
+        with pytest.raises(RequestError) as info:
+            fn()
+        return info.value.code, info.value.details
+
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(reg.register, "a", req("slow", MiB // 4, offset=4096))
+        assert entered.wait(10)
+        assert code(lambda: reg.register("a", req("slow", 4096)))[0] == (
+            grpc.StatusCode.ALREADY_EXISTS)
+        assert code(lambda: reg.register("b", req("theirs", 4096)))[0] == (
+            grpc.StatusCode.PERMISSION_DENIED)
+        c, details = code(lambda: reg.register("a", req("second", MiB // 2)))
+        assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("byte_size")
+        # A failed mapping gives its claim back: the same name then registers.
+        assert code(lambda: reg.register("a", req("gone", 4096, offset=8192)))[0] == (
+            grpc.StatusCode.NOT_FOUND)
+        reg.register("a", req("gone", 4096))
+        c, details = code(lambda: reg.register("a", req("third", 4096)))
+        assert c == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith("name")
+        release.set()
+        assert first.result(10).name == "slow"
+    assert reg.unregister("a", "") == 2
+    reg.register("b", req("theirs", 4096))  # a's object is free again
+    reg.close()
 
 
 def test_registration_off_where_it_must_be(start_server: Any, obj: Shm) -> None:

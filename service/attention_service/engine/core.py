@@ -78,7 +78,11 @@ class EngineCore:
             max_queue_size=config.max_queue_size, observer=observer,
             delivery_scope=delivery_scope,
         )
-        self.regions = RegionRegistry(backend, allowed=config.regions_allowed)
+        self.regions = RegionRegistry(
+            backend, allowed=config.regions_allowed,
+            max_per_owner=config.max_regions_per_caller,
+            system_bytes_per_owner=config.system_region_bytes_per_caller,
+        )
         self.caches = CacheRegistry(
             _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,
             max_caches=config.max_caches, max_request_flops=config.max_request_flops,

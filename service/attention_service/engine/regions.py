@@ -17,6 +17,9 @@ Safety rules:
 * a region belongs to its owner (the caller's token with auth on): another owner's lookups
   answer NOT_FOUND, never the bytes, and another owner cannot register the same system object
   (PERMISSION_DENIED) while it is registered;
+* an owner holds at most ``--max-regions-per-caller`` regions, and system regions of at most
+  ``--system-region-bytes-per-caller`` bytes together (the server maps and page-locks those):
+  RESOURCE_EXHAUSTED past either, checked before anything is mapped;
 * every span is bounds-checked against its region (INVALID_ARGUMENT naming the field);
 * a region dropped while calls use it stays mapped until the last of them finishes;
 * keys are one path component under /dev/shm, opened without following symlinks.
@@ -48,7 +51,15 @@ from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 
-MAX_REGIONS_PER_OWNER = 64
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A registration in progress: its name, key and bytes are taken while it maps."""
+
+    kind: str
+    key: str
+    nbytes: int
 
 
 @dataclass(eq=False)
@@ -88,11 +99,19 @@ def pin(tensor: torch.Tensor, nbytes: int) -> Callable[[], None]:
 
 
 class RegionRegistry:
-    def __init__(self, backend: Any, allowed: bool) -> None:
+    def __init__(
+        self, backend: Any, allowed: bool, max_per_owner: int = 64,
+        system_bytes_per_owner: int = 0,
+    ) -> None:
+        """``max_per_owner``: regions one owner may hold; ``system_bytes_per_owner``: bytes
+        of its system regions together (0 = no limit)."""
         self.backend = backend
         self.allowed = allowed
+        self.max_per_owner = max_per_owner
+        self.system_bytes_per_owner = system_bytes_per_owner
         self._lock = threading.Lock()
         self._regions: dict[tuple[str, str], _Region] = {}
+        self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
 
     # ---- rpcs --------------------------------------------------------------------------
 
@@ -127,37 +146,60 @@ class RegionRegistry:
                 key = shm.check_key(req.system.key)
             except ValueError as exc:
                 raise invalid("system.key", str(exc)) from None
-        with self._lock:
-            self._check_free(owner, req.name, key)
-            if sum(1 for o, _ in self._regions if o == owner) >= MAX_REGIONS_PER_OWNER:
-                raise exhausted("name", f"at most {MAX_REGIONS_PER_OWNER} regions per caller")
-        if kind == "system":
-            tensor, closer = self._open_system(req.system, req.byte_size)
-        elif kind == "cuda":
-            tensor, closer = self._open_cuda(req.cuda, req.byte_size)
-        else:
+        elif kind != "cuda":
             raise invalid("source", "set system or cuda")
-        region = _Region(owner, req.name, kind, tensor, closer, key)
+        claim = _Claim(kind, key, req.byte_size if kind == "system" else 0)
+        slot = (owner, req.name)
+        with self._lock:  # name, key, count and bytes are taken together, then mapped
+            self._check_free(owner, req.name, key)
+            self._check_room(owner, claim.nbytes)
+            self._claims[slot] = claim
+        try:
+            if kind == "system":
+                tensor, closer = self._open_system(req.system, req.byte_size)
+            else:
+                tensor, closer = self._open_cuda(req.cuda, req.byte_size)
+            region = _Region(owner, req.name, kind, tensor, closer, key)
+        except BaseException:
+            with self._lock:
+                del self._claims[slot]
+            raise
         with self._lock:
-            try:
-                self._check_free(owner, req.name, key)  # a concurrent registration may have won
-            except RequestError:
-                closer()
-                raise
-            self._regions[(owner, req.name)] = region
+            del self._claims[slot]
+            self._regions[slot] = region
         log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
         return region.info()
 
+    def _check_room(self, owner: str, nbytes: int) -> None:
+        """Under the lock: ``owner`` may take one more region of ``nbytes`` system bytes."""
+        held = [r for (o, _), r in self._regions.items() if o == owner]
+        claimed = [c for (o, _), c in self._claims.items() if o == owner]
+        if len(held) + len(claimed) >= self.max_per_owner:
+            raise exhausted(
+                "name", f"this caller holds {self.max_per_owner} regions, the server's limit "
+                "(--max-regions-per-caller): unregister one first")
+        limit = self.system_bytes_per_owner
+        if not limit or not nbytes:
+            return
+        used = sum(r.size for r in held if r.kind == "system") + sum(c.nbytes for c in claimed)
+        if used + nbytes > limit:
+            raise exhausted(
+                "byte_size", f"{nbytes} more bytes of system regions would make this caller's "
+                f"{used + nbytes}, over the server's limit of {limit} per caller "
+                "(--system-region-bytes-per-caller): unregister regions or register less")
+
     def _check_free(self, owner: str, name: str, key: str) -> None:
-        """Under the lock: ``name`` is not one of the owner's regions, and no other caller has
-        registered system object ``key``. A system object registered by one caller is theirs:
-        another caller (token) naming the same object is refused, so a token cannot read or
-        write another's region memory by its key (keys are visible to anyone on the host who
-        lists /dev/shm)."""
-        if (owner, name) in self._regions:
+        """Under the lock: ``name`` is not one of the owner's regions (registered or being
+        registered), and no other caller has registered (or is registering) system object
+        ``key``. A system object registered by one caller is theirs: another caller (token)
+        naming the same object is refused, so a token cannot read or write another's region
+        memory by its key (keys are visible to anyone on the host who lists /dev/shm)."""
+        if (owner, name) in self._regions or (owner, name) in self._claims:
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS,
                                f"name: region {name!r} is already registered")
-        if key and any(r.key == key and r.owner != owner for r in self._regions.values()):
+        taken = [(r.owner, r.key) for r in self._regions.values()]
+        taken += [(o, c.key) for (o, _), c in self._claims.items()]
+        if key and any(k == key and o != owner for o, k in taken):
             raise RequestError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "system.key: that shared-memory object is registered by another caller",

@@ -40,6 +40,8 @@ def server_info(config: ServerConfig, info: EngineInfo) -> pb.ServerInfo:
         triton_version=info.triton_version, cuda_version=info.cuda_version,
         batching=info.batching, regions=info.regions, frontends=info.frontends,
         kv_cache_bytes=info.kv_cache_bytes, kv_page_bytes=info.kv_page_bytes,
+        max_regions_per_caller=config.max_regions_per_caller,
+        system_region_bytes_per_caller=config.system_region_bytes_per_caller,
     )
 
 
