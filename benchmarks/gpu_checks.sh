@@ -26,6 +26,9 @@
 #   roundtrip-baseline  the roundtrip stage's aggregate with 8 front ends against the server of
 #              BASELINE_COMMIT (default 8091d8f, the last commit before the process group: issue
 #              10's "today's single process"), measured before and after this tree's servers
+#   profile-aggregate  benchmarks/profile_aggregate.py: one server process's CPU per GB and
+#              py-spy profile under 8 large-payload clients, BASELINE_COMMIT's server (before and
+#              after) against this tree's --frontends 1
 #   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
@@ -89,6 +92,11 @@ stage() {  # stage NAME LIMIT_SECONDS COMMAND...
   local rc=${PIPESTATUS[0]}
   echo "=== $name: rc=$rc in $((SECONDS - t0)) s"
   [ "$rc" = 0 ] || status=1
+}
+
+baseline_tree() {  # BASELINE_COMMIT's source tree in /tmp/baseline-tree
+  rm -rf /tmp/baseline-tree && mkdir -p /tmp/baseline-tree \
+    && git archive "${BASELINE_COMMIT:-8091d8f}" | tar x -C /tmp/baseline-tree
 }
 
 locust_run() {
@@ -172,12 +180,14 @@ for s in "$@"; do
                 stage trace-call-ipc-out-1fe 200 python3 benchmarks/trace_call.py \
                   --path ipc-out --frontends 1 --out "$OUT" ;;
     roundtrip-baseline)
-      base=/tmp/baseline-tree
-      rm -rf "$base" && mkdir -p "$base" \
-        && git archive "${BASELINE_COMMIT:-8091d8f}" | tar x -C "$base" || exit 1
+      baseline_tree || exit 1
       stage roundtrip-baseline 560 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
         --heads 16 --head-dim 128 --frontends 8 --clients 8,16 --iters 10 \
-        --agg-seconds 6 --baseline-tree "$base" --out "$OUT" ;;
+        --agg-seconds 6 --baseline-tree /tmp/baseline-tree --out "$OUT" ;;
+    profile-aggregate)
+      baseline_tree || exit 1
+      stage profile-aggregate 400 python3 benchmarks/profile_aggregate.py --out "$OUT" \
+        --baseline-tree /tmp/baseline-tree --clients 8 --seconds 8 ;;
     transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
