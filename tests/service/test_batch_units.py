@@ -412,6 +412,52 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
     torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
+def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() -> None:
+    """Ops in ``inline_ops`` (cuda: the cached decode steps) are waited for and answered by
+    the submitter that issued them, before ``submit`` returns; others by the completer."""
+    backend = _AsyncCpu()
+    ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
+    here = threading.current_thread().name
+    where: list[str] = []
+    got: list[object] = []
+
+    def done(value: object) -> None:
+        where.append(threading.current_thread().name)
+        got.append(value)
+
+    try:
+        time.sleep(0.05)  # the dispatcher is waiting: the device is idle
+        job = _prefill_job(0, [5])
+        ex.submit(job, done, issue_here=True)
+        assert where == [here] and backend.threads == [here]  # answered before submit returned
+        ex.submit(_prefill_job(1, [3]), done)  # not offered the thread: the executor's threads
+        for _ in range(200):
+            if len(got) == 2:
+                break
+            time.sleep(0.01)
+    finally:
+        ex.close()
+    assert where[1] == "attention-completer", where
+    assert not any(isinstance(g, BaseException) for g in got), got
+    ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                      _cu(job.params.cu_seqlens_q), causal=True)
+    torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+    # Without the op in inline_ops, a direct launch still hands its completion over.
+    backend = _AsyncCpu()
+    ex = Executor(backend, max_queue_delay_s=0.0)
+    where.clear()
+    try:
+        time.sleep(0.05)
+        ex.submit(_prefill_job(2, [4]), done, issue_here=True)
+        for _ in range(200):
+            if where:
+                break
+            time.sleep(0.01)
+    finally:
+        ex.close()
+    assert backend.threads == [here] and where == ["attention-completer"], where
+
+
 def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:
     backend = _AsyncCpu(hold_s=0.002)
     ex = Executor(backend, max_queue_delay_s=0.0005)

@@ -21,6 +21,10 @@ readers); an event loop never does, since a launch may compile a kernel or captu
 first (seconds). On the H100 host of 2026-11-23 the hand-off was 0.3 ms of a 1-client decode
 step's 3.4 ms (benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at
 64 clients unchanged at 37-39). Launches never overlap: both paths issue under one lock.
+A direct launch of an op in ``inline_ops`` (the cached decode steps: tens of microseconds of
+GPU) is also waited for and answered on that thread instead of the completer's, which saves
+the completer's wake-up per step; longer launches keep the hand-off, so a reader is never held
+for a prefill's time.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
@@ -124,10 +128,13 @@ class Executor:
         max_queue_delay_s: float = 0.0005, max_queue_size: int = 1024,
         observer: LaunchObserver | None = None,
         delivery_scope: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+        inline_ops: frozenset[Op] = frozenset(),
     ) -> None:
         """``delivery_scope``: entered around each launch's answers on the completer thread
-        (the process group corks its channels there: one write per front end per launch)."""
+        (the process group corks its channels there: one write per front end per launch).
+        ``inline_ops``: ops whose direct launches are completed on the submitting thread."""
         self.backend = backend
+        self._inline_ops = inline_ops
         self._delivery_scope = delivery_scope
         self.batching = batching
         self._observer = observer
@@ -181,7 +188,7 @@ class Executor:
         try:
             self._deliver(dropped, [Cancelled()] * len(dropped))
             if waiters:
-                self._issue(waiters)
+                self._issue(waiters, here=True)
         finally:
             with self._cond:
                 self._issuing -= 1
@@ -272,7 +279,9 @@ class Executor:
                 self._waiting.pop(w.job, None)
         return batch, dropped, timeout
 
-    def _issue(self, waiters: list[Waiter]) -> None:
+    def _issue(self, waiters: list[Waiter], here: bool = False) -> None:
+        """Plan and launch ``waiters``; the completer finishes the launch, or this thread
+        when ``here`` (a submitter's direct launch) and its op is one of ``inline_ops``."""
         started = time.perf_counter()
         try:
             plan = BatchPlan([w.job for w in waiters], waiters[0].key)
@@ -290,7 +299,11 @@ class Executor:
             else:
                 self._issue_alone(waiters, started, exc)
                 return
-        self._issued.put(_Issued(waiters, plan, pending, started))
+        issued = _Issued(waiters, plan, pending, started)
+        if here and plan.op in self._inline_ops:
+            self._complete_here(issued)
+        else:
+            self._issued.put(issued)
 
     def _issue_alone(self, waiters: list[Waiter], started: float, exc: Exception) -> None:
         """A merged launch failed to start (e.g. out of memory): retry each job on its own, so
@@ -319,6 +332,12 @@ class Executor:
                 self._complete(issued)
             except Exception:  # never lose the thread: that would hang every later call
                 log.exception("batch completion failed")
+
+    def _complete_here(self, issued: _Issued) -> None:
+        try:
+            self._complete(issued)
+        except Exception:  # as the completer's loop: never lose the submitter's thread
+            log.exception("batch completion failed")
 
     def _release_slot(self) -> None:
         with self._cond:
