@@ -3,8 +3,11 @@
 # and the slow first server of a run fall on both sides alike:
 #
 #   bash benchmarks/ab_env.sh OUT VAR "VALUE_A VALUE_B" ROUNDS SCRIPT [ARGS...]
-#   e.g. bash benchmarks/ab_env.sh /tmp/ab ATTENTION_AB_INLINE "0 1" 3 \
+#   e.g. bash benchmarks/ab_env.sh /tmp/ab ATTENTION_MAX_QUEUE_DELAY_MS "0.5 2" 3 \
 #          benchmarks/bench_sessions.py --sides on --clients 1,64 --duration 6 --warmup 2
+#
+# (A code change is A/B'd the same way through a temporary switch it reads from the
+# environment; issue11/2026-11-25c/ did so for the inline completion of decode steps.)
 #
 # Each run's log is OUT/<VAR>=<value>_<round>.log; the script starts its own server(s), which
 # inherit the variable.

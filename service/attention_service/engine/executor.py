@@ -24,7 +24,9 @@ step's 3.4 ms (benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the 
 A direct launch of an op in ``inline_ops`` (the cached decode steps: tens of microseconds of
 GPU) is also waited for and answered on that thread instead of the completer's, which saves
 the completer's wake-up per step; longer launches keep the hand-off, so a reader is never held
-for a prefill's time.
+for a prefill's time. On an H200 host (2026-11-25, three interleaved rounds of fresh servers,
+benchmarks/ab_env.sh over bench_sessions.py) the 1-client step's p50 overhead over the kernel
+went 1.43 -> 1.29 ms (faster in every round); 64 clients stayed at ~5.8K steps/s.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
