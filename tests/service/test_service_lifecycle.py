@@ -9,6 +9,7 @@ import time
 import grpc
 import pytest
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from attention_service.params import Op
@@ -144,6 +145,36 @@ def test_reflection_lists_services(server) -> None:  # type: ignore[no-untyped-d
     )
     resp = next(iter(stub.ServerReflectionInfo(iter([req]), timeout=5)))
     assert resp.file_descriptor_response.file_descriptor_proto
+
+
+@pytest.mark.parametrize("method", [
+    "/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch",
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+])
+def test_malformed_health_and_reflection_requests_are_invalid_argument(
+    server, method: str, caplog: pytest.LogCaptureFixture,  # type: ignore[no-untyped-def]
+) -> None:
+    """grpc's stock servicers answer bytes that do not parse with UNKNOWN and log a
+    traceback; ours refuse them as INVALID_ARGUMENT naming the request, and still serve."""
+    ch = server.channel()
+    bad = b"\xff\xff\xff"
+    with pytest.raises(grpc.RpcError) as info:
+        if method.endswith("Check"):
+            ch.unary_unary(method)(bad, timeout=5)
+        elif method.endswith("Watch"):
+            next(iter(ch.unary_stream(method)(bad, timeout=5)))
+        else:  # a good request first: the stream answers it, then refuses the bad one
+            good = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+            replies = list(ch.stream_stream(method)(iter([good, bad]), timeout=5))
+            raise AssertionError(f"the stream ended without an error: {replies}")
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert info.value.details().startswith("request:") and method.split("/")[-1] in (
+        info.value.details())
+    assert health_status(ch) == "SERVING"
+    watch = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=5)
+    assert next(iter(watch)).status == health_pb2.HealthCheckResponse.SERVING
+    watch.cancel()
+    assert "Traceback" not in caplog.text
 
 
 def test_server_info(server) -> None:  # type: ignore[no-untyped-def]

@@ -9,13 +9,14 @@ import time
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2
 from grpc_reflection.v1alpha import reflection
 
 import attention_service
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.frontend.auth import BearerTokenInterceptor, Principals
 from attention_service.frontend.servicer import AttentionServicer, CallTracker
+from attention_service.frontend.stock_services import add_stock_services
 from attention_service.frontend.validation import supported_head_dim
 from attention_service.frontend.wire import SERVICE_NAME, add_to_server
 from attention_service.heap import freeze_startup_heap
@@ -127,10 +128,8 @@ async def start_frontend(
         ],
     )
     add_to_server(servicer, grpc_server)  # raw bytes on the compute rpcs (see wire.py)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME), grpc_server
+    health_servicer = add_stock_services(
+        grpc_server, (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
     )
     where = address(config.host, config.port)
     if config.tls_cert and config.tls_key:
