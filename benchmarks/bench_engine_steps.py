@@ -92,9 +92,11 @@ class _Timed:
         self.until = until
 
     def wait(self) -> LaunchTimes:
-        left = self.until - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        # Polled, as cudaEventSynchronize spins by default, with the GIL let go on each turn
+        # (torch releases it around the synchronize); a time.sleep of tens of microseconds
+        # would oversleep by the timer slack (~50 us and more).
+        while time.perf_counter() < self.until:
+            time.sleep(0)
         return LaunchTimes()
 
 
@@ -236,7 +238,8 @@ def main() -> int:
                             args.context * kv_bytes), dtype=torch.uint8)
     mine, theirs = socket.socketpair()
     conn = FrontendConnection(0, core, arena, ThreadPoolExecutor(1), lambda m: None)
-    channel = Channel(mine, conn.on_message, conn.on_channel_close, "engine-0")
+    channel = Channel(mine, conn.on_message, conn.on_channel_close, "engine-0",
+                      batch_scope=core.executor.deferring)  # as the process group wires it
     conn.attach(channel)
     channel.start()
     ctx = mp.get_context("fork")

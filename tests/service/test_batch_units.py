@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -413,49 +414,81 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
 
 
 def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() -> None:
-    """Ops in ``inline_ops`` (cuda: the cached decode steps) are waited for and answered by
-    the submitter that issued them, before ``submit`` returns; others by the completer."""
+    """Ops in ``inline_ops`` (cuda: the cached decode steps) launched directly inside the
+    submitter's ``deferring()`` block are answered by that thread when the block ends; jobs
+    submitted in the same block meanwhile queue behind the launch and share the next one.
+    Outside a block, or for other ops, the completer answers."""
     backend = _AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
     here = threading.current_thread().name
-    where: list[str] = []
-    got: list[object] = []
+    where: dict[int, str] = {}
+    got: dict[int, object] = {}
 
-    def done(value: object) -> None:
-        where.append(threading.current_thread().name)
-        got.append(value)
+    def done_for(i: int) -> Any:
+        def done(value: object) -> None:
+            where[i] = threading.current_thread().name
+            got[i] = value
+        return done
 
+    jobs = [_prefill_job(i, [5 + i]) for i in range(5)]
     try:
         time.sleep(0.05)  # the dispatcher is waiting: the device is idle
-        job = _prefill_job(0, [5])
-        ex.submit(job, done, issue_here=True)
-        assert where == [here] and backend.threads == [here]  # answered before submit returned
-        ex.submit(_prefill_job(1, [3]), done)  # not offered the thread: the executor's threads
+        with ex.deferring():
+            ex.submit(jobs[0], done_for(0), issue_here=True)  # launched here, left in flight
+            assert backend.threads == [here] and not got
+            ex.submit(jobs[1], done_for(1), issue_here=True)  # the device is busy: queued
+            ex.submit(jobs[2], done_for(2), issue_here=True)
+            assert 0 not in got
+        assert where[0] == here  # answered when the block ended
+        ex.submit(jobs[3], done_for(3), issue_here=True)  # no block: the completer answers
+        ex.submit(jobs[4], done_for(4))
         for _ in range(200):
-            if len(got) == 2:
+            if len(got) == 5:
                 break
             time.sleep(0.01)
     finally:
         ex.close()
-    assert where[1] == "attention-completer", where
-    assert not any(isinstance(g, BaseException) for g in got), got
-    ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
-                      _cu(job.params.cu_seqlens_q), causal=True)
-    torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
-    # Without the op in inline_ops, a direct launch still hands its completion over.
+    assert not any(isinstance(g, BaseException) for g in got.values()), got
+    assert {where[i] for i in (1, 2, 3, 4)} == {"attention-completer"}, where
+    # 1 and 2 waited behind 0's launch and went out together (3 may have joined them).
+    assert got[1].batch_requests >= 2 and got[2].batch_requests >= 2  # type: ignore[union-attr]
+    for job in jobs:
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+    # Without the op in inline_ops, a direct launch in a block still hands its completion over.
     backend = _AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0)
     where.clear()
     try:
         time.sleep(0.05)
-        ex.submit(_prefill_job(2, [4]), done, issue_here=True)
+        with ex.deferring():
+            ex.submit(_prefill_job(5, [4]), done_for(5), issue_here=True)
         for _ in range(200):
             if where:
                 break
             time.sleep(0.01)
     finally:
         ex.close()
-    assert backend.threads == [here] and where == ["attention-completer"], where
+    assert backend.threads == [here] and where == {5: "attention-completer"}, where
+
+
+def test_close_waits_for_a_deferred_launch() -> None:
+    """close() during a deferring block: the block's launch is still answered (by its
+    thread, at the block's end), and close returns after it."""
+    backend = _AsyncCpu()
+    ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
+    got: list[object] = []
+    closed = threading.Event()
+    time.sleep(0.05)
+    with ex.deferring():
+        ex.submit(_prefill_job(0, [3]), got.append, issue_here=True)
+        closer = threading.Thread(target=lambda: (ex.close(), closed.set()))
+        closer.start()
+        time.sleep(0.2)
+        assert not closed.is_set()  # it waits for the deferred launch
+    closer.join(10)
+    assert closed.is_set() and len(got) == 1 and not isinstance(got[0], BaseException), got
 
 
 def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:

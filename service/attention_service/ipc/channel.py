@@ -178,11 +178,16 @@ class Channel:
     def __init__(
         self, sock: socket.socket, on_message: Callable[[Any, list[int]], None],
         on_close: Callable[[], None], name: str,
+        batch_scope: Callable[[], contextlib.AbstractContextManager[object]] = (
+            contextlib.nullcontext),
     ) -> None:
+        """``batch_scope``: entered around the messages of each read (the engine's readers
+        finish their decode steps' launches at its end: ``Executor.deferring``)."""
         sock.setblocking(True)
         self.sock = sock
         self.name = name
         self._on_message = on_message
+        self._batch_scope = batch_scope
         self._on_close = on_close
         self._decoder = _Decoder()
         # Received into one buffer: ``recvmsg(_READ)`` allocates _READ bytes per call and
@@ -289,12 +294,13 @@ class Channel:
     def _deliver(self, data: bytes | memoryview, anc: list[tuple[int, int, bytes]]) -> None:
         self._decoder.fds.extend(_fds_of(anc))
         self._decoder.buf += data
-        for msg, fds in self._decoder.frames():
-            try:
-                self._on_message(msg, fds)
-            except Exception:  # a handler bug must not end the connection silently
-                log.exception("%s: message handler failed", self.name)
-                self._close_fds(fds)
+        with self._batch_scope():
+            for msg, fds in self._decoder.frames():
+                try:
+                    self._on_message(msg, fds)
+                except Exception:  # a handler bug must not end the connection silently
+                    log.exception("%s: message handler failed", self.name)
+                    self._close_fds(fds)
 
     def _read_loop(self) -> None:
         try:

@@ -122,7 +122,8 @@ class Group:
             slot.index, self.core, slot.arena, self._control_pool,
             on_bound=lambda msg: self._post("bound", msg),
         )
-        channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}")
+        channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}",
+                          batch_scope=self.core.executor.deferring)
         conn.attach(channel)
         channel.start()
         slot.proc, slot.conn, slot.bound = proc, conn, False
