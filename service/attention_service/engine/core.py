@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
-import os
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from typing import Any
@@ -78,9 +77,7 @@ class EngineCore:
             max_queue_delay_s=config.max_queue_delay_ms / 1e3,
             max_queue_size=config.max_queue_size, observer=observer,
             delivery_scope=delivery_scope,
-            # A/B switch of the inline completion (benchmarks only; removed once measured).
-            inline_ops=frozenset() if os.environ.get("ATTENTION_AB_INLINE") == "0"
-            else frozenset({Op.CACHE_DECODE}),
+            inline_ops=frozenset({Op.CACHE_DECODE}),  # see the executor's module doc
         )
         self.regions = RegionRegistry(
             backend, allowed=config.regions_allowed,

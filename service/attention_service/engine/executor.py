@@ -29,7 +29,9 @@ steps read together still queue behind the first one's launch and share the next
 the block (or for longer launches) the completer finishes as before, so a reader is never held
 for a prefill's time. On an H200 host (2026-11-25, three interleaved rounds of fresh servers,
 benchmarks/ab_env.sh over bench_sessions.py) the 1-client step's p50 overhead over the kernel
-went 1.43 -> 1.29 ms (faster in every round); 64 clients stayed at ~5.8K steps/s.
+went 1.43 -> 1.29 ms (faster in every round); 64 clients stayed at ~5.8K steps/s. Answering
+at once instead of at the block's end launched each of a read's steps alone: in
+benchmarks/bench_engine_steps.py (one channel) the 8-client mean batch fell from 5 to 1.0.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
