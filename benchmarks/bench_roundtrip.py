@@ -319,17 +319,22 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
     }
 
 
+def baseline_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a server of source tree ``tree``: its ``kernels/``, ``service/`` and
+    ``client/`` (older servers took their stubs from the client) ahead of anything else."""
+    path = os.pathsep.join(str(tree / part) for part in ("kernels", "service", "client"))
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])))
+
+
 def baseline_aggregate(
     tree: Path, device: str, env: dict[str, str], client_counts: list[int],
     channel_counts: list[int], tokens: int, heads: int, dim: int, dtype: str, seconds: float,
 ) -> dict[str, Any]:
     """The aggregate against the server of source tree ``tree`` (one process, the flags every
-    version had), after one call of the request's shape (its kernels compiled). The server
-    process gets the tree's ``client/`` too: older servers took their stubs from it."""
+    version had), after one call of the request's shape (its kernels compiled)."""
     from attention_client import AttentionClient
 
-    path = os.pathsep.join(str(tree / part) for part in ("kernels", "service", "client"))
-    benv = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])))
+    benv = baseline_env(tree, env)
     port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", str(port),

@@ -26,7 +26,13 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import DTYPES, _stop, _wait_serving, aggregate  # noqa: E402
+from bench_roundtrip import (  # noqa: E402
+    DTYPES,
+    _stop,
+    _wait_serving,
+    aggregate,
+    baseline_env,
+)
 from bench_service import _free_port  # noqa: E402
 from pyspy_summary import summarise  # noqa: E402
 
@@ -118,10 +124,8 @@ def main() -> int:
              env, ROOT)]
     if args.baseline_tree is not None:
         tree = args.baseline_tree
-        path = os.pathsep.join(str(tree / d) for d in ("kernels", "service", "client"))
-        benv = dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path,
-                                                                 env.get("PYTHONPATH")])))
-        base = ("baseline", [sys.executable, "-m", "attention_service"], benv, tree)
+        base = ("baseline", [sys.executable, "-m", "attention_service"],
+                baseline_env(tree, env), tree)
         runs = [base, *runs, base]
     texts = []
     for i, (label, cmd, e, cwd) in enumerate(runs):

@@ -19,6 +19,9 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2_grpc
 
+HEALTH = "grpc.health.v1.Health"
+REFLECTION = reflection.SERVICE_NAME
+
 
 class _Malformed:
     """What the lenient deserializer returns for bytes that do not parse."""
@@ -109,6 +112,8 @@ def add_stock_services(server: grpc.aio.Server, service_names: tuple[str, ...]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, recorder)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(
         reflection.aio.ReflectionServicer(service_names), recorder)
+    if set(recorder.services) != {HEALTH, REFLECTION}:  # a grpcio that registers otherwise
+        raise RuntimeError(f"health/reflection registration changed: got {recorder.services}")
     for service, handlers in recorder.services.items():
         guarded = {name: _guarded(f"{service}/{name}", h) for name, h in handlers.items()}
         server.add_generic_rpc_handlers(
