@@ -139,7 +139,8 @@ class Executor:
     ) -> None:
         """``delivery_scope``: entered around each launch's answers on the completer thread
         (the process group corks its channels there: one write per front end per launch).
-        ``inline_ops``: ops whose direct launches are completed on the submitting thread."""
+        ``inline_ops``: ops whose direct launches made inside the submitting thread's
+        ``deferring()`` block are completed by that thread at the block's end."""
         self.backend = backend
         self._inline_ops = inline_ops
         self._deferred = threading.local()  # .issued: this thread's launches to finish
