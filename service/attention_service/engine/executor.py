@@ -361,15 +361,13 @@ class Executor:
             issued = self._issued.get()
             if issued is None:
                 return
-            try:
-                self._complete(issued)
-            except Exception:  # never lose the thread: that would hang every later call
-                log.exception("batch completion failed")
+            self._complete_here(issued)
 
     def _complete_here(self, issued: _Issued) -> None:
+        """``_complete`` on this thread (the completer's, or a deferring submitter's)."""
         try:
             self._complete(issued)
-        except Exception:  # as the completer's loop: never lose the submitter's thread
+        except Exception:  # never lose the thread: that would hang every later call
             log.exception("batch completion failed")
 
     def _release_slot(self) -> None:

@@ -55,9 +55,8 @@ log = logging.getLogger("attention_service")
 
 @dataclass(frozen=True)
 class _Claim:
-    """A registration in progress: its name, key and bytes are taken while it maps."""
+    """A registration in progress: its name, key and system bytes are taken while it maps."""
 
-    kind: str
     key: str
     nbytes: int
 
@@ -148,7 +147,7 @@ class RegionRegistry:
                 raise invalid("system.key", str(exc)) from None
         elif kind != "cuda":
             raise invalid("source", "set system or cuda")
-        claim = _Claim(kind, key, req.byte_size if kind == "system" else 0)
+        claim = _Claim(key, req.byte_size if kind == "system" else 0)
         slot = (owner, req.name)
         with self._lock:  # name, key, count and bytes are taken together, then mapped
             self._check_free(owner, req.name, key)

@@ -74,24 +74,23 @@ def _guarded(method: str, h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         async for request in requests:
             yield await checked_one(request, context)
 
-    def arg(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        return (checked_all(request, context) if h.request_streaming
-                else checked_one(request, context))
-
-    async def _await(value: Any) -> Any:
-        return await value if inspect.isawaitable(value) else value
+    async def prepared(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        """The request checked, or the request stream checked as it is read."""
+        if h.request_streaming:
+            return checked_all(request, context)
+        return await checked_one(request, context)
 
     # grpc.aio tells generator behaviors (they yield replies) from coroutines (they return
     # the reply or write it) by the function's kind: keep the stock servicer's kind.
     if inspect.isasyncgenfunction(inner):
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            async for reply in inner(await _await(arg(request, context)), context):
+            async for reply in inner(await prepared(request, context), context):
                 yield reply
     else:
 
         async def behavior(request: Any, context: grpc.aio.ServicerContext) -> Any:  # type: ignore[misc]
-            return await inner(await _await(arg(request, context)), context)
+            return await inner(await prepared(request, context), context)
 
     make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
