@@ -33,6 +33,7 @@ One run, one machine (loopback), in this order:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -326,32 +327,42 @@ def baseline_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
     return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])))
 
 
-def baseline_aggregate(
-    tree: Path, device: str, env: dict[str, str], client_counts: list[int],
-    channel_counts: list[int], tokens: int, heads: int, dim: int, dtype: str, seconds: float,
-) -> dict[str, Any]:
-    """The aggregate against the server of source tree ``tree`` (one process, the flags every
-    version had), after one call of the request's shape (its kernels compiled)."""
+@contextlib.contextmanager
+def primed_server(
+    cmd: list[str], env: dict[str, str], cwd: Path, device: str, tokens: int, heads: int,
+    dim: int, dtype: str,
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """(process, target) of a server started by ``cmd`` on a free loopback port with the flags
+    every version had, SERVING, and primed by one call of the request's shape (no warm-up:
+    that call compiles what the load runs); stopped at the end."""
     from attention_client import AttentionClient
 
-    benv = baseline_env(tree, env)
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port", str(port),
-         "--device", device, "--metrics-port", "0", "--log-level", "WARNING", "--no-warmup"],
-        env=benv, cwd=tree)  # no warm-up: the priming call below compiles what the load runs
+        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--device", device,
+         "--metrics-port", "0", "--log-level", "WARNING", "--no-warmup"], env=env, cwd=cwd)
     target = f"127.0.0.1:{port}"
     try:
         _wait_serving(target, proc=proc)
         q = torch.randn(tokens, heads, dim).to(DTYPES[dtype])
         with AttentionClient(target, timeout=600, use_regions=False) as c:
             c.attention(q, q, q, torch.tensor([0, tokens], dtype=torch.int32))
+        yield proc, target
+    finally:
+        _stop(proc)
+
+
+def baseline_aggregate(
+    tree: Path, device: str, env: dict[str, str], client_counts: list[int],
+    channel_counts: list[int], tokens: int, heads: int, dim: int, dtype: str, seconds: float,
+) -> dict[str, Any]:
+    """The aggregate against the server of source tree ``tree`` (one process)."""
+    with primed_server([sys.executable, "-m", "attention_service"], baseline_env(tree, env),
+                       tree, device, tokens, heads, dim, dtype) as (_, target):
         return {"tree": str(tree), "aggregate": [
             aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch)
             for nc in client_counts for ch in channel_counts
         ]}
-    finally:
-        _stop(proc)
 
 
 def main() -> int:

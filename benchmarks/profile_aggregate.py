@@ -26,14 +26,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import (  # noqa: E402
-    DTYPES,
-    _stop,
-    _wait_serving,
-    aggregate,
-    baseline_env,
-)
-from bench_service import _free_port  # noqa: E402
+from bench_roundtrip import DTYPES, aggregate, baseline_env, primed_server  # noqa: E402
 from pyspy_summary import summarise  # noqa: E402
 
 
@@ -52,20 +45,8 @@ def _threads(pid: int) -> Counter[str]:
 
 
 def profile(label: str, cmd: list[str], env: dict[str, str], cwd: Path, args: Any) -> str:
-    import torch
-
-    from attention_client import AttentionClient
-
-    port = _free_port()
-    proc = subprocess.Popen(
-        [*cmd, "--host", "127.0.0.1", "--port", str(port), "--device", args.device,
-         "--metrics-port", "0", "--log-level", "WARNING", "--no-warmup"], env=env, cwd=cwd)
-    target = f"127.0.0.1:{port}"
-    try:
-        _wait_serving(target, proc=proc)
-        q = torch.randn(args.tokens, args.heads, args.head_dim).to(DTYPES[args.dtype])
-        with AttentionClient(target, timeout=600, use_regions=False) as c:
-            c.attention(q, q, q, torch.tensor([0, args.tokens], dtype=torch.int32))
+    with primed_server(cmd, env, cwd, args.device, args.tokens, args.heads, args.head_dim,
+                       args.dtype) as (proc, target):
         result: dict[str, Any] = {}
 
         def load() -> None:
@@ -91,8 +72,6 @@ def profile(label: str, cmd: list[str], env: dict[str, str], cwd: Path, args: An
         if prof is not None:
             prof.wait(60)
         runner.join()
-    finally:
-        _stop(proc)
     cores = {name: (c1[name] - c0.get(name, 0.0)) / dt for name in c1}
     total = sum(cores.values())
     gbps = result["GBps"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -377,12 +378,20 @@ class _AsyncCpu(CpuBackend):
             self.active -= 1
 
 
-def _wait_answers(answers: dict[int, list[object]], n: int, lock: threading.Lock) -> None:
-    for _ in range(400):
-        with lock:
-            if len(answers) >= n:
-                return
+def _wait_until(ready: Callable[[], bool], seconds: float = 2.0) -> None:
+    """Poll ``ready`` every 10 ms for up to ``seconds`` (the caller asserts what it needs)."""
+    for _ in range(int(seconds / 0.01)):
+        if ready():
+            return
         time.sleep(0.01)
+
+
+def _wait_answers(answers: dict[int, list[object]], n: int, lock: threading.Lock) -> None:
+    def ready() -> bool:
+        with lock:
+            return len(answers) >= n
+
+    _wait_until(ready, 4.0)
 
 
 def test_idle_device_issues_on_the_submitting_thread() -> None:
@@ -393,18 +402,12 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
         got: list[object] = []
         first = _prefill_job(0, [3])
         ex.submit(first, got.append)  # a caller that did not offer its thread
-        for _ in range(200):
-            if got:
-                break
-            time.sleep(0.01)
+        _wait_until(lambda: bool(got))
         assert backend.threads == ["attention-batcher"]
         job = _prefill_job(1, [5])
         ex.submit(job, got.append, issue_here=True)
         assert backend.threads[1:] == [threading.current_thread().name]  # issued right here
-        for _ in range(200):
-            if len(got) == 2:
-                break
-            time.sleep(0.01)
+        _wait_until(lambda: len(got) == 2)
     finally:
         ex.close()
     assert len(got) == 2 and not any(isinstance(g, BaseException) for g in got), got
@@ -442,10 +445,7 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
         assert where[0] == here  # answered when the block ended
         ex.submit(jobs[3], done_for(3), issue_here=True)  # no block: the completer answers
         ex.submit(jobs[4], done_for(4))
-        for _ in range(200):
-            if len(got) == 5:
-                break
-            time.sleep(0.01)
+        _wait_until(lambda: len(got) == 5)
     finally:
         ex.close()
     assert not any(isinstance(g, BaseException) for g in got.values()), got
@@ -464,10 +464,7 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
         time.sleep(0.05)
         with ex.deferring():
             ex.submit(_prefill_job(5, [4]), done_for(5), issue_here=True)
-        for _ in range(200):
-            if where:
-                break
-            time.sleep(0.01)
+        _wait_until(lambda: bool(where))
     finally:
         ex.close()
     assert backend.threads == [here] and where == {5: "attention-completer"}, where

@@ -59,6 +59,14 @@ def test_ab_call_streams_times_both_sides_in_turn(tmp_path: Path) -> None:
     assert "streams - unary (paired p50)" in proc.stdout
 
 
+def _run_bench(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """benchmarks/``script`` with ``args`` on the cpu backend; it must exit 0."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc
+
+
 def _tree_of_this_checkout(tmp_path: Path) -> Path:
     """A source tree laid out as ``git archive`` gives one: this checkout's own packages."""
     tree = tmp_path / "tree"
@@ -71,14 +79,11 @@ def _tree_of_this_checkout(tmp_path: Path) -> Path:
 def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Path) -> None:
     tree = _tree_of_this_checkout(tmp_path)
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
-        "--tokens", "64", "--heads", "2", "--head-dim", "16", "--frontends", "1",
-        "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1", "--iters", "1",
-        "--baseline-tree", str(tree), "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = _run_bench(
+        "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
+        "--frontends", "1", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
+        "--iters", "1", "--baseline-tree", str(tree), "--out", str(out),
+    )
     report = json.loads((out / "roundtrip_cpu.json").read_text())
     assert [b["turn"] for b in report["baseline"]] == ["first", "last"]
     for entry in report["baseline"]:
@@ -91,13 +96,11 @@ def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Pat
 def test_profile_aggregate_reports_cpu_per_gb(tmp_path: Path) -> None:
     tree = _tree_of_this_checkout(tmp_path)
     out = tmp_path / "out"
-    cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "profile_aggregate.py"), "--device", "cpu",
-        "--clients", "2", "--tokens", "32", "--heads", "2", "--head-dim", "16",
-        "--seconds", "2", "--dtype", "fp32", "--baseline-tree", str(tree), "--out", str(out),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _run_bench(
+        "profile_aggregate.py", "--clients", "2", "--tokens", "32", "--heads", "2",
+        "--head-dim", "16", "--seconds", "2", "--dtype", "fp32", "--baseline-tree", str(tree),
+        "--out", str(out),
+    )
     lines = (out / "profile_aggregate.txt").read_text().splitlines()
     heads = [ln for ln in lines if not ln.startswith(" ")]
     assert [h.split(":")[0] for h in heads] == ["baseline_0", "frontends1_1", "baseline_2"]
