@@ -10,7 +10,7 @@ import torch
 
 from attention_service.errors import RequestError
 from attention_service.frontend.streams import output_messages
-from attention_service.frontend.wire import encode_output_chunk, parse_request
+from attention_service.frontend.wire import chunk_head, encode_output_chunk, parse_request
 from attention_service.params import Op
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
@@ -38,7 +38,9 @@ def _chunk(field: int, offset: int, data: bytes) -> pb.TensorChunk:
 def test_output_chunk_bytes_equal_protobufs(size: int, row_start: int, field: int) -> None:
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     spec = pb.TensorSpec(dtype=pb.BFLOAT16, shape=[9, 3, 70])
-    mine = encode_output_chunk(field, spec, row_start, size // 7, memoryview(data))
+    head = chunk_head(field, pb.BFLOAT16, (9, 3, 70), row_start, size // 7)
+    assert chunk_head(field, pb.BFLOAT16, (9, 3, 70), row_start, size // 7) is head  # memo
+    mine = encode_output_chunk(head, memoryview(data))
     theirs = pb.AttentionResponse(chunk=pb.OutputChunk(
         field=field, spec=spec, row_start=row_start, row_count=size // 7, data=data,
     )).SerializeToString()

@@ -148,14 +148,28 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
     return RawRequest(header, chunks, header_bytes)
 
 
-def encode_output_chunk(
-    field: int, spec: pb.TensorSpec, row_start: int, row_count: int, data: memoryview
-) -> bytes:
-    """An AttentionResponse{chunk} message, equal to protobuf's serialization, with ``data``
-    copied once."""
-    head = pb.OutputChunk(
-        field=field, spec=spec, row_start=row_start, row_count=row_count
-    ).SerializeToString()
+# Serialized OutputChunk heads (all but ``data``) by (field, dtype, shape, row_start, row_count):
+# a session's decode steps answer the same shapes call after call, and building and
+# serializing the two protobuf messages cost ~20 us of a step's front-end time per output on
+# an idle H100 host (benchmarks/trace_step.py). Bounded like _PARSED.
+_CHUNK_HEADS: dict[tuple[int, int, tuple[int, ...], int, int], bytes] = {}
+
+
+def chunk_head(field: int, dtype: int, shape: tuple[int, ...], row_start: int,
+               row_count: int) -> bytes:
+    """The serialized OutputChunk of these fields, ``data`` left out."""
+    return memoized(
+        _CHUNK_HEADS, (field, dtype, shape, row_start, row_count),
+        lambda: pb.OutputChunk(
+            field=field, spec=pb.TensorSpec(dtype=dtype, shape=list(shape)),
+            row_start=row_start, row_count=row_count,
+        ).SerializeToString(),
+    )
+
+
+def encode_output_chunk(head: bytes, data: memoryview) -> bytes:
+    """An AttentionResponse{chunk} message (``head``: ``chunk_head``'s), equal to protobuf's
+    serialization, with ``data`` copied once."""
     size = len(data)
     if size:  # proto3 leaves an empty bytes field out
         inner = len(head) + 1 + len(varint(size)) + size
