@@ -470,42 +470,6 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
     assert backend.threads == [here] and where == {5: "attention-completer"}, where
 
 
-def test_a_lone_inline_step_leaves_the_dispatcher_asleep() -> None:
-    """On an idle engine, a lone inline launch (issued, answered and its slot freed by the
-    submitting thread) gives the dispatcher nothing to do, so it must not be woken: each
-    wake took the GIL from the thread answering the step (engine CPU per 1-client step
-    235 -> 180 us without them, benchmarks/bench_engine_steps.py). A job that does wait
-    is still launched."""
-    backend = _AsyncCpu()
-    ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
-    looks: list[str] = []
-    take = ex._take
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        looks.append(threading.current_thread().name)
-        return take(*args, **kwargs)
-
-    ex._take = counted  # type: ignore[method-assign]
-    got: list[object] = []
-    try:
-        _wait_until(lambda: ex._dispatcher_waits)
-        looks.clear()
-        for i in range(3):
-            with ex.deferring():
-                ex.submit(_prefill_job(i, [3]), got.append, issue_here=True)
-        time.sleep(0.2)  # a woken dispatcher looks at the queue within microseconds
-        assert len(got) == 3
-        assert "attention-batcher" not in looks, looks
-        # A job queued behind a launch still goes out.
-        with ex.deferring():
-            ex.submit(_prefill_job(3, [3]), got.append, issue_here=True)
-            ex.submit(_prefill_job(4, [3]), got.append)  # no offer of this thread: queued
-        _wait_until(lambda: len(got) == 5)
-    finally:
-        ex.close()
-    assert len(got) == 5 and not any(isinstance(g, BaseException) for g in got), got
-
-
 def test_close_waits_for_a_deferred_launch() -> None:
     """close() during a deferring block: the block's launch is still answered (by its
     thread, at the block's end), and close returns after it."""

@@ -201,7 +201,7 @@ class Executor:
         finally:
             with self._cond:
                 self._issuing -= 1
-                self._wake_dispatcher()
+                self._cond.notify_all()
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
@@ -221,7 +221,7 @@ class Executor:
             if issued:
                 with self._cond:
                     self._issuing -= len(issued)
-                    self._wake_dispatcher()
+                    self._cond.notify_all()
 
     def cancel(self, job: Job) -> None:
         """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
@@ -373,14 +373,6 @@ class Executor:
     def _release_slot(self) -> None:
         with self._cond:
             self._inflight -= 1
-            self._wake_dispatcher()
-
-    def _wake_dispatcher(self) -> None:
-        """Under the lock, after a launch slot or an issuing count went down: wake the
-        dispatcher only if that lets it do something (launch what waits; finish closing). An
-        idle engine's lone step used to wake it three times for nothing (issued, finished,
-        slot freed), and each time it took the GIL from the thread answering the step."""
-        if self._closed or len(self._queue):
             self._cond.notify_all()
 
     def _complete(self, issued: _Issued) -> None:
