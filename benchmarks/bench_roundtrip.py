@@ -49,6 +49,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
+
 import grpc
 import numpy as np
 import torch
@@ -322,9 +326,12 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
 
 def baseline_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
     """``env`` for a server of source tree ``tree``: its ``kernels/``, ``service/`` and
-    ``client/`` (older servers took their stubs from the client) ahead of anything else."""
+    ``client/`` (older servers took their stubs from the client) ahead of anything else, and
+    grpc's own I/O defaults, as that server ran (this process's ``grpc_defaults`` setting is
+    not passed on: an empty GRPC_EXPERIMENTS changes nothing)."""
     path = os.pathsep.join(str(tree / part) for part in ("kernels", "service", "client"))
-    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])))
+    return dict(env, PYTHONPATH=os.pathsep.join(filter(None, [path, env.get("PYTHONPATH")])),
+                **{grpc_defaults.ENV: ""})
 
 
 @contextlib.contextmanager

@@ -40,6 +40,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
+
 import grpc
 import numpy as np
 

@@ -37,6 +37,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
+
 import grpc
 import numpy as np
 

@@ -28,6 +28,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
+
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -14,9 +14,13 @@ Every failure is an ``AttentionError``; bad arguments are ``AttentionInputError`
 ``ValueError`` (the hierarchy: ``attention_client._errors``).
 """
 
-from attention_client._caches import AsyncKvCache, KvCache
-from attention_client._channel import DEFAULT
-from attention_client._errors import (
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # before grpc loads (see attention_wire.grpc_defaults)
+
+from attention_client._caches import AsyncKvCache, KvCache  # noqa: E402
+from attention_client._channel import DEFAULT  # noqa: E402
+from attention_client._errors import (  # noqa: E402
     AttentionAuthError,
     AttentionError,
     AttentionInputError,
@@ -26,10 +30,10 @@ from attention_client._errors import (
     AttentionUnavailableError,
     ProtocolError,
 )
-from attention_client._regions import SharedRegion
-from attention_client._steps import AsyncDecodeSteps, DecodeSteps
-from attention_client.aio import AsyncAttentionClient
-from attention_client.client import AttentionClient
+from attention_client._regions import SharedRegion  # noqa: E402
+from attention_client._steps import AsyncDecodeSteps, DecodeSteps  # noqa: E402
+from attention_client.aio import AsyncAttentionClient  # noqa: E402
+from attention_client.client import AttentionClient  # noqa: E402
 
 __all__ = [
     "DEFAULT", "AsyncAttentionClient", "AsyncDecodeSteps", "AsyncKvCache", "AttentionAuthError",

@@ -6,4 +6,10 @@
 
 from __future__ import annotations
 
+from attention_wire import grpc_defaults
+
+# Before anything here imports grpc (see attention_wire.grpc_defaults); the front-end processes
+# inherit the setting.
+grpc_defaults.apply()
+
 __version__ = "0.1.0"

@@ -1,0 +1,33 @@
+"""grpcio's I/O settings for this project's clients and servers, applied before grpc loads.
+
+grpcio 1.85 moves a connection's bytes through its EventEngine by default, with a thread hop
+between the socket's poller and the work on it. Its older path (``iomgr``) is still built in
+and selected per side by two of grpc's experiment switches. With both sides on the older path,
+a streamed 12 KB request and 8 KB reply on loopback took 0.113 ms instead of 0.235 ms (p50,
+dev box; the server's CPU per message 76 instead of 131 us), and 96 MiB up + 32 MiB down in
+1 MiB messages moved 1.74-1.83 GB/s instead of 1.44-1.55 (``benchmarks/tune_transfer.py`` and
+the results README give the GPU hosts' numbers).
+
+grpc reads ``GRPC_EXPERIMENTS`` once, when it is first imported, so ``apply`` must run before
+that: ``attention_service`` and ``attention_client`` call it first thing. It does nothing when
+``GRPC_EXPERIMENTS`` is already set (to anything, even empty: the way to keep grpc's defaults),
+or when grpc is already imported (too late to matter; child processes are left alone too).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "GRPC_EXPERIMENTS"
+# The client side's and the server side's switch back to iomgr endpoints.
+LEGACY_IO = "-event_engine_client,-event_engine_listener"
+
+
+def apply() -> bool:
+    """Set ``GRPC_EXPERIMENTS`` to ``LEGACY_IO`` if it is unset and grpc is not loaded yet;
+    True if this call set it."""
+    if ENV in os.environ or "grpc" in sys.modules:
+        return False
+    os.environ[ENV] = LEGACY_IO
+    return True
