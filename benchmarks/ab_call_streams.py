@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import ROOT, _free_port, _stop, _wait_serving  # noqa: E402
+from bench_roundtrip import ROOT, _free_port, _stop, _wait_serving
 
 SIDES = ("streams", "unary")
 

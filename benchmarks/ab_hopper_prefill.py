@@ -26,11 +26,11 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench, dense_inputs, flops, rel, sdpa  # noqa: E402
+from bench_kernels import bench, dense_inputs, flops, rel, sdpa
 
-from attention_kernels import prefill_hopper  # noqa: E402
-from attention_kernels.configs import num_sms  # noqa: E402
-from attention_kernels.prefill_kernel import _GLUON_TILES  # noqa: E402
+from attention_kernels import prefill_hopper
+from attention_kernels.configs import num_sms
+from attention_kernels.prefill_kernel import _GLUON_TILES
 
 LOG2E = 1.4426950408889634
 

@@ -40,7 +40,7 @@ from attention_service.engine.jobs import Job
 from attention_service.params import Op, make_params
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import (  # noqa: E402
+from bench_service import (
     SUMMARY_SERIES,
     _f,
     _slug,
@@ -50,7 +50,7 @@ from bench_service import (  # noqa: E402
     table,
     write_outputs,
 )
-from service_load import loguniform_lengths  # noqa: E402
+from service_load import loguniform_lengths
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 TOLERANCE = {"bf16": 3e-2, "fp16": 4e-3, "fp32": 2e-3}

@@ -45,7 +45,7 @@ from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_group import _cpu  # noqa: E402
+from profile_group import _cpu
 
 OWNER = ""
 # Far above the engine's rate on any host so far (7.5-8.4K steps/s on the dev box).

@@ -42,10 +42,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CHECK_TOL, DTYPE, Timer, _varlen_attn_fn, rel  # noqa: E402
+from bench_kernels import CHECK_TOL, DTYPE, Timer, _varlen_attn_fn, rel
 
-from attention_kernels import decode, decode_ref, prefill, prefill_ref  # noqa: E402
-from attention_service.params import visible_pairs  # noqa: E402
+from attention_kernels import decode, decode_ref, prefill, prefill_ref
+from attention_service.params import visible_pairs
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 PREFILL_NS = [8192, 16384]

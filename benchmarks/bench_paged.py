@@ -38,10 +38,10 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CHECK_TOL, DTYPE, Timer, rel, sdpa  # noqa: E402
+from bench_kernels import CHECK_TOL, DTYPE, Timer, rel, sdpa
 
-from attention_kernels import decode, paged_decode, paged_prefill, prefill  # noqa: E402
-from attention_service.params import causal_pairs  # noqa: E402
+from attention_kernels import decode, paged_decode, paged_prefill, prefill
+from attention_service.params import causal_pairs
 
 HEADS, KV_HEADS = 32, 8
 DECODE_SHAPES = [(1, 4096, 128), (1, 32768, 128), (8, 8192, 128), (64, 8192, 128),

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _free_port, _healthy  # noqa: E402
+from bench_service import _free_port, _healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFER_METHOD = "/bench.Transfer/Echo"

@@ -50,7 +50,7 @@ from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from service_load import LoadSpec, loguniform_lengths, worker_main  # noqa: E402
+from service_load import LoadSpec, loguniform_lengths, worker_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

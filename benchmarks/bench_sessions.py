@@ -53,7 +53,7 @@ from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import Server, cpu_list, server_info  # noqa: E402
+from bench_service import Server, cpu_list, server_info
 
 ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 METHOD = "/attention.v1.AttentionService/"

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_paged import cu, paged_copy  # noqa: E402
-from probe_prefill_ncu import profile_once  # noqa: E402
+from bench_paged import cu, paged_copy
+from probe_prefill_ncu import profile_once
 
-from attention_kernels import decode, paged_decode  # noqa: E402
+from attention_kernels import decode, paged_decode
 
 HEADS, KV_HEADS = 32, 8
 

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import dense_inputs  # noqa: E402
+from bench_kernels import dense_inputs
 
-from attention_kernels import prefill  # noqa: E402
-from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
+from attention_kernels import prefill
+from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 
 def main() -> None:

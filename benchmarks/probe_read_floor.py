@@ -22,10 +22,10 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import graph_cold_us, graph_us, sdpa  # noqa: E402
-from torch.nn.attention import SDPBackend  # noqa: E402
+from bench_kernels import graph_cold_us, graph_us, sdpa
+from torch.nn.attention import SDPBackend
 
-from attention_kernels import decode  # noqa: E402
+from attention_kernels import decode
 
 
 @triton.jit

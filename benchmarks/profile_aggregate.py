@@ -26,8 +26,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import DTYPES, aggregate, baseline_env, primed_server  # noqa: E402
-from pyspy_summary import summarise  # noqa: E402
+from bench_roundtrip import DTYPES, aggregate, baseline_env, primed_server
+from pyspy_summary import summarise
 
 
 def _threads(pid: int) -> Counter[str]:

@@ -21,8 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _children, _free_port, _healthy  # noqa: E402
-from pyspy_summary import summarise  # noqa: E402
+from bench_service import _children, _free_port, _healthy
+from pyspy_summary import summarise
 
 
 def _cpu(pid: int) -> float:

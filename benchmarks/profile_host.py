@@ -21,11 +21,11 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import sdpa  # noqa: E402
-from small_shapes import host_us  # noqa: E402
-from torch.nn.attention import SDPBackend  # noqa: E402
+from bench_kernels import sdpa
+from small_shapes import host_us
+from torch.nn.attention import SDPBackend
 
-from attention_kernels import decode, prefill  # noqa: E402
+from attention_kernels import decode, prefill
 
 
 @triton.jit

@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend
 from attention_kernels import decode, prefill
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench, cu, graph_us, sdpa  # noqa: E402
+from bench_kernels import bench, cu, graph_us, sdpa
 
 
 def host_us(fn: Callable[[], object], n: int = 300) -> float:

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trace_step import HOOKS, breakdown, traced_run, write_report  # noqa: E402
+from trace_step import HOOKS, breakdown, traced_run, write_report
 
 PATHS = ("ipc", "ipc-out", "shm-out")
 

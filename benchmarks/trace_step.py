@@ -41,8 +41,8 @@ grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loa
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import Server, server_info  # noqa: E402
-from bench_sessions import (  # noqa: E402
+from bench_service import Server, server_info
+from bench_sessions import (
     METHOD,
     Shapes,
     _call,
@@ -51,7 +51,7 @@ from bench_sessions import (  # noqa: E402
     add_shape_args,
 )
 
-from attention_wire.pb import attention_pb2 as pb  # noqa: E402
+from attention_wire.pb import attention_pb2 as pb
 
 HOOKS = Path(__file__).resolve().parent / "step_trace_hooks"
 

@@ -21,8 +21,8 @@ from typing import Any
 from attention_service.engine.backends import make_backend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_batching import make_jobs, parse_args, run_side  # noqa: E402
-from bench_service import _slug  # noqa: E402
+from bench_batching import make_jobs, parse_args, run_side
+from bench_service import _slug
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,11 +42,11 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import cold_set_count, for_graphs  # noqa: E402
+from bench_kernels import cold_set_count, for_graphs
 
-from attention_kernels import decode, paged_decode  # noqa: E402
-from attention_kernels import decode_kernel as dk  # noqa: E402
-from attention_kernels.configs import DECODE_TILE, DecodeConfig  # noqa: E402
+from attention_kernels import decode, paged_decode
+from attention_kernels import decode_kernel as dk
+from attention_kernels.configs import DECODE_TILE, DecodeConfig
 
 SHAPES = [(1, 4096), (1, 8192), (2, 4096), (4, 4096), (1, 32768)]
 LARGE_SHAPES = [(64, 8192), (128, 2048), (16, 4096), (16, 32768), (1, 131072)]

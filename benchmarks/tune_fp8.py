@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, graph_us, rel  # noqa: E402
+from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, graph_us, rel
 
-from attention_kernels import (  # noqa: E402
+from attention_kernels import (
     decode,
     paged_decode,
     prefill,
     prefill_kernel,
     quantize_kv,
 )
-from attention_kernels.configs import DecodeConfig, PrefillConfig  # noqa: E402
+from attention_kernels.configs import DecodeConfig, PrefillConfig
 
 DECODE_SHAPES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (64, 8192),
                  (128, 2048)]

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench, cu, flops, graph_us  # noqa: E402
+from bench_kernels import bench, cu, flops, graph_us
 
-from attention_kernels import prefill, prefill_kernel  # noqa: E402
-from attention_kernels.fp8 import quantize_kv  # noqa: E402
+from attention_kernels import prefill, prefill_kernel
+from attention_kernels.fp8 import quantize_kv
 
 HEADS, KV_HEADS = 16, 8
 CASES = [  # name, lengths, head dim, causal, features

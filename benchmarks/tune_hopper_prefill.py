@@ -27,11 +27,11 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import bench, cu, dense_inputs, flops, rel, sdpa  # noqa: E402
+from bench_kernels import bench, cu, dense_inputs, flops, rel, sdpa
 
-from attention_kernels import prefill, prefill_ref  # noqa: E402
-from attention_kernels.configs import num_sms  # noqa: E402
-from attention_kernels.prefill_hopper import hopper_prefill_ws  # noqa: E402
+from attention_kernels import prefill, prefill_ref
+from attention_kernels.configs import num_sms
+from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
 # (block_n, stages, consumer warpgroups of 64 rows, programs) per head dim. programs 0: one

@@ -29,10 +29,10 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import VARLEN_BATCHES, cu, graph_us, rel  # noqa: E402  (rel: NaN is inf)
+from bench_kernels import VARLEN_BATCHES, cu, graph_us, rel  # rel: NaN is inf
 
-from attention_kernels import decode, prefill  # noqa: E402
-from attention_kernels.configs import DecodeConfig, PrefillConfig  # noqa: E402
+from attention_kernels import decode, prefill
+from attention_kernels.configs import DecodeConfig, PrefillConfig
 
 
 def bench(fn) -> float:

@@ -22,11 +22,11 @@ import torch
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import CHECK_TOL, DTYPE, bench, cu, flops, rel, sdpa  # noqa: E402
+from bench_kernels import CHECK_TOL, DTYPE, bench, cu, flops, rel, sdpa
 
-from attention_kernels import prefill  # noqa: E402
-from attention_kernels import prefill_kernel as pk  # noqa: E402
-from attention_kernels._prefill_slots import SLOT_RUN  # noqa: E402
+from attention_kernels import prefill
+from attention_kernels import prefill_kernel as pk
+from attention_kernels._prefill_slots import SLOT_RUN
 
 RUNS = (1, 4, 8, 16, 32, 0)  # slots per head run (_prefill_slots.SLOT_RUN); 0: all of them
 # (name, head dim, q heads, kv heads, lengths, causal)

@@ -35,14 +35,14 @@ grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loa
 import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_roundtrip import (  # noqa: E402
+from bench_roundtrip import (
     _start,
     _stop,
     _wait_serving,
     serve_transfer,
     transfer_seconds,
 )
-from bench_service import _free_port  # noqa: E402
+from bench_service import _free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

@@ -25,10 +25,7 @@ ENV = "GRPC_EXPERIMENTS"
 LEGACY_IO = "-event_engine_client,-event_engine_listener"
 
 
-def apply() -> bool:
-    """Set ``GRPC_EXPERIMENTS`` to ``LEGACY_IO`` if it is unset and grpc is not loaded yet;
-    True if this call set it."""
-    if ENV in os.environ or "grpc" in sys.modules:
-        return False
-    os.environ[ENV] = LEGACY_IO
-    return True
+def apply() -> None:
+    """Set ``GRPC_EXPERIMENTS`` to ``LEGACY_IO`` if it is unset and grpc is not loaded yet."""
+    if ENV not in os.environ and "grpc" not in sys.modules:
+        os.environ[ENV] = LEGACY_IO

@@ -52,7 +52,6 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 
 
-
 @dataclass(frozen=True)
 class _Claim:
     """A registration in progress: its name, key and system bytes are taken while it maps."""
