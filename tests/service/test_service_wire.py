@@ -10,7 +10,12 @@ import torch
 
 from attention_service.errors import RequestError
 from attention_service.frontend.streams import output_messages
-from attention_service.frontend.wire import chunk_head, encode_output_chunk, parse_request
+from attention_service.frontend.wire import (
+    chunk_head,
+    encode_output_chunk,
+    output_chunk_parts,
+    parse_request,
+)
 from attention_service.params import Op
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
@@ -41,6 +46,10 @@ def test_output_chunk_bytes_equal_protobufs(size: int, row_start: int, field: in
     head = chunk_head(field, pb.BFLOAT16, (9, 3, 70), row_start, size // 7)
     assert chunk_head(field, pb.BFLOAT16, (9, 3, 70), row_start, size // 7) is head  # memo
     mine = encode_output_chunk(head, memoryview(data))
+    parts = output_chunk_parts(head, memoryview(data))
+    assert b"".join(parts) == mine
+    if size:  # the data travels as the caller's view (joined once per call), not a copy
+        assert isinstance(parts[-1], memoryview) and parts[-1].obj is data
     theirs = pb.AttentionResponse(chunk=pb.OutputChunk(
         field=field, spec=spec, row_start=row_start, row_count=size // 7, data=data,
     )).SerializeToString()
@@ -51,8 +60,8 @@ def test_output_messages_cover_every_row_once() -> None:
     t = torch.randn(37, 3, 5)  # 60-byte rows, 128-byte chunks: 2 rows per message
     seen = b""
     data = t.view(-1).view(torch.uint8).numpy()
-    for nbytes, msg in output_messages(pb.OUT, pb.FLOAT32, tuple(t.shape), data, 128):
-        chunk = pb.AttentionResponse.FromString(msg).chunk
+    for nbytes, parts in output_messages(pb.OUT, pb.FLOAT32, tuple(t.shape), data, 128):
+        chunk = pb.AttentionResponse.FromString(b"".join(parts)).chunk
         assert nbytes == len(chunk.data) <= 128
         assert chunk.row_start * 60 == len(seen) and chunk.row_count * 60 == nbytes
         assert list(chunk.spec.shape) == [37, 3, 5]

@@ -133,9 +133,9 @@ class AttentionServicer:
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
         """A compute rpc (every ``Op``: wire.add_to_server registers one handler per op):
         receive, run on the engine, stream the outputs back, account the call. ``unary``: the
-        rpc's unary twin (``requests`` is its one message; the caller joins what this yields
-        into one message, so each output goes out as one slice); ``step`` with it: one call
-        of a step stream (``CacheDecodeSteps``). All count under the op's name in the
+        rpc's unary twin (``requests`` is its one message, and so is the answer: every output
+        as one slice and the stats, yielded joined); ``step`` with it: one call of a step
+        stream (``CacheDecodeSteps``). All count under the op's name in the
         metrics; the log line says which."""
         call = _CallRecord(op.rpc, context, unary, step)
         self.tracker.enter()
@@ -154,13 +154,22 @@ class AttentionServicer:
             )
             call.queue_seconds = stats.queue_seconds
             chunk_bytes = MAX_MESSAGE_BYTES if unary else self._config.chunk_bytes
-            for nbytes, msg in response_messages(received, chunk_bytes):
+            parts: list[bytes | memoryview] = []  # a unary answer's, joined once below
+            for nbytes, msg_parts in response_messages(received, chunk_bytes):
                 call.bytes_out += nbytes
-                yield msg  # pre-encoded (wire.py)
+                if unary:
+                    parts += msg_parts
+                else:
+                    yield b"".join(msg_parts)  # the outputs' one copy (wire.py)
             # Accounted before the last message, so it is done when the client sees OK.
             call.ok(received, stats)
             self._finish(call)
-            yield stats_message(stats, received, call.bytes_out)
+            last = stats_message(stats, received, call.bytes_out)
+            if unary:  # one message; joined here, while the call still holds its buffers
+                parts.append(last.SerializeToString())
+                yield b"".join(parts)
+            else:
+                yield last
             return
         except (asyncio.CancelledError, GeneratorExit):
             call.code = _gone_code(context)

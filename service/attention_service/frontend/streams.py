@@ -13,7 +13,7 @@ import numpy as np
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
-from attention_service.frontend.wire import chunk_head, encode_output_chunk, parse_request
+from attention_service.frontend.wire import chunk_head, output_chunk_parts, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
@@ -21,6 +21,8 @@ from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 
+# One response message as pieces to join (wire.output_chunk_parts).
+MessageParts = tuple[bytes | memoryview, ...]
 
 # Output bytes a unary compute rpc answers in its one message (gRPC's 4 MiB limit, less room
 # for the slices' headers and the stats).
@@ -147,9 +149,10 @@ async def _allocate(link: EngineLink, sizes: dict[str, int], total: int) -> Buff
 
 def output_messages(
     field: int, dtype: int, shape: tuple[int, ...], data: np.ndarray, chunk_bytes: int
-) -> Iterator[tuple[int, bytes]]:
+) -> Iterator[tuple[int, MessageParts]]:
     """Row slices of a tensor (its bytes in ``data``) of at most ``chunk_bytes`` data each, as
-    (data bytes, encoded AttentionResponse) pairs (see wire.py).
+    (data bytes, AttentionResponse in pieces) pairs (``wire.output_chunk_parts``: the pieces
+    view ``data``, so they are joined while the call holds its buffers).
 
     A single row larger than ``chunk_bytes`` still goes out whole (one row per message):
     validation keeps every row under the 4 MiB message limit.
@@ -162,15 +165,17 @@ def output_messages(
     while True:
         count = min(per_msg, rows - start)
         piece = raw[start * row_bytes : (start + count) * row_bytes]
-        yield len(piece), encode_output_chunk(chunk_head(field, dtype, shape, start, count),
-                                              piece)
+        yield len(piece), output_chunk_parts(chunk_head(field, dtype, shape, start, count),
+                                             piece)
         start += count
         if start >= rows:
             return
 
 
-def response_messages(received: Received, chunk_bytes: int) -> Iterator[tuple[int, bytes]]:
-    """(data bytes, encoded AttentionResponse) for the OUT row slices, then the LSE row slices
+def response_messages(
+    received: Received, chunk_bytes: int
+) -> Iterator[tuple[int, MessageParts]]:
+    """(data bytes, AttentionResponse in pieces) for the OUT row slices, then the LSE row slices
     (when asked for), of the outputs not written into regions; the caller appends the stats."""
     p, arrays = received.params, received.buffers.arrays
     if p.op is Op.APPEND_KV:

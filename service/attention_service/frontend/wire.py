@@ -168,14 +168,21 @@ def chunk_head(field: int, dtype: int, shape: tuple[int, ...], row_start: int,
     )
 
 
-def encode_output_chunk(head: bytes, data: memoryview) -> bytes:
-    """An AttentionResponse{chunk} message (``head``: ``chunk_head``'s), equal to protobuf's
-    serialization, with ``data`` copied once."""
+def output_chunk_parts(head: bytes, data: memoryview) -> tuple[bytes | memoryview, ...]:
+    """An AttentionResponse{chunk} message (``head``: ``chunk_head``'s) as pieces whose
+    concatenation is protobuf's serialization; ``data`` is not copied. A one-message call
+    joins every piece of its answer once (``data`` straight from the arena into the reply),
+    where joining each chunk first copied the outputs twice."""
     size = len(data)
     if size:  # proto3 leaves an empty bytes field out
         inner = len(head) + 1 + len(varint(size)) + size
-        return b"".join((_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size), data))
-    return _CHUNK_KEY + varint(len(head)) + head
+        return (_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size), data)
+    return (_CHUNK_KEY, varint(len(head)), head)
+
+
+def encode_output_chunk(head: bytes, data: memoryview) -> bytes:
+    """``output_chunk_parts`` joined: one message, ``data`` copied once."""
+    return b"".join(output_chunk_parts(head, data))
 
 
 def _serialize(message: bytes | Any) -> bytes:
@@ -226,7 +233,7 @@ def _compute_unary(servicer: Any, op: Op, step: bool = False) -> Any:
     async def behavior(raw: bytes, context: grpc.aio.ServicerContext) -> bytes:
         parts = [_serialize(msg) async for msg in servicer.serve(op, _one(raw), context,
                                                                   unary=True, step=step)]
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)  # serve yields one
 
     return behavior
 
