@@ -14,10 +14,9 @@ Every failure is an ``AttentionError``; bad arguments are ``AttentionInputError`
 ``ValueError`` (the hierarchy: ``attention_client._errors``).
 """
 
-from attention_wire import grpc_defaults, malloc_tuning
+from attention_wire import grpc_defaults
 
 grpc_defaults.apply()  # before grpc loads (see attention_wire.grpc_defaults)
-malloc_tuning.apply(default=False)  # only with ATTENTION_MALLOC_TUNING=1 (its module says why)
 
 from attention_client._caches import AsyncKvCache, KvCache  # noqa: E402
 from attention_client._channel import DEFAULT  # noqa: E402

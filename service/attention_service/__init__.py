@@ -6,13 +6,10 @@
 
 from __future__ import annotations
 
-from attention_wire import grpc_defaults, malloc_tuning
+from attention_wire import grpc_defaults
 
 # Before anything here imports grpc (see attention_wire.grpc_defaults); the front-end processes
 # inherit the setting.
 grpc_defaults.apply()
-# Every server process (engine and front ends import this package) keeps large message
-# buffers in its heap (attention_wire.malloc_tuning; ATTENTION_MALLOC_TUNING=0 to opt out).
-malloc_tuning.apply(default=True)
 
 __version__ = "0.1.0"
