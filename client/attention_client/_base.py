@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
+import numpy as np
 
 from attention_client._call_streams import POOLED
 from attention_client._channel import (
@@ -309,6 +310,8 @@ class ClientBase:
     def _new_region(
         kind: str, nbytes: int, name: str | None, device: Any
     ) -> tuple[SharedRegion, pb.RegisterRegionRequest]:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer):
+            raise AttentionInputError(f"nbytes must be an int, got {type(nbytes).__name__}")
         if name is not None:
             try:
                 shm.check_name(name)

@@ -262,13 +262,20 @@ def create_system_region(nbytes: int, name: str | None = None) -> tuple[SharedRe
             f"nbytes: could not create a shared-memory region of {nbytes} bytes: {exc}",
         ) from exc
     memory = np.frombuffer(mapping.mm, dtype=np.uint8)
+    region = SharedRegion(name or region_name(), "system", memory, lambda: None, mapping.mm)
+    # A region never closed (a script that ends, or raises, before ``close``) must not leave
+    # its object in /dev/shm for good: unlinked when the region is collected or the
+    # interpreter exits. The server's mapping outlives the name. (Only a killed process leaves
+    # one behind: ``attention-client-<pid>-*``.)
+    unlink = weakref.finalize(region, shm.unlink, key)
 
     def release() -> None:
-        shm.unlink(key)
+        unlink()
         with contextlib.suppress(BufferError):  # arrays still alive: unmapped with the last
             mapping.close()
 
-    return SharedRegion(name or region_name(), "system", memory, release, mapping.mm), key
+    region._release = release
+    return region, key
 
 
 def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None) -> tuple[

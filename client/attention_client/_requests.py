@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any
 
@@ -232,6 +233,11 @@ def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
     elif isinstance(ids, bytes | bytearray) or not hasattr(ids, "__iter__"):
         raise AttentionInputError(
             f"{name} must be a str or a sequence of str, got {type(ids).__name__}"
+        )
+    elif isinstance(ids, AbstractSet | Mapping):  # ids go with rows in order: none here
+        raise AttentionInputError(
+            f"{name} must be a str or a sequence of str, got {type(ids).__name__}: its order "
+            "is arbitrary, so which cache got which rows would be too (pass a list)"
         )
     out = tuple(ids)
     if not out:

@@ -385,6 +385,10 @@ def test_value_errors_before_anything_is_sent(client):
         (lambda: cache.append(["x", "y", "z"], k, k, [0, 2, 6]), "ids names 3"),
         (lambda: cache.append(["x", "x"], k, k, [0, 2, 6]), "appears twice"),
         (lambda: cache.append([], k, k), "ids is empty"),
+        # Unordered ids would pair with rows in an order of the hash seed's choosing.
+        (lambda: cache.append({"x", "y"}, k, k, [0, 2, 6]), "got set: its order"),
+        (lambda: cache.append({"x": 0, "y": 1}.keys(), k, k, [0, 2, 6]), "got dict_keys"),
+        (lambda: client.decode_step(q, frozenset(["x", "y"])), "got frozenset"),
         (lambda: cache.append("x", k, None), "v must be"),
         (lambda: cache.decode(q, ["x", "y"], k[:1], k[:1]), "k_new must hold one"),
         (lambda: cache.decode(q, ["x"], k[:1], k[:1]), "ids names 1"),

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import grpc
@@ -22,6 +24,8 @@ from attention_client import (
     AttentionResourceError,
 )
 from attention_kernels import decode_ref, prefill_ref
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb.attention_pb2_grpc import AttentionServiceStub
 
 from ._server import RunningServer, require_server, start_server
 
@@ -200,6 +204,38 @@ def test_close_unregisters_and_removes_the_object(srv: RunningServer) -> None:
         assert name not in [r["name"] for r in other.list_regions()]
     assert region.closed
     assert len(set(os.listdir("/dev/shm")) - before) == 0
+
+
+def test_a_region_never_closed_is_removed_when_the_process_ends(srv: RunningServer) -> None:
+    """A script that ends (or raises) without ``close`` must not leave its object in
+    /dev/shm for good; the server still holds its own mapping until it drops the region."""
+    script = (
+        "import sys\n"
+        "from attention_client import AttentionClient\n"
+        "c = AttentionClient(sys.argv[1])\n"
+        "region = c.register_shm(1 << 20)\n"
+        "x = region.empty((16, 4), 'float32')\n"
+        "print(region.name, flush=True)\n"
+        "raise SystemExit(3)\n"
+    )
+    before = set(os.listdir("/dev/shm"))
+    done = subprocess.run([sys.executable, "-c", script, srv.target], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert set(os.listdir("/dev/shm")) - before == set()
+    name = done.stdout.split()[0]
+    with AttentionClient(srv.target) as other:  # still registered, until dropped
+        assert name in [r["name"] for r in other.list_regions()]
+    with grpc.insecure_channel(srv.target) as channel:
+        AttentionServiceStub(channel).UnregisterRegion(pb.UnregisterRegionRequest(name=name),
+                                                       timeout=30)
+
+
+def test_region_size_must_be_an_int(srv: RunningServer) -> None:
+    with AttentionClient(srv.target) as c:
+        for bad in (1e6, "4096", True):
+            with pytest.raises(AttentionInputError, match="nbytes must be an int"):
+                c.register_shm(bad)  # type: ignore[arg-type]
 
 
 def test_registration_refused_leaves_nothing_behind() -> None:
