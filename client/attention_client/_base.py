@@ -4,10 +4,11 @@ themselves are the subclasses')."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -275,6 +276,21 @@ class ClientBase:
             q, k_new, v_new, CacheTarget(ids, bool(store), layout), softmax_scale=softmax_scale,
             num_splits=num_splits, return_lse=return_lse, score=score,
         )
+
+    @contextlib.contextmanager
+    def _layouts_checked(self, prep: PreparedRequest) -> Iterator[None]:
+        """Around a decode step without new tokens, whose empty k/v took the layout this
+        client remembered for its caches: when the server refuses it (INVALID_ARGUMENT: the
+        cache was released and made again with another layout elsewhere; NOT_FOUND: gone),
+        forget those layouts, so the next step asks the server again."""
+        try:
+            yield
+        except AttentionError as exc:
+            remembered = prep.cache is not None and prep.cache.layout is not None
+            if remembered and exc.code in (grpc.StatusCode.INVALID_ARGUMENT,
+                                           grpc.StatusCode.NOT_FOUND):
+                self._forget_layouts(prep.cache.ids)  # type: ignore[union-attr]
+            raise
 
     def _note_layouts(self, infos: Any) -> None:
         """Remember the layouts in CacheInfo messages."""

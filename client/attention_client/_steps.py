@@ -90,6 +90,11 @@ class DecodeSteps(_StepsBase):
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
+        with client._layouts_checked(prep):
+            return self._exchange(prep, settings)
+
+    def _exchange(self, prep: Any, settings: Any) -> Any:
+        client = self._client
         message = client._one_message(prep)
         if message is None or self._unsupported:
             return client._run(prep, settings)
@@ -160,6 +165,11 @@ class AsyncDecodeSteps(_StepsBase):
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
+        with client._layouts_checked(prep):
+            return await self._exchange(prep, settings)
+
+    async def _exchange(self, prep: Any, settings: Any) -> Any:
+        client = self._client
         message = client._one_message(prep)
         if message is None or self._unsupported:
             return await client._run(prep, settings)

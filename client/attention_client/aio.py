@@ -216,7 +216,8 @@ class AsyncAttentionClient(ClientBase):
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes),
         )
-        return await self._run(prep, settings)
+        with self._layouts_checked(prep):
+            return await self._run(prep, settings)
 
     async def _decode_step_request(
         self, settings: CallSettings, q: Any, cache_ids: Any, k_new: Any, v_new: Any,

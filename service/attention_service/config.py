@@ -158,6 +158,9 @@ class ServerConfig:
             raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")
         if self.kv_page_bytes < 256 or self.kv_page_bytes % 256:
             raise ValueError("kv_page_bytes must be a positive multiple of 256")
+        if 0 < self.kv_cache_bytes < self.kv_page_bytes:  # it would round down to no pool
+            raise ValueError(f"kv_cache_bytes must be 0 (caches off), -1 (auto) or at least one "
+                             f"page (kv_page_bytes = {self.kv_page_bytes})")
         if self.kv_cache_bytes_per_caller and (
             self.kv_cache_bytes_per_caller < self.kv_page_bytes
         ):

@@ -282,6 +282,41 @@ def test_decode_step_without_handle(client, server):
         assert [c["length"] for c in cache.info()] == [8, 13]
 
 
+def test_a_layout_remembered_for_a_recycled_id_is_asked_again(client, server):
+    """A client remembers each cache's layout for steps without new tokens. Another client
+    releases the id and makes it again with other kv heads: the stale step is refused once
+    (naming the layout), and the next one asks the server and goes through; the same on a
+    step stream."""
+    q = np.ones((1, H, D), np.float32)
+
+    def recycle(other: AttentionClient, kv_heads: int, seed: int) -> np.ndarray:
+        other.release_caches("recycled")
+        k = make("numpy", "float32", 3, kv_heads, D, seed=seed)
+        other.kv_cache(kv_heads, D, "float32").append("recycled", k, k)
+        return k
+
+    def check(out, k: np.ndarray) -> None:
+        t = f64(torch.from_numpy(k))
+        check_out(out, reference.decode_ref(f64(torch.from_numpy(q)), t, t, cu([3])),
+                  "float32", q)
+
+    zeros = np.zeros((3, HKV, D), np.float32)
+    client.kv_cache(HKV, D, "float32").append("recycled", zeros, zeros)
+    client.decode_step(q, ["recycled"], store=False)  # remembered: HKV heads
+    with AttentionClient(server.target) as other:
+        for step in (client.decode_step, client.decode_steps().step):
+            k = recycle(other, 2 * HKV, seed=90)
+            with pytest.raises(AttentionError) as info:
+                step(q, ["recycled"], store=False)
+            assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "num_kv_heads" in info.value.details
+            check(step(q, ["recycled"], store=False), k)  # asked again
+            k = recycle(other, HKV, seed=91)  # and back, for the next round
+            with pytest.raises(AttentionError):
+                step(q, ["recycled"], store=False)
+            check(step(q, ["recycled"], store=False), k)
+
+
 def test_many_messages_per_call(server):
     """Appends and prefills larger than one message: chunked like Prefill (here 16 KiB)."""
     ctx = Context(["big"])

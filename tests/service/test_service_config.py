@@ -55,11 +55,18 @@ def test_empty_env_means_unset() -> None:
         (["--metrics-port", "-2"], {}),
         ([], {"ATTENTION_WARMUP": "maybe"}),
         ([], {"ATTENTION_PORT": "http"}),
+        (["--kv-cache-bytes", "200000"], {}),  # under one 256 KiB page: would mean no pool
+        (["--kv-cache-bytes", "4096", "--kv-page-bytes", "8192"], {}),
     ],
 )
 def test_invalid_values_rejected(argv: list[str], env: dict[str, str]) -> None:
     with pytest.raises(ValueError):
         load_config(argv, env)
+
+
+@pytest.mark.parametrize("nbytes", ["0", "-1", str(256 << 10), str(300 << 10)])
+def test_kv_cache_bytes_off_auto_or_a_page_and_more(nbytes: str) -> None:
+    assert load_config(["--kv-cache-bytes", nbytes], {}).kv_cache_bytes == int(nbytes)
 
 
 def test_every_contract_flag_and_env_exists() -> None:
