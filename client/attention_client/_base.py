@@ -46,6 +46,7 @@ from attention_client._requests import (
     KvScales,
     PreparedRequest,
     as_cache_ids,
+    as_flag,
     prepare_cache_decode,
     prepare_decode,
     prepare_prefill,
@@ -273,7 +274,8 @@ class ClientBase:
                 )
             layout = layouts.pop()
         return prepare_cache_decode(
-            q, k_new, v_new, CacheTarget(ids, bool(store), layout), softmax_scale=softmax_scale,
+            q, k_new, v_new, CacheTarget(ids, as_flag(store, "store"), layout),
+            softmax_scale=softmax_scale,
             num_splits=num_splits, return_lse=return_lse, score=score,
         )
 

@@ -27,6 +27,7 @@ from attention_client._requests import (
     KvLayout,
     PreparedRequest,
     as_cache_ids,
+    as_flag,
     prepare_append_kv,
     prepare_cache_decode,
     prepare_cache_prefill,
@@ -138,7 +139,7 @@ class _KvCacheBase:
     ) -> PreparedRequest:
         return prepare_cache_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k,
-            CacheTarget(as_cache_ids(ids), bool(store), self.layout), causal=causal,
+            CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout), causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, score=score,
         )
 
@@ -148,7 +149,7 @@ class _KvCacheBase:
         score: ScoreMods | None = None,
     ) -> PreparedRequest:
         return prepare_cache_decode(
-            q, k_new, v_new, CacheTarget(as_cache_ids(ids), bool(store), self.layout),
+            q, k_new, v_new, CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout),
             softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
             score=score,
         )

@@ -36,6 +36,7 @@ from attention_client._tensors import (
     describe,
     dtype_name,
     is_torch_tensor,
+    real_number,
     storage_dtype,
     to_user,
     to_wire,
@@ -411,22 +412,20 @@ def _place_outputs(
     return out_span, lse_span
 
 
-def _real_number(x: Any) -> bool:
-    """A Python int or float, a numpy integer or floating scalar, or a 0-d numpy array or torch
-    tensor of such a dtype; never a bool, a string or a bytes-like object."""
-    if isinstance(x, bool):
-        return False
-    if isinstance(x, (int, float, np.integer, np.floating)):
-        return True
-    if is_torch_tensor(x):
-        return x.ndim == 0 and not x.dtype.is_complex and str(x.dtype) != "torch.bool"
-    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"
+def as_flag(value: Any, name: str) -> bool:
+    """A bool argument: True/False (numpy's too) or 0/1; anything else (``causal="no"``,
+    which ``bool()`` would take as True) is refused, naming ``name``."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    if isinstance(value, int | np.integer) and value in (0, 1):
+        return bool(value)
+    raise AttentionInputError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def _scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
-    if not _real_number(softmax_scale):  # float() would take "0.5", True, bytearray ...
+    if not real_number(softmax_scale):  # float() would take "0.5", True, bytearray ...
         raise AttentionInputError(
             f"softmax_scale must be a real number, got {type(softmax_scale).__name__} "
             f"{softmax_scale!r}")
@@ -527,8 +526,8 @@ def _prefill_request(
         v=_spec(wv),
         cu_seqlens_q=cu_q.tolist(),
         cu_seqlens_k=cu_k.tolist(),
-        causal=bool(causal),
-        return_lse=bool(return_lse),
+        causal=as_flag(causal, "causal"),
+        return_lse=as_flag(return_lse, "return_lse"),
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())
@@ -583,7 +582,8 @@ def _decode_request(
     score: ScoreMods | None = None, kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
     batch, heads = wq.shape[0], wq.shape[1]
-    splits = int(num_splits) if isinstance(num_splits, int | np.integer) else -1
+    splits = (int(num_splits) if isinstance(num_splits, int | np.integer)
+              and not isinstance(num_splits, bool) else -1)
     if not 0 <= splits <= np.iinfo(np.int32).max:
         raise AttentionInputError(f"num_splits must be an int >= 0, got {num_splits!r}")
     header = pb.DecodeHeader(
@@ -592,7 +592,7 @@ def _decode_request(
         v=_spec(wv),
         cu_seqlens_k=cu_k.tolist(),
         num_splits=splits,
-        return_lse=bool(return_lse),
+        return_lse=as_flag(return_lse, "return_lse"),
     )
     if cache is not None:
         header.cache.CopyFrom(cache.message())

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from attention_client._errors import AttentionInputError
+from attention_client._tensors import real_number
 from attention_wire.pb import attention_pb2 as pb
 
 INT32_MAX = (1 << 31) - 1
@@ -71,10 +72,10 @@ def _window(window_size: Any) -> tuple[int, int]:
 
 
 def _softcap(softcap: Any) -> float:
-    try:
-        cap = float(softcap)
-    except (TypeError, ValueError):
-        raise AttentionInputError(f"softcap must be a number, got {softcap!r}") from None
+    if not real_number(softcap):  # float() would take "1.5" and True
+        raise AttentionInputError(f"softcap must be a number, got {type(softcap).__name__} "
+                                  f"{softcap!r}")
+    cap = float(softcap)
     if not (math.isfinite(cap) and cap >= 0):
         raise AttentionInputError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
     return cap

@@ -240,3 +240,15 @@ def as_cu_seqlens(x: Any, name: str) -> np.ndarray:
     if arr.size and (arr.min() < np.iinfo(np.int32).min or arr.max() > np.iinfo(np.int32).max):
         raise AttentionInputError(f"{name} values must fit in int32")
     return arr.astype(np.int32, copy=False)
+
+
+def real_number(x: Any) -> bool:
+    """A Python int or float, a numpy integer or floating scalar, or a 0-d numpy array or torch
+    tensor of such a dtype; never a bool, a string or a bytes-like object."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, (int, float, np.integer, np.floating)):
+        return True
+    if is_torch_tensor(x):
+        return x.ndim == 0 and not x.dtype.is_complex and str(x.dtype) != "torch.bool"
+    return isinstance(x, np.ndarray) and x.ndim == 0 and x.dtype.kind in "iuf"

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from attention_client._errors import AttentionInputError
+from attention_client._requests import as_flag
 from attention_client.client import AttentionClient
 
 __all__ = [
@@ -129,8 +130,8 @@ def _varlen(
 ) -> Any:
     left, right = (int(x) for x in window_size)
     if client is None and not return_lse:
-        return varlen_attention(q, k, v, cu_q, cu_k, bool(causal), softmax_scale, left, right,
-                                float(softcap), alibi_slopes)
+        return varlen_attention(q, k, v, cu_q, cu_k, as_flag(causal, "causal"), softmax_scale,
+                                left, right, float(softcap), alibi_slopes)
     return (client or get_client()).attention(
         q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,

@@ -60,7 +60,11 @@ async def serve(config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv)
-    except ValueError as exc:
+        if config.device == "cuda":  # a one-line refusal, as for any flag, not a traceback
+            from attention_service.engine.backends import resolve_device
+
+            resolve_device(config.device)
+    except (ValueError, RuntimeError) as exc:
         print(f"attention-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(

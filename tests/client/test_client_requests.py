@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from attention_client._requests import prepare_decode, prepare_prefill
+from attention_client._score import ScoreMods
 from attention_client._tensors import as_cu_seqlens, to_user, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
@@ -195,6 +196,36 @@ def test_softmax_scale_takes_numpy_and_0d_tensor_numbers():
     for bad in (torch.tensor(True), torch.tensor([0.5])):
         with pytest.raises(ValueError, match="softmax_scale must be a real number"):
             prepare_prefill(q, q, q, softmax_scale=bad)
+
+
+@pytest.mark.parametrize("bad", ["no", "", None, 2, -1, 0.0, [True]])
+def test_flags_must_be_bools(bad):
+    """``bool("no")`` is True: a flag takes True/False (numpy's too) or 0/1, nothing else."""
+    q = _np(2, 1, 8)
+    with pytest.raises(ValueError, match="causal must be a bool"):
+        prepare_prefill(q, q, q, causal=bad)
+    with pytest.raises(ValueError, match="return_lse must be a bool"):
+        prepare_decode(q, q, q, [0, 1, 2], return_lse=bad)
+
+
+def test_flags_take_bools_and_0_1():
+    q = _np(2, 1, 8)
+    for flag, want in ((True, True), (np.False_, False), (1, True), (np.int64(0), False)):
+        h = pb.PrefillHeader.FromString(prepare_prefill(q, q, q, causal=flag).header)
+        assert h.causal is want
+
+
+@pytest.mark.parametrize("bad", ["1.5", True, b"1"])
+def test_softcap_must_be_a_number(bad):
+    with pytest.raises(ValueError, match="softcap must be a number"):
+        ScoreMods.of((-1, -1), bad, None)
+
+
+@pytest.mark.parametrize("bad", [True, False, "2", 2.0])
+def test_num_splits_must_be_an_int(bad):
+    q = _np(2, 1, 8)
+    with pytest.raises(ValueError, match="num_splits must be an int"):
+        prepare_decode(q, q, q, [0, 1, 2], num_splits=bad)
 
 
 def test_decode_header_and_validation():

@@ -130,6 +130,22 @@ def test_bad_flag_value_exits_2() -> None:
     assert "device" in proc.stderr
 
 
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_cuda_asked_without_a_gpu_is_one_line_not_a_traceback(frontends: str) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    proc = subprocess.run(
+        [sys.executable, "-m", "attention_service", "--device", "cuda", "--port", "0",
+         "--frontends", frontends],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("attention-server: --device cuda requested but torch sees "
+                                   "no CUDA device"), proc.stderr
+
+
 _SLOW_WARMUP = '''
 import os, sys, time
 if os.environ.get("ATTENTION_TEST_SLOW_WARMUP"):
