@@ -275,12 +275,17 @@ class _Pool:
 
     def failed(self, method: str, stream: Any, err: grpc.RpcError,
                settings: CallSettings) -> None:
-        """A call's stream failed: drop the stream, then return if nothing ran (send the call
-        another way; from now on if the server has no such rpc), else raise its error."""
+        """A call's stream failed: drop the stream, then return if the call may go another
+        way (unary), else raise its error. It may when nothing ran (from now on if the server
+        has no such rpc), and after UNAVAILABLE: the pools carry stateless calls only, so
+        sending one again is safe, and the unary rpc has gRPC's retries within the call's
+        deadline, which the step rpcs leave out (``_channel``)."""
         stream.drop()
         if not_sent(err, stream):
             if unimplemented(err):
                 self.unsupported.add(method)
+            return
+        if err.code() is grpc.StatusCode.UNAVAILABLE:
             return
         raise from_rpc_error(err, method, settings.names) from err
 

@@ -1,14 +1,16 @@
 """Channel set-up shared by the sync and async clients: options, retry policy, credentials.
 
 Retries: gRPC itself retries UNAVAILABLE with exponential backoff (service config below),
-within the call's deadline, for the unary methods and the kept-open step streams (whose calls
-have a deadline of the client's own: ``_call_streams``). The chunked upload rpcs (Prefill,
-Decode, AppendKV, CachePrefill, CacheDecode: ``STREAM_RPCS``) are not in that policy: grpcio
-1.85 replaying such a request (one that fits the per-call retry buffer, ``RETRY_BUFFER_BYTES``)
-after the server answered UNAVAILABLE and went away hung past the call's deadline, for good
-(a drained or crashed server; ``test_a_stream_cut_off_by_a_server_that_goes_away_fails_in_
-time``). Those calls fail with AttentionUnavailableError instead, as a request too large to
-replay always did.
+within the call's deadline, for the unary methods. The chunked upload rpcs (Prefill, Decode,
+AppendKV, CachePrefill, CacheDecode: ``STREAM_RPCS``) and the kept-open step streams
+(``STEP_RPCS``) are not in that policy: grpcio 1.85 replaying such a stream (one whose
+messages fit the per-call retry buffer, ``RETRY_BUFFER_BYTES``) after the server answered
+UNAVAILABLE and went away hung past the call's deadline, for good (a drained or crashed
+server; ``test_a_stream_cut_off_by_a_server_that_goes_away_fails_in_time``,
+``test_a_call_stream_refused_by_a_server_that_goes_away_fails_in_time``). Uploads fail with
+AttentionUnavailableError instead, as a request too large to replay always did; a stateless
+call refused on a step stream goes again as a unary call, retried there (``_call_streams``);
+a ``decode_steps`` step, which may have stored its tokens, fails.
 
 Message sizes stay at gRPC's defaults (4 MiB receive): requests and responses are streamed in
 chunks well under it, so no limit needs raising on either side.
@@ -66,11 +68,13 @@ RETRY_POLICY = {
 # "grpc.retry_buffer_size" is a grpc-js option. 8 MiB covers every small request.
 RETRY_BUFFER_BYTES = 8 * 1024 * 1024
 
-# Every method but the chunked uploads, each named (a method config naming the service alone
-# would cover those too: see the module doc).
+# The kept-open streams of whole calls (``_call_streams``).
+STEP_RPCS = ("PrefillSteps", "DecodeSteps", "CacheDecodeSteps")
+# Every method but the chunked uploads and the step streams, each named (a method config
+# naming the service alone would cover those too: see the module doc).
 RETRIED_METHODS = tuple(
     m.name for m in pb.DESCRIPTOR.services_by_name["AttentionService"].methods
-    if m.name not in STREAM_RPCS
+    if m.name not in STREAM_RPCS + STEP_RPCS
 )
 SERVICE_CONFIG = json.dumps(
     {

@@ -188,6 +188,43 @@ def test_a_stream_cut_off_by_a_server_that_goes_away_fails_in_time():
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rows", [4, 64], ids=["one_row", "a_few_rows"])
+def test_a_call_stream_refused_by_a_server_that_goes_away_fails_in_time(rows):
+    """A server shutting down refuses a call on a kept-open step stream (UNAVAILABLE) and
+    exits a moment later. With gRPC's retry policy on the step rpcs, grpcio 1.85 replayed the
+    stream into the closing server and hung past the call's deadline (6 of 7 tries, once over
+    10 minutes; the operator's review of 2026-11-25)."""
+    from concurrent import futures
+
+    calls = []
+
+    def refuse(request, context):
+        calls.append(request)
+        time.sleep(0.3)
+        context.abort(grpc.StatusCode.UNAVAILABLE, "server is shutting down")
+
+    def refuse_step(requests, context):
+        refuse(next(requests), context)
+
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService",
+        {"PrefillSteps": grpc.stream_stream_rpc_method_handler(refuse_step),
+         "PrefillUnary": grpc.unary_unary_rpc_method_handler(refuse)})])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    threading.Timer(0.5, server.stop, args=(0,)).start()
+    q = _np(rows, 8, 64, dtype=np.float16)
+    t0 = time.monotonic()
+    with (AttentionClient(f"127.0.0.1:{port}", timeout=5) as client,
+          pytest.raises(AttentionError) as exc):
+        client.attention(q, q[:, :2], q[:, :2])
+    assert time.monotonic() - t0 < 5.5
+    assert exc.value.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert 1 <= len(calls) <= 6  # the stream's, then the unary call's attempts (5 at most)
+
+
 def test_server_error_carries_status(fake):
     servicer, target = fake
     servicer.knobs.abort = (grpc.StatusCode.INVALID_ARGUMENT, "q: head_dim 12 unsupported")
