@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 
 import pytest
@@ -85,8 +86,11 @@ def test_attention_runtime_settings(gpu: dict) -> None:
 def test_every_contract_variable_is_configurable(gpu: dict) -> None:
     env = gpu["services"]["attention"]["environment"]
     names = {k for k in env if k.startswith("ATTENTION_")}
-    # The server's settings, and the health probe's client certificate (mutual TLS).
-    probe = {"ATTENTION_HEALTHCHECK_CLIENT_CERT", "ATTENTION_HEALTHCHECK_CLIENT_KEY"}
+    # The server's settings, and every setting of the health probe (its client certificate
+    # for mutual TLS, the name it checks the server's certificate for, its timeout).
+    probe = set(re.findall(r"ATTENTION_HEALTHCHECK_[A-Z_]+",
+                           (REPO / "deploy" / "healthcheck.py").read_text()))
+    assert {"ATTENTION_HEALTHCHECK_TLS_NAME", "ATTENTION_HEALTHCHECK_CLIENT_CERT"} <= probe
     assert names == contract_envs() | probe
     # Unset optional ones stay unset (null = passed through only when set in the shell).
     assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
