@@ -294,6 +294,26 @@ def test_sigterm_drains_every_process_and_exits_0() -> None:
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
 
 
+def test_a_front_end_that_never_exits_is_killed_after_the_grace_period() -> None:
+    """A front end stopped (SIGSTOP) or wedged cannot drain: the engine waits the grace
+    period and DRAIN_MARGIN_S more, kills it, says so, and exits 1 (it used to wait for good,
+    a second signal included)."""
+    from attention_service.ipc.group import DRAIN_MARGIN_S
+
+    g = Group(2, "--grace-seconds", "1")
+    pids = g.frontend_pids()
+    os.kill(pids[0], signal.SIGSTOP)
+    t0 = time.monotonic()
+    g.proc.send_signal(signal.SIGTERM)
+    assert g.proc.wait(1 + DRAIN_MARGIN_S + 30) == 1
+    assert time.monotonic() - t0 >= 1 + DRAIN_MARGIN_S - 0.5
+    g.wait_for(rf"front ends \[{pids[0]}\] still running .* killing them")
+    end = time.monotonic() + 10
+    while time.monotonic() < end and not all(_zombie(p) for p in pids.values()):
+        time.sleep(0.1)
+    assert all(_zombie(p) for p in pids.values())
+
+
 def _health_or_gone(g: Group) -> str:
     try:
         return health_status(g.channel())

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import queue
 import shutil
@@ -45,6 +46,9 @@ log = logging.getLogger("attention_service")
 
 START_TIMEOUT_S = 120.0
 RESTART_WINDOW_S = 60.0
+# A draining front end gets --grace-seconds and this much more to exit (a process stopped by
+# SIGSTOP, or wedged, would otherwise keep the engine waiting for good); then it is killed.
+DRAIN_MARGIN_S = 5.0
 
 
 def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
@@ -210,8 +214,18 @@ class Group:
 
             started = False
             serving = False
+            forced = False
             deadline = time.monotonic() + START_TIMEOUT_S
+            drain_deadline = math.inf
             while True:
+                if time.monotonic() > drain_deadline and not forced:
+                    forced = True
+                    stuck = [s.proc.pid for s in self.slots
+                             if s.proc is not None and s.proc.poll() is None]
+                    log.error("front ends %s still running %.1fs after the drain began (the "
+                              "grace period and %.0fs more): killing them", stuck,
+                              cfg.grace_seconds + DRAIN_MARGIN_S, DRAIN_MARGIN_S)
+                    self._signal_all(signal.SIGKILL)
                 try:
                     event = self.events.get(timeout=1.0)
                 except queue.Empty:
@@ -248,6 +262,7 @@ class Group:
                 elif kind == "signal":
                     if not self.draining:
                         self.draining = True
+                        drain_deadline = time.monotonic() + cfg.grace_seconds + DRAIN_MARGIN_S
                         log.info("shutting down: front ends drain in-flight calls for up to "
                                  "%.1fs", cfg.grace_seconds)
                         self._signal_all(signal.SIGTERM)
@@ -276,7 +291,7 @@ class Group:
                 elif kind == "respawn" and not self.draining:
                     self._spawn(self.slots[event[1]])
             log.info("front ends stopped; stopping the engine")
-            return 0
+            return 1 if forced else 0
         except BaseException:
             log.exception("engine failed: stopping every front end")
             self._signal_all(signal.SIGKILL)
