@@ -60,11 +60,7 @@ async def serve(config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         config = load_config(argv)
-        if config.device == "cuda":  # a one-line refusal, as for any flag, not a traceback
-            from attention_service.engine.backends import resolve_device
-
-            resolve_device(config.device)
-    except (ValueError, RuntimeError) as exc:
+    except ValueError as exc:
         print(f"attention-server: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -72,11 +68,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
-    if config.process_count > 1:
-        from attention_service.ipc.group import run_group
+    from attention_service.errors import StartupError
 
-        return run_group(config)
-    return asyncio.run(serve(config))
+    try:
+        for flag, path in (("--tls-cert", config.tls_cert), ("--tls-key", config.tls_key),
+                           ("--tls-client-ca", config.tls_client_ca)):
+            if path:  # read by every front end: refuse here, once, before any starts
+                try:
+                    with open(path, "rb"):
+                        pass
+                except OSError as exc:
+                    raise StartupError(f"{flag}: {exc}") from None
+        if config.device == "cuda":  # before anything starts
+            from attention_service.engine.backends import resolve_device
+
+            resolve_device(config.device)
+        if config.process_count > 1:
+            from attention_service.ipc.group import run_group
+
+            return run_group(config)
+        return asyncio.run(serve(config))
+    except StartupError as exc:  # one line, as for a bad flag, not a traceback
+        print(f"attention-server: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

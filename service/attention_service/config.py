@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # Room left in a response message for the non-data fields of an OutputChunk.
 MESSAGE_OVERHEAD_BYTES = 4096
 MAX_FRONTENDS = 64
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 def usable_cpus() -> int:
@@ -135,6 +137,12 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
+        for name in ("grace_seconds", "max_queue_delay_ms", "max_request_flops", "kv_cache_ttl"):
+            if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {', '.join(LOG_LEVELS)}, got "
+                             f"{self.log_level!r}")
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
@@ -203,11 +211,16 @@ def _bool_env(value: str) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+def _word(value: str) -> str:
+    """A keyword value (device, regions): case-insensitive, as booleans and levels are."""
+    return value.strip().lower()
+
+
 # field name -> (flag, env var, parser of the env string)
 _ENV: dict[str, tuple[str, str, type | object]] = {
     "host": ("--host", "ATTENTION_HOST", str),
     "port": ("--port", "ATTENTION_PORT", int),
-    "device": ("--device", "ATTENTION_DEVICE", str),
+    "device": ("--device", "ATTENTION_DEVICE", _word),
     "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
     "metrics_host": ("--metrics-host", "ATTENTION_METRICS_HOST", str),
     "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
@@ -229,7 +242,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),
-    "regions": ("--regions", "ATTENTION_REGIONS", str),
+    "regions": ("--regions", "ATTENTION_REGIONS", _word),
     "max_regions_per_caller": ("--max-regions-per-caller", "ATTENTION_MAX_REGIONS_PER_CALLER",
                                int),
     "system_region_bytes_per_caller": ("--system-region-bytes-per-caller",

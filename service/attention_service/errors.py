@@ -5,6 +5,11 @@ from __future__ import annotations
 import grpc
 
 
+class StartupError(RuntimeError):
+    """The server cannot start as configured (its port taken, a TLS file missing, no GPU):
+    ``attention-server`` prints the message on one line and exits 2."""
+
+
 class Cancelled(Exception):
     """The call went away (cancel or deadline) before its compute finished."""
 

@@ -49,6 +49,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from attention_service.errors import StartupError
 from attention_service.link import EngineInfo
 from attention_service.params import Op
 
@@ -492,9 +493,13 @@ class Metrics:
         """Start /metrics on ``port`` (0 = ephemeral, -1 = off); returns the bound port."""
         if port < 0:
             return None
-        self._http, self._http_thread = start_http_server(
-            port, addr=host, registry=self.exposition_registry()
-        )
+        try:
+            self._http, self._http_thread = start_http_server(
+                port, addr=host, registry=self.exposition_registry()
+            )
+        except OSError as exc:  # in use, or not an address of this host
+            raise StartupError(f"could not serve /metrics on {host}:{port} (--metrics-host, "
+                               f"--metrics-port): {exc}") from None
         return int(self._http.server_port)
 
     def close(self) -> None:

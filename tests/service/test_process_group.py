@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import grpc
 import pytest
 import torch
 
+from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
@@ -341,3 +343,38 @@ def test_engine_death_takes_the_group_down() -> None:
     assert all(_zombie(p) for p in pids), "front ends outlived the engine"
     for slot in (0, 1):
         g.wait_for(rf"\[frontend {slot}\] .*engine process is gone")
+
+
+def test_reserve_port_takes_a_port_with_connections_in_time_wait() -> None:
+    """An earlier server's connections in TIME_WAIT must not refuse the port (a group
+    started at once after one stopped failed with EADDRINUSE: the operator's review)."""
+    from attention_service.ipc.group import reserve_port
+
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()  # the server's side closes first: its end waits in TIME_WAIT
+        client.recv(1)
+        client.close()
+    held, got = reserve_port("127.0.0.1", port)
+    for s in held:
+        s.close()
+    assert got == port
+
+
+def test_reserve_port_takes_a_bracketed_ipv6_host() -> None:
+    from attention_service.ipc.group import reserve_port
+
+    if not socket.has_ipv6:
+        pytest.skip("no IPv6")
+    try:
+        held, port = reserve_port("[::1]", 0)
+    except StartupError as exc:  # an IPv6-less host: resolution says so, on one line
+        pytest.skip(str(exc))
+    for s in held:
+        s.close()
+    assert port > 0

@@ -56,6 +56,13 @@ def test_empty_env_means_unset() -> None:
         ([], {"ATTENTION_WARMUP": "maybe"}),
         ([], {"ATTENTION_PORT": "http"}),
         (["--kv-cache-bytes", "200000"], {}),  # under one 256 KiB page: would mean no pool
+        # nan passes every comparison: it used to turn the drain and these limits off
+        (["--grace-seconds", "nan"], {}),
+        (["--max-request-flops", "nan"], {}),
+        (["--max-queue-delay-ms", "nan"], {}),
+        ([], {"ATTENTION_KV_CACHE_TTL": "nan"}),
+        (["--kv-cache-ttl", "inf"], {}),
+        (["--log-level", "verbose"], {}),  # a traceback from logging before
         (["--kv-cache-bytes", "4096", "--kv-page-bytes", "8192"], {}),
     ],
 )
@@ -93,3 +100,11 @@ def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch) -> None
     assert config.auto_frontends() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert config.auto_frontends() == 8
+
+
+def test_keywords_are_case_insensitive() -> None:
+    """As booleans and the log level are: ATTENTION_DEVICE=CPU, ATTENTION_REGIONS=ON."""
+    cfg = load_config(["--regions", "OFF"], {"ATTENTION_DEVICE": "CPU"})
+    assert (cfg.device, cfg.regions) == ("cpu", "off")
+    assert load_config([], {"ATTENTION_REGIONS": " On "}).regions == "on"
+    assert load_config(["--log-level", "debug"], {}).log_level == "debug"

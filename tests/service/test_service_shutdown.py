@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -128,6 +129,38 @@ def test_bad_flag_value_exits_2() -> None:
     )
     assert proc.returncode == 2
     assert "device" in proc.stderr
+
+
+def _start_refused(*args: str) -> str:
+    """stderr of a server that must refuse to start: exit 2, one line, no traceback."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "attention_service", "--device", "cpu", "--no-warmup",
+         "--metrics-port", "-1", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("attention-server: "), proc.stderr
+    return last
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_start_up_failures_are_one_line(frontends: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert "--port" in _start_refused("--frontends", frontends, "--host", "127.0.0.1",
+                                          "--port", port)
+        assert "--metrics-port" in _start_refused(
+            "--frontends", frontends, "--host", "127.0.0.1", "--port", "0",
+            "--metrics-port", port)
+    missing = str(tmp_path / "nope.pem")
+    assert "--tls-cert" in _start_refused("--frontends", frontends, "--port", "0",
+                                          "--tls-cert", missing, "--tls-key", missing)
+    assert "--kv-cache-bytes" in _start_refused("--frontends", frontends, "--port", "0",
+                                                "--kv-cache-bytes", str(1 << 62))
 
 
 @pytest.mark.parametrize("frontends", ["1", "2"])

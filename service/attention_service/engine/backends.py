@@ -25,6 +25,7 @@ from attention_service.engine.jobs import (
     LaunchTimes,
     PendingLaunch,
 )
+from attention_service.errors import StartupError
 from attention_service.params import Op
 from attention_wire.pb import attention_pb2 as pb
 
@@ -243,7 +244,7 @@ def resolve_device(device: str) -> str:
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("--device cuda requested but torch sees no CUDA device")
+        raise StartupError("--device cuda requested but torch sees no CUDA device")
     return device
 
 

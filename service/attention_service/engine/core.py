@@ -27,7 +27,7 @@ from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import KvPool
 from attention_service.engine.regions import RegionRegistry
-from attention_service.errors import Cancelled, RequestError, invalid
+from attention_service.errors import Cancelled, RequestError, StartupError, invalid
 from attention_service.link import EngineInfo
 from attention_service.params import Op, Params, RegionSpan
 
@@ -214,7 +214,11 @@ def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:
     nbytes -= nbytes % config.kv_page_bytes
     if nbytes <= 0:
         return None
-    storage = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+    try:
+        storage = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+    except RuntimeError as exc:  # out of memory: say which flag asked for it
+        raise StartupError(f"--kv-cache-bytes: could not allocate a pool of {nbytes} bytes on "
+                           f"{backend.device}: {str(exc).splitlines()[0]}") from None
     caller_pages = config.kv_cache_bytes_per_caller // config.kv_page_bytes
     log.info("kv cache pool: %d pages of %d bytes (%.1f GiB) on %s; %s pages per caller",
              nbytes // config.kv_page_bytes, config.kv_page_bytes, nbytes / 2**30,

@@ -14,6 +14,7 @@ from grpc_reflection.v1alpha import reflection
 
 import attention_service
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
+from attention_service.errors import StartupError
 from attention_service.frontend.auth import BearerTokenInterceptor, Principals
 from attention_service.frontend.servicer import AttentionServicer, CallTracker
 from attention_service.frontend.stock_services import add_stock_services
@@ -132,17 +133,23 @@ async def start_frontend(
         grpc_server, (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
     )
     where = address(config.host, config.port)
-    if config.tls_cert and config.tls_key:
-        client_ca = Path(config.tls_client_ca).read_bytes() if config.tls_client_ca else None
-        creds = grpc.ssl_server_credentials(
-            [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
-            root_certificates=client_ca, require_client_auth=client_ca is not None,
-        )
-        port = grpc_server.add_secure_port(where, creds)
-    else:
-        port = grpc_server.add_insecure_port(where)
+    try:
+        if config.tls_cert and config.tls_key:
+            client_ca = (Path(config.tls_client_ca).read_bytes() if config.tls_client_ca
+                         else None)
+            creds = grpc.ssl_server_credentials(
+                [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
+                root_certificates=client_ca, require_client_auth=client_ca is not None,
+            )
+            port = grpc_server.add_secure_port(where, creds)
+        else:
+            port = grpc_server.add_insecure_port(where)
+    except OSError as exc:
+        raise StartupError(f"TLS files (--tls-cert, --tls-key, --tls-client-ca): {exc}") from None
+    except RuntimeError as exc:  # grpc's "Failed to bind"
+        raise StartupError(f"could not bind {where} (--host, --port): {exc}") from None
     if not port:
-        raise RuntimeError(f"could not bind {where}")
+        raise StartupError(f"could not bind {where} (--host, --port)")
     frontend = FrontEnd(
         config=config, grpc_server=grpc_server, health_servicer=health_servicer,
         servicer=servicer, port=port,

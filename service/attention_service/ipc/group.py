@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attention_service.config import ServerConfig
+from attention_service.errors import StartupError
 from attention_service.heap import freeze_startup_heap
 
 log = logging.getLogger("attention_service")
@@ -53,8 +54,15 @@ DRAIN_MARGIN_S = 5.0
 
 def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
     """Hold ``port`` (0: a free one) on every address ``host`` resolves to, with SO_REUSEPORT,
-    so the front ends can bind it too; fail loudly if anything else listens there."""
-    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    so the front ends can bind it too; fail loudly if anything else listens there. ``host``
+    may be bracketed (``[::1]``, as grpc takes it). SO_REUSEADDR as well: connections of an
+    earlier server in TIME_WAIT on the port must not refuse it (grpc's own bind sets it)."""
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise StartupError(f"could not resolve --host {host!r}: {exc}") from None
     held: list[socket.socket] = []
     try:
         for family, kind, proto, _, addr in infos:
@@ -64,12 +72,14 @@ def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
                     try:
                         probe.bind(addr[:2])
                     except OSError as exc:
-                        raise RuntimeError(f"could not bind {host}:{port}: {exc}") from None
+                        raise StartupError(f"could not bind {host}:{port} (--host, --port): "
+                                           f"{exc}") from None
             s = socket.socket(family, kind, proto)
+            held.append(s)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             s.bind((addr[0], port) + tuple(addr[2:]))
             port = s.getsockname()[1]
-            held.append(s)
     except BaseException:
         for s in held:
             s.close()
@@ -189,8 +199,12 @@ class Group:
         metrics_port = None
         try:
             for i in range(self.count):
-                fd = arenas.create(cfg.arena_bytes)
-                tensor, unpin = _engine_view(fd, cfg.arena_bytes, backend.name)
+                try:
+                    fd = arenas.create(cfg.arena_bytes)
+                    tensor, unpin = _engine_view(fd, cfg.arena_bytes, backend.name)
+                except (OSError, RuntimeError) as exc:
+                    raise StartupError(f"--arena-bytes: could not map front end {i}'s arena of "
+                                       f"{cfg.arena_bytes} bytes: {exc}") from None
                 self.slots.append(_Slot(i, fd, tensor, unpin))
             metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
             for slot in self.slots:
@@ -292,6 +306,9 @@ class Group:
                     self._spawn(self.slots[event[1]])
             log.info("front ends stopped; stopping the engine")
             return 1 if forced else 0
+        except StartupError:  # attention-server says why on one line
+            self._signal_all(signal.SIGKILL)
+            raise
         except BaseException:
             log.exception("engine failed: stopping every front end")
             self._signal_all(signal.SIGKILL)
