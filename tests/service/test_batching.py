@@ -314,6 +314,7 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
             collect(prefill_req(7, [4]).send(srv))
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details().startswith("queue:")
+        assert "--max-queue-size" in info.value.details()  # the limit an operator raises
         backend.open_all()
         for req, fut in zip(reqs, futures, strict=True):
             req.check(fut.result(30))

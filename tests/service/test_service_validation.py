@@ -216,6 +216,7 @@ def test_over_limit_refused_before_bytes_are_sent(start_server) -> None:  # type
         release.set()
     assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "header" in info.value.details() and "4096" in info.value.details()
+    assert "--max-request-bytes" in info.value.details()
     # Answered from the header alone, while the client still held back every byte.
     assert time.monotonic() - t0 < 10
     assert len(pulled) == 1

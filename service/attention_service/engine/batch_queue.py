@@ -71,7 +71,8 @@ class BatchQueue:
 
     def add(self, waiter: Waiter) -> None:
         if len(self) >= self.max_size:
-            raise exhausted("queue", f"{self.max_size} requests already wait for the device")
+            raise exhausted("queue", f"{self.max_size} requests already wait for the device "
+                            "(--max-queue-size)")
         self._queues.setdefault(waiter.key, deque()).append(waiter)
         self._tokens[waiter.key] = self._tokens.get(waiter.key, 0) + waiter.tokens
         self._depth[waiter.job.params.op] += 1

@@ -260,7 +260,7 @@ def _check_size(params: Params, limit: int) -> None:
         raise exhausted(
             "header",
             f"request tensors take {total} bytes ({sizes}), over the server limit of {limit} "
-            "bytes",
+            "bytes (--max-request-bytes)",
         )
 
 
