@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 from pathlib import Path
@@ -47,6 +48,19 @@ def test_auth_refuses_calls_without_the_token(auth_server, metadata) -> None:  #
     with pytest.raises(grpc.RpcError) as info:
         stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=5, metadata=metadata)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_refused_call_is_logged_without_the_token(auth_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """One log line per call, refused ones too; the token presented never appears."""
+    caplog.set_level(logging.INFO, logger="attention_service")
+    with pytest.raises(grpc.RpcError):
+        _prefill(auth_server.stub(), [("authorization", "Bearer not-the-secret-xyz")])
+    lines = [r.getMessage() for r in caplog.records
+             if "code=UNAUTHENTICATED" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("rpc=Prefill ") and "peer=" in lines[0]
+    assert "invalid bearer token" in lines[0]
+    assert "not-the-secret-xyz" not in caplog.text and TOKEN not in caplog.text
 
 
 def test_auth_accepts_the_token(auth_server) -> None:  # type: ignore[no-untyped-def]

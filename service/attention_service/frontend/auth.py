@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -19,17 +20,22 @@ import grpc
 from attention_service.frontend.wire import metric_rpc
 from attention_service.metrics import Metrics
 
+log = logging.getLogger("attention_service")
+
 # Probes (load balancers, Kubernetes) must reach health without credentials.
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 SERVICE_PREFIX = "/attention.v1.AttentionService/"
 
 
-def _denying_handler(message: str) -> grpc.RpcMethodHandler:
+def _denying_handler(message: str, rpc: str, t0: float) -> grpc.RpcMethodHandler:
     """A handler that answers UNAUTHENTICATED without reading the request: registered as
     streaming with raw bytes in, it never waits for, receives or parses a request message,
-    whatever the rpc's declared kind (the status ends the call either way)."""
+    whatever the rpc's declared kind (the status ends the call either way). Logged like any
+    call (one line; the token presented is never written)."""
 
     async def deny(_requests: Any, context: grpc.aio.ServicerContext) -> None:
+        log.info("rpc=%s code=UNAUTHENTICATED duration_ms=%.3f peer=%s details=%r", rpc,
+                 (time.perf_counter() - t0) * 1e3, context.peer(), message)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     return grpc.stream_stream_rpc_method_handler(
@@ -96,12 +102,14 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         presented = _presented(details.invocation_metadata)
         if self._principals.match(presented) is not None:
             return handler
-        if self._metrics is not None and method.startswith(SERVICE_PREFIX):
-            # Under the label the call would have counted under had it been let in.
-            rpc = metric_rpc(method[len(SERVICE_PREFIX):])
+        # Under the label the call would have counted under had it been let in.
+        ours = method.startswith(SERVICE_PREFIX)
+        rpc = metric_rpc(method[len(SERVICE_PREFIX):]) if ours else method
+        if self._metrics is not None and ours:
             # Timed from the call's arrival to its refusal (no payload is read for it).
             self._metrics.observe_request(rpc, "UNAUTHENTICATED", time.perf_counter() - t0)
         reason = "missing" if presented is None else "invalid"
         return _denying_handler(
-            f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')"
+            f"authorization: {reason} bearer token (send 'authorization: Bearer <token>')",
+            rpc, t0,
         )
