@@ -5,6 +5,7 @@ group, the engine's death, metrics merged in one scrape, torch-free front ends."
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import threading
@@ -378,3 +379,29 @@ def test_reserve_port_takes_a_bracketed_ipv6_host() -> None:
     for s in held:
         s.close()
     assert port > 0
+
+
+def test_metrics_directories_of_dead_engines_are_removed_at_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An engine killed with -9 leaves its multiprocess metrics directory; the next start
+    removes those of engines that are gone (they piled up in a container's writable layer)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from attention_service.ipc.group import METRICS_DIR_PREFIX
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    stale = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{gone.pid}-")
+    live = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")  # this process lives
+    try:
+        g = Group(2)
+        try:
+            assert not os.path.exists(stale)
+            assert os.path.isdir(live)
+        finally:
+            g.proc.send_signal(signal.SIGTERM)
+            assert g.proc.wait(60) == 0
+    finally:
+        shutil.rmtree(stale, ignore_errors=True)
+        shutil.rmtree(live, ignore_errors=True)

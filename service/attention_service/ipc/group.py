@@ -346,9 +346,34 @@ def _engine_view(fd: int, size: int, backend: str) -> tuple[Any, Any]:
     return tensor, unpin
 
 
+METRICS_DIR_PREFIX = "attention-metrics-"
+
+
+def _remove_stale_metrics_dirs() -> None:
+    """Metrics directories of engines that died without cleaning up (kill -9, OOM): named
+    ``attention-metrics-<pid>-*``; a pid that is gone, or is this process's (a restarted
+    container's engine often gets its predecessor's pid), marks one stale."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        pid_text = name[len(METRICS_DIR_PREFIX):].split("-", 1)[0]
+        if not name.startswith(METRICS_DIR_PREFIX) or not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid():
+            try:
+                os.kill(pid, 0)
+                continue  # a live engine's (or another user's: not ours to judge)
+            except ProcessLookupError:
+                pass
+            except PermissionError:
+                continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
 def run_group(config: ServerConfig) -> int:
     count = config.process_count
-    metrics_dir = tempfile.mkdtemp(prefix="attention-metrics-")
+    _remove_stale_metrics_dirs()
+    metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     # Before prometheus_client is imported anywhere in this process or its children.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
     group = Group(config, count)
