@@ -1,0 +1,13 @@
+set -u
+R=/tmp/r4; rm -rf $R; mkdir -p $R
+(timeout 200 bash benchmarks/gpu_checks.sh $R >$R/install.log 2>&1)
+export PYTHONPATH=/tmp/app:/tmp/site PATH=/tmp/app/bin:$PATH TRITON_CACHE_DIR=/tmp/triton-cache
+nvidia-smi --query-gpu=name --format=csv,noheader > $R/gpu.txt
+timeout 330 bash benchmarks/gpu_checks.sh $R service-tests > $R/stages.log 2>&1
+echo "service-tests rc=$?"; tail -3 $R/service-tests.log 2>/dev/null
+for i in 1 2; do
+  timeout 100 python3 benchmarks/bench_service.py --duration 8 --warmup 2 --prime 3 --clients 64 --max-len 256 --out $R/service_$i > $R/service_$i.log 2>&1
+  grep -E "^ +64 " $R/service_$i.log
+done
+cp benchmarks/_tmp_final_a.sh $R/command.sh
+tar czf $OUT/r4.tgz -C /tmp r4
