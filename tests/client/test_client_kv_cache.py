@@ -404,6 +404,36 @@ def test_async_decode_loop(server):
     assert forked["length"] == 4 and after == []
 
 
+def test_async_client_asks_again_for_a_recycled_layout(server):
+    """The asyncio client's decode_step and decode_steps forget a remembered layout the
+    server refused, as the sync client's do."""
+    q = np.ones((1, H, D), np.float32)
+
+    async def main(other: AttentionClient) -> list[tuple[np.ndarray, np.ndarray]]:
+        got = []
+        async with AsyncAttentionClient(server.target) as c:
+            zeros = np.zeros((3, HKV, D), np.float32)
+            await c.kv_cache(HKV, D, "float32").append("arecycled", zeros, zeros)
+            await c.decode_step(q, ["arecycled"], store=False)  # remembered: HKV heads
+            async with c.decode_steps() as steps:
+                for step, kv_heads in ((c.decode_step, 2 * HKV), (steps.step, HKV)):
+                    other.release_caches("arecycled")
+                    k = make("numpy", "float32", 3, kv_heads, D, seed=kv_heads)
+                    other.kv_cache(kv_heads, D, "float32").append("arecycled", k, k)
+                    with pytest.raises(AttentionError) as info:
+                        await step(q, ["arecycled"], store=False)
+                    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+                    got.append((k, await step(q, ["arecycled"], store=False)))
+        return got
+
+    with AttentionClient(server.target) as other:
+        for k, out in asyncio.run(main(other)):
+            t = f64(torch.from_numpy(k))
+            check_out(out, reference.decode_ref(f64(torch.from_numpy(q)), t, t, cu([3])),
+                      "float32", q)
+        other.release_caches(all=True)
+
+
 def test_value_errors_before_anything_is_sent(client):
     cache = client.kv_cache(HKV, D, "float16")
     k = make("numpy", "float16", 6, HKV, D)
