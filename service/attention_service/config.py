@@ -99,6 +99,10 @@ class ServerConfig:
     # the caller's own device memory and count only towards the number.
     max_regions_per_caller: int = 64
     system_region_bytes_per_caller: int = 0
+    # Seconds a region may go unused before the server drops it (0 = never): a client killed
+    # without unregistering would otherwise hold its mapping (page-locked on cuda) and its
+    # caller's region quota until a restart. attention_client registers it again when needed.
+    region_ttl: float = 600.0
     # Server-side KV caches (CreateCaches / CacheDecode ...): the pool's bytes, allocated once
     # at start on the engine's device (0 = caches off; -1 = auto: a quarter of the device
     # memory free at start on cuda, 256 MiB of lazily touched host memory on cpu).
@@ -137,7 +141,8 @@ class ServerConfig:
             raise ValueError("tls_cert and tls_key must be given together")
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
-        for name in ("grace_seconds", "max_queue_delay_ms", "max_request_flops", "kv_cache_ttl"):
+        for name in ("grace_seconds", "max_queue_delay_ms", "max_request_flops", "kv_cache_ttl",
+                     "region_ttl"):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -174,6 +179,8 @@ class ServerConfig:
         ):
             raise ValueError("kv_cache_bytes_per_caller must be 0 (no limit) or at least one "
                              f"page (kv_page_bytes = {self.kv_page_bytes})")
+        if self.region_ttl < 0:
+            raise ValueError("region_ttl must be >= 0 (0 = never)")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
         if self.auth_token is not None and not all(self.tokens):
@@ -247,6 +254,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
                                int),
     "system_region_bytes_per_caller": ("--system-region-bytes-per-caller",
                                        "ATTENTION_SYSTEM_REGION_BYTES_PER_CALLER", int),
+    "region_ttl": ("--region-ttl", "ATTENTION_REGION_TTL", float),
     "kv_cache_bytes": ("--kv-cache-bytes", "ATTENTION_KV_CACHE_BYTES", int),
     "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
     "kv_cache_bytes_per_caller": ("--kv-cache-bytes-per-caller",

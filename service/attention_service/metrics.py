@@ -198,12 +198,14 @@ class LiveCollector(Collector):
     def __init__(
         self, info: EngineInfo, versions: dict[str, str], queue_depth: Callable[[Op], int],
         memory: Callable[[], tuple[int, int]], frontends: Callable[[], int],
-        kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0), *,
+        kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
+        regions: Callable[[], tuple[int, int]] = lambda: (0, 0), *,
         queue_capacity: int = 0,
         processes: Callable[[], list[tuple[str, int]]] = _own_process,
         gpu_uuid: str | None = None,
     ) -> None:
         """``kv_caches``: (pages used, pages total, caches live, caches expired so far);
+        ``regions``: (regions registered, regions dropped by the idle TTL so far);
         ``queue_capacity``: requests the queue holds (``--max-queue-size``); ``processes``:
         (role, pid) of every process to report; ``gpu_uuid``: the GPU to read NVML for."""
         self._info = info
@@ -213,6 +215,7 @@ class LiveCollector(Collector):
         self._memory = memory
         self._frontends = frontends
         self._kv_caches = kv_caches
+        self._regions = regions
         self._processes = processes
         self._nvml = NvmlGauges(gpu_uuid) if gpu_uuid else None
 
@@ -253,6 +256,12 @@ class LiveCollector(Collector):
                                 value=live)
         yield CounterMetricFamily("attention_kv_caches_expired",
                                   "KV caches released by the idle TTL.", value=expired)
+        regions, regions_expired = self._regions()
+        yield GaugeMetricFamily("attention_regions",
+                                "Shared-memory regions registered, all callers.", value=regions)
+        yield CounterMetricFamily("attention_regions_expired",
+                                  "Regions dropped by the idle TTL (--region-ttl).",
+                                  value=regions_expired)
         # Exposed as attention_device_info{...} 1.
         yield InfoMetricFamily(
             "attention_device", "Device and versions.",

@@ -9,6 +9,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -295,6 +296,28 @@ def test_regions_are_registered_again_after_a_server_restart() -> None:
             region.close()  # the new server never knew it: nothing to unregister, no error
             assert c.list_regions() == []
             _close(c.attention(q, k, v, CU, causal=True), ref)  # bytes now: no region left
+    finally:
+        running.stop()
+
+
+def test_a_region_the_server_dropped_as_idle_is_registered_again() -> None:
+    """--region-ttl: the server drops a region no call used for the TTL; the client's next
+    call registers it again and still travels through it."""
+    require_server()
+    running = start_server("--region-ttl", "0.3")
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    ref = _ref(q, k, v)[0]
+    try:
+        with AttentionClient(running.target, timeout=30) as c:
+            region = c.register_shm(1 << 20)
+            _close(c.attention(q, k, v, CU, causal=True), ref)
+            deadline = time.monotonic() + 10
+            while c.list_regions() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert c.list_regions() == []  # dropped by the server, not by the client
+            _close(c.attention(q, k, v, CU, causal=True), ref)
+            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+            assert [r["name"] for r in c.list_regions()] == [region.name]
     finally:
         running.stop()
 

@@ -321,7 +321,9 @@ def _health_or_gone(g: Group) -> str:
     try:
         return health_status(g.channel())
     except grpc.RpcError as err:
-        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        # CANCELLED: the probe reached an idle front end in the instant it stopped its server
+        # (its in-flight rpcs are cancelled; seen once in five runs on the 2-core dev box).
+        assert err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), err
         return "GONE"
 
 

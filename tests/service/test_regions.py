@@ -26,7 +26,9 @@ from .svc_helpers import (
     ServerHandle,
     prefill_oracle,
     random_qkv,
+    sample,
     spec,
+    wait_until,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -233,6 +235,67 @@ def test_a_registration_being_mapped_holds_its_name_key_and_room(
     assert reg.unregister("a", "") == 2
     reg.register("b", req("theirs", 4096))  # a's object is free again
     reg.close()
+
+
+def test_idle_regions_are_dropped_after_the_ttl(obj: Shm) -> None:
+    """A region no call has used for the TTL is dropped (its quota comes back, later calls get
+    NOT_FOUND); one a call holds is never dropped, however long the call; using a region
+    restarts its clock. A fake clock drives expire() directly (ttl 0 starts no sweeper)."""
+    from attention_service.engine import regions as regions_mod
+    from attention_service.errors import RequestError
+    from attention_service.params import RegionSpan
+
+    class _Cpu:
+        name = "cpu"
+
+    now = [100.0]
+    reg = regions_mod.RegionRegistry(_Cpu(), allowed=True, max_per_owner=2, clock=lambda: now[0])
+    reg.ttl = 10.0  # after construction: the test calls expire() itself
+
+    def req(name: str, offset: int) -> Any:
+        return pb.RegisterRegionRequest(name=name, byte_size=4096,
+                                        system=pb.SystemRegion(key=obj.key, offset=offset))
+
+    span = {"q": RegionSpan("held", 0, 16)}
+    reg.register("a", req("idle", 0))
+    reg.register("a", req("held", 8192))
+    with pytest.raises(RequestError):  # max_per_owner 2: full
+        reg.register("a", req("third", 16384))
+    now[0] += 9.0
+    _, release = reg.acquire("a", span)  # "held" is in use from here on
+    now[0] += 5.0  # "idle" unused for 14 s, "held" in use
+    assert reg.expire() == 1
+    assert reg.gauges() == (1, 1)
+    with pytest.raises(RequestError) as info:
+        reg.acquire("a", {"k": RegionSpan("idle", 0, 16)})
+    assert info.value.code == grpc.StatusCode.NOT_FOUND
+    reg.register("a", req("third", 16384))  # the dropped region's quota came back
+    now[0] += 60.0
+    assert reg.expire() == 1  # only "third": "held" is still in use, for 65 s now
+    assert [r.name for r in reg.call("ListRegions", None, "a").regions] == ["held"]
+    release()
+    now[0] += 9.0
+    assert reg.expire() == 0  # its clock restarted when the call let go
+    now[0] += 2.0
+    assert reg.expire() == 1 and reg.gauges() == (0, 3)
+    reg.close()
+
+
+def test_idle_regions_expire_on_a_server(start_server: Any, obj: Shm) -> None:
+    """--region-ttl end to end: the sweeper drops an unused region, the metrics count it, and
+    its name is free again."""
+    srv = start_server(region_ttl=0.3, metrics_port=0)
+    stub = srv.stub()
+    _register(stub, "short", obj.key, 4096)
+    m = srv.scrape()
+    assert sample(m, "attention_regions", "attention_regions") == 1
+    assert wait_until(lambda: not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions,
+                      timeout=10)
+    m = srv.scrape()
+    assert sample(m, "attention_regions", "attention_regions") == 0
+    assert sample(m, "attention_regions_expired", "attention_regions_expired_total") == 1
+    _register(stub, "short", obj.key, 4096)  # the name is free again
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10)
 
 
 def test_registration_off_where_it_must_be(start_server: Any, obj: Shm) -> None:

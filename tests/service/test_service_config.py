@@ -62,6 +62,8 @@ def test_empty_env_means_unset() -> None:
         (["--max-queue-delay-ms", "nan"], {}),
         ([], {"ATTENTION_KV_CACHE_TTL": "nan"}),
         (["--kv-cache-ttl", "inf"], {}),
+        ([], {"ATTENTION_REGION_TTL": "nan"}),
+        (["--region-ttl", "-1"], {}),
         (["--log-level", "verbose"], {}),  # a traceback from logging before
         (["--kv-cache-bytes", "4096", "--kv-page-bytes", "8192"], {}),
     ],

@@ -83,6 +83,7 @@ class EngineCore:
             backend, allowed=config.regions_allowed,
             max_per_owner=config.max_regions_per_caller,
             system_bytes_per_owner=config.system_region_bytes_per_caller,
+            ttl_seconds=config.region_ttl,
         )
         self.caches = CacheRegistry(
             _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,

@@ -22,6 +22,10 @@ Safety rules:
   RESOURCE_EXHAUSTED past either, checked before anything is mapped;
 * every span is bounds-checked against its region (INVALID_ARGUMENT naming the field);
 * a region dropped while calls use it stays mapped until the last of them finishes;
+* a region no call has used for ``--region-ttl`` seconds is dropped (never while a call uses
+  it): a client that died without unregistering (kill -9) would otherwise keep it mapped, and
+  page-locked, and counted against its caller's limits, until the server restarts.
+  ``attention_client`` registers a region the server dropped again on its next call;
 * keys are one path component under /dev/shm, opened without following symlinks.
 
 A system region's object must not shrink while registered: the server would fault on pages
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +75,7 @@ class _Region:
     key: str = ""  # a system region's object (``shm.check_key`` form); "" for cuda
     inflight: int = 0
     dropped: bool = False
+    last_used: float = 0.0  # the clock's time when a call last let go of it (or registered)
     base: ByteBase = field(init=False)
 
     def __post_init__(self) -> None:
@@ -99,17 +105,28 @@ def pin(tensor: torch.Tensor, nbytes: int) -> Callable[[], None]:
 class RegionRegistry:
     def __init__(
         self, backend: Any, allowed: bool, max_per_owner: int = 64,
-        system_bytes_per_owner: int = 0,
+        system_bytes_per_owner: int = 0, ttl_seconds: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``max_per_owner``: regions one owner may hold; ``system_bytes_per_owner``: bytes
-        of its system regions together (0 = no limit)."""
+        of its system regions together (0 = no limit); ``ttl_seconds``: idle seconds after
+        which a region is dropped (0 = never)."""
         self.backend = backend
         self.allowed = allowed
         self.max_per_owner = max_per_owner
         self.system_bytes_per_owner = system_bytes_per_owner
+        self.ttl = ttl_seconds
+        self._clock = clock
         self._lock = threading.Lock()
         self._regions: dict[tuple[str, str], _Region] = {}
         self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
+        self.expired_total = 0  # regions dropped by the TTL (a metric)
+        self._stop = threading.Event()
+        self._sweeper: threading.Thread | None = None
+        if allowed and ttl_seconds > 0:
+            self._sweeper = threading.Thread(target=self._sweep_loop, name="region-ttl",
+                                             daemon=True)
+            self._sweeper.start()
 
     # ---- rpcs --------------------------------------------------------------------------
 
@@ -164,6 +181,7 @@ class RegionRegistry:
             raise
         with self._lock:
             del self._claims[slot]
+            region.last_used = self._clock()
             self._regions[slot] = region
         log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
         return region.info()
@@ -257,8 +275,10 @@ class RegionRegistry:
             released = True
             with self._lock:
                 to_close = []
+                now = self._clock()
                 for region in held:
                     region.inflight -= 1
+                    region.last_used = now
                     if region.dropped and region.inflight == 0:
                         to_close.append(region)
             for region in to_close:
@@ -266,8 +286,42 @@ class RegionRegistry:
 
         return views, release
 
+    def expire(self) -> int:
+        """Drop every region no call has used for the TTL; returns how many."""
+        if self.ttl <= 0:
+            return 0
+        with self._lock:
+            cutoff = self._clock() - self.ttl
+            old = [k for k, r in self._regions.items()
+                   if r.inflight == 0 and r.last_used < cutoff]
+            gone = [self._regions.pop(k) for k in old]
+            for r in gone:
+                r.dropped = True
+            self.expired_total += len(gone)
+        for r in gone:
+            self._close(r)
+            log.info("region %s (%s, %d bytes) of %s dropped after %.0f s unused (--region-ttl)",
+                     r.name, r.kind, r.size, "a caller" if r.owner else "anonymous", self.ttl)
+        return len(gone)
+
+    def gauges(self) -> tuple[int, int]:
+        """(regions registered, all callers; regions dropped by the TTL so far)."""
+        with self._lock:
+            return len(self._regions), self.expired_total
+
+    def _sweep_loop(self) -> None:
+        period = min(max(self.ttl / 8, 0.05), 30.0)
+        while not self._stop.wait(period):
+            try:
+                self.expire()
+            except Exception:  # never lose the sweeper
+                log.exception("region expiry failed")
+
     def close(self) -> None:
         """Engine shutdown: drop every region (mappings go as their calls finish)."""
+        self._stop.set()
+        if self._sweeper is not None:
+            self._sweeper.join(timeout=5)
         with self._lock:
             owners = {o for o, _ in self._regions}
         for owner in owners:
