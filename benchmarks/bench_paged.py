@@ -56,13 +56,30 @@ SMOKE_PREFILL = [("2x(32 cached + 8 new)", [8] * 2, [40] * 2), ("1x48", [48], [4
 PAGE_ALIGN = 256
 
 
+def page_order(num_pages: int, page_bytes: int, order: str,
+               gen: torch.Generator) -> torch.Tensor:
+    """The pool's pages in the order sequences take them: ``shuffled`` (any page anywhere, as
+    a pool long in use hands them out), ``sequential``, or ``runs`` (runs of 2 MiB of
+    consecutive pages, the runs shuffled)."""
+    if order == "sequential":
+        return torch.arange(num_pages, dtype=torch.int32)
+    if order == "shuffled":
+        return torch.randperm(num_pages, generator=gen).to(torch.int32)
+    run = max(1, (2 << 20) // page_bytes)
+    starts = torch.randperm(triton.cdiv(num_pages, run), generator=gen) * run
+    ids = (starts[:, None] + torch.arange(run)[None, :]).flatten()
+    return ids[ids < num_pages].to(torch.int32)
+
+
 def paged_copy(k: torch.Tensor, v: torch.Tensor, lens: list[int], page_tokens: int,
                gen: torch.Generator, like: tuple[torch.Tensor, torch.Tensor] | None = None,
+               order: str = "shuffled",
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``k, v [total, H_kv, D]`` packed by ``lens`` copied into a shuffled page pool laid out as
-    the server's (K then V in each page, the page rounded up to 256 bytes). Returns ``(k_pages,
-    v_pages, block_table, seqlens_k)``. ``like``: an earlier call's ``(block_table,
-    seqlens_k)``, returned again with a pool of their layout (another layer's cache)."""
+    """``k, v [total, H_kv, D]`` packed by ``lens`` copied into a page pool laid out as the
+    server's (K then V in each page, the page rounded up to 256 bytes), pages taken in
+    ``order`` (``page_order``). Returns ``(k_pages, v_pages, block_table, seqlens_k)``.
+    ``like``: an earlier call's ``(block_table, seqlens_k)``, returned again with a pool of
+    their layout (another layer's cache)."""
     _, kv_heads, d = k.shape
     row, itemsize = kv_heads * d, k.element_size()
     page_bytes = triton.cdiv(2 * page_tokens * row * itemsize, PAGE_ALIGN) * PAGE_ALIGN
@@ -74,7 +91,7 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, lens: list[int], page_tokens: i
     k_pages = typed.as_strided(shape, strides, 0)
     v_pages = typed.as_strided(shape, strides, page_tokens * row)
     if like is None:
-        perm = torch.randperm(num_pages, generator=gen).to(torch.int32)
+        perm = page_order(num_pages, page_bytes, order, gen)
         table = torch.full((len(lens), max(per_seq)), -1, dtype=torch.int32)
         first = 0
         for b, n in enumerate(per_seq):
@@ -100,7 +117,8 @@ def cu(lengths: list[int], device: torch.device) -> torch.Tensor:
 
 
 def decode_rows(shapes: list[tuple[int, int, int]], page_sizes: list[int], heads: int,
-                kv_heads: int, timer: Timer, device: torch.device) -> list[dict]:
+                kv_heads: int, timer: Timer, device: torch.device,
+                orders: tuple[str, ...] = ("shuffled",)) -> list[dict]:
     rows = []
     gen = torch.Generator().manual_seed(0)
     for batch, ctx, d in shapes:
@@ -136,10 +154,12 @@ def decode_rows(shapes: list[tuple[int, int, int]], page_sizes: list[int], heads
             except RuntimeError as e:  # backend unavailable for this shape
                 base["cudnn_error"] = str(e).splitlines()[0][:120]
             del kd, vd
-        for page_tokens in page_sizes:
-            k_pages, v_pages, table, seqlens = paged_copy(k, v, lens, page_tokens, gen)
+        for page_tokens, order in ((p, o) for p in page_sizes for o in orders):
+            k_pages, v_pages, table, seqlens = paged_copy(k, v, lens, page_tokens, gen,
+                                                          order=order)
             paged = lambda: paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=ctx)
-            row = {**base, "page_tokens": page_tokens, "check_rel_err": rel(paged(), want)}
+            row = {**base, "page_tokens": page_tokens, "order": order,
+                   "check_rel_err": rel(paged(), want)}
             if not row["check_rel_err"] < CHECK_TOL:
                 raise SystemExit(f"paged decode check failed: {row}")
             row["paged_GBps"] = nbytes / timer.ms(paged) / 1e6
@@ -207,7 +227,8 @@ def prefill_rows(cases: list[tuple[str, list[int], list[int]]], page_sizes: list
 def print_row(row: dict) -> None:
     if row["kind"] == "decode":
         print(f"decode B={row['B']:<4d} ctx={row['ctx']:<6d} D={row['D']:<3d} "
-              f"page={row['page_tokens']:<3d} paged {row['paged_GBps']:7.0f} GB/s | contiguous "
+              f"page={row['page_tokens']:<3d} {row['order']:<10} paged "
+              f"{row['paged_GBps']:7.0f} GB/s | contiguous "
               f"{row['contiguous_GBps']:7.0f} | cudnn {row.get('cudnn_GBps', math.nan):7.0f} | "
               f"paged/contig {row['paged_over_contiguous']:5.2f} | paged/cudnn "
               f"{row['paged_over_cudnn']:5.2f} | GPU time (graph) us paged "
@@ -234,15 +255,16 @@ def markdown(rows: list[dict], meta: dict) -> str:
              f"## Decode ({HEADS if not meta['smoke'] else SMOKE_HEADS} q / "
              f"{KV_HEADS if not meta['smoke'] else SMOKE_KV_HEADS} kv heads, bf16): GB/s of "
              "K+V read (do_bench median)", "",
-             "| B | ctx | D | page | paged | contiguous | cuDNN | paged/contig | paged/cuDNN "
+             "| B | ctx | D | page | pages taken | paged | contiguous | cuDNN | paged/contig "
+             "| paged/cuDNN "
              "| GPU us paged | GPU us contig | GPU us cuDNN | paged/contig (GPU) "
              "| paged/cuDNN (GPU) | cold us paged | cold us contig | cold us cuDNN "
              "| paged/contig (cold) | paged/cuDNN (cold) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["kind"] == "decode":
             lines.append(
-                f"| {r['B']} | {r['ctx']} | {r['D']} | {r['page_tokens']} | "
+                f"| {r['B']} | {r['ctx']} | {r['D']} | {r['page_tokens']} | {r['order']} | "
                 f"{f(r['paged_GBps'])} | {f(r['contiguous_GBps'])} | "
                 f"{f(r.get('cudnn_GBps', math.nan))} | {f(r['paged_over_contiguous'], 2)} | "
                 f"{f(r['paged_over_cudnn'], 2)} | {f(r['paged_graph_us'], 1)} | "
@@ -275,12 +297,21 @@ def main() -> None:
     parser.add_argument("--page-tokens", default="16,64",
                         help="comma-separated page sizes in tokens (default 16,64)")
     parser.add_argument("--quick", action="store_true", help="first three decode shapes only")
+    parser.add_argument("--page-order", default="shuffled",
+                        help="decode: the order sequences take the pool's pages in, comma-"
+                             "separated: shuffled (default; a pool long in use), sequential, "
+                             "runs (2 MiB runs of consecutive pages, the runs shuffled)")
+    parser.add_argument("--shapes", default="",
+                        help="decode shapes B:ctx:D, comma-separated (default: the six above)")
     parser.add_argument("--only", choices=["decode", "prefill"], action="append")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes on the CPU (needs TRITON_INTERPRET=1): checks the "
                              "script, times nothing meaningful")
     args = parser.parse_args()
     page_sizes = [int(p) for p in args.page_tokens.split(",") if p]
+    orders = tuple(x for x in args.page_order.split(",") if x)
+    if not orders or set(orders) - {"shuffled", "sequential", "runs"}:
+        parser.error("--page-order takes shuffled, sequential and/or runs")
     if not page_sizes or min(page_sizes) < 1:
         parser.error("--page-tokens needs positive integers")
     if args.smoke:
@@ -311,7 +342,9 @@ def main() -> None:
     rows: list[dict] = []
     if "decode" in only:
         shapes = SMOKE_DECODE if args.smoke else DECODE_SHAPES[: 3 if args.quick else None]
-        rows += decode_rows(shapes, page_sizes, heads, kv_heads, timer, device)
+        if args.shapes:
+            shapes = [tuple(int(x) for x in s.split(":")) for s in args.shapes.split(",")]
+        rows += decode_rows(shapes, page_sizes, heads, kv_heads, timer, device, orders)
     if "prefill" in only:
         cases = SMOKE_PREFILL if args.smoke else PREFILL_CASES
         rows += prefill_rows(cases, page_sizes, heads, kv_heads, 64 if args.smoke else 128,
