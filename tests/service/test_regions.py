@@ -269,6 +269,8 @@ def test_idle_regions_are_dropped_after_the_ttl(obj: Shm) -> None:
     with pytest.raises(RequestError) as info:
         reg.acquire("a", {"k": RegionSpan("idle", 0, 16)})
     assert info.value.code == grpc.StatusCode.NOT_FOUND
+    assert info.value.details.startswith("header.regions.k.region:")
+    assert "--region-ttl" in info.value.details
     reg.register("a", req("third", 16384))  # the dropped region's quota came back
     now[0] += 60.0
     assert reg.expire() == 1  # only "third": "held" is still in use, for 65 s now

@@ -254,7 +254,10 @@ class RegionRegistry:
                 field = f"header.regions.{name}"
                 region = self._regions.get((owner, span.region))
                 if region is None:
-                    raise not_found(f"{field}.region", f"no region {span.region!r} is registered")
+                    raise not_found(
+                        f"{field}.region", f"no region {span.region!r} is registered (never, "
+                        "unregistered, unused for --region-ttl seconds, or the server restarted: "
+                        "register it again)")
                 if span.end > region.size:
                     raise invalid(
                         field, f"bytes [{span.offset}, {span.end}) run past the end of region "
