@@ -31,6 +31,7 @@ import numpy as np
 
 from attention_service.engine.jobs import CacheWork
 from attention_service.engine.kv_pool import KvPool, Layout
+from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
     ELEMENT_BYTES,
@@ -93,12 +94,8 @@ class CacheRegistry:
         self._caches: dict[tuple[str, str], _Cache] = {}
         self._per_owner: dict[str, int] = {}
         self.expired_total = 0  # caches released by the TTL (a metric)
-        self._stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
-        if pool is not None and ttl_seconds > 0:
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="kv-cache-ttl",
-                                             daemon=True)
-            self._sweeper.start()
+        self._sweeper = (Sweeper("kv-cache-ttl", ttl_seconds, self.expire)
+                         if pool is not None and ttl_seconds > 0 else None)
 
     # ---- accounting (metrics, ServerInfo) -----------------------------------------------
 
@@ -115,9 +112,8 @@ class CacheRegistry:
                     self.expired_total)
 
     def close(self) -> None:
-        self._stop.set()
         if self._sweeper is not None:
-            self._sweeper.join(timeout=5)
+            self._sweeper.stop()
 
     # ---- the data ops -------------------------------------------------------------------
 
@@ -372,14 +368,6 @@ class CacheRegistry:
             log.info("kv cache %r of %s expired after %.0f s idle", c.cache_id,
                      "a caller" if c.owner else "anonymous", self.ttl)
         return len(old)
-
-    def _sweep_loop(self) -> None:
-        period = min(max(self.ttl / 8, 0.05), 30.0)
-        while not self._stop.wait(period):
-            try:
-                self.expire()
-            except Exception:  # never lose the sweeper
-                log.exception("kv cache expiry failed")
 
 
 def _layout_msg(c: _Cache) -> pb.CacheLayout:

@@ -49,6 +49,7 @@ import grpc
 import torch
 
 from attention_service.engine.jobs import ByteBase
+from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import RegionSpan
 from attention_wire import cuda_ipc, shm
@@ -121,12 +122,8 @@ class RegionRegistry:
         self._regions: dict[tuple[str, str], _Region] = {}
         self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
         self.expired_total = 0  # regions dropped by the TTL (a metric)
-        self._stop = threading.Event()
-        self._sweeper: threading.Thread | None = None
-        if allowed and ttl_seconds > 0:
-            self._sweeper = threading.Thread(target=self._sweep_loop, name="region-ttl",
-                                             daemon=True)
-            self._sweeper.start()
+        self._sweeper = (Sweeper("region-ttl", ttl_seconds, self.expire)
+                         if allowed and ttl_seconds > 0 else None)
 
     # ---- rpcs --------------------------------------------------------------------------
 
@@ -312,19 +309,10 @@ class RegionRegistry:
         with self._lock:
             return len(self._regions), self.expired_total
 
-    def _sweep_loop(self) -> None:
-        period = min(max(self.ttl / 8, 0.05), 30.0)
-        while not self._stop.wait(period):
-            try:
-                self.expire()
-            except Exception:  # never lose the sweeper
-                log.exception("region expiry failed")
-
     def close(self) -> None:
         """Engine shutdown: drop every region (mappings go as their calls finish)."""
-        self._stop.set()
         if self._sweeper is not None:
-            self._sweeper.join(timeout=5)
+            self._sweeper.stop()
         with self._lock:
             owners = {o for o, _ in self._regions}
         for owner in owners:
