@@ -265,6 +265,12 @@ def test_a_region_too_large_is_refused_and_leaves_no_object(srv: RunningServer) 
     assert set(os.listdir("/dev/shm")) == before
 
 
+def _qkv_ref():  # type: ignore[no-untyped-def]
+    """Random q, k, v of the CU layout and the reference output of a causal call on them."""
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    return q, k, v, _ref(q, k, v)[0]
+
+
 def _restart(running: RunningServer) -> RunningServer:
     """Stop the server and start a new one on the same port: regions are gone."""
     port = running.port
@@ -278,8 +284,7 @@ def test_regions_are_registered_again_after_a_server_restart() -> None:
     region the server forgot is quiet."""
     require_server()
     running = start_server()
-    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
-    ref = _ref(q, k, v)[0]
+    q, k, v, ref = _qkv_ref()
     try:
         with AttentionClient(running.target, timeout=30) as c:
             region = c.register_shm(1 << 20)
@@ -305,8 +310,7 @@ def test_a_region_the_server_dropped_as_idle_is_registered_again() -> None:
     call registers it again and still travels through it."""
     require_server()
     running = start_server("--region-ttl", "0.3")
-    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
-    ref = _ref(q, k, v)[0]
+    q, k, v, ref = _qkv_ref()
     try:
         with AttentionClient(running.target, timeout=30) as c:
             region = c.register_shm(1 << 20)
@@ -325,8 +329,7 @@ def test_a_region_the_server_dropped_as_idle_is_registered_again() -> None:
 def test_async_regions_are_registered_again_after_a_server_restart() -> None:
     require_server()
     running = start_server()
-    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
-    ref = _ref(q, k, v)[0]
+    q, k, v, ref = _qkv_ref()
 
     async def main() -> None:
         nonlocal running
