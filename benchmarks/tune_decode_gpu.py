@@ -30,6 +30,7 @@ ab: a shuffled pool laid out as the server's; the others: pages in order);
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
 import json
 import statistics
@@ -367,7 +368,12 @@ def _base_rules(path: Path):
                                                        cfg.num_stages), *args, **kwargs)
         return Config(got.block_n, got.num_warps, got.num_stages)
 
-    return shape_config, mod.paged_split_count
+    def split_count(num_splits, est_seqlen, block_n, *rest):
+        # A base from before the rule took (units, SMs) is called without them.
+        params = inspect.signature(mod.paged_split_count).parameters
+        return mod.paged_split_count(num_splits, est_seqlen, block_n, *rest[:len(params) - 3])
+
+    return shape_config, split_count
 
 
 def sweep_ab(base: Path, rounds: int) -> list[dict]:
@@ -381,6 +387,8 @@ def sweep_ab(base: Path, rounds: int) -> list[dict]:
         sets, packed = input_sets(batch, ctx, gen)
         ref = decode(*packed[0])
         runs: dict[str, list[float]] = {"new": [], "base": [], "cudnn": []}
+        if PAGE:  # the same keys packed, through contiguous decode: paged's yardstick
+            runs["contiguous"] = []
         launches = {}
         for _ in range(rounds):
             for name, (shape_config, split_count) in sides.items():
@@ -397,6 +405,9 @@ def sweep_ab(base: Path, rounds: int) -> list[dict]:
                     raise SystemExit(f"B={batch} ctx={ctx} {name}: {us}")
                 runs[name].append(us)
             runs["cudnn"].append(cold_us(cudnn_packed(batch, ctx), packed))
+            if PAGE:
+                runs["contiguous"].append(cold_us(
+                    lambda q, k, v, cu: decode(q, k, v, cu, max_seqlen_k=ctx), packed))
         dk.decode_shape_config, dk.paged_split_count = sides["new"]
         dk._PLANS.clear()
         med = {name: statistics.median(r) for name, r in runs.items()}
@@ -404,7 +415,9 @@ def sweep_ab(base: Path, rounds: int) -> list[dict]:
                      **{f"{n}_us": m for n, m in med.items()}})
         print(f"B={batch} ctx={ctx} page {PAGE}: new {launches['new']} {med['new']:.2f} us | "
               f"base {launches['base']} {med['base']:.2f} | cuDNN {med['cudnn']:.2f} | "
-              f"new/base {med['base'] / med['new']:.3f}x (> 1: new faster)", flush=True)
+              f"new/base {med['base'] / med['new']:.3f}x (> 1: new faster)"
+              + (f" | contiguous {med['contiguous']:.2f}: new {med['contiguous'] / med['new']:.3f}x"
+                 f", base {med['contiguous'] / med['base']:.3f}x" if PAGE else ""), flush=True)
     return rows
 
 

@@ -71,6 +71,19 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+@functools.cache
+def dram_gbps(device_index: int) -> float:
+    """The GPU's DRAM bandwidth in GB/s from its memory clock and bus width (the driver's
+    figures, as ``triton.testing.get_dram_gbps``): H100 SXM 3352, H200 about 4.8K; 0.0 where
+    the driver cannot say."""
+    try:
+        import triton.testing
+
+        return float(triton.testing.get_dram_gbps(device_index))
+    except Exception:  # noqa: BLE001 (no CUDA driver, an older Triton: no bandwidth rules)
+        return 0.0
+
+
 # (padded head dim, causal) -> config, for Hopper (sm_90) with 16-bit inputs. Measured with
 # benchmarks/tune_kernels.py on an H100 (bf16, N = 8K, 2048 / D heads; results/tune_*.json):
 # D128: 128x128, 8 warps, 3 stages gave 459 / 447 TFLOP/s (full / causal); the next best was
@@ -245,6 +258,7 @@ SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)
 SHORT_PAGED_SPLIT_TILE = DecodeConfig(32, 2, 3)
+PAGED_MANY_PROGRAMS_TILE = DecodeConfig(64, 2, 2)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
@@ -272,6 +286,11 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       so fewer and fuller waves than 3 per SM). 128 x 2K (1024 programs): 374.8 -> 352.4 us
       (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
       those starve the SMs at fewer programs).
+      Pages take 2 warps there (``PAGED_MANY_PROGRAMS_TILE``): 128 x 2K, 64-token pages,
+      ``--sweep ab --page 64`` (medians of 3 turns, 2026-11-27), 64 keys x 4 warps x 3 stages
+      -> 64 x 2 x 2: H200 263.2 -> 239.1 us (contiguous keys 247.6, cuDNN 242.0; 16-token
+      pages 263.6 -> 243.8), H100 354.7 -> 354.1 (352.1). ``--sweep configs --page 64`` on
+      the H200: 64 x 4 x 2 253.9, 32 x 2 x 3 245.5, 64 x 2 x 2 244.6 us.
 
     ``paged`` (``paged_decode``, bf16 pages): the first rule; splits of at most two 64-key
     blocks in 2 stages rather than 3 (a 2-trip loop fills no deeper pipeline); splits of three
@@ -294,30 +313,54 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
         return MANY_PROGRAMS_TILE
     if paged and num_splits > 1 and split_len <= 4 * cfg.block_n:
         return SHORT_PAGED_SPLIT_TILE
-    if num_splits == 1 and programs > 4 * sms and not paged:
-        return MANY_PROGRAMS_TILE
+    if num_splits == 1 and programs > 4 * sms:
+        return PAGED_MANY_PROGRAMS_TILE if paged else MANY_PROGRAMS_TILE
     return cfg
 
 
 # paged_split_count doubles the splits where they hold at most this many key blocks.
 PAGED_DOUBLE_MAX_BLOCKS = 8
+# ... and, on GPUs of at least PAGED_LONG_SPLIT_SM_GBPS of DRAM bandwidth per SM, where the
+# (sequence, kv head, split) programs are at most one per SM in splits of at least
+# PAGED_LONG_SPLIT_BLOCKS blocks.
+PAGED_LONG_SPLIT_BLOCKS = 16
+PAGED_LONG_SPLIT_SM_GBPS = 30.0
 
 
-def paged_split_count(num_splits: int, est_seqlen: int, block_n: int) -> int:
+def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int = 0,
+                      sms: int = 0, gbps: float = 0.0) -> int:
     """Paged decode's split count on Hopper, from the automatic one (``num_splits``, about one
-    program per SM): twice as many where splits hold 4 to ``PAGED_DOUBLE_MAX_BLOCKS`` key
-    blocks (the halves keep two or more). A paged split waits on a table entry before each
-    block's loads, so short splits leave the SMs waiting; two programs per SM hide it.
+    program per SM; ``units`` (sequence, kv head) pairs over ``sms`` SMs of ``gbps`` DRAM
+    GB/s in all). A paged split waits on a table entry before each block's loads (the
+    look-up, its page offset and the block's async copies form one chain the loop's
+    pipeliner cannot split); a second program on the SM hides that wait.
 
-    H100, 2026-11-24, GPU time (CUDA graph), 32q/8kv bf16, a shuffled pool of 64-token pages
-    (256 KiB, the server's default at 8 kv heads x 128), ``tune_decode_gpu.py --sweep
-    paged-rule --page 64``, medians of 3 turns, automatic -> doubled splits: D 128 (64-key
-    blocks) 1 x 4K 8.3 -> 7.5 us (then 2 stages, ``decode_shape_config``; contiguous 7.5),
-    2 x 4K 12.1 -> 10.9 (10.5), 1 x 8K 12.2 -> 10.9 (10.4); D 64 (128-key blocks) 2 x 8K
-    12.8 -> 11.6 (11.7). 16-token pages alike (1 x 8K 12.2 -> 11.5). Splits of 16 blocks
-    lost: D 128 1 x 16K 27.5 -> 28.3, 4 x 4K 27.9 -> 28.1; and of 32: 1 x 32K 48.6 -> 50.2."""
+    Short splits: twice as many where splits hold 4 to ``PAGED_DOUBLE_MAX_BLOCKS`` key blocks
+    (the halves keep two or more). H100, 2026-11-24, GPU time (CUDA graph), 32q/8kv bf16, a
+    shuffled pool of 64-token pages (256 KiB, the server's default at 8 kv heads x 128),
+    ``tune_decode_gpu.py --sweep paged-rule --page 64``, medians of 3 turns, automatic ->
+    doubled splits: D 128 (64-key blocks) 1 x 4K 8.3 -> 7.5 us (then 2 stages,
+    ``decode_shape_config``; contiguous 7.5), 2 x 4K 12.1 -> 10.9 (10.5), 1 x 8K 12.2 -> 10.9
+    (10.4); D 64 (128-key blocks) 2 x 8K 12.8 -> 11.6 (11.7). 16-token pages alike (1 x 8K
+    12.2 -> 11.5).
+
+    Long splits, one program per SM: twice as many on GPUs whose DRAM feeds each SM at least
+    ``PAGED_LONG_SPLIT_SM_GBPS`` (an H200's ~36 GB/s per SM needs more bytes in flight per
+    SM than one program keeps there while it waits on a look-up; an H100's ~25 does not).
+    ``tune_decode_gpu.py --sweep ab --page 64`` (medians of 3 turns, 2026-11-27), GPU time
+    base -> doubled, contiguous keys in brackets. H200: 8 x 8K 70.9 -> 65.0 us (66.0), 1 x 32K
+    38.2 -> 36.0 (36.1), 1 x 16K 22.2 -> 21.3 (21.1), 4 x 4K 22.3 -> 21.2 (20.9), 16 x 4K
+    66.1 -> 65.1 (63.8), 16 x 32K 494 -> 471 (481), 1 x 64K 70.3 -> 65.0 (66.0); D 64: 8 x 8K
+    40.5 -> 36.6 (37.3), 16 x 8K 71.8 -> 66.5 (70.4), 4 x 32K 73.9 -> 65.9 (68.4); 16-token
+    pages: 8 x 8K 70.7 -> 65.7, 1 x 32K 38.9 -> 36.5, 16 x 4K 72.0 -> 65.6. H100, the same
+    shapes: 8 x 8K 94.1 -> 94.2 (90.2), 1 x 32K 49.6 -> 50.2 (48.4), 1 x 16K 27.8 -> 28.3,
+    16 x 4K 91.5 -> 94.1, 16 x 32K 700 -> 708; D 64 16 x 8K 93.6 -> 99.6 (89.1): no gain
+    anywhere, so not there."""
     split_len = -(-est_seqlen // max(num_splits, 1))
     if num_splits > 1 and 4 * block_n <= split_len <= PAGED_DOUBLE_MAX_BLOCKS * block_n:
+        return 2 * num_splits
+    if (0 < units * num_splits <= sms and gbps >= PAGED_LONG_SPLIT_SM_GBPS * sms
+            and split_len >= PAGED_LONG_SPLIT_BLOCKS * block_n):
         return 2 * num_splits
     return num_splits
 

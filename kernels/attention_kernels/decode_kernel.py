@@ -72,6 +72,7 @@ from attention_kernels.configs import (
     decode_config,
     decode_shape_config,
     dot_in_fp32,
+    dram_gbps,
     interpreting,
     num_sms,
     padded_head_dim,
@@ -667,7 +668,8 @@ def _plan(
     if num_splits == 0:
         num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
         if sms and table is not None:
-            num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n)
+            num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n,
+                                           batch * num_kv_heads, sms, _dram_gbps(q.device))
     num_splits = min(num_splits, MAX_SPLITS)
     block_d = padded_head_dim(head_dim)
     if sms:
@@ -786,6 +788,12 @@ def _merge_splits(merge_g: int, block_d: int, tile_elems: int) -> int:
     """Splits per merge step: the largest power of two whose tile fits ``tile_elems``."""
     per_split = merge_g * block_d
     return max(1, 1 << max(0, (tile_elems // per_split).bit_length() - 1))
+
+
+def _dram_gbps(device: torch.device) -> float:
+    """``device``'s DRAM GB/s where the shape rules were measured (Hopper GPUs), else 0."""
+    index = _hopper_index(device)
+    return 0.0 if index is None else dram_gbps(index)
 
 
 def _shape_rule_sms(device: torch.device) -> int:

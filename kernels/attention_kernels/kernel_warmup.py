@@ -24,6 +24,7 @@ from triton import knobs
 from attention_kernels.configs import (
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
+    PAGED_MANY_PROGRAMS_TILE,
     SHORT_PAGED_SPLIT_TILE,
     interpreting,
     many_programs,
@@ -243,10 +244,11 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                     for lse in lse_flags:
                         calls.append(functools.partial(paged_decode, qd, pages, pages, t, lens,
                                                        num_splits=1, return_lse=lse))
-                        if rule:  # the one-split rule's tile
-                            calls.append(functools.partial(
-                                paged_decode, qd, pages, pages, t, lens, num_splits=1,
-                                return_lse=lse, _config=ONE_SPLIT_TILE))
+                        if rule:  # the one-split rules' tiles
+                            for tile in (ONE_SPLIT_TILE, PAGED_MANY_PROGRAMS_TILE):
+                                calls.append(functools.partial(
+                                    paged_decode, qd, pages, pages, t, lens, num_splits=1,
+                                    return_lse=lse, _config=tile))
                     # The tile named: these splits are short, and on Hopper short paged
                     # splits take the short-split tiles (decode_shape_config), compiled next.
                     calls += splits(paged_decode, pages, pages, t, lens,

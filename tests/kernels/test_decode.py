@@ -148,7 +148,9 @@ def test_shape_config_rule() -> None:
     # 32-key blocks of 2 warps.
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
         32, 4, 2)
-    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DECODE_TILE
+    # More than 4 per SM on pages: 2 warps (H200, 128 x 2K).
+    assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DecodeConfig(
+        64, 2, 2)
     assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, paged=True) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 32, 128, sms, d, paged=True) == DecodeConfig(
         64, 4, 2)

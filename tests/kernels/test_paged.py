@@ -320,6 +320,28 @@ def test_paged_split_count(splits: int, est: int, block_n: int, want: int) -> No
     assert paged_split_count(splits, est, block_n) == want
 
 
+@pytest.mark.parametrize(("splits", "est", "block_n", "units", "want"), [
+    (2, 8192, 64, 64, 4),  # 8 x 8K at 8 kv heads: 128 programs of 64 blocks -> 256
+    (16, 32768, 64, 8, 32),  # 1 x 32K: 32 blocks per split
+    (16, 16384, 64, 8, 32),  # 1 x 16K: 16 blocks, the least that doubles
+    (16, 15360, 64, 8, 16),  # 15 blocks: neither rule
+    (2, 8192, 128, 64, 4),  # D 64's 128-key blocks
+    (1, 4096, 64, 128, 2),  # 16 x 4K: one split, one program per SM
+    (1, 4096, 64, 256, 1),  # 32 x 4K: two programs per SM already
+    (2, 8192, 64, 67, 2),  # 134 programs: more than the SMs
+    (16, 8192, 64, 8, 32),  # 8 blocks: the short-split rule
+])
+def test_paged_split_count_one_program_per_sm(splits: int, est: int, block_n: int, units: int,
+                                              want: int) -> None:
+    """Where a launch would put about one program on each of 132 SMs of an H200's bandwidth,
+    long splits halve; at an H100's they stay."""
+    from attention_kernels.configs import paged_split_count
+
+    assert paged_split_count(splits, est, block_n, units, 132, 4800.0) == want
+    h100 = splits * 2 if est // splits <= 8 * block_n else splits  # the short-split rule only
+    assert paged_split_count(splits, est, block_n, units, 132, 3352.0) == h100
+
+
 def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a (faked) H100 a paged 1 x 4K decode takes twice the automatic splits and
     runs them in 2 stages, and 1 x 8K in the short paged splits' tile; contiguous keys keep
@@ -354,6 +376,37 @@ def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
                                      else (16, DECODE_TILE))
                 assert (splits, cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]) == (
                     want_splits, tile.block_n, tile.num_warps, tile.num_stages)
+    finally:
+        decode_kernel._PLANS.clear()
+
+
+@pytest.mark.parametrize(("gbps", "want_splits"), [(4800.0, 32), (3352.0, 16)])
+def test_long_paged_splits_by_bandwidth(monkeypatch: pytest.MonkeyPatch, gbps: float,
+                                        want_splits: int) -> None:
+    """On a (faked) Hopper GPU of 132 SMs a paged 1 x 16K decode (16 splits of 16 blocks,
+    one program per SM) takes twice the splits at an H200's DRAM bandwidth and the automatic
+    count at an H100's; contiguous keys keep the automatic count; answers match the
+    reference."""
+    from attention_kernels import decode_kernel
+    from attention_kernels.configs import DECODE_TILE
+
+    monkeypatch.setattr(decode_kernel, "paged_decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    monkeypatch.setattr(decode_kernel, "_dram_gbps", lambda device: gbps)
+    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *a: 16)
+    decode_kernel._PLANS.clear()
+    try:
+        c = Paged([3000], 16, 8, 128, torch.bfloat16)
+        q = randn(1, 32, 128, dtype=torch.bfloat16)
+        want = paged_decode_ref(q.double(), *c.double(), c.seqlens_k)
+        for fn, args, splits in ((paged_decode, (*c.cache, c.seqlens_k), want_splits),
+                                 (decode, (c.k, c.v, c.cu_k), 16)):
+            decode_kernel._PLANS.clear()
+            got = fn(q, *args, max_seqlen_k=16384)  # the hint sizes the splits
+            assert rel_err(got, want) < TOL[torch.bfloat16]
+            (plan,) = decode_kernel._PLANS._plans.values()
+            assert plan.launch.grid[0] == splits
     finally:
         decode_kernel._PLANS.clear()
 
