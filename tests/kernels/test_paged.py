@@ -333,8 +333,8 @@ def test_paged_split_count(splits: int, est: int, block_n: int, want: int) -> No
 ])
 def test_paged_split_count_one_program_per_sm(splits: int, est: int, block_n: int, units: int,
                                               want: int) -> None:
-    """Where a launch would put about one program on each of 132 SMs of an H200's bandwidth,
-    long splits halve; at an H100's they stay."""
+    """Where a launch would put about one program on each of 132 SMs, long splits double in
+    count at an H200's DRAM bandwidth; at an H100's only the short-split rule applies."""
     from attention_kernels.configs import paged_split_count
 
     assert paged_split_count(splits, est, block_n, units, 132, 4800.0) == want
