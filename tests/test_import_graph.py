@@ -1,0 +1,130 @@
+"""No import circles between our modules: front end, engine, kernels, client and wire stay a
+graph that can be read top-down (the architecture review found a 6-module cycle held up by a
+dead fallback; this keeps it from coming back).
+
+Module-level imports only (``if TYPE_CHECKING:`` blocks left out): an import inside a function
+runs at call time and is how a module deliberately defers a heavy or optional dependency.
+``from pkg import sub`` where ``sub`` is a module counts as an import of ``pkg.sub``.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"attention_kernels": "kernels", "attention_service": "service",
+            "attention_client": "client", "attention_wire": "client"}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg, base in PACKAGES.items():
+        for path in (ROOT / base / pkg).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT / base).with_suffix("").parts)
+            mods[name.removesuffix(".__init__")] = path
+    return mods
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    found: list[ast.Import | ast.ImportFrom] = []
+    stack: list[ast.stmt] = list(tree.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If):
+            if "TYPE_CHECKING" not in ast.unparse(node.test):
+                stack += node.body + node.orelse
+        elif isinstance(node, ast.Try):
+            stack += node.body + node.orelse + node.finalbody
+            for handler in node.handlers:
+                stack += handler.body
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in _module_level_imports(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                deps.update(alias.name for alias in node.names)
+                continue
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                parent = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{parent}.{base}" if base else parent
+            subs = {f"{base}.{alias.name}" for alias in node.names} & mods.keys()
+            deps.update(subs)
+            if len(subs) < len(node.names):  # some names are attributes of the module itself
+                deps.add(base)
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    on_stack: set[str] = set()
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50  # the walk found our packages
+    assert cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_engine_and_kernels_do_not_import_the_front_end() -> None:
+    """The layering: the engine and the kernels never reach up into the gRPC front end, and the
+    kernels import nothing of the service or the client."""
+    graph = import_graph()
+    for name, deps in graph.items():
+        if name.startswith("attention_service.engine"):
+            assert not {d for d in deps if d.startswith("attention_service.frontend")}, name
+        if name.startswith("attention_kernels"):
+            assert all(d.startswith("attention_kernels") for d in deps), (name, deps)
