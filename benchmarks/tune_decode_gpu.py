@@ -15,7 +15,8 @@ with and without its short-split rule (``configs.paged_split_count`` and the sho
 tiles),
 in turn ``--rounds`` times, against contiguous keys and cuDNN.
 ``ab`` (with ``--base-configs FILE``): the default calls under this tree's shape rules
-(``decode_shape_config``, ``paged_split_count``) and under another ``configs.py``'s, in turn.
+(``decode_shape_config``, ``paged_split_count``) and under another ``configs.py``'s, in turn
+(with ``--page``, contiguous keys' default call too: paged decode's yardstick).
 ``--cold`` (configs, large, rule, ab): each config's GPU time over rotating copies of the keys and
 values (``bench_kernels.graph_cold_us``), so they come from HBM as in a model's decode, not
 from L2 (a 1 x 4K cache is 16 MiB); cuDNN likewise.
