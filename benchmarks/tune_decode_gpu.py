@@ -296,10 +296,12 @@ def sweep_paged_rule(rounds: int) -> list[dict]:
 
     plain_shape_config = dk.decode_shape_config
 
-    def without_rule(cfg, programs, num_splits, split_len, sms, block_d, paged=False):
+    def without_rule(cfg, programs, num_splits, split_len, sms, block_d, paged=False,
+                     **kwargs):
         if paged and num_splits > 1:  # the short-split tiles are the rule's
             return cfg
-        return plain_shape_config(cfg, programs, num_splits, split_len, sms, block_d, paged)
+        return plain_shape_config(cfg, programs, num_splits, split_len, sms, block_d, paged,
+                                  **kwargs)
 
     rows = []
     gen = torch.Generator().manual_seed(0)
@@ -364,7 +366,11 @@ def _base_rules(path: Path):
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
     spec.loader.exec_module(mod)
 
+    known = inspect.signature(mod.decode_shape_config).parameters
+
     def shape_config(cfg, *args, **kwargs):
+        # A base from before a keyword (page_tokens) is called without it.
+        kwargs = {k: v for k, v in kwargs.items() if k in known}
         got = mod.decode_shape_config(mod.DecodeConfig(cfg.block_n, cfg.num_warps,
                                                        cfg.num_stages), *args, **kwargs)
         return Config(got.block_n, got.num_warps, got.num_stages)

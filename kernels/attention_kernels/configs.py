@@ -262,7 +262,8 @@ PAGED_MANY_PROGRAMS_TILE = DecodeConfig(64, 2, 2)
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
-                        sms: int, block_d: int, paged: bool = False) -> DecodeConfig:
+                        sms: int, block_d: int, paged: bool = False,
+                        page_tokens: int = 0) -> DecodeConfig:
     """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE`` and the (padded) head dim
     is 128 with 16-bit keys on a Hopper GPU of ``sms`` SMs: where it was measured (the
     caller checks the GPU and the key dtype). ``programs``: (sequence, kv head) pairs;
@@ -292,7 +293,12 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       pages 263.6 -> 243.8), H100 354.7 -> 354.1 (352.1). ``--sweep configs --page 64`` on
       the H200: 64 x 4 x 2 253.9, 32 x 2 x 3 245.5, 64 x 2 x 2 244.6 us.
 
-    ``paged`` (``paged_decode``, bf16 pages): the first rule; splits of at most two 64-key
+    ``paged`` (``paged_decode``, bf16 pages of ``page_tokens``): the first rule, in 64-key
+    blocks where pages are smaller than its 32-key blocks (each block then gathers two or
+    more pages; 64 keys do it half as often per key): 64 x 8K, 16-token pages, ``--sweep
+    configs --page 16``, 32 -> 64 keys (4 warps, 2 stages): H200 538 -> 483.5 us (2026-11-27;
+    contiguous keys 491, cuDNN 482; with 64-token pages 64 keys lose, 507 -> 595), H100 706
+    -> 705 (2026-11-23, ``--sweep large``); splits of at most two 64-key
     blocks in 2 stages rather than 3 (a 2-trip loop fills no deeper pipeline); splits of three
     or four (``paged_split_count`` makes them) in 32-key blocks of 2 warps: twice the loop
     trips, each block's page lookup hidden behind the previous block's loads. 64 x 8K, H100,
@@ -308,6 +314,8 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
     if cfg != DECODE_TILE or block_d != 128:
         return cfg
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
+        if paged and 0 < page_tokens < ONE_SPLIT_TILE.block_n:
+            return MANY_PROGRAMS_TILE
         return ONE_SPLIT_TILE
     if paged and num_splits > 1 and split_len <= 2 * cfg.block_n:
         return MANY_PROGRAMS_TILE

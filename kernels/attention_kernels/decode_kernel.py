@@ -675,7 +675,8 @@ def _plan(
     if sms:
         cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
                                   -(-est_seqlen // num_splits), sms, block_d,
-                                  paged=table is not None)
+                                  paged=table is not None,
+                                  page_tokens=0 if table is None else k.shape[1])
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.

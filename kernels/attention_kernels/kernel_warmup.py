@@ -244,8 +244,11 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                     for lse in lse_flags:
                         calls.append(functools.partial(paged_decode, qd, pages, pages, t, lens,
                                                        num_splits=1, return_lse=lse))
-                        if rule:  # the one-split rules' tiles
-                            for tile in (ONE_SPLIT_TILE, PAGED_MANY_PROGRAMS_TILE):
+                        if rule:  # the one-split rules' tiles (decode_shape_config)
+                            tiles = [ONE_SPLIT_TILE, PAGED_MANY_PROGRAMS_TILE]
+                            if p < ONE_SPLIT_TILE.block_n:
+                                tiles.append(MANY_PROGRAMS_TILE)
+                            for tile in tiles:
                                 calls.append(functools.partial(
                                     paged_decode, qd, pages, pages, t, lens, num_splits=1,
                                     return_lse=lse, _config=tile))

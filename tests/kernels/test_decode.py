@@ -148,6 +148,13 @@ def test_shape_config_rule() -> None:
     # 32-key blocks of 2 warps.
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
         32, 4, 2)
+    # ... in 64-key blocks where pages are smaller than its 32-key blocks.
+    for page_tokens, tile in ((16, DecodeConfig(64, 4, 2)), (31, DecodeConfig(64, 4, 2)),
+                              (32, DecodeConfig(32, 4, 2)), (64, DecodeConfig(32, 4, 2))):
+        assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True,
+                                   page_tokens=page_tokens) == tile
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d,
+                               page_tokens=16) == DecodeConfig(32, 4, 2)  # contiguous keys
     # More than 4 per SM on pages: 2 warps (H200, 128 x 2K).
     assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d, paged=True) == DecodeConfig(
         64, 2, 2)

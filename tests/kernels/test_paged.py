@@ -282,15 +282,16 @@ def test_page_span_bound(monkeypatch: pytest.MonkeyPatch, max_keys: int, splits:
     assert decode_kernel._page_span(max_keys, splits, block_n, page) == want
 
 
-@pytest.mark.parametrize(("lens", "splits", "block_n"), [
-    ([300] * 7, 1, 32),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
-    ([1100], 2, 64),  # splits of 550 keys: the contiguous rule's 128-key tile, not for pages
+@pytest.mark.parametrize(("lens", "page_tokens", "splits", "block_n"), [
+    ([300] * 7, 16, 1, 64),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
+    ([300] * 7, 64, 1, 32),  # the same over pages as large as its 32-key blocks and more
+    ([1100], 16, 2, 64),  # splits of 550 keys: the contiguous rule's 128-key tile, not for pages
 ])
-def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,
-                             block_n: int) -> None:
-    """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper) over pages
-    of 16 tokens (two per 32-key block), not its long-split tile, and the answer matches the
-    reference."""
+def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], page_tokens: int,
+                             splits: int, block_n: int) -> None:
+    """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper), in 64-key
+    blocks over pages smaller than its 32-key blocks (16 tokens: four per block), not its
+    long-split tile, and the answer matches the reference."""
     from attention_kernels import decode_kernel
     from attention_kernels.configs import DECODE_TILE
 
@@ -298,7 +299,7 @@ def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], s
     monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 4)
     decode_kernel._PLANS.clear()
     try:
-        run_decode(lens, 16, 4, 2, 128, torch.bfloat16, splits)
+        run_decode(lens, page_tokens, 4, 2, 128, torch.bfloat16, splits)
         (plan,) = decode_kernel._PLANS._plans.values()
         assert plan.launch.kwargs["BLOCK_N"] == block_n
     finally:
