@@ -10,7 +10,7 @@ swaps ``decode_kernel.block_kv_ptrs`` for other look-ups, one mode per process:
   vector    each block's pages as a ``[BLOCK_N]`` load (one entry per key) in the block's own
             iteration, nothing carried: the pipeliner may treat it as an indirect load and
             issue it a stage before the copies that use it
-  identity  no table read (pages = key // PAGE_TOKENS); ``views`` only
+  identity  no table read (pages = key // PAGE_TOKENS); ``views`` only, batch 1 only
 
 Per shape ``B:ctx:D:page`` (32 query heads, 8 kv heads, bf16), GPU time of CUDA-graph replays
 (median of 3 interleaved rounds) of: ``contig`` decode() on packed K/V, ``views`` paged_decode()
@@ -94,6 +94,9 @@ def main() -> None:
     heads, kv_heads = 32, 8
     for spec in args.shapes:
         b, n, d, page = (int(x) for x in spec.split(":"))
+        if args.mode == "identity" and b > 1:  # key // PAGE_TOKENS is sequence 0's page only
+            print(f"identity {spec}: skipped (batch 1 only)", flush=True)
+            continue
         q = torch.randn(b, heads, d, dtype=torch.bfloat16, device="cuda")
         k = torch.randn(b * n, kv_heads, d, dtype=torch.bfloat16, device="cuda")
         v = torch.randn_like(k)
