@@ -366,19 +366,18 @@ def _base_rules(path: Path):
     sys.modules[spec.name] = mod  # dataclasses look their module up while the class is made
     spec.loader.exec_module(mod)
 
+    # A base from before a parameter (page_tokens; units, SMs, GB/s) is called without it.
     known = inspect.signature(mod.decode_shape_config).parameters
+    split_params = len(inspect.signature(mod.paged_split_count).parameters)
 
     def shape_config(cfg, *args, **kwargs):
-        # A base from before a keyword (page_tokens) is called without it.
         kwargs = {k: v for k, v in kwargs.items() if k in known}
         got = mod.decode_shape_config(mod.DecodeConfig(cfg.block_n, cfg.num_warps,
                                                        cfg.num_stages), *args, **kwargs)
         return Config(got.block_n, got.num_warps, got.num_stages)
 
     def split_count(num_splits, est_seqlen, block_n, *rest):
-        # A base from before the rule took (units, SMs) is called without them.
-        params = inspect.signature(mod.paged_split_count).parameters
-        return mod.paged_split_count(num_splits, est_seqlen, block_n, *rest[:len(params) - 3])
+        return mod.paged_split_count(num_splits, est_seqlen, block_n, *rest[:split_params - 3])
 
     return shape_config, split_count
 
