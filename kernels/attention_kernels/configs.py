@@ -258,16 +258,19 @@ SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)
 SHORT_PAGED_SPLIT_TILE = DecodeConfig(32, 2, 3)
-PAGED_MANY_PROGRAMS_TILE = DecodeConfig(64, 2, 2)
+TWO_WARP_TILE = DecodeConfig(64, 2, 2)
+# GPUs whose DRAM feeds each SM at least this many GB/s (an H200: ~36.5; an H100 SXM: ~25.4)
+# take the rules measured to pay only there (decode_shape_config, paged_split_count).
+FAST_DRAM_SM_GBPS = 30.0
 
 
 def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split_len: int,
                         sms: int, block_d: int, paged: bool = False,
-                        page_tokens: int = 0) -> DecodeConfig:
+                        page_tokens: int = 0, gbps: float = 0.0) -> DecodeConfig:
     """The tile for one call's shape, when ``cfg`` is ``DECODE_TILE`` and the (padded) head dim
     is 128 with 16-bit keys on a Hopper GPU of ``sms`` SMs: where it was measured (the
     caller checks the GPU and the key dtype). ``programs``: (sequence, kv head) pairs;
-    ``split_len``: keys per split program.
+    ``split_len``: keys per split program; ``gbps``: the GPU's DRAM GB/s (``dram_gbps``).
 
     GPU time (CUDA-graph replay), H100, 32q/8kv x 128 bf16, 2026-11-23, two host instances
     (tune_decode_gpu.py ``--sweep large/configs``, then ``--sweep rule``):
@@ -277,6 +280,15 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       wave instead of two with a ragged end. 64 x 8K (512 programs): 739 / 737 -> 684 / 689 us
       (cuDNN 692 / 693). At 48 x 8K (384 programs, one wave either way) 536 vs 531 us; at
       16 x 32K (128 programs, one per SM) 32-key tiles starve each SM: 680 -> 816 us.
+      On GPUs of ``FAST_DRAM_SM_GBPS`` (``gbps`` over ``sms``) 64 keys in 2 warps
+      (``TWO_WARP_TILE``) instead: H200, 2026-11-27, ``--sweep configs`` (12 tiles), 32 x 4 x 2
+      -> 64 x 2 x 2: 64 x 8K 507.1 -> 480.1 us, 56 x 8K 467.2 -> 423.3 (cuDNN 481.5, 433.1);
+      on the H100 the same sweep had 64 x 2 x 2 1.5% slower (684.4 -> 694.5, 609.6 -> 618.9).
+      Pages of 32 tokens or more take it on either GPU (``--sweep ab --page 64``, medians of 3
+      turns, 2026-11-27, 32 x 4 x 2 -> 64 x 2 x 2): H200 64 x 8K 511.5 -> 481.8 us, 56 x 8K
+      473.6 -> 424.7, 52 x 8K 460.3 -> 398.6 (contiguous keys under the old tile 505.9,
+      468.3, 455.2; cuDNN 482.8, 434.2, 401.7); H100 702.7 -> 702.0, 625.9 -> 622.7, 589.5 ->
+      581.4.
     * (Splits of 512 up to 1024 keys used to take 128-key tiles, measured on one replayed call
       whose keys sat in L2: 1 x 8K 12.3 -> 11.5 us. With the keys cold, as layer after layer
       of a model reads them, the 64-key tile is the faster. H100, 2026-11-24m, ``--sweep ab
@@ -287,18 +299,18 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
       so fewer and fuller waves than 3 per SM). 128 x 2K (1024 programs): 374.8 -> 352.4 us
       (cuDNN 354.2), H100, 2026-11-24 (``--sweep large``; 16-key tiles of 2 warps 350.7, but
       those starve the SMs at fewer programs).
-      Pages take 2 warps there (``PAGED_MANY_PROGRAMS_TILE``): 128 x 2K, 64-token pages,
+      Pages take 2 warps there (``TWO_WARP_TILE``): 128 x 2K, 64-token pages,
       ``--sweep ab --page 64`` (medians of 3 turns, 2026-11-27), 64 keys x 4 warps x 3 stages
       -> 64 x 2 x 2: H200 263.2 -> 239.1 us (contiguous keys 247.6, cuDNN 242.0; 16-token
       pages 263.6 -> 243.8), H100 354.7 -> 354.1 (352.1). ``--sweep configs --page 64`` on
       the H200: 64 x 4 x 2 253.9, 32 x 2 x 3 245.5, 64 x 2 x 2 244.6 us.
 
-    ``paged`` (``paged_decode``, bf16 pages of ``page_tokens``): the first rule, in 64-key
-    blocks where pages are smaller than its 32-key blocks (each block then gathers two or
-    more pages; 64 keys do it half as often per key): 64 x 8K, 16-token pages, ``--sweep
-    configs --page 16``, 32 -> 64 keys (4 warps, 2 stages): H200 538 -> 483.5 us (2026-11-27;
-    contiguous keys 491, cuDNN 482; with 64-token pages 64 keys lose, 507 -> 595), H100 706
-    -> 705 (2026-11-23, ``--sweep large``); splits of at most two 64-key
+    ``paged`` (``paged_decode``, bf16 pages of ``page_tokens``): the first rule in
+    ``TWO_WARP_TILE``, and in 64-key blocks of 4 warps where pages are smaller than 32 tokens
+    (each block gathers two or more pages): 64 x 8K, 16-token pages, ``--sweep configs --page
+    16``: H200 (2026-11-27) 32 x 4 x 2 538 us, 64 x 4 x 2 483.5, 64 x 2 x 2 486.9 (``--sweep
+    ab``: 64 x 2 x 2 0.98-0.99x of 64 x 4 x 2 at 52-64 x 8K; contiguous keys 491, cuDNN 482),
+    H100 706 -> 705 (2026-11-23, ``--sweep large``, 32 -> 64 keys); splits of at most two 64-key
     blocks in 2 stages rather than 3 (a 2-trip loop fills no deeper pipeline); splits of three
     or four (``paged_split_count`` makes them) in 32-key blocks of 2 warps: twice the loop
     trips, each block's page lookup hidden behind the previous block's loads. 64 x 8K, H100,
@@ -316,23 +328,23 @@ def decode_shape_config(cfg: DecodeConfig, programs: int, num_splits: int, split
     if num_splits == 1 and 3 * sms < programs <= 4 * sms:
         if paged and 0 < page_tokens < ONE_SPLIT_TILE.block_n:
             return MANY_PROGRAMS_TILE
+        if paged or gbps >= FAST_DRAM_SM_GBPS * sms:
+            return TWO_WARP_TILE
         return ONE_SPLIT_TILE
     if paged and num_splits > 1 and split_len <= 2 * cfg.block_n:
         return MANY_PROGRAMS_TILE
     if paged and num_splits > 1 and split_len <= 4 * cfg.block_n:
         return SHORT_PAGED_SPLIT_TILE
     if num_splits == 1 and programs > 4 * sms:
-        return PAGED_MANY_PROGRAMS_TILE if paged else MANY_PROGRAMS_TILE
+        return TWO_WARP_TILE if paged else MANY_PROGRAMS_TILE
     return cfg
 
 
 # paged_split_count doubles the splits where they hold at most this many key blocks.
 PAGED_DOUBLE_MAX_BLOCKS = 8
-# ... and, on GPUs of at least PAGED_LONG_SPLIT_SM_GBPS of DRAM bandwidth per SM, where the
-# (sequence, kv head, split) programs are at most one per SM in splits of at least
-# PAGED_LONG_SPLIT_BLOCKS blocks.
+# ... and, on GPUs of FAST_DRAM_SM_GBPS, where the (sequence, kv head, split) programs are at
+# most one per SM in splits of at least PAGED_LONG_SPLIT_BLOCKS blocks.
 PAGED_LONG_SPLIT_BLOCKS = 16
-PAGED_LONG_SPLIT_SM_GBPS = 30.0
 
 
 def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int = 0,
@@ -353,7 +365,7 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int
     12.2 -> 11.5).
 
     Long splits, one program per SM: twice as many on GPUs whose DRAM feeds each SM at least
-    ``PAGED_LONG_SPLIT_SM_GBPS`` (an H200's ~36 GB/s per SM needs more bytes in flight per
+    ``FAST_DRAM_SM_GBPS`` (an H200's ~36 GB/s per SM needs more bytes in flight per
     SM than one program keeps there while it waits on a look-up; an H100's ~25 does not).
     ``tune_decode_gpu.py --sweep ab --page 64`` (medians of 3 turns, 2026-11-27), GPU time
     base -> doubled, contiguous keys in brackets. H200: 8 x 8K 70.9 -> 65.0 us (66.0), 1 x 32K
@@ -367,7 +379,7 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int
     split_len = -(-est_seqlen // max(num_splits, 1))
     if num_splits > 1 and 4 * block_n <= split_len <= PAGED_DOUBLE_MAX_BLOCKS * block_n:
         return 2 * num_splits
-    if (0 < units * num_splits <= sms and gbps >= PAGED_LONG_SPLIT_SM_GBPS * sms
+    if (0 < units * num_splits <= sms and gbps >= FAST_DRAM_SM_GBPS * sms
             and split_len >= PAGED_LONG_SPLIT_BLOCKS * block_n):
         return 2 * num_splits
     return num_splits

@@ -676,7 +676,8 @@ def _plan(
         cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
                                   -(-est_seqlen // num_splits), sms, block_d,
                                   paged=table is not None,
-                                  page_tokens=0 if table is None else k.shape[1])
+                                  page_tokens=0 if table is None else k.shape[1],
+                                  gbps=_dram_gbps(q.device))
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.

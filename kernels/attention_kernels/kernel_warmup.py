@@ -24,8 +24,8 @@ from triton import knobs
 from attention_kernels.configs import (
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
-    PAGED_MANY_PROGRAMS_TILE,
     SHORT_PAGED_SPLIT_TILE,
+    TWO_WARP_TILE,
     interpreting,
     many_programs,
     paged_decode_config,
@@ -216,7 +216,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
             rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
             if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
-                    for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE):
+                    for tile in (ONE_SPLIT_TILE, MANY_PROGRAMS_TILE, TWO_WARP_TILE):
                         calls.append(functools.partial(decode, qd, kv, kv, cu, num_splits=1,
                                                        return_lse=lse, _config=tile))
             # Key blocks of the paged decode tiles (a page span needs pages smaller).
@@ -245,7 +245,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                         calls.append(functools.partial(paged_decode, qd, pages, pages, t, lens,
                                                        num_splits=1, return_lse=lse))
                         if rule:  # the one-split rules' tiles (decode_shape_config)
-                            tiles = [ONE_SPLIT_TILE, PAGED_MANY_PROGRAMS_TILE]
+                            tiles = [ONE_SPLIT_TILE, TWO_WARP_TILE]
                             if p < ONE_SPLIT_TILE.block_n:
                                 tiles.append(MANY_PROGRAMS_TILE)
                             for tile in tiles:

@@ -144,13 +144,26 @@ def test_shape_config_rule() -> None:
     assert decode_shape_config(DECODE_TILE, 8, 16, 2048, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 8, 16, 1024, sms, d) == DECODE_TILE
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, 64) == DECODE_TILE  # unmeasured
-    # Pages: the one-split rule; splits of two 64-key blocks in 2 stages, of three or four in
-    # 32-key blocks of 2 warps.
-    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True) == DecodeConfig(
+    # One split at 3-4 per SM on a GPU of fast DRAM per SM (an H200's 4.8 TB/s over 132 SMs):
+    # 64 keys in 2 warps; at an H100's 3.35 TB/s, the 32-key tile.
+    h200, h100 = 4800.0, 3352.0
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, gbps=h200) == DecodeConfig(
+        64, 2, 2)
+    assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, gbps=h100) == DecodeConfig(
         32, 4, 2)
-    # ... in 64-key blocks where pages are smaller than its 32-key blocks.
+    for gbps in (0.0, h100, h200):  # the other rules do not look at the bandwidth
+        assert decode_shape_config(DECODE_TILE, 1024, 1, 2048, sms, d,
+                                   gbps=gbps) == DecodeConfig(64, 4, 2)
+        assert decode_shape_config(DECODE_TILE, 384, 1, 8192, sms, d, gbps=gbps) == DECODE_TILE
+        assert decode_shape_config(DECODE_TILE, 8, 16, 512, sms, d, gbps=gbps) == DECODE_TILE
+    # Pages: the one-split rule in 64 keys of 2 warps on either GPU; splits of two 64-key
+    # blocks in 2 stages, of three or four in 32-key blocks of 2 warps.
+    for gbps in (0.0, h100, h200):
+        assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True,
+                                   gbps=gbps) == DecodeConfig(64, 2, 2)
+    # ... in 64-key blocks of 4 warps where pages are smaller than 32 tokens.
     for page_tokens, tile in ((16, DecodeConfig(64, 4, 2)), (31, DecodeConfig(64, 4, 2)),
-                              (32, DecodeConfig(32, 4, 2)), (64, DecodeConfig(32, 4, 2))):
+                              (32, DecodeConfig(64, 2, 2)), (64, DecodeConfig(64, 2, 2))):
         assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d, paged=True,
                                    page_tokens=page_tokens) == tile
     assert decode_shape_config(DECODE_TILE, 512, 1, 8192, sms, d,
@@ -169,29 +182,34 @@ def test_shape_config_rule() -> None:
     assert decode_shape_config(other, 512, 1, 8192, sms, d) is other
 
 
-@pytest.mark.parametrize(("lens", "splits", "block_n"), [
-    ([300] * 7, 1, 32),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
-    ([1100], 2, 64),  # splits of 550 keys: the default tile (cold keys: 128 lost)
-    ([300] * 2, 1, 64),  # 4 programs: the default tile
+@pytest.mark.parametrize(("lens", "splits", "gbps", "tile"), [
+    ([300] * 7, 1, 0.0, (32, 4)),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
+    ([300] * 7, 1, 100.0, (32, 4)),  # 25 GB/s per SM (an H100's): the same
+    ([300] * 7, 1, 146.0, (64, 2)),  # 36.5 GB/s per SM (an H200's): 64 keys in 2 warps
+    ([1100], 2, 146.0, (64, 4)),  # splits of 550 keys: the default tile (cold keys: 128 lost)
+    ([300] * 2, 1, 146.0, (64, 4)),  # 4 programs: the default tile
 ])
 def test_shape_rule_is_applied(monkeypatch: pytest.MonkeyPatch, lens: list[int], splits: int,
-                               block_n: int) -> None:
+                               gbps: float, tile: tuple[int, int]) -> None:
     """decode's plan takes the rule's tile when no config is given (here on a faked 4-SM
-    Hopper), and the answer still matches the reference."""
+    Hopper of ``gbps`` DRAM GB/s), and the answer still matches the reference."""
     from attention_kernels import decode_kernel
 
     monkeypatch.setattr(decode_kernel, "decode_config", lambda *a, **k: DECODE_TILE)
     monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 4)
+    monkeypatch.setattr(decode_kernel, "_dram_gbps", lambda device: gbps)
     decode_kernel._PLANS.clear()
     try:
         run_case(lens, 4, 2, 128, torch.bfloat16, splits)
         (plan,) = decode_kernel._PLANS._plans.values()
-        assert plan.launch.kwargs["BLOCK_N"] == block_n
+        kwargs = plan.launch.kwargs
+        assert (kwargs["BLOCK_N"], kwargs["num_warps"]) == tile
     finally:
         decode_kernel._PLANS.clear()
 
 
-@pytest.mark.parametrize("config", [DecodeConfig(32, 4, 2), DecodeConfig(128, 4, 3)],
+@pytest.mark.parametrize("config", [DecodeConfig(32, 4, 2), DecodeConfig(64, 2, 2),
+                                    DecodeConfig(128, 4, 3)],
                          ids=lambda c: f"{c.block_n}x{c.num_warps}x{c.num_stages}")
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_shape_config_tiles(config: DecodeConfig, num_splits: int) -> None:

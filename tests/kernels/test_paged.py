@@ -282,16 +282,16 @@ def test_page_span_bound(monkeypatch: pytest.MonkeyPatch, max_keys: int, splits:
     assert decode_kernel._page_span(max_keys, splits, block_n, page) == want
 
 
-@pytest.mark.parametrize(("lens", "page_tokens", "splits", "block_n"), [
-    ([300] * 7, 16, 1, 64),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
-    ([300] * 7, 64, 1, 32),  # the same over pages as large as its 32-key blocks and more
-    ([1100], 16, 2, 64),  # splits of 550 keys: the contiguous rule's 128-key tile, not for pages
+@pytest.mark.parametrize(("lens", "page_tokens", "splits", "tile"), [
+    ([300] * 7, 16, 1, (64, 4)),  # 14 programs, one split: 3-4 per SM of the 4 SMs faked
+    ([300] * 7, 64, 1, (64, 2)),  # the same over pages of 32 tokens and more: 2 warps
+    ([1100], 16, 2, (64, 4)),  # splits of 550 keys: not the contiguous rule's 128-key tile
 ])
 def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], page_tokens: int,
-                             splits: int, block_n: int) -> None:
-    """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper), in 64-key
-    blocks over pages smaller than its 32-key blocks (16 tokens: four per block), not its
-    long-split tile, and the answer matches the reference."""
+                             splits: int, tile: tuple[int, int]) -> None:
+    """paged_decode takes the shape rule's one-split tile (on a faked 4-SM Hopper): 64 keys
+    in 2 warps, or in 4 over pages smaller than 32 tokens (16 tokens: four per block); not the
+    contiguous long-split tile; and the answer matches the reference."""
     from attention_kernels import decode_kernel
     from attention_kernels.configs import DECODE_TILE
 
@@ -301,7 +301,8 @@ def test_shape_rule_on_pages(monkeypatch: pytest.MonkeyPatch, lens: list[int], p
     try:
         run_decode(lens, page_tokens, 4, 2, 128, torch.bfloat16, splits)
         (plan,) = decode_kernel._PLANS._plans.values()
-        assert plan.launch.kwargs["BLOCK_N"] == block_n
+        kwargs = plan.launch.kwargs
+        assert (kwargs["BLOCK_N"], kwargs["num_warps"]) == tile
     finally:
         decode_kernel._PLANS.clear()
 
