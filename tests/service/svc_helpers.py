@@ -248,11 +248,19 @@ def cu_from_lengths(lengths: list[int]) -> list[int]:
     return cu
 
 
+class _NeverCancelled:
+    def is_set(self) -> bool:
+        return False
+
+
 class GatedBackend:
     """The cpu backend behind a gate: launches wait until ``release`` is set, polling ``cancel``
-    so tests can see whether the server stops compute of a dead call."""
+    so tests can see whether the server stops compute of a dead call. ``heed_cancel=False``:
+    a launch sees the cancel (``saw_cancel``) but still runs to the end once released, as a
+    GPU launch already queued does."""
 
-    def __init__(self) -> None:
+    def __init__(self, heed_cancel: bool = True) -> None:
+        self._heed_cancel = heed_cancel
         from attention_service.engine.backends import CpuBackend
 
         self._inner = CpuBackend()
@@ -274,11 +282,12 @@ class GatedBackend:
         while not self.release.is_set():
             if cancel.is_set():
                 self.saw_cancel.set()
-                raise Cancelled()
+                if self._heed_cancel:
+                    raise Cancelled()
             if time.monotonic() > give_up:
                 raise RuntimeError("test gate never opened")
             time.sleep(0.005)
-        return self._inner.launch(plan, cancel)
+        return self._inner.launch(plan, cancel if self._heed_cancel else _NeverCancelled())
 
 
 def small_prefill() -> list[pb.PrefillRequest]:

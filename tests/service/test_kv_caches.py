@@ -434,6 +434,36 @@ def test_a_second_call_on_a_busy_cache_is_aborted(start_server: Any) -> None:
         assert list(first.result(30).stats.cache_lengths) == [4]
 
 
+def test_a_step_whose_caller_left_during_its_launch_stores_nothing(start_server: Any) -> None:
+    """A step cut off by its deadline while its launch runs (the launch cannot stop: a GPU
+    kernel already queued) leaves the cache as it was: the client heard DEADLINE_EXCEEDED, so
+    storing its token would put it in twice when the client retries."""
+    gate = GatedBackend(heed_cancel=False)
+    gate.release.set()  # warm up, then close the gate
+    srv = start_server(backend=gate, kv_cache_bytes=16 * PAGE, kv_page_bytes=PAGE)
+    stub = srv.stub()
+    ids, _ = session(stub, "gone-", [4])
+    gate.release.clear()
+    q, k, v = rand(1, 4, 16, seed=3), rand(1, 2, 16, seed=4), rand(1, 2, 16, seed=5)
+    code, _ = _code(lambda: collect(stub.CacheDecode(cache_decode_messages(ids, q, k, v),
+                                                     timeout=0.5)))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert gate.saw_cancel.wait(10), "the engine never heard that the caller left"
+    gate.release.set()  # the launch now runs to its end
+
+    def appended() -> bool:  # once the cut-off step has ended, the cache takes a new call
+        try:
+            collect(stub.AppendKV(append_messages(ids, k, v, [1]), timeout=10))
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.ABORTED, exc
+            return False
+        return True
+
+    assert wait_until(appended, timeout=10)
+    listed = stub.ListCaches(pb.ListCachesRequest(cache_ids=ids), timeout=10)
+    assert [c.length for c in listed.caches] == [5]  # 4 + the append; not the step's token
+
+
 def test_concurrent_steps_on_many_caches_equal_solo_calls_bitwise(start_server: Any) -> None:
     solo_srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE, batching=False)
     batch_srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE, batching=True,

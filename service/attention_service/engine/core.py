@@ -143,6 +143,12 @@ class EngineCore:
             def finish(value: ExecStats | BaseException) -> None:
                 failed = isinstance(value, BaseException)
                 if cache is not None:  # before the caller hears: its next call sees the cache
+                    if not failed and job.cancel.is_set():
+                        # Its caller left (a cancel, a deadline) while the launch ran: nobody
+                        # hears this answer, so its caches stay as they were, as for a cancel
+                        # that found the job queued. (A cancel that arrives after this point
+                        # finds the tokens stored: docs/service.md, "Rules".)
+                        value, failed = Cancelled(), True
                     lengths = cache.finish(not failed)
                     if not failed:
                         value = value._replace(cache_lengths=lengths)  # type: ignore[union-attr]

@@ -139,7 +139,8 @@ class CacheRegistry:
                 if c.busy:
                     raise _aborted(f"header.cache.cache_ids[{i}]",
                                    f"cache {c.cache_id!r} is in use by another call; calls on "
-                                   "one cache must be sequential")
+                                   "one cache must be sequential (a call cancelled or past its "
+                                   "deadline holds its caches until its launch ends: retry)")
             flops, kv_bytes = _work(params, [c.length + n for c, n in zip(caches, new,
                                                                          strict=True)],
                                     caches[0].layout)
