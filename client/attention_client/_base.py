@@ -32,6 +32,7 @@ from attention_client._errors import (
     AttentionInputError,
     AttentionNotFoundError,
     from_rpc_error,
+    make_error,
 )
 from attention_client._regions import (
     Placement,
@@ -41,6 +42,7 @@ from attention_client._regions import (
     create_system_region,
 )
 from attention_client._requests import (
+    CACHE_DECODE,
     CacheTarget,
     KvLayout,
     KvScales,
@@ -278,6 +280,26 @@ class ClientBase:
             softmax_scale=softmax_scale,
             num_splits=num_splits, return_lse=return_lse, score=score,
         )
+
+    def _stale_layouts(self, ids: tuple[str, ...], listed: list[str], k_new: Any,
+                       v_new: Any) -> bool:
+        """A decode step without new tokens took some of its caches' layouts from memory
+        (not from the ListCaches just made for ``listed``): forget them, and say so."""
+        if k_new is not None or v_new is not None or set(ids) <= set(listed):
+            return False
+        self._forget_layouts(ids)
+        return True
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _layout_lookup() -> Iterator[None]:
+        """Around the ListCaches a decode step makes for its caches' layouts: a failure
+        reads as the step's (CacheDecode), saying what it was doing."""
+        try:
+            yield
+        except AttentionError as err:
+            raise make_error(err.code, f"looking up the caches' layout (no k_new/v_new): "
+                             f"{err.details}", CACHE_DECODE, err.server_details) from err
 
     @contextlib.contextmanager
     def _layouts_checked(self, prep: PreparedRequest) -> Iterator[None]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import operator
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -41,6 +42,10 @@ if TYPE_CHECKING:
     from attention_client.aio import AsyncAttentionClient
     from attention_client.client import AttentionClient
 
+# A create whose answer never came may have happened on the server.
+_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+
 
 class _KvCacheBase:
     """What both handles share: the layout, the ids created, request preparation."""
@@ -52,6 +57,10 @@ class _KvCacheBase:
         # call that names it (NOT_FOUND, rather than attending to a fresh empty cache).
         self._seen: set[str] = set()
         self._lengths: dict[str, int] = {}
+        # Ids of a CreateCaches or ForkCache whose answer never came (a deadline, a cancel, a
+        # lost connection): the server may hold them. ``release()`` tries them too, and a
+        # later create of one takes ALREADY_EXISTS as its own earlier create having happened.
+        self._unsure: dict[str, None] = {}
 
     @property
     def dtype(self) -> str:
@@ -96,6 +105,7 @@ class _KvCacheBase:
 
     def _mark_created(self, ids: tuple[str, ...], layouts: dict[str, KvLayout]) -> None:
         for i in ids:
+            self._unsure.pop(i, None)
             self._created[i] = None
             self._seen.add(i)
             self._lengths[i] = 0
@@ -103,9 +113,25 @@ class _KvCacheBase:
 
     def _mark_released(self, ids: tuple[str, ...], layouts: dict[str, KvLayout]) -> None:
         for i in ids:
+            self._unsure.pop(i, None)
             self._created.pop(i, None)
             self._lengths.pop(i, None)
             layouts.pop(i, None)
+
+    def _note_unsure(self, ids: tuple[str, ...], exc: BaseException) -> None:
+        """A create (or fork) of ``ids`` raised ``exc``: remember them if it may still have
+        happened (no answer came), not when the server refused it."""
+        if not isinstance(exc, AttentionError) or exc.code in _OUTCOME_UNKNOWN:
+            self._unsure.update(dict.fromkeys(ids))
+
+    def _split_unsure(self, ids: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """``ids`` as (those an earlier create may have made, the rest)."""
+        return (tuple(i for i in ids if i in self._unsure),
+                tuple(i for i in ids if i not in self._unsure))
+
+    def _release_all_ids(self) -> tuple[str, ...]:
+        """What ``release()`` releases: the created ids, then the unsure ones."""
+        return (*self._created, *(i for i in self._unsure if i not in self._created))
 
     def _note(self, prep: PreparedRequest) -> None:
         if prep.cache is not None and prep.cache_lengths is not None:
@@ -160,11 +186,15 @@ class _KvCacheBase:
         (target,) = as_cache_ids([target_id], "target_id")
         request = pb.ForkCacheRequest(source_id=source, target_id=target)
         if length is not None:
-            if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            try:  # numpy and torch integers too (operator.index), not bools or floats
+                n = operator.index(length) if not isinstance(length, bool) else -1
+            except TypeError:
+                n = -1
+            if n < 0:
                 raise AttentionInputError(
                     f"length must be a non-negative int or None, got {length!r}"
                 )
-            request.length = length
+            request.length = n
         return request
 
     def _own_ids(self, ids: Any) -> tuple[str, ...]:
@@ -264,7 +294,11 @@ class KvCache(_KvCacheBase):
         this handle then owns; returns the new cache's info."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
         request = self._fork_request(source_id, target_id, length)
-        info = self.client._unary_rpc("ForkCache", request, settings)
+        try:
+            info = self.client._unary_rpc("ForkCache", request, settings)
+        except BaseException as exc:
+            self._note_unsure((request.target_id,), exc)
+            raise
         self._mark_created((info.cache_id,), self.client._cache_layouts)
         return self._note_infos([info])[0]
 
@@ -277,7 +311,7 @@ class KvCache(_KvCacheBase):
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         if ids is not None:
             return self._release(as_cache_ids(ids), settings)
-        ids = tuple(self._created)
+        ids = self._release_all_ids()
         if not ids:
             return 0
         try:
@@ -327,8 +361,24 @@ class KvCache(_KvCacheBase):
                 self.release()
 
     def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
-        self.client._unary_rpc("CreateCaches", self._create_request(ids), settings)
-        self._mark_created(ids, self.client._cache_layouts)
+        """CreateCaches of ``ids``; those an earlier create may have made (``_unsure``) one
+        by one first, ALREADY_EXISTS counting as that create."""
+        unsure, rest = self._split_unsure(ids)
+        for i in unsure:  # one by one: a create of several makes none if one exists
+            try:
+                self.client._unary_rpc("CreateCaches", self._create_request((i,)), settings)
+            except AttentionError as err:
+                if err.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+            self._mark_created((i,), self.client._cache_layouts)
+        if not rest:
+            return
+        try:
+            self.client._unary_rpc("CreateCaches", self._create_request(rest), settings)
+        except BaseException as exc:
+            self._note_unsure(rest, exc)
+            raise
+        self._mark_created(rest, self.client._cache_layouts)
 
     def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
         reply = self.client._unary_rpc(
@@ -411,7 +461,11 @@ class AsyncKvCache(_KvCacheBase):
         """See KvCache.fork."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
         request = self._fork_request(source_id, target_id, length)
-        info = await self.client._unary_rpc("ForkCache", request, settings)
+        try:
+            info = await self.client._unary_rpc("ForkCache", request, settings)
+        except BaseException as exc:
+            self._note_unsure((request.target_id,), exc)
+            raise
         self._mark_created((info.cache_id,), self.client._cache_layouts)
         return self._note_infos([info])[0]
 
@@ -423,7 +477,7 @@ class AsyncKvCache(_KvCacheBase):
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
         if ids is not None:
             return await self._release(as_cache_ids(ids), settings)
-        ids = tuple(self._created)
+        ids = self._release_all_ids()
         if not ids:
             return 0
         try:
@@ -470,8 +524,24 @@ class AsyncKvCache(_KvCacheBase):
                 await self.release()
 
     async def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
-        await self.client._unary_rpc("CreateCaches", self._create_request(ids), settings)
-        self._mark_created(ids, self.client._cache_layouts)
+        """See KvCache._create."""
+        unsure, rest = self._split_unsure(ids)
+        for i in unsure:
+            try:
+                await self.client._unary_rpc("CreateCaches", self._create_request((i,)),
+                                             settings)
+            except AttentionError as err:
+                if err.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+            self._mark_created((i,), self.client._cache_layouts)
+        if not rest:
+            return
+        try:
+            await self.client._unary_rpc("CreateCaches", self._create_request(rest), settings)
+        except BaseException as exc:
+            self._note_unsure(rest, exc)
+            raise
+        self._mark_created(rest, self.client._cache_layouts)
 
     async def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
         reply = await self.client._unary_rpc(

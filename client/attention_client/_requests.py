@@ -247,7 +247,11 @@ def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
     for i, cid in enumerate(out):
         if not isinstance(cid, str):
             raise AttentionInputError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
-        if not 1 <= len(cid.encode()) <= MAX_CACHE_ID_BYTES:
+        try:
+            nbytes = len(cid.encode())
+        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form, so no wire form either
+            raise AttentionInputError(f"{name}[{i}] is not valid UTF-8 text: {cid!r}") from None
+        if not 1 <= nbytes <= MAX_CACHE_ID_BYTES:
             raise AttentionInputError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
         if cid in seen:
             raise AttentionInputError(f"{name}[{i}] {cid!r} appears twice")

@@ -23,7 +23,12 @@ from attention_client._channel import (
     CallSettings,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_client._errors import AttentionError, AttentionNotFoundError, from_rpc_error
+from attention_client._errors import (
+    AttentionError,
+    AttentionInputError,
+    AttentionNotFoundError,
+    from_rpc_error,
+)
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
@@ -277,7 +282,19 @@ class AttentionClient(ClientBase):
         ids = self._decode_step_ids(q, cache_ids)
         missing = self._unknown_layouts(ids, k_new, v_new)
         if missing:
-            self._list_caches(missing, settings)
+            with self._layout_lookup():
+                self._list_caches(missing, settings)
+        try:
+            return self._prepare_decode_step(
+                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
+            )
+        except AttentionInputError:
+            if not self._stale_layouts(ids, missing, k_new, v_new):
+                raise
+        # q did not fit a layout remembered from earlier: the cache may have been released
+        # and made again with another layout elsewhere. Ask the server once.
+        with self._layout_lookup():
+            self._list_caches(ids, settings)
         return self._prepare_decode_step(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
         )

@@ -317,6 +317,38 @@ def test_a_layout_remembered_for_a_recycled_id_is_asked_again(client, server):
             check(step(q, ["recycled"], store=False), k)
 
 
+def test_a_remembered_dtype_refused_by_the_client_is_asked_again(client, server):
+    """A step without new tokens whose q does not fit the layout this client remembers (the
+    id was released and made again in another dtype elsewhere) asks the server once and goes
+    through, rather than failing on the client's stale memory every time."""
+    zeros = np.zeros((3, HKV, D), np.float16)
+    client.kv_cache(HKV, D, "float16").append("redtyped", zeros, zeros)
+    client.decode_step(np.ones((1, H, D), np.float16), ["redtyped"], store=False)  # remembered
+    q = np.ones((1, H, D), np.float32)
+    with AttentionClient(server.target) as other:
+        other.release_caches("redtyped")
+        k = make("numpy", "float32", 3, HKV, D, seed=92)
+        other.kv_cache(HKV, D, "float32").append("redtyped", k, k)
+        for step in (client.decode_step, client.decode_steps().step):
+            out = step(q, ["redtyped"], store=False)
+            t = f64(torch.from_numpy(k))
+            check_out(out, reference.decode_ref(f64(torch.from_numpy(q)), t, t, cu([3])),
+                      "float32", q)
+    # A q that fits no layout still fails, after that one look-up, naming what is wrong.
+    with pytest.raises(ValueError, match="dtype"):
+        client.decode_step(np.ones((1, H, D), np.float16), ["redtyped"], store=False)
+
+
+def test_a_failed_layout_lookup_reads_as_the_step(client):
+    """decode_step without new tokens looks its caches' layout up first: a failure there
+    names the step (CacheDecode) and what it was doing, not ListCaches."""
+    with pytest.raises(AttentionError) as info:
+        client.decode_step(np.ones((1, H, D), np.float16), ["never-made"])
+    err = info.value
+    assert err.code == grpc.StatusCode.NOT_FOUND and err.method == "CacheDecode"
+    assert "looking up the caches' layout" in str(err) and "ListCaches" not in str(err)
+
+
 def test_many_messages_per_call(server):
     """Appends and prefills larger than one message: chunked like Prefill (here 16 KiB)."""
     ctx = Context(["big"])
@@ -465,6 +497,8 @@ def test_value_errors_before_anything_is_sent(client):
         (lambda: cache.prefill(make("numpy", "float32", 2, H, D), "x", None, None), "q has dtype"),
         (lambda: cache.prefill(q[:0], "x", k, k), "q has no tokens"),
         (lambda: cache.fork("x", "y", length=-1), "length"),
+        (lambda: cache.append("x\ud800", k, k), "ids[0] is not valid UTF-8"),  # lone surrogate
+        (lambda: client.decode_step(q, ["x", "\udfff"]), "cache_ids[1] is not valid UTF-8"),
         (lambda: client.kv_cache(0, D, "float16"), "num_kv_heads"),
         (lambda: client.kv_cache(HKV, D, "float64"), "dtype"),
         (lambda: client.kv_cache(HKV, D, np.int8), "dtype"),
