@@ -15,8 +15,9 @@ ran), so a CI step or a script can gate on it.
 
 Everything is configurable through environment variables (defaults in brackets):
   LOADTEST_TARGET          host:port when --host is not given                 [127.0.0.1:50051]
-  LOADTEST_TOKEN           bearer token (the server's ATTENTION_AUTH_TOKEN)   [none]
-  LOADTEST_TLS             1 = TLS with system roots, or a root PEM's path    [plaintext]
+  LOADTEST_TOKEN           bearer token (the server's ATTENTION_AUTH_TOKEN;   [none]
+                           of a comma-separated list, the first)
+  LOADTEST_TLS             1/true = TLS with system roots, or a root PEM path [plaintext]
   LOADTEST_TIMEOUT         per-call deadline, seconds                         [60]
   LOADTEST_DTYPE           float16 | bfloat16 | float32                       [float16]
   LOADTEST_KV_DTYPE        float8_e4m3fn: FP8 keys/values (with a 16-bit     [LOADTEST_DTYPE]
@@ -80,9 +81,12 @@ def _range(name: str, default: str, cast=int) -> tuple:
 
 
 TARGET = os.environ.get("LOADTEST_TARGET") or "127.0.0.1:50051"
-TOKEN = os.environ.get("LOADTEST_TOKEN") or None
-TLS: bool | str | None = {"": None, "0": None, "1": True}.get(
-    os.environ.get("LOADTEST_TLS", ""), os.environ.get("LOADTEST_TLS")
+# The server takes a comma-separated list of tokens (ATTENTION_AUTH_TOKEN); a user sends one.
+TOKEN = (os.environ.get("LOADTEST_TOKEN") or "").split(",")[0].strip() or None
+_TLS = (os.environ.get("LOADTEST_TLS") or "").strip()
+TLS: bool | str | None = (
+    None if _TLS.lower() in ("", "0", "false", "no", "off")
+    else True if _TLS.lower() in ("1", "true", "yes", "on") else _TLS
 )
 TIMEOUT = float(os.environ.get("LOADTEST_TIMEOUT") or 60)
 DTYPE = os.environ.get("LOADTEST_DTYPE") or "float16"

@@ -387,7 +387,8 @@ class Metrics:
             ["rpc"], buckets=_BYTES_PER_S, registry=r,
         )
         self.inflight = Gauge(
-            "attention_inflight_requests", "Prefill/Decode calls in progress.", registry=r,
+            "attention_inflight_requests",
+            "Compute calls in progress (every rpc that runs on the engine).", registry=r,
             multiprocess_mode="livesum",
         )
         self.frontend_restarts = Counter(

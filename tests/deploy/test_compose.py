@@ -73,14 +73,24 @@ def test_attention_runtime_settings(gpu: dict) -> None:
     att = gpu["services"]["attention"]
     assert att["restart"] in ("always", "unless-stopped", "on-failure")
     assert att["healthcheck"]["test"] == ["CMD", "python", "/opt/attention/healthcheck.py"]
-    published = {(p["target"], str(p["published"])) for p in att["ports"]}
-    assert published == {(50051, "50051"), (8000, "8000")}
+    published = {(p["target"], str(p["published"]), p.get("host_ip", "")) for p in att["ports"]}
+    # The gRPC port for clients; /metrics (no auth) on the host's loopback only.
+    assert published == {(50051, "50051", ""), (8000, "8000", "127.0.0.1")}
     env = att["environment"]
     assert (env["ATTENTION_PORT"], env["ATTENTION_METRICS_PORT"]) == ("50051", "8000")
     # Drains in-flight calls (ATTENTION_GRACE_SECONDS) before Docker's SIGKILL.
     grace = float(env["ATTENTION_GRACE_SECONDS"])
     stop = att["stop_grace_period"]
     assert stop.endswith("s") and float(stop[:-1]) > grace
+
+
+def test_monitoring_is_published_on_loopback_only(gpu: dict) -> None:
+    """Prometheus and Grafana have no auth in front of them (Grafana: anonymous viewing,
+    admin/admin unless set), and Prometheus takes no lifecycle calls (/-/quit)."""
+    for name, port in (("prometheus", 9090), ("grafana", 3000)):
+        (p,) = gpu["services"][name]["ports"]
+        assert (p["target"], p.get("host_ip")) == (port, "127.0.0.1"), name
+    assert "--web.enable-lifecycle" not in gpu["services"]["prometheus"]["command"]
 
 
 def test_every_contract_variable_is_configurable(gpu: dict) -> None:
@@ -91,7 +101,11 @@ def test_every_contract_variable_is_configurable(gpu: dict) -> None:
     probe = set(re.findall(r"ATTENTION_HEALTHCHECK_[A-Z_]+",
                            (REPO / "deploy" / "healthcheck.py").read_text()))
     assert {"ATTENTION_HEALTHCHECK_TLS_NAME", "ATTENTION_HEALTHCHECK_CLIENT_CERT"} <= probe
-    assert names == contract_envs() | probe
+    # ... and the kernels' knobs the service docs tell operators to set (warm-up workers).
+    kernels = set(re.findall(r"ATTENTION_KERNELS_[A-Z_]+",
+                             (REPO / "docs" / "service.md").read_text()))
+    assert "ATTENTION_KERNELS_WARMUP_WORKERS" in kernels
+    assert names == contract_envs() | probe | kernels
     # Unset optional ones stay unset (null = passed through only when set in the shell).
     assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
     # The process model is the server's default (front ends by core count), regions its auto.
@@ -133,10 +147,13 @@ def test_loadtest_profile(gpu: dict) -> None:
     env = lt["environment"]
     assert env["LOCUST_HOST"] == "attention:50051" and env["LOCUST_HEADLESS"] == "true"
     assert env["LOCUST_CSV"].startswith("/results/")
-    # Every LOADTEST_* knob the locustfile documents can be passed through.
+    # Every LOADTEST_* knob the locustfile documents can be passed through (the target is
+    # LOCUST_HOST here), and the token is the server's unless LOADTEST_TOKEN names one.
     doc = (REPO / "loadtest/locustfile.py").read_text()
+    documented = set(re.findall(r"^  (LOADTEST_[A-Z_]+) ", doc, re.M)) - {"LOADTEST_TARGET"}
     knobs = {k for k in env if k.startswith("LOADTEST_")}
-    assert knobs and all(k in doc for k in knobs)
+    assert len(documented) > 10 and knobs == documented
+    assert env["LOADTEST_TOKEN"] == ""  # the clean environment: no token
 
 
 def test_profiles_hide_the_loadtest_by_default() -> None:

@@ -137,3 +137,22 @@ def test_locust_multiprocess_fails_on_failed_requests(tmp_path: Path) -> None:
     assert res.returncode != 0, res.stderr[-3000:]
     assert "requests failed" in res.stdout + res.stderr  # the gate said why, not a crash
     assert int(_rows(prefix)["Aggregated"]["Failure Count"]) > 0
+
+
+@pytest.mark.parametrize(("env", "want"), [
+    ({"LOADTEST_TOKEN": "tokA,tokB", "LOADTEST_TLS": "true"}, "'tokA' True"),
+    ({"LOADTEST_TOKEN": "", "LOADTEST_TLS": "0"}, "None None"),
+    ({"LOADTEST_TLS": "off"}, "None None"),
+    ({"LOADTEST_TLS": "1"}, "None True"),
+    ({"LOADTEST_TLS": "/certs/ca.pem"}, "None '/certs/ca.pem'"),
+])
+def test_locustfile_reads_token_lists_and_tls_words(env: dict[str, str], want: str) -> None:
+    """The server takes a comma-separated token list (compose passes it as LOADTEST_TOKEN):
+    a user sends the first; LOADTEST_TLS takes true/false words, not only 1/0 and a path."""
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LOADTEST_")}
+    code = ("import runpy; g = runpy.run_path('loadtest/locustfile.py'); "
+            "print(repr(g['TOKEN']), repr(g['TLS']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=REPO, env={**clean, **env}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == want
