@@ -21,13 +21,48 @@ MAX_FRONTENDS = 64
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity: a container's cpuset, ``taskset``), not the
-    host's count, which a container pinned to 2 of 64 cores would otherwise size itself by."""
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+def cgroup_cpu_limit(root: str | None = None) -> int | None:
+    """The CPU quota of this process's cgroup, rounded up to whole CPUs (``docker --cpus``, a
+    Kubernetes CPU limit), or None when there is none: cgroup v2's ``cpu.max`` ("QUOTA PERIOD"
+    or "max PERIOD"), else v1's ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (-1: none).
+    ``root``: where the cgroup files are (default ``CGROUP_ROOT``)."""
+    base = CGROUP_ROOT if root is None else root
+
+    def read(name: str) -> str | None:
+        try:
+            with open(os.path.join(base, name)) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
     try:
-        return len(os.sched_getaffinity(0)) or 1
+        v2 = read("cpu.max")
+        if v2 is not None:
+            quota, _, period = v2.partition(" ")
+            if quota == "max":
+                return None
+            return max(1, math.ceil(int(quota) / int(period or 100000)))
+        quota_us, period_us = read("cpu/cpu.cfs_quota_us"), read("cpu/cpu.cfs_period_us")
+        if quota_us is None or period_us is None or int(quota_us) <= 0:
+            return None
+        return max(1, math.ceil(int(quota_us) / int(period_us)))
+    except (ValueError, ZeroDivisionError):  # a format we do not know: no limit assumed
+        return None
+
+
+def usable_cpus() -> int:
+    """CPUs this process may use: its affinity (a container's cpuset, ``taskset``), capped by
+    its cgroup's CPU quota (``docker --cpus``, a Kubernetes CPU limit), not the host's count,
+    which a container given 2 of 64 cores would otherwise size itself by."""
+    try:
+        cpus = len(os.sched_getaffinity(0)) or 1
     except (AttributeError, OSError):  # no affinity on this platform
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    limit = cgroup_cpu_limit()
+    return cpus if limit is None else min(cpus, limit)
 
 
 def auto_frontends(cores: int | None = None) -> int:

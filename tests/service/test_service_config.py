@@ -89,12 +89,14 @@ def test_every_contract_flag_and_env_exists() -> None:
             assert env in help_text, env
 
 
-def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A container pinned to 2 CPUs of a 64-core host runs one front end, not eight: the
     count comes from the process's affinity (cpuset, taskset), not the host's core count."""
     import os
 
     from attention_service import config
+
+    monkeypatch.setattr(config, "CGROUP_ROOT", str(tmp_path))  # no quota (this host may have one)
 
     monkeypatch.setattr(os, "cpu_count", lambda: 64)
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
@@ -102,6 +104,38 @@ def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch) -> None
     assert config.auto_frontends() == 1
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
     assert config.auto_frontends() == 8
+
+
+@pytest.mark.parametrize(("files", "want"), [
+    ({"cpu.max": "200000 100000"}, 2),  # cgroup v2: docker --cpus 2
+    ({"cpu.max": "150000 100000"}, 2),  # 1.5 CPUs: rounded up
+    ({"cpu.max": "50000 100000"}, 1),
+    ({"cpu.max": "max 100000"}, None),  # no quota
+    ({"cpu/cpu.cfs_quota_us": "300000", "cpu/cpu.cfs_period_us": "100000"}, 3),  # cgroup v1
+    ({"cpu/cpu.cfs_quota_us": "-1", "cpu/cpu.cfs_period_us": "100000"}, None),
+    ({"cpu.max": "garbage"}, None),
+    ({}, None),  # no cgroup files (not Linux, or not mounted)
+])
+def test_cgroup_cpu_limit(tmp_path, files: dict[str, str], want: int | None) -> None:  # type: ignore[no-untyped-def]
+    from attention_service import config
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text + "\n")
+    assert config.cgroup_cpu_limit(str(tmp_path)) == want
+
+
+def test_a_cpu_quota_caps_the_front_ends(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A container limited to 2 CPUs (a quota, not a cpuset) on a 16-core host runs one front
+    end, not eight."""
+    import os
+
+    from attention_service import config
+
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    monkeypatch.setattr(config, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert config.usable_cpus() == 2 and config.auto_frontends() == 1
 
 
 def test_keywords_are_case_insensitive() -> None:

@@ -10,6 +10,7 @@ sequence groups and stops between groups once every job of the batch is cancelle
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Protocol
 
@@ -218,9 +219,16 @@ class CudaBackend:
         return (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
 
     def warmup(self) -> None:
+        from attention_kernels.kernel_warmup import MAX_DEFAULT_WORKERS, WORKERS_ENV
+        from attention_service.config import usable_cpus
         from attention_service.engine.warmup import tiny_plans
 
-        self._kernels.warmup(device=str(self.device))
+        # Compile workers (~1 GB each): one per CPU the engine may use, its cgroup's quota
+        # included (the kernels' own default counts its affinity only), unless set.
+        workers = None
+        if not os.environ.get(WORKERS_ENV, "").strip():
+            workers = min(MAX_DEFAULT_WORKERS, usable_cpus())
+        self._kernels.warmup(device=str(self.device), workers=workers)
         for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
