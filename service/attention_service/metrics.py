@@ -462,12 +462,14 @@ class Metrics:
             # on every call, ten times per launch here.
             rpc = op.rpc
             rate = self.decode_bytes_rate if op.decode_like else self.prefill_flops_rate
+            # AppendKV stores only: no rate series (an empty one reads as NaN on the dashboard).
+            rate_child = None if op is Op.APPEND_KV else rate.labels(rpc=rpc)
             children = self._launch_children[op] = (
                 self.batches.labels(rpc=rpc), self.batch_requests.labels(rpc=rpc),
                 self.batch_tokens.labels(rpc=rpc),
                 tuple(self.stage.labels(rpc=rpc, stage=stage) for stage in STAGES),
                 self.kernel_seconds.labels(rpc=rpc), self.kernel_flops.labels(rpc=rpc),
-                self.kernel_kv_bytes.labels(rpc=rpc), rate.labels(rpc=rpc),
+                self.kernel_kv_bytes.labels(rpc=rpc), rate_child,
             )
         batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate = children
         batches.inc()
@@ -481,8 +483,8 @@ class Metrics:
         k_seconds.inc(kernel)
         k_flops.inc(flops)
         k_bytes.inc(kv_bytes)
-        if op is Op.APPEND_KV:
-            return  # stores only: no attention to rate
+        if rate is None:
+            return  # stores only (AppendKV): no attention to rate
         rate.observe((kv_bytes if op.decode_like else flops) / kernel)
 
     def exposition_registry(self) -> CollectorRegistry:

@@ -270,6 +270,9 @@ def test_dashboard_queries_only_contract_metrics() -> None:
         ("CPU per process", r"rate\(attention_process_cpu_seconds_total"),
         ("event loop CPU", r"rate\(attention_process_main_thread_cpu_seconds_total"),
         ("memory per process", r"attention_process_resident_memory_bytes"),
+        ("front ends alive", r"attention_frontends\{"),
+        ("front-end restarts", r"increase\(attention_frontend_restarts_total"),
+        ("launches that merged", r'attention_batch_requests_bucket\{[^}]*le="1\.0"'),
     ],
 )
 def test_dashboard_shows(topic: str, pattern: str) -> None:
@@ -283,6 +286,18 @@ def test_latency_panel_groups_by_rpc() -> None:
         if "histogram_quantile" in e and "attention_request_duration_seconds_bucket" in e
     ]
     assert len(exprs) >= 3 and all(re.search(r"by \(rpc, le\)", e) for e in exprs)
+    # OK calls, as the p99 alert reads them: a refusal answered in microseconds must not
+    # pull the latency down, nor a call cut off by its deadline push it up.
+    assert all('code="OK"' in e for e in exprs)
+    assert 'code="OK"' in RULES.read_text()
+
+
+def test_batch_size_shows_no_quantile() -> None:
+    """A quantile of attention_batch_requests interpolates inside its lowest bucket (le=1):
+    0.95 when every launch holds one request. The panel shows the mean and the share of
+    launches that merged two or more."""
+    exprs = [e for _, e in dashboard_queries(dashboard()) if "attention_batch_requests" in e]
+    assert exprs and not any("histogram_quantile" in e for e in exprs)
 
 
 def test_latency_heatmap() -> None:

@@ -388,3 +388,24 @@ def test_process_group_reports_every_process() -> None:
     assert sample(m, "process_resident_memory_bytes", "process_resident_memory_bytes") == (
         pytest.approx(engine, rel=0.2)
     )
+
+
+def test_stores_leave_no_empty_rate_series() -> None:
+    """AppendKV launches count their batches, stages and kernel time, but attend to nothing:
+    no attention_prefill_kernel_flops_per_second series of theirs (an empty one is a NaN line
+    on the dashboard's per-launch median); the prefill ops observe it."""
+    from attention_service.metrics import Metrics
+    from attention_service.params import Op
+
+    m = Metrics()
+    for op in (Op.APPEND_KV, Op.PREFILL):
+        m.observe_launch(op, requests=2, tokens=64, flops=10**9, kv_bytes=10**6, h2d=1e-4,
+                         kernel=1e-3, d2h=1e-4)
+    rate_rpcs = {s.labels["rpc"] for fam in m.registry.collect()
+                 if fam.name == "attention_prefill_kernel_flops_per_second"
+                 for s in fam.samples}
+    assert rate_rpcs == {"Prefill"}
+    batches = {s.labels["rpc"]: s.value for fam in m.registry.collect()
+               if fam.name == "attention_batches" for s in fam.samples
+               if s.name == "attention_batches_total"}
+    assert batches["AppendKV"] == batches["Prefill"] == 1
