@@ -10,6 +10,7 @@ import dataclasses
 import ipaddress
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -186,7 +187,8 @@ class ServerConfig:
         if self.grace_seconds < 0:
             raise ValueError("grace_seconds must be >= 0")
         if self.max_batch_tokens <= 0 or self.max_queue_size <= 0 or self.max_queue_delay_ms < 0:
-            raise ValueError("batching limits must be positive")
+            raise ValueError("max_batch_tokens and max_queue_size must be positive and "
+                             "max_queue_delay_ms >= 0")
         if self.max_sequences < 1 or self.max_heads_ratio < 1 or self.max_request_flops <= 0:
             raise ValueError("max_sequences, max_heads_ratio and max_request_flops must be "
                              "positive")
@@ -340,4 +342,21 @@ def load_config(
     for name in ("auth_token", "tls_cert", "tls_key", "tls_client_ca"):
         if values.get(name) == "":
             values[name] = None  # an empty env var means unset
-    return ServerConfig(**values)  # type: ignore[arg-type]
+    try:
+        return ServerConfig(**values)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(_in_flag_names(str(exc))) from None
+
+
+_FIELD = re.compile(r"\b(" + "|".join(sorted(_ENV, key=len, reverse=True)) + r")\b")
+
+
+def _in_flag_names(message: str) -> str:
+    """A check's message in the names an operator sets: each setting's field becomes its flag
+    and variable (``grace_seconds must be >= 0`` -> ``--grace-seconds
+    (ATTENTION_GRACE_SECONDS) must be >= 0``)."""
+    def named(match: re.Match[str]) -> str:
+        flag, env, _ = _ENV[match.group(0)]
+        return f"{flag} ({env})"
+
+    return _FIELD.sub(named, message)

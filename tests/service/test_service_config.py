@@ -69,8 +69,12 @@ def test_empty_env_means_unset() -> None:
     ],
 )
 def test_invalid_values_rejected(argv: list[str], env: dict[str, str]) -> None:
-    with pytest.raises(ValueError):
+    """Refused, in the names the operator set (flag and variable), not the config's fields."""
+    with pytest.raises(ValueError) as info:
         load_config(argv, env)
+    message = str(info.value)
+    assert "ATTENTION_" in message, message
+    assert not re.search(r"(?<![-_A-Z])[a-z]+_[a-z_]+\b", message), message  # no field names
 
 
 @pytest.mark.parametrize("nbytes", ["0", "-1", str(256 << 10), str(300 << 10)])
