@@ -63,6 +63,27 @@ def test_a_refused_call_is_logged_without_the_token(auth_server, caplog) -> None
     assert "not-the-secret-xyz" not in caplog.text and TOKEN not in caplog.text
 
 
+def test_call_lines_name_the_caller_and_request_id(auth_server, caplog) -> None:  # type: ignore[no-untyped-def]
+    """With auth on, a call's line says who called (the principal: a digest of the token,
+    never the token) and the client's x-request-id; messages are quoted for logfmt."""
+    import hashlib
+
+    caplog.set_level(logging.INFO, logger="attention_service")
+    md = [("authorization", f"Bearer {TOKEN}"), ("x-request-id", "req 42")]
+    _prefill(auth_server.stub(), md)
+    stub = auth_server.stub()
+    with pytest.raises(grpc.RpcError):  # a refusal whose details hold spaces and quotes
+        stub.ListCaches(pb.ListCachesRequest(cache_ids=["nope"]), timeout=5, metadata=md)
+    principal = "token-" + hashlib.sha256(TOKEN.encode()).hexdigest()[:16]
+    lines = [r.getMessage() for r in caplog.records if "request_id=" in r.getMessage()]
+    ok = [ln for ln in lines if ln.startswith("rpc=Prefill code=OK ")]
+    assert len(ok) == 1 and f"caller={principal}" in ok[0], lines
+    assert 'request_id="req 42"' in ok[0]
+    refused = [ln for ln in lines if ln.startswith("rpc=ListCaches ")]
+    assert len(refused) == 1 and ' details="' in refused[0], lines
+    assert TOKEN not in caplog.text
+
+
 def test_auth_accepts_the_token(auth_server) -> None:  # type: ignore[no-untyped-def]
     stub = auth_server.stub()
     md = [("authorization", f"Bearer {TOKEN}")]

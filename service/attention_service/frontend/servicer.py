@@ -7,7 +7,9 @@ engine's registry. Every call ends in exactly one metrics record and one log lin
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import time
 from collections.abc import AsyncIterable, AsyncIterator, Mapping
 from typing import Any
@@ -73,6 +75,26 @@ _CUT_OFF_WAIT_S = 0.05
 _DEADLINE_SLACK_S = 0.05
 
 
+# A logfmt value that needs no quotes; anything else is written as a JSON string.
+_PLAIN = re.compile(r"[\w.:/@+\-\[\]]+")
+
+
+def logfmt(value: str) -> str:
+    return value if _PLAIN.fullmatch(value) else json.dumps(value)
+
+
+def call_tags(context: grpc.aio.ServicerContext, caller: str = "") -> str:
+    """The caller's principal (with auth on: a digest, never the token) and the client's
+    ``x-request-id``, as log-line fields (empty when neither)."""
+    tags = f" caller={caller}" if caller else ""
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id":
+            text = value if isinstance(value, str) else bytes(value).decode("utf-8", "replace")
+            tags += f" request_id={logfmt(text[:128])}"
+            break
+    return tags
+
+
 def _gone_code(context: grpc.aio.ServicerContext) -> str:
     """How a call the client ended counts: its deadline (due now or within the slack) or a
     cancel."""
@@ -124,8 +146,9 @@ class AttentionServicer:
     ) -> None:
         seconds = time.perf_counter() - t0
         self._metrics.observe_request(method, code, seconds)
-        line = f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
-        log.info(line + (f" details={details!r}" if details else ""))
+        line = (f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
+                f"{call_tags(context)}")
+        log.info(line + (f" details={logfmt(details)}" if details else ""))
 
     async def serve(
         self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext,
@@ -148,9 +171,9 @@ class AttentionServicer:
             received = await receive_request(op, requests, self._limits, self._link,
                                              self._uploads, unary=unary)
             call.bytes_in = received.wire_bytes_in
+            call.caller = self._principals.of(context)
             stats = await self._link.run(
-                received.params, received.buffers, received.regions,
-                self._principals.of(context),
+                received.params, received.buffers, received.regions, call.caller,
             )
             call.queue_seconds = stats.queue_seconds
             chunk_bytes = MAX_MESSAGE_BYTES if unary else self._config.chunk_bytes
@@ -230,6 +253,8 @@ class _CallRecord:
     def __init__(self, rpc: str, context: grpc.aio.ServicerContext, unary: bool = False,
                  step: bool = False) -> None:
         self.rpc = rpc
+        self.context = context  # its metadata read only for the log line
+        self.caller = ""  # the principal, with auth on
         self.peer = context.peer()
         self.t0 = time.perf_counter()
         self.code, self.details = "OK", ""
@@ -263,7 +288,7 @@ class _CallRecord:
             )
             if self.regions:
                 line += f" regions={','.join(sorted(self.regions))}"
-        line += f" peer={self.peer}"
+        line += f" peer={self.peer}{call_tags(self.context, self.caller)}"
         if self.details:
-            line += f" details={self.details!r}"
+            line += f" details={logfmt(self.details)}"
         return line
