@@ -48,6 +48,7 @@ new token already in e4m3, so both ways into an FP8 cache are loaded.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -80,6 +81,8 @@ def _range(name: str, default: str, cast=int) -> tuple:
     return lo, hi
 
 
+# Seconds a user waits after a failed call before its next one.
+FAILURE_PAUSE_S = 0.5
 TARGET = os.environ.get("LOADTEST_TARGET") or "127.0.0.1:50051"
 # The server takes a comma-separated list of tokens (ATTENTION_AUTH_TOKEN); a user sends one.
 TOKEN = (os.environ.get("LOADTEST_TOKEN") or "").split(",")[0].strip() or None
@@ -216,6 +219,10 @@ class AttentionUser(User):
             exception=exc,
             context={"tokens": tokens},
         )
+        if exc is not None:
+            # A server that refuses at once (down, no token) would otherwise take hundreds of
+            # failed calls a second per user: pause, so the failure count stays readable.
+            time.sleep(FAILURE_PAUSE_S)
         return exc is None
 
     @task(PREFILL_WEIGHT)
@@ -266,8 +273,13 @@ class AttentionUser(User):
                               lambda q=q, k1=k1, v1=v1: cache.decode(q, [cache_id], k1, v1),
                               q.shape):
                 break
-        # Always released (the handle knows what it created), and timed like every call.
-        self._call("ReleaseCaches", 0, lambda: [cache.release()], (1,))
+        # Released and timed like every call when the session made its cache; otherwise
+        # released quietly (a create whose answer was lost may still have made it).
+        if cache.ids:
+            self._call("ReleaseCaches", 0, lambda: [cache.release()], (1,))
+        else:
+            with contextlib.suppress(Exception):
+                cache.release()
 
 
 @events.test_start.add_listener
