@@ -142,6 +142,24 @@ def test_a_cpu_quota_caps_the_front_ends(monkeypatch, tmp_path) -> None:  # type
     assert config.usable_cpus() == 2 and config.auto_frontends() == 1
 
 
+def test_warmup_workers_follow_the_quota_unless_set(monkeypatch, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The engine's kernel warm-up compiles in one worker per usable CPU (quota included, at
+    most 16), or leaves the count to ATTENTION_KERNELS_WARMUP_WORKERS when that is set."""
+    import os
+
+    from attention_service import config
+    from attention_service.engine.backends import warmup_workers
+
+    monkeypatch.setattr(config, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.delenv("ATTENTION_KERNELS_WARMUP_WORKERS", raising=False)
+    assert warmup_workers() == 16
+    (tmp_path / "cpu.max").write_text("300000 100000\n")
+    assert warmup_workers() == 3
+    monkeypatch.setenv("ATTENTION_KERNELS_WARMUP_WORKERS", "5")
+    assert warmup_workers() is None
+
+
 def test_keywords_are_case_insensitive() -> None:
     """As booleans and the log level are: ATTENTION_DEVICE=CPU, ATTENTION_REGIONS=ON."""
     cfg = load_config(["--regions", "OFF"], {"ATTENTION_DEVICE": "CPU"})

@@ -190,6 +190,19 @@ class CpuBackend:
         return DoneLaunch(LaunchTimes(kernel_seconds=time.perf_counter() - t0))
 
 
+def warmup_workers() -> int | None:
+    """The kernel warm-up's compile workers (~1 GB of host memory each): None where
+    ``ATTENTION_KERNELS_WARMUP_WORKERS`` is set (the kernels read it), else one per CPU the
+    engine may use, its cgroup's CPU quota included (the kernels' own default counts its
+    affinity only), at most the kernels' cap."""
+    from attention_kernels.kernel_warmup import MAX_DEFAULT_WORKERS, WORKERS_ENV
+    from attention_service.config import usable_cpus
+
+    if os.environ.get(WORKERS_ENV, "").strip():
+        return None
+    return min(MAX_DEFAULT_WORKERS, usable_cpus())
+
+
 class CudaBackend:
     """Our Triton kernels on the current CUDA device, timed with CUDA events. Launches
     alternate over ``max_inflight`` streams so that one batch's copies run while the previous
@@ -219,16 +232,9 @@ class CudaBackend:
         return (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
 
     def warmup(self) -> None:
-        from attention_kernels.kernel_warmup import MAX_DEFAULT_WORKERS, WORKERS_ENV
-        from attention_service.config import usable_cpus
         from attention_service.engine.warmup import tiny_plans
 
-        # Compile workers (~1 GB each): one per CPU the engine may use, its cgroup's quota
-        # included (the kernels' own default counts its affinity only), unless set.
-        workers = None
-        if not os.environ.get(WORKERS_ENV, "").strip():
-            workers = min(MAX_DEFAULT_WORKERS, usable_cpus())
-        self._kernels.warmup(device=str(self.device), workers=workers)
+        self._kernels.warmup(device=str(self.device), workers=warmup_workers())
         for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
