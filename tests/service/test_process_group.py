@@ -258,7 +258,10 @@ def test_frontend_killed_while_the_engine_computes_its_call() -> None:
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(grpc.RpcError):
                 fut.result(60)
-        # The engine cancels that call and waits until its arena is quiet, then restarts it.
+        # The engine says how many calls it lost with it, cancels that call and waits until
+        # its arena is quiet, then restarts it.
+        g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight calls are "
+                   r"lost \([01] of them had reached the engine", timeout=60)
         g.wait_for(r"front end 0 listening \(pid \d+\), restarted", timeout=60)
         g.wait_until_serving()
         for pid in g.frontend_pids().values():

@@ -298,8 +298,9 @@ class Group:
                         raise RuntimeError(f"front end {index} exited with code {rc} while "
                                            "starting (see its log above)")
                     log.error("front end %d (pid %d) exited with code %s: its in-flight calls "
-                              "are lost (their clients see UNAVAILABLE); restarting it", index,
-                              proc.pid, rc)
+                              "are lost (%d of them had reached the engine; their clients see "
+                              "UNAVAILABLE); restarting it", index, proc.pid, rc,
+                              slot.conn.inflight if slot.conn is not None else 0)
                     metrics.frontend_restarts.inc()
                     slot.bound = False
                     threading.Thread(target=self._replace, args=(slot,), daemon=True).start()
