@@ -339,6 +339,35 @@ def test_a_remembered_dtype_refused_by_the_client_is_asked_again(client, server)
         client.decode_step(np.ones((1, H, D), np.float16), ["redtyped"], store=False)
 
 
+def test_the_async_client_asks_again_for_a_remembered_dtype(server):
+    """The asyncio client's decode_step and decode_steps, as the sync client's: a q that does
+    not fit a remembered layout makes them ask the server once."""
+    q = np.ones((1, H, D), np.float32)
+
+    async def main(other: AttentionClient) -> list[tuple[np.ndarray, np.ndarray]]:
+        got = []
+        async with AsyncAttentionClient(server.target) as c:
+            zeros = np.zeros((3, HKV, D), np.float16)
+            await c.kv_cache(HKV, D, "float16").append("aredtyped", zeros, zeros)
+            await c.decode_step(np.ones((1, H, D), np.float16), ["aredtyped"], store=False)
+            async with c.decode_steps() as steps:
+                for seed, step in enumerate((c.decode_step, steps.step)):
+                    other.release_caches("aredtyped")
+                    dtype = ("float32", "float16")[seed]
+                    k = make("numpy", dtype, 3, HKV, D, seed=93 + seed)
+                    other.kv_cache(HKV, D, dtype).append("aredtyped", k, k)
+                    qd = q.astype(dtype)
+                    got.append((k, qd, await step(qd, ["aredtyped"], store=False)))
+        return got
+
+    with AttentionClient(server.target) as other:
+        for k, qd, out in asyncio.run(main(other)):
+            t = f64(torch.from_numpy(k))
+            check_out(out, reference.decode_ref(f64(torch.from_numpy(qd)), t, t, cu([3])),
+                      str(qd.dtype), qd)
+        other.release_caches(all=True)
+
+
 def test_a_failed_layout_lookup_reads_as_the_step(client):
     """decode_step without new tokens looks its caches' layout up first: a failure there
     names the step (CacheDecode) and what it was doing, not ListCaches."""
