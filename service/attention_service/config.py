@@ -13,6 +13,7 @@ import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 # gRPC's default receive limit; the server keeps it so default clients interoperate.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -302,8 +303,16 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Refuses a bad flag in one line, as every other startup error (argparse would print the
+    whole usage first: ~30 lines for this many flags)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (--help lists the flags)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="attention-server",
         description="Remote attention gRPC server. Every flag has an ATTENTION_* env equivalent.",
     )

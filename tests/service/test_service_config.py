@@ -160,6 +160,20 @@ def test_warmup_workers_follow_the_quota_unless_set(monkeypatch, tmp_path) -> No
     assert warmup_workers() is None
 
 
+@pytest.mark.parametrize("argv", [["--port", "abc"], ["--no-such-flag"], ["--frontends"]])
+def test_a_bad_flag_is_refused_in_one_line(argv: list[str], capsys) -> None:  # type: ignore[no-untyped-def]
+    """As every startup error: one line on stderr naming the flag, exit status 2 (argparse
+    printed its whole usage first)."""
+    from attention_service.__main__ import main
+
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("attention-server: "), err
+    assert argv[0] in err
+
+
 def test_keywords_are_case_insensitive() -> None:
     """As booleans and the log level are: ATTENTION_DEVICE=CPU, ATTENTION_REGIONS=ON."""
     cfg = load_config(["--regions", "OFF"], {"ATTENTION_DEVICE": "CPU"})
