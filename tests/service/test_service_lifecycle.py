@@ -207,6 +207,28 @@ def test_drain_in_process(start_server) -> None:  # type: ignore[no-untyped-def]
     stopping.result(20)
 
 
+def test_calls_the_drain_cuts_count_as_unavailable(start_server) -> None:  # type: ignore[no-untyped-def]
+    """A call still running when the grace period ends is cancelled by the server: its
+    client sees UNAVAILABLE, and metrics and log count it so (not as a client's CANCELLED)."""
+    backend = GatedBackend()
+    srv = start_server(backend=backend, metrics_port=0)
+    inflight = srv.stub().Prefill(iter(small_prefill()), timeout=30)
+    assert backend.entered.wait(10)
+    asyncio.run_coroutine_threadsafe(srv.server.stop(0.2), srv.loop).result(20)
+    with pytest.raises(grpc.RpcError) as info:
+        list(inflight)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    registry = srv.server.servicer._metrics.registry  # /metrics stopped with the server
+
+    def codes() -> set[str]:
+        return {s.labels["code"] for fam in registry.collect() if fam.name == "attention_requests"
+                for s in fam.samples
+                if s.name == "attention_requests_total" and s.labels["rpc"] == "Prefill"}
+
+    assert wait_until(lambda: "UNAVAILABLE" in codes())
+    assert "CANCELLED" not in codes()
+
+
 def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore[no-untyped-def]
     backend = GatedBackend()
     srv = start_server(backend=backend, max_queue_size=1)

@@ -98,6 +98,7 @@ class FrontEnd:
         if not drained:
             log.warning("grace period over with %d call(s) in flight: cancelling them",
                         tracker.inflight)
+            tracker.cutting = True  # they count as UNAVAILABLE, as their clients see them
         # A short grace lets just-finished calls flush their status; health watchers and
         # anything left are cancelled after it.
         left = max(0.0, grace - (time.monotonic() - t0))

@@ -41,6 +41,7 @@ class CallTracker:
     def __init__(self) -> None:
         self.accepting = False  # False while warming up and once draining
         self.refusal = "server is warming up"
+        self.cutting = False  # the drain's grace is over: calls left are being cancelled
         self.inflight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -195,7 +196,7 @@ class AttentionServicer:
                 yield last
             return
         except (asyncio.CancelledError, GeneratorExit):
-            call.code = _gone_code(context)
+            call.code = self._gone_code(context)
             self._finish(call)
             raise
         except StreamEnded as exc:
@@ -208,13 +209,13 @@ class AttentionServicer:
                 if not unary:
                     await asyncio.sleep(_CUT_OFF_WAIT_S)
             except asyncio.CancelledError:
-                call.code = _gone_code(context)
+                call.code = self._gone_code(context)
                 self._finish(call)
                 raise
         except RequestError as exc:
             refusal = (exc.code, exc.details)
         except Cancelled:
-            code = grpc.StatusCode[_gone_code(context)]
+            code = grpc.StatusCode[self._gone_code(context)]
             refusal = (code, "call ended before its compute finished")
         except Exception as exc:
             log.exception("rpc=%s internal error", op.rpc)
@@ -227,6 +228,11 @@ class AttentionServicer:
         call.code, call.details = refusal[0].name, refusal[1]
         self._finish(call)
         await context.abort(*refusal)
+
+    def _gone_code(self, context: grpc.aio.ServicerContext) -> str:
+        """How a call that ended early counts: UNAVAILABLE when the drain cut it (its client
+        sees the server go), else the client's deadline or cancel (``_gone_code``)."""
+        return "UNAVAILABLE" if self.tracker.cutting else _gone_code(context)
 
     def _finish(self, call: _CallRecord) -> None:
         """Exactly once per compute call: release it, record metrics, write its log line."""
