@@ -77,6 +77,21 @@ def auto_frontends(cores: int | None = None) -> int:
     return max(1, min(8, cores // 2))
 
 
+# --spin-us -1 (auto): how long to poll, and the usable cores it takes. Measured on H200 hosts
+# (16 vCPUs, 8 front ends; benchmarks/results/issue11/2026-11-27d/): 2000 us cut a one-client
+# decode step's p50 overhead from 0.89-1.02 ms to 0.66-0.75 (every paired round), with steps/s
+# at 8 and 64 clients unchanged; on the 2-core dev box the pollers took the clients' cores and
+# the overhead doubled (2.2 -> 4.0 ms), hence off there.
+AUTO_SPIN_US = 2000.0
+AUTO_SPIN_MIN_CPUS = 8
+
+
+def auto_spin_us(cores: int | None = None) -> float:
+    """``--spin-us -1``: AUTO_SPIN_US with at least AUTO_SPIN_MIN_CPUS usable cores, else 0."""
+    cores = cores if cores is not None else usable_cpus()
+    return AUTO_SPIN_US if cores >= AUTO_SPIN_MIN_CPUS else 0.0
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -159,6 +174,11 @@ class ServerConfig:
     # CacheDecode launches replay CUDA graphs captured per shape bucket (engine/decode_steps.py);
     # off runs the same staged launch eagerly. Ignored on cpu.
     cuda_graphs: bool = True
+    # Microseconds a process of the group polls for its next message before it sleeps: the
+    # engine's reader after each request while the engine is idle, a front end while its one
+    # call waits for a launch of one request (0 = never; -1 = auto_spin_us(): on with 8+
+    # usable cores). See docs/service.md, "Polling".
+    spin_us: float = -1.0
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -179,7 +199,7 @@ class ServerConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
         for name in ("grace_seconds", "max_queue_delay_ms", "max_request_flops", "kv_cache_ttl",
-                     "region_ttl"):
+                     "region_ttl", "spin_us"):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -219,6 +239,8 @@ class ServerConfig:
                              f"page (kv_page_bytes = {self.kv_page_bytes})")
         if self.region_ttl < 0:
             raise ValueError("region_ttl must be >= 0 (0 = never)")
+        if not (0 <= self.spin_us <= 1e6 or self.spin_us == -1):
+            raise ValueError("spin_us must be in [0, 1000000] (0 = never) or -1 (auto)")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
         if self.auth_token is not None and not all(self.tokens):
@@ -231,6 +253,11 @@ class ServerConfig:
         if not self.auth_token:
             return ()
         return tuple(t.strip() for t in self.auth_token.split(","))
+
+    @property
+    def spin_seconds(self) -> float:
+        """How long the group's processes poll before they sleep (``spin_us``, auto resolved)."""
+        return (self.spin_us if self.spin_us >= 0 else auto_spin_us()) / 1e6
 
     @property
     def process_count(self) -> int:
@@ -300,6 +327,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "kv_cache_ttl": ("--kv-cache-ttl", "ATTENTION_KV_CACHE_TTL", float),
     "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
     "cuda_graphs": ("--cuda-graphs", "ATTENTION_CUDA_GRAPHS", _bool_env),
+    "spin_us": ("--spin-us", "ATTENTION_SPIN_US", float),
 }
 
 

@@ -353,6 +353,27 @@ def test_closed_executor_refuses_and_answers_what_waited() -> None:
     assert len(got) == 3
 
 
+def test_idle_holds_only_while_nothing_is_queued_or_in_flight() -> None:
+    # The engine's channel readers poll for requests only while this holds.
+    backend = _Slow()
+    ex = Executor(backend, max_queue_delay_s=0.0)
+    got: list[object] = []
+    try:
+        assert ex.idle
+        ex.submit(_prefill_job(1, [4]), got.append)
+        assert not ex.idle  # queued
+        _wait_until(lambda: len(backend.sizes) == 1)
+        assert backend.sizes == [1] and not ex.idle  # taken by the dispatcher, held at the gate
+        ex.submit(_prefill_job(2, [4]), got.append)  # queued behind it
+        assert not ex.idle
+        backend.gate.set()
+        _wait_until(lambda: len(got) == 2 and ex.idle)
+        assert len(got) == 2 and ex.idle
+    finally:
+        backend.gate.set()
+        ex.close()
+
+
 class _AsyncCpu(CpuBackend):
     """A backend that says its launches only queue work (as cuda's do): the executor may
     issue on the submitting thread. Records where each launch ran and checks none overlap."""

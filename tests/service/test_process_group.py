@@ -111,6 +111,40 @@ def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:
     assert stubs[1].ReleaseCaches(pb.ReleaseCachesRequest(all=True), timeout=10).released == 2
 
 
+def test_a_polling_group_answers_lone_and_concurrent_calls() -> None:
+    """``--spin-us`` on (auto leaves it off on a box of fewer than 8 cores): the engine's
+    readers poll while the engine is idle and a front end polls while its lone call waits.
+    Lone calls one after another, concurrent ones over both front ends, and cached decode
+    steps all answer correctly; the log names the setting."""
+    g = Group(2, "--spin-us", "3000")
+    try:
+        g.wait_for(r"2 front ends, polling 3000 us")
+        stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid))
+                 for _, pid in sorted(g.frontend_pids().items())]
+        for seed in range(6):  # lone calls: every read of the engine follows a poll
+            msgs, ref = _request(seed)
+            _check(collect(stubs[seed % 2].Prefill(iter(msgs), timeout=30)), ref)
+        requests = [_request(100 + i) for i in range(12)]
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda i: collect(stubs[i % 2].Prefill(
+                iter(requests[i][0]), timeout=60)), range(12)))
+        for out, (_, ref) in zip(outs, requests, strict=True):
+            _check(out, ref)
+        stubs[0].CreateCaches(pb.CreateCachesRequest(
+            cache_ids=["p0"], layout=layout(torch.float32, 2, 16)), timeout=10)
+        model = Model(2, 16, torch.float32)
+        model.create(["p0"])
+        for step in range(4):
+            q, kn, vn = random_qkv(1, 1, 4, 2, 16, torch.float32, seed=300 + step)
+            r = collect(stubs[step % 2].CacheDecode(cache_decode_messages(["p0"], q, kn, vn),
+                                                    timeout=30))
+            model.append(["p0"], kn, vn, [1])
+            kk, vv, cu = model.packed(["p0"])
+            _check(r, decode_oracle(q, kk, vv, cu)[0])
+    finally:
+        assert g.stop() == 0
+
+
 def test_fp8_through_frontend_processes(group: Group) -> None:
     """FP8 k/v and scales cross from a torch-free front end to the engine: a stateless FP8
     Prefill and an FP8 cache session, each through a different front end."""

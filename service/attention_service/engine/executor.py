@@ -170,6 +170,12 @@ class Executor:
 
     # ---- callers' side ------------------------------------------------------------------
 
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, in flight or being issued; read without the lock, so a hint (the
+        engine's channel readers poll for requests only while it holds)."""
+        return not self._waiting and self._inflight == 0 and self._issuing == 0
+
     def queue_depth(self, op: Op) -> int:
         with self._cond:
             return self._queue.depth(op)

@@ -38,7 +38,7 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
     loop = asyncio.get_running_loop()
     arena = arenas.Mapped(arena_fd, hello.arena_bytes)
     os.close(arena_fd)
-    link = RemoteLink(None, arena, hello.info, loop)
+    link = RemoteLink(None, arena, hello.info, loop, spin_s=config.spin_seconds)
     channel = Channel(sock, link.on_message, link.on_close, f"frontend-{hello.slot}")
     link.channel = channel
     channel.start(loop)  # replies are read on this loop: no thread hand-off per call

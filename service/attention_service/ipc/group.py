@@ -108,6 +108,7 @@ class Group:
         self.draining = False
         self.warmup_thread: threading.Thread | None = None
         self._control_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-control")
+        self._spinner: Any = None  # the readers' Spinner, made with the engine core
 
     # ---- events (signal handlers and helper threads post here) ---------------------------
 
@@ -137,7 +138,7 @@ class Group:
             on_bound=lambda msg: self._post("bound", msg),
         )
         channel = Channel(mine, conn.on_message, conn.on_channel_close, f"engine-{slot.index}",
-                          batch_scope=self.core.executor.deferring)
+                          batch_scope=self.core.executor.deferring, spinner=self._spinner)
         conn.attach(channel)
         channel.start()
         slot.proc, slot.conn, slot.bound = proc, conn, False
@@ -179,7 +180,7 @@ class Group:
         from attention_service.engine.backends import make_backend
         from attention_service.engine.core import EngineCore
         from attention_service.ipc import arena as arenas
-        from attention_service.ipc.channel import corked
+        from attention_service.ipc.channel import Spinner, corked
         from attention_service.ipc.messages import Serving
         from attention_service.metrics import LiveCollector, Metrics
         from attention_service.server import gpu_uuid, versions
@@ -191,6 +192,9 @@ class Group:
         metrics = Metrics(multiprocess=True)
         self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count,
                                       delivery_scope=corked)
+        # The readers poll for the next request only while the engine is idle: with launches
+        # in flight, a polling reader would take the GIL from the threads doing the work.
+        self._spinner = Spinner(cfg.spin_seconds, lambda: core.executor.idle)
         held, self.port = reserve_port(cfg.host, cfg.port)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
@@ -259,8 +263,9 @@ class Group:
                     if not started and all(s.bound for s in self.slots):
                         started = True
                         # Parseable lines: tests and scripts read the bound ports from them.
-                        log.info("listening on port %d (backend %s, device %s, %d front ends)",
-                                 self.port, backend.name, backend.device_name, self.count)
+                        log.info("listening on port %d (backend %s, device %s, %d front ends, "
+                                 "polling %.0f us)", self.port, backend.name,
+                                 backend.device_name, self.count, cfg.spin_seconds * 1e6)
                         if metrics_port is not None:
                             log.info("metrics on port %d", metrics_port)
                         self.warmup_thread = threading.Thread(

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -95,8 +96,11 @@ class RemoteBuffers:
 class RemoteLink:
     def __init__(
         self, channel: Channel | None, arena: arenas.Mapped, info: EngineInfo,
-        loop: asyncio.AbstractEventLoop,
+        loop: asyncio.AbstractEventLoop, spin_s: float = 0.0,
     ) -> None:
+        """``spin_s``: while its only call waits for the engine, the loop polls the channel
+        for up to this long (a callback that reschedules itself keeps the loop from
+        sleeping) instead of waking from epoll when the answer comes (see ``Spinner``)."""
         self.channel = channel  # set by the caller once the channel exists (it needs us)
         self.arena = arena
         self.free_list = arenas.FreeList(arena.size)
@@ -107,6 +111,12 @@ class RemoteLink:
         self._params_ids: dict[Params, int] = {}  # defined on the channel (DefineParams)
         self.serving = asyncio.Event()
         self.gone = asyncio.Event()
+        self._spin_s = spin_s
+        self._polling = False
+        # The engine's last answer came from a launch of one request: it is not batching, so
+        # a poll here waits on one launch; with batches, the engine and front ends are busy
+        # and polling front ends took cores from them (8 clients on 16 vCPUs: p99 4.2 -> 7 ms).
+        self._engine_alone = True
 
     # ---- called by the channel, on the event loop -----------------------------------------
 
@@ -130,6 +140,8 @@ class RemoteLink:
         fut, buffers = entry
         if buffers is not None:
             buffers.engine_done()
+        if isinstance(msg, Done):
+            self._engine_alone = msg.stats.batch_requests <= 1
         if fut.done():  # the caller went away meanwhile
             return
         if isinstance(msg, Failed):
@@ -182,12 +194,27 @@ class RemoteLink:
         self._send(Submit(call_id, self._params_id(params), spans, owner), fds)
         buffers.hold_for_engine()
         self._pending[call_id] = (fut, buffers)
+        if (self._spin_s and self._engine_alone and len(self._pending) == 1
+                and not self._polling):
+            self._polling = True
+            self._loop.call_soon(self._poll, time.perf_counter() + self._spin_s)
         try:
             return await fut
         except asyncio.CancelledError:
             if call_id in self._pending and not self.gone.is_set():
                 self._send(Cancel(call_id))  # the buffers stay held until the engine answers
             raise
+
+    def _poll(self, end: float) -> None:
+        """Read the channel without waiting; again on the loop's next turn while one call
+        waits and the spin lasts. More calls at once: the loop is busy anyway."""
+        channel = self.channel
+        if channel is not None and len(self._pending) == 1:
+            channel.poll()
+            if len(self._pending) == 1 and time.perf_counter() < end:
+                self._loop.call_soon(self._poll, end)
+                return
+        self._polling = False
 
     def _params_id(self, params: Params) -> int:
         """The id ``params`` has on the channel, defining it first if new."""
