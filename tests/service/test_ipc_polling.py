@@ -89,6 +89,28 @@ def test_one_thread_spins_at_a_time(pair) -> None:  # type: ignore[no-untyped-de
     assert first and first[0] is not None and first[0][0] == 1
 
 
+def test_no_spin_while_another_reader_has_traffic(pair) -> None:  # type: ignore[no-untyped-def]
+    # A polling thread keeps the GIL from the other readers: it polls only while they are
+    # quiet (one client at a time).
+    a, b = pair
+    c, d = socket.socketpair()
+    try:
+        spinner = Spinner(5.0, quiet=0.2)
+        spinner.seen(a)  # its own traffic does not count
+        spinner.seen(c)
+        t0 = time.perf_counter()
+        assert spinner.poll(a, _buf()) is None
+        assert time.perf_counter() - t0 < 0.15
+        time.sleep(0.25)  # c has been quiet for longer than ``quiet``: a spins again
+        threading.Timer(0.1, b.send, args=(b"!",)).start()
+        t0 = time.perf_counter()
+        got = spinner.poll(a, _buf())
+        assert got is not None and got[0] == 1 and time.perf_counter() - t0 >= 0.09
+    finally:
+        c.close()
+        d.close()
+
+
 def test_a_closed_peer_and_descriptors_come_through_the_spin(pair) -> None:  # type: ignore[no-untyped-def]
     a, b = pair
     r, w = os.pipe()
