@@ -77,11 +77,12 @@ def auto_frontends(cores: int | None = None) -> int:
     return max(1, min(8, cores // 2))
 
 
-# --spin-us -1 (auto): how long to poll, and the usable cores it takes. Measured on H200 hosts
-# (16 vCPUs, 8 front ends; benchmarks/results/issue11/2026-11-27d/): 2000 us cut a one-client
-# decode step's p50 overhead from 0.89-1.02 ms to 0.66-0.75 (every paired round), with steps/s
-# at 8 and 64 clients unchanged; on the 2-core dev box the pollers took the clients' cores and
-# the overhead doubled (2.2 -> 4.0 ms), hence off there.
+# --spin-us -1 (auto): how long to poll, and the usable cores it takes. Measured with fresh
+# servers interleaved (16 vCPUs, 8 front ends; benchmarks/results/issue11/2026-11-27d/): 2000 us
+# cut a one-client decode step's p50 overhead over the kernel from 0.99-1.09 to 0.70-0.80 ms on
+# an H100 host (0.89-1.02 -> 0.66-0.75 on an H200), every paired round, steps/s at 8 and 64
+# clients unchanged; on the 2-core dev box the pollers took the client's cores and the
+# overhead doubled (2.2 -> 4.0 ms), hence off there.
 AUTO_SPIN_US = 2000.0
 AUTO_SPIN_MIN_CPUS = 8
 
