@@ -395,6 +395,14 @@ class Metrics:
             "attention_frontend_restarts", "Front-end processes restarted after they died.",
             registry=r,
         )
+        # A dead front end's in-flight calls never reach its own request counters (it died
+        # before it could count them); the engine counts the ones it had.
+        self.frontend_lost_calls = Counter(
+            "attention_frontend_lost_calls",
+            "Calls in the engine when their front-end process died (their clients saw "
+            "UNAVAILABLE); calls the front end had not submitted yet are not counted.",
+            registry=r,
+        )
         self._live: LiveCollector | None = None
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None

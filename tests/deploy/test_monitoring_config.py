@@ -272,6 +272,7 @@ def test_dashboard_queries_only_contract_metrics() -> None:
         ("memory per process", r"attention_process_resident_memory_bytes"),
         ("front ends alive", r"attention_frontends\{"),
         ("front-end restarts", r"increase\(attention_frontend_restarts_total"),
+        ("calls lost with a front end", r"increase\(attention_frontend_lost_calls_total"),
         ("launches that merged", r'attention_batch_requests_bucket\{[^}]*le="1\.0"'),
     ],
 )

@@ -275,6 +275,9 @@ def test_killed_frontend_loses_only_its_own_calls() -> None:
                       rpc="GetServerInfo", code="OK") >= done_before
         assert sample(m, "attention_frontend_restarts", "attention_frontend_restarts_total") == 1
         assert sample(m, "attention_frontends", "attention_frontends") == 2
+        # Its call was still arriving (held in the front end): none had reached the engine.
+        assert sample(m, "attention_frontend_lost_calls",
+                      "attention_frontend_lost_calls_total") == 0
     finally:
         assert g.stop() == 0
 
@@ -294,10 +297,14 @@ def test_frontend_killed_while_the_engine_computes_its_call() -> None:
                 fut.result(60)
         # The engine says how many calls it lost with it, cancels that call and waits until
         # its arena is quiet, then restarts it.
-        g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight calls are "
-                   r"lost \([01] of them had reached the engine", timeout=60)
+        lost = int(g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight "
+                              r"calls are lost \(([01]) of them had reached the engine",
+                              timeout=60).group(1))
         g.wait_for(r"front end 0 listening \(pid \d+\), restarted", timeout=60)
         g.wait_until_serving()
+        # Counted by the engine: the dead process never counted its own last call.
+        assert sample(g.scrape(), "attention_frontend_lost_calls",
+                      "attention_frontend_lost_calls_total") == lost
         for pid in g.frontend_pids().values():
             msgs, ref = _request(400 + pid % 7)
             _check(collect(pb_grpc.AttentionServiceStub(connect_to(g, pid)).Prefill(

@@ -302,11 +302,12 @@ class Group:
                     if not started:
                         raise RuntimeError(f"front end {index} exited with code {rc} while "
                                            "starting (see its log above)")
+                    lost = slot.conn.inflight if slot.conn is not None else 0
                     log.error("front end %d (pid %d) exited with code %s: its in-flight calls "
                               "are lost (%d of them had reached the engine; their clients see "
-                              "UNAVAILABLE); restarting it", index, proc.pid, rc,
-                              slot.conn.inflight if slot.conn is not None else 0)
+                              "UNAVAILABLE); restarting it", index, proc.pid, rc, lost)
                     metrics.frontend_restarts.inc()
+                    metrics.frontend_lost_calls.inc(lost)
                     slot.bound = False
                     threading.Thread(target=self._replace, args=(slot,), daemon=True).start()
                 elif kind == "respawn" and not self.draining:
