@@ -50,7 +50,7 @@ async def serve(config: ServerConfig) -> int:
     await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
     if not drain.done():
         log.warning("second signal: cancelling in-flight calls")
-        await server.grpc_server.stop(0)
+        await server.frontend.cut()
         await drain
     forced.cancel()
     log.info("stopped")

@@ -207,14 +207,23 @@ def test_drain_in_process(start_server) -> None:  # type: ignore[no-untyped-def]
     stopping.result(20)
 
 
-def test_calls_the_drain_cuts_count_as_unavailable(start_server) -> None:  # type: ignore[no-untyped-def]
-    """A call still running when the grace period ends is cancelled by the server: its
-    client sees UNAVAILABLE, and metrics and log count it so (not as a client's CANCELLED)."""
+@pytest.mark.parametrize("how", ["grace over", "second signal"])
+def test_calls_the_drain_cuts_count_as_unavailable(start_server, how: str) -> None:  # type: ignore[no-untyped-def]
+    """A call still running when the grace period ends, or when a second signal cuts the
+    drain short (``FrontEnd.cut``), is cancelled by the server: its client sees UNAVAILABLE,
+    and metrics and log count it so (not as a client's CANCELLED)."""
     backend = GatedBackend()
     srv = start_server(backend=backend, metrics_port=0)
     inflight = srv.stub().Prefill(iter(small_prefill()), timeout=30)
     assert backend.entered.wait(10)
-    asyncio.run_coroutine_threadsafe(srv.server.stop(0.2), srv.loop).result(20)
+    if how == "grace over":
+        asyncio.run_coroutine_threadsafe(srv.server.stop(0.2), srv.loop).result(20)
+    else:
+        draining = asyncio.run_coroutine_threadsafe(srv.server.stop(30), srv.loop)
+        assert wait_until(lambda: not srv.server.frontend.tracker.accepting)
+        asyncio.run_coroutine_threadsafe(srv.server.frontend.cut(), srv.loop).result(20)
+        backend.release.set()  # the engine's launch ends; its caller is gone
+        draining.result(20)
     with pytest.raises(grpc.RpcError) as info:
         list(inflight)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -88,6 +88,13 @@ class FrontEnd:
             self._stop_task = asyncio.ensure_future(self._drain(grace or 0.0))
         await asyncio.shield(self._stop_task)
 
+    async def cut(self) -> None:
+        """A second signal during the drain: cancel the calls in flight now. They count as
+        UNAVAILABLE, as their clients see them (as calls the grace period's end cuts)."""
+        if self.tracker.inflight:
+            self.tracker.cutting = True
+        await self.grpc_server.stop(0)
+
     async def _drain(self, grace: float) -> None:
         t0 = time.monotonic()
         await self.health.enter_graceful_shutdown()

@@ -71,7 +71,7 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
     forced = asyncio.ensure_future(force.wait())
     await asyncio.wait({drain, forced}, return_when=asyncio.FIRST_COMPLETED)
     if not drain.done():
-        await frontend.grpc_server.stop(0)
+        await frontend.cut()
         await drain
     forced.cancel()
     channel.close()
