@@ -251,3 +251,26 @@ def test_spin_from_flag_and_env(monkeypatch) -> None:  # type: ignore[no-untyped
     assert load_config(["--spin-us", "500"]).spin_us == 500
     monkeypatch.setenv("ATTENTION_SPIN_US", "0")
     assert load_config([]).spin_us == 0
+
+
+def test_the_control_pool_says_while_a_control_call_runs() -> None:
+    # Cache and region rpcs run on these threads, outside the executor: the engine's readers
+    # must not poll meanwhile (a polling reader would keep the GIL from them).
+    from attention_service.ipc.group import _ControlPool
+
+    pool = _ControlPool()
+    gate = threading.Event()
+    try:
+        assert not pool.busy
+        fut = pool.submit(gate.wait, 10)
+        assert pool.busy
+        gate.set()
+        assert fut.result(10) is True
+        assert not pool.busy  # counted down before the result is set
+        failing = pool.submit(lambda: 1 / 0)
+        with pytest.raises(ZeroDivisionError):
+            failing.result(10)
+        assert not pool.busy
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)

@@ -87,6 +87,39 @@ def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
     return held, port
 
 
+class _ControlPool(ThreadPoolExecutor):
+    """The control calls' threads (cache and region rpcs: they bypass the executor), with a
+    count of those running: the channel readers must not poll while one does (a polling
+    reader keeps the GIL from it, ~2 ms a call at one client)."""
+
+    def __init__(self) -> None:
+        super().__init__(2, thread_name_prefix="attention-control")
+        self._lock = threading.Lock()
+        self._running = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._running > 0
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            self._running += 1
+
+        def run() -> Any:
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self._running -= 1
+
+        try:
+            return super().submit(run)
+        except BaseException:
+            with self._lock:
+                self._running -= 1
+            raise
+
+
 @dataclass
 class _Slot:
     index: int
@@ -107,7 +140,7 @@ class Group:
         self.slots: list[_Slot] = []
         self.draining = False
         self.warmup_thread: threading.Thread | None = None
-        self._control_pool = ThreadPoolExecutor(2, thread_name_prefix="attention-control")
+        self._control_pool = _ControlPool()
         self._spinner: Any = None  # the readers' Spinner, made with the engine core
 
     # ---- events (signal handlers and helper threads post here) ---------------------------
@@ -193,8 +226,11 @@ class Group:
         self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count,
                                       delivery_scope=corked)
         # The readers poll for the next request only while the engine is idle: with launches
-        # in flight, a polling reader would take the GIL from the threads doing the work.
-        self._spinner = Spinner(cfg.spin_seconds, lambda: core.executor.idle)
+        # or control calls in flight, a polling reader would take the GIL from the threads
+        # doing the work.
+        control = self._control_pool
+        self._spinner = Spinner(cfg.spin_seconds,
+                                lambda: core.executor.idle and not control.busy)
         held, self.port = reserve_port(cfg.host, cfg.port)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
