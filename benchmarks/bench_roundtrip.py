@@ -58,10 +58,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _free_port, _healthy
+from bench_service import _children, _free_port, _healthy, cpu_list
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFER_METHOD = "/bench.Transfer/Echo"
+# --server-cpus: every server this script starts runs on these CPUs (None: wherever).
+SERVER_CPUS: set[int] | None = None
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
@@ -96,11 +98,33 @@ def serve_transfer(options: list[tuple[str, Any]] | None = None) -> None:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
+def _popen(cmd: list[str], **kwargs: Any) -> subprocess.Popen:
+    """A server process, moved onto ``SERVER_CPUS`` before it has imported anything (its
+    front ends and threads inherit the set; the engine counts its cores from it)."""
+    proc = subprocess.Popen(cmd, **kwargs)
+    if SERVER_CPUS:
+        os.sched_setaffinity(proc.pid, SERVER_CPUS)
+    return proc
+
+
+def cpus_of_tree(pid: int) -> list[int]:
+    """The CPUs process ``pid`` and its descendants may run on (all of them together): what
+    a server's front ends and engine ended up with."""
+    seen: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError):
+            seen |= os.sched_getaffinity(p)
+        todo += _children(p)
+    return sorted(seen)
+
+
 def _start(
     cmd: list[str], env: dict[str, str], timeout: float = 300.0
 ) -> tuple[subprocess.Popen, int]:
     """Start a server process and read its port from its 'listening on port N' line."""
-    proc = subprocess.Popen(
+    proc = _popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
     deadline = time.monotonic() + timeout
@@ -291,7 +315,8 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
             c.attention(q, k, v, cu)
             lat.append(time.perf_counter() - t0)
             calls += 1
-    conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat})
+    conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat,
+               "cpus": sorted(os.sched_getaffinity(0))})
 
 
 def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtype: str,
@@ -321,6 +346,7 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         "clients": clients, "channels": channels, "calls": sum(r["calls"] for r in results),
         "GBps": sum(r["bytes"] for r in results) / seconds / 1e9,
         "p50_ms": _median_ms(lat), "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else 0,
+        "client_cpus": sorted({c for r in results for c in r["cpus"]}),
     }
 
 
@@ -345,7 +371,7 @@ def primed_server(
     from attention_client import AttentionClient
 
     port = _free_port()
-    proc = subprocess.Popen(
+    proc = _popen(
         [*cmd, "--host", "127.0.0.1", "--port", str(port), "--device", device,
          "--metrics-port", "0", "--log-level", "WARNING", "--no-warmup"], env=env, cwd=cwd)
     target = f"127.0.0.1:{port}"
@@ -365,8 +391,8 @@ def baseline_aggregate(
 ) -> dict[str, Any]:
     """The aggregate against the server of source tree ``tree`` (one process)."""
     with primed_server([sys.executable, "-m", "attention_service"], baseline_env(tree, env),
-                       tree, device, tokens, heads, dim, dtype) as (_, target):
-        return {"tree": str(tree), "aggregate": [
+                       tree, device, tokens, heads, dim, dtype) as (proc, target):
+        return {"tree": str(tree), "cpus": cpus_of_tree(proc.pid), "aggregate": [
             aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch)
             for nc in client_counts for ch in channel_counts
         ]}
@@ -392,12 +418,20 @@ def main() -> int:
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="source tree of an earlier commit whose server's aggregate is measured "
                         "too, before and after this tree's servers")
+    p.add_argument("--server-cpus", help="CPUs of every server started (taskset list, e.g. "
+                   "0-15): with --client-cpus, as a server host whose clients are elsewhere")
+    p.add_argument("--client-cpus", help="CPUs of this script and its client processes "
+                   "(e.g. 16-31), apart from --server-cpus")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--serve-transfer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_transfer:
         serve_transfer()
         return 0
+    global SERVER_CPUS
+    SERVER_CPUS = cpu_list(args.server_cpus) if args.server_cpus else None
+    if args.client_cpus:
+        os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the spawned clients inherit it
 
     from attention_client._chunks import DEFAULT_CHUNK_BYTES
     from attention_kernels.reference import prefill_ref
@@ -422,7 +456,8 @@ def main() -> int:
     result: dict[str, Any] = {
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "date": date.today().isoformat(), "torch": torch.__version__, "grpcio": grpc.__version__,
-        "host_cpus": os.cpu_count(),
+        "host_cpus": os.cpu_count(), "server_cpus": args.server_cpus,
+        "client_cpus": args.client_cpus,
         "shape": {"tokens": n, "seqs": args.seqs, "heads": h, "kv_heads": hk, "head_dim": d,
                   "dtype": args.dtype, "causal": args.causal},
         "bytes_in": in_bytes, "bytes_out": out_bytes,
@@ -483,7 +518,7 @@ def main() -> int:
     for count in counts:
         # A free port of our choosing and WARNING logs: no per-call log line in the way.
         port = _free_port()
-        proc = subprocess.Popen(
+        proc = _popen(
             [sys.executable, "-m", "attention_service", "--host", "127.0.0.1", "--port",
              str(port), "--device", args.device, "--metrics-port", "-1", "--frontends",
              str(count), "--log-level", "WARNING"], env=env, cwd=ROOT)
@@ -494,7 +529,7 @@ def main() -> int:
 
             with AttentionClient(target) as c:
                 device_name = c.info()["device"]
-            entry: dict[str, Any] = {"frontends": count}
+            entry: dict[str, Any] = {"frontends": count, "cpus": cpus_of_tree(proc.pid)}
             entry.update(paths(target, q, k, v, cu, args.causal, ref, tol, args.iters))
             entry["aggregate"] = [
                 aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds, ch)
@@ -513,7 +548,9 @@ def main() -> int:
 
     print(f"\nprefill {n} tokens x {h} heads ({hk} kv) x {d} {args.dtype}, causal={args.causal}, "
           f"{args.seqs} seq; in {in_bytes / 2**20:.1f} MiB, out {out_bytes / 2**20:.1f} MiB; "
-          f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters}")
+          f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters}"
+          + (f"; servers on cpus {args.server_cpus}" if args.server_cpus else "")
+          + (f", clients on cpus {args.client_cpus}" if args.client_cpus else ""))
     c = result["ceilings"]
     print("ceilings: " + ", ".join(f"{k_} {v_:.2f}" for k_, v_ in c.items()))
     print(f"kernel in-process (CUDA events) {result['kernel_ms']:.2f} ms")

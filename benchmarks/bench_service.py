@@ -461,6 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--server-log-level", default="WARNING",
                    help="server log level (INFO logs a line per call, which costs throughput)")
     p.add_argument("--frontends", type=int, help="passed to the started servers (default: theirs)")
+    p.add_argument("--server-cpus", help="CPUs of the started servers (taskset list, e.g. 0-15)")
+    p.add_argument("--client-cpus", help="CPUs of this script and its load processes (e.g. "
+                   "16-31), apart from --server-cpus, as for clients on other hosts")
     p.add_argument("--connections", type=int, default=1,
                    help="connections per client, calls round-robin over them (channels=)")
     p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
@@ -523,6 +526,8 @@ def run_side(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.client_cpus:
+        os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the load processes inherit it
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = LoadSpec(
@@ -547,7 +552,9 @@ def main(argv: list[str] | None = None) -> int:
           f"D{args.head_dim}{' causal' if args.causal else ''}, lengths log-uniform "
           f"{args.min_len}..{args.max_len}, {args.duration:g} s per point, path {args.path}, "
           f"send {args.send}, {args.connections} connection(s) per client, "
-          f"{info.frontends} front end(s)")
+          f"{info.frontends} front end(s)"
+          + (f"; server on cpus {args.server_cpus}" if args.server_cpus else "")
+          + (f", load on cpus {args.client_cpus}" if args.client_cpus else ""))
     print(table(rows, args.client_counts))
     report = {
         "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -91,6 +92,27 @@ def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Pat
         [agg] = entry["aggregate"]
         assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
     assert "x the baseline" in proc.stdout
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")
+def test_bench_roundtrip_keeps_servers_and_clients_on_their_own_cpus(tmp_path: Path) -> None:
+    server_cpu, client_cpu = sorted(os.sched_getaffinity(0))[:2]
+    tree = _tree_of_this_checkout(tmp_path)
+    out = tmp_path / "out"
+    _run_bench(
+        "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
+        "--frontends", "2", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
+        "--iters", "1", "--baseline-tree", str(tree), "--server-cpus", str(server_cpu),
+        "--client-cpus", str(client_cpu), "--out", str(out),
+    )
+    report = json.loads((out / "roundtrip_cpu.json").read_text())
+    assert report["server_cpus"] == str(server_cpu)
+    # Every server process (the group's front ends too) and every client saw only its CPUs.
+    for entry in [*report["servers"], *report["baseline"]]:
+        assert entry["cpus"] == [server_cpu]
+        for agg in entry["aggregate"]:
+            assert agg["client_cpus"] == [client_cpu] and agg["GBps"] > 0
+    assert [s["frontends"] for s in report["servers"]] == [1, 2]
 
 
 def test_profile_aggregate_reports_cpu_per_gb(tmp_path: Path) -> None:
