@@ -308,6 +308,7 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
         for _ in range(2 * channels):  # every connection opened and warm
             c.attention(q, k, v, cu)
         start.wait()
+        cpu0 = time.process_time()  # all of this process's threads (grpc's too)
         t_end = time.perf_counter() + seconds
         calls, lat = 0, []
         while time.perf_counter() < t_end:
@@ -316,7 +317,7 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
             lat.append(time.perf_counter() - t0)
             calls += 1
     conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat,
-               "cpus": sorted(os.sched_getaffinity(0))})
+               "cpus": sorted(os.sched_getaffinity(0)), "cpu_s": time.process_time() - cpu0})
 
 
 def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtype: str,
@@ -347,6 +348,10 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         "GBps": sum(r["bytes"] for r in results) / seconds / 1e9,
         "p50_ms": _median_ms(lat), "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else 0,
         "client_cpus": sorted({c for r in results for c in r["cpus"]}),
+        # Cores each client process used, on average and at most: near 1 is a client whose
+        # Python is the limit, not the server.
+        "client_cores_mean": sum(r["cpu_s"] for r in results) / clients / seconds,
+        "client_cores_max": max(r["cpu_s"] for r in results) / seconds,
     }
 
 
@@ -574,7 +579,8 @@ def main() -> int:
             print(f"  N={s['frontends']:<3d} clients {a['clients']:3d} x {a['channels']} ch: "
                   f"{a['GBps']:6.2f} GB/s ({a['GBps'] / base[a['clients']]:.2f}x N=1 best), "
                   f"{a['calls']} calls, "
-                  f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms")
+                  f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, client cores "
+                  f"{a['client_cores_mean']:.2f} mean / {a['client_cores_max']:.2f} max")
 
     if result.get("baseline"):
         # The baseline's better turn at each client count: the ratio is not flattered by a
@@ -587,7 +593,8 @@ def main() -> int:
         for entry in result["baseline"]:
             for a in entry["aggregate"]:
                 print(f"  baseline ({entry['turn']}) clients {a['clients']:3d} x "
-                      f"{a['channels']} ch: {a['GBps']:6.2f} GB/s, {a['calls']} calls")
+                      f"{a['channels']} ch: {a['GBps']:6.2f} GB/s, {a['calls']} calls, "
+                      f"client cores {a['client_cores_mean']:.2f} mean")
         for s in result["servers"]:
             for a in s["aggregate"]:
                 print(f"  N={s['frontends']:<3d} clients {a['clients']:3d} x {a['channels']} ch: "

@@ -202,6 +202,7 @@ SUMMARY_SERIES = (
     "attention_batch_tokens_sum", "attention_queue_wait_seconds_sum",
     "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
     "attention_input_bytes_total", "attention_region_bytes_total",
+    "attention_request_duration_seconds_sum", "attention_request_duration_seconds_count",
 )
 
 
@@ -242,7 +243,7 @@ def summarize(
         "mean_ms": float(lat.mean()) if lat.size else math.nan,
         "errors": sum(errors.values()), "errors_by_code": errors,
         "mean_batch_requests": math.nan, "mean_batch_tokens": math.nan,
-        "mean_queue_ms": math.nan, "kernel_busy": math.nan,
+        "mean_queue_ms": math.nan, "kernel_busy": math.nan, "server_mean_ms": math.nan,
         "wire_in_MBps": math.nan, "region_MBps": math.nan,
         "server_cpu": math.nan, "server_busiest_thread": math.nan,
     }
@@ -253,6 +254,10 @@ def summarize(
         row["mean_batch_tokens"] = _ratio(d["attention_batch_tokens_sum"], launches)
         row["mean_queue_ms"] = 1e3 * _ratio(d["attention_queue_wait_seconds_sum"],
                                             d["attention_queue_wait_seconds_count"])
+        # The server's own view of a call (first message to status, in the front end): what
+        # the client's mean has beyond it was spent in the load process and on the wire.
+        row["server_mean_ms"] = 1e3 * _ratio(d["attention_request_duration_seconds_sum"],
+                                             d["attention_request_duration_seconds_count"])
         # Fraction of wall time the device spent in kernels (launches may overlap copies).
         row["kernel_busy"] = d["attention_stage_seconds_sum"] / duration
         # Tensor bytes per second through gRPC and through registered regions (in + out).
@@ -293,13 +298,21 @@ class Workers:
         for i, (conn, share) in enumerate(zip(used, shares, strict=True)):
             conn.send(dict(target=target, n_clients=share, seed=seed * 1000 + i,
                            t_start=t_start, t_measure=t_measure, t_end=t_end))
+        procs = self.procs[: len(used)]
         time.sleep(max(0.0, t_measure - time.time()))
         m0, c0 = scrape(metrics), cpu_times(server_pid)
+        l0 = [cpu_times(p.pid) for p in procs]
         time.sleep(max(0.0, t_end - time.time()))
         m1, c1 = scrape(metrics), cpu_times(server_pid)
+        l1 = [cpu_times(p.pid) for p in procs]
         results = [conn.recv() for conn in used]
         row = summarize(results, duration, m0, m1)
         row["server_cpu"], row["server_busiest_thread"] = cpu_usage(c0, c1, duration)
+        # The load's own CPU: a load process whose loop thread nears one core is the limit,
+        # not the server.
+        load = [cpu_usage(a, b, duration) for a, b in zip(l0, l1, strict=True)]
+        row["load_cpu"] = sum(t for t, _ in load)
+        row["load_busiest_thread"] = max((b for _, b in load), default=math.nan)
         return row
 
     def close(self) -> None:
@@ -397,8 +410,9 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
     js, cs = out_dir / f"{stem}.json", out_dir / f"{stem}.csv"
     js.write_text(json.dumps(report, indent=2, default=str) + "\n")
     cols = ["side", "clients", "rps", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "completed",
-            "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms", "kernel_busy",
-            "server_cpu", "server_busiest_thread"]
+            "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms",
+            "server_mean_ms", "kernel_busy", "server_cpu", "server_busiest_thread", "load_cpu",
+            "load_busiest_thread"]
     with cs.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -513,10 +527,13 @@ def run_side(
             rows.append(row)
             print(f"  clients {n:4d}: {row['rps']:9.1f} req/s  p50 {_f(row['p50_ms'], 2)}  "
                   f"p99 {_f(row['p99_ms'], 2)} ms  batch {_f(row['mean_batch_requests'], 2)}  "
-                  f"queue {_f(row['mean_queue_ms'], 2)} ms  kernel busy "
+                  f"queue {_f(row['mean_queue_ms'], 2)} ms  mean {_f(row['mean_ms'], 2)} ms "
+                  f"(server {_f(row['server_mean_ms'], 2)})  kernel busy "
                   f"{_f(100 * row['kernel_busy'], 1)}%  server cpu "
                   f"{_f(100 * row['server_cpu'], 0)}% (busiest thread "
-                  f"{_f(100 * row['server_busiest_thread'], 0)}%)  errors {row['errors']}",
+                  f"{_f(100 * row['server_busiest_thread'], 0)}%)  load cpu "
+                  f"{_f(100 * row['load_cpu'], 0)}% (busiest thread "
+                  f"{_f(100 * row['load_busiest_thread'], 0)}%)  errors {row['errors']}",
                   flush=True)
         return rows, info
     finally:

@@ -39,6 +39,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         assert [(a["clients"], a["channels"]) for a in server["aggregate"]] == [(2, 1), (2, 2)]
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
+            assert 0 < agg["client_cores_mean"] <= agg["client_cores_max"]
 
 
 def test_ab_call_streams_times_both_sides_in_turn(tmp_path: Path) -> None:

@@ -36,9 +36,12 @@ def test_bench_service_runs_both_sides_and_writes_results(tmp_path: Path, send: 
         assert row["completed"] > 0 and row["rps"] > 0 and row["errors"] == 0
         assert row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
         assert row["mean_batch_requests"] >= 1  # read from the server's /metrics
+        assert 0 < row["server_mean_ms"] <= row["mean_ms"]  # the wire and the client add
         # The started server's CPU use from /proc: busy, and one thread at most all of it.
         assert row["server_cpu"] > 0
         assert 0 < row["server_busiest_thread"] <= row["server_cpu"] + 1e-9
+        # and the load processes' own (they must not be the limit unseen).
+        assert 0 < row["load_busiest_thread"] <= row["load_cpu"] + 1e-9
     assert rows[("off", 3)]["mean_batch_requests"] == 1
     with (tmp_path / "service_prefill_cpu.csv").open() as f:
         lines = list(csv.DictReader(f))
