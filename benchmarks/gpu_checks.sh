@@ -131,7 +131,7 @@ python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda'
 SERVICE_GPU_TESTS="tests/service/test_service_gpu.py tests/service/test_batching_gpu.py
   tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py
   tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py
-  tests/service/test_process_group_gpu.py"
+  tests/service/test_process_group_gpu.py tests/service/test_pack_kernel_gpu.py"
 
 # Test runs start many warm-ups at once (pytest workers, test servers): 2 compile workers each.
 TEST_WARMUP_WORKERS=${ATTENTION_KERNELS_WARMUP_WORKERS:-2}

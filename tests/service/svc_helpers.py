@@ -349,3 +349,31 @@ def same_answer(a: Response, b: Response) -> None:
     for name in ("bytes_in", "bytes_out", "flops", "batch_requests", "batch_tokens"):
         assert getattr(sa, name) == getattr(sb, name), name
     assert list(sa.cache_lengths) == list(sb.cache_lengths)
+
+
+def span_jobs(
+    u8: torch.Tensor, lengths: list[tuple[list[int], list[int]]], heads: int, kv_heads: int,
+    dim: int, dtype: torch.dtype, seed: int = 0,
+) -> tuple[list[Any], list[tuple[torch.Tensor, ...]]]:
+    """Prefill jobs whose q, k, v and (NaN-poisoned) out lie in ``u8`` as byte spans, as a
+    front end's arena hands them to the engine: (jobs, each job's (q, k, v) as written)."""
+    from attention_service.engine.backends import WIRE_DTYPES
+    from attention_service.engine.jobs import ByteBase, Job
+    from attention_service.params import Op, make_params
+
+    base = ByteBase(u8)
+    jobs, inputs, at = [], [], 0
+    for i, (len_q, len_k) in enumerate(lengths):
+        cu_q, cu_k = cu_from_lengths(len_q), cu_from_lengths(len_k)
+        q, k, v = random_qkv(cu_q[-1], cu_k[-1], heads, kv_heads, dim, dtype, seed=seed + i)
+        params = make_params(Op.PREFILL, WIRE_DTYPES[dtype], tuple(q.shape), tuple(k.shape),
+                             cu_k, cu_q, causal=True)
+        spans = {}
+        for name, t in (("q", q), ("k", k), ("v", v), ("out", torch.full_like(q, math.nan))):
+            n = t.numel() * t.element_size()
+            u8[at : at + n].copy_(t.reshape(-1).view(torch.uint8))
+            spans[name] = (base, at, dtype, tuple(t.shape))
+            at += -(-(n + 1) // 256) * 256  # a gap after each: a copy past its end shows
+        jobs.append(Job(params, spans=spans))
+        inputs.append((q, k, v))
+    return jobs, inputs

@@ -22,7 +22,7 @@ from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
-from .svc_helpers import cu_from_lengths, random_qkv
+from .svc_helpers import cu_from_lengths, random_qkv, span_jobs
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -84,6 +84,48 @@ def test_cuda_launch_packs_and_scatters_each_jobs_rows() -> None:
     cuda_launch._scatter_rows(plan, out)
     for i, job in enumerate(jobs):
         assert torch.equal(job.out, out[plan.q_offsets[i] : plan.q_offsets[i + 1]])
+
+
+def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The one-launch packing (``cuda_launch._by_segments``), its table run by the host
+    reference: every job's q, k, v land at their offsets of the packed tensors, and each job's
+    output rows go back to its own span, nothing else written."""
+    from attention_kernels.copy_segments import copy_segments_ref
+    from attention_service.engine import cuda_launch
+    from attention_service.engine import jobs as jobs_mod
+
+    u8 = torch.zeros(1 << 16, dtype=torch.uint8)
+    batch, inputs = span_jobs(u8, [([3, 1], [5, 0]), ([0], [0]), ([1], [2]), ([7], [7])],
+                              heads=3, kv_heads=1, dim=5, dtype=torch.bfloat16)
+    plan = BatchPlan(batch)
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(cuda_launch, "can_use_host_pointers", lambda index: True)
+    assert cuda_launch._by_segments(plan, cpu) is None  # not page-locked: the old path
+    monkeypatch.setitem(jobs_mod.PINNED, u8.data_ptr(), u8.numel())
+    assert cuda_launch._by_segments(BatchPlan(batch[:1]), cpu) is None  # a lone job
+    seg = cuda_launch._by_segments(plan, cpu)
+    assert seg is not None and seg.n_in == 3 * len(batch) and seg.unit == 2  # 10-byte kv rows
+    seg.q.fill_(math.nan)
+    copy_segments_ref(seg.table[: seg.n_in], seg.unit)
+    assert torch.equal(seg.q, torch.cat([q for q, _, _ in inputs]))
+    assert torch.equal(seg.k, torch.cat([k for _, k, _ in inputs]))
+    assert torch.equal(seg.v, torch.cat([v for _, _, v in inputs]))
+    before = u8.clone()
+    seg.out.copy_(torch.randn(seg.out.shape))
+    copy_segments_ref(seg.table[seg.n_in :], seg.unit)
+    for i, job in enumerate(batch):
+        assert torch.equal(job.out, seg.out[plan.q_offsets[i] : plan.q_offsets[i + 1]])
+    written = torch.zeros_like(u8, dtype=torch.bool)
+    for job in batch:
+        span = job.span("out")
+        assert span is not None
+        _, at, dtype, shape = span
+        written[at : at + math.prod(shape) * dtype.itemsize] = True
+    assert torch.equal(u8[~written], before[~written])  # only the outputs' bytes changed
+    assert batch[0].q is not None  # a view of the span: still the same bytes, still packed so
+    assert cuda_launch._by_segments(plan, cpu) is not None
+    batch[0].q = inputs[0][0].clone()  # a tensor given instead: the batch goes the old way
+    assert cuda_launch._by_segments(plan, cpu) is None
 
 
 def _cu(values: tuple[int, ...] | None) -> torch.Tensor:

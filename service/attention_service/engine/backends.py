@@ -232,9 +232,11 @@ class CudaBackend:
         return (torch.cuda.memory_allocated(self.device), torch.cuda.memory_reserved(self.device))
 
     def warmup(self) -> None:
+        from attention_kernels import copy_segments
         from attention_service.engine.warmup import tiny_plans
 
         self._kernels.warmup(device=str(self.device), workers=warmup_workers())
+        copy_segments.warm(self.device)  # the batches' one-launch packing (cuda_launch)
         for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 

@@ -18,12 +18,16 @@ reads the whole sequences through the block table.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections import deque
 from types import ModuleType
+from typing import NamedTuple
 
+import numpy as np
 import torch
 
+from attention_kernels.copy_segments import can_use_host_pointers, copy_segments, unit_of
 from attention_service.engine.backends import (
     TORCH_DTYPES,
     block_table,
@@ -32,10 +36,14 @@ from attention_service.engine.backends import (
     store_new_tokens,
 )
 from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.jobs import DoneLaunch, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import DoneLaunch, LaunchTimes, LazyTensor, PendingLaunch
 from attention_service.params import Op
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
+# ATTENTION_PACK_KERNEL=0: batches pack with a view and a copy per job and tensor, as before
+# the one-launch packing (``_Segments``).
+PACK_KERNEL = os.environ.get("ATTENTION_PACK_KERNEL", "1") != "0"
+_SEGMENT_ALIGN = 256  # bytes: each packed tensor starts where a fresh allocation would
 
 
 class _Events:
@@ -88,6 +96,96 @@ def _packed(
     _copy_each([(d if d.shape[0] == s.shape[0] else d[: s.shape[0]], s)
                 for d, s in zip(slots, parts, strict=True)])
     return dst
+
+
+class _Segments(NamedTuple):
+    """A batch packed by one ``copy_segments`` launch and unpacked by another: the packed
+    device tensors (one allocation) and the copy table (inputs' rows first, then outputs')."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor
+    table: torch.Tensor  # int64 [rows, 3] on the device
+    n_in: int
+    unit: int
+    max_in: int
+    max_out: int
+    keep: tuple[object, ...]
+
+    def pack(self) -> None:
+        copy_segments(self.table[: self.n_in], self.unit, self.max_in)
+
+    def unpack(self) -> None:
+        copy_segments(self.table[self.n_in :], self.unit, self.max_out)
+
+
+_IO = ("q", "k", "v", "out")
+
+
+def _nbytes(span: LazyTensor) -> int:
+    n = span[2].itemsize
+    for d in span[3]:
+        n *= d
+    return n
+
+
+def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
+    """A batch of two or more jobs whose q, k, v and out all lie in device-readable memory
+    (pinned arenas and regions, device regions), packed with one kernel instead of a view and
+    a copy per job and tensor; None when it does not qualify."""
+    if (not PACK_KERNEL or len(plan.jobs) < 2 or plan.op.cached or plan.return_lse
+            or not can_use_host_pointers(device.index or 0)):
+        return None
+    spans = []
+    for job in plan.jobs:
+        row = [job.span(name) for name in _IO]
+        for span in row:
+            if span is None or not span[0].device_readable:
+                return None
+        spans.append(row)
+    key = plan.key
+    q_dtype, kv_dtype = TORCH_DTYPES[key.dtype], TORCH_DTYPES[key.kv_dtype]
+    q_row = key.num_heads * key.head_dim * q_dtype.itemsize
+    kv_row = key.num_kv_heads * key.head_dim * kv_dtype.itemsize
+    sizes = (plan.total_q * q_row, plan.total_k * kv_row, plan.total_k * kv_row,
+             plan.total_q * q_row)
+    at, total = [], 0
+    for n in sizes:
+        at.append(total)
+        total += -(-n // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
+    buf = torch.empty(max(total, _SEGMENT_ALIGN), dtype=torch.uint8, device=device)
+    base = buf.data_ptr()
+    q_at, k_at, v_at, o_at = (base + a for a in at)
+    rows: list[tuple[int, int, int]] = []
+    outs: list[tuple[int, int, int]] = []
+    for i, (sq, sk, sv, so) in enumerate(spans):
+        q_off, k_off = plan.q_offsets[i] * q_row, plan.k_offsets[i] * kv_row
+        rows.append((sq[0].ptr + sq[1], q_at + q_off, _nbytes(sq)))
+        rows.append((sk[0].ptr + sk[1], k_at + k_off, _nbytes(sk)))
+        rows.append((sv[0].ptr + sv[1], v_at + k_off, _nbytes(sv)))
+        outs.append((o_at + q_off, so[0].ptr + so[1], _nbytes(so)))
+    n_in = len(rows)
+    host = torch.empty((n_in + len(outs), 3), dtype=torch.int64,
+                       pin_memory=device.type == "cuda")
+    table = host.numpy()
+    table[:n_in] = rows
+    table[n_in:] = outs
+    unit = unit_of(int(np.bitwise_or.reduce(table, axis=None)))
+    table[:, 2] //= unit
+    max_in, max_out = int(table[:n_in, 2].max()), int(table[n_in:, 2].max())
+
+    def typed(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        return buf[at[i] : at[i] + sizes[i]].view(dtype).view(shape)
+
+    q_shape = (plan.total_q, key.num_heads, key.head_dim)
+    kv_shape = (plan.total_k, key.num_kv_heads, key.head_dim)
+    return _Segments(
+        q=typed(0, q_dtype, q_shape), k=typed(1, kv_dtype, kv_shape),
+        v=typed(2, kv_dtype, kv_shape), out=typed(3, q_dtype, q_shape),
+        table=host.to(device, non_blocking=True), n_in=n_in, unit=unit, max_in=max_in,
+        max_out=max_out, keep=(buf, host),
+    )
 
 
 def _row_slots(t: torch.Tensor, offsets: list[int]) -> tuple[torch.Tensor, ...]:
@@ -239,10 +337,16 @@ def _launch(
         return DoneLaunch(LaunchTimes())
     events = _EVENTS.take()
     events[0].record(stream)
-    q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets, device)
-    kv_row = (key.num_kv_heads, key.head_dim)
-    k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
-    v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
+    seg = _by_segments(plan, device)
+    if seg is not None:
+        seg.pack()
+        q, k, v = seg.q, seg.k, seg.v
+    else:
+        q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets,
+                    device)
+        kv_row = (key.num_kv_heads, key.head_dim)
+        k = _packed(plan, "k", plan.total_k, kv_row, plan.k_offsets, device)
+        v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
     meta: _PagedMeta | None = None
     cu_k = cu_q = None
     if plan.op.cached:
@@ -258,6 +362,8 @@ def _launch(
     lone = plan.jobs[0] if len(plan) == 1 else None
     # A lone job with device destinations gets the kernel's output written in place.
     out = lone.out if lone is not None and _on_device(lone.out, device) else None
+    if seg is not None:
+        out = seg.out
     lse = None
     if lone is not None and lone.lse is not None and _on_device(lone.lse, device):
         lse = lone.lse
@@ -294,11 +400,14 @@ def _launch(
         )
     out, lse = res if plan.return_lse else (res, None)
     events[2].record(stream)
-    if lone is None or lone.out.data_ptr() != out.data_ptr():
+    if seg is not None:
+        seg.unpack()
+    elif lone is None or lone.out.data_ptr() != out.data_ptr():
         _scatter_rows(plan, out)
     if lse is not None:
         for i, job in enumerate(plan.jobs):
             if job.lse is not None and job.lse.data_ptr() != lse.data_ptr():
                 job.lse.copy_(plan.op.lse_rows(lse, *plan.rows(i)), non_blocking=True)
     events[3].record(stream)
-    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods))
+    return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods,
+                                     seg.keep if seg is not None else None))

@@ -108,6 +108,11 @@ class Job:
     out = property(lambda self: self.tensor("out"), lambda self, t: self.set_tensor("out", t))
     lse = property(lambda self: self.tensor("lse"), lambda self, t: self.set_tensor("lse", t))
 
+    def span(self, name: str) -> LazyTensor | None:
+        """Where tensor ``name``'s bytes are, when it is given by a span and no view of it has
+        been made (None otherwise)."""
+        return self._spans.get(name)
+
     def on_host(self, name: str) -> bool:
         """Whether tensor ``name`` exists and lies in host memory (no view or slice made)."""
         span = self._spans.get(name)
@@ -205,6 +210,13 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(strides[::-1])
 
 
+# Host memory page-locked for the GPU (``regions.pin``): start address -> byte count. A
+# device under unified addressing reads and writes it at these addresses (when
+# ``attention_kernels.copy_segments.can_use_host_pointers``), so one kernel can pack a batch
+# straight out of it.
+PINNED: dict[int, int] = {}
+
+
 class ByteBase:
     """A block of bytes (an arena, a region, a segment) that hands out typed tensors at byte
     offsets with one ``as_strided`` each, from a typed view per dtype made once. (A slice plus
@@ -214,10 +226,21 @@ class ByteBase:
         self.u8 = u8
         self.nbytes = int(u8.numel())
         self._ptr = u8.data_ptr()
+        self.on_device = u8.device.type == "cuda"
         # Host memory: the same bytes through numpy, sliced without torch calls.
         self.np: np.ndarray | None = u8.numpy() if u8.device.type == "cpu" else None
         # Per dtype: the typed view of the whole block and its storage offset (in elements).
         self._typed: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+
+    @property
+    def ptr(self) -> int:
+        return self._ptr
+
+    @property
+    def device_readable(self) -> bool:
+        """Whether a kernel may take this block's addresses as they are: device memory, or
+        host memory page-locked whole (its registration may end before the block goes)."""
+        return self.on_device or PINNED.get(self._ptr, -1) >= self.nbytes
 
     def check_aligned(self, offset: int, dtype: torch.dtype) -> None:
         if (self._ptr + offset) % dtype.itemsize:

@@ -48,7 +48,7 @@ from typing import Any
 import grpc
 import torch
 
-from attention_service.engine.jobs import ByteBase
+from attention_service.engine.jobs import PINNED, ByteBase
 from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import RegionSpan
@@ -100,7 +100,13 @@ def pin(tensor: torch.Tensor, nbytes: int) -> Callable[[], None]:
         log.warning("cudaHostRegister of %d bytes failed (error %s): copies run unpinned",
                     nbytes, int(rc))
         return lambda: None
-    return lambda: cudart.cudaHostUnregister(ptr)
+    PINNED[ptr] = nbytes
+
+    def unpin() -> None:
+        PINNED.pop(ptr, None)  # first: no kernel is handed these addresses any more
+        cudart.cudaHostUnregister(ptr)
+
+    return unpin
 
 
 class RegionRegistry:
