@@ -353,9 +353,10 @@ def same_answer(a: Response, b: Response) -> None:
 
 def span_jobs(
     u8: torch.Tensor, lengths: list[tuple[list[int], list[int]]], heads: int, kv_heads: int,
-    dim: int, dtype: torch.dtype, seed: int = 0,
+    dim: int, dtype: torch.dtype, seed: int = 0, decode: bool = False,
 ) -> tuple[list[Any], list[tuple[torch.Tensor, ...]]]:
-    """Prefill jobs whose q, k, v and (NaN-poisoned) out lie in ``u8`` as byte spans, as a
+    """Prefill jobs (causal; ``decode``: decode jobs, one query per key length, the query
+    lengths unused) whose q, k, v and (NaN-poisoned) out lie in ``u8`` as byte spans, as a
     front end's arena hands them to the engine: (jobs, each job's (q, k, v) as written)."""
     from attention_service.engine.backends import WIRE_DTYPES
     from attention_service.engine.jobs import ByteBase, Job
@@ -364,10 +365,12 @@ def span_jobs(
     base = ByteBase(u8)
     jobs, inputs, at = [], [], 0
     for i, (len_q, len_k) in enumerate(lengths):
-        cu_q, cu_k = cu_from_lengths(len_q), cu_from_lengths(len_k)
-        q, k, v = random_qkv(cu_q[-1], cu_k[-1], heads, kv_heads, dim, dtype, seed=seed + i)
-        params = make_params(Op.PREFILL, WIRE_DTYPES[dtype], tuple(q.shape), tuple(k.shape),
-                             cu_k, cu_q, causal=True)
+        cu_k = cu_from_lengths(len_k)
+        cu_q = None if decode else cu_from_lengths(len_q)
+        rows = len(len_k) if cu_q is None else cu_q[-1]
+        q, k, v = random_qkv(rows, cu_k[-1], heads, kv_heads, dim, dtype, seed=seed + i)
+        params = make_params(Op.DECODE if decode else Op.PREFILL, WIRE_DTYPES[dtype],
+                             tuple(q.shape), tuple(k.shape), cu_k, cu_q, causal=not decode)
         spans = {}
         for name, t in (("q", q), ("k", k), ("v", v), ("out", torch.full_like(q, math.nan))):
             n = t.numel() * t.element_size()

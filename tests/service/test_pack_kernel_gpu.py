@@ -16,7 +16,7 @@ from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import PINNED
 from attention_service.engine.regions import pin
 
-from .svc_helpers import cu_from_lengths, prefill_oracle, span_jobs
+from .svc_helpers import cu_from_lengths, decode_oracle, prefill_oracle, span_jobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 if not torch.cuda.is_available():
@@ -30,9 +30,10 @@ def _outputs(jobs: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
     return [job.out.clone() for job in jobs]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(16, 8, 128), (6, 3, 64)])
+@pytest.mark.parametrize(("heads", "kv_heads", "dim", "decode"),
+                         [(16, 8, 128, False), (6, 3, 64, False), (16, 2, 128, True)])
 def test_a_batch_in_pinned_memory_is_packed_by_one_kernel(
-    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, dim: int,
+    monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, dim: int, decode: bool,
 ) -> None:
     from attention_kernels.copy_segments import can_use_host_pointers
 
@@ -42,7 +43,8 @@ def test_a_batch_in_pinned_memory_is_packed_by_one_kernel(
     u8 = torch.zeros(16 << 20, dtype=torch.uint8)
     unpin = pin(u8, u8.numel())
     try:
-        jobs, inputs = span_jobs(u8, LENGTHS, heads, kv_heads, dim, torch.bfloat16, seed=dim)
+        jobs, inputs = span_jobs(u8, LENGTHS, heads, kv_heads, dim, torch.bfloat16, seed=dim,
+                                 decode=decode)
         taken = []
         by_segments = cuda_launch._by_segments
         monkeypatch.setattr(cuda_launch, "_by_segments",
@@ -52,8 +54,11 @@ def test_a_batch_in_pinned_memory_is_packed_by_one_kernel(
         assert taken and taken[0] is not None  # the batch went through the copy kernels
         packed = _outputs(jobs)
         for (q, k, v), job, (len_q, len_k) in zip(inputs, jobs, LENGTHS, strict=True):
-            ref, _ = prefill_oracle(q, k, v, cu_from_lengths(len_q), cu_from_lengths(len_k),
-                                    causal=True)
+            if decode:
+                ref, _ = decode_oracle(q, k, v, cu_from_lengths(len_k))
+            else:
+                ref, _ = prefill_oracle(q, k, v, cu_from_lengths(len_q),
+                                        cu_from_lengths(len_k), causal=True)
             assert not torch.isnan(job.out).any()
             torch.testing.assert_close(job.out.double(), ref, atol=BF16_TOL, rtol=BF16_TOL)
         # The same batch packed with a copy per tensor: the same kernel on the same bytes.

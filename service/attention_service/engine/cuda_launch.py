@@ -141,7 +141,9 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     for job in plan.jobs:
         row = [job.span(name) for name in _IO]
         for span in row:
-            if span is None or not span[0].device_readable:
+            # Device memory only of this device (a region on another GPU needs peer access).
+            if (span is None or not span[0].device_readable
+                    or (span[0].on_device and span[0].u8.device != device)):
                 return None
         spans.append(row)
     key = plan.key
