@@ -105,7 +105,11 @@ def test_every_contract_variable_is_configurable(gpu: dict) -> None:
     kernels = set(re.findall(r"ATTENTION_KERNELS_[A-Z_]+",
                              (REPO / "docs" / "service.md").read_text()))
     assert "ATTENTION_KERNELS_WARMUP_WORKERS" in kernels
-    assert names == contract_envs() | probe | kernels
+    # ... and the engine's environment-only switches documented there.
+    env_only = set(re.findall(r"\| \(environment only\) \| `(ATTENTION_[A-Z_]+)`",
+                              (REPO / "docs" / "service.md").read_text()))
+    assert "ATTENTION_PACK_KERNEL" in env_only
+    assert names == contract_envs() | probe | kernels | env_only
     # Unset optional ones stay unset (null = passed through only when set in the shell).
     assert env["ATTENTION_AUTH_TOKEN"] is None and env["ATTENTION_TLS_CERT"] is None
     # The process model is the server's default (front ends by core count), regions its auto.
