@@ -436,6 +436,8 @@ def main() -> int:
     global SERVER_CPUS
     SERVER_CPUS = cpu_list(args.server_cpus) if args.server_cpus else None
     if args.client_cpus:
+        if SERVER_CPUS is None:  # the servers keep every CPU this script had
+            SERVER_CPUS = os.sched_getaffinity(0)
         os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the spawned clients inherit it
 
     from attention_client._chunks import DEFAULT_CHUNK_BYTES

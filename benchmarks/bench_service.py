@@ -544,6 +544,8 @@ def run_side(
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.client_cpus:
+        if not args.server_cpus:  # the servers keep every CPU this script had
+            args.server_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the load processes inherit it
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

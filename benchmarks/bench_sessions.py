@@ -413,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.kv_dtype == "fp8" and args.dtype == "fp32":
         p.error("--kv-dtype fp8 goes with --dtype bf16 or fp16")
     if args.client_cpus:
+        if not args.server_cpus:  # the servers keep every CPU this script had
+            args.server_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
         os.sched_setaffinity(0, cpu_list(args.client_cpus))
     counts = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out)

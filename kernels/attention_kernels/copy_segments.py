@@ -1,5 +1,7 @@
 """Many memory-to-memory copies in one launch: a table of (source address, destination
-address, length) rows, each copied by its own programs.
+address, length, 0) rows, each copied by its own programs. A row is 32 bytes, so any slice of
+rows starts 16-byte aligned and launches the variant the warm-up compiled (Triton specializes
+a pointer on its alignment).
 
 Why: the service packs a batch of small requests into one kernel call. Per request it made
 three typed views of pinned host memory and queued three copies into the packed device tensors
@@ -25,13 +27,15 @@ import triton.language as tl
 _UNITS = {8: tl.int64, 4: tl.int32, 2: tl.int16, 1: tl.int8}
 BLOCK = 2048  # units per program: 16 KB of int64 words
 _MAX_GRID_Y = 65535
+MAX_UNITS = BLOCK * _MAX_GRID_Y  # the longest segment one launch copies, in units
+ROW = 4  # int64 columns per table row: source, destination, length, padding
 
 
 @triton.jit
 def _copy_segments_kernel(table_ptr, UNIT: tl.constexpr, BLOCK: tl.constexpr):
     seg = tl.program_id(0).to(tl.int64)
     start = tl.program_id(1).to(tl.int64) * BLOCK
-    row = table_ptr + seg * 3
+    row = table_ptr + seg * 4
     n = tl.load(row + 2)
     if start < n:
         src = tl.load(row).to(tl.pointer_type(UNIT))
@@ -53,26 +57,29 @@ def unit_of(*values: int) -> int:
 
 
 def copy_segments(table: torch.Tensor, unit: int, max_units: int) -> None:
-    """Copy every row of ``table`` (int64 ``[n, 3]`` on the device that runs the copies:
-    source address, destination address, length in ``unit``-byte units) in one launch on the
-    current stream. Addresses must be readable (sources) and writable (destinations) by that
-    device: its own memory, or page-locked host memory where ``can_use_host_pointers``.
-    Segments must not overlap one another's destinations."""
-    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != 3:
-        raise ValueError(f"table must be int64 [n, 3], got {table.dtype} {tuple(table.shape)}")
+    """Copy every row of ``table`` (int64 ``[n, 4]``, contiguous, on the device that runs the
+    copies: source address, destination address, length in ``unit``-byte units, 0) in one
+    launch on the current stream. Addresses must be readable (sources) and writable
+    (destinations) by that device: its own memory, or page-locked host memory where
+    ``can_use_host_pointers``. Segments must not overlap one another's destinations; none may
+    be longer than ``MAX_UNITS``."""
+    if (table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != ROW
+            or not table.is_contiguous()):
+        raise ValueError(f"table must be contiguous int64 [n, {ROW}], got {table.dtype} "
+                         f"{tuple(table.shape)}")
     if unit not in _UNITS:
         raise ValueError(f"unit must be one of {sorted(_UNITS)} bytes, got {unit}")
     if table.shape[0] == 0 or max_units <= 0:
         return
+    if max_units > MAX_UNITS:
+        raise ValueError(f"a segment of {max_units} units is over {MAX_UNITS}")
     chunks = triton.cdiv(max_units, BLOCK)
-    if chunks > _MAX_GRID_Y:
-        raise ValueError(f"a segment of {max_units} units is over {_MAX_GRID_Y * BLOCK}")
     _copy_segments_kernel[(table.shape[0], chunks)](table, UNIT=_UNITS[unit], BLOCK=BLOCK)
 
 
 def copy_segments_ref(table: torch.Tensor, unit: int) -> None:
     """``copy_segments`` on the host, one ``ctypes.memmove`` per row (host addresses only)."""
-    for src, dst, n in table.tolist():
+    for src, dst, n, _ in table.tolist():
         ctypes.memmove(dst, src, n * unit)
 
 
@@ -96,7 +103,7 @@ def warm(device: torch.device | str) -> None:
     src = torch.arange(64, dtype=torch.uint8, device=device)
     for unit in _UNITS:
         dst = torch.zeros(64, dtype=torch.uint8, device=device)
-        table = torch.tensor([[src.data_ptr() + 8, dst.data_ptr() + 16, 16 // unit]],
+        table = torch.tensor([[src.data_ptr() + 8, dst.data_ptr() + 16, 16 // unit, 0]],
                              dtype=torch.int64, device=device)
         copy_segments(table, unit, 16 // unit)
         if not torch.equal(dst[16:32], src[8:24]) or dst[:16].any() or dst[32:].any():

@@ -96,7 +96,7 @@ def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) 
 
     u8 = torch.zeros(1 << 16, dtype=torch.uint8)
     batch, inputs = span_jobs(u8, [([3, 1], [5, 0]), ([0], [0]), ([1], [2]), ([7], [7])],
-                              heads=3, kv_heads=1, dim=5, dtype=torch.bfloat16)
+                              heads=3, kv_heads=1, dim=8, dtype=torch.bfloat16)
     plan = BatchPlan(batch)
     cpu = torch.device("cpu")
     monkeypatch.setattr(cuda_launch, "can_use_host_pointers", lambda index: True)
@@ -104,7 +104,8 @@ def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) 
     monkeypatch.setitem(jobs_mod.PINNED, u8.data_ptr(), u8.numel())
     assert cuda_launch._by_segments(BatchPlan(batch[:1]), cpu) is None  # a lone job
     seg = cuda_launch._by_segments(plan, cpu)
-    assert seg is not None and seg.n_in == 3 * len(batch) and seg.unit == 2  # 10-byte kv rows
+    assert seg is not None and seg.n_in == 3 * len(batch) and seg.unit == 8
+    assert seg.table.shape[1] == 4  # 32-byte rows: the outputs' rows start 16-byte aligned
     seg.q.fill_(math.nan)
     copy_segments_ref(seg.table[: seg.n_in], seg.unit)
     assert torch.equal(seg.q, torch.cat([q for q, _, _ in inputs]))
@@ -126,6 +127,15 @@ def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) 
     assert cuda_launch._by_segments(plan, cpu) is not None
     batch[0].q = inputs[0][0].clone()  # a tensor given instead: the batch goes the old way
     assert cuda_launch._by_segments(plan, cpu) is None
+    # 10-byte kv rows leave 2-byte words only: the copies go the DMA way.
+    odd, _ = span_jobs(u8, [([2], [3]), ([1], [1])], heads=3, kv_heads=1, dim=5,
+                       dtype=torch.bfloat16)
+    assert cuda_launch._by_segments(BatchPlan(odd), cpu) is None
+    # A segment past what one launch copies, too.
+    monkeypatch.setattr(cuda_launch, "MAX_UNITS", 4)
+    assert cuda_launch._by_segments(BatchPlan(span_jobs(u8, [([2], [3]), ([1], [1])], heads=3,
+                                                        kv_heads=1, dim=8,
+                                                        dtype=torch.bfloat16)[0]), cpu) is None
 
 
 def _cu(values: tuple[int, ...] | None) -> torch.Tensor:

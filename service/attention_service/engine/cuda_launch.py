@@ -32,7 +32,13 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from attention_kernels.copy_segments import can_use_host_pointers, copy_segments, unit_of
+from attention_kernels.copy_segments import (
+    MAX_UNITS,
+    ROW,
+    can_use_host_pointers,
+    copy_segments,
+    unit_of,
+)
 from attention_service.engine.backends import (
     TORCH_DTYPES,
     block_table,
@@ -111,7 +117,7 @@ class _Segments(NamedTuple):
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
-    table: torch.Tensor  # int64 [rows, 3] on the device
+    table: torch.Tensor  # int64 [rows, ROW] on the device
     n_in: int
     unit: int
     max_in: int
@@ -138,7 +144,10 @@ def _nbytes(span: LazyTensor) -> int:
 def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     """A batch of two or more jobs whose q, k, v and out all lie in device-readable memory
     (pinned arenas and regions, device regions), packed with one kernel instead of a view and
-    a copy per job and tensor; None when it does not qualify."""
+    a copy per job and tensor; None when it does not qualify. Not for a segment past what one
+    launch copies, nor when some address or length leaves only 1- or 2-byte words (a region
+    span at an odd offset): the DMA copies move those faster, and the gain measured was with
+    8-byte words."""
     if (not PACK_KERNEL or len(plan.jobs) < 2 or plan.op.cached or plan.return_lse
             or not can_use_host_pointers(device.index or 0)):
         return None
@@ -173,14 +182,16 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
         rows.append((sv[0].ptr + sv[1], v_at + k_off, _nbytes(sv)))
         outs.append((o_at + q_off, so[0].ptr + so[1], _nbytes(so)))
     n_in = len(rows)
-    host = torch.empty((n_in + len(outs), 3), dtype=torch.int64,
+    host = torch.zeros((n_in + len(outs), ROW), dtype=torch.int64,
                        pin_memory=device.type == "cuda")
     table = host.numpy()
-    table[:n_in] = rows
-    table[n_in:] = outs
+    table[:n_in, :3] = rows
+    table[n_in:, :3] = outs
     unit = unit_of(int(np.bitwise_or.reduce(table, axis=None)))
     table[:, 2] //= unit
     max_in, max_out = int(table[:n_in, 2].max()), int(table[n_in:, 2].max())
+    if unit < 4 or max(max_in, max_out) > MAX_UNITS:
+        return None
 
     def typed(i: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
         return buf[at[i] : at[i] + sizes[i]].view(dtype).view(shape)

@@ -109,8 +109,9 @@ class Job:
     lse = property(lambda self: self.tensor("lse"), lambda self, t: self.set_tensor("lse", t))
 
     def span(self, name: str) -> LazyTensor | None:
-        """Where tensor ``name``'s bytes are, when it is given by a span and no view of it has
-        been made (None otherwise)."""
+        """Where tensor ``name``'s bytes are, when it was given as a span (a view made of it
+        since keeps the span: the same bytes); None when it was given as a tensor, or
+        replaced by one (``set_tensor``)."""
         return self._spans.get(name)
 
     def on_host(self, name: str) -> bool:
