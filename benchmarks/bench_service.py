@@ -417,7 +417,9 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
         w = csv.writer(f)
         w.writerow(cols)
         for r in report["results"]:
-            w.writerow([r[c] if not isinstance(r[c], float) else f"{r[c]:.6g}" for c in cols])
+            # Rows from bench_batching.py (no load processes of this script) lack some columns.
+            values = [r.get(c, math.nan) for c in cols]
+            w.writerow([v if not isinstance(v, float) else f"{v:.6g}" for v in values])
     return [js, cs]
 
 
