@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _children, _free_port, _healthy, cpu_list
+from bench_service import _children, _free_port, _healthy, cpu_list, split_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFER_METHOD = "/bench.Transfer/Echo"
@@ -434,11 +434,8 @@ def main() -> int:
         serve_transfer()
         return 0
     global SERVER_CPUS
-    SERVER_CPUS = cpu_list(args.server_cpus) if args.server_cpus else None
-    if args.client_cpus:
-        if SERVER_CPUS is None:  # the servers keep every CPU this script had
-            SERVER_CPUS = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the spawned clients inherit it
+    servers = split_cpus(args.server_cpus, args.client_cpus)  # the clients inherit the rest
+    SERVER_CPUS = cpu_list(servers) if servers else None
 
     from attention_client._chunks import DEFAULT_CHUNK_BYTES
     from attention_kernels.reference import prefill_ref

@@ -84,6 +84,18 @@ def cpu_list(spec: str) -> set[int]:
     return cpus
 
 
+def split_cpus(server_cpus: str | None, client_cpus: str | None) -> str | None:
+    """Move this process (and the clients it starts after) onto ``client_cpus``, and return
+    the CPU list its servers should get: ``server_cpus``, or, with only ``client_cpus`` given,
+    every CPU this process had (the servers must not inherit the clients' set)."""
+    if not client_cpus:
+        return server_cpus
+    if not server_cpus:
+        server_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    os.sched_setaffinity(0, cpu_list(client_cpus))
+    return server_cpus
+
+
 class Server:
     """``python -m attention_service`` on free ports; its log goes to a file beside the results."""
 
@@ -545,10 +557,7 @@ def run_side(
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.client_cpus:
-        if not args.server_cpus:  # the servers keep every CPU this script had
-            args.server_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-        os.sched_setaffinity(0, cpu_list(args.client_cpus))  # the load processes inherit it
+    args.server_cpus = split_cpus(args.server_cpus, args.client_cpus)  # load inherits it
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = LoadSpec(

@@ -53,7 +53,7 @@ from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import Server, cpu_list, server_info
+from bench_service import Server, cpu_list, server_info, split_cpus
 
 ELEM = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 METHOD = "/attention.v1.AttentionService/"
@@ -412,10 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.kv_dtype == "fp8" and args.dtype == "fp32":
         p.error("--kv-dtype fp8 goes with --dtype bf16 or fp16")
-    if args.client_cpus:
-        if not args.server_cpus:  # the servers keep every CPU this script had
-            args.server_cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-        os.sched_setaffinity(0, cpu_list(args.client_cpus))
+    args.server_cpus = split_cpus(args.server_cpus, args.client_cpus)
     counts = [int(x) for x in args.clients.split(",")]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
