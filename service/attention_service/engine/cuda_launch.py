@@ -23,6 +23,7 @@ reads the whole sequences through the block table.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import deque
@@ -135,10 +136,7 @@ _IO = ("q", "k", "v", "out")
 
 
 def _nbytes(span: LazyTensor) -> int:
-    n = span[2].itemsize
-    for d in span[3]:
-        n *= d
-    return n
+    return math.prod(span[3]) * span[2].itemsize
 
 
 def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
