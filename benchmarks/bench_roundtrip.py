@@ -43,7 +43,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from datetime import date
 from pathlib import Path
@@ -237,7 +237,8 @@ def ceilings(iters: int) -> dict[str, float]:
 
 # ---- one call per path ------------------------------------------------------------------------
 def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-          causal: bool, ref: torch.Tensor, tol: float, iters: int) -> dict[str, Any]:
+          causal: bool, ref: torch.Tensor, tol: float, iters: int,
+          stripes: Sequence[int] = ()) -> dict[str, Any]:
     """Round trip (median ms) per data path, each checked against the reference first."""
     from attention_client import AttentionClient
 
@@ -257,6 +258,11 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
         if torch.cuda.is_available():
             qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
             measure("grpc cuda", c, lambda: c.attention(qc, kc, vc, cu, causal=causal), True)
+    for n in stripes:  # one call split over n connections (``stripes=``)
+        with AttentionClient(target, timeout=600, use_regions=False, stripes=n) as c:
+            for _ in range(2 * n):  # every connection opened
+                c.attention(q, k, v, cu, causal=causal)
+            measure(f"grpc host x{n}", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
     def unary(run: Callable[[], None]) -> None:
         """``run`` with this client's region calls sent unary (call_streams off), as an A/B
         of the kept-open call streams in the same run."""
@@ -295,7 +301,7 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
 
 # ---- aggregate gRPC throughput ------------------------------------------------------------
 def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seconds: float,
-                channels: int, start: Any, conn: Any) -> None:
+                channels: int, stripes: int, start: Any, conn: Any) -> None:
     import torch as _torch
 
     from attention_client import AttentionClient
@@ -304,8 +310,9 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
     q, k, v = (_torch.randn(tokens, heads, dim, generator=g).to(DTYPES[dtype]) for _ in range(3))
     cu = _torch.tensor([0, tokens], dtype=_torch.int32)
     moved = 4 * q.numel() * q.element_size()  # q, k, v in; out back
-    with AttentionClient(target, timeout=600, use_regions=False, channels=channels) as c:
-        for _ in range(2 * channels):  # every connection opened and warm
+    with AttentionClient(target, timeout=600, use_regions=False, channels=channels,
+                         stripes=stripes) as c:
+        for _ in range(2 * c.channels):  # every connection opened and warm
             c.attention(q, k, v, cu)
         start.wait()
         cpu0 = time.process_time()  # all of this process's threads (grpc's too)
@@ -321,19 +328,20 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
 
 
 def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtype: str,
-              seconds: float, channels: int = 1) -> dict[str, float]:
+              seconds: float, channels: int = 1, stripes: int = 1) -> dict[str, Any]:
     """``clients`` processes, each calling in a loop over ``channels`` connections (round
-    robin). The kernel spreads connections, not calls, over the front ends that share the port
-    (SO_REUSEPORT hashes each connection to one of them): with one connection per client some
-    front ends serve two clients while others idle."""
+    robin), each call split into ``stripes`` kv-head groups sent at once (``stripes=``; at
+    least as many connections). The kernel spreads connections, not calls, over the front ends
+    that share the port (SO_REUSEPORT hashes each connection to one of them): with one
+    connection per client some front ends serve two clients while others idle."""
     ctx = mp.get_context("spawn")
     start = ctx.Event()
     pipes, procs = [], []
     for _ in range(clients):
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_agg_worker,
-                        args=(target, tokens, heads, dim, dtype, seconds, channels, start,
-                              child))
+                        args=(target, tokens, heads, dim, dtype, seconds, channels, stripes,
+                              start, child))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -344,7 +352,8 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         p.join(60)
     lat = [x for r in results for x in r["latencies"]]
     return {
-        "clients": clients, "channels": channels, "calls": sum(r["calls"] for r in results),
+        "clients": clients, "channels": max(channels, stripes), "stripes": stripes,
+        "calls": sum(r["calls"] for r in results),
         "GBps": sum(r["bytes"] for r in results) / seconds / 1e9,
         "p50_ms": _median_ms(lat), "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else 0,
         "client_cpus": sorted({c for r in results for c in r["cpus"]}),
@@ -353,6 +362,12 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         "client_cores_mean": sum(r["cpu_s"] for r in results) / clients / seconds,
         "client_cores_max": max(r["cpu_s"] for r in results) / seconds,
     }
+
+
+def _agg_label(a: dict[str, Any]) -> str:
+    stripes = a.get("stripes", 1)
+    return (f"clients {a['clients']:3d} x {a['channels']} ch"
+            + (f" x{stripes} stripes" if stripes > 1 else ""))
 
 
 def baseline_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
@@ -392,14 +407,15 @@ def primed_server(
 
 def baseline_aggregate(
     tree: Path, device: str, env: dict[str, str], client_counts: list[int],
-    channel_counts: list[int], tokens: int, heads: int, dim: int, dtype: str, seconds: float,
+    configs: list[tuple[int, int]], tokens: int, heads: int, dim: int, dtype: str,
+    seconds: float,
 ) -> dict[str, Any]:
     """The aggregate against the server of source tree ``tree`` (one process)."""
     with primed_server([sys.executable, "-m", "attention_service"], baseline_env(tree, env),
                        tree, device, tokens, heads, dim, dtype) as (proc, target):
         return {"tree": str(tree), "cpus": cpus_of_tree(proc.pid), "aggregate": [
-            aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch)
-            for nc in client_counts for ch in channel_counts
+            aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch, st)
+            for nc in client_counts for ch, st in configs
         ]}
 
 
@@ -419,6 +435,9 @@ def main() -> int:
     p.add_argument("--agg-tokens", type=int, default=2048, help="tokens per aggregate request")
     p.add_argument("--agg-channels", default="1",
                    help="comma list of connections per aggregate client (channels=)")
+    p.add_argument("--stripes", default="1",
+                   help="comma list of stripes= per client: one-call rows 'grpc host xK' and "
+                        "aggregate runs for each K > 1 (the aggregate's too for 1)")
     p.add_argument("--agg-seconds", type=float, default=8.0)
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="source tree of an earlier commit whose server's aggregate is measured "
@@ -492,6 +511,8 @@ def main() -> int:
     counts = [1] + [int(x) for x in args.frontends.split(",") if x and int(x) > 1]
     client_counts = [int(x) for x in args.clients.split(",") if x]
     channel_counts = [int(x) for x in args.agg_channels.split(",") if x]
+    stripe_counts = [int(x) for x in args.stripes.split(",") if x]
+    configs = [(ch, st) for st in stripe_counts for ch in channel_counts]
     result["servers"] = []
     # The server names its device once it is up; until then (the baseline turn) the GPU here.
     device_name = (torch.cuda.get_device_name() if args.device != "cpu"
@@ -509,13 +530,12 @@ def main() -> int:
         if args.baseline_tree is None:
             return
         entry = baseline_aggregate(args.baseline_tree, args.device, env, client_counts,
-                                   channel_counts, args.agg_tokens, h, d, args.dtype,
+                                   configs, args.agg_tokens, h, d, args.dtype,
                                    args.agg_seconds)
         entry["turn"] = turn
         result.setdefault("baseline", []).append(entry)
         print(f"baseline ({turn}): " + ", ".join(
-            f"{a['clients']} clients x {a['channels']} ch {a['GBps']:.2f} GB/s"
-            for a in entry["aggregate"]), flush=True)
+            f"{_agg_label(a)} {a['GBps']:.2f} GB/s" for a in entry["aggregate"]), flush=True)
         save()
 
     baseline("first")
@@ -534,15 +554,17 @@ def main() -> int:
             with AttentionClient(target) as c:
                 device_name = c.info()["device"]
             entry: dict[str, Any] = {"frontends": count, "cpus": cpus_of_tree(proc.pid)}
-            entry.update(paths(target, q, k, v, cu, args.causal, ref, tol, args.iters))
+            entry.update(paths(target, q, k, v, cu, args.causal, ref, tol, args.iters,
+                               [st for st in stripe_counts if st > 1]))
             entry["aggregate"] = [
-                aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds, ch)
-                for nc in client_counts for ch in channel_counts
+                aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds, ch,
+                          st)
+                for nc in client_counts for ch, st in configs
             ]
             result["servers"].append(entry)
             print(f"N={count}: " + ", ".join(f"{k_} {v_:.2f} ms" for k_, v_ in
                                              entry["round_trip_ms"].items()) + "; " +
-                  ", ".join(f"{a['clients']} clients x {a['channels']} ch {a['GBps']:.2f} GB/s"
+                  ", ".join(f"{_agg_label(a)} {a['GBps']:.2f} GB/s"
                             for a in entry["aggregate"]), flush=True)
             save()
         finally:
@@ -575,7 +597,7 @@ def main() -> int:
         base[a["clients"]] = max(base.get(a["clients"], 0.0), a["GBps"])
     for s in result["servers"]:
         for a in s["aggregate"]:
-            print(f"  N={s['frontends']:<3d} clients {a['clients']:3d} x {a['channels']} ch: "
+            print(f"  N={s['frontends']:<3d} {_agg_label(a)}: "
                   f"{a['GBps']:6.2f} GB/s ({a['GBps'] / base[a['clients']]:.2f}x N=1 best), "
                   f"{a['calls']} calls, "
                   f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, client cores "
@@ -591,12 +613,12 @@ def main() -> int:
         print(f"against the baseline tree's server ({args.baseline_tree}), its better turn:")
         for entry in result["baseline"]:
             for a in entry["aggregate"]:
-                print(f"  baseline ({entry['turn']}) clients {a['clients']:3d} x "
-                      f"{a['channels']} ch: {a['GBps']:6.2f} GB/s, {a['calls']} calls, "
+                print(f"  baseline ({entry['turn']}) {_agg_label(a)}: "
+                      f"{a['GBps']:6.2f} GB/s, {a['calls']} calls, "
                       f"client cores {a['client_cores_mean']:.2f} mean")
         for s in result["servers"]:
             for a in s["aggregate"]:
-                print(f"  N={s['frontends']:<3d} clients {a['clients']:3d} x {a['channels']} ch: "
+                print(f"  N={s['frontends']:<3d} {_agg_label(a)}: "
                       f"{a['GBps'] / best[a['clients']]:.2f}x the baseline")
     print(f"wrote {save()}")
     return 0

@@ -55,6 +55,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods
+from attention_client._stripes import MAX_STRIPES, Part, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
@@ -80,13 +81,20 @@ class ClientBase:
         client_key: Any = None,
         unary: bool = True,
         call_streams: bool = True,
+        stripes: int = 1,
     ) -> None:
         self.target = target
+        # Large stateless calls split into this many kv-head groups, sent at once over as many
+        # connections (see _stripes.py); 1: every call goes whole.
+        self.stripes = int(stripes)
+        if not 1 <= self.stripes <= MAX_STRIPES:
+            raise AttentionInputError(f"stripes must be in [1, {MAX_STRIPES}], got {stripes!r}")
         # Compute calls go round-robin over this many channels, each with a connection of its
         # own: a server with several front ends (SO_REUSEPORT) spreads connections, not calls.
         self.channels = int(channels)
         if not 1 <= self.channels <= 64:
             raise AttentionInputError(f"channels must be in [1, 64], got {channels!r}")
+        self.channels = max(self.channels, self.stripes)  # a connection per stripe at least
         self._turn = itertools.count()
         self.timeout = check_timeout(timeout)
         self.wait_for_ready = check_wait_for_ready(wait_for_ready)
@@ -136,6 +144,16 @@ class ClientBase:
     def _placement(self, use_regions: bool | None) -> Placement | None:
         wanted = self.use_regions if use_regions is None else use_regions
         return Placement(self.regions, stage=True) if wanted and self.regions else None
+
+    def _stripe_plan(
+        self, q: Any, k: Any, v: Any, out: Any, use_regions: bool | None,
+        score: ScoreMods | None, kv_scales: KvScales | None,
+    ) -> list[Part] | None:
+        """The parts a stateless call is split into (``stripes``), or None: it goes whole (one
+        stripe, a small call, ``out=``, or tensors that may go through registered regions)."""
+        if self.stripes < 2 or out is not None or self._placement(use_regions) is not None:
+            return None
+        return plan(q, k, v, self.stripes, score, kv_scales)
 
     def _prepare_attention(
         self, q: Any, k: Any, v: Any, cu_seqlens: Any, cu_seqlens_k: Any, causal: bool,

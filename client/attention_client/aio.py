@@ -6,6 +6,7 @@ it). Many calls may run concurrently on one client; they share one HTTP/2 connec
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import Callable, Sequence
@@ -40,6 +41,7 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import AsyncDecodeSteps
+from attention_client._stripes import join, part_inputs
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -71,12 +73,13 @@ class AsyncAttentionClient(ClientBase):
         client_key: Any = None,
         unary: bool = True,
         call_streams: bool = True,
+        stripes: int = 1,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary, call_streams=call_streams,
+            unary=unary, call_streams=call_streams, stripes=stripes,
         )
         icpts = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
@@ -146,10 +149,18 @@ class AsyncAttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
-        return await self._run_placed(lambda: self._prepare_attention(
-            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions, score, kv_scales,
-        ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+
+        async def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
+            return await self._run_placed(lambda: self._prepare_attention(
+                q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
+                use_regions, score, kv_scales,
+            ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+
+        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        if parts is None:
+            return await call(q, k, v, score, kv_scales)
+        return await _striped(
+            [call(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], return_lse, -2)
 
     async def decode(
         self,
@@ -176,10 +187,18 @@ class AsyncAttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
-        return await self._run_placed(lambda: self._prepare_decode(
-            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            score, kv_scales,
-        ), settings)
+
+        async def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
+            return await self._run_placed(lambda: self._prepare_decode(
+                q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out,
+                use_regions, score, kv_scales,
+            ), settings)
+
+        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        if parts is None:
+            return await call(q, k, v, score, kv_scales)
+        return await _striped(
+            [call(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], return_lse, -1)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -460,6 +479,16 @@ class AsyncAttentionClient(ClientBase):
             self._abandon(prep)
             call.cancel()
             raise
+
+
+async def _striped(calls: list[Any], return_lse: bool, lse_axis: int) -> Any:
+    """A striped call's parts (coroutines) at once, joined; every part runs to its end and the
+    first failure, in part order, is raised (see AttentionClient._striped)."""
+    results = await asyncio.gather(*calls, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return join(results, return_lse, lse_axis)
 
 
 def _upload_error(err: grpc.RpcError, method: str, settings: CallSettings) -> AttentionError:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
+import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -34,6 +37,7 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import DecodeSteps
+from attention_client._stripes import MAX_STRIPES, join, part_inputs
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -63,7 +67,12 @@ class AttentionClient(ClientBase):
     front ends). ``unary`` (default True): a call whose request fits one message of
     ``max_chunk_bytes`` and whose outputs do too (a decode step, a short prefill) goes through
     the rpc's unary twin (``CacheDecodeUnary``, ...), about half the host time of a stream;
-    False streams every call.
+    False streams every call. ``stripes`` (default 1): ``attention`` and ``decode`` calls of
+    4 MiB or more split into up to this many kv-head groups, sent at once over as many
+    connections (``channels`` is raised to ``stripes``) and joined: one large call then uses
+    several of the server's front-end processes instead of one (a Python gRPC stream moves
+    about 1 GB/s). The result is the same as the whole call's; calls with ``out=`` or whose
+    tensors may go through registered regions go whole. See docs/client.md.
 
     Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
     client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
@@ -95,16 +104,19 @@ class AttentionClient(ClientBase):
         client_key: Any = None,
         unary: bool = True,
         call_streams: bool = True,
+        stripes: int = 1,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary, call_streams=call_streams,
+            unary=unary, call_streams=call_streams, stripes=stripes,
         )
         self._base_channels: list[grpc.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = CallStreams()
+        self._stripe_pool: ThreadPoolExecutor | None = None  # made by the first striped call
+        self._stripe_lock = threading.Lock()
         for _ in range(self.channels):
             if self._credentials is None:
                 base = grpc.insecure_channel(target, options=self._options)
@@ -186,10 +198,19 @@ class AttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
-        return self._run_placed(lambda: self._prepare_attention(
-            q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-            use_regions, score, kv_scales,
-        ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+
+        def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
+            return self._run_placed(lambda: self._prepare_attention(
+                q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
+                use_regions, score, kv_scales,
+            ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+
+        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        if parts is None:
+            return call(q, k, v, score, kv_scales)
+        return self._striped(
+            [functools.partial(call, *part_inputs(p, q, k, v, score, kv_scales)) for p in parts],
+            return_lse, lse_axis=-2)
 
     def decode(
         self,
@@ -218,10 +239,19 @@ class AttentionClient(ClientBase):
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
-        return self._run_placed(lambda: self._prepare_decode(
-            q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-            score, kv_scales,
-        ), settings)
+
+        def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
+            return self._run_placed(lambda: self._prepare_decode(
+                q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
+                score, kv_scales,
+            ), settings)
+
+        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        if parts is None:
+            return call(q, k, v, score, kv_scales)
+        return self._striped(
+            [functools.partial(call, *part_inputs(p, q, k, v, score, kv_scales)) for p in parts],
+            return_lse, lse_axis=-1)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -460,6 +490,8 @@ class AttentionClient(ClientBase):
             with contextlib.suppress(AttentionError):
                 region.close()
         self._streams.close()
+        if self._stripe_pool is not None:
+            self._stripe_pool.shutdown(wait=False)
         for ch in self._base_channels:
             ch.close()
         self.closed = True
@@ -469,6 +501,31 @@ class AttentionClient(ClientBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _striped(self, calls: list[Callable[[], Any]], return_lse: bool, lse_axis: int) -> Any:
+        """Run a striped call's parts at once (the first on this thread, the others on the
+        client's stripe threads) and join their results. Every part runs to its end; the
+        first failure, in part order, is raised."""
+        with self._stripe_lock:
+            if self._stripe_pool is None:
+                self._stripe_pool = ThreadPoolExecutor(
+                    MAX_STRIPES, thread_name_prefix="attention-stripe")
+            pool = self._stripe_pool
+        rest = [pool.submit(fn) for fn in calls[1:]]
+        results: list[Any] = []
+        failure: BaseException | None = None
+        try:
+            results.append(calls[0]())
+        except BaseException as exc:
+            failure = exc
+        for fut in rest:
+            try:
+                results.append(fut.result())
+            except BaseException as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+        return join(results, return_lse, lse_axis)
 
     def _run(self, prep: PreparedRequest, settings: CallSettings | None = None) -> Any:
         settings = settings or self._settings()

@@ -19,7 +19,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
         "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
-        "--agg-channels", "1,2",
+        "--agg-channels", "1,2", "--stripes", "1,2",
         "--out", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
@@ -29,14 +29,17 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
     assert report["ceilings"]["host_memcpy_GBps"] > 0 and report["ceilings"]["raw_grpc_GBps"] > 0
     for server in report["servers"]:
         rt = server["round_trip_ms"]
-        assert {"grpc host", "shm in region", "shm staged", "shm out=", "shm out= unary"} <= set(rt)
+        assert {"grpc host", "grpc host x2", "shm in region", "shm staged", "shm out=",
+                "shm out= unary"} <= set(rt)
         assert all(v > 0 for v in rt.values())
         # The region paths moved no tensor byte through gRPC; the gRPC path did.
         assert server["stats"]["grpc host"]["bytes_in"] > 0
         for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
-        assert [(a["clients"], a["channels"]) for a in server["aggregate"]] == [(2, 1), (2, 2)]
+        # Each client count x (channels, stripes); a striped client has a connection per stripe.
+        assert [(a["clients"], a["channels"], a["stripes"]) for a in server["aggregate"]] == [
+            (2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 2, 2)]
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
             assert 0 < agg["client_cores_mean"] <= agg["client_cores_max"]

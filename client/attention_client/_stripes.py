@@ -1,0 +1,118 @@
+"""One large stateless call spread over several connections (``stripes=``).
+
+A Python gRPC stream moves about 1 GB/s, on the client and in the server process that holds
+its connection alike, so one large call from one client waits on one process on each side
+however many front ends the server runs. Attention is independent per kv-head group (a group
+is a kv head and the query heads that read it), so such a call splits, exactly, into calls
+over disjoint groups: each carries its share of q, k and v, runs as an ordinary request (the
+server needs no support for it; the engine may even merge the parts into one launch), and the
+outputs join along the head axis. The parts go out at once over different connections, which
+the server's front ends take in parallel (SO_REUSEPORT spreads connections over them).
+
+Only what splits without any change in meaning is split: ``q`` / ``k`` / ``v`` as
+``[..., heads, head_dim]`` with ``heads % kv_heads == 0``; ALiBi slopes and FP8 scales per
+head slice with their heads. Anything else (inputs the server would refuse, tensors in
+registered regions, ``out=``) goes as one call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from attention_client._requests import KvScales
+from attention_client._score import ScoreMods
+from attention_client._tensors import is_torch_tensor
+
+# Smaller calls go whole: below about this much, the extra call's set-up (about 0.3-0.5 ms
+# of client and server CPU) outweighs the transfer time saved at ~1 GB/s per stream.
+STRIPE_MIN_BYTES = 4 * 1024 * 1024
+MAX_STRIPES = 64
+
+
+class Part(NamedTuple):
+    q_heads: slice
+    kv_heads: slice
+
+
+def _nbytes(x: Any) -> int:
+    if is_torch_tensor(x):
+        return int(x.numel()) * int(x.element_size())
+    return int(x.nbytes)
+
+
+def _shape(x: Any) -> tuple[int, ...] | None:
+    if is_torch_tensor(x) or isinstance(x, np.ndarray):
+        return tuple(int(n) for n in x.shape)
+    return None
+
+
+def plan(
+    q: Any, k: Any, v: Any, stripes: int, score: ScoreMods | None,
+    kv_scales: KvScales | None, min_bytes: int | None = None,
+) -> list[Part] | None:
+    """The parts of a call split into ``stripes`` kv-head groups (fewer when there are fewer
+    kv heads), or None when it goes whole: one stripe, a small request, or inputs that do not
+    split cleanly (the whole call then reports what is wrong with them)."""
+    if stripes < 2:
+        return None
+    shapes = [_shape(x) for x in (q, k, v)]
+    if any(s is None or len(s) not in (3, 4) or len(s) != len(shapes[0]) for s in shapes):
+        return None
+    sq, sk, sv = shapes
+    assert sq is not None and sk is not None and sv is not None
+    heads, kv_heads = sq[-2], sk[-2]
+    if sv[-2] != kv_heads or kv_heads < 2 or heads % kv_heads:
+        return None
+    if sum(_nbytes(x) for x in (q, k, v)) < (STRIPE_MIN_BYTES if min_bytes is None
+                                             else min_bytes):
+        return None
+    if kv_scales is not None and any(len(s) != kv_heads for s in kv_scales):
+        return None
+    if score is not None and score.slopes is not None and (
+            score.slopes.ndim not in (1, 2) or score.slopes.shape[-1] != heads):
+        return None
+    count = min(stripes, kv_heads)
+    ratio = heads // kv_heads
+    parts, start = [], 0
+    for i in range(count):
+        n = kv_heads // count + (i < kv_heads % count)
+        parts.append(Part(slice(ratio * start, ratio * (start + n)), slice(start, start + n)))
+        start += n
+    return parts
+
+
+def _heads(x: Any, heads: slice) -> Any:
+    return x[..., heads, :]
+
+
+def part_inputs(
+    part: Part, q: Any, k: Any, v: Any, score: ScoreMods | None, kv_scales: KvScales | None,
+) -> tuple[Any, Any, Any, ScoreMods | None, KvScales | None]:
+    """One part's q, k, v (views: the request encoder makes them contiguous), score options
+    and FP8 scales."""
+    if score is not None and score.slopes is not None:
+        slopes = np.ascontiguousarray(score.slopes[..., part.q_heads])
+        score = dataclasses.replace(score, slopes=slopes)
+    if kv_scales is not None:
+        kv_scales = (kv_scales[0][part.kv_heads], kv_scales[1][part.kv_heads])
+    return (_heads(q, part.q_heads), _heads(k, part.kv_heads), _heads(v, part.kv_heads),
+            score, kv_scales)
+
+
+def join(results: Sequence[Any], return_lse: bool, lse_axis: int) -> Any:
+    """The parts' results (``out`` or ``(out, lse)``, in head order) as the whole call's:
+    ``out`` joins along its head axis (-2), ``lse`` along ``lse_axis``."""
+    def cat(xs: Sequence[Any], axis: int) -> Any:
+        if is_torch_tensor(xs[0]):
+            import torch
+
+            return torch.cat(list(xs), dim=axis)
+        return np.concatenate(xs, axis=axis)
+
+    if not return_lse:
+        return cat(results, -2)
+    return cat([r[0] for r in results], -2), cat([r[1] for r in results], lse_axis)

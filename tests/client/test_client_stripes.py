@@ -1,0 +1,258 @@
+"""Striped calls (``stripes=``): one large call split into kv-head groups, sent at once over
+several connections and joined. The split itself (``_stripes.plan``), and whole calls against
+a real server with two front-end processes, checked against the float64 reference and against
+the same call sent whole."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from attention_client import (
+    AsyncAttentionClient,
+    AttentionClient,
+    AttentionError,
+    AttentionInputError,
+)
+from attention_client import _stripes as stripes
+from attention_client._score import ScoreMods
+
+from ._server import require_server, start_server
+
+torch = pytest.importorskip("torch")
+attention_kernels = pytest.importorskip("attention_kernels")
+
+TOL = {"float16": 2e-3, "bfloat16": 1.6e-2, "float32": 1e-5}
+TORCH_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def rand(*shape: int, seed: int, dtype: str = "float32") -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(TORCH_DTYPES[dtype])
+
+
+def rel_err(got, ref: torch.Tensor) -> float:
+    got = torch.as_tensor(np.asarray(got, dtype=np.float64)) if not isinstance(
+        got, torch.Tensor) else got.double()
+    assert got.shape == ref.shape
+    assert not torch.isnan(got).any()
+    return (got - ref).norm().item() / max(ref.norm().item(), 1e-30)
+
+
+# ---- the split ------------------------------------------------------------------------------
+
+def test_plan_splits_kv_head_groups_with_their_query_heads():
+    q, k = np.zeros((4, 12, 8), np.float32), np.zeros((4, 4, 8), np.float32)
+    parts = stripes.plan(q, k, k, 3, None, None, min_bytes=0)
+    assert parts == [
+        stripes.Part(slice(0, 6), slice(0, 2)),  # 4 kv heads over 3: 2, 1, 1
+        stripes.Part(slice(6, 9), slice(2, 3)),
+        stripes.Part(slice(9, 12), slice(3, 4)),
+    ]
+    # More stripes than kv heads: one part per kv head.
+    assert len(stripes.plan(q, k, k, 16, None, None, min_bytes=0)) == 4
+
+
+@pytest.mark.parametrize("case", [
+    "one stripe", "small", "one kv head", "heads not a multiple", "k and v differ",
+    "ranks differ", "not arrays", "scales per other heads", "slopes per other heads",
+])
+def test_plan_leaves_whole_what_does_not_split_cleanly(case):
+    q, k = np.zeros((4, 8, 8), np.float32), np.zeros((4, 4, 8), np.float32)
+    v = k
+    n, score, scales, min_bytes = 4, None, None, 0
+    if case == "one stripe":
+        n = 1
+    elif case == "small":
+        min_bytes = q.nbytes + 2 * k.nbytes + 1
+    elif case == "one kv head":
+        k = v = np.zeros((4, 1, 8), np.float32)
+    elif case == "heads not a multiple":
+        k = v = np.zeros((4, 3, 8), np.float32)
+    elif case == "k and v differ":
+        v = np.zeros((4, 2, 8), np.float32)
+    elif case == "ranks differ":
+        q = np.zeros((1, 4, 8, 8), np.float32)
+    elif case == "not arrays":
+        q = q.tolist()
+    elif case == "scales per other heads":
+        scales = ((1.0,) * 3, (1.0,) * 3)
+    elif case == "slopes per other heads":
+        score = ScoreMods(slopes=np.ones(4, np.float32))
+    assert stripes.plan(q, k, v, n, score, scales, min_bytes=min_bytes) is None
+
+
+def test_part_inputs_slice_heads_slopes_and_scales():
+    q, k = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3), torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
+    score = ScoreMods(window=(4, 0), slopes=np.arange(16, dtype=np.float32).reshape(2, 8))
+    scales = ((1.0, 2.0, 3.0, 4.0), (5.0, 6.0, 7.0, 8.0))
+    part = stripes.Part(slice(4, 8), slice(2, 4))
+    pq, pk, pv, pscore, pscales = stripes.part_inputs(part, q, k, k, score, scales)
+    assert torch.equal(pq, q[:, 4:8])
+    assert torch.equal(pk, k[:, 2:4]) and torch.equal(pv, k[:, 2:4])
+    assert pscore.window == (4, 0)
+    np.testing.assert_array_equal(pscore.slopes, score.slopes[:, 4:8])
+    assert pscales == ((3.0, 4.0), (7.0, 8.0))
+
+
+def test_join_puts_heads_back_in_order():
+    parts = [(np.full((5, 2, 3), i, np.float32), np.full((2, 5), i, np.float32)) for i in range(3)]
+    out, lse = stripes.join(parts, True, -2)
+    assert out.shape == (5, 6, 3) and lse.shape == (6, 5)
+    assert out[0, :, 0].tolist() == [0, 0, 1, 1, 2, 2] and lse[:, 0].tolist() == [0, 0, 1, 1, 2, 2]
+    assert torch.equal(stripes.join([torch.zeros(3, 1, 2), torch.ones(3, 2, 2)], False, -2)[:, 1:],
+                       torch.ones(3, 2, 2))
+
+
+def test_stripes_argument_checked_and_channels_raised():
+    with pytest.raises(AttentionInputError, match="stripes must be in"):
+        AttentionClient("127.0.0.1:1", stripes=0)
+    with AttentionClient("127.0.0.1:1", stripes=4, channels=2) as c:
+        assert c.channels == 4 and c.stripes == 4
+        q = np.zeros((64, 8, 8), np.float32)
+        k = np.zeros((64, 4, 8), np.float32)
+        assert c._stripe_plan(q, k, k, None, None, None, None) is None  # under 4 MiB
+        big = np.zeros((8192, 8, 64), np.float32)
+        assert len(c._stripe_plan(big, big, big, None, None, None, None)) == 4
+        assert c._stripe_plan(big, big, big, big, None, None, None) is None  # out=
+
+
+# ---- against a real server with two front ends ----------------------------------------------
+
+class CountCalls(grpc.StreamStreamClientInterceptor, grpc.UnaryUnaryClientInterceptor):
+    """Counts the compute rpcs a client makes (any of Prefill*, Decode*)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def _count(self, details) -> None:
+        name = details.method.rsplit("/", 1)[-1]
+        if name.startswith(("Prefill", "Decode")):
+            with self._lock:
+                self.calls += 1
+
+    def intercept_stream_stream(self, continuation, details, requests):
+        self._count(details)
+        return continuation(details, requests)
+
+    def intercept_unary_unary(self, continuation, details, request):
+        self._count(details)
+        return continuation(details, request)
+
+
+@pytest.fixture(scope="module")
+def group():
+    require_server()
+    running = start_server("--frontends", "2")
+    with AttentionClient(running.target, timeout=60) as c:
+        deadline = time.monotonic() + 60
+        while c.health(wait_for_ready=True) != "SERVING":  # both front ends up, engine warm
+            assert time.monotonic() < deadline, running.log()
+            time.sleep(0.05)
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def small_stripes(monkeypatch):
+    """Stripe calls of any size (the default leaves calls under 4 MiB whole)."""
+    monkeypatch.setattr(stripes, "STRIPE_MIN_BYTES", 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rank", [3, 4])
+def test_striped_prefill_matches_reference_and_whole_call(group, small_stripes, dtype, rank):
+    counter = CountCalls()
+    h, hkv, d = 12, 4, 40  # GQA 3, a head dim that is not a power of two
+    if rank == 3:
+        cu_q, cu_k = [0, 1, 1, 37, 50], [0, 3, 3, 60, 71]  # length 1, an empty sequence
+        q = rand(50, h, d, seed=1, dtype=dtype)
+        k, v = rand(71, hkv, d, seed=2, dtype=dtype), rand(71, hkv, d, seed=3, dtype=dtype)
+        args = (cu_q, cu_k)
+    else:
+        q = rand(2, 33, h, d, seed=1, dtype=dtype)
+        k, v = rand(2, 33, hkv, d, seed=2, dtype=dtype), rand(2, 33, hkv, d, seed=3, dtype=dtype)
+        args = ()
+    slopes = torch.rand(h, generator=torch.Generator().manual_seed(4)).float()
+    opts = dict(causal=True, return_lse=True, window_size=(16, 0), softcap=20.0,
+                alibi_slopes=slopes)
+    # Streamed calls only, so that each part is one rpc to count.
+    with AttentionClient(group.target, stripes=3, interceptors=[counter], unary=False,
+                         call_streams=False) as striped:
+        out, lse = striped.attention(q, k, v, *args, **opts)
+    assert counter.calls == 3  # 4 kv heads over 3 stripes: three calls
+    with AttentionClient(group.target) as whole:
+        out_whole, lse_whole = whole.attention(q, k, v, *args, **opts)
+
+    if rank == 3:
+        ref, ref_lse = attention_kernels.prefill_ref(
+            q.double(), k.double(), v.double(), torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32), return_lse=True, alibi_slopes=slopes,
+            causal=True, window_size=(16, 0), softcap=20.0)
+    else:
+        ref = torch.empty(2, 33, h, d, dtype=torch.float64)
+        ref_lse = torch.empty(2, h, 33, dtype=torch.float64)
+        cu = torch.tensor([0, 33], dtype=torch.int32)
+        for b in range(2):
+            ref[b], ref_lse[b] = attention_kernels.prefill_ref(
+                q[b].double(), k[b].double(), v[b].double(), cu, return_lse=True,
+                alibi_slopes=slopes, causal=True, window_size=(16, 0), softcap=20.0)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert rel_err(out, ref) < TOL[dtype]
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse.double()[finite], ref_lse.double()[finite], rtol=1e-4,
+                               atol=1e-3)
+    # Each head is computed alone either way: the parts' heads are the whole call's.
+    torch.testing.assert_close(out, out_whole, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse_whole, rtol=0, atol=0)
+
+
+def test_striped_decode_numpy_matches_reference(group, small_stripes):
+    counter = CountCalls()
+    b, h, hkv, d = 3, 8, 8, 64
+    cu_k = [0, 17, 17, 90]  # an empty cache: zeros, lse -inf
+    q = rand(b, h, d, seed=5).numpy()
+    k, v = rand(90, hkv, d, seed=6).numpy(), rand(90, hkv, d, seed=7).numpy()
+    with AttentionClient(group.target, stripes=4, interceptors=[counter], unary=False,
+                         call_streams=False) as c:
+        out, lse = c.decode(q, k, v, cu_k, return_lse=True)
+    assert counter.calls == 4
+    ref, ref_lse = attention_kernels.decode_ref(
+        torch.from_numpy(q).double(), torch.from_numpy(k).double(), torch.from_numpy(v).double(),
+        torch.tensor(cu_k, dtype=torch.int32), return_lse=True)
+    assert isinstance(out, np.ndarray) and out.shape == (b, h, d) and lse.shape == (b, h)
+    assert rel_err(out, ref) < TOL["float32"]
+    assert np.all(np.isneginf(lse[1])) and np.all(out[1] == 0)
+    np.testing.assert_allclose(lse[[0, 2]], ref_lse[[0, 2]].numpy(), rtol=1e-4, atol=1e-3)
+
+
+def test_striped_call_raises_the_servers_refusal_once(group, small_stripes):
+    q, k = rand(20, 4, 32, seed=1), rand(20, 2, 32, seed=2)
+    with AttentionClient(group.target, stripes=2) as c, pytest.raises(AttentionError) as err:
+        c.attention(q, k, k, [0, 10, 25], [0, 10, 20])  # cu_seqlens past q's 20 rows
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert "cu_seqlens" in err.value.details
+
+
+def test_async_striped_prefill_matches_whole_call(group, small_stripes):
+    q, k, v = rand(40, 8, 32, seed=1), rand(40, 4, 32, seed=2), rand(40, 4, 32, seed=3)
+
+    async def run():
+        async with AsyncAttentionClient(group.target, stripes=4) as striped, \
+                AsyncAttentionClient(group.target) as whole:
+            got = await striped.attention(q, k, v, causal=True)
+            want = await whole.attention(q, k, v, causal=True)
+            return got, want
+
+    got, want = asyncio.run(run())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    ref = attention_kernels.prefill_ref(q.double(), k.double(), v.double(),
+                                        torch.tensor([0, 40], dtype=torch.int32), causal=True)
+    assert rel_err(got, ref) < TOL["float32"]
