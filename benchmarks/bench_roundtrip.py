@@ -305,6 +305,8 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
     import torch as _torch
 
     from attention_client import AttentionClient
+    from attention_wire.pb import attention_pb2 as pb
+    from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
     g = _torch.Generator().manual_seed(os.getpid())
     q, k, v = (_torch.randn(tokens, heads, dim, generator=g).to(DTYPES[dtype]) for _ in range(3))
@@ -314,6 +316,13 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
                          stripes=stripes) as c:
         for _ in range(2 * c.channels):  # every connection opened and warm
             c.attention(q, k, v, cu)
+        # Which front-end process holds each of this client's connections (SO_REUSEPORT
+        # hashes connections to them; servers before GetServerInfo.frontend say 0).
+        frontends = [
+            pb_grpc.AttentionServiceStub(ch).GetServerInfo(pb.GetServerInfoRequest(),
+                                                           timeout=30).frontend
+            for ch in c._base_channels
+        ]
         start.wait()
         cpu0 = time.process_time()  # all of this process's threads (grpc's too)
         t_end = time.perf_counter() + seconds
@@ -323,7 +332,7 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
             c.attention(q, k, v, cu)
             lat.append(time.perf_counter() - t0)
             calls += 1
-    conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat,
+    conn.send({"calls": calls, "bytes": calls * moved, "latencies": lat, "frontends": frontends,
                "cpus": sorted(os.sched_getaffinity(0)), "cpu_s": time.process_time() - cpu0})
 
 
@@ -361,7 +370,24 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         # Python is the limit, not the server.
         "client_cores_mean": sum(r["cpu_s"] for r in results) / clients / seconds,
         "client_cores_max": max(r["cpu_s"] for r in results) / seconds,
+        # Per client: its calls, and the front end(s) its connection(s) landed on. Clients
+        # that share a front end share its one Python thread: they complete fewer calls.
+        "calls_per_client": [r["calls"] for r in results],
+        "frontends_per_client": [r["frontends"] for r in results],
     }
+
+
+def _spread(a: dict[str, Any], frontends: int) -> str:
+    """How the clients' connections fell on the front ends, and what each client got."""
+    if frontends < 2 or "frontends_per_client" not in a:
+        return ""
+    load = [0] * frontends
+    for fes in a["frontends_per_client"]:
+        for fe in fes:
+            load[fe] += 1
+    calls = a["calls_per_client"]
+    return (f"; connections per front end {load} ({sum(1 for n in load if n)} of {frontends} "
+            f"used), calls per client {min(calls)}..{max(calls)}")
 
 
 def _agg_label(a: dict[str, Any]) -> str:
@@ -601,7 +627,8 @@ def main() -> int:
                   f"{a['GBps']:6.2f} GB/s ({a['GBps'] / base[a['clients']]:.2f}x N=1 best), "
                   f"{a['calls']} calls, "
                   f"p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, client cores "
-                  f"{a['client_cores_mean']:.2f} mean / {a['client_cores_max']:.2f} max")
+                  f"{a['client_cores_mean']:.2f} mean / {a['client_cores_max']:.2f} max"
+                  + _spread(a, s["frontends"]))
 
     if result.get("baseline"):
         # The baseline's better turn at each client count: the ratio is not flattered by a

@@ -43,6 +43,11 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
             assert 0 < agg["client_cores_mean"] <= agg["client_cores_max"]
+            assert sum(agg["calls_per_client"]) == agg["calls"]
+            # Each client's connections, each on a front end the server named.
+            assert [len(fes) for fes in agg["frontends_per_client"]] == [agg["channels"]] * 2
+            assert {fe for fes in agg["frontends_per_client"] for fe in fes} <= set(
+                range(server["frontends"]))
 
 
 def test_ab_call_streams_times_both_sides_in_turn(tmp_path: Path) -> None:

@@ -83,6 +83,7 @@ def test_every_frontend_serves_correct_answers(group: Group) -> None:
             _check(collect(stub.Prefill(iter(msgs), timeout=30)), ref)
         info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
         assert info.frontends == 2 and info.backend == "cpu"
+        assert info.frontend == slot  # the process that holds this connection names itself
     assert wait_until(lambda: _frontends_in_log(group, start) == {"frontend 0", "frontend 1"})
 
 

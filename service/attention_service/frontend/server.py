@@ -33,7 +33,7 @@ HEALTH_SERVICE_NAME = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 HEAD_DIMS = [d for d in range(1, 257) if supported_head_dim(d)]
 
 
-def server_info(config: ServerConfig, info: EngineInfo) -> pb.ServerInfo:
+def server_info(config: ServerConfig, info: EngineInfo, frontend: int = 0) -> pb.ServerInfo:
     return pb.ServerInfo(
         device=info.device, backend=info.backend, dtypes=list(ELEMENT_BYTES),
         head_dims=HEAD_DIMS, max_request_bytes=config.max_request_bytes,
@@ -44,6 +44,7 @@ def server_info(config: ServerConfig, info: EngineInfo) -> pb.ServerInfo:
         kv_cache_bytes=info.kv_cache_bytes, kv_page_bytes=info.kv_page_bytes,
         max_regions_per_caller=config.max_regions_per_caller,
         system_region_bytes_per_caller=config.system_region_bytes_per_caller,
+        frontend=frontend,
     )
 
 
@@ -113,14 +114,16 @@ class FrontEnd:
 
 
 async def start_frontend(
-    config: ServerConfig, link: EngineLink, metrics: Metrics, *, reuse_port: bool = False
+    config: ServerConfig, link: EngineLink, metrics: Metrics, *, reuse_port: bool = False,
+    slot: int = 0,
 ) -> FrontEnd:
     """Build, bind and start a front end (health NOT_SERVING, compute calls UNAVAILABLE
     until ``set_serving``). ``reuse_port``: share the port with sibling front-end processes
-    (``SO_REUSEPORT``); otherwise a taken port fails loudly."""
+    (``SO_REUSEPORT``); otherwise a taken port fails loudly. ``slot``: this front end's
+    number in the group (GetServerInfo's ``frontend``)."""
     principals = Principals(config.tokens)
     servicer = AttentionServicer(
-        config=config, link=link, metrics=metrics, info=server_info(config, link.info),
+        config=config, link=link, metrics=metrics, info=server_info(config, link.info, slot),
         tracker=CallTracker(), principals=principals,
     )
     interceptors = [BearerTokenInterceptor(principals, metrics)] if principals.enabled else []

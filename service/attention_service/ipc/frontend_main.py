@@ -49,7 +49,8 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
         (force if stop.is_set() else stop).set()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    frontend = await start_frontend(config, link, Metrics(multiprocess=True), reuse_port=True)
+    frontend = await start_frontend(config, link, Metrics(multiprocess=True), reuse_port=True,
+                                    slot=hello.slot)
     channel.send(Bound(hello.slot, frontend.port, os.getpid()))
 
     async def first(*events: asyncio.Event) -> None:
