@@ -278,13 +278,15 @@ class PreparedRequest:
     user_out: Any = None  # ``out=``: returned as the result once the server wrote it
     cache: CacheTarget | None = None  # the cache ops' caches
     cache_lengths: list[int] | None = None  # their lengths after the call (set on completion)
+    stats: dict[str, Any] | None = None  # the call's RequestStats (set on completion)
 
     @property
     def streamed_out_shape(self) -> tuple[int, ...] | None:
         return None if self.out_span is not None else self.out_shape
 
     def take_stats(self, stats: dict[str, Any]) -> None:
-        """Note the completed call's RequestStats (the cache ops' ``cache_lengths``)."""
+        """Note the completed call's RequestStats (and the cache ops' ``cache_lengths``)."""
+        self.stats = stats
         if self.cache is None:
             return
         lengths = [int(n) for n in stats.get("cache_lengths", ())]

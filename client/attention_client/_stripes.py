@@ -17,8 +17,9 @@ registered regions, ``out=``) goes as one call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -101,6 +102,45 @@ def part_inputs(
         kv_scales = (kv_scales[0][part.kv_heads], kv_scales[1][part.kv_heads])
     return (_heads(q, part.q_heads), _heads(k, part.kv_heads), _heads(v, part.kv_heads),
             score, kv_scales)
+
+
+def lanes(base: int, parts: int, channels: int) -> list[int]:
+    """The connection of each part: consecutive from ``base``, so distinct while there are
+    at least as many connections as parts (the client keeps ``channels >= stripes``)."""
+    return [(base + i) % channels for i in range(parts)]
+
+
+def caller_stream(x: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """A context that runs a part on the stream the caller has current for ``x``'s device: a
+    part on another thread then reads ``x`` after the caller's pending work on it, as the whole
+    call would, and its result is allocated on that stream (nothing for host tensors)."""
+    if not is_torch_tensor(x) or x.device.type != "cuda":
+        return contextlib.nullcontext
+    import torch
+
+    stream = torch.cuda.current_stream(x.device)
+    return lambda: torch.cuda.stream(stream)
+
+
+# RequestStats fields that add up over the parts; the others are per launch (the longest
+# part's times, the largest launch).
+_SUMMED = ("bytes_in", "bytes_out", "flops", "region_bytes_in", "region_bytes_out")
+
+
+def merge_stats(stats: Sequence[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """A striped call's RequestStats: bytes and flops summed over its parts, the rest (queue,
+    copy and kernel seconds, batch size and tokens) the largest part's."""
+    known = [s for s in stats if s is not None]
+    if not known:
+        return None
+    merged = dict(known[0])
+    for s in known[1:]:
+        for key, value in s.items():
+            if key in _SUMMED:
+                merged[key] += value
+            elif isinstance(value, int | float):
+                merged[key] = max(merged[key], value)
+    return merged
 
 
 def join(results: Sequence[Any], return_lse: bool, lse_axis: int) -> Any:

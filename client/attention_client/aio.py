@@ -41,7 +41,7 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import AsyncDecodeSteps
-from attention_client._stripes import join, part_inputs
+from attention_client._stripes import join, lanes, merge_stats, part_inputs
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -150,17 +150,22 @@ class AsyncAttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        async def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
-            return await self._run_placed(lambda: self._prepare_attention(
+        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
+            return lambda: self._prepare_attention(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
                 use_regions, score, kv_scales,
-            ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+            )
 
+        def names(prep: PreparedRequest) -> Any:
+            return argnames.attention(len(prep.user_shape) == 4)
+
+        whole = make(q, k, v, score, kv_scales)
         parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
-            return await call(q, k, v, score, kv_scales)
-        return await _striped(
-            [call(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], return_lse, -2)
+            return await self._run_placed(whole, settings, names)
+        return await self._striped(
+            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
+            names, return_lse, -2)
 
     async def decode(
         self,
@@ -188,17 +193,19 @@ class AsyncAttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        async def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
-            return await self._run_placed(lambda: self._prepare_decode(
+        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
+            return lambda: self._prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out,
                 use_regions, score, kv_scales,
-            ), settings)
+            )
 
+        whole = make(q, k, v, score, kv_scales)
         parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
-            return await call(q, k, v, score, kv_scales)
-        return await _striped(
-            [call(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], return_lse, -1)
+            return await self._run_placed(whole, settings)
+        return await self._striped(
+            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
+            None, return_lse, -1)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -432,7 +439,45 @@ class AsyncAttentionClient(ClientBase):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = None) -> Any:
+    async def _striped(
+        self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
+        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
+        return_lse: bool, lse_axis: int,
+    ) -> Any:
+        """See AttentionClient._striped: the parts as tasks on consecutive connections; the
+        first failure cancels the others (and so does cancelling the call)."""
+        connections = lanes(next(self._turn), len(makes), len(self._lanes))
+
+        async def part(i: int) -> tuple[Any, dict[str, Any] | None]:
+            prep = makes[i]()
+            result = await self._run(prep, settings.named(names(prep)) if names else settings,
+                                     lane=connections[i])
+            return result, prep.stats
+
+        tasks = [asyncio.ensure_future(part(i)) for i in range(len(makes))]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except BaseException:  # this call was cancelled: so are its parts
+            for task in tasks:
+                task.cancel()
+            raise
+        failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
+        if failed:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)  # every part has ended
+            error = failed[0].exception()
+            assert error is not None
+            if isinstance(error, AttentionInputError):
+                whole()  # the whole call's own message (raises)
+            raise error
+        outcomes = [t.result() for t in tasks]
+        self.last_stats = merge_stats([stats for _, stats in outcomes])
+        return join([result for result, _ in outcomes], return_lse, lse_axis)
+
+    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = None,
+                   lane: int | None = None) -> Any:
+        """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
         try:
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
@@ -444,7 +489,7 @@ class AsyncAttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
-        lane_no = next(self._turn) % len(self._lanes)
+        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
         lane = self._lanes[lane_no]
         message = self._single_message(prep)
         if message is not None and self._streamed(prep):
@@ -479,16 +524,6 @@ class AsyncAttentionClient(ClientBase):
             self._abandon(prep)
             call.cancel()
             raise
-
-
-async def _striped(calls: list[Any], return_lse: bool, lse_axis: int) -> Any:
-    """A striped call's parts (coroutines) at once, joined; every part runs to its end and the
-    first failure, in part order, is raised (see AttentionClient._striped)."""
-    results = await asyncio.gather(*calls, return_exceptions=True)
-    for r in results:
-        if isinstance(r, BaseException):
-            raise r
-    return join(results, return_lse, lse_axis)
 
 
 def _upload_error(err: grpc.RpcError, method: str, settings: CallSettings) -> AttentionError:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +37,14 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import DecodeSteps
-from attention_client._stripes import MAX_STRIPES, join, part_inputs
+from attention_client._stripes import (
+    MAX_STRIPES,
+    caller_stream,
+    join,
+    lanes,
+    merge_stats,
+    part_inputs,
+)
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -199,18 +206,22 @@ class AttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
-            return self._run_placed(lambda: self._prepare_attention(
+        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
+            return lambda: self._prepare_attention(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
                 use_regions, score, kv_scales,
-            ), settings, lambda prep: argnames.attention(len(prep.user_shape) == 4))
+            )
 
+        def names(prep: PreparedRequest) -> Any:
+            return argnames.attention(len(prep.user_shape) == 4)
+
+        whole = make(q, k, v, score, kv_scales)
         parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
-            return call(q, k, v, score, kv_scales)
+            return self._run_placed(whole, settings, names)
         return self._striped(
-            [functools.partial(call, *part_inputs(p, q, k, v, score, kv_scales)) for p in parts],
-            return_lse, lse_axis=-2)
+            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
+            names, return_lse, -2, q)
 
     def decode(
         self,
@@ -240,18 +251,19 @@ class AttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def call(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Any:
-            return self._run_placed(lambda: self._prepare_decode(
+        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
+            return lambda: self._prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
                 score, kv_scales,
-            ), settings)
+            )
 
+        whole = make(q, k, v, score, kv_scales)
         parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
-            return call(q, k, v, score, kv_scales)
+            return self._run_placed(whole, settings)
         return self._striped(
-            [functools.partial(call, *part_inputs(p, q, k, v, score, kv_scales)) for p in parts],
-            return_lse, lse_axis=-1)
+            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
+            None, return_lse, -1, q)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
@@ -490,8 +502,10 @@ class AttentionClient(ClientBase):
             with contextlib.suppress(AttentionError):
                 region.close()
         self._streams.close()
-        if self._stripe_pool is not None:
-            self._stripe_pool.shutdown(wait=False)
+        with self._stripe_lock:
+            self.closed = True  # no striped call starts parts any more
+            if self._stripe_pool is not None:
+                self._stripe_pool.shutdown(wait=False)
         for ch in self._base_channels:
             ch.close()
         self.closed = True
@@ -502,32 +516,58 @@ class AttentionClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _striped(self, calls: list[Callable[[], Any]], return_lse: bool, lse_axis: int) -> Any:
-        """Run a striped call's parts at once (the first on this thread, the others on the
-        client's stripe threads) and join their results. Every part runs to its end; the
-        first failure, in part order, is raised."""
+    def _striped(
+        self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
+        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
+        return_lse: bool, lse_axis: int, like: Any,
+    ) -> Any:
+        """A striped call (``_stripes``): its parts, prepared by ``makes``, at once on
+        consecutive connections (the first on this thread, the others on the client's stripe
+        threads, each on this thread's CUDA stream and in a copy of its context), joined. A
+        part's failure is raised once every part has ended, the first in part order; a bad
+        argument as the whole call (``whole``) reports it. An interrupt while waiting is
+        raised at once (the parts left finish within the call's timeout)."""
         with self._stripe_lock:
+            if self.closed:
+                raise AttentionError(grpc.StatusCode.FAILED_PRECONDITION,
+                                     "the client is closed: make a new one")
             if self._stripe_pool is None:
                 self._stripe_pool = ThreadPoolExecutor(
                     MAX_STRIPES, thread_name_prefix="attention-stripe")
             pool = self._stripe_pool
-        rest = [pool.submit(fn) for fn in calls[1:]]
-        results: list[Any] = []
-        failure: BaseException | None = None
+        on_stream = caller_stream(like)
+        connections = lanes(next(self._turn), len(makes), len(self._lanes))
+
+        def part(i: int) -> tuple[Any, dict[str, Any] | None]:
+            with on_stream():
+                prep = makes[i]()
+                result = self._run(prep, settings.named(names(prep)) if names else settings,
+                                   lane=connections[i])
+                return result, prep.stats
+
+        rest = [pool.submit(contextvars.copy_context().run, part, i)
+                for i in range(1, len(makes))]
+        outcomes: list[tuple[Any, dict[str, Any] | None]] = []
+        failures: list[Exception] = []
         try:
-            results.append(calls[0]())
-        except BaseException as exc:
-            failure = exc
+            outcomes.append(part(0))
+        except Exception as exc:
+            failures.append(exc)
         for fut in rest:
             try:
-                results.append(fut.result())
-            except BaseException as exc:
-                failure = failure or exc
-        if failure is not None:
-            raise failure
-        return join(results, return_lse, lse_axis)
+                outcomes.append(fut.result())
+            except Exception as exc:
+                failures.append(exc)
+        if failures:
+            if isinstance(failures[0], AttentionInputError):
+                whole()  # the whole call's own message (raises)
+            raise failures[0]
+        self.last_stats = merge_stats([stats for _, stats in outcomes])
+        return join([result for result, _ in outcomes], return_lse, lse_axis)
 
-    def _run(self, prep: PreparedRequest, settings: CallSettings | None = None) -> Any:
+    def _run(self, prep: PreparedRequest, settings: CallSettings | None = None,
+             lane: int | None = None) -> Any:
+        """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
         try:
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
@@ -539,7 +579,7 @@ class AttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
-        lane_no = next(self._turn) % len(self._lanes)
+        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
         lane = self._lanes[lane_no]
         message = self._single_message(prep)
         if message is not None and self._streamed(prep):

@@ -76,10 +76,11 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
         for f, buf in bufs.items():
             if got[f] != len(buf):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"field {f} incomplete")
-        for f, name in ((pb.Q, "q"), (pb.K, "k"), (pb.V, "v")):
-            knobs.arrays[name] = np.frombuffer(bufs[f], STORAGE[specs[f].dtype]).reshape(
-                tuple(specs[f].shape)
-            )
+        arrays = {
+            name: np.frombuffer(bufs[f], STORAGE[specs[f].dtype]).reshape(tuple(specs[f].shape))
+            for f, name in ((pb.Q, "q"), (pb.K, "k"), (pb.V, "v"))
+        }
+        knobs.arrays.update(arrays)  # the last call's, for tests to look at
         with self._lock:
             if knobs.fail_first > 0:
                 knobs.fail_first -= 1
@@ -88,12 +89,13 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
             context.abort(*knobs.abort)
         if knobs.sleep:
             time.sleep(knobs.sleep)
-        return header
+        return header, arrays
 
     # --- response side -------------------------------------------------------------------------
-    def _respond(self, header: Any, lse_shape: tuple[int, ...]) -> Any:
+    def _respond(self, header: Any, lse_shape: tuple[int, ...], arrays: dict[str, Any]) -> Any:
+        """OUT is the call's own q (concurrent calls each get theirs back)."""
         knobs = self.knobs
-        q = self.knobs.arrays["q"]
+        q = arrays["q"]
         spec = pb.TensorSpec(dtype=header.q.dtype, shape=q.shape)
         slices = [
             pb.AttentionResponse(
@@ -123,19 +125,19 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
                 )
         if not knobs.skip_stats:
             yield pb.AttentionResponse(
-                stats=pb.RequestStats(bytes_in=sum(a.nbytes for a in knobs.arrays.values()),
+                stats=pb.RequestStats(bytes_in=sum(a.nbytes for a in arrays.values()),
                                       bytes_out=q.nbytes, batch_requests=1, flops=1.5)
             )
 
     def Prefill(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        header = self._receive(request_iterator, context)
+        header, arrays = self._receive(request_iterator, context)
         total_q, heads = header.q.shape[0], header.q.shape[1]
-        yield from self._respond(header, (heads, total_q))
+        yield from self._respond(header, (heads, total_q), arrays)
 
     def Decode(self, request_iterator: Any, context: grpc.ServicerContext) -> Any:
-        header = self._receive(request_iterator, context)
+        header, arrays = self._receive(request_iterator, context)
         batch, heads = header.q.shape[0], header.q.shape[1]
-        yield from self._respond(header, (batch, heads))
+        yield from self._respond(header, (batch, heads), arrays)
 
     def GetServerInfo(self, request: Any, context: grpc.ServicerContext) -> Any:
         knobs = self.knobs

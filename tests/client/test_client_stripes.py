@@ -109,6 +109,22 @@ def test_join_puts_heads_back_in_order():
                        torch.ones(3, 2, 2))
 
 
+def test_parts_take_consecutive_connections():
+    assert stripes.lanes(5, 3, 4) == [1, 2, 3]
+    assert stripes.lanes(7, 4, 4) == [3, 0, 1, 2]  # distinct while channels >= parts
+
+
+def test_merged_stats_sum_bytes_and_keep_the_longest_part():
+    a = {"bytes_in": 10, "bytes_out": 4, "flops": 1.5, "kernel_seconds": 0.2,
+         "batch_requests": 1, "cache_lengths": []}
+    b = {"bytes_in": 30, "bytes_out": 8, "flops": 2.5, "kernel_seconds": 0.1,
+         "batch_requests": 3, "cache_lengths": []}
+    merged = stripes.merge_stats([a, b])
+    assert merged == {"bytes_in": 40, "bytes_out": 12, "flops": 4.0, "kernel_seconds": 0.2,
+                      "batch_requests": 3, "cache_lengths": []}
+    assert stripes.merge_stats([None]) is None
+
+
 def test_stripes_argument_checked_and_channels_raised():
     with pytest.raises(AttentionInputError, match="stripes must be in"):
         AttentionClient("127.0.0.1:1", stripes=0)
@@ -256,3 +272,93 @@ def test_async_striped_prefill_matches_whole_call(group, small_stripes):
     ref = attention_kernels.prefill_ref(q.double(), k.double(), v.double(),
                                         torch.tensor([0, 40], dtype=torch.int32), causal=True)
     assert rel_err(got, ref) < TOL["float32"]
+
+
+def test_striped_stats_cover_the_whole_call(group, small_stripes):
+    q, k = rand(40, 8, 32, seed=1), rand(40, 4, 32, seed=2)
+    with AttentionClient(group.target, stripes=4) as striped, \
+            AttentionClient(group.target) as whole:
+        striped.attention(q, k, k)
+        whole.attention(q, k, k)
+        for key in ("bytes_in", "bytes_out", "flops"):
+            assert striped.last_stats[key] == whole.last_stats[key], key
+
+
+@pytest.mark.parametrize("case", ["v rows", "slopes batch"])
+def test_a_bad_argument_is_reported_as_for_the_whole_call(group, small_stripes, case):
+    """The parts fail on their own slices; the error names the caller's shapes."""
+    q, k, v = rand(40, 8, 32, seed=1), rand(40, 4, 32, seed=2), rand(30, 4, 32, seed=3)
+    kwargs = {}
+    if case == "slopes batch":
+        v = k
+        kwargs = {"alibi_slopes": torch.ones(3, 8)}  # 2 sequences, not 3
+    with AttentionClient(group.target, stripes=2) as striped, \
+            AttentionClient(group.target) as whole:
+        with pytest.raises(AttentionInputError) as got:
+            striped.attention(q, k, v, [0, 20, 40], **kwargs)
+        with pytest.raises(AttentionInputError) as want:
+            whole.attention(q, k, v, [0, 20, 40], **kwargs)
+    assert str(got.value) == str(want.value)
+    assert ("(30, 4, 32)" if case == "v rows" else "[3, 8]") in str(got.value)
+
+
+def test_parts_run_in_the_callers_context(group, small_stripes):
+    """Interceptors that read context variables (tracing, request ids) see the caller's in
+    every part, those on the client's stripe threads too."""
+    import contextvars
+
+    trace = contextvars.ContextVar("trace", default=None)
+    seen = []
+
+    class Reads(grpc.StreamStreamClientInterceptor):
+        def intercept_stream_stream(self, continuation, details, requests):
+            if details.method.endswith("/Prefill"):
+                seen.append(trace.get())
+            return continuation(details, requests)
+
+    q, k = rand(40, 8, 32, seed=1), rand(40, 4, 32, seed=2)
+    with AttentionClient(group.target, stripes=4, interceptors=[Reads()], unary=False,
+                         call_streams=False) as c:
+        trace.set("trace-123")
+        c.attention(q, k, k)
+    assert seen == ["trace-123"] * 4
+
+
+def test_async_striped_refusal_is_the_calls_error(group, small_stripes):
+    """A part refused by the server fails the whole async call with its status."""
+    q, k = rand(20, 4, 32, seed=1), rand(20, 2, 32, seed=2)
+
+    async def run():
+        async with AsyncAttentionClient(group.target, stripes=2) as c:
+            await c.attention(q, k, k, [0, 10, 25], [0, 10, 20])
+
+    with pytest.raises(AttentionError) as err:
+        asyncio.run(run())
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.gpu
+def test_parts_read_cuda_inputs_after_the_callers_stream(small_stripes):
+    """CUDA inputs written by work still pending on the caller's stream: every part sees the
+    written values (the fake server answers each call's q as its output)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    from ._fakes import start_fake
+
+    server, _, port = start_fake()
+    try:
+        side = torch.cuda.Stream()
+        with AttentionClient(f"localhost:{port}", stripes=4, unary=False,
+                             call_streams=False) as c:
+            for seed in range(5):
+                src = rand(512, 8, 64, seed=seed).cuda()
+                q = torch.zeros_like(src)
+                k = torch.zeros(512, 4, 64, device="cuda")
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(50_000_000)  # tens of ms of pending work, then the write
+                    q.copy_(src)
+                    out = c.attention(q, k, k)
+                assert out.device == q.device
+                assert torch.equal(out.cpu(), src.cpu())
+    finally:
+        server.stop(None)
