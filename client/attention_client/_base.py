@@ -5,15 +5,17 @@ themselves are the subclasses')."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
 import numpy as np
 
+from attention_client import _argnames as argnames
 from attention_client._call_streams import POOLED
 from attention_client._channel import (
     DEFAULT,
@@ -55,7 +57,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods
-from attention_client._stripes import MAX_STRIPES, Part, plan
+from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
@@ -144,6 +146,25 @@ class ClientBase:
     def _placement(self, use_regions: bool | None) -> Placement | None:
         wanted = self.use_regions if use_regions is None else use_regions
         return Placement(self.regions, stage=True) if wanted and self.regions else None
+
+    @staticmethod
+    def _attention_names(prep: PreparedRequest) -> Any:
+        """The argument names an ``attention`` call's errors use (batch-major or packed)."""
+        return argnames.attention(len(prep.user_shape) == 4)
+
+    def _split_call(
+        self, prepare: Callable[[Any, Any, Any, Any, Any], PreparedRequest], q: Any, k: Any,
+        v: Any, out: Any, use_regions: bool | None, score: ScoreMods | None,
+        kv_scales: KvScales | None,
+    ) -> tuple[Callable[[], PreparedRequest], list[Callable[[], PreparedRequest]] | None]:
+        """A stateless call's preparation as a whole (``prepare(q, k, v, score, kv_scales)``),
+        and each part's when it is striped (None: it goes whole)."""
+        whole = functools.partial(prepare, q, k, v, score, kv_scales)
+        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        if parts is None:
+            return whole, None
+        return whole, [functools.partial(prepare, *part_inputs(p, q, k, v, score, kv_scales))
+                       for p in parts]
 
     def _stripe_plan(
         self, q: Any, k: Any, v: Any, out: Any, use_regions: bool | None,

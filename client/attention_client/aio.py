@@ -41,7 +41,7 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import AsyncDecodeSteps
-from attention_client._stripes import join, lanes, merge_stats, part_inputs
+from attention_client._stripes import join, lanes, merge_stats
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -150,22 +150,15 @@ class AsyncAttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
-            return lambda: self._prepare_attention(
+        whole, parts = self._split_call(
+            lambda q, k, v, score, kv_scales: self._prepare_attention(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
                 use_regions, score, kv_scales,
-            )
-
-        def names(prep: PreparedRequest) -> Any:
-            return argnames.attention(len(prep.user_shape) == 4)
-
-        whole = make(q, k, v, score, kv_scales)
-        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+            ), q, k, v, out, use_regions, score, kv_scales)
+        names = self._attention_names
         if parts is None:
             return await self._run_placed(whole, settings, names)
-        return await self._striped(
-            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
-            names, return_lse, -2)
+        return await self._striped(parts, whole, settings, names, return_lse, -2)
 
     async def decode(
         self,
@@ -193,19 +186,14 @@ class AsyncAttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
-            return lambda: self._prepare_decode(
-                q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out,
-                use_regions, score, kv_scales,
-            )
-
-        whole = make(q, k, v, score, kv_scales)
-        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+        whole, parts = self._split_call(
+            lambda q, k, v, score, kv_scales: self._prepare_decode(
+                q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
+                score, kv_scales,
+            ), q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
             return await self._run_placed(whole, settings)
-        return await self._striped(
-            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
-            None, return_lse, -1)
+        return await self._striped(parts, whole, settings, None, return_lse, -1)
 
     # ---- server-side KV caches -------------------------------------------------------------
 

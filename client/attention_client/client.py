@@ -37,14 +37,7 @@ from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
 from attention_client._steps import DecodeSteps
-from attention_client._stripes import (
-    MAX_STRIPES,
-    caller_stream,
-    join,
-    lanes,
-    merge_stats,
-    part_inputs,
-)
+from attention_client._stripes import MAX_STRIPES, caller_stream, join, lanes, merge_stats
 from attention_client._wire import parse_response, parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
@@ -206,22 +199,15 @@ class AttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
-            return lambda: self._prepare_attention(
+        whole, parts = self._split_call(
+            lambda q, k, v, score, kv_scales: self._prepare_attention(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
                 use_regions, score, kv_scales,
-            )
-
-        def names(prep: PreparedRequest) -> Any:
-            return argnames.attention(len(prep.user_shape) == 4)
-
-        whole = make(q, k, v, score, kv_scales)
-        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+            ), q, k, v, out, use_regions, score, kv_scales)
+        names = self._attention_names
         if parts is None:
             return self._run_placed(whole, settings, names)
-        return self._striped(
-            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
-            names, return_lse, -2, q)
+        return self._striped(parts, whole, settings, names, return_lse, -2, q)
 
     def decode(
         self,
@@ -251,19 +237,14 @@ class AttentionClient(ClientBase):
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
 
-        def make(q: Any, k: Any, v: Any, score: Any, kv_scales: Any) -> Callable[[], Any]:
-            return lambda: self._prepare_decode(
+        whole, parts = self._split_call(
+            lambda q, k, v, score, kv_scales: self._prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
                 score, kv_scales,
-            )
-
-        whole = make(q, k, v, score, kv_scales)
-        parts = self._stripe_plan(q, k, v, out, use_regions, score, kv_scales)
+            ), q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
             return self._run_placed(whole, settings)
-        return self._striped(
-            [make(*part_inputs(p, q, k, v, score, kv_scales)) for p in parts], whole, settings,
-            None, return_lse, -1, q)
+        return self._striped(parts, whole, settings, None, return_lse, -1, q)
 
     # ---- server-side KV caches -------------------------------------------------------------
 
