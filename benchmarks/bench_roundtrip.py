@@ -301,7 +301,7 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
 
 # ---- aggregate gRPC throughput ------------------------------------------------------------
 def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seconds: float,
-                channels: int, stripes: int, start: Any, conn: Any) -> None:
+                channels: int, stripes: int, spread: bool, start: Any, conn: Any) -> None:
     import torch as _torch
 
     from attention_client import AttentionClient
@@ -313,7 +313,7 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
     cu = _torch.tensor([0, tokens], dtype=_torch.int32)
     moved = 4 * q.numel() * q.element_size()  # q, k, v in; out back
     with AttentionClient(target, timeout=600, use_regions=False, channels=channels,
-                         stripes=stripes) as c:
+                         stripes=stripes, spread=spread) as c:
         for _ in range(2 * c.channels):  # every connection opened and warm
             c.attention(q, k, v, cu)
         # Which front-end process holds each of this client's connections (SO_REUSEPORT
@@ -337,12 +337,14 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
 
 
 def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtype: str,
-              seconds: float, channels: int = 1, stripes: int = 1) -> dict[str, Any]:
+              seconds: float, channels: int = 1, stripes: int = 1,
+              spread: bool = False) -> dict[str, Any]:
     """``clients`` processes, each calling in a loop over ``channels`` connections (round
     robin), each call split into ``stripes`` kv-head groups sent at once (``stripes=``; at
     least as many connections). The kernel spreads connections, not calls, over the front ends
     that share the port (SO_REUSEPORT hashes each connection to one of them): with one
-    connection per client some front ends serve two clients while others idle."""
+    connection per client some front ends serve two clients while others idle; ``spread``:
+    each client moves its connections off crowded front ends as it starts (``spread=``)."""
     ctx = mp.get_context("spawn")
     start = ctx.Event()
     pipes, procs = [], []
@@ -350,7 +352,7 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         parent, child = ctx.Pipe()
         p = ctx.Process(target=_agg_worker,
                         args=(target, tokens, heads, dim, dtype, seconds, channels, stripes,
-                              start, child))
+                              spread, start, child))
         p.start()
         pipes.append(parent)
         procs.append(p)
@@ -362,6 +364,7 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
     lat = [x for r in results for x in r["latencies"]]
     return {
         "clients": clients, "channels": max(channels, stripes), "stripes": stripes,
+        "spread": spread,
         "calls": sum(r["calls"] for r in results),
         "GBps": sum(r["bytes"] for r in results) / seconds / 1e9,
         "p50_ms": _median_ms(lat), "p99_ms": 1e3 * float(np.percentile(lat, 99)) if lat else 0,
@@ -393,7 +396,8 @@ def _spread(a: dict[str, Any], frontends: int) -> str:
 def _agg_label(a: dict[str, Any]) -> str:
     stripes = a.get("stripes", 1)
     return (f"clients {a['clients']:3d} x {a['channels']} ch"
-            + (f" x{stripes} stripes" if stripes > 1 else ""))
+            + (f" x{stripes} stripes" if stripes > 1 else "")
+            + (" spread" if a.get("spread") else ""))
 
 
 def baseline_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
@@ -433,15 +437,15 @@ def primed_server(
 
 def baseline_aggregate(
     tree: Path, device: str, env: dict[str, str], client_counts: list[int],
-    configs: list[tuple[int, int]], tokens: int, heads: int, dim: int, dtype: str,
+    configs: list[tuple[int, int, bool]], tokens: int, heads: int, dim: int, dtype: str,
     seconds: float,
 ) -> dict[str, Any]:
     """The aggregate against the server of source tree ``tree`` (one process)."""
     with primed_server([sys.executable, "-m", "attention_service"], baseline_env(tree, env),
                        tree, device, tokens, heads, dim, dtype) as (proc, target):
         return {"tree": str(tree), "cpus": cpus_of_tree(proc.pid), "aggregate": [
-            aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch, st)
-            for nc in client_counts for ch, st in configs
+            aggregate(target, nc, tokens, heads, dim, dtype, seconds, ch, st, sp)
+            for nc in client_counts for ch, st, sp in configs
         ]}
 
 
@@ -464,6 +468,8 @@ def main() -> int:
     p.add_argument("--stripes", default="1",
                    help="comma list of stripes= per client: one-call rows 'grpc host xK' and "
                         "aggregate runs for each K > 1 (the aggregate's too for 1)")
+    p.add_argument("--agg-spread", default="0",
+                   help="comma list of 0/1: aggregate clients with spread= off / on")
     p.add_argument("--agg-seconds", type=float, default=8.0)
     p.add_argument("--baseline-tree", type=Path, default=None,
                    help="source tree of an earlier commit whose server's aggregate is measured "
@@ -538,7 +544,8 @@ def main() -> int:
     client_counts = [int(x) for x in args.clients.split(",") if x]
     channel_counts = [int(x) for x in args.agg_channels.split(",") if x]
     stripe_counts = [int(x) for x in args.stripes.split(",") if x]
-    configs = [(ch, st) for st in stripe_counts for ch in channel_counts]
+    spreads = [bool(int(x)) for x in args.agg_spread.split(",") if x]
+    configs = [(ch, st, sp) for sp in spreads for st in stripe_counts for ch in channel_counts]
     result["servers"] = []
     # The server names its device once it is up; until then (the baseline turn) the GPU here.
     device_name = (torch.cuda.get_device_name() if args.device != "cpu"
@@ -584,8 +591,8 @@ def main() -> int:
                                [st for st in stripe_counts if st > 1]))
             entry["aggregate"] = [
                 aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds, ch,
-                          st)
-                for nc in client_counts for ch, st in configs
+                          st, sp)
+                for nc in client_counts for ch, st, sp in configs
             ]
             result["servers"].append(entry)
             print(f"N={count}: " + ", ".join(f"{k_} {v_:.2f} ms" for k_, v_ in

@@ -62,6 +62,18 @@ from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
 
+# ``spread``: connections tried per channel before one that is not crowded is kept, and the
+# time each look may take.
+SPREAD_TRIES = 4
+SPREAD_TIMEOUT_S = 10.0
+
+
+def crowded(info: pb.ServerInfo) -> bool:
+    """Whether the connection that answered ``info`` (GetServerInfo with ``connections``) is
+    on a front end that holds more than one connection more than the least-loaded one."""
+    return info.frontends > 1 and (
+        info.frontend_connections > info.fewest_frontend_connections + 1)
+
 
 class ClientBase:
     """Holds the settings; subclasses own the channel and run the calls."""
@@ -84,8 +96,12 @@ class ClientBase:
         unary: bool = True,
         call_streams: bool = True,
         stripes: int = 1,
+        spread: bool = False,
     ) -> None:
         self.target = target
+        # At construction, move each connection off a crowded front end (sync client; see
+        # AttentionClient._spread_lanes). Every channel then has a connection of its own.
+        self.spread = bool(spread)
         # Large stateless calls split into this many kv-head groups, sent at once over as many
         # connections (see _stripes.py); 1: every call goes whole.
         self.stripes = int(stripes)
@@ -105,7 +121,7 @@ class ClientBase:
         self._metadata = call_metadata(token, metadata)
         self._credentials = credentials(tls, client_cert, client_key)
         self._options = channel_options(options)
-        if self.channels > 1:  # else grpc shares one connection among equal channels
+        if self.channels > 1 or self.spread:  # else grpc shares a connection among equal ones
             self._options.append(("grpc.use_local_subchannel_pool", 1))
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)

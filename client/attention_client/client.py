@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client import _argnames as argnames
-from attention_client._base import ClientBase
+from attention_client._base import SPREAD_TIMEOUT_S, SPREAD_TRIES, ClientBase, crowded
 from attention_client._caches import KvCache
 from attention_client._call_streams import STEP_METHODS, CallStreams
 from attention_client._channel import (
@@ -105,27 +105,27 @@ class AttentionClient(ClientBase):
         unary: bool = True,
         call_streams: bool = True,
         stripes: int = 1,
+        spread: bool = False,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary, call_streams=call_streams, stripes=stripes,
+            unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
         )
         self._base_channels: list[grpc.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = CallStreams()
         self._stripe_pool: ThreadPoolExecutor | None = None  # made by the first striped call
         self._stripe_lock = threading.Lock()
-        for _ in range(self.channels):
+        def open_lane() -> tuple[grpc.Channel, dict[str, Any]]:
             if self._credentials is None:
                 base = grpc.insecure_channel(target, options=self._options)
             else:
                 base = grpc.secure_channel(target, self._credentials, options=self._options)
-            self._base_channels.append(base)
             ch = grpc.intercept_channel(base, *interceptors) if interceptors else base
             # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
-            self._lanes.append({
+            return base, {
                 method: ch.stream_stream(
                     f"/{SERVICE}/{method}", response_deserializer=parse_response
                 )
@@ -138,7 +138,19 @@ class AttentionClient(ClientBase):
             } | {
                 method: ch.stream_stream(f"/{SERVICE}/{method}")
                 for method in STEP_METHODS.values()
-            })
+            } | {
+                INFO_METHOD: ch.unary_unary(
+                    INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
+                    response_deserializer=pb.ServerInfo.FromString,
+                ),
+            }
+
+        for _ in range(self.channels):
+            base, lane = open_lane()
+            self._base_channels.append(base)
+            self._lanes.append(lane)
+        if self.spread:
+            self._spread_lanes(open_lane)
         self._base_channel = self._base_channels[0]
         channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
                                    if interceptors else self._base_channel)
@@ -496,6 +508,23 @@ class AttentionClient(ClientBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _spread_lanes(self, open_lane: Callable[[], tuple[grpc.Channel, dict[str, Any]]]) -> None:
+        """``spread``: each connection that fell on a front end holding more connections than
+        the least-loaded one (+1) is replaced by a new one, hashed afresh, up to
+        ``SPREAD_TRIES`` times. A server that cannot be asked leaves them as they are."""
+        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S))
+        for i in range(len(self._lanes)):
+            for _ in range(SPREAD_TRIES):
+                try:
+                    info = self._lanes[i][INFO_METHOD](
+                        pb.GetServerInfoRequest(connections=True), **settings.kwargs())
+                except grpc.RpcError:
+                    return
+                if not crowded(info):
+                    break
+                self._base_channels[i].close()
+                self._base_channels[i], self._lanes[i] = open_lane()
 
     def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],

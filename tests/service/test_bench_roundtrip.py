@@ -19,7 +19,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
         "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
-        "--agg-channels", "1,2", "--stripes", "1,2",
+        "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "0,1",
         "--out", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
@@ -37,9 +37,10 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
-        # Each client count x (channels, stripes); a striped client has a connection per stripe.
-        assert [(a["clients"], a["channels"], a["stripes"]) for a in server["aggregate"]] == [
-            (2, 1, 1), (2, 2, 1), (2, 2, 2), (2, 2, 2)]
+        # Each client count x (spread, stripes); a striped client has a connection per stripe.
+        assert [(a["clients"], a["channels"], a["stripes"], a["spread"])
+                for a in server["aggregate"]] == [
+            (2, 1, 1, False), (2, 2, 2, False), (2, 1, 1, True), (2, 2, 2, True)]
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
             assert 0 < agg["client_cores_mean"] <= agg["client_cores_max"]

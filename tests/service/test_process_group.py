@@ -22,7 +22,7 @@ from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .group_helpers import Group, connect_to
+from .group_helpers import Group, client_ports, connect_to, serving_pid
 from .kv_helpers import Model, append_messages, cache_decode_messages, layout
 from .svc_helpers import (
     TOLERANCE,
@@ -85,6 +85,48 @@ def test_every_frontend_serves_correct_answers(group: Group) -> None:
         assert info.frontends == 2 and info.backend == "cpu"
         assert info.frontend == slot  # the process that holds this connection names itself
     assert wait_until(lambda: _frontends_in_log(group, start) == {"frontend 0", "frontend 1"})
+
+
+def test_server_info_counts_the_connections_of_each_front_end(group: Group) -> None:
+    """Asked for, GetServerInfo says how many connections its front end holds and the fewest
+    any front end holds, as the kernel's own table says."""
+    from collections import Counter
+
+    pids = group.frontend_pids()
+    chans = [connect_to(group, pids[0]) for _ in range(3)]
+    stub = pb_grpc.AttentionServiceStub(chans[0])
+    info = stub.GetServerInfo(pb.GetServerInfoRequest(connections=True), timeout=10)
+    held = Counter(serving_pid(group.port, port, list(pids.values()))
+                   for port in client_ports(group.port))
+    assert info.frontend == 0
+    assert info.frontend_connections == held[pids[0]] >= 3
+    assert info.fewest_frontend_connections == min(held[pid] for pid in pids.values())
+    assert info.fewest_frontend_connections < info.frontend_connections
+    plain = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert plain.frontend_connections == plain.fewest_frontend_connections == 0  # not asked
+
+
+def test_a_spread_client_moves_off_a_crowded_front_end(
+    group: Group, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``AttentionClient(spread=True)``: with three connections on front end 0 and fewer on
+    front end 1, the client's connection ends on front end 1 whichever the kernel picked first
+    (each new connection is hashed afresh; 20 tries: a 1e-6 chance of landing on 0 each time).
+    """
+    from attention_client import AttentionClient
+    from attention_client import client as client_mod
+
+    monkeypatch.setattr(client_mod, "SPREAD_TRIES", 20)
+    pids = group.frontend_pids()
+    crowd = [connect_to(group, pids[0]) for _ in range(3)]
+    assert crowd
+    with AttentionClient(group.target, spread=True) as c:
+        assert c.info()["frontend"] == 1
+        q, k, v = (torch.randn(24, 4, 16), torch.randn(24, 2, 16), torch.randn(24, 2, 16))
+        out = c.attention(q, k, v, [0, 8, 24], causal=True)
+        want, _ = prefill_oracle(q, k, v, [0, 8, 24], causal=True)
+        torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.float32],
+                                   rtol=TOLERANCE[torch.float32])
 
 
 def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:

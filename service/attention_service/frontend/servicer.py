@@ -18,6 +18,7 @@ import grpc
 
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.errors import Cancelled, RequestError, StreamEnded
+from attention_service.frontend import connections
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Received,
@@ -125,6 +126,12 @@ class AttentionServicer:
         # already parsed then) to its reply.
         t0 = time.perf_counter()
         reply = self._info
+        if request.connections and reply.frontends > 1:
+            counted = await asyncio.to_thread(connections.spread, self._config.port)
+            if counted is not None:
+                reply = pb.ServerInfo()
+                reply.CopyFrom(self._info)
+                reply.frontend_connections, reply.fewest_frontend_connections = counted
         self.record_control("GetServerInfo", "OK", t0, context)
         return reply
 
