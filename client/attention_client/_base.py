@@ -62,10 +62,11 @@ from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
 
-# ``spread``: connections tried per channel before one that is not crowded is kept, and the
-# time each look may take.
+# ``spread``: connections looked at per channel (the last one is kept whatever its front end),
+# and the time all the looks of a client's construction may take together: a client made
+# while its server is down waits at most this long.
 SPREAD_TRIES = 4
-SPREAD_TIMEOUT_S = 10.0
+SPREAD_TIMEOUT_S = 2.0
 
 
 def crowded(info: pb.ServerInfo) -> bool:

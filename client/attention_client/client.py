@@ -145,12 +145,17 @@ class AttentionClient(ClientBase):
                 ),
             }
 
-        for _ in range(self.channels):
-            base, lane = open_lane()
-            self._base_channels.append(base)
-            self._lanes.append(lane)
-        if self.spread:
-            self._spread_lanes(open_lane)
+        try:
+            for _ in range(self.channels):
+                base, lane = open_lane()
+                self._base_channels.append(base)
+                self._lanes.append(lane)
+            if self.spread:
+                self._spread_lanes(open_lane)
+        except BaseException:  # e.g. an interceptor that raised: no channel left open
+            for base in self._base_channels:
+                base.close()
+            raise
         self._base_channel = self._base_channels[0]
         channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
                                    if interceptors else self._base_channel)
@@ -511,17 +516,20 @@ class AttentionClient(ClientBase):
 
     def _spread_lanes(self, open_lane: Callable[[], tuple[grpc.Channel, dict[str, Any]]]) -> None:
         """``spread``: each connection that fell on a front end holding more connections than
-        the least-loaded one (+1) is replaced by a new one, hashed afresh, up to
-        ``SPREAD_TRIES`` times. A server that cannot be asked leaves them as they are."""
-        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S))
+        the least-loaded one (+1) is replaced by a new one, hashed afresh; at most
+        ``SPREAD_TRIES`` connections are looked at per channel, all within
+        ``SPREAD_TIMEOUT_S`` (fail fast: a server that is not up, or cannot count, leaves the
+        channels as they are)."""
+        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
+                                  wait_for_ready=False)
         for i in range(len(self._lanes)):
-            for _ in range(SPREAD_TRIES):
+            for attempt in range(SPREAD_TRIES):
                 try:
                     info = self._lanes[i][INFO_METHOD](
                         pb.GetServerInfoRequest(connections=True), **settings.kwargs())
                 except grpc.RpcError:
                     return
-                if not crowded(info):
+                if not crowded(info) or attempt == SPREAD_TRIES - 1:
                     break
                 self._base_channels[i].close()
                 self._base_channels[i], self._lanes[i] = open_lane()

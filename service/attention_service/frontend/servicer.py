@@ -66,6 +66,11 @@ class CallTracker:
         return True
 
 
+# How long GetServerInfo's connection counts are reused: a client that spreads its connections
+# looks once per connection, so a count a fraction of a second old serves it as well.
+_COUNT_TTL_S = 0.25
+
+
 # How long a request stream that ended early waits for a cancel or deadline to surface (the
 # cancel arrives within a few milliseconds on loopback; an incomplete upload pays this once).
 _CUT_OFF_WAIT_S = 0.05
@@ -118,6 +123,9 @@ class AttentionServicer:
         self._info = info
         self._principals = principals
         self.tracker = tracker
+        # GetServerInfo's connection counts: (when, counts), and the count under way.
+        self._counted: tuple[float, tuple[int, int] | None] | None = None
+        self._counting: asyncio.Future[tuple[int, int] | None] | None = None
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -127,7 +135,7 @@ class AttentionServicer:
         t0 = time.perf_counter()
         reply = self._info
         if request.connections and reply.frontends > 1:
-            counted = await asyncio.to_thread(connections.spread, self._config.port)
+            counted = await self._connection_counts()
             if counted is not None:
                 reply = pb.ServerInfo()
                 reply.CopyFrom(self._info)
@@ -147,6 +155,26 @@ class AttentionServicer:
             await context.abort(exc.code, exc.details)
         self.record_control(method, "OK", t0, context)
         return reply
+
+    async def _connection_counts(self) -> tuple[int, int] | None:
+        """``connections.spread`` of this front end's port, at most one count per
+        ``_COUNT_TTL_S`` (concurrent askers share one): a count reads the host's whole TCP
+        table, and the request that asks for it is cheap."""
+        now = time.monotonic()
+        if self._counted is not None and now - self._counted[0] < _COUNT_TTL_S:
+            return self._counted[1]
+        if self._counting is None:
+            self._counting = asyncio.ensure_future(self._count_connections())
+        return await asyncio.shield(self._counting)
+
+    async def _count_connections(self) -> tuple[int, int] | None:
+        try:
+            counted = await asyncio.to_thread(connections.spread, self._config.port)
+        except Exception:  # a bug: answer without counts
+            log.exception("counting the front ends' connections failed")
+            counted = None
+        self._counted, self._counting = (time.monotonic(), counted), None
+        return counted
 
     def record_control(
         self, method: str, code: str, t0: float, context: grpc.aio.ServicerContext,
