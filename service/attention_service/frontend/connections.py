@@ -7,7 +7,7 @@ clients made 8.07 GB/s with their connections on 6 front ends, 5.87 on 4; result
 issue 10, sixth session). gRPC tells a server nothing about its connections, but /proc does:
 a front end's established sockets on the port are its connections. Linux only; elsewhere (or
 where /proc hides other processes) ``spread`` answers None. A count reads the host's whole
-TCP table (about 5 ms on a quiet host, more with many sockets), so the servicer caches it.
+TCP table (about 5 ms on a quiet host, more with many sockets), so the servicer rations it.
 """
 
 from __future__ import annotations

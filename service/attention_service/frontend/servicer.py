@@ -66,9 +66,9 @@ class CallTracker:
         return True
 
 
-# How long GetServerInfo's connection counts are reused: a client that spreads its connections
-# looks once per connection, so a count a fraction of a second old serves it as well.
-_COUNT_TTL_S = 0.25
+# GetServerInfo's connection counts start at most this often (about 5 ms each on a quiet host,
+# more with many sockets): a flood of askers costs one count per interval, not one each.
+_COUNT_INTERVAL_S = 0.02
 
 
 # How long a request stream that ended early waits for a cancel or deadline to surface (the
@@ -123,9 +123,9 @@ class AttentionServicer:
         self._info = info
         self._principals = principals
         self.tracker = tracker
-        # GetServerInfo's connection counts: (when, counts), and the count under way.
+        # GetServerInfo's connection counts: the last count (when it started, what it found).
         self._counted: tuple[float, tuple[int, int] | None] | None = None
-        self._counting: asyncio.Future[tuple[int, int] | None] | None = None
+        self._count_lock = asyncio.Lock()
 
     async def GetServerInfo(
         self, request: pb.GetServerInfoRequest, context: grpc.aio.ServicerContext
@@ -157,24 +157,26 @@ class AttentionServicer:
         return reply
 
     async def _connection_counts(self) -> tuple[int, int] | None:
-        """``connections.spread`` of this front end's port, at most one count per
-        ``_COUNT_TTL_S`` (concurrent askers share one): a count reads the host's whole TCP
-        table, and the request that asks for it is cheap."""
-        now = time.monotonic()
-        if self._counted is not None and now - self._counted[0] < _COUNT_TTL_S:
-            return self._counted[1]
-        if self._counting is None:
-            self._counting = asyncio.ensure_future(self._count_connections())
-        return await asyncio.shield(self._counting)
-
-    async def _count_connections(self) -> tuple[int, int] | None:
-        try:
-            counted = await asyncio.to_thread(connections.spread, self._config.port)
-        except Exception:  # a bug: answer without counts
-            log.exception("counting the front ends' connections failed")
-            counted = None
-        self._counted, self._counting = (time.monotonic(), counted), None
-        return counted
+        """``connections.spread`` of this front end's port, from a count that started after
+        this request arrived (so it sees the asker's own connection), one count at a time and
+        at most one per ``_COUNT_INTERVAL_S``: askers that queue behind a count share the next
+        one. A count reads the host's whole TCP table, and the request that asks is cheap."""
+        arrived = time.monotonic()
+        async with self._count_lock:
+            if self._counted is not None and self._counted[0] >= arrived:
+                return self._counted[1]
+            if self._counted is not None:
+                wait = self._counted[0] + _COUNT_INTERVAL_S - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            started = time.monotonic()
+            try:
+                counted = await asyncio.to_thread(connections.spread, self._config.port)
+            except Exception:  # a bug: answer without counts
+                log.exception("counting the front ends' connections failed")
+                counted = None
+            self._counted = (started, counted)
+            return counted
 
     def record_control(
         self, method: str, code: str, t0: float, context: grpc.aio.ServicerContext,

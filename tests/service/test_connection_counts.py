@@ -1,0 +1,84 @@
+"""GetServerInfo's connection counts (``frontend/connections.py``): what /proc says, and how
+the servicer rations the counts."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from attention_service.frontend import connections
+from attention_service.frontend import servicer as servicer_mod
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+
+
+@linux_only
+def test_a_process_holds_the_established_connections_it_accepted() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        accepted = [listener.accept()[0] for _ in clients]
+        try:
+            mine = connections._socket_inodes(os.getpid()) & connections._established_inodes(port)
+            assert len(mine) == 3  # the accepted ends; the listener and client ends are not
+            accepted.pop().close()
+            clients.pop().close()
+            time.sleep(0.05)
+            mine = connections._socket_inodes(os.getpid()) & connections._established_inodes(port)
+            assert len(mine) == 2
+        finally:
+            for s in clients + accepted:
+                s.close()
+
+
+def test_a_process_outside_a_group_gets_no_counts() -> None:
+    assert connections.spread(1) is None  # this test process is no front end
+
+
+def test_counts_are_rationed_and_never_older_than_the_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    starts: list[float] = []
+
+    def spread(port: int) -> tuple[int, int]:
+        starts.append(time.monotonic())
+        time.sleep(0.01)
+        return len(starts), 0
+
+    monkeypatch.setattr(connections, "spread", spread)
+    fake = SimpleNamespace(_counted=None, _config=SimpleNamespace(port=1))
+    count = servicer_mod.AttentionServicer._connection_counts
+
+    async def main() -> tuple[object, float, list[object]]:
+        fake._count_lock = asyncio.Lock()
+        first = await count(fake)  # type: ignore[arg-type]
+        asked = time.monotonic()
+        many = await asyncio.gather(*(count(fake) for _ in range(20)))  # type: ignore[arg-type]
+        return first, asked, many
+
+    first, asked, many = asyncio.run(main())
+    assert first == (1, 0)
+    # Twenty askers at once shared one count, which started after they asked.
+    assert len(starts) == 2 and starts[1] >= asked
+    assert all(m == (2, 0) for m in many)
+    assert starts[1] - starts[0] >= servicer_mod._COUNT_INTERVAL_S  # spaced
+
+
+def test_a_failed_count_is_an_answer_without_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(port: int) -> tuple[int, int]:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(connections, "spread", broken)
+    fake = SimpleNamespace(_counted=None, _config=SimpleNamespace(port=1))
+
+    async def main() -> object:
+        fake._count_lock = asyncio.Lock()
+        return await servicer_mod.AttentionServicer._connection_counts(fake)  # type: ignore[arg-type]
+
+    assert asyncio.run(main()) is None
