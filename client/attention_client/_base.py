@@ -97,11 +97,12 @@ class ClientBase:
         unary: bool = True,
         call_streams: bool = True,
         stripes: int = 1,
-        spread: bool = False,
+        spread: bool = True,
     ) -> None:
         self.target = target
-        # At construction, move each connection off a crowded front end (sync client; see
-        # AttentionClient._spread_lanes). Every channel then has a connection of its own.
+        # Move each connection off a crowded front end (AttentionClient._spread_lanes: at
+        # construction; AsyncAttentionClient._ensure_spread: before the first compute call).
+        # Every channel then has a connection of its own.
         self.spread = bool(spread)
         # Large stateless calls split into this many kv-head groups, sent at once over as many
         # connections (see _stripes.py); 1: every call goes whole.

@@ -42,9 +42,15 @@ class _StepsBase:
                  wait_for_ready: bool | None) -> None:
         self._client = client
         self._timeout, self._metadata, self._wait_for_ready = timeout, metadata, wait_for_ready
-        self._lane = client._lanes[next(client._turn) % len(client._lanes)]
+        # Its connection, by number: the async client may replace connections (``spread``)
+        # before the first step.
+        self._lane_no = next(client._turn) % len(client._lanes)
         self._unsupported = False  # the server has no CacheDecodeSteps: decode_step's path
         self.closed = False
+
+    @property
+    def _lane(self) -> dict[str, Any]:
+        return self._client._lanes[self._lane_no]
 
     def _settings(self) -> CallSettings:
         return self._client._settings(self._timeout, self._metadata, self._wait_for_ready,
@@ -177,6 +183,12 @@ class AsyncDecodeSteps(_StepsBase):
         async with self._lock:
             if self._stream is None or not self._stream.alive():
                 self._drop()
+                try:
+                    await client._ensure_spread()
+                except BaseException:  # cancelled: nothing was sent
+                    if prep.placement is not None:
+                        prep.placement.finish(ok=True)
+                    raise
                 self._stream = AsyncStreamCall(self._lane[METHOD], settings)
             try:
                 raw = await self._stream.exchange(message, settings.deadline)

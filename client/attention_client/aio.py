@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client import _argnames as argnames
-from attention_client._base import ClientBase
+from attention_client._base import SPREAD_TIMEOUT_S, SPREAD_TRIES, ClientBase, crowded
 from attention_client._caches import AsyncKvCache
 from attention_client._call_streams import STEP_METHODS, AsyncCallStreams
 from attention_client._channel import (
@@ -74,41 +74,63 @@ class AsyncAttentionClient(ClientBase):
         unary: bool = True,
         call_streams: bool = True,
         stripes: int = 1,
+        spread: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary, call_streams=call_streams, stripes=stripes,
+            unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
         )
-        icpts = list(interceptors) if interceptors else None
+        self._interceptors = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = AsyncCallStreams()
         for _ in range(self.channels):
-            if self._credentials is None:
-                ch = grpc.aio.insecure_channel(target, options=self._options, interceptors=icpts)
-            else:
-                ch = grpc.aio.secure_channel(
-                    target, self._credentials, options=self._options, interceptors=icpts
-                )
+            ch, lane = self._open_lane()
             self._channels.append(ch)
-            # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
-            self._lanes.append({
-                method: ch.stream_stream(
-                    f"/{SERVICE}/{method}", response_deserializer=parse_response
-                )
-                for method in STREAM_RPCS
-            } | {
-                unary_method(method): ch.unary_unary(
-                    f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
-                )
-                for method in STREAM_RPCS
-            } | {
-                method: ch.stream_stream(f"/{SERVICE}/{method}")
-                for method in STEP_METHODS.values()
-            })
-        channel = self._channel = self._channels[0]
+            self._lanes.append(lane)
+        self._bind(self._channels[0])
+        # ``spread`` waits for the first compute call or decode step (nothing can be awaited
+        # here): see _ensure_spread.
+        self._spread_pending = self.spread
+        self._spread_lock: asyncio.Lock | None = None
+        self._retiring: set[asyncio.Task[None]] = set()  # replaced channels, closing
+
+    def _open_lane(self) -> tuple[grpc.aio.Channel, dict[str, Any]]:
+        """A new channel (a connection of its own) and its compute rpcs."""
+        icpts = self._interceptors
+        if self._credentials is None:
+            ch = grpc.aio.insecure_channel(self.target, options=self._options,
+                                           interceptors=icpts)
+        else:
+            ch = grpc.aio.secure_channel(
+                self.target, self._credentials, options=self._options, interceptors=icpts
+            )
+        # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
+        return ch, {
+            method: ch.stream_stream(
+                f"/{SERVICE}/{method}", response_deserializer=parse_response
+            )
+            for method in STREAM_RPCS
+        } | {
+            unary_method(method): ch.unary_unary(
+                f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
+            )
+            for method in STREAM_RPCS
+        } | {
+            method: ch.stream_stream(f"/{SERVICE}/{method}")
+            for method in STEP_METHODS.values()
+        } | {
+            INFO_METHOD: ch.unary_unary(
+                INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
+                response_deserializer=pb.ServerInfo.FromString,
+            ),
+        }
+
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        """The small rpcs (info, health, regions, caches) go over the first channel."""
+        self._channel = channel
         self._info = channel.unary_unary(
             INFO_METHOD,
             request_serializer=pb.GetServerInfoRequest.SerializeToString,
@@ -122,6 +144,44 @@ class AsyncAttentionClient(ClientBase):
             )
             for method, reply in (REGION_RPCS | CACHE_RPCS).items()
         }
+
+    async def _ensure_spread(self) -> None:
+        """``spread``, once, before the first compute call or decode step uses a connection
+        (concurrent first calls wait for it): see AttentionClient._spread_lanes. A failure,
+        or a cancelled first call, leaves the channels as they are."""
+        if not self._spread_pending:
+            return
+        if self._spread_lock is None:
+            self._spread_lock = asyncio.Lock()
+        async with self._spread_lock:
+            if not self._spread_pending:
+                return
+            try:
+                await self._spread_lanes()
+            finally:
+                self._spread_pending = False
+
+    async def _spread_lanes(self) -> None:
+        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
+                                  wait_for_ready=False)
+        for i in range(len(self._lanes)):
+            for attempt in range(SPREAD_TRIES):
+                try:
+                    info = await self._lanes[i][INFO_METHOD](
+                        pb.GetServerInfoRequest(connections=True), **settings.kwargs())
+                except grpc.RpcError:
+                    return
+                if not crowded(info) or attempt == SPREAD_TRIES - 1:
+                    break
+                old = self._channels[i]
+                self._channels[i], self._lanes[i] = self._open_lane()
+                if i == 0:
+                    self._bind(self._channels[0])
+                # Small rpcs already sent on the old channel 0 finish first; nothing new
+                # goes there.
+                task = asyncio.ensure_future(old.close(grace=self.timeout or 60.0))
+                self._retiring.add(task)
+                task.add_done_callback(self._retiring.discard)
 
     async def attention(
         self,
@@ -419,6 +479,8 @@ class AsyncAttentionClient(ClientBase):
         await self._streams.close()
         for ch in self._channels:
             await ch.close()
+        if self._retiring:
+            await asyncio.gather(*self._retiring, return_exceptions=True)
         self.closed = True
 
     async def __aenter__(self) -> AsyncAttentionClient:
@@ -468,6 +530,7 @@ class AsyncAttentionClient(ClientBase):
         """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
         try:
+            await self._ensure_spread()
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
                 self._release_idle(await self._unary_rpc(
                     "ListRegions", pb.ListRegionsRequest(), settings.named(None)

@@ -72,7 +72,15 @@ class AttentionClient(ClientBase):
     connections (``channels`` is raised to ``stripes``) and joined: one large call then uses
     several of the server's front-end processes instead of one (a Python gRPC stream moves
     about 1 GB/s). The result is the same as the whole call's; calls with ``out=`` or whose
-    tensors may go through registered regions go whole. See docs/client.md.
+    tensors may go through registered regions go whole. ``spread`` (default True): a server
+    with several front-end processes gets each connection from the kernel, which may put
+    several clients' connections on one front end while others idle; each connection found on
+    a front end holding more than one connection more than the least-loaded one is replaced by
+    a new one (here at construction, in the async client before its first compute call; at
+    most ``SPREAD_TRIES`` looks per connection and ``SPREAD_TIMEOUT_S`` in all; a server that
+    is down, or too old to count, leaves the connections as they are). With it, the client's
+    connections are its own, not shared with other clients of this process. False: gRPC's
+    connection as it comes. See docs/client.md.
 
     Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
     client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
@@ -105,7 +113,7 @@ class AttentionClient(ClientBase):
         unary: bool = True,
         call_streams: bool = True,
         stripes: int = 1,
-        spread: bool = False,
+        spread: bool = True,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,

@@ -38,6 +38,8 @@ class Knobs:
     attempts: int = 0
     fail_info_first: int = 0  # the same for GetServerInfo (a unary rpc)
     info_attempts: int = 0
+    crowded_first: int = 0  # GetServerInfo(connections) says "crowded" to this many asks
+    counted_peers: list[str] = field(default_factory=list)  # the asks' client addresses
     headers: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     message_sizes: list[int] = field(default_factory=list)
@@ -151,10 +153,19 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
             context.abort(*knobs.abort)
         if knobs.sleep:
             time.sleep(knobs.sleep)
-        return pb.ServerInfo(
+        info = pb.ServerInfo(
             device="fake", backend="cpu", dtypes=[pb.FLOAT16, pb.BFLOAT16], head_dims=[64, 128],
             max_request_bytes=1 << 30, chunk_bytes=1 << 20, server_version="0.0-fake",
         )
+        if request.connections:  # as a group of two front ends would count them
+            with self._lock:
+                knobs.counted_peers.append(context.peer())
+                crowded = knobs.crowded_first > 0
+                knobs.crowded_first -= crowded
+            info.frontends = 2
+            info.frontend_connections, info.fewest_frontend_connections = (3, 0) if crowded \
+                else (1, 1)
+        return info
 
 
 def start_fake(

@@ -44,7 +44,7 @@ def test_concurrent_calls_share_a_few_streams(server):
     """16 threads x 6 calls on one client: every result right, at most one stream per thread
     (an idle one is reused), and no unary call."""
     opened = RpcNames()
-    with AttentionClient(server.target, interceptors=[opened]) as client:
+    with AttentionClient(server.target, interceptors=[opened], spread=False) as client:
         def work(t: int) -> None:
             for i in range(6):
                 q, k, v = _qkv(100 * t + 10 * i, n=3 + (t + i) % 7)
@@ -58,7 +58,7 @@ def test_concurrent_calls_share_a_few_streams(server):
 
 def test_a_failed_call_ends_its_stream_and_the_next_one_opens_another(server):
     opened = RpcNames()
-    with AttentionClient(server.target, interceptors=[opened]) as client:
+    with AttentionClient(server.target, interceptors=[opened], spread=False) as client:
         q, k, v = _qkv(1)
         _check(client.attention(q, k, v, causal=True), q, k, v)
         # Refused by the server (the client does not check head dims): INVALID_ARGUMENT
@@ -72,7 +72,7 @@ def test_a_failed_call_ends_its_stream_and_the_next_one_opens_another(server):
 
 def test_metadata_of_its_own_opens_a_stream_of_its_own(server):
     opened = RpcNames()
-    with AttentionClient(server.target, interceptors=[opened]) as client:
+    with AttentionClient(server.target, interceptors=[opened], spread=False) as client:
         q, k, v = _qkv(4)
         for metadata in (None, {"x-tenant": "a"}, None, {"x-tenant": "a"}, {"x-tenant": "b"}):
             _check(client.attention(q, k, v, causal=True, metadata=metadata), q, k, v)
@@ -81,7 +81,8 @@ def test_metadata_of_its_own_opens_a_stream_of_its_own(server):
 
 def test_call_streams_off_sends_unary_calls(server):
     opened = RpcNames()
-    with AttentionClient(server.target, interceptors=[opened], call_streams=False) as client:
+    with AttentionClient(server.target, interceptors=[opened], call_streams=False,
+                         spread=False) as client:
         q, k, v = _qkv(5)
         for _ in range(2):
             _check(client.attention(q, k, v, causal=True), q, k, v)

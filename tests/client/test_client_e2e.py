@@ -311,7 +311,7 @@ def test_small_calls_go_in_one_message_and_large_ones_stream(server, call_stream
     seen = RpcNames()
     one = ("PrefillSteps", "DecodeSteps") if call_streams else ("PrefillUnary", "DecodeUnary")
     with AttentionClient(server.target, max_chunk_bytes=16384, interceptors=[seen],
-                         call_streams=call_streams) as c, \
+                         call_streams=call_streams, spread=False) as c, \
             AttentionClient(server.target, unary=False) as streamed:
         q = make("numpy", "float16", 16, 2, 64, seed=30)  # 4 KiB: q, k, v 12 KiB
         small = c.attention(q, q, q, causal=True)

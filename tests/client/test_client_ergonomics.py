@@ -276,6 +276,11 @@ def test_settings_reach_every_kind_of_rpc(fake):
                 call()
             assert exc.value.code == grpc.StatusCode.UNIMPLEMENTED
         client.info()  # the client's own settings
+    # First, at construction, ``spread``'s look at the connection: the client's metadata, its
+    # own short deadline, fail fast (the fake is not crowded: one look).
+    spread, timeout, metadata, wait = capture.calls.pop(0)
+    assert spread == "GetServerInfo" and 1 < timeout <= 2 and wait is False
+    assert metadata == {"x-client": "c"}
     methods = [c[0] for c in capture.calls]
     assert methods == [
         "PrefillSteps", "PrefillUnary", "Prefill", "Decode", "GetServerInfo", "ListCaches",

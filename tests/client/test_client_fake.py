@@ -133,7 +133,7 @@ def test_unavailable_is_retried(fake):
     """gRPC retries UNAVAILABLE on the unary rpcs (the compute calls' unary twins included)."""
     servicer, target = fake
     servicer.knobs.fail_info_first = 2
-    with AttentionClient(target) as client:
+    with AttentionClient(target, spread=False) as client:  # no look at construction
         assert client.info()["device"] == "fake"
     assert servicer.knobs.info_attempts == 3
 
@@ -141,7 +141,7 @@ def test_unavailable_is_retried(fake):
 def test_retries_give_up_after_five_attempts(fake):
     servicer, target = fake
     servicer.knobs.fail_info_first = 10
-    with AttentionClient(target) as client, pytest.raises(AttentionError) as exc:
+    with AttentionClient(target, spread=False) as client, pytest.raises(AttentionError) as exc:
         client.info()
     assert exc.value.code == grpc.StatusCode.UNAVAILABLE and exc.value.details == "warming up"
     assert servicer.knobs.info_attempts == 5
@@ -393,7 +393,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
         calls.append(_AbandonedCall())
         return calls[-1]
 
-    client = AttentionClient("127.0.0.1:1", unary=False)
+    client = AttentionClient("127.0.0.1:1", unary=False, spread=False)
     client._lanes = [{m: stream for m in lane} for lane in client._lanes]
     with pytest.raises(KeyboardInterrupt):
         client.attention(q, q, q)
@@ -401,7 +401,7 @@ def test_abandoned_call_is_cancelled_not_half_closed():
     client.close()
 
     async def run() -> None:
-        aclient = AsyncAttentionClient("127.0.0.1:1", unary=False)
+        aclient = AsyncAttentionClient("127.0.0.1:1", unary=False, spread=False)
         aclient._lanes = [{m: stream for m in lane} for lane in aclient._lanes]
         with pytest.raises(asyncio.CancelledError):
             await aclient.decode(q, q, q, [0, 1, 2])

@@ -148,6 +148,52 @@ def test_a_spread_client_moves_off_a_crowded_front_end(
                                    rtol=TOLERANCE[torch.float32])
 
 
+def test_an_async_client_spreads_before_its_first_call(
+    group: Group, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same for ``AsyncAttentionClient`` (``spread`` is the default): its looks come with
+    its first compute call, and the call and the small rpcs after it go through front end 1."""
+    import asyncio
+
+    from attention_client import AsyncAttentionClient
+    from attention_client import aio as aio_mod
+
+    monkeypatch.setattr(aio_mod, "SPREAD_TRIES", 20)
+    answers: list[bool] = []
+    crowded = aio_mod.crowded
+    monkeypatch.setattr(aio_mod, "crowded",
+                        lambda info: answers.append(crowded(info)) or answers[-1])
+    pids = group.frontend_pids()
+
+    def held(pid: int) -> int:
+        return sum(serving_pid(group.port, port, list(pids.values())) == pid
+                   for port in client_ports(group.port))
+
+    while held(pids[0]) < held(pids[1]) + 3:
+        connect_to(group, pids[0])
+    q, k, v = (torch.randn(24, 4, 16), torch.randn(24, 2, 16), torch.randn(24, 2, 16))
+    want, _ = prefill_oracle(q, k, v, [0, 8, 24], causal=True)
+
+    async def run() -> tuple[int, torch.Tensor] | None:
+        async with AsyncAttentionClient(group.target) as c:
+            answers.clear()
+            out = await c.attention(q, k, v, [0, 8, 24], causal=True)
+            if not answers[0]:
+                return None  # the first connection fell on front end 1: try another client
+            assert answers[-1] is False
+            return (await c.info())["frontend"], out
+
+    for _ in range(30):
+        got = asyncio.run(run())
+        if got is not None:
+            break
+    assert got is not None
+    frontend, out = got
+    assert frontend == 1
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.float32],
+                               rtol=TOLERANCE[torch.float32])
+
+
 def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:
     """A cache created and filled through one front-end process serves decode steps through
     the other: caches, like the executor, belong to the engine."""

@@ -1,0 +1,107 @@
+"""``spread`` (the default of both clients) against the fake server, which counts like a group
+of two front ends and says "crowded" to its first ``crowded_first`` asks: crowded connections
+are replaced by new ones (new client ports), the small rpcs move with the first channel, the
+async client looks once before its first compute call or decode step however many start at
+once, and a server that is down or not crowded costs nothing more. The real group's counting
+is tested in tests/service/test_process_group.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import numpy as np
+import pytest
+
+from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
+from attention_client._base import SPREAD_TRIES
+
+Q = np.arange(2 * 4 * 8, dtype=np.float16).reshape(2, 4, 8)
+
+
+def test_sync_client_replaces_crowded_connections_at_construction(fake):
+    servicer, target = fake
+    servicer.knobs.crowded_first = 2
+    with AttentionClient(target) as client:
+        peers = list(servicer.knobs.counted_peers)
+        assert len(peers) == 3 and len(set(peers)) == 3  # two replaced, each a new connection
+        np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)  # the fake echoes q
+        assert client.info()["device"] == "fake"  # the small rpcs use the kept connection
+    assert servicer.knobs.counted_peers == peers  # no look after construction
+
+
+def test_sync_client_keeps_its_last_try(fake):
+    servicer, target = fake
+    servicer.knobs.crowded_first = 100
+    with AttentionClient(target, channels=2) as client:
+        assert len(servicer.knobs.counted_peers) == 2 * SPREAD_TRIES
+        np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)
+
+
+def test_spread_off_and_a_server_that_is_not_crowded(fake):
+    servicer, target = fake
+    with AttentionClient(target, spread=False) as client:
+        client.attention(Q, Q, Q)
+    assert servicer.knobs.counted_peers == []
+    with AttentionClient(target, channels=3) as client:
+        client.attention(Q, Q, Q)
+    assert len(servicer.knobs.counted_peers) == 3  # one look per connection
+
+
+def test_async_client_looks_once_before_its_first_call(fake):
+    servicer, target = fake
+    servicer.knobs.crowded_first = 2
+
+    async def run() -> None:
+        client = AsyncAttentionClient(target)
+        await asyncio.sleep(0.05)
+        assert servicer.knobs.counted_peers == []  # nothing at construction
+        assert (await client.info())["device"] == "fake"  # small rpcs do not wait for it
+        assert servicer.knobs.counted_peers == []
+        first = client._channels[0]
+        outs = await asyncio.gather(*(client.attention(Q, Q, Q) for _ in range(4)))
+        for out in outs:
+            np.testing.assert_array_equal(out, Q)
+        peers = list(servicer.knobs.counted_peers)
+        assert len(peers) == 3 and len(set(peers)) == 3
+        assert client._channels[0] is not first and client._channel is client._channels[0]
+        assert (await client.info())["device"] == "fake"  # rebound to the new channel
+        np.testing.assert_array_equal(await client.attention(Q, Q, Q), Q)
+        assert servicer.knobs.counted_peers == peers  # once only
+        await client.close()
+        assert not client._retiring  # the replaced channels were closed
+
+    asyncio.run(run())
+
+
+def test_async_decode_steps_made_before_the_first_call_use_the_new_connection(fake):
+    servicer, target = fake
+    servicer.knobs.crowded_first = 1
+
+    async def run() -> None:
+        async with AsyncAttentionClient(target) as client:
+            steps = client.decode_steps()
+            old = client._lanes[steps._lane_no]
+            # The fake has no step streams or caches: the step falls back to CacheDecode,
+            # which it does not serve either. What matters is the look came first.
+            with pytest.raises(AttentionError):
+                await steps.step(Q, ["a", "b"], Q, Q)
+            assert len(servicer.knobs.counted_peers) == 2
+            assert steps._lane is client._lanes[steps._lane_no] is not old
+            await steps.close()
+
+    asyncio.run(run())
+
+
+def test_async_client_against_no_server_fails_as_before():
+    async def run() -> None:
+        async with AsyncAttentionClient("127.0.0.1:1", timeout=5) as client:
+            t0 = time.perf_counter()
+            with pytest.raises(AttentionError) as exc:
+                await client.attention(Q, Q, Q)
+            assert exc.value.code == grpc.StatusCode.UNAVAILABLE
+            assert time.perf_counter() - t0 < 5  # fails fast, the look included
+            assert client._spread_pending is False  # and it is not tried again
+
+    asyncio.run(run())
