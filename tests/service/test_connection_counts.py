@@ -37,6 +37,34 @@ def test_a_process_holds_the_established_connections_it_accepted() -> None:
                 s.close()
 
 
+@linux_only
+def test_children_forked_by_any_thread_are_found() -> None:
+    """A child forked by a thread other than the main one is, while that thread lives, in
+    the thread's ``children`` file only (the kernel moves it to the main thread's when the
+    thread ends): a front end forked so must still count."""
+    import subprocess
+    import threading
+
+    procs: list[subprocess.Popen[bytes]] = []
+    spawned, checked = threading.Event(), threading.Event()
+
+    def spawn() -> None:
+        procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]))
+        spawned.set()
+        checked.wait(30)
+
+    thread = threading.Thread(target=spawn)
+    thread.start()
+    try:
+        assert spawned.wait(30)
+        assert procs[0].pid in set(connections._children(os.getpid()))
+    finally:
+        checked.set()
+        thread.join()
+        procs[0].kill()
+        procs[0].wait()
+
+
 def test_a_process_outside_a_group_gets_no_counts() -> None:
     assert connections.spread(1) is None  # this test process is no front end
 

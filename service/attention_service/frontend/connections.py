@@ -49,9 +49,19 @@ def _socket_inodes(pid: int) -> set[int]:
 
 
 def _children(pid: int) -> Iterator[int]:
+    """``pid``'s children: each thread's ``children`` file lists those that thread forked
+    while it lives, so all are read (today the engine forks front ends on its main thread;
+    this keeps the count right if a helper thread ever does)."""
     try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            yield from (int(c) for c in f.read().split())
+        tasks = os.listdir(f"/proc/{pid}/task")
+        if not os.path.exists(f"/proc/{pid}/task/{pid}/children"):
+            raise FileNotFoundError
+        for task in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{task}/children") as f:
+                    yield from (int(c) for c in f.read().split())
+            except FileNotFoundError:  # the thread ended meanwhile
+                continue
     except FileNotFoundError:  # a kernel without the children file: scan every process
         for entry in os.listdir("/proc"):
             if entry.isdigit():
