@@ -91,7 +91,10 @@ def can_use_host_pointers(device_index: int) -> bool:
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         value = ctypes.c_int(0)
-        rc = lib.cuDeviceGetAttribute(ctypes.byref(value), 91, int(device_index))
+        # The answer is cached: asked before anything initialized the driver, the query
+        # would fail (CUDA_ERROR_NOT_INITIALIZED) and say False for good. cuInit is idempotent.
+        rc = lib.cuInit(0) or lib.cuDeviceGetAttribute(ctypes.byref(value), 91,
+                                                        int(device_index))
     except (OSError, AttributeError):
         return False
     return rc == 0 and value.value == 1

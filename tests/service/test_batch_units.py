@@ -138,6 +138,50 @@ def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) 
                                                         dtype=torch.bfloat16)[0]), cpu) is None
 
 
+@pytest.mark.parametrize("max_segment", [0, 100, 1 << 30], ids=["all-dma", "mixed", "all-kernel"])
+def test_long_segments_of_a_packed_batch_go_through_the_copy_engines(
+    monkeypatch: pytest.MonkeyPatch, max_segment: int,
+) -> None:
+    """Segments longer than ``PACK_MAX_SEGMENT_BYTES`` leave the kernel's table for one DMA
+    copy each (``dma_in`` / ``dma_out``); the table (run by the host reference) and the copies
+    together still pack every job's bytes and answer each job in place."""
+    from attention_kernels.copy_segments import copy_segments_ref
+    from attention_service.engine import cuda_launch
+    from attention_service.engine import jobs as jobs_mod
+
+    u8 = torch.zeros(1 << 16, dtype=torch.uint8)
+    batch, inputs = span_jobs(u8, [([3, 1], [5, 0]), ([0], [0]), ([1], [2]), ([7], [7])],
+                              heads=3, kv_heads=1, dim=8, dtype=torch.bfloat16)
+    monkeypatch.setattr(cuda_launch, "can_use_host_pointers", lambda index: True)
+    monkeypatch.setitem(jobs_mod.PINNED, u8.data_ptr(), u8.numel())
+    monkeypatch.setattr(cuda_launch, "PACK_MAX_SEGMENT_BYTES", max_segment)
+    plan = BatchPlan(batch)
+    seg = cuda_launch._by_segments(plan, torch.device("cpu"))
+    assert seg is not None
+    sizes = [n for job in batch for n in (job.q.nbytes, job.k.nbytes, job.v.nbytes)]
+    long = [n for n in sizes if n > max_segment]
+    assert sorted(d.numel() for d, _ in seg.dma_in) == sorted(long)
+    assert seg.n_in == len(sizes) - len(long)
+    assert len(seg.dma_out) == sum(job.out.nbytes > max_segment for job in batch)
+    if max_segment == 100:
+        assert seg.dma_in and seg.n_in  # both ways in one batch
+    seg.q.fill_(math.nan)
+    seg.k.fill_(math.nan)
+    seg.v.fill_(math.nan)
+    copy_segments_ref(seg.table[: seg.n_in], seg.unit)
+    cuda_launch._copy_each(seg.dma_in)
+    assert torch.equal(seg.q, torch.cat([q for q, _, _ in inputs]))
+    assert torch.equal(seg.k, torch.cat([k for _, k, _ in inputs]))
+    assert torch.equal(seg.v, torch.cat([v for _, _, v in inputs]))
+    for job in batch:
+        job.out.fill_(math.nan)
+    seg.out.copy_(torch.randn(seg.out.shape))
+    copy_segments_ref(seg.table[seg.n_in :], seg.unit)
+    cuda_launch._copy_each(seg.dma_out)
+    for i, job in enumerate(batch):
+        assert torch.equal(job.out, seg.out[plan.q_offsets[i] : plan.q_offsets[i + 1]])
+
+
 def _cu(values: tuple[int, ...] | None) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32)
 

@@ -30,12 +30,19 @@ def _outputs(jobs: list) -> list[torch.Tensor]:  # type: ignore[type-arg]
     return [job.out.clone() for job in jobs]
 
 
+# Segments past PACK_MAX_SEGMENT_BYTES go by DMA: none by default, all with 0, and with 64 KiB
+# this batch's long segments (130 rows of 4 KiB) while its short ones go through the kernel.
+@pytest.mark.parametrize("max_segment", [None, 0, 64 << 10], ids=["default", "all-dma", "mixed"])
 @pytest.mark.parametrize(("heads", "kv_heads", "dim", "decode"),
                          [(16, 8, 128, False), (6, 3, 64, False), (16, 2, 128, True)])
 def test_a_batch_in_pinned_memory_is_packed_by_one_kernel(
     monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, dim: int, decode: bool,
+    max_segment: int | None,
 ) -> None:
     from attention_kernels.copy_segments import can_use_host_pointers
+
+    if max_segment is not None:
+        monkeypatch.setattr(cuda_launch, "PACK_MAX_SEGMENT_BYTES", max_segment)
 
     device = torch.device("cuda", torch.cuda.current_device())
     if not can_use_host_pointers(device.index):

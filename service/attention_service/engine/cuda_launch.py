@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import threading
 from collections import deque
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -55,6 +56,17 @@ _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a f
 # ATTENTION_PACK_KERNEL=0: batches pack with a view and a copy per job and tensor, as before
 # the one-launch packing (``_Segments``).
 PACK_KERNEL = os.environ.get("ATTENTION_PACK_KERNEL", "1") != "0"
+# ATTENTION_PACK_MAX_SEGMENT_BYTES=N: in a batch the kernel packs, segments longer than N bytes
+# go through the copy engines instead (one DMA copy each, in one foreach call). Unset: none do.
+# The kernel needs SMs and the copy engines do not: pinned host to device on an H200, on an
+# idle GPU the kernel was 1.3-11x faster than DMA copies for 8-32 segments of 16-256 KiB;
+# beside a matmul on another stream it waited for SMs, up to 39x slower (one run: 3-39x at
+# 16-256 KiB; another: still faster at 16 KiB, 2.8-20x slower from 256 KiB)
+# (benchmarks/bench_copy_segments.py, issue10/2026-11-28/). But end to end, 64 clients of
+# small prefills through shared memory (kernel busy 12%), a 64 KiB limit made 3600 / 3590
+# req/s against 4328 / 4470 without one: the engine's per-copy work costs more than the
+# kernel's wait. For GPUs kept busy by long kernels, where that may turn.
+PACK_MAX_SEGMENT_BYTES = int(os.environ.get("ATTENTION_PACK_MAX_SEGMENT_BYTES") or sys.maxsize)
 _SEGMENT_ALIGN = 256  # bytes: each packed tensor starts where a fresh allocation would
 
 
@@ -123,13 +135,17 @@ class _Segments(NamedTuple):
     unit: int
     max_in: int
     max_out: int
+    dma_in: list[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) byte views: long segments
+    dma_out: list[tuple[torch.Tensor, torch.Tensor]]
     keep: tuple[object, ...]
 
     def pack(self) -> None:
         copy_segments(self.table[: self.n_in], self.unit, self.max_in)
+        _copy_each(self.dma_in)
 
     def unpack(self) -> None:
         copy_segments(self.table[self.n_in :], self.unit, self.max_out)
+        _copy_each(self.dma_out)
 
 
 _IO = ("q", "k", "v", "out")
@@ -170,24 +186,47 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
         total += -(-n // _SEGMENT_ALIGN) * _SEGMENT_ALIGN
     buf = torch.empty(max(total, _SEGMENT_ALIGN), dtype=torch.uint8, device=device)
     base = buf.data_ptr()
-    q_at, k_at, v_at, o_at = (base + a for a in at)
-    rows: list[tuple[int, int, int]] = []
-    outs: list[tuple[int, int, int]] = []
+    q_at, k_at, v_at, o_at = at
+    # Segments as (source block, offset, destination block, offset, bytes): a job's span, or
+    # the packed buffer (``None``).
+    ins: list[tuple[Any, int, Any, int, int]] = []
+    outs: list[tuple[Any, int, Any, int, int]] = []
     for i, (sq, sk, sv, so) in enumerate(spans):
         q_off, k_off = plan.q_offsets[i] * q_row, plan.k_offsets[i] * kv_row
-        rows.append((sq[0].ptr + sq[1], q_at + q_off, _nbytes(sq)))
-        rows.append((sk[0].ptr + sk[1], k_at + k_off, _nbytes(sk)))
-        rows.append((sv[0].ptr + sv[1], v_at + k_off, _nbytes(sv)))
-        outs.append((o_at + q_off, so[0].ptr + so[1], _nbytes(so)))
+        ins.append((sq[0], sq[1], None, q_at + q_off, _nbytes(sq)))
+        ins.append((sk[0], sk[1], None, k_at + k_off, _nbytes(sk)))
+        ins.append((sv[0], sv[1], None, v_at + k_off, _nbytes(sv)))
+        outs.append((None, o_at + q_off, so[0], so[1], _nbytes(so)))
+
+    def ptr(block: Any, offset: int) -> int:
+        return (base if block is None else block.ptr) + offset
+
+    def u8(block: Any, offset: int, n: int) -> torch.Tensor:
+        return buf[offset : offset + n] if block is None else block.view(offset, torch.uint8,
+                                                                          (n,))
+
+    def split(segments: list[tuple[Any, int, Any, int, int]]
+              ) -> tuple[list[tuple[int, int, int]], list[tuple[torch.Tensor, torch.Tensor]]]:
+        rows = [(ptr(sb, so), ptr(db, do), n) for sb, so, db, do, n in segments
+                if n <= PACK_MAX_SEGMENT_BYTES]
+        dma = [(u8(db, do, n), u8(sb, so, n)) for sb, so, db, do, n in segments
+               if n > PACK_MAX_SEGMENT_BYTES]
+        return rows, dma
+
+    rows, dma_in = split(ins)
+    out_rows, dma_out = split(outs)
     n_in = len(rows)
-    host = torch.zeros((n_in + len(outs), ROW), dtype=torch.int64,
+    host = torch.zeros((n_in + len(out_rows), ROW), dtype=torch.int64,
                        pin_memory=device.type == "cuda")
     table = host.numpy()
-    table[:n_in, :3] = rows
-    table[n_in:, :3] = outs
-    unit = unit_of(int(np.bitwise_or.reduce(table, axis=None)))
+    if n_in:
+        table[:n_in, :3] = rows
+    if out_rows:
+        table[n_in:, :3] = out_rows
+    unit = unit_of(int(np.bitwise_or.reduce(table, axis=None))) if len(table) else 8
     table[:, 2] //= unit
-    max_in, max_out = int(table[:n_in, 2].max()), int(table[n_in:, 2].max())
+    max_in = int(table[:n_in, 2].max()) if n_in else 0
+    max_out = int(table[n_in:, 2].max()) if out_rows else 0
     if unit < 4 or max(max_in, max_out) > MAX_UNITS:
         return None
 
@@ -200,7 +239,7 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
         q=typed(0, q_dtype, q_shape), k=typed(1, kv_dtype, kv_shape),
         v=typed(2, kv_dtype, kv_shape), out=typed(3, q_dtype, q_shape),
         table=host.to(device, non_blocking=True), n_in=n_in, unit=unit, max_in=max_in,
-        max_out=max_out, keep=(buf, host),
+        max_out=max_out, dma_in=dma_in, dma_out=dma_out, keep=(buf, host),
     )
 
 
