@@ -125,20 +125,6 @@ def test_merged_stats_sum_bytes_and_keep_the_longest_part():
     assert stripes.merge_stats([None]) is None
 
 
-def test_a_connection_is_crowded_past_one_more_than_the_least_loaded_front_end():
-    from attention_client._base import crowded
-    from attention_wire.pb import attention_pb2 as pb
-
-    def info(frontends: int, mine: int, fewest: int) -> pb.ServerInfo:
-        return pb.ServerInfo(frontends=frontends, frontend_connections=mine,
-                             fewest_frontend_connections=fewest)
-
-    assert crowded(info(8, 2, 0))
-    assert not crowded(info(8, 1, 0)) and not crowded(info(8, 3, 2))
-    assert not crowded(info(1, 5, 0))  # one process: nowhere else to go
-    assert not crowded(info(8, 0, 0))  # not counted (an older server, or no /proc)
-
-
 def test_stripes_argument_checked_and_channels_raised():
     with pytest.raises(AttentionInputError, match="stripes must be in"):
         AttentionClient("127.0.0.1:1", stripes=0)
