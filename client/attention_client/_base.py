@@ -71,12 +71,9 @@ SPREAD_TIMEOUT_S = 2.0
 
 def crowded(info: pb.ServerInfo) -> bool:
     """Whether the connection that answered ``info`` (GetServerInfo with ``connections``) is
-    on a front end that holds more than one connection more than the least-loaded one, and
-    not among the ones that front end keeps (its first ``fewest + 1`` by
-    ``frontend_connection_rank``; a server that does not rank: any)."""
-    keep = info.fewest_frontend_connections + 1
-    return info.frontends > 1 and info.frontend_connections > keep and (
-        info.frontend_connection_rank == 0 or info.frontend_connection_rank > keep)
+    on a front end that holds more than one connection more than the least-loaded one."""
+    return info.frontends > 1 and (
+        info.frontend_connections > info.fewest_frontend_connections + 1)
 
 
 class ClientBase:

@@ -22,17 +22,14 @@ Q = np.arange(2 * 4 * 8, dtype=np.float16).reshape(2, 4, 8)
 
 
 def test_a_connection_is_crowded_past_one_more_than_the_least_loaded_front_end():
-    def info(frontends: int, mine: int, fewest: int, rank: int = 0) -> pb.ServerInfo:
+    def info(frontends: int, mine: int, fewest: int) -> pb.ServerInfo:
         return pb.ServerInfo(frontends=frontends, frontend_connections=mine,
-                             fewest_frontend_connections=fewest, frontend_connection_rank=rank)
+                             fewest_frontend_connections=fewest)
 
     assert crowded(info(8, 2, 0))
     assert not crowded(info(8, 1, 0)) and not crowded(info(8, 3, 2))
     assert not crowded(info(1, 5, 0))  # one process: nowhere else to go
     assert not crowded(info(8, 0, 0))  # not counted (an older server, or no /proc)
-    # Ranked: a front end keeps its first fewest + 1 connections; the later ones move.
-    assert not crowded(info(8, 2, 0, rank=1)) and crowded(info(8, 2, 0, rank=2))
-    assert [crowded(info(8, 4, 1, rank=r)) for r in (1, 2, 3, 4)] == [False, False, True, True]
 
 
 def test_sync_client_replaces_crowded_connections_at_construction(fake):

@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 _ESTABLISHED = 1
 _FRONTEND_MODULE = b"attention_service.ipc.frontend_main"
 
 
-def _established(port: int) -> dict[int, int]:
-    """Socket inode -> remote port of the established TCP connections whose local port is
-    ``port``."""
-    found: dict[int, int] = {}
+def _established_inodes(port: int) -> set[int]:
+    """Socket inodes of the established TCP connections whose local port is ``port``."""
+    inodes: set[int] = set()
     for name in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(name) as f:
@@ -32,15 +30,10 @@ def _established(port: int) -> dict[int, int]:
                     cols = row.split()
                     if (int(cols[3], 16) == _ESTABLISHED
                             and int(cols[1].rsplit(":", 1)[1], 16) == port):
-                        found[int(cols[9])] = int(cols[2].rsplit(":", 1)[1], 16)
+                        inodes.add(int(cols[9]))
         except (FileNotFoundError, StopIteration):
             continue
-    return found
-
-
-def _established_inodes(port: int) -> set[int]:
-    """Socket inodes of the established TCP connections whose local port is ``port``."""
-    return set(_established(port))
+    return inodes
 
 
 def _socket_inodes(pid: int) -> set[int]:
@@ -94,51 +87,20 @@ def frontend_pids() -> list[int]:
     return pids
 
 
-@dataclass(frozen=True)
-class Spread:
-    """One count: the connections this front end holds, the fewest any front end of its group
-    holds, and the remote ports of this front end's connections in one fixed order (by socket
-    inode), the same for every asker that shares the count."""
-
-    held: int
-    fewest: int
-    peers: tuple[int, ...]
-
-    def rank(self, peer_port: int) -> int:
-        """The 1-based place of the connection from ``peer_port`` in that order; 0 when it
-        is not there or not alone (two hosts' connections from one port number)."""
-        return self.peers.index(peer_port) + 1 if self.peers.count(peer_port) == 1 else 0
-
-
-def spread(port: int) -> Spread | None:
-    """How the group's connections on ``port`` are spread, seen from this process; None when
-    /proc cannot tell."""
+def spread(port: int) -> tuple[int, int] | None:
+    """(connections this process holds on ``port``, the fewest any front end of its group
+    holds), or None when /proc cannot tell."""
     try:
-        live = _established(port)
+        live = _established_inodes(port)
         pids = frontend_pids()
     except OSError:
         return None
     counts = {}
-    mine: set[int] = set()
     for pid in pids:
         try:
-            held = _socket_inodes(pid) & live.keys()
+            counts[pid] = len(_socket_inodes(pid) & live)
         except OSError:  # gone meanwhile (a front end being replaced), or hidden from us
             continue
-        counts[pid] = len(held)
-        if pid == os.getpid():
-            mine = held
     if os.getpid() not in counts:
         return None
-    return Spread(counts[os.getpid()], min(counts.values()),
-                  tuple(live[inode] for inode in sorted(mine)))
-
-
-def peer_port(peer: str) -> int:
-    """The client's port of a gRPC peer string ("ipv4:127.0.0.1:5432", "ipv6:[::1]:5432");
-    0 for other transports."""
-    if peer.startswith(("ipv4:", "ipv6:")):
-        tail = peer.rsplit(":", 1)[1]
-        if tail.isdigit():
-            return int(tail)
-    return 0
+    return counts[os.getpid()], min(counts.values())

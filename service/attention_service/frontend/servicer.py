@@ -124,7 +124,7 @@ class AttentionServicer:
         self._principals = principals
         self.tracker = tracker
         # GetServerInfo's connection counts: the last count (when it started, what it found).
-        self._counted: tuple[float, connections.Spread | None] | None = None
+        self._counted: tuple[float, tuple[int, int] | None] | None = None
         self._count_lock = asyncio.Lock()
 
     async def GetServerInfo(
@@ -139,10 +139,7 @@ class AttentionServicer:
             if counted is not None:
                 reply = pb.ServerInfo()
                 reply.CopyFrom(self._info)
-                reply.frontend_connections = counted.held
-                reply.fewest_frontend_connections = counted.fewest
-                reply.frontend_connection_rank = counted.rank(
-                    connections.peer_port(context.peer()))
+                reply.frontend_connections, reply.fewest_frontend_connections = counted
         self.record_control("GetServerInfo", "OK", t0, context)
         return reply
 
@@ -159,7 +156,7 @@ class AttentionServicer:
         self.record_control(method, "OK", t0, context)
         return reply
 
-    async def _connection_counts(self) -> connections.Spread | None:
+    async def _connection_counts(self) -> tuple[int, int] | None:
         """``connections.spread`` of this front end's port, from a count that started after
         this request arrived (so it sees the asker's own connection), one count at a time and
         at most one per ``_COUNT_INTERVAL_S``: askers that queue behind a count share the next
