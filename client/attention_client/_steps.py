@@ -184,8 +184,8 @@ class AsyncDecodeSteps(_StepsBase):
             if self._stream is None or not self._stream.alive():
                 self._drop()
                 try:
-                    await client._ensure_spread()
-                except BaseException:  # cancelled: nothing was sent
+                    await client._ensure_spread(settings, _CALL)
+                except BaseException:  # cancelled, or past its deadline: nothing was sent
                     if prep.placement is not None:
                         prep.placement.finish(ok=True)
                     raise

@@ -35,6 +35,7 @@ from attention_client._errors import (
     AttentionNotFoundError,
     AttentionTimeoutError,
     from_rpc_error,
+    make_error,
 )
 from attention_client._regions import SharedRegion
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
@@ -94,8 +95,10 @@ class AsyncAttentionClient(ClientBase):
         # ``spread`` waits for the first compute call or decode step (nothing can be awaited
         # here): see _ensure_spread.
         self._spread_pending = self.spread
-        self._spread_lock: asyncio.Lock | None = None
-        self._retiring: set[asyncio.Task[None]] = set()  # replaced channels, closing
+        self._spread_task: asyncio.Task[None] | None = None
+        self._closing = False
+        self._retired: list[grpc.aio.Channel] = []  # replaced channels
+        self._retiring: set[asyncio.Task[None]] = set()  # their closes, with a grace period
 
     def _open_lane(self) -> tuple[grpc.aio.Channel, dict[str, Any]]:
         """A new channel (a connection of its own) and its compute rpcs."""
@@ -145,43 +148,54 @@ class AsyncAttentionClient(ClientBase):
             for method, reply in (REGION_RPCS | CACHE_RPCS).items()
         }
 
-    async def _ensure_spread(self) -> None:
-        """``spread``, once, before the first compute call or decode step uses a connection
-        (concurrent first calls wait for it): see AttentionClient._spread_lanes. A failure,
-        or a cancelled first call, leaves the channels as they are."""
-        if not self._spread_pending:
+    async def _ensure_spread(self, settings: CallSettings, method: str) -> None:
+        """``spread``, once, before the first compute call or decode step uses a connection:
+        see AttentionClient._spread_lanes. The looks run as a task of the client's, which
+        every first call waits for (a call that is cancelled, or whose deadline passes
+        meanwhile, leaves it running for the others); a failure leaves the channels as they
+        are."""
+        if not self._spread_pending or self._closing:
             return
-        if self._spread_lock is None:
-            self._spread_lock = asyncio.Lock()
-        async with self._spread_lock:
-            if not self._spread_pending:
-                return
-            try:
-                await self._spread_lanes()
-            finally:
-                self._spread_pending = False
+        if self._spread_task is None:
+            self._spread_task = asyncio.ensure_future(self._spread_lanes())
+        timeout = None
+        if settings.deadline is not None:
+            timeout = max(settings.deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._spread_task), timeout)
+        except asyncio.TimeoutError:
+            raise make_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the call's deadline passed while the client was placing its connections "
+                "(spread=True; it does so once, before its first call)", method) from None
 
     async def _spread_lanes(self) -> None:
         settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
                                   wait_for_ready=False)
-        for i in range(len(self._lanes)):
-            for attempt in range(SPREAD_TRIES):
-                try:
-                    info = await self._lanes[i][INFO_METHOD](
-                        pb.GetServerInfoRequest(connections=True), **settings.kwargs())
-                except grpc.RpcError:
+        try:
+            for i in range(len(self._lanes)):
+                for attempt in range(SPREAD_TRIES):
+                    try:
+                        info = await self._lanes[i][INFO_METHOD](
+                            pb.GetServerInfoRequest(connections=True), **settings.kwargs())
+                    except (grpc.RpcError, grpc.aio.UsageError):  # down, old, or closed
+                        return
+                    if self._closing or not crowded(info) or attempt == SPREAD_TRIES - 1:
+                        break
+                    old = self._channels[i]
+                    self._channels[i], self._lanes[i] = self._open_lane()
+                    if i == 0:
+                        self._bind(self._channels[0])
+                    # Small rpcs already sent on the old channel 0 finish first (close()
+                    # cuts that short); nothing new goes there.
+                    self._retired.append(old)
+                    task = asyncio.ensure_future(old.close(grace=self.timeout or 60.0))
+                    self._retiring.add(task)
+                    task.add_done_callback(self._retiring.discard)
+                if self._closing:
                     return
-                if not crowded(info) or attempt == SPREAD_TRIES - 1:
-                    break
-                old = self._channels[i]
-                self._channels[i], self._lanes[i] = self._open_lane()
-                if i == 0:
-                    self._bind(self._channels[0])
-                # Small rpcs already sent on the old channel 0 finish first; nothing new
-                # goes there.
-                task = asyncio.ensure_future(old.close(grace=self.timeout or 60.0))
-                self._retiring.add(task)
-                task.add_done_callback(self._retiring.discard)
+        finally:
+            self._spread_pending = False
 
     async def attention(
         self,
@@ -476,11 +490,17 @@ class AsyncAttentionClient(ClientBase):
         for region in self.regions.all():
             with contextlib.suppress(AttentionError):
                 await region.aclose()
+        self._closing = True
+        if self._spread_task is not None:  # its looks end within their 2 s, or at once
+            await asyncio.wait([self._spread_task])
         await self._streams.close()
         for ch in self._channels:
             await ch.close()
-        if self._retiring:
-            await asyncio.gather(*self._retiring, return_exceptions=True)
+        for task in list(self._retiring):  # a replaced channel's grace ends now
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
+        for ch in self._retired:
+            await ch.close()
         self.closed = True
 
     async def __aenter__(self) -> AsyncAttentionClient:
@@ -530,7 +550,7 @@ class AsyncAttentionClient(ClientBase):
         """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
         try:
-            await self._ensure_spread()
+            await self._ensure_spread(settings, prep.method)
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
                 self._release_idle(await self._unary_rpc(
                     "ListRegions", pb.ListRegionsRequest(), settings.named(None)

@@ -106,6 +106,53 @@ def test_async_decode_steps_made_before_the_first_call_use_the_new_connection(fa
     asyncio.run(run())
 
 
+def test_an_async_first_call_keeps_its_deadline_and_leaves_the_looks_running(fake):
+    """A first call whose deadline passes, or which is cancelled, while the client looks at
+    its connections fails as such; the looks go on for the next call."""
+    servicer, target = fake
+    servicer.knobs.sleep = 0.5  # every answer stalls, GetServerInfo's too
+    servicer.knobs.crowded_first = 1
+
+    async def run() -> None:
+        async with AsyncAttentionClient(target, timeout=30) as client:
+            t0 = time.perf_counter()
+            with pytest.raises(AttentionError) as exc:
+                await client.attention(Q, Q, Q, timeout=0.1)
+            assert exc.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert time.perf_counter() - t0 < 0.4  # not the look's 0.5 s
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.attention(Q, Q, Q), 0.05)  # cancelled
+            await asyncio.wait([client._spread_task])  # still running: it ends by itself
+            assert len(servicer.knobs.counted_peers) == 2  # crowded, replaced, looked again
+            assert client._spread_pending is False
+            servicer.knobs.sleep = 0
+            np.testing.assert_array_equal(await client.attention(Q, Q, Q), Q)
+            assert len(servicer.knobs.counted_peers) == 2
+
+    asyncio.run(run())
+
+
+def test_closing_an_async_client_while_it_looks(fake):
+    servicer, target = fake
+    servicer.knobs.sleep = 0.3
+    servicer.knobs.crowded_first = 1
+
+    async def run() -> None:
+        client = AsyncAttentionClient(target)
+        call = asyncio.ensure_future(client.attention(Q, Q, Q))
+        await asyncio.sleep(0.1)  # the first look is out
+        t0 = time.perf_counter()
+        await client.close()
+        assert time.perf_counter() - t0 < 2.5
+        assert client._spread_task is not None and client._spread_task.done()
+        assert len(servicer.knobs.counted_peers) == 1  # no look after close began
+        assert not client._retiring
+        with pytest.raises(Exception):  # noqa: B017 - the channels are closed under it
+            await call
+
+    asyncio.run(run())
+
+
 def test_async_client_against_no_server_fails_as_before():
     async def run() -> None:
         async with AsyncAttentionClient("127.0.0.1:1", timeout=5) as client:

@@ -178,7 +178,7 @@ def test_an_async_client_spreads_before_its_first_call(
         async with AsyncAttentionClient(group.target) as c:
             answers.clear()
             out = await c.attention(q, k, v, [0, 8, 24], causal=True)
-            if not answers[0]:
+            if not answers or not answers[0]:
                 return None  # the first connection fell on front end 1: try another client
             assert answers[-1] is False
             return (await c.info())["frontend"], out

@@ -60,7 +60,7 @@ def _children(pid: int) -> Iterator[int]:
             try:
                 with open(f"/proc/{pid}/task/{task}/children") as f:
                     yield from (int(c) for c in f.read().split())
-            except FileNotFoundError:  # the thread ended meanwhile
+            except OSError:  # the thread ended meanwhile
                 continue
     except FileNotFoundError:  # a kernel without the children file: scan every process
         for entry in os.listdir("/proc"):
