@@ -16,9 +16,12 @@ import grpc
 import numpy as np
 
 from attention_client import _argnames as argnames
-from attention_client._call_streams import POOLED
+from attention_client._call_streams import POOLED, STEP_METHODS
 from attention_client._channel import (
     DEFAULT,
+    INFO_METHOD,
+    SERVICE,
+    STREAM_RPCS,
     CallSettings,
     as_metadata,
     call_metadata,
@@ -59,7 +62,8 @@ from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
-from attention_wire import shm
+from attention_client._wire import parse_response, parse_result
+from attention_wire import shm, unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 # ``spread``: connections looked at per channel (the last one is kept whatever its front end),
@@ -74,6 +78,32 @@ def crowded(info: pb.ServerInfo) -> bool:
     on a front end that holds more than one connection more than the least-loaded one."""
     return info.frontends > 1 and (
         info.frontend_connections > info.fewest_frontend_connections + 1)
+
+
+def lane_rpcs(channel: Any) -> dict[str, Any]:
+    """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
+    both), by method name: the stream and unary twin of each, the step streams, and
+    GetServerInfo (``spread`` asks each connection). Requests are pre-serialized bytes
+    (_chunks); responses are parsed lazily (_wire)."""
+    return {
+        method: channel.stream_stream(
+            f"/{SERVICE}/{method}", response_deserializer=parse_response
+        )
+        for method in STREAM_RPCS
+    } | {
+        unary_method(method): channel.unary_unary(
+            f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
+        )
+        for method in STREAM_RPCS
+    } | {
+        method: channel.stream_stream(f"/{SERVICE}/{method}")
+        for method in STEP_METHODS.values()
+    } | {
+        INFO_METHOD: channel.unary_unary(
+            INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
+        ),
+    }
 
 
 class ClientBase:

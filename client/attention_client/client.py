@@ -13,16 +13,21 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from attention_client import _argnames as argnames
-from attention_client._base import SPREAD_TIMEOUT_S, SPREAD_TRIES, ClientBase, crowded
+from attention_client._base import (
+    SPREAD_TIMEOUT_S,
+    SPREAD_TRIES,
+    ClientBase,
+    crowded,
+    lane_rpcs,
+)
 from attention_client._caches import KvCache
-from attention_client._call_streams import STEP_METHODS, CallStreams
+from attention_client._call_streams import CallStreams
 from attention_client._channel import (
     CACHE_RPCS,
     DEFAULT,
     INFO_METHOD,
     REGION_RPCS,
     SERVICE,
-    STREAM_RPCS,
     CallSettings,
 )
 from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
@@ -38,7 +43,7 @@ from attention_client._responses import cache_info_dict, pool_info_dict, server_
 from attention_client._score import ScoreMods
 from attention_client._steps import DecodeSteps
 from attention_client._stripes import MAX_STRIPES, caller_stream, join, lanes, merge_stats
-from attention_client._wire import parse_response, parse_result
+from attention_client._wire import parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
@@ -132,26 +137,7 @@ class AttentionClient(ClientBase):
             else:
                 base = grpc.secure_channel(target, self._credentials, options=self._options)
             ch = grpc.intercept_channel(base, *interceptors) if interceptors else base
-            # Requests are pre-serialized bytes (_chunks); responses are parsed lazily (_wire).
-            return base, {
-                method: ch.stream_stream(
-                    f"/{SERVICE}/{method}", response_deserializer=parse_response
-                )
-                for method in STREAM_RPCS
-            } | {
-                unary_method(method): ch.unary_unary(
-                    f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
-                )
-                for method in STREAM_RPCS
-            } | {
-                method: ch.stream_stream(f"/{SERVICE}/{method}")
-                for method in STEP_METHODS.values()
-            } | {
-                INFO_METHOD: ch.unary_unary(
-                    INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
-                    response_deserializer=pb.ServerInfo.FromString,
-                ),
-            }
+            return base, lane_rpcs(ch)
 
         try:
             for _ in range(self.channels):

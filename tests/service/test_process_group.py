@@ -106,6 +106,26 @@ def test_server_info_counts_the_connections_of_each_front_end(group: Group) -> N
     assert plain.frontend_connections == plain.fewest_frontend_connections == 0  # not asked
 
 
+def _crowd_front_end_0(group: Group, module: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Front end 0 three connections ahead of front end 1, whatever earlier tests left open;
+    ``module``'s client (``client`` or ``aio``) then tries up to 20 connections per channel
+    and records each ``crowded`` answer in the list returned."""
+    monkeypatch.setattr(module, "SPREAD_TRIES", 20)
+    answers: list[bool] = []
+    crowded = module.crowded
+    monkeypatch.setattr(module, "crowded",
+                        lambda info: answers.append(crowded(info)) or answers[-1])
+    pids = group.frontend_pids()
+
+    def held(pid: int) -> int:
+        return sum(serving_pid(group.port, port, list(pids.values())) == pid
+                   for port in client_ports(group.port))
+
+    while held(pids[0]) < held(pids[1]) + 3:
+        connect_to(group, pids[0])
+    return answers
+
+
 def test_a_spread_client_moves_off_a_crowded_front_end(
     group: Group, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -116,20 +136,7 @@ def test_a_spread_client_moves_off_a_crowded_front_end(
     from attention_client import AttentionClient
     from attention_client import client as client_mod
 
-    monkeypatch.setattr(client_mod, "SPREAD_TRIES", 20)
-    answers: list[bool] = []
-    crowded = client_mod.crowded
-    monkeypatch.setattr(client_mod, "crowded",
-                        lambda info: answers.append(crowded(info)) or answers[-1])
-    pids = group.frontend_pids()
-
-    def held(pid: int) -> int:
-        return sum(serving_pid(group.port, port, list(pids.values())) == pid
-                   for port in client_ports(group.port))
-
-    # Front end 0 three connections ahead of front end 1, whatever earlier tests left open.
-    while held(pids[0]) < held(pids[1]) + 3:
-        connect_to(group, pids[0])
+    answers = _crowd_front_end_0(group, client_mod, monkeypatch)
     # Until a client's first connection fell on the crowded front end (half of them do), so
     # that a replacement is what is checked.
     for _ in range(30):
@@ -158,19 +165,7 @@ def test_an_async_client_spreads_before_its_first_call(
     from attention_client import AsyncAttentionClient
     from attention_client import aio as aio_mod
 
-    monkeypatch.setattr(aio_mod, "SPREAD_TRIES", 20)
-    answers: list[bool] = []
-    crowded = aio_mod.crowded
-    monkeypatch.setattr(aio_mod, "crowded",
-                        lambda info: answers.append(crowded(info)) or answers[-1])
-    pids = group.frontend_pids()
-
-    def held(pid: int) -> int:
-        return sum(serving_pid(group.port, port, list(pids.values())) == pid
-                   for port in client_ports(group.port))
-
-    while held(pids[0]) < held(pids[1]) + 3:
-        connect_to(group, pids[0])
+    answers = _crowd_front_end_0(group, aio_mod, monkeypatch)
     q, k, v = (torch.randn(24, 4, 16), torch.randn(24, 2, 16), torch.randn(24, 2, 16))
     want, _ = prefill_oracle(q, k, v, [0, 8, 24], causal=True)
 
