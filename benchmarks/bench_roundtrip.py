@@ -162,6 +162,36 @@ def _wait_serving(
         time.sleep(0.5)
 
 
+def against_baseline(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each server's aggregate runs of one kind (client count and settings) against all the
+    baseline's runs at that client count, like for like: median over median and best over
+    best (one run against another is at the mercy of either's luck: the baseline's 8-client
+    runs spread 2.16-2.42 GB/s in one call)."""
+    theirs: dict[int, list[float]] = {}
+    for entry in result.get("baseline", []):
+        for a in entry["aggregate"]:
+            theirs.setdefault(a["clients"], []).append(a["GBps"])
+    rows = []
+    for s in result["servers"]:
+        ours: dict[tuple[int, str], list[float]] = {}
+        for a in s["aggregate"]:
+            ours.setdefault((a["clients"], _agg_label(a)), []).append(a["GBps"])
+        for (clients, label), runs in ours.items():
+            base = theirs.get(clients)
+            if not base:
+                continue
+            rows.append({
+                "frontends": s["frontends"], "clients": clients, "label": label,
+                "runs": len(runs), "baseline_runs": len(base),
+                "median_GBps": statistics.median(runs), "best_GBps": max(runs),
+                "baseline_median_GBps": statistics.median(base),
+                "baseline_best_GBps": max(base),
+                "median_ratio": statistics.median(runs) / statistics.median(base),
+                "best_ratio": max(runs) / max(base),
+            })
+    return rows
+
+
 def _median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples) if samples else float("nan")
 
@@ -654,6 +684,13 @@ def main() -> int:
             for a in s["aggregate"]:
                 print(f"  N={s['frontends']:<3d} {_agg_label(a)}: "
                       f"{a['GBps'] / best[a['clients']]:.2f}x the baseline")
+        result["against_baseline"] = against_baseline(result)
+        for row in result["against_baseline"]:
+            print(f"  N={row['frontends']:<3d} {row['label']}, {row['runs']} runs against the "
+                  f"baseline's {row['baseline_runs']}: median {row['median_GBps']:.2f} / "
+                  f"{row['baseline_median_GBps']:.2f} GB/s = {row['median_ratio']:.2f}x, best "
+                  f"{row['best_GBps']:.2f} / {row['baseline_best_GBps']:.2f} GB/s = "
+                  f"{row['best_ratio']:.2f}x")
     print(f"wrote {save()}")
     return 0
 

@@ -18,10 +18,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attention_client import _argnames as argnames
 from attention_client._base import (
     SPREAD_TIMEOUT_S,
-    SPREAD_TRIES,
     ClientBase,
     crowded,
     lane_rpcs,
+    spread_tries,
 )
 from attention_client._caches import AsyncKvCache
 from attention_client._call_streams import AsyncCallStreams
@@ -160,13 +160,15 @@ class AsyncAttentionClient(ClientBase):
                                   wait_for_ready=False)
         try:
             for i in range(len(self._lanes)):
-                for attempt in range(SPREAD_TRIES):
+                tries = 0
+                while True:
                     try:
                         info = await self._lanes[i][INFO_METHOD](
                             pb.GetServerInfoRequest(connections=True), **settings.kwargs())
                     except (grpc.RpcError, grpc.aio.UsageError):  # down, old, or closed
                         return
-                    if self._closing or not crowded(info) or attempt == SPREAD_TRIES - 1:
+                    tries += 1
+                    if self._closing or not crowded(info) or tries >= spread_tries(info):
                         break
                     old = self._channels[i]
                     self._channels[i], self._lanes[i] = self._open_lane()

@@ -15,10 +15,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from attention_client import _argnames as argnames
 from attention_client._base import (
     SPREAD_TIMEOUT_S,
-    SPREAD_TRIES,
     ClientBase,
     crowded,
     lane_rpcs,
+    spread_tries,
 )
 from attention_client._caches import KvCache
 from attention_client._call_streams import CallStreams
@@ -82,10 +82,10 @@ class AttentionClient(ClientBase):
     several clients' connections on one front end while others idle; each connection found on
     a front end holding more than one connection more than the least-loaded one is replaced by
     a new one (here at construction, in the async client before its first compute call; at
-    most ``SPREAD_TRIES`` looks per connection and ``SPREAD_TIMEOUT_S`` in all; a server that
-    is down, or too old to count, leaves the connections as they are). With it, the client's
-    connections are its own, not shared with other clients of this process. False: gRPC's
-    connection as it comes. See docs/client.md.
+    most 4 looks per front end for each connection, up to 64 (``spread_tries``), and
+    ``SPREAD_TIMEOUT_S`` in all; a server that is down, or too old to count, leaves the
+    connections as they are). With it, the client's connections are its own, not shared with
+    other clients of this process. False: gRPC's connection as it comes. See docs/client.md.
 
     Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
     client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
@@ -511,19 +511,21 @@ class AttentionClient(ClientBase):
     def _spread_lanes(self, open_lane: Callable[[], tuple[grpc.Channel, dict[str, Any]]]) -> None:
         """``spread``: each connection that fell on a front end holding more connections than
         the least-loaded one (+1) is replaced by a new one, hashed afresh; at most
-        ``SPREAD_TRIES`` connections are looked at per channel, all within
+        ``spread_tries`` connections are looked at per channel (4 per front end), all within
         ``SPREAD_TIMEOUT_S`` (fail fast: a server that is not up, or cannot count, leaves the
         channels as they are)."""
         settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
                                   wait_for_ready=False)
         for i in range(len(self._lanes)):
-            for attempt in range(SPREAD_TRIES):
+            tries = 0
+            while True:
                 try:
                     info = self._lanes[i][INFO_METHOD](
                         pb.GetServerInfoRequest(connections=True), **settings.kwargs())
                 except grpc.RpcError:
                     return
-                if not crowded(info) or attempt == SPREAD_TRIES - 1:
+                tries += 1
+                if not crowded(info) or tries >= spread_tries(info):
                     break
                 self._base_channels[i].close()
                 self._base_channels[i], self._lanes[i] = open_lane()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
-from attention_client._base import SPREAD_TRIES, crowded
+from attention_client._base import SPREAD_MAX_TRIES, SPREAD_MIN_TRIES, crowded, spread_tries
 from attention_wire.pb import attention_pb2 as pb
 
 Q = np.arange(2 * 4 * 8, dtype=np.float16).reshape(2, 4, 8)
@@ -30,6 +30,15 @@ def test_a_connection_is_crowded_past_one_more_than_the_least_loaded_front_end()
     assert not crowded(info(8, 1, 0)) and not crowded(info(8, 3, 2))
     assert not crowded(info(1, 5, 0))  # one process: nowhere else to go
     assert not crowded(info(8, 0, 0))  # not counted (an older server, or no /proc)
+
+
+def test_spread_looks_at_more_connections_on_more_front_ends():
+    def tries(n: int) -> int:
+        return spread_tries(pb.ServerInfo(frontends=n))
+
+    assert tries(0) == tries(1) == SPREAD_MIN_TRIES  # not counted, or one process
+    assert tries(2) == 8 and tries(8) == 32
+    assert tries(1000) == SPREAD_MAX_TRIES
 
 
 def test_sync_client_replaces_crowded_connections_at_construction(fake):
@@ -47,7 +56,8 @@ def test_sync_client_keeps_its_last_try(fake):
     servicer, target = fake
     servicer.knobs.crowded_first = 100
     with AttentionClient(target, channels=2) as client:
-        assert len(servicer.knobs.counted_peers) == 2 * SPREAD_TRIES
+        looks = spread_tries(pb.ServerInfo(frontends=2))  # the fake counts as two front ends
+        assert len(servicer.knobs.counted_peers) == 2 * looks == 16
         np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)
 
 

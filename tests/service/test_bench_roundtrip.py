@@ -102,6 +102,13 @@ def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Pat
         [agg] = entry["aggregate"]
         assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
     assert "x the baseline" in proc.stdout
+    [row] = report["against_baseline"]
+    runs = [a["GBps"] for a in report["servers"][0]["aggregate"]]
+    base = [b["aggregate"][0]["GBps"] for b in report["baseline"]]
+    assert row["runs"] == 1 and row["baseline_runs"] == 2
+    assert row["best_ratio"] == pytest.approx(max(runs) / max(base))
+    assert row["median_ratio"] == pytest.approx(runs[0] / ((base[0] + base[1]) / 2))
+    assert "runs against the baseline's 2: median" in proc.stdout
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")

@@ -110,7 +110,7 @@ def _crowd_front_end_0(group: Group, module: Any, monkeypatch: pytest.MonkeyPatc
     """Front end 0 three connections ahead of front end 1, whatever earlier tests left open;
     ``module``'s client (``client`` or ``aio``) then tries up to 20 connections per channel
     and records each ``crowded`` answer in the list returned."""
-    monkeypatch.setattr(module, "SPREAD_TRIES", 20)
+    monkeypatch.setattr(module, "spread_tries", lambda info: 20)
     answers: list[bool] = []
     crowded = module.crowded
     monkeypatch.setattr(module, "crowded",
