@@ -6,7 +6,8 @@ One run, one machine (loopback), in this order:
    the request's bytes through a bare transfer server (one Python process), and the kernel in
    this process (CUDA events);
 2. the service with one process (``--frontends 1``), then with ``--frontends N`` for each N of
-   ``--frontends``: one call's round trip (median of ``--iters``) per path:
+   ``--frontends``: one call's round trip (median of ``--iters`` calls, more while they
+   total under ``--min-seconds``) per path:
    ``grpc host`` / ``grpc cuda`` (tensor bytes through gRPC from host / cuda tensors),
    ``shm in region`` (tensors in a registered system region), ``shm staged`` (host tensors
    copied into one), ``shm out=`` (output written in place too), ``cuda ipc in region`` and
@@ -192,6 +193,9 @@ def against_baseline(result: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+MAX_ITERS = 1000
+
+
 def _median_ms(samples: list[float]) -> float:
     return 1e3 * statistics.median(samples) if samples else float("nan")
 
@@ -202,10 +206,13 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _timed(fn: Callable[[], Any], iters: int, cuda: bool = False) -> list[float]:
+def _timed(fn: Callable[[], Any], iters: int, cuda: bool = False,
+           min_seconds: float = 0.0) -> list[float]:
+    """``iters`` timed calls after a warm one, and more while they total under ``min_seconds``
+    (at most MAX_ITERS): a path of a few ms gets a median over hundreds of calls, not 3."""
     fn()  # warm: compiles, first allocations, region scratch
-    times = []
-    for _ in range(iters):
+    times: list[float] = []
+    while len(times) < iters or (sum(times) < min_seconds and len(times) < MAX_ITERS):
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -268,19 +275,22 @@ def ceilings(iters: int) -> dict[str, float]:
 # ---- one call per path ------------------------------------------------------------------------
 def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
           causal: bool, ref: torch.Tensor, tol: float, iters: int,
-          stripes: Sequence[int] = ()) -> dict[str, Any]:
+          stripes: Sequence[int] = (), min_seconds: float = 0.0) -> dict[str, Any]:
     """Round trip (median ms) per data path, each checked against the reference first."""
     from attention_client import AttentionClient
 
     rows: dict[str, Any] = {}
     stats: dict[str, dict[str, float]] = {}
+    counts: dict[str, int] = {}  # calls timed per path
     nbytes = sum(t.numel() * t.element_size() for t in (q, k, v)) + q.numel() * q.element_size()
 
     def measure(name: str, client: AttentionClient, call: Callable[[], Any], cuda: bool) -> None:
         err = _rel_err(call(), ref)
         if err > tol:
             raise SystemExit(f"{name}: output differs from the reference: {err:.2e}")
-        rows[name] = _median_ms(_timed(call, iters, cuda))
+        times = _timed(call, iters, cuda, min_seconds)
+        rows[name] = _median_ms(times)
+        counts[name] = len(times)
         stats[name] = dict(client.last_stats or {})
 
     with AttentionClient(target, timeout=600, use_regions=False) as c:
@@ -304,7 +314,8 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
 
     with AttentionClient(target, timeout=600) as c:
         if not c.info()["regions"]:
-            return {"round_trip_ms": rows, "stats": stats, "note": "regions off"}
+            return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts,
+                    "note": "regions off"}
         region = c.register_shm(2 * nbytes + (64 << 20))
         qs, ks, vs = (region.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
         measure("shm in region", c, lambda: c.attention(qs, ks, vs, cu, causal=causal), False)
@@ -326,7 +337,7 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
             unary(lambda: measure("cuda ipc out= unary", c, lambda: c.attention(
                 qg, kg, vg, cu, causal=causal, out=og), True))
             cregion.close()
-    return {"round_trip_ms": rows, "stats": stats}
+    return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts}
 
 
 # ---- aggregate gRPC throughput ------------------------------------------------------------
@@ -489,6 +500,9 @@ def main() -> int:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--min-seconds", type=float, default=0.5,
+                   help="per one-call path (and the in-process kernel): more calls than "
+                        "--iters while they total under this (a path of a few ms: hundreds)")
     p.add_argument("--device", default="auto", help="server device: auto, cuda or cpu")
     p.add_argument("--frontends", default="4", help="comma list of N > 1 to compare with N=1")
     p.add_argument("--clients", default="8", help="comma list of aggregate client counts")
@@ -560,7 +574,8 @@ def main() -> int:
         from attention_kernels import prefill
 
         qd, kd, vd, cud = q.cuda(), k.cuda(), v.cuda(), cu.cuda()
-        for _ in range(args.iters + 3):
+        while (len(kernel) < args.iters + 3
+               or (sum(kernel[3:]) < args.min_seconds and len(kernel) < MAX_ITERS)):
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
             prefill(qd, kd, vd, cud, max_seqlen_q=n, max_seqlen_k=n, causal=args.causal)
@@ -618,7 +633,7 @@ def main() -> int:
                 device_name = c.info()["device"]
             entry: dict[str, Any] = {"frontends": count, "cpus": cpus_of_tree(proc.pid)}
             entry.update(paths(target, q, k, v, cu, args.causal, ref, tol, args.iters,
-                               [st for st in stripe_counts if st > 1]))
+                               [st for st in stripe_counts if st > 1], args.min_seconds))
             entry["aggregate"] = [
                 aggregate(target, nc, args.agg_tokens, h, d, args.dtype, args.agg_seconds, ch,
                           st, sp)
@@ -637,7 +652,8 @@ def main() -> int:
 
     print(f"\nprefill {n} tokens x {h} heads ({hk} kv) x {d} {args.dtype}, causal={args.causal}, "
           f"{args.seqs} seq; in {in_bytes / 2**20:.1f} MiB, out {out_bytes / 2**20:.1f} MiB; "
-          f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters}"
+          f"device {device_name}; host {os.cpu_count()} cpus; median of {args.iters} calls per "
+          f"path, more while they total under {args.min_seconds} s"
           + (f"; servers on cpus {args.server_cpus}" if args.server_cpus else "")
           + (f", clients on cpus {args.client_cpus}" if args.client_cpus else ""))
     c = result["ceilings"]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 import secrets
 import sys
@@ -153,7 +154,7 @@ class SharedRegion:
 
     def typed(self, offset: int, shape: tuple[int, ...], wire_dtype: int) -> Any:
         """A wire-dtype storage view (numpy storage dtype, or torch for cuda) of the span."""
-        n = int(np.prod(shape, dtype=np.int64)) * storage_dtype(wire_dtype).itemsize
+        n = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         raw = self.raw(offset, n)
         if self.kind == "cuda":
             import torch
@@ -168,7 +169,7 @@ class SharedRegion:
         shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else (shape,)))
         torch_dtype = _torch_dtype(dtype)
         itemsize = torch_dtype.itemsize if torch_dtype is not None else np.dtype(dtype).itemsize
-        nbytes = int(np.prod(shape, dtype=np.int64)) * itemsize
+        nbytes = math.prod(shape) * itemsize
         off = self._alloc(nbytes)
         if off is None:
             raise MemoryError(f"region {self.name!r} has no room for {nbytes} bytes")
@@ -394,7 +395,7 @@ class Placement:
         from attention_client._tensors import RegionTensor, describe
 
         shape, wire_dtype, _ = describe(x, name)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * storage_dtype(wire_dtype).itemsize
+        nbytes = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         if nbytes == 0:
             return None
         big_endian = isinstance(x, np.ndarray) and x.dtype.byteorder == ">"

@@ -360,7 +360,7 @@ def _require_rank(t: Tensor, rank: int, layout: str) -> None:
 
 
 def _nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * storage_dtype(wire_dtype).itemsize
+    return math.prod(shape) * storage_dtype(wire_dtype).itemsize
 
 
 def _spec(t: Tensor) -> pb.TensorSpec:

@@ -7,6 +7,7 @@ end with RequestStats; anything else raises ProtocolError, never a silently wron
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -26,7 +27,7 @@ class _Target:
         self.wire_dtype = wire_dtype
         self.array = np.empty(self.shape, storage_dtype(wire_dtype))
         self.rows = self.shape[0]
-        self.row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self.array.itemsize
+        self.row_bytes = math.prod(self.shape[1:]) * self.array.itemsize
         self.bytes = self.array.reshape(-1).view(np.uint8).reshape(self.rows, self.row_bytes)
         self.seen = np.zeros(self.rows, dtype=bool)
 

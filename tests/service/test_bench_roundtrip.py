@@ -19,6 +19,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
         "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
+        "--min-seconds", "0.05",
         "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "0,1",
         "--out", str(tmp_path),
     ]
@@ -32,6 +33,10 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         assert {"grpc host", "grpc host x2", "shm in region", "shm staged", "shm out=",
                 "shm out= unary"} <= set(rt)
         assert all(v > 0 for v in rt.values())
+        # At least --iters calls per path; the fast ones more, up to --min-seconds of them.
+        timed = server["calls_timed"]
+        assert set(timed) == set(rt) and min(timed.values()) >= 2
+        assert max(timed.values()) > 2  # a cpu call of 128 tokens takes well under 25 ms
         # The region paths moved no tensor byte through gRPC; the gRPC path did.
         assert server["stats"]["grpc host"]["bytes_in"] > 0
         for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
@@ -93,7 +98,7 @@ def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Pat
     proc = _run_bench(
         "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
         "--frontends", "1", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
-        "--iters", "1", "--baseline-tree", str(tree), "--out", str(out),
+        "--iters", "1", "--min-seconds", "0", "--baseline-tree", str(tree), "--out", str(out),
     )
     report = json.loads((out / "roundtrip_cpu.json").read_text())
     assert [b["turn"] for b in report["baseline"]] == ["first", "last"]
@@ -122,7 +127,8 @@ def test_bench_roundtrip_keeps_servers_and_clients_on_their_own_cpus(
     _run_bench(
         "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
         "--frontends", "2", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
-        "--iters", "1", "--baseline-tree", str(tree), "--client-cpus", str(client_cpu),
+        "--iters", "1", "--min-seconds", "0", "--baseline-tree", str(tree),
+        "--client-cpus", str(client_cpu),
         *(["--server-cpus", str(server_cpu)] if servers_pinned else []), "--out", str(out),
     )
     report = json.loads((out / "roundtrip_cpu.json").read_text())
