@@ -77,6 +77,7 @@ SPREAD_TRIES_PER_FRONTEND = 4
 SPREAD_MIN_TRIES = 4
 SPREAD_MAX_TRIES = 64
 SPREAD_TIMEOUT_S = 2.0
+NEVER_IDLE_MS = 2**31 - 1  # grpc.client_idle_timeout_ms: INT_MAX turns the idle timer off
 
 
 def crowded(info: pb.ServerInfo) -> bool:
@@ -164,7 +165,11 @@ class ClientBase:
         # Sent with every call: the token (authorization), then ``metadata``.
         self._metadata = call_metadata(token, metadata)
         self._credentials = credentials(tls, client_cert, client_key)
-        self._options = channel_options(options)
+        # ``spread`` placed each connection: one that idles past grpc's client idle timeout
+        # (30 minutes by default) would be closed and, at the next call, hashed afresh to any
+        # front end. So a spread client keeps its connections (``options`` may still set it).
+        kept = [("grpc.client_idle_timeout_ms", NEVER_IDLE_MS)] if self.spread else []
+        self._options = channel_options([*kept, *(options or ())])
         if self.channels > 1 or self.spread:  # else grpc shares a connection among equal ones
             self._options.append(("grpc.use_local_subchannel_pool", 1))
         # Calls use registered regions when their tensors live there or fit (see _regions.py).

@@ -85,7 +85,8 @@ class AttentionClient(ClientBase):
     most 4 looks per front end for each connection, up to 64 (``spread_tries``), and
     ``SPREAD_TIMEOUT_S`` in all; a server that is down, or too old to count, leaves the
     connections as they are). With it, the client's connections are its own, not shared with
-    other clients of this process. False: gRPC's connection as it comes. See docs/client.md.
+    other clients of this process, and do not idle out (grpc's idle timer is off). False:
+    gRPC's connection as it comes. See docs/client.md.
 
     Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
     client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.

@@ -15,7 +15,13 @@ import numpy as np
 import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
-from attention_client._base import SPREAD_MAX_TRIES, SPREAD_MIN_TRIES, crowded, spread_tries
+from attention_client._base import (
+    NEVER_IDLE_MS,
+    SPREAD_MAX_TRIES,
+    SPREAD_MIN_TRIES,
+    crowded,
+    spread_tries,
+)
 from attention_wire.pb import attention_pb2 as pb
 
 Q = np.arange(2 * 4 * 8, dtype=np.float16).reshape(2, 4, 8)
@@ -174,3 +180,24 @@ def test_async_client_against_no_server_fails_as_before():
             assert client._spread_pending is False  # and it is not tried again
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("cls", [AttentionClient, AsyncAttentionClient])
+def test_spread_connections_do_not_idle_out(cls) -> None:
+    """A placed connection is not closed after grpc's idle timeout (to be hashed afresh at
+    the next call): spread turns the timer off; the caller's options still decide."""
+    def idle_ms(**kw):
+        if cls is AttentionClient:
+            with cls("127.0.0.1:9", **kw) as client:  # nothing listens there
+                return dict(client._options).get("grpc.client_idle_timeout_ms")
+
+        async def options() -> object:
+            client = cls("127.0.0.1:9", **kw)
+            await client.close()
+            return dict(client._options).get("grpc.client_idle_timeout_ms")
+
+        return asyncio.run(options())
+
+    assert idle_ms(spread=False) is None  # grpc's default (30 minutes)
+    assert idle_ms(spread=True) == NEVER_IDLE_MS == 2**31 - 1
+    assert idle_ms(spread=True, options=[("grpc.client_idle_timeout_ms", 60_000)]) == 60_000
