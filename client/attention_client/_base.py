@@ -276,19 +276,19 @@ class ClientBase:
                 placement.finish(ok=True)
             raise
 
-    def _single_message(self, prep: PreparedRequest) -> bytes | None:
+    def _single_message(self, prep: PreparedRequest, tail: bytes = b"") -> bytes | None:
         """The request as one message when the call goes through its unary twin: unary on,
         the request fits one message of ``max_chunk_bytes`` and the outputs that come back
         fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
-        alone). None: stream it."""
-        return self._one_message(prep) if self.unary else None
+        alone). None: stream it. ``tail``: fields to end it with (``step_timeout``)."""
+        return self._one_message(prep, tail) if self.unary else None
 
     def _streamed(self, prep: PreparedRequest) -> bool:
         """Whether a single-message call goes on a kept-open stream (``_call_streams``)."""
         return (self.call_streams and prep.method in POOLED
                 and prep.method not in self._streams.unsupported)
 
-    def _one_message(self, prep: PreparedRequest) -> bytes | None:
+    def _one_message(self, prep: PreparedRequest, tail: bytes = b"") -> bytes | None:
         """The request as one message if it and its outputs fit ``max_chunk_bytes``."""
         out_bytes = 0
         if prep.streamed_out_shape is not None:
@@ -297,7 +297,7 @@ class ClientBase:
             out_bytes += math.prod(prep.streamed_lse_shape) * 4  # float32
         if out_bytes > self.max_chunk_bytes:
             return None
-        return single_message(prep.header, prep.tensors, self.max_chunk_bytes)
+        return single_message(prep.header, prep.tensors, self.max_chunk_bytes, tail)
 
     def _unary_failed(self, prep: PreparedRequest, err: grpc.RpcError,
                       settings: CallSettings) -> None:

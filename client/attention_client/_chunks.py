@@ -11,6 +11,8 @@ Messages are produced one at a time (a generator), so a 1 GiB request never exis
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator, Sequence
 
 from attention_client._errors import AttentionInputError
@@ -30,6 +32,8 @@ _CHUNKS_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "chunks")
 _FIELD_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "field")
 _OFFSET_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "offset")
 _DATA_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "data")
+_STEP_TIMEOUT_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "step_timeout_ms")
+_MAX_STEP_TIMEOUT_MS = 2**32 - 1  # uint32
 
 _FIELDS = (pb.Q, pb.K, pb.V)
 
@@ -51,24 +55,39 @@ def _chunk(field: int, offset: int, data: memoryview) -> list[bytes | memoryview
     return [_CHUNKS_KEY, varint(len(prefix) + len(data)), prefix, data]
 
 
+def step_timeout(deadline: float | None) -> bytes:
+    """The ``step_timeout_ms`` field of a call sent on a step stream whose deadline
+    (``time.monotonic()``) is ``deadline``: the server then counts the call, when its client
+    gives up on it (cancelling the stream), as DEADLINE_EXCEEDED rather than CANCELLED.
+    Nothing without a deadline."""
+    if deadline is None:
+        return b""
+    ms = math.ceil(max(deadline - time.monotonic(), 0.0) * 1e3)
+    return _STEP_TIMEOUT_KEY + varint(min(max(ms, 1), _MAX_STEP_TIMEOUT_MS))
+
+
 def single_message(
-    header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    tail: bytes = b"",
 ) -> bytes | None:
     """The request as one message when ``encode_messages`` would send it in one (its tensor
-    bytes fit beside the header), else None."""
+    bytes fit beside the header), else None. ``tail``: more fields (``step_timeout``), in
+    the same join."""
     size = sum(t.byte_view().nbytes for t in tensors)
     if size > max(0, max_chunk_bytes - len(header)):
         return None
-    return next(encode_messages(header, tensors, max_chunk_bytes))
+    return next(encode_messages(header, tensors, max_chunk_bytes, tail))
 
 
 def encode_messages(
-    header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    header: bytes, tensors: Sequence[WireTensor], max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    tail: bytes = b"",
 ) -> Iterator[bytes]:
     """Yield serialized request messages: the header first, with as many bytes as fit.
 
     Each message carries at most ``max_chunk_bytes`` of tensor bytes (the first one
-    ``max_chunk_bytes - len(header)``); small tensors share a message.
+    ``max_chunk_bytes - len(header)``); small tensors share a message. ``tail`` (serialized
+    fields) ends the last message.
     """
     parts: list[bytes | memoryview] = [_HEADER_KEY, varint(len(header)), header]
     budget = max(0, max_chunk_bytes - len(header))
@@ -86,5 +105,6 @@ def encode_messages(
             parts += _chunk(field, offset, view[offset : offset + take])
             offset += take
             budget -= take
-    if parts:
+    if parts or tail:
+        parts.append(tail)
         yield b"".join(parts)

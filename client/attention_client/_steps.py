@@ -27,6 +27,7 @@ from attention_client._call_streams import (
     unimplemented,
 )
 from attention_client._channel import DEFAULT, CallSettings
+from attention_client._chunks import step_timeout
 from attention_client._errors import from_rpc_error, make_error
 from attention_client._score import ScoreMods
 from attention_client._wire import parse_result
@@ -101,7 +102,7 @@ class DecodeSteps(_StepsBase):
 
     def _exchange(self, prep: Any, settings: Any) -> Any:
         client = self._client
-        message = client._one_message(prep)
+        message = client._one_message(prep, step_timeout(settings.deadline))
         if message is None or self._unsupported:
             return client._run(prep, settings)
         assembler = client._assembler(prep)
@@ -176,7 +177,7 @@ class AsyncDecodeSteps(_StepsBase):
 
     async def _exchange(self, prep: Any, settings: Any) -> Any:
         client = self._client
-        message = client._one_message(prep)
+        message = client._one_message(prep, step_timeout(settings.deadline))
         if message is None or self._unsupported:
             return await client._run(prep, settings)
         assembler = client._assembler(prep)

@@ -186,13 +186,17 @@ def start_fake(
     return server, servicer, port
 
 
-def silent_server(method: str) -> tuple[grpc.Server, int, threading.Event]:
+def silent_server(method: str) -> tuple[grpc.Server, int, threading.Event, list[int]]:
     """A server whose stream rpc ``method`` (e.g. "PrefillSteps") reads one message and never
-    answers; the event is set once the server sees the stream cancelled."""
+    answers; the event is set once the server sees the stream cancelled, and the list gets
+    each message's ``step_timeout_ms``."""
     cancelled = threading.Event()
+    step_timeouts: list[int] = []
+
+    request = pb.DecodeRequest if "Decode" in method else pb.PrefillRequest
 
     def steps(requests, context):  # type: ignore[no-untyped-def]
-        next(requests)
+        step_timeouts.append(request.FromString(next(requests)).step_timeout_ms)
         while context.is_active():
             time.sleep(0.01)
         cancelled.set()
@@ -204,4 +208,4 @@ def silent_server(method: str) -> tuple[grpc.Server, int, threading.Event]:
         {method: grpc.stream_stream_rpc_method_handler(steps)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    return server, port, cancelled
+    return server, port, cancelled, step_timeouts

@@ -128,7 +128,7 @@ def test_async_calls_share_streams_and_match_solo_calls(server):
 
 
 def test_a_call_timeout_cancels_its_stream():
-    server, port, cancelled = silent_server("PrefillSteps")
+    server, port, cancelled, step_timeouts = silent_server("PrefillSteps")
     q, k, v = _qkv(7)
     try:
         with AttentionClient(f"127.0.0.1:{port}") as client:
@@ -136,6 +136,8 @@ def test_a_call_timeout_cancels_its_stream():
             with pytest.raises(AttentionTimeoutError, match="timeout ran out"):
                 client.attention(q, k, v, timeout=0.5)
             assert 0.45 < time.monotonic() - t0 < 5.0
+            # The call's own deadline went along (the server counts the cancel by it).
+            assert len(step_timeouts) == 1 and 400 < step_timeouts[0] <= 500
             assert cancelled.wait(5.0)  # the server saw the stream go
             assert client._streams.take(
                 client._streams.key(0, "Prefill", client._settings())) is None
@@ -148,5 +150,6 @@ def test_a_call_timeout_cancels_its_stream():
         cancelled.clear()
         asyncio.run(main())
         assert cancelled.wait(5.0)
+        assert len(step_timeouts) == 2 and 400 < step_timeouts[1] <= 500
     finally:
         server.stop(None)

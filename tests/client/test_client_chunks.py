@@ -10,6 +10,8 @@ from attention_client._chunks import (
     MIN_CHUNK_BYTES,
     check_chunk_bytes,
     encode_messages,
+    single_message,
+    step_timeout,
     varint,
 )
 from attention_client._requests import MAX_HEADER_BYTES, prepare_decode, prepare_prefill
@@ -105,6 +107,26 @@ def test_prepared_request_streams_parse_as_generated_messages():
     assert parsed[0].header.num_splits == 3
     assert list(parsed[0].header.q.shape) == [33, 4, 64]
     assert bytes(data[pb.K]) == q.tobytes()
+
+
+def test_a_step_carries_its_deadline_in_the_same_message():
+    import time
+
+    q = np.random.default_rng(1).standard_normal((5, 2, 8)).astype(np.float16)
+    prep = prepare_decode(q, q, q, np.arange(6, dtype=np.int32))
+    assert step_timeout(None) == b""
+    tail = step_timeout(time.monotonic() + 0.25)
+    raw = single_message(prep.header, prep.tensors, tail=tail)
+    msg = pb.DecodeRequest.FromString(raw)
+    assert 200 < msg.step_timeout_ms <= 250
+    assert list(msg.header.q.shape) == [5, 2, 8]
+    assert b"".join(c.data for c in msg.chunks if c.field == pb.Q) == q.tobytes()
+    assert raw.startswith(single_message(prep.header, prep.tensors))  # only the tail added
+    for past in (0.0, -5.0):  # already due: the least the field says, not "no deadline"
+        due = pb.DecodeRequest.FromString(step_timeout(time.monotonic() + past))
+        assert due.step_timeout_ms == 1
+    far = pb.DecodeRequest.FromString(step_timeout(time.monotonic() + 1e9))
+    assert far.step_timeout_ms == 2**32 - 1  # uint32
 
 
 @pytest.mark.parametrize("bad", [MIN_CHUNK_BYTES - 1, MAX_CHUNK_BYTES + 1, 0, -5])

@@ -120,7 +120,7 @@ def test_a_step_over_one_message_and_a_server_without_the_rpc_take_the_other_pat
 
 
 def test_a_step_timeout_cancels_the_stream():
-    server, port, cancelled = silent_server("CacheDecodeSteps")
+    server, port, cancelled, step_timeouts = silent_server("CacheDecodeSteps")
     try:
         with AttentionClient(f"127.0.0.1:{port}") as c, c.decode_steps(timeout=0.5) as steps:
             q = make("numpy", "float32", 1, H, D)
@@ -130,6 +130,7 @@ def test_a_step_timeout_cancels_the_stream():
                 steps.step(q, "x", kn, kn)
             assert time.monotonic() - t0 < 5.0
             assert cancelled.wait(5.0)  # the server saw the stream go
+            assert len(step_timeouts) == 1 and 400 < step_timeouts[0] <= 500
 
         async def main():
             async with (AsyncAttentionClient(f"127.0.0.1:{port}") as c,
@@ -140,6 +141,7 @@ def test_a_step_timeout_cancels_the_stream():
         cancelled.clear()
         asyncio.run(main())
         assert cancelled.wait(5.0)
+        assert len(step_timeouts) == 2 and 400 < step_timeouts[1] <= 500
     finally:
         server.stop(None)
 

@@ -12,9 +12,11 @@ import grpc
 import pytest
 
 from .svc_helpers import (
+    GatedBackend,
     ServerHandle,
     header_then_wait,
     make_config,
+    one_message,
     request_codes,
     small_prefill,
     wait_until,
@@ -116,3 +118,64 @@ def test_a_call_the_client_ended_counts_as_its_deadline_or_a_cancel(remaining: f
             return remaining
 
     assert _gone_code(Context()) == code  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("step_timeout_ms", "code"), [
+    (150, "DEADLINE_EXCEEDED"), (60_000, "CANCELLED"), (0, "CANCELLED"),
+])
+def test_a_step_cut_off_at_its_own_deadline_counts_as_expired(
+    start_server: Any, step_timeout_ms: int, code: str,
+) -> None:
+    """A kept-open step stream has no deadline per call: its client cancels the stream when a
+    call's time runs out. With the call's ``step_timeout_ms`` the server counts that as
+    DEADLINE_EXCEEDED; a cancel before it (or a call without one) stays CANCELLED."""
+    gate = GatedBackend()
+    gate.release.set()  # warm up, then close the gate
+    srv = start_server(backend=gate, metrics_port=0)
+    gate.release.clear()
+    message = one_message(small_prefill())
+    message.step_timeout_ms = step_timeout_ms
+    stop = threading.Event()
+
+    def requests() -> Any:
+        yield message
+        stop.wait(20)
+
+    call = srv.stub().PrefillSteps(requests())
+    try:
+        assert gate.entered.wait(10)
+        threading.Event().wait(0.3)  # past 150 ms, well before 60 s
+        call.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+    finally:
+        stop.set()
+        gate.release.set()
+    assert wait_until(lambda: code in request_codes(srv, "Prefill"))
+    assert request_codes(srv, "Prefill") == {code}
+
+
+def test_a_client_call_that_times_out_on_a_kept_open_stream_counts_as_expired(
+    start_server: Any,
+) -> None:
+    """End to end: ``attention_client`` sends a one-message call on a kept-open PrefillSteps
+    stream with its deadline in the message; when the call times out, the client cancels the
+    stream and the server counts DEADLINE_EXCEEDED (it used to count CANCELLED)."""
+    import numpy as np
+
+    from attention_client import AttentionClient, AttentionTimeoutError
+
+    gate = GatedBackend()
+    gate.release.set()  # warm up, then close the gate
+    srv = start_server(backend=gate, metrics_port=0)
+    gate.release.clear()
+    q = np.ones((4, 2, 8), np.float32)
+    try:
+        with AttentionClient(srv.target, spread=False) as client:
+            with pytest.raises(AttentionTimeoutError):
+                client.attention(q, q, q, timeout=0.3)
+            assert gate.entered.is_set()  # it reached the engine on the step stream
+    finally:
+        gate.release.set()
+    assert wait_until(lambda: "DEADLINE_EXCEEDED" in request_codes(srv, "Prefill"))
+    assert request_codes(srv, "Prefill") == {"DEADLINE_EXCEEDED"}

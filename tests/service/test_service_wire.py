@@ -128,11 +128,30 @@ def test_parser_strictness_matches_protobuf() -> None:
             pb.DecodeRequest.FromString(raw)
     largest = varint(((1 << 29) - 1) << 3 | 2) + b"\x00"  # the largest legal number: unknown
     assert not pb.DecodeRequest.FromString(largest).HasField("header")
-    assert parse_request(largest, Op.DECODE) == (None, [], None)
+    assert parse_request(largest, Op.DECODE) == (None, [], None, 0)
+
+
+def test_step_timeout_is_read_as_protobuf_reads_it() -> None:
+    """``step_timeout_ms`` (a varint) comes out of the hand parser as from protobuf, in any
+    position, the last occurrence winning; as another wire type it is an unknown field."""
+    header = pb.DecodeHeader(q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, 1, 4]))
+    for ms in (1, 300, 2**32 - 1):
+        msg = pb.DecodeRequest(header=header, step_timeout_ms=ms)
+        raw = msg.SerializeToString()
+        assert parse_request(raw, Op.DECODE).step_timeout_ms == ms
+        assert pb.DecodeRequest.FromString(raw).step_timeout_ms == ms
+    first = pb.DecodeRequest(step_timeout_ms=7).SerializeToString()
+    both = first + pb.DecodeRequest(header=header, step_timeout_ms=9).SerializeToString()
+    assert parse_request(both, Op.DECODE).step_timeout_ms == 9
+    assert pb.DecodeRequest.FromString(both).step_timeout_ms == 9
+    assert parse_request(pb.DecodeRequest(header=header).SerializeToString(),
+                         Op.DECODE).step_timeout_ms == 0
+    as_bytes = varint(3 << 3 | 2) + varint(1) + b"\x05"  # field 3, length-delimited
+    assert parse_request(as_bytes, Op.DECODE).step_timeout_ms == 0
 
 
 def test_request_layouts_number_their_fields_alike() -> None:
-    for name in ("header", "chunks"):
+    for name in ("header", "chunks", "step_timeout_ms"):
         assert (pb.PrefillRequest.DESCRIPTOR.fields_by_name[name].number
                 == pb.DecodeRequest.DESCRIPTOR.fields_by_name[name].number)
 

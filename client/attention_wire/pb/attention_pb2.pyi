@@ -139,12 +139,14 @@ class PrefillHeader(_message.Message):
     def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_q: _Optional[_Iterable[int]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., causal: _Optional[bool] = ..., softmax_scale: _Optional[float] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("header", "chunks")
+    __slots__ = ("header", "chunks", "step_timeout_ms")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     header: PrefillHeader
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    step_timeout_ms: int
+    def __init__(self, header: _Optional[_Union[PrefillHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., step_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class DecodeHeader(_message.Message):
     __slots__ = ("q", "k", "v", "cu_seqlens_k", "softmax_scale", "num_splits", "return_lse", "regions", "cache", "score", "kv_scales")
@@ -173,12 +175,14 @@ class DecodeHeader(_message.Message):
     def __init__(self, q: _Optional[_Union[TensorSpec, _Mapping]] = ..., k: _Optional[_Union[TensorSpec, _Mapping]] = ..., v: _Optional[_Union[TensorSpec, _Mapping]] = ..., cu_seqlens_k: _Optional[_Iterable[int]] = ..., softmax_scale: _Optional[float] = ..., num_splits: _Optional[int] = ..., return_lse: _Optional[bool] = ..., regions: _Optional[_Union[TensorRegions, _Mapping]] = ..., cache: _Optional[_Union[CacheTarget, _Mapping]] = ..., score: _Optional[_Union[ScoreOptions, _Mapping]] = ..., kv_scales: _Optional[_Union[KvScales, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("header", "chunks")
+    __slots__ = ("header", "chunks", "step_timeout_ms")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     header: DecodeHeader
     chunks: _containers.RepeatedCompositeFieldContainer[TensorChunk]
-    def __init__(self, header: _Optional[_Union[DecodeHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ...) -> None: ...
+    step_timeout_ms: int
+    def __init__(self, header: _Optional[_Union[DecodeHeader, _Mapping]] = ..., chunks: _Optional[_Iterable[_Union[TensorChunk, _Mapping]]] = ..., step_timeout_ms: _Optional[int] = ...) -> None: ...
 
 class OutputChunk(_message.Message):
     __slots__ = ("field", "spec", "row_start", "row_count", "data")

@@ -303,7 +303,8 @@ class AttentionServiceServicer:
         CacheDecodeUnary takes it), each response message that step's AttentionResult, in order.
         A step runs once the previous one is answered. Per step it costs about half the host time
         of a CacheDecodeUnary call at both ends (no call set-up per step). Every step is checked,
-        limited, batched and counted as a CacheDecode call; auth and the deadline are the stream's.
+        limited, batched and counted as a CacheDecode call; auth and the deadline are the stream's
+        (a step's own deadline, step_timeout_ms, only decides how a cut-off step is counted).
         The first step that fails ends the stream with that step's status (steps sent after it do
         not run); a draining server ends it with UNAVAILABLE at the next step.
         """

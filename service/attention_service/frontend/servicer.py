@@ -208,6 +208,8 @@ class AttentionServicer:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
             received = await receive_request(op, requests, self._limits, self._link,
                                              self._uploads, unary=unary)
+            if step and received.step_timeout_ms:
+                call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in
             call.caller = self._principals.of(context)
             stats = await self._link.run(
@@ -233,7 +235,7 @@ class AttentionServicer:
                 yield last
             return
         except (asyncio.CancelledError, GeneratorExit):
-            call.code = self._gone_code(context)
+            call.code = self._gone_code(call)
             self._finish(call)
             raise
         except StreamEnded as exc:
@@ -246,13 +248,13 @@ class AttentionServicer:
                 if not unary:
                     await asyncio.sleep(_CUT_OFF_WAIT_S)
             except asyncio.CancelledError:
-                call.code = self._gone_code(context)
+                call.code = self._gone_code(call)
                 self._finish(call)
                 raise
         except RequestError as exc:
             refusal = (exc.code, exc.details)
         except Cancelled:
-            code = grpc.StatusCode[self._gone_code(context)]
+            code = grpc.StatusCode[self._gone_code(call)]
             refusal = (code, "call ended before its compute finished")
         except Exception as exc:
             log.exception("rpc=%s internal error", op.rpc)
@@ -266,10 +268,16 @@ class AttentionServicer:
         self._finish(call)
         await context.abort(*refusal)
 
-    def _gone_code(self, context: grpc.aio.ServicerContext) -> str:
+    def _gone_code(self, call: _CallRecord) -> str:
         """How a call that ended early counts: UNAVAILABLE when the drain cut it (its client
-        sees the server go), else the client's deadline or cancel (``_gone_code``)."""
-        return "UNAVAILABLE" if self.tracker.cutting else _gone_code(context)
+        sees the server go), else the client's deadline or cancel: the call's own deadline
+        on a step stream (``step_timeout_ms``), whose client cancels the stream at it, else
+        the rpc's (``_gone_code``)."""
+        if self.tracker.cutting:
+            return "UNAVAILABLE"
+        if call.due is not None and time.perf_counter() >= call.due - _DEADLINE_SLACK_S:
+            return "DEADLINE_EXCEEDED"
+        return _gone_code(call.context)
 
     def _finish(self, call: _CallRecord) -> None:
         """Exactly once per compute call: release it, record metrics, write its log line."""
@@ -306,6 +314,7 @@ class _CallRecord:
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
+        self.due: float | None = None  # a step's own deadline (perf_counter), if it has one
         self.stats: ExecStats | None = None  # set by ``ok``
         self.regions: Mapping[str, object] = {}  # names read only for the log line
         self.finished = False

@@ -61,6 +61,7 @@ class Received:
     buffers: Buffers
     budget: UploadBudget
     reserved: int
+    step_timeout_ms: int = 0  # the first message's (RawRequest.step_timeout_ms)
 
     def release(self) -> None:
         self.buffers.release()
@@ -131,7 +132,7 @@ async def receive_request(
     except BaseException:
         budget.release(total)
         raise
-    return Received(params, regions, buffers, budget, total)
+    return Received(params, regions, buffers, budget, total, first.step_timeout_ms)
 
 
 async def _allocate(link: EngineLink, sizes: dict[str, int], total: int) -> Buffers:

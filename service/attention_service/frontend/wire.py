@@ -47,6 +47,7 @@ _DATA_KEY = field_key(pb.OutputChunk.DESCRIPTOR, "data")
 # PrefillRequest and DecodeRequest number their fields alike (a test checks it).
 _HEADER = field_number(pb.PrefillRequest.DESCRIPTOR, "header")
 _CHUNKS = field_number(pb.PrefillRequest.DESCRIPTOR, "chunks")
+_STEP_TIMEOUT = field_number(pb.PrefillRequest.DESCRIPTOR, "step_timeout_ms")
 _TC = pb.TensorChunk.DESCRIPTOR
 _TC_FIELD, _TC_OFFSET, _TC_DATA = (field_number(_TC, n) for n in ("field", "offset", "data"))
 
@@ -65,6 +66,7 @@ class RawRequest(NamedTuple):
     header: Any  # pb.PrefillHeader | pb.DecodeHeader | None
     chunks: list[RawChunk]
     header_bytes: bytes | None = None  # the header's wire bytes (its occurrences joined)
+    step_timeout_ms: int = 0  # a step stream's call: how long its client waits (0: none)
 
 
 # Fields per message and per chunk the parser reads before it refuses the message: a 4 MiB
@@ -130,13 +132,16 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
     protobuf."""
     header_parts: list[memoryview] = []
     chunks: list[RawChunk] = []
+    step_timeout_ms = 0
     try:
         for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
             if n == MAX_FIELDS_PER_MESSAGE:
                 raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message "
                                 "(send fewer, larger chunks)")
             if wire_type != LEN:
-                continue  # unknown
+                if number == _STEP_TIMEOUT and wire_type == VARINT:
+                    step_timeout_ms = value & 0xFFFFFFFF  # uint32, as protobuf reads it
+                continue  # else unknown
             if number == _HEADER:
                 header_parts.append(value)  # repeated occurrences merge, as in protobuf
             elif number == _CHUNKS:
@@ -145,7 +150,7 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
         header = _parse_header(op, header_bytes) if header_bytes is not None else None
     except (WireError, DecodeError) as exc:
         raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
-    return RawRequest(header, chunks, header_bytes)
+    return RawRequest(header, chunks, header_bytes, step_timeout_ms)
 
 
 # Serialized OutputChunk heads (all but ``data``) by (field, dtype, shape, row_start, row_count):
