@@ -145,11 +145,24 @@ def test_one_log_line_per_request(server, caplog) -> None:  # type: ignore[no-un
     list(server.stub().Prefill(prefill_messages(q, k, v, [0, 4]), timeout=10))
     with pytest.raises(grpc.RpcError):
         list(server.stub().Prefill(prefill_messages(q, k, v, [0, 3]), timeout=10))
-    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rpc=Prefill")]
+    records = [r for r in caplog.records if r.getMessage().startswith("rpc=Prefill")]
+    lines = [r.getMessage() for r in records]
     assert len(lines) == 2
     assert "code=OK" in lines[0] and f"bytes_in={q.nbytes + k.nbytes + v.nbytes}" in lines[0]
     assert "duration_ms=" in lines[0] and "bytes_out=" in lines[0]
     assert "code=INVALID_ARGUMENT" in lines[1] and "cu_seqlens_q" in lines[1]
+    # Traffic at INFO, failures at WARNING: --log-level WARNING keeps only the failed call.
+    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING]
+
+
+def test_a_failed_calls_log_line_outranks_the_traffic() -> None:
+    from attention_service.frontend.servicer import call_log_level
+
+    assert call_log_level("OK") == call_log_level("CANCELLED") == logging.INFO
+    for code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
+                 "UNAUTHENTICATED", "NOT_FOUND", "ABORTED"):
+        assert call_log_level(code) == logging.WARNING, code
+    assert call_log_level("INTERNAL") == logging.ERROR
 
 
 @pytest.mark.parametrize(("host", "bound"), [(None, "127.0.0.1"), ("0.0.0.0", "0.0.0.0")])

@@ -102,6 +102,15 @@ def call_tags(context: grpc.aio.ServicerContext, caller: str = "") -> str:
     return tags
 
 
+def call_log_level(code: str) -> int:
+    """A call's log line level: INFO for OK and the client's own cancel, WARNING for every
+    other failure (refused input, limits, deadlines, a drain), ERROR for INTERNAL. So
+    ``--log-level WARNING`` keeps the failed calls' lines and drops the traffic's."""
+    if code in ("OK", "CANCELLED"):
+        return logging.INFO
+    return logging.ERROR if code == "INTERNAL" else logging.WARNING
+
+
 def _gone_code(context: grpc.aio.ServicerContext) -> str:
     """How a call the client ended counts: its deadline (due now or within the slack) or a
     cancel."""
@@ -184,9 +193,12 @@ class AttentionServicer:
     ) -> None:
         seconds = time.perf_counter() - t0
         self._metrics.observe_request(method, code, seconds)
+        level = call_log_level(code)
+        if not log.isEnabledFor(level):
+            return
         line = (f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
                 f"{call_tags(context)}")
-        log.info(line + (f" details={logfmt(details)}" if details else ""))
+        log.log(level, line + (f" details={logfmt(details)}" if details else ""))
 
     async def serve(
         self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext,
@@ -292,7 +304,7 @@ class AttentionServicer:
             region_in=call.region_in, region_out=call.region_out, tokens=call.tokens,
             flops=call.flops, queue_seconds=call.queue_seconds,
         )
-        level = logging.ERROR if call.code == "INTERNAL" else logging.INFO
+        level = call_log_level(call.code)
         if not log.isEnabledFor(level):  # the line costs ~10 us to build; skip it unread
             return
         log.log(level, call.log_line(seconds))
