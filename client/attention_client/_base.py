@@ -31,7 +31,12 @@ from attention_client._channel import (
     credentials,
     merge_metadata,
 )
-from attention_client._chunks import DEFAULT_CHUNK_BYTES, check_chunk_bytes, single_message
+from attention_client._chunks import (
+    DEFAULT_CHUNK_BYTES,
+    check_chunk_bytes,
+    single_message,
+    step_timeout,
+)
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
@@ -282,6 +287,14 @@ class ClientBase:
         fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
         alone). None: stream it. ``tail``: fields to end it with (``step_timeout``)."""
         return self._one_message(prep, tail) if self.unary else None
+
+    def _call_message(self, prep: PreparedRequest,
+                      settings: CallSettings) -> tuple[bytes | None, bool]:
+        """A call's one message (None: stream it) and whether it goes on a kept-open stream,
+        where the call's deadline goes along in the message (``step_timeout_ms``)."""
+        streamed = self._streamed(prep)
+        tail = step_timeout(settings.deadline) if streamed else b""
+        return self._single_message(prep, tail), streamed
 
     def _streamed(self, prep: PreparedRequest) -> bool:
         """Whether a single-message call goes on a kept-open stream (``_call_streams``)."""

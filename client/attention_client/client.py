@@ -30,7 +30,7 @@ from attention_client._channel import (
     SERVICE,
     CallSettings,
 )
-from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages, step_timeout
+from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
@@ -596,10 +596,7 @@ class AttentionClient(ClientBase):
             raise
         lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
         lane = self._lanes[lane_no]
-        streamed = self._streamed(prep)
-        # On a kept-open stream the call's deadline goes along with it (step_timeout_ms).
-        message = self._single_message(
-            prep, step_timeout(settings.deadline) if streamed else b"")
+        message, streamed = self._call_message(prep, settings)
         if message is not None and streamed:
             try:
                 raw = self._streams.run(lane_no, lane, prep.method, message, settings)
