@@ -46,6 +46,7 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from attention_client._chunks import DEFAULT_CHUNK_BYTES
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
@@ -198,6 +199,21 @@ def cpu_times(pid: int | None) -> dict[str, float] | None:
     return times
 
 
+def frontend_spread(target: str, server_pid: int | None) -> list[int] | None:
+    """Connections per front end of the server group ``server_pid`` on ``target``'s port, most
+    first (the load's, as the window starts), or None for one process or without /proc."""
+    if server_pid is None:
+        return None
+    from attention_service.frontend import connections
+
+    try:
+        held = connections.counts(int(target.rsplit(":", 1)[1]),
+                                  connections.frontend_pids(server_pid))
+    except OSError:
+        return None
+    return sorted(held.values(), reverse=True) or None
+
+
 def cpu_usage(c0: dict[str, float] | None, c1: dict[str, float] | None,
               seconds: float) -> tuple[float, float]:
     """(all server processes, busiest thread) CPU use over the window, as fractions of one
@@ -313,6 +329,7 @@ class Workers:
         procs = self.procs[: len(used)]
         time.sleep(max(0.0, t_measure - time.time()))
         m0, c0 = scrape(metrics), cpu_times(server_pid)
+        spread = frontend_spread(target, server_pid)
         l0 = [cpu_times(p.pid) for p in procs]
         time.sleep(max(0.0, t_end - time.time()))
         m1, c1 = scrape(metrics), cpu_times(server_pid)
@@ -320,6 +337,7 @@ class Workers:
         results = [conn.recv() for conn in used]
         row = summarize(results, duration, m0, m1)
         row["server_cpu"], row["server_busiest_thread"] = cpu_usage(c0, c1, duration)
+        row["frontend_connections"] = spread
         # The load's own CPU: a load process whose loop thread nears one core is the limit,
         # not the server.
         load = [cpu_usage(a, b, duration) for a, b in zip(l0, l1, strict=True)]
@@ -426,13 +444,14 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
     cols = ["side", "clients", "rps", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "completed",
             "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms",
             "server_mean_ms", "kernel_busy", "server_cpu", "server_busiest_thread", "load_cpu",
-            "load_busiest_thread"]
+            "load_busiest_thread", "frontend_connections"]
     with cs.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
         for r in report["results"]:
             # Rows from bench_batching.py (no load processes of this script) lack some columns.
             values = [r.get(c, math.nan) for c in cols]
+            values = ["/".join(map(str, v)) if isinstance(v, list) else v for v in values]
             w.writerow([v if not isinstance(v, float) else f"{v:.6g}" for v in values])
     return [js, cs]
 
@@ -496,6 +515,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "16-31), apart from --server-cpus, as for clients on other hosts")
     p.add_argument("--connections", type=int, default=1,
                    help="connections per client, calls round-robin over them (channels=)")
+    p.add_argument("--chunk-bytes", type=int, default=DEFAULT_CHUNK_BYTES,
+                   help="tensor bytes per request message (the client's max_chunk_bytes): "
+                        "a request that fits one is one message on a step stream")
+    p.add_argument("--no-spread", dest="spread", action="store_false",
+                   help="keep each connection where the kernel hashed it (default: placed "
+                        "as the client library's spread=True places it)")
     p.add_argument("--path", default="grpc", choices=["grpc", "shm"],
                    help="shm: tensors in registered shared memory, requests carry spans only")
     p.add_argument("--send", default="steps", choices=["steps", "unary", "stream"],
@@ -549,7 +574,9 @@ def run_side(
                   f"{_f(100 * row['server_cpu'], 0)}% (busiest thread "
                   f"{_f(100 * row['server_busiest_thread'], 0)}%)  load cpu "
                   f"{_f(100 * row['load_cpu'], 0)}% (busiest thread "
-                  f"{_f(100 * row['load_busiest_thread'], 0)}%)  errors {row['errors']}",
+                  f"{_f(100 * row['load_busiest_thread'], 0)}%)  errors {row['errors']}"
+                  + (f"  connections per front end {'/'.join(map(str, spread))}"
+                     if (spread := row["frontend_connections"]) else ""),
                   flush=True)
         return rows, info
     finally:
@@ -566,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
         mode=args.mode, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
         dtype=args.dtype, min_len=args.min_len, max_len=args.max_len,
         decode_seqs=args.decode_seqs, causal=args.causal, pool=args.pool, seed=args.seed,
-        path=args.path, send=args.send, connections=args.connections,
+        path=args.path, send=args.send, connections=args.connections, spread=args.spread,
+        chunk_bytes=args.chunk_bytes,
     )
     t0 = time.time()
     workers = Workers(spec, min(args.workers, max(args.client_counts)), max(args.client_counts))
@@ -583,7 +611,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{info.device}: {args.mode}, {args.dtype} H{args.heads}/{args.kv_heads} "
           f"D{args.head_dim}{' causal' if args.causal else ''}, lengths log-uniform "
           f"{args.min_len}..{args.max_len}, {args.duration:g} s per point, path {args.path}, "
-          f"send {args.send}, {args.connections} connection(s) per client, "
+          f"send {args.send}, {args.connections} connection(s) per client"
+          f"{' (spread)' if args.spread else ' (not spread)'}, "
           f"{info.frontends} front end(s)"
           + (f"; server on cpus {args.server_cpus}" if args.server_cpus else "")
           + (f", load on cpus {args.client_cpus}" if args.client_cpus else ""))

@@ -10,6 +10,11 @@ the ``attention_client`` package (for the generated messages), not torch.
 shared-memory object of its own, registers it with the server of each point, and sends
 header-only requests that name spans of it; every concurrent client has its own output span
 there, so a call is one small message up and one stats message back.
+
+``spread`` (the default, as the client library's): before a point, each client's connection
+that the kernel hashed to a crowded front end is replaced, by the library's own rule
+(``attention_client._base.crowded`` / ``spread_tries``). Without it, 64 connections hashed
+over 8 front ends leave some with 13 or more and others with 4 or fewer.
 """
 
 from __future__ import annotations
@@ -29,18 +34,19 @@ grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loa
 import grpc
 import numpy as np
 
+from attention_client._base import SPREAD_TIMEOUT_S, crowded, spread_tries
 from attention_client._call_streams import AsyncStreamCall
 from attention_client._channel import CallSettings
-from attention_client._chunks import encode_messages
+from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._tensors import WireTensor
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"
+INFO_METHOD = "/attention.v1.AttentionService/GetServerInfo"
 STEPS = "Steps"  # PrefillSteps / DecodeSteps: the stream rpc of each
 NO_SETTINGS = CallSettings(deadline=None, metadata=(), wait_for_ready=None)
-CHUNK_BYTES = 1 << 20
 LOCAL_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # a channel's own connection
 DTYPES = {"bf16": (pb.BFLOAT16, 2), "fp16": (pb.FLOAT16, 2), "fp32": (pb.FLOAT32, 4)}
 
@@ -64,6 +70,10 @@ class LoadSpec:
     # request stream each ("stream", which every larger request takes).
     send: str = "steps"
     connections: int = 1  # per client, its calls round-robin over them (the client's channels=)
+    spread: bool = True  # place connections as the client library does (its spread=)
+    # Tensor bytes per message (the client's max_chunk_bytes): a request that fits one goes
+    # as one message on a step stream, a larger one as a request stream of such chunks.
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
 
 @dataclass
@@ -100,14 +110,15 @@ def _random_bytes(rng: np.random.Generator, n_elems: int, dtype: str) -> bytes:
     return (x.astype(np.float16) if dtype == "fp16" else x).tobytes()
 
 
-def _messages(header: Any, tensors: list[tuple[int, bytes]], code: int) -> list[bytes]:
+def _messages(header: Any, tensors: list[tuple[int, bytes]], code: int,
+              chunk_bytes: int) -> list[bytes]:
     """The request's messages as ``attention_client`` sends them (its own encoder): the header
-    with as many tensor bytes as fit in 1 MiB, so a small request is one message (a call on a
-    kept-open PrefillSteps/DecodeSteps stream, as the client makes it) and a large one a
-    request stream of 1 MiB chunks."""
+    with as many tensor bytes as fit in ``chunk_bytes``, so a small request is one message (a
+    call on a kept-open PrefillSteps/DecodeSteps stream, as the client makes it) and a large
+    one a request stream of such chunks."""
     wire = [WireTensor(name, np.frombuffer(data, np.uint8), code)
             for name, (_, data) in zip("qkv", tensors, strict=True)]
-    return list(encode_messages(header.SerializeToString(), wire, CHUNK_BYTES))
+    return list(encode_messages(header.SerializeToString(), wire, chunk_bytes))
 
 
 class _Slicer:
@@ -135,7 +146,7 @@ def _prefill(spec: LoadSpec, n: int, data: _Slicer) -> Request:
     )
     tensors = [(pb.Q, data.take(n * h * d)), (pb.K, data.take(n * hk * d)),
                (pb.V, data.take(n * hk * d))]
-    return Request(PREFILL_METHOD, _messages(header, tensors, code), n)
+    return Request(PREFILL_METHOD, _messages(header, tensors, code, spec.chunk_bytes), n)
 
 
 def _decode(spec: LoadSpec, lengths: list[int], data: _Slicer) -> Request:
@@ -152,7 +163,7 @@ def _decode(spec: LoadSpec, lengths: list[int], data: _Slicer) -> Request:
     )
     tensors = [(pb.Q, data.take(b * h * d)), (pb.K, data.take(total * hk * d)),
                (pb.V, data.take(total * hk * d))]
-    return Request(DECODE_METHOD, _messages(header, tensors, code), total)
+    return Request(DECODE_METHOD, _messages(header, tensors, code, spec.chunk_bytes), total)
 
 
 def build_shm_pool(spec: LoadSpec, worker: int, reqs: list[Request], max_clients: int) -> ShmPool:
@@ -304,10 +315,32 @@ async def _client(
             streams.close()
 
 
+async def _place(target: str, channels: list[Any], i: int) -> None:
+    """The client library's ``spread`` for ``channels[i]``: while its connection is on a
+    crowded front end, replace it by a new one (hashed afresh), up to ``spread_tries`` looks;
+    a server that cannot count leaves it as it is."""
+    tries = 0
+    while True:
+        info_call = channels[i].unary_unary(
+            INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString)
+        try:
+            info = await info_call(pb.GetServerInfoRequest(connections=True),
+                                   timeout=SPREAD_TIMEOUT_S)
+        except grpc.RpcError:
+            return
+        tries += 1
+        if not crowded(info) or tries >= spread_tries(info):
+            return
+        old, channels[i] = channels[i], grpc.aio.insecure_channel(target,
+                                                                  options=LOCAL_CONNECTION)
+        await old.close()
+
+
 async def _run_point(
     target: str, pool: list[Request], n_clients: int, seed: int,
     t_start: float, t_measure: float, t_end: float, shm_pool: ShmPool | None = None,
-    send: str = "steps", connections: int = 1,
+    send: str = "steps", connections: int = 1, spread: bool = True,
 ) -> dict[str, Any]:
     if shm_pool is not None:
         await register_shm(target, shm_pool)
@@ -318,6 +351,8 @@ async def _run_point(
     channels = [grpc.aio.insecure_channel(target, options=LOCAL_CONNECTION)
                 for _ in range(n_clients * connections)]
     try:
+        if spread:  # every client places its connections at once, as users starting together
+            await asyncio.gather(*(_place(target, channels, i) for i in range(len(channels))))
         methods = (PREFILL_METHOD, DECODE_METHOD)
         calls = [
             {m: ch.stream_stream(m) for m in methods}
@@ -354,7 +389,8 @@ def worker_main(conn: Connection, spec: LoadSpec, worker: int, max_clients: int 
             if cmd is None:
                 return
             conn.send(asyncio.run(_run_point(pool=pool, shm_pool=shm_pool, send=spec.send,
-                                             connections=spec.connections, **cmd)))
+                                             connections=spec.connections,
+                                             spread=spec.spread, **cmd)))
     finally:
         if shm_pool is not None:
             from attention_wire import shm

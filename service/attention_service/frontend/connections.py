@@ -73,11 +73,12 @@ def _children(pid: int) -> Iterator[int]:
                     continue
 
 
-def frontend_pids() -> list[int]:
-    """This process and its sibling front ends (children of the same engine running
-    ``ipc.frontend_main``; the engine's other children, such as compile workers, are not)."""
+def frontend_pids(engine: int | None = None) -> list[int]:
+    """The front ends of ``engine``'s group (default: this process's parent, so this process
+    and its siblings): its children running ``ipc.frontend_main`` (its other children, such
+    as compile workers, are not)."""
     pids = []
-    for pid in _children(os.getppid()):
+    for pid in _children(os.getppid() if engine is None else engine):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if _FRONTEND_MODULE in f.read():
@@ -87,20 +88,25 @@ def frontend_pids() -> list[int]:
     return pids
 
 
+def counts(port: int, pids: list[int]) -> dict[int, int]:
+    """Established connections on ``port`` per process of ``pids`` (those /proc shows)."""
+    live = _established_inodes(port)
+    held = {}
+    for pid in pids:
+        try:
+            held[pid] = len(_socket_inodes(pid) & live)
+        except OSError:  # gone meanwhile (a front end being replaced), or hidden from us
+            continue
+    return held
+
+
 def spread(port: int) -> tuple[int, int] | None:
     """(connections this process holds on ``port``, the fewest any front end of its group
     holds), or None when /proc cannot tell."""
     try:
-        live = _established_inodes(port)
-        pids = frontend_pids()
+        held = counts(port, frontend_pids())
     except OSError:
         return None
-    counts = {}
-    for pid in pids:
-        try:
-            counts[pid] = len(_socket_inodes(pid) & live)
-        except OSError:  # gone meanwhile (a front end being replaced), or hidden from us
-            continue
-    if os.getpid() not in counts:
+    if os.getpid() not in held:
         return None
-    return counts[os.getpid()], min(counts.values())
+    return held[os.getpid()], min(held.values())
