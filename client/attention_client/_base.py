@@ -98,6 +98,35 @@ def spread_tries(info: pb.ServerInfo) -> int:
                min(SPREAD_MAX_TRIES, SPREAD_TRIES_PER_FRONTEND * info.frontends))
 
 
+class LostLanes:
+    """Which of a client's connections were lost since ``spread`` placed them. gRPC reconnects
+    a lost connection on its own (a server or front end restarted, the network dropped it),
+    and the kernel hashes the new one to any front end: after a server restart every client
+    reconnects at once, as unevenly as if none had spread. The clients feed this each lane's
+    connectivity (``seen``) and place a lost lane again before its next compute call."""
+
+    def __init__(self, lanes: int) -> None:
+        self._ready = [False] * lanes  # connected since (re)placed
+        self._lost = [False] * lanes
+
+    def seen(self, lane: int, state: grpc.ChannelConnectivity) -> None:
+        """Lane ``lane``'s channel is in ``state`` now."""
+        if state is grpc.ChannelConnectivity.READY:
+            self._ready[lane] = True
+        elif state is not grpc.ChannelConnectivity.SHUTDOWN and self._ready[lane]:
+            self._ready[lane] = False  # it had a connection, and has none now
+            self._lost[lane] = True
+
+    def lost(self, lane: int) -> bool:
+        return self._lost[lane]
+
+    def placed(self, lane: int, new_channel: bool = False) -> None:
+        """Lane ``lane`` was looked at (and on a new channel when ``new_channel``)."""
+        self._lost[lane] = False
+        if new_channel:
+            self._ready[lane] = False
+
+
 def lane_rpcs(channel: Any) -> dict[str, Any]:
     """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
     both), by method name: the stream and unary twin of each, the step streams, and

@@ -266,6 +266,12 @@ class _Pool:
             idle.append(stream)
             return True
 
+    def take_lane(self, lane_no: int) -> list[Any]:
+        """Remove and return the idle streams of connection ``lane_no`` (being replaced)."""
+        with self._lock:
+            keys = [key for key in self._idle if key[0] == lane_no]
+            return [s for key in keys for s in self._idle.pop(key)]
+
     def take_all(self) -> list[Any]:
         with self._lock:
             self.closed = True

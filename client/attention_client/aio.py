@@ -19,6 +19,7 @@ from attention_client import _argnames as argnames
 from attention_client._base import (
     SPREAD_TIMEOUT_S,
     ClientBase,
+    LostLanes,
     crowded,
     lane_rpcs,
     spread_tries,
@@ -104,6 +105,12 @@ class AsyncAttentionClient(ClientBase):
         self._closing = False
         self._retired: list[grpc.aio.Channel] = []  # replaced channels
         self._retiring: set[asyncio.Task[None]] = set()  # their closes, with a grace period
+        # ``spread`` again for a lane whose connection was lost (LostLanes): a task per lane
+        # watches its connectivity (on a server of several front ends), and one places it.
+        self._lost = LostLanes(self.channels)
+        self._several_frontends = False  # what spread's looks found
+        self._watchers: list[asyncio.Task[None] | None] = [None] * self.channels
+        self._placing: list[asyncio.Task[None] | None] = [None] * self.channels
 
     def _open_lane(self) -> tuple[grpc.aio.Channel, dict[str, Any]]:
         """A new channel (a connection of its own) and its compute rpcs."""
@@ -156,34 +163,91 @@ class AsyncAttentionClient(ClientBase):
                 "(spread=True; it does so once, before its first call)", method) from None
 
     async def _spread_lanes(self) -> None:
-        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
-                                  wait_for_ready=False)
         try:
             for i in range(len(self._lanes)):
-                tries = 0
-                while True:
-                    try:
-                        info = await self._lanes[i][INFO_METHOD](
-                            pb.GetServerInfoRequest(connections=True), **settings.kwargs())
-                    except (grpc.RpcError, grpc.aio.UsageError):  # down, old, or closed
-                        return
-                    tries += 1
-                    if self._closing or not crowded(info) or tries >= spread_tries(info):
-                        break
-                    old = self._channels[i]
-                    self._channels[i], self._lanes[i] = self._open_lane()
-                    if i == 0:
-                        self._bind(self._channels[0])
-                    # Small rpcs already sent on the old channel 0 finish first (close()
-                    # cuts that short); nothing new goes there.
-                    self._retired.append(old)
-                    task = asyncio.ensure_future(old.close(grace=self.timeout or 60.0))
-                    self._retiring.add(task)
-                    task.add_done_callback(self._retiring.discard)
-                if self._closing:
+                if not await self._place(i, self.timeout or 60.0) or self._closing:
                     return
+            if self._several_frontends:  # else there is nowhere else to go
+                for i in range(len(self._lanes)):
+                    self._watch(i)
         finally:
             self._spread_pending = False
+
+    async def _place(self, lane_no: int, grace: float) -> bool:
+        """``spread`` for one lane (see AttentionClient._place); a replaced channel's calls
+        get ``grace`` to finish."""
+        settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
+                                  wait_for_ready=False)
+        tries = 0
+        while True:
+            try:
+                info = await self._lanes[lane_no][INFO_METHOD](
+                    pb.GetServerInfoRequest(connections=True), **settings.kwargs())
+            except (grpc.RpcError, grpc.aio.UsageError):  # down, old, or closed
+                return False
+            tries += 1
+            self._several_frontends = self._several_frontends or info.frontends > 1
+            if self._closing or not crowded(info) or tries >= spread_tries(info):
+                return True
+            await self._replace(lane_no, grace)
+
+    async def _replace(self, lane_no: int, grace: float) -> None:
+        """A new channel for lane ``lane_no``; the old one closes once its calls end (at most
+        ``grace``)."""
+        old = self._channels[lane_no]
+        watcher = self._watchers[lane_no]
+        if watcher is not None:
+            watcher.cancel()
+        self._channels[lane_no], self._lanes[lane_no] = self._open_lane()
+        self._lost.placed(lane_no, new_channel=True)
+        if watcher is not None:
+            self._watch(lane_no)
+        if lane_no == 0:
+            self._bind(self._channels[0])
+        # Small rpcs already sent on the old channel 0 finish first (close() cuts that
+        # short); nothing new goes there. Its idle call streams close now.
+        self._retired.append(old)
+        for stream in self._streams.take_lane(lane_no):
+            await stream.close()
+        task = asyncio.ensure_future(old.close(grace=grace))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def _watch(self, lane_no: int) -> None:
+        """A task that feeds lane ``lane_no``'s connectivity to ``_lost``."""
+        async def watch(channel: grpc.aio.Channel) -> None:
+            state = channel.get_state(try_to_connect=False)
+            while state is not grpc.ChannelConnectivity.SHUTDOWN:
+                self._lost.seen(lane_no, state)
+                await channel.wait_for_state_change(state)
+                state = channel.get_state(try_to_connect=False)
+
+        self._watchers[lane_no] = asyncio.ensure_future(watch(self._channels[lane_no]))
+
+    async def _placed_lane(self, lane_no: int, settings: CallSettings, method: str) -> None:
+        """Before a compute call on lane ``lane_no``: if its connection was lost since it was
+        placed, place the new one first (one task per lane, which calls that come meanwhile
+        wait for, within their deadlines). A server that does not answer leaves the lane to
+        be looked at by the next call."""
+        if not self._lost.lost(lane_no) or self._closing:
+            return
+        task = self._placing[lane_no]
+        if task is None or task.done():
+            async def place() -> None:
+                if await self._place(lane_no, self.timeout or 60.0):
+                    self._lost.placed(lane_no)
+
+            task = self._placing[lane_no] = asyncio.ensure_future(place())
+        timeout = None
+        if settings.deadline is not None:
+            timeout = max(settings.deadline - time.monotonic(), 0.0)
+        try:
+            await asyncio.wait_for(asyncio.shield(task), timeout)
+        except asyncio.TimeoutError:
+            raise make_error(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                "the call's deadline passed while the client was placing its new connection "
+                "(spread=True; it does so after a connection was lost)", method) from None
 
     async def attention(
         self,
@@ -479,8 +543,13 @@ class AsyncAttentionClient(ClientBase):
             with contextlib.suppress(AttentionError):
                 await region.aclose()
         self._closing = True
-        if self._spread_task is not None:  # its looks end within their 2 s, or at once
-            await asyncio.wait([self._spread_task])
+        watchers = [w for w in self._watchers if w is not None]
+        for watcher in watchers:
+            watcher.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        looks = [t for t in (self._spread_task, *self._placing) if t is not None]
+        if looks:  # their looks end within their 2 s, or at once
+            await asyncio.wait(looks)
         await self._streams.close()
         for ch in self._channels:
             await ch.close()
@@ -549,6 +618,12 @@ class AsyncAttentionClient(ClientBase):
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
         lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
+        try:
+            await self._placed_lane(lane_no, settings, prep.method)
+        except BaseException:
+            if prep.placement is not None:
+                prep.placement.finish(ok=True)  # nothing was sent
+            raise
         lane = self._lanes[lane_no]
         message, streamed = self._call_message(prep, settings)
         if message is not None and streamed:

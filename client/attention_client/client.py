@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -16,6 +17,7 @@ from attention_client import _argnames as argnames
 from attention_client._base import (
     SPREAD_TIMEOUT_S,
     ClientBase,
+    LostLanes,
     crowded,
     lane_rpcs,
     spread_tries,
@@ -50,6 +52,18 @@ from attention_wire.pb import attention_pb2 as pb
 
 def _serialize(message: Any) -> bytes:
     return message.SerializeToString()
+
+
+def _await_pollers(channels: Sequence[grpc.Channel], limit_s: float = 0.5) -> None:
+    """Wait until grpc's connectivity poller of each of ``channels`` (unsubscribed) has
+    stopped: it wakes every 0.2 s, and one that finds its channel closed raises in its thread
+    ("Cannot monitor channel state: Channel closed!"). Channels never watched, or a grpc
+    without this attribute, do not wait."""
+    end = time.monotonic() + limit_s
+    for ch in channels:
+        state = getattr(ch, "_connectivity_state", None)
+        while getattr(state, "polling", False) and time.monotonic() < end:
+            time.sleep(0.005)
 
 
 class AttentionClient(ClientBase):
@@ -127,33 +141,51 @@ class AttentionClient(ClientBase):
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
             unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
         )
+        self._interceptors = list(interceptors) if interceptors else None
         self._base_channels: list[grpc.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = CallStreams()
         self._stripe_pool: ThreadPoolExecutor | None = None  # made by the first striped call
         self._stripe_lock = threading.Lock()
-        def open_lane() -> tuple[grpc.Channel, dict[str, Any]]:
-            if self._credentials is None:
-                base = grpc.insecure_channel(target, options=self._options)
-            else:
-                base = grpc.secure_channel(target, self._credentials, options=self._options)
-            ch = grpc.intercept_channel(base, *interceptors) if interceptors else base
-            return base, lane_rpcs(ch)
-
+        # ``spread`` again for a lane whose connection was lost (LostLanes): its watch (a
+        # connectivity subscription), one placing at a time, and the channels it replaced,
+        # each closed once its grace has passed (calls already on it finish first).
+        self._lost = LostLanes(self.channels)
+        self._watches: list[Callable[[grpc.ChannelConnectivity], None] | None] = []
+        self._place_locks = [threading.Lock() for _ in range(self.channels)]
+        self._retired: list[tuple[threading.Timer, grpc.Channel]] = []
+        self._several_frontends = False  # what spread's looks found
         try:
             for _ in range(self.channels):
-                base, lane = open_lane()
+                base, lane = self._open_lane()
                 self._base_channels.append(base)
                 self._lanes.append(lane)
+                self._watches.append(None)
             if self.spread:
-                self._spread_lanes(open_lane)
+                self._spread_lanes()
         except BaseException:  # e.g. an interceptor that raised: no channel left open
             for base in self._base_channels:
                 base.close()
             raise
-        self._base_channel = self._base_channels[0]
-        channel = self._channel = (grpc.intercept_channel(self._base_channel, *interceptors)
-                                   if interceptors else self._base_channel)
+        self._bind(self._base_channels[0])
+        if self._several_frontends:  # else there is nowhere else to go
+            for i in range(self.channels):
+                self._watch(i)
+
+    def _open_lane(self) -> tuple[grpc.Channel, dict[str, Any]]:
+        """A new channel (a connection of its own) and its compute rpcs."""
+        if self._credentials is None:
+            base = grpc.insecure_channel(self.target, options=self._options)
+        else:
+            base = grpc.secure_channel(self.target, self._credentials, options=self._options)
+        icpts = self._interceptors
+        return base, lane_rpcs(grpc.intercept_channel(base, *icpts) if icpts else base)
+
+    def _bind(self, base: grpc.Channel) -> None:
+        """The small rpcs (info, health, regions, caches) go over the first channel."""
+        self._base_channel = base
+        icpts = self._interceptors
+        channel = self._channel = grpc.intercept_channel(base, *icpts) if icpts else base
         self._info = channel.unary_unary(
             INFO_METHOD,
             request_serializer=pb.GetServerInfoRequest.SerializeToString,
@@ -499,7 +531,14 @@ class AttentionClient(ClientBase):
             self.closed = True  # no striped call starts parts any more
             if self._stripe_pool is not None:
                 self._stripe_pool.shutdown(wait=False)
+        for i in range(len(self._base_channels)):
+            self._unwatch(i)
+        retired = [ch for _, ch in self._retired]
+        _await_pollers(self._base_channels + retired)
         for ch in self._base_channels:
+            ch.close()
+        for timer, ch in self._retired:  # a replaced channel's grace ends now
+            timer.cancel()
             ch.close()
         self.closed = True
 
@@ -509,27 +548,86 @@ class AttentionClient(ClientBase):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _spread_lanes(self, open_lane: Callable[[], tuple[grpc.Channel, dict[str, Any]]]) -> None:
+    def _spread_lanes(self) -> None:
         """``spread``: each connection that fell on a front end holding more connections than
         the least-loaded one (+1) is replaced by a new one, hashed afresh; at most
         ``spread_tries`` connections are looked at per channel (4 per front end), all within
         ``SPREAD_TIMEOUT_S`` (fail fast: a server that is not up, or cannot count, leaves the
         channels as they are)."""
+        for i in range(len(self._lanes)):
+            if not self._place(i):
+                return
+
+    def _place(self, lane_no: int, grace: float | None = None) -> bool:
+        """``spread`` for one lane; False when the server did not answer (down, or too old to
+        count). ``grace``: a replaced channel's calls get this long to finish (None: it
+        closes at once, as at construction, when it carries none). A server of several
+        front ends has its lanes watched for lost connections from then on."""
         settings = self._settings(min(self.timeout or SPREAD_TIMEOUT_S, SPREAD_TIMEOUT_S),
                                   wait_for_ready=False)
-        for i in range(len(self._lanes)):
-            tries = 0
-            while True:
-                try:
-                    info = self._lanes[i][INFO_METHOD](
-                        pb.GetServerInfoRequest(connections=True), **settings.kwargs())
-                except grpc.RpcError:
-                    return
-                tries += 1
-                if not crowded(info) or tries >= spread_tries(info):
-                    break
-                self._base_channels[i].close()
-                self._base_channels[i], self._lanes[i] = open_lane()
+        tries = 0
+        while True:
+            try:
+                info = self._lanes[lane_no][INFO_METHOD](
+                    pb.GetServerInfoRequest(connections=True), **settings.kwargs())
+            except grpc.RpcError:
+                return False
+            tries += 1
+            self._several_frontends = self._several_frontends or info.frontends > 1
+            if self.closed or not crowded(info) or tries >= spread_tries(info):
+                return True
+            self._replace(lane_no, grace)
+
+    def _replace(self, lane_no: int, grace: float | None) -> None:
+        """A new channel for lane ``lane_no``; the old one closes (after ``grace``)."""
+        old = self._base_channels[lane_no]
+        watched = self._watches[lane_no] is not None
+        if watched:
+            self._unwatch(lane_no)
+        self._base_channels[lane_no], self._lanes[lane_no] = self._open_lane()
+        self._lost.placed(lane_no, new_channel=True)
+        if watched:
+            self._watch(lane_no)
+        if lane_no == 0 and hasattr(self, "_channel"):
+            self._bind(self._base_channels[0])
+        for stream in self._streams.take_lane(lane_no):  # idle, on the old connection
+            stream.close()
+        if grace is None:
+            old.close()
+            return
+        timer = threading.Timer(grace, old.close)
+        timer.daemon = True
+        self._retired.append((timer, old))
+        timer.start()
+
+    def _watch(self, lane_no: int) -> None:
+        """Feed lane ``lane_no``'s connectivity to ``_lost`` (grpc calls ``seen`` on a
+        thread of its own, at once and at every change)."""
+        channel = self._base_channels[lane_no]
+
+        def seen(state: grpc.ChannelConnectivity) -> None:
+            if self._base_channels[lane_no] is channel:  # not a channel replaced meanwhile
+                self._lost.seen(lane_no, state)
+
+        self._watches[lane_no] = seen
+        channel.subscribe(seen, try_to_connect=False)
+
+    def _unwatch(self, lane_no: int) -> None:
+        seen = self._watches[lane_no]
+        if seen is not None:
+            self._watches[lane_no] = None
+            self._base_channels[lane_no].unsubscribe(seen)
+
+    def _placed_lane(self, lane_no: int) -> None:
+        """Before a compute call on lane ``lane_no``: if its connection was lost since it was
+        placed, place the new one (``spread``) first; calls that come meanwhile wait for it.
+        A server that does not answer leaves the lane to be looked at by the next call."""
+        if not self._lost.lost(lane_no):
+            return
+        with self._place_locks[lane_no]:
+            if self._lost.lost(lane_no) and not self.closed and self._place(
+                    lane_no, grace=self.timeout or 60.0):
+                self._lost.placed(lane_no)
 
     def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
@@ -595,6 +693,8 @@ class AttentionClient(ClientBase):
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
         lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
+        if self.spread:
+            self._placed_lane(lane_no)
         lane = self._lanes[lane_no]
         message, streamed = self._call_message(prep, settings)
         if message is not None and streamed:

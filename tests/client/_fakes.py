@@ -40,6 +40,7 @@ class Knobs:
     info_attempts: int = 0
     crowded_first: int = 0  # GetServerInfo(connections) says "crowded" to this many asks
     counted_peers: list[str] = field(default_factory=list)  # the asks' client addresses
+    call_peers: list[str] = field(default_factory=list)  # compute calls' client addresses
     headers: list[Any] = field(default_factory=list)
     metadata: list[dict[str, str]] = field(default_factory=list)
     message_sizes: list[int] = field(default_factory=list)
@@ -57,6 +58,7 @@ class FakeAttention(pb_grpc.AttentionServiceServicer):
         with self._lock:
             knobs.attempts += 1
             knobs.metadata.append(dict(context.invocation_metadata()))
+            knobs.call_peers.append(context.peer())
         first = next(request_iterator)
         header = first.header
         knobs.headers.append(header)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import numpy as np
@@ -201,3 +203,121 @@ def test_spread_connections_do_not_idle_out(cls) -> None:
     assert idle_ms(spread=False) is None  # grpc's default (30 minutes)
     assert idle_ms(spread=True) == NEVER_IDLE_MS == 2**31 - 1
     assert idle_ms(spread=True, options=[("grpc.client_idle_timeout_ms", 60_000)]) == 60_000
+
+
+def _restart(server: grpc.Server, port: int, crowded_first: int) -> tuple[grpc.Server, Any]:
+    """Stop the fake server (its connections are lost) and start another on the same port,
+    whose first ``crowded_first`` looks say crowded."""
+    from ._fakes import start_fake
+
+    server.stop(None).wait()
+    server, servicer, _ = start_fake(port=port)
+    servicer.knobs.crowded_first = crowded_first
+    return server, servicer
+
+
+def _until(condition: Callable[[], bool], seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_sync_client_places_a_lost_connection_again() -> None:
+    """A server restart loses the client's connection; gRPC reconnects on its own, hashed to
+    any front end. The client sees the loss (a connectivity watch) and, before its next
+    compute call, places the new connection as at construction: here crowded once, so the
+    call goes on a third connection, and the small rpcs follow lane 0."""
+    from ._fakes import start_fake
+
+    server, servicer, port = start_fake()
+    try:
+        with AttentionClient(f"localhost:{port}") as client:
+            assert len(servicer.knobs.counted_peers) == 1  # placed, not crowded
+            np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)
+            assert not client._lost.lost(0)
+            server, servicer = _restart(server, port, crowded_first=1)
+            _until(lambda: client._lost.lost(0))
+            np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)
+            looks = servicer.knobs.counted_peers
+            assert len(looks) == 2 and len(set(looks)) == 2  # the crowded one was replaced
+            assert servicer.knobs.call_peers == [looks[1]]
+            assert client.info()["device"] == "fake"
+            np.testing.assert_array_equal(client.attention(Q, Q, Q), Q)
+            assert len(servicer.knobs.counted_peers) == 2  # placed: no more looks
+            assert servicer.knobs.call_peers == [looks[1]] * 2
+    finally:
+        server.stop(None)
+
+
+def test_async_client_places_a_lost_connection_again() -> None:
+    """The same for the asyncio client (a watch task per lane); calls that start while the
+    lane is being placed wait for it and go on the new connection."""
+    from ._fakes import start_fake
+
+    server, servicer, port = start_fake()
+
+    async def main() -> None:
+        nonlocal server, servicer
+        async with AsyncAttentionClient(f"localhost:{port}") as client:
+            np.testing.assert_array_equal(await client.attention(Q, Q, Q), Q)
+            assert len(servicer.knobs.counted_peers) == 1
+            server, servicer = _restart(server, port, crowded_first=1)
+            end = time.monotonic() + 10
+            while not client._lost.lost(0):
+                assert time.monotonic() < end, "the loss was not seen"
+                await asyncio.sleep(0.01)
+            outs = await asyncio.gather(*(client.attention(Q, Q, Q) for _ in range(3)))
+            for out in outs:
+                np.testing.assert_array_equal(out, Q)
+            looks = servicer.knobs.counted_peers
+            assert len(looks) == 2 and len(set(looks)) == 2
+            assert servicer.knobs.call_peers == [looks[1]] * 3
+            assert (await client.info())["device"] == "fake"
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop(None)
+
+
+@pytest.mark.parametrize("cls", [AttentionClient, AsyncAttentionClient])
+def test_a_lost_connection_is_placed_once_the_server_is_back(cls) -> None:
+    """A call while the server is down fails as before (UNAVAILABLE); the lane stays to be
+    placed, and the first call once the server is back places it."""
+    from ._fakes import start_fake
+
+    server, servicer, port = start_fake()
+
+    async def call(client: Any) -> Any:
+        out = client.attention(Q, Q, Q, timeout=5)
+        return await out if cls is AsyncAttentionClient else out
+
+    async def main() -> None:
+        nonlocal server, servicer
+        client = cls(f"localhost:{port}")
+        try:
+            await call(client)
+            server.stop(None).wait()
+            end = time.monotonic() + 10
+            while not client._lost.lost(0):
+                assert time.monotonic() < end, "the loss was not seen"
+                await asyncio.sleep(0.01)
+            with pytest.raises(AttentionError) as err:
+                await call(client)
+            assert err.value.code is grpc.StatusCode.UNAVAILABLE
+            assert client._lost.lost(0)  # still to be placed
+            server, servicer, _ = start_fake(port=port)
+            servicer.knobs.crowded_first = 1
+            np.testing.assert_array_equal(await call(client), Q)
+            looks = servicer.knobs.counted_peers
+            assert len(looks) == 2 and servicer.knobs.call_peers == [looks[1]]
+        finally:
+            closed = client.close()
+            if cls is AsyncAttentionClient:
+                await closed
+
+    try:
+        asyncio.run(main())
+    finally:
+        server.stop(None)

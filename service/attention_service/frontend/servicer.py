@@ -175,8 +175,8 @@ class AttentionServicer:
             if self._counted is not None and self._counted[0] >= arrived:
                 return self._counted[1]
             if self._counted is not None:
-                wait = self._counted[0] + _COUNT_INTERVAL_S - time.monotonic()
-                if wait > 0:
+                # A loop: asyncio may wake a sleeper up to its clock resolution early.
+                while (wait := self._counted[0] + _COUNT_INTERVAL_S - time.monotonic()) > 0:
                     await asyncio.sleep(wait)
             started = time.monotonic()
             try:
