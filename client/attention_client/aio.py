@@ -506,6 +506,7 @@ class AsyncAttentionClient(ClientBase):
         self, method: str, request: Any, settings: CallSettings | None = None
     ) -> Any:
         settings = settings or self._settings()
+        await self._placed_lane(0, settings, method)
         try:
             return await self._unary_rpcs[method](request, **settings.kwargs())
         except grpc.RpcError as err:
@@ -517,6 +518,7 @@ class AsyncAttentionClient(ClientBase):
     ) -> dict[str, Any]:
         """See AttentionClient.info."""
         settings = self._settings(timeout, metadata, wait_for_ready)
+        await self._placed_lane(0, settings, "GetServerInfo")
         try:
             reply = await self._info(pb.GetServerInfoRequest(), **settings.kwargs())
         except grpc.RpcError as err:
@@ -529,6 +531,7 @@ class AsyncAttentionClient(ClientBase):
     ) -> str:
         """See AttentionClient.health."""
         settings = self._settings(timeout, metadata, wait_for_ready)
+        await self._placed_lane(0, settings, "Health.Check")
         try:
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(service=service), **settings.kwargs()

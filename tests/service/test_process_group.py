@@ -385,6 +385,42 @@ def test_killed_frontend_loses_only_its_own_calls() -> None:
         assert g.stop() == 0
 
 
+def test_clients_of_a_killed_front_end_spread_again_once_it_is_back() -> None:
+    """Eight spread clients hold 4 + 4 connections. Front end 0 is killed and restarted: its
+    four clients' connections are lost, and gRPC reconnects each at its next call, hashed to
+    either front end (all four back on front end 0 one time in 16). The clients see the loss
+    and place their new connections again before those calls: 4 + 4 once more."""
+    from attention_client import AttentionClient
+    from attention_service.frontend import connections
+
+    g = Group(2)
+    clients: list[Any] = []
+    try:
+        def held() -> list[int]:
+            pids = list(g.frontend_pids().values())
+            return sorted(connections.counts(g.port, pids).values())
+
+        clients = [AttentionClient(g.target) for _ in range(8)]
+        assert wait_until(lambda: held() == [4, 4])
+        victim = g.frontend_pids()[0]
+        os.kill(victim, signal.SIGKILL)
+        g.wait_for(r"front end 0 listening \(pid \d+\), restarted")
+        g.wait_until_serving()
+        assert wait_until(lambda: sum(c._lost.lost(0) for c in clients) == 4)
+        for client in clients:
+            q, k, v = (torch.randn(24, 4, 16), torch.randn(24, 2, 16), torch.randn(24, 2, 16))
+            out = client.attention(q, k, v, [0, 8, 24], causal=True)
+            want, _ = prefill_oracle(q, k, v, [0, 8, 24], causal=True)
+            torch.testing.assert_close(out.double(), want, atol=TOLERANCE[torch.float32],
+                                       rtol=TOLERANCE[torch.float32])
+        assert not any(c._lost.lost(0) for c in clients)
+        assert wait_until(lambda: held() == [4, 4]), held()
+    finally:
+        for client in clients:
+            client.close()
+        assert g.stop() == 0
+
+
 def test_frontend_killed_while_the_engine_computes_its_call() -> None:
     g = Group(2)
     try:
