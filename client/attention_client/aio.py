@@ -225,7 +225,7 @@ class AsyncAttentionClient(ClientBase):
         self._watchers[lane_no] = asyncio.ensure_future(watch(self._channels[lane_no]))
 
     async def _placed_lane(self, lane_no: int, settings: CallSettings, method: str) -> None:
-        """Before a compute call on lane ``lane_no``: if its connection was lost since it was
+        """Before a call that uses lane ``lane_no``: if its connection was lost since it was
         placed, place the new one first (one task per lane, which calls that come meanwhile
         wait for, within their deadlines). A server that does not answer leaves the lane to
         be looked at by the next call."""

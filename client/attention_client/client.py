@@ -593,6 +593,8 @@ class AttentionClient(ClientBase):
             self._bind(self._base_channels[0])
         for stream in self._streams.take_lane(lane_no):  # idle, on the old connection
             stream.close()
+        if watched:
+            _await_pollers([old])
         old.close()
 
     def _watch(self, lane_no: int) -> None:
@@ -614,7 +616,7 @@ class AttentionClient(ClientBase):
             self._base_channels[lane_no].unsubscribe(seen)
 
     def _placed_lane(self, lane_no: int) -> None:
-        """Before a compute call on lane ``lane_no``: if its connection was lost since it was
+        """Before a call that uses lane ``lane_no``: if its connection was lost since it was
         placed, place the new one (``spread``) first; calls that come meanwhile wait for it.
         A server that does not answer leaves the lane to be looked at by the next call."""
         if not self._lost.lost(lane_no):
