@@ -151,16 +151,9 @@ class AsyncAttentionClient(ClientBase):
             return
         if self._spread_task is None:
             self._spread_task = asyncio.ensure_future(self._spread_lanes())
-        timeout = None
-        if settings.deadline is not None:
-            timeout = max(settings.deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._spread_task), timeout)
-        except asyncio.TimeoutError:
-            raise make_error(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the call's deadline passed while the client was placing its connections "
-                "(spread=True; it does so once, before its first call)", method) from None
+        await _wait_for_looks(self._spread_task, settings, method,
+                              "its connections (spread=True; it does so once, before its "
+                              "first call)")
 
     async def _spread_lanes(self) -> None:
         try:
@@ -238,16 +231,9 @@ class AsyncAttentionClient(ClientBase):
                     self._lost.placed(lane_no)
 
             task = self._placing[lane_no] = asyncio.ensure_future(place())
-        timeout = None
-        if settings.deadline is not None:
-            timeout = max(settings.deadline - time.monotonic(), 0.0)
-        try:
-            await asyncio.wait_for(asyncio.shield(task), timeout)
-        except asyncio.TimeoutError:
-            raise make_error(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                "the call's deadline passed while the client was placing its new connection "
-                "(spread=True; it does so after a connection was lost)", method) from None
+        await _wait_for_looks(task, settings, method,
+                              "its new connection (spread=True; it does so after a "
+                              "connection was lost)")
 
     async def attention(
         self,
@@ -609,6 +595,7 @@ class AsyncAttentionClient(ClientBase):
                    lane: int | None = None) -> Any:
         """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
+        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
         try:
             await self._ensure_spread(settings, prep.method)
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
@@ -616,12 +603,6 @@ class AsyncAttentionClient(ClientBase):
                     "ListRegions", pb.ListRegionsRequest(), settings.named(None)
                 ))
             assembler = self._assembler(prep)
-        except BaseException:
-            if prep.placement is not None:
-                prep.placement.finish(ok=True)  # nothing was sent
-            raise
-        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
-        try:
             await self._placed_lane(lane_no, settings, prep.method)
         except BaseException:
             if prep.placement is not None:
@@ -661,6 +642,21 @@ class AsyncAttentionClient(ClientBase):
             self._abandon(prep)
             call.cancel()
             raise
+
+
+async def _wait_for_looks(task: asyncio.Task[None], settings: CallSettings, method: str,
+                          what: str) -> None:
+    """Wait for ``spread``'s looks (``task``) within the call's deadline; a call that is
+    cancelled, or whose deadline passes, leaves them running for the others."""
+    timeout = None
+    if settings.deadline is not None:
+        timeout = max(settings.deadline - time.monotonic(), 0.0)
+    try:
+        await asyncio.wait_for(asyncio.shield(task), timeout)
+    except asyncio.TimeoutError:
+        raise make_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                         f"the call's deadline passed while the client was placing {what}",
+                         method) from None
 
 
 def _upload_error(err: grpc.RpcError, method: str, settings: CallSettings) -> AttentionError:
