@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import _children, _free_port, _healthy
 from pyspy_summary import summarise
 
+_SPY_SECONDS, _SPY_RATE = 6, 250
+
 
 def _cpu(pid: int) -> float:
     try:
@@ -101,8 +103,9 @@ def main() -> int:
             if pid is None:
                 continue
             profs.append(subprocess.Popen(
-                [spy, "record", "-p", str(pid), "-d", "6", "-r", "250", "--gil", "-f", "raw",
-                 "-o", str(args.out / f"pyspy_{who}_{tag}.txt"), "--nonblocking"],
+                [spy, "record", "-p", str(pid), "-d", str(_SPY_SECONDS), "-r", str(_SPY_RATE),
+                 "--gil", "--threads", "-f", "raw", "-o", str(args.out / f"pyspy_{who}_{tag}.txt"),
+                 "--nonblocking"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     t0 = time.time()
     time.sleep(6.0)
@@ -111,7 +114,14 @@ def main() -> int:
     for pr in profs:
         pr.wait(60)
     for raw in sorted(args.out.glob(f"pyspy_*_{tag}.txt")):
-        (raw.parent / f"{raw.stem}_summary.txt").write_text(summarise(raw.read_text()))
+        text = raw.read_text()
+        held = sum(int(line.rpartition(" ")[2]) for line in text.splitlines()
+                   if line.rpartition(" ")[2].isdigit())
+        # --gil keeps only samples where some thread holds the GIL: their share of all the
+        # samples taken is how busy the process's GIL was.
+        busy = f"GIL held in {held} of ~{_SPY_SECONDS * _SPY_RATE} samples " \
+               f"({100 * held / (_SPY_SECONDS * _SPY_RATE):.0f}%)\n"
+        (raw.parent / f"{raw.stem}_summary.txt").write_text(busy + summarise(text))
     load.wait(120)
     lines = [f"{args.load} load, batching {args.batching}, path {args.path}, "
              f"{args.frontends} front ends, {args.clients} clients; CPU over {dt:.1f} s (cores):"]
