@@ -231,6 +231,8 @@ SUMMARY_SERIES = (
     "attention_queue_wait_seconds_count", "attention_stage_seconds_sum",
     "attention_input_bytes_total", "attention_region_bytes_total",
     "attention_request_duration_seconds_sum", "attention_request_duration_seconds_count",
+    "attention_engine_seconds_sum", "attention_engine_seconds_count",
+    "attention_launch_issue_seconds_sum", "attention_launch_issue_seconds_count",
 )
 
 
@@ -272,6 +274,7 @@ def summarize(
         "errors": sum(errors.values()), "errors_by_code": errors,
         "mean_batch_requests": math.nan, "mean_batch_tokens": math.nan,
         "mean_queue_ms": math.nan, "kernel_busy": math.nan, "server_mean_ms": math.nan,
+        "engine_mean_ms": math.nan, "launch_issue_ms": math.nan,
         "wire_in_MBps": math.nan, "region_MBps": math.nan,
         "server_cpu": math.nan, "server_busiest_thread": math.nan,
     }
@@ -286,6 +289,13 @@ def summarize(
         # the client's mean has beyond it was spent in the load process and on the wire.
         row["server_mean_ms"] = 1e3 * _ratio(d["attention_request_duration_seconds_sum"],
                                              d["attention_request_duration_seconds_count"])
+        # Of that, the engine's share (handed over until answered: queue, launch, device, the
+        # hops to the engine process); the rest is the front end's. And the host time the
+        # engine took to issue one launch (its dispatcher issues them one after another).
+        row["engine_mean_ms"] = 1e3 * _ratio(d["attention_engine_seconds_sum"],
+                                             d["attention_engine_seconds_count"])
+        row["launch_issue_ms"] = 1e3 * _ratio(d["attention_launch_issue_seconds_sum"],
+                                              d["attention_launch_issue_seconds_count"])
         # Fraction of wall time the device spent in kernels (launches may overlap copies).
         row["kernel_busy"] = d["attention_stage_seconds_sum"] / duration
         # Tensor bytes per second through gRPC and through registered regions (in + out).
@@ -443,8 +453,8 @@ def write_outputs(out_dir: Path, stem: str, report: dict[str, Any]) -> list[Path
     js.write_text(json.dumps(report, indent=2, default=str) + "\n")
     cols = ["side", "clients", "rps", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "completed",
             "errors", "mean_batch_requests", "mean_batch_tokens", "mean_queue_ms",
-            "server_mean_ms", "kernel_busy", "server_cpu", "server_busiest_thread", "load_cpu",
-            "load_busiest_thread", "frontend_connections"]
+            "server_mean_ms", "engine_mean_ms", "launch_issue_ms", "kernel_busy", "server_cpu",
+            "server_busiest_thread", "load_cpu", "load_busiest_thread", "frontend_connections"]
     with cs.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(cols)
@@ -569,7 +579,9 @@ def run_side(
             print(f"  clients {n:4d}: {row['rps']:9.1f} req/s  p50 {_f(row['p50_ms'], 2)}  "
                   f"p99 {_f(row['p99_ms'], 2)} ms  batch {_f(row['mean_batch_requests'], 2)}  "
                   f"queue {_f(row['mean_queue_ms'], 2)} ms  mean {_f(row['mean_ms'], 2)} ms "
-                  f"(server {_f(row['server_mean_ms'], 2)})  kernel busy "
+                  f"(server {_f(row['server_mean_ms'], 2)}, engine "
+                  f"{_f(row['engine_mean_ms'], 2)}, launch issue "
+                  f"{_f(row['launch_issue_ms'], 2)})  kernel busy "
                   f"{_f(100 * row['kernel_busy'], 1)}%  server cpu "
                   f"{_f(100 * row['server_cpu'], 0)}% (busiest thread "
                   f"{_f(100 * row['server_busiest_thread'], 0)}%)  load cpu "

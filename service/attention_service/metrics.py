@@ -308,7 +308,7 @@ class Metrics:
         self.multiprocess = multiprocess
         self._launch_children: dict[Op, tuple[Any, ...]] = {}  # observe_launch's series
         self._request_children: dict[tuple[str, str], tuple[Any, ...]] = {}  # observe_request's
-        self._queue_children: dict[str, Any] = {}
+        self._queue_children: dict[str, tuple[Any, Any]] = {}  # queue wait, engine time
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
@@ -325,6 +325,19 @@ class Metrics:
         self.queue_wait = Histogram(
             "attention_queue_wait_seconds", "Time from fully received to launch start.",
             ["rpc"], buckets=_WAIT, registry=r,
+        )
+        self.engine_time = Histogram(
+            "attention_engine_seconds",
+            "Time from handing a fully received request to the engine to its answer back: "
+            "queue, launch, device and, with several front ends, the hops to the engine "
+            "process. The rest of a call's duration is its front end's.",
+            ["rpc"], buckets=_WAIT, registry=r,
+        )
+        self.launch_issue = Histogram(
+            "attention_launch_issue_seconds",
+            "Host time to issue one launch: from leaving the queue to its copies and kernels "
+            "queued on the device.",
+            ["rpc"], buckets=_STAGE, registry=r,
         )
         self.stage = Histogram(
             "attention_stage_seconds", "Per-launch time of each stage.",
@@ -424,7 +437,7 @@ class Metrics:
     def observe_request(
         self, rpc: str, code: str, seconds: float, *, bytes_in: int = 0, bytes_out: int = 0,
         region_in: int = 0, region_out: int = 0, tokens: int = 0, flops: int = 0,
-        queue_seconds: float | None = None,
+        queue_seconds: float | None = None, engine_seconds: float | None = None,
     ) -> None:
         children = self._request_children.get((rpc, code))
         if children is None:
@@ -454,15 +467,19 @@ class Metrics:
         if code == "OK":
             c_tokens.inc(tokens)
             c_flops.inc(flops)
-        if queue_seconds is not None:
-            queue = self._queue_children.get(rpc)
-            if queue is None:
-                queue = self._queue_children[rpc] = self.queue_wait.labels(rpc=rpc)
-            queue.observe(queue_seconds)
+        if queue_seconds is not None or engine_seconds is not None:
+            waits = self._queue_children.get(rpc)
+            if waits is None:
+                waits = self._queue_children[rpc] = (self.queue_wait.labels(rpc=rpc),
+                                                     self.engine_time.labels(rpc=rpc))
+            if queue_seconds is not None:
+                waits[0].observe(queue_seconds)
+            if engine_seconds is not None:
+                waits[1].observe(engine_seconds)
 
     def observe_launch(
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,
-        h2d: float, kernel: float, d2h: float,
+        h2d: float, kernel: float, d2h: float, issue: float | None = None,
     ) -> None:
         children = self._launch_children.get(op)
         if children is None:
@@ -478,9 +495,13 @@ class Metrics:
                 tuple(self.stage.labels(rpc=rpc, stage=stage) for stage in STAGES),
                 self.kernel_seconds.labels(rpc=rpc), self.kernel_flops.labels(rpc=rpc),
                 self.kernel_kv_bytes.labels(rpc=rpc), rate_child,
+                self.launch_issue.labels(rpc=rpc),
             )
-        batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate = children
+        (batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate,
+         issued) = children
         batches.inc()
+        if issue is not None:
+            issued.observe(issue)
         batch_requests.observe(requests)
         batch_tokens.observe(tokens)
         for child, seconds in zip(stages, (h2d, kernel, d2h), strict=True):

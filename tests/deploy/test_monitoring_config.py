@@ -252,6 +252,8 @@ def test_dashboard_queries_only_contract_metrics() -> None:
         ("p95 latency", r"histogram_quantile\(0\.95, .*attention_request_duration_seconds_bucket"),
         ("p99 latency", r"histogram_quantile\(0\.99, .*attention_request_duration_seconds_bucket"),
         ("queue wait", r"attention_queue_wait_seconds"),
+        ("engine share", r"attention_engine_seconds_sum.*/.*attention_engine_seconds_count"),
+        ("launch issue time", r"attention_launch_issue_seconds_sum"),
         ("kernel FLOP/s, time-weighted",
          r"rate\(attention_kernel_flops_total.*\) / .*rate\(attention_kernel_seconds_total"),
         ("kernel bytes/s, time-weighted",

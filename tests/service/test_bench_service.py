@@ -37,6 +37,9 @@ def test_bench_service_runs_both_sides_and_writes_results(tmp_path: Path, send: 
         assert row["p50_ms"] <= row["p95_ms"] <= row["p99_ms"]
         assert row["mean_batch_requests"] >= 1  # read from the server's /metrics
         assert 0 < row["server_mean_ms"] <= row["mean_ms"]  # the wire and the client add
+        # The engine's share of the server's time, and its host time per launch.
+        assert 0 < row["engine_mean_ms"] <= row["server_mean_ms"]
+        assert row["launch_issue_ms"] > 0
         # The started server's CPU use from /proc: busy, and one thread at most all of it.
         assert row["server_cpu"] > 0
         assert 0 < row["server_busiest_thread"] <= row["server_cpu"] + 1e-9
@@ -70,6 +73,9 @@ def test_bench_service_shm_path_through_a_process_group(tmp_path: Path) -> None:
         assert len(held) == 2 and sum(held) >= row["clients"] and held[0] - held[1] <= 1
         # Every tensor byte went through the region: none through gRPC.
         assert row["region_MBps"] > 0 and row["wire_in_MBps"] == 0
+        # The front ends time the engine's share, the engine its launches: one scrape.
+        assert 0 < row["engine_mean_ms"] <= row["server_mean_ms"]
+        assert row["launch_issue_ms"] > 0
 
 
 def _run_load_point(handlers: dict, n_clients: int, **point: object) -> dict:

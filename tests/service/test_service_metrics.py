@@ -48,7 +48,7 @@ def _contract_metrics(nvml: bool = False) -> dict[str, tuple[str, set[str]]]:
 
 def test_contract_table_parsed() -> None:
     rows = _contract_metrics()
-    assert len(rows) == 35 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
+    assert len(rows) == 37 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
     assert rows["attention_process_cpu_seconds_total"] == ("counter", {"role", "pid"})
     assert len(_contract_metrics(nvml=True)) == 8
 
@@ -112,6 +112,16 @@ def test_counters_move(start_server) -> None:  # type: ignore[no-untyped-def]
     assert delta("attention_batch_requests", "attention_batch_requests_sum", **pre) == 1
     assert delta("attention_batch_tokens", "attention_batch_tokens_sum", **pre) == 10
     assert delta("attention_queue_wait_seconds", "attention_queue_wait_seconds_count", **pre) == 1
+    # The engine's share of the call: observed once, within the call's whole duration.
+    assert delta("attention_engine_seconds", "attention_engine_seconds_count", **pre) == 1
+    engine = delta("attention_engine_seconds", "attention_engine_seconds_sum", **pre)
+    assert 0 < engine <= delta("attention_request_duration_seconds",
+                               "attention_request_duration_seconds_sum", rpc="Prefill",
+                               code="OK")
+    assert delta("attention_launch_issue_seconds", "attention_launch_issue_seconds_count",
+                 **pre) == 1
+    assert delta("attention_launch_issue_seconds", "attention_launch_issue_seconds_sum",
+                 **pre) > 0
     for stage in ("h2d", "kernel", "d2h"):
         assert delta("attention_stage_seconds", "attention_stage_seconds_count",
                      rpc="Decode", stage=stage) == 1

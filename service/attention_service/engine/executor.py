@@ -78,7 +78,7 @@ class LaunchObserver(Protocol):
 
     def observe_launch(
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,
-        h2d: float, kernel: float, d2h: float,
+        h2d: float, kernel: float, d2h: float, issue: float | None = None,
     ) -> None: ...
 
 
@@ -106,6 +106,7 @@ class _Issued:
     plan: BatchPlan
     pending: PendingLaunch
     started: float  # perf_counter when the batch left the queue
+    issued: float  # perf_counter when its launch had been issued
 
 
 def _settle(fut: asyncio.Future[ExecStats], value: ExecStats | BaseException) -> None:
@@ -335,7 +336,7 @@ class Executor:
             else:
                 self._issue_alone(waiters, started, exc)
                 return
-        issued = _Issued(waiters, plan, pending, started)
+        issued = _Issued(waiters, plan, pending, started, time.perf_counter())
         deferred = getattr(self._deferred, "issued", None) if here else None
         if deferred is not None and plan.op in self._inline_ops:
             with self._cond:  # close() waits for it as for a launch being issued
@@ -358,7 +359,7 @@ class Executor:
                     pending: PendingLaunch = self.backend.launch(plan, w.job.cancel)
             except Exception as single_exc:
                 pending = _Failed(single_exc)
-            self._issued.put(_Issued([w], plan, pending, started))
+            self._issued.put(_Issued([w], plan, pending, started, time.perf_counter()))
 
     # ---- completer thread ---------------------------------------------------------------
 
@@ -395,7 +396,7 @@ class Executor:
                 self._observer.observe_launch(
                     plan.op, requests=len(plan), tokens=plan.tokens, flops=plan.flops,
                     kv_bytes=plan.kv_bytes, h2d=times.h2d_seconds, kernel=times.kernel_seconds,
-                    d2h=times.d2h_seconds,
+                    d2h=times.d2h_seconds, issue=issued.issued - issued.started,
                 )
             except Exception:
                 log.exception("launch accounting failed")

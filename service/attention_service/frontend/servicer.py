@@ -224,9 +224,11 @@ class AttentionServicer:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in
             call.caller = self._principals.of(context)
+            handed = time.perf_counter()
             stats = await self._link.run(
                 received.params, received.buffers, received.regions, call.caller,
             )
+            call.engine_seconds = time.perf_counter() - handed
             call.queue_seconds = stats.queue_seconds
             chunk_bytes = MAX_MESSAGE_BYTES if unary else self._config.chunk_bytes
             parts: list[bytes | memoryview] = []  # a unary answer's, joined once below
@@ -303,6 +305,7 @@ class AttentionServicer:
             call.rpc, call.code, seconds, bytes_in=call.bytes_in, bytes_out=call.bytes_out,
             region_in=call.region_in, region_out=call.region_out, tokens=call.tokens,
             flops=call.flops, queue_seconds=call.queue_seconds,
+            engine_seconds=call.engine_seconds,
         )
         level = call_log_level(call.code)
         if not log.isEnabledFor(level):  # the line costs ~10 us to build; skip it unread
@@ -326,6 +329,7 @@ class _CallRecord:
         self.bytes_in = self.bytes_out = self.region_in = self.region_out = 0
         self.tokens = self.flops = 0
         self.queue_seconds: float | None = None
+        self.engine_seconds: float | None = None  # handed to the engine -> its answer back
         self.due: float | None = None  # a step's own deadline (perf_counter), if it has one
         self.stats: ExecStats | None = None  # set by ``ok``
         self.regions: Mapping[str, object] = {}  # names read only for the log line
