@@ -308,7 +308,7 @@ class Metrics:
         self.multiprocess = multiprocess
         self._launch_children: dict[Op, tuple[Any, ...]] = {}  # observe_launch's series
         self._request_children: dict[tuple[str, str], tuple[Any, ...]] = {}  # observe_request's
-        self._queue_children: dict[str, tuple[Any, Any]] = {}  # queue wait, engine time
+        self._wait_children: dict[str, tuple[Any, Any]] = {}  # queue wait, engine time
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
@@ -468,9 +468,9 @@ class Metrics:
             c_tokens.inc(tokens)
             c_flops.inc(flops)
         if queue_seconds is not None or engine_seconds is not None:
-            waits = self._queue_children.get(rpc)
+            waits = self._wait_children.get(rpc)
             if waits is None:
-                waits = self._queue_children[rpc] = (self.queue_wait.labels(rpc=rpc),
+                waits = self._wait_children[rpc] = (self.queue_wait.labels(rpc=rpc),
                                                      self.engine_time.labels(rpc=rpc))
             if queue_seconds is not None:
                 waits[0].observe(queue_seconds)
