@@ -9,7 +9,8 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from attention_service.config import ServerConfig, load_config
+from attention_service.config import ServerConfig, load_config, usable_cpus
+from attention_service.cpus import allowed_cpus, format_cpu_list, pin_process, placement
 
 log = logging.getLogger("attention_service")
 
@@ -83,10 +84,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             from attention_service.engine.backends import resolve_device
 
             resolve_device(config.device)
-        if config.process_count > 1:
+        group = config.process_count > 1
+        try:
+            place = placement(config.engine_cpus, config.frontend_cpus, allowed_cpus(),
+                              usable_cpus(), group=group)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if group:
             from attention_service.ipc.group import run_group
 
-            return run_group(config)
+            return run_group(config, place)
+        if config.frontend_cpus:
+            log.warning("--frontend-cpus is ignored: one process serves (--frontends 1)")
+        if place.engine:
+            pin_process(place.engine)
+            log.info("running on CPUs %s (--engine-cpus)", format_cpu_list(place.engine))
         return asyncio.run(serve(config))
     except StartupError as exc:  # one line, as for a bad flag, not a traceback
         print(f"attention-server: {exc}", file=sys.stderr)

@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NoReturn
 
+from attention_service.cpus import check_setting
+
 # gRPC's default receive limit; the server keeps it so default clients interoperate.
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # Room left in a response message for the non-data fields of an OutputChunk.
@@ -180,6 +182,11 @@ class ServerConfig:
     # call waits for a launch of one request (0 = never; -1 = auto_spin_us(): on with 8+
     # usable cores). See docs/service.md, "Polling".
     spin_us: float = -1.0
+    # CPUs of the process group (attention_service/cpus.py): the engine's (auto: the lowest 3
+    # with 8+ usable CPUs, else none; none: not placed; or a list such as 0-2) and the front
+    # ends' (empty: the CPUs the engine leaves, when it is placed; or a list).
+    engine_cpus: str = "auto"
+    frontend_cpus: str = ""
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cuda", "cpu"):
@@ -244,6 +251,8 @@ class ServerConfig:
             raise ValueError("spin_us must be in [0, 1000000] (0 = never) or -1 (auto)")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
+        check_setting("engine_cpus", self.engine_cpus, ("auto", "none"))
+        check_setting("frontend_cpus", self.frontend_cpus, ("",))
         if self.auth_token is not None and not all(self.tokens):
             raise ValueError("auth_token: empty token in the comma-separated list")
 
@@ -329,6 +338,8 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_caches": ("--max-caches", "ATTENTION_MAX_CACHES", int),
     "cuda_graphs": ("--cuda-graphs", "ATTENTION_CUDA_GRAPHS", _bool_env),
     "spin_us": ("--spin-us", "ATTENTION_SPIN_US", float),
+    "engine_cpus": ("--engine-cpus", "ATTENTION_ENGINE_CPUS", _word),
+    "frontend_cpus": ("--frontend-cpus", "ATTENTION_FRONTEND_CPUS", _word),
 }
 
 

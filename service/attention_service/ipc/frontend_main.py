@@ -22,6 +22,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from attention_service.cpus import pin_process
 from attention_service.ipc import arena as arenas
 from attention_service.ipc.channel import Channel, recv_message
 from attention_service.ipc.messages import Bound, Hello
@@ -94,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     for fd in fds:
         os.close(fd)
+    if hello.cpus:  # before grpc starts its threads (they inherit it)
+        pin_process(hello.cpus)
     config = hello.config
     logging.basicConfig(
         level=config.log_level.upper(),

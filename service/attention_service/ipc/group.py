@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from attention_service.config import ServerConfig
+from attention_service.cpus import Placement, pin_process
 from attention_service.errors import StartupError
 from attention_service.heap import freeze_startup_heap
 
@@ -133,9 +134,10 @@ class _Slot:
 
 
 class Group:
-    def __init__(self, config: ServerConfig, count: int) -> None:
+    def __init__(self, config: ServerConfig, count: int, place: Placement) -> None:
         self.config = config
         self.count = count
+        self.placement = place
         self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.slots: list[_Slot] = []
         self.draining = False
@@ -176,7 +178,8 @@ class Group:
         channel.start()
         slot.proc, slot.conn, slot.bound = proc, conn, False
         config = self.config.replace(port=self.port)
-        channel.send(Hello(config, self.core.info, slot.index, self.config.arena_bytes))
+        channel.send(Hello(config, self.core.info, slot.index, self.config.arena_bytes,
+                           self.placement.frontends))
         threading.Thread(target=self._watch, args=(slot, proc), daemon=True,
                          name=f"attention-watch-{slot.index}").start()
 
@@ -300,8 +303,9 @@ class Group:
                         started = True
                         # Parseable lines: tests and scripts read the bound ports from them.
                         log.info("listening on port %d (backend %s, device %s, %d front ends, "
-                                 "polling %.0f us)", self.port, backend.name,
-                                 backend.device_name, self.count, cfg.spin_seconds * 1e6)
+                                 "polling %.0f us, %s)", self.port, backend.name,
+                                 backend.device_name, self.count, cfg.spin_seconds * 1e6,
+                                 self.placement.describe())
                         if metrics_port is not None:
                             log.info("metrics on port %d", metrics_port)
                         self.warmup_thread = threading.Thread(
@@ -310,6 +314,10 @@ class Group:
                 elif kind == "warm":
                     if failed:
                         raise failed[0]
+                    if self.placement.engine:
+                        # After the warm-up: its compile workers are this process's children
+                        # and would inherit the engine's few CPUs.
+                        pin_process(self.placement.engine)
                     if not self.draining:
                         serving = True
                         for slot in self.slots:
@@ -414,13 +422,14 @@ def _remove_stale_metrics_dirs() -> None:
         shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def run_group(config: ServerConfig) -> int:
+def run_group(config: ServerConfig, place: Placement | None = None) -> int:
+    """``place``: where the processes run (``cpus.placement``; None: not placed)."""
     count = config.process_count
     _remove_stale_metrics_dirs()
     metrics_dir = tempfile.mkdtemp(prefix=f"{METRICS_DIR_PREFIX}{os.getpid()}-")
     # Before prometheus_client is imported anywhere in this process or its children.
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir
-    group = Group(config, count)
+    group = Group(config, count, place or Placement(None, None))
     try:
         rc = group.run()
     finally:

@@ -41,6 +41,7 @@ class Hello(NamedTuple):
     info: EngineInfo
     slot: int
     arena_bytes: int
+    cpus: frozenset[int] | None = None  # where it runs (cpus.py); None: where it started
 
 
 class Serving(NamedTuple):

@@ -1,0 +1,156 @@
+"""Host time of one batched prefill launch as the engine's dispatcher issues it (``BatchPlan``
+plus ``CudaBackend.launch``: packing table, cu_seqlens, three kernels, four events), alone and
+beside threads that take the GIL the way the engine's channel readers do; and the C calls one
+launch makes. Diagnostic, not a benchmark of record: it says whether a batch's issue time in
+the service (``attention_launch_issue_seconds``) is the launch's own work or waiting for the
+GIL behind other threads.
+
+    python benchmarks/probe_issue.py [--batches 1,4,16] [--channels 8] [--rate 4300]
+
+Jobs are laid out in one page-locked arena, as a front end's arena is, with lengths
+log-uniform in [--min-len, --max-len] (bench_service.py's distribution), bf16, causal. Each
+round issues a fresh batch (no cu_seqlens memo hits), times the issue, then waits for the GPU
+(untimed). Readers: ``probe_gil_contention``'s feeder process and one thread per channel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing as mp
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from probe_gil_contention import _feed, _reader_threads  # noqa: E402
+
+from attention_service.engine.backends import WIRE_DTYPES, CudaBackend  # noqa: E402
+from attention_service.engine.batch_plan import BatchPlan, batch_key  # noqa: E402
+from attention_service.engine.jobs import ByteBase, CancelEvent, Job  # noqa: E402
+from attention_service.engine.regions import pin  # noqa: E402
+from attention_service.params import Op, make_params  # noqa: E402
+
+_ALIGN = 256
+
+
+def _jobs(base: ByteBase, lengths: list[int], at: int, heads: int, kv_heads: int, dim: int
+          ) -> tuple[list[Job], int]:
+    """One job per length, its q/k/v/out laid out from byte ``at`` of ``base``."""
+    jobs = []
+    dt = torch.bfloat16
+    for n in lengths:
+        spans = {}
+        for name, h in (("q", heads), ("k", kv_heads), ("v", kv_heads), ("out", heads)):
+            spans[name] = (base, at, dt, (n, h, dim))
+            at += -(-n * h * dim * 2 // _ALIGN) * _ALIGN
+        params = make_params(Op.PREFILL, WIRE_DTYPES[dt], (n, heads, dim), (n, kv_heads, dim),
+                             (0, n), (0, n), causal=True)
+        jobs.append(Job(params, spans=spans))
+    return jobs, at
+
+
+def _rounds(backend: CudaBackend, batches: list[list[Job]], seconds: float) -> np.ndarray:
+    key = batch_key(batches[0][0])
+    flag = CancelEvent()
+    times = []
+    end = time.perf_counter() + seconds
+    i = 0
+    while time.perf_counter() < end:
+        jobs = batches[i % len(batches)]
+        i += 1
+        t0 = time.perf_counter()
+        pending = backend.launch(BatchPlan(jobs, key), flag)
+        times.append(time.perf_counter() - t0)
+        pending.wait()
+    return np.array(times) * 1e3
+
+
+def _c_calls(backend: CudaBackend, jobs: list[Job]) -> collections.Counter[str]:
+    counts: collections.Counter[str] = collections.Counter()
+
+    def prof(frame: object, event: str, arg: object) -> None:
+        if event == "c_call":
+            counts[getattr(arg, "__qualname__", None) or repr(arg)] += 1
+
+    key = batch_key(jobs[0])
+    sys.setprofile(prof)
+    try:
+        pending = backend.launch(BatchPlan(jobs, key), CancelEvent())
+    finally:
+        sys.setprofile(None)
+    pending.wait()
+    return counts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", default="1,4,16", help="requests per launch")
+    p.add_argument("--min-len", type=int, default=16)
+    p.add_argument("--max-len", type=int, default=256)
+    p.add_argument("--channels", type=int, default=8)
+    p.add_argument("--rate", type=float, default=4300.0, help="messages/s over all channels")
+    p.add_argument("--work-us", type=float, default=50.0, help="Python work per message")
+    p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--switch-interval", type=float, default=0.0,
+                   help="sys.setswitchinterval for the run (0: leave the default)")
+    args = p.parse_args()
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    torch.set_num_threads(1)
+    backend = CudaBackend(cuda_graphs=False)
+    arena_bytes = 512 << 20
+    arena = torch.empty(arena_bytes, dtype=torch.uint8)
+    unpin = pin(arena, arena_bytes)
+    base = ByteBase(arena)
+    rng = np.random.default_rng(0)
+    sizes = [int(b) for b in args.batches.split(",")]
+    print(f"{torch.cuda.get_device_name()}; switch interval {sys.getswitchinterval() * 1e6:.0f}"
+          f" us; readers: {args.channels} channels, {args.rate:.0f} msg/s, {args.work_us:.0f} "
+          f"us of Python each")
+    print(f"{'batch':>5}  {'readers':>7}  {'rounds':>6}  {'mean ms':>8}  {'p50 ms':>7}  "
+          f"{'p90 ms':>7}")
+    for n in sizes:
+        at, batches = 0, []
+        for _ in range(32):
+            lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len + 1), n))
+            jobs, at = _jobs(base, [int(x) for x in lengths], at, 16, 8, 128)
+            batches.append(jobs)
+            if at > arena_bytes - (64 << 20):
+                at = 0
+        _rounds(backend, batches, 1.0)  # compile and warm
+        calls = _c_calls(backend, batches[0])
+        for mode in ("alone", "threads"):
+            if mode == "alone":
+                t = _rounds(backend, batches, args.seconds)
+            else:
+                pairs = [socket.socketpair() for _ in range(args.channels)]
+                mine, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+                stop = time.perf_counter() + args.seconds + 1.0
+                feeder = mp.get_context("fork").Process(target=_feed,
+                                                        args=(theirs, args.rate, stop))
+                feeder.start()
+                for s in theirs:
+                    s.close()
+                readers = _reader_threads(mine, args.work_us)
+                for r in readers:
+                    r.start()
+                time.sleep(0.3)
+                t = _rounds(backend, batches, args.seconds)
+                feeder.join()
+                for s in mine:
+                    s.close()
+            print(f"{n:5d}  {mode:>7}  {t.size:6d}  {t.mean():8.3f}  {np.median(t):7.3f}  "
+                  f"{np.percentile(t, 90):7.3f}", flush=True)
+        print(f"       C calls in one launch of {n}: {sum(calls.values())}; "
+              + ", ".join(f"{k} {v}" for k, v in calls.most_common(40)))
+    unpin()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
