@@ -10,7 +10,13 @@ import sys
 from collections.abc import Sequence
 
 from attention_service.config import ServerConfig, load_config, usable_cpus
-from attention_service.cpus import allowed_cpus, format_cpu_list, pin_process, placement
+from attention_service.cpus import (
+    allowed_cpus,
+    format_cpu_list,
+    host_cpus,
+    pin_process,
+    placement,
+)
 
 log = logging.getLogger("attention_service")
 
@@ -87,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         group = config.process_count > 1
         try:
             place = placement(config.engine_cpus, config.frontend_cpus, allowed_cpus(),
-                              usable_cpus(), group=group)
+                              usable_cpus(), host_cpus(), group=group)
         except ValueError as exc:
             raise StartupError(str(exc)) from None
         if group:

@@ -11,10 +11,14 @@ Placed (auto), with the load generator unpinned on the same host, batching on se
 batching off 1433 against 1381 (fresh servers interleaved,
 benchmarks/results/issue10/2026-11-28e/, call 4).
 
-``auto`` places the group only with at least ``AUTO_MIN_CPUS`` usable CPUs: the engine takes
-the lowest ``AUTO_ENGINE_CPUS`` of them (one each for the dispatcher, the completer and a
-polling reader), the front ends the others. The set to split is this process's affinity
-(a container's cpuset, ``taskset``), so placement never reaches past what it was given.
+``auto`` places the group only where it was given CPUs of its own: a set narrower than the
+host's (a container's cpuset, a Kubernetes exclusive-CPU pod, ``taskset``) of at least
+``AUTO_MIN_CPUS`` usable CPUs. There the engine takes the lowest ``AUTO_ENGINE_CPUS`` of them
+(one each for the dispatcher, the completer and a polling reader) and the front ends the
+others. On the whole host it does nothing: another server on the same host (one per GPU, say)
+would pick the same lowest CPUs, and several engines on three CPUs is far worse than none
+placed. There an operator who knows the host is the server's gives lists
+(``--engine-cpus 0-2``).
 """
 
 from __future__ import annotations
@@ -95,10 +99,16 @@ def allowed_cpus() -> frozenset[int]:
         return frozenset(range(os.cpu_count() or 1))
 
 
+def host_cpus() -> int:
+    """The host's CPUs (online), whatever this process may use."""
+    return os.cpu_count() or 1
+
+
 def placement(engine_cpus: str, frontend_cpus: str, allowed: frozenset[int], usable: int,
-              group: bool = True) -> Placement:
+              host: int, group: bool = True) -> Placement:
     """What ``--engine-cpus`` / ``--frontend-cpus`` resolve to, given the CPUs this process may
-    use (``allowed``) and how many it may keep busy (``usable``: a CPU quota may be lower).
+    use (``allowed``), how many it may keep busy (``usable``: a CPU quota may be lower) and the
+    host's count (``host``: auto places only inside a narrower set).
     ``group``: the process group (False: one process, where only an explicit engine list
     applies). ValueError names the setting when a list reaches outside ``allowed``."""
 
@@ -112,7 +122,7 @@ def placement(engine_cpus: str, frontend_cpus: str, allowed: frozenset[int], usa
 
     engine: frozenset[int] | None = None
     if engine_cpus == "auto":
-        if group and min(usable, len(allowed)) >= AUTO_MIN_CPUS:
+        if group and len(allowed) < host and min(usable, len(allowed)) >= AUTO_MIN_CPUS:
             engine = frozenset(sorted(allowed)[:AUTO_ENGINE_CPUS])
     elif engine_cpus != "none":
         engine = checked("--engine-cpus", engine_cpus)

@@ -46,32 +46,37 @@ def test_cpu_lists_format_and_parse_back(cpus: set[int]) -> None:
 
 def test_auto_gives_the_engine_the_lowest_cpus_and_the_front_ends_the_rest() -> None:
     allowed = frozenset(range(4, 20))  # a cpuset that does not start at 0
-    p = placement("auto", "", allowed, 16)
+    p = placement("auto", "", allowed, 16, 64)
     assert p.engine == frozenset(range(4, 4 + AUTO_ENGINE_CPUS))
     assert p.frontends == allowed - p.engine
     assert p.describe() == "engine on CPUs 4-6, front ends on CPUs 7-19"
 
 
-@pytest.mark.parametrize(("allowed", "usable"), [
-    (frozenset(range(AUTO_MIN_CPUS - 1)), AUTO_MIN_CPUS - 1),
-    (SIXTEEN, AUTO_MIN_CPUS - 1),  # a CPU quota below the affinity
-    (frozenset({0, 1}), 2),
+@pytest.mark.parametrize(("allowed", "usable", "host"), [
+    (frozenset(range(AUTO_MIN_CPUS - 1)), AUTO_MIN_CPUS - 1, 64),
+    (SIXTEEN, AUTO_MIN_CPUS - 1, 64),  # a CPU quota below the affinity
+    (frozenset({0, 1}), 2, 64),
+    # The whole host: another server there would pick the same CPUs.
+    (SIXTEEN, 16, 16),
+    (frozenset(range(64)), 64, 64),
 ])
-def test_auto_leaves_small_hosts_unplaced(allowed: frozenset[int], usable: int) -> None:
-    assert placement("auto", "", allowed, usable) == Placement(None, None)
+def test_auto_places_only_inside_a_set_of_its_own(allowed: frozenset[int], usable: int,
+                                                  host: int) -> None:
+    assert placement("auto", "", allowed, usable, host) == Placement(None, None)
+    assert placement("auto", "", allowed, usable, host).describe() == "not placed"
 
 
 def test_one_process_is_placed_only_by_an_explicit_list() -> None:
-    assert placement("auto", "", SIXTEEN, 16, group=False) == Placement(None, None)
-    assert placement("0-1", "5", SIXTEEN, 16, group=False) == Placement(frozenset({0, 1}), None)
+    assert placement("auto", "", SIXTEEN, 16, 64, group=False) == Placement(None, None)
+    assert placement("0-1", "5", SIXTEEN, 16, 64, group=False) == Placement(frozenset({0, 1}), None)
 
 
 def test_explicit_lists() -> None:
-    assert placement("none", "", SIXTEEN, 16) == Placement(None, None)
-    assert placement("none", "2-3", SIXTEEN, 16) == Placement(None, frozenset({2, 3}))
-    assert placement("1", "2-3", SIXTEEN, 16) == Placement(frozenset({1}), frozenset({2, 3}))
+    assert placement("none", "", SIXTEEN, 16, 16) == Placement(None, None)
+    assert placement("none", "2-3", SIXTEEN, 16, 16) == Placement(None, frozenset({2, 3}))
+    assert placement("1", "2-3", SIXTEEN, 16, 16) == Placement(frozenset({1}), frozenset({2, 3}))
     # The engine given everything: the front ends share it rather than keep nothing.
-    assert placement("0-15", "", SIXTEEN, 16) == Placement(SIXTEEN, SIXTEEN)
+    assert placement("0-15", "", SIXTEEN, 16, 16) == Placement(SIXTEEN, SIXTEEN)
 
 
 @pytest.mark.parametrize(("engine", "frontends", "flag"), [
@@ -80,7 +85,7 @@ def test_explicit_lists() -> None:
 def test_cpus_outside_the_allowed_set_are_refused_by_flag(engine: str, frontends: str,
                                                           flag: str) -> None:
     with pytest.raises(ValueError, match=flag):
-        placement(engine, frontends, SIXTEEN, 16)
+        placement(engine, frontends, SIXTEEN, 16, 16)
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
