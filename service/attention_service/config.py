@@ -183,7 +183,7 @@ class ServerConfig:
     # usable cores). See docs/service.md, "Polling".
     spin_us: float = -1.0
     # CPUs of the process group (attention_service/cpus.py): the engine's (auto: the lowest 3
-    # of a cpuset narrower than the host with 8+ usable CPUs, else not placed; none: not
+    # of a cpuset narrower than the host with 10+ usable CPUs, else not placed; none: not
     # placed; or a list such as 0-2) and the front ends' (empty: the CPUs the engine leaves,
     # when it is placed; or a list).
     engine_cpus: str = "auto"
