@@ -1,26 +1,34 @@
 """Host time of one batched prefill launch as the engine's dispatcher issues it (``BatchPlan``
-plus ``CudaBackend.launch``: packing table, cu_seqlens, three kernels, four events), alone and
-beside threads that take the GIL the way the engine's channel readers do; and the C calls one
-launch makes. Diagnostic, not a benchmark of record: it says whether a batch's issue time in
-the service (``attention_launch_issue_seconds``) is the launch's own work or waiting for the
-GIL behind other threads.
+plus ``CudaBackend.launch``: packing table, cu_seqlens, three kernels, four events), alone,
+beside threads that take the GIL the way the engine's channel readers do, and with those
+readers on a host whose other CPUs are kept busy too (as front ends and a load generator keep
+them); and the C calls one launch makes. Diagnostic, not a benchmark of record: it says
+whether a batch's issue time in the service (``attention_launch_issue_seconds``) is the
+launch's own work or waiting for CPU and the GIL, and lets a change to the launch path be
+tried in one process instead of a service A/B.
 
     python benchmarks/probe_issue.py [--batches 1,4,16] [--channels 8] [--rate 4300]
+    python benchmarks/probe_issue.py --busy-procs 13 --cpus 0-2 --busy-cpus 3-15  # placed
 
 Jobs are laid out in one page-locked arena, as a front end's arena is, with lengths
 log-uniform in [--min-len, --max-len] (bench_service.py's distribution), bf16, causal. Each
 round issues a fresh batch (no cu_seqlens memo hits), times the issue, then waits for the GPU
 (untimed). Readers: ``probe_gil_contention``'s feeder process and one thread per channel.
+Busy: ``--busy-procs`` processes that each spin ``--busy-duty`` of every 10 ms (8 front ends
+used ~70% of a core each under 64 clients of small prefills).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import multiprocessing as mp
+import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_gil_contention import _feed, _reader_threads  # noqa: E402
 
+from attention_service.cpus import parse_cpu_list, pin_process  # noqa: E402
 from attention_service.engine.backends import WIRE_DTYPES, CudaBackend  # noqa: E402
 from attention_service.engine.batch_plan import BatchPlan, batch_key  # noqa: E402
 from attention_service.engine.jobs import ByteBase, CancelEvent, Job  # noqa: E402
@@ -87,6 +96,47 @@ def _c_calls(backend: CudaBackend, jobs: list[Job]) -> collections.Counter[str]:
     return counts
 
 
+def _spin(duty: float, stop: float, cpus: frozenset[int] | None) -> None:
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    while time.perf_counter() < stop:
+        end = time.perf_counter() + 0.01 * duty
+        while time.perf_counter() < end:
+            pass
+        time.sleep(0.01 * (1 - duty))
+
+
+@contextlib.contextmanager
+def _contenders(args: argparse.Namespace, readers: bool, busy: bool) -> Iterator[None]:
+    """Reader threads in this process (and their feeder), and busy processes, while inside."""
+    stop = time.perf_counter() + args.seconds + 1.0
+    ctx = mp.get_context("fork")  # the children never touch CUDA
+    procs = []
+    mine: list[socket.socket] = []
+    if readers:
+        pairs = [socket.socketpair() for _ in range(args.channels)]
+        mine, theirs = [a for a, _ in pairs], [b for _, b in pairs]
+        procs.append(ctx.Process(target=_feed, args=(theirs, args.rate, stop)))
+        procs[-1].start()
+        for s in theirs:
+            s.close()
+        for r in _reader_threads(mine, args.work_us):
+            r.start()
+    if busy:
+        cpus = parse_cpu_list(args.busy_cpus) if args.busy_cpus else None
+        for _ in range(args.busy_procs):
+            procs.append(ctx.Process(target=_spin, args=(args.busy_duty, stop, cpus)))
+            procs[-1].start()
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.join()
+        for s in mine:
+            s.close()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", default="1,4,16", help="requests per launch")
@@ -96,12 +146,19 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=4300.0, help="messages/s over all channels")
     p.add_argument("--work-us", type=float, default=50.0, help="Python work per message")
     p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--busy-procs", type=int, default=12,
+                   help="processes keeping CPUs busy in the last mode (0: skip that mode)")
+    p.add_argument("--busy-duty", type=float, default=0.7)
+    p.add_argument("--busy-cpus", default="", help="CPU list of the busy processes (all)")
+    p.add_argument("--cpus", default="", help="CPU list of this process (as placed)")
     p.add_argument("--switch-interval", type=float, default=0.0,
                    help="sys.setswitchinterval for the run (0: leave the default)")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(1)
+    if args.cpus:
+        pin_process(parse_cpu_list(args.cpus))
     backend = CudaBackend(cuda_graphs=False)
     arena_bytes = 512 << 20
     arena = torch.empty(arena_bytes, dtype=torch.uint8)
@@ -111,7 +168,8 @@ def main() -> int:
     sizes = [int(b) for b in args.batches.split(",")]
     print(f"{torch.cuda.get_device_name()}; switch interval {sys.getswitchinterval() * 1e6:.0f}"
           f" us; readers: {args.channels} channels, {args.rate:.0f} msg/s, {args.work_us:.0f} "
-          f"us of Python each")
+          f"us of Python each; busy: {args.busy_procs} processes at {args.busy_duty:.0%} "
+          f"on CPUs {args.busy_cpus or 'any'}; this process on CPUs {args.cpus or 'any'}")
     print(f"{'batch':>5}  {'readers':>7}  {'rounds':>6}  {'mean ms':>8}  {'p50 ms':>7}  "
           f"{'p90 ms':>7}")
     for n in sizes:
@@ -124,26 +182,11 @@ def main() -> int:
                 at = 0
         _rounds(backend, batches, 1.0)  # compile and warm
         calls = _c_calls(backend, batches[0])
-        for mode in ("alone", "threads"):
-            if mode == "alone":
+        for mode in ("alone", "readers", "busy"):
+            if mode == "busy" and not args.busy_procs:
+                continue
+            with _contenders(args, readers=mode != "alone", busy=mode == "busy"):
                 t = _rounds(backend, batches, args.seconds)
-            else:
-                pairs = [socket.socketpair() for _ in range(args.channels)]
-                mine, theirs = [a for a, _ in pairs], [b for _, b in pairs]
-                stop = time.perf_counter() + args.seconds + 1.0
-                feeder = mp.get_context("fork").Process(target=_feed,
-                                                        args=(theirs, args.rate, stop))
-                feeder.start()
-                for s in theirs:
-                    s.close()
-                readers = _reader_threads(mine, args.work_us)
-                for r in readers:
-                    r.start()
-                time.sleep(0.3)
-                t = _rounds(backend, batches, args.seconds)
-                feeder.join()
-                for s in mine:
-                    s.close()
             print(f"{n:5d}  {mode:>7}  {t.size:6d}  {t.mean():8.3f}  {np.median(t):7.3f}  "
                   f"{np.percentile(t, 90):7.3f}", flush=True)
         print(f"       C calls in one launch of {n}: {sum(calls.values())}; "
