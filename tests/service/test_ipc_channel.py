@@ -191,3 +191,32 @@ def test_an_unknown_compact_code_is_a_broken_channel_not_a_crash() -> None:
         decoder.frames()
     with pytest.raises(ValueError, match="taken"):
         compact(tuple, 1, tuple, tuple)  # Done's code
+
+
+@pytest.mark.parametrize("params", [
+    make_params(Op.PREFILL, pb.BFLOAT16, (7, 4, 24), (9, 2, 24), (0, 3, 9), (0, 2, 7),
+                causal=True, softmax_scale=0.3, return_lse=True),
+    make_params(Op.DECODE, pb.FLOAT16, (2, 8, 64), (300, 1, 64), (0, 100, 300),
+                num_splits=4, window=(16, 0), softcap=30.0, alibi_slopes=(0.5, 0.25)),
+    make_params(Op.CACHE_DECODE, pb.BFLOAT16, (2, 4, 32), (2, 2, 32), (0, 1, 2),
+                cache_ids=("a", "b"), store=True),
+    make_params(Op.PREFILL, pb.BFLOAT16, (5, 4, 32), (5, 2, 32), (0, 5), (0, 5),
+                kv_dtype=pb.FLOAT8_E4M3, kv_scales=((0.5, 2.0), (1.0, 0.25))),
+], ids=["prefill-lse", "decode-modifiers", "cached", "fp8"])
+def test_define_params_cross_as_field_values_and_arrive_equal(params: Any) -> None:
+    # No class reference but DefineParams' own code: the Params arrive equal (every field,
+    # the Op itself), hashable alike, and usable (the engine memoizes on them).
+    frame = _frame(DefineParams(5, params), 0)
+    size, nfds = _HEADER.unpack_from(frame)
+    assert nfds >> 16 and b"Params" not in frame and b"dataclass" not in frame
+    decoder = _Decoder()
+    decoder.buf += frame
+    ((msg, fds),) = decoder.frames()
+    assert type(msg) is DefineParams and msg.params_id == 5 and fds == []
+    got = msg.params
+    assert got == params and hash(got) == hash(params) and got.op is params.op
+    assert {f: getattr(got, f) for f in vars(params) if f != "memo"} == {
+        f: getattr(params, f) for f in vars(params) if f != "memo"}
+    got.memo["k"] = 1
+    assert got.memo == {"k": 1} and got.num_heads == params.num_heads
+    assert got.tokens == params.tokens and got.flops == params.flops
