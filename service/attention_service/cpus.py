@@ -54,18 +54,13 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def format_cpu_list(cpus: Iterable[int]) -> str:
     """{0, 1, 2, 5} -> ``"0-2,5"``."""
-    out: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [c]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ",".join(out)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def check_setting(name: str, value: str, keywords: tuple[str, ...]) -> None:
