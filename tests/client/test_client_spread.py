@@ -284,7 +284,12 @@ def test_async_client_places_a_lost_connection_again() -> None:
 @pytest.mark.parametrize("cls", [AttentionClient, AsyncAttentionClient])
 def test_a_lost_connection_is_placed_once_the_server_is_back(cls) -> None:
     """A call while the server is down fails as before (UNAVAILABLE); the lane stays to be
-    placed, and the first call once the server is back places it."""
+    placed, and the first call once the server is back places it.
+
+    "Back" is once the lane has reconnected: the failed call left its channel in gRPC's
+    reconnect backoff (1 s, then 1.6 s, each +-20%), and a call made before that runs out
+    fails fast after its retries (their backoffs are random, 0-1.5 s in all). Called right
+    after the restart, this failed in CI once (2026-11-27) on that race alone."""
     from ._fakes import start_fake
 
     server, servicer, port = start_fake()
@@ -309,6 +314,11 @@ def test_a_lost_connection_is_placed_once_the_server_is_back(cls) -> None:
             assert client._lost.lost(0)  # still to be placed
             server, servicer, _ = start_fake(port=port)
             servicer.knobs.crowded_first = 1
+            end = time.monotonic() + 10
+            while not client._lost._ready[0]:  # the watcher saw the lane READY again
+                assert time.monotonic() < end, "the lane never reconnected"
+                await asyncio.sleep(0.01)
+            assert client._lost.lost(0)  # reconnected, not yet placed
             np.testing.assert_array_equal(await call(client), Q)
             looks = servicer.knobs.counted_peers
             assert len(looks) == 2 and servicer.knobs.call_peers == [looks[1]]

@@ -385,14 +385,25 @@ def test_killed_frontend_loses_only_its_own_calls() -> None:
         assert g.stop() == 0
 
 
-def test_clients_of_a_killed_front_end_spread_again_once_it_is_back() -> None:
+def test_clients_of_a_killed_front_end_spread_again_once_it_is_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Eight spread clients hold 4 + 4 connections. Front end 0 is killed and restarted: its
     four clients' connections are lost, and gRPC reconnects each at its next call, hashed to
     either front end (all four back on front end 0 one time in 16). The clients see the loss
-    and place their new connections again before those calls: 4 + 4 once more."""
+    and place their new connections again before those calls: 4 + 4 once more.
+
+    The shipped rule gives up after 8 looks per connection (2 front ends) and 2 s: the last
+    client lands wrong 8 times running about one start in 256, and a slow CI host can run
+    out of time (CI failed here once, 2026-11-28). Neither is what this test is about, so
+    both are raised far past reach; the rule itself is tested in test_client_spread."""
+    import attention_client._base as base_mod
+    import attention_client.client as client_mod
     from attention_client import AttentionClient
     from attention_service.frontend import connections
 
+    monkeypatch.setattr(base_mod, "SPREAD_TRIES_PER_FRONTEND", 32)
+    monkeypatch.setattr(client_mod, "SPREAD_TIMEOUT_S", 30.0)
     g = Group(2)
     clients: list[Any] = []
     try:
@@ -400,12 +411,14 @@ def test_clients_of_a_killed_front_end_spread_again_once_it_is_back() -> None:
             pids = list(g.frontend_pids().values())
             return sorted(connections.counts(g.port, pids).values())
 
+        assert held() == [0, 0]  # the group's own health checks hold none
         clients = [AttentionClient(g.target) for _ in range(8)]
-        assert wait_until(lambda: held() == [4, 4])
+        assert wait_until(lambda: held() == [4, 4]), held()
         victim = g.frontend_pids()[0]
         os.kill(victim, signal.SIGKILL)
         g.wait_for(r"front end 0 listening \(pid \d+\), restarted")
         g.wait_until_serving()
+        assert wait_until(lambda: held() == [0, 4]), held()  # lost ones reconnect at a call
         assert wait_until(lambda: sum(c._lost.lost(0) for c in clients) == 4)
         for client in clients:
             q, k, v = (torch.randn(24, 4, 16), torch.randn(24, 2, 16), torch.randn(24, 2, 16))
