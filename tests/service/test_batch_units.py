@@ -668,3 +668,103 @@ def test_a_direct_launch_racing_close_is_still_answered() -> None:
                 break
             time.sleep(0.01)
         assert len(got) == 1, (attempt, got)
+
+
+# ---- the launch gate (ATTENTION_LAUNCH_GATE) ------------------------------------------------
+
+class _Held(CpuBackend):
+    """Two launches in flight at most, as on cuda. Launch n is issued once ``issue[n]`` is set
+    (until then it holds the launch lock, as a slow issue does) and completes once
+    ``finish[n]`` is set."""
+
+    max_inflight = 2
+    async_launch = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issue = [threading.Event() for _ in range(4)]
+        self.finish = [threading.Event() for _ in range(4)]
+        self.entered = 0
+
+    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        n = self.entered
+        self.entered += 1
+        self.issue[n].wait(10)
+        finished = super().launch(plan, cancel)
+        finish = self.finish[n]
+
+        class _Pending:
+            def wait(self):  # type: ignore[no-untyped-def]
+                finish.wait(10)
+                return finished.wait()
+
+        return _Pending()
+
+
+@pytest.mark.parametrize("gate", ["off", "readers", "all"])
+def test_the_launch_gate_holds_readers_and_the_completer_while_a_launch_is_issued(
+    gate: str,
+) -> None:
+    """A channel read (``deferring``) waits while a launch is being issued with the gate on;
+    with ``all`` the completer also waits before it answers an earlier launch's job. Nothing
+    waits with it off, and every job is answered once, correctly, in every mode."""
+    backend = _Held()
+    ex = Executor(backend, max_queue_delay_s=0.0, launch_gate=gate)
+    got: dict[int, list[object]] = {0: [], 1: []}
+    jobs = [_prefill_job(10, [5]), _prefill_job(11, [7])]
+    entered = threading.Event()
+
+    def read() -> None:
+        with ex.deferring():
+            entered.set()
+
+    try:
+        backend.issue[0].set()
+        ex.submit(jobs[0], got[0].append)  # issued at once, its completion held
+        _wait_until(lambda: backend.entered == 1)
+        ex.submit(jobs[1], got[1].append)  # the second slot: its issue is held
+        _wait_until(lambda: backend.entered == 2)
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert entered.wait(0.3) is (gate == "off")
+        backend.finish[0].set()  # the first launch completes while the second is issued
+        _wait_until(lambda: bool(got[0]), 0.3)
+        assert bool(got[0]) is (gate != "all")
+        backend.issue[1].set()
+        backend.finish[1].set()
+        reader.join(5)
+        assert entered.is_set()
+        _wait_until(lambda: bool(got[0]) and bool(got[1]))
+    finally:
+        for e in backend.issue + backend.finish:
+            e.set()
+        ex.close()
+    for job, answers in zip(jobs, got.values(), strict=True):
+        assert len(answers) == 1 and not isinstance(answers[0], BaseException), answers
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_the_launch_gate_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attention_service.config import ServerConfig
+    from attention_service.engine.core import EngineCore
+    from attention_service.engine.executor import launch_gate_from_env
+    from attention_service.errors import StartupError
+
+    monkeypatch.delenv("ATTENTION_LAUNCH_GATE", raising=False)
+    assert launch_gate_from_env() == "off"
+    for raw, want in (("0", "off"), ("readers", "readers"), (" ALL ", "all"), ("", "off")):
+        monkeypatch.setenv("ATTENTION_LAUNCH_GATE", raw)
+        assert launch_gate_from_env() == want
+    monkeypatch.setenv("ATTENTION_LAUNCH_GATE", "readers")
+    core = EngineCore(ServerConfig(device="cpu", kv_cache_bytes=0), CpuBackend())
+    try:
+        assert core.executor.launch_gate == "readers"
+    finally:
+        core.close()
+    monkeypatch.setenv("ATTENTION_LAUNCH_GATE", "yes")
+    with pytest.raises(StartupError, match="ATTENTION_LAUNCH_GATE must be one of"):
+        EngineCore(ServerConfig(device="cpu", kv_cache_bytes=0), CpuBackend())
+    with pytest.raises(ValueError, match="launch_gate"):
+        Executor(CpuBackend(), launch_gate="sometimes")
