@@ -33,6 +33,10 @@
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
+#   batching-placed  benchmarks/ab_batching_placed.sh: batching on vs off at 64 clients with the
+#              server in CPUs 0-10 and the load on 11-15, AB_ROUNDS (2) interleaved rounds; with
+#              AB_VAR / AB_VALUES (e.g. ATTENTION_LAUNCH_GATE "off readers all") batching on
+#              runs once per value
 #   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
 #              profiles (carry the py-spy wheel in .whl) of a process group under shm load
 #   profile-sessions  the same for KV-cache decode steps (bench_sessions.py load, 1 and 64
@@ -194,6 +198,8 @@ for s in "$@"; do
                --prime 3 --clients 1,8,32,64 --out "$OUT" ;;
     service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
                --warmup 2 --prime 3 --clients 1,8,32,64 --path shm --out "$OUT" ;;
+    batching-placed) stage batching-placed 580 bash benchmarks/ab_batching_placed.sh \
+               "$OUT/batching-placed" "${AB_ROUNDS:-2}" "${AB_VAR:-}" "${AB_VALUES:-}" ;;
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
     sigterm-warmup) stage sigterm-warmup 400 bash benchmarks/sigterm_during_warmup.sh "$OUT" ;;
     # A short throwaway run first: the first server of a device call measured 0.1-0.3 ms
