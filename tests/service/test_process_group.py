@@ -8,6 +8,8 @@ import os
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -246,6 +248,50 @@ def test_a_polling_group_answers_lone_and_concurrent_calls() -> None:
             _check(r, decode_oracle(q, kk, vv, cu)[0])
     finally:
         assert g.stop() == 0
+
+
+def test_a_gated_group_answers_lone_concurrent_and_cached_calls() -> None:
+    """``ATTENTION_LAUNCH_GATE=all`` reaches the engine process (its log says so), and with
+    readers and completer waiting at the gate while launches issue, lone calls, concurrent
+    calls over both front ends (batched) and cached decode steps all answer correctly."""
+    g = Group(2, env={"ATTENTION_LAUNCH_GATE": "all"})
+    try:
+        g.wait_for(r"launch gate: all \(ATTENTION_LAUNCH_GATE\)")
+        stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid))
+                 for _, pid in sorted(g.frontend_pids().items())]
+        for seed in range(4):
+            msgs, ref = _request(600 + seed)
+            _check(collect(stubs[seed % 2].Prefill(iter(msgs), timeout=30)), ref)
+        requests = [_request(610 + i) for i in range(16)]
+        with ThreadPoolExecutor(8) as pool:
+            outs = list(pool.map(lambda i: collect(stubs[i % 2].Prefill(
+                iter(requests[i][0]), timeout=60)), range(16)))
+        for out, (_, ref) in zip(outs, requests, strict=True):
+            _check(out, ref)
+        stubs[0].CreateCaches(pb.CreateCachesRequest(
+            cache_ids=["g0"], layout=layout(torch.float32, 2, 16)), timeout=10)
+        model = Model(2, 16, torch.float32)
+        model.create(["g0"])
+        for step in range(4):
+            q, kn, vn = random_qkv(1, 1, 4, 2, 16, torch.float32, seed=620 + step)
+            r = collect(stubs[step % 2].CacheDecode(cache_decode_messages(["g0"], q, kn, vn),
+                                                    timeout=30))
+            model.append(["g0"], kn, vn, [1])
+            kk, vv, cu = model.packed(["g0"])
+            _check(r, decode_oracle(q, kk, vv, cu)[0])
+    finally:
+        assert g.stop() == 0
+
+
+def test_a_bad_launch_gate_stops_the_start_with_one_line_naming_it() -> None:
+    cmd = [sys.executable, "-m", "attention_service", "--frontends", "2", "--device", "cpu",
+           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "ATTENTION_LAUNCH_GATE": "sometimes"})
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        "attention-server: ATTENTION_LAUNCH_GATE must be one of off, readers, all (or 0), "
+        "got 'sometimes'")
 
 
 def test_fp8_through_frontend_processes(group: Group) -> None:
