@@ -131,18 +131,14 @@ class EngineCore:
         held: list[Callable[[], None]] = []  # region releases
         cache: CacheWork | None = None
         try:
-            spans = {n: s for n, s in sources.items() if isinstance(s, RegionSpan)}
-            placed = {n: s for n, s in sources.items() if not isinstance(s, RegionSpan)}
-            if spans:
-                in_regions, release = self.regions.acquire(owner, spans)
+            tensors: dict[str, torch.Tensor] = {}
+            spans: dict[str, LazyTensor] = {}
+            regions: dict[str, RegionSpan] = {}
+            self._place(params, sources, tensors, spans, regions)
+            if regions:
+                in_regions, release = self.regions.acquire(owner, regions)
                 held.append(release)
-                placed.update(in_regions)
-            tensors, spans = {}, {}
-            for name, at in placed.items():
-                if isinstance(at, tuple):
-                    spans[name] = self._span(params, name, at)
-                else:
-                    tensors[name] = self._typed(params, name, at)
+                self._place(params, in_regions, tensors, spans, {})
             if params.op.cached:  # last: from here on, its caches are reserved
                 cache = self.caches.begin(params, owner)
             job = Job(params, cache=cache, spans=spans, **tensors)
@@ -187,33 +183,59 @@ class EngineCore:
         return self.regions.call(method, request, owner)
 
     @staticmethod
-    def _dtype(params: Params, name: str) -> torch.dtype:
+    def _place(
+        params: Params, sources: Mapping[str, Source], tensors: dict[str, torch.Tensor],
+        spans: dict[str, LazyTensor], regions: dict[str, RegionSpan],
+    ) -> None:
+        """Sort ``sources`` into typed tensors, checked spans (views made later) and region
+        spans (still to be looked up). Per request on a channel reader's thread: each tensor's
+        dtype, size and shape come from ``_layout`` (once per Params object), in one pass over
+        the sources: four arena spans took 2.2 us instead of 5.8 (dev box, 2026-11-28)."""
+        layout = _layout(params)
+        for name, at in sources.items():
+            if isinstance(at, RegionSpan):
+                regions[name] = at
+            elif isinstance(at, tuple):  # (ByteBase, offset): an arena, a segment, a region
+                base, offset = at
+                dtype, nbytes, shape = layout[name]
+                if offset + nbytes > base.nbytes:  # the front end sized it: a bug
+                    raise AssertionError(f"{name}: bytes past the end of their block")
+                if (base.ptr + offset) % dtype.itemsize:  # only a region span can be
+                    raise invalid(
+                        f"header.regions.{name}.offset",
+                        f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
+                    )
+                spans[name] = (base, offset, dtype, shape)
+            else:  # a uint8 tensor of exactly the tensor's bytes
+                dtype, nbytes, shape = layout[name]
+                if at.numel() != nbytes:  # the front end sized it: a bug, not input
+                    raise AssertionError(f"{name}: {at.numel()} bytes, expected {nbytes}")
+                tensors[name] = at.view(dtype).view(shape)
+
+
+class _Layouts(dict):  # type: ignore[type-arg]
+    """Tensor name -> (dtype, bytes, shape) of one Params object, filled on first use."""
+
+    def __init__(self, params: Params) -> None:
+        super().__init__()
+        self.params = params
+
+    def __missing__(self, name: str) -> tuple[torch.dtype, int, tuple[int, ...]]:
+        p = self.params
         if name == "lse":
-            return torch.float32
-        return TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype]
+            dtype = torch.float32
+        else:
+            dtype = TORCH_DTYPES[p.kv_dtype if name in ("k", "v") else p.dtype]
+        got = self[name] = (dtype, p.nbytes(name), p.shape(name))
+        return got
 
-    @classmethod
-    def _span(cls, params: Params, name: str, at: tuple[ByteBase, int]) -> LazyTensor:
-        """Tensor ``name`` at a byte offset of a ByteBase, checked, its view made later."""
-        base, offset = at
-        dtype = cls._dtype(params, name)
-        if offset + params.nbytes(name) > base.nbytes:  # the front end sized it: a bug
-            raise AssertionError(f"{name}: bytes past the end of their block")
-        try:
-            base.check_aligned(offset, dtype)
-        except ValueError:  # only a region span can be misaligned
-            raise invalid(
-                f"header.regions.{name}.offset",
-                f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
-            ) from None
-        return base, offset, dtype, params.shape(name)
 
-    @classmethod
-    def _typed(cls, params: Params, name: str, at: torch.Tensor) -> torch.Tensor:
-        """The tensor ``name`` with its dtype and shape, over a uint8 buffer of its size."""
-        if at.numel() != params.nbytes(name):  # the front end sized it: a bug, not input
-            raise AssertionError(f"{name}: {at.numel()} bytes, expected {params.nbytes(name)}")
-        return at.view(cls._dtype(params, name)).view(params.shape(name))
+def _layout(params: Params) -> _Layouts:
+    memo = params.memo
+    got = memo.get(_layout)
+    if got is None:
+        got = memo[_layout] = _Layouts(params)
+    return got  # type: ignore[return-value]
 
 
 def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:
