@@ -1,4 +1,4 @@
-"""benchmarks/bench_engine_prefill.py end to end (the engine model: no gRPC, no GPU), tiny."""
+"""Engine benchmarks without gRPC or GPU, tiny: bench_engine_prefill, engine_request_path."""
 
 from __future__ import annotations
 
@@ -37,3 +37,20 @@ def test_bench_engine_prefill_runs_each_gate_and_side_and_writes_rows(tmp_path: 
         else:
             assert r["mean_batch"] == 1.0  # batching off: every launch alone
     assert "| on | all |" in proc.stdout and "| off | off |" in proc.stdout
+
+
+def test_engine_request_path_prints_each_stage() -> None:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_request_path.py"), "--batch", "4",
+           "--rounds", "20", "--repeats", "1"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    stages = {}
+    for line in proc.stdout.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("stage", "---"):
+            stages[cells[0]] = (float(cells[1]), float(cells[2]))
+    assert set(stages) == {"read + submit", "queue + plan", "complete + answer", "total"}
+    for best, median in stages.values():
+        assert 0 < best <= median
+    parts = sum(stages[s][0] for s in ("read + submit", "queue + plan", "complete + answer"))
+    assert stages["total"][0] == pytest.approx(parts, abs=0.2)
