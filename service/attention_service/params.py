@@ -151,14 +151,16 @@ class Params:
     def total_k(self) -> int:
         return self.k_shape[0]
 
-    @property
+    # The next three are read per request on the engine's hot path (the batch queue, the
+    # plan): computed once per Params object (frozen), as ``memo``.
+    @functools.cached_property
     def tokens(self) -> int:
         """The batch-token unit: keys for decode, queries for prefill (new keys for AppendKV)."""
         if self.op.decode_like or self.op is Op.APPEND_KV:
             return self.k_shape[0]
         return self.q_shape[0]
 
-    @property
+    @functools.cached_property
     def budget_tokens(self) -> int:
         """Weight against the batching token budget: keys for decode; for prefill the larger of
         queries and keys, so a few queries over a long cached prefix still count as large."""
@@ -195,7 +197,7 @@ class Params:
     def bytes_in(self) -> int:
         return sum(self.nbytes(n) for n in INPUTS)
 
-    @property
+    @functools.cached_property
     def kv_bytes(self) -> int:
         return self.nbytes("k") + self.nbytes("v")
 
