@@ -452,14 +452,12 @@ class Executor:
                 )
             except Exception:
                 log.exception("launch accounting failed")
-        stats = [
-            ExecStats(
-                queue_seconds=issued.started - w.job.submitted_at, h2d_seconds=times.h2d_seconds,
-                kernel_seconds=times.kernel_seconds, d2h_seconds=times.d2h_seconds,
-                batch_requests=len(plan), batch_tokens=plan.tokens, flops=w.job.flops,
-            )
-            for w in waiters
-        ]
+        # Positional (per request on the completer: keywords cost a NamedTuple ~2x more).
+        started, h2d, kernel, d2h = (issued.started, times.h2d_seconds, times.kernel_seconds,
+                                     times.d2h_seconds)
+        n, tokens = len(plan), plan.tokens
+        stats = [ExecStats(started - w.job.submitted_at, h2d, kernel, d2h, n, tokens, w.job.flops)
+                 for w in waiters]
         if self._gate_completer:
             self._pass_gate()
         with self._delivery_scope():

@@ -138,7 +138,8 @@ class FrontendConnection:
         """Exactly once per Submit (executor thread, or the reader for a refusal)."""
         with self._lock:
             self._calls.pop(call_id, None)
-            self._lock.notify_all()
+            if not self._calls:  # what wait_idle waits for
+                self._lock.notify_all()
         if isinstance(value, BaseException):
             self.send(Failed(call_id, value))
         else:
