@@ -213,28 +213,23 @@ class EngineCore:
                 tensors[name] = at.view(dtype).view(shape)
 
 
-class _Layouts(dict):  # type: ignore[type-arg]
-    """Tensor name -> (dtype, bytes, shape) of one Params object, filled on first use."""
-
-    def __init__(self, params: Params) -> None:
-        super().__init__()
-        self.params = params
-
-    def __missing__(self, name: str) -> tuple[torch.dtype, int, tuple[int, ...]]:
-        p = self.params
-        if name == "lse":
-            dtype = torch.float32
-        else:
-            dtype = TORCH_DTYPES[p.kv_dtype if name in ("k", "v") else p.dtype]
-        got = self[name] = (dtype, p.nbytes(name), p.shape(name))
-        return got
+_Layout = dict[str, tuple[torch.dtype, int, tuple[int, ...]]]
 
 
-def _layout(params: Params) -> _Layouts:
+def _layout(params: Params) -> _Layout:
+    """Tensor name -> (dtype, bytes, shape) of ``params``' tensors, made once per Params
+    object (kept in ``params.memo``; it holds no reference back to ``params``, so a Params a
+    front end forgets is freed at once, not by the cycle collector)."""
     memo = params.memo
     got = memo.get(_layout)
     if got is None:
-        got = memo[_layout] = _Layouts(params)
+        names = ("q", "k", "v", "out", "lse") if params.return_lse else ("q", "k", "v", "out")
+        got = memo[_layout] = {
+            name: (torch.float32 if name == "lse"
+                   else TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype],
+                   params.nbytes(name), params.shape(name))
+            for name in names
+        }
     return got  # type: ignore[return-value]
 
 
