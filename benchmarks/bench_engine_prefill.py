@@ -52,6 +52,7 @@ from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_backend import HostOnlyBackend  # noqa: E402
 from profile_group import _cpu  # noqa: E402
 
 OWNER = ""
@@ -59,16 +60,11 @@ ELEM = 2  # bf16
 LENGTHS_PER_CLIENT = 16  # distinct lengths a client cycles through (each a DefineParams)
 
 
-class ModelBackend:
+class ModelBackend(HostOnlyBackend):
     """A launch's host work as the cuda backend's (Python split by GIL-releasing calls) and
     its device time as a timed wait; nothing is computed."""
 
-    name = "cpu"
     device_name = "none (launch model)"
-    device = torch.device("cpu")
-    max_inflight = 2  # as on cuda
-    async_launch = True
-    warmup_dtypes = ()
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.calls = max(1, args.issue_calls)
@@ -77,15 +73,6 @@ class ModelBackend:
         self.per_job_s = args.kernel_us_per_job / 1e6
         self.issue_seconds: list[float] = []  # per launch, as the executor times it
         self._busy_until = 0.0  # the modelled device runs one launch at a time
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def memory(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def warmup(self) -> None:
-        pass
 
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
         for _ in range(self.calls):

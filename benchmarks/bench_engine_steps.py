@@ -45,6 +45,7 @@ from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_backend import HostOnlyBackend
 from profile_group import _cpu
 
 OWNER = ""
@@ -52,28 +53,12 @@ OWNER = ""
 STEPS_PER_S_BOUND = 50_000
 
 
-class StagingOnlyBackend:
+class StagingOnlyBackend(HostOnlyBackend):
     """The cuda backend's host side of a CacheDecode launch (staging fill, per-job output
     copies), no device: every other launch is a no-op."""
 
-    name = "cpu"
-    device_name = "none (host cost only)"
-    device = torch.device("cpu")
-    max_inflight = 2  # as on cuda: the next batch is planned while one "runs"
-    async_launch = True
-    warmup_dtypes = ()
-
     def __init__(self) -> None:
         self._staging: dict[StepShape, Staging] = {}
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def memory(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def warmup(self) -> None:
-        pass
 
     def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
         if eligible(plan):

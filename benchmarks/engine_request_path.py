@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -35,6 +36,9 @@ from attention_service.ipc.messages import DefineParams, Submit
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_backend import HostOnlyBackend  # noqa: E402
+
 LENGTHS = (17, 33, 64, 100, 128, 200, 250, 16)  # within bench_service's 16..256
 
 
@@ -43,16 +47,12 @@ class _Done:
         return LaunchTimes()
 
 
-class _Parked:
+class _Parked(HostOnlyBackend):
     """A backend whose first launch never returns until released: it parks the dispatcher
     thread, so the stages below run on this thread alone."""
 
-    name = "cpu"
-    device_name = "none"
-    device = torch.device("cpu")
     max_inflight = 1
     async_launch = False
-    warmup_dtypes = ()
 
     def __init__(self) -> None:
         self.release = threading.Event()
@@ -62,15 +62,6 @@ class _Parked:
         self.parked.set()
         self.release.wait()
         return _Done()
-
-    def alloc_host(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
-
-    def memory(self) -> tuple[int, int]:
-        return (0, 0)
-
-    def warmup(self) -> None:
-        pass
 
 
 def _run(args: argparse.Namespace) -> tuple[float, float, float]:

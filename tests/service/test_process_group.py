@@ -216,36 +216,44 @@ def test_kv_caches_live_in_the_engine_for_every_frontend(group: Group) -> None:
     assert stubs[1].ReleaseCaches(pb.ReleaseCachesRequest(all=True), timeout=10).released == 2
 
 
+def _serves_lone_concurrent_and_cached_calls(g: Group, seed: int, lone: int = 6) -> None:
+    """``lone`` calls one after another, 12 concurrent ones over both front ends, and four
+    cached decode steps alternating between them: each answer checked against the oracle."""
+    stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid))
+             for _, pid in sorted(g.frontend_pids().items())]
+    for i in range(lone):
+        msgs, ref = _request(seed + i)
+        _check(collect(stubs[i % 2].Prefill(iter(msgs), timeout=30)), ref)
+    requests = [_request(seed + 100 + i) for i in range(12)]
+    with ThreadPoolExecutor(6) as pool:
+        outs = list(pool.map(lambda i: collect(stubs[i % 2].Prefill(
+            iter(requests[i][0]), timeout=60)), range(12)))
+    for out, (_, ref) in zip(outs, requests, strict=True):
+        _check(out, ref)
+    cid = f"c{seed}"
+    stubs[0].CreateCaches(pb.CreateCachesRequest(
+        cache_ids=[cid], layout=layout(torch.float32, 2, 16)), timeout=10)
+    model = Model(2, 16, torch.float32)
+    model.create([cid])
+    for step in range(4):
+        q, kn, vn = random_qkv(1, 1, 4, 2, 16, torch.float32, seed=seed + 300 + step)
+        r = collect(stubs[step % 2].CacheDecode(cache_decode_messages([cid], q, kn, vn),
+                                                timeout=30))
+        model.append([cid], kn, vn, [1])
+        kk, vv, cu = model.packed([cid])
+        _check(r, decode_oracle(q, kk, vv, cu)[0])
+
+
 def test_a_polling_group_answers_lone_and_concurrent_calls() -> None:
     """``--spin-us`` on (auto leaves it off on a box of fewer than 8 cores): the engine's
     readers poll while the engine is idle and a front end polls while its lone call waits.
-    Lone calls one after another, concurrent ones over both front ends, and cached decode
-    steps all answer correctly; the log names the setting."""
+    Lone calls one after another (every read of the engine follows a poll), concurrent ones
+    over both front ends, and cached decode steps all answer correctly; the log names the
+    setting."""
     g = Group(2, "--spin-us", "3000")
     try:
         g.wait_for(r"2 front ends, polling 3000 us")
-        stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid))
-                 for _, pid in sorted(g.frontend_pids().items())]
-        for seed in range(6):  # lone calls: every read of the engine follows a poll
-            msgs, ref = _request(seed)
-            _check(collect(stubs[seed % 2].Prefill(iter(msgs), timeout=30)), ref)
-        requests = [_request(100 + i) for i in range(12)]
-        with ThreadPoolExecutor(6) as pool:
-            outs = list(pool.map(lambda i: collect(stubs[i % 2].Prefill(
-                iter(requests[i][0]), timeout=60)), range(12)))
-        for out, (_, ref) in zip(outs, requests, strict=True):
-            _check(out, ref)
-        stubs[0].CreateCaches(pb.CreateCachesRequest(
-            cache_ids=["p0"], layout=layout(torch.float32, 2, 16)), timeout=10)
-        model = Model(2, 16, torch.float32)
-        model.create(["p0"])
-        for step in range(4):
-            q, kn, vn = random_qkv(1, 1, 4, 2, 16, torch.float32, seed=300 + step)
-            r = collect(stubs[step % 2].CacheDecode(cache_decode_messages(["p0"], q, kn, vn),
-                                                    timeout=30))
-            model.append(["p0"], kn, vn, [1])
-            kk, vv, cu = model.packed(["p0"])
-            _check(r, decode_oracle(q, kk, vv, cu)[0])
+        _serves_lone_concurrent_and_cached_calls(g, seed=0)
     finally:
         assert g.stop() == 0
 
@@ -257,28 +265,7 @@ def test_a_gated_group_answers_lone_concurrent_and_cached_calls() -> None:
     g = Group(2, env={"ATTENTION_LAUNCH_GATE": "all"})
     try:
         g.wait_for(r"launch gate: all \(ATTENTION_LAUNCH_GATE\)")
-        stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid))
-                 for _, pid in sorted(g.frontend_pids().items())]
-        for seed in range(4):
-            msgs, ref = _request(600 + seed)
-            _check(collect(stubs[seed % 2].Prefill(iter(msgs), timeout=30)), ref)
-        requests = [_request(610 + i) for i in range(16)]
-        with ThreadPoolExecutor(8) as pool:
-            outs = list(pool.map(lambda i: collect(stubs[i % 2].Prefill(
-                iter(requests[i][0]), timeout=60)), range(16)))
-        for out, (_, ref) in zip(outs, requests, strict=True):
-            _check(out, ref)
-        stubs[0].CreateCaches(pb.CreateCachesRequest(
-            cache_ids=["g0"], layout=layout(torch.float32, 2, 16)), timeout=10)
-        model = Model(2, 16, torch.float32)
-        model.create(["g0"])
-        for step in range(4):
-            q, kn, vn = random_qkv(1, 1, 4, 2, 16, torch.float32, seed=620 + step)
-            r = collect(stubs[step % 2].CacheDecode(cache_decode_messages(["g0"], q, kn, vn),
-                                                    timeout=30))
-            model.append(["g0"], kn, vn, [1])
-            kk, vv, cu = model.packed(["g0"])
-            _check(r, decode_oracle(q, kk, vv, cu)[0])
+        _serves_lone_concurrent_and_cached_calls(g, seed=600, lone=4)
     finally:
         assert g.stop() == 0
 

@@ -1,0 +1,29 @@
+"""The engine-side benchmarks' stand-in for a backend (bench_engine_steps.py,
+bench_engine_prefill.py, engine_request_path.py): what the engine asks of one besides
+``launch``, with no device behind it."""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostOnlyBackend:
+    """Host buffers from torch, no device memory, nothing to warm up; launches as on cuda
+    (two in flight, issued on the submitting thread when the device is idle). Subclasses
+    give ``launch``."""
+
+    name = "cpu"
+    device_name = "none (host cost only)"
+    device = torch.device("cpu")
+    max_inflight = 2
+    async_launch = True
+    warmup_dtypes = ()
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def memory(self) -> tuple[int, int]:
+        return (0, 0)
+
+    def warmup(self) -> None:
+        pass
