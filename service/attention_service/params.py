@@ -185,13 +185,16 @@ class Params:
             raise KeyError(name)
         return lse
 
+    def wire_dtype(self, name: str) -> int:
+        """The pb.DType of tensor ``name`` (q, k, v, out): k and v may be FP8."""
+        return self.kv_dtype if name in ("k", "v") else self.dtype
+
     def nbytes(self, name: str) -> int:
         """Bytes of tensor ``name`` (q, k, v, out, lse); 0 for an lse not asked for."""
         if name == "lse":
             lse = self.lse_shape
             return math.prod(lse) * LSE_BYTES if lse else 0
-        dtype = self.kv_dtype if name in ("k", "v") else self.dtype
-        return math.prod(self.shape(name)) * ELEMENT_BYTES[dtype]
+        return math.prod(self.shape(name)) * ELEMENT_BYTES[self.wire_dtype(name)]
 
     @property
     def bytes_in(self) -> int:

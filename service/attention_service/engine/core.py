@@ -200,7 +200,9 @@ class EngineCore:
                 dtype, nbytes, shape = layout[name]
                 if offset + nbytes > base.nbytes:  # the front end sized it: a bug
                     raise AssertionError(f"{name}: bytes past the end of their block")
-                if (base.ptr + offset) % dtype.itemsize:  # only a region span can be
+                # ByteBase.check_aligned's test, inline: it raises ValueError, and this path
+                # answers INVALID_ARGUMENT per request (only a region span can be misaligned).
+                if (base.ptr + offset) % dtype.itemsize:
                     raise invalid(
                         f"header.regions.{name}.offset",
                         f"must leave the tensor aligned to {dtype.itemsize} bytes ({dtype})",
@@ -225,8 +227,7 @@ def _layout(params: Params) -> _Layout:
     if got is None:
         names = ("q", "k", "v", "out", "lse") if params.return_lse else ("q", "k", "v", "out")
         got = memo[_layout] = {
-            name: (torch.float32 if name == "lse"
-                   else TORCH_DTYPES[params.kv_dtype if name in ("k", "v") else params.dtype],
+            name: (torch.float32 if name == "lse" else TORCH_DTYPES[params.wire_dtype(name)],
                    params.nbytes(name), params.shape(name))
             for name in names
         }
