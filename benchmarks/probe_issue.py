@@ -9,7 +9,6 @@ tried in one process instead of a service A/B.
 
     python benchmarks/probe_issue.py [--batches 1,4,16] [--channels 8] [--rate 4300]
     python benchmarks/probe_issue.py --busy-procs 13 --cpus 0-2 --busy-cpus 3-15  # placed
-    python benchmarks/probe_issue.py --lean on,off --busy-procs 0  # the lean launch's A/B
 
 The ``witness`` row counts the GIL hand-offs in one launch (``_witness_rounds``).
 
@@ -42,7 +41,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from probe_gil_contention import _feed, _reader_threads  # noqa: E402
 
 from attention_service.cpus import parse_cpu_list, pin_process  # noqa: E402
-from attention_service.engine import cuda_launch  # noqa: E402
 from attention_service.engine.backends import WIRE_DTYPES, CudaBackend  # noqa: E402
 from attention_service.engine.batch_plan import BatchPlan, batch_key  # noqa: E402
 from attention_service.engine.jobs import ByteBase, CancelEvent, Job  # noqa: E402
@@ -186,8 +184,6 @@ def main() -> int:
                    help="sys.setswitchinterval for the run (0: leave the default)")
     p.add_argument("--witness-interval", type=float, default=0.001,
                    help="switch interval of the hand-off count (0: skip it)")
-    p.add_argument("--lean", default="on",
-                   help="ATTENTION_LEAN_LAUNCH settings to run, in turn: on, off or on,off")
     args = p.parse_args()
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
@@ -205,40 +201,38 @@ def main() -> int:
           f" us; readers: {args.channels} channels, {args.rate:.0f} msg/s, {args.work_us:.0f} "
           f"us of Python each; busy: {args.busy_procs} processes at {args.busy_duty:.0%} "
           f"on CPUs {args.busy_cpus or 'any'}; this process on CPUs {args.cpus or 'any'}")
-    print(f"{'lean':>4}  {'batch':>5}  {'mode':>7}  {'rounds':>6}  {'mean ms':>8}  "
+    print(f"{'batch':>5}  {'mode':>7}  {'rounds':>6}  {'mean ms':>8}  "
           f"{'p50 ms':>7}  {'p90 ms':>7}")
-    for lean in args.lean.split(","):
-        cuda_launch.LEAN_LAUNCH = lean == "on"
-        for n in sizes:
-            at, batches = 0, []
-            for _ in range(32):
-                lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len + 1), n))
-                jobs, at = _jobs(base, [int(x) for x in lengths], at, 16, 8, 128)
-                batches.append(jobs)
-                if at > arena_bytes - (64 << 20):
-                    at = 0
-            _rounds(backend, batches, 1.0)  # compile and warm
-            calls = _c_calls(backend, batches[0])
-            alone = None
-            for mode in ("alone", "witness", "readers", "busy"):
-                if (mode == "busy" and not args.busy_procs) or (
-                        mode == "witness" and not args.witness_interval):
-                    continue
-                if mode == "witness":
-                    t = _witness_rounds(backend, batches, args.seconds, args.witness_interval)
-                else:
-                    with _contenders(args, readers=mode != "alone", busy=mode == "busy"):
-                        t = _rounds(backend, batches, args.seconds)
-                extra = ""
-                if mode == "alone":
-                    alone = float(np.median(t))
-                elif mode == "witness" and alone is not None:
-                    handoffs = (float(np.median(t)) - alone) / (args.witness_interval * 1e3)
-                    extra = f"  GIL hand-offs per launch ~{handoffs:.1f}"
-                print(f"{lean:>4}  {n:5d}  {mode:>7}  {t.size:6d}  {t.mean():8.3f}  "
-                      f"{np.median(t):7.3f}  {np.percentile(t, 90):7.3f}{extra}", flush=True)
-            print(f"      C calls in one launch of {n}: {sum(calls.values())}; "
-                  + ", ".join(f"{k} {v}" for k, v in calls.most_common(40)))
+    for n in sizes:
+        at, batches = 0, []
+        for _ in range(32):
+            lengths = np.exp(rng.uniform(np.log(args.min_len), np.log(args.max_len + 1), n))
+            jobs, at = _jobs(base, [int(x) for x in lengths], at, 16, 8, 128)
+            batches.append(jobs)
+            if at > arena_bytes - (64 << 20):
+                at = 0
+        _rounds(backend, batches, 1.0)  # compile and warm
+        calls = _c_calls(backend, batches[0])
+        alone = None
+        for mode in ("alone", "witness", "readers", "busy"):
+            if (mode == "busy" and not args.busy_procs) or (
+                    mode == "witness" and not args.witness_interval):
+                continue
+            if mode == "witness":
+                t = _witness_rounds(backend, batches, args.seconds, args.witness_interval)
+            else:
+                with _contenders(args, readers=mode != "alone", busy=mode == "busy"):
+                    t = _rounds(backend, batches, args.seconds)
+            extra = ""
+            if mode == "alone":
+                alone = float(np.median(t))
+            elif mode == "witness" and alone is not None:
+                handoffs = (float(np.median(t)) - alone) / (args.witness_interval * 1e3)
+                extra = f"  GIL hand-offs per launch ~{handoffs:.1f}"
+            print(f"{n:5d}  {mode:>7}  {t.size:6d}  {t.mean():8.3f}  "
+                  f"{np.median(t):7.3f}  {np.percentile(t, 90):7.3f}{extra}", flush=True)
+        print(f"      C calls in one launch of {n}: {sum(calls.values())}; "
+              + ", ".join(f"{k} {v}" for k, v in calls.most_common(40)))
     unpin()
     return 0
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
-from attention_kernels.device_array import DeviceArray
 from attention_kernels.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
 from attention_kernels.paged_reference import gather_pages, paged_decode_ref, paged_prefill_ref
 from attention_kernels.reference import decode_ref, prefill_ref
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FP8_DTYPE",
-    "DeviceArray",
     "SUPPORTED_DTYPES",
     "decode",
     "decode_ref",

@@ -35,7 +35,6 @@ from triton import knobs
 
 from attention_kernels._checks import kv_scale_args
 from attention_kernels.configs import interpreting
-from attention_kernels.device_array import DeviceArray
 
 
 def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],
@@ -53,7 +52,7 @@ def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],
     for t in tensors:
         if t is None:
             sigs.append(None)
-        elif isinstance(t, (torch.Tensor, DeviceArray)):
+        elif isinstance(t, torch.Tensor):
             sigs.append((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() & 15 == 0))
         else:
             return None

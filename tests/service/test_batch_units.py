@@ -10,7 +10,6 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 import torch
 
@@ -87,29 +86,6 @@ def test_cuda_launch_packs_and_scatters_each_jobs_rows() -> None:
         assert torch.equal(job.out, out[plan.q_offsets[i] : plan.q_offsets[i + 1]])
 
 
-def test_staging_slots_are_taken_once_and_come_back() -> None:
-    """The lean launch's staging ring (``cuda_launch._Staging``): a slot is lent to one launch
-    at a time; past the ring, or past a slot's size, a launch gets one of its own."""
-    from attention_service.engine import cuda_launch
-
-    staging = cuda_launch._Staging(torch.device("cpu"))
-    slots = [staging.take(100) for _ in range(cuda_launch._SLOT_COUNT)]
-    addresses = {s.host_ptr for s in slots}
-    assert len(addresses) == cuda_launch._SLOT_COUNT  # none lent twice
-    assert all(s.dev_ptr == s.host_ptr and s.host.size == 100 for s in slots)
-    extra = staging.take(100)
-    assert extra.host_ptr not in addresses  # the ring is empty: a slot of its own
-    extra.release()
-    assert not staging._free  # a one-off slot does not join the ring
-    big = staging.take(cuda_launch._SLOT_BYTES + 1)
-    assert big.host.size == cuda_launch._SLOT_BYTES + 1 and big.host_ptr not in addresses
-    slots[3].release()
-    slots[3].release()  # a second release is a no-op
-    assert len(staging._free) == 1
-    again = staging.take(64)
-    assert again.host_ptr == slots[3].host_ptr
-
-
 def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The one-launch packing (``cuda_launch._by_segments``), its table run by the host
     reference: every job's q, k, v land at their offsets of the packed tensors, and each job's
@@ -129,14 +105,6 @@ def test_one_copy_table_packs_and_unpacks_a_batch_in_pinned_memory(monkeypatch) 
     assert cuda_launch._by_segments(BatchPlan(batch[:1]), cpu) is None  # a lone job
     seg = cuda_launch._by_segments(plan, cpu)
     assert seg is not None and seg.n_in == 3 * len(batch) and seg.unit == 8
-    # The merged cu_seqlens lie beside the table in the slot, where the arrays point.
-    for arr, want in ((seg.cu_k, plan.cu_seqlens_k), (seg.cu_q, plan.cu_seqlens_q)):
-        assert arr is not None and arr.dtype == torch.int32 and arr.data_ptr() % 16 == 0
-        assert seg.slot is not None
-        at = arr.data_ptr() - seg.slot.dev_ptr
-        assert seg.slot.host[at : at + 4 * arr.shape[0]].view(np.int32).tolist() == list(want)
-    assert seg.table_dev.data_ptr() == seg.slot.dev_ptr and seg.table_dev.shape == (
-        seg.table.shape)
     assert seg.table.shape[1] == 4  # 32-byte rows: the outputs' rows start 16-byte aligned
     seg.q.fill_(math.nan)
     copy_segments_ref(seg.table[: seg.n_in], seg.unit)

@@ -41,7 +41,6 @@ from attention_kernels.copy_segments import (
     copy_segments,
     unit_of,
 )
-from attention_kernels.device_array import DeviceArray
 from attention_service.engine.backends import (
     TORCH_DTYPES,
     block_table,
@@ -50,7 +49,6 @@ from attention_service.engine.backends import (
     store_new_tokens,
 )
 from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.cuda_driver import Driver
 from attention_service.engine.jobs import (
     ByteBase,
     DoneLaunch,
@@ -76,89 +74,6 @@ PACK_KERNEL = os.environ.get("ATTENTION_PACK_KERNEL", "1") != "0"
 # kernel's wait. For GPUs kept busy by long kernels, where that may turn.
 PACK_MAX_SEGMENT_BYTES = int(os.environ.get("ATTENTION_PACK_MAX_SEGMENT_BYTES") or sys.maxsize)
 _SEGMENT_ALIGN = 256  # bytes: each packed tensor starts where a fresh allocation would
-# ATTENTION_LEAN_LAUNCH=0: the launch records its events and sends a packed batch's copy table
-# and cu_seqlens with torch calls, as before ``Driver`` and the staging slots (an A/B switch).
-LEAN_LAUNCH = os.environ.get("ATTENTION_LEAN_LAUNCH", "1") != "0"
-_SLOT_BYTES = 32 << 10  # a batch of ~250 jobs' copy table and cu_seqlens; more: a slot of its own
-_SLOT_COUNT = 8  # launches in flight hold one each (2 on cuda), the rest is slack
-
-
-class _Slot:
-    """A launch's small arrays (a packed batch's copy table and cu_seqlens): ``host`` bytes
-    (page-locked on cuda) to fill, sent in one copy to ``dev_ptr`` (the host address itself
-    on cpu). ``release`` once the launch is done with them."""
-
-    __slots__ = ("_index", "_keep", "_ring", "dev_ptr", "host", "host_ptr")
-
-    def __init__(self, host: np.ndarray, host_ptr: int, dev_ptr: int,
-                 ring: _Staging | None, index: int, keep: tuple[object, ...] = ()) -> None:
-        self.host, self.host_ptr, self.dev_ptr = host, host_ptr, dev_ptr
-        self._ring, self._index, self._keep = ring, index, keep
-
-    def release(self) -> None:
-        if self._ring is not None:
-            self._ring.give_back(self._index)
-            self._ring = None
-
-
-class _Staging:
-    """``_SLOT_COUNT`` slots of host and device memory made once per device: a slot costs a
-    launch no torch call, where a pinned ``zeros``, its ``.to(device)`` and the views of it
-    were five (each giving the GIL away: see cuda_driver.py). A slot comes back when its
-    launch has completed, so neither side is rewritten while a copy or kernel reads it; a
-    launch that fails to issue keeps its slot (later ones may then take one-off slots)."""
-
-    def __init__(self, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        nbytes = _SLOT_BYTES * _SLOT_COUNT
-        host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-        dev = torch.empty(nbytes, dtype=torch.uint8, device=device) if cuda else host
-        self._host, self._host_ptr, self._dev_ptr = host.numpy(), host.data_ptr(), dev.data_ptr()
-        self._keep = (host, dev)
-        self._device = device
-        self._lock = threading.Lock()
-        self._free = deque(range(_SLOT_COUNT))
-
-    def take(self, nbytes: int) -> _Slot:
-        index = None
-        if nbytes <= _SLOT_BYTES:
-            with self._lock:
-                if self._free:
-                    index = self._free.popleft()
-        if index is None:  # too big, or every slot in use: a slot of its own
-            cuda = self._device.type == "cuda"
-            host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=cuda)
-            dev = torch.empty(nbytes, dtype=torch.uint8, device=self._device) if cuda else host
-            return _Slot(host.numpy(), host.data_ptr(), dev.data_ptr(), None, -1, (host, dev))
-        at = index * _SLOT_BYTES
-        return _Slot(self._host[at : at + nbytes], self._host_ptr + at, self._dev_ptr + at,
-                     self, index)
-
-    def give_back(self, index: int) -> None:
-        with self._lock:
-            self._free.append(index)
-
-
-_STAGING: dict[torch.device, _Staging] = {}
-_DRIVERS: dict[int, Driver] = {}
-
-
-def _staging(device: torch.device) -> _Staging:
-    got = _STAGING.get(device)
-    if got is None:  # launches issue under one lock: no race to make two
-        got = _STAGING[device] = _Staging(device)
-    return got
-
-
-def _driver(device: torch.device) -> Driver | None:
-    """The GIL-keeping driver calls for ``device`` (None on cpu or with the lean launch off)."""
-    if not LEAN_LAUNCH or device.type != "cuda":
-        return None
-    index = device.index or 0
-    got = _DRIVERS.get(index)
-    if got is None:
-        got = _DRIVERS[index] = Driver(index)
-    return got
 
 
 class _Events:
@@ -177,10 +92,7 @@ class _Events:
         with self._lock:
             if self._free:
                 return self._free.pop()
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        for e in events:  # made now (torch makes an event at its first record), so that
-            e.record()  # ``_record`` may record its ``cuda_event`` through the driver
-        return events
+        return [torch.cuda.Event(enable_timing=True) for _ in range(4)]
 
     def give_back(self, events: list[torch.cuda.Event]) -> None:
         with self._lock:
@@ -188,13 +100,6 @@ class _Events:
 
 
 _EVENTS = _Events()
-
-
-def _record(event: torch.cuda.Event, stream: torch.cuda.Stream, driver: Driver | None) -> None:
-    if driver is None:
-        event.record(stream)
-    else:
-        driver.record(event.cuda_event, stream.cuda_stream)
 
 
 def _on_device(t: torch.Tensor, device: torch.device) -> bool:
@@ -225,37 +130,27 @@ def _packed(
 
 class _Segments(NamedTuple):
     """A batch packed by one ``copy_segments`` launch and unpacked by another: the packed
-    device tensors (one allocation), the copy table (inputs' rows first, then outputs') on the
-    host and on the device, and with the lean launch the merged cu_seqlens beside it (sent up
-    in the same copy)."""
+    device tensors (one allocation) and the copy table (inputs' rows first, then outputs')."""
 
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     out: torch.Tensor
-    table: np.ndarray  # int64 [rows, ROW], host side
-    table_dev: DeviceArray | torch.Tensor  # the same rows on the device
-    cu_k: DeviceArray | None  # None: the launch sends cu_seqlens itself (lean launch off)
-    cu_q: DeviceArray | None
+    table: torch.Tensor  # int64 [rows, ROW] on the device
     n_in: int
     unit: int
     max_in: int
     max_out: int
     dma_in: list[tuple[torch.Tensor, torch.Tensor]]  # (dst, src) byte views: long segments
     dma_out: list[tuple[torch.Tensor, torch.Tensor]]
-    slot: _Slot | None  # given back when the launch completes
-    upload: int  # bytes of the slot to send before packing (0: nothing to send)
     keep: tuple[object, ...]
 
-    def pack(self, stream: torch.cuda.Stream, driver: Driver | None) -> None:
-        if self.upload and driver is not None and self.slot is not None:
-            driver.copy_to_device(self.slot.dev_ptr, self.slot.host_ptr, self.upload,
-                                  stream.cuda_stream)
-        copy_segments(self.table_dev[: self.n_in], self.unit, self.max_in)
+    def pack(self) -> None:
+        copy_segments(self.table[: self.n_in], self.unit, self.max_in)
         _copy_each(self.dma_in)
 
     def unpack(self) -> None:
-        copy_segments(self.table_dev[self.n_in :], self.unit, self.max_out)
+        copy_segments(self.table[self.n_in :], self.unit, self.max_out)
         _copy_each(self.dma_out)
 
 
@@ -327,25 +222,9 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     rows, dma_in = split(ins)
     out_rows, dma_out = split(outs)
     n_in = len(rows)
-    n_rows = n_in + len(out_rows)
-    cu_k_host, cu_q_host = plan.cu_seqlens_k, plan.cu_seqlens_q
-    n_k, n_q = len(cu_k_host), (len(cu_q_host) if cu_q_host is not None else 0)
-    # The lean launch: the table, then cu_seqlens_k and _q (16-byte aligned: Triton
-    # specializes pointers on it) in one staging slot, sent in one copy.
-    table_bytes = n_rows * ROW * 8
-    cu_k_at = table_bytes
-    cu_q_at = cu_k_at + -(-4 * n_k // 16) * 16
-    slot = host = None
-    if LEAN_LAUNCH:
-        slot = _staging(device).take(cu_q_at + 4 * n_q)
-        table = slot.host[:table_bytes].view(np.int64).reshape(n_rows, ROW)
-        table[:, 3] = 0  # a reused slot holds an earlier launch's bytes
-        slot.host[cu_k_at : cu_k_at + 4 * n_k].view(np.int32)[:] = cu_k_host
-        if n_q:
-            slot.host[cu_q_at : cu_q_at + 4 * n_q].view(np.int32)[:] = cu_q_host
-    else:
-        host = torch.zeros((n_rows, ROW), dtype=torch.int64, pin_memory=device.type == "cuda")
-        table = host.numpy()
+    host = torch.zeros((n_in + len(out_rows), ROW), dtype=torch.int64,
+                       pin_memory=device.type == "cuda")
+    table = host.numpy()
     if n_in:
         table[:n_in, :3] = rows
     if out_rows:
@@ -355,19 +234,7 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     max_in = int(table[:n_in, 2].max()) if n_in else 0
     max_out = int(table[n_in:, 2].max()) if out_rows else 0
     if unit < 4 or max(max_in, max_out) > MAX_UNITS:
-        if slot is not None:
-            slot.release()
         return None
-    if slot is not None:
-        dev = slot.dev_ptr
-        table_dev: DeviceArray | torch.Tensor = DeviceArray(dev, (n_rows, ROW), torch.int64,
-                                                            device)
-        cu_k = DeviceArray(dev + cu_k_at, (n_k,), torch.int32, device)
-        cu_q = DeviceArray(dev + cu_q_at, (n_q,), torch.int32, device) if n_q else None
-        upload = cu_q_at + 4 * n_q if device.type == "cuda" else 0
-    else:
-        assert host is not None
-        table_dev, cu_k, cu_q, upload = host.to(device, non_blocking=True), None, None, 0
 
     # The packed tensors as one typed view of ``buf`` per dtype and an ``as_strided`` each
     # (ByteBase): torch calls release the GIL and wait to get it back behind the engine's
@@ -380,9 +247,8 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     return _Segments(
         q=packed.view(q_at, q_dtype, q_shape), k=packed.view(k_at, kv_dtype, kv_shape),
         v=packed.view(v_at, kv_dtype, kv_shape), out=packed.view(o_at, q_dtype, q_shape),
-        table=table, table_dev=table_dev, cu_k=cu_k, cu_q=cu_q, n_in=n_in, unit=unit,
-        max_in=max_in, max_out=max_out, dma_in=dma_in, dma_out=dma_out, slot=slot,
-        upload=upload, keep=(buf, host, table_dev),
+        table=host.to(device, non_blocking=True), n_in=n_in, unit=unit, max_in=max_in,
+        max_out=max_out, dma_in=dma_in, dma_out=dma_out, keep=(buf, host),
     )
 
 
@@ -488,20 +354,16 @@ def _upload_cu_seqlens(
 
 class _CudaLaunch:
     """Holds every buffer of an issued batch until its last event has completed; then gives
-    its events (and its staging slot) back for later launches."""
+    its events back for later launches."""
 
-    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...],
-                 slot: _Slot | None = None) -> None:
+    def __init__(self, events: list[torch.cuda.Event], keep: tuple[object, ...]) -> None:
         self._events = events
         self._keep: tuple[object, ...] | None = keep
-        self._slot = slot
 
     def wait(self) -> LaunchTimes:
         e = self._events
         e[3].synchronize()  # releases the GIL while the GPU finishes
         self._keep = None  # device buffers go back to their stream's pool
-        if self._slot is not None:
-            self._slot.release()
         times = LaunchTimes(
             h2d_seconds=e[0].elapsed_time(e[1]) / 1e3,
             kernel_seconds=e[1].elapsed_time(e[2]) / 1e3,
@@ -537,12 +399,11 @@ def _launch(
         fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
         stream.synchronize()
         return DoneLaunch(LaunchTimes())
-    driver = _driver(device)
     events = _EVENTS.take()
-    _record(events[0], stream, driver)
+    events[0].record(stream)
     seg = _by_segments(plan, device)
     if seg is not None:
-        seg.pack(stream, driver)
+        seg.pack()
         q, k, v = seg.q, seg.k, seg.v
     else:
         q = _packed(plan, "q", plan.total_q, (key.num_heads, key.head_dim), plan.q_offsets,
@@ -552,18 +413,15 @@ def _launch(
         v = _packed(plan, "v", plan.total_k, kv_row, plan.k_offsets, device)
     meta: _PagedMeta | None = None
     cu_k = cu_q = None
-    index: object = None
     if plan.op.cached:
         meta = index = _PagedMeta(plan, device)
         store_new_tokens(plan, k, v, meta.slots)
-    elif seg is not None and seg.cu_k is not None:
-        cu_k, cu_q = seg.cu_k, seg.cu_q  # sent up with the table
     else:
         index, cu_k, cu_q = _cu_seqlens(plan, device, stream)
-    _record(events[1], stream, driver)
+    events[1].record(stream)
     if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
-        _record(events[2], stream, driver)
-        _record(events[3], stream, driver)
+        events[2].record(stream)
+        events[3].record(stream)
         return _CudaLaunch(events, keep=(q, k, v, index, plan))
     lone = plan.jobs[0] if len(plan) == 1 else None
     # A lone job with device destinations gets the kernel's output written in place.
@@ -605,7 +463,7 @@ def _launch(
             num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
         )
     out, lse = res if plan.return_lse else (res, None)
-    _record(events[2], stream, driver)
+    events[2].record(stream)
     if seg is not None:
         seg.unpack()
     elif lone is None or lone.out.data_ptr() != out.data_ptr():
@@ -614,7 +472,6 @@ def _launch(
         for i, job in enumerate(plan.jobs):
             if job.lse is not None and job.lse.data_ptr() != lse.data_ptr():
                 job.lse.copy_(plan.op.lse_rows(lse, *plan.rows(i)), non_blocking=True)
-    _record(events[3], stream, driver)
+    events[3].record(stream)
     return _CudaLaunch(events, keep=(q, k, v, index, cu_k, out, lse, plan, mods,
-                                     seg.keep if seg is not None else None),
-                       slot=seg.slot if seg is not None else None)
+                                     seg.keep if seg is not None else None))
