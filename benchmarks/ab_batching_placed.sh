@@ -5,7 +5,7 @@
 # same rounds):
 #
 #   bash benchmarks/ab_batching_placed.sh OUT [ROUNDS] [VAR "VALUES"]
-#   e.g. bash benchmarks/ab_batching_placed.sh /tmp/ab 2 ATTENTION_LAUNCH_GATE "off readers all"
+#   e.g. bash benchmarks/ab_batching_placed.sh /tmp/ab 2 ATTENTION_PACK_KERNEL "1 0"
 #
 # Server CPUs SERVER_CPUS (default 0-10; the engine places itself, --engine-cpus auto), load
 # CPUS LOAD_CPUS (default 11-15), --frontends FRONTENDS (8). Expects the tree installed as

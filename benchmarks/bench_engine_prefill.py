@@ -14,11 +14,11 @@ dispatcher's torch and Triton calls do), then "runs" for ``--kernel-us`` plus
 ``--kernel-us-per-job`` per job, waited for as an event synchronize is (GIL let go).
 
 Reports requests/s, the mean batch, the mean launch issue time and the engine's CPU per
-request, per ``ATTENTION_LAUNCH_GATE`` setting and batching on/off (``--gates``). Diagnostic:
+request, batching on and off, ``--rounds`` times interleaved. Diagnostic:
 the service-level numbers are bench_service.py's; this says which way a change to the
 engine's threads moves the issue time, on any host.
 
-    python benchmarks/bench_engine_prefill.py --gates off,readers,all --seconds 4
+    python benchmarks/bench_engine_prefill.py --rounds 3 --seconds 4
     taskset -c 0 python benchmarks/bench_engine_prefill.py --load-cpus 1  # engine on CPU 0
 """
 
@@ -206,8 +206,7 @@ def _load_main(fds: list[int], args: argparse.Namespace, q: Any) -> None:
         f.channel.close()
 
 
-def _run(args: argparse.Namespace, gate: str, batching: bool) -> dict[str, Any]:
-    os.environ["ATTENTION_LAUNCH_GATE"] = gate
+def _run(args: argparse.Namespace, round_: int, batching: bool) -> dict[str, Any]:
     config = ServerConfig(device="cpu", batching=batching, kv_cache_bytes=0)
     backend = ModelBackend(args)
     observer = _IssueObserver()
@@ -249,7 +248,7 @@ def _run(args: argparse.Namespace, gate: str, batching: bool) -> dict[str, Any]:
     core.close()
     pool.shutdown()
     answered = max(counts[0], 1)
-    return {"gate": gate, "batching": batching, "req_per_s": counts[0] / args.seconds,
+    return {"round": round_, "batching": batching, "req_per_s": counts[0] / args.seconds,
             "mean_batch": counts[1] / answered,
             "issue_ms_mean": float(issue.mean() * 1e3) if issue.size else float("nan"),
             "issue_ms_p90": float(np.percentile(issue, 90) * 1e3) if issue.size else float("nan"),
@@ -258,7 +257,7 @@ def _run(args: argparse.Namespace, gate: str, batching: bool) -> dict[str, Any]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--gates", default="off,readers,all")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--batching", default="on,off", help="on, off or both")
     p.add_argument("--frontends", type=int, default=8)
     p.add_argument("--clients-per-front", type=int, default=8)
@@ -279,18 +278,18 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args()
     torch.set_num_threads(1)
-    rows = [_run(args, gate, b == "on") for b in args.batching.split(",")
-            for gate in args.gates.split(",")]
+    rows = [_run(args, r, b == "on") for r in range(1, args.rounds + 1)
+            for b in args.batching.split(",")]
     print(f"engine model: {args.frontends} front ends x {args.clients_per_front} clients, "
           f"lengths {args.min_len}..{args.max_len}, H{args.heads}/{args.kv_heads} "
           f"D{args.head_dim} bf16 causal; launch {args.issue_us:.0f} us of Python in "
           f"{args.issue_calls} GIL releases, kernel {args.kernel_us:.0f} us + "
           f"{args.kernel_us_per_job:.0f} us/job; {os.cpu_count()} cpus, engine on "
           f"{sorted(os.sched_getaffinity(0))}")
-    print("| batching | gate | req/s | mean batch | issue ms (mean / p90) | engine CPU us/req |")
+    print("| batching | round | req/s | mean batch | issue ms (mean / p90) | engine CPU us/req |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {'on' if r['batching'] else 'off'} | {r['gate']} | {r['req_per_s']:.0f} | "
+        print(f"| {'on' if r['batching'] else 'off'} | {r['round']} | {r['req_per_s']:.0f} | "
               f"{r['mean_batch']:.1f} | {r['issue_ms_mean']:.2f} / {r['issue_ms_p90']:.2f} | "
               f"{r['engine_cpu_us_per_req']:.0f} |")
     if args.out:

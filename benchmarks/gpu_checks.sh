@@ -35,7 +35,7 @@
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
 #   batching-placed  benchmarks/ab_batching_placed.sh: batching on vs off at 64 clients with the
 #              server in CPUs 0-10 and the load on 11-15, AB_ROUNDS (2) interleaved rounds; with
-#              AB_VAR / AB_VALUES (e.g. ATTENTION_LAUNCH_GATE "off readers all") batching on
+#              AB_VAR / AB_VALUES (e.g. ATTENTION_PACK_KERNEL "1 0") batching on
 #              runs once per value
 #   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
 #              profiles (carry the py-spy wheel in .whl) of a process group under shm load

@@ -14,19 +14,19 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_bench_engine_prefill_runs_each_gate_and_side_and_writes_rows(tmp_path: Path) -> None:
+def test_bench_engine_prefill_runs_each_round_and_side_and_writes_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_engine_prefill.py"),
-        "--gates", "off,all", "--batching", "on,off", "--frontends", "2",
+        "--rounds", "2", "--batching", "on,off", "--frontends", "2",
         "--clients-per-front", "4", "--seconds", "0.6", "--warmup", "0.2", "--max-len", "64",
         "--out", str(out),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = json.loads(out.read_text())
-    assert [(r["batching"], r["gate"]) for r in rows] == [
-        (True, "off"), (True, "all"), (False, "off"), (False, "all")]
+    assert [(r["round"], r["batching"]) for r in rows] == [
+        (1, True), (1, False), (2, True), (2, False)]
     for r in rows:
         assert r["req_per_s"] > 0 and r["engine_cpu_us_per_req"] > 0
         # Each launch spends --issue-us (250) of Python before it returns: the issue time
@@ -36,7 +36,7 @@ def test_bench_engine_prefill_runs_each_gate_and_side_and_writes_rows(tmp_path: 
             assert r["mean_batch"] >= 1.0
         else:
             assert r["mean_batch"] == 1.0  # batching off: every launch alone
-    assert "| on | all |" in proc.stdout and "| off | off |" in proc.stdout
+    assert "| on | 2 |" in proc.stdout and "| off | 1 |" in proc.stdout
 
 
 def test_engine_request_path_prints_each_stage() -> None:

@@ -258,29 +258,6 @@ def test_a_polling_group_answers_lone_and_concurrent_calls() -> None:
         assert g.stop() == 0
 
 
-def test_a_gated_group_answers_lone_concurrent_and_cached_calls() -> None:
-    """``ATTENTION_LAUNCH_GATE=all`` reaches the engine process (its log says so), and with
-    readers and completer waiting at the gate while launches issue, lone calls, concurrent
-    calls over both front ends (batched) and cached decode steps all answer correctly."""
-    g = Group(2, env={"ATTENTION_LAUNCH_GATE": "all"})
-    try:
-        g.wait_for(r"launch gate: all \(ATTENTION_LAUNCH_GATE\)")
-        _serves_lone_concurrent_and_cached_calls(g, seed=600, lone=4)
-    finally:
-        assert g.stop() == 0
-
-
-def test_a_bad_launch_gate_stops_the_start_with_one_line_naming_it() -> None:
-    cmd = [sys.executable, "-m", "attention_service", "--frontends", "2", "--device", "cpu",
-           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "ATTENTION_LAUNCH_GATE": "sometimes"})
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1] == (
-        "attention-server: ATTENTION_LAUNCH_GATE must be one of off, readers, all (or 0), "
-        "got 'sometimes'")
-
-
 def test_fp8_through_frontend_processes(group: Group) -> None:
     """FP8 k/v and scales cross from a torch-free front end to the engine: a stateless FP8
     Prefill and an FP8 cache session, each through a different front end."""
@@ -615,8 +592,6 @@ def test_reserve_port_takes_a_bracketed_ipv6_host() -> None:
 def test_metrics_directories_of_dead_engines_are_removed_at_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """An engine killed with -9 leaves its multiprocess metrics directory; the next start
     removes those of engines that are gone (they piled up in a container's writable layer)."""
-    import subprocess
-    import sys
     import tempfile
 
     from attention_service.ipc.group import METRICS_DIR_PREFIX

@@ -21,7 +21,7 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.engine.backends import TORCH_DTYPES, Backend
-from attention_service.engine.executor import Executor, LaunchObserver, launch_gate_from_env
+from attention_service.engine.executor import Executor, LaunchObserver
 from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job, LazyTensor
 from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
@@ -72,20 +72,13 @@ class EngineCore:
         delivery_scope: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
         self.backend = backend
-        try:
-            launch_gate = launch_gate_from_env()
-        except ValueError as exc:
-            raise StartupError(str(exc)) from None
         self.executor = Executor(
             backend, batching=config.batching, max_batch_tokens=config.max_batch_tokens,
             max_queue_delay_s=config.max_queue_delay_ms / 1e3,
             max_queue_size=config.max_queue_size, observer=observer,
             delivery_scope=delivery_scope,
             inline_ops=frozenset({Op.CACHE_DECODE}),  # see the executor's module doc
-            launch_gate=launch_gate,
         )
-        if launch_gate != "off":
-            log.info("launch gate: %s (ATTENTION_LAUNCH_GATE)", launch_gate)
         self.regions = RegionRegistry(
             backend, allowed=config.regions_allowed,
             max_per_owner=config.max_regions_per_caller,

@@ -36,17 +36,14 @@ benchmarks/bench_engine_steps.py (one channel) the 8-client mean batch fell from
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
 
-Launch gate (``ATTENTION_LAUNCH_GATE``, off by default: not yet measured on a GPU). A batch of
-16 small prefills issues in 0.31 ms in a quiet process but took 3.5-3.9 ms in the engine under
-64 clients (H200, 2026-11-28), 41% of the dispatcher's wall time spent taking the GIL back
-after its ~20 torch and Triton calls that let it go: each time another thread of the engine
-had taken it. With the gate, threads that would compete wait at the gate, holding no GIL,
-while a launch is being issued: ``readers`` makes each channel read (``deferring``) pass it
-first, ``all`` also makes the completer pass it before it answers a launch's jobs. Those
-threads' work moves to after the issue instead of interleaving with it. In a CPU model of the
-engine (benchmarks/bench_engine_prefill.py, 8 channels, 64 clients, one CPU) the gate cut the
-issue's p90 from 1.3-1.8 to 0.5-0.9 ms, with requests/s within that box's noise either way
-(results README, 2026-11-28, sixth session); the model does not show the service's 10x.
+Tried and dropped (H200, 64 clients of small prefills, fresh servers interleaved): a launch
+gate that held channel readers (and the completer) while a batch was being issued, so that the
+dispatcher got the GIL back at once after each torch call, cut the issue time (2.7-2.8 -> 2.2-2.6
+ms) but not the rate (4090-4440 req/s against 4370-4640 without; results 2026-11-28g); and
+driver calls that keep the GIL for the launch's events and tables (b853cd5) halved the GIL
+hand-offs of a batch's launch (16 -> 7) but ran 7% slower over four paired rounds (same
+folder). The
+GIL's wait moves between the engine's threads; it is not removed.
 """
 
 from __future__ import annotations
@@ -54,7 +51,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
@@ -77,20 +73,6 @@ from attention_service.errors import unavailable
 from attention_service.params import Op
 
 log = logging.getLogger("attention_service")
-
-LAUNCH_GATES = ("off", "readers", "all")
-
-
-def launch_gate_from_env() -> str:
-    """``ATTENTION_LAUNCH_GATE``: off (default; also ``0``), ``readers`` or ``all`` (see the
-    module doc); anything else is refused at start, naming the variable."""
-    value = os.environ.get("ATTENTION_LAUNCH_GATE", "off").strip().lower() or "off"
-    value = "off" if value == "0" else value
-    if value not in LAUNCH_GATES:
-        raise ValueError(f"ATTENTION_LAUNCH_GATE must be one of {', '.join(LAUNCH_GATES)} "
-                         f"(or 0), got {value!r}")
-    return value
-
 
 class Backend(Protocol):
     max_inflight: int  # launches the executor may hold issued and un-waited at once
@@ -162,18 +144,12 @@ class Executor:
         max_queue_delay_s: float = 0.0005, max_queue_size: int = 1024,
         observer: LaunchObserver | None = None,
         delivery_scope: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
-        inline_ops: frozenset[Op] = frozenset(), launch_gate: str = "off",
+        inline_ops: frozenset[Op] = frozenset(),
     ) -> None:
         """``delivery_scope``: entered around each launch's answers on the completer thread
         (the process group corks its channels there: one write per front end per launch).
         ``inline_ops``: ops whose direct launches made inside the submitting thread's
-        ``deferring()`` block are completed by that thread at the block's end.
-        ``launch_gate``: one of LAUNCH_GATES (see the module doc)."""
-        if launch_gate not in LAUNCH_GATES:
-            raise ValueError(f"launch_gate must be one of {LAUNCH_GATES}, got {launch_gate!r}")
-        self.launch_gate = launch_gate
-        self._gate_readers = launch_gate != "off"
-        self._gate_completer = launch_gate == "all"
+        ``deferring()`` block are completed by that thread at the block's end."""
         self.backend = backend
         self._inline_ops = inline_ops
         self._deferred = threading.local()  # .issued: this thread's launches to finish
@@ -187,10 +163,6 @@ class Executor:
         self._max_inflight = max(1, int(getattr(backend, "max_inflight", 1)))
         self._direct = bool(getattr(backend, "async_launch", False))
         self._launch_lock = threading.Lock()  # one backend.launch at a time
-        # The launch gate: cleared while a launch is issued. An Event, not the launch lock:
-        # threads passing a lock could make the issuing thread wait to take it.
-        self._gate_open = threading.Event()
-        self._gate_open.set()
         self._cond = threading.Condition()
         self._waiting: dict[Job, Waiter] = {}  # queued, not yet in a launch
         self._inflight = 0  # issued launches not yet waited for
@@ -253,8 +225,6 @@ class Executor:
         if getattr(self._deferred, "issued", None) is not None:
             yield
             return
-        if self._gate_readers:
-            self._pass_gate()
         issued: list[_Issued] = []
         self._deferred.issued = issued
         try:
@@ -268,21 +238,9 @@ class Executor:
                     self._issuing -= len(issued)
                     self._cond.notify_all()
 
-    def _pass_gate(self) -> None:
-        """Wait, holding no GIL, while a launch is being issued (the launch gate)."""
-        if not self._gate_open.is_set():
-            self._gate_open.wait()
-
     def _launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
-        """``backend.launch`` under the launch lock, the gate closed meanwhile when on."""
         with self._launch_lock:
-            if not self._gate_readers:
-                return self.backend.launch(plan, cancel)
-            self._gate_open.clear()
-            try:
-                return self.backend.launch(plan, cancel)
-            finally:
-                self._gate_open.set()
+            return self.backend.launch(plan, cancel)
 
     def cancel(self, job: Job) -> None:
         """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
@@ -458,8 +416,6 @@ class Executor:
         n, tokens = len(plan), plan.tokens
         stats = [ExecStats(started - w.job.submitted_at, h2d, kernel, d2h, n, tokens, w.job.flops)
                  for w in waiters]
-        if self._gate_completer:
-            self._pass_gate()
         with self._delivery_scope():
             self._deliver(waiters, stats)
 
