@@ -42,8 +42,7 @@ dispatcher got the GIL back at once after each torch call, cut the issue time (2
 ms) but not the rate (4090-4440 req/s against 4370-4640 without; results 2026-11-28g); and
 driver calls that keep the GIL for the launch's events and tables (b853cd5) halved the GIL
 hand-offs of a batch's launch (16 -> 7) but ran 7% slower over four paired rounds (same
-folder). The
-GIL's wait moves between the engine's threads; it is not removed.
+folder). The GIL's wait moves between the engine's threads; it is not removed.
 """
 
 from __future__ import annotations
