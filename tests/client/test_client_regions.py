@@ -350,6 +350,25 @@ def test_async_regions_are_registered_again_after_a_server_restart() -> None:
         running.stop()
 
 
+def test_a_region_as_a_context_manager_unregisters_on_exit(srv: RunningServer) -> None:
+    q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+    with AttentionClient(srv.target) as c:
+        with c.register_shm(1 << 20) as region:
+            assert [r["name"] for r in c.list_regions()] == [region.name]
+            qr = region.empty(q.shape, q.dtype)
+            qr.copy_(q)
+            _close(c.attention(qr, k, v, CU, causal=True), _ref(q, k, v)[0])
+            assert c.last_stats["region_bytes_in"] > 0  # type: ignore[index]
+        assert region.closed and c.list_regions() == []
+        # The region is gone from the client too: the next call sends bytes.
+        _close(c.attention(q, k, v, CU, causal=True), _ref(q, k, v)[0])
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] > 0 and s["region_bytes_in"] == 0
+        with pytest.raises(RuntimeError), c.register_shm(1 << 20) as region2:
+            raise RuntimeError("the caller's own error")
+        assert region2.closed and c.list_regions() == []  # unregistered on the way out too
+
+
 def test_async_client_regions(srv: RunningServer) -> None:
     q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
 

@@ -175,8 +175,9 @@ def serving_pid(server_port: int, client_port: int, pids: list[int]) -> int | No
     return None
 
 
-def connect_to(group: Group, pid: int, tries: int = 40) -> grpc.Channel:
-    """A new channel whose connection the kernel gave to front end ``pid``."""
+def connect_to(group: Group, pid: int, tries: int = 40, metadata: Any = None) -> grpc.Channel:
+    """A new channel whose connection the kernel gave to front end ``pid`` (``metadata``: the
+    token, on a group with auth on)."""
     from attention_wire.pb import attention_pb2 as pb
     from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
@@ -185,7 +186,8 @@ def connect_to(group: Group, pid: int, tries: int = 40) -> grpc.Channel:
         before = client_ports(group.port)
         ch = grpc.insecure_channel(group.target,
                                    options=[("grpc.use_local_subchannel_pool", 1)])
-        pb_grpc.AttentionServiceStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+        pb_grpc.AttentionServiceStub(ch).GetServerInfo(pb.GetServerInfoRequest(), timeout=10,
+                                                       metadata=metadata)
         new = client_ports(group.port) - before
         if len(new) == 1 and serving_pid(group.port, new.pop(), pids) == pid:
             group.channels.append(ch)

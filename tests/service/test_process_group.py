@@ -5,6 +5,7 @@ group, the engine's death, metrics merged in one scrape, torch-free front ends."
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -24,7 +25,7 @@ from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .group_helpers import Group, client_ports, connect_to, serving_pid
+from .group_helpers import ROOT, Group, client_ports, connect_to, serving_pid
 from .kv_helpers import Model, append_messages, cache_decode_messages, layout
 from .svc_helpers import (
     TOLERANCE,
@@ -455,8 +456,9 @@ def test_frontend_killed_while_the_engine_computes_its_call() -> None:
                                              "attention_inflight_requests") == 1)
             time.sleep(1.0)  # received (50 MB on loopback): computing in the engine
             os.kill(victim, signal.SIGKILL)
-            with pytest.raises(grpc.RpcError):
+            with pytest.raises(grpc.RpcError) as info:
                 fut.result(60)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
         # The engine says how many calls it lost with it, cancels that call and waits until
         # its arena is quiet, then restarts it.
         lost = int(g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight "
@@ -552,6 +554,35 @@ def test_engine_death_takes_the_group_down() -> None:
     assert all(_zombie(p) for p in pids), "front ends outlived the engine"
     for slot in (0, 1):
         g.wait_for(rf"\[frontend {slot}\] .*engine process is gone")
+
+
+_FAILING_ENGINE = """
+import sys
+from attention_service.engine.core import EngineCore
+def warmup(self):
+    raise RuntimeError("injected warm-up failure")
+EngineCore.warmup = warmup
+from attention_service.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_an_engine_exception_stops_the_group_with_a_clear_line() -> None:
+    """An exception inside the engine process (here its warm-up, after the front ends are up)
+    ends the whole group: one "engine failed" line with the cause, every front end stopped,
+    exit code 1, no hang."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _FAILING_ENGINE, "--frontends", "2", "--device", "cpu",
+         "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 1, log
+    assert "engine failed: stopping every front end" in log, log
+    assert "RuntimeError: injected warm-up failure" in log, log
+    pids = [int(p) for p in re.findall(r"front end \d+ listening \(pid (\d+)\)", log)]
+    assert len(pids) == 2, log  # both had started before the failure
+    assert all(_zombie(pid) for pid in pids)
 
 
 def test_reserve_port_takes_a_port_with_connections_in_time_wait() -> None:
