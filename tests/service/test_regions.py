@@ -496,3 +496,33 @@ def test_concurrent_region_calls_under_batching(start_server: Any, obj: Shm) -> 
         assert resp[-1].HasField("stats")
         ref, _ = prefill_oracle(q, k, v, [0, 12], causal=True)
         torch.testing.assert_close(obj.get(out_at, q).double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_ipc_mappings_open_each_allocation_once() -> None:
+    """CUDA maps an IPC handle once per process: regions of one allocation share a mapping,
+    closed with the last of them; a failed open leaves nothing counted."""
+    from attention_service.engine.regions import IpcMappings
+
+    opened: list[bytes] = []
+    closed: list[int] = []
+
+    def open_handle(handle: bytes) -> tuple[int, int]:
+        if handle == b"bad":
+            raise ValueError("not a handle")
+        opened.append(handle)
+        return 1000 * len(opened), 4096
+
+    maps = IpcMappings(open_handle, closed.append)
+    assert maps.open(b"a") == (1000, 4096)
+    assert maps.open(b"a") == (1000, 4096)  # the same mapping, not a second open
+    assert maps.open(b"b") == (2000, 4096)
+    assert opened == [b"a", b"b"] and len(maps) == 2
+    with pytest.raises(ValueError):
+        maps.open(b"bad")
+    assert len(maps) == 2
+    maps.release(b"a")
+    assert closed == []  # one region of "a" still uses it
+    maps.release(b"a")
+    maps.release(b"b")
+    assert closed == [1000, 2000] and len(maps) == 0
+    assert maps.open(b"a") == (3000, 4096)  # opened afresh after its last close

@@ -1,5 +1,6 @@
 """CUDA IPC regions (and system regions page-locked by the cuda backend) on the GPU: the bytes
-never leave the device; wrong device, bad handle and bounds are refused naming the field; a
+never leave the device; wrong device, bad handle, and spans out of bounds, of the wrong size,
+misaligned or in no region are refused naming the field; regions belong to their token; a
 region dropped while its call runs. Skipped without a GPU.
 
 Client and server are always separate processes here: CUDA refuses to open an IPC handle in
@@ -21,7 +22,7 @@ from attention_wire.pb import attention_pb2 as pb
 
 from .batch_helpers import Steps
 from .group_helpers import Group
-from .svc_helpers import ServerHandle, make_config
+from .svc_helpers import ServerHandle, make_config, spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 BF16 = 3.2e-2
@@ -124,6 +125,189 @@ def test_bad_cuda_registrations_name_the_field(gpu_server) -> None:  # type: ign
             _register_raw(stub, **fields)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
         assert info.value.details().startswith(field), info.value.details()
+    assert not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions
+
+
+def _span(region, t: torch.Tensor) -> pb.RegionSpan:  # type: ignore[no-untyped-def]
+    off = region.locate(t)
+    assert off is not None
+    return pb.RegionSpan(region=region.name, offset=off, byte_size=t.numel() * t.element_size())
+
+
+def _raw_request(region, q, k, v, out, lse) -> pb.PrefillRequest:  # type: ignore[no-untyped-def]
+    """A request whose five tensors are all spans of one CUDA region (no bytes at all)."""
+    regions = pb.TensorRegions(q=_span(region, q), k=_span(region, k), v=_span(region, v),
+                               out=_span(region, out), lse=_span(region, lse))
+    header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=CU, causal=True,
+                              return_lse=True, regions=regions)
+    return pb.PrefillRequest(header=header)
+
+
+def _region_tensors(region, seed: int):  # type: ignore[no-untyped-def]
+    """q, k, v copied into ``region``; out and lse there too, poisoned with NaN."""
+    q, k, v = (region.empty(t.shape, t.dtype).copy_(t) for t in _qkv(seed))
+    out = region.empty(q.shape, q.dtype).fill_(float("nan"))
+    lse = region.empty((q.shape[1], q.shape[0]), torch.float32).fill_(float("nan"))
+    torch.cuda.synchronize()
+    return q, k, v, out, lse
+
+
+CUDA_SPAN_CASES = {
+    "past_end": (grpc.StatusCode.INVALID_ARGUMENT, "header.regions.q"),
+    "size_mismatch": (grpc.StatusCode.INVALID_ARGUMENT, "header.regions.k.byte_size"),
+    "misaligned": (grpc.StatusCode.INVALID_ARGUMENT, "header.regions.q.offset"),
+    "lse_misaligned": (grpc.StatusCode.INVALID_ARGUMENT, "header.regions.lse.offset"),
+    "out_too_small": (grpc.StatusCode.INVALID_ARGUMENT, "header.regions.out.byte_size"),
+    "unknown_region": (grpc.StatusCode.NOT_FOUND, "header.regions.v.region"),
+}
+
+
+def test_bad_cuda_spans_are_refused_naming_the_field(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    """The system-region bounds cases of test_regions.py, in a CUDA IPC region: a span past
+    the region's end, of the wrong size, misaligned for its dtype, or in no region is refused
+    naming the field, nothing is written, and the region stays idle and usable."""
+    stub = gpu_server.stub()
+    with AttentionClient(gpu_server.target, timeout=120) as c:
+        region = c.register_cuda(4 << 20)
+        q, k, v, out, lse = _region_tensors(region, 21)
+        # The well-formed request first: the raw path computes into the region.
+        resp = list(stub.Prefill(iter([_raw_request(region, q, k, v, out, lse)]), timeout=60))
+        assert len(resp) == 1 and resp[0].stats.bytes_in == 0 and resp[0].stats.bytes_out == 0
+        torch.cuda.synchronize()
+        ref, ref_lse = _ref(q, k, v)
+        assert _rel(out, ref) < BF16
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=2e-3, rtol=0)
+        for case, (code, field) in CUDA_SPAN_CASES.items():
+            out.fill_(float("nan"))
+            torch.cuda.synchronize()
+            msg = _raw_request(region, q, k, v, out, lse)
+            r = msg.header.regions
+            if case == "past_end":
+                r.q.offset = region.nbytes - 2
+            elif case == "size_mismatch":
+                r.k.byte_size += 2
+            elif case == "misaligned":
+                r.q.offset += 1  # bfloat16: odd offsets are misaligned
+            elif case == "lse_misaligned":
+                r.lse.offset += 2  # float32
+            elif case == "out_too_small":
+                r.out.byte_size -= 2
+            elif case == "unknown_region":
+                r.v.region = "nobody"
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Prefill(iter([msg]), timeout=60))
+            assert info.value.code() == code, (case, info.value.details())
+            assert info.value.details().startswith(field), (case, info.value.details())
+            torch.cuda.synchronize()
+            assert torch.isnan(out).all(), case  # refused before the kernel: nothing written
+            listed = stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions
+            assert [(x.name, x.inflight) for x in listed] == [(region.name, 0)], case
+        # Still usable after every refusal.
+        list(stub.Prefill(iter([_raw_request(region, q, k, v, out, lse)]), timeout=60))
+        torch.cuda.synchronize()
+        assert _rel(out, ref) < BF16
+
+
+def test_cuda_regions_belong_to_their_token() -> None:
+    """With auth on, a CUDA region is its token's: another token naming it gets NOT_FOUND
+    (never the bytes, nothing written), cannot list or unregister it, and has a namespace of
+    its own."""
+    g = Group(1, "--no-warmup", "--auth-token", "token-a,token-b", device="cuda", timeout=240)
+    b_md = (("authorization", "Bearer token-b"),)
+    try:
+        stub = g.stub()
+        with AttentionClient(g.target, token="token-a", timeout=120) as a, \
+                AttentionClient(g.target, token="token-b", timeout=120) as b:
+            region = a.register_cuda(4 << 20)
+            q, k, v, out, lse = _region_tensors(region, 22)
+            out.fill_(7.0)
+            torch.cuda.synchronize()
+            msg = _raw_request(region, q, k, v, out, lse)
+            with pytest.raises(grpc.RpcError) as info:
+                list(stub.Prefill(iter([msg]), timeout=60, metadata=b_md))
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND, info.value.details()
+            assert region.name in info.value.details()
+            torch.cuda.synchronize()
+            assert (out == 7.0).all()  # b's call wrote nothing into a's memory
+            assert b.list_regions() == []
+            with pytest.raises(grpc.RpcError) as info:
+                stub.UnregisterRegion(pb.UnregisterRegionRequest(name=region.name), timeout=10,
+                                      metadata=b_md)
+            assert info.value.code() == grpc.StatusCode.NOT_FOUND
+            assert [r["name"] for r in a.list_regions()] == [region.name]  # still a's
+            # b cannot register a's allocation itself (were its handle to leak).
+            exp = cuda_ipc.export(region.locate(q) + region._memory.data_ptr())
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RegisterRegion(pb.RegisterRegionRequest(
+                    name="stolen", byte_size=1 << 20, cuda=pb.CudaRegion(
+                        ipc_handle=exp.handle, device_uuid=cuda_ipc.device_uuid(0),
+                        offset=exp.offset)), timeout=30, metadata=b_md)
+            assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            assert info.value.details().startswith("cuda.ipc_handle"), info.value.details()
+            # b's own region under the same name: a namespace of its own (a system region:
+            # two CUDA regions of this one process may share an allocation, as above).
+            with b.register_shm(1 << 20, name=region.name):
+                assert [r["name"] for r in b.list_regions()] == [region.name]
+            # a's request, by a: computed into a's region.
+            list(stub.Prefill(iter([msg]), timeout=60,
+                              metadata=(("authorization", "Bearer token-a"),)))
+            torch.cuda.synchronize()
+            assert _rel(out, _ref(q, k, v)[0]) < BF16
+        with pytest.raises(grpc.RpcError) as info:  # no token: refused before any lookup
+            stub.ListRegions(pb.ListRegionsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    finally:
+        assert g.stop() == 0
+
+
+def test_regions_of_one_allocation_share_its_mapping(gpu_server) -> None:  # type: ignore[no-untyped-def]
+    """Two regions in one CUDA allocation (what torch's caching allocator does to two small
+    regions of one process): both serve, and the allocation stays mapped for the second when
+    the first is unregistered (the server shares one mapping: some drivers open a handle only
+    once per process)."""
+    torch.cuda.set_device(0)
+    mem = torch.empty(8 << 20, dtype=torch.uint8, device="cuda")
+    exp = cuda_ipc.export(mem.data_ptr())
+    uuid = cuda_ipc.device_uuid(0)
+    stub = gpu_server.stub()
+    half = 4 << 20
+    for name, start in (("lo", 0), ("hi", half)):
+        stub.RegisterRegion(pb.RegisterRegionRequest(
+            name=name, byte_size=half, cuda=pb.CudaRegion(
+                ipc_handle=exp.handle, device_uuid=uuid, offset=exp.offset + start)), timeout=30)
+    try:
+        assert sorted(r.name for r in stub.ListRegions(pb.ListRegionsRequest(),
+                                                       timeout=10).regions) == ["hi", "lo"]
+        q, k, v = _qkv(24)
+        nb = [t.numel() * t.element_size() for t in (q, k, v)]
+        offs = [0, nb[0], nb[0] + nb[1]]  # q, k, v in "lo"; out in "hi"
+        for t, off in zip((q, k, v), offs, strict=True):
+            mem[off : off + t.numel() * 2].view(torch.bfloat16).copy_(t.view(-1))
+        out = mem[half : half + nb[0]].view(torch.bfloat16).view(q.shape)
+
+        def call() -> None:
+            out.fill_(float("nan"))
+            torch.cuda.synchronize()
+            regions = pb.TensorRegions(out=pb.RegionSpan(region="hi", offset=0, byte_size=nb[0]))
+            for name, n, off in zip(("q", "k", "v"), nb, offs, strict=True):
+                getattr(regions, name).CopyFrom(pb.RegionSpan(region="lo", offset=off,
+                                                              byte_size=n))
+            header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=CU,
+                                      causal=True, regions=regions)
+            list(stub.Prefill(iter([pb.PrefillRequest(header=header)]), timeout=60))
+            torch.cuda.synchronize()
+            assert _rel(out, _ref(q, k, v)[0]) < BF16
+
+        call()
+        assert stub.UnregisterRegion(pb.UnregisterRegionRequest(name="hi"), timeout=10).released
+        out = mem[half + nb[0] : half + 2 * nb[0]].view(torch.bfloat16).view(q.shape)
+        stub.RegisterRegion(pb.RegisterRegionRequest(  # "hi" again, same allocation
+            name="hi", byte_size=nb[0], cuda=pb.CudaRegion(
+                ipc_handle=exp.handle, device_uuid=uuid, offset=exp.offset + half + nb[0])),
+            timeout=30)
+        call()  # "lo" kept the mapping open meanwhile
+    finally:
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10)
     assert not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions
 
 

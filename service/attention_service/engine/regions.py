@@ -16,7 +16,11 @@ Safety rules:
   with auth on or on a loopback address: it makes the server map memory a caller names);
 * a region belongs to its owner (the caller's token with auth on): another owner's lookups
   answer NOT_FOUND, never the bytes, and another owner cannot register the same system object
-  (PERMISSION_DENIED) while it is registered;
+  or CUDA allocation (PERMISSION_DENIED) while it is registered;
+* torch's caching allocator puts several tensors, so several regions, in one allocation (one
+  IPC handle): the allocation's owner is who registered it first, and one mapping of it is
+  shared by that owner's regions and closed with the last of them (CUDA documents one open
+  per handle and process; older drivers answer "already mapped" to a second);
 * an owner holds at most ``--max-regions-per-caller`` regions, and system regions of at most
   ``--system-region-bytes-per-caller`` bytes together (the server maps and page-locks those):
   RESOURCE_EXHAUSTED past either, checked before anything is mapped;
@@ -58,6 +62,9 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 
 
+CUDA_KEY = "cuda:"  # _Region.key of a CUDA region: this and its IPC handle in hex
+
+
 @dataclass(frozen=True)
 class _Claim:
     """A registration in progress: its name, key and system bytes are taken while it maps."""
@@ -73,7 +80,8 @@ class _Region:
     kind: str  # "system" | "cuda"
     tensor: torch.Tensor  # uint8 [byte_size], host or device
     closer: Callable[[], None]
-    key: str = ""  # a system region's object (``shm.check_key`` form); "" for cuda
+    # A system region's object (``shm.check_key`` form), or CUDA_KEY + a CUDA region's handle.
+    key: str = ""
     inflight: int = 0
     dropped: bool = False
     last_used: float = 0.0  # the clock's time when a call last let go of it (or registered)
@@ -109,6 +117,43 @@ def pin(tensor: torch.Tensor, nbytes: int) -> Callable[[], None]:
     return unpin
 
 
+class IpcMappings:
+    """CUDA IPC handles opened in this process, one mapping per allocation, counted: two
+    regions of one allocation (two tensors torch's caching allocator placed in one segment)
+    share a mapping, closed when the last of them goes. CUDA documents one open per handle and
+    process (older drivers refuse a second: "already mapped"); driver 580 counts the opens
+    (benchmarks/results/issue10/2026-11-29), so this is for the drivers that do not."""
+
+    def __init__(self, open_handle: Callable[[bytes], tuple[int, int]],
+                 close_handle: Callable[[int], None]) -> None:
+        self._open = open_handle
+        self._close = close_handle
+        self._lock = threading.Lock()
+        self._maps: dict[bytes, list[int]] = {}  # handle -> [pointer, allocation bytes, users]
+
+    def open(self, handle: bytes) -> tuple[int, int]:
+        """(device pointer, allocation bytes) of ``handle``'s allocation, mapped once."""
+        with self._lock:  # held while opening: two first users must not both open it
+            entry = self._maps.get(handle)
+            if entry is None:
+                ptr, alloc = self._open(handle)
+                entry = self._maps[handle] = [ptr, alloc, 0]
+            entry[2] += 1
+            return entry[0], entry[1]
+
+    def release(self, handle: bytes) -> None:
+        with self._lock:
+            entry = self._maps[handle]
+            entry[2] -= 1
+            if entry[2]:
+                return
+            del self._maps[handle]
+        self._close(entry[0])
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+
 class RegionRegistry:
     def __init__(
         self, backend: Any, allowed: bool, max_per_owner: int = 64,
@@ -127,6 +172,7 @@ class RegionRegistry:
         self._lock = threading.Lock()
         self._regions: dict[tuple[str, str], _Region] = {}
         self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
+        self._ipc = IpcMappings(cuda_ipc.open_handle, self._close_ipc)
         self.expired_total = 0  # regions dropped by the TTL (a metric)
         self._sweeper = (Sweeper("region-ttl", ttl_seconds, self.expire)
                          if allowed and ttl_seconds > 0 else None)
@@ -164,7 +210,10 @@ class RegionRegistry:
                 key = shm.check_key(req.system.key)
             except ValueError as exc:
                 raise invalid("system.key", str(exc)) from None
-        elif kind != "cuda":
+        elif kind == "cuda":
+            # The allocation's handle: one owner per allocation, as per system object.
+            key = CUDA_KEY + bytes(req.cuda.ipc_handle).hex()
+        else:
             raise invalid("source", "set system or cuda")
         claim = _Claim(key, req.byte_size if kind == "system" else 0)
         slot = (owner, req.name)
@@ -219,6 +268,10 @@ class RegionRegistry:
         taken = [(r.owner, r.key) for r in self._regions.values()]
         taken += [(o, c.key) for (o, _), c in self._claims.items()]
         if key and any(k == key and o != owner for o, k in taken):
+            if key.startswith(CUDA_KEY):
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                                   "cuda.ipc_handle: that allocation is registered by another "
+                                   "caller")
             raise RequestError(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "system.key: that shared-memory object is registered by another caller",
@@ -356,22 +409,22 @@ class RegionRegistry:
         if bytes(src.device_uuid) != mine:
             raise invalid("cuda.device_uuid", "the region is on another GPU than the server's")
         torch.cuda.set_device(device)
+        handle = bytes(src.ipc_handle)
         try:
             cuda_ipc.use_primary_context(torch.device(device).index or 0)
-            ptr, alloc = cuda_ipc.open_handle(bytes(src.ipc_handle))
+            ptr, alloc = self._ipc.open(handle)
         except (ValueError, cuda_ipc.CudaIpcError) as exc:
             raise invalid("cuda.ipc_handle", str(exc)) from None
         if src.offset + nbytes > alloc:
-            cuda_ipc.close_handle(ptr)
+            self._ipc.release(handle)
             raise invalid("cuda", f"bytes [{src.offset}, {src.offset + nbytes}) run past the "
                           f"end of the allocation ({alloc} bytes)")
         tensor = torch.as_tensor(cuda_ipc.DeviceBytes(ptr + src.offset, nbytes), device=device)
+        return tensor, lambda: self._ipc.release(handle)
 
-        def closer() -> None:
-            torch.cuda.set_device(device)
-            cuda_ipc.close_handle(ptr)
-
-        return tensor, closer
+    def _close_ipc(self, ptr: int) -> None:
+        torch.cuda.set_device(self.backend.device)
+        cuda_ipc.close_handle(ptr)
 
     def _close(self, region: _Region) -> None:
         try:
