@@ -500,9 +500,33 @@ def test_sigterm_drains_every_process_and_exits_0() -> None:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         release.set()
         _check(fut.result(30), ref)  # the call in flight finishes
-    assert g.proc.wait(60) == 0
+    assert g.proc.wait(60) == 0  # 1 if any front end had exited otherwise than 0
+    assert "while draining" not in g.log()
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}") or _zombie(pid)
+
+
+def test_a_front_end_killed_while_draining_makes_the_group_exit_1() -> None:
+    """Its calls still in flight are lost: the group says so in its exit code and a line,
+    not exit 0."""
+    g = Group(2, "--grace-seconds", "30")
+    victim = g.frontend_pids()[0]
+    release = threading.Event()
+    stub = pb_grpc.AttentionServiceStub(connect_to(g, victim))
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(lambda: collect(stub.Prefill(_held(_request(502)[0], release),
+                                                       timeout=60)))
+        assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
+                                         "attention_inflight_requests") == 1)
+        g.proc.send_signal(signal.SIGTERM)
+        g.wait_for("shutting down")
+        os.kill(victim, signal.SIGKILL)  # while it drains its held call
+        with pytest.raises(grpc.RpcError) as info:
+            fut.result(30)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        release.set()
+    assert g.proc.wait(60) == 1
+    g.wait_for(rf"front end 0 \(pid {victim}\) exited with code -9 while draining")
 
 
 def test_a_front_end_that_never_exits_is_killed_after_the_grace_period() -> None:

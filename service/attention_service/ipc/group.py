@@ -273,6 +273,7 @@ class Group:
             started = False
             serving = False
             forced = False
+            failed_drain = False
             deadline = time.monotonic() + START_TIMEOUT_S
             drain_deadline = math.inf
             while True:
@@ -340,6 +341,12 @@ class Group:
                         continue
                     multiprocess.mark_process_dead(proc.pid)
                     if self.draining:
+                        if rc != 0 and not forced:
+                            # Its calls still draining are lost: the group must not say 0.
+                            failed_drain = True
+                            log.error("front end %d (pid %d) exited with code %s while "
+                                      "draining: its in-flight calls are lost", index,
+                                      proc.pid, rc)
                         if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
                             break
                         continue
@@ -357,7 +364,7 @@ class Group:
                 elif kind == "respawn" and not self.draining:
                     self._spawn(self.slots[event[1]])
             log.info("front ends stopped; stopping the engine")
-            return 1 if forced else 0
+            return 1 if forced or failed_drain else 0
         except StartupError:  # attention-server says why on one line
             self._signal_all(signal.SIGKILL)
             raise
