@@ -448,27 +448,41 @@ def test_clients_of_a_killed_front_end_spread_again_once_it_is_back(
 def test_frontend_killed_while_the_engine_computes_its_call() -> None:
     g = Group(2)
     try:
-        victim = g.frontend_pids()[0]
+        victim, other = g.frontend_pids()[0], g.frontend_pids()[1]
         stub = pb_grpc.AttentionServiceStub(connect_to(g, victim))
-        with ThreadPoolExecutor(1) as pool:
+        probe = pb_grpc.AttentionServiceStub(connect_to(g, other))
+        depth = lambda: sample(g.scrape(), "attention_queue_depth",  # noqa: E731
+                               "attention_queue_depth", rpc="Prefill")
+        with ThreadPoolExecutor(2) as pool:
             fut = pool.submit(lambda: collect(stub.Prefill(iter(_blocker(2)), timeout=120)))
             assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
                                              "attention_inflight_requests") == 1)
-            time.sleep(1.0)  # received (50 MB on loopback): computing in the engine
+            # Proof that the blocker is computing in the engine, not still uploading: a small
+            # call through the other front end (40 ms alone) still waits in the engine's queue
+            # 0.5 s later. (One that ran at once came too early: answered, another is sent.)
+            msgs, ref = _request(399)
+            for _ in range(50):
+                waiting = pool.submit(lambda: collect(probe.Prefill(iter(msgs), timeout=120)))
+                time.sleep(0.5)
+                if not waiting.done() and depth() == 1:
+                    break
+                _check(waiting.result(30), ref)
+            else:
+                raise AssertionError("the blocker never reached the engine")
             os.kill(victim, signal.SIGKILL)
             with pytest.raises(grpc.RpcError) as info:
                 fut.result(60)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-        # The engine says how many calls it lost with it, cancels that call and waits until
-        # its arena is quiet, then restarts it.
-        lost = int(g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight "
-                              r"calls are lost \(([01]) of them had reached the engine",
-                              timeout=60).group(1))
+            _check(waiting.result(60), ref)  # the engine went on to the next call
+        # The engine says it lost that call, cancels it and waits until the dead process's
+        # arena is quiet, then restarts it.
+        g.wait_for(r"front end 0 \(pid \d+\) exited with code -9: its in-flight calls are "
+                   r"lost \(1 of them had reached the engine", timeout=60)
         g.wait_for(r"front end 0 listening \(pid \d+\), restarted", timeout=60)
         g.wait_until_serving()
         # Counted by the engine: the dead process never counted its own last call.
         assert sample(g.scrape(), "attention_frontend_lost_calls",
-                      "attention_frontend_lost_calls_total") == lost
+                      "attention_frontend_lost_calls_total") == 1
         for pid in g.frontend_pids().values():
             msgs, ref = _request(400 + pid % 7)
             _check(collect(pb_grpc.AttentionServiceStub(connect_to(g, pid)).Prefill(
