@@ -84,12 +84,8 @@ def test_cuda_region_one_process(gpu_server) -> None:  # type: ignore[no-untyped
     _check_calls(gpu_server.target)
 
 
-def test_cuda_region_through_a_process_group() -> None:
-    g = Group(2, "--no-warmup", device="cuda", timeout=240)
-    try:
-        _check_calls(g.target)
-    finally:
-        assert g.stop() == 0
+def test_cuda_region_through_a_process_group(gpu_group) -> None:  # type: ignore[no-untyped-def]
+    _check_calls(gpu_group.target)
 
 
 def test_system_region_is_page_locked_on_cuda(gpu_server) -> None:  # type: ignore[no-untyped-def]
@@ -162,12 +158,22 @@ CUDA_SPAN_CASES = {
 }
 
 
-def test_bad_cuda_spans_are_refused_naming_the_field(gpu_server) -> None:  # type: ignore[no-untyped-def]
-    """The system-region bounds cases of test_regions.py, in a CUDA IPC region: a span past
-    the region's end, of the wrong size, misaligned for its dtype, or in no region is refused
-    naming the field, nothing is written, and the region stays idle and usable."""
-    stub = gpu_server.stub()
-    with AttentionClient(gpu_server.target, timeout=120) as c:
+@pytest.fixture(scope="module")
+def gpu_group():  # type: ignore[no-untyped-def]
+    g = Group(2, "--no-warmup", device="cuda", timeout=240)
+    yield g
+    assert g.stop() == 0
+
+
+@pytest.mark.parametrize("server", ["gpu_server", "gpu_group"])
+def test_bad_cuda_spans_are_refused_naming_the_field(request, server: str) -> None:  # type: ignore[no-untyped-def]
+    """The system-region bounds cases of test_regions.py, in a CUDA IPC region, on one
+    process and through a group: a span past the region's end, of the wrong size, misaligned
+    for its dtype, or in no region is refused naming the field, nothing is written, and the
+    region stays idle and usable."""
+    srv = request.getfixturevalue(server)
+    stub = srv.stub()
+    with AttentionClient(srv.target, timeout=120) as c:
         region = c.register_cuda(4 << 20)
         q, k, v, out, lse = _region_tensors(region, 21)
         # The well-formed request first: the raw path computes into the region.
@@ -209,10 +215,10 @@ def test_bad_cuda_spans_are_refused_naming_the_field(gpu_server) -> None:  # typ
 
 
 def test_cuda_regions_belong_to_their_token() -> None:
-    """With auth on, a CUDA region is its token's: another token naming it gets NOT_FOUND
-    (never the bytes, nothing written), cannot list or unregister it, and has a namespace of
-    its own."""
-    g = Group(1, "--no-warmup", "--auth-token", "token-a,token-b", device="cuda", timeout=240)
+    """With auth on (a group of two front ends), a CUDA region is its token's: another token
+    naming it gets NOT_FOUND (never the bytes, nothing written), cannot list, unregister or
+    register its allocation, and has a namespace of its own."""
+    g = Group(2, "--no-warmup", "--auth-token", "token-a,token-b", device="cuda", timeout=240)
     b_md = (("authorization", "Bearer token-b"),)
     try:
         stub = g.stub()
