@@ -1,14 +1,16 @@
 """Where one client's decode step spends its time: a timestamp at every hand-off, every process.
 
 Starts a server (``python -m attention_service``, batching on) with the hooks of
-``benchmarks/step_trace_hooks`` loaded in each of its processes, creates one KV cache, appends a
-``--context``-token prompt and runs ``--steps`` CacheDecode steps one after another from one
-client (the unary rpc, as attention_client sends a step). The client times each step; the
-server's processes record entry (``>``) and exit (``<``) of the functions a step passes through
-(front end, channel, engine, executor, launch) on one clock. For every step, the events inside
-its client interval are put in time order; the most common order is the step's path, and the
-table gives the median time between consecutive events over the steps that took that path,
-plus the client's own share (call start to the first server event, last event to the reply).
+``benchmarks/step_trace_hooks`` loaded in each of its processes, creates ``--batch`` KV caches,
+appends a ``--context``-token prompt to each and runs ``--steps`` CacheDecode steps over all of
+them (one new token per cache a step) one after another from one client (a unary call each,
+or ``--stream``: one CacheDecodeSteps stream, as ``decode_steps()`` sends them). The client
+times each step; the server's processes record entry (``>``) and exit (``<``) of the functions
+a step passes through (front end, channel, engine, executor, launch) on one clock. For every
+step, the events inside its client interval are put in time order; the most common order is the
+step's path, and the table gives the median time between consecutive events over the steps
+that took that path, plus the client's own share (call start to the first server event, last
+event to the reply).
 
     python benchmarks/trace_step.py --out benchmarks/results/issue11/trace   # GPU defaults
     python benchmarks/trace_step.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
@@ -39,15 +41,18 @@ from attention_wire import grpc_defaults
 grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
 
 import grpc
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import Server, server_info
 from bench_sessions import (
     METHOD,
     Shapes,
+    _bytes,
     _call,
     _requests,
     _StepStream,
+    _tensor_messages,
     add_shape_args,
 )
 
@@ -56,17 +61,34 @@ from attention_wire.pb import attention_pb2 as pb
 HOOKS = Path(__file__).resolve().parent / "step_trace_hooks"
 
 
-async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool
-                 ) -> list[tuple[int, int, float]]:
+def _batch_step(s: Shapes, ids: list[str], store: bool) -> list[bytes]:
+    """One decode step over the caches ``ids`` (one new token each), as the client sends it."""
+    rng = np.random.default_rng(1)
+    b = len(ids)
+    header = pb.DecodeHeader(q=s.spec(b, s.h, s.d), k=s.spec(b, s.hkv, s.d, kv=True),
+                             v=s.spec(b, s.hkv, s.d, kv=True),
+                             cache=pb.CacheTarget(cache_ids=ids, store=store))
+    kv = b * s.hkv * s.d
+    return _tensor_messages(header, _bytes(rng, b * s.h * s.d, s.dtype),
+                            _bytes(rng, kv, s.kv_dtype), _bytes(rng, kv, s.kv_dtype))
+
+
+async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool, batch: int,
+                 store: bool) -> list[tuple[int, int, float]]:
     """(t0 ns, t1 ns, kernel seconds) of each measured step; ``stream``: the steps go on one
-    CacheDecodeSteps stream (``client.decode_steps()``), else a unary call each."""
-    setup, step = _requests(s, "sessions", "trace", 0)
+    CacheDecodeSteps stream (``client.decode_steps()``), else a unary call each; ``batch``
+    caches per step."""
+    ids = [f"trace-{i}" for i in range(batch)]
     async with grpc.aio.insecure_channel(target) as ch:
         create = ch.unary_unary(METHOD + "CreateCaches",
                                 request_serializer=pb.CreateCachesRequest.SerializeToString,
                                 response_deserializer=pb.CreateCachesResponse.FromString)
-        await create(pb.CreateCachesRequest(cache_ids=["trace"], layout=s.layout()), timeout=60)
-        await _call(ch, "AppendKV", setup)
+        await create(pb.CreateCachesRequest(cache_ids=ids, layout=s.layout()), timeout=60)
+        for cache_id in ids:
+            setup, step = _requests(s, "sessions", cache_id, 0)
+            await _call(ch, "AppendKV", setup)
+        if batch > 1 or not store:
+            step = _batch_step(s, ids, store)
         out = []
         steps_stream = _StepStream(ch) if stream else None
         try:
@@ -182,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
     p.add_argument("--stream", action="store_true",
                    help="steps on one CacheDecodeSteps stream (default: a unary call each)")
+    p.add_argument("--batch", type=int, default=1, help="caches (sequences) per step")
+    p.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep each step's token in the caches (--no-store: the caches stay "
+                   "at --context)")
     p.add_argument("--out", default="benchmarks/results")
     p.set_defaults(kv_dtype=None, max_batch_tokens=None, max_queue_delay_ms=None,
                    server_log_level="WARNING", startup_timeout=600.0)
@@ -191,13 +217,15 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     steps, info, events = traced_run(
         args, out_dir, "trace_step",
-        lambda target: asyncio.run(_drive(target, s, args.steps, args.warm_steps, args.stream)))
+        lambda target: asyncio.run(_drive(target, s, args.steps, args.warm_steps, args.stream,
+                                       args.batch, args.store)))
     if not events:
         print("no server events: were the hooks loaded? (see trace_step_server.log)")
         return 1
     result = breakdown(steps, events)
     kernel_us = statistics.median(k for *_, k in steps) * 1e6
-    summary = (f"H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}; {len(steps)} "
+    summary = (f"B={args.batch}, H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}, "
+               f"store={args.store}, {'stream' if args.stream else 'unary'}; {len(steps)} "
                f"steps, {result['path_share']:.0%} took the path below. Step p50 "
                f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.")
     write_report(out_dir, "trace_step", "trace_step", info, argv, summary, result,

@@ -93,6 +93,22 @@ def test_staging_packs_a_batch_and_pads_it_harmlessly() -> None:
     assert staging.table[3, :1].tolist() == [20]
 
 
+def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
+    first = BatchPlan([_step([5, 9], new=False, seed=1)])
+    shape = StepShape.of(first)
+    staging = Staging(shape, pin=False)
+    staging.fill(first, shape)
+    assert staging.table[0, :2].tolist() == [0, 1]
+    assert staging.table[1, :3].tolist() == [2, 3, 4]
+    staging.table[:] = -1  # the same pages again: left as it is (nothing else writes it)
+    staging.fill(BatchPlan([_step([5, 9], new=False, seed=2)]), shape)
+    assert (staging.table == -1).all()
+    moved = BatchPlan([_step([5, 9], new=False, seed=3, pages_from=7)])  # other pages
+    staging.fill(moved, shape)
+    assert staging.table[0, :2].tolist() == [7, 8]
+    assert staging.table[1, :3].tolist() == [9, 10, 11]
+
+
 def test_padding_rows_have_no_keys() -> None:
     plan = BatchPlan([_step([7, 2, 30], new=False, seed=4)])
     shape = StepShape.of(plan)

@@ -193,7 +193,7 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     decode_raw = pb.DecodeRequest(header=pb.DecodeHeader(num_splits=2)).SerializeToString()
     assert isinstance(parse_request(decode_raw, Op.DECODE).header, pb.DecodeHeader)
     assert isinstance(parse_request(decode_raw, Op.PREFILL).header, pb.PrefillHeader)
-    big = pb.DecodeRequest(header=pb.DecodeHeader(cu_seqlens_k=list(range(200))))
+    big = pb.DecodeRequest(header=pb.DecodeHeader(cu_seqlens_k=list(range(0, 1 << 21, 128))))
     raw_big = big.SerializeToString()
     assert len(big.header.SerializeToString()) > wire.MEMO_HEADER_BYTES
     assert parse_request(raw_big, Op.DECODE).header is not parse_request(raw_big, Op.DECODE).header
@@ -201,3 +201,7 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     for i in range(wire.MEMO_ENTRIES + 5):  # bounded: a full memo starts over
         assert wire.memoized(memo, i, lambda i=i: i + 1) == i + 1
         assert len(memo) <= wire.MEMO_ENTRIES
+    sized = wire.Memo()  # and by its keys' bytes
+    for i in range(5):
+        wire.memoized(sized, i, lambda: 0, wire.MEMO_BYTES // 2)
+        assert sized.nbytes <= wire.MEMO_BYTES and len(sized) <= 2

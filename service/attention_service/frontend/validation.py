@@ -18,7 +18,7 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
-from attention_service.frontend.wire import MEMO_HEADER_BYTES, memoized
+from attention_service.frontend.wire import MEMO_HEADER_BYTES, Memo, memoized
 from attention_service.params import (
     ELEMENT_BYTES,
     INPUTS,
@@ -444,7 +444,7 @@ def validate_header(
 # are a pure function of those three, and a KV-cache session's step header repeats. A front end
 # at one client spent ~15% of its samples in validate_decode_header (H200, py-spy,
 # 2026-11-23). Refused headers are not kept: they raise again. Bounded like wire's memo.
-_CHECKED: dict[tuple[Op, bytes, Limits], tuple[Params, Mapping[str, RegionSpan]]] = {}
+_CHECKED: Memo = Memo()  # (op, wire bytes, limits) -> (Params, regions)
 
 
 def checked_header(
@@ -459,7 +459,8 @@ def checked_header(
         params, regions = validate_header(op, h, limits)
         return params, MappingProxyType(regions)
 
-    return memoized(_CHECKED, (op, header_bytes, limits), check)  # type: ignore[no-any-return]
+    return memoized(_CHECKED, (op, header_bytes, limits), check,  # type: ignore[no-any-return]
+                    len(header_bytes))
 
 
 class ChunkAssembler:
