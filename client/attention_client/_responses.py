@@ -77,16 +77,21 @@ def _name(dtype: int) -> str:
 
 def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
     """The stats as plain Python values (repeated fields as lists)."""
-    return {
-        f.name: list(getattr(stats, f.name)) if _is_repeated(f) else getattr(stats, f.name)
-        for f in stats.DESCRIPTOR.fields
-    }
+    out = {name: getattr(stats, name) for name in _STATS_SCALARS}
+    for name in _STATS_LISTS:
+        out[name] = list(getattr(stats, name))
+    return out
 
 
 def _is_repeated(field: Any) -> bool:
     # FieldDescriptor.label is deprecated in newer protobuf; is_repeated replaces it.
     rep = getattr(field, "is_repeated", None)
     return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
+
+
+# RequestStats' fields by kind, read once (every call's stats go through stats_dict).
+_STATS_SCALARS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if not _is_repeated(f))
+_STATS_LISTS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if _is_repeated(f))
 
 
 class ResponseAssembler:

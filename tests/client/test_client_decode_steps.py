@@ -85,6 +85,46 @@ def test_a_failed_step_raises_and_the_next_one_reopens(client):
         steps.step(q, ids, kn, kn)
 
 
+def test_steps_like_the_last_reuse_its_request_and_others_do_not(client):
+    """A step with the last one's ids and options and k/v of its shapes reuses its checked
+    request with the new tensors; any change (ids, their order, store, dtype, shape) takes the
+    whole path. Every answer is checked, and so is what each step kept."""
+    ids = ["tp-a", "tp-b", "tp-c"]
+    ctx = Context(ids)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 9, HKV, D, seed=50)
+        cache.append(ids, k, k, cu([2, 3, 4]))
+        ctx.add(ids, k, k, [2, 3, 4])
+        plan = [(ids, True), (ids, True), (ids[::-1], True), (ids[::-1], False),
+                (ids[:2], False), (list(ids), True), (tuple(ids), True)]
+        reused = []
+        for n, (names, store) in enumerate(plan):
+            names = list(names)
+            q = make("numpy", "float32", len(names), H, D, seed=60 + n)
+            kn = make("numpy", "float32", len(names), HKV, D, seed=80 + n)
+            last = steps._last
+            out = steps.step(q, names, kn, kn, store=store)
+            reused.append(steps._last is not None and steps._last[1] is (last or (0, 0))[1])
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed(names, kn, kn, 1)),
+                      "float32", q)
+            if store:
+                ctx.add(names, kn, kn, [1] * len(names))
+            assert client.last_stats["cache_lengths"] == ctx.lengths(names)
+        # The template is the first request of a run of like steps; it stays while they come.
+        assert reused == [False, True, False, False, False, False, True]
+        kn16 = make("numpy", "float16", 3, HKV, D, seed=99)
+        with pytest.raises(AttentionInputError, match="dtype"):  # checked the long way again
+            steps.step(make("numpy", "float32", 3, H, D), ids, kn16, kn16)
+        cache.release(["tp-b"])
+        q = make("numpy", "float32", 3, H, D, seed=98)
+        kn = make("numpy", "float32", 3, HKV, D, seed=97)
+        with pytest.raises(AttentionNotFoundError, match="tp-b"):  # like the last: reused
+            steps.step(q, ids, kn, kn)
+        out = steps.step(q[:1], ids[:1], kn[:1], kn[:1])
+        check_out(out, reference.decode_ref(f64(q[:1]), *ctx.packed(ids[:1], kn[:1], kn[:1], 1)),
+                  "float32", q[:1])
+
+
 def test_a_step_over_one_message_and_a_server_without_the_rpc_take_the_other_path(server):
     """Both go through decode_step's path, with the same answers."""
     ids = ["fb-a"]
