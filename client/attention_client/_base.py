@@ -242,9 +242,13 @@ class ClientBase:
             names=names,
         )
 
-    def _placement(self, use_regions: bool | None) -> Placement | None:
+    def _regions_wanted(self, use_regions: bool | None) -> bool:
+        """Whether a call's tensors may go through registered regions."""
         wanted = self.use_regions if use_regions is None else use_regions
-        return Placement(self.regions, stage=True) if wanted and self.regions else None
+        return bool(wanted and self.regions)
+
+    def _placement(self, use_regions: bool | None) -> Placement | None:
+        return Placement(self.regions, stage=True) if self._regions_wanted(use_regions) else None
 
     @staticmethod
     def _attention_names(prep: PreparedRequest) -> Any:
@@ -411,7 +415,21 @@ class ClientBase:
     def _prepare_decode_step(
         self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,
         softmax_scale: float | None, num_splits: int, return_lse: bool,
-        score: ScoreMods | None = None,
+        score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
+    ) -> PreparedRequest:
+        placement = self._placement(use_regions)
+        try:
+            return self._cache_decode_request(q, ids, k_new, v_new, store, softmax_scale,
+                                              num_splits, return_lse, score, placement, out)
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)  # nothing was sent
+            raise
+
+    def _cache_decode_request(
+        self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,
+        softmax_scale: float | None, num_splits: int, return_lse: bool,
+        score: ScoreMods | None, placement: Placement | None, out: Any,
     ) -> PreparedRequest:
         layout = None
         if k_new is None and v_new is None:  # empty k/v: their shape is the caches' layout
@@ -423,8 +441,8 @@ class ClientBase:
             layout = layouts.pop()
         return prepare_cache_decode(
             q, k_new, v_new, CacheTarget(ids, as_flag(store, "store"), layout),
-            softmax_scale=softmax_scale,
-            num_splits=num_splits, return_lse=return_lse, score=score,
+            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+            score=score, placement=placement, out=out,
         )
 
     def _stale_layouts(self, ids: tuple[str, ...], listed: list[str], k_new: Any,

@@ -172,13 +172,20 @@ class _KvCacheBase:
     def _prep_decode(
         self, q: Any, ids: Any, k_new: Any, v_new: Any, store: bool,
         softmax_scale: float | None, num_splits: int, return_lse: bool,
-        score: ScoreMods | None = None,
+        score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
-        return prepare_cache_decode(
-            q, k_new, v_new, CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout),
-            softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
-            score=score,
-        )
+        placement = self.client._placement(use_regions)
+        try:
+            return prepare_cache_decode(
+                q, k_new, v_new,
+                CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout),
+                softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
+                score=score, placement=placement, out=out,
+            )
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)  # nothing was sent
+            raise
 
     @staticmethod
     def _fork_request(source_id: str, target_id: str, length: int | None) -> pb.ForkCacheRequest:
@@ -275,15 +282,18 @@ class KvCache(_KvCacheBase):
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
         window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        out: Any = None, use_regions: bool | None = None,
         timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
         token, appended first, kept if ``store``) or None. Returns out ``[B, H, D]`` or
-        ``(out, lse [B, H])``."""
+        ``(out, lse [B, H])``. With registered regions, q, the new tokens and the outputs go
+        through them as in a stateless decode (``out=`` a tensor in a region: written in
+        place); ``use_regions`` per call."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return self._run(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         ), settings)
 
     def fork(
@@ -393,7 +403,11 @@ class KvCache(_KvCacheBase):
             with self._lock:
                 missing = self._missing(prep.cache.ids)
                 if missing:
-                    self._create(missing, settings)
+                    try:
+                        self._create(missing, settings)
+                    except BaseException:
+                        self.client._abandon(prep)  # its region scratch, if any
+                        raise
         result = self.client._run(prep, settings)
         self._note(prep)
         return result
@@ -445,13 +459,14 @@ class AsyncKvCache(_KvCacheBase):
         self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
         window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        out: Any = None, use_regions: bool | None = None,
         timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """See KvCache.decode."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
         return await self._run(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         ), settings)
 
     async def fork(
@@ -556,7 +571,11 @@ class AsyncKvCache(_KvCacheBase):
             async with self._lock:
                 missing = self._missing(prep.cache.ids)
                 if missing:
-                    await self._create(missing, settings)
+                    try:
+                        await self._create(missing, settings)
+                    except BaseException:
+                        self.client._abandon(prep)  # its region scratch, if any
+                        raise
         result = await self.client._run(prep, settings)
         self._note(prep)
         return result

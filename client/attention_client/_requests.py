@@ -384,7 +384,9 @@ def _place_outputs(
 ) -> tuple[Span | None, Span | None]:
     """Spans of the inputs in regions, and of the outputs (``out=``, whose shape must be
     ``user_shape`` and dtype q's, or scratch near q)."""
-    spans = {t.name: t.span for t in tensors if isinstance(t, RegionTensor)}
+    # By wire field: the caller's names differ (a cache step's k_new, v_new).
+    spans = {field: t.span for field, t in zip(("q", "k", "v"), tensors, strict=True)
+             if isinstance(t, RegionTensor)}
     out_span = lse_span = None
     if out is not None:
         _check_out(out, user_shape, tensors[0].dtype)
@@ -787,14 +789,20 @@ def prepare_cache_decode(
     num_splits: int = 0,
     return_lse: bool = False,
     score: ScoreMods | None = None,
+    placement: Placement | None = None,
+    out: Any = None,
 ) -> PreparedRequest:
     """CacheDecode: q ``[B, H, D]``, one cache per sequence, k_new/v_new ``[B, H_kv, D]`` (one
-    new token per sequence, appended before attending) or None (none)."""
+    new token per sequence, appended before attending) or None (none). ``placement``: q and
+    the new tokens may go through registered regions, and so may the outputs (``out=``), as
+    in a stateless decode."""
     empty = _new_kv(k_new, v_new, ("k_new", "v_new"), target)
     if empty is None:
-        wq, wk, wv, origin = _encode_qkv(q, k_new, v_new, names=("q", "k_new", "v_new"))
+        wq, wk, wv, origin = _encode_qkv(q, k_new, v_new, placement,
+                                         names=("q", "k_new", "v_new"))
     else:
-        (wq, origin), (wk, wv) = to_wire(q, "q"), empty
+        origin = describe(q, "q")[2]
+        wq, (wk, wv) = _tensor(q, "q", placement), empty
     _require_rank(wq, 3, "[B, H, D]")
     for t in (wk, wv):
         _require_rank(t, 3, "[B, H_kv, D] (one new token per sequence)")
@@ -810,4 +818,5 @@ def prepare_cache_decode(
     return _decode_request(
         CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), origin, softmax_scale=softmax_scale,
         num_splits=num_splits, return_lse=return_lse, cache=target, score=score,
+        placement=placement, out=out,
     )

@@ -72,12 +72,12 @@ class _StepsBase:
                              "this decode_steps handle is closed", _CALL)
 
     @staticmethod
-    def _key(cache_ids: Any, k_new: Any, v_new: Any, options: tuple[Any, ...]
+    def _key(cache_ids: Any, k_new: Any, v_new: Any, options: tuple[Any, ...], bytes_only: bool
              ) -> tuple[Any, ...] | None:
         """What a step's header depends on besides its tensors' shapes; None: a step the
         template does not cover (no new tokens: the layout comes from the caches; ALiBi
-        slopes: an array; ids not a list or tuple)."""
-        if k_new is None or v_new is None or options[-1] is not None:
+        slopes: an array; ids not a list or tuple; tensors that may go through regions)."""
+        if not bytes_only or k_new is None or v_new is None or options[-1] is not None:
             return None
         if type(cache_ids) is not list and type(cache_ids) is not tuple:
             return None
@@ -136,19 +136,20 @@ class DecodeSteps(_StepsBase):
         self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None, *,
         store: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
         return_lse: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
-        alibi_slopes: Any = None,
+        alibi_slopes: Any = None, out: Any = None, use_regions: bool | None = None,
     ) -> Any:
         """One decode step, as ``AttentionClient.decode_step`` takes and returns it."""
         self._check_open()
         client = self._client
         settings = self._settings()
         key = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits, return_lse,
-                                                   window_size, softcap, alibi_slopes))
+                                                   window_size, softcap, alibi_slopes),
+                        out is None and not client._regions_wanted(use_regions))
         prep = self._reused(key, q, k_new, v_new)
         if prep is None:
             prep = client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
-                return_lse, ScoreMods.of(window_size, softcap, alibi_slopes),
+                return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
             self._remember(key, prep)
         with client._layouts_checked(prep):
@@ -217,19 +218,20 @@ class AsyncDecodeSteps(_StepsBase):
         self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None, *,
         store: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
         return_lse: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
-        alibi_slopes: Any = None,
+        alibi_slopes: Any = None, out: Any = None, use_regions: bool | None = None,
     ) -> Any:
         """See DecodeSteps.step."""
         self._check_open()
         client = self._client
         settings = self._settings()
         key = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits, return_lse,
-                                                   window_size, softcap, alibi_slopes))
+                                                   window_size, softcap, alibi_slopes),
+                        out is None and not client._regions_wanted(use_regions))
         prep = self._reused(key, q, k_new, v_new)
         if prep is None:
             prep = await client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
-                return_lse, ScoreMods.of(window_size, softcap, alibi_slopes),
+                return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
             self._remember(key, prep)
         with client._layouts_checked(prep):

@@ -331,6 +331,8 @@ class AsyncAttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        out: Any = None,
+        use_regions: bool | None = None,
         timeout: Any = DEFAULT,
         metadata: Any = None,
         wait_for_ready: bool | None = None,
@@ -341,7 +343,7 @@ class AsyncAttentionClient(ClientBase):
         )
         prep = await self._decode_step_request(
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         )
         with self._layouts_checked(prep):
             return await self._run(prep, settings)
@@ -349,7 +351,7 @@ class AsyncAttentionClient(ClientBase):
     async def _decode_step_request(
         self, settings: CallSettings, q: Any, cache_ids: Any, k_new: Any, v_new: Any,
         store: bool, softmax_scale: float | None, num_splits: int, return_lse: bool,
-        score: ScoreMods,
+        score: ScoreMods, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         """A decode step's request (``decode_step``, ``decode_steps``): the cheap checks, the
         layouts this client lacks (one ListCaches within ``settings``), then the request."""
@@ -360,7 +362,8 @@ class AsyncAttentionClient(ClientBase):
                 await self._list_caches(missing, settings)
         try:
             return self._prepare_decode_step(
-                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
+                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
+                use_regions,
             )
         except AttentionInputError:
             if not self._stale_layouts(ids, missing, k_new, v_new):
@@ -370,7 +373,8 @@ class AsyncAttentionClient(ClientBase):
         with self._layout_lookup():
             await self._list_caches(ids, settings)
         return self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
+            use_regions,
         )
 
     def decode_steps(

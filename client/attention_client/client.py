@@ -320,19 +320,23 @@ class AttentionClient(ClientBase):
         window_size: Any = (-1, -1),
         softcap: float = 0.0,
         alibi_slopes: Any = None,
+        out: Any = None,
+        use_regions: bool | None = None,
         timeout: Any = DEFAULT,
         metadata: Any = None,
         wait_for_ready: bool | None = None,
     ) -> Any:
         """``KvCache.decode`` on existing caches by id, without a handle. Without k_new/v_new
         the caches' num_kv_heads must be known: from this client's handles, else one
-        ListCaches call (within the same ``timeout``)."""
+        ListCaches call (within the same ``timeout``). Registered regions carry q, the new
+        tokens and the outputs as in ``decode`` (``out=`` a tensor in a region: written in
+        place; ``use_regions`` per call)."""
         settings = self._settings(
             timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
         )
         prep = self._decode_step_request(
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         )
         with self._layouts_checked(prep):
             return self._run(prep, settings)
@@ -340,7 +344,7 @@ class AttentionClient(ClientBase):
     def _decode_step_request(
         self, settings: CallSettings, q: Any, cache_ids: Any, k_new: Any, v_new: Any,
         store: bool, softmax_scale: float | None, num_splits: int, return_lse: bool,
-        score: ScoreMods,
+        score: ScoreMods, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         """A decode step's request (``decode_step``, ``decode_steps``): the cheap checks, the
         layouts this client lacks (one ListCaches within ``settings``), then the request."""
@@ -351,7 +355,8 @@ class AttentionClient(ClientBase):
                 self._list_caches(missing, settings)
         try:
             return self._prepare_decode_step(
-                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
+                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
+                use_regions,
             )
         except AttentionInputError:
             if not self._stale_layouts(ids, missing, k_new, v_new):
@@ -361,7 +366,8 @@ class AttentionClient(ClientBase):
         with self._layout_lookup():
             self._list_caches(ids, settings)
         return self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
+            use_regions,
         )
 
     def decode_steps(

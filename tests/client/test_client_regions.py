@@ -407,3 +407,55 @@ def test_channels_spread_calls_over_front_ends() -> None:
             AttentionClient(running.target, channels=0)
     finally:
         running.stop()
+
+
+def test_cache_decode_steps_go_through_a_region(srv: RunningServer) -> None:
+    """decode_step / decode_steps / KvCache.decode with q, k_new, v_new and out in (or staged
+    into) a region: no tensor bytes on the wire, the answers and the caches as with bytes;
+    a span another call could not use is refused before any cache changes."""
+    ids = ["rg-a", "rg-b"]
+    with AttentionClient(srv.target) as c, c.kv_cache(2, 16, "float32") as cache:
+        region = c.register_shm(1 << 20)
+        prompt = torch.randn(9, 2, 16)
+        cache.append(ids, prompt, prompt, [0, 4, 9])
+        keys = {"rg-a": [prompt[:4]], "rg-b": [prompt[4:]]}
+        q, kn = region.empty((2, 4, 16), torch.float32), region.empty((2, 2, 16), torch.float32)
+        out = region.empty((2, 4, 16), torch.float32)
+        with c.decode_steps() as steps:
+            for n, call in enumerate((steps.step, c.decode_step, steps.step, cache.decode)):
+                q.copy_(torch.randn(2, 4, 16))
+                kn.copy_(torch.randn(2, 2, 16))
+                out.fill_(float("nan"))
+                got = call(q, ids, kn, kn, out=out) if n != 2 else call(q.clone(), ids, kn, kn)
+                for i, cid in enumerate(ids):
+                    keys[cid].append(kn[i : i + 1].clone())
+                ks = [torch.cat(keys[cid]) for cid in ids]
+                cu_k = [0, len(ks[0]), len(ks[0]) + len(ks[1])]
+                ref = decode_ref(q.double(), torch.cat(ks).double(), torch.cat(ks).double(),
+                                 torch.tensor(cu_k, dtype=torch.int32))
+                _close(got, ref)
+                s = c.last_stats
+                assert s is not None and s["bytes_in"] == 0 and s["region_bytes_in"] > 0
+                assert s["cache_lengths"] == [len(k) for k in ks]
+                if n != 2:
+                    assert got is out and s["bytes_out"] == 0
+        # A span past the region's end (a region too small for it is another matter: the
+        # client checks that): the server refuses it naming the field, and the caches keep
+        # their lengths.
+        lengths = [i["length"] for i in cache.info()]
+        stub = AttentionServiceStub(c._base_channels[0])
+        header = pb.DecodeHeader(
+            q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 4, 16]),
+            k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 2, 16]),
+            v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 2, 16]),
+            cache=pb.CacheTarget(cache_ids=ids, store=True),
+            regions=pb.TensorRegions(
+                q=pb.RegionSpan(region=region.name, offset=(1 << 20) - 256, byte_size=512),
+                k=pb.RegionSpan(region=region.name, offset=0, byte_size=256),
+                v=pb.RegionSpan(region=region.name, offset=256, byte_size=256)))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.CacheDecode(iter([pb.DecodeRequest(header=header)]),
+                                  metadata=c._metadata or None))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "header.regions.q" in err.value.details()
+        assert [i["length"] for i in cache.info()] == lengths

@@ -386,3 +386,55 @@ def test_process_group_bytes_through_pinned_arenas_and_overflow() -> None:
                 assert c.last_stats["bytes_in"] > 0  # type: ignore[index]
     finally:
         assert g.stop() == 0
+
+
+@pytest.mark.parametrize("server", ["gpu_server", "gpu_group"])
+def test_cache_decode_steps_through_a_cuda_region(request, server: str) -> None:  # type: ignore[no-untyped-def]
+    """A decode loop on server-side caches with q, the new tokens and out in a CUDA IPC
+    region: no tensor bytes on the wire, answers within bf16 tolerance of the float64
+    reference, the tokens kept; a span past the region's end is refused naming the field
+    before any cache changes."""
+    target = request.getfixturevalue(server).target
+    ids = [f"cuda-step-{i}" for i in range(5)]
+    lens = [7, 64, 65, 130, 1]
+    with AttentionClient(target, timeout=120) as c, c.kv_cache(4, 128, "bfloat16") as cache:
+        region = c.register_cuda(8 << 20)
+        g = torch.Generator(device="cuda").manual_seed(7)
+        prompt = torch.randn(sum(lens), 4, 128, generator=g, device="cuda").bfloat16()
+        cache.append(ids, prompt, prompt, [0, *torch.tensor(lens).cumsum(0).tolist()])
+        keys = list(torch.split(prompt, lens))
+        q = region.empty((5, 16, 128), torch.bfloat16)
+        kn = region.empty((5, 4, 128), torch.bfloat16)
+        out = region.empty((5, 16, 128), torch.bfloat16)
+        with c.decode_steps() as steps:
+            for _ in range(3):
+                q.copy_(torch.randn(5, 16, 128, generator=g, device="cuda"))
+                kn.copy_(torch.randn(5, 4, 128, generator=g, device="cuda"))
+                out.fill_(float("nan"))
+                got = steps.step(q, ids, kn, kn, out=out)
+                torch.cuda.synchronize()
+                keys = [torch.cat([k, kn[i : i + 1]]) for i, k in enumerate(keys)]
+                cu = [0, *torch.tensor([len(k) for k in keys]).cumsum(0).tolist()]
+                packed = torch.cat(keys).double()
+                ref = decode_ref(q.double(), packed, packed,
+                                 torch.tensor(cu, dtype=torch.int32, device="cuda"))
+                assert got is out and _rel(out, ref) < BF16
+                s = c.last_stats
+                assert s is not None and s["bytes_in"] == 0 and s["bytes_out"] == 0
+                assert s["cache_lengths"] == [len(k) for k in keys]
+        before = [i["length"] for i in cache.info()]
+        stub_channel = c._base_channels[0]
+        call = stub_channel.stream_stream("/attention.v1.AttentionService/CacheDecode",
+                                          request_serializer=pb.DecodeRequest.SerializeToString,
+                                          response_deserializer=pb.AttentionResponse.FromString)
+        header = pb.DecodeHeader(
+            q=spec(q), k=spec(kn), v=spec(kn), cache=pb.CacheTarget(cache_ids=ids, store=True),
+            regions=pb.TensorRegions(
+                q=pb.RegionSpan(region=region.name, offset=(8 << 20) - 4096, byte_size=20480),
+                k=pb.RegionSpan(region=region.name, offset=0, byte_size=5120),
+                v=pb.RegionSpan(region=region.name, offset=8192, byte_size=5120)))
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(iter([pb.DecodeRequest(header=header)])))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "header.regions.q" in err.value.details()
+        assert [i["length"] for i in cache.info()] == before

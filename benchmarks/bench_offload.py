@@ -1,0 +1,448 @@
+"""Offloaded decode: model hosts keep their KV caches on the attention server and send one
+decode step per layer per token through the real client.
+
+Each host (its own process) holds ``--layers`` sets of ``--batch`` caches of ``--context``
+tokens (appended once) and loops steps: q ``[B, H, D]`` and one new k/v token per sequence
+``[B, H_kv, D]`` (``store=False`` unless ``--store``, so the caches do not grow). A step goes
+on layer ``i % L``. ``--inflight 1``: the sync client, one ``decode_steps()`` handle; ``k > 1``:
+the async client with k handles, layer l on handle ``l % k`` (k steps outstanding).
+``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``)
+or CUDA IPC region (``cuda``, tensors on the server's GPU) with the outputs written there
+(``out=``). All hosts start together against one server (started here, or ``--target``).
+
+Per point (B, context, hosts, inflight): step latency p50/p99 over all hosts, aggregate
+steps/s, tokens/s (= B x steps/s: one layer's step of one sequence; divide by L for model
+tokens), client CPU per step (median over hosts of process_time / steps), server CPU per step
+(psutil, the server and its children, over the window from the hosts' common start to their
+common end), wire bytes per step. On cuda: ``paged_decode`` timed here (CUDA events, median)
+on a paged cache of B sequences and of the merged hosts x B, and the fraction of the kernel's
+rate = (B x steps/s) / (hosts x B / merged kernel time). Writes ``bench_offload_<UTC>.json/md``.
+
+    python benchmarks/bench_offload.py                                   # GPU defaults
+    python benchmarks/bench_offload.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
+        --context 16 --batch 1,8 --hosts 1,2 --inflight 1,2 --steps 20 --warmup 5 \
+        --layers 2 --out /tmp/bo                                         # quick cpu check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing as mp
+import os
+import queue
+import shlex
+import statistics
+import sys
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from attention_wire import grpc_defaults
+
+grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loads
+
+import grpc
+import numpy as np
+import psutil
+import torch
+
+import attention_client
+from attention_client._chunks import MAX_CHUNK_BYTES
+
+DTYPES = {"bf16": (torch.bfloat16, "bfloat16", 2), "fp16": (torch.float16, "float16", 2)}
+ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
+
+
+# ---- model hosts (spawned processes) ------------------------------------------------------
+
+def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
+    """One model host: caches made once, then a measured round per inflight value, each
+    between two barrier waits shared with the main process (it samples server CPU there)."""
+    torch.set_num_threads(1)
+    B, L, ctx, t = spec["batch"], spec["layers"], spec["context"], spec["timeout"]
+    tdt, name, _ = DTYPES[spec["dtype"]]
+    h, hkv, d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    ids = [[f"{spec['tag']}-h{idx}-l{i}-s{b}" for b in range(B)] for i in range(L)]
+    rnd = lambda *s: (torch.randn(*s) * 0.5).to(tdt)  # noqa: E731 (values do not matter)
+    qs = [rnd(B, h, d) for _ in range(L)]
+    ks, vs = [rnd(B, hkv, d) for _ in range(L)], [rnd(B, hkv, d) for _ in range(L)]
+    # One message per step even at B=256 bf16 (3 MiB): the stream path, not the fallback.
+    kw = {"timeout": 60.0, "max_chunk_bytes": MAX_CHUNK_BYTES}
+    try:
+        with attention_client.AttentionClient(spec["target"], **kw) as client, \
+                client.kv_cache(hkv, d, name) as cache:
+            per = max(1, 65536 // ctx)  # sequences per append: a bounded upload buffer
+            k0, v0 = rnd(per * ctx, hkv, d), rnd(per * ctx, hkv, d)
+            for layer in ids:
+                for s in range(0, B, per):
+                    n = min(per, B - s)
+                    cache.append(layer[s:s + n], k0[:n * ctx], v0[:n * ctx],
+                                 [i * ctx for i in range(n + 1)])
+            for transport in spec["transports"]:
+                for k in spec["inflight"]:
+                    if k == 1:
+                        res = _sync_round(client, spec, transport, ids, qs, ks, vs, barrier, t)
+                    else:
+                        res = asyncio.run(_async_round(k, spec, transport, kw, ids, qs, ks, vs,
+                                                       barrier, t))
+                    out.put(res)
+    except BaseException as exc:  # reported to the main process, which stops the group
+        barrier.abort()
+        out.put({"error": f"host {idx}: {type(exc).__name__}: {exc}"})
+
+
+def _region_bytes(tensors: list[list[Any]]) -> int:
+    """Room for every tensor of the round, each rounded up as a region lays it out."""
+    return sum(t.numel() * t.element_size() + 4096 for group in tensors for t in group)
+
+
+def _placed(region: Any, transport: str, qs: list[Any], ks: list[Any], vs: list[Any]
+            ) -> tuple[list[Any], list[Any], list[Any], list[Any | None]]:
+    """The round's q, k, v and outputs: the host tensors for ``bytes``; copies inside the
+    registered region (on the GPU for ``cuda``) for ``shm``/``cuda``, outputs there too."""
+    if region is None:
+        return qs, ks, vs, [None] * len(qs)
+
+    def inside(x: Any) -> Any:
+        t = region.empty(tuple(x.shape), x.dtype)
+        t.copy_(x)
+        return t
+
+    return ([inside(x) for x in qs], [inside(x) for x in ks], [inside(x) for x in vs],
+            [region.empty(tuple(x.shape), x.dtype) for x in qs])
+
+
+def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[list[str]],
+                qs: list[Any], ks: list[Any], vs: list[Any], barrier: Any,
+                t: float) -> dict[str, Any]:
+    L, lat = spec["layers"], []
+    nbytes = 2 * _region_bytes([qs, ks, vs])
+    region = (None if transport == "bytes" else client.register_shm(nbytes)
+              if transport == "shm" else client.register_cuda(nbytes))
+    qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
+    use = transport != "bytes"
+    with client.decode_steps() as steps:
+        for i in range(spec["warmup"]):
+            x = i % L
+            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], out=outs[x],
+                       use_regions=use)
+        barrier.wait(t)
+        c0 = time.process_time()
+        for i in range(spec["steps"]):
+            x = i % L
+            t0 = time.perf_counter()
+            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], out=outs[x],
+                       use_regions=use)
+            if transport == "cuda":
+                torch.cuda.synchronize()  # the answer is on the GPU when the step returns
+            lat.append(time.perf_counter() - t0)
+        cpu = time.process_time() - c0
+        barrier.wait(t)
+    if region is not None:
+        region.close()
+    return {"lat": lat, "cpu_s": cpu, "steps": len(lat)}
+
+
+async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[str, Any],
+                       ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
+                       barrier: Any, t: float) -> dict[str, Any]:
+    from attention_client.aio import AsyncAttentionClient
+
+    L, lat, store = spec["layers"], [], spec["store"]
+
+    async def loop(steps: Any, j: int, n: int, timed: bool) -> None:
+        # Layers j, j + k, ...: disjoint caches per handle (one call per cache at a time).
+        mine = list(range(j, L, k))
+        for i in range(n):
+            x = mine[i % len(mine)]
+            t0 = time.perf_counter()
+            await steps.step(qs[x], ids[x], ks[x], vs[x], store=store, out=outs[x],
+                             use_regions=use)
+            if timed:
+                lat.append(time.perf_counter() - t0)
+
+    use = transport != "bytes"
+    async with AsyncAttentionClient(spec["target"], **kw) as client:
+        nbytes = 2 * _region_bytes([qs, ks, vs])
+        region = (None if not use else await client.register_shm(nbytes)
+                  if transport == "shm" else await client.register_cuda(nbytes))
+        qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
+        handles = [client.decode_steps() for _ in range(k)]
+        share = lambda n, j: n // k + (j < n % k)  # noqa: E731
+        await asyncio.gather(*(loop(s, j, share(spec["warmup"], j), False)
+                               for j, s in enumerate(handles)))
+        # In a thread: the client's own tasks keep running on the loop meanwhile.
+        await asyncio.to_thread(barrier.wait, t)
+        c0 = time.process_time()
+        await asyncio.gather(*(loop(s, j, share(spec["steps"], j), True)
+                               for j, s in enumerate(handles)))
+        cpu = time.process_time() - c0
+        await asyncio.to_thread(barrier.wait, t)
+        for s in handles:
+            await s.close()
+        if region is not None:
+            await region.aclose()
+    return {"lat": lat, "cpu_s": cpu, "steps": len(lat)}
+
+
+# ---- main process -------------------------------------------------------------------------
+
+def _tree_cpu(pid: int | None) -> float:
+    """User + system CPU seconds of ``pid`` and its live descendants (the front ends)."""
+    if pid is None:
+        return math.nan
+    try:
+        procs = [psutil.Process(pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.Error:
+        return math.nan
+    total = 0.0
+    for p in procs:
+        try:
+            c = p.cpu_times()
+            total += c.user + c.system
+        except psutil.Error:  # ended meanwhile
+            pass
+    return total
+
+
+def run_group(args: argparse.Namespace, target: str, B: int, ctx: int, hosts: int,
+              inflight: list[int], server_pid: int | None, tag: str) -> list[dict[str, Any]]:
+    """Spawn ``hosts`` hosts for (B, ctx) and measure one row per inflight value."""
+    h, hkv, d, e = args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype][2]
+    t = 120.0 + 2.0 * (args.warmup + args.steps)  # a round's bound (steps have 60 s each)
+    # Spawn + imports + the appends (at a pessimistic 50 MB/s in all).
+    setup_t = 180.0 + hosts * B * args.layers * ctx * 2 * hkv * d * e / 5e7
+    spec = {"target": target, "batch": B, "context": ctx, "layers": args.layers, "heads": h,
+            "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "store": args.store,
+            "warmup": args.warmup, "steps": args.steps, "inflight": inflight, "tag": tag,
+            "transports": args.transport,
+            "timeout": max(t, setup_t)}
+    mpc = mp.get_context("spawn")
+    barrier, out = mpc.Barrier(hosts + 1), mpc.Queue()
+    procs = [mpc.Process(target=_host, args=(i, spec, barrier, out), daemon=True)
+             for i in range(hosts)]
+    for p in procs:
+        p.start()
+    rows, errors = [], []
+    try:
+        rounds = [(tr, k) for tr in args.transport for k in inflight]  # the hosts' order
+        for n, (transport, k) in enumerate(rounds):
+            row: dict[str, Any] = {"batch": B, "context": ctx, "hosts": hosts, "inflight": k,
+                                   "transport": transport}
+            rows.append(row)
+            try:
+                barrier.wait(setup_t if n == 0 else t)
+                c0, w0 = _tree_cpu(server_pid), time.perf_counter()
+                barrier.wait(t)
+                c1, w1 = _tree_cpu(server_pid), time.perf_counter()
+                res = [out.get(timeout=60) for _ in procs]
+            except (threading.BrokenBarrierError, queue.Empty) as exc:
+                barrier.abort()
+                errors.append(f"{type(exc).__name__} (a host failed or timed out)")
+                break
+            errors += [r["error"] for r in res if "error" in r]
+            if errors:
+                break
+            lat = np.array([x for r in res for x in r["lat"]]) * 1e3
+            steps = int(lat.size)
+            sps = steps / (w1 - w0)
+            row.update(
+                p50_ms=float(np.percentile(lat, 50)), p99_ms=float(np.percentile(lat, 99)),
+                steps=steps, window_s=w1 - w0, steps_per_s=sps, tokens_per_s=B * sps,
+                client_cpu_ms=1e3 * statistics.median(r["cpu_s"] / r["steps"] for r in res),
+                server_cpu_ms=1e3 * (c1 - c0) / steps,
+                wire_out_bytes=B * (h + 2 * hkv) * d * e, wire_back_bytes=B * h * d * e)
+    finally:
+        while True:  # errors a host put after the break
+            try:
+                got = out.get(timeout=0.5)
+            except queue.Empty:
+                break
+            if "error" in got:
+                errors.append(got["error"])
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+    if errors:
+        rows[-1]["errors"] = sorted(set(errors))
+        print(f"  errors: {rows[-1]['errors']}", flush=True)
+    return [r for r in rows if "steps" in r or "errors" in r]
+
+
+def kernel_us(nseq: int, ctx: int, args: argparse.Namespace, page_bytes: int) -> float:
+    """Median ``paged_decode`` time (us) of one step of ``nseq`` sequences of ``ctx`` cached
+    keys plus the new one, pages laid out as the server's pool lays them out."""
+    from attention_kernels import paged_decode
+
+    tdt, _, e = DTYPES[args.dtype]
+    h, hkv, d, keys = args.heads, args.kv_heads, args.head_dim, ctx + 1
+    page_tokens, page_elems = page_bytes // (2 * hkv * d * e), page_bytes // e
+    per_seq = -(-keys // page_tokens)
+    n_pages = nseq * per_seq
+    try:
+        pool = torch.randn(n_pages * page_elems, dtype=tdt, device="cuda")
+        shape, strides = (n_pages, page_tokens, hkv, d), (page_elems, hkv * d, d, 1)
+        k_pages = pool.as_strided(shape, strides, 0)
+        v_pages = pool.as_strided(shape, strides, page_tokens * hkv * d)  # V after K
+        table = torch.randperm(n_pages, device="cuda").to(torch.int32).view(nseq, per_seq)
+        lens = torch.full((nseq,), keys, dtype=torch.int32, device="cuda")
+        q = torch.randn(nseq, h, d, dtype=tdt, device="cuda")
+        o = torch.empty_like(q)
+        run = lambda: paged_decode(q, k_pages, v_pages, table, lens, max_seqlen_k=keys,  # noqa: E731
+                                   out=o)
+        for _ in range(10):  # compiles and warms
+            run()
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(args.kernel_reps)]
+        for a, b in ev:
+            a.record()
+            run()
+            b.record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in ev)
+    except torch.OutOfMemoryError:
+        return math.nan
+    finally:
+        pool = k_pages = v_pages = None  # noqa: F841 (freed before the next shape)
+        torch.cuda.empty_cache()
+
+
+def _f(x: Any, nd: int = 2) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| B | context | hosts | transport | inflight | p50 ms | p99 ms | steps/s | tokens/s "
+            "| client CPU ms/step | server CPU ms/step | tensor KiB out/back | kernel us (step) "
+            "| kernel us (merged) | fraction |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        if "steps" not in r:
+            lines.append(f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
+                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 9)
+            continue
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
+            f"{r['inflight']} | {_f(r['p50_ms'], 3)} | {_f(r['p99_ms'], 3)} | "
+            f"{r['steps_per_s']:.1f} | {r['tokens_per_s']:.0f} | {_f(r['client_cpu_ms'], 3)} | "
+            f"{_f(r['server_cpu_ms'], 3)} | {r['wire_out_bytes'] / 1024:.1f}/"
+            f"{r['wire_back_bytes'] / 1024:.1f} | {_f(r.get('kernel_us'), 1)} | "
+            f"{_f(r.get('merged_kernel_us'), 1)} | {_f(r.get('fraction'), 3)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=ints, default=ints("1,8,64,256"), help="sequences per host")
+    p.add_argument("--context", type=ints, default=ints("1024,2048"), help="cached tokens")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--hosts", type=ints, default=ints("1,8"))
+    p.add_argument("--inflight", type=ints, default=ints("1,2"))
+    p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
+                   help="bytes (gRPC messages), shm (a registered system shared-memory "
+                   "region), cuda (a CUDA IPC region on the server's GPU): comma-separated")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dtype", default="bf16", choices=list(DTYPES))
+    p.add_argument("--steps", type=int, default=400, help="measured steps per host per point")
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--store", action="store_true", help="store the new tokens (default off)")
+    p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
+    p.add_argument("--server-args", help="more server flags, e.g. '--max-queue-delay-ms 1'")
+    p.add_argument("--target", help="drive this running server (loopback) instead")
+    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
+                   help="time the local paged_decode kernel (cuda only)")
+    p.add_argument("--kernel-reps", type=int, default=50)
+    # What bench_service.Server reads from the namespace.
+    p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
+                   startup_timeout=600.0, server_cpus=None)
+    args = p.parse_args(argv)
+    if args.steps < 1 or args.warmup < 0 or args.layers < 1:
+        p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
+    inflight = [k for k in args.inflight if 1 <= k <= args.layers]
+    if inflight != args.inflight:
+        print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_service import Server, server_info
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    server = None if args.target else Server(args, True, out_dir / "bench_offload_server.log")
+    target = args.target or server.target
+    pid = server.proc.pid if server is not None else None
+    rows: list[dict[str, Any]] = []
+    try:
+        info = server_info(target)
+        _, name, e = DTYPES[args.dtype]
+        page_bytes = info.kv_page_bytes or 256 << 10
+        page_tokens = page_bytes // (2 * args.kv_heads * args.head_dim * e)
+        print(f"{info.device} ({info.backend}), {info.frontends} front end(s), pool "
+              f"{info.kv_cache_bytes >> 20} MiB, {page_tokens} tokens/page", flush=True)
+        # Pool pages a group needs (store=False: the caches keep their context).
+        grow = len(inflight) * (args.warmup + args.steps) if args.store else 0
+        for ctx in args.context:
+            for B in args.batch:
+                for hosts in args.hosts:
+                    pages = hosts * args.layers * B * -(-(ctx + grow) // page_tokens)
+                    if info.kv_cache_bytes and pages * page_bytes > info.kv_cache_bytes:
+                        print(f"B={B} ctx={ctx} hosts={hosts}: needs {pages * page_bytes >> 20}"
+                              f" MiB of pool, skipped", flush=True)
+                        continue
+                    tag = f"bo{os.getpid()}-{B}-{ctx}-{hosts}"
+                    for r in run_group(args, target, B, ctx, hosts, inflight, pid, tag):
+                        rows.append(r)
+                        if "steps" in r:
+                            print(f"B={B} ctx={ctx} hosts={hosts} {r['transport']} "
+                                  f"inflight={r['inflight']}: "
+                                  f"p50 {r['p50_ms']:.3f} ms, {r['steps_per_s']:.1f} steps/s",
+                                  flush=True)
+    finally:
+        if server is not None:
+            server.stop()  # frees its pool for the kernel timings below
+    use_kernel = args.kernel and info.backend == "cuda" and torch.cuda.is_available()
+    if use_kernel:
+        times: dict[tuple[int, int], float] = {}
+        for r in rows:
+            if "steps" not in r:
+                continue
+            for key, n in (("kernel_us", r["batch"]),
+                           ("merged_kernel_us", r["hosts"] * r["batch"])):
+                if (n, r["context"]) not in times:
+                    times[(n, r["context"])] = kernel_us(n, r["context"], args, page_bytes)
+                r[key] = times[(n, r["context"])]
+            # Service sequences/s over the kernel's, running merged batches back to back.
+            r["fraction"] = r["steps_per_s"] * r["merged_kernel_us"] * 1e-6 / r["hosts"]
+    meta = {"command": shlex.join([sys.executable, *sys.argv]) if argv is None else
+            shlex.join(["bench_offload.py", *argv]),
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "device": info.device, "backend": info.backend, "frontends": info.frontends,
+            "server_version": info.server_version, "grpcio": grpc.__version__,
+            "torch": torch.__version__, "kernel": use_kernel, "page_tokens": page_tokens,
+            "args": vars(args)}
+    md = (f"# bench_offload: {info.device}, {meta['date']}\n\n`{meta['command']}`\n\n"
+          f"{info.frontends} front end(s); H={args.heads}, H_kv={args.kv_heads}, "
+          f"D={args.head_dim} {name}, {args.layers} layers, store={args.store}, "
+          f"{args.steps} steps/host/point; grpcio {grpc.__version__}, torch {torch.__version__}"
+          f"\n\n{table(rows)}\n")
+    print("\n" + md)
+    stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
+    (out_dir / f"bench_offload_{stamp}.md").write_text(md)
+    (out_dir / f"bench_offload_{stamp}.json").write_text(json.dumps({**meta, "rows": rows},
+                                                                    indent=2, default=str))
+    print(f"wrote {out_dir}/bench_offload_{stamp}.{{json,md}}")
+    return 1 if any("errors" in r for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
