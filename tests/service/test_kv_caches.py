@@ -149,6 +149,34 @@ def test_registry_reserves_then_keeps_or_rolls_back() -> None:
         ("a", 20, False), ("b", 3, False)]
 
 
+def test_decode_steps_place_each_new_token_in_its_own_slot() -> None:
+    """One token per cache, with and without a fresh page among them (16-token pages): the
+    slots, tables and lengths each cache's own, stored or rolled back."""
+    pool = KvPool(torch.zeros(16 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    ids = ("a", "b", "c", "d")
+    _create(reg, list(ids))
+    reg.begin(_params(Op.APPEND_KV, ids, [5, 14, 17, 1]), "").finish(True)
+    for step, store in enumerate((True, False, True, True)):
+        before = {c.cache_id: (c.length, c.pages) for c in
+                  reg.call("ListCaches", pb.ListCachesRequest(), "").caches}
+        new = [1, 1, 0, 1] if step == 1 else [1, 1, 1, 1]
+        w = reg.begin(_params(Op.CACHE_DECODE, ids, new, store=store), "")
+        stepped = [cid for cid, n in zip(ids, new, strict=True) if n]
+        assert w.seq_lens == [before[cid][0] + n for cid, n in zip(ids, new, strict=True)]
+        assert [len(r) for r in w.block_table] == [-(-n // 16) for n in w.seq_lens]
+        assert w.slot_offsets == [before[cid][0] % 16 for cid in stepped]
+        rows = dict(zip(ids, w.block_table, strict=True))
+        assert w.slot_pages == [rows[cid][before[cid][0] // 16] for cid in stepped]
+        assert len(set(w.slot_pages)) == len(stepped)  # no two caches share a page
+        lengths = w.finish(True)
+        assert list(lengths) == (w.seq_lens if store else [before[c][0] for c in ids])
+    # Steps 0-2 fit the pages the caches had; step 3 took a fresh page for b's 17th token.
+    assert [c.length for c in reg.call("ListCaches", pb.ListCachesRequest(), "").caches] == [
+        8, 17, 20, 4]
+    assert pool.pages_used == 1 + 2 + 2 + 1
+
+
 def test_cached_keys_count_against_the_request_flops_limit() -> None:
     # A one-token step is cheap on the wire but reads every cached key: the limit the front
     # end checks on new tokens is applied here to the whole call.

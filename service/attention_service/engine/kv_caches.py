@@ -160,6 +160,20 @@ class CacheRegistry:
             fresh = pool.alloc(sum(need), "header.k", owner)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
+            if not any(need) and max(new) <= 1:
+                # A decode step on pages the caches have: the same work in comprehensions, no
+                # list copies (page lists are never changed in place): ~2 us a sequence in
+                # the loop below, under half of that here.
+                for c in caches:
+                    c.busy, c.last_used = True, now
+                pt = caches[0].page_tokens  # one layout, one page size
+                table = [c.pages for c in caches]
+                seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
+                stepped = [c for c, n in zip(caches, new, strict=True) if n]
+                slot_pages = [c.pages[c.length // pt] for c in stepped]
+                slot_offsets = [c.length % pt for c in stepped]
+                return self._work_of(params, caches, table, seq_lens, slot_pages,
+                                     slot_offsets, flops, kv_bytes, view)
             table, seq_lens, slot_pages, slot_offsets = [], [], [], []
             at = 0
             for c, n, k in zip(caches, new, need, strict=True):
@@ -177,6 +191,14 @@ class CacheRegistry:
                     for pos in range(c.length, c.length + n):
                         slot_pages.append(pages[pos // pt])
                         slot_offsets.append(pos % pt)
+        return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
+                             kv_bytes, view)
+
+    def _work_of(
+        self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
+        slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, view: Any,
+    ) -> CacheWork:
+        """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens."""
 
         def finish(ok: bool) -> tuple[int, ...]:
             return self._finish(caches, table, seq_lens, keep=ok and params.store)
