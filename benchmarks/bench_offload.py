@@ -125,19 +125,18 @@ def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[lis
     region = (None if transport == "bytes" else client.register_shm(nbytes)
               if transport == "shm" else client.register_cuda(nbytes))
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
-    use = transport != "bytes"
+    # Bytes: the step as any client sends it (no region arguments: older clients run it too).
+    kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
     with client.decode_steps() as steps:
         for i in range(spec["warmup"]):
             x = i % L
-            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], out=outs[x],
-                       use_regions=use)
+            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])
         barrier.wait(t)
         c0 = time.process_time()
         for i in range(spec["steps"]):
             x = i % L
             t0 = time.perf_counter()
-            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], out=outs[x],
-                       use_regions=use)
+            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])
             if transport == "cuda":
                 torch.cuda.synchronize()  # the answer is on the GPU when the step returns
             lat.append(time.perf_counter() - t0)
@@ -161,8 +160,7 @@ async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[st
         for i in range(n):
             x = mine[i % len(mine)]
             t0 = time.perf_counter()
-            await steps.step(qs[x], ids[x], ks[x], vs[x], store=store, out=outs[x],
-                             use_regions=use)
+            await steps.step(qs[x], ids[x], ks[x], vs[x], store=store, **extra[x])
             if timed:
                 lat.append(time.perf_counter() - t0)
 
@@ -172,6 +170,7 @@ async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[st
         region = (None if not use else await client.register_shm(nbytes)
                   if transport == "shm" else await client.register_cuda(nbytes))
         qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
+        extra = [{} if region is None else {"out": o, "use_regions": True} for o in outs]
         handles = [client.decode_steps() for _ in range(k)]
         share = lambda n, j: n // k + (j < n % k)  # noqa: E731
         await asyncio.gather(*(loop(s, j, share(spec["warmup"], j), False)
