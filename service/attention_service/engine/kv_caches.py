@@ -219,7 +219,7 @@ class CacheRegistry:
             for c, pages, total in zip(caches, table, seq_lens, strict=True):
                 if keep:
                     c.pages, c.length = pages, total
-                else:
+                elif pages is not c.pages:  # a decode step on its own pages reserved none
                     pool.free(pages[len(c.pages) :])  # the reserved ones; the rest is intact
                 c.busy, c.last_used = False, now
                 if c.released:
