@@ -214,3 +214,64 @@ def test_an_async_decode_loop(server):
         check_out(out, reference.decode_ref(f64(q_step), *ctx.packed(ids)), "float32", q_step)
     check_out(np.concatenate(outs), reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
     assert lengths == [12, 3]
+
+
+_HOST = """
+import sys, numpy as np
+from attention_client import AttentionClient
+target, n = sys.argv[1], int(sys.argv[2])
+ids = [f"dead-{i}" for i in range(n)]
+rng = np.random.default_rng(0)
+with AttentionClient(target) as c, c.decode_steps() as steps:
+    print("looping", flush=True)
+    while True:  # until killed
+        q = rng.standard_normal((n, 4, 16)).astype(np.float32)
+        kn = rng.standard_normal((n, 2, 16)).astype(np.float32)
+        steps.step(q, ids, kn, kn)
+"""
+
+
+@pytest.mark.parametrize("frontends", ["1", "2"])
+def test_a_host_killed_mid_loop_leaves_its_caches_usable(frontends, tmp_path):
+    """A model host killed (SIGKILL) while its decode loop runs: the server keeps serving, the
+    caches are soon idle again (a cut step holds them only until its launch ends), and every
+    one of them kept the same number of the loop's tokens (a step is stored whole or not at
+    all); the next step on them answers right."""
+    import subprocess
+    import sys
+
+    from ._server import require_server, start_server
+
+    require_server()
+    running = start_server("--frontends", frontends)
+    ids = [f"dead-{i}" for i in range(6)]
+    try:
+        with AttentionClient(running.target, timeout=60) as c:
+            cache = c.kv_cache(2, 16, "float32")
+            prompt = make("numpy", "float32", 6 * 512, 2, 16, seed=1)
+            cache.append(ids, prompt, prompt, [512 * i for i in range(7)])  # steps take a while
+            host = subprocess.Popen([sys.executable, "-c", _HOST, running.target, "6"],
+                                    stdout=subprocess.PIPE, text=True)
+            try:
+                assert host.stdout is not None and host.stdout.readline().strip() == "looping"
+                deadline = time.monotonic() + 30
+                while min(i["length"] for i in c.list_caches(ids)) < 520:  # some steps landed
+                    assert time.monotonic() < deadline and host.poll() is None
+                    time.sleep(0.05)
+            finally:
+                host.kill()
+                host.wait(10)
+            deadline = time.monotonic() + 20
+            while any(i["busy"] for i in c.list_caches(ids)):
+                assert time.monotonic() < deadline, "the caches stayed busy"
+                time.sleep(0.05)
+            lengths = {i["length"] for i in c.list_caches(ids)}
+            assert len(lengths) == 1  # each step stored on every cache, or on none
+            q = make("numpy", "float32", 6, 4, 16, seed=2)
+            kn = make("numpy", "float32", 6, 2, 16, seed=3)
+            out = c.decode_step(q, ids, kn, kn, store=False)
+            assert out.shape == (6, 4, 16) and np.isfinite(out).all()
+            assert c.info()["device"]  # still serving
+            c.release_caches(ids)
+    finally:
+        running.stop()
