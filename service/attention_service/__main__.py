@@ -45,6 +45,7 @@ async def serve(config: ServerConfig) -> int:
     # Parseable lines: tests and scripts read the bound ports from them.
     log.info("listening on port %d (backend %s, device %s, 1 process)", port,
              server.backend.name, server.backend.device_name)
+    log.info("%s", config.describe_access(port))
     if server.metrics_port is not None:
         log.info("metrics on port %d", server.metrics_port)
     await stop.wait()

@@ -391,7 +391,7 @@ def test_async_client_regions(srv: RunningServer) -> None:
 def test_channels_spread_calls_over_front_ends() -> None:
     """``channels=4``: four connections, and a group's front ends each get some of them."""
     require_server()
-    running = start_server("--frontends", "2", "--log-level", "INFO")
+    running = start_server("--frontends", "2", "--log-level", "INFO", "--access-log")
     try:
         q, k, v = (torch.randn(s) for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
         with AttentionClient(running.target, channels=4, use_regions=False) as c:

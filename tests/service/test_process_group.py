@@ -45,7 +45,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def group() -> Iterator[Group]:
-    g = Group(2)
+    g = Group(2, "--access-log")
     yield g
     assert g.stop() == 0
 

@@ -180,3 +180,44 @@ def test_keywords_are_case_insensitive() -> None:
     assert (cfg.device, cfg.regions) == ("cpu", "off")
     assert load_config([], {"ATTENTION_REGIONS": " On "}).regions == "on"
     assert load_config(["--log-level", "debug"], {}).log_level == "debug"
+
+
+def test_every_flag_says_what_it_does() -> None:
+    """--help: each flag has a description before its [ENV] and default, and a default that
+    stands for something (-1, 0, empty) is explained in words."""
+    parser = build_parser()
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        text = action.help or ""
+        description = text.split("[ATTENTION_", 1)[0].strip()
+        assert len(description) >= 12, (action.option_strings, text)
+    helps = {a.option_strings[0]: a.help or "" for a in parser._actions if a.option_strings}
+    for flag, words in (("--frontends", "0: auto"), ("--spin-us", "-1: auto"),
+                        ("--kv-cache-bytes", "-1: auto"), ("--frontend-cpus", "empty:")):
+        assert words in helps[flag], flag
+
+
+def test_the_token_can_come_from_a_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "tokens"
+    path.write_text("first-token\n\n second-token , third-token\n")
+    config = load_config(["--auth-token-file", str(path)], {})
+    assert config.tokens == ("first-token", "second-token", "third-token")
+    assert load_config([], {"ATTENTION_AUTH_TOKEN_FILE": str(path)}).tokens == config.tokens
+    with pytest.raises(ValueError, match="give one of them"):
+        load_config(["--auth-token", "x", "--auth-token-file", str(path)], {})
+    with pytest.raises(ValueError, match="No such file"):
+        load_config(["--auth-token-file", str(tmp_path / "missing")], {})
+    (tmp_path / "empty").write_text("\n , \n")
+    with pytest.raises(ValueError, match="no token"):
+        load_config(["--auth-token-file", str(tmp_path / "empty")], {})
+
+
+def test_the_startup_line_says_who_can_reach_the_server(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    plain = load_config(["--host", "127.0.0.1"], {}).describe_access(5)
+    assert plain == ("serving 127.0.0.1:5: no TLS, no auth, regions on, completed calls not "
+                     "logged (--access-log)")
+    authed = load_config(["--auth-token", "a,b", "--access-log", "--regions", "off"], {})
+    line = authed.describe_access(7)
+    assert "bearer auth (2 tokens)" in line and "regions off" in line
+    assert "access log on" in line and "a,b" not in line

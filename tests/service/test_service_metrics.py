@@ -149,8 +149,10 @@ def test_two_servers_in_one_process_have_separate_registries(start_server) -> No
     assert sample(b.scrape(), *req, rpc="Prefill", code="OK") == 0
 
 
-def test_one_log_line_per_request(server, caplog) -> None:  # type: ignore[no-untyped-def]
-    caplog.set_level(logging.INFO, logger="attention_service")
+@pytest.mark.parametrize("access_log", [True, False])
+def test_one_log_line_per_request(start_server, caplog, access_log) -> None:  # type: ignore[no-untyped-def]
+    server = start_server(access_log=access_log)
+    caplog.set_level(logging.DEBUG, logger="attention_service")
     q, k, v = random_qkv(4, 4, 2, 1, 8, torch.float32)
     list(server.stub().Prefill(prefill_messages(q, k, v, [0, 4]), timeout=10))
     with pytest.raises(grpc.RpcError):
@@ -161,14 +163,17 @@ def test_one_log_line_per_request(server, caplog) -> None:  # type: ignore[no-un
     assert "code=OK" in lines[0] and f"bytes_in={q.nbytes + k.nbytes + v.nbytes}" in lines[0]
     assert "duration_ms=" in lines[0] and "bytes_out=" in lines[0]
     assert "code=INVALID_ARGUMENT" in lines[1] and "cu_seqlens_q" in lines[1]
-    # Traffic at INFO, failures at WARNING: --log-level WARNING keeps only the failed call.
-    assert [r.levelno for r in records] == [logging.INFO, logging.WARNING]
+    # Failures at WARNING; the traffic at INFO with --access-log, else at DEBUG: a default
+    # server's log holds the failed calls, not one line per call.
+    ok_level = logging.INFO if access_log else logging.DEBUG
+    assert [r.levelno for r in records] == [ok_level, logging.WARNING]
 
 
 def test_a_failed_calls_log_line_outranks_the_traffic() -> None:
     from attention_service.frontend.servicer import call_log_level
 
     assert call_log_level("OK") == call_log_level("CANCELLED") == logging.INFO
+    assert call_log_level("OK", access_log=False) == logging.DEBUG
     for code in ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "UNAVAILABLE",
                  "UNAUTHENTICATED", "NOT_FOUND", "ABORTED"):
         assert call_log_level(code) == logging.WARNING, code

@@ -28,7 +28,7 @@ def _prefill(stub, metadata=None):  # type: ignore[no-untyped-def]
 def auth_server():  # type: ignore[no-untyped-def]
     from .svc_helpers import ServerHandle, make_config
 
-    handle = ServerHandle(make_config(auth_token=TOKEN, metrics_port=0))
+    handle = ServerHandle(make_config(auth_token=TOKEN, metrics_port=0, access_log=True))
     yield handle
     handle.close()
 

@@ -79,7 +79,7 @@ def server_process() -> Iterator[type[ServerProcess]]:
 
 
 def test_sigterm_drains_in_flight_call_and_exits_0(server_process) -> None:  # type: ignore[no-untyped-def]
-    srv = server_process("--metrics-port", "0", "--grace-seconds", "30")
+    srv = server_process("--metrics-port", "0", "--grace-seconds", "30", "--access-log")
     port = srv.port("listening")
     metrics_port = srv.port("metrics")
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")

@@ -102,12 +102,12 @@ def call_tags(context: grpc.aio.ServicerContext, caller: str = "") -> str:
     return tags
 
 
-def call_log_level(code: str) -> int:
-    """A call's log line level: INFO for OK and the client's own cancel, WARNING for every
-    other failure (refused input, limits, deadlines, a drain), ERROR for INTERNAL. So
-    ``--log-level WARNING`` keeps the failed calls' lines and drops the traffic's."""
+def call_log_level(code: str, access_log: bool = True) -> int:
+    """A call's log line level: INFO for OK and the client's own cancel (DEBUG without
+    ``--access-log``), WARNING for every other failure (refused input, limits, deadlines, a
+    drain), ERROR for INTERNAL. So a default server logs the failed calls, not the traffic."""
     if code in ("OK", "CANCELLED"):
-        return logging.INFO
+        return logging.INFO if access_log else logging.DEBUG
     return logging.ERROR if code == "INTERNAL" else logging.WARNING
 
 
@@ -193,7 +193,7 @@ class AttentionServicer:
     ) -> None:
         seconds = time.perf_counter() - t0
         self._metrics.observe_request(method, code, seconds)
-        level = call_log_level(code)
+        level = call_log_level(code, self._config.access_log)
         if not log.isEnabledFor(level):
             return
         line = (f"rpc={method} code={code} duration_ms={seconds * 1e3:.3f} peer={context.peer()}"
@@ -307,7 +307,7 @@ class AttentionServicer:
             flops=call.flops, queue_seconds=call.queue_seconds,
             engine_seconds=call.engine_seconds,
         )
-        level = call_log_level(call.code)
+        level = call_log_level(call.code, self._config.access_log)
         if not log.isEnabledFor(level):  # the line costs ~10 us to build; skip it unread
             return
         log.log(level, call.log_line(seconds))

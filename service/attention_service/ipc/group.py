@@ -307,6 +307,7 @@ class Group:
                                  "polling %.0f us, %s)", self.port, backend.name,
                                  backend.device_name, self.count, cfg.spin_seconds * 1e6,
                                  self.placement.describe())
+                        log.info("%s", cfg.describe_access(self.port))
                         if metrics_port is not None:
                             log.info("metrics on port %d", metrics_port)
                         self.warmup_thread = threading.Thread(
