@@ -26,6 +26,7 @@ from attention_client._channel import (
     as_metadata,
     call_metadata,
     channel_options,
+    check_target,
     check_timeout,
     check_wait_for_ready,
     credentials,
@@ -176,7 +177,7 @@ class ClientBase:
         stripes: int = 1,
         spread: bool = True,
     ) -> None:
-        self.target = target
+        self.target = check_target(target)
         # Move each connection off a crowded front end (AttentionClient._spread_lanes: at
         # construction; AsyncAttentionClient._ensure_spread: before the first compute call).
         # Every channel then has a connection of its own.

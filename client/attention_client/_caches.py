@@ -217,6 +217,13 @@ class _KvCacheBase:
         return argnames.cache_prefill(len(prep.user_shape) == 4)
 
 
+def _abandon(prep: PreparedRequest) -> None:
+    """A call that failed before it was sent: its region scratch waits until the region is
+    idle, as a failed call's does (the client's ``_abandon``)."""
+    if prep.placement is not None:
+        prep.placement.finish(ok=False)
+
+
 def _not_found(err: AttentionError) -> bool:
     return err.code == grpc.StatusCode.NOT_FOUND
 
@@ -406,7 +413,7 @@ class KvCache(_KvCacheBase):
                     try:
                         self._create(missing, settings)
                     except BaseException:
-                        self.client._abandon(prep)  # its region scratch, if any
+                        _abandon(prep)
                         raise
         result = self.client._run(prep, settings)
         self._note(prep)
@@ -574,7 +581,7 @@ class AsyncKvCache(_KvCacheBase):
                     try:
                         await self._create(missing, settings)
                     except BaseException:
-                        self.client._abandon(prep)  # its region scratch, if any
+                        _abandon(prep)
                         raise
         result = await self.client._run(prep, settings)
         self._note(prep)

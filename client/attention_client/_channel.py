@@ -103,6 +103,37 @@ CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+# gRPC's own target forms (its name resolvers): taken as they are.
+_RESOLVER_PREFIXES = ("dns:", "unix:", "unix-abstract:", "ipv4:", "ipv6:", "vsock:")
+_HOST_PORT = re.compile(r"^(\[[^\]]+\]|[^:\[\]/\s]+):(\d{1,5})$")
+
+
+def check_target(target: Any) -> str:
+    """``HOST:PORT`` (``[v6]:PORT`` too) or one of gRPC's resolver forms (``dns:///h:p``,
+    ``unix:/path``); AttentionInputError for the common slips: a URL scheme (gRPC would look
+    ``http://h:p`` up as a host name) or no port (gRPC would quietly dial 443)."""
+    if not isinstance(target, str) or not target.strip():
+        raise AttentionInputError(f"target must be 'HOST:PORT', got {target!r}")
+    target = target.strip()
+    if target.startswith(_RESOLVER_PREFIXES):
+        return target
+    scheme = re.match(r"^([a-zA-Z][\w+.-]*)://", target)
+    if scheme:
+        rest = target[scheme.end():].rstrip("/")
+        raise AttentionInputError(
+            f"target {target!r} has a URL scheme ({scheme.group(1)}://): give 'HOST:PORT', "
+            f"e.g. {rest!r} (TLS is the client's tls= argument, not https://)")
+    if not _HOST_PORT.match(target):
+        if ":" not in target.strip("[]") or target.endswith("]"):
+            why = f"needs a port: 'HOST:PORT', e.g. '{target}:50051' (the server's default)"
+        elif target.count(":") > 1 and not target.startswith("["):
+            why = "is not 'HOST:PORT' (an IPv6 address goes in brackets: '[::1]:50051')"
+        else:
+            why = "is not 'HOST:PORT' with a numeric port"
+        raise AttentionInputError(f"target {target!r} {why}")
+    return target
+
+
 def channel_options(extra: Sequence[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:
     """Defaults above, with ``extra`` options overriding same-named ones."""
     merged = dict(CHANNEL_OPTIONS)

@@ -169,4 +169,14 @@ def from_rpc_error(
     code = err.code() if callable(getattr(err, "code", None)) else grpc.StatusCode.UNKNOWN
     details = err.details() if callable(getattr(err, "details", None)) else str(err)
     code, details = code or grpc.StatusCode.UNKNOWN, details or ""
-    return make_error(code, translate(details, names), method, details)
+    message = translate(details, names)
+    if code is grpc.StatusCode.UNAVAILABLE and "failed to connect to all addresses" in details:
+        # gRPC's words, after its retries; the address it tried is the useful part.
+        tried = _TRIED.search(details)
+        where = f" at {tried.group(1)}" if tried else ""
+        message = f"the server is not reachable{where} (is it running there?): {details}"
+    return make_error(code, message, method, details)
+
+
+# The address in gRPC's "last error: UNKNOWN: ipv4:127.0.0.1:1: Failed to connect ...".
+_TRIED = re.compile(r"(?:ipv4|ipv6|unix|unix-abstract):(\S+?): ")

@@ -17,6 +17,7 @@ against ``cu_seqlens`` (the server derives them). Needs torch (the rest of the c
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import threading
@@ -77,6 +78,9 @@ def get_client() -> AttentionClient:
                     "use_client(client), or set ATTENTION_TARGET=host:port"
                 )
             _default = AttentionClient(target, token=os.environ.get("ATTENTION_TOKEN") or None)
+            # Closed before the interpreter tears gRPC down: a stream still open then can print
+            # "Exception ignored in ... _Rendezvous.__del__" at exit (a user's report).
+            atexit.register(_default.close)
         return _default
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import pickle
+import re
 import socket
 import subprocess
 import threading
@@ -504,3 +505,33 @@ def test_mutual_tls_with_a_client_certificate(tmp_path):
             no_cert.attention(q, q, q)
     finally:
         server.stop(None)
+
+
+@pytest.mark.parametrize(("target", "words"), [
+    ("localhost", "needs a port: 'HOST:PORT', e.g. 'localhost:50051'"),
+    ("http://localhost:50051", "URL scheme (http://): give 'HOST:PORT', e.g. 'localhost:50051'"),
+    ("https://gpu-box:443/", "tls= argument"),
+    ("::1", "IPv6 address goes in brackets"),
+    ("gpu-box:grpc", "numeric port"),
+    ("", "must be 'HOST:PORT'"),
+])
+def test_a_target_gRPC_would_misread_is_refused_at_once(target: str, words: str) -> None:
+    """A scheme would be looked up as a host name and a missing port dialled as 443: both
+    fail later with gRPC's words; here they fail at construction, saying what to write."""
+    for cls in (AttentionClient, AsyncAttentionClient):
+        with pytest.raises(AttentionInputError, match=re.escape(words)):
+            cls(target)
+
+
+@pytest.mark.parametrize("target", ["127.0.0.1:50051", "[::1]:50051", "dns:///localhost:5",
+                                    "unix:/tmp/attention.sock"])
+def test_host_port_and_grpc_resolver_targets_are_taken(target: str) -> None:
+    with AttentionClient(target, spread=False) as c:
+        assert c.target == target
+
+
+def test_an_unreachable_server_is_named_in_the_error() -> None:
+    reachable = r"not reachable at 127\.0\.0\.1:1 \(is it running there\?\)"
+    with (AttentionClient("127.0.0.1:1", spread=False, timeout=2) as c,
+          pytest.raises(AttentionUnavailableError, match=reachable)):
+        c.info()
