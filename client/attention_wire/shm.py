@@ -54,6 +54,11 @@ class Mapping:
         self.mm.close()
 
 
+class NotSharedMemory(ValueError):
+    """The key names something else: a FIFO, a device node (a directory or a symbolic link
+    fails the open itself, with OSError)."""
+
+
 def map_object(key: str, start: int, size: int, *, create: bool = False) -> Mapping:
     """Map ``size`` bytes at ``start`` of the object ``key`` (created with that size when
     ``create``). Raises FileNotFoundError when it does not exist, ValueError when it is not a
@@ -67,11 +72,13 @@ def map_object(key: str, start: int, size: int, *, create: bool = False) -> Mapp
         if create:
             os.ftruncate(fd, start + size)
         st = os.fstat(fd)
+        # The key, never the path, in messages: they reach the remote caller.
         if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is not a shared-memory object")
+            raise NotSharedMemory(f"{key!r} is not a shared-memory object (a regular file)")
         if start + size > st.st_size:
             raise ValueError(
-                f"bytes [{start}, {start + size}) run past the end of {path} ({st.st_size} bytes)"
+                f"bytes [{start}, {start + size}) run past the end of {key!r} ({st.st_size} "
+                "bytes)"
             )
         aligned = start - start % mmap.ALLOCATIONGRANULARITY
         mm = mmap.mmap(fd, size + start - aligned, offset=aligned)

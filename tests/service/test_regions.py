@@ -526,3 +526,44 @@ def test_ipc_mappings_open_each_allocation_once() -> None:
     maps.release(b"b")
     assert closed == [1000, 2000] and len(maps) == 0
     assert maps.open(b"a") == (3000, 4096)  # opened afresh after its last close
+
+
+@pytest.mark.parametrize("kind", ["symlink", "directory", "fifo", "device"])
+def test_an_object_that_is_not_shared_memory_is_refused_without_a_path(
+    server: ServerHandle, obj: Shm, kind: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A key naming a symbolic link (to a real object: never followed), a directory, a FIFO or
+    a device node: INVALID_ARGUMENT naming system.key with the caller's key, no server path,
+    no traceback in the log, nothing registered."""
+    import os
+    import stat
+
+    from attention_wire import shm
+
+    key = f"attention-test-{kind}-{os.getpid()}"
+    path = os.path.join(shm.SHM_DIR, key)
+    try:
+        if kind == "symlink":
+            os.symlink(os.path.join(shm.SHM_DIR, obj.key), path)
+        elif kind == "directory":
+            os.mkdir(path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        else:
+            try:
+                os.mknod(path, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # like /dev/null
+            except PermissionError:
+                pytest.skip("mknod needs root")
+        req = pb.RegisterRegionRequest(name=f"x-{kind}", byte_size=4096,
+                                       system=pb.SystemRegion(key=key))
+        code, details = _code(lambda: server.stub().RegisterRegion(req, timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert details.startswith("system.key") and key in details, details
+        assert shm.SHM_DIR not in details, details
+        assert "Traceback" not in caplog.text
+        assert server.stub().ListRegions(pb.ListRegionsRequest(), timeout=10).regions == []
+    finally:
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.rmdir(path)
+        elif os.path.lexists(path):
+            os.unlink(path)

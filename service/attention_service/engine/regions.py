@@ -43,6 +43,7 @@ server's user (which could map those objects themselves). The server's own share
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -384,6 +385,8 @@ class RegionRegistry:
     ) -> tuple[torch.Tensor, Callable[[], None]]:
         try:
             mapping = shm.map_object(src.key, src.offset, nbytes)
+        except shm.NotSharedMemory as exc:
+            raise invalid("system.key", str(exc)) from None
         except ValueError as exc:
             raise invalid("system", str(exc)) from None
         except FileNotFoundError:
@@ -394,6 +397,12 @@ class RegionRegistry:
         except PermissionError:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                f"system.key: the server may not open {src.key!r}") from None
+        except OSError as exc:
+            # A symbolic link (not followed), a directory, a device: the caller's input. Its
+            # key and the reason, never the server's path (OSError's str() carries it).
+            reason = os.strerror(exc.errno) if exc.errno else type(exc).__name__
+            raise invalid("system.key", f"{src.key!r} cannot be mapped as a shared-memory "
+                          f"object: {reason}") from None
         # The tensor keeps the mapping alive; it is unmapped when the last view of it goes.
         tensor = torch.frombuffer(mapping.view, dtype=torch.uint8)
         unpin = pin(tensor, nbytes) if self.backend.name == "cuda" else (lambda: None)
