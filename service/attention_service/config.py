@@ -139,6 +139,15 @@ class ServerConfig:
     # Host bytes (pinned on cuda) that the uploads in flight in one front-end process may
     # reserve together; at least max_request_bytes.
     max_upload_bytes: int = 4 << 30
+    # The fraction of max_upload_bytes the uploads of one caller (its token with auth, else
+    # its host) may hold together, so one caller cannot hold the whole budget.
+    max_upload_share: float = 0.5
+    # Seconds an incomplete upload may go without a message before it ends (DEADLINE_EXCEEDED)
+    # and its reservation is given back (0 = never).
+    upload_idle_timeout: float = 10.0
+    # Bytes per second an upload must average once upload_idle_timeout has passed since its
+    # header (0 = no minimum): a stream that dribbles bytes cannot hold its reservation.
+    min_upload_rate: int = 1 << 20
     log_level: str = "INFO"
     # One log line per call that ended OK or was cancelled by its client (at INFO). Off, those
     # lines go at DEBUG: a Locust run wrote 5.9 MB of them in 6 minutes. Failed calls are
@@ -222,7 +231,7 @@ class ServerConfig:
         if self.tls_client_ca and not self.tls_cert:
             raise ValueError("tls_client_ca needs tls_cert and tls_key (mutual TLS is TLS)")
         for name in ("grace_seconds", "max_queue_delay_ms", "max_request_flops", "kv_cache_ttl",
-                     "region_ttl", "spin_us"):
+                     "region_ttl", "spin_us", "max_upload_share", "upload_idle_timeout"):
             if not math.isfinite(getattr(self, name)):  # nan passes every comparison below
                 raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.log_level.upper() not in LOG_LEVELS:
@@ -239,6 +248,14 @@ class ServerConfig:
         if self.max_upload_bytes < self.max_request_bytes:
             raise ValueError("max_upload_bytes must be >= max_request_bytes (else the largest "
                              "allowed request could never be admitted)")
+        if not 0 < self.max_upload_share <= 1:
+            raise ValueError("max_upload_share must be in (0, 1]")
+        if self.max_upload_bytes * self.max_upload_share < self.max_request_bytes:
+            raise ValueError("max_upload_bytes * max_upload_share must be >= max_request_bytes "
+                             "(else one caller's largest allowed request could never be "
+                             "admitted)")
+        if self.upload_idle_timeout < 0 or self.min_upload_rate < 0:
+            raise ValueError("upload_idle_timeout and min_upload_rate must be >= 0 (0 = off)")
         if not 0 <= self.frontends <= MAX_FRONTENDS:
             raise ValueError(f"frontends must be in [0, {MAX_FRONTENDS}] (0 = auto)")
         if self.arena_bytes < 1 << 20:
@@ -336,6 +353,9 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_heads_ratio": ("--max-heads-ratio", "ATTENTION_MAX_HEADS_RATIO", int),
     "max_request_flops": ("--max-request-flops", "ATTENTION_MAX_REQUEST_FLOPS", float),
     "max_upload_bytes": ("--max-upload-bytes", "ATTENTION_MAX_UPLOAD_BYTES", int),
+    "max_upload_share": ("--max-upload-share", "ATTENTION_MAX_UPLOAD_SHARE", float),
+    "upload_idle_timeout": ("--upload-idle-timeout", "ATTENTION_UPLOAD_IDLE_TIMEOUT", float),
+    "min_upload_rate": ("--min-upload-rate", "ATTENTION_MIN_UPLOAD_RATE", int),
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
     "access_log": ("--access-log", "ATTENTION_ACCESS_LOG", _bool_env),
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
@@ -385,6 +405,12 @@ _HELP: dict[str, str] = {
     "max_heads_ratio": "most query heads per kv head",
     "max_request_flops": "most attention FLOPs in one request (cached keys included)",
     "max_upload_bytes": "host bytes the uploads in flight of one front end may reserve together",
+    "max_upload_share": "fraction of --max-upload-bytes one caller's uploads may hold (its "
+                        "token with auth, else its host)",
+    "upload_idle_timeout": "seconds an incomplete upload may go without a message before it "
+                           "ends (0: never)",
+    "min_upload_rate": "bytes/s an upload must average once --upload-idle-timeout has passed "
+                       "(0: no minimum)",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "access_log": "one INFO line per completed call (failed calls are always logged)",
     "frontends": "gRPC front-end processes (0: auto, one per two usable cores, 1 to 8; "

@@ -64,6 +64,10 @@ class Buffers(Protocol):
 
 class EngineLink(Protocol):
     info: EngineInfo
+    # Whether buffers take host memory only as they are written (an arena the engine pinned
+    # once, memfd segments, pageable cpu memory): then an upload is charged against the
+    # budget as its bytes arrive; else (pinned when allocated) in full at its header.
+    lazy_buffers: bool
 
     async def allocate(self, sizes: Mapping[str, int]) -> Buffers:
         """Buffers of these byte sizes for one call."""

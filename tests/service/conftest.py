@@ -31,3 +31,14 @@ def start_server() -> Iterator[Callable[..., ServerHandle]]:
     yield start
     for h in handles:
         h.close()
+
+
+@pytest.fixture
+def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
+    """The attack suites' check (issue 63): a client-caused error is logged as one line (or
+    not at all), never with a traceback. Fails the test on any record that carries one."""
+    yield
+    records = caplog.get_records("setup") + caplog.get_records("call")  # not teardown's
+    traced = [f"{r.levelname} {r.getMessage()}" for r in records
+              if r.exc_info or r.exc_text or "Traceback" in r.getMessage()]
+    assert not traced, f"tracebacks logged: {traced}"

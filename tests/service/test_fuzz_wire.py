@@ -34,7 +34,7 @@ from .svc_helpers import (
     request_codes,
 )
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_tracebacks")]
 METHOD = "/attention.v1.AttentionService/"
 CASES = int(os.environ.get("FUZZ_CASES", "60"))
 SEED = int(os.environ.get("FUZZ_SEED", "20261123"))

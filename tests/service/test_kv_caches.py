@@ -39,7 +39,7 @@ from .svc_helpers import (
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 PAGE = 4096  # 16 tokens of the 2 x 16 float32 layout below: lengths cross pages often
 F32 = Layout(pb.FLOAT32, 2, 16)
 

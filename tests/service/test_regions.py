@@ -32,7 +32,7 @@ from .svc_helpers import (
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 MiB = 1 << 20
 
 

@@ -5,13 +5,22 @@ stays responsive meanwhile."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
+from attention_service.errors import RequestError
+from attention_service.frontend.streams import (
+    UPLOAD_STEP_BYTES,
+    Upload,
+    UploadBudget,
+    upload_caller,
+)
 from attention_service.frontend.wire import MAX_FIELDS_PER_MESSAGE
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
@@ -19,14 +28,16 @@ from attention_wire.pb import attention_pb2 as pb
 from .svc_helpers import (
     ServerHandle,
     decode_messages,
+    header_then_wait,
     health_status,
     make_config,
     prefill_messages,
     random_qkv,
     small_prefill,
+    wait_until,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +121,7 @@ def test_uploads_in_flight_share_one_budget_of_reserved_bytes(start_server: Any)
     from .svc_helpers import header_then_wait, wait_until
 
     # small_prefill reserves 8x2x8 q + 2 x 8x1x8 k/v + 8x2x8 out floats = 1536 bytes.
-    srv = start_server(max_request_bytes=2048, max_upload_bytes=2048)
+    srv = start_server(max_request_bytes=2048, max_upload_bytes=2048, max_upload_share=1.0)
     release = threading.Event()
     first = srv.stub().Prefill(header_then_wait(small_prefill(), release), timeout=30)
     uploads = srv.server.servicer._uploads
@@ -182,3 +193,144 @@ def test_health_stays_fast_under_a_flood_of_costly_small_requests(server: Server
     assert len(codes) >= 6 and set(codes) == {grpc.StatusCode.INVALID_ARGUMENT}, set(codes)
     assert max(latencies) < 1.0, sorted(latencies)[-5:]
     assert good_call < 2.0
+
+
+# ---- issue 63, defect 1: a slow or idle upload must not starve the others -------------------
+
+
+def _declared(n_tokens: int, seq: int = 1024, dim: int = 64) -> pb.PrefillRequest:
+    """A header declaring q, k, v of ``n_tokens`` x 1 x ``dim`` fp32 in ``seq``-token
+    sequences, with no bytes."""
+    t = pb.TensorSpec(dtype=pb.FLOAT32, shape=[n_tokens, 1, dim])
+    cu = [*range(0, n_tokens, seq), n_tokens]
+    return pb.PrefillRequest(header=pb.PrefillHeader(q=t, k=t, v=t, cu_seqlens_q=cu))
+
+
+def _idle_streams(handle: ServerHandle, count: int, msg: Any,
+                  **kw: Any) -> tuple[threading.Event, list[Any]]:
+    """``count`` streams that send ``msg`` and then nothing until the event is set."""
+    release = threading.Event()
+    calls = [handle.stub().Prefill(header_then_wait([msg], release), timeout=60, **kw)
+             for _ in range(count)]
+    return release, calls
+
+
+def _honest_prefill() -> tuple[list[pb.PrefillRequest], float]:
+    """A 6 MiB prefill (q, k, v of 8192 x 1 x 64 fp32 in 128-token sequences)."""
+    q, k, v = random_qkv(8192, 8192, 1, 1, 64, torch.float32)
+    return list(prefill_messages(q, k, v, list(range(0, 8193, 128)))), 6.0
+
+
+@pytest.mark.parametrize("idle", [3, 10])
+def test_idle_header_only_streams_do_not_starve_honest_uploads(server: ServerHandle,
+                                                                idle: int) -> None:
+    # Each idle stream declares 3 x 340 MiB (plus 340 MiB of output: 1.33 GiB) and sends no byte. They
+    # used to reserve all of that at the header: three held the default 4 GiB budget.
+    uploads = server.server.servicer._uploads
+    release, calls = _idle_streams(server, idle, _declared(85 * 1024 * 16))
+    try:
+        assert wait_until(lambda: uploads.used == idle * UPLOAD_STEP_BYTES)
+        msgs, _ = _honest_prefill()
+        for _ in range(3):
+            t0 = time.perf_counter()
+            assert list(server.stub().Prefill(iter(msgs), timeout=10))[-1].HasField("stats")
+            assert time.perf_counter() - t0 < 1.0
+        assert uploads.used == idle * UPLOAD_STEP_BYTES  # one step each, not 1.33 GiB
+    finally:
+        for c in calls:
+            c.cancel()
+        release.set()
+    assert wait_until(lambda: uploads.used == 0 and not uploads.by_caller)
+
+
+def test_a_pinned_link_charges_the_whole_upload_at_its_header(start_server: Any) -> None:
+    # On cuda with one process the buffers are page-locked when allocated: counted in full.
+    srv = start_server(max_request_bytes=2048, max_upload_bytes=4096)
+    srv.server.servicer._link.lazy_buffers = False
+    uploads = srv.server.servicer._uploads
+    release, calls = _idle_streams(srv, 1, small_prefill()[0])
+    try:
+        assert wait_until(lambda: uploads.used == 1536)
+    finally:
+        release.set()
+    assert _refused(calls[0]).code() == grpc.StatusCode.INVALID_ARGUMENT  # no bytes came
+    assert wait_until(lambda: uploads.used == 0)
+
+
+def test_an_idle_upload_ends_after_the_timeout_with_its_budget_back(start_server: Any) -> None:
+    srv = start_server(upload_idle_timeout=0.5)
+    uploads = srv.server.servicer._uploads
+    msgs = small_prefill()
+    release, calls = _idle_streams(srv, 1, msgs[0])
+    t0 = time.perf_counter()
+    try:
+        err = _refused(calls[0])
+    finally:
+        release.set()
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details().startswith("chunks: no message for 0.5 s")
+    assert "--upload-idle-timeout" in err.details()
+    assert 0.4 < time.perf_counter() - t0 < 5.0
+    assert wait_until(lambda: uploads.used == 0 and not uploads.by_caller)
+    # The same server serves a complete upload at once.
+    assert list(srv.stub().Prefill(iter(msgs), timeout=10))[-1].HasField("stats")
+
+
+def test_an_upload_under_the_minimum_rate_ends(start_server: Any) -> None:
+    # One chunk of 4 bytes every 0.1 s: never idle for 0.3 s, but far under 1 MiB/s.
+    srv = start_server(upload_idle_timeout=0.3, min_upload_rate=1 << 20)
+    uploads = srv.server.servicer._uploads
+    header = small_prefill()[0]
+
+    def dribble() -> Iterator[pb.PrefillRequest]:
+        yield header
+        for off in range(0, 512, 4):
+            time.sleep(0.1)
+            yield pb.PrefillRequest(chunks=[pb.TensorChunk(field=pb.Q, offset=off,
+                                                           data=b"\0" * 4)])
+
+    err = _refused(srv.stub().Prefill(dribble(), timeout=30))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.details().startswith("chunks: ") and "--min-upload-rate" in err.details()
+    assert wait_until(lambda: uploads.used == 0)
+
+
+def test_one_caller_holds_at_most_its_share_of_the_budget(start_server: Any) -> None:
+    # Two tokens, a 4096-byte budget, half each: a's second 1536-byte upload would pass its
+    # 2048, b's still fits.
+    srv = start_server(max_request_bytes=2048, max_upload_bytes=4096, auth_token="a,b")
+    uploads = srv.server.servicer._uploads
+    a = [("authorization", "Bearer a")]
+    b = [("authorization", "Bearer b")]
+    release, calls = _idle_streams(srv, 1, small_prefill()[0], metadata=a)
+    try:
+        assert wait_until(lambda: uploads.used == 1536)
+        err = _refused(srv.stub().Prefill(iter(small_prefill()), timeout=10, metadata=a))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert err.details().startswith("header: ")
+        assert "--max-upload-share 0.5" in err.details()
+        assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10,
+                                       metadata=b))[-1].HasField("stats")
+    finally:
+        release.set()
+    _refused(calls[0])
+    assert wait_until(lambda: uploads.used == 0 and not uploads.by_caller)
+
+
+def test_upload_charges_grow_in_steps_and_go_back_whole() -> None:
+    budget = UploadBudget(1 << 30, 0.5)
+    up = Upload(budget, "x", 100 << 20)
+    up.cover(1000)
+    assert up.charged == budget.used == UPLOAD_STEP_BYTES
+    up.cover(UPLOAD_STEP_BYTES + 1)
+    assert up.charged == 2 * UPLOAD_STEP_BYTES
+    up.cover(100 << 20)
+    assert up.charged == 100 << 20 and budget.by_caller == {"x": 100 << 20}
+    with pytest.raises(RequestError) as info:
+        Upload(budget, "x", 500 << 20).cover(500 << 20, "chunks")
+    assert info.value.details.startswith("chunks: ") and "--max-upload-share" in info.value.details
+    up.release()
+    assert budget.used == 0 and budget.by_caller == {}
+    assert upload_caller("", "ipv4:10.0.0.7:51234") == "ipv4:10.0.0.7"
+    assert upload_caller("", "ipv6:[::1]:51234") == "ipv6:[::1]"
+    assert upload_caller("tok", "ipv4:10.0.0.7:51234") == "tok"

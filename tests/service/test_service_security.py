@@ -16,7 +16,7 @@ from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from .svc_helpers import health_status, small_prefill
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 TOKEN = "s3cret-token"
 
 

@@ -22,7 +22,7 @@ from .svc_helpers import (
     wait_until,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 METHOD = "/attention.v1.AttentionService/"
 
 

@@ -29,7 +29,7 @@ from .svc_helpers import (
     unary_rpc,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 SERVICE = "/attention.v1.AttentionService/"
 
 

@@ -17,7 +17,7 @@ from attention_wire.pb import attention_pb2 as pb
 from .kv_helpers import cache_decode_messages, cache_prefill_messages
 from .svc_helpers import decode_messages, prefill_messages, random_qkv
 
-pytestmark = pytest.mark.timeout(30)
+pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_tracebacks")]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 

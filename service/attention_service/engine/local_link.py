@@ -44,6 +44,7 @@ class LocalLink:
     def __init__(self, core: EngineCore) -> None:
         self.core = core
         self.info: EngineInfo = core.info
+        self.lazy_buffers = core.info.backend != "cuda"  # cuda: pinned when allocated
         # Sizes allocated before: torch's caching host allocator hands them back at once.
         # Only a new large size goes through a thread (the hop alone cost a 64-sequence
         # decode step ~250 us of its front end, 2-core dev box).

@@ -23,9 +23,11 @@ from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Received,
     UploadBudget,
+    UploadPace,
     receive_request,
     response_messages,
     stats_message,
+    upload_caller,
 )
 from attention_service.frontend.validation import Limits
 from attention_service.link import EngineLink, ExecStats
@@ -126,7 +128,8 @@ class AttentionServicer:
     ) -> None:
         self._config = config
         self._limits = Limits.of(config)
-        self._uploads = UploadBudget(config.max_upload_bytes)
+        self._uploads = UploadBudget(config.max_upload_bytes, config.max_upload_share)
+        self._pace = UploadPace.of(config)
         self._link = link
         self._metrics = metrics
         self._info = info
@@ -218,12 +221,13 @@ class AttentionServicer:
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
-            received = await receive_request(op, requests, self._limits, self._link,
-                                             self._uploads, unary=unary)
+            call.caller = self._principals.of(context)
+            received = await receive_request(
+                op, requests, self._limits, self._link, self._uploads,
+                upload_caller(call.caller, call.peer), self._pace, unary=unary)
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in
-            call.caller = self._principals.of(context)
             handed = time.perf_counter()
             stats = await self._link.run(
                 received.params, received.buffers, received.regions, call.caller,

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 import numpy as np
 
-from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
-from attention_service.errors import StreamEnded, exhausted, invalid
+from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
+from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
 from attention_service.frontend.wire import chunk_head, output_chunk_parts, parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
@@ -29,43 +31,106 @@ MessageParts = tuple[bytes | memoryview, ...]
 MAX_UNARY_OUTPUT_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
 
 
+# A lazy link's upload is charged in steps of this many bytes as its messages arrive: a
+# header that declares 1 GiB and sends nothing holds 16 MiB, not 1.33 GiB (issue 63), and a
+# call of up to 16 MiB (a 6 MiB prefill, every decode step) is charged once at its header.
+UPLOAD_STEP_BYTES = 16 << 20
+
+
+def upload_caller(principal: str, peer: str) -> str:
+    """Whose share an upload counts against: the token's principal with auth, else the peer's
+    host (``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a caller's connections are one
+    caller)."""
+    if principal:
+        return principal
+    if peer.startswith(("ipv4:", "ipv6:")):
+        return peer.rpartition(":")[0]
+    return peer
+
+
 class UploadBudget:
-    """Host bytes reserved by the uploads in flight in one front-end process: a request's
-    buffers are reserved against it when its header is accepted (before any byte arrives),
-    so headers that declare large tensors cannot together reserve more than ``limit``.
-    Event-loop only (no lock)."""
+    """Host bytes reserved by the uploads in flight in one front-end process, in all and per
+    caller (``share`` of ``limit`` each), so that neither all callers' headers together nor
+    one caller's can hold more. Event-loop only (no lock)."""
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, share: float = 1.0) -> None:
         self.limit = limit
+        self.share = share
+        self.caller_limit = int(limit * share)
         self.used = 0
+        self.by_caller: dict[str, int] = {}
 
-    def reserve(self, nbytes: int) -> None:
+    def reserve(self, nbytes: int, caller: str = "", field: str = "header") -> None:
+        held = self.by_caller.get(caller, 0)
         if self.used + nbytes > self.limit:
             raise exhausted(
-                "header", f"this request needs {nbytes} bytes of buffers and uploads in flight "
-                f"hold {self.used} of the server's {self.limit} (--max-upload-bytes); retry "
-                "later")
+                field, f"this request needs {nbytes} more bytes of buffers and uploads in "
+                f"flight hold {self.used} of the server's {self.limit} (--max-upload-bytes); "
+                "retry later")
+        if held + nbytes > self.caller_limit:
+            raise exhausted(
+                field, f"this request needs {nbytes} more bytes of buffers and your uploads in "
+                f"flight hold {held} of the {self.caller_limit} one caller may hold "
+                f"(--max-upload-share {self.share:g} of --max-upload-bytes); retry later")
         self.used += nbytes
+        self.by_caller[caller] = held + nbytes
 
-    def release(self, nbytes: int) -> None:
+    def release(self, nbytes: int, caller: str = "") -> None:
         self.used -= nbytes
+        left = self.by_caller.get(caller, 0) - nbytes
+        if left > 0:
+            self.by_caller[caller] = left
+        else:
+            self.by_caller.pop(caller, None)
+
+
+class Upload:
+    """One call's reservation against an ``UploadBudget``: ``cover(n)`` makes it at least
+    ``n`` bytes (in ``UPLOAD_STEP_BYTES`` steps, at most ``total``); ``release`` gives all of
+    it back."""
+
+    __slots__ = ("budget", "caller", "total", "charged")
+
+    def __init__(self, budget: UploadBudget, caller: str, total: int) -> None:
+        self.budget, self.caller, self.total, self.charged = budget, caller, total, 0
+
+    def cover(self, nbytes: int, field: str = "header") -> None:
+        if nbytes <= self.charged:
+            return
+        more = min(self.total, max(nbytes, self.charged + UPLOAD_STEP_BYTES)) - self.charged
+        self.budget.reserve(more, self.caller, field)
+        self.charged += more
+
+    def release(self) -> None:
+        self.budget.release(self.charged, self.caller)
+        self.charged = 0
+
+
+class UploadPace(NamedTuple):
+    """How slowly an upload may arrive (``--upload-idle-timeout``, ``--min-upload-rate``)."""
+
+    idle_s: float  # longest wait for the next message of an incomplete upload (0: none)
+    min_rate: int  # bytes/s it must average once idle_s has passed since its header
+
+    @staticmethod
+    def of(config: ServerConfig) -> UploadPace:
+        return UploadPace(config.upload_idle_timeout, config.min_upload_rate)
 
 
 @dataclass
 class Received:
     """A fully received request: its params, the tensors in regions, the rest in buffers,
-    whose ``reserved`` bytes count against ``budget`` until ``release``."""
+    whose bytes count against the budget (``upload``) until ``release``."""
 
     params: Params
     regions: Mapping[str, RegionSpan]
     buffers: Buffers
-    budget: UploadBudget
-    reserved: int
+    upload: Upload
     step_timeout_ms: int = 0  # the first message's (RawRequest.step_timeout_ms)
 
     def release(self) -> None:
         self.buffers.release()
-        self.budget.release(self.reserved)
+        self.upload.release()
 
     # Each read twice per call (its metrics, its stats message): summed once.
     @functools.cached_property
@@ -83,19 +148,24 @@ class Received:
 
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
-    budget: UploadBudget, unary: bool = False,
+    budget: UploadBudget, caller: str = "", pace: UploadPace = UploadPace(0, 0),
+    unary: bool = False,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
-    from ``link`` for every tensor not in a region, outputs included, reserved against
-    ``budget``; on any failure both are given back before this raises. ``unary``: the
-    outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES)."""
+    from ``link`` for every tensor not in a region, outputs included, charged to ``caller``'s
+    share of ``budget``: in full at the header when the link pins them, else as the bytes
+    arrive (``Upload``), the outputs with the last message. A stream slower than ``pace``
+    ends. On any failure buffers and charge are given back before this raises. ``unary``:
+    the request is its one message, and the outputs must fit the one response message
+    (MAX_UNARY_OUTPUT_BYTES)."""
     it = requests.__aiter__()
     try:
-        first = parse_request(await it.__anext__(), op)
+        raw = await it.__anext__()
     except StopAsyncIteration:
         raise StreamEnded(grpc.StatusCode.INVALID_ARGUMENT,
                           "header: missing: the stream ended before any message") from None
+    first = parse_request(raw, op)
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
     params, regions = checked_header(op, first.header, first.header_bytes, limits)
@@ -111,7 +181,9 @@ async def receive_request(
                 "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
                 f"one response message of {unary_method(op.rpc)} can carry: use the stream rpc "
                 f"{op.rpc}")
-    budget.reserve(total)
+    upload = Upload(budget, caller, total)
+    # A unary request is here whole; a lazy link's buffers fill as the bytes arrive.
+    upload.cover(len(raw) if link.lazy_buffers and not unary else total)
     try:
         buffers = await _allocate(link, sizes, total)
         try:
@@ -119,20 +191,53 @@ async def receive_request(
                 params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}
             )
             chunks.add(first.chunks)
-            async for raw in it:
-                msg = parse_request(raw, op)
-                if msg.header is not None:
-                    raise invalid("header", "repeated: only the first message may carry a "
-                                  "header")
-                chunks.add(msg.chunks)
+            if not unary:
+                await _receive_rest(it, op, chunks, upload, len(raw), pace)
             chunks.finish()
+            upload.cover(total)  # the outputs
         except BaseException:
             buffers.release()
             raise
     except BaseException:
-        budget.release(total)
+        upload.release()
         raise
-    return Received(params, regions, buffers, budget, total, first.step_timeout_ms)
+    return Received(params, regions, buffers, upload, first.step_timeout_ms)
+
+
+async def _receive_rest(
+    it: AsyncIterator[bytes], op: Op, chunks: ChunkAssembler, upload: Upload, received: int,
+    pace: UploadPace,
+) -> None:
+    """The messages after the header's, until the client ends the stream, within ``pace``:
+    no wait for a message longer than ``idle_s``, and ``min_rate`` bytes/s on average once
+    ``idle_s`` has passed."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    idle_s = pace.idle_s or None
+    try:
+        async with asyncio.timeout_at(idle_s and start + idle_s) as timer:
+            async for raw in it:
+                received += len(raw)
+                now = loop.time()
+                if idle_s:
+                    timer.reschedule(now + idle_s)
+                    late = now - start - idle_s
+                    if late > 0 and received < pace.min_rate * late:
+                        raise exhausted(
+                            "chunks", f"{received} bytes in {now - start:.1f} s, under the "
+                            f"server's minimum upload rate of {pace.min_rate} bytes/s "
+                            "(--min-upload-rate)")
+                msg = parse_request(raw, op)
+                if msg.header is not None:
+                    raise invalid("header", "repeated: only the first message may carry a "
+                                  "header")
+                upload.cover(received, "chunks")
+                chunks.add(msg.chunks)
+    except TimeoutError:
+        raise RequestError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"chunks: no message for {pace.idle_s:g} s while the upload was incomplete "
+            f"({received} bytes received; --upload-idle-timeout)") from None
 
 
 async def _allocate(link: EngineLink, sizes: dict[str, int], total: int) -> Buffers:

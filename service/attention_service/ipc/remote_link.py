@@ -105,6 +105,7 @@ class RemoteLink:
         self.arena = arena
         self.free_list = arenas.FreeList(arena.size)
         self.info = info
+        self.lazy_buffers = True  # the arena is pinned once; segments fill as written
         self._loop = loop
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
