@@ -224,8 +224,8 @@ def _honest_prefill() -> tuple[list[pb.PrefillRequest], float]:
 @pytest.mark.parametrize("idle", [3, 10])
 def test_idle_header_only_streams_do_not_starve_honest_uploads(server: ServerHandle,
                                                                 idle: int) -> None:
-    # Each idle stream declares 3 x 340 MiB (plus 340 MiB of output: 1.33 GiB) and sends no byte. They
-    # used to reserve all of that at the header: three held the default 4 GiB budget.
+    # Each idle stream declares 3 x 340 MiB (plus 340 MiB of output: 1.33 GiB) and sends no
+    # byte. They used to reserve all of that at the header: three held the default 4 GiB.
     uploads = server.server.servicer._uploads
     release, calls = _idle_streams(server, idle, _declared(85 * 1024 * 16))
     try:

@@ -429,7 +429,7 @@ class CacheInfo(_message.Message):
     def __init__(self, cache_id: _Optional[str] = ..., layout: _Optional[_Union[CacheLayout, _Mapping]] = ..., length: _Optional[int] = ..., pages: _Optional[int] = ..., shared_pages: _Optional[int] = ..., idle_seconds: _Optional[float] = ..., busy: _Optional[bool] = ...) -> None: ...
 
 class KvPoolInfo(_message.Message):
-    __slots__ = ("page_bytes", "pages_total", "pages_used", "pages_free", "caches_live", "ttl_seconds", "caller_pages_used", "caller_pages_limit")
+    __slots__ = ("page_bytes", "pages_total", "pages_used", "pages_free", "caches_live", "ttl_seconds", "caller_pages_used", "caller_pages_limit", "caller_caches")
     PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PAGES_USED_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +438,7 @@ class KvPoolInfo(_message.Message):
     TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CALLER_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     CALLER_PAGES_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CALLER_CACHES_FIELD_NUMBER: _ClassVar[int]
     page_bytes: int
     pages_total: int
     pages_used: int
@@ -446,18 +447,27 @@ class KvPoolInfo(_message.Message):
     ttl_seconds: float
     caller_pages_used: int
     caller_pages_limit: int
-    def __init__(self, page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_free: _Optional[int] = ..., caches_live: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., caller_pages_used: _Optional[int] = ..., caller_pages_limit: _Optional[int] = ...) -> None: ...
+    caller_caches: int
+    def __init__(self, page_bytes: _Optional[int] = ..., pages_total: _Optional[int] = ..., pages_used: _Optional[int] = ..., pages_free: _Optional[int] = ..., caches_live: _Optional[int] = ..., ttl_seconds: _Optional[float] = ..., caller_pages_used: _Optional[int] = ..., caller_pages_limit: _Optional[int] = ..., caller_caches: _Optional[int] = ...) -> None: ...
 
 class ListCachesRequest(_message.Message):
-    __slots__ = ("cache_ids",)
+    __slots__ = ("cache_ids", "page_size", "page_token", "pool_only")
     CACHE_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    POOL_ONLY_FIELD_NUMBER: _ClassVar[int]
     cache_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    pool_only: bool
+    def __init__(self, cache_ids: _Optional[_Iterable[str]] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., pool_only: _Optional[bool] = ...) -> None: ...
 
 class ListCachesResponse(_message.Message):
-    __slots__ = ("caches", "pool")
+    __slots__ = ("caches", "pool", "next_page_token")
     CACHES_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     caches: _containers.RepeatedCompositeFieldContainer[CacheInfo]
     pool: KvPoolInfo
-    def __init__(self, caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ..., pool: _Optional[_Union[KvPoolInfo, _Mapping]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, caches: _Optional[_Iterable[_Union[CacheInfo, _Mapping]]] = ..., pool: _Optional[_Union[KvPoolInfo, _Mapping]] = ..., next_page_token: _Optional[str] = ...) -> None: ...

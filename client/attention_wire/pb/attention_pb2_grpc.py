@@ -251,7 +251,9 @@ class AttentionServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListCaches(self, request, context):
-        """Describes the caller's caches and the pool. Errors: NOT_FOUND for an unknown id.
+        """Describes the caller's caches (one page per call: see next_page_token) and the pool.
+        Errors: NOT_FOUND for an unknown id, INVALID_ARGUMENT for a page_token not given for
+        this listing.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
