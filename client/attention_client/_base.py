@@ -99,6 +99,10 @@ def spread_tries(info: pb.ServerInfo) -> int:
                min(SPREAD_MAX_TRIES, SPREAD_TRIES_PER_FRONTEND * info.frontends))
 
 
+# ListCaches' largest page: a listing of 100k caches takes 10 calls.
+LIST_PAGE_SIZE = 10000
+
+
 class LostLanes:
     """Which of a client's connections were lost since ``spread`` placed them. gRPC reconnects
     a lost connection on its own (a server or front end restarted, the network dropped it),
@@ -493,8 +497,22 @@ class ClientBase:
             self._cache_layouts.pop(i, None)
 
     @staticmethod
-    def _list_request(ids: Any) -> pb.ListCachesRequest:
-        return pb.ListCachesRequest(cache_ids=() if ids is None else as_cache_ids(ids))
+    def _list_request(ids: Any, pool_only: bool = False) -> pb.ListCachesRequest:
+        """ListCaches' first page (the largest the server gives), or the pool alone."""
+        return pb.ListCachesRequest(cache_ids=() if ids is None else as_cache_ids(ids),
+                                    page_size=LIST_PAGE_SIZE, pool_only=pool_only)
+
+    def _list_page(self, request: pb.ListCachesRequest, listed: pb.ListCachesResponse | None,
+                   page: pb.ListCachesResponse) -> pb.ListCachesResponse:
+        """``page`` added to the pages ``listed`` before (its layouts remembered); the request
+        asks for the next one (``page.next_page_token``: "" when it was the last)."""
+        self._note_layouts(page.caches)
+        request.page_token = page.next_page_token
+        if listed is None:
+            return page
+        listed.caches.extend(page.caches)
+        listed.pool.CopyFrom(page.pool)
+        return listed
 
     @staticmethod
     def _release_request(ids: Any, all: bool) -> tuple[pb.ReleaseCachesRequest, Any]:

@@ -181,5 +181,5 @@ def cache_info_dict(info: pb.CacheInfo) -> dict[str, Any]:
 
 def pool_info_dict(pool: pb.KvPoolInfo) -> dict[str, Any]:
     """KvPoolInfo as a dict (page_bytes, pages_total/used/free, caches_live, ttl_seconds,
-    caller_pages_used, caller_pages_limit)."""
+    caller_pages_used, caller_pages_limit, caller_caches)."""
     return {f.name: getattr(pool, f.name) for f in pool.DESCRIPTOR.fields}

@@ -409,14 +409,17 @@ class AsyncAttentionClient(ClientBase):
     ) -> dict[str, Any]:
         """See AttentionClient.kv_pool_info."""
         settings = self._settings(timeout, metadata, wait_for_ready)
-        return pool_info_dict((await self._list_caches(None, settings)).pool)
+        return pool_info_dict((await self._list_caches(None, settings, pool_only=True)).pool)
 
     async def _list_caches(
-        self, ids: Any, settings: CallSettings | None = None
+        self, ids: Any, settings: CallSettings | None = None, pool_only: bool = False
     ) -> pb.ListCachesResponse:
-        reply = await self._unary_rpc("ListCaches", self._list_request(ids), settings)
-        self._note_layouts(reply.caches)
-        return reply
+        """See AttentionClient._list_caches."""
+        request, listed = self._list_request(ids, pool_only), None
+        while listed is None or request.page_token:
+            page = await self._unary_rpc("ListCaches", request, settings)
+            listed = self._list_page(request, listed, page)
+        return listed
 
     # ---- same-host shared memory -----------------------------------------------------------
 

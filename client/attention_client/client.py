@@ -406,14 +406,19 @@ class AttentionClient(ClientBase):
         wait_for_ready: bool | None = None,
     ) -> dict[str, Any]:
         """The server's cache pool: page_bytes, pages_total/used/free, caches_live,
-        ttl_seconds, and the caller's share: caller_pages_used, caller_pages_limit (0: none)."""
+        ttl_seconds, and the caller's share: caller_pages_used, caller_pages_limit (0: none),
+        caller_caches. One call, however many caches there are."""
         settings = self._settings(timeout, metadata, wait_for_ready)
-        return pool_info_dict(self._list_caches(None, settings).pool)
+        return pool_info_dict(self._list_caches(None, settings, pool_only=True).pool)
 
-    def _list_caches(self, ids: Any, settings: CallSettings | None = None) -> pb.ListCachesResponse:
-        reply = self._unary_rpc("ListCaches", self._list_request(ids), settings)
-        self._note_layouts(reply.caches)
-        return reply
+    def _list_caches(self, ids: Any, settings: CallSettings | None = None,
+                     pool_only: bool = False) -> pb.ListCachesResponse:
+        """Every page of a listing, as one reply."""
+        request, listed = self._list_request(ids, pool_only), None
+        while listed is None or request.page_token:
+            page = self._unary_rpc("ListCaches", request, settings)
+            listed = self._list_page(request, listed, page)
+        return listed
 
     # ---- same-host shared memory ----------------------------------------------------------
 

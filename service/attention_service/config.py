@@ -262,8 +262,11 @@ class ServerConfig:
             raise ValueError("arena_bytes must be at least 1 MiB")
         if self.regions not in ("auto", "on", "off"):
             raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
-        if self.max_regions_per_caller < 1 or self.system_region_bytes_per_caller < 0:
-            raise ValueError("max_regions_per_caller must be >= 1 and "
+        # ListRegions answers in one message: 10000 regions of ~160 bytes fit 4 MiB.
+        if not 1 <= self.max_regions_per_caller <= 10000 or (
+            self.system_region_bytes_per_caller < 0
+        ):
+            raise ValueError("max_regions_per_caller must be in [1, 10000] and "
                              "system_region_bytes_per_caller >= 0 (0 = no limit)")
         if self.kv_cache_bytes < -1:
             raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")

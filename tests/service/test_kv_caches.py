@@ -355,6 +355,63 @@ def test_refusals_name_the_field_and_change_nothing(srv: ServerHandle) -> None:
     assert code == grpc.StatusCode.NOT_FOUND and details.startswith("cache_ids[0]")
 
 
+def test_200k_caches_list_through_pages_with_the_ids_created(start_server: Any) -> None:
+    # One reply of 100k caches passed gRPC's 4 MiB and failed (issue 63): every page is
+    # bounded now, and the client follows the pages.
+    from attention_client import AttentionClient
+
+    srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE)
+    stub = srv.stub()
+    ids = [f"seq-{(i * 7919) % 200_000:06d}" for i in range(200_000)]  # not in id order
+    for at in range(0, len(ids), 50_000):
+        stub.CreateCaches(pb.CreateCachesRequest(cache_ids=ids[at : at + 50_000],
+                                                 layout=layout(torch.float32, 2, 16)),
+                          timeout=60)
+    first = stub.ListCaches(pb.ListCachesRequest(), timeout=10)
+    assert len(first.caches) == 1000 and first.next_page_token  # the default page
+    assert first.pool.caller_caches == 200_000
+    with AttentionClient(srv.target) as client:
+        assert [c["cache_id"] for c in client.list_caches()] == sorted(ids)
+        pool = client.kv_pool_info()
+    assert pool["caller_caches"] == 200_000 and pool["caches_live"] == 200_000
+    only = stub.ListCaches(pb.ListCachesRequest(pool_only=True), timeout=10)
+    assert not only.caches and not only.next_page_token and only.pool.caller_caches == 200_000
+
+
+def test_a_page_ends_before_2_mib_and_tokens_are_checked(start_server: Any) -> None:
+    srv = start_server(kv_cache_bytes=64 * PAGE, kv_page_bytes=PAGE)
+    stub = srv.stub()
+    ids = [f"{i:05d}" + "x" * 251 for i in range(10_000)]  # 256-byte ids
+    stub.CreateCaches(pb.CreateCachesRequest(cache_ids=ids, layout=layout(torch.float32, 2, 16)),
+                      timeout=60)
+    seen: list[str] = []
+    request = pb.ListCachesRequest(page_size=10_000)
+    while True:
+        page = stub.ListCaches(request, timeout=10)
+        assert page.ByteSize() <= (2 << 20) + 256 and page.caches
+        seen += [c.cache_id for c in page.caches]
+        if not page.next_page_token:
+            break
+        request.page_token = page.next_page_token
+    assert seen == ids and len(seen) > len(page.caches)  # more than one page, none twice
+    # Named ids page in their order.
+    named = ids[::-1][:7]
+    request = pb.ListCachesRequest(cache_ids=named, page_size=3)
+    got: list[str] = []
+    for _ in range(3):
+        page = stub.ListCaches(request, timeout=10)
+        got += [c.cache_id for c in page.caches]
+        request.page_token = page.next_page_token
+    assert got == named and not request.page_token
+    for bad in ("i0", "i7", "x", "a", "ifoo"):
+        code, details = _code(lambda bad=bad: stub.ListCaches(
+            pb.ListCachesRequest(cache_ids=named, page_token=bad), timeout=10))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("page_token: ")
+    code, details = _code(lambda: stub.ListCaches(pb.ListCachesRequest(page_token="i3"),
+                                                  timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("page_token: ")
+
+
 def test_full_pool_answers_exhausted_and_loses_nothing(start_server: Any) -> None:
     srv = start_server(kv_cache_bytes=4 * PAGE, kv_page_bytes=PAGE)
     stub = srv.stub()

@@ -66,6 +66,12 @@ def test_empty_env_means_unset() -> None:
         (["--region-ttl", "-1"], {}),
         (["--log-level", "verbose"], {}),  # a traceback from logging before
         (["--kv-cache-bytes", "4096", "--kv-page-bytes", "8192"], {}),
+        (["--max-upload-share", "0"], {}),
+        (["--max-upload-share", "nan"], {}),
+        (["--max-upload-share", "0.1"], {}),  # 410 MiB: under the 1 GiB largest request
+        ([], {"ATTENTION_UPLOAD_IDLE_TIMEOUT": "-1"}),
+        (["--min-upload-rate", "-5"], {}),
+        (["--max-regions-per-caller", "20000"], {}),  # ListRegions' reply would pass 4 MiB
     ],
 )
 def test_invalid_values_rejected(argv: list[str], env: dict[str, str]) -> None:

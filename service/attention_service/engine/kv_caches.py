@@ -19,6 +19,7 @@ threads for submit, the control-rpc threads, the executor's completer for ``fini
 
 from __future__ import annotations
 
+import heapq
 import logging
 import threading
 import time
@@ -35,6 +36,7 @@ from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
     ELEMENT_BYTES,
+    MAX_CACHE_ID_BYTES,
     QUERY_DTYPES,
     KvScales,
     Op,
@@ -52,6 +54,46 @@ log = logging.getLogger("attention_service")
 MAX_HEADS = 1024
 _NUMPY_SLOTS = 64  # new tokens per cache above which slots are computed with numpy
 METHODS = ("CreateCaches", "ReleaseCaches", "ForkCache", "ListCaches")
+# ListCaches pages: caches per page by default and at most, and a reply's bytes (half gRPC's
+# 4 MiB message limit): 100k caches in one reply passed the limit (issue 63).
+LIST_PAGE = 1000
+MAX_LIST_PAGE = 10000
+LIST_REPLY_BYTES = 2 << 20
+
+
+class _Page:
+    """The caches of one ListCaches reply, ended before it passes LIST_REPLY_BYTES (the first
+    always fits: an entry takes well under 4 KiB)."""
+
+    def __init__(self) -> None:
+        self.caches: list[pb.CacheInfo] = []
+        self.nbytes = 0
+
+    def add(self, info: pb.CacheInfo) -> bool:
+        size = info.ByteSize() + 4  # with its tag and length
+        if self.caches and self.nbytes + size > LIST_REPLY_BYTES:
+            return False
+        self.caches.append(info)
+        self.nbytes += size
+        return True
+
+
+def _page_index(token: str, count: int) -> int:
+    """Where a page of an id list starts: a token ``i<index>`` from the previous page."""
+    if not token:
+        return 0
+    if token[0] == "i" and token[1:].isdigit() and 0 < int(token[1:]) < count:
+        return int(token[1:])
+    raise invalid("page_token", "not a token a previous page of these cache_ids gave")
+
+
+def _page_after(token: str) -> str:
+    """The id after which a page of all caches starts: a token ``a<id>``."""
+    if not token:
+        return ""
+    if token[0] == "a" and 1 <= len(token[1:].encode()) <= MAX_CACHE_ID_BYTES:
+        return token[1:]
+    raise invalid("page_token", "not a token a previous page of this listing gave")
 
 
 @dataclass(eq=False)
@@ -309,22 +351,49 @@ class CacheRegistry:
             return self._info(c)
 
     def _list(self, req: pb.ListCachesRequest, owner: str) -> pb.ListCachesResponse:
+        """One page (``LIST_PAGE``, ``LIST_REPLY_BYTES``): of ``cache_ids`` in their order, or
+        of all the owner's caches by id, never holding the lock for a sort."""
         pool = self._pool()
+        size = min(req.page_size or LIST_PAGE, MAX_LIST_PAGE)
+        reply = pb.ListCachesResponse()
+        page = _Page()
+        if req.pool_only:
+            pass
+        elif req.cache_ids:
+            start = _page_index(req.page_token, len(req.cache_ids))
+            with self._lock:
+                for i in range(start, min(start + size, len(req.cache_ids))):
+                    c = self._lookup(owner, req.cache_ids[i], f"cache_ids[{i}]")
+                    if not page.add(self._info(c)):
+                        break
+            end = start + len(page.caches)
+            if end < len(req.cache_ids):
+                reply.next_page_token = f"i{end}"
+        else:
+            after = _page_after(req.page_token)
+            with self._lock:
+                ids = [cid for o, cid in self._caches if o == owner and cid > after]
+            first = heapq.nsmallest(size, ids)
+            last, more = "", len(ids) > len(first)
+            with self._lock:
+                for cid in first:
+                    c = self._caches.get((owner, cid))  # released meanwhile: not listed
+                    if c is not None and not page.add(self._info(c)):
+                        more = True
+                        break
+                    last = cid
+            if more:
+                reply.next_page_token = "a" + last
+        reply.caches.extend(page.caches)
         with self._lock:
-            if req.cache_ids:
-                caches = [self._lookup(owner, cid, f"cache_ids[{i}]")
-                          for i, cid in enumerate(req.cache_ids)]
-            else:
-                caches = [c for c in self._caches.values() if c.owner == owner]
-            return pb.ListCachesResponse(
-                caches=[self._info(c) for c in caches],
-                pool=pb.KvPoolInfo(
-                    page_bytes=pool.page_bytes, pages_total=pool.pages_total,
-                    pages_used=pool.pages_used, pages_free=pool.pages_free,
-                    caches_live=len(self._caches), ttl_seconds=self.ttl,
-                    caller_pages_used=pool.held(owner), caller_pages_limit=pool.caller_pages,
-                ),
-            )
+            reply.pool.CopyFrom(pb.KvPoolInfo(
+                page_bytes=pool.page_bytes, pages_total=pool.pages_total,
+                pages_used=pool.pages_used, pages_free=pool.pages_free,
+                caches_live=len(self._caches), ttl_seconds=self.ttl,
+                caller_pages_used=pool.held(owner), caller_pages_limit=pool.caller_pages,
+                caller_caches=self._per_owner.get(owner, 0),
+            ))
+        return reply
 
     # ---- helpers (under the lock) -------------------------------------------------------
 
