@@ -295,6 +295,20 @@ def small_prefill() -> list[pb.PrefillRequest]:
     return list(prefill_messages(q, k, v, [0, 3, 8]))
 
 
+def declared_prefill(n_tokens: int, seq: int = 1024, dim: int = 64) -> pb.PrefillRequest:
+    """A header declaring q, k, v of ``n_tokens`` x 1 x ``dim`` fp32 in ``seq``-token
+    sequences, with no bytes (85 * 1024 * 16 tokens: just under the 1 GiB request limit)."""
+    t = pb.TensorSpec(dtype=pb.FLOAT32, shape=[n_tokens, 1, dim])
+    cu = [*range(0, n_tokens, seq), n_tokens]
+    return pb.PrefillRequest(header=pb.PrefillHeader(q=t, k=t, v=t, cu_seqlens_q=cu))
+
+
+def six_mib_prefill() -> list[pb.PrefillRequest]:
+    """An honest 6 MiB prefill: q, k, v of 8192 x 1 x 64 fp32 in 128-token sequences."""
+    q, k, v = random_qkv(8192, 8192, 1, 1, 64, torch.float32)
+    return list(prefill_messages(q, k, v, list(range(0, 8193, 128))))
+
+
 def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:

@@ -150,3 +150,33 @@ def test_a_tokens_regions_and_quota_span_the_front_ends(group: Group) -> None:
             stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10, metadata=md)
         for o in objs:
             o.close()
+
+
+def test_idle_uploads_on_a_group_do_not_starve_and_end_after_the_timeout() -> None:
+    # Issue 63 on the front-end processes (RemoteLink: arena blocks and lazily filled
+    # segments): four idle header-only streams per front end, each declaring 1.33 GiB, held
+    # 10.6 GiB of a 4 GiB budget per process before; now 16 MiB each, and they end at 2 s.
+    import threading
+    import time
+
+    from .svc_helpers import declared_prefill, header_then_wait, six_mib_prefill
+
+    g = Group(2, "--upload-idle-timeout", "2")
+    release = threading.Event()
+    try:
+        stubs = _stubs(g, None)
+        idle = [s.Prefill(header_then_wait([declared_prefill(85 * 1024 * 16)], release),
+                          timeout=30) for s in stubs for _ in range(4)]
+        time.sleep(0.3)  # their headers are in
+        for s in stubs:
+            t0 = time.perf_counter()
+            assert list(s.Prefill(iter(six_mib_prefill()), timeout=10))[-1].HasField("stats")
+            assert time.perf_counter() - t0 < 1.0
+        for call in idle:
+            err = _refused(lambda call=call: list(call))
+            assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "--upload-idle-timeout" in err.details()
+    finally:
+        release.set()
+        assert g.stop() == 0
+    assert not [line for line in g.lines if "Traceback" in line]

@@ -27,12 +27,14 @@ from attention_wire.pb import attention_pb2 as pb
 
 from .svc_helpers import (
     ServerHandle,
+    declared_prefill,
     decode_messages,
     header_then_wait,
     health_status,
     make_config,
     prefill_messages,
     random_qkv,
+    six_mib_prefill,
     small_prefill,
     wait_until,
 )
@@ -198,14 +200,6 @@ def test_health_stays_fast_under_a_flood_of_costly_small_requests(server: Server
 # ---- issue 63, defect 1: a slow or idle upload must not starve the others -------------------
 
 
-def _declared(n_tokens: int, seq: int = 1024, dim: int = 64) -> pb.PrefillRequest:
-    """A header declaring q, k, v of ``n_tokens`` x 1 x ``dim`` fp32 in ``seq``-token
-    sequences, with no bytes."""
-    t = pb.TensorSpec(dtype=pb.FLOAT32, shape=[n_tokens, 1, dim])
-    cu = [*range(0, n_tokens, seq), n_tokens]
-    return pb.PrefillRequest(header=pb.PrefillHeader(q=t, k=t, v=t, cu_seqlens_q=cu))
-
-
 def _idle_streams(handle: ServerHandle, count: int, msg: Any,
                   **kw: Any) -> tuple[threading.Event, list[Any]]:
     """``count`` streams that send ``msg`` and then nothing until the event is set."""
@@ -215,22 +209,16 @@ def _idle_streams(handle: ServerHandle, count: int, msg: Any,
     return release, calls
 
 
-def _honest_prefill() -> tuple[list[pb.PrefillRequest], float]:
-    """A 6 MiB prefill (q, k, v of 8192 x 1 x 64 fp32 in 128-token sequences)."""
-    q, k, v = random_qkv(8192, 8192, 1, 1, 64, torch.float32)
-    return list(prefill_messages(q, k, v, list(range(0, 8193, 128)))), 6.0
-
-
 @pytest.mark.parametrize("idle", [3, 10])
 def test_idle_header_only_streams_do_not_starve_honest_uploads(server: ServerHandle,
                                                                 idle: int) -> None:
     # Each idle stream declares 3 x 340 MiB (plus 340 MiB of output: 1.33 GiB) and sends no
     # byte. They used to reserve all of that at the header: three held the default 4 GiB.
     uploads = server.server.servicer._uploads
-    release, calls = _idle_streams(server, idle, _declared(85 * 1024 * 16))
+    release, calls = _idle_streams(server, idle, declared_prefill(85 * 1024 * 16))
     try:
         assert wait_until(lambda: uploads.used == idle * UPLOAD_STEP_BYTES)
-        msgs, _ = _honest_prefill()
+        msgs = six_mib_prefill()
         for _ in range(3):
             t0 = time.perf_counter()
             assert list(server.stub().Prefill(iter(msgs), timeout=10))[-1].HasField("stats")
