@@ -10,13 +10,13 @@
 #   warmup     benchmarks/bench_warmup.py (kernel warm-up from an empty Triton cache, in-process
 #              and with 16 worker processes, then a restart on the filled cache)
 #   kernels    benchmarks/bench_kernels.py (prefill/decode vs SDPA cuDNN/FLASH and varlen_attn)
-#   tune-fp8   FP8 kernel tests on the GPU, then benchmarks/tune_fp8.py (the e4m3 conversions'
+#   tune-fp8   FP8 kernel tests on the GPU, then tools/tuning/tune_fp8.py (the e4m3 conversions'
 #              PTX, tile configs, descriptor loads of FP8 tiles)
-#   tune-fp8-paged  benchmarks/tune_fp8.py --only paged (FP8 pages: paged decode tile configs)
-#   hopper-prefill  benchmarks/tune_hopper_prefill.py (the Gluon Hopper prefill: checks against
+#   tune-fp8-paged  tools/tuning/tune_fp8.py --only paged (FP8 pages: paged decode tile configs)
+#   hopper-prefill  tools/tuning/tune_hopper_prefill.py (the Gluon Hopper prefill: checks against
 #              the float64 reference, then tiles / consumer counts / persistent launches vs
 #              SDPA cuDNN and FLASH and the portable kernel; HOPPER_PREFILL_ARGS adds options)
-#   prefill-order  benchmarks/tune_prefill_order.py (the prefill grid's program order, vs cuDNN)
+#   prefill-order  tools/tuning/tune_prefill_order.py (the prefill grid's program order, vs cuDNN)
 #   paged      benchmarks/bench_paged.py (paged-KV decode/prefill vs contiguous and SDPA cuDNN)
 #   features   sliding window / softcap / ALiBi: tests/kernels/test_features.py on the GPU, then
 #              benchmarks/bench_features.py (window skip vs full causal, varlen_attn and SDPA
@@ -29,7 +29,7 @@
 #   profile-aggregate  benchmarks/profile_aggregate.py: one server process's CPU per GB and
 #              py-spy profile under 8 large-payload clients, BASELINE_COMMIT's server (before and
 #              after) against this tree's --frontends 1
-#   transfer   benchmarks/tune_transfer.py (message size, HTTP/2 settings, channels per client)
+#   transfer   tools/tuning/tune_transfer.py (message size, HTTP/2 settings, channels per client)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
@@ -151,12 +151,12 @@ for s in "$@"; do
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     tune-fp8) stage fp8-tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 600 \
                 tests/kernels/test_fp8.py tests/service/test_fp8_gpu.py
-              stage tune-fp8 420 python3 benchmarks/tune_fp8.py --out "$OUT" ;;
-    tune-fp8-paged) stage tune-fp8-paged 300 python3 benchmarks/tune_fp8.py --only paged \
+              stage tune-fp8 420 python3 tools/tuning/tune_fp8.py --out "$OUT" ;;
+    tune-fp8-paged) stage tune-fp8-paged 300 python3 tools/tuning/tune_fp8.py --only paged \
                       --out "$OUT" ;;
-    hopper-prefill) stage hopper-prefill 580 python3 benchmarks/tune_hopper_prefill.py \
+    hopper-prefill) stage hopper-prefill 580 python3 tools/tuning/tune_hopper_prefill.py \
       --out "$OUT" ${HOPPER_PREFILL_ARGS:-} ;;
-    prefill-order) stage prefill-order 300 python3 benchmarks/tune_prefill_order.py \
+    prefill-order) stage prefill-order 300 python3 tools/tuning/tune_prefill_order.py \
                      --out "$OUT" ;;
     paged) stage paged 420 python3 benchmarks/bench_paged.py --out "$OUT" ;;
     features) stage features-tests 360 python3 -m pytest -q -p no:cacheprovider -n 4 \
@@ -192,7 +192,7 @@ for s in "$@"; do
       baseline_tree || exit 1
       stage profile-aggregate 400 python3 benchmarks/profile_aggregate.py --out "$OUT" \
         --baseline-tree /tmp/baseline-tree --clients 8 --seconds 8 ;;
-    transfer) stage transfer 170 python3 benchmarks/tune_transfer.py --iters 4 --seconds 5 \
+    transfer) stage transfer 170 python3 tools/tuning/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
                --prime 3 --clients 1,8,32,64 --out "$OUT" ;;

@@ -1,4 +1,4 @@
-"""benchmarks/sim_spread.py: the client's own spread rule, replayed on simulated front ends."""
+"""tools/tuning/sim_spread.py: the client's own spread rule, replayed on simulated front ends."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools" / "tuning"))
 import sim_spread  # noqa: E402
 
 from attention_client._base import spread_tries  # noqa: E402
@@ -37,7 +37,7 @@ def test_the_clients_tries_fill_every_front_end_where_four_did_not(place) -> Non
 
 def test_sim_spread_prints_its_table() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "sim_spread.py"), "--cases", "4x4",
+        [sys.executable, str(ROOT / "tools" / "tuning" / "sim_spread.py"), "--cases", "4x4",
          "--trials", "200"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     rows = [line.split() for line in proc.stdout.splitlines()[1:]]

@@ -26,7 +26,7 @@ def _compile_sm90(causal: bool, head_dim: int, tile: str, *extra: str) -> dict:
     """``tune_hopper_prefill.py --compile-only`` in a process of its own: under
     TRITON_INTERPRET=1 (CI) this process's jit functions are the interpreter's."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    script = Path(__file__).resolve().parents[2] / "benchmarks" / "tune_hopper_prefill.py"
+    script = Path(__file__).resolve().parents[2] / "tools" / "tuning" / "tune_hopper_prefill.py"
     res = subprocess.run([sys.executable, str(script), "--compile-only", "--head-dim",
                           str(head_dim), "--tile", tile, *extra]
                          + (["--causal"] if causal else []),

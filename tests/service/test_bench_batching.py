@@ -47,7 +47,7 @@ def test_bench_batching_runs_both_sides_and_writes_results(tmp_path: Path, mode:
 
 def test_tune_batching_measures_every_setting(tmp_path: Path) -> None:
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "tune_batching.py"), "--device", "cpu",
+        sys.executable, str(ROOT / "tools" / "tuning" / "tune_batching.py"), "--device", "cpu",
         "--clients", "3", "--tokens", "64,256", "--delays-ms", "0,2", "--duration", "0.4",
         "--warmup", "0.1", "--prime", "0", "--max-len", "48", "--heads", "4", "--kv-heads", "2",
         "--head-dim", "32", "--pool", "8", "--out", str(tmp_path),

@@ -1,4 +1,4 @@
-"""benchmarks/tune_transfer.py end to end on the cpu backend, with tiny settings."""
+"""tools/tuning/tune_transfer.py end to end on the cpu backend, with tiny settings."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_tune_transfer_measures_every_setting(tmp_path: Path) -> None:
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "tune_transfer.py"), "--mib-in", "2",
+        sys.executable, str(ROOT / "tools" / "tuning" / "tune_transfer.py"), "--mib-in", "2",
         "--mib-out", "1", "--chunks", "262144,1048576", "--iters", "1", "--tokens", "64",
         "--heads", "2", "--head-dim", "16", "--device", "cpu", "--frontends", "2",
         "--concurrency", "2", "--seconds", "0.5", "--channels", "1,2", "--agg-tokens", "32",

@@ -1,8 +1,8 @@
 """The Gluon Hopper prefill (``attention_kernels.prefill_hopper``): checks, then tiles against
 the portable kernel (``ATTENTION_KERNELS_GLUON=0``) and SDPA cuDNN / FLASH in the same run.
 
-    python benchmarks/tune_hopper_prefill.py                 # checks + sweep, H100/H200
-    python benchmarks/tune_hopper_prefill.py --no-sweep      # checks only
+    python tools/tuning/tune_hopper_prefill.py                 # checks + sweep, H100/H200
+    python tools/tuning/tune_hopper_prefill.py --no-sweep      # checks only
 
 Checks: the kernel against the float64 reference (odd lengths, empty sequences, causal with
 q != k lengths, GQA, fp16/bf16, D 64/128, every swept tile) with poisoned outputs, and a
@@ -26,7 +26,7 @@ import torch
 import triton
 from torch.nn.attention import SDPBackend
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import bench, cu, dense_inputs, flops, rel, sdpa
 
 from attention_kernels import prefill, prefill_ref
@@ -290,7 +290,7 @@ def main() -> int:
                    "'D:block_n,stages[,consumers[,persistent[,end]]];...'")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the tiles in turn this many times, keep the median")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default="tools/tuning/results")
     args = p.parse_args()
     if args.tiles:
         TILES.clear()

@@ -1,6 +1,6 @@
 """Prefill program order on a GPU: which (query-block slot, head) programs run side by side.
 
-    python benchmarks/tune_prefill_order.py [--out DIR] [--rounds 2]
+    python tools/tuning/tune_prefill_order.py [--out DIR] [--rounds 2]
 
 The prefill grid runs ``_prefill_slots.SLOT_RUN`` slots of one head, then the same slots of the
 next head. A run of 1 (every head of a slot, then the next slot) starts all heads of causal's
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import CHECK_TOL, DTYPE, bench, cu, flops, rel, sdpa
 
 from attention_kernels import prefill

@@ -2,8 +2,8 @@
 over a grid of ``--max-batch-tokens`` x ``--max-queue-delay-ms``, plus the no-batching
 baseline, at each client count. Prints req/s, p99 and mean batch per setting; writes JSON.
 
-    python benchmarks/tune_batching.py                        # GPU: 8/64 clients, 3 x 4 grid
-    python benchmarks/tune_batching.py --device cpu --clients 4 --tokens 64,256 --delays-ms 0,2 \
+    python tools/tuning/tune_batching.py                        # GPU: 8/64 clients, 3 x 4 grid
+    python tools/tuning/tune_batching.py --device cpu --clients 4 --tokens 64,256 --delays-ms 0,2 \
         --duration 0.5 --max-len 48 --heads 4 --kv-heads 2 --head-dim 32
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from attention_service.engine.backends import make_backend
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_batching import make_jobs, parse_args, run_side
 from bench_service import _slug
 

@@ -14,7 +14,7 @@ It prints, per case, how often all front ends (or all clients, when fewer) held 
 connection, the mean number used, and looks per client, for the tries rule in the client
 and for fixed numbers of tries (``--fixed``) to compare with.
 
-    python benchmarks/sim_spread.py --cases 8x8,16x16,8x12,4x4 --trials 20000
+    python tools/tuning/sim_spread.py --cases 8x8,16x16,8x12,4x4 --trials 20000
 """
 
 from __future__ import annotations

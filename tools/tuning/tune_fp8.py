@@ -1,13 +1,13 @@
 """FP8 (e4m3) K/V kernels on a GPU: which conversion, which tiles, TMA or not.
 
-    python benchmarks/tune_fp8.py [--out DIR] [--quick]
+    python tools/tuning/tune_fp8.py [--out DIR] [--quick]
 
 Prints and writes (``tune_fp8_<gpu>.json``):
 * the PTX of an e4m3 -> bf16 and an e4m3 -> fp16 conversion for sm_90 (conversion
   instructions per element: why the kernels' dots run in fp16, see ``_fp8_dot``);
 * decode (32 q / 8 kv heads, D 128, bf16 queries), GPU time from a CUDA graph: bf16 K/V, then
   FP8 K/V with the default config, then FP8 tile configs (the dots in bf16, the path before
-  ``_fp8_dot``, are in ``results/issue13/h200_2026-11-23/tune_fp8.log``);
+  ``_fp8_dot``, are in git history: ``benchmarks/results/issue13/h200_2026-11-23/tune_fp8.log``);
 * paged decode (the KV-cache kernel, 16-token pages): bf16 pages, FP8 pages per tile config;
 * dense prefill (16 heads, D 128, 16K tokens): bf16 K/V, FP8 K/V, descriptor
   (TMA) loads of FP8 tiles, then FP8 tile configs.
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import FP8_CHECK_TOL, bench, cu, flops, graph_us, rel
 
 from attention_kernels import (
@@ -204,13 +204,13 @@ def prefill_rows(quick: bool) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    ap.add_argument("--out", type=Path, default=Path("tools/tuning/results"))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["decode", "paged", "prefill"], action="append",
                     help="run these parts only (repeatable; default: all)")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
-    meta = {"command": "python benchmarks/tune_fp8.py " + " ".join(sys.argv[1:]), "gpu": gpu,
+    meta = {"command": "python tools/tuning/tune_fp8.py " + " ".join(sys.argv[1:]), "gpu": gpu,
             "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "torch": torch.__version__}
     print(json.dumps(meta))

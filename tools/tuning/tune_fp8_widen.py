@@ -2,7 +2,7 @@
 to the queries' dtype first (one launch, ``fp8_widen_kernel``) and run the 16-bit kernel with
 the scales applied. Picks ``prefill_kernel.FP8_WIDEN_MIN_KEYS_SEEN``.
 
-    python benchmarks/tune_fp8_widen.py [--rounds 3] [--out DIR]
+    python tools/tuning/tune_fp8_widen.py [--rounds 3] [--out DIR]
 
 Per case, in interleaved rounds: per-call time (``bench``: do_bench, L2 flushed, host included)
 and GPU time (``graph_us``: CUDA-graph replays) of the per-tile path, the widened path, and the
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import bench, cu, flops, graph_us
 
 from attention_kernels import prefill, prefill_kernel

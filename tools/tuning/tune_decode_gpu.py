@@ -1,7 +1,7 @@
 """Sweep decode launch configs on GPU time (CUDA-graph replays); SDPA cuDNN in the same run as
 the yardstick.
 
-    python benchmarks/tune_decode_gpu.py [--sweep configs|merge|large] [--out DIR]
+    python tools/tuning/tune_decode_gpu.py [--sweep configs|merge|large] [--out DIR]
 
 ``configs``: tile x split count at the small-batch shapes, where they decide the time.
 ``merge``: how the split partials are merged (``decode_kernel.MERGE_MODE``: fused into the last
@@ -43,7 +43,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import cold_set_count, for_graphs
 
 from attention_kernels import decode, paged_decode
@@ -211,7 +211,7 @@ def sweep_merge() -> list[dict]:
     # "default": the module's own settings (for CUDA graphs on Hopper, the PDL merge kernel).
     # (mode, tile, merge-kernel warps). A merge program per query head rather than per kv
     # group (tiles of 2048-8192, 1-4 warps) lost at 1 x 4K: 7.7-8.7 us against 7.6 (H100,
-    # 2026-11-24, results/issue13/h100_2026-11-24d/merge.log).
+    # 2026-11-24; git history: benchmarks/results/issue13/h100_2026-11-24d/merge.log).
     variants = [("default", 0, 0), ("fused", 8192, 4), ("fused", 16384, 4),
                 ("separate", 16384, 4), ("pdl", 8192, 4), ("pdl", 16384, 1),
                 ("pdl", 16384, 2), ("pdl", 16384, 4), ("pdl", 16384, 8)]

@@ -7,7 +7,7 @@ stream (the kernel needs SMs, the copy engines do not).
 Prints a table (GB/s of host-to-device bytes and the kernel's time over the copies') and
 writes JSON. Needs a CUDA device that reads host pointers (``can_use_host_pointers``).
 
-    python benchmarks/bench_copy_segments.py --out benchmarks/results/issue10/DATE
+    python tools/tuning/bench_copy_segments.py --out DIR
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "kernels"))
 from attention_kernels.copy_segments import (  # noqa: E402
     ROW,
@@ -111,7 +111,7 @@ def main() -> int:
     p.add_argument("--sizes", default="16K,256K,1M,4M,24M",
                    help="bytes per job (K and M suffixes)")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "tools" / "tuning" / "results")
     args = p.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
     if not can_use_host_pointers(device.index):

@@ -8,8 +8,8 @@
    against ``--frontends`` front ends, for each channel count (connections spread over front
    ends by SO_REUSEPORT).
 
-    python benchmarks/tune_transfer.py --out DIR                       # GPU host defaults
-    python benchmarks/tune_transfer.py --mib-in 4 --mib-out 1 --iters 2 --tokens 256 \\
+    python tools/tuning/tune_transfer.py --out DIR                       # GPU host defaults
+    python tools/tuning/tune_transfer.py --mib-in 4 --mib-out 1 --iters 2 --tokens 256 \\
         --heads 4 --head-dim 32 --device cpu --frontends 2 --concurrency 4 --seconds 1 \\
         --channels 1,2                                                 # a quick cpu check
 """
@@ -34,7 +34,7 @@ grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loa
 
 import grpc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_roundtrip import (
     _start,
     _stop,
@@ -44,7 +44,7 @@ from bench_roundtrip import (
 )
 from bench_service import _free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MiB = 1 << 20
 OPTION_SETS: dict[str, list[tuple[str, Any]]] = {
     "default": [],
@@ -132,7 +132,7 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--agg-tokens", type=int, default=2048)
     p.add_argument("--seconds", type=float, default=6.0)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=ROOT / "tools" / "tuning" / "results")
     p.add_argument("--serve", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve is not None:

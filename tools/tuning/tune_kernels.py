@@ -1,6 +1,6 @@
 """Sweep launch configs on a GPU; the winners go into attention_kernels/configs.py by hand.
 
-    python benchmarks/tune_kernels.py [--out benchmarks/results]
+    python tools/tuning/tune_kernels.py [--out DIR]
         [--only prefill|decode|prefill-ws|prefill-short|prefill-varlen]
 
 Prefill: dense bf16 packed batches (batch*N = 16K tokens, N = 8K, 2048 / D heads), causal and
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from bench_kernels import VARLEN_BATCHES, cu, graph_us, rel  # rel: NaN is inf
 
 from attention_kernels import decode, prefill
@@ -229,7 +229,7 @@ def tune_decode(results: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--out", default="tools/tuning/results")
     parser.add_argument("--only", choices=["prefill", "decode", "prefill-ws", "prefill-short",
                                            "prefill-varlen"])
     parser.add_argument("--lengths", default=None, help="prefill-short: comma list of N")
