@@ -16,9 +16,13 @@ from typing import Protocol
 
 import torch
 
-from attention_kernels.fp8 import dequantize_kv, quantize_kv
+from attention_kernels.fp8 import dequantize_kv
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.cpu_attention import attend
+
+# Re-exported: tests and benchmarks take the dtype maps from here (they live in dtypes.py).
+from attention_service.engine.dtypes import TORCH_DTYPES as TORCH_DTYPES
+from attention_service.engine.dtypes import WIRE_DTYPES as WIRE_DTYPES
 from attention_service.engine.jobs import (
     CancelFlag,
     Cancelled,
@@ -26,15 +30,11 @@ from attention_service.engine.jobs import (
     LaunchTimes,
     PendingLaunch,
 )
+from attention_service.engine.no_keys import fill_no_keys, no_keys
+from attention_service.engine.paged_store import block_table, store_new_tokens
+from attention_service.engine.warmup import tiny_plans
 from attention_service.errors import StartupError
 from attention_service.params import Op
-from attention_wire.pb import attention_pb2 as pb
-
-TORCH_DTYPES: dict[int, torch.dtype] = {
-    pb.FLOAT16: torch.float16, pb.BFLOAT16: torch.bfloat16, pb.FLOAT32: torch.float32,
-    pb.FLOAT8_E4M3: torch.float8_e4m3fn,
-}
-WIRE_DTYPES: dict[torch.dtype, int] = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 class Backend(Protocol):
@@ -52,51 +52,6 @@ class Backend(Protocol):
     def memory(self) -> tuple[int, int]: ...  # (allocated, reserved) device bytes
 
 
-def no_keys(plan: BatchPlan) -> bool:
-    """No query of the batch sees a key (cached ops: nothing cached and nothing new)."""
-    if plan.op.cached:
-        return plan.max_seqlen_k == 0
-    return plan.total_k == 0
-
-
-def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A cached batch's block table as int32 ``[batch, max pages]`` (short rows padded with
-    page 0, which the kernels never read past a sequence's length), written into ``out``."""
-    rows = plan.block_table
-    table = out if out is not None else torch.zeros((len(rows), plan.table_width),
-                                                    dtype=torch.int32)
-    view = table.numpy()
-    for i, r in enumerate(rows):
-        view[i, : len(r)] = r
-    return table
-
-
-def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
-                     slots: tuple[torch.Tensor, torch.Tensor]) -> None:
-    """Write a cached batch's new k/v rows (packed) into their reserved pool slots. New
-    tokens sent in the queries' dtype for an FP8 cache are quantized with its scales here."""
-    if not plan.slot_pages:
-        return
-    work = plan.jobs[0].cache  # one layout per batch: every job's views are the same
-    assert work is not None
-    if k.dtype != work.k_pages.dtype:
-        k_scale, v_scale = plan.new_token_scales(k.device)
-        k = quantize_kv(k, k_scale)[0]  # type: ignore[arg-type]
-        v = quantize_kv(v, v_scale)[0]  # type: ignore[arg-type]
-    scatter_rows(work.k_pages, slots, k)
-    scatter_rows(work.v_pages, slots, v)
-
-
-def scatter_rows(pages: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
-                 rows: torch.Tensor) -> None:
-    """``pages[slots] = rows``. One-byte (FP8) rows go as their bits through uint8 views: the
-    same bytes, and an index_put_ that every device supports for uint8 (not every one has a
-    float8 kernel for it)."""
-    if pages.element_size() == 1:
-        pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
-    pages.index_put_(slots, rows)
-
-
 def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, cu_k: list[int]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 launch's keys and values (packed by ``cu_k``) as float32, each sequence with
@@ -107,14 +62,6 @@ def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, cu_k: list[in
     cu = torch.tensor(cu_k)
     return (dequantize_kv(k, scales["k_scale"], torch.float32, cu),  # type: ignore[arg-type]
             dequantize_kv(v, scales["v_scale"], torch.float32, cu))  # type: ignore[arg-type]
-
-
-def fill_no_keys(plan: BatchPlan) -> None:
-    """No query sees a key: outputs are zeros and lse -inf, no kernel."""
-    for job in plan.jobs:
-        job.out.zero_()
-        if job.lse is not None:
-            job.lse.fill_(float("-inf"))
 
 
 def _packed(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -140,8 +87,6 @@ class CpuBackend:
         return (0, 0)
 
     def warmup(self) -> None:
-        from attention_service.engine.warmup import tiny_plans
-
         for plan in tiny_plans(self, self.warmup_dtypes):
             self.launch(plan, plan.jobs[0].cancel).wait()
 
@@ -215,9 +160,13 @@ class CudaBackend:
 
     def __init__(self, cuda_graphs: bool = True) -> None:
         import attention_kernels  # the Triton modules load lazily, only on this backend
+        from attention_service.engine import cuda_launch  # imports Triton: this backend only
         from attention_service.engine.decode_steps import DecodeSteps
 
         self._kernels = attention_kernels
+        # The module, not its function: looked up per launch, so a wrapper put on the
+        # module's attribute (benchmarks' step trace) sees every call.
+        self._cuda_launch = cuda_launch
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.device_name = torch.cuda.get_device_name(self.device)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(self.max_inflight)]
@@ -233,7 +182,6 @@ class CudaBackend:
 
     def warmup(self) -> None:
         from attention_kernels import copy_segments
-        from attention_service.engine.warmup import tiny_plans
 
         self._kernels.warmup(device=str(self.device), workers=warmup_workers())
         copy_segments.warm(self.device)  # the batches' one-launch packing (cuda_launch)
@@ -245,15 +193,14 @@ class CudaBackend:
         by one thread at a time (the executor's dispatcher, or a request's thread when the
         device is idle, under the executor's launch lock); round-robin streams let
         consecutive batches overlap, and a reused stream simply orders its batches."""
-        from attention_service.engine.cuda_launch import launch_on_stream
-
         if cancel.is_set():
             raise Cancelled()
         index = self._next_stream
         self._next_stream = (index + 1) % len(self.streams)
         if self.steps.eligible(plan):
             return self.steps.launch(plan, index)
-        return launch_on_stream(self._kernels, plan, self.device, self.streams[index])
+        return self._cuda_launch.launch_on_stream(self._kernels, plan, self.device,
+                                                  self.streams[index])
 
 
 def resolve_device(device: str) -> str:

@@ -20,13 +20,15 @@ import grpc
 import torch
 
 from attention_service.config import ServerConfig
-from attention_service.engine.backends import TORCH_DTYPES, Backend
+from attention_service.engine.backends import Backend
+from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.executor import Executor, LaunchObserver
 from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job, LazyTensor
 from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import KvPool
 from attention_service.engine.regions import RegionRegistry
+from attention_service.engine.warmup import warm_caches
 from attention_service.errors import Cancelled, RequestError, StartupError, invalid
 from attention_service.link import EngineInfo
 from attention_service.params import Op, Params, RegionSpan
@@ -103,8 +105,6 @@ class EngineCore:
         return self.executor.queue_depth(op)
 
     def warmup(self) -> None:
-        from attention_service.engine.warmup import warm_caches
-
         self.backend.warmup()
         # Test doubles of a backend may not say what to compile: they skip this part.
         warm_caches(self.backend, self.caches, getattr(self.backend, "warmup_dtypes", ()))

@@ -41,14 +41,8 @@ from attention_kernels.copy_segments import (
     copy_segments,
     unit_of,
 )
-from attention_service.engine.backends import (
-    TORCH_DTYPES,
-    block_table,
-    fill_no_keys,
-    no_keys,
-    store_new_tokens,
-)
 from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import (
     ByteBase,
     DoneLaunch,
@@ -56,6 +50,8 @@ from attention_service.engine.jobs import (
     LazyTensor,
     PendingLaunch,
 )
+from attention_service.engine.no_keys import fill_no_keys, no_keys
+from attention_service.engine.paged_store import block_table, store_new_tokens
 from attention_service.params import Op
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor

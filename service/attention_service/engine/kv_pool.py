@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from attention_service.engine.backends import TORCH_DTYPES
+from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.errors import exhausted
 from attention_service.params import ELEMENT_BYTES
 

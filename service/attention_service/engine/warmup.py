@@ -5,13 +5,13 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable, Iterator
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 import torch
 
-from attention_service.engine.backends import WIRE_DTYPES, Backend
 from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.jobs import Job
+from attention_service.engine.dtypes import WIRE_DTYPES
+from attention_service.engine.jobs import CancelFlag, Job, PendingLaunch
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX
 from attention_service.errors import RequestError
@@ -21,6 +21,14 @@ from attention_wire.pb import attention_pb2 as pb
 log = logging.getLogger("attention_service")
 # No token can be this: caches of its own namespace, outside the per-caller quota.
 _WARMUP_OWNER = SERVER_OWNER_PREFIX + "warmup"
+
+
+class WarmupBackend(Protocol):
+    """What the warm-up uses of a backend (``backends.Backend`` has it): declared here, since
+    the backends import this module for their own warm-up."""
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor: ...
+    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
 
 
 def exit_during_warmup(rc: int) -> NoReturn:
@@ -34,7 +42,7 @@ def exit_during_warmup(rc: int) -> NoReturn:
 
 
 def tiny_job(
-    backend: Backend, op: Op, dtype: torch.dtype, seed: int = 0,
+    backend: WarmupBackend, op: Op, dtype: torch.dtype, seed: int = 0,
     cache_ids: tuple[str, ...] = (), fp8: bool = False,
 ) -> Job:
     """Two short sequences, two heads over one kv head, head_dim 64, with lse (a cached op:
@@ -70,7 +78,7 @@ def tiny_job(
     return Job(params, q, k, v, out, lse)
 
 
-def tiny_plans(backend: Backend, dtypes: Iterable[torch.dtype]) -> Iterator[BatchPlan]:
+def tiny_plans(backend: WarmupBackend, dtypes: Iterable[torch.dtype]) -> Iterator[BatchPlan]:
     """Per dtype (and FP8 k/v beside bf16/fp16) and stateless op: one job alone, then two
     merged (the batched path)."""
     for dtype, fp8 in _variants(dtypes):
@@ -87,7 +95,8 @@ def _variants(dtypes: Iterable[torch.dtype]) -> list[tuple[torch.dtype, bool]]:
         (d, True) for d in dtypes if kv_dtype_allowed(WIRE_DTYPES[d], pb.FLOAT8_E4M3)]
 
 
-def warm_caches(backend: Backend, caches: CacheRegistry, dtypes: Iterable[torch.dtype]) -> None:
+def warm_caches(backend: WarmupBackend, caches: CacheRegistry,
+                dtypes: Iterable[torch.dtype]) -> None:
     """Compile and run the paged paths (store, paged prefill, paged decode; alone and merged)
     on two caches of a private owner, released afterwards. Only AppendKV keeps its tokens, so
     a pool of 2 pages is enough; a smaller one skips this (and says so)."""

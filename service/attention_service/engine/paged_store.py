@@ -1,0 +1,47 @@
+"""Writing a cached batch's new tokens into the paged pool and building its block table: the
+steps both launch paths (cpu and cuda, and the cuda decode steps) share."""
+
+from __future__ import annotations
+
+import torch
+
+from attention_kernels.fp8 import quantize_kv
+from attention_service.engine.batch_plan import BatchPlan
+
+
+def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A cached batch's block table as int32 ``[batch, max pages]`` (short rows padded with
+    page 0, which the kernels never read past a sequence's length), written into ``out``."""
+    rows = plan.block_table
+    table = out if out is not None else torch.zeros((len(rows), plan.table_width),
+                                                    dtype=torch.int32)
+    view = table.numpy()
+    for i, r in enumerate(rows):
+        view[i, : len(r)] = r
+    return table
+
+
+def store_new_tokens(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor,
+                     slots: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Write a cached batch's new k/v rows (packed) into their reserved pool slots. New
+    tokens sent in the queries' dtype for an FP8 cache are quantized with its scales here."""
+    if not plan.slot_pages:
+        return
+    work = plan.jobs[0].cache  # one layout per batch: every job's views are the same
+    assert work is not None
+    if k.dtype != work.k_pages.dtype:
+        k_scale, v_scale = plan.new_token_scales(k.device)
+        k = quantize_kv(k, k_scale)[0]  # type: ignore[arg-type]
+        v = quantize_kv(v, v_scale)[0]  # type: ignore[arg-type]
+    scatter_rows(work.k_pages, slots, k)
+    scatter_rows(work.v_pages, slots, v)
+
+
+def scatter_rows(pages: torch.Tensor, slots: tuple[torch.Tensor, torch.Tensor],
+                 rows: torch.Tensor) -> None:
+    """``pages[slots] = rows``. One-byte (FP8) rows go as their bits through uint8 views: the
+    same bytes, and an index_put_ that every device supports for uint8 (not every one has a
+    float8 kernel for it)."""
+    if pages.element_size() == 1:
+        pages, rows = pages.view(torch.uint8), rows.view(torch.uint8)
+    pages.index_put_(slots, rows)
