@@ -16,13 +16,15 @@ import asyncio
 import contextlib
 import operator
 import threading
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import grpc
 
 from attention_client import _argnames as argnames
 from attention_client._channel import DEFAULT, CallSettings
 from attention_client._errors import AttentionError, AttentionInputError
+from attention_client._regions import Placement
 from attention_client._requests import (
     CacheTarget,
     KvLayout,
@@ -38,17 +40,57 @@ from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb
 
-if TYPE_CHECKING:
-    from attention_client.aio import AsyncAttentionClient
-    from attention_client.client import AttentionClient
-
 # A create whose answer never came may have happened on the server.
 _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
                               grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
+# What a handle uses of its client, as Protocols: the clients import this module to make
+# handles, so it names neither of them (``AttentionClient`` and ``AsyncAttentionClient`` have
+# these through ``ClientBase``, and their own rpcs).
+class CacheClient(Protocol):
+    """Either client: call settings, region placement, the layouts of known caches."""
+
+    _cache_layouts: dict[str, KvLayout]
+
+    def _settings(
+        self, timeout: Any = ..., metadata: Any = ..., wait_for_ready: bool | None = ...,
+        names: Mapping[str, str] | None = ...,
+    ) -> CallSettings: ...
+
+    def _placement(self, use_regions: bool | None) -> Placement | None: ...
+
+
+class SyncCacheClient(CacheClient, Protocol):
+    """``AttentionClient``'s rpcs that a ``KvCache`` calls."""
+
+    def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...
+                   ) -> Any: ...
+
+    def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
+                     pool_only: bool = ...) -> pb.ListCachesResponse: ...
+
+    def _run(self, prep: PreparedRequest, settings: CallSettings | None = ...,
+             lane: int | None = ...) -> Any: ...
+
+
+class AsyncCacheClient(CacheClient, Protocol):
+    """``AsyncAttentionClient``'s rpcs that an ``AsyncKvCache`` awaits."""
+
+    async def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...
+                         ) -> Any: ...
+
+    async def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
+                           pool_only: bool = ...) -> pb.ListCachesResponse: ...
+
+    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = ...,
+                   lane: int | None = ...) -> Any: ...
+
+
 class _KvCacheBase:
     """What both handles share: the layout, the ids created, request preparation."""
+
+    client: CacheClient
 
     def __init__(self, layout: KvLayout) -> None:
         self.layout = layout
@@ -242,7 +284,9 @@ class KvCache(_KvCacheBase):
     calls do; a call that creates caches first spends one ``timeout`` on both rpcs.
     """
 
-    def __init__(self, client: AttentionClient, layout: KvLayout) -> None:
+    client: SyncCacheClient
+
+    def __init__(self, client: SyncCacheClient, layout: KvLayout) -> None:
         super().__init__(layout)
         self.client = client
         self._lock = threading.Lock()  # one CreateCaches at a time per handle
@@ -423,7 +467,9 @@ class KvCache(_KvCacheBase):
 class AsyncKvCache(_KvCacheBase):
     """KvCache for AsyncAttentionClient: the same methods as coroutines; ``async with``."""
 
-    def __init__(self, client: AsyncAttentionClient, layout: KvLayout) -> None:
+    client: AsyncCacheClient
+
+    def __init__(self, client: AsyncCacheClient, layout: KvLayout) -> None:
         super().__init__(layout)
         self.client = client
         self._lock = asyncio.Lock()  # one CreateCaches at a time per handle
