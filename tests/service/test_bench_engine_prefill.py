@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_engine_prefill_runs_each_round_and_side_and_writes_rows(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
     cmd = [
-        sys.executable, str(ROOT / "benchmarks" / "bench_engine_prefill.py"),
+        sys.executable, str(ROOT / "tools" / "engine" / "bench_engine_prefill.py"),
         "--rounds", "2", "--batching", "on,off", "--frontends", "2",
         "--clients-per-front", "4", "--seconds", "0.6", "--warmup", "0.2", "--max-len", "64",
         "--out", str(out),
@@ -40,8 +40,8 @@ def test_bench_engine_prefill_runs_each_round_and_side_and_writes_rows(tmp_path:
 
 
 def test_engine_request_path_prints_each_stage() -> None:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "engine_request_path.py"), "--batch", "4",
-           "--rounds", "20", "--repeats", "1"]
+    cmd = [sys.executable, str(ROOT / "tools" / "engine" / "engine_request_path.py"),
+           "--batch", "4", "--rounds", "20", "--repeats", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     stages = {}

@@ -1,4 +1,4 @@
-"""benchmarks/bench_engine_steps.py end to end with tiny settings: the real engine side of a
+"""tools/engine/bench_engine_steps.py end to end with tiny settings: the real engine side of a
 front end under a load process, no gRPC, no device."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_bench_engine_steps_drives_the_engine_and_batches(tmp_path: Path) -> None:
     out = tmp_path / "rows.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_engine_steps.py"),
+    cmd = [sys.executable, str(ROOT / "tools" / "engine" / "bench_engine_steps.py"),
            "--clients", "1,8", "--seconds", "0.5", "--warmup", "0.2", "--heads", "4",
            "--kv-heads", "2", "--head-dim", "16", "--context", "100", "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)

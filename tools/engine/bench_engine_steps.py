@@ -12,7 +12,7 @@ same ``Staging.fill``), copies the outputs back out per job, and returns at once
 Reports steps/s, the engine process's CPU seconds per step and the mean batch, per client
 count. Diagnostic (runs anywhere, CPU only); the service-level numbers are bench_sessions.py.
 
-    python benchmarks/bench_engine_steps.py --clients 1,64 --seconds 3
+    python tools/engine/bench_engine_steps.py --clients 1,64 --seconds 3
 """
 
 from __future__ import annotations
@@ -45,8 +45,7 @@ from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_backend import HostOnlyBackend
-from profile_group import _cpu
+from host_backend import HostOnlyBackend, cpu_seconds
 
 OWNER = ""
 # Far above the engine's rate on any host so far (7.5-8.4K steps/s on the dev box).
@@ -175,11 +174,11 @@ class _Load:
                     else:
                         owner_of.pop(call_id)
                 if cpu0 is None and now >= t_measure:
-                    cpu0 = _cpu(os.getppid())
+                    cpu0 = cpu_seconds(os.getppid())
                     measured = batch_sum = 0
                 if now >= t_end:
                     if cpu is None:  # the window's end, not the drain after it
-                        cpu = _cpu(os.getppid()) - cpu0
+                        cpu = cpu_seconds(os.getppid()) - cpu0
                     if not owner_of:
                         break
         release = pb.ReleaseCachesRequest(cache_ids=ids)

@@ -1,10 +1,22 @@
-"""The engine-side benchmarks' stand-in for a backend (bench_engine_steps.py,
+"""The engine-side models' stand-in for a backend (bench_engine_steps.py,
 bench_engine_prefill.py, engine_request_path.py): what the engine asks of one besides
 ``launch``, with no device behind it."""
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 class HostOnlyBackend:

@@ -3,14 +3,14 @@ batch's launch issue time goes when the engine's other threads compete for the G
 
 Under 64 clients of small causal prefills a batch of ~16 took 3.5-3.9 ms to issue in the
 service (``attention_launch_issue_seconds``) against 0.31 ms in a quiet process
-(``probe_issue.py``, H200, 2026-11-28). This drives the real engine side of ``--frontends``
-front ends -- a ``FrontendConnection`` over a ``Channel`` on a socketpair each, one
-``EngineCore`` with its executor and batching, wired as the process group wires them -- from
-one load process that speaks the channel protocol as front ends do (DefineParams once, then
-Submit frames of arena spans, one outstanding call per client, lengths log-uniform in
-[--min-len, --max-len]). Only the device is modelled: a launch spends ``--issue-us`` of
-Python split by ``--issue-calls`` calls that let the GIL go (``torch.empty``, as the
-dispatcher's torch and Triton calls do), then "runs" for ``--kernel-us`` plus
+(``benchmarks/probe_issue.py``, in git history; H200, 2026-11-28). This drives the real engine
+side of ``--frontends`` front ends -- a ``FrontendConnection`` over a ``Channel`` on a
+socketpair each, one ``EngineCore`` with its executor and batching, wired as the process group
+wires them -- from one load process that speaks the channel protocol as front ends do
+(DefineParams once, then Submit frames of arena spans, one outstanding call per client, lengths
+log-uniform in [--min-len, --max-len]). Only the device is modelled: a launch spends
+``--issue-us`` of Python split by ``--issue-calls`` calls that let the GIL go (``torch.empty``,
+as the dispatcher's torch and Triton calls do), then "runs" for ``--kernel-us`` plus
 ``--kernel-us-per-job`` per job, waited for as an event synchronize is (GIL let go).
 
 Reports requests/s, the mean batch, the mean launch issue time and the engine's CPU per
@@ -18,8 +18,8 @@ request, batching on and off, ``--rounds`` times interleaved. Diagnostic:
 the service-level numbers are bench_service.py's; this says which way a change to the
 engine's threads moves the issue time, on any host.
 
-    python benchmarks/bench_engine_prefill.py --rounds 3 --seconds 4
-    taskset -c 0 python benchmarks/bench_engine_prefill.py --load-cpus 1  # engine on CPU 0
+    python tools/engine/bench_engine_prefill.py --rounds 3 --seconds 4
+    taskset -c 0 python tools/engine/bench_engine_prefill.py --load-cpus 1  # engine on CPU 0
 """
 
 from __future__ import annotations
@@ -52,8 +52,7 @@ from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_backend import HostOnlyBackend  # noqa: E402
-from profile_group import _cpu  # noqa: E402
+from host_backend import HostOnlyBackend, cpu_seconds  # noqa: E402
 
 OWNER = ""
 ELEM = 2  # bf16
@@ -238,9 +237,9 @@ def _run(args: argparse.Namespace, round_: int, batching: bool) -> dict[str, Any
     q.put("go")
     kind, _ = q.get(timeout=60 + args.warmup)
     assert kind == "measuring"
-    cpu0, n_issue = _cpu(os.getpid()), len(observer.issue)
+    cpu0, n_issue = cpu_seconds(os.getpid()), len(observer.issue)
     kind, counts = q.get(timeout=60 + args.seconds)
-    cpu = _cpu(os.getpid()) - cpu0
+    cpu = cpu_seconds(os.getpid()) - cpu0
     issue = np.array(observer.issue[n_issue:])
     proc.join(60)
     for ch in channels:

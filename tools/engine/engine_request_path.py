@@ -5,7 +5,7 @@ costs the engine process's GIL on its way in (a channel read of Submit frames th
 corked Done frames). No device, no other thread competing: the floor a change to the request
 path moves.
 
-    python benchmarks/engine_request_path.py [--batch 16] [--rounds 400] [--repeats 5]
+    python tools/engine/engine_request_path.py [--batch 16] [--rounds 400] [--repeats 5]
 
 Prints microseconds per request for each stage: the best and the median over ``--repeats``
 runs, each the median of ``--rounds`` batches.
