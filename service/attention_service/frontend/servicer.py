@@ -113,6 +113,16 @@ def call_log_level(code: str, access_log: bool = True) -> int:
     return logging.ERROR if code == "INTERNAL" else logging.WARNING
 
 
+# Envoy (deploy/envoy/envoy.yaml) adds this to every request it forwards: a region is memory
+# of the caller's host and GPU, registered with one replica, so a call that names one must
+# not be balanced onto another (receive_request refuses it).
+PROXIED_HEADER = "x-attention-proxied"
+
+
+def _proxied(context: grpc.aio.ServicerContext) -> bool:
+    return any(key == PROXIED_HEADER for key, _ in context.invocation_metadata() or ())
+
+
 def _gone_code(context: grpc.aio.ServicerContext) -> str:
     """How a call the client ended counts: its deadline (due now or within the slack) or a
     cancel."""
@@ -224,7 +234,8 @@ class AttentionServicer:
             call.caller = self._principals.of(context)
             received = await receive_request(
                 op, requests, self._limits, self._link, self._uploads,
-                upload_caller(call.caller, call.peer), self._pace, unary=unary)
+                upload_caller(call.caller, call.peer), self._pace, unary=unary,
+                proxied=_proxied(context))
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in

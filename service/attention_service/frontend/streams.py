@@ -149,7 +149,7 @@ class Received:
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
     budget: UploadBudget, caller: str = "", pace: UploadPace = UploadPace(0, 0),
-    unary: bool = False,
+    unary: bool = False, proxied: bool = False,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
@@ -158,7 +158,8 @@ async def receive_request(
     arrive (``Upload``), the outputs with the last message. A stream slower than ``pace``
     ends. On any failure buffers and charge are given back before this raises. ``unary``:
     the request is its one message, and the outputs must fit the one response message
-    (MAX_UNARY_OUTPUT_BYTES)."""
+    (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the call came through a proxy, so its tensors may
+    not name regions (registered with one replica directly)."""
     it = requests.__aiter__()
     try:
         raw = await it.__anext__()
@@ -169,6 +170,12 @@ async def receive_request(
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
     params, regions = checked_header(op, first.header, first.header_bytes, limits)
+    if regions and proxied:
+        raise RequestError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "header.regions: this call came through a proxy (x-attention-proxied), and "
+            "regions are registered with one replica directly: send calls that use them to "
+            "that replica's own address")
     sizes = {
         n: params.nbytes(n) for n in (*INPUTS, *OUTPUTS)
         if n not in regions and (n != "lse" or params.return_lse)
