@@ -1,10 +1,12 @@
 # The two commands a newcomer needs (README.md):
 #   make serve   run the service (cuda if present, else the cpu reference backend)
 #   make test    run the whole test suite (kernels under the Triton interpreter when no GPU)
+# and the quick check, a subset for a change in progress (under 90 s on a 2-core box):
+#   make test-quick
 PYTHON ?= python3
 export PYTHONUNBUFFERED := 1
 
-.PHONY: test serve lint proto bench
+.PHONY: test test-quick serve lint proto bench
 
 # No GPU: run the Triton kernels on the CPU through the interpreter.
 test:
@@ -12,6 +14,28 @@ test:
 		$(PYTHON) -m pytest -q; \
 	else \
 		TRITON_INTERPRET=1 $(PYTHON) -m pytest -q; \
+	fi
+
+# A subset that still crosses every layer: the import layering, client units (requests,
+# responses, wire codec, chunks, a fake server), service units (config, batching executor,
+# validation), round trips through a real cpu server (service and client side), one small
+# kernel test each for decode and prefill (under the interpreter without a GPU), and the
+# README and deployment-file checks. `make test` (what .ci/run runs) stays the whole suite.
+QUICK_TESTS := \
+	tests/test_import_graph.py \
+	tests/client/test_client_requests.py tests/client/test_client_responses.py \
+	tests/client/test_client_wire.py tests/client/test_client_chunks.py \
+	tests/client/test_client_fake.py tests/client/test_client_e2e.py \
+	tests/service/test_service_config.py tests/service/test_batch_units.py \
+	tests/service/test_service_validation.py tests/service/test_service_roundtrip.py \
+	tests/kernels/test_decode.py::test_gqa tests/kernels/test_prefill.py::test_gqa \
+	tests/deploy/test_readme.py tests/deploy/test_compose.py tests/deploy/test_dockerfile.py
+
+test-quick:
+	@if $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
+		$(PYTHON) -m pytest -q $(QUICK_TESTS); \
+	else \
+		TRITON_INTERPRET=1 $(PYTHON) -m pytest -q $(QUICK_TESTS); \
 	fi
 
 serve:
