@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -87,6 +88,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         pass
                 except OSError as exc:
                     raise StartupError(f"{flag}: {exc}") from None
+        # One GPU per replica: before CUDA starts here, and inherited by the engine process.
+        try:
+            visible = config.visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"))
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
+        if visible is not None:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+            log.info("driving GPU %s (--gpu %s)", visible, config.gpu)
         if config.device == "cuda":  # before anything starts
             from attention_service.engine.backends import resolve_device
 

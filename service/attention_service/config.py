@@ -109,6 +109,9 @@ class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     device: str = "auto"  # auto | cuda | cpu
+    # The GPU this replica drives (one replica per GPU behind Envoy): an index into the GPUs
+    # CUDA_VISIBLE_DEVICES shows (all when unset), or a GPU UUID; "" = the first visible.
+    gpu: str = ""
     metrics_port: int = 8000  # 0 = ephemeral, -1 = off
     # /metrics has no auth: loopback unless asked (the container image binds all interfaces,
     # where Prometheus scrapes it over the compose network).
@@ -286,6 +289,9 @@ class ServerConfig:
             raise ValueError("spin_us must be in [0, 1000000] (0 = never) or -1 (auto)")
         if self.kv_cache_ttl < 0 or self.max_caches < 1:
             raise ValueError("kv_cache_ttl must be >= 0 and max_caches >= 1")
+        if self.gpu and not (self.gpu.isdigit() or self.gpu.startswith(("GPU-", "MIG-"))):
+            raise ValueError(f"gpu must be an index (0, 1, ...) or a GPU UUID (GPU-...), got "
+                             f"{self.gpu!r}")
         check_setting("engine_cpus", self.engine_cpus, ("auto", "none"))
         check_setting("frontend_cpus", self.frontend_cpus, ("",))
         if self.auth_token is not None and not all(self.tokens):
@@ -315,6 +321,20 @@ class ServerConfig:
             return self.regions == "on"
         return bool(self.auth_token) or is_loopback(self.host)
 
+    def visible_devices(self, visible: str | None) -> str | None:
+        """CUDA_VISIBLE_DEVICES for this replica, given the current value (None: unset):
+        ``gpu`` picked out of it, or None to leave it as it is."""
+        if not self.gpu:
+            return None
+        if visible is None or not self.gpu.isdigit():
+            return self.gpu
+        shown = [d.strip() for d in visible.split(",") if d.strip()]
+        index = int(self.gpu)
+        if index >= len(shown):
+            raise ValueError(f"--gpu {index}: CUDA_VISIBLE_DEVICES={visible!r} shows "
+                             f"{len(shown)} GPU(s)")
+        return shown[index]
+
     def replace(self, **changes: object) -> ServerConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
@@ -338,6 +358,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "host": ("--host", "ATTENTION_HOST", str),
     "port": ("--port", "ATTENTION_PORT", int),
     "device": ("--device", "ATTENTION_DEVICE", _word),
+    "gpu": ("--gpu", "ATTENTION_GPU", str),
     "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
     "metrics_host": ("--metrics-host", "ATTENTION_METRICS_HOST", str),
     "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
@@ -387,6 +408,8 @@ _HELP: dict[str, str] = {
     "host": "address to bind (0.0.0.0: every interface; 127.0.0.1: this host only)",
     "port": "the gRPC port to listen on (0: any free port, which the startup line prints)",
     "device": "auto (cuda when a GPU is visible, else cpu), cuda or cpu",
+    "gpu": "the GPU to drive: an index among the visible GPUs, or a GPU UUID (empty: the "
+           "first visible; one replica per GPU: docs/deploy.md)",
     "metrics_port": "Prometheus /metrics port (0: a free port; -1: no metrics endpoint)",
     "metrics_host": "address the metrics endpoint binds",
     "max_request_bytes": "largest request a call may upload, its tensors' bytes together",

@@ -227,3 +227,16 @@ def test_the_startup_line_says_who_can_reach_the_server(tmp_path) -> None:  # ty
     line = authed.describe_access(7)
     assert "bearer auth (2 tokens)" in line and "regions off" in line
     assert "access log on" in line and "a,b" not in line
+
+
+def test_gpu_picks_one_of_the_visible_gpus() -> None:
+    # One replica per GPU (issue 64): an index into CUDA_VISIBLE_DEVICES, or a UUID as is.
+    cfg = load_config(["--gpu", "1"], {})
+    assert cfg.visible_devices(None) == "1"
+    assert cfg.visible_devices("3, 5") == "5"
+    with pytest.raises(ValueError, match=r"--gpu 1: CUDA_VISIBLE_DEVICES='4' shows 1 GPU"):
+        cfg.visible_devices("4")
+    assert load_config([], {"ATTENTION_GPU": "GPU-0f1e"}).visible_devices("0,1") == "GPU-0f1e"
+    assert load_config([], {}).visible_devices("2") is None  # unset: left as it is
+    with pytest.raises(ValueError, match="--gpu"):
+        load_config(["--gpu", "first"], {})
