@@ -26,29 +26,16 @@
 #   roundtrip-baseline  the roundtrip stage's aggregate with 8 front ends against the server of
 #              BASELINE_COMMIT (default 8091d8f, the last commit before the process group: issue
 #              10's "today's single process"), measured before and after this tree's servers
-#   profile-aggregate  benchmarks/profile_aggregate.py: one server process's CPU per GB and
-#              py-spy profile under 8 large-payload clients, BASELINE_COMMIT's server (before and
-#              after) against this tree's --frontends 1
 #   transfer   tools/tuning/tune_transfer.py (message size, HTTP/2 settings, channels per client)
 #   service    benchmarks/bench_service.py (dynamic batching on vs off, 1..64 clients; gRPC bytes,
 #              the default front-end count)
 #   service-shm  the same with the load's tensors in registered shared memory (--path shm)
-#   batching-placed  benchmarks/ab_batching_placed.sh: batching on vs off at 64 clients with the
-#              server in CPUs 0-10 and the load on 11-15, AB_ROUNDS (2) interleaved rounds; with
-#              AB_VAR / AB_VALUES (e.g. ATTENTION_PACK_KERNEL "1 0") batching on
-#              runs once per value
-#   profile    benchmarks/profile_group.py, batching on then off: per-process CPU and py-spy
-#              profiles (carry the py-spy wheel in .whl) of a process group under shm load
-#   profile-sessions  the same for KV-cache decode steps (bench_sessions.py load, 1 and 64
-#              clients, the default front-end count)
 #   trace-step benchmarks/trace_step.py: one client's decode step, a timestamp at every hand-off
 #              in every server process (steps on one stream, then unary calls, at the default
 #              front-end count; then steps on one stream with --frontends 1)
-#   trace-call benchmarks/trace_call.py: one client's region call (CUDA IPC with and without
-#              out=, system shm with out=), client and server hand-offs; then CUDA IPC, 1 process
 #   batching   benchmarks/bench_batching.py (the batching executor alone, no gRPC, 1..128)
-#   sigterm-warmup  benchmarks/sigterm_during_warmup.sh (SIGTERM 5 s into a cold warm-up, the
-#              process group and the single process: exit code and seconds to exit)
+#   sigterm-warmup  SIGTERM 5 s into a cold warm-up (a pod stopped while it starts), the
+#              process group and the single process: exit code and seconds to exit
 #   sessions   benchmarks/bench_sessions.py (decode through server-side KV caches vs re-sending
 #              the cache; batching on/off; 1, 8, 64 clients), after a short throwaway run
 #   sessions-fp8  the same with FP8 (e4m3) keys and values: FP8 caches and FP8 resends
@@ -127,6 +114,24 @@ locust_run() {
   [ "$rc" = 0 ] && [ "$src" = 0 ]
 }
 
+sigterm_warmup() {  # both server kinds stopped 5 s into a warm-up from an empty Triton cache
+  local cache fe log pid warm t0 rc
+  cache=$(mktemp -d)
+  for fe in 0 1; do
+    log=$OUT/sigterm_warmup_frontends$fe.log
+    TRITON_CACHE_DIR=$cache python3 -m attention_service --host 127.0.0.1 --port 0 \
+      --device cuda --metrics-port -1 --grace-seconds 1 --frontends $fe > "$log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 240); do grep -q "kv cache pool" "$log" && break; sleep 0.5; done
+    sleep 5
+    warm=$(grep -c "warm-up on" "$log")
+    t0=$(date +%s.%N); kill -TERM $pid; wait $pid; rc=$?
+    echo "frontends=$fe rc=$rc warm_before_signal=$warm seconds_to_exit=$(python3 -c \
+      "print(round($(date +%s.%N) - $t0, 2))")" | tee -a "$OUT/sigterm_warmup.txt"
+  done
+  rm -rf "$cache"
+}
+
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'grpcio', grpc.__version__)" | tee -a "$OUT/gpu.txt"
 
@@ -165,45 +170,27 @@ for s in "$@"; do
     roundtrip) stage roundtrip 420 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
                  --heads 16 --head-dim 128 --frontends 2,4,8 --clients 8,16 --iters 20 \
                  --agg-seconds 6 --out "$OUT" ;;
-    profile) stage profile-on 150 python3 benchmarks/profile_group.py --out "$OUT" \
-               --batching on
-             stage profile-off 150 python3 benchmarks/profile_group.py --out "$OUT" \
-               --batching off ;;
-    profile-sessions) stage profile-sessions-1 150 python3 benchmarks/profile_group.py \
-               --out "$OUT" --load sessions --clients 1 --frontends 0
-             stage profile-sessions-64 150 python3 benchmarks/profile_group.py --out "$OUT" \
-               --load sessions --clients 64 --frontends 0 ;;
     trace-step) stage trace-step 200 python3 benchmarks/trace_step.py --stream --out "$OUT"
                 stage trace-step-unary 200 python3 benchmarks/trace_step.py --out "$OUT"
                 stage trace-step-1fe 200 python3 benchmarks/trace_step.py --stream \
                   --frontends 1 --out "$OUT" ;;
-    trace-call) for path in ipc-out ipc shm-out; do
-                  stage trace-call-$path 200 python3 benchmarks/trace_call.py --path $path \
-                    --out "$OUT"
-                done
-                stage trace-call-ipc-out-1fe 200 python3 benchmarks/trace_call.py \
-                  --path ipc-out --frontends 1 --out "$OUT" ;;
     roundtrip-baseline)
       baseline_tree || exit 1
       stage roundtrip-baseline 560 python3 benchmarks/bench_roundtrip.py --tokens 8192 \
         --heads 16 --head-dim 128 --frontends 8 --clients 8,16 --iters 10 \
         --agg-seconds 6 --baseline-tree /tmp/baseline-tree --out "$OUT" ;;
-    profile-aggregate)
-      baseline_tree || exit 1
-      stage profile-aggregate 400 python3 benchmarks/profile_aggregate.py --out "$OUT" \
-        --baseline-tree /tmp/baseline-tree --clients 8 --seconds 8 ;;
     transfer) stage transfer 170 python3 tools/tuning/tune_transfer.py --iters 4 --seconds 5 \
                 --out "$OUT" ;;
     service) stage service 300 python3 benchmarks/bench_service.py --duration 8 --warmup 2 \
                --prime 3 --clients 1,8,32,64 --out "$OUT" ;;
     service-shm) stage service-shm 300 python3 benchmarks/bench_service.py --duration 8 \
                --warmup 2 --prime 3 --clients 1,8,32,64 --path shm --out "$OUT" ;;
-    batching-placed) stage batching-placed 580 bash benchmarks/ab_batching_placed.sh \
-               "$OUT/batching-placed" "${AB_ROUNDS:-2}" "${AB_VAR:-}" "${AB_VALUES:-}" ;;
     batching) stage batching 300 python3 benchmarks/bench_batching.py --out "$OUT" ;;
-    sigterm-warmup) stage sigterm-warmup 400 bash benchmarks/sigterm_during_warmup.sh "$OUT" ;;
+    sigterm-warmup) export OUT; export -f sigterm_warmup
+                    stage sigterm-warmup 400 bash -c sigterm_warmup ;;
     # A short throwaway run first: the first server of a device call measured 0.1-0.3 ms
-    # slower at one client whichever side it ran (issue11/h100_2026-11-25b, 2026-11-25d), and
+    # slower at one client whichever side it ran (git history: benchmarks/results/issue11/
+    # h100_2026-11-25b, 2026-11-25d), and
     # `on` is always bench_sessions' first server.
     sessions) stage sessions-settle 150 python3 benchmarks/bench_sessions.py --duration 2 \
                 --warmup 1 --clients 1 --sides on --out "$OUT/settle"

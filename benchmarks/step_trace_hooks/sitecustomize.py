@@ -61,26 +61,12 @@ TARGETS = [
     ("torch.cuda.graphs", "CUDAGraph.replay"),
     ("torch.cuda.streams", "Event.record"),
     ("torch", "Tensor.copy_"),
-    # The general launch path (prefill, regions: benchmarks/trace_call.py).
+    # The general launch path (prefill, regions).
     ("attention_service.engine.regions", "RegionRegistry.acquire"),
     ("attention_service.engine.cuda_launch", "launch_on_stream"),
     ("attention_service.engine.cuda_launch", "_cu_seqlens"),
     ("attention_kernels", "prefill"),
     ("torch.cuda.streams", "Event.synchronize"),
-]
-
-# The client's side of a call (installed by trace_call.py in its own process).
-CLIENT_TARGETS = [
-    ("attention_client.client", "AttentionClient.attention"),
-    ("attention_client.client", "AttentionClient._run"),
-    ("attention_client.client", "AttentionClient._assemble"),
-    ("attention_client._requests", "prepare_prefill"),
-    ("attention_client._regions", "Placement.input"),
-    ("attention_client._regions", "Placement.user_output"),
-    ("attention_client._regions", "Placement.synchronize"),
-    ("attention_client._regions", "Placement.finish"),
-    ("grpc._channel", "_UnaryUnaryMultiCallable.__call__"),
-    ("attention_client._call_streams", "StreamCall.exchange"),
 ]
 
 # (module, function, label): functions that make a handler; the handlers they return are timed.

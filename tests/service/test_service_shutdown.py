@@ -196,7 +196,7 @@ if os.environ.get("ATTENTION_TEST_SLOW_WARMUP"):
 def test_sigterm_during_warmup_exits_0_at_once(tmp_path, frontends) -> None:  # type: ignore[no-untyped-def]
     """A server stopped while it warms up (a pod stopped during start-up): exit 0 in seconds,
     not after the warm-up (the single process used to wait it out: ~60 s on an H100 with an
-    empty Triton cache; the group aborted on cuda, benchmarks/sigterm_during_warmup.sh)."""
+    empty Triton cache; the group aborted on cuda, gpu_checks.sh sigterm-warmup)."""
     (tmp_path / "sitecustomize.py").write_text(_SLOW_WARMUP)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "ATTENTION_TEST_SLOW_WARMUP": "1",
            "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
