@@ -76,7 +76,7 @@ from attention_wire.pb import attention_pb2 as pb
 # kept whatever its front end). Placed one after another, the last of N clients over N front
 # ends must find the one front end left free, a 1/N chance a try: 4 tries in all left all 8 of
 # 8 front ends used in 23% of simulated starts (7 of 8 on average, as measured on the H200
-# host), 4 per front end in 98% (benchmarks/sim_spread.py). A try is a new connection and a
+# host), 4 per front end in 98% (tools/tuning/sim_spread.py). A try is a new connection and a
 # count (5-20 ms), so it is capped; and all the looks of a client's placing take at most
 # SPREAD_TIMEOUT_S together: a client made while its server is down waits at most this long.
 SPREAD_TRIES_PER_FRONTEND = 4

@@ -1,7 +1,7 @@
 """FP8 (e4m3) keys and values: the kernels' dots run in fp16, whatever the queries' 16-bit dtype.
 
 Why: sm_90 has no e4m3 -> bf16 conversion. Triton 3.6 emits ``cvt.rn.f16x2.e4m3x2`` and then
-a scalar ``cvt.bf16.f16`` per element (PTX for sm_90; ``benchmarks/tune_fp8.py`` prints it),
+a scalar ``cvt.bf16.f16`` per element (PTX for sm_90; ``tools/tuning/tune_fp8.py`` prints it),
 so an FP8 tile cost more to convert than it saved in bytes: H200, 2026-11-23, bf16 queries,
 decode 16 x 32K went 496 us (bf16 K/V) -> 735 us (FP8 K/V), dense prefill 8K 475 -> 304
 TFLOP/s. To fp16 the conversion is the single paired ``cvt`` (e4m3 values are exact in fp16).

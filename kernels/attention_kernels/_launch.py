@@ -7,8 +7,9 @@ launch that way, 8 us when the same arguments go straight to the compiled kernel
 and our decode wrapper's own checks and set-up added another 38 us, against 21 us of host
 time for a whole cuDNN SDPA call. With both pieces below: decode 1 x 4K 31.6 us against
 cuDNN's 46.7 on another host; prefill [64, 128, 64] causal 77.7 us before, 27.0 after on a
-host whose launches were 22% slower (``benchmarks/profile_host.py``,
-``benchmarks/results/issue13/h100_2026-11-23b/``; cuDNN's host time varies by host too).
+host whose launches were 22% slower (git history:
+``benchmarks/profile_host.py``, ``benchmarks/results/issue13/h100_2026-11-23b/``; cuDNN's host time
+varies by host too).
 
 Two pieces cut both:
 

@@ -2,7 +2,7 @@
 
 Why a table and not ``triton.autotune``: autotuning would time whatever shape reaches the server
 first (often a tiny request) and cache that choice for every later shape. The table below was
-filled from ``benchmarks/tune_kernels.py`` sweeps on an H100 (see benchmarks/results/); a GPU
+filled from ``tools/tuning/tune_kernels.py`` sweeps on an H100 (benchmarks/results/tuning/); a GPU
 we have not measured falls back to the Hopper rows, which are conservative in shared memory.
 Compilation is per (config, dtype, head dim); ``attention_kernels.warmup`` pays it ahead of
 traffic and Triton's on-disk cache keeps it across restarts.
@@ -85,7 +85,8 @@ def dram_gbps(device_index: int) -> float:
 
 
 # (padded head dim, causal) -> config, for Hopper (sm_90) with 16-bit inputs. Measured with
-# benchmarks/tune_kernels.py on an H100 (bf16, N = 8K, 2048 / D heads; results/tune_*.json):
+# tools/tuning/tune_kernels.py on an H100 (bf16, N = 8K, 2048 / D heads;
+# benchmarks/results/tuning/tune_kernels_*.json):
 # D128: 128x128, 8 warps, 3 stages gave 459 / 447 TFLOP/s (full / causal); the next best was
 # 128x64 at 403 / 387; 4 stages of 128x128 does not fit in 227 KB of shared memory.
 # D64: 128x128 x4 warps 393 full; causal prefers 128x64 x8 warps x4 stages (391).
@@ -103,7 +104,7 @@ _PREFILL_SM90: dict[tuple[int, bool], PrefillConfig] = {
 }
 
 
-# FP8 K/V (fp16 dots, ``_fp8_dot``), D 128: benchmarks/tune_fp8.py, H200, 2026-11-23, dense
+# FP8 K/V (fp16 dots, ``_fp8_dot``), D 128: tools/tuning/tune_fp8.py, H200, 2026-11-23, dense
 # 16K tokens x 16 heads, TFLOP/s full 4K / 8K, causal 4K / 8K: 128x128x8w x3 (the bf16 row)
 # 344 / 344 / 328 / 350; 128x64 x4 warps x3 stages 362 / 369 / 332 / 351, the best of 8
 # configs at every shape. Descriptor (TMA) loads of FP8 tiles lost 2-11% with every config.
@@ -116,7 +117,8 @@ _PREFILL_FP8_SM90: dict[tuple[int, bool], PrefillConfig] = {
 # Launches of many programs: at least this many per SM, (query-block slots of 128 rows) x
 # heads. Only there do the tiles of ``_PREFILL_MANY_SM90`` pay: a launch of a few waves is as
 # long as its longest programs, which 8 warps of 128x128 finish sooner. H100, 2026-11-24
-# (``benchmarks/results/issue13/h100_2026-11-24c/ab_varlen.log``), GPU time of the table's
+# (git history: ``benchmarks/results/issue13/h100_2026-11-24c/ab_varlen.log``), GPU time of the
+# table's
 # D128 tile -> 128x64 x4 warps x2 stages, 16 heads: [1024] * 3 (448 programs) 71 -> 96 us
 # non-causal, [64, 78, 2048] causal (336) 53 -> 83; [4096] * 2 (1072) 589 -> 569 non-causal,
 # 324 -> 320 causal; [8192, 16 x 4] (1120) 1143 -> 1088 non-causal.
@@ -226,7 +228,7 @@ def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConf
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                   kv_fp8: bool = False) -> DecodeConfig:
     """``kv_fp8``: FP8 K/V (contiguous decode). 128-key blocks: a block of one-byte keys is
-    half the bytes, and 64 of them too little work per load. benchmarks/tune_fp8.py, H200,
+    half the bytes, and 64 of them too little work per load. tools/tuning/tune_fp8.py, H200,
     2026-11-23, 32q/8kv x 128, GPU time 64 -> 128 keys (4 warps, 3 stages): 1x32K 40.3 ->
     36.6 us, 16x32K 473 -> 363, 64x8K 333 -> 314, 128x2K 160 -> 163, 1x4K 12.6 -> 12.7;
     within 5% of the best of 12 configs at each of 7 shapes.

@@ -82,7 +82,7 @@ from attention_kernels.configs import (
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
-# How the split partials are merged (benchmarks/tune_decode_gpu.py compares them): "fused" (the
+# How the split partials are merged (tools/tuning/tune_decode_gpu.py compares them): "fused" (the
 # group's last split program merges, after an atomic count), "separate" (a merge kernel), "pdl"
 # (that kernel launched as a programmatic dependent, Hopper and later), or "auto": "pdl" for
 # calls inside ``for_cuda_graphs()`` on Hopper, else "fused". A second launch costs host time

@@ -356,7 +356,7 @@ _TMA_HEAD_DIMS = (128,)
 # 86 us per call with TMA.
 _TMA_MIN_WORK = 1 << 28
 # FP8 K/V tiles through descriptors: ``ATTENTION_KERNELS_TMA_FP8=1``. Off: they lost 2-11% at
-# D 128 with every tile config tried (benchmarks/tune_fp8.py, H200, 2026-11-23).
+# D 128 with every tile config tried (tools/tuning/tune_fp8.py, H200, 2026-11-23).
 TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
 
 

@@ -72,7 +72,8 @@ def usable_cpus() -> int:
 def auto_frontends(cores: int | None = None) -> int:
     """``--frontends 0``: one gRPC front end per two usable cores, at most 8, at least 1 (a 2-core
     box runs one process). Measured on a 16-vCPU H100 host with the load generator on the
-    same cores (benchmarks/results/issue10/roundtrip_*): aggregate gRPC payload at 8 / 16
+    same cores (git history: benchmarks/results/issue10/roundtrip_*): aggregate gRPC payload
+    at 8 / 16
     clients was 1.68 / 1.42 GB/s with 1 process, 5.15 / 5.35 with 4 front ends and
     5.96 / 5.83 with 8; clients on other hosts leave the server more of the cores."""
     cores = cores if cores is not None else usable_cpus()
@@ -80,7 +81,8 @@ def auto_frontends(cores: int | None = None) -> int:
 
 
 # --spin-us -1 (auto): how long to poll, and the usable cores it takes. Measured with fresh
-# servers interleaved (16 vCPUs, 8 front ends; benchmarks/results/issue11/2026-11-27d/): 2000 us
+# servers interleaved (16 vCPUs, 8 front ends; git history:
+# benchmarks/results/issue11/2026-11-27d/): 2000 us
 # cut a one-client decode step's p50 overhead over the kernel from 0.99-1.09 to 0.70-0.80 ms on
 # an H100 host (0.89-1.02 -> 0.66-0.75 on an H200), every paired round, steps/s at 8 and 64
 # clients unchanged; on the 2-core dev box the pollers took the client's cores and the
@@ -127,7 +129,7 @@ class ServerConfig:
     grace_seconds: float = 30.0
     warmup: bool = True
     batching: bool = True
-    # Measured with benchmarks/tune_batching.py on an H100 (docs/service.md): a 4096-token
+    # Measured with tools/tuning/tune_batching.py on an H100 (docs/service.md): a 4096-token
     # budget caps batches at ~9 small requests (25% fewer req/s at 64 clients than 16384;
     # 65536 gains nothing), and 0.5 ms beat 2 ms in all four budget x client-count cells.
     max_batch_tokens: int = 16384
@@ -182,7 +184,8 @@ class ServerConfig:
     # pool's): with several tokens, keeps one from filling the pool for the others.
     kv_cache_bytes_per_caller: int = 0
     # One page of that pool: 256 KiB holds 64 tokens of the common 8 kv heads x 128 bf16
-    # layout. Measured on an H100 (benchmarks/results/issue11/paged_*): 64-token pages read
+    # layout. Measured on an H100 (git history: benchmarks/results/issue11/paged_*):
+    # 64-token pages read
     # K/V at 0.95-1.11x our contiguous decode kernel where 16-token pages gave 0.91-1.05x
     # (batch 64 x 8K: 2994 vs 2541 GB/s); the cost is up to one page of slack per cache.
     kv_page_bytes: int = 256 << 10

@@ -5,12 +5,13 @@ Why: the engine's dispatcher releases the GIL in every torch and Triton call of 
 must take it back behind the channel readers and the completer; each hand-off waits for the
 OS to run the waiting thread. Under 64 clients of small prefills on a 16-vCPU H200 host
 (8 front ends and the load generator busy on ~10 of the 16 CPUs) a batch took 3.5-4.0 ms to
-issue, against 0.3 ms for the same launch in a quiet process (``benchmarks/probe_issue.py``).
+issue, against 0.3 ms for the same launch in a quiet process
+(git history: ``benchmarks/probe_issue.py``).
 Placed as ``--engine-cpus 0-2`` places it (front ends on 3-15), with the load generator
 unpinned on the same host, batching on served 4187 / 4873 req/s against 3862 / 3597 not
 placed, the launch issue at 2.5-3.0 ms against 3.6-3.9; batching off 1433 against 1381. Given
 CPUs 0-10 and placed by auto (the load on 11-15): 4406 / 4392 against 3891 not placed (fresh
-servers interleaved, benchmarks/results/issue10/2026-11-28e/, calls 4 and 5).
+servers interleaved; git history: benchmarks/results/issue10/2026-11-28e/, calls 4 and 5).
 
 ``auto`` places the group only where it was given CPUs of its own: a set narrower than the
 host's (a container's cpuset, a Kubernetes exclusive-CPU pod, ``taskset``) of at least

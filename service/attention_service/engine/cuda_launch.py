@@ -64,7 +64,8 @@ PACK_KERNEL = os.environ.get("ATTENTION_PACK_KERNEL", "1") != "0"
 # idle GPU the kernel was 1.3-11x faster than DMA copies for 8-32 segments of 16-256 KiB;
 # beside a matmul on another stream it waited for SMs, up to 39x slower (one run: 3-39x at
 # 16-256 KiB; another: still faster at 16 KiB, 2.8-20x slower from 256 KiB)
-# (benchmarks/bench_copy_segments.py, issue10/2026-11-28/). But end to end, 64 clients of
+# (tools/tuning/bench_copy_segments.py; git history: benchmarks/results/issue10/2026-11-28/).
+# But end to end, 64 clients of
 # small prefills through shared memory (kernel busy 12%), a 64 KiB limit made 3600 / 3590
 # req/s against 4328 / 4470 without one: the engine's per-copy work costs more than the
 # kernel's wait. For GPUs kept busy by long kernels, where that may turn.
@@ -76,7 +77,8 @@ class _Events:
     """Each launch's four timing events, given back once the launch is waited for and taken by
     a later one: made per launch, the four ``Event()`` and their first records cost an idle
     engine ~0.12 ms before a prefill's kernel could start, ~0.035 ms reused (H100,
-    ``benchmarks/trace_call.py``, 2026-11-24). Launches take them under the executor's launch
+    git history: ``benchmarks/trace_call.py``, 2026-11-24). Launches take them under the executor's
+    launch
     lock; the completer gives them back. (Pinned buffers need no such pool: torch's caching
     host allocator already reuses them, and a pool of our own measured slower.)"""
 
@@ -301,7 +303,8 @@ class _PagedMeta:
 # Device copies of recent merged cu_seqlens, by value and stream: a call of the same lengths as
 # an earlier one (a region call repeated, the same batch shape) skips the pinned buffer and the
 # h2d copy, ~0.1 ms of host time before a prefill's kernel could start on an H100 host
-# (``benchmarks/trace_call.py``, 2026-11-24). Kernels only read them; a launch keeps its own
+# (git history: ``benchmarks/trace_call.py``, 2026-11-24). Kernels only read them; a launch keeps
+# its own
 # reference until it has completed, so one dropped from here is never freed while in use. By
 # stream: the copy that filled it was queued on that stream, ahead of every launch that reads
 # it there. Short arrays only; a full memo starts over.

@@ -16,7 +16,7 @@ each job's rows into its destination once the launch is done. Each staging has i
 one. The copies are graph nodes because each torch call on the launch path costs the engine
 tens of microseconds at one client (a timestamp trace on an H100, benchmarks/trace_step.py:
 the two copies, their events and the destination's view took ~110 us of a step's ~340 us
-launch, against ~4 us each in a warm loop, benchmarks/host_calls.py). So a step's
+launch, against ~4 us each in a warm loop; git history: benchmarks/host_calls.py). So a step's
 ``kernel_seconds`` is the graph's GPU time, its few-KB copies included, and its h2d/d2h
 seconds are 0.
 

@@ -19,7 +19,7 @@ itself, on the caller's thread, instead of waking the dispatcher: one thread han
 per request. Only callers whose thread may block for a launch say so (the engine's channel
 readers); an event loop never does, since a launch may compile a kernel or capture a graph
 first (seconds). On the H100 host of 2026-11-23 the hand-off was 0.3 ms of a 1-client decode
-step's 3.4 ms (benchmarks/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at
+step's 3.4 ms (tools/engine/bench_engine_steps.py: 1-client steps/s 1.2-1.5x, the mean batch at
 64 clients unchanged at 37-39). Launches never overlap: both paths issue under one lock.
 A direct launch of an op in ``inline_ops`` (the cached decode steps: tens of microseconds of
 GPU) made inside the submitting thread's ``deferring()`` block is also waited for and answered
@@ -28,10 +28,11 @@ wake-up per step. A channel reader wraps each read's batch of messages in the bl
 steps read together still queue behind the first one's launch and share the next; without
 the block (or for longer launches) the completer finishes as before, so a reader is never held
 for a prefill's time. On an H200 host (2026-11-25, three interleaved rounds of fresh servers,
-benchmarks/ab_env.sh over bench_sessions.py) the 1-client step's p50 overhead over the kernel
+git history: benchmarks/ab_env.sh, over bench_sessions.py) the 1-client step's p50 overhead over
+the kernel
 went 1.43 -> 1.29 ms (faster in every round); 64 clients stayed at ~5.8K steps/s. Answering
 at once instead of at the block's end launched each of a read's steps alone: in
-benchmarks/bench_engine_steps.py (one channel) the 8-client mean batch fell from 5 to 1.0.
+tools/engine/bench_engine_steps.py (one channel) the 8-client mean batch fell from 5 to 1.0.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).

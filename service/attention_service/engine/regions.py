@@ -123,7 +123,7 @@ class IpcMappings:
     regions of one allocation (two tensors torch's caching allocator placed in one segment)
     share a mapping, closed when the last of them goes. CUDA documents one open per handle and
     process (older drivers refuse a second: "already mapped"); driver 580 counts the opens
-    (benchmarks/results/issue10/2026-11-29), so this is for the drivers that do not."""
+    (git history: benchmarks/results/issue10/2026-11-29), so this is for the drivers that do not."""
 
     def __init__(self, open_handle: Callable[[bytes], tuple[int, int]],
                  close_handle: Callable[[int], None]) -> None:

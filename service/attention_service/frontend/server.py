@@ -135,7 +135,7 @@ async def start_frontend(
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             ("grpc.so_reuseport", 1 if reuse_port else 0),
             # Let peers send 1 MiB messages in one HTTP/2 frame instead of 64 of 16 KiB: raw
-            # gRPC of 96 MiB up / 32 down went 1.43 -> 1.66 GB/s (benchmarks/tune_transfer.py).
+            # gRPC of 96 MiB up / 32 down went 1.43 -> 1.66 GB/s (tools/tuning/tune_transfer.py).
             ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME),
         ],
     )

@@ -51,8 +51,9 @@ class ChannelClosed(Exception):
 class Spinner:
     """Reader threads poll their socket for up to ``seconds`` after each message before they
     block in ``recvmsg``, while ``allowed()`` holds: a thread blocked for a millisecond took
-    ~25 us to wake on the hosts measured (``benchmarks/probe_wakeup.py``: 37 us a round trip
-    after 1 ms asleep, 12 us with the reader polling), and it wakes on a cold core.
+    ~25 us to wake on the hosts measured (git history:
+    ``benchmarks/probe_wakeup.py``: 37 us a round trip after 1 ms asleep, 12 us with the reader
+    polling), and it wakes on a cold core.
 
     A polling thread holds its process's GIL but for each ``recvmsg``, and takes it back
     before a woken thread can (CPython hands the GIL over only after a 5 ms switch interval),
