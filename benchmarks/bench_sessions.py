@@ -19,7 +19,7 @@ grpc.aio server that answers at once, same request and reply sizes, measured in 
 (the overhead target of issue 11 is judged above it). Writes JSON and a markdown table to
 ``--out``.
 
-    python benchmarks/bench_sessions.py --out benchmarks/results/issue11      # GPU defaults
+    python benchmarks/bench_sessions.py --out OUT                             # GPU defaults
     python benchmarks/bench_sessions.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
         --context 64 --clients 1,2 --duration 1 --warmup 0.5                  # quick cpu check
 """

@@ -347,7 +347,7 @@ async def _run_point(
     # A connection per client, as separate user processes would have. Equal channels of one
     # process otherwise share one connection (grpc's global subchannel pool): 8 workers then
     # made 8 connections, and a server's SO_REUSEPORT front ends, which are handed
-    # connections, not calls, left 3 of 8 idle (profile_group, 2026-11-24).
+    # connections, not calls, left 3 of 8 idle (profile_group.py, git history, 2026-11-24).
     channels = [grpc.aio.insecure_channel(target, options=LOCAL_CONNECTION)
                 for _ in range(n_clients * connections)]
     try:

@@ -12,7 +12,7 @@ step's path, and the table gives the median time between consecutive events over
 that took that path, plus the client's own share (call start to the first server event, last
 event to the reply).
 
-    python benchmarks/trace_step.py --out benchmarks/results/issue11/trace   # GPU defaults
+    python benchmarks/trace_step.py --out OUT                                # GPU defaults
     python benchmarks/trace_step.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
         --context 64 --steps 300                                              # quick cpu run
 
