@@ -49,4 +49,4 @@ proto:
 	$(PYTHON) proto/generate.py
 
 bench:
-	$(PYTHON) benchmarks/bench_kernels.py
+	$(PYTHON) benchmarks/bench_kernels.py --out benchmarks/results/kernels
