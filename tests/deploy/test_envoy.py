@@ -101,14 +101,17 @@ class Stack:
         self.replicas[i] = self._replica(self.ports[i])
 
     def healthy(self) -> int:
-        """Hosts Envoy counts healthy in the stateless cluster."""
+        """Hosts Envoy counts healthy in both clusters (a replica counts once when the two
+        agree: until then a session's ring may still change)."""
         url = f"http://127.0.0.1:{self.admin}/clusters"
         try:
             text = urllib.request.urlopen(url, timeout=2).read().decode()
         except OSError:
             return 0
-        return sum(1 for line in text.splitlines()
-                   if line.startswith("attention::") and line.endswith("health_flags::healthy"))
+        found = [line.split("::")[0] for line in text.splitlines()
+                 if line.endswith("health_flags::healthy")]
+        stateless, sessions = found.count("attention"), found.count("attention_sessions")
+        return stateless if stateless == sessions else -1
 
     def wait_healthy(self, n: int, timeout: float = 30.0) -> None:
         end = time.monotonic() + timeout
@@ -155,6 +158,16 @@ def _prefill(seed: int) -> tuple[list[pb.PrefillRequest], torch.Tensor]:
 
 def _session(name: str) -> tuple[tuple[str, str], ...]:
     return (("x-attention-session", name),)
+
+
+def _pinned(stub: Any, name: str) -> tuple[tuple[str, str], ...]:
+    """A session's headers with its replica pinned: the first cache call's answer names the
+    replica (``x-attention-replica``), sent back from then on."""
+    _, call = stub.ListCaches.with_call(pb.ListCachesRequest(pool_only=True), timeout=10,
+                                        metadata=_session(name))
+    replica = dict(call.initial_metadata()).get("x-attention-replica")
+    assert replica, call.initial_metadata()
+    return (*_session(name), ("x-attention-replica", replica))
 
 
 def test_envoy_validates_the_config_compose_and_kubernetes_run() -> None:
@@ -257,7 +270,7 @@ def test_a_killed_replica_costs_no_stateless_call_and_rejoins(own_stack: Stack) 
     # Sessions until each replica holds one: the killed one's must report its caches gone.
     owners: dict[int, tuple[list[str], Any]] = {}
     for i in range(60):
-        meta = _session(f"k{i}")
+        meta = _pinned(stack.stub, f"k{i}")
         ids, _ = session(stack.stub, f"k{i}-", [2], metadata=meta, seed=i)
         home = next(n for n, r in enumerate(stack.replicas) if ids[0] in {
             c.cache_id for c in pb_grpc.AttentionServiceStub(r.channel()).ListCaches(
