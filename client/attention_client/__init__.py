@@ -28,6 +28,7 @@ from attention_client._errors import (  # noqa: E402
     AttentionResourceError,
     AttentionTimeoutError,
     AttentionUnavailableError,
+    CacheLostError,
     ProtocolError,
 )
 from attention_client._regions import SharedRegion  # noqa: E402
@@ -39,6 +40,6 @@ __all__ = [
     "DEFAULT", "AsyncAttentionClient", "AsyncDecodeSteps", "AsyncKvCache", "AttentionAuthError",
     "AttentionClient", "AttentionError", "AttentionInputError", "AttentionNotFoundError",
     "AttentionResourceError", "AttentionTimeoutError", "AttentionUnavailableError",
-    "DecodeSteps", "KvCache", "ProtocolError", "SharedRegion",
+    "CacheLostError", "DecodeSteps", "KvCache", "ProtocolError", "SharedRegion",
 ]
 __version__ = "0.1.0"

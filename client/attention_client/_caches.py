@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import operator
 import threading
+import uuid
 from collections.abc import Mapping
 from typing import Any, Protocol
 
 import grpc
 
 from attention_client import _argnames as argnames
-from attention_client._channel import DEFAULT, CallSettings
-from attention_client._errors import AttentionError, AttentionInputError
+from attention_client._channel import DEFAULT, CallSettings, merge_metadata
+from attention_client._errors import AttentionError, AttentionInputError, CacheLostError
 from attention_client._regions import Placement
 from attention_client._requests import (
     CacheTarget,
@@ -64,8 +66,8 @@ class CacheClient(Protocol):
 class SyncCacheClient(CacheClient, Protocol):
     """``AttentionClient``'s rpcs that a ``KvCache`` calls."""
 
-    def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...
-                   ) -> Any: ...
+    def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...,
+                   headers: dict[str, str] | None = ...) -> Any: ...
 
     def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
                      pool_only: bool = ...) -> pb.ListCachesResponse: ...
@@ -77,8 +79,8 @@ class SyncCacheClient(CacheClient, Protocol):
 class AsyncCacheClient(CacheClient, Protocol):
     """``AsyncAttentionClient``'s rpcs that an ``AsyncKvCache`` awaits."""
 
-    async def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...
-                         ) -> Any: ...
+    async def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...,
+                         headers: dict[str, str] | None = ...) -> Any: ...
 
     async def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
                            pool_only: bool = ...) -> pb.ListCachesResponse: ...
@@ -92,8 +94,13 @@ class _KvCacheBase:
 
     client: CacheClient
 
-    def __init__(self, layout: KvLayout) -> None:
+    def __init__(self, layout: KvLayout, session: str | None = None) -> None:
         self.layout = layout
+        # Behind Envoy (deploy/envoy/envoy.yaml) every call of the handle carries its session
+        # key, hashed to a replica, and, once an answer named it, that replica's pin: exact
+        # even while other replicas join or leave. A server reached directly ignores both.
+        self.session = uuid.uuid4().hex if session is None else _checked_session(session)
+        self.replica: str | None = None  # the proxy's x-attention-replica, once answered
         self._created: dict[str, None] = {}  # insertion-ordered set
         # Every id this handle created: one released (or expired) is not created again by a
         # call that names it (NOT_FOUND, rather than attending to a fresh empty cache).
@@ -249,10 +256,40 @@ class _KvCacheBase:
     def _own_ids(self, ids: Any) -> tuple[str, ...]:
         return as_cache_ids(ids) if ids is not None else tuple(self._created)
 
+    @property
+    def session_metadata(self) -> tuple[tuple[str, str], ...]:
+        """The headers that keep a call on this handle's replica behind a proxy: pass them
+        to calls made without the handle (``client.decode_steps(metadata=...)``)."""
+        pin = ((REPLICA_HEADER, self.replica),) if self.replica else ()
+        return ((SESSION_HEADER, self.session), *pin)
+
     def _settings(
         self, timeout: Any, metadata: Any, wait_for_ready: bool | None, names: Any = None
     ) -> CallSettings:
-        return self.client._settings(timeout, metadata, wait_for_ready, names)
+        return self._sessioned(self.client._settings(timeout, metadata, wait_for_ready, names))
+
+    def _sessioned(self, settings: CallSettings) -> CallSettings:
+        """``settings`` with the session headers under the caller's own metadata."""
+        return dataclasses.replace(
+            settings, metadata=merge_metadata(self.session_metadata, settings.metadata))
+
+    def _note_replica(self, headers: dict[str, str]) -> None:
+        self.replica = headers.get(REPLICA_HEADER) or self.replica
+
+    def _lost(self, err: AttentionError, ids: tuple[str, ...]) -> AttentionError:
+        """NOT_FOUND for one of ``ids`` this handle made and still holds: CacheLostError."""
+        if err.code != grpc.StatusCode.NOT_FOUND:
+            return err
+        gone = [i for i in ids if i in self._created and repr(i) in err.details]
+        if not gone:
+            return err
+        for i in gone:  # nothing left to release
+            self._created.pop(i, None)
+            self._lengths.pop(i, None)
+        return CacheLostError(
+            err.code, f"{err.details}: cache {gone[0]!r} was lost (this handle made it; the "
+            "server, or behind a proxy the replica that held it, no longer has it: a restart, "
+            "a replica gone, or its TTL): create it again", err.method, err.server_details)
 
     @staticmethod
     def _prefill_names(prep: PreparedRequest) -> argnames.Names:
@@ -264,6 +301,18 @@ def _abandon(prep: PreparedRequest) -> None:
     idle, as a failed call's does (the client's ``_abandon``)."""
     if prep.placement is not None:
         prep.placement.finish(ok=False)
+
+
+SESSION_HEADER = "x-attention-session"
+REPLICA_HEADER = "x-attention-replica"
+
+
+def _checked_session(session: Any) -> str:
+    if not (isinstance(session, str) and 0 < len(session) <= 256 and session.isascii()
+            and session.isprintable()):
+        raise AttentionInputError(f"session must be 1-256 printable ASCII characters (a "
+                                  f"header value), got {session!r}")
+    return session
 
 
 def _not_found(err: AttentionError) -> bool:
@@ -286,8 +335,9 @@ class KvCache(_KvCacheBase):
 
     client: SyncCacheClient
 
-    def __init__(self, client: SyncCacheClient, layout: KvLayout) -> None:
-        super().__init__(layout)
+    def __init__(self, client: SyncCacheClient, layout: KvLayout,
+                 session: str | None = None) -> None:
+        super().__init__(layout, session)
         self.client = client
         self._lock = threading.Lock()  # one CreateCaches at a time per handle
 
@@ -434,11 +484,14 @@ class KvCache(_KvCacheBase):
             self._mark_created((i,), self.client._cache_layouts)
         if not rest:
             return
+        headers: dict[str, str] = {}
         try:
-            self.client._unary_rpc("CreateCaches", self._create_request(rest), settings)
+            self.client._unary_rpc("CreateCaches", self._create_request(rest), settings,
+                                   headers)
         except BaseException as exc:
             self._note_unsure(rest, exc)
             raise
+        self._note_replica(headers)
         self._mark_created(rest, self.client._cache_layouts)
 
     def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
@@ -459,7 +512,14 @@ class KvCache(_KvCacheBase):
                     except BaseException:
                         _abandon(prep)
                         raise
-        result = self.client._run(prep, settings)
+                    settings = self._sessioned(settings)  # the replica the create reached
+        try:
+            result = self.client._run(prep, settings)
+        except AttentionError as err:
+            lost = self._lost(err, prep.cache.ids)
+            if lost is err:
+                raise
+            raise lost from err
         self._note(prep)
         return result
 
@@ -469,8 +529,9 @@ class AsyncKvCache(_KvCacheBase):
 
     client: AsyncCacheClient
 
-    def __init__(self, client: AsyncCacheClient, layout: KvLayout) -> None:
-        super().__init__(layout)
+    def __init__(self, client: AsyncCacheClient, layout: KvLayout,
+                 session: str | None = None) -> None:
+        super().__init__(layout, session)
         self.client = client
         self._lock = asyncio.Lock()  # one CreateCaches at a time per handle
 
@@ -604,11 +665,14 @@ class AsyncKvCache(_KvCacheBase):
             self._mark_created((i,), self.client._cache_layouts)
         if not rest:
             return
+        headers: dict[str, str] = {}
         try:
-            await self.client._unary_rpc("CreateCaches", self._create_request(rest), settings)
+            await self.client._unary_rpc("CreateCaches", self._create_request(rest), settings,
+                                         headers)
         except BaseException as exc:
             self._note_unsure(rest, exc)
             raise
+        self._note_replica(headers)
         self._mark_created(rest, self.client._cache_layouts)
 
     async def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
@@ -629,6 +693,13 @@ class AsyncKvCache(_KvCacheBase):
                     except BaseException:
                         _abandon(prep)
                         raise
-        result = await self.client._run(prep, settings)
+                    settings = self._sessioned(settings)  # the replica the create reached
+        try:
+            result = await self.client._run(prep, settings)
+        except AttentionError as err:
+            lost = self._lost(err, prep.cache.ids)
+            if lost is err:
+                raise
+            raise lost from err
         self._note(prep)
         return result

@@ -9,6 +9,7 @@ get wrong, with a subclass per kind of failure callers handle differently.
     +-- AttentionAuthError                   UNAUTHENTICATED, PERMISSION_DENIED
     +-- AttentionResourceError               RESOURCE_EXHAUSTED: over a limit, queue or pool full
     +-- AttentionNotFoundError               NOT_FOUND: an unknown cache id or region
+    |   +-- CacheLostError                   a handle's own cache is gone (restart, replica)
     +-- ProtocolError                        DATA_LOSS: the response broke the contract
 
 Any other status (ALREADY_EXISTS, ABORTED, FAILED_PRECONDITION, CANCELLED, INTERNAL, ...) is a
@@ -96,6 +97,12 @@ class AttentionResourceError(AttentionError):
 
 class AttentionNotFoundError(AttentionError):
     """NOT_FOUND: a cache id or region the server does not know (for this caller)."""
+
+
+class CacheLostError(AttentionNotFoundError):
+    """NOT_FOUND for a cache its handle created and did not release: the server (or, behind
+    a proxy, the replica that held it) no longer has it: it restarted, left, or the cache
+    expired. ``.details`` names the id; create the cache again."""
 
 
 class ProtocolError(AttentionError):

@@ -311,11 +311,11 @@ class AsyncAttentionClient(ClientBase):
 
     def kv_cache(
         self, num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None,
-        k_scale: Any = None, v_scale: Any = None,
+        k_scale: Any = None, v_scale: Any = None, session: str | None = None,
     ) -> AsyncKvCache:
         """See AttentionClient.kv_cache (not a coroutine: nothing is sent yet)."""
         return AsyncKvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype, kv_dtype,
-                                              k_scale, v_scale))
+                                              k_scale, v_scale), session)
 
     async def decode_step(
         self,
@@ -496,12 +496,18 @@ class AsyncAttentionClient(ClientBase):
         return bool(lost)
 
     async def _unary_rpc(
-        self, method: str, request: Any, settings: CallSettings | None = None
+        self, method: str, request: Any, settings: CallSettings | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
+        """See AttentionClient._unary_rpc."""
         settings = settings or self._settings()
         await self._placed_lane(0, settings, method)
         try:
-            return await self._unary_rpcs[method](request, **settings.kwargs())
+            call = self._unary_rpcs[method](request, **settings.kwargs())
+            reply = await call
+            if headers is not None:
+                headers.update(await call.initial_metadata() or ())
+            return reply
         except grpc.RpcError as err:
             raise from_rpc_error(err, method, settings.names) from err
 

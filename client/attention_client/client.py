@@ -292,7 +292,7 @@ class AttentionClient(ClientBase):
 
     def kv_cache(
         self, num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None,
-        k_scale: Any = None, v_scale: Any = None,
+        k_scale: Any = None, v_scale: Any = None, session: str | None = None,
     ) -> KvCache:
         """A handle for server-side caches of one layout (``dtype``: the queries', a numpy or
         torch dtype, or "float16" / "bfloat16" / "float32"). Nothing is sent until it is used;
@@ -302,9 +302,13 @@ class AttentionClient(ClientBase):
         in one byte each, quantized with ``k_scale`` / ``v_scale`` (one float per kv head, for
         every cache of the handle): half the pool and half the decode reads. New tokens may be
         given in ``dtype`` (the server quantizes them, saturating at 448 x scale) or already
-        as float8_e4m3fn quantized with those scales."""
+        as float8_e4m3fn quantized with those scales.
+
+        ``session``: the affinity key its calls carry (``x-attention-session``; default: one
+        of its own), so that behind Envoy (docs/deploy.md) all of them reach the replica that
+        holds its caches; handles given the same key share a replica."""
         return KvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype, kv_dtype, k_scale,
-                                         v_scale))
+                                         v_scale), session)
 
     def decode_step(
         self,
@@ -493,15 +497,22 @@ class AttentionClient(ClientBase):
         return bool(lost)
 
     def _unary_rpc(
-        self, method: str, request: Any, settings: CallSettings | None = None
+        self, method: str, request: Any, settings: CallSettings | None = None,
+        headers: dict[str, str] | None = None,
     ) -> Any:
-        """One unary rpc; ``settings`` None: the client's (a region's close, a handle's exit)."""
+        """One unary rpc; ``settings`` None: the client's (a region's close, a handle's exit).
+        ``headers``: filled with the answer's initial metadata (a proxy's session pin)."""
         settings = settings or self._settings()
         self._placed_lane(0)
+        rpc = self._unary_rpcs[method]
         try:
-            return self._unary_rpcs[method](request, **settings.kwargs())
+            if headers is None:
+                return rpc(request, **settings.kwargs())
+            reply, call = rpc.with_call(request, **settings.kwargs())
         except grpc.RpcError as err:
             raise from_rpc_error(err, method, settings.names) from err
+        headers.update(call.initial_metadata() or ())
+        return reply
 
     def info(
         self, *, timeout: Any = DEFAULT, metadata: Any = None,

@@ -11,7 +11,13 @@ import numpy as np
 import pytest
 
 from attention_client._caches import AsyncKvCache, KvCache
-from attention_client._errors import AttentionError, AttentionTimeoutError, make_error
+from attention_client._channel import CallSettings
+from attention_client._errors import (
+    AttentionError,
+    AttentionInputError,
+    AttentionTimeoutError,
+    make_error,
+)
 from attention_client._requests import KvLayout
 from attention_wire.pb import attention_pb2 as pb
 
@@ -30,9 +36,9 @@ class Rpcs:
         self._cache_layouts: dict = {}
 
     def _settings(self, *args):  # noqa: ANN002
-        return None
+        return CallSettings(deadline=None, metadata=(), wait_for_ready=None)
 
-    def _unary_rpc(self, method: str, request, settings):  # noqa: ANN001
+    def _unary_rpc(self, method: str, request, settings, headers=None):  # noqa: ANN001
         ids = tuple(request.cache_ids) if method != "ForkCache" else (request.target_id,)
         if method in ("CreateCaches", "ForkCache"):
             self.creates.append(ids)
@@ -63,7 +69,7 @@ class Rpcs:
 
 
 class AsyncRpcs(Rpcs):
-    async def _unary_rpc(self, method: str, request, settings):  # noqa: ANN001
+    async def _unary_rpc(self, method: str, request, settings, headers=None):  # noqa: ANN001
         return Rpcs._unary_rpc(self, method, request, settings)
 
     async def _run(self, prep, settings):  # noqa: ANN001
@@ -153,3 +159,20 @@ def test_fork_length_torch_integer() -> None:
 def test_fork_refuses_other_lengths(length: object) -> None:
     with pytest.raises(ValueError, match="length must be a non-negative int"):
         KvCache._fork_request("a", "b", length)  # type: ignore[arg-type]
+
+
+def test_a_handle_carries_its_session_and_the_replica_it_learns() -> None:
+    # Behind Envoy (issue 64): the session key on every call, the replica pin once answered.
+    rpcs = Rpcs()
+    own = KvCache(rpcs, LAYOUT)  # type: ignore[arg-type]
+    other = KvCache(rpcs, LAYOUT)  # type: ignore[arg-type]
+    assert own.session != other.session and len(own.session) == 32  # one key per handle
+    named = KvCache(rpcs, LAYOUT, session="user-7")  # type: ignore[arg-type]
+    assert named.session_metadata == (("x-attention-session", "user-7"),)
+    named._note_replica({"x-attention-replica": "MTI3LjAuMC4xOjUx"})
+    settings = named._settings(None, None, None)
+    assert settings.metadata == (("x-attention-session", "user-7"),
+                                 ("x-attention-replica", "MTI3LjAuMC4xOjUx"))
+    for bad in ("", "a\nb", "é", 7, "x" * 257):
+        with pytest.raises(AttentionInputError, match="session must be"):
+            KvCache(rpcs, LAYOUT, session=bad)  # type: ignore[arg-type]

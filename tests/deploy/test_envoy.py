@@ -7,6 +7,7 @@ stateless call.
 
 from __future__ import annotations
 
+import base64
 import os
 import random
 import shutil
@@ -213,6 +214,46 @@ def test_a_sessions_calls_stay_on_one_replica_and_sessions_spread(stack: Stack) 
     assert {h[0] for h in homes.values()} == {0, 1, 2}  # 30 sessions reach all 3
 
 
+def _replica_of(stack: Stack, cache: Any) -> int:
+    """Which replica a handle is pinned to (Envoy's header is its address, base64)."""
+    port = int(base64.b64decode(cache.replica).decode().rsplit(":", 1)[1])
+    return stack.ports.index(port)
+
+
+def _reference_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query per sequence over its keys (float64, GQA): q [H, D], k, v [L, H_kv, D]."""
+    group = q.shape[0] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("hd,lhd->hl", q.double(), k) / q.shape[-1] ** 0.5
+    return torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+
+
+def test_client_handles_keep_to_their_replica(stack: Stack) -> None:
+    from attention_client import AttentionClient
+
+    held = [set() for _ in stack.replicas]
+    with AttentionClient(f"127.0.0.1:{stack.listen}") as client:
+        for h in range(6):
+            cache = client.kv_cache(2, 16, torch.float32)
+            ids = [f"h{h}-a", f"h{h}-b"]
+            k, v = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
+            assert cache.append(ids, k, v, [0, 3, 7]) == [3, 4]
+            q, kn, vn = torch.randn(2, 4, 16), torch.randn(2, 2, 16), torch.randn(2, 2, 16)
+            out = cache.decode(q, ids, kn, vn)
+            for b, (lo, hi) in enumerate(((0, 3), (3, 7))):
+                want = _reference_decode(q[b], torch.cat([k[lo:hi], kn[b : b + 1]]),
+                                         torch.cat([v[lo:hi], vn[b : b + 1]]))
+                torch.testing.assert_close(out[b].double(), want, atol=1e-4, rtol=1e-4)
+            held[_replica_of(stack, cache)] |= set(ids)
+            assert cache.info()[0]["length"] == 4
+    for r, ids in zip(stack.replicas, held, strict=True):
+        with grpc.insecure_channel(r.target) as ch:
+            listed = pb_grpc.AttentionServiceStub(ch).ListCaches(pb.ListCachesRequest(),
+                                                                 timeout=10)
+        assert ids <= {c.cache_id for c in listed.caches}
+
+
 def test_what_must_not_pass_the_proxy_is_refused_saying_why(stack: Stack) -> None:
     create = pb.CreateCachesRequest(cache_ids=["x"], layout=layout(torch.float32, 2, 16))
     with pytest.raises(grpc.RpcError) as info:
@@ -278,6 +319,16 @@ def test_a_killed_replica_costs_no_stateless_call_and_rejoins(own_stack: Stack) 
         owners.setdefault(home, (ids, meta))
         if len(owners) == 3:
             break
+    from attention_client import AttentionClient, CacheLostError
+
+    client = AttentionClient(f"127.0.0.1:{stack.listen}")
+    handles = []
+    for h in range(30):  # a handle whose replica is the one to be killed
+        cache = client.kv_cache(2, 16, torch.float32)
+        cache.append([f"c{h}"], torch.randn(2, 2, 16), torch.randn(2, 2, 16))
+        handles.append(cache)
+        if _replica_of(stack, cache) == 0:
+            break
     load = _Load(stack.stub)
     try:
         time.sleep(1.0)
@@ -297,6 +348,9 @@ def test_a_killed_replica_costs_no_stateless_call_and_rejoins(own_stack: Stack) 
             listed = stack.stub.ListCaches(pb.ListCachesRequest(cache_ids=ids), timeout=10,
                                            metadata=meta)
             assert [c.length for c in listed.caches] == [2]
+        # The client says which cache was lost, not a bare NOT_FOUND.
+        with pytest.raises(CacheLostError, match=f"cache 'c{len(handles) - 1}' was lost"):
+            handles[-1].decode(torch.randn(1, 4, 16), [f"c{len(handles) - 1}"])
         # It comes back on its port and takes load again.
         stack.restart(0)
         stack.wait_healthy(3)
@@ -305,6 +359,7 @@ def test_a_killed_replica_costs_no_stateless_call_and_rejoins(own_stack: Stack) 
         assert stack.served()[0] > before
     finally:
         load.stop()
+        client.close()
     print(f"failed in the first 2 s after the kill: {len(load.failures(killed))}")
 
 
