@@ -85,11 +85,15 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
                                  [i * ctx for i in range(n + 1)])
             for transport in spec["transports"]:
                 for k in spec["inflight"]:
+                    # The handle's session headers: its step streams reach its replica
+                    # behind Envoy (a server reached directly ignores them).
+                    meta = cache.session_metadata
                     if k == 1:
-                        res = _sync_round(client, spec, transport, ids, qs, ks, vs, barrier, t)
+                        res = _sync_round(client, spec, transport, ids, qs, ks, vs, barrier, t,
+                                          meta)
                     else:
                         res = asyncio.run(_async_round(k, spec, transport, kw, ids, qs, ks, vs,
-                                                       barrier, t))
+                                                       barrier, t, meta))
                     out.put(res)
     except BaseException as exc:  # reported to the main process, which stops the group
         barrier.abort()
@@ -119,7 +123,7 @@ def _placed(region: Any, transport: str, qs: list[Any], ks: list[Any], vs: list[
 
 def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[list[str]],
                 qs: list[Any], ks: list[Any], vs: list[Any], barrier: Any,
-                t: float) -> dict[str, Any]:
+                t: float, meta: Any = None) -> dict[str, Any]:
     L, lat = spec["layers"], []
     nbytes = 2 * _region_bytes([qs, ks, vs])
     region = (None if transport == "bytes" else client.register_shm(nbytes)
@@ -127,7 +131,7 @@ def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[lis
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
     # Bytes: the step as any client sends it (no region arguments: older clients run it too).
     kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
-    with client.decode_steps() as steps:
+    with client.decode_steps(metadata=meta) as steps:
         for i in range(spec["warmup"]):
             x = i % L
             steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])
@@ -149,7 +153,7 @@ def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[lis
 
 async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[str, Any],
                        ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
-                       barrier: Any, t: float) -> dict[str, Any]:
+                       barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
     from attention_client.aio import AsyncAttentionClient
 
     L, lat, store = spec["layers"], [], spec["store"]
@@ -171,7 +175,7 @@ async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[st
                   if transport == "shm" else await client.register_cuda(nbytes))
         qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
         extra = [{} if region is None else {"out": o, "use_regions": True} for o in outs]
-        handles = [client.decode_steps() for _ in range(k)]
+        handles = [client.decode_steps(metadata=meta) for _ in range(k)]
         share = lambda n, j: n // k + (j < n % k)  # noqa: E731
         await asyncio.gather(*(loop(s, j, share(spec["warmup"], j), False)
                                for j, s in enumerate(handles)))

@@ -168,14 +168,16 @@ def _callable(channel: grpc.aio.Channel, method: str, unary: bool) -> Any:
 
 
 async def _call(channel: grpc.aio.Channel, method: str, msgs: list[bytes],
-                unary: bool = False) -> pb.RequestStats:
+                unary: bool = False, metadata: Any = None) -> pb.RequestStats:
     """One call; ``unary`` and a one-message request: through the rpc's unary twin, as
-    attention_client sends such a call (a decode step is one)."""
+    attention_client sends such a call (a decode step is one). ``metadata``: the session's
+    header, for a server behind Envoy."""
     if unary and len(msgs) == 1:
-        return (await _callable(channel, method, True)(msgs[0], timeout=60)).stats
+        return (await _callable(channel, method, True)(msgs[0], timeout=60,
+                                                         metadata=metadata)).stats
     call = _callable(channel, method, False)
     stats = None
-    async for reply in call(iter(msgs), timeout=60):
+    async for reply in call(iter(msgs), timeout=60, metadata=metadata):
         if reply.HasField("stats"):
             stats = reply.stats
     assert stats is not None
@@ -186,14 +188,15 @@ class _StepStream:
     """Steps on one CacheDecodeSteps stream, as ``client.decode_steps()`` sends them (opened
     again after a failed step)."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(self, channel: grpc.aio.Channel, metadata: Any = None) -> None:
         self._rpc = channel.stream_stream(METHOD + "CacheDecodeSteps", request_serializer=None,
                                           response_deserializer=pb.AttentionResult.FromString)
         self._call: Any = None
+        self._metadata = metadata
 
     async def step(self, message: bytes) -> pb.RequestStats:
         if self._call is None or self._call.done():
-            self._call = self._rpc()
+            self._call = self._rpc(metadata=self._metadata)
         try:
             await self._call.write(message)
             reply = await asyncio.wait_for(self._call.read(), 60)
@@ -215,6 +218,8 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
                   step_stream: bool = False) -> None:
     setup, step = _requests(s, mode, cache_id, seed)
     method = "CacheDecode" if mode == "sessions" else "Decode"
+    # The cache's session: all its calls reach one replica behind Envoy (ignored direct).
+    meta = (("x-attention-session", cache_id),) if mode == "sessions" else None
     # A connection per client, as separate user processes would have (grpc otherwise shares
     # one among a process's equal channels, and a multi-front-end server spreads connections).
     async with grpc.aio.insecure_channel(
@@ -225,15 +230,15 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
                                     request_serializer=pb.CreateCachesRequest.SerializeToString,
                                     response_deserializer=pb.CreateCachesResponse.FromString)
             await create(pb.CreateCachesRequest(cache_ids=[cache_id], layout=s.layout()),
-                         timeout=60)
-            await _call(ch, "AppendKV", setup)
+                         timeout=60, metadata=meta)
+            await _call(ch, "AppendKV", setup, metadata=meta)
         out["step_bytes"] = sum(len(m) for m in step)
-        steps = _StepStream(ch) if step_stream and len(step) == 1 else None
+        steps = _StepStream(ch, meta) if step_stream and len(step) == 1 else None
         while time.time() < t_end:
             t0 = time.perf_counter()
             try:
                 stats = await (steps.step(step[0]) if steps is not None
-                               else _call(ch, method, step, unary))
+                               else _call(ch, method, step, unary, meta))
             except grpc.aio.AioRpcError as exc:
                 out["errors"][exc.code().name] = out["errors"].get(exc.code().name, 0) + 1
                 continue
@@ -247,7 +252,8 @@ async def _client(target: str, s: Shapes, mode: str, cache_id: str, seed: int,
             release = ch.unary_unary(METHOD + "ReleaseCaches",
                                      request_serializer=pb.ReleaseCachesRequest.SerializeToString,
                                      response_deserializer=pb.ReleaseCachesResponse.FromString)
-            await release(pb.ReleaseCachesRequest(cache_ids=[cache_id]), timeout=60)
+            await release(pb.ReleaseCachesRequest(cache_ids=[cache_id]), timeout=60,
+                          metadata=meta)
 
 
 def _echo_server(q: Any, reply_bytes: int) -> None:
