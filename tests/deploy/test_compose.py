@@ -189,3 +189,32 @@ def test_the_contract_lists_every_server_setting() -> None:
 
     assert {env for _, env, _ in _ENV.values()} <= contract_envs()
 
+
+
+@pytest.mark.parametrize(("profile", "gpus"), [(None, 2), ("gpus-4", 4), ("gpus-8", 8)])
+def test_replicas_override_runs_one_replica_per_gpu_behind_envoy(profile: str | None,
+                                                                 gpus: int) -> None:
+    # Issue 64: docker-compose.replicas.yml, for 2, 4 and 8 GPUs.
+    extra = ("--profile", profile) if profile else ()
+    cfg = _config([*BASE, "-f", "docker-compose.replicas.yml"], *extra)
+    services = cfg["services"]
+    replicas = sorted((n for n in services if n.startswith("attention")),
+                      key=lambda n: int(n.rpartition("-")[2]) if "-" in n else 0)
+    assert len(replicas) == gpus
+    for i, name in enumerate(replicas):
+        svc = services[name]
+        (device,) = svc["deploy"]["resources"]["reservations"]["devices"]
+        assert device["device_ids"] == [str(i)] and "count" not in device
+        assert not svc.get("ports")  # Envoy is the door
+        if i:  # the others answer the name Envoy and Prometheus resolve
+            assert svc["networks"]["default"]["aliases"] == ["attention"]
+            assert svc["image"] == services["attention"]["image"]
+            assert svc["environment"] == services["attention"]["environment"]
+    envoy = services["envoy"]
+    assert [p["target"] for p in envoy["ports"]] == [50051, 9901]
+    assert envoy["ports"][1]["host_ip"] == "127.0.0.1"  # the admin has no auth
+    (mount,) = envoy["volumes"]
+    assert mount["source"] == str(REPO / "deploy" / "envoy" / "envoy.yaml")
+    assert envoy["command"][envoy["command"].index("-c") + 1] == mount["target"]
+    assert "LOCUST_HOST=envoy:50051" in services["loadtest"]["environment"] or \
+        services["loadtest"]["environment"].get("LOCUST_HOST") == "envoy:50051"

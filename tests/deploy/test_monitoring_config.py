@@ -43,6 +43,8 @@ def target_labels() -> set[str]:
     for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]:
         for static in job.get("static_configs", []):
             labels |= set(static.get("labels", {}))
+        labels |= {r["target_label"] for r in job.get("relabel_configs", [])
+                   if "target_label" in r}
     return labels
 
 
@@ -60,9 +62,15 @@ def test_prometheus_scrapes_the_service() -> None:
     assert re.fullmatch(r"\d+[smh]", interval)
     (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "attention"]
     assert job.get("metrics_path", "/metrics") == "/metrics"
-    targets = [t for s in job["static_configs"] for t in s["targets"]]
+    # Every replica: the service name's A records (one per container), on the metrics port.
+    (sd,) = job["dns_sd_configs"]
     env = dict(e.split("=", 1) for e in COMPOSE["services"]["attention"]["environment"] if "=" in e)
-    assert targets == [f"attention:{env['ATTENTION_METRICS_PORT']}"]
+    assert (sd["names"], sd["type"], sd["port"]) == (["attention"], "A",
+                                                      int(env["ATTENTION_METRICS_PORT"]))
+    (envoy,) = [j for j in config["scrape_configs"] if j["job_name"] == "envoy"]
+    assert envoy["metrics_path"] == "/stats/prometheus"
+    admin = yaml.safe_load((REPO / "deploy/envoy/envoy.yaml").read_text())["admin"]
+    assert envoy["dns_sd_configs"][0]["port"] == admin["address"]["socket_address"]["port_value"]
     names = [j["job_name"] for j in config["scrape_configs"]]
     assert len(names) == len(set(names))
 
