@@ -216,6 +216,19 @@ def template_metrics(dashboard: dict) -> list[tuple[str, str]]:
 Catalog = dict[str, tuple[str, set[str]]]
 
 
+def contract_envoy_metrics() -> dict[str, tuple[str, set[str]]]:
+    """{name: (type, labels)} of the Envoy series the dashboard reads (docs/CONTRACTS.md)."""
+    out = {}
+    for row in _table_rows("Envoy metrics"):
+        labels = {x.strip() for x in row[2].split(",")} - {"-", ""}
+        out[row[0].strip("`")] = (row[1].split()[0], labels)
+    return out
+
+
+def envoy_catalog() -> Catalog:
+    return {name: (kind, set(labels)) for name, (kind, labels) in contract_envoy_metrics().items()}
+
+
 def catalog_from_contract() -> Catalog:
     """The series names the contract promises, with the suffixes Prometheus exposes."""
     out: Catalog = {}

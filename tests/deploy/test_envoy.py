@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -41,7 +42,7 @@ from ..service.svc_helpers import (
     random_qkv,
     sample,
 )
-from ._helpers import REPO
+from ._helpers import REPO, contract_envoy_metrics
 
 ENVOY = shutil.which("envoy")
 CONFIG = REPO / "deploy" / "envoy" / "envoy.yaml"
@@ -376,3 +377,30 @@ def test_a_draining_replica_fails_no_call(own_stack: Stack) -> None:
         load.stop()
     assert not load.failures(), load.failures()[:5]
     assert len(load.ended) > 50
+
+
+def _raw_catalog(text: str) -> dict[str, tuple[str, set[str]]]:
+    """{series name: (type, labels)} of a text exposition, names as Prometheus stores them
+    (prometheus_client's parser would add ``_total`` to Envoy's counters, which lack it)."""
+    kinds: dict[str, str] = {}
+    labels: dict[str, set[str]] = {}
+    for line in text.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            kinds[name] = kind
+        elif line and not line.startswith("#"):
+            name, _, rest = line.partition("{")
+            labels.setdefault(name.split()[0], set()).update(
+                re.findall(r'(\w+)="', rest.partition("}")[0]))
+    return {n: (kinds.get(n, "untyped"), ls) for n, ls in labels.items()}
+
+
+def test_envoy_exports_the_series_the_dashboard_reads(stack: Stack) -> None:
+    # docs/CONTRACTS.md's Envoy table against a running Envoy (the dashboard checks read it).
+    url = f"http://127.0.0.1:{stack.admin}/stats/prometheus"
+    catalog = _raw_catalog(urllib.request.urlopen(url, timeout=10).read().decode())
+    wanted = contract_envoy_metrics()
+    assert len(wanted) >= 5
+    for name, (kind, labels) in wanted.items():
+        assert name in catalog, f"{name} is not exported by Envoy"
+        assert catalog[name][0] == kind and labels <= catalog[name][1], (name, catalog[name])

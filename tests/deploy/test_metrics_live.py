@@ -27,6 +27,7 @@ from ._helpers import (
     catalog_from_exposition,
     check_dashboard,
     check_queries,
+    contract_envoy_metrics,
     contract_metrics,
     dashboard_queries,
     grafana_to_promql,
@@ -87,8 +88,9 @@ def exposition(server: Server) -> str:
 
 
 def _without_optional(dashboard: dict) -> dict:
-    """The dashboard less the queries that read only (NVML) metrics, absent on cpu."""
-    optional = optional_metrics()
+    """The dashboard less the queries that read only (NVML) metrics, absent on cpu, and
+    Envoy's (tests/deploy/test_envoy.py checks those against a running Envoy)."""
+    optional = optional_metrics() | set(contract_envoy_metrics())
     d = json.loads(json.dumps(dashboard))
     for p in d["panels"]:
         p["targets"] = [
