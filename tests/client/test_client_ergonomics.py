@@ -292,6 +292,9 @@ def test_settings_reach_every_kind_of_rpc(fake):
     for method, timeout, metadata, wait in capture.calls[:-1]:
         assert method == "PrefillSteps" or 6 < timeout <= 7, method
         assert wait is True, method
+        # A cache handle's calls carry its session key too (for a proxy's affinity).
+        session = metadata.pop("x-attention-session", None)
+        assert (session is not None) == (method in ("CreateCaches", "ForkCache")), method
         assert metadata == {"x-client": "c", "x-call": "1"}, method
     _, timeout, metadata, wait = capture.calls[-1]
     assert 2 < timeout <= 3 and wait is False and metadata == {"x-client": "c"}
