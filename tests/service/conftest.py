@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,5 +41,13 @@ def no_tracebacks(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
     yield
     records = caplog.get_records("setup") + caplog.get_records("call")  # not teardown's
     traced = [f"{r.levelname} {r.getMessage()}" for r in records
-              if r.exc_info or r.exc_text or "Traceback" in r.getMessage()]
+              if (r.exc_info or r.exc_text or "Traceback" in r.getMessage())
+              and not _closed_loop(r)]
     assert not traced, f"tracebacks logged: {traced}"
+
+
+def _closed_loop(record: logging.LogRecord) -> bool:
+    """grpc's poller thread posting to the loop of a server an earlier test closed (seen once
+    in CI, logged by asyncio during the next test's setup): the harness, not a server."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"
