@@ -23,7 +23,6 @@ from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Received,
     UploadBudget,
-    UploadPace,
     receive_request,
     response_messages,
     stats_message,
@@ -139,7 +138,6 @@ class AttentionServicer:
         self._config = config
         self._limits = Limits.of(config)
         self._uploads = UploadBudget(config.max_upload_bytes, config.max_upload_share)
-        self._pace = UploadPace.of(config)
         self._link = link
         self._metrics = metrics
         self._info = info
@@ -234,7 +232,7 @@ class AttentionServicer:
             call.caller = self._principals.of(context)
             received = await receive_request(
                 op, requests, self._limits, self._link, self._uploads,
-                upload_caller(call.caller, call.peer), self._pace, unary=unary,
+                upload_caller(call.caller, call.peer), unary=unary,
                 proxied=_proxied(context))
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3

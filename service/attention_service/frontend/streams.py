@@ -7,12 +7,11 @@ import functools
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import grpc
 import numpy as np
 
-from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
+from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
 from attention_service.frontend.wire import chunk_head, output_chunk_parts, parse_request
@@ -106,17 +105,6 @@ class Upload:
         self.charged = 0
 
 
-class UploadPace(NamedTuple):
-    """How slowly an upload may arrive (``--upload-idle-timeout``, ``--min-upload-rate``)."""
-
-    idle_s: float  # longest wait for the next message of an incomplete upload (0: none)
-    min_rate: int  # bytes/s it must average once idle_s has passed since its header
-
-    @staticmethod
-    def of(config: ServerConfig) -> UploadPace:
-        return UploadPace(config.upload_idle_timeout, config.min_upload_rate)
-
-
 @dataclass
 class Received:
     """A fully received request: its params, the tensors in regions, the rest in buffers,
@@ -148,18 +136,18 @@ class Received:
 
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
-    budget: UploadBudget, caller: str = "", pace: UploadPace = UploadPace(0, 0),
-    unary: bool = False, proxied: bool = False,
+    budget: UploadBudget, caller: str = "", unary: bool = False, proxied: bool = False,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
     from ``link`` for every tensor not in a region, outputs included, charged to ``caller``'s
     share of ``budget``: in full at the header when the link pins them, else as the bytes
-    arrive (``Upload``), the outputs with the last message. A stream slower than ``pace``
-    ends. On any failure buffers and charge are given back before this raises. ``unary``:
-    the request is its one message, and the outputs must fit the one response message
-    (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the call came through a proxy, so its tensors may
-    not name regions (registered with one replica directly)."""
+    arrive (``Upload``), the outputs with the last message. A stream slower than ``limits``
+    allow (``upload_idle_timeout``, ``min_upload_rate``) ends. On any failure buffers and
+    charge are given back before this raises. ``unary``: the request is its one message, and
+    the outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the
+    call came through a proxy, so its tensors may not name regions (registered with one
+    replica directly)."""
     it = requests.__aiter__()
     try:
         raw = await it.__anext__()
@@ -199,7 +187,7 @@ async def receive_request(
             )
             chunks.add(first.chunks)
             if not unary:
-                await _receive_rest(it, op, chunks, upload, len(raw), pace)
+                await _receive_rest(it, op, chunks, upload, len(raw), limits)
             chunks.finish()
             upload.cover(total)  # the outputs
         except BaseException:
@@ -213,27 +201,27 @@ async def receive_request(
 
 async def _receive_rest(
     it: AsyncIterator[bytes], op: Op, chunks: ChunkAssembler, upload: Upload, received: int,
-    pace: UploadPace,
+    limits: Limits,
 ) -> None:
-    """The messages after the header's, until the client ends the stream, within ``pace``:
-    no wait for a message longer than ``idle_s``, and ``min_rate`` bytes/s on average once
-    ``idle_s`` has passed."""
+    """The messages after the header's, until the client ends the stream, no slower than
+    ``limits`` allow: no wait for a message longer than ``upload_idle_timeout``, and
+    ``min_upload_rate`` bytes/s on average once that long has passed."""
     loop = asyncio.get_running_loop()
     start = loop.time()
-    idle_s = pace.idle_s or None
+    idle_s, min_rate = limits.upload_idle_timeout, limits.min_upload_rate
     try:
-        async with asyncio.timeout_at(idle_s and start + idle_s) as timer:
+        async with asyncio.timeout_at(start + idle_s if idle_s else None) as timer:
             async for raw in it:
                 received += len(raw)
                 now = loop.time()
                 if idle_s:
                     timer.reschedule(now + idle_s)
-                    late = now - start - idle_s
-                    if late > 0 and received < pace.min_rate * late:
-                        raise exhausted(
-                            "chunks", f"{received} bytes in {now - start:.1f} s, under the "
-                            f"server's minimum upload rate of {pace.min_rate} bytes/s "
-                            "(--min-upload-rate)")
+                late = now - start - idle_s
+                if min_rate and late > 0 and received < min_rate * late:
+                    raise exhausted(
+                        "chunks", f"{received} bytes in {now - start:.1f} s, under the "
+                        f"server's minimum upload rate of {min_rate} bytes/s "
+                        "(--min-upload-rate)")
                 msg = parse_request(raw, op)
                 if msg.header is not None:
                     raise invalid("header", "repeated: only the first message may carry a "
@@ -243,7 +231,7 @@ async def _receive_rest(
     except TimeoutError:
         raise RequestError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"chunks: no message for {pace.idle_s:g} s while the upload was incomplete "
+            f"chunks: no message for {idle_s:g} s while the upload was incomplete "
             f"({received} bytes received; --upload-idle-timeout)") from None
 
 

@@ -43,12 +43,18 @@ MAX_HEAD_DIM = 256
 
 
 class Limits(NamedTuple):
-    """What one request may ask of the server (``ServerConfig``'s admission limits)."""
+    """What one request may ask of the server (``ServerConfig``'s admission limits), and how
+    slowly it may arrive."""
 
     max_request_bytes: int
     max_sequences: int
     max_heads_ratio: int
     max_request_flops: float
+    # How slowly an upload may arrive (streams.receive_request): the longest wait for the next
+    # message of an incomplete one (0: none), and the bytes/s it must average once that long
+    # has passed since its header (0: no minimum).
+    upload_idle_timeout: float
+    min_upload_rate: int
 
     @staticmethod
     def of(config: ServerConfig) -> Limits:
