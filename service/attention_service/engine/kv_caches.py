@@ -355,11 +355,8 @@ class CacheRegistry:
         of all the owner's caches by id, never holding the lock for a sort."""
         pool = self._pool()
         size = min(req.page_size or LIST_PAGE, MAX_LIST_PAGE)
-        reply = pb.ListCachesResponse()
-        page = _Page()
-        if req.pool_only:
-            pass
-        elif req.cache_ids:
+        page, token = _Page(), ""
+        if req.cache_ids and not req.pool_only:
             start = _page_index(req.page_token, len(req.cache_ids))
             with self._lock:
                 for i in range(start, min(start + size, len(req.cache_ids))):
@@ -367,9 +364,8 @@ class CacheRegistry:
                     if not page.add(self._info(c)):
                         break
             end = start + len(page.caches)
-            if end < len(req.cache_ids):
-                reply.next_page_token = f"i{end}"
-        else:
+            token = f"i{end}" if end < len(req.cache_ids) else ""
+        elif not req.pool_only:
             after = _page_after(req.page_token)
             with self._lock:
                 ids = [cid for o, cid in self._caches if o == owner and cid > after]
@@ -382,18 +378,18 @@ class CacheRegistry:
                         more = True
                         break
                     last = cid
-            if more:
-                reply.next_page_token = "a" + last
-        reply.caches.extend(page.caches)
+            token = "a" + last if more else ""
         with self._lock:
-            reply.pool.CopyFrom(pb.KvPoolInfo(
-                page_bytes=pool.page_bytes, pages_total=pool.pages_total,
-                pages_used=pool.pages_used, pages_free=pool.pages_free,
-                caches_live=len(self._caches), ttl_seconds=self.ttl,
-                caller_pages_used=pool.held(owner), caller_pages_limit=pool.caller_pages,
-                caller_caches=self._per_owner.get(owner, 0),
-            ))
-        return reply
+            return pb.ListCachesResponse(
+                caches=page.caches, next_page_token=token,
+                pool=pb.KvPoolInfo(
+                    page_bytes=pool.page_bytes, pages_total=pool.pages_total,
+                    pages_used=pool.pages_used, pages_free=pool.pages_free,
+                    caches_live=len(self._caches), ttl_seconds=self.ttl,
+                    caller_pages_used=pool.held(owner), caller_pages_limit=pool.caller_pages,
+                    caller_caches=self._per_owner.get(owner, 0),
+                ),
+            )
 
     # ---- helpers (under the lock) -------------------------------------------------------
 
