@@ -34,7 +34,8 @@ import torch
 
 from attention_kernels import decode_ref, prefill_ref
 from attention_service.config import ServerConfig
-from attention_service.engine.backends import WIRE_DTYPES, Backend, make_backend
+from attention_service.engine.backends import Backend, make_backend
+from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.executor import Executor
 from attention_service.engine.jobs import Job
 from attention_service.params import Op, make_params

@@ -372,7 +372,7 @@ def span_jobs(
     """Prefill jobs (causal; ``decode``: decode jobs, one query per key length, the query
     lengths unused) whose q, k, v and (NaN-poisoned) out lie in ``u8`` as byte spans, as a
     front end's arena hands them to the engine: (jobs, each job's (q, k, v) as written)."""
-    from attention_service.engine.backends import WIRE_DTYPES
+    from attention_service.engine.dtypes import WIRE_DTYPES
     from attention_service.engine.jobs import ByteBase, Job
     from attention_service.params import Op, make_params
 

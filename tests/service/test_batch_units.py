@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from attention_kernels import decode_ref, prefill_ref
-from attention_service.engine.backends import WIRE_DTYPES, CpuBackend
+from attention_service.engine.backends import CpuBackend
 from attention_service.engine.batch_plan import BatchPlan, batch_key
 from attention_service.engine.batch_queue import BatchQueue, Waiter
+from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.executor import Executor
 from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job
 from attention_service.errors import Cancelled, RequestError

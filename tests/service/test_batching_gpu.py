@@ -71,8 +71,9 @@ def test_merged_gpu_launch_gives_each_caller_its_rows(held_gpu_server) -> None: 
 def test_batches_in_flight_match_single_launches() -> None:
     """Two batches issued back to back (two streams, no wait in between) write each job the
     same rows as that job launched alone."""
-    from attention_service.engine.backends import WIRE_DTYPES, CudaBackend
+    from attention_service.engine.backends import CudaBackend
     from attention_service.engine.batch_plan import BatchPlan
+    from attention_service.engine.dtypes import WIRE_DTYPES
     from attention_service.engine.jobs import Job
     from attention_service.params import make_params
 
@@ -107,8 +108,9 @@ def test_batches_in_flight_match_single_launches() -> None:
 def test_lone_device_job_runs_in_place() -> None:
     """A job whose tensors already live on the GPU (a CUDA region) is read and written in
     place: the kernel's output is the job's own destination."""
-    from attention_service.engine.backends import WIRE_DTYPES, CudaBackend
+    from attention_service.engine.backends import CudaBackend
     from attention_service.engine.batch_plan import BatchPlan
+    from attention_service.engine.dtypes import WIRE_DTYPES
     from attention_service.engine.jobs import Job
     from attention_service.params import make_params
 

@@ -19,10 +19,6 @@ import torch
 from attention_kernels.fp8 import dequantize_kv
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.cpu_attention import attend
-
-# Re-exported: tests and benchmarks take the dtype maps from here (they live in dtypes.py).
-from attention_service.engine.dtypes import TORCH_DTYPES as TORCH_DTYPES
-from attention_service.engine.dtypes import WIRE_DTYPES as WIRE_DTYPES
 from attention_service.engine.jobs import (
     CancelFlag,
     Cancelled,
