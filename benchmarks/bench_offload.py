@@ -16,7 +16,11 @@ tokens), client CPU per step (median over hosts of process_time / steps), server
 (psutil, the server and its children, over the window from the hosts' common start to their
 common end), wire bytes per step. On cuda: ``paged_decode`` timed here (CUDA events, median)
 on a paged cache of B sequences and of the merged hosts x B, and the fraction of the kernel's
-rate = (B x steps/s) / (hosts x B / merged kernel time). Writes ``bench_offload_<UTC>.json/md``.
+rate = (B x steps/s) / (hosts x B / merged kernel time). ``--floor`` (default on): the peer
+for the host side, a bare Python gRPC stream that echoes messages of the step's sizes (its
+tensor bytes plus header, or the header alone with regions) from a server process of its own,
+measured in the same run: its p50 and client CPU per step are what Python gRPC costs for those
+bytes before any work. Writes ``bench_offload_<UTC>.json/md``.
 
     python benchmarks/bench_offload.py                                   # GPU defaults
     python benchmarks/bench_offload.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
@@ -195,6 +199,64 @@ async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[st
 
 # ---- main process -------------------------------------------------------------------------
 
+# ---- the gRPC floor: a bare echo of the step's sizes -------------------------------------
+
+_ECHO = "/bench.Echo/Steps"
+_ECHO_OPTS = [("grpc.max_receive_message_length", 64 << 20),
+              ("grpc.max_send_message_length", 64 << 20)]
+
+
+def _echo_server(port: Any, reply_bytes: int) -> None:
+    """A process: a grpc.aio server whose one stream rpc answers each message with
+    ``reply_bytes`` bytes (no parsing: raw bytes both ways). Puts its port in ``port``."""
+    async def serve() -> None:
+        reply = b"\0" * reply_bytes
+
+        async def steps(requests: Any, context: Any) -> Any:
+            async for _ in requests:
+                yield reply
+
+        server = grpc.aio.server(options=_ECHO_OPTS)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "bench.Echo", {"Steps": grpc.stream_stream_rpc_method_handler(steps)}),))
+        port.put(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def grpc_floor(up: int, down: int, steps: int, warmup: int) -> tuple[float, float]:
+    """(p50 ms, client CPU ms) per exchange of ``up`` bytes out and ``down`` back on one
+    kept-open stream, the sync client as ``decode_steps()`` drives it (a request iterator fed
+    from a queue, the answer read in the caller's thread)."""
+    ctx = mp.get_context("spawn")
+    port_q = ctx.Queue()
+    proc = ctx.Process(target=_echo_server, args=(port_q, down), daemon=True)
+    proc.start()
+    try:
+        port = port_q.get(timeout=60)
+        with grpc.insecure_channel(f"127.0.0.1:{port}", options=_ECHO_OPTS) as channel:
+            feed: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+            answers = channel.stream_stream(_ECHO)(iter(feed.get, None))
+            message, lat = b"\1" * up, []
+            for _ in range(warmup):
+                feed.put(message)
+                next(answers)
+            c0 = time.process_time()
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                feed.put(message)
+                next(answers)
+                lat.append(time.perf_counter() - t0)
+            cpu = time.process_time() - c0
+            feed.put(None)
+        return 1e3 * statistics.median(lat), 1e3 * cpu / steps
+    finally:
+        proc.kill()
+        proc.join(5)
+
+
 def _tree_cpu(pid: int | None) -> float:
     """User + system CPU seconds of ``pid`` and its live descendants (the front ends)."""
     if pid is None:
@@ -325,12 +387,12 @@ def _f(x: Any, nd: int = 2) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| B | context | hosts | transport | inflight | p50 ms | p99 ms | steps/s | tokens/s "
             "| client CPU ms/step | server CPU ms/step | tensor KiB out/back | kernel us (step) "
-            "| kernel us (merged) | fraction |")
+            "| kernel us (merged) | fraction | gRPC echo p50 ms | echo client CPU ms |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "steps" not in r:
             lines.append(f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
-                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 9)
+                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 11)
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
@@ -338,7 +400,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['steps_per_s']:.1f} | {r['tokens_per_s']:.0f} | {_f(r['client_cpu_ms'], 3)} | "
             f"{_f(r['server_cpu_ms'], 3)} | {r['wire_out_bytes'] / 1024:.1f}/"
             f"{r['wire_back_bytes'] / 1024:.1f} | {_f(r.get('kernel_us'), 1)} | "
-            f"{_f(r.get('merged_kernel_us'), 1)} | {_f(r.get('fraction'), 3)} |")
+            f"{_f(r.get('merged_kernel_us'), 1)} | {_f(r.get('fraction'), 3)} | "
+            f"{_f(r.get('echo_p50_ms'), 3)} | {_f(r.get('echo_client_cpu_ms'), 3)} |")
     return "\n".join(lines)
 
 
@@ -367,6 +430,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="time the local paged_decode kernel (cuda only)")
     p.add_argument("--kernel-reps", type=int, default=50)
+    p.add_argument("--floor", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure a bare gRPC echo of each point's message sizes (one host)")
     # What bench_service.Server reads from the namespace.
     p.set_defaults(max_batch_tokens=None, max_queue_delay_ms=None, server_log_level="WARNING",
                    startup_timeout=600.0, server_cpus=None)
@@ -413,6 +478,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if server is not None:
             server.stop()  # frees its pool for the kernel timings below
+    if args.floor:
+        floors: dict[tuple[int, int], tuple[float, float]] = {}
+        for r in rows:
+            if "steps" not in r:
+                continue
+            # The step's message: its tensors unless in a region, plus ~40 header bytes per
+            # cache id and ~200 of the rest; the answer: out unless in a region, the stats.
+            tensors = r["transport"] == "bytes"
+            up = (r["wire_out_bytes"] if tensors else 0) + 200 + 40 * r["batch"]
+            down = (r["wire_back_bytes"] if tensors else 0) + 120
+            if (up, down) not in floors:
+                floors[(up, down)] = grpc_floor(up, down, args.steps, args.warmup)
+            r["echo_p50_ms"], r["echo_client_cpu_ms"] = floors[(up, down)]
     use_kernel = args.kernel and info.backend == "cuda" and torch.cuda.is_available()
     if use_kernel:
         times: dict[tuple[int, int], float] = {}
