@@ -1,6 +1,7 @@
 """The staged CacheDecode launch on the GPU (engine/decode_steps.py), CUDA graphs on and off,
 against the float64 paged reference: padded batches, steps with and without new tokens, a
-graph replayed with new data, and nothing in the pool written but the new tokens' slots."""
+graph replayed with new data, tensors on the device (CUDA IPC regions) as well as the host,
+and nothing in the pool written but the new tokens' slots."""
 
 from __future__ import annotations
 
@@ -95,11 +96,22 @@ def _check(jobs: list[Job], pool_k: torch.Tensor, pool_v: torch.Tensor, heads: i
         ref, ref_lse = paged_decode_ref(job.q.cuda(), pool_k, pool_v, table, lens,
                                         return_lse=True)
         tol = TOL[job.q.dtype]
-        assert not job.out.isnan().any()
-        torch.testing.assert_close(job.out.double(), ref.double().cpu(), atol=tol, rtol=tol)
+        out = job.out.cpu()
+        assert not out.isnan().any()
+        torch.testing.assert_close(out.double(), ref.double().cpu(), atol=tol, rtol=tol)
         if job.lse is not None:
-            torch.testing.assert_close(job.lse.double(), ref_lse.double().cpu(), atol=2e-2,
-                                       rtol=2e-3)
+            torch.testing.assert_close(job.lse.cpu().double(), ref_lse.double().cpu(),
+                                       atol=2e-2, rtol=2e-3)
+
+
+def _on_device(job: Job) -> Job:
+    """The job with every tensor on the GPU (as a CUDA IPC region's are), outputs poisoned."""
+    for name in ("q", "k", "v"):
+        job.set_tensor(name, job.tensor(name).cuda())  # type: ignore[union-attr]
+    job.out = torch.full_like(job.q, float("nan"))
+    if job.lse is not None:
+        job.lse = torch.full_like(job.lse, float("nan"), device="cuda")
+    return job
 
 
 @pytest.fixture(params=[True, False], ids=["graphs", "eager"])
@@ -135,6 +147,33 @@ def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads
     # another cache's keys.
     torch.testing.assert_close(pool.k, before_k, rtol=0, atol=0)
     torch.testing.assert_close(pool.v, before_v, rtol=0, atol=0)
+
+
+def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
+    """Jobs whose q, new k/v and outputs are all on the GPU (CUDA IPC regions) run on the
+    staged path too: a padded batch (new-token rows padded as well), a job without new tokens,
+    one without lse; against the reference, the pool changed only in the new tokens' slots,
+    and a replay with new data; a launch mixing host and device jobs (or a job mixing them)
+    is not eligible."""
+    pool = Pool(256, 4, 128, torch.bfloat16)
+    expect_k, expect_v = pool.k.clone(), pool.v.clone()
+    for round_ in range(3):  # the same bucket: later rounds replay the first graph
+        jobs = [_on_device(_job(pool, [1 + round_, 70], 1, 16, 50 + round_)),
+                _on_device(_job(pool, [16], 0, 16, 60 + round_)),
+                _on_device(_job(pool, [33, 5, 129], 1, 16, 70 + round_, lse=False))]
+        plan = BatchPlan(jobs)
+        assert eligible(plan)
+        steps.launch(plan, 0).wait()
+        _expected(expect_k, expect_v, jobs)
+        _check(jobs, expect_k, expect_v, 16)
+        assert steps.captured == (1 if steps.use_graphs else 0)
+    torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
+    torch.testing.assert_close(pool.v, expect_v, rtol=0, atol=0)
+    host, device = _job(pool, [9], 1, 16, 80), _on_device(_job(pool, [9], 1, 16, 81))
+    assert not eligible(BatchPlan([host, device]))
+    half = _job(pool, [9], 1, 16, 82)
+    half.out = torch.empty_like(half.q, device="cuda")  # q on the host, out on the GPU
+    assert not eligible(BatchPlan([half]))
 
 
 def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
