@@ -20,13 +20,15 @@ from attention_client._call_streams import POOLED, STEP_METHODS
 from attention_client._channel import (
     DEFAULT,
     INFO_METHOD,
+    LOAD_BALANCING,
     SERVICE,
     STREAM_RPCS,
     CallSettings,
     as_metadata,
+    balanced_target,
     call_metadata,
     channel_options,
-    check_target,
+    check_targets,
     check_timeout,
     check_wait_for_ready,
     credentials,
@@ -53,7 +55,9 @@ from attention_client._regions import (
     create_system_region,
 )
 from attention_client._requests import (
+    APPEND_KV,
     CACHE_DECODE,
+    CACHE_PREFILL,
     CacheTarget,
     KvLayout,
     KvScales,
@@ -158,12 +162,16 @@ def lane_rpcs(channel: Any) -> dict[str, Any]:
     }
 
 
+# The compute rpcs on a cache: they go where the cache lives (``ClientBase._cache_lane``).
+CACHE_METHODS = (APPEND_KV, CACHE_PREFILL, CACHE_DECODE)
+
+
 class ClientBase:
     """Holds the settings; subclasses own the channel and run the calls."""
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         token: str | None = None,
         tls: Any = None,
@@ -180,8 +188,30 @@ class ClientBase:
         call_streams: bool = True,
         stripes: int = 1,
         spread: bool = True,
+        load_balancing: str | None = None,
     ) -> None:
-        self.target = check_target(target)
+        # Several replicas without a proxy (issue 64): ``target`` a list of them, or a
+        # ``dns:`` name with load_balancing="round_robin". Stateless compute calls then go
+        # round-robin over every replica on lanes 1.. (gRPC's round_robin: a replica that is
+        # down is skipped, and UNAVAILABLE retried on another); caches, regions and the small
+        # rpcs stay on lane 0, a connection to the first target (pick_first): a cache lives
+        # on the replica that made it.
+        self.targets = check_targets(target)
+        self.target = self.targets[0]
+        if load_balancing is None:
+            load_balancing = "round_robin" if len(self.targets) > 1 else "pick_first"
+        if load_balancing not in LOAD_BALANCING:
+            raise AttentionInputError(
+                f"load_balancing must be one of {LOAD_BALANCING}, got {load_balancing!r}")
+        if load_balancing == "pick_first" and len(self.targets) > 1:
+            raise AttentionInputError("a list of targets is balanced round_robin: give "
+                                      "load_balancing='round_robin' or leave it out")
+        self.balanced = load_balancing == "round_robin"
+        self._balanced_target = balanced_target(self.targets) if self.balanced else ""
+        if self.balanced:
+            # A kept-open stream stays on one replica, and ``spread`` counts one replica's
+            # front ends: per-call balancing needs neither.
+            spread, call_streams = False, False
         # Move each connection off a crowded front end (AttentionClient._spread_lanes: at
         # construction; AsyncAttentionClient._ensure_spread: before the first compute call).
         # Every channel then has a connection of its own.
@@ -197,6 +227,8 @@ class ClientBase:
         if not 1 <= self.channels <= 64:
             raise AttentionInputError(f"channels must be in [1, 64], got {channels!r}")
         self.channels = max(self.channels, self.stripes)  # a connection per stripe at least
+        if self.balanced:
+            self.channels += 1  # lane 0: the first target's own connection
         self._turn = itertools.count()
         self.timeout = check_timeout(timeout)
         self.wait_for_ready = check_wait_for_ready(wait_for_ready)
@@ -211,6 +243,12 @@ class ClientBase:
         self._options = channel_options([*kept, *(options or ())])
         if self.channels > 1 or self.spread:  # else grpc shares a connection among equal ones
             self._options.append(("grpc.use_local_subchannel_pool", 1))
+        self._balanced_options = [*self._options, ("grpc.lb_policy_name", "round_robin")]
+        if self.balanced and self._credentials is not None and len(self.targets) > 1:
+            # Dialled by address: TLS checks the certificates against the first target's
+            # name (replicas listed by name share one in their certificates' names).
+            host = self.target.rpartition(":")[0].strip("[]")
+            self._balanced_options.append(("grpc.ssl_target_name_override", host))
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)
         # Calls that fit one message each way go through the unary twin rpcs (see
@@ -227,6 +265,26 @@ class ClientBase:
         # needs their num_kv_heads); others are looked up with ListCaches once.
         self._cache_layouts: dict[str, KvLayout] = {}
         self.closed = False  # set by close(): every later call raises AttentionError
+
+    def _lane_channel(self, lane_no: int) -> tuple[str, list[tuple[str, Any]]]:
+        """The target and options of lane ``lane_no``'s channel."""
+        if self.balanced and lane_no:
+            return self._balanced_target, self._balanced_options
+        return self.target, self._options
+
+    def _compute_lane(self) -> int:
+        """The next lane in turn for a stateless compute call."""
+        if self.balanced:
+            return 1 + next(self._turn) % (self.channels - 1)
+        return next(self._turn) % self.channels
+
+    def _cache_lane(self) -> int:
+        """The lane of a cache's compute call or step stream: any (in turn) on one server,
+        the first target's when balanced (where its caches are)."""
+        return 0 if self.balanced else next(self._turn) % self.channels
+
+    def _lane_for(self, method: str) -> int:
+        return self._cache_lane() if method in CACHE_METHODS else self._compute_lane()
 
     def _settings(
         self, timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,

@@ -27,6 +27,7 @@ import json
 import numbers
 import os
 import re
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -132,6 +133,51 @@ def check_target(target: Any) -> str:
             why = "is not 'HOST:PORT' with a numeric port"
         raise AttentionInputError(f"target {target!r} {why}")
     return target
+
+
+LOAD_BALANCING = ("pick_first", "round_robin")
+
+
+def check_targets(target: Any) -> tuple[str, ...]:
+    """One target (``check_target``) or a non-empty list of distinct ``HOST:PORT`` replicas."""
+    if isinstance(target, list | tuple):
+        if not target:
+            raise AttentionInputError("target: an empty list names no server")
+        targets = tuple(check_target(t) for t in target)
+        for t in targets:
+            if len(targets) > 1 and t.startswith(_RESOLVER_PREFIXES):
+                raise AttentionInputError(
+                    f"target {t!r}: a list of replicas holds 'HOST:PORT' entries; for a DNS "
+                    "name of several replicas give 'dns:///NAME:PORT' alone with "
+                    "load_balancing='round_robin'")
+        if len(set(targets)) != len(targets):
+            raise AttentionInputError(f"target lists a replica twice: {list(targets)}")
+        return targets
+    return (check_target(target),)
+
+
+def balanced_target(targets: Sequence[str]) -> str:
+    """gRPC's target for round-robin over ``targets``: a ``dns:`` target as it is (gRPC
+    resolves it, again as connections fail); a list of ``HOST:PORT`` resolved here, once, into
+    one ``ipv4:`` (or ``ipv6:``) address list (a name of several addresses gives each).
+    AttentionInputError for a name that does not resolve."""
+    if len(targets) == 1 and targets[0].startswith(_RESOLVER_PREFIXES):
+        return targets[0]
+    v4: list[str] = []
+    v6: list[str] = []
+    for t in targets:
+        host, _, port = t.rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise AttentionInputError(f"target {t!r} does not resolve: {exc}") from None
+        for family, _, _, _, addr in infos:
+            if family == socket.AF_INET and f"{addr[0]}:{port}" not in v4:
+                v4.append(f"{addr[0]}:{port}")
+            elif family == socket.AF_INET6 and f"[{addr[0]}]:{port}" not in v6:
+                v6.append(f"[{addr[0]}]:{port}")
+    # One address family per target string (gRPC's ipv4:/ipv6: resolvers): IPv4 when any.
+    return "ipv4:" + ",".join(v4) if v4 else "ipv6:" + ",".join(v6)
 
 
 def channel_options(extra: Sequence[tuple[str, Any]] | None = None) -> list[tuple[str, Any]]:

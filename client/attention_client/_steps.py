@@ -51,8 +51,8 @@ class _StepsBase:
         self._client = client
         self._timeout, self._metadata, self._wait_for_ready = timeout, metadata, wait_for_ready
         # Its connection, by number: the async client may replace connections (``spread``)
-        # before the first step.
-        self._lane_no = next(client._turn) % len(client._lanes)
+        # before the first step. Its caches' server's (``_cache_lane``).
+        self._lane_no = client._cache_lane()
         self._unsupported = False  # the server has no CacheDecodeSteps: decode_step's path
         self.closed = False
         # The last step's (options key, request): the template of the next step like it.

@@ -64,7 +64,7 @@ class AsyncAttentionClient(ClientBase):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         token: str | None = None,
         tls: Any = None,
@@ -82,19 +82,21 @@ class AsyncAttentionClient(ClientBase):
         call_streams: bool = True,
         stripes: int = 1,
         spread: bool = True,
+        load_balancing: str | None = None,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
             unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
+            load_balancing=load_balancing,
         )
         self._interceptors = list(interceptors) if interceptors else None
         self._channels: list[grpc.aio.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = AsyncCallStreams()
-        for _ in range(self.channels):
-            ch, lane = self._open_lane()
+        for i in range(self.channels):
+            ch, lane = self._open_lane(i)
             self._channels.append(ch)
             self._lanes.append(lane)
         self._bind(self._channels[0])
@@ -112,15 +114,15 @@ class AsyncAttentionClient(ClientBase):
         self._watchers: list[asyncio.Task[None] | None] = [None] * self.channels
         self._placing: list[asyncio.Task[None] | None] = [None] * self.channels
 
-    def _open_lane(self) -> tuple[grpc.aio.Channel, dict[str, Any]]:
-        """A new channel (a connection of its own) and its compute rpcs."""
+    def _open_lane(self, lane_no: int) -> tuple[grpc.aio.Channel, dict[str, Any]]:
+        """A new channel for lane ``lane_no`` (a connection of its own) and its compute rpcs."""
         icpts = self._interceptors
+        target, options = self._lane_channel(lane_no)
         if self._credentials is None:
-            ch = grpc.aio.insecure_channel(self.target, options=self._options,
-                                           interceptors=icpts)
+            ch = grpc.aio.insecure_channel(target, options=options, interceptors=icpts)
         else:
             ch = grpc.aio.secure_channel(
-                self.target, self._credentials, options=self._options, interceptors=icpts
+                target, self._credentials, options=options, interceptors=icpts
             )
         return ch, lane_rpcs(ch)
 
@@ -191,7 +193,7 @@ class AsyncAttentionClient(ClientBase):
         watcher = self._watchers[lane_no]
         if watcher is not None:
             watcher.cancel()
-        self._channels[lane_no], self._lanes[lane_no] = self._open_lane()
+        self._channels[lane_no], self._lanes[lane_no] = self._open_lane(lane_no)
         self._lost.placed(lane_no, new_channel=True)
         if watcher is not None:
             self._watch(lane_no)
@@ -608,7 +610,7 @@ class AsyncAttentionClient(ClientBase):
                    lane: int | None = None) -> Any:
         """One call; ``lane``: its connection (default: the next in turn)."""
         settings = settings or self._settings()
-        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
+        lane_no = self._lane_for(prep.method) if lane is None else lane
         try:
             await self._ensure_spread(settings, prep.method)
             if self._quarantined():  # a failed call's scratch: free again once the server is idle

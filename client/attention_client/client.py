@@ -102,6 +102,13 @@ class AttentionClient(ClientBase):
     other clients of this process, and do not idle out (grpc's idle timer is off). False:
     gRPC's connection as it comes. See docs/client.md.
 
+    Several replicas without a proxy: ``target`` a list of ``HOST:PORT`` (resolved once, here),
+    or ``"dns:///NAME:PORT"`` with ``load_balancing="round_robin"`` (re-resolved by gRPC).
+    Stateless compute calls then go round-robin over every replica, a replica that is down is
+    skipped, and ``spread``/``call_streams`` are off; caches, regions and the other small
+    calls go to the first target (a cache lives on the replica that made it). Behind Envoy,
+    give its one address instead (deploy/envoy).
+
     Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
     client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
 
@@ -116,7 +123,7 @@ class AttentionClient(ClientBase):
 
     def __init__(
         self,
-        target: str,
+        target: str | Sequence[str],
         *,
         token: str | None = None,
         tls: Any = None,
@@ -134,12 +141,14 @@ class AttentionClient(ClientBase):
         call_streams: bool = True,
         stripes: int = 1,
         spread: bool = True,
+        load_balancing: str | None = None,
     ) -> None:
         super().__init__(
             target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
             options=options, use_regions=use_regions, channels=channels, metadata=metadata,
             wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
             unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
+            load_balancing=load_balancing,
         )
         self._interceptors = list(interceptors) if interceptors else None
         self._base_channels: list[grpc.Channel] = []
@@ -154,8 +163,8 @@ class AttentionClient(ClientBase):
         self._place_locks = [threading.Lock() for _ in range(self.channels)]
         self._several_frontends = False  # what spread's looks found
         try:
-            for _ in range(self.channels):
-                base, lane = self._open_lane()
+            for i in range(self.channels):
+                base, lane = self._open_lane(i)
                 self._base_channels.append(base)
                 self._lanes.append(lane)
                 self._watches.append(None)
@@ -170,12 +179,13 @@ class AttentionClient(ClientBase):
             for i in range(self.channels):
                 self._watch(i)
 
-    def _open_lane(self) -> tuple[grpc.Channel, dict[str, Any]]:
-        """A new channel (a connection of its own) and its compute rpcs."""
+    def _open_lane(self, lane_no: int) -> tuple[grpc.Channel, dict[str, Any]]:
+        """A new channel for lane ``lane_no`` (a connection of its own) and its compute rpcs."""
+        target, options = self._lane_channel(lane_no)
         if self._credentials is None:
-            base = grpc.insecure_channel(self.target, options=self._options)
+            base = grpc.insecure_channel(target, options=options)
         else:
-            base = grpc.secure_channel(self.target, self._credentials, options=self._options)
+            base = grpc.secure_channel(target, self._credentials, options=options)
         icpts = self._interceptors
         return base, lane_rpcs(grpc.intercept_channel(base, *icpts) if icpts else base)
 
@@ -607,7 +617,7 @@ class AttentionClient(ClientBase):
         watched = self._watches[lane_no] is not None
         if watched:
             self._unwatch(lane_no)
-        self._base_channels[lane_no], self._lanes[lane_no] = self._open_lane()
+        self._base_channels[lane_no], self._lanes[lane_no] = self._open_lane(lane_no)
         self._lost.placed(lane_no, new_channel=True)
         if watched:
             self._watch(lane_no)
@@ -710,7 +720,7 @@ class AttentionClient(ClientBase):
             if prep.placement is not None:
                 prep.placement.finish(ok=True)  # nothing was sent
             raise
-        lane_no = next(self._turn) % len(self._lanes) if lane is None else lane
+        lane_no = self._lane_for(prep.method) if lane is None else lane
         self._placed_lane(lane_no)
         lane = self._lanes[lane_no]
         message, streamed = self._call_message(prep, settings)
