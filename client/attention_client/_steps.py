@@ -3,9 +3,10 @@
 A step on an open stream is one message each way, about half the host time of a unary call
 (numbers in ``_call_streams``).
 
-Each ``step`` takes what ``decode_step`` takes. A handle remembers its last step's request: a
-step with the same cache ids and options and new k/v of the same shapes and dtypes reuses its
-checked header and swaps in the new tensors, so a 64-sequence step no longer checks 64 ids and
+Each ``step`` takes what ``decode_step`` takes. A handle remembers its steps' requests (one per
+set of cache ids, up to ``MAX_TEMPLATES``): a step with the same cache ids and options as an
+earlier one and new k/v of the same shapes and dtypes reuses its checked header and swaps in
+the new tensors, so a 64-sequence step no longer checks 64 ids and
 builds a header each time (client Python 345-510 -> 291-314 us a step, 2-core dev box). The
 stream is opened at the first step (and again after one ended: a failed step, a server
 restart); a step's ``timeout`` (the handle's, per step) cancels the stream when it runs out.
@@ -40,6 +41,8 @@ from attention_client._tensors import to_wire
 from attention_client._wire import parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
+# Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).
+MAX_TEMPLATES = 512
 METHOD = STEP_METHODS[_CALL]
 
 
@@ -55,8 +58,10 @@ class _StepsBase:
         self._lane_no = client._cache_lane()
         self._unsupported = False  # the server has no CacheDecodeSteps: decode_step's path
         self.closed = False
-        # The last step's (options key, request): the template of the next step like it.
-        self._last: tuple[tuple[Any, ...], PreparedRequest] | None = None
+        # Checked requests by options key (ids included): the templates of later steps like
+        # them. One per layer's caches: a model host steps layer 0, 1, ..., L-1 in turn, so a
+        # template of the last step alone never matched (bench_offload, 2 layers).
+        self._templates: dict[tuple[Any, ...], PreparedRequest] = {}
 
     @property
     def _lane(self) -> dict[str, Any]:
@@ -87,10 +92,9 @@ class _StepsBase:
                 ) -> PreparedRequest | None:
         """The last step's request with these tensors, if ``key`` and their wire shapes and
         dtypes match it (so the checks it passed hold); else None."""
-        last = self._last
-        if key is None or last is None or last[0] != key:
+        template = None if key is None else self._templates.get(key)
+        if template is None:
             return None
-        template = last[1]
         try:
             (wq, origin), (wk, _), (wv, _) = (to_wire(q, "q"), to_wire(k_new, "k_new"),
                                              to_wire(v_new, "v_new"))
@@ -106,7 +110,9 @@ class _StepsBase:
 
     def _remember(self, key: tuple[Any, ...] | None, prep: PreparedRequest) -> None:
         if key is not None and prep.placement is None:
-            self._last = (key, prep)
+            if len(self._templates) >= MAX_TEMPLATES:
+                del self._templates[next(iter(self._templates))]  # the oldest
+            self._templates[key] = prep
 
     def _failed(self, prep: Any, stream: Any, err: grpc.RpcError,
                 settings: CallSettings) -> Exception | None:

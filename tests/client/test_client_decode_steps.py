@@ -85,10 +85,11 @@ def test_a_failed_step_raises_and_the_next_one_reopens(client):
         steps.step(q, ids, kn, kn)
 
 
-def test_steps_like_the_last_reuse_its_request_and_others_do_not(client):
-    """A step with the last one's ids and options and k/v of its shapes reuses its checked
-    request with the new tensors; any change (ids, their order, store, dtype, shape) takes the
-    whole path. Every answer is checked, and so is what each step kept."""
+def test_steps_like_an_earlier_one_reuse_its_request_and_others_do_not(client):
+    """A step with an earlier one's ids and options and k/v of its shapes reuses that step's
+    checked request with the new tensors (one template per id set: a model host steps its
+    layers in turn); any change (ids, their order, store, dtype, shape) takes the whole path.
+    Every answer is checked, and so is what each step kept."""
     ids = ["tp-a", "tp-b", "tp-c"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
@@ -102,16 +103,17 @@ def test_steps_like_the_last_reuse_its_request_and_others_do_not(client):
             names = list(names)
             q = make("numpy", "float32", len(names), H, D, seed=60 + n)
             kn = make("numpy", "float32", len(names), HKV, D, seed=80 + n)
-            last = steps._last
+            before = dict(steps._templates)
             out = steps.step(q, names, kn, kn, store=store)
-            reused.append(steps._last is not None and steps._last[1] is (last or (0, 0))[1])
+            reused.append(len(steps._templates) == len(before) > 0 and all(
+                steps._templates[key] is t for key, t in before.items()))
             check_out(out, reference.decode_ref(f64(q), *ctx.packed(names, kn, kn, 1)),
                       "float32", q)
             if store:
                 ctx.add(names, kn, kn, [1] * len(names))
             assert client.last_stats["cache_lengths"] == ctx.lengths(names)
-        # The template is the first request of a run of like steps; it stays while they come.
-        assert reused == [False, True, False, False, False, False, True]
+        # A template is the first request of its kind; it stays while others come and go.
+        assert reused == [False, True, False, False, False, True, True]
         kn16 = make("numpy", "float16", 3, HKV, D, seed=99)
         with pytest.raises(AttentionInputError, match="dtype"):  # checked the long way again
             steps.step(make("numpy", "float32", 3, H, D), ids, kn16, kn16)
@@ -275,3 +277,19 @@ def test_a_host_killed_mid_loop_leaves_its_caches_usable(frontends, tmp_path):
             c.release_caches(ids)
     finally:
         running.stop()
+
+
+def test_templates_are_bounded(client, monkeypatch):
+    """At most MAX_TEMPLATES requests are kept; the oldest goes first."""
+    from attention_client import _steps
+
+    monkeypatch.setattr(_steps, "MAX_TEMPLATES", 2)
+    sets = [[f"tb-{i}"] for i in range(3)]
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 3, HKV, D, seed=5)
+        cache.append([s[0] for s in sets], k, k, cu([1, 1, 1]))
+        for names in sets:
+            q = make("numpy", "float32", 1, H, D, seed=6)
+            kn = make("numpy", "float32", 1, HKV, D, seed=7)
+            steps.step(q, names, kn, kn, store=False)
+        assert [key[0] for key in steps._templates] == [("tb-1",), ("tb-2",)]
