@@ -10,9 +10,13 @@ computed by a remote attention server, and a ``torch.library`` custom op so that
 Same argument names, order and defaults as ``flash_attn.flash_attn_varlen_func`` /
 ``flash_attn_func`` (2.x) and ``torch.nn.attention.varlen.varlen_attn``. What a remote
 inference op cannot do is refused with ``NotImplementedError`` naming the argument: dropout,
-attention probabilities (``return_attn_probs``), a local paged cache (``block_table``: keep the
-cache on the server instead, ``client.kv_cache``). ``max_seqlen_*`` are accepted and checked
-against ``cu_seqlens`` (the server derives them). Needs torch (the rest of the client does not).
+a local paged cache (``block_table``: keep the cache on the server instead, ``client.kv_cache``),
+and inputs that require grad while grad is enabled (the op is forward-only: an output that
+claimed ``requires_grad`` would fail only at ``backward()``). ``return_attn_probs=True`` returns
+flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask`` None (it only means something with
+dropout, which is refused): lse is float32 ``[H, total_q]`` (varlen) or ``[B, H, N_q]``.
+``max_seqlen_*`` are accepted and checked against ``cu_seqlens`` (the server derives them).
+Needs torch (the rest of the client does not).
 """
 
 from __future__ import annotations
@@ -117,6 +121,18 @@ def _refuse_block_table(block_table: torch.Tensor | None) -> None:
                       "the cache on the server (client.kv_cache / decode_step)")
 
 
+def _refuse_grad(**tensors: torch.Tensor | None) -> None:
+    """Forward-only: an input that requires grad (with grad enabled) is refused now, naming
+    it, rather than an output claiming a ``requires_grad`` whose backward cannot run."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in tensors.items():
+        if t is not None and t.requires_grad:
+            raise _refuse(f"{name}.requires_grad", "the remote op is forward-only (no "
+                          "backward); call it under torch.no_grad() or "
+                          "torch.inference_mode(), or pass detached tensors")
+
+
 def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
     if value is None or torch.compiler.is_compiling():
         return  # a data-dependent check: left out of compiled graphs (the server checks cu)
@@ -132,6 +148,7 @@ def _varlen(
     *, causal: bool, softmax_scale: float | None, window_size: Any, softcap: float,
     alibi_slopes: Any, return_lse: bool, client: AttentionClient | None,
 ) -> Any:
+    _refuse_grad(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     left, right = (int(x) for x in window_size)
     if client is None and not return_lse:
         return varlen_attention(q, k, v, cu_q, cu_k, as_flag(causal, "causal"), softmax_scale,
@@ -162,21 +179,23 @@ def flash_attn_varlen_func(
     block_table: torch.Tensor | None = None,
     *,
     client: AttentionClient | None = None,
-) -> torch.Tensor:
+) -> Any:
     """``flash_attn.flash_attn_varlen_func``: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``,
-    int32 ``cu_seqlens_*``; returns out ``[total_q, H, D]``. ``deterministic`` is accepted (the
+    int32 ``cu_seqlens_*``; returns out ``[total_q, H, D]``, or with ``return_attn_probs``
+    ``(out, softmax_lse [H, total_q] float32, None)``. ``deterministic`` is accepted (the
     forward pass is deterministic anyway)."""
     if dropout_p:
         raise _refuse("dropout_p", f"{dropout_p}: the remote op is inference only; pass 0.0")
-    if return_attn_probs:
-        raise _refuse("return_attn_probs", "the server never materializes attention "
-                      "probabilities; use client.attention(..., return_lse=True) for the lse")
     _refuse_block_table(block_table)
     _check_max("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     _check_max("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
-    return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,  # type: ignore[no-any-return]
-                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                   alibi_slopes=alibi_slopes, return_lse=False, client=client)
+    res = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
+                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                  alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs), client=client)
+    if return_attn_probs:
+        out, lse = res
+        return out, lse, None  # flash_attn's S_dmask: only with dropout
+    return res
 
 
 def flash_attn_func(
@@ -193,8 +212,9 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     client: AttentionClient | None = None,
-) -> torch.Tensor:
-    """``flash_attn.flash_attn_func``: q ``[B, N_q, H, D]``, k/v ``[B, N_k, H_kv, D]``."""
+) -> Any:
+    """``flash_attn.flash_attn_func``: q ``[B, N_q, H, D]``, k/v ``[B, N_k, H_kv, D]``; with
+    ``return_attn_probs`` ``(out, softmax_lse [B, H, N_q] float32, None)``."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise AttentionInputError(
             f"q, k, v must be 4-D [batch, seqlen, heads, head_dim], got {list(q.shape)}, "
@@ -203,13 +223,18 @@ def flash_attn_func(
     batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * n_q
     cu_k = torch.arange(batch + 1, dtype=torch.int32) * n_k
-    out = flash_attn_varlen_func(
+    res = flash_attn_varlen_func(
         q.reshape(batch * n_q, *q.shape[2:]), k.reshape(batch * n_k, *k.shape[2:]),
         v.reshape(batch * n_k, *v.shape[2:]), cu_q, cu_k, n_q, n_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
         client=client,
     )
-    return out.reshape(q.shape)
+    if return_attn_probs:
+        out, lse, _ = res  # lse [H, B * N_q] -> flash_attn's [B, H, N_q]
+        heads = q.shape[2]
+        return (out.reshape(q.shape),
+                lse.reshape(heads, batch, n_q).transpose(0, 1).contiguous(), None)
+    return res.reshape(q.shape)
 
 
 def varlen_attn(

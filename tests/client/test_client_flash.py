@@ -120,13 +120,61 @@ def test_torch_varlen_attn_causal_window_lse_and_seqused(client) -> None:  # typ
 
 @pytest.mark.parametrize(("kwargs", "name"), [
     ({"dropout_p": 0.1}, "dropout_p"),
-    ({"return_attn_probs": True}, "return_attn_probs"),
+    ({"dropout_p": 0.1, "return_attn_probs": True}, "dropout_p"),
     ({"block_table": torch.zeros(1, 1, dtype=torch.int32)}, "block_table"),
 ])
 def test_what_a_remote_op_cannot_do_is_refused_by_name(kwargs, name) -> None:  # type: ignore[no-untyped-def]
     q, k, v, cu_q, cu_k = _packed([3], [3])
     with pytest.raises(NotImplementedError, match=f"^{name}: "):
         flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 3, 3, **kwargs)
+
+
+def test_return_attn_probs_gives_flash_attns_out_lse_none(client) -> None:  # type: ignore[no-untyped-def]
+    """flash_attn's return form: (out, softmax_lse, None), lse float32 in its shapes: [H,
+    total_q] for varlen, [B, H, N_q] for the dense batch; both against the float64 reference."""
+    q, k, v, cu_q, cu_k = _packed([5, 2, 9], [7, 2, 9], seed=3)
+    out, lse, probs = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=True,
+                                                   return_attn_probs=True)
+    want, want_lse = attention_kernels.prefill_ref(q.double(), k.double(), v.double(), cu_q,
+                                                   cu_k, causal=True, return_lse=True)
+    assert probs is None and lse.dtype == torch.float32 and lse.shape == (4, 16)
+    torch.testing.assert_close(out, want.float(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=1e-4, rtol=1e-4)
+    g = torch.Generator().manual_seed(4)
+    qd, kd, vd = (torch.randn(3, 5, h, 8, generator=g) for h in (4, 2, 2))
+    out, lse, probs = flash.flash_attn_func(qd, kd, vd, return_attn_probs=True)
+    cu = torch.tensor([0, 5, 10, 15], dtype=torch.int32)
+    want, want_lse = attention_kernels.prefill_ref(
+        qd.reshape(15, 4, 8).double(), kd.reshape(15, 2, 8).double(),
+        vd.reshape(15, 2, 8).double(), cu, cu, return_lse=True)
+    assert probs is None and lse.shape == (3, 4, 5)
+    torch.testing.assert_close(out, want.float().reshape(3, 5, 4, 8), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double().reshape(4, 3, 5).transpose(0, 1),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_inputs_that_require_grad_are_refused_unless_grad_is_off(client) -> None:  # type: ignore[no-untyped-def]
+    """The op is forward-only: an input requiring grad is refused at the call, naming it (not
+    at backward()); under no_grad the same call runs and its output claims no grad."""
+    q, k, v, cu_q, cu_k = _packed([4], [4])
+    for name in ("q", "k", "v"):
+        args = {"q": q, "k": k, "v": v}
+        args[name] = args[name].clone().requires_grad_(True)
+        with pytest.raises(NotImplementedError, match=f"^{name}.requires_grad: .*forward-only"):
+            flash.flash_attn_varlen_func(args["q"], args["k"], args["v"], cu_q, cu_k, 4, 4)
+    slopes = torch.rand(4, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="^alibi_slopes.requires_grad"):
+        flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 4, 4, alibi_slopes=slopes)
+    with pytest.raises(NotImplementedError, match="^q.requires_grad"):
+        flash.flash_attn_func(q[None].clone().requires_grad_(True), k[None], v[None])
+    with pytest.raises(NotImplementedError, match="^query.requires_grad|^q.requires_grad"):
+        flash.varlen_attn(q.clone().requires_grad_(True), k, v, cu_q, cu_k, 4, 4,
+                          enable_gqa=True)
+    with torch.no_grad():
+        out = flash.flash_attn_varlen_func(q.clone().requires_grad_(True), k, v, cu_q, cu_k,
+                                           4, 4)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, _ref(q, k, v, cu_q, cu_k), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_arguments_are_input_errors_in_the_callers_names(client) -> None:  # type: ignore[no-untyped-def]
