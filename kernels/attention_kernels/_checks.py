@@ -19,8 +19,11 @@ MAX_HEAD_DIM = 256
 
 
 def supported_head_dim(head_dim: int) -> bool:
-    """Every multiple of 8 from 8 to 256 (padded to a power of two inside the kernels)."""
-    return 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+    """Every head dim from 1 to 256: the kernels pad it to a power of two (``BLOCK_D``) and
+    mask the columns past it, as flash_attn accepts any head dim up to 256 (issue 65). Dims
+    whose rows are not 16-byte multiples (bf16: not a multiple of 8) take the pointer kernels,
+    never the descriptor (TMA) ones, which serve listed dims only."""
+    return 1 <= head_dim <= MAX_HEAD_DIM
 
 
 def _supported(t: torch.Tensor, kv: bool) -> bool:
@@ -56,7 +59,7 @@ def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str
     if k.shape[-1] != head_dim:
         raise ValueError(f"head_dim of {q_name} ({head_dim}) and {k_name} ({k.shape[-1]}) differ")
     if not supported_head_dim(head_dim):
-        raise ValueError(f"head_dim {head_dim} unsupported: must be a multiple of 8 in [8, 256]")
+        raise ValueError(f"head_dim {head_dim} unsupported: must be in [1, {MAX_HEAD_DIM}]")
     if num_kv_heads == 0 or num_heads == 0:
         raise ValueError("num_heads and num_kv_heads must be positive")
     if num_heads % num_kv_heads != 0:

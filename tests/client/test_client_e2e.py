@@ -65,6 +65,39 @@ def client(server, request):
         yield c
 
 
+@pytest.mark.parametrize("head_dim", [3, 59, 250])
+def test_any_head_dim_up_to_256(client, head_dim):
+    """Head dims that are not multiples of 8 (issue 65): a stateless prefill and decode, and
+    a KV cache of that head dim (append, a decode step on a step stream), against float64."""
+    cu_q, cu_k = [0, 5, 12], [0, 9, 20]
+    q = make("torch", "bfloat16", 12, 4, head_dim, seed=1)
+    k = make("torch", "bfloat16", 20, 2, head_dim, seed=2)
+    v = make("torch", "bfloat16", 20, 2, head_dim, seed=3)
+    out, lse = client.attention(q, k, v, cu_q, cu_k, causal=True, return_lse=True)
+    ref, ref_lse = attention_kernels.prefill_ref(
+        f64(q), f64(k), f64(v), torch.tensor(cu_q, dtype=torch.int32),
+        torch.tensor(cu_k, dtype=torch.int32), causal=True, return_lse=True)
+    check_out(out, ref, "bfloat16", q)
+    check_lse(lse, ref_lse)
+    qd = make("torch", "bfloat16", 2, 4, head_dim, seed=4)
+    cu = torch.tensor(cu_k, dtype=torch.int32)
+    check_out(client.decode(qd, k, v, cu_k), attention_kernels.decode_ref(f64(qd), f64(k),
+                                                                          f64(v), cu),
+              "bfloat16", qd)
+    ids = [f"odd{head_dim}-a", f"odd{head_dim}-b"]
+    with client.kv_cache(2, head_dim, "bfloat16") as cache, client.decode_steps() as steps:
+        assert cache.append(ids, k, v, cu_k) == [9, 11]
+        kn = make("torch", "bfloat16", 2, 2, head_dim, seed=5)
+        vn = make("torch", "bfloat16", 2, 2, head_dim, seed=6)
+        got = steps.step(qd, ids, kn, vn)
+        both_k = torch.cat([f64(k)[:9], f64(kn)[:1], f64(k)[9:], f64(kn)[1:]])
+        both_v = torch.cat([f64(v)[:9], f64(vn)[:1], f64(v)[9:], f64(vn)[1:]])
+        want = attention_kernels.decode_ref(f64(qd), both_k, both_v,
+                                            torch.tensor([0, 10, 22], dtype=torch.int32))
+        check_out(got, want, "bfloat16", qd)
+        assert [c["length"] for c in cache.info()] == [10, 12]
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_varlen_gqa_causal(client, kind, dtype):
@@ -177,7 +210,7 @@ def test_info_health_and_stats(client):
 @pytest.mark.parametrize(
     ("shapes", "cu", "word"),
     [
-        (((4, 2, 12), (4, 2, 12)), None, "head_dim"),  # not a multiple of 8
+        (((4, 2, 264), (4, 2, 264)), None, "head_dim"),  # over 256
         (((4, 3, 64), (4, 2, 64)), None, "head"),  # 3 heads over 2 kv heads
         (((4, 2, 64), (4, 2, 64)), ([0, 3], [0, 4]), "cu_seqlens"),  # does not end at total
     ],

@@ -338,7 +338,7 @@ def test_refusals_name_the_field_and_change_nothing(srv: ServerHandle) -> None:
         cache_ids=[ids[1]], layout=layout(torch.float32, 2, 16)), timeout=10))
     assert code == grpc.StatusCode.ALREADY_EXISTS
     code, details = _code(lambda: stub.CreateCaches(pb.CreateCachesRequest(
-        cache_ids=["x"], layout=layout(torch.float32, 2, 12)), timeout=10))
+        cache_ids=["x"], layout=layout(torch.float32, 2, 264)), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("layout.head_dim")
     # A stateless Prefill must not name caches; AppendKV takes no queries.
     req = list(cache_prefill_messages(ids, q, k, v, [1, 1], [1, 1]))

@@ -493,8 +493,7 @@ def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool
         raise invalid("layout.num_kv_heads", f"must be in [1, {MAX_HEADS}], got "
                       f"{lay.num_kv_heads}")
     if not supported_head_dim(lay.head_dim):
-        raise invalid("layout.head_dim", f"{lay.head_dim} unsupported: must be a multiple of "
-                      "8 in [8, 256]")
+        raise invalid("layout.head_dim", f"{lay.head_dim} unsupported: must be in [1, 256]")
     scales = None
     if kv_dtype:
         if not lay.HasField("kv_scales"):

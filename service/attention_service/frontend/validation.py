@@ -78,9 +78,9 @@ def _check_work(params: Params, limits: Limits) -> None:
 
 
 def supported_head_dim(head_dim: int) -> bool:
-    """The kernels' rule (attention_kernels._checks; a test keeps the two equal): every
-    multiple of 8 from 8 to 256."""
-    return 8 <= head_dim <= MAX_HEAD_DIM and head_dim % 8 == 0
+    """The kernels' rule (attention_kernels._checks; a test keeps the two equal): every head
+    dim from 1 to 256."""
+    return 1 <= head_dim <= MAX_HEAD_DIM
 
 
 def dtype_name(value: int) -> str:
@@ -178,7 +178,7 @@ def _check_qkv(
     if not supported_head_dim(head_dim):
         raise invalid(
             f"header.{'q' if with_q else 'k'}.shape[2]",
-            f"head_dim {head_dim} unsupported: must be a multiple of 8 in [8, 256]",
+            f"head_dim {head_dim} unsupported: must be in [1, {MAX_HEAD_DIM}]",
         )
     if num_heads % k_shape[1] != 0:
         raise invalid(
