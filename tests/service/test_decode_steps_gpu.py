@@ -123,6 +123,7 @@ def steps(request: pytest.FixtureRequest) -> DecodeSteps:
 
 @pytest.mark.parametrize(("dtype", "heads", "kv_heads", "dim"), [
     (torch.bfloat16, 32, 8, 128), (torch.float16, 12, 4, 96), (torch.float32, 8, 8, 64),
+    (torch.bfloat16, 8, 2, 59),  # any head dim (issue 65)
 ])
 def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads: int,
                                    kv_heads: int, dim: int) -> None:
