@@ -8,15 +8,16 @@ computed by a remote attention server, and a ``torch.library`` custom op so that
                                  causal=True, window_size=(256, 0))
 
 Same argument names, order and defaults as ``flash_attn.flash_attn_varlen_func`` /
-``flash_attn_func`` (2.x) and ``torch.nn.attention.varlen.varlen_attn``. What a remote
-inference op cannot do is refused with ``NotImplementedError`` naming the argument: dropout,
-a local paged cache (``block_table``: keep the cache on the server instead, ``client.kv_cache``),
-and inputs that require grad while grad is enabled (the op is forward-only: an output that
-claimed ``requires_grad`` would fail only at ``backward()``). ``return_attn_probs=True`` returns
-flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask`` None (it only means something with
-dropout, which is refused): lse is float32 ``[H, total_q]`` (varlen) or ``[B, H, N_q]``.
-``max_seqlen_*`` are accepted and checked against ``cu_seqlens`` (the server derives them).
-Needs torch (the rest of the client does not).
+``flash_attn_func`` / ``flash_attn_with_kvcache`` (2.x) and
+``torch.nn.attention.varlen.varlen_attn``. What a remote inference op cannot do is refused with
+``NotImplementedError`` naming the argument: dropout, rotary embedding, a local paged cache in
+torch's ``varlen_attn`` (``block_table``: keep the cache on the server instead,
+``client.kv_cache``), and inputs that require grad while grad is enabled (the op is
+forward-only: an output that claimed ``requires_grad`` would fail only at ``backward()``).
+``return_attn_probs=True`` returns flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask``
+None (it only means something with dropout, which is refused): lse is float32 ``[H, total_q]``
+(varlen) or ``[B, H, N_q]``. ``max_seqlen_*`` are accepted and checked against ``cu_seqlens``
+(the server derives them). Needs torch (the rest of the client does not).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from attention_client.client import AttentionClient
 __all__ = [
     "flash_attn_func",
     "flash_attn_varlen_func",
+    "flash_attn_with_kvcache",
     "get_client",
     "set_client",
     "use_client",
@@ -181,14 +183,19 @@ def flash_attn_varlen_func(
     client: AttentionClient | None = None,
 ) -> Any:
     """``flash_attn.flash_attn_varlen_func``: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``,
-    int32 ``cu_seqlens_*``; returns out ``[total_q, H, D]``, or with ``return_attn_probs``
+    int32 ``cu_seqlens_*``; with ``block_table`` ``[B, max_blocks]`` int32, k/v are flash_attn's
+    pages ``[num_blocks, block_size, H_kv, D]`` and each sequence's keys the first
+    ``cu_seqlens_k`` lengths of its pages: those pages' rows are sent (gathered here; the
+    server's paged kernels serve its own caches). Returns out ``[total_q, H, D]``, or with
+    ``return_attn_probs``
     ``(out, softmax_lse [H, total_q] float32, None)``. ``deterministic`` is accepted (the
     forward pass is deterministic anyway)."""
     if dropout_p:
         raise _refuse("dropout_p", f"{dropout_p}: the remote op is inference only; pass 0.0")
-    _refuse_block_table(block_table)
     _check_max("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
     _check_max("max_seqlen_k", max_seqlen_k, cu_seqlens_k)
+    if block_table is not None:  # flash_attn's paged layout: the keys the call reads, packed
+        k, v = _paged_keys(k, v, block_table, cu_seqlens_k)
     res = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                   alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs), client=client)
@@ -235,6 +242,144 @@ def flash_attn_func(
         return (out.reshape(q.shape),
                 lse.reshape(heads, batch, n_q).transpose(0, 1).contiguous(), None)
     return res.reshape(q.shape)
+
+
+def _paged_keys(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                cu_seqlens_k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence b's first ``cu_seqlens_k[b+1] - cu_seqlens_k[b]`` keys from its pages
+    (``k_pages``/``v_pages`` ``[num_blocks, block_size, H_kv, D]``, ``block_table`` ``[B,
+    max_blocks]``), packed ``[total_k, H_kv, D]``: only the pages the call reads are sent."""
+    if k_pages.dim() != 4 or v_pages.shape != k_pages.shape:
+        raise AttentionInputError(
+            f"with block_table, k and v must be one shape [num_blocks, block_size, H_kv, D], "
+            f"got {list(k_pages.shape)}, {list(v_pages.shape)}")
+    lens = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).detach().to("cpu", torch.int64)
+    page = k_pages.shape[1]
+    if block_table.dim() != 2 or block_table.shape[0] != len(lens) or bool(
+            (lens > block_table.shape[1] * page).any()) or bool((lens < 0).any()):
+        raise AttentionInputError(
+            f"block_table must be [{len(lens)}, max_blocks] with room for each sequence's keys "
+            f"({lens.tolist()} at {page} per block), got {list(block_table.shape)}")
+    table = block_table.detach().to("cpu", torch.int64)
+    pos = torch.cat([torch.arange(int(n)) for n in lens] or [torch.zeros(0, dtype=torch.int64)])
+    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
+    pages = table[seq, pos // page].to(k_pages.device)
+    offsets = (pos % page).to(k_pages.device)
+    return k_pages[pages, offsets], v_pages[pages, offsets]
+
+
+def _seqlens(value: Any, batch: int, name: str, default: int) -> torch.Tensor:
+    """An int or a [batch] integer tensor (flash_attn's ``cache_seqlens`` / ``cache_leftpad``)
+    as a CPU int64 tensor; None: ``default`` for every sequence."""
+    if value is None:
+        return torch.full((batch,), default, dtype=torch.int64)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return torch.full((batch,), value, dtype=torch.int64)
+    if (not isinstance(value, torch.Tensor) or value.shape != (batch,)
+            or value.dtype.is_floating_point or value.dtype == torch.bool):
+        raise AttentionInputError(f"{name} must be an int or an integer tensor of shape "
+                                  f"[{batch}], got {value!r}")
+    return value.detach().to("cpu", torch.int64)
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: torch.Tensor | None = None,
+    v: torch.Tensor | None = None,
+    rotary_cos: torch.Tensor | None = None,
+    rotary_sin: torch.Tensor | None = None,
+    cache_seqlens: int | torch.Tensor | None = None,
+    cache_batch_idx: torch.Tensor | None = None,
+    cache_leftpad: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: torch.Tensor | None = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+    *,
+    client: AttentionClient | None = None,
+) -> Any:
+    """``flash_attn.flash_attn_with_kvcache`` (2.x), the compatibility path for decode code
+    that keeps its KV cache locally: the new ``k``/``v`` ``[B, S_new, H_kv, D]`` are written
+    into ``k_cache``/``v_cache`` in place at ``cache_seqlens`` (rows ``cache_batch_idx``, or
+    pages through ``block_table`` ``[B, max_blocks]`` with the caches ``[num_blocks,
+    block_size, H_kv, D]``), then each sequence's keys from ``cache_leftpad`` to its new end
+    are sent with q ``[B, S_q, H, D]`` and attended remotely (``causal``: the queries are the
+    last S_q positions). Returns out ``[B, S_q, H, D]``, with ``return_softmax_lse`` also lse
+    ``[B, H, S_q]`` float32. Every step sends the whole context: a KV cache kept on the server
+    (``client.kv_cache``, ``decode_steps``) sends only q and the new tokens (docs/client.md).
+    Rotary embedding is not applied here: ``rotary_cos``/``rotary_sin`` raise
+    NotImplementedError; ``num_splits`` is accepted (the server chooses)."""
+    if rotary_cos is not None or rotary_sin is not None:
+        raise _refuse("rotary_cos" if rotary_cos is not None else "rotary_sin",
+                      "rotary embedding is not applied by the remote op; rotate q and k "
+                      "before the call")
+    if (k is None) != (v is None):
+        raise AttentionInputError("k and v must be given together (or neither)")
+    if q.dim() != 4 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
+        raise AttentionInputError(
+            f"q must be [B, S_q, H, D] and k_cache, v_cache one shape [B_cache, S_cache, H_kv, "
+            f"D] (paged: [num_blocks, block_size, H_kv, D]), got {list(q.shape)}, "
+            f"{list(k_cache.shape)}, {list(v_cache.shape)}")
+    batch, s_q = q.shape[0], q.shape[1]
+    paged = block_table is not None
+    if paged and cache_batch_idx is not None:
+        raise AttentionInputError("cache_batch_idx cannot be used with block_table")
+    if paged and (block_table.dim() != 2 or block_table.shape[0] != batch):  # type: ignore[union-attr]
+        raise AttentionInputError(f"block_table must be [{batch}, max_blocks], got "
+                                  f"{list(block_table.shape)}")  # type: ignore[union-attr]
+    s_new = 0
+    if k is not None:
+        if k.dim() != 4 or k.shape[0] != batch or v.shape != k.shape:  # type: ignore[union-attr]
+            raise AttentionInputError(f"k and v must be one shape [{batch}, S_new, H_kv, D], "
+                                      f"got {list(k.shape)}, {list(v.shape)}")  # type: ignore[union-attr]
+        s_new = k.shape[1]
+    page = k_cache.shape[1]
+    capacity = block_table.shape[1] * page if paged else k_cache.shape[1]  # type: ignore[union-attr]
+    lens = _seqlens(cache_seqlens, batch, "cache_seqlens", capacity - s_new)
+    starts = _seqlens(cache_leftpad, batch, "cache_leftpad", 0)
+    rows = (torch.arange(batch) if cache_batch_idx is None
+            else cache_batch_idx.detach().to("cpu", torch.int64))
+    ends = lens + s_new
+    if bool((lens < 0).any()) or bool((ends > capacity).any()) or bool((starts < 0).any()) or \
+            bool((starts > lens).any()):
+        raise AttentionInputError(
+            f"cache_seqlens {lens.tolist()} (+ {s_new} new) and cache_leftpad "
+            f"{starts.tolist()} must fit the cache's {capacity} positions")
+    table = block_table.detach().to("cpu", torch.int64) if paged else None  # type: ignore[union-attr]
+    device = k_cache.device
+    keys, values, cu_k = [], [], [0]
+    for b in range(batch):
+        if paged:
+            pos = torch.arange(int(starts[b]), int(ends[b]))
+            at = (table[b, pos // page].to(device), (pos % page).to(device))  # type: ignore[index]
+            new = (table[b, pos[pos >= lens[b]] // page].to(device),  # type: ignore[index]
+                   (pos[pos >= lens[b]] % page).to(device))
+        else:
+            row = int(rows[b])
+            at = (row, slice(int(starts[b]), int(ends[b])))
+            new = (row, slice(int(lens[b]), int(ends[b])))
+        if s_new:
+            k_cache[new] = k[b]  # type: ignore[index]
+            v_cache[new] = v[b]  # type: ignore[index]
+        keys.append(k_cache[at])
+        values.append(v_cache[at])
+        cu_k.append(cu_k[-1] + int(ends[b] - starts[b]))
+    cu_q = torch.arange(batch + 1, dtype=torch.int32) * s_q
+    res = _varlen(q.reshape(batch * s_q, *q.shape[2:]), torch.cat(keys), torch.cat(values),
+                  cu_q, torch.tensor(cu_k, dtype=torch.int32), causal=causal,
+                  softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                  alibi_slopes=alibi_slopes, return_lse=return_softmax_lse, client=client)
+    if not return_softmax_lse:
+        return res.reshape(q.shape)
+    out, lse = res  # lse [H, B * S_q] -> flash_attn's [B, H, S_q]
+    return out.reshape(q.shape), lse.reshape(q.shape[2], batch, s_q).transpose(0, 1).contiguous()
 
 
 def varlen_attn(

@@ -23,6 +23,12 @@ FLASH_VARLEN_ARGS = [
     "softmax_scale", "causal", "window_size", "softcap", "alibi_slopes", "deterministic",
     "return_attn_probs", "block_table",
 ]
+# flash_attn 2.x's flash_attn_with_kvcache, in order.
+KVCACHE_ARGS = [
+    "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens",
+    "cache_batch_idx", "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size",
+    "softcap", "rotary_interleaved", "alibi_slopes", "num_splits", "return_softmax_lse",
+]
 FLASH_ARGS = [
     "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
     "alibi_slopes", "deterministic", "return_attn_probs",
@@ -56,6 +62,7 @@ def test_signatures_match_flash_attn() -> None:
     assert list(inspect.signature(flash.flash_attn_varlen_func).parameters)[:16] == (
         FLASH_VARLEN_ARGS)
     assert list(inspect.signature(flash.flash_attn_func).parameters)[:11] == FLASH_ARGS
+    assert list(inspect.signature(flash.flash_attn_with_kvcache).parameters)[:19] == KVCACHE_ARGS
     defaults = {n: p.default for n, p in
                 inspect.signature(flash.flash_attn_varlen_func).parameters.items()}
     assert defaults["dropout_p"] == 0.0 and defaults["causal"] is False
@@ -121,7 +128,6 @@ def test_torch_varlen_attn_causal_window_lse_and_seqused(client) -> None:  # typ
 @pytest.mark.parametrize(("kwargs", "name"), [
     ({"dropout_p": 0.1}, "dropout_p"),
     ({"dropout_p": 0.1, "return_attn_probs": True}, "dropout_p"),
-    ({"block_table": torch.zeros(1, 1, dtype=torch.int32)}, "block_table"),
 ])
 def test_what_a_remote_op_cannot_do_is_refused_by_name(kwargs, name) -> None:  # type: ignore[no-untyped-def]
     q, k, v, cu_q, cu_k = _packed([3], [3])
@@ -254,3 +260,129 @@ def test_the_client_made_from_the_environment_closes_quietly_at_exit(server) -> 
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "(8, 4, 16)"
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def _kvcache_ref(q, keys, values, causal):  # type: ignore[no-untyped-def]
+    """out [B, S_q, H, D] and lse [B, H, S_q] over each sequence's keys (lists), float64."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        cu_q = torch.tensor([0, q.shape[1]], dtype=torch.int32)
+        cu_k = torch.tensor([0, keys[b].shape[0]], dtype=torch.int32)
+        o, lse = attention_kernels.prefill_ref(q[b].double(), keys[b].double(),
+                                               values[b].double(), cu_q, cu_k, causal=causal,
+                                               return_lse=True)
+        outs.append(o)
+        lses.append(lse)
+    return torch.stack(outs), torch.stack(lses)
+
+
+@pytest.mark.parametrize("s_q", [1, 3])
+def test_flash_attn_with_kvcache_writes_in_place_and_attends(client, s_q) -> None:  # type: ignore[no-untyped-def]
+    """The new k/v land in the caller's cache at cache_seqlens (rows by cache_batch_idx),
+    nothing else in the cache changes, and out/lse match the reference over each sequence's
+    keys from cache_leftpad to its new end (causal: the queries are the last positions)."""
+    g = torch.Generator().manual_seed(7)
+    k_cache = torch.randn(4, 20, 2, 16, generator=g)
+    v_cache = torch.randn(4, 20, 2, 16, generator=g)
+    q = torch.randn(2, s_q, 4, 16, generator=g)
+    k = torch.randn(2, s_q, 2, 16, generator=g)
+    v = torch.randn(2, s_q, 2, 16, generator=g)
+    seqlens = torch.tensor([5, 11], dtype=torch.int32)
+    batch_idx = torch.tensor([3, 1], dtype=torch.int32)
+    leftpad = torch.tensor([0, 4], dtype=torch.int32)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = flash.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cache_seqlens=seqlens, cache_batch_idx=batch_idx,
+        cache_leftpad=leftpad, causal=True, return_softmax_lse=True)
+    expect_k, expect_v = before_k.clone(), before_v.clone()
+    for b, (row, n) in enumerate(zip((3, 1), (5, 11), strict=True)):
+        expect_k[row, n : n + s_q] = k[b]
+        expect_v[row, n : n + s_q] = v[b]
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+    keys = [expect_k[3, 0 : 5 + s_q], expect_k[1, 4 : 11 + s_q]]
+    values = [expect_v[3, 0 : 5 + s_q], expect_v[1, 4 : 11 + s_q]]
+    want, want_lse = _kvcache_ref(q, keys, values, causal=True)
+    assert out.shape == q.shape and lse.shape == (2, 4, s_q) and lse.dtype == torch.float32
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_flash_attn_with_kvcache_paged_and_without_new_tokens(client) -> None:  # type: ignore[no-untyped-def]
+    """flash_attn's paged layout: caches [num_blocks, block_size, H_kv, D] and block_table
+    [B, max_blocks]; a new token crosses into its sequence's next page; then a call without
+    new tokens reads the cache as it is (cache_seqlens as an int)."""
+    g = torch.Generator().manual_seed(8)
+    k_cache = torch.randn(6, 4, 2, 16, generator=g)
+    v_cache = torch.randn(6, 4, 2, 16, generator=g)
+    table = torch.tensor([[5, 0, 2], [1, 3, 4]], dtype=torch.int32)
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    k, v = torch.randn(2, 1, 2, 16, generator=g), torch.randn(2, 1, 2, 16, generator=g)
+    seqlens = torch.tensor([4, 6], dtype=torch.int32)  # sequence 0's token starts page 0
+    out = flash.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cache_seqlens=seqlens,
+                                        block_table=table)
+    assert torch.equal(k_cache[0, 0], k[0, 0]) and torch.equal(v_cache[3, 2], v[1, 0])
+
+    def keys(cache, b, n):  # type: ignore[no-untyped-def]
+        return torch.cat([cache[int(p)] for p in table[b]])[:n]
+
+    want, _ = _kvcache_ref(q, [keys(k_cache, 0, 5), keys(k_cache, 1, 7)],
+                           [keys(v_cache, 0, 5), keys(v_cache, 1, 7)], causal=False)
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+    snapshot = k_cache.clone()
+    out = flash.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=5,
+                                        block_table=table, softcap=3.0)
+    assert torch.equal(k_cache, snapshot)
+    want = []
+    for b in range(2):
+        cu = torch.tensor([0, 1], dtype=torch.int32)
+        cu_k = torch.tensor([0, 5], dtype=torch.int32)
+        want.append(attention_kernels.prefill_ref(
+            q[b].double(), keys(k_cache, b, 5).double(), keys(v_cache, b, 5).double(), cu,
+            cu_k, softcap=3.0))
+    torch.testing.assert_close(out.double(), torch.stack(want), atol=1e-5, rtol=1e-5)
+
+
+def test_flash_attn_with_kvcache_refusals() -> None:
+    q = torch.randn(1, 1, 4, 16)
+    cache = torch.randn(1, 8, 2, 16)
+    new = torch.randn(1, 1, 2, 16)
+    with pytest.raises(NotImplementedError, match="^rotary_cos: "):
+        flash.flash_attn_with_kvcache(q, cache, cache, new, new, rotary_cos=torch.ones(8, 8),
+                                      rotary_sin=torch.ones(8, 8), cache_seqlens=1)
+    with pytest.raises(AttentionInputError, match="k and v must be given together"):
+        flash.flash_attn_with_kvcache(q, cache, cache, new, None, cache_seqlens=1)
+    with pytest.raises(AttentionInputError, match="must fit the cache's 8 positions"):
+        flash.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=8)
+    with pytest.raises(AttentionInputError, match="cache_seqlens must be an int"):
+        flash.flash_attn_with_kvcache(q, cache, cache, new, new, cache_seqlens=1.5)
+    with pytest.raises(AttentionInputError, match="cache_batch_idx cannot be used"):
+        flash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=1,
+                                      block_table=torch.zeros(1, 1, dtype=torch.int32),
+                                      cache_batch_idx=torch.zeros(1, dtype=torch.int32))
+
+
+def test_flash_attn_varlen_func_reads_flash_attns_pages(client) -> None:  # type: ignore[no-untyped-def]
+    """block_table: k/v as pages [num_blocks, block_size, H_kv, D], each sequence's keys the
+    first cu_seqlens_k lengths of its pages (one sequence ending mid-page, one on a page
+    boundary); against the reference on the same keys packed; torch's varlen_attn still
+    refuses a local block_table, naming it."""
+    g = torch.Generator().manual_seed(9)
+    k_pages = torch.randn(7, 4, 2, 16, generator=g)
+    v_pages = torch.randn(7, 4, 2, 16, generator=g)
+    table = torch.tensor([[6, 2, 0], [3, 1, 5]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 3, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 18], dtype=torch.int32)  # 10 keys, then 8 (two full pages)
+    q = torch.randn(5, 4, 16, generator=g)
+    out = flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 10, causal=True,
+                                       block_table=table)
+    k = torch.cat([torch.cat([k_pages[int(p)] for p in table[0]])[:10],
+                   torch.cat([k_pages[int(p)] for p in table[1]])[:8]])
+    v = torch.cat([torch.cat([v_pages[int(p)] for p in table[0]])[:10],
+                   torch.cat([v_pages[int(p)] for p in table[1]])[:8]])
+    torch.testing.assert_close(out, _ref(q, k, v, cu_q, cu_k, causal=True), atol=1e-5,
+                               rtol=1e-5)
+    with pytest.raises(AttentionInputError, match="block_table must be"):
+        flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, torch.tensor(
+            [0, 13, 21], dtype=torch.int32), 3, 13, block_table=table)  # 13 > 3 pages of 4
+    with pytest.raises(NotImplementedError, match="^block_table: "):
+        flash.varlen_attn(q, k, v, cu_q, cu_k, 3, 10, enable_gqa=True, block_table=table)
