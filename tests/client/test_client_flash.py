@@ -384,5 +384,14 @@ def test_flash_attn_varlen_func_reads_flash_attns_pages(client) -> None:  # type
     with pytest.raises(AttentionInputError, match="block_table must be"):
         flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, torch.tensor(
             [0, 13, 21], dtype=torch.int32), 3, 13, block_table=table)  # 13 > 3 pages of 4
+    for bad in (-1, 7):
+        wrong = table.clone()
+        wrong[1, 1] = bad
+        with pytest.raises(AttentionInputError, match=f"block_table names block {bad}, outside"):
+            flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 10,
+                                         block_table=wrong)
+        with pytest.raises(AttentionInputError, match=f"block_table names block {bad}"):
+            flash.flash_attn_with_kvcache(q[:2, None], k_pages, v_pages, cache_seqlens=8,
+                                          block_table=wrong)
     with pytest.raises(NotImplementedError, match="^block_table: "):
         flash.varlen_attn(q, k, v, cu_q, cu_k, 3, 10, enable_gqa=True, block_table=table)
