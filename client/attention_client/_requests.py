@@ -47,6 +47,8 @@ Tensor = WireTensor | RegionTensor
 
 PREFILL = "Prefill"
 DECODE = "Decode"
+# Head dims the server takes (every one from 1: the kernels pad and mask).
+MAX_HEAD_DIM = 256
 APPEND_KV = "AppendKV"
 CACHE_PREFILL = "CachePrefill"
 CACHE_DECODE = "CacheDecode"
@@ -130,6 +132,8 @@ class KvLayout:
     def of(cls, num_kv_heads: int, head_dim: int, dtype: Any, kv_dtype: Any = None,
            k_scale: Any = None, v_scale: Any = None) -> KvLayout:
         heads, dim = _positive(num_kv_heads, "num_kv_heads"), _positive(head_dim, "head_dim")
+        if dim > MAX_HEAD_DIM:
+            raise AttentionInputError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
         wire = as_wire_dtype(dtype)
         if wire not in QUERY_DTYPES:
             raise AttentionInputError(f"dtype {dtype_name(wire)} is for keys and values only: "
@@ -351,6 +355,10 @@ def _encode_qkv(
         raise AttentionInputError(
             f"{names[2]} shape {wv.shape} differs from {names[1]} shape {wk.shape}"
         )
+    for t in (wq, wk):
+        if t.shape and not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
+            raise AttentionInputError(f"{t.name} has head_dim {t.shape[-1]} (shape {t.shape}): "
+                                      f"must be in [1, {MAX_HEAD_DIM}]")
     return wq, wk, wv, origin
 
 

@@ -61,11 +61,11 @@ def test_a_failed_call_ends_its_stream_and_the_next_one_opens_another(server):
     with AttentionClient(server.target, interceptors=[opened], spread=False) as client:
         q, k, v = _qkv(1)
         _check(client.attention(q, k, v, causal=True), q, k, v)
-        # Refused by the server (the client does not check head dims): INVALID_ARGUMENT
-        # naming the caller's argument, as the unary call says it.
-        bad = make("numpy", "float32", 4, 2, 1024, seed=3)
-        with pytest.raises(AttentionInputError, match=r"\bq\b"):
-            client.attention(bad, bad[:, :1], bad[:, :1])
+        # Refused by the server (the client does not check the heads' ratio):
+        # INVALID_ARGUMENT naming the caller's argument, as the unary call says it.
+        bad = make("numpy", "float32", 4, 3, 64, seed=3)
+        with pytest.raises(AttentionInputError, match=r"\bk\b"):
+            client.attention(bad, bad[:, :2], bad[:, :2])
         _check(client.attention(q, k, v, causal=True), q, k, v)
     assert opened.names == ["PrefillSteps", "PrefillSteps"]
 

@@ -13,6 +13,7 @@ from attention_client import (
     AsyncAttentionClient,
     AttentionClient,
     AttentionError,
+    AttentionInputError,
     AttentionTimeoutError,
 )
 
@@ -282,8 +283,8 @@ def test_async_client_concurrent(server):
             dk = make("numpy", "float16", 12, 4, 64, seed=21)
             dec = await c.decode(dq, dk, dk, [0, 5, 12])
             with pytest.raises(AttentionError) as exc:
-                await c.attention(make("numpy", "float16", 4, 2, 12), *[
-                    make("numpy", "float16", 4, 2, 12)] * 2)
+                await c.attention(make("numpy", "float16", 4, 3, 64), *[  # 3 heads over 2
+                    make("numpy", "float16", 4, 2, 64)] * 2)
             return qs, outs, (dq, dk, dec), exc.value, await c.health()
 
     qs, outs, (dq, dk, dec), err, status = asyncio.run(main())
@@ -365,3 +366,14 @@ def test_small_calls_go_in_one_message_and_large_ones_stream(server, call_stream
         ref_out, ref_lse = streamed.decode(q[:2], q, q, [0, 7, 16], return_lse=True)
         np.testing.assert_array_equal(out, ref_out)
         np.testing.assert_array_equal(lse, ref_lse)
+
+
+def test_head_dims_outside_1_to_256_are_refused_before_sending():
+    """The client checks head dims itself (no server at this address: nothing is sent)."""
+    with AttentionClient("127.0.0.1:1", spread=False, timeout=5) as c:
+        for dim in (0, 257):
+            bad = np.zeros((4, 2, dim), np.float16)
+            with pytest.raises(AttentionInputError, match=r"head_dim .* must be in \[1, 256\]"):
+                c.attention(bad, bad, bad)
+            with pytest.raises(AttentionInputError, match="head_dim"):
+                c.kv_cache(2, dim, "float16")

@@ -39,7 +39,8 @@ with AttentionClient(target) as c:
     dec = c.decode(d["q"][:2], d["k"], d["v"], d["cu_k"])
     health = c.health()
     try:
-        c.attention(d["q"][:, :, :12].copy(), d["q"][:, :, :12].copy(), d["q"][:, :, :12].copy())
+        c.attention(np.zeros((4, 2, 300), np.float16), np.zeros((4, 2, 300), np.float16),
+                    np.zeros((4, 2, 300), np.float16))  # head_dim over 256
         code = "OK"
     except AttentionError as err:
         code = err.code.name
