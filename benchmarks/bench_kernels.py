@@ -20,6 +20,12 @@ replay repeats one call on the same inputs, so a small decode reads its cache fr
 decode rows add ``*_cold_us``, the GPU time over rotating copies of the inputs (``COLD_BYTES``),
 which is what a model's decode sees layer after layer.
 
+``--only headdim``: head dims that are not multiples of 16 (issue 65's list) against the next
+multiple of 16 on the same shapes, ours both sides: a varlen causal prefill (4 x 4096 tokens,
+16 q / 8 kv heads) and a 64 x 4096 decode (32 q / 8 kv heads), GPU time from a CUDA graph, and
+the ratio (the target: within 1.15x). Each dim is checked against the float64 reference on a
+small shape first.
+
 Prefill TFLOP/s count ``4 * Lq * Lk * H * D`` per sequence, halved for causal. Decode GB/s
 count the K and V bytes read. Every kernel output is checked against a peer (or the reference)
 before it is timed; a failed check aborts the row. Writes CSV, JSON and a PNG plot.
@@ -367,6 +373,49 @@ def decode_rows(quick: bool) -> list[dict]:
     return rows
 
 
+# issue 65's head dims; each is timed beside the multiple of 16 at or above it.
+HEAD_DIMS = (40, 59, 72, 80, 96, 100, 111, 160, 192, 200, 224, 256)
+
+
+def head_dim_rows(quick: bool) -> list[dict]:
+    from attention_kernels import decode_ref, prefill_ref
+
+    rows = []
+    for d in HEAD_DIMS[:4] if quick else HEAD_DIMS:
+        d16 = -(-d // 16) * 16
+        row: dict = {"kind": "headdim", "D": d, "D16": d16}
+        # Correct first: a small varlen causal prefill and a decode against float64.
+        q = torch.randn(300, 16, d, dtype=DTYPE, device="cuda")
+        k = torch.randn(300, 8, d, dtype=DTYPE, device="cuda")
+        cus = cu([100, 200])
+        row["check_rel_err"] = max(
+            rel(prefill(q, k, k, cus, cus, causal=True),
+                prefill_ref(q.double(), k.double(), k.double(), cus, cus, causal=True)),
+            rel(decode(q[:2], k, k, cus), decode_ref(q[:2].double(), k.double(), k.double(),
+                                                      cus)))
+        if not row["check_rel_err"] < CHECK_TOL:
+            raise SystemExit(f"head dim check failed: {row}")
+        for side, dim in (("", d), ("16", d16)):
+            q = torch.randn(4 * 4096, 16, dim, dtype=DTYPE, device="cuda")
+            k = torch.randn(4 * 4096, 8, dim, dtype=DTYPE, device="cuda")
+            cus = cu([4096] * 4)
+            row[f"prefill{side}_us"] = graph_us(
+                lambda q=q, k=k, c=cus: prefill(q, k, k, c, c, causal=True, max_seqlen_q=4096,
+                                                max_seqlen_k=4096))
+            qd = torch.randn(64, 32, dim, dtype=DTYPE, device="cuda")
+            kd = torch.randn(64 * 4096, 8, dim, dtype=DTYPE, device="cuda")
+            cud = cu([4096] * 64)
+            row[f"decode{side}_us"] = graph_us(
+                lambda q=qd, k=kd, c=cud: decode(q, k, k, c, max_seqlen_k=4096))
+        row["prefill_ratio"] = row["prefill_us"] / row["prefill16_us"]
+        row["decode_ratio"] = row["decode_us"] / row["decode16_us"]
+        rows.append(row)
+        print_row(row)
+        del q, k, qd, kd
+        torch.cuda.empty_cache()
+    return rows
+
+
 def print_row(row: dict) -> None:
     if row["kind"] == "decode":
         peer = row.get("cudnn_GBps", float("nan"))
@@ -381,6 +430,11 @@ def print_row(row: dict) -> None:
               f" | fp8 K/V {row['ours_fp8_GBps']:6.0f} GB/s {row['ours_fp8_graph_us']:6.1f} us"
               f" -> {row.get('cudnn_graph_us', math.nan) / row['ours_fp8_graph_us']:5.2f}",
               flush=True)
+    elif row["kind"] == "headdim":
+        print(f"head dim {row['D']:<3d} vs {row['D16']:<3d} prefill {row['prefill_us']:8.1f} us"
+              f" / {row['prefill16_us']:8.1f} -> {row['prefill_ratio']:5.2f}x | decode "
+              f"{row['decode_us']:7.1f} us / {row['decode16_us']:7.1f} -> "
+              f"{row['decode_ratio']:5.2f}x | check {row['check_rel_err']:.1e}", flush=True)
     elif row["kind"] == "dense":
         fl = row.get("flash_TFLOPs", float("nan"))
         print(f"dense  D={row['D']:<3d} N={row['N']:<6d} causal={row['causal']!s:<5} ours "
@@ -443,7 +497,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for CSV/JSON/PNG")
     parser.add_argument("--quick", action="store_true", help="a few rows of each table")
-    parser.add_argument("--only", choices=["dense", "varlen", "decode"], action="append")
+    parser.add_argument("--only", choices=["dense", "varlen", "decode", "headdim"],
+                        action="append")
     parser.add_argument("--rounds", type=int, default=1,
                         help="dense rows: time the sides in turn this many times, keep medians")
     parser.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
@@ -474,12 +529,16 @@ def main() -> None:
         rows += dense_prefill_rows(args.quick, args.rounds)
     if "varlen" in only:
         rows += varlen_prefill_rows(args.quick)
+    if "headdim" in only:
+        rows += head_dim_rows(args.quick)
     if "decode" in only:
         rows += decode_rows(args.quick)
         for r in rows:
             if r["kind"] == "decode":
                 r["ours_pct_of_copy"] = 100 * r["ours_GBps"] / meta["copy_GBps"]
     stamp = f"kernels_{meta['gpu'].replace(' ', '_')}"
+    if only == {"headdim"}:
+        stamp += "_headdims"
     if args.dtype != "bfloat16":
         stamp += f"_{args.dtype}"
     (out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
