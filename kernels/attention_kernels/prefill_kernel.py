@@ -54,8 +54,10 @@ from attention_kernels._checks import (
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
+    ROW_ALIGN,
     KernelLaunch,
     PlanCache,
+    aligned_rows,
     call_key,
     launch_inputs,
     no_keys,
@@ -543,6 +545,8 @@ def prefill(
     del max_seqlen_k
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
+    if q.shape[-1] % ROW_ALIGN:  # rows the kernel could not vectorize (``aligned_rows``)
+        q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     rows = short_rows_bucket(max_seqlen_q)
     key = _plan_key(False, q, k, v, cu_seqlens_q, cu_seqlens_k, None, causal, softmax_scale,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,

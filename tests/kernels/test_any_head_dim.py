@@ -131,3 +131,16 @@ def test_fp8_pages(head_dim: int) -> None:
     got = paged_decode(q, k8, v8, table, lens, max_seqlen_k=20, k_scale=scale, v_scale=scale)
     ref = paged_decode_ref(q.double(), k8, v8, table, lens, k_scale=scale, v_scale=scale)
     assert rel_err(got, ref) < TOL[torch.bfloat16]
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the padding is for the GPU's vector loads")
+def test_rows_not_16_aligned_are_padded_for_the_kernels() -> None:
+    """``aligned_rows``: [T, H, D] with a head stride that is not a multiple of 16 becomes a
+    view of a [T, H, D16] buffer with the same values; aligned ones pass through as they are."""
+    from attention_kernels._launch import aligned_rows
+
+    t = randn(5, 2, 72, dtype=torch.bfloat16)
+    got = aligned_rows(t)
+    assert got.shape == t.shape and got.stride() == (160, 80, 1) and torch.equal(got, t)
+    ok = randn(5, 2, 80, dtype=torch.bfloat16)
+    assert aligned_rows(ok) is ok
