@@ -38,17 +38,32 @@ from attention_kernels._checks import kv_scale_args
 from attention_kernels.configs import interpreting
 
 # Triton specializes integer arguments on divisibility by 16: a row stride (elements) that is
-# a multiple of 16 lets it vectorize the rows' loads. A packed [T, H, D] tensor whose D is not
-# (72, 100, 59...) has head strides that are not: on an H200 a 64 x 4096 decode at D 72 took
-# 9.6 ms against 0.15 ms at D 80, a 16K-token causal prefill 2.7 ms against 0.70 (bench_kernels
-# --only headdim, 2026-11-29).
+# a multiple of 16 lets it vectorize the rows' loads. ``aligned_rows`` copies a packed [T, H, D]
+# input into rows padded to one. Where it pays was measured, not derived (H200, bf16,
+# bench_kernels --only headdim, 2026-11-29; GPU time against the next multiple of 16, without
+# the copy -> with it):
+#   prefill (16K tokens, causal): D 40 2.20 -> 1.18x, 72 3.84 -> 1.38, 100 3.82 -> 1.69,
+#     200 2.21 -> 1.35; odd D gain nothing (59 2.60 -> 3.45, 111 3.86 -> 3.64);
+#   decode (64 x 4096, the copy reads and writes all of K/V): D 72 64 -> 6.2x, 100 62 -> 8.1x
+#     (BLOCK_D 128); elsewhere the copy costs more than it saves (40 2.9 -> 5.0x, 200 2.9 ->
+#     4.9, 59 3.6 -> 9.7, 111 59 -> 73).
+# So prefill copies dims that are multiples of 4, decode only those padded to 128. The other
+# slow cases (odd dims, decode at 72-111) are the kernels' own to fix.
 ROW_ALIGN = 16
+
+
+def pads_prefill(head_dim: int) -> bool:
+    return head_dim % ROW_ALIGN != 0 and head_dim % 4 == 0
+
+
+def pads_decode(head_dim: int) -> bool:
+    return head_dim % ROW_ALIGN != 0 and head_dim % 4 == 0 and 64 < head_dim < 128
 
 
 def aligned_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` ``[T, H, D]`` as it is when its head stride is a multiple of ``ROW_ALIGN`` (or off
     the GPU); else a copy whose rows are padded to one (a ``[T, H, D]`` view of a ``[T, H,
-    D16]`` buffer): one copy of t against a kernel several times slower."""
+    D16]`` buffer)."""
     if t.stride(-2) % ROW_ALIGN == 0 or t.device.type != "cuda" or interpreting():
         return t
     padded = -(-t.shape[-1] // ROW_ALIGN) * ROW_ALIGN

@@ -52,7 +52,6 @@ from attention_kernels._checks import (
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
-    ROW_ALIGN,
     KernelLaunch,
     PlanCache,
     aligned_rows,
@@ -60,6 +59,7 @@ from attention_kernels._launch import (
     launch_inputs,
     no_keys,
     outputs,
+    pads_decode,
 )
 from attention_kernels._paging import (
     block_kv_ptrs,
@@ -491,7 +491,7 @@ def decode(
     checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.
     """
     mode = _merge_mode(q.device)
-    if q.shape[-1] % ROW_ALIGN:  # rows the kernel could not vectorize (``aligned_rows``)
+    if pads_decode(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     key = _plan_key(False, q, k, v, cu_seqlens_k, None, max_seqlen_k, softmax_scale, num_splits,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,

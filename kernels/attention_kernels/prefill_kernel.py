@@ -54,7 +54,6 @@ from attention_kernels._checks import (
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
-    ROW_ALIGN,
     KernelLaunch,
     PlanCache,
     aligned_rows,
@@ -62,6 +61,7 @@ from attention_kernels._launch import (
     launch_inputs,
     no_keys,
     outputs,
+    pads_prefill,
 )
 from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
@@ -545,7 +545,7 @@ def prefill(
     del max_seqlen_k
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
-    if q.shape[-1] % ROW_ALIGN:  # rows the kernel could not vectorize (``aligned_rows``)
+    if pads_prefill(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     rows = short_rows_bucket(max_seqlen_q)
     key = _plan_key(False, q, k, v, cu_seqlens_q, cu_seqlens_k, None, causal, softmax_scale,
