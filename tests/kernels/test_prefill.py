@@ -199,7 +199,7 @@ def test_empty_batch_and_no_tokens() -> None:
     ("shapes", "match"),
     [
         (((5, 4, 64), (5, 3, 64)), "multiple of num_kv_heads"),
-        (((5, 4, 60), (5, 2, 60)), "head_dim 60"),
+        (((5, 4, 257), (5, 2, 257)), "head_dim 257"),
         (((5, 4, 264), (5, 2, 264)), "head_dim 264"),
         (((5, 4, 64), (5, 2, 32)), "head_dim of q"),
         (((5, 64), (5, 2, 64)), "q must be 3-D"),
