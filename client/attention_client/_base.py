@@ -72,9 +72,9 @@ from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
-from attention_client._wire import parse_response, parse_result
 from attention_wire import shm, unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import parse_response, parse_result
 
 # ``spread``: connections looked at per channel, per front end of the server (the last one is
 # kept whatever its front end). Placed one after another, the last of N clients over N front
@@ -140,7 +140,7 @@ def lane_rpcs(channel: Any) -> dict[str, Any]:
     """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
     both), by method name: the stream and unary twin of each, the step streams, and
     GetServerInfo (``spread`` asks each connection). Requests are pre-serialized bytes
-    (_chunks); responses are parsed lazily (_wire)."""
+    (_chunks); responses are parsed lazily (``attention_wire.responses``)."""
     return {
         method: channel.stream_stream(
             f"/{SERVICE}/{method}", response_deserializer=parse_response
@@ -421,7 +421,7 @@ class ClientBase:
 
     def _assemble(self, prep: PreparedRequest, assembler: ResponseAssembler,
                   responses: Any) -> Any:
-        """The result from a unary call's parsed responses (``_wire.parse_result``)."""
+        """The result from a unary call's parsed responses (``responses.parse_result``)."""
         try:
             for response in responses:
                 assembler.add(response)

@@ -1,8 +1,9 @@
 """Response assembler: OUT/LSE row slices -> preallocated arrays, with every row checked.
 
-Each slice (parsed by _wire without copying its bytes) is copied straight into its rows of the
-final array: the one copy on the client. Every row must arrive exactly once and the stream must
-end with RequestStats; anything else raises ProtocolError, never a silently wrong tensor.
+Each slice (parsed by ``attention_wire.responses`` without copying its bytes) is copied
+straight into its rows of the final array: the one copy on the client. Every row must arrive
+exactly once and the stream must end with RequestStats; anything else raises ProtocolError,
+never a silently wrong tensor.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import numpy as np
 
 from attention_client._errors import ProtocolError
 from attention_client._tensors import dtype_name, storage_dtype
-from attention_client._wire import OutputSlice
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import OutputSlice
 
 
 class _Target:
@@ -95,7 +96,7 @@ _STATS_LISTS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if _is_re
 
 
 class ResponseAssembler:
-    """Feed every parsed response (``_wire.parse_response``) to ``add``; ``finish`` returns
+    """Feed every parsed response (``responses.parse_response``) to ``add``; ``finish`` returns
     (out, lse, stats). A shape of None: that output is not streamed (it went into a region,
     or lse was not asked for) and must not arrive."""
 

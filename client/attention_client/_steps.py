@@ -38,7 +38,7 @@ from attention_client._errors import from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
 from attention_client._score import ScoreMods
 from attention_client._tensors import to_wire
-from attention_client._wire import parse_result
+from attention_wire.responses import parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
 # Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).

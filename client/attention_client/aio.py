@@ -49,9 +49,9 @@ from attention_client._responses import cache_info_dict, pool_info_dict, server_
 from attention_client._score import ScoreMods
 from attention_client._steps import AsyncDecodeSteps
 from attention_client._stripes import join, lanes, merge_stats
-from attention_client._wire import parse_result
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import parse_result
 
 
 def _serialize(message: Any) -> bytes:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_client._wire import OutputSlice, WireError, parse_response, parse_result
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import OutputSlice, WireError, parse_response, parse_result
 
 
 def _chunk(**kw) -> pb.AttentionResponse:

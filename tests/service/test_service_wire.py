@@ -10,15 +10,11 @@ import torch
 
 from attention_service.errors import RequestError
 from attention_service.frontend.streams import output_messages
-from attention_service.frontend.wire import (
-    chunk_head,
-    encode_output_chunk,
-    output_chunk_parts,
-    parse_request,
-)
+from attention_service.frontend.wire import parse_request
 from attention_service.params import Op
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import chunk_head, encode_output_chunk, output_chunk_parts
 
 from .svc_helpers import ServerHandle, prefill_messages, random_qkv
 

@@ -14,15 +14,16 @@ import numpy as np
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
-from attention_service.frontend.wire import chunk_head, output_chunk_parts, parse_request
+from attention_service.frontend.wire import parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import chunk_head, output_chunk_parts
 
 log = logging.getLogger("attention_service")
 
-# One response message as pieces to join (wire.output_chunk_parts).
+# One response message as pieces to join (``attention_wire.responses.output_chunk_parts``).
 MessageParts = tuple[bytes | memoryview, ...]
 
 # Output bytes a unary compute rpc answers in its one message (gRPC's 4 MiB limit, less room
@@ -252,7 +253,7 @@ def output_messages(
     field: int, dtype: int, shape: tuple[int, ...], data: np.ndarray, chunk_bytes: int
 ) -> Iterator[tuple[int, MessageParts]]:
     """Row slices of a tensor (its bytes in ``data``) of at most ``chunk_bytes`` data each, as
-    (data bytes, AttentionResponse in pieces) pairs (``wire.output_chunk_parts``: the pieces
+    (data bytes, AttentionResponse in pieces) pairs (``output_chunk_parts``: the pieces
     view ``data``, so they are joined while the call holds its buffers).
 
     A single row larger than ``chunk_bytes`` still goes out whole (one row per message):

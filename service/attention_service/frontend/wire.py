@@ -1,4 +1,5 @@
-"""The compute rpcs' messages in protobuf wire format, by hand, on the server's hot path.
+"""The compute rpcs' requests in protobuf wire format, by hand, on the server's hot path, and
+the handlers that take them (responses: ``attention_wire.responses``).
 
 Request and response messages carry up to ~1 MiB of tensor bytes each. Through upb's generated
 classes a request chunk costs a parse plus a copy on every ``data`` access, and a response
@@ -34,16 +35,12 @@ from attention_wire.codec import (
     LEN,
     VARINT,
     WireError,
-    field_key,
     field_number,
     iter_fields,
-    varint,
 )
 from attention_wire.pb import attention_pb2 as pb
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
-_CHUNK_KEY = field_key(pb.AttentionResponse.DESCRIPTOR, "chunk")
-_DATA_KEY = field_key(pb.OutputChunk.DESCRIPTOR, "data")
 # PrefillRequest and DecodeRequest number their fields alike (a test checks it).
 _HEADER = field_number(pb.PrefillRequest.DESCRIPTOR, "header")
 _CHUNKS = field_number(pb.PrefillRequest.DESCRIPTOR, "chunks")
@@ -167,43 +164,6 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
     except (WireError, DecodeError) as exc:
         raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
     return RawRequest(header, chunks, header_bytes, step_timeout_ms)
-
-
-# Serialized OutputChunk heads (all but ``data``) by (field, dtype, shape, row_start, row_count):
-# a session's decode steps answer the same shapes call after call, and each output built and
-# serialized two protobuf messages per call. With the memo (and a request's byte counts summed
-# once), a front end over a null engine spent 263-270 instead of 274-277 us of CPU per
-# streamed step (dev box). Bounded like _PARSED.
-_CHUNK_HEADS: dict[tuple[int, int, tuple[int, ...], int, int], bytes] = {}
-
-
-def chunk_head(field: int, dtype: int, shape: tuple[int, ...], row_start: int,
-               row_count: int) -> bytes:
-    """The serialized OutputChunk of these fields, ``data`` left out."""
-    return memoized(
-        _CHUNK_HEADS, (field, dtype, shape, row_start, row_count),
-        lambda: pb.OutputChunk(
-            field=field, spec=pb.TensorSpec(dtype=dtype, shape=list(shape)),
-            row_start=row_start, row_count=row_count,
-        ).SerializeToString(),
-    )
-
-
-def output_chunk_parts(head: bytes, data: memoryview) -> tuple[bytes | memoryview, ...]:
-    """An AttentionResponse{chunk} message (``head``: ``chunk_head``'s) as pieces whose
-    concatenation is protobuf's serialization; ``data`` is not copied. A one-message call
-    joins every piece of its answer once (``data`` straight from the arena into the reply),
-    where joining each chunk first copied the outputs twice."""
-    size = len(data)
-    if size:  # proto3 leaves an empty bytes field out
-        inner = len(head) + 1 + len(varint(size)) + size
-        return (_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size), data)
-    return (_CHUNK_KEY, varint(len(head)), head)
-
-
-def encode_output_chunk(head: bytes, data: memoryview) -> bytes:
-    """``output_chunk_parts`` joined: one message, ``data`` copied once."""
-    return b"".join(output_chunk_parts(head, data))
 
 
 def _serialize(message: bytes | Any) -> bytes:
