@@ -56,7 +56,7 @@ import psutil
 import torch
 
 import attention_client
-from attention_client._chunks import MAX_CHUNK_BYTES
+from attention_wire.requests import MAX_CHUNK_BYTES
 
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16", 2), "fp16": (torch.float16, "float16", 2)}
 ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731

@@ -532,8 +532,8 @@ def main() -> int:
     servers = split_cpus(args.server_cpus, args.client_cpus)  # the clients inherit the rest
     SERVER_CPUS = cpu_list(servers) if servers else None
 
-    from attention_client._chunks import DEFAULT_CHUNK_BYTES
     from attention_kernels.reference import prefill_ref
+    from attention_wire.requests import DEFAULT_CHUNK_BYTES
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     dtype = DTYPES[args.dtype]

@@ -28,17 +28,12 @@ from attention_client._channel import (
     balanced_target,
     call_metadata,
     channel_options,
+    check_chunk_bytes,
     check_targets,
     check_timeout,
     check_wait_for_ready,
     credentials,
     merge_metadata,
-)
-from attention_client._chunks import (
-    DEFAULT_CHUNK_BYTES,
-    check_chunk_bytes,
-    single_message,
-    step_timeout,
 )
 from attention_client._errors import (
     AttentionError,
@@ -74,6 +69,7 @@ from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm, unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import DEFAULT_CHUNK_BYTES, single_message, step_timeout
 from attention_wire.responses import parse_response, parse_result
 
 # ``spread``: connections looked at per channel, per front end of the server (the last one is

@@ -37,6 +37,7 @@ import grpc
 
 from attention_client._errors import AttentionInputError
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
@@ -310,6 +311,15 @@ def call_metadata(token: str | None, metadata: Any = None) -> Metadata:
     """The client's own metadata: its token as ``authorization``, then ``metadata``."""
     auth: Metadata = (("authorization", f"Bearer {token}"),) if token else ()
     return merge_metadata(auth, as_metadata(metadata))
+
+
+def check_chunk_bytes(max_chunk_bytes: int) -> int:
+    n = int(max_chunk_bytes)
+    if not MIN_CHUNK_BYTES <= n <= MAX_CHUNK_BYTES:
+        raise AttentionInputError(
+            f"max_chunk_bytes must be in [{MIN_CHUNK_BYTES}, {MAX_CHUNK_BYTES}], got {n}"
+        )
+    return n
 
 
 def check_timeout(timeout: float | None, name: str = "timeout") -> float | None:

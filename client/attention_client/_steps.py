@@ -33,11 +33,11 @@ from attention_client._call_streams import (
     unimplemented,
 )
 from attention_client._channel import DEFAULT, CallSettings
-from attention_client._chunks import step_timeout
 from attention_client._errors import from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
 from attention_client._score import ScoreMods
 from attention_client._tensors import to_wire
+from attention_wire.requests import step_timeout
 from attention_wire.responses import parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step

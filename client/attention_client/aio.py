@@ -34,7 +34,6 @@ from attention_client._channel import (
     SERVICE,
     CallSettings,
 )
-from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
@@ -51,6 +50,7 @@ from attention_client._steps import AsyncDecodeSteps
 from attention_client._stripes import join, lanes, merge_stats
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_wire.responses import parse_result
 
 

@@ -32,7 +32,6 @@ from attention_client._channel import (
     SERVICE,
     CallSettings,
 )
-from attention_client._chunks import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
@@ -47,6 +46,7 @@ from attention_client._steps import DecodeSteps
 from attention_client._stripes import MAX_STRIPES, caller_stream, join, lanes, merge_stats
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_wire.responses import parse_result
 
 

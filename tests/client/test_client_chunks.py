@@ -5,18 +5,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_client._chunks import (
+from attention_client._channel import check_chunk_bytes
+from attention_client._requests import MAX_HEADER_BYTES, prepare_decode, prepare_prefill
+from attention_client._tensors import WireTensor
+from attention_wire.codec import varint
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
-    check_chunk_bytes,
     encode_messages,
     single_message,
     step_timeout,
-    varint,
 )
-from attention_client._requests import MAX_HEADER_BYTES, prepare_decode, prepare_prefill
-from attention_client._tensors import WireTensor
-from attention_wire.pb import attention_pb2 as pb
 
 FOUR_MIB = 4 * 1024 * 1024
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 
-from attention_service.frontend.wire import metric_rpc
+from attention_service.frontend.handlers import metric_rpc
 from attention_service.metrics import Metrics
 
 log = logging.getLogger("attention_service")

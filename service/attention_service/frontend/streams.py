@@ -13,8 +13,8 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
+from attention_service.frontend.handlers import parse_request
 from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
-from attention_service.frontend.wire import parse_request
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
@@ -140,15 +140,15 @@ async def receive_request(
     budget: UploadBudget, caller: str = "", unary: bool = False, proxied: bool = False,
 ) -> Received:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
-    ``requests`` are raw PrefillRequest/DecodeRequest messages (see wire.py). Buffers come
-    from ``link`` for every tensor not in a region, outputs included, charged to ``caller``'s
-    share of ``budget``: in full at the header when the link pins them, else as the bytes
-    arrive (``Upload``), the outputs with the last message. A stream slower than ``limits``
-    allow (``upload_idle_timeout``, ``min_upload_rate``) ends. On any failure buffers and
-    charge are given back before this raises. ``unary``: the request is its one message, and
+    ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.requests``).
+    Buffers come from ``link`` for every tensor not in a region, outputs included, charged to
+    ``caller``'s share of ``budget``: in full at the header when the link pins them, else as the
+    bytes arrive (``Upload``), the outputs with the last message. A stream slower than
+    ``limits`` allow (``upload_idle_timeout``, ``min_upload_rate``) ends. On any failure buffers
+    and charge are given back before this raises. ``unary``: the request is its one message, and
     the outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the
-    call came through a proxy, so its tensors may not name regions (registered with one
-    replica directly)."""
+    call came through a proxy, so its tensors may not name regions (registered with one replica
+    directly)."""
     it = requests.__aiter__()
     try:
         raw = await it.__anext__()

@@ -18,7 +18,7 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
-from attention_service.frontend.wire import MEMO_HEADER_BYTES, Memo, memoized
+from attention_service.frontend.handlers import MEMO_HEADER_BYTES, Memo, memoized
 from attention_service.params import (
     ELEMENT_BYTES,
     INPUTS,

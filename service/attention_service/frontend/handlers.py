@@ -1,5 +1,6 @@
-"""The compute rpcs' requests in protobuf wire format, by hand, on the server's hot path, and
-the handlers that take them (responses: ``attention_wire.responses``).
+"""The compute rpcs' handlers: raw bytes in and out (``add_to_server``), requests read by
+``attention_wire.requests`` with their headers parsed once (a memo), responses written by
+``attention_wire.responses``.
 
 Request and response messages carry up to ~1 MiB of tensor bytes each. Through upb's generated
 classes a request chunk costs a parse plus a copy on every ``data`` access, and a response
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -31,62 +32,11 @@ from google.protobuf.message import DecodeError
 from attention_service.errors import invalid
 from attention_service.params import Op
 from attention_wire import unary_method
-from attention_wire.codec import (
-    LEN,
-    VARINT,
-    WireError,
-    field_number,
-    iter_fields,
-)
+from attention_wire.codec import WireError
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import RawRequest, read_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
-# PrefillRequest and DecodeRequest number their fields alike (a test checks it).
-_HEADER = field_number(pb.PrefillRequest.DESCRIPTOR, "header")
-_CHUNKS = field_number(pb.PrefillRequest.DESCRIPTOR, "chunks")
-_STEP_TIMEOUT = field_number(pb.PrefillRequest.DESCRIPTOR, "step_timeout_ms")
-_TC = pb.TensorChunk.DESCRIPTOR
-_TC_FIELD, _TC_OFFSET, _TC_DATA = (field_number(_TC, n) for n in ("field", "offset", "data"))
-
-
-class RawChunk(NamedTuple):
-    """A TensorChunk whose ``data`` is a view into the received message (no copy)."""
-
-    field: int  # pb.InputField value
-    offset: int
-    data: memoryview
-
-
-class RawRequest(NamedTuple):
-    """One PrefillRequest/DecodeRequest message: its header (if present) and chunks."""
-
-    header: Any  # pb.PrefillHeader | pb.DecodeHeader | None
-    chunks: list[RawChunk]
-    header_bytes: bytes | None = None  # the header's wire bytes (its occurrences joined)
-    step_timeout_ms: int = 0  # a step stream's call: how long its client waits (0: none)
-
-
-# Fields per message and per chunk the parser reads before it refuses the message: a 4 MiB
-# message of millions of empty fields must not hold the event loop for seconds. A real
-# message has a header and a few chunks (attention_client: at most 3) of 3 fields each.
-MAX_FIELDS_PER_MESSAGE = 1024
-MAX_FIELDS_PER_CHUNK = 16
-
-
-def _chunk(buf: memoryview) -> RawChunk:
-    field = offset = 0
-    data = memoryview(b"")
-    for n, (number, wire_type, value) in enumerate(iter_fields(buf)):
-        if n == MAX_FIELDS_PER_CHUNK:
-            raise WireError(f"a chunk with more than {MAX_FIELDS_PER_CHUNK} fields")
-        # Last occurrence wins and a mismatched wire type is an unknown field, as in protobuf.
-        if number == _TC_FIELD and wire_type == VARINT:
-            field = value
-        elif number == _TC_OFFSET and wire_type == VARINT:
-            offset = value
-        elif number == _TC_DATA and wire_type == LEN:
-            data = value
-    return RawChunk(field, offset, data)
 
 
 _HEADERS = {op: pb.DecodeHeader if op.decode_like else pb.PrefillHeader for op in Op}
@@ -141,29 +91,13 @@ CONTROL_METHODS = (
 
 
 def parse_request(message: bytes, op: Op) -> RawRequest:
-    """``message`` as a PrefillRequest / DecodeRequest; INVALID_ARGUMENT if it is not valid
-    protobuf."""
-    header_parts: list[memoryview] = []
-    chunks: list[RawChunk] = []
-    step_timeout_ms = 0
+    """``message`` as a PrefillRequest / DecodeRequest (``attention_wire.requests``), its
+    header parsed once per distinct header (the memo above); INVALID_ARGUMENT if it is not
+    valid protobuf."""
     try:
-        for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
-            if n == MAX_FIELDS_PER_MESSAGE:
-                raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message "
-                                "(send fewer, larger chunks)")
-            if wire_type != LEN:
-                if number == _STEP_TIMEOUT and wire_type == VARINT:
-                    step_timeout_ms = value & 0xFFFFFFFF  # uint32, as protobuf reads it
-                continue  # else unknown
-            if number == _HEADER:
-                header_parts.append(value)  # repeated occurrences merge, as in protobuf
-            elif number == _CHUNKS:
-                chunks.append(_chunk(value))
-        header_bytes = b"".join(header_parts) if header_parts else None
-        header = _parse_header(op, header_bytes) if header_bytes is not None else None
+        return read_request(message, lambda raw: _parse_header(op, raw))
     except (WireError, DecodeError) as exc:
         raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
-    return RawRequest(header, chunks, header_bytes, step_timeout_ms)
 
 
 def _serialize(message: bytes | Any) -> bytes:
