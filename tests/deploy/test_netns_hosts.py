@@ -23,16 +23,14 @@ import grpc
 import pytest
 import torch
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from attention_client import AttentionClient
-from attention_kernels.reference import prefill_ref
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from ..service.svc_helpers import sample
+from ..service.group_helpers import scrape, serving
 from .test_envoy import ENVOY, _free_port, envoy_config
+from .test_replica_list import check_prefill, ok_calls
 
 ROOT = Path(__file__).resolve().parents[2]
 IP = shutil.which("ip")
@@ -94,27 +92,15 @@ class Host:
 
     def wait_serving(self, timeout: float = 90.0) -> None:
         end = time.monotonic() + timeout
-        while True:
-            assert self.proc.poll() is None, "".join(self.lines)
-            try:
-                with grpc.insecure_channel(self.target) as ch:
-                    got = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                               timeout=2)
-                if got.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < end, "".join(self.lines)
+        while not serving(self.target):
+            assert self.proc.poll() is None and time.monotonic() < end, "".join(self.lines)
             time.sleep(0.3)
 
     def served(self, rpc: str = "Prefill") -> float:
         """OK calls of ``rpc`` (its unary twin too), from the replica's own metrics."""
         port = next(int(m.group(1)) for line in self.lines
                     if (m := re.search(r"metrics on port (\d+)", line)))
-        text = urllib.request.urlopen(f"http://{self.address}:{port}/metrics", timeout=5).read()
-        families = {f.name: f for f in text_string_to_metric_families(text.decode())}
-        return sum(sample(families, "attention_requests", "attention_requests_total", rpc=r,
-                          code="OK") for r in (rpc, f"{rpc}Unary"))
+        return ok_calls(scrape(f"http://{self.address}:{port}/metrics"), rpc)
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -140,20 +126,11 @@ def hosts() -> Iterator[list[Host]]:
             h.close()
 
 
-def _check_prefill(client: AttentionClient, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(9, 2, 16, generator=g) for _ in range(3))
-    out = client.attention(q, k, v, [0, 4, 9], causal=True)
-    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
-    want = prefill_ref(q.double(), k.double(), v.double(), cu, causal=True)
-    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
-
-
 def test_a_client_given_both_addresses_spreads_over_the_hosts(hosts: list[Host]) -> None:
     before = [h.served() for h in hosts]
     with AttentionClient([h.target for h in hosts]) as client:
         for i in range(40):
-            _check_prefill(client, i)
+            check_prefill(client, i)
     spread = [h.served() - b for h, b in zip(hosts, before, strict=True)]
     assert sum(spread) == 40 and min(spread) >= 0.15 * 40, spread
 
@@ -181,7 +158,7 @@ def test_envoy_routes_over_the_veth_addresses(hosts: list[Host]) -> None:
             # proxy wants a call each (docs/client.md, call_streams).
             with AttentionClient(f"127.0.0.1:{listen}", call_streams=False) as client:
                 for i in range(40):
-                    _check_prefill(client, 100 + i)
+                    check_prefill(client, 100 + i)
                 for s in range(8):  # handles: each keeps to one host, and both hosts get some
                     cache = client.kv_cache(2, 16, torch.float32, session=f"ns-{s}")
                     ids = [f"ns{s}-a"]

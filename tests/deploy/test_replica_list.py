@@ -9,6 +9,7 @@ import asyncio
 import signal
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 import pytest
@@ -39,14 +40,19 @@ def replicas() -> Iterator[list[Group]]:
         g.stop(signal.SIGKILL if g.proc.poll() is None else signal.SIGTERM)
 
 
+def ok_calls(metrics: dict[str, Any], rpc: str) -> float:
+    """OK calls of ``rpc`` in a replica's scrape, its unary twin's included."""
+    return sum(sample(metrics, "attention_requests", "attention_requests_total", rpc=r,
+                      code="OK") for r in (rpc, f"{rpc}Unary"))
+
+
 def _served(groups: list[Group], rpc: str) -> list[float]:
-    """Each live replica's OK calls of ``rpc``, by its own counter (the unary twin's too)."""
-    return [sum(sample(g.scrape(), "attention_requests", "attention_requests_total", rpc=r,
-                       code="OK") for r in (rpc, f"{rpc}Unary"))
-            if g.proc.poll() is None else 0.0 for g in groups]
+    """Each live replica's OK calls of ``rpc``, by its own counter."""
+    return [ok_calls(g.scrape(), rpc) if g.proc.poll() is None else 0.0 for g in groups]
 
 
-def _prefill(client: AttentionClient, seed: int) -> None:
+def check_prefill(client: AttentionClient, seed: int) -> None:
+    """One causal prefill through ``client``, against the float64 reference."""
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(9, 2, 16, generator=g) for _ in range(3))
     out = client.attention(q, k, v, [0, 4, 9], causal=True)
@@ -61,7 +67,7 @@ def test_stateless_calls_spread_and_caches_stay_on_the_first(replicas: list[Grou
     with AttentionClient(targets) as client:
         assert client.balanced and client.target == targets[0]
         for i in range(60):
-            _prefill(client, i)
+            check_prefill(client, i)
         cache = client.kv_cache(2, 16, torch.float32, session="s1")
         ids = ["r-a", "r-b"]
         k, v = torch.randn(7, 2, 16), torch.randn(7, 2, 16)
@@ -109,14 +115,14 @@ def test_a_replica_that_is_down_is_skipped() -> None:
     try:
         with AttentionClient([g.target for g in groups], timeout=20) as client:
             for i in range(9):
-                _prefill(client, i)
+                check_prefill(client, i)
             groups[2].stop(signal.SIGKILL)
             # gRPC's round_robin sees the connection drop; calls made meanwhile are retried
             # on UNAVAILABLE (the unary twins are in the retry policy).
             failures = 0
             for i in range(60):
                 try:
-                    _prefill(client, 100 + i)
+                    check_prefill(client, 100 + i)
                 except Exception:  # noqa: BLE001 (counted: must be none)
                     failures += 1
             assert failures == 0

@@ -98,25 +98,15 @@ class Group:
         return pb_grpc.AttentionServiceStub(self.channel())
 
     def wait_until_serving(self, timeout: float = 60.0) -> None:
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            with grpc.insecure_channel(self.target) as ch:
-                try:
-                    r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
-                                                             timeout=2)
-                    if r.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
+            if serving(self.target):
+                return
             time.sleep(0.1)
         raise AssertionError("group never SERVING:\n" + self.log())
 
     def scrape(self) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        return {f.name: f for f in text_string_to_metric_families(text)}
+        return scrape(f"http://127.0.0.1:{self.metrics_port}/metrics")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 60.0) -> int:
         for ch in self.channels:
@@ -128,6 +118,24 @@ class Group:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             return self.proc.wait()
+
+
+def serving(target: str) -> bool:
+    """Whether the server at ``target`` answers its health check SERVING now."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        try:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def scrape(url: str) -> dict[str, Any]:
+    """The metric families a Prometheus endpoint serves, by name."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
 
 
 def _tcp_table() -> Iterator[tuple[int, int, int, int]]:
