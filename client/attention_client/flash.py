@@ -263,18 +263,21 @@ def _paged_keys(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
     table = block_table.detach().to("cpu", torch.int64)
     pos = torch.cat([torch.arange(int(n)) for n in lens] or [torch.zeros(0, dtype=torch.int64)])
     seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
-    pages = _block_ids(table[seq, pos // page], k_pages.shape[0]).to(k_pages.device)
-    offsets = (pos % page).to(k_pages.device)
-    return k_pages[pages, offsets], v_pages[pages, offsets]
+    at = _page_slots(table, seq, pos, k_pages)
+    return k_pages[at], v_pages[at]
 
 
-def _block_ids(ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """The block ids a call reads, each checked to name one of the ``num_blocks`` pages."""
+def _page_slots(table: torch.Tensor, seq: torch.Tensor | int, pos: torch.Tensor,
+                pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) on ``pages``' device of position ``pos`` of sequence ``seq`` through
+    ``table`` (CPU int64), every block checked to name one of ``pages``' blocks."""
+    page, num_blocks = pages.shape[1], pages.shape[0]
+    ids = table[seq, pos // page]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
         bad = ids[(ids < 0) | (ids >= num_blocks)][0]
         raise AttentionInputError(f"block_table names block {int(bad)}, outside the "
                                   f"{num_blocks} blocks of k_cache / k (0..{num_blocks - 1})")
-    return ids
+    return ids.to(pages.device), (pos % page).to(pages.device)
 
 
 def _seqlens(value: Any, batch: int, name: str, default: int) -> torch.Tensor:
@@ -367,10 +370,9 @@ def flash_attn_with_kvcache(
     for b in range(batch):
         if paged:
             pos = torch.arange(int(starts[b]), int(ends[b]))
-            blocks = _block_ids(table[b, pos // page], k_cache.shape[0])  # type: ignore[index]
-            fresh = pos >= lens[b]
-            at = (blocks.to(device), (pos % page).to(device))
-            new = (blocks[fresh].to(device), (pos[fresh] % page).to(device))
+            at = _page_slots(table, b, pos, k_cache)  # type: ignore[arg-type]
+            fresh = (pos >= lens[b]).to(device)
+            new = (at[0][fresh], at[1][fresh])
         else:
             row = int(rows[b])
             at = (row, slice(int(starts[b]), int(ends[b])))
