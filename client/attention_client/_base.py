@@ -1,6 +1,6 @@
-"""What the sync and async clients share: argument checks, request preparation, and the
-bookkeeping of registered shared-memory regions and of server-side KV caches (the rpcs
-themselves are the subclasses')."""
+"""What a call is made of, for both clients: the settings, argument checks, request
+preparation, reading replies, and the bookkeeping of registered shared-memory regions and of
+server-side KV caches (the calls themselves: ``_core``; the rpcs: the faces)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,16 @@ from typing import Any
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import POOLED, STEP_METHODS
 from attention_client._channel import (
+    CACHE_RPCS,
     DEFAULT,
     INFO_METHOD,
     LOAD_BALANCING,
+    REGION_RPCS,
     SERVICE,
     STREAM_RPCS,
     CallSettings,
@@ -158,12 +161,32 @@ def lane_rpcs(channel: Any) -> dict[str, Any]:
     }
 
 
+def small_rpcs(channel: Any) -> dict[str, Any]:
+    """The small rpcs, which go over lane 0's channel (``ClientCore._unary_rpc``): regions,
+    caches, GetServerInfo and the health check, by name."""
+    rpcs = {
+        method: channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_serialize,
+                                    response_deserializer=getattr(pb, reply).FromString)
+        for method, reply in (REGION_RPCS | CACHE_RPCS).items()
+    }
+    rpcs["GetServerInfo"] = channel.unary_unary(
+        INFO_METHOD, request_serializer=_serialize, response_deserializer=pb.ServerInfo.FromString)
+    rpcs["Health.Check"] = channel.unary_unary(
+        "/grpc.health.v1.Health/Check", request_serializer=_serialize,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    return rpcs
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()
+
+
 # The compute rpcs on a cache: they go where the cache lives (``ClientBase._cache_lane``).
 CACHE_METHODS = (APPEND_KV, CACHE_PREFILL, CACHE_DECODE)
 
 
 class ClientBase:
-    """Holds the settings; subclasses own the channel and run the calls."""
+    """Holds the settings; ``ClientCore`` makes the calls, the faces own the channels."""
 
     def __init__(
         self,
@@ -172,6 +195,7 @@ class ClientBase:
         token: str | None = None,
         tls: Any = None,
         timeout: float | None = 60.0,
+        interceptors: Sequence[Any] | None = None,
         max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         options: Sequence[tuple[str, Any]] | None = None,
         use_regions: bool = True,
@@ -186,6 +210,61 @@ class ClientBase:
         spread: bool = True,
         load_balancing: str | None = None,
     ) -> None:
+        """Remote varlen attention over gRPC, blocking (``AttentionClient``) or asyncio
+        (``AsyncAttentionClient``: the same methods as coroutines; create it inside a running event
+        loop, whose ``grpc.aio`` channels it uses; ``interceptors`` are ``grpc.aio`` client
+        interceptors there).
+
+        ``q, k, v`` are numpy arrays (float16, float32, ml_dtypes.bfloat16) or torch tensors on any
+        device; results come back in the same flavour, dtype and device as ``q``. Failures raise
+        ``AttentionError`` (``.code``, ``.details``), or one of its subclasses; bad arguments raise
+        ``AttentionInputError``, which is also a ``ValueError`` (see ``attention_client._errors``).
+
+        ``tls``: None (plaintext), True (system roots), or a root certificate as PEM bytes or a file
+        path; ``client_cert`` and ``client_key`` (PEM bytes or file paths) add a client certificate
+        (mutual TLS). ``token`` goes as ``authorization: Bearer <token>``; ``metadata`` (a mapping
+        or (key, value) pairs) goes with every call too. ``timeout`` is each call's deadline in
+        seconds (None: none). ``wait_for_ready``: True makes a call wait (within its timeout) for
+        the server to become reachable instead of failing with UNAVAILABLE; None leaves gRPC's
+        default (fail fast, after gRPC's retries). ``options`` are extra gRPC channel options.
+        ``channels``: compute calls go round-robin over this many connections (for concurrent calls
+        from many threads against a server with several front ends). ``unary`` (default True): a
+        call whose request fits one message of ``max_chunk_bytes`` and whose outputs do too (a
+        decode step, a short prefill) goes through the rpc's unary twin (``CacheDecodeUnary``, ...),
+        about half the host time of a stream; False streams every call. ``stripes`` (default 1):
+        ``attention`` and ``decode`` calls of 4 MiB or more split into up to this many kv-head
+        groups, sent at once over as many connections (``channels`` is raised to ``stripes``) and
+        joined: one large call then uses several of the server's front-end processes instead of one
+        (a Python gRPC stream moves about 1 GB/s). The result is the same as the whole call's; calls
+        with ``out=`` or whose tensors may go through registered regions go whole. ``spread``
+        (default True): a server with several front-end processes gets each connection from the
+        kernel, which may put several clients' connections on one front end while others idle; each
+        connection found on a front end holding more than one connection more than the least-loaded
+        one is replaced by a new one (here at construction, in the async client before its first
+        compute call; at most 4 looks per front end for each connection, up to 64
+        (``spread_tries``), and ``SPREAD_TIMEOUT_S`` in all; a server that is down, or too old to
+        count, leaves the connections as they are). With it, the client's connections are its own,
+        not shared with other clients of this process, and do not idle out (grpc's idle timer is
+        off). False: gRPC's connection as it comes. See docs/client.md.
+
+        Several replicas without a proxy: ``target`` a list of ``HOST:PORT`` (resolved once, here),
+        or ``"dns:///NAME:PORT"`` with ``load_balancing="round_robin"`` (re-resolved by gRPC).
+        Stateless compute calls then go round-robin over every replica, a replica that is down is
+        skipped, and ``spread``/``call_streams`` are off; caches, regions and the other small calls
+        go to the first target (a cache lives on the replica that made it). Behind Envoy, give its
+        one address instead (deploy/envoy).
+
+        Every call also takes ``timeout=`` (None: no deadline), ``metadata=`` (merged over the
+        client's: a key it names replaces the client's) and ``wait_for_ready=`` for itself.
+
+        Same host: ``register_shm`` / ``register_cuda`` register a shared-memory region; calls then
+        pass tensors that live in (or fit into) it by reference instead of bytes (see
+        ``SharedRegion``). ``use_regions=False`` turns that off for the client or for one call.
+
+        Server-side KV caches: ``kv_cache(num_kv_heads, head_dim, dtype)`` returns a ``KvCache``
+        handle (append, prefill, decode, fork, release, info); ``decode_step``, ``release_caches``,
+        ``list_caches`` and ``kv_pool_info`` work on caches by id without one.
+        """
         # Several replicas without a proxy (issue 64): ``target`` a list of them, or a
         # ``dns:`` name with load_balancing="round_robin". Stateless compute calls then go
         # round-robin over every replica on lanes 1.. (gRPC's round_robin: a replica that is
@@ -261,6 +340,12 @@ class ClientBase:
         # needs their num_kv_heads); others are looked up with ListCaches once.
         self._cache_layouts: dict[str, KvLayout] = {}
         self.closed = False  # set by close(): every later call raises AttentionError
+        self._interceptors = list(interceptors) if interceptors else None
+        self._open()
+
+    def _open(self) -> None:
+        """The face's channels (one per lane) and its transport state."""
+        raise NotImplementedError
 
     def _lane_channel(self, lane_no: int) -> tuple[str, list[tuple[str, Any]]]:
         """The target and options of lane ``lane_no``'s channel."""

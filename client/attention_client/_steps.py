@@ -167,7 +167,7 @@ class DecodeSteps(_StepsBase):
         with self._lock:
             if self._stream is None or not self._stream.alive():
                 self._drop()
-                client._placed_lane(self._lane_no)  # a lost connection is placed first
+                client._ready_lane(self._lane_no)  # a lost connection is placed first
                 self._stream = StreamCall(self._lane[METHOD], settings)
             try:
                 raw = self._stream.exchange(message, settings.deadline,
@@ -250,8 +250,7 @@ class AsyncDecodeSteps(_StepsBase):
             if self._stream is None or not self._stream.alive():
                 self._drop()
                 try:
-                    await client._ensure_spread(settings, _CALL)
-                    await client._placed_lane(self._lane_no, settings, _CALL)
+                    await client._ready_lane(self._lane_no, settings, _CALL)
                 except BaseException:  # cancelled, or past its deadline: nothing was sent
                     if prep.placement is not None:
                         prep.placement.finish(ok=True)

@@ -1,4 +1,5 @@
-"""asyncio client (grpc.aio): the same methods as AttentionClient, as coroutines.
+"""asyncio client (grpc.aio): ``ClientCore``'s calls as coroutines, over ``grpc.aio``
+channels (their placing, tasks for striped calls).
 
 Create it inside a running event loop (a grpc.aio channel belongs to the loop that first uses
 it). Many calls may run concurrently on one client; they share one HTTP/2 connection.
@@ -9,89 +10,45 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from attention_client import _argnames as argnames
 from attention_client._base import (
     SPREAD_TIMEOUT_S,
-    ClientBase,
     LostLanes,
     crowded,
     lane_rpcs,
+    small_rpcs,
     spread_tries,
 )
 from attention_client._caches import AsyncKvCache
 from attention_client._call_streams import AsyncCallStreams
-from attention_client._channel import (
-    CACHE_RPCS,
-    DEFAULT,
-    INFO_METHOD,
-    REGION_RPCS,
-    SERVICE,
-    CallSettings,
-)
+from attention_client._channel import INFO_METHOD, CallSettings
+from attention_client._core import ClientCore, Steps
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
-    AttentionNotFoundError,
     AttentionTimeoutError,
     from_rpc_error,
     make_error,
 )
 from attention_client._regions import SharedRegion
-from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
-from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
-from attention_client._score import ScoreMods
+from attention_client._requests import PreparedRequest
 from attention_client._steps import AsyncDecodeSteps
 from attention_client._stripes import join, lanes, merge_stats
-from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import DEFAULT_CHUNK_BYTES, encode_messages
-from attention_wire.responses import parse_result
+from attention_wire.requests import encode_messages
 
 
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
+class AsyncAttentionClient(ClientCore):
+    """``AttentionClient``'s calls as coroutines; ``kv_cache`` returns an ``AsyncKvCache``
+    (awaited methods, ``async with``), ``decode_steps`` an ``AsyncDecodeSteps``."""
 
+    _KvCache, _DecodeSteps = AsyncKvCache, AsyncDecodeSteps
 
-class AsyncAttentionClient(ClientBase):
-    """See AttentionClient; ``interceptors`` are ``grpc.aio`` client interceptors here, and
-    ``kv_cache`` returns an ``AsyncKvCache`` (awaited methods, ``async with``)."""
-
-    def __init__(
-        self,
-        target: str | Sequence[str],
-        *,
-        token: str | None = None,
-        tls: Any = None,
-        timeout: float | None = 60.0,
-        interceptors: Sequence[Any] | None = None,
-        max_chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        options: Sequence[tuple[str, Any]] | None = None,
-        use_regions: bool = True,
-        channels: int = 1,
-        metadata: Any = None,
-        wait_for_ready: bool | None = None,
-        client_cert: Any = None,
-        client_key: Any = None,
-        unary: bool = True,
-        call_streams: bool = True,
-        stripes: int = 1,
-        spread: bool = True,
-        load_balancing: str | None = None,
-    ) -> None:
-        super().__init__(
-            target, token=token, tls=tls, timeout=timeout, max_chunk_bytes=max_chunk_bytes,
-            options=options, use_regions=use_regions, channels=channels, metadata=metadata,
-            wait_for_ready=wait_for_ready, client_cert=client_cert, client_key=client_key,
-            unary=unary, call_streams=call_streams, stripes=stripes, spread=spread,
-            load_balancing=load_balancing,
-        )
-        self._interceptors = list(interceptors) if interceptors else None
+    def _open(self) -> None:
         self._channels: list[grpc.aio.Channel] = []
         self._lanes: list[dict[str, Any]] = []
         self._streams = AsyncCallStreams()
@@ -128,20 +85,22 @@ class AsyncAttentionClient(ClientBase):
 
     def _bind(self, channel: grpc.aio.Channel) -> None:
         """The small rpcs (info, health, regions, caches) go over the first channel."""
-        self._channel = channel
-        self._info = channel.unary_unary(
-            INFO_METHOD,
-            request_serializer=pb.GetServerInfoRequest.SerializeToString,
-            response_deserializer=pb.ServerInfo.FromString,
-        )
-        self._health = health_pb2_grpc.HealthStub(channel)
-        self._unary_rpcs = {
-            method: channel.unary_unary(
-                f"/{SERVICE}/{method}", request_serializer=_serialize,
-                response_deserializer=getattr(pb, reply).FromString,
-            )
-            for method, reply in (REGION_RPCS | CACHE_RPCS).items()
-        }
+        self._channel, self._unary_rpcs = channel, small_rpcs(channel)
+
+    async def _drive(self, steps: Steps) -> Any:
+        """Run a call's steps: await each rpc they yield, and send its reply (or throw its
+        error, a cancellation included) back in."""
+        try:
+            pending = next(steps)
+            while True:
+                try:
+                    reply = await pending
+                except BaseException as exc:
+                    pending = steps.throw(exc)
+                else:
+                    pending = steps.send(reply)
+        except StopIteration as done:
+            return done.value
 
     async def _ensure_spread(self, settings: CallSettings, method: str) -> None:
         """``spread``, once, before the first compute call or decode step uses a connection:
@@ -219,11 +178,15 @@ class AsyncAttentionClient(ClientBase):
 
         self._watchers[lane_no] = asyncio.ensure_future(watch(self._channels[lane_no]))
 
-    async def _placed_lane(self, lane_no: int, settings: CallSettings, method: str) -> None:
-        """Before a call that uses lane ``lane_no``: if its connection was lost since it was
+    async def _ready_lane(self, lane_no: int, settings: CallSettings, method: str,
+                          compute: bool = True) -> None:
+        """Before a call that uses lane ``lane_no``: ``spread`` done (``compute``: before the
+        first compute call or step only); if its connection was lost since it was
         placed, place the new one first (one task per lane, which calls that come meanwhile
         wait for, within their deadlines). A server that does not answer leaves the lane to
         be looked at by the next call."""
+        if compute:
+            await self._ensure_spread(settings, method)
         if not self._lost.lost(lane_no) or self._closing:
             return
         task = self._placing[lane_no]
@@ -237,273 +200,12 @@ class AsyncAttentionClient(ClientBase):
                               "its new connection (spread=True; it does so after a "
                               "connection was lost)")
 
-    async def attention(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        cu_seqlens: Any = None,
-        cu_seqlens_k: Any = None,
-        *,
-        causal: bool = False,
-        softmax_scale: float | None = None,
-        return_lse: bool = False,
-        window_size: Any = (-1, -1),
-        softcap: float = 0.0,
-        alibi_slopes: Any = None,
-        k_scale: Any = None,
-        v_scale: Any = None,
-        out: Any = None,
-        use_regions: bool | None = None,
-        timeout: Any = DEFAULT,
-        metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> Any:
-        """See AttentionClient.attention."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
-            k_scale, v_scale)
-
-        whole, parts = self._split_call(
-            lambda q, k, v, score, kv_scales: self._prepare_attention(
-                q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,
-                use_regions, score, kv_scales,
-            ), q, k, v, out, use_regions, score, kv_scales)
-        names = self._attention_names
-        if parts is None:
-            return await self._run_placed(whole, settings, names)
-        return await self._striped(parts, whole, settings, names, return_lse, -2)
-
-    async def decode(
-        self,
-        q: Any,
-        k: Any,
-        v: Any,
-        cu_seqlens_k: Any,
-        *,
-        softmax_scale: float | None = None,
-        num_splits: int = 0,
-        return_lse: bool = False,
-        window_size: Any = (-1, -1),
-        softcap: float = 0.0,
-        alibi_slopes: Any = None,
-        k_scale: Any = None,
-        v_scale: Any = None,
-        out: Any = None,
-        use_regions: bool | None = None,
-        timeout: Any = DEFAULT,
-        metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> Any:
-        """See AttentionClient.decode."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
-        score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
-            k_scale, v_scale)
-
-        whole, parts = self._split_call(
-            lambda q, k, v, score, kv_scales: self._prepare_decode(
-                q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,
-                score, kv_scales,
-            ), q, k, v, out, use_regions, score, kv_scales)
-        if parts is None:
-            return await self._run_placed(whole, settings)
-        return await self._striped(parts, whole, settings, None, return_lse, -1)
-
-    # ---- server-side KV caches -------------------------------------------------------------
-
-    def kv_cache(
-        self, num_kv_heads: int, head_dim: int, dtype: Any, *, kv_dtype: Any = None,
-        k_scale: Any = None, v_scale: Any = None, session: str | None = None,
-    ) -> AsyncKvCache:
-        """See AttentionClient.kv_cache (not a coroutine: nothing is sent yet)."""
-        return AsyncKvCache(self, KvLayout.of(num_kv_heads, head_dim, dtype, kv_dtype,
-                                              k_scale, v_scale), session)
-
-    async def decode_step(
-        self,
-        q: Any,
-        cache_ids: Any,
-        k_new: Any = None,
-        v_new: Any = None,
-        *,
-        store: bool = True,
-        softmax_scale: float | None = None,
-        num_splits: int = 0,
-        return_lse: bool = False,
-        window_size: Any = (-1, -1),
-        softcap: float = 0.0,
-        alibi_slopes: Any = None,
-        out: Any = None,
-        use_regions: bool | None = None,
-        timeout: Any = DEFAULT,
-        metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> Any:
-        """See AttentionClient.decode_step."""
-        settings = self._settings(
-            timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
-        )
-        prep = await self._decode_step_request(
-            settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
-        )
-        with self._layouts_checked(prep):
-            return await self._run(prep, settings)
-
-    async def _decode_step_request(
-        self, settings: CallSettings, q: Any, cache_ids: Any, k_new: Any, v_new: Any,
-        store: bool, softmax_scale: float | None, num_splits: int, return_lse: bool,
-        score: ScoreMods, out: Any = None, use_regions: bool | None = None,
-    ) -> PreparedRequest:
-        """A decode step's request (``decode_step``, ``decode_steps``): the cheap checks, the
-        layouts this client lacks (one ListCaches within ``settings``), then the request."""
-        ids = self._decode_step_ids(q, cache_ids)
-        missing = self._unknown_layouts(ids, k_new, v_new)
-        if missing:
-            with self._layout_lookup():
-                await self._list_caches(missing, settings)
-        try:
-            return self._prepare_decode_step(
-                q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
-                use_regions,
-            )
-        except AttentionInputError:
-            if not self._stale_layouts(ids, missing, k_new, v_new):
-                raise
-        # q did not fit a layout remembered from earlier: the cache may have been released
-        # and made again with another layout elsewhere. Ask the server once.
-        with self._layout_lookup():
-            await self._list_caches(ids, settings)
-        return self._prepare_decode_step(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score, out,
-            use_regions,
-        )
-
-    def decode_steps(
-        self, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> AsyncDecodeSteps:
-        """See AttentionClient.decode_steps (``async with``; ``await steps.step(...)``)."""
-        return AsyncDecodeSteps(self, timeout, metadata, wait_for_ready)
-
-    async def release_caches(
-        self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> int:
-        """See AttentionClient.release_caches."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        request, ids = self._release_request(ids, all)
-        reply = await self._unary_rpc("ReleaseCaches", request, settings)
-        self._forget_layouts(ids)
-        return int(reply.released)
-
-    async def list_caches(
-        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> list[dict[str, Any]]:
-        """See AttentionClient.list_caches."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        return [cache_info_dict(c) for c in (await self._list_caches(ids, settings)).caches]
-
-    async def kv_pool_info(
-        self, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> dict[str, Any]:
-        """See AttentionClient.kv_pool_info."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        return pool_info_dict((await self._list_caches(None, settings, pool_only=True)).pool)
-
-    async def _list_caches(
-        self, ids: Any, settings: CallSettings | None = None, pool_only: bool = False
-    ) -> pb.ListCachesResponse:
-        """See AttentionClient._list_caches."""
-        request, listed = self._list_request(ids, pool_only), None
-        while listed is None or request.page_token:
-            page = await self._unary_rpc("ListCaches", request, settings)
-            listed = self._list_page(request, listed, page)
-        return listed
-
-    # ---- same-host shared memory -----------------------------------------------------------
-
-    async def register_shm(
-        self, nbytes: int, *, name: str | None = None, timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> SharedRegion:
-        """See AttentionClient.register_shm; close it with ``await region.aclose()``."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
-        return await self._register("system", nbytes, name, None, settings)
-
-    async def register_cuda(
-        self, nbytes: int, *, device: Any = None, name: str | None = None,
-        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> SharedRegion:
-        """See AttentionClient.register_cuda."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
-        return await self._register("cuda", nbytes, name, device, settings)
-
-    async def list_regions(
-        self, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> list[dict[str, Any]]:
-        """See AttentionClient.list_regions."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        reply = await self._unary_rpc("ListRegions", pb.ListRegionsRequest(), settings)
-        return [{f.name: getattr(r, f.name) for f in r.DESCRIPTOR.fields} for r in reply.regions]
-
-    async def _register(
-        self, kind: str, nbytes: int, name: str | None, device: Any, settings: CallSettings
-    ) -> SharedRegion:
-        region, request = self._new_region(kind, nbytes, name, device)
-        try:
-            await self._unary_rpc("RegisterRegion", request, settings)
-        except BaseException:
-            region._release()
-            raise
-        region._unregister, region._aunregister = None, self._unregister
-        self.regions.add(region)
-        return region
-
-    async def _unregister(self, region: SharedRegion) -> None:
-        self.regions.discard(region)
-        # NOT_FOUND: the server no longer knows it (it restarted): nothing to unregister.
-        with contextlib.suppress(AttentionNotFoundError):
-            await self._unary_rpc(
-                "UnregisterRegion", pb.UnregisterRegionRequest(name=region.name)
-            )
-
-    async def _run_placed(
-        self, make: Callable[[], PreparedRequest], settings: CallSettings,
-        names: Callable[[PreparedRequest], Any] | None = None,
-    ) -> Any:
-        """See AttentionClient._run_placed."""
-        prep = make()
-        try:
-            return await self._run(prep, settings.named(names(prep)) if names else settings)
-        except AttentionError as err:
-            if not self._region_lost(prep, err) or not await self._reregister(settings):
-                raise
-        prep = make()
-        return await self._run(prep, settings.named(names(prep)) if names else settings)
-
-    async def _reregister(self, settings: CallSettings) -> bool:
-        """See AttentionClient._reregister."""
-        listing = await self._unary_rpc(
-            "ListRegions", pb.ListRegionsRequest(), settings.named(None)
-        )
-        lost = self._forgotten(listing)
-        for region in lost:
-            await self._unary_rpc(
-                "RegisterRegion", region._register_request, settings.named(None)
-            )
-        return bool(lost)
-
     async def _unary_rpc(
         self, method: str, request: Any, settings: CallSettings | None = None,
         headers: dict[str, str] | None = None,
     ) -> Any:
-        """See AttentionClient._unary_rpc."""
         settings = settings or self._settings()
-        await self._placed_lane(0, settings, method)
+        await self._ready_lane(0, settings, method, compute=False)
         try:
             call = self._unary_rpcs[method](request, **settings.kwargs())
             reply = await call
@@ -513,33 +215,25 @@ class AsyncAttentionClient(ClientBase):
         except grpc.RpcError as err:
             raise from_rpc_error(err, method, settings.names) from err
 
-    async def info(
-        self, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> dict[str, Any]:
-        """See AttentionClient.info."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        await self._placed_lane(0, settings, "GetServerInfo")
+    async def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest, assembler: Any,
+                           settings: CallSettings) -> Any:
+        # A plain generator is fine for grpc.aio: producing a message is one memcpy.
+        call = lane[prep.method](encode_messages(prep.header, prep.tensors, self.max_chunk_bytes),
+                                 **settings.kwargs())
         try:
-            reply = await self._info(pb.GetServerInfoRequest(), **settings.kwargs())
+            async for response in call:
+                assembler.add(response)
+            return self._complete(prep, assembler)
         except grpc.RpcError as err:
-            raise from_rpc_error(err, "GetServerInfo") from err
-        return server_info_dict(reply)
+            self._abandon(prep)
+            raise _upload_error(err, prep.method, settings) from err
+        except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
+            self._abandon(prep)
+            call.cancel()
+            raise
 
-    async def health(
-        self, service: str = "", *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> str:
-        """See AttentionClient.health."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        await self._placed_lane(0, settings, "Health.Check")
-        try:
-            reply = await self._health.Check(
-                health_pb2.HealthCheckRequest(service=service), **settings.kwargs()
-            )
-        except grpc.RpcError as err:
-            raise from_rpc_error(err, "Health.Check") from err
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    def _own(self, region: SharedRegion) -> None:
+        region._unregister, region._aunregister = None, self._unregister
 
     async def close(self) -> None:
         """Unregister this client's regions (best effort) and close the channel."""
@@ -573,7 +267,7 @@ class AsyncAttentionClient(ClientBase):
     async def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
         settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
-        return_lse: bool, lse_axis: int,
+        return_lse: bool, lse_axis: int, like: Any = None,
     ) -> Any:
         """See AttentionClient._striped: the parts as tasks on consecutive connections; the
         first failure cancels the others (and so does cancelling the call)."""
@@ -582,7 +276,7 @@ class AsyncAttentionClient(ClientBase):
         async def part(i: int) -> tuple[Any, dict[str, Any] | None]:
             prep = makes[i]()
             result = await self._run(prep, settings.named(names(prep)) if names else settings,
-                                     lane=connections[i])
+                                     connections[i])
             return result, prep.stats
 
         tasks = [asyncio.ensure_future(part(i)) for i in range(len(makes))]
@@ -605,58 +299,6 @@ class AsyncAttentionClient(ClientBase):
         outcomes = [t.result() for t in tasks]
         self.last_stats = merge_stats([stats for _, stats in outcomes])
         return join([result for result, _ in outcomes], return_lse, lse_axis)
-
-    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = None,
-                   lane: int | None = None) -> Any:
-        """One call; ``lane``: its connection (default: the next in turn)."""
-        settings = settings or self._settings()
-        lane_no = self._lane_for(prep.method) if lane is None else lane
-        try:
-            await self._ensure_spread(settings, prep.method)
-            if self._quarantined():  # a failed call's scratch: free again once the server is idle
-                self._release_idle(await self._unary_rpc(
-                    "ListRegions", pb.ListRegionsRequest(), settings.named(None)
-                ))
-            assembler = self._assembler(prep)
-            await self._placed_lane(lane_no, settings, prep.method)
-        except BaseException:
-            if prep.placement is not None:
-                prep.placement.finish(ok=True)  # nothing was sent
-            raise
-        lane = self._lanes[lane_no]
-        message, streamed = self._call_message(prep, settings)
-        if message is not None and streamed:
-            try:
-                raw = await self._streams.run(lane_no, lane, prep.method, message, settings)
-            except BaseException:
-                self._abandon(prep)
-                raise
-            if raw is not None:
-                return self._assemble(prep, assembler, parse_result(raw))
-        if message is not None:
-            try:
-                responses = await lane[unary_method(prep.method)](message, **settings.kwargs())
-            except grpc.RpcError as err:
-                self._unary_failed(prep, err, settings)  # returns: stream it instead
-            except BaseException:  # cancelled: the unary call is cancelled with the task
-                self._abandon(prep)
-                raise
-            else:
-                return self._assemble(prep, assembler, responses)
-        # A plain generator is fine for grpc.aio: producing a message is one memcpy.
-        messages = encode_messages(prep.header, prep.tensors, self.max_chunk_bytes)
-        call = lane[prep.method](messages, **settings.kwargs())
-        try:
-            async for response in call:
-                assembler.add(response)
-            return self._complete(prep, assembler)
-        except grpc.RpcError as err:
-            self._abandon(prep)
-            raise _upload_error(err, prep.method, settings) from err
-        except BaseException:  # broken stream or abandoned call: cancel (why: client.py)
-            self._abandon(prep)
-            call.cancel()
-            raise
 
 
 async def _wait_for_looks(task: asyncio.Task[None], settings: CallSettings, method: str,
