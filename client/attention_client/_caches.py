@@ -7,7 +7,7 @@ tensor against its layout before anything is sent, and releases what it created 
 CacheDecode) send tensor bytes: they do not use shared-memory regions.
 
 ``KvCache`` belongs to ``AttentionClient``, ``AsyncKvCache`` (the same methods, awaited) to
-``AsyncAttentionClient``.
+``AsyncAttentionClient``; both run the calls of ``_KvCacheBase``, written once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import grpc
 
 from attention_client import _argnames as argnames
 from attention_client._channel import DEFAULT, CallSettings, merge_metadata
+from attention_client._core import Steps, _io
 from attention_client._errors import AttentionError, AttentionInputError, CacheLostError
 from attention_client._regions import Placement
 from attention_client._requests import (
@@ -47,11 +48,11 @@ _OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode
                               grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
-# What a handle uses of its client, as Protocols: the clients import this module to make
-# handles, so it names neither of them (``AttentionClient`` and ``AsyncAttentionClient`` have
-# these through ``ClientBase``, and their own rpcs).
+# What a handle uses of its client, as a Protocol: the clients import this module to make
+# handles, so it names neither of them (both have these through ``ClientCore`` and their face).
 class CacheClient(Protocol):
-    """Either client: call settings, region placement, the layouts of known caches."""
+    """Either client: call settings, region placement, the layouts of known caches, and the
+    rpcs a handle's steps yield (a reply, or an awaitable of one), run by its ``_drive``."""
 
     _cache_layouts: dict[str, KvLayout]
 
@@ -62,39 +63,28 @@ class CacheClient(Protocol):
 
     def _placement(self, use_regions: bool | None) -> Placement | None: ...
 
-
-class SyncCacheClient(CacheClient, Protocol):
-    """``AttentionClient``'s rpcs that a ``KvCache`` calls."""
+    def _drive(self, steps: Steps) -> Any: ...
 
     def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...,
                    headers: dict[str, str] | None = ...) -> Any: ...
 
     def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
-                     pool_only: bool = ...) -> pb.ListCachesResponse: ...
+                     pool_only: bool = ...) -> Any: ...
 
     def _run(self, prep: PreparedRequest, settings: CallSettings | None = ...,
              lane: int | None = ...) -> Any: ...
 
 
-class AsyncCacheClient(CacheClient, Protocol):
-    """``AsyncAttentionClient``'s rpcs that an ``AsyncKvCache`` awaits."""
-
-    async def _unary_rpc(self, method: str, request: Any, settings: CallSettings | None = ...,
-                         headers: dict[str, str] | None = ...) -> Any: ...
-
-    async def _list_caches(self, ids: Any, settings: CallSettings | None = ...,
-                           pool_only: bool = ...) -> pb.ListCachesResponse: ...
-
-    async def _run(self, prep: PreparedRequest, settings: CallSettings | None = ...,
-                   lane: int | None = ...) -> Any: ...
-
-
 class _KvCacheBase:
-    """What both handles share: the layout, the ids created, request preparation."""
+    """Both handles' calls, written once as steps their client drives (see ``_core``): a
+    value on ``AttentionClient``, a coroutine on ``AsyncAttentionClient``. ``lock``: one
+    CreateCaches at a time per handle (a ``threading.Lock`` or an ``asyncio.Lock``: each
+    acquire is a step too)."""
 
-    client: CacheClient
-
-    def __init__(self, layout: KvLayout, session: str | None = None) -> None:
+    def __init__(self, client: CacheClient, layout: KvLayout, session: str | None,
+                 lock: Any) -> None:
+        self.client = client
+        self._lock = lock
         self.layout = layout
         # Behind Envoy (deploy/envoy/envoy.yaml) every call of the handle carries its session
         # key, hashed to a replica, and, once an answer named it, that replica's pin: exact
@@ -110,6 +100,9 @@ class _KvCacheBase:
         # lost connection): the server may hold them. ``release()`` tries them too, and a
         # later create of one takes ALREADY_EXISTS as its own earlier create having happened.
         self._unsure: dict[str, None] = {}
+
+    def _drive(self, steps: Steps) -> Any:
+        return self.client._drive(steps)
 
     @property
     def dtype(self) -> str:
@@ -295,6 +288,195 @@ class _KvCacheBase:
     def _prefill_names(prep: PreparedRequest) -> argnames.Names:
         return argnames.cache_prefill(len(prep.user_shape) == 4)
 
+    @_io
+    def create(
+        self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> None:
+        """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        ids = as_cache_ids(ids)
+        yield self._lock.acquire()  # one CreateCaches at a time per handle
+        try:
+            yield from self._create(ids, settings)
+        finally:
+            self._lock.release()
+
+    @_io
+    def append(
+        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> list[int]:
+        """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
+        None for a single id); returns each cache's length after."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
+        return (yield from self._call(self._prep_append(ids, k, v, cu_seqlens), settings))
+
+    @_io
+    def prefill(
+        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
+        cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
+        softmax_scale: float | None = None, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        timeout: Any = DEFAULT,
+        metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> Any:
+        """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
+        causal); ``store`` keeps the new tokens. Forms as ``client.attention`` (packed with
+        ``cu_seqlens_q``; ``cu_seqlens_k`` defaults to it, or to no new keys when k has no
+        rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
+        settings = self._settings(timeout, metadata, wait_for_ready)
+        prep = self._prep_prefill(
+            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes),
+        )
+        return (yield from self._call(prep, settings.named(self._prefill_names(prep))))
+
+    @_io
+    def decode(
+        self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
+        softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
+        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
+        out: Any = None, use_regions: bool | None = None,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> Any:
+        """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
+        token, appended first, kept if ``store``) or None. Returns out ``[B, H, D]`` or
+        ``(out, lse [B, H])``. With registered regions, q, the new tokens and the outputs go
+        through them as in a stateless decode (``out=`` a tensor in a region: written in
+        place); ``use_regions`` per call."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
+        return (yield from self._call(self._prep_decode(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
+        ), settings))
+
+    @_io
+    def fork(
+        self, source_id: str, target_id: str, length: int | None = None, *,
+        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
+    ) -> dict[str, Any]:
+        """Copy the first ``length`` tokens (default: all) of a cache into a new one, which
+        this handle then owns; returns the new cache's info."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
+        request = self._fork_request(source_id, target_id, length)
+        try:
+            info = yield self.client._unary_rpc("ForkCache", request, settings)
+        except BaseException as exc:
+            self._note_unsure((request.target_id,), exc)
+            raise
+        self._mark_created((info.cache_id,), self.client._cache_layouts)
+        return self._note_infos([info])[0]
+
+    @_io
+    def release(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> int:
+        """Release caches; None: every cache this handle created, skipping those already gone
+        (expired, or released elsewhere). Returns how many were released."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        if ids is not None:
+            return (yield from self._release(as_cache_ids(ids), settings))
+        ids = self._release_all_ids()
+        if not ids:
+            return 0
+        try:
+            return (yield from self._release(ids, settings))
+        except AttentionError as err:  # nothing was released: one by one, skipping the gone
+            if not _not_found(err):
+                raise
+        released = 0
+        for i in ids:
+            try:
+                released += yield from self._release((i,), settings)
+            except AttentionError as e:
+                if not _not_found(e):
+                    raise
+                self._mark_released((i,), self.client._cache_layouts)
+        return released
+
+    @_io
+    def info(
+        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
+    ) -> list[dict[str, Any]]:
+        """The server's view of caches (None: this handle's): cache_id, dtype, kv_dtype,
+        num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
+        v_scale for FP8 caches). With None, caches of this handle the server no longer has
+        (expired, a restart) are left out and leave ``ids``; named ids must all exist."""
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        own = ids is None
+        ids = self._own_ids(ids)
+        if not ids:
+            return []
+        try:
+            return self._note_infos((yield self.client._list_caches(ids, settings)).caches)
+        except AttentionError as err:
+            if not (own and _not_found(err)):
+                raise
+        every = (yield self.client._list_caches(None, settings)).caches
+        return self._note_infos(self._own_gone(ids, every, self.client._cache_layouts))
+
+    def _create(self, ids: tuple[str, ...], settings: CallSettings) -> Steps:
+        """CreateCaches of ``ids``; those an earlier create may have made (``_unsure``) one
+        by one first, ALREADY_EXISTS counting as that create."""
+        unsure, rest = self._split_unsure(ids)
+        for i in unsure:  # one by one: a create of several makes none if one exists
+            try:
+                yield self.client._unary_rpc("CreateCaches", self._create_request((i,)), settings)
+            except AttentionError as err:
+                if err.code != grpc.StatusCode.ALREADY_EXISTS:
+                    raise
+            self._mark_created((i,), self.client._cache_layouts)
+        if not rest:
+            return
+        headers: dict[str, str] = {}
+        try:
+            yield self.client._unary_rpc("CreateCaches", self._create_request(rest), settings,
+                                         headers)
+        except BaseException as exc:
+            self._note_unsure(rest, exc)
+            raise
+        self._note_replica(headers)
+        self._mark_created(rest, self.client._cache_layouts)
+
+    def _release(self, ids: tuple[str, ...], settings: CallSettings) -> Steps:
+        reply = yield self.client._unary_rpc(
+            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids), settings
+        )
+        self._mark_released(ids, self.client._cache_layouts)
+        return int(reply.released)
+
+    def _call(self, prep: PreparedRequest, settings: CallSettings) -> Steps:
+        assert prep.cache is not None
+        if self._missing(prep.cache.ids):
+            try:
+                yield self._lock.acquire()
+            except BaseException:
+                _abandon(prep)
+                raise
+            try:
+                missing = self._missing(prep.cache.ids)
+                if missing:
+                    try:
+                        yield from self._create(missing, settings)
+                    except BaseException:
+                        _abandon(prep)
+                        raise
+                    settings = self._sessioned(settings)  # the replica the create reached
+            finally:
+                self._lock.release()
+        try:
+            result = yield self.client._run(prep, settings)
+        except AttentionError as err:
+            lost = self._lost(err, prep.cache.ids)
+            if lost is err:
+                raise
+            raise lost from err
+        self._note(prep)
+        return result
+
 
 def _abandon(prep: PreparedRequest) -> None:
     """A call that failed before it was sent: its region scratch waits until the region is
@@ -333,133 +515,9 @@ class KvCache(_KvCacheBase):
     calls do; a call that creates caches first spends one ``timeout`` on both rpcs.
     """
 
-    client: SyncCacheClient
-
-    def __init__(self, client: SyncCacheClient, layout: KvLayout,
+    def __init__(self, client: CacheClient, layout: KvLayout,
                  session: str | None = None) -> None:
-        super().__init__(layout, session)
-        self.client = client
-        self._lock = threading.Lock()  # one CreateCaches at a time per handle
-
-    def create(
-        self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> None:
-        """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        ids = as_cache_ids(ids)
-        with self._lock:
-            self._create(ids, settings)
-
-    def append(
-        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> list[int]:
-        """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
-        None for a single id); returns each cache's length after."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
-        return self._run(self._prep_append(ids, k, v, cu_seqlens), settings)
-
-    def prefill(
-        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
-        cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False,
-        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> Any:
-        """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
-        causal); ``store`` keeps the new tokens. Forms as ``client.attention`` (packed with
-        ``cu_seqlens_q``; ``cu_seqlens_k`` defaults to it, or to no new keys when k has no
-        rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        prep = self._prep_prefill(
-            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
-        )
-        return self._run(prep, settings.named(self._prefill_names(prep)))
-
-    def decode(
-        self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
-        softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
-        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        out: Any = None, use_regions: bool | None = None,
-        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> Any:
-        """One decode step: q ``[B, H, D]``, k_new/v_new ``[B, H_kv, D]`` (each sequence's new
-        token, appended first, kept if ``store``) or None. Returns out ``[B, H, D]`` or
-        ``(out, lse [B, H])``. With registered regions, q, the new tokens and the outputs go
-        through them as in a stateless decode (``out=`` a tensor in a region: written in
-        place); ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
-        return self._run(self._prep_decode(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
-        ), settings)
-
-    def fork(
-        self, source_id: str, target_id: str, length: int | None = None, *,
-        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> dict[str, Any]:
-        """Copy the first ``length`` tokens (default: all) of a cache into a new one, which
-        this handle then owns; returns the new cache's info."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
-        request = self._fork_request(source_id, target_id, length)
-        try:
-            info = self.client._unary_rpc("ForkCache", request, settings)
-        except BaseException as exc:
-            self._note_unsure((request.target_id,), exc)
-            raise
-        self._mark_created((info.cache_id,), self.client._cache_layouts)
-        return self._note_infos([info])[0]
-
-    def release(
-        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> int:
-        """Release caches; None: every cache this handle created, skipping those already gone
-        (expired, or released elsewhere). Returns how many were released."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        if ids is not None:
-            return self._release(as_cache_ids(ids), settings)
-        ids = self._release_all_ids()
-        if not ids:
-            return 0
-        try:
-            return self._release(ids, settings)
-        except AttentionError as err:  # nothing was released: one by one, skipping the gone
-            if not _not_found(err):
-                raise
-        released = 0
-        for i in ids:
-            try:
-                released += self._release((i,), settings)
-            except AttentionError as e:
-                if not _not_found(e):
-                    raise
-                self._mark_released((i,), self.client._cache_layouts)
-        return released
-
-    def info(
-        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> list[dict[str, Any]]:
-        """The server's view of caches (None: this handle's): cache_id, dtype, kv_dtype,
-        num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
-        v_scale for FP8 caches). With None, caches of this handle the server no longer has
-        (expired, a restart) are left out and leave ``ids``; named ids must all exist."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        own = ids is None
-        ids = self._own_ids(ids)
-        if not ids:
-            return []
-        try:
-            return self._note_infos(self.client._list_caches(ids, settings).caches)
-        except AttentionError as err:
-            if not (own and _not_found(err)):
-                raise
-        every = self.client._list_caches(None, settings).caches
-        return self._note_infos(self._own_gone(ids, every, self.client._cache_layouts))
+        super().__init__(client, layout, session, threading.Lock())
 
     def __enter__(self) -> KvCache:
         return self
@@ -471,176 +529,13 @@ class KvCache(_KvCacheBase):
             with contextlib.suppress(AttentionError):
                 self.release()
 
-    def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
-        """CreateCaches of ``ids``; those an earlier create may have made (``_unsure``) one
-        by one first, ALREADY_EXISTS counting as that create."""
-        unsure, rest = self._split_unsure(ids)
-        for i in unsure:  # one by one: a create of several makes none if one exists
-            try:
-                self.client._unary_rpc("CreateCaches", self._create_request((i,)), settings)
-            except AttentionError as err:
-                if err.code != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-            self._mark_created((i,), self.client._cache_layouts)
-        if not rest:
-            return
-        headers: dict[str, str] = {}
-        try:
-            self.client._unary_rpc("CreateCaches", self._create_request(rest), settings,
-                                   headers)
-        except BaseException as exc:
-            self._note_unsure(rest, exc)
-            raise
-        self._note_replica(headers)
-        self._mark_created(rest, self.client._cache_layouts)
-
-    def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
-        reply = self.client._unary_rpc(
-            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids), settings
-        )
-        self._mark_released(ids, self.client._cache_layouts)
-        return int(reply.released)
-
-    def _run(self, prep: PreparedRequest, settings: CallSettings) -> Any:
-        assert prep.cache is not None
-        if self._missing(prep.cache.ids):
-            with self._lock:
-                missing = self._missing(prep.cache.ids)
-                if missing:
-                    try:
-                        self._create(missing, settings)
-                    except BaseException:
-                        _abandon(prep)
-                        raise
-                    settings = self._sessioned(settings)  # the replica the create reached
-        try:
-            result = self.client._run(prep, settings)
-        except AttentionError as err:
-            lost = self._lost(err, prep.cache.ids)
-            if lost is err:
-                raise
-            raise lost from err
-        self._note(prep)
-        return result
-
 
 class AsyncKvCache(_KvCacheBase):
     """KvCache for AsyncAttentionClient: the same methods as coroutines; ``async with``."""
 
-    client: AsyncCacheClient
-
-    def __init__(self, client: AsyncCacheClient, layout: KvLayout,
+    def __init__(self, client: CacheClient, layout: KvLayout,
                  session: str | None = None) -> None:
-        super().__init__(layout, session)
-        self.client = client
-        self._lock = asyncio.Lock()  # one CreateCaches at a time per handle
-
-    async def create(
-        self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> None:
-        """See KvCache.create."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        ids = as_cache_ids(ids)
-        async with self._lock:
-            await self._create(ids, settings)
-
-    async def append(
-        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> list[int]:
-        """See KvCache.append."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
-        return await self._run(self._prep_append(ids, k, v, cu_seqlens), settings)
-
-    async def prefill(
-        self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any = None,
-        cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
-        softmax_scale: float | None = None, return_lse: bool = False,
-        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> Any:
-        """See KvCache.prefill."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
-        prep = self._prep_prefill(
-            q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
-        )
-        return await self._run(prep, settings.named(self._prefill_names(prep)))
-
-    async def decode(
-        self, q: Any, ids: Any, k_new: Any = None, v_new: Any = None, *, store: bool = True,
-        softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
-        window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        out: Any = None, use_regions: bool | None = None,
-        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> Any:
-        """See KvCache.decode."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
-        return await self._run(self._prep_decode(
-            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
-        ), settings)
-
-    async def fork(
-        self, source_id: str, target_id: str, length: int | None = None, *,
-        timeout: Any = DEFAULT, metadata: Any = None, wait_for_ready: bool | None = None,
-    ) -> dict[str, Any]:
-        """See KvCache.fork."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.FORK)
-        request = self._fork_request(source_id, target_id, length)
-        try:
-            info = await self.client._unary_rpc("ForkCache", request, settings)
-        except BaseException as exc:
-            self._note_unsure((request.target_id,), exc)
-            raise
-        self._mark_created((info.cache_id,), self.client._cache_layouts)
-        return self._note_infos([info])[0]
-
-    async def release(
-        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> int:
-        """See KvCache.release."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        if ids is not None:
-            return await self._release(as_cache_ids(ids), settings)
-        ids = self._release_all_ids()
-        if not ids:
-            return 0
-        try:
-            return await self._release(ids, settings)
-        except AttentionError as err:
-            if not _not_found(err):
-                raise
-        released = 0
-        for i in ids:
-            try:
-                released += await self._release((i,), settings)
-            except AttentionError as e:
-                if not _not_found(e):
-                    raise
-                self._mark_released((i,), self.client._cache_layouts)
-        return released
-
-    async def info(
-        self, ids: Any = None, *, timeout: Any = DEFAULT, metadata: Any = None,
-        wait_for_ready: bool | None = None,
-    ) -> list[dict[str, Any]]:
-        """See KvCache.info."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
-        own = ids is None
-        ids = self._own_ids(ids)
-        if not ids:
-            return []
-        try:
-            return self._note_infos((await self.client._list_caches(ids, settings)).caches)
-        except AttentionError as err:
-            if not (own and _not_found(err)):
-                raise
-        every = (await self.client._list_caches(None, settings)).caches
-        return self._note_infos(self._own_gone(ids, every, self.client._cache_layouts))
+        super().__init__(client, layout, session, asyncio.Lock())
 
     async def __aenter__(self) -> AsyncKvCache:
         return self
@@ -651,55 +546,3 @@ class AsyncKvCache(_KvCacheBase):
         else:
             with contextlib.suppress(AttentionError):
                 await self.release()
-
-    async def _create(self, ids: tuple[str, ...], settings: CallSettings) -> None:
-        """See KvCache._create."""
-        unsure, rest = self._split_unsure(ids)
-        for i in unsure:
-            try:
-                await self.client._unary_rpc("CreateCaches", self._create_request((i,)),
-                                             settings)
-            except AttentionError as err:
-                if err.code != grpc.StatusCode.ALREADY_EXISTS:
-                    raise
-            self._mark_created((i,), self.client._cache_layouts)
-        if not rest:
-            return
-        headers: dict[str, str] = {}
-        try:
-            await self.client._unary_rpc("CreateCaches", self._create_request(rest), settings,
-                                         headers)
-        except BaseException as exc:
-            self._note_unsure(rest, exc)
-            raise
-        self._note_replica(headers)
-        self._mark_created(rest, self.client._cache_layouts)
-
-    async def _release(self, ids: tuple[str, ...], settings: CallSettings) -> int:
-        reply = await self.client._unary_rpc(
-            "ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=ids), settings
-        )
-        self._mark_released(ids, self.client._cache_layouts)
-        return int(reply.released)
-
-    async def _run(self, prep: PreparedRequest, settings: CallSettings) -> Any:
-        assert prep.cache is not None
-        if self._missing(prep.cache.ids):
-            async with self._lock:
-                missing = self._missing(prep.cache.ids)
-                if missing:
-                    try:
-                        await self._create(missing, settings)
-                    except BaseException:
-                        _abandon(prep)
-                        raise
-                    settings = self._sessioned(settings)  # the replica the create reached
-        try:
-            result = await self.client._run(prep, settings)
-        except AttentionError as err:
-            lost = self._lost(err, prep.cache.ids)
-            if lost is err:
-                raise
-            raise lost from err
-        self._note(prep)
-        return result

@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 
+from attention_client import AsyncAttentionClient, AttentionClient
 from attention_client._caches import AsyncKvCache, KvCache
 from attention_client._channel import CallSettings
 from attention_client._errors import (
@@ -34,6 +35,8 @@ class Rpcs:
         self.refuse: grpc.StatusCode | None = None
         self.creates: list[tuple[str, ...]] = []
         self._cache_layouts: dict = {}
+
+    _drive = AttentionClient._drive  # the faces' step runners
 
     def _settings(self, *args):  # noqa: ANN002
         return CallSettings(deadline=None, metadata=(), wait_for_ready=None)
@@ -69,6 +72,8 @@ class Rpcs:
 
 
 class AsyncRpcs(Rpcs):
+    _drive = AsyncAttentionClient._drive
+
     async def _unary_rpc(self, method: str, request, settings, headers=None):  # noqa: ANN001
         return Rpcs._unary_rpc(self, method, request, settings)
 
