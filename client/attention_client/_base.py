@@ -38,6 +38,7 @@ from attention_client._channel import (
     credentials,
     merge_metadata,
 )
+from attention_client._decode import prepare_cache_decode, prepare_decode
 from attention_client._errors import (
     AttentionError,
     AttentionInputError,
@@ -45,6 +46,7 @@ from attention_client._errors import (
     from_rpc_error,
     make_error,
 )
+from attention_client._prefill import prepare_prefill
 from attention_client._regions import (
     Placement,
     RegionSet,
@@ -62,9 +64,6 @@ from attention_client._requests import (
     PreparedRequest,
     as_cache_ids,
     as_flag,
-    prepare_cache_decode,
-    prepare_decode,
-    prepare_prefill,
 )
 from attention_client._responses import ResponseAssembler
 from attention_client._score import ScoreMods

@@ -26,18 +26,11 @@ import grpc
 from attention_client import _argnames as argnames
 from attention_client._channel import DEFAULT, CallSettings, merge_metadata
 from attention_client._core import Steps, _io
+from attention_client._decode import prepare_cache_decode
 from attention_client._errors import AttentionError, AttentionInputError, CacheLostError
+from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
-from attention_client._requests import (
-    CacheTarget,
-    KvLayout,
-    PreparedRequest,
-    as_cache_ids,
-    as_flag,
-    prepare_append_kv,
-    prepare_cache_decode,
-    prepare_cache_prefill,
-)
+from attention_client._requests import CacheTarget, KvLayout, PreparedRequest, as_cache_ids, as_flag
 from attention_client._responses import cache_info_dict
 from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name

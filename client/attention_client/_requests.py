@@ -1,4 +1,6 @@
-"""Turn user arguments into a validated request: header bytes, tensors, and the expected outputs.
+"""What every request is made of: user arguments turned into a validated request (header
+bytes, tensors, the expected outputs). The ops themselves: ``_prefill`` (Prefill, CachePrefill,
+AppendKV) and ``_decode`` (Decode, CacheDecode).
 
 Client-side checks only catch the obvious (rank, dtype, matching shapes): the server is the
 authority on everything else (head dims, cu_seqlens values, limits) and answers
@@ -6,14 +8,13 @@ INVALID_ARGUMENT naming the field. With a ``Placement`` (registered regions, see
 tensors that live in (or are staged into) a region travel as spans instead of bytes, and the
 outputs go into q's region when it has room.
 
-The KV-cache ops (AppendKV, CachePrefill, CacheDecode) reuse the same headers with a
-``CacheTarget``; they always send bytes (no regions), and their tensors are checked against the
+The KV-cache ops reuse the same headers with a ``CacheTarget``; AppendKV and CachePrefill send
+bytes, CacheDecode may use regions as Decode does, and their tensors are checked against the
 caches' layout here when the caller knows it (a ``KvLayout``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping
 from collections.abc import Set as AbstractSet
@@ -24,14 +25,12 @@ import numpy as np
 
 from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
-from attention_client._score import ScoreMods
 from attention_client._tensors import (
     FP8_QUERY_DTYPES,
     QUERY_DTYPES,
     Origin,
     RegionTensor,
     WireTensor,
-    as_cu_seqlens,
     as_wire_dtype,
     describe,
     dtype_name,
@@ -100,7 +99,7 @@ def _check_scale_heads(scales: KvScales, heads: int) -> None:
             raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
 
 
-def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
+def set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
     """A stateless call's FP8 scales into its header: required with FP8 k/v, refused
     otherwise."""
     if wk.dtype != pb.FLOAT8_E4M3:
@@ -325,12 +324,12 @@ class PreparedRequest:
         return result, to_user(self.lse_fix(lse), self.origin, is_lse=True)
 
 
-def _tensor(x: Any, name: str, placement: Placement | None) -> Tensor:
+def tensor_of(x: Any, name: str, placement: Placement | None) -> Tensor:
     placed = placement.input(x, name) if placement is not None else None
     return placed if placed is not None else to_wire(x, name)[0]
 
 
-def _encode_qkv(
+def encode_qkv(
     q: Any, k: Any, v: Any, placement: Placement | None = None,
     names: tuple[str, str, str] = ("q", "k", "v"),
 ) -> tuple[Tensor, Tensor, Tensor, Origin]:
@@ -338,8 +337,8 @@ def _encode_qkv(
     AttentionInputError when their dtypes or k/v shapes differ."""
     first = (q, names[0]) if q is not None else (k, names[1])
     _, _, origin = describe(*first)
-    wk, wv = _tensor(k, names[1], placement), _tensor(v, names[2], placement)
-    wq = _tensor(q, names[0], placement) if q is not None else wk
+    wk, wv = tensor_of(k, names[1], placement), tensor_of(v, names[2], placement)
+    wq = tensor_of(q, names[0], placement) if q is not None else wk
     if q is not None and wq.dtype not in QUERY_DTYPES:
         raise AttentionInputError(f"{names[0]} has dtype {dtype_name(wq.dtype)}: queries take "
                                   "float16, bfloat16 or float32")
@@ -362,16 +361,16 @@ def _encode_qkv(
     return wq, wk, wv, origin
 
 
-def _require_rank(t: Tensor, rank: int, layout: str) -> None:
+def require_rank(t: Tensor, rank: int, layout: str) -> None:
     if len(t.shape) != rank:
         raise AttentionInputError(f"{t.name} must be {rank}-D {layout}, got shape {t.shape}")
 
 
-def _nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
+def wire_nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
     return math.prod(shape) * storage_dtype(wire_dtype).itemsize
 
 
-def _spec(t: Tensor) -> pb.TensorSpec:
+def spec(t: Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(dtype=t.dtype, shape=t.shape)
 
 
@@ -386,7 +385,7 @@ def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
         )
 
 
-def _place_outputs(
+def place_outputs(
     header: Any, tensors: tuple[Tensor, ...], placement: Placement | None, out: Any,
     out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...],
 ) -> tuple[Span | None, Span | None]:
@@ -438,7 +437,7 @@ def as_flag(value: Any, name: str) -> bool:
     raise AttentionInputError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def _scale(softmax_scale: float | None) -> float | None:
+def checked_scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
     if not real_number(softmax_scale):  # float() would take "0.5", True, bytearray ...
@@ -454,7 +453,7 @@ def _scale(softmax_scale: float | None) -> float | None:
     return scale
 
 
-def _checked_header(header: Any) -> bytes:
+def checked_header(header: Any) -> bytes:
     data = header.SerializeToString()
     if len(data) > MAX_HEADER_BYTES:
         raise AttentionInputError(
@@ -465,210 +464,14 @@ def _checked_header(header: Any) -> bytes:
     return data
 
 
-def _batch_major(lse: Any, heads: int, batch: int, n_q: int) -> Any:
-    """The server's prefill lse [H, B*N] as the 4-D form's callers want it: [B, H, N]."""
-    x = lse.reshape(heads, batch, n_q)
-    if isinstance(x, np.ndarray):
-        return np.ascontiguousarray(x.transpose(1, 0, 2))
-    return x.permute(1, 0, 2).contiguous()  # a torch tensor (a CUDA region's lse)
-
-
-def _same(lse: Any) -> Any:
+def same_lse(lse: Any) -> Any:
     return lse
 
 
-def _prefill_form(
-    wq: Tensor, wk: Tensor, wv: Tensor, cu_seqlens: Any, cu_seqlens_k: Any
-) -> tuple[Tensor, Tensor, Tensor, np.ndarray, np.ndarray, tuple[int, ...], Callable[[Any], Any]]:
-    """The three prefill forms (one sequence, a dense batch, packed varlen) -> packed q, k, v,
-    cu_seqlens_q, cu_seqlens_k (empty: the server uses cu_seqlens_q), out's shape as the caller
-    sees it, and the lse layout fix."""
-    user_shape = wq.shape
-    lse_fix: Callable[[Any], Any] = _same
-    if cu_seqlens is None:
-        if cu_seqlens_k is not None:
-            raise AttentionInputError("cu_seqlens_k needs cu_seqlens (the query boundaries) too")
-        if len(wq.shape) == 3:  # one sequence
-            for t in (wk, wv):
-                _require_rank(t, 3, "[N_k, H_kv, D] (q is 3-D)")
-            cu_q = np.array([0, wq.shape[0]], np.int32)
-            cu_k = np.array([0, wk.shape[0]], np.int32)
-        elif len(wq.shape) == 4:  # a batch of equal-length sequences
-            for t in (wk, wv):
-                _require_rank(t, 4, "[B, N_k, H_kv, D] (q is 4-D)")
-            batch, n_q, heads = wq.shape[0], wq.shape[1], wq.shape[2]
-            if wk.shape[0] != batch:
-                raise AttentionInputError(f"k batch {wk.shape[0]} differs from q batch {batch}")
-            n_k = wk.shape[1]
-            cu_q = np.arange(batch + 1, dtype=np.int64) * n_q
-            cu_k = np.arange(batch + 1, dtype=np.int64) * n_k
-            if cu_q[-1] > np.iinfo(np.int32).max or cu_k[-1] > np.iinfo(np.int32).max:
-                raise AttentionInputError("q or k has more than 2**31 - 1 tokens")
-            cu_q, cu_k = cu_q.astype(np.int32), cu_k.astype(np.int32)
-            wq = wq.reshaped((batch * n_q, *wq.shape[2:]))
-            wk = wk.reshaped((batch * n_k, *wk.shape[2:]))
-            wv = wv.reshaped((batch * n_k, *wv.shape[2:]))
-            lse_fix = functools.partial(_batch_major, heads=heads, batch=batch, n_q=n_q)
-        else:
-            raise AttentionInputError(
-                f"q must be 3-D [N, H, D] or 4-D [B, N, H, D], got shape {wq.shape}"
-            )
-    else:
-        for t in (wq, wk, wv):
-            _require_rank(t, 3, "packed [total, H, D] (cu_seqlens given)")
-        cu_q = as_cu_seqlens(cu_seqlens, "cu_seqlens")
-        cu_k = (
-            as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-            if cu_seqlens_k is not None
-            else np.empty(0, np.int32)  # empty: the server uses cu_seqlens_q
-        )
-        if cu_k.size and cu_k.size != cu_q.size:
-            raise AttentionInputError(
-                f"cu_seqlens has {cu_q.size - 1} sequences but cu_seqlens_k has {cu_k.size - 1}"
-            )
-    return wq, wk, wv, cu_q, cu_k, user_shape, lse_fix
+# ---- KV-cache ops: tensors checked against the layout if known ----
 
 
-def _prefill_request(
-    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_q: np.ndarray, cu_k: np.ndarray,
-    user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], origin: Origin, *,
-    causal: bool, softmax_scale: float | None, return_lse: bool,
-    placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
-    score: ScoreMods | None = None, kv_scales: KvScales | None = None,
-) -> PreparedRequest:
-    header = pb.PrefillHeader(
-        q=_spec(wq),
-        k=_spec(wk),
-        v=_spec(wv),
-        cu_seqlens_q=cu_q.tolist(),
-        cu_seqlens_k=cu_k.tolist(),
-        causal=as_flag(causal, "causal"),
-        return_lse=as_flag(return_lse, "return_lse"),
-    )
-    if cache is not None:
-        header.cache.CopyFrom(cache.message())
-    else:
-        _set_kv_scales(header, wk, kv_scales)
-    if score is not None:
-        header.score.CopyFrom(score.message(wq.shape[1], cu_q.size - 1))
-    scale = _scale(softmax_scale)
-    if scale is not None:
-        header.softmax_scale = scale
-    total_q, heads = wq.shape[0], wq.shape[1]
-    lse_shape = (heads, total_q) if return_lse else None
-    out_span, lse_span = _place_outputs(
-        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
-        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
-    )
-    return PreparedRequest(
-        method=method, header=_checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
-        user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
-    )
-
-
-def prepare_prefill(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens: Any = None,
-    cu_seqlens_k: Any = None,
-    *,
-    causal: bool = False,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-    placement: Placement | None = None,
-    out: Any = None,
-    score: ScoreMods | None = None,
-    kv_scales: KvScales | None = None,
-) -> PreparedRequest:
-    wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
-    form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
-    return _prefill_request(
-        PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,
-        return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
-    )
-
-
-def _decode_request(
-    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, origin: Origin, *,
-    softmax_scale: float | None, num_splits: int, return_lse: bool,
-    placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
-    score: ScoreMods | None = None, kv_scales: KvScales | None = None,
-) -> PreparedRequest:
-    batch, heads = wq.shape[0], wq.shape[1]
-    splits = (int(num_splits) if isinstance(num_splits, int | np.integer)
-              and not isinstance(num_splits, bool) else -1)
-    if not 0 <= splits <= np.iinfo(np.int32).max:
-        raise AttentionInputError(f"num_splits must be an int >= 0, got {num_splits!r}")
-    header = pb.DecodeHeader(
-        q=_spec(wq),
-        k=_spec(wk),
-        v=_spec(wv),
-        cu_seqlens_k=cu_k.tolist(),
-        num_splits=splits,
-        return_lse=as_flag(return_lse, "return_lse"),
-    )
-    if cache is not None:
-        header.cache.CopyFrom(cache.message())
-    else:
-        _set_kv_scales(header, wk, kv_scales)
-    if score is not None:
-        header.score.CopyFrom(score.message(heads, batch))
-    scale = _scale(softmax_scale)
-    if scale is not None:
-        header.softmax_scale = scale
-    lse_shape = (batch, heads) if return_lse else None
-    out_span, lse_span = _place_outputs(
-        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
-        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, wq.shape,
-    )
-    return PreparedRequest(
-        method=method, header=_checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
-        user_shape=wq.shape, lse_fix=_same, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
-    )
-
-
-def prepare_decode(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens_k: Any,
-    *,
-    softmax_scale: float | None = None,
-    num_splits: int = 0,
-    return_lse: bool = False,
-    placement: Placement | None = None,
-    out: Any = None,
-    score: ScoreMods | None = None,
-    kv_scales: KvScales | None = None,
-) -> PreparedRequest:
-    wq, wk, wv, origin = _encode_qkv(q, k, v, placement)
-    _require_rank(wq, 3, "[B, H, D]")
-    for t in (wk, wv):
-        _require_rank(t, 3, "packed [total_k, H_kv, D]")
-    if cu_seqlens_k is None:
-        raise AttentionInputError("cu_seqlens_k is required for decode")
-    cu_k = as_cu_seqlens(cu_seqlens_k, "cu_seqlens_k")
-    batch = wq.shape[0]
-    if cu_k.size != batch + 1:
-        raise AttentionInputError(
-            f"cu_seqlens_k must have batch+1 = {batch + 1} entries (q has batch {batch}), "
-            f"got {cu_k.size}"
-        )
-    return _decode_request(
-        DECODE, wq, wk, wv, cu_k, origin, softmax_scale=softmax_scale, num_splits=num_splits,
-        return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
-    )
-
-
-# ---- KV-cache ops: bytes only (no regions), tensors checked against the layout if known ----
-
-
-def _check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> None:
+def check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> None:
     """The cache ops check boundaries here too: a refused request must not come after its
     caches were created."""
     if cu.size and (cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total):
@@ -678,7 +481,7 @@ def _check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> Non
         )
 
 
-def _check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -> None:
+def check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -> None:
     if target.layout is None:
         return
     if q is not None:
@@ -687,7 +490,7 @@ def _check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -
     target.layout.check(v, kv=True)
 
 
-def _new_kv(
+def new_kv(
     k: Any, v: Any, names: tuple[str, str], target: CacheTarget, lead: tuple[int, ...] = (0,)
 ) -> tuple[Tensor, Tensor] | None:
     """No new tokens (k and v both None): empty k and v of the caches' layout. None when k and
@@ -704,7 +507,7 @@ def _new_kv(
     return target.layout.empty_kv(names[0], lead), target.layout.empty_kv(names[1], lead)
 
 
-def _count_check(sequences: int, target: CacheTarget, what: str) -> None:
+def count_check(sequences: int, target: CacheTarget, what: str) -> None:
     if sequences != len(target.ids):
         raise AttentionInputError(
             f"ids names {len(target.ids)} caches, but {what} has {sequences} sequences: "
@@ -712,119 +515,3 @@ def _count_check(sequences: int, target: CacheTarget, what: str) -> None:
         )
 
 
-def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget) -> PreparedRequest:
-    """AppendKV: k, v ``[total, H_kv, D]`` split by ``cu_seqlens`` over ``target.ids`` (None:
-    one cache gets all rows). The result is the caches' lengths."""
-    _, wk, wv, origin = _encode_qkv(None, k, v, names=("q", "k", "v"))
-    for t in (wk, wv):
-        _require_rank(t, 3, "[total, H_kv, D]")
-    if cu_seqlens is None:
-        if len(target.ids) != 1:
-            raise AttentionInputError(
-                f"cu_seqlens is required with {len(target.ids)} cache ids (one sequence each)"
-            )
-        cu_k = np.array([0, wk.shape[0]], np.int32)
-    else:
-        cu_k = as_cu_seqlens(cu_seqlens, "cu_seqlens")
-        _count_check(cu_k.size - 1, target, "cu_seqlens")
-    _check_cu_values(cu_k, wk.shape[0], "cu_seqlens", "k")
-    _check_layout(target, None, wk, wv)
-    header = pb.PrefillHeader(
-        k=_spec(wk), v=_spec(wv), cu_seqlens_k=cu_k.tolist(), cache=target.message()
-    )
-    no_q = WireTensor("q", np.empty(0, storage_dtype(wk.dtype)), wk.dtype)
-    return PreparedRequest(
-        method=APPEND_KV, header=_checked_header(header), tensors=(no_q, wk, wv),
-        out_shape=None, out_dtype=wk.dtype, lse_shape=None, origin=origin, user_shape=(),
-        lse_fix=_same, cache=target,
-    )
-
-
-def prepare_cache_prefill(
-    q: Any,
-    k: Any,
-    v: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
-    target: CacheTarget,
-    *,
-    causal: bool = True,
-    softmax_scale: float | None = None,
-    return_lse: bool = False,
-    score: ScoreMods | None = None,
-) -> PreparedRequest:
-    """CachePrefill: the forms of ``prepare_prefill``, with k/v the new tokens (None: none;
-    0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence."""
-    q_shape, _, _ = describe(q, "q")
-    lead = (q_shape[0], 0) if len(q_shape) == 4 and cu_seqlens_q is None else (0,)
-    empty = _new_kv(k, v, ("k", "v"), target, lead)
-    if empty is None:
-        wq, wk, wv, origin = _encode_qkv(q, k, v)
-    else:
-        (wq, origin), (wk, wv) = to_wire(q, "q"), empty
-    _check_layout(target, wq, wk, wv)
-    wq, wk, wv, cu_q, cu_k, user_shape, lse_fix = _prefill_form(
-        wq, wk, wv, cu_seqlens_q, cu_seqlens_k
-    )
-    if not wq.shape[0]:  # refused before a handle creates the caches it names
-        raise AttentionInputError("q has no tokens: a cache prefill needs at least one query "
-                                  "(cache.append stores keys and values alone)")
-    if not cu_k.size:  # sent explicitly: empty would mean cu_seqlens_q even without keys
-        if wk.shape[0] == 0:
-            cu_k = np.zeros_like(cu_q)
-        elif wk.shape[0] == wq.shape[0]:
-            cu_k = cu_q
-        else:
-            raise AttentionInputError(
-                f"cu_seqlens_k is needed: k has {wk.shape[0]} new rows, q {wq.shape[0]}"
-            )
-    _count_check(cu_q.size - 1, target, "q")
-    _check_cu_values(cu_q, wq.shape[0], "cu_seqlens_q", "q")
-    _check_cu_values(cu_k, wk.shape[0], "cu_seqlens_k", "k")
-    return _prefill_request(
-        CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, origin, causal=causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, cache=target, score=score,
-    )
-
-
-def prepare_cache_decode(
-    q: Any,
-    k_new: Any,
-    v_new: Any,
-    target: CacheTarget,
-    *,
-    softmax_scale: float | None = None,
-    num_splits: int = 0,
-    return_lse: bool = False,
-    score: ScoreMods | None = None,
-    placement: Placement | None = None,
-    out: Any = None,
-) -> PreparedRequest:
-    """CacheDecode: q ``[B, H, D]``, one cache per sequence, k_new/v_new ``[B, H_kv, D]`` (one
-    new token per sequence, appended before attending) or None (none). ``placement``: q and
-    the new tokens may go through registered regions, and so may the outputs (``out=``), as
-    in a stateless decode."""
-    empty = _new_kv(k_new, v_new, ("k_new", "v_new"), target)
-    if empty is None:
-        wq, wk, wv, origin = _encode_qkv(q, k_new, v_new, placement,
-                                         names=("q", "k_new", "v_new"))
-    else:
-        origin = describe(q, "q")[2]
-        wq, (wk, wv) = _tensor(q, "q", placement), empty
-    _require_rank(wq, 3, "[B, H, D]")
-    for t in (wk, wv):
-        _require_rank(t, 3, "[B, H_kv, D] (one new token per sequence)")
-    batch = wq.shape[0]
-    _count_check(batch, target, "q")
-    if wk.shape[0] not in (0, batch):
-        raise AttentionInputError(
-            f"{wk.name} must hold one new token per sequence, [{batch}, H_kv, D], "
-            f"got shape {wk.shape}"
-        )
-    _check_layout(target, wq, wk, wv)
-    # Empty cu_seqlens_k: one new token per sequence (or none when k has no rows).
-    return _decode_request(
-        CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), origin, softmax_scale=softmax_scale,
-        num_splits=num_splits, return_lse=return_lse, cache=target, score=score,
-        placement=placement, out=out,
-    )

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from attention_client._channel import check_chunk_bytes
-from attention_client._requests import MAX_HEADER_BYTES, prepare_decode, prepare_prefill
+from attention_client._decode import prepare_decode
+from attention_client._prefill import prepare_prefill
+from attention_client._requests import MAX_HEADER_BYTES
 from attention_client._tensors import WireTensor
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb

@@ -10,13 +10,9 @@ import numpy as np
 import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError, ProtocolError
-from attention_client._requests import (
-    CacheTarget,
-    KvLayout,
-    prepare_append_kv,
-    prepare_cache_decode,
-    prepare_cache_prefill,
-)
+from attention_client._decode import prepare_cache_decode
+from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
+from attention_client._requests import CacheTarget, KvLayout
 from attention_wire.pb import attention_pb2 as pb
 
 from ._server import require_server, start_server
