@@ -33,6 +33,7 @@ from attention_client._call_streams import (
     unimplemented,
 )
 from attention_client._channel import DEFAULT, CallSettings
+from attention_client._core import Steps, _io
 from attention_client._errors import from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
 from attention_client._score import ScoreMods
@@ -47,11 +48,13 @@ METHOD = STEP_METHODS[_CALL]
 
 
 class _StepsBase:
-    """The settings and per-step preparation both handles share."""
+    """Both handles' steps, written once as steps their client drives (see ``_core``)."""
 
     def __init__(self, client: Any, timeout: Any, metadata: Any,
-                 wait_for_ready: bool | None) -> None:
+                 wait_for_ready: bool | None, lock: Any) -> None:
         self._client = client
+        self._lock = lock  # one step at a time: a threading or an asyncio lock
+        self._stream: Any = None  # a StreamCall or AsyncStreamCall, opened at the first step
         self._timeout, self._metadata, self._wait_for_ready = timeout, metadata, wait_for_ready
         # Its connection, by number: the async client may replace connections (``spread``)
         # before the first step. Its caches' server's (``_cache_lane``).
@@ -125,23 +128,18 @@ class _StepsBase:
         self._client._abandon(prep)
         return from_rpc_error(err, _CALL, settings.names)
 
+    def _drive(self, steps: Steps) -> Any:
+        return self._client._drive(steps)
 
-class DecodeSteps(_StepsBase):
-    """A decode loop on one ``CacheDecodeSteps`` stream (``AttentionClient.decode_steps``)."""
-
-    def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready)
-        self._lock = threading.Lock()
-        self._stream: StreamCall | None = None
-
+    @_io
     def step(
         self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None, *,
         store: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
         return_lse: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
         alibi_slopes: Any = None, out: Any = None, use_regions: bool | None = None,
     ) -> Any:
-        """One decode step, as ``AttentionClient.decode_step`` takes and returns it."""
+        """One decode step, as ``AttentionClient.decode_step`` takes and returns it (a
+        coroutine on the async client)."""
         self._check_open()
         client = self._client
         settings = self._settings()
@@ -150,39 +148,46 @@ class DecodeSteps(_StepsBase):
                         out is None and not client._regions_wanted(use_regions))
         prep = self._reused(key, q, k_new, v_new)
         if prep is None:
-            prep = client._decode_step_request(
+            prep = yield client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
                 return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
             self._remember(key, prep)
         with client._layouts_checked(prep):
-            return self._exchange(prep, settings)
+            return (yield from self._exchange(prep, settings))
 
-    def _exchange(self, prep: Any, settings: Any) -> Any:
+    def _exchange(self, prep: Any, settings: Any) -> Steps:
         client = self._client
         message = client._one_message(prep, step_timeout(settings.deadline))
         if message is None or self._unsupported:
-            return client._run(prep, settings)
+            return (yield client._run(prep, settings))
         assembler = client._assembler(prep)
-        with self._lock:
+        yield self._lock.acquire()
+        try:
             if self._stream is None or not self._stream.alive():
                 self._drop()
-                client._ready_lane(self._lane_no)  # a lost connection is placed first
-                self._stream = StreamCall(self._lane[METHOD], settings)
+                try:  # a lost connection is placed first
+                    yield client._ready_lane(self._lane_no, settings, _CALL)
+                except BaseException:  # cancelled, or past its deadline: nothing was sent
+                    if prep.placement is not None:
+                        prep.placement.finish(ok=True)
+                    raise
+                self._stream = self._open(settings)
             try:
-                raw = self._stream.exchange(message, settings.deadline,
-                                            client._streams.watchdog)
+                raw = yield self._send(message, settings)
             except grpc.RpcError as err:
                 stream = self._stream
                 self._drop()
                 error = self._failed(prep, stream, err, settings)
                 if error is None:
-                    return client._run(prep, settings)
+                    return (yield client._run(prep, settings))
                 raise error from err
             except BaseException:
                 self._drop()  # the caller went away mid-step: the stream's state is unknown
                 client._abandon(prep)
                 raise
+        finally:
+            self._lock.release()
         return client._assemble(prep, assembler, parse_result(raw))
 
     def _drop(self) -> None:
@@ -190,6 +195,20 @@ class DecodeSteps(_StepsBase):
         if self._stream is not None:
             self._stream.drop()
         self._stream = None
+
+
+class DecodeSteps(_StepsBase):
+    """A decode loop on one ``CacheDecodeSteps`` stream (``AttentionClient.decode_steps``)."""
+
+    def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
+                 wait_for_ready: bool | None = None) -> None:
+        super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock())
+
+    def _open(self, settings: CallSettings) -> StreamCall:
+        return StreamCall(self._lane[METHOD], settings)
+
+    def _send(self, message: bytes, settings: CallSettings) -> Any:
+        return self._stream.exchange(message, settings.deadline, self._client._streams.watchdog)
 
     def close(self) -> None:
         """End the stream (the server sees it end cleanly). Idempotent."""
@@ -213,68 +232,13 @@ class AsyncDecodeSteps(_StepsBase):
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
                  wait_for_ready: bool | None = None) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready)
-        self._lock = asyncio.Lock()
-        self._stream: AsyncStreamCall | None = None
+        super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock())
 
-    async def step(
-        self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None, *,
-        store: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
-        return_lse: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
-        alibi_slopes: Any = None, out: Any = None, use_regions: bool | None = None,
-    ) -> Any:
-        """See DecodeSteps.step."""
-        self._check_open()
-        client = self._client
-        settings = self._settings()
-        key = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits, return_lse,
-                                                   window_size, softcap, alibi_slopes),
-                        out is None and not client._regions_wanted(use_regions))
-        prep = self._reused(key, q, k_new, v_new)
-        if prep is None:
-            prep = await client._decode_step_request(
-                settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
-                return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
-            )
-            self._remember(key, prep)
-        with client._layouts_checked(prep):
-            return await self._exchange(prep, settings)
+    def _open(self, settings: CallSettings) -> AsyncStreamCall:
+        return AsyncStreamCall(self._lane[METHOD], settings)
 
-    async def _exchange(self, prep: Any, settings: Any) -> Any:
-        client = self._client
-        message = client._one_message(prep, step_timeout(settings.deadline))
-        if message is None or self._unsupported:
-            return await client._run(prep, settings)
-        assembler = client._assembler(prep)
-        async with self._lock:
-            if self._stream is None or not self._stream.alive():
-                self._drop()
-                try:
-                    await client._ready_lane(self._lane_no, settings, _CALL)
-                except BaseException:  # cancelled, or past its deadline: nothing was sent
-                    if prep.placement is not None:
-                        prep.placement.finish(ok=True)
-                    raise
-                self._stream = AsyncStreamCall(self._lane[METHOD], settings)
-            try:
-                raw = await self._stream.exchange(message, settings.deadline)
-            except grpc.RpcError as err:
-                stream = self._stream
-                self._drop()
-                error = self._failed(prep, stream, err, settings)
-                if error is None:
-                    return await client._run(prep, settings)
-                raise error from err
-            except BaseException:
-                self._drop()
-                client._abandon(prep)
-                raise
-        return client._assemble(prep, assembler, parse_result(raw))
-
-    def _drop(self) -> None:
-        if self._stream is not None:
-            self._stream.drop()
-        self._stream = None
+    def _send(self, message: bytes, settings: CallSettings) -> Any:
+        return self._stream.exchange(message, settings.deadline)
 
     async def close(self) -> None:
         """End the stream cleanly. Idempotent."""
