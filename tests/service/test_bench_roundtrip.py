@@ -18,7 +18,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
-        "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "1", "--iters", "2",
+        "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "0.5", "--iters", "2",
         "--min-seconds", "0.05",
         "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "0,1",
         "--out", str(tmp_path),
@@ -75,39 +75,17 @@ def _tree_of_this_checkout(tmp_path: Path) -> Path:
     return tree
 
 
-def test_bench_roundtrip_measures_a_baseline_tree_before_and_after(tmp_path: Path) -> None:
-    tree = _tree_of_this_checkout(tmp_path)
-    out = tmp_path / "out"
-    proc = _run_bench(
-        "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
-        "--frontends", "1", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
-        "--iters", "1", "--min-seconds", "0", "--baseline-tree", str(tree), "--out", str(out),
-    )
-    report = json.loads((out / "roundtrip_cpu.json").read_text())
-    assert [b["turn"] for b in report["baseline"]] == ["first", "last"]
-    for entry in report["baseline"]:
-        assert entry["tree"] == str(tree)
-        [agg] = entry["aggregate"]
-        assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
-    assert "x the baseline" in proc.stdout
-    [row] = report["against_baseline"]
-    runs = [a["GBps"] for a in report["servers"][0]["aggregate"]]
-    base = [b["aggregate"][0]["GBps"] for b in report["baseline"]]
-    assert row["runs"] == 1 and row["baseline_runs"] == 2
-    assert row["best_ratio"] == pytest.approx(max(runs) / max(base))
-    assert row["median_ratio"] == pytest.approx(runs[0] / ((base[0] + base[1]) / 2))
-    assert "runs against the baseline's 2: median" in proc.stdout
-
-
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPUs")
-def test_bench_roundtrip_keeps_servers_and_clients_on_their_own_cpus(tmp_path: Path) -> None:
-    """Pinned servers (their front ends too), clients and the baseline tree's servers each see
-    only their CPUs (servers left unpinned: test_bench_roundtrip_measures_every_path)."""
+def test_bench_roundtrip_measures_a_baseline_tree_on_pinned_cpus(tmp_path: Path) -> None:
+    """A baseline tree's server is measured before and after this tree's, and compared like
+    for like; pinned servers (their front ends too), clients and the baseline's servers each
+    see only their CPUs (servers left unpinned: test_bench_roundtrip_measures_every_path).
+    One run checks both (two runs of the script before)."""
     servers_pinned = True
     server_cpu, client_cpu = sorted(os.sched_getaffinity(0))[:2]
     tree = _tree_of_this_checkout(tmp_path)
     out = tmp_path / "out"
-    _run_bench(
+    proc = _run_bench(
         "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
         "--frontends", "2", "--clients", "2", "--agg-tokens", "32", "--agg-seconds", "1",
         "--iters", "1", "--min-seconds", "0", "--baseline-tree", str(tree),
@@ -123,3 +101,19 @@ def test_bench_roundtrip_keeps_servers_and_clients_on_their_own_cpus(tmp_path: P
         for agg in entry["aggregate"]:
             assert agg["client_cpus"] == [client_cpu] and agg["GBps"] > 0
     assert [s["frontends"] for s in report["servers"]] == [1, 2]
+    # The baseline: first and last, its own tree, compared per server like for like.
+    assert [b["turn"] for b in report["baseline"]] == ["first", "last"]
+    for entry in report["baseline"]:
+        assert entry["tree"] == str(tree)
+        [agg] = entry["aggregate"]
+        assert agg["clients"] == 2 and agg["calls"] > 0 and agg["GBps"] > 0
+    assert "x the baseline" in proc.stdout
+    assert "runs against the baseline's 2: median" in proc.stdout
+    base = [b["aggregate"][0]["GBps"] for b in report["baseline"]]
+    rows = report["against_baseline"]
+    assert [row["frontends"] for row in rows] == [1, 2]
+    for row, server in zip(rows, report["servers"], strict=True):
+        runs = [a["GBps"] for a in server["aggregate"]]
+        assert row["runs"] == 1 and row["baseline_runs"] == 2
+        assert row["best_ratio"] == pytest.approx(max(runs) / max(base))
+        assert row["median_ratio"] == pytest.approx(runs[0] / ((base[0] + base[1]) / 2))
