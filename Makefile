@@ -26,8 +26,8 @@ QUICK_TESTS := \
 	tests/client/test_client_requests.py tests/client/test_client_responses.py \
 	tests/client/test_client_wire.py tests/client/test_client_chunks.py \
 	tests/client/test_client_fake.py tests/client/test_client_e2e.py \
-	tests/service/test_service_config.py tests/service/test_batch_units.py \
-	tests/service/test_service_validation.py tests/service/test_service_roundtrip.py \
+	tests/service/test_service_config.py tests/service/engine/test_batch_units.py \
+	tests/service/frontend/test_service_validation.py tests/service/test_service_roundtrip.py \
 	tests/kernels/test_decode.py::test_gqa tests/kernels/test_prefill.py::test_gqa \
 	tests/deploy/test_readme.py tests/deploy/test_compose.py tests/deploy/test_dockerfile.py
 

@@ -137,10 +137,10 @@ python3 -c "import torch, triton, grpc; print('torch', torch.__version__, 'cuda'
 
 # The service's GPU tests (the cuda service, batching, CUDA IPC regions, KV caches, decode
 # steps, FP8, the process group on cuda): the tests and service-tests stages run them.
-SERVICE_GPU_TESTS="tests/service/test_service_gpu.py tests/service/test_batching_gpu.py
-  tests/service/test_regions_gpu.py tests/service/test_kv_caches_gpu.py
-  tests/service/test_decode_steps_gpu.py tests/service/test_fp8_gpu.py
-  tests/service/test_process_group_gpu.py tests/service/test_pack_kernel_gpu.py"
+SERVICE_GPU_TESTS="tests/service/test_service_gpu.py tests/service/engine/test_batching_gpu.py
+  tests/service/engine/test_regions_gpu.py tests/service/engine/test_kv_caches_gpu.py
+  tests/service/engine/test_decode_steps_gpu.py tests/service/engine/test_fp8_gpu.py
+  tests/service/ipc/test_process_group_gpu.py tests/service/engine/test_pack_kernel_gpu.py"
 
 # Test runs start many warm-ups at once (pytest workers, test servers): 2 compile workers each.
 TEST_WARMUP_WORKERS=${ATTENTION_KERNELS_WARMUP_WORKERS:-2}
@@ -155,7 +155,7 @@ for s in "$@"; do
              --timeout 600 $SERVICE_GPU_TESTS ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     tune-fp8) stage fp8-tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 600 \
-                tests/kernels/test_fp8.py tests/service/test_fp8_gpu.py
+                tests/kernels/test_fp8.py tests/service/engine/test_fp8_gpu.py
               stage tune-fp8 420 python3 tools/tuning/tune_fp8.py --out "$OUT" ;;
     tune-fp8-paged) stage tune-fp8-paged 300 python3 tools/tuning/tune_fp8.py --only paged \
                       --out "$OUT" ;;

@@ -3,7 +3,7 @@ of two front ends and says "crowded" to its first ``crowded_first`` asks: crowde
 are replaced by new ones (new client ports), the small rpcs move with the first channel, the
 async client looks once before its first compute call or decode step however many start at
 once, and a server that is down or not crowded costs nothing more. The real group's counting
-is tested in tests/service/test_process_group.py."""
+is tested in tests/service/ipc/test_process_group.py."""
 
 from __future__ import annotations
 

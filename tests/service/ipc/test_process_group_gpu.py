@@ -21,9 +21,9 @@ import torch
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .group_helpers import Group, connect_to
-from .kv_helpers import Model, append_messages, cache_decode_messages, layout
-from .svc_helpers import (
+from ..group_helpers import Group, connect_to
+from ..kv_helpers import Model, append_messages, cache_decode_messages, layout
+from ..svc_helpers import (
     TOLERANCE,
     collect,
     decode_oracle,

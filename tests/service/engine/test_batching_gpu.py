@@ -11,9 +11,9 @@ import torch
 
 from attention_service.params import Op
 
-from .batch_helpers import decode_req, prefill_req, start_all
-from .batch_helpers import held_gpu_server as held_gpu_server_of
-from .svc_helpers import (
+from ..batch_helpers import decode_req, prefill_req, start_all
+from ..batch_helpers import held_gpu_server as held_gpu_server_of
+from ..svc_helpers import (
     ServerHandle,
     make_config,
     prefill_oracle,

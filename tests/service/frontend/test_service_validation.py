@@ -14,8 +14,8 @@ import torch
 from attention_service.params import causal_pairs as _causal_pairs
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import cache_decode_messages, cache_prefill_messages
-from .svc_helpers import decode_messages, prefill_messages, random_qkv
+from ..kv_helpers import cache_decode_messages, cache_prefill_messages
+from ..svc_helpers import decode_messages, prefill_messages, random_qkv
 
 pytestmark = [pytest.mark.timeout(30), pytest.mark.usefixtures("no_tracebacks")]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT

@@ -19,7 +19,7 @@ from attention_service.errors import RequestError
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import (
+from ..kv_helpers import (
     Model,
     append_messages,
     cache_decode_messages,
@@ -29,7 +29,7 @@ from .kv_helpers import (
     rand,
     session,
 )
-from .svc_helpers import (
+from ..svc_helpers import (
     GatedBackend,
     ServerHandle,
     collect,

@@ -23,7 +23,7 @@ from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
-from .svc_helpers import cu_from_lengths, random_qkv, span_jobs
+from ..svc_helpers import cu_from_lengths, random_qkv, span_jobs
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -14,7 +14,7 @@ import pytest
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .svc_helpers import health_status, small_prefill
+from ..svc_helpers import health_status, small_prefill
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 TOKEN = "s3cret-token"
@@ -26,7 +26,7 @@ def _prefill(stub, metadata=None):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="module")
 def auth_server():  # type: ignore[no-untyped-def]
-    from .svc_helpers import ServerHandle, make_config
+    from ..svc_helpers import ServerHandle, make_config
 
     handle = ServerHandle(make_config(auth_token=TOKEN, metrics_port=0, access_log=True))
     yield handle
@@ -171,7 +171,7 @@ def _health_probe(**env: str):  # type: ignore[no-untyped-def]
     import sys
     from pathlib import Path
 
-    probe = Path(__file__).resolve().parents[2] / "deploy" / "healthcheck.py"
+    probe = Path(__file__).resolve().parents[3] / "deploy" / "healthcheck.py"
     clean = {k: v for k, v in os.environ.items() if not k.startswith("ATTENTION_")}
     return subprocess.run([sys.executable, str(probe)], capture_output=True, text=True,
                           env={**clean, **env, "ATTENTION_HEALTHCHECK_TIMEOUT": "5"},
@@ -179,7 +179,7 @@ def _health_probe(**env: str):  # type: ignore[no-untyped-def]
 
 
 def test_a_refused_call_is_timed_not_recorded_as_zero(start_server) -> None:  # type: ignore[no-untyped-def]
-    from .svc_helpers import sample
+    from ..svc_helpers import sample
 
     srv = start_server(auth_token=TOKEN, metrics_port=0)
     with pytest.raises(grpc.RpcError) as info:
@@ -196,7 +196,7 @@ def test_a_refused_call_is_timed_not_recorded_as_zero(start_server) -> None:  # 
 def test_refused_twins_and_step_streams_count_under_their_rpc(start_server) -> None:  # type: ignore[no-untyped-def]
     """A refused PrefillUnary or PrefillSteps call counts as rpc="Prefill", as the calls
     let in do; a query on rpc="Prefill" sees every refusal."""
-    from .svc_helpers import sample
+    from ..svc_helpers import sample
 
     srv = start_server(auth_token=TOKEN, metrics_port=0)
     channel = srv.channel()

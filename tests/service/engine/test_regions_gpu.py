@@ -20,9 +20,9 @@ from attention_kernels import decode_ref, prefill_ref
 from attention_wire import cuda_ipc
 from attention_wire.pb import attention_pb2 as pb
 
-from .batch_helpers import Steps
-from .group_helpers import Group
-from .svc_helpers import ServerHandle, make_config, spec
+from ..batch_helpers import Steps
+from ..group_helpers import Group
+from ..svc_helpers import ServerHandle, make_config, spec
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 BF16 = 3.2e-2

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from ._helpers import CI, REPO
-from .test_loadtest import SMALL
+from tests.deploy._helpers import CI, REPO
+from tests.deploy.test_loadtest import SMALL
 
 if importlib.util.find_spec("locust") is None:
     message = "locust not installed: pip install -r requirements-dev.txt"

@@ -20,8 +20,8 @@ from attention_wire import shm
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .region_helpers import Shm
-from .svc_helpers import (
+from ..region_helpers import Shm
+from ..svc_helpers import (
     TOLERANCE,
     GatedBackend,
     ServerHandle,

@@ -15,8 +15,8 @@ import torch
 
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import cache_decode_messages, layout, rand
-from .svc_helpers import (
+from ..kv_helpers import cache_decode_messages, layout, rand
+from ..svc_helpers import (
     collect,
     collect_result,
     cu_from_lengths,

@@ -16,7 +16,7 @@ from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.jobs import PINNED
 from attention_service.engine.regions import pin
 
-from .svc_helpers import cu_from_lengths, decode_oracle, prefill_oracle, span_jobs
+from ..svc_helpers import cu_from_lengths, decode_oracle, prefill_oracle, span_jobs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 if not torch.cuda.is_available():

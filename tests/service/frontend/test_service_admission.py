@@ -25,7 +25,7 @@ from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.requests import MAX_FIELDS_PER_MESSAGE
 
-from .svc_helpers import (
+from ..svc_helpers import (
     ServerHandle,
     declared_prefill,
     decode_messages,
@@ -120,7 +120,7 @@ def test_a_message_of_countless_tiny_fields_is_refused(server: ServerHandle, kin
 def test_uploads_in_flight_share_one_budget_of_reserved_bytes(start_server: Any) -> None:
     import threading
 
-    from .svc_helpers import header_then_wait, wait_until
+    from ..svc_helpers import header_then_wait, wait_until
 
     # small_prefill reserves 8x2x8 q + 2 x 8x1x8 k/v + 8x2x8 out floats = 1536 bytes.
     srv = start_server(max_request_bytes=2048, max_upload_bytes=2048, max_upload_share=1.0)

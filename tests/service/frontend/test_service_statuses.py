@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 import pytest
 
-from .svc_helpers import (
+from ..svc_helpers import (
     GatedBackend,
     ServerHandle,
     header_then_wait,

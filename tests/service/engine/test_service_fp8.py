@@ -20,9 +20,9 @@ from attention_kernels import dequantize_kv, quantize_kv
 from attention_service.params import Op
 from attention_wire.pb import attention_pb2 as pb
 
-from .batch_helpers import Req, StepBackend, start_all
-from .kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages
-from .svc_helpers import (
+from ..batch_helpers import Req, StepBackend, start_all
+from ..kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages
+from ..svc_helpers import (
     TOLERANCE,
     Response,
     collect,

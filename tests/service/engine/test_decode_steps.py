@@ -1,6 +1,6 @@
 """The staged CacheDecode launch's host side (engine/decode_steps.py), without a GPU: shape
 buckets, which launches take the path, and how a batch is packed into one staging buffer
-(padding rows and slots included). tests/service/test_decode_steps_gpu.py runs it for real."""
+(padding rows and slots included). engine/test_decode_steps_gpu.py runs it for real."""
 
 from __future__ import annotations
 

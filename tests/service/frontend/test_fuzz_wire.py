@@ -21,8 +21,8 @@ import torch
 
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages
-from .svc_helpers import (
+from ..kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages
+from ..svc_helpers import (
     ServerHandle,
     collect,
     decode_messages,

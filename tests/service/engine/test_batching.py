@@ -19,8 +19,8 @@ from attention_client import AsyncAttentionClient
 from attention_service.params import Op
 from attention_wire.pb import attention_pb2 as pb
 
-from .batch_helpers import Req, StepBackend, decode_req, prefill_req, start_all
-from .svc_helpers import collect, random_qkv, sample, wait_until
+from ..batch_helpers import Req, StepBackend, decode_req, prefill_req, start_all
+from ..svc_helpers import collect, random_qkv, sample, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -11,8 +11,8 @@ import torch
 
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import cache_prefill_messages, decode_step, rand, session
-from .svc_helpers import ServerHandle, collect, make_config, prefill_oracle
+from ..kv_helpers import cache_prefill_messages, decode_step, rand, session
+from ..svc_helpers import ServerHandle, collect, make_config, prefill_oracle
 
 pytestmark = [
     pytest.mark.timeout(300),

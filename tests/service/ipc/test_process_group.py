@@ -25,9 +25,9 @@ from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .group_helpers import ROOT, Group, client_ports, connect_to, serving_pid
-from .kv_helpers import Model, append_messages, cache_decode_messages, layout
-from .svc_helpers import (
+from ..group_helpers import ROOT, Group, client_ports, connect_to, serving_pid
+from ..kv_helpers import Model, append_messages, cache_decode_messages, layout
+from ..svc_helpers import (
     TOLERANCE,
     collect,
     decode_messages,
@@ -262,7 +262,7 @@ def test_a_polling_group_answers_lone_and_concurrent_calls() -> None:
 def test_fp8_through_frontend_processes(group: Group) -> None:
     """FP8 k/v and scales cross from a torch-free front end to the engine: a stateless FP8
     Prefill and an FP8 cache session, each through a different front end."""
-    from .test_service_fp8 import fp8_cache_session, fp8_prefill_req
+    from ..engine.test_service_fp8 import fp8_cache_session, fp8_prefill_req
 
     stubs = [pb_grpc.AttentionServiceStub(connect_to(group, pid))
              for _, pid in sorted(group.frontend_pids().items())]

@@ -16,8 +16,8 @@ import torch
 from attention_service.params import visible_pairs
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages, layout
-from .svc_helpers import (
+from ..kv_helpers import append_messages, cache_decode_messages, cache_prefill_messages, layout
+from ..svc_helpers import (
     TOLERANCE,
     ServerHandle,
     collect,

@@ -13,14 +13,14 @@ import torch
 from attention_service.frontend.streams import MAX_UNARY_OUTPUT_BYTES
 from attention_wire.pb import attention_pb2 as pb
 
-from .kv_helpers import (
+from ..kv_helpers import (
     append_messages,
     cache_decode_messages,
     cache_prefill_messages,
     layout,
     rand,
 )
-from .svc_helpers import (
+from ..svc_helpers import (
     TOLERANCE,
     collect,
     collect_result,

@@ -17,7 +17,7 @@ from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.responses import chunk_head, encode_output_chunk, output_chunk_parts
 
-from .svc_helpers import ServerHandle, prefill_messages, random_qkv
+from ..svc_helpers import ServerHandle, prefill_messages, random_qkv
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -15,9 +15,9 @@ import torch
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
-from .group_helpers import Group, connect_to
-from .region_helpers import Shm
-from .svc_helpers import (
+from ..group_helpers import Group, connect_to
+from ..region_helpers import Shm
+from ..svc_helpers import (
     TOLERANCE,
     collect,
     prefill_messages,
@@ -159,7 +159,7 @@ def test_idle_uploads_on_a_group_do_not_starve_and_end_after_the_timeout() -> No
     import threading
     import time
 
-    from .svc_helpers import declared_prefill, header_then_wait, six_mib_prefill
+    from ..svc_helpers import declared_prefill, header_then_wait, six_mib_prefill
 
     g = Group(2, "--upload-idle-timeout", "2")
     release = threading.Event()

@@ -10,8 +10,8 @@ import torch
 
 from attention_service.params import Op
 
-from .batch_helpers import held_gpu_server, start_all
-from .svc_helpers import ServerHandle, collect, make_config, wait_until
+from ..batch_helpers import held_gpu_server, start_all
+from ..svc_helpers import ServerHandle, collect, make_config, wait_until
 from .test_service_fp8 import (
     fp8_cache_session,
     fp8_decode_req,

@@ -19,8 +19,8 @@ from attention_service.cpus import (
     placement,
 )
 
-from .group_helpers import Group
-from .svc_helpers import wait_until
+from ..group_helpers import Group
+from ..svc_helpers import wait_until
 
 SIXTEEN = frozenset(range(16))
 
