@@ -362,8 +362,10 @@ def test_short_paged_splits_on_hopper(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *a: 16)
     decode_kernel._PLANS.clear()
     try:
-        c = Paged([4000], 16, 8, 128, torch.bfloat16)
-        q = randn(1, 32, 128, dtype=torch.bfloat16)
+        # 2 kv heads (GQA 4): the short-split rule reads the split length alone, and the
+        # interpreter runs a quarter of 8 kv heads' programs (30 -> ~8 s on a 2-core box).
+        c = Paged([4000], 16, 2, 128, torch.bfloat16)
+        q = randn(1, 8, 128, dtype=torch.bfloat16)
         want = paged_decode_ref(q.double(), *c.double(), c.seqlens_k)
         # The hint sizes the splits: 4K keys make splits of two 64-key blocks, 8K of four.
         for hint, paged_tile in ((4096, MANY_PROGRAMS_TILE), (8192, SHORT_PAGED_SPLIT_TILE)):
@@ -399,8 +401,10 @@ def test_long_paged_splits_by_bandwidth(monkeypatch: pytest.MonkeyPatch, gbps: f
     monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *a: 16)
     decode_kernel._PLANS.clear()
     try:
-        c = Paged([3000], 16, 8, 128, torch.bfloat16)
-        q = randn(1, 32, 128, dtype=torch.bfloat16)
+        # 2 kv heads: 32 programs, within the 132 SMs as 8 kv heads' 128 are (the rule's
+        # condition), at a quarter of the interpreter's time.
+        c = Paged([3000], 16, 2, 128, torch.bfloat16)
+        q = randn(1, 8, 128, dtype=torch.bfloat16)
         want = paged_decode_ref(q.double(), *c.double(), c.seqlens_k)
         for fn, args, splits in ((paged_decode, (*c.cache, c.seqlens_k), want_splits),
                                  (decode, (c.k, c.v, c.cu_k), 16)):
