@@ -274,12 +274,15 @@ def test_widening_rule() -> None:
     assert not widen(512, 32, 128, False)  # even
     assert not widen(150, 3, 128, True)  # small: host-bound either way
     assert not widen(4096, 4, 128, True, dtype=torch.float32)  # fp32 queries: tiles
+    # The launches: 600 keys non-causal at D 64 are past the widening threshold (half of
+    # FP8_WIDEN_MIN_KEYS_SEEN at D <= 64), at a seventh of 4K keys' interpreter time.
+    assert prefill_kernel.FP8_WIDEN_MIN_KEYS_SEEN // 2 <= 600
     q = randn(40, 4, 64, dtype=torch.bfloat16)
-    _, _, k8, v8, ks, vs = _kv(4096, 2, 64)
+    _, _, k8, v8, ks, vs = _kv(600, 2, 64)
     prefill_kernel._PLANS.clear()
-    prefill(q, k8, v8, cu_seqlens([40]), cu_seqlens([4096]), k_scale=ks, v_scale=vs)
+    prefill(q, k8, v8, cu_seqlens([40]), cu_seqlens([600]), k_scale=ks, v_scale=vs)
     assert [p.widen_kv for p in prefill_kernel._PLANS._plans.values()] == [True]
-    c = Paged([4096], 64, 2, 64, FP8_DTYPE, kv=(k8, v8))
+    c = Paged([600], 64, 2, 64, FP8_DTYPE, kv=(k8, v8))
     kp, vp, table, seqlens = *c.cache, c.seqlens_k
     prefill_kernel._PLANS.clear()
     paged_prefill(q, kp, vp, table, cu_seqlens([40]), seqlens, k_scale=ks, v_scale=vs)
