@@ -364,6 +364,7 @@ def _agg_worker(target: str, tokens: int, heads: int, dim: int, dtype: str, seco
                                                            timeout=30).frontend
             for ch in c._base_channels
         ]
+        conn.send("ready")
         start.wait()
         cpu0 = time.process_time()  # all of this process's threads (grpc's too)
         t_end = time.perf_counter() + seconds
@@ -397,7 +398,9 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
         p.start()
         pipes.append(parent)
         procs.append(p)
-    time.sleep(2.0 + 0.3 * clients)  # imports and two warm-up calls each
+    for parent in pipes:  # each client imported, connected and warm: then all start at once
+        if not parent.poll(300) or parent.recv() != "ready":
+            raise RuntimeError("an aggregate client did not get ready within 300 s")
     start.set()
     results = [p.recv() for p in pipes]
     for p in procs:

@@ -20,7 +20,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
         "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "0.5", "--iters", "2",
         "--min-seconds", "0.05",
-        "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "0,1",
+        "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "1",
         "--out", str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
@@ -44,10 +44,10 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
-        # Each client count x (spread, stripes); a striped client has a connection per stripe.
+        # Each stripe count, spread (unspread: the pinned run's); a striped client has a
+        # connection per stripe.
         assert [(a["clients"], a["channels"], a["stripes"], a["spread"])
-                for a in server["aggregate"]] == [
-            (2, 1, 1, False), (2, 2, 2, False), (2, 1, 1, True), (2, 2, 2, True)]
+                for a in server["aggregate"]] == [(2, 1, 1, True), (2, 2, 2, True)]
         for agg in server["aggregate"]:
             assert agg["calls"] > 0 and agg["GBps"] > 0
             assert 0 < agg["client_cores_mean"] <= agg["client_cores_max"]
@@ -100,6 +100,7 @@ def test_bench_roundtrip_measures_a_baseline_tree_on_pinned_cpus(tmp_path: Path)
         assert entry["cpus"] == expected
         for agg in entry["aggregate"]:
             assert agg["client_cpus"] == [client_cpu] and agg["GBps"] > 0
+            assert not agg["spread"]  # the unspread aggregate (the every-path run spreads)
     assert [s["frontends"] for s in report["servers"]] == [1, 2]
     # The baseline: first and last, its own tree, compared per server like for like.
     assert [b["turn"] for b in report["baseline"]] == ["first", "last"]
