@@ -687,6 +687,7 @@ class _PrefillPlan:
     causal: bool = False  # for the Gluon launch
     scale_log2: float = 0.0
     widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
+    widen_row: int = 0  # the widened copies' row (elements): the strides the launch holds
     # The Gluon kernel's launches (``hopper_prefill_ws``): the plan's key is everything
     # Triton specializes them on, so each is bound once.
     gluon_launches: dict[tuple[object, ...], KernelLaunch] = field(default_factory=dict)
@@ -757,7 +758,18 @@ def _plan(
     num_slots, slot_run, programs = slot_grid(total_q, batch, num_heads, cfg.block_m,
                                               causal or has_window)
     use_tma = table is None and _tma_ok(q, k, v, span, kv_copied=widen)
-    if table is None:
+    widen_row = 0
+    if widen:
+        # ``_run`` launches on the widened copies, not on ``k, v``: their strides, rows padded
+        # as ``k`` was (``aligned_rows``; a D 40 plan on padded strides read the unpadded
+        # copies as garbage on an H200).
+        padded = k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
+        widen_row = k.stride(1) if padded else head_dim
+        kv_heads = k.shape[1]
+        strides = (kv_heads * widen_row, widen_row, kv_heads * widen_row, widen_row,
+                   None, None, None)
+        page_tokens = 1
+    elif table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
         page_tokens = 1
@@ -784,7 +796,7 @@ def _plan(
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E,
-                        widen)
+                        widen, widen_row)
 
 
 def _run(
@@ -818,7 +830,7 @@ def _run(
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
     if plan.widen_kv:
-        k, v = widen_kv(k, v, q.dtype)
+        k, v = widen_kv(k, v, q.dtype, plan.widen_row)
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,

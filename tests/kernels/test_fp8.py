@@ -290,6 +290,34 @@ def test_widening_rule() -> None:
     prefill_kernel._PLANS.clear()
 
 
+def test_widened_kv_from_padded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 K/V in rows padded past the head dim (what ``aligned_rows`` makes of D 40 inputs on
+    a GPU), padding NaN: the widened copies keep the layout the launch was planned on. (Planned
+    on padded strides, the kernel once read unpadded copies: garbage at D 40 on an H200.)"""
+    monkeypatch.setattr(prefill_kernel, "FP8_WIDEN_MIN_KEYS_SEEN", 0)  # always widen
+    dim, row = 40, 48
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.full((*t.shape[:-1], row), float("nan"), device=t.device).to(t.dtype)
+        view = buf[..., :dim]
+        view.copy_(t)
+        return view
+
+    q = randn(37, 4, dim, dtype=torch.bfloat16)
+    _, _, k8, v8, ks, vs = _kv(70, 2, dim)
+    cu_q, cu_k = cu_seqlens([37]), cu_seqlens([70])
+    try:
+        prefill_kernel._PLANS.clear()
+        want = prefill(q, k8, v8, cu_q, cu_k, k_scale=ks, v_scale=vs)
+        prefill_kernel._PLANS.clear()
+        got = prefill(q, padded(k8), padded(v8), cu_q, cu_k, k_scale=ks, v_scale=vs)
+        assert [p.widen_kv for p in prefill_kernel._PLANS._plans.values()] == [True]
+    finally:
+        prefill_kernel._PLANS.clear()
+    assert not torch.isnan(got).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_bad_scales_and_dtypes_raise() -> None:
     q = randn(2, 4, 64, dtype=torch.float16)
     k, v, k8, v8, ks, vs = _kv(10, 2, 64)
