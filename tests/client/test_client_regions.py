@@ -34,6 +34,14 @@ pytestmark = pytest.mark.timeout(120)
 CU = [0, 10, 30]
 
 
+def _client_objects(pid: int | None = None) -> set[str]:
+    """This process's (or ``pid``'s) client objects in /dev/shm (``attention-client-<pid>-*``).
+    Only those: other test processes (pytest-xdist workers, their servers' arenas) create and
+    remove objects of their own at any time."""
+    prefix = f"attention-client-{os.getpid() if pid is None else pid}-"
+    return {n for n in os.listdir("/dev/shm") if n.startswith(prefix)}
+
+
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-frontends"])
 def srv(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     require_server()
@@ -199,12 +207,12 @@ def test_close_unregisters_and_removes_the_object(srv: RunningServer) -> None:
     c = AttentionClient(srv.target)
     region = c.register_shm(4096)
     name = region.name
-    before = set(os.listdir("/dev/shm"))
+    before = _client_objects()
     c.close()
     with AttentionClient(srv.target) as other:
         assert name not in [r["name"] for r in other.list_regions()]
     assert region.closed
-    assert len(set(os.listdir("/dev/shm")) - before) == 0
+    assert len(_client_objects() - before) == 0
 
 
 def test_a_region_never_closed_is_removed_when_the_process_ends(srv: RunningServer) -> None:
@@ -216,15 +224,15 @@ def test_a_region_never_closed_is_removed_when_the_process_ends(srv: RunningServ
         "c = AttentionClient(sys.argv[1])\n"
         "region = c.register_shm(1 << 20)\n"
         "x = region.empty((16, 4), 'float32')\n"
-        "print(region.name, flush=True)\n"
+        "import os\n"
+        "print(region.name, os.getpid(), flush=True)\n"
         "raise SystemExit(3)\n"
     )
-    before = set(os.listdir("/dev/shm"))
     done = subprocess.run([sys.executable, "-c", script, srv.target], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 3, done.stderr
-    assert set(os.listdir("/dev/shm")) - before == set()
-    name = done.stdout.split()[0]
+    name, pid = done.stdout.split()[:2]
+    assert _client_objects(int(pid)) == set()  # the script's object is gone with it
     with AttentionClient(srv.target) as other:  # still registered, until dropped
         assert name in [r["name"] for r in other.list_regions()]
     with grpc.insecure_channel(srv.target) as channel:
@@ -243,7 +251,7 @@ def test_registration_refused_leaves_nothing_behind() -> None:
     require_server()
     running = start_server("--regions", "off")
     try:
-        before = set(os.listdir("/dev/shm"))
+        before = _client_objects()
         with AttentionClient(running.target) as c:
             assert c.info()["regions"] is False
             with pytest.raises(AttentionError) as info:
@@ -251,18 +259,18 @@ def test_registration_refused_leaves_nothing_behind() -> None:
             assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
             q = torch.randn(4, 2, 8)
             c.attention(q, q[:, :1], q[:, :1], causal=True)  # bytes, as ever
-        assert set(os.listdir("/dev/shm")) == before
+        assert _client_objects() == before
     finally:
         running.stop()
 
 
 def test_a_region_too_large_is_refused_and_leaves_no_object(srv: RunningServer) -> None:
-    before = set(os.listdir("/dev/shm"))
+    before = _client_objects()
     with AttentionClient(srv.target) as c:
         with pytest.raises(AttentionResourceError, match="nbytes"):
             c.register_shm(1 << 50)  # 1 PiB: more than any address space here
         assert c.regions.all() == []
-    assert set(os.listdir("/dev/shm")) == before
+    assert _client_objects() == before
 
 
 def _qkv_ref():  # type: ignore[no-untyped-def]
