@@ -18,18 +18,14 @@ from attention_client._requests import (
     Tensor,
     as_flag,
     check_layout,
-    checked_header,
-    checked_scale,
     count_check,
     encode_qkv,
+    finish_request,
     new_kv,
-    place_outputs,
     require_rank,
     same_lse,
-    set_kv_scales,
     spec,
     tensor_of,
-    wire_nbytes,
 )
 from attention_client._score import ScoreMods
 from attention_client._tensors import Origin, as_cu_seqlens, describe
@@ -55,25 +51,11 @@ def _decode_request(
         num_splits=splits,
         return_lse=as_flag(return_lse, "return_lse"),
     )
-    if cache is not None:
-        header.cache.CopyFrom(cache.message())
-    else:
-        set_kv_scales(header, wk, kv_scales)
-    if score is not None:
-        header.score.CopyFrom(score.message(heads, batch))
-    scale = checked_scale(softmax_scale)
-    if scale is not None:
-        header.softmax_scale = scale
     lse_shape = (batch, heads) if return_lse else None
-    out_span, lse_span = place_outputs(
-        header, (wq, wk, wv), placement, out, wire_nbytes(wq.shape, wq.dtype),
-        wire_nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, wq.shape,
-    )
-    return PreparedRequest(
-        method=method, header=checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
-        user_shape=wq.shape, lse_fix=same_lse, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
+    return finish_request(
+        method, header, wq, wk, wv, origin, batch, lse_shape, wq.shape, same_lse,
+        softmax_scale=softmax_scale, placement=placement, out=out, cache=cache, score=score,
+        kv_scales=kv_scales,
     )
 
 

@@ -27,16 +27,13 @@ from attention_client._requests import (
     check_cu_values,
     check_layout,
     checked_header,
-    checked_scale,
     count_check,
     encode_qkv,
+    finish_request,
     new_kv,
-    place_outputs,
     require_rank,
     same_lse,
-    set_kv_scales,
     spec,
-    wire_nbytes,
 )
 from attention_client._score import ScoreMods
 from attention_client._tensors import (
@@ -126,26 +123,11 @@ def _prefill_request(
         causal=as_flag(causal, "causal"),
         return_lse=as_flag(return_lse, "return_lse"),
     )
-    if cache is not None:
-        header.cache.CopyFrom(cache.message())
-    else:
-        set_kv_scales(header, wk, kv_scales)
-    if score is not None:
-        header.score.CopyFrom(score.message(wq.shape[1], cu_q.size - 1))
-    scale = checked_scale(softmax_scale)
-    if scale is not None:
-        header.softmax_scale = scale
-    total_q, heads = wq.shape[0], wq.shape[1]
-    lse_shape = (heads, total_q) if return_lse else None
-    out_span, lse_span = place_outputs(
-        header, (wq, wk, wv), placement, out, wire_nbytes(wq.shape, wq.dtype),
-        wire_nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
-    )
-    return PreparedRequest(
-        method=method, header=checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
-        user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
+    lse_shape = (wq.shape[1], wq.shape[0]) if return_lse else None  # [H, total_q]
+    return finish_request(
+        method, header, wq, wk, wv, origin, cu_q.size - 1, lse_shape, user_shape, lse_fix,
+        softmax_scale=softmax_scale, placement=placement, out=out, cache=cache, score=score,
+        kv_scales=kv_scales,
     )
 
 

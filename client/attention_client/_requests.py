@@ -25,6 +25,7 @@ import numpy as np
 
 from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
+from attention_client._score import ScoreMods
 from attention_client._tensors import (
     FP8_QUERY_DTYPES,
     QUERY_DTYPES,
@@ -99,7 +100,7 @@ def _check_scale_heads(scales: KvScales, heads: int) -> None:
             raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
 
 
-def set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
+def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
     """A stateless call's FP8 scales into its header: required with FP8 k/v, refused
     otherwise."""
     if wk.dtype != pb.FLOAT8_E4M3:
@@ -366,7 +367,7 @@ def require_rank(t: Tensor, rank: int, layout: str) -> None:
         raise AttentionInputError(f"{t.name} must be {rank}-D {layout}, got shape {t.shape}")
 
 
-def wire_nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
+def _nbytes(shape: tuple[int, ...], wire_dtype: int) -> int:
     return math.prod(shape) * storage_dtype(wire_dtype).itemsize
 
 
@@ -385,7 +386,7 @@ def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
         )
 
 
-def place_outputs(
+def _place_outputs(
     header: Any, tensors: tuple[Tensor, ...], placement: Placement | None, out: Any,
     out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...],
 ) -> tuple[Span | None, Span | None]:
@@ -427,6 +428,37 @@ def place_outputs(
     return out_span, lse_span
 
 
+def finish_request(
+    method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, origin: Origin,
+    sequences: int, lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
+    lse_fix: Callable[[Any], Any], *, softmax_scale: float | None,
+    placement: Placement | None, out: Any, cache: CacheTarget | None,
+    score: ScoreMods | None, kv_scales: KvScales | None,
+) -> PreparedRequest:
+    """What both header kinds (``_prefill``, ``_decode``) end with: the caches or the FP8
+    scales, score options over ``sequences``, the softmax scale, the outputs' placement, and
+    the request itself."""
+    if cache is not None:
+        header.cache.CopyFrom(cache.message())
+    else:
+        _set_kv_scales(header, wk, kv_scales)
+    if score is not None:
+        header.score.CopyFrom(score.message(wq.shape[1], sequences))
+    scale = _scale(softmax_scale)
+    if scale is not None:
+        header.softmax_scale = scale
+    out_span, lse_span = _place_outputs(
+        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
+        _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
+    )
+    return PreparedRequest(
+        method=method, header=checked_header(header), tensors=(wq, wk, wv),
+        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
+        user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
+        lse_span=lse_span, user_out=out, cache=cache,
+    )
+
+
 def as_flag(value: Any, name: str) -> bool:
     """A bool argument: True/False (numpy's too) or 0/1; anything else (``causal="no"``,
     which ``bool()`` would take as True) is refused, naming ``name``."""
@@ -437,7 +469,7 @@ def as_flag(value: Any, name: str) -> bool:
     raise AttentionInputError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
-def checked_scale(softmax_scale: float | None) -> float | None:
+def _scale(softmax_scale: float | None) -> float | None:
     if softmax_scale is None:
         return None
     if not real_number(softmax_scale):  # float() would take "0.5", True, bytearray ...
