@@ -759,21 +759,19 @@ def _plan(
                                               causal or has_window)
     use_tma = table is None and _tma_ok(q, k, v, span, kv_copied=widen)
     widen_row = 0
-    if widen:
-        # ``_run`` launches on the widened copies, not on ``k, v``: their strides, rows padded
-        # as ``k`` was (``aligned_rows``; a D 40 plan on padded strides read the unpadded
-        # copies as garbage on an H200).
-        padded = k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
-        widen_row = k.stride(1) if padded else head_dim
-        kv_heads = k.shape[1]
-        strides = (kv_heads * widen_row, widen_row, kv_heads * widen_row, widen_row,
-                   None, None, None)
-        page_tokens = 1
-    elif table is None:
+    if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
         page_tokens = 1
         strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
+        if widen:
+            # ``_run`` launches on the widened copies, not on ``k, v``: their strides, rows
+            # padded as ``k``'s were (``aligned_rows``; a D 40 plan on padded strides read
+            # unpadded copies as garbage on an H200).
+            padded = k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
+            widen_row = k.stride(1) if padded else head_dim
+            token = k.shape[1] * widen_row
+            strides = (token, widen_row, token, widen_row, None, None, None)
     else:
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
