@@ -138,7 +138,7 @@ def lane_rpcs(channel: Any) -> dict[str, Any]:
     """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
     both), by method name: the stream and unary twin of each, the step streams, and
     GetServerInfo (``spread`` asks each connection). Requests are pre-serialized bytes
-    (_chunks); responses are parsed lazily (``attention_wire.responses``)."""
+    (``attention_wire.requests``); responses are parsed lazily (``attention_wire.responses``)."""
     return {
         method: channel.stream_stream(
             f"/{SERVICE}/{method}", response_deserializer=parse_response
