@@ -488,7 +488,7 @@ class Metrics:
             rpc = op.rpc
             rate = self.decode_bytes_rate if op.decode_like else self.prefill_flops_rate
             # AppendKV stores only: no rate series (an empty one reads as NaN on the dashboard).
-            rate_child = None if op is Op.APPEND_KV else rate.labels(rpc=rpc)
+            rate_child = rate.labels(rpc=rpc) if op.queries else None
             children = self._launch_children[op] = (
                 self.batches.labels(rpc=rpc), self.batch_requests.labels(rpc=rpc),
                 self.batch_tokens.labels(rpc=rpc),

@@ -12,7 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -41,7 +41,9 @@ LSE_BYTES = 4  # float32
 
 
 class Op(enum.Enum):
-    """The compute rpcs. The per-kind rules live on this class, not in string switches."""
+    """The compute rpcs. Each kind's rules live on its member (``_RULES``), not in switches
+    on the kind: its wire header, whether it takes queries, where it keeps k/v, which kernel
+    serves it and its lse layout."""
 
     PREFILL = "Prefill"
     DECODE = "Decode"
@@ -60,12 +62,28 @@ class Op(enum.Enum):
     @property
     def decode_like(self) -> bool:
         """One query per sequence, DecodeHeader on the wire, lse ``[batch, H]``."""
-        return self is Op.DECODE or self is Op.CACHE_DECODE
+        return _RULES[self].decode_like
 
     @property
     def cached(self) -> bool:
         """Runs against server-side KV caches (its k/v are the sequences' new tokens)."""
-        return self in _CACHED
+        return _RULES[self].cached
+
+    @property
+    def queries(self) -> bool:
+        """Takes queries and computes attention: False for AppendKV, which only stores k/v
+        (no q, no outputs, no kernel)."""
+        return _RULES[self].kernel is not None
+
+    @property
+    def kernel(self) -> str | None:
+        """The ``attention_kernels`` function that serves it (None: no attention)."""
+        return _RULES[self].kernel
+
+    @property
+    def header(self) -> type:
+        """Its wire header: ``pb.DecodeHeader`` or ``pb.PrefillHeader``."""
+        return pb.DecodeHeader if self.decode_like else pb.PrefillHeader
 
     def lse_shape(self, rows: int, heads: int) -> tuple[int, int]:
         """The kernels' lse layout: prefill ``[H, total_q]``, decode ``[batch, H]``."""
@@ -76,7 +94,19 @@ class Op(enum.Enum):
         return lse[start:stop] if self.decode_like else lse[:, start:stop]
 
 
-_CACHED = frozenset((Op.APPEND_KV, Op.CACHE_PREFILL, Op.CACHE_DECODE))
+class _Rules(NamedTuple):
+    decode_like: bool
+    cached: bool
+    kernel: str | None
+
+
+_RULES = {
+    Op.PREFILL: _Rules(decode_like=False, cached=False, kernel="prefill"),
+    Op.DECODE: _Rules(decode_like=True, cached=False, kernel="decode"),
+    Op.APPEND_KV: _Rules(decode_like=False, cached=True, kernel=None),
+    Op.CACHE_PREFILL: _Rules(decode_like=False, cached=True, kernel="paged_prefill"),
+    Op.CACHE_DECODE: _Rules(decode_like=True, cached=True, kernel="paged_decode"),
+}
 
 
 @dataclass(frozen=True)
@@ -92,37 +122,80 @@ class RegionSpan:
         return self.offset + self.nbytes
 
 
-@dataclass(frozen=True)
-class Params:
-    """A validated request: shapes, sequence boundaries and kernel parameters."""
+class BatchKey(NamedTuple):
+    """What every request of one merged launch shares: the op, the kernel's parameters and
+    the tensors' row layout. Made once, as part of a request's ``Params`` (``Params.key``):
+    requests with equal keys run the same kernel with the same parameters, so they can merge.
+    (A tuple: hashed per request on the engine's hot path.)"""
 
     op: Op
-    dtype: int  # pb.DType
-    q_shape: tuple[int, int, int]  # prefill [total_q, H, D]; decode [batch, H, D]
-    k_shape: tuple[int, int, int]  # [total_k, H_kv, D]
+    dtype: int  # pb.DType of q and out
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    causal: bool  # False for decode
+    # None (the default 1/sqrt(D)) and an explicit 1/sqrt(D) are the same float in the
+    # kernel: stored resolved, so they merge.
+    softmax_scale: float
+    num_splits: int  # decode only (0 = the server's choice); kept so an explicit one is honoured
+    # Score modifiers: requests merge only with the same window and softcap. ALiBi slopes
+    # are per sequence in the launch (BatchPlan.alibi_slopes), so any two ALiBi requests merge.
+    window: tuple[int, int]  # (left, right), -1 unbounded
+    softcap: float  # 0 off
+    alibi: bool
+    # The wire dtype of k and v (q's dtype or FLOAT8_E4M3), and whether the kernel reads FP8
+    # keys and values: a stateless request's FP8 k/v here; FP8 caches the engine adds
+    # (``batch_plan.batch_key``). Scales are per sequence in the launch, so any two merge.
+    kv_dtype: int
+    fp8: bool
+
+
+@dataclass(frozen=True)
+class Params:
+    """A validated request, described once: its ``key`` (what a launch shares) and what is
+    its own (row counts, sequence boundaries, outputs asked for, caches, per-sequence scales
+    and slopes). Everything else is derived from these."""
+
+    key: BatchKey
+    rows: int  # query rows: tokens for prefill, sequences for decode
+    total_k: int  # key rows (cached ops: the new tokens only)
     cu_seqlens_q: tuple[int, ...] | None  # prefill only
     cu_seqlens_k: tuple[int, ...]
     max_seqlen_q: int
     max_seqlen_k: int
-    causal: bool
-    softmax_scale: float | None
     return_lse: bool
-    num_splits: int  # decode only (0 = the server's choice)
     flops: int  # this request's floating-point operations (causal work counted once)
     # Cached ops: one cache per sequence, and whether the new k/v tokens are kept. Their k/v
     # hold only new tokens, so ``flops`` above counts only those; the engine, which knows the
     # cached lengths, computes the real work.
     cache_ids: tuple[str, ...] = ()
     store: bool = False
-    # flash_attn's score modifiers (ScoreOptions): window (left, right), -1 unbounded; softcap
-    # 0 off; ALiBi slopes flat, num_heads or batch * num_heads of them, () off.
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
+    # ALiBi slopes flat, num_heads or batch * num_heads of them, () off.
     alibi_slopes: tuple[float, ...] = ()
-    # The wire dtype of k and v (``dtype`` or FLOAT8_E4M3), and the scales of FP8 k/v on a
-    # stateless op (cached ops use their caches' scales, which the engine knows).
-    kv_dtype: int = 0
+    # The scales of FP8 k/v on a stateless op (cached ops use their caches' scales, which the
+    # engine knows).
     kv_scales: KvScales | None = None
+
+    op = property(lambda self: self.key.op)
+    dtype = property(lambda self: self.key.dtype)
+    kv_dtype = property(lambda self: self.key.kv_dtype)
+    num_heads = property(lambda self: self.key.num_heads)
+    num_kv_heads = property(lambda self: self.key.num_kv_heads)
+    head_dim = property(lambda self: self.key.head_dim)
+    causal = property(lambda self: self.key.causal)
+    softmax_scale = property(lambda self: self.key.softmax_scale)
+    num_splits = property(lambda self: self.key.num_splits)
+    window = property(lambda self: self.key.window)
+    softcap = property(lambda self: self.key.softcap)
+
+    @property
+    def q_shape(self) -> tuple[int, int, int]:
+        """prefill ``[total_q, H, D]``; decode ``[batch, H, D]``."""
+        return (self.rows, self.key.num_heads, self.key.head_dim)
+
+    @property
+    def k_shape(self) -> tuple[int, int, int]:
+        return (self.total_k, self.key.num_kv_heads, self.key.head_dim)
 
     @functools.cached_property
     def memo(self) -> dict[object, object]:
@@ -130,50 +203,29 @@ class Params:
         every request that carries the same params object (front ends define them once)."""
         return {}
 
-    @property
-    def num_heads(self) -> int:
-        return self.q_shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.k_shape[1]
-
-    @property
-    def head_dim(self) -> int:
-        return self.q_shape[2]
-
-    @property
-    def rows(self) -> int:
-        """Query rows: tokens for prefill, sequences for decode."""
-        return self.q_shape[0]
-
-    @property
-    def total_k(self) -> int:
-        return self.k_shape[0]
-
     # The next three are read per request on the engine's hot path (the batch queue, the
     # plan): computed once per Params object (frozen), as ``memo``.
     @functools.cached_property
     def tokens(self) -> int:
         """The batch-token unit: keys for decode, queries for prefill (new keys for AppendKV)."""
-        if self.op.decode_like or self.op is Op.APPEND_KV:
-            return self.k_shape[0]
-        return self.q_shape[0]
+        if self.op.decode_like or not self.op.queries:
+            return self.total_k
+        return self.rows
 
     @functools.cached_property
     def budget_tokens(self) -> int:
         """Weight against the batching token budget: keys for decode; for prefill the larger of
         queries and keys, so a few queries over a long cached prefix still count as large."""
         if self.op.decode_like:
-            return self.k_shape[0]
-        return max(self.q_shape[0], self.k_shape[0])
+            return self.total_k
+        return max(self.rows, self.total_k)
 
     @property
     def lse_shape(self) -> tuple[int, int] | None:
         """Prefill ``[H, total_q]``; decode ``[batch, H]``; None unless asked for."""
         if not self.return_lse:
             return None
-        return self.op.lse_shape(self.q_shape[0], self.q_shape[1])
+        return self.op.lse_shape(self.rows, self.key.num_heads)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in ("q", "out"):
@@ -273,15 +325,20 @@ def make_params(
         cu_seqlens_q, causal, max_q = None, False, 1
         len_q = [1] * len(len_k)
     pairs = visible_pairs(len_q, len_k, causal, window)
+    key = BatchKey(
+        op=op, dtype=dtype, num_heads=heads, num_kv_heads=k_shape[1], head_dim=dim,
+        causal=causal, softmax_scale=(1.0 / math.sqrt(dim) if softmax_scale is None
+                                      else float(softmax_scale)),
+        num_splits=num_splits if op.decode_like else 0, window=(int(window[0]), int(window[1])),
+        softcap=float(softcap), alibi=bool(alibi_slopes), kv_dtype=kv_dtype or dtype,
+        fp8=kv_scales is not None,
+    )
     return Params(
-        op=op, dtype=dtype, q_shape=tuple(q_shape), k_shape=tuple(k_shape),  # type: ignore[arg-type]
+        key=key, rows=q_shape[0], total_k=k_shape[0],
         cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
         cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k, default=0),
-        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
-        num_splits=num_splits if op.decode_like else 0, flops=4 * pairs * heads * dim,
-        cache_ids=tuple(cache_ids), store=store or op is Op.APPEND_KV,
-        window=(int(window[0]), int(window[1])), softcap=float(softcap),
-        alibi_slopes=tuple(float(x) for x in alibi_slopes), kv_dtype=kv_dtype or dtype,
+        return_lse=return_lse, flops=4 * pairs * heads * dim, cache_ids=tuple(cache_ids),
+        store=store or not op.queries, alibi_slopes=tuple(float(x) for x in alibi_slopes),
         kv_scales=kv_scales,
     )
 

@@ -30,7 +30,6 @@ from attention_service.engine.no_keys import fill_no_keys, no_keys
 from attention_service.engine.paged_store import block_table, store_new_tokens
 from attention_service.engine.warmup import tiny_plans
 from attention_service.errors import StartupError
-from attention_service.params import Op
 
 
 class Backend(Protocol):
@@ -100,7 +99,7 @@ class CpuBackend:
 
             slots = (torch.tensor(plan.slot_pages), torch.tensor(plan.slot_offsets))
             store_new_tokens(plan, k, v, slots)
-            if plan.op is Op.APPEND_KV or no_keys(plan):
+            if not plan.op.queries or no_keys(plan):
                 fill_no_keys(plan)
                 return DoneLaunch(LaunchTimes(kernel_seconds=time.perf_counter() - t0))
             work = plan.jobs[0].cache

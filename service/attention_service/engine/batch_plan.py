@@ -1,60 +1,27 @@
 """Merging jobs into one packed varlen launch (pure host-side bookkeeping, no device work):
-which jobs may share a launch (``batch_key``) and ``BatchPlan``, the merged ``cu_seqlens``,
-row offsets and launch parameters of a list of jobs with one key."""
+which jobs may share a launch (``batch_key``: their params' ``BatchKey``) and ``BatchPlan``,
+the merged ``cu_seqlens``, row offsets and launch parameters of a list of jobs with one key."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from attention_service.engine.jobs import Job
-from attention_service.params import KvScales, Op, lengths
-
-
-class BatchKey(NamedTuple):
-    """Jobs with equal keys run the same kernel with the same parameters, so they can merge.
-    (A tuple: made and hashed per request on the engine's hot path.)"""
-
-    op: Op
-    dtype: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    causal: bool
-    softmax_scale: float
-    # Decode only; kept in the key so an explicit split count is honoured exactly as asked.
-    num_splits: int
-    # Score modifiers: jobs merge only with the same window and softcap. ALiBi slopes are per
-    # sequence in the launch (BatchPlan.alibi_slopes), so any two ALiBi jobs merge.
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi: bool = False
-    # The wire dtype of the jobs' k/v (packed together), and whether the kernel reads FP8
-    # keys and values (a stateless op's FP8 k/v, or FP8 caches). Their scales are per
-    # sequence in the launch (BatchPlan.seq_scales), so FP8 jobs of any scales merge.
-    kv_dtype: int = 0
-    fp8: bool = False
+from attention_service.params import BatchKey, KvScales, lengths
 
 
 def batch_key(job: Job) -> BatchKey:
-    params = job.params
-    fp8 = (job.cache.seq_scales if job.cache is not None else params.kv_scales) is not None
-    memo = params.memo  # one key per params object and FP8-ness, made once
-    key = memo.get((batch_key, fp8))
-    if key is None:
-        # None and an explicit 1/sqrt(D) are the same float in the kernel: let them merge.
-        scale = params.softmax_scale
-        if scale is None:
-            scale = 1.0 / math.sqrt(params.head_dim)
-        key = memo[(batch_key, fp8)] = BatchKey(
-            op=params.op, dtype=params.dtype, num_heads=params.num_heads,
-            num_kv_heads=params.num_kv_heads, head_dim=params.head_dim, causal=params.causal,
-            softmax_scale=scale, num_splits=params.num_splits, window=params.window,
-            softcap=params.softcap, alibi=bool(params.alibi_slopes),
-            kv_dtype=params.kv_dtype, fp8=fp8,
-        )
-    return key  # type: ignore[return-value]
+    """The key ``job`` batches under: its params' own, with ``fp8`` set when its caches are
+    FP8 (only the engine knows a cache's dtype; that twin is made once per params object)."""
+    key = job.params.key
+    if key.fp8 or job.cache is None or job.cache.seq_scales is None:
+        return key
+    memo = job.params.memo
+    fp8 = memo.get(batch_key)
+    if fp8 is None:
+        fp8 = memo[batch_key] = key._replace(fp8=True)
+    return fp8  # type: ignore[return-value]
 
 
 def scale_rows(rows: Sequence[KvScales], device: object,

@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from attention_service.engine.batch_plan import BatchKey, batch_key
+from attention_service.engine.batch_plan import batch_key
 from attention_service.engine.jobs import ExecStats, Job
 from attention_service.errors import exhausted
-from attention_service.params import Op
+from attention_service.params import BatchKey, Op
 
 # Called exactly once per submitted job, with its stats or the exception that ended it.
 Done = Callable[[ExecStats | BaseException], None]

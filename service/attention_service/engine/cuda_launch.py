@@ -52,7 +52,6 @@ from attention_service.engine.jobs import (
 )
 from attention_service.engine.no_keys import fill_no_keys, no_keys
 from attention_service.engine.paged_store import block_table, store_new_tokens
-from attention_service.params import Op
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
 # ATTENTION_PACK_KERNEL=0: batches pack with a view and a copy per job and tensor, as before
@@ -372,6 +371,43 @@ class _CudaLaunch:
         return times
 
 
+# Each op's kernel call (``Op.kernel``), over the packed q, k, v: ``meta`` is a cached batch's
+# block table and lengths, ``cu_k`` / ``cu_q`` a stateless one's merged cu_seqlens. Prefill
+# kernels take no ``max_seqlen_k`` (they never read it); decode's picks its split count by it.
+def _prefill(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any, meta: Any,
+             cu_k: Any, cu_q: Any, **kw: Any) -> Any:
+    return kernels.prefill(q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
+                           causal=plan.key.causal, **kw)
+
+
+def _decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any, meta: Any,
+            cu_k: Any, cu_q: Any, **kw: Any) -> Any:
+    return kernels.decode(q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k,
+                          num_splits=plan.key.num_splits, **kw)
+
+
+def _paged_prefill(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
+                   meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
+    work = plan.jobs[0].cache
+    assert work is not None
+    return kernels.paged_prefill(q, work.k_pages, work.v_pages, meta.table, meta.cu_q,
+                                 meta.seq_lens, max_seqlen_q=plan.max_seqlen_q,
+                                 causal=plan.key.causal, **kw)
+
+
+def _paged_decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
+                  meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
+    work = plan.jobs[0].cache
+    assert work is not None
+    return kernels.paged_decode(q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
+                                max_seqlen_k=plan.max_seqlen_k, num_splits=plan.key.num_splits,
+                                **kw)
+
+
+_KERNEL_CALLS = {"prefill": _prefill, "decode": _decode, "paged_prefill": _paged_prefill,
+                 "paged_decode": _paged_decode}
+
+
 def launch_on_stream(
     kernels: ModuleType, plan: BatchPlan, device: torch.device, stream: torch.cuda.Stream
 ) -> PendingLaunch:
@@ -418,7 +454,7 @@ def _launch(
     else:
         index, cu_k, cu_q = _cu_seqlens(plan, device, stream)
     events[1].record(stream)
-    if plan.op is Op.APPEND_KV:  # stored: nothing to compute, nothing to send back
+    if not plan.op.queries:  # AppendKV: stored, nothing to compute or send back
         events[2].record(stream)
         events[3].record(stream)
         return _CudaLaunch(events, keep=(q, k, v, index, plan))
@@ -432,35 +468,9 @@ def _launch(
         lse = lone.lse
     # Window / softcap / ALiBi and FP8 scales, when the launch has any.
     mods = {**plan.score_kwargs(device), **plan.fp8_kwargs(device)}
-    if meta is not None:
-        work = plan.jobs[0].cache
-        assert work is not None
-        if plan.op.decode_like:
-            res = kernels.paged_decode(
-                q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
-                max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
-                num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse,
-                **mods,
-            )
-        else:
-            res = kernels.paged_prefill(
-                q, work.k_pages, work.v_pages, meta.table, meta.cu_q, meta.seq_lens,
-                max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k,
-                causal=key.causal, softmax_scale=key.softmax_scale,
-                return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
-            )
-    elif not plan.op.decode_like:
-        res = kernels.prefill(
-            q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k, causal=key.causal,
-            softmax_scale=key.softmax_scale, return_lse=plan.return_lse, out=out,
-            lse_out=lse, **mods,
-        )
-    else:
-        res = kernels.decode(
-            q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k, softmax_scale=key.softmax_scale,
-            num_splits=key.num_splits, return_lse=plan.return_lse, out=out, lse_out=lse, **mods,
-        )
+    call = _KERNEL_CALLS[plan.op.kernel]  # type: ignore[index]
+    res = call(kernels, plan, q, k, v, meta, cu_k, cu_q, out=out, lse_out=lse,
+               softmax_scale=key.softmax_scale, return_lse=plan.return_lse, **mods)
     out, lse = res if plan.return_lse else (res, None)
     events[2].record(stream)
     if seg is not None:

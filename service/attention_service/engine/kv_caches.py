@@ -39,7 +39,6 @@ from attention_service.params import (
     MAX_CACHE_ID_BYTES,
     QUERY_DTYPES,
     KvScales,
-    Op,
     Params,
     check_cache_ids,
     check_kv_scales,
@@ -167,7 +166,7 @@ class CacheRegistry:
         if not ids:  # validation names one cache per sequence, and a request has one or more
             raise invalid("header.cache.cache_ids", "empty")
         new = lengths(params.cu_seqlens_k)
-        name = "k" if params.op is Op.APPEND_KV else "q"
+        name = "q" if params.op.queries else "k"
         with self._lock:
             # Field names are made only for a refusal: 64 f-strings and layout checks per
             # step took ~120 us of a 64-sequence step's ~250 in here (2-core dev box).
@@ -511,7 +510,7 @@ def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool
 
 def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int]:
     """(FLOPs, K/V bytes read) of a cached op over its sequences' full key ranges."""
-    if params.op is Op.APPEND_KV:
+    if not params.op.queries:  # AppendKV stores, computes nothing
         return 0, 0
     h, d = params.num_heads, params.head_dim
     keys = sum(seq_lens)

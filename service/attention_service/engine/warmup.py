@@ -55,13 +55,13 @@ def tiny_job(
     else:
         cu_k = (0, 2, 4)
         rows, cu_q = (2, None) if op.decode_like else (4, (0, 2, 4))
-    if op is Op.APPEND_KV:
+    if not op.queries:  # AppendKV
         rows, cu_q = 0, (0, 0)
     kv_dtype = torch.float8_e4m3fn if fp8 else dtype
     params = make_params(
-        op, WIRE_DTYPES[dtype if op is not Op.APPEND_KV else kv_dtype],
+        op, WIRE_DTYPES[dtype if op.queries else kv_dtype],
         (rows, 2 if rows else 1, 64), (cu_k[-1], 1, 64), cu_k, cu_q,
-        causal=not op.decode_like, return_lse=op is not Op.APPEND_KV, cache_ids=cache_ids,
+        causal=not op.decode_like, return_lse=op.queries, cache_ids=cache_ids,
         store=True, kv_dtype=WIRE_DTYPES[kv_dtype],
         kv_scales=((1.0,), (1.0,)) if fp8 and not cache_ids else None,
     )
@@ -126,7 +126,7 @@ def warm_caches(backend: WarmupBackend, caches: CacheRegistry,
                         backend.launch(BatchPlan(group), group[0].cancel).wait()
                     finally:
                         for work in begun:
-                            work.finish(op is Op.APPEND_KV)
+                            work.finish(not op.queries)  # only AppendKV keeps its tokens
         except RequestError as exc:  # a pool too small for even this
             log.warning("kv cache warmup skipped: %s", exc.details)
             return

@@ -39,7 +39,7 @@ from attention_wire.requests import RawRequest, read_request
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 
 
-_HEADERS = {op: pb.DecodeHeader if op.decode_like else pb.PrefillHeader for op in Op}
+_HEADERS = {op: op.header for op in Op}
 
 # Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a KV-cache
 # session's decode steps repeat one header (same shapes, same caches) call after call; plain

@@ -280,8 +280,8 @@ def response_messages(
     """(data bytes, AttentionResponse in pieces) for the OUT row slices, then the LSE row slices
     (when asked for), of the outputs not written into regions; the caller appends the stats."""
     p, arrays = received.params, received.buffers.arrays
-    if p.op is Op.APPEND_KV:
-        return  # no outputs: the stats (cache lengths) are the answer
+    if not p.op.queries:
+        return  # AppendKV: no outputs: the stats (cache lengths) are the answer
     if "out" not in received.regions:
         yield from output_messages(pb.OUT, p.dtype, p.q_shape, arrays["out"], chunk_bytes)
     lse_shape = p.lse_shape

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 import numpy as np
@@ -119,15 +119,6 @@ def _shape(header_spec: pb.TensorSpec, name: str, dims: Sequence[str],
     return shape  # type: ignore[return-value]
 
 
-class QKV(NamedTuple):
-    """A header's checked dtypes and shapes."""
-
-    dtype: int  # q's (AppendKV: k's)
-    kv_dtype: int  # k's and v's: dtype, or FLOAT8_E4M3 beside 16-bit queries
-    q_shape: tuple[int, int, int]
-    k_shape: tuple[int, int, int]
-
-
 def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
     """k's and v's dtype: both the same, and q's or FLOAT8_E4M3 beside fp16/bf16 queries."""
     for name in ("k", "v"):
@@ -149,10 +140,10 @@ def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
 def _check_qkv(
     h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True,
     max_heads_ratio: int = 1 << 30, empty_q: bool = False,
-) -> QKV:
-    """Dtypes and shapes of q, k, v. ``with_q`` False (AppendKV): q must be absent, its
-    dtype is taken as k's and its shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q
-    may have 0 rows."""
+) -> dict[str, Any]:
+    """Dtypes and shapes of q, k, v, checked: ``make_params``' dtype, kv_dtype, q_shape and
+    k_shape. ``with_q`` False (AppendKV): q must be absent, its dtype is taken as k's and its
+    shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q may have 0 rows."""
     if not with_q:
         if h.HasField("q"):
             raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
@@ -196,12 +187,13 @@ def _check_qkv(
         raise _over("header.q.shape[1]", "query heads per kv head:",
                     f"{num_heads // k_shape[1]} ({num_heads} / {k_shape[1]})", max_heads_ratio,
                     "--max-heads-ratio")
-    return QKV(dt, kv_dt, q_shape, k_shape)
+    return {"dtype": dt, "kv_dtype": kv_dt, "q_shape": q_shape, "k_shape": k_shape}
 
 
-def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, qkv: QKV) -> KvScales | None:
+def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, kv_dtype: int,
+               num_kv_heads: int) -> KvScales | None:
     """The scales of a stateless op's FP8 keys and values (None for any other request)."""
-    fp8 = qkv.kv_dtype == pb.FLOAT8_E4M3
+    fp8 = kv_dtype == pb.FLOAT8_E4M3
     if not h.HasField("kv_scales"):
         if fp8 and not op.cached:
             raise invalid("header.kv_scales", "missing: FLOAT8_E4M3 keys and values need "
@@ -211,9 +203,9 @@ def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, qkv: QKV) -> KvSca
         raise invalid("header.kv_scales", f"set, but {op.rpc} uses its caches' scales "
                       "(CacheLayout.kv_scales): leave it unset")
     if not fp8:
-        raise invalid("header.kv_scales", f"set, but k and v are {dtype_name(qkv.kv_dtype)}: "
+        raise invalid("header.kv_scales", f"set, but k and v are {dtype_name(kv_dtype)}: "
                       "scales are for FLOAT8_E4M3 keys and values")
-    return check_kv_scales(h.kv_scales, qkv.k_shape[1], "header.kv_scales")
+    return check_kv_scales(h.kv_scales, num_kv_heads, "header.kv_scales")
 
 
 def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
@@ -224,20 +216,12 @@ def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
     return float(h.softmax_scale)
 
 
-class ScoreMods(NamedTuple):
-    """A header's ScoreOptions, checked (the kernels' defaults when absent)."""
-
-    window: tuple[int, int] = (-1, -1)
-    softcap: float = 0.0
-    alibi_slopes: tuple[float, ...] = ()
-
-    def kwargs(self) -> dict[str, object]:
-        return self._asdict()
-
-
-def _score(h: pb.PrefillHeader | pb.DecodeHeader, num_heads: int, batch: int) -> ScoreMods:
+def _score(h: pb.PrefillHeader | pb.DecodeHeader, num_heads: int, batch: int
+           ) -> dict[str, Any]:
+    """A header's ScoreOptions, checked: ``make_params``' window, softcap and alibi_slopes
+    (the kernels' defaults when absent)."""
     if not h.HasField("score"):
-        return ScoreMods()
+        return {}
     s = h.score
     window = []
     for side in ("window_left", "window_right"):
@@ -256,7 +240,7 @@ def _score(h: pb.PrefillHeader | pb.DecodeHeader, num_heads: int, batch: int) ->
         bad = next((i for i, x in enumerate(slopes) if not math.isfinite(x)), None)
         if bad is not None:
             raise invalid(f"header.score.alibi_slopes[{bad}]", f"must be finite, got {slopes[bad]}")
-    return ScoreMods((window[0], window[1]), float(s.softcap), slopes)
+    return {"window": (window[0], window[1]), "softcap": float(s.softcap), "alibi_slopes": slopes}
 
 
 def _check_size(params: Params, limit: int) -> None:
@@ -303,7 +287,7 @@ def _regions(h: pb.PrefillHeader | pb.DecodeHeader, params: Params) -> dict[str,
         field = f"header.regions.{name}"
         if name == "lse" and not params.return_lse:
             raise invalid(field, "set, but return_lse is not")
-        if name in ("q", "out") and params.op is Op.APPEND_KV:
+        if name in ("q", "out") and not params.op.queries:
             raise invalid(field, "set, but AppendKV has no queries and no output")
         if not s.region:
             raise invalid(f"{field}.region", "missing: name a registered region")
@@ -339,11 +323,11 @@ def validate_prefill_header(
     h: pb.PrefillHeader, limits: Limits, op: Op = Op.PREFILL
 ) -> tuple[Params, dict[str, RegionSpan]]:
     """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
-    append = op is Op.APPEND_KV
+    append = not op.queries  # AppendKV
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
                      limits.max_heads_ratio, empty_q=not op.cached)
-    dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
-    kv = {"kv_dtype": qkv.kv_dtype, "kv_scales": _kv_scales(h, op, qkv)}
+    q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1])
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)
@@ -357,8 +341,8 @@ def validate_prefill_header(
             raise invalid("header.score", "set, but AppendKV computes no attention")
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k")
         ids, _ = _cache_target(h, op, len(cu_k) - 1)
-        params = make_params(op, dt, q_shape, k_shape, cu_k, [0] * len(cu_k), cache_ids=ids,
-                             **kv)  # type: ignore[arg-type]
+        params = make_params(op, cu_seqlens_k=cu_k, cu_seqlens_q=[0] * len(cu_k),
+                             cache_ids=ids, **qkv)
         _check_size(params, limits.max_request_bytes)
         return params, _regions(h, params)
     if h.return_lse and total_q * LSE_BYTES > MAX_ROW_BYTES:
@@ -389,11 +373,10 @@ def validate_prefill_header(
             )
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k", least)
     ids, store = _cache_target(h, op, len(cu_q) - 1)
-    mods = _score(h, q_shape[1], len(cu_q) - 1)
     params = make_params(
-        op, dt, q_shape, k_shape, cu_k, cu_q, causal=h.causal, softmax_scale=scale,
-        return_lse=h.return_lse, cache_ids=ids, store=store, **mods.kwargs(),
-        **kv,  # type: ignore[arg-type]
+        op, cu_seqlens_k=cu_k, cu_seqlens_q=cu_q, causal=h.causal, softmax_scale=scale,
+        return_lse=h.return_lse, cache_ids=ids, store=store,
+        **_score(h, q_shape[1], len(cu_q) - 1), **qkv,
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)
@@ -407,8 +390,8 @@ def validate_decode_header(
     none when k has no rows)."""
     qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
                      max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached)
-    dt, q_shape, k_shape = qkv.dtype, qkv.q_shape, qkv.k_shape
-    kv_scales = _kv_scales(h, op, qkv)
+    q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1])
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
     scale = _scale(h)
     if h.num_splits < 0:
@@ -427,11 +410,10 @@ def validate_decode_header(
         )
     cu_k = _check_cu(cu_seqlens_k, k_shape[0], "header.cu_seqlens_k", 2 if batch else 1)
     ids, store = _cache_target(h, op, batch)
-    mods = _score(h, q_shape[1], batch)
     params = make_params(
-        op, dt, q_shape, k_shape, cu_k, softmax_scale=scale, return_lse=h.return_lse,
-        num_splits=h.num_splits, cache_ids=ids, store=store, **mods.kwargs(),
-        kv_dtype=qkv.kv_dtype, kv_scales=kv_scales,
+        op, cu_seqlens_k=cu_k, softmax_scale=scale, return_lse=h.return_lse,
+        num_splits=h.num_splits, cache_ids=ids, store=store, **_score(h, q_shape[1], batch),
+        **qkv,
     )
     _check_size(params, limits.max_request_bytes)
     _check_work(params, limits)
@@ -441,9 +423,11 @@ def validate_decode_header(
 def validate_header(
     op: Op, h: pb.PrefillHeader | pb.DecodeHeader, limits: Limits
 ) -> tuple[Params, dict[str, RegionSpan]]:
-    if op.decode_like:
-        return validate_decode_header(h, limits, op)  # type: ignore[arg-type]
-    return validate_prefill_header(h, limits, op)  # type: ignore[arg-type]
+    return _HEADER_CHECKS[op.header](h, limits, op)  # type: ignore[no-any-return]
+
+
+_HEADER_CHECKS = {pb.PrefillHeader: validate_prefill_header,
+                  pb.DecodeHeader: validate_decode_header}
 
 
 # Checked headers by (op, wire bytes, limits), for headers up to MEMO_HEADER_BYTES: the checks

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from attention_service.config import ServerConfig
 from attention_service.ipc.channel import compact
 from attention_service.link import EngineInfo, ExecStats
-from attention_service.params import Op, Params, RegionSpan
+from attention_service.params import BatchKey, Op, Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
 
 # A tensor in the sender's arena: (byte offset, byte count). A plain tuple, not a NamedTuple,
@@ -92,19 +92,22 @@ class DefineParams(NamedTuple):
 # the object made without the dataclass ``__init__`` (``object.__setattr__`` per field, 7.5 us
 # of it), ~4 and ~4 (dev box, 2026-11-28): GIL time every other engine thread waits behind.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(Params))
-assert _PARAM_FIELDS[0] == "op"
+assert _PARAM_FIELDS[0] == "key"
+_KEY_FIELDS = len(BatchKey._fields)
 _OPS = {op.value: op for op in Op}
 
 
 def _params_plain(msg: DefineParams) -> tuple:
     p = msg.params
-    return (msg.params_id, p.op.value, *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
+    return (msg.params_id, p.key.op.value, *p.key[1:],
+            *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
 
 
 def _params_from_plain(t: tuple) -> DefineParams:
+    key = tuple.__new__(BatchKey, (_OPS[t[1]], *t[2 : 1 + _KEY_FIELDS]))
     params = object.__new__(Params)
-    state = dict(zip(_PARAM_FIELDS, t[1:], strict=True))
-    state["op"] = _OPS[t[1]]
+    state = dict(zip(_PARAM_FIELDS[1:], t[1 + _KEY_FIELDS :], strict=True))
+    state["key"] = key
     params.__dict__.update(state)  # the fields as __init__ leaves them (no __post_init__)
     return DefineParams(t[0], params)
 

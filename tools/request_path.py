@@ -1,0 +1,182 @@
+"""Which of our files and data shapes one call crosses: issue 62's measure of the request path.
+
+Starts ``attention-server --frontends 2`` (a process group: front end, IPC, engine), warms it up
+with a few calls, then records every Python function call in every process of the group and in
+this client while exactly one ``client.attention(q, k, v)`` runs (a Prefill of two sequences
+of lengths not seen before), and prints:
+
+* the files of ours (client, wire, service, kernels) whose functions ran, by package;
+* the data shapes: the classes of ours constructed (``__init__``, ``__new__``, a NamedTuple's
+  ``_make``), each once, by package; plus builtins are not counted (dicts, tuples, bytes);
+* how often the service branches on the op kind (``op is`` / ``op ==`` / ``.decode_like`` ...),
+  counted over the source.
+
+    python tools/request_path.py [--device cpu|cuda] [--json OUT]
+
+Recording uses a ``sitecustomize`` put on every process's PYTHONPATH: a profiler
+(``sys.setprofile`` and ``threading.setprofile``) that turns on and off when a flag file
+appears and goes. Background work that falls inside the call's window (the engine's poller,
+the front end's loop) counts too: it is work the call waits on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("attention_client", "attention_wire", "attention_service", "attention_kernels")
+
+# Put on every process's PYTHONPATH as sitecustomize.py. Records (file, defining class of each
+# constructor) while <dir>/on exists; writes <dir>/<pid>.json when it goes.
+_SITE = r'''
+import json, os, sys, threading, time
+_DIR = os.environ.get("REQUEST_PATH_DIR")
+if _DIR:
+    _ON = [False]
+    _FILES, _SHAPES = {}, {}
+    _MARK = ("attention_client", "attention_wire", "attention_service", "attention_kernels")
+
+    def _owner(frame):
+        code = frame.f_code
+        name = code.co_name
+        local = frame.f_locals
+        if name == "__init__" and "self" in local:
+            return type(local["self"])
+        if name in ("__new__", "_make") or (name == "<lambda>" and "_cls" in local):
+            cls = local.get("cls", local.get("_cls"))
+            return cls if isinstance(cls, type) else None
+        return None
+
+    def _prof(frame, event, arg):
+        if event != "call" or not _ON[0]:
+            return
+        fname = frame.f_code.co_filename
+        if any(m in fname for m in _MARK) and "site-packages/grpc" not in fname:
+            _FILES[fname] = _FILES.get(fname, 0) + 1
+        cls = _owner(frame)
+        if cls is not None and cls.__module__.split(".")[0] in _MARK:
+            key = cls.__module__ + "." + cls.__qualname__
+            _SHAPES[key] = _SHAPES.get(key, 0) + 1
+
+    def _watch():
+        flag = os.path.join(_DIR, "on")
+        while True:
+            on = os.path.exists(flag)
+            if on and not _ON[0]:
+                _FILES.clear(); _SHAPES.clear()
+                _ON[0] = True
+            elif not on and _ON[0]:
+                _ON[0] = False
+                with open(os.path.join(_DIR, f"{os.getpid()}.json"), "w") as f:
+                    json.dump({"argv": sys.argv, "files": _FILES, "shapes": _SHAPES}, f)
+            time.sleep(0.0005)
+
+    sys.setprofile(_prof)
+    threading.setprofile(_prof)
+    threading.Thread(target=_watch, daemon=True, name="request-path-watch").start()
+'''
+
+# The service's branches on the op kind, as source text (issue 62 counted 58 in 13 files).
+_OP_BRANCH = re.compile(
+    r"(?<!for )\bop (is|==|is not|!=|in|not in) |\.decode_like\b|\.cached\b|\bop\.rpc ==")
+
+
+def op_branches() -> dict[str, int]:
+    counts = {}
+    for path in sorted((ROOT / "service" / "attention_service").rglob("*.py")):
+        n = sum(1 for line in path.read_text().splitlines()
+                if _OP_BRANCH.search(line) and not line.lstrip().startswith("#"))
+        if n:
+            counts[str(path.relative_to(ROOT))] = n
+    return counts
+
+
+def _package(path: str) -> str:
+    for pkg in PACKAGES:
+        if f"/{pkg}/" in path:
+            return pkg
+    return "?"
+
+
+def _short(path: str) -> str:
+    pkg = _package(path)
+    return pkg + path.split(f"/{pkg}", 1)[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--json", type=Path, help="write the counts here too")
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="request-path-"))
+    (work / "sitecustomize.py").write_text(_SITE)
+    env = {**os.environ, "REQUEST_PATH_DIR": str(work),
+           "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])}
+    os.environ.update(env)  # this process: the client, traced by the same site module
+    sys.path.insert(0, str(work))
+    import sitecustomize  # noqa: F401  (a fresh module from ``work``: installs the profiler)
+
+    sys.path.insert(0, str(ROOT / "tests" / "service"))
+    import numpy as np
+    from group_helpers import Group
+
+    from attention_client import AttentionClient
+
+    group = Group(2, device=args.device, env=env)
+    try:
+        rng = np.random.default_rng(0)
+        q = rng.standard_normal((48, 4, 64)).astype(np.float16)
+        cu = np.array([0, 17, 48], dtype=np.int32)
+        with AttentionClient(group.target, spread=False) as client:
+            for _ in range(5):  # warm: connections, memos, the engine's first launches
+                client.attention(q, q, q, cu_seqlens=cu)
+            (work / "on").touch()
+            time.sleep(0.05)
+            # New lengths: the header is checked and its Params cross to the engine anew, as
+            # for any call of a new shape (a repeated one takes memos past some of this).
+            client.attention(q, q, q, cu_seqlens=np.array([0, 20, 48], dtype=np.int32))
+            (work / "on").unlink()
+            deadline = time.monotonic() + 10
+            pids = {group.proc.pid, *group.frontend_pids().values(), os.getpid()}
+            while time.monotonic() < deadline and not all(
+                    (work / f"{p}.json").exists() for p in pids):
+                time.sleep(0.05)
+    finally:
+        group.stop()
+    files: dict[str, int] = {}
+    shapes: dict[str, int] = {}
+    for dump in work.glob("*.json"):
+        rec = json.loads(dump.read_text())
+        for f, n in rec["files"].items():
+            files[_short(f)] = files.get(_short(f), 0) + n
+        for s, n in rec["shapes"].items():
+            shapes[s] = shapes.get(s, 0) + n
+    branches = op_branches()
+    print(f"files of ours that ran during one call: {len(files)}")
+    for pkg in PACKAGES:
+        names = sorted(f for f in files if f.startswith(pkg + "/"))
+        if names:
+            print(f"  {pkg} ({len(names)}): " + ", ".join(n.split("/", 1)[1] for n in names))
+    print(f"data shapes of ours constructed: {len(shapes)}")
+    for pkg in PACKAGES:
+        names = sorted(s for s in shapes if s.startswith(pkg + "."))
+        if names:
+            print(f"  {pkg} ({len(names)}): " + ", ".join(n.split(".", 1)[1] for n in names))
+    print(f"branches on the op kind in the service: {sum(branches.values())} in "
+          f"{len(branches)} files")
+    if args.json:
+        args.json.write_text(json.dumps({
+            "device": args.device, "files": sorted(files), "shapes": sorted(shapes),
+            "op_branches": branches}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
