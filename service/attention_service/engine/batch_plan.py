@@ -1,5 +1,5 @@
 """Merging jobs into one packed varlen launch (pure host-side bookkeeping, no device work):
-which jobs may share a launch (``batch_key``: their params' ``BatchKey``) and ``BatchPlan``,
+which jobs may share a launch (``jobs.batch_key``: their params' ``BatchKey``) and ``BatchPlan``,
 the merged ``cu_seqlens``, row offsets and launch parameters of a list of jobs with one key."""
 
 from __future__ import annotations
@@ -7,21 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from attention_service.engine.jobs import Job
+from attention_service.engine.jobs import Job, batch_key
 from attention_service.params import BatchKey, KvScales, lengths
-
-
-def batch_key(job: Job) -> BatchKey:
-    """The key ``job`` batches under: its params' own, with ``fp8`` set when its caches are
-    FP8 (only the engine knows a cache's dtype; that twin is made once per params object)."""
-    key = job.params.key
-    if key.fp8 or job.cache is None or job.cache.seq_scales is None:
-        return key
-    memo = job.params.memo
-    fp8 = memo.get(batch_key)
-    if fp8 is None:
-        fp8 = memo[batch_key] = key._replace(fp8=True)
-    return fp8  # type: ignore[return-value]
 
 
 def scale_rows(rows: Sequence[KvScales], device: object,

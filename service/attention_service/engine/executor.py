@@ -5,7 +5,7 @@ one packed kernel launch; with batching off, every job is a batch of one (same q
 launch path, same accounting). Two threads beside the callers:
 
 * the dispatcher waits until ``BatchQueue.next_batch`` says launch (device idle, a full token
-  budget, or the oldest waiter's delay is up), builds the ``BatchPlan`` and issues it with
+  budget, or the oldest job's delay is up), builds the ``BatchPlan`` and issues it with
   ``backend.launch``, which on the GPU returns once the work is queued on a stream;
 * the completer waits for issued launches in order (``PendingLaunch.wait``) and calls each
   job's ``done`` with its stats (its outputs are already in its destination buffers).
@@ -60,10 +60,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.batch_queue import BatchQueue, Done, Waiter
+from attention_service.engine.batch_queue import BatchQueue
 from attention_service.engine.jobs import (
     CancelFlag,
     Cancelled,
+    Done,
     ExecStats,
     Job,
     LaunchTimes,
@@ -110,7 +111,7 @@ class _Failed:
 
 @dataclass
 class _Issued:
-    waiters: list[Waiter]
+    jobs: list[Job]
     plan: BatchPlan
     pending: PendingLaunch
     started: float  # perf_counter when the batch left the queue
@@ -164,7 +165,7 @@ class Executor:
         self._direct = bool(getattr(backend, "async_launch", False))
         self._launch_lock = threading.Lock()  # one backend.launch at a time
         self._cond = threading.Condition()
-        self._waiting: dict[Job, Waiter] = {}  # queued, not yet in a launch
+        self._waiting: set[Job] = set()  # queued, not yet in a launch
         self._inflight = 0  # issued launches not yet waited for
         self._issuing = 0  # submits issuing a launch on their own thread right now
         self._dispatcher_waits = False  # in _cond.wait: a submit must wake it
@@ -195,24 +196,24 @@ class Executor:
         or on this one for a job dropped or refused while ``submit`` issues directly.
         ``issue_here``: this thread may take a launch's time (see the module doc)."""
         job.submitted_at = now = time.perf_counter()
-        waiter = Waiter(job, done)
+        job.queued(done)
         with self._cond:
             if self._closed:
                 raise unavailable("server is shutting down")
-            self._queue.add(waiter)
-            self._waiting[job] = waiter
+            self._queue.add(job)
+            self._waiting.add(job)
             if not self._dispatcher_waits:  # it looks at the queue before it waits again
                 return
             if not (issue_here and self._direct and self._inflight == 0):
                 self._cond.notify_all()
                 return
             # The device is idle: the dispatcher would launch at once; do it here.
-            waiters, dropped, _ = self._take(now, device_idle=True)
+            jobs, dropped, _ = self._take(now, device_idle=True)
             self._issuing += 1  # the completer must not stop before this launch is queued
         try:
             self._deliver(dropped, [Cancelled()] * len(dropped))
-            if waiters:
-                self._issue(waiters, here=True)
+            if jobs:
+                self._issue(jobs, here=True)
         finally:
             with self._cond:
                 self._issuing -= 1
@@ -247,12 +248,12 @@ class Executor:
         running launch it completes for its batch mates and the caller drops the result."""
         with self._cond:
             job.cancel.set()
-            waiter = self._waiting.pop(job, None)
-            removed = waiter is not None and self._queue.remove(waiter)
+            removed = job in self._waiting and self._queue.remove(job)
+            self._waiting.discard(job)
             if removed:
                 self._cond.notify_all()
         if removed:
-            self._deliver([waiter], [Cancelled()])  # type: ignore[list-item]
+            self._deliver([job], [Cancelled()])
 
     async def run(self, job: Job) -> ExecStats:
         """``submit`` for asyncio callers; cancelling the await cancels the job."""
@@ -285,20 +286,20 @@ class Executor:
         try:
             while True:
                 with self._cond:
-                    waiters, dropped = self._wait_for_batch()
+                    jobs, dropped = self._wait_for_batch()
                 self._deliver(dropped, [Cancelled()] * len(dropped))
-                if waiters is None:
+                if jobs is None:
                     return
-                if waiters:
-                    self._issue(waiters)
+                if jobs:
+                    self._issue(jobs)
         finally:
             with self._cond:  # launches being issued by submitters go in before the end
                 self._cond.wait_for(lambda: self._issuing == 0, timeout=60)
             self._issued.put(None)  # the completer finishes what was issued, then stops
 
-    def _wait_for_batch(self) -> tuple[list[Waiter] | None, list[Waiter]]:
-        """Under the lock: (the next batch, waiters dropped as cancelled); batch None once
-        closed, [] when only dropped waiters are to be answered."""
+    def _wait_for_batch(self) -> tuple[list[Job] | None, list[Job]]:
+        """Under the lock: (the next batch, jobs dropped as cancelled); batch None once
+        closed, [] when only dropped jobs are to be answered."""
         while not self._closed:
             timeout = None
             if self._inflight < self._max_inflight:
@@ -314,40 +315,38 @@ class Executor:
 
     def _take(
         self, now: float, device_idle: bool
-    ) -> tuple[list[Waiter], list[Waiter], float | None]:
+    ) -> tuple[list[Job], list[Job], float | None]:
         """Under the lock: the batch to launch now (its launch slot taken, ``[]`` when none
-        is due), the waiters dropped as cancelled, and when to look again."""
+        is due), the jobs dropped as cancelled, and when to look again."""
         batch, timeout = self._queue.next_batch(now, device_idle=device_idle)
         dropped = self._queue.take_dropped()
-        for w in dropped:
-            self._waiting.pop(w.job, None)
+        self._waiting.difference_update(dropped)
         if batch:
             self._inflight += 1
-            for w in batch:
-                self._waiting.pop(w.job, None)
+            self._waiting.difference_update(batch)
         return batch, dropped, timeout
 
-    def _issue(self, waiters: list[Waiter], here: bool = False) -> None:
-        """Plan and launch ``waiters``; the completer finishes the launch, or this thread
+    def _issue(self, jobs: list[Job], here: bool = False) -> None:
+        """Plan and launch ``jobs``; the completer finishes the launch, or this thread
         at the end of its ``deferring()`` block when ``here`` (a submitter's direct launch)
         and the op is one of ``inline_ops``."""
         started = time.perf_counter()
         try:
-            plan = BatchPlan([w.job for w in waiters], waiters[0].key)
+            plan = BatchPlan(jobs, jobs[0].key)
         except Exception as exc:  # a bug, not the callers' fault: fail them, keep serving
-            log.exception("could not plan a batch of %d", len(waiters))
+            log.exception("could not plan a batch of %d", len(jobs))
             self._release_slot()
-            self._deliver(waiters, [exc] * len(waiters))
+            self._deliver(jobs, [exc] * len(jobs))
             return
         try:
             pending: PendingLaunch = self._launch(plan, _AllCancelled(plan.jobs))
         except Exception as exc:
-            if len(waiters) == 1 or isinstance(exc, Cancelled):
+            if len(jobs) == 1 or isinstance(exc, Cancelled):
                 pending = _Failed(exc)
             else:
-                self._issue_alone(waiters, started, exc)
+                self._issue_alone(jobs, started, exc)
                 return
-        issued = _Issued(waiters, plan, pending, started, time.perf_counter())
+        issued = _Issued(jobs, plan, pending, started, time.perf_counter())
         deferred = getattr(self._deferred, "issued", None) if here else None
         if deferred is not None and plan.op in self._inline_ops:
             with self._cond:  # close() waits for it as for a launch being issued
@@ -356,20 +355,20 @@ class Executor:
         else:
             self._issued.put(issued)
 
-    def _issue_alone(self, waiters: list[Waiter], started: float, exc: Exception) -> None:
+    def _issue_alone(self, jobs: list[Job], started: float, exc: Exception) -> None:
         """A merged launch failed to start (e.g. out of memory): retry each job on its own, so
         every caller gets its own answer rather than its batch mates' failure."""
         log.warning("batch of %d failed to launch (%s: %s); retrying each request alone",
-                    len(waiters), type(exc).__name__, exc)
+                    len(jobs), type(exc).__name__, exc)
         with self._cond:
-            self._inflight += len(waiters) - 1
-        for w in waiters:
-            plan = BatchPlan([w.job])
+            self._inflight += len(jobs) - 1
+        for job in jobs:
+            plan = BatchPlan([job])
             try:
-                pending: PendingLaunch = self._launch(plan, w.job.cancel)
+                pending: PendingLaunch = self._launch(plan, job.cancel)
             except Exception as single_exc:
                 pending = _Failed(single_exc)
-            self._issued.put(_Issued([w], plan, pending, started, time.perf_counter()))
+            self._issued.put(_Issued([job], plan, pending, started, time.perf_counter()))
 
     # ---- completer thread ---------------------------------------------------------------
 
@@ -393,12 +392,12 @@ class Executor:
             self._cond.notify_all()
 
     def _complete(self, issued: _Issued) -> None:
-        waiters, plan = issued.waiters, issued.plan
+        jobs, plan = issued.jobs, issued.plan
         try:
             times = issued.pending.wait()
         except Exception as exc:
             self._release_slot()
-            self._deliver(waiters, [exc] * len(waiters))
+            self._deliver(jobs, [exc] * len(jobs))
             return
         self._release_slot()  # the device is done with it: the next batch may go
         if self._observer is not None:
@@ -414,15 +413,15 @@ class Executor:
         started, h2d, kernel, d2h = (issued.started, times.h2d_seconds, times.kernel_seconds,
                                      times.d2h_seconds)
         n, tokens = len(plan), plan.tokens
-        stats = [ExecStats(started - w.job.submitted_at, h2d, kernel, d2h, n, tokens, w.job.flops)
-                 for w in waiters]
+        stats = [ExecStats(started - j.submitted_at, h2d, kernel, d2h, n, tokens, j.flops)
+                 for j in jobs]
         with self._delivery_scope():
-            self._deliver(waiters, stats)
+            self._deliver(jobs, stats)
 
     @staticmethod
-    def _deliver(waiters: Sequence[Waiter], values: Sequence[ExecStats | BaseException]) -> None:
-        for w, value in zip(waiters, values, strict=True):
+    def _deliver(jobs: Sequence[Job], values: Sequence[ExecStats | BaseException]) -> None:
+        for job, value in zip(jobs, values, strict=True):
             try:
-                w.done(value)
+                job.done(value)
             except Exception:  # a caller's callback must not take the executor down
                 log.exception("result delivery failed")

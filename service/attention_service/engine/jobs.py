@@ -14,12 +14,15 @@ import torch
 
 from attention_service.errors import Cancelled
 from attention_service.link import ExecStats
-from attention_service.params import KvScales, Params
+from attention_service.params import BatchKey, KvScales, Params
 
 __all__ = [
-    "CacheWork", "CancelEvent", "Cancelled", "DoneLaunch", "ExecStats", "Job", "LaunchTimes",
-    "PendingLaunch",
+    "CacheWork", "CancelEvent", "Cancelled", "Done", "DoneLaunch", "ExecStats", "Job",
+    "LaunchTimes", "PendingLaunch", "batch_key",
 ]
+
+# Called exactly once per submitted job, with its stats or the exception that ended it.
+Done = Callable[[ExecStats | BaseException], None]
 
 
 @dataclass(eq=False)
@@ -71,9 +74,12 @@ LazyTensor = tuple["ByteBase", int, torch.dtype, tuple[int, ...]]
 class Job:
     """One request inside the engine: its params, its input tensors (host, usually pinned, or
     device for CUDA regions) and the destinations its outputs are written to. Tensors are
-    given, or made from ``spans`` when first asked for."""
+    given, or made from ``spans`` when first asked for. Once submitted (``queued``) it also
+    carries where its result goes and what the batch queue sorts and weighs it by. (A slots
+    class: one is made per request on the engine's hot path.)"""
 
-    __slots__ = ("params", "cache", "cancel", "submitted_at", "_tensors", "_spans")
+    __slots__ = ("params", "cache", "cancel", "submitted_at", "_tensors", "_spans", "done",
+                 "key", "weight")
 
     def __init__(
         self, params: Params, q: torch.Tensor | None = None, k: torch.Tensor | None = None,
@@ -90,6 +96,14 @@ class Job:
         self._tensors: dict[str, torch.Tensor | None] = {
             "q": q, "k": k, "v": v, "out": out, "lse": lse}
         self._spans = spans or {}
+
+    def queued(self, done: Done) -> Job:
+        """Ready for the batch queue: ``done`` gets its result; its batch key and its weight
+        against the token budget are looked up once, here."""
+        self.done = done
+        self.key: BatchKey = batch_key(self)
+        self.weight: int = self.budget_tokens
+        return self
 
     def tensor(self, name: str) -> torch.Tensor | None:
         t = self._tensors[name]
@@ -167,6 +181,19 @@ class Job:
         if self.params.op.decode_like:
             return max(self.params.rows, -(-keys // CACHED_KEYS_PER_TOKEN))
         return max(self.params.rows, keys)
+
+
+def batch_key(job: Job) -> BatchKey:
+    """The key ``job`` batches under: its params' own, with ``fp8`` set when its caches are
+    FP8 (only the engine knows a cache's dtype; that twin is made once per params object)."""
+    key = job.params.key
+    if key.fp8 or job.cache is None or job.cache.seq_scales is None:
+        return key
+    memo = job.params.memo
+    fp8 = memo.get(batch_key)
+    if fp8 is None:
+        fp8 = memo[batch_key] = key._replace(fp8=True)
+    return fp8  # type: ignore[return-value]
 
 
 # With the default 16384-token budget: about 1M cached keys per launch (e.g. 256 steps of

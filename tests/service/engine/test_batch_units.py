@@ -15,11 +15,11 @@ import torch
 
 from attention_kernels import decode_ref, prefill_ref
 from attention_service.engine.backends import CpuBackend
-from attention_service.engine.batch_plan import BatchPlan, batch_key
-from attention_service.engine.batch_queue import BatchQueue, Waiter
+from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.batch_queue import BatchQueue
 from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.executor import Executor
-from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job
+from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job, batch_key
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
@@ -268,7 +268,7 @@ def test_cached_decode_keys_weigh_a_fraction_of_a_token() -> None:
     assert _cached_job(Op.CACHE_PREFILL, 2, [4097, 100]).budget_tokens == 4197
     queue = BatchQueue(16384, 0.0005, 1024)
     for _ in range(300):
-        queue.add(Waiter(_cached_job(Op.CACHE_DECODE, 1, [4097]), lambda value: None))
+        queue.add(_cached_job(Op.CACHE_DECODE, 1, [4097]).queued(lambda value: None))
     batch, _ = queue.next_batch(0.0, device_idle=True)
     assert len(batch) == 16384 // 65  # 65 budget tokens each: 252 steps in one launch
 
@@ -277,37 +277,37 @@ def test_cached_decode_keys_weigh_a_fraction_of_a_token() -> None:
 
 @pytest.fixture
 def loop():  # type: ignore[no-untyped-def]
-    return None  # waiters carry a done callback now; the fixture name stays for the tests
+    return None  # queued jobs carry a done callback now; the fixture name stays for the tests
 
 
-def _waiter(loop: object, job: Job, at: float) -> Waiter:
+def _queued(loop: object, job: Job, at: float) -> Job:
     job.submitted_at = at
-    return Waiter(job, lambda value: None)
+    return job.queued(lambda value: None)
 
 
-def _tokens(batch: list[Waiter]) -> list[int]:
-    return [w.tokens for w in batch]
+def _tokens(batch: list[Job]) -> list[int]:
+    return [j.weight for j in batch]
 
 
 def test_idle_device_launches_at_once(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=100, max_delay_s=0.002, max_size=10)
     assert q.next_batch(0.0, device_idle=True) == ([], None)
-    q.add(_waiter(loop, _prefill_job(1, [5]), at=1.0))
-    q.add(_waiter(loop, _prefill_job(2, [7]), at=1.0001))
+    q.add(_queued(loop, _prefill_job(1, [5]), at=1.0))
+    q.add(_queued(loop, _prefill_job(2, [7]), at=1.0001))
     batch, wait = q.next_batch(1.0002, device_idle=True)
     assert _tokens(batch) == [5, 7] and wait is None and len(q) == 0
 
 
 def test_busy_device_waits_for_delay_or_full_budget(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=20, max_delay_s=0.002, max_size=10)
-    q.add(_waiter(loop, _prefill_job(1, [5]), at=1.0))
+    q.add(_queued(loop, _prefill_job(1, [5]), at=1.0))
     batch, wait = q.next_batch(1.0005, device_idle=False)
     assert batch == [] and wait == pytest.approx(0.0015)
     batch, wait = q.next_batch(1.002, device_idle=False)  # the oldest hit the delay
     assert _tokens(batch) == [5] and wait is None
-    q.add(_waiter(loop, _prefill_job(2, [8]), at=2.0))
-    q.add(_waiter(loop, _prefill_job(3, [12]), at=2.0))
-    q.add(_waiter(loop, _prefill_job(4, [3]), at=2.0))
+    q.add(_queued(loop, _prefill_job(2, [8]), at=2.0))
+    q.add(_queued(loop, _prefill_job(3, [12]), at=2.0))
+    q.add(_queued(loop, _prefill_job(4, [3]), at=2.0))
     batch, _ = q.next_batch(2.0, device_idle=False)  # 23 tokens wait: the budget is full
     assert _tokens(batch) == [8, 12]
     assert q.next_batch(2.0, device_idle=False)[0] == []  # 3 tokens: not yet
@@ -316,7 +316,7 @@ def test_busy_device_waits_for_delay_or_full_budget(loop) -> None:  # type: igno
 def test_fifo_packing_and_oversized_job_alone(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=64, max_delay_s=0.0, max_size=10)
     for i, n in enumerate([20, 100, 20, 20, 30]):
-        q.add(_waiter(loop, _prefill_job(i, [n]), at=1.0 + i))
+        q.add(_queued(loop, _prefill_job(i, [n]), at=1.0 + i))
     batches = []
     while len(q):
         batches.append(_tokens(q.next_batch(9.0, device_idle=True)[0]))
@@ -325,26 +325,26 @@ def test_fifo_packing_and_oversized_job_alone(loop) -> None:  # type: ignore[no-
 
 def test_keys_are_batched_apart_oldest_first(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=1000, max_delay_s=0.0, max_size=10)
-    q.add(_waiter(loop, _prefill_job(1, [4], dim=16), at=2.0))
-    q.add(_waiter(loop, _prefill_job(2, [5]), at=1.0))
-    q.add(_waiter(loop, _decode_job(3, [6]), at=1.5))
-    q.add(_waiter(loop, _prefill_job(4, [7]), at=3.0))
+    q.add(_queued(loop, _prefill_job(1, [4], dim=16), at=2.0))
+    q.add(_queued(loop, _prefill_job(2, [5]), at=1.0))
+    q.add(_queued(loop, _decode_job(3, [6]), at=1.5))
+    q.add(_queued(loop, _prefill_job(4, [7]), at=3.0))
     order = []
     while len(q):
         batch = q.next_batch(9.0, device_idle=True)[0]
-        order.append((batch[0].job.params.op.rpc, _tokens(batch)))
+        order.append((batch[0].params.op.rpc, _tokens(batch)))
     assert order == [("Prefill", [5, 7]), ("Decode", [6]), ("Prefill", [4])]
 
 
-def test_cancelled_waiters_are_removed_or_skipped(loop) -> None:  # type: ignore[no-untyped-def]
+def test_cancelled_jobs_are_removed_or_skipped(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=100, max_delay_s=0.0, max_size=10)
-    ws = [_waiter(loop, _prefill_job(i, [n]), at=float(i)) for i, n in enumerate([3, 4, 5, 6])]
+    ws = [_queued(loop, _prefill_job(i, [n]), at=float(i)) for i, n in enumerate([3, 4, 5, 6])]
     for w in ws:
         q.add(w)
     assert q.remove(ws[1]) and not q.remove(ws[1])
     assert q.depth(Op.PREFILL) == 3
-    ws[0].job.cancel.set()  # cancelled without removal (a race): never launched either
-    ws[3].job.cancel.set()
+    ws[0].cancel.set()  # cancelled without removal (a race): never launched either
+    ws[3].cancel.set()
     assert _tokens(q.next_batch(9.0, device_idle=True)[0]) == [5]
     assert len(q) == 0 and q.next_batch(9.0, device_idle=True) == ([], None)
     # ... and handed back, so the executor answers each exactly once.
@@ -353,21 +353,21 @@ def test_cancelled_waiters_are_removed_or_skipped(loop) -> None:  # type: ignore
 
 def test_queue_bound_and_drain(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=100, max_delay_s=0.0, max_size=2)
-    q.add(_waiter(loop, _prefill_job(1, [3]), at=1.0))
-    q.add(_waiter(loop, _decode_job(2, [3]), at=1.0))
+    q.add(_queued(loop, _prefill_job(1, [3]), at=1.0))
+    q.add(_queued(loop, _decode_job(2, [3]), at=1.0))
     with pytest.raises(RequestError) as info:
-        q.add(_waiter(loop, _prefill_job(3, [3]), at=1.0))
+        q.add(_queued(loop, _prefill_job(3, [3]), at=1.0))
     assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert (q.depth(Op.PREFILL), q.depth(Op.DECODE)) == (1, 1)
     assert len(q.drain()) == 2 and len(q) == 0 and q.depth(Op.DECODE) == 0
-    q.add(_waiter(loop, _prefill_job(4, [3]), at=2.0))  # usable after a drain
+    q.add(_queued(loop, _prefill_job(4, [3]), at=2.0))  # usable after a drain
     assert _tokens(q.next_batch(2.0, device_idle=True)[0]) == [3]
 
 
 def test_batching_off_launches_one_job_at_a_time_without_waiting(loop) -> None:  # type: ignore[no-untyped-def]
     q = BatchQueue(max_batch_tokens=1000, max_delay_s=10.0, max_size=10, max_requests=1)
     for i in range(3):
-        q.add(_waiter(loop, _prefill_job(i, [4 + i]), at=1.0))
+        q.add(_queued(loop, _prefill_job(i, [4 + i]), at=1.0))
     # Busy device, delay far off: a lone job is still a full batch when batching is off.
     assert _tokens(q.next_batch(1.0, device_idle=False)[0]) == [4]
     assert _tokens(q.next_batch(1.0, device_idle=True)[0]) == [5]
