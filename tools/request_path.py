@@ -7,9 +7,11 @@ of lengths not seen before), and prints:
 
 * the files of ours (client, wire, service, kernels) whose functions ran, by package;
 * the data shapes: the classes of ours constructed (``__init__``, ``__new__``, a NamedTuple's
-  ``_make``), each once, by package; plus builtins are not counted (dicts, tuples, bytes);
-* how often the service branches on the op kind (``op is`` / ``op ==`` / ``.decode_like`` ...),
-  counted over the source.
+  ``_make``), by package (builtins are not counted: dicts, tuples, bytes);
+  each split into the way in (first seen up to the first call into the kernels) and the way
+  back;
+* how often the service reads the op kind (``op is`` / ``op ==`` / ``.decode_like`` ...),
+  counted over the source, and how many of those name a kind (``op is Op.X``).
 
     python tools/request_path.py [--device cpu|cuda] [--json OUT]
 
@@ -54,16 +56,23 @@ if _DIR:
             return cls if isinstance(cls, type) else None
         return None
 
+    # Each file's and shape's first time in the window (wall clock: the processes share it),
+    # and the attention's: the first call into the kernels (cpu: the engine's ``attend``).
     def _prof(frame, event, arg):
         if event != "call" or not _ON[0]:
             return
         fname = frame.f_code.co_filename
         if any(m in fname for m in _MARK) and "site-packages/grpc" not in fname:
-            _FILES[fname] = _FILES.get(fname, 0) + 1
+            if fname not in _FILES:
+                _FILES[fname] = time.time()
+            if "KERNEL" not in _SHAPES and ("attention_kernels/" in fname or (
+                    fname.endswith("cpu_attention.py") and frame.f_code.co_name == "attend")):
+                _SHAPES["KERNEL"] = time.time()
         cls = _owner(frame)
         if cls is not None and cls.__module__.split(".")[0] in _MARK:
             key = cls.__module__ + "." + cls.__qualname__
-            _SHAPES[key] = _SHAPES.get(key, 0) + 1
+            if key not in _SHAPES:
+                _SHAPES[key] = time.time()
 
     def _watch():
         flag = os.path.join(_DIR, "on")
@@ -96,6 +105,13 @@ def op_branches() -> dict[str, int]:
         if n:
             counts[str(path.relative_to(ROOT))] = n
     return counts
+
+
+def _identity_tests() -> int:
+    """``op is Op.X`` / ``op == Op.X`` tests: a kind named where a rule should be read."""
+    rx = re.compile(r"\bop (is|==|is not|!=) Op\.")
+    return sum(1 for path in (ROOT / "service" / "attention_service").rglob("*.py")
+               for line in path.read_text().splitlines() if rx.search(line))
 
 
 def _package(path: str) -> str:
@@ -151,31 +167,33 @@ def main() -> None:
                 time.sleep(0.05)
     finally:
         group.stop()
-    files: dict[str, int] = {}
-    shapes: dict[str, int] = {}
+    files: dict[str, float] = {}  # first seen, over every process
+    shapes: dict[str, float] = {}
     for dump in work.glob("*.json"):
         rec = json.loads(dump.read_text())
-        for f, n in rec["files"].items():
-            files[_short(f)] = files.get(_short(f), 0) + n
-        for s, n in rec["shapes"].items():
-            shapes[s] = shapes.get(s, 0) + n
+        for f, t in rec["files"].items():
+            files[_short(f)] = min(t, files.get(_short(f), t))
+        for name, t in rec["shapes"].items():
+            shapes[name] = min(t, shapes.get(name, t))
+    kernel = shapes.pop("KERNEL", float("inf"))
+    counts: dict[str, object] = {"device": args.device}
+    for what, seen, sep in (("files", files, "/"), ("data shapes", shapes, ".")):
+        way_in = sorted(n for n, t in seen.items() if t <= kernel)
+        back = sorted(n for n, t in seen.items() if t > kernel)
+        counts[what] = {"in": way_in, "back": back}
+        print(f"{what} of ours in one call: {len(way_in)} on the way in (up to the kernel), "
+              f"{len(back)} more on the way back")
+        for label, names in (("in", way_in), ("back", back)):
+            for pkg in PACKAGES:
+                mine = [n.split(sep, 1)[1] for n in names if n.startswith(pkg + sep)]
+                if mine:
+                    print(f"  {label:4} {pkg} ({len(mine)}): " + ", ".join(mine))
     branches = op_branches()
-    print(f"files of ours that ran during one call: {len(files)}")
-    for pkg in PACKAGES:
-        names = sorted(f for f in files if f.startswith(pkg + "/"))
-        if names:
-            print(f"  {pkg} ({len(names)}): " + ", ".join(n.split("/", 1)[1] for n in names))
-    print(f"data shapes of ours constructed: {len(shapes)}")
-    for pkg in PACKAGES:
-        names = sorted(s for s in shapes if s.startswith(pkg + "."))
-        if names:
-            print(f"  {pkg} ({len(names)}): " + ", ".join(n.split(".", 1)[1] for n in names))
+    counts["op_branches"] = branches
     print(f"branches on the op kind in the service: {sum(branches.values())} in "
-          f"{len(branches)} files")
+          f"{len(branches)} files (identity tests: {_identity_tests()})")
     if args.json:
-        args.json.write_text(json.dumps({
-            "device": args.device, "files": sorted(files), "shapes": sorted(shapes),
-            "op_branches": branches}, indent=1) + "\n")
+        args.json.write_text(json.dumps(counts, indent=1) + "\n")
 
 
 if __name__ == "__main__":
