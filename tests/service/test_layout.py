@@ -98,3 +98,20 @@ def test_a_front_end_process_runs_without_torch() -> None:
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_service_reads_an_ops_rules_never_names_a_kind() -> None:
+    """Each op kind carries its rules (``params.Op``: header, queries, kernel, lse layout);
+    code reads them (``op.queries``, ``op.kernel``) instead of testing which kind it has
+    (``op is Op.APPEND_KV``), so a new kind is one table row, not a hunt through the engine."""
+    found = []
+    for path in sorted(PKG.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Compare) and any(
+                    isinstance(op, ast.Is | ast.IsNot | ast.Eq | ast.NotEq) for op in node.ops):
+                for side in (node.left, *node.comparators):
+                    if (isinstance(side, ast.Attribute) and isinstance(side.value, ast.Name)
+                            and side.value.id == "Op"):
+                        found.append(f"{path.relative_to(PKG)}:{node.lineno}")
+    assert not found, f"op kinds tested by name: {found}"

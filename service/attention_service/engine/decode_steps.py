@@ -57,7 +57,7 @@ from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import Job, LaunchTimes, PendingLaunch
 from attention_service.engine.paged_store import scatter_rows
-from attention_service.params import BatchKey, Op
+from attention_service.params import BatchKey
 from attention_wire.pb import attention_pb2 as pb
 
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
@@ -73,7 +73,7 @@ def bucket(n: int) -> int:
 def eligible(plan: BatchPlan) -> bool:
     """A CacheDecode launch with keys, host tensors (outputs included) and a shape within this
     path's limits."""
-    if plan.op is not Op.CACHE_DECODE or plan.max_seqlen_k == 0:
+    if plan.op.kernel != "paged_decode" or plan.max_seqlen_k == 0:
         return False
     if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
         return False  # score modifiers run on the eager path (not staged or captured)
