@@ -12,6 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -41,49 +42,36 @@ LSE_BYTES = 4  # float32
 
 
 class Op(enum.Enum):
-    """The compute rpcs. Each kind's rules live on its member (``_RULES``), not in switches
-    on the kind: its wire header, whether it takes queries, where it keeps k/v, which kernel
-    serves it and its lse layout."""
+    """The compute rpcs. Each kind's rules live on its member, not in switches on the kind:
+    whether it takes one query per sequence (its wire header and lse layout follow), whether
+    it runs against server-side caches, and which kernel serves it (None: AppendKV, which
+    only stores k/v). Plain attributes: read per request on the engine's hot path."""
 
-    PREFILL = "Prefill"
-    DECODE = "Decode"
-    APPEND_KV = "AppendKV"  # a cache prefill without queries: k/v stored, nothing computed
-    CACHE_PREFILL = "CachePrefill"
-    CACHE_DECODE = "CacheDecode"
+    # (rpc, decode_like, cached, kernel)
+    PREFILL = ("Prefill", False, False, "prefill")
+    DECODE = ("Decode", True, False, "decode")
+    APPEND_KV = ("AppendKV", False, True, None)
+    CACHE_PREFILL = ("CachePrefill", False, True, "paged_prefill")
+    CACHE_DECODE = ("CacheDecode", True, True, "paged_decode")
+
+    def __new__(cls, rpc: str, decode_like: bool, cached: bool, kernel: str | None) -> Op:
+        op = object.__new__(cls)
+        op._value_ = rpc
+        op.rpc = rpc
+        # One query per sequence, DecodeHeader on the wire, lse ``[batch, H]``.
+        op.decode_like = decode_like
+        # Runs against server-side KV caches (its k/v are the sequences' new tokens).
+        op.cached = cached
+        # The ``attention_kernels`` function that serves it, and whether it takes queries
+        # and computes attention at all (AppendKV: no q, no outputs, no kernel).
+        op.kernel = kernel
+        op.queries = kernel is not None
+        op.header = pb.DecodeHeader if decode_like else pb.PrefillHeader
+        return op
 
     # Members are singletons: identity hashing is exact, and a C-level hash where Enum's own
     # is a Python call (hashed several times per request on the engine's hot path).
     __hash__ = object.__hash__
-
-    @property
-    def rpc(self) -> str:
-        return self.value
-
-    @property
-    def decode_like(self) -> bool:
-        """One query per sequence, DecodeHeader on the wire, lse ``[batch, H]``."""
-        return _RULES[self].decode_like
-
-    @property
-    def cached(self) -> bool:
-        """Runs against server-side KV caches (its k/v are the sequences' new tokens)."""
-        return _RULES[self].cached
-
-    @property
-    def queries(self) -> bool:
-        """Takes queries and computes attention: False for AppendKV, which only stores k/v
-        (no q, no outputs, no kernel)."""
-        return _RULES[self].kernel is not None
-
-    @property
-    def kernel(self) -> str | None:
-        """The ``attention_kernels`` function that serves it (None: no attention)."""
-        return _RULES[self].kernel
-
-    @property
-    def header(self) -> type:
-        """Its wire header: ``pb.DecodeHeader`` or ``pb.PrefillHeader``."""
-        return pb.DecodeHeader if self.decode_like else pb.PrefillHeader
 
     def lse_shape(self, rows: int, heads: int) -> tuple[int, int]:
         """The kernels' lse layout: prefill ``[H, total_q]``, decode ``[batch, H]``."""
@@ -92,21 +80,6 @@ class Op(enum.Enum):
     def lse_rows(self, lse: Any, start: int, stop: int) -> Any:
         """Query rows ``start:stop`` of an lse in this op's layout (columns for prefill)."""
         return lse[start:stop] if self.decode_like else lse[:, start:stop]
-
-
-class _Rules(NamedTuple):
-    decode_like: bool
-    cached: bool
-    kernel: str | None
-
-
-_RULES = {
-    Op.PREFILL: _Rules(decode_like=False, cached=False, kernel="prefill"),
-    Op.DECODE: _Rules(decode_like=True, cached=False, kernel="decode"),
-    Op.APPEND_KV: _Rules(decode_like=False, cached=True, kernel=None),
-    Op.CACHE_PREFILL: _Rules(decode_like=False, cached=True, kernel="paged_prefill"),
-    Op.CACHE_DECODE: _Rules(decode_like=True, cached=True, kernel="paged_decode"),
-}
 
 
 @dataclass(frozen=True)
@@ -176,17 +149,18 @@ class Params:
     # engine knows).
     kv_scales: KvScales | None = None
 
-    op = property(lambda self: self.key.op)
-    dtype = property(lambda self: self.key.dtype)
-    kv_dtype = property(lambda self: self.key.kv_dtype)
-    num_heads = property(lambda self: self.key.num_heads)
-    num_kv_heads = property(lambda self: self.key.num_kv_heads)
-    head_dim = property(lambda self: self.key.head_dim)
-    causal = property(lambda self: self.key.causal)
-    softmax_scale = property(lambda self: self.key.softmax_scale)
-    num_splits = property(lambda self: self.key.num_splits)
-    window = property(lambda self: self.key.window)
-    softcap = property(lambda self: self.key.softcap)
+    # The key's fields, read through it (C-level getters: read per request on the hot path).
+    op = property(attrgetter("key.op"))
+    dtype = property(attrgetter("key.dtype"))
+    kv_dtype = property(attrgetter("key.kv_dtype"))
+    num_heads = property(attrgetter("key.num_heads"))
+    num_kv_heads = property(attrgetter("key.num_kv_heads"))
+    head_dim = property(attrgetter("key.head_dim"))
+    causal = property(attrgetter("key.causal"))
+    softmax_scale = property(attrgetter("key.softmax_scale"))
+    num_splits = property(attrgetter("key.num_splits"))
+    window = property(attrgetter("key.window"))
+    softcap = property(attrgetter("key.softcap"))
 
     @property
     def q_shape(self) -> tuple[int, int, int]:

@@ -102,9 +102,8 @@ def _run(args: argparse.Namespace) -> tuple[float, float, float]:
         t1 = time.perf_counter()
         with ex._cond:
             batch, _ = ex._queue.next_batch(time.perf_counter(), device_idle=True)
-            for w in batch:
-                ex._waiting.pop(w.job, None)
-        plan = BatchPlan([w.job for w in batch], batch[0].key)
+            ex._waiting.difference_update(batch)
+        plan = BatchPlan(batch, batch[0].key)
         t2 = time.perf_counter()
         with ex._cond:
             ex._inflight += 1
