@@ -146,7 +146,7 @@ def main() -> None:
 
     from attention_client import AttentionClient
 
-    group = Group(2, device=args.device, env=env)
+    group = Group(2, device=args.device, env=env, timeout=300)  # cuda: kernels compile first
     try:
         rng = np.random.default_rng(0)
         q = rng.standard_normal((48, 4, 64)).astype(np.float16)
