@@ -24,6 +24,7 @@ the front end's loop) counts too: it is work the call waits on.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import re
@@ -136,9 +137,12 @@ def main() -> None:
     (work / "sitecustomize.py").write_text(_SITE)
     env = {**os.environ, "REQUEST_PATH_DIR": str(work),
            "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])}
-    os.environ.update(env)  # this process: the client, traced by the same site module
-    sys.path.insert(0, str(work))
-    import sitecustomize  # noqa: F401  (a fresh module from ``work``: installs the profiler)
+    os.environ.update(env)
+    # This process (the client) runs the same module under its own name: a sitecustomize
+    # imported at start-up (an image may have one) would shadow an ``import sitecustomize``.
+    spec = importlib.util.spec_from_file_location("request_path_site", work / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
     sys.path.insert(0, str(ROOT / "tests" / "service"))
     import numpy as np
