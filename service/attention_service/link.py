@@ -36,6 +36,7 @@ class EngineInfo:
     cuda_version: str
     kv_cache_bytes: int = 0  # the KV-cache pool (0: caches off)
     kv_page_bytes: int = 0
+    nixl: bool = False  # NIXL regions can be registered (regions allowed, NIXL installed)
 
 
 class ExecStats(NamedTuple):

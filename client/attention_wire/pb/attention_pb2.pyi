@@ -249,7 +249,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, connections: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +271,7 @@ class ServerInfo(_message.Message):
     FRONTEND_FIELD_NUMBER: _ClassVar[int]
     FRONTEND_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     FEWEST_FRONTEND_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -292,7 +293,8 @@ class ServerInfo(_message.Message):
     frontend: int
     frontend_connections: int
     fewest_frontend_connections: int
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ...) -> None: ...
+    nixl: bool
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ...) -> None: ...
 
 class SystemRegion(_message.Message):
     __slots__ = ("key", "offset")
@@ -312,17 +314,33 @@ class CudaRegion(_message.Message):
     offset: int
     def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class NixlRegion(_message.Message):
+    __slots__ = ("agent_metadata", "address", "memory", "device_id", "agent_name")
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_ID_FIELD_NUMBER: _ClassVar[int]
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    agent_metadata: bytes
+    address: int
+    memory: str
+    device_id: int
+    agent_name: str
+    def __init__(self, agent_metadata: _Optional[bytes] = ..., address: _Optional[int] = ..., memory: _Optional[str] = ..., device_id: _Optional[int] = ..., agent_name: _Optional[str] = ...) -> None: ...
+
 class RegisterRegionRequest(_message.Message):
-    __slots__ = ("name", "byte_size", "system", "cuda")
+    __slots__ = ("name", "byte_size", "system", "cuda", "nixl")
     NAME_FIELD_NUMBER: _ClassVar[int]
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     SYSTEM_FIELD_NUMBER: _ClassVar[int]
     CUDA_FIELD_NUMBER: _ClassVar[int]
+    NIXL_FIELD_NUMBER: _ClassVar[int]
     name: str
     byte_size: int
     system: SystemRegion
     cuda: CudaRegion
-    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ..., system: _Optional[_Union[SystemRegion, _Mapping]] = ..., cuda: _Optional[_Union[CudaRegion, _Mapping]] = ...) -> None: ...
+    nixl: NixlRegion
+    def __init__(self, name: _Optional[str] = ..., byte_size: _Optional[int] = ..., system: _Optional[_Union[SystemRegion, _Mapping]] = ..., cuda: _Optional[_Union[CudaRegion, _Mapping]] = ..., nixl: _Optional[_Union[NixlRegion, _Mapping]] = ...) -> None: ...
 
 class RegionInfo(_message.Message):
     __slots__ = ("name", "kind", "byte_size", "inflight")

@@ -13,6 +13,7 @@ import contextlib
 import importlib.metadata
 import logging
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -23,17 +24,17 @@ from attention_service.config import ServerConfig
 from attention_service.engine.backends import Backend
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.executor import Executor, LaunchObserver
-from attention_service.engine.jobs import ByteBase, CacheWork, ExecStats, Job, LazyTensor
+from attention_service.engine.jobs import ByteBase, CacheWork, Done, ExecStats, Job, LazyTensor
 from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import KvPool
-from attention_service.engine.regions import RegionRegistry
+from attention_service.engine.nixl_agent import available as nixl_available
+from attention_service.engine.regions import NixlSpans, RegionRegistry
 from attention_service.engine.warmup import warm_caches
 from attention_service.errors import Cancelled, RequestError, StartupError, invalid
 from attention_service.link import EngineInfo
-from attention_service.params import Op, Params, RegionSpan
+from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 
-Done = Callable[[ExecStats | BaseException], None]
 # A tensor's bytes: a uint8 tensor (host or device) of exactly its size, or a region span.
 # Where a tensor's bytes are: a uint8 tensor of exactly its size (pinned buffers), a byte offset
 # into a ByteBase (a front end's arena or segment), or a span of a registered region.
@@ -87,6 +88,9 @@ class EngineCore:
             system_bytes_per_owner=config.system_region_bytes_per_caller,
             ttl_seconds=config.region_ttl,
         )
+        # NIXL regions' transfers (``_pull_and_submit``, ``_push``): waited for here, never on
+        # a channel reader, the event loop or the completer.
+        self._mover = ThreadPoolExecutor(4, thread_name_prefix="attention-nixl")
         self.caches = CacheRegistry(
             _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,
             max_caches=config.max_caches, max_request_flops=config.max_request_flops,
@@ -99,6 +103,7 @@ class EngineCore:
             cuda_version=(torch.version.cuda or "") if backend.name == "cuda" else "",
             kv_cache_bytes=pool.nbytes if pool is not None else 0,
             kv_page_bytes=pool.page_bytes if pool is not None else 0,
+            nixl=config.regions_allowed and nixl_available(),
         )
 
     def queue_depth(self, op: Op) -> int:
@@ -110,6 +115,7 @@ class EngineCore:
         warm_caches(self.backend, self.caches, getattr(self.backend, "warmup_dtypes", ()))
 
     def close(self) -> None:
+        self._mover.shutdown(wait=False)  # queued pulls still answer (UNAVAILABLE)
         self.executor.close()
         self.regions.close()
         self.caches.close()
@@ -128,8 +134,9 @@ class EngineCore:
             spans: dict[str, LazyTensor] = {}
             regions: dict[str, RegionSpan] = {}
             self._place(params, sources, tensors, spans, regions)
+            remote: NixlSpans = {}
             if regions:
-                in_regions, release = self.regions.acquire(owner, regions)
+                in_regions, release, remote = self.regions.acquire(owner, regions)
                 held.append(release)
                 self._place(params, in_regions, tensors, spans, {})
             if params.op.cached:  # last: from here on, its caches are reserved
@@ -137,6 +144,13 @@ class EngineCore:
             job = Job(params, cache=cache, spans=spans, **tensors)
 
             def finish(value: ExecStats | BaseException) -> None:
+                if remote and not isinstance(value, BaseException) and not job.cancel.is_set():
+                    # Outputs in NIXL regions go back to the client before it hears.
+                    self._mover.submit(self._push, remote, value, settle)
+                    return
+                settle(value)
+
+            def settle(value: ExecStats | BaseException) -> None:
                 failed = isinstance(value, BaseException)
                 if cache is not None:  # before the caller hears: its next call sees the cache
                     if not failed and job.cancel.is_set():
@@ -157,6 +171,9 @@ class EngineCore:
                 # as flash_attn answers it. Its regions were still checked above.
                 finish(_NO_WORK)
                 return job
+            if remote:  # inputs in NIXL regions come over first, off this thread
+                self._mover.submit(self._pull_and_submit, job, remote, finish)
+                return job
             self.executor.submit(job, finish, issue_here=issue_here)
         except BaseException:
             if cache is not None:
@@ -165,6 +182,25 @@ class EngineCore:
                 release()
             raise
         return job
+
+    def _pull_and_submit(self, job: Job, remote: NixlSpans, finish: Done) -> None:
+        """On a mover thread: a NIXL call's inputs into the mirrors, then the job queued."""
+        try:
+            self.regions.move(remote, INPUTS, "READ")
+            if job.cancel.is_set():
+                raise Cancelled()
+            self.executor.submit(job, finish)
+        except BaseException as exc:
+            finish(exc)
+
+    def _push(self, remote: NixlSpans, value: ExecStats, settle: Done) -> None:
+        """On a mover thread: a NIXL call's outputs back to the client, then its answer."""
+        try:
+            self.regions.move(remote, OUTPUTS, "WRITE")
+        except BaseException as exc:
+            settle(exc)
+            return
+        settle(value)
 
     def cancel(self, job: Job) -> None:
         self.executor.cancel(job)

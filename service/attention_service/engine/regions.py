@@ -8,7 +8,11 @@ instead of carrying bytes. Two kinds:
   the cuda backend, page-locked (``cudaHostRegister``) once at registration, so copies to and
   from the GPU run at full PCIe speed straight from the client's memory;
 * **cuda**: device memory of another process, opened through its CUDA IPC handle; the bytes
-  never leave the GPU.
+  never leave the GPU;
+* **nixl**: memory of a client on any host, registered with its NIXL agent: the engine keeps a
+  mirror of the region in its own memory (page-locked on cuda), pulls a call's input spans into
+  it before the call and pushes its output spans back after (``nixl_agent.py``). The mirror
+  counts against the caller's system bytes.
 
 Safety rules:
 
@@ -54,6 +58,7 @@ import grpc
 import torch
 
 from attention_service.engine.jobs import PINNED, ByteBase
+from attention_service.engine.nixl_agent import NixlAgent
 from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import RegionSpan
@@ -64,6 +69,8 @@ log = logging.getLogger("attention_service")
 
 
 CUDA_KEY = "cuda:"  # _Region.key of a CUDA region: this and its IPC handle in hex
+# A call's spans in NIXL regions, by tensor name: (region, span).
+NixlSpans = dict[str, tuple["_Region", RegionSpan]]
 
 
 @dataclass(frozen=True)
@@ -74,11 +81,21 @@ class _Claim:
     nbytes: int
 
 
+@dataclass(frozen=True)
+class _Remote:
+    """Where a NIXL region's bytes live: the client's agent and its memory."""
+
+    peer: str
+    address: int
+    memory: str  # "DRAM" | "VRAM"
+    device: int
+
+
 @dataclass(eq=False)
 class _Region:
     owner: str
     name: str
-    kind: str  # "system" | "cuda"
+    kind: str  # "system" | "cuda" | "nixl"
     tensor: torch.Tensor  # uint8 [byte_size], host or device
     closer: Callable[[], None]
     # A system region's object (``shm.check_key`` form), or CUDA_KEY + a CUDA region's handle.
@@ -86,6 +103,7 @@ class _Region:
     inflight: int = 0
     dropped: bool = False
     last_used: float = 0.0  # the clock's time when a call last let go of it (or registered)
+    remote: _Remote | None = None  # a NIXL region's client memory (``tensor`` its mirror)
     base: ByteBase = field(init=False)
 
     def __post_init__(self) -> None:
@@ -174,6 +192,7 @@ class RegionRegistry:
         self._regions: dict[tuple[str, str], _Region] = {}
         self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
         self._ipc = IpcMappings(cuda_ipc.open_handle, self._close_ipc)
+        self.nixl = NixlAgent()
         self.expired_total = 0  # regions dropped by the TTL (a metric)
         self._sweeper = (Sweeper("region-ttl", ttl_seconds, self.expire)
                          if allowed and ttl_seconds > 0 else None)
@@ -214,20 +233,24 @@ class RegionRegistry:
         elif kind == "cuda":
             # The allocation's handle: one owner per allocation, as per system object.
             key = CUDA_KEY + bytes(req.cuda.ipc_handle).hex()
-        else:
-            raise invalid("source", "set system or cuda")
-        claim = _Claim(key, req.byte_size if kind == "system" else 0)
+        elif kind != "nixl":
+            raise invalid("source", "set system, cuda or nixl")
+        # The server's host memory it takes: a system region's mapping, a NIXL region's mirror.
+        claim = _Claim(key, req.byte_size if kind in ("system", "nixl") else 0)
         slot = (owner, req.name)
         with self._lock:  # name, key, count and bytes are taken together, then mapped
             self._check_free(owner, req.name, key)
             self._check_room(owner, claim.nbytes)
             self._claims[slot] = claim
         try:
+            remote = None
             if kind == "system":
                 tensor, closer = self._open_system(req.system, req.byte_size)
-            else:
+            elif kind == "cuda":
                 tensor, closer = self._open_cuda(req.cuda, req.byte_size)
-            region = _Region(owner, req.name, kind, tensor, closer, key)
+            else:
+                tensor, closer, remote = self._open_nixl(owner, req.nixl, req.byte_size)
+            region = _Region(owner, req.name, kind, tensor, closer, key, remote=remote)
         except BaseException:
             with self._lock:
                 del self._claims[slot]
@@ -250,10 +273,12 @@ class RegionRegistry:
         limit = self.system_bytes_per_owner
         if not limit or not nbytes:
             return
-        used = sum(r.size for r in held if r.kind == "system") + sum(c.nbytes for c in claimed)
+        used = (sum(r.size for r in held if r.kind in ("system", "nixl"))
+                + sum(c.nbytes for c in claimed))
         if used + nbytes > limit:
             raise exhausted(
-                "byte_size", f"{nbytes} more bytes of system regions would make this caller's "
+                "byte_size", f"{nbytes} more bytes of system (or NIXL mirror) regions would make "
+                "this caller's "
                 f"{used + nbytes}, over the server's limit of {limit} per caller "
                 "(--system-region-bytes-per-caller): unregister regions or register less")
 
@@ -300,10 +325,11 @@ class RegionRegistry:
 
     def acquire(
         self, owner: str, spans: Mapping[str, RegionSpan]
-    ) -> tuple[dict[str, tuple[ByteBase, int]], Callable[[], None]]:
+    ) -> tuple[dict[str, tuple[ByteBase, int]], Callable[[], None], NixlSpans]:
         """Where the spans' bytes are (each region's ByteBase and the span's offset, by tensor
-        name), each checked against its region, and the release to call once the call is done
-        (the regions count it as in flight)."""
+        name), each checked against its region, the release to call once the call is done
+        (the regions count it as in flight), and the spans of NIXL regions (``move`` them:
+        inputs in before the call, outputs out after)."""
         found: dict[str, _Region] = {}
         held: list[_Region] = []
         with self._lock:
@@ -326,6 +352,7 @@ class RegionRegistry:
             for region in held:
                 region.inflight += 1
         views = {n: (r.base, spans[n].offset) for n, r in found.items()}
+        remote = {n: (r, spans[n]) for n, r in found.items() if r.remote is not None}
         released = False
 
         def release() -> None:
@@ -344,7 +371,25 @@ class RegionRegistry:
             for region in to_close:
                 self._close(region)
 
-        return views, release
+        return views, release, remote
+
+    def move(self, remote: NixlSpans, names: tuple[str, ...], op: str) -> None:
+        """NIXL regions' spans of tensors ``names``: "READ" pulls them from the clients' memory
+        into the mirrors, "WRITE" pushes them back; one transfer per client agent."""
+        by_peer: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]],
+                                 str, str]] = {}
+        for name in names:
+            if name not in remote:
+                continue
+            region, span = remote[name]
+            far = region.remote
+            assert far is not None
+            local, there, _, _ = by_peer.setdefault(
+                far.peer, ([], [], far.memory, f"header.regions.{name}"))
+            local.append((region.base.ptr + span.offset, span.nbytes, 0))
+            there.append((far.address + span.offset, span.nbytes, far.device))
+        for peer, (local, there, memory, named) in by_peer.items():
+            self.nixl.move(op, peer, local, there, named, remote_memory=memory)
 
     def expire(self) -> int:
         """Drop every region no call has used for the TTL; returns how many."""
@@ -430,6 +475,41 @@ class RegionRegistry:
                           f"end of the allocation ({alloc} bytes)")
         tensor = torch.as_tensor(cuda_ipc.DeviceBytes(ptr + src.offset, nbytes), device=device)
         return tensor, lambda: self._ipc.release(handle)
+
+    def _open_nixl(
+        self, owner: str, src: pb.NixlRegion, nbytes: int
+    ) -> tuple[torch.Tensor, Callable[[], None], _Remote]:
+        """A mirror of the client's region in this process's host memory, registered with the
+        engine's agent, and the client's agent known (its metadata added)."""
+        memory = src.memory or "DRAM"
+        if memory not in ("DRAM", "VRAM"):
+            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
+        if src.address == 0:
+            raise invalid("nixl.address", "missing: where the registered memory starts")
+        self.nixl.add_peer(owner, src.agent_name, bytes(src.agent_metadata))
+        handle = None
+        try:
+            mirror = self.backend.alloc_host(nbytes)
+            handle = self.nixl.register(mirror.data_ptr(), nbytes)
+            # The region's first and last byte read once: a range the client's agent does not
+            # cover (or an agent that cannot be reached) is refused now, not at each call.
+            ends = sorted({0, nbytes - 1})
+            self.nixl.move("READ", src.agent_name,
+                           [(mirror.data_ptr() + at, 1, 0) for at in ends],
+                           [(src.address + at, 1, src.device_id) for at in ends],
+                           "nixl.address", remote_memory=memory, timeout_s=10.0)
+        except BaseException:
+            if handle is not None:
+                self.nixl.deregister(handle)
+            self.nixl.drop_peer(src.agent_name)
+            raise
+
+        def close() -> None:
+            self.nixl.deregister(handle)
+            self.nixl.drop_peer(src.agent_name)
+
+        return mirror, close, _Remote(src.agent_name, int(src.address), memory,
+                                      int(src.device_id))
 
     def _close_ipc(self, ptr: int) -> None:
         torch.cuda.set_device(self.backend.device)

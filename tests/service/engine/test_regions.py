@@ -238,7 +238,7 @@ def test_idle_regions_are_dropped_after_the_ttl(obj: Shm) -> None:
     with pytest.raises(RequestError):  # max_per_owner 2: full
         reg.register("a", req("third", 16384))
     now[0] += 9.0
-    _, release = reg.acquire("a", span)  # "held" is in use from here on
+    _, release, _ = reg.acquire("a", span)  # "held" is in use from here on
     now[0] += 5.0  # "idle" unused for 14 s, "held" in use
     assert reg.expire() == 1
     assert reg.gauges() == (1, 1)

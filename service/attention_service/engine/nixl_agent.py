@@ -1,0 +1,181 @@
+"""The engine's NIXL agent: NIXL regions' bytes moved between a client's memory (any host) and
+the engine's mirror of it (``regions.py``, kind "nixl"; issue 66).
+
+NIXL (PyPI ``nixl-cu13``, UCX inside) is optional: without it the server refuses NIXL regions
+(FAILED_PRECONDITION) and serves everything else. The agent is made on the first NIXL region.
+Clients' agents are known by name; a name belongs to the caller (token) that registered it
+until its last region goes, and its metadata is added again when it changes (a client that
+restarted under the same name).
+
+A transfer is one descriptor list per direction and call (every span of one peer at once),
+waited for on the calling thread, with a deadline: a peer that died mid-transfer fails that
+call (UNAVAILABLE naming the field), never the server.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import grpc
+
+from attention_service.errors import RequestError, invalid
+
+log = logging.getLogger("attention_service")
+
+NIXL_MODULE = "nixl_cu13"
+# How long one transfer may take before its call fails: a peer gone mid-transfer would
+# otherwise hold the call (and the thread that waits for it) forever.
+TRANSFER_TIMEOUT_S = 60.0
+# Polls of a transfer's state before the waiter starts sleeping between polls: a 4 KiB
+# transfer between two processes finishes in 13-90 us (dev box, UCX over shared memory).
+_SPIN_POLLS = 200
+
+
+def available() -> bool:
+    """Whether NIXL can be imported here (the ``nixl-cu13`` wheel)."""
+    return importlib.util.find_spec(NIXL_MODULE) is not None
+
+
+# One span to move: (address, bytes, device id).
+Span = tuple[int, int, int]
+
+
+class NixlAgent:
+    """The engine's agent and the peers (clients' agents) it knows, by owner. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._agent: Any = None
+        self.backend = "UCX"
+        # Peer name -> [owner, metadata, regions using it].
+        self._peers: dict[str, list[Any]] = {}
+
+    def _nixl(self) -> Any:
+        """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
+        if self._agent is None:
+            if not available():
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "nixl: this server has no NIXL (pip install nixl-cu13 on the server's "
+                    "host): register a system or cuda region, or send the bytes")
+            nixl = importlib.import_module(NIXL_MODULE)
+            name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=[self.backend]))
+            log.info("nixl agent %s up (backend %s)", name, self.backend)
+        return self._agent
+
+    # ---- peers --------------------------------------------------------------------------
+
+    def add_peer(self, owner: str, name: str, metadata: bytes) -> None:
+        """Know client agent ``name`` (``metadata`` its NIXL metadata) for ``owner``'s region;
+        counted: ``drop_peer`` once per region."""
+        if not name:
+            raise invalid("nixl.agent_name", "missing: name the agent whose metadata this is")
+        if not metadata:
+            raise invalid("nixl.agent_metadata", "missing: send nixl_agent.get_agent_metadata()")
+        with self._lock:
+            agent = self._nixl()
+            peer = self._peers.get(name)
+            if peer is not None and peer[0] != owner:
+                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                                   f"nixl.agent_name: agent {name!r} is registered by another "
+                                   "caller")
+            if peer is not None and peer[1] == metadata:
+                peer[2] += 1
+                return
+            if peer is not None:  # the same agent name, new metadata: the client restarted
+                agent.remove_remote_agent(name)
+            try:
+                added = agent.add_remote_agent(metadata)
+            except Exception as exc:  # nixlMismatchError and kin: not metadata of an agent
+                if peer is not None:
+                    del self._peers[name]
+                raise invalid("nixl.agent_metadata", f"not NIXL agent metadata "
+                              f"({type(exc).__name__})") from None
+            added = added.decode() if isinstance(added, bytes) else str(added)
+            if added != name:
+                agent.remove_remote_agent(added)
+                if peer is not None:
+                    del self._peers[name]
+                raise invalid("nixl.agent_name", f"{name!r}, but the metadata is agent "
+                              f"{added!r}'s")
+            count = peer[2] + 1 if peer is not None else 1
+            self._peers[name] = [owner, metadata, count]
+
+    def drop_peer(self, name: str) -> None:
+        """One region of peer ``name`` went; the peer goes with its last region."""
+        with self._lock:
+            peer = self._peers.get(name)
+            if peer is None:
+                return
+            peer[2] -= 1
+            if peer[2] > 0:
+                return
+            del self._peers[name]
+            try:
+                self._agent.remove_remote_agent(name)
+            except Exception:
+                log.exception("removing nixl agent %s failed", name)
+
+    # ---- memory -------------------------------------------------------------------------
+
+    def register(self, address: int, nbytes: int, memory: str = "DRAM", device: int = 0) -> Any:
+        """Register local memory (a mirror) with the agent; returns what ``deregister`` takes."""
+        with self._lock:
+            return self._nixl().register_memory([(address, nbytes, device, "")], memory)
+
+    def deregister(self, handle: Any) -> None:
+        with self._lock:
+            self._agent.deregister_memory(handle)
+
+    # ---- transfers ----------------------------------------------------------------------
+
+    def move(self, op: str, peer: str, local: Sequence[Span], remote: Sequence[Span],
+             field: str, local_memory: str = "DRAM", remote_memory: str = "DRAM",
+             timeout_s: float = TRANSFER_TIMEOUT_S) -> None:
+        """``op`` "READ" (remote -> local) or "WRITE" (local -> remote) of matching spans, as
+        one transfer, waited for. Raises RequestError naming ``field``: UNAVAILABLE when the
+        peer cannot be reached or the transfer fails or times out, INVALID_ARGUMENT when NIXL
+        refuses the descriptors (memory the client did not register)."""
+        agent = self._agent
+        try:
+            ld = agent.get_xfer_descs(list(local), local_memory)
+            rd = agent.get_xfer_descs(list(remote), remote_memory)
+            handle = agent.initialize_xfer(op, ld, rd, peer)
+        except Exception as exc:
+            raise invalid(field, f"NIXL refused the transfer ({type(exc).__name__}): every "
+                          "byte of a NIXL region must be memory registered with the client's "
+                          "agent") from None
+        try:
+            state = agent.transfer(handle)
+            polls, end = 0, time.monotonic() + timeout_s
+            while state == "PROC":
+                polls += 1
+                if polls > _SPIN_POLLS:
+                    if time.monotonic() > end:
+                        raise _gone(field, f"the transfer took over {timeout_s:g} s")
+                    time.sleep(50e-6)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise _gone(field, "the transfer failed (the client's agent is gone?)")
+        except RequestError:
+            raise
+        except Exception as exc:  # nixlRemoteDisconnectError: the client died or left
+            raise _gone(field, f"the transfer failed ({type(exc).__name__}): the client's "
+                        "agent cannot be reached") from None
+        finally:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:  # still in flight after a timeout: NIXL keeps it
+                log.warning("a nixl transfer handle could not be released")
+
+
+def _gone(field: str, why: str) -> RequestError:
+    return RequestError(grpc.StatusCode.UNAVAILABLE, f"{field}: NIXL: {why}")
