@@ -52,6 +52,7 @@ from attention_client._regions import (
     RegionSet,
     SharedRegion,
     create_cuda_region,
+    create_nixl_region,
     create_system_region,
 )
 from attention_client._requests import (
@@ -681,6 +682,9 @@ class ClientBase:
         if kind == "system":
             region, key = create_system_region(nbytes, name)
             source = {"system": pb.SystemRegion(key=key)}
+        elif kind == "nixl":
+            region, nixl = create_nixl_region(nbytes, name)
+            source = {"nixl": nixl}
         else:
             region, cuda = create_cuda_region(nbytes, device, name)
             source = {"cuda": cuda}

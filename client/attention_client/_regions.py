@@ -75,7 +75,7 @@ def _pointer(x: Any) -> tuple[int, int, str, int] | None:
 
 
 class SharedRegion:
-    """A registered region: ``name``, ``kind`` ("system" | "cuda"), ``nbytes``. Allocate
+    """A registered region: ``name``, ``kind`` ("system" | "cuda" | "nixl"), ``nbytes``. Allocate
     tensors in it with ``empty``; ``close`` (or the context manager) unregisters it."""
 
     def __init__(
@@ -279,6 +279,56 @@ def create_system_region(nbytes: int, name: str | None = None) -> tuple[SharedRe
     return region, key
 
 
+# This process's NIXL agent (one, made by the first NIXL region): (agent, its name).
+_NIXL: list[Any] = []
+_NIXL_LOCK = threading.Lock()
+
+
+def _nixl_agent() -> tuple[Any, str]:
+    with _NIXL_LOCK:
+        if not _NIXL:
+            try:
+                import nixl_cu13 as nixl
+            except ImportError:
+                raise AttentionInputError(
+                    "register_nixl needs NIXL in this process: pip install "
+                    "'attention-client[nixl]' (the nixl-cu13 wheel)") from None
+            name = f"attention-client-{os.getpid()}-{secrets.token_hex(4)}"
+            _NIXL.extend((nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])), name))
+        return _NIXL[0], _NIXL[1]
+
+
+def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
+    SharedRegion, pb.NixlRegion
+]:
+    """Host memory of this process registered with its NIXL agent (not yet with the server):
+    the server, on any host, pulls inputs from it and pushes outputs into it over UCX."""
+    import mmap
+
+    if nbytes <= 0:
+        raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
+    agent, agent_name = _nixl_agent()
+    try:
+        buffer = mmap.mmap(-1, nbytes)
+    except OSError as exc:
+        raise AttentionResourceError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"nbytes: could not allocate a region of {nbytes} bytes: {exc}") from exc
+    memory = np.frombuffer(buffer, dtype=np.uint8)
+    address = memory.__array_interface__["data"][0]
+    with _NIXL_LOCK:
+        registered = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+
+    def release() -> None:  # the server has dropped it (or never took it): unregister here
+        with _NIXL_LOCK:
+            agent.deregister_memory(registered)
+
+    region = SharedRegion(name or region_name(), "nixl", memory, release, buffer)
+    source = pb.NixlRegion(agent_metadata=agent.get_agent_metadata(), address=address,
+                           memory="DRAM", agent_name=agent_name)
+    return region, source
+
+
 def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None) -> tuple[
     SharedRegion, pb.CudaRegion
 ]:
@@ -387,7 +437,7 @@ class Placement:
         on_gpu = ptr[2] == "cuda"
         gpu = [r for r in self._regions
                if r.kind == "cuda" and on_gpu and r.device.index == x.device.index]
-        host = [r for r in self._regions if r.kind == "system"]
+        host = [r for r in self._regions if r.kind != "cuda"]  # system or NIXL
         return gpu + host
 
     def input(self, x: Any, name: str) -> Any:

@@ -1,0 +1,116 @@
+"""``register_nixl`` against the real server (cpu backend), one process and a process group:
+tensors in a NIXL region, or staged into it, reach the engine over UCX and outputs come back
+the same way, nothing as gRPC bytes; sync and async; registered again after a server restart.
+Skipped without NIXL (``pip install 'attention-client[nixl]'``)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from attention_client import AsyncAttentionClient, AttentionClient
+from attention_kernels import decode_ref, prefill_ref
+
+from ._server import RunningServer, require_server, start_server
+
+pytest.importorskip("nixl_cu13")
+pytestmark = pytest.mark.timeout(120)
+CU = [0, 10, 30]
+
+
+@pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-frontends"])
+def srv(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
+    require_server()
+    running = start_server("--frontends", request.param)
+    yield running
+    running.stop()
+
+
+def _ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return prefill_ref(q.double(), k.double(), v.double(), torch.tensor(CU, dtype=torch.int32),
+                       causal=True, return_lse=True)
+
+
+def _qkv(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(s, generator=g).to(dtype)
+                 for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+
+
+def test_tensors_in_a_nixl_region_travel_by_nixl(srv: RunningServer) -> None:
+    with AttentionClient(srv.target) as c:
+        assert c.info()["nixl"]
+        region = c.register_nixl(1 << 20)
+        assert region.kind == "nixl"
+        q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
+        for t, src in zip((q, k, v), _qkv(seed=1), strict=True):
+            t.copy_(src)
+        out, lse = c.attention(q, k, v, CU, causal=True, return_lse=True)
+        ref, ref_lse = _ref(q, k, v)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-5, rtol=1e-5)
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["bytes_out"] == 0
+        assert s["region_bytes_in"] == (q.numel() + 2 * k.numel()) * 4
+        assert c.list_regions() == [{"name": region.name, "kind": "nixl",
+                                     "byte_size": 1 << 20, "inflight": 0}]
+        region.close()
+        assert c.list_regions() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tensors_outside_a_nixl_region_are_staged_into_it(
+    srv: RunningServer, dtype: torch.dtype,
+) -> None:
+    with AttentionClient(srv.target) as c:
+        c.register_nixl(1 << 20)
+        q, k, v = _qkv(dtype, seed=2)
+        out = c.decode(q[:2], k, v, CU)
+        ref = decode_ref(q[:2].double(), k.double(), v.double(),
+                         torch.tensor(CU, dtype=torch.int32))
+        torch.testing.assert_close(out.double(), ref, atol=1.6e-2, rtol=1.6e-2)
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["region_bytes_in"] > 0
+
+
+def test_numpy_inputs_and_the_async_client(srv: RunningServer) -> None:
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal(s).astype(np.float32)
+               for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
+
+    async def run() -> np.ndarray:
+        async with AsyncAttentionClient(srv.target) as c:
+            region = await c.register_nixl(1 << 20)
+            out = await c.attention(q, k, v, CU, causal=True)
+            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+            await region.aclose()
+            return out  # type: ignore[no-any-return]
+
+    out = asyncio.run(run())
+    ref, _ = _ref(*(torch.from_numpy(x) for x in (q, k, v)))
+    torch.testing.assert_close(torch.from_numpy(out).double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_a_nixl_region_is_registered_again_after_a_server_restart() -> None:
+    require_server()
+    running = start_server()
+    q, k, v = _qkv(seed=5)
+    ref, _ = _ref(q, k, v)
+    try:
+        with AttentionClient(running.target, timeout=30) as c:
+            region = c.register_nixl(1 << 20)
+            torch.testing.assert_close(c.attention(q, k, v, CU, causal=True).double(), ref,
+                                       atol=2e-5, rtol=2e-5)
+            port = running.port
+            running.stop()
+            running = start_server("--port", str(port))
+            out = c.attention(q, k, v, CU, causal=True)
+            torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+            assert [r["name"] for r in c.list_regions()] == [region.name]
+    finally:
+        running.stop()
