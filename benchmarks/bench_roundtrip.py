@@ -11,7 +11,9 @@ One run, one machine (loopback), in this order:
    ``grpc host`` / ``grpc cuda`` (tensor bytes through gRPC from host / cuda tensors),
    ``shm in region`` (tensors in a registered system region), ``shm staged`` (host tensors
    copied into one), ``shm out=`` (output written in place too), ``cuda ipc in region`` and
-   ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU), and the two ``out=``
+   ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU), ``nixl in region`` /
+   ``nixl staged`` / ``nixl out=`` (a NIXL region: the engine pulls and pushes the bytes over
+   UCX, when the server has NIXL), and the two ``out=``
    paths again with a unary call each (``... unary``: call_streams off); every path's answer is
    checked against the float64 reference first;
 3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
@@ -326,6 +328,16 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
         unary(lambda: measure("shm out= unary", c, lambda: c.attention(
             qs, ks, vs, cu, causal=causal, out=out), False))
         region.close()
+        if c.info().get("nixl"):  # NIXL regions: the same calls, bytes moved by UCX
+            nregion = c.register_nixl(2 * nbytes + (64 << 20))
+            qn, kn, vn = (nregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
+            measure("nixl in region", c, lambda: c.attention(qn, kn, vn, cu, causal=causal),
+                    False)
+            measure("nixl staged", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
+            on = nregion.empty(q.shape, q.dtype)
+            measure("nixl out=", c, lambda: c.attention(qn, kn, vn, cu, causal=causal, out=on),
+                    False)
+            nregion.close()
         if torch.cuda.is_available() and c.info()["backend"] == "cuda":
             cregion = c.register_cuda(2 * nbytes + (64 << 20))
             qg, kg, vg = (cregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))

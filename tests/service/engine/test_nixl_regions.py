@@ -1,0 +1,259 @@
+"""NIXL regions at the wire level (issue 66): a client agent in this process registers host
+memory, the server's engine pulls a call's inputs from it and pushes the outputs back over UCX
+(shared memory or TCP on loopback), and every bad registration or span is refused naming the
+field. Skipped without NIXL (``pip install nixl-cu13``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from attention_wire.pb import attention_pb2 as pb
+
+from ..svc_helpers import (
+    TOLERANCE,
+    ServerHandle,
+    chunk_messages,
+    decode_oracle,
+    prefill_oracle,
+    random_qkv,
+    spec,
+)
+
+nixl = pytest.importorskip("nixl_cu13")
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
+
+
+class Agent:
+    """A client's NIXL agent with one registered host buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.name = f"test-client-{uuid.uuid4().hex[:8]}"
+        self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(backends=["UCX"]))
+        self.buf = np.zeros(nbytes, np.uint8)
+        self.reg = self.agent.register_memory([(self.buf.ctypes.data, nbytes, 0, "")], "DRAM")
+
+    def region(self, name: str = "nx", nbytes: int | None = None,
+               **changes: Any) -> pb.RegisterRegionRequest:
+        src = pb.NixlRegion(agent_metadata=self.agent.get_agent_metadata(),
+                            address=self.buf.ctypes.data, agent_name=self.name)
+        for field, value in changes.items():
+            setattr(src, field, value)
+        return pb.RegisterRegionRequest(name=name, byte_size=nbytes or self.buf.nbytes,
+                                        nixl=src)
+
+    def put(self, offset: int, t: torch.Tensor) -> pb.RegionSpan:
+        data = t.contiguous().view(torch.uint8).numpy().reshape(-1)
+        self.buf[offset : offset + data.size] = data
+        return pb.RegionSpan(region="nx", offset=offset, byte_size=data.size)
+
+    def get(self, offset: int, like: torch.Tensor) -> torch.Tensor:
+        n = like.numel() * like.element_size()
+        raw = torch.from_numpy(self.buf[offset : offset + n].copy())
+        return raw.view(like.dtype).view(like.shape)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(1 << 20)
+    yield a
+    a.agent.deregister_memory(a.reg)
+
+
+def _code(fn: Any) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        fn()
+    return info.value.code(), info.value.details()
+
+
+def _prefill(agent: Agent, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cu: list[int]) -> tuple[list[pb.PrefillRequest], dict[str, int]]:
+    """A prefill whose q, k, v, out and lse all live in the agent's region."""
+    offsets, at = {}, 0
+    for name, t in (("q", q), ("k", k), ("v", v), ("out", q)):
+        offsets[name] = at
+        at += -(-t.numel() * t.element_size() // 256) * 256
+    offsets["lse"] = at
+    regions = pb.TensorRegions(q=agent.put(offsets["q"], q), k=agent.put(offsets["k"], k),
+                               v=agent.put(offsets["v"], v))
+    regions.out.CopyFrom(pb.RegionSpan(region="nx", offset=offsets["out"],
+                                       byte_size=q.numel() * q.element_size()))
+    regions.lse.CopyFrom(pb.RegionSpan(region="nx", offset=offsets["lse"],
+                                       byte_size=q.shape[0] * q.shape[1] * 4))
+    header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=cu, causal=True,
+                              return_lse=True, regions=regions)
+    return [pb.PrefillRequest(header=header)], offsets
+
+
+def test_server_info_says_nixl_is_there(server: ServerHandle) -> None:
+    assert server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).nixl
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_prefill_reads_and_writes_client_memory_through_nixl(
+    server: ServerHandle, agent: Agent, dtype: torch.dtype,
+) -> None:
+    stub = server.stub()
+    info = stub.RegisterRegion(agent.region(), timeout=10)
+    assert (info.kind, info.byte_size) == ("nixl", agent.buf.nbytes)
+    try:
+        q, k, v = random_qkv(37, 37, 4, 2, 24, dtype, seed=3)
+        cu = [0, 11, 37]
+        agent.buf[:] = 0xFF  # poison: NaN wherever the server must write
+        msgs, off = _prefill(agent, q, k, v, cu)
+        resp = list(stub.Prefill(iter(msgs), timeout=30))
+        assert len(resp) == 1 and resp[0].HasField("stats")  # nothing streamed back
+        ref, ref_lse = prefill_oracle(q, k, v, cu, causal=True)
+        out, lse = agent.get(off["out"], q), agent.get(off["lse"], torch.empty(4, 37))
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-4)
+        assert resp[0].stats.bytes_in == 0 and resp[0].stats.bytes_out == 0
+    finally:
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+
+
+def test_a_decode_reads_and_writes_client_memory_through_nixl(
+    server: ServerHandle, agent: Agent,
+) -> None:
+    stub = server.stub()
+    stub.RegisterRegion(agent.region(), timeout=10)
+    try:
+        q, _, _ = random_qkv(3, 3, 4, 2, 16, torch.float32, seed=5)
+        _, k, v = random_qkv(30, 30, 4, 2, 16, torch.float32, seed=6)
+        cu = [0, 4, 20, 30]
+        agent.buf[:] = 0xFF
+        spans = pb.TensorRegions(q=agent.put(0, q), k=agent.put(4096, k), v=agent.put(16384, v))
+        spans.out.CopyFrom(pb.RegionSpan(region="nx", offset=32768, byte_size=q.numel() * 4))
+        header = pb.DecodeHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_k=cu,
+                                 regions=spans)
+        list(stub.Decode(iter([pb.DecodeRequest(header=header)]), timeout=30))
+        ref, _ = decode_oracle(q, k, v, cu)
+        out = agent.get(32768, q)
+        tol = TOLERANCE[torch.float32]
+        torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
+    finally:
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+
+
+@pytest.mark.parametrize(("case", "field", "code"), [
+    ("garbage_metadata", "nixl.agent_metadata", grpc.StatusCode.INVALID_ARGUMENT),
+    ("no_metadata", "nixl.agent_metadata", grpc.StatusCode.INVALID_ARGUMENT),
+    ("wrong_name", "nixl.agent_name", grpc.StatusCode.INVALID_ARGUMENT),
+    ("no_name", "nixl.agent_name", grpc.StatusCode.INVALID_ARGUMENT),
+    ("no_address", "nixl.address", grpc.StatusCode.INVALID_ARGUMENT),
+    ("bad_memory", "nixl.memory", grpc.StatusCode.INVALID_ARGUMENT),
+])
+def test_bad_registrations_are_refused_naming_the_field(
+    server: ServerHandle, agent: Agent, case: str, field: str, code: grpc.StatusCode,
+) -> None:
+    changes: dict[str, Any] = {
+        "garbage_metadata": {"agent_metadata": b"not metadata"},
+        "no_metadata": {"agent_metadata": b""},
+        "wrong_name": {"agent_name": "someone-else"},
+        "no_name": {"agent_name": ""},
+        "no_address": {"address": 0},
+        "bad_memory": {"memory": "HBM"},
+    }[case]
+    stub = server.stub()
+    got, details = _code(lambda: stub.RegisterRegion(agent.region(f"bad-{case}", **changes),
+                                                     timeout=10))
+    assert got == code and details.startswith(field + ":"), details
+    assert not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions  # nothing left
+    # The same agent still registers and serves after a refusal.
+    stub.RegisterRegion(agent.region(), timeout=10)
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+
+
+def test_another_caller_cannot_take_over_an_agent_name(agent: Agent) -> None:
+    """Peers are one caller's: registering another's agent name (whatever the metadata) is
+    refused, so a caller cannot redirect transfers meant for another's memory."""
+    from attention_service.engine.nixl_agent import NixlAgent
+    from attention_service.errors import RequestError
+
+    meta = agent.agent.get_agent_metadata()
+    peers = NixlAgent()
+    peers.add_peer("alice", agent.name, meta)
+    with pytest.raises(RequestError) as info:
+        peers.add_peer("mallory", agent.name, meta)
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
+    assert info.value.details.startswith("nixl.agent_name:")
+    peers.add_peer("alice", agent.name, meta)  # alice's second region: counted
+    peers.drop_peer(agent.name)
+    with pytest.raises(RequestError):  # still alice's: one region is left
+        peers.add_peer("mallory", agent.name, meta)
+    peers.drop_peer(agent.name)
+    peers.add_peer("mallory", agent.name, meta)  # gone with alice's last region
+
+
+def test_a_range_the_client_agent_does_not_cover_is_refused_at_registration(
+    server: ServerHandle,
+) -> None:
+    a = Agent(1 << 16)  # 64 KiB registered with the agent ...
+    stub = server.stub()
+    code, details = _code(lambda: stub.RegisterRegion(a.region(nbytes=1 << 20), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("nixl.address:")
+    assert not stub.ListRegions(pb.ListRegionsRequest(), timeout=10).regions
+    assert stub.RegisterRegion(a.region(nbytes=1 << 16), timeout=10).kind == "nixl"
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+
+
+_CHILD = """
+import sys, time, numpy as np
+from nixl_cu13 import nixl_agent, nixl_agent_config
+a = nixl_agent(sys.argv[1], nixl_agent_config(backends=["UCX"]))
+b = np.zeros(1 << 16, np.uint8)
+a.register_memory([(b.ctypes.data, b.nbytes, 0, "")], "DRAM")
+print("READY", a.get_agent_metadata().hex(), b.ctypes.data, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_client_killed_after_registering_fails_its_call_not_the_server(
+    server: ServerHandle,
+) -> None:
+    """The client's agent dies (kill -9) with its region registered: its next call fails
+    UNAVAILABLE naming the field, at once; the server serves other calls."""
+    name = f"test-victim-{uuid.uuid4().hex[:8]}"
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, name], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout is not None
+        line = ""
+        while not line.startswith("READY"):  # NIXL logs to stdout too
+            line = child.stdout.readline()
+            assert line, "the client agent died before it was ready"
+        _, meta, address = line.split()
+        stub = server.stub()
+        stub.RegisterRegion(pb.RegisterRegionRequest(
+            name="nx", byte_size=1 << 16, nixl=pb.NixlRegion(
+                agent_metadata=bytes.fromhex(meta), address=int(address), agent_name=name)),
+            timeout=10)
+    finally:
+        child.kill()
+        child.wait(10)
+    try:
+        q, k, v = random_qkv(8, 8, 2, 2, 8, torch.float32, seed=1)
+        spans = pb.TensorRegions(q=pb.RegionSpan(region="nx", offset=0, byte_size=512),
+                                 k=pb.RegionSpan(region="nx", offset=512, byte_size=512),
+                                 v=pb.RegionSpan(region="nx", offset=1024, byte_size=512))
+        header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=[0, 8],
+                                  regions=spans)
+        code, details = _code(lambda: list(stub.Prefill(
+            iter([pb.PrefillRequest(header=header)]), timeout=30)))
+        assert code == grpc.StatusCode.UNAVAILABLE, (code, details)
+        assert details.startswith("header.regions.q: NIXL"), details
+    finally:
+        stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+    header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=[0, 8])
+    msgs = [pb.PrefillRequest(header=header),
+            *chunk_messages(pb.PrefillRequest, {pb.Q: q, pb.K: k, pb.V: v})]
+    assert list(stub.Prefill(iter(msgs), timeout=30))[-1].HasField("stats")
