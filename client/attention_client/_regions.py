@@ -35,7 +35,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-from attention_client._errors import AttentionInputError, AttentionResourceError
+from attention_client._errors import AttentionError, AttentionInputError, AttentionResourceError
 from attention_client._tensors import is_torch_tensor, storage_dtype
 from attention_wire import shm
 from attention_wire.alloc import FreeList
@@ -294,7 +294,14 @@ def _nixl_agent() -> tuple[Any, str]:
                     "register_nixl needs NIXL in this process: pip install "
                     "'attention-client[nixl]' (the nixl-cu13 wheel)") from None
             name = f"attention-client-{os.getpid()}-{secrets.token_hex(4)}"
-            _NIXL.extend((nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"])), name))
+            try:
+                agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
+            except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
+                raise AttentionError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"register_nixl: NIXL could not start its UCX backend in this process "
+                    f"({type(exc).__name__}: {exc}); check UCX_TLS and UCX_NET_DEVICES") from None
+            _NIXL.extend((agent, name))
         return _NIXL[0], _NIXL[1]
 
 

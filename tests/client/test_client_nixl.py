@@ -114,3 +114,43 @@ def test_a_nixl_region_is_registered_again_after_a_server_restart() -> None:
             assert [r["name"] for r in c.list_regions()] == [region.name]
     finally:
         running.stop()
+
+
+def test_nixl_that_cannot_start_says_so_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UCX with no transport it may use (here ``UCX_TLS`` naming none): the server refuses NIXL
+    regions with FAILED_PRECONDITION and serves the rest; the client's ``register_nixl`` says
+    what to check instead of a NIXL traceback."""
+    import subprocess
+    import sys
+
+    import grpc
+
+    from attention_wire.pb import attention_pb2 as pb
+    from attention_wire.pb.attention_pb2_grpc import AttentionServiceStub
+
+    require_server()
+    monkeypatch.setenv("UCX_TLS", "no-such-transport")
+    running = start_server()
+    try:
+        with grpc.insecure_channel(running.target) as ch:
+            stub = AttentionServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as info:
+                stub.RegisterRegion(pb.RegisterRegionRequest(
+                    name="nx", byte_size=4096, nixl=pb.NixlRegion(
+                        agent_metadata=b"m", address=4096, agent_name="a")), timeout=30)
+            assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert info.value.details().startswith("nixl: ")
+        with AttentionClient(running.target) as c:  # everything else still works
+            q, k, v = _qkv()
+            torch.testing.assert_close(c.attention(q, k, v, CU, causal=True).double(),
+                                       _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
+    finally:
+        running.stop()
+    code = ("from attention_client._regions import create_nixl_region\n"
+            "try:\n    create_nixl_region(4096)\nexcept Exception as e:\n"
+            "    print('ERR', type(e).__name__, e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60).stdout
+    line = next(x for x in out.splitlines() if x.startswith("ERR"))
+    assert "AttentionError FAILED_PRECONDITION: register_nixl: NIXL could not start" in line
+    assert "UCX_TLS" in line

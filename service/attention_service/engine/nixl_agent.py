@@ -67,7 +67,15 @@ class NixlAgent:
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
             name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            self._agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=[self.backend]))
+            try:
+                self._agent = nixl.nixl_agent(name,
+                                              nixl.nixl_agent_config(backends=[self.backend]))
+            except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
+                log.error("nixl could not start its %s backend: %s", self.backend, exc)
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "nixl: the server's NIXL could not start its UCX backend (its UCX_TLS / "
+                    "UCX_NET_DEVICES settings): NIXL regions are unavailable") from None
             log.info("nixl agent %s up (backend %s)", name, self.backend)
         return self._agent
 
