@@ -154,3 +154,26 @@ def test_nixl_that_cannot_start_says_so_on_both_sides(monkeypatch: pytest.Monkey
     line = next(x for x in out.splitlines() if x.startswith("ERR"))
     assert "AttentionError FAILED_PRECONDITION: register_nixl: NIXL could not start" in line
     assert "UCX_TLS" in line
+
+
+def test_cache_decode_steps_go_through_a_nixl_region(srv: RunningServer) -> None:
+    """A KV-cache decode step's q, new tokens and out travel through the NIXL region like a
+    stateless call's; the caches grow as with bytes, and a step's answer matches the reference
+    over the whole context."""
+    g = torch.Generator().manual_seed(9)
+    ks = torch.randn(12, 2, 16, generator=g)
+    vs = torch.randn(12, 2, 16, generator=g)
+    with AttentionClient(srv.target) as c:
+        c.register_nixl(1 << 20)
+        with c.kv_cache(2, 16, torch.float32) as cache:
+            assert cache.append(["s"], ks, vs) == [12]
+            for step in range(3):
+                q = torch.randn(1, 4, 16, generator=g)
+                k1, v1 = torch.randn(1, 2, 16, generator=g), torch.randn(1, 2, 16, generator=g)
+                out = cache.decode(q, ["s"], k1, v1)
+                assert c.last_stats["bytes_in"] == 0 and c.last_stats["region_bytes_in"] > 0
+                ks, vs = torch.cat([ks, k1]), torch.cat([vs, v1])
+                ref = decode_ref(q.double(), ks.double(), vs.double(),
+                                 torch.tensor([0, 13 + step], dtype=torch.int32))
+                torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+            assert cache.lengths == {"s": 15}
