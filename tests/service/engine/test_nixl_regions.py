@@ -257,3 +257,21 @@ def test_a_client_killed_after_registering_fails_its_call_not_the_server(
     msgs = [pb.PrefillRequest(header=header),
             *chunk_messages(pb.PrefillRequest, {pb.Q: q, pb.K: k, pb.V: v})]
     assert list(stub.Prefill(iter(msgs), timeout=30))[-1].HasField("stats")
+
+
+def test_transfers_are_counted_by_direction(start_server: Any) -> None:
+    srv = start_server(metrics_port=0)
+    a = Agent(1 << 20)
+    stub = srv.stub()
+    stub.RegisterRegion(a.region(), timeout=10)
+    q, k, v = random_qkv(16, 16, 2, 2, 8, torch.float32, seed=8)
+    msgs, _ = _prefill(a, q, k, v, [0, 16])
+    list(stub.Prefill(iter(msgs), timeout=30))
+    m = srv.scrape()
+    moved = {s.labels["direction"]: s.value for s in m["attention_nixl_bytes"].samples}
+    # In: q, k, v and the registration's two probe bytes; out: out and lse.
+    assert moved == {"in": 3 * q.numel() * 4 + 2, "out": q.numel() * 4 + 16 * 2 * 4}
+    counts = {s.labels["direction"]: s.value for s in m["attention_nixl_transfer_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"in": 2, "out": 1}  # the registration's probe and the call's pull
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
