@@ -323,15 +323,16 @@ def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
             f"nbytes: could not allocate a region of {nbytes} bytes: {exc}") from exc
     memory = np.frombuffer(buffer, dtype=np.uint8)
     address = memory.__array_interface__["data"][0]
-    with _NIXL_LOCK:
+    with _NIXL_LOCK:  # the agent is used from this lock only (NIXL's default: no locking)
         registered = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+        metadata = agent.get_agent_metadata()
 
     def release() -> None:  # the server has dropped it (or never took it): unregister here
         with _NIXL_LOCK:
             agent.deregister_memory(registered)
 
     region = SharedRegion(name or region_name(), "nixl", memory, release, buffer)
-    source = pb.NixlRegion(agent_metadata=agent.get_agent_metadata(), address=address,
+    source = pb.NixlRegion(agent_metadata=metadata, address=address,
                            memory="DRAM", agent_name=agent_name)
     return region, source
 

@@ -177,3 +177,20 @@ def test_cache_decode_steps_go_through_a_nixl_region(srv: RunningServer) -> None
                                  torch.tensor([0, 13 + step], dtype=torch.int32))
                 torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
             assert cache.lengths == {"s": 15}
+
+
+def test_two_nixl_regions_of_one_client_both_serve(srv: RunningServer) -> None:
+    """The client's agent metadata grows with each region it registers: the server takes the
+    new metadata for the known agent, and the first region keeps working."""
+    with AttentionClient(srv.target) as c:
+        first = c.register_nixl(1 << 20)
+        second = c.register_nixl(1 << 20)
+        for region in (first, second, first):
+            q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
+            for t, src in zip((q, k, v), _qkv(seed=7), strict=True):
+                t.copy_(src)
+            out = c.attention(q, k, v, CU, causal=True)
+            torch.testing.assert_close(out.double(), _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
+            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+        first.close()
+        second.close()

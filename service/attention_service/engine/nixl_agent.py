@@ -107,9 +107,13 @@ class NixlAgent:
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
             name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            # RW: transfers from several mover threads at once; registrations and peers
+            # change under the writer's side (the default without a listener thread is no
+            # locking at all).
+            config = nixl.nixl_agent_config(
+                backends=[self.backend], sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
             try:
-                self._agent = nixl.nixl_agent(name,
-                                              nixl.nixl_agent_config(backends=[self.backend]))
+                self._agent = nixl.nixl_agent(name, config)
             except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
                 log.error("nixl could not start its %s backend: %s", self.backend, exc)
                 raise RequestError(
