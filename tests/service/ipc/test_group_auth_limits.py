@@ -155,13 +155,13 @@ def test_a_tokens_regions_and_quota_span_the_front_ends(group: Group) -> None:
 def test_idle_uploads_on_a_group_do_not_starve_and_end_after_the_timeout() -> None:
     # Issue 63 on the front-end processes (RemoteLink: arena blocks and lazily filled
     # segments): four idle header-only streams per front end, each declaring 1.33 GiB, held
-    # 10.6 GiB of a 4 GiB budget per process before; now 16 MiB each, and they end at 2 s.
+    # 10.6 GiB of a 4 GiB budget per process before; now 16 MiB each, and they end at 5 s.
     import threading
     import time
 
     from ..svc_helpers import declared_prefill, header_then_wait, six_mib_prefill
 
-    g = Group(2, "--upload-idle-timeout", "2")
+    g = Group(2, "--upload-idle-timeout", "5")
     release = threading.Event()
     try:
         stubs = _stubs(g, None)
@@ -169,9 +169,10 @@ def test_idle_uploads_on_a_group_do_not_starve_and_end_after_the_timeout() -> No
                           timeout=30) for s in stubs for _ in range(4)]
         time.sleep(0.3)  # their headers are in
         for s in stubs:
-            t0 = time.perf_counter()
             assert list(s.Prefill(iter(six_mib_prefill()), timeout=10))[-1].HasField("stats")
-            assert time.perf_counter() - t0 < 1.0
+            # Served while the idle uploads still hold their share, not after they were cut
+            # off (a wall-clock bound here failed on a loaded 2-core box: 1.16 s for 1.0).
+            assert not any(call.done() for call in idle)
         for call in idle:
             err = _refused(lambda call=call: list(call))
             assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
