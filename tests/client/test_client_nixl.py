@@ -60,6 +60,10 @@ def test_tensors_in_a_nixl_region_travel_by_nixl(srv: RunningServer) -> None:
                                      "byte_size": 1 << 20, "inflight": 0}]
         region.close()
         assert c.list_regions() == []
+    # The process's agent went with its last region: NIXL's progress thread spins a core.
+    from attention_client import _regions
+
+    assert not _regions._NIXL
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
