@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
+NIXL = importlib.util.find_spec("nixl_cu13") is not None  # the NIXL rows run where it is
 
 
 def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
@@ -34,6 +36,8 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         rt = server["round_trip_ms"]
         assert {"grpc host", "grpc host x2", "shm in region", "shm staged", "shm out=",
                 "shm out= unary"} <= set(rt)
+        nixl = ("nixl in region", "nixl staged", "nixl out=") if NIXL else ()
+        assert set(nixl) <= set(rt)
         assert all(v > 0 for v in rt.values())
         # At least --iters calls per path; the fast ones more, up to --min-seconds of them.
         timed = server["calls_timed"]
@@ -41,7 +45,7 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
         assert max(timed.values()) > 2  # a cpu call of 128 tokens takes well under 25 ms
         # The region paths moved no tensor byte through gRPC; the gRPC path did.
         assert server["stats"]["grpc host"]["bytes_in"] > 0
-        for path in ("shm in region", "shm staged", "shm out=", "shm out= unary"):
+        for path in ("shm in region", "shm staged", "shm out=", "shm out= unary", *nixl):
             assert server["stats"][path]["bytes_in"] == 0
             assert server["stats"][path]["region_bytes_in"] > 0
         # Each stripe count, spread (unspread: the pinned run's); a striped client has a
