@@ -115,8 +115,10 @@ class EngineCore:
         warm_caches(self.backend, self.caches, getattr(self.backend, "warmup_dtypes", ()))
 
     def close(self) -> None:
-        self._mover.shutdown(wait=False)  # queued pulls still answer (UNAVAILABLE)
-        self.executor.close()
+        self.executor.close()  # issued launches finish (their NIXL pushes queue on the movers)
+        # Every NIXL transfer queued is waited for: a pull finds the executor closed and
+        # answers UNAVAILABLE, a push answers its call (each transfer ends within its timeout).
+        self._mover.shutdown(wait=True)
         self.regions.close()
         self.caches.close()
 
