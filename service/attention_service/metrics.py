@@ -44,7 +44,6 @@ from prometheus_client import (
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
-    HistogramMetricFamily,
     InfoMetricFamily,
     Metric,
 )
@@ -201,7 +200,6 @@ class LiveCollector(Collector):
         memory: Callable[[], tuple[int, int]], frontends: Callable[[], int],
         kv_caches: Callable[[], tuple[int, int, int, int]] = lambda: (0, 0, 0, 0),
         regions: Callable[[], tuple[int, int]] = lambda: (0, 0), *,
-        nixl: Callable[[], dict[str, tuple[int, float, list[tuple[str, int]]]]] | None = None,
         queue_capacity: int = 0,
         processes: Callable[[], list[tuple[str, int]]] = _own_process,
         gpu_uuid: str | None = None,
@@ -218,29 +216,11 @@ class LiveCollector(Collector):
         self._frontends = frontends
         self._kv_caches = kv_caches
         self._regions = regions
-        self._nixl = nixl
         self._processes = processes
         self._nvml = NvmlGauges(gpu_uuid) if gpu_uuid else None
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check for clashes at registration; collect() says it all
-
-    def _nixl_families(self) -> Iterator[Metric]:
-        """NIXL regions' transfers (zeros where none ran): bytes and a time histogram per
-        direction, "in" (pulled from clients) and "out" (pushed back)."""
-        snap = self._nixl() if self._nixl is not None else {}
-        moved = CounterMetricFamily("attention_nixl_bytes",
-                                    "Bytes NIXL regions moved, by direction.",
-                                    labels=["direction"])
-        times = HistogramMetricFamily("attention_nixl_transfer_seconds",
-                                      "One NIXL transfer (a call's spans of one client, one "
-                                      "direction), start to done.", labels=["direction"])
-        for d in ("in", "out"):
-            nbytes, secs, buckets = snap.get(d, (0, 0.0, [("+Inf", 0)]))
-            moved.add_metric([d], nbytes)
-            times.add_metric([d], buckets, sum_value=secs)
-        yield moved
-        yield times
 
     def collect(self) -> Iterator[Metric]:
         depth = GaugeMetricFamily(
@@ -282,7 +262,6 @@ class LiveCollector(Collector):
         yield CounterMetricFamily("attention_regions_expired",
                                   "Regions dropped by the idle TTL (--region-ttl).",
                                   value=regions_expired)
-        yield from self._nixl_families()
         # Exposed as attention_device_info{...} 1.
         yield InfoMetricFamily(
             "attention_device", "Device and versions.",
@@ -408,6 +387,16 @@ class Metrics:
             "rate(attention_kernel_seconds_total) is the kernels' bytes/s.", ["rpc"],
             registry=r,
         )
+        # NIXL regions' transfers (engine/nixl_agent.py): both directions exported from the
+        # start, so the series exist before the first NIXL call.
+        nixl_bytes = Counter("attention_nixl_bytes", "Bytes NIXL regions moved, by direction "
+                             "(in: pulled from clients, out: pushed back).", ["direction"],
+                             registry=r)
+        nixl_seconds = Histogram(
+            "attention_nixl_transfer_seconds", "One NIXL transfer (a call's spans of one "
+            "client, one direction), start to done.", ["direction"], buckets=_WAIT, registry=r)
+        self._nixl_children = {d: (nixl_bytes.labels(direction=d),
+                                   nixl_seconds.labels(direction=d)) for d in ("in", "out")}
         self.prefill_flops_rate = Histogram(
             "attention_prefill_kernel_flops_per_second",
             "FLOP/s of each prefill launch (each launch counts once, whatever its size: for "
@@ -497,6 +486,12 @@ class Metrics:
                 waits[0].observe(queue_seconds)
             if engine_seconds is not None:
                 waits[1].observe(engine_seconds)
+
+    def observe_nixl(self, direction: str, nbytes: int, seconds: float) -> None:
+        """One NIXL transfer of ``nbytes``, ``direction`` "in" or "out" (engine process)."""
+        moved, took = self._nixl_children[direction]
+        moved.inc(nbytes)
+        took.observe(seconds)
 
     def observe_launch(
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,

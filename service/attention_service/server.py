@@ -84,7 +84,6 @@ async def create_server(
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                lambda: 1, core.caches.gauges, core.regions.gauges,
-                               nixl=core.regions.nixl.stats.snapshot,
                                queue_capacity=config.max_queue_size, gpu_uuid=gpu_uuid(backend)))
     frontend = await start_frontend(config, LocalLink(core), metrics)
     server = AttentionServer(frontend=frontend, core=core, metrics=metrics, port=frontend.port)

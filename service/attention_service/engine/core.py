@@ -87,6 +87,8 @@ class EngineCore:
             max_per_owner=config.max_regions_per_caller,
             system_bytes_per_owner=config.system_region_bytes_per_caller,
             ttl_seconds=config.region_ttl,
+            # Metrics have it; a bare observer (a benchmark's tally) may not.
+            observe_nixl=getattr(observer, "observe_nixl", None),
         )
         # NIXL regions' transfers (``_pull_and_submit``, ``_push``): waited for here, never on
         # a channel reader, the event loop or the completer.

@@ -20,7 +20,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -45,55 +45,20 @@ def available() -> bool:
 
 # One span to move: (address, bytes, device id).
 Span = tuple[int, int, int]
-# Upper bounds of the transfer-time histogram (seconds): 4 KiB take ~0.1 ms, 128 MiB ~40 ms
-# (H200 host, UCX over shared memory).
-TRANSFER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0)
+# An op's direction, as the metrics label it: "in" pulled from a client, "out" pushed back.
 DIRECTIONS = {"READ": "in", "WRITE": "out"}
-
-
-class TransferStats:
-    """Bytes moved and transfer times by direction ("in": pulled from clients, "out": pushed
-    to them), read by the metrics at scrape time. One lock, taken once per transfer."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        # direction -> [bytes, transfers, seconds, bucket counts (cumulative at read)]
-        self._by: dict[str, list[Any]] = {
-            d: [0, 0, 0.0, [0] * (len(TRANSFER_BUCKETS) + 1)] for d in DIRECTIONS.values()}
-
-    def observe(self, direction: str, nbytes: int, seconds: float) -> None:
-        at = next((i for i, b in enumerate(TRANSFER_BUCKETS) if seconds <= b),
-                  len(TRANSFER_BUCKETS))
-        with self._lock:
-            entry = self._by[direction]
-            entry[0] += nbytes
-            entry[1] += 1
-            entry[2] += seconds
-            entry[3][at] += 1
-
-    def snapshot(self) -> dict[str, tuple[int, float, list[tuple[str, int]]]]:
-        """direction -> (bytes, seconds, [(bucket bound, transfers at most that long), ...]
-        ending with "+Inf"), as the metrics expose them."""
-        bounds = [f"{b:g}" for b in TRANSFER_BUCKETS] + ["+Inf"]
-        with self._lock:
-            out = {}
-            for d, (nbytes, _, secs, counts) in self._by.items():
-                acc, cum = 0, []
-                for bound, c in zip(bounds, counts, strict=True):
-                    acc += c
-                    cum.append((bound, acc))
-                out[d] = (nbytes, secs, cum)
-            return out
+# Called after each transfer with (direction, bytes, seconds): the metrics.
+Observe = Callable[[str, int, float], None]
 
 
 class NixlAgent:
     """The engine's agent and the peers (clients' agents) it knows, by owner. Thread-safe."""
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Observe | None = None) -> None:
         self._lock = threading.Lock()
         self._agent: Any = None
         self.backend = "UCX"
-        self.stats = TransferStats()
+        self._observe = observe
         # Peer name -> [owner, metadata, regions using it].
         self._peers: dict[str, list[Any]] = {}
 
@@ -222,8 +187,9 @@ class NixlAgent:
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise _gone(field, "the transfer failed (the client's agent is gone?)")
-            self.stats.observe(DIRECTIONS[op], sum(n for _, n, _ in local),
-                               time.perf_counter() - t0)
+            if self._observe is not None:
+                self._observe(DIRECTIONS[op], sum(n for _, n, _ in local),
+                              time.perf_counter() - t0)
         except RequestError:
             raise
         except Exception as exc:  # nixlRemoteDisconnectError: the client died or left

@@ -238,7 +238,6 @@ class Group:
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                    alive, core.caches.gauges, core.regions.gauges,
-                                   nixl=core.regions.nixl.stats.snapshot,
                                    queue_capacity=cfg.max_queue_size,
                                    processes=self._processes, gpu_uuid=gpu_uuid(backend)))
         metrics_port = None
