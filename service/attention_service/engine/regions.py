@@ -482,8 +482,11 @@ class RegionRegistry:
         """A mirror of the client's region in this process's host memory, registered with the
         engine's agent, and the client's agent known (its metadata added)."""
         memory = src.memory or "DRAM"
-        if memory not in ("DRAM", "VRAM"):
-            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
+        if memory == "VRAM":  # the mirror and its transfers are host memory's (issue 66)
+            raise RequestError(grpc.StatusCode.UNIMPLEMENTED, "nixl.memory: GPU memory (VRAM) "
+                               "regions are not served yet: register host memory (DRAM)")
+        if memory != "DRAM":
+            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory)")
         if src.address == 0:
             raise invalid("nixl.address", "missing: where the registered memory starts")
         self.nixl.add_peer(owner, src.agent_name, bytes(src.agent_metadata))

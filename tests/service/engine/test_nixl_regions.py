@@ -151,6 +151,7 @@ def test_a_decode_reads_and_writes_client_memory_through_nixl(
     ("no_name", "nixl.agent_name", grpc.StatusCode.INVALID_ARGUMENT),
     ("no_address", "nixl.address", grpc.StatusCode.INVALID_ARGUMENT),
     ("bad_memory", "nixl.memory", grpc.StatusCode.INVALID_ARGUMENT),
+    ("vram", "nixl.memory", grpc.StatusCode.UNIMPLEMENTED),
 ])
 def test_bad_registrations_are_refused_naming_the_field(
     server: ServerHandle, agent: Agent, case: str, field: str, code: grpc.StatusCode,
@@ -162,6 +163,7 @@ def test_bad_registrations_are_refused_naming_the_field(
         "no_name": {"agent_name": ""},
         "no_address": {"address": 0},
         "bad_memory": {"memory": "HBM"},
+        "vram": {"memory": "VRAM"},
     }[case]
     stub = server.stub()
     got, details = _code(lambda: stub.RegisterRegion(agent.region(f"bad-{case}", **changes),
