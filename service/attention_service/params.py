@@ -118,7 +118,7 @@ class BatchKey(NamedTuple):
     alibi: bool
     # The wire dtype of k and v (q's dtype or FLOAT8_E4M3), and whether the kernel reads FP8
     # keys and values: a stateless request's FP8 k/v here; FP8 caches the engine adds
-    # (``batch_plan.batch_key``). Scales are per sequence in the launch, so any two merge.
+    # (``engine.jobs.batch_key``). Scales are per sequence in the launch, so any two merge.
     kv_dtype: int
     fp8: bool
 

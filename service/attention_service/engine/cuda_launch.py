@@ -293,6 +293,9 @@ class _PagedMeta:
         dev = host.to(device, non_blocking=True)
         dev_slots = slots.to(device, non_blocking=True)
         self.keep = (host, slots, dev, dev_slots)
+        work = plan.jobs[0].cache  # every job's pages are views of the one pool
+        assert work is not None, "a cached op's job carries its cache work"
+        self.k_pages, self.v_pages = work.k_pages, work.v_pages
         self.table = dev[:lens_at].view(batch, width)
         self.seq_lens = dev[lens_at : lens_at + batch]
         self.cu_q = dev[q_at:] if plan.cu_seqlens_q is not None else None
@@ -388,18 +391,14 @@ def _decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any, meta: 
 
 def _paged_prefill(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
                    meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
-    work = plan.jobs[0].cache
-    assert work is not None
-    return kernels.paged_prefill(q, work.k_pages, work.v_pages, meta.table, meta.cu_q,
+    return kernels.paged_prefill(q, meta.k_pages, meta.v_pages, meta.table, meta.cu_q,
                                  meta.seq_lens, max_seqlen_q=plan.max_seqlen_q,
                                  causal=plan.key.causal, **kw)
 
 
 def _paged_decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
                   meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
-    work = plan.jobs[0].cache
-    assert work is not None
-    return kernels.paged_decode(q, work.k_pages, work.v_pages, meta.table, meta.seq_lens,
+    return kernels.paged_decode(q, meta.k_pages, meta.v_pages, meta.table, meta.seq_lens,
                                 max_seqlen_k=plan.max_seqlen_k, num_splits=plan.key.num_splits,
                                 **kw)
 
