@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import mmap
 import os
 import secrets
 import sys
@@ -322,8 +323,6 @@ def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
 ]:
     """Host memory of this process registered with its NIXL agent (not yet with the server):
     the server, on any host, pulls inputs from it and pushes outputs into it over UCX."""
-    import mmap
-
     if nbytes <= 0:
         raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
     agent, agent_name = _nixl_agent()
