@@ -25,8 +25,20 @@ def _prefill(**header_changes: Any) -> list[pb.PrefillRequest]:
     """A valid small prefill (2 sequences, 8 tokens, 2 heads / 1 kv head, d=8), then edited."""
     q, k, v = random_qkv(8, 8, 2, 1, 8, torch.float32)
     msgs = list(prefill_messages(q, k, v, [0, 3, 8], chunk=40))
-    h = msgs[0].header
-    for key, value in header_changes.items():
+    _edit(msgs[0].header, header_changes)
+    return msgs
+
+
+def _decode(**header_changes: Any) -> list[pb.DecodeRequest]:
+    q, k, v = random_qkv(2, 8, 2, 1, 8, torch.float32)
+    msgs = list(decode_messages(q, k, v, [0, 3, 8], chunk=40))
+    _edit(msgs[0].header, header_changes)
+    return msgs
+
+
+def _edit(h: Any, changes: dict[str, Any]) -> None:
+    """Set header fields: a TensorSpec copied in, a list replacing a repeated field."""
+    for key, value in changes.items():
         if key in ("q", "k", "v"):
             getattr(h, key).CopyFrom(value)
         elif isinstance(value, list):
@@ -35,21 +47,6 @@ def _prefill(**header_changes: Any) -> list[pb.PrefillRequest]:
             field.extend(value)
         else:
             setattr(h, key, value)
-    return msgs
-
-
-def _decode(**header_changes: Any) -> list[pb.DecodeRequest]:
-    q, k, v = random_qkv(2, 8, 2, 1, 8, torch.float32)
-    msgs = list(decode_messages(q, k, v, [0, 3, 8], chunk=40))
-    h = msgs[0].header
-    for key, value in header_changes.items():
-        if isinstance(value, list):
-            field = getattr(h, key)
-            del field[:]
-            field.extend(value)
-        else:
-            setattr(h, key, value)
-    return msgs
 
 
 def _spec(shape: list[int], dtype: int = pb.FLOAT32) -> pb.TensorSpec:
