@@ -172,7 +172,7 @@ def test_a_step_timeout_cancels_the_stream():
                 steps.step(q, "x", kn, kn)
             assert time.monotonic() - t0 < 5.0
             assert cancelled.wait(5.0)  # the server saw the stream go
-            assert len(step_timeouts) == 1 and 400 < step_timeouts[0] <= 500
+            assert len(step_timeouts) == 1 and 0 < step_timeouts[0] <= 500  # what was left
 
         async def main():
             async with (AsyncAttentionClient(f"127.0.0.1:{port}") as c,
@@ -183,7 +183,7 @@ def test_a_step_timeout_cancels_the_stream():
         cancelled.clear()
         asyncio.run(main())
         assert cancelled.wait(5.0)
-        assert len(step_timeouts) == 2 and 400 < step_timeouts[1] <= 500
+        assert len(step_timeouts) == 2 and 0 < step_timeouts[1] <= 500
     finally:
         server.stop(None)
 
