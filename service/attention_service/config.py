@@ -147,6 +147,9 @@ class ServerConfig:
     # The fraction of max_upload_bytes the uploads of one caller (its token with auth, else
     # its host) may hold together, so one caller cannot hold the whole budget.
     max_upload_share: float = 0.5
+    # Proxies (comma-separated addresses or CIDRs) whose x-attention-caller header names the
+    # caller: behind Envoy every client's peer is Envoy, one caller for the share above.
+    trusted_proxies: str = ""
     # Seconds an incomplete upload may go without a message before it ends (DEADLINE_EXCEEDED)
     # and its reservation is given back (0 = never).
     upload_idle_timeout: float = 10.0
@@ -299,6 +302,7 @@ class ServerConfig:
         check_setting("frontend_cpus", self.frontend_cpus, ("",))
         if self.auth_token is not None and not all(self.tokens):
             raise ValueError("auth_token: empty token in the comma-separated list")
+        self.proxy_networks  # noqa: B018 (raises on a bad entry, naming it)
 
     @property
     def tokens(self) -> tuple[str, ...]:
@@ -307,6 +311,19 @@ class ServerConfig:
         if not self.auth_token:
             return ()
         return tuple(t.strip() for t in self.auth_token.split(","))
+
+    @property
+    def proxy_networks(self) -> tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]:
+        """``trusted_proxies`` parsed (an address is a network of one)."""
+        nets = []
+        for part in self.trusted_proxies.split(","):
+            if part.strip():
+                try:
+                    nets.append(ipaddress.ip_network(part.strip(), strict=False))
+                except ValueError:
+                    raise ValueError(f"trusted_proxies: {part.strip()!r} is not an address or "
+                                     "a CIDR (e.g. 10.0.0.5 or 10.0.0.0/8)") from None
+        return tuple(nets)
 
     @property
     def spin_seconds(self) -> float:
@@ -381,6 +398,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "max_request_flops": ("--max-request-flops", "ATTENTION_MAX_REQUEST_FLOPS", float),
     "max_upload_bytes": ("--max-upload-bytes", "ATTENTION_MAX_UPLOAD_BYTES", int),
     "max_upload_share": ("--max-upload-share", "ATTENTION_MAX_UPLOAD_SHARE", float),
+    "trusted_proxies": ("--trusted-proxies", "ATTENTION_TRUSTED_PROXIES", str),
     "upload_idle_timeout": ("--upload-idle-timeout", "ATTENTION_UPLOAD_IDLE_TIMEOUT", float),
     "min_upload_rate": ("--min-upload-rate", "ATTENTION_MIN_UPLOAD_RATE", int),
     "log_level": ("--log-level", "ATTENTION_LOG_LEVEL", str),
@@ -436,6 +454,8 @@ _HELP: dict[str, str] = {
     "max_upload_bytes": "host bytes the uploads in flight of one front end may reserve together",
     "max_upload_share": "fraction of --max-upload-bytes one caller's uploads may hold (its "
                         "token with auth, else its host)",
+    "trusted_proxies": "addresses or CIDRs, comma-separated, of proxies (Envoy) whose "
+                       "x-attention-caller header names the caller's host (unset: none)",
     "upload_idle_timeout": "seconds an incomplete upload may go without a message before it "
                            "ends (0: never)",
     "min_upload_rate": "bytes/s an upload must average once --upload-idle-timeout has passed "

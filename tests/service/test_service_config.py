@@ -72,6 +72,8 @@ def test_empty_env_means_unset() -> None:
         ([], {"ATTENTION_UPLOAD_IDLE_TIMEOUT": "-1"}),
         (["--min-upload-rate", "-5"], {}),
         (["--max-regions-per-caller", "20000"], {}),  # ListRegions' reply would pass 4 MiB
+        (["--trusted-proxies", "10.0.0.0/33"], {}),
+        ([], {"ATTENTION_TRUSTED_PROXIES": "10.0.0.1,envoy"}),  # names, not addresses
     ],
 )
 def test_invalid_values_rejected(argv: list[str], env: dict[str, str]) -> None:

@@ -116,10 +116,20 @@ def call_log_level(code: str, access_log: bool = True) -> int:
 # of the caller's host and GPU, registered with one replica, so a call that names one must
 # not be balanced onto another (receive_request refuses it).
 PROXIED_HEADER = "x-attention-proxied"
+# And this, the address of the client it serves (its downstream), which a replica trusts
+# from --trusted-proxies only: the caller whose upload share a call counts against.
+CALLER_HEADER = "x-attention-caller"
 
 
-def _proxied(context: grpc.aio.ServicerContext) -> bool:
-    return any(key == PROXIED_HEADER for key, _ in context.invocation_metadata() or ())
+def _proxy_headers(context: grpc.aio.ServicerContext) -> tuple[bool, str]:
+    """(came through the proxy, the caller's host it names or "")."""
+    proxied, caller = False, ""
+    for key, value in context.invocation_metadata() or ():
+        if key == PROXIED_HEADER:
+            proxied = True
+        elif key == CALLER_HEADER and isinstance(value, str):
+            caller = value
+    return proxied, caller
 
 
 def _gone_code(context: grpc.aio.ServicerContext) -> str:
@@ -138,6 +148,7 @@ class AttentionServicer:
         self._config = config
         self._limits = Limits.of(config)
         self._uploads = UploadBudget(config.max_upload_bytes, config.max_upload_share)
+        self._proxies = config.proxy_networks
         self._link = link
         self._metrics = metrics
         self._info = info
@@ -230,10 +241,11 @@ class AttentionServicer:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
             call.caller = self._principals.of(context)
+            proxied, forwarded = _proxy_headers(context)
             received = await receive_request(
                 op, requests, self._limits, self._link, self._uploads,
-                upload_caller(call.caller, call.peer), unary=unary,
-                proxied=_proxied(context))
+                upload_caller(call.caller, call.peer, forwarded, self._proxies), unary=unary,
+                proxied=proxied)
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import ipaddress
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ log = logging.getLogger("attention_service")
 
 # One response message as pieces to join (``attention_wire.responses.output_chunk_parts``).
 MessageParts = tuple[bytes | memoryview, ...]
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 # Output bytes a unary compute rpc answers in its one message (gRPC's 4 MiB limit, less room
 # for the slices' headers and the stats).
@@ -37,15 +39,24 @@ MAX_UNARY_OUTPUT_BYTES = MAX_MESSAGE_BYTES - MESSAGE_OVERHEAD_BYTES
 UPLOAD_STEP_BYTES = 16 << 20
 
 
-def upload_caller(principal: str, peer: str) -> str:
+def upload_caller(principal: str, peer: str, forwarded: str = "",
+                  proxies: tuple[IPNetwork, ...] = ()) -> str:
     """Whose share an upload counts against: the token's principal with auth, else the peer's
     host (``ipv4:10.0.0.7:51234`` -> ``ipv4:10.0.0.7``: a caller's connections are one
-    caller)."""
+    caller). A peer in ``proxies`` (``--trusted-proxies``) that names the caller's host
+    (``forwarded``: its x-attention-caller header) counts that host instead: behind Envoy
+    every client's peer is Envoy."""
     if principal:
         return principal
-    if peer.startswith(("ipv4:", "ipv6:")):
-        return peer.rpartition(":")[0]
-    return peer
+    host = peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+    if forwarded and proxies:
+        try:
+            address = ipaddress.ip_address(host.partition(":")[2].strip("[]"))
+        except ValueError:  # a unix socket or an odd peer: never a trusted proxy
+            return host
+        if any(address in net for net in proxies):
+            return f"{forwarded} via {host}"
+    return host
 
 
 class UploadBudget:

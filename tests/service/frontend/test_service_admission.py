@@ -5,6 +5,7 @@ stays responsive meanwhile."""
 
 from __future__ import annotations
 
+import ipaddress
 import threading
 import time
 from collections.abc import Iterator
@@ -305,6 +306,36 @@ def test_one_caller_holds_at_most_its_share_of_the_budget(start_server: Any) -> 
     assert wait_until(lambda: uploads.used == 0 and not uploads.by_caller)
 
 
+@pytest.mark.parametrize("trusted", ["127.0.0.1", ""])
+def test_behind_a_trusted_proxy_each_client_named_has_its_share(start_server: Any,
+                                                                trusted: str) -> None:
+    # Envoy forwards every client from its own address and names the client in
+    # x-attention-caller. From a trusted proxy the two named clients hold a share each;
+    # from any other peer the header is ignored, so both are one caller.
+    srv = start_server(max_request_bytes=2048, max_upload_bytes=4096, trusted_proxies=trusted)
+    uploads = srv.server.servicer._uploads
+    a = [("x-attention-proxied", "1"), ("x-attention-caller", "10.1.0.1")]
+    b = [("x-attention-proxied", "1"), ("x-attention-caller", "10.1.0.2")]
+    release, calls = _idle_streams(srv, 1, small_prefill()[0], metadata=a)
+    try:
+        assert wait_until(lambda: uploads.used == 1536)
+        err = _refused(srv.stub().Prefill(iter(small_prefill()), timeout=10, metadata=a))
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "--max-upload-share 0.5" in err.details()
+        if trusted:
+            assert set(uploads.by_caller) == {"10.1.0.1 via ipv4:127.0.0.1"}
+            assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10,
+                                           metadata=b))[-1].HasField("stats")
+        else:
+            assert set(uploads.by_caller) == {"ipv4:127.0.0.1"}
+            err = _refused(srv.stub().Prefill(iter(small_prefill()), timeout=10, metadata=b))
+            assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    finally:
+        release.set()
+    _refused(calls[0])
+    assert wait_until(lambda: uploads.used == 0 and not uploads.by_caller)
+
+
 def test_upload_charges_grow_in_steps_and_go_back_whole() -> None:
     budget = UploadBudget(1 << 30, 0.5)
     up = Upload(budget, "x", 100 << 20)
@@ -322,3 +353,13 @@ def test_upload_charges_grow_in_steps_and_go_back_whole() -> None:
     assert upload_caller("", "ipv4:10.0.0.7:51234") == "ipv4:10.0.0.7"
     assert upload_caller("", "ipv6:[::1]:51234") == "ipv6:[::1]"
     assert upload_caller("tok", "ipv4:10.0.0.7:51234") == "tok"
+    # A proxy's naming counts from a trusted peer only, and never over a token.
+    lan = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8"))
+    assert upload_caller("", "ipv4:10.0.0.7:51234", "192.0.2.9", lan) == (
+        "192.0.2.9 via ipv4:10.0.0.7")
+    assert upload_caller("", "ipv6:[fd00::5]:51234", "192.0.2.9", lan) == (
+        "192.0.2.9 via ipv6:[fd00::5]")
+    assert upload_caller("", "ipv4:192.0.2.1:51234", "192.0.2.9", lan) == "ipv4:192.0.2.1"
+    assert upload_caller("", "ipv4:10.0.0.7:51234", "", lan) == "ipv4:10.0.0.7"
+    assert upload_caller("", "unix:/tmp/s", "192.0.2.9", lan) == "unix:/tmp/s"
+    assert upload_caller("tok", "ipv4:10.0.0.7:51234", "192.0.2.9", lan) == "tok"
