@@ -333,6 +333,7 @@ class ClientBase:
         # calls (_call_streams); per op turned off for good if the server has no such rpc.
         self.call_streams = bool(call_streams)
         self.regions = RegionSet()
+        self._nixl_connected: set[str] = set()  # NIXL agents this server knows (ConnectNixl)
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
         self.last_stats: dict[str, Any] | None = None

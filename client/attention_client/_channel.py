@@ -50,6 +50,7 @@ REGION_RPCS = {
     "RegisterRegion": "RegionInfo",
     "UnregisterRegion": "UnregisterRegionResponse",
     "ListRegions": "ListRegionsResponse",
+    "ConnectNixl": "ConnectNixlResponse",
 }
 # Unary KV-cache rpc -> its reply message's name.
 CACHE_RPCS = {

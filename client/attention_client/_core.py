@@ -25,7 +25,7 @@ from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._channel import DEFAULT, CallSettings
 from attention_client._errors import AttentionError, AttentionInputError, AttentionNotFoundError
-from attention_client._regions import SharedRegion
+from attention_client._regions import SharedRegion, nixl_connect_request
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
@@ -170,9 +170,28 @@ class ClientCore(ClientBase):
                                         settings.named(None))
         lost = self._forgotten(listing)
         for region in lost:
-            yield self._unary_rpc("RegisterRegion", region._register_request,
-                                  settings.named(None))
+            yield from self._register_rpc(region._register_request, settings.named(None))
         return bool(lost)
+
+    def _register_rpc(self, request: pb.RegisterRegionRequest, settings: CallSettings) -> Steps:
+        """RegisterRegion. A NIXL region's agent is introduced first (ConnectNixl), once per
+        agent and server: again when the server says it does not know it (it restarted)."""
+        nixl = request.WhichOneof("source") == "nixl"
+        if nixl and request.nixl.agent_name not in self._nixl_connected:
+            yield from self._connect_nixl(settings)
+        try:
+            return (yield self._unary_rpc("RegisterRegion", request, settings))
+        except AttentionError as err:
+            if not (nixl and err.code == grpc.StatusCode.FAILED_PRECONDITION
+                    and "ConnectNixl" in err.details):
+                raise
+        yield from self._connect_nixl(settings)
+        return (yield self._unary_rpc("RegisterRegion", request, settings))
+
+    def _connect_nixl(self, settings: CallSettings) -> Steps:
+        request = nixl_connect_request()
+        yield self._unary_rpc("ConnectNixl", request, settings)
+        self._nixl_connected.add(request.agent_name)
 
     def _call(self, prep: PreparedRequest, settings: CallSettings | None = None,
               lane: int | None = None) -> Steps:
@@ -382,7 +401,7 @@ class ClientCore(ClientBase):
                   settings: CallSettings) -> Steps:
         region, request = self._new_region(kind, nbytes, name, device)
         try:
-            yield self._unary_rpc("RegisterRegion", request, settings)
+            yield from self._register_rpc(request, settings)
         except BaseException:
             region._release()
             raise

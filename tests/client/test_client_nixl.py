@@ -99,8 +99,12 @@ def test_numpy_inputs_and_the_async_client(srv: RunningServer) -> None:
     torch.testing.assert_close(torch.from_numpy(out).double(), ref, atol=2e-5, rtol=2e-5)
 
 
-def test_a_nixl_region_is_registered_again_after_a_server_restart() -> None:
+def test_a_nixl_region_is_registered_again_after_a_server_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The restarted server knows neither the region nor the agent: the client introduces
+    its agent again (ConnectNixl) and registers the region again."""
     require_server()
+    connects = _count_connects(monkeypatch)
     running = start_server()
     q, k, v = _qkv(seed=5)
     ref, _ = _ref(q, k, v)
@@ -116,6 +120,7 @@ def test_a_nixl_region_is_registered_again_after_a_server_restart() -> None:
             torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
             assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
             assert [r["name"] for r in c.list_regions()] == [region.name]
+            assert len(connects) == 2 and connects[0] == connects[1]
     finally:
         running.stop()
 
@@ -183,12 +188,31 @@ def test_cache_decode_steps_go_through_a_nixl_region(srv: RunningServer) -> None
             assert cache.lengths == {"s": 15}
 
 
-def test_two_nixl_regions_of_one_client_both_serve(srv: RunningServer) -> None:
-    """The client's agent metadata grows with each region it registers: the server takes the
-    new metadata for the known agent, and the first region keeps working."""
+def _count_connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The agent names the client sends ConnectNixl for, as it sends them."""
+    from attention_client import _core
+
+    sent: list[str] = []
+    real = _core.nixl_connect_request
+
+    def counted() -> object:
+        request = real()
+        sent.append(request.agent_name)
+        return request
+
+    monkeypatch.setattr(_core, "nixl_connect_request", counted)
+    return sent
+
+
+def test_two_nixl_regions_of_one_client_both_serve(srv: RunningServer,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agent is introduced once (ConnectNixl); each region sends its own memory's
+    metadata, which the server adds to the known agent: the first region keeps working."""
+    connects = _count_connects(monkeypatch)
     with AttentionClient(srv.target) as c:
         first = c.register_nixl(1 << 20)
         second = c.register_nixl(1 << 20)
+        assert len(connects) == 1
         for region in (first, second, first):
             q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
             for t, src in zip((q, k, v), _qkv(seed=7), strict=True):

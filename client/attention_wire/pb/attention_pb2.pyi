@@ -314,6 +314,22 @@ class CudaRegion(_message.Message):
     offset: int
     def __init__(self, ipc_handle: _Optional[bytes] = ..., device_uuid: _Optional[bytes] = ..., offset: _Optional[int] = ...) -> None: ...
 
+class ConnectNixlRequest(_message.Message):
+    __slots__ = ("agent_name", "agent_metadata")
+    AGENT_NAME_FIELD_NUMBER: _ClassVar[int]
+    AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]
+    agent_name: str
+    agent_metadata: bytes
+    def __init__(self, agent_name: _Optional[str] = ..., agent_metadata: _Optional[bytes] = ...) -> None: ...
+
+class ConnectNixlResponse(_message.Message):
+    __slots__ = ("server_agent", "backend")
+    SERVER_AGENT_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    server_agent: str
+    backend: str
+    def __init__(self, server_agent: _Optional[str] = ..., backend: _Optional[str] = ...) -> None: ...
+
 class NixlRegion(_message.Message):
     __slots__ = ("agent_metadata", "address", "memory", "device_id", "agent_name")
     AGENT_METADATA_FIELD_NUMBER: _ClassVar[int]

@@ -65,6 +65,11 @@ class AttentionServiceStub:
                 request_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
                 response_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
                 _registered_method=True)
+        self.ConnectNixl = channel.unary_unary(
+                '/attention.v1.AttentionService/ConnectNixl',
+                request_serializer=attention_dot_v1_dot_attention__pb2.ConnectNixlRequest.SerializeToString,
+                response_deserializer=attention_dot_v1_dot_attention__pb2.ConnectNixlResponse.FromString,
+                _registered_method=True)
         self.CreateCaches = channel.unary_unary(
                 '/attention.v1.AttentionService/CreateCaches',
                 request_serializer=attention_dot_v1_dot_attention__pb2.CreateCachesRequest.SerializeToString,
@@ -192,6 +197,18 @@ class AttentionServiceServicer:
 
     def ListRegions(self, request, context):
         """Lists the caller's regions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ConnectNixl(self, request, context):
+        """Makes the caller's NIXL agent known to the server: its connection metadata, once per agent
+        (and again after the server restarted: a NIXL region naming an agent the server does not
+        know answers FAILED_PRECONDITION saying so). NIXL regions then carry only their own
+        memory's metadata. Errors: FAILED_PRECONDITION without NIXL on the server;
+        PERMISSION_DENIED for an agent name another caller connected; INVALID_ARGUMENT naming
+        agent_name or agent_metadata.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -367,6 +384,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ListRegions,
                     request_deserializer=attention_dot_v1_dot_attention__pb2.ListRegionsRequest.FromString,
                     response_serializer=attention_dot_v1_dot_attention__pb2.ListRegionsResponse.SerializeToString,
+            ),
+            'ConnectNixl': grpc.unary_unary_rpc_method_handler(
+                    servicer.ConnectNixl,
+                    request_deserializer=attention_dot_v1_dot_attention__pb2.ConnectNixlRequest.FromString,
+                    response_serializer=attention_dot_v1_dot_attention__pb2.ConnectNixlResponse.SerializeToString,
             ),
             'CreateCaches': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateCaches,
@@ -607,6 +629,33 @@ class AttentionService:
             '/attention.v1.AttentionService/ListRegions',
             attention_dot_v1_dot_attention__pb2.ListRegionsRequest.SerializeToString,
             attention_dot_v1_dot_attention__pb2.ListRegionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ConnectNixl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/attention.v1.AttentionService/ConnectNixl',
+            attention_dot_v1_dot_attention__pb2.ConnectNixlRequest.SerializeToString,
+            attention_dot_v1_dot_attention__pb2.ConnectNixlResponse.FromString,
             options,
             channel_credentials,
             insecure,

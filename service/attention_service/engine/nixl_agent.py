@@ -3,9 +3,10 @@ the engine's mirror of it (``regions.py``, kind "nixl"; issue 66).
 
 NIXL (PyPI ``nixl-cu13``, UCX inside) is optional: without it the server refuses NIXL regions
 (FAILED_PRECONDITION) and serves everything else. The agent is made on the first NIXL region.
-Clients' agents are known by name; a name belongs to the caller (token) that registered it
-until its last region goes, and its metadata is added again when it changes (a client that
-restarted under the same name).
+Clients' agents are known by name (ConnectNixl: their connection metadata, once per agent);
+each NIXL region adds its own memory's metadata. A name belongs to the caller (token) that
+connected it while the server knows it: while it has regions, and idle up to
+``MAX_IDLE_PEERS`` per caller.
 
 A transfer is one descriptor list per direction and call (every span of one peer at once),
 waited for on the calling thread, with a deadline: a peer that died mid-transfer fails that
@@ -36,6 +37,9 @@ TRANSFER_TIMEOUT_S = 60.0
 # Polls of a transfer's state before the waiter starts sleeping between polls: a 4 KiB
 # transfer between two processes finishes in 13-90 us (dev box, UCX over shared memory).
 _SPIN_POLLS = 200
+# Agents without regions kept known per caller (connected: a client registers its next region
+# without ConnectNixl again); the oldest idle one goes when there are more.
+MAX_IDLE_PEERS = 16
 
 
 def available() -> bool:
@@ -58,8 +62,9 @@ class NixlAgent:
         self._lock = threading.Lock()
         self._agent: Any = None
         self.backend = "UCX"
+        self.name = ""  # the agent's, once made
         self._observe = observe
-        # Peer name -> [owner, metadata, regions using it].
+        # Peer name -> [owner, regions using it, last change (monotonic s)].
         self._peers: dict[str, list[Any]] = {}
 
     def _nixl(self) -> Any:
@@ -71,7 +76,7 @@ class NixlAgent:
                     "nixl: this server has no NIXL (pip install nixl-cu13 on the server's "
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
-            name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            name = self.name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             # RW: transfers from several mover threads at once; registrations and peers
             # change under the writer's side (the default without a listener thread is no
             # locking at all).
@@ -94,56 +99,77 @@ class NixlAgent:
 
     # ---- peers --------------------------------------------------------------------------
 
+    def connect(self, owner: str, name: str, metadata: bytes) -> None:
+        """ConnectNixl: know client agent ``name`` for ``owner`` (``metadata`` its connection
+        metadata, or its full metadata). Again for a known agent: its metadata is added."""
+        self._add(owner, name, metadata, "agent_name", "agent_metadata", regions=0)
+
     def add_peer(self, owner: str, name: str, metadata: bytes) -> None:
-        """Know client agent ``name`` (``metadata`` its NIXL metadata) for ``owner``'s region;
-        counted: ``drop_peer`` once per region."""
+        """A NIXL region of ``owner``'s agent ``name`` (``metadata``: the region's memory, or
+        the agent's full metadata); counted: ``drop_peer`` once per region."""
+        self._add(owner, name, metadata, "nixl.agent_name", "nixl.agent_metadata", regions=1)
+
+    def _add(self, owner: str, name: str, metadata: bytes, name_field: str, md_field: str,
+             regions: int) -> None:
         if not name:
-            raise invalid("nixl.agent_name", "missing: name the agent whose metadata this is")
+            raise invalid(name_field, "missing: name the agent whose metadata this is")
         if not metadata:
-            raise invalid("nixl.agent_metadata", "missing: send nixl_agent.get_agent_metadata()")
+            raise invalid(md_field, "missing: send the agent's NIXL metadata")
         with self._lock:
             agent = self._nixl()
             peer = self._peers.get(name)
             if peer is not None and peer[0] != owner:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                                   f"nixl.agent_name: agent {name!r} is registered by another "
+                                   f"{name_field}: agent {name!r} is registered by another "
                                    "caller")
-            if peer is not None and peer[1] == metadata:
-                peer[2] += 1
-                return
-            if peer is not None:  # the same agent name, new metadata: the client restarted
-                agent.remove_remote_agent(name)
+            # NIXL merges metadata of a known agent (a region's memory, or the whole agent
+            # again): nothing is removed, so transfers of the agent's other regions go on.
             try:
                 added = agent.add_remote_agent(metadata)
             except Exception as exc:  # nixlMismatchError and kin: not metadata of an agent
-                if peer is not None:
-                    del self._peers[name]
-                raise invalid("nixl.agent_metadata", f"not NIXL agent metadata "
-                              f"({type(exc).__name__})") from None
+                if type(exc).__name__ == "nixlNotFoundError" and peer is None:
+                    # A region's own metadata names no connection: the agent must be known.
+                    raise RequestError(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{name_field}: agent {name!r} is not connected to this server: "
+                        "ConnectNixl first (again after a server restart)") from None
+                raise invalid(md_field, f"not NIXL agent metadata ({type(exc).__name__})"
+                              ) from None
             added = added.decode() if isinstance(added, bytes) else str(added)
             if added != name:
-                agent.remove_remote_agent(added)
-                if peer is not None:
-                    del self._peers[name]
-                raise invalid("nixl.agent_name", f"{name!r}, but the metadata is agent "
-                              f"{added!r}'s")
-            count = peer[2] + 1 if peer is not None else 1
-            self._peers[name] = [owner, metadata, count]
+                if added not in self._peers:
+                    agent.remove_remote_agent(added)
+                raise invalid(name_field, f"{name!r}, but the metadata is agent {added!r}'s")
+            if peer is None:
+                peer = self._peers[name] = [owner, 0, 0.0]
+            peer[1] += regions
+            peer[2] = time.monotonic()
+            self._evict_idle(owner)
 
     def drop_peer(self, name: str) -> None:
-        """One region of peer ``name`` went; the peer goes with its last region."""
+        """One region of peer ``name`` went. The agent stays known (connected) while idle, up
+        to ``MAX_IDLE_PEERS`` per caller (the oldest idle ones go first)."""
         with self._lock:
             peer = self._peers.get(name)
             if peer is None:
                 return
-            peer[2] -= 1
-            if peer[2] > 0:
-                return
+            peer[1] -= 1
+            peer[2] = time.monotonic()
+            self._evict_idle(peer[0])
+
+    def _evict_idle(self, owner: str) -> None:
+        """Under the lock: forget ``owner``'s oldest agents without regions past the cap."""
+        idle = sorted((p[2], n) for n, p in self._peers.items() if p[0] == owner and p[1] <= 0)
+        for _, name in idle[:max(0, len(idle) - MAX_IDLE_PEERS)]:
             del self._peers[name]
             try:
                 self._agent.remove_remote_agent(name)
             except Exception:
                 log.exception("removing nixl agent %s failed", name)
+
+    def knows(self, name: str) -> bool:
+        with self._lock:
+            return name in self._peers
 
     # ---- memory -------------------------------------------------------------------------
 

@@ -204,19 +204,26 @@ class RegionRegistry:
             return self.register(owner, request)
         if method == "UnregisterRegion":
             return pb.UnregisterRegionResponse(released=self.unregister(owner, request.name))
+        if method == "ConnectNixl":
+            self._check_allowed()
+            self.nixl.connect(owner, request.agent_name, bytes(request.agent_metadata))
+            return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=self.nixl.backend)
         if method == "ListRegions":
             with self._lock:
                 mine = [r.info() for (o, _), r in self._regions.items() if o == owner]
             return pb.ListRegionsResponse(regions=mine)
         raise ValueError(f"unknown region method {method}")
 
-    def register(self, owner: str, req: pb.RegisterRegionRequest) -> pb.RegionInfo:
+    def _check_allowed(self) -> None:
         if not self.allowed:
             raise RequestError(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "regions: shared-memory registration is off on this server (--regions on "
                 "enables it; by default it is on only with auth or on a loopback address)",
             )
+
+    def register(self, owner: str, req: pb.RegisterRegionRequest) -> pb.RegionInfo:
+        self._check_allowed()
         try:
             shm.check_name(req.name)
         except ValueError as exc:

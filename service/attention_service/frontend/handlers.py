@@ -85,7 +85,7 @@ def _parse_header(op: Op, raw: bytes) -> Any:
     return memoized(_PARSED, (op, raw), lambda: _HEADERS[op].FromString(raw), len(raw))
 # The unary rpcs the engine answers (servicer.control_rpc), by method name.
 CONTROL_METHODS = (
-    "RegisterRegion", "UnregisterRegion", "ListRegions",
+    "RegisterRegion", "UnregisterRegion", "ListRegions", "ConnectNixl",
     "CreateCaches", "ReleaseCaches", "ForkCache", "ListCaches",
 )
 

@@ -41,14 +41,23 @@ class Agent:
         self.buf = np.zeros(nbytes, np.uint8)
         self.reg = self.agent.register_memory([(self.buf.ctypes.data, nbytes, 0, "")], "DRAM")
 
-    def region(self, name: str = "nx", nbytes: int | None = None,
+    def region(self, name: str = "nx", nbytes: int | None = None, partial: bool = False,
                **changes: Any) -> pb.RegisterRegionRequest:
-        src = pb.NixlRegion(agent_metadata=self.agent.get_agent_metadata(),
-                            address=self.buf.ctypes.data, agent_name=self.name)
+        """Its registration: the agent's full metadata, or (``partial``) only this memory's,
+        as attention_client sends it after ConnectNixl."""
+        meta = (self.agent.get_partial_agent_metadata(self.reg, False, ["UCX"]) if partial
+                else self.agent.get_agent_metadata())
+        src = pb.NixlRegion(agent_metadata=meta, address=self.buf.ctypes.data,
+                            agent_name=self.name)
         for field, value in changes.items():
             setattr(src, field, value)
         return pb.RegisterRegionRequest(name=name, byte_size=nbytes or self.buf.nbytes,
                                         nixl=src)
+
+    def connect_request(self) -> pb.ConnectNixlRequest:
+        none = nixl._bindings.nixlRegDList(self.agent.nixl_mems["DRAM"], [])
+        return pb.ConnectNixlRequest(agent_name=self.name, agent_metadata=(
+            self.agent.get_partial_agent_metadata(none, True, ["UCX"])))
 
     def put(self, offset: int, t: torch.Tensor) -> pb.RegionSpan:
         data = t.contiguous().view(torch.uint8).numpy().reshape(-1)
@@ -193,7 +202,71 @@ def test_another_caller_cannot_take_over_an_agent_name(agent: Agent) -> None:
     with pytest.raises(RequestError):  # still alice's: one region is left
         peers.add_peer("mallory", agent.name, meta)
     peers.drop_peer(agent.name)
-    peers.add_peer("mallory", agent.name, meta)  # gone with alice's last region
+    with pytest.raises(RequestError):  # idle, still known (connected): alice's
+        peers.connect("mallory", agent.name, meta)
+
+
+def test_idle_agents_are_kept_up_to_a_cap_per_caller(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An agent whose regions all went stays connected (its next region needs no
+    ConnectNixl), up to MAX_IDLE_PEERS per caller: past that the oldest idle one goes."""
+    from attention_service.engine import nixl_agent
+
+    monkeypatch.setattr(nixl_agent, "MAX_IDLE_PEERS", 1)
+    other = Agent(4096)
+    peers = nixl_agent.NixlAgent()
+    peers.connect("alice", agent.name, agent.agent.get_agent_metadata())
+    peers.add_peer("alice", other.name, other.agent.get_agent_metadata())
+    assert peers.knows(agent.name) and peers.knows(other.name)  # one idle: at the cap
+    peers.drop_peer(other.name)  # two idle now: the older (agent) goes
+    assert not peers.knows(agent.name) and peers.knows(other.name)
+    peers.connect("mallory", agent.name, agent.agent.get_agent_metadata())  # free again
+    other.agent.deregister_memory(other.reg)
+
+
+def test_connect_once_then_regions_send_only_their_own_memory(server: ServerHandle) -> None:
+    """ConnectNixl carries the agent's connection metadata once; each region then sends its
+    own memory's metadata (NIXL's partial metadata), and calls move bytes through it."""
+    a = Agent(1 << 16)
+    stub = server.stub()
+    # A region of an agent the server does not know, with no connection in its metadata.
+    code, details = _code(lambda: stub.RegisterRegion(a.region(partial=True), timeout=10))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+    assert details.startswith("nixl.agent_name:") and "ConnectNixl" in details
+    reply = stub.ConnectNixl(a.connect_request(), timeout=10)
+    assert reply.backend == "UCX" and reply.server_agent.startswith("attention-server-")
+    assert stub.RegisterRegion(a.region(partial=True), timeout=10).kind == "nixl"
+    q, k, v = random_qkv(8, 8, 2, 2, 8, torch.float32, seed=3)
+    msgs, offsets = _prefill(a, q, k, v, [0, 3, 8])
+    list(stub.Prefill(iter(msgs), timeout=30))
+    want = prefill_oracle(q, k, v, [0, 3, 8], causal=True)[0].float()
+    assert torch.allclose(a.get(offsets["out"], q), want, atol=1e-4)
+    # A second region of the same agent: its own metadata merges in, the first keeps working.
+    b2 = np.zeros(1 << 12, np.uint8)
+    reg2 = a.agent.register_memory([(b2.ctypes.data, b2.nbytes, 0, "")], "DRAM")
+    second = pb.RegisterRegionRequest(name="nx2", byte_size=b2.nbytes, nixl=pb.NixlRegion(
+        agent_metadata=a.agent.get_partial_agent_metadata(reg2, False, ["UCX"]),
+        address=b2.ctypes.data, agent_name=a.name))
+    assert stub.RegisterRegion(second, timeout=10).kind == "nixl"
+    list(stub.Prefill(iter(msgs), timeout=30))
+    assert torch.allclose(a.get(offsets["out"], q), want, atol=1e-4)
+    stub.UnregisterRegion(pb.UnregisterRegionRequest(), timeout=10)
+    a.agent.deregister_memory(reg2)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    ({"agent_name": ""}, "agent_name"),
+    ({"agent_metadata": b""}, "agent_metadata"),
+    ({"agent_metadata": b"not metadata"}, "agent_metadata"),
+    ({"agent_name": "someone-else"}, "agent_name"),
+])
+def test_bad_connects_are_refused_naming_the_field(server: ServerHandle, agent: Agent,
+                                                   change: dict[str, Any], field: str) -> None:
+    request = agent.connect_request()
+    for name, value in change.items():
+        setattr(request, name, value)
+    code, details = _code(lambda: server.stub().ConnectNixl(request, timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field}:"), details
 
 
 def test_a_range_the_client_agent_does_not_cover_is_refused_at_registration(

@@ -190,6 +190,7 @@ CONTROL = {
     "GetServerInfo": pb.GetServerInfoRequest(),
     "ListRegions": pb.ListRegionsRequest(),
     "UnregisterRegion": pb.UnregisterRegionRequest(name="nope"),
+    "ConnectNixl": pb.ConnectNixlRequest(agent_name="fz", agent_metadata=b"not metadata"),
 }
 
 
