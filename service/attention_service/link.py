@@ -37,6 +37,7 @@ class EngineInfo:
     kv_cache_bytes: int = 0  # the KV-cache pool (0: caches off)
     kv_page_bytes: int = 0
     nixl: bool = False  # NIXL regions can be registered (regions allowed, NIXL installed)
+    nixl_backend: str = ""  # "UCX", with UCX_TLS when the server restricts UCX's transports
 
 
 class ExecStats(NamedTuple):

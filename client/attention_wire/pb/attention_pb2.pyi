@@ -249,7 +249,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, connections: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl", "nixl_backend")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +272,7 @@ class ServerInfo(_message.Message):
     FRONTEND_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     FEWEST_FRONTEND_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
+    NIXL_BACKEND_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -294,7 +295,8 @@ class ServerInfo(_message.Message):
     frontend_connections: int
     fewest_frontend_connections: int
     nixl: bool
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ...) -> None: ...
+    nixl_backend: str
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ..., nixl_backend: _Optional[str] = ...) -> None: ...
 
 class SystemRegion(_message.Message):
     __slots__ = ("key", "offset")

@@ -29,6 +29,7 @@ from attention_service.engine.kv_caches import METHODS as CACHE_METHODS
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import KvPool
 from attention_service.engine.nixl_agent import available as nixl_available
+from attention_service.engine.nixl_agent import backend_name as nixl_backend
 from attention_service.engine.regions import NixlSpans, RegionRegistry
 from attention_service.engine.warmup import warm_caches
 from attention_service.errors import Cancelled, RequestError, StartupError, invalid
@@ -105,7 +106,8 @@ class EngineCore:
             cuda_version=(torch.version.cuda or "") if backend.name == "cuda" else "",
             kv_cache_bytes=pool.nbytes if pool is not None else 0,
             kv_page_bytes=pool.page_bytes if pool is not None else 0,
-            nixl=config.regions_allowed and nixl_available(),
+            nixl=(nixl := config.regions_allowed and nixl_available()),
+            nixl_backend=nixl_backend() if nixl else "",
         )
 
     def queue_depth(self, op: Op) -> int:

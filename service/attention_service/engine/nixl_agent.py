@@ -47,6 +47,13 @@ def available() -> bool:
     return importlib.util.find_spec(NIXL_MODULE) is not None
 
 
+def backend_name() -> str:
+    """The backend, and UCX's transports when this process restricts them (UCX_TLS): NIXL
+    does not report the transport UCX picks for each peer."""
+    tls = os.environ.get("UCX_TLS", "")
+    return f"UCX UCX_TLS={tls}" if tls else "UCX"
+
+
 # One span to move: (address, bytes, device id).
 Span = tuple[int, int, int]
 # An op's direction, as the metrics label it: "in" pulled from a client, "out" pushed back.

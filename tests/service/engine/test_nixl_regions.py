@@ -102,8 +102,14 @@ def _prefill(agent: Agent, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return [pb.PrefillRequest(header=header)], offsets
 
 
-def test_server_info_says_nixl_is_there(server: ServerHandle) -> None:
-    assert server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10).nixl
+def test_server_info_says_nixl_is_there(server: ServerHandle,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from attention_service.engine.nixl_agent import backend_name
+
+    info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
+    assert info.nixl and info.nixl_backend.startswith("UCX"), info
+    monkeypatch.setenv("UCX_TLS", "tcp,self")
+    assert backend_name() == "UCX UCX_TLS=tcp,self"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
