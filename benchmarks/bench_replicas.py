@@ -145,12 +145,9 @@ class Fleet:
                     raise RuntimeError("a replica did not start") from f.exception()
             pin = cpu_list(args.envoy_cpus) if args.envoy_cpus else None
             ends = [("127.0.0.1", int(r.target.rsplit(":", 1)[1])) for r in self.replicas]
-            self.envoys = {
-                "1 replica": LocalEnvoy(ends[:1], _free_port(), _free_port(),
-                                        args.envoy_concurrency, pin),
-                f"{args.replicas} replicas": LocalEnvoy(ends, _free_port(), _free_port(),
-                                                        args.envoy_concurrency, pin),
-            }
+            for name, over in (("1 replica", ends[:1]), (f"{args.replicas} replicas", ends)):
+                self.envoys[name] = LocalEnvoy(over, _free_port(), _free_port(),
+                                               args.envoy_concurrency, pin)
             for name, envoy in self.envoys.items():
                 envoy.wait_healthy(1 if name == "1 replica" else args.replicas, 60)
             self.targets = {name: e.target for name, e in self.envoys.items()}

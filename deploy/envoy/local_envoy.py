@@ -53,13 +53,23 @@ class LocalEnvoy:
         self._dir = tempfile.TemporaryDirectory()
         path = Path(self._dir.name) / "envoy.yaml"
         path.write_text(yaml.safe_dump(envoy_config(endpoints, listen, admin)))
+        # Its log in a file (a pipe nobody reads could fill and stall it on a long run).
+        self._log = open(Path(self._dir.name) / "envoy.log", "w+")  # noqa: SIM115 (in close)
         # A base id of its own: two Envoys on one host must not share shared-memory stats.
         self.proc = subprocess.Popen(
             [ENVOY, "-c", str(path), "--base-id", str(random.randrange(1 << 20)),
              "--log-level", "error", "--concurrency", str(concurrency)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.DEVNULL, stderr=self._log, text=True)
         if cpus:
-            os.sched_setaffinity(self.proc.pid, cpus)
+            try:
+                os.sched_setaffinity(self.proc.pid, cpus)
+            except OSError:
+                self.close()
+                raise
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return (Path(self._dir.name) / "envoy.log").read_text()
 
     def admin_text(self, path: str) -> str:
         try:
@@ -80,7 +90,7 @@ class LocalEnvoy:
         end = time.monotonic() + timeout
         while (seen := self.healthy()) != n:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"envoy exited: {self.proc.stderr.read()}")  # type: ignore[union-attr]
+                raise RuntimeError(f"envoy exited: {self.log_text()}")
             if time.monotonic() > end:
                 raise TimeoutError(f"envoy sees {seen} healthy replicas, not {n}")
             time.sleep(0.1)
@@ -93,6 +103,5 @@ class LocalEnvoy:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
+        self._log.close()
         self._dir.cleanup()

@@ -210,6 +210,42 @@ def test_client_handles_keep_to_their_replica(stack: Stack) -> None:
         assert ids <= {c.cache_id for c in listed.caches}
 
 
+def test_envoy_names_the_client_by_its_socket_not_by_its_headers() -> None:
+    """What a replica trusts from Envoy (--trusted-proxies): x-attention-caller is the client's
+    address as Envoy's socket sees it. A client's own x-forwarded-for (which Envoy's plain
+    downstream address would read) or x-attention-caller does not change it."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    seen: list[dict[str, Any]] = []
+
+    def info(request: pb.GetServerInfoRequest, context: grpc.ServicerContext) -> pb.ServerInfo:
+        seen.append(dict(context.invocation_metadata()))
+        return pb.ServerInfo()
+
+    server = grpc.server(ThreadPoolExecutor(4))
+    checks = health.HealthServicer()
+    checks.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(checks, server)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+        "attention.v1.AttentionService", {"GetServerInfo": grpc.unary_unary_rpc_method_handler(
+            info, request_deserializer=pb.GetServerInfoRequest.FromString,
+            response_serializer=pb.ServerInfo.SerializeToString)}),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    envoy = LocalEnvoy([("127.0.0.1", port)], _free_port(), _free_port())
+    try:
+        envoy.wait_healthy(1)
+        with grpc.insecure_channel(envoy.target) as channel:
+            pb_grpc.AttentionServiceStub(channel).GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=10, metadata=(
+                    ("x-forwarded-for", "6.6.6.6"), ("x-attention-caller", "7.7.7.7")))
+        assert seen and seen[-1]["x-attention-caller"] == "127.0.0.1", seen
+        assert seen[-1]["x-attention-proxied"] == "1"
+    finally:
+        envoy.close()
+        server.stop(0)
+
+
 def test_what_must_not_pass_the_proxy_is_refused_saying_why(stack: Stack) -> None:
     create = pb.CreateCachesRequest(cache_ids=["x"], layout=layout(torch.float32, 2, 16))
     with pytest.raises(grpc.RpcError) as info:

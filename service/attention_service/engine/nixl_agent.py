@@ -54,6 +54,22 @@ def backend_name() -> str:
     return f"UCX UCX_TLS={tls}" if tls else "UCX"
 
 
+def metadata_agent(metadata: bytes) -> str | None:
+    """The agent a NIXL metadata blob is of (its serialized header: ``nixlSerDes|Agent``, an
+    8-byte little-endian length, the name, ``|``), or None when it has none."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    size = int.from_bytes(metadata[len(head):len(head) + 8], "little")
+    start = len(head) + 8
+    if size > 1024 or metadata[start + size:start + size + 1] != b"|":
+        return None
+    try:
+        return metadata[start:start + size].decode()
+    except UnicodeDecodeError:
+        return None
+
+
 # One span to move: (address, bytes, device id).
 Span = tuple[int, int, int]
 # An op's direction, as the metrics label it: "in" pulled from a client, "out" pushed back.
@@ -123,7 +139,12 @@ class NixlAgent:
         if not metadata:
             raise invalid(md_field, "missing: send the agent's NIXL metadata")
         with self._lock:
-            agent = self._nixl()
+            agent = self._nixl()  # first: a server whose NIXL cannot start says so
+            named = metadata_agent(metadata)
+            if named is None:
+                raise invalid(md_field, "not NIXL agent metadata (no nixlSerDes agent header)")
+            if named != name:  # before NIXL sees it: it would merge it into agent ``named``
+                raise invalid(name_field, f"{name!r}, but the metadata is agent {named!r}'s")
             peer = self._peers.get(name)
             if peer is not None and peer[0] != owner:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
@@ -132,21 +153,29 @@ class NixlAgent:
             # NIXL merges metadata of a known agent (a region's memory, or the whole agent
             # again): nothing is removed, so transfers of the agent's other regions go on.
             try:
-                added = agent.add_remote_agent(metadata)
+                agent.add_remote_agent(metadata)
             except Exception as exc:  # nixlMismatchError and kin: not metadata of an agent
-                if type(exc).__name__ == "nixlNotFoundError" and peer is None:
+                kind = type(exc).__name__
+                if kind == "nixlNotFoundError" and peer is None and not regions:
+                    raise invalid(md_field, "no connection info: send the agent's "
+                                  "get_partial_agent_metadata([], inc_conn_info=True)") from None
+                if kind == "nixlNotFoundError" and peer is None:
                     # A region's own metadata names no connection: the agent must be known.
                     raise RequestError(
                         grpc.StatusCode.FAILED_PRECONDITION,
                         f"{name_field}: agent {name!r} is not connected to this server: "
                         "ConnectNixl first (again after a server restart)") from None
-                raise invalid(md_field, f"not NIXL agent metadata ({type(exc).__name__})"
-                              ) from None
-            added = added.decode() if isinstance(added, bytes) else str(added)
-            if added != name:
-                if added not in self._peers:
-                    agent.remove_remote_agent(added)
-                raise invalid(name_field, f"{name!r}, but the metadata is agent {added!r}'s")
+                if kind != "nixlNotAllowedError" or peer is None:
+                    raise invalid(md_field, f"not NIXL agent metadata ({kind})") from None
+                # New connection info under a known name: the same caller's agent restarted
+                # under that name. The old one is gone; its regions' memory with it.
+                agent.remove_remote_agent(name)
+                try:
+                    agent.add_remote_agent(metadata)
+                except Exception as again:
+                    del self._peers[name]
+                    raise invalid(md_field, f"not NIXL agent metadata "
+                                  f"({type(again).__name__})") from None
             if peer is None:
                 peer = self._peers[name] = [owner, 0, 0.0]
             peer[1] += regions

@@ -59,6 +59,7 @@ import torch
 
 from attention_service.engine.jobs import PINNED, ByteBase
 from attention_service.engine.nixl_agent import NixlAgent, Observe
+from attention_service.engine.nixl_agent import backend_name as nixl_backend
 from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import RegionSpan
@@ -207,7 +208,7 @@ class RegionRegistry:
         if method == "ConnectNixl":
             self._check_allowed()
             self.nixl.connect(owner, request.agent_name, bytes(request.agent_metadata))
-            return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=self.nixl.backend)
+            return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=nixl_backend())
         if method == "ListRegions":
             with self._lock:
                 mine = [r.info() for (o, _), r in self._regions.items() if o == owner]

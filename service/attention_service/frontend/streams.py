@@ -8,6 +8,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
+from urllib.parse import unquote
 
 import grpc
 import numpy as np
@@ -50,8 +51,8 @@ def upload_caller(principal: str, peer: str, forwarded: str = "",
         return principal
     host = peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
     if forwarded and proxies:
-        try:
-            address = ipaddress.ip_address(host.partition(":")[2].strip("[]"))
+        try:  # grpc writes IPv6 peers percent-encoded: ipv6:%5B::1%5D:34260
+            address = ipaddress.ip_address(unquote(host.partition(":")[2]).strip("[]"))
         except ValueError:  # a unix socket or an odd peer: never a trusted proxy
             return host
         if any(address in net for net in proxies):

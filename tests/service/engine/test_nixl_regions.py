@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
 class Agent:
     """A client's NIXL agent with one registered host buffer."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.name = f"test-client-{uuid.uuid4().hex[:8]}"
+    def __init__(self, nbytes: int, name: str | None = None) -> None:
+        self.name = name or f"test-client-{uuid.uuid4().hex[:8]}"
         self.agent = nixl.nixl_agent(self.name, nixl.nixl_agent_config(backends=["UCX"]))
         self.buf = np.zeros(nbytes, np.uint8)
         self.reg = self.agent.register_memory([(self.buf.ctypes.data, nbytes, 0, "")], "DRAM")
@@ -260,16 +260,43 @@ def test_connect_once_then_regions_send_only_their_own_memory(server: ServerHand
     a.agent.deregister_memory(reg2)
 
 
+def test_metadata_names_its_agent_and_a_restarted_agent_replaces_its_old_self(
+        agent: Agent) -> None:
+    """The agent a blob is of is read before NIXL sees it (NIXL would merge another agent's
+    metadata into that agent); an agent that restarted under its old name (new connection
+    info) replaces the old one for the same caller."""
+    from attention_service.engine.nixl_agent import NixlAgent, metadata_agent
+    from attention_service.errors import RequestError
+
+    meta = agent.agent.get_agent_metadata()
+    assert metadata_agent(meta) == agent.name
+    assert metadata_agent(agent.connect_request().agent_metadata) == agent.name
+    assert metadata_agent(b"nixlSerDes|Agent\xff\xff\xff\xff\xff\xff\xff\x7fx|") is None
+    assert metadata_agent(b"junk") is None
+    peers = NixlAgent()
+    peers.connect("alice", agent.name, meta)
+    with pytest.raises(RequestError) as info:  # alice's blob under another (new) name
+        peers.connect("alice", "not-" + agent.name, meta)
+    assert info.value.details.startswith("agent_name:") and not peers.knows("not-" + agent.name)
+    again = Agent(4096, name=agent.name)  # the same name, a new process's connection info
+    peers.connect("alice", agent.name, again.agent.get_agent_metadata())
+    assert peers.knows(agent.name)
+    again.agent.deregister_memory(again.reg)
+
+
 @pytest.mark.parametrize(("change", "field"), [
     ({"agent_name": ""}, "agent_name"),
     ({"agent_metadata": b""}, "agent_metadata"),
     ({"agent_metadata": b"not metadata"}, "agent_metadata"),
     ({"agent_name": "someone-else"}, "agent_name"),
+    ({"agent_metadata": "region"}, "agent_metadata"),  # no connection info in it
 ])
 def test_bad_connects_are_refused_naming_the_field(server: ServerHandle, agent: Agent,
                                                    change: dict[str, Any], field: str) -> None:
     request = agent.connect_request()
     for name, value in change.items():
+        if value == "region":
+            value = agent.agent.get_partial_agent_metadata(agent.reg, False, ["UCX"])
         setattr(request, name, value)
     code, details = _code(lambda: server.stub().ConnectNixl(request, timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(f"{field}:"), details

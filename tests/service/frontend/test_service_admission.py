@@ -357,8 +357,8 @@ def test_upload_charges_grow_in_steps_and_go_back_whole() -> None:
     lan = (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("fd00::/8"))
     assert upload_caller("", "ipv4:10.0.0.7:51234", "192.0.2.9", lan) == (
         "192.0.2.9 via ipv4:10.0.0.7")
-    assert upload_caller("", "ipv6:[fd00::5]:51234", "192.0.2.9", lan) == (
-        "192.0.2.9 via ipv6:[fd00::5]")
+    assert upload_caller("", "ipv6:%5Bfd00::5%5D:51234", "192.0.2.9", lan) == (
+        "192.0.2.9 via ipv6:%5Bfd00::5%5D")  # grpc's form of an IPv6 peer
     assert upload_caller("", "ipv4:192.0.2.1:51234", "192.0.2.9", lan) == "ipv4:192.0.2.1"
     assert upload_caller("", "ipv4:10.0.0.7:51234", "", lan) == "ipv4:10.0.0.7"
     assert upload_caller("", "unix:/tmp/s", "192.0.2.9", lan) == "unix:/tmp/s"
