@@ -169,6 +169,9 @@ class ServerConfig:
     # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
     # is loopback; off otherwise, so no remote caller can make the server map host memory).
     regions: str = "auto"
+    # NIXL regions (any host) among them, when NIXL is installed: NIXL parses each caller's
+    # agent metadata in the engine process, and malformed metadata can crash it (docs).
+    nixl: bool = True
     # Regions one caller (token) may have registered at once, and the bytes of its system
     # regions together (0 = no limit): the server maps those and, on cuda, page-locks them, so
     # with several tokens this keeps one from pinning the host's memory. CUDA IPC regions are
@@ -406,6 +409,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "frontends": ("--frontends", "ATTENTION_FRONTENDS", int),
     "arena_bytes": ("--arena-bytes", "ATTENTION_ARENA_BYTES", int),
     "regions": ("--regions", "ATTENTION_REGIONS", _word),
+    "nixl": ("--nixl", "ATTENTION_NIXL", _bool_env),
     "max_regions_per_caller": ("--max-regions-per-caller", "ATTENTION_MAX_REGIONS_PER_CALLER",
                                int),
     "system_region_bytes_per_caller": ("--system-region-bytes-per-caller",
@@ -467,6 +471,8 @@ _HELP: dict[str, str] = {
     "arena_bytes": "shared memory per front end for request and response tensors",
     "regions": "same-host shared-memory registration: on, off or auto (on with auth or a "
                "loopback bind)",
+    "nixl": "NIXL regions (any host; needs NIXL installed and regions on): --no-nixl keeps "
+            "callers' NIXL metadata out of the engine process",
     "max_regions_per_caller": "regions one caller may hold at once",
     "system_region_bytes_per_caller": "bytes of system regions one caller may hold (0: no "
                                       "limit)",

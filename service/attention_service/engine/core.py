@@ -84,7 +84,7 @@ class EngineCore:
             inline_ops=frozenset({Op.CACHE_DECODE}),  # see the executor's module doc
         )
         self.regions = RegionRegistry(
-            backend, allowed=config.regions_allowed,
+            backend, allowed=config.regions_allowed, nixl=config.nixl,
             max_per_owner=config.max_regions_per_caller,
             system_bytes_per_owner=config.system_region_bytes_per_caller,
             ttl_seconds=config.region_ttl,
@@ -106,7 +106,7 @@ class EngineCore:
             cuda_version=(torch.version.cuda or "") if backend.name == "cuda" else "",
             kv_cache_bytes=pool.nbytes if pool is not None else 0,
             kv_page_bytes=pool.page_bytes if pool is not None else 0,
-            nixl=(nixl := config.regions_allowed and nixl_available()),
+            nixl=(nixl := config.regions_allowed and config.nixl and nixl_available()),
             nixl_backend=nixl_backend() if nixl else "",
         )
 

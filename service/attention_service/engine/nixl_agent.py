@@ -81,7 +81,8 @@ Observe = Callable[[str, int, float], None]
 class NixlAgent:
     """The engine's agent and the peers (clients' agents) it knows, by owner. Thread-safe."""
 
-    def __init__(self, observe: Observe | None = None) -> None:
+    def __init__(self, observe: Observe | None = None, enabled: bool = True) -> None:
+        self.enabled = enabled  # --nixl
         self._lock = threading.Lock()
         self._agent: Any = None
         self.backend = "UCX"
@@ -93,6 +94,11 @@ class NixlAgent:
     def _nixl(self) -> Any:
         """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
         if self._agent is None:
+            if not self.enabled:
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "nixl: NIXL regions are off on this server (--no-nixl): register a system "
+                    "or cuda region, or send the bytes")
             if not available():
                 raise RequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,

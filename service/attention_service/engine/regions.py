@@ -179,6 +179,7 @@ class RegionRegistry:
         self, backend: Any, allowed: bool, max_per_owner: int = 64,
         system_bytes_per_owner: int = 0, ttl_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic, observe_nixl: Observe | None = None,
+        nixl: bool = True,
     ) -> None:
         """``max_per_owner``: regions one owner may hold; ``system_bytes_per_owner``: bytes
         of its system regions together (0 = no limit); ``ttl_seconds``: idle seconds after
@@ -193,7 +194,7 @@ class RegionRegistry:
         self._regions: dict[tuple[str, str], _Region] = {}
         self._claims: dict[tuple[str, str], _Claim] = {}  # registrations mapping right now
         self._ipc = IpcMappings(cuda_ipc.open_handle, self._close_ipc)
-        self.nixl = NixlAgent(observe_nixl)
+        self.nixl = NixlAgent(observe_nixl, enabled=nixl)
         self.expired_total = 0  # regions dropped by the TTL (a metric)
         self._sweeper = (Sweeper("region-ttl", ttl_seconds, self.expire)
                          if allowed and ttl_seconds > 0 else None)

@@ -260,6 +260,24 @@ def test_connect_once_then_regions_send_only_their_own_memory(server: ServerHand
     a.agent.deregister_memory(reg2)
 
 
+def test_no_nixl_refuses_nixl_regions_and_serves_the_rest(start_server: Any,
+                                                          agent: Agent) -> None:
+    """--no-nixl: NIXL metadata never reaches NIXL; the other regions and calls go on."""
+    srv = start_server(nixl=False)
+    stub = srv.stub()
+    assert not stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).nixl
+    for call in (lambda: stub.ConnectNixl(agent.connect_request(), timeout=10),
+                 lambda: stub.RegisterRegion(agent.region(), timeout=10)):
+        code, details = _code(call)
+        assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
+        assert details.startswith("nixl: ") and "--no-nixl" in details
+    q, k, v = random_qkv(8, 8, 2, 2, 8, torch.float32, seed=4)
+    header = pb.PrefillHeader(q=spec(q), k=spec(k), v=spec(v), cu_seqlens_q=[0, 8])
+    msgs = [pb.PrefillRequest(header=header),
+            *chunk_messages(pb.PrefillRequest, {pb.Q: q, pb.K: k, pb.V: v})]
+    assert list(stub.Prefill(iter(msgs), timeout=30))[-1].HasField("stats")
+
+
 def test_metadata_names_its_agent_and_a_restarted_agent_replaces_its_old_self(
         agent: Agent) -> None:
     """The agent a blob is of is read before NIXL sees it (NIXL would merge another agent's
