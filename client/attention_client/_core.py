@@ -25,7 +25,11 @@ from attention_client import _argnames as argnames
 from attention_client._base import ClientBase
 from attention_client._channel import DEFAULT, CallSettings
 from attention_client._errors import AttentionError, AttentionInputError, AttentionNotFoundError
-from attention_client._regions import SharedRegion, nixl_connect_request
+from attention_client._regions import (
+    SharedRegion,
+    nixl_connect_request,
+    with_full_nixl_metadata,
+)
 from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._score import ScoreMods
@@ -177,8 +181,10 @@ class ClientCore(ClientBase):
         """RegisterRegion. A NIXL region's agent is introduced first (ConnectNixl), once per
         agent and server: again when the server says it does not know it (it restarted)."""
         nixl = request.WhichOneof("source") == "nixl"
-        if nixl and request.nixl.agent_name not in self._nixl_connected:
-            yield from self._connect_nixl(settings)
+        if (nixl and request.nixl.agent_name not in self._nixl_connected
+                and not (yield from self._connect_nixl(settings))):
+            # A server from before ConnectNixl: the agent's whole metadata introduces it.
+            request = with_full_nixl_metadata(request)
         try:
             return (yield self._unary_rpc("RegisterRegion", request, settings))
         except AttentionError as err:
@@ -189,9 +195,16 @@ class ClientCore(ClientBase):
         return (yield self._unary_rpc("RegisterRegion", request, settings))
 
     def _connect_nixl(self, settings: CallSettings) -> Steps:
+        """ConnectNixl for this process's agent; False when the server has no such rpc."""
         request = nixl_connect_request()
-        yield self._unary_rpc("ConnectNixl", request, settings)
+        try:
+            yield self._unary_rpc("ConnectNixl", request, settings)
+        except AttentionError as err:
+            if err.code != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            return False
         self._nixl_connected.add(request.agent_name)
+        return True
 
     def _call(self, prep: PreparedRequest, settings: CallSettings | None = None,
               lane: int | None = None) -> Steps:

@@ -366,6 +366,19 @@ def nixl_connect_request() -> pb.ConnectNixlRequest:
     return pb.ConnectNixlRequest(agent_name=name, agent_metadata=metadata)
 
 
+def with_full_nixl_metadata(request: pb.RegisterRegionRequest) -> pb.RegisterRegionRequest:
+    """``request`` carrying this process's agent's whole metadata, not only its region's (for
+    a server without ConnectNixl)."""
+    with _NIXL_LOCK:
+        if not _NIXL:
+            raise AttentionInputError("RegisterRegion: this process has no NIXL region")
+        metadata = _NIXL[0].get_agent_metadata()
+    full = pb.RegisterRegionRequest()
+    full.CopyFrom(request)
+    full.nixl.agent_metadata = metadata
+    return full
+
+
 def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None) -> tuple[
     SharedRegion, pb.CudaRegion
 ]:

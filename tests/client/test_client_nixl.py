@@ -222,3 +222,33 @@ def test_two_nixl_regions_of_one_client_both_serve(srv: RunningServer,
             assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
         first.close()
         second.close()
+
+
+def test_a_server_without_connect_nixl_gets_the_agents_whole_metadata(
+        srv: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against a server from before ConnectNixl (the rpc answers UNIMPLEMENTED: here it is
+    sent to a method no server has), the registration carries the agent's whole metadata,
+    which introduces the agent, and calls go through the region."""
+    from attention_client import _base, client
+
+    real = _base.small_rpcs
+
+    def without_connect(channel: object) -> dict[str, object]:
+        rpcs = real(channel)
+        rpcs["ConnectNixl"] = channel.unary_unary(  # type: ignore[attr-defined]
+            "/attention.v1.AttentionService/NoSuchRpc",
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=lambda b: b)
+        return rpcs
+
+    monkeypatch.setattr(client, "small_rpcs", without_connect)
+    with AttentionClient(srv.target) as c:
+        region = c.register_nixl(1 << 20)
+        q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
+        for t, src in zip((q, k, v), _qkv(seed=9), strict=True):
+            t.copy_(src)
+        out = c.attention(q, k, v, CU, causal=True)
+        torch.testing.assert_close(out.double(), _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
+        assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+        assert not c._nixl_connected
+        region.close()
