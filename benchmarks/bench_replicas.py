@@ -183,17 +183,21 @@ def _input_bytes(urls: list[str]) -> list[float]:
     return [(scrape(u) or {}).get("attention_input_bytes_total", math.nan) for u in urls]
 
 
+def _split(before: list[float], urls: list[str]) -> list[float]:
+    """Each replica's share of the tensor bytes in since ``before`` (``_input_bytes``)."""
+    moved = [b - a for a, b in zip(before, _input_bytes(urls), strict=True)]
+    return [x / sum(moved) for x in moved] if sum(moved) else []
+
+
 def prefill_point(args: argparse.Namespace, workers: Workers, fleet: Fleet, name: str,
                   clients: int, seed: int) -> dict[str, Any]:
     urls = fleet.metrics(name)
     before = _input_bytes(urls)
     row = workers.run(fleet.targets[name], clients, args.warmup,
                       args.duration, ",".join(urls), seed)
-    split = [b - a for a, b in zip(before, _input_bytes(urls), strict=True)]
     return {"side": "prefill", "rate": row["rps"], "MBps": row["wire_in_MBps"],
             "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"], "errors": row["errors"],
-            "kernel_busy": row["kernel_busy"],
-            "split": [x / sum(split) for x in split] if sum(split) else []}
+            "kernel_busy": row["kernel_busy"], "split": _split(before, urls)}
 
 
 def sessions_point(args: argparse.Namespace, fleet: Fleet, name: str,
@@ -201,11 +205,10 @@ def sessions_point(args: argparse.Namespace, fleet: Fleet, name: str,
     urls = fleet.metrics(name)
     before = _input_bytes(urls)
     row = run_point(fleet.targets[name], args, "sessions", clients, step_stream=True)
-    split = [b - a for a, b in zip(before, _input_bytes(urls), strict=True)]
     return {"side": "sessions", "rate": row["steps_per_s"], "MBps": math.nan,
             "p50_ms": row["p50_ms"], "p99_ms": row["p99_ms"],
             "errors": sum(row["errors"].values()), "kernel_p50_ms": row["kernel_p50_ms"],
-            "split": [x / sum(split) for x in split] if sum(split) else []}
+            "split": _split(before, urls)}
 
 
 def _cores(cores: dict[str, float]) -> str:

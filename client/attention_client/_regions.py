@@ -352,30 +352,34 @@ def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
     return region, source
 
 
-def nixl_connect_request() -> pb.ConnectNixlRequest:
-    """ConnectNixl for this process's agent (made by its first NIXL region): its name and
-    connection metadata."""
+def _agent_metadata(rpc: str, connection_only: bool) -> tuple[str, bytes]:
+    """This process's agent's name and metadata: its connection alone (no memory), or all of
+    it. The agent lives while the process has NIXL regions."""
     with _NIXL_LOCK:
         if not _NIXL:
-            raise AttentionInputError("ConnectNixl: this process has no NIXL region")
+            raise AttentionInputError(f"{rpc}: this process has no NIXL region")
         agent, name = _NIXL[0], _NIXL[1]
+        if not connection_only:
+            return name, agent.get_agent_metadata()
         import nixl_cu13 as nixl
 
         none = nixl._bindings.nixlRegDList(agent.nixl_mems["DRAM"], [])
-        metadata = agent.get_partial_agent_metadata(none, True, ["UCX"])
+        return name, agent.get_partial_agent_metadata(none, True, ["UCX"])
+
+
+def nixl_connect_request() -> pb.ConnectNixlRequest:
+    """ConnectNixl for this process's agent (made by its first NIXL region): its name and
+    connection metadata."""
+    name, metadata = _agent_metadata("ConnectNixl", connection_only=True)
     return pb.ConnectNixlRequest(agent_name=name, agent_metadata=metadata)
 
 
 def with_full_nixl_metadata(request: pb.RegisterRegionRequest) -> pb.RegisterRegionRequest:
     """``request`` carrying this process's agent's whole metadata, not only its region's (for
     a server without ConnectNixl)."""
-    with _NIXL_LOCK:
-        if not _NIXL:
-            raise AttentionInputError("RegisterRegion: this process has no NIXL region")
-        metadata = _NIXL[0].get_agent_metadata()
     full = pb.RegisterRegionRequest()
     full.CopyFrom(request)
-    full.nixl.agent_metadata = metadata
+    full.nixl.agent_metadata = _agent_metadata("RegisterRegion", connection_only=False)[1]
     return full
 
 

@@ -41,6 +41,17 @@ def _qkv(dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tenso
                  for s in ((30, 4, 16), (30, 2, 16), (30, 2, 16)))
 
 
+def _attention_in_region(c: AttentionClient, region: object, seed: int) -> None:
+    """q, k, v placed in ``region``: the answer matches the float64 reference, and no tensor
+    byte went as gRPC bytes."""
+    q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())  # type: ignore[attr-defined]
+    for t, src in zip((q, k, v), _qkv(seed=seed), strict=True):
+        t.copy_(src)
+    out = c.attention(q, k, v, CU, causal=True)
+    torch.testing.assert_close(out.double(), _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
+    assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+
+
 def test_tensors_in_a_nixl_region_travel_by_nixl(srv: RunningServer) -> None:
     with AttentionClient(srv.target) as c:
         assert c.info()["nixl"]
@@ -214,12 +225,7 @@ def test_two_nixl_regions_of_one_client_both_serve(srv: RunningServer,
         second = c.register_nixl(1 << 20)
         assert len(connects) == 1
         for region in (first, second, first):
-            q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
-            for t, src in zip((q, k, v), _qkv(seed=7), strict=True):
-                t.copy_(src)
-            out = c.attention(q, k, v, CU, causal=True)
-            torch.testing.assert_close(out.double(), _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
-            assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+            _attention_in_region(c, region, seed=7)
         first.close()
         second.close()
 
@@ -244,11 +250,6 @@ def test_a_server_without_connect_nixl_gets_the_agents_whole_metadata(
     monkeypatch.setattr(client, "small_rpcs", without_connect)
     with AttentionClient(srv.target) as c:
         region = c.register_nixl(1 << 20)
-        q, k, v = (region.empty(t.shape, torch.float32) for t in _qkv())
-        for t, src in zip((q, k, v), _qkv(seed=9), strict=True):
-            t.copy_(src)
-        out = c.attention(q, k, v, CU, causal=True)
-        torch.testing.assert_close(out.double(), _ref(q, k, v)[0], atol=2e-5, rtol=2e-5)
-        assert c.last_stats["bytes_in"] == 0  # type: ignore[index]
+        _attention_in_region(c, region, seed=9)
         assert not c._nixl_connected
         region.close()

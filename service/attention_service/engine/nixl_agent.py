@@ -40,6 +40,7 @@ _SPIN_POLLS = 200
 # Agents without regions kept known per caller (connected: a client registers its next region
 # without ConnectNixl again); the oldest idle one goes when there are more.
 MAX_IDLE_PEERS = 16
+BACKEND = "UCX"  # the NIXL backend that moves the bytes
 
 
 def available() -> bool:
@@ -51,7 +52,7 @@ def backend_name() -> str:
     """The backend, and UCX's transports when this process restricts them (UCX_TLS): NIXL
     does not report the transport UCX picks for each peer."""
     tls = os.environ.get("UCX_TLS", "")
-    return f"UCX UCX_TLS={tls}" if tls else "UCX"
+    return f"{BACKEND} UCX_TLS={tls}" if tls else BACKEND
 
 
 def metadata_agent(metadata: bytes) -> str | None:
@@ -85,7 +86,6 @@ class NixlAgent:
         self.enabled = enabled  # --nixl
         self._lock = threading.Lock()
         self._agent: Any = None
-        self.backend = "UCX"
         self.name = ""  # the agent's, once made
         self._observe = observe
         # Peer name -> [owner, regions using it, last change (monotonic s)].
@@ -113,17 +113,17 @@ class NixlAgent:
             # 1.0 CPU s per s, idle), and the side that starts every transfer does not need
             # one (its waiter drives it). The clients' agents, whose memory is read, do.
             config = nixl.nixl_agent_config(
-                enable_prog_thread=False, backends=[self.backend],
+                enable_prog_thread=False, backends=[BACKEND],
                 sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
             try:
                 self._agent = nixl.nixl_agent(name, config)
             except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
-                log.error("nixl could not start its %s backend: %s", self.backend, exc)
+                log.error("nixl could not start its %s backend: %s", BACKEND, exc)
                 raise RequestError(
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "nixl: the server's NIXL could not start its UCX backend (its UCX_TLS / "
                     "UCX_NET_DEVICES settings): NIXL regions are unavailable") from None
-            log.info("nixl agent %s up (backend %s)", name, self.backend)
+            log.info("nixl agent %s up (backend %s)", name, BACKEND)
         return self._agent
 
     # ---- peers --------------------------------------------------------------------------

@@ -50,14 +50,20 @@ def upload_caller(principal: str, peer: str, forwarded: str = "",
     if principal:
         return principal
     host = peer.rpartition(":")[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
-    if forwarded and proxies:
-        try:  # grpc writes IPv6 peers percent-encoded: ipv6:%5B::1%5D:34260
-            address = ipaddress.ip_address(unquote(host.partition(":")[2]).strip("[]"))
-        except ValueError:  # a unix socket or an odd peer: never a trusted proxy
-            return host
-        if any(address in net for net in proxies):
-            return f"{forwarded} via {host}"
+    if forwarded and proxies and _trusted(host, proxies):
+        return f"{forwarded} via {host}"
     return host
+
+
+@functools.lru_cache(maxsize=1024)
+def _trusted(host: str, proxies: tuple[IPNetwork, ...]) -> bool:
+    """Whether peer host ``host`` (``ipv4:10.0.0.7``) is in ``proxies``: parsed once per
+    proxy address, not per call."""
+    try:  # grpc writes IPv6 peers percent-encoded: ipv6:%5B::1%5D:34260
+        address = ipaddress.ip_address(unquote(host.partition(":")[2]).strip("[]"))
+    except ValueError:  # a unix socket or an odd peer: never a trusted proxy
+        return False
+    return any(address in net for net in proxies)
 
 
 class UploadBudget:
