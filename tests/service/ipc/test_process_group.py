@@ -331,12 +331,20 @@ def test_batching_spans_frontend_processes() -> None:
         stubs = [pb_grpc.AttentionServiceStub(connect_to(g, pid)) for pid in (a, a, a, b, b, b)]
         blocker = pb_grpc.AttentionServiceStub(connect_to(g, a))
         reqs = [_request(200 + i) for i in range(6)]
+        sent = threading.Event()
+
+        def blocker_messages() -> Iterator[Any]:
+            yield from _blocker(1)
+            sent.set()  # grpc asked for the next message: the last one is on its way
+
         with ThreadPoolExecutor(8) as pool:
-            busy = pool.submit(lambda: collect(blocker.Prefill(iter(_blocker(1)), timeout=120)))
-            # The blocker is in the engine (computing) before the small calls go out.
-            assert wait_until(lambda: sample(g.scrape(), "attention_inflight_requests",
-                                             "attention_inflight_requests") >= 1)
-            time.sleep(0.3)
+            busy = pool.submit(lambda: collect(blocker.Prefill(blocker_messages(), timeout=120)))
+            # The blocker is in the engine (computing) before the small calls go out: its
+            # whole upload sent, not only begun (a call in flight may still be uploading its
+            # 50 MB on a loaded machine, and small calls that reach an idle device launch at
+            # once: CI saw launches of 3, 2 and 1).
+            assert sent.wait(60)
+            time.sleep(0.5)
             futures = [pool.submit(lambda s=s, m=m: collect(s.Prefill(iter(m), timeout=120)))
                        for s, (m, _) in zip(stubs, reqs, strict=True)]
             responses = [f.result(120) for f in futures]
