@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         # agree).
         k, many = args.replicas, f"{args.replicas} replicas"
         points = [("1 replica", 1), ("1 replica", k), (many, k)] + (
-            [(DIRECT, 1)] if args.direct else [])
+            [(DIRECT, 1), (DIRECT, k)] if args.direct else [])
         if "prefill" in args.sides:
             spec = LoadSpec(mode="prefill", heads=args.heads, kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=args.dtype, min_len=args.min_len,
@@ -282,10 +282,15 @@ def main(argv: list[str] | None = None) -> int:
             one = max(x["rate"] for x in here if x["fleet"] == "1 replica")
             (all_,) = (x["rate"] for x in here if x["fleet"] == many)
             ratios.setdefault(side, []).append(all_ / max(one, 1e-9))
-            for d in (x for x in here if x["fleet"] == DIRECT):  # same clients, no proxy
+            direct = [x for x in here if x["fleet"] == DIRECT]
+            if direct:  # the fleet against replica 0 without the proxy's hop, its better point
+                ratios.setdefault(f"{side}, {many} / {DIRECT}", []).append(
+                    all_ / max(max(d["rate"] for d in direct), 1e-9))
+            for d in direct:  # same clients, no proxy
                 (via,) = (x["rate"] for x in here
                           if x["fleet"] == "1 replica" and x["clients"] == d["clients"])
-                ratios.setdefault(f"{side}, Envoy over replica 0 / {DIRECT}", []).append(
+                ratios.setdefault(f"{side}, Envoy over replica 0 / {DIRECT}, "
+                                  f"{d['clients']} clients", []).append(
                     via / max(d["rate"], 1e-9))
     lines = [
         f"# bench_replicas: {args.replicas} x {info.device}, "

@@ -30,10 +30,12 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads((tmp_path / "bench_replicas_2x_cpu.json").read_text())
     rows = {(r["fleet"], r["side"], r["clients"]): r for r in report["rows"]}
-    # Replica 0 alone with 1x and 2x the clients, the fleet with 2x, replica 0 direct with 1x.
+    # Replica 0 alone with 1x and 2x the clients, the fleet with 2x, replica 0 direct with
+    # both counts.
     assert set(rows) == {(fleet, side, 2 * scale) for side in ("prefill", "sessions")
                          for fleet, scale in (("1 replica", 1), ("1 replica", 2),
-                                              ("2 replicas", 2), ("replica 0 direct", 1))}
+                                              ("2 replicas", 2), ("replica 0 direct", 1),
+                                              ("replica 0 direct", 2))}
     for key, row in rows.items():
         assert row["rate"] > 0 and row["errors"] == 0, (key, row)
         assert row["cores"]["replica 0"] > 0, (key, row["cores"])
@@ -41,9 +43,15 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
         assert len(row["split"]) == (2 if key[0] == "2 replicas" else 1), (key, row)
         assert sum(row["split"]) == pytest.approx(1.0)
     assert rows[("2 replicas", "prefill", 4)]["MBps"] > 0
-    assert set(report["ratios"]) == {
-        "prefill", "sessions", "prefill, Envoy over replica 0 / replica 0 direct",
-        "sessions, Envoy over replica 0 / replica 0 direct"}
+    assert set(report["ratios"]) == {"prefill", "sessions"} | {
+        f"{side}, 2 replicas / replica 0 direct" for side in ("prefill", "sessions")} | {
+        f"{side}, Envoy over replica 0 / replica 0 direct, {n} clients"
+        for side in ("prefill", "sessions") for n in (2, 4)}
+    # The fleet against replica 0 direct is taken against its better point.
+    for side in ("prefill", "sessions"):
+        best = max(rows[("replica 0 direct", side, n)]["rate"] for n in (2, 4))
+        assert report["ratios"][f"{side}, 2 replicas / replica 0 direct"] == [
+            pytest.approx(rows[("2 replicas", side, 4)]["rate"] / best)]
     assert all(v > 0 for vals in report["ratios"].values() for v in vals)
     table = (tmp_path / "bench_replicas_2x_cpu.md").read_text()
     assert "| 2 replicas | sessions | 4 |" in table and "| sessions |" in table
