@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -50,6 +51,7 @@ from bench_service import (
     cpu_list,
     cpu_times,
     cpu_usage,
+    frontend_spread,
     scrape,
     server_info,
 )
@@ -117,6 +119,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 DIRECT = "replica 0 direct"
+# Envoy counters kept per point (their change over it): flow control pauses, pending requests,
+# connections. What the proxy waited on, where replica 0 behind it moves fewer bytes than direct.
+ENVOY_COUNTERS = re.compile(
+    r"^(cluster\.attention\.(upstream_flow_control_\w+|upstream_rq_pending_total|"
+    r"upstream_cx_total|upstream_rq_total)|http\.ingress\.downstream_flow_control_\w+|"
+    r"http\.ingress\.downstream_cx_total)$")
 
 
 class Fleet:
@@ -169,6 +177,16 @@ class Fleet:
         if out["all"] is not None:  # with the load processes that ended (joined) meanwhile
             ended = os.times()
             out["all"]["total"] += ended.children_user + ended.children_system
+        return out
+
+    def envoy_counters(self, fleet: str) -> dict[str, int]:
+        """The ``ENVOY_COUNTERS`` of the Envoy that ``fleet`` goes through (none direct)."""
+        envoy = self.envoys.get(fleet)
+        out: dict[str, int] = {}
+        for line in (envoy.admin_text("/stats") if envoy else "").splitlines():
+            name, _, value = line.partition(": ")
+            if ENVOY_COUNTERS.match(name) and value.strip().isdigit():
+                out[name] = int(value)
         return out
 
     def close(self) -> None:
@@ -253,12 +271,23 @@ def main(argv: list[str] | None = None) -> int:
                 for side in args.sides:
                     clients = scale * (args.prefill_clients if side == "prefill"
                                        else args.sessions_clients)
-                    c0, t = fleet.cpu(), time.monotonic()
+                    c0, e0, t = fleet.cpu(), fleet.envoy_counters(name), time.monotonic()
                     row = (prefill_point(args, workers, fleet, name, clients, r)
                            if side == "prefill" else sessions_point(args, fleet, name, clients))
-                    # Cores each process used over the point (its warm-up and setup too).
+                    # Cores each process used over the point (its warm-up and setup too), and
+                    # replica 0's busiest thread: one front end's loop at 1.0 caps it.
                     c1, t = fleet.cpu(), time.monotonic() - t
                     cores = {k: cpu_usage(c0[k], c1[k], t)[0] for k in c0}
+                    row["replica0_busiest_thread"] = round(
+                        cpu_usage(c0["replica 0"], c1["replica 0"], t)[1], 2)
+                    # Connections per front end of replica 0 as the point ends (the load's,
+                    # or Envoy's upstream ones), and what its Envoy counted meanwhile.
+                    r0 = fleet.replicas[0]
+                    row["replica0_frontend_connections"] = frontend_spread(
+                        r0.target, r0.proc.pid)
+                    e1 = fleet.envoy_counters(name)
+                    row["envoy_counters"] = {k: v - e0.get(k, 0) for k, v in e1.items()
+                                             if v - e0.get(k, 0)}
                     # The load: this script's process tree less the replicas and Envoys.
                     cores["load"] = cores.pop("all") - sum(cores.values())
                     row.update(round=r, fleet=name, clients=clients, cores={
@@ -268,7 +297,11 @@ def main(argv: list[str] | None = None) -> int:
                           f"{row['rate']:9.1f}/s  "
                           f"{_f(row['MBps'])} MB/s  p50 {_f(row['p50_ms'], 2)} ms  split "
                           f"{'/'.join(f'{x:.2f}' for x in row['split'])}  errors "
-                          f"{row['errors']}  cores {_cores(row['cores'])}", flush=True)
+                          f"{row['errors']}  cores {_cores(row['cores'])}  replica 0: busiest "
+                          f"thread {row['replica0_busiest_thread']}, connections per front "
+                          f"end {row['replica0_frontend_connections']}", flush=True)
+                    if row["envoy_counters"]:
+                        print(f"    envoy: {row['envoy_counters']}", flush=True)
     finally:
         if workers is not None:
             workers.close()

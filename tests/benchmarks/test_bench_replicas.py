@@ -42,6 +42,12 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
         # Bytes reached each replica the point drove: all on replica 0 unless the fleet.
         assert len(row["split"]) == (2 if key[0] == "2 replicas" else 1), (key, row)
         assert sum(row["split"]) == pytest.approx(1.0)
+        # The diagnostics: replica 0's busiest thread, and the counters of the Envoy the
+        # point went through (none direct).
+        assert 0 < row["replica0_busiest_thread"] <= 1.5, (key, row)
+        envoy_calls = row["envoy_counters"].get("cluster.attention.upstream_rq_total", 0)
+        if key[1] == "prefill":
+            assert (envoy_calls > 0) == (key[0] != "replica 0 direct"), (key, row)
     assert rows[("2 replicas", "prefill", 4)]["MBps"] > 0
     assert set(report["ratios"]) == {"prefill", "sessions"} | {
         f"{side}, 2 replicas / replica 0 direct" for side in ("prefill", "sessions")} | {

@@ -21,6 +21,7 @@ import grpc
 import pytest
 import torch
 
+from attention_client._base import crowded
 from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
@@ -107,6 +108,13 @@ def test_server_info_counts_the_connections_of_each_front_end(group: Group) -> N
     assert info.fewest_frontend_connections < info.frontend_connections
     plain = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
     assert plain.frontend_connections == plain.fewest_frontend_connections == 0  # not asked
+    # Through a proxy (Envoy marks what it forwards) the caller's connection ends at the
+    # proxy: no counts, so a spreading client behind it stays put (crowded() is False).
+    proxied = stub.GetServerInfo(pb.GetServerInfoRequest(connections=True), timeout=10,
+                                 metadata=[("x-attention-proxied", "1")])
+    assert proxied.frontends == 2
+    assert proxied.frontend_connections == proxied.fewest_frontend_connections == 0
+    assert not crowded(proxied)
 
 
 def _crowd_front_end_0(group: Group, module: Any, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
