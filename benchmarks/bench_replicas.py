@@ -14,6 +14,10 @@ the same load through each:
 
 Prints one table (each round's rows, the per-replica split of the bytes, and the ratio of the
 fleet to replica 0 alone in the same round) and writes JSON + markdown to ``--out``.
+``--direct`` adds replica 0 without Envoy at both client counts (the fleet against its better
+point). Each row also keeps replica 0's busiest thread, its connections per front end and the
+change in the counters of the Envoy the point went through (flow control, upstream
+connections): how a proxied herd onto one front end was found (results/replicas/README.md).
 
     python benchmarks/bench_replicas.py --out benchmarks/results/replicas        # every GPU
     python benchmarks/bench_replicas.py --device cpu --replicas 2 --heads 2 --kv-heads 1 \
