@@ -64,7 +64,7 @@ class Stack:
         self.listen, self.admin = self.envoy.listen, self.envoy.admin
         self.channel = grpc.insecure_channel(self.envoy.target)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
-        self.wait_healthy(n)
+        self.envoy.wait_healthy(n)
 
     @staticmethod
     def _replica(port: int) -> Group:
@@ -73,12 +73,6 @@ class Stack:
 
     def restart(self, i: int) -> None:
         self.replicas[i] = self._replica(self.ports[i])
-
-    def healthy(self) -> int:
-        return self.envoy.healthy()
-
-    def wait_healthy(self, n: int, timeout: float = 30.0) -> None:
-        self.envoy.wait_healthy(n, timeout)
 
     def served(self, rpc: str = "Prefill") -> list[float]:
         """Each live replica's OK calls of ``rpc`` (its own counter)."""
@@ -345,7 +339,7 @@ def test_a_killed_replica_costs_no_stateless_call_and_rejoins(own_stack: Stack) 
             handles[-1].decode(torch.randn(1, 4, 16), [f"c{len(handles) - 1}"])
         # It comes back on its port and takes load again.
         stack.restart(0)
-        stack.wait_healthy(3)
+        stack.envoy.wait_healthy(3)
         before = stack.served()[0]
         time.sleep(1.5)
         assert stack.served()[0] > before
@@ -363,7 +357,7 @@ def test_a_draining_replica_fails_no_call(own_stack: Stack) -> None:
         stack.replicas[1].proc.send_signal(signal.SIGTERM)
         assert stack.replicas[1].proc.wait(30) == 0
         time.sleep(1.0)
-        stack.wait_healthy(2)
+        stack.envoy.wait_healthy(2)
     finally:
         load.stop()
     assert not load.failures(), load.failures()[:5]

@@ -50,20 +50,16 @@ def compile_sm90() -> Iterator[Callable[..., dict]]:
     (no ptxas in this triton) skips; anything but 0 fails with its stderr."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     script = Path(__file__).resolve().parents[2] / "tools" / "tuning" / "tune_hopper_prefill.py"
-    proc: list[subprocess.Popen] = []
+    proc = subprocess.Popen([sys.executable, "-c", _COMPILE_WORKER, str(script)],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert proc.stdin is not None and proc.stdout is not None
 
     def run(causal: bool, head_dim: int, tile: str, *extra: str) -> dict:
-        if not proc:
-            proc.append(subprocess.Popen(
-                [sys.executable, "-c", _COMPILE_WORKER, str(script)], stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE, text=True, env=env))
-        p = proc[0]
-        assert p.stdin is not None and p.stdout is not None
-        p.stdin.write(json.dumps(["--head-dim", str(head_dim), "--tile", tile, *extra]
-                                 + (["--causal"] if causal else [])) + "\n")
-        p.stdin.flush()
-        line = p.stdout.readline()
-        assert line, f"the compile process exited with {p.wait(60)}"
+        proc.stdin.write(json.dumps(["--head-dim", str(head_dim), "--tile", tile, *extra]
+                                    + (["--causal"] if causal else [])) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        assert line, f"the compile process exited with {proc.wait(60)}"
         res = json.loads(line)
         if res["rc"] == 3:
             pytest.skip(res["stdout"].strip())
@@ -71,12 +67,11 @@ def compile_sm90() -> Iterator[Callable[..., dict]]:
         return json.loads(res["stdout"].strip().splitlines()[-1])
 
     yield run
-    for p in proc:
-        p.stdin.close()  # type: ignore[union-attr]
-        try:
-            p.wait(60)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    proc.stdin.close()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 @pytest.mark.timeout(600)  # the compile process's own limit before it was shared
