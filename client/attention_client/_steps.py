@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
+import sys
 import threading
-from typing import Any
+import time
+from typing import Any, NamedTuple
 
 import grpc
+import numpy as np
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
@@ -32,19 +36,117 @@ from attention_client._call_streams import (
     not_sent,
     unimplemented,
 )
-from attention_client._channel import DEFAULT, CallSettings
+from attention_client._channel import DEFAULT, CallSettings, check_timeout
 from attention_client._core import Steps, _io
-from attention_client._errors import from_rpc_error, make_error
+from attention_client._errors import ProtocolError, from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
+from attention_client._responses import stats_dict
 from attention_client._score import ScoreMods
-from attention_client._tensors import to_wire
-from attention_wire.requests import step_timeout
-from attention_wire.responses import parse_result
+from attention_client._tensors import WireTensor, storage_dtype, to_user, to_wire
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import message_frame, step_timeout
+from attention_wire.responses import chunk_head, output_chunk_lead, parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
 # Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).
 MAX_TEMPLATES = 512
 METHOD = STEP_METHODS[_CALL]
+
+
+class _Compiled:
+    """A step template in wire pieces: the message's frame around q, k and v
+    (``message_frame``) and the bytes its answer's OUT chunk starts with. A later step whose
+    tensors have the template's type, dtype, shape and device (CPU, contiguous, no grad) joins
+    their bytes into the frame, and its answer's OUT is read at its known offset; a step or an
+    answer that differs in any way goes the general way (``_reused``, ``parse_result``).
+    Client Python per step, canned answers (dev box): B=1 155 -> 60 us, B=64 350 -> 170."""
+
+    __slots__ = ("prep", "frame", "specs", "lead", "out_count", "out_storage", "ids")
+
+    def __init__(self, prep: PreparedRequest, specs: tuple[Any, ...]) -> None:
+        self.prep = prep
+        self.specs = specs  # per tensor: (class, dtype, shape, bits), as the user passed them
+        self.frame = message_frame(prep.header, [t.nbytes for t in prep.tensors])
+        shape = prep.out_shape
+        assert shape is not None
+        self.out_storage = storage_dtype(prep.out_dtype)
+        self.out_count = math.prod(shape)
+        head = chunk_head(pb.OUT, prep.out_dtype, tuple(shape), 0, shape[0])
+        self.lead = output_chunk_lead(head, self.out_count * self.out_storage.itemsize)
+        self.ids = len(prep.cache.ids) if prep.cache is not None else 0
+
+    @staticmethod
+    def of(prep: PreparedRequest, tensors: tuple[Any, Any, Any]) -> _Compiled | None:
+        """``prep`` compiled, when it is a bytes-only step with OUT alone to read back and
+        ``tensors`` (the user's q, k, v) are of kinds ``views`` takes; else None."""
+        if (prep.placement is not None or prep.out_shape is None
+                or prep.streamed_lse_shape is not None or prep.user_out is not None
+                or not all(isinstance(t, WireTensor) for t in prep.tensors)):
+            return None
+        specs = tuple((type(x), x.dtype, tuple(x.shape), _bits(type(x), x.dtype))
+                      for x in tensors)
+        compiled = _Compiled(prep, specs)
+        return compiled if compiled.views(*tensors) is not None else None
+
+    def views(self, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any] | None:
+        """The three tensors' bytes (no copy), or None when one is not like the template's."""
+        out = []
+        for x, (cls, dtype, shape, bits) in zip((q, k, v), self.specs, strict=True):
+            if type(x) is not cls or x.dtype != dtype or tuple(x.shape) != shape:
+                return None
+            if cls is np.ndarray:
+                if not x.flags.c_contiguous:
+                    return None
+                out.append(x)
+                continue
+            if x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
+                return None
+            out.append(x.view(bits).numpy())
+        return out[0], out[1], out[2]
+
+    def message(self, views: tuple[Any, Any, Any], tail: bytes) -> bytes:
+        f = self.frame
+        return b"".join((f[0], views[0], f[1], views[1], f[2], views[2], tail))
+
+    def answer(self, raw: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
+        """(out in its storage dtype, the stats) when ``raw`` is one OUT chunk of every row as
+        the template expects and then the RequestStats alone; None: read it the general way
+        (which also reports what is wrong with it)."""
+        lead = self.lead
+        if not raw.startswith(lead):
+            return None
+        end = len(lead) + self.out_count * self.out_storage.itemsize
+        rest = parse_result(memoryview(raw)[end:])
+        if len(rest) != 1 or not isinstance(rest[0], pb.RequestStats):
+            return None
+        out = np.frombuffer(raw, self.out_storage, self.out_count, len(lead)).copy()
+        return out, stats_dict(rest[0])
+
+    def result(self, out: np.ndarray, stats: dict[str, Any]) -> Any:
+        """The user's result, as ``PreparedRequest.take_stats`` and ``result`` make it."""
+        prep = self.prep
+        if len(stats.get("cache_lengths", ())) != self.ids:
+            raise ProtocolError(
+                f"RequestStats.cache_lengths has {len(stats.get('cache_lengths', ()))} entries "
+                f"for {self.ids} caches", _CALL)
+        return to_user(out.reshape(prep.user_shape), prep.origin)
+
+
+def _bits(cls: type, dtype: Any) -> Any:
+    """The dtype a tensor is viewed as for numpy: torch's bfloat16 and float8 as the integer
+    dtype of their bits (``_tensors``), anything else as it is."""
+    if cls is np.ndarray:
+        return dtype
+    torch = sys.modules["torch"]  # a tensor was passed
+    return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
+
+
+class _Template(NamedTuple):
+    """A checked step request kept for later steps like it, and its compiled form (None: a
+    step ``_Compiled`` does not cover)."""
+
+    prep: PreparedRequest
+    compiled: _Compiled | None
 
 
 class _StepsBase:
@@ -56,6 +158,8 @@ class _StepsBase:
         self._lock = lock  # one step at a time: a threading or an asyncio lock
         self._stream: Any = None  # a StreamCall or AsyncStreamCall, opened at the first step
         self._timeout, self._metadata, self._wait_for_ready = timeout, metadata, wait_for_ready
+        self._fixed: CallSettings | None = None  # the first step's settings (``_settings``)
+        self._seconds = client.timeout if timeout is DEFAULT else check_timeout(timeout)
         # Its connection, by number: the async client may replace connections (``spread``)
         # before the first step. Its caches' server's (``_cache_lane``).
         self._lane_no = client._cache_lane()
@@ -64,15 +168,24 @@ class _StepsBase:
         # Checked requests by options key (ids included): the templates of later steps like
         # them. One per layer's caches: a model host steps layer 0, 1, ..., L-1 in turn, so a
         # template of the last step alone never matched (bench_offload, 2 layers).
-        self._templates: dict[tuple[Any, ...], PreparedRequest] = {}
+        self._templates: dict[tuple[Any, ...], _Template] = {}
 
     @property
     def _lane(self) -> dict[str, Any]:
         return self._client._lanes[self._lane_no]
 
     def _settings(self) -> CallSettings:
-        return self._client._settings(self._timeout, self._metadata, self._wait_for_ready,
-                                      argnames.cache_decode("cache_ids"))
+        """A step's settings: the handle's (its metadata checked once), a deadline of its
+        own. Checking the metadata again each step took ~40 us of a B=1 step (dev box)."""
+        fixed = self._fixed
+        if fixed is None or self._client.closed:  # the client's refusal, once closed
+            fixed = self._fixed = self._client._settings(
+                self._timeout, self._metadata, self._wait_for_ready,
+                argnames.cache_decode("cache_ids"))
+            return fixed
+        seconds = self._seconds
+        return CallSettings(None if seconds is None else time.monotonic() + seconds,
+                            fixed.metadata, fixed.wait_for_ready, fixed.names)
 
     def _check_open(self) -> None:
         if self.closed:
@@ -91,11 +204,10 @@ class _StepsBase:
             return None
         return (tuple(cache_ids), *options)  # compared by value with the last step's
 
-    def _reused(self, key: tuple[Any, ...] | None, q: Any, k_new: Any, v_new: Any
+    def _reused(self, template: _Template | None, q: Any, k_new: Any, v_new: Any
                 ) -> PreparedRequest | None:
-        """The last step's request with these tensors, if ``key`` and their wire shapes and
-        dtypes match it (so the checks it passed hold); else None."""
-        template = None if key is None else self._templates.get(key)
+        """The template's request with these tensors, if their wire shapes and dtypes match
+        it (so the checks it passed hold); else None."""
         if template is None:
             return None
         try:
@@ -104,18 +216,19 @@ class _StepsBase:
         except Exception:  # noqa: BLE001 (the long way raises it with the usual message)
             return None
         if any(w.shape != t.shape or w.dtype != t.dtype
-               for w, t in zip((wq, wk, wv), template.tensors, strict=True)):
+               for w, t in zip((wq, wk, wv), template.prep.tensors, strict=True)):
             return None
-        prep = copy.copy(template)
+        prep = copy.copy(template.prep)
         prep.tensors, prep.origin = (wq, wk, wv), origin
         prep.cache_lengths = prep.stats = None
         return prep
 
-    def _remember(self, key: tuple[Any, ...] | None, prep: PreparedRequest) -> None:
+    def _remember(self, key: tuple[Any, ...] | None, prep: PreparedRequest,
+                  tensors: tuple[Any, Any, Any]) -> None:
         if key is not None and prep.placement is None:
             if len(self._templates) >= MAX_TEMPLATES:
                 del self._templates[next(iter(self._templates))]  # the oldest
-            self._templates[key] = prep
+            self._templates[key] = _Template(prep, _Compiled.of(prep, tensors))
 
     def _failed(self, prep: Any, stream: Any, err: grpc.RpcError,
                 settings: CallSettings) -> Exception | None:
@@ -146,15 +259,38 @@ class _StepsBase:
         key = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits, return_lse,
                                                    window_size, softcap, alibi_slopes),
                         out is None and not client._regions_wanted(use_regions))
-        prep = self._reused(key, q, k_new, v_new)
+        template = None if key is None else self._templates.get(key)
+        compiled = template.compiled if template is not None else None
+        views = compiled.views(q, k_new, v_new) if compiled is not None else None
+        if views is not None and not self._unsupported:
+            return (yield from self._fast(compiled, views, settings, q, k_new, v_new))
+        prep = self._reused(template, q, k_new, v_new)
         if prep is None:
             prep = yield client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
                 return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
-            self._remember(key, prep)
+            self._remember(key, prep, (q, k_new, v_new))
         with client._layouts_checked(prep):
             return (yield from self._exchange(prep, settings))
+
+    def _fast(self, compiled: _Compiled, views: tuple[Any, Any, Any], settings: CallSettings,
+              q: Any, k_new: Any, v_new: Any) -> Steps:
+        """A step like its compiled template: its bytes joined into the template's frame,
+        the answer read at its known offset (the general reader for any other answer)."""
+        client = self._client
+        raw = yield from self._roundtrip(
+            compiled.prep, compiled.message(views, step_timeout(settings.deadline)), settings)
+        if raw is not None:
+            got = compiled.answer(raw)
+            if got is not None:
+                client.last_stats = got[1]
+                return compiled.result(*got)
+        prep = self._reused(_Template(compiled.prep, compiled), q, k_new, v_new)
+        assert prep is not None  # the tensors matched the template's specs
+        if raw is None:  # the server has no CacheDecodeSteps (nothing ran)
+            return (yield client._run(prep, settings))
+        return client._assemble(prep, client._assembler(prep), parse_result(raw))
 
     def _exchange(self, prep: Any, settings: Any) -> Steps:
         client = self._client
@@ -162,6 +298,16 @@ class _StepsBase:
         if message is None or self._unsupported:
             return (yield client._run(prep, settings))
         assembler = client._assembler(prep)
+        raw = yield from self._roundtrip(prep, message, settings)
+        if raw is None:  # the server has no CacheDecodeSteps (nothing ran)
+            return (yield client._run(prep, settings))
+        return client._assemble(prep, assembler, parse_result(raw))
+
+    def _roundtrip(self, prep: Any, message: bytes, settings: CallSettings) -> Steps:
+        """``message`` on the handle's stream (opened first if need be, one step at a time):
+        its answer's bytes, or None when the server has no such rpc (nothing ran: the caller
+        takes decode_step's path from now on). Drops the stream on any failure."""
+        client = self._client
         yield self._lock.acquire()
         try:
             if self._stream is None or not self._stream.alive():
@@ -174,13 +320,13 @@ class _StepsBase:
                     raise
                 self._stream = self._open(settings)
             try:
-                raw = yield self._send(message, settings)
+                return (yield self._send(message, settings))
             except grpc.RpcError as err:
                 stream = self._stream
                 self._drop()
                 error = self._failed(prep, stream, err, settings)
                 if error is None:
-                    return (yield client._run(prep, settings))
+                    return None
                 raise error from err
             except BaseException:
                 self._drop()  # the caller went away mid-step: the stream's state is unknown
@@ -188,7 +334,6 @@ class _StepsBase:
                 raise
         finally:
             self._lock.release()
-        return client._assemble(prep, assembler, parse_result(raw))
 
     def _drop(self) -> None:
         """Forget the stream (ended, failed or in an unknown state): cancel it."""

@@ -29,7 +29,7 @@ from attention_wire.codec import (
 )
 from attention_wire.pb import attention_pb2 as pb
 
-__all__ = ["OutputSlice", "WireError", "chunk_head", "encode_output_chunk",
+__all__ = ["OutputSlice", "WireError", "chunk_head", "encode_output_chunk", "output_chunk_lead",
            "output_chunk_parts", "parse_response", "parse_result"]
 
 _CHUNK_KEY = field_key(pb.AttentionResponse.DESCRIPTOR, "chunk")
@@ -62,6 +62,15 @@ def output_chunk_parts(head: bytes, data: memoryview) -> tuple[bytes | memoryvie
         inner = len(head) + 1 + len(varint(size)) + size
         return (_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size), data)
     return (_CHUNK_KEY, varint(len(head)), head)
+
+
+def output_chunk_lead(head: bytes, size: int) -> bytes:
+    """The bytes ``output_chunk_parts`` puts before ``size`` bytes of data: a reader that
+    knows a reply's layout (a decode loop's steps) finds its data right after them."""
+    if size:
+        return b"".join((_CHUNK_KEY, varint(len(head) + 1 + len(varint(size)) + size), head,
+                         _DATA_KEY, varint(size)))
+    return b"".join((_CHUNK_KEY, varint(len(head)), head))
 
 
 def encode_output_chunk(head: bytes, data: memoryview) -> bytes:

@@ -293,3 +293,124 @@ def test_templates_are_bounded(client, monkeypatch):
             kn = make("numpy", "float32", 1, HKV, D, seed=7)
             steps.step(q, names, kn, kn, store=False)
         assert [key[0] for key in steps._templates] == [("tb-1",), ("tb-2",)]
+
+
+def _spy_send(monkeypatch):
+    """Every step message a sync handle sends, and every answer it reads back."""
+    from attention_client import _steps
+
+    sent, answers = [], []
+    send = _steps.DecodeSteps._send
+
+    def spy(self, message, settings):
+        sent.append(message)
+        answers.append(send(self, message, settings))
+        return answers[-1]
+
+    monkeypatch.setattr(_steps.DecodeSteps, "_send", spy)
+    return sent, answers
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("numpy", "float32"),
+                                             ("torch", "bfloat16"), ("torch", "float16")])
+def test_compiled_steps_send_the_long_ways_bytes_and_read_its_answers(server, monkeypatch,
+                                                                      kind, dtype):
+    """After its first step, a step like it is joined into the template's frame and its
+    answer read at the known offset: byte for byte the message the general path builds, and
+    answers right against the float64 reference (store on, so every step sees new keys)."""
+    sent, _ = _spy_send(monkeypatch)
+    ids = ["cp-a", "cp-b", "cp-c"]
+    ctx = Context(ids)
+    with AttentionClient(server.target, timeout=None) as c, \
+            c.kv_cache(HKV, D, dtype) as cache, c.decode_steps() as steps:
+        k = make(kind, dtype, 12, HKV, D, seed=1)
+        cache.append(ids, k, k, cu([3, 4, 5]))
+        ctx.add(ids, k, k, [3, 4, 5])
+        for n in range(4):
+            q = make(kind, dtype, 3, H, D, seed=30 + n)
+            kn = make(kind, dtype, 3, HKV, D, seed=40 + n)
+            out = steps.step(q, ids, kn, kn)
+            ctx.add(ids, kn, kn, [1, 1, 1])
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), dtype, q)
+            assert c.last_stats["cache_lengths"] == ctx.lengths(ids)
+            (template,) = steps._templates.values()
+            assert template.compiled is not None
+            long_way = c._one_message(steps._reused(template, q, kn, kn))
+            assert sent[-1] == long_way
+            if n:  # the compiled path answered (out is a fresh array, not the answer's view)
+                assert template.compiled.views(q, kn, kn) is not None
+        assert [i["length"] for i in cache.info()] == [7, 8, 9]
+
+
+def test_steps_unlike_the_compiled_template_take_the_general_path(client):
+    """Tensors that differ from the template's in any way the frame depends on (layout,
+    grad, type, dtype) are sent the general way, with right answers; return_lse and
+    ``out=`` steps are never compiled."""
+    ids = ["cu-a", "cu-b"]
+    ctx = Context(ids)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("torch", "float32", 6, HKV, D, seed=2)
+        cache.append(ids, k, k, cu([2, 4]))
+        ctx.add(ids, k, k, [2, 4])
+        kn = make("torch", "float32", 2, HKV, D, seed=3)
+        steps.step(make("torch", "float32", 2, H, D, seed=4), ids, kn, kn, store=False)
+        (template,) = steps._templates.values()
+        compiled = template.compiled
+        q = make("torch", "float32", 2, H, D, seed=5)
+        others = {
+            "non-contiguous": make("torch", "float32", H, 2, D, seed=5).transpose(0, 1),
+            "requires grad": q.clone().requires_grad_(True),
+            "numpy": q.numpy(),
+            "float64": q.double(),
+        }
+        for what, x in others.items():
+            assert compiled.views(x, kn, kn) is None, what
+            if what in ("requires grad", "float64"):
+                continue  # refused by the general path's checks (other tests)
+            out = steps.step(x, ids, kn, kn, store=False)
+            check_out(out, reference.decode_ref(f64(x), *ctx.packed(ids, kn, kn, 1)),
+                      "float32", x)
+        out, lse = steps.step(q, ids, kn, kn, store=False, return_lse=True)
+        ref, ref_lse = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1),
+                                            return_lse=True)
+        check_out(out, ref, "float32", q)
+        check_lse(lse, ref_lse)
+        assert all(t.compiled is None for key, t in steps._templates.items() if key[4])
+
+
+def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypatch):
+    """The compiled reader takes one OUT chunk of every row and the stats alone; an answer
+    in two chunks is read the general way (right), one without its stats is DATA_LOSS."""
+    from attention_client import _steps
+    from attention_client._errors import ProtocolError
+    from attention_wire.pb import attention_pb2 as pb
+    from attention_wire.responses import chunk_head, output_chunk_parts, parse_result
+
+    ids = ["ca-a", "ca-b"]
+    ctx = Context(ids)
+    _, answers = _spy_send(monkeypatch)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 5, HKV, D, seed=6)
+        cache.append(ids, k, k, cu([2, 3]))
+        ctx.add(ids, k, k, [2, 3])
+        q = make("numpy", "float32", 2, H, D, seed=7)
+        kn = make("numpy", "float32", 2, HKV, D, seed=8)
+        ref = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1))
+        steps.step(q, ids, kn, kn, store=False)
+        out_slice, stats = parse_result(answers[-1])
+        data = np.frombuffer(bytes(out_slice.data), np.uint8)
+        half = data.size // 2
+        shape = out_slice.shape
+
+        def chunk(start, count, part):
+            head = chunk_head(pb.OUT, out_slice.dtype, shape, start, count)
+            return b"".join(output_chunk_parts(head, memoryview(part)))
+
+        stats_bytes = pb.AttentionResponse(stats=stats).SerializeToString()
+        split = chunk(0, 1, data[:half]) + chunk(1, 1, data[half:]) + stats_bytes
+        monkeypatch.setattr(_steps.DecodeSteps, "_send", lambda self, m, s: split)
+        check_out(steps.step(q, ids, kn, kn, store=False), ref, "float32", q)
+        whole = chunk(0, 2, data)
+        monkeypatch.setattr(_steps.DecodeSteps, "_send", lambda self, m, s: whole)
+        with pytest.raises(ProtocolError, match="without RequestStats"):
+            steps.step(q, ids, kn, kn, store=False)
