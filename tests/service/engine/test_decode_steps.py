@@ -313,3 +313,72 @@ def test_jobs_in_an_arena_pack_and_unpack_through_numpy() -> None:
         r0, r1 = plan.rows(i)
         assert torch.equal(job.out, staging.out[r0:r1])  # views made now, for the check
         assert torch.equal(job.lse, staging.lse[r0:r1])
+
+
+def test_large_host_jobs_move_directly_and_skip_the_stagings_copies(monkeypatch) -> None:
+    """Host launches of few large jobs (DIRECT_JOB_BYTES of q, k, v each) take the direct
+    variant: the staging gets the tables and slots, not the jobs' bytes (they are copied by
+    DMA around the graph); smaller jobs are packed as before."""
+    from attention_service.engine import decode_steps
+
+    a, b = _step([5, 9], new=True, seed=21), _step([12], new=True, seed=22, pages_from=10)
+    each = [sum(j.params.nbytes(n) for n in ("q", "k", "v")) for j in (a, b)]
+    assert not StepShape.of(BatchPlan([a, b])).direct  # 1.5 KiB: the default keeps staging
+    monkeypatch.setattr(decode_steps, "DIRECT_JOB_BYTES", (each[0] + each[1]) // 2 + 1)
+    assert not StepShape.of(BatchPlan([a, b])).direct  # on average just under
+    monkeypatch.setattr(decode_steps, "DIRECT_JOB_BYTES", (each[0] + each[1]) // 2)
+    plan = BatchPlan([a, b])
+    shape = StepShape.of(plan)
+    assert shape.direct
+    staging = Staging(shape, pin=False)
+    staging.views["q"].fill_(float("nan"))
+    staging.fill(plan, shape)
+    assert staging.views["q"].isnan().all()  # left to the direct copies
+    assert staging.lens.tolist() == [5, 9, 12, 0]
+    assert staging.slots[0].tolist() == [1, 4, 12, 1]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0"),
+                    reason="runs the Triton kernels on the CPU: needs TRITON_INTERPRET=1")
+def test_a_direct_host_launch_runs_like_the_reference(monkeypatch) -> None:
+    """A direct host launch's work as the graph holds it (tables in, store, decode) between
+    its jobs' own copies in and out: each job's poisoned out and lse are its rows of the
+    float64 reference over the pool with the new tokens stored."""
+    import attention_kernels
+    from attention_kernels.paged_reference import paged_decode_ref
+    from attention_service.engine import decode_steps
+    from attention_service.engine.decode_steps import _StepGraph
+
+    monkeypatch.setattr(decode_steps, "DIRECT_JOB_BYTES", 1)
+    a, b = _step([5, 9], new=True, seed=31), _step([12], new=True, seed=32, pages_from=10)
+    pool = torch.randn(20, PAGE_TOKENS, HKV, D, generator=torch.Generator().manual_seed(3))
+    for job in (a, b):
+        assert job.cache is not None
+        job.cache.k_pages = job.cache.v_pages = pool
+        job.lse.fill_(float("nan"))  # type: ignore[union-attr]
+    plan = BatchPlan([a, b])
+    shape = StepShape.of(plan)
+    assert shape.direct
+    graph = _StepGraph(attention_kernels, shape, pool, pool, torch.device("cpu"), capture=None)
+    graph.dev["q"].fill_(float("nan"))  # what an earlier launch left there
+    staging = Staging(shape, pin=False)
+    staging.fill(plan, shape)
+    graph.copy_in(plan)
+    graph.run_staged(staging)
+    graph.copy_out(plan)
+    n = len(plan.seq_lens)
+    table = torch.zeros(n, shape.width, dtype=torch.int32)
+    for i, row in enumerate(plan.block_table):
+        table[i, : len(row)] = torch.tensor(row)
+    q = torch.cat([a.q, b.q]).double()
+    ref, ref_lse = paged_decode_ref(q, pool.double(), pool.double(), table,
+                                    torch.tensor(plan.seq_lens, dtype=torch.int32),
+                                    return_lse=True)
+    out = torch.cat([a.out, b.out]).double()
+    lse = torch.cat([a.lse, b.lse]).double()  # type: ignore[list-item]
+    assert not out.isnan().any() and not lse.isnan().any()
+    torch.testing.assert_close(out, ref.double(), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse, ref_lse.double(), atol=2e-5, rtol=2e-5)
+    new = torch.cat([a.v, b.v])  # k, then v, were stored into the one pool: v's remain
+    slots = (torch.tensor(plan.slot_pages), torch.tensor(plan.slot_offsets))
+    assert torch.equal(pool[slots], new)
