@@ -29,14 +29,12 @@ memory pool (its graphs replay in stream order). ``--no-cuda-graphs`` keeps this
 runs the same device work eagerly.
 
 Launches whose tensors are all in device memory (CUDA IPC regions: the caller's q, new k/v and
-outputs on this GPU) take the same graphs in a variant of their own (``StepShape.direct``):
+outputs on this GPU) take the same graphs in a variant of their own (``StepShape.device``):
 the graph's copy-in moves the staged tables only, q and the new tokens are copied device to
 device into the graph's buffers before the replay, and out/lse from them into the callers'
 tensors after it, a few ``copy_`` calls instead of the general path's ~0.5 ms (issue 61: B=64
 CUDA IPC steps took 2.06-2.12 ms p50 on an H200 against 1.76-1.81 through system shared
-memory, which already came here). Host launches of a few large jobs take that variant too
-(``DIRECT_JOB_BYTES``): their buffers are in the front ends' page-locked arena, so the copies
-are DMA from and into it, and the bytes are not copied through the staging by the CPU.
+memory, which already came here).
 
 Only ``CacheDecode`` launches whose tensors are all in host memory or all on the device, and
 whose shape fits (``MAX_BATCH`` sequences, ``MAX_TABLE_WIDTH`` pages), come here; everything
@@ -65,12 +63,6 @@ from attention_wire.pb import attention_pb2 as pb
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
 _ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
-# Host jobs of this many input bytes or more each are copied by DMA straight from their
-# buffers (the front ends' arena is page-locked) into the graph's, and the outputs back,
-# instead of through the staging: a 64-sequence step (768 KiB in, 512 KiB out) spent ~115 us
-# packing the staging and ~50 us scattering it (trace_step, H200, 2026-11-29), four copy
-# calls take ~25 us. A 1-sequence step (12 KiB) stays on the staging.
-DIRECT_JOB_BYTES = 256 << 10
 
 
 def bucket(n: int) -> int:
@@ -91,18 +83,6 @@ def eligible(plan: BatchPlan) -> bool:
     # takes one way for all its tensors.
     places = {_place(j) for j in plan.jobs}
     return places == {"host"} or places == {"device"}
-
-
-def _direct(plan: BatchPlan) -> bool:
-    """Whether ``plan``'s tensors move by copies of their own (``StepShape.direct``): on the
-    device always; on the host when its jobs are few and large (q, k, v of DIRECT_JOB_BYTES
-    or more per job), where each copy call's ~6 us is less than numpy's copy of its bytes
-    through the staging and back."""
-    jobs = plan.jobs
-    if not jobs[0].on_host("q"):
-        return True
-    inputs = sum(j.params.nbytes(n) for j in jobs for n in ("q", "k", "v"))
-    return inputs >= DIRECT_JOB_BYTES * len(jobs)
 
 
 def _tensor_names(job: Job) -> list[str]:
@@ -134,19 +114,17 @@ class StepShape:
     batch: int  # bucketed sequences
     width: int  # bucketed block-table columns
     new_rows: int  # bucketed new tokens to write first (usually one per sequence); 0: none
-    # The jobs' tensors move by copies of their own around the graph, not through the staging:
-    # device tensors, and host jobs of DIRECT_JOB_BYTES or more each (see the module doc).
-    direct: bool = False
+    device: bool = False  # the jobs' tensors are on the device (see the module doc)
 
     @staticmethod
     def of(plan: BatchPlan) -> StepShape:
         n = len(plan.slot_pages)
         return StepShape(plan.key, bucket(len(plan.seq_lens)), bucket(plan.table_width),
-                         bucket(n) if n else 0, _direct(plan))
+                         bucket(n) if n else 0, not plan.jobs[0].on_host("q"))
 
     @functools.cached_property
     def tables_at(self) -> int:
-        """Where the staged tables start (after q, k and v): a direct launch copies in from
+        """Where the staged tables start (after q, k and v): a device launch copies in from
         here only."""
         return next(at for name, _, _, at in self.layout[0] if name == "slots")
 
@@ -225,7 +203,7 @@ class Staging:
         jobs = plan.jobs
         b = len(plan.seq_lens)
         n = len(plan.slot_pages)
-        if not shape.direct:  # direct tensors are copied around the graph (``copy_in``)
+        if not shape.device:  # device tensors are copied on the device (``copy_in``)
             _pack([j.host_bytes("q") for j in jobs], self.bytes["q"])
             if shape.store:
                 _pack([j.host_bytes("k") for j in jobs], self.bytes["k"])
@@ -323,8 +301,8 @@ class _StepGraph:
 
     def run_staged(self, staging: Staging) -> None:
         """The whole step on the current stream: staging in, the work, out and lse back (a
-        direct launch: the tables in, the work; its tensors move in ``copy_in``/``copy_out``)."""
-        if self.shape.direct:
+        device launch: the tables in, the work; its tensors move in ``copy_in``/``copy_out``)."""
+        if self.shape.device:
             at = self.shape.tables_at
             self.dev_u8[at:].copy_(staging.u8[at:], non_blocking=True)
             self.run_eager()
@@ -335,9 +313,8 @@ class _StepGraph:
         staging.lse.copy_(self.lse, non_blocking=True)
 
     def copy_in(self, plan: BatchPlan) -> None:
-        """A direct launch's q and new k/v into this graph's buffers (on the current stream,
-        before the replay: device to device, or host to device from page-locked buffers);
-        padding rows of k/v repeat the first new token."""
+        """A device launch's q and new k/v, device to device into this graph's buffers (on the
+        current stream, before the replay); padding rows of k/v repeat the first new token."""
         d = self.dev
         for i, job in enumerate(plan.jobs):
             r0, r1 = plan.rows(i)
@@ -352,8 +329,7 @@ class _StepGraph:
             d["v"][n:].copy_(d["v"][:1].expand_as(d["v"][n:]), non_blocking=True)
 
     def copy_out(self, plan: BatchPlan) -> None:
-        """A direct launch's out (and lse) rows into each job's tensors (after the replay;
-        done when the launch's end event is)."""
+        """A device launch's out (and lse) rows into each job's tensors (after the replay)."""
         for i, job in enumerate(plan.jobs):
             r0, r1 = plan.rows(i)
             job.out.copy_(self.out[r0:r1], non_blocking=True)  # type: ignore[union-attr]
@@ -415,7 +391,7 @@ class _StepLaunch:
         e = self._events
         e[1].synchronize()  # releases the GIL while the GPU finishes
         try:
-            if not self._graph.shape.direct:  # direct outputs are written already
+            if not self._graph.shape.device:  # device outputs are written already
                 self._staging.scatter(self._plan)
             # Read before the staging (and its events) can be launched again.
             return LaunchTimes(kernel_seconds=e[0].elapsed_time(e[1]) / 1e3)
@@ -486,13 +462,13 @@ class DecodeSteps:
         torch.cuda.set_stream(stream)
         try:
             events[0].record(stream)
-            if shape.direct:
+            if shape.device:
                 graph.copy_in(plan)
             if staging.graph is not None:
                 staging.graph.replay()
             else:
                 graph.run_staged(staging)
-            if shape.direct:
+            if shape.device:
                 graph.copy_out(plan)
             events[1].record(stream)
         finally:
