@@ -85,6 +85,8 @@ class _Compiled:
                 or prep.streamed_lse_shape is not None or prep.user_out is not None
                 or not all(isinstance(t, WireTensor) for t in prep.tensors)):
             return None
+        if any(type(x) is np.ndarray and x.dtype.byteorder == ">" for x in tensors):
+            return None  # sent little-endian: a copy the general path makes
         specs = tuple((type(x), x.dtype, tuple(x.shape), _bits(type(x), x.dtype))
                       for x in tensors)
         compiled = _Compiled(prep, specs)
@@ -99,7 +101,7 @@ class _Compiled:
             if cls is np.ndarray:
                 if not x.flags.c_contiguous:
                     return None
-                out.append(x)
+                out.append(x.view(bits))
                 continue
             if x.device.type != "cpu" or x.requires_grad or not x.is_contiguous():
                 return None
@@ -135,10 +137,11 @@ class _Compiled:
 
 
 def _bits(cls: type, dtype: Any) -> Any:
-    """The dtype a tensor is viewed as for numpy: torch's bfloat16 and float8 as the integer
-    dtype of their bits (``_tensors``), anything else as it is."""
+    """The dtype a tensor's bytes are joined as: numpy arrays as bytes (a dtype of ml_dtypes
+    has no buffer format), torch's bfloat16 and float8 as the integer dtype of their bits
+    (``_tensors``; numpy cannot hold them), anything else as it is."""
     if cls is np.ndarray:
-        return dtype
+        return np.uint8
     torch = sys.modules["torch"]  # a tensor was passed
     return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
 

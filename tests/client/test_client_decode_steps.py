@@ -312,7 +312,8 @@ def _spy_send(monkeypatch):
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("numpy", "float32"),
-                                             ("torch", "bfloat16"), ("torch", "float16")])
+                                             ("numpy", "bfloat16"), ("torch", "bfloat16"),
+                                             ("torch", "float16")])
 def test_compiled_steps_send_the_long_ways_bytes_and_read_its_answers(server, monkeypatch,
                                                                       kind, dtype):
     """After its first step, a step like it is joined into the template's frame and its
@@ -362,20 +363,32 @@ def test_steps_unlike_the_compiled_template_take_the_general_path(client):
             "requires grad": q.clone().requires_grad_(True),
             "numpy": q.numpy(),
             "float64": q.double(),
+            "big-endian": q.numpy().astype(">f4"),  # sent little-endian (a copy)
         }
         for what, x in others.items():
             assert compiled.views(x, kn, kn) is None, what
             if what in ("requires grad", "float64"):
                 continue  # refused by the general path's checks (other tests)
             out = steps.step(x, ids, kn, kn, store=False)
+            like = x.astype("<f4") if what == "big-endian" else x  # answers: little-endian
             check_out(out, reference.decode_ref(f64(x), *ctx.packed(ids, kn, kn, 1)),
-                      "float32", x)
+                      "float32", like)
         out, lse = steps.step(q, ids, kn, kn, store=False, return_lse=True)
         ref, ref_lse = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1),
                                             return_lse=True)
         check_out(out, ref, "float32", q)
         check_lse(lse, ref_lse)
         assert all(t.compiled is None for key, t in steps._templates.items() if key[4])
+        # A template of big-endian arrays is not compiled; its steps are sent right.
+        big = ["cu-b"]
+        kb = kn[:1].numpy().astype(">f4")
+        for seed in (6, 7):
+            qb = make("numpy", "float32", 1, H, D, seed=seed).astype(">f4")
+            out = steps.step(qb, big, kb, kb, store=False)
+            check_out(out, reference.decode_ref(f64(qb), *ctx.packed(big, kb, kb, 1)),
+                      "float32", qb.astype("<f4"))
+        assert steps._templates[(tuple(big), False, None, 0, False, (-1, -1), 0.0, None)
+                                ].compiled is None
 
 
 def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypatch):
