@@ -291,15 +291,20 @@ class PreparedRequest:
     def take_stats(self, stats: dict[str, Any]) -> None:
         """Note the completed call's RequestStats (and the cache ops' ``cache_lengths``)."""
         self.stats = stats
-        if self.cache is None:
-            return
+        if self.cache is not None:
+            self.cache_lengths = self.checked_lengths(stats)
+
+    def checked_lengths(self, stats: dict[str, Any]) -> list[int]:
+        """The stats' ``cache_lengths``, one per cache of this cache op (ProtocolError if
+        not)."""
+        assert self.cache is not None
         lengths = [int(n) for n in stats.get("cache_lengths", ())]
         if len(lengths) != len(self.cache.ids):
             raise ProtocolError(
                 f"RequestStats.cache_lengths has {len(lengths)} entries for "
                 f"{len(self.cache.ids)} caches", self.method,
             )
-        self.cache_lengths = lengths
+        return lengths
 
     @property
     def streamed_lse_shape(self) -> tuple[int, ...] | None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
-import sys
 import threading
 import time
 from typing import Any, NamedTuple
@@ -40,11 +39,17 @@ from attention_client._call_streams import (
 )
 from attention_client._channel import DEFAULT, CallSettings, check_timeout
 from attention_client._core import Steps, _io
-from attention_client._errors import ProtocolError, from_rpc_error, make_error
+from attention_client._errors import from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
 from attention_client._responses import stats_dict
 from attention_client._score import ScoreMods
-from attention_client._tensors import WireTensor, storage_dtype, to_user, to_wire
+from attention_client._tensors import (
+    WireTensor,
+    is_torch_tensor,
+    storage_dtype,
+    to_wire,
+    torch_bits,
+)
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.requests import message_frame, step_timeout
 from attention_wire.responses import chunk_head, output_chunk_lead, parse_result
@@ -63,7 +68,7 @@ class _Compiled:
     answer that differs in any way goes the general way (``_reused``, ``parse_result``).
     Client Python per step, canned answers (dev box): B=1 155 -> 35 us, B=64 348 -> 115."""
 
-    __slots__ = ("prep", "frame", "specs", "lead", "out_count", "out_storage", "ids")
+    __slots__ = ("prep", "frame", "specs", "lead", "out_count", "out_storage")
 
     def __init__(self, prep: PreparedRequest, specs: tuple[Any, ...]) -> None:
         self.prep = prep
@@ -75,19 +80,22 @@ class _Compiled:
         self.out_count = math.prod(shape)
         head = chunk_head(pb.OUT, prep.out_dtype, tuple(shape), 0, shape[0])
         self.lead = output_chunk_lead(head, self.out_count * self.out_storage.itemsize)
-        self.ids = len(prep.cache.ids) if prep.cache is not None else 0
 
     @staticmethod
     def of(prep: PreparedRequest, tensors: tuple[Any, Any, Any]) -> _Compiled | None:
         """``prep`` compiled, when it is a bytes-only step with OUT alone to read back and
         ``tensors`` (the user's q, k, v) are of kinds ``views`` takes; else None."""
-        if (prep.placement is not None or prep.out_shape is None
+        if (prep.placement is not None or prep.out_shape is None or prep.cache is None
                 or prep.streamed_lse_shape is not None or prep.user_out is not None
                 or not all(isinstance(t, WireTensor) for t in prep.tensors)):
             return None
+        if not all(type(x) is np.ndarray or is_torch_tensor(x) for x in tensors):
+            return None  # numpy subclasses (memmap, ...): the general path
         if any(type(x) is np.ndarray and x.dtype.byteorder == ">" for x in tensors):
             return None  # sent little-endian: a copy the general path makes
-        specs = tuple((type(x), x.dtype, tuple(x.shape), _bits(type(x), x.dtype))
+        # Numpy arrays are joined as bytes (a dtype of ml_dtypes has no buffer format).
+        specs = tuple((type(x), x.dtype, tuple(x.shape),
+                       np.uint8 if type(x) is np.ndarray else torch_bits(x.dtype))
                       for x in tensors)
         compiled = _Compiled(prep, specs)
         return compiled if compiled.views(*tensors) is not None else None
@@ -127,23 +135,10 @@ class _Compiled:
         return out, stats_dict(rest[0])
 
     def result(self, out: np.ndarray, stats: dict[str, Any]) -> Any:
-        """The user's result, as ``PreparedRequest.take_stats`` and ``result`` make it."""
-        prep = self.prep
-        if len(stats.get("cache_lengths", ())) != self.ids:
-            raise ProtocolError(
-                f"RequestStats.cache_lengths has {len(stats.get('cache_lengths', ()))} entries "
-                f"for {self.ids} caches", _CALL)
-        return to_user(out.reshape(prep.user_shape), prep.origin)
-
-
-def _bits(cls: type, dtype: Any) -> Any:
-    """The dtype a tensor's bytes are joined as: numpy arrays as bytes (a dtype of ml_dtypes
-    has no buffer format), torch's bfloat16 and float8 as the integer dtype of their bits
-    (``_tensors``; numpy cannot hold them), anything else as it is."""
-    if cls is np.ndarray:
-        return np.uint8
-    torch = sys.modules["torch"]  # a tensor was passed
-    return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
+        """The user's result, as the general path's ``take_stats`` and ``result`` make it
+        (the template itself is left as it is)."""
+        self.prep.checked_lengths(stats)
+        return self.prep.result(out, None)
 
 
 class _Template(NamedTuple):
@@ -211,7 +206,7 @@ class _StepsBase:
             return None
         return (tuple(cache_ids), *options)  # compared by value with the last step's
 
-    def _reused(self, template: _Template | None, q: Any, k_new: Any, v_new: Any
+    def _reused(self, template: PreparedRequest | None, q: Any, k_new: Any, v_new: Any
                 ) -> PreparedRequest | None:
         """The template's request with these tensors, if their wire shapes and dtypes match
         it (so the checks it passed hold); else None."""
@@ -223,9 +218,9 @@ class _StepsBase:
         except Exception:  # noqa: BLE001 (the long way raises it with the usual message)
             return None
         if any(w.shape != t.shape or w.dtype != t.dtype
-               for w, t in zip((wq, wk, wv), template.prep.tensors, strict=True)):
+               for w, t in zip((wq, wk, wv), template.tensors, strict=True)):
             return None
-        prep = copy.copy(template.prep)
+        prep = copy.copy(template)
         prep.tensors, prep.origin = (wq, wk, wv), origin
         prep.cache_lengths = prep.stats = None
         return prep
@@ -271,7 +266,7 @@ class _StepsBase:
         views = compiled.views(q, k_new, v_new) if compiled is not None else None
         if views is not None and not self._unsupported:
             return (yield from self._fast(compiled, views, settings, q, k_new, v_new))
-        prep = self._reused(template, q, k_new, v_new)
+        prep = self._reused(template.prep if template is not None else None, q, k_new, v_new)
         if prep is None:
             prep = yield client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
@@ -293,7 +288,7 @@ class _StepsBase:
             if got is not None:
                 client.last_stats = got[1]
                 return compiled.result(*got)
-        prep = self._reused(_Template(compiled.prep, compiled), q, k_new, v_new)
+        prep = self._reused(compiled.prep, q, k_new, v_new)
         assert prep is not None  # the tensors matched the template's specs
         if raw is None:  # the server has no CacheDecodeSteps (nothing ran)
             return (yield client._run(prep, settings))

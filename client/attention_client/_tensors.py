@@ -181,11 +181,17 @@ def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         host.copy_(t)  # blocking: the bytes are complete when this returns
         t = host
-    if x.dtype == torch.bfloat16:
-        t = t.view(torch.int16)  # numpy cannot hold bfloat16; the bits are what we send
-    elif x.dtype == torch.float8_e4m3fn:
-        t = t.view(torch.uint8)
+    bits = torch_bits(x.dtype)
+    if bits is not x.dtype:
+        t = t.view(bits)  # numpy cannot hold bfloat16 or float8; the bits are what we send
     return WireTensor(name, t.numpy(), wire_dtype), origin
+
+
+def torch_bits(dtype: Any) -> Any:
+    """The torch dtype a tensor of ``dtype`` is viewed as for numpy: bfloat16 as int16,
+    float8_e4m3fn as uint8 (the bits), any other as it is."""
+    torch = _torch_module()
+    return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
 
 
 def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:

@@ -52,25 +52,28 @@ def chunk_head(field: int, dtype: int, shape: tuple[int, ...], row_start: int,
     ).SerializeToString()
 
 
+def _lead(head: bytes, size: int) -> tuple[bytes, ...]:
+    """An AttentionResponse{chunk}'s pieces before ``size`` bytes of data (proto3 leaves an
+    empty bytes field out)."""
+    if size:
+        inner = len(head) + 1 + len(varint(size)) + size
+        return (_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size))
+    return (_CHUNK_KEY, varint(len(head)), head)
+
+
 def output_chunk_parts(head: bytes, data: memoryview) -> tuple[bytes | memoryview, ...]:
     """An AttentionResponse{chunk} message (``head``: ``chunk_head``'s) as pieces whose
     concatenation is protobuf's serialization; ``data`` is not copied. A one-message call
     joins every piece of its answer once (``data`` straight from the arena into the reply),
     where joining each chunk first copied the outputs twice."""
-    size = len(data)
-    if size:  # proto3 leaves an empty bytes field out
-        inner = len(head) + 1 + len(varint(size)) + size
-        return (_CHUNK_KEY, varint(inner), head, _DATA_KEY, varint(size), data)
-    return (_CHUNK_KEY, varint(len(head)), head)
+    lead = _lead(head, len(data))
+    return (*lead, data) if len(data) else lead
 
 
 def output_chunk_lead(head: bytes, size: int) -> bytes:
     """The bytes ``output_chunk_parts`` puts before ``size`` bytes of data: a reader that
     knows a reply's layout (a decode loop's steps) finds its data right after them."""
-    if size:
-        return b"".join((_CHUNK_KEY, varint(len(head) + 1 + len(varint(size)) + size), head,
-                         _DATA_KEY, varint(size)))
-    return b"".join((_CHUNK_KEY, varint(len(head)), head))
+    return b"".join(_lead(head, size))
 
 
 def encode_output_chunk(head: bytes, data: memoryview) -> bytes:

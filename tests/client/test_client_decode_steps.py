@@ -336,7 +336,7 @@ def test_compiled_steps_send_the_long_ways_bytes_and_read_its_answers(server, mo
             assert c.last_stats["cache_lengths"] == ctx.lengths(ids)
             (template,) = steps._templates.values()
             assert template.compiled is not None
-            long_way = c._one_message(steps._reused(template, q, kn, kn))
+            long_way = c._one_message(steps._reused(template.prep, q, kn, kn))
             assert sent[-1] == long_way
             if n:  # the compiled path answered (out is a fresh array, not the answer's view)
                 assert template.compiled.views(q, kn, kn) is not None
