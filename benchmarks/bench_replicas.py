@@ -281,9 +281,9 @@ def main(argv: list[str] | None = None) -> int:
                     # Cores each process used over the point (its warm-up and setup too), and
                     # replica 0's busiest thread: one front end's loop at 1.0 caps it.
                     c1, t = fleet.cpu(), time.monotonic() - t
-                    cores = {k: cpu_usage(c0[k], c1[k], t)[0] for k in c0}
-                    row["replica0_busiest_thread"] = round(
-                        cpu_usage(c0["replica 0"], c1["replica 0"], t)[1], 2)
+                    usage = {k: cpu_usage(c0[k], c1[k], t) for k in c0}
+                    cores = {k: u[0] for k, u in usage.items()}
+                    row["replica0_busiest_thread"] = round(usage["replica 0"][1], 2)
                     # Connections per front end of replica 0 as the point ends (the load's,
                     # or Envoy's upstream ones), and what its Envoy counted meanwhile.
                     r0 = fleet.replicas[0]
