@@ -4,7 +4,8 @@ A handle stands for caches of one layout. It creates the caches its calls name t
 (CreateCaches, then the call; an id it released is not created again: NOT_FOUND), checks every
 tensor against its layout before anything is sent, and releases what it created on
 ``release()`` or when its ``with`` block ends. The cache calls (AppendKV, CachePrefill,
-CacheDecode) send tensor bytes: they do not use shared-memory regions.
+CacheDecode) place their tensors in the client's registered regions as stateless calls do
+(``use_regions`` per call), and send their bytes otherwise.
 
 ``KvCache`` belongs to ``AttentionClient``, ``AsyncKvCache`` (the same methods, awaited) to
 ``AsyncAttentionClient``; both run the calls of ``_KvCacheBase``, written once.
@@ -18,7 +19,7 @@ import dataclasses
 import operator
 import threading
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 import grpc
@@ -189,38 +190,48 @@ class _KvCacheBase:
                 self._lengths[c["cache_id"]] = c["length"]
         return out
 
-    def _prep_append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any) -> PreparedRequest:
+    def _placed(self, use_regions: bool | None, prepare: Callable[[Placement | None],
+                                                                   PreparedRequest]
+                ) -> PreparedRequest:
+        """``prepare(placement)``, the call's tensors placed in registered regions as
+        ``use_regions`` (per call; None: the client's setting) says; a request that fails
+        to prepare gives its scratch back (nothing was sent)."""
+        placement = self.client._placement(use_regions)
+        try:
+            return prepare(placement)
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)
+            raise
+
+    def _prep_append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any,
+                     use_regions: bool | None = None) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), True, self.layout)
-        return prepare_append_kv(k, v, cu_seqlens, target)
+        return self._placed(use_regions, lambda placement: prepare_append_kv(
+            k, v, cu_seqlens, target, placement))
 
     def _prep_prefill(
         self, q: Any, ids: Any, k: Any, v: Any, cu_seqlens_q: Any, cu_seqlens_k: Any,
         causal: bool, store: bool, softmax_scale: float | None, return_lse: bool,
-        score: ScoreMods | None = None,
+        score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
-        return prepare_cache_prefill(
-            q, k, v, cu_seqlens_q, cu_seqlens_k,
-            CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout), causal=causal,
+        target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
+        return self._placed(use_regions, lambda placement: prepare_cache_prefill(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, target, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, score=score,
-        )
+            placement=placement, out=out,
+        ))
 
     def _prep_decode(
         self, q: Any, ids: Any, k_new: Any, v_new: Any, store: bool,
         softmax_scale: float | None, num_splits: int, return_lse: bool,
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
-        placement = self.client._placement(use_regions)
-        try:
-            return prepare_cache_decode(
-                q, k_new, v_new,
-                CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout),
-                softmax_scale=softmax_scale, num_splits=num_splits, return_lse=return_lse,
-                score=score, placement=placement, out=out,
-            )
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)  # nothing was sent
-            raise
+        target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
+        return self._placed(use_regions, lambda placement: prepare_cache_decode(
+            q, k_new, v_new, target, softmax_scale=softmax_scale, num_splits=num_splits,
+            return_lse=return_lse, score=score, placement=placement, out=out,
+        ))
 
     @staticmethod
     def _fork_request(source_id: str, target_id: str, length: int | None) -> pb.ForkCacheRequest:
@@ -297,13 +308,16 @@ class _KvCacheBase:
 
     @_io
     def append(
-        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *, timeout: Any = DEFAULT,
-        metadata: Any = None, wait_for_ready: bool | None = None,
+        self, ids: Any, k: Any, v: Any, cu_seqlens: Any = None, *,
+        use_regions: bool | None = None, timeout: Any = DEFAULT, metadata: Any = None,
+        wait_for_ready: bool | None = None,
     ) -> list[int]:
         """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
-        None for a single id); returns each cache's length after."""
+        None for a single id); returns each cache's length after. With registered regions,
+        k and v go through them (by reference, or staged); ``use_regions`` per call."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
-        return (yield from self._call(self._prep_append(ids, k, v, cu_seqlens), settings))
+        return (yield from self._call(
+            self._prep_append(ids, k, v, cu_seqlens, use_regions), settings))
 
     @_io
     def prefill(
@@ -311,17 +325,20 @@ class _KvCacheBase:
         cu_seqlens_k: Any = None, *, causal: bool = True, store: bool = True,
         softmax_scale: float | None = None, return_lse: bool = False,
         window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        timeout: Any = DEFAULT,
+        out: Any = None, use_regions: bool | None = None, timeout: Any = DEFAULT,
         metadata: Any = None, wait_for_ready: bool | None = None,
     ) -> Any:
         """Each sequence's queries attend to its cache followed by its new k, v (bottom-right
         causal); ``store`` keeps the new tokens. Forms as ``client.attention`` (packed with
         ``cu_seqlens_q``; ``cu_seqlens_k`` defaults to it, or to no new keys when k has no
-        rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``."""
+        rows); k, v None: no new tokens. Returns ``out`` or ``(out, lse)``. With registered
+        regions, q, the new tokens and the outputs go through them as in
+        ``client.attention`` (``out=`` a tensor in a region: written in place);
+        ``use_regions`` per call."""
         settings = self._settings(timeout, metadata, wait_for_ready)
         prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
-            ScoreMods.of(window_size, softcap, alibi_slopes),
+            ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         )
         return (yield from self._call(prep, settings.named(self._prefill_names(prep))))
 

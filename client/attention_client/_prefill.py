@@ -31,9 +31,11 @@ from attention_client._requests import (
     encode_qkv,
     finish_request,
     new_kv,
+    place_tensors,
     require_rank,
     same_lse,
     spec,
+    tensor_of,
 )
 from attention_client._score import ScoreMods
 from attention_client._tensors import (
@@ -42,7 +44,6 @@ from attention_client._tensors import (
     as_cu_seqlens,
     describe,
     storage_dtype,
-    to_wire,
 )
 from attention_wire.pb import attention_pb2 as pb
 
@@ -154,10 +155,12 @@ def prepare_prefill(
     )
 
 
-def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget) -> PreparedRequest:
+def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget,
+                      placement: Placement | None = None) -> PreparedRequest:
     """AppendKV: k, v ``[total, H_kv, D]`` split by ``cu_seqlens`` over ``target.ids`` (None:
-    one cache gets all rows). The result is the caches' lengths."""
-    _, wk, wv, origin = encode_qkv(None, k, v, names=("q", "k", "v"))
+    one cache gets all rows). The result is the caches' lengths. ``placement``: k and v may
+    go through registered regions."""
+    _, wk, wv, origin = encode_qkv(None, k, v, placement, names=("q", "k", "v"))
     for t in (wk, wv):
         require_rank(t, 3, "[total, H_kv, D]")
     if cu_seqlens is None:
@@ -175,10 +178,11 @@ def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget) -> P
         k=spec(wk), v=spec(wv), cu_seqlens_k=cu_k.tolist(), cache=target.message()
     )
     no_q = WireTensor("q", np.empty(0, storage_dtype(wk.dtype)), wk.dtype)
+    place_tensors(header, (no_q, wk, wv), placement, None, 0, 0, ())
     return PreparedRequest(
         method=APPEND_KV, header=checked_header(header), tensors=(no_q, wk, wv),
         out_shape=None, out_dtype=wk.dtype, lse_shape=None, origin=origin, user_shape=(),
-        lse_fix=same_lse, cache=target,
+        lse_fix=same_lse, placement=placement, cache=target,
     )
 
 
@@ -194,16 +198,20 @@ def prepare_cache_prefill(
     softmax_scale: float | None = None,
     return_lse: bool = False,
     score: ScoreMods | None = None,
+    placement: Placement | None = None,
+    out: Any = None,
 ) -> PreparedRequest:
     """CachePrefill: the forms of ``prepare_prefill``, with k/v the new tokens (None: none;
-    0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence."""
-    q_shape, _, _ = describe(q, "q")
+    0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence. ``placement``:
+    q, the new tokens and the outputs (``out=``) may go through registered regions, as in a
+    stateless prefill."""
+    q_shape, _, origin = describe(q, "q")
     lead = (q_shape[0], 0) if len(q_shape) == 4 and cu_seqlens_q is None else (0,)
     empty = new_kv(k, v, ("k", "v"), target, lead)
     if empty is None:
-        wq, wk, wv, origin = encode_qkv(q, k, v)
+        wq, wk, wv, origin = encode_qkv(q, k, v, placement)
     else:
-        (wq, origin), (wk, wv) = to_wire(q, "q"), empty
+        wq, (wk, wv) = tensor_of(q, "q", placement), empty
     check_layout(target, wq, wk, wv)
     wq, wk, wv, cu_q, cu_k, user_shape, lse_fix = _prefill_form(
         wq, wk, wv, cu_seqlens_q, cu_seqlens_k
@@ -225,5 +233,6 @@ def prepare_cache_prefill(
     check_cu_values(cu_k, wk.shape[0], "cu_seqlens_k", "k")
     return _prefill_request(
         CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, origin, causal=causal,
-        softmax_scale=softmax_scale, return_lse=return_lse, cache=target, score=score,
+        softmax_scale=softmax_scale, return_lse=return_lse, placement=placement, out=out,
+        cache=target, score=score,
     )

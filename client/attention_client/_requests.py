@@ -391,7 +391,7 @@ def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
         )
 
 
-def _place_outputs(
+def place_tensors(
     header: Any, tensors: tuple[Tensor, ...], placement: Placement | None, out: Any,
     out_nbytes: int, lse_nbytes: int, user_shape: tuple[int, ...],
 ) -> tuple[Span | None, Span | None]:
@@ -452,7 +452,7 @@ def finish_request(
     scale = _scale(softmax_scale)
     if scale is not None:
         header.softmax_scale = scale
-    out_span, lse_span = _place_outputs(
+    out_span, lse_span = place_tensors(
         header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )

@@ -41,6 +41,9 @@ class Rpcs:
     def _settings(self, *args):  # noqa: ANN002
         return CallSettings(deadline=None, metadata=(), wait_for_ready=None)
 
+    def _placement(self, use_regions):  # noqa: ANN001
+        return None  # no regions: tensors go as bytes
+
     def _unary_rpc(self, method: str, request, settings, headers=None):  # noqa: ANN001
         ids = tuple(request.cache_ids) if method != "ForkCache" else (request.target_id,)
         if method in ("CreateCaches", "ForkCache"):

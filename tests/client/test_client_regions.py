@@ -467,3 +467,84 @@ def test_cache_decode_steps_go_through_a_region(srv: RunningServer) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "header.regions.q" in err.value.details()
         assert [i["length"] for i in cache.info()] == lengths
+
+
+def test_cache_append_and_prefill_go_through_a_region(srv: RunningServer) -> None:
+    """KvCache.append and KvCache.prefill with their tensors in (or staged into) a region: no
+    tensor bytes on the wire, the answers and the caches' lengths as with bytes (float64
+    reference over everything each cache holds); ``use_regions=False`` sends bytes; a span
+    the server cannot use is refused naming the field, before any cache changes."""
+    ids = ["rp-a", "rp-b"]
+    with AttentionClient(srv.target) as c, c.kv_cache(2, 16, "float32") as cache:
+        region = c.register_shm(1 << 20)
+        k0 = region.empty((9, 2, 16), torch.float32)
+        v0 = region.empty((9, 2, 16), torch.float32)
+        k0.copy_(torch.randn(9, 2, 16))
+        v0.copy_(torch.randn(9, 2, 16))
+        assert cache.append(ids, k0, v0, [0, 4, 9]) == [4, 5]
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["region_bytes_in"] == 2 * k0.nbytes
+        keys = [k0[:4].clone(), k0[4:].clone()]
+        vals = [v0[:4].clone(), v0[4:].clone()]
+        # Bytes for an append when asked (a tensor outside any region is staged otherwise).
+        k1, v1 = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+        assert cache.append(ids[1], k1, v1, use_regions=False) == [8]
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] > 0 and s["region_bytes_in"] == 0
+        keys[1], vals[1] = torch.cat([keys[1], k1]), torch.cat([vals[1], v1])
+        # Prefill: q in the region, new k/v staged, out= in the region; then q staged and the
+        # output read back from scratch; then bytes.
+        q = region.empty((5, 4, 16), torch.float32)
+        out = region.empty((5, 4, 16), torch.float32)
+        cu_q, cu_k = [0, 2, 5], [0, 1, 3]
+        for n, (kwargs, in_region) in enumerate((({"out": out}, True), ({}, True),
+                                                ({"use_regions": False}, False))):
+            q.copy_(torch.randn(5, 4, 16))
+            out.fill_(float("nan"))
+            kn, vn = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+            got = cache.prefill(q if n != 1 else q.clone(), ids, kn, vn, cu_q, cu_k,
+                                return_lse=n == 1, **kwargs)
+            for i in range(2):
+                keys[i] = torch.cat([keys[i], kn[cu_k[i]:cu_k[i + 1]]])
+                vals[i] = torch.cat([vals[i], vn[cu_k[i]:cu_k[i + 1]]])
+            ks, vs = torch.cat(keys), torch.cat(vals)
+            cu_all = [0, len(keys[0]), len(keys[0]) + len(keys[1])]
+            ref, ref_lse = _ref(q, ks, vs, cu_q, cu_all)
+            if n == 1:
+                got, lse = got
+                _close(lse, ref_lse, 1e-5)
+            _close(got, ref)
+            s = c.last_stats
+            assert s is not None and s["cache_lengths"] == [len(k) for k in keys]
+            if in_region:
+                assert s["bytes_in"] == 0 and s["region_bytes_in"] > 0 and s["bytes_out"] == 0
+            else:
+                assert s["bytes_in"] > 0 and s["region_bytes_in"] == 0 and s["bytes_out"] > 0
+            if n == 0:
+                assert got is out
+        # Spans the server cannot use (past the region's end): refused naming the field, and
+        # the caches keep their lengths.
+        lengths = [i["length"] for i in cache.info()]
+        stub = AttentionServiceStub(c._base_channels[0])
+        spec = pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 2, 16])
+        def span(offset: int, nbytes: int) -> pb.RegionSpan:
+            return pb.RegionSpan(region=region.name, offset=offset, byte_size=nbytes)
+
+        end = 1 << 20  # a [2, 2, 16] float32 k or v is 256 bytes, a [2, 4, 16] q 512
+        append = pb.PrefillHeader(
+            k=spec, v=spec, cu_seqlens_k=[0, 1, 2], cache=pb.CacheTarget(cache_ids=ids),
+            regions=pb.TensorRegions(k=span(0, 256), v=span(end - 128, 256)))
+        prefill = pb.PrefillHeader(
+            q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[2, 4, 16]), k=spec, v=spec,
+            cu_seqlens_q=[0, 1, 2], cu_seqlens_k=[0, 1, 2], causal=True,
+            cache=pb.CacheTarget(cache_ids=ids, store=True),
+            regions=pb.TensorRegions(q=span(end - 256, 512), k=span(0, 256),
+                                     v=span(256, 256)))
+        for rpc, header, field in ((stub.AppendKV, append, "header.regions.v"),
+                                   (stub.CachePrefill, prefill, "header.regions.q")):
+            with pytest.raises(grpc.RpcError) as err:
+                list(rpc(iter([pb.PrefillRequest(header=header)]),
+                         metadata=c._metadata or None))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+            assert [i["length"] for i in cache.info()] == lengths

@@ -438,3 +438,43 @@ def test_cache_decode_steps_through_a_cuda_region(request, server: str) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "header.regions.q" in err.value.details()
         assert [i["length"] for i in cache.info()] == before
+
+
+@pytest.mark.parametrize("server", ["gpu_server", "gpu_group"])
+def test_cache_append_and_prefill_through_a_cuda_region(request, server: str) -> None:  # type: ignore[no-untyped-def]
+    """AppendKV and CachePrefill with their tensors in a CUDA IPC region (q, k, v and out=):
+    no tensor bytes on the wire, answers within bf16 tolerance of the float64 reference over
+    everything each cache holds, the tokens kept (odd lengths, a sequence of one token)."""
+    target = request.getfixturevalue(server).target
+    ids = [f"cuda-prefill-{i}" for i in range(3)]
+    lens, new = [5, 130, 64], [1, 77, 9]
+    with AttentionClient(target, timeout=120) as c, c.kv_cache(4, 128, "bfloat16") as cache:
+        region = c.register_cuda(16 << 20)
+        g = torch.Generator(device="cuda").manual_seed(11)
+
+        def filled(shape: tuple[int, ...]) -> torch.Tensor:
+            t = region.empty(shape, torch.bfloat16)
+            return t.copy_(torch.randn(shape, generator=g, device="cuda"))
+
+        k0, v0 = filled((sum(lens), 4, 128)), filled((sum(lens), 4, 128))
+        assert cache.append(ids, k0, v0, [0, *torch.tensor(lens).cumsum(0).tolist()]) == lens
+        s = c.last_stats
+        assert s is not None and s["bytes_in"] == 0 and s["region_bytes_in"] == 2 * k0.nbytes
+        q, kn, vn = filled((sum(new), 16, 128)), filled((sum(new), 4, 128)), filled(
+            (sum(new), 4, 128))
+        out = region.empty(q.shape, torch.bfloat16).fill_(float("nan"))
+        cu_new = [0, *torch.tensor(new).cumsum(0).tolist()]
+        got = cache.prefill(q, ids, kn, vn, cu_new, cu_new, out=out)
+        torch.cuda.synchronize()
+        s = c.last_stats
+        assert got is out and s is not None and s["bytes_in"] == 0 and s["bytes_out"] == 0
+        assert s["cache_lengths"] == [a + b for a, b in zip(lens, new, strict=True)]
+        keys = [torch.cat([a, b]) for a, b in zip(torch.split(k0, lens), torch.split(kn, new),
+                                                  strict=True)]
+        vals = [torch.cat([a, b]) for a, b in zip(torch.split(v0, lens), torch.split(vn, new),
+                                                  strict=True)]
+        cu_all = [0, *torch.tensor([len(k) for k in keys]).cumsum(0).tolist()]
+        ref = prefill_ref(q.double(), torch.cat(keys).double(), torch.cat(vals).double(),
+                          torch.tensor(cu_new, dtype=torch.int32, device="cuda"),
+                          torch.tensor(cu_all, dtype=torch.int32, device="cuda"), causal=True)
+        assert _rel(out, ref) < BF16
