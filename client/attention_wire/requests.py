@@ -77,6 +77,13 @@ def _chunk(field: int, offset: int, data: memoryview) -> list[bytes | memoryview
     return [_chunk_head(field, offset, len(data)), data]
 
 
+# The metadata a client opens a step stream (``<Op>Steps``) with to have a failed call
+# answered in-band (AttentionResult.error) instead of ending the stream, and to send calls
+# before earlier ones are answered (ServerInfo.steps_in_flight of them run at once).
+STEP_ERRORS_HEADER = "x-attention-step-errors"
+IN_BAND = "in-band"
+
+
 def step_timeout(deadline: float | None) -> bytes:
     """The ``step_timeout_ms`` field of a call sent on a step stream whose deadline
     (``time.monotonic()``) is ``deadline``: the server then counts the call, when its client

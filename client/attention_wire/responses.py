@@ -131,6 +131,19 @@ def parse_response(message: bytes) -> OutputSlice | pb.RequestStats | None:
     return payload
 
 
+_ERROR = field_number(pb.AttentionResult.DESCRIPTOR, "error")
+
+
+def call_error(message: bytes) -> pb.CallError | None:
+    """A step stream's in-band answer of a failed call (AttentionResult.error), or None."""
+    error = None
+    for number, wire_type, value in iter_fields(memoryview(message)):
+        if number == _ERROR and wire_type == LEN:
+            error = error or pb.CallError()
+            error.MergeFromString(bytes(value))
+    return error
+
+
 def parse_result(message: bytes) -> list[OutputSlice | pb.RequestStats]:
     """One AttentionResult (a unary compute rpc's answer): its chunks in order, then its
     stats when present (repeated occurrences merge, as in protobuf). Same field numbers as

@@ -235,12 +235,22 @@ class AttentionResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[OutputChunk, _Mapping]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
 
 class AttentionResult(_message.Message):
-    __slots__ = ("chunks", "stats")
+    __slots__ = ("chunks", "stats", "error")
     CHUNKS_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     chunks: _containers.RepeatedCompositeFieldContainer[OutputChunk]
     stats: RequestStats
-    def __init__(self, chunks: _Optional[_Iterable[_Union[OutputChunk, _Mapping]]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ...) -> None: ...
+    error: CallError
+    def __init__(self, chunks: _Optional[_Iterable[_Union[OutputChunk, _Mapping]]] = ..., stats: _Optional[_Union[RequestStats, _Mapping]] = ..., error: _Optional[_Union[CallError, _Mapping]] = ...) -> None: ...
+
+class CallError(_message.Message):
+    __slots__ = ("code", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    details: str
+    def __init__(self, code: _Optional[int] = ..., details: _Optional[str] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ("connections",)
@@ -249,7 +259,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, connections: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl", "nixl_backend")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl", "nixl_backend", "steps_in_flight")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -273,6 +283,7 @@ class ServerInfo(_message.Message):
     FEWEST_FRONTEND_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     NIXL_FIELD_NUMBER: _ClassVar[int]
     NIXL_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    STEPS_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -296,7 +307,8 @@ class ServerInfo(_message.Message):
     fewest_frontend_connections: int
     nixl: bool
     nixl_backend: str
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ..., nixl_backend: _Optional[str] = ...) -> None: ...
+    steps_in_flight: int
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ..., nixl_backend: _Optional[str] = ..., steps_in_flight: _Optional[int] = ...) -> None: ...
 
 class SystemRegion(_message.Message):
     __slots__ = ("key", "offset")

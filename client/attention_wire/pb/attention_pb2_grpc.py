@@ -320,12 +320,20 @@ class AttentionServiceServicer:
     def CacheDecodeSteps(self, request_iterator, context):
         """A decode loop on one stream: each request message is one whole CacheDecode step (as
         CacheDecodeUnary takes it), each response message that step's AttentionResult, in order.
-        A step runs once the previous one is answered. Per step it costs about half the host time
-        of a CacheDecodeUnary call at both ends (no call set-up per step). Every step is checked,
-        limited, batched and counted as a CacheDecode call; auth and the deadline are the stream's
-        (a step's own deadline, step_timeout_ms, only decides how a cut-off step is counted).
-        The first step that fails ends the stream with that step's status (steps sent after it do
-        not run); a draining server ends it with UNAVAILABLE at the next step.
+        Per step it costs about half the host time of a CacheDecodeUnary call at both ends (no
+        call set-up per step). Every step is checked, limited, batched and counted as a
+        CacheDecode call; auth and the deadline are the stream's (a step's own deadline,
+        step_timeout_ms, only decides how a cut-off step is counted).
+        By default a step runs once the previous one is answered, and the first step that fails
+        ends the stream with that step's status (steps sent after it do not run); a draining
+        server ends it with UNAVAILABLE at the next step.
+        With in-band errors (metadata `x-attention-step-errors: in-band`), up to
+        ServerInfo.steps_in_flight steps run at once: each starts as it arrives, after the earlier
+        steps of the stream that name one of its caches (those keep their order; steps on
+        disjoint caches overlap, and may share a launch); answers still come in order, and a
+        failed step is answered with AttentionResult.error (it changes no cache) while the
+        stream goes on. A draining server answers the steps that had started, then ends the
+        stream with UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -334,10 +342,12 @@ class AttentionServiceServicer:
     def PrefillSteps(self, request_iterator, context):
         """Stateless calls on one kept-open stream, as CacheDecodeSteps runs CacheDecode steps:
         each request message one whole call (as the unary twin takes it), each response message
-        its AttentionResult, in order; a call runs once the previous one is answered. For small
-        calls and same-host region calls, whose payload is a few hundred bytes, the per-call
-        HTTP/2 stream set-up is most of the wire time. Errors, limits, batching and metrics as
-        the unary twin; the first failing call ends the stream with its status.
+        its AttentionResult, in order; by default a call runs once the previous one is
+        answered. For small calls and same-host region calls, whose payload is a few hundred
+        bytes, the per-call HTTP/2 stream set-up is most of the wire time. Errors, limits, batching and metrics as
+        the unary twin; the first failing call ends the stream with its status, or with in-band
+        errors (as CacheDecodeSteps) is answered by AttentionResult.error, calls running
+        several at once.
 
         Prefill calls on one stream.
         """

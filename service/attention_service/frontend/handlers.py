@@ -22,6 +22,7 @@ them). Small messages (headers, stats, the region rpcs) still use the generated 
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import Any
@@ -29,12 +30,12 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
-from attention_service.errors import invalid
+from attention_service.errors import RequestError, invalid
 from attention_service.params import Op
 from attention_wire import unary_method
 from attention_wire.codec import WireError
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import RawRequest, read_request
+from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER, RawRequest, read_request
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 
@@ -160,14 +161,115 @@ STEP_STREAMS = {
 }
 
 
+# Calls a step stream opened with in-band errors (STEP_ERRORS_HEADER) runs at once, the one
+# being answered included (ServerInfo.steps_in_flight): a model host's two micro-batches per
+# layer and a few layers ahead. Past it the stream's next message is not read, so the
+# client's sends wait in HTTP/2 flow control.
+STEPS_IN_FLIGHT = 8
+
+
+def _in_band(context: grpc.aio.ServicerContext) -> bool:
+    return any(key == STEP_ERRORS_HEADER and value == IN_BAND
+               for key, value in context.invocation_metadata() or ())
+
+
+def _cache_ids(raw: bytes, op: Op) -> tuple[str, ...]:
+    """The caches a call names (its header parsed once per distinct header, the memo above);
+    () for a stateless op, and for a message ``serve`` will refuse."""
+    if not op.cached:
+        return ()
+    try:
+        header = parse_request(raw, op).header
+    except RequestError:
+        return ()
+    return tuple(header.cache.cache_ids) if header is not None else ()
+
+
+def _error_answer(refusal: RequestError) -> bytes:
+    """A failed call's in-band answer: an AttentionResult with only ``error`` set."""
+    error = pb.CallError(code=refusal.code.value[0], details=refusal.details)
+    return pb.AttentionResult(error=error).SerializeToString()
+
+
+async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
+                     context: grpc.aio.ServicerContext) -> Any:
+    """A step stream with in-band errors: each call starts as it arrives (up to
+    STEPS_IN_FLIGHT unanswered), after the earlier calls that name one of its caches; the
+    answers go in order, a failed call's as its error. Once the server drains, no call is
+    read: those read are answered, then the stream ends UNAVAILABLE."""
+    room = asyncio.Semaphore(STEPS_IN_FLIGHT)
+    answers: asyncio.Queue[Any] = asyncio.Queue()  # tasks in order, then None or an error
+    latest: dict[str, asyncio.Task[Any]] = {}  # cache id -> the last call naming it
+
+    async def one(raw: bytes, ids: tuple[str, ...], after: set[asyncio.Task[Any]]) -> Any:
+        try:
+            if after:  # done or failed: a failed call changed nothing
+                await asyncio.wait(after)
+            return await call(raw, context)
+        finally:
+            me = asyncio.current_task()
+            for i in ids:
+                if latest.get(i) is me:
+                    del latest[i]
+
+    async def read() -> None:
+        try:
+            async for raw in requests:
+                await room.acquire()
+                if not servicer.tracker.accepting:
+                    break
+                ids = _cache_ids(raw, op)
+                after = {t for i in ids if (t := latest.get(i)) is not None}
+                task = asyncio.ensure_future(one(raw, ids, after))
+                latest.update(dict.fromkeys(ids, task))
+                answers.put_nowait(task)
+            answers.put_nowait(None)
+        except BaseException as exc:  # noqa: BLE001 (the stream's own end: handed on)
+            answers.put_nowait(exc)
+
+    reader = asyncio.ensure_future(read())
+    started: list[asyncio.Task[Any]] = []
+    try:
+        while (item := await answers.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            started.append(item)
+            try:
+                answer = await item
+            except RequestError as refusal:
+                answer = _error_answer(refusal)
+            started.pop()
+            yield answer
+            room.release()
+        if not servicer.tracker.accepting:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, servicer.tracker.refusal)
+    finally:
+        reader.cancel()
+        while not answers.empty():  # read, not yet answered: the stream went away
+            item = answers.get_nowait()
+            if isinstance(item, asyncio.Task):
+                item.cancel()
+        for task in started:
+            task.cancel()
+
+
 def _compute_steps(servicer: Any, op: Op) -> Any:
-    """A stream of whole calls: each message served as the unary twin serves its one message,
-    one after another; a failing call aborts the stream with its status (``serve`` does)."""
+    """A stream of whole calls: each message served as the unary twin serves its one message.
+    By default one after another, and a failing call ends the stream with its status; with
+    in-band errors (STEP_ERRORS_HEADER), several at once (``_in_flight``)."""
     call = _compute_unary(servicer, op, step=True)
 
     async def behavior(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        if _in_band(context):
+            async for answer in _in_flight(servicer, call, op, requests, context):
+                yield answer
+            return
         async for raw in requests:
-            yield await call(raw, context)
+            try:
+                answer = await call(raw, context)
+            except RequestError as refusal:
+                await context.abort(refusal.code, refusal.details)
+            yield answer
 
     return behavior
 

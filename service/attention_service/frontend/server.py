@@ -16,7 +16,7 @@ import attention_service
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.errors import StartupError
 from attention_service.frontend.auth import BearerTokenInterceptor, Principals
-from attention_service.frontend.handlers import SERVICE_NAME, add_to_server
+from attention_service.frontend.handlers import SERVICE_NAME, STEPS_IN_FLIGHT, add_to_server
 from attention_service.frontend.servicer import AttentionServicer, CallTracker
 from attention_service.frontend.stock_services import add_stock_services
 from attention_service.frontend.validation import supported_head_dim
@@ -45,6 +45,7 @@ def server_info(config: ServerConfig, info: EngineInfo, frontend: int = 0) -> pb
         max_regions_per_caller=config.max_regions_per_caller,
         system_region_bytes_per_caller=config.system_region_bytes_per_caller,
         frontend=frontend, nixl=info.nixl, nixl_backend=info.nixl_backend,
+        steps_in_flight=STEPS_IN_FLIGHT,
     )
 
 

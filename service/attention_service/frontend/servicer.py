@@ -235,8 +235,9 @@ class AttentionServicer:
         receive, run on the engine, stream the outputs back, account the call. ``unary``: the
         rpc's unary twin (``requests`` is its one message, and so is the answer: every output
         as one slice and the stats, yielded joined); ``step`` with it: one call of a step
-        stream (``CacheDecodeSteps``). All count under the op's name in the
-        metrics; the log line says which."""
+        stream (``CacheDecodeSteps``), whose refusal is raised (a ``RequestError``, once
+        counted) for the stream's handler to answer, not sent as the stream's status. All
+        count under the op's name in the metrics; the log line says which."""
         call = _CallRecord(op.rpc, context, unary, step)
         self.tracker.enter()
         self._metrics.inflight.inc()
@@ -310,6 +311,8 @@ class AttentionServicer:
         # Accounted before the status goes out, so metrics and logs are final when it arrives.
         call.code, call.details = refusal[0].name, refusal[1]
         self._finish(call)
+        if step:  # the stream's handler ends the stream with it, or answers it in-band
+            raise RequestError(*refusal)
         await context.abort(*refusal)
 
     def _gone_code(self, call: _CallRecord) -> str:

@@ -13,10 +13,13 @@ import grpc
 import pytest
 import torch
 
+from attention_service.params import Op
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER
 
 from ..kv_helpers import cache_decode_messages, layout, rand
 from ..svc_helpers import (
+    GatedBackend,
     collect,
     collect_result,
     cu_from_lengths,
@@ -27,6 +30,7 @@ from ..svc_helpers import (
     request_codes,
     same_answer,
     unary_rpc,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("no_tracebacks")]
@@ -51,6 +55,10 @@ class Steps:
     def step(self, message: Any) -> pb.AttentionResult:
         self._queue.put(message)
         return next(self.call)
+
+    def send(self, message: Any) -> None:
+        """Send a step without reading its answer (a stream with in-band errors)."""
+        self._queue.put(message)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -217,3 +225,116 @@ def test_stateless_calls_on_one_stream_equal_unary_calls(start_server, method) -
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert err.value.details().startswith("header.k.shape[2]: head_dim 24 differs from q's")
     assert request_codes(handle, method) == {"OK", "INVALID_ARGUMENT"}
+
+
+IN_BAND_METADATA = ((STEP_ERRORS_HEADER, IN_BAND),)
+
+
+def _same_outputs(got: pb.AttentionResult, want: pb.AttentionResult) -> None:
+    """The same output tensors and cache lengths (steps sent ahead may share a launch, so
+    their batch counts differ)."""
+    a, b = collect_result(got), collect_result(want)
+    assert a.tensors.keys() == b.tensors.keys()
+    for field, t in a.tensors.items():
+        assert torch.equal(t, b.tensors[field]), pb.OutputField.Name(field)
+    assert list(a.stats.cache_lengths) == list(b.stats.cache_lengths)  # type: ignore[union-attr]
+
+
+def test_in_band_steps_run_ahead_in_order_and_fail_alone(start_server) -> None:  # type: ignore[no-untyped-def]
+    """A stream with in-band errors takes steps before it answers earlier ones: answers in
+    order, each bitwise a unary step's on twin caches; a step on an unknown cache is answered
+    with its error (NOT_FOUND naming the id, counted) and changes nothing, the steps after it
+    run; steps on one cache keep their order (its lengths grow one by one)."""
+    handle = start_server(metrics_port=0)
+    stub = handle.stub()
+    _create(stub, ["ia", "ib", "ua", "ub"])
+    plan = [(["ia"], ["ua"]), (["ib"], ["ub"]), (["gone"], None), (["ia", "ib"], ["ua", "ub"]),
+            (["ia"], ["ua"]), (["ib"], ["ub"])]
+    steps = Steps(handle.channel(), timeout=30, metadata=IN_BAND_METADATA)
+    for seed, (ids, _) in enumerate(plan):
+        steps.send(_step_message(ids, 10 * seed))
+    unary = unary_rpc(handle, "CacheDecodeUnary")
+    for seed, (_, twins) in enumerate(plan):
+        got = next(steps.call)
+        if twins is None:
+            assert not got.chunks and not got.HasField("stats")
+            assert got.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert "gone" in got.error.details
+            continue
+        assert not got.HasField("error")
+        _same_outputs(got, unary(_step_message(twins, 10 * seed), timeout=30))
+    steps.close()
+    assert list(steps.call) == [] and steps.call.code() == grpc.StatusCode.OK
+    assert _lengths(stub, ["ia", "ib"]) == [3, 3]
+    assert request_codes(handle, "CacheDecode") == {"OK", "NOT_FOUND"}
+
+
+def test_in_band_steps_on_other_caches_start_while_one_computes(start_server) -> None:  # type: ignore[no-untyped-def]
+    """While a step's launch is held (a gated backend), the steps sent behind it on other
+    caches reach the engine's queue, and one on the held step's cache does not (it waits for
+    that step); once released, every step is answered in order with the right lengths. A
+    stream without in-band errors starts nothing behind the held step."""
+    backend = GatedBackend()
+    handle = start_server(backend=backend, metrics_port=0)
+    stub = handle.stub()
+    _create(stub, ["g0", "g1", "g2", "s0", "s1"])
+    depth = handle.server.executor.queue_depth
+    steps = Steps(handle.channel(), timeout=30, metadata=IN_BAND_METADATA)
+    steps.send(_step_message(["g0"], 1))
+    assert backend.entered.wait(10)
+    for seed, ids in enumerate((["g1"], ["g2"], ["g0"]), start=2):
+        steps.send(_step_message(ids, seed))
+    assert wait_until(lambda: depth(Op.CACHE_DECODE) == 2)
+    time.sleep(0.2)
+    assert depth(Op.CACHE_DECODE) == 2  # the second g0 step waits for the first
+    plain = Steps(handle.channel(), timeout=30)
+    plain.send(_step_message(["s0"], 5))
+    plain.send(_step_message(["s1"], 6))
+    time.sleep(0.2)
+    assert depth(Op.CACHE_DECODE) == 3  # s0 queued, s1 not read before s0 is answered
+    backend.release.set()
+    lengths = [list(next(steps.call).stats.cache_lengths) for _ in range(4)]
+    assert lengths == [[1], [1], [1], [2]]
+    assert [list(next(plain.call).stats.cache_lengths) for _ in range(2)] == [[1], [1]]
+    for s in (steps, plain):
+        s.close()
+        assert list(s.call) == []
+
+
+def test_in_band_steps_of_a_draining_server(start_server) -> None:  # type: ignore[no-untyped-def]
+    """Once the drain began, an in-band stream answers what it read, refuses the next step
+    (its error, or the stream's UNAVAILABLE status) and ends UNAVAILABLE; nothing is stored."""
+    handle = start_server()
+    stub = handle.stub()
+    _create(stub, ["dr"])
+    steps = Steps(handle.channel(), timeout=30, metadata=IN_BAND_METADATA)
+    assert list(steps.step(_step_message(["dr"], 1)).stats.cache_lengths) == [1]
+    handle.server.frontend.tracker.accepting = False  # what the drain sets first
+    handle.server.frontend.tracker.refusal = "server is shutting down"
+    steps.send(_step_message(["dr"], 2))
+    with pytest.raises(grpc.RpcError) as err:
+        for answer in steps.call:
+            assert answer.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert _lengths(stub, ["dr"]) == [1]
+
+
+def test_in_band_stateless_calls_answer_errors_in_their_place(start_server) -> None:  # type: ignore[no-untyped-def]
+    """PrefillSteps with in-band errors: calls sent ahead, answered in order (bitwise the
+    unary twin's), a bad call answered with INVALID_ARGUMENT naming the field."""
+    handle = start_server(metrics_port=0)
+    steps = Steps(handle.channel(), "PrefillSteps", timeout=30, metadata=IN_BAND_METADATA)
+    unary = unary_rpc(handle, "PrefillUnary")
+    calls = [_stateless_call("Prefill", seed) for seed in range(4)]
+    calls[1].header.q.shape[2] = 25  # q's head dim no longer k's
+    for message in calls:
+        steps.send(message)
+    for n, message in enumerate(calls):
+        got = next(steps.call)
+        if n == 1:
+            assert got.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert got.error.details.startswith("header.k.shape[2]: head_dim 24 differs")
+        else:
+            _same_outputs(got, unary(message, timeout=30))
+    steps.close()
+    assert list(steps.call) == [] and steps.call.code() == grpc.StatusCode.OK
