@@ -4,8 +4,9 @@ decode step per layer per token through the real client.
 Each host (its own process) holds ``--layers`` sets of ``--batch`` caches of ``--context``
 tokens (appended once) and loops steps: q ``[B, H, D]`` and one new k/v token per sequence
 ``[B, H_kv, D]`` (``store=False`` unless ``--store``, so the caches do not grow). A step goes
-on layer ``i % L``. ``--inflight 1``: the sync client, one ``decode_steps()`` handle; ``k > 1``:
-the async client with k handles, layer l on handle ``l % k`` (k steps outstanding).
+on layer ``i % L``, through one ``decode_steps()`` handle of the sync client; ``--inflight k``:
+k steps outstanding on it (``submit``: the next layer's step is sent before the last one's
+answer is read; k <= L, so steps in flight are on disjoint caches).
 ``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``)
 or CUDA IPC region (``cuda``, tensors on the server's GPU) with the outputs written there
 (``out=``). All hosts start together against one server (started here, or ``--target``).
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import math
 import multiprocessing as mp
@@ -92,13 +94,8 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
                     # The handle's session headers: its step streams reach its replica
                     # behind Envoy (a server reached directly ignores them).
                     meta = cache.session_metadata
-                    if k == 1:
-                        res = _sync_round(client, spec, transport, ids, qs, ks, vs, barrier, t,
-                                          meta)
-                    else:
-                        res = asyncio.run(_async_round(k, spec, transport, kw, ids, qs, ks, vs,
-                                                       barrier, t, meta))
-                    out.put(res)
+                    out.put(_round(client, spec, transport, k, ids, qs, ks, vs, barrier, t,
+                                   meta))
     except BaseException as exc:  # reported to the main process, which stops the group
         barrier.abort()
         out.put({"error": f"host {idx}: {type(exc).__name__}: {exc}"})
@@ -125,75 +122,46 @@ def _placed(region: Any, transport: str, qs: list[Any], ks: list[Any], vs: list[
             [region.empty(tuple(x.shape), x.dtype) for x in qs])
 
 
-def _sync_round(client: Any, spec: dict[str, Any], transport: str, ids: list[list[str]],
-                qs: list[Any], ks: list[Any], vs: list[Any], barrier: Any,
-                t: float, meta: Any = None) -> dict[str, Any]:
+def _round(client: Any, spec: dict[str, Any], transport: str, k: int, ids: list[list[str]],
+           qs: list[Any], ks: list[Any], vs: list[Any], barrier: Any,
+           t: float, meta: Any = None) -> dict[str, Any]:
+    """One handle, k steps outstanding: step i + k is sent once step i is read. A step's
+    latency runs from its send to its result (on cuda: the output on the GPU)."""
     L, lat = spec["layers"], []
     nbytes = 2 * _region_bytes([qs, ks, vs])
     region = (None if transport == "bytes" else client.register_shm(nbytes)
               if transport == "shm" else client.register_cuda(nbytes))
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
-    # Bytes: the step as any client sends it (no region arguments: older clients run it too).
+    # Bytes: the step as any client sends it (no region arguments).
     kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
     with client.decode_steps(metadata=meta) as steps:
-        for i in range(spec["warmup"]):
-            x = i % L
-            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])
+
+        def read(t0: float, pending: Any, timed: bool) -> None:
+            pending.result()
+            if transport == "cuda":
+                torch.cuda.synchronize()  # the answer is on the GPU when it returns
+            if timed:
+                lat.append(time.perf_counter() - t0)
+
+        def run(n: int, timed: bool) -> None:
+            window: collections.deque[tuple[float, Any]] = collections.deque()
+            for i in range(n):
+                if len(window) == k:
+                    read(*window.popleft(), timed)
+                x = i % L
+                window.append((time.perf_counter(), steps.submit(
+                    qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])))
+            while window:
+                read(*window.popleft(), timed)
+
+        run(spec["warmup"], False)
         barrier.wait(t)
         c0 = time.process_time()
-        for i in range(spec["steps"]):
-            x = i % L
-            t0 = time.perf_counter()
-            steps.step(qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])
-            if transport == "cuda":
-                torch.cuda.synchronize()  # the answer is on the GPU when the step returns
-            lat.append(time.perf_counter() - t0)
+        run(spec["steps"], True)
         cpu = time.process_time() - c0
         barrier.wait(t)
     if region is not None:
         region.close()
-    return {"lat": lat, "cpu_s": cpu, "steps": len(lat)}
-
-
-async def _async_round(k: int, spec: dict[str, Any], transport: str, kw: dict[str, Any],
-                       ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
-                       barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
-    from attention_client.aio import AsyncAttentionClient
-
-    L, lat, store = spec["layers"], [], spec["store"]
-
-    async def loop(steps: Any, j: int, n: int, timed: bool) -> None:
-        # Layers j, j + k, ...: disjoint caches per handle (one call per cache at a time).
-        mine = list(range(j, L, k))
-        for i in range(n):
-            x = mine[i % len(mine)]
-            t0 = time.perf_counter()
-            await steps.step(qs[x], ids[x], ks[x], vs[x], store=store, **extra[x])
-            if timed:
-                lat.append(time.perf_counter() - t0)
-
-    use = transport != "bytes"
-    async with AsyncAttentionClient(spec["target"], **kw) as client:
-        nbytes = 2 * _region_bytes([qs, ks, vs])
-        region = (None if not use else await client.register_shm(nbytes)
-                  if transport == "shm" else await client.register_cuda(nbytes))
-        qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
-        extra = [{} if region is None else {"out": o, "use_regions": True} for o in outs]
-        handles = [client.decode_steps(metadata=meta) for _ in range(k)]
-        share = lambda n, j: n // k + (j < n % k)  # noqa: E731
-        await asyncio.gather(*(loop(s, j, share(spec["warmup"], j), False)
-                               for j, s in enumerate(handles)))
-        # In a thread: the client's own tasks keep running on the loop meanwhile.
-        await asyncio.to_thread(barrier.wait, t)
-        c0 = time.process_time()
-        await asyncio.gather(*(loop(s, j, share(spec["steps"], j), True)
-                               for j, s in enumerate(handles)))
-        cpu = time.process_time() - c0
-        await asyncio.to_thread(barrier.wait, t)
-        for s in handles:
-            await s.close()
-        if region is not None:
-            await region.aclose()
     return {"lat": lat, "cpu_s": cpu, "steps": len(lat)}
 
 
@@ -411,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=ints, default=ints("1024,2048"), help="cached tokens")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hosts", type=ints, default=ints("1,8"))
-    p.add_argument("--inflight", type=ints, default=ints("1,2"))
+    p.add_argument("--inflight", type=ints, default=ints("1,2"),
+                   help="steps outstanding on a host's one handle (submit), each <= --layers")
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
                    "region), cuda (a CUDA IPC region on the server's GPU): comma-separated")

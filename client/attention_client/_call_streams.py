@@ -153,6 +153,9 @@ class StreamCall:
         self._call = rpc(messages(), metadata=kwargs["metadata"],
                          wait_for_ready=kwargs["wait_for_ready"])
         self.answered = False  # a call on it was ever answered
+        # decode_steps' record: how it failed, and whether the step it failed at was told.
+        self.failure: grpc.RpcError | None = None
+        self.blamed = False
 
     def alive(self) -> bool:
         return not self._call.done()
@@ -161,7 +164,15 @@ class StreamCall:
         """Send one call, return its answer; grpc.RpcError if the stream failed: StreamError
         for an expired call or a stream that ended, NotSent if the message never went out.
         Drop the stream after any error."""
+        self.send(message)
+        return self.receive(deadline, watchdog)
+
+    def send(self, message: bytes) -> None:
+        """Send one call (gRPC's sender thread takes it); its answer comes in order."""
         self._queue.put(message)
+
+    def receive(self, deadline: float | None, watchdog: Watchdog) -> bytes:
+        """The next call's answer (see ``exchange``); ``deadline`` is that call's."""
         if deadline is not None:
             watchdog.arm(id(self), deadline, self._call)
         try:
@@ -197,14 +208,32 @@ class AsyncStreamCall:
         kwargs = settings.kwargs()
         self._call = rpc(metadata=kwargs["metadata"], wait_for_ready=kwargs["wait_for_ready"])
         self.answered = False
+        self.failure: grpc.RpcError | None = None
+        self.blamed = False
 
     def alive(self) -> bool:
         return not self._call.done()
 
     async def exchange(self, message: bytes, deadline: float | None) -> bytes:
         """See StreamCall.exchange."""
+        await self.send(message)
+        return await self.receive(deadline)
+
+    async def send(self, message: bytes) -> None:
+        """Send one call; NotSent if the stream had ended (one write at a time: a read may
+        wait meanwhile)."""
         try:
             await self._call.write(message)
+        except asyncio.InvalidStateError as err:  # it had ended before the write
+            raise NotSent(err) from err
+        except grpc.RpcError as err:
+            if _send_failed(err):
+                raise NotSent(err) from err
+            raise
+
+    async def receive(self, deadline: float | None) -> bytes:
+        """The next call's answer (see StreamCall.exchange)."""
+        try:
             read = self._call.read()
             if deadline is None:
                 raw = await read
@@ -212,8 +241,6 @@ class AsyncStreamCall:
                 raw = await asyncio.wait_for(read, max(deadline - time.monotonic(), 0.0))
         except asyncio.TimeoutError:
             raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
-        except asyncio.InvalidStateError as err:  # it had ended before the write
-            raise NotSent(err) from err
         except grpc.RpcError as err:
             if _send_failed(err):
                 raise NotSent(err) from err

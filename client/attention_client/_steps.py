@@ -12,15 +12,19 @@ its wire frame (``_Compiled``): tensors like its own are joined into the message
 and the answer's OUT is read at its known offset (B=1 155 -> 35 us, B=64 348 -> 115 us). The
 stream is opened at the first step (and again after one ended: a failed step, a server
 restart); a step's ``timeout`` (the handle's, per step) cancels the stream when it runs out.
-Steps on one handle run one at a time (a lock); open a handle per concurrent loop. A step too
-large for one message, or a server without the rpc, goes through ``decode_step``'s path
-instead, with the same settings.
+The stream is opened with in-band errors: a failed step is answered by its error and the
+stream goes on, so ``submit`` may send steps before earlier answers are read (``PendingStep``;
+the server runs them at once, those on one cache in order). A step too large for one
+message, or a server without the rpc, goes through ``decode_step``'s path instead, with the
+same settings.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
+import dataclasses
 import math
 import threading
 import time
@@ -34,10 +38,11 @@ from attention_client._call_streams import (
     STEP_METHODS,
     AsyncStreamCall,
     StreamCall,
+    StreamError,
     not_sent,
     unimplemented,
 )
-from attention_client._channel import DEFAULT, CallSettings, check_timeout
+from attention_client._channel import DEFAULT, CallSettings, check_timeout, merge_metadata
 from attention_client._core import Steps, _io
 from attention_client._errors import from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
@@ -51,8 +56,8 @@ from attention_client._tensors import (
     torch_bits,
 )
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import message_frame, step_timeout
-from attention_wire.responses import chunk_head, output_chunk_lead, parse_result
+from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER, message_frame, step_timeout
+from attention_wire.responses import call_error, chunk_head, output_chunk_lead, parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
 # Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).
@@ -149,14 +154,55 @@ class _Template(NamedTuple):
     compiled: _Compiled | None
 
 
+class PendingStep:
+    """A step sent on its handle's stream (``submit``), its answer not read yet: ``result()``
+    returns what ``step`` would have, or raises its error (a coroutine on the async client).
+    Answers are read in the order the steps were sent, whichever ``result()`` asks first."""
+
+    __slots__ = ("_handle", "stream", "prep", "compiled", "tensors", "settings", "assembler",
+                 "waiting", "raw", "failure", "first_failure", "rerun", "value")
+
+    def __init__(self, handle: _StepsBase, stream: Any, prep: PreparedRequest,
+                 compiled: _Compiled | None, tensors: tuple[Any, Any, Any],
+                 settings: CallSettings, assembler: Any) -> None:
+        self._handle = handle
+        self.stream = stream  # the stream it was sent on (None: resolved when submitted)
+        self.prep, self.compiled, self.tensors = prep, compiled, tensors
+        self.settings, self.assembler = settings, assembler
+        self.waiting = stream is not None  # sent, its answer not read yet
+        self.raw: bytes | None = None  # its answer
+        self.failure: grpc.RpcError | None = None  # its stream's failure, which ended it
+        self.first_failure = False  # ... at this step (the steps after it were not answered)
+        self.rerun = False  # never sent (no such rpc, or the stream had ended): the long way
+        self.value: Any = None  # the result, when it was made at once (``_resolved``)
+
+    def done(self) -> bool:
+        """Whether its answer (or its stream's end) has been read: ``result()`` waits for
+        nothing."""
+        return not self.waiting
+
+    def result(self) -> Any:
+        """The step's result (a coroutine on the async client): ``out`` or ``(out, lse)``."""
+        return self._handle._drive(self._handle._result(self))
+
+
+_STATUS = {s.value[0]: s for s in grpc.StatusCode}
+_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
+                    grpc.StatusCode.INTERNAL)
+
+
 class _StepsBase:
     """Both handles' steps, written once as steps their client drives (see ``_core``)."""
 
     def __init__(self, client: Any, timeout: Any, metadata: Any,
-                 wait_for_ready: bool | None, lock: Any) -> None:
+                 wait_for_ready: bool | None, make_lock: Any) -> None:
         self._client = client
-        self._lock = lock  # one step at a time: a threading or an asyncio lock
+        # Sends (and the stream's opening) one at a time, and reads one at a time: a step
+        # waiting for its answer does not hold up the next step's send.
+        self._send_lock, self._read_lock = make_lock(), make_lock()
         self._stream: Any = None  # a StreamCall or AsyncStreamCall, opened at the first step
+        self._pending: collections.deque[PendingStep] = collections.deque()  # sent, unread
         self._timeout, self._metadata, self._wait_for_ready = timeout, metadata, wait_for_ready
         self._fixed: CallSettings | None = None  # the first step's settings (``_settings``)
         self._seconds: float | None = None  # and its timeout, checked then
@@ -232,17 +278,6 @@ class _StepsBase:
                 del self._templates[next(iter(self._templates))]  # the oldest
             self._templates[key] = _Template(prep, _Compiled.of(prep, tensors))
 
-    def _failed(self, prep: Any, stream: Any, err: grpc.RpcError,
-                settings: CallSettings) -> Exception | None:
-        """The error to raise for a step whose stream failed; None: no such rpc on the
-        server (nothing ran), take decode_step's path from now on."""
-        if not_sent(err, stream):
-            if unimplemented(err):
-                self._unsupported = True
-            return None
-        self._client._abandon(prep)
-        return from_rpc_error(err, _CALL, settings.names)
-
     def _drive(self, steps: Steps) -> Any:
         return self._client._drive(steps)
 
@@ -255,6 +290,34 @@ class _StepsBase:
     ) -> Any:
         """One decode step, as ``AttentionClient.decode_step`` takes and returns it (a
         coroutine on the async client)."""
+        pending = yield from self._submit(
+            q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
+            window_size, softcap, alibi_slopes, out, use_regions)
+        return (yield from self._result(pending))
+
+    @_io
+    def submit(self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None,
+               **options: Any) -> PendingStep:
+        """Send one step (what ``step`` takes) without waiting for its answer: a
+        ``PendingStep`` whose ``result()`` gives it (a coroutine on the async client, for
+        both). Steps sent ahead run on the server while earlier ones compute (up to
+        ``info()["steps_in_flight"]`` at once; more wait to be read), steps on one cache in
+        the order sent; answers come in that order. A failed step raises from its own
+        ``result()`` and changes no cache; the steps around it are answered. Each step's
+        timeout runs from its submit: one that runs out cancels the stream, and the steps
+        sent after it raise too (read ``cache.info()``: they may have run)."""
+        return (yield from self._submit(q, cache_ids, k_new, v_new, **options))
+
+    def _submit(
+        self, q: Any, cache_ids: Any, k_new: Any = None, v_new: Any = None,
+        store: bool = True, softmax_scale: float | None = None, num_splits: int = 0,
+        return_lse: bool = False, window_size: Any = (-1, -1), softcap: float = 0.0,
+        alibi_slopes: Any = None, out: Any = None, use_regions: bool | None = None,
+    ) -> Steps:
+        """A step's request, sent on the handle's stream: its PendingStep. A step like its
+        compiled template joins its tensors' bytes into the template's frame; a step too
+        large for one message, or one to a server without the rpc, runs at once the long
+        way (its PendingStep holds the result)."""
         self._check_open()
         client = self._client
         settings = self._settings()
@@ -264,84 +327,169 @@ class _StepsBase:
         template = None if key is None else self._templates.get(key)
         compiled = template.compiled if template is not None else None
         views = compiled.views(q, k_new, v_new) if compiled is not None else None
+        tensors = (q, k_new, v_new)
+        tail = step_timeout(settings.deadline)
         if views is not None and not self._unsupported:
-            return (yield from self._fast(compiled, views, settings, q, k_new, v_new))
+            assert compiled is not None
+            return (yield from self._send(compiled.prep, compiled,
+                                          compiled.message(views, tail), tensors, settings))
         prep = self._reused(template.prep if template is not None else None, q, k_new, v_new)
         if prep is None:
             prep = yield client._decode_step_request(
                 settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits,
                 return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
-            self._remember(key, prep, (q, k_new, v_new))
-        with client._layouts_checked(prep):
-            return (yield from self._exchange(prep, settings))
-
-    def _fast(self, compiled: _Compiled, views: tuple[Any, Any, Any], settings: CallSettings,
-              q: Any, k_new: Any, v_new: Any) -> Steps:
-        """A step like its compiled template: its bytes joined into the template's frame,
-        the answer read at its known offset (the general reader for any other answer)."""
-        client = self._client
-        raw = yield from self._roundtrip(
-            compiled.prep, compiled.message(views, step_timeout(settings.deadline)), settings)
-        if raw is not None:
-            got = compiled.answer(raw)
-            if got is not None:
-                client.last_stats = got[1]
-                return compiled.result(*got)
-        prep = self._reused(compiled.prep, q, k_new, v_new)
-        assert prep is not None  # the tensors matched the template's specs
-        if raw is None:  # the server has no CacheDecodeSteps (nothing ran)
-            return (yield client._run(prep, settings))
-        return client._assemble(prep, client._assembler(prep), parse_result(raw))
-
-    def _exchange(self, prep: Any, settings: Any) -> Steps:
-        client = self._client
-        message = client._one_message(prep, step_timeout(settings.deadline))
+            self._remember(key, prep, tensors)
+        message = client._one_message(prep, tail)
         if message is None or self._unsupported:
-            return (yield client._run(prep, settings))
-        assembler = client._assembler(prep)
-        raw = yield from self._roundtrip(prep, message, settings)
-        if raw is None:  # the server has no CacheDecodeSteps (nothing ran)
-            return (yield client._run(prep, settings))
-        return client._assemble(prep, assembler, parse_result(raw))
+            return (yield from self._resolved(prep, settings))
+        return (yield from self._send(prep, None, message, tensors, settings))
 
-    def _roundtrip(self, prep: Any, message: bytes, settings: CallSettings) -> Steps:
-        """``message`` on the handle's stream (opened first if need be, one step at a time):
-        its answer's bytes, or None when the server has no such rpc (nothing ran: the caller
-        takes decode_step's path from now on). Drops the stream on any failure."""
+    def _resolved(self, prep: PreparedRequest, settings: CallSettings) -> Steps:
+        """A step run at once the long way (``decode_step``'s): a PendingStep of its result."""
+        pending = PendingStep(self, None, prep, None, (None, None, None), settings, None)
+        with self._client._layouts_checked(prep):
+            pending.value = yield self._client._run(prep, settings)
+        return pending
+
+    def _send(self, prep: PreparedRequest, compiled: _Compiled | None, message: bytes,
+              tensors: tuple[Any, Any, Any], settings: CallSettings) -> Steps:
+        """``message`` on the handle's stream (opened first when there is none, or it
+        ended): its PendingStep, or the step run at once when the stream's rpc is missing."""
         client = self._client
-        yield self._lock.acquire()
+        # The GPU work that fills region tensors is done before the request goes.
+        assembler = client._assembler(prep) if compiled is None else None
+        yield self._send_lock.acquire()
         try:
-            if self._stream is None or not self._stream.alive():
-                self._drop()
+            stream = self._stream
+            if stream is None or stream.failure is not None or not stream.alive():
+                self._stream = None  # an ended stream's steps read its end
                 try:  # a lost connection is placed first
                     yield client._ready_lane(self._lane_no, settings, _CALL)
                 except BaseException:  # cancelled, or past its deadline: nothing was sent
                     if prep.placement is not None:
                         prep.placement.finish(ok=True)
                     raise
-                self._stream = self._open(settings)
+                stream = self._stream = self._open(settings)
             try:
-                return (yield self._send(message, settings))
-            except grpc.RpcError as err:
-                stream = self._stream
-                self._drop()
-                error = self._failed(prep, stream, err, settings)
-                if error is None:
-                    return None
-                raise error from err
-            except BaseException:
-                self._drop()  # the caller went away mid-step: the stream's state is unknown
+                yield stream.send(message)
+            except grpc.RpcError as err:  # asyncio: the stream had ended (the steps sent
+                self._stream = None  # before this one still read their answers from it)
+                if not not_sent(err, stream):
+                    client._abandon(prep)
+                    raise from_rpc_error(err, _CALL, settings.names) from err
+                if unimplemented(err):
+                    self._unsupported = True
+                stream = None  # run it the long way, below
+            except BaseException:  # the caller went away mid-send: the stream's state is unknown
+                stream.failure = StreamError(grpc.StatusCode.CANCELLED, _GONE)
+                stream.drop()
                 client._abandon(prep)
                 raise
+            if stream is not None:
+                pending = PendingStep(self, stream, prep, compiled, tensors, settings, assembler)
+                self._pending.append(pending)
+                return pending
         finally:
-            self._lock.release()
+            self._send_lock.release()
+        if compiled is not None:
+            reused = self._reused(compiled.prep, *tensors)
+            assert reused is not None  # the tensors matched the template's specs
+            prep = reused
+        return (yield from self._resolved(prep, settings))
 
-    def _drop(self) -> None:
-        """Forget the stream (ended, failed or in an unknown state): cancel it."""
-        if self._stream is not None:
-            self._stream.drop()
-        self._stream = None
+    def _result(self, pending: PendingStep) -> Steps:
+        """``pending``'s result: its answer read (and those sent before it), then made."""
+        if pending.waiting:
+            yield from self._read_until(pending)
+        if pending.stream is None and not pending.rerun:
+            return pending.value  # made at once (``_resolved``)
+        client, prep = self._client, pending.prep
+        if pending.compiled is not None:
+            raw = pending.raw
+            if raw is not None:
+                got = pending.compiled.answer(raw)
+                if got is not None:
+                    client.last_stats = got[1]
+                    return pending.compiled.result(*got)
+            reused = self._reused(pending.compiled.prep, *pending.tensors)
+            assert reused is not None  # the tensors matched the template's specs
+            prep = reused
+        if pending.rerun:  # it never went out: the long way
+            return (yield from self._resolved(prep, pending.settings)).value
+        with client._layouts_checked(prep):
+            if pending.failure is not None:
+                client._abandon(prep)
+                raise self._failure_error(pending) from pending.failure
+            assert pending.raw is not None
+            error = call_error(pending.raw)
+            if error is not None:  # answered in-band: this step failed, changing nothing
+                client._abandon(prep)
+                raise from_rpc_error(StreamError(_STATUS.get(error.code, grpc.StatusCode.UNKNOWN),
+                                                 error.details), _CALL, pending.settings.names)
+            assembler = pending.assembler or client._assembler(prep)
+            return client._assemble(prep, assembler, parse_result(pending.raw))
+
+    @staticmethod
+    def _failure_error(pending: PendingStep) -> Exception:
+        """The error of a step its stream's failure ended: the failure itself for the step it
+        failed at; for the steps sent after that one, which were not answered, the same code
+        when the failure leaves their outcome unknown (a deadline, a cancel, a lost server),
+        else ABORTED: a server that ends the stream at a refused step runs none after it."""
+        failure = pending.failure
+        assert failure is not None
+        if pending.first_failure:
+            return from_rpc_error(failure, _CALL, pending.settings.names)
+        code = failure.code() if callable(getattr(failure, "code", None)) else None
+        if code in _OUTCOME_UNKNOWN:
+            return make_error(code, "the stream failed at an earlier step and this one was not "
+                              f"answered (it may have run: read cache.info()): "
+                              f"{failure.details()}", _CALL)
+        return make_error(grpc.StatusCode.ABORTED, "not run: the stream ended at an earlier "
+                          f"step's failure, and this one was not answered ({failure.details()})",
+                          _CALL)
+
+    def _read_until(self, pending: PendingStep) -> Steps:
+        """Read answers in order, each into its step, up to ``pending``'s; a stream that
+        failed ends each of its unread steps (the first one with its error)."""
+        yield self._read_lock.acquire()
+        try:
+            while pending.waiting:
+                head = self._pending[0]
+                stream = head.stream
+                if stream.failure is None:
+                    try:
+                        head.raw = yield self._receive(stream, head.settings)
+                    except grpc.RpcError as err:
+                        stream.failure = err
+                        stream.drop()
+                    except BaseException:  # the caller went away mid-read: state unknown
+                        stream.failure = StreamError(grpc.StatusCode.CANCELLED, _GONE)
+                        stream.drop()
+                        self._pending.popleft()
+                        head.waiting, head.failure = False, stream.failure
+                        head.first_failure = stream.blamed = True
+                        self._client._abandon(head.prep)  # its scratch waits for the region
+                        raise
+                    else:
+                        self._pending.popleft()
+                        head.waiting = False
+                        continue
+                self._pending.popleft()
+                head.waiting = False
+                head.failure = stream.failure
+                if not_sent(stream.failure, stream):  # none of its steps went out
+                    head.rerun = True
+                    if unimplemented(stream.failure):
+                        self._unsupported = True
+                elif not stream.blamed:
+                    stream.blamed = True
+                    head.first_failure = True
+        finally:
+            self._read_lock.release()
+
+
+_GONE = "a step's caller went away mid-step (the stream's state is unknown)"
 
 
 class DecodeSteps(_StepsBase):
@@ -349,20 +497,21 @@ class DecodeSteps(_StepsBase):
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
                  wait_for_ready: bool | None = None) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock())
+        super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock)
 
     def _open(self, settings: CallSettings) -> StreamCall:
-        return StreamCall(self._lane[METHOD], settings)
+        return StreamCall(self._lane[METHOD], _in_band(settings))
 
-    def _send(self, message: bytes, settings: CallSettings) -> Any:
-        return self._stream.exchange(message, settings.deadline, self._client._streams.watchdog)
+    def _receive(self, stream: StreamCall, settings: CallSettings) -> bytes:
+        return stream.receive(settings.deadline, self._client._streams.watchdog)
 
     def close(self) -> None:
-        """End the stream (the server sees it end cleanly). Idempotent."""
+        """End the stream (the server sees it end cleanly, after answering the steps sent;
+        their ``result()`` still reads them). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        with self._lock:
+        with self._send_lock:
             if self._stream is not None:
                 self._stream.close()
             self._stream = None
@@ -379,20 +528,20 @@ class AsyncDecodeSteps(_StepsBase):
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
                  wait_for_ready: bool | None = None) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock())
+        super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock)
 
     def _open(self, settings: CallSettings) -> AsyncStreamCall:
-        return AsyncStreamCall(self._lane[METHOD], settings)
+        return AsyncStreamCall(self._lane[METHOD], _in_band(settings))
 
-    def _send(self, message: bytes, settings: CallSettings) -> Any:
-        return self._stream.exchange(message, settings.deadline)
+    def _receive(self, stream: AsyncStreamCall, settings: CallSettings) -> Any:
+        return stream.receive(settings.deadline)
 
     async def close(self) -> None:
-        """End the stream cleanly. Idempotent."""
+        """End the stream cleanly (see DecodeSteps.close). Idempotent."""
         if self.closed:
             return
         self.closed = True
-        async with self._lock:
+        async with self._send_lock:
             stream, self._stream = self._stream, None
             if stream is not None:
                 await stream.close()
@@ -402,3 +551,9 @@ class AsyncDecodeSteps(_StepsBase):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+def _in_band(settings: CallSettings) -> CallSettings:
+    """A step stream's settings: failed steps answered in-band, steps sent ahead."""
+    return dataclasses.replace(
+        settings, metadata=merge_metadata(settings.metadata, ((STEP_ERRORS_HEADER, IN_BAND),)))

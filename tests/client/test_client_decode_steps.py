@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import grpc
 import numpy as np
 import pytest
 
@@ -218,27 +219,145 @@ def test_an_async_decode_loop(server):
     assert lengths == [12, 3]
 
 
+def _step_inputs(n, seed, dtype="float32"):
+    return (make("numpy", dtype, n, H, D, seed=seed),
+            make("numpy", dtype, n, HKV, D, seed=seed + 1))
+
+
+def test_steps_sent_ahead_are_answered_in_order_and_fail_alone(client):
+    """``submit``: two micro-batches' steps (disjoint caches) sent ahead of their answers and
+    read in another order than sent, steps on one cache sent back to back, a step on a cache
+    that is gone: every answer right against the float64 reference at the point its step
+    ran, the failed step raising from its own ``result()`` and changing nothing, the lengths
+    as stored. A step's result is read once it is answered, whoever asks first."""
+    a, b = ["sa-a0", "sa-a1"], ["sa-b0"]
+    ctx = Context(a + b)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 6, HKV, D, seed=1)
+        cache.append(a + b, k, k, cu([2, 3, 1]))
+        ctx.add(a + b, k, k, [2, 3, 1])
+        sent = []  # (pending, ids, q, expected out)
+        for seed in range(10, 70, 20):
+            for ids in (a, b):
+                q, kn = _step_inputs(len(ids), seed + len(ids))
+                pending = steps.submit(q, ids, kn, kn)
+                ctx.add(ids, kn, kn, [1] * len(ids))
+                sent.append((pending, q, reference.decode_ref(f64(q), *ctx.packed(ids))))
+        q, kn = _step_inputs(1, 90)
+        gone = steps.submit(q, ["sa-gone"], kn, kn)
+        for seed in (100, 110):  # one cache's steps back to back
+            q, kn = _step_inputs(2, seed)
+            pending = steps.submit(q, a, kn, kn)
+            ctx.add(a, kn, kn, [1, 1])
+            sent.append((pending, q, reference.decode_ref(f64(q), *ctx.packed(a))))
+        last = sent[-1][0]
+        check_out(last.result(), sent[-1][2], "float32", sent[-1][1])  # reads all before it
+        assert all(p.done() for p, _, _ in sent) and gone.done()
+        for pending, q, ref in reversed(sent):
+            check_out(pending.result(), ref, "float32", q)
+        with pytest.raises(AttentionNotFoundError, match="sa-gone"):
+            gone.result()
+        assert [c["length"] for c in cache.info()] == ctx.lengths(a + b)
+        q, kn = _step_inputs(1, 120)  # the stream goes on after the failed step
+        out = steps.step(q, b, kn, kn, store=False)
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(b, kn, kn, 1)), "float32", q)
+
+
+def test_steps_sent_ahead_to_a_server_that_ends_the_stream_at_a_failure(client, monkeypatch):
+    """Without in-band errors (as a server before them answers), the first failing step ends
+    the stream: it raises its own error, the steps sent after it raise saying they were not
+    answered (and there did not run), the steps before it are answered, and the next step
+    opens a new stream."""
+    from attention_client import AttentionError, _steps
+
+    monkeypatch.setattr(_steps, "_in_band", lambda settings: settings)
+    ids = ["lg-a"]
+    ctx = Context(ids)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        k = make("numpy", "float32", 3, HKV, D, seed=2)
+        cache.append(ids, k, k)
+        ctx.add(ids, k, k, [3])
+        q, kn = _step_inputs(1, 30)
+        first = steps.submit(q, ids, kn, kn)
+        ref = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1))
+        ctx.add(ids, kn, kn, [1])
+        failing = steps.submit(q, ["lg-gone"], kn, kn)
+        after = steps.submit(q, ids, kn, kn)
+        check_out(first.result(), ref, "float32", q)
+        with pytest.raises(AttentionError, match="not run") as err:
+            after.result()
+        assert err.value.code == grpc.StatusCode.ABORTED
+        with pytest.raises(AttentionNotFoundError, match="lg-gone"):
+            failing.result()
+        assert [c["length"] for c in cache.info()] == ctx.lengths(ids)
+        out = steps.step(q, ids, kn, kn, store=False)
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1)), "float32", q)
+
+
+def test_async_micro_batches_on_one_handle(server):
+    """Two coroutines stepping their own caches on one async handle, each keeping its next
+    step sent while it reads the last (ping-pong): answers right, lengths as stored."""
+    groups = {"pp-a": ["pp-a0", "pp-a1"], "pp-b": ["pp-b0"]}
+    every = [i for ids in groups.values() for i in ids]
+    ctx = Context(every)
+    k = make("numpy", "float32", 4, HKV, D, seed=3)
+    ctx.add(every, k, k, [1, 2, 1])
+    checks = []
+
+    async def loop(steps, ids, seed):
+        pending = None
+        for n in range(4):
+            q, kn = _step_inputs(len(ids), seed + 10 * n)
+            nxt = await steps.submit(q, ids, kn, kn)
+            ctx.add(ids, kn, kn, [1] * len(ids))
+            want = (q, reference.decode_ref(f64(q), *ctx.packed(ids)))
+            if pending is not None:
+                checks.append((await pending[0].result(), *pending[1]))
+            pending = (nxt, want)
+        checks.append((await pending[0].result(), *pending[1]))
+
+    async def main():
+        async with (AsyncAttentionClient(server.target) as c,
+                    c.kv_cache(HKV, D, "float32") as cache, c.decode_steps() as steps):
+            await cache.append(every, k, k, cu([1, 2, 1]))
+            await asyncio.gather(loop(steps, groups["pp-a"], 200), loop(steps, groups["pp-b"], 300))
+            return [c["length"] for c in await cache.info()]
+
+    assert asyncio.run(main()) == ctx.lengths(every)
+    assert len(checks) == 8
+    for out, q, ref in checks:
+        check_out(out, ref, "float32", q)
+
+
 _HOST = """
 import sys, numpy as np
 from attention_client import AttentionClient
 target, n = sys.argv[1], int(sys.argv[2])
-ids = [f"dead-{i}" for i in range(n)]
+groups = [[f"dead-{i}" for i in range(n // 2)], [f"dead-{i}" for i in range(n // 2, n)]]
 rng = np.random.default_rng(0)
+
+def send(steps, ids):
+    q = rng.standard_normal((len(ids), 4, 16)).astype(np.float32)
+    kn = rng.standard_normal((len(ids), 2, 16)).astype(np.float32)
+    return steps.submit(q, ids, kn, kn)
+
 with AttentionClient(target) as c, c.decode_steps() as steps:
+    pending = [send(steps, ids) for ids in groups]  # two micro-batches in flight
     print("looping", flush=True)
     while True:  # until killed
-        q = rng.standard_normal((n, 4, 16)).astype(np.float32)
-        kn = rng.standard_normal((n, 2, 16)).astype(np.float32)
-        steps.step(q, ids, kn, kn)
+        for g, ids in enumerate(groups):
+            pending[g].result()
+            pending[g] = send(steps, ids)
 """
 
 
 @pytest.mark.parametrize("frontends", ["1", "2"])
 def test_a_host_killed_mid_loop_leaves_its_caches_usable(frontends, tmp_path):
-    """A model host killed (SIGKILL) while its decode loop runs: the server keeps serving, the
-    caches are soon idle again (a cut step holds them only until its launch ends), and every
-    one of them kept the same number of the loop's tokens (a step is stored whole or not at
-    all); the next step on them answers right."""
+    """A model host killed (SIGKILL) while its decode loop runs, two micro-batches' steps in
+    flight on its stream: the server keeps serving, the caches are soon idle again (a cut
+    step holds them only until its launch ends), and every cache of a micro-batch kept the
+    same number of the loop's tokens (a step is stored whole or not at all); the next step
+    on them answers right."""
     import subprocess
     import sys
 
@@ -267,8 +386,8 @@ def test_a_host_killed_mid_loop_leaves_its_caches_usable(frontends, tmp_path):
             while any(i["busy"] for i in c.list_caches(ids)):
                 assert time.monotonic() < deadline, "the caches stayed busy"
                 time.sleep(0.05)
-            lengths = {i["length"] for i in c.list_caches(ids)}
-            assert len(lengths) == 1  # each step stored on every cache, or on none
+            for group in (ids[:3], ids[3:]):  # each step stored on all its caches, or none
+                assert len({i["length"] for i in c.list_caches(group)}) == 1
             q = make("numpy", "float32", 6, 4, 16, seed=2)
             kn = make("numpy", "float32", 6, 2, 16, seed=3)
             out = c.decode_step(q, ids, kn, kn, store=False)
@@ -298,17 +417,31 @@ def test_templates_are_bounded(client, monkeypatch):
 def _spy_send(monkeypatch):
     """Every step message a sync handle sends, and every answer it reads back."""
     from attention_client import _steps
+    from attention_client._call_streams import StreamCall
 
     sent, answers = [], []
-    send = _steps.DecodeSteps._send
+    send, receive = StreamCall.send, _steps.DecodeSteps._receive
 
-    def spy(self, message, settings):
+    def spy_send(self, message):
         sent.append(message)
-        answers.append(send(self, message, settings))
+        return send(self, message)
+
+    def spy_receive(self, stream, settings):
+        answers.append(receive(self, stream, settings))
         return answers[-1]
 
-    monkeypatch.setattr(_steps.DecodeSteps, "_send", spy)
+    monkeypatch.setattr(StreamCall, "send", spy_send)
+    monkeypatch.setattr(_steps.DecodeSteps, "_receive", spy_receive)
     return sent, answers
+
+
+def _answer_with(monkeypatch, answer):
+    """A sync handle's steps answered with ``answer`` (nothing sent)."""
+    from attention_client import _steps
+    from attention_client._call_streams import StreamCall
+
+    monkeypatch.setattr(StreamCall, "send", lambda self, message: None)
+    monkeypatch.setattr(_steps.DecodeSteps, "_receive", lambda self, stream, settings: answer)
 
 
 @pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("numpy", "float32"),
@@ -394,7 +527,6 @@ def test_steps_unlike_the_compiled_template_take_the_general_path(client):
 def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypatch):
     """The compiled reader takes one OUT chunk of every row and the stats alone; an answer
     in two chunks is read the general way (right), one without its stats is DATA_LOSS."""
-    from attention_client import _steps
     from attention_client._errors import ProtocolError
     from attention_wire.pb import attention_pb2 as pb
     from attention_wire.responses import chunk_head, output_chunk_parts, parse_result
@@ -421,9 +553,9 @@ def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypat
 
         stats_bytes = pb.AttentionResponse(stats=stats).SerializeToString()
         split = chunk(0, 1, data[:half]) + chunk(1, 1, data[half:]) + stats_bytes
-        monkeypatch.setattr(_steps.DecodeSteps, "_send", lambda self, m, s: split)
+        _answer_with(monkeypatch, split)
         check_out(steps.step(q, ids, kn, kn, store=False), ref, "float32", q)
         whole = chunk(0, 2, data)
-        monkeypatch.setattr(_steps.DecodeSteps, "_send", lambda self, m, s: whole)
+        _answer_with(monkeypatch, whole)
         with pytest.raises(ProtocolError, match="without RequestStats"):
             steps.step(q, ids, kn, kn, store=False)
