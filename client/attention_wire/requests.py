@@ -201,6 +201,19 @@ def _read_chunk(buf: memoryview) -> RawChunk:
     return RawChunk(field, offset, data)
 
 
+def request_header(message: bytes) -> bytes | None:
+    """The header's wire bytes of a PrefillRequest / DecodeRequest (occurrences joined, as
+    ``read_request`` joins them; its chunks are not read), or None; WireError if the message
+    is not valid wire format or has more fields than ``read_request`` takes."""
+    parts = []
+    for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
+        if n == MAX_FIELDS_PER_MESSAGE:
+            raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message")
+        if number == _HEADER and wire_type == LEN:
+            parts.append(value)
+    return b"".join(parts) if parts else None
+
+
 def read_request(message: bytes, parse_header: Callable[[bytes], Any]) -> RawRequest:
     """``message`` as a PrefillRequest / DecodeRequest, its header's wire bytes (occurrences
     joined, as protobuf merges them) parsed by ``parse_header``; WireError (or protobuf's

@@ -91,3 +91,23 @@ def test_result_is_the_stream_concatenated():
     assert parsed == [parse_response(m.SerializeToString()) for m in stream]
     assert parse_result(result.SerializeToString()) == parsed
     assert parse_result(b"") == []  # no stats: the assembler refuses it
+
+
+def test_request_header_joins_its_occurrences_and_skips_the_chunks() -> None:
+    """``request_header``: the header's bytes as protobuf merges them (two occurrences around
+    a chunk), None without one, and a message of countless fields refused as read_request
+    refuses it."""
+    from attention_wire.requests import MAX_FIELDS_PER_MESSAGE, request_header
+
+    first = pb.DecodeRequest(header=pb.DecodeHeader(q=pb.TensorSpec(dtype=pb.FLOAT16,
+                                                                    shape=[2, 4, 8])))
+    chunk = pb.DecodeRequest(chunks=[pb.TensorChunk(field=pb.Q, offset=0, data=b"\1" * 64)])
+    second = pb.DecodeRequest(header=pb.DecodeHeader(cache=pb.CacheTarget(cache_ids=["a", "b"])))
+    message = b"".join(m.SerializeToString() for m in (first, chunk, second))
+    got = pb.DecodeHeader.FromString(request_header(message))
+    assert got == pb.DecodeRequest.FromString(message).header
+    assert list(got.cache.cache_ids) == ["a", "b"] and list(got.q.shape) == [2, 4, 8]
+    assert request_header(chunk.SerializeToString()) is None
+    junk = (varint(15 << 3) + b"\x00") * (MAX_FIELDS_PER_MESSAGE + 1)
+    with pytest.raises(WireError, match="fields"):
+        request_header(first.SerializeToString() + junk)

@@ -35,7 +35,13 @@ from attention_service.params import Op
 from attention_wire import unary_method
 from attention_wire.codec import WireError
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER, RawRequest, read_request
+from attention_wire.requests import (
+    IN_BAND,
+    STEP_ERRORS_HEADER,
+    RawRequest,
+    read_request,
+    request_header,
+)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AttentionService"].full_name
 
@@ -173,16 +179,31 @@ def _in_band(context: grpc.aio.ServicerContext) -> bool:
                for key, value in context.invocation_metadata() or ())
 
 
-def _cache_ids(raw: bytes, op: Op) -> tuple[str, ...]:
-    """The caches a call names (its header parsed once per distinct header, the memo above);
-    () for a stateless op, and for a message ``serve`` will refuse."""
+# The caches a step header names, by the header's wire bytes: a model host's steps repeat a
+# few headers (one per layer), and a 64-id header's ids read once, not each step.
+_STEP_CACHES: Memo = Memo()
+_NO_CACHES: frozenset[str] = frozenset()
+
+
+def _cache_ids(raw: bytes, op: Op) -> frozenset[str]:
+    """The caches a call names; none for a stateless op, and for a message ``serve`` will
+    refuse."""
     if not op.cached:
-        return ()
+        return _NO_CACHES
     try:
-        header = parse_request(raw, op).header
-    except RequestError:
-        return ()
-    return tuple(header.cache.cache_ids) if header is not None else ()
+        header_bytes = request_header(raw)
+    except WireError:
+        return _NO_CACHES
+    if header_bytes is None:
+        return _NO_CACHES
+
+    def read() -> frozenset[str]:
+        try:
+            return frozenset(_parse_header(op, header_bytes).cache.cache_ids)
+        except DecodeError:
+            return _NO_CACHES
+
+    return memoized(_STEP_CACHES, header_bytes, read, len(header_bytes))  # type: ignore[no-any-return]
 
 
 def _error_answer(refusal: RequestError) -> bytes:
@@ -199,18 +220,14 @@ async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
     read: those read are answered, then the stream ends UNAVAILABLE."""
     room = asyncio.Semaphore(STEPS_IN_FLIGHT)
     answers: asyncio.Queue[Any] = asyncio.Queue()  # tasks in order, then None or an error
-    latest: dict[str, asyncio.Task[Any]] = {}  # cache id -> the last call naming it
+    # The calls not finished and their caches: at most STEPS_IN_FLIGHT, so a new call's
+    # predecessors are a few set tests (a per-id table cost ~50 us a 64-id step, dev box).
+    running: list[tuple[asyncio.Task[Any], frozenset[str]]] = []
 
-    async def one(raw: bytes, ids: tuple[str, ...], after: set[asyncio.Task[Any]]) -> Any:
-        try:
-            if after:  # done or failed: a failed call changed nothing
-                await asyncio.wait(after)
-            return await call(raw, context)
-        finally:
-            me = asyncio.current_task()
-            for i in ids:
-                if latest.get(i) is me:
-                    del latest[i]
+    async def one(raw: bytes, after: list[asyncio.Task[Any]]) -> Any:
+        if after:  # done or failed: a failed call changed nothing
+            await asyncio.wait(after)
+        return await call(raw, context)
 
     async def read() -> None:
         try:
@@ -219,9 +236,11 @@ async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
                 if not servicer.tracker.accepting:
                     break
                 ids = _cache_ids(raw, op)
-                after = {t for i in ids if (t := latest.get(i)) is not None}
-                task = asyncio.ensure_future(one(raw, ids, after))
-                latest.update(dict.fromkeys(ids, task))
+                running[:] = [(t, c) for t, c in running if not t.done()]
+                after = [t for t, c in running if not ids.isdisjoint(c)] if ids else []
+                task = asyncio.ensure_future(one(raw, after))
+                if ids:
+                    running.append((task, ids))
                 answers.put_nowait(task)
             answers.put_nowait(None)
         except BaseException as exc:  # noqa: BLE001 (the stream's own end: handed on)
