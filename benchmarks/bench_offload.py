@@ -4,9 +4,10 @@ decode step per layer per token through the real client.
 Each host (its own process) holds ``--layers`` sets of ``--batch`` caches of ``--context``
 tokens (appended once) and loops steps: q ``[B, H, D]`` and one new k/v token per sequence
 ``[B, H_kv, D]`` (``store=False`` unless ``--store``, so the caches do not grow). A step goes
-on layer ``i % L``, through one ``decode_steps()`` handle of the sync client; ``--inflight k``:
-k steps outstanding on it (``submit``: the next layer's step is sent before the last one's
-answer is read; k <= L, so steps in flight are on disjoint caches).
+on layer ``i % L``, through one ``decode_steps()`` handle (``--client``: the sync or the
+asyncio client); ``--inflight k``: k steps outstanding on it (``submit``: the next layer's step
+is sent before the last one's answer is read; k <= L, so steps in flight are on disjoint
+caches).
 ``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``)
 or CUDA IPC region (``cuda``, tensors on the server's GPU) with the outputs written there
 (``out=``). All hosts start together against one server (started here, or ``--target``).
@@ -15,13 +16,14 @@ Per point (B, context, hosts, inflight): step latency p50/p99 over all hosts, ag
 steps/s, tokens/s (= B x steps/s: one layer's step of one sequence; divide by L for model
 tokens), client CPU per step (median over hosts of process_time / steps), server CPU per step
 (psutil, the server and its children, over the window from the hosts' common start to their
-common end), wire bytes per step. On cuda: ``paged_decode`` timed here (CUDA events, median)
-on a paged cache of B sequences and of the merged hosts x B, and the fraction of the kernel's
-rate = (B x steps/s) / (hosts x B / merged kernel time). ``--floor`` (default on): the peer
-for the host side, a bare Python gRPC stream that echoes messages of the step's sizes (its
-tensor bytes plus header, or the header alone with regions) from a server process of its own,
-measured in the same run: its p50 and client CPU per step are what Python gRPC costs for those
-bytes before any work. Writes ``bench_offload_<UTC>.json/md``.
+common end), wire bytes per step, and the calls per launch the steps saw (their
+``batch_requests``: steps merged into one launch). On cuda: ``paged_decode`` timed here (CUDA
+events, median) on a paged cache of B sequences and of the merged hosts x B, and the fraction
+of the kernel's rate = (B x steps/s) / (hosts x B / merged kernel time). ``--floor`` (default
+on): the peer for the host side, a bare Python gRPC stream that echoes messages of the step's
+sizes (its tensor bytes plus header, or the header alone with regions) from a server process
+of its own, measured in the same run: its p50 and client CPU per step are what Python gRPC
+costs for those bytes before any work. Writes ``bench_offload_<UTC>.json/md``.
 
     python benchmarks/bench_offload.py                                   # GPU defaults
     python benchmarks/bench_offload.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
@@ -94,8 +96,13 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
                     # The handle's session headers: its step streams reach its replica
                     # behind Envoy (a server reached directly ignores them).
                     meta = cache.session_metadata
-                    out.put(_round(client, spec, transport, k, ids, qs, ks, vs, barrier, t,
-                                   meta))
+                    if spec["client"] == "sync":
+                        res = _round(client, spec, transport, k, ids, qs, ks, vs, barrier, t,
+                                     meta)
+                    else:
+                        res = asyncio.run(_async_round(spec, transport, k, kw, ids, qs, ks, vs,
+                                                       barrier, t, meta))
+                    out.put(res)
     except BaseException as exc:  # reported to the main process, which stops the group
         barrier.abort()
         out.put({"error": f"host {idx}: {type(exc).__name__}: {exc}"})
@@ -128,6 +135,7 @@ def _round(client: Any, spec: dict[str, Any], transport: str, k: int, ids: list[
     """One handle, k steps outstanding: step i + k is sent once step i is read. A step's
     latency runs from its send to its result (on cuda: the output on the GPU)."""
     L, lat = spec["layers"], []
+    shared: list[int] = []  # per step: the calls its launch served (steps merged into one)
     nbytes = 2 * _region_bytes([qs, ks, vs])
     region = (None if transport == "bytes" else client.register_shm(nbytes)
               if transport == "shm" else client.register_cuda(nbytes))
@@ -142,6 +150,7 @@ def _round(client: Any, spec: dict[str, Any], transport: str, k: int, ids: list[
                 torch.cuda.synchronize()  # the answer is on the GPU when it returns
             if timed:
                 lat.append(time.perf_counter() - t0)
+                shared.append(client.last_stats["batch_requests"])
 
         def run(n: int, timed: bool) -> None:
             window: collections.deque[tuple[float, Any]] = collections.deque()
@@ -162,7 +171,53 @@ def _round(client: Any, spec: dict[str, Any], transport: str, k: int, ids: list[
         barrier.wait(t)
     if region is not None:
         region.close()
-    return {"lat": lat, "cpu_s": cpu, "steps": len(lat)}
+    return {"lat": lat, "cpu_s": cpu, "steps": len(lat), "launch_calls": shared}
+
+
+async def _async_round(spec: dict[str, Any], transport: str, k: int, kw: dict[str, Any],
+                       ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
+                       barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
+    """``_round`` on the asyncio client (``--client async``): the same steps and window."""
+    from attention_client.aio import AsyncAttentionClient
+
+    L, lat, shared = spec["layers"], [], []
+    async with AsyncAttentionClient(spec["target"], **kw) as client:
+        nbytes = 2 * _region_bytes([qs, ks, vs])
+        region = (None if transport == "bytes" else await client.register_shm(nbytes)
+                  if transport == "shm" else await client.register_cuda(nbytes))
+        qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
+        extra = [{} if region is None else {"out": o, "use_regions": True} for o in outs]
+        async with client.decode_steps(metadata=meta) as steps:
+
+            async def read(t0: float, pending: Any, timed: bool) -> None:
+                await pending.result()
+                if transport == "cuda":
+                    torch.cuda.synchronize()
+                if timed:
+                    lat.append(time.perf_counter() - t0)
+                    shared.append(client.last_stats["batch_requests"])
+
+            async def run(n: int, timed: bool) -> None:
+                window: collections.deque[tuple[float, Any]] = collections.deque()
+                for i in range(n):
+                    if len(window) == k:
+                        await read(*window.popleft(), timed)
+                    x = i % L
+                    window.append((time.perf_counter(), await steps.submit(
+                        qs[x], ids[x], ks[x], vs[x], store=spec["store"], **extra[x])))
+                while window:
+                    await read(*window.popleft(), timed)
+
+            await run(spec["warmup"], False)
+            # In a thread: the client's own tasks keep running on the loop meanwhile.
+            await asyncio.to_thread(barrier.wait, t)
+            c0 = time.process_time()
+            await run(spec["steps"], True)
+            cpu = time.process_time() - c0
+            await asyncio.to_thread(barrier.wait, t)
+        if region is not None:
+            await region.aclose()
+    return {"lat": lat, "cpu_s": cpu, "steps": len(lat), "launch_calls": shared}
 
 
 # ---- main process -------------------------------------------------------------------------
@@ -254,7 +309,7 @@ def run_group(args: argparse.Namespace, target: str, B: int, ctx: int, hosts: in
     spec = {"target": target, "batch": B, "context": ctx, "layers": args.layers, "heads": h,
             "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "store": args.store,
             "warmup": args.warmup, "steps": args.steps, "inflight": inflight, "tag": tag,
-            "transports": args.transport,
+            "transports": args.transport, "client": args.client,
             "timeout": max(t, setup_t)}
     mpc = mp.get_context("spawn")
     barrier, out = mpc.Barrier(hosts + 1), mpc.Queue()
@@ -290,6 +345,7 @@ def run_group(args: argparse.Namespace, target: str, B: int, ctx: int, hosts: in
                 steps=steps, window_s=w1 - w0, steps_per_s=sps, tokens_per_s=B * sps,
                 client_cpu_ms=1e3 * statistics.median(r["cpu_s"] / r["steps"] for r in res),
                 server_cpu_ms=1e3 * (c1 - c0) / steps,
+                calls_per_launch=float(np.mean([x for r in res for x in r["launch_calls"]])),
                 wire_out_bytes=B * (h + 2 * hkv) * d * e, wire_back_bytes=B * h * d * e)
     finally:
         while True:  # errors a host put after the break
@@ -355,12 +411,13 @@ def _f(x: Any, nd: int = 2) -> str:
 def table(rows: list[dict[str, Any]]) -> str:
     head = ("| B | context | hosts | transport | inflight | p50 ms | p99 ms | steps/s | tokens/s "
             "| client CPU ms/step | server CPU ms/step | tensor KiB out/back | kernel us (step) "
-            "| kernel us (merged) | fraction | gRPC echo p50 ms | echo client CPU ms |")
+            "| kernel us (merged) | fraction | gRPC echo p50 ms | echo client CPU ms "
+            "| calls per launch |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "steps" not in r:
             lines.append(f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
-                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 11)
+                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 12)
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
@@ -369,7 +426,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{_f(r['server_cpu_ms'], 3)} | {r['wire_out_bytes'] / 1024:.1f}/"
             f"{r['wire_back_bytes'] / 1024:.1f} | {_f(r.get('kernel_us'), 1)} | "
             f"{_f(r.get('merged_kernel_us'), 1)} | {_f(r.get('fraction'), 3)} | "
-            f"{_f(r.get('echo_p50_ms'), 3)} | {_f(r.get('echo_client_cpu_ms'), 3)} |")
+            f"{_f(r.get('echo_p50_ms'), 3)} | {_f(r.get('echo_client_cpu_ms'), 3)} | "
+            f"{_f(r.get('calls_per_launch'), 2)} |")
     return "\n".join(lines)
 
 
@@ -379,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--context", type=ints, default=ints("1024,2048"), help="cached tokens")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hosts", type=ints, default=ints("1,8"))
+    p.add_argument("--client", choices=("sync", "async"), default="sync",
+                   help="the model hosts' client: AttentionClient or AsyncAttentionClient")
     p.add_argument("--inflight", type=ints, default=ints("1,2"),
                    help="steps outstanding on a host's one handle (submit), each <= --layers")
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
