@@ -201,18 +201,25 @@ class CacheRegistry:
             fresh = pool.alloc(sum(need), "header.k", owner)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
-            if not any(need) and max(new) <= 1:
-                # A decode step on pages the caches have: the same work in comprehensions, no
-                # list copies (page lists are never changed in place): ~2 us a sequence in
-                # the loop below, under half of that here.
+            if max(new) <= 1 and min(need) >= 0 and max(need) <= 1:
+                # A decode step: each new token lands on its cache's last page, or starts the
+                # one fresh page its cache gets. The same work in comprehensions, no list
+                # copies where no page is added (page lists are never changed in place): ~2 us
+                # a sequence in the loop below, under half of that here (64 caches on a page
+                # boundary, begin + finish: 180 -> 90 us, dev box).
                 for c in caches:
                     c.busy, c.last_used = True, now
                 pt = caches[0].page_tokens  # one layout, one page size
-                table = [c.pages for c in caches]
+                if fresh:
+                    handed = iter(fresh)
+                    table = [c.pages + [next(handed)] if k else c.pages
+                             for c, k in zip(caches, need, strict=True)]
+                else:
+                    table = [c.pages for c in caches]
                 seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
-                stepped = [c for c, n in zip(caches, new, strict=True) if n]
-                slot_pages = [c.pages[c.length // pt] for c in stepped]
-                slot_offsets = [c.length % pt for c in stepped]
+                slot_pages = [t[c.length // pt] for c, t, n in zip(caches, table, new, strict=True)
+                              if n]
+                slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
                 return self._work_of(params, caches, table, seq_lens, slot_pages,
                                      slot_offsets, flops, kv_bytes, view)
             table, seq_lens, slot_pages, slot_offsets = [], [], [], []
@@ -257,15 +264,18 @@ class CacheRegistry:
         pool = self._pool()
         with self._lock:
             now = self._clock()
+            reserved: list[int] = []  # freed in one call (a 64-cache step's page each)
             for c, pages, total in zip(caches, table, seq_lens, strict=True):
                 if keep:
                     c.pages, c.length = pages, total
                 elif pages is not c.pages:  # a decode step on its own pages reserved none
-                    pool.free(pages[len(c.pages) :])  # the reserved ones; the rest is intact
+                    reserved += pages[len(c.pages) :]  # the reserved ones; the rest is intact
                 c.busy, c.last_used = False, now
                 if c.released:
                     pool.free(c.pages)
                     c.pages = []
+            if reserved:
+                pool.free(reserved)
             return tuple(c.length for c in caches)
 
     # ---- the control rpcs ---------------------------------------------------------------

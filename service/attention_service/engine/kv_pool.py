@@ -137,12 +137,15 @@ class KvPool:
                 f"{self.page_bytes} bytes, {len(self._free)} of {self.pages_total} are free "
                 "(release caches, or raise --kv-cache-bytes)",
             )
-        pages = [self._free.pop() for _ in range(count)]
+        if not count:
+            return []
+        pages = self._free[-count:][::-1]  # as pop() would hand them out: low pages first
+        del self._free[-count:]
+        refs, owners = self._refs, self._owner
         for p in pages:
-            self._refs[p] = 1
-            self._owner[p] = owner
-        if count:
-            self._held[owner] = held + count
+            refs[p] = 1
+            owners[p] = owner
+        self._held[owner] = held + count
         return pages
 
     def share(self, pages: list[int]) -> None:
@@ -151,17 +154,20 @@ class KvPool:
 
     def free(self, pages: list[int]) -> None:
         """Drop one reference to each page; a page nobody references is free again."""
+        refs, owners, held = self._refs, self._owner, self._held
+        gone: dict[str, int] = {}  # pages freed per owner
         for p in pages:
-            self._refs[p] -= 1
-            assert self._refs[p] >= 0, f"page {p} freed twice"
-            if self._refs[p] == 0:
+            left = refs[p] - 1
+            assert left >= 0, f"page {p} freed twice"
+            refs[p] = left
+            if not left:
                 self._free.append(p)
-                owner = self._owner[p]
-                left = self._held[owner] - 1
-                if left:
-                    self._held[owner] = left
-                else:
-                    del self._held[owner]
+                gone[owners[p]] = gone.get(owners[p], 0) + 1
+        for owner, n in gone.items():
+            if held[owner] > n:
+                held[owner] -= n
+            else:
+                del held[owner]
 
     def refs(self, page: int) -> int:
         return self._refs[page]
