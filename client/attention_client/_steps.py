@@ -160,7 +160,7 @@ class PendingStep:
     Answers are read in the order the steps were sent, whichever ``result()`` asks first."""
 
     __slots__ = ("_handle", "stream", "prep", "compiled", "tensors", "settings", "assembler",
-                 "waiting", "raw", "failure", "first_failure", "rerun", "value")
+                 "waiting", "raw", "failure", "first_failure", "rerun", "outcome")
 
     def __init__(self, handle: _StepsBase, stream: Any, prep: PreparedRequest,
                  compiled: _Compiled | None, tensors: tuple[Any, Any, Any],
@@ -174,7 +174,8 @@ class PendingStep:
         self.failure: grpc.RpcError | None = None  # its stream's failure, which ended it
         self.first_failure = False  # ... at this step (the steps after it were not answered)
         self.rerun = False  # never sent (no such rpc, or the stream had ended): the long way
-        self.value: Any = None  # the result, when it was made at once (``_resolved``)
+        # (True, its result) or (False, its error), once made (at once: ``_resolved``).
+        self.outcome: tuple[bool, Any] | None = None
 
     def done(self) -> bool:
         """Whether its answer (or its stream's end) has been read: ``result()`` waits for
@@ -349,7 +350,7 @@ class _StepsBase:
         """A step run at once the long way (``decode_step``'s): a PendingStep of its result."""
         pending = PendingStep(self, None, prep, None, (None, None, None), settings, None)
         with self._client._layouts_checked(prep):
-            pending.value = yield self._client._run(prep, settings)
+            pending.outcome = (True, (yield self._client._run(prep, settings)))
         return pending
 
     def _send(self, prep: PreparedRequest, compiled: _Compiled | None, message: bytes,
@@ -399,11 +400,22 @@ class _StepsBase:
         return (yield from self._resolved(prep, settings))
 
     def _result(self, pending: PendingStep) -> Steps:
-        """``pending``'s result: its answer read (and those sent before it), then made."""
-        if pending.waiting:
-            yield from self._read_until(pending)
-        if pending.stream is None and not pending.rerun:
-            return pending.value  # made at once (``_resolved``)
+        """``pending``'s result: its answer read (and those sent before it), then made, once:
+        a later ``result()`` returns (or raises) the same."""
+        if pending.outcome is None:
+            if pending.waiting:
+                yield from self._read_until(pending)
+            try:
+                pending.outcome = (True, (yield from self._made(pending)))
+            except Exception as exc:
+                pending.outcome = (False, exc)
+        ok, got = pending.outcome
+        if not ok:
+            raise got
+        return got
+
+    def _made(self, pending: PendingStep) -> Steps:
+        """The result of a step whose answer (or its stream's end) has been read."""
         client, prep = self._client, pending.prep
         if pending.compiled is not None:
             raw = pending.raw
@@ -416,7 +428,7 @@ class _StepsBase:
             assert reused is not None  # the tensors matched the template's specs
             prep = reused
         if pending.rerun:  # it never went out: the long way
-            return (yield from self._resolved(prep, pending.settings)).value
+            return (yield from self._resolved(prep, pending.settings)).outcome[1]  # type: ignore[index]
         with client._layouts_checked(prep):
             if pending.failure is not None:
                 client._abandon(prep)

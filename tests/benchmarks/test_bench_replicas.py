@@ -43,8 +43,10 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
         assert len(row["split"]) == (2 if key[0] == "2 replicas" else 1), (key, row)
         assert sum(row["split"]) == pytest.approx(1.0)
         # The diagnostics: replica 0's busiest thread, and the counters of the Envoy the
-        # point went through (none direct).
-        assert 0 < row["replica0_busiest_thread"] <= 1.5, (key, row)
+        # point went through (none direct). Through the fleet, the sessions' ring hash may put
+        # every session on replica 1 (4 sessions: 1 time in 16), leaving replica 0 idle.
+        least = 0 if key[0] == "2 replicas" else 1e-9
+        assert least <= row["replica0_busiest_thread"] <= 1.5, (key, row)
         envoy_calls = row["envoy_counters"].get("cluster.attention.upstream_rq_total", 0)
         if key[1] == "prefill":
             assert (envoy_calls > 0) == (key[0] != "replica 0 direct"), (key, row)
