@@ -63,10 +63,6 @@ from attention_wire.pb import attention_pb2 as pb
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
 _ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
-# Stagings a graph makes, at least, before it reuses one whose block table holds other rows:
-# a model host steps L layers' caches in turn, and writing a 64 x 33 table took ~100 us of
-# numpy a step (dev box), comparing it with what a staging holds ~20 us.
-TABLE_STAGINGS = 4
 
 
 def bucket(n: int) -> int:
@@ -284,7 +280,6 @@ class _StepGraph:
         self.captured = 0  # graphs captured (one per staging)
         # Popped by the launching thread, pushed back by the completer.
         self._free: deque[Staging] = deque()
-        self.stagings = 0  # made
 
     def run_eager(self, store: bool = True) -> None:
         d, shape = self.dev, self.shape
@@ -370,9 +365,10 @@ class _StepGraph:
 
     def staging(self, rows: list[list[int]] | None = None) -> Staging:
         """A free staging (its graph captured), or a new one when all are in flight. One
-        whose block table holds ``rows`` already comes first, and while no free one does, a
-        new one is made up to TABLE_STAGINGS in all: a model host steps its layers' caches in
-        turn, so each layer's steps find their table written (``Staging.fill``)."""
+        whose block table holds ``rows`` already comes first: with several steps in flight a
+        model host's layers alternate, and each layer's steps then find their table written
+        (``Staging.fill``: ~100 us to rewrite 64 rows, dev box). No staging is made for that
+        alone: a capture in the middle of traffic holds the launching thread."""
         free = self._free
         if rows is not None:
             for i in range(len(free) - 1, -1, -1):  # the most recent first
@@ -380,10 +376,11 @@ class _StepGraph:
                     staging = free[i]
                     del free[i]
                     return staging
-        if free and (rows is None or self.stagings >= TABLE_STAGINGS):
+        try:
             return free.pop()
+        except IndexError:
+            pass
         staging = Staging(self.shape)
-        self.stagings += 1
         if self._capture is not None:
             self._capture_for(staging)
         return staging

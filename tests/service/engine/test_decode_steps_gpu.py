@@ -13,7 +13,7 @@ import torch
 import attention_kernels
 from attention_kernels.paged_reference import paged_decode_ref
 from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.decode_steps import TABLE_STAGINGS, DecodeSteps, eligible
+from attention_service.engine.decode_steps import DecodeSteps, eligible
 from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.jobs import CacheWork, Job
 from attention_service.params import Op, make_params
@@ -158,7 +158,7 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
     is not eligible."""
     pool = Pool(256, 4, 128, torch.bfloat16)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
-    for round_ in range(3):  # the same bucket, new pages: a staging (and graph) per round
+    for round_ in range(3):  # the same bucket: later rounds replay the first graph
         jobs = [_on_device(_job(pool, [1 + round_, 70], 1, 16, 50 + round_)),
                 _on_device(_job(pool, [16], 0, 16, 60 + round_)),
                 _on_device(_job(pool, [33, 5, 129], 1, 16, 70 + round_, lse=False))]
@@ -167,7 +167,7 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
         steps.launch(plan, 0).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 16)
-        assert steps.captured == (round_ + 1 if steps.use_graphs else 0)  # < TABLE_STAGINGS
+        assert steps.captured == (1 if steps.use_graphs else 0)
     torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
     torch.testing.assert_close(pool.v, expect_v, rtol=0, atol=0)
     host, device = _job(pool, [9], 1, 16, 80), _on_device(_job(pool, [9], 1, 16, 81))
@@ -185,19 +185,17 @@ def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
         steps.launch(BatchPlan(jobs), seed % 2).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 8)
-    # Each launch's pages are new: a stream's second launch got a staging of its own
-    # (TABLE_STAGINGS), each staging a captured graph.
-    assert steps.captured == (4 if steps.use_graphs else 0)
+    assert steps.captured == (2 if steps.use_graphs else 0)
 
 
 def test_steps_in_flight_on_one_stream_get_stagings_of_their_own(steps: DecodeSteps) -> None:
     """Two launches of one shape bucket issued on one stream before either is waited for (the
     executor's retry of a failed batch job by job can do this): the second takes a second
     staging (and graph), so neither overwrites the other's inputs or outputs; later launches
-    of other tables get stagings of their own up to TABLE_STAGINGS, then reuse them."""
+    reuse both."""
     pool = Pool(128, 2, 64, torch.bfloat16)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
-    for round_ in range(3):
+    for round_ in range(2):
         jobs = [[_job(pool, [30 + i, 9], 1, 8, 40 + 2 * round_ + i)] for i in range(2)]
         pending = [steps.launch(BatchPlan(j), 0) for j in jobs]  # both in flight
         for p in pending:
@@ -206,8 +204,7 @@ def test_steps_in_flight_on_one_stream_get_stagings_of_their_own(steps: DecodeSt
             _expected(expect_k, expect_v, j)
         for j in jobs:
             _check(j, expect_k, expect_v, 8)
-        assert steps.captured == (min(2 * (round_ + 1), TABLE_STAGINGS) if steps.use_graphs
-                                  else 0)
+        assert steps.captured == (2 if steps.use_graphs else 0)
     torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
 
 
@@ -227,7 +224,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
     pool.k = (pool.k * 3).to(FP8)
     pool.v = (pool.v * 3).to(FP8)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
-    for round_ in range(3):  # one stream, new pages: a staging (and graph) per round
+    for round_ in range(3):  # one stream: later rounds replay the first round's graph
         jobs = [_job(pool, [37, 200], 1, heads, 20 + round_),
                 _job(pool, [5], 1, heads, 30 + round_)]
         if round_ == 2:  # other scales, the same graph: scales are staged inputs
@@ -254,7 +251,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
         plan = BatchPlan(jobs)
         assert eligible(plan) and plan.key.fp8
         steps.launch(plan, 0).wait()
-        assert steps.captured == (round_ + 1 if steps.use_graphs else 0)  # < TABLE_STAGINGS
+        assert steps.captured == (1 if steps.use_graphs else 0)
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))
         assert torch.equal(pool.v.view(torch.uint8), expect_v.view(torch.uint8))
         for job, scales in zip(jobs, job_scales, strict=True):
