@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import inspect
 import json
 import math
 import multiprocessing as mp
@@ -96,13 +97,8 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
                     # The handle's session headers: its step streams reach its replica
                     # behind Envoy (a server reached directly ignores them).
                     meta = cache.session_metadata
-                    if spec["client"] == "sync":
-                        res = _round(client, spec, transport, k, ids, qs, ks, vs, barrier, t,
-                                     meta)
-                    else:
-                        res = asyncio.run(_async_round(spec, transport, k, kw, ids, qs, ks, vs,
-                                                       barrier, t, meta))
-                    out.put(res)
+                    out.put(asyncio.run(_round(client, spec, transport, k, kw, ids, qs, ks,
+                                               vs, barrier, t, meta)))
     except BaseException as exc:  # reported to the main process, which stops the group
         barrier.abort()
         out.put({"error": f"host {idx}: {type(exc).__name__}: {exc}"})
@@ -129,94 +125,67 @@ def _placed(region: Any, transport: str, qs: list[Any], ks: list[Any], vs: list[
             [region.empty(tuple(x.shape), x.dtype) for x in qs])
 
 
-def _round(client: Any, spec: dict[str, Any], transport: str, k: int, ids: list[list[str]],
-           qs: list[Any], ks: list[Any], vs: list[Any], barrier: Any,
-           t: float, meta: Any = None) -> dict[str, Any]:
+async def _round(client: Any, spec: dict[str, Any], transport: str, k: int,
+                 kw: dict[str, Any], ids: list[list[str]], qs: list[Any], ks: list[Any],
+                 vs: list[Any], barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
     """One handle, k steps outstanding: step i + k is sent once step i is read. A step's
-    latency runs from its send to its result (on cuda: the output on the GPU)."""
+    latency runs from its send to its result (on cuda: the output on the GPU). The host's
+    sync client (``--client sync``) or an asyncio client made here (``async``): the same
+    calls, awaited when the client's give awaitables."""
+    from attention_client.aio import AsyncAttentionClient
+
+    async def done(x: Any) -> Any:
+        return (await x) if inspect.isawaitable(x) else x
+
+    if spec["client"] == "async":
+        async with AsyncAttentionClient(spec["target"], **kw) as aio:
+            return await _round_on(aio, spec, transport, k, ids, qs, ks, vs, barrier, t, meta,
+                                   done)
+    return await _round_on(client, spec, transport, k, ids, qs, ks, vs, barrier, t, meta, done)
+
+
+async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
+                    ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
+                    barrier: Any, t: float, meta: Any, done: Any) -> dict[str, Any]:
     L, lat = spec["layers"], []
     shared: list[int] = []  # per step: the calls its launch served (steps merged into one)
     nbytes = 2 * _region_bytes([qs, ks, vs])
-    region = (None if transport == "bytes" else client.register_shm(nbytes)
-              if transport == "shm" else client.register_cuda(nbytes))
+    region = (None if transport == "bytes" else await done(client.register_shm(nbytes))
+              if transport == "shm" else await done(client.register_cuda(nbytes)))
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
     # Bytes: the step as any client sends it (no region arguments).
     kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
-    with client.decode_steps(metadata=meta) as steps:
+    steps = client.decode_steps(metadata=meta)
 
-        def read(t0: float, pending: Any, timed: bool) -> None:
-            pending.result()
-            if transport == "cuda":
-                torch.cuda.synchronize()  # the answer is on the GPU when it returns
-            if timed:
-                lat.append(time.perf_counter() - t0)
-                shared.append(client.last_stats["batch_requests"])
+    async def read(t0: float, pending: Any, timed: bool) -> None:
+        await done(pending.result())
+        if transport == "cuda":
+            torch.cuda.synchronize()  # the answer is on the GPU when it returns
+        if timed:
+            lat.append(time.perf_counter() - t0)
+            shared.append(client.last_stats["batch_requests"])
 
-        def run(n: int, timed: bool) -> None:
-            window: collections.deque[tuple[float, Any]] = collections.deque()
-            for i in range(n):
-                if len(window) == k:
-                    read(*window.popleft(), timed)
-                x = i % L
-                window.append((time.perf_counter(), steps.submit(
-                    qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])))
-            while window:
-                read(*window.popleft(), timed)
+    async def run(n: int, timed: bool) -> None:
+        window: collections.deque[tuple[float, Any]] = collections.deque()
+        for i in range(n):
+            if len(window) == k:
+                await read(*window.popleft(), timed)
+            x = i % L
+            window.append((time.perf_counter(), await done(steps.submit(
+                qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x]))))
+        while window:
+            await read(*window.popleft(), timed)
 
-        run(spec["warmup"], False)
-        barrier.wait(t)
-        c0 = time.process_time()
-        run(spec["steps"], True)
-        cpu = time.process_time() - c0
-        barrier.wait(t)
+    await run(spec["warmup"], False)
+    # In a thread: an asyncio client's own tasks keep running on the loop meanwhile.
+    await asyncio.to_thread(barrier.wait, t)
+    c0 = time.process_time()
+    await run(spec["steps"], True)
+    cpu = time.process_time() - c0
+    await asyncio.to_thread(barrier.wait, t)
+    await done(steps.close())
     if region is not None:
-        region.close()
-    return {"lat": lat, "cpu_s": cpu, "steps": len(lat), "launch_calls": shared}
-
-
-async def _async_round(spec: dict[str, Any], transport: str, k: int, kw: dict[str, Any],
-                       ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
-                       barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
-    """``_round`` on the asyncio client (``--client async``): the same steps and window."""
-    from attention_client.aio import AsyncAttentionClient
-
-    L, lat, shared = spec["layers"], [], []
-    async with AsyncAttentionClient(spec["target"], **kw) as client:
-        nbytes = 2 * _region_bytes([qs, ks, vs])
-        region = (None if transport == "bytes" else await client.register_shm(nbytes)
-                  if transport == "shm" else await client.register_cuda(nbytes))
-        qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
-        extra = [{} if region is None else {"out": o, "use_regions": True} for o in outs]
-        async with client.decode_steps(metadata=meta) as steps:
-
-            async def read(t0: float, pending: Any, timed: bool) -> None:
-                await pending.result()
-                if transport == "cuda":
-                    torch.cuda.synchronize()
-                if timed:
-                    lat.append(time.perf_counter() - t0)
-                    shared.append(client.last_stats["batch_requests"])
-
-            async def run(n: int, timed: bool) -> None:
-                window: collections.deque[tuple[float, Any]] = collections.deque()
-                for i in range(n):
-                    if len(window) == k:
-                        await read(*window.popleft(), timed)
-                    x = i % L
-                    window.append((time.perf_counter(), await steps.submit(
-                        qs[x], ids[x], ks[x], vs[x], store=spec["store"], **extra[x])))
-                while window:
-                    await read(*window.popleft(), timed)
-
-            await run(spec["warmup"], False)
-            # In a thread: the client's own tasks keep running on the loop meanwhile.
-            await asyncio.to_thread(barrier.wait, t)
-            c0 = time.process_time()
-            await run(spec["steps"], True)
-            cpu = time.process_time() - c0
-            await asyncio.to_thread(barrier.wait, t)
-        if region is not None:
-            await region.aclose()
+        await region.aclose()  # either client's region (a sync one's closes at once)
     return {"lat": lat, "cpu_s": cpu, "steps": len(lat), "launch_calls": shared}
 
 
