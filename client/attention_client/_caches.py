@@ -28,7 +28,12 @@ from attention_client import _argnames as argnames
 from attention_client._channel import DEFAULT, CallSettings, merge_metadata
 from attention_client._core import Steps, _io
 from attention_client._decode import prepare_cache_decode
-from attention_client._errors import AttentionError, AttentionInputError, CacheLostError
+from attention_client._errors import (
+    OUTCOME_UNKNOWN,
+    AttentionError,
+    AttentionInputError,
+    CacheLostError,
+)
 from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
 from attention_client._requests import CacheTarget, KvLayout, PreparedRequest, as_cache_ids, as_flag
@@ -36,10 +41,6 @@ from attention_client._responses import cache_info_dict
 from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb
-
-# A create whose answer never came may have happened on the server.
-_OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                              grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
 
 
 # What a handle uses of its client, as a Protocol: the clients import this module to make
@@ -157,7 +158,7 @@ class _KvCacheBase:
     def _note_unsure(self, ids: tuple[str, ...], exc: BaseException) -> None:
         """A create (or fork) of ``ids`` raised ``exc``: remember them if it may still have
         happened (no answer came), not when the server refused it."""
-        if not isinstance(exc, AttentionError) or exc.code in _OUTCOME_UNKNOWN:
+        if not isinstance(exc, AttentionError) or exc.code in OUTCOME_UNKNOWN:
             self._unsure.update(dict.fromkeys(ids))
 
     def _split_unsure(self, ids: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:

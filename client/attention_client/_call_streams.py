@@ -153,9 +153,7 @@ class StreamCall:
         self._call = rpc(messages(), metadata=kwargs["metadata"],
                          wait_for_ready=kwargs["wait_for_ready"])
         self.answered = False  # a call on it was ever answered
-        # decode_steps' record: how it failed, and whether the step it failed at was told.
-        self.failure: grpc.RpcError | None = None
-        self.blamed = False
+        self.failure: grpc.RpcError | None = None  # how it failed (decode_steps' record)
 
     def alive(self) -> bool:
         return not self._call.done()
@@ -209,7 +207,6 @@ class AsyncStreamCall:
         self._call = rpc(metadata=kwargs["metadata"], wait_for_ready=kwargs["wait_for_ready"])
         self.answered = False
         self.failure: grpc.RpcError | None = None
-        self.blamed = False
 
     def alive(self) -> bool:
         return not self._call.done()

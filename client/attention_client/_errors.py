@@ -123,6 +123,12 @@ _BY_CODE: dict[grpc.StatusCode, type[AttentionError]] = {
 }
 
 
+# Codes of a call whose answer never came: it may have happened on the server (a cache
+# created, a step's token stored).
+OUTCOME_UNKNOWN = frozenset({grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
+                             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN})
+
+
 def error_class(code: grpc.StatusCode) -> type[AttentionError]:
     """The AttentionError subclass a status code maps to."""
     return _BY_CODE.get(code, AttentionError)

@@ -44,7 +44,7 @@ from attention_client._call_streams import (
 )
 from attention_client._channel import DEFAULT, CallSettings, check_timeout, merge_metadata
 from attention_client._core import Steps, _io
-from attention_client._errors import from_rpc_error, make_error
+from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
 from attention_client._requests import PreparedRequest
 from attention_client._responses import stats_dict
 from attention_client._score import ScoreMods
@@ -188,9 +188,6 @@ class PendingStep:
 
 
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
-_OUTCOME_UNKNOWN = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                    grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN,
-                    grpc.StatusCode.INTERNAL)
 
 
 class _StepsBase:
@@ -394,10 +391,15 @@ class _StepsBase:
         finally:
             self._send_lock.release()
         if compiled is not None:
-            reused = self._reused(compiled.prep, *tensors)
-            assert reused is not None  # the tensors matched the template's specs
-            prep = reused
+            prep = self._general(compiled, tensors)
         return (yield from self._resolved(prep, settings))
+
+    def _general(self, compiled: _Compiled, tensors: tuple[Any, Any, Any]) -> PreparedRequest:
+        """A compiled step's request for the general path (its send, or its answer, went
+        another way)."""
+        prep = self._reused(compiled.prep, *tensors)
+        assert prep is not None  # the tensors matched the template's specs
+        return prep
 
     def _result(self, pending: PendingStep) -> Steps:
         """``pending``'s result: its answer read (and those sent before it), then made, once:
@@ -424,9 +426,7 @@ class _StepsBase:
                 if got is not None:
                     client.last_stats = got[1]
                     return pending.compiled.result(*got)
-            reused = self._reused(pending.compiled.prep, *pending.tensors)
-            assert reused is not None  # the tensors matched the template's specs
-            prep = reused
+            prep = self._general(pending.compiled, pending.tensors)
         if pending.rerun:  # it never went out: the long way
             return (yield from self._resolved(prep, pending.settings)).outcome[1]  # type: ignore[index]
         with client._layouts_checked(prep):
@@ -434,13 +434,15 @@ class _StepsBase:
                 client._abandon(prep)
                 raise self._failure_error(pending) from pending.failure
             assert pending.raw is not None
-            error = call_error(pending.raw)
+            answer = parse_result(pending.raw)
+            stats = bool(answer) and isinstance(answer[-1], pb.RequestStats)
+            error = None if stats else call_error(pending.raw)
             if error is not None:  # answered in-band: this step failed, changing nothing
                 client._abandon(prep)
                 raise from_rpc_error(StreamError(_STATUS.get(error.code, grpc.StatusCode.UNKNOWN),
                                                  error.details), _CALL, pending.settings.names)
             assembler = pending.assembler or client._assembler(prep)
-            return client._assemble(prep, assembler, parse_result(pending.raw))
+            return client._assemble(prep, assembler, answer)
 
     @staticmethod
     def _failure_error(pending: PendingStep) -> Exception:
@@ -453,7 +455,7 @@ class _StepsBase:
         if pending.first_failure:
             return from_rpc_error(failure, _CALL, pending.settings.names)
         code = failure.code() if callable(getattr(failure, "code", None)) else None
-        if code in _OUTCOME_UNKNOWN:
+        if code in OUTCOME_UNKNOWN:
             return make_error(code, "the stream failed at an earlier step and this one was not "
                               f"answered (it may have run: read cache.info()): "
                               f"{failure.details()}", _CALL)
@@ -469,18 +471,19 @@ class _StepsBase:
             while pending.waiting:
                 head = self._pending[0]
                 stream = head.stream
-                if stream.failure is None:
+                if stream.failure is None:  # else it failed at an earlier step
                     try:
                         head.raw = yield self._receive(stream, head.settings)
                     except grpc.RpcError as err:
                         stream.failure = err
                         stream.drop()
+                        head.first_failure = True
                     except BaseException:  # the caller went away mid-read: state unknown
                         stream.failure = StreamError(grpc.StatusCode.CANCELLED, _GONE)
                         stream.drop()
                         self._pending.popleft()
                         head.waiting, head.failure = False, stream.failure
-                        head.first_failure = stream.blamed = True
+                        head.first_failure = True
                         self._client._abandon(head.prep)  # its scratch waits for the region
                         raise
                     else:
@@ -494,9 +497,6 @@ class _StepsBase:
                     head.rerun = True
                     if unimplemented(stream.failure):
                         self._unsupported = True
-                elif not stream.blamed:
-                    stream.blamed = True
-                    head.first_failure = True
         finally:
             self._read_lock.release()
 
