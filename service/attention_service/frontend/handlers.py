@@ -247,29 +247,27 @@ async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
             answers.put_nowait(exc)
 
     reader = asyncio.ensure_future(read())
-    started: list[asyncio.Task[Any]] = []
+    item: Any = None
     try:
         while (item := await answers.get()) is not None:
             if isinstance(item, BaseException):
                 raise item
-            started.append(item)
             try:
                 answer = await item
             except RequestError as refusal:
                 answer = _error_answer(refusal)
-            started.pop()
             yield answer
             room.release()
         if not servicer.tracker.accepting:
             await context.abort(grpc.StatusCode.UNAVAILABLE, servicer.tracker.refusal)
     finally:
         reader.cancel()
-        while not answers.empty():  # read, not yet answered: the stream went away
+        if isinstance(item, asyncio.Task):  # the one being answered when the stream went
+            item.cancel()
+        while not answers.empty():  # read, not yet answered
             item = answers.get_nowait()
             if isinstance(item, asyncio.Task):
                 item.cancel()
-        for task in started:
-            task.cancel()
 
 
 def _compute_steps(servicer: Any, op: Op) -> Any:
