@@ -39,14 +39,21 @@ def _no_leftover_caches(client):
     client.release_caches(all=True)
 
 
+def _prompt(cache, ctx, ids, lengths, seed, kind="numpy", dtype="float32"):
+    """Each cache of ``ids`` given ``lengths`` tokens (k = v), appended and recorded in
+    ``ctx``."""
+    k = make(kind, dtype, sum(lengths), HKV, D, seed=seed)
+    cache.append(ids, k, k, cu(lengths))
+    ctx.add(ids, k, k, lengths)
+    return k
+
+
 @pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("torch", "bfloat16")])
 def test_a_decode_loop_on_one_stream(client, kind, dtype):
     ids = ["st-a", "st-b"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, dtype) as cache, client.decode_steps() as steps:
-        k = make(kind, dtype, 23, HKV, D, seed=1)
-        cache.append(ids, k, k, cu([5, 18]))
-        ctx.add(ids, k, k, [5, 18])
+        _prompt(cache, ctx, ids, [5, 18], 1, kind, dtype)
         for step in range(5):
             q = make(kind, dtype, 2, H, D, seed=10 + step)
             kn = make(kind, dtype, 2, HKV, D, seed=20 + step)
@@ -68,9 +75,7 @@ def test_a_failed_step_raises_and_the_next_one_reopens(client):
     ids = ["re-a"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("numpy", "float32", 4, HKV, D, seed=3)
-        cache.append(ids, k, k)
-        ctx.add(ids, k, k, [4])
+        _prompt(cache, ctx, ids, [4], 3)
         kn = make("numpy", "float32", 1, HKV, D, seed=4)
         q = make("numpy", "float32", 1, H, D, seed=5)
         with pytest.raises(AttentionNotFoundError) as exc:
@@ -94,9 +99,7 @@ def test_steps_like_an_earlier_one_reuse_its_request_and_others_do_not(client):
     ids = ["tp-a", "tp-b", "tp-c"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("numpy", "float32", 9, HKV, D, seed=50)
-        cache.append(ids, k, k, cu([2, 3, 4]))
-        ctx.add(ids, k, k, [2, 3, 4])
+        _prompt(cache, ctx, ids, [2, 3, 4], 50)
         plan = [(ids, True), (ids, True), (ids[::-1], True), (ids[::-1], False),
                 (ids[:2], False), (list(ids), True), (tuple(ids), True)]
         reused = []
@@ -233,9 +236,7 @@ def test_steps_sent_ahead_are_answered_in_order_and_fail_alone(client):
     a, b = ["sa-a0", "sa-a1"], ["sa-b0"]
     ctx = Context(a + b)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("numpy", "float32", 6, HKV, D, seed=1)
-        cache.append(a + b, k, k, cu([2, 3, 1]))
-        ctx.add(a + b, k, k, [2, 3, 1])
+        _prompt(cache, ctx, a + b, [2, 3, 1], 1)
         sent = []  # (pending, ids, q, expected out)
         for seed in range(10, 70, 20):
             for ids in (a, b):
@@ -276,9 +277,7 @@ def test_steps_sent_ahead_to_a_server_that_ends_the_stream_at_a_failure(client, 
     ids = ["lg-a"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("numpy", "float32", 3, HKV, D, seed=2)
-        cache.append(ids, k, k)
-        ctx.add(ids, k, k, [3])
+        _prompt(cache, ctx, ids, [3], 2)
         q, kn = _step_inputs(1, 30)
         first = steps.submit(q, ids, kn, kn)
         ref = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1))
@@ -459,9 +458,7 @@ def test_compiled_steps_send_the_long_ways_bytes_and_read_its_answers(server, mo
     ctx = Context(ids)
     with AttentionClient(server.target, timeout=None) as c, \
             c.kv_cache(HKV, D, dtype) as cache, c.decode_steps() as steps:
-        k = make(kind, dtype, 12, HKV, D, seed=1)
-        cache.append(ids, k, k, cu([3, 4, 5]))
-        ctx.add(ids, k, k, [3, 4, 5])
+        _prompt(cache, ctx, ids, [3, 4, 5], 1, kind, dtype)
         for n in range(4):
             q = make(kind, dtype, 3, H, D, seed=30 + n)
             kn = make(kind, dtype, 3, HKV, D, seed=40 + n)
@@ -485,9 +482,7 @@ def test_steps_unlike_the_compiled_template_take_the_general_path(client):
     ids = ["cu-a", "cu-b"]
     ctx = Context(ids)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("torch", "float32", 6, HKV, D, seed=2)
-        cache.append(ids, k, k, cu([2, 4]))
-        ctx.add(ids, k, k, [2, 4])
+        _prompt(cache, ctx, ids, [2, 4], 2, "torch", "float32")
         kn = make("torch", "float32", 2, HKV, D, seed=3)
         steps.step(make("torch", "float32", 2, H, D, seed=4), ids, kn, kn, store=False)
         (template,) = steps._templates.values()
@@ -537,9 +532,7 @@ def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypat
     ctx = Context(ids)
     _, answers = _spy_send(monkeypatch)
     with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
-        k = make("numpy", "float32", 5, HKV, D, seed=6)
-        cache.append(ids, k, k, cu([2, 3]))
-        ctx.add(ids, k, k, [2, 3])
+        _prompt(cache, ctx, ids, [2, 3], 6)
         q = make("numpy", "float32", 2, H, D, seed=7)
         kn = make("numpy", "float32", 2, HKV, D, seed=8)
         ref = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1))
