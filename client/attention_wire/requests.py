@@ -201,16 +201,22 @@ def _read_chunk(buf: memoryview) -> RawChunk:
     return RawChunk(field, offset, data)
 
 
+def _fields(message: bytes) -> Any:
+    """The message's fields, as ``iter_fields`` reads them; WireError past
+    MAX_FIELDS_PER_MESSAGE of them."""
+    for n, field in enumerate(iter_fields(memoryview(message))):
+        if n == MAX_FIELDS_PER_MESSAGE:
+            raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message "
+                            "(send fewer, larger chunks)")
+        yield field
+
+
 def request_header(message: bytes) -> bytes | None:
     """The header's wire bytes of a PrefillRequest / DecodeRequest (occurrences joined, as
-    ``read_request`` joins them; its chunks are not read), or None; WireError if the message
-    is not valid wire format or has more fields than ``read_request`` takes."""
-    parts = []
-    for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
-        if n == MAX_FIELDS_PER_MESSAGE:
-            raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message")
-        if number == _HEADER and wire_type == LEN:
-            parts.append(value)
+    ``read_request`` joins them; its chunks are not read), or None; WireError as
+    ``read_request`` raises it for the message."""
+    parts = [value for number, wire_type, value in _fields(message)
+             if number == _HEADER and wire_type == LEN]
     return b"".join(parts) if parts else None
 
 
@@ -221,10 +227,7 @@ def read_request(message: bytes, parse_header: Callable[[bytes], Any]) -> RawReq
     header_parts: list[memoryview] = []
     chunks: list[RawChunk] = []
     step_timeout_ms = 0
-    for n, (number, wire_type, value) in enumerate(iter_fields(memoryview(message))):
-        if n == MAX_FIELDS_PER_MESSAGE:
-            raise WireError(f"more than {MAX_FIELDS_PER_MESSAGE} fields in one message "
-                            "(send fewer, larger chunks)")
+    for number, wire_type, value in _fields(message):
         if wire_type != LEN:
             if number == _STEP_TIMEOUT and wire_type == VARINT:
                 step_timeout_ms = value & 0xFFFFFFFF  # uint32, as protobuf reads it
