@@ -208,7 +208,8 @@ class AttentionServiceServicer:
         know answers FAILED_PRECONDITION saying so). NIXL regions then carry only their own
         memory's metadata. Errors: FAILED_PRECONDITION without NIXL on the server;
         PERMISSION_DENIED for an agent name another caller connected; INVALID_ARGUMENT naming
-        agent_name or agent_metadata.
+        agent_name or agent_metadata; UNAVAILABLE naming agent_metadata when the server's NIXL
+        could not connect to the agent (clients retry it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

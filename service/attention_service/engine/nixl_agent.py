@@ -71,6 +71,20 @@ def metadata_agent(metadata: bytes) -> str | None:
         return None
 
 
+def _refusal(field: str, name: str, exc: Exception) -> RequestError:
+    """Why NIXL would not take agent ``name``'s metadata (which named it in its header): its
+    backend failing to set up the connection is UNAVAILABLE, which clients retry (seen once,
+    a client's ConnectNixl after a server restart in a CI run on a loaded 2-core box; the
+    same test passes alone); anything else is not metadata NIXL can read, INVALID_ARGUMENT."""
+    kind = type(exc).__name__
+    if kind == "nixlBackendError":
+        return RequestError(
+            grpc.StatusCode.UNAVAILABLE,
+            f"{field}: this server's NIXL could not connect to agent {name!r} ({kind}: {exc}); "
+            "try again, and check that the agent's host is reachable from this server")
+    return invalid(field, f"not NIXL agent metadata ({kind})")
+
+
 # One span to move: (address, bytes, device id).
 Span = tuple[int, int, int]
 # An op's direction, as the metrics label it: "in" pulled from a client, "out" pushed back.
@@ -172,7 +186,7 @@ class NixlAgent:
                         f"{name_field}: agent {name!r} is not connected to this server: "
                         "ConnectNixl first (again after a server restart)") from None
                 if kind != "nixlNotAllowedError" or peer is None:
-                    raise invalid(md_field, f"not NIXL agent metadata ({kind})") from None
+                    raise _refusal(md_field, name, exc) from None
                 # New connection info under a known name: the same caller's agent restarted
                 # under that name. The old one is gone; its regions' memory with it.
                 agent.remove_remote_agent(name)
@@ -180,8 +194,7 @@ class NixlAgent:
                     agent.add_remote_agent(metadata)
                 except Exception as again:
                     del self._peers[name]
-                    raise invalid(md_field, f"not NIXL agent metadata "
-                                  f"({type(again).__name__})") from None
+                    raise _refusal(md_field, name, again) from None
             if peer is None:
                 peer = self._peers[name] = [owner, 0, 0.0]
             peer[1] += regions

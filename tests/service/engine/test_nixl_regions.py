@@ -212,6 +212,34 @@ def test_another_caller_cannot_take_over_an_agent_name(agent: Agent) -> None:
         peers.connect("mallory", agent.name, meta)
 
 
+def test_a_backend_that_cannot_connect_is_unavailable_not_bad_metadata(
+        agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NIXL's backend failing on good metadata (a connection it could not set up) answers
+    UNAVAILABLE naming the field, which clients retry; unreadable metadata stays
+    INVALID_ARGUMENT; neither leaves the agent known."""
+    from attention_service.engine.nixl_agent import NixlAgent
+    from attention_service.errors import RequestError
+
+    meta = agent.agent.get_agent_metadata()
+    peers = NixlAgent()
+    server_agent = peers._nixl()
+    for kind, code in (("nixlBackendError", grpc.StatusCode.UNAVAILABLE),
+                       ("nixlMismatchError", grpc.StatusCode.INVALID_ARGUMENT)):
+        failure = type(kind, (Exception,), {})
+
+        def refuse(metadata: bytes, failure: type = failure) -> None:
+            raise failure("ucp_ep_create failed")
+
+        monkeypatch.setattr(server_agent, "add_remote_agent", refuse)
+        with pytest.raises(RequestError) as info:
+            peers.connect("alice", agent.name, meta)
+        assert info.value.code == code and info.value.details.startswith("agent_metadata:")
+        assert not peers.knows(agent.name)
+    monkeypatch.undo()
+    peers.connect("alice", agent.name, meta)  # the next try goes through
+    assert peers.knows(agent.name)
+
+
 def test_idle_agents_are_kept_up_to_a_cap_per_caller(
         agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
     """An agent whose regions all went stays connected (its next region needs no
