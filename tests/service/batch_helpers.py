@@ -41,14 +41,14 @@ class Steps:
         self._opened: set[int] = set()
         self._all = False
 
-    def launch(self, plan: Any, cancel: Any) -> PendingLaunch:
+    def launch(self, plan: Any) -> PendingLaunch:
         with self._cv:
             index = len(self.plans)
             self.plans.append(plan)
             self._cv.notify_all()
             if not self._cv.wait_for(lambda: self._all or index in self._opened, timeout=30):
                 raise RuntimeError(f"test never opened launch {index}")
-        return super().launch(plan, cancel)  # type: ignore[misc, no-any-return]
+        return super().launch(plan)  # type: ignore[misc, no-any-return]
 
     def open(self, index: int) -> None:
         with self._cv:

@@ -248,16 +248,11 @@ def cu_from_lengths(lengths: list[int]) -> list[int]:
     return cu
 
 
-class _NeverCancelled:
-    def is_set(self) -> bool:
-        return False
-
-
 class GatedBackend:
-    """The cpu backend behind a gate: launches wait until ``release`` is set, polling ``cancel``
-    so tests can see whether the server stops compute of a dead call. ``heed_cancel=False``:
-    a launch sees the cancel (``saw_cancel``) but still runs to the end once released, as a
-    GPU launch already queued does."""
+    """The cpu backend behind a gate: launches wait until ``release`` is set, polling
+    ``plan.cancelled()`` so tests can see whether the server stops compute of a dead call.
+    ``heed_cancel=False``: a launch sees the cancel (``saw_cancel``) but still runs to the end
+    once released, as a GPU launch already queued does."""
 
     def __init__(self, heed_cancel: bool = True) -> None:
         self._heed_cancel = heed_cancel
@@ -274,20 +269,25 @@ class GatedBackend:
     def warmup(self) -> None:
         self._inner.warmup()
 
-    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+    def launch(self, plan):  # type: ignore[no-untyped-def]
+        import copy
+
         from attention_service.errors import Cancelled
 
         self.entered.set()
         give_up = time.monotonic() + 30
         while not self.release.is_set():
-            if cancel.is_set():
+            if plan.cancelled():
                 self.saw_cancel.set()
                 if self._heed_cancel:
                     raise Cancelled()
             if time.monotonic() > give_up:
                 raise RuntimeError("test gate never opened")
             time.sleep(0.005)
-        return self._inner.launch(plan, cancel if self._heed_cancel else _NeverCancelled())
+        if not self._heed_cancel:  # the inner launch runs as if nobody had gone
+            plan = copy.copy(plan)
+            plan.cancelled = lambda: False
+        return self._inner.launch(plan)
 
 
 def small_prefill() -> list[pb.PrefillRequest]:

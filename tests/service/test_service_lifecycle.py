@@ -89,11 +89,11 @@ def test_device_oom_is_resource_exhausted(start_server, monkeypatch) -> None:  #
     real = srv.server.backend.launch
     calls = []
 
-    def oom_once(plan, cancel):  # type: ignore[no-untyped-def]
+    def oom_once(plan):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(plan, cancel)
+        return real(plan)
 
     monkeypatch.setattr(srv.server.backend, "launch", oom_once)
     with pytest.raises(grpc.RpcError) as info:
@@ -108,7 +108,7 @@ def test_device_oom_is_resource_exhausted(start_server, monkeypatch) -> None:  #
 def test_unexpected_backend_error_is_internal(start_server, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     srv = start_server()
 
-    def boom(plan, cancel):  # type: ignore[no-untyped-def]
+    def boom(plan):  # type: ignore[no-untyped-def]
         raise RuntimeError("kaboom")
 
     monkeypatch.setattr(srv.server.backend, "launch", boom)

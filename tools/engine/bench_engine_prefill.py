@@ -44,7 +44,7 @@ from attention_service.config import ServerConfig
 from attention_service.cpus import parse_cpu_list, pin_process
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.core import EngineCore
-from attention_service.engine.jobs import CancelFlag, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, corked
 from attention_service.ipc.engine_conn import FrontendConnection
 from attention_service.ipc.messages import DefineParams, Done, Failed, Submit
@@ -73,7 +73,7 @@ class ModelBackend(HostOnlyBackend):
         self.issue_seconds: list[float] = []  # per launch, as the executor times it
         self._busy_until = 0.0  # the modelled device runs one launch at a time
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+    def launch(self, plan: BatchPlan) -> PendingLaunch:
         for _ in range(self.calls):
             end = time.perf_counter() + self.slice_s
             while time.perf_counter() < end:  # Python work between two C calls

@@ -36,7 +36,7 @@ from attention_service.config import ServerConfig
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.core import EngineCore
 from attention_service.engine.decode_steps import Staging, StepShape, eligible
-from attention_service.engine.jobs import CancelFlag, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, corked
 from attention_service.ipc.engine_conn import FrontendConnection
 from attention_service.ipc.messages import ControlCall, DefineParams, Done, Failed, Submit
@@ -59,7 +59,7 @@ class StagingOnlyBackend(HostOnlyBackend):
     def __init__(self) -> None:
         self._staging: dict[StepShape, Staging] = {}
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+    def launch(self, plan: BatchPlan) -> PendingLaunch:
         if eligible(plan):
             shape = StepShape.of(plan)
             staging = self._staging.get(shape)

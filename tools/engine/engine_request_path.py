@@ -29,7 +29,7 @@ from attention_service.config import ServerConfig
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.core import EngineCore
 from attention_service.engine.executor import _Issued
-from attention_service.engine.jobs import CancelFlag, LaunchTimes
+from attention_service.engine.jobs import LaunchTimes
 from attention_service.ipc.channel import Channel, _frame, corked
 from attention_service.ipc.engine_conn import FrontendConnection
 from attention_service.ipc.messages import DefineParams, Submit
@@ -58,7 +58,7 @@ class _Parked(HostOnlyBackend):
         self.release = threading.Event()
         self.parked = threading.Event()
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> _Done:
+    def launch(self, plan: BatchPlan) -> _Done:
         self.parked.set()
         self.release.wait()
         return _Done()

@@ -20,7 +20,6 @@ from attention_kernels.fp8 import dequantize_kv
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.cpu_attention import attend
 from attention_service.engine.jobs import (
-    CancelFlag,
     Cancelled,
     DoneLaunch,
     LaunchTimes,
@@ -43,7 +42,7 @@ class Backend(Protocol):
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
     def warmup(self) -> None: ...
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
+    def launch(self, plan: BatchPlan) -> PendingLaunch: ...
     def memory(self) -> tuple[int, int]: ...  # (allocated, reserved) device bytes
 
 
@@ -83,10 +82,10 @@ class CpuBackend:
 
     def warmup(self) -> None:
         for plan in tiny_plans(self, self.warmup_dtypes):
-            self.launch(plan, plan.jobs[0].cancel).wait()
+            self.launch(plan).wait()
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
-        if cancel.is_set():
+    def launch(self, plan: BatchPlan) -> PendingLaunch:
+        if plan.cancelled():
             raise Cancelled()
         t0 = time.perf_counter()
         key = plan.key
@@ -116,7 +115,7 @@ class CpuBackend:
         assert cu_q is not None
         slopes = plan.score_kwargs().get("alibi_slopes")
         out, lse_all = attend(q, k, v, cu_q, cu_k, causal=key.causal, scale=key.softmax_scale,
-                              cancel=cancel, window=key.window, softcap=key.softcap,
+                              cancelled=plan.cancelled, window=key.window, softcap=key.softcap,
                               alibi_slopes=slopes)  # type: ignore[arg-type]
         lse = lse_all if plan.return_lse else None
         if lse is not None and plan.op.decode_like:
@@ -181,14 +180,14 @@ class CudaBackend:
         self._kernels.warmup(device=str(self.device), workers=warmup_workers())
         copy_segments.warm(self.device)  # the batches' one-launch packing (cuda_launch)
         for plan in tiny_plans(self, self.warmup_dtypes):
-            self.launch(plan, plan.jobs[0].cancel).wait()
+            self.launch(plan).wait()
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+    def launch(self, plan: BatchPlan) -> PendingLaunch:
         """Issue the batch on the next stream and return without waiting for the GPU. Called
         by one thread at a time (the executor's dispatcher, or a request's thread when the
         device is idle, under the executor's launch lock); round-robin streams let
         consecutive batches overlap, and a reused stream simply orders its batches."""
-        if cancel.is_set():
+        if plan.cancelled():
             raise Cancelled()
         index = self._next_stream
         self._next_stream = (index + 1) % len(self.streams)

@@ -179,3 +179,8 @@ class BatchPlan:
 
     def __len__(self) -> int:
         return len(self.jobs)
+
+    def cancelled(self) -> bool:
+        """Every job's caller has gone: compute may stop (the backends check between
+        tiles); one job still waiting keeps the launch going for it."""
+        return all(j.cancelled for j in self.jobs)

@@ -109,7 +109,7 @@ class BatchQueue:
 
     def _drop_cancelled_heads(self) -> None:
         for q in list(self._queues.values()):
-            while q and q[0].cancel.is_set():
+            while q and q[0].cancelled:
                 self._dropped.append(self._forget_head(q))
 
     def _forget_head(self, q: deque[Job]) -> Job:
@@ -123,7 +123,7 @@ class BatchQueue:
         tokens = 0
         while q:
             w = q[0]
-            if w.cancel.is_set():  # gone: never launched
+            if w.cancelled:  # gone: never launched
                 self._dropped.append(self._forget_head(q))
                 continue
             if batch and (

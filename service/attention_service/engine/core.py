@@ -150,7 +150,7 @@ class EngineCore:
             job = Job(params, cache=cache, spans=spans, **tensors)
 
             def finish(value: ExecStats | BaseException) -> None:
-                if remote and not isinstance(value, BaseException) and not job.cancel.is_set():
+                if remote and not isinstance(value, BaseException) and not job.cancelled:
                     # Outputs in NIXL regions go back to the client before it hears.
                     self._mover.submit(self._push, remote, value, settle)
                     return
@@ -159,7 +159,7 @@ class EngineCore:
             def settle(value: ExecStats | BaseException) -> None:
                 failed = isinstance(value, BaseException)
                 if cache is not None:  # before the caller hears: its next call sees the cache
-                    if not failed and job.cancel.is_set():
+                    if not failed and job.cancelled:
                         # Its caller left (a cancel, a deadline) while the launch ran: nobody
                         # hears this answer, so its caches stay as they were, as for a cancel
                         # that found the job queued. (A cancel that arrives after this point
@@ -193,7 +193,7 @@ class EngineCore:
         """On a mover thread: a NIXL call's inputs into the mirrors, then the job queued."""
         try:
             self.regions.move(remote, INPUTS, "READ")
-            if job.cancel.is_set():
+            if job.cancelled:
                 raise Cancelled()
             self.executor.submit(job, finish)
         except BaseException as exc:

@@ -13,18 +13,19 @@ milliseconds).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from attention_kernels.reference import hidden_pairs
-from attention_service.engine.jobs import CancelFlag, Cancelled
+from attention_service.engine.jobs import Cancelled
 
 TILE_ELEMENTS = 1 << 21  # scores per tile: 8 MiB of float32
 
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int], *,
-    causal: bool, scale: float | None, cancel: CancelFlag,
+    causal: bool, scale: float | None, cancelled: Callable[[], bool],
     window: tuple[int, int] = (-1, -1), softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None, tile_elements: int = TILE_ELEMENTS,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +58,7 @@ def attend(
                 acc = torch.zeros((group, r1 - r0, dim))
                 first, last = _key_range(r0 + offset, r1 - 1 + offset, n_k, causal, window)
                 for c0 in range(first, last, keys):
-                    if cancel.is_set():
+                    if cancelled():
                         raise Cancelled()
                     c1 = min(c0 + keys, last)
                     kt = k[k0 + c0 : k0 + c1, g].float()  # [C, D]

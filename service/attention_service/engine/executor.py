@@ -62,7 +62,6 @@ from typing import Protocol
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.batch_queue import BatchQueue
 from attention_service.engine.jobs import (
-    CancelFlag,
     Cancelled,
     Done,
     ExecStats,
@@ -79,7 +78,7 @@ class Backend(Protocol):
     max_inflight: int  # launches the executor may hold issued and un-waited at once
     async_launch: bool  # launch only queues the work (may run on a request's thread)
 
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
+    def launch(self, plan: BatchPlan) -> PendingLaunch: ...
 
 
 class LaunchObserver(Protocol):
@@ -89,16 +88,6 @@ class LaunchObserver(Protocol):
         self, op: Op, *, requests: int, tokens: int, flops: int, kv_bytes: int,
         h2d: float, kernel: float, d2h: float, issue: float | None = None,
     ) -> None: ...
-
-
-class _AllCancelled:
-    """A batch's cancel flag: compute may stop only once every member has gone."""
-
-    def __init__(self, jobs: Sequence[Job]) -> None:
-        self._jobs = jobs
-
-    def is_set(self) -> bool:
-        return all(j.cancel.is_set() for j in self._jobs)
 
 
 class _Failed:
@@ -239,15 +228,15 @@ class Executor:
                     self._issuing -= len(issued)
                     self._cond.notify_all()
 
-    def _launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch:
+    def _launch(self, plan: BatchPlan) -> PendingLaunch:
         with self._launch_lock:
-            return self.backend.launch(plan, cancel)
+            return self.backend.launch(plan)
 
     def cancel(self, job: Job) -> None:
         """The call went away: a queued job leaves now (``done(Cancelled())``); inside a
         running launch it completes for its batch mates and the caller drops the result."""
         with self._cond:
-            job.cancel.set()
+            job.cancelled = True
             removed = job in self._waiting and self._queue.remove(job)
             self._waiting.discard(job)
             if removed:
@@ -339,7 +328,7 @@ class Executor:
             self._deliver(jobs, [exc] * len(jobs))
             return
         try:
-            pending: PendingLaunch = self._launch(plan, _AllCancelled(plan.jobs))
+            pending: PendingLaunch = self._launch(plan)
         except Exception as exc:
             if len(jobs) == 1 or isinstance(exc, Cancelled):
                 pending = _Failed(exc)
@@ -365,7 +354,7 @@ class Executor:
         for job in jobs:
             plan = BatchPlan([job])
             try:
-                pending: PendingLaunch = self._launch(plan, job.cancel)
+                pending: PendingLaunch = self._launch(plan)
             except Exception as single_exc:
                 pending = _Failed(single_exc)
             self._issued.put(_Issued([job], plan, pending, started, time.perf_counter()))

@@ -1,4 +1,4 @@
-"""The engine's leaf types: a Job (params + tensors + cancel flag), its KV-cache work, launch
+"""The engine's leaf types: a Job (params + tensors + cancelled flag), its KV-cache work, launch
 timings, Cancelled, and the PendingLaunch handles the backends return."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from attention_service.link import ExecStats
 from attention_service.params import BatchKey, KvScales, Params
 
 __all__ = [
-    "CacheWork", "CancelEvent", "Cancelled", "Done", "DoneLaunch", "ExecStats", "Job",
+    "CacheWork", "Cancelled", "Done", "DoneLaunch", "ExecStats", "Job",
     "LaunchTimes", "PendingLaunch", "batch_key",
 ]
 
@@ -46,23 +46,6 @@ class CacheWork:
     seq_scales: list[KvScales] | None = None
 
 
-class CancelEvent:
-    """A job's cancel flag: set once, read by the executor and the backends between tiles.
-    Nobody waits on it, so a bare attribute does (a ``threading.Event`` builds a Condition
-    and a lock per job: ~3 us of the engine's GIL time per request, measured)."""
-
-    __slots__ = ("_set",)
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-
 # Where a tensor's bytes are, for a typed view made on first use: (base, byte offset, dtype,
 # shape). The engine's request path makes none (``Job.host_bytes`` reads the bytes through
 # numpy): every torch call releases and retakes the GIL, and on the engine's reader thread,
@@ -78,7 +61,7 @@ class Job:
     carries where its result goes and what the batch queue sorts and weighs it by. (A slots
     class: one is made per request on the engine's hot path.)"""
 
-    __slots__ = ("params", "cache", "cancel", "submitted_at", "_tensors", "_spans", "done",
+    __slots__ = ("params", "cache", "cancelled", "submitted_at", "_tensors", "_spans", "done",
                  "key", "weight")
 
     def __init__(
@@ -91,7 +74,9 @@ class Job:
         self.params = params
         self.cache = cache
         # Set when the call is cancelled or its deadline passes: compute stops where it can.
-        self.cancel = CancelEvent()
+        # A bare attribute: nobody waits on it (a ``threading.Event`` built a Condition and a
+        # lock per job, ~3 us of the engine's GIL time per request, measured).
+        self.cancelled = False
         self.submitted_at = 0.0  # perf_counter when handed to the executor
         self._tensors: dict[str, torch.Tensor | None] = {
             "q": q, "k": k, "v": v, "out": out, "lse": lse}
@@ -222,10 +207,6 @@ class DoneLaunch:
 
     def wait(self) -> LaunchTimes:
         return self._times
-
-
-class CancelFlag(Protocol):
-    def is_set(self) -> bool: ...
 
 
 @functools.lru_cache(maxsize=4096)

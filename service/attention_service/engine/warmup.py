@@ -11,7 +11,7 @@ import torch
 
 from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.jobs import CancelFlag, Job, PendingLaunch
+from attention_service.engine.jobs import Job, PendingLaunch
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX
 from attention_service.errors import RequestError
@@ -28,7 +28,7 @@ class WarmupBackend(Protocol):
     the backends import this module for their own warm-up."""
 
     def alloc_host(self, nbytes: int) -> torch.Tensor: ...
-    def launch(self, plan: BatchPlan, cancel: CancelFlag) -> PendingLaunch: ...
+    def launch(self, plan: BatchPlan) -> PendingLaunch: ...
 
 
 def exit_during_warmup(rc: int) -> NoReturn:
@@ -123,7 +123,7 @@ def warm_caches(backend: WarmupBackend, caches: CacheRegistry,
                         for j in group:
                             j.cache = caches.begin(j.params, _WARMUP_OWNER)
                             begun.append(j.cache)
-                        backend.launch(BatchPlan(group), group[0].cancel).wait()
+                        backend.launch(BatchPlan(group)).wait()
                     finally:
                         for work in begun:
                             work.finish(not op.queries)  # only AppendKV keeps its tokens

@@ -190,7 +190,7 @@ def _cu(values: tuple[int, ...] | None) -> torch.Tensor:
 def test_merged_launch_writes_each_job_its_own_answer() -> None:
     jobs = [_prefill_job(1, [3, 4], [5, 4], lse=True), _prefill_job(2, [6], lse=False),
             _prefill_job(3, [1, 2], [0, 7], lse=True)]
-    CpuBackend().launch(BatchPlan(jobs), threading.Event()).wait()
+    CpuBackend().launch(BatchPlan(jobs)).wait()
     for job in jobs:
         p = job.params
         ref_o, ref_l = prefill_ref(
@@ -209,7 +209,7 @@ def test_merged_decode_keeps_batch_major_lse() -> None:
     jobs = [_decode_job(1, [3, 0, 5], lse=True), _decode_job(2, [7], lse=True)]
     plan = BatchPlan(jobs)
     assert plan.cu_seqlens_q is None and plan.cu_seqlens_k == [0, 3, 3, 8, 15]
-    CpuBackend().launch(plan, threading.Event()).wait()
+    CpuBackend().launch(plan).wait()
     for job in jobs:
         ref_o, ref_l = decode_ref(job.q.double(), job.k.double(), job.v.double(),
                                   _cu(job.params.cu_seqlens_k), return_lse=True)
@@ -220,7 +220,7 @@ def test_merged_decode_keeps_batch_major_lse() -> None:
 
 def test_batch_without_keys_writes_zeros_and_minus_inf() -> None:
     job = _prefill_job(1, [3], [0], lse=True)
-    CpuBackend().launch(BatchPlan([job]), threading.Event()).wait()
+    CpuBackend().launch(BatchPlan([job])).wait()
     assert torch.equal(job.out, torch.zeros_like(job.out))
     assert job.lse is not None and torch.isneginf(job.lse).all()
 
@@ -343,8 +343,8 @@ def test_cancelled_jobs_are_removed_or_skipped(loop) -> None:  # type: ignore[no
         q.add(w)
     assert q.remove(ws[1]) and not q.remove(ws[1])
     assert q.depth(Op.PREFILL) == 3
-    ws[0].cancel.set()  # cancelled without removal (a race): never launched either
-    ws[3].cancel.set()
+    ws[0].cancelled = True  # cancelled without removal (a race): never launched either
+    ws[3].cancelled = True
     assert _tokens(q.next_batch(9.0, device_idle=True)[0]) == [5]
     assert len(q) == 0 and q.next_batch(9.0, device_idle=True) == ([], None)
     # ... and handed back, so the executor answers each exactly once.
@@ -384,10 +384,10 @@ class _Slow(CpuBackend):
         self.gate = threading.Event()
         self.sizes: list[int] = []
 
-    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+    def launch(self, plan):  # type: ignore[no-untyped-def]
         self.sizes.append(len(plan))
         self.gate.wait(10)
-        return super().launch(plan, cancel)
+        return super().launch(plan)
 
 
 @pytest.mark.parametrize("batching", [True, False])
@@ -485,13 +485,13 @@ class _AsyncCpu(CpuBackend):
         self.active = 0
         self.overlapped = False
 
-    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+    def launch(self, plan):  # type: ignore[no-untyped-def]
         self.active += 1
         self.overlapped |= self.active > 1
         try:
             self.threads.append(threading.current_thread().name)
             time.sleep(self.hold_s)
-            return super().launch(plan, cancel)
+            return super().launch(plan)
         finally:
             self.active -= 1
 

@@ -326,12 +326,12 @@ def test_queue_full_is_resource_exhausted(start_server) -> None:  # type: ignore
 class _NoMergeMemory(StepBackend):
     """Runs out of device memory for any launch of more than one request."""
 
-    def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+    def launch(self, plan):  # type: ignore[no-untyped-def]
         if len(plan) > 1:
             with self._cv:
                 self.plans.append(plan)
             raise torch.OutOfMemoryError("CUDA out of memory (test)")
-        return super().launch(plan, cancel)
+        return super().launch(plan)
 
 
 def test_failed_merged_launch_retries_each_request_alone(start_server) -> None:  # type: ignore[no-untyped-def]

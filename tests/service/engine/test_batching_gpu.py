@@ -3,7 +3,6 @@ rows against the float64 reference; skipped without a GPU."""
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -93,14 +92,14 @@ def test_batches_in_flight_match_single_launches() -> None:
 
     batches = [[job(10 * b + i, [64 * (i + 1), 300, 5]) for i in range(8)] for b in range(2)]
     plans = [BatchPlan(jobs) for jobs in batches]
-    pending = [backend.launch(p, threading.Event()) for p in plans]  # both in flight
+    pending = [backend.launch(p) for p in plans]  # both in flight
     times = [p.wait() for p in pending]
     for jobs, t in zip(batches, times, strict=True):
         assert t.h2d_seconds > 0 and t.kernel_seconds > 0 and t.d2h_seconds > 0
         for j in jobs:
             alone = Job(j.params, j.q, j.k, j.v, torch.full_like(j.out, float("nan")),
                         torch.full_like(j.lse, float("nan")))
-            backend.launch(BatchPlan([alone]), threading.Event()).wait()
+            backend.launch(BatchPlan([alone])).wait()
             torch.testing.assert_close(j.out, alone.out, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(j.lse, alone.lse, atol=1e-4, rtol=1e-4)
 
@@ -122,7 +121,7 @@ def test_lone_device_job_runs_in_place() -> None:
     out = torch.full_like(q, float("nan"))
     lse = torch.full(params.lse_shape, float("nan"), device="cuda")
     job = Job(params, q, k, v, out, lse)
-    backend.launch(BatchPlan([job]), threading.Event()).wait()
+    backend.launch(BatchPlan([job])).wait()
     ref, ref_lse = prefill_oracle(q.cpu(), k.cpu(), v.cpu(), cu, cu, causal=True)
     torch.testing.assert_close(out.cpu().double(), ref, atol=BF16_TOL, rtol=BF16_TOL)
     torch.testing.assert_close(lse.cpu().double(), ref_lse.double(), atol=2e-3, rtol=0)

@@ -39,7 +39,7 @@ def test_tiled_attention_matches_the_reference(causal: bool, heads: int, kv_head
     k = torch.randn(cu_k[-1], kv_heads, 24, generator=g).to(dtype)
     v = torch.randn(cu_k[-1], kv_heads, 24, generator=g).to(dtype)
     never = threading.Event()
-    out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=None, cancel=never,
+    out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=None, cancelled=never.is_set,
                       tile_elements=tile)
     ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(),
                                torch.tensor(cu_q, dtype=torch.int32),
@@ -65,7 +65,7 @@ def test_scratch_stays_within_a_tile_whatever_the_heads_ratio(monkeypatch) -> No
     monkeypatch.setattr(cpu_attention.torch, "einsum", spy)
     q = torch.randn(64, 256, 8)
     k, v = torch.randn(2048, 1, 8), torch.randn(2048, 1, 8)
-    attend(q, k, v, [0, 64], [0, 2048], causal=True, scale=None, cancel=threading.Event(),
+    attend(q, k, v, [0, 64], [0, 2048], causal=True, scale=None, cancelled=threading.Event().is_set,
            tile_elements=1 << 14)
     assert 0 < largest[0] <= 1 << 14
 
@@ -78,7 +78,7 @@ def test_a_cancel_stops_a_long_sequence_within_a_tile() -> None:
     timer.start()
     t0 = time.perf_counter()
     with pytest.raises(Cancelled):
-        attend(q, k, v, [0, 4096], [0, 8192], causal=False, scale=None, cancel=cancel,
+        attend(q, k, v, [0, 4096], [0, 8192], causal=False, scale=None, cancelled=cancel.is_set,
                tile_elements=1 << 18)
     assert time.perf_counter() - t0 < 1.5  # the whole sequence takes several seconds
 
@@ -104,7 +104,7 @@ def test_window_softcap_and_alibi_match_the_reference(seed: int) -> None:
         k = torch.randn(cu_k[-1], kv_heads, 16, generator=g)
         v = torch.randn(cu_k[-1], kv_heads, 16, generator=g)
         out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=None,
-                          cancel=threading.Event(), window=window, softcap=softcap,
+                          cancelled=threading.Event().is_set, window=window, softcap=softcap,
                           alibi_slopes=slopes, tile_elements=rng.choice([5, 48, 1 << 21]))
         ref, ref_lse = prefill_ref(
             q.double(), k.double(), v.double(), torch.tensor(cu_q, dtype=torch.int32),

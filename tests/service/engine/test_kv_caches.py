@@ -598,9 +598,9 @@ def test_warmup_is_outside_the_quota_and_leaks_no_page_when_skipped() -> None:
     launched = []
 
     class Recording(CpuBackend):
-        def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        def launch(self, plan):  # type: ignore[no-untyped-def]
             launched.append(plan.key)
-            return super().launch(plan, cancel)
+            return super().launch(plan)
 
     caps = CacheRegistry(KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE,
                                 caller_pages=1), ttl_seconds=0)

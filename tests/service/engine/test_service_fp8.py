@@ -446,15 +446,15 @@ def test_warmup_runs_the_fp8_variants() -> None:
     plans = list(tiny_plans(backend, (torch.float32, torch.bfloat16)))
     assert sum(p.key.fp8 for p in plans) == 4 and len(plans) == 12
     for plan in plans:
-        backend.launch(plan, plan.jobs[0].cancel).wait()
+        backend.launch(plan).wait()
         assert all(j.out.isfinite().all() for j in plan.jobs)
 
     launched = []
 
     class Recording(CpuBackend):
-        def launch(self, plan, cancel):  # type: ignore[no-untyped-def]
+        def launch(self, plan):  # type: ignore[no-untyped-def]
             launched.append(plan.key)
-            return super().launch(plan, cancel)
+            return super().launch(plan)
 
     caches = CacheRegistry(KvPool(torch.empty(8 * 4096, dtype=torch.uint8), 4096), ttl_seconds=0)
     warm_caches(Recording(), caches, (torch.float16,))
