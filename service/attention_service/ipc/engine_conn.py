@@ -4,10 +4,9 @@ Requests arrive on the channel's reader thread and go straight to the engine cor
 loop in the engine's request path; when the device is idle the reader issues the launch
 itself); answers go back from the executor's completer thread, one corked write per launch
 (the channel's writer thread takes over only what the socket cannot take at once). Params
-arrive once each (``DefineParams``) and Submits name them by id. The connection tracks its
-calls so that when its front
-end dies they are cancelled and the arena is not handed to a new front end before the last
-copy into it has finished.
+arrive once each, with the first Submit that names them by id. The connection tracks its calls
+so that when its front end dies they are cancelled and the arena is not handed to a new front
+end before the last copy into it has finished.
 """
 
 from __future__ import annotations
@@ -31,7 +30,6 @@ from attention_service.ipc.messages import (
     Bound,
     Cancel,
     ControlCall,
-    DefineParams,
     Done,
     Failed,
     ForgetParams,
@@ -57,7 +55,7 @@ class FrontendConnection:
         self._on_bound = on_bound
         self._lock = threading.Condition()
         self._calls: dict[int, Job | None] = {}  # in the engine; None: being submitted
-        self._params: dict[int, Params] = {}  # DefineParams of this front end (reader only)
+        self._params: dict[int, Params] = {}  # what Submits brought, by id (reader only)
         self.channel: Channel | None = None
 
     def attach(self, channel: Channel) -> None:
@@ -72,8 +70,6 @@ class FrontendConnection:
     def on_message(self, msg: Any, fds: list[int]) -> None:
         if isinstance(msg, Submit):
             self._submit(msg, fds)
-        elif isinstance(msg, DefineParams):
-            self._params[msg.params_id] = msg.params
         elif isinstance(msg, ForgetParams):
             self._params.clear()
         elif isinstance(msg, Cancel):
@@ -115,11 +111,16 @@ class FrontendConnection:
         return sources
 
     def _submit(self, msg: Submit, fds: list[int]) -> None:
+        params = msg.params
+        if params is None:
+            params = self._params[msg.params_id]
+        else:
+            self._params[msg.params_id] = params
         with self._lock:
             self._calls[msg.call_id] = None
         try:
             job = self.core.submit(
-                self._params[msg.params_id], self._sources(msg, fds), msg.owner,
+                params, self._sources(msg, fds), msg.owner,
                 lambda value, call_id=msg.call_id: self._done(call_id, value),
                 issue_here=True,  # the channel's reader thread: no event loop to stall
             )

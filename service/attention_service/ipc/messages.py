@@ -78,55 +78,54 @@ class Bound(NamedTuple):
     pid: int
 
 
-class DefineParams(NamedTuple):
-    """Params that later Submits on this channel name by ``params_id``: a front end's calls
-    repeat a few (a decode session's every step has the same), so each crosses once."""
+class Submit(NamedTuple):
+    """A call for the engine. Its ``params`` cross once per channel: a front end's calls
+    repeat a few (a decode session's every step has the same), so a Submit names them by
+    ``params_id`` and carries them only the first time (later ones: None)."""
 
+    call_id: int
     params_id: int
-    params: Params
+    spans: dict[str, Span]  # q, k, v, out (and lse when asked for)
+    owner: str
+    params: Params | None = None
 
 
-# DefineParams as a plain tuple (``compact``): a stateless call of new lengths brings new Params,
-# so the engine's reader unpickles one per request. Pickled as a frozen dataclass (its class, a
-# state dict, an Op by value) it took ~15 us to unframe and ~14 to frame; as field values, with
-# the object made without the dataclass ``__init__`` (``object.__setattr__`` per field, 7.5 us
-# of it), ~4 and ~4 (dev box, 2026-11-28): GIL time every other engine thread waits behind.
+# Submit as a plain tuple (``compact``), new params as their field values: a stateless call of
+# new lengths brings new Params, so the engine's reader unpickles one per request. Pickled as a
+# frozen dataclass (its class, a state dict, an Op by value) they took ~15 us to unframe and ~14
+# to frame; as field values, with the object made without the dataclass ``__init__``
+# (``object.__setattr__`` per field, 7.5 us of it), ~4 and ~4 (dev box, 2026-11-28): GIL time
+# every other engine thread waits behind. A NamedTuple pickled by class cost ~2.3 us more.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(Params))
 assert _PARAM_FIELDS[0] == "key"
 _KEY_FIELDS = len(BatchKey._fields)
 _OPS = {op.value: op for op in Op}
 
 
-def _params_plain(msg: DefineParams) -> tuple:
+def _submit_plain(msg: Submit) -> tuple:
     p = msg.params
-    return (msg.params_id, p.key.op.value, *p.key[1:],
-            *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
+    if p is None:
+        return msg[:4]
+    return (*msg[:4], p.key.op.value, *p.key[1:], *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
 
 
-def _params_from_plain(t: tuple) -> DefineParams:
-    key = tuple.__new__(BatchKey, (_OPS[t[1]], *t[2 : 1 + _KEY_FIELDS]))
+def _submit_from_plain(t: tuple) -> Submit:
+    if len(t) == 4:
+        return tuple.__new__(Submit, (*t, None))
+    key = tuple.__new__(BatchKey, (_OPS[t[4]], *t[5 : 4 + _KEY_FIELDS]))
     params = object.__new__(Params)
-    state = dict(zip(_PARAM_FIELDS[1:], t[1 + _KEY_FIELDS :], strict=True))
+    state = dict(zip(_PARAM_FIELDS[1:], t[4 + _KEY_FIELDS :], strict=True))
     state["key"] = key
     params.__dict__.update(state)  # the fields as __init__ leaves them (no __post_init__)
-    return DefineParams(t[0], params)
+    return Submit(*t[:4], params)
 
 
-compact(DefineParams, 3, _params_plain, _params_from_plain)
+compact(Submit, 2, _submit_plain, _submit_from_plain)
 
 
 class ForgetParams(NamedTuple):
-    """Drop every DefineParams so far (the front end's table was full; ids start over)."""
-
-
-class Submit(NamedTuple):
-    call_id: int
-    params_id: int  # of a DefineParams sent earlier on this channel
-    spans: dict[str, Span]  # q, k, v, out (and lse when asked for)
-    owner: str
-
-
-compact(Submit, 2, tuple, Submit._make)
+    """Drop every params a Submit brought so far (the front end's table was full; ids start
+    over)."""
 
 
 class Cancel(NamedTuple):

@@ -25,7 +25,6 @@ from attention_service.ipc.messages import (
     ArenaSpan,
     Cancel,
     ControlCall,
-    DefineParams,
     Done,
     Failed,
     ForgetParams,
@@ -109,7 +108,7 @@ class RemoteLink:
         self._loop = loop
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
-        self._params_ids: dict[Params, int] = {}  # defined on the channel (DefineParams)
+        self._params_ids: dict[Params, int] = {}  # sent on the channel (Submit.params)
         self.serving = asyncio.Event()
         self.gone = asyncio.Event()
         self._spin_s = spin_s
@@ -192,7 +191,7 @@ class RemoteLink:
         if buffers.segment_fd is not None:
             fds, buffers.segment_fd = [buffers.segment_fd], None  # the channel owns it now
         fut: asyncio.Future[ExecStats] = self._loop.create_future()
-        self._send(Submit(call_id, self._params_id(params), spans, owner), fds)
+        self._send(self._submission(call_id, params, spans, owner), fds)
         buffers.hold_for_engine()
         self._pending[call_id] = (fut, buffers)
         if (self._spin_s and self._engine_alone and len(self._pending) == 1
@@ -217,16 +216,18 @@ class RemoteLink:
                 return
         self._polling = False
 
-    def _params_id(self, params: Params) -> int:
-        """The id ``params`` has on the channel, defining it first if new."""
+    def _submission(self, call_id: int, params: Params, spans: dict[str, Span],
+                    owner: str) -> Submit:
+        """The Submit of a call: ``params`` named by their id on the channel, and carried
+        too the first time (a new id, after a ForgetParams when the table is full)."""
         pid = self._params_ids.get(params)
-        if pid is None:
-            if len(self._params_ids) >= MAX_DEFINED_PARAMS:
-                self._send(ForgetParams())
-                self._params_ids.clear()
-            pid = self._params_ids[params] = len(self._params_ids)
-            self._send(DefineParams(pid, params))
-        return pid
+        if pid is not None:
+            return Submit(call_id, pid, spans, owner)
+        if len(self._params_ids) >= MAX_DEFINED_PARAMS:
+            self._send(ForgetParams())
+            self._params_ids.clear()
+        pid = self._params_ids[params] = len(self._params_ids)
+        return Submit(call_id, pid, spans, owner, params)
 
     async def control_call(self, method: str, request: Any, owner: str) -> Any:
         call_id = next(self._ids)

@@ -1,6 +1,6 @@
 """The front-end/engine channel's hot-path economies, without processes: corked sends go out
-as one write per channel in order, and a front end's Params cross once (DefineParams) and
-start over when its table is full (ForgetParams)."""
+as one write per channel in order, and a front end's Params cross once (with the first Submit
+that names them) and start over when its table is full (ForgetParams)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,6 @@ from attention_service.ipc import remote_link
 from attention_service.ipc.channel import _HEADER, Channel, _Decoder, _frame, compact, corked
 from attention_service.ipc.messages import (
     Cancel,
-    DefineParams,
     Done,
     ForgetParams,
     SegmentSpan,
@@ -106,18 +105,20 @@ def test_params_cross_once_and_start_over_when_the_table_is_full(monkeypatch) ->
         arena = type("Arena", (), {"size": 1 << 12})()
         link = RemoteLink(sent, arena, None, loop)  # type: ignore[arg-type]
         a, b = _params("a"), _params("b")
-        assert link._params_id(a) == link._params_id(_params("a")) == 0  # equal: same id
-        assert link._params_id(b) == 1
-        assert sent.sent == [DefineParams(0, a), DefineParams(1, b)]
-        sent.sent.clear()
-        ids = [link._params_id(_params(c)) for c in ("c", "d")]
+
+        def submit(params: Any) -> Submit:
+            return link._submission(7, params, {}, "")
+
+        # New params ride with their first Submit; equal ones are named by the same id.
+        assert submit(a) == Submit(7, 0, {}, "", a)
+        assert submit(_params("a")) == Submit(7, 0, {}, "")
+        assert submit(b) == Submit(7, 1, {}, "", b)
+        assert sent.sent == []
+        ids = [submit(_params(c)).params_id for c in ("c", "d")]
         # The fourth distinct Params found the table full: the engine forgets, ids restart.
         assert ids == [2, 0]
-        assert sent.sent == [DefineParams(2, _params("c")), ForgetParams(),
-                             DefineParams(0, _params("d"))]
-        sent.sent.clear()
-        assert link._params_id(a) == 1  # forgotten with the rest: defined again
-        assert sent.sent == [DefineParams(1, a)]
+        assert sent.sent == [ForgetParams()]
+        assert submit(a) == Submit(7, 1, {}, "", a)  # forgotten with the rest: sent again
     finally:
         loop.close()
 
@@ -136,14 +137,14 @@ def test_engine_connection_resolves_params_by_id() -> None:
     conn = FrontendConnection(0, Core(), arena, None, lambda m: None)  # type: ignore[arg-type]
     a, b = _params("a"), _params("b")
     spans = {"q": (0, 8)}
-    conn.on_message(DefineParams(0, a), [])
-    conn.on_message(DefineParams(1, b), [])
-    conn.on_message(Submit(1, 1, spans, ""), [])
-    conn.on_message(Submit(2, 0, spans, ""), [])
+    conn.on_message(Submit(1, 0, spans, "", a), [])
+    conn.on_message(Submit(2, 1, spans, "", b), [])
+    conn.on_message(Submit(3, 1, spans, ""), [])
+    conn.on_message(Submit(4, 0, spans, ""), [])
     conn.on_message(ForgetParams(), [])
-    conn.on_message(DefineParams(0, b), [])
-    conn.on_message(Submit(3, 0, spans, ""), [])
-    assert seen == [b, a, b]
+    conn.on_message(Submit(5, 0, spans, "", b), [])
+    conn.on_message(Submit(6, 0, spans, ""), [])
+    assert seen == [a, b, b, a, b, b]
 
 
 def test_compact_messages_cross_as_plain_tuples_with_their_descriptors() -> None:
@@ -203,16 +204,17 @@ def test_an_unknown_compact_code_is_a_broken_channel_not_a_crash() -> None:
     make_params(Op.PREFILL, pb.BFLOAT16, (5, 4, 32), (5, 2, 32), (0, 5), (0, 5),
                 kv_dtype=pb.FLOAT8_E4M3, kv_scales=((0.5, 2.0), (1.0, 0.25))),
 ], ids=["prefill-lse", "decode-modifiers", "cached", "fp8"])
-def test_define_params_cross_as_field_values_and_arrive_equal(params: Any) -> None:
-    # No class reference but DefineParams' own code: the Params arrive equal (every field,
-    # the Op itself), hashable alike, and usable (the engine memoizes on them).
-    frame = _frame(DefineParams(5, params), 0)
+def test_new_params_cross_as_field_values_and_arrive_equal(params: Any) -> None:
+    # No class reference but Submit's own code: the Params arrive equal (every field, the Op
+    # itself), hashable alike, and usable (the engine memoizes on them).
+    spans = {"q": (0, 256)}
+    frame = _frame(Submit(4, 5, spans, "token-a", params), 0)
     size, nfds = _HEADER.unpack_from(frame)
     assert nfds >> 16 and b"Params" not in frame and b"dataclass" not in frame
     decoder = _Decoder()
     decoder.buf += frame
     ((msg, fds),) = decoder.frames()
-    assert type(msg) is DefineParams and msg.params_id == 5 and fds == []
+    assert type(msg) is Submit and msg[:4] == (4, 5, spans, "token-a") and fds == []
     got = msg.params
     assert got == params and hash(got) == hash(params) and got.op is params.op
     assert {f: getattr(got, f) for f in vars(params) if f != "memo"} == {
