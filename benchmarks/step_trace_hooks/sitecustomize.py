@@ -51,7 +51,7 @@ TARGETS = [
     ("attention_service.frontend.streams", "parse_request"),
     ("attention_service.frontend.streams", "checked_header"),
     ("attention_service.frontend.streams", "_allocate"),
-    ("attention_service.frontend.streams", "ChunkAssembler.finish"),
+    ("attention_service.frontend.streams", "Upload.check_complete"),
     ("attention_service.engine.kv_caches", "CacheRegistry.begin"),
     ("attention_service.engine.executor", "BatchPlan"),
     ("attention_service.engine.decode_steps", "StepShape.of"),

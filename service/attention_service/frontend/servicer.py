@@ -21,7 +21,7 @@ from attention_service.errors import Cancelled, RequestError, StreamEnded
 from attention_service.frontend import connections
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
-    Received,
+    Upload,
     UploadBudget,
     receive_request,
     response_messages,
@@ -241,7 +241,7 @@ class AttentionServicer:
         call = _CallRecord(op.rpc, context, unary, step)
         self.tracker.enter()
         self._metrics.inflight.inc()
-        received: Received | None = None
+        received: Upload | None = None
         refusal: tuple[grpc.StatusCode, str] | None = None
         try:
             if not self.tracker.accepting:
@@ -368,7 +368,7 @@ class _CallRecord:
         self.regions: Mapping[str, object] = {}  # names read only for the log line
         self.finished = False
 
-    def ok(self, received: Received, stats: ExecStats) -> None:
+    def ok(self, received: Upload, stats: ExecStats) -> None:
         self.tokens, self.flops = received.params.tokens, stats.flops
         self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
         self.stats, self.regions = stats, received.regions

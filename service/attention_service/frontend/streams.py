@@ -6,8 +6,8 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from types import MappingProxyType
 from urllib.parse import unquote
 
 import grpc
@@ -16,11 +16,12 @@ import numpy as np
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
 from attention_service.frontend.handlers import parse_request
-from attention_service.frontend.validation import ChunkAssembler, Limits, checked_header
+from attention_service.frontend.validation import INPUT_FIELDS, Limits, checked_header
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.requests import RawChunk
 from attention_wire.responses import chunk_head, output_chunk_parts
 
 log = logging.getLogger("attention_service")
@@ -103,14 +104,24 @@ class UploadBudget:
 
 
 class Upload:
-    """One call's reservation against an ``UploadBudget``: ``cover(n)`` makes it at least
-    ``n`` bytes (in ``UPLOAD_STEP_BYTES`` steps, at most ``total``); ``release`` gives all of
-    it back."""
+    """One call's request, from its header until the call ends: its charge against an
+    ``UploadBudget`` (``cover(n)`` makes it at least ``n`` bytes, in ``UPLOAD_STEP_BYTES``
+    steps, at most ``total``), its q/k/v chunks written into its buffers with their offsets
+    checked as they come (``add``; tensors in regions get no chunks), and, once complete
+    (``check_complete``), what the engine runs: params, regions and buffers, held until
+    ``release`` gives buffers and charge back."""
 
-    __slots__ = ("budget", "caller", "total", "charged")
-
-    def __init__(self, budget: UploadBudget, caller: str, total: int) -> None:
+    def __init__(
+        self, budget: UploadBudget, caller: str, total: int, params: Params | None = None,
+        regions: Mapping[str, RegionSpan] = MappingProxyType({}), step_timeout_ms: int = 0,
+    ) -> None:
         self.budget, self.caller, self.total, self.charged = budget, caller, total, 0
+        self.params = params
+        self.regions = regions
+        self.step_timeout_ms = step_timeout_ms  # the first message's (RawRequest's)
+        self.buffers: Buffers | None = None
+        self._inputs: dict[str, np.ndarray] = {}  # uint8 views of the inputs sent as chunks
+        self._received: dict[str, int] = {}
 
     def cover(self, nbytes: int, field: str = "header") -> None:
         if nbytes <= self.charged:
@@ -119,25 +130,58 @@ class Upload:
         self.budget.reserve(more, self.caller, field)
         self.charged += more
 
+    def fill(self, buffers: Buffers) -> None:
+        """The buffers the chunks go into (and the outputs come back in)."""
+        self.buffers = buffers
+        self._inputs = {n: a for n, a in buffers.arrays.items() if n in INPUTS}
+        self._received = dict.fromkeys(self._inputs, 0)
+
+    def add(self, chunks: Iterable[RawChunk]) -> None:
+        for c in chunks:
+            name = INPUT_FIELDS.get(c.field)
+            if name is None:
+                raise invalid("chunks.field", f"unknown input field {c.field} (use Q, K or V)")
+            if name not in self._inputs:
+                raise invalid(f"chunks[{name}]",
+                              f"{name} lives in a region (header.regions.{name}): send no bytes")
+            offset, data = c.offset, c.data
+            done, size = self._received[name], self._inputs[name].size
+            if offset < done:
+                raise invalid(
+                    f"chunks[{name}].offset",
+                    f"{offset} overlaps bytes already received (next offset is {done})",
+                )
+            if offset > done:
+                raise invalid(
+                    f"chunks[{name}].offset",
+                    f"{offset} is out of order (next offset is {done})",
+                )
+            n = len(data)
+            if offset + n > size:
+                raise invalid(
+                    f"chunks[{name}]",
+                    f"bytes [{offset}, {offset + n}) run past the end of {name} "
+                    f"({size} bytes for its shape and dtype)",
+                )
+            self._inputs[name][done : done + n] = np.frombuffer(data, dtype=np.uint8)
+            self._received[name] = done + n
+
+    def check_complete(self) -> None:
+        """Every byte arrived?"""
+        for name, arr in self._inputs.items():
+            got = self._received[name]
+            if got != arr.size:
+                raise StreamEnded(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"chunks[{name}]: missing bytes at end of stream: received {got} of "
+                    f"{arr.size} bytes for {name}'s shape and dtype",
+                )
+
     def release(self) -> None:
+        if self.buffers is not None:
+            self.buffers.release()
         self.budget.release(self.charged, self.caller)
         self.charged = 0
-
-
-@dataclass
-class Received:
-    """A fully received request: its params, the tensors in regions, the rest in buffers,
-    whose bytes count against the budget (``upload``) until ``release``."""
-
-    params: Params
-    regions: Mapping[str, RegionSpan]
-    buffers: Buffers
-    upload: Upload
-    step_timeout_ms: int = 0  # the first message's (RawRequest.step_timeout_ms)
-
-    def release(self) -> None:
-        self.buffers.release()
-        self.upload.release()
 
     # Each read twice per call (its metrics, its stats message): summed once.
     @functools.cached_property
@@ -156,7 +200,7 @@ class Received:
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
     budget: UploadBudget, caller: str = "", unary: bool = False, proxied: bool = False,
-) -> Received:
+) -> Upload:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.requests``).
     Buffers come from ``link`` for every tensor not in a region, outputs included, charged to
@@ -195,32 +239,24 @@ async def receive_request(
                 "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
                 f"one response message of {unary_method(op.rpc)} can carry: use the stream rpc "
                 f"{op.rpc}")
-    upload = Upload(budget, caller, total)
+    upload = Upload(budget, caller, total, params, regions, first.step_timeout_ms)
     # A unary request is here whole; a lazy link's buffers fill as the bytes arrive.
     upload.cover(len(raw) if link.lazy_buffers and not unary else total)
     try:
-        buffers = await _allocate(link, sizes, total)
-        try:
-            chunks = ChunkAssembler(
-                params, {n: a for n, a in buffers.arrays.items() if n in INPUTS}
-            )
-            chunks.add(first.chunks)
-            if not unary:
-                await _receive_rest(it, op, chunks, upload, len(raw), limits)
-            chunks.finish()
-            upload.cover(total)  # the outputs
-        except BaseException:
-            buffers.release()
-            raise
+        upload.fill(await _allocate(link, sizes, total))
+        upload.add(first.chunks)
+        if not unary:
+            await _receive_rest(it, op, upload, len(raw), limits)
+        upload.check_complete()
+        upload.cover(total)  # the outputs
     except BaseException:
         upload.release()
         raise
-    return Received(params, regions, buffers, upload, first.step_timeout_ms)
+    return upload
 
 
 async def _receive_rest(
-    it: AsyncIterator[bytes], op: Op, chunks: ChunkAssembler, upload: Upload, received: int,
-    limits: Limits,
+    it: AsyncIterator[bytes], op: Op, upload: Upload, received: int, limits: Limits,
 ) -> None:
     """The messages after the header's, until the client ends the stream, no slower than
     ``limits`` allow: no wait for a message longer than ``upload_idle_timeout``, and
@@ -246,7 +282,7 @@ async def _receive_rest(
                     raise invalid("header", "repeated: only the first message may carry a "
                                   "header")
                 upload.cover(received, "chunks")
-                chunks.add(msg.chunks)
+                upload.add(msg.chunks)
     except TimeoutError:
         raise RequestError(
             grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -293,7 +329,7 @@ def output_messages(
 
 
 def response_messages(
-    received: Received, chunk_bytes: int
+    received: Upload, chunk_bytes: int
 ) -> Iterator[tuple[int, MessageParts]]:
     """(data bytes, AttentionResponse in pieces) for the OUT row slices, then the LSE row slices
     (when asked for), of the outputs not written into regions; the caller appends the stats."""
@@ -308,7 +344,7 @@ def response_messages(
 
 
 def stats_message(
-    stats: ExecStats, received: Received, bytes_out: int
+    stats: ExecStats, received: Upload, bytes_out: int
 ) -> pb.AttentionResponse:
     return pb.AttentionResponse(
         stats=pb.RequestStats(

@@ -9,15 +9,14 @@ Pure Python: front-end processes do not import torch.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-import grpc
 import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES, ServerConfig
-from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
+from attention_service.errors import RequestError, exhausted, invalid
 from attention_service.frontend.handlers import MEMO_HEADER_BYTES, Memo, memoized
 from attention_service.params import (
     ELEMENT_BYTES,
@@ -451,57 +450,3 @@ def checked_header(
 
     return memoized(_CHECKED, (op, header_bytes, limits), check,  # type: ignore[no-any-return]
                     len(header_bytes))
-
-
-class ChunkAssembler:
-    """Writes the chunks of q, k and v into their buffers, checking offsets as they come.
-    Tensors that live in regions get no chunks."""
-
-    def __init__(self, params: Params, arrays: Mapping[str, np.ndarray]) -> None:
-        self.params = params
-        self.arrays = arrays  # uint8 views, by input name (only the ones sent as chunks)
-        self.received = dict.fromkeys(arrays, 0)
-
-    def add(self, chunks: Iterable[object]) -> None:
-        for c in chunks:
-            name = INPUT_FIELDS.get(c.field)  # type: ignore[attr-defined]
-            if name is None:
-                raise invalid(
-                    "chunks.field",
-                    f"unknown input field {c.field} (use Q, K or V)",  # type: ignore[attr-defined]
-                )
-            if name not in self.arrays:
-                raise invalid(f"chunks[{name}]",
-                              f"{name} lives in a region (header.regions.{name}): send no bytes")
-            offset, data = c.offset, c.data  # type: ignore[attr-defined]
-            done, size = self.received[name], self.arrays[name].size
-            if offset < done:
-                raise invalid(
-                    f"chunks[{name}].offset",
-                    f"{offset} overlaps bytes already received (next offset is {done})",
-                )
-            if offset > done:
-                raise invalid(
-                    f"chunks[{name}].offset",
-                    f"{offset} is out of order (next offset is {done})",
-                )
-            n = len(data)
-            if offset + n > size:
-                raise invalid(
-                    f"chunks[{name}]",
-                    f"bytes [{offset}, {offset + n}) run past the end of {name} "
-                    f"({size} bytes for its shape and dtype)",
-                )
-            self.arrays[name][done : done + n] = np.frombuffer(data, dtype=np.uint8)
-            self.received[name] = done + n
-
-    def finish(self) -> None:
-        """Every byte arrived?"""
-        for name, arr in self.arrays.items():
-            got = self.received[name]
-            if got != arr.size:
-                raise StreamEnded(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"chunks[{name}]: missing bytes at end of stream: received {got} of "
-                    f"{arr.size} bytes for {name}'s shape and dtype",
-                )
