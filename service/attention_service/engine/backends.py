@@ -25,7 +25,6 @@ from attention_service.engine.jobs import (
     LaunchTimes,
     PendingLaunch,
 )
-from attention_service.engine.no_keys import fill_no_keys, no_keys
 from attention_service.engine.paged_store import block_table, store_new_tokens
 from attention_service.engine.warmup import tiny_plans
 from attention_service.errors import StartupError
@@ -98,16 +97,16 @@ class CpuBackend:
 
             slots = (torch.tensor(plan.slot_pages), torch.tensor(plan.slot_offsets))
             store_new_tokens(plan, k, v, slots)
-            if not plan.op.queries or no_keys(plan):
-                fill_no_keys(plan)
+            if not plan.op.queries or plan.sees_no_keys:
+                plan.fill_no_keys()
                 return DoneLaunch(LaunchTimes(kernel_seconds=time.perf_counter() - t0))
             work = plan.jobs[0].cache
             assert work is not None
             k, v, cu = gather_pages(work.k_pages, work.v_pages, block_table(plan),
                                     torch.tensor(plan.seq_lens, dtype=torch.int32))
             cu_k = cu.tolist()
-        elif no_keys(plan):
-            fill_no_keys(plan)
+        elif plan.sees_no_keys:
+            plan.fill_no_keys()
             return DoneLaunch(LaunchTimes())
         k, v = dequantized(plan, k, v, cu_k)
         # A decode step is a prefill with one query per sequence and no mask.

@@ -173,6 +173,21 @@ class BatchPlan:
     def lse_shape(self) -> tuple[int, int]:
         return self.op.lse_shape(self.total_q, self.key.num_heads)
 
+    @property
+    def sees_no_keys(self) -> bool:
+        """No query of the batch sees a key (cached ops: nothing cached and nothing new);
+        the cpu and cuda launch paths then answer with ``fill_no_keys``, no kernel."""
+        if self.op.cached:
+            return self.max_seqlen_k == 0
+        return self.total_k == 0
+
+    def fill_no_keys(self) -> None:
+        """No query sees a key: outputs are zeros and lse -inf."""
+        for job in self.jobs:
+            job.out.zero_()
+            if job.lse is not None:
+                job.lse.fill_(float("-inf"))
+
     def rows(self, i: int) -> tuple[int, int]:
         """Job i's query rows in the packed output."""
         return self.q_offsets[i], self.q_offsets[i + 1]

@@ -50,7 +50,6 @@ from attention_service.engine.jobs import (
     LazyTensor,
     PendingLaunch,
 )
-from attention_service.engine.no_keys import fill_no_keys, no_keys
 from attention_service.engine.paged_store import block_table, store_new_tokens
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
@@ -429,8 +428,8 @@ def _launch(
 ) -> PendingLaunch:
     """``launch_on_stream``'s work, with ``stream`` (and its device) current."""
     key = plan.key
-    if no_keys(plan):
-        fill_no_keys(plan)  # host fills are immediate; device fills run on this stream
+    if plan.sees_no_keys:
+        plan.fill_no_keys()  # host fills are immediate; device fills run on this stream
         stream.synchronize()
         return DoneLaunch(LaunchTimes())
     events = _EVENTS.take()
