@@ -7,11 +7,12 @@ service (``attention_launch_issue_seconds``) against 0.31 ms in a quiet process
 side of ``--frontends`` front ends -- a ``FrontendConnection`` over a ``Channel`` on a
 socketpair each, one ``EngineCore`` with its executor and batching, wired as the process group
 wires them -- from one load process that speaks the channel protocol as front ends do
-(DefineParams once, then Submit frames of arena spans, one outstanding call per client, lengths
-log-uniform in [--min-len, --max-len]). Only the device is modelled: a launch spends
-``--issue-us`` of Python split by ``--issue-calls`` calls that let the GIL go (``torch.empty``,
-as the dispatcher's torch and Triton calls do), then "runs" for ``--kernel-us`` plus
-``--kernel-us-per-job`` per job, waited for as an event synchronize is (GIL let go).
+(Submit frames of arena spans, each Params carried by the first that names it, one outstanding
+call per client, lengths log-uniform in [--min-len, --max-len]). Only the device is modelled:
+a launch spends ``--issue-us`` of Python split by ``--issue-calls`` calls that let the GIL go
+(``torch.empty``, as the dispatcher's torch and Triton calls do), then "runs" for
+``--kernel-us`` plus ``--kernel-us-per-job`` per job, waited for as an event synchronize is
+(GIL let go).
 
 Reports requests/s, the mean batch, the mean launch issue time and the engine's CPU per
 request, batching on and off, ``--rounds`` times interleaved. Diagnostic:
@@ -47,7 +48,7 @@ from attention_service.engine.core import EngineCore
 from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, corked
 from attention_service.ipc.engine_conn import FrontendConnection
-from attention_service.ipc.messages import DefineParams, Done, Failed, Submit
+from attention_service.ipc.messages import Done, Failed, Submit
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
@@ -56,7 +57,7 @@ from host_backend import HostOnlyBackend, cpu_seconds  # noqa: E402
 
 OWNER = ""
 ELEM = 2  # bf16
-LENGTHS_PER_CLIENT = 16  # distinct lengths a client cycles through (each a DefineParams)
+LENGTHS_PER_CLIENT = 16  # distinct lengths a client cycles through (each its own Params)
 
 
 class ModelBackend(HostOnlyBackend):
@@ -128,6 +129,7 @@ class _Front:
         lo, hi = np.log(args.min_len), np.log(args.max_len)
         self.calls: list[list[tuple[int, dict[str, tuple[int, int]]]]] = []
         pid = itertools.count()
+        self._new: dict[int, Any] = {}
         at = 0
         for _ in range(args.clients_per_front):
             mine = []
@@ -137,7 +139,7 @@ class _Front:
                 p = make_params(Op.PREFILL, pb.BFLOAT16, (n, h, d), (n, hk, d), [0, n], [0, n],
                                 causal=True)
                 params_id = next(pid)
-                self.channel.send(DefineParams(params_id, p))
+                self._new[params_id] = p  # sent with the first Submit that names it
                 q, kv = n * h * d * ELEM, n * hk * d * ELEM
                 spans = {"q": (at, q), "k": (at + q, kv), "v": (at + q + kv, kv),
                          "out": (at + q + 2 * kv, q)}
@@ -151,7 +153,7 @@ class _Front:
         self.turn[client] += 1
         call_id = next(self._ids)
         self.owner_of[call_id] = client
-        self.channel.send(Submit(call_id, params_id, spans, OWNER))
+        self.channel.send(Submit(call_id, params_id, spans, OWNER, self._new.pop(params_id, None)))
 
     def start(self) -> None:
         self.channel.start()
@@ -184,7 +186,7 @@ def _load_main(fds: list[int], args: argparse.Namespace, q: Any) -> None:
     fronts = [_Front(socket.socket(fileno=fd), args, i, rng, counts)
               for i, fd in enumerate(fds)]
     q.put("defined")
-    q.get()  # the engine has read every DefineParams
+    q.get()
     for f in fronts:
         f.start()
     time.sleep(args.warmup)
@@ -233,7 +235,6 @@ def _run(args: argparse.Namespace, round_: int, batching: bool) -> dict[str, Any
     for s in theirs:
         s.close()
     assert q.get(timeout=60) == "defined"
-    time.sleep(0.2)  # the readers take the DefineParams in
     q.put("go")
     kind, _ = q.get(timeout=60 + args.warmup)
     assert kind == "measuring"

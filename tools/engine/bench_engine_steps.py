@@ -39,7 +39,7 @@ from attention_service.engine.decode_steps import Staging, StepShape, eligible
 from attention_service.engine.jobs import LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, corked
 from attention_service.ipc.engine_conn import FrontendConnection
-from attention_service.ipc.messages import ControlCall, DefineParams, Done, Failed, Submit
+from attention_service.ipc.messages import ControlCall, Done, Failed, Submit
 from attention_service.metrics import Metrics
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
@@ -96,7 +96,7 @@ class _Load:
         self.channel = Channel(sock, self._on_message, lambda: None, "load")
         self.channel.start()
         self._ids = itertools.count(1)
-        self._params_ids = itertools.count()
+        self._pids: dict[Any, int] = {}  # Params sent so far, by id
 
     def _on_message(self, msg: Any, fds: list[int]) -> None:
         with self.cond:
@@ -112,11 +112,14 @@ class _Load:
             raise reply.error
         return reply
 
-    def define(self, params: Any) -> int:
-        """Params crossing once, as a front end sends them (DefineParams)."""
-        pid = next(self._params_ids)
-        self.channel.send(DefineParams(pid, params))
-        return pid
+    def submit(self, call_id: int, params: Any, spans: Any) -> Submit:
+        """A Submit as a front end makes it: Params cross once, with the first call that
+        names them (by id after that)."""
+        pid = self._pids.get(params)
+        if pid is not None:
+            return Submit(call_id, pid, spans, OWNER)
+        pid = self._pids[params] = len(self._pids)
+        return Submit(call_id, pid, spans, OWNER, params)
 
     def run(self, n: int, seconds: float) -> dict[str, Any]:
         a = self.args
@@ -132,7 +135,7 @@ class _Load:
                             [0, a.context], [0, 0], cache_ids=[cid])
             spans = {"q": (0, 0), "k": (0, a.context * kv_bytes),
                      "v": (0, a.context * kv_bytes), "out": (0, 0)}
-            self.call(Submit(next(self._ids), self.define(p), spans, OWNER))
+            self.call(self.submit(next(self._ids), p, spans))
         # Each client's step: its own arena block (q, k, v, out), as a front end lays it out.
         block = 2 * q_bytes + 2 * kv_bytes
         steps = []
@@ -140,7 +143,7 @@ class _Load:
             at = i * block
             p = make_params(Op.CACHE_DECODE, pb.BFLOAT16, (1, a.heads, a.head_dim),
                             (1, a.kv_heads, a.head_dim), [0, 1], cache_ids=[cid], store=True)
-            steps.append((self.define(p), {"q": (at, q_bytes),
+            steps.append((p, {"q": (at, q_bytes),
                                            "k": (at + q_bytes, kv_bytes),
                                            "v": (at + q_bytes + kv_bytes, kv_bytes),
                                            "out": (at + q_bytes + 2 * kv_bytes, q_bytes)}))
@@ -153,7 +156,7 @@ class _Load:
         def send(i: int) -> None:
             cid = next(self._ids)
             owner_of[cid] = i
-            self.channel.send(Submit(cid, steps[i][0], steps[i][1], OWNER))
+            self.channel.send(self.submit(cid, steps[i][0], steps[i][1]))
 
         with self.cond:
             for i in range(n):

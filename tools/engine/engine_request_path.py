@@ -32,7 +32,7 @@ from attention_service.engine.executor import _Issued
 from attention_service.engine.jobs import LaunchTimes
 from attention_service.ipc.channel import Channel, _frame, corked
 from attention_service.ipc.engine_conn import FrontendConnection
-from attention_service.ipc.messages import DefineParams, Submit
+from attention_service.ipc.messages import Submit
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
@@ -82,16 +82,15 @@ def _run(args: argparse.Namespace) -> tuple[float, float, float]:
             pass
 
     threading.Thread(target=drain, daemon=True).start()
-    for i, n in enumerate(LENGTHS):
-        conn.on_message(DefineParams(i, make_params(
-            Op.PREFILL, pb.BFLOAT16, (n, h, d), (n, hk, d), [0, n], [0, n], causal=True)), [])
+    params = [make_params(Op.PREFILL, pb.BFLOAT16, (n, h, d), (n, hk, d), [0, n], [0, n],
+                          causal=True) for n in LENGTHS]
     subs = []
     for j in range(args.batch):
         n = LENGTHS[j % len(LENGTHS)]
         q, kv, at = n * h * d * 2, n * hk * d * 2, j << 21
         subs.append(Submit(1000 + j, j % len(LENGTHS), {
             "q": (at, q), "k": (at + q, kv), "v": (at + q + kv, kv),
-            "out": (at + q + 2 * kv, q)}, ""))
+            "out": (at + q + 2 * kv, q)}, "", params[j] if j < len(LENGTHS) else None))
     frames = b"".join(_frame(m, 0) for m in subs)
     channel._deliver(frames[: len(_frame(subs[0], 0))], [])  # parks the dispatcher
     assert backend.parked.wait(10)
