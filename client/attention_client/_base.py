@@ -684,7 +684,7 @@ class ClientBase:
             region, key = create_system_region(nbytes, name)
             source = {"system": pb.SystemRegion(key=key)}
         elif kind == "nixl":
-            region, nixl = create_nixl_region(nbytes, name)
+            region, nixl = create_nixl_region(nbytes, name, device)
             source = {"nixl": nixl}
         else:
             region, cuda = create_cuda_region(nbytes, device, name)

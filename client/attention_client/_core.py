@@ -393,14 +393,17 @@ class ClientCore(ClientBase):
         return (yield from self._register("cuda", nbytes, name, device, settings))
 
     @_io
-    def register_nixl(self, nbytes: int, *, name: str | None = None, timeout: Any = DEFAULT,
-                      metadata: Any = None, wait_for_ready: bool | None = None) -> Any:
-        """Allocate ``nbytes`` of host memory, register it with this process's NIXL agent and
-        with the server (on any host that reaches this one; ``info()["nixl"]``), which then
-        pulls inputs from it and pushes outputs into it over UCX instead of gRPC. Needs
-        ``attention-client[nixl]``. Close it with ``region.close()``."""
+    def register_nixl(self, nbytes: int, *, device: Any = None, name: str | None = None,
+                      timeout: Any = DEFAULT, metadata: Any = None,
+                      wait_for_ready: bool | None = None) -> Any:
+        """Allocate ``nbytes`` of host memory (or, with ``device``, of that GPU: "cuda",
+        "cuda:N"; needs torch), register it with this process's NIXL agent and with the server
+        (on any host that reaches this one; ``info()["nixl"]``), which then pulls inputs from
+        it and pushes outputs into it over UCX instead of gRPC (GPU memory: GPU to GPU, into a
+        mirror on the server's GPU). Needs ``attention-client[nixl]``. Close it with
+        ``region.close()``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.REGISTER)
-        return (yield from self._register("nixl", nbytes, name, None, settings))
+        return (yield from self._register("nixl", nbytes, name, device, settings))
 
     @_io
     def list_regions(self, *, timeout: Any = DEFAULT, metadata: Any = None,

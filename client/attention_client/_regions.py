@@ -76,8 +76,9 @@ def _pointer(x: Any) -> tuple[int, int, str, int] | None:
 
 
 class SharedRegion:
-    """A registered region: ``name``, ``kind`` ("system" | "cuda" | "nixl"), ``nbytes``. Allocate
-    tensors in it with ``empty``; ``close`` (or the context manager) unregisters it."""
+    """A registered region: ``name``, ``kind`` ("system" | "cuda" | "nixl"), ``nbytes``, and
+    ``device`` (its GPU, or None for host memory). Allocate tensors in it with ``empty``;
+    ``close`` (or the context manager) unregisters it."""
 
     def __init__(
         self, name: str, kind: str, memory: Any, release: Callable[[], None],
@@ -85,10 +86,10 @@ class SharedRegion:
     ) -> None:
         self.name = name
         self.kind = kind
-        # uint8 view of the whole region: np.ndarray (system) or torch tensor (cuda).
+        # uint8 view of the whole region: np.ndarray (host memory) or torch tensor (a GPU's).
         self._memory = memory
-        self._buffer = buffer  # system: the mmap that ``empty`` arrays view
-        if kind == "cuda":
+        self._buffer = buffer  # host memory: the mmap that ``empty`` arrays view
+        if is_torch_tensor(memory):
             self.nbytes = int(memory.numel())
             self.device = memory.device
             self._base = memory.data_ptr()
@@ -119,9 +120,9 @@ class SharedRegion:
         if ptr is None or self.closed:
             return None
         addr, n, dev_type, dev_index = ptr
-        if (dev_type == "cuda") != (self.kind == "cuda"):
+        if (dev_type == "cuda") != (self.device is not None):
             return None
-        if self.kind == "cuda" and dev_index != self.device.index:
+        if self.device is not None and dev_index != self.device.index:
             return None
         off = addr - self._base
         return off if off >= 0 and off + n <= self.nbytes and n > 0 else None
@@ -150,21 +151,21 @@ class SharedRegion:
         return bool(self._quarantine)
 
     def raw(self, offset: int, nbytes: int) -> Any:
-        """uint8 view of bytes [offset, offset + nbytes): numpy (system) or torch (cuda)."""
+        """uint8 view of bytes [offset, offset + nbytes): numpy (host) or torch (a GPU's)."""
         return self._memory[offset : offset + nbytes]
 
     def typed(self, offset: int, shape: tuple[int, ...], wire_dtype: int) -> Any:
-        """A wire-dtype storage view (numpy storage dtype, or torch for cuda) of the span."""
+        """A wire-dtype storage view (numpy storage dtype, or torch on a GPU) of the span."""
         n = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         raw = self.raw(offset, n)
-        if self.kind == "cuda":
+        if self.device is not None:
             import torch
 
             return raw.view(_TORCH_STORAGE[wire_dtype](torch)).view(shape)
         return raw.view(storage_dtype(wire_dtype)).reshape(shape)
 
     def empty(self, shape: Any, dtype: Any) -> Any:
-        """A new uninitialised array (numpy dtype) or tensor (torch dtype; always for cuda)
+        """A new uninitialised array (numpy dtype) or tensor (torch dtype; always on a GPU)
         inside the region; its space returns to the region when it is garbage collected.
         Raises MemoryError when the region is full."""
         shape = tuple(int(d) for d in (shape if isinstance(shape, tuple | list) else (shape,)))
@@ -176,7 +177,7 @@ class SharedRegion:
             raise MemoryError(f"region {self.name!r} has no room for {nbytes} bytes")
         # Each allocation gets an object of its own that every view of it references, so its
         # space comes back exactly when the last view is gone.
-        if self.kind == "cuda":
+        if self.device is not None:
             import torch
 
             from attention_wire.cuda_ipc import DeviceBytes
@@ -298,6 +299,9 @@ def _nixl_agent() -> tuple[Any, str]:
                     "register_nixl needs NIXL in this process: pip install "
                     "'attention-client[nixl]' (the nixl-cu13 wheel)") from None
             name = f"attention-client-{os.getpid()}-{secrets.token_hex(4)}"
+            # As the server sets it (attention_service.engine.nixl_agent.UCX_DEFAULTS): UCX
+            # turns cuda_ipc reads off without NVLink, and GPU memory then moves at ~0.5 GB/s.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
             try:
                 agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
             except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
@@ -318,25 +322,35 @@ def _nixl_done() -> None:
             _NIXL.clear()
 
 
-def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
+def create_nixl_region(nbytes: int, name: str | None = None, device: Any = None) -> tuple[
     SharedRegion, pb.NixlRegion
 ]:
-    """Host memory of this process registered with its NIXL agent (not yet with the server):
-    the server, on any host, pulls inputs from it and pushes outputs into it over UCX."""
+    """Memory of this process registered with its NIXL agent (not yet with the server): host
+    memory, or with ``device`` that GPU's. The server, on any host, pulls inputs from it and
+    pushes outputs into it over UCX."""
     if nbytes <= 0:
         raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
+    dev = None if device is None else _cuda_device("register_nixl", device)
     agent, agent_name = _nixl_agent()
+    buffer = None
     try:
-        buffer = mmap.mmap(-1, nbytes)
-    except OSError as exc:
+        if dev is None:
+            buffer = mmap.mmap(-1, nbytes)
+            memory = np.frombuffer(buffer, dtype=np.uint8)
+            address = memory.__array_interface__["data"][0]
+        else:
+            import torch
+
+            memory = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+            address = memory.data_ptr()
+    except (OSError, RuntimeError) as exc:  # no host memory, or the GPU's is full
         _nixl_done()
         raise AttentionResourceError(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"nbytes: could not allocate a region of {nbytes} bytes: {exc}") from exc
-    memory = np.frombuffer(buffer, dtype=np.uint8)
-    address = memory.__array_interface__["data"][0]
+    kind, index = ("DRAM", 0) if dev is None else ("VRAM", dev.index or 0)
     with _NIXL_LOCK:  # the agent is used from this lock only (NIXL's default: no locking)
-        registered = agent.register_memory([(address, nbytes, 0, "")], "DRAM")
+        registered = agent.register_memory([(address, nbytes, index, "")], kind)
         # This memory's part of the agent's metadata (220 bytes against the agent's 456 with
         # one region, growing with each): the connection went once, in ConnectNixl.
         metadata = agent.get_partial_agent_metadata(registered, False, ["UCX"])
@@ -347,8 +361,8 @@ def create_nixl_region(nbytes: int, name: str | None = None) -> tuple[
         _nixl_done()
 
     region = SharedRegion(name or region_name(), "nixl", memory, release, buffer)
-    source = pb.NixlRegion(agent_metadata=metadata, address=address,
-                           memory="DRAM", agent_name=agent_name)
+    source = pb.NixlRegion(agent_metadata=metadata, address=address, memory=kind,
+                           device_id=index, agent_name=agent_name)
     return region, source
 
 
@@ -393,13 +407,7 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
 
     if nbytes <= 0:
         raise AttentionInputError(f"nbytes must be positive, got {nbytes}")
-    if not torch.cuda.is_available():
-        raise AttentionInputError(
-            "register_cuda needs a CUDA build of torch and a visible GPU (torch "
-            f"{torch.__version__} sees none); register_shm makes a host-memory region"
-        )
-    dev = torch.device("cuda", torch.cuda.current_device() if device is None
-                       else torch.device(device).index or 0)
+    dev = _cuda_device("register_cuda", device)
     with torch.cuda.device(dev):
         memory = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         cuda_ipc.use_primary_context(dev.index or 0)
@@ -409,6 +417,28 @@ def create_cuda_region(nbytes: int, device: Any = None, name: str | None = None)
                            offset=exported.offset)
     # Nothing to release by hand: the tensor (and every view handed out) frees it.
     return SharedRegion(name or region_name(), "cuda", memory, lambda: None), source
+
+
+def _cuda_device(method: str, device: Any) -> Any:
+    """``device`` (None: the current GPU) as a torch device, or AttentionInputError saying why
+    there is none."""
+    try:
+        import torch
+    except ImportError:
+        raise AttentionInputError(f"{method} on a GPU needs torch") from None
+    if not torch.cuda.is_available():
+        raise AttentionInputError(
+            f"{method} on a GPU needs a CUDA build of torch and a visible GPU (torch "
+            f"{torch.__version__} sees none); register_shm makes a host-memory region")
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise AttentionInputError(f"device: {device!r} is not a device ({exc})") from None
+    if dev.type != "cuda":
+        raise AttentionInputError(f"device: {device!r} is not a GPU (use 'cuda' or 'cuda:N')")
+    return torch.device("cuda", dev.index or 0)
 
 
 def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[int, ...],
@@ -474,7 +504,7 @@ class Placement:
         self.cuda_devices: set[Any] = set()
 
     def _note(self, region: SharedRegion) -> None:
-        if region.kind == "cuda":
+        if region.device is not None:
             self.cuda_devices.add(region.device)
 
     def _scratch(self, region: SharedRegion, nbytes: int) -> Span | None:
@@ -490,8 +520,8 @@ class Placement:
         ptr = _pointer(x) or (0, 0, "cuda" if is_torch_tensor(x) and x.is_cuda else "cpu", 0)
         on_gpu = ptr[2] == "cuda"
         gpu = [r for r in self._regions
-               if r.kind == "cuda" and on_gpu and r.device.index == x.device.index]
-        host = [r for r in self._regions if r.kind != "cuda"]  # system or NIXL
+               if r.device is not None and on_gpu and r.device.index == x.device.index]
+        host = [r for r in self._regions if r.device is None]  # system or NIXL host memory
         return gpu + host
 
     def input(self, x: Any, name: str) -> Any:

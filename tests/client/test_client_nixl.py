@@ -253,3 +253,70 @@ def test_a_server_without_connect_nixl_gets_the_agents_whole_metadata(
         _attention_in_region(c, region, seed=9)
         assert not c._nixl_connected
         region.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_a_gpu_nixl_region_without_a_gpu_is_refused_before_anything_is_sent() -> None:
+    from attention_client import AttentionInputError
+
+    with AttentionClient("127.0.0.1:1") as c, pytest.raises(  # refused before any rpc
+            AttentionInputError, match="register_nixl on a GPU needs"):
+        c.register_nixl(1 << 20, device="cuda")
+    from attention_client import _regions
+
+    assert not _regions._NIXL  # no agent left behind
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
+    """A NIXL region of GPU memory (``device="cuda"``) against a cuda server: the server
+    mirrors it on its GPU and UCX moves q, k, v in and out back GPU to GPU. Prefill with lse,
+    decode of a tensor staged into the region (outside it: copied in on the GPU), and a KV
+    cache step: each matches the float64 reference, with no tensor byte as gRPC bytes."""
+    require_server()
+    from attention_client import AttentionInputError
+
+    running = start_server("--device", "cuda", startup_timeout=300)
+    try:
+        with AttentionClient(running.target, timeout=300) as c:
+            with pytest.raises(AttentionInputError, match="is not a GPU"):
+                c.register_nixl(1 << 20, device="cpu")
+            region = c.register_nixl(4 << 20, device="cuda")
+            assert region.kind == "nixl" and region.device is not None
+            src = _qkv(torch.float16, seed=11)
+            q, k, v = (region.empty(t.shape, torch.float16) for t in src)
+            assert q.is_cuda
+            for t, x in zip((q, k, v), src, strict=True):
+                t.copy_(x)
+            out, lse = c.attention(q, k, v, CU, causal=True, return_lse=True)
+            assert out.is_cuda
+            ref, ref_lse = _ref(q.cpu(), k.cpu(), v.cpu())
+            torch.testing.assert_close(out.cpu().double(), ref, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(lse.cpu().double(), ref_lse.double(), atol=1e-3,
+                                       rtol=1e-3)
+            s = c.last_stats
+            assert s["bytes_in"] == 0 and s["bytes_out"] == 0
+            assert s["region_bytes_in"] == (q.numel() + 2 * k.numel()) * 2
+            # Outside the region, on the GPU: staged into it (a copy on the device).
+            qd, kd, vd = (x.cuda() for x in _qkv(torch.bfloat16, seed=12))
+            got = c.decode(qd[:2], kd, vd, CU)
+            want = decode_ref(qd[:2].cpu().double(), kd.cpu().double(), vd.cpu().double(),
+                              torch.tensor(CU, dtype=torch.int32))
+            torch.testing.assert_close(got.cpu().double(), want, atol=1.6e-2, rtol=1.6e-2)
+            assert c.last_stats["bytes_in"] == 0 and c.last_stats["region_bytes_in"] > 0
+            g = torch.Generator().manual_seed(13)
+            ks, vs = torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
+            with c.kv_cache(2, 16, torch.float16) as cache:
+                cache.append(["s"], ks.half().cuda(), vs.half().cuda())
+                q1 = torch.randn(1, 4, 16, generator=g).half()
+                k1, v1 = (torch.randn(1, 2, 16, generator=g).half() for _ in range(2))
+                step = cache.decode(q1.cuda(), ["s"], k1.cuda(), v1.cuda())
+                assert c.last_stats["bytes_in"] == 0
+                want = decode_ref(q1.double(), torch.cat([ks.half(), k1]).double(),
+                                  torch.cat([vs.half(), v1]).double(),
+                                  torch.tensor([0, 10], dtype=torch.int32))
+                torch.testing.assert_close(step.cpu().double(), want, atol=2e-3, rtol=2e-3)
+                assert cache.lengths == {"s": 10}
+            region.close()
+    finally:
+        running.stop()

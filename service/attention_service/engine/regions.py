@@ -10,9 +10,10 @@ instead of carrying bytes. Two kinds:
 * **cuda**: device memory of another process, opened through its CUDA IPC handle; the bytes
   never leave the GPU;
 * **nixl**: memory of a client on any host, registered with its NIXL agent: the engine keeps a
-  mirror of the region in its own memory (page-locked on cuda), pulls a call's input spans into
-  it before the call and pushes its output spans back after (``nixl_agent.py``). The mirror
-  counts against the caller's system bytes.
+  mirror of the region in its own memory of the same kind (host memory, page-locked on cuda, for
+  the client's host memory; the server's GPU for the client's GPU memory), pulls a call's input
+  spans into it before the call and pushes its output spans back after (``nixl_agent.py``).
+  The mirror counts against the caller's system bytes.
 
 Safety rules:
 
@@ -88,8 +89,9 @@ class _Remote:
 
     peer: str
     address: int
-    memory: str  # "DRAM" | "VRAM"
-    device: int
+    memory: str  # "DRAM" | "VRAM", the client's memory and the mirror's alike
+    device: int  # the client's GPU (VRAM)
+    local_device: int = 0  # the mirror's GPU (VRAM)
 
 
 @dataclass(eq=False)
@@ -385,7 +387,7 @@ class RegionRegistry:
     def move(self, remote: NixlSpans, names: tuple[str, ...], op: str) -> None:
         """NIXL regions' spans of tensors ``names``: "READ" pulls them from the clients' memory
         into the mirrors, "WRITE" pushes them back; one transfer per client agent."""
-        by_peer: dict[str, tuple[list[tuple[int, int, int]], list[tuple[int, int, int]],
+        by_peer: dict[tuple[str, str], tuple[list[tuple[int, int, int]], list[tuple[int, int, int]],
                                  str, str]] = {}
         for name in names:
             if name not in remote:
@@ -393,12 +395,14 @@ class RegionRegistry:
             region, span = remote[name]
             far = region.remote
             assert far is not None
+            # One transfer per peer and memory kind (a transfer's descriptors are of one kind).
             local, there, _, _ = by_peer.setdefault(
-                far.peer, ([], [], far.memory, f"header.regions.{name}"))
-            local.append((region.base.ptr + span.offset, span.nbytes, 0))
+                (far.peer, far.memory), ([], [], far.memory, f"header.regions.{name}"))
+            local.append((region.base.ptr + span.offset, span.nbytes, far.local_device))
             there.append((far.address + span.offset, span.nbytes, far.device))
-        for peer, (local, there, memory, named) in by_peer.items():
-            self.nixl.move(op, peer, local, there, named, remote_memory=memory)
+        for (peer, _), (local, there, memory, named) in by_peer.items():
+            self.nixl.move(op, peer, local, there, named, local_memory=memory,
+                           remote_memory=memory)
 
     def expire(self) -> int:
         """Drop every region no call has used for the TTL; returns how many."""
@@ -488,28 +492,40 @@ class RegionRegistry:
     def _open_nixl(
         self, owner: str, src: pb.NixlRegion, nbytes: int
     ) -> tuple[torch.Tensor, Callable[[], None], _Remote]:
-        """A mirror of the client's region in this process's host memory, registered with the
-        engine's agent, and the client's agent known (its metadata added)."""
+        """A mirror of the client's region, registered with the engine's agent: in this
+        process's host memory for the client's host memory (DRAM), on the server's GPU for the
+        client's GPU memory (VRAM: UCX moves it GPU to GPU); the client's agent known (its
+        metadata added)."""
         memory = src.memory or "DRAM"
-        if memory == "VRAM":  # the mirror and its transfers are host memory's (issue 66)
-            raise RequestError(grpc.StatusCode.UNIMPLEMENTED, "nixl.memory: GPU memory (VRAM) "
-                               "regions are not served yet: register host memory (DRAM)")
-        if memory != "DRAM":
-            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory)")
+        if memory not in ("DRAM", "VRAM"):
+            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
+        if memory == "VRAM" and self.backend.name != "cuda":
+            raise invalid("nixl.memory", "VRAM: this server runs the cpu backend: register "
+                          "host memory (DRAM)")
         if src.address == 0:
             raise invalid("nixl.address", "missing: where the registered memory starts")
         self.nixl.add_peer(owner, src.agent_name, bytes(src.agent_metadata))
         handle = None
+        device = 0
         try:
-            mirror = self.backend.alloc_host(nbytes)
-            handle = self.nixl.register(mirror.data_ptr(), nbytes)
+            if memory == "VRAM":
+                device = self.backend.device.index or 0
+                try:
+                    mirror = torch.empty(nbytes, dtype=torch.uint8, device=self.backend.device)
+                except torch.OutOfMemoryError:
+                    raise exhausted("byte_size", f"the server's GPU has no room for a "
+                                    f"{nbytes}-byte mirror of this region") from None
+            else:
+                mirror = self.backend.alloc_host(nbytes)
+            handle = self.nixl.register(mirror.data_ptr(), nbytes, memory, device)
             # The region's first and last byte read once: a range the client's agent does not
             # cover (or an agent that cannot be reached) is refused now, not at each call.
             ends = sorted({0, nbytes - 1})
             self.nixl.move("READ", src.agent_name,
-                           [(mirror.data_ptr() + at, 1, 0) for at in ends],
+                           [(mirror.data_ptr() + at, 1, device) for at in ends],
                            [(src.address + at, 1, src.device_id) for at in ends],
-                           "nixl.address", remote_memory=memory, timeout_s=10.0)
+                           "nixl.address", local_memory=memory, remote_memory=memory,
+                           timeout_s=10.0)
         except BaseException:
             if handle is not None:
                 self.nixl.deregister(handle)
@@ -521,7 +537,7 @@ class RegionRegistry:
             self.nixl.drop_peer(src.agent_name)
 
         return mirror, close, _Remote(src.agent_name, int(src.address), memory,
-                                      int(src.device_id))
+                                      int(src.device_id), device)
 
     def _close_ipc(self, ptr: int) -> None:
         torch.cuda.set_device(self.backend.device)
