@@ -8,9 +8,11 @@ on layer ``i % L``, through one ``decode_steps()`` handle (``--client``: the syn
 asyncio client); ``--inflight k``: k steps outstanding on it (``submit``: the next layer's step
 is sent before the last one's answer is read; k <= L, so steps in flight are on disjoint
 caches).
-``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``)
-or CUDA IPC region (``cuda``, tensors on the server's GPU) with the outputs written there
-(``out=``). All hosts start together against one server (started here, or ``--target``).
+``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``),
+CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of GPU memory
+(``nixl-gpu``: UCX moves them GPU to GPU; the way a host on another machine with RDMA would)
+with the outputs written there (``out=``). All hosts start together against one server
+(started here, or ``--target``).
 
 Per point (B, context, hosts, inflight): step latency p50/p99 over all hosts, aggregate
 steps/s, tokens/s (= B x steps/s: one layer's step of one sequence; divide by L for model
@@ -150,8 +152,10 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
     L, lat = spec["layers"], []
     shared: list[int] = []  # per step: the calls its launch served (steps merged into one)
     nbytes = 2 * _region_bytes([qs, ks, vs])
-    region = (None if transport == "bytes" else await done(client.register_shm(nbytes))
-              if transport == "shm" else await done(client.register_cuda(nbytes)))
+    register = {"shm": lambda: client.register_shm(nbytes),
+                "cuda": lambda: client.register_cuda(nbytes),
+                "nixl-gpu": lambda: client.register_nixl(nbytes, device="cuda")}
+    region = None if transport == "bytes" else await done(register[transport]())
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
     # Bytes: the step as any client sends it (no region arguments).
     kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
@@ -159,7 +163,7 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
 
     async def read(t0: float, pending: Any, timed: bool) -> None:
         await done(pending.result())
-        if transport == "cuda":
+        if transport in ("cuda", "nixl-gpu"):
             torch.cuda.synchronize()  # the answer is on the GPU when it returns
         if timed:
             lat.append(time.perf_counter() - t0)
@@ -412,7 +416,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps outstanding on a host's one handle (submit), each <= --layers")
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
-                   "region), cuda (a CUDA IPC region on the server's GPU): comma-separated")
+                   "region), cuda (a CUDA IPC region on the server's GPU), nixl-gpu (a NIXL "
+                   "region of GPU memory): comma-separated")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -436,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
+    if not set(args.transport) <= {"bytes", "shm", "cuda", "nixl-gpu"}:
+        p.error(f"--transport: {args.transport}: use bytes, shm, cuda, nixl-gpu")
     inflight = [k for k in args.inflight if 1 <= k <= args.layers]
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")

@@ -13,7 +13,8 @@ One run, one machine (loopback), in this order:
    copied into one), ``shm out=`` (output written in place too), ``cuda ipc in region`` and
    ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU), ``nixl in region`` /
    ``nixl staged`` / ``nixl out=`` (a NIXL region: the engine pulls and pushes the bytes over
-   UCX, when the server has NIXL), and the two ``out=``
+   UCX, when the server has NIXL), ``nixl gpu in region`` / ``nixl gpu out=`` (a NIXL region
+   of GPU memory, on cuda: GPU to GPU through UCX's cuda_ipc), and the two ``out=``
    paths again with a unary call each (``... unary``: call_streams off); every path's answer is
    checked against the float64 reference first;
 3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
@@ -349,6 +350,15 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
             unary(lambda: measure("cuda ipc out= unary", c, lambda: c.attention(
                 qg, kg, vg, cu, causal=causal, out=og), True))
             cregion.close()
+            if c.info().get("nixl"):  # GPU memory through NIXL: UCX moves it GPU to GPU
+                vregion = c.register_nixl(2 * nbytes + (64 << 20), device="cuda")
+                qv, kv, vv = (vregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
+                measure("nixl gpu in region", c,
+                        lambda: c.attention(qv, kv, vv, cu, causal=causal), True)
+                ov = vregion.empty(q.shape, q.dtype)
+                measure("nixl gpu out=", c,
+                        lambda: c.attention(qv, kv, vv, cu, causal=causal, out=ov), True)
+                vregion.close()
     return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts}
 
 
