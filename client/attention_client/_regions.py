@@ -38,7 +38,7 @@ import numpy as np
 
 from attention_client._errors import AttentionError, AttentionInputError, AttentionResourceError
 from attention_client._tensors import is_torch_tensor, storage_dtype
-from attention_wire import shm
+from attention_wire import shm, ucx_defaults
 from attention_wire.alloc import FreeList
 from attention_wire.pb import attention_pb2 as pb
 
@@ -299,9 +299,7 @@ def _nixl_agent() -> tuple[Any, str]:
                     "register_nixl needs NIXL in this process: pip install "
                     "'attention-client[nixl]' (the nixl-cu13 wheel)") from None
             name = f"attention-client-{os.getpid()}-{secrets.token_hex(4)}"
-            # As the server sets it (attention_service.engine.nixl_agent.UCX_DEFAULTS): UCX
-            # turns cuda_ipc reads off without NVLink, and GPU memory then moves at ~0.5 GB/s.
-            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
+            ucx_defaults.apply()  # as the engine does: GPU memory and TCP at speed
             try:
                 agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=["UCX"]))
             except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)

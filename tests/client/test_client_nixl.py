@@ -320,3 +320,18 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
             region.close()
     finally:
         running.stop()
+
+
+def test_ucx_defaults_are_set_unless_the_operator_set_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from attention_wire import ucx_defaults
+
+    for key in ucx_defaults.DEFAULTS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "1m")
+    ucx_defaults.apply()
+    assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m"  # the operator's stays
+    assert os.environ["UCX_TCP_RX_SEG_SIZE"] == "64k"
+    assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"

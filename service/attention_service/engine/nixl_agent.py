@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from attention_service.errors import RequestError, invalid
+from attention_wire import ucx_defaults
 
 log = logging.getLogger("attention_service")
 
@@ -41,11 +42,6 @@ _SPIN_POLLS = 200
 # without ConnectNixl again); the oldest idle one goes when there are more.
 MAX_IDLE_PEERS = 16
 BACKEND = "UCX"  # the NIXL backend that moves the bytes
-# UCX turns cuda_ipc's reads (get) off on a GPU without NVLink peers; a READ of GPU memory then
-# crawls through TCP emulation: 0.5-0.6 GB/s against 1.7 TB/s with it on (one H200, 128 MiB
-# between two processes, 2026-11-30). Reads are how the engine pulls a call's inputs. Set
-# before the agent is made (UCX reads its environment then); an operator's own value stays.
-UCX_DEFAULTS = {"UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "y"}
 
 
 def available() -> bool:
@@ -125,8 +121,7 @@ class NixlAgent:
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
             name = self.name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            for key, value in UCX_DEFAULTS.items():
-                os.environ.setdefault(key, value)
+            ucx_defaults.apply()  # GPU memory and TCP at speed (attention_wire.ucx_defaults)
             # RW: transfers from several mover threads at once; registrations and peers
             # change under the writer's side (the default without a listener thread is no
             # locking at all).
