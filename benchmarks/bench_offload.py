@@ -9,8 +9,8 @@ asyncio client); ``--inflight k``: k steps outstanding on it (``submit``: the ne
 is sent before the last one's answer is read; k <= L, so steps in flight are on disjoint
 caches).
 ``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``),
-CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of GPU memory
-(``nixl-gpu``: UCX moves them GPU to GPU; the way a host on another machine with RDMA would)
+CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of host or GPU memory
+(``nixl``, ``nixl-gpu``: UCX moves them, the way it would for a host on another machine)
 with the outputs written there (``out=``). All hosts start together against one server
 (started here, or ``--target``).
 
@@ -154,6 +154,7 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
     nbytes = 2 * _region_bytes([qs, ks, vs])
     register = {"shm": lambda: client.register_shm(nbytes),
                 "cuda": lambda: client.register_cuda(nbytes),
+                "nixl": lambda: client.register_nixl(nbytes),
                 "nixl-gpu": lambda: client.register_nixl(nbytes, device="cuda")}
     region = None if transport == "bytes" else await done(register[transport]())
     qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
@@ -416,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps outstanding on a host's one handle (submit), each <= --layers")
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
-                   "region), cuda (a CUDA IPC region on the server's GPU), nixl-gpu (a NIXL "
-                   "region of GPU memory): comma-separated")
+                   "region), cuda (a CUDA IPC region on the server's GPU), nixl / nixl-gpu (a "
+                   "NIXL region of host / GPU memory): comma-separated")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -441,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
-    if not set(args.transport) <= {"bytes", "shm", "cuda", "nixl-gpu"}:
-        p.error(f"--transport: {args.transport}: use bytes, shm, cuda, nixl-gpu")
+    if not set(args.transport) <= {"bytes", "shm", "cuda", "nixl", "nixl-gpu"}:
+        p.error(f"--transport: {args.transport}: use bytes, shm, cuda, nixl, nixl-gpu")
     inflight = [k for k in args.inflight if 1 <= k <= args.layers]
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -13,9 +14,13 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-# Every point with the sync client; the asyncio client's round on the fewest.
+ASYNC = ("bytes", "nixl") if importlib.util.find_spec("nixl_cu13") else ("bytes",)
+
+
+# Every point with the sync client; the asyncio client's round on the fewest (and a NIXL
+# region, where NIXL is installed).
 @pytest.mark.parametrize(("client", "hosts", "transports"),
-                         [("sync", (1, 2), ("bytes", "shm")), ("async", (1,), ("bytes",))])
+                         [("sync", (1, 2), ("bytes", "shm")), ("async", (1,), ASYNC)])
 def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: tuple[int, ...],
                                             transports: tuple[str, ...]) -> None:
     cmd = [
