@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import importlib.metadata
 import logging
-import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
@@ -95,7 +94,6 @@ class EngineCore:
         # NIXL regions' transfers (``_pull_and_submit``, ``_push``): waited for here, never on
         # a channel reader, the event loop or the completer.
         self._mover = ThreadPoolExecutor(4, thread_name_prefix="attention-nixl")
-        self._moving = threading.local()  # .job: the call this mover thread pulled for
         self.caches = CacheRegistry(
             _make_pool(config, backend), ttl_seconds=config.kv_cache_ttl,
             max_caches=config.max_caches, max_request_flops=config.max_request_flops,
@@ -153,13 +151,8 @@ class EngineCore:
 
             def finish(value: ExecStats | BaseException) -> None:
                 if remote and not isinstance(value, BaseException) and not job.cancelled:
-                    # Outputs in NIXL regions go back to the client before it hears: at once
-                    # on the mover thread that pulled its inputs and waited for its launch
-                    # (a decode step, ``_pull_and_submit``), else through a mover.
-                    if getattr(self._moving, "job", None) is job:
-                        self._push(remote, value, settle)
-                    else:
-                        self._mover.submit(self._push, remote, value, settle)
+                    # Outputs in NIXL regions go back to the client before it hears.
+                    self._mover.submit(self._push, remote, value, settle)
                     return
                 settle(value)
 
@@ -197,23 +190,14 @@ class EngineCore:
         return job
 
     def _pull_and_submit(self, job: Job, remote: NixlSpans, finish: Done) -> None:
-        """On a mover thread: a NIXL call's inputs into the mirrors, then the job queued. Like a
-        channel reader, the thread issues the launch itself when the device is idle, and
-        waits for it and pushes the outputs when it is a decode step (the executor's
-        ``inline_ops``): no dispatcher, completer or second mover hop. (B=64 decode steps
-        through a NIXL region of GPU memory: ~0.9 ms a step over CUDA IPC's before, with
-        those hops; one H200, 2026-11-30.)"""
-        self._moving.job = job
+        """On a mover thread: a NIXL call's inputs into the mirrors, then the job queued."""
         try:
-            with self.executor.deferring():
-                self.regions.move(remote, INPUTS, "READ")
-                if job.cancelled:
-                    raise Cancelled()
-                self.executor.submit(job, finish, issue_here=True)
+            self.regions.move(remote, INPUTS, "READ")
+            if job.cancelled:
+                raise Cancelled()
+            self.executor.submit(job, finish)
         except BaseException as exc:
             finish(exc)
-        finally:
-            self._moving.job = None
 
     def _push(self, remote: NixlSpans, value: ExecStats, settle: Done) -> None:
         """On a mover thread: a NIXL call's outputs back to the client, then its answer."""
