@@ -61,7 +61,7 @@ class Span:
         return pb.RegionSpan(region=self.region.name, offset=self.offset, byte_size=self.nbytes)
 
 
-def _pointer(x: Any) -> tuple[int, int, str, int] | None:
+def pointer(x: Any) -> tuple[int, int, str, int] | None:
     """(address, bytes, device type, device index) of a C-contiguous array or tensor."""
     if is_torch_tensor(x):
         if not x.is_contiguous():
@@ -116,7 +116,7 @@ class SharedRegion:
 
     def locate(self, x: Any) -> int | None:
         """Offset of ``x`` in this region if all of its bytes are inside, else None."""
-        ptr = _pointer(x)
+        ptr = pointer(x)
         if ptr is None or self.closed:
             return None
         addr, n, dev_type, dev_index = ptr
@@ -515,7 +515,7 @@ class Placement:
 
     def _stage_order(self, x: Any) -> list[SharedRegion]:
         """Where a tensor not in any region may be copied: same GPU first, then host."""
-        ptr = _pointer(x) or (0, 0, "cuda" if is_torch_tensor(x) and x.is_cuda else "cpu", 0)
+        ptr = pointer(x) or (0, 0, "cuda" if is_torch_tensor(x) and x.is_cuda else "cpu", 0)
         on_gpu = ptr[2] == "cuda"
         gpu = [r for r in self._regions
                if r.device is not None and on_gpu and r.device.index == x.device.index]
@@ -561,7 +561,7 @@ class Placement:
             off = region.locate(x)
             if off is not None:
                 self._note(region)
-                return Span(region, off, _pointer(x)[1])  # type: ignore[index]
+                return Span(region, off, pointer(x)[1])  # type: ignore[index]
         return None
 
     def synchronize(self) -> None:

@@ -45,10 +45,12 @@ from attention_client._call_streams import (
 from attention_client._channel import DEFAULT, CallSettings, check_timeout, merge_metadata
 from attention_client._core import Steps, _io
 from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
+from attention_client._regions import pointer
 from attention_client._requests import PreparedRequest
 from attention_client._responses import stats_dict
 from attention_client._score import ScoreMods
 from attention_client._tensors import (
+    RegionTensor,
     WireTensor,
     is_torch_tensor,
     storage_dtype,
@@ -148,10 +150,40 @@ class _Compiled:
 
 class _Template(NamedTuple):
     """A checked step request kept for later steps like it, and its compiled form (None: a
-    step ``_Compiled`` does not cover)."""
+    step ``_Compiled`` does not cover). A region step's template (its tensors and ``out=``
+    in registered regions, nothing staged) keeps its whole message instead (``message``: no
+    tensor bytes, so a step on the same tensors sends the same bytes)."""
 
     prep: PreparedRequest
     compiled: _Compiled | None
+    message: bytes | None = None
+
+    def regions_open(self) -> bool:
+        spans = [t.span for t in self.prep.tensors] + [self.prep.out_span]
+        return all(not s.region.closed for s in spans)  # type: ignore[union-attr]
+
+
+def _region_key(cache_ids: Any, tensors: tuple[Any, ...], options: tuple[Any, ...]
+                ) -> tuple[Any, ...] | None:
+    """A region step's template key: its ids, options and where each of q, k, v and
+    ``out`` lies (type, address, device, dtype, shape); None for a step no region template
+    covers (no ``out=``, no new tokens, ALiBi slopes, lse asked for, ids not a list)."""
+    if any(x is None for x in tensors) or options[-1] is not None or options[3]:
+        return None
+    if type(cache_ids) is not list and type(cache_ids) is not tuple:
+        return None
+    where = []
+    for x in tensors:
+        ptr = pointer(x)
+        if ptr is None or (is_torch_tensor(x) and x.requires_grad):
+            return None
+        where.append((type(x), ptr, x.dtype, tuple(x.shape)))
+    key = ("regions", tuple(cache_ids), *options, *where)
+    try:
+        hash(key)
+    except TypeError:  # an option given as a list (window_size=[...]): no template
+        return None
+    return key
 
 
 class PendingStep:
@@ -276,6 +308,21 @@ class _StepsBase:
                 del self._templates[next(iter(self._templates))]  # the oldest
             self._templates[key] = _Template(prep, _Compiled.of(prep, tensors))
 
+    def _remember_regions(self, key: tuple[Any, ...], prep: PreparedRequest) -> None:
+        """A region step's request and message, when every tensor lies in a region as given
+        (nothing staged, ``out=`` in one): later steps on the same tensors send it again."""
+        placement = prep.placement
+        if (placement is None or placement.scratch or prep.out_span is None
+                or prep.streamed_lse_shape is not None
+                or not all(isinstance(t, RegionTensor) for t in prep.tensors)):
+            return
+        message = self._client._one_message(prep, b"")
+        if message is None:
+            return
+        if len(self._templates) >= MAX_TEMPLATES:
+            del self._templates[next(iter(self._templates))]  # the oldest
+        self._templates[key] = _Template(prep, None, message)
+
     def _drive(self, steps: Steps) -> Any:
         return self._client._drive(steps)
 
@@ -327,6 +374,20 @@ class _StepsBase:
         views = compiled.views(q, k_new, v_new) if compiled is not None else None
         tensors = (q, k_new, v_new)
         tail = step_timeout(settings.deadline)
+        region_key = None
+        if key is None and out is not None and client._regions_wanted(use_regions):
+            region_key = _region_key(cache_ids, (q, k_new, v_new, out), (
+                store, softmax_scale, num_splits, return_lse, window_size, softcap,
+                alibi_slopes))
+            kept = None if region_key is None else self._templates.get(region_key)
+            if kept is not None and kept.regions_open() and not self._unsupported:
+                # The same tensors in the same regions: the same message, no bytes in it.
+                assert kept.message is not None and kept.prep.placement is not None
+                prep = copy.copy(kept.prep)
+                prep.cache_lengths = prep.stats = None
+                prep.placement.synchronize()  # the GPU work filling them is done
+                return (yield from self._send(prep, None, kept.message + tail, tensors,
+                                              settings))
         if views is not None and not self._unsupported:
             assert compiled is not None
             return (yield from self._send(compiled.prep, compiled,
@@ -338,6 +399,8 @@ class _StepsBase:
                 return_lse, ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
             )
             self._remember(key, prep, tensors)
+            if region_key is not None:
+                self._remember_regions(region_key, prep)
         message = client._one_message(prep, tail)
         if message is None or self._unsupported:
             return (yield from self._resolved(prep, settings))

@@ -554,3 +554,47 @@ def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypat
         _answer_with(monkeypatch, whole)
         with pytest.raises(ProtocolError, match="without RequestStats"):
             steps.step(q, ids, kn, kn, store=False)
+
+
+def test_region_steps_on_the_same_tensors_send_one_kept_message(client, monkeypatch):
+    """A step whose q, k/v and ``out=`` lie in a registered region (nothing staged) keeps its
+    message: later steps on the same tensors, new values written into them, send it again
+    without building a request. Every answer matches the float64 reference and every step's
+    tokens are kept; a tensor outside the region, or the region closed, takes the whole path."""
+    from attention_client import _steps
+
+    built, sent = [], []
+    real_request = type(client)._decode_step_request
+    monkeypatch.setattr(type(client), "_decode_step_request",
+                        lambda self, *a: built.append(1) or real_request(self, *a))
+    real_send = _steps._StepsBase._send
+    monkeypatch.setattr(_steps._StepsBase, "_send",
+                        lambda self, prep, compiled, message, *a: sent.append(message)
+                        or real_send(self, prep, compiled, message, *a))
+    ids = ["rg-a", "rg-b"]
+    ctx = Context(ids)
+    region = client.register_shm(1 << 20)
+    with client.kv_cache(HKV, D, "float32") as cache, client.decode_steps() as steps:
+        _prompt(cache, ctx, ids, [3, 5], 40)
+        q, kn = region.empty((2, H, D), np.float32), region.empty((2, HKV, D), np.float32)
+        out = region.empty((2, H, D), np.float32)
+        for n in range(3):
+            q[...], kn[...] = make("numpy", "float32", 2, H, D, seed=41 + n), make(
+                "numpy", "float32", 2, HKV, D, seed=51 + n)
+            assert steps.step(q, ids, kn, kn, out=out) is out
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1)),
+                      "float32", q)
+            ctx.add(ids, kn.copy(), kn.copy(), [1, 1])
+            assert client.last_stats["bytes_in"] == 0
+            assert client.last_stats["cache_lengths"] == ctx.lengths(ids)
+        assert len(built) == 1 and len(sent) == 3
+        kept = next(t for t in steps._templates.values() if t.message is not None)
+        assert all(m.startswith(kept.message) for m in sent)  # + each step's timeout field
+        outside = make("numpy", "float32", 2, H, D, seed=60)  # staged: the whole path
+        steps.step(outside, ids, kn, kn, out=out)
+        ctx.add(ids, kn.copy(), kn.copy(), [1, 1])
+        assert len(built) == 2
+        region.close()  # its tensors now go as bytes: the whole path again
+        got = steps.step(np.array(q), ids, np.array(kn), np.array(kn))
+        check_out(got, reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1)), "float32", q)
+        assert len(built) == 3 and client.last_stats["bytes_in"] > 0
