@@ -347,11 +347,25 @@ def create_nixl_region(nbytes: int, name: str | None = None, device: Any = None)
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             f"nbytes: could not allocate a region of {nbytes} bytes: {exc}") from exc
     kind, index = ("DRAM", 0) if dev is None else ("VRAM", dev.index or 0)
+    registered = None
     with _NIXL_LOCK:  # the agent is used from this lock only (NIXL's default: no locking)
-        registered = agent.register_memory([(address, nbytes, index, "")], kind)
-        # This memory's part of the agent's metadata (220 bytes against the agent's 456 with
-        # one region, growing with each): the connection went once, in ConnectNixl.
-        metadata = agent.get_partial_agent_metadata(registered, False, ["UCX"])
+        try:
+            registered = agent.register_memory([(address, nbytes, index, "")], kind)
+            # This memory's part of the agent's metadata (220 bytes against the agent's 456
+            # with one region, growing with each): the connection went once, in ConnectNixl.
+            metadata = agent.get_partial_agent_metadata(registered, False, ["UCX"])
+        except Exception as exc:  # e.g. GPU memory where this UCX has no CUDA transport
+            if registered is not None:
+                agent.deregister_memory(registered)
+            failed = exc
+        else:
+            failed = None
+    if failed is not None:
+        _nixl_done()
+        raise AttentionError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"register_nixl: this process's NIXL could not register {kind} memory "
+            f"({type(failed).__name__}: {failed}); check UCX_TLS") from None
 
     def release() -> None:  # the server has dropped it (or never took it): unregister here
         with _NIXL_LOCK:

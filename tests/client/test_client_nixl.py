@@ -328,10 +328,27 @@ def test_ucx_defaults_are_set_unless_the_operator_set_them(
 
     from attention_wire import ucx_defaults
 
-    for key in ucx_defaults.DEFAULTS:
-        monkeypatch.delenv(key, raising=False)
+    for key in ucx_defaults.DEFAULTS:  # set first, so monkeypatch restores what was there
+        monkeypatch.setenv(key, "x")
+        monkeypatch.delenv(key)
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "1m")
     ucx_defaults.apply()
     assert os.environ["UCX_TCP_TX_SEG_SIZE"] == "1m"  # the operator's stays
     assert os.environ["UCX_TCP_RX_SEG_SIZE"] == "64k"
     assert os.environ["UCX_CUDA_IPC_ENABLE_GET_ZCOPY"] == "y"
+
+
+def test_memory_nixl_will_not_register_fails_the_region_and_leaves_no_agent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import nixl_cu13
+
+    from attention_client import AttentionError, _regions
+
+    def refuse(self: object, *args: object, **kwargs: object) -> None:
+        raise RuntimeError("no transport for this memory")
+
+    monkeypatch.setattr(nixl_cu13.nixl_agent, "register_memory", refuse)
+    with pytest.raises(AttentionError, match="could not register DRAM memory") as info:
+        _regions.create_nixl_region(4096)
+    assert info.value.code.name == "FAILED_PRECONDITION"
+    assert not _regions._NIXL  # the agent (and its progress thread) went with the failure

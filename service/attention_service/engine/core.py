@@ -35,6 +35,7 @@ from attention_service.engine.warmup import warm_caches
 from attention_service.errors import Cancelled, RequestError, StartupError, invalid
 from attention_service.link import EngineInfo
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
+from attention_wire import ucx_defaults
 
 # A tensor's bytes: a uint8 tensor (host or device) of exactly its size, or a region span.
 # Where a tensor's bytes are: a uint8 tensor of exactly its size (pinned buffers), a byte offset
@@ -75,6 +76,10 @@ class EngineCore:
         frontends: int = 1,
         delivery_scope: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     ) -> None:
+        # UCX's settings for NIXL regions, while this process has few threads: setting the
+        # environment races with other threads' getenv (glibc), and UCX reads it later.
+        if config.nixl and config.regions_allowed:
+            ucx_defaults.apply()
         self.backend = backend
         self.executor = Executor(
             backend, batching=config.batching, max_batch_tokens=config.max_batch_tokens,

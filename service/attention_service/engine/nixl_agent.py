@@ -121,7 +121,7 @@ class NixlAgent:
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
             name = self.name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            ucx_defaults.apply()  # GPU memory and TCP at speed (attention_wire.ucx_defaults)
+            ucx_defaults.apply()  # done at engine start already (EngineCore); here for tools
             # RW: transfers from several mover threads at once; registrations and peers
             # change under the writer's side (the default without a listener thread is no
             # locking at all).

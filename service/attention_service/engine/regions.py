@@ -517,7 +517,15 @@ class RegionRegistry:
                                     f"{nbytes}-byte mirror of this region") from None
             else:
                 mirror = self.backend.alloc_host(nbytes)
-            handle = self.nixl.register(mirror.data_ptr(), nbytes, memory, device)
+            try:
+                handle = self.nixl.register(mirror.data_ptr(), nbytes, memory, device)
+            except RequestError:
+                raise
+            except Exception as exc:  # e.g. GPU memory where the server's UCX has no CUDA
+                raise RequestError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"nixl.memory: this server's NIXL could not register {memory} memory "
+                    f"({type(exc).__name__}): check its UCX_TLS") from None
             # The region's first and last byte read once: a range the client's agent does not
             # cover (or an agent that cannot be reached) is refused now, not at each call.
             ends = sorted({0, nbytes - 1})

@@ -111,14 +111,14 @@ class FrontendConnection:
         return sources
 
     def _submit(self, msg: Submit, fds: list[int]) -> None:
-        params = msg.params
-        if params is None:
-            params = self._params[msg.params_id]
-        else:
-            self._params[msg.params_id] = params
         with self._lock:
             self._calls[msg.call_id] = None
         try:
+            params = msg.params
+            if params is None:
+                params = self._params[msg.params_id]  # a bug when unknown: answered below
+            else:
+                self._params[msg.params_id] = params
             job = self.core.submit(
                 params, self._sources(msg, fds), msg.owner,
                 lambda value, call_id=msg.call_id: self._done(call_id, value),

@@ -18,7 +18,7 @@ from attention_service.params import BatchKey, Op, Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
 
 # A tensor in the sender's arena: (byte offset, byte count). A plain tuple, not a NamedTuple,
-# because a call carries four or five of them: with interned params (``DefineParams``) a
+# because a call carries four or five of them: with interned params (ids; ``Submit.params`` once) a
 # decode step's Submit unpickles in 1.8 us instead of 7.7 (NamedTuples unpickle through a
 # class lookup and a Python-level ``__getnewargs__`` each).
 ArenaSpan = tuple[int, int]

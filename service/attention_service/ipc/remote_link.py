@@ -191,7 +191,13 @@ class RemoteLink:
         if buffers.segment_fd is not None:
             fds, buffers.segment_fd = [buffers.segment_fd], None  # the channel owns it now
         fut: asyncio.Future[ExecStats] = self._loop.create_future()
-        self._send(self._submission(call_id, params, spans, owner), fds)
+        msg = self._submission(call_id, params, spans, owner)
+        try:
+            self._send(msg, fds)
+        except BaseException:
+            if msg.params is not None:  # never reached the engine: send them again next time
+                self._params_ids.pop(params, None)
+            raise
         buffers.hold_for_engine()
         self._pending[call_id] = (fut, buffers)
         if (self._spin_s and self._engine_alone and len(self._pending) == 1

@@ -11,6 +11,7 @@ import socket
 import threading
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
@@ -97,6 +98,11 @@ def _params(cache: str) -> Any:
                        cache_ids=[cache], store=True)
 
 
+class _NoBuffers:
+    spans: dict[str, Any] = {}
+    segment_fd = None
+
+
 def test_params_cross_once_and_start_over_when_the_table_is_full(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setattr(remote_link, "MAX_DEFINED_PARAMS", 3)
     loop = asyncio.new_event_loop()
@@ -119,6 +125,17 @@ def test_params_cross_once_and_start_over_when_the_table_is_full(monkeypatch) ->
         assert ids == [2, 0]
         assert sent.sent == [ForgetParams()]
         assert submit(a) == Submit(7, 1, {}, "", a)  # forgotten with the rest: sent again
+        sent.sent.clear()
+
+        def broken(msg: Any, fds: Any = ()) -> None:
+            raise OSError("the channel broke")
+
+        link.channel = type("Broken", (), {"send": staticmethod(broken)})()
+        fresh = _params("e")
+        with pytest.raises(OSError):
+            loop.run_until_complete(link.run(fresh, _NoBuffers(), {}, ""))
+        link.channel = sent
+        assert submit(fresh).params == fresh  # it never reached the engine: sent again
     finally:
         loop.close()
 
@@ -145,6 +162,21 @@ def test_engine_connection_resolves_params_by_id() -> None:
     conn.on_message(Submit(5, 0, spans, "", b), [])
     conn.on_message(Submit(6, 0, spans, ""), [])
     assert seen == [a, b, b, a, b, b]
+    # An id the engine never got (a bug, or a Submit lost): that call fails, INTERNAL; the
+    # descriptors it brought are closed and the connection goes on.
+    answers = _Sent()
+    conn.attach(answers)  # type: ignore[arg-type]
+    r, w = os.pipe()
+    try:
+        conn.on_message(Submit(7, 5, spans, ""), [r])
+        [failed] = answers.sent
+        assert failed.call_id == 7 and failed.error.code == grpc.StatusCode.INTERNAL
+        with pytest.raises(OSError):
+            os.fstat(r)  # closed
+        conn.on_message(Submit(8, 0, spans, ""), [])
+        assert seen[-1] == b
+    finally:
+        os.close(w)
 
 
 def test_compact_messages_cross_as_plain_tuples_with_their_descriptors() -> None:

@@ -180,7 +180,7 @@ class _Engine:
                 return
             decoder.buf += data
             for msg, _ in decoder.frames():
-                if isinstance(msg, Submit):  # (DefineParams come first)
+                if isinstance(msg, Submit):
                     done = Done(msg.call_id, _stats(next(batches)))
                     self.sock.sendall(_frame(done, 0))
 
