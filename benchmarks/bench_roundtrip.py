@@ -319,46 +319,36 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
         if not c.info()["regions"]:
             return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts,
                     "note": "regions off"}
-        region = c.register_shm(2 * nbytes + (64 << 20))
-        qs, ks, vs = (region.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
-        measure("shm in region", c, lambda: c.attention(qs, ks, vs, cu, causal=causal), False)
-        measure("shm staged", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
-        out = region.empty(q.shape, q.dtype)
-        measure("shm out=", c, lambda: c.attention(qs, ks, vs, cu, causal=causal, out=out),
-                False)
-        unary(lambda: measure("shm out= unary", c, lambda: c.attention(
-            qs, ks, vs, cu, causal=causal, out=out), False))
-        region.close()
-        if c.info().get("nixl"):  # NIXL regions: the same calls, bytes moved by UCX
-            nregion = c.register_nixl(2 * nbytes + (64 << 20))
-            qn, kn, vn = (nregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
-            measure("nixl in region", c, lambda: c.attention(qn, kn, vn, cu, causal=causal),
-                    False)
-            measure("nixl staged", c, lambda: c.attention(q, k, v, cu, causal=causal), False)
-            on = nregion.empty(q.shape, q.dtype)
-            measure("nixl out=", c, lambda: c.attention(qn, kn, vn, cu, causal=causal, out=on),
-                    False)
-            nregion.close()
+        room = 2 * nbytes + (64 << 20)
+
+        def region_rows(label: str, region: Any, cuda: bool, staged: bool = False,
+                        unary_out: bool = False) -> None:
+            """One region's rows: tensors in it, host tensors staged into it, ``out=`` in it
+            too (and that call unary), then the region closed."""
+            qr, kr, vr = (region.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
+            measure(f"{label} in region", c, lambda: c.attention(qr, kr, vr, cu, causal=causal),
+                    cuda)
+            if staged:
+                measure(f"{label} staged", c, lambda: c.attention(q, k, v, cu, causal=causal),
+                        cuda)
+            out = region.empty(q.shape, q.dtype)
+
+            def call() -> Any:
+                return c.attention(qr, kr, vr, cu, causal=causal, out=out)
+
+            measure(f"{label} out=", c, call, cuda)
+            if unary_out:
+                unary(lambda: measure(f"{label} out= unary", c, call, cuda))
+            region.close()
+
+        region_rows("shm", c.register_shm(room), False, staged=True, unary_out=True)
+        nixl = c.info().get("nixl")
+        if nixl:  # NIXL regions: the same calls, bytes moved by UCX
+            region_rows("nixl", c.register_nixl(room), False, staged=True)
         if torch.cuda.is_available() and c.info()["backend"] == "cuda":
-            cregion = c.register_cuda(2 * nbytes + (64 << 20))
-            qg, kg, vg = (cregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
-            measure("cuda ipc in region", c,
-                    lambda: c.attention(qg, kg, vg, cu, causal=causal), True)
-            og = cregion.empty(q.shape, q.dtype)
-            measure("cuda ipc out=", c,
-                    lambda: c.attention(qg, kg, vg, cu, causal=causal, out=og), True)
-            unary(lambda: measure("cuda ipc out= unary", c, lambda: c.attention(
-                qg, kg, vg, cu, causal=causal, out=og), True))
-            cregion.close()
-            if c.info().get("nixl"):  # GPU memory through NIXL: UCX moves it GPU to GPU
-                vregion = c.register_nixl(2 * nbytes + (64 << 20), device="cuda")
-                qv, kv, vv = (vregion.empty(t.shape, t.dtype).copy_(t) for t in (q, k, v))
-                measure("nixl gpu in region", c,
-                        lambda: c.attention(qv, kv, vv, cu, causal=causal), True)
-                ov = vregion.empty(q.shape, q.dtype)
-                measure("nixl gpu out=", c,
-                        lambda: c.attention(qv, kv, vv, cu, causal=causal, out=ov), True)
-                vregion.close()
+            region_rows("cuda ipc", c.register_cuda(room), True, unary_out=True)
+            if nixl:  # GPU memory through NIXL: UCX moves it GPU to GPU
+                region_rows("nixl gpu", c.register_nixl(room, device="cuda"), True)
     return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts}
 
 
