@@ -163,27 +163,17 @@ class _Template(NamedTuple):
         return all(not s.region.closed for s in spans)  # type: ignore[union-attr]
 
 
-def _region_key(cache_ids: Any, tensors: tuple[Any, ...], options: tuple[Any, ...]
-                ) -> tuple[Any, ...] | None:
-    """A region step's template key: its ids, options and where each of q, k, v and
-    ``out`` lies (type, address, device, dtype, shape); None for a step no region template
-    covers (no ``out=``, no new tokens, ALiBi slopes, lse asked for, ids not a list)."""
-    if any(x is None for x in tensors) or options[-1] is not None or options[3]:
-        return None
-    if type(cache_ids) is not list and type(cache_ids) is not tuple:
-        return None
+def _region_key(base: tuple[Any, ...], tensors: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """A region step's template key: the step's ``_key`` and where each of q, k, v and
+    ``out`` lies (type, address, device, dtype, shape); None when one of them has no single
+    place (not contiguous) or needs grad."""
     where = []
     for x in tensors:
         ptr = pointer(x)
         if ptr is None or (is_torch_tensor(x) and x.requires_grad):
             return None
         where.append((type(x), ptr, x.dtype, tuple(x.shape)))
-    key = ("regions", tuple(cache_ids), *options, *where)
-    try:
-        hash(key)
-    except TypeError:  # an option given as a list (window_size=[...]): no template
-        return None
-    return key
+    return ("regions", *base, *where)
 
 
 class PendingStep:
@@ -271,16 +261,21 @@ class _StepsBase:
                              "this decode_steps handle is closed", _CALL)
 
     @staticmethod
-    def _key(cache_ids: Any, k_new: Any, v_new: Any, options: tuple[Any, ...], bytes_only: bool
+    def _key(cache_ids: Any, k_new: Any, v_new: Any, options: tuple[Any, ...]
              ) -> tuple[Any, ...] | None:
-        """What a step's header depends on besides its tensors' shapes; None: a step the
-        template does not cover (no new tokens: the layout comes from the caches; ALiBi
-        slopes: an array; ids not a list or tuple; tensors that may go through regions)."""
-        if not bytes_only or k_new is None or v_new is None or options[-1] is not None:
+        """What a step's header depends on besides its tensors; None: a step no template
+        covers (no new tokens: the layout comes from the caches; ALiBi slopes: an array; ids
+        not a list or tuple; an option given as a list, which does not hash)."""
+        if k_new is None or v_new is None or options[-1] is not None:
             return None
         if type(cache_ids) is not list and type(cache_ids) is not tuple:
             return None
-        return (tuple(cache_ids), *options)  # compared by value with the last step's
+        key = (tuple(cache_ids), *options)  # compared by value with the last step's
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
 
     def _reused(self, template: PreparedRequest | None, q: Any, k_new: Any, v_new: Any
                 ) -> PreparedRequest | None:
@@ -366,20 +361,23 @@ class _StepsBase:
         self._check_open()
         client = self._client
         settings = self._settings()
-        key = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits, return_lse,
-                                                   window_size, softcap, alibi_slopes),
-                        out is None and not client._regions_wanted(use_regions))
+        base = self._key(cache_ids, k_new, v_new, (store, softmax_scale, num_splits,
+                                                    return_lse, window_size, softcap,
+                                                    alibi_slopes))
+        wanted = client._regions_wanted(use_regions)
+        # Bytes-only steps: a template per key; region steps with ``out=`` (and no lse): a
+        # kept message per key and tensor places; any other step: none.
+        key = base if out is None and not wanted else None
+        region_key = None
+        if base is not None and out is not None and wanted and not return_lse:
+            region_key = _region_key(base, (q, k_new, v_new, out))
         template = None if key is None else self._templates.get(key)
         compiled = template.compiled if template is not None else None
         views = compiled.views(q, k_new, v_new) if compiled is not None else None
         tensors = (q, k_new, v_new)
         tail = step_timeout(settings.deadline)
-        region_key = None
-        if key is None and out is not None and client._regions_wanted(use_regions):
-            region_key = _region_key(cache_ids, (q, k_new, v_new, out), (
-                store, softmax_scale, num_splits, return_lse, window_size, softcap,
-                alibi_slopes))
-            kept = None if region_key is None else self._templates.get(region_key)
+        if region_key is not None:
+            kept = self._templates.get(region_key)
             if kept is not None and kept.regions_open() and not self._unsupported:
                 # The same tensors in the same regions: the same message, no bytes in it.
                 assert kept.message is not None and kept.prep.placement is not None

@@ -27,7 +27,6 @@ from typing import Any
 import grpc
 
 from attention_service.errors import RequestError, invalid
-from attention_wire import ucx_defaults
 
 log = logging.getLogger("attention_service")
 
@@ -121,7 +120,6 @@ class NixlAgent:
                     "host): register a system or cuda region, or send the bytes")
             nixl = importlib.import_module(NIXL_MODULE)
             name = self.name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            ucx_defaults.apply()  # done at engine start already (EngineCore); here for tools
             # RW: transfers from several mover threads at once; registrations and peers
             # change under the writer's side (the default without a listener thread is no
             # locking at all).
