@@ -178,7 +178,7 @@ class _Front:
             return not self.owner_of
 
 
-def _load_main(fds: list[int], args: argparse.Namespace, q: Any) -> None:
+def _load_main(fds: list[int], args: argparse.Namespace, q: Any, go: Any) -> None:
     if args.load_cpus:
         pin_process(parse_cpu_list(args.load_cpus))
     rng = np.random.default_rng(0)
@@ -186,7 +186,7 @@ def _load_main(fds: list[int], args: argparse.Namespace, q: Any) -> None:
     fronts = [_Front(socket.socket(fileno=fd), args, i, rng, counts)
               for i, fd in enumerate(fds)]
     q.put("defined")
-    q.get()
+    go.wait()
     for f in fronts:
         f.start()
     time.sleep(args.warmup)
@@ -229,13 +229,15 @@ def _run(args: argparse.Namespace, round_: int, batching: bool) -> dict[str, Any
     for ch in channels:
         ch.start()
     ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    proc = ctx.Process(target=_load_main, args=([s.fileno() for s in theirs], args, q))
+    # One queue each way: the parent reading a queue it also writes can take back its own
+    # "go" (seen once under a busy suite: the load never started and the round hung).
+    q, go = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_load_main, args=([s.fileno() for s in theirs], args, q, go))
     proc.start()
     for s in theirs:
         s.close()
     assert q.get(timeout=60) == "defined"
-    q.put("go")
+    go.set()
     kind, _ = q.get(timeout=60 + args.warmup)
     assert kind == "measuring"
     cpu0, n_issue = cpu_seconds(os.getpid()), len(observer.issue)
