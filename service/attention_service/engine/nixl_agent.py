@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from attention_service.engine.nixl_vet import MetadataVetter
 from attention_service.errors import RequestError, invalid
 
 log = logging.getLogger("attention_service")
@@ -102,8 +103,10 @@ class NixlAgent:
         self._agent: Any = None
         self.name = ""  # the agent's, once made
         self._observe = observe
-        # Peer name -> [owner, regions using it, last change (monotonic s)].
+        # Peer name -> [owner, regions using it, last change (monotonic s), the blob that
+        # connected it (its connection info, which a region's own blob is read after)].
         self._peers: dict[str, list[Any]] = {}
+        self._vetter = MetadataVetter()
 
     def _nixl(self) -> Any:
         """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
@@ -170,6 +173,11 @@ class NixlAgent:
                 raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
                                    f"{name_field}: agent {name!r} is registered by another "
                                    "caller")
+            # NIXL's parser can crash on bad bytes: they are read in a helper process first.
+            why = self._vetter.check([metadata] if peer is None else [peer[3], metadata])
+            if why is not None:
+                raise invalid(md_field, f"not NIXL metadata this server can read: {why} (in a "
+                              "helper process; nothing here changed)")
             # NIXL merges metadata of a known agent (a region's memory, or the whole agent
             # again): nothing is removed, so transfers of the agent's other regions go on.
             try:
@@ -195,8 +203,9 @@ class NixlAgent:
                 except Exception as again:
                     del self._peers[name]
                     raise _refusal(md_field, name, again) from None
+                peer[3] = metadata
             if peer is None:
-                peer = self._peers[name] = [owner, 0, 0.0]
+                peer = self._peers[name] = [owner, 0, 0.0, metadata]
             peer[1] += regions
             peer[2] = time.monotonic()
             self._evict_idle(owner)
@@ -221,6 +230,10 @@ class NixlAgent:
                 self._agent.remove_remote_agent(name)
             except Exception:
                 log.exception("removing nixl agent %s failed", name)
+
+    def close(self) -> None:
+        """Engine shutdown: the metadata helper process goes."""
+        self._vetter.close()
 
     def knows(self, name: str) -> bool:
         with self._lock:

@@ -435,6 +435,7 @@ class RegionRegistry:
             owners = {o for o, _ in self._regions}
         for owner in owners:
             self.unregister(owner, "")
+        self.nixl.close()
 
     # ---- backing memory ----------------------------------------------------------------
 

@@ -429,3 +429,68 @@ def test_transfers_are_counted_by_direction(start_server: Any) -> None:
               if s.name.endswith("_count")}
     assert counts == {"in": 2, "out": 1}  # the registration's probe and the call's pull
     stub.UnregisterRegion(pb.UnregisterRegionRequest(name="nx"), timeout=10)
+
+
+# A stand-in for the metadata helper (its protocol, no NIXL): a blob "crash" aborts it,
+# "hang" never answers, anything else is read fine.
+_FAKE_HELPER = r'''
+import os, sys, time
+def read(n):
+    data = b""
+    while len(data) < n:
+        chunk = os.read(0, n - len(data))
+        if not chunk:
+            sys.exit(0)
+        data += chunk
+    return data
+while True:
+    blobs = [read(int.from_bytes(read(4), "little"))
+             for _ in range(int.from_bytes(read(4), "little"))]
+    if b"crash" in blobs:
+        os.abort()
+    if b"hang" in blobs:
+        time.sleep(3600)
+    os.write(1, (2).to_bytes(4, "little") + b"ok")
+'''
+
+
+def test_the_metadata_helper_survives_crashes_and_hangs_of_its_reader() -> None:
+    """A blob that crashes the reader or never finishes is reported (and the helper made
+    afresh for the next blob); a blob read fine reports nothing."""
+    from attention_service.engine.nixl_vet import MetadataVetter
+
+    vetter = MetadataVetter([sys.executable, "-c", _FAKE_HELPER], timeout=2.0)
+    try:
+        assert vetter.check([b"fine"]) is None
+        assert "crashed" in (vetter.check([b"fine", b"crash"]) or "")
+        assert vetter.check([b"fine"]) is None  # a new helper
+        assert "did not finish" in (vetter.check([b"hang"]) or "")
+        assert vetter.check([b"fine", b"also fine"]) is None
+    finally:
+        vetter.close()
+
+
+def test_metadata_that_crashes_nixl_is_refused_and_the_server_goes_on(
+        server: ServerHandle, agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ConnectNixl and a region's registration read the caller's blob in a helper process
+    first: a blob NIXL's parser dies on (here: a helper that dies on any blob) is
+    INVALID_ARGUMENT naming the field, leaves no agent known, and the server serves on."""
+    from attention_service.engine.nixl_vet import MetadataVetter
+
+    peers = server.server.core.regions.nixl
+    real = peers._vetter
+    monkeypatch.setattr(peers, "_vetter", MetadataVetter(
+        [sys.executable, "-c", _FAKE_HELPER.replace('if b"crash" in blobs', "if blobs")]))
+    stub = server.stub()
+    code, details = _code(lambda: stub.ConnectNixl(agent.connect_request(), timeout=20))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("agent_metadata:") and "crashed" in details
+    code, details = _code(lambda: stub.RegisterRegion(agent.region(), timeout=20))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+    assert details.startswith("nixl.agent_metadata:") and "crashed" in details
+    assert not peers.knows(agent.name)
+    peers._vetter.close()
+    monkeypatch.setattr(peers, "_vetter", real)
+    stub.ConnectNixl(agent.connect_request(), timeout=20)  # the real helper reads it fine
+    stub.RegisterRegion(agent.region(partial=True), timeout=20)
+    assert peers.knows(agent.name)
