@@ -14,7 +14,8 @@ One run, one machine (loopback), in this order:
    ``cuda ipc out=`` (CUDA IPC region: the bytes never leave the GPU), ``nixl in region`` /
    ``nixl staged`` / ``nixl out=`` (a NIXL region: the engine pulls and pushes the bytes over
    UCX, when the server has NIXL), ``nixl gpu in region`` / ``nixl gpu out=`` (a NIXL region
-   of GPU memory, on cuda: GPU to GPU through UCX's cuda_ipc), and the two ``out=``
+   of GPU memory, on cuda: GPU to GPU through UCX's cuda_ipc; ``nixl gpu1 ...``: the same
+   from the host's second GPU, when it has two), and the two ``out=``
    paths again with a unary call each (``... unary``: call_streams off); every path's answer is
    checked against the float64 reference first;
 3. aggregate gRPC payload: ``--clients`` client processes, each with its own connection,
@@ -349,6 +350,8 @@ def paths(target: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: to
             region_rows("cuda ipc", c.register_cuda(room), True, unary_out=True)
             if nixl:  # GPU memory through NIXL: UCX moves it GPU to GPU
                 region_rows("nixl gpu", c.register_nixl(room, device="cuda"), True)
+                if torch.cuda.device_count() > 1:  # from another GPU than the server's
+                    region_rows("nixl gpu1", c.register_nixl(room, device="cuda:1"), True)
     return {"round_trip_ms": rows, "stats": stats, "calls_timed": counts}
 
 

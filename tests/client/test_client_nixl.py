@@ -267,12 +267,18 @@ def test_a_gpu_nixl_region_without_a_gpu_is_refused_before_anything_is_sent() ->
     assert not _regions._NIXL  # no agent left behind
 
 
+# The client's GPU: the server's own (GPU 0), and another GPU of the host when it has two.
+_CLIENT_GPUS = ["cuda", "cuda:1"] if torch.cuda.device_count() > 1 else ["cuda"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
+@pytest.mark.parametrize("client_gpu", _CLIENT_GPUS)
+def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region(client_gpu: str) -> None:
     """A NIXL region of GPU memory (``device="cuda"``) against a cuda server: the server
-    mirrors it on its GPU and UCX moves q, k, v in and out back GPU to GPU. Prefill with lse,
-    decode of a tensor staged into the region (outside it: copied in on the GPU), and a KV
-    cache step: each matches the float64 reference, with no tensor byte as gRPC bytes."""
+    mirrors it on its GPU and UCX moves q, k, v in and out back GPU to GPU (on a two-GPU
+    host also from another GPU than the server's). Prefill with lse, decode of a tensor staged
+    into the region (outside it: copied in on the GPU), and a KV cache step: each matches
+    the float64 reference, with no tensor byte as gRPC bytes."""
     require_server()
     from attention_client import AttentionInputError
 
@@ -281,11 +287,12 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
         with AttentionClient(running.target, timeout=300) as c:
             with pytest.raises(AttentionInputError, match="is not a GPU"):
                 c.register_nixl(1 << 20, device="cpu")
-            region = c.register_nixl(4 << 20, device="cuda")
-            assert region.kind == "nixl" and region.device is not None
+            region = c.register_nixl(4 << 20, device=client_gpu)
+            gpu = torch.device("cuda", torch.device(client_gpu).index or 0)
+            assert region.kind == "nixl" and region.device == gpu
             src = _qkv(torch.float16, seed=11)
             q, k, v = (region.empty(t.shape, torch.float16) for t in src)
-            assert q.is_cuda
+            assert q.device == gpu
             for t, x in zip((q, k, v), src, strict=True):
                 t.copy_(x)
             out, lse = c.attention(q, k, v, CU, causal=True, return_lse=True)
@@ -297,8 +304,8 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
             s = c.last_stats
             assert s["bytes_in"] == 0 and s["bytes_out"] == 0
             assert s["region_bytes_in"] == (q.numel() + 2 * k.numel()) * 2
-            # Outside the region, on the GPU: staged into it (a copy on the device).
-            qd, kd, vd = (x.cuda() for x in _qkv(torch.bfloat16, seed=12))
+            # Outside the region, on its GPU: staged into it (a copy on the device).
+            qd, kd, vd = (x.to(gpu) for x in _qkv(torch.bfloat16, seed=12))
             got = c.decode(qd[:2], kd, vd, CU)
             want = decode_ref(qd[:2].cpu().double(), kd.cpu().double(), vd.cpu().double(),
                               torch.tensor(CU, dtype=torch.int32))
@@ -307,10 +314,10 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region() -> None:
             g = torch.Generator().manual_seed(13)
             ks, vs = torch.randn(9, 2, 16, generator=g), torch.randn(9, 2, 16, generator=g)
             with c.kv_cache(2, 16, torch.float16) as cache:
-                cache.append(["s"], ks.half().cuda(), vs.half().cuda())
+                cache.append(["s"], ks.half().to(gpu), vs.half().to(gpu))
                 q1 = torch.randn(1, 4, 16, generator=g).half()
                 k1, v1 = (torch.randn(1, 2, 16, generator=g).half() for _ in range(2))
-                step = cache.decode(q1.cuda(), ["s"], k1.cuda(), v1.cuda())
+                step = cache.decode(q1.to(gpu), ["s"], k1.to(gpu), v1.to(gpu))
                 assert c.last_stats["bytes_in"] == 0
                 want = decode_ref(q1.double(), torch.cat([ks.half(), k1]).double(),
                                   torch.cat([vs.half(), v1]).double(),
