@@ -169,8 +169,8 @@ class ServerConfig:
     # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
     # is loopback; off otherwise, so no remote caller can make the server map host memory).
     regions: str = "auto"
-    # NIXL regions (any host) among them, when NIXL is installed: NIXL parses each caller's
-    # agent metadata in the engine process, and malformed metadata can crash it (docs).
+    # NIXL regions (any host) among them, when NIXL is installed (a caller's agent metadata is
+    # read by NIXL in a helper process first: NIXL's parser can crash on bad bytes; docs).
     nixl: bool = True
     # Regions one caller (token) may have registered at once, and the bytes of its system
     # regions together (0 = no limit): the server maps those and, on cuda, page-locks them, so
