@@ -26,12 +26,11 @@ from typing import Any
 
 import grpc
 
-from attention_service.engine.nixl_vet import MetadataVetter
+from attention_service.engine.nixl_vet import BACKEND, NIXL_MODULE, MetadataVetter, metadata_agent
 from attention_service.errors import RequestError, invalid
 
 log = logging.getLogger("attention_service")
 
-NIXL_MODULE = "nixl_cu13"
 # How long one transfer may take before its call fails: a peer gone mid-transfer would
 # otherwise hold the call (and the thread that waits for it) forever.
 TRANSFER_TIMEOUT_S = 60.0
@@ -41,7 +40,6 @@ _SPIN_POLLS = 200
 # Agents without regions kept known per caller (connected: a client registers its next region
 # without ConnectNixl again); the oldest idle one goes when there are more.
 MAX_IDLE_PEERS = 16
-BACKEND = "UCX"  # the NIXL backend that moves the bytes
 
 
 def available() -> bool:
@@ -54,22 +52,6 @@ def backend_name() -> str:
     does not report the transport UCX picks for each peer."""
     tls = os.environ.get("UCX_TLS", "")
     return f"{BACKEND} UCX_TLS={tls}" if tls else BACKEND
-
-
-def metadata_agent(metadata: bytes) -> str | None:
-    """The agent a NIXL metadata blob is of (its serialized header: ``nixlSerDes|Agent``, an
-    8-byte little-endian length, the name, ``|``), or None when it has none."""
-    head = b"nixlSerDes|Agent"
-    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
-        return None
-    size = int.from_bytes(metadata[len(head):len(head) + 8], "little")
-    start = len(head) + 8
-    if size > 1024 or metadata[start + size:start + size + 1] != b"|":
-        return None
-    try:
-        return metadata[start:start + size].decode()
-    except UnicodeDecodeError:
-        return None
 
 
 def _refusal(field: str, name: str, exc: Exception) -> RequestError:

@@ -32,7 +32,25 @@ from collections.abc import Sequence
 # on loopback); the first after the helper starts also imports NIXL and makes its agent
 # (~1 s on the dev box).
 TIMEOUT_S = 20.0
+NIXL_MODULE = "nixl_cu13"
+BACKEND = "UCX"  # the NIXL backend that moves the bytes
 _HELPER = [sys.executable, "-m", "attention_service.engine.nixl_vet"]
+
+
+def metadata_agent(metadata: bytes) -> str | None:
+    """The agent a NIXL metadata blob is of (its serialized header: ``nixlSerDes|Agent``, an
+    8-byte little-endian length, the name, ``|``), or None when it has none."""
+    head = b"nixlSerDes|Agent"
+    if not metadata.startswith(head) or len(metadata) < len(head) + 8:
+        return None
+    size = int.from_bytes(metadata[len(head):len(head) + 8], "little")
+    start = len(head) + 8
+    if size > 1024 or metadata[start + size:start + size + 1] != b"|":
+        return None
+    try:
+        return metadata[start:start + size].decode()
+    except UnicodeDecodeError:
+        return None
 
 
 def _frame(blob: bytes) -> bytes:
@@ -136,8 +154,6 @@ def _serve() -> None:
     # goes to /dev/null first.
     answers = os.dup(1)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
-    from attention_service.engine.nixl_agent import BACKEND, NIXL_MODULE, metadata_agent
-
     nixl = __import__(NIXL_MODULE)
     config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[BACKEND])
     agent = nixl.nixl_agent(f"attention-vet-{os.getpid()}", config)
