@@ -109,12 +109,13 @@ class _Cache:
     released: bool = False  # released while busy: pages go when its call ends
 
 
+# Resolved id lists kept (each a list of its caches): a step stream per layer of each model
+# host names one.
+_MAX_RESOLVED = 4096
+
+
 def _aborted(field_name: str, message: str) -> RequestError:
     return RequestError(grpc.StatusCode.ABORTED, f"{field_name}: {message}")
-
-
-def _pages_for(tokens: int, page_tokens: int) -> int:
-    return -(-tokens // page_tokens)
 
 
 class CacheRegistry:
@@ -133,6 +134,9 @@ class CacheRegistry:
         self._clock = clock
         self._lock = threading.Lock()
         self._caches: dict[tuple[str, str], _Cache] = {}
+        # Id lists resolved to their caches, layouts checked equal (a step stream names the
+        # same caches every step): emptied whenever a cache goes, so never stale.
+        self._resolved: dict[tuple[str, tuple[str, ...]], list[_Cache]] = {}
         self._per_owner: dict[str, int] = {}
         self.expired_total = 0  # caches released by the TTL (a metric)
         self._sweeper = (Sweeper("kv-cache-ttl", ttl_seconds, self.expire)
@@ -168,27 +172,14 @@ class CacheRegistry:
         new = lengths(params.cu_seqlens_k)
         name = "q" if params.op.queries else "k"
         with self._lock:
-            # Field names are made only for a refusal: 64 f-strings and layout checks per
-            # step took ~120 us of a 64-sequence step's ~250 in here (2-core dev box).
-            get = self._caches.get
-            caches = [get((owner, cid)) for cid in ids]
-            if None in caches:
-                i = caches.index(None)
-                self._lookup(owner, ids[i], f"header.cache.cache_ids[{i}]")  # raises
-            first = caches[0].layout  # type: ignore[union-attr]
-            self._check_layout(caches[0], params, name)  # type: ignore[arg-type]
-            for i, c in enumerate(caches):
-                if c.layout is not first and c.layout != first:  # type: ignore[union-attr]
-                    self._check_layout(c, params, name)  # type: ignore[arg-type]
-                    raise invalid(f"header.cache.cache_ids[{i}]",
-                                  f"cache {c.cache_id!r} differs from {caches[0].cache_id!r} "  # type: ignore[union-attr]
-                                  "in layout (an FP8 cache and a 16-bit one): one request "
-                                  "runs caches of one layout")
-                if c.busy:  # type: ignore[union-attr]
-                    raise _aborted(f"header.cache.cache_ids[{i}]",
-                                   f"cache {c.cache_id!r} is in use by another call; calls on "  # type: ignore[union-attr]
-                                   "one cache must be sequential (a call cancelled or past its "
-                                   "deadline holds its caches until its launch ends: retry)")
+            caches = self._resolved.get((owner, ids)) or self._resolve(owner, ids, params, name)
+            self._check_layout(caches[0], params, name)
+            if any(c.busy for c in caches):
+                i = next(i for i, c in enumerate(caches) if c.busy)
+                raise _aborted(f"header.cache.cache_ids[{i}]",
+                               f"cache {caches[i].cache_id!r} is in use by another call; calls "
+                               "on one cache must be sequential (a call cancelled or past its "
+                               "deadline holds its caches until its launch ends: retry)")
             flops, kv_bytes = _work(params, [c.length + n for c, n in zip(caches, new,
                                                                          strict=True)],
                                     caches[0].layout)
@@ -196,7 +187,10 @@ class CacheRegistry:
                 raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
                                 f"over the server's limit of {self.max_request_flops:.3g} "
                                 "(--max-request-flops)")
-            need = [_pages_for(c.length + n, c.page_tokens) - len(c.pages)
+            pt = caches[0].page_tokens  # one layout, one page size
+            # Pages each cache needs for its new tokens, inline (a function call per cache was
+            # a fifth of a 64-cache step's time in here).
+            need = [-(-(c.length + n) // pt) - len(c.pages)
                     for c, n in zip(caches, new, strict=True)]
             fresh = pool.alloc(sum(need), "header.k", owner)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
@@ -209,7 +203,6 @@ class CacheRegistry:
                 # boundary, begin + finish: 180 -> 90 us, dev box).
                 for c in caches:
                     c.busy, c.last_used = True, now
-                pt = caches[0].page_tokens  # one layout, one page size
                 if fresh:
                     handed = iter(fresh)
                     table = [c.pages + [next(handed)] if k else c.pages
@@ -241,6 +234,32 @@ class CacheRegistry:
                         slot_offsets.append(pos % pt)
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
                              kv_bytes, view)
+
+    def _resolve(self, owner: str, ids: tuple[str, ...], params: Params, name: str
+                 ) -> list[_Cache]:
+        """Under the lock: ``owner``'s caches ``ids``, checked to exist and to share one
+        layout, remembered for the next call naming the same ids. Field names are made only
+        for a refusal: 64 f-strings and layout checks per step took ~120 us of a 64-sequence
+        step's ~250 in ``begin`` (2-core dev box)."""
+        get = self._caches.get
+        found = [get((owner, cid)) for cid in ids]
+        if None in found:
+            i = found.index(None)
+            self._lookup(owner, ids[i], f"header.cache.cache_ids[{i}]")  # raises
+        caches: list[_Cache] = found  # type: ignore[assignment]
+        first = caches[0].layout
+        for i, c in enumerate(caches):
+            if c.layout is not first and c.layout != first:
+                self._check_layout(caches[0], params, name)
+                self._check_layout(c, params, name)
+                raise invalid(f"header.cache.cache_ids[{i}]",
+                              f"cache {c.cache_id!r} differs from {caches[0].cache_id!r} "
+                              "in layout (an FP8 cache and a 16-bit one): one request "
+                              "runs caches of one layout")
+        if len(self._resolved) >= _MAX_RESOLVED:
+            self._resolved.clear()
+        self._resolved[(owner, ids)] = caches
+        return caches
 
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
@@ -418,6 +437,7 @@ class CacheRegistry:
     def _drop(self, c: _Cache) -> None:
         """Remove ``c``'s name; its pages go now, or when its call ends."""
         del self._caches[(c.owner, c.cache_id)]
+        self._resolved.clear()  # none may name a cache that went
         self._per_owner[c.owner] -= 1
         if not self._per_owner[c.owner]:
             del self._per_owner[c.owner]
