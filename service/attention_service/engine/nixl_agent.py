@@ -26,7 +26,13 @@ from typing import Any
 
 import grpc
 
-from attention_service.engine.nixl_vet import BACKEND, NIXL_MODULE, MetadataVetter, metadata_agent
+from attention_service.engine.nixl_vet import (
+    BACKEND,
+    NIXL_MODULE,
+    MetadataVetter,
+    Unread,
+    metadata_agent,
+)
 from attention_service.errors import RequestError, invalid
 
 log = logging.getLogger("attention_service")
@@ -54,16 +60,16 @@ def backend_name() -> str:
     return f"{BACKEND} UCX_TLS={tls}" if tls else BACKEND
 
 
-def _refusal(field: str, name: str, exc: Exception) -> RequestError:
-    """Why NIXL would not take agent ``name``'s metadata (which named it in its header): its
-    backend failing to set up the connection is UNAVAILABLE, which clients retry (seen once,
-    a client's ConnectNixl after a server restart in a CI run on a loaded 2-core box; the
-    same test passes alone); anything else is not metadata NIXL can read, INVALID_ARGUMENT."""
-    kind = type(exc).__name__
+def _refusal(field: str, name: str, kind: str, detail: str) -> RequestError:
+    """Why NIXL would not take agent ``name``'s metadata (it raised ``kind``; ``detail`` its
+    message): its backend failing to set up the connection is UNAVAILABLE, which clients
+    retry (seen once, a client's ConnectNixl after a server restart in a CI run on a loaded
+    2-core box; the same test passes alone); anything else is not metadata NIXL can read,
+    INVALID_ARGUMENT."""
     if kind == "nixlBackendError":
         return RequestError(
             grpc.StatusCode.UNAVAILABLE,
-            f"{field}: this server's NIXL could not connect to agent {name!r} ({kind}: {exc}); "
+            f"{field}: this server's NIXL could not connect to agent {name!r} ({detail}); "
             "try again, and check that the agent's host is reachable from this server")
     return invalid(field, f"not NIXL agent metadata ({kind})")
 
@@ -144,39 +150,34 @@ class NixlAgent:
         if not metadata:
             raise invalid(md_field, "missing: send the agent's NIXL metadata")
         with self._lock:
-            agent = self._nixl()  # first: a server whose NIXL cannot start says so
-            named = metadata_agent(metadata)
-            if named is None:
-                raise invalid(md_field, "not NIXL agent metadata (no nixlSerDes agent header)")
-            if named != name:  # before NIXL sees it: it would merge it into agent ``named``
-                raise invalid(name_field, f"{name!r}, but the metadata is agent {named!r}'s")
-            peer = self._peers.get(name)
-            if peer is not None and peer[0] != owner:
-                raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
-                                   f"{name_field}: agent {name!r} is registered by another "
-                                   "caller")
-            # NIXL's parser can crash on bad bytes: they are read in a helper process first.
-            why = self._vetter.check([metadata] if peer is None else [peer[3], metadata])
-            if why is not None:
-                raise invalid(md_field, f"not NIXL metadata this server can read: {why} (in a "
-                              "helper process; nothing here changed)")
+            self._nixl()  # first: a server whose NIXL cannot start says so
+            peer = self._peer_for(owner, name, metadata, name_field, md_field)
+            conn = None if peer is None else peer[3]
+        # NIXL's parser can crash on bad bytes: a helper process reads them first, outside
+        # the lock (a blob it takes long on holds no other caller's registration).
+        try:
+            answer = self._vetter.check([metadata] if conn is None else [conn, metadata])
+        except Unread as exc:
+            if exc.crashed:
+                raise invalid(md_field, f"not NIXL metadata this server can read: {exc.why} "
+                              "(in a helper process; nothing here changed)") from None
+            raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                               f"{md_field}: {exc.why} (a helper process reads NIXL metadata "
+                               "before the server does): try again") from None
+        with self._lock:
+            agent = self._nixl()
+            peer = self._peer_for(owner, name, metadata, name_field, md_field)  # as it is now
+            if answer != "ok":  # NIXL raised in the helper: the engine's agent never reads it
+                raise self._refused(answer, answer, peer, regions, name, name_field, md_field)
             # NIXL merges metadata of a known agent (a region's memory, or the whole agent
             # again): nothing is removed, so transfers of the agent's other regions go on.
             try:
                 agent.add_remote_agent(metadata)
             except Exception as exc:  # nixlMismatchError and kin: not metadata of an agent
                 kind = type(exc).__name__
-                if kind == "nixlNotFoundError" and peer is None and not regions:
-                    raise invalid(md_field, "no connection info: send the agent's "
-                                  "get_partial_agent_metadata([], inc_conn_info=True)") from None
-                if kind == "nixlNotFoundError" and peer is None:
-                    # A region's own metadata names no connection: the agent must be known.
-                    raise RequestError(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{name_field}: agent {name!r} is not connected to this server: "
-                        "ConnectNixl first (again after a server restart)") from None
                 if kind != "nixlNotAllowedError" or peer is None:
-                    raise _refusal(md_field, name, exc) from None
+                    raise self._refused(kind, f"{kind}: {exc}", peer, regions, name,
+                                        name_field, md_field) from None
                 # New connection info under a known name: the same caller's agent restarted
                 # under that name. The old one is gone; its regions' memory with it.
                 agent.remove_remote_agent(name)
@@ -184,13 +185,46 @@ class NixlAgent:
                     agent.add_remote_agent(metadata)
                 except Exception as again:
                     del self._peers[name]
-                    raise _refusal(md_field, name, again) from None
+                    raise _refusal(md_field, name, type(again).__name__,
+                                   f"{type(again).__name__}: {again}") from None
                 peer[3] = metadata
             if peer is None:
                 peer = self._peers[name] = [owner, 0, 0.0, metadata]
             peer[1] += regions
             peer[2] = time.monotonic()
             self._evict_idle(owner)
+
+    def _peer_for(self, owner: str, name: str, metadata: bytes, name_field: str,
+                  md_field: str) -> list[Any] | None:
+        """Under the lock: the known peer ``name`` (None if new), once the blob's header names
+        that agent and the name is not another caller's (before NIXL sees the blob: it would
+        merge it into the agent it names)."""
+        named = metadata_agent(metadata)
+        if named is None:
+            raise invalid(md_field, "not NIXL agent metadata (no nixlSerDes agent header)")
+        if named != name:
+            raise invalid(name_field, f"{name!r}, but the metadata is agent {named!r}'s")
+        peer = self._peers.get(name)
+        if peer is not None and peer[0] != owner:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"{name_field}: agent {name!r} is registered by another "
+                               "caller")
+        return peer
+
+    @staticmethod
+    def _refused(kind: str, detail: str, peer: list[Any] | None, regions: int, name: str,
+                 name_field: str, md_field: str) -> RequestError:
+        """Why NIXL would not take the blob (it raised ``kind``), as the caller's status."""
+        if kind == "nixlNotFoundError" and peer is None and not regions:
+            return invalid(md_field, "no connection info: send the agent's "
+                           "get_partial_agent_metadata([], inc_conn_info=True)")
+        if kind == "nixlNotFoundError" and peer is None:
+            # A region's own metadata names no connection: the agent must be known.
+            return RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{name_field}: agent {name!r} is not connected to this server: "
+                "ConnectNixl first (again after a server restart)")
+        return _refusal(md_field, name, kind, detail)
 
     def drop_peer(self, name: str) -> None:
         """One region of peer ``name`` went. The agent stays known (connected) while idle, up

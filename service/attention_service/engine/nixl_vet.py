@@ -1,37 +1,49 @@
-"""NIXL metadata read first in a throwaway process, so bytes that crash NIXL's parser cannot
+"""NIXL metadata read first in a helper process, so bytes that crash NIXL's parser cannot
 take the engine down (issue 66).
 
 NIXL 1.5.1 parses a peer's metadata blob in C++ with little checking: with 4 random bytes
-changed near the end of a blob it segfaulted in about 1 in 60 tries (dev box, 2026-11-29).
-The engine hands every blob a caller sends (ConnectNixl, a NIXL region's registration) to
-``MetadataVetter.check`` before its own agent sees it. A helper process, started on first use
-and kept, loads the blob into an agent of its own and drops it again. If the helper dies or
-does not answer within ``timeout``, the blob is refused and the helper is started afresh for
-the next one; if NIXL raises there, it raises the same way in the engine, which reports it as
-before. A blob of a region's memory (no connection info) is loaded after its agent's
-connection blob, as the engine's agent would read it.
+changed near the end of a blob it segfaulted in about 1 in 60 tries in one session's runs
+(dev box, 2026-11-29; another run of 150 whole blobs only raised). The engine hands every
+blob a caller sends (ConnectNixl, a NIXL region's registration) to ``MetadataVetter.check``
+before its own agent sees it. A helper process, started on first use and kept, loads the blob
+into an agent of its own and drops it again:
 
-The helper speaks over its stdin/stdout: each request is ``n`` (4 bytes little-endian) then
-``n`` blobs, each a 4-byte length and its bytes; each answer a 4-byte length and ``ok`` or
-the name of the exception NIXL raised (NIXL's own log lines, which it prints to stdout, go to
-/dev/null).
+* it read the blob: the engine's agent reads it next (which may still refuse it: the engine's
+  agent also holds the peer's earlier regions, which the helper does not);
+* NIXL raised there: the engine refuses the blob the same way without reading it;
+* the helper died on it, or did not answer within ``timeout``, or could not start: ``Unread``
+  (the blob is refused; a new helper starts for the next one).
+
+A blob of a region's memory (no connection info) is loaded after its agent's connection blob.
+
+The helper speaks over its stdin/stdout: first it sends ``ready``; each request is ``n``
+(4 bytes little-endian) then ``n`` blobs, each a 4-byte length and its bytes; each answer a
+4-byte length and ``ok`` or the name of the exception NIXL raised. NIXL's own log lines,
+which it prints to stdout, go to /dev/null; its stderr to a file the engine logs the end of
+when the helper fails to start.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import select
+import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
-# A load of one blob takes milliseconds (dev box: ~1 ms for an agent's metadata over UCX
-# on loopback); the first after the helper starts also imports NIXL and makes its agent
-# (~1 s on the dev box).
+log = logging.getLogger("attention_service")
+
+# A load of one blob takes milliseconds (dev box: 1-6 ms for an agent's metadata over UCX on
+# loopback); the helper's start, NIXL's import and its agent, ~0.6-0.7 s on the dev box.
 TIMEOUT_S = 20.0
+_MAX_ANSWER = 256  # bytes: "ok" or an exception's class name
 NIXL_MODULE = "nixl_cu13"
 BACKEND = "UCX"  # the NIXL backend that moves the bytes
 _HELPER = [sys.executable, "-m", "attention_service.engine.nixl_vet"]
@@ -57,6 +69,15 @@ def _frame(blob: bytes) -> bytes:
     return len(blob).to_bytes(4, "little") + blob
 
 
+class Unread(Exception):
+    """NIXL did not read the blob in the helper: ``crashed`` it died on it; otherwise it did
+    not finish in time or the helper could not start (worth trying again)."""
+
+    def __init__(self, why: str, crashed: bool) -> None:
+        super().__init__(why)
+        self.why, self.crashed = why, crashed
+
+
 class MetadataVetter:
     """Loads blobs in the helper process first; thread-safe (one check at a time)."""
 
@@ -66,43 +87,84 @@ class MetadataVetter:
         self.timeout = timeout
         self._lock = threading.Lock()
         self._proc: subprocess.Popen[bytes] | None = None
+        self._stderr: Any = None  # the helper's stderr (a temporary file)
 
-    def check(self, blobs: Sequence[bytes]) -> str | None:
-        """None when NIXL read ``blobs`` in turn without crashing or hanging (it may have
-        raised: the engine's own agent then raises the same); else why not, in words."""
+    def check(self, blobs: Sequence[bytes]) -> str:
+        """``ok`` when NIXL read ``blobs`` in turn in the helper, else the name of the
+        exception it raised. Raises ``Unread``."""
         request = len(blobs).to_bytes(4, "little") + b"".join(_frame(b) for b in blobs)
         with self._lock:
-            proc = self._started()
+            end = time.monotonic() + self.timeout
+            proc = self._started(end)
             try:
-                assert proc.stdin is not None
-                proc.stdin.write(request)
-                proc.stdin.flush()
-                answer = self._read_answer(proc)
-            except (OSError, ValueError):  # its end closed before it read the request
+                self._write(proc, request, end)
+                answer = self._read(proc, end)
+            except _Late:
+                answer = None
+            except OSError:  # its end closed (it died) before it took the whole request
                 answer = b""
             if answer:
-                return None
-            return self._stop(proc, ended=answer is not None)
+                return answer.decode(errors="replace")
+            if answer is None:
+                self._stop(proc)
+                raise Unread(f"NIXL did not finish reading it within {self.timeout:g} s",
+                             crashed=False)
+            raise Unread(f"NIXL's parser crashed on it ({self._stop(proc, ended=True)})",
+                         crashed=True)
 
     def close(self) -> None:
         with self._lock:
             if self._proc is not None:
-                self._stop(self._proc, ended=False)
+                self._stop(self._proc)
 
-    def _started(self) -> subprocess.Popen[bytes]:
-        if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen(
-                self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
-        return self._proc
+    def _started(self, end: float) -> subprocess.Popen[bytes]:
+        """The helper, started (and its ``ready`` read) if it is not running."""
+        if self._proc is not None and self._proc.poll() is None:
+            return self._proc
+        if self._proc is not None:
+            self._stop(self._proc)
+        if self._stderr is not None:
+            self._stderr.close()
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (kept for the helper's life)
+        proc = self._proc = subprocess.Popen(
+            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._stderr, close_fds=True, start_new_session=True)
+        assert proc.stdin is not None
+        os.set_blocking(proc.stdin.fileno(), False)  # writes wait in ``_write``, timed
+        if self._read(proc, end) == b"ready":
+            return proc
+        how = self._stop(proc, ended=proc.poll() is not None)
+        log.error("the NIXL metadata helper did not start (%s): %s", how, self._stderr_tail())
+        raise Unread(f"this server's NIXL metadata helper could not start ({how})",
+                     crashed=False)
 
-    def _read_answer(self, proc: subprocess.Popen[bytes]) -> bytes | None:
-        """The helper's answer; ``b""`` if it closed its end, None if the time ran out."""
+    def _stderr_tail(self) -> str:
+        if self._stderr is None:
+            return ""
+        self._stderr.seek(0)
+        return self._stderr.read()[-2000:].decode(errors="replace").strip()
+
+    @staticmethod
+    def _write(proc: subprocess.Popen[bytes], data: bytes, end: float) -> None:
+        """All of ``data`` to the helper by ``end`` (a helper that stops reading must not
+        hold the caller: the pipe holds 64 KiB, a blob up to the message limit)."""
+        assert proc.stdin is not None
+        fd, view = proc.stdin.fileno(), memoryview(data)
+        while view:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([], [fd], [], left)[1]:
+                raise _Late
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                continue
+
+    @staticmethod
+    def _read(proc: subprocess.Popen[bytes], end: float) -> bytes | None:
+        """The helper's next answer; ``b""`` if it closed its end (or sent what is not an
+        answer), None if ``end`` passed first."""
         assert proc.stdout is not None
-        fd = proc.stdout.fileno()
-        end = time.monotonic() + self.timeout
-        data = b""
-        need = 4
+        fd, data, need = proc.stdout.fileno(), b"", 4
         while len(data) < need:
             left = end - time.monotonic()
             if left <= 0 or not select.select([fd], [], [], left)[0]:
@@ -112,12 +174,15 @@ class MetadataVetter:
                 return b""
             data += chunk
             if need == 4 and len(data) == 4:
-                need += int.from_bytes(data, "little")
+                size = int.from_bytes(data, "little")
+                if not 0 < size <= _MAX_ANSWER:  # not this protocol's: treat as gone
+                    return b""
+                need += size
         return data[4:]
 
-    def _stop(self, proc: subprocess.Popen[bytes], ended: bool = True) -> str:
-        """Ends the helper; says how it went: it crashed (``ended``: it closed its end, and
-        exits), or it did not answer in time."""
+    def _stop(self, proc: subprocess.Popen[bytes], ended: bool = False) -> str:
+        """Ends the helper (``ended``: it closed its end and exits by itself); says how it
+        ended (its exit code, or the signal that killed it)."""
         try:
             code = proc.wait(2.0) if ended else None
         except subprocess.TimeoutExpired:
@@ -125,17 +190,22 @@ class MetadataVetter:
         if code is None:
             proc.kill()
             proc.wait()
-        if ended:
-            why = f"NIXL's parser crashed on it (exit {code if code is not None else '?'})"
-        else:
-            why = f"NIXL did not finish reading it within {self.timeout:g} s"
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 with contextlib.suppress(OSError):
                     pipe.close()
         if self._proc is proc:
             self._proc = None
-        return why
+        if code is None:
+            return "stopped"
+        if code < 0:
+            with contextlib.suppress(ValueError):
+                return signal.Signals(-code).name
+        return f"exit {code}"
+
+
+class _Late(OSError):
+    """The helper did not take the request in time."""
 
 
 def _read_exact(n: int) -> bytes:
@@ -157,6 +227,7 @@ def _serve() -> None:
     nixl = __import__(NIXL_MODULE)
     config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[BACKEND])
     agent = nixl.nixl_agent(f"attention-vet-{os.getpid()}", config)
+    os.write(answers, _frame(b"ready"))
     while True:
         try:
             count = int.from_bytes(_read_exact(4), "little")

@@ -432,7 +432,7 @@ def test_transfers_are_counted_by_direction(start_server: Any) -> None:
 
 
 # A stand-in for the metadata helper (its protocol, no NIXL): a blob "crash" aborts it,
-# "hang" never answers, anything else is read fine.
+# "hang" never answers, "raise" is refused as NIXL refuses a blob, anything else is read.
 _FAKE_HELPER = r'''
 import os, sys, time
 def read(n):
@@ -443,6 +443,9 @@ def read(n):
             sys.exit(0)
         data += chunk
     return data
+def answer(text):
+    os.write(1, len(text).to_bytes(4, "little") + text)
+answer(b"ready")
 while True:
     blobs = [read(int.from_bytes(read(4), "little"))
              for _ in range(int.from_bytes(read(4), "little"))]
@@ -450,46 +453,63 @@ while True:
         os.abort()
     if b"hang" in blobs:
         time.sleep(3600)
-    os.write(1, (2).to_bytes(4, "little") + b"ok")
+    answer(b"nixlMismatchError" if b"raise" in blobs else b"ok")
 '''
 
 
 def test_the_metadata_helper_survives_crashes_and_hangs_of_its_reader() -> None:
-    """A blob that crashes the reader or never finishes is reported (and the helper made
-    afresh for the next blob); a blob read fine reports nothing."""
-    from attention_service.engine.nixl_vet import MetadataVetter
+    """A blob that crashes the reader or never finishes raises Unread (crashed or not), and
+    the next blob gets a new helper; NIXL's refusal comes back by name; a helper that cannot
+    start (or talks nonsense) is Unread, not crashed."""
+    from attention_service.engine.nixl_vet import MetadataVetter, Unread
 
     vetter = MetadataVetter([sys.executable, "-c", _FAKE_HELPER], timeout=2.0)
     try:
-        assert vetter.check([b"fine"]) is None
-        assert "crashed" in (vetter.check([b"fine", b"crash"]) or "")
-        assert vetter.check([b"fine"]) is None  # a new helper
-        assert "did not finish" in (vetter.check([b"hang"]) or "")
-        assert vetter.check([b"fine", b"also fine"]) is None
+        assert vetter.check([b"fine"]) == "ok"
+        with pytest.raises(Unread) as info:
+            vetter.check([b"fine", b"crash"])
+        assert info.value.crashed and "SIGABRT" in info.value.why
+        assert vetter.check([b"fine"]) == "ok"  # a new helper
+        with pytest.raises(Unread) as info:
+            vetter.check([b"hang"])
+        assert not info.value.crashed and "within 2 s" in info.value.why
+        assert vetter.check([b"fine", b"raise"]) == "nixlMismatchError"
     finally:
         vetter.close()
+    for command in ("import sys; sys.exit(3)",  # never ready
+                    "import os; os.write(1, b'2026-11-30 NIXL INFO ...'); input()"):
+        broken = MetadataVetter([sys.executable, "-c", command], timeout=2.0)
+        with pytest.raises(Unread) as info:
+            broken.check([b"fine"])
+        assert not info.value.crashed and "could not start" in info.value.why
+        broken.close()
 
 
 def test_metadata_that_crashes_nixl_is_refused_and_the_server_goes_on(
         server: ServerHandle, agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
     """ConnectNixl and a region's registration read the caller's blob in a helper process
     first: a blob NIXL's parser dies on (here: a helper that dies on any blob) is
-    INVALID_ARGUMENT naming the field, leaves no agent known, and the server serves on."""
+    INVALID_ARGUMENT naming the field, one it raises on is refused as NIXL refuses it, and
+    neither leaves an agent known; the server serves on."""
     from attention_service.engine.nixl_vet import MetadataVetter
 
     peers = server.server.core.regions.nixl
     real = peers._vetter
-    monkeypatch.setattr(peers, "_vetter", MetadataVetter(
-        [sys.executable, "-c", _FAKE_HELPER.replace('if b"crash" in blobs', "if blobs")]))
     stub = server.stub()
-    code, details = _code(lambda: stub.ConnectNixl(agent.connect_request(), timeout=20))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert details.startswith("agent_metadata:") and "crashed" in details
-    code, details = _code(lambda: stub.RegisterRegion(agent.region(), timeout=20))
-    assert code == grpc.StatusCode.INVALID_ARGUMENT, details
-    assert details.startswith("nixl.agent_metadata:") and "crashed" in details
-    assert not peers.knows(agent.name)
-    peers._vetter.close()
+    for fake, words in (('if b"crash" in blobs', "crashed"),
+                        ('if b"raise" in blobs', "nixlMismatchError")):
+        stand_in = MetadataVetter([sys.executable, "-c", _FAKE_HELPER.replace(fake, "if blobs")])
+        monkeypatch.setattr(peers, "_vetter", stand_in)
+        try:
+            code, details = _code(lambda: stub.ConnectNixl(agent.connect_request(), timeout=20))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert details.startswith("agent_metadata:") and words in details, details
+            code, details = _code(lambda: stub.RegisterRegion(agent.region(), timeout=20))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
+            assert details.startswith("nixl.agent_metadata:") and words in details, details
+            assert not peers.knows(agent.name)
+        finally:
+            stand_in.close()
     monkeypatch.setattr(peers, "_vetter", real)
     stub.ConnectNixl(agent.connect_request(), timeout=20)  # the real helper reads it fine
     stub.RegisterRegion(agent.region(partial=True), timeout=20)
