@@ -46,6 +46,9 @@ _SPIN_POLLS = 200
 # Agents without regions kept known per caller (connected: a client registers its next region
 # without ConnectNixl again); the oldest idle one goes when there are more.
 MAX_IDLE_PEERS = 16
+# Seconds a caller waits before its next metadata is read, after one crashed or stalled the
+# metadata helper (nixl_vet).
+VET_BACKOFF_S = 1.0
 
 
 def available() -> bool:
@@ -95,6 +98,10 @@ class NixlAgent:
         # connected it (its connection info, which a region's own blob is read after)].
         self._peers: dict[str, list[Any]] = {}
         self._vetter = MetadataVetter()
+        # Caller -> when a blob of theirs last crashed or stalled the helper: its next blob is
+        # read only ``VET_BACKOFF_S`` later, so one caller's bad blobs (each costs a new
+        # helper, ~0.6 s of CPU, or up to 20 s of the helper's time) cannot hold the others'.
+        self._vet_failed: dict[str, float] = {}
 
     def _nixl(self) -> Any:
         """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
@@ -153,11 +160,22 @@ class NixlAgent:
             self._nixl()  # first: a server whose NIXL cannot start says so
             peer = self._peer_for(owner, name, metadata, name_field, md_field)
             conn = None if peer is None else peer[3]
+            wait = self._vet_failed.get(owner, -VET_BACKOFF_S) + VET_BACKOFF_S - time.monotonic()
+            if wait > 0:
+                raise RequestError(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"{md_field}: this caller's last NIXL metadata crashed or stalled the "
+                    f"server's metadata helper: try again in {wait:.1f} s")
         # NIXL's parser can crash on bad bytes: a helper process reads them first, outside
         # the lock (a blob it takes long on holds no other caller's registration).
         try:
             answer = self._vetter.check([metadata] if conn is None else [conn, metadata])
         except Unread as exc:
+            with self._lock:
+                self._vet_failed[owner] = time.monotonic()
+                if len(self._vet_failed) > 1024:  # forget the oldest half
+                    for old in sorted(self._vet_failed, key=self._vet_failed.get)[:512]:
+                        del self._vet_failed[old]
             if exc.crashed:
                 raise invalid(md_field, f"not NIXL metadata this server can read: {exc.why} "
                               "(in a helper process; nothing here changed)") from None

@@ -489,28 +489,55 @@ def test_metadata_that_crashes_nixl_is_refused_and_the_server_goes_on(
         server: ServerHandle, agent: Agent, monkeypatch: pytest.MonkeyPatch) -> None:
     """ConnectNixl and a region's registration read the caller's blob in a helper process
     first: a blob NIXL's parser dies on (here: a helper that dies on any blob) is
-    INVALID_ARGUMENT naming the field, one it raises on is refused as NIXL refuses it, and
-    neither leaves an agent known; the server serves on."""
+    INVALID_ARGUMENT naming the field, and that caller's next blob within the back-off is
+    UNAVAILABLE (try again) without being read; one NIXL raises on is refused as NIXL refuses
+    it. Neither leaves an agent known; the server serves on."""
+    import time
+
+    from attention_service.engine import nixl_agent
     from attention_service.engine.nixl_vet import MetadataVetter
 
+    monkeypatch.setattr(nixl_agent, "VET_BACKOFF_S", 0.5)
     peers = server.server.core.regions.nixl
     real = peers._vetter
     stub = server.stub()
-    for fake, words in (('if b"crash" in blobs', "crashed"),
-                        ('if b"raise" in blobs', "nixlMismatchError")):
-        stand_in = MetadataVetter([sys.executable, "-c", _FAKE_HELPER.replace(fake, "if blobs")])
-        monkeypatch.setattr(peers, "_vetter", stand_in)
-        try:
-            code, details = _code(lambda: stub.ConnectNixl(agent.connect_request(), timeout=20))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
-            assert details.startswith("agent_metadata:") and words in details, details
-            code, details = _code(lambda: stub.RegisterRegion(agent.region(), timeout=20))
-            assert code == grpc.StatusCode.INVALID_ARGUMENT, details
-            assert details.startswith("nixl.agent_metadata:") and words in details, details
-            assert not peers.knows(agent.name)
-        finally:
-            stand_in.close()
+
+    def refused(call: Any, field: str) -> tuple[grpc.StatusCode, str]:
+        code, details = _code(call)
+        assert details.startswith(f"{field}:"), details
+        return code, details
+
+    def connect() -> Any:
+        return stub.ConnectNixl(agent.connect_request(), timeout=20)
+
+    def register() -> Any:
+        return stub.RegisterRegion(agent.region(), timeout=20)
+
+    crashing = MetadataVetter([sys.executable, "-c",
+                               _FAKE_HELPER.replace('if b"crash" in blobs', "if blobs")])
+    monkeypatch.setattr(peers, "_vetter", crashing)
+    try:
+        code, details = refused(connect, "agent_metadata")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "crashed" in details
+        code, details = refused(register, "nixl.agent_metadata")  # within the back-off
+        assert code == grpc.StatusCode.UNAVAILABLE and "try again in" in details
+        time.sleep(0.6)
+        code, details = refused(register, "nixl.agent_metadata")
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and "crashed" in details
+    finally:
+        crashing.close()
+    time.sleep(0.6)
+    raising = MetadataVetter([sys.executable, "-c",
+                              _FAKE_HELPER.replace('if b"raise" in blobs', "if blobs")])
+    monkeypatch.setattr(peers, "_vetter", raising)
+    try:
+        for call, field in ((connect, "agent_metadata"), (register, "nixl.agent_metadata")):
+            code, details = refused(call, field)  # no back-off: NIXL refused, nothing crashed
+            assert code == grpc.StatusCode.INVALID_ARGUMENT and "nixlMismatchError" in details
+    finally:
+        raising.close()
+    assert not peers.knows(agent.name)
     monkeypatch.setattr(peers, "_vetter", real)
-    stub.ConnectNixl(agent.connect_request(), timeout=20)  # the real helper reads it fine
+    connect()  # the real helper reads it fine
     stub.RegisterRegion(agent.region(partial=True), timeout=20)
     assert peers.knows(agent.name)
