@@ -178,6 +178,9 @@ class ServerConfig:
     # the caller's own device memory and count only towards the number.
     max_regions_per_caller: int = 64
     system_region_bytes_per_caller: int = 0
+    # The bytes of server GPU memory one caller's NIXL regions of GPU memory may hold together
+    # (their mirrors; 0 = no limit but the GPU's own): apart from the host bytes above.
+    gpu_region_bytes_per_caller: int = 0
     # Seconds a region may go unused before the server drops it (0 = never): a client killed
     # without unregistering would otherwise hold its mapping (page-locked on cuda) and its
     # caller's region quota until a restart. attention_client registers it again when needed.
@@ -276,10 +279,11 @@ class ServerConfig:
             raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
         # ListRegions answers in one message: 10000 regions of ~160 bytes fit 4 MiB.
         if not 1 <= self.max_regions_per_caller <= 10000 or (
-            self.system_region_bytes_per_caller < 0
+            self.system_region_bytes_per_caller < 0 or self.gpu_region_bytes_per_caller < 0
         ):
-            raise ValueError("max_regions_per_caller must be in [1, 10000] and "
-                             "system_region_bytes_per_caller >= 0 (0 = no limit)")
+            raise ValueError("max_regions_per_caller must be in [1, 10000], and "
+                             "system_region_bytes_per_caller and gpu_region_bytes_per_caller "
+                             ">= 0 (0 = no limit)")
         if self.kv_cache_bytes < -1:
             raise ValueError("kv_cache_bytes must be >= 0 (or -1 = auto)")
         if self.kv_page_bytes < 256 or self.kv_page_bytes % 256:
@@ -414,6 +418,8 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
                                int),
     "system_region_bytes_per_caller": ("--system-region-bytes-per-caller",
                                        "ATTENTION_SYSTEM_REGION_BYTES_PER_CALLER", int),
+    "gpu_region_bytes_per_caller": ("--gpu-region-bytes-per-caller",
+                                    "ATTENTION_GPU_REGION_BYTES_PER_CALLER", int),
     "region_ttl": ("--region-ttl", "ATTENTION_REGION_TTL", float),
     "kv_cache_bytes": ("--kv-cache-bytes", "ATTENTION_KV_CACHE_BYTES", int),
     "kv_page_bytes": ("--kv-page-bytes", "ATTENTION_KV_PAGE_BYTES", int),
@@ -474,8 +480,10 @@ _HELP: dict[str, str] = {
     "nixl": "NIXL regions (any host; needs NIXL installed and regions on): --no-nixl keeps "
             "callers' NIXL metadata out of the engine process",
     "max_regions_per_caller": "regions one caller may hold at once",
-    "system_region_bytes_per_caller": "bytes of system regions one caller may hold (0: no "
-                                      "limit)",
+    "system_region_bytes_per_caller": "bytes of system regions (and NIXL mirrors in host "
+                                      "memory) one caller may hold (0: no limit)",
+    "gpu_region_bytes_per_caller": "bytes of server GPU memory one caller's NIXL regions of "
+                                   "GPU memory may hold (0: no limit)",
     "region_ttl": "seconds a region may go unused before it is dropped (0: never)",
     "kv_cache_bytes": "KV-cache pool (0: caches off; -1: auto, a quarter of the free GPU "
                       "memory on cuda, 256 MiB on cpu)",

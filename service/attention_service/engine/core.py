@@ -92,6 +92,7 @@ class EngineCore:
             backend, allowed=config.regions_allowed, nixl=config.nixl,
             max_per_owner=config.max_regions_per_caller,
             system_bytes_per_owner=config.system_region_bytes_per_caller,
+            gpu_bytes_per_owner=config.gpu_region_bytes_per_caller,
             ttl_seconds=config.region_ttl,
             # Metrics have it; a bare observer (a benchmark's tally) may not.
             observe_nixl=getattr(observer, "observe_nixl", None),

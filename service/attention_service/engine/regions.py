@@ -26,9 +26,11 @@ Safety rules:
   IPC handle): the allocation's owner is who registered it first, and one mapping of it is
   shared by that owner's regions and closed with the last of them (CUDA documents one open
   per handle and process; older drivers answer "already mapped" to a second);
-* an owner holds at most ``--max-regions-per-caller`` regions, and system regions of at most
-  ``--system-region-bytes-per-caller`` bytes together (the server maps and page-locks those):
-  RESOURCE_EXHAUSTED past either, checked before anything is mapped;
+* an owner holds at most ``--max-regions-per-caller`` regions, system regions and NIXL
+  mirrors in host memory of at most ``--system-region-bytes-per-caller`` bytes together (the
+  server maps and page-locks those), and NIXL mirrors on the server's GPU of at most
+  ``--gpu-region-bytes-per-caller``: RESOURCE_EXHAUSTED past any, checked before anything is
+  mapped;
 * every span is bounds-checked against its region (INVALID_ARGUMENT naming the field);
 * a region dropped while calls use it stays mapped until the last of them finishes;
 * a region no call has used for ``--region-ttl`` seconds is dropped (never while a call uses
@@ -77,10 +79,11 @@ NixlSpans = dict[str, tuple["_Region", RegionSpan]]
 
 @dataclass(frozen=True)
 class _Claim:
-    """A registration in progress: its name, key and system bytes are taken while it maps."""
+    """A registration in progress: its name, key and memory are taken while it maps."""
 
     key: str
-    nbytes: int
+    nbytes: int  # of the server's host memory
+    gpu_bytes: int = 0  # of the server's GPU memory (a mirror of a client's GPU memory)
 
 
 @dataclass(frozen=True)
@@ -107,6 +110,7 @@ class _Region:
     dropped: bool = False
     last_used: float = 0.0  # the clock's time when a call last let go of it (or registered)
     remote: _Remote | None = None  # a NIXL region's client memory (``tensor`` its mirror)
+    gpu_mirror: bool = False  # ``tensor`` is the server's GPU memory, mirroring a client's
     base: ByteBase = field(init=False)
 
     def __post_init__(self) -> None:
@@ -181,15 +185,17 @@ class RegionRegistry:
         self, backend: Any, allowed: bool, max_per_owner: int = 64,
         system_bytes_per_owner: int = 0, ttl_seconds: float = 0.0,
         clock: Callable[[], float] = time.monotonic, observe_nixl: Observe | None = None,
-        nixl: bool = True,
+        nixl: bool = True, gpu_bytes_per_owner: int = 0,
     ) -> None:
         """``max_per_owner``: regions one owner may hold; ``system_bytes_per_owner``: bytes
-        of its system regions together (0 = no limit); ``ttl_seconds``: idle seconds after
-        which a region is dropped (0 = never)."""
+        of its system regions and host mirrors together, ``gpu_bytes_per_owner``: of its
+        GPU mirrors (0 = no limit); ``ttl_seconds``: idle seconds after which a region is
+        dropped (0 = never)."""
         self.backend = backend
         self.allowed = allowed
         self.max_per_owner = max_per_owner
         self.system_bytes_per_owner = system_bytes_per_owner
+        self.gpu_bytes_per_owner = gpu_bytes_per_owner
         self.ttl = ttl_seconds
         self._clock = clock
         self._lock = threading.Lock()
@@ -246,12 +252,15 @@ class RegionRegistry:
             key = CUDA_KEY + bytes(req.cuda.ipc_handle).hex()
         elif kind != "nixl":
             raise invalid("source", "set system, cuda or nixl")
-        # The server's host memory it takes: a system region's mapping, a NIXL region's mirror.
-        claim = _Claim(key, req.byte_size if kind in ("system", "nixl") else 0)
+        # The server's memory it takes: a system region's mapping, a NIXL region's mirror (on
+        # the server's GPU for the client's GPU memory).
+        gpu = kind == "nixl" and req.nixl.memory == "VRAM"
+        claim = _Claim(key, req.byte_size if kind == "system" or (kind == "nixl" and not gpu)
+                       else 0, req.byte_size if gpu else 0)
         slot = (owner, req.name)
         with self._lock:  # name, key, count and bytes are taken together, then mapped
             self._check_free(owner, req.name, key)
-            self._check_room(owner, claim.nbytes)
+            self._check_room(owner, claim)
             self._claims[slot] = claim
         try:
             remote = None
@@ -261,7 +270,8 @@ class RegionRegistry:
                 tensor, closer = self._open_cuda(req.cuda, req.byte_size)
             else:
                 tensor, closer, remote = self._open_nixl(owner, req.nixl, req.byte_size)
-            region = _Region(owner, req.name, kind, tensor, closer, key, remote=remote)
+            region = _Region(owner, req.name, kind, tensor, closer, key, remote=remote,
+                             gpu_mirror=gpu)
         except BaseException:
             with self._lock:
                 del self._claims[slot]
@@ -273,25 +283,28 @@ class RegionRegistry:
         log.info("region registered: kind=%s name=%s bytes=%d", kind, req.name, req.byte_size)
         return region.info()
 
-    def _check_room(self, owner: str, nbytes: int) -> None:
-        """Under the lock: ``owner`` may take one more region of ``nbytes`` system bytes."""
+    def _check_room(self, owner: str, claim: _Claim) -> None:
+        """Under the lock: ``owner`` may take one more region, of ``claim``'s bytes."""
         held = [r for (o, _), r in self._regions.items() if o == owner]
         claimed = [c for (o, _), c in self._claims.items() if o == owner]
         if len(held) + len(claimed) >= self.max_per_owner:
             raise exhausted(
                 "name", f"this caller holds {self.max_per_owner} regions, the server's limit "
                 "(--max-regions-per-caller): unregister one first")
-        limit = self.system_bytes_per_owner
-        if not limit or not nbytes:
-            return
-        used = (sum(r.size for r in held if r.kind in ("system", "nixl"))
-                + sum(c.nbytes for c in claimed))
-        if used + nbytes > limit:
-            raise exhausted(
-                "byte_size", f"{nbytes} more bytes of system (or NIXL mirror) regions would make "
-                "this caller's "
-                f"{used + nbytes}, over the server's limit of {limit} per caller "
-                "(--system-region-bytes-per-caller): unregister regions or register less")
+        for nbytes, limit, on_gpu, what, flag in (
+                (claim.nbytes, self.system_bytes_per_owner, False,
+                 "system (or NIXL host mirror) regions", "--system-region-bytes-per-caller"),
+                (claim.gpu_bytes, self.gpu_bytes_per_owner, True,
+                 "NIXL regions' mirrors on the server's GPU", "--gpu-region-bytes-per-caller")):
+            if not limit or not nbytes:
+                continue
+            used = (sum(r.size for r in held if r.kind != "cuda" and r.gpu_mirror == on_gpu)
+                    + sum(c.gpu_bytes if on_gpu else c.nbytes for c in claimed))
+            if used + nbytes > limit:
+                raise exhausted(
+                    "byte_size", f"{nbytes} more bytes of {what} would make this caller's "
+                    f"{used + nbytes}, over the server's limit of {limit} per caller ({flag}): "
+                    "unregister regions or register less")
 
     def _check_free(self, owner: str, name: str, key: str) -> None:
         """Under the lock: ``name`` is not one of the owner's regions (registered or being

@@ -567,3 +567,39 @@ def test_an_object_that_is_not_shared_memory_is_refused_without_a_path(
             os.rmdir(path)
         elif os.path.lexists(path):
             os.unlink(path)
+
+
+def test_gpu_mirrors_have_their_own_bound_apart_from_host_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A NIXL region of GPU memory takes a mirror on the server's GPU: it counts against
+    --gpu-region-bytes-per-caller, not the host bytes of --system-region-bytes-per-caller, and
+    a NIXL region of host memory the other way round (mirrors stood in for by host tensors)."""
+    from attention_service.engine import regions as regions_mod
+    from attention_service.errors import RequestError
+
+    class _Cpu:
+        name = "cpu"
+
+    def fake_open(self: Any, owner: str, src: Any, nbytes: int) -> Any:
+        return torch.zeros(nbytes, dtype=torch.uint8), lambda: None, None
+
+    monkeypatch.setattr(regions_mod.RegionRegistry, "_open_nixl", fake_open)
+    reg = regions_mod.RegionRegistry(_Cpu(), allowed=True, system_bytes_per_owner=MiB,
+                                     gpu_bytes_per_owner=MiB // 2)
+
+    def nixl(name: str, size: int, memory: str) -> Any:
+        return pb.RegisterRegionRequest(name=name, byte_size=size, nixl=pb.NixlRegion(
+            agent_name="agent", agent_metadata=b"m", address=4096, memory=memory))
+
+    reg.register("a", nixl("gpu", MiB // 2, "VRAM"))  # the GPU bound, exactly
+    reg.register("a", nixl("host", MiB, "DRAM"))  # the host bound, exactly: GPU not counted
+    for name, size, memory, flag in (("gpu2", 1, "VRAM", "--gpu-region-bytes-per-caller"),
+                                     ("host2", 1, "DRAM", "--system-region-bytes-per-caller")):
+        with pytest.raises(RequestError) as info:
+            reg.register("a", nixl(name, size, memory))
+        assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.details.startswith("byte_size") and flag in info.value.details
+    reg.register("b", nixl("gpu", MiB // 2, "VRAM"))  # per caller
+    assert reg.unregister("a", "gpu") == 1
+    reg.register("a", nixl("gpu2", MiB // 2, "VRAM"))  # room again
+    reg.close()
