@@ -109,9 +109,11 @@ class _Cache:
     released: bool = False  # released while busy: pages go when its call ends
 
 
-# Resolved id lists kept (each a list of its caches): a step stream per layer of each model
-# host names one.
-_MAX_RESOLVED = 4096
+# Resolved id lists kept (a step stream per layer of each model host names one): lists of up
+# to _MAX_KEPT_LIST ids, _MAX_KEPT_IDS ids in all (then they are all forgotten), kept once a
+# call naming them is accepted, so refused calls cannot fill the memo.
+_MAX_KEPT_LIST = 1024
+_MAX_KEPT_IDS = 1 << 16
 
 
 def _aborted(field_name: str, message: str) -> RequestError:
@@ -137,6 +139,7 @@ class CacheRegistry:
         # Id lists resolved to their caches, layouts checked equal (a step stream names the
         # same caches every step): emptied whenever a cache goes, so never stale.
         self._resolved: dict[tuple[str, tuple[str, ...]], list[_Cache]] = {}
+        self._resolved_ids = 0  # ids in the kept lists
         self._per_owner: dict[str, int] = {}
         self.expired_total = 0  # caches released by the TTL (a metric)
         self._sweeper = (Sweeper("kv-cache-ttl", ttl_seconds, self.expire)
@@ -172,7 +175,8 @@ class CacheRegistry:
         new = lengths(params.cu_seqlens_k)
         name = "q" if params.op.queries else "k"
         with self._lock:
-            caches = self._resolved.get((owner, ids)) or self._resolve(owner, ids, params, name)
+            kept = self._resolved.get((owner, ids))
+            caches = kept or self._resolve(owner, ids, params, name)
             self._check_layout(caches[0], params, name)
             if any(c.busy for c in caches):
                 i = next(i for i, c in enumerate(caches) if c.busy)
@@ -193,6 +197,8 @@ class CacheRegistry:
             need = [-(-(c.length + n) // pt) - len(c.pages)
                     for c, n in zip(caches, new, strict=True)]
             fresh = pool.alloc(sum(need), "header.k", owner)
+            if kept is None:  # accepted: its caches are worth keeping resolved
+                self._keep(owner, ids, caches)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
             if max(new) <= 1 and min(need) >= 0 and max(need) <= 1:
@@ -252,14 +258,23 @@ class CacheRegistry:
             if c.layout is not first and c.layout != first:
                 self._check_layout(caches[0], params, name)
                 self._check_layout(c, params, name)
+                if any(b.busy for b in caches[:i]):  # the first fault in id order, as ever
+                    return caches
                 raise invalid(f"header.cache.cache_ids[{i}]",
                               f"cache {c.cache_id!r} differs from {caches[0].cache_id!r} "
                               "in layout (an FP8 cache and a 16-bit one): one request "
                               "runs caches of one layout")
-        if len(self._resolved) >= _MAX_RESOLVED:
-            self._resolved.clear()
-        self._resolved[(owner, ids)] = caches
         return caches
+
+    def _keep(self, owner: str, ids: tuple[str, ...], caches: list[_Cache]) -> None:
+        """Under the lock: remember ``ids`` resolved, within the memo's bounds."""
+        if len(ids) > _MAX_KEPT_LIST:
+            return
+        if self._resolved_ids + len(ids) > _MAX_KEPT_IDS:
+            self._resolved.clear()
+            self._resolved_ids = 0
+        self._resolved[(owner, ids)] = caches
+        self._resolved_ids += len(ids)
 
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
@@ -438,6 +453,7 @@ class CacheRegistry:
         """Remove ``c``'s name; its pages go now, or when its call ends."""
         del self._caches[(c.owner, c.cache_id)]
         self._resolved.clear()  # none may name a cache that went
+        self._resolved_ids = 0
         self._per_owner[c.owner] -= 1
         if not self._per_owner[c.owner]:
             del self._per_owner[c.owner]

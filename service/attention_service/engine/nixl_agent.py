@@ -102,6 +102,8 @@ class NixlAgent:
         # read only ``VET_BACKOFF_S`` later, so one caller's bad blobs (each costs a new
         # helper, ~0.6 s of CPU, or up to 20 s of the helper's time) cannot hold the others'.
         self._vet_failed: dict[str, float] = {}
+        self._vetting: set[str] = set()  # callers with a blob in the helper now: one each
+        self._vet_done = threading.Condition(self._lock)  # one of theirs left the helper
 
     def _nixl(self) -> Any:
         """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
@@ -158,14 +160,24 @@ class NixlAgent:
             raise invalid(md_field, "missing: send the agent's NIXL metadata")
         with self._lock:
             self._nixl()  # first: a server whose NIXL cannot start says so
-            peer = self._peer_for(owner, name, metadata, name_field, md_field)
-            conn = None if peer is None else peer[3]
+            self._peer_for(owner, name, metadata, name_field, md_field)  # refusals don't wait
+            # One blob per caller in the helper at a time, and none for a while after one of
+            # theirs crashed or stalled it: a caller's bad blobs, sent at once or in a row,
+            # cost the helper one failure per VET_BACKOFF_S, and other callers' blobs go on.
+            if not self._vet_done.wait_for(lambda: owner not in self._vetting,
+                                           timeout=self._vetter.timeout):
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"{md_field}: the server is still reading another NIXL "
+                                   "blob of this caller's: try again")
             wait = self._vet_failed.get(owner, -VET_BACKOFF_S) + VET_BACKOFF_S - time.monotonic()
             if wait > 0:
                 raise RequestError(
                     grpc.StatusCode.UNAVAILABLE,
                     f"{md_field}: this caller's last NIXL metadata crashed or stalled the "
                     f"server's metadata helper: try again in {wait:.1f} s")
+            peer = self._peer_for(owner, name, metadata, name_field, md_field)  # after waiting
+            conn = None if peer is None else peer[3]
+            self._vetting.add(owner)
         # NIXL's parser can crash on bad bytes: a helper process reads them first, outside
         # the lock (a blob it takes long on holds no other caller's registration).
         try:
@@ -182,9 +194,19 @@ class NixlAgent:
             raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                f"{md_field}: {exc.why} (a helper process reads NIXL metadata "
                                "before the server does): try again") from None
+        finally:
+            with self._lock:
+                self._vetting.discard(owner)
+                self._vet_done.notify_all()
         with self._lock:
             agent = self._nixl()
             peer = self._peer_for(owner, name, metadata, name_field, md_field)  # as it is now
+            if (None if peer is None else peer[3]) is not conn:
+                # The agent came, went or reconnected meanwhile: what the helper read is not
+                # what the engine's agent would.
+                raise RequestError(grpc.StatusCode.UNAVAILABLE,
+                                   f"{name_field}: agent {name!r} changed while its metadata "
+                                   "was read: try again")
             if answer != "ok":  # NIXL raised in the helper: the engine's agent never reads it
                 raise self._refused(answer, answer, peer, regions, name, name_field, md_field)
             # NIXL merges metadata of a known agent (a region's memory, or the whole agent

@@ -11,16 +11,17 @@ into an agent of its own and drops it again:
 * it read the blob: the engine's agent reads it next (which may still refuse it: the engine's
   agent also holds the peer's earlier regions, which the helper does not);
 * NIXL raised there: the engine refuses the blob the same way without reading it;
-* the helper died on it, or did not answer within ``timeout``, or could not start: ``Unread``
-  (the blob is refused; a new helper starts for the next one).
+* the helper died on it (a crash signal: ``Unread``, crashed), or did not answer within
+  ``timeout``, could not start or ended otherwise (``Unread``, not crashed: try again); a new
+  helper starts for the next blob.
 
 A blob of a region's memory (no connection info) is loaded after its agent's connection blob.
 
 The helper speaks over its stdin/stdout: first it sends ``ready``; each request is ``n``
 (4 bytes little-endian) then ``n`` blobs, each a 4-byte length and its bytes; each answer a
 4-byte length and ``ok`` or the name of the exception NIXL raised. NIXL's own log lines,
-which it prints to stdout, go to /dev/null; its stderr to a file the engine logs the end of
-when the helper fails to start.
+which it prints to stdout, go to /dev/null; its stderr, up to ``ready``, to a file the engine
+logs the end of when the helper fails to start, and to /dev/null after it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ log = logging.getLogger("attention_service")
 # loopback); the helper's start, NIXL's import and its agent, ~0.6-0.7 s on the dev box.
 TIMEOUT_S = 20.0
 _MAX_ANSWER = 256  # bytes: "ok" or an exception's class name
+# How a helper that closed its end ended, for it to count as NIXL crashing on the blob (any
+# other end, e.g. the out-of-memory killer's SIGKILL, is the server's trouble, not the blob's).
+_CRASHES = frozenset({"SIGSEGV", "SIGABRT", "SIGBUS", "SIGILL", "SIGFPE"})
 NIXL_MODULE = "nixl_cu13"
 BACKEND = "UCX"  # the NIXL backend that moves the bytes
 _HELPER = [sys.executable, "-m", "attention_service.engine.nixl_vet"]
@@ -93,8 +97,11 @@ class MetadataVetter:
         """``ok`` when NIXL read ``blobs`` in turn in the helper, else the name of the
         exception it raised. Raises ``Unread``."""
         request = len(blobs).to_bytes(4, "little") + b"".join(_frame(b) for b in blobs)
-        with self._lock:
-            end = time.monotonic() + self.timeout
+        end = time.monotonic() + self.timeout
+        if not self._lock.acquire(timeout=self.timeout):
+            raise Unread(f"the server's NIXL metadata helper was busy for {self.timeout:g} s",
+                         crashed=False)
+        try:
             proc = self._started(end)
             try:
                 self._write(proc, request, end)
@@ -109,13 +116,20 @@ class MetadataVetter:
                 self._stop(proc)
                 raise Unread(f"NIXL did not finish reading it within {self.timeout:g} s",
                              crashed=False)
-            raise Unread(f"NIXL's parser crashed on it ({self._stop(proc, ended=True)})",
-                         crashed=True)
+            how = self._stop(proc, ended=True)
+            if how in _CRASHES:
+                raise Unread(f"NIXL's parser crashed on it ({how})", crashed=True)
+            raise Unread(f"the server's NIXL metadata helper ended ({how})", crashed=False)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         with self._lock:
             if self._proc is not None:
                 self._stop(self._proc)
+            if self._stderr is not None:
+                self._stderr.close()
+                self._stderr = None
 
     def _started(self, end: float) -> subprocess.Popen[bytes]:
         """The helper, started (and its ``ready`` read) if it is not running."""
@@ -126,9 +140,14 @@ class MetadataVetter:
         if self._stderr is not None:
             self._stderr.close()
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (kept for the helper's life)
-        proc = self._proc = subprocess.Popen(
-            self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._stderr, close_fds=True, start_new_session=True)
+        try:
+            proc = self._proc = subprocess.Popen(
+                self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=self._stderr, close_fds=True, start_new_session=True)
+        except OSError as exc:
+            log.error("the NIXL metadata helper could not be started: %s", exc)
+            raise Unread(f"this server's NIXL metadata helper could not start ({exc})",
+                         crashed=False) from None
         assert proc.stdin is not None
         os.set_blocking(proc.stdin.fileno(), False)  # writes wait in ``_write``, timed
         if self._read(proc, end) == b"ready":
@@ -228,6 +247,9 @@ def _serve() -> None:
     config = nixl.nixl_agent_config(enable_prog_thread=False, backends=[BACKEND])
     agent = nixl.nixl_agent(f"attention-vet-{os.getpid()}", config)
     os.write(answers, _frame(b"ready"))
+    # From here NIXL logs a line or two per blob it refuses: not kept (a start failure's
+    # output, before this, is what the engine logs).
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     while True:
         try:
             count = int.from_bytes(_read_exact(4), "little")

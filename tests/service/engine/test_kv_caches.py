@@ -612,3 +612,33 @@ def test_warmup_is_outside_the_quota_and_leaks_no_page_when_skipped() -> None:
     warm_caches(Recording(), tiny, (torch.float32,))
     assert len(launched) == 1  # AppendKV alone; the pair is refused a second page
     assert tiny.gauges()[:3] == (0, 1, 0)
+
+
+def test_resolved_id_lists_are_kept_only_for_accepted_calls_and_never_go_stale(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step's id list is resolved once and kept (a step stream names the same caches every
+    step), but only once a call naming it is accepted, only up to the memo's bounds, and it is
+    forgotten when any cache goes: a cache released and made again under its id is the new
+    one, and a busy cache refuses the call as before."""
+    from attention_service.engine import kv_caches
+
+    pool = KvPool(torch.zeros(16 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["a", "b"])
+    step = _params(Op.CACHE_DECODE, ("a", "b"), [1, 1], store=True)
+    w = reg.begin(step, "")
+    assert list(reg._resolved) == [("", ("a", "b"))]
+    with pytest.raises(RequestError) as info:  # busy: refused, nothing more kept
+        reg.begin(_params(Op.CACHE_DECODE, ("b", "a"), [1, 1]), "")
+    assert info.value.code == grpc.StatusCode.ABORTED
+    assert "cache_ids[0]" in info.value.details and len(reg._resolved) == 1
+    assert w.finish(True) == (1, 1)
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["a"]), "")
+    assert not reg._resolved
+    _create(reg, ["a"])  # a new cache under the old id: length 0, not the released one's 1
+    w = reg.begin(step, "")
+    assert w.seq_lens == [1, 2] and w.finish(True) == (1, 2)
+    monkeypatch.setattr(kv_caches, "_MAX_KEPT_LIST", 1)  # longer lists: resolved, not kept
+    reg._resolved.clear()
+    reg.begin(step, "").finish(True)
+    assert not reg._resolved

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -453,6 +454,8 @@ while True:
         os.abort()
     if b"hang" in blobs:
         time.sleep(3600)
+    if b"exit" in blobs:
+        sys.exit(0)
     answer(b"nixlMismatchError" if b"raise" in blobs else b"ok")
 '''
 
@@ -474,11 +477,15 @@ def test_the_metadata_helper_survives_crashes_and_hangs_of_its_reader() -> None:
             vetter.check([b"hang"])
         assert not info.value.crashed and "within 2 s" in info.value.why
         assert vetter.check([b"fine", b"raise"]) == "nixlMismatchError"
+        with pytest.raises(Unread) as info:  # ended, but not by a crash signal: not the blob
+            vetter.check([b"exit"])
+        assert not info.value.crashed and "ended (exit 0)" in info.value.why
     finally:
         vetter.close()
-    for command in ("import sys; sys.exit(3)",  # never ready
-                    "import os; os.write(1, b'2026-11-30 NIXL INFO ...'); input()"):
-        broken = MetadataVetter([sys.executable, "-c", command], timeout=2.0)
+    for command in ([sys.executable, "-c", "import sys; sys.exit(3)"],  # never ready
+                    [sys.executable, "-c", "import os; os.write(1, b'2026 NIXL INFO'); input()"],
+                    ["/nonexistent/attention-helper"]):  # cannot be spawned
+        broken = MetadataVetter(command, timeout=2.0)
         with pytest.raises(Unread) as info:
             broken.check([b"fine"])
         assert not info.value.crashed and "could not start" in info.value.why
@@ -517,6 +524,13 @@ def test_metadata_that_crashes_nixl_is_refused_and_the_server_goes_on(
                                _FAKE_HELPER.replace('if b"crash" in blobs', "if blobs")])
     monkeypatch.setattr(peers, "_vetter", crashing)
     try:
+        # Sent at once: one is read (and crashes the helper); the others wait for it, then
+        # meet the back-off.
+        with ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(lambda _: refused(connect, "agent_metadata"), range(4)))
+        codes = sorted(c.name for c, _ in results)
+        assert codes == ["INVALID_ARGUMENT"] + ["UNAVAILABLE"] * 3, results
+        time.sleep(0.6)
         code, details = refused(connect, "agent_metadata")
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "crashed" in details
         code, details = refused(register, "nixl.agent_metadata")  # within the back-off
