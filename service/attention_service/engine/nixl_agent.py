@@ -49,6 +49,10 @@ MAX_IDLE_PEERS = 16
 # Seconds a caller waits before its next metadata is read, after one crashed or stalled the
 # metadata helper (nixl_vet).
 VET_BACKOFF_S = 1.0
+# Seconds a caller's blob waits for another of theirs in the helper (a few ms when good)
+# before it is UNAVAILABLE: a waiting registration holds one of the engine's few control
+# threads.
+VET_WAIT_S = 0.5
 
 
 def available() -> bool:
@@ -165,7 +169,7 @@ class NixlAgent:
             # theirs crashed or stalled it: a caller's bad blobs, sent at once or in a row,
             # cost the helper one failure per VET_BACKOFF_S, and other callers' blobs go on.
             if not self._vet_done.wait_for(lambda: owner not in self._vetting,
-                                           timeout=self._vetter.timeout):
+                                           timeout=VET_WAIT_S):
                 raise RequestError(grpc.StatusCode.UNAVAILABLE,
                                    f"{md_field}: the server is still reading another NIXL "
                                    "blob of this caller's: try again")
