@@ -254,7 +254,10 @@ class RegionRegistry:
             raise invalid("source", "set system, cuda or nixl")
         # The server's memory it takes: a system region's mapping, a NIXL region's mirror (on
         # the server's GPU for the client's GPU memory).
-        gpu = kind == "nixl" and req.nixl.memory == "VRAM"
+        memory = req.nixl.memory or "DRAM"  # NIXL's names of the client's memory kinds
+        if kind == "nixl" and memory not in ("DRAM", "VRAM"):
+            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
+        gpu = kind == "nixl" and memory == "VRAM"
         claim = _Claim(key, req.byte_size if kind == "system" or (kind == "nixl" and not gpu)
                        else 0, req.byte_size if gpu else 0)
         slot = (owner, req.name)

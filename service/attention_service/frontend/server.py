@@ -44,6 +44,7 @@ def server_info(config: ServerConfig, info: EngineInfo, frontend: int = 0) -> pb
         kv_cache_bytes=info.kv_cache_bytes, kv_page_bytes=info.kv_page_bytes,
         max_regions_per_caller=config.max_regions_per_caller,
         system_region_bytes_per_caller=config.system_region_bytes_per_caller,
+        gpu_region_bytes_per_caller=config.gpu_region_bytes_per_caller,
         frontend=frontend, nixl=info.nixl, nixl_backend=info.nixl_backend,
         steps_in_flight=STEPS_IN_FLIGHT,
     )

@@ -114,7 +114,8 @@ def test_regions_per_caller_are_bounded(start_server: Any, obj: Shm) -> None:
     srv = start_server()
     stub = srv.stub()
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10)
-    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller) == (64, 0)
+    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller,
+            info.gpu_region_bytes_per_caller) == (64, 0, 0)
     for i in range(64):
         _register(stub, f"n{i}", obj.key, 4096)
     code, details = _code(lambda: _register(stub, "n64", obj.key, 4096))
@@ -127,12 +128,14 @@ def test_system_region_bytes_per_caller_are_bounded(start_server: Any, obj: Shm)
     """Past --system-region-bytes-per-caller: RESOURCE_EXHAUSTED naming byte_size, before
     anything is mapped; per token; room comes back with an unregistration."""
     srv = start_server(auth_token="token-a,token-b", max_regions_per_caller=3,
-                       system_region_bytes_per_caller=MiB // 2)
+                       system_region_bytes_per_caller=MiB // 2,
+                       gpu_region_bytes_per_caller=MiB)
     stub = srv.stub()
     a = (("authorization", "Bearer token-a"),)
     b = (("authorization", "Bearer token-b"),)
     info = stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10, metadata=a)
-    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller) == (3, MiB // 2)
+    assert (info.max_regions_per_caller, info.system_region_bytes_per_caller,
+            info.gpu_region_bytes_per_caller) == (3, MiB // 2, MiB)
     _register(stub, "big", obj.key, MiB // 4, metadata=a)
     _register(stub, "more", obj.key, MiB // 8, offset=MiB // 4, metadata=a)
     code, details = _code(lambda: _register(stub, "over", obj.key, MiB // 4, metadata=a))
@@ -600,6 +603,10 @@ def test_gpu_mirrors_have_their_own_bound_apart_from_host_bytes(
         assert info.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert info.value.details.startswith("byte_size") and flag in info.value.details
     reg.register("b", nixl("gpu", MiB // 2, "VRAM"))  # per caller
+    with pytest.raises(RequestError) as info:  # the kind is read before any bound
+        reg.register("a", nixl("odd", 1, "vram"))
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.details.startswith("nixl.memory")
     assert reg.unregister("a", "gpu") == 1
     reg.register("a", nixl("gpu2", MiB // 2, "VRAM"))  # room again
     reg.close()
