@@ -223,7 +223,7 @@ class MetadataVetter:
         return f"exit {code}"
 
 
-class _Late(OSError):
+class _Late(Exception):
     """The helper did not take the request in time."""
 
 

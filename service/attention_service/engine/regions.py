@@ -254,12 +254,10 @@ class RegionRegistry:
             raise invalid("source", "set system, cuda or nixl")
         # The server's memory it takes: a system region's mapping, a NIXL region's mirror (on
         # the server's GPU for the client's GPU memory).
-        memory = req.nixl.memory or "DRAM"  # NIXL's names of the client's memory kinds
-        if kind == "nixl" and memory not in ("DRAM", "VRAM"):
-            raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
-        gpu = kind == "nixl" and memory == "VRAM"
-        claim = _Claim(key, req.byte_size if kind == "system" or (kind == "nixl" and not gpu)
-                       else 0, req.byte_size if gpu else 0)
+        memory = self._nixl_memory(req.nixl) if kind == "nixl" else ""
+        gpu = memory == "VRAM"
+        claim = _Claim(key, 0 if kind == "cuda" or gpu else req.byte_size,
+                       req.byte_size if gpu else 0)
         slot = (owner, req.name)
         with self._lock:  # name, key, count and bytes are taken together, then mapped
             self._check_free(owner, req.name, key)
@@ -272,7 +270,8 @@ class RegionRegistry:
             elif kind == "cuda":
                 tensor, closer = self._open_cuda(req.cuda, req.byte_size)
             else:
-                tensor, closer, remote = self._open_nixl(owner, req.nixl, req.byte_size)
+                tensor, closer, remote = self._open_nixl(owner, req.nixl, memory,
+                                                         req.byte_size)
             region = _Region(owner, req.name, kind, tensor, closer, key, remote=remote,
                              gpu_mirror=gpu)
         except BaseException:
@@ -506,19 +505,24 @@ class RegionRegistry:
         tensor = torch.as_tensor(cuda_ipc.DeviceBytes(ptr + src.offset, nbytes), device=device)
         return tensor, lambda: self._ipc.release(handle)
 
-    def _open_nixl(
-        self, owner: str, src: pb.NixlRegion, nbytes: int
-    ) -> tuple[torch.Tensor, Callable[[], None], _Remote]:
-        """A mirror of the client's region, registered with the engine's agent: in this
-        process's host memory for the client's host memory (DRAM), on the server's GPU for the
-        client's GPU memory (VRAM: UCX moves it GPU to GPU); the client's agent known (its
-        metadata added)."""
+    def _nixl_memory(self, src: pb.NixlRegion) -> str:
+        """The kind of the client's memory (NIXL's name: DRAM, or VRAM on a cuda server),
+        checked before the registration takes any room."""
         memory = src.memory or "DRAM"
         if memory not in ("DRAM", "VRAM"):
             raise invalid("nixl.memory", f"{memory!r}: use DRAM (host memory) or VRAM (GPU)")
         if memory == "VRAM" and self.backend.name != "cuda":
             raise invalid("nixl.memory", "VRAM: this server runs the cpu backend: register "
                           "host memory (DRAM)")
+        return memory
+
+    def _open_nixl(
+        self, owner: str, src: pb.NixlRegion, memory: str, nbytes: int
+    ) -> tuple[torch.Tensor, Callable[[], None], _Remote]:
+        """A mirror of the client's region (``memory``: its kind), registered with the
+        engine's agent: in this process's host memory for the client's host memory (DRAM), on
+        the server's GPU for the client's GPU memory (VRAM: UCX moves it GPU to GPU); the
+        client's agent known (its metadata added)."""
         if src.address == 0:
             raise invalid("nixl.address", "missing: where the registered memory starts")
         self.nixl.add_peer(owner, src.agent_name, bytes(src.agent_metadata))

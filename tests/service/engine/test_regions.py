@@ -580,14 +580,14 @@ def test_gpu_mirrors_have_their_own_bound_apart_from_host_bytes(
     from attention_service.engine import regions as regions_mod
     from attention_service.errors import RequestError
 
-    class _Cpu:
-        name = "cpu"
+    class _Cuda:  # VRAM regions are a cuda server's
+        name = "cuda"
 
-    def fake_open(self: Any, owner: str, src: Any, nbytes: int) -> Any:
+    def fake_open(self: Any, owner: str, src: Any, memory: str, nbytes: int) -> Any:
         return torch.zeros(nbytes, dtype=torch.uint8), lambda: None, None
 
     monkeypatch.setattr(regions_mod.RegionRegistry, "_open_nixl", fake_open)
-    reg = regions_mod.RegionRegistry(_Cpu(), allowed=True, system_bytes_per_owner=MiB,
+    reg = regions_mod.RegionRegistry(_Cuda(), allowed=True, system_bytes_per_owner=MiB,
                                      gpu_bytes_per_owner=MiB // 2)
 
     def nixl(name: str, size: int, memory: str) -> Any:
