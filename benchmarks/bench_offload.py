@@ -65,6 +65,8 @@ import torch
 import attention_client
 from attention_wire.requests import MAX_CHUNK_BYTES
 
+# --transport's choices (each but bytes a region kind, registered in ``_round_on``).
+TRANSPORTS = ("bytes", "shm", "cuda", "nixl", "nixl-gpu")
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16", 2), "fp16": (torch.float16, "float16", 2)}
 ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
 
@@ -442,8 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
-    if not set(args.transport) <= {"bytes", "shm", "cuda", "nixl", "nixl-gpu"}:
-        p.error(f"--transport: {args.transport}: use bytes, shm, cuda, nixl, nixl-gpu")
+    if not set(args.transport) <= set(TRANSPORTS):
+        p.error(f"--transport: {args.transport}: use {', '.join(TRANSPORTS)}")
     inflight = [k for k in args.inflight if 1 <= k <= args.layers]
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")
