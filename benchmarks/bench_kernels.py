@@ -20,6 +20,12 @@ replay repeats one call on the same inputs, so a small decode reads its cache fr
 decode rows add ``*_cold_us``, the GPU time over rotating copies of the inputs (``COLD_BYTES``),
 which is what a model's decode sees layer after layer.
 
+``--only fp8``: FP8 queries, keys and values (``quantize_queries`` / ``quantize_kv``: e4m3
+with per-kv-head scales, FlashAttention-3's descale convention), dense D 128 and 64, against
+our bf16 prefill and SDPA cuDNN on the same (unquantized) data in the same run, and one
+accuracy row: RMSE and max error against a float64 reference on FlashAttention-3's test
+distribution, beside quantizing Q/K/V alone and FlashAttention-3's published RMSE.
+
 ``--only headdim``: head dims that are not multiples of 16 (issue 65's list) against the next
 multiple of 16 on the same shapes, ours both sides: a varlen causal prefill (4 x 4096 tokens,
 16 q / 8 kv heads) and a 64 x 4096 decode (32 q / 8 kv heads), GPU time from a CUDA graph, and
@@ -51,12 +57,20 @@ import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from attention_kernels import decode, for_cuda_graphs, prefill, quantize_kv
+from attention_kernels import decode, for_cuda_graphs, prefill, prefill_ref, quantize_kv
+from attention_kernels.fp8 import dequantize_kv, dequantize_queries, quantize_queries
 
 DTYPE = torch.bfloat16
 CHECK_TOL = 2e-2  # relative-norm agreement with the peer (both bf16, different summation order)
 # FP8 K/V against the bf16 peer: e4m3 rounding of K and V (tests/kernels/test_fp8.py: 0.03-0.04)
 FP8_CHECK_TOL = 6e-2
+# FP8 Q/K/V (P in e4m3 too) against the bf16 peer: 0.048-0.055 measured (H200, 2026-11-30).
+FP8_QKV_CHECK_TOL = 8e-2
+# FlashAttention-3's FP8 accuracy (arXiv 2407.08608, section 4.3; "2.6x lower numerical error"
+# in its abstract): RMSE against an exact reference, Q/K/V entries N(0, 1) with 0.1% outliers
+# N(0, 10).
+FA3_FP8_RMSE = {"baseline FP8 (per-tensor scales)": 2.4e-2,
+                "FlashAttention-3 FP8 (block quantization, incoherent processing)": 9.1e-3}
 
 
 def bench(fn: Callable[[], object]) -> float:
@@ -252,6 +266,80 @@ def dense_prefill_rows(quick: bool, rounds: int = 1) -> list[dict]:
     return rows
 
 
+def fp8_rows(quick: bool, rounds: int = 1) -> list[dict]:
+    """FP8 Q/K/V prefill (``prefill(..., q_scale=)``) against our bf16 prefill and SDPA cuDNN,
+    sides timed in turn ``rounds`` times (medians), then ``fp8_accuracy_row``."""
+    rows = []
+    ns = [4096, 8192, 16384] if not quick else [8192]
+    for d in (128, 64):
+        heads = 2048 // d
+        for causal in (False, True):
+            for n in ns:
+                b = 16384 // n
+                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
+                (q8, qs), (k8, ks), (v8, vs) = (quantize_queries(qp, heads), quantize_kv(kp),
+                                                quantize_kv(vp))
+                timed: dict[str, Callable[[], object]] = {
+                    "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal),
+                    "ours": lambda: prefill(qp, kp, vp, cus, causal=causal),  # noqa: B023
+                    "ours_fp8": lambda: prefill(  # noqa: B023
+                        q8, k8, v8, cus, causal=causal, q_scale=qs, k_scale=ks, v_scale=vs),
+                }
+                ref = timed["cudnn"]()
+                row = {"kind": "fp8", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
+                for name, tol in (("ours", CHECK_TOL), ("ours_fp8", FP8_QKV_CHECK_TOL)):
+                    got = timed[name]().reshape(b, n, heads, d).transpose(1, 2)  # type: ignore[attr-defined]
+                    row[f"{name}_rel_err"] = rel(got, ref)
+                    if not row[f"{name}_rel_err"] < tol:
+                        raise SystemExit(f"fp8 table check failed: {name} {row}")
+                fl = flops([n] * b, [n] * b, heads, d, causal)
+                runs: dict[str, list[float]] = {name: [] for name in timed}
+                for _ in range(rounds):
+                    for name, fn in timed.items():
+                        runs[name].append(fl / bench(fn) / 1e9)
+                for name, vals in runs.items():
+                    row[f"{name}_TFLOPs"] = statistics.median(vals)
+                    if rounds > 1:
+                        row[f"{name}_TFLOPs_runs"] = vals
+                row["fp8_over_bf16"] = row["ours_fp8_TFLOPs"] / row["ours_TFLOPs"]
+                rows.append(row)
+                print_row(row)
+    rows.append(fp8_accuracy_row())
+    print_row(rows[-1])
+    return rows
+
+
+def fp8_accuracy_row() -> dict:
+    """RMSE and max error against float64 on the unquantized inputs, FlashAttention-3's test
+    distribution, 2 x 4K x 16 heads, D 128, non-causal: our FP8 prefill, the float64 reference
+    on the quantized inputs (the error of quantizing Q/K/V alone), our bf16 prefill."""
+    b, n, heads, d = 2, 4096, 16, 128
+
+    def gen() -> torch.Tensor:
+        x = torch.randn(b * n, heads, d, device="cuda")
+        outlier = torch.rand(b * n, heads, d, device="cuda") < 1e-3
+        return torch.where(outlier, torch.randn(b * n, heads, d, device="cuda") * 10, x)
+
+    q, k, v = gen(), gen(), gen()
+    cus = cu([n] * b)
+    exact = prefill_ref(q.double(), k.double(), v.double(), cus)
+    (q8, qs), (k8, ks), (v8, vs) = quantize_queries(q, heads), quantize_kv(k), quantize_kv(v)
+    alone = prefill_ref(dequantize_queries(q8, qs, heads, torch.float64),
+                        dequantize_kv(k8, ks, torch.float64),
+                        dequantize_kv(v8, vs, torch.float64), cus)
+    sides = {"ours_fp8": prefill(q8, k8, v8, cus, q_scale=qs, k_scale=ks, v_scale=vs),
+             "quantized_inputs_alone": alone,
+             "ours_bf16": prefill(q.bfloat16(), k.bfloat16(), v.bfloat16(), cus)}
+    row: dict = {"kind": "fp8_accuracy", "D": d, "H": heads, "B": b, "N": n, "causal": False,
+                 "fa3_published_rmse": FA3_FP8_RMSE}
+    for name, t in sides.items():
+        diff = t.double() - exact  # type: ignore[union-attr]
+        row[f"{name}_rmse"] = diff.pow(2).mean().sqrt().item()
+        row[f"{name}_max_err"] = diff.abs().max().item()
+    row["rmse_over_quantizing_alone"] = row["ours_fp8_rmse"] / row["quantized_inputs_alone_rmse"]
+    return row
+
+
 VARLEN_BATCHES = [
     [64, 128, 256], [128, 256, 512], [1024] * 3, [64, 78, 2048], [78, 40, 8192], [512] * 32,
     [8192, 16, 16, 16, 16],
@@ -430,6 +518,19 @@ def print_row(row: dict) -> None:
               f" | fp8 K/V {row['ours_fp8_GBps']:6.0f} GB/s {row['ours_fp8_graph_us']:6.1f} us"
               f" -> {row.get('cudnn_graph_us', math.nan) / row['ours_fp8_graph_us']:5.2f}",
               flush=True)
+    elif row["kind"] == "fp8":
+        print(f"fp8    D={row['D']:<3d} N={row['N']:<6d} causal={row['causal']!s:<5} ours FP8 "
+              f"{row['ours_fp8_TFLOPs']:6.1f} TFLOP/s | ours bf16 {row['ours_TFLOPs']:6.1f} | "
+              f"cudnn bf16 {row['cudnn_TFLOPs']:6.1f} | fp8/bf16 {row['fp8_over_bf16']:5.2f} | "
+              f"err vs cudnn {row['ours_fp8_rel_err']:.3f}", flush=True)
+    elif row["kind"] == "fp8_accuracy":
+        print(f"fp8 accuracy (FA3 distribution) RMSE / max: ours FP8 {row['ours_fp8_rmse']:.2e}"
+              f" / {row['ours_fp8_max_err']:.2f} | quantizing Q/K/V alone "
+              f"{row['quantized_inputs_alone_rmse']:.2e} / "
+              f"{row['quantized_inputs_alone_max_err']:.2f} | ours bf16 "
+              f"{row['ours_bf16_rmse']:.2e} / {row['ours_bf16_max_err']:.2f} | FA3 published "
+              + ", ".join(f"{k} {v:.1e}" for k, v in row["fa3_published_rmse"].items()),
+              flush=True)
     elif row["kind"] == "headdim":
         print(f"head dim {row['D']:<3d} vs {row['D16']:<3d} prefill {row['prefill_us']:8.1f} us"
               f" / {row['prefill16_us']:8.1f} -> {row['prefill_ratio']:5.2f}x | decode "
@@ -497,7 +598,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for CSV/JSON/PNG")
     parser.add_argument("--quick", action="store_true", help="a few rows of each table")
-    parser.add_argument("--only", choices=["dense", "varlen", "decode", "headdim"],
+    parser.add_argument("--only", choices=["dense", "varlen", "decode", "headdim", "fp8"],
                         action="append")
     parser.add_argument("--rounds", type=int, default=1,
                         help="dense rows: time the sides in turn this many times, keep medians")
@@ -531,6 +632,8 @@ def main() -> None:
         rows += varlen_prefill_rows(args.quick)
     if "headdim" in only:
         rows += head_dim_rows(args.quick)
+    if "fp8" in only:
+        rows += fp8_rows(args.quick, args.rounds)
     if "decode" in only:
         rows += decode_rows(args.quick)
         for r in rows:
@@ -539,6 +642,8 @@ def main() -> None:
     stamp = f"kernels_{meta['gpu'].replace(' ', '_')}"
     if only == {"headdim"}:
         stamp += "_headdims"
+    if only == {"fp8"}:
+        stamp += "_fp8"
     if args.dtype != "bfloat16":
         stamp += f"_{args.dtype}"
     (out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))

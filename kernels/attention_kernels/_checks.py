@@ -26,17 +26,21 @@ def supported_head_dim(head_dim: int) -> bool:
     return 1 <= head_dim <= MAX_HEAD_DIM
 
 
-def _supported(t: torch.Tensor, kv: bool) -> bool:
+def _supported(t: torch.Tensor, fp8: bool) -> bool:
     return (t.dtype in SUPPORTED_DTYPES or t.dtype == torch.float64
-            or (kv and t.dtype in FP8_KV_DTYPES))
+            or (fp8 and t.dtype in FP8_KV_DTYPES))
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q",
+               fp8_q: bool = False) -> None:
+    """``fp8_q``: the call takes float8_e4m3fn queries (contiguous prefill only)."""
     for name, t in ((q_name, q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-        if not _supported(t, name != q_name):
-            raise ValueError(f"{name} has unsupported dtype {t.dtype}")
+        if not _supported(t, name != q_name or fp8_q):
+            extra = " (float8_e4m3fn queries: contiguous prefill only)" if (
+                name == q_name and t.dtype in FP8_KV_DTYPES) else ""
+            raise ValueError(f"{name} has unsupported dtype {t.dtype}{extra}")
     _check_common(q, k, v, q_name, "k", "v")
 
 
@@ -47,7 +51,8 @@ def _check_common(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str
     fp8 = k.dtype in FP8_KV_DTYPES and q.dtype in FP8_Q_DTYPES
     if k.dtype != v.dtype or (k.dtype != q.dtype and not fp8):
         raise ValueError(f"{q_name}, {k_name}, {v_name} dtypes differ: {q.dtype}, {k.dtype}, "
-                         f"{v.dtype} (k and v may be float8_e4m3fn beside fp16/bf16 queries)")
+                         f"{v.dtype} (k and v may be float8_e4m3fn beside fp16/bf16 queries; "
+                         f"float8_e4m3fn queries need float8_e4m3fn k and v)")
     if not (q.device == k.device == v.device):
         raise ValueError(f"{q_name}, {k_name}, {v_name} devices differ: {q.device}, {k.device}, "
                          f"{v.device}")
@@ -84,7 +89,7 @@ def check_prefill_inputs(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
 ) -> None:
-    _check_qkv(q, k, v)
+    _check_qkv(q, k, v, fp8_q=True)
     _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
     _check_cu(cu_seqlens_k, "cu_seqlens_k", q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
@@ -177,6 +182,27 @@ def check_kv_scales(k: torch.Tensor, k_scale: torch.Tensor | None,
     if k_scale.shape != v_scale.shape:
         raise ValueError(f"k_scale {list(k_scale.shape)} and v_scale {list(v_scale.shape)} "
                          "must have the same shape")
+    return True
+
+
+def check_query_scale(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None,
+                      batch: int) -> bool:
+    """float8_e4m3fn queries need a float32 ``q_scale`` on q's device, ``[num_kv_heads]`` or
+    ``[batch, num_kv_heads]`` (FlashAttention-3's ``q_descale``: query head ``h`` takes kv
+    head ``h // group``'s); other queries take none. Returns whether ``q`` is FP8."""
+    if q.dtype not in FP8_KV_DTYPES:
+        if q_scale is not None:
+            raise ValueError(f"q_scale is for float8_e4m3fn q; q is {q.dtype}")
+        return False
+    heads = k.shape[-2]
+    if q_scale is None:
+        raise ValueError(f"q_scale is required with float8_e4m3fn q (float32 "
+                         f"[num_kv_heads={heads}], see attention_kernels.fp8)")
+    if q_scale.dtype != torch.float32 or tuple(q_scale.shape) not in ((heads,), (batch, heads)):
+        raise ValueError(f"q_scale must be float32 [num_kv_heads={heads}] or [batch={batch}, "
+                         f"num_kv_heads={heads}], got {q_scale.dtype} {list(q_scale.shape)}")
+    if q_scale.device != q.device:
+        raise ValueError(f"q_scale is on {q_scale.device} but q is on {q.device}")
     return True
 
 

@@ -6,6 +6,11 @@ bound by K/V reads, moves half as much, and so does a client that sends its cach
 take such K/V beside fp16/bf16 queries (``k_scale=, v_scale=``), convert each loaded tile to the
 queries' dtype and fold the scales into the softmax scale (K) and the output (V), so the
 arithmetic is that of the unquantized kernel on the dequantized values.
+
+Queries may be e4m3 too (``prefill(..., q_scale=)``, FlashAttention-3's ``q_descale``): a
+scale per kv head (or per sequence and kv head) for the query heads that read it. On Hopper
+the Gluon prefill then runs both dots on FP8 tensor cores (``prefill_hopper``); elsewhere the
+queries are widened exactly to bf16 (``widen_queries``). The output is bf16 either way.
 """
 
 from __future__ import annotations
@@ -51,3 +56,36 @@ def dequantize_kv(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=scale.device, dtype=torch.int64)
         scale = scale.repeat_interleave(lens, dim=0)  # [total, H_kv]: each row's scales
     return x.to(dtype) * scale.to(dtype)[..., None]
+
+
+def quantize_queries(q: torch.Tensor, num_kv_heads: int, scale: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [rows, H, D]`` as (float8_e4m3fn values, float32 scales ``[num_kv_heads]``): query
+    head ``h`` takes the scale of kv head ``h // (H // num_kv_heads)``, FlashAttention-3's
+    ``q_descale`` layout (``quantize_kv`` of the heads grouped per kv head)."""
+    rows, heads, dim = q.shape
+    if num_kv_heads <= 0 or heads % num_kv_heads:
+        raise ValueError(f"num_heads {heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    grouped = q.reshape(rows, num_kv_heads, heads // num_kv_heads * dim)
+    q8, scale = quantize_kv(grouped, scale)
+    return q8.view(rows, heads, dim), scale
+
+
+def dequantize_queries(q: torch.Tensor, scale: torch.Tensor, num_kv_heads: int,
+                       dtype: torch.dtype, cu_seqlens: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """FP8 ``q [rows, H, D]`` times its per-kv-head ``scale`` (``[num_kv_heads]``, or
+    ``[batch, num_kv_heads]`` with ``cu_seqlens``), in ``dtype``."""
+    rows, heads, dim = q.shape
+    grouped = q.reshape(rows, num_kv_heads, heads // num_kv_heads * dim)
+    return dequantize_kv(grouped, scale, dtype, cu_seqlens).view(rows, heads, dim)
+
+
+def combined_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' key and value scales for FP8 queries: ``q_scale * k_scale`` (the query
+    scale joins the logits' scale) and ``v_scale``, both ``[H_kv]`` or both ``[batch, H_kv]``
+    when either input is per sequence."""
+    ks = q_scale * k_scale
+    vs = v_scale.expand(ks.shape).contiguous() if v_scale.shape != ks.shape else v_scale
+    return ks.contiguous(), vs

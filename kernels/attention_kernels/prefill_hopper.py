@@ -69,6 +69,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from attention_kernels._launch import KernelLaunch
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
+from attention_kernels.fp8_widen_kernel import transpose_values
 
 
 @gluon.jit
@@ -87,11 +88,13 @@ def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constex
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
-                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr):
     """Online-softmax update for one block of raw scores ``s`` (``qk_scale`` takes them to log2
     units). Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum.
     ``masked``: a compile-time or run-time flag; only the mask sits under it, so a run-time
-    flag costs no second copy of the rest (``_attend``)."""
+    flag costs no second copy of the rest (``_attend``). ``P_SHIFT``: ``p`` and the sum are
+    ``2**P_SHIFT`` times the probabilities (FP8 P: ``_P_SHIFT_FP8``); the output's
+    normalisation cancels it and the lse takes it off."""
     scale = qk_scale
     if masked:
         offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -107,11 +110,16 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
     # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s * scale - gl.expand_dims(m_shift, 1))
+    p = gl.exp2(s * scale - gl.expand_dims(m_shift - P_SHIFT, 1))
     alpha = gl.exp2(m_i - m_shift)
     l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, alpha, l_i
 
+
+# FP8 P (e4m3: normal from 2^-6, subnormal to 2^-9, largest 448) is taken as 2^8 times the
+# probabilities, in (0, 256]: probabilities down to 2^-14 keep all 3 mantissa bits instead of
+# 2^-6, for no instruction (the shift joins the exp2's subtraction).
+_P_SHIFT_FP8 = gl.constexpr(8)
 
 # Named barriers 8.. order the consumers' GEMM issues (Triton 3.6 numbers its own from 0: with
 # three consumers 0-3 appear in this kernel's PTX).
@@ -136,7 +144,7 @@ def _turn(bar_id, ARRIVE: gl.constexpr):
 @gluon.jit
 def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
                 stride_lh, out_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr):
+                RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr, P_SHIFT: gl.constexpr):
     """Normalise (times ``out_scale``: FP8 values' scale, else 1) and store rows ``row0 ..
     row0 + BLOCK_M`` of the sequence (those that exist). Rows that saw no key: output 0, lse
     -inf."""
@@ -156,27 +164,86 @@ def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_o
               + gl.expand_dims(offs_m.to(gl.int64) * stride_ot, 1) + gl.expand_dims(offs_d, 0))
     gl.store(o_ptrs, out, mask=gl.expand_dims((offs_m >= 0) & (offs_m < seqlen_q), 1))
     if RETURN_LSE:
-        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0))) * 0.6931471805599453,
+        lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_SHIFT)
+                       * 0.6931471805599453,
                        float("-inf"))
         rows = row0 + gl.arange(0, BLOCK_M, layout=m_i.type.layout)
         gl.store(Lse + head.to(gl.int64) * stride_lh + q_start + rows, lse,
                  mask=(rows >= 0) & (rows < seqlen_q))
 
 
+_GL_DTYPES = {torch.float16: gl.float16, torch.bfloat16: gl.bfloat16,
+              torch.float8_e4m3fn: gl.float8e4nv}
+
+
 @functools.cache
-def _tile_layout(block_rows: int, dim: int, bf16: bool) -> gl.NVMMASharedLayout:
-    """The shared layout of one ``[block_rows, dim]`` tile, made once: a descriptor took 8.8 us
-    with it made per call, 2.5 us without (dev box), and a launch makes three."""
-    return gl.NVMMASharedLayout.get_default_for([block_rows, dim],
-                                                gl.bfloat16 if bf16 else gl.float16)
+def _tile_layout(block_rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared layout of one ``[block_rows, cols]`` tile, made once: a descriptor took
+    8.8 us with it made per call, 2.5 us without (dev box), and a launch makes three."""
+    return gl.NVMMASharedLayout.get_default_for([block_rows, cols], _GL_DTYPES[dtype])
 
 
 def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
     """A TMA descriptor over packed ``[total, heads, D]`` as ``[total, heads * D]``, one
     ``[block_rows, D]`` tile per copy."""
     rows, heads, dim = t.shape
-    layout = _tile_layout(block_rows, dim, t.dtype == torch.bfloat16)
+    layout = _tile_layout(block_rows, dim, t.dtype)
     return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim], layout)
+
+
+# Columns of ``transposed_values_ref``' rows are a multiple of this: TMA needs 16-byte strides.
+_VT_ALIGN = 16
+
+
+def _fp8_key_order(r: torch.Tensor) -> torch.Tensor:
+    """Where key ``r`` of a sequence sits among its block's columns (``_p_operand``): within
+    each 16, key ``8g + 2t + e`` (``g, e`` in 0..1, ``t`` in 0..3: the QK^T accumulator gives
+    thread ``t`` of a quad keys ``2t, 2t + 1, 2t + 8, 2t + 9``) at ``4t + 2g + e`` (the FP8
+    operand gives thread ``t`` four consecutive keys, ``4t .. 4t + 3``)."""
+    o = r % 16
+    return r - o + (o % 8) // 2 * 4 + o // 8 * 2 + o % 2
+
+
+def values_first_column(cu_k: torch.Tensor, block_n: int) -> torch.Tensor:
+    """Each sequence's first column in ``transposed_values_ref``: ``cu_k[b]`` rounded up to
+    ``_VT_ALIGN`` (TMA copies start on 16-byte boundaries: an unaligned start took the
+    kernel down with "illegal instruction" on an H200) plus ``b * (block_n + _VT_ALIGN)``."""
+    b = torch.arange(cu_k.shape[0] - 1, device=cu_k.device)
+    start = cu_k[:-1].to(torch.int64)
+    return (start + _VT_ALIGN - 1) // _VT_ALIGN * _VT_ALIGN + b * (block_n + _VT_ALIGN)
+
+
+def transposed_values_ref(v: torch.Tensor, cu_k: torch.Tensor, block_n: int) -> torch.Tensor:
+    """FP8 ``v [total, H_kv, D]`` as ``[H_kv * D, columns]``: tokens along rows, sequence
+    ``b``'s from ``values_first_column`` in ``_fp8_key_order``, zeros between sequences.
+
+    Why transposed: FP8 wgmma takes its B operand K-major only, and the P.V dot reduces over
+    tokens (Triton's fused-attention tutorial transposes V on the host too; FlashAttention-3
+    does it in shared memory). Why the zeros: a sequence's last key block runs past its end,
+    where ``p = 0`` but the next sequence's values could hold NaN (``0 * NaN`` is NaN); the
+    16-bit kernel loads that block through masked pointer loads, which at 8 bits along the
+    tokens cannot be vectorised and spilled the 32-register producer (8 KB of stack, ptxas,
+    sm_90a). They cost ``batch * (block_n + 16)`` columns (``_fp8_gluon_ok`` asks for a mean
+    sequence of at least ``block_n``: about V's size again at most) and one pass over V, O(N)
+    against the launch's O(N^2). Torch, for tests: the launch uses ``transpose_values``
+    (``fp8_widen_kernel``)."""
+    total, heads, dim = v.shape
+    batch = cu_k.shape[0] - 1
+    cols = -(-total // _VT_ALIGN) * _VT_ALIGN + batch * (block_n + _VT_ALIGN)
+    vt = torch.zeros((heads * dim, cols), dtype=torch.uint8, device=v.device)
+    tokens = torch.arange(total, device=v.device)
+    seq = torch.searchsorted(cu_k[1:], tokens.to(cu_k.dtype), right=True)
+    start = cu_k.to(torch.int64)[seq]
+    where = values_first_column(cu_k, block_n)[seq] + _fp8_key_order(tokens - start)
+    vt[:, where] = v.reshape(total, heads * dim).view(torch.uint8).t()
+    return vt.view(v.dtype)
+
+
+def values_descriptor(vt: torch.Tensor, dim: int, block_n: int) -> TensorDescriptor:
+    """TMA over ``transposed_values_ref``, one ``[D, block_n]`` tile (one kv head's D rows,
+    ``block_n`` tokens) per copy."""
+    layout = _tile_layout(dim, block_n, vt.dtype)
+    return TensorDescriptor(vt, list(vt.shape), [vt.stride(0), 1], [dim, block_n], layout)
 
 
 @gluon.jit
@@ -259,14 +326,15 @@ def _take_tile(n, tile_info, tile_ready, tile_empty):
 def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                 END_TILES: gl.constexpr, KV_SCALES: gl.constexpr):
+                 END_TILES: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr):
     """Every TMA copy: per tile its Q (with two buffers the next tile's Q lands while the
     consumers finish this one), then its K and V blocks through the rings. ``it`` counts key
     blocks over all tiles of this program (ring slot and phase), ``tc`` tiles with keys.
     Each tile's place is handed to the consumers before its copies (``_publish_tile``), and
     after the last tile one past the end, which stops them. ``DYNAMIC``: the next tile is
     claimed from ``Counter`` once this one's copies are issued (causal tiles differ in length;
-    a fixed stride left programs 6-25% apart)."""
+    a fixed stride left programs 6-25% apart). ``FP8``: V comes transposed
+    (``transposed_values_ref``), a ``[D, BLOCK_N]`` tile per block, all through TMA."""
     desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb = loads
     q_smem, k_smem, v_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
@@ -311,7 +379,12 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 tma.async_copy_global_to_shared(desc_k, [k_start + j * BLOCK_N, kv_col],
                                                 k_ready.index(slot), k_smem.index(slot))
                 mbarrier.wait(v_empty.index(slot), phase, pred=r >= STAGES)
-                if ragged and j == n_blocks - 1:
+                if FP8:  # sequences end in zero columns (``transposed_values_ref``)
+                    mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
+                    first = (k_start + 15) // 16 * 16 + seq * (BLOCK_N + 16)  # _VT_ALIGN
+                    tma.async_copy_global_to_shared(desc_v, [kv_col, first + j * BLOCK_N],
+                                                    v_ready.index(slot), v_smem.index(slot))
+                elif ragged and j == n_blocks - 1:
                     # Values past the sequence's end would meet p = 0, and 0 * inf is NaN:
                     # this block comes through masked loads (zeros past the end), 8 rows at a
                     # time (the swizzle unit of the shared tile; the producer has few registers).
@@ -348,10 +421,48 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
+def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
+    """P (fp32, the QK^T accumulator's layout) as the P.V dot's register operand. FP8: the
+    keys of each 16 are taken in the order ``transposed_values_ref`` stores V's tokens
+    (``_fp8_key_order``), which puts in each thread the four keys its operand registers hold:
+    no shuffles, only byte packing (FlashAttention-3 does the same)."""
+    if FP8:
+        rows: gl.constexpr = p.shape[0]
+        cols: gl.constexpr = p.shape[1]
+        p = gl.reshape(p, [rows, cols // 16, 2, 4, 2])
+        p = gl.permute(p, (0, 1, 3, 2, 4))
+        p = gl.reshape(p, [rows, cols])
+    return gl.convert_layout(p.to(dtype), p_layout)
+
+
+@gluon.jit
+def _pv_wait(acc_tok, p_prev, FP8: gl.constexpr):
+    """Wait for the P.V wgmma; its register operand ``p_prev`` stays live until then. Triton
+    3.6 lowers no 8-bit operand in that wait ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"),
+    so FP8 P is not named: nothing reads or rewrites it after the issue (the next P is a new
+    value), and ptxas orders register reuse after wgmma itself."""
+    if FP8:
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    else:
+        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    return acc
+
+
+@gluon.jit
+def _values(v_tile, FP8: gl.constexpr):
+    """The P.V dot's B operand ``[BLOCK_N, D]``: FP8 tiles are held transposed (K-major)."""
+    if FP8:
+        return v_tile.permute((1, 0))
+    else:
+        return v_tile
+
+
+@gluon.jit
 def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
              v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, masked,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr):
+             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
+             FP8: gl.constexpr, P_SHIFT: gl.constexpr):
     """Key block ``j`` of the tile, ring position ``r``: S_j issued, P_{j-1} V_{j-1} issued,
     the softmax of S_j under that PV. ``PINGPONG``: both issues in this warpgroup's turn
     (``turns``: its barrier and the next one's)."""
@@ -365,17 +476,17 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
                           is_async=True)
     if not PINGPONG:
         mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_prev, _values(v_smem.index(vslot), FP8), acc, is_async=True)
     if PINGPONG:
         _turn(turns[1], True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N)
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT)
+    acc = _pv_wait(acc_tok, p_prev, FP8)
     mbarrier.arrive(v_empty.index(vslot))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_next = gl.convert_layout(p.to(p_prev.dtype), p_layout)
+    p_next = _p_operand(p, p_prev.dtype, p_layout, FP8)
     return acc, p_next, m_i, l_i
 
 
@@ -383,7 +494,8 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
             seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
-            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
+            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr,
+            FP8: gl.constexpr, P_SHIFT: gl.constexpr):
     """One warpgroup's 64 rows against ``n_blocks`` key blocks (ring positions from ``it``);
     blocks below ``nb_full`` need no mask. Returns the unnormalised output, max and sum.
     ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
@@ -404,8 +516,8 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N)
-    p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT)
+    p_prev = _p_operand(p, q_part.dtype, p_layout, FP8)
     # One loop, the mask under a run-time branch, rather than an unmasked loop and a masked
     # one: the consumers' code is a fifth smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
     # instructions over three consumer copies; spills 64 -> 52 bytes). H100, dense bf16
@@ -420,16 +532,16 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, j >= nb_full,
-            IS_CAUSAL, STAGES, BLOCK_N, p_layout, o_layout, PINGPONG)
+            IS_CAUSAL, STAGES, BLOCK_N, p_layout, o_layout, PINGPONG, FP8, P_SHIFT)
     last = it + n_blocks - 1
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
     if PINGPONG:
         _turn(turns[0], False)
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_prev, _values(v_smem.index(vslot), FP8), acc, is_async=True)
     if PINGPONG:
         _turn(turns[1], True)
-    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+    acc = _pv_wait(acc_tok, p_prev, FP8)
     mbarrier.arrive(v_empty.index(vslot))
     return acc, m_i, l_i
 
@@ -460,7 +572,7 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
 def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl.constexpr,
                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr):
+                 PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each tile the producer hands out.
     ``KV_SCALES``: K/V are FP8 values widened exactly; the tile's key scale joins the softmax
     scale and its value scale the output's normalisation.
@@ -469,16 +581,23 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
     in turns, 0, 1, (2,) 0, ..., each handing the turn on once its wgmma are issued, so one
     warpgroup's softmax runs while the next one's GEMMs hold the tensor cores. Consumer
     ``PART`` waits on named barrier ``_TURN_BARRIER + PART`` and arrives on the next one's;
-    the last consumer hands consumer 0 its first turn."""
+    the last consumer hands consumer 0 its first turn.
+
+    ``FP8``: Q, K, V and P in e4m3 (the dots on FP8 tensor cores: wgmma K 32, P in registers
+    four bytes to a 32-bit lane), V tiles transposed; P as ``2**_P_SHIFT_FP8`` times the
+    probabilities."""
     Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
     q_smem, k_smem, v_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     ROWS: gl.constexpr = 64
+    MMA_K: gl.constexpr = 32 if FP8 else 16  # one wgmma's reduction: 32 bytes
+    P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16])
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, MMA_K])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
+                                                 k_width=4 if FP8 else 2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     turns = (_TURN_BARRIER + PART, _TURN_BARRIER + (PART + 1) % CONSUMERS)
     if PINGPONG and PART == CONSUMERS - 1:
@@ -518,14 +637,14 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                         q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready, v_ready,
                         k_empty, v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
                         tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
-                        o_layout, p_layout, PINGPONG)
+                        o_layout, p_layout, PINGPONG, FP8, P_SHIFT)
                 _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty,
                              turns, n_mine == 0, STAGES, PINGPONG)
                 mbarrier.arrive(q_empty.index(qb))
                 it += n_blocks
                 tc += 1
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
-                        stride_oh, stride_lh, out_scale, HEAD_DIM, ROWS, RETURN_LSE, 4)
+                        stride_oh, stride_lh, out_scale, HEAD_DIM, ROWS, RETURN_LSE, 4, P_SHIFT)
         t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, k_scale, v_scale, n = (
             _take_tile(n, tile_info, tile_ready, tile_empty))
 
@@ -539,15 +658,18 @@ def _hopper_prefill_ws_kernel(
     HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
     IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
-    PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-    PRODUCER_REGS: gl.constexpr,
+    PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr,
+    CONSUMER_REGS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
 ):
     gl.static_assert((CONSUMERS == 2) or (CONSUMERS == 3), "two or three consumer warpgroups")
     gl.static_assert(gl.num_warps() == 4, "the default partition is one consumer warpgroup")
     dtype: gl.constexpr = desc_q.dtype
     q_smem = gl.allocate_shared_memory(dtype, [Q_BUFS * CONSUMERS, 64, HEAD_DIM], desc_q.layout)
     k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_k.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    if FP8:  # transposed tiles (``transposed_values_ref``)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], desc_v.layout)
+    else:
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
     tile_info = gl.allocate_shared_memory(gl.int32, [2 * _TILE_FIELDS, 1],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -581,22 +703,22 @@ def _hopper_prefill_ws_kernel(
     if CONSUMERS == 3:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
             (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES)),
+                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -650,7 +772,9 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
     ``kv_scales``: ``(k_scale, v_scale, stride_sb)`` (``_checks.kv_scale_args``) of FP8 K/V
     that ``k, v`` hold widened (exactly) to ``q``'s dtype: the kernel applies them per
-    (sequence, kv head), as the portable kernel does.
+    (sequence, kv head), as the portable kernel does. FP8 ``q, k, v`` (float8_e4m3fn, ``out``
+    bf16) run both dots on FP8 tensor cores (``_ws_consumer``); their ``kv_scales`` then hold
+    the query scale times the key scale, and the value scale.
 
     ``consumers`` warpgroups of 64 query rows each make the tile (2: 128 rows, 3: 192).
     ``programs``: None launches one program per tile; a number launches at most that many,
@@ -697,12 +821,18 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     # shared one would need resetting, and launches on two streams would race on it.
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
     k_scale, v_scale, stride_sb = kv_scales if kv_scales is not None else (cu_q, cu_q, 0)
+    fp8 = q.dtype == torch.float8_e4m3fn
+    if fp8:
+        v_ptr = transpose_values(v, cu_k, block_n, _VT_ALIGN)
+        desc_v = values_descriptor(v_ptr, head_dim, block_n)
+    else:
+        v_ptr, desc_v = v, descriptor(v, block_n)
     constexprs = dict(
         HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
         Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
         END_TILES=end_tiles,
         RETURN_LSE=lse is not None, PINGPONG=pingpong, KV_SCALES=kv_scales is not None,
-        CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
+        FP8=fp8, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )
     key = (grid, *constexprs.values())
     launch = launches.get(key) if launches is not None else None
@@ -711,8 +841,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
         if launches is not None:
             launches[key] = launch
     launch(
-        descriptor(q, 64), descriptor(k, block_n), descriptor(v, block_n), v, out,
+        descriptor(q, 64), descriptor(k, block_n), desc_v, v_ptr, out,
         lse if lse is not None else out, cu_q, cu_k, counter, k_scale, v_scale,
-        v.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
+        v_ptr.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
         scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,
     )

@@ -50,6 +50,7 @@ from attention_kernels._checks import (
     check_outputs,
     check_paged_inputs,
     check_prefill_inputs,
+    check_query_scale,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
@@ -76,6 +77,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
+from attention_kernels.fp8 import combined_scales
 from attention_kernels.fp8_widen_kernel import widen_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
@@ -512,6 +514,7 @@ def prefill(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length flash attention forward.
@@ -539,12 +542,21 @@ def prefill(
         k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
             kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``); or
             ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
+        q_scale: with float8_e4m3fn ``q`` (and FP8 ``k, v``), float32 ``[H_kv]`` or
+            ``[batch, H_kv]``: query head ``h`` stands for ``q[:, h] * q_scale[h // group]``
+            (FlashAttention-3's ``q_descale``). The output is bf16 (``_fp8_prefill``).
 
     fp32 inputs use TF32 tensor-core dots (relative error ~1e-3, see tests).
     """
     del max_seqlen_k
     if cu_seqlens_k is None:
         cu_seqlens_k = cu_seqlens_q
+    if q.dtype == torch.float8_e4m3fn:
+        return _fp8_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
+                            softmax_scale, return_lse, out, lse_out, window_size, softcap,
+                            alibi_slopes, q_scale, k_scale, v_scale, _config)
+    if q_scale is not None:
+        raise ValueError(f"q_scale is for float8_e4m3fn q; q is {q.dtype}")
     if pads_prefill(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     rows = short_rows_bucket(max_seqlen_q)
@@ -560,6 +572,78 @@ def prefill(
         _PLANS.put(key, plan)
     return _run(plan, q, k, v, cu_seqlens_q, cu_seqlens_k, None, out, lse_out, alibi_slopes,
                 k_scale, v_scale)
+
+
+def _on_sm90(t: torch.Tensor) -> bool:
+    """A compiled (not interpreted) launch on an sm_90 GPU."""
+    return not interpreting() and t.is_cuda and _capability(t.device.index or 0)[0] == 9
+
+
+def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
+                  plain: bool) -> bool:
+    """FP8 queries, keys and values the Gluon kernel takes with both dots in FP8: sm_90, a
+    head dim in ``_FP8_TILES``, no window, softcap or ALiBi (``plain``), ``[total, H, D]``
+    rows contiguous and 16-byte aligned (TMA), and sequences of at least a key block on
+    average (the zeros between sequences of ``prefill_hopper.transposed_values_ref`` then
+    about double V at most). ``ATTENTION_KERNELS_GLUON=0`` turns it off."""
+    if not plain or batch == 0 or q.shape[0] == 0:
+        return False
+    head_dim = q.shape[2]
+    if head_dim not in _FP8_TILES or k.shape[0] < batch * _FP8_TILES[head_dim]["block_n"]:
+        return False
+    if not _on_sm90(q) or os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
+        return False
+    return all(t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) % 16 == 0
+               and t.data_ptr() % 16 == 0 for t in (q, k, v))
+
+
+# The FP8 Gluon kernel's tiles by head dim, and its launches by their compile-time arguments
+# (``hopper_prefill_ws``). H200, dense B * N = 16K, 16 heads, medians of 3 rounds, TFLOP/s
+# against our bf16 in the same run (2026-11-30, calls E and F): D 128 non-causal N 4K / 8K /
+# 16K 668 / 695-703 / 711-722 (1.14-1.21x), causal 567 / 644-646 / 670-678 (1.09-1.22x).
+# Bound by the softmax, not the tensor cores: turns off, three consumers or 64-key blocks
+# measured the same or slower (646-727). D 64 measured 0.85-0.94x our bf16 (three consumers,
+# 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs at bf16 speed.
+_FP8_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2}}
+_FP8_LAUNCHES: dict[tuple[object, ...], KernelLaunch] = {}
+
+
+def _fp8_prefill(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+    max_seqlen_q: int | None, causal: bool, softmax_scale: float | None, return_lse: bool,
+    out: torch.Tensor | None, lse_out: torch.Tensor | None, window_size: tuple[int, int],
+    softcap: float, alibi_slopes: torch.Tensor | None, q_scale: torch.Tensor | None,
+    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+    config: PrefillConfig | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``prefill`` of FP8 queries: on Hopper both dots on FP8 tensor cores (``_fp8_gluon_ok``:
+    the Gluon kernel, ``prefill_hopper``); otherwise the queries widened exactly to bf16 (every
+    e4m3 value is one) with ``q_scale`` folded into the key scale, through the FP8 K/V path.
+    The output is bf16 both ways."""
+    check_prefill_inputs(q, k, v, cu_q, cu_k)
+    batch = cu_q.shape[0] - 1
+    check_query_scale(q, k, q_scale, batch)
+    check_kv_scales(k, k_scale, v_scale, batch)
+    assert q_scale is not None and k_scale is not None and v_scale is not None
+    ks, vs = combined_scales(q_scale, k_scale, v_scale)
+    plain = window_size == (-1, -1) and not softcap and alibi_slopes is None and config is None
+    if not _fp8_gluon_ok(q, k, v, batch, plain):
+        return prefill(q.to(torch.bfloat16), k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
+                       causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+                       out=out, lse_out=lse_out, window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, k_scale=ks, v_scale=vs, _config=config)
+    total_q, num_heads, head_dim = q.shape
+    check_outputs(out, lse_out, return_lse, (total_q, num_heads, head_dim),
+                  (num_heads, total_q), torch.bfloat16, q.device)
+    out, lse = outputs(out, lse_out, return_lse, (total_q, num_heads, head_dim),
+                       (num_heads, total_q), torch.bfloat16, q.device)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    hopper_prefill_ws(q, k, v, cu_q.contiguous(), cu_k.contiguous(), out,
+                      lse if return_lse else None, causal, scale * LOG2E,
+                      programs=num_sms(q.device.index or 0), dynamic=True,
+                      kv_scales=(ks, vs, ks.shape[1] if ks.dim() == 2 else 0),
+                      launches=_FP8_LAUNCHES, **_FP8_TILES[head_dim])
+    return (out, lse) if return_lse else out
 
 
 def paged_prefill(

@@ -34,8 +34,9 @@ from attention_kernels._checks import (
     check_features,
     check_kv_scales,
     check_prefill_inputs,
+    check_query_scale,
 )
-from attention_kernels.fp8 import dequantize_kv
+from attention_kernels.fp8 import dequantize_kv, dequantize_queries
 
 # Query rows per chunk: bounds the score matrix at H * 1024 * seqlen_k elements.
 _ROW_CHUNK = 1024
@@ -113,10 +114,12 @@ def prefill_ref(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Variable-length attention prefill; same signature and semantics as ``prefill``.
     FP8 ``k, v`` (float8_e4m3fn with float32 ``k_scale, v_scale``, ``[H_kv]`` or per sequence
-    ``[batch, H_kv]``) are dequantized (``fp8.dequantize_kv``) in the compute dtype first.
+    ``[batch, H_kv]``) are dequantized (``fp8.dequantize_kv``) in the compute dtype first; so
+    are FP8 queries (``q_scale``), whose output is bf16.
 
     ``compute_dtype`` (default float32, float64 for float64 inputs) is the precision of the
     arithmetic; pass ``torch.float64`` for an oracle. The output has the input dtype; ``lse`` is
@@ -132,6 +135,12 @@ def prefill_ref(
     total_q, num_heads, head_dim = q.shape
     group = num_heads // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out_dtype = q.dtype
+    if check_query_scale(q, k, q_scale, cu_seqlens_q.shape[0] - 1):
+        out_dtype = torch.bfloat16
+        assert q_scale is not None
+        q = dequantize_queries(q, q_scale, k.shape[1], compute_dtype or torch.float32,
+                               cu_seqlens_q)
     cdt = compute_dtype or _default_compute_dtype(q.dtype)
     if check_kv_scales(k, k_scale, v_scale, cu_seqlens_q.shape[0] - 1):
         k = dequantize_kv(k, k_scale, cdt, cu_seqlens_k)  # type: ignore[arg-type]
@@ -159,7 +168,7 @@ def prefill_ref(
                                 causal, window, float(softcap), slopes)
             out[q0 + r0 : q0 + r1] = o
             lse[:, q0 + r0 : q0 + r1] = l.float()
-    out = out.to(q.dtype)
+    out = out.to(out_dtype)
     return (out, lse) if return_lse else out
 
 

@@ -322,3 +322,117 @@ def test_fp8_prefill_widens_kv_for_it(monkeypatch: pytest.MonkeyPatch, head_dim:
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err < TOL[dtype], f"relative error {err:.3g}"
     check_lse(lse, ref_lse, dtype)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_build_compiles_without_spills(compile_sm90: Callable[..., dict],
+                                           causal: bool) -> None:
+    """The FP8 Q/K/V build (both dots in e4m3, V transposed through TMA): no spills (its
+    first form, which loaded a ragged last block of transposed values through masked pointer
+    loads in the producer, spilled 8 KB), the consumers' register split, async wgmma, turns."""
+    got = compile_sm90(causal, 128, "128,2,2", "--fp8")
+    assert got["spill_bytes"] <= 96, got
+    assert 224 in got["setmaxnreg_inc"], got
+    assert got["wgmma_wait_1"] > 0 and got["turn_syncs"] > 0, got
+
+
+# FP8 Q/K/V on FP8 tensor cores against the reference on the same FP8 inputs: P is e4m3 too
+# (3 mantissa bits where the 16-bit kernel keeps 7-10) and the output bf16; measured relative
+# errors 0.017-0.022 (H200, 2026-11-30, call E).
+FP8_P_TOL = 0.04
+
+
+def _fp8_qkv(lens: list[int], heads: int, kv_heads: int, per_seq: bool
+             ) -> tuple[torch.Tensor, ...]:
+    from attention_kernels.fp8 import quantize_queries
+
+    total = sum(lens)
+    q = randn(total, heads, 128, dtype=torch.float32)
+    k = randn(total, kv_heads, 128, dtype=torch.float32) * 3
+    v = randn(total, kv_heads, 128, dtype=torch.float32) / 3
+    (q8, qs), (k8, ks), (v8, vs) = quantize_queries(q, kv_heads), quantize_kv(k), quantize_kv(v)
+    if per_seq:  # scales per (sequence, kv head): each sequence's values its own magnitude
+        batch = len(lens)
+        grow = torch.arange(1, batch + 1, device=DEVICE, dtype=torch.float32)[:, None]
+        qs, ks, vs = (s[None, :] * grow for s in (qs, ks, vs))
+        qs, ks, vs = qs.contiguous(), ks.contiguous(), vs.contiguous()
+    return q8, k8, v8, qs, ks, vs
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("lens, heads, kv_heads", [
+    ([1, 77, 300, 1000, 129, 640], 8, 2),  # ragged, unaligned starts (an unaligned TMA start
+    ([200, 900], 8, 8),                    # once took it down), a 1-row sequence, GQA
+    ([1024, 1024], 16, 16),
+], ids=["ragged-gqa", "two", "dense"])
+def test_fp8_queries_on_fp8_tensor_cores(monkeypatch: pytest.MonkeyPatch, lens: list[int],
+                                         heads: int, kv_heads: int, causal: bool,
+                                         per_seq: bool) -> None:
+    """``prefill`` of FP8 queries at D 128 takes the Gluon kernel with FP8 operands, and its
+    bf16 output and lse match the reference on the same FP8 inputs; poisoned buffers."""
+    calls = []
+    real = prefill_kernel.hopper_prefill_ws
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
+                        lambda *a, **kw: calls.append(a[0].dtype) or real(*a, **kw))
+    q8, k8, v8, qs, ks, vs = _fp8_qkv(lens, heads, kv_heads, per_seq)
+    cu = cu_seqlens(lens)
+    out = torch.empty(q8.shape, dtype=torch.bfloat16, device=DEVICE)
+    lse_out = torch.empty(heads, q8.shape[0], dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse_out)
+    got, lse = prefill(q8, k8, v8, cu, causal=causal, return_lse=True, out=out, lse_out=lse_out,
+                       q_scale=qs, k_scale=ks, v_scale=vs)
+    assert calls == [torch.float8_e4m3fn]
+    ref, ref_lse = prefill_ref(q8, k8, v8, cu, causal=causal, return_lse=True, q_scale=qs,
+                               k_scale=ks, v_scale=vs, compute_dtype=torch.float64)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert err < FP8_P_TOL, f"relative error {err:.3g}"
+    check_lse(lse, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+def test_fp8_values_of_one_sequence_never_reach_another() -> None:
+    """A sequence's last key block runs past its end; NaN bytes in the next sequence's values
+    must not reach it (``transposed_values_ref``: zeros between sequences)."""
+    lens = [200, 900]
+    q8, k8, v8, qs, ks, vs = _fp8_qkv(lens, 8, 8, False)
+    v8 = v8.clone()
+    v8.view(torch.uint8)[200:] = 0x7F  # e4m3fn NaN
+    got = prefill(q8, k8, v8, cu_seqlens(lens), q_scale=qs, k_scale=ks, v_scale=vs)
+    assert torch.isfinite(got[:200]).all() and torch.isnan(got[200:]).all()
+    ref = prefill_ref(q8[:200], k8[:200], v8[:200], cu_seqlens([200]), q_scale=qs, k_scale=ks,
+                      v_scale=vs, compute_dtype=torch.float64)
+    assert ((got[:200].double() - ref.double()).norm() / ref.double().norm()) < FP8_P_TOL
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+def test_fp8_error_is_that_of_quantizing_the_inputs() -> None:
+    """FlashAttention-3's accuracy setting (entries N(0, 1) with 0.1% outliers N(0, 10)):
+    the kernel's RMSE against float64 on the unquantized inputs within 2x of the RMSE of
+    quantizing Q, K and V alone (issue 65's bound; measured 1.00x at 2 x 4K x 16 heads,
+    2026-11-30, call E: 0.0197 both)."""
+    from attention_kernels.fp8 import dequantize_kv, dequantize_queries, quantize_queries
+
+    def gen(*shape: int) -> torch.Tensor:
+        x = torch.randn(*shape, device=DEVICE)
+        return torch.where(torch.rand(*shape, device=DEVICE) < 1e-3,
+                           torch.randn(*shape, device=DEVICE) * 10, x)
+
+    lens = [2048]
+    cu = cu_seqlens(lens)
+    q, k, v = gen(2048, 4, 128), gen(2048, 4, 128), gen(2048, 4, 128)
+    exact = prefill_ref(q.double(), k.double(), v.double(), cu)
+    (q8, qs), (k8, ks), (v8, vs) = quantize_queries(q, 4), quantize_kv(k), quantize_kv(v)
+    alone = prefill_ref(dequantize_queries(q8, qs, 4, torch.float64),
+                        dequantize_kv(k8, ks, torch.float64),
+                        dequantize_kv(v8, vs, torch.float64), cu)
+    got = prefill(q8, k8, v8, cu, q_scale=qs, k_scale=ks, v_scale=vs)
+
+    def rmse(t: torch.Tensor) -> float:
+        return (t.double() - exact).pow(2).mean().sqrt().item()
+
+    assert rmse(got) < 2 * rmse(alone), (rmse(got), rmse(alone))

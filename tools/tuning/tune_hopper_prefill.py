@@ -149,10 +149,11 @@ def check(failures: list[str]) -> int:
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                  tile: tuple[int, int, int] = (128, 2, 2), q_bufs: int = 1,
                  dynamic: bool = False, pingpong: bool | None = None,
-                 kv_scales: bool = False) -> dict:
+                 kv_scales: bool = False, fp8: bool = False) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
     without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits.
-    ``kv_scales``: the build for FP8 K/V (widened, with their scales)."""
+    ``kv_scales``: the build for FP8 K/V (widened, with their scales). ``fp8``: the build for
+    FP8 queries, keys and values (both dots in e4m3, V transposed; implies ``kv_scales``)."""
     import os.path
     import re
     import subprocess
@@ -167,21 +168,29 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         _hopper_prefill_ws_kernel,
         descriptor,
         tile_options,
+        transposed_values_ref,
+        values_descriptor,
     )
 
     fn = _hopper_prefill_ws_kernel
+    if fp8:
+        dtype, kv_scales = torch.float8_e4m3fn, True
     t = torch.empty(256, 2, head_dim, dtype=dtype)  # descriptors read only shape and dtype
     bn, st, cons = tile
     descs = {"desc_q": descriptor(t, 64), "desc_k": descriptor(t, bn),
              "desc_v": descriptor(t, bn)}
+    if fp8:
+        vt = transposed_values_ref(t, torch.tensor([0, 256], dtype=torch.int32), bn)
+        descs["desc_v"] = values_descriptor(vt, head_dim, bn)
     end_tiles, pingpong = tile_options(causal, cons, pingpong=pingpong)
     const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
                  Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles,
-                 RETURN_LSE=True, PINGPONG=pingpong, KV_SCALES=kv_scales,
+                 RETURN_LSE=True, PINGPONG=pingpong, KV_SCALES=kv_scales, FP8=fp8,
                  CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
     elem = "*bf16" if dtype == torch.bfloat16 else "*fp16"
-    ptrs = {"V": elem, "Out": elem, "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32",
-            "Counter": "*i32", "KScale": "*fp32", "VScale": "*fp32"}
+    ptrs = {"V": "*fp8e4nv" if fp8 else elem, "Out": "*bf16" if fp8 else elem,
+            "Lse": "*fp32", "cu_q": "*i32", "cu_k": "*i32", "Counter": "*i32",
+            "KScale": "*fp32", "VScale": "*fp32"}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
@@ -284,6 +293,8 @@ def main() -> int:
     p.add_argument("--head-dim", type=int, default=128, help="with --compile-only")
     p.add_argument("--kv-scales", action="store_true",
                    help="with --compile-only: the FP8 K/V build (scales per tile)")
+    p.add_argument("--fp8", action="store_true",
+                   help="with --compile-only: the FP8 Q/K/V build (both dots in e4m3)")
     p.add_argument("--tile", default="128,2,2",
                    help="with --compile-only: block_n,stages,consumers")
     p.add_argument("--tiles", help="replace the tile lists: "
@@ -302,7 +313,7 @@ def main() -> int:
         try:
             tile = tuple(int(x) for x in args.tile.split(","))
             print(json.dumps(compile_sm90(args.causal, head_dim=args.head_dim, tile=tile,
-                                          kv_scales=args.kv_scales)))
+                                          kv_scales=args.kv_scales, fp8=args.fp8)))
         except FileNotFoundError as e:
             print(f"no ptxas in this triton wheel: {e}")
             return 3

@@ -1,0 +1,184 @@
+"""FP8 (e4m3) queries beside FP8 keys and values (``prefill(..., q_scale=)``,
+FlashAttention-3's ``q_descale``), on any device: the widened path (queries to bf16, the query
+scale folded into the key scale) against the float64 reference, the scale layouts, bad input,
+and the transposed values the Gluon kernel reads (``fp8_widen_kernel.transpose_values``)
+against their torch form. The FP8 tensor-core kernel itself: ``test_prefill_hopper.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from attention_kernels import decode, prefill, prefill_kernel, prefill_ref, quantize_kv
+from attention_kernels.fp8 import (
+    FP8_DTYPE,
+    combined_scales,
+    dequantize_queries,
+    quantize_queries,
+)
+from attention_kernels.fp8_widen_kernel import transpose_values
+from attention_kernels.prefill_hopper import (
+    _VT_ALIGN,
+    _fp8_key_order,
+    transposed_values_ref,
+    values_first_column,
+)
+from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, rel_err
+
+# Against the reference on the unquantized inputs, per sequence: e4m3 rounding of Q, K and V
+# (each value off by up to 1/16 of itself); measured 0.023-0.063 on these shapes (FP8 K/V
+# alone: 0.03-0.04).
+FP8_QKV_TOL = 0.1
+
+
+def _inputs(lens: list[int], heads: int, kv_heads: int, dim: int,
+            per_seq: bool) -> tuple[torch.Tensor, ...]:
+    """Original q, k, v and their FP8 forms with scales per kv head, or per sequence and kv
+    head (each sequence's queries 0.1**b times the first's, quantized with scales of its own:
+    one shared set would leave the last sequence's in e4m3's subnormals)."""
+    total = sum(lens)
+    q = torch.randn(total, heads, dim, device=DEVICE)
+    k = torch.randn(total, kv_heads, dim, device=DEVICE) * 2
+    v = torch.randn(total, kv_heads, dim, device=DEVICE) / 2
+    (k8, ks), (v8, vs) = quantize_kv(k), quantize_kv(v)
+    if not per_seq:
+        q8, qs = quantize_queries(q, kv_heads)
+        return q, k, v, q8, k8, v8, qs, ks, vs
+    parts, at = [], 0
+    for b, n in enumerate(lens):
+        q[at : at + n] *= 0.1 ** b
+        parts.append(quantize_queries(q[at : at + n], kv_heads))
+        at += n
+    q8 = torch.cat([p for p, _ in parts])
+    qs = torch.stack([s for _, s in parts])
+    return q, k, v, q8, k8, v8, qs, ks, vs
+
+
+@pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_prefill_of_fp8_queries(causal: bool, per_seq: bool) -> None:
+    """bf16 output, against the reference on the same FP8 inputs at bf16's tolerance (the
+    widening is exact) and on the unquantized ones at ``FP8_QKV_TOL``; lse too; poisoned
+    buffers; GQA; an empty sequence and lengths off every block size."""
+    lens = [5, 0, 37, 70]
+    q, k, v, q8, k8, v8, qs, ks, vs = _inputs(lens, 4, 2, 40, per_seq)
+    cu = cu_seqlens(lens)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(4, q.shape[0], dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    got, got_lse = prefill(q8, k8, v8, cu, causal=causal, return_lse=True, out=out,
+                           lse_out=lse, q_scale=qs, k_scale=ks, v_scale=vs)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    ref8, ref8_lse = prefill_ref(q8, k8, v8, cu, causal=causal, return_lse=True,
+                                 compute_dtype=torch.float64, q_scale=qs, k_scale=ks,
+                                 v_scale=vs)
+    assert ref8.dtype == torch.bfloat16
+    ref = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal)
+    ends = cu.tolist()
+    for b in range(len(lens)):  # each sequence against its own norm
+        rows = slice(ends[b], ends[b + 1])
+        if lens[b]:
+            assert rel_err(got[rows], ref8[rows]) < TOL[torch.bfloat16]
+            assert rel_err(got[rows], ref[rows]) < FP8_QKV_TOL
+    check_lse(got_lse, ref8_lse, torch.bfloat16)
+
+
+def test_quantized_queries_take_their_kv_heads_scale() -> None:
+    """Query head ``h`` takes kv head ``h // group``'s scale (FlashAttention-3's
+    ``q_descale`` layout): the group's largest magnitude maps to 448, the round trip is
+    within e4m3's rounding."""
+    q = torch.randn(9, 6, 8, device=DEVICE)
+    q[:, 4] *= 100  # kv head 2 of 3 (heads 4 and 5)
+    q8, scale = quantize_queries(q, 3)
+    assert q8.dtype == FP8_DTYPE and scale.shape == (3,)
+    amax = q.reshape(9, 3, 16).abs().amax(dim=(0, 2))
+    torch.testing.assert_close(scale, amax / 448)
+    back = dequantize_queries(q8, scale, 3, torch.float32)
+    assert ((back - q).abs() <= q.abs() / 16 + scale.repeat_interleave(2)[None, :, None]
+            * 2 ** -9).all()
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        quantize_queries(q, 4)
+
+
+def test_combined_scales_broadcast_to_per_sequence() -> None:
+    qs, ks, vs = torch.rand(3, 2), torch.rand(2), torch.rand(2)
+    k_eff, v_eff = combined_scales(qs, ks, vs)
+    torch.testing.assert_close(k_eff, qs * ks)
+    assert v_eff.shape == (3, 2) and (v_eff == vs).all()
+    k_eff, v_eff = combined_scales(ks, ks, vs)
+    assert k_eff.shape == (2,) and v_eff is vs
+
+
+def test_fp8_queries_bad_input_names_the_argument() -> None:
+    lens = [3, 4]
+    _, _, _, q8, k8, v8, qs, ks, vs = _inputs(lens, 4, 2, 16, False)
+    cu = cu_seqlens(lens)
+    with pytest.raises(ValueError, match="q_scale is required"):
+        prefill(q8, k8, v8, cu, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match=r"q_scale must be float32 \[num_kv_heads=2\]"):
+        prefill(q8, k8, v8, cu, q_scale=torch.ones(4, device=DEVICE), k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="q_scale must be float32"):
+        prefill(q8, k8, v8, cu, q_scale=qs.double(), k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        prefill(q8, k8, v8, cu, q_scale=qs)
+    bf = k8.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float8_e4m3fn queries need float8_e4m3fn k and v"):
+        prefill(q8, bf, bf, cu, q_scale=qs)
+    with pytest.raises(ValueError, match="q_scale is for float8_e4m3fn q"):
+        prefill(q8.to(torch.bfloat16), k8, v8, cu, q_scale=qs, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="contiguous prefill only"):
+        decode(q8[:2], k8, v8, cu_seqlens([3, 4]), k_scale=ks, v_scale=vs)
+
+
+def test_fp8_gluon_path_is_taken_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_fp8_gluon_ok``: sm_90, D 128, no window/softcap/ALiBi, a mean sequence of a key
+    block at least, contiguous rows."""
+    sm90 = [True]
+    monkeypatch.setattr(prefill_kernel, "_on_sm90", lambda t: sm90[0])
+    q = torch.empty(512, 4, 128, dtype=FP8_DTYPE)
+    kv = torch.empty(512, 2, 128, dtype=FP8_DTYPE)
+    ok = prefill_kernel._fp8_gluon_ok
+    assert ok(q, kv, kv, 4, True)
+    assert not ok(q, kv, kv, 4, False)  # a feature
+    assert not ok(q, kv, kv, 5, True)  # a mean sequence under 128 keys
+    assert not ok(q[:, :, :64], kv[..., :64], kv[..., :64], 4, True)  # D 64: faster widened
+    assert not ok(q, kv[:, :1].expand(512, 2, 128), kv, 4, True)  # rows not contiguous
+    monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
+    assert not ok(q, kv, kv, 4, True)
+    monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
+    sm90[0] = False
+    assert not ok(q, kv, kv, 4, True)
+
+
+@pytest.mark.parametrize("lens", [[1, 0, 37, 70, 0], [300], [0, 5], [16] * 9, [200, 900]],
+                         ids=str)
+def test_transposed_values(lens: list[int]) -> None:
+    """The launch's transposed values equal the torch form byte for byte; each sequence's
+    columns start 16-byte aligned (TMA), hold its keys in ``_fp8_key_order`` and zeros
+    everywhere else a block of 64 keys reads."""
+    cu = cu_seqlens(lens)
+    v = torch.randn(sum(lens), 3, 32, device=DEVICE).to(FP8_DTYPE)
+    ref = transposed_values_ref(v, cu, 64)
+    got = transpose_values(v, cu, 64, _VT_ALIGN)
+    assert got.shape == ref.shape and torch.equal(got.view(torch.uint8), ref.view(torch.uint8))
+    first = values_first_column(cu, 64).tolist()
+    assert all(f % 16 == 0 for f in first)
+    cols = ref.view(torch.uint8).view(3, 32, -1).cpu()
+    src = v.view(torch.uint8).cpu()
+    ends = cu.tolist()
+    for b, n in enumerate(lens):
+        where = (first[b] + _fp8_key_order(torch.arange(n))).tolist()
+        assert torch.equal(cols[:, :, where].permute(2, 0, 1), src[ends[b] : ends[b + 1]])
+        read = set(range(first[b], first[b] + -(-n // 64) * 64)) - set(where)
+        assert (cols[:, :, sorted(read)] == 0).all()
+
+
+def test_key_order_puts_each_threads_keys_in_its_operand() -> None:
+    """Accumulator thread ``t`` holds keys ``2t, 2t+1, 2t+8, 2t+9`` of each 16; the FP8 operand
+    gives it positions ``4t .. 4t+3``: the order maps the one set onto the other."""
+    pos = _fp8_key_order(torch.arange(32))
+    assert sorted(pos.tolist()) == list(range(32))
+    for t in range(4):
+        keys = [2 * t, 2 * t + 1, 2 * t + 8, 2 * t + 9]
+        assert sorted(pos[keys].tolist()) == list(range(4 * t, 4 * t + 4))
