@@ -95,7 +95,7 @@ class ClientCore(ClientBase):
         self, q: Any, k: Any, v: Any, cu_seqlens: Any = None, cu_seqlens_k: Any = None, *,
         causal: bool = False, softmax_scale: float | None = None, return_lse: bool = False,
         window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        k_scale: Any = None, v_scale: Any = None, out: Any = None,
+        k_scale: Any = None, v_scale: Any = None, q_scale: Any = None, out: Any = None,
         use_regions: bool | None = None, timeout: Any = DEFAULT, metadata: Any = None,
         wait_for_ready: bool | None = None,
     ) -> Any:
@@ -113,12 +113,16 @@ class ClientCore(ClientBase):
         ``[B, H]``: ``-slope * |p - j|`` added) are flash_attn's, with its semantics.
         FP8 keys and values: k and v float8_e4m3fn (beside float16/bfloat16 q) with
         ``k_scale`` / ``v_scale``, one float per kv head (k stands for ``k * k_scale[h]``;
-        ``attention_kernels.quantize_kv`` makes both): half the bytes on the wire.
+        ``attention_kernels.quantize_kv`` makes both): half the bytes on the wire. FP8
+        queries too: q float8_e4m3fn beside FP8 k and v, with ``q_scale`` (one float per kv
+        head, for the query heads that read it: ``attention_kernels.fp8.quantize_queries``,
+        FlashAttention-3's ``q_descale``); the output is then bfloat16, and on a Hopper
+        server both products run on FP8 tensor cores.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the constructor).
         """
         settings = self._settings(timeout, metadata, wait_for_ready)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
-            k_scale, v_scale)
+            k_scale, v_scale, q_scale)
         whole, parts = self._split_call(
             lambda q, k, v, score, kv_scales: self._prepare_attention(
                 q, k, v, cu_seqlens, cu_seqlens_k, causal, softmax_scale, return_lse, out,

@@ -147,7 +147,7 @@ def prepare_prefill(
     score: ScoreMods | None = None,
     kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
-    wq, wk, wv, origin = encode_qkv(q, k, v, placement)
+    wq, wk, wv, origin = encode_qkv(q, k, v, placement, fp8_queries=True)
     form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
     return _prefill_request(
         PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,

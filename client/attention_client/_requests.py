@@ -33,6 +33,7 @@ from attention_client._tensors import (
     RegionTensor,
     WireTensor,
     as_wire_dtype,
+    bfloat16_origin,
     describe,
     dtype_name,
     is_torch_tensor,
@@ -60,18 +61,23 @@ MAX_CACHE_ID_BYTES = 256
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
 
 
-KvScales = tuple[tuple[float, ...], tuple[float, ...]]
+# (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry.
+KvScales = tuple[tuple[float, ...], ...]
+_SCALE_NAMES = ("k_scale", "v_scale", "q_scale")
 
 
-def kv_scales_of(k_scale: Any, v_scale: Any) -> KvScales | None:
+def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None) -> KvScales | None:
     """``k_scale`` and ``v_scale`` (a list, numpy array or torch tensor of one float per kv
-    head; both or neither) as float tuples; None when neither is given."""
-    if k_scale is None and v_scale is None:
+    head; both or neither), and ``q_scale`` with them for float8_e4m3fn queries, as float
+    tuples; None when none is given."""
+    if k_scale is None and v_scale is None and q_scale is None:
         return None
+    given = (k_scale, v_scale) if q_scale is None else (k_scale, v_scale, q_scale)
     out = []
-    for x, name in ((k_scale, "k_scale"), (v_scale, "v_scale")):
+    for x, name in zip(given, _SCALE_NAMES, strict=False):
         if x is None:
-            raise AttentionInputError(f"{name} is missing: give k_scale and v_scale together")
+            raise AttentionInputError(f"{name} is missing: give k_scale and v_scale together"
+                                      + (" (and with q_scale)" if q_scale is not None else ""))
         if is_torch_tensor(x):
             x = x.detach().float().cpu().numpy()
         try:
@@ -87,30 +93,38 @@ def kv_scales_of(k_scale: Any, v_scale: Any) -> KvScales | None:
             raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
                                       f"{arr.tolist()}")
         out.append(tuple(float(s) for s in arr))
-    return out[0], out[1]
+    return tuple(out)
 
 
 def _scales_message(scales: KvScales) -> pb.KvScales:
-    return pb.KvScales(k=scales[0], v=scales[1])
+    return pb.KvScales(k=scales[0], v=scales[1], q=scales[2] if len(scales) > 2 else ())
 
 
 def _check_scale_heads(scales: KvScales, heads: int) -> None:
-    for part, name in zip(scales, ("k_scale", "v_scale"), strict=True):
+    for part, name in zip(scales, _SCALE_NAMES, strict=False):
         if len(part) != heads:
             raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
 
 
-def _set_kv_scales(header: Any, wk: Tensor, scales: KvScales | None) -> None:
-    """A stateless call's FP8 scales into its header: required with FP8 k/v, refused
-    otherwise."""
+def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None) -> None:
+    """A stateless call's FP8 scales into its header: required with FP8 k/v (and the query
+    scales with FP8 q), refused otherwise."""
+    fp8_q = wq.dtype == pb.FLOAT8_E4M3
+    if scales is not None and fp8_q != (len(scales) > 2):
+        raise AttentionInputError(
+            "float8_e4m3fn q needs q_scale (one float per kv head: "
+            "attention_kernels.fp8.quantize_queries makes it)" if fp8_q else
+            f"q_scale given, but q is {dtype_name(wq.dtype)}: it is for float8_e4m3fn q")
     if wk.dtype != pb.FLOAT8_E4M3:
         if scales is not None:
             raise AttentionInputError(f"k_scale/v_scale given, but k is "
                                       f"{dtype_name(wk.dtype)}: they are for float8_e4m3fn k/v")
         return
     if scales is None:
-        raise AttentionInputError("float8_e4m3fn k and v need k_scale and v_scale (one float "
-                                  "per kv head: attention_kernels.quantize_kv makes them)")
+        raise AttentionInputError(
+            "float8_e4m3fn q, k and v need q_scale, k_scale and v_scale" if fp8_q else
+            "float8_e4m3fn k and v need k_scale and v_scale (one float per kv head: "
+            "attention_kernels.quantize_kv makes them)")
     _check_scale_heads(scales, wk.shape[-2])
     header.kv_scales.CopyFrom(_scales_message(scales))
 
@@ -337,17 +351,21 @@ def tensor_of(x: Any, name: str, placement: Placement | None) -> Tensor:
 
 def encode_qkv(
     q: Any, k: Any, v: Any, placement: Placement | None = None,
-    names: tuple[str, str, str] = ("q", "k", "v"),
+    names: tuple[str, str, str] = ("q", "k", "v"), fp8_queries: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Origin]:
     """Encode q, k, v (q None: k alone gives the origin, and the q returned is k);
-    AttentionInputError when their dtypes or k/v shapes differ."""
+    AttentionInputError when their dtypes or k/v shapes differ. ``fp8_queries``: the call
+    takes float8_e4m3fn queries beside float8_e4m3fn keys and values (a stateless prefill)."""
     first = (q, names[0]) if q is not None else (k, names[1])
     _, _, origin = describe(*first)
     wk, wv = tensor_of(k, names[1], placement), tensor_of(v, names[2], placement)
     wq = tensor_of(q, names[0], placement) if q is not None else wk
-    if q is not None and wq.dtype not in QUERY_DTYPES:
+    fp8_q = fp8_queries and wq.dtype == pb.FLOAT8_E4M3
+    if q is not None and wq.dtype not in QUERY_DTYPES and not fp8_q:
+        also = (" (float8_e4m3fn queries: attention() only)"
+                if wq.dtype == pb.FLOAT8_E4M3 else "")
         raise AttentionInputError(f"{names[0]} has dtype {dtype_name(wq.dtype)}: queries take "
-                                  "float16, bfloat16 or float32")
+                                  f"float16, bfloat16 or float32{also}")
     fp8_pair = wk.dtype == wv.dtype == pb.FLOAT8_E4M3 and wq.dtype in FP8_QUERY_DTYPES
     if not (wq.dtype == wk.dtype == wv.dtype or fp8_pair):
         given = (wq, wk, wv) if q is not None else (wk, wv)
@@ -380,6 +398,12 @@ def spec(t: Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(dtype=t.dtype, shape=t.shape)
 
 
+def out_dtype_of(q_dtype: int) -> int:
+    """The output's pb.DType for queries in ``q_dtype``: theirs, bfloat16 for float8_e4m3fn
+    (the server's rule, as FlashAttention-3's FP8 forward)."""
+    return pb.BFLOAT16 if q_dtype == pb.FLOAT8_E4M3 else q_dtype
+
+
 def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
     """``out=`` must be what the result would be: its bytes are the server's output as they
     are, so another dtype or shape of the same size would read as garbage."""
@@ -387,7 +411,8 @@ def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
     if dtype != wire_dtype or shape != tuple(user_shape):
         raise AttentionInputError(
             f"out has shape {shape} and dtype {dtype_name(dtype)}: the result has shape "
-            f"{tuple(user_shape)} and dtype {dtype_name(wire_dtype)} (q's)"
+            f"{tuple(user_shape)} and dtype {dtype_name(wire_dtype)} (q's; bfloat16 for "
+            "float8_e4m3fn q)"
         )
 
 
@@ -402,7 +427,7 @@ def place_tensors(
              if isinstance(t, RegionTensor)}
     out_span = lse_span = None
     if out is not None:
-        _check_out(out, user_shape, tensors[0].dtype)
+        _check_out(out, user_shape, out_dtype_of(tensors[0].dtype))
         if not out_nbytes:  # an empty batch: nothing to write; ``out`` is returned as it is
             out = None
     if placement is not None:
@@ -446,19 +471,20 @@ def finish_request(
     if cache is not None:
         header.cache.CopyFrom(cache.message())
     else:
-        _set_kv_scales(header, wk, kv_scales)
+        _set_kv_scales(header, wq, wk, kv_scales)
     if score is not None:
         header.score.CopyFrom(score.message(wq.shape[1], sequences))
     scale = _scale(softmax_scale)
     if scale is not None:
         header.softmax_scale = scale
     out_span, lse_span = place_tensors(
-        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, wq.dtype),
+        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, out_dtype_of(wq.dtype)),
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )
     return PreparedRequest(
         method=method, header=checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=wq.dtype, lse_shape=lse_shape, origin=origin,
+        out_shape=wq.shape, out_dtype=out_dtype_of(wq.dtype), lse_shape=lse_shape,
+        origin=bfloat16_origin(origin) if wq.dtype == pb.FLOAT8_E4M3 else origin,
         user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
         lse_span=lse_span, user_out=out, cache=cache,
     )

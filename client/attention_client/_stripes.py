@@ -99,7 +99,7 @@ def part_inputs(
         slopes = np.ascontiguousarray(score.slopes[..., part.q_heads])
         score = dataclasses.replace(score, slopes=slopes)
     if kv_scales is not None:
-        kv_scales = (kv_scales[0][part.kv_heads], kv_scales[1][part.kv_heads])
+        kv_scales = tuple(s[part.kv_heads] for s in kv_scales)
     return (_heads(q, part.q_heads), _heads(k, part.kv_heads), _heads(v, part.kv_heads),
             score, kv_scales)
 

@@ -44,6 +44,18 @@ class Origin:
     device: Any = None  # torch device (None for numpy)
 
 
+def bfloat16_origin(origin: Origin) -> Origin:
+    """``origin`` with bfloat16 for its dtype: the flavour of FP8 queries' output (torch's
+    bfloat16; numpy's from ml_dtypes, which the FP8 inputs came from)."""
+    if origin.kind == "torch":
+        import torch
+
+        return Origin("torch", torch.bfloat16, origin.device)
+    import ml_dtypes
+
+    return Origin("numpy", np.dtype(ml_dtypes.bfloat16))
+
+
 @dataclass(frozen=True)
 class WireTensor:
     """A C-contiguous little-endian array ready to be sent as raw bytes."""

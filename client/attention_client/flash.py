@@ -17,7 +17,10 @@ forward-only: an output that claimed ``requires_grad`` would fail only at ``back
 ``return_attn_probs=True`` returns flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask``
 None (it only means something with dropout, which is refused): lse is float32 ``[H, total_q]``
 (varlen) or ``[B, H, N_q]``. ``max_seqlen_*`` are accepted and checked against ``cu_seqlens``
-(the server derives them). Needs torch (the rest of the client does not).
+(the server derives them). FP8 attention takes FlashAttention-3's keyword arguments:
+float8_e4m3fn q, k, v with ``q_descale`` / ``k_descale`` / ``v_descale`` (float32
+``[batch, H_kv]``, one row per sequence, or ``[H_kv]``; None: 1) and a bfloat16 output.
+Needs torch (the rest of the client does not).
 """
 
 from __future__ import annotations
@@ -145,20 +148,53 @@ def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
         )
 
 
+def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
+              ) -> dict[str, torch.Tensor]:
+    """FlashAttention-3's descale factors as the client's ``q_scale`` / ``k_scale`` /
+    ``v_scale`` (one float per kv head): each float32 ``[batch, H_kv]`` or ``[H_kv]``, None
+    meaning 1, for float8_e4m3fn inputs only. The server takes one scale per kv head for a
+    call, so rows that differ between sequences are refused (NotImplementedError)."""
+    fp8_kv = k.dtype == torch.float8_e4m3fn
+    fp8_q = q.dtype == torch.float8_e4m3fn
+    heads = k.shape[-2]
+    out = {}
+    for name, d in descales.items():
+        wanted = fp8_q if name == "q_descale" else fp8_kv
+        if not wanted:
+            if d is not None:
+                raise AttentionInputError(f"{name} is for float8_e4m3fn {name[0]}; "
+                                          f"{name[0]} is {(q if name[0] == 'q' else k).dtype}")
+            continue
+        if d is None:
+            d = torch.ones(heads)
+        if not isinstance(d, torch.Tensor) or d.shape[-1:] != (heads,) or d.dim() > 2:
+            raise AttentionInputError(f"{name} must be a float32 tensor [batch, {heads}] or "
+                                      f"[{heads}] (num_heads_k), got {d!r}")
+        if d.dim() == 2:
+            if d.shape[0] and not bool((d == d[:1]).all()):
+                raise _refuse(name, "rows that differ per sequence: the server takes one scale "
+                              "per kv head for a call (split the call by scales)")
+            d = d[0] if d.shape[0] else torch.ones(heads)
+        out[name[0] + "_scale"] = d.detach().float().cpu()
+    return out
+
+
 def _varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
     *, causal: bool, softmax_scale: float | None, window_size: Any, softcap: float,
     alibi_slopes: Any, return_lse: bool, client: AttentionClient | None,
+    descales: dict[str, torch.Tensor | None] | None = None,
 ) -> Any:
     _refuse_grad(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     left, right = (int(x) for x in window_size)
-    if client is None and not return_lse:
+    scales = _descales(q, k, **(descales or {}))
+    if client is None and not return_lse and not scales:
         return varlen_attention(q, k, v, cu_q, cu_k, as_flag(causal, "causal"), softmax_scale,
                                 left, right, float(softcap), alibi_slopes)
     return (client or get_client()).attention(
         q, k, v, cu_q, cu_k, causal=causal, softmax_scale=softmax_scale,
         window_size=(left, right), softcap=softcap, alibi_slopes=alibi_slopes,
-        return_lse=return_lse,
+        return_lse=return_lse, **scales,
     )
 
 
@@ -180,6 +216,9 @@ def flash_attn_varlen_func(
     return_attn_probs: bool = False,
     block_table: torch.Tensor | None = None,
     *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     client: AttentionClient | None = None,
 ) -> Any:
     """``flash_attn.flash_attn_varlen_func``: q ``[total_q, H, D]``, k/v ``[total_k, H_kv, D]``,
@@ -189,7 +228,8 @@ def flash_attn_varlen_func(
     server's paged kernels serve its own caches). Returns out ``[total_q, H, D]``, or with
     ``return_attn_probs``
     ``(out, softmax_lse [H, total_q] float32, None)``. ``deterministic`` is accepted (the
-    forward pass is deterministic anyway)."""
+    forward pass is deterministic anyway). FP8 (float8_e4m3fn) inputs take FlashAttention-3's
+    ``q_descale`` / ``k_descale`` / ``v_descale`` (``_descales``)."""
     if dropout_p:
         raise _refuse("dropout_p", f"{dropout_p}: the remote op is inference only; pass 0.0")
     _check_max("max_seqlen_q", max_seqlen_q, cu_seqlens_q)
@@ -198,7 +238,9 @@ def flash_attn_varlen_func(
         k, v = _paged_keys(k, v, block_table, cu_seqlens_k)
     res = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=causal,
                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                  alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs), client=client)
+                  alibi_slopes=alibi_slopes, return_lse=bool(return_attn_probs), client=client,
+                  descales={"q_descale": q_descale, "k_descale": k_descale,
+                            "v_descale": v_descale})
     if return_attn_probs:
         out, lse = res
         return out, lse, None  # flash_attn's S_dmask: only with dropout
@@ -218,10 +260,14 @@ def flash_attn_func(
     deterministic: bool = False,
     return_attn_probs: bool = False,
     *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     client: AttentionClient | None = None,
 ) -> Any:
     """``flash_attn.flash_attn_func``: q ``[B, N_q, H, D]``, k/v ``[B, N_k, H_kv, D]``; with
-    ``return_attn_probs`` ``(out, softmax_lse [B, H, N_q] float32, None)``."""
+    ``return_attn_probs`` ``(out, softmax_lse [B, H, N_q] float32, None)``; FP8 inputs with
+    FlashAttention-3's descale factors as in ``flash_attn_varlen_func``."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise AttentionInputError(
             f"q, k, v must be 4-D [batch, seqlen, heads, head_dim], got {list(q.shape)}, "
@@ -234,7 +280,7 @@ def flash_attn_func(
         q.reshape(batch * n_q, *q.shape[2:]), k.reshape(batch * n_k, *k.shape[2:]),
         v.reshape(batch * n_k, *v.shape[2:]), cu_q, cu_k, n_q, n_k, dropout_p, softmax_scale,
         causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-        client=client,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale, client=client,
     )
     if return_attn_probs:
         out, lse, _ = res  # lse [H, B * N_q] -> flash_attn's [B, H, N_q]

@@ -6,7 +6,8 @@ signatures. ``paged_prefill`` / ``paged_decode`` read K/V from a paged cache thr
 table (``paged_*_ref`` and ``gather_pages`` are their torch side). Every one of them takes
 flash_attn's ``window_size=(left, right)``, ``softcap`` and ``alibi_slopes`` (see
 ``reference.py`` for the semantics), and FP8 (e4m3) K/V with per-kv-head scales
-(``k_scale=, v_scale=``; ``quantize_kv`` makes them, see ``fp8.py``). A repeated kernel call
+(``k_scale=, v_scale=``; ``quantize_kv`` makes them, see ``fp8.py``), and ``prefill`` FP8
+queries too (``q_scale=``; ``quantize_queries``). A repeated kernel call
 with the same shapes, strides, dtypes and arguments reuses its checked set-up and launches the
 compiled kernel directly (``_launch.py``): a batch-1 decode step costs ~30 us of host time. The
 Triton modules are imported lazily so the reference works without Triton.
@@ -17,7 +18,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from attention_kernels._checks import SUPPORTED_DTYPES, supported_head_dim
-from attention_kernels.fp8 import FP8_DTYPE, dequantize_kv, quantize_kv
+from attention_kernels.fp8 import (
+    FP8_DTYPE,
+    dequantize_kv,
+    dequantize_queries,
+    quantize_kv,
+    quantize_queries,
+)
 from attention_kernels.paged_reference import gather_pages, paged_decode_ref, paged_prefill_ref
 from attention_kernels.reference import decode_ref, prefill_ref
 
@@ -32,6 +39,7 @@ __all__ = [
     "decode",
     "decode_ref",
     "dequantize_kv",
+    "dequantize_queries",
     "for_cuda_graphs",
     "gather_pages",
     "paged_decode",
@@ -41,6 +49,7 @@ __all__ = [
     "prefill",
     "prefill_ref",
     "quantize_kv",
+    "quantize_queries",
     "supported_head_dim",
     "warmup",
 ]

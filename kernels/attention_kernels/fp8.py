@@ -87,5 +87,4 @@ def combined_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch
     scale joins the logits' scale) and ``v_scale``, both ``[H_kv]`` or both ``[batch, H_kv]``
     when either input is per sequence."""
     ks = q_scale * k_scale
-    vs = v_scale.expand(ks.shape).contiguous() if v_scale.shape != ks.shape else v_scale
-    return ks.contiguous(), vs
+    return ks.contiguous(), v_scale.expand(ks.shape).contiguous()  # the kernels index them

@@ -192,7 +192,8 @@ def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
 
 
 # Columns of ``transposed_values_ref``' rows are a multiple of this: TMA needs 16-byte strides.
-_VT_ALIGN = 16
+_VT_ALIGN_GL = gl.constexpr(16)  # the kernel's copy (``_ws_producer``)
+_VT_ALIGN = _VT_ALIGN_GL.value
 
 
 def _fp8_key_order(r: torch.Tensor) -> torch.Tensor:
@@ -381,7 +382,8 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
                 mbarrier.wait(v_empty.index(slot), phase, pred=r >= STAGES)
                 if FP8:  # sequences end in zero columns (``transposed_values_ref``)
                     mbarrier.expect(v_ready.index(slot), desc_v.block_type.nbytes)
-                    first = (k_start + 15) // 16 * 16 + seq * (BLOCK_N + 16)  # _VT_ALIGN
+                    first = ((k_start + _VT_ALIGN_GL - 1) // _VT_ALIGN_GL * _VT_ALIGN_GL
+                             + seq * (BLOCK_N + _VT_ALIGN_GL))  # ``values_first_column``
                     tma.async_copy_global_to_shared(desc_v, [kv_col, first + j * BLOCK_N],
                                                     v_ready.index(slot), v_smem.index(slot))
                 elif ragged and j == n_blocks - 1:

@@ -597,7 +597,8 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
                and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-# The FP8 Gluon kernel's tiles by head dim, and its launches by their compile-time arguments
+# The FP8 Gluon kernel's tiles by head dim, and its launches by the 16-byte alignment of the
+# pointers Triton specializes on (``_fp8_prefill``), then by their compile-time arguments
 # (``hopper_prefill_ws``). H200, dense B * N = 16K, 16 heads, medians of 3 rounds, TFLOP/s
 # against our bf16 in the same run (2026-11-30, calls E and F): D 128 non-causal N 4K / 8K /
 # 16K 668 / 695-703 / 711-722 (1.14-1.21x), causal 567 / 644-646 / 670-678 (1.09-1.22x).
@@ -605,7 +606,7 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
 # measured the same or slower (646-727). D 64 measured 0.85-0.94x our bf16 (three consumers,
 # 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs at bf16 speed.
 _FP8_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2}}
-_FP8_LAUNCHES: dict[tuple[object, ...], KernelLaunch] = {}
+_FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
 
 
 def _fp8_prefill(
@@ -638,11 +639,15 @@ def _fp8_prefill(
     out, lse = outputs(out, lse_out, return_lse, (total_q, num_heads, head_dim),
                        (num_heads, total_q), torch.bfloat16, q.device)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
-    hopper_prefill_ws(q, k, v, cu_q.contiguous(), cu_k.contiguous(), out,
-                      lse if return_lse else None, causal, scale * LOG2E,
-                      programs=num_sms(q.device.index or 0), dynamic=True,
+    cu_q, cu_k = cu_q.contiguous(), cu_k.contiguous()
+    # Triton compiles a launch for its first call's pointers, 16-byte aligned or not (vector
+    # stores of ``out``, vector loads of ``cu_seqlens``): a caller's ``out=`` view at another
+    # alignment gets a launch of its own rather than a misaligned store.
+    aligned = tuple(t.data_ptr() % 16 == 0 for t in (out, lse, cu_q, cu_k, ks, vs))
+    hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse if return_lse else None, causal,
+                      scale * LOG2E, programs=num_sms(q.device.index or 0), dynamic=True,
                       kv_scales=(ks, vs, ks.shape[1] if ks.dim() == 2 else 0),
-                      launches=_FP8_LAUNCHES, **_FP8_TILES[head_dim])
+                      launches=_FP8_LAUNCHES.setdefault(aligned, {}), **_FP8_TILES[head_dim])
     return (out, lse) if return_lse else out
 
 

@@ -34,6 +34,12 @@ def kv_dtype_allowed(dtype: int, kv_dtype: int) -> bool:
     beside FLOAT16/BFLOAT16 (the kernels' rule)."""
     return kv_dtype == dtype or (kv_dtype == pb.FLOAT8_E4M3 and dtype in FP8_QUERY_DTYPES)
 
+
+def out_dtype(dtype: int) -> int:
+    """The output's pb.DType for queries in ``dtype``: theirs, BFLOAT16 for FP8 queries (the
+    kernels' rule, as FlashAttention-3's FP8 forward)."""
+    return pb.BFLOAT16 if dtype == pb.FLOAT8_E4M3 else dtype
+
 # Per-kv-head dequantization scales of FP8 keys and values: (k scales, v scales).
 KvScales = tuple[tuple[float, ...], tuple[float, ...]]
 INPUTS = ("q", "k", "v")
@@ -66,6 +72,8 @@ class Op(enum.Enum):
         # and computes attention at all (AppendKV: no q, no outputs, no kernel).
         op.kernel = kernel
         op.queries = kernel is not None
+        # Takes FLOAT8_E4M3 queries (with KvScales.q): the contiguous prefill kernel does.
+        op.fp8_queries = kernel == "prefill"
         op.header = pb.DecodeHeader if decode_like else pb.PrefillHeader
         return op
 
@@ -102,7 +110,7 @@ class BatchKey(NamedTuple):
     (A tuple: hashed per request on the engine's hot path.)"""
 
     op: Op
-    dtype: int  # pb.DType of q and out
+    dtype: int  # pb.DType of q, and of out but for FLOAT8_E4M3 queries (``out_dtype``)
     num_heads: int
     num_kv_heads: int
     head_dim: int
@@ -212,8 +220,11 @@ class Params:
         return lse
 
     def wire_dtype(self, name: str) -> int:
-        """The pb.DType of tensor ``name`` (q, k, v, out): k and v may be FP8."""
-        return self.kv_dtype if name in ("k", "v") else self.dtype
+        """The pb.DType of tensor ``name`` (q, k, v, out): k and v may be FP8, and q too
+        (Prefill: out is then BFLOAT16)."""
+        if name in ("k", "v"):
+            return self.kv_dtype
+        return out_dtype(self.dtype) if name == "out" else self.dtype
 
     def nbytes(self, name: str) -> int:
         """Bytes of tensor ``name`` (q, k, v, out, lse); 0 for an lse not asked for."""
@@ -244,11 +255,17 @@ def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
     return tuple(ids)
 
 
-def check_kv_scales(msg: pb.KvScales, num_kv_heads: int, field: str) -> KvScales:
+def check_kv_scales(msg: pb.KvScales, num_kv_heads: int, field: str,
+                    fp8_queries: bool = False) -> KvScales:
     """A KvScales message as the kernels take it: num_kv_heads finite positive floats for
-    keys and for values; INVALID_ARGUMENT naming the entry otherwise."""
+    keys and for values, and for queries when they are FP8 (``fp8_queries``; refused
+    otherwise); INVALID_ARGUMENT naming the entry otherwise. The query scales come back folded
+    into the key scales (``q[h] * k[h]``: both scale the logits), as the kernels fold them."""
+    if not fp8_queries and len(msg.q):
+        raise invalid(f"{field}.q", "set, but the queries are not FLOAT8_E4M3: query scales "
+                      "are for FLOAT8_E4M3 queries")
     out = []
-    for part in ("k", "v"):
+    for part in ("q", "k", "v") if fp8_queries else ("k", "v"):
         values = tuple(float(x) for x in getattr(msg, part))
         if len(values) != num_kv_heads:
             raise invalid(f"{field}.{part}", f"{len(values)} scales for {num_kv_heads} kv "
@@ -257,6 +274,14 @@ def check_kv_scales(msg: pb.KvScales, num_kv_heads: int, field: str) -> KvScales
         if bad is not None:
             raise invalid(f"{field}.{part}[{bad}]", f"must be finite and > 0, got {values[bad]}")
         out.append(values)
+    if fp8_queries:
+        q, k, v = out
+        folded = tuple(float(np.float32(a * b)) for a, b in zip(q, k, strict=True))
+        bad = next((i for i, x in enumerate(folded) if not (math.isfinite(x) and x > 0)), None)
+        if bad is not None:
+            raise invalid(f"{field}.q[{bad}]", f"q[{bad}] * k[{bad}] = {q[bad] * k[bad]:g} "
+                          "leaves float32's range")
+        return folded, v
     return out[0], out[1]
 
 

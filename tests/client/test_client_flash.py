@@ -395,3 +395,38 @@ def test_flash_attn_varlen_func_reads_flash_attns_pages(client) -> None:  # type
                                           block_table=wrong)
     with pytest.raises(NotImplementedError, match="^block_table: "):
         flash.varlen_attn(q, k, v, cu_q, cu_k, 3, 10, enable_gqa=True, block_table=table)
+
+
+def test_fp8_with_flash_attention_3s_descales(client) -> None:  # type: ignore[no-untyped-def]
+    """FlashAttention-3's FP8 forward form: float8_e4m3fn q, k, v with ``q_descale`` /
+    ``k_descale`` / ``v_descale`` ``[batch, H_kv]`` (keyword arguments, as in its
+    ``flash_attn_func``): a bfloat16 output like float64 on the dequantized inputs; None
+    means 1; per-sequence rows that differ are refused by name; descales on 16-bit inputs
+    are input errors."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    q, k, v, _, _ = _packed([24], [24], seed=7)
+    q8, qs = quantize_queries(q, 2)
+    (k8, ks), (v8, vs) = attention_kernels.quantize_kv(k), attention_kernels.quantize_kv(v)
+    batch = 2
+    q4, k4, v4 = (t.reshape(batch, 12, *t.shape[1:]) for t in (q8, k8, v8))
+    rows = {name: s[None, :].expand(batch, 2) for name, s in
+            (("q_descale", qs), ("k_descale", ks), ("v_descale", vs))}
+    out = flash.flash_attn_func(q4, k4, v4, causal=True, **rows)
+    assert out.dtype == torch.bfloat16 and out.shape == q4.shape
+    cu = torch.tensor([0, 12, 24], dtype=torch.int32)
+    ref = attention_kernels.prefill_ref(
+        dequantize_queries(q8, qs, 2, torch.float64),
+        attention_kernels.dequantize_kv(k8, ks, torch.float64),
+        attention_kernels.dequantize_kv(v8, vs, torch.float64), cu, causal=True)
+    err = ((out.reshape(24, 4, 16).double() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
+    ones = flash.flash_attn_varlen_func(q8, k8, v8, cu, cu, 12, 12)
+    ref1 = attention_kernels.prefill_ref(q8.double(), k8.double(), v8.double(), cu)
+    assert ((ones.double() - ref1).norm() / ref1.norm()).item() < 2e-2
+    differ = rows["q_descale"].clone()
+    differ[1] *= 2
+    with pytest.raises(NotImplementedError, match="q_descale: rows that differ"):
+        flash.flash_attn_func(q4, k4, v4, q_descale=differ)
+    with pytest.raises(AttentionInputError, match="k_descale is for float8_e4m3fn k"):
+        flash.flash_attn_func(q4.bfloat16(), k4.bfloat16(), v4.bfloat16(), k_descale=ks)

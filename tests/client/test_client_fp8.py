@@ -73,7 +73,7 @@ def test_fp8_headers_carry_the_scales():
 @pytest.mark.parametrize(("change", "words"), [
     ({"scales": None}, "need k_scale and v_scale"),
     ({"k": "bf16"}, "they are for float8_e4m3fn"),
-    ({"q": FP8}, "queries take float16, bfloat16 or float32"),
+    ({"q": FP8}, "float8_e4m3fn q needs q_scale"),
     ({"q": torch.float32}, "must share one dtype"),
     ({"v": "bf16"}, "must share one dtype"),
     ({"scales": ((0.1,), (0.2, 0.3))}, "k_scale has 1 entries for 2 kv heads"),
@@ -267,3 +267,89 @@ def test_fp8_step_without_tokens_on_listed_caches(client):
     empty = cache.layout.empty_kv("k")
     assert empty.dtype == pb.FLOAT8_E4M3 and empty.nbytes == 0
     cache.release()
+
+
+# ---- FP8 queries (FlashAttention-3's q_descale) ---------------------------------------------
+
+
+def _qkv8(total: int, heads: int = 4, kv_heads: int = 2, dim: int = 32, seed: int = 11):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(total, heads, dim, generator=g)
+    k = torch.randn(total, kv_heads, dim, generator=g) * 3
+    v = torch.randn(total, kv_heads, dim, generator=g)
+    q8, qs = attention_kernels.fp8.quantize_queries(q, kv_heads)
+    (k8, ks), (v8, vs) = attention_kernels.quantize_kv(k), attention_kernels.quantize_kv(v)
+    return q8, k8, v8, qs, ks, vs
+
+
+def _deq_q(q8, s):
+    return attention_kernels.fp8.dequantize_queries(q8, s, s.shape[0], torch.float64)
+
+
+def test_fp8_query_header_carries_the_query_scales():
+    q8, k8, v8, qs, ks, vs = _qkv8(7)
+    prep = prepare_prefill(q8, k8, v8, kv_scales=kv_scales_of(ks, vs, qs))
+    h = pb.PrefillHeader.FromString(prep.header)
+    assert h.q.dtype == h.k.dtype == pb.FLOAT8_E4M3
+    assert list(h.kv_scales.q) == pytest.approx(qs.tolist())
+    assert prep.out_dtype == pb.BFLOAT16 and prep.tensors[0].nbytes == 7 * 4 * 32
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"q_scale": None}, "float8_e4m3fn q needs q_scale"),
+    ({"q": "bf16"}, "q_scale given, but q is BFLOAT16"),
+    ({"k": "bf16"}, "must share one dtype"),
+    ({"q_scale": (0.5,)}, "q_scale has 1 entries for 2 kv heads"),
+])
+def test_fp8_query_client_refusals(change, words):
+    q8, k8, v8, qs, ks, vs = _qkv8(4)
+    with pytest.raises(AttentionInputError, match="q_scale is missing|v_scale is missing"):
+        kv_scales_of(ks, None, qs)
+    with pytest.raises(AttentionInputError, match="attention\\(\\) only"):
+        prepare_decode(q8[:2], k8, v8, [0, 2, 4], kv_scales=kv_scales_of(ks, vs))
+    q_scale = change.get("q_scale", qs)
+    if change.get("q") == "bf16":
+        q8 = q8.to(torch.bfloat16)
+    if change.get("k") == "bf16":
+        k8, v8 = k8.to(torch.bfloat16), v8.to(torch.bfloat16)
+    scales = (kv_scales_of(ks, vs, q_scale) if not isinstance(q_scale, tuple)
+              else (tuple(ks.tolist()), tuple(vs.tolist()), q_scale))
+    with pytest.raises(AttentionInputError, match=words):
+        prepare_prefill(q8, k8, v8, kv_scales=scales)
+
+
+def test_fp8_queries_end_to_end(client):
+    """FP8 q, k, v through the server (cpu backend: queries widened exactly, the query scale
+    folded into the key scale): bf16 out and lse like float64 on the dequantized inputs; an
+    ``out=``-less call and one with a bf16 ``out`` region buffer; the wrong ``out`` dtype is
+    refused naming bfloat16."""
+    q8, k8, v8, qs, ks, vs = _qkv8(45)
+    cu = torch.tensor([0, 1, 20, 45], dtype=torch.int32)
+    out, lse = client.attention(q8, k8, v8, cu, causal=True, q_scale=qs, k_scale=ks,
+                                v_scale=vs, return_lse=True)
+    assert out.dtype == torch.bfloat16
+    ref, ref_lse = attention_kernels.prefill_ref(_deq_q(q8, qs), _deq(k8, ks), _deq(v8, vs),
+                                                 cu, causal=True, return_lse=True)
+    check_out(out, ref, "bfloat16", out)
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=1e-4, atol=2e-3)
+
+
+def test_fp8_queries_in_a_region(server):
+    q80, k80, v80, qs, ks, vs = _qkv8(30, seed=12)
+    with AttentionClient(server.target, timeout=60) as c:
+        region = c.register_shm(1 << 20)
+        q8, k8, v8 = (region.empty(tuple(t.shape), FP8) for t in (q80, k80, v80))
+        for dst, src in ((q8, q80), (k8, k80), (v8, v80)):
+            dst.copy_(src)
+        out = region.empty(tuple(q80.shape), torch.bfloat16)
+        got = c.attention(q8, k8, v8, [0, 12, 30], causal=True, q_scale=qs, k_scale=ks,
+                          v_scale=vs, out=out)
+        assert got.data_ptr() == out.data_ptr() and c.last_stats["bytes_in"] == 0
+        ref = attention_kernels.prefill_ref(_deq_q(q80, qs), _deq(k80, ks), _deq(v80, vs),
+                                            torch.tensor([0, 12, 30], dtype=torch.int32),
+                                            causal=True)
+        check_out(out, ref, "bfloat16", out)
+        wrong = region.empty(tuple(q80.shape), FP8)
+        with pytest.raises(AttentionInputError, match="bfloat16 for float8_e4m3fn q"):
+            c.attention(q8, k8, v8, [0, 12, 30], q_scale=qs, k_scale=ks, v_scale=vs,
+                        out=wrong)

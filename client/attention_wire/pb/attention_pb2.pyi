@@ -41,12 +41,14 @@ OUT: OutputField
 LSE: OutputField
 
 class KvScales(_message.Message):
-    __slots__ = ("k", "v")
+    __slots__ = ("k", "v", "q")
     K_FIELD_NUMBER: _ClassVar[int]
     V_FIELD_NUMBER: _ClassVar[int]
+    Q_FIELD_NUMBER: _ClassVar[int]
     k: _containers.RepeatedScalarFieldContainer[float]
     v: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, k: _Optional[_Iterable[float]] = ..., v: _Optional[_Iterable[float]] = ...) -> None: ...
+    q: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, k: _Optional[_Iterable[float]] = ..., v: _Optional[_Iterable[float]] = ..., q: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TensorSpec(_message.Message):
     __slots__ = ("dtype", "shape")

@@ -109,6 +109,8 @@ class CpuBackend:
             plan.fill_no_keys()
             return DoneLaunch(LaunchTimes())
         k, v = dequantized(plan, k, v, cu_k)
+        if q.dtype == torch.float8_e4m3fn:  # exact in bf16; their scales are folded into k's
+            q = q.to(torch.bfloat16)
         # A decode step is a prefill with one query per sequence and no mask.
         cu_q = list(range(len(cu_k))) if plan.op.decode_like else plan.cu_seqlens_q
         assert cu_q is not None

@@ -9,6 +9,7 @@ from typing import Any
 
 from attention_service.engine.jobs import Job, batch_key
 from attention_service.params import BatchKey, KvScales, lengths
+from attention_wire.pb import attention_pb2 as pb
 
 
 def scale_rows(rows: Sequence[KvScales], device: object,
@@ -150,11 +151,15 @@ class BatchPlan:
 
     def fp8_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise): ``[H_kv]``
-        when every sequence has the same scales, else ``[batch, H_kv]``."""
+        when every sequence has the same scales, else ``[batch, H_kv]``; and ``q_scale`` of
+        FP8 queries."""
         if not self.key.fp8:
             return {}
         k, v = scale_rows(self.seq_scales, device)
-        return {"k_scale": k, "v_scale": v}
+        if self.key.dtype != pb.FLOAT8_E4M3:
+            return {"k_scale": k, "v_scale": v}
+        # FP8 queries: their scales came folded into the keys' (``params.check_kv_scales``).
+        return {"q_scale": k.new_ones(k.shape), "k_scale": k, "v_scale": v}  # type: ignore[attr-defined]
 
     def new_token_scales(self, device: object = "cpu") -> tuple[object, object]:
         """The scales each new k/v row is stored with (a cached FP8 batch): ``[H_kv]`` when

@@ -51,6 +51,7 @@ from attention_service.engine.jobs import (
     PendingLaunch,
 )
 from attention_service.engine.paged_store import block_table, store_new_tokens
+from attention_service.params import out_dtype
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
 # ATTENTION_PACK_KERNEL=0: batches pack with a view and a copy per job and tensor, as before
@@ -178,10 +179,12 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
         spans.append(row)
     key = plan.key
     q_dtype, kv_dtype = TORCH_DTYPES[key.dtype], TORCH_DTYPES[key.kv_dtype]
+    o_dtype = TORCH_DTYPES[out_dtype(key.dtype)]
     q_row = key.num_heads * key.head_dim * q_dtype.itemsize
+    o_row = key.num_heads * key.head_dim * o_dtype.itemsize
     kv_row = key.num_kv_heads * key.head_dim * kv_dtype.itemsize
     sizes = (plan.total_q * q_row, plan.total_k * kv_row, plan.total_k * kv_row,
-             plan.total_q * q_row)
+             plan.total_q * o_row)
     at, total = [], 0
     for n in sizes:
         at.append(total)
@@ -198,7 +201,7 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
         ins.append((sq[0], sq[1], None, q_at + q_off, _nbytes(sq)))
         ins.append((sk[0], sk[1], None, k_at + k_off, _nbytes(sk)))
         ins.append((sv[0], sv[1], None, v_at + k_off, _nbytes(sv)))
-        outs.append((None, o_at + q_off, so[0], so[1], _nbytes(so)))
+        outs.append((None, o_at + plan.q_offsets[i] * o_row, so[0], so[1], _nbytes(so)))
 
     def ptr(block: Any, offset: int) -> int:
         return (base if block is None else block.ptr) + offset
@@ -242,7 +245,7 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
     kv_shape = (plan.total_k, key.num_kv_heads, key.head_dim)
     return _Segments(
         q=packed.view(q_at, q_dtype, q_shape), k=packed.view(k_at, kv_dtype, kv_shape),
-        v=packed.view(v_at, kv_dtype, kv_shape), out=packed.view(o_at, q_dtype, q_shape),
+        v=packed.view(v_at, kv_dtype, kv_shape), out=packed.view(o_at, o_dtype, q_shape),
         table=host.to(device, non_blocking=True), n_in=n_in, unit=unit, max_in=max_in,
         max_out=max_out, dma_in=dma_in, dma_out=dma_out, keep=(buf, host),
     )

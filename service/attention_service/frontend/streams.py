@@ -337,7 +337,8 @@ def response_messages(
     if not p.op.queries:
         return  # AppendKV: no outputs: the stats (cache lengths) are the answer
     if "out" not in received.regions:
-        yield from output_messages(pb.OUT, p.dtype, p.q_shape, arrays["out"], chunk_bytes)
+        yield from output_messages(pb.OUT, p.wire_dtype("out"), p.q_shape, arrays["out"],
+                                   chunk_bytes)
     lse_shape = p.lse_shape
     if lse_shape is not None and "lse" not in received.regions:
         yield from output_messages(pb.LSE, pb.FLOAT32, lse_shape, arrays["lse"], chunk_bytes)

@@ -32,6 +32,7 @@ from attention_service.params import (
     check_kv_scales,
     kv_dtype_allowed,
     make_params,
+    out_dtype,
 )
 from attention_wire.pb import attention_pb2 as pb
 
@@ -89,13 +90,19 @@ def dtype_name(value: int) -> str:
         return str(value)
 
 
-def _dtype(header_spec: pb.TensorSpec, name: str, kv: bool = False) -> int:
-    accepted = ELEMENT_BYTES if kv else QUERY_DTYPES
-    if header_spec.dtype not in accepted:
+def _dtype(header_spec: pb.TensorSpec, name: str, kv: bool = False,
+           op: Op | None = None) -> int:
+    """A tensor's dtype: FLOAT8_E4M3 for keys and values (``kv``), and for queries of an
+    ``op`` that takes them (``Op.fp8_queries``: Prefill)."""
+    fp8_ok = kv or (op is not None and op.fp8_queries)
+    if header_spec.dtype not in (ELEMENT_BYTES if fp8_ok else QUERY_DTYPES):
+        also = (" (or FLOAT8_E4M3 for keys and values)" if kv else
+                " (FLOAT8_E4M3 queries: Prefill only)" if header_spec.dtype == pb.FLOAT8_E4M3
+                else "")
         raise invalid(
             f"header.{name}.dtype",
             f"unknown or unsupported dtype {dtype_name(header_spec.dtype)}; use FLOAT16, "
-            f"BFLOAT16 or FLOAT32{' (or FLOAT8_E4M3 for keys and values)' if kv else ''}",
+            f"BFLOAT16 or FLOAT32{also}",
         )
     return int(header_spec.dtype)
 
@@ -129,7 +136,8 @@ def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
         raise invalid("header.v.dtype", f"{dtype_name(other)} differs from k's dtype "
                       f"{dtype_name(kv_dt)}")
     if not kv_dtype_allowed(dt, kv_dt):
-        why = ("FLOAT8_E4M3 keys and values need FLOAT16 or BFLOAT16 queries"
+        why = ("FLOAT8_E4M3 queries need FLOAT8_E4M3 keys and values" if dt == pb.FLOAT8_E4M3
+               else "FLOAT8_E4M3 keys and values need FLOAT16 or BFLOAT16 queries"
                if kv_dt == pb.FLOAT8_E4M3 else "use q's dtype (or FLOAT8_E4M3)")
         raise invalid("header.k.dtype", f"{dtype_name(kv_dt)} with q's dtype "
                       f"{dtype_name(dt)}: {why}")
@@ -138,11 +146,12 @@ def _kv_dtype(h: pb.PrefillHeader | pb.DecodeHeader, dt: int) -> int:
 
 def _check_qkv(
     h: pb.PrefillHeader | pb.DecodeHeader, q_dims: Sequence[str], with_q: bool = True,
-    max_heads_ratio: int = 1 << 30, empty_q: bool = False,
+    max_heads_ratio: int = 1 << 30, empty_q: bool = False, op: Op | None = None,
 ) -> dict[str, Any]:
     """Dtypes and shapes of q, k, v, checked: ``make_params``' dtype, kv_dtype, q_shape and
     k_shape. ``with_q`` False (AppendKV): q must be absent, its dtype is taken as k's and its
-    shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q may have 0 rows."""
+    shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q may have 0 rows. ``op``: the
+    rpc (a Prefill may send FLOAT8_E4M3 queries)."""
     if not with_q:
         if h.HasField("q"):
             raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
@@ -152,7 +161,7 @@ def _check_qkv(
     elif not h.HasField("q"):
         raise invalid("header.q", "missing")
     else:
-        dt = _dtype(h.q, "q")
+        dt = _dtype(h.q, "q", op=op)
     kv_dt = _kv_dtype(h, dt)
     kv_dims = ("total_k", "num_kv_heads", "head_dim")
     k_shape = _shape(h.k, "k", kv_dims)
@@ -175,7 +184,7 @@ def _check_qkv(
             "header.k.shape[1]",
             f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({k_shape[1]})",
         )
-    row_bytes = num_heads * head_dim * ELEMENT_BYTES[dt]
+    row_bytes = num_heads * head_dim * ELEMENT_BYTES[out_dtype(dt)]
     if row_bytes > MAX_ROW_BYTES:
         raise invalid(
             "header.q.shape[1]",
@@ -190,8 +199,9 @@ def _check_qkv(
 
 
 def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, kv_dtype: int,
-               num_kv_heads: int) -> KvScales | None:
-    """The scales of a stateless op's FP8 keys and values (None for any other request)."""
+               num_kv_heads: int, dtype: int = 0) -> KvScales | None:
+    """The scales of a stateless op's FP8 keys and values (None for any other request), with
+    FP8 queries' (``dtype``) folded into the keys'."""
     fp8 = kv_dtype == pb.FLOAT8_E4M3
     if not h.HasField("kv_scales"):
         if fp8 and not op.cached:
@@ -204,7 +214,8 @@ def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, kv_dtype: int,
     if not fp8:
         raise invalid("header.kv_scales", f"set, but k and v are {dtype_name(kv_dtype)}: "
                       "scales are for FLOAT8_E4M3 keys and values")
-    return check_kv_scales(h.kv_scales, num_kv_heads, "header.kv_scales")
+    return check_kv_scales(h.kv_scales, num_kv_heads, "header.kv_scales",
+                           fp8_queries=dtype == pb.FLOAT8_E4M3)
 
 
 def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
@@ -324,9 +335,10 @@ def validate_prefill_header(
     """Prefill, CachePrefill and AppendKV (no q: its cu_seqlens_q is all zeros)."""
     append = not op.queries  # AppendKV
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
-                     limits.max_heads_ratio, empty_q=not op.cached)
+                     limits.max_heads_ratio, empty_q=not op.cached, op=op)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1])
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
+                                  qkv["dtype"] if not append else 0)
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)

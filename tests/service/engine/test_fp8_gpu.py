@@ -17,11 +17,14 @@ from .test_service_fp8 import (
     fp8_decode_req,
     fp8_mixed_scales_case,
     fp8_prefill_req,
+    fp8q_prefill_req,
 )
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(300)]
 # Relative-norm bounds vs float64 on the dequantized K/V (test_service_gpu's, per q dtype).
 REL_TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+# FP8 queries on Hopper: P is e4m3 too (tests/kernels/test_prefill_hopper.py's FP8_P_TOL).
+FP8_QUERIES_TOL = 0.04
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +34,13 @@ def gpu_server():  # type: ignore[no-untyped-def]
     handle.close()
 
 
-def _close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype) -> None:
+def _close(got: torch.Tensor, exact: torch.Tensor, dtype: torch.dtype,
+           tol: float | None = None) -> None:
     got = got.double()
     assert torch.isfinite(got).all(), "non-finite output"
     err = ((got - exact).norm() / exact.norm().clamp_min(1e-30)).item()
-    assert err < REL_TOL[dtype], f"relative error {err:.3g} >= {REL_TOL[dtype]:.3g}"
+    tol = tol or REL_TOL[dtype]
+    assert err < tol, f"relative error {err:.3g} >= {tol:.3g}"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -84,3 +89,24 @@ def test_fp8_requests_of_different_scales_merge_on_gpu() -> None:
         assert sorted(backend.batch_sizes()[1:]) == [3, 4]
         for req, resp in zip(reqs, responses, strict=True):
             _close(resp.out, req.out, req.dtype)
+
+
+def test_fp8_queries_on_gpu_alone_and_merged() -> None:
+    """FP8 q, k and v through the cuda backend: one request alone, then four held until all
+    queue and merged into one launch (a packed bf16 output beside one-byte queries), each
+    right against its own float64 answer."""
+    with held_gpu_server() as (srv, backend):
+        lone = fp8q_prefill_req(30, [300, 77], dim=128)
+        reqs = [fp8q_prefill_req(31 + i, [129 + 40 * i, 200], dim=128) for i in range(4)]
+        with ThreadPoolExecutor(len(reqs) + 1) as pool:
+            first = start_all(pool, srv, [lone])[0]
+            assert backend.wait_launches(1)
+            futures = start_all(pool, srv, reqs)
+            assert wait_until(lambda: srv.server.executor.queue_depth(Op.PREFILL) == len(reqs))
+            backend.open_all()
+            responses = [f.result(120) for f in futures]
+            lone_resp = first.result(120)
+        assert sorted(backend.batch_sizes()) == [1, 4]
+        for req, resp in zip([lone, *reqs], [lone_resp, *responses], strict=True):
+            assert resp.out.dtype == torch.bfloat16
+            _close(resp.out, req.out, torch.bfloat16, FP8_QUERIES_TOL)

@@ -179,7 +179,15 @@ GOOD = pb.KvScales(k=[0.1, 0.2], v=[0.3, 0.4])
      "header.kv_scales", "scales are for FLOAT8_E4M3"),
     (_prefill_msgs(q_dtype=torch.float32, scales=GOOD), "header.k.dtype",
      "need FLOAT16 or BFLOAT16 queries"),
-    (_prefill_msgs(q_dtype=FP8, scales=GOOD), "header.q.dtype", "unsupported dtype FLOAT8_E4M3"),
+    (_prefill_msgs(q_dtype=FP8, scales=GOOD), "header.kv_scales.q", "0 scales for 2 kv heads"),
+    (_prefill_msgs(q_dtype=FP8, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16),
+     "header.k.dtype", "FLOAT8_E4M3 queries need FLOAT8_E4M3 keys and values"),
+    (_prefill_msgs(scales=pb.KvScales(k=[0.1, 0.2], v=[0.3, 0.4], q=[1.0, 1.0])),
+     "header.kv_scales.q", "the queries are not FLOAT8_E4M3"),
+    (_prefill_msgs(q_dtype=FP8, scales=pb.KvScales(k=[0.1, 0.2], v=[0.3, 0.4], q=[0.0, 1.0])),
+     "header.kv_scales.q[0]", "finite and > 0"),
+    (_prefill_msgs(q_dtype=FP8, scales=pb.KvScales(k=[1e30, 0.2], v=[0.3, 0.4], q=[1e30, 1])),
+     "header.kv_scales.q[0]", "leaves float32's range"),
     (_prefill_msgs(v_dtype=torch.bfloat16, scales=GOOD), "header.v.dtype",
      "differs from k's dtype"),
     (_prefill_msgs(q_dtype=torch.float16, k_dtype=torch.bfloat16, v_dtype=torch.bfloat16),
@@ -196,8 +204,42 @@ def test_fp8_decode_refusal_and_info(server) -> None:  # type: ignore[no-untyped
     msgs = list(decode_messages(q, k.to(FP8), v.to(FP8), [0, 4, 9]))
     code, details = _code(server.stub().Decode(iter(msgs), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("header.kv_scales:")
+    msgs = _with_scales(list(decode_messages(q.to(FP8), k.to(FP8), v.to(FP8), [0, 4, 9])),
+                        torch.ones(2), torch.ones(2))
+    code, details = _code(server.stub().Decode(iter(msgs), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("header.q.dtype:") and "Prefill only" in details, details
     info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert pb.FLOAT8_E4M3 in info.dtypes
+
+
+def fp8q_prefill_req(seed: int, lengths: list[int], *, heads: int = 4, kv_heads: int = 2,
+                     dim: int = 40, causal: bool = True, lse: bool = True) -> Req:
+    """A Prefill of FP8 q, k and v (the query scales in KvScales.q, per kv head) and its
+    float64 answer on the dequantized inputs, in BFLOAT16."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    cu = cu_from_lengths(lengths)
+    q, k, v = random_qkv(cu[-1], cu[-1], heads, kv_heads, dim, torch.float32, seed=seed)
+    q8, qs = quantize_queries(q * 3, kv_heads)
+    k8, v8, ks, vs = _fp8_kv(_spread(k, 10.0), v)
+    out, lse_ref = prefill_oracle(dequantize_queries(q8, qs, kv_heads, torch.float64),
+                                  _deq(k8, ks), _deq(v8, vs), cu, causal=causal)
+    msgs = list(prefill_messages(q8, k8, v8, cu, causal=causal, return_lse=lse))
+    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=ks.tolist(), v=vs.tolist(), q=qs.tolist()))
+    return Req("Prefill", msgs, out, lse_ref if lse else None, torch.bfloat16, cu[-1])
+
+
+def test_fp8_queries_prefill_matches_float64_and_answers_bf16(server) -> None:  # type: ignore[no-untyped-def]
+    """FP8 q, k and v: a BFLOAT16 output like float64 on the dequantized inputs, lse too; q
+    travels at one byte per element."""
+    lengths = [1, 0, 19, 64]
+    req = fp8q_prefill_req(13, lengths)
+    resp = collect(server.stub().Prefill(iter(req.messages), timeout=30))
+    _no_nan(resp)
+    req.check(resp)
+    assert resp.out.dtype == torch.bfloat16
+    assert resp.stats.bytes_in == 84 * 4 * 40 + 2 * 84 * 2 * 40
 
 
 # ---- batching -------------------------------------------------------------------------------
