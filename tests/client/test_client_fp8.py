@@ -353,3 +353,16 @@ def test_fp8_queries_in_a_region(server):
         with pytest.raises(AttentionInputError, match="bfloat16 for float8_e4m3fn q"):
             c.attention(q8, k8, v8, [0, 12, 30], q_scale=qs, k_scale=ks, v_scale=vs,
                         out=wrong)
+
+
+def test_fp8_queries_numpy_ml_dtypes(client):
+    """numpy callers: ml_dtypes float8_e4m3fn q, k, v give an ml_dtypes bfloat16 output."""
+    q8, k8, v8, qs, ks, vs = _qkv8(20, seed=14)
+    as_np = [t.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn) for t in (q8, k8, v8)]
+    out = client.attention(*as_np, [0, 7, 20], q_scale=qs.numpy(), k_scale=ks.tolist(),
+                           v_scale=vs)
+    assert isinstance(out, np.ndarray) and out.dtype == ml_dtypes.bfloat16
+    ref = attention_kernels.prefill_ref(_deq_q(q8, qs), _deq(k8, ks), _deq(v8, vs),
+                                        torch.tensor([0, 7, 20], dtype=torch.int32))
+    got = torch.from_numpy(out.astype(np.float64))
+    assert ((got - ref).norm() / ref.norm()).item() < 1.6e-2

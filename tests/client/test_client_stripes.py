@@ -362,3 +362,27 @@ def test_parts_read_cuda_inputs_after_the_callers_stream(small_stripes):
                 assert torch.equal(out.cpu(), src.cpu())
     finally:
         server.stop(None)
+
+
+def test_striped_fp8_queries_take_their_kv_heads_scales(group, small_stripes):
+    """FP8 q, k, v striped by kv-head groups: each part sends its kv heads' q, k and v scales;
+    the joined bf16 output equals the whole call's."""
+    from attention_kernels.fp8 import quantize_queries
+
+    q, k, v = rand(40, 8, 32, seed=5), rand(40, 4, 32, seed=6), rand(40, 4, 32, seed=7)
+    q = q * torch.tensor([1.0, 1.0, 30.0, 30.0, 0.1, 0.1, 5.0, 5.0])[None, :, None]
+    q8, qs = quantize_queries(q, 4)  # scales 300x apart between kv heads
+    (k8, ks), (v8, vs) = attention_kernels.quantize_kv(k), attention_kernels.quantize_kv(v)
+    opts = dict(causal=True, q_scale=qs, k_scale=ks, v_scale=vs)
+    with AttentionClient(group.target, stripes=2, unary=False, call_streams=False) as striped:
+        out = striped.attention(q8, k8, v8, [0, 15, 40], **opts)
+    with AttentionClient(group.target) as whole:
+        out_whole = whole.attention(q8, k8, v8, [0, 15, 40], **opts)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, out_whole, rtol=0, atol=0)
+    ref = attention_kernels.prefill_ref(
+        attention_kernels.dequantize_queries(q8, qs, 4, torch.float64),
+        attention_kernels.dequantize_kv(k8, ks, torch.float64),
+        attention_kernels.dequantize_kv(v8, vs, torch.float64),
+        torch.tensor([0, 15, 40], dtype=torch.int32), causal=True)
+    assert rel_err(out, ref) < TOL["bfloat16"]
