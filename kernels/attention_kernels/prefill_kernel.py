@@ -603,7 +603,9 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
 # against our bf16 in the same run (2026-11-30, calls E and F): D 128 non-causal N 4K / 8K /
 # 16K 668 / 695-703 / 711-722 (1.14-1.21x), causal 567 / 644-646 / 670-678 (1.09-1.22x).
 # Bound by the softmax, not the tensor cores: turns off, three consumers or 64-key blocks
-# measured the same or slower (646-727). D 64 measured 0.85-0.94x our bf16 (three consumers,
+# measured the same or slower (646-727); with P as the bare scaled scores (no row max, exp2 or
+# sum; wrong outputs) the same launch ran 1658-1774 TFLOP/s, without only the exp2 740-759
+# (call H): the row max and sum chain is what to shorten. D 64 measured 0.85-0.94x our bf16 (three consumers,
 # 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs at bf16 speed.
 _FP8_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2}}
 _FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
