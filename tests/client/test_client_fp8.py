@@ -366,3 +366,19 @@ def test_fp8_queries_numpy_ml_dtypes(client):
                                         torch.tensor([0, 7, 20], dtype=torch.int32))
     got = torch.from_numpy(out.astype(np.float64))
     assert ((got - ref).norm() / ref.norm()).item() < 1.6e-2
+
+
+def test_fp8_queries_async(server):
+    """The async client's attention takes q_scale too (one core, two faces)."""
+    q8, k8, v8, qs, ks, vs = _qkv8(17, seed=15)
+
+    async def run():
+        async with AsyncAttentionClient(server.target, timeout=60) as c:
+            return await c.attention(q8, k8, v8, [0, 9, 17], causal=True, q_scale=qs,
+                                     k_scale=ks, v_scale=vs)
+
+    out = asyncio.run(run())
+    assert out.dtype == torch.bfloat16
+    ref = attention_kernels.prefill_ref(_deq_q(q8, qs), _deq(k8, ks), _deq(v8, vs),
+                                        torch.tensor([0, 9, 17], dtype=torch.int32), causal=True)
+    check_out(out, ref, "bfloat16", out)
