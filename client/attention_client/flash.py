@@ -167,7 +167,8 @@ def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
             continue
         if d is None:
             d = torch.ones(heads)
-        if not isinstance(d, torch.Tensor) or d.shape[-1:] != (heads,) or d.dim() > 2:
+        if (not isinstance(d, torch.Tensor) or d.dtype != torch.float32
+                or d.shape[-1:] != (heads,) or d.dim() > 2):
             raise AttentionInputError(f"{name} must be a float32 tensor [batch, {heads}] or "
                                       f"[{heads}] (num_heads_k), got {d!r}")
         if d.dim() == 2:

@@ -430,3 +430,6 @@ def test_fp8_with_flash_attention_3s_descales(client) -> None:  # type: ignore[n
         flash.flash_attn_func(q4, k4, v4, q_descale=differ)
     with pytest.raises(AttentionInputError, match="k_descale is for float8_e4m3fn k"):
         flash.flash_attn_func(q4.bfloat16(), k4.bfloat16(), v4.bfloat16(), k_descale=ks)
+    for bad in (ks.double(), ks[:1], ks.expand(2, 2, 2)):  # FA3's: float32 [batch, H_kv]
+        with pytest.raises(AttentionInputError, match="k_descale must be a float32 tensor"):
+            flash.flash_attn_func(q4, k4, v4, k_descale=bad)
