@@ -605,8 +605,9 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
 # Bound by the softmax, not the tensor cores: turns off, three consumers or 64-key blocks
 # measured the same or slower (646-727); with P as the bare scaled scores (no row max, exp2 or
 # sum; wrong outputs) the same launch ran 1658-1774 TFLOP/s, without only the exp2 740-759
-# (call H): the row max and sum chain is what to shorten. D 64 measured 0.85-0.94x our bf16 (three consumers,
-# 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs at bf16 speed.
+# (call H): the row max and sum chain is what to shorten. D 64 measured 0.85-0.94x our bf16
+# (three consumers, 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs
+# at bf16 speed.
 _FP8_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2}}
 _FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
 
