@@ -211,6 +211,20 @@ def dense_inputs(b: int, heads: int, n: int, d: int, dtype: torch.dtype | None =
     return sdpa_in, packed, cu([n] * b)
 
 
+def tflops_in_turn(row: dict, timed: dict[str, Callable[[], object]], fl: float,
+                   rounds: int) -> None:
+    """``row[name + "_TFLOPs"]``: each side of ``timed`` (``fl`` FLOPs a call) timed in turn
+    ``rounds`` times, the median kept (``_runs``: every round, when more than one)."""
+    runs: dict[str, list[float]] = {name: [] for name in timed}
+    for _ in range(rounds):
+        for name, fn in timed.items():
+            runs[name].append(fl / bench(fn) / 1e9)
+    for name, vals in runs.items():
+        row[f"{name}_TFLOPs"] = statistics.median(vals)
+        if rounds > 1:
+            row[f"{name}_TFLOPs_runs"] = vals
+
+
 def dense_prefill_rows(quick: bool, rounds: int = 1) -> list[dict]:
     """``rounds`` > 1: the row's timings are taken in turn (cuDNN, FLASH, ours, ours FP8) that
     many times and the medians kept (``*_runs``: every round). One timing each read D 128
@@ -253,14 +267,7 @@ def dense_prefill_rows(quick: bool, rounds: int = 1) -> list[dict]:
                 if not row["fp8_rel_err"] < FP8_CHECK_TOL:
                     raise SystemExit(f"fp8 prefill check failed: {row}")
                 timed["ours_fp8"] = fp8
-                runs: dict[str, list[float]] = {name: [] for name in timed}
-                for _ in range(rounds):
-                    for name, fn in timed.items():
-                        runs[name].append(fl / bench(fn) / 1e9)
-                for name, vals in runs.items():
-                    row[f"{name}_TFLOPs"] = statistics.median(vals)
-                    if rounds > 1:
-                        row[f"{name}_TFLOPs_runs"] = vals
+                tflops_in_turn(row, timed, fl, rounds)
                 rows.append(row)
                 print_row(row)
     return rows
@@ -293,14 +300,7 @@ def fp8_rows(quick: bool, rounds: int = 1) -> list[dict]:
                     if not row[f"{name}_rel_err"] < tol:
                         raise SystemExit(f"fp8 table check failed: {name} {row}")
                 fl = flops([n] * b, [n] * b, heads, d, causal)
-                runs: dict[str, list[float]] = {name: [] for name in timed}
-                for _ in range(rounds):
-                    for name, fn in timed.items():
-                        runs[name].append(fl / bench(fn) / 1e9)
-                for name, vals in runs.items():
-                    row[f"{name}_TFLOPs"] = statistics.median(vals)
-                    if rounds > 1:
-                        row[f"{name}_TFLOPs_runs"] = vals
+                tflops_in_turn(row, timed, fl, rounds)
                 row["fp8_over_bf16"] = row["ours_fp8_TFLOPs"] / row["ours_TFLOPs"]
                 rows.append(row)
                 print_row(row)

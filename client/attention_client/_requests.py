@@ -43,6 +43,7 @@ from attention_client._tensors import (
     to_wire,
 )
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import out_dtype
 
 Tensor = WireTensor | RegionTensor
 
@@ -285,7 +286,7 @@ class PreparedRequest:
     header: bytes  # serialized PrefillHeader / DecodeHeader
     tensors: tuple[Tensor, Tensor, Tensor]  # q, k, v: wire bytes, or spans of regions
     out_shape: tuple[int, ...] | None  # OUT as the server sends it (None: AppendKV, no output)
-    out_dtype: int  # pb.DType of OUT (q's)
+    out_dtype: int  # pb.DType of OUT (``attention_wire.responses.out_dtype``)
     lse_shape: tuple[int, ...] | None  # LSE as the server sends it, None if not requested
     origin: Origin  # the flavour results come back in (q's)
     user_shape: tuple[int, ...]  # out's shape as the caller sees it
@@ -398,12 +399,6 @@ def spec(t: Tensor) -> pb.TensorSpec:
     return pb.TensorSpec(dtype=t.dtype, shape=t.shape)
 
 
-def out_dtype_of(q_dtype: int) -> int:
-    """The output's pb.DType for queries in ``q_dtype``: theirs, bfloat16 for float8_e4m3fn
-    (the server's rule, as FlashAttention-3's FP8 forward)."""
-    return pb.BFLOAT16 if q_dtype == pb.FLOAT8_E4M3 else q_dtype
-
-
 def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
     """``out=`` must be what the result would be: its bytes are the server's output as they
     are, so another dtype or shape of the same size would read as garbage."""
@@ -427,7 +422,7 @@ def place_tensors(
              if isinstance(t, RegionTensor)}
     out_span = lse_span = None
     if out is not None:
-        _check_out(out, user_shape, out_dtype_of(tensors[0].dtype))
+        _check_out(out, user_shape, out_dtype(tensors[0].dtype))
         if not out_nbytes:  # an empty batch: nothing to write; ``out`` is returned as it is
             out = None
     if placement is not None:
@@ -478,12 +473,12 @@ def finish_request(
     if scale is not None:
         header.softmax_scale = scale
     out_span, lse_span = place_tensors(
-        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, out_dtype_of(wq.dtype)),
+        header, (wq, wk, wv), placement, out, _nbytes(wq.shape, out_dtype(wq.dtype)),
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )
     return PreparedRequest(
         method=method, header=checked_header(header), tensors=(wq, wk, wv),
-        out_shape=wq.shape, out_dtype=out_dtype_of(wq.dtype), lse_shape=lse_shape,
+        out_shape=wq.shape, out_dtype=out_dtype(wq.dtype), lse_shape=lse_shape,
         origin=bfloat16_origin(origin) if wq.dtype == pb.FLOAT8_E4M3 else origin,
         user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
         lse_span=lse_span, user_out=out, cache=cache,

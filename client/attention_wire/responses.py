@@ -29,6 +29,12 @@ from attention_wire.codec import (
 )
 from attention_wire.pb import attention_pb2 as pb
 
+
+def out_dtype(q_dtype: int) -> int:
+    """OUT's pb.DType for queries in ``q_dtype``: theirs, BFLOAT16 for FLOAT8_E4M3 queries (as
+    FlashAttention-3's FP8 forward). The one rule both sides size and type the output by."""
+    return pb.BFLOAT16 if q_dtype == pb.FLOAT8_E4M3 else q_dtype
+
 __all__ = ["OutputSlice", "WireError", "chunk_head", "encode_output_chunk", "output_chunk_lead",
            "output_chunk_parts", "parse_response", "parse_result"]
 

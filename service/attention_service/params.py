@@ -19,6 +19,7 @@ import numpy as np
 
 from attention_service.errors import invalid
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import out_dtype
 
 MAX_CACHE_ID_BYTES = 256
 ELEMENT_BYTES: dict[int, int] = {
@@ -33,12 +34,6 @@ def kv_dtype_allowed(dtype: int, kv_dtype: int) -> bool:
     """Keys and values in ``kv_dtype`` beside queries in ``dtype``: the same, or FLOAT8_E4M3
     beside FLOAT16/BFLOAT16 (the kernels' rule)."""
     return kv_dtype == dtype or (kv_dtype == pb.FLOAT8_E4M3 and dtype in FP8_QUERY_DTYPES)
-
-
-def out_dtype(dtype: int) -> int:
-    """The output's pb.DType for queries in ``dtype``: theirs, BFLOAT16 for FP8 queries (the
-    kernels' rule, as FlashAttention-3's FP8 forward)."""
-    return pb.BFLOAT16 if dtype == pb.FLOAT8_E4M3 else dtype
 
 # Per-kv-head dequantization scales of FP8 keys and values: (k scales, v scales).
 KvScales = tuple[tuple[float, ...], tuple[float, ...]]

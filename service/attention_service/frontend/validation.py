@@ -32,9 +32,9 @@ from attention_service.params import (
     check_kv_scales,
     kv_dtype_allowed,
     make_params,
-    out_dtype,
 )
 from attention_wire.pb import attention_pb2 as pb
+from attention_wire.responses import out_dtype
 
 INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
 # One output row must fit one default-sized response message (see streams.output_messages).
@@ -337,8 +337,7 @@ def validate_prefill_header(
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
                      limits.max_heads_ratio, empty_q=not op.cached, op=op)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
-                                  qkv["dtype"] if not append else 0)
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], qkv["dtype"])
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)
