@@ -17,6 +17,7 @@ import triton.language as tl
 from attention_kernels.configs import padded_head_dim
 
 _BLOCK_ROWS = 64
+_BLOCK_COLS = 64  # transposed columns per program (``transpose_values``)
 
 
 # One variant per dtype and head dim: the row count and the kv head count are run-time values
@@ -110,5 +111,3 @@ def transpose_values(v: torch.Tensor, cu_k: torch.Tensor, block_n: int,
         )
     return vt
 
-
-_BLOCK_COLS = 64
