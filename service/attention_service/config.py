@@ -80,6 +80,22 @@ def auto_frontends(cores: int | None = None) -> int:
     return max(1, min(8, cores // 2))
 
 
+# --arena-bytes 0 (auto): what the front ends' arenas hold together, and the bounds of one. A
+# call whose tensors do not fit its front end's free arena space goes through a one-off
+# segment: page faults in the front end, pageable copies in the engine. One H200 replica on 6
+# cores (3 front ends), 32 clients of prefill uploads (256-4096 tokens, H 32/8, D 128; git
+# history: stop 79): 256 MiB each 149-156 calls/s, the engine 72 ms a call, queued 27 ms;
+# 1 GiB each 210 calls/s, 8.6 ms, 0.2 ms.
+AUTO_ARENA_TOTAL = 4 << 30
+AUTO_ARENA_MIN, AUTO_ARENA_MAX = 256 << 20, 1 << 30
+
+
+def auto_arena_bytes(frontends: int) -> int:
+    """``--arena-bytes 0``: AUTO_ARENA_TOTAL over ``frontends``, in whole MiB, within bounds."""
+    share = AUTO_ARENA_TOTAL // max(1, frontends) >> 20 << 20
+    return max(AUTO_ARENA_MIN, min(AUTO_ARENA_MAX, share))
+
+
 # --spin-us -1 (auto): how long to poll, and the usable cores it takes. Measured with fresh
 # servers interleaved (16 vCPUs, 8 front ends; git history:
 # benchmarks/results/issue11/2026-11-27d/): 2000 us
@@ -164,8 +180,9 @@ class ServerConfig:
     # Process model: 1 = one process; N > 1 = N gRPC front-end processes over one engine
     # process; 0 = auto_frontends() from the core count.
     frontends: int = 0
-    # Shared memory per front-end process for request/response tensors (pinned by the engine).
-    arena_bytes: int = 256 << 20
+    # Shared memory per front-end process for request/response tensors (pinned by the engine);
+    # 0 = auto_arena_bytes() from the front-end count.
+    arena_bytes: int = 0
     # Same-host shared-memory regions: on, off, or auto (on when auth is on or the bind address
     # is loopback; off otherwise, so no remote caller can make the server map host memory).
     regions: str = "auto"
@@ -273,8 +290,8 @@ class ServerConfig:
             raise ValueError("upload_idle_timeout and min_upload_rate must be >= 0 (0 = off)")
         if not 0 <= self.frontends <= MAX_FRONTENDS:
             raise ValueError(f"frontends must be in [0, {MAX_FRONTENDS}] (0 = auto)")
-        if self.arena_bytes < 1 << 20:
-            raise ValueError("arena_bytes must be at least 1 MiB")
+        if self.arena_bytes and self.arena_bytes < 1 << 20:
+            raise ValueError("arena_bytes must be at least 1 MiB (0 = auto)")
         if self.regions not in ("auto", "on", "off"):
             raise ValueError(f"regions must be auto, on or off, got {self.regions!r}")
         # ListRegions answers in one message: 10000 regions of ~160 bytes fit 4 MiB.
@@ -474,7 +491,8 @@ _HELP: dict[str, str] = {
     "access_log": "one INFO line per completed call (failed calls are always logged)",
     "frontends": "gRPC front-end processes (0: auto, one per two usable cores, 1 to 8; "
                  "1: a single process)",
-    "arena_bytes": "shared memory per front end for request and response tensors",
+    "arena_bytes": "shared memory per front end for request and response tensors, page-locked "
+                   "on cuda (0: auto, 4 GiB over the front ends, 256 MiB to 1 GiB each)",
     "regions": "same-host shared-memory registration: on, off or auto (on with auth or a "
                "loopback bind)",
     "nixl": "NIXL regions (any host; needs NIXL installed and regions on): --no-nixl keeps "

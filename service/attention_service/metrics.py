@@ -426,6 +426,13 @@ class Metrics:
             "UNAVAILABLE); calls the front end had not submitted yet are not counted.",
             registry=r,
         )
+        self.arena_overflows = Counter(
+            "attention_arena_overflows",
+            "Calls whose tensors did not fit their front end's free arena space and went "
+            "through a one-off segment (page faults, pageable copies in the engine): many "
+            "mean --arena-bytes is small for the load.",
+            registry=r,
+        )
         self._live: LiveCollector | None = None
         self._http: WSGIServer | None = None
         self._http_thread: threading.Thread | None = None

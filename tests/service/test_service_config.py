@@ -118,6 +118,18 @@ def test_auto_frontends_count_the_cpus_this_process_may_use(monkeypatch, tmp_pat
     assert config.auto_frontends() == 8
 
 
+def test_auto_arena_bytes_share_4_gib_between_the_front_ends() -> None:
+    from attention_service.config import ServerConfig, auto_arena_bytes
+
+    mib = 1 << 20
+    assert [auto_arena_bytes(n) // mib for n in (1, 3, 4, 5, 8, 16, 32)] == [
+        1024, 1024, 1024, 819, 512, 256, 256]
+    assert ServerConfig().arena_bytes == 0  # auto
+    assert ServerConfig(arena_bytes=mib).arena_bytes == mib
+    with pytest.raises(ValueError, match="arena_bytes must be at least 1 MiB"):
+        ServerConfig(arena_bytes=mib - 1)
+
+
 @pytest.mark.parametrize(("files", "want"), [
     ({"cpu.max": "200000 100000"}, 2),  # cgroup v2: docker --cpus 2
     ({"cpu.max": "150000 100000"}, 2),  # 1.5 CPUs: rounded up

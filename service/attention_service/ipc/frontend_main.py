@@ -40,6 +40,8 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
     arena = arenas.Mapped(arena_fd, hello.arena_bytes)
     os.close(arena_fd)
     link = RemoteLink(None, arena, hello.info, loop, spin_s=config.spin_seconds)
+    metrics = Metrics(multiprocess=True)
+    link.on_overflow = metrics.arena_overflows.inc
     channel = Channel(sock, link.on_message, link.on_close, f"frontend-{hello.slot}")
     link.channel = channel
     channel.start(loop)  # replies are read on this loop: no thread hand-off per call
@@ -50,7 +52,7 @@ async def serve(hello: Hello, sock: socket.socket, arena_fd: int) -> int:
         (force if stop.is_set() else stop).set()
 
     loop.add_signal_handler(signal.SIGTERM, on_term)
-    frontend = await start_frontend(config, link, Metrics(multiprocess=True), reuse_port=True,
+    frontend = await start_frontend(config, link, metrics, reuse_port=True,
                                     slot=hello.slot)
     channel.send(Bound(hello.slot, frontend.port, os.getpid()))
 

@@ -39,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from attention_service.config import ServerConfig
+from attention_service.config import ServerConfig, auto_arena_bytes
 from attention_service.cpus import Placement, pin_process
 from attention_service.errors import StartupError
 from attention_service.heap import freeze_startup_heap
@@ -137,6 +137,7 @@ class Group:
     def __init__(self, config: ServerConfig, count: int, place: Placement) -> None:
         self.config = config
         self.count = count
+        self.arena_bytes = config.arena_bytes or auto_arena_bytes(count)  # per front end
         self.placement = place
         self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.slots: list[_Slot] = []
@@ -178,7 +179,7 @@ class Group:
         channel.start()
         slot.proc, slot.conn, slot.bound = proc, conn, False
         config = self.config.replace(port=self.port)
-        channel.send(Hello(config, self.core.info, slot.index, self.config.arena_bytes,
+        channel.send(Hello(config, self.core.info, slot.index, self.arena_bytes,
                            self.placement.frontends))
         threading.Thread(target=self._watch, args=(slot, proc), daemon=True,
                          name=f"attention-watch-{slot.index}").start()
@@ -244,11 +245,11 @@ class Group:
         try:
             for i in range(self.count):
                 try:
-                    fd = arenas.create(cfg.arena_bytes)
-                    tensor, unpin = _engine_view(fd, cfg.arena_bytes, backend.name)
+                    fd = arenas.create(self.arena_bytes)
+                    tensor, unpin = _engine_view(fd, self.arena_bytes, backend.name)
                 except (OSError, RuntimeError) as exc:
                     raise StartupError(f"--arena-bytes: could not map front end {i}'s arena of "
-                                       f"{cfg.arena_bytes} bytes: {exc}") from None
+                                       f"{self.arena_bytes} bytes: {exc}") from None
                 self.slots.append(_Slot(i, fd, tensor, unpin))
             metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
             for slot in self.slots:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -105,6 +105,7 @@ class RemoteLink:
         self.free_list = arenas.FreeList(arena.size)
         self.info = info
         self.lazy_buffers = True  # the arena is pinned once; segments fill as written
+        self.on_overflow: Callable[[], None] | None = None  # a call took a one-off segment
         self._loop = loop
         self._ids = itertools.count(1)
         self._pending: dict[int, tuple[asyncio.Future[Any], RemoteBuffers | None]] = {}
@@ -173,6 +174,8 @@ class RemoteLink:
         if block is not None:
             return RemoteBuffers(self, sizes, block, None, None, total)
         # Does not fit now (or ever): a segment of its own, sent along with the request.
+        if self.on_overflow is not None:
+            self.on_overflow()
         fd = arenas.create(total, "attention-segment")
         try:
             segment = arenas.Mapped(fd, total)

@@ -698,3 +698,22 @@ def test_metrics_directories_of_dead_engines_are_removed_at_start(tmp_path) -> N
     finally:
         shutil.rmtree(stale, ignore_errors=True)
         shutil.rmtree(live, ignore_errors=True)
+
+
+def test_a_call_too_large_for_the_arena_goes_through_a_segment_and_is_counted() -> None:
+    """A 1 MiB arena: a 1.5 MiB call takes a one-off segment (counted, still correct); a small
+    call fits the arena (not counted)."""
+    g = Group(2, "--arena-bytes", str(1 << 20))
+    try:
+        stub = pb_grpc.AttentionServiceStub(connect_to(g, next(iter(g.frontend_pids().values()))))
+        msgs, ref = _request(7)
+        _check(collect(stub.Prefill(iter(msgs), timeout=30)), ref)
+        assert sample(g.scrape(), "attention_arena_overflows",
+                      "attention_arena_overflows_total") == 0
+        q, k, v = random_qkv(2048, 2048, 4, 4, 16, torch.float32, seed=8)  # 1.5 MiB, out 0.5
+        out = collect(stub.Prefill(iter(prefill_messages(q, k, v, [0, 700, 2048])), timeout=60))
+        _check(out, prefill_oracle(q, k, v, [0, 700, 2048])[0])
+        assert sample(g.scrape(), "attention_arena_overflows",
+                      "attention_arena_overflows_total") == 1
+    finally:
+        assert g.stop() == 0
