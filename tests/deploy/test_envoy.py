@@ -36,6 +36,7 @@ from ..service.svc_helpers import (
     prefill_oracle,
     random_qkv,
     sample,
+    wait_until,
 )
 from ._helpers import contract_envoy_metrics, local_envoy
 
@@ -126,6 +127,33 @@ def test_envoy_validates_the_config_compose_and_kubernetes_run() -> None:
                          text=True)
     assert res.returncode == 0 and "OK" in res.stdout + res.stderr, res.stderr
     assert "Deprecated" not in res.stdout + res.stderr  # what Envoy will drop, we do not use
+
+
+def test_client_connections_are_spread_evenly_over_envoys_workers(stack: Stack) -> None:
+    # A worker owns a connection for its life: 16 over 4 workers are 4 each (exact balance);
+    # the kernel's hash alone makes that split 1.5% of the time.
+    envoy = LocalEnvoy([("127.0.0.1", p) for p in stack.ports], _free_port(), _free_port(),
+                       concurrency=4)
+
+    def active() -> list[int]:
+        text = envoy.admin_text("/stats?filter=worker_.\\.downstream_cx_active")
+        return sorted(int(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                      if line.startswith("listener.") and ".worker_" in line)
+
+    channels = []
+    try:
+        envoy.wait_healthy(len(stack.ports))
+        for _ in range(16):
+            channels.append(grpc.insecure_channel(
+                envoy.target, options=[("grpc.use_local_subchannel_pool", 1)]))
+            pb_grpc.AttentionServiceStub(channels[-1]).GetServerInfo(
+                pb.GetServerInfoRequest(), timeout=10)
+        assert wait_until(lambda: sum(active()) >= 16, 10), active()
+        assert active() == [4, 4, 4, 4]
+    finally:
+        for ch in channels:
+            ch.close()
+        envoy.close()
 
 
 def test_stateless_calls_spread_over_every_replica(stack: Stack) -> None:
