@@ -428,7 +428,8 @@ class Metrics:
         )
         self.arena_overflows = Counter(
             "attention_arena_overflows",
-            "Calls whose tensors did not fit their front end's free arena space and went "
+            "Calls (each step of a step stream) whose tensors did not fit their front end's "
+            "free arena space and went "
             "through a one-off segment (page faults, pageable copies in the engine): many "
             "mean --arena-bytes is small for the load.",
             registry=r,

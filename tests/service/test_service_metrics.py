@@ -48,7 +48,7 @@ def _contract_metrics(nvml: bool = False) -> dict[str, tuple[str, set[str]]]:
 
 def test_contract_table_parsed() -> None:
     rows = _contract_metrics()
-    assert len(rows) == 39 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
+    assert len(rows) == 40 and rows["attention_stage_seconds"] == ("histogram", {"rpc", "stage"})
     assert rows["attention_process_cpu_seconds_total"] == ("counter", {"role", "pid"})
     assert len(_contract_metrics(nvml=True)) == 8
 

@@ -174,14 +174,14 @@ class RemoteLink:
         if block is not None:
             return RemoteBuffers(self, sizes, block, None, None, total)
         # Does not fit now (or ever): a segment of its own, sent along with the request.
-        if self.on_overflow is not None:
-            self.on_overflow()
         fd = arenas.create(total, "attention-segment")
         try:
             segment = arenas.Mapped(fd, total)
         except BaseException:
             os.close(fd)
             raise
+        if self.on_overflow is not None:
+            self.on_overflow()
         return RemoteBuffers(self, sizes, None, segment, fd, total)
 
     async def run(
