@@ -113,7 +113,8 @@ class ClientCore(ClientBase):
         ``[B, H]``: ``-slope * |p - j|`` added) are flash_attn's, with its semantics.
         FP8 keys and values: k and v float8_e4m3fn (beside float16/bfloat16 q) with
         ``k_scale`` / ``v_scale``, one float per kv head (k stands for ``k * k_scale[h]``;
-        ``attention_kernels.quantize_kv`` makes both): half the bytes on the wire. FP8
+        ``attention_kernels.quantize_kv`` makes both), or ``[batch, H_kv]``: a row per
+        sequence (``q_scale`` too): half the bytes on the wire. FP8
         queries too: q float8_e4m3fn beside FP8 k and v, with ``q_scale`` (one float per kv
         head, for the query heads that read it: ``attention_kernels.fp8.quantize_queries``,
         FlashAttention-3's ``q_descale``); the output is then bfloat16, and on a Hopper

@@ -62,15 +62,17 @@ MAX_CACHE_ID_BYTES = 256
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
 
 
-# (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry.
+# (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry; a
+# stateless call's may hold a row per sequence instead (sequence-major, flattened).
 KvScales = tuple[tuple[float, ...], ...]
 _SCALE_NAMES = ("k_scale", "v_scale", "q_scale")
 
 
 def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None) -> KvScales | None:
     """``k_scale`` and ``v_scale`` (a list, numpy array or torch tensor of one float per kv
-    head; both or neither), and ``q_scale`` with them for float8_e4m3fn queries, as float
-    tuples; None when none is given."""
+    head, or ``[batch, num_kv_heads]``: a row per sequence; both or neither), and ``q_scale``
+    with them for float8_e4m3fn queries, as float tuples (rows flattened); None when none is
+    given."""
     if k_scale is None and v_scale is None and q_scale is None:
         return None
     given = (k_scale, v_scale) if q_scale is None else (k_scale, v_scale, q_scale)
@@ -88,12 +90,13 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None) -> KvScales | 
                 arr = np.asarray(x, dtype=np.float64).astype(np.float32)
         except (TypeError, ValueError):
             raise AttentionInputError(f"{name} must hold floats, got {x!r}") from None
-        if arr.ndim != 1 or not arr.size:
-            raise AttentionInputError(f"{name} must be 1-D [num_kv_heads], got shape {arr.shape}")
+        if arr.ndim not in (1, 2) or not arr.size:
+            raise AttentionInputError(f"{name} must be [num_kv_heads] or [batch, num_kv_heads], "
+                                      f"got shape {arr.shape}")
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
                                       f"{arr.tolist()}")
-        out.append(tuple(float(s) for s in arr))
+        out.append(tuple(float(s) for s in arr.ravel()))
     return tuple(out)
 
 
@@ -101,15 +104,20 @@ def _scales_message(scales: KvScales) -> pb.KvScales:
     return pb.KvScales(k=scales[0], v=scales[1], q=scales[2] if len(scales) > 2 else ())
 
 
-def _check_scale_heads(scales: KvScales, heads: int) -> None:
+def _check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
+    """One scale per kv head, or (with ``sequences``) a row of them per sequence."""
     for part, name in zip(scales, _SCALE_NAMES, strict=False):
-        if len(part) != heads:
-            raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
+        if len(part) != heads and len(part) != sequences * heads:
+            raise AttentionInputError(
+                f"{name} has {len(part)} entries for {heads} kv heads" + (
+                    f": give {heads}, or {sequences} x {heads} (a row per sequence)"
+                    if sequences else ""))
 
 
-def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None) -> None:
-    """A stateless call's FP8 scales into its header: required with FP8 k/v (and the query
-    scales with FP8 q), refused otherwise."""
+def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None,
+                   sequences: int) -> None:
+    """A stateless call's FP8 scales into its header (per kv head, or a row per sequence):
+    required with FP8 k/v (and the query scales with FP8 q), refused otherwise."""
     fp8_q = wq.dtype == pb.FLOAT8_E4M3
     if scales is not None and fp8_q != (len(scales) > 2):
         raise AttentionInputError(
@@ -126,7 +134,7 @@ def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None)
             "float8_e4m3fn q, k and v need q_scale, k_scale and v_scale" if fp8_q else
             "float8_e4m3fn k and v need k_scale and v_scale (one float per kv head: "
             "attention_kernels.quantize_kv makes them)")
-    _check_scale_heads(scales, wk.shape[-2])
+    _check_scale_heads(scales, wk.shape[-2], sequences)
     header.kv_scales.CopyFrom(_scales_message(scales))
 
 
@@ -466,7 +474,7 @@ def finish_request(
     if cache is not None:
         header.cache.CopyFrom(cache.message())
     else:
-        _set_kv_scales(header, wq, wk, kv_scales)
+        _set_kv_scales(header, wq, wk, kv_scales, sequences)
     if score is not None:
         header.score.CopyFrom(score.message(wq.shape[1], sequences))
     scale = _scale(softmax_scale)

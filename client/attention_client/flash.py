@@ -151,9 +151,8 @@ def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
 def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
               ) -> dict[str, torch.Tensor]:
     """FlashAttention-3's descale factors as the client's ``q_scale`` / ``k_scale`` /
-    ``v_scale`` (one float per kv head): each float32 ``[batch, H_kv]`` or ``[H_kv]``, None
-    meaning 1, for float8_e4m3fn inputs only. The server takes one scale per kv head for a
-    call, so rows that differ between sequences are refused (NotImplementedError)."""
+    ``v_scale``: each float32 ``[batch, H_kv]`` (a row per sequence, sent so when rows
+    differ) or ``[H_kv]``, None meaning 1, for float8_e4m3fn inputs only."""
     fp8_kv = k.dtype == torch.float8_e4m3fn
     fp8_q = q.dtype == torch.float8_e4m3fn
     heads = k.shape[-2]
@@ -171,11 +170,8 @@ def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
                 or d.shape[-1:] != (heads,) or d.dim() > 2):
             raise AttentionInputError(f"{name} must be a float32 tensor [batch, {heads}] or "
                                       f"[{heads}] (num_heads_k), got {d!r}")
-        if d.dim() == 2:
-            if d.shape[0] and not bool((d == d[:1]).all()):
-                raise _refuse(name, "rows that differ per sequence: the server takes one scale "
-                              "per kv head for a call (split the call by scales)")
-            d = d[0] if d.shape[0] else torch.ones(heads)
+        if d.dim() == 2 and (not d.shape[0] or bool((d == d[:1]).all())):
+            d = d[0] if d.shape[0] else torch.ones(heads)  # one row for every sequence
         out[name[0] + "_scale"] = d.detach().float().cpu()
     return out
 

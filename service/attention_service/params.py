@@ -149,7 +149,7 @@ class Params:
     # ALiBi slopes flat, num_heads or batch * num_heads of them, () off.
     alibi_slopes: tuple[float, ...] = ()
     # The scales of FP8 k/v on a stateless op (cached ops use their caches' scales, which the
-    # engine knows).
+    # engine knows): num_kv_heads each, or a row of them per sequence (``sequence_scales``).
     kv_scales: KvScales | None = None
 
     # The key's fields, read through it (C-level getters: read per request on the hot path).
@@ -173,6 +173,16 @@ class Params:
     @property
     def k_shape(self) -> tuple[int, int, int]:
         return (self.total_k, self.key.num_kv_heads, self.key.head_dim)
+
+    def sequence_scales(self) -> list[KvScales]:
+        """Each sequence's FP8 (k, v) scales, ``num_kv_heads`` each (``kv_scales`` must be
+        set): the shared ones repeated, or the request's own rows."""
+        assert self.kv_scales is not None
+        k, v = self.kv_scales
+        h, n = self.key.num_kv_heads, len(self.cu_seqlens_k) - 1
+        if len(k) == h:
+            return [(k, v)] * n
+        return [(k[i * h:(i + 1) * h], v[i * h:(i + 1) * h]) for i in range(n)]
 
     @functools.cached_property
     def memo(self) -> dict[object, object]:
@@ -251,24 +261,32 @@ def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
 
 
 def check_kv_scales(msg: pb.KvScales, num_kv_heads: int, field: str,
-                    fp8_queries: bool = False) -> KvScales:
-    """A KvScales message as the kernels take it: num_kv_heads finite positive floats for
-    keys and for values, and for queries when they are FP8 (``fp8_queries``; refused
-    otherwise); INVALID_ARGUMENT naming the entry otherwise. The query scales come back folded
-    into the key scales (``q[h] * k[h]``: both scale the logits), as the kernels fold them."""
+                    fp8_queries: bool = False, num_seqs: int = 0) -> KvScales:
+    """A KvScales message as the kernels take it: finite positive floats for keys and for
+    values, and for queries when they are FP8 (``fp8_queries``; refused otherwise), each
+    ``num_kv_heads`` of them (every sequence) or, with ``num_seqs`` > 1, ``num_seqs`` rows of
+    ``num_kv_heads`` (sequence-major: FlashAttention-3's ``[batch, H_kv]`` descales);
+    INVALID_ARGUMENT naming the entry otherwise. When any part is per sequence all come back
+    so (the others' row repeated). The query scales come back folded into the key scales
+    (``q * k``: both scale the logits), as the kernels fold them."""
     if not fp8_queries and len(msg.q):
         raise invalid(f"{field}.q", "set, but the queries are not FLOAT8_E4M3: query scales "
                       "are for FLOAT8_E4M3 queries")
+    rows = num_seqs * num_kv_heads if num_seqs > 1 else num_kv_heads
     out = []
     for part in ("q", "k", "v") if fp8_queries else ("k", "v"):
         values = tuple(float(x) for x in getattr(msg, part))
-        if len(values) != num_kv_heads:
+        if len(values) not in (num_kv_heads, rows):
             raise invalid(f"{field}.{part}", f"{len(values)} scales for {num_kv_heads} kv "
-                          "heads: give one per kv head")
+                          "heads: give one per kv head" + (
+                              f", or {num_seqs} x {num_kv_heads} (a row per sequence)"
+                              if rows != num_kv_heads else ""))
         bad = next((i for i, x in enumerate(values) if not (math.isfinite(x) and x > 0)), None)
         if bad is not None:
             raise invalid(f"{field}.{part}[{bad}]", f"must be finite and > 0, got {values[bad]}")
         out.append(values)
+    if any(len(x) != num_kv_heads for x in out):  # per sequence: every part so
+        out = [x * num_seqs if len(x) == num_kv_heads else x for x in out]
     if fp8_queries:
         q, k, v = out
         folded = tuple(float(np.float32(a * b)) for a, b in zip(q, k, strict=True))

@@ -401,8 +401,8 @@ def test_fp8_with_flash_attention_3s_descales(client) -> None:  # type: ignore[n
     """FlashAttention-3's FP8 forward form: float8_e4m3fn q, k, v with ``q_descale`` /
     ``k_descale`` / ``v_descale`` ``[batch, H_kv]`` (keyword arguments, as in its
     ``flash_attn_func``): a bfloat16 output like float64 on the dequantized inputs; None
-    means 1; per-sequence rows that differ are refused by name; descales on 16-bit inputs
-    are input errors."""
+    means 1; rows that differ go per sequence (a wrong row count is an input error naming
+    both forms); descales on 16-bit inputs are input errors."""
     from attention_kernels.fp8 import dequantize_queries, quantize_queries
 
     q, k, v, _, _ = _packed([24], [24], seed=7)
@@ -424,10 +424,21 @@ def test_fp8_with_flash_attention_3s_descales(client) -> None:  # type: ignore[n
     ones = flash.flash_attn_varlen_func(q8, k8, v8, cu, cu, 12, 12)
     ref1 = attention_kernels.prefill_ref(q8.double(), k8.double(), v8.double(), cu)
     assert ((ones.double() - ref1).norm() / ref1.norm()).item() < 2e-2
-    differ = rows["q_descale"].clone()
+    # Rows that differ go as a row per sequence: the second sequence's queries count double.
+    differ, kdiff = rows["q_descale"].clone(), rows["k_descale"].clone()
     differ[1] *= 2
-    with pytest.raises(NotImplementedError, match="q_descale: rows that differ"):
-        flash.flash_attn_func(q4, k4, v4, q_descale=differ)
+    kdiff[0] *= 0.5
+    out = flash.flash_attn_func(q4, k4, v4, causal=True, q_descale=differ, k_descale=kdiff,
+                                v_descale=rows["v_descale"])
+    ref = attention_kernels.prefill_ref(
+        dequantize_queries(q8, differ, 2, torch.float64, cu),
+        attention_kernels.dequantize_kv(k8, kdiff, torch.float64, cu),
+        attention_kernels.dequantize_kv(v8, vs, torch.float64), cu, causal=True)
+    err = ((out.reshape(24, 4, 16).double() - ref).norm() / ref.norm()).item()
+    assert err < 2e-2, err
+    with pytest.raises(AttentionInputError, match=r"q_scale has 6 entries for 2 kv heads: "
+                       r"give 2, or 2 x 2 \(a row per sequence\)"):
+        flash.flash_attn_func(q4, k4, v4, q_descale=torch.stack([qs, qs, 2 * qs]))
     with pytest.raises(AttentionInputError, match="k_descale is for float8_e4m3fn k"):
         flash.flash_attn_func(q4.bfloat16(), k4.bfloat16(), v4.bfloat16(), k_descale=ks)
     for bad in (ks.double(), ks[:1], ks.expand(2, 2, 2)):  # FA3's: float32 [batch, H_kv]

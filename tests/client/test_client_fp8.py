@@ -68,6 +68,16 @@ def test_fp8_headers_carry_the_scales():
                                                                              vs.tolist()))
     h = pb.DecodeHeader.FromString(prep.header)
     assert len(h.kv_scales.k) == 2 and h.k.dtype == pb.FLOAT8_E4M3
+    # A row per sequence ([batch, H_kv], FlashAttention-3's descales): sent flattened.
+    rows = torch.stack([ks, 2 * ks])
+    prep = prepare_decode(q[:2], k8, v8, [0, 4, 9], kv_scales=kv_scales_of(rows, vs))
+    h = pb.DecodeHeader.FromString(prep.header)
+    assert list(h.kv_scales.k) == pytest.approx(rows.flatten().tolist())
+    assert list(h.kv_scales.v) == pytest.approx(vs.tolist())
+    with pytest.raises(AttentionInputError, match=r"k_scale has 6 entries for 2 kv heads: "
+                       r"give 2, or 2 x 2 \(a row per sequence\)"):
+        prepare_decode(q[:2], k8, v8, [0, 4, 9],
+                       kv_scales=kv_scales_of(torch.stack([ks, ks, ks]), vs))
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -96,7 +106,8 @@ def test_fp8_client_refusals(change, words):
 @pytest.mark.parametrize(("k_scale", "v_scale", "words"), [
     ([1.0], None, "v_scale is missing"),
     ([1.0, float("nan")], [1.0, 1.0], "finite and > 0"),
-    ([[1.0]], [1.0], "1-D"),
+    ([[[1.0]]], [1.0], r"must be \[num_kv_heads\] or \[batch, num_kv_heads\]"),
+    ([[]], [1.0], r"got shape \(1, 0\)"),
     (["x"], [1.0], "must hold floats"),
 ])
 def test_fp8_scale_argument_checks(k_scale, v_scale, words):

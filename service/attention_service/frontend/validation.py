@@ -199,9 +199,10 @@ def _check_qkv(
 
 
 def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, kv_dtype: int,
-               num_kv_heads: int, dtype: int = 0) -> KvScales | None:
-    """The scales of a stateless op's FP8 keys and values (None for any other request), with
-    FP8 queries' (``dtype``) folded into the keys'."""
+               num_kv_heads: int, num_seqs: int, dtype: int = 0) -> KvScales | None:
+    """The scales of a stateless op's FP8 keys and values (None for any other request), per
+    kv head or per sequence (``num_seqs`` rows), with FP8 queries' (``dtype``) folded into
+    the keys'."""
     fp8 = kv_dtype == pb.FLOAT8_E4M3
     if not h.HasField("kv_scales"):
         if fp8 and not op.cached:
@@ -215,7 +216,7 @@ def _kv_scales(h: pb.PrefillHeader | pb.DecodeHeader, op: Op, kv_dtype: int,
         raise invalid("header.kv_scales", f"set, but k and v are {dtype_name(kv_dtype)}: "
                       "scales are for FLOAT8_E4M3 keys and values")
     return check_kv_scales(h.kv_scales, num_kv_heads, "header.kv_scales",
-                           fp8_queries=dtype == pb.FLOAT8_E4M3)
+                           fp8_queries=dtype == pb.FLOAT8_E4M3, num_seqs=num_seqs)
 
 
 def _scale(h: pb.PrefillHeader | pb.DecodeHeader) -> float | None:
@@ -337,7 +338,8 @@ def validate_prefill_header(
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
                      limits.max_heads_ratio, empty_q=not op.cached, op=op)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], qkv["dtype"])
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
+                                  len(h.cu_seqlens_k or h.cu_seqlens_q) - 1, qkv["dtype"])
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
     scale = _scale(h)
@@ -401,7 +403,7 @@ def validate_decode_header(
     qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
                      max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1])
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], q_shape[0])
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
     scale = _scale(h)
     if h.num_splits < 0:

@@ -242,6 +242,77 @@ def test_fp8_queries_prefill_matches_float64_and_answers_bf16(server) -> None:  
     assert resp.stats.bytes_in == 84 * 4 * 40 + 2 * 84 * 2 * 40
 
 
+def _quantized_per_sequence(x: torch.Tensor, cu: list[int], spread: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` with sequence i scaled by spread**i, quantized with a row of scales per sequence
+    (``[batch, H_kv]``): magnitudes one row for all sequences would get wrong."""
+    parts, rows = [], []
+    for i, (a, b) in enumerate(zip(cu, cu[1:], strict=False)):
+        x8, s = quantize_kv(x[a:b].float() * spread ** i)
+        parts.append(x8)
+        rows.append(s)
+    return torch.cat(parts), torch.stack(rows)
+
+
+@pytest.mark.parametrize("fp8_queries", [False, True])
+def test_fp8_prefill_takes_a_row_of_scales_per_sequence(server, fp8_queries) -> None:  # type: ignore[no-untyped-def]
+    """FlashAttention-3's [batch, H_kv] descales: KvScales with a row per sequence (queries'
+    too), each sequence's keys and values dequantized with its own row; rows and one shared
+    set mix (k per sequence, v shared)."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    cu = [0, 5, 22, 31]
+    q, k, v = random_qkv(31, 31, 4, 2, 40, torch.float32, seed=21)
+    k8, ks = _quantized_per_sequence(k, cu, 30.0)
+    v8, vs = quantize_kv(v)  # one row for every sequence
+    cu_t = torch.tensor(cu)
+    kd = dequantize_kv(k8, ks, torch.float64, cu_t)
+    scales = pb.KvScales(k=ks.flatten().tolist(), v=vs.tolist())
+    if fp8_queries:
+        q8, qs = zip(*(quantize_queries(q[a:b] * 4 ** i, 2)
+                       for i, (a, b) in enumerate(zip(cu, cu[1:], strict=False))), strict=True)
+        q_in, qs = torch.cat(q8), torch.stack(qs)
+        qd = dequantize_queries(q_in, qs, 2, torch.float64, cu_t)
+        scales.q.extend(qs.flatten().tolist())
+        dtype = torch.bfloat16
+    else:
+        q_in, qd, dtype = q.to(torch.bfloat16), q.to(torch.bfloat16).double(), torch.bfloat16
+    out, lse_ref = prefill_oracle(qd, kd, _deq(v8, vs), cu, causal=True)
+    msgs = list(prefill_messages(q_in, k8, v8, cu, causal=True, return_lse=True))
+    msgs[0].header.kv_scales.CopyFrom(scales)
+    resp = collect(server.stub().Prefill(iter(msgs), timeout=30))
+    _no_nan(resp)
+    Req("Prefill", msgs, out, lse_ref, dtype, 31).check(resp)
+    # One shared row for the keys gets the later sequences wrong (30x, 900x larger keys).
+    wrong = prefill_oracle(qd, _deq(k8, ks[0]), _deq(v8, vs), cu, causal=True)[0]
+    assert (resp.out.double()[5:] - wrong[5:]).abs().max() > 0.05
+
+
+def test_fp8_decode_takes_a_row_of_scales_per_sequence(server) -> None:  # type: ignore[no-untyped-def]
+    cu = [0, 4, 13, 20]
+    q, k, v = random_qkv(3, 20, 8, 2, 64, torch.float16, seed=22)
+    k8, ks = _quantized_per_sequence(k, cu, 50.0)
+    v8, vs = _quantized_per_sequence(v, cu, 0.1)
+    cu_t = torch.tensor(cu)
+    out, lse_ref = decode_oracle(q, dequantize_kv(k8, ks, torch.float64, cu_t),
+                                 dequantize_kv(v8, vs, torch.float64, cu_t), cu)
+    msgs = list(decode_messages(q, k8, v8, cu, return_lse=True))
+    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=ks.flatten().tolist(),
+                                                  v=vs.flatten().tolist()))
+    resp = collect(server.stub().Decode(iter(msgs), timeout=30))
+    _no_nan(resp)
+    Req("Decode", msgs, out, lse_ref, torch.float16, 20).check(resp)
+
+
+def test_a_row_count_that_is_neither_is_refused_naming_both_forms(server) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = random_qkv(3, 20, 8, 2, 64, torch.float16, seed=23)
+    msgs = list(decode_messages(q, k.to(FP8), v.to(FP8), [0, 4, 13, 20]))
+    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=[1.0] * 4, v=[1.0] * 6))
+    code, details = _code(server.stub().Decode(iter(msgs), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("header.kv_scales.k:") and "3 x 2 (a row per sequence)" in details
+
+
 # ---- batching -------------------------------------------------------------------------------
 
 
