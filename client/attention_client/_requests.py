@@ -62,17 +62,23 @@ MAX_CACHE_ID_BYTES = 256
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
 
 
-# (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry; a
-# stateless call's may hold a row per sequence instead (sequence-major, flattened).
-KvScales = tuple[tuple[float, ...], ...]
+# (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry; in a
+# stateless call each may be a row of those per sequence instead (``scale_rows``).
+KvScales = tuple[tuple[Any, ...], ...]
+
+
+def scale_rows(part: tuple[Any, ...]) -> bool:
+    """Whether one entry of KvScales is a row per sequence (a tuple of float tuples)."""
+    return bool(part) and isinstance(part[0], tuple)
 _SCALE_NAMES = ("k_scale", "v_scale", "q_scale")
 
 
-def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None) -> KvScales | None:
+def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None, rows: bool = True
+                 ) -> KvScales | None:
     """``k_scale`` and ``v_scale`` (a list, numpy array or torch tensor of one float per kv
-    head, or ``[batch, num_kv_heads]``: a row per sequence; both or neither), and ``q_scale``
-    with them for float8_e4m3fn queries, as float tuples (rows flattened); None when none is
-    given."""
+    head, or with ``rows`` ``[batch, num_kv_heads]``: a row per sequence; both or neither),
+    and ``q_scale`` with them for float8_e4m3fn queries, as float tuples (a tuple of row
+    tuples for 2-D); None when none is given."""
     if k_scale is None and v_scale is None and q_scale is None:
         return None
     given = (k_scale, v_scale) if q_scale is None else (k_scale, v_scale, q_scale)
@@ -90,28 +96,36 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None) -> KvScales | 
                 arr = np.asarray(x, dtype=np.float64).astype(np.float32)
         except (TypeError, ValueError):
             raise AttentionInputError(f"{name} must hold floats, got {x!r}") from None
-        if arr.ndim not in (1, 2) or not arr.size:
-            raise AttentionInputError(f"{name} must be [num_kv_heads] or [batch, num_kv_heads], "
-                                      f"got shape {arr.shape}")
+        if arr.ndim not in ((1, 2) if rows else (1,)) or not arr.size:
+            raise AttentionInputError(
+                f"{name} must be [num_kv_heads]" + (" or [batch, num_kv_heads]" if rows else "")
+                + f", got shape {arr.shape}")
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
                                       f"{arr.tolist()}")
-        out.append(tuple(float(s) for s in arr.ravel()))
+        out.append(tuple(tuple(float(s) for s in r) for r in arr) if arr.ndim == 2
+                   else tuple(float(s) for s in arr))
     return tuple(out)
 
 
 def _scales_message(scales: KvScales) -> pb.KvScales:
-    return pb.KvScales(k=scales[0], v=scales[1], q=scales[2] if len(scales) > 2 else ())
+    """Rows per sequence go sequence-major, as the proto says."""
+    k, v, q = (tuple(x for r in p for x in r) if scale_rows(p) else p
+               for p in (*scales[:2], scales[2] if len(scales) > 2 else ()))
+    return pb.KvScales(k=k, v=v, q=q)
 
 
 def _check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
-    """One scale per kv head, or (with ``sequences``) a row of them per sequence."""
+    """One scale per kv head, or (a stateless call of ``sequences``) a row of them per
+    sequence."""
     for part, name in zip(scales, _SCALE_NAMES, strict=False):
-        if len(part) != heads and len(part) != sequences * heads:
-            raise AttentionInputError(
-                f"{name} has {len(part)} entries for {heads} kv heads" + (
-                    f": give {heads}, or {sequences} x {heads} (a row per sequence)"
-                    if sequences else ""))
+        if scale_rows(part):
+            if len(part) != sequences or any(len(r) != heads for r in part):
+                raise AttentionInputError(
+                    f"{name} has shape [{len(part)}, {len(part[0])}]: give [{heads}] (one per "
+                    f"kv head) or [{sequences}, {heads}] (a row per sequence)")
+        elif len(part) != heads:
+            raise AttentionInputError(f"{name} has {len(part)} entries for {heads} kv heads")
 
 
 def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None,
@@ -162,7 +176,7 @@ class KvLayout:
             raise AttentionInputError(f"dtype {dtype_name(wire)} is for keys and values only: "
                                       "give the queries' dtype, and kv_dtype for the stored one")
         stored = as_wire_dtype(kv_dtype, "kv_dtype") if kv_dtype is not None else wire
-        scales = kv_scales_of(k_scale, v_scale)
+        scales = kv_scales_of(k_scale, v_scale, rows=False)  # a cache is one sequence
         if stored == wire:
             if scales is not None:
                 raise AttentionInputError("k_scale/v_scale are for kv_dtype float8_e4m3fn")

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_client._requests import KvScales
+from attention_client._requests import KvScales, scale_rows
 from attention_client._score import ScoreMods
 from attention_client._tensors import is_torch_tensor
 
@@ -71,7 +71,9 @@ def plan(
     if sum(_nbytes(x) for x in (q, k, v)) < (STRIPE_MIN_BYTES if min_bytes is None
                                              else min_bytes):
         return None
-    if kv_scales is not None and any(len(s) != kv_heads for s in kv_scales):
+    if kv_scales is not None and any(
+            any(len(r) != kv_heads for r in s) if scale_rows(s) else len(s) != kv_heads
+            for s in kv_scales):
         return None
     if score is not None and score.slopes is not None and (
             score.slopes.ndim not in (1, 2) or score.slopes.shape[-1] != heads):
@@ -99,7 +101,8 @@ def part_inputs(
         slopes = np.ascontiguousarray(score.slopes[..., part.q_heads])
         score = dataclasses.replace(score, slopes=slopes)
     if kv_scales is not None:
-        kv_scales = tuple(s[part.kv_heads] for s in kv_scales)
+        kv_scales = tuple(tuple(r[part.kv_heads] for r in s) if scale_rows(s)
+                          else s[part.kv_heads] for s in kv_scales)
     return (_heads(q, part.q_heads), _heads(k, part.kv_heads), _heads(v, part.kv_heads),
             score, kv_scales)
 

@@ -148,7 +148,7 @@ def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
         )
 
 
-def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
+def _descales(q: torch.Tensor, k: torch.Tensor, batch: int, **descales: torch.Tensor | None
               ) -> dict[str, torch.Tensor]:
     """FlashAttention-3's descale factors as the client's ``q_scale`` / ``k_scale`` /
     ``v_scale``: each float32 ``[batch, H_kv]`` (a row per sequence, sent so when rows
@@ -170,6 +170,9 @@ def _descales(q: torch.Tensor, k: torch.Tensor, **descales: torch.Tensor | None
                 or d.shape[-1:] != (heads,) or d.dim() > 2):
             raise AttentionInputError(f"{name} must be a float32 tensor [batch, {heads}] or "
                                       f"[{heads}] (num_heads_k), got {d!r}")
+        if d.dim() == 2 and d.shape[0] != batch:
+            raise AttentionInputError(f"{name} has {d.shape[0]} rows for {batch} sequences: "
+                                      f"give [{batch}, {heads}] or [{heads}]")
         if d.dim() == 2 and (not d.shape[0] or bool((d == d[:1]).all())):
             d = d[0] if d.shape[0] else torch.ones(heads)  # one row for every sequence
         out[name[0] + "_scale"] = d.detach().float().cpu()
@@ -184,7 +187,7 @@ def _varlen(
 ) -> Any:
     _refuse_grad(q=q, k=k, v=v, alibi_slopes=alibi_slopes)
     left, right = (int(x) for x in window_size)
-    scales = _descales(q, k, **(descales or {}))
+    scales = _descales(q, k, len(cu_q) - 1, **(descales or {}))
     if client is None and not return_lse and not scales:
         return varlen_attention(q, k, v, cu_q, cu_k, as_flag(causal, "causal"), softmax_scale,
                                 left, right, float(softcap), alibi_slopes)

@@ -74,10 +74,15 @@ def test_fp8_headers_carry_the_scales():
     h = pb.DecodeHeader.FromString(prep.header)
     assert list(h.kv_scales.k) == pytest.approx(rows.flatten().tolist())
     assert list(h.kv_scales.v) == pytest.approx(vs.tolist())
-    with pytest.raises(AttentionInputError, match=r"k_scale has 6 entries for 2 kv heads: "
-                       r"give 2, or 2 x 2 \(a row per sequence\)"):
-        prepare_decode(q[:2], k8, v8, [0, 4, 9],
-                       kv_scales=kv_scales_of(torch.stack([ks, ks, ks]), vs))
+    # Rows are [batch, H_kv] exactly: not [3, 2] for 2 sequences, not transposed [H_kv, batch].
+    for bad, shape in ((torch.stack([ks, ks, ks]), r"\[3, 2\]"),
+                       (torch.stack([ks, ks, ks]).T, r"\[2, 3\]")):
+        with pytest.raises(AttentionInputError, match=rf"k_scale has shape {shape}: give \[2\] "
+                           r"\(one per kv head\) or \[2, 2\] \(a row per sequence\)"):
+            prepare_decode(q[:2], k8, v8, [0, 4, 9], kv_scales=kv_scales_of(bad, vs))
+    with pytest.raises(AttentionInputError, match=r"k_scale must be \[num_kv_heads\], got "
+                       r"shape \(1, 2\)"):  # a cache is one sequence: one row, 1-D
+        KvLayout.of(2, 64, "bfloat16", "float8_e4m3fn", ks[None, :], vs)
 
 
 @pytest.mark.parametrize(("change", "words"), [

@@ -386,3 +386,27 @@ def test_striped_fp8_queries_take_their_kv_heads_scales(group, small_stripes):
         attention_kernels.dequantize_kv(v8, vs, torch.float64),
         torch.tensor([0, 15, 40], dtype=torch.int32), causal=True)
     assert rel_err(out, ref) < TOL["bfloat16"]
+
+
+def test_striped_fp8_rows_per_sequence_slice_each_row(group, small_stripes):
+    """[batch, H_kv] scales (a row per sequence) striped by kv-head groups: each part sends
+    its kv heads' column of every row; the joined output equals the whole call's and the
+    reference with each sequence's own rows."""
+    cu = [0, 15, 40]
+    k, v = rand(40, 4, 32, seed=8), rand(40, 4, 32, seed=9)
+    q = rand(40, 8, 32, seed=10).to(torch.bfloat16)
+    (k0, ks0), (k1, ks1) = (attention_kernels.quantize_kv(k[a:b] * 20 ** i)
+                            for i, (a, b) in enumerate(zip(cu, cu[1:], strict=False)))
+    k8, ks = torch.cat([k0, k1]), torch.stack([ks0, ks1])
+    v8, vs = attention_kernels.quantize_kv(v)
+    opts = dict(causal=True, k_scale=ks, v_scale=vs)
+    with AttentionClient(group.target, stripes=2, unary=False, call_streams=False) as striped:
+        out = striped.attention(q, k8, v8, cu, **opts)
+    with AttentionClient(group.target) as whole:
+        out_whole = whole.attention(q, k8, v8, cu, **opts)
+    torch.testing.assert_close(out, out_whole, rtol=0, atol=0)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    ref = attention_kernels.prefill_ref(
+        q.double(), attention_kernels.dequantize_kv(k8, ks, torch.float64, cu_t),
+        attention_kernels.dequantize_kv(v8, vs, torch.float64), cu_t, causal=True)
+    assert rel_err(out, ref) < TOL["bfloat16"]

@@ -338,10 +338,10 @@ def validate_prefill_header(
     qkv = _check_qkv(h, ("total_q", "num_heads", "head_dim"), not append,
                      limits.max_heads_ratio, empty_q=not op.cached, op=op)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
-                                  len(h.cu_seqlens_k or h.cu_seqlens_q) - 1, qkv["dtype"])
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
+                                  len(h.cu_seqlens_k or h.cu_seqlens_q) - 1, qkv["dtype"])
     scale = _scale(h)
     total_q = q_shape[0]
     if append:
@@ -403,8 +403,8 @@ def validate_decode_header(
     qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
                      max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], q_shape[0])
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], q_shape[0])
     scale = _scale(h)
     if h.num_splits < 0:
         raise invalid(
