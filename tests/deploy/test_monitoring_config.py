@@ -182,6 +182,7 @@ def test_kernel_throughput_is_time_weighted() -> None:
         ("AttentionHighLatencyP99", "rpc:attention_request_duration_seconds:p99_5m"),
         ("AttentionQueueSaturated", "instance:attention_queue_saturation:ratio"),
         ("AttentionFrontendRestarts", "attention_frontend_restarts_total"),
+        ("AttentionArenaOverflows", "attention_arena_overflows_total"),
     ],
 )
 def test_alerts(alert: str, reads: str) -> None:
