@@ -15,9 +15,10 @@ the same load through each:
 Prints one table (each round's rows, the per-replica split of the bytes, and the ratio of the
 fleet to replica 0 alone in the same round) and writes JSON + markdown to ``--out``.
 ``--direct`` adds replica 0 without Envoy at both client counts (the fleet against its better
-point). Each row also keeps replica 0's busiest thread, its connections per front end and the
-change in the counters of the Envoy the point went through (flow control, upstream
-connections): how a proxied herd onto one front end was found (results/replicas/README.md).
+point). Each row also keeps replica 0's and its Envoy's busiest thread, replica 0's
+connections per front end and the change in the counters of the Envoy the point went through
+(flow control, upstream connections): how a proxied herd onto one front end was found
+(results/replicas/README.md).
 
     python benchmarks/bench_replicas.py --out benchmarks/results/replicas        # every GPU
     python benchmarks/bench_replicas.py --device cpu --replicas 2 --heads 2 --kv-heads 1 \
@@ -284,6 +285,10 @@ def main(argv: list[str] | None = None) -> int:
                     usage = {k: cpu_usage(c0[k], c1[k], t) for k in c0}
                     cores = {k: u[0] for k, u in usage.items()}
                     row["replica0_busiest_thread"] = round(usage["replica 0"][1], 2)
+                    # And the Envoy's (none direct): one worker at 1.0 caps the proxy however
+                    # many it has (connections are a worker's for life).
+                    envoy = usage.get(f"envoy ({name})")
+                    row["envoy_busiest_thread"] = None if envoy is None else round(envoy[1], 2)
                     # Connections per front end of replica 0 as the point ends (the load's,
                     # or Envoy's upstream ones), and what its Envoy counted meanwhile.
                     r0 = fleet.replicas[0]
@@ -303,7 +308,10 @@ def main(argv: list[str] | None = None) -> int:
                           f"{'/'.join(f'{x:.2f}' for x in row['split'])}  errors "
                           f"{row['errors']}  cores {_cores(row['cores'])}  replica 0: busiest "
                           f"thread {row['replica0_busiest_thread']}, connections per front "
-                          f"end {row['replica0_frontend_connections']}", flush=True)
+                          f"end {row['replica0_frontend_connections']}" + (
+                              "" if row["envoy_busiest_thread"] is None else
+                              f"; envoy's busiest thread {row['envoy_busiest_thread']}"),
+                          flush=True)
                     if row["envoy_counters"]:
                         print(f"    envoy: {row['envoy_counters']}", flush=True)
     finally:

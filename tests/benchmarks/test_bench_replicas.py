@@ -47,6 +47,10 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
         # every session on replica 1 (4 sessions: 1 time in 16), leaving replica 0 idle.
         least = 0 if key[0] == "2 replicas" else 1e-9
         assert least <= row["replica0_busiest_thread"] <= 1.5, (key, row)
+        if key[0] == "replica 0 direct":
+            assert row["envoy_busiest_thread"] is None, (key, row)
+        else:
+            assert 0 < row["envoy_busiest_thread"] <= 1.5, (key, row)
         envoy_calls = row["envoy_counters"].get("cluster.attention.upstream_rq_total", 0)
         if key[1] == "prefill":
             assert (envoy_calls > 0) == (key[0] != "replica 0 direct"), (key, row)
