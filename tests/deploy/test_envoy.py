@@ -13,6 +13,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -417,3 +418,64 @@ def test_envoy_exports_the_series_the_dashboard_reads(stack: Stack) -> None:
     for name, (kind, labels) in wanted.items():
         assert name in catalog, f"{name} is not exported by Envoy"
         assert catalog[name][0] == kind and labels <= catalog[name][1], (name, catalog[name])
+
+
+def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
+    """``--frontend-ports``: each front end also listens on a port of its own. Envoy listing
+    those as the stateless endpoints spreads one client connection's calls over both front
+    ends (least_request); through the shared port that connection's calls all reach the front
+    end the kernel handed it. The sessions' ring still sees one replica."""
+    base = _free_port()
+    while _port_taken(base + 1):
+        base = _free_port()
+    replica = Group(2, "--frontend-ports", str(base))
+    envoys = []
+    try:
+        for i in (0, 1):  # each front end on its own port
+            with grpc.insecure_channel(f"127.0.0.1:{base + i}") as ch:
+                info = pb_grpc.AttentionServiceStub(ch).GetServerInfo(
+                    pb.GetServerInfoRequest(), timeout=10)
+            assert info.frontend == i
+        for stateless in (None, [("127.0.0.1", base), ("127.0.0.1", base + 1)]):
+            envoy = LocalEnvoy([("127.0.0.1", replica.port)], _free_port(), _free_port(),
+                               stateless=stateless)
+            envoys.append(envoy)
+            envoy.wait_healthy(1)
+            with grpc.insecure_channel(envoy.target) as ch:
+                stub = pb_grpc.AttentionServiceStub(ch)
+                seen = {stub.GetServerInfo(pb.GetServerInfoRequest(), timeout=10).frontend
+                        for _ in range(40)}
+            assert len(seen) == (2 if stateless else 1), (stateless, seen)
+            with grpc.insecure_channel(envoy.target) as ch:  # a compute call gets through
+                msgs, ref = _prefill(3)
+                out = collect(pb_grpc.AttentionServiceStub(ch).Prefill(iter(msgs), timeout=30))
+                torch.testing.assert_close(out.out.double(), ref, atol=TOLERANCE[torch.float32],
+                                           rtol=TOLERANCE[torch.float32])
+    finally:
+        for envoy in envoys:
+            envoy.close()
+        assert replica.stop() == 0
+
+
+def test_a_taken_front_end_port_fails_startup_naming_the_flag() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "1",
+             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+             "--frontend-ports", str(port)],
+            capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "--frontend-ports" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+
+def _port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False

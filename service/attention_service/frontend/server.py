@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2
@@ -115,6 +116,19 @@ class FrontEnd:
         await self.grpc_server.stop(min(left, 1.0) if drained else 0)
 
 
+def _bind(grpc_server: Any, where: str, creds: Any, names: str) -> int:
+    """Listen on ``where`` (TLS with ``creds``); a port that cannot be bound fails startup
+    naming the flags (``names``)."""
+    try:
+        port = (grpc_server.add_secure_port(where, creds) if creds is not None
+                else grpc_server.add_insecure_port(where))
+    except RuntimeError as exc:  # grpc's "Failed to bind"
+        raise StartupError(f"could not bind {where} ({names}): {exc}") from None
+    if not port:
+        raise StartupError(f"could not bind {where} ({names})")
+    return int(port)
+
+
 async def start_frontend(
     config: ServerConfig, link: EngineLink, metrics: Metrics, *, reuse_port: bool = False,
     slot: int = 0,
@@ -147,6 +161,7 @@ async def start_frontend(
     )
     where = address(config.host, config.port)
     try:
+        creds = None
         if config.tls_cert and config.tls_key:
             client_ca = (Path(config.tls_client_ca).read_bytes() if config.tls_client_ca
                          else None)
@@ -154,15 +169,12 @@ async def start_frontend(
                 [(Path(config.tls_key).read_bytes(), Path(config.tls_cert).read_bytes())],
                 root_certificates=client_ca, require_client_auth=client_ca is not None,
             )
-            port = grpc_server.add_secure_port(where, creds)
-        else:
-            port = grpc_server.add_insecure_port(where)
     except OSError as exc:
         raise StartupError(f"TLS files (--tls-cert, --tls-key, --tls-client-ca): {exc}") from None
-    except RuntimeError as exc:  # grpc's "Failed to bind"
-        raise StartupError(f"could not bind {where} (--host, --port): {exc}") from None
-    if not port:
-        raise StartupError(f"could not bind {where} (--host, --port)")
+    port = _bind(grpc_server, where, creds, "--host, --port")
+    if config.frontend_ports:  # this front end's own port, for a balancing proxy
+        _bind(grpc_server, address(config.host, config.frontend_ports + slot), creds,
+              f"--frontend-ports: front end {slot}'s")
     frontend = FrontEnd(
         config=config, grpc_server=grpc_server, health_servicer=health_servicer,
         servicer=servicer, port=port,
