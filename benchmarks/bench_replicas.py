@@ -89,6 +89,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envoy-cpus", help="Envoy's CPUs (taskset list)")
     p.add_argument("--client-cpus", help="this script's and its load processes' CPUs")
     p.add_argument("--envoy-concurrency", type=int, default=4, help="Envoy worker threads")
+    p.add_argument("--frontend-ports", type=int, default=0,
+                   help="list every front end as an Envoy endpoint of its own for the stateless "
+                        "calls: replica i's front end f on this port + 64 i + f (the server's "
+                        "--frontend-ports; needs --frontends); 0: the shared port")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each fleet driven once a round")
     p.add_argument("--direct", action="store_true",
                    help="also drive replica 0 directly, without Envoy (what the proxy costs)")
@@ -111,6 +115,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.replicas is None:
         args.replicas = _gpu_count() if args.device == "cuda" else 2
+    if args.frontend_ports and not args.frontends:
+        p.error("--frontend-ports needs --frontends (the ports each replica opens)")
     if args.replicas < 2:
         p.error(f"--replicas {args.replicas}: a fleet needs 2 or more (GPUs seen: "
                 f"{_gpu_count()})")
@@ -142,6 +148,8 @@ class Fleet:
 
         def start(i: int) -> Server:
             extra = f"--gpu {i} " if args.device == "cuda" else ""
+            if args.frontend_ports:
+                extra += f"--frontend-ports {args.frontend_ports + 64 * i} "
             ns = argparse.Namespace(**{**vars(args), "server_args": extra + (
                 args.server_args or ""), "server_cpus": cpus[i] if cpus else None})
             print(f"starting replica {i} ({args.device}{' ' + extra.strip() if extra else ''}"
@@ -159,8 +167,11 @@ class Fleet:
             pin = cpu_list(args.envoy_cpus) if args.envoy_cpus else None
             ends = [("127.0.0.1", int(r.target.rsplit(":", 1)[1])) for r in self.replicas]
             for name, over in (("1 replica", ends[:1]), (f"{args.replicas} replicas", ends)):
+                fronts = [("127.0.0.1", args.frontend_ports + 64 * i + f)
+                          for i in range(len(over)) for f in range(args.frontends or 0)]
                 self.envoys[name] = LocalEnvoy(over, _free_port(), _free_port(),
-                                               args.envoy_concurrency, pin)
+                                               args.envoy_concurrency, pin,
+                                               fronts if args.frontend_ports else None)
             for name, envoy in self.envoys.items():
                 envoy.wait_healthy(1 if name == "1 replica" else args.replicas, 60)
             self.targets = {name: e.target for name, e in self.envoys.items()}
@@ -342,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{datetime.now(timezone.utc):%Y-%m-%d}", "",
         f"`python benchmarks/bench_replicas.py {shlex.join(argv or sys.argv[1:])}`", "",
         f"Envoy over replica 0 alone against Envoy over all {args.replicas} (same config, "
-        f"{args.envoy_concurrency} workers); clients per replica fixed (the fleet of "
+        f"{args.envoy_concurrency} workers" + (
+            f"; stateless calls over each replica's {args.frontends} front ends as endpoints"
+            if args.frontend_ports else "") + "); clients per replica fixed (the fleet of "
         f"{k} gets {k}x), replica 0 alone driven with both counts. Prefill: "
         f"{args.prefill_clients} clients per replica, "
         f"{args.dtype} H{args.heads}/{args.kv_heads} D{args.head_dim} causal, lengths "

@@ -69,7 +69,37 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
     assert "| 2 replicas | sessions | 4 |" in table and "| sessions |" in table
 
 
+def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -> None:
+    """--frontend-ports: each replica's 2 front ends are stateless endpoints of their own."""
+    import socket
+
+    def free(port: int) -> bool:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+        return True
+
+    # The ports the front ends take: base, base + 1 (replica 0), base + 64, base + 65.
+    base = next(b for b in range(20000, 30000, 131)
+                if all(free(b + d) for d in (0, 1, 64, 65)))
+    cmd = [sys.executable, SCRIPT, "--device", "cpu", "--replicas", "2", "--heads", "2",
+           "--kv-heads", "1", "--head-dim", "16", "--min-len", "8", "--max-len", "32",
+           "--duration", "0.6", "--warmup", "0.2", "--rounds", "1", "--sides", "prefill",
+           "--prefill-clients", "2", "--workers", "2", "--frontends", "2",
+           "--frontend-ports", str(base), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=170, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((tmp_path / "bench_replicas_2x_cpu.json").read_text())
+    fleet = [r for r in report["rows"] if r["fleet"] == "2 replicas"]
+    assert fleet and all(r["rate"] > 0 and r["errors"] == 0 for r in fleet)
+    assert sorted(fleet[0]["split"]) != [0.0, 1.0]  # both replicas took bytes
+    assert "as endpoints" in (tmp_path / "bench_replicas_2x_cpu.md").read_text()
+
+
 @pytest.mark.parametrize(("args", "message"), [
+    (["--replicas", "2", "--frontend-ports", "40000"], "--frontend-ports needs --frontends"),
     (["--replicas", "1"], "a fleet needs 2 or more"),
     (["--replicas", "2", "--replica-cpus", "0-1"], "names 1 lists for 2 replicas"),
     (["--replicas", "2", "--sides", "decode"], "--sides takes prefill, sessions"),
