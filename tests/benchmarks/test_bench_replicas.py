@@ -71,6 +71,7 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
 
 def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -> None:
     """--frontend-ports: each replica's 2 front ends are stateless endpoints of their own."""
+    import random
     import socket
 
     def free(port: int) -> bool:
@@ -82,7 +83,7 @@ def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -
         return True
 
     # The ports the front ends take: base, base + 1 (replica 0), base + 64, base + 65.
-    base = next(b for b in range(20000, 30000, 131)
+    base = next(b for b in iter(lambda: random.randrange(20000, 32000), None)
                 if all(free(b + d) for d in (0, 1, 64, 65)))
     cmd = [sys.executable, SCRIPT, "--device", "cpu", "--replicas", "2", "--heads", "2",
            "--kv-heads", "1", "--head-dim", "16", "--min-len", "8", "--max-len", "32",

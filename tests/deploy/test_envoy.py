@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import os
+import random
 import re
 import signal
 import socket
@@ -425,9 +426,7 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
     those as the stateless endpoints spreads one client connection's calls over both front
     ends (least_request); through the shared port that connection's calls all reach the front
     end the kernel handed it. The sessions' ring still sees one replica."""
-    base = _free_port()
-    while _port_taken(base + 1):
-        base = _free_port()
+    base = _free_base(2)
     replica = Group(2, "--frontend-ports", str(base))
     envoys = []
     try:
@@ -457,19 +456,42 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
         assert replica.stop() == 0
 
 
-def test_a_taken_front_end_port_fails_startup_naming_the_flag() -> None:
+@pytest.mark.parametrize("frontends", [1, 2])
+def test_a_taken_front_end_port_fails_startup_naming_the_flag(frontends: int) -> None:
+    # The second front end's port is taken (a listener without SO_REUSEPORT): one process
+    # fails to bind it, a group fails to reserve it; neither shares it silently.
+    base = _free_base(2)
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
+        taken.bind(("127.0.0.1", base + frontends - 1))
         taken.listen()
-        port = taken.getsockname()[1]
         proc = subprocess.run(
-            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "1",
-             "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
-             "--frontend-ports", str(port)],
+            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends",
+             str(frontends), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
+             "--frontend-ports", str(base)],
             capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "--frontend-ports" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "--frontend-ports" in out and f":{base + frontends - 1}" in out, out
+    assert "Traceback" not in out
+
+
+def test_front_end_ports_that_take_in_the_shared_port_are_refused() -> None:
+    base = _free_base(2)
+    proc = subprocess.run(
+        [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "2",
+         "--host", "127.0.0.1", "--port", str(base + 1), "--metrics-port", "-1",
+         "--frontend-ports", str(base)], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and f"take in {base + 1} (--port or --metrics-port)" in out, out
+
+
+def _free_base(n: int) -> int:
+    """A port where ``n`` ports in a row are free, below Linux's ephemeral range (32768 on):
+    no connection of another test takes one meanwhile."""
+    while True:
+        base = random.randrange(20000, 32000)
+        if not any(_port_taken(base + i) for i in range(n)):
+            return base
 
 
 def _port_taken(port: int) -> bool:

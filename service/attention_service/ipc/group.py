@@ -53,7 +53,8 @@ RESTART_WINDOW_S = 60.0
 DRAIN_MARGIN_S = 5.0
 
 
-def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
+def reserve_port(host: str, port: int, names: str = "--host, --port"
+                 ) -> tuple[list[socket.socket], int]:
     """Hold ``port`` (0: a free one) on every address ``host`` resolves to, with SO_REUSEPORT,
     so the front ends can bind it too; fail loudly if anything else listens there. ``host``
     may be bracketed (``[::1]``, as grpc takes it). SO_REUSEADDR as well: connections of an
@@ -73,7 +74,7 @@ def reserve_port(host: str, port: int) -> tuple[list[socket.socket], int]:
                     try:
                         probe.bind(addr[:2])
                     except OSError as exc:
-                        raise StartupError(f"could not bind {host}:{port} (--host, --port): "
+                        raise StartupError(f"could not bind {host}:{port} ({names}): "
                                            f"{exc}") from None
             s = socket.socket(family, kind, proto)
             held.append(s)
@@ -236,6 +237,7 @@ class Group:
         self._spinner = Spinner(cfg.spin_seconds,
                                 lambda: core.executor.idle and not control.busy)
         held, self.port = reserve_port(cfg.host, cfg.port)
+        held += self._reserve_frontend_ports(cfg)
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                    alive, core.caches.gauges, core.regions.gauges,
@@ -392,6 +394,30 @@ class Group:
             for s in held:
                 s.close()
             log.info("stopped")
+
+
+    def _reserve_frontend_ports(self, cfg: ServerConfig) -> list[socket.socket]:
+        """``--frontend-ports``: each front end's own port, held as the shared one is (a port
+        another server listens on fails startup; a front end restarting finds its own
+        free). Refused where the range takes in the shared or the metrics port."""
+        if not cfg.frontend_ports:
+            return []
+        ports = range(cfg.frontend_ports, cfg.frontend_ports + self.count)
+        clash = sorted({self.port, cfg.metrics_port} & set(ports))
+        if clash:
+            raise StartupError(f"--frontend-ports {cfg.frontend_ports}: the front ends' ports "
+                               f"{ports[0]}..{ports[-1]} take in {clash[0]} (--port or "
+                               "--metrics-port)")
+        held: list[socket.socket] = []
+        try:
+            for port in ports:
+                held += reserve_port(cfg.host, port, f"--frontend-ports: front end "
+                                                     f"{port - ports[0]}'s")[0]
+        except BaseException:
+            for s in held:
+                s.close()
+            raise
+        return held
 
 
 def _engine_view(fd: int, size: int, backend: str) -> tuple[Any, Any]:
