@@ -50,9 +50,10 @@ pytestmark = [
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range (32768 on): an outgoing connection of a test
+    running beside this one cannot take it between this check and the bind (an ephemeral
+    port did once, in a CI replica)."""
+    return _free_base(1)
 
 
 class Stack:
