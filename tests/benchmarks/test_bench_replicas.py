@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ..deploy._helpers import free_ports, port_taken
+
 pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(shutil.which("envoy") is None,
@@ -71,20 +73,9 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
 
 def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -> None:
     """--frontend-ports: each replica's 2 front ends are stateless endpoints of their own."""
-    import random
-    import socket
-
-    def free(port: int) -> bool:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                return False
-        return True
-
     # The ports the front ends take: base, base + 1 (replica 0), base + 64, base + 65.
-    base = next(b for b in iter(lambda: random.randrange(20000, 32000), None)
-                if all(free(b + d) for d in (0, 1, 64, 65)))
+    base = next(b for b in iter(lambda: free_ports(2), None)
+                if not any(port_taken(b + d) for d in (64, 65)))
     cmd = [sys.executable, SCRIPT, "--device", "cpu", "--replicas", "2", "--heads", "2",
            "--kv-heads", "1", "--head-dim", "16", "--min-len", "8", "--max-len", "32",
            "--duration", "0.6", "--warmup", "0.2", "--rounds", "1", "--sides", "prefill",

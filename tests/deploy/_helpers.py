@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -20,6 +22,25 @@ PROMETHEUS = REPO / "deploy" / "prometheus" / "prometheus.yml"
 RULES = REPO / "deploy" / "prometheus" / "rules" / "attention.yml"
 RULES_TESTS = REPO / "tests" / "deploy" / "prometheus" / "attention_rules_test.yml"
 CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def free_ports(n: int = 1) -> int:
+    """The first of ``n`` free ports in a row, below Linux's ephemeral range (32768 on): an
+    outgoing connection of a test running beside this one cannot take it between this check
+    and the server's bind (an ephemeral one was, once, in a CI replica)."""
+    while True:
+        base = random.randrange(20000, 32000)
+        if not any(port_taken(base + i) for i in range(n)):
+            return base
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
 
 
 def _load_local_envoy():  # noqa: ANN202 (a module loaded from its path: deploy/ is no package)

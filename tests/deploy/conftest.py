@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ._helpers import REPO
+from ._helpers import REPO, free_ports
 
 START_TIMEOUT_S = 180.0
 
@@ -29,12 +28,6 @@ class Server:
     target: str  # host:port of gRPC
     metrics_url: str
     log: Path
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serving(target: str) -> bool:
@@ -53,7 +46,7 @@ def _serving(target: str) -> bool:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port, metrics_port = _free_port(), _free_port()
+    port, metrics_port = free_ports(), free_ports()
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTENTION_")}
     env.update(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import os
-import random
 import re
 import signal
 import socket
@@ -40,7 +39,7 @@ from ..service.svc_helpers import (
     sample,
     wait_until,
 )
-from ._helpers import contract_envoy_metrics, local_envoy
+from ._helpers import contract_envoy_metrics, free_ports, local_envoy
 
 ENVOY, CONFIG, LocalEnvoy = local_envoy.ENVOY, local_envoy.CONFIG, local_envoy.LocalEnvoy
 pytestmark = [
@@ -50,10 +49,7 @@ pytestmark = [
 
 
 def _free_port() -> int:
-    """A free port below Linux's ephemeral range (32768 on): an outgoing connection of a test
-    running beside this one cannot take it between this check and the bind (an ephemeral
-    port did once, in a CI replica)."""
-    return _free_base(1)
+    return free_ports()
 
 
 class Stack:
@@ -427,7 +423,7 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
     those as the stateless endpoints spreads one client connection's calls over both front
     ends (least_request); through the shared port that connection's calls all reach the front
     end the kernel handed it. The sessions' ring still sees one replica."""
-    base = _free_base(2)
+    base = free_ports(2)
     replica = Group(2, "--frontend-ports", str(base))
     envoys = []
     try:
@@ -461,7 +457,7 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
 def test_a_taken_front_end_port_fails_startup_naming_the_flag(frontends: int) -> None:
     # The second front end's port is taken (a listener without SO_REUSEPORT): one process
     # fails to bind it, a group fails to reserve it; neither shares it silently.
-    base = _free_base(2)
+    base = free_ports(2)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", base + frontends - 1))
         taken.listen()
@@ -477,7 +473,7 @@ def test_a_taken_front_end_port_fails_startup_naming_the_flag(frontends: int) ->
 
 
 def test_front_end_ports_that_take_in_the_shared_port_are_refused() -> None:
-    base = _free_base(2)
+    base = free_ports(2)
     proc = subprocess.run(
         [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "2",
          "--host", "127.0.0.1", "--port", str(base + 1), "--metrics-port", "-1",
@@ -486,19 +482,3 @@ def test_front_end_ports_that_take_in_the_shared_port_are_refused() -> None:
     assert proc.returncode != 0 and f"take in {base + 1} (--port or --metrics-port)" in out, out
 
 
-def _free_base(n: int) -> int:
-    """A port where ``n`` ports in a row are free, below Linux's ephemeral range (32768 on):
-    no connection of another test takes one meanwhile."""
-    while True:
-        base = random.randrange(20000, 32000)
-        if not any(_port_taken(base + i) for i in range(n)):
-            return base
-
-
-def _port_taken(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
