@@ -10,7 +10,8 @@ arithmetic is that of the unquantized kernel on the dequantized values.
 Queries may be e4m3 too (``prefill(..., q_scale=)``, FlashAttention-3's ``q_descale``): a
 scale per kv head (or per sequence and kv head) for the query heads that read it. On Hopper
 the Gluon prefill then runs both dots on FP8 tensor cores (``prefill_hopper``); elsewhere the
-queries are widened exactly to bf16 (``widen_queries``). The output is bf16 either way.
+queries are widened exactly to bf16 (``prefill_kernel._fp8_prefill``). The output is bf16
+either way.
 """
 
 from __future__ import annotations

@@ -555,8 +555,7 @@ def prefill(
         return _fp8_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, causal,
                             softmax_scale, return_lse, out, lse_out, window_size, softcap,
                             alibi_slopes, q_scale, k_scale, v_scale, _config)
-    if q_scale is not None:
-        raise ValueError(f"q_scale is for float8_e4m3fn q; q is {q.dtype}")
+    check_query_scale(q, k, q_scale, 0)  # 16-bit q: refuses a q_scale
     if pads_prefill(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     rows = short_rows_bucket(max_seqlen_q)
