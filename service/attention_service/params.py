@@ -174,15 +174,17 @@ class Params:
     def k_shape(self) -> tuple[int, int, int]:
         return (self.total_k, self.key.num_kv_heads, self.key.head_dim)
 
-    def sequence_scales(self) -> list[KvScales]:
+    @functools.cached_property
+    def sequence_scales(self) -> tuple[KvScales, ...]:
         """Each sequence's FP8 (k, v) scales, ``num_kv_heads`` each (``kv_scales`` must be
-        set): the shared ones repeated, or the request's own rows."""
+        set): the shared ones repeated, or the request's own rows. Once per Params, as
+        ``memo``: a session's steps reuse it every launch."""
         assert self.kv_scales is not None
         k, v = self.kv_scales
         h, n = self.key.num_kv_heads, len(self.cu_seqlens_k) - 1
         if len(k) == h:
-            return [(k, v)] * n
-        return [(k[i * h:(i + 1) * h], v[i * h:(i + 1) * h]) for i in range(n)]
+            return ((k, v),) * n
+        return tuple((k[i * h:(i + 1) * h], v[i * h:(i + 1) * h]) for i in range(n))
 
     @functools.cached_property
     def memo(self) -> dict[object, object]:

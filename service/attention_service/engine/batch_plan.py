@@ -128,7 +128,7 @@ class BatchPlan:
                     assert j.cache.seq_scales is not None
                     self.seq_scales += j.cache.seq_scales
                 else:
-                    self.seq_scales += j.params.sequence_scales()
+                    self.seq_scales += j.params.sequence_scales
                 self.seq_new_rows += lens
         # Block-table columns (at least one, so the table is never empty).
         self.table_width = max(1, max((len(r) for r in self.block_table), default=0))
