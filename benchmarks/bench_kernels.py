@@ -48,7 +48,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -225,6 +225,16 @@ def tflops_in_turn(row: dict, timed: dict[str, Callable[[], object]], fl: float,
             row[f"{name}_TFLOPs_runs"] = vals
 
 
+def dense_shapes(head_dims: tuple[int, ...], ns: list[int]
+                 ) -> Iterator[tuple[int, int, bool, int, int]]:
+    """(D, heads, causal, N, batch) of the dense rows: ``B * N`` = 16K tokens and
+    ``H * D`` = 2048, non-causal then causal."""
+    for d in head_dims:
+        for causal in (False, True):
+            for n in ns:
+                yield d, 2048 // d, causal, n, 16384 // n
+
+
 def dense_prefill_rows(quick: bool, rounds: int = 1) -> list[dict]:
     """``rounds`` > 1: the row's timings are taken in turn (cuDNN, FLASH, ours, ours FP8) that
     many times and the medians kept (``*_runs``: every round). One timing each read D 128
@@ -232,44 +242,40 @@ def dense_prefill_rows(quick: bool, rounds: int = 1) -> list[dict]:
     each side compares two draws."""
     rows = []
     ns = [1024, 2048, 4096, 8192, 16384] if not quick else [4096, 16384]
-    for d in (64, 128):
-        heads = 2048 // d
-        for causal in (False, True):
-            for n in ns:
-                b = 16384 // n
-                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
-                ours = lambda: prefill(  # noqa: E731
-                    qp, kp, vp, cus, max_seqlen_q=n, max_seqlen_k=n, causal=causal)
-                fl = flops([n] * b, [n] * b, heads, d, causal)
-                row = {"kind": "dense", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
-                timed: dict[str, Callable[[], object]] = {}
-                ref = None
-                for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
-                                      ("cudnn", SDPBackend.CUDNN_ATTENTION)):
-                    try:
-                        fn = sdpa(backend, q, k, v, causal)
-                        out = fn()
-                        ref = out if ref is None else ref
-                        timed[name] = fn
-                    except RuntimeError as e:  # backend unavailable for this shape
-                        row[f"{name}_TFLOPs"] = float("nan")
-                        row[f"{name}_error"] = str(e).splitlines()[0][:120]
-                got = ours().reshape(b, n, heads, d).transpose(1, 2)
-                row["check_rel_err"] = rel(got, ref) if ref is not None else float("nan")
-                if not row["check_rel_err"] < CHECK_TOL:
-                    raise SystemExit(f"prefill check failed: {row}")
-                timed["ours"] = ours
-                # FP8 K/V (per-head scales) beside the queries' dtype: error vs 16-bit K/V.
-                (k8, ks), (v8, vs) = quantize_kv(kp), quantize_kv(vp)
-                fp8 = lambda: prefill(  # noqa: E731
-                    qp, k8, v8, cus, causal=causal, k_scale=ks, v_scale=vs)
-                row["fp8_rel_err"] = rel(fp8().reshape(b, n, heads, d).transpose(1, 2), ref)
-                if not row["fp8_rel_err"] < FP8_CHECK_TOL:
-                    raise SystemExit(f"fp8 prefill check failed: {row}")
-                timed["ours_fp8"] = fp8
-                tflops_in_turn(row, timed, fl, rounds)
-                rows.append(row)
-                print_row(row)
+    for d, heads, causal, n, b in dense_shapes((64, 128), ns):
+        (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
+        ours = lambda: prefill(  # noqa: E731
+            qp, kp, vp, cus, max_seqlen_q=n, max_seqlen_k=n, causal=causal)
+        fl = flops([n] * b, [n] * b, heads, d, causal)
+        row = {"kind": "dense", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
+        timed: dict[str, Callable[[], object]] = {}
+        ref = None
+        for name, backend in (("flash", SDPBackend.FLASH_ATTENTION),
+                              ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                fn = sdpa(backend, q, k, v, causal)
+                out = fn()
+                ref = out if ref is None else ref
+                timed[name] = fn
+            except RuntimeError as e:  # backend unavailable for this shape
+                row[f"{name}_TFLOPs"] = float("nan")
+                row[f"{name}_error"] = str(e).splitlines()[0][:120]
+        got = ours().reshape(b, n, heads, d).transpose(1, 2)
+        row["check_rel_err"] = rel(got, ref) if ref is not None else float("nan")
+        if not row["check_rel_err"] < CHECK_TOL:
+            raise SystemExit(f"prefill check failed: {row}")
+        timed["ours"] = ours
+        # FP8 K/V (per-head scales) beside the queries' dtype: error vs 16-bit K/V.
+        (k8, ks), (v8, vs) = quantize_kv(kp), quantize_kv(vp)
+        fp8 = lambda: prefill(  # noqa: E731
+            qp, k8, v8, cus, causal=causal, k_scale=ks, v_scale=vs)
+        row["fp8_rel_err"] = rel(fp8().reshape(b, n, heads, d).transpose(1, 2), ref)
+        if not row["fp8_rel_err"] < FP8_CHECK_TOL:
+            raise SystemExit(f"fp8 prefill check failed: {row}")
+        timed["ours_fp8"] = fp8
+        tflops_in_turn(row, timed, fl, rounds)
+        rows.append(row)
+        print_row(row)
     return rows
 
 
@@ -278,32 +284,28 @@ def fp8_rows(quick: bool, rounds: int = 1) -> list[dict]:
     sides timed in turn ``rounds`` times (medians), then ``fp8_accuracy_row``."""
     rows = []
     ns = [4096, 8192, 16384] if not quick else [8192]
-    for d in (128, 64):
-        heads = 2048 // d
-        for causal in (False, True):
-            for n in ns:
-                b = 16384 // n
-                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
-                (q8, qs), (k8, ks), (v8, vs) = (quantize_queries(qp, heads), quantize_kv(kp),
-                                                quantize_kv(vp))
-                timed: dict[str, Callable[[], object]] = {
-                    "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal),
-                    "ours": lambda: prefill(qp, kp, vp, cus, causal=causal),  # noqa: B023
-                    "ours_fp8": lambda: prefill(  # noqa: B023
-                        q8, k8, v8, cus, causal=causal, q_scale=qs, k_scale=ks, v_scale=vs),
-                }
-                ref = timed["cudnn"]()
-                row = {"kind": "fp8", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
-                for name, tol in (("ours", CHECK_TOL), ("ours_fp8", FP8_QKV_CHECK_TOL)):
-                    got = timed[name]().reshape(b, n, heads, d).transpose(1, 2)  # type: ignore[attr-defined]
-                    row[f"{name}_rel_err"] = rel(got, ref)
-                    if not row[f"{name}_rel_err"] < tol:
-                        raise SystemExit(f"fp8 table check failed: {name} {row}")
-                fl = flops([n] * b, [n] * b, heads, d, causal)
-                tflops_in_turn(row, timed, fl, rounds)
-                row["fp8_over_bf16"] = row["ours_fp8_TFLOPs"] / row["ours_TFLOPs"]
-                rows.append(row)
-                print_row(row)
+    for d, heads, causal, n, b in dense_shapes((128, 64), ns):
+        (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d)
+        (q8, qs), (k8, ks), (v8, vs) = (quantize_queries(qp, heads), quantize_kv(kp),
+                                        quantize_kv(vp))
+        timed: dict[str, Callable[[], object]] = {
+            "cudnn": sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal),
+            "ours": lambda: prefill(qp, kp, vp, cus, causal=causal),  # noqa: B023
+            "ours_fp8": lambda: prefill(  # noqa: B023
+                q8, k8, v8, cus, causal=causal, q_scale=qs, k_scale=ks, v_scale=vs),
+        }
+        ref = timed["cudnn"]()
+        row = {"kind": "fp8", "D": d, "H": heads, "B": b, "N": n, "causal": causal}
+        for name, tol in (("ours", CHECK_TOL), ("ours_fp8", FP8_QKV_CHECK_TOL)):
+            got = timed[name]().reshape(b, n, heads, d).transpose(1, 2)  # type: ignore[attr-defined]
+            row[f"{name}_rel_err"] = rel(got, ref)
+            if not row[f"{name}_rel_err"] < tol:
+                raise SystemExit(f"fp8 table check failed: {name} {row}")
+        fl = flops([n] * b, [n] * b, heads, d, causal)
+        tflops_in_turn(row, timed, fl, rounds)
+        row["fp8_over_bf16"] = row["ours_fp8_TFLOPs"] / row["ours_TFLOPs"]
+        rows.append(row)
+        print_row(row)
     rows.append(fp8_accuracy_row())
     print_row(rows[-1])
     return rows
