@@ -43,7 +43,7 @@ import json, os, sys, threading, time
 _DIR = os.environ.get("REQUEST_PATH_DIR")
 if _DIR:
     _ON = [False]
-    _FILES, _SHAPES = {}, {}
+    _FILES, _SHAPES, _FUNCS = {}, {}, {}
     _MARK = ("attention_client", "attention_wire", "attention_service", "attention_kernels")
 
     def _owner(frame):
@@ -66,6 +66,9 @@ if _DIR:
         if any(m in fname for m in _MARK) and "site-packages/grpc" not in fname:
             if fname not in _FILES:
                 _FILES[fname] = time.time()
+            fn = fname + "::" + frame.f_code.co_qualname
+            if fn not in _FUNCS:
+                _FUNCS[fn] = time.time()
             if "KERNEL" not in _SHAPES and ("attention_kernels/" in fname or (
                     fname.endswith("cpu_attention.py") and frame.f_code.co_name == "attend")):
                 _SHAPES["KERNEL"] = time.time()
@@ -80,12 +83,13 @@ if _DIR:
         while True:
             on = os.path.exists(flag)
             if on and not _ON[0]:
-                _FILES.clear(); _SHAPES.clear()
+                _FILES.clear(); _SHAPES.clear(); _FUNCS.clear()
                 _ON[0] = True
             elif not on and _ON[0]:
                 _ON[0] = False
                 with open(os.path.join(_DIR, f"{os.getpid()}.json"), "w") as f:
-                    json.dump({"argv": sys.argv, "files": _FILES, "shapes": _SHAPES}, f)
+                    json.dump({"argv": sys.argv, "files": _FILES, "shapes": _SHAPES,
+                               "functions": _FUNCS}, f)
             time.sleep(0.0005)
 
     sys.setprofile(_prof)
@@ -131,6 +135,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--json", type=Path, help="write the counts here too")
+    ap.add_argument("--functions", action="store_true",
+                    help="also list, per file on the way in, the functions of it that ran")
     args = ap.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="request-path-"))
@@ -173,12 +179,16 @@ def main() -> None:
         group.stop()
     files: dict[str, float] = {}  # first seen, over every process
     shapes: dict[str, float] = {}
+    funcs: dict[str, float] = {}
     for dump in work.glob("*.json"):
         rec = json.loads(dump.read_text())
         for f, t in rec["files"].items():
             files[_short(f)] = min(t, files.get(_short(f), t))
         for name, t in rec["shapes"].items():
             shapes[name] = min(t, shapes.get(name, t))
+        for fn, t in rec.get("functions", {}).items():
+            key = _short(fn.split("::")[0]) + "::" + fn.split("::")[1]
+            funcs[key] = min(t, funcs.get(key, t))
     kernel = shapes.pop("KERNEL", float("inf"))
     counts: dict[str, object] = {"device": args.device}
     for what, seen, sep in (("files", files, "/"), ("data shapes", shapes, ".")):
@@ -192,6 +202,12 @@ def main() -> None:
                 mine = [n.split(sep, 1)[1] for n in names if n.startswith(pkg + sep)]
                 if mine:
                     print(f"  {label:4} {pkg} ({len(mine)}): " + ", ".join(mine))
+    if args.functions:
+        print("functions that ran on the way in, by file:")
+        for f in counts["files"]["in"]:  # type: ignore[index]
+            mine = sorted(fn.split("::")[1] for fn, t in funcs.items()
+                          if fn.startswith(f + "::") and t <= kernel)
+            print(f"  {f} ({len(mine)}): " + ", ".join(mine))
     branches = op_branches()
     counts["op_branches"] = branches
     print(f"branches on the op kind in the service: {sum(branches.values())} in "
