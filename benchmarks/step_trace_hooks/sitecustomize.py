@@ -70,7 +70,7 @@ TARGETS = [
 ]
 
 # (module, function, label): functions that make a handler; the handlers they return are timed.
-FACTORIES = [("attention_service.frontend.handlers", "_compute_unary", "unary_handler")]
+FACTORIES = [("attention_service.frontend.servicer", "_compute_unary", "unary_handler")]
 
 events: list[tuple[str, int]] = []
 _lock = threading.Lock()

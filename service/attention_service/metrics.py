@@ -52,6 +52,7 @@ from prometheus_client.registry import Collector
 from attention_service.errors import StartupError
 from attention_service.link import EngineInfo
 from attention_service.params import Op
+from attention_wire import unary_method
 
 # A `_created` timestamp beside every counter and histogram doubles the output; no query
 # reads them (multiprocess mode never had them).
@@ -61,6 +62,17 @@ log = logging.getLogger("attention_service")
 
 COMPUTE_RPCS = tuple(op.rpc for op in Op)
 STAGES = ("h2d", "kernel", "d2h")
+
+# A compute rpc's unary twin and step stream -> the rpc (``PrefillSteps`` -> ``Prefill``): the
+# op their handlers (add_to_server) serve, hence the ``rpc`` label their calls count under.
+_OP_RPC = {unary_method(op.rpc): op.rpc for op in Op} | {
+    op.steps_rpc: op.rpc for op in Op if op.steps_rpc}
+
+
+def metric_rpc(method: str) -> str:
+    """The ``rpc`` label of a method's calls: its op's rpc, or the method's own name."""
+    return _OP_RPC.get(method, method)
+
 
 _DURATION = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _WAIT = (1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)

@@ -48,17 +48,21 @@ class Op(enum.Enum):
     it runs against server-side caches, and which kernel serves it (None: AppendKV, which
     only stores k/v). Plain attributes: read per request on the engine's hot path."""
 
-    # (rpc, decode_like, cached, kernel)
-    PREFILL = ("Prefill", False, False, "prefill")
-    DECODE = ("Decode", True, False, "decode")
-    APPEND_KV = ("AppendKV", False, True, None)
-    CACHE_PREFILL = ("CachePrefill", False, True, "paged_prefill")
-    CACHE_DECODE = ("CacheDecode", True, True, "paged_decode")
+    # (rpc, decode_like, cached, kernel, steps_rpc)
+    PREFILL = ("Prefill", False, False, "prefill", "PrefillSteps")
+    DECODE = ("Decode", True, False, "decode", "DecodeSteps")
+    APPEND_KV = ("AppendKV", False, True, None, None)
+    CACHE_PREFILL = ("CachePrefill", False, True, "paged_prefill", None)
+    CACHE_DECODE = ("CacheDecode", True, True, "paged_decode", "CacheDecodeSteps")
 
-    def __new__(cls, rpc: str, decode_like: bool, cached: bool, kernel: str | None) -> Op:
+    def __new__(cls, rpc: str, decode_like: bool, cached: bool, kernel: str | None,
+                steps_rpc: str | None) -> Op:
         op = object.__new__(cls)
         op._value_ = rpc
         op.rpc = rpc
+        # Its step stream, if it has one: each request message one whole call, each response
+        # message its AttentionResult.
+        op.steps_rpc = steps_rpc
         # One query per sequence, DecodeHeader on the wire, lse ``[batch, H]``.
         op.decode_like = decode_like
         # Runs against server-side KV caches (its k/v are the sequences' new tokens).

@@ -11,7 +11,7 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parents[2] / "service" / "attention_service"
 FRONT_END = ("attention_service.frontend", "attention_service.ipc.frontend_main",
              "attention_service.ipc.remote_link", "attention_service.ipc.channel",
-             "attention_service.ipc.messages", "attention_service.ipc.arena",
+             "attention_service.ipc.arena",
              "attention_service.link", "attention_service.params", "attention_service.errors",
              "attention_service.metrics", "attention_service.config")
 

@@ -43,12 +43,10 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.cpus import parse_cpu_list, pin_process
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.core import EngineCore
-from attention_service.engine.jobs import LaunchTimes, PendingLaunch
-from attention_service.ipc.channel import Channel, corked
+from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
+from attention_service.ipc.channel import Channel, Done, Failed, Submit, corked
 from attention_service.ipc.engine_conn import FrontendConnection
-from attention_service.ipc.messages import Done, Failed, Submit
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 

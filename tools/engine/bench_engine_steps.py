@@ -33,13 +33,11 @@ from typing import Any
 import torch
 
 from attention_service.config import ServerConfig
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.core import EngineCore
 from attention_service.engine.decode_steps import Staging, StepShape, eligible
-from attention_service.engine.jobs import LaunchTimes, PendingLaunch
-from attention_service.ipc.channel import Channel, corked
+from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
+from attention_service.ipc.channel import Channel, ControlCall, Done, Failed, Submit, corked
 from attention_service.ipc.engine_conn import FrontendConnection
-from attention_service.ipc.messages import ControlCall, Done, Failed, Submit
 from attention_service.metrics import Metrics
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb

@@ -17,9 +17,9 @@ from typing import Protocol
 import torch
 
 from attention_kernels.fp8 import dequantize_kv
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.cpu_attention import attend
 from attention_service.engine.jobs import (
+    BatchPlan,
     Cancelled,
     DoneLaunch,
     LaunchTimes,

@@ -41,9 +41,9 @@ from attention_kernels.copy_segments import (
     copy_segments,
     unit_of,
 )
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import (
+    BatchPlan,
     ByteBase,
     DoneLaunch,
     LaunchTimes,

@@ -53,9 +53,8 @@ import numpy as np
 import torch
 
 from attention_kernels.fp8 import quantize_kv
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.dtypes import TORCH_DTYPES
-from attention_service.engine.jobs import Job, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
 from attention_service.engine.paged_store import scatter_rows
 from attention_service.params import BatchKey
 from attention_wire.pb import attention_pb2 as pb

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from attention_kernels.fp8 import quantize_kv
-from attention_service.engine.batch_plan import BatchPlan
+from attention_service.engine.jobs import BatchPlan
 
 
 def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -9,9 +9,8 @@ from typing import NoReturn, Protocol
 
 import torch
 
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.jobs import Job, PendingLaunch
+from attention_service.engine.jobs import BatchPlan, Job, PendingLaunch
 from attention_service.engine.kv_caches import CacheRegistry
 from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX
 from attention_service.errors import RequestError

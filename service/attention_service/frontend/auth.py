@@ -17,8 +17,7 @@ from typing import Any
 
 import grpc
 
-from attention_service.frontend.handlers import metric_rpc
-from attention_service.metrics import Metrics
+from attention_service.metrics import Metrics, metric_rpc
 
 log = logging.getLogger("attention_service")
 

@@ -17,8 +17,13 @@ import attention_service
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.errors import StartupError
 from attention_service.frontend.auth import BearerTokenInterceptor, Principals
-from attention_service.frontend.handlers import SERVICE_NAME, STEPS_IN_FLIGHT, add_to_server
-from attention_service.frontend.servicer import AttentionServicer, CallTracker
+from attention_service.frontend.servicer import (
+    SERVICE_NAME,
+    STEPS_IN_FLIGHT,
+    AttentionServicer,
+    CallTracker,
+    add_to_server,
+)
 from attention_service.frontend.stock_services import add_stock_services
 from attention_service.frontend.validation import supported_head_dim
 from attention_service.heap import freeze_startup_heap
@@ -155,7 +160,7 @@ async def start_frontend(
             ("grpc.http2.max_frame_size", HTTP2_MAX_FRAME),
         ],
     )
-    add_to_server(servicer, grpc_server)  # raw bytes on the compute rpcs (see handlers.py)
+    add_to_server(servicer, grpc_server)  # raw bytes on the compute rpcs (see servicer.py)
     health_servicer = add_stock_services(
         grpc_server, (SERVICE_NAME, HEALTH_SERVICE_NAME, reflection.SERVICE_NAME)
     )

@@ -15,8 +15,12 @@ import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, MESSAGE_OVERHEAD_BYTES
 from attention_service.errors import RequestError, StreamEnded, exhausted, invalid
-from attention_service.frontend.handlers import parse_request
-from attention_service.frontend.validation import INPUT_FIELDS, Limits, checked_header
+from attention_service.frontend.validation import (
+    INPUT_FIELDS,
+    Limits,
+    checked_header,
+    parse_request,
+)
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method

@@ -25,10 +25,10 @@ import torch
 from attention_service.engine.core import EngineCore, Source
 from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.errors import RequestError
-from attention_service.ipc.channel import Channel
-from attention_service.ipc.messages import (
+from attention_service.ipc.channel import (
     Bound,
     Cancel,
+    Channel,
     ControlCall,
     Done,
     Failed,

@@ -24,8 +24,7 @@ from collections.abc import Sequence
 
 from attention_service.cpus import pin_process
 from attention_service.ipc import arena as arenas
-from attention_service.ipc.channel import Channel, recv_message
-from attention_service.ipc.messages import Bound, Hello
+from attention_service.ipc.channel import Bound, Channel, Hello, recv_message
 from attention_service.ipc.remote_link import RemoteLink
 
 log = logging.getLogger("attention_service")

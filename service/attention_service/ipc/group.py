@@ -159,9 +159,8 @@ class Group:
     # ---- front ends ---------------------------------------------------------------------
 
     def _spawn(self, slot: _Slot) -> None:
-        from attention_service.ipc.channel import Channel
+        from attention_service.ipc.channel import Channel, Hello
         from attention_service.ipc.engine_conn import FrontendConnection
-        from attention_service.ipc.messages import Hello
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [sys.executable, "-m", "attention_service.ipc.frontend_main",
@@ -218,8 +217,7 @@ class Group:
         from attention_service.engine.backends import make_backend
         from attention_service.engine.core import EngineCore
         from attention_service.ipc import arena as arenas
-        from attention_service.ipc.channel import Spinner, corked
-        from attention_service.ipc.messages import Serving
+        from attention_service.ipc.channel import Serving, Spinner, corked
         from attention_service.metrics import LiveCollector, Metrics
         from attention_service.server import gpu_uuid, versions
 

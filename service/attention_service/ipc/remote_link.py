@@ -20,10 +20,10 @@ import numpy as np
 
 from attention_service.errors import unavailable
 from attention_service.ipc import arena as arenas
-from attention_service.ipc.channel import Channel
-from attention_service.ipc.messages import (
+from attention_service.ipc.channel import (
     ArenaSpan,
     Cancel,
+    Channel,
     ControlCall,
     Done,
     Failed,

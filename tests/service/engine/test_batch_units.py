@@ -1,5 +1,5 @@
-"""Merge (batch_plan.py), the one launch path on cpu (each job's rows into its own
-destinations), the launch policy (batch_queue.py) and the executor, without a server."""
+"""Merge (jobs.BatchPlan), the one launch path on cpu (each job's rows into its own
+destinations), the launch policy (executor.BatchQueue) and the executor, without a server."""
 
 from __future__ import annotations
 
@@ -15,11 +15,15 @@ import torch
 
 from attention_kernels import decode_ref, prefill_ref
 from attention_service.engine.backends import CpuBackend
-from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.batch_queue import BatchQueue
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.executor import Executor
-from attention_service.engine.jobs import CACHED_KEYS_PER_TOKEN, CacheWork, Job, batch_key
+from attention_service.engine.executor import BatchQueue, Executor
+from attention_service.engine.jobs import (
+    CACHED_KEYS_PER_TOKEN,
+    BatchPlan,
+    CacheWork,
+    Job,
+    batch_key,
+)
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
@@ -54,7 +58,7 @@ def _decode_job(seed: int, len_k: list[int], *, lse: bool = False, splits: int =
     return _job(Op.DECODE, q, k, v, cu_k, lse=lse, splits=splits)
 
 
-# ---- batch_plan and the cpu launch --------------------------------------------------------
+# ---- BatchPlan and the cpu launch ---------------------------------------------------------
 
 def test_plan_merges_cu_seqlens_and_offsets() -> None:
     a = _prefill_job(1, [2, 3], [4, 0], lse=False)
@@ -273,7 +277,7 @@ def test_cached_decode_keys_weigh_a_fraction_of_a_token() -> None:
     assert len(batch) == 16384 // 65  # 65 budget tokens each: 252 steps in one launch
 
 
-# ---- batch_queue --------------------------------------------------------------------------
+# ---- BatchQueue ---------------------------------------------------------------------------
 
 @pytest.fixture
 def loop():  # type: ignore[no-untyped-def]

@@ -71,9 +71,8 @@ def test_batches_in_flight_match_single_launches() -> None:
     """Two batches issued back to back (two streams, no wait in between) write each job the
     same rows as that job launched alone."""
     from attention_service.engine.backends import CudaBackend
-    from attention_service.engine.batch_plan import BatchPlan
     from attention_service.engine.dtypes import WIRE_DTYPES
-    from attention_service.engine.jobs import Job
+    from attention_service.engine.jobs import BatchPlan, Job
     from attention_service.params import make_params
 
     backend = CudaBackend()
@@ -108,9 +107,8 @@ def test_lone_device_job_runs_in_place() -> None:
     """A job whose tensors already live on the GPU (a CUDA region) is read and written in
     place: the kernel's output is the job's own destination."""
     from attention_service.engine.backends import CudaBackend
-    from attention_service.engine.batch_plan import BatchPlan
     from attention_service.engine.dtypes import WIRE_DTYPES
-    from attention_service.engine.jobs import Job
+    from attention_service.engine.jobs import BatchPlan, Job
     from attention_service.params import make_params
 
     backend = CudaBackend()

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.decode_steps import (
     MAX_BATCH,
     Staging,
@@ -18,7 +17,7 @@ from attention_service.engine.decode_steps import (
     eligible,
 )
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.jobs import ByteBase, CacheWork, Job
+from attention_service.engine.jobs import BatchPlan, ByteBase, CacheWork, Job
 from attention_service.params import Op, make_params
 
 H, HKV, D = 4, 2, 8

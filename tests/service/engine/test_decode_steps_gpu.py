@@ -12,10 +12,9 @@ import torch
 
 import attention_kernels
 from attention_kernels.paged_reference import paged_decode_ref
-from attention_service.engine.batch_plan import BatchPlan
 from attention_service.engine.decode_steps import DecodeSteps, eligible
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.jobs import CacheWork, Job
+from attention_service.engine.jobs import BatchPlan, CacheWork, Job
 from attention_service.params import Op, make_params
 
 pytestmark = [

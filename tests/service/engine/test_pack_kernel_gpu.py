@@ -12,8 +12,7 @@ import torch
 
 import attention_kernels
 from attention_service.engine import cuda_launch
-from attention_service.engine.batch_plan import BatchPlan
-from attention_service.engine.jobs import PINNED
+from attention_service.engine.jobs import PINNED, BatchPlan
 from attention_service.engine.regions import pin
 
 from ..svc_helpers import cu_from_lengths, decode_oracle, prefill_oracle, span_jobs

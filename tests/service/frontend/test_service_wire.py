@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from attention_service.errors import RequestError
-from attention_service.frontend.handlers import parse_request
 from attention_service.frontend.streams import output_messages
+from attention_service.frontend.validation import parse_request
 from attention_service.params import Op
 from attention_wire.codec import varint
 from attention_wire.pb import attention_pb2 as pb
@@ -166,7 +166,7 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     parsed message and the same checked params. Another op, other limits or a refused header
     are not served from them."""
     from attention_service.config import ServerConfig
-    from attention_service.frontend import handlers, validation
+    from attention_service.frontend import validation
 
     q, k, v = random_qkv(6, 6, 2, 1, 8, torch.float32)
     header = next(iter(prefill_messages(q, k, v, [0, 2, 6], chunk=40))).header
@@ -192,13 +192,13 @@ def test_repeated_headers_are_parsed_and_checked_once() -> None:
     assert isinstance(parse_request(decode_raw, Op.PREFILL).header, pb.PrefillHeader)
     big = pb.DecodeRequest(header=pb.DecodeHeader(cu_seqlens_k=list(range(0, 1 << 21, 128))))
     raw_big = big.SerializeToString()
-    assert len(big.header.SerializeToString()) > handlers.MEMO_HEADER_BYTES
+    assert len(big.header.SerializeToString()) > validation.MEMO_HEADER_BYTES
     assert parse_request(raw_big, Op.DECODE).header is not parse_request(raw_big, Op.DECODE).header
     memo: dict[int, int] = {}
-    for i in range(handlers.MEMO_ENTRIES + 5):  # bounded: a full memo starts over
-        assert handlers.memoized(memo, i, lambda i=i: i + 1) == i + 1
-        assert len(memo) <= handlers.MEMO_ENTRIES
-    sized = handlers.Memo()  # and by its keys' bytes
+    for i in range(validation.MEMO_ENTRIES + 5):  # bounded: a full memo starts over
+        assert validation.memoized(memo, i, lambda i=i: i + 1) == i + 1
+        assert len(memo) <= validation.MEMO_ENTRIES
+    sized = validation.Memo()  # and by its keys' bytes
     for i in range(5):
-        handlers.memoized(sized, i, lambda: 0, handlers.MEMO_BYTES // 2)
-        assert sized.nbytes <= handlers.MEMO_BYTES and len(sized) <= 2
+        validation.memoized(sized, i, lambda: 0, validation.MEMO_BYTES // 2)
+        assert sized.nbytes <= validation.MEMO_BYTES and len(sized) <= 2

@@ -16,13 +16,18 @@ import pytest
 import torch
 
 from attention_service.ipc import remote_link
-from attention_service.ipc.channel import _HEADER, Channel, _Decoder, _frame, compact, corked
-from attention_service.ipc.messages import (
+from attention_service.ipc.channel import (
+    _HEADER,
     Cancel,
+    Channel,
     Done,
     ForgetParams,
     SegmentSpan,
     Submit,
+    _Decoder,
+    _frame,
+    compact,
+    corked,
 )
 from attention_service.ipc.remote_link import RemoteLink
 from attention_service.link import ExecStats

@@ -16,8 +16,7 @@ import pytest
 
 from attention_service.config import AUTO_SPIN_US, ServerConfig, auto_spin_us, load_config
 from attention_service.ipc import arena as arenas
-from attention_service.ipc.channel import Channel, Spinner, _Decoder, _frame
-from attention_service.ipc.messages import Done, Submit
+from attention_service.ipc.channel import Channel, Done, Spinner, Submit, _Decoder, _frame
 from attention_service.ipc.remote_link import RemoteLink
 from attention_service.link import ExecStats
 from attention_service.params import Op, make_params
