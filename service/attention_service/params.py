@@ -12,8 +12,7 @@ import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -102,11 +101,16 @@ class RegionSpan:
         return self.offset + self.nbytes
 
 
-class BatchKey(NamedTuple):
-    """What every request of one merged launch shares: the op, the kernel's parameters and
-    the tensors' row layout. Made once, as part of a request's ``Params`` (``Params.key``):
-    requests with equal keys run the same kernel with the same parameters, so they can merge.
-    (A tuple: hashed per request on the engine's hot path.)"""
+# What a merged launch shares: ``Params.key``, a tuple of the params' own fields.
+BatchKey = tuple[object, ...]
+
+
+@dataclass(frozen=True)
+class Params:
+    """A validated request, described once: what a merged launch shares (``key``: the op, the
+    kernel's parameters, the tensors' row layout) and what is its own (row counts, sequence
+    boundaries, outputs asked for, caches, per-sequence scales and slopes). Everything else is
+    derived from these, once per object where it is read per request (cached properties)."""
 
     op: Op
     dtype: int  # pb.DType of q, and of out but for FLOAT8_E4M3 queries (``out_dtype``)
@@ -118,25 +122,11 @@ class BatchKey(NamedTuple):
     # kernel: stored resolved, so they merge.
     softmax_scale: float
     num_splits: int  # decode only (0 = the server's choice); kept so an explicit one is honoured
-    # Score modifiers: requests merge only with the same window and softcap. ALiBi slopes
-    # are per sequence in the launch (BatchPlan.alibi_slopes), so any two ALiBi requests merge.
     window: tuple[int, int]  # (left, right), -1 unbounded
     softcap: float  # 0 off
-    alibi: bool
-    # The wire dtype of k and v (q's dtype or FLOAT8_E4M3), and whether the kernel reads FP8
-    # keys and values: a stateless request's FP8 k/v here; FP8 caches the engine adds
-    # (``engine.jobs.batch_key``). Scales are per sequence in the launch, so any two merge.
+    # The wire dtype of k and v: q's dtype, or FLOAT8_E4M3 (then ``kv_scales`` on a stateless
+    # op; cached ops use their caches' scales, which the engine knows).
     kv_dtype: int
-    fp8: bool
-
-
-@dataclass(frozen=True)
-class Params:
-    """A validated request, described once: its ``key`` (what a launch shares) and what is
-    its own (row counts, sequence boundaries, outputs asked for, caches, per-sequence scales
-    and slopes). Everything else is derived from these."""
-
-    key: BatchKey
     rows: int  # query rows: tokens for prefill, sequences for decode
     total_k: int  # key rows (cached ops: the new tokens only)
     cu_seqlens_q: tuple[int, ...] | None  # prefill only
@@ -152,31 +142,30 @@ class Params:
     store: bool = False
     # ALiBi slopes flat, num_heads or batch * num_heads of them, () off.
     alibi_slopes: tuple[float, ...] = ()
-    # The scales of FP8 k/v on a stateless op (cached ops use their caches' scales, which the
-    # engine knows): num_kv_heads each, or a row of them per sequence (``sequence_scales``).
+    # The scales of FP8 k/v on a stateless op: num_kv_heads each, or a row of them per
+    # sequence (``sequence_scales``).
     kv_scales: KvScales | None = None
 
-    # The key's fields, read through it (C-level getters: read per request on the hot path).
-    op = property(attrgetter("key.op"))
-    dtype = property(attrgetter("key.dtype"))
-    kv_dtype = property(attrgetter("key.kv_dtype"))
-    num_heads = property(attrgetter("key.num_heads"))
-    num_kv_heads = property(attrgetter("key.num_kv_heads"))
-    head_dim = property(attrgetter("key.head_dim"))
-    causal = property(attrgetter("key.causal"))
-    softmax_scale = property(attrgetter("key.softmax_scale"))
-    num_splits = property(attrgetter("key.num_splits"))
-    window = property(attrgetter("key.window"))
-    softcap = property(attrgetter("key.softcap"))
+    @functools.cached_property
+    def key(self) -> BatchKey:
+        """What every request of one merged launch shares: requests with equal keys run the
+        same kernel with the same parameters, so they can merge. The fields above up to
+        ``kv_dtype``, then whether ALiBi is on (slopes are per sequence in the launch, so any
+        two ALiBi requests merge) and, last (``key_with_fp8``), whether the kernel reads FP8
+        keys and values (scales are per sequence in the launch too). A tuple, made once per
+        object: hashed per request on the engine's hot path."""
+        return (self.op, self.dtype, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.causal, self.softmax_scale, self.num_splits, self.window, self.softcap,
+                self.kv_dtype, bool(self.alibi_slopes), self.kv_scales is not None)
 
     @property
     def q_shape(self) -> tuple[int, int, int]:
         """prefill ``[total_q, H, D]``; decode ``[batch, H, D]``."""
-        return (self.rows, self.key.num_heads, self.key.head_dim)
+        return (self.rows, self.num_heads, self.head_dim)
 
     @property
     def k_shape(self) -> tuple[int, int, int]:
-        return (self.total_k, self.key.num_kv_heads, self.key.head_dim)
+        return (self.total_k, self.num_kv_heads, self.head_dim)
 
     @functools.cached_property
     def sequence_scales(self) -> tuple[KvScales, ...]:
@@ -185,7 +174,7 @@ class Params:
         ``memo``: a session's steps reuse it every launch."""
         assert self.kv_scales is not None
         k, v = self.kv_scales
-        h, n = self.key.num_kv_heads, len(self.cu_seqlens_k) - 1
+        h, n = self.num_kv_heads, len(self.cu_seqlens_k) - 1
         if len(k) == h:
             return ((k, v),) * n
         return tuple((k[i * h:(i + 1) * h], v[i * h:(i + 1) * h]) for i in range(n))
@@ -218,7 +207,7 @@ class Params:
         """Prefill ``[H, total_q]``; decode ``[batch, H]``; None unless asked for."""
         if not self.return_lse:
             return None
-        return self.op.lse_shape(self.rows, self.key.num_heads)
+        return self.op.lse_shape(self.rows, self.num_heads)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in ("q", "out"):
@@ -251,6 +240,17 @@ class Params:
     @functools.cached_property
     def kv_bytes(self) -> int:
         return self.nbytes("k") + self.nbytes("v")
+
+
+def key_fp8(key: BatchKey) -> bool:
+    """Whether a launch of ``key`` reads FP8 keys and values (``Params.key``'s last field)."""
+    return bool(key[-1])
+
+
+def key_with_fp8(key: BatchKey) -> BatchKey:
+    """``key`` for FP8 keys and values: a request over FP8 caches (only the engine knows a
+    cache's dtype)."""
+    return (*key[:-1], True)
 
 
 def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
@@ -343,16 +343,12 @@ def make_params(
         cu_seqlens_q, causal, max_q = None, False, 1
         len_q = [1] * len(len_k)
     pairs = visible_pairs(len_q, len_k, causal, window)
-    key = BatchKey(
+    return Params(
         op=op, dtype=dtype, num_heads=heads, num_kv_heads=k_shape[1], head_dim=dim,
         causal=causal, softmax_scale=(1.0 / math.sqrt(dim) if softmax_scale is None
                                       else float(softmax_scale)),
         num_splits=num_splits if op.decode_like else 0, window=(int(window[0]), int(window[1])),
-        softcap=float(softcap), alibi=bool(alibi_slopes), kv_dtype=kv_dtype or dtype,
-        fp8=kv_scales is not None,
-    )
-    return Params(
-        key=key, rows=q_shape[0], total_k=k_shape[0],
+        softcap=float(softcap), kv_dtype=kv_dtype or dtype, rows=q_shape[0], total_k=k_shape[0],
         cu_seqlens_q=tuple(cu_seqlens_q) if cu_seqlens_q is not None else None,
         cu_seqlens_k=tuple(cu_seqlens_k), max_seqlen_q=max_q, max_seqlen_k=max(len_k, default=0),
         return_lse=return_lse, flops=4 * pairs * heads * dim, cache_ids=tuple(cache_ids),

@@ -49,7 +49,7 @@ def dequantized(plan: BatchPlan, k: torch.Tensor, v: torch.Tensor, cu_k: list[in
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An FP8 launch's keys and values (packed by ``cu_k``) as float32, each sequence with
     its scales (the cpu backend's arithmetic)."""
-    if not plan.key.fp8:
+    if not plan.fp8:
         return k, v
     scales = plan.fp8_kwargs(k.device)
     cu = torch.tensor(cu_k)
@@ -87,7 +87,7 @@ class CpuBackend:
         if plan.cancelled():
             raise Cancelled()
         t0 = time.perf_counter()
-        key = plan.key
+        key = plan.shared
         q = _packed([j.q for j in plan.jobs])
         k = _packed([j.k for j in plan.jobs])
         v = _packed([j.v for j in plan.jobs])

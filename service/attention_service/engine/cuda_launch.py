@@ -111,7 +111,7 @@ def _packed(
     parts = [getattr(job, name) for job in plan.jobs]
     if len(parts) == 1 and _on_device(parts[0], device):
         return parts[0]
-    dtype = TORCH_DTYPES[plan.key.dtype if name == "q" else plan.key.kv_dtype]
+    dtype = TORCH_DTYPES[plan.shared.dtype if name == "q" else plan.shared.kv_dtype]
     dst = torch.empty((rows, *row_shape), dtype=dtype, device=device)
     # Job i's rows start at offsets[i]: one split gives every job's slot, one foreach call
     # queues every copy (a pinned source + non_blocking: an async DMA on the current stream;
@@ -177,7 +177,7 @@ def _by_segments(plan: BatchPlan, device: torch.device) -> _Segments | None:
                     or (span[0].on_device and span[0].u8.device != device)):
                 return None
         spans.append(row)
-    key = plan.key
+    key = plan.shared
     q_dtype, kv_dtype = TORCH_DTYPES[key.dtype], TORCH_DTYPES[key.kv_dtype]
     o_dtype = TORCH_DTYPES[out_dtype(key.dtype)]
     q_row = key.num_heads * key.head_dim * q_dtype.itemsize
@@ -382,26 +382,26 @@ class _CudaLaunch:
 def _prefill(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any, meta: Any,
              cu_k: Any, cu_q: Any, **kw: Any) -> Any:
     return kernels.prefill(q, k, v, cu_q, cu_k, max_seqlen_q=plan.max_seqlen_q,
-                           causal=plan.key.causal, **kw)
+                           causal=plan.shared.causal, **kw)
 
 
 def _decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any, meta: Any,
             cu_k: Any, cu_q: Any, **kw: Any) -> Any:
     return kernels.decode(q, k, v, cu_k, max_seqlen_k=plan.max_seqlen_k,
-                          num_splits=plan.key.num_splits, **kw)
+                          num_splits=plan.shared.num_splits, **kw)
 
 
 def _paged_prefill(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
                    meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
     return kernels.paged_prefill(q, meta.k_pages, meta.v_pages, meta.table, meta.cu_q,
                                  meta.seq_lens, max_seqlen_q=plan.max_seqlen_q,
-                                 causal=plan.key.causal, **kw)
+                                 causal=plan.shared.causal, **kw)
 
 
 def _paged_decode(kernels: ModuleType, plan: BatchPlan, q: Any, k: Any, v: Any,
                   meta: _PagedMeta, cu_k: Any, cu_q: Any, **kw: Any) -> Any:
     return kernels.paged_decode(q, meta.k_pages, meta.v_pages, meta.table, meta.seq_lens,
-                                max_seqlen_k=plan.max_seqlen_k, num_splits=plan.key.num_splits,
+                                max_seqlen_k=plan.max_seqlen_k, num_splits=plan.shared.num_splits,
                                 **kw)
 
 
@@ -430,7 +430,7 @@ def _launch(
     kernels: ModuleType, plan: BatchPlan, device: torch.device, stream: torch.cuda.Stream
 ) -> PendingLaunch:
     """``launch_on_stream``'s work, with ``stream`` (and its device) current."""
-    key = plan.key
+    key = plan.shared
     if plan.sees_no_keys:
         plan.fill_no_keys()  # host fills are immediate; device fills run on this stream
         stream.synchronize()

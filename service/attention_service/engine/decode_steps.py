@@ -46,7 +46,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
@@ -56,7 +56,7 @@ from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
 from attention_service.engine.paged_store import scatter_rows
-from attention_service.params import BatchKey
+from attention_service.params import BatchKey, Params, key_fp8
 from attention_wire.pb import attention_pb2 as pb
 
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
@@ -74,7 +74,7 @@ def eligible(plan: BatchPlan) -> bool:
     path's limits."""
     if plan.op.kernel != "paged_decode" or plan.max_seqlen_k == 0:
         return False
-    if plan.key.window != (-1, -1) or plan.key.softcap > 0 or plan.key.alibi:
+    if plan.shared.window != (-1, -1) or plan.shared.softcap > 0 or bool(plan.shared.alibi_slopes):
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
@@ -109,7 +109,10 @@ def _place(job: Job) -> str:
 class StepShape:
     """A graph's shape bucket: everything its captured work depends on."""
 
-    key: BatchKey
+    key: BatchKey  # the launch's batch key (``Params.key``, FP8 caches marked)
+    # The key's fields by name: the params of a job of that key (``BatchPlan.shared``). Not
+    # compared: equal keys have equal fields.
+    params: Params = field(compare=False)
     batch: int  # bucketed sequences
     width: int  # bucketed block-table columns
     new_rows: int  # bucketed new tokens to write first (usually one per sequence); 0: none
@@ -118,8 +121,13 @@ class StepShape:
     @staticmethod
     def of(plan: BatchPlan) -> StepShape:
         n = len(plan.slot_pages)
-        return StepShape(plan.key, bucket(len(plan.seq_lens)), bucket(plan.table_width),
-                         bucket(n) if n else 0, not plan.jobs[0].on_host("q"))
+        return StepShape(plan.key, plan.shared, bucket(len(plan.seq_lens)),
+                         bucket(plan.table_width), bucket(n) if n else 0,
+                         not plan.jobs[0].on_host("q"))
+
+    @property
+    def fp8(self) -> bool:
+        return key_fp8(self.key)
 
     @functools.cached_property
     def tables_at(self) -> int:
@@ -134,13 +142,13 @@ class StepShape:
     @property
     def quantize(self) -> bool:
         """New tokens arrive in the queries' dtype for FP8 caches: quantized before the store."""
-        return self.key.fp8 and self.store and self.key.kv_dtype != pb.FLOAT8_E4M3
+        return self.fp8 and self.store and self.params.kv_dtype != pb.FLOAT8_E4M3
 
     @functools.cached_property
     def layout(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
         """The staged fields (name, dtype, dims, byte offset, each 128-byte aligned) and the
         bytes they take: the same layout on host and device, so one copy moves them all."""
-        k = self.key
+        k = self.params
         dtype, kv_dtype = TORCH_DTYPES[k.dtype], TORCH_DTYPES[k.kv_dtype]
         fields = [
             ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
@@ -150,7 +158,7 @@ class StepShape:
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
         ]
-        if k.fp8:  # FP8 caches: each sequence's scales (k, v), and each new token's
+        if self.fp8:  # FP8 caches: each sequence's scales (k, v), and each new token's
             fields.append(("scales", torch.float32, (2, self.batch, k.num_kv_heads)))
             if self.quantize:
                 fields.append(("new_scales", torch.float32, (2, self.new_rows, k.num_kv_heads)))
@@ -162,7 +170,7 @@ class StepShape:
 
     def outputs(self, **alloc: object) -> tuple[torch.Tensor, torch.Tensor]:
         """Buffers for the bucket's out ``[batch, H, D]`` and lse ``[batch, H]``."""
-        k = self.key
+        k = self.params
         out = torch.empty((self.batch, k.num_heads, k.head_dim), dtype=TORCH_DTYPES[k.dtype],
                           **alloc)  # type: ignore[arg-type]
         return out, torch.empty((self.batch, k.num_heads), dtype=torch.float32,
@@ -217,7 +225,7 @@ class Staging:
             self.slots[1, n:] = plan.slot_offsets[0]
         self.lens[:b] = plan.seq_lens
         self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
-        if shape.key.fp8:
+        if shape.fp8:
             scales = v["scales"].numpy()
             scales[:, :b] = np.asarray(plan.seq_scales, dtype=np.float32).transpose(1, 0, 2)
             scales[:, b:] = 1.0  # padding rows read no keys
@@ -273,7 +281,7 @@ class _StepGraph:
         # FP8 caches: the staged per-sequence scales ([batch, H_kv] each), so any caches'
         # scales share the bucket's graph.
         self.fp8: dict[str, torch.Tensor] = {}
-        if shape.key.fp8:
+        if shape.fp8:
             self.fp8 = {"k_scale": self.dev["scales"][0], "v_scale": self.dev["scales"][1]}
         self._capture = capture
         self.captured = 0  # graphs captured (one per staging)
@@ -290,7 +298,7 @@ class _StepGraph:
                 v = quantize_kv(v, d["new_scales"][1])[0]
             scatter_rows(self.k_pages, slots, k)
             scatter_rows(self.v_pages, slots, v)
-        key = shape.key
+        key = shape.params
         self.kernels.paged_decode(
             d["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
             max_seqlen_k=shape.width * self.k_pages.shape[1], softmax_scale=key.softmax_scale,

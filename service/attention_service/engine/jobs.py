@@ -15,7 +15,7 @@ import torch
 
 from attention_service.errors import Cancelled
 from attention_service.link import ExecStats
-from attention_service.params import BatchKey, KvScales, Params, lengths
+from attention_service.params import BatchKey, KvScales, Params, key_fp8, key_with_fp8, lengths
 from attention_wire.pb import attention_pb2 as pb
 
 __all__ = [
@@ -171,15 +171,15 @@ class Job:
 
 
 def batch_key(job: Job) -> BatchKey:
-    """The key ``job`` batches under: its params' own, with ``fp8`` set when its caches are
-    FP8 (only the engine knows a cache's dtype; that twin is made once per params object)."""
+    """The key ``job`` batches under: its params' own, with FP8 set when its caches are FP8
+    (only the engine knows a cache's dtype; that twin is made once per params object)."""
     key = job.params.key
-    if key.fp8 or job.cache is None or job.cache.seq_scales is None:
+    if key_fp8(key) or job.cache is None or job.cache.seq_scales is None:
         return key
     memo = job.params.memo
     fp8 = memo.get(batch_key)
     if fp8 is None:
-        fp8 = memo[batch_key] = key._replace(fp8=True)
+        fp8 = memo[batch_key] = key_with_fp8(key)
     return fp8  # type: ignore[return-value]
 
 
@@ -318,7 +318,7 @@ def _merge_cu(cus: Sequence[Sequence[int]], starts: Sequence[int]) -> list[int]:
 
 
 class BatchPlan:
-    """One launch serving ``jobs`` (all with the same ``BatchKey``), packed in their order.
+    """One launch serving ``jobs`` (all with the same batch key), packed in their order.
 
     Job i owns query rows ``q_offsets[i]:q_offsets[i+1]`` (tokens for prefill, sequences for
     decode) and key rows ``k_offsets[i]:k_offsets[i+1]`` of the packed tensors.
@@ -336,7 +336,11 @@ class BatchPlan:
                 raise ValueError("jobs of different batch keys cannot share a launch")
         self.key = key
         params = [j.params for j in self.jobs]
-        self.op = self.key.op
+        # The first job's params: the fields in the key (heads, dtypes, scale, window ...) are
+        # every job's, so the launch reads them here.
+        self.shared = params[0]
+        self.fp8 = key_fp8(key)  # the jobs' FP8 k/v, or their FP8 caches
+        self.op = self.shared.op
         self.q_offsets = _offsets([p.rows for p in params])
         self.k_offsets = _offsets([p.total_k for p in params])
         self.cu_seqlens_k = _merge_cu([p.cu_seqlens_k for p in params], self.k_offsets)
@@ -352,8 +356,8 @@ class BatchPlan:
         # ALiBi: [sequences, num_heads] slopes, row-major, each job's rows in its order (a
         # job that gave num_heads slopes has them repeated for each of its sequences).
         self.alibi_slopes: list[float] | None = None
-        if self.key.alibi:
-            h = self.key.num_heads
+        if self.shared.alibi_slopes:
+            h = self.shared.num_heads
             self.alibi_slopes = []
             for p in params:
                 seqs = len(p.cu_seqlens_k) - 1
@@ -381,7 +385,7 @@ class BatchPlan:
         # sequence brings (the rows a cached op's store quantizes with those scales).
         self.seq_scales: list[KvScales] = []
         self.seq_new_rows: list[int] = []
-        if self.key.fp8:
+        if self.fp8:
             for j in self.jobs:
                 lens = lengths(j.params.cu_seqlens_k)
                 if j.cache is not None:
@@ -398,7 +402,7 @@ class BatchPlan:
         empty when the launch uses none, so plain launches pass nothing new."""
         import torch
 
-        key, out = self.key, {}
+        key, out = self.shared, {}
         if key.window != (-1, -1):
             out["window_size"] = key.window
         if key.softcap > 0:
@@ -412,10 +416,10 @@ class BatchPlan:
         """The kernels' ``k_scale`` / ``v_scale`` of an FP8 launch (empty otherwise): ``[H_kv]``
         when every sequence has the same scales, else ``[batch, H_kv]``; and ``q_scale`` of
         FP8 queries."""
-        if not self.key.fp8:
+        if not self.fp8:
             return {}
         k, v = scale_rows(self.seq_scales, device)
-        if self.key.dtype != pb.FLOAT8_E4M3:
+        if self.shared.dtype != pb.FLOAT8_E4M3:
             return {"k_scale": k, "v_scale": v}
         # FP8 queries: their scales came folded into the keys' (``params.check_kv_scales``).
         return {"q_scale": k.new_ones(k.shape), "k_scale": k, "v_scale": v}  # type: ignore[attr-defined]
@@ -435,7 +439,7 @@ class BatchPlan:
 
     @property
     def lse_shape(self) -> tuple[int, int]:
-        return self.op.lse_shape(self.total_q, self.key.num_heads)
+        return self.op.lse_shape(self.total_q, self.shared.num_heads)
 
     @property
     def sees_no_keys(self) -> bool:

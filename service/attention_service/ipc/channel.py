@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 from attention_service.config import ServerConfig
 from attention_service.link import EngineInfo, ExecStats
-from attention_service.params import BatchKey, Op, Params, RegionSpan
+from attention_service.params import Op, Params, RegionSpan
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -521,8 +521,7 @@ class Submit(NamedTuple):
 # (``object.__setattr__`` per field, 7.5 us of it), ~4 and ~4 (dev box, 2026-11-28): GIL time
 # every other engine thread waits behind. A NamedTuple pickled by class cost ~2.3 us more.
 _PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(Params))
-assert _PARAM_FIELDS[0] == "key"
-_KEY_FIELDS = len(BatchKey._fields)
+assert _PARAM_FIELDS[0] == "op"
 _OPS = {op.value: op for op in Op}
 
 
@@ -530,16 +529,15 @@ def _submit_plain(msg: Submit) -> tuple:
     p = msg.params
     if p is None:
         return msg[:4]
-    return (*msg[:4], p.key.op.value, *p.key[1:], *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
+    return (*msg[:4], p.op.value, *[getattr(p, n) for n in _PARAM_FIELDS[1:]])
 
 
 def _submit_from_plain(t: tuple) -> Submit:
     if len(t) == 4:
         return tuple.__new__(Submit, (*t, None))
-    key = tuple.__new__(BatchKey, (_OPS[t[4]], *t[5 : 4 + _KEY_FIELDS]))
     params = object.__new__(Params)
-    state = dict(zip(_PARAM_FIELDS[1:], t[4 + _KEY_FIELDS :], strict=True))
-    state["key"] = key
+    state = dict(zip(_PARAM_FIELDS[1:], t[5:], strict=True))
+    state["op"] = _OPS[t[4]]
     params.__dict__.update(state)  # the fields as __init__ leaves them (no __post_init__)
     return Submit(*t[:4], params)
 

@@ -141,7 +141,8 @@ def test_a_reused_staging_is_refilled_exactly(b: int) -> None:
     second = BatchPlan([_step([3] * b, new=True, seed=6)])
     staging = Staging(StepShape.of(first), pin=False)
     staging.fill(first, StepShape.of(first))
-    shape = StepShape(second.key, 4, StepShape.of(first).width, 4)  # same bucket, fewer rows
+    # the same bucket, fewer rows
+    shape = StepShape(second.key, second.shared, 4, StepShape.of(first).width, 4)
     staging.fill(second, shape)
     assert staging.lens.tolist() == [3] * b + [0] * (4 - b)
     torch.testing.assert_close(staging.views["q"][:b], second.jobs[0].q, rtol=0, atol=0)
@@ -194,7 +195,7 @@ def _fp8_step(seq_lens: list[int], seed: int, send_fp8: bool, new: bool = True,
 def test_fp8_staging_holds_one_byte_keys_and_values() -> None:
     job, _ = _fp8_step([5, 9], seed=8, send_fp8=True)
     plan = BatchPlan([job])
-    assert eligible(plan) and plan.key.fp8
+    assert eligible(plan) and plan.fp8
     shape = StepShape.of(plan)
     staging = Staging(shape, pin=False)
     assert staging.views["k"].dtype == FP8 and staging.views["q"].dtype == torch.bfloat16

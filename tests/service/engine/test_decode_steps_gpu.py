@@ -248,7 +248,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
                 expect_k[p, o] = k8[i].cuda()
                 expect_v[p, o] = v8[i].cuda()
         plan = BatchPlan(jobs)
-        assert eligible(plan) and plan.key.fp8
+        assert eligible(plan) and plan.fp8
         steps.launch(plan, 0).wait()
         assert steps.captured == (1 if steps.use_graphs else 0)
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))

@@ -557,7 +557,7 @@ def test_warmup_runs_the_fp8_variants() -> None:
 
     backend = CpuBackend()
     plans = list(tiny_plans(backend, (torch.float32, torch.bfloat16)))
-    assert sum(p.key.fp8 for p in plans) == 4 and len(plans) == 12
+    assert sum(p.fp8 for p in plans) == 4 and len(plans) == 12
     for plan in plans:
         backend.launch(plan).wait()
         assert all(j.out.isfinite().all() for j in plan.jobs)
@@ -566,10 +566,10 @@ def test_warmup_runs_the_fp8_variants() -> None:
 
     class Recording(CpuBackend):
         def launch(self, plan):  # type: ignore[no-untyped-def]
-            launched.append(plan.key)
+            launched.append(plan)
             return super().launch(plan)
 
     caches = CacheRegistry(KvPool(torch.empty(8 * 4096, dtype=torch.uint8), 4096), ttl_seconds=0)
     warm_caches(Recording(), caches, (torch.float16,))
-    assert sum(k.fp8 for k in launched) == 6 and len(launched) == 12
+    assert sum(p.fp8 for p in launched) == 6 and len(launched) == 12
     assert caches.gauges()[:3] == (0, 8, 0)  # everything released
