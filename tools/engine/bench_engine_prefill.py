@@ -43,10 +43,9 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.cpus import parse_cpu_list, pin_process
-from attention_service.engine.core import EngineCore
+from attention_service.engine.core import EngineCore, FrontendConnection
 from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, Done, Failed, Submit, corked
-from attention_service.ipc.engine_conn import FrontendConnection
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 

@@ -26,11 +26,10 @@ from typing import Any
 import torch
 
 from attention_service.config import ServerConfig
-from attention_service.engine.core import EngineCore
+from attention_service.engine.core import EngineCore, FrontendConnection
 from attention_service.engine.executor import _Issued
 from attention_service.engine.jobs import BatchPlan, LaunchTimes
 from attention_service.ipc.channel import Channel, Submit, _frame, corked
-from attention_service.ipc.engine_conn import FrontendConnection
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 

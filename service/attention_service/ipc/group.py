@@ -159,8 +159,8 @@ class Group:
     # ---- front ends ---------------------------------------------------------------------
 
     def _spawn(self, slot: _Slot) -> None:
+        from attention_service.engine.core import FrontendConnection
         from attention_service.ipc.channel import Channel, Hello
-        from attention_service.ipc.engine_conn import FrontendConnection
 
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         cmd = [sys.executable, "-m", "attention_service.ipc.frontend_main",

@@ -146,7 +146,7 @@ def test_params_cross_once_and_start_over_when_the_table_is_full(monkeypatch) ->
 
 
 def test_engine_connection_resolves_params_by_id() -> None:
-    from attention_service.ipc.engine_conn import FrontendConnection
+    from attention_service.engine.core import FrontendConnection
 
     seen: list[Any] = []
 
