@@ -11,7 +11,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterable, AsyncIterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
 import grpc
@@ -250,7 +250,7 @@ class AttentionServicer:
         stream (``CacheDecodeSteps``), whose refusal is raised (a ``RequestError``, once
         counted) for the stream's handler to answer, not sent as the stream's status. All
         count under the op's name in the metrics; the log line says which."""
-        call = _CallRecord(op.rpc, context, unary, step)
+        call = _CallRecord(op.rpc, context, self._uploads, unary, step)
         self.tracker.enter()
         self._metrics.inflight.inc()
         received: Upload | None = None
@@ -258,18 +258,18 @@ class AttentionServicer:
         try:
             if not self.tracker.accepting:
                 raise RequestError(grpc.StatusCode.UNAVAILABLE, self.tracker.refusal)
-            call.caller = self._caller(context)
+            call.principal = self._caller(context)
             proxied, forwarded = _proxy_headers(context)
             received = await receive_request(
                 op, requests, self._limits, self._link, self._uploads,
-                upload_caller(call.caller, call.peer, forwarded, self._proxies), unary=unary,
-                proxied=proxied)
+                upload_caller(call.principal, call.peer, forwarded, self._proxies), unary=unary,
+                proxied=proxied, upload=call)
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in
             handed = time.perf_counter()
             stats = await self._link.run(
-                received.params, received.buffers, received.regions, call.caller,
+                received.params, received.buffers, received.regions, call.principal,
             )
             call.engine_seconds = time.perf_counter() - handed
             call.queue_seconds = stats.queue_seconds
@@ -282,7 +282,7 @@ class AttentionServicer:
                 else:
                     yield b"".join(msg_parts)  # the outputs' one copy (handlers.py)
             # Accounted before the last message, so it is done when the client sees OK.
-            call.ok(received, stats)
+            call.ok(stats)
             self._finish(call)
             last = stats_message(stats, received, call.bytes_out)
             if unary:  # one message; joined here, while the call still holds its buffers
@@ -358,14 +358,16 @@ class AttentionServicer:
         log.log(level, call.log_line(seconds))
 
 
-class _CallRecord:
-    """What one compute call did, for its metrics and log line."""
+class _CallRecord(Upload):
+    """One compute call in a front end: its upload (from its header on: the request, its
+    buffers and its charge) and what it did, for its metrics and log line."""
 
-    def __init__(self, rpc: str, context: grpc.aio.ServicerContext, unary: bool = False,
-                 step: bool = False) -> None:
+    def __init__(self, rpc: str, context: grpc.aio.ServicerContext, budget: UploadBudget,
+                 unary: bool = False, step: bool = False) -> None:
+        super().__init__(budget, "", 0)
         self.rpc = rpc
         self.context = context  # its metadata read only for the log line
-        self.caller = ""  # the principal, with auth on
+        self.principal = ""  # with auth on (``caller``: whose upload share it counts against)
         self.peer = context.peer()
         self.t0 = time.perf_counter()
         self.code, self.details = "OK", ""
@@ -377,13 +379,13 @@ class _CallRecord:
         self.engine_seconds: float | None = None  # handed to the engine -> its answer back
         self.due: float | None = None  # a step's own deadline (perf_counter), if it has one
         self.stats: ExecStats | None = None  # set by ``ok``
-        self.regions: Mapping[str, object] = {}  # names read only for the log line
         self.finished = False
 
-    def ok(self, received: Upload, stats: ExecStats) -> None:
-        self.tokens, self.flops = received.params.tokens, stats.flops
-        self.region_in, self.region_out = received.region_bytes_in, received.region_bytes_out
-        self.stats, self.regions = stats, received.regions
+    def ok(self, stats: ExecStats) -> None:
+        assert self.params is not None
+        self.tokens, self.flops = self.params.tokens, stats.flops
+        self.region_in, self.region_out = self.region_bytes_in, self.region_bytes_out
+        self.stats = stats
 
     def log_line(self, seconds: float) -> str:
         line = (f"rpc={self.rpc} code={self.code} duration_ms={seconds * 1e3:.3f} "
@@ -401,7 +403,7 @@ class _CallRecord:
             )
             if self.regions:
                 line += f" regions={','.join(sorted(self.regions))}"
-        line += f" peer={self.peer}{call_tags(self.context, self.caller)}"
+        line += f" peer={self.peer}{call_tags(self.context, self.principal)}"
         if self.details:
             line += f" details={logfmt(self.details)}"
         return line

@@ -119,13 +119,21 @@ class Upload:
         self, budget: UploadBudget, caller: str, total: int, params: Params | None = None,
         regions: Mapping[str, RegionSpan] = MappingProxyType({}), step_timeout_ms: int = 0,
     ) -> None:
-        self.budget, self.caller, self.total, self.charged = budget, caller, total, 0
-        self.params = params
-        self.regions = regions
-        self.step_timeout_ms = step_timeout_ms  # the first message's (RawRequest's)
+        self.budget, self.charged = budget, 0
         self.buffers: Buffers | None = None
         self._inputs: dict[str, np.ndarray] = {}  # uint8 views of the inputs sent as chunks
         self._received: dict[str, int] = {}
+        self.start(caller, total, params, regions, step_timeout_ms)
+
+    def start(
+        self, caller: str, total: int, params: Params | None,
+        regions: Mapping[str, RegionSpan] = MappingProxyType({}), step_timeout_ms: int = 0,
+    ) -> None:
+        """What the header said (an upload made before its header arrived starts here)."""
+        self.caller, self.total = caller, total
+        self.params = params
+        self.regions = regions
+        self.step_timeout_ms = step_timeout_ms  # the first message's (RawRequest's)
 
     def cover(self, nbytes: int, field: str = "header") -> None:
         if nbytes <= self.charged:
@@ -204,6 +212,7 @@ class Upload:
 async def receive_request(
     op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
     budget: UploadBudget, caller: str = "", unary: bool = False, proxied: bool = False,
+    upload: Upload | None = None,
 ) -> Upload:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.requests``).
@@ -214,7 +223,8 @@ async def receive_request(
     and charge are given back before this raises. ``unary``: the request is its one message, and
     the outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the
     call came through a proxy, so its tensors may not name regions (registered with one replica
-    directly)."""
+    directly). ``upload``: the object to fill (a call's, made before its first message), else a
+    new one."""
     it = requests.__aiter__()
     try:
         raw = await it.__anext__()
@@ -243,7 +253,10 @@ async def receive_request(
                 "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
                 f"one response message of {unary_method(op.rpc)} can carry: use the stream rpc "
                 f"{op.rpc}")
-    upload = Upload(budget, caller, total, params, regions, first.step_timeout_ms)
+    if upload is None:
+        upload = Upload(budget, caller, total, params, regions, first.step_timeout_ms)
+    else:
+        upload.start(caller, total, params, regions, first.step_timeout_ms)
     # A unary request is here whole; a lazy link's buffers fill as the bytes arrive.
     upload.cover(len(raw) if link.lazy_buffers and not unary else total)
     try:
