@@ -16,7 +16,6 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2
 
-from attention_client import _argnames as argnames
 from attention_client._call_streams import POOLED, STEP_METHODS
 from attention_client._channel import (
     CACHE_RPCS,
@@ -394,11 +393,6 @@ class ClientBase:
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
         return Placement(self.regions, stage=True) if self._regions_wanted(use_regions) else None
-
-    @staticmethod
-    def _attention_names(prep: PreparedRequest) -> Any:
-        """The argument names an ``attention`` call's errors use (batch-major or packed)."""
-        return argnames.attention(len(prep.user_shape) == 4)
 
     def _split_call(
         self, prepare: Callable[[Any, Any, Any, Any, Any], PreparedRequest], q: Any, k: Any,

@@ -38,7 +38,6 @@ from attention_wire.pb import attention_pb2 as pb
 from attention_wire.responses import parse_result
 
 Steps = Generator[Any, Any, Any]  # yields a face's rpc (a reply, or an awaitable of one)
-Names = Callable[[PreparedRequest], Any] | None
 
 
 def _io(steps: Callable[..., Steps]) -> Callable[..., Any]:
@@ -80,7 +79,7 @@ class ClientCore(ClientBase):
         raise NotImplementedError
 
     def _striped(self, makes: list[Callable[[], PreparedRequest]],
-                 whole: Callable[[], PreparedRequest], settings: CallSettings, names: Names,
+                 whole: Callable[[], PreparedRequest], settings: CallSettings,
                  return_lse: bool, lse_axis: int, like: Any) -> Any:
         raise NotImplementedError
 
@@ -121,7 +120,8 @@ class ClientCore(ClientBase):
         server both products run on FP8 tensor cores.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the constructor).
         """
-        settings = self._settings(timeout, metadata, wait_for_ready)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.ATTENTION_4D
+                                  if getattr(q, "ndim", 0) == 4 else argnames.ATTENTION)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale, q_scale)
         whole, parts = self._split_call(
@@ -130,9 +130,8 @@ class ClientCore(ClientBase):
                 use_regions, score, kv_scales,
             ), q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
-            return (yield from self._placed_call(whole, settings, self._attention_names))
-        return (yield self._striped(parts, whole, settings, self._attention_names, return_lse,
-                                    -2, q))
+            return (yield from self._placed_call(whole, settings))
+        return (yield self._striped(parts, whole, settings, return_lse, -2, q))
 
     @_io
     def decode(
@@ -156,22 +155,19 @@ class ClientCore(ClientBase):
             ), q, k, v, out, use_regions, score, kv_scales)
         if parts is None:
             return (yield from self._placed_call(whole, settings))
-        return (yield self._striped(parts, whole, settings, None, return_lse, -1, q))
+        return (yield self._striped(parts, whole, settings, return_lse, -1, q))
 
-    def _placed_call(self, make: Callable[[], PreparedRequest], settings: CallSettings,
-                     names: Names = None) -> Steps:
-        """A call whose tensors may go into regions (``make`` prepares it; ``names`` gives
-        its argument names for errors). A server that no longer knows this client's regions
-        (it restarted) gets them registered again, and the call is made once more."""
+    def _placed_call(self, make: Callable[[], PreparedRequest], settings: CallSettings) -> Steps:
+        """A call whose tensors may go into regions (``make`` prepares it). A server that no
+        longer knows this client's regions (it restarted) gets them registered again, and the
+        call is made once more."""
         prep = make()
         try:
-            return (yield from self._call(prep, settings.named(names(prep)) if names
-                                          else settings))
+            return (yield from self._call(prep, settings))
         except AttentionError as err:
             if not self._region_lost(prep, err) or not (yield from self._reregister(settings)):
                 raise
-        prep = make()
-        return (yield from self._call(prep, settings.named(names(prep)) if names else settings))
+        return (yield from self._call(make(), settings))
 
     def _reregister(self, settings: CallSettings) -> Steps:
         """Register again the regions the server does not know; whether there were any."""

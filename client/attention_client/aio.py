@@ -266,8 +266,7 @@ class AsyncAttentionClient(ClientCore):
 
     async def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
-        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
-        return_lse: bool, lse_axis: int, like: Any = None,
+        settings: CallSettings, return_lse: bool, lse_axis: int, like: Any = None,
     ) -> Any:
         """See AttentionClient._striped: the parts as tasks on consecutive connections; the
         first failure cancels the others (and so does cancelling the call)."""
@@ -275,8 +274,7 @@ class AsyncAttentionClient(ClientCore):
 
         async def part(i: int) -> tuple[Any, dict[str, Any] | None]:
             prep = makes[i]()
-            result = await self._run(prep, settings.named(names(prep)) if names else settings,
-                                     connections[i])
+            result = await self._run(prep, settings, connections[i])
             return result, prep.stats
 
         tasks = [asyncio.ensure_future(part(i)) for i in range(len(makes))]

@@ -251,8 +251,7 @@ class AttentionClient(ClientCore):
 
     def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
-        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
-        return_lse: bool, lse_axis: int, like: Any,
+        settings: CallSettings, return_lse: bool, lse_axis: int, like: Any,
     ) -> Any:
         """A striped call (``_stripes``): its parts, prepared by ``makes``, at once on
         consecutive connections (the first on this thread, the others on the client's stripe
@@ -274,8 +273,7 @@ class AttentionClient(ClientCore):
         def part(i: int) -> tuple[Any, dict[str, Any] | None]:
             with on_stream():
                 prep = makes[i]()
-                result = self._run(prep, settings.named(names(prep)) if names else settings,
-                                   connections[i])
+                result = self._run(prep, settings, connections[i])
                 return result, prep.stats
 
         rest = [pool.submit(contextvars.copy_context().run, part, i)
