@@ -8,6 +8,7 @@ import contextlib
 import functools
 import itertools
 import math
+import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -48,7 +49,6 @@ from attention_client._errors import (
 from attention_client._prefill import prepare_prefill
 from attention_client._regions import (
     Placement,
-    RegionSet,
     SharedRegion,
     create_cuda_region,
     create_nixl_region,
@@ -331,7 +331,9 @@ class ClientBase:
         # Of those, Prefill and Decode calls go as messages on streams kept open between
         # calls (_call_streams); per op turned off for good if the server has no such rpc.
         self.call_streams = bool(call_streams)
-        self.regions = RegionSet()
+        # The regions this client registered (``_live_regions``: the open ones).
+        self._regions: list[SharedRegion] = []
+        self._regions_lock = threading.Lock()
         self._nixl_connected: set[str] = set()  # NIXL agents this server knows (ConnectNixl)
         # RequestStats of the last call that completed (a dict), for benchmarks. With
         # concurrent calls on one client it is whichever finished last.
@@ -389,10 +391,26 @@ class ClientBase:
     def _regions_wanted(self, use_regions: bool | None) -> bool:
         """Whether a call's tensors may go through registered regions."""
         wanted = self.use_regions if use_regions is None else use_regions
-        return bool(wanted and self.regions)
+        return bool(wanted and self._live_regions())
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
-        return Placement(self.regions, stage=True) if self._regions_wanted(use_regions) else None
+        if not self._regions_wanted(use_regions):
+            return None
+        return Placement(self._live_regions(), stage=True)
+
+    def _live_regions(self) -> list[SharedRegion]:
+        """The regions this client registered and has not closed."""
+        with self._regions_lock:
+            return [r for r in self._regions if not r.closed]
+
+    def _add_region(self, region: SharedRegion) -> None:
+        with self._regions_lock:
+            self._regions.append(region)
+
+    def _discard_region(self, region: SharedRegion) -> None:
+        with self._regions_lock:
+            if region in self._regions:
+                self._regions.remove(region)
 
     def _split_call(
         self, prepare: Callable[[Any, Any, Any, Any, Any], PreparedRequest], q: Any, k: Any,
@@ -692,7 +710,7 @@ class ClientBase:
         survive a restart) or dropped them. Re-registering them (``_register_request``: the same
         memory, same name) lets calls go on."""
         known = {r.name for r in listing.regions}
-        return [r for r in self.regions.all() if r.name not in known and not r.closed]
+        return [r for r in self._live_regions() if r.name not in known and not r.closed]
 
     @staticmethod
     def _region_lost(prep: PreparedRequest, err: AttentionError) -> bool:
@@ -701,7 +719,7 @@ class ClientBase:
         return isinstance(err, AttentionNotFoundError) and prep.placement is not None
 
     def _quarantined(self) -> list[SharedRegion]:
-        return [r for r in self.regions.all() if r.has_quarantine]
+        return [r for r in self._live_regions() if r.has_quarantine]
 
     def _release_idle(self, listing: pb.ListRegionsResponse) -> None:
         idle = {r.name for r in listing.regions if r.inflight == 0}

@@ -423,12 +423,12 @@ class ClientCore(ClientBase):
             region._release()
             raise
         self._own(region)
-        self.regions.add(region)
+        self._add_region(region)
         return region
 
     @_io
     def _unregister(self, region: SharedRegion) -> Steps:
-        self.regions.discard(region)
+        self._discard_region(region)
         # NOT_FOUND: the server no longer knows it (it restarted): nothing to unregister.
         with contextlib.suppress(AttentionNotFoundError):
             yield self._unary_rpc("UnregisterRegion", pb.UnregisterRegionRequest(name=region.name))

@@ -480,37 +480,13 @@ def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[in
         dst.copy_(torch.from_numpy(wire.array.reshape(shape)))
 
 
-class RegionSet:
-    """The regions one client registered (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._regions: list[SharedRegion] = []
-
-    def add(self, region: SharedRegion) -> None:
-        with self._lock:
-            self._regions.append(region)
-
-    def discard(self, region: SharedRegion) -> None:
-        with self._lock:
-            if region in self._regions:
-                self._regions.remove(region)
-
-    def all(self) -> list[SharedRegion]:
-        with self._lock:
-            return [r for r in self._regions if not r.closed]
-
-    def __bool__(self) -> bool:
-        return bool(self.all())
-
-
 class Placement:
     """Where one call's tensors live. Scratch space (staged inputs, outputs) goes back when
     the call ends: at once after a success, after the server reports the region idle
     otherwise (a cancelled call's copies may still be running on the server)."""
 
-    def __init__(self, regions: RegionSet, stage: bool) -> None:
-        self._regions = regions.all()
+    def __init__(self, regions: list[SharedRegion], stage: bool) -> None:
+        self._regions = regions  # the client's open regions
         self._stage = stage
         self.scratch: list[Span] = []
         self.cuda_devices: set[Any] = set()

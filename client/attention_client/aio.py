@@ -237,7 +237,7 @@ class AsyncAttentionClient(ClientCore):
 
     async def close(self) -> None:
         """Unregister this client's regions (best effort) and close the channel."""
-        for region in self.regions.all():
+        for region in self._live_regions():
             with contextlib.suppress(AttentionError):
                 await region.aclose()
         self._closing = True

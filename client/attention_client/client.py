@@ -147,7 +147,7 @@ class AttentionClient(ClientCore):
 
     def close(self) -> None:
         """Unregister this client's regions (best effort) and close the channel."""
-        for region in self.regions.all():
+        for region in self._live_regions():
             # A server that is gone has nothing left to unregister.
             with contextlib.suppress(AttentionError):
                 region.close()
