@@ -62,11 +62,11 @@ from attention_client._requests import (
     KvLayout,
     KvScales,
     PreparedRequest,
+    ScoreMods,
     as_cache_ids,
     as_flag,
 )
 from attention_client._responses import ResponseAssembler
-from attention_client._score import ScoreMods
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm, unary_method

@@ -36,9 +36,15 @@ from attention_client._errors import (
 )
 from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
-from attention_client._requests import CacheTarget, KvLayout, PreparedRequest, as_cache_ids, as_flag
+from attention_client._requests import (
+    CacheTarget,
+    KvLayout,
+    PreparedRequest,
+    ScoreMods,
+    as_cache_ids,
+    as_flag,
+)
 from attention_client._responses import cache_info_dict
-from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb
 

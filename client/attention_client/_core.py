@@ -30,9 +30,8 @@ from attention_client._regions import (
     nixl_connect_request,
     with_full_nixl_metadata,
 )
-from attention_client._requests import KvLayout, PreparedRequest, kv_scales_of
+from attention_client._requests import KvLayout, PreparedRequest, ScoreMods, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
-from attention_client._score import ScoreMods
 from attention_wire import unary_method
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.responses import parse_result

@@ -15,6 +15,7 @@ from attention_client._requests import (
     CacheTarget,
     KvScales,
     PreparedRequest,
+    ScoreMods,
     Tensor,
     as_flag,
     check_layout,
@@ -27,7 +28,6 @@ from attention_client._requests import (
     spec,
     tensor_of,
 )
-from attention_client._score import ScoreMods
 from attention_client._tensors import Origin, as_cu_seqlens, describe
 from attention_wire.pb import attention_pb2 as pb
 

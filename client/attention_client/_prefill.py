@@ -22,6 +22,7 @@ from attention_client._requests import (
     CacheTarget,
     KvScales,
     PreparedRequest,
+    ScoreMods,
     Tensor,
     as_flag,
     check_cu_values,
@@ -37,7 +38,6 @@ from attention_client._requests import (
     spec,
     tensor_of,
 )
-from attention_client._score import ScoreMods
 from attention_client._tensors import (
     Origin,
     WireTensor,

@@ -46,9 +46,8 @@ from attention_client._channel import DEFAULT, CallSettings, check_timeout, merg
 from attention_client._core import Steps, _io
 from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
 from attention_client._regions import pointer
-from attention_client._requests import PreparedRequest
+from attention_client._requests import PreparedRequest, ScoreMods
 from attention_client._responses import stats_dict
-from attention_client._score import ScoreMods
 from attention_client._tensors import (
     RegionTensor,
     WireTensor,

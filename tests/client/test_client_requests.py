@@ -7,7 +7,7 @@ import pytest
 
 from attention_client._decode import prepare_decode
 from attention_client._prefill import prepare_prefill
-from attention_client._score import ScoreMods
+from attention_client._requests import ScoreMods
 from attention_client._tensors import as_cu_seqlens, to_user, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
