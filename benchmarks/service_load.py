@@ -39,8 +39,8 @@ from attention_client._call_streams import AsyncStreamCall
 from attention_client._channel import CallSettings
 from attention_client._tensors import WireTensor
 from attention_wire import unary_method
+from attention_wire.messages import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import DEFAULT_CHUNK_BYTES, encode_messages
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"

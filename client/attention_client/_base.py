@@ -70,9 +70,14 @@ from attention_client._responses import ResponseAssembler
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import shm, unary_method
+from attention_wire.messages import (
+    DEFAULT_CHUNK_BYTES,
+    parse_response,
+    parse_result,
+    single_message,
+    step_timeout,
+)
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import DEFAULT_CHUNK_BYTES, single_message, step_timeout
-from attention_wire.responses import parse_response, parse_result
 
 # ``spread``: connections looked at per channel, per front end of the server (the last one is
 # kept whatever its front end). Placed one after another, the last of N clients over N front
@@ -138,7 +143,7 @@ def lane_rpcs(channel: Any) -> dict[str, Any]:
     """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
     both), by method name: the stream and unary twin of each, the step streams, and
     GetServerInfo (``spread`` asks each connection). Requests are pre-serialized bytes
-    (``attention_wire.requests``); responses are parsed lazily (``attention_wire.responses``)."""
+    (``attention_wire.messages``); responses are parsed lazily (``attention_wire.messages``)."""
     return {
         method: channel.stream_stream(
             f"/{SERVICE}/{method}", response_deserializer=parse_response

@@ -36,8 +36,8 @@ from typing import Any
 import grpc
 
 from attention_client._errors import AttentionInputError
+from attention_wire.messages import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"

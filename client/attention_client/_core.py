@@ -33,8 +33,8 @@ from attention_client._regions import (
 from attention_client._requests import KvLayout, PreparedRequest, ScoreMods, kv_scales_of
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_wire import unary_method
+from attention_wire.messages import parse_result
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import parse_result
 
 Steps = Generator[Any, Any, Any]  # yields a face's rpc (a reply, or an awaitable of one)
 

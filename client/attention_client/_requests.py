@@ -43,8 +43,8 @@ from attention_client._tensors import (
     to_user,
     to_wire,
 )
+from attention_wire.messages import out_dtype
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import out_dtype
 
 Tensor = WireTensor | RegionTensor
 
@@ -397,7 +397,7 @@ class PreparedRequest:
     header: bytes  # serialized PrefillHeader / DecodeHeader
     tensors: tuple[Tensor, Tensor, Tensor]  # q, k, v: wire bytes, or spans of regions
     out_shape: tuple[int, ...] | None  # OUT as the server sends it (None: AppendKV, no output)
-    out_dtype: int  # pb.DType of OUT (``attention_wire.responses.out_dtype``)
+    out_dtype: int  # pb.DType of OUT (``attention_wire.messages.out_dtype``)
     lse_shape: tuple[int, ...] | None  # LSE as the server sends it, None if not requested
     origin: Origin  # the flavour results come back in (q's)
     user_shape: tuple[int, ...]  # out's shape as the caller sees it

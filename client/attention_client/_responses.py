@@ -1,6 +1,6 @@
 """Response assembler: OUT/LSE row slices -> preallocated arrays, with every row checked.
 
-Each slice (parsed by ``attention_wire.responses`` without copying its bytes) is copied
+Each slice (parsed by ``attention_wire.messages`` without copying its bytes) is copied
 straight into its rows of the final array: the one copy on the client. Every row must arrive
 exactly once and the stream must end with RequestStats; anything else raises ProtocolError,
 never a silently wrong tensor.
@@ -15,8 +15,8 @@ import numpy as np
 
 from attention_client._errors import ProtocolError
 from attention_client._tensors import dtype_name, storage_dtype
+from attention_wire.messages import OutputSlice
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import OutputSlice
 
 
 class _Target:

@@ -56,9 +56,17 @@ from attention_client._tensors import (
     to_wire,
     torch_bits,
 )
+from attention_wire.messages import (
+    IN_BAND,
+    STEP_ERRORS_HEADER,
+    call_error,
+    chunk_head,
+    message_frame,
+    output_chunk_lead,
+    parse_result,
+    step_timeout,
+)
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER, message_frame, step_timeout
-from attention_wire.responses import call_error, chunk_head, output_chunk_lead, parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
 # Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).

@@ -38,8 +38,8 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import PreparedRequest
 from attention_client._steps import AsyncDecodeSteps
 from attention_client._stripes import join, lanes, merge_stats
+from attention_wire.messages import encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import encode_messages
 
 
 class AsyncAttentionClient(ClientCore):

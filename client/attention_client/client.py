@@ -30,8 +30,8 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import PreparedRequest
 from attention_client._steps import DecodeSteps
 from attention_client._stripes import MAX_STRIPES, caller_stream, join, lanes, merge_stats
+from attention_wire.messages import encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import encode_messages
 
 
 def _await_pollers(channels: Sequence[grpc.Channel], limit_s: float = 0.5) -> None:

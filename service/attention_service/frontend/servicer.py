@@ -34,13 +34,13 @@ from attention_service.link import EngineLink, ExecStats
 from attention_service.metrics import Metrics
 from attention_service.params import Op
 from attention_wire import unary_method
-from attention_wire.codec import WireError
-from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import (
+from attention_wire.messages import (
     IN_BAND,
     STEP_ERRORS_HEADER,
+    WireError,
     request_header,
 )
+from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 

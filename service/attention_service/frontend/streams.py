@@ -24,9 +24,8 @@ from attention_service.frontend.validation import (
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
+from attention_wire.messages import RawChunk, chunk_head, output_chunk_parts
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import RawChunk
-from attention_wire.responses import chunk_head, output_chunk_parts
 
 log = logging.getLogger("attention_service")
 
