@@ -35,14 +35,19 @@ import numpy as np
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
-    STEP_METHODS,
     AsyncStreamCall,
     StreamCall,
     StreamError,
     not_sent,
     unimplemented,
 )
-from attention_client._channel import DEFAULT, CallSettings, check_timeout, merge_metadata
+from attention_client._channel import (
+    DEFAULT,
+    STEP_METHODS,
+    CallSettings,
+    check_timeout,
+    merge_metadata,
+)
 from attention_client._core import Steps, _io
 from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
 from attention_client._regions import pointer

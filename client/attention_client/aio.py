@@ -15,17 +15,18 @@ from typing import Any
 
 import grpc
 
-from attention_client._base import (
+from attention_client._caches import AsyncKvCache
+from attention_client._call_streams import AsyncCallStreams
+from attention_client._channel import (
+    INFO_METHOD,
     SPREAD_TIMEOUT_S,
+    CallSettings,
     LostLanes,
     crowded,
     lane_rpcs,
     small_rpcs,
     spread_tries,
 )
-from attention_client._caches import AsyncKvCache
-from attention_client._call_streams import AsyncCallStreams
-from attention_client._channel import INFO_METHOD, CallSettings
 from attention_client._core import ClientCore, Steps
 from attention_client._errors import (
     AttentionError,

@@ -13,17 +13,18 @@ from typing import Any
 
 import grpc
 
-from attention_client._base import (
+from attention_client._caches import KvCache
+from attention_client._call_streams import CallStreams
+from attention_client._channel import (
+    INFO_METHOD,
     SPREAD_TIMEOUT_S,
+    CallSettings,
     LostLanes,
     crowded,
     lane_rpcs,
     small_rpcs,
     spread_tries,
 )
-from attention_client._caches import KvCache
-from attention_client._call_streams import CallStreams
-from attention_client._channel import INFO_METHOD, CallSettings
 from attention_client._core import ClientCore, Steps
 from attention_client._errors import AttentionError, AttentionInputError, from_rpc_error
 from attention_client._regions import SharedRegion
@@ -47,7 +48,7 @@ def _await_pollers(channels: Sequence[grpc.Channel], limit_s: float = 0.5) -> No
 
 
 class AttentionClient(ClientCore):
-    """Remote varlen attention over gRPC, blocking: see ``ClientBase.__init__`` for the
+    """Remote varlen attention over gRPC, blocking: see ``ClientCore.__init__`` for the
     constructor and ``ClientCore`` for the calls (docs/client.md)."""
 
     _KvCache, _DecodeSteps = KvCache, DecodeSteps
