@@ -880,7 +880,7 @@ class ClientCore:
     def _decode_step_ids(q: Any, cache_ids: Any) -> tuple[str, ...]:
         """decode_step's cheap checks, made before any lookup goes to the server."""
         ids = as_cache_ids(cache_ids, "cache_ids")
-        shape, _, _ = describe(q, "q")
+        shape, _ = describe(q, "q")
         if len(shape) != 3:
             raise AttentionInputError(f"q must be 3-D [B, H, D], got shape {shape}")
         if shape[0] != len(ids):

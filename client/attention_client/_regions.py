@@ -474,7 +474,7 @@ def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[in
         target = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
         target.copy_(src.reshape(shape))
         return
-    wire, _ = to_wire(x, name)
+    wire = to_wire(x, name)
     if isinstance(dst, np.ndarray):
         np.copyto(dst, wire.array.reshape(shape))
     else:
@@ -519,7 +519,7 @@ class Placement:
         """A RegionTensor for ``x``, or None (send its bytes)."""
         from attention_client._tensors import RegionTensor, describe
 
-        shape, wire_dtype, _ = describe(x, name)
+        shape, wire_dtype = describe(x, name)
         nbytes = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         if nbytes == 0:
             return None

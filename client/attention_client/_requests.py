@@ -30,15 +30,14 @@ from attention_client._regions import Placement, Span
 from attention_client._tensors import (
     FP8_QUERY_DTYPES,
     QUERY_DTYPES,
-    Origin,
     RegionTensor,
     WireTensor,
     as_wire_dtype,
-    bfloat16_origin,
     describe,
     dtype_name,
     is_torch_tensor,
     real_number,
+    result_flavour,
     storage_dtype,
     to_user,
     to_wire,
@@ -399,7 +398,8 @@ class PreparedRequest:
     out_shape: tuple[int, ...] | None  # OUT as the server sends it (None: AppendKV, no output)
     out_dtype: int  # pb.DType of OUT (``attention_wire.messages.out_dtype``)
     lse_shape: tuple[int, ...] | None  # LSE as the server sends it, None if not requested
-    origin: Origin  # the flavour results come back in (q's)
+    result_dtype: Any  # the dtype results come back in: q's (numpy's or torch's)
+    result_device: Any  # and q's device (torch); None: results are numpy arrays
     user_shape: tuple[int, ...]  # out's shape as the caller sees it
     lse_fix: Callable[[Any], Any]  # server lse layout -> the caller's
     placement: Placement | None = None
@@ -450,26 +450,28 @@ class PreparedRequest:
         else:
             if self.placement is not None and self.out_span is not None:
                 out = self.placement.read(self.out_span, self.out_shape, self.out_dtype)
-            result = to_user(out.reshape(self.user_shape), self.origin)
+            result = to_user(out.reshape(self.user_shape), self.result_dtype,
+                             self.result_device)
         if lse is None:
             return result
-        return result, to_user(self.lse_fix(lse), self.origin, is_lse=True)
+        return result, to_user(self.lse_fix(lse), self.result_dtype, self.result_device,
+                               is_lse=True)
 
 
 def tensor_of(x: Any, name: str, placement: Placement | None) -> Tensor:
     placed = placement.input(x, name) if placement is not None else None
-    return placed if placed is not None else to_wire(x, name)[0]
+    return placed if placed is not None else to_wire(x, name)
 
 
 def encode_qkv(
     q: Any, k: Any, v: Any, placement: Placement | None = None,
     names: tuple[str, str, str] = ("q", "k", "v"), fp8_queries: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Origin]:
-    """Encode q, k, v (q None: k alone gives the origin, and the q returned is k);
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Encode q, k, v (q None: k alone, and the q returned is k);
     AttentionInputError when their dtypes or k/v shapes differ. ``fp8_queries``: the call
     takes float8_e4m3fn queries beside float8_e4m3fn keys and values (a stateless prefill)."""
     first = (q, names[0]) if q is not None else (k, names[1])
-    _, _, origin = describe(*first)
+    describe(*first)  # q's errors (else k's) before the others'
     wk, wv = tensor_of(k, names[1], placement), tensor_of(v, names[2], placement)
     wq = tensor_of(q, names[0], placement) if q is not None else wk
     fp8_q = fp8_queries and wq.dtype == pb.FLOAT8_E4M3
@@ -494,7 +496,7 @@ def encode_qkv(
         if t.shape and not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
             raise AttentionInputError(f"{t.name} has head_dim {t.shape[-1]} (shape {t.shape}): "
                                       f"must be in [1, {MAX_HEAD_DIM}]")
-    return wq, wk, wv, origin
+    return wq, wk, wv
 
 
 def require_rank(t: Tensor, rank: int, layout: str) -> None:
@@ -513,7 +515,7 @@ def spec(t: Tensor) -> pb.TensorSpec:
 def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
     """``out=`` must be what the result would be: its bytes are the server's output as they
     are, so another dtype or shape of the same size would read as garbage."""
-    shape, dtype, _ = describe(out, "out")
+    shape, dtype = describe(out, "out")
     if dtype != wire_dtype or shape != tuple(user_shape):
         raise AttentionInputError(
             f"out has shape {shape} and dtype {dtype_name(dtype)}: the result has shape "
@@ -565,15 +567,15 @@ def place_tensors(
 
 
 def finish_request(
-    method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, origin: Origin,
-    sequences: int, lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
+    method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, like: Any, sequences: int,
+    lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
     lse_fix: Callable[[Any], Any], *, softmax_scale: float | None,
     placement: Placement | None, out: Any, cache: CacheTarget | None,
     score: ScoreMods | None, kv_scales: KvScales | None,
 ) -> PreparedRequest:
     """What both header kinds (``_prefill``, ``_decode``) end with: the caches or the FP8
     scales, score options over ``sequences``, the softmax scale, the outputs' placement, and
-    the request itself."""
+    the request itself, whose results take the flavour of ``like`` (the caller's q)."""
     if cache is not None:
         header.cache.CopyFrom(cache.message())
     else:
@@ -587,12 +589,13 @@ def finish_request(
         header, (wq, wk, wv), placement, out, _nbytes(wq.shape, out_dtype(wq.dtype)),
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )
+    result_dtype, result_device = result_flavour(like, bfloat16=wq.dtype == pb.FLOAT8_E4M3)
     return PreparedRequest(
         method=method, header=checked_header(header), tensors=(wq, wk, wv),
         out_shape=wq.shape, out_dtype=out_dtype(wq.dtype), lse_shape=lse_shape,
-        origin=bfloat16_origin(origin) if wq.dtype == pb.FLOAT8_E4M3 else origin,
-        user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
+        result_dtype=result_dtype, result_device=result_device, user_shape=user_shape,
+        lse_fix=lse_fix, placement=placement, out_span=out_span, lse_span=lse_span,
+        user_out=out, cache=cache,
     )
 
 

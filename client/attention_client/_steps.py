@@ -57,6 +57,7 @@ from attention_client._tensors import (
     RegionTensor,
     WireTensor,
     is_torch_tensor,
+    result_flavour,
     storage_dtype,
     to_wire,
     torch_bits,
@@ -296,15 +297,15 @@ class _StepsBase:
         if template is None:
             return None
         try:
-            (wq, origin), (wk, _), (wv, _) = (to_wire(q, "q"), to_wire(k_new, "k_new"),
-                                             to_wire(v_new, "v_new"))
+            wq, wk, wv = to_wire(q, "q"), to_wire(k_new, "k_new"), to_wire(v_new, "v_new")
         except Exception:  # noqa: BLE001 (the long way raises it with the usual message)
             return None
         if any(w.shape != t.shape or w.dtype != t.dtype
                for w, t in zip((wq, wk, wv), template.tensors, strict=True)):
             return None
         prep = copy.copy(template)
-        prep.tensors, prep.origin = (wq, wk, wv), origin
+        prep.tensors = (wq, wk, wv)
+        prep.result_dtype, prep.result_device = result_flavour(q)
         prep.cache_lengths = prep.stats = None
         return prep
 
