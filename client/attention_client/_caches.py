@@ -34,16 +34,10 @@ from attention_client._errors import (
     AttentionInputError,
     CacheLostError,
 )
+from attention_client._layouts import CacheTarget, KvLayout, as_cache_ids
 from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
-from attention_client._requests import (
-    CacheTarget,
-    KvLayout,
-    PreparedRequest,
-    ScoreMods,
-    as_cache_ids,
-    as_flag,
-)
+from attention_client._requests import PreparedRequest, ScoreMods, as_flag
 from attention_client._responses import cache_info_dict
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb

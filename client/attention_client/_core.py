@@ -54,6 +54,7 @@ from attention_client._errors import (
     from_rpc_error,
     make_error,
 )
+from attention_client._layouts import CacheTarget, KvLayout, as_cache_ids
 from attention_client._prefill import prepare_prefill
 from attention_client._regions import (
     Placement,
@@ -68,21 +69,14 @@ from attention_client._requests import (
     APPEND_KV,
     CACHE_DECODE,
     CACHE_PREFILL,
-    CacheTarget,
-    KvLayout,
     KvScales,
     PreparedRequest,
+    ResponseAssembler,
     ScoreMods,
-    as_cache_ids,
     as_flag,
     kv_scales_of,
 )
-from attention_client._responses import (
-    ResponseAssembler,
-    cache_info_dict,
-    pool_info_dict,
-    server_info_dict,
-)
+from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
 from attention_client._tensors import describe, storage_dtype
 from attention_wire import unary_method

@@ -8,21 +8,18 @@ from typing import Any
 import numpy as np
 
 from attention_client._errors import AttentionInputError
+from attention_client._layouts import CacheTarget, check_layout, count_check, new_kv
 from attention_client._regions import Placement
 from attention_client._requests import (
     CACHE_DECODE,
     DECODE,
-    CacheTarget,
     KvScales,
     PreparedRequest,
     ScoreMods,
     Tensor,
     as_flag,
-    check_layout,
-    count_check,
     encode_qkv,
     finish_request,
-    new_kv,
     require_rank,
     same_lse,
     spec,

@@ -14,24 +14,26 @@ from typing import Any
 import numpy as np
 
 from attention_client._errors import AttentionInputError
+from attention_client._layouts import (
+    CacheTarget,
+    check_cu_values,
+    check_layout,
+    count_check,
+    new_kv,
+)
 from attention_client._regions import Placement
 from attention_client._requests import (
     APPEND_KV,
     CACHE_PREFILL,
     PREFILL,
-    CacheTarget,
     KvScales,
     PreparedRequest,
     ScoreMods,
     Tensor,
     as_flag,
-    check_cu_values,
-    check_layout,
     checked_header,
-    count_check,
     encode_qkv,
     finish_request,
-    new_kv,
     place_tensors,
     require_rank,
     same_lse,

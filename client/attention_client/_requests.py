@@ -12,16 +12,17 @@ outputs go into q's region when it has room.
 
 The KV-cache ops reuse the same headers with a ``CacheTarget``; AppendKV and CachePrefill send
 bytes, CacheDecode may use regions as Decode does, and their tensors are checked against the
-caches' layout here when the caller knows it (a ``KvLayout``).
+caches' layout when the caller knows it (a ``KvLayout``; both in ``_layouts``).
+
+At the end, the reply: ``ResponseAssembler`` fills the outputs from the parsed responses.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -32,7 +33,6 @@ from attention_client._tensors import (
     QUERY_DTYPES,
     RegionTensor,
     WireTensor,
-    as_wire_dtype,
     describe,
     dtype_name,
     is_torch_tensor,
@@ -42,7 +42,7 @@ from attention_client._tensors import (
     to_user,
     to_wire,
 )
-from attention_wire.messages import out_dtype
+from attention_wire.messages import OutputSlice, out_dtype
 from attention_wire.pb import attention_pb2 as pb
 
 Tensor = WireTensor | RegionTensor
@@ -55,8 +55,6 @@ APPEND_KV = "AppendKV"
 CACHE_PREFILL = "CachePrefill"
 CACHE_DECODE = "CacheDecode"
 
-# What the server takes as a cache id (check_cache_ids in attention_service.params).
-MAX_CACHE_ID_BYTES = 256
 
 # gRPC's default receive limit is 4 MiB; every message we send stays below this, header included.
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
@@ -196,14 +194,14 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None, rows: bool = T
     return tuple(out)
 
 
-def _scales_message(scales: KvScales) -> pb.KvScales:
+def scales_message(scales: KvScales) -> pb.KvScales:
     """Rows per sequence go sequence-major, as the proto says."""
     k, v, q = (tuple(x for r in p for x in r) if scale_rows(p) else p
                for p in (*scales[:2], scales[2] if len(scales) > 2 else ()))
     return pb.KvScales(k=k, v=v, q=q)
 
 
-def _check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
+def check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
     """One scale per kv head, or (a stateless call of ``sequences``) a row of them per
     sequence."""
     for part, name in zip(scales, _SCALE_NAMES, strict=False):
@@ -236,156 +234,21 @@ def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None,
             "float8_e4m3fn q, k and v need q_scale, k_scale and v_scale" if fp8_q else
             "float8_e4m3fn k and v need k_scale and v_scale (one float per kv head: "
             "attention_kernels.quantize_kv makes them)")
-    _check_scale_heads(scales, wk.shape[-2], sequences)
-    header.kv_scales.CopyFrom(_scales_message(scales))
+    check_scale_heads(scales, wk.shape[-2], sequences)
+    header.kv_scales.CopyFrom(scales_message(scales))
 
 
-@dataclass(frozen=True)
-class KvLayout:
-    """The layout of server-side caches: the queries run against them (and their outputs)
-    are ``dtype`` (a pb.DType) with heads that ``num_kv_heads`` divides; keys and values
-    have ``num_kv_heads`` heads of ``head_dim`` and are stored in ``kv_dtype`` (0: ``dtype``;
-    FLOAT8_E4M3 with ``kv_scales``)."""
-
-    dtype: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: int = 0
-    kv_scales: KvScales | None = None
-
-    @classmethod
-    def of(cls, num_kv_heads: int, head_dim: int, dtype: Any, kv_dtype: Any = None,
-           k_scale: Any = None, v_scale: Any = None) -> KvLayout:
-        heads, dim = _positive(num_kv_heads, "num_kv_heads"), _positive(head_dim, "head_dim")
-        if dim > MAX_HEAD_DIM:
-            raise AttentionInputError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
-        wire = as_wire_dtype(dtype)
-        if wire not in QUERY_DTYPES:
-            raise AttentionInputError(f"dtype {dtype_name(wire)} is for keys and values only: "
-                                      "give the queries' dtype, and kv_dtype for the stored one")
-        stored = as_wire_dtype(kv_dtype, "kv_dtype") if kv_dtype is not None else wire
-        scales = kv_scales_of(k_scale, v_scale, rows=False)  # a cache is one sequence
-        if stored == wire:
-            if scales is not None:
-                raise AttentionInputError("k_scale/v_scale are for kv_dtype float8_e4m3fn")
-            return cls(wire, heads, dim)
-        if stored != pb.FLOAT8_E4M3 or wire not in FP8_QUERY_DTYPES:
-            raise AttentionInputError(f"kv_dtype {dtype_name(stored)} with dtype "
-                                      f"{dtype_name(wire)}: leave kv_dtype unset, or "
-                                      "float8_e4m3fn with float16 or bfloat16")
-        if scales is None:
-            raise AttentionInputError("kv_dtype float8_e4m3fn needs k_scale and v_scale (one "
-                                      "float per kv head)")
-        _check_scale_heads(scales, heads)
-        return cls(wire, heads, dim, stored, scales)
-
-    @classmethod
-    def from_message(cls, layout: pb.CacheLayout) -> KvLayout:
-        kv_dtype = int(layout.kv_dtype) if layout.kv_dtype != layout.dtype else 0
-        scales = None
-        if layout.HasField("kv_scales"):  # float32 on the wire, as kv_scales_of keeps them
-            scales = (tuple(layout.kv_scales.k), tuple(layout.kv_scales.v))
-        return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim),
-                   kv_dtype, scales)
-
-    def message(self) -> pb.CacheLayout:
-        msg = pb.CacheLayout(
-            dtype=self.dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            kv_dtype=self.kv_dtype,
-        )
-        if self.kv_scales is not None:
-            msg.kv_scales.CopyFrom(_scales_message(self.kv_scales))
-        return msg
+class CacheCall(Protocol):
+    """The caches a cache op runs against, as its request holds them (``_layouts.CacheTarget``:
+    typed here by what a request uses, so that this module needs none of the caches' own)."""
 
     @property
-    def stored_dtype(self) -> int:
-        return self.kv_dtype or self.dtype
+    def ids(self) -> tuple[str, ...]: ...
 
-    def empty_kv(self, name: str, lead: tuple[int, ...] = (0,)) -> WireTensor:
-        """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows, in the
-        stored dtype (so a step without tokens merges with steps sending FP8 ones)."""
-        shape = (*lead, self.num_kv_heads, self.head_dim)
-        dtype = self.stored_dtype
-        return WireTensor(name, np.empty(shape, storage_dtype(dtype)), dtype)
+    @property
+    def layout(self) -> Any: ...  # the caches' KvLayout when known, else None
 
-    def check(self, t: Tensor, kv: bool) -> None:
-        """AttentionInputError naming ``t`` when it does not fit: dtype, head_dim, kv heads
-        (or, for a query, a head count the kv heads divide)."""
-        if t.dtype != self.dtype and not (kv and t.dtype == self.stored_dtype):
-            held = dtype_name(self.dtype)
-            if kv and self.stored_dtype != self.dtype:
-                held += f" (or {dtype_name(self.stored_dtype)}, as they are stored)"
-            raise AttentionInputError(
-                f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches take {held}"
-            )
-        heads, dim = t.shape[-2], t.shape[-1]
-        if dim != self.head_dim:
-            raise AttentionInputError(
-                f"{t.name} has head_dim {dim} (shape {t.shape}), but the caches have "
-                f"head_dim {self.head_dim}"
-            )
-        if kv and heads != self.num_kv_heads:
-            raise AttentionInputError(
-                f"{t.name} has {heads} kv heads (shape {t.shape}), but the caches have "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-        if not kv and heads % self.num_kv_heads:
-            raise AttentionInputError(
-                f"{t.name} has {heads} heads (shape {t.shape}), not a multiple of the caches' "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-
-
-@dataclass(frozen=True)
-class CacheTarget:
-    """The caches a cache op runs against (one per sequence), and whether the new tokens are
-    kept. ``layout``, when known, is what the tensors are checked against before sending."""
-
-    ids: tuple[str, ...]
-    store: bool = True
-    layout: KvLayout | None = None
-
-    def message(self) -> pb.CacheTarget:
-        return pb.CacheTarget(cache_ids=self.ids, store=self.store)
-
-
-def _positive(x: Any, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
-        raise AttentionInputError(f"{name} must be a positive integer, got {x!r}")
-    return int(x)
-
-
-def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
-    """A str or a sequence of str -> a tuple; AttentionInputError naming ``name`` for an empty
-    list, an id of 0 or over 256 UTF-8 bytes, a non-str, or an id given twice."""
-    if isinstance(ids, str):
-        ids = (ids,)
-    elif isinstance(ids, bytes | bytearray) or not hasattr(ids, "__iter__"):
-        raise AttentionInputError(
-            f"{name} must be a str or a sequence of str, got {type(ids).__name__}"
-        )
-    elif isinstance(ids, AbstractSet | Mapping):  # ids go with rows in order: none here
-        raise AttentionInputError(
-            f"{name} must be a str or a sequence of str, got {type(ids).__name__}: its order "
-            "is arbitrary, so which cache got which rows would be too (pass a list)"
-        )
-    out = tuple(ids)
-    if not out:
-        raise AttentionInputError(f"{name} is empty: name at least one cache")
-    seen: set[str] = set()
-    for i, cid in enumerate(out):
-        if not isinstance(cid, str):
-            raise AttentionInputError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
-        try:
-            nbytes = len(cid.encode())
-        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form, so no wire form either
-            raise AttentionInputError(f"{name}[{i}] is not valid UTF-8 text: {cid!r}") from None
-        if not 1 <= nbytes <= MAX_CACHE_ID_BYTES:
-            raise AttentionInputError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
-        if cid in seen:
-            raise AttentionInputError(f"{name}[{i}] {cid!r} appears twice")
-        seen.add(cid)
-    return out
+    def message(self) -> pb.CacheTarget: ...
 
 
 @dataclass
@@ -406,7 +269,7 @@ class PreparedRequest:
     out_span: Span | None = None  # OUT written into a region instead of streamed
     lse_span: Span | None = None
     user_out: Any = None  # ``out=``: returned as the result once the server wrote it
-    cache: CacheTarget | None = None  # the cache ops' caches
+    cache: CacheCall | None = None  # the cache ops' caches
     cache_lengths: list[int] | None = None  # their lengths after the call (set on completion)
     stats: dict[str, Any] | None = None  # the call's RequestStats (set on completion)
 
@@ -570,7 +433,7 @@ def finish_request(
     method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, like: Any, sequences: int,
     lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
     lse_fix: Callable[[Any], Any], *, softmax_scale: float | None,
-    placement: Placement | None, out: Any, cache: CacheTarget | None,
+    placement: Placement | None, out: Any, cache: CacheCall | None,
     score: ScoreMods | None, kv_scales: KvScales | None,
 ) -> PreparedRequest:
     """What both header kinds (``_prefill``, ``_decode``) end with: the caches or the FP8
@@ -640,50 +503,136 @@ def same_lse(lse: Any) -> Any:
     return lse
 
 
-# ---- KV-cache ops: tensors checked against the layout if known ----
+# ---- the reply: OUT/LSE row slices -> preallocated arrays, with every row checked ----------
+# Each slice (parsed by ``attention_wire.messages`` without copying its bytes) is copied
+# straight into its rows of the final array: the one copy on the client. Every row must arrive
+# exactly once and the stream must end with RequestStats; anything else raises ProtocolError,
+# never a silently wrong tensor.
 
 
-def check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> None:
-    """The cache ops check boundaries here too: a refused request must not come after its
-    caches were created."""
-    if cu.size and (cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total):
-        raise AttentionInputError(
-            f"{name} must start at 0, never decrease and end at {total} (the rows of "
-            f"{rows_of}), got {cu.tolist()}"
+class _Target:
+    """One output tensor being filled: its storage, a [rows, row_bytes] byte view, rows seen."""
+
+    def __init__(self, name: str, shape: tuple[int, ...], wire_dtype: int) -> None:
+        self.name = name
+        self.shape = tuple(int(d) for d in shape)
+        self.wire_dtype = wire_dtype
+        self.array = np.empty(self.shape, storage_dtype(wire_dtype))
+        self.rows = self.shape[0]
+        self.row_bytes = math.prod(self.shape[1:]) * self.array.itemsize
+        self.bytes = self.array.reshape(-1).view(np.uint8).reshape(self.rows, self.row_bytes)
+        self.seen = np.zeros(self.rows, dtype=bool)
+
+    def add(self, chunk: OutputSlice, method: str) -> None:
+        if chunk.dtype != self.wire_dtype or chunk.shape != self.shape:
+            raise ProtocolError(
+                f"{self.name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
+                f"expected {dtype_name(self.wire_dtype)}{list(self.shape)}",
+                method,
+            )
+        start, count = chunk.row_start, chunk.row_count
+        if start < 0 or count < 0 or start + count > self.rows:
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) outside [0, {self.rows})", method
+            )
+        data = chunk.data
+        if len(data) != count * self.row_bytes:
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) carry {len(data)} bytes, "
+                f"expected {count * self.row_bytes}",
+                method,
+            )
+        if self.seen[start : start + count].any():
+            raise ProtocolError(
+                f"{self.name} rows [{start}, {start + count}) arrived more than once", method
+            )
+        self.seen[start : start + count] = True
+        if count:
+            self.bytes[start : start + count] = np.frombuffer(data, np.uint8).reshape(
+                count, self.row_bytes
+            )
+
+    def check_complete(self, method: str) -> None:
+        if self.row_bytes == 0 or self.seen.all():  # zero-width rows carry nothing to wait for
+            return
+        missing = np.flatnonzero(~self.seen)
+        raise ProtocolError(
+            f"{self.name} is missing {missing.size} of {self.rows} rows "
+            f"(first missing row {int(missing[0])})",
+            method,
         )
 
 
-def check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -> None:
-    if target.layout is None:
-        return
-    if q is not None:
-        target.layout.check(q, kv=False)
-    target.layout.check(k, kv=True)
-    target.layout.check(v, kv=True)
+def _name(dtype: int) -> str:
+    return dtype_name(dtype) if dtype in pb.DType.values() else f"dtype {dtype}"
 
 
-def new_kv(
-    k: Any, v: Any, names: tuple[str, str], target: CacheTarget, lead: tuple[int, ...] = (0,)
-) -> tuple[Tensor, Tensor] | None:
-    """No new tokens (k and v both None): empty k and v of the caches' layout. None when k and
-    v are given."""
-    if (k is None) != (v is None):
-        raise AttentionInputError(f"{names[0]} and {names[1]} must both be given, or both be None")
-    if k is not None:
-        return None
-    if target.layout is None:
-        raise AttentionInputError(
-            f"{names[0]}/{names[1]} None (no new tokens) needs the caches' layout "
-            "(use a kv_cache handle)"
+def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
+    """The stats as plain Python values (repeated fields as lists)."""
+    out = {name: getattr(stats, name) for name in _STATS_SCALARS}
+    for name in _STATS_LISTS:
+        out[name] = list(getattr(stats, name))
+    return out
+
+
+def _is_repeated(field: Any) -> bool:
+    # FieldDescriptor.label is deprecated in newer protobuf; is_repeated replaces it.
+    rep = getattr(field, "is_repeated", None)
+    return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
+
+
+# RequestStats' fields by kind, read once (every call's stats go through stats_dict).
+_STATS_SCALARS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if not _is_repeated(f))
+_STATS_LISTS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if _is_repeated(f))
+
+
+class ResponseAssembler:
+    """Feed every parsed response (``messages.parse_response``) to ``add``; ``finish`` returns
+    (out, lse, stats). A shape of None: that output is not streamed (it went into a region,
+    or lse was not asked for) and must not arrive."""
+
+    def __init__(
+        self,
+        method: str,
+        out_shape: tuple[int, ...] | None,
+        out_dtype: int,
+        lse_shape: tuple[int, ...] | None,
+    ) -> None:
+        self.method = method
+        self._targets: dict[int, _Target] = {}
+        if out_shape is not None:
+            self._targets[pb.OUT] = _Target("OUT", out_shape, out_dtype)
+        if lse_shape is not None:
+            self._targets[pb.LSE] = _Target("LSE", lse_shape, pb.FLOAT32)
+        self._stats: pb.RequestStats | None = None
+
+    def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
+        if self._stats is not None:
+            raise ProtocolError("message after the final RequestStats", self.method)
+        if isinstance(response, pb.RequestStats):
+            self._stats = response
+            return
+        if response is None:
+            raise ProtocolError("response message with no payload", self.method)
+        chunk = response
+        target = self._targets.get(chunk.field)
+        if target is None:
+            raise ProtocolError(
+                f"unexpected output field {pb.OutputField.Name(chunk.field)}"
+                if chunk.field in pb.OutputField.values()
+                else f"unknown output field {chunk.field}",
+                self.method,
+            )
+        target.add(chunk, self.method)
+
+    def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
+        for target in self._targets.values():
+            target.check_complete(self.method)
+        if self._stats is None:
+            raise ProtocolError("response stream ended without RequestStats", self.method)
+        out, lse = self._targets.get(pb.OUT), self._targets.get(pb.LSE)
+        return (
+            out.array if out is not None else None,
+            lse.array if lse is not None else None,
+            stats_dict(self._stats),
         )
-    return target.layout.empty_kv(names[0], lead), target.layout.empty_kv(names[1], lead)
-
-
-def count_check(sequences: int, target: CacheTarget, what: str) -> None:
-    if sequences != len(target.ids):
-        raise AttentionInputError(
-            f"ids names {len(target.ids)} caches, but {what} has {sequences} sequences: "
-            "name one cache per sequence"
-        )
-
-

@@ -51,8 +51,7 @@ from attention_client._channel import (
 from attention_client._core import Steps, _io
 from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
 from attention_client._regions import pointer
-from attention_client._requests import PreparedRequest, ScoreMods
-from attention_client._responses import stats_dict
+from attention_client._requests import PreparedRequest, ScoreMods, stats_dict
 from attention_client._tensors import (
     RegionTensor,
     WireTensor,

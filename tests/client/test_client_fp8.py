@@ -11,8 +11,9 @@ import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionInputError
 from attention_client._decode import prepare_decode
+from attention_client._layouts import KvLayout
 from attention_client._prefill import prepare_prefill
-from attention_client._requests import KvLayout, kv_scales_of
+from attention_client._requests import kv_scales_of
 from attention_client._tensors import as_wire_dtype, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
