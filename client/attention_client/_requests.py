@@ -510,59 +510,6 @@ def same_lse(lse: Any) -> Any:
 # never a silently wrong tensor.
 
 
-class _Target:
-    """One output tensor being filled: its storage, a [rows, row_bytes] byte view, rows seen."""
-
-    def __init__(self, name: str, shape: tuple[int, ...], wire_dtype: int) -> None:
-        self.name = name
-        self.shape = tuple(int(d) for d in shape)
-        self.wire_dtype = wire_dtype
-        self.array = np.empty(self.shape, storage_dtype(wire_dtype))
-        self.rows = self.shape[0]
-        self.row_bytes = math.prod(self.shape[1:]) * self.array.itemsize
-        self.bytes = self.array.reshape(-1).view(np.uint8).reshape(self.rows, self.row_bytes)
-        self.seen = np.zeros(self.rows, dtype=bool)
-
-    def add(self, chunk: OutputSlice, method: str) -> None:
-        if chunk.dtype != self.wire_dtype or chunk.shape != self.shape:
-            raise ProtocolError(
-                f"{self.name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
-                f"expected {dtype_name(self.wire_dtype)}{list(self.shape)}",
-                method,
-            )
-        start, count = chunk.row_start, chunk.row_count
-        if start < 0 or count < 0 or start + count > self.rows:
-            raise ProtocolError(
-                f"{self.name} rows [{start}, {start + count}) outside [0, {self.rows})", method
-            )
-        data = chunk.data
-        if len(data) != count * self.row_bytes:
-            raise ProtocolError(
-                f"{self.name} rows [{start}, {start + count}) carry {len(data)} bytes, "
-                f"expected {count * self.row_bytes}",
-                method,
-            )
-        if self.seen[start : start + count].any():
-            raise ProtocolError(
-                f"{self.name} rows [{start}, {start + count}) arrived more than once", method
-            )
-        self.seen[start : start + count] = True
-        if count:
-            self.bytes[start : start + count] = np.frombuffer(data, np.uint8).reshape(
-                count, self.row_bytes
-            )
-
-    def check_complete(self, method: str) -> None:
-        if self.row_bytes == 0 or self.seen.all():  # zero-width rows carry nothing to wait for
-            return
-        missing = np.flatnonzero(~self.seen)
-        raise ProtocolError(
-            f"{self.name} is missing {missing.size} of {self.rows} rows "
-            f"(first missing row {int(missing[0])})",
-            method,
-        )
-
-
 def _name(dtype: int) -> str:
     return dtype_name(dtype) if dtype in pb.DType.values() else f"dtype {dtype}"
 
@@ -599,11 +546,17 @@ class ResponseAssembler:
         lse_shape: tuple[int, ...] | None,
     ) -> None:
         self.method = method
-        self._targets: dict[int, _Target] = {}
-        if out_shape is not None:
-            self._targets[pb.OUT] = _Target("OUT", out_shape, out_dtype)
-        if lse_shape is not None:
-            self._targets[pb.LSE] = _Target("LSE", lse_shape, pb.FLOAT32)
+        # Per output field (pb.OUT, pb.LSE) that streams back: its wire dtype, the storage
+        # array it is copied into, and which of its rows have arrived.
+        self._dtypes: dict[int, int] = {}
+        self._arrays: dict[int, np.ndarray] = {}
+        self._seen: dict[int, np.ndarray] = {}
+        for field, shape, dtype in ((pb.OUT, out_shape, out_dtype),
+                                    (pb.LSE, lse_shape, pb.FLOAT32)):
+            if shape is not None:
+                self._dtypes[field] = dtype
+                self._arrays[field] = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
+                self._seen[field] = np.zeros(self._arrays[field].shape[0], dtype=bool)
         self._stats: pb.RequestStats | None = None
 
     def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
@@ -615,24 +568,64 @@ class ResponseAssembler:
         if response is None:
             raise ProtocolError("response message with no payload", self.method)
         chunk = response
-        target = self._targets.get(chunk.field)
-        if target is None:
+        if chunk.field not in self._arrays:
             raise ProtocolError(
                 f"unexpected output field {pb.OutputField.Name(chunk.field)}"
                 if chunk.field in pb.OutputField.values()
                 else f"unknown output field {chunk.field}",
                 self.method,
             )
-        target.add(chunk, self.method)
+        self._fill(chunk)
+
+    def _fill(self, chunk: OutputSlice) -> None:
+        """Copy ``chunk``'s rows into its field's array, each row checked to come once."""
+        name, wire_dtype = pb.OutputField.Name(chunk.field), self._dtypes[chunk.field]
+        array, seen = self._arrays[chunk.field], self._seen[chunk.field]
+        if chunk.dtype != wire_dtype or chunk.shape != array.shape:
+            raise ProtocolError(
+                f"{name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
+                f"expected {dtype_name(wire_dtype)}{list(array.shape)}",
+                self.method,
+            )
+        rows, row_bytes = array.shape[0], _row_bytes(array)
+        start, count = chunk.row_start, chunk.row_count
+        if start < 0 or count < 0 or start + count > rows:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) outside [0, {rows})", self.method
+            )
+        data = chunk.data
+        if len(data) != count * row_bytes:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) carry {len(data)} bytes, "
+                f"expected {count * row_bytes}",
+                self.method,
+            )
+        if seen[start : start + count].any():
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) arrived more than once", self.method
+            )
+        seen[start : start + count] = True
+        if count:
+            by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+            by_row[start : start + count] = np.frombuffer(data, np.uint8).reshape(
+                count, row_bytes
+            )
 
     def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
-        for target in self._targets.values():
-            target.check_complete(self.method)
+        for field, seen in self._seen.items():
+            array = self._arrays[field]
+            if _row_bytes(array) == 0 or seen.all():  # zero-width rows carry nothing to wait for
+                continue
+            missing = np.flatnonzero(~seen)
+            raise ProtocolError(
+                f"{pb.OutputField.Name(field)} is missing {missing.size} of {array.shape[0]} "
+                f"rows (first missing row {int(missing[0])})",
+                self.method,
+            )
         if self._stats is None:
             raise ProtocolError("response stream ended without RequestStats", self.method)
-        out, lse = self._targets.get(pb.OUT), self._targets.get(pb.LSE)
-        return (
-            out.array if out is not None else None,
-            lse.array if lse is not None else None,
-            stats_dict(self._stats),
-        )
+        return self._arrays.get(pb.OUT), self._arrays.get(pb.LSE), stats_dict(self._stats)
+
+
+def _row_bytes(array: np.ndarray) -> int:
+    return math.prod(array.shape[1:]) * array.itemsize
