@@ -63,7 +63,7 @@ import psutil
 import torch
 
 import attention_client
-from attention_wire.requests import MAX_CHUNK_BYTES
+from attention_wire.messages import MAX_CHUNK_BYTES
 
 # --transport's choices (each but bytes a region kind, registered in ``_round_on``).
 TRANSPORTS = ("bytes", "shm", "cuda", "nixl", "nixl-gpu")

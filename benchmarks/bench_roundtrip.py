@@ -551,7 +551,7 @@ def main() -> int:
     SERVER_CPUS = cpu_list(servers) if servers else None
 
     from attention_kernels.reference import prefill_ref
-    from attention_wire.requests import DEFAULT_CHUNK_BYTES
+    from attention_wire.messages import DEFAULT_CHUNK_BYTES
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     dtype = DTYPES[args.dtype]

@@ -46,9 +46,9 @@ import grpc
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from attention_wire.messages import DEFAULT_CHUNK_BYTES
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
-from attention_wire.requests import DEFAULT_CHUNK_BYTES
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from service_load import LoadSpec, loguniform_lengths, worker_main

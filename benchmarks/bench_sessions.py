@@ -49,8 +49,8 @@ import numpy as np
 
 from attention_client._tensors import WireTensor
 from attention_wire import unary_method
+from attention_wire.messages import encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import encode_messages
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_service import Server, cpu_list, server_info, split_cpus

@@ -13,7 +13,7 @@ there, so a call is one small message up and one stats message back.
 
 ``spread`` (the default, as the client library's): before a point, each client's connection
 that the kernel hashed to a crowded front end is replaced, by the library's own rule
-(``attention_client._base.crowded`` / ``spread_tries``). Without it, 64 connections hashed
+(``attention_client._channel.crowded`` / ``spread_tries``). Without it, 64 connections hashed
 over 8 front ends leave some with 13 or more and others with 4 or fewer.
 """
 
@@ -34,13 +34,12 @@ grpc_defaults.apply()  # the client library's grpc I/O settings, before grpc loa
 import grpc
 import numpy as np
 
-from attention_client._base import SPREAD_TIMEOUT_S, crowded, spread_tries
 from attention_client._call_streams import AsyncStreamCall
-from attention_client._channel import CallSettings
+from attention_client._channel import SPREAD_TIMEOUT_S, CallSettings, crowded, spread_tries
 from attention_client._tensors import WireTensor
 from attention_wire import unary_method
+from attention_wire.messages import DEFAULT_CHUNK_BYTES, encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import DEFAULT_CHUNK_BYTES, encode_messages
 
 PREFILL_METHOD = "/attention.v1.AttentionService/Prefill"
 DECODE_METHOD = "/attention.v1.AttentionService/Decode"

@@ -82,5 +82,8 @@ def cache_ids(ids: str = "ids") -> Names:
     return {"cache_ids": ids, "all": "all", **_LAYOUT}
 
 
+# What ``client.attention`` and ``KvCache.prefill`` pick from by q's rank (packed or [B, N, H, D]).
+ATTENTION, ATTENTION_4D = attention(), attention(four_d=True)
+CACHE_PREFILL, CACHE_PREFILL_4D = cache_prefill(), cache_prefill(four_d=True)
 FORK: Names = {"source_id": "source_id", "target_id": "target_id", "length": "length"}
 REGISTER: Names = {"byte_size": "nbytes", "name": "name"}

@@ -34,11 +34,11 @@ from attention_client._errors import (
     AttentionInputError,
     CacheLostError,
 )
+from attention_client._layouts import CacheTarget, KvLayout, as_cache_ids
 from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
-from attention_client._requests import CacheTarget, KvLayout, PreparedRequest, as_cache_ids, as_flag
+from attention_client._requests import PreparedRequest, ScoreMods, as_flag
 from attention_client._responses import cache_info_dict
-from attention_client._score import ScoreMods
 from attention_client._tensors import dtype_name
 from attention_wire.pb import attention_pb2 as pb
 
@@ -289,10 +289,6 @@ class _KvCacheBase:
             "server, or behind a proxy the replica that held it, no longer has it: a restart, "
             "a replica gone, or its TTL): create it again", err.method, err.server_details)
 
-    @staticmethod
-    def _prefill_names(prep: PreparedRequest) -> argnames.Names:
-        return argnames.cache_prefill(len(prep.user_shape) == 4)
-
     @_io
     def create(
         self, ids: Any, *, timeout: Any = DEFAULT, metadata: Any = None,
@@ -336,12 +332,13 @@ class _KvCacheBase:
         regions, q, the new tokens and the outputs go through them as in
         ``client.attention`` (``out=`` a tensor in a region: written in place);
         ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready)
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_PREFILL_4D
+                                  if getattr(q, "ndim", 0) == 4 else argnames.CACHE_PREFILL)
         prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
         )
-        return (yield from self._call(prep, settings.named(self._prefill_names(prep))))
+        return (yield from self._call(prep, settings))
 
     @_io
     def decode(

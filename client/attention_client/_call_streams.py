@@ -29,15 +29,9 @@ from typing import Any
 
 import grpc
 
-from attention_client._channel import CallSettings
+from attention_client._channel import STEP_METHODS, CallSettings
 from attention_client._errors import from_rpc_error
 
-# The stream rpc of each op that has one.
-STEP_METHODS = {
-    "CacheDecode": "CacheDecodeSteps", "Prefill": "PrefillSteps", "Decode": "DecodeSteps",
-}
-# The ops whose single-message calls the pools carry: the stateless ones.
-POOLED = ("Prefill", "Decode")
 # Idle streams kept per key; more are closed when given back (a burst of concurrent calls
 # leaves at most this many open per lane).
 MAX_IDLE = 64

@@ -1,4 +1,6 @@
-"""Channel set-up shared by the sync and async clients: options, retry policy, credentials.
+"""Channel set-up shared by the sync and async clients: options, retry policy, credentials;
+the placing of connections (``spread``: ``crowded``, ``spread_tries``, ``LostLanes``); and the
+rpcs of a connection (``lane_rpcs``: compute and step streams; ``small_rpcs``).
 
 Retries: gRPC itself retries UNAVAILABLE with exponential backoff (service config below),
 within the call's deadline, for the unary methods. The chunked upload rpcs (Prefill, Decode,
@@ -34,15 +36,28 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from attention_client._errors import AttentionInputError
+from attention_wire import unary_method
+from attention_wire.messages import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    parse_response,
+    parse_result,
+)
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import MAX_CHUNK_BYTES, MIN_CHUNK_BYTES
 
 SERVICE = "attention.v1.AttentionService"
 INFO_METHOD = f"/{SERVICE}/GetServerInfo"
 # The client-streaming compute rpcs (PrefillRequest / DecodeRequest in, AttentionResponse out).
 STREAM_RPCS = ("Prefill", "Decode", "AppendKV", "CachePrefill", "CacheDecode")
+# The stream rpc of each op that has one (its calls as single messages on a kept-open stream).
+STEP_METHODS = {
+    "CacheDecode": "CacheDecodeSteps", "Prefill": "PrefillSteps", "Decode": "DecodeSteps",
+}
+# The ops whose single-message calls the clients' stream pools carry: the stateless ones.
+POOLED = ("Prefill", "Decode")
 
 
 # Region rpc -> its reply message's name in attention_wire.pb.
@@ -364,3 +379,107 @@ class CallSettings:
 
     def named(self, names: Mapping[str, str] | None) -> CallSettings:
         return dataclasses.replace(self, names=names)
+
+
+# ---- the connections: placing them (``spread``), and their rpcs ----
+
+# ``spread``: connections looked at per channel, per front end of the server (the last one is
+# kept whatever its front end). Placed one after another, the last of N clients over N front
+# ends must find the one front end left free, a 1/N chance a try: 4 tries in all left all 8 of
+# 8 front ends used in 23% of simulated starts (7 of 8 on average, as measured on the H200
+# host), 4 per front end in 98% (tools/tuning/sim_spread.py). A try is a new connection and a
+# count (5-20 ms), so it is capped; and all the looks of a client's placing take at most
+# SPREAD_TIMEOUT_S together: a client made while its server is down waits at most this long.
+SPREAD_TRIES_PER_FRONTEND = 4
+SPREAD_MIN_TRIES = 4
+SPREAD_MAX_TRIES = 64
+SPREAD_TIMEOUT_S = 2.0
+NEVER_IDLE_MS = 2**31 - 1  # grpc.client_idle_timeout_ms: INT_MAX turns the idle timer off
+
+
+def crowded(info: pb.ServerInfo) -> bool:
+    """Whether the connection that answered ``info`` (GetServerInfo with ``connections``) is
+    on a front end that holds more than one connection more than the least-loaded one."""
+    return info.frontends > 1 and (
+        info.frontend_connections > info.fewest_frontend_connections + 1)
+
+
+def spread_tries(info: pb.ServerInfo) -> int:
+    """How many connections ``spread`` looks at per channel on the server that sent ``info``."""
+    return max(SPREAD_MIN_TRIES,
+               min(SPREAD_MAX_TRIES, SPREAD_TRIES_PER_FRONTEND * info.frontends))
+
+
+class LostLanes:
+    """Which of a client's connections were lost since ``spread`` placed them. gRPC reconnects
+    a lost connection on its own (a server or front end restarted, the network dropped it),
+    and the kernel hashes the new one to any front end: after a server restart every client
+    reconnects at once, as unevenly as if none had spread. The clients feed this each lane's
+    connectivity (``seen``) and place a lost lane again before its next compute call."""
+
+    def __init__(self, lanes: int) -> None:
+        self._ready = [False] * lanes  # connected since (re)placed
+        self._lost = [False] * lanes
+
+    def seen(self, lane: int, state: grpc.ChannelConnectivity) -> None:
+        """Lane ``lane``'s channel is in ``state`` now."""
+        if state is grpc.ChannelConnectivity.READY:
+            self._ready[lane] = True
+        elif state is not grpc.ChannelConnectivity.SHUTDOWN and self._ready[lane]:
+            self._ready[lane] = False  # it had a connection, and has none now
+            self._lost[lane] = True
+
+    def lost(self, lane: int) -> bool:
+        return self._lost[lane]
+
+    def placed(self, lane: int, new_channel: bool = False) -> None:
+        """Lane ``lane`` was looked at (and on a new channel when ``new_channel``)."""
+        self._lost[lane] = False
+        if new_channel:
+            self._ready[lane] = False
+
+
+def lane_rpcs(channel: Any) -> dict[str, Any]:
+    """A connection's compute rpcs (a ``grpc`` or ``grpc.aio`` channel: the same calls make
+    both), by method name: the stream and unary twin of each, the step streams, and
+    GetServerInfo (``spread`` asks each connection). Requests are pre-serialized bytes
+    (``attention_wire.messages``); responses are parsed lazily (``attention_wire.messages``)."""
+    return {
+        method: channel.stream_stream(
+            f"/{SERVICE}/{method}", response_deserializer=parse_response
+        )
+        for method in STREAM_RPCS
+    } | {
+        unary_method(method): channel.unary_unary(
+            f"/{SERVICE}/{unary_method(method)}", response_deserializer=parse_result
+        )
+        for method in STREAM_RPCS
+    } | {
+        method: channel.stream_stream(f"/{SERVICE}/{method}")
+        for method in STEP_METHODS.values()
+    } | {
+        INFO_METHOD: channel.unary_unary(
+            INFO_METHOD, request_serializer=pb.GetServerInfoRequest.SerializeToString,
+            response_deserializer=pb.ServerInfo.FromString,
+        ),
+    }
+
+
+def small_rpcs(channel: Any) -> dict[str, Any]:
+    """The small rpcs, which go over lane 0's channel (``ClientCore._unary_rpc``): regions,
+    caches, GetServerInfo and the health check, by name."""
+    rpcs = {
+        method: channel.unary_unary(f"/{SERVICE}/{method}", request_serializer=_serialize,
+                                    response_deserializer=getattr(pb, reply).FromString)
+        for method, reply in (REGION_RPCS | CACHE_RPCS).items()
+    }
+    rpcs["GetServerInfo"] = channel.unary_unary(
+        INFO_METHOD, request_serializer=_serialize, response_deserializer=pb.ServerInfo.FromString)
+    rpcs["Health.Check"] = channel.unary_unary(
+        "/grpc.health.v1.Health/Check", request_serializer=_serialize,
+        response_deserializer=health_pb2.HealthCheckResponse.FromString)
+    return rpcs
+
+
+def _serialize(message: Any) -> bytes:
+    return message.SerializeToString()

@@ -8,32 +8,29 @@ from typing import Any
 import numpy as np
 
 from attention_client._errors import AttentionInputError
+from attention_client._layouts import CacheTarget, check_layout, count_check, new_kv
 from attention_client._regions import Placement
 from attention_client._requests import (
     CACHE_DECODE,
     DECODE,
-    CacheTarget,
     KvScales,
     PreparedRequest,
+    ScoreMods,
     Tensor,
     as_flag,
-    check_layout,
-    count_check,
     encode_qkv,
     finish_request,
-    new_kv,
     require_rank,
     same_lse,
     spec,
     tensor_of,
 )
-from attention_client._score import ScoreMods
-from attention_client._tensors import Origin, as_cu_seqlens, describe
+from attention_client._tensors import as_cu_seqlens, describe
 from attention_wire.pb import attention_pb2 as pb
 
 
 def _decode_request(
-    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, origin: Origin, *,
+    method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_k: np.ndarray, like: Any, *,
     softmax_scale: float | None, num_splits: int, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
     score: ScoreMods | None = None, kv_scales: KvScales | None = None,
@@ -53,7 +50,7 @@ def _decode_request(
     )
     lse_shape = (batch, heads) if return_lse else None
     return finish_request(
-        method, header, wq, wk, wv, origin, batch, lse_shape, wq.shape, same_lse,
+        method, header, wq, wk, wv, like, batch, lse_shape, wq.shape, same_lse,
         softmax_scale=softmax_scale, placement=placement, out=out, cache=cache, score=score,
         kv_scales=kv_scales,
     )
@@ -73,7 +70,7 @@ def prepare_decode(
     score: ScoreMods | None = None,
     kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
-    wq, wk, wv, origin = encode_qkv(q, k, v, placement)
+    wq, wk, wv = encode_qkv(q, k, v, placement)
     require_rank(wq, 3, "[B, H, D]")
     for t in (wk, wv):
         require_rank(t, 3, "packed [total_k, H_kv, D]")
@@ -87,7 +84,7 @@ def prepare_decode(
             f"got {cu_k.size}"
         )
     return _decode_request(
-        DECODE, wq, wk, wv, cu_k, origin, softmax_scale=softmax_scale, num_splits=num_splits,
+        DECODE, wq, wk, wv, cu_k, q, softmax_scale=softmax_scale, num_splits=num_splits,
         return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
     )
 
@@ -111,10 +108,9 @@ def prepare_cache_decode(
     in a stateless decode."""
     empty = new_kv(k_new, v_new, ("k_new", "v_new"), target)
     if empty is None:
-        wq, wk, wv, origin = encode_qkv(q, k_new, v_new, placement,
-                                         names=("q", "k_new", "v_new"))
+        wq, wk, wv = encode_qkv(q, k_new, v_new, placement, names=("q", "k_new", "v_new"))
     else:
-        origin = describe(q, "q")[2]
+        describe(q, "q")  # q's errors first, as encode_qkv gives them
         wq, (wk, wv) = tensor_of(q, "q", placement), empty
     require_rank(wq, 3, "[B, H, D]")
     for t in (wk, wv):
@@ -129,7 +125,7 @@ def prepare_cache_decode(
     check_layout(target, wq, wk, wv)
     # Empty cu_seqlens_k: one new token per sequence (or none when k has no rows).
     return _decode_request(
-        CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), origin, softmax_scale=softmax_scale,
+        CACHE_DECODE, wq, wk, wv, np.empty(0, np.int32), q, softmax_scale=softmax_scale,
         num_splits=num_splits, return_lse=return_lse, cache=target, score=score,
         placement=placement, out=out,
     )

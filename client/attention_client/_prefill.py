@@ -14,32 +14,33 @@ from typing import Any
 import numpy as np
 
 from attention_client._errors import AttentionInputError
+from attention_client._layouts import (
+    CacheTarget,
+    check_cu_values,
+    check_layout,
+    count_check,
+    new_kv,
+)
 from attention_client._regions import Placement
 from attention_client._requests import (
     APPEND_KV,
     CACHE_PREFILL,
     PREFILL,
-    CacheTarget,
     KvScales,
     PreparedRequest,
+    ScoreMods,
     Tensor,
     as_flag,
-    check_cu_values,
-    check_layout,
     checked_header,
-    count_check,
     encode_qkv,
     finish_request,
-    new_kv,
     place_tensors,
     require_rank,
     same_lse,
     spec,
     tensor_of,
 )
-from attention_client._score import ScoreMods
 from attention_client._tensors import (
-    Origin,
     WireTensor,
     as_cu_seqlens,
     describe,
@@ -110,7 +111,7 @@ def _prefill_form(
 
 def _prefill_request(
     method: str, wq: Tensor, wk: Tensor, wv: Tensor, cu_q: np.ndarray, cu_k: np.ndarray,
-    user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], origin: Origin, *,
+    user_shape: tuple[int, ...], lse_fix: Callable[[Any], Any], like: Any, *,
     causal: bool, softmax_scale: float | None, return_lse: bool,
     placement: Placement | None = None, out: Any = None, cache: CacheTarget | None = None,
     score: ScoreMods | None = None, kv_scales: KvScales | None = None,
@@ -126,7 +127,7 @@ def _prefill_request(
     )
     lse_shape = (wq.shape[1], wq.shape[0]) if return_lse else None  # [H, total_q]
     return finish_request(
-        method, header, wq, wk, wv, origin, cu_q.size - 1, lse_shape, user_shape, lse_fix,
+        method, header, wq, wk, wv, like, cu_q.size - 1, lse_shape, user_shape, lse_fix,
         softmax_scale=softmax_scale, placement=placement, out=out, cache=cache, score=score,
         kv_scales=kv_scales,
     )
@@ -147,10 +148,10 @@ def prepare_prefill(
     score: ScoreMods | None = None,
     kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
-    wq, wk, wv, origin = encode_qkv(q, k, v, placement, fp8_queries=True)
+    wq, wk, wv = encode_qkv(q, k, v, placement, fp8_queries=True)
     form = _prefill_form(wq, wk, wv, cu_seqlens, cu_seqlens_k)
     return _prefill_request(
-        PREFILL, *form, origin, causal=causal, softmax_scale=softmax_scale,
+        PREFILL, *form, q, causal=causal, softmax_scale=softmax_scale,
         return_lse=return_lse, placement=placement, out=out, score=score, kv_scales=kv_scales,
     )
 
@@ -160,7 +161,7 @@ def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget,
     """AppendKV: k, v ``[total, H_kv, D]`` split by ``cu_seqlens`` over ``target.ids`` (None:
     one cache gets all rows). The result is the caches' lengths. ``placement``: k and v may
     go through registered regions."""
-    _, wk, wv, origin = encode_qkv(None, k, v, placement, names=("q", "k", "v"))
+    _, wk, wv = encode_qkv(None, k, v, placement, names=("q", "k", "v"))
     for t in (wk, wv):
         require_rank(t, 3, "[total, H_kv, D]")
     if cu_seqlens is None:
@@ -181,7 +182,8 @@ def prepare_append_kv(k: Any, v: Any, cu_seqlens: Any, target: CacheTarget,
     place_tensors(header, (no_q, wk, wv), placement, None, 0, 0, ())
     return PreparedRequest(
         method=APPEND_KV, header=checked_header(header), tensors=(no_q, wk, wv),
-        out_shape=None, out_dtype=wk.dtype, lse_shape=None, origin=origin, user_shape=(),
+        out_shape=None, out_dtype=wk.dtype, lse_shape=None, result_dtype=None,
+        result_device=None, user_shape=(),  # no output: the result is the caches' lengths
         lse_fix=same_lse, placement=placement, cache=target,
     )
 
@@ -205,11 +207,11 @@ def prepare_cache_prefill(
     0 rows and no ``cu_seqlens_k``: none either) and one cache per sequence. ``placement``:
     q, the new tokens and the outputs (``out=``) may go through registered regions, as in a
     stateless prefill."""
-    q_shape, _, origin = describe(q, "q")
+    q_shape, _ = describe(q, "q")
     lead = (q_shape[0], 0) if len(q_shape) == 4 and cu_seqlens_q is None else (0,)
     empty = new_kv(k, v, ("k", "v"), target, lead)
     if empty is None:
-        wq, wk, wv, origin = encode_qkv(q, k, v, placement)
+        wq, wk, wv = encode_qkv(q, k, v, placement)
     else:
         wq, (wk, wv) = tensor_of(q, "q", placement), empty
     check_layout(target, wq, wk, wv)
@@ -232,7 +234,7 @@ def prepare_cache_prefill(
     check_cu_values(cu_q, wq.shape[0], "cu_seqlens_q", "q")
     check_cu_values(cu_k, wk.shape[0], "cu_seqlens_k", "k")
     return _prefill_request(
-        CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, origin, causal=causal,
+        CACHE_PREFILL, wq, wk, wv, cu_q, cu_k, user_shape, lse_fix, q, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, placement=placement, out=out,
         cache=target, score=score,
     )

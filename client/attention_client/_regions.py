@@ -16,6 +16,9 @@ handle. Then every call looks at where its tensors live:
 ``use_regions=False`` (per client or per call) sends bytes as usual. A call whose tensors fit
 nowhere also falls back to bytes. Scratch space of a call that failed or was cancelled is not
 reused until the server reports the region idle (its copies into it may still be running).
+
+Here too, what the client does with its regions: ``new_region`` (one to register),
+``forgotten`` (those a restarted server no longer knows) and ``release_idle``.
 """
 
 from __future__ import annotations
@@ -471,7 +474,7 @@ def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[in
         target = torch.from_numpy(dst) if isinstance(dst, np.ndarray) else dst
         target.copy_(src.reshape(shape))
         return
-    wire, _ = to_wire(x, name)
+    wire = to_wire(x, name)
     if isinstance(dst, np.ndarray):
         np.copyto(dst, wire.array.reshape(shape))
     else:
@@ -480,37 +483,13 @@ def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[in
         dst.copy_(torch.from_numpy(wire.array.reshape(shape)))
 
 
-class RegionSet:
-    """The regions one client registered (thread-safe)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._regions: list[SharedRegion] = []
-
-    def add(self, region: SharedRegion) -> None:
-        with self._lock:
-            self._regions.append(region)
-
-    def discard(self, region: SharedRegion) -> None:
-        with self._lock:
-            if region in self._regions:
-                self._regions.remove(region)
-
-    def all(self) -> list[SharedRegion]:
-        with self._lock:
-            return [r for r in self._regions if not r.closed]
-
-    def __bool__(self) -> bool:
-        return bool(self.all())
-
-
 class Placement:
     """Where one call's tensors live. Scratch space (staged inputs, outputs) goes back when
     the call ends: at once after a success, after the server reports the region idle
     otherwise (a cancelled call's copies may still be running on the server)."""
 
-    def __init__(self, regions: RegionSet, stage: bool) -> None:
-        self._regions = regions.all()
+    def __init__(self, regions: list[SharedRegion], stage: bool) -> None:
+        self._regions = regions  # the client's open regions
         self._stage = stage
         self.scratch: list[Span] = []
         self.cuda_devices: set[Any] = set()
@@ -540,7 +519,7 @@ class Placement:
         """A RegionTensor for ``x``, or None (send its bytes)."""
         from attention_client._tensors import RegionTensor, describe
 
-        shape, wire_dtype, _ = describe(x, name)
+        shape, wire_dtype = describe(x, name)
         nbytes = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         if nbytes == 0:
             return None
@@ -598,3 +577,48 @@ class Placement:
             else:
                 span.region.quarantine(span.offset, span.nbytes)
         self.scratch = []
+
+
+# ---- a client's regions: registering, and after a server restart or a failed call ----
+
+
+def new_region(
+    kind: str, nbytes: int, name: str | None, device: Any
+) -> tuple[SharedRegion, pb.RegisterRegionRequest]:
+    """A new region of ``kind`` ("system", "cuda", "nixl") and its RegisterRegion request
+    (kept on it: ``_register_request`` registers it again after a server restart)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int | np.integer):
+        raise AttentionInputError(f"nbytes must be an int, got {type(nbytes).__name__}")
+    if name is not None:
+        try:
+            shm.check_name(name)
+        except (TypeError, ValueError) as exc:
+            raise AttentionInputError(f"name: {exc}") from None
+    if kind == "system":
+        region, key = create_system_region(nbytes, name)
+        source = {"system": pb.SystemRegion(key=key)}
+    elif kind == "nixl":
+        region, nixl = create_nixl_region(nbytes, name, device)
+        source = {"nixl": nixl}
+    else:
+        region, cuda = create_cuda_region(nbytes, device, name)
+        source = {"cuda": cuda}
+    request = pb.RegisterRegionRequest(name=region.name, byte_size=region.nbytes, **source)
+    region._register_request = request
+    return region, request
+
+
+def forgotten(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> list[SharedRegion]:
+    """Of a client's ``regions``, those the server does not know: it restarted (regions do
+    not survive a restart) or dropped them. Re-registering them (``_register_request``: the
+    same memory, same name) lets calls go on."""
+    known = {r.name for r in listing.regions}
+    return [r for r in regions if r.name not in known and not r.closed]
+
+
+def release_idle(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> None:
+    """Give back the quarantined scratch of those of ``regions`` the server reports idle."""
+    idle = {r.name for r in listing.regions if r.inflight == 0}
+    for region in regions:
+        if region.has_quarantine and region.name in idle:
+            region.release_quarantine()

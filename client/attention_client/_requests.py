@@ -1,6 +1,8 @@
 """What every request is made of: user arguments turned into a validated request (header
-bytes, tensors, the expected outputs). The ops themselves: ``_prefill`` (Prefill, CachePrefill,
-AppendKV) and ``_decode`` (Decode, CacheDecode).
+bytes, tensors, the expected outputs), and the checked per-call options that become header
+fields (``ScoreMods``: window_size / softcap / alibi_slopes; ``KvScales``: FP8 scales). The
+ops themselves: ``_prefill`` (Prefill, CachePrefill, AppendKV) and ``_decode`` (Decode,
+CacheDecode).
 
 Client-side checks only catch the obvious (rank, dtype, matching shapes): the server is the
 authority on everything else (head dims, cu_seqlens values, limits) and answers
@@ -10,40 +12,38 @@ outputs go into q's region when it has room.
 
 The KV-cache ops reuse the same headers with a ``CacheTarget``; AppendKV and CachePrefill send
 bytes, CacheDecode may use regions as Decode does, and their tensors are checked against the
-caches' layout here when the caller knows it (a ``KvLayout``).
+caches' layout when the caller knows it (a ``KvLayout``; both in ``_layouts``).
+
+At the end, the reply: ``ResponseAssembler`` fills the outputs from the parsed responses.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from attention_client._errors import AttentionInputError, ProtocolError
 from attention_client._regions import Placement, Span
-from attention_client._score import ScoreMods
 from attention_client._tensors import (
     FP8_QUERY_DTYPES,
     QUERY_DTYPES,
-    Origin,
     RegionTensor,
     WireTensor,
-    as_wire_dtype,
-    bfloat16_origin,
     describe,
     dtype_name,
     is_torch_tensor,
     real_number,
+    result_flavour,
     storage_dtype,
     to_user,
     to_wire,
 )
+from attention_wire.messages import OutputSlice, out_dtype
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import out_dtype
 
 Tensor = WireTensor | RegionTensor
 
@@ -55,11 +55,97 @@ APPEND_KV = "AppendKV"
 CACHE_PREFILL = "CachePrefill"
 CACHE_DECODE = "CacheDecode"
 
-# What the server takes as a cache id (check_cache_ids in attention_service.params).
-MAX_CACHE_ID_BYTES = 256
 
 # gRPC's default receive limit is 4 MiB; every message we send stays below this, header included.
 MAX_HEADER_BYTES = 3 * 1024 * 1024 + 512 * 1024
+
+
+# ---- per-call options that become header fields: score modifiers, FP8 scales ----
+# flash_attn's score modifiers as the client takes them (``window_size``, ``softcap``,
+# ``alibi_slopes``), checked here and sent as the header's ``ScoreOptions``.
+
+INT32_MAX = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class ScoreMods:
+    """Sliding window ``(left, right)`` (-1: unbounded), softcap (0: off), ALiBi slopes
+    (float32, ``[H]`` or ``[B, H]``; None: off)."""
+
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    slopes: np.ndarray | None = None
+
+    @staticmethod
+    def of(window_size: Any = (-1, -1), softcap: Any = 0.0,
+           alibi_slopes: Any = None) -> ScoreMods | None:
+        """Checked options; None when none is set (the header then carries no ScoreOptions)."""
+        window = _window(window_size)
+        cap = _softcap(softcap)
+        slopes = _slopes(alibi_slopes)
+        if window == (-1, -1) and cap == 0.0 and slopes is None:
+            return None
+        return ScoreMods(window, cap, slopes)
+
+    def message(self, num_heads: int, batch: int) -> pb.ScoreOptions:
+        msg = pb.ScoreOptions(softcap=self.softcap)
+        if self.window[0] != -1:
+            msg.window_left = self.window[0]
+        if self.window[1] != -1:
+            msg.window_right = self.window[1]
+        if self.slopes is not None:
+            s = self.slopes
+            want = ((num_heads,), (batch, num_heads))
+            if s.shape not in want:
+                raise AttentionInputError(
+                    f"alibi_slopes must have shape [{num_heads}] (num_heads) or "
+                    f"[{batch}, {num_heads}] (batch, num_heads), got {list(s.shape)}"
+                )
+            msg.alibi_slopes.extend(s.reshape(-1).tolist())
+        return msg
+
+
+def _window(window_size: Any) -> tuple[int, int]:
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise AttentionInputError(
+            f"window_size must be a pair (left, right), got {window_size!r}"
+        ) from None
+    out = []
+    for name, x in (("window_size[0]", left), ("window_size[1]", right)):
+        if isinstance(x, bool) or not isinstance(x, int | np.integer):
+            raise AttentionInputError(f"{name} must be an int, got {x!r}")
+        if not -1 <= int(x) <= INT32_MAX:
+            raise AttentionInputError(f"{name} must be >= -1 (-1: unbounded), got {x}")
+        out.append(int(x))
+    return out[0], out[1]
+
+
+def _softcap(softcap: Any) -> float:
+    if not real_number(softcap):  # float() would take "1.5" and True
+        raise AttentionInputError(f"softcap must be a number, got {type(softcap).__name__} "
+                                  f"{softcap!r}")
+    cap = float(softcap)
+    if not (math.isfinite(cap) and cap >= 0):
+        raise AttentionInputError(f"softcap must be finite and >= 0 (0: off), got {softcap}")
+    return cap
+
+
+def _slopes(alibi_slopes: Any) -> np.ndarray | None:
+    if alibi_slopes is None:
+        return None
+    if hasattr(alibi_slopes, "detach"):  # a torch tensor, on any device
+        alibi_slopes = alibi_slopes.detach().float().cpu().numpy()
+    try:
+        s = np.asarray(alibi_slopes, dtype=np.float32)
+    except (TypeError, ValueError):
+        raise AttentionInputError("alibi_slopes must be numbers, [H] or [B, H]") from None
+    if s.ndim not in (1, 2) or s.shape[-1] == 0:  # [0, H]: per sequence, of an empty batch
+        raise AttentionInputError(f"alibi_slopes must be [H] or [B, H], got shape {s.shape}")
+    if not np.isfinite(s).all():
+        raise AttentionInputError("alibi_slopes must be finite")
+    return s
 
 
 # (k scales, v scales) per kv head, and FP8 queries' (``q_scale``) as a third entry; in a
@@ -108,14 +194,14 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None, rows: bool = T
     return tuple(out)
 
 
-def _scales_message(scales: KvScales) -> pb.KvScales:
+def scales_message(scales: KvScales) -> pb.KvScales:
     """Rows per sequence go sequence-major, as the proto says."""
     k, v, q = (tuple(x for r in p for x in r) if scale_rows(p) else p
                for p in (*scales[:2], scales[2] if len(scales) > 2 else ()))
     return pb.KvScales(k=k, v=v, q=q)
 
 
-def _check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
+def check_scale_heads(scales: KvScales, heads: int, sequences: int = 0) -> None:
     """One scale per kv head, or (a stateless call of ``sequences``) a row of them per
     sequence."""
     for part, name in zip(scales, _SCALE_NAMES, strict=False):
@@ -148,156 +234,21 @@ def _set_kv_scales(header: Any, wq: Tensor, wk: Tensor, scales: KvScales | None,
             "float8_e4m3fn q, k and v need q_scale, k_scale and v_scale" if fp8_q else
             "float8_e4m3fn k and v need k_scale and v_scale (one float per kv head: "
             "attention_kernels.quantize_kv makes them)")
-    _check_scale_heads(scales, wk.shape[-2], sequences)
-    header.kv_scales.CopyFrom(_scales_message(scales))
+    check_scale_heads(scales, wk.shape[-2], sequences)
+    header.kv_scales.CopyFrom(scales_message(scales))
 
 
-@dataclass(frozen=True)
-class KvLayout:
-    """The layout of server-side caches: the queries run against them (and their outputs)
-    are ``dtype`` (a pb.DType) with heads that ``num_kv_heads`` divides; keys and values
-    have ``num_kv_heads`` heads of ``head_dim`` and are stored in ``kv_dtype`` (0: ``dtype``;
-    FLOAT8_E4M3 with ``kv_scales``)."""
-
-    dtype: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype: int = 0
-    kv_scales: KvScales | None = None
-
-    @classmethod
-    def of(cls, num_kv_heads: int, head_dim: int, dtype: Any, kv_dtype: Any = None,
-           k_scale: Any = None, v_scale: Any = None) -> KvLayout:
-        heads, dim = _positive(num_kv_heads, "num_kv_heads"), _positive(head_dim, "head_dim")
-        if dim > MAX_HEAD_DIM:
-            raise AttentionInputError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {dim}")
-        wire = as_wire_dtype(dtype)
-        if wire not in QUERY_DTYPES:
-            raise AttentionInputError(f"dtype {dtype_name(wire)} is for keys and values only: "
-                                      "give the queries' dtype, and kv_dtype for the stored one")
-        stored = as_wire_dtype(kv_dtype, "kv_dtype") if kv_dtype is not None else wire
-        scales = kv_scales_of(k_scale, v_scale, rows=False)  # a cache is one sequence
-        if stored == wire:
-            if scales is not None:
-                raise AttentionInputError("k_scale/v_scale are for kv_dtype float8_e4m3fn")
-            return cls(wire, heads, dim)
-        if stored != pb.FLOAT8_E4M3 or wire not in FP8_QUERY_DTYPES:
-            raise AttentionInputError(f"kv_dtype {dtype_name(stored)} with dtype "
-                                      f"{dtype_name(wire)}: leave kv_dtype unset, or "
-                                      "float8_e4m3fn with float16 or bfloat16")
-        if scales is None:
-            raise AttentionInputError("kv_dtype float8_e4m3fn needs k_scale and v_scale (one "
-                                      "float per kv head)")
-        _check_scale_heads(scales, heads)
-        return cls(wire, heads, dim, stored, scales)
-
-    @classmethod
-    def from_message(cls, layout: pb.CacheLayout) -> KvLayout:
-        kv_dtype = int(layout.kv_dtype) if layout.kv_dtype != layout.dtype else 0
-        scales = None
-        if layout.HasField("kv_scales"):  # float32 on the wire, as kv_scales_of keeps them
-            scales = (tuple(layout.kv_scales.k), tuple(layout.kv_scales.v))
-        return cls(int(layout.dtype), int(layout.num_kv_heads), int(layout.head_dim),
-                   kv_dtype, scales)
-
-    def message(self) -> pb.CacheLayout:
-        msg = pb.CacheLayout(
-            dtype=self.dtype, num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-            kv_dtype=self.kv_dtype,
-        )
-        if self.kv_scales is not None:
-            msg.kv_scales.CopyFrom(_scales_message(self.kv_scales))
-        return msg
+class CacheCall(Protocol):
+    """The caches a cache op runs against, as its request holds them (``_layouts.CacheTarget``:
+    typed here by what a request uses, so that this module needs none of the caches' own)."""
 
     @property
-    def stored_dtype(self) -> int:
-        return self.kv_dtype or self.dtype
+    def ids(self) -> tuple[str, ...]: ...
 
-    def empty_kv(self, name: str, lead: tuple[int, ...] = (0,)) -> WireTensor:
-        """No new tokens: a ``[*lead, num_kv_heads, head_dim]`` tensor with no rows, in the
-        stored dtype (so a step without tokens merges with steps sending FP8 ones)."""
-        shape = (*lead, self.num_kv_heads, self.head_dim)
-        dtype = self.stored_dtype
-        return WireTensor(name, np.empty(shape, storage_dtype(dtype)), dtype)
+    @property
+    def layout(self) -> Any: ...  # the caches' KvLayout when known, else None
 
-    def check(self, t: Tensor, kv: bool) -> None:
-        """AttentionInputError naming ``t`` when it does not fit: dtype, head_dim, kv heads
-        (or, for a query, a head count the kv heads divide)."""
-        if t.dtype != self.dtype and not (kv and t.dtype == self.stored_dtype):
-            held = dtype_name(self.dtype)
-            if kv and self.stored_dtype != self.dtype:
-                held += f" (or {dtype_name(self.stored_dtype)}, as they are stored)"
-            raise AttentionInputError(
-                f"{t.name} has dtype {dtype_name(t.dtype)}, but the caches take {held}"
-            )
-        heads, dim = t.shape[-2], t.shape[-1]
-        if dim != self.head_dim:
-            raise AttentionInputError(
-                f"{t.name} has head_dim {dim} (shape {t.shape}), but the caches have "
-                f"head_dim {self.head_dim}"
-            )
-        if kv and heads != self.num_kv_heads:
-            raise AttentionInputError(
-                f"{t.name} has {heads} kv heads (shape {t.shape}), but the caches have "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-        if not kv and heads % self.num_kv_heads:
-            raise AttentionInputError(
-                f"{t.name} has {heads} heads (shape {t.shape}), not a multiple of the caches' "
-                f"num_kv_heads {self.num_kv_heads}"
-            )
-
-
-@dataclass(frozen=True)
-class CacheTarget:
-    """The caches a cache op runs against (one per sequence), and whether the new tokens are
-    kept. ``layout``, when known, is what the tensors are checked against before sending."""
-
-    ids: tuple[str, ...]
-    store: bool = True
-    layout: KvLayout | None = None
-
-    def message(self) -> pb.CacheTarget:
-        return pb.CacheTarget(cache_ids=self.ids, store=self.store)
-
-
-def _positive(x: Any, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int | np.integer) or x < 1:
-        raise AttentionInputError(f"{name} must be a positive integer, got {x!r}")
-    return int(x)
-
-
-def as_cache_ids(ids: Any, name: str = "ids") -> tuple[str, ...]:
-    """A str or a sequence of str -> a tuple; AttentionInputError naming ``name`` for an empty
-    list, an id of 0 or over 256 UTF-8 bytes, a non-str, or an id given twice."""
-    if isinstance(ids, str):
-        ids = (ids,)
-    elif isinstance(ids, bytes | bytearray) or not hasattr(ids, "__iter__"):
-        raise AttentionInputError(
-            f"{name} must be a str or a sequence of str, got {type(ids).__name__}"
-        )
-    elif isinstance(ids, AbstractSet | Mapping):  # ids go with rows in order: none here
-        raise AttentionInputError(
-            f"{name} must be a str or a sequence of str, got {type(ids).__name__}: its order "
-            "is arbitrary, so which cache got which rows would be too (pass a list)"
-        )
-    out = tuple(ids)
-    if not out:
-        raise AttentionInputError(f"{name} is empty: name at least one cache")
-    seen: set[str] = set()
-    for i, cid in enumerate(out):
-        if not isinstance(cid, str):
-            raise AttentionInputError(f"{name}[{i}] must be a str, got {type(cid).__name__}")
-        try:
-            nbytes = len(cid.encode())
-        except UnicodeEncodeError:  # a lone surrogate: no UTF-8 form, so no wire form either
-            raise AttentionInputError(f"{name}[{i}] is not valid UTF-8 text: {cid!r}") from None
-        if not 1 <= nbytes <= MAX_CACHE_ID_BYTES:
-            raise AttentionInputError(f"{name}[{i}] must take 1-{MAX_CACHE_ID_BYTES} UTF-8 bytes")
-        if cid in seen:
-            raise AttentionInputError(f"{name}[{i}] {cid!r} appears twice")
-        seen.add(cid)
-    return out
+    def message(self) -> pb.CacheTarget: ...
 
 
 @dataclass
@@ -308,16 +259,17 @@ class PreparedRequest:
     header: bytes  # serialized PrefillHeader / DecodeHeader
     tensors: tuple[Tensor, Tensor, Tensor]  # q, k, v: wire bytes, or spans of regions
     out_shape: tuple[int, ...] | None  # OUT as the server sends it (None: AppendKV, no output)
-    out_dtype: int  # pb.DType of OUT (``attention_wire.responses.out_dtype``)
+    out_dtype: int  # pb.DType of OUT (``attention_wire.messages.out_dtype``)
     lse_shape: tuple[int, ...] | None  # LSE as the server sends it, None if not requested
-    origin: Origin  # the flavour results come back in (q's)
+    result_dtype: Any  # the dtype results come back in: q's (numpy's or torch's)
+    result_device: Any  # and q's device (torch); None: results are numpy arrays
     user_shape: tuple[int, ...]  # out's shape as the caller sees it
     lse_fix: Callable[[Any], Any]  # server lse layout -> the caller's
     placement: Placement | None = None
     out_span: Span | None = None  # OUT written into a region instead of streamed
     lse_span: Span | None = None
     user_out: Any = None  # ``out=``: returned as the result once the server wrote it
-    cache: CacheTarget | None = None  # the cache ops' caches
+    cache: CacheCall | None = None  # the cache ops' caches
     cache_lengths: list[int] | None = None  # their lengths after the call (set on completion)
     stats: dict[str, Any] | None = None  # the call's RequestStats (set on completion)
 
@@ -361,26 +313,28 @@ class PreparedRequest:
         else:
             if self.placement is not None and self.out_span is not None:
                 out = self.placement.read(self.out_span, self.out_shape, self.out_dtype)
-            result = to_user(out.reshape(self.user_shape), self.origin)
+            result = to_user(out.reshape(self.user_shape), self.result_dtype,
+                             self.result_device)
         if lse is None:
             return result
-        return result, to_user(self.lse_fix(lse), self.origin, is_lse=True)
+        return result, to_user(self.lse_fix(lse), self.result_dtype, self.result_device,
+                               is_lse=True)
 
 
 def tensor_of(x: Any, name: str, placement: Placement | None) -> Tensor:
     placed = placement.input(x, name) if placement is not None else None
-    return placed if placed is not None else to_wire(x, name)[0]
+    return placed if placed is not None else to_wire(x, name)
 
 
 def encode_qkv(
     q: Any, k: Any, v: Any, placement: Placement | None = None,
     names: tuple[str, str, str] = ("q", "k", "v"), fp8_queries: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Origin]:
-    """Encode q, k, v (q None: k alone gives the origin, and the q returned is k);
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Encode q, k, v (q None: k alone, and the q returned is k);
     AttentionInputError when their dtypes or k/v shapes differ. ``fp8_queries``: the call
     takes float8_e4m3fn queries beside float8_e4m3fn keys and values (a stateless prefill)."""
     first = (q, names[0]) if q is not None else (k, names[1])
-    _, _, origin = describe(*first)
+    describe(*first)  # q's errors (else k's) before the others'
     wk, wv = tensor_of(k, names[1], placement), tensor_of(v, names[2], placement)
     wq = tensor_of(q, names[0], placement) if q is not None else wk
     fp8_q = fp8_queries and wq.dtype == pb.FLOAT8_E4M3
@@ -405,7 +359,7 @@ def encode_qkv(
         if t.shape and not 1 <= t.shape[-1] <= MAX_HEAD_DIM:
             raise AttentionInputError(f"{t.name} has head_dim {t.shape[-1]} (shape {t.shape}): "
                                       f"must be in [1, {MAX_HEAD_DIM}]")
-    return wq, wk, wv, origin
+    return wq, wk, wv
 
 
 def require_rank(t: Tensor, rank: int, layout: str) -> None:
@@ -424,7 +378,7 @@ def spec(t: Tensor) -> pb.TensorSpec:
 def _check_out(out: Any, user_shape: tuple[int, ...], wire_dtype: int) -> None:
     """``out=`` must be what the result would be: its bytes are the server's output as they
     are, so another dtype or shape of the same size would read as garbage."""
-    shape, dtype, _ = describe(out, "out")
+    shape, dtype = describe(out, "out")
     if dtype != wire_dtype or shape != tuple(user_shape):
         raise AttentionInputError(
             f"out has shape {shape} and dtype {dtype_name(dtype)}: the result has shape "
@@ -476,15 +430,15 @@ def place_tensors(
 
 
 def finish_request(
-    method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, origin: Origin,
-    sequences: int, lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
+    method: str, header: Any, wq: Tensor, wk: Tensor, wv: Tensor, like: Any, sequences: int,
+    lse_shape: tuple[int, int] | None, user_shape: tuple[int, ...],
     lse_fix: Callable[[Any], Any], *, softmax_scale: float | None,
-    placement: Placement | None, out: Any, cache: CacheTarget | None,
+    placement: Placement | None, out: Any, cache: CacheCall | None,
     score: ScoreMods | None, kv_scales: KvScales | None,
 ) -> PreparedRequest:
     """What both header kinds (``_prefill``, ``_decode``) end with: the caches or the FP8
     scales, score options over ``sequences``, the softmax scale, the outputs' placement, and
-    the request itself."""
+    the request itself, whose results take the flavour of ``like`` (the caller's q)."""
     if cache is not None:
         header.cache.CopyFrom(cache.message())
     else:
@@ -498,12 +452,13 @@ def finish_request(
         header, (wq, wk, wv), placement, out, _nbytes(wq.shape, out_dtype(wq.dtype)),
         _nbytes(lse_shape, pb.FLOAT32) if lse_shape else 0, user_shape,
     )
+    result_dtype, result_device = result_flavour(like, bfloat16=wq.dtype == pb.FLOAT8_E4M3)
     return PreparedRequest(
         method=method, header=checked_header(header), tensors=(wq, wk, wv),
         out_shape=wq.shape, out_dtype=out_dtype(wq.dtype), lse_shape=lse_shape,
-        origin=bfloat16_origin(origin) if wq.dtype == pb.FLOAT8_E4M3 else origin,
-        user_shape=user_shape, lse_fix=lse_fix, placement=placement, out_span=out_span,
-        lse_span=lse_span, user_out=out, cache=cache,
+        result_dtype=result_dtype, result_device=result_device, user_shape=user_shape,
+        lse_fix=lse_fix, placement=placement, out_span=out_span, lse_span=lse_span,
+        user_out=out, cache=cache,
     )
 
 
@@ -548,50 +503,129 @@ def same_lse(lse: Any) -> Any:
     return lse
 
 
-# ---- KV-cache ops: tensors checked against the layout if known ----
+# ---- the reply: OUT/LSE row slices -> preallocated arrays, with every row checked ----------
+# Each slice (parsed by ``attention_wire.messages`` without copying its bytes) is copied
+# straight into its rows of the final array: the one copy on the client. Every row must arrive
+# exactly once and the stream must end with RequestStats; anything else raises ProtocolError,
+# never a silently wrong tensor.
 
 
-def check_cu_values(cu: np.ndarray, total: int, name: str, rows_of: str) -> None:
-    """The cache ops check boundaries here too: a refused request must not come after its
-    caches were created."""
-    if cu.size and (cu[0] != 0 or (np.diff(cu) < 0).any() or cu[-1] != total):
-        raise AttentionInputError(
-            f"{name} must start at 0, never decrease and end at {total} (the rows of "
-            f"{rows_of}), got {cu.tolist()}"
-        )
+def _name(dtype: int) -> str:
+    return dtype_name(dtype) if dtype in pb.DType.values() else f"dtype {dtype}"
 
 
-def check_layout(target: CacheTarget, q: Tensor | None, k: Tensor, v: Tensor) -> None:
-    if target.layout is None:
-        return
-    if q is not None:
-        target.layout.check(q, kv=False)
-    target.layout.check(k, kv=True)
-    target.layout.check(v, kv=True)
+def stats_dict(stats: pb.RequestStats) -> dict[str, Any]:
+    """The stats as plain Python values (repeated fields as lists)."""
+    out = {name: getattr(stats, name) for name in _STATS_SCALARS}
+    for name in _STATS_LISTS:
+        out[name] = list(getattr(stats, name))
+    return out
 
 
-def new_kv(
-    k: Any, v: Any, names: tuple[str, str], target: CacheTarget, lead: tuple[int, ...] = (0,)
-) -> tuple[Tensor, Tensor] | None:
-    """No new tokens (k and v both None): empty k and v of the caches' layout. None when k and
-    v are given."""
-    if (k is None) != (v is None):
-        raise AttentionInputError(f"{names[0]} and {names[1]} must both be given, or both be None")
-    if k is not None:
-        return None
-    if target.layout is None:
-        raise AttentionInputError(
-            f"{names[0]}/{names[1]} None (no new tokens) needs the caches' layout "
-            "(use a kv_cache handle)"
-        )
-    return target.layout.empty_kv(names[0], lead), target.layout.empty_kv(names[1], lead)
+def _is_repeated(field: Any) -> bool:
+    # FieldDescriptor.label is deprecated in newer protobuf; is_repeated replaces it.
+    rep = getattr(field, "is_repeated", None)
+    return bool(rep) if rep is not None else field.label == field.LABEL_REPEATED
 
 
-def count_check(sequences: int, target: CacheTarget, what: str) -> None:
-    if sequences != len(target.ids):
-        raise AttentionInputError(
-            f"ids names {len(target.ids)} caches, but {what} has {sequences} sequences: "
-            "name one cache per sequence"
-        )
+# RequestStats' fields by kind, read once (every call's stats go through stats_dict).
+_STATS_SCALARS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if not _is_repeated(f))
+_STATS_LISTS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if _is_repeated(f))
 
 
+class ResponseAssembler:
+    """Feed every parsed response (``messages.parse_response``) to ``add``; ``finish`` returns
+    (out, lse, stats). A shape of None: that output is not streamed (it went into a region,
+    or lse was not asked for) and must not arrive."""
+
+    def __init__(
+        self,
+        method: str,
+        out_shape: tuple[int, ...] | None,
+        out_dtype: int,
+        lse_shape: tuple[int, ...] | None,
+    ) -> None:
+        self.method = method
+        # Per output field (pb.OUT, pb.LSE) that streams back: its wire dtype, the storage
+        # array it is copied into, and which of its rows have arrived.
+        self._dtypes: dict[int, int] = {}
+        self._arrays: dict[int, np.ndarray] = {}
+        self._seen: dict[int, np.ndarray] = {}
+        for field, shape, dtype in ((pb.OUT, out_shape, out_dtype),
+                                    (pb.LSE, lse_shape, pb.FLOAT32)):
+            if shape is not None:
+                self._dtypes[field] = dtype
+                self._arrays[field] = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
+                self._seen[field] = np.zeros(self._arrays[field].shape[0], dtype=bool)
+        self._stats: pb.RequestStats | None = None
+
+    def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
+        if self._stats is not None:
+            raise ProtocolError("message after the final RequestStats", self.method)
+        if isinstance(response, pb.RequestStats):
+            self._stats = response
+            return
+        if response is None:
+            raise ProtocolError("response message with no payload", self.method)
+        chunk = response
+        if chunk.field not in self._arrays:
+            raise ProtocolError(
+                f"unexpected output field {pb.OutputField.Name(chunk.field)}"
+                if chunk.field in pb.OutputField.values()
+                else f"unknown output field {chunk.field}",
+                self.method,
+            )
+        self._fill(chunk)
+
+    def _fill(self, chunk: OutputSlice) -> None:
+        """Copy ``chunk``'s rows into its field's array, each row checked to come once."""
+        name, wire_dtype = pb.OutputField.Name(chunk.field), self._dtypes[chunk.field]
+        array, seen = self._arrays[chunk.field], self._seen[chunk.field]
+        if chunk.dtype != wire_dtype or chunk.shape != array.shape:
+            raise ProtocolError(
+                f"{name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
+                f"expected {dtype_name(wire_dtype)}{list(array.shape)}",
+                self.method,
+            )
+        rows, row_bytes = array.shape[0], _row_bytes(array)
+        start, count = chunk.row_start, chunk.row_count
+        if start < 0 or count < 0 or start + count > rows:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) outside [0, {rows})", self.method
+            )
+        data = chunk.data
+        if len(data) != count * row_bytes:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) carry {len(data)} bytes, "
+                f"expected {count * row_bytes}",
+                self.method,
+            )
+        if seen[start : start + count].any():
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) arrived more than once", self.method
+            )
+        seen[start : start + count] = True
+        if count:
+            by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+            by_row[start : start + count] = np.frombuffer(data, np.uint8).reshape(
+                count, row_bytes
+            )
+
+    def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
+        for field, seen in self._seen.items():
+            array = self._arrays[field]
+            if _row_bytes(array) == 0 or seen.all():  # zero-width rows carry nothing to wait for
+                continue
+            missing = np.flatnonzero(~seen)
+            raise ProtocolError(
+                f"{pb.OutputField.Name(field)} is missing {missing.size} of {array.shape[0]} "
+                f"rows (first missing row {int(missing[0])})",
+                self.method,
+            )
+        if self._stats is None:
+            raise ProtocolError("response stream ended without RequestStats", self.method)
+        return self._arrays.get(pb.OUT), self._arrays.get(pb.LSE), stats_dict(self._stats)
+
+
+def _row_bytes(array: np.ndarray) -> int:
+    return math.prod(array.shape[1:]) * array.itemsize

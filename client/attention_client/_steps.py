@@ -35,31 +35,43 @@ import numpy as np
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
-    STEP_METHODS,
     AsyncStreamCall,
     StreamCall,
     StreamError,
     not_sent,
     unimplemented,
 )
-from attention_client._channel import DEFAULT, CallSettings, check_timeout, merge_metadata
+from attention_client._channel import (
+    DEFAULT,
+    STEP_METHODS,
+    CallSettings,
+    check_timeout,
+    merge_metadata,
+)
 from attention_client._core import Steps, _io
 from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
 from attention_client._regions import pointer
-from attention_client._requests import PreparedRequest
-from attention_client._responses import stats_dict
-from attention_client._score import ScoreMods
+from attention_client._requests import PreparedRequest, ScoreMods, stats_dict
 from attention_client._tensors import (
     RegionTensor,
     WireTensor,
     is_torch_tensor,
+    result_flavour,
     storage_dtype,
     to_wire,
     torch_bits,
 )
+from attention_wire.messages import (
+    IN_BAND,
+    STEP_ERRORS_HEADER,
+    call_error,
+    chunk_head,
+    message_frame,
+    output_chunk_lead,
+    parse_result,
+    step_timeout,
+)
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER, message_frame, step_timeout
-from attention_wire.responses import call_error, chunk_head, output_chunk_lead, parse_result
 
 _CALL = "CacheDecode"  # what errors and metrics call a step
 # Step templates a handle keeps (one per layer in a decode loop; a 256-id key is ~10 KB).
@@ -284,15 +296,15 @@ class _StepsBase:
         if template is None:
             return None
         try:
-            (wq, origin), (wk, _), (wv, _) = (to_wire(q, "q"), to_wire(k_new, "k_new"),
-                                             to_wire(v_new, "v_new"))
+            wq, wk, wv = to_wire(q, "q"), to_wire(k_new, "k_new"), to_wire(v_new, "v_new")
         except Exception:  # noqa: BLE001 (the long way raises it with the usual message)
             return None
         if any(w.shape != t.shape or w.dtype != t.dtype
                for w, t in zip((wq, wk, wv), template.tensors, strict=True)):
             return None
         prep = copy.copy(template)
-        prep.tensors, prep.origin = (wq, wk, wv), origin
+        prep.tensors = (wq, wk, wv)
+        prep.result_dtype, prep.result_device = result_flavour(q)
         prep.cache_lengths = prep.stats = None
         return prep
 

@@ -24,8 +24,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from attention_client._requests import KvScales, scale_rows
-from attention_client._score import ScoreMods
+from attention_client._requests import KvScales, ScoreMods, scale_rows
 from attention_client._tensors import is_torch_tensor
 
 # Smaller calls go whole: below about this much, the extra call's set-up (about 0.3-0.5 ms

@@ -35,25 +35,23 @@ def dtype_name(wire_dtype: int) -> str:
     return pb.DType.Name(wire_dtype)
 
 
-@dataclass(frozen=True)
-class Origin:
-    """Where a user tensor came from, so results go back the same way."""
+def result_flavour(x: Any, bfloat16: bool = False) -> tuple[Any, Any]:
+    """The dtype and device a call's results take after the caller's tensor ``x`` (q's): a
+    torch tensor's dtype and device, or a numpy array's dtype (little-endian) and None.
+    ``bfloat16``: bfloat16 instead, the output of FP8 queries (torch's; numpy's from
+    ml_dtypes, which the FP8 inputs came from)."""
+    torch_x = is_torch_tensor(x)
+    if bfloat16:
+        if torch_x:
+            import torch
 
-    kind: str  # "numpy" | "torch"
-    dtype: Any  # the user's dtype: np.dtype or torch.dtype
-    device: Any = None  # torch device (None for numpy)
+            return torch.bfloat16, x.device
+        import ml_dtypes
 
-
-def bfloat16_origin(origin: Origin) -> Origin:
-    """``origin`` with bfloat16 for its dtype: the flavour of FP8 queries' output (torch's
-    bfloat16; numpy's from ml_dtypes, which the FP8 inputs came from)."""
-    if origin.kind == "torch":
-        import torch
-
-        return Origin("torch", torch.bfloat16, origin.device)
-    import ml_dtypes
-
-    return Origin("numpy", np.dtype(ml_dtypes.bfloat16))
+        return np.dtype(ml_dtypes.bfloat16), None
+    if torch_x:
+        return x.dtype, x.device
+    return (x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype), None
 
 
 @dataclass(frozen=True)
@@ -169,22 +167,20 @@ def as_wire_dtype(dtype: Any, name: str = "dtype") -> int:
     return _numpy_wire_dtype(np.empty(0, np_dtype), name)
 
 
-def describe(x: Any, name: str) -> tuple[tuple[int, ...], int, Origin]:
-    """Shape, wire dtype and origin of a user tensor, without touching its bytes."""
+def describe(x: Any, name: str) -> tuple[tuple[int, ...], int]:
+    """Shape and wire dtype of a user tensor, without touching its bytes."""
     if is_torch_tensor(x):
-        return tuple(x.shape), _torch_wire_dtype(x, name), Origin("torch", x.dtype, x.device)
+        return tuple(x.shape), _torch_wire_dtype(x, name)
     if isinstance(x, np.ndarray):
-        dtype = x.dtype.newbyteorder("<") if x.dtype.byteorder == ">" else x.dtype
-        return tuple(x.shape), _numpy_wire_dtype(x, name), Origin("numpy", dtype)
+        return tuple(x.shape), _numpy_wire_dtype(x, name)
     raise AttentionInputError(
         f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}"
     )
 
 
-def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
+def _from_torch(x: Any, name: str) -> WireTensor:
     torch = _torch_module()
     wire_dtype = _torch_wire_dtype(x, name)
-    origin = Origin("torch", x.dtype, x.device)
     t = x.detach().contiguous()
     if t.device.type != "cpu":
         # Into pinned memory (torch caches pinned blocks, so repeat calls reuse them): the DMA
@@ -196,7 +192,7 @@ def _from_torch(x: Any, name: str) -> tuple[WireTensor, Origin]:
     bits = torch_bits(x.dtype)
     if bits is not x.dtype:
         t = t.view(bits)  # numpy cannot hold bfloat16 or float8; the bits are what we send
-    return WireTensor(name, t.numpy(), wire_dtype), origin
+    return WireTensor(name, t.numpy(), wire_dtype)
 
 
 def torch_bits(dtype: Any) -> Any:
@@ -206,20 +202,19 @@ def torch_bits(dtype: Any) -> Any:
     return {torch.bfloat16: torch.int16, torch.float8_e4m3fn: torch.uint8}.get(dtype, dtype)
 
 
-def _from_numpy(x: np.ndarray, name: str) -> tuple[WireTensor, Origin]:
+def _from_numpy(x: np.ndarray, name: str) -> WireTensor:
     wire = _numpy_wire_dtype(x, name)
     if x.dtype.byteorder == ">":
         x = x.astype(x.dtype.newbyteorder("<"))
-    origin = Origin("numpy", x.dtype)  # results come back little-endian
     x = np.ascontiguousarray(x)  # no copy when already C-contiguous
     if wire == pb.BFLOAT16:
         x = x.view(np.int16)
     elif wire == pb.FLOAT8_E4M3:
         x = x.view(np.uint8)
-    return WireTensor(name, x, wire), origin
+    return WireTensor(name, x, wire)
 
 
-def to_wire(x: Any, name: str) -> tuple[WireTensor, Origin]:
+def to_wire(x: Any, name: str) -> WireTensor:
     """Encode one user tensor; raises AttentionInputError naming ``name`` for unsupported inputs."""
     if is_torch_tensor(x):
         return _from_torch(x, name)
@@ -230,19 +225,20 @@ def to_wire(x: Any, name: str) -> tuple[WireTensor, Origin]:
     )
 
 
-def to_user(storage: Any, origin: Origin, *, is_lse: bool = False) -> Any:
-    """Give a received array back in the caller's flavour (numpy or torch, dtype, device).
-    ``storage`` is a numpy array of the wire's storage dtype, or (a CUDA region's output) a
-    torch tensor of it; it becomes the result without a copy where the flavour allows."""
-    if origin.kind == "numpy":
-        return storage if is_lse else storage.view(origin.dtype)
+def to_user(storage: Any, dtype: Any, device: Any, *, is_lse: bool = False) -> Any:
+    """Give a received array back in the caller's flavour (``result_flavour``: ``dtype``, and
+    ``device`` None for numpy, a torch device for torch). ``storage`` is a numpy array of the
+    wire's storage dtype, or (a CUDA region's output) a torch tensor of it; it becomes the
+    result without a copy where the flavour allows."""
+    if device is None:
+        return storage if is_lse else storage.view(dtype)
     import torch  # present: the caller passed a tensor
 
     t = storage if isinstance(storage, torch.Tensor) else torch.from_numpy(storage)
-    if not is_lse and origin.dtype == torch.bfloat16:
+    if not is_lse and dtype == torch.bfloat16:
         t = t.view(torch.bfloat16)
-    if origin.device is not None and origin.device.type != "cpu":
-        t = t.to(origin.device)
+    if device.type != "cpu":
+        t = t.to(device)
     return t
 
 

@@ -15,17 +15,18 @@ from typing import Any
 
 import grpc
 
-from attention_client._base import (
+from attention_client._caches import AsyncKvCache
+from attention_client._call_streams import AsyncCallStreams
+from attention_client._channel import (
+    INFO_METHOD,
     SPREAD_TIMEOUT_S,
+    CallSettings,
     LostLanes,
     crowded,
     lane_rpcs,
     small_rpcs,
     spread_tries,
 )
-from attention_client._caches import AsyncKvCache
-from attention_client._call_streams import AsyncCallStreams
-from attention_client._channel import INFO_METHOD, CallSettings
 from attention_client._core import ClientCore, Steps
 from attention_client._errors import (
     AttentionError,
@@ -38,8 +39,8 @@ from attention_client._regions import SharedRegion
 from attention_client._requests import PreparedRequest
 from attention_client._steps import AsyncDecodeSteps
 from attention_client._stripes import join, lanes, merge_stats
+from attention_wire.messages import encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import encode_messages
 
 
 class AsyncAttentionClient(ClientCore):
@@ -237,7 +238,7 @@ class AsyncAttentionClient(ClientCore):
 
     async def close(self) -> None:
         """Unregister this client's regions (best effort) and close the channel."""
-        for region in self.regions.all():
+        for region in self._live_regions():
             with contextlib.suppress(AttentionError):
                 await region.aclose()
         self._closing = True
@@ -266,8 +267,7 @@ class AsyncAttentionClient(ClientCore):
 
     async def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
-        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
-        return_lse: bool, lse_axis: int, like: Any = None,
+        settings: CallSettings, return_lse: bool, lse_axis: int, like: Any = None,
     ) -> Any:
         """See AttentionClient._striped: the parts as tasks on consecutive connections; the
         first failure cancels the others (and so does cancelling the call)."""
@@ -275,8 +275,7 @@ class AsyncAttentionClient(ClientCore):
 
         async def part(i: int) -> tuple[Any, dict[str, Any] | None]:
             prep = makes[i]()
-            result = await self._run(prep, settings.named(names(prep)) if names else settings,
-                                     connections[i])
+            result = await self._run(prep, settings, connections[i])
             return result, prep.stats
 
         tasks = [asyncio.ensure_future(part(i)) for i in range(len(makes))]

@@ -13,25 +13,26 @@ from typing import Any
 
 import grpc
 
-from attention_client._base import (
+from attention_client._caches import KvCache
+from attention_client._call_streams import CallStreams
+from attention_client._channel import (
+    INFO_METHOD,
     SPREAD_TIMEOUT_S,
+    CallSettings,
     LostLanes,
     crowded,
     lane_rpcs,
     small_rpcs,
     spread_tries,
 )
-from attention_client._caches import KvCache
-from attention_client._call_streams import CallStreams
-from attention_client._channel import INFO_METHOD, CallSettings
 from attention_client._core import ClientCore, Steps
 from attention_client._errors import AttentionError, AttentionInputError, from_rpc_error
 from attention_client._regions import SharedRegion
 from attention_client._requests import PreparedRequest
 from attention_client._steps import DecodeSteps
 from attention_client._stripes import MAX_STRIPES, caller_stream, join, lanes, merge_stats
+from attention_wire.messages import encode_messages
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import encode_messages
 
 
 def _await_pollers(channels: Sequence[grpc.Channel], limit_s: float = 0.5) -> None:
@@ -47,7 +48,7 @@ def _await_pollers(channels: Sequence[grpc.Channel], limit_s: float = 0.5) -> No
 
 
 class AttentionClient(ClientCore):
-    """Remote varlen attention over gRPC, blocking: see ``ClientBase.__init__`` for the
+    """Remote varlen attention over gRPC, blocking: see ``ClientCore.__init__`` for the
     constructor and ``ClientCore`` for the calls (docs/client.md)."""
 
     _KvCache, _DecodeSteps = KvCache, DecodeSteps
@@ -147,7 +148,7 @@ class AttentionClient(ClientCore):
 
     def close(self) -> None:
         """Unregister this client's regions (best effort) and close the channel."""
-        for region in self.regions.all():
+        for region in self._live_regions():
             # A server that is gone has nothing left to unregister.
             with contextlib.suppress(AttentionError):
                 region.close()
@@ -251,8 +252,7 @@ class AttentionClient(ClientCore):
 
     def _striped(
         self, makes: list[Callable[[], PreparedRequest]], whole: Callable[[], PreparedRequest],
-        settings: CallSettings, names: Callable[[PreparedRequest], Any] | None,
-        return_lse: bool, lse_axis: int, like: Any,
+        settings: CallSettings, return_lse: bool, lse_axis: int, like: Any,
     ) -> Any:
         """A striped call (``_stripes``): its parts, prepared by ``makes``, at once on
         consecutive connections (the first on this thread, the others on the client's stripe
@@ -274,8 +274,7 @@ class AttentionClient(ClientCore):
         def part(i: int) -> tuple[Any, dict[str, Any] | None]:
             with on_stream():
                 prep = makes[i]()
-                result = self._run(prep, settings.named(names(prep)) if names else settings,
-                                   connections[i])
+                result = self._run(prep, settings, connections[i])
                 return result, prep.stats
 
         rest = [pool.submit(contextvars.copy_context().run, part, i)

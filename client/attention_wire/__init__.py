@@ -1,7 +1,7 @@
 """What the client and the server share about the wire: the generated stubs (``pb``), the
-protobuf wire-format primitives of the hand-written hot-path codecs (``codec``), the response
-messages both ways (``responses``: the server writes them, the client reads them), and the
-rules for same-host shared-memory regions (``shm``, ``cuda_ipc``).
+hand-written codec of the tensor-carrying messages, requests and responses in both directions
+(``messages``), a first-fit allocator of shared-memory byte ranges (``alloc``), and the rules
+for same-host shared-memory regions (``shm``, ``cuda_ipc``).
 
 It ships with the client distribution (``pip install ./client``), so the client still installs
 alone; the server depends on this package, never on the client's private modules.

@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from attention_service.errors import invalid
+from attention_wire.messages import out_dtype
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import out_dtype
 
 MAX_CACHE_ID_BYTES = 256
 ELEMENT_BYTES: dict[int, int] = {

@@ -19,7 +19,7 @@ from attention_client._errors import (
     AttentionTimeoutError,
     make_error,
 )
-from attention_client._requests import KvLayout
+from attention_client._layouts import KvLayout
 from attention_wire.pb import attention_pb2 as pb
 
 LAYOUT = KvLayout.of(2, 16, "float32", None, None, None)

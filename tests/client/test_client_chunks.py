@@ -10,15 +10,15 @@ from attention_client._decode import prepare_decode
 from attention_client._prefill import prepare_prefill
 from attention_client._requests import MAX_HEADER_BYTES
 from attention_client._tensors import WireTensor
-from attention_wire.codec import varint
-from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import (
+from attention_wire.messages import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     encode_messages,
     single_message,
     step_timeout,
+    varint,
 )
+from attention_wire.pb import attention_pb2 as pb
 
 FOUR_MIB = 4 * 1024 * 1024
 

@@ -525,8 +525,8 @@ def test_an_answer_unlike_the_template_is_read_the_general_way(client, monkeypat
     """The compiled reader takes one OUT chunk of every row and the stats alone; an answer
     in two chunks is read the general way (right), one without its stats is DATA_LOSS."""
     from attention_client._errors import ProtocolError
+    from attention_wire.messages import chunk_head, output_chunk_parts, parse_result
     from attention_wire.pb import attention_pb2 as pb
-    from attention_wire.responses import chunk_head, output_chunk_parts, parse_result
 
     ids = ["ca-a", "ca-b"]
     ctx = Context(ids)

@@ -11,8 +11,9 @@ import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionInputError
 from attention_client._decode import prepare_decode
+from attention_client._layouts import KvLayout
 from attention_client._prefill import prepare_prefill
-from attention_client._requests import KvLayout, kv_scales_of
+from attention_client._requests import kv_scales_of
 from attention_client._tensors import as_wire_dtype, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
@@ -45,11 +46,11 @@ def _deq(x8, s):
 
 def test_fp8_codec_torch_and_numpy():
     x = torch.randn(5, 2, 8).to(FP8)
-    w, _ = to_wire(x, "k")
+    w = to_wire(x, "k")
     assert w.dtype == pb.FLOAT8_E4M3 and w.nbytes == 80
     assert bytes(w.byte_view()) == x.view(torch.uint8).numpy().tobytes()
     a = np.random.default_rng(0).standard_normal((3, 2, 8)).astype(ml_dtypes.float8_e4m3fn)
-    w, _ = to_wire(a, "v")
+    w = to_wire(a, "v")
     assert w.dtype == pb.FLOAT8_E4M3 and bytes(w.byte_view()) == a.tobytes()
     for name in ("float8_e4m3fn", "fp8", "FLOAT8_E4M3", "torch.float8_e4m3fn"):
         assert as_wire_dtype(name) == pb.FLOAT8_E4M3

@@ -11,8 +11,8 @@ import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError, ProtocolError
 from attention_client._decode import prepare_cache_decode
+from attention_client._layouts import CacheTarget, KvLayout
 from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
-from attention_client._requests import CacheTarget, KvLayout
 from attention_wire.pb import attention_pb2 as pb
 
 from ._server import require_server, start_server

@@ -235,9 +235,9 @@ def test_a_server_without_connect_nixl_gets_the_agents_whole_metadata(
     """Against a server from before ConnectNixl (the rpc answers UNIMPLEMENTED: here it is
     sent to a method no server has), the registration carries the agent's whole metadata,
     which introduces the agent, and calls go through the region."""
-    from attention_client import _base, client
+    from attention_client import _channel, client
 
-    real = _base.small_rpcs
+    real = _channel.small_rpcs
 
     def without_connect(channel: object) -> dict[str, object]:
         rpcs = real(channel)

@@ -7,8 +7,8 @@ import pytest
 
 from attention_client._decode import prepare_decode
 from attention_client._prefill import prepare_prefill
-from attention_client._score import ScoreMods
-from attention_client._tensors import as_cu_seqlens, to_user, to_wire
+from attention_client._requests import ScoreMods
+from attention_client._tensors import as_cu_seqlens, result_flavour, to_user, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -31,21 +31,22 @@ def _header(prep, cls=pb.PrefillHeader):
 )
 def test_numpy_codec_round_trip(dtype, wire):
     x = _np(5, 2, 8, dtype=dtype)
-    w, origin = to_wire(x, "q")
+    w = to_wire(x, "q")
     assert w.dtype == wire and w.shape == (5, 2, 8)
     assert bytes(w.byte_view()) == x.tobytes()
     assert np.shares_memory(w.array, x), "contiguous input must not be copied"
-    back = to_user(w.array.copy(), origin)
+    back = to_user(w.array.copy(), *result_flavour(x))
     assert back.dtype == x.dtype and np.array_equal(back.view(np.uint8), x.view(np.uint8))
 
 
 def test_numpy_non_contiguous_and_big_endian():
     x = _np(8, 2, 16, dtype=np.float32)[::2, :, ::2]
-    w, _ = to_wire(x, "q")
+    w = to_wire(x, "q")
     assert w.array.flags.c_contiguous and bytes(w.byte_view()) == np.ascontiguousarray(x).tobytes()
     be = x.astype(">f4")
-    w, origin = to_wire(be, "k")
+    w = to_wire(be, "k")
     assert w.array.dtype == np.dtype("<f4") and np.array_equal(w.array, x)
+    assert result_flavour(be) == (np.dtype("<f4"), None)  # results come back little-endian
 
 
 @pytest.mark.parametrize(
@@ -54,17 +55,17 @@ def test_numpy_non_contiguous_and_big_endian():
 )
 def test_torch_codec_round_trip(dtype, wire):
     x = torch.randn(6, 3, 8, requires_grad=True).to(dtype)
-    w, origin = to_wire(x, "q")
+    w = to_wire(x, "q")
     assert w.dtype == wire
     ref = x.detach().view(torch.int16 if dtype == torch.bfloat16 else dtype).numpy().tobytes()
     assert bytes(w.byte_view()) == ref
-    back = to_user(w.array.copy(), origin)
+    back = to_user(w.array.copy(), *result_flavour(x))
     assert isinstance(back, torch.Tensor) and back.dtype == dtype and torch.equal(back, x.detach())
 
 
 def test_torch_non_contiguous():
     x = torch.randn(4, 8, 16).to(torch.bfloat16).transpose(0, 1)
-    w, _ = to_wire(x, "q")
+    w = to_wire(x, "q")
     assert w.shape == (8, 4, 16)
     assert bytes(w.byte_view()) == x.contiguous().view(torch.int16).numpy().tobytes()
 
@@ -72,7 +73,7 @@ def test_torch_non_contiguous():
 def test_bf16_wire_bits_match_between_numpy_and_torch():
     t = torch.randn(4, 2, 8).to(torch.bfloat16)
     n = t.float().numpy().astype(ml_dtypes.bfloat16)
-    assert bytes(to_wire(t, "q")[0].byte_view()) == bytes(to_wire(n, "q")[0].byte_view())
+    assert bytes(to_wire(t, "q").byte_view()) == bytes(to_wire(n, "q").byte_view())
 
 
 @pytest.mark.parametrize(

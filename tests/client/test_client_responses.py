@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 
 from attention_client import AttentionError, ProtocolError
-from attention_client._responses import ResponseAssembler, server_info_dict
+from attention_client._requests import ResponseAssembler
+from attention_client._responses import server_info_dict
+from attention_wire.messages import parse_response
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import parse_response
 
 SHAPE = (10, 2, 8)
 

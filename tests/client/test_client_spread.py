@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from attention_client import AsyncAttentionClient, AttentionClient, AttentionError
-from attention_client._base import (
+from attention_client._channel import (
     NEVER_IDLE_MS,
     SPREAD_MAX_TRIES,
     SPREAD_MIN_TRIES,

@@ -20,7 +20,7 @@ from attention_client import (
     AttentionInputError,
 )
 from attention_client import _stripes as stripes
-from attention_client._score import ScoreMods
+from attention_client._requests import ScoreMods
 
 from ._server import require_server, start_server
 

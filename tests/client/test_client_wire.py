@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from attention_wire.codec import varint
+from attention_wire.messages import OutputSlice, WireError, parse_response, parse_result, varint
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import OutputSlice, WireError, parse_response, parse_result
 
 
 def _chunk(**kw) -> pb.AttentionResponse:
@@ -97,7 +96,7 @@ def test_request_header_joins_its_occurrences_and_skips_the_chunks() -> None:
     """``request_header``: the header's bytes as protobuf merges them (two occurrences around
     a chunk), None without one, and a message of countless fields refused as read_request
     refuses it."""
-    from attention_wire.requests import MAX_FIELDS_PER_MESSAGE, request_header
+    from attention_wire.messages import MAX_FIELDS_PER_MESSAGE, request_header
 
     first = pb.DecodeRequest(header=pb.DecodeHeader(q=pb.TensorSpec(dtype=pb.FLOAT16,
                                                                     shape=[2, 4, 8])))

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "tuning"))
 import sim_spread  # noqa: E402
 
-from attention_client._base import spread_tries  # noqa: E402
+from attention_client._channel import spread_tries  # noqa: E402
 
 
 def _full_share(place, n: int, clients: int, tries, trials: int = 300) -> float:

@@ -23,7 +23,7 @@ import argparse
 import random
 from collections.abc import Callable
 
-from attention_client._base import crowded, spread_tries
+from attention_client._channel import crowded, spread_tries
 from attention_wire.pb import attention_pb2 as pb
 
 

@@ -51,7 +51,7 @@ from attention_service.engine.jobs import (
     PendingLaunch,
 )
 from attention_service.engine.paged_store import block_table, store_new_tokens
-from attention_wire.responses import out_dtype
+from attention_wire.messages import out_dtype
 
 _ALIGN = 4  # int32 entries: keep the cu_seqlens_q view 16-byte aligned like a fresh tensor
 # ATTENTION_PACK_KERNEL=0: batches pack with a view and a copy per job and tensor, as before

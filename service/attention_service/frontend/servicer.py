@@ -34,13 +34,13 @@ from attention_service.link import EngineLink, ExecStats
 from attention_service.metrics import Metrics
 from attention_service.params import Op
 from attention_wire import unary_method
-from attention_wire.codec import WireError
-from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import (
+from attention_wire.messages import (
     IN_BAND,
     STEP_ERRORS_HEADER,
+    WireError,
     request_header,
 )
+from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
 
@@ -409,9 +409,9 @@ class _CallRecord(Upload):
         return line
 
 
-# The compute rpcs' handlers: raw bytes in and out (``add_to_server``), requests read by
-# ``attention_wire.requests`` with their headers parsed once (a memo), responses written by
-# ``attention_wire.responses``.
+# The compute rpcs' handlers: raw bytes in and out (``add_to_server``), requests read and
+# responses written by ``attention_wire.messages``, the headers parsed once (a memo,
+# ``validation.parse_header``).
 #
 # Request and response messages carry up to ~1 MiB of tensor bytes each. Through upb's generated
 # classes a request chunk costs a parse plus a copy on every ``data`` access, and a response
@@ -421,7 +421,7 @@ class _CallRecord(Upload):
 # 5 ms per 5 MB request, mostly on those copies.
 #
 # So the Prefill/Decode handlers are registered with raw bytes in and out (``add_to_server``):
-# requests are read field by field (``attention_wire.codec``) with ``data`` as a memoryview into
+# requests are read field by field (``attention_wire.messages``) with ``data`` as a memoryview into
 # the received message, and responses are written with the tensor bytes joined once behind a
 # prefix that protobuf itself serializes. The output is byte-for-byte what ``SerializeToString``
 # gives, and valid messages parse as protobuf parses them, unknown fields included (tests check

@@ -24,13 +24,12 @@ from attention_service.frontend.validation import (
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
+from attention_wire.messages import RawChunk, chunk_head, output_chunk_parts
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import RawChunk
-from attention_wire.responses import chunk_head, output_chunk_parts
 
 log = logging.getLogger("attention_service")
 
-# One response message as pieces to join (``attention_wire.responses.output_chunk_parts``).
+# One response message as pieces to join (``attention_wire.messages.output_chunk_parts``).
 MessageParts = tuple[bytes | memoryview, ...]
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
@@ -215,7 +214,7 @@ async def receive_request(
     upload: Upload | None = None,
 ) -> Upload:
     """Header first (validated before any byte is buffered), then chunks until end of stream.
-    ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.requests``).
+    ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.messages``).
     Buffers come from ``link`` for every tensor not in a region, outputs included, charged to
     ``caller``'s share of ``budget``: in full at the header when the link pins them, else as the
     bytes arrive (``Upload``), the outputs with the last message. A stream slower than

@@ -33,10 +33,8 @@ from attention_service.params import (
     kv_dtype_allowed,
     make_params,
 )
-from attention_wire.codec import WireError
+from attention_wire.messages import RawRequest, WireError, out_dtype, read_request
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import RawRequest, read_request
-from attention_wire.responses import out_dtype
 
 INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
 # One output row must fit one default-sized response message (see streams.output_messages).
@@ -515,7 +513,7 @@ def parse_header(op: Op, raw: bytes) -> Any:
 
 
 def parse_request(message: bytes, op: Op) -> RawRequest:
-    """``message`` as a PrefillRequest / DecodeRequest (``attention_wire.requests``), its
+    """``message`` as a PrefillRequest / DecodeRequest (``attention_wire.messages``), its
     header parsed once per distinct header (the memo above); INVALID_ARGUMENT if it is not
     valid protobuf."""
     try:

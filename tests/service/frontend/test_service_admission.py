@@ -22,9 +22,8 @@ from attention_service.frontend.streams import (
     UploadBudget,
     upload_caller,
 )
-from attention_wire.codec import varint
+from attention_wire.messages import MAX_FIELDS_PER_MESSAGE, varint
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import MAX_FIELDS_PER_MESSAGE
 
 from ..svc_helpers import (
     ServerHandle,

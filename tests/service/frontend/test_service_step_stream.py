@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from attention_service.params import Op
+from attention_wire.messages import IN_BAND, STEP_ERRORS_HEADER
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.requests import IN_BAND, STEP_ERRORS_HEADER
 
 from ..kv_helpers import cache_decode_messages, layout, rand
 from ..svc_helpers import (

@@ -1,4 +1,4 @@
-"""attention_wire.requests / .responses: the hand-written request parser and response
+"""attention_wire.messages: the hand-written request parser and response
 encoder agree with protobuf, and bytes that are not protobuf are refused with INVALID_ARGUMENT
 naming the message."""
 
@@ -13,9 +13,8 @@ from attention_service.errors import RequestError
 from attention_service.frontend.streams import output_messages
 from attention_service.frontend.validation import parse_request
 from attention_service.params import Op
-from attention_wire.codec import varint
+from attention_wire.messages import chunk_head, encode_output_chunk, output_chunk_parts, varint
 from attention_wire.pb import attention_pb2 as pb
-from attention_wire.responses import chunk_head, encode_output_chunk, output_chunk_parts
 
 from ..svc_helpers import ServerHandle, prefill_messages, random_qkv
 

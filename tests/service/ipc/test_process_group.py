@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from attention_client._base import crowded
+from attention_client._channel import crowded
 from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
@@ -424,12 +424,12 @@ def test_clients_of_a_killed_front_end_spread_again_once_it_is_back(
     client lands wrong 8 times running about one start in 256, and a slow CI host can run
     out of time (CI failed here once, 2026-11-28). Neither is what this test is about, so
     both are raised far past reach; the rule itself is tested in test_client_spread."""
-    import attention_client._base as base_mod
+    import attention_client._channel as channel_mod
     import attention_client.client as client_mod
     from attention_client import AttentionClient
     from attention_service.frontend import connections
 
-    monkeypatch.setattr(base_mod, "SPREAD_TRIES_PER_FRONTEND", 32)
+    monkeypatch.setattr(channel_mod, "SPREAD_TRIES_PER_FRONTEND", 32)
     monkeypatch.setattr(client_mod, "SPREAD_TIMEOUT_S", 30.0)
     g = Group(2)
     clients: list[Any] = []
