@@ -631,8 +631,9 @@ class ClientCore:
         lane_no = self._lane_for(prep.method) if lane is None else lane
         try:
             if self._quarantined():  # a failed call's scratch: free again once the server is idle
-                release_idle(self._live_regions(), (yield self._unary_rpc(
-                    "ListRegions", pb.ListRegionsRequest(), settings.named(None))))
+                listing = yield self._unary_rpc(
+                    "ListRegions", pb.ListRegionsRequest(), settings.named(None))
+                release_idle(self._live_regions(), listing)
             assembler = self._assembler(prep)
             yield self._ready_lane(lane_no, settings, prep.method)
         except BaseException:

@@ -338,6 +338,7 @@ def out_dtype(q_dtype: int) -> int:
     FlashAttention-3's FP8 forward). The one rule both sides size and type the output by."""
     return pb.BFLOAT16 if q_dtype == pb.FLOAT8_E4M3 else q_dtype
 
+
 _CHUNK_KEY = field_key(pb.AttentionResponse.DESCRIPTOR, "chunk")
 _OUTPUT_DATA_KEY = field_key(pb.OutputChunk.DESCRIPTOR, "data")
 
