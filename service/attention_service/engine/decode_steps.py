@@ -74,7 +74,7 @@ def eligible(plan: BatchPlan) -> bool:
     path's limits."""
     if plan.op.kernel != "paged_decode" or plan.max_seqlen_k == 0:
         return False
-    if plan.shared.window != (-1, -1) or plan.shared.softcap > 0 or bool(plan.shared.alibi_slopes):
+    if plan.shared.window != (-1, -1) or plan.shared.softcap > 0 or plan.shared.alibi_slopes:
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
