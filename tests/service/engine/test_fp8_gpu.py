@@ -16,6 +16,7 @@ from .test_service_fp8 import (
     fp8_cache_session,
     fp8_decode_req,
     fp8_mixed_scales_case,
+    fp8_per_sequence_prefill,
     fp8_prefill_req,
     fp8q_prefill_req,
 )
@@ -55,6 +56,18 @@ def test_fp8_decode_on_gpu(gpu_server, num_splits) -> None:  # type: ignore[no-u
     req = fp8_decode_req(2, [0, 1, 77, 3000], num_splits=num_splits, dim=128)
     resp = collect(gpu_server.stub().Decode(iter(req.messages), timeout=120))
     _close(resp.out, req.out, torch.float16)
+
+
+@pytest.mark.parametrize("fp8_queries", [False, True])
+def test_fp8_prefill_with_a_row_of_scales_per_sequence_on_gpu(gpu_server, fp8_queries) -> None:  # type: ignore[no-untyped-def]
+    """KvScales with a row per sequence ([batch, H_kv], the queries' too) at D 128 with
+    sequences long enough for the FP8 builds (mean over 128 keys): each sequence right against
+    float64 with its own row, and measurably not what one shared row would give."""
+    cu = [0, 150, 420, 600]
+    resp, out, (_, _, wrong) = fp8_per_sequence_prefill(gpu_server.stub(), fp8_queries, cu,
+                                                        8, 2, 128, seed=24)
+    _close(resp.out, out, torch.bfloat16, FP8_QUERIES_TOL if fp8_queries else None)
+    assert (resp.out.double()[150:] - wrong[150:]).abs().max() > 0.05
 
 
 def test_fp8_cache_session_on_gpu(gpu_server) -> None:  # type: ignore[no-untyped-def]

@@ -254,37 +254,49 @@ def _quantized_per_sequence(x: torch.Tensor, cu: list[int], spread: float
     return torch.cat(parts), torch.stack(rows)
 
 
-@pytest.mark.parametrize("fp8_queries", [False, True])
-def test_fp8_prefill_takes_a_row_of_scales_per_sequence(server, fp8_queries) -> None:  # type: ignore[no-untyped-def]
-    """FlashAttention-3's [batch, H_kv] descales: KvScales with a row per sequence (queries'
-    too), each sequence's keys and values dequantized with its own row; rows and one shared
-    set mix (k per sequence, v shared)."""
+def fp8_per_sequence_prefill(stub, fp8_queries: bool, cu: list[int], heads: int, kv_heads: int,
+                             dim: int, seed: int = 21) -> tuple[Any, torch.Tensor, Any]:
+    """A causal FP8 Prefill whose KvScales carry a row per sequence (FlashAttention-3's
+    [batch, H_kv] descales; the queries' too with ``fp8_queries``), keys 30x larger per
+    sequence, values under one shared row: (the response, the float64 answer, what one shared
+    row for the keys would give)."""
     from attention_kernels.fp8 import dequantize_queries, quantize_queries
 
-    cu = [0, 5, 22, 31]
-    q, k, v = random_qkv(31, 31, 4, 2, 40, torch.float32, seed=21)
+    n = cu[-1]
+    q, k, v = random_qkv(n, n, heads, kv_heads, dim, torch.float32, seed=seed)
     k8, ks = _quantized_per_sequence(k, cu, 30.0)
     v8, vs = quantize_kv(v)  # one row for every sequence
     cu_t = torch.tensor(cu)
     kd = dequantize_kv(k8, ks, torch.float64, cu_t)
     scales = pb.KvScales(k=ks.flatten().tolist(), v=vs.tolist())
     if fp8_queries:
-        q8, qs = zip(*(quantize_queries(q[a:b] * 4 ** i, 2)
+        q8, qs = zip(*(quantize_queries(q[a:b] * 4 ** i, kv_heads)
                        for i, (a, b) in enumerate(zip(cu, cu[1:], strict=False))), strict=True)
         q_in, qs = torch.cat(q8), torch.stack(qs)
-        qd = dequantize_queries(q_in, qs, 2, torch.float64, cu_t)
+        qd = dequantize_queries(q_in, qs, kv_heads, torch.float64, cu_t)
         scales.q.extend(qs.flatten().tolist())
-        dtype = torch.bfloat16
     else:
-        q_in, qd, dtype = q.to(torch.bfloat16), q.to(torch.bfloat16).double(), torch.bfloat16
+        q_in = q.to(torch.bfloat16)
+        qd = q_in.double()
     out, lse_ref = prefill_oracle(qd, kd, _deq(v8, vs), cu, causal=True)
     msgs = list(prefill_messages(q_in, k8, v8, cu, causal=True, return_lse=True))
     msgs[0].header.kv_scales.CopyFrom(scales)
-    resp = collect(server.stub().Prefill(iter(msgs), timeout=30))
+    resp = collect(stub.Prefill(iter(msgs), timeout=120))
     _no_nan(resp)
-    Req("Prefill", msgs, out, lse_ref, dtype, 31).check(resp)
-    # One shared row for the keys gets the later sequences wrong (30x, 900x larger keys).
     wrong = prefill_oracle(qd, _deq(k8, ks[0]), _deq(v8, vs), cu, causal=True)[0]
+    return resp, out, (msgs, lse_ref, wrong)
+
+
+@pytest.mark.parametrize("fp8_queries", [False, True])
+def test_fp8_prefill_takes_a_row_of_scales_per_sequence(server, fp8_queries) -> None:  # type: ignore[no-untyped-def]
+    """FlashAttention-3's [batch, H_kv] descales: KvScales with a row per sequence (queries'
+    too), each sequence's keys and values dequantized with its own row; rows and one shared
+    set mix (k per sequence, v shared)."""
+    cu = [0, 5, 22, 31]
+    resp, out, (msgs, lse_ref, wrong) = fp8_per_sequence_prefill(server.stub(), fp8_queries,
+                                                                 cu, 4, 2, 40)
+    Req("Prefill", msgs, out, lse_ref, torch.bfloat16, 31).check(resp)
+    # One shared row for the keys gets the later sequences wrong (30x, 900x larger keys).
     assert (resp.out.double()[5:] - wrong[5:]).abs().max() > 0.05
 
 
