@@ -243,7 +243,7 @@ class AttentionServicer:
         self, op: Op, requests: AsyncIterable[bytes], context: grpc.aio.ServicerContext,
         unary: bool = False, step: bool = False,
     ) -> AsyncIterator[bytes | pb.AttentionResponse]:
-        """A compute rpc (every ``Op``: handlers.add_to_server registers one handler per op):
+        """A compute rpc (every ``Op``: ``add_to_server`` below registers one handler per op):
         receive, run on the engine, stream the outputs back, account the call. ``unary``: the
         rpc's unary twin (``requests`` is its one message, and so is the answer: every output
         as one slice and the stats, yielded joined); ``step`` with it: one call of a step
@@ -280,7 +280,7 @@ class AttentionServicer:
                 if unary:
                     parts += msg_parts
                 else:
-                    yield b"".join(msg_parts)  # the outputs' one copy (handlers.py)
+                    yield b"".join(msg_parts)  # the outputs' one copy (see add_to_server)
             # Accounted before the last message, so it is done when the client sees OK.
             call.ok(stats)
             self._finish(call)
