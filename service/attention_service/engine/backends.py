@@ -192,8 +192,7 @@ class CudaBackend:
             raise Cancelled()
         index = self._next_stream
         self._next_stream = (index + 1) % len(self.streams)
-        # Only CacheDecode launches take the captured step path: other ops need not ask.
-        if plan.op.kernel == "paged_decode" and self.steps.eligible(plan):
+        if self.steps.eligible(plan):
             return self.steps.launch(plan, index)
         return self._cuda_launch.launch_on_stream(self._kernels, plan, self.device,
                                                   self.streams[index])
