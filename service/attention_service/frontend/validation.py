@@ -340,11 +340,10 @@ def validate_prefill_header(
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
     _check_sequences(len(h.cu_seqlens_q) - 1, "header.cu_seqlens_q", limits)
     _check_sequences(len(h.cu_seqlens_k) - 1, "header.cu_seqlens_k", limits)
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1],
-                                  len(h.cu_seqlens_k or h.cu_seqlens_q) - 1, qkv["dtype"])
     scale = _scale(h)
     total_q = q_shape[0]
     if append:
+        qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], 0)  # refused: cached
         if h.return_lse:
             raise invalid("header.return_lse", "set, but AppendKV computes no attention")
         if len(h.cu_seqlens_q):
@@ -384,6 +383,9 @@ def validate_prefill_header(
                 f"has {len(cu_q) - 1}",
             )
         cu_k = _check_cu(h.cu_seqlens_k, k_shape[0], "header.cu_seqlens_k", least)
+    # Per-sequence scales are counted against the checked sequences (q/k batches agree).
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], len(cu_k) - 1,
+                                  qkv["dtype"])
     ids, store = _cache_target(h, op, len(cu_q) - 1)
     params = make_params(
         op, cu_seqlens_k=cu_k, cu_seqlens_q=cu_q, causal=h.causal, softmax_scale=scale,

@@ -39,7 +39,7 @@ def _decode(**header_changes: Any) -> list[pb.DecodeRequest]:
 def _edit(h: Any, changes: dict[str, Any]) -> None:
     """Set header fields: a TensorSpec copied in, a list replacing a repeated field."""
     for key, value in changes.items():
-        if key in ("q", "k", "v"):
+        if key in ("q", "k", "v", "kv_scales"):
             getattr(h, key).CopyFrom(value)
         elif isinstance(value, list):
             field = getattr(h, key)
@@ -123,6 +123,13 @@ CASES: list[tuple[str, str, list[Any], grpc.StatusCode, str]] = [
      "cu_seqlens_q"),
     ("cu_q_too_short", "Prefill", _prefill(cu_seqlens_q=[0]), INVALID, "cu_seqlens_q"),
     ("cu_k_batch_mismatch", "Prefill", _prefill(cu_seqlens_k=[0, 8]), INVALID, "cu_seqlens_k"),
+    # FP8 scales with a row per sequence are counted against the checked batch: the batch
+    # mismatch is what is named, not the rows (2 = cu_seqlens_q's sequences, not k's 3).
+    ("cu_k_batch_mismatch_with_scale_rows", "Prefill", _prefill(
+        q=_spec([8, 2, 8], pb.FLOAT16), k=_spec([8, 1, 8], pb.FLOAT8_E4M3),
+        v=_spec([8, 1, 8], pb.FLOAT8_E4M3), cu_seqlens_k=[0, 2, 5, 8],
+        kv_scales=pb.KvScales(k=[1.0, 2.0], v=[1.0, 2.0])), INVALID,
+     "cu_seqlens_k: q/k batch mismatch"),
     ("cu_k_last_not_total", "Prefill", _prefill(cu_seqlens_k=[0, 3, 9]), INVALID,
      "cu_seqlens_k"),
     ("cu_k_huge_value", "Prefill", _prefill(cu_seqlens_k=[0, 2_000_000_000, 8]), INVALID,
