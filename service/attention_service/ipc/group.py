@@ -235,7 +235,12 @@ class Group:
         self._spinner = Spinner(cfg.spin_seconds,
                                 lambda: core.executor.idle and not control.busy)
         held, self.port = reserve_port(cfg.host, cfg.port)
-        held += self._reserve_frontend_ports(cfg)
+        try:
+            held += self._reserve_frontend_ports(cfg)
+        except BaseException:
+            for s in held:
+                s.close()
+            raise
         alive = lambda: sum(1 for s in self.slots if s.bound and s.proc and s.proc.poll() is None)  # noqa: E731
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                    alive, core.caches.gauges, core.regions.gauges,
