@@ -261,9 +261,9 @@ class AttentionServicer:
             call.principal = self._caller(context)
             proxied, forwarded = _proxy_headers(context)
             received = await receive_request(
-                op, requests, self._limits, self._link, self._uploads,
+                call, op, requests, self._limits, self._link,
                 upload_caller(call.principal, call.peer, forwarded, self._proxies), unary=unary,
-                proxied=proxied, upload=call)
+                proxied=proxied)
             if step and received.step_timeout_ms:
                 call.due = call.t0 + received.step_timeout_ms / 1e3
             call.bytes_in = received.wire_bytes_in
@@ -364,7 +364,7 @@ class _CallRecord(Upload):
 
     def __init__(self, rpc: str, context: grpc.aio.ServicerContext, budget: UploadBudget,
                  unary: bool = False, step: bool = False) -> None:
-        super().__init__(budget, "", 0)
+        super().__init__(budget)
         self.rpc = rpc
         self.context = context  # its metadata read only for the log line
         self.principal = ""  # with auth on (``caller``: whose upload share it counts against)

@@ -114,21 +114,18 @@ class Upload:
     (``check_complete``), what the engine runs: params, regions and buffers, held until
     ``release`` gives buffers and charge back."""
 
-    def __init__(
-        self, budget: UploadBudget, caller: str, total: int, params: Params | None = None,
-        regions: Mapping[str, RegionSpan] = MappingProxyType({}), step_timeout_ms: int = 0,
-    ) -> None:
+    def __init__(self, budget: UploadBudget, caller: str = "", total: int = 0) -> None:
         self.budget, self.charged = budget, 0
         self.buffers: Buffers | None = None
         self._inputs: dict[str, np.ndarray] = {}  # uint8 views of the inputs sent as chunks
         self._received: dict[str, int] = {}
-        self.start(caller, total, params, regions, step_timeout_ms)
+        self.start(caller, total, None)
 
     def start(
         self, caller: str, total: int, params: Params | None,
         regions: Mapping[str, RegionSpan] = MappingProxyType({}), step_timeout_ms: int = 0,
     ) -> None:
-        """What the header said (an upload made before its header arrived starts here)."""
+        """What the header said (``receive_request``: an upload is made before it arrives)."""
         self.caller, self.total = caller, total
         self.params = params
         self.regions = regions
@@ -209,21 +206,20 @@ class Upload:
 
 
 async def receive_request(
-    op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
-    budget: UploadBudget, caller: str = "", unary: bool = False, proxied: bool = False,
-    upload: Upload | None = None,
+    upload: Upload, op: Op, requests: AsyncIterable[bytes], limits: Limits, link: EngineLink,
+    caller: str = "", unary: bool = False, proxied: bool = False,
 ) -> Upload:
-    """Header first (validated before any byte is buffered), then chunks until end of stream.
+    """``upload`` (a call's, made before its first message) filled from ``requests``: header
+    first (validated before any byte is buffered), then chunks until end of stream.
     ``requests`` are raw PrefillRequest/DecodeRequest messages (``attention_wire.messages``).
     Buffers come from ``link`` for every tensor not in a region, outputs included, charged to
-    ``caller``'s share of ``budget``: in full at the header when the link pins them, else as the
-    bytes arrive (``Upload``), the outputs with the last message. A stream slower than
+    ``caller``'s share of the upload's budget: in full at the header when the link pins them,
+    else as the bytes arrive (``Upload``), the outputs with the last message. A stream slower than
     ``limits`` allow (``upload_idle_timeout``, ``min_upload_rate``) ends. On any failure buffers
     and charge are given back before this raises. ``unary``: the request is its one message, and
     the outputs must fit the one response message (MAX_UNARY_OUTPUT_BYTES). ``proxied``: the
     call came through a proxy, so its tensors may not name regions (registered with one replica
-    directly). ``upload``: the object to fill (a call's, made before its first message), else a
-    new one."""
+    directly)."""
     it = requests.__aiter__()
     try:
         raw = await it.__anext__()
@@ -252,10 +248,7 @@ async def receive_request(
                 "header.q", f"the outputs take {outputs} bytes, over the {MAX_UNARY_OUTPUT_BYTES} "
                 f"one response message of {unary_method(op.rpc)} can carry: use the stream rpc "
                 f"{op.rpc}")
-    if upload is None:
-        upload = Upload(budget, caller, total, params, regions, first.step_timeout_ms)
-    else:
-        upload.start(caller, total, params, regions, first.step_timeout_ms)
+    upload.start(caller, total, params, regions, first.step_timeout_ms)
     # A unary request is here whole; a lazy link's buffers fill as the bytes arrive.
     upload.cover(len(raw) if link.lazy_buffers and not unary else total)
     try:
