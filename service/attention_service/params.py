@@ -170,8 +170,8 @@ class Params:
     @functools.cached_property
     def sequence_scales(self) -> tuple[KvScales, ...]:
         """Each sequence's FP8 (k, v) scales, ``num_kv_heads`` each (``kv_scales`` must be
-        set): the shared ones repeated, or the request's own rows. Once per Params, as
-        ``memo``: a session's steps reuse it every launch."""
+        set): the shared ones repeated, or the request's own rows. Once per Params (a
+        stateless call's own), when the plan of its launch asks."""
         assert self.kv_scales is not None
         k, v = self.kv_scales
         h, n = self.num_kv_heads, len(self.cu_seqlens_k) - 1

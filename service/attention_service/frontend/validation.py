@@ -445,7 +445,6 @@ _HEADER_CHECKS = {pb.PrefillHeader: validate_prefill_header,
 
 
 
-_HEADERS = {op: op.header for op in Op}
 
 # Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a KV-cache
 # session's decode steps repeat one header (same shapes, same caches) call after call; plain
@@ -510,8 +509,8 @@ def checked_header(
 
 def parse_header(op: Op, raw: bytes) -> Any:
     if len(raw) > MEMO_HEADER_BYTES:
-        return _HEADERS[op].FromString(raw)
-    return memoized(_PARSED, (op, raw), lambda: _HEADERS[op].FromString(raw), len(raw))
+        return op.header.FromString(raw)
+    return memoized(_PARSED, (op, raw), lambda: op.header.FromString(raw), len(raw))
 
 
 def parse_request(message: bytes, op: Op) -> RawRequest:
