@@ -444,8 +444,6 @@ _HEADER_CHECKS = {pb.PrefillHeader: validate_prefill_header,
                   pb.DecodeHeader: validate_decode_header}
 
 
-
-
 # Parsed headers by (op, wire bytes), for headers up to MEMO_HEADER_BYTES: a KV-cache
 # session's decode steps repeat one header (same shapes, same caches) call after call; plain
 # Decode headers change every step (k grows) and only pass through. Shared messages are only
