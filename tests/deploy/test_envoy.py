@@ -11,9 +11,7 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -451,34 +449,3 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
         for envoy in envoys:
             envoy.close()
         assert replica.stop() == 0
-
-
-@pytest.mark.parametrize("frontends", [1, 2])
-def test_a_taken_front_end_port_fails_startup_naming_the_flag(frontends: int) -> None:
-    # The second front end's port is taken (a listener without SO_REUSEPORT): one process
-    # fails to bind it, a group fails to reserve it; neither shares it silently.
-    base = free_ports(2)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", base + frontends - 1))
-        taken.listen()
-        proc = subprocess.run(
-            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends",
-             str(frontends), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
-             "--frontend-ports", str(base)],
-            capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "--frontend-ports" in out and f":{base + frontends - 1}" in out, out
-    assert "Traceback" not in out
-
-
-def test_front_end_ports_that_take_in_the_shared_port_are_refused() -> None:
-    base = free_ports(2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "2",
-         "--host", "127.0.0.1", "--port", str(base + 1), "--metrics-port", "-1",
-         "--frontend-ports", str(base)], capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and f"take in {base + 1} (--port or --metrics-port)" in out, out
-
-
