@@ -46,19 +46,15 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    return free_ports()
-
-
 class Stack:
     """Replicas (single-process cpu servers) and Envoy in front of them."""
 
     def __init__(self, n: int = 3) -> None:
-        self.ports = [_free_port() for _ in range(n)]
+        base = free_ports(n + 2)  # the replicas', then Envoy's listener and admin: distinct
+        self.ports = [base + i for i in range(n)]
         with ThreadPoolExecutor(n) as pool:
             self.replicas = list(pool.map(self._replica, self.ports))
-        self.envoy = LocalEnvoy([("127.0.0.1", p) for p in self.ports], _free_port(),
-                                _free_port())
+        self.envoy = LocalEnvoy([("127.0.0.1", p) for p in self.ports], base + n, base + n + 1)
         self.listen, self.admin = self.envoy.listen, self.envoy.admin
         self.channel = grpc.insecure_channel(self.envoy.target)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
@@ -129,7 +125,8 @@ def test_envoy_validates_the_config_compose_and_kubernetes_run() -> None:
 def test_client_connections_are_spread_evenly_over_envoys_workers(stack: Stack) -> None:
     # A worker owns a connection for its life: 16 over 4 workers are 4 each (exact balance);
     # the kernel's hash alone makes that split 1.5% of the time.
-    envoy = LocalEnvoy([("127.0.0.1", p) for p in stack.ports], _free_port(), _free_port(),
+    listen = free_ports(2)  # and the admin port, listen + 1
+    envoy = LocalEnvoy([("127.0.0.1", p) for p in stack.ports], listen, listen + 1,
                        concurrency=4)
 
     def active() -> list[int]:
@@ -251,7 +248,8 @@ def test_envoy_names_the_client_by_its_socket_not_by_its_headers() -> None:
             response_serializer=pb.ServerInfo.SerializeToString)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    envoy = LocalEnvoy([("127.0.0.1", port)], _free_port(), _free_port())
+    listen = free_ports(2)  # and the admin port, listen + 1
+    envoy = LocalEnvoy([("127.0.0.1", port)], listen, listen + 1)
     try:
         envoy.wait_healthy(1)
         with grpc.insecure_channel(envoy.target) as channel:
@@ -431,7 +429,8 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
                     pb.GetServerInfoRequest(), timeout=10)
             assert info.frontend == i
         for stateless in (None, [("127.0.0.1", base), ("127.0.0.1", base + 1)]):
-            envoy = LocalEnvoy([("127.0.0.1", replica.port)], _free_port(), _free_port(),
+            listen = free_ports(2)  # and the admin port, listen + 1
+            envoy = LocalEnvoy([("127.0.0.1", replica.port)], listen, listen + 1,
                                stateless=stateless)
             envoys.append(envoy)
             envoy.wait_healthy(1)
