@@ -17,8 +17,8 @@ fleet to replica 0 alone in the same round) and writes JSON + markdown to ``--ou
 ``--direct`` adds replica 0 without Envoy at both client counts (the fleet against its better
 point). Each row also keeps replica 0's and its Envoy's busiest thread, replica 0's
 connections per front end and the change in the counters of the Envoy the point went through
-(flow control, upstream connections): how a proxied herd onto one front end was found
-(results/replicas/README.md).
+(flow control, upstream connections) and the calls each endpoint of its stateless cluster
+took: how a proxied herd onto one front end was found (results/replicas/README.md).
 
     python benchmarks/bench_replicas.py --out benchmarks/results/replicas        # every GPU
     python benchmarks/bench_replicas.py --device cpu --replicas 2 --heads 2 --kv-heads 1 \
@@ -64,6 +64,10 @@ from bench_sessions import add_shape_args, run_point
 from local_envoy import LocalEnvoy
 from service_load import LoadSpec
 
+# --frontend-ports: replica i's front ends listen from base + FRONTEND_PORT_STRIDE * i on (room
+# for that many front ends per replica).
+FRONTEND_PORT_STRIDE = 64
+
 
 def _gpu_count() -> int:
     """GPUs this host shows (CUDA_VISIBLE_DEVICES, else nvidia-smi), without importing torch."""
@@ -91,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envoy-concurrency", type=int, default=4, help="Envoy worker threads")
     p.add_argument("--frontend-ports", type=int, default=0,
                    help="list every front end as an Envoy endpoint of its own for the stateless "
-                        "calls: replica i's front end f on this port + 64 i + f (the server's "
+                        "calls: replica i's front end f on this port + "
+                        f"{FRONTEND_PORT_STRIDE} i + f (the server's "
                         "--frontend-ports; needs --frontends); 0: the shared port")
     p.add_argument("--rounds", type=int, default=2, help="rounds, each fleet driven once a round")
     p.add_argument("--direct", action="store_true",
@@ -149,7 +154,7 @@ class Fleet:
         def start(i: int) -> Server:
             extra = f"--gpu {i} " if args.device == "cuda" else ""
             if args.frontend_ports:
-                extra += f"--frontend-ports {args.frontend_ports + 64 * i} "
+                extra += f"--frontend-ports {args.frontend_ports + FRONTEND_PORT_STRIDE * i} "
             ns = argparse.Namespace(**{**vars(args), "server_args": extra + (
                 args.server_args or ""), "server_cpus": cpus[i] if cpus else None})
             print(f"starting replica {i} ({args.device}{' ' + extra.strip() if extra else ''}"
@@ -167,11 +172,12 @@ class Fleet:
             pin = cpu_list(args.envoy_cpus) if args.envoy_cpus else None
             ends = [("127.0.0.1", int(r.target.rsplit(":", 1)[1])) for r in self.replicas]
             for name, over in (("1 replica", ends[:1]), (f"{args.replicas} replicas", ends)):
-                fronts = [("127.0.0.1", args.frontend_ports + 64 * i + f)
-                          for i in range(len(over)) for f in range(args.frontends or 0)]
+                fronts = None  # the stateless cluster's endpoints: the replicas' own port
+                if args.frontend_ports:  # or each front end's
+                    fronts = [("127.0.0.1", args.frontend_ports + FRONTEND_PORT_STRIDE * i + f)
+                              for i in range(len(over)) for f in range(args.frontends)]
                 self.envoys[name] = LocalEnvoy(over, _free_port(), _free_port(),
-                                               args.envoy_concurrency, pin,
-                                               fronts if args.frontend_ports else None)
+                                               args.envoy_concurrency, pin, fronts)
             for name, envoy in self.envoys.items():
                 envoy.wait_healthy(1 if name == "1 replica" else args.replicas, 60)
             self.targets = {name: e.target for name, e in self.envoys.items()}
@@ -203,6 +209,18 @@ class Fleet:
             name, _, value = line.partition(": ")
             if ENVOY_COUNTERS.match(name) and value.strip().isdigit():
                 out[name] = int(value)
+        return out
+
+    def endpoint_requests(self, fleet: str) -> dict[str, int]:
+        """Requests so far per endpoint (host:port) of the stateless cluster of the Envoy that
+        ``fleet`` goes through (none direct): the replicas' ports, or with --frontend-ports
+        each front end's."""
+        envoy = self.envoys.get(fleet)
+        out: dict[str, int] = {}
+        for line in (envoy.admin_text("/clusters") if envoy else "").splitlines():
+            parts = line.split("::")  # attention::127.0.0.1:PORT::rq_total::N
+            if len(parts) == 4 and parts[0] == "attention" and parts[2] == "rq_total":
+                out[parts[1]] = int(parts[3])
         return out
 
     def close(self) -> None:
@@ -288,6 +306,7 @@ def main(argv: list[str] | None = None) -> int:
                     clients = scale * (args.prefill_clients if side == "prefill"
                                        else args.sessions_clients)
                     c0, e0, t = fleet.cpu(), fleet.envoy_counters(name), time.monotonic()
+                    q0 = fleet.endpoint_requests(name)
                     row = (prefill_point(args, workers, fleet, name, clients, r)
                            if side == "prefill" else sessions_point(args, fleet, name, clients))
                     # Cores each process used over the point (its warm-up and setup too), and
@@ -308,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                     e1 = fleet.envoy_counters(name)
                     row["envoy_counters"] = {k: v - e0.get(k, 0) for k, v in e1.items()
                                              if v - e0.get(k, 0)}
+                    # The calls each endpoint of its stateless cluster took (every one listed).
+                    row["envoy_endpoint_requests"] = {
+                        k: v - q0.get(k, 0) for k, v in fleet.endpoint_requests(name).items()}
                     # The load: this script's process tree less the replicas and Envoys.
                     cores["load"] = cores.pop("all") - sum(cores.values())
                     row.update(round=r, fleet=name, clients=clients, cores={
@@ -324,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"; envoy's busiest thread {row['envoy_busiest_thread']}"),
                           flush=True)
                     if row["envoy_counters"]:
-                        print(f"    envoy: {row['envoy_counters']}", flush=True)
+                        print(f"    envoy: {row['envoy_counters']}; requests per endpoint "
+                              f"{row['envoy_endpoint_requests']}", flush=True)
     finally:
         if workers is not None:
             workers.close()

@@ -13,7 +13,7 @@ of lengths not seen before), and prints:
 * how often the service reads the op kind (``op is`` / ``op ==`` / ``.decode_like`` ...),
   counted over the source, and how many of those name a kind (``op is Op.X``).
 
-    python tools/request_path.py [--device cpu|cuda] [--json OUT]
+    python tools/request_path.py [--device cpu|cuda] [--json OUT] [--functions]
 
 Recording uses a ``sitecustomize`` put on every process's PYTHONPATH: a profiler
 (``sys.setprofile`` and ``threading.setprofile``) that turns on and off when a flag file
@@ -37,10 +37,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("attention_client", "attention_wire", "attention_service", "attention_kernels")
 
 # Put on every process's PYTHONPATH as sitecustomize.py. Records (file, defining class of each
-# constructor) while <dir>/on exists; writes <dir>/<pid>.json when it goes.
+# constructor; each function too with REQUEST_PATH_FUNCTIONS set) while <dir>/on exists; writes
+# <dir>/<pid>.json when it goes.
 _SITE = r'''
 import json, os, sys, threading, time
 _DIR = os.environ.get("REQUEST_PATH_DIR")
+_WITH_FUNCS = bool(os.environ.get("REQUEST_PATH_FUNCTIONS"))  # --functions
 if _DIR:
     _ON = [False]
     _FILES, _SHAPES, _FUNCS = {}, {}, {}
@@ -66,9 +68,10 @@ if _DIR:
         if any(m in fname for m in _MARK) and "site-packages/grpc" not in fname:
             if fname not in _FILES:
                 _FILES[fname] = time.time()
-            fn = fname + "::" + frame.f_code.co_qualname
-            if fn not in _FUNCS:
-                _FUNCS[fn] = time.time()
+            if _WITH_FUNCS:
+                fn = fname + "::" + frame.f_code.co_qualname
+                if fn not in _FUNCS:
+                    _FUNCS[fn] = time.time()
             if "KERNEL" not in _SHAPES and ("attention_kernels/" in fname or (
                     fname.endswith("cpu_attention.py") and frame.f_code.co_name == "attend")):
                 _SHAPES["KERNEL"] = time.time()
@@ -143,6 +146,10 @@ def main() -> None:
     (work / "sitecustomize.py").write_text(_SITE)
     env = {**os.environ, "REQUEST_PATH_DIR": str(work),
            "PYTHONPATH": os.pathsep.join([str(work), os.environ.get("PYTHONPATH", "")])}
+    env.pop("REQUEST_PATH_FUNCTIONS", None)
+    os.environ.pop("REQUEST_PATH_FUNCTIONS", None)
+    if args.functions:  # every process records the functions that ran, not only the files
+        env["REQUEST_PATH_FUNCTIONS"] = "1"
     os.environ.update(env)
     # This process (the client) runs the same module under its own name: a sitecustomize
     # imported at start-up (an image may have one) would shadow an ``import sitecustomize``.
@@ -186,7 +193,7 @@ def main() -> None:
             files[_short(f)] = min(t, files.get(_short(f), t))
         for name, t in rec["shapes"].items():
             shapes[name] = min(t, shapes.get(name, t))
-        for fn, t in rec.get("functions", {}).items():
+        for fn, t in (rec["functions"] if args.functions else {}).items():
             key = _short(fn.split("::")[0]) + "::" + fn.split("::")[1]
             funcs[key] = min(t, funcs.get(key, t))
     kernel = shapes.pop("KERNEL", float("inf"))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ..deploy._helpers import free_ports, port_taken
+from ..deploy._helpers import free_ports
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -73,9 +73,13 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
 
 def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -> None:
     """--frontend-ports: each replica's 2 front ends are stateless endpoints of their own."""
-    # The ports the front ends take: base, base + 1 (replica 0), base + 64, base + 65.
-    base = next(b for b in iter(lambda: free_ports(2), None)
-                if not any(port_taken(b + d) for d in (64, 65)))
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_replicas import FRONTEND_PORT_STRIDE
+
+    # The ports the front ends take: base, base + 1 (replica 0), base + stride, base + stride
+    # + 1 (replica 1); free_ports checks every port of the run from base to the last.
+    base = free_ports(FRONTEND_PORT_STRIDE + 2)
+    fronts = {f"127.0.0.1:{base + FRONTEND_PORT_STRIDE * i + f}" for i in (0, 1) for f in (0, 1)}
     cmd = [sys.executable, SCRIPT, "--device", "cpu", "--replicas", "2", "--heads", "2",
            "--kv-heads", "1", "--head-dim", "16", "--min-len", "8", "--max-len", "32",
            "--duration", "0.6", "--warmup", "0.2", "--rounds", "1", "--sides", "prefill",
@@ -87,6 +91,14 @@ def test_bench_replicas_can_list_front_ends_as_envoy_endpoints(tmp_path: Path) -
     fleet = [r for r in report["rows"] if r["fleet"] == "2 replicas"]
     assert fleet and all(r["rate"] > 0 and r["errors"] == 0 for r in fleet)
     assert sorted(fleet[0]["split"]) != [0.0, 1.0]  # both replicas took bytes
+    # Envoy's stateless cluster had the four front ends as its endpoints (not the replicas'
+    # shared ports), and the fleet's calls went to them.
+    for row in fleet:
+        assert set(row["envoy_endpoint_requests"]) == fronts, row
+        assert sum(row["envoy_endpoint_requests"].values()) > 0, row
+    one = [r for r in report["rows"] if r["fleet"] == "1 replica"]
+    assert one and all(set(r["envoy_endpoint_requests"]) ==
+                       {f"127.0.0.1:{base}", f"127.0.0.1:{base + 1}"} for r in one), one
     assert "as endpoints" in (tmp_path / "bench_replicas_2x_cpu.md").read_text()
 
 

@@ -46,7 +46,8 @@ def _serving(target: str) -> bool:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    port, metrics_port = free_ports(), free_ports()
+    port = free_ports(2)  # two free ports in a row: distinct
+    metrics_port = port + 1
     log = tmp_path_factory.mktemp("server") / "server.log"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ATTENTION_")}
     env.update(

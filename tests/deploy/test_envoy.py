@@ -11,9 +11,7 @@ import base64
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -48,19 +46,15 @@ pytestmark = [
 ]
 
 
-def _free_port() -> int:
-    return free_ports()
-
-
 class Stack:
     """Replicas (single-process cpu servers) and Envoy in front of them."""
 
     def __init__(self, n: int = 3) -> None:
-        self.ports = [_free_port() for _ in range(n)]
+        base = free_ports(n + 2)  # the replicas', then Envoy's listener and admin: distinct
+        self.ports = [base + i for i in range(n)]
         with ThreadPoolExecutor(n) as pool:
             self.replicas = list(pool.map(self._replica, self.ports))
-        self.envoy = LocalEnvoy([("127.0.0.1", p) for p in self.ports], _free_port(),
-                                _free_port())
+        self.envoy = LocalEnvoy([("127.0.0.1", p) for p in self.ports], base + n, base + n + 1)
         self.listen, self.admin = self.envoy.listen, self.envoy.admin
         self.channel = grpc.insecure_channel(self.envoy.target)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
@@ -131,7 +125,8 @@ def test_envoy_validates_the_config_compose_and_kubernetes_run() -> None:
 def test_client_connections_are_spread_evenly_over_envoys_workers(stack: Stack) -> None:
     # A worker owns a connection for its life: 16 over 4 workers are 4 each (exact balance);
     # the kernel's hash alone makes that split 1.5% of the time.
-    envoy = LocalEnvoy([("127.0.0.1", p) for p in stack.ports], _free_port(), _free_port(),
+    listen = free_ports(2)  # and the admin port, listen + 1
+    envoy = LocalEnvoy([("127.0.0.1", p) for p in stack.ports], listen, listen + 1,
                        concurrency=4)
 
     def active() -> list[int]:
@@ -253,7 +248,8 @@ def test_envoy_names_the_client_by_its_socket_not_by_its_headers() -> None:
             response_serializer=pb.ServerInfo.SerializeToString)}),))
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    envoy = LocalEnvoy([("127.0.0.1", port)], _free_port(), _free_port())
+    listen = free_ports(2)  # and the admin port, listen + 1
+    envoy = LocalEnvoy([("127.0.0.1", port)], listen, listen + 1)
     try:
         envoy.wait_healthy(1)
         with grpc.insecure_channel(envoy.target) as channel:
@@ -433,7 +429,8 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
                     pb.GetServerInfoRequest(), timeout=10)
             assert info.frontend == i
         for stateless in (None, [("127.0.0.1", base), ("127.0.0.1", base + 1)]):
-            envoy = LocalEnvoy([("127.0.0.1", replica.port)], _free_port(), _free_port(),
+            listen = free_ports(2)  # and the admin port, listen + 1
+            envoy = LocalEnvoy([("127.0.0.1", replica.port)], listen, listen + 1,
                                stateless=stateless)
             envoys.append(envoy)
             envoy.wait_healthy(1)
@@ -451,34 +448,3 @@ def test_front_ends_listed_as_endpoints_share_one_client_connection() -> None:
         for envoy in envoys:
             envoy.close()
         assert replica.stop() == 0
-
-
-@pytest.mark.parametrize("frontends", [1, 2])
-def test_a_taken_front_end_port_fails_startup_naming_the_flag(frontends: int) -> None:
-    # The second front end's port is taken (a listener without SO_REUSEPORT): one process
-    # fails to bind it, a group fails to reserve it; neither shares it silently.
-    base = free_ports(2)
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", base + frontends - 1))
-        taken.listen()
-        proc = subprocess.run(
-            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends",
-             str(frontends), "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
-             "--frontend-ports", str(base)],
-            capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0
-    assert "--frontend-ports" in out and f":{base + frontends - 1}" in out, out
-    assert "Traceback" not in out
-
-
-def test_front_end_ports_that_take_in_the_shared_port_are_refused() -> None:
-    base = free_ports(2)
-    proc = subprocess.run(
-        [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends", "2",
-         "--host", "127.0.0.1", "--port", str(base + 1), "--metrics-port", "-1",
-         "--frontend-ports", str(base)], capture_output=True, text=True, timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and f"take in {base + 1} (--port or --metrics-port)" in out, out
-
-

@@ -30,6 +30,7 @@ from ._helpers import (
     contract_envoy_metrics,
     contract_metrics,
     dashboard_queries,
+    free_ports,
     grafana_to_promql,
     optional_metrics,
     parse_promql,
@@ -182,9 +183,7 @@ def test_dashboard_and_rules_return_data_in_prometheus(server: Server, tmp_path:
     job["static_configs"] = [{"targets": [server.metrics_url.split("/")[2]]}]
     config["scrape_configs"] = [j for j in config["scrape_configs"] if j["job_name"] != "envoy"]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(config))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        api = f"http://127.0.0.1:{s.getsockname()[1]}"
+    api = f"http://127.0.0.1:{free_ports()}"  # below the ephemeral range: see free_ports
     log = tmp_path / "prometheus.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(

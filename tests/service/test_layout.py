@@ -125,8 +125,10 @@ def test_one_prefill_crosses_at_most_20_files_and_12_shapes(tmp_path: Path) -> N
     12 now (docs/service.md, "The path of one call, counted")."""
     out = tmp_path / "path.json"
     root = Path(__file__).resolve().parents[2]
-    subprocess.run([sys.executable, str(root / "tools" / "request_path.py"), "--json", str(out)],
-                   check=True, timeout=240, capture_output=True)
+    proc = subprocess.run(
+        [sys.executable, str(root / "tools" / "request_path.py"), "--json", str(out)],
+        timeout=240, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     counts = json.loads(out.read_text())
     files, shapes = counts["files"]["in"], counts["data shapes"]["in"]
     assert any(f.endswith("cpu_attention.py") for f in files), files  # the kernel was reached

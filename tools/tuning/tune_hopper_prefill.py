@@ -27,7 +27,7 @@ import triton
 from torch.nn.attention import SDPBackend
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from bench_kernels import bench, cu, dense_inputs, flops, rel, sdpa
+from bench_kernels import bench, cu, dense_inputs, dense_shapes, flops, rel, sdpa
 
 from attention_kernels import prefill, prefill_ref
 from attention_kernels.configs import num_sms
@@ -233,49 +233,45 @@ def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16, rounds: int = 1) -
     the median kept (``_runs``: every round): the first tile timed in a row once read 7-17%
     below the same code timed second (call1_tune.log, 2026-11-24)."""
     rows = []
-    for d in sorted(TILES, reverse=True):
-        heads = 2048 // d
-        for causal in (False, True):
-            for n in ns:
-                b = 16384 // n
-                (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d, dtype)
-                fl = flops([n] * b, [n] * b, heads, d, causal)
-                row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal,
-                       "dtype": str(dtype).removeprefix("torch.")}
-                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
-                                      ("flash", SDPBackend.FLASH_ATTENTION)):
-                    row[name] = fl / bench(sdpa(backend, q, k, v, causal)) / 1e9
-                os.environ["ATTENTION_KERNELS_GLUON"] = "0"  # prefill() as it was before Gluon
-                ref = prefill(qp, kp, vp, cus, causal=causal)
-                row["portable"] = fl / bench(lambda: prefill(qp, kp, vp, cus, causal=causal)) / 1e9
-                os.environ.pop("ATTENTION_KERNELS_GLUON")
-                out = torch.empty_like(qp)
-                for _ in range(rounds):
-                    for tile in TILES[d]:
-                        def ours(tile=tile):
-                            launch(qp, kp, vp, cus, cus, out, None, causal, tile)
-                        key = f"gluon_{tile_name(tile)}"
-                        if key + "_runs" not in row:
-                            ours()
-                            row[key + "_err"] = rel(out, ref)
-                            if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
-                                raise SystemExit(f"check failed: {row}")
-                            row[key + "_runs"] = []
-                        row[key + "_runs"].append(fl / bench(ours) / 1e9)
-                        row[key] = statistics.median(row[key + "_runs"])
-                best = max(v for kk, v in row.items() if kk.startswith("gluon") and
-                           not kk.endswith(("_err", "_runs")))
-                mask = "causal" if causal else "full  "
-                print(f"{row['dtype']} D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
-                      f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "
-                      + " ".join(f"{kk[6:]} {v:6.1f}" + (
-                                  "" if rounds == 1 else " (" + "/".join(
-                                      f"{x:.0f}" for x in row[kk + "_runs"]) + ")")
-                                 for kk, v in row.items()
-                                 if kk.startswith("gluon") and not kk.endswith(("_err", "_runs")))
-                      + f" | best/cudnn {best / row['cudnn']:.2f} "
-                      f"portable/cudnn {row['portable'] / row['cudnn']:.2f}", flush=True)
-                rows.append(row)
+    for d, heads, causal, n, b in dense_shapes(tuple(sorted(TILES, reverse=True)), ns):
+        (q, k, v), (qp, kp, vp), cus = dense_inputs(b, heads, n, d, dtype)
+        fl = flops([n] * b, [n] * b, heads, d, causal)
+        row = {"D": d, "N": n, "B": b, "H": heads, "causal": causal,
+               "dtype": str(dtype).removeprefix("torch.")}
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                              ("flash", SDPBackend.FLASH_ATTENTION)):
+            row[name] = fl / bench(sdpa(backend, q, k, v, causal)) / 1e9
+        os.environ["ATTENTION_KERNELS_GLUON"] = "0"  # prefill() as it was before Gluon
+        ref = prefill(qp, kp, vp, cus, causal=causal)
+        row["portable"] = fl / bench(lambda: prefill(qp, kp, vp, cus, causal=causal)) / 1e9
+        os.environ.pop("ATTENTION_KERNELS_GLUON")
+        out = torch.empty_like(qp)
+        for _ in range(rounds):
+            for tile in TILES[d]:
+                def ours(tile=tile):
+                    launch(qp, kp, vp, cus, cus, out, None, causal, tile)
+                key = f"gluon_{tile_name(tile)}"
+                if key + "_runs" not in row:
+                    ours()
+                    row[key + "_err"] = rel(out, ref)
+                    if not row[key + "_err"] < 2e-2:  # NaN fails too (rel: inf)
+                        raise SystemExit(f"check failed: {row}")
+                    row[key + "_runs"] = []
+                row[key + "_runs"].append(fl / bench(ours) / 1e9)
+                row[key] = statistics.median(row[key + "_runs"])
+        best = max(v for kk, v in row.items() if kk.startswith("gluon") and
+                   not kk.endswith(("_err", "_runs")))
+        mask = "causal" if causal else "full  "
+        print(f"{row['dtype']} D{d} {mask} N {n:5d}: cudnn {row['cudnn']:6.1f} "
+              f"flash {row['flash']:6.1f} portable {row['portable']:6.1f} | "
+              + " ".join(f"{kk[6:]} {v:6.1f}" + (
+                          "" if rounds == 1 else " (" + "/".join(
+                              f"{x:.0f}" for x in row[kk + "_runs"]) + ")")
+                         for kk, v in row.items()
+                         if kk.startswith("gluon") and not kk.endswith(("_err", "_runs")))
+              + f" | best/cudnn {best / row['cudnn']:.2f} "
+              f"portable/cudnn {row['portable'] / row['cudnn']:.2f}", flush=True)
+        rows.append(row)
     return rows
 
 

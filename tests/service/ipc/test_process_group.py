@@ -4,6 +4,7 @@ group, the engine's death, metrics merged in one scrape, torch-free front ends."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -26,6 +27,7 @@ from attention_service.errors import StartupError
 from attention_wire.pb import attention_pb2 as pb
 from attention_wire.pb import attention_pb2_grpc as pb_grpc
 
+from ...deploy._helpers import free_ports
 from ..group_helpers import ROOT, Group, client_ports, connect_to, serving_pid
 from ..kv_helpers import Model, append_messages, cache_decode_messages, layout
 from ..svc_helpers import (
@@ -674,6 +676,37 @@ def test_reserve_port_takes_a_bracketed_ipv6_host() -> None:
     for s in held:
         s.close()
     assert port > 0
+
+
+@pytest.mark.parametrize(("frontends", "taken", "shared", "messages"), [
+    # The last front end's port is taken (a listener without SO_REUSEPORT): one process fails
+    # to bind it, a group fails to reserve it; neither shares it silently.
+    (1, 0, None, ["--frontend-ports", ":{taken}"]),
+    (2, 1, None, ["--frontend-ports", ":{taken}"]),
+    # The range takes in the shared port (--port).
+    (2, None, 1, ["take in {shared} (--port or --metrics-port)"]),
+], ids=["taken, 1 front end", "taken, 2 front ends", "takes in --port"])
+def test_front_end_ports_that_cannot_be_held_fail_startup_naming_the_flag(
+        frontends: int, taken: int | None, shared: int | None, messages: list[str]) -> None:
+    """``--frontend-ports N`` (front end i on N + i) with a port of the range taken, or the
+    range taking in ``--port``: startup fails, naming the flag and the port, no traceback."""
+    base = free_ports(2)
+    with contextlib.ExitStack() as stack:
+        if taken is not None:
+            listener = stack.enter_context(socket.socket())
+            listener.bind(("127.0.0.1", base + taken))
+            listener.listen()
+        proc = subprocess.run(
+            [sys.executable, "-m", "attention_service", "--device", "cpu", "--frontends",
+             str(frontends), "--host", "127.0.0.1", "--port",
+             "0" if shared is None else str(base + shared), "--metrics-port", "-1",
+             "--frontend-ports", str(base)],
+            capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for message in messages:
+        assert message.format(taken=base + (taken or 0), shared=base + (shared or 0)) in out, out
+    assert "Traceback" not in out
 
 
 def test_metrics_directories_of_dead_engines_are_removed_at_start(tmp_path) -> None:  # type: ignore[no-untyped-def]
