@@ -19,6 +19,7 @@ At the end, the reply: ``ResponseAssembler`` fills the outputs from the parsed r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,14 +190,14 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None, rows: bool = T
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
                                       f"{arr.tolist()}")
-        out.append(tuple(tuple(float(s) for s in r) for r in arr) if arr.ndim == 2
-                   else tuple(float(s) for s in arr))
+        # tolist() gives the same Python floats as float() of each entry, in one go.
+        out.append(tuple(map(tuple, arr.tolist())) if arr.ndim == 2 else tuple(arr.tolist()))
     return tuple(out)
 
 
 def scales_message(scales: KvScales) -> pb.KvScales:
     """Rows per sequence go sequence-major, as the proto says."""
-    k, v, q = (tuple(x for r in p for x in r) if scale_rows(p) else p
+    k, v, q = (tuple(itertools.chain.from_iterable(p)) if scale_rows(p) else p
                for p in (*scales[:2], scales[2] if len(scales) > 2 else ()))
     return pb.KvScales(k=k, v=v, q=q)
 
