@@ -320,12 +320,14 @@ class ClientCore:
         return bool(wanted and self._live_regions())
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
-        if not self._regions_wanted(use_regions):
-            return None
-        return Placement(self._live_regions(), stage=True)
+        wanted = self.use_regions if use_regions is None else use_regions
+        regions = self._live_regions() if wanted else None
+        return Placement(regions, stage=True) if regions else None
 
     def _live_regions(self) -> list[SharedRegion]:
         """The regions this client registered and has not closed."""
+        if not self._regions:  # the usual case, checked on every call: no lock, no copy
+            return []
         with self._regions_lock:
             return [r for r in self._regions if not r.closed]
 
@@ -358,7 +360,7 @@ class ClientCore:
     ) -> list[Part] | None:
         """The parts a stateless call is split into (``stripes``), or None: it goes whole (one
         stripe, a small call, ``out=``, or tensors that may go through registered regions)."""
-        if self.stripes < 2 or out is not None or self._placement(use_regions) is not None:
+        if self.stripes < 2 or out is not None or self._regions_wanted(use_regions):
             return None
         return plan(q, k, v, self.stripes, score, kv_scales)
 
