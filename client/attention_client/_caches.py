@@ -56,7 +56,8 @@ class CacheClient(Protocol):
         names: Mapping[str, str] | None = ...,
     ) -> CallSettings: ...
 
-    def _placement(self, use_regions: bool | None) -> Placement | None: ...
+    def _placed(self, use_regions: bool | None,
+                prepare: Callable[[Placement | None], PreparedRequest]) -> PreparedRequest: ...
 
     def _drive(self, steps: Steps) -> Any: ...
 
@@ -191,24 +192,10 @@ class _KvCacheBase:
                 self._lengths[c["cache_id"]] = c["length"]
         return out
 
-    def _placed(self, use_regions: bool | None, prepare: Callable[[Placement | None],
-                                                                   PreparedRequest]
-                ) -> PreparedRequest:
-        """``prepare(placement)``, the call's tensors placed in registered regions as
-        ``use_regions`` (per call; None: the client's setting) says; a request that fails
-        to prepare gives its scratch back (nothing was sent)."""
-        placement = self.client._placement(use_regions)
-        try:
-            return prepare(placement)
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)
-            raise
-
     def _prep_append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any,
                      use_regions: bool | None = None) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), True, self.layout)
-        return self._placed(use_regions, lambda placement: prepare_append_kv(
+        return self.client._placed(use_regions, lambda placement: prepare_append_kv(
             k, v, cu_seqlens, target, placement))
 
     def _prep_prefill(
@@ -217,7 +204,7 @@ class _KvCacheBase:
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
-        return self._placed(use_regions, lambda placement: prepare_cache_prefill(
+        return self.client._placed(use_regions, lambda placement: prepare_cache_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k, target, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, score=score,
             placement=placement, out=out,
@@ -229,7 +216,7 @@ class _KvCacheBase:
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
-        return self._placed(use_regions, lambda placement: prepare_cache_decode(
+        return self.client._placed(use_regions, lambda placement: prepare_cache_decode(
             q, k_new, v_new, target, softmax_scale=softmax_scale, num_splits=num_splits,
             return_lse=return_lse, score=score, placement=placement, out=out,
         ))

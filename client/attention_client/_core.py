@@ -324,6 +324,19 @@ class ClientCore:
         regions = self._live_regions() if wanted else None
         return Placement(regions, stage=True) if regions else None
 
+    def _placed(self, use_regions: bool | None,
+                prepare: Callable[[Placement | None], PreparedRequest]) -> PreparedRequest:
+        """``prepare(placement)``, the call's tensors placed in registered regions as
+        ``use_regions`` (per call; None: the client's setting) says; a request that fails
+        to prepare gives its scratch back (nothing was sent)."""
+        placement = self._placement(use_regions)
+        try:
+            return prepare(placement)
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)
+            raise
+
     def _live_regions(self) -> list[SharedRegion]:
         """The regions this client registered and has not closed."""
         if not self._regions:  # the usual case, checked on every call: no lock, no copy
@@ -370,34 +383,22 @@ class ClientCore:
         use_regions: bool | None = None, score: ScoreMods | None = None,
         kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return prepare_prefill(
-                q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
-                return_lse=return_lse, placement=placement, out=out, score=score,
-                kv_scales=kv_scales,
-            )
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)  # nothing was sent
-            raise
+        return self._placed(use_regions, lambda placement: prepare_prefill(
+            q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+            return_lse=return_lse, placement=placement, out=out, score=score,
+            kv_scales=kv_scales,
+        ))
 
     def _prepare_decode(
         self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, softmax_scale: float | None,
         num_splits: int, return_lse: bool, out: Any = None, use_regions: bool | None = None,
         score: ScoreMods | None = None, kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return prepare_decode(
-                q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
-                return_lse=return_lse, placement=placement, out=out, score=score,
-                kv_scales=kv_scales,
-            )
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)
-            raise
+        return self._placed(use_regions, lambda placement: prepare_decode(
+            q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
+            return_lse=return_lse, placement=placement, out=out, score=score,
+            kv_scales=kv_scales,
+        ))
 
     def _single_message(self, prep: PreparedRequest, tail: bytes = b"") -> bytes | None:
         """The request as one message when the call goes through its unary twin: unary on,
@@ -898,14 +899,9 @@ class ClientCore:
         softmax_scale: float | None, num_splits: int, return_lse: bool,
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return self._cache_decode_request(q, ids, k_new, v_new, store, softmax_scale,
-                                              num_splits, return_lse, score, placement, out)
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)  # nothing was sent
-            raise
+        return self._placed(use_regions, lambda placement: self._cache_decode_request(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score,
+            placement, out))
 
     def _cache_decode_request(
         self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,
