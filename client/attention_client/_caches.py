@@ -39,7 +39,7 @@ from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
 from attention_client._requests import PreparedRequest, ScoreMods, as_flag
 from attention_client._responses import cache_info_dict
-from attention_client._tensors import dtype_name
+from attention_client._tensors import dtype_name, is_4d
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -282,7 +282,7 @@ class _KvCacheBase:
         wait_for_ready: bool | None = None,
     ) -> None:
         """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         ids = as_cache_ids(ids)
         yield self._lock.acquire()  # one CreateCaches at a time per handle
         try:
@@ -299,7 +299,7 @@ class _KvCacheBase:
         """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
         None for a single id); returns each cache's length after. With registered regions,
         k and v go through them (by reference, or staged); ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_APPEND)
         return (yield from self._call(
             self._prep_append(ids, k, v, cu_seqlens, use_regions), settings))
 
@@ -319,8 +319,8 @@ class _KvCacheBase:
         regions, q, the new tokens and the outputs go through them as in
         ``client.attention`` (``out=`` a tensor in a region: written in place);
         ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_PREFILL_4D
-                                  if getattr(q, "ndim", 0) == 4 else argnames.CACHE_PREFILL)
+        settings = self._settings(timeout, metadata, wait_for_ready, (
+            argnames.CACHE_PREFILL_4D if is_4d(q) else argnames.CACHE_PREFILL))
         prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -340,7 +340,7 @@ class _KvCacheBase:
         ``(out, lse [B, H])``. With registered regions, q, the new tokens and the outputs go
         through them as in a stateless decode (``out=`` a tensor in a region: written in
         place); ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_DECODE)
         return (yield from self._call(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -370,7 +370,7 @@ class _KvCacheBase:
     ) -> int:
         """Release caches; None: every cache this handle created, skipping those already gone
         (expired, or released elsewhere). Returns how many were released."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         if ids is not None:
             return (yield from self._release(as_cache_ids(ids), settings))
         ids = self._release_all_ids()
@@ -400,7 +400,7 @@ class _KvCacheBase:
         num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
         v_scale for FP8 caches). With None, caches of this handle the server no longer has
         (expired, a restart) are left out and leave ``ids``; named ids must all exist."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         own = ids is None
         ids = self._own_ids(ids)
         if not ids:

@@ -78,7 +78,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
-from attention_client._tensors import describe, storage_dtype
+from attention_client._tensors import describe, is_4d, storage_dtype
 from attention_wire import unary_method
 from attention_wire.messages import (
     DEFAULT_CHUNK_BYTES,
@@ -538,8 +538,8 @@ class ClientCore:
         server both products run on FP8 tensor cores.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the constructor).
         """
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.ATTENTION_4D
-                                  if getattr(q, "ndim", 0) == 4 else argnames.ATTENTION)
+        settings = self._settings(timeout, metadata, wait_for_ready, (
+            argnames.ATTENTION_4D if is_4d(q) else argnames.ATTENTION))
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale, q_scale)
         whole, parts = self._split_call(
@@ -563,7 +563,7 @@ class ClientCore:
         """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
         ``k_scale``/``v_scale`` (FP8 k/v), ``out``, ``use_regions``, ``timeout``,
         ``metadata``, ``wait_for_ready`` as in ``attention``."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.DECODE)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
         whole, parts = self._split_call(
@@ -703,9 +703,7 @@ class ClientCore:
         ListCaches call (within the same ``timeout``). Registered regions carry q, the new
         tokens and the outputs as in ``decode`` (``out=`` a tensor in a region: written in
         place; ``use_regions`` per call)."""
-        settings = self._settings(
-            timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
-        )
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.DECODE_STEP)
         prep = yield from self._step_request(
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -758,7 +756,7 @@ class ClientCore:
                        metadata: Any = None, wait_for_ready: bool | None = None) -> Any:
         """Release caches by id, or every cache of this caller (``all=True``); returns how
         many were released (NOT_FOUND for an unknown id: then none is)."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         request, ids = self._release_request(ids, all)
         reply = yield self._unary_rpc("ReleaseCaches", request, settings)
         self._forget_layouts(ids)
@@ -769,7 +767,7 @@ class ClientCore:
                     wait_for_ready: bool | None = None) -> Any:
         """The caller's caches (None: all of them) as dicts, as ``KvCache.info`` gives them:
         cache_id, dtype, kv_dtype, num_kv_heads, head_dim, length, pages, ... ."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         return [cache_info_dict(c) for c in (yield from self._listing(ids, settings)).caches]
 
     @_io
