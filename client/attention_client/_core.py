@@ -444,7 +444,8 @@ class ClientCore:
 
     def _assemble(self, prep: PreparedRequest, assembler: ResponseAssembler,
                   responses: Any) -> Any:
-        """The result from a unary call's parsed responses (``responses.parse_result``)."""
+        """The result from a unary call's parsed responses
+        (``attention_wire.messages.parse_result``)."""
         try:
             for response in responses:
                 assembler.add(response)
