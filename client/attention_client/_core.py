@@ -252,7 +252,7 @@ class ClientCore:
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)
         # Calls that fit one message each way go through the unary twin rpcs (see
-        # _single_message); turned off for good if the server has no such rpc.
+        # _call_message); turned off for good if the server has no such rpc.
         self.unary = bool(unary)
         # Of those, Prefill and Decode calls go as messages on streams kept open between
         # calls (_call_streams); per op turned off for good if the server has no such rpc.
@@ -400,20 +400,18 @@ class ClientCore:
             kv_scales=kv_scales,
         ))
 
-    def _single_message(self, prep: PreparedRequest, tail: bytes = b"") -> bytes | None:
-        """The request as one message when the call goes through its unary twin: unary on,
-        the request fits one message of ``max_chunk_bytes`` and the outputs that come back
-        fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
-        alone). None: stream it. ``tail``: fields to end it with (``step_timeout``)."""
-        return self._one_message(prep, tail) if self.unary else None
-
     def _call_message(self, prep: PreparedRequest,
                       settings: CallSettings) -> tuple[bytes | None, bool]:
         """A call's one message (None: stream it) and whether it goes on a kept-open stream,
-        where the call's deadline goes along in the message (``step_timeout_ms``)."""
+        where the call's deadline goes along in the message (``step_timeout_ms``).
+
+        The request goes as one message, through its unary twin, when unary is on, the
+        request fits one message of ``max_chunk_bytes`` and the outputs that come back fit
+        that too (the server allows up to 4 MiB; this leaves the client's receive limit
+        alone)."""
         streamed = self._streamed(prep)
         tail = step_timeout(settings.deadline) if streamed else b""
-        return self._single_message(prep, tail), streamed
+        return (self._one_message(prep, tail) if self.unary else None), streamed
 
     def _streamed(self, prep: PreparedRequest) -> bool:
         """Whether a single-message call goes on a kept-open stream (``_call_streams``)."""
