@@ -609,11 +609,11 @@ def new_region(
 
 
 def forgotten(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> list[SharedRegion]:
-    """Of a client's ``regions``, those the server does not know: it restarted (regions do
-    not survive a restart) or dropped them. Re-registering them (``_register_request``: the
-    same memory, same name) lets calls go on."""
+    """Of a client's open ``regions`` (``_live_regions``), those the server does not know: it
+    restarted (regions do not survive a restart) or dropped them. Re-registering them
+    (``_register_request``: the same memory, same name) lets calls go on."""
     known = {r.name for r in listing.regions}
-    return [r for r in regions if r.name not in known and not r.closed]
+    return [r for r in regions if r.name not in known]
 
 
 def release_idle(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> None:
