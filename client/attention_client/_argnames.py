@@ -82,8 +82,14 @@ def cache_ids(ids: str = "ids") -> Names:
     return {"cache_ids": ids, "all": "all", **_LAYOUT}
 
 
+# The tables the calls use, built once at import (each call only reads its table).
 # What ``client.attention`` and ``KvCache.prefill`` pick from by q's rank (packed or [B, N, H, D]).
 ATTENTION, ATTENTION_4D = attention(), attention(four_d=True)
 CACHE_PREFILL, CACHE_PREFILL_4D = cache_prefill(), cache_prefill(four_d=True)
+DECODE = decode()
+CACHE_APPEND = cache_append()
+CACHE_DECODE = cache_decode()
+DECODE_STEP = cache_decode("cache_ids")  # ``client.decode_step``: the caches by ``cache_ids``
+CACHE_IDS = cache_ids()
 FORK: Names = {"source_id": "source_id", "target_id": "target_id", "length": "length"}
 REGISTER: Names = {"byte_size": "nbytes", "name": "name"}

@@ -39,7 +39,7 @@ from attention_client._prefill import prepare_append_kv, prepare_cache_prefill
 from attention_client._regions import Placement
 from attention_client._requests import PreparedRequest, ScoreMods, as_flag
 from attention_client._responses import cache_info_dict
-from attention_client._tensors import dtype_name
+from attention_client._tensors import dtype_name, is_4d
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -56,7 +56,8 @@ class CacheClient(Protocol):
         names: Mapping[str, str] | None = ...,
     ) -> CallSettings: ...
 
-    def _placement(self, use_regions: bool | None) -> Placement | None: ...
+    def _placed(self, use_regions: bool | None,
+                prepare: Callable[[Placement | None], PreparedRequest]) -> PreparedRequest: ...
 
     def _drive(self, steps: Steps) -> Any: ...
 
@@ -191,24 +192,10 @@ class _KvCacheBase:
                 self._lengths[c["cache_id"]] = c["length"]
         return out
 
-    def _placed(self, use_regions: bool | None, prepare: Callable[[Placement | None],
-                                                                   PreparedRequest]
-                ) -> PreparedRequest:
-        """``prepare(placement)``, the call's tensors placed in registered regions as
-        ``use_regions`` (per call; None: the client's setting) says; a request that fails
-        to prepare gives its scratch back (nothing was sent)."""
-        placement = self.client._placement(use_regions)
-        try:
-            return prepare(placement)
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)
-            raise
-
     def _prep_append(self, ids: Any, k: Any, v: Any, cu_seqlens: Any,
                      use_regions: bool | None = None) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), True, self.layout)
-        return self._placed(use_regions, lambda placement: prepare_append_kv(
+        return self.client._placed(use_regions, lambda placement: prepare_append_kv(
             k, v, cu_seqlens, target, placement))
 
     def _prep_prefill(
@@ -217,7 +204,7 @@ class _KvCacheBase:
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
-        return self._placed(use_regions, lambda placement: prepare_cache_prefill(
+        return self.client._placed(use_regions, lambda placement: prepare_cache_prefill(
             q, k, v, cu_seqlens_q, cu_seqlens_k, target, causal=causal,
             softmax_scale=softmax_scale, return_lse=return_lse, score=score,
             placement=placement, out=out,
@@ -229,7 +216,7 @@ class _KvCacheBase:
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
         target = CacheTarget(as_cache_ids(ids), as_flag(store, "store"), self.layout)
-        return self._placed(use_regions, lambda placement: prepare_cache_decode(
+        return self.client._placed(use_regions, lambda placement: prepare_cache_decode(
             q, k_new, v_new, target, softmax_scale=softmax_scale, num_splits=num_splits,
             return_lse=return_lse, score=score, placement=placement, out=out,
         ))
@@ -295,7 +282,7 @@ class _KvCacheBase:
         wait_for_ready: bool | None = None,
     ) -> None:
         """Create empty caches (ALREADY_EXISTS if one exists, then none is created)."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         ids = as_cache_ids(ids)
         yield self._lock.acquire()  # one CreateCaches at a time per handle
         try:
@@ -312,7 +299,7 @@ class _KvCacheBase:
         """Append k, v ``[total, H_kv, D]`` (split over ``ids`` by ``cu_seqlens``, which may be
         None for a single id); returns each cache's length after. With registered regions,
         k and v go through them (by reference, or staged); ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_append())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_APPEND)
         return (yield from self._call(
             self._prep_append(ids, k, v, cu_seqlens, use_regions), settings))
 
@@ -332,8 +319,8 @@ class _KvCacheBase:
         regions, q, the new tokens and the outputs go through them as in
         ``client.attention`` (``out=`` a tensor in a region: written in place);
         ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_PREFILL_4D
-                                  if getattr(q, "ndim", 0) == 4 else argnames.CACHE_PREFILL)
+        settings = self._settings(timeout, metadata, wait_for_ready, (
+            argnames.CACHE_PREFILL_4D if is_4d(q) else argnames.CACHE_PREFILL))
         prep = self._prep_prefill(
             q, ids, k, v, cu_seqlens_q, cu_seqlens_k, causal, store, softmax_scale, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -353,7 +340,7 @@ class _KvCacheBase:
         ``(out, lse [B, H])``. With registered regions, q, the new tokens and the outputs go
         through them as in a stateless decode (``out=`` a tensor in a region: written in
         place); ``use_regions`` per call."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_decode())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_DECODE)
         return (yield from self._call(self._prep_decode(
             q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -383,7 +370,7 @@ class _KvCacheBase:
     ) -> int:
         """Release caches; None: every cache this handle created, skipping those already gone
         (expired, or released elsewhere). Returns how many were released."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         if ids is not None:
             return (yield from self._release(as_cache_ids(ids), settings))
         ids = self._release_all_ids()
@@ -413,7 +400,7 @@ class _KvCacheBase:
         num_kv_heads, head_dim, length, pages, shared_pages, idle_seconds, busy (and k_scale,
         v_scale for FP8 caches). With None, caches of this handle the server no longer has
         (expired, a restart) are left out and leave ``ids``; named ids must all exist."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         own = ids is None
         ids = self._own_ids(ids)
         if not ids:

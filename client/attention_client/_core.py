@@ -78,7 +78,7 @@ from attention_client._requests import (
 )
 from attention_client._responses import cache_info_dict, pool_info_dict, server_info_dict
 from attention_client._stripes import MAX_STRIPES, Part, part_inputs, plan
-from attention_client._tensors import describe, storage_dtype
+from attention_client._tensors import describe, is_4d, storage_dtype
 from attention_wire import unary_method
 from attention_wire.messages import (
     DEFAULT_CHUNK_BYTES,
@@ -252,7 +252,7 @@ class ClientCore:
         # Calls use registered regions when their tensors live there or fit (see _regions.py).
         self.use_regions = bool(use_regions)
         # Calls that fit one message each way go through the unary twin rpcs (see
-        # _single_message); turned off for good if the server has no such rpc.
+        # _call_message); turned off for good if the server has no such rpc.
         self.unary = bool(unary)
         # Of those, Prefill and Decode calls go as messages on streams kept open between
         # calls (_call_streams); per op turned off for good if the server has no such rpc.
@@ -320,12 +320,27 @@ class ClientCore:
         return bool(wanted and self._live_regions())
 
     def _placement(self, use_regions: bool | None) -> Placement | None:
-        if not self._regions_wanted(use_regions):
-            return None
-        return Placement(self._live_regions(), stage=True)
+        wanted = self.use_regions if use_regions is None else use_regions
+        regions = self._live_regions() if wanted else None
+        return Placement(regions, stage=True) if regions else None
+
+    def _placed(self, use_regions: bool | None,
+                prepare: Callable[[Placement | None], PreparedRequest]) -> PreparedRequest:
+        """``prepare(placement)``, the call's tensors placed in registered regions as
+        ``use_regions`` (per call; None: the client's setting) says; a request that fails
+        to prepare gives its scratch back (nothing was sent)."""
+        placement = self._placement(use_regions)
+        try:
+            return prepare(placement)
+        except BaseException:
+            if placement is not None:
+                placement.finish(ok=True)
+            raise
 
     def _live_regions(self) -> list[SharedRegion]:
         """The regions this client registered and has not closed."""
+        if not self._regions:  # the usual case, checked on every call: no lock, no copy
+            return []
         with self._regions_lock:
             return [r for r in self._regions if not r.closed]
 
@@ -358,7 +373,7 @@ class ClientCore:
     ) -> list[Part] | None:
         """The parts a stateless call is split into (``stripes``), or None: it goes whole (one
         stripe, a small call, ``out=``, or tensors that may go through registered regions)."""
-        if self.stripes < 2 or out is not None or self._placement(use_regions) is not None:
+        if self.stripes < 2 or out is not None or self._regions_wanted(use_regions):
             return None
         return plan(q, k, v, self.stripes, score, kv_scales)
 
@@ -368,49 +383,35 @@ class ClientCore:
         use_regions: bool | None = None, score: ScoreMods | None = None,
         kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return prepare_prefill(
-                q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
-                return_lse=return_lse, placement=placement, out=out, score=score,
-                kv_scales=kv_scales,
-            )
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)  # nothing was sent
-            raise
+        return self._placed(use_regions, lambda placement: prepare_prefill(
+            q, k, v, cu_seqlens, cu_seqlens_k, causal=causal, softmax_scale=softmax_scale,
+            return_lse=return_lse, placement=placement, out=out, score=score,
+            kv_scales=kv_scales,
+        ))
 
     def _prepare_decode(
         self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, softmax_scale: float | None,
         num_splits: int, return_lse: bool, out: Any = None, use_regions: bool | None = None,
         score: ScoreMods | None = None, kv_scales: KvScales | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return prepare_decode(
-                q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
-                return_lse=return_lse, placement=placement, out=out, score=score,
-                kv_scales=kv_scales,
-            )
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)
-            raise
-
-    def _single_message(self, prep: PreparedRequest, tail: bytes = b"") -> bytes | None:
-        """The request as one message when the call goes through its unary twin: unary on,
-        the request fits one message of ``max_chunk_bytes`` and the outputs that come back
-        fit that too (the server allows up to 4 MiB; this leaves the client's receive limit
-        alone). None: stream it. ``tail``: fields to end it with (``step_timeout``)."""
-        return self._one_message(prep, tail) if self.unary else None
+        return self._placed(use_regions, lambda placement: prepare_decode(
+            q, k, v, cu_seqlens_k, softmax_scale=softmax_scale, num_splits=num_splits,
+            return_lse=return_lse, placement=placement, out=out, score=score,
+            kv_scales=kv_scales,
+        ))
 
     def _call_message(self, prep: PreparedRequest,
                       settings: CallSettings) -> tuple[bytes | None, bool]:
         """A call's one message (None: stream it) and whether it goes on a kept-open stream,
-        where the call's deadline goes along in the message (``step_timeout_ms``)."""
+        where the call's deadline goes along in the message (``step_timeout_ms``).
+
+        The request goes as one message, through its unary twin, when unary is on, the
+        request fits one message of ``max_chunk_bytes`` and the outputs that come back fit
+        that too (the server allows up to 4 MiB; this leaves the client's receive limit
+        alone)."""
         streamed = self._streamed(prep)
         tail = step_timeout(settings.deadline) if streamed else b""
-        return self._single_message(prep, tail), streamed
+        return (self._one_message(prep, tail) if self.unary else None), streamed
 
     def _streamed(self, prep: PreparedRequest) -> bool:
         """Whether a single-message call goes on a kept-open stream (``_call_streams``)."""
@@ -441,7 +442,8 @@ class ClientCore:
 
     def _assemble(self, prep: PreparedRequest, assembler: ResponseAssembler,
                   responses: Any) -> Any:
-        """The result from a unary call's parsed responses (``responses.parse_result``)."""
+        """The result from a unary call's parsed responses
+        (``attention_wire.messages.parse_result``)."""
         try:
             for response in responses:
                 assembler.add(response)
@@ -535,8 +537,8 @@ class ClientCore:
         server both products run on FP8 tensor cores.
         ``timeout``, ``metadata``, ``wait_for_ready``: this call's (see the constructor).
         """
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.ATTENTION_4D
-                                  if getattr(q, "ndim", 0) == 4 else argnames.ATTENTION)
+        settings = self._settings(timeout, metadata, wait_for_ready, (
+            argnames.ATTENTION_4D if is_4d(q) else argnames.ATTENTION))
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale, q_scale)
         whole, parts = self._split_call(
@@ -560,7 +562,7 @@ class ClientCore:
         """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
         ``k_scale``/``v_scale`` (FP8 k/v), ``out``, ``use_regions``, ``timeout``,
         ``metadata``, ``wait_for_ready`` as in ``attention``."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.decode())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.DECODE)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
             k_scale, v_scale)
         whole, parts = self._split_call(
@@ -700,9 +702,7 @@ class ClientCore:
         ListCaches call (within the same ``timeout``). Registered regions carry q, the new
         tokens and the outputs as in ``decode`` (``out=`` a tensor in a region: written in
         place; ``use_regions`` per call)."""
-        settings = self._settings(
-            timeout, metadata, wait_for_ready, argnames.cache_decode("cache_ids")
-        )
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.DECODE_STEP)
         prep = yield from self._step_request(
             settings, q, cache_ids, k_new, v_new, store, softmax_scale, num_splits, return_lse,
             ScoreMods.of(window_size, softcap, alibi_slopes), out, use_regions,
@@ -755,7 +755,7 @@ class ClientCore:
                        metadata: Any = None, wait_for_ready: bool | None = None) -> Any:
         """Release caches by id, or every cache of this caller (``all=True``); returns how
         many were released (NOT_FOUND for an unknown id: then none is)."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         request, ids = self._release_request(ids, all)
         reply = yield self._unary_rpc("ReleaseCaches", request, settings)
         self._forget_layouts(ids)
@@ -766,7 +766,7 @@ class ClientCore:
                     wait_for_ready: bool | None = None) -> Any:
         """The caller's caches (None: all of them) as dicts, as ``KvCache.info`` gives them:
         cache_id, dtype, kv_dtype, num_kv_heads, head_dim, length, pages, ... ."""
-        settings = self._settings(timeout, metadata, wait_for_ready, argnames.cache_ids())
+        settings = self._settings(timeout, metadata, wait_for_ready, argnames.CACHE_IDS)
         return [cache_info_dict(c) for c in (yield from self._listing(ids, settings)).caches]
 
     @_io
@@ -896,14 +896,9 @@ class ClientCore:
         softmax_scale: float | None, num_splits: int, return_lse: bool,
         score: ScoreMods | None = None, out: Any = None, use_regions: bool | None = None,
     ) -> PreparedRequest:
-        placement = self._placement(use_regions)
-        try:
-            return self._cache_decode_request(q, ids, k_new, v_new, store, softmax_scale,
-                                              num_splits, return_lse, score, placement, out)
-        except BaseException:
-            if placement is not None:
-                placement.finish(ok=True)  # nothing was sent
-            raise
+        return self._placed(use_regions, lambda placement: self._cache_decode_request(
+            q, ids, k_new, v_new, store, softmax_scale, num_splits, return_lse, score,
+            placement, out))
 
     def _cache_decode_request(
         self, q: Any, ids: tuple[str, ...], k_new: Any, v_new: Any, store: bool,

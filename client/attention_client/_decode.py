@@ -25,7 +25,7 @@ from attention_client._requests import (
     spec,
     tensor_of,
 )
-from attention_client._tensors import as_cu_seqlens, describe
+from attention_client._tensors import as_cu_seqlens
 from attention_wire.pb import attention_pb2 as pb
 
 
@@ -110,7 +110,6 @@ def prepare_cache_decode(
     if empty is None:
         wq, wk, wv = encode_qkv(q, k_new, v_new, placement, names=("q", "k_new", "v_new"))
     else:
-        describe(q, "q")  # q's errors first, as encode_qkv gives them
         wq, (wk, wv) = tensor_of(q, "q", placement), empty
     require_rank(wq, 3, "[B, H, D]")
     for t in (wk, wv):

@@ -40,7 +40,13 @@ import grpc
 import numpy as np
 
 from attention_client._errors import AttentionError, AttentionInputError, AttentionResourceError
-from attention_client._tensors import is_torch_tensor, storage_dtype
+from attention_client._tensors import (
+    RegionTensor,
+    describe,
+    is_torch_tensor,
+    storage_dtype,
+    to_wire,
+)
 from attention_wire import shm, ucx_defaults
 from attention_wire.alloc import FreeList
 from attention_wire.pb import attention_pb2 as pb
@@ -459,8 +465,6 @@ def _cuda_device(method: str, device: Any) -> Any:
 def _stage(x: Any, name: str, region: SharedRegion, offset: int, shape: tuple[int, ...],
            wire_dtype: int) -> None:
     """Copy ``x`` into the region (host memcpy, or a torch copy to or from the GPU)."""
-    from attention_client._tensors import to_wire
-
     dst = region.typed(offset, shape, wire_dtype)
     if is_torch_tensor(x):
         import torch
@@ -517,8 +521,6 @@ class Placement:
 
     def input(self, x: Any, name: str) -> Any:
         """A RegionTensor for ``x``, or None (send its bytes)."""
-        from attention_client._tensors import RegionTensor, describe
-
         shape, wire_dtype = describe(x, name)
         nbytes = math.prod(shape) * storage_dtype(wire_dtype).itemsize
         if nbytes == 0:
@@ -609,11 +611,11 @@ def new_region(
 
 
 def forgotten(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> list[SharedRegion]:
-    """Of a client's ``regions``, those the server does not know: it restarted (regions do
-    not survive a restart) or dropped them. Re-registering them (``_register_request``: the
-    same memory, same name) lets calls go on."""
+    """Of a client's open ``regions`` (``_live_regions``), those the server does not know: it
+    restarted (regions do not survive a restart) or dropped them. Re-registering them
+    (``_register_request``: the same memory, same name) lets calls go on."""
     known = {r.name for r in listing.regions}
-    return [r for r in regions if r.name not in known and not r.closed]
+    return [r for r in regions if r.name not in known]
 
 
 def release_idle(regions: list[SharedRegion], listing: pb.ListRegionsResponse) -> None:

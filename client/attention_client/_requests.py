@@ -19,6 +19,7 @@ At the end, the reply: ``ResponseAssembler`` fills the outputs from the parsed r
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -189,14 +190,14 @@ def kv_scales_of(k_scale: Any, v_scale: Any, q_scale: Any = None, rows: bool = T
         if not (np.isfinite(arr).all() and (arr > 0).all()):
             raise AttentionInputError(f"{name} must be finite and > 0 as float32, got "
                                       f"{arr.tolist()}")
-        out.append(tuple(tuple(float(s) for s in r) for r in arr) if arr.ndim == 2
-                   else tuple(float(s) for s in arr))
+        # tolist() gives the same Python floats as float() of each entry, in one go.
+        out.append(tuple(map(tuple, arr.tolist())) if arr.ndim == 2 else tuple(arr.tolist()))
     return tuple(out)
 
 
 def scales_message(scales: KvScales) -> pb.KvScales:
     """Rows per sequence go sequence-major, as the proto says."""
-    k, v, q = (tuple(x for r in p for x in r) if scale_rows(p) else p
+    k, v, q = (tuple(itertools.chain.from_iterable(p)) if scale_rows(p) else p
                for p in (*scales[:2], scales[2] if len(scales) > 2 else ()))
     return pb.KvScales(k=k, v=v, q=q)
 
@@ -546,17 +547,18 @@ class ResponseAssembler:
         lse_shape: tuple[int, ...] | None,
     ) -> None:
         self.method = method
-        # Per output field (pb.OUT, pb.LSE) that streams back: its wire dtype, the storage
-        # array it is copied into, and which of its rows have arrived.
-        self._dtypes: dict[int, int] = {}
-        self._arrays: dict[int, np.ndarray] = {}
-        self._seen: dict[int, np.ndarray] = {}
+        # Per output field (pb.OUT, pb.LSE) that streams back, worked out once: its wire
+        # dtype, the storage array it is copied into, that array as rows of bytes, which of
+        # its rows have arrived, the bytes of one row, and the field's name.
+        self._fields: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int, str]] = {}
         for field, shape, dtype in ((pb.OUT, out_shape, out_dtype),
                                     (pb.LSE, lse_shape, pb.FLOAT32)):
             if shape is not None:
-                self._dtypes[field] = dtype
-                self._arrays[field] = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
-                self._seen[field] = np.zeros(self._arrays[field].shape[0], dtype=bool)
+                array = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
+                rows, row_bytes = array.shape[0], _row_bytes(array)
+                by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+                self._fields[field] = (dtype, array, by_row, np.zeros(rows, dtype=bool),
+                                       row_bytes, pb.OutputField.Name(field))
         self._stats: pb.RequestStats | None = None
 
     def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
@@ -568,7 +570,7 @@ class ResponseAssembler:
         if response is None:
             raise ProtocolError("response message with no payload", self.method)
         chunk = response
-        if chunk.field not in self._arrays:
+        if chunk.field not in self._fields:
             raise ProtocolError(
                 f"unexpected output field {pb.OutputField.Name(chunk.field)}"
                 if chunk.field in pb.OutputField.values()
@@ -579,15 +581,14 @@ class ResponseAssembler:
 
     def _fill(self, chunk: OutputSlice) -> None:
         """Copy ``chunk``'s rows into its field's array, each row checked to come once."""
-        name, wire_dtype = pb.OutputField.Name(chunk.field), self._dtypes[chunk.field]
-        array, seen = self._arrays[chunk.field], self._seen[chunk.field]
+        wire_dtype, array, by_row, seen, row_bytes, name = self._fields[chunk.field]
         if chunk.dtype != wire_dtype or chunk.shape != array.shape:
             raise ProtocolError(
                 f"{name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
                 f"expected {dtype_name(wire_dtype)}{list(array.shape)}",
                 self.method,
             )
-        rows, row_bytes = array.shape[0], _row_bytes(array)
+        rows = array.shape[0]
         start, count = chunk.row_start, chunk.row_count
         if start < 0 or count < 0 or start + count > rows:
             raise ProtocolError(
@@ -606,25 +607,27 @@ class ResponseAssembler:
             )
         seen[start : start + count] = True
         if count:
-            by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
             by_row[start : start + count] = np.frombuffer(data, np.uint8).reshape(
                 count, row_bytes
             )
 
     def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
-        for field, seen in self._seen.items():
-            array = self._arrays[field]
-            if _row_bytes(array) == 0 or seen.all():  # zero-width rows carry nothing to wait for
+        for _, array, _, seen, row_bytes, name in self._fields.values():
+            if row_bytes == 0 or seen.all():  # zero-width rows carry nothing to wait for
                 continue
             missing = np.flatnonzero(~seen)
             raise ProtocolError(
-                f"{pb.OutputField.Name(field)} is missing {missing.size} of {array.shape[0]} "
+                f"{name} is missing {missing.size} of {array.shape[0]} "
                 f"rows (first missing row {int(missing[0])})",
                 self.method,
             )
         if self._stats is None:
             raise ProtocolError("response stream ended without RequestStats", self.method)
-        return self._arrays.get(pb.OUT), self._arrays.get(pb.LSE), stats_dict(self._stats)
+        return self._array(pb.OUT), self._array(pb.LSE), stats_dict(self._stats)
+
+    def _array(self, field: int) -> np.ndarray | None:
+        entry = self._fields.get(field)
+        return None if entry is None else entry[1]
 
 
 def _row_bytes(array: np.ndarray) -> int:

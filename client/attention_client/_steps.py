@@ -258,7 +258,7 @@ class _StepsBase:
         fixed, client = self._fixed, self._client
         if fixed is None or client.closed:  # the client's refusal, once closed
             fixed = client._settings(self._timeout, self._metadata, self._wait_for_ready,
-                                     argnames.cache_decode("cache_ids"))
+                                     argnames.DECODE_STEP)
             self._seconds = (client.timeout if self._timeout is DEFAULT
                              else check_timeout(self._timeout))
             self._fixed = fixed

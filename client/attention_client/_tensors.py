@@ -107,6 +107,11 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+def is_4d(x: Any) -> bool:
+    """Whether ``x`` is a [B, N, H, D] batch (what picks a call's 4-D argument names)."""
+    return getattr(x, "ndim", 0) == 4
+
+
 def _torch_wire_dtype(x: Any, name: str) -> int:
     torch = _torch_module()
     wire = {torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16, torch.float32: pb.FLOAT32,

@@ -142,7 +142,8 @@ DEFAULT_CHUNK_BYTES = 1024 * 1024
 # Chunks that do not end a tensor end on this boundary, so every chunk holds whole elements.
 _ALIGN = 64
 
-# PrefillRequest and DecodeRequest number these fields alike (a test checks it).
+# PrefillRequest and DecodeRequest number these fields alike (a test checks it), so these
+# keys, and the field numbers the server reads them by (below), serve both.
 _HEADER_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "header")
 _CHUNKS_KEY = field_key(pb.PrefillRequest.DESCRIPTOR, "chunks")
 _FIELD_KEY = field_key(pb.TensorChunk.DESCRIPTOR, "field")
@@ -155,7 +156,7 @@ _FIELDS = (pb.Q, pb.K, pb.V)
 
 
 @functools.lru_cache(maxsize=1024)
-def _chunk_head(field: int, offset: int, size: int) -> bytes:
+def _tensor_chunk_head(field: int, offset: int, size: int) -> bytes:
     """A TensorChunk's bytes before its data, its key and length included: the same few
     heads repeat call after call (a decode loop's), and building one took ~8 us."""
     prefix = _FIELD_KEY + varint(field)
@@ -166,7 +167,7 @@ def _chunk_head(field: int, offset: int, size: int) -> bytes:
 
 
 def _chunk(field: int, offset: int, data: memoryview) -> list[bytes | memoryview]:
-    return [_chunk_head(field, offset, len(data)), data]
+    return [_tensor_chunk_head(field, offset, len(data)), data]
 
 
 # The metadata a client opens a step stream (``<Op>Steps``) with to have a failed call
@@ -193,7 +194,7 @@ def message_frame(header: bytes, sizes: Sequence[int]) -> tuple[bytes, ...]:
     q's chunk; b"" for an empty tensor, which sends no chunk), so that joining
     ``frame[0], q, frame[1], k, frame[2], v, tail`` gives that message. A decode loop's steps
     repeat one frame: joining it took 6-9 us a step, ``encode_messages`` 25-30 (dev box)."""
-    frame = [_chunk_head(field, 0, size) if size else b""
+    frame = [_tensor_chunk_head(field, 0, size) if size else b""
              for field, size in zip(_FIELDS, sizes, strict=True)]
     frame[0] = _HEADER_KEY + varint(len(header)) + header + frame[0]
     return tuple(frame)
@@ -245,7 +246,6 @@ def encode_messages(
 
 # ---- requests, reading (the server) ---------------------------------------------------------
 
-# PrefillRequest and DecodeRequest number their fields alike (a test checks it).
 _HEADER = field_number(pb.PrefillRequest.DESCRIPTOR, "header")
 _CHUNKS = field_number(pb.PrefillRequest.DESCRIPTOR, "chunks")
 _STEP_TIMEOUT = field_number(pb.PrefillRequest.DESCRIPTOR, "step_timeout_ms")
@@ -339,10 +339,10 @@ def out_dtype(q_dtype: int) -> int:
     return pb.BFLOAT16 if q_dtype == pb.FLOAT8_E4M3 else q_dtype
 
 
+# ---- responses, writing (the server) --------------------------------------------------------
+
 _CHUNK_KEY = field_key(pb.AttentionResponse.DESCRIPTOR, "chunk")
 _OUTPUT_DATA_KEY = field_key(pb.OutputChunk.DESCRIPTOR, "data")
-
-# ---- responses, writing (the server) --------------------------------------------------------
 
 
 # Serialized OutputChunk heads (all but ``data``), kept: a session's decode steps answer the
@@ -391,7 +391,7 @@ def encode_output_chunk(head: bytes, data: memoryview) -> bytes:
 # ---- responses, reading (the client) --------------------------------------------------------
 
 _OC = pb.OutputChunk.DESCRIPTOR
-_FIELD, _SPEC, _ROW_START, _ROW_COUNT, _DATA = (
+_OC_FIELD, _OC_SPEC, _OC_ROW_START, _OC_ROW_COUNT, _OC_DATA = (
     field_number(_OC, n) for n in ("field", "spec", "row_start", "row_count", "data")
 )
 _CHUNK = field_number(pb.AttentionResponse.DESCRIPTOR, "chunk")
@@ -414,15 +414,15 @@ def _parse_chunk(buf: memoryview) -> OutputSlice:
     data = memoryview(b"")
     for number, wire_type, value in iter_fields(buf):
         # Last occurrence wins and a mismatched wire type is an unknown field, as in protobuf.
-        if number == _FIELD and wire_type == VARINT:
+        if number == _OC_FIELD and wire_type == VARINT:
             field = value
-        elif number == _SPEC and wire_type == LEN:
+        elif number == _OC_SPEC and wire_type == LEN:
             spec.MergeFromString(bytes(value))  # repeated occurrences merge, as in protobuf
-        elif number == _ROW_START and wire_type == VARINT:
+        elif number == _OC_ROW_START and wire_type == VARINT:
             row_start = as_int64(value)
-        elif number == _ROW_COUNT and wire_type == VARINT:
+        elif number == _OC_ROW_COUNT and wire_type == VARINT:
             row_count = as_int64(value)
-        elif number == _DATA and wire_type == LEN:
+        elif number == _OC_DATA and wire_type == LEN:
             data = value
     return OutputSlice(field, spec.dtype, tuple(spec.shape), row_start, row_count, data)
 

@@ -37,6 +37,7 @@ class Rpcs:
         self._cache_layouts: dict = {}
 
     _drive = AttentionClient._drive  # the faces' step runners
+    _placed = AttentionClient._placed  # prepare a request, through _placement below
 
     def _settings(self, *args):  # noqa: ANN002
         return CallSettings(deadline=None, metadata=(), wait_for_ready=None)
