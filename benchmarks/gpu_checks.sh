@@ -151,7 +151,7 @@ for s in "$@"; do
               --workers "${WARMUP_WORKERS:-1,16}" --out "$OUT" ;;
     tests) ATTENTION_KERNELS_WARMUP_WORKERS=$TEST_WARMUP_WORKERS stage tests 540 python3 -m pytest -q -p no:cacheprovider -n 6 --timeout 600 \
              tests/kernels $SERVICE_GPU_TESTS ;;
-    service-tests) ATTENTION_KERNELS_WARMUP_WORKERS=$TEST_WARMUP_WORKERS stage service-tests 420 python3 -m pytest -q -p no:cacheprovider -n 4 \
+    service-tests) ATTENTION_KERNELS_WARMUP_WORKERS=$TEST_WARMUP_WORKERS stage service-tests 540 python3 -m pytest -q -p no:cacheprovider -n 4 \
              --timeout 600 $SERVICE_GPU_TESTS ;;
     kernels) stage kernels 420 python3 benchmarks/bench_kernels.py --out "$OUT" ;;
     tune-fp8) stage fp8-tests 300 python3 -m pytest -q -p no:cacheprovider -n 4 --timeout 600 \
