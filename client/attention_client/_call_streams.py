@@ -20,8 +20,10 @@ cancelled, never reused. Pooled streams are idle between calls: the server's dra
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import queue
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -31,11 +33,14 @@ import grpc
 
 from attention_client._channel import STEP_METHODS, CallSettings
 from attention_client._errors import from_rpc_error
+from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO, call_error
 
 # Idle streams kept per key; more are closed when given back (a burst of concurrent calls
 # leaves at most this many open per lane).
 MAX_IDLE = 64
 EXPIRED = "the call's timeout ran out (its stream was cancelled)"
+_SOCKET_CONNECT_S = 10.0  # connecting to a step socket and its hello
+_STATUS = {s.value[0]: s for s in grpc.StatusCode}
 
 
 class StreamError(grpc.RpcError):
@@ -191,6 +196,127 @@ class StreamCall:
     def close(self) -> None:
         """Half-close: the server ends the stream with OK."""
         self._queue.put(None)
+
+
+class SocketStream:
+    """``decode_steps()`` over the server's step socket (ServerInfo.step_socket): a Unix
+    socket to the engine process, carrying what a ``CacheDecodeSteps`` stream with in-band
+    errors carries, without gRPC or a front end (sync client; the interface of
+    ``StreamCall``). Up to ``limit`` steps are sent before an answer is read; sending one
+    more first reads the oldest answer into a queue (``receive`` takes from it first)."""
+
+    def __init__(self, path: str, settings: CallSettings, limit: int) -> None:
+        authorization = next((v for k, v in settings.metadata if k == "authorization"), "")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock: socket.socket | None = sock
+        self._limit = max(1, limit)
+        self._unread = 0
+        self._early: collections.deque[bytes] = collections.deque()
+        self.answered = False
+        self.failure: grpc.RpcError | None = None
+        try:
+            sock.settimeout(_SOCKET_CONNECT_S)
+            sock.connect(path)
+            hello = STEP_SOCKET_HELLO + (authorization.encode() if isinstance(authorization, str)
+                                         else bytes(authorization))
+            sock.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
+            answer = self._read()
+            sock.settimeout(None)
+        except (OSError, StreamError) as exc:
+            self.drop()
+            raise NotSent(StreamError(grpc.StatusCode.UNAVAILABLE,
+                                      f"step socket {path!r}: {exc}")) from None
+        error = call_error(answer)
+        if error is not None:
+            self.drop()
+            code = _STATUS.get(error.code, grpc.StatusCode.UNKNOWN)
+            raise StreamError(code, f"step socket {path!r}: {error.details}")
+
+    def alive(self) -> bool:
+        return self._sock is not None
+
+    def send(self, message: bytes) -> None:
+        """Send one call (its answer comes in order)."""
+        sock = self._sock
+        if sock is None:
+            raise NotSent(_ended())
+        if self._unread - len(self._early) >= self._limit:
+            self._early.append(self._read())
+        try:
+            head = SOCKET_FRAME.pack(len(message))
+            sent = sock.sendmsg([head, message])
+            if sent < len(head) + len(message):
+                sock.sendall((head + message)[sent:])
+        except OSError as exc:
+            self.drop()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                              f"the step socket closed while a step was sent: {exc}") from None
+        self._unread += 1
+
+    def receive(self, deadline: float | None, watchdog: Watchdog) -> bytes:
+        """The next call's answer; StreamError if the socket closed or ``deadline`` passed
+        (the socket is then closed, and the server cancels the steps it has not answered)."""
+        if self._early:
+            raw = self._early.popleft()
+        else:
+            sock = self._sock
+            if sock is None:
+                raise _ended()
+            if deadline is not None:
+                sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+            try:
+                raw = self._read()
+            except TimeoutError:
+                self.drop()
+                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
+            finally:
+                if deadline is not None and self._sock is not None:
+                    sock.settimeout(None)
+        self._unread -= 1
+        self.answered = True
+        return raw
+
+    def _read(self) -> bytes:
+        sock = self._sock
+        assert sock is not None
+        head = self._exactly(sock, SOCKET_FRAME.size)
+        (size,) = SOCKET_FRAME.unpack(head)
+        return bytes(self._exactly(sock, size)) if size else b""
+
+    def _exactly(self, sock: socket.socket, n: int) -> bytearray:
+        buf = bytearray(n)
+        view, got = memoryview(buf), 0
+        while got < n:
+            try:
+                k = sock.recv_into(view[got:])
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                self.drop()
+                raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"the step socket closed: {exc}") from None
+            if not k:
+                self.drop()
+                raise _ended()
+            got += k
+        return buf
+
+    def drop(self) -> None:
+        """Close the socket: the server cancels the steps it has not answered."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    def close(self) -> None:
+        """The answers not read yet are read first (``receive`` still gives them), then the
+        socket closes."""
+        while self._sock is not None and self._unread > len(self._early):
+            try:
+                self._early.append(self._read())
+            except StreamError:
+                break
+        self.drop()
 
 
 class AsyncStreamCall:

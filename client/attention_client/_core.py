@@ -742,12 +742,17 @@ class ClientCore:
     _decode_step_request = _io(_step_request)
 
     def decode_steps(self, *, timeout: Any = DEFAULT, metadata: Any = None,
-                     wait_for_ready: bool | None = None) -> Any:
+                     wait_for_ready: bool | None = None,
+                     step_socket: str | bool | None = None) -> Any:
         """A decode loop on one stream: ``steps.step(q, cache_ids, k_new, v_new, ...)`` takes
         and returns what ``decode_step`` does, at about half its host time per step (no call
         set-up per step). ``timeout`` (default: the client's) applies to each step. Use it as
         a context manager (``async with`` on the async client), or ``close()`` it; one step
-        at a time per handle."""
+        at a time per handle. ``step_socket`` (sync client, a model host on the server's
+        machine): send the steps through the server's step socket (True: the path it
+        advertises, ``info()["step_socket"]``; or a path) instead of gRPC."""
+        if step_socket:
+            return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket)
         return self._DecodeSteps(self, timeout, metadata, wait_for_ready)
 
     @_io

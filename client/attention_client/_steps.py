@@ -36,6 +36,7 @@ import numpy as np
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
     AsyncStreamCall,
+    SocketStream,
     StreamCall,
     StreamError,
     not_sent,
@@ -581,11 +582,26 @@ class DecodeSteps(_StepsBase):
     """A decode loop on one ``CacheDecodeSteps`` stream (``AttentionClient.decode_steps``)."""
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None) -> None:
+                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None
+                 ) -> None:
         super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock)
+        if step_socket is not None and not isinstance(step_socket, str | bool):
+            raise TypeError(f"step_socket must be a path, True or None, got {step_socket!r}")
+        self._socket: str | bool | None = step_socket or None  # False, "": gRPC
 
-    def _open(self, settings: CallSettings) -> StreamCall:
-        return StreamCall(self._lane[METHOD], _in_band(settings))
+    def _open(self, settings: CallSettings) -> StreamCall | SocketStream:
+        if not self._socket:
+            return StreamCall(self._lane[METHOD], _in_band(settings))
+        info = self._client.info()  # the path (step_socket=True) and how many may be unread
+        path = info["step_socket"] if self._socket is True else self._socket
+        if not path:
+            raise make_error(grpc.StatusCode.FAILED_PRECONDITION,
+                             "step_socket=True: the server has no step socket (it starts one "
+                             "with --step-socket PATH)", _CALL)
+        try:
+            return SocketStream(path, settings, info["steps_in_flight"])
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, _CALL, settings.names) from None
 
     def _receive(self, stream: StreamCall, settings: CallSettings) -> bytes:
         return stream.receive(settings.deadline, self._client._streams.watchdog)
@@ -612,7 +628,10 @@ class AsyncDecodeSteps(_StepsBase):
     """``DecodeSteps`` for ``AsyncAttentionClient`` (``async with client.decode_steps()``)."""
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None) -> None:
+                 wait_for_ready: bool | None = None, step_socket: Any = None) -> None:
+        if step_socket:
+            raise ValueError("step_socket: only the sync client (AttentionClient) sends steps "
+                             "through the step socket")
         super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock)
 
     def _open(self, settings: CallSettings) -> AsyncStreamCall:

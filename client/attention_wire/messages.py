@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -175,6 +176,13 @@ def _chunk(field: int, offset: int, data: memoryview) -> list[bytes | memoryview
 # before earlier ones are answered (ServerInfo.steps_in_flight of them run at once).
 STEP_ERRORS_HEADER = "x-attention-step-errors"
 IN_BAND = "in-band"
+
+# The step socket (ServerInfo.step_socket, a Unix socket of the engine process): frames of a
+# 4-byte little-endian length and the payload, both ways. The client's first frame is this
+# and its ``authorization`` value; then each frame is one CacheDecodeSteps message and each
+# answer that step's AttentionResult, in order (attention_service.step_socket).
+STEP_SOCKET_HELLO = b"attention-step-socket/1\n"
+SOCKET_FRAME = struct.Struct("<I")
 
 
 def step_timeout(deadline: float | None) -> bytes:

@@ -135,6 +135,9 @@ class ServerConfig:
     # endpoint of its own balances calls over them, where the shared port leaves that to the
     # kernel's hash of connections (docs/deploy.md).
     frontend_ports: int = 0
+    # A Unix socket the engine process listens on for decode steps from model hosts on this
+    # machine, with no gRPC or front end in between ("" = off; attention_service.step_socket).
+    step_socket: str = ""
     # /metrics has no auth: loopback unless asked (the container image binds all interfaces,
     # where Prometheus scrapes it over the compose network).
     metrics_host: str = "127.0.0.1"
@@ -411,6 +414,7 @@ _ENV: dict[str, tuple[str, str, type | object]] = {
     "device": ("--device", "ATTENTION_DEVICE", _word),
     "gpu": ("--gpu", "ATTENTION_GPU", str),
     "frontend_ports": ("--frontend-ports", "ATTENTION_FRONTEND_PORTS", int),
+    "step_socket": ("--step-socket", "ATTENTION_STEP_SOCKET", str),
     "metrics_port": ("--metrics-port", "ATTENTION_METRICS_PORT", int),
     "metrics_host": ("--metrics-host", "ATTENTION_METRICS_HOST", str),
     "max_request_bytes": ("--max-request-bytes", "ATTENTION_MAX_REQUEST_BYTES", int),
@@ -468,6 +472,8 @@ _HELP: dict[str, str] = {
            "first visible; one replica per GPU: docs/deploy.md)",
     "frontend_ports": "front end i also listens on this port + i, for a proxy that balances "
                       "over front ends (0: off)",
+    "step_socket": "a Unix socket path where the engine also takes decode steps from model hosts "
+                 "on this machine, with no gRPC in between (empty: off; docs/service.md)",
     "metrics_port": "Prometheus /metrics port (0: a free port; -1: no metrics endpoint)",
     "metrics_host": "address the metrics endpoint binds",
     "max_request_bytes": "largest request a call may upload, its tensors' bytes together",

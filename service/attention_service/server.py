@@ -14,6 +14,7 @@ from attention_service.engine.core import EngineCore
 from attention_service.engine.local_link import LocalLink
 from attention_service.frontend.server import FrontEnd, start_frontend
 from attention_service.metrics import LiveCollector, Metrics
+from attention_service.step_socket import StepSocket, start_step_socket
 
 log = logging.getLogger("attention_service")
 
@@ -53,6 +54,7 @@ class AttentionServer:
         self.metrics = metrics
         self.port = port
         self.metrics_port: int | None = None
+        self.step_socket: StepSocket | None = None  # --step-socket
         self._stopped = False
 
     @property
@@ -65,10 +67,14 @@ class AttentionServer:
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain the front end (``grace`` seconds for in-flight calls), then stop the engine."""
+        if self.step_socket is not None:
+            self.step_socket.drain()
         await self.frontend.stop(grace)
         if not self._stopped:
             self._stopped = True
-            await asyncio.to_thread(self.core.close)
+            await asyncio.to_thread(self.core.close)  # answers what the step_socket had started
+            if self.step_socket is not None:
+                self.step_socket.close()
             self.metrics.close()
 
 
@@ -93,6 +99,8 @@ async def create_server(
             t0 = time.perf_counter()
             await asyncio.to_thread(core.warmup)
             log.info("warm-up on %s took %.2fs", backend.name, time.perf_counter() - t0)
+        if config.step_socket:
+            server.step_socket = start_step_socket(config, core, metrics)
     except BaseException:
         await server.stop(0)
         raise

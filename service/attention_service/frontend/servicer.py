@@ -24,22 +24,18 @@ from attention_service.frontend.auth import Principals
 from attention_service.frontend.streams import (
     Upload,
     UploadBudget,
+    error_answer,
     receive_request,
     response_messages,
     stats_message,
     upload_caller,
 )
-from attention_service.frontend.validation import Limits, Memo, memoized, parse_header
+from attention_service.frontend.validation import Limits, step_cache_ids
 from attention_service.link import EngineLink, ExecStats
 from attention_service.metrics import Metrics
 from attention_service.params import Op
 from attention_wire import unary_method
-from attention_wire.messages import (
-    IN_BAND,
-    STEP_ERRORS_HEADER,
-    WireError,
-    request_header,
-)
+from attention_wire.messages import IN_BAND, STEP_ERRORS_HEADER
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -504,39 +500,6 @@ def _in_band(context: grpc.aio.ServicerContext) -> bool:
                for key, value in context.invocation_metadata() or ())
 
 
-# The caches a step header names, by the header's wire bytes: a model host's steps repeat a
-# few headers (one per layer), and a 64-id header's ids read once, not each step.
-_STEP_CACHES: Memo = Memo()
-_NO_CACHES: frozenset[str] = frozenset()
-
-
-def _cache_ids(raw: bytes, op: Op) -> frozenset[str]:
-    """The caches a call names; none for a stateless op, and for a message ``serve`` will
-    refuse."""
-    if not op.cached:
-        return _NO_CACHES
-    try:
-        header_bytes = request_header(raw)
-    except WireError:
-        return _NO_CACHES
-    if header_bytes is None:
-        return _NO_CACHES
-
-    def read() -> frozenset[str]:
-        try:
-            return frozenset(parse_header(op, header_bytes).cache.cache_ids)
-        except DecodeError:
-            return _NO_CACHES
-
-    return memoized(_STEP_CACHES, header_bytes, read, len(header_bytes))  # type: ignore[no-any-return]
-
-
-def _error_answer(refusal: RequestError) -> bytes:
-    """A failed call's in-band answer: an AttentionResult with only ``error`` set."""
-    error = pb.CallError(code=refusal.code.value[0], details=refusal.details)
-    return pb.AttentionResult(error=error).SerializeToString()
-
-
 async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
                      context: grpc.aio.ServicerContext) -> Any:
     """A step stream with in-band errors: each call starts as it arrives (up to
@@ -560,7 +523,7 @@ async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
                 await room.acquire()
                 if not servicer.tracker.accepting:
                     break
-                ids = _cache_ids(raw, op)
+                ids = step_cache_ids(raw, op)
                 running[:] = [(t, c) for t, c in running if not t.done()]
                 after = [t for t, c in running if not ids.isdisjoint(c)] if ids else []
                 task = asyncio.ensure_future(one(raw, after))
@@ -580,7 +543,7 @@ async def _in_flight(servicer: Any, call: Any, op: Op, requests: Any,
             try:
                 answer = await item
             except RequestError as refusal:
-                answer = _error_answer(refusal)
+                answer = error_answer(refusal)
             yield answer
             room.release()
         if not servicer.tracker.accepting:

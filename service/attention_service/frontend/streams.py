@@ -24,7 +24,7 @@ from attention_service.frontend.validation import (
 from attention_service.link import Buffers, EngineLink, ExecStats
 from attention_service.params import INPUTS, OUTPUTS, Op, Params, RegionSpan
 from attention_wire import unary_method
-from attention_wire.messages import RawChunk, chunk_head, output_chunk_parts
+from attention_wire.messages import RawChunk, RawRequest, chunk_head, output_chunk_parts
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -226,6 +226,29 @@ async def receive_request(
     except StopAsyncIteration:
         raise StreamEnded(grpc.StatusCode.INVALID_ARGUMENT,
                           "header: missing: the stream ended before any message") from None
+    first, sizes = start_upload(upload, op, raw, limits, caller, unary=unary, proxied=proxied,
+                                lazy=link.lazy_buffers)
+    try:
+        upload.fill(await _allocate(link, sizes, upload.total))
+        upload.add(first.chunks)
+        if not unary:
+            await _receive_rest(it, op, upload, len(raw), limits)
+        upload.check_complete()
+        upload.cover(upload.total)  # the outputs
+    except BaseException:
+        upload.release()
+        raise
+    return upload
+
+
+def start_upload(
+    upload: Upload, op: Op, raw: bytes, limits: Limits, caller: str, *, unary: bool = True,
+    proxied: bool = False, lazy: bool = False,
+) -> tuple[RawRequest, dict[str, int]]:
+    """A call's first message read into ``upload`` (``receive_request``; a step lane's
+    whole call): its header checked, the upload started and charged (``lazy``: only for the
+    bytes received so far), and the buffers it needs by name. Fills nothing: on failure
+    nothing is held."""
     first = parse_request(raw, op)
     if first.header is None:
         raise invalid("header", "missing: the first message must carry the header")
@@ -250,18 +273,8 @@ async def receive_request(
                 f"{op.rpc}")
     upload.start(caller, total, params, regions, first.step_timeout_ms)
     # A unary request is here whole; a lazy link's buffers fill as the bytes arrive.
-    upload.cover(len(raw) if link.lazy_buffers and not unary else total)
-    try:
-        upload.fill(await _allocate(link, sizes, total))
-        upload.add(first.chunks)
-        if not unary:
-            await _receive_rest(it, op, upload, len(raw), limits)
-        upload.check_complete()
-        upload.cover(total)  # the outputs
-    except BaseException:
-        upload.release()
-        raise
-    return upload
+    upload.cover(len(raw) if lazy and not unary else total)
+    return first, sizes
 
 
 async def _receive_rest(
@@ -366,3 +379,9 @@ def stats_message(
             region_bytes_out=received.region_bytes_out, cache_lengths=stats.cache_lengths,
         )
     )
+
+
+def error_answer(refusal: RequestError) -> bytes:
+    """A failed call's in-band answer: an AttentionResult with only ``error`` set."""
+    error = pb.CallError(code=refusal.code.value[0], details=refusal.details)
+    return pb.AttentionResult(error=error).SerializeToString()

@@ -33,7 +33,13 @@ from attention_service.params import (
     kv_dtype_allowed,
     make_params,
 )
-from attention_wire.messages import RawRequest, WireError, out_dtype, read_request
+from attention_wire.messages import (
+    RawRequest,
+    WireError,
+    out_dtype,
+    read_request,
+    request_header,
+)
 from attention_wire.pb import attention_pb2 as pb
 
 INPUT_FIELDS: dict[int, str] = {pb.Q: "q", pb.K: "k", pb.V: "v"}
@@ -519,3 +525,30 @@ def parse_request(message: bytes, op: Op) -> RawRequest:
         return read_request(message, lambda raw: parse_header(op, raw))
     except (WireError, DecodeError) as exc:
         raise invalid("message", f"not a valid {op.rpc}Request: {exc}") from None
+
+
+# The caches a step header names, by the header's wire bytes: a model host's steps repeat a
+# few headers (one per layer), and a 64-id header's ids read once, not each step.
+_STEP_CACHES: Memo = Memo()
+_NO_CACHES: frozenset[str] = frozenset()
+
+
+def step_cache_ids(raw: bytes, op: Op) -> frozenset[str]:
+    """The caches a call names; none for a stateless op, and for a message ``serve`` will
+    refuse."""
+    if not op.cached:
+        return _NO_CACHES
+    try:
+        header_bytes = request_header(raw)
+    except WireError:
+        return _NO_CACHES
+    if header_bytes is None:
+        return _NO_CACHES
+
+    def read() -> frozenset[str]:
+        try:
+            return frozenset(parse_header(op, header_bytes).cache.cache_ids)
+        except DecodeError:
+            return _NO_CACHES
+
+    return memoized(_STEP_CACHES, header_bytes, read, len(header_bytes))  # type: ignore[no-any-return]

@@ -40,6 +40,7 @@ from typing import Any, NamedTuple
 from attention_service.config import ServerConfig
 from attention_service.link import EngineInfo, ExecStats
 from attention_service.params import Op, Params, RegionSpan
+from attention_wire.messages import SOCKET_FRAME
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -236,24 +237,58 @@ class _Decoder:
                 os.close(self.fds.popleft())
 
 
+RAW_HEADER = SOCKET_FRAME
+
+
+class RawFrames(_Decoder):
+    """Frames of raw bytes (a 4-byte little-endian length, then the payload), for a peer that
+    is not our own code (``attention_service.step_socket``): nothing is unpickled, descriptors
+    sent along are closed, and a frame longer than ``max_bytes`` ends the connection."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+
+    def frames(self) -> list[tuple[Any, list[int]]]:
+        while self.fds:  # nothing here takes descriptors
+            with contextlib.suppress(OSError):
+                os.close(self.fds.popleft())
+        out: list[tuple[Any, list[int]]] = []
+        buf, at = self.buf, 0
+        while len(buf) - at >= RAW_HEADER.size:
+            (size,) = RAW_HEADER.unpack_from(buf, at)
+            if size > self.max_bytes:
+                raise EOFError(f"a frame of {size} bytes, over the {self.max_bytes} allowed")
+            end = at + RAW_HEADER.size + size
+            if end > len(buf):
+                break
+            out.append((bytes(buf[at + RAW_HEADER.size : end]), []))
+            at = end
+        if at:
+            del buf[:at]
+        return out
+
+
 class Channel:
     def __init__(
         self, sock: socket.socket, on_message: Callable[[Any, list[int]], None],
         on_close: Callable[[], None], name: str,
         batch_scope: Callable[[], contextlib.AbstractContextManager[object]] = (
             contextlib.nullcontext),
-        spinner: Spinner | None = None,
+        spinner: Spinner | None = None, decoder: _Decoder | None = None,
     ) -> None:
         """``batch_scope``: entered around the messages of each read (the engine's readers
         finish their decode steps' launches at its end: ``Executor.deferring``).
-        ``spinner``: the reader thread polls before it blocks (see ``Spinner``)."""
+        ``spinner``: the reader thread polls before it blocks (see ``Spinner``).
+        ``decoder``: ``RawFrames`` for a peer that sends raw frames (then send with
+        ``send_raw``); pickled messages by default."""
         sock.setblocking(True)
         self.sock = sock
         self.name = name
         self._on_message = on_message
         self._batch_scope = batch_scope
         self._on_close = on_close
-        self._decoder = _Decoder()
+        self._decoder = decoder or _Decoder()
         self._spinner = spinner
         # Received into one buffer: ``recvmsg(_READ)`` allocates _READ bytes per call and
         # shrinks them, 19-37 us for a 600-byte message against 3-5 us here (dev box).
@@ -297,6 +332,15 @@ class Channel:
             pending.setdefault(self, []).append(data)
             return
         self._send_data(data, fds)
+
+    def send_raw(self, payload: bytes) -> None:
+        """Send ``payload`` as one raw frame (``RawFrames``). Never blocks."""
+        data = RAW_HEADER.pack(len(payload)) + payload
+        pending = getattr(_corks, "pending", None)
+        if pending is not None:
+            pending.setdefault(self, []).append(data)
+            return
+        self._send_data(data, ())
 
     def _send_data(self, data: bytes, fds: Sequence[int]) -> None:
         with self._send_lock:

@@ -220,6 +220,7 @@ class Group:
         from attention_service.ipc.channel import Serving, Spinner, corked
         from attention_service.metrics import LiveCollector, Metrics
         from attention_service.server import gpu_uuid, versions
+        from attention_service.step_socket import StepSocket, start_step_socket
 
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, _frame: self._post("signal", signum))
@@ -247,6 +248,7 @@ class Group:
                                    queue_capacity=cfg.max_queue_size,
                                    processes=self._processes, gpu_uuid=gpu_uuid(backend)))
         metrics_port = None
+        step_socket: StepSocket | None = None
         try:
             for i in range(self.count):
                 try:
@@ -322,6 +324,8 @@ class Group:
                 elif kind == "warm":
                     if failed:
                         raise failed[0]
+                    if cfg.step_socket and not self.draining:
+                        step_socket = start_step_socket(cfg, core, metrics)
                     if self.placement.engine:
                         # After the warm-up: its compile workers are this process's children
                         # and would inherit the engine's few CPUs.
@@ -334,6 +338,8 @@ class Group:
                 elif kind == "signal":
                     if not self.draining:
                         self.draining = True
+                        if step_socket is not None:
+                            step_socket.drain()
                         drain_deadline = time.monotonic() + cfg.grace_seconds + DRAIN_MARGIN_S
                         log.info("shutting down: front ends drain in-flight calls for up to "
                                  "%.1fs", cfg.grace_seconds)
@@ -388,7 +394,11 @@ class Group:
                         slot.proc.kill()
                 if slot.conn is not None and slot.conn.channel is not None:
                     slot.conn.channel.close()
-            core.close()
+            if step_socket is not None:
+                step_socket.drain()
+            core.close()  # answers what the step_socket had started
+            if step_socket is not None:
+                step_socket.close()
             metrics.close()
             self._control_pool.shutdown(wait=False)
             for slot in self.slots:

@@ -1,0 +1,372 @@
+"""The step socket: decode steps from a model host on this machine, straight into the engine.
+
+A ``CacheDecodeSteps`` step through gRPC crosses three processes of Python (the client, a
+front end, the engine) and four thread hand-offs; on an H200 host a B=1 step spent ~1 ms
+there around a ~50 us kernel, and a B=64 step 2-3 ms around 130 us
+(benchmarks/results/offload). With ``--step-socket PATH`` the engine process also listens on a
+Unix socket at PATH, where a model host on the same machine sends the same step messages with
+no gRPC and no front end: the socket's reader thread checks each step as a front end would
+(``streams.start_upload``), submits it with ``issue_here`` (an idle GPU gets the launch from
+this thread) and, inside the executor's ``deferring`` block, answers it from this thread too.
+
+The protocol (``attention_wire.messages``: STEP_SOCKET_HELLO, frames of a 4-byte little-endian
+length and the payload, both ways):
+
+* the client's first frame is STEP_SOCKET_HELLO followed by its ``authorization`` value
+  (``Bearer <token>``; nothing without auth); the server answers an AttentionResult, empty
+  when it is accepted, else with ``error`` (UNAUTHENTICATED), and closes;
+* then each client frame is one whole CacheDecode step, exactly a ``CacheDecodeSteps``
+  message, and each server frame that step's AttentionResult, in the order the steps came;
+  a failed step's with ``error`` (it changed no cache), as a step stream with in-band errors.
+
+The rules are the step stream's: up to STEPS_IN_FLIGHT steps unanswered (one more is
+refused, RESOURCE_EXHAUSTED), steps naming one of an earlier unanswered step's caches start
+after it, the same limits, region checks, cache ownership (the token's principal) and
+metrics (counted as CacheDecode). A connection that closes cancels its steps (their caches
+change as for a cancelled call: not at all, unless the launch had run). Access control is the
+socket's: it is made readable and writable by the server's user only (mode 0600), and with
+``--auth-token`` a client must also present a token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import struct
+import threading
+import time
+from collections import deque
+
+import grpc
+
+from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
+from attention_service.engine.core import EngineCore
+from attention_service.engine.jobs import ByteBase, ExecStats, Job
+from attention_service.engine.local_link import LocalBuffers
+from attention_service.errors import Cancelled, RequestError, StartupError, unavailable
+from attention_service.frontend.auth import Principals
+from attention_service.frontend.servicer import STEPS_IN_FLIGHT, call_log_level, logfmt
+from attention_service.frontend.streams import (
+    Upload,
+    UploadBudget,
+    error_answer,
+    response_messages,
+    start_upload,
+    stats_message,
+)
+from attention_service.frontend.validation import Limits, step_cache_ids
+from attention_service.ipc.channel import Channel, RawFrames
+from attention_service.metrics import Metrics
+from attention_service.params import Op
+from attention_wire.alloc import layout
+from attention_wire.messages import STEP_SOCKET_HELLO
+from attention_wire.pb import attention_pb2 as pb
+
+log = logging.getLogger("attention_service")
+
+OP = Op.CACHE_DECODE
+_ACCEPTED = pb.AttentionResult().SerializeToString()  # the hello's answer: no error
+_PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
+
+
+class _Step:
+    """One step read from the socket: its message, caches, upload, job, and answer once done."""
+
+    __slots__ = ("raw", "ids", "after", "upload", "job", "answer", "t0")
+
+    def __init__(self, raw: bytes, ids: frozenset[str]) -> None:
+        self.raw, self.ids = raw, ids
+        self.after: list[_Step] = []  # earlier unanswered steps that name one of its caches
+        self.upload: Upload | None = None
+        self.job: Job | None = None
+        self.answer: bytes | None = None  # set once done (then it is finished)
+        self.t0 = time.perf_counter()
+
+
+class StepSocket:
+    """The listening socket at ``path`` and its connections (one reader thread each)."""
+
+    def __init__(self, path: str, core: EngineCore, config: ServerConfig, metrics: Metrics,
+                 principals: Principals) -> None:
+        self.path, self.core, self.config, self.metrics = path, core, config, metrics
+        self.principals = principals
+        self.limits = Limits.of(config)
+        self.budget = UploadBudget(config.max_upload_bytes, config.max_upload_share)
+        self.budget_lock = threading.Lock()  # the budget is shared by every connection
+        self.accepting = True
+        self._lock = threading.Lock()
+        self._conns: set[_SocketConnection] = set()
+        self._sock: socket.socket | None = None
+        self._accepter: threading.Thread | None = None
+
+    def start(self) -> None:
+        """Listen at ``path`` (a stale socket file there is replaced; anything else is not)."""
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
+                os.unlink(self.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            old = os.umask(0o177)  # created 0600: no window where others may connect
+            try:
+                sock.bind(self.path)
+            finally:
+                os.umask(old)
+            sock.listen(64)
+        except OSError:
+            sock.close()
+            raise
+        self._sock = sock
+        self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
+                                          name="attention-step-socket")
+        self._accepter.start()
+        log.info("step socket listening at %s", self.path)
+
+    def _accept_loop(self) -> None:
+        assert self._sock is not None
+        n = 0
+        while True:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return  # closed
+            n += 1
+            conn = _SocketConnection(self, sock, n)
+            with self._lock:
+                if self._sock is None:
+                    sock.close()
+                    return
+                self._conns.add(conn)
+            conn.channel.start()
+
+    def forget(self, conn: _SocketConnection) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    def drain(self) -> None:
+        """Refuse new steps (UNAVAILABLE); those started are still answered."""
+        self.accepting = False
+
+    def close(self) -> None:
+        """Stop listening, remove the socket file, close every connection."""
+        self.accepting = False
+        with self._lock:
+            sock, self._sock = self._sock, None
+            conns = list(self._conns)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+        for conn in conns:
+            conn.channel.close()
+        if self._accepter is not None:
+            self._accepter.join(5)
+
+
+class _SocketConnection:
+    def __init__(self, owner: StepSocket, sock: socket.socket, n: int) -> None:
+        self.owner, self.core = owner, owner.core
+        try:
+            pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+        except OSError:
+            pid = uid = -1
+        self.peer = f"unix:{owner.path} pid={pid} uid={uid}"
+        self.principal: str | None = None  # set by the hello
+        self.caller = ""  # whose upload share its steps count against
+        self._lock = threading.Lock()
+        self._order: deque[_Step] = deque()  # read, answer not sent yet, in order
+        self._running: list[_Step] = []  # submitted, not finished
+        self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
+        self.channel = Channel(sock, self.on_message, self.on_close, f"step-socket-{n}",
+                               batch_scope=owner.core.executor.deferring,
+                               decoder=RawFrames(MAX_MESSAGE_BYTES))
+
+    # ---- reader thread ------------------------------------------------------------------
+
+    def on_message(self, payload: bytes, _fds: list[int]) -> None:
+        if self.principal is None:
+            self._hello(payload)
+        else:
+            self._read(payload)
+
+    def _hello(self, payload: bytes) -> None:
+        if not payload.startswith(STEP_SOCKET_HELLO):
+            log.info("step socket: %s sent no hello; closing", self.peer)
+            self.channel.close()
+            return
+        presented = payload[len(STEP_SOCKET_HELLO):]
+        principals = self.owner.principals
+        principal = principals.match(presented or None) if principals.enabled else ""
+        if principal is None:
+            reason = "missing" if not presented else "invalid"
+            log.info("step socket: %s refused: %s bearer token", self.peer, reason)
+            self.channel.send_raw(error_answer(RequestError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                f"authorization: {reason} bearer token (send 'Bearer <token>' after the "
+                "hello)")))
+            self.channel.close()
+            return
+        self.principal = principal
+        self.caller = principal or self.peer.partition(" ")[2]
+        self.channel.send_raw(_ACCEPTED)
+
+    def _read(self, raw: bytes) -> None:
+        step = _Step(raw, step_cache_ids(raw, OP))
+        refusal = None
+        with self._lock:
+            if not self.owner.accepting:
+                refusal = unavailable("server is shutting down")
+            elif len(self._order) >= STEPS_IN_FLIGHT:
+                refusal = RequestError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"steps: more than {STEPS_IN_FLIGHT} unanswered on one step socket "
+                    "connection (ServerInfo.steps_in_flight); read an answer first")
+            self._order.append(step)
+            if refusal is None:
+                ids = step.ids
+                if ids:
+                    step.after = [s for s in (*self._running, *self._waiting)
+                                  if not ids.isdisjoint(s.ids)]
+                if step.after:
+                    self._waiting.append(step)
+                    return
+                self._running.append(step)
+        if refusal is not None:
+            self._done(step, refusal)
+            return
+        self._start(step, issue_here=True)
+
+    def _start(self, step: _Step, issue_here: bool) -> None:
+        """Check, buffer and submit one step (its answer comes to ``_done``)."""
+        upload = step.upload = Upload(_LockedBudget(self.owner))  # type: ignore[arg-type]
+        try:
+            first, sizes = start_upload(upload, OP, step.raw, self.owner.limits, self.caller)
+            offsets, total = layout(sizes)
+            block = self.core.backend.alloc_host(total)
+            upload.fill(LocalBuffers(ByteBase(block), offsets, sizes))
+            upload.add(first.chunks)
+            upload.check_complete()
+            assert upload.params is not None and upload.buffers is not None
+            step.job = self.core.submit(
+                upload.params, {**upload.buffers.spans, **upload.regions},
+                self.principal or "", lambda value: self._done(step, value),
+                issue_here=issue_here)
+        except RequestError as exc:
+            self._done(step, exc)
+        except (MemoryError, OSError, RuntimeError) as exc:
+            log.warning("step socket: could not buffer a step: %s: %s", type(exc).__name__, exc)
+            self._done(step, RequestError(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "header: the server could not reserve host memory for this step's tensors; "
+                "retry later"))
+        except Exception as exc:  # a bug: answer the step, keep the connection
+            log.exception("step socket: a step failed")
+            self._done(step, RequestError.internal(exc))
+
+    # ---- any engine thread: a step's end -------------------------------------------------
+
+    def _done(self, step: _Step, value: ExecStats | BaseException) -> None:
+        """Exactly once per step: its answer made, its buffers freed, answers sent in order,
+        and the steps that waited for it started."""
+        upload, step.upload = step.upload, None
+        try:
+            answer, code, details, bytes_out = self._answer(upload, value)
+        finally:
+            if upload is not None:
+                upload.release()
+        with self._lock:
+            step.answer = answer
+            if step in self._running:
+                self._running.remove(step)
+            ready = [w for w in self._waiting if all(a.answer is not None for a in w.after)]
+            for w in ready:
+                self._waiting.remove(w)
+                self._running.append(w)
+            order = self._order
+            while order and order[0].answer is not None:
+                self.channel.send_raw(order.popleft().answer)  # never blocks
+        for w in ready:
+            self._start(w, issue_here=False)
+        self._account(step, upload, value, code, details, bytes_out)
+
+    @staticmethod
+    def _answer(upload: Upload | None, value: ExecStats | BaseException
+                ) -> tuple[bytes, str, str, int]:
+        """The step's AttentionResult, its code, details and output bytes."""
+        if isinstance(value, BaseException):
+            if not isinstance(value, RequestError):
+                what = "cancelled" if isinstance(value, Cancelled) else "failed"
+                value = RequestError(grpc.StatusCode.CANCELLED
+                                     if isinstance(value, Cancelled) else grpc.StatusCode.INTERNAL,
+                                     f"the step was {what} in the engine")
+            return error_answer(value), value.code.name, value.details, 0
+        assert upload is not None
+        parts: list[bytes | memoryview] = []
+        bytes_out = 0
+        for nbytes, msg_parts in response_messages(upload, MAX_MESSAGE_BYTES):
+            bytes_out += nbytes
+            parts += msg_parts
+        parts.append(stats_message(value, upload, bytes_out).SerializeToString())
+        return b"".join(parts), "OK", "", bytes_out
+
+    def _account(self, step: _Step, upload: Upload | None, value: ExecStats | BaseException,
+                 code: str, details: str, bytes_out: int) -> None:
+        seconds = time.perf_counter() - step.t0
+        metrics = self.owner.metrics
+        if isinstance(value, BaseException) or upload is None or upload.params is None:
+            metrics.observe_request(OP.rpc, code, seconds)
+        else:
+            metrics.observe_request(
+                OP.rpc, code, seconds, bytes_in=upload.wire_bytes_in, bytes_out=bytes_out,
+                region_in=upload.region_bytes_in, region_out=upload.region_bytes_out,
+                tokens=upload.params.tokens, flops=value.flops,
+                queue_seconds=value.queue_seconds)
+        level = call_log_level(code, self.owner.config.access_log)
+        if log.isEnabledFor(level):
+            line = (f"rpc={OP.rpc} code={code} duration_ms={seconds * 1e3:.3f} step_socket=1 "
+                    f"bytes_out={bytes_out} peer={logfmt(self.peer)}")
+            if details:
+                line += f" details={logfmt(details)}"
+            log.log(level, line)
+
+    def on_close(self) -> None:
+        """The model host went (or the server closed the socket): its steps are cancelled,
+        those waiting dropped; nobody reads their answers."""
+        with self._lock:
+            running = [s.job for s in self._running if s.job is not None]
+            self._waiting.clear()
+        for job in running:
+            self.core.cancel(job)
+        self.owner.forget(self)
+
+
+class _LockedBudget:
+    """The step socket's ``UploadBudget`` as its steps use it: its connections' reader threads
+    and the engine's threads reserve and release it, so under a lock."""
+
+    def __init__(self, owner: StepSocket) -> None:
+        self._budget, self._lock = owner.budget, owner.budget_lock
+
+    def reserve(self, nbytes: int, caller: str = "", field: str = "header") -> None:
+        with self._lock:
+            self._budget.reserve(nbytes, caller, field)
+
+    def release(self, nbytes: int, caller: str = "") -> None:
+        with self._lock:
+            self._budget.release(nbytes, caller)
+
+
+def start_step_socket(config: ServerConfig, core: EngineCore, metrics: Metrics) -> StepSocket:
+    """The socket at ``config.step_socket``, listening (StartupError when it cannot)."""
+    sock = StepSocket(config.step_socket, core, config, metrics, Principals(config.tokens))
+    try:
+        sock.start()
+    except OSError as exc:
+        raise StartupError(
+            f"--step-socket: cannot listen at {config.step_socket!r}: {exc}") from None
+    return sock
