@@ -11,8 +11,9 @@ caches).
 ``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``),
 CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of host or GPU memory
 (``nixl``, ``nixl-gpu``: UCX moves them, the way it would for a host on another machine)
-with the outputs written there (``out=``). All hosts start together against one server
-(started here, or ``--target``).
+with the outputs written there (``out=``); ``socket``, ``socket-shm``, ``socket-cuda``: the
+steps through the server's step socket (``decode_steps(step_socket=True)``) instead of gRPC.
+All hosts start together against one server (started here, or ``--target``).
 
 Per point (B, context, hosts, inflight): step latency p50/p99 over all hosts, aggregate
 steps/s, tokens/s (= B x steps/s: one layer's step of one sequence; divide by L for model
@@ -65,8 +66,18 @@ import torch
 import attention_client
 from attention_wire.messages import MAX_CHUNK_BYTES
 
-# --transport's choices (each but bytes a region kind, registered in ``_round_on``).
-TRANSPORTS = ("bytes", "shm", "cuda", "nixl", "nixl-gpu")
+# --transport's choices (each but bytes a region kind, registered in ``_round_on``); with
+# ``socket`` the steps go through the server's step socket instead of gRPC.
+TRANSPORTS = ("bytes", "shm", "cuda", "nixl", "nixl-gpu", "socket", "socket-shm",
+              "socket-cuda")
+
+
+def _route(transport: str) -> tuple[bool, str]:
+    """(through the step socket, the tensors' place: bytes or a region kind)."""
+    if transport == "socket":
+        return True, "bytes"
+    via, _, kind = transport.partition("socket-")
+    return (True, kind) if not via else (False, transport)
 DTYPES = {"bf16": (torch.bfloat16, "bfloat16", 2), "fp16": (torch.float16, "float16", 2)}
 ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
 
@@ -158,15 +169,17 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
                 "cuda": lambda: client.register_cuda(nbytes),
                 "nixl": lambda: client.register_nixl(nbytes),
                 "nixl-gpu": lambda: client.register_nixl(nbytes, device="cuda")}
-    region = None if transport == "bytes" else await done(register[transport]())
-    qs, ks, vs, outs = _placed(region, transport, qs, ks, vs)
+    via_socket, place = _route(transport)
+    region = None if place == "bytes" else await done(register[place]())
+    qs, ks, vs, outs = _placed(region, place, qs, ks, vs)
     # Bytes: the step as any client sends it (no region arguments).
     kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
-    steps = client.decode_steps(metadata=meta)
+    steps = (client.decode_steps(metadata=meta, step_socket=True) if via_socket
+             else client.decode_steps(metadata=meta))
 
     async def read(t0: float, pending: Any, timed: bool) -> None:
         await done(pending.result())
-        if transport in ("cuda", "nixl-gpu"):
+        if place in ("cuda", "nixl-gpu"):
             torch.cuda.synchronize()  # the answer is on the GPU when it returns
         if timed:
             lat.append(time.perf_counter() - t0)
@@ -420,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
                    "region), cuda (a CUDA IPC region on the server's GPU), nixl / nixl-gpu (a "
-                   "NIXL region of host / GPU memory): comma-separated")
+                   "NIXL region of host / GPU memory); socket, socket-shm, socket-cuda: the "
+                   "same through the server's step socket (sync client): comma-separated")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -446,6 +460,12 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
     if not set(args.transport) <= set(TRANSPORTS):
         p.error(f"--transport: {args.transport}: use {', '.join(TRANSPORTS)}")
+    via_socket = any(_route(t)[0] for t in args.transport)
+    if via_socket and args.client != "sync":
+        p.error("--transport socket*: the step socket is the sync client's (--client sync)")
+    if via_socket and not args.target:  # the server started here opens one
+        path = f"/tmp/bench-offload-{os.getpid()}.sock"
+        args.server_args = f"{args.server_args or ''} --step-socket {path}".strip()
     inflight = [k for k in args.inflight if 1 <= k <= args.layers]
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")
@@ -493,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             # The step's message: its tensors unless in a region, plus ~40 header bytes per
             # cache id and ~200 of the rest; the answer: out unless in a region, the stats.
-            tensors = r["transport"] == "bytes"
+            tensors = _route(r["transport"])[1] == "bytes"
             up = (r["wire_out_bytes"] if tensors else 0) + 200 + 40 * r["batch"]
             down = (r["wire_back_bytes"] if tensors else 0) + 120
             if (up, down) not in floors:
