@@ -182,10 +182,8 @@ class _SocketConnection:
         self._order: deque[_Step] = deque()  # read, answer not sent yet, in order
         self._running: list[_Step] = []  # submitted, not finished
         self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
-        defer = os.environ.get("ATTENTION_STEP_SOCKET_DEFER", "1") == "1"  # PROBE
         self.channel = Channel(sock, self.on_message, self.on_close, f"step-socket-{n}",
-                               batch_scope=owner.core.executor.deferring if defer
-                               else contextlib.nullcontext,
+                               batch_scope=owner.core.executor.deferring,
                                decoder=RawFrames(MAX_MESSAGE_BYTES))
 
     # ---- reader thread ------------------------------------------------------------------
