@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 
 import grpc
 
@@ -182,9 +183,34 @@ class _SocketConnection:
         self._order: deque[_Step] = deque()  # read, answer not sent yet, in order
         self._running: list[_Step] = []  # submitted, not finished
         self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
+        # Whether the client sends steps before the last one is answered (see ``_scope``).
+        self._pipelined = False
         self.channel = Channel(sock, self.on_message, self.on_close, f"step-socket-{n}",
-                               batch_scope=owner.core.executor.deferring,
-                               decoder=RawFrames(MAX_MESSAGE_BYTES))
+                               batch_scope=self._scope, decoder=RawFrames(MAX_MESSAGE_BYTES))
+
+    def _scope(self) -> contextlib.AbstractContextManager[object]:
+        """Around each read's steps. One step at a time: the executor's ``deferring``, so
+        that this thread, which issued the launch on an idle GPU, also waits for it and
+        answers (no completer wake-up). But then it reads nothing meanwhile, and a client
+        with a second step in flight (a ping-pong of micro-batches) would wait for every
+        launch to end before its next step is even read: once a step arrives during that
+        wait, the connection counts as pipelined and its reads no longer defer, until a
+        read finds none of its steps unanswered."""
+        if self._pipelined:
+            with self._lock:
+                self._pipelined = bool(self._order)
+            if self._pipelined:
+                return contextlib.nullcontext()
+        return self._deferring()
+
+    @contextlib.contextmanager
+    def _deferring(self) -> Iterator[None]:
+        with self.core.executor.deferring():
+            yield
+        # Did the next step arrive while this thread waited? (OSError: nothing yet.)
+        with contextlib.suppress(OSError):
+            self._pipelined = bool(self.channel.sock.recv(
+                1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
 
     # ---- reader thread ------------------------------------------------------------------
 
