@@ -277,11 +277,12 @@ class SocketStream:
         return raw
 
     def _read(self) -> bytes:
+        """One frame's payload (a bytearray: the answer readers take any bytes-like)."""
         sock = self._sock
         assert sock is not None
         head = self._exactly(sock, SOCKET_FRAME.size)
         (size,) = SOCKET_FRAME.unpack(head)
-        return bytes(self._exactly(sock, size)) if size else b""
+        return self._exactly(sock, size) if size else b""  # type: ignore[return-value]
 
     def _exactly(self, sock: socket.socket, n: int) -> bytearray:
         buf = bytearray(n)

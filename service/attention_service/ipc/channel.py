@@ -237,58 +237,24 @@ class _Decoder:
                 os.close(self.fds.popleft())
 
 
-RAW_HEADER = SOCKET_FRAME
-
-
-class RawFrames(_Decoder):
-    """Frames of raw bytes (a 4-byte little-endian length, then the payload), for a peer that
-    is not our own code (``attention_service.step_socket``): nothing is unpickled, descriptors
-    sent along are closed, and a frame longer than ``max_bytes`` ends the connection."""
-
-    def __init__(self, max_bytes: int) -> None:
-        super().__init__()
-        self.max_bytes = max_bytes
-
-    def frames(self) -> list[tuple[Any, list[int]]]:
-        while self.fds:  # nothing here takes descriptors
-            with contextlib.suppress(OSError):
-                os.close(self.fds.popleft())
-        out: list[tuple[Any, list[int]]] = []
-        buf, at = self.buf, 0
-        while len(buf) - at >= RAW_HEADER.size:
-            (size,) = RAW_HEADER.unpack_from(buf, at)
-            if size > self.max_bytes:
-                raise EOFError(f"a frame of {size} bytes, over the {self.max_bytes} allowed")
-            end = at + RAW_HEADER.size + size
-            if end > len(buf):
-                break
-            out.append((bytes(buf[at + RAW_HEADER.size : end]), []))
-            at = end
-        if at:
-            del buf[:at]
-        return out
-
-
 class Channel:
     def __init__(
         self, sock: socket.socket, on_message: Callable[[Any, list[int]], None],
         on_close: Callable[[], None], name: str,
         batch_scope: Callable[[], contextlib.AbstractContextManager[object]] = (
             contextlib.nullcontext),
-        spinner: Spinner | None = None, decoder: _Decoder | None = None,
+        spinner: Spinner | None = None,
     ) -> None:
         """``batch_scope``: entered around the messages of each read (the engine's readers
         finish their decode steps' launches at its end: ``Executor.deferring``).
-        ``spinner``: the reader thread polls before it blocks (see ``Spinner``).
-        ``decoder``: ``RawFrames`` for a peer that sends raw frames (then send with
-        ``send_raw``); pickled messages by default."""
+        ``spinner``: the reader thread polls before it blocks (see ``Spinner``)."""
         sock.setblocking(True)
         self.sock = sock
         self.name = name
         self._on_message = on_message
         self._batch_scope = batch_scope
         self._on_close = on_close
-        self._decoder = decoder or _Decoder()
+        self._decoder = _Decoder()
         self._spinner = spinner
         # Received into one buffer: ``recvmsg(_READ)`` allocates _READ bytes per call and
         # shrinks them, 19-37 us for a 600-byte message against 3-5 us here (dev box).
@@ -304,9 +270,12 @@ class Channel:
         self._reader = threading.Thread(target=self._read_loop, name=f"{name}-reader",
                                         daemon=True)
 
-    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
-        """Start receiving: on ``loop`` if given (called from its thread), else a thread."""
+    def start(self, loop: asyncio.AbstractEventLoop | None = None, reader: bool = True) -> None:
+        """Start receiving: on ``loop`` if given (called from its thread), else a thread;
+        ``reader=False``: its owner reads the socket itself (sending only)."""
         self._writer.start()
+        if not reader:
+            return
         if loop is None:
             self._reader.start()
         else:
@@ -333,14 +302,29 @@ class Channel:
             return
         self._send_data(data, fds)
 
-    def send_raw(self, payload: bytes) -> None:
-        """Send ``payload`` as one raw frame (``RawFrames``). Never blocks."""
-        data = RAW_HEADER.pack(len(payload)) + payload
-        pending = getattr(_corks, "pending", None)
-        if pending is not None:
-            pending.setdefault(self, []).append(data)
-            return
-        self._send_data(data, ())
+    def send_raw(self, parts: Sequence[bytes | memoryview]) -> None:
+        """Send ``parts`` joined as one raw frame (``SOCKET_FRAME``: the step socket's), not
+        corked: from the parts themselves when the socket takes them all at once, else what
+        is left is copied for the writer thread. Never blocks; the parts may change once this
+        returns."""
+        head = SOCKET_FRAME.pack(sum(len(p) for p in parts))
+        with self._send_lock:
+            if self._closed.is_set():
+                return
+            sent = 0
+            if not self._backlog:
+                try:
+                    sent = self.sock.sendmsg([head, *parts], (), socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    pass
+                except OSError as exc:
+                    log.debug("%s: send failed (%s)", self.name, exc)
+                    self._shutdown()
+                    return
+                if sent == len(head) + sum(len(p) for p in parts):
+                    return
+                self._backlog = True
+            self._outbox.put((b"".join([head, *parts])[sent:], ()))
 
     def _send_data(self, data: bytes, fds: Sequence[int]) -> None:
         with self._send_lock:

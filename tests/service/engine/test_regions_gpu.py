@@ -9,6 +9,9 @@ its own test process."""
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -18,6 +21,7 @@ import torch
 from attention_client import AttentionClient
 from attention_kernels import decode_ref, prefill_ref
 from attention_wire import cuda_ipc
+from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
 from attention_wire.pb import attention_pb2 as pb
 
 from ..batch_helpers import Steps
@@ -31,9 +35,14 @@ CU = [0, 100, 130, 387]
 
 @pytest.fixture(scope="module")
 def gpu_server():  # type: ignore[no-untyped-def]
-    g = Group(1, "--no-warmup", device="cuda", timeout=240)  # one process, not this one
+    # One process, not this one; with a step socket (test_cache_decode_steps_...).
+    g = Group(1, "--no-warmup", "--step-socket", _socket_path(), device="cuda", timeout=240)
     yield g
     assert g.stop() == 0
+
+
+def _socket_path() -> str:
+    return os.path.join(tempfile.mkdtemp(dir="/tmp"), "steps.sock")
 
 
 def _qkv(seed: int, dtype: torch.dtype = torch.bfloat16, total: int = 387):  # type: ignore[no-untyped-def]
@@ -160,7 +169,7 @@ CUDA_SPAN_CASES = {
 
 @pytest.fixture(scope="module")
 def gpu_group():  # type: ignore[no-untyped-def]
-    g = Group(2, "--no-warmup", device="cuda", timeout=240)
+    g = Group(2, "--no-warmup", "--step-socket", _socket_path(), device="cuda", timeout=240)
     yield g
     assert g.stop() == 0
 
@@ -388,12 +397,13 @@ def test_process_group_bytes_through_pinned_arenas_and_overflow() -> None:
         assert g.stop() == 0
 
 
+@pytest.mark.parametrize("via", ["grpc", "socket"])
 @pytest.mark.parametrize("server", ["gpu_server", "gpu_group"])
-def test_cache_decode_steps_through_a_cuda_region(request, server: str) -> None:  # type: ignore[no-untyped-def]
+def test_cache_decode_steps_through_a_cuda_region(request, server: str, via: str) -> None:  # type: ignore[no-untyped-def]
     """A decode loop on server-side caches with q, the new tokens and out in a CUDA IPC
-    region: no tensor bytes on the wire, answers within bf16 tolerance of the float64
-    reference, the tokens kept; a span past the region's end is refused naming the field
-    before any cache changes."""
+    region, through a CacheDecodeSteps stream or the step socket: no tensor bytes on the
+    wire, answers within bf16 tolerance of the float64 reference, the tokens kept; a span
+    past the region's end is refused naming the field before any cache changes."""
     target = request.getfixturevalue(server).target
     ids = [f"cuda-step-{i}" for i in range(5)]
     lens = [7, 64, 65, 130, 1]
@@ -406,7 +416,7 @@ def test_cache_decode_steps_through_a_cuda_region(request, server: str) -> None:
         q = region.empty((5, 16, 128), torch.bfloat16)
         kn = region.empty((5, 4, 128), torch.bfloat16)
         out = region.empty((5, 16, 128), torch.bfloat16)
-        with c.decode_steps() as steps:
+        with c.decode_steps(step_socket=via == "socket") as steps:
             for _ in range(3):
                 q.copy_(torch.randn(5, 16, 128, generator=g, device="cuda"))
                 kn.copy_(torch.randn(5, 4, 128, generator=g, device="cuda"))
@@ -433,11 +443,39 @@ def test_cache_decode_steps_through_a_cuda_region(request, server: str) -> None:
                 q=pb.RegionSpan(region=region.name, offset=(8 << 20) - 4096, byte_size=20480),
                 k=pb.RegionSpan(region=region.name, offset=0, byte_size=5120),
                 v=pb.RegionSpan(region=region.name, offset=8192, byte_size=5120)))
-        with pytest.raises(grpc.RpcError) as err:
-            list(call(iter([pb.DecodeRequest(header=header)])))
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "header.regions.q" in err.value.details()
+        if via == "grpc":
+            with pytest.raises(grpc.RpcError) as err:
+                list(call(iter([pb.DecodeRequest(header=header)])))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "header.regions.q" in err.value.details()
+        else:
+            error = _socket_step(c.info()["step_socket"],
+                                 pb.DecodeRequest(header=header).SerializeToString()).error
+            assert error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "header.regions.q" in error.details
         assert [i["length"] for i in cache.info()] == before
+
+
+def _socket_step(path: str, message: bytes) -> pb.AttentionResult:
+    """One step's answer through the step socket at ``path``, spoken by hand."""
+    def frame(payload: bytes) -> bytes:
+        return SOCKET_FRAME.pack(len(payload)) + payload
+
+    def read(sock: socket.socket) -> bytes:
+        data, head = b"", SOCKET_FRAME.size
+        while len(data) < head or len(data) < head + SOCKET_FRAME.unpack_from(data)[0]:
+            more = sock.recv(1 << 16)
+            assert more, "the step socket closed"
+            data += more
+        return data[head:]
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(60)
+        sock.connect(path)
+        sock.sendall(frame(STEP_SOCKET_HELLO))
+        assert not pb.AttentionResult.FromString(read(sock)).HasField("error")
+        sock.sendall(frame(message))
+        return pb.AttentionResult.FromString(read(sock))
 
 
 @pytest.mark.parametrize("server", ["gpu_server", "gpu_group"])

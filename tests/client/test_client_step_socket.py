@@ -1,0 +1,589 @@
+"""``client.decode_steps(step_socket=...)``: decode steps through the server's step socket
+(``--step-socket PATH``: a Unix socket of the engine process), one process and a process group
+(cpu backend), checked against the float64 reference; steps sent ahead, in-band errors, auth,
+a host killed mid-loop, oversized frames, region steps and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from attention_client import (
+    AsyncAttentionClient,
+    AttentionAuthError,
+    AttentionClient,
+    AttentionError,
+    AttentionNotFoundError,
+    AttentionUnavailableError,
+)
+from attention_client._call_streams import SocketStream
+from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
+from attention_wire.pb import attention_pb2 as pb
+from attention_wire.pb.attention_pb2_grpc import AttentionServiceStub
+
+from ._server import RunningServer, require_server, start_server
+from .test_client_e2e import check_lse, check_out, f64, make
+from .test_client_kv_cache import HKV, Context, D, H, cu
+
+torch = pytest.importorskip("torch")
+reference = pytest.importorskip("attention_kernels.reference")
+pytestmark = pytest.mark.timeout(120)
+
+
+@contextlib.contextmanager
+def _socket_server(*extra: str) -> Iterator[RunningServer]:
+    """A real server with ``--step-socket`` at a short path (``.path``: under 108 bytes)."""
+    require_server()
+    tmp = tempfile.mkdtemp(dir="/tmp", prefix="ss-")
+    path = os.path.join(tmp, "steps.sock")
+    running = start_server("--step-socket", path, *extra)
+    running.path = path  # type: ignore[attr-defined]
+    try:
+        yield running
+    finally:
+        running.stop()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def one() -> Iterator[RunningServer]:
+    """One process, metrics on (a later --metrics-port overrides start_server's -1)."""
+    with _socket_server("--metrics-port", "0") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[RunningServer]:
+    with _socket_server("--frontends", "2") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def authed() -> Iterator[RunningServer]:
+    with _socket_server("--auth-token", "a,b") as running:
+        yield running
+
+
+@pytest.fixture(params=["one-process", "two-frontends"])
+def both(request: pytest.FixtureRequest) -> RunningServer:
+    return request.getfixturevalue("one" if request.param == "one-process" else "group")
+
+
+# ---- a raw step socket client ---------------------------------------------------------------
+
+
+def _connect(path: str, hello: bytes | None = STEP_SOCKET_HELLO) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(path)
+    if hello is not None:
+        _send_frame(sock, hello)
+    return sock
+
+
+def _send_frame(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(SOCKET_FRAME.pack(len(payload)) + payload)
+
+
+def _exactly(sock: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        got = sock.recv(n - len(buf))
+        assert got, f"the server closed the connection after {len(buf)} of {n} bytes"
+        buf += got
+    return buf
+
+
+def _recv_frame(sock: socket.socket) -> bytes:
+    (size,) = SOCKET_FRAME.unpack(_exactly(sock, SOCKET_FRAME.size))
+    return _exactly(sock, size) if size else b""
+
+
+def _result(sock: socket.socket) -> pb.AttentionResult:
+    return pb.AttentionResult.FromString(_recv_frame(sock))
+
+
+def _closed_by_server(sock: socket.socket, within: float = 10.0) -> bool:
+    """The server closed the connection (EOF, or a reset) within ``within`` seconds."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def _accepted(sock: socket.socket) -> None:
+    answer = _result(sock)
+    assert not answer.HasField("error"), answer.error
+
+
+# ---- steps ------------------------------------------------------------------------------------
+
+
+def _prompt(cache, ctx, ids, lengths, seed, kind="numpy", dtype="float32"):
+    k = make(kind, dtype, sum(lengths), HKV, D, seed=seed)
+    cache.append(ids, k, k, cu(lengths))
+    ctx.add(ids, k, k, lengths)
+    return k
+
+
+def _step_inputs(n, seed, kind="numpy", dtype="float32"):
+    return make(kind, dtype, n, H, D, seed=seed), make(kind, dtype, n, HKV, D, seed=seed + 1)
+
+
+def _lengths(cache) -> list[int]:
+    return [i["length"] for i in cache.info()]
+
+
+@pytest.mark.parametrize(("kind", "dtype"), [("numpy", "float16"), ("torch", "bfloat16")])
+def test_a_decode_loop_through_the_step_socket(both, kind, dtype):
+    """Steps through the socket (the advertised path, then the path given): answers right
+    against the float64 reference (lse too), the lengths kept as with gRPC."""
+    ids = [f"lp-{kind}-a", f"lp-{kind}-b"]
+    ctx = Context(ids)
+    with AttentionClient(both.target, timeout=60) as c, c.kv_cache(HKV, D, dtype) as cache:
+        assert c.info()["step_socket"] == both.path
+        _prompt(cache, ctx, ids, [5, 18], 1, kind, dtype)
+        for n, way in enumerate((True, both.path)):
+            with c.decode_steps(step_socket=way) as steps:
+                for step in range(4):
+                    q, kn = _step_inputs(2, 10 * n + 2 * step + 10, kind, dtype)
+                    with_lse = step % 2 == 0
+                    got = steps.step(q, ids, kn, kn, return_lse=with_lse, num_splits=step % 3)
+                    assert isinstance(steps._stream, SocketStream)
+                    ctx.add(ids, kn, kn, [1, 1])
+                    ref, ref_lse = reference.decode_ref(f64(q), *ctx.packed(ids),
+                                                        return_lse=True)
+                    if with_lse:
+                        out, lse = got
+                        check_lse(lse, ref_lse)
+                    else:
+                        out = got
+                    check_out(out, ref, dtype, q)  # numpy in -> numpy out, torch -> torch
+                    assert c.last_stats["cache_lengths"] == ctx.lengths(ids)
+                # No new tokens, store=False: the layout comes from the handle.
+                q = make(kind, dtype, 2, H, D, seed=40 + n)
+                out = steps.step(q, ids, store=False, softmax_scale=0.3)
+                check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids),
+                                                    softmax_scale=0.3), dtype, q)
+                stream = steps._stream
+                assert isinstance(stream, SocketStream)
+            assert stream._sock is None  # closed with the handle
+            assert _lengths(cache) == ctx.lengths(ids) == [5 + 4 * (n + 1), 18 + 4 * (n + 1)]
+
+
+def test_steps_sent_ahead_through_the_socket_are_answered_in_order(one):
+    """12 steps on the same caches sent before any answer is read (more than the server's
+    steps_in_flight: the client reads the oldest first): each answered in order, right at the
+    point it ran, each storing one token per cache."""
+    ids = ["ah-a", "ah-b"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
+            c.decode_steps(step_socket=True) as steps:
+        assert c.info()["steps_in_flight"] == 8
+        _prompt(cache, ctx, ids, [3, 7], 2)
+        sent = []
+        for n in range(12):
+            q, kn = _step_inputs(2, 100 + 10 * n)
+            pending = steps.submit(q, ids, kn, kn)
+            ctx.add(ids, kn, kn, [1, 1])
+            sent.append((pending, q, reference.decode_ref(f64(q), *ctx.packed(ids))))
+        stream = steps._stream
+        assert isinstance(stream, SocketStream)
+        assert stream._unread - len(stream._early) <= 8  # never more unread on the server
+        for n, (pending, q, ref) in enumerate(sent):
+            check_out(pending.result(), ref, "float32", q)
+            assert c.last_stats["cache_lengths"] == [3 + n + 1, 7 + n + 1]
+        assert steps._stream is stream  # one connection throughout
+        assert _lengths(cache) == [15, 19]
+
+
+def test_a_failed_step_is_answered_in_band_and_the_socket_goes_on(one):
+    ids = ["ib-a"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
+            c.decode_steps(step_socket=True) as steps:
+        _prompt(cache, ctx, ids, [4], 3)
+        q, kn = _step_inputs(1, 5)
+        out = steps.step(q, ids, kn, kn)
+        ctx.add(ids, kn, kn, [1])
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        stream = steps._stream
+        with pytest.raises(AttentionNotFoundError, match="ib-nope"):
+            steps.step(q, ["ib-nope"], kn, kn)
+        with pytest.raises(AttentionNotFoundError, match="ib-gone"):  # one of two ids
+            steps.step(np.concatenate([q, q]), ["ib-a", "ib-gone"], np.concatenate([kn, kn]),
+                       np.concatenate([kn, kn]))
+        assert _lengths(cache) == [5]  # the failed steps changed nothing
+        q, kn = _step_inputs(1, 7)
+        out = steps.step(q, ids, kn, kn)
+        ctx.add(ids, kn, kn, [1])
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        assert steps._stream is stream and stream.alive()  # the same connection
+        assert _lengths(cache) == [6]
+
+
+def test_caches_of_another_caller_are_not_found_through_the_socket(authed):
+    """Ownership is the token's: b's step on a's caches fails as over gRPC (NOT_FOUND, the
+    same class), changes nothing, and b's socket goes on."""
+    ids = ["own-a"]
+    ctx = Context(ids)
+    with AttentionClient(authed.target, token="a", timeout=60) as a, \
+            AttentionClient(authed.target, token="b", timeout=60) as b, \
+            a.kv_cache(HKV, D, "float32") as cache:
+        _prompt(cache, ctx, ids, [6], 4)
+        q, kn = _step_inputs(1, 8)
+        with pytest.raises(AttentionError) as over_grpc:
+            b.decode_step(q, ids, kn, kn)
+        assert type(over_grpc.value) is AttentionNotFoundError
+        with b.decode_steps(step_socket=True) as steps:
+            with pytest.raises(AttentionError) as over_socket:
+                steps.step(q, ids, kn, kn)
+            assert type(over_socket.value) is type(over_grpc.value)
+            assert over_socket.value.code == over_grpc.value.code == grpc.StatusCode.NOT_FOUND
+            assert "own-a" in str(over_socket.value)
+            stream = steps._stream
+            assert isinstance(stream, SocketStream) and stream.alive()
+            with b.kv_cache(HKV, D, "float32") as mine:  # b's own cache, same socket
+                kb = make("numpy", "float32", 2, HKV, D, seed=9)
+                mine.append(["own-b"], kb, kb, [0, 2])
+                out = steps.step(q, ["own-b"], kn, kn)
+                theirs = Context(["own-b"])
+                theirs.add(["own-b"], kb, kb, [2])
+                theirs.add(["own-b"], kn, kn, [1])
+                check_out(out, reference.decode_ref(f64(q), *theirs.packed(["own-b"])),
+                          "float32", q)
+                assert steps._stream is stream
+        assert _lengths(cache) == [6]
+        # a's own steps through the socket see them.
+        with a.decode_steps(step_socket=True) as steps:
+            out = steps.step(q, ids, kn, kn)
+            ctx.add(ids, kn, kn, [1])
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        assert _lengths(cache) == [7]
+
+
+def test_the_hello_checks_the_token(authed):
+    """A wrong or missing token: an UNAUTHENTICATED answer, then the server closes; no hello
+    at all (garbage first): closed at once; a right token: an empty answer, and steps."""
+    unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
+    for presented in (b"Bearer wrong", b"", b"Bearer a,b"):
+        with _connect(authed.path, STEP_SOCKET_HELLO + presented) as sock:
+            answer = _result(sock)
+            assert answer.HasField("error") and answer.error.code == unauthenticated
+            assert "bearer token" in answer.error.details
+            assert _closed_by_server(sock)
+    with _connect(authed.path, b"GET / HTTP/1.1\r\n\r\n") as sock:
+        assert _closed_by_server(sock)
+    for token in (b"a", b"b"):
+        with _connect(authed.path, STEP_SOCKET_HELLO + b"Bearer " + token) as sock:
+            assert _recv_frame(sock) == b""  # accepted: an empty AttentionResult
+            # A step then: an in-band error for a cache it does not have, and still open.
+            header = pb.DecodeHeader(
+                q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, H, D]),
+                k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+                v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+                cache=pb.CacheTarget(cache_ids=["hello-none"], store=True))
+            q, kn = _step_inputs(1, 3)
+            request = pb.DecodeRequest(header=header, chunks=[
+                pb.TensorChunk(field=f, offset=0, data=x.tobytes())
+                for f, x in ((pb.Q, q), (pb.K, kn), (pb.V, kn))])
+            _send_frame(sock, request.SerializeToString())
+            answer = _result(sock)
+            assert answer.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert "hello-none" in answer.error.details
+            assert not _closed_by_server(sock, 0.2)
+
+
+def test_a_wrong_token_through_the_library_is_an_auth_error(authed):
+    """The socket's own refusal (info() answered as for a right token, so only the socket's
+    hello can refuse): AttentionAuthError naming the socket."""
+    with AttentionClient(authed.target, token="a") as good:
+        info = good.info()
+    assert info["step_socket"] == authed.path
+    with AttentionClient(authed.target, token="wrong") as c:
+        with pytest.raises(AttentionAuthError):  # gRPC refuses it first
+            c.info()
+        c.info = lambda *a, **kw: info  # type: ignore[method-assign]
+        for way in (True, authed.path):
+            with c.decode_steps(step_socket=way) as steps:
+                q, kn = _step_inputs(1, 2)
+                with pytest.raises(AttentionAuthError, match="step socket") as err:
+                    steps.step(q, ["x"], kn, kn)
+                assert err.value.code == grpc.StatusCode.UNAUTHENTICATED
+                assert authed.path in str(err.value)
+
+
+def test_no_step_socket_or_nothing_there_fails_and_async_refuses(server, one):
+    q, kn = _step_inputs(1, 2)
+    with AttentionClient(server.target) as c:
+        assert not c.info()["step_socket"]
+        with c.decode_steps(step_socket=True) as steps, pytest.raises(AttentionError) as err:
+            steps.step(q, ["x"], kn, kn)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "--step-socket" in str(err.value)
+    nowhere = os.path.join(os.path.dirname(one.path), "nothing.sock")
+    with AttentionClient(one.target) as c:
+        with c.decode_steps(step_socket=nowhere) as steps, \
+                pytest.raises(AttentionUnavailableError) as err:
+            steps.step(q, ["x"], kn, kn)
+        assert nowhere in str(err.value)
+        with pytest.raises(TypeError, match="step_socket"):
+            c.decode_steps(step_socket=1)
+
+    async def main():
+        async with AsyncAttentionClient(one.target) as c:
+            with pytest.raises(ValueError, match="step_socket"):
+                c.decode_steps(step_socket=True)
+            with pytest.raises(ValueError, match="step_socket"):
+                c.decode_steps(step_socket=one.path)
+
+    asyncio.run(main())
+
+
+# A model host: its decode loop through the step socket, two micro-batches' steps in flight
+# (several each), until killed. Step n of group g stores _host_kv(g, n).
+_HOST = """
+import sys, numpy as np
+from attention_client import AttentionClient
+
+def _host_kv(g, n, b):
+    return np.random.default_rng(1000 * g + n).standard_normal((b, 2, 16)).astype(np.float32)
+
+target, prefix = sys.argv[1], sys.argv[2]
+groups = [[f"{prefix}-{i}" for i in range(3)], [f"{prefix}-{i}" for i in range(3, 6)]]
+sent = [0, 0]
+
+def send(steps, g):
+    ids = groups[g]
+    kn = _host_kv(g, sent[g], len(ids))
+    q = np.ones((len(ids), 4, 16), np.float32)
+    sent[g] += 1
+    return steps.submit(q, ids, kn, kn)
+
+with AttentionClient(target) as c, c.decode_steps(step_socket=True) as steps:
+    pending = [[send(steps, g) for _ in range(3)] for g in (0, 1)]
+    print("looping", flush=True)
+    while True:  # until killed
+        for g in (0, 1):
+            pending[g].pop(0).result()
+            pending[g].append(send(steps, g))
+"""
+
+
+def _host_kv(g: int, n: int, b: int) -> np.ndarray:
+    return np.random.default_rng(1000 * g + n).standard_normal((b, 2, 16)).astype(np.float32)
+
+
+def test_a_host_killed_mid_loop_leaves_its_caches_usable(both):
+    """A model host killed (SIGKILL) with steps in flight on its step socket: the caches are
+    soon idle, each micro-batch's caches kept the same number of the loop's steps (whole or
+    not at all), and a step on them through the socket answers right."""
+    prefix = f"kill-{both.proc.pid}"
+    ids = [f"{prefix}-{i}" for i in range(6)]
+    with AttentionClient(both.target, timeout=60) as c:
+        cache = c.kv_cache(2, 16, "float32")
+        prompt = make("numpy", "float32", 6 * 256, 2, 16, seed=1)
+        cache.append(ids, prompt, prompt, [256 * i for i in range(7)])
+        host = subprocess.Popen([sys.executable, "-c", _HOST, both.target, prefix],
+                                stdout=subprocess.PIPE, text=True)
+        try:
+            assert host.stdout is not None and host.stdout.readline().strip() == "looping"
+            deadline = time.monotonic() + 30
+            while min(i["length"] for i in cache.info()) < 256 + 6:  # some steps landed
+                assert time.monotonic() < deadline and host.poll() is None
+                time.sleep(0.02)
+        finally:
+            host.kill()
+            host.wait(10)
+        deadline = time.monotonic() + 20
+        while any(i["busy"] for i in cache.info()):
+            assert time.monotonic() < deadline, "the caches stayed busy"
+            time.sleep(0.05)
+        info = cache.info()
+        assert [i["cache_id"] for i in info] == ids
+        keys = []
+        for g, group_ids in enumerate((ids[:3], ids[3:])):
+            (length,) = {i["length"] for i in info[3 * g: 3 * g + 3]}  # each step whole
+            steps_kept = length - 256
+            assert steps_kept >= 6
+            stored = [_host_kv(g, n, 3) for n in range(steps_kept)]
+            for j in range(3):
+                row = 3 * g + j
+                keys.append(np.concatenate([prompt[256 * row: 256 * (row + 1)],
+                                            *[s[j: j + 1] for s in stored]]))
+        q = make("numpy", "float32", 6, 4, 16, seed=2)
+        kn = make("numpy", "float32", 6, 2, 16, seed=3)
+        with c.decode_steps(step_socket=True) as steps:
+            out = steps.step(q, ids, kn, kn)
+        packed = np.concatenate([np.concatenate([k, kn[j: j + 1]]) for j, k in enumerate(keys)])
+        cu_k = torch.tensor([0, *np.cumsum([len(k) + 1 for k in keys])], dtype=torch.int32)
+        ref = reference.decode_ref(f64(q), f64(packed), f64(packed), cu_k)
+        check_out(out, ref, "float32", q)
+        assert [i["length"] for i in cache.info()] == [len(k) + 1 for k in keys]
+        cache.release()
+
+
+def test_a_frame_over_the_limit_closes_its_connection_only(one):
+    from attention_service.config import MAX_MESSAGE_BYTES
+
+    with _connect(one.path) as other:  # another connection, open throughout
+        _accepted(other)
+        with _connect(one.path) as sock:
+            _accepted(sock)
+            sock.sendall(SOCKET_FRAME.pack(MAX_MESSAGE_BYTES + 1))
+            assert _closed_by_server(sock, 5.0)
+        with _connect(one.path, hello=None) as sock:  # before the hello, too
+            sock.sendall(SOCKET_FRAME.pack(MAX_MESSAGE_BYTES + 1))
+            assert _closed_by_server(sock, 5.0)
+        assert not _closed_by_server(other, 0.2)
+    ids = ["big-a"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
+            c.decode_steps(step_socket=True) as steps:
+        _prompt(cache, ctx, ids, [3], 5)
+        q, kn = _step_inputs(1, 6)
+        out = steps.step(q, ids, kn, kn)
+        ctx.add(ids, kn, kn, [1])
+        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        assert isinstance(steps._stream, SocketStream)
+
+
+def _region_header(ids, region, q_offset, nbytes=1 << 20):
+    """A region step's header (q at ``q_offset``, k and v at the region's start)."""
+    qb, kvb = H * D * 4, HKV * D * 4
+    return pb.DecodeHeader(
+        q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, H, D]),
+        k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+        v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+        cache=pb.CacheTarget(cache_ids=ids, store=True),
+        regions=pb.TensorRegions(
+            q=pb.RegionSpan(region=region, offset=q_offset, byte_size=qb),
+            k=pb.RegionSpan(region=region, offset=0, byte_size=kvb),
+            v=pb.RegionSpan(region=region, offset=kvb, byte_size=kvb)))
+
+
+def test_region_steps_through_the_socket(one):
+    """q, k/v and ``out=`` in a registered region: no tensor bytes, the answer written into
+    ``out``, the tokens kept; a span past the region's end is refused as over gRPC (same
+    code, naming the field) and changes nothing."""
+    ids = ["rs-a", "rs-b"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache:
+        region = c.register_shm(1 << 20)
+        _prompt(cache, ctx, ids, [3, 5], 40)
+        q, kn = region.empty((2, H, D), np.float32), region.empty((2, HKV, D), np.float32)
+        out = region.empty((2, H, D), np.float32)
+        with c.decode_steps(step_socket=True) as steps:
+            for n in range(3):
+                q[...] = make("numpy", "float32", 2, H, D, seed=41 + n)
+                kn[...] = make("numpy", "float32", 2, HKV, D, seed=51 + n)
+                out[...] = np.nan
+                assert steps.step(q, ids, kn, kn, out=out, use_regions=True) is out
+                assert isinstance(steps._stream, SocketStream)
+                ctx.add(ids, kn.copy(), kn.copy(), [1, 1])
+                check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+                s = c.last_stats
+                assert s["bytes_in"] == 0 and s["region_bytes_in"] > 0 and s["bytes_out"] == 0
+                assert s["cache_lengths"] == ctx.lengths(ids)
+        lengths = _lengths(cache)
+        header = _region_header(ids[:1], region.name, (1 << 20) - 256)
+        stub = AttentionServiceStub(c._base_channels[0])
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.CacheDecode(iter([pb.DecodeRequest(header=header)]),
+                                  metadata=c._metadata or None))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "header.regions.q" in err.value.details()
+        with _connect(one.path) as sock:
+            _accepted(sock)
+            _send_frame(sock, pb.DecodeRequest(header=header).SerializeToString())
+            answer = _result(sock)
+            assert answer.error.code == err.value.code().value[0]
+            assert "header.regions.q" in answer.error.details
+            # ... and in bounds, on the same connection: right, into the region's out? No
+            # out span here: the answer carries OUT.
+            _send_frame(sock, pb.DecodeRequest(
+                header=_region_header(ids[:1], region.name, 2 * HKV * D * 4)
+            ).SerializeToString())
+            answer = _result(sock)
+            assert not answer.HasField("error") and answer.stats.cache_lengths == [lengths[0] + 1]
+        assert _lengths(cache) == [lengths[0] + 1, lengths[1]]
+        region.close()
+
+
+def test_a_region_of_another_caller_is_refused_through_the_socket(authed):
+    """b naming a's region: refused as over gRPC (same code), through the socket."""
+    with AttentionClient(authed.target, token="a") as a, \
+            AttentionClient(authed.target, token="b") as b, \
+            b.kv_cache(HKV, D, "float32") as cache:
+        region = a.register_shm(1 << 16)
+        k = make("numpy", "float32", 2, HKV, D, seed=1)
+        cache.append(["rb-b"], k, k, [0, 2])
+        header = _region_header(["rb-b"], region.name, 2 * HKV * D * 4)
+        stub = AttentionServiceStub(b._base_channels[0])
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.CacheDecode(iter([pb.DecodeRequest(header=header)]),
+                                  metadata=b._metadata or None))
+        assert err.value.code() != grpc.StatusCode.OK
+        with _connect(authed.path, STEP_SOCKET_HELLO + b"Bearer b") as sock:
+            _accepted(sock)
+            _send_frame(sock, pb.DecodeRequest(header=header).SerializeToString())
+            answer = _result(sock)
+            assert answer.error.code == err.value.code().value[0]
+            assert region.name in answer.error.details
+        assert _lengths(cache) == [2]
+        region.close()
+
+
+def _metrics_port(running: RunningServer) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for line in list(running.lines):
+            if m := re.search(r"metrics on port (\d+)", line):
+                return int(m.group(1))
+        time.sleep(0.05)
+    raise AssertionError("no 'metrics on port' line:\n" + running.log())
+
+
+def _requests(port: int, code: str) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("attention_requests_total{") and 'rpc="CacheDecode"' in line \
+                and f'code="{code}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_socket_steps_are_counted_as_cache_decode(one):
+    port = _metrics_port(one)
+    ok, missing = _requests(port, "OK"), _requests(port, "NOT_FOUND")
+    ids = ["mt-a"]
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
+            c.decode_steps(step_socket=True) as steps:
+        k = make("numpy", "float32", 2, HKV, D, seed=1)
+        cache.append(ids, k, k, [0, 2])
+        for n in range(5):
+            q, kn = _step_inputs(1, 10 + n)
+            steps.step(q, ids, kn, kn)
+        with pytest.raises(AttentionNotFoundError):
+            steps.step(q, ["mt-none"], kn, kn)
+        assert isinstance(steps._stream, SocketStream)
+    assert _requests(port, "OK") - ok == 5
+    assert _requests(port, "NOT_FOUND") - missing == 1
