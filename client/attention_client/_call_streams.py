@@ -235,18 +235,21 @@ class SocketStream:
     def alive(self) -> bool:
         return self._sock is not None
 
-    def send(self, message: bytes) -> None:
-        """Send one call (its answer comes in order)."""
+    def send(self, message: bytes | tuple[Any, ...]) -> None:
+        """Send one call, its message whole or in pieces (no join: ``_Compiled.parts``); its
+        answer comes in order."""
         sock = self._sock
         if sock is None:
             raise NotSent(_ended())
         if self._unread - len(self._early) >= self._limit:
             self._early.append(self._read())
+        parts = message if isinstance(message, tuple) else (message,)
         try:
-            head = SOCKET_FRAME.pack(len(message))
-            sent = sock.sendmsg([head, message])
-            if sent < len(head) + len(message):
-                sock.sendall((head + message)[sent:])
+            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+            frame = [SOCKET_FRAME.pack(size), *parts]
+            sent = sock.sendmsg(frame)  # blocking: all of it, but for a signal
+            if sent < SOCKET_FRAME.size + size:
+                sock.sendall(b"".join(frame)[sent:])
         except OSError as exc:
             self.drop()
             raise StreamError(grpc.StatusCode.UNAVAILABLE,

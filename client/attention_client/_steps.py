@@ -136,9 +136,13 @@ class _Compiled:
             out.append(x.view(bits).numpy())
         return out[0], out[1], out[2]
 
-    def message(self, views: tuple[Any, Any, Any], tail: bytes) -> bytes:
+    def parts(self, views: tuple[Any, Any, Any], tail: bytes) -> tuple[Any, ...]:
+        """The step's message in pieces (the step socket sends them as they are)."""
         f = self.frame
-        return b"".join((f[0], views[0], f[1], views[1], f[2], views[2], tail))
+        return (f[0], views[0], f[1], views[1], f[2], views[2], tail)
+
+    def message(self, views: tuple[Any, Any, Any], tail: bytes) -> bytes:
+        return b"".join(self.parts(views, tail))
 
     def answer(self, raw: bytes) -> tuple[np.ndarray, dict[str, Any]] | None:
         """(out in its storage dtype, the stats) when ``raw`` is one OUT chunk of every row as
@@ -151,7 +155,9 @@ class _Compiled:
         rest = parse_result(memoryview(raw)[end:])
         if len(rest) != 1 or not isinstance(rest[0], pb.RequestStats):
             return None
-        out = np.frombuffer(raw, self.out_storage, self.out_count, len(lead)).copy()
+        out = np.frombuffer(raw, self.out_storage, self.out_count, len(lead))
+        if isinstance(raw, bytes):  # read-only; a step socket's answer is a fresh bytearray
+            out = out.copy()
         return out, stats_dict(rest[0])
 
     def result(self, out: np.ndarray, stats: dict[str, Any]) -> Any:
@@ -248,6 +254,7 @@ class _StepsBase:
         # them. One per layer's caches: a model host steps layer 0, 1, ..., L-1 in turn, so a
         # template of the last step alone never matched (bench_offload, 2 layers).
         self._templates: dict[tuple[Any, ...], _Template] = {}
+        self._socket: str | bool | None = None  # the step socket (DecodeSteps)
 
     @property
     def _lane(self) -> dict[str, Any]:
@@ -401,8 +408,9 @@ class _StepsBase:
                                               settings))
         if views is not None and not self._unsupported:
             assert compiled is not None
-            return (yield from self._send(compiled.prep, compiled,
-                                          compiled.message(views, tail), tensors, settings))
+            message = (compiled.parts(views, tail) if self._socket
+                       else compiled.message(views, tail))
+            return (yield from self._send(compiled.prep, compiled, message, tensors, settings))
         prep = self._reused(template.prep if template is not None else None, q, k_new, v_new)
         if prep is None:
             prep = yield client._decode_step_request(
@@ -424,8 +432,9 @@ class _StepsBase:
             pending.outcome = (True, (yield self._client._run(prep, settings)))
         return pending
 
-    def _send(self, prep: PreparedRequest, compiled: _Compiled | None, message: bytes,
-              tensors: tuple[Any, Any, Any], settings: CallSettings) -> Steps:
+    def _send(self, prep: PreparedRequest, compiled: _Compiled | None,
+              message: bytes | tuple[Any, ...], tensors: tuple[Any, Any, Any],
+              settings: CallSettings) -> Steps:
         """``message`` on the handle's stream (opened first when there is none, or it
         ended): its PendingStep, or the step run at once when the stream's rpc is missing."""
         client = self._client

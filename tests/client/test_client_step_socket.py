@@ -57,6 +57,8 @@ def _socket_server(*extra: str) -> Iterator[RunningServer]:
     finally:
         running.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+    log = "".join(running.lines)
+    assert "Traceback" not in log and "a step failed" not in log, log[-6000:]
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +71,12 @@ def one() -> Iterator[RunningServer]:
 @pytest.fixture(scope="module")
 def group() -> Iterator[RunningServer]:
     with _socket_server("--frontends", "2") as running:
+        # A process group listens at the end of its warm-up, after its ready line (see
+        # test_the_advertised_socket_is_there_once_the_server_answers).
+        deadline = time.monotonic() + 30
+        while not os.path.exists(running.path):  # type: ignore[attr-defined]
+            assert time.monotonic() < deadline, running.log()
+            time.sleep(0.02)
         yield running
 
 
@@ -214,6 +222,84 @@ def test_steps_sent_ahead_through_the_socket_are_answered_in_order(one):
         assert _lengths(cache) == [15, 19]
 
 
+def _step_frame(cache_id: str, seed: int, store: bool = True) -> tuple[bytes, np.ndarray,
+                                                                        np.ndarray]:
+    """A whole one-sequence CacheDecode step as the socket takes it, its q and k/v."""
+    q, kn = _step_inputs(1, seed)
+    header = pb.DecodeHeader(
+        q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, H, D]),
+        k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+        v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
+        cache=pb.CacheTarget(cache_ids=[cache_id], store=store))
+    request = pb.DecodeRequest(header=header, chunks=[
+        pb.TensorChunk(field=f, offset=0, data=x.tobytes())
+        for f, x in ((pb.Q, q), (pb.K, kn), (pb.V, kn))])
+    return request.SerializeToString(), q, kn
+
+
+def test_more_steps_unanswered_than_allowed_are_refused_in_order(one):
+    """A raw client that sends 16 steps at once, reading nothing: past the server's 8
+    unanswered, a step is answered RESOURCE_EXHAUSTED in its place (changing nothing); the
+    others run, each cache's in the order sent, with right answers. Malformed frames after
+    the hello are INVALID_ARGUMENT in-band, and the connection goes on."""
+    ids = ["bu-a", "bu-b"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, \
+            c.kv_cache(HKV, D, "float32") as cache, _connect(one.path) as sock:
+        _prompt(cache, ctx, ids, [2, 4], 11)
+        _accepted(sock)
+        for junk in (b"", b"\xff\xff\xff\x07junk"):
+            _send_frame(sock, junk)
+            answer = _result(sock)
+            assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        frames = [_step_frame(ids[n % 2], 200 + 2 * n) for n in range(16)]
+        sock.sendall(b"".join(SOCKET_FRAME.pack(len(f)) + f for f, _, _ in frames))
+        refused = 0
+        for n, (_, q, kn) in enumerate(frames):
+            cid = ids[n % 2]
+            answer = _result(sock)
+            if answer.HasField("error"):
+                assert n >= 8, f"step {n} refused"  # 8 may be unanswered
+                assert answer.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+                assert "more than 8 unanswered" in answer.error.details
+                refused += 1
+                continue
+            ctx.add([cid], kn, kn, [1])
+            assert list(answer.stats.cache_lengths) == ctx.lengths([cid])
+            out = np.frombuffer(answer.chunks[0].data, np.float32).reshape(1, H, D)
+            check_out(out, reference.decode_ref(f64(q), *ctx.packed([cid])), "float32", q)
+        assert refused >= 1
+        assert _lengths(cache) == ctx.lengths(ids)
+
+
+def test_steps_larger_than_the_servers_read_buffer(one, monkeypatch):
+    """Steps of 150-490 KiB (the server reads frames into a 64 KiB buffer that grows), sent
+    ahead on the same caches (so they wait, holding their own copies) between small ones:
+    every answer right, every token kept."""
+    sizes = []
+    send = SocketStream.send
+    monkeypatch.setattr(SocketStream, "send",
+                        lambda self, message: sizes.append(len(message)) or send(self, message))
+    ids = [f"lg-{i}" for i in range(160)]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
+            c.decode_steps(step_socket=True) as steps:
+        _prompt(cache, ctx, ids, [1 + i % 5 for i in range(160)], 21)
+        sent = []
+        for n, count in enumerate((160, 1, 48, 12, 160, 1)):  # ~490, 3, 147, 37 KiB, ...
+            names = ids[:count] if n % 2 == 0 else ids[-count:]
+            q, kn = _step_inputs(count, 300 + 2 * n)
+            sent.append((steps.submit(q, names, kn, kn), q, names))
+            ctx.add(names, kn, kn, [1] * count)
+            sent[-1] = (*sent[-1][:2], reference.decode_ref(f64(q), *ctx.packed(names)))
+        for pending, q, ref in sent:
+            check_out(pending.result(), ref, "float32", q)
+        assert isinstance(steps._stream, SocketStream)
+        assert len(sizes) == 6 and max(sizes) > 256 << 10
+        assert sum(size > 64 << 10 for size in sizes) == 3
+        assert _lengths(cache) == ctx.lengths(ids)
+
+
 def test_a_failed_step_is_answered_in_band_and_the_socket_goes_on(one):
     ids = ["ib-a"]
     ctx = Context(ids)
@@ -295,16 +381,7 @@ def test_the_hello_checks_the_token(authed):
         with _connect(authed.path, STEP_SOCKET_HELLO + b"Bearer " + token) as sock:
             assert _recv_frame(sock) == b""  # accepted: an empty AttentionResult
             # A step then: an in-band error for a cache it does not have, and still open.
-            header = pb.DecodeHeader(
-                q=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, H, D]),
-                k=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
-                v=pb.TensorSpec(dtype=pb.FLOAT32, shape=[1, HKV, D]),
-                cache=pb.CacheTarget(cache_ids=["hello-none"], store=True))
-            q, kn = _step_inputs(1, 3)
-            request = pb.DecodeRequest(header=header, chunks=[
-                pb.TensorChunk(field=f, offset=0, data=x.tobytes())
-                for f, x in ((pb.Q, q), (pb.K, kn), (pb.V, kn))])
-            _send_frame(sock, request.SerializeToString())
+            _send_frame(sock, _step_frame("hello-none", 3)[0])
             answer = _result(sock)
             assert answer.error.code == grpc.StatusCode.NOT_FOUND.value[0]
             assert "hello-none" in answer.error.details
@@ -419,7 +496,7 @@ def test_a_host_killed_mid_loop_leaves_its_caches_usable(both):
         info = cache.info()
         assert [i["cache_id"] for i in info] == ids
         keys = []
-        for g, group_ids in enumerate((ids[:3], ids[3:])):
+        for g in range(2):
             (length,) = {i["length"] for i in info[3 * g: 3 * g + 3]}  # each step whole
             steps_kept = length - 256
             assert steps_kept >= 6
@@ -452,6 +529,10 @@ def test_a_frame_over_the_limit_closes_its_connection_only(one):
         with _connect(one.path, hello=None) as sock:  # before the hello, too
             sock.sendall(SOCKET_FRAME.pack(MAX_MESSAGE_BYTES + 1))
             assert _closed_by_server(sock, 5.0)
+        with _connect(one.path) as sock:  # at the limit: the server waits for its bytes
+            _accepted(sock)
+            sock.sendall(SOCKET_FRAME.pack(MAX_MESSAGE_BYTES) + b"x" * 1024)
+            assert not _closed_by_server(sock, 0.3)
         assert not _closed_by_server(other, 0.2)
     ids = ["big-a"]
     ctx = Context(ids)
@@ -516,8 +597,7 @@ def test_region_steps_through_the_socket(one):
             answer = _result(sock)
             assert answer.error.code == err.value.code().value[0]
             assert "header.regions.q" in answer.error.details
-            # ... and in bounds, on the same connection: right, into the region's out? No
-            # out span here: the answer carries OUT.
+            # The same span in bounds, on the same connection: answered (OUT in the answer).
             _send_frame(sock, pb.DecodeRequest(
                 header=_region_header(ids[:1], region.name, 2 * HKV * D * 4)
             ).SerializeToString())
@@ -585,5 +665,29 @@ def test_socket_steps_are_counted_as_cache_decode(one):
         with pytest.raises(AttentionNotFoundError):
             steps.step(q, ["mt-none"], kn, kn)
         assert isinstance(steps._stream, SocketStream)
+    # A step is counted just after its answer is sent: wait for the counts to settle.
+    deadline = time.monotonic() + 10
+    while (_requests(port, "OK") - ok, _requests(port, "NOT_FOUND") - missing) != (5, 1):
+        assert time.monotonic() < deadline, (_requests(port, "OK") - ok,
+                                             _requests(port, "NOT_FOUND") - missing)
+        time.sleep(0.05)
+    time.sleep(0.2)  # and no more come
     assert _requests(port, "OK") - ok == 5
     assert _requests(port, "NOT_FOUND") - missing == 1
+
+
+@pytest.mark.xfail(strict=False, raises=AttentionUnavailableError, reason=(
+    "process group: GetServerInfo advertises step_socket (and the ready line is printed) "
+    "before the engine listens on it (ipc/group.py starts it at the warm-up's end), and the "
+    "client does not retry the connect"))
+def test_the_advertised_socket_is_there_once_the_server_answers():
+    """Right after the ready line: a client that reads info() finds the step socket it
+    advertises (a process group starts it after its warm-up)."""
+    with _socket_server("--frontends", "2") as running, \
+            AttentionClient(running.target, timeout=60) as c:
+        info = c.info()
+        assert info["step_socket"] == running.path
+        with c.decode_steps(step_socket=True) as steps:
+            q, kn = _step_inputs(1, 2)
+            with pytest.raises(AttentionNotFoundError):  # answered by the engine
+                steps.step(q, ["early-none"], kn, kn)
