@@ -91,16 +91,22 @@ async def create_server(
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                lambda: 1, core.caches.gauges, core.regions.gauges,
                                queue_capacity=config.max_queue_size, gpu_uuid=gpu_uuid(backend)))
-    frontend = await start_frontend(config, LocalLink(core), metrics)
+    # Listening before the front end can advertise it (GetServerInfo answers during warm-up).
+    step_socket = start_step_socket(config, core, metrics) if config.step_socket else None
+    try:
+        frontend = await start_frontend(config, LocalLink(core), metrics)
+    except BaseException:
+        if step_socket is not None:
+            step_socket.close()
+        raise
     server = AttentionServer(frontend=frontend, core=core, metrics=metrics, port=frontend.port)
+    server.step_socket = step_socket
     try:
         server.metrics_port = metrics.serve(config.metrics_host, config.metrics_port)
         if config.warmup:
             t0 = time.perf_counter()
             await asyncio.to_thread(core.warmup)
             log.info("warm-up on %s took %.2fs", backend.name, time.perf_counter() - t0)
-        if config.step_socket:
-            server.step_socket = start_step_socket(config, core, metrics)
     except BaseException:
         await server.stop(0)
         raise

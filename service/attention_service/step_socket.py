@@ -194,6 +194,7 @@ class _SocketConnection:
         # Whether the client sends steps before the last one is answered (see ``_scope``).
         self._pipelined = False
         self._free: dict[int, list[ByteBase]] = {}  # pinned blocks by size (``_block``)
+        self._closed = False  # its client went (``on_close``): nothing more starts
         # Sends only (never blocking the engine's threads): ``_read_loop`` reads.
         self.channel = Channel(sock, _no_message, lambda: None, f"step-socket-{n}")
         self._reader = threading.Thread(target=self._read_loop, daemon=True,
@@ -324,10 +325,15 @@ class _SocketConnection:
             upload.check_complete()
             assert upload.params is not None and upload.buffers is not None
             step.raw = b""  # the reader's buffer: read once, here
-            step.job = self.core.submit(
+            job = self.core.submit(
                 upload.params, {**upload.buffers.spans, **upload.regions},
                 self.principal or "", lambda value: self._done(step, value),
                 issue_here=issue_here)
+            with self._lock:
+                step.job = job
+                gone = self._closed
+            if gone:  # a waiting step started as its client went: nobody reads it
+                self.core.cancel(job)
         except RequestError as exc:
             self._done(step, exc)
         except (MemoryError, OSError, RuntimeError) as exc:
@@ -441,6 +447,7 @@ class _SocketConnection:
         """The model host went (or the server closed the socket): its steps are cancelled,
         those waiting dropped; nobody reads their answers."""
         with self._lock:
+            self._closed = True
             running = [s.job for s in self._running if s.job is not None]
             self._waiting.clear()
         for job in running:

@@ -259,6 +259,8 @@ class Group:
                                        f"{self.arena_bytes} bytes: {exc}") from None
                 self.slots.append(_Slot(i, fd, tensor, unpin))
             metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
+            if cfg.step_socket:  # listening before any front end can advertise it
+                step_socket = start_step_socket(cfg, core, metrics)
             for slot in self.slots:
                 self._spawn(slot)
             warm = threading.Event()
@@ -324,8 +326,6 @@ class Group:
                 elif kind == "warm":
                     if failed:
                         raise failed[0]
-                    if cfg.step_socket and not self.draining:
-                        step_socket = start_step_socket(cfg, core, metrics)
                     if self.placement.engine:
                         # After the warm-up: its compile workers are this process's children
                         # and would inherit the engine's few CPUs.
