@@ -434,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
                    "region), cuda (a CUDA IPC region on the server's GPU), nixl / nixl-gpu (a "
                    "NIXL region of host / GPU memory); socket, socket-shm, socket-cuda: the "
-                   "same through the server's step socket (sync client): comma-separated")
+                   "same through the server's step socket: comma-separated")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -461,8 +461,6 @@ def main(argv: list[str] | None = None) -> int:
     if not set(args.transport) <= set(TRANSPORTS):
         p.error(f"--transport: {args.transport}: use {', '.join(TRANSPORTS)}")
     via_socket = any(_route(t)[0] for t in args.transport)
-    if via_socket and args.client != "sync":
-        p.error("--transport socket*: the step socket is the sync client's (--client sync)")
     if via_socket and not args.target:  # the server started here opens one
         path = f"/tmp/bench-offload-{os.getpid()}.sock"
         args.server_args = f"{args.server_args or ''} --step-socket {path}".strip()

@@ -206,7 +206,6 @@ class SocketStream:
     more first reads the oldest answer into a queue (``receive`` takes from it first)."""
 
     def __init__(self, path: str, settings: CallSettings, limit: int) -> None:
-        authorization = next((v for k, v in settings.metadata if k == "authorization"), "")
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock: socket.socket | None = sock
         self._limit = max(1, limit)
@@ -217,20 +216,13 @@ class SocketStream:
         try:
             sock.settimeout(_SOCKET_CONNECT_S)
             sock.connect(path)
-            hello = STEP_SOCKET_HELLO + (authorization.encode() if isinstance(authorization, str)
-                                         else bytes(authorization))
-            sock.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
+            sock.sendall(_hello(settings))
             answer = self._read()
             sock.settimeout(None)
         except (OSError, StreamError) as exc:
             self.drop()
-            raise NotSent(StreamError(grpc.StatusCode.UNAVAILABLE,
-                                      f"step socket {path!r}: {exc}")) from None
-        error = call_error(answer)
-        if error is not None:
-            self.drop()
-            code = _STATUS.get(error.code, grpc.StatusCode.UNKNOWN)
-            raise StreamError(code, f"step socket {path!r}: {error.details}")
+            raise _unreachable(path, exc) from None
+        _check_hello(path, answer, self.drop)
 
     def alive(self) -> bool:
         return self._sock is not None
@@ -318,6 +310,116 @@ class SocketStream:
         while self._sock is not None and self._unread > len(self._early):
             try:
                 self._early.append(self._read())
+            except StreamError:
+                break
+        self.drop()
+
+
+def _hello(settings: CallSettings) -> bytes:
+    """A step socket's first frame: the hello and the call's ``authorization`` value."""
+    value = next((v for k, v in settings.metadata if k == "authorization"), "")
+    hello = STEP_SOCKET_HELLO + (value.encode() if isinstance(value, str) else bytes(value))
+    return SOCKET_FRAME.pack(len(hello)) + hello
+
+
+def _unreachable(path: str, exc: BaseException) -> NotSent:
+    return NotSent(StreamError(grpc.StatusCode.UNAVAILABLE, f"step socket {path!r}: {exc}"))
+
+
+def _check_hello(path: str, answer: bytes, drop: Any) -> None:
+    """The hello's answer: nothing, or the error the server refused the socket with."""
+    error = call_error(answer)
+    if error is not None:
+        drop()
+        code = _STATUS.get(error.code, grpc.StatusCode.UNKNOWN)
+        raise StreamError(code, f"step socket {path!r}: {error.details}")
+
+
+class AsyncSocketStream:
+    """``SocketStream`` for the asyncio client (``await AsyncSocketStream.open(...)``; the
+    interface of ``AsyncStreamCall``)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 limit: int) -> None:
+        self._reader, self._writer = reader, writer
+        self._open = True
+        self._limit = max(1, limit)
+        self._unread = 0
+        self._early: collections.deque[bytes] = collections.deque()
+        self.answered = False
+        self.failure: grpc.RpcError | None = None
+
+    @classmethod
+    async def open(cls, path: str, settings: CallSettings, limit: int) -> AsyncSocketStream:
+        try:
+            async with asyncio.timeout(_SOCKET_CONNECT_S):
+                reader, writer = await asyncio.open_unix_connection(path)
+                stream = cls(reader, writer, limit)
+                writer.write(_hello(settings))
+                answer = await stream._read()
+        except (OSError, StreamError, asyncio.IncompleteReadError) as exc:
+            raise _unreachable(path, exc) from None
+        _check_hello(path, answer, stream.drop)
+        return stream
+
+    def alive(self) -> bool:
+        return self._open
+
+    async def send(self, message: bytes | tuple[Any, ...]) -> None:
+        """See ``SocketStream.send``."""
+        if not self._open:
+            raise NotSent(_ended())
+        if self._unread - len(self._early) >= self._limit:
+            self._early.append(await self._read())
+        parts = message if isinstance(message, tuple) else (message,)
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        try:
+            self._writer.writelines([SOCKET_FRAME.pack(size), *parts])
+            await self._writer.drain()
+        except OSError as exc:
+            self.drop()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                              f"the step socket closed while a step was sent: {exc}") from None
+        self._unread += 1
+
+    async def receive(self, deadline: float | None) -> bytes:
+        """See ``SocketStream.receive``."""
+        if self._early:
+            raw = self._early.popleft()
+        else:
+            if not self._open:
+                raise _ended()
+            try:
+                if deadline is None:
+                    raw = await self._read()
+                else:
+                    raw = await asyncio.wait_for(self._read(),
+                                                 max(deadline - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                self.drop()
+                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
+        self._unread -= 1
+        self.answered = True
+        return raw
+
+    async def _read(self) -> bytes:
+        try:
+            (size,) = SOCKET_FRAME.unpack(await self._reader.readexactly(SOCKET_FRAME.size))
+            return await self._reader.readexactly(size) if size else b""
+        except (asyncio.IncompleteReadError, OSError) as exc:
+            self.drop()
+            raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                              f"the step socket closed: {exc}") from None
+
+    def drop(self) -> None:
+        self._open = False
+        self._writer.close()
+
+    async def close(self) -> None:
+        """See ``SocketStream.close``."""
+        while self._open and self._unread > len(self._early):
+            try:
+                self._early.append(await self._read())
             except StreamError:
                 break
         self.drop()

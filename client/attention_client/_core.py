@@ -748,9 +748,9 @@ class ClientCore:
         and returns what ``decode_step`` does, at about half its host time per step (no call
         set-up per step). ``timeout`` (default: the client's) applies to each step. Use it as
         a context manager (``async with`` on the async client), or ``close()`` it; one step
-        at a time per handle. ``step_socket`` (sync client, a model host on the server's
-        machine): send the steps through the server's step socket (True: the path it
-        advertises, ``info()["step_socket"]``; or a path) instead of gRPC."""
+        at a time per handle. ``step_socket`` (a model host on the server's machine):
+        send the steps through the server's step socket (True: the path it advertises,
+        ``info()["step_socket"]``; or a path) instead of gRPC."""
         if step_socket:
             return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket)
         return self._DecodeSteps(self, timeout, metadata, wait_for_ready)

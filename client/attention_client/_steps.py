@@ -35,6 +35,7 @@ import numpy as np
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
+    AsyncSocketStream,
     AsyncStreamCall,
     SocketStream,
     StreamCall,
@@ -451,7 +452,7 @@ class _StepsBase:
                     if prep.placement is not None:
                         prep.placement.finish(ok=True)
                     raise
-                stream = self._stream = self._open(settings)
+                stream = self._stream = yield self._open(settings)
             try:
                 yield stream.send(message)
             except grpc.RpcError as err:  # asyncio: the stream had ended (the steps sent
@@ -594,21 +595,15 @@ class DecodeSteps(_StepsBase):
                  wait_for_ready: bool | None = None, step_socket: str | bool | None = None
                  ) -> None:
         super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock)
-        if step_socket is not None and not isinstance(step_socket, str | bool):
-            raise TypeError(f"step_socket must be a path, True or None, got {step_socket!r}")
-        self._socket: str | bool | None = step_socket or None  # False, "": gRPC
+        self._socket = _socket_arg(step_socket)
 
     def _open(self, settings: CallSettings) -> StreamCall | SocketStream:
         if not self._socket:
             return StreamCall(self._lane[METHOD], _in_band(settings))
         info = self._client.info()  # the path (step_socket=True) and how many may be unread
-        path = info["step_socket"] if self._socket is True else self._socket
-        if not path:
-            raise make_error(grpc.StatusCode.FAILED_PRECONDITION,
-                             "step_socket=True: the server has no step socket (it starts one "
-                             "with --step-socket PATH)", _CALL)
         try:
-            return SocketStream(path, settings, info["steps_in_flight"])
+            return SocketStream(_socket_path(self._socket, info), settings,
+                                info["steps_in_flight"])
         except grpc.RpcError as err:
             raise from_rpc_error(err, _CALL, settings.names) from None
 
@@ -637,14 +632,20 @@ class AsyncDecodeSteps(_StepsBase):
     """``DecodeSteps`` for ``AsyncAttentionClient`` (``async with client.decode_steps()``)."""
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None, step_socket: Any = None) -> None:
-        if step_socket:
-            raise ValueError("step_socket: only the sync client (AttentionClient) sends steps "
-                             "through the step socket")
+                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None
+                 ) -> None:
         super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock)
+        self._socket = _socket_arg(step_socket)
 
-    def _open(self, settings: CallSettings) -> AsyncStreamCall:
-        return AsyncStreamCall(self._lane[METHOD], _in_band(settings))
+    async def _open(self, settings: CallSettings) -> AsyncStreamCall | AsyncSocketStream:
+        if not self._socket:
+            return AsyncStreamCall(self._lane[METHOD], _in_band(settings))
+        info = await self._client.info()
+        try:
+            return await AsyncSocketStream.open(_socket_path(self._socket, info), settings,
+                                                info["steps_in_flight"])
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, _CALL, settings.names) from None
 
     def _receive(self, stream: AsyncStreamCall, settings: CallSettings) -> Any:
         return stream.receive(settings.deadline)
@@ -670,3 +671,19 @@ def _in_band(settings: CallSettings) -> CallSettings:
     """A step stream's settings: failed steps answered in-band, steps sent ahead."""
     return dataclasses.replace(
         settings, metadata=merge_metadata(settings.metadata, ((STEP_ERRORS_HEADER, IN_BAND),)))
+
+
+def _socket_arg(step_socket: Any) -> str | bool | None:
+    if step_socket is not None and not isinstance(step_socket, str | bool):
+        raise TypeError(f"step_socket must be a path, True or None, got {step_socket!r}")
+    return step_socket or None  # False, "": gRPC
+
+
+def _socket_path(step_socket: str | bool, info: dict[str, Any]) -> str:
+    """The step socket's path: the one given, or the server's (``step_socket=True``)."""
+    path = info["step_socket"] if step_socket is True else step_socket
+    if not path:
+        raise make_error(grpc.StatusCode.FAILED_PRECONDITION,
+                         "step_socket=True: the server has no step socket (it starts one "
+                         "with --step-socket PATH)", _CALL)
+    return path  # type: ignore[return-value]

@@ -409,7 +409,48 @@ def test_a_wrong_token_through_the_library_is_an_auth_error(authed):
                 assert authed.path in str(err.value)
 
 
-def test_no_step_socket_or_nothing_there_fails_and_async_refuses(server, one):
+def test_an_async_decode_loop_through_the_step_socket(both):
+    """The asyncio client through the socket: steps and 12 sent ahead on the same caches,
+    answered in order and right against the float64 reference, an in-band error in between,
+    the lengths kept; closing the handle closes the connection."""
+    from attention_client._call_streams import AsyncSocketStream
+
+    ids = ["as-a", "as-b"]
+    ctx = Context(ids)
+
+    async def main() -> None:
+        async with AsyncAttentionClient(both.target, timeout=60) as c:
+            cache = c.kv_cache(HKV, D, "float32")
+            k = make("numpy", "float32", 9, HKV, D, seed=3)
+            await cache.append(ids, k, k, cu([4, 5]))
+            ctx.add(ids, k, k, [4, 5])
+            async with c.decode_steps(step_socket=True) as steps:
+                q, kn = _step_inputs(2, 7)
+                out = await steps.step(q, ids, kn, kn)
+                ctx.add(ids, kn, kn, [1, 1])
+                check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+                stream = steps._stream
+                assert isinstance(stream, AsyncSocketStream)
+                with pytest.raises(AttentionNotFoundError, match="as-none"):
+                    await steps.step(q, ["as-none", "as-b"], kn, kn)
+                sent = []
+                for n in range(12):
+                    q, kn = _step_inputs(2, 200 + 10 * n)
+                    sent.append((await steps.submit(q, ids, kn, kn), q))
+                    ctx.add(ids, kn, kn, [1, 1])
+                    sent[-1] += (reference.decode_ref(f64(q), *ctx.packed(ids)),)
+                for n, (pending, q, ref) in enumerate(sent):
+                    check_out(await pending.result(), ref, "float32", q)
+                    assert c.last_stats["cache_lengths"] == [4 + n + 2, 5 + n + 2]
+                assert steps._stream is stream
+            assert not stream.alive()
+            assert [i["length"] for i in await cache.info()] == [17, 18]
+            await cache.release()
+
+    asyncio.run(main())
+
+
+def test_no_step_socket_or_nothing_there_fails(server, one):
     q, kn = _step_inputs(1, 2)
     with AttentionClient(server.target) as c:
         assert not c.info()["step_socket"]
@@ -427,11 +468,13 @@ def test_no_step_socket_or_nothing_there_fails_and_async_refuses(server, one):
             c.decode_steps(step_socket=1)
 
     async def main():
-        async with AsyncAttentionClient(one.target) as c:
-            with pytest.raises(ValueError, match="step_socket"):
-                c.decode_steps(step_socket=True)
-            with pytest.raises(ValueError, match="step_socket"):
-                c.decode_steps(step_socket=one.path)
+        async with AsyncAttentionClient(server.target) as c:
+            async with c.decode_steps(step_socket=True) as steps:
+                with pytest.raises(AttentionError, match="--step-socket"):
+                    await steps.step(q, ["x"], kn, kn)
+            async with c.decode_steps(step_socket=nowhere) as steps:
+                with pytest.raises(AttentionUnavailableError, match=re.escape(nowhere)):
+                    await steps.step(q, ["x"], kn, kn)
 
     asyncio.run(main())
 
