@@ -14,13 +14,14 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-ASYNC = ("bytes", "nixl") if importlib.util.find_spec("nixl_cu13") else ("bytes",)
+ASYNC = (("bytes", "socket-shm", "nixl") if importlib.util.find_spec("nixl_cu13")
+         else ("bytes", "socket-shm"))
 
 
 # Every point with the sync client; the asyncio client's round on the fewest (and a NIXL
-# region, where NIXL is installed).
+# region, where NIXL is installed); both through the step socket too.
 @pytest.mark.parametrize(("client", "hosts", "transports"),
-                         [("sync", (1, 2), ("bytes", "shm")), ("async", (1,), ASYNC)])
+                         [("sync", (1, 2), ("bytes", "shm", "socket")), ("async", (1,), ASYNC)])
 def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: tuple[int, ...],
                                             transports: tuple[str, ...]) -> None:
     cmd = [
