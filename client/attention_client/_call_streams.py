@@ -40,6 +40,9 @@ from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO, call_error
 MAX_IDLE = 64
 EXPIRED = "the call's timeout ran out (its stream was cancelled)"
 _SOCKET_CONNECT_S = 10.0  # connecting to a step socket and its hello
+# Reading an answer to make room for a step (a server that reads no more), or the answers
+# left at ``close``: a step socket's server answers steps in milliseconds.
+_SOCKET_READ_AHEAD_S = 60.0
 _STATUS = {s.value[0]: s for s in grpc.StatusCode}
 
 
@@ -211,6 +214,9 @@ class SocketStream:
         self._limit = max(1, limit)
         self._unread = 0
         self._early: collections.deque[bytes] = collections.deque()
+        # Reads and their counts: a handle's steps are sent under one lock and read under
+        # another, so a ``submit`` (which may read ahead) and a ``result()`` may overlap.
+        self._reading = threading.Lock()
         self.answered = False
         self.failure: grpc.RpcError | None = None
         try:
@@ -233,8 +239,10 @@ class SocketStream:
         sock = self._sock
         if sock is None:
             raise NotSent(_ended())
-        if self._unread - len(self._early) >= self._limit:
-            self._early.append(self._read())
+        with self._reading:
+            if self._unread - len(self._early) >= self._limit:  # the server reads no more
+                self._early.append(self._read(time.monotonic() + _SOCKET_READ_AHEAD_S))
+            self._unread += 1  # before the send: a concurrent read may take its answer
         parts = message if isinstance(message, tuple) else (message,)
         try:
             size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
@@ -246,38 +254,35 @@ class SocketStream:
             self.drop()
             raise StreamError(grpc.StatusCode.UNAVAILABLE,
                               f"the step socket closed while a step was sent: {exc}") from None
-        self._unread += 1
 
     def receive(self, deadline: float | None, watchdog: Watchdog) -> bytes:
         """The next call's answer; StreamError if the socket closed or ``deadline`` passed
         (the socket is then closed, and the server cancels the steps it has not answered)."""
-        if self._early:
-            raw = self._early.popleft()
-        else:
-            sock = self._sock
-            if sock is None:
-                raise _ended()
-            if deadline is not None:
-                sock.settimeout(max(deadline - time.monotonic(), 1e-6))
-            try:
-                raw = self._read()
-            except TimeoutError:
-                self.drop()
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
-            finally:
-                if deadline is not None and self._sock is not None:
-                    sock.settimeout(None)
-        self._unread -= 1
+        with self._reading:
+            raw = self._early.popleft() if self._early else self._read(deadline)
+            self._unread -= 1
         self.answered = True
         return raw
 
-    def _read(self) -> bytes:
-        """One frame's payload (a bytearray: the answer readers take any bytes-like)."""
+    def _read(self, deadline: float | None = None) -> bytes:
+        """One frame's payload (a bytearray: the answer readers take any bytes-like), by
+        ``deadline`` (``time.monotonic()``; StreamError DEADLINE_EXCEEDED after it, the
+        socket dropped)."""
         sock = self._sock
-        assert sock is not None
-        head = self._exactly(sock, SOCKET_FRAME.size)
-        (size,) = SOCKET_FRAME.unpack(head)
-        return self._exactly(sock, size) if size else b""  # type: ignore[return-value]
+        if sock is None:
+            raise _ended()
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-6))
+        try:
+            head = self._exactly(sock, SOCKET_FRAME.size)
+            (size,) = SOCKET_FRAME.unpack(head)
+            return self._exactly(sock, size) if size else b""  # type: ignore[return-value]
+        except TimeoutError:
+            self.drop()
+            raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
+        finally:
+            if deadline is not None and self._sock is not None:
+                sock.settimeout(None)
 
     def _exactly(self, sock: socket.socket, n: int) -> bytearray:
         buf = bytearray(n)
@@ -287,7 +292,7 @@ class SocketStream:
                 k = sock.recv_into(view[got:])
             except TimeoutError:
                 raise
-            except OSError as exc:
+            except OSError as exc:  # closed under it by ``drop``, or by the server
                 self.drop()
                 raise StreamError(grpc.StatusCode.UNAVAILABLE,
                                   f"the step socket closed: {exc}") from None
@@ -305,13 +310,15 @@ class SocketStream:
                 sock.close()
 
     def close(self) -> None:
-        """The answers not read yet are read first (``receive`` still gives them), then the
-        socket closes."""
-        while self._sock is not None and self._unread > len(self._early):
-            try:
-                self._early.append(self._read())
-            except StreamError:
-                break
+        """The answers not read yet are read first (``receive`` still gives them; within
+        ``_SOCKET_READ_AHEAD_S`` in all), then the socket closes."""
+        deadline = time.monotonic() + _SOCKET_READ_AHEAD_S
+        with self._reading:
+            while self._sock is not None and self._unread > len(self._early):
+                try:
+                    self._early.append(self._read(deadline))
+                except StreamError:
+                    break
         self.drop()
 
 
@@ -346,6 +353,7 @@ class AsyncSocketStream:
         self._limit = max(1, limit)
         self._unread = 0
         self._early: collections.deque[bytes] = collections.deque()
+        self._reading = asyncio.Lock()  # see SocketStream
         self.answered = False
         self.failure: grpc.RpcError | None = None
 
@@ -369,8 +377,10 @@ class AsyncSocketStream:
         """See ``SocketStream.send``."""
         if not self._open:
             raise NotSent(_ended())
-        if self._unread - len(self._early) >= self._limit:
-            self._early.append(await self._read())
+        async with self._reading:
+            if self._unread - len(self._early) >= self._limit:
+                self._early.append(await asyncio.wait_for(self._read(), _SOCKET_READ_AHEAD_S))
+            self._unread += 1
         parts = message if isinstance(message, tuple) else (message,)
         size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         try:
@@ -380,25 +390,25 @@ class AsyncSocketStream:
             self.drop()
             raise StreamError(grpc.StatusCode.UNAVAILABLE,
                               f"the step socket closed while a step was sent: {exc}") from None
-        self._unread += 1
 
     async def receive(self, deadline: float | None) -> bytes:
         """See ``SocketStream.receive``."""
-        if self._early:
-            raw = self._early.popleft()
-        else:
-            if not self._open:
-                raise _ended()
-            try:
-                if deadline is None:
-                    raw = await self._read()
-                else:
-                    raw = await asyncio.wait_for(self._read(),
-                                                 max(deadline - time.monotonic(), 0.0))
-            except asyncio.TimeoutError:
-                self.drop()
-                raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
-        self._unread -= 1
+        async with self._reading:
+            if self._early:
+                raw = self._early.popleft()
+            else:
+                if not self._open:
+                    raise _ended()
+                try:
+                    if deadline is None:
+                        raw = await self._read()
+                    else:
+                        raw = await asyncio.wait_for(self._read(),
+                                                     max(deadline - time.monotonic(), 0.0))
+                except asyncio.TimeoutError:
+                    self.drop()
+                    raise StreamError(grpc.StatusCode.DEADLINE_EXCEEDED, EXPIRED) from None
+            self._unread -= 1
         self.answered = True
         return raw
 
@@ -417,11 +427,13 @@ class AsyncSocketStream:
 
     async def close(self) -> None:
         """See ``SocketStream.close``."""
-        while self._open and self._unread > len(self._early):
+        async with self._reading:
             try:
-                self._early.append(await self._read())
-            except StreamError:
-                break
+                async with asyncio.timeout(_SOCKET_READ_AHEAD_S):
+                    while self._open and self._unread > len(self._early):
+                        self._early.append(await self._read())
+            except (StreamError, TimeoutError):
+                pass
         self.drop()
 
 

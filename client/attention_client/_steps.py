@@ -157,7 +157,9 @@ class _Compiled:
         if len(rest) != 1 or not isinstance(rest[0], pb.RequestStats):
             return None
         out = np.frombuffer(raw, self.out_storage, self.out_count, len(lead))
-        if isinstance(raw, bytes):  # read-only; a step socket's answer is a fresh bytearray
+        # Read-only bytes, or misaligned (the lead is ~20 bytes): a copy. A step socket's
+        # answer is a fresh bytearray, used in place when aligned.
+        if isinstance(raw, bytes) or not out.flags.aligned:
             out = out.copy()
         return out, stats_dict(rest[0])
 

@@ -252,6 +252,8 @@ class ServerConfig:
         return f"serving {self.host}:{port}: {tls}, {auth}, {regions}, {calls}"
 
     def __post_init__(self) -> None:
+        if self.step_socket:  # advertised to clients (ServerInfo): one meaning on this machine
+            object.__setattr__(self, "step_socket", os.path.abspath(self.step_socket))
         if self.device not in ("auto", "cuda", "cpu"):
             raise ValueError(f"device must be auto, cuda or cpu, got {self.device!r}")
         if not 0 <= self.port <= 65535:

@@ -110,5 +110,7 @@ async def create_server(
     except BaseException:
         await server.stop(0)
         raise
+    if step_socket is not None:
+        step_socket.serve()
     await frontend.set_serving()
     return server, frontend.port

@@ -31,6 +31,7 @@ socket's: it is made readable and writable by the server's user only (mode 0600)
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import socket
@@ -40,6 +41,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -72,10 +74,15 @@ log = logging.getLogger("attention_service")
 OP = Op.CACHE_DECODE
 _ACCEPTED = pb.AttentionResult().SerializeToString()  # the hello's answer: no error
 _PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
-# Pinned blocks a connection keeps for its next steps: sizes, and blocks of one size (steps
-# in flight at once: ServerInfo.steps_in_flight).
+# Pinned blocks a connection keeps for its next steps: sizes, and bytes in all (a B=64 bf16
+# step's block is 1.3 MiB; blocks of one size: up to the steps in flight).
 _BLOCK_SIZES = 8
-_BLOCKS_PER_SIZE = STEPS_IN_FLIGHT
+_KEPT_BYTES = 32 << 20
+# Answers left unsent for a client that does not read them, past which its steps are read no
+# further (a client may leave its steps in flight unread: up to 8 answers of up to 4 MiB),
+# and how often a reader held back so looks again.
+_MAX_QUEUED_BYTES = (STEPS_IN_FLIGHT + 1) * MAX_MESSAGE_BYTES
+_BACKLOG_POLL_S = 0.01
 
 
 class _Step:
@@ -105,17 +112,33 @@ class StepSocket:
         self.limits = Limits.of(config)
         self.budget = UploadBudget(config.max_upload_bytes, config.max_upload_share)
         self.budget_lock = threading.Lock()  # the budget is shared by every connection
-        self.accepting = True
+        # Steps are refused (UNAVAILABLE) until the server serves, as gRPC's are: a warm-up
+        # launches on the backend without the executor, one thread at a time.
+        self.accepting = False
+        self.refusal = "server is warming up"
         self._lock = threading.Lock()
         self._conns: set[_SocketConnection] = set()
         self._sock: socket.socket | None = None
+        self._inode = 0  # the socket file this server made (``close`` removes only it)
         self._accepter: threading.Thread | None = None
+        # Starts the steps that waited behind another (``_SocketConnection._done``): off the
+        # executor's threads, whose ``done`` calls must be quick.
+        self.starter = ThreadPoolExecutor(1, thread_name_prefix="attention-step-socket-start")
 
     def start(self) -> None:
-        """Listen at ``path`` (a stale socket file there is replaced; anything else is not)."""
+        """Listen at ``path``: a stale socket file there is replaced; a live one (another
+        server's) or anything else is not (OSError)."""
         with contextlib.suppress(FileNotFoundError):
             if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)
+                probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                try:
+                    probe.connect(self.path)
+                except OSError:  # nobody listens there: stale
+                    os.unlink(self.path)
+                else:
+                    raise OSError(errno.EADDRINUSE, "another server listens there")
+                finally:
+                    probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             old = os.umask(0o177)  # created 0600: no window where others may connect
@@ -124,6 +147,7 @@ class StepSocket:
             finally:
                 os.umask(old)
             sock.listen(64)
+            self._inode = os.stat(self.path).st_ino
         except OSError:
             sock.close()
             raise
@@ -134,21 +158,38 @@ class StepSocket:
         log.info("step socket listening at %s", self.path)
 
     def _accept_loop(self) -> None:
-        assert self._sock is not None
+        listening = self._sock
+        assert listening is not None
         n = 0
         while True:
             try:
-                sock, _ = self._sock.accept()
-            except OSError:
-                return  # closed
-            n += 1
-            conn = _SocketConnection(self, sock, n)
-            with self._lock:
+                sock, _ = listening.accept()
+            except OSError as exc:
                 if self._sock is None:
-                    sock.close()
-                    return
-                self._conns.add(conn)
-            conn.start()
+                    return  # closed
+                # Out of descriptors or memory, or a peer gone before its accept: go on.
+                log.warning("step socket: accept failed: %s", exc)
+                time.sleep(0.05)
+                continue
+            n += 1
+            conn = None
+            try:
+                conn = _SocketConnection(self, sock, n)
+                with self._lock:
+                    if self._sock is None:
+                        sock.close()
+                        return
+                    self._conns.add(conn)
+                conn.start()
+            except Exception:  # e.g. no thread to start: this connection only
+                log.exception("step socket: a connection could not start")
+                if conn is not None:
+                    self.forget(conn)
+                sock.close()
+
+    def serve(self) -> None:
+        """The server serves (its warm-up is done): steps run from now on."""
+        self.accepting = True
 
     def forget(self, conn: _SocketConnection) -> None:
         with self._lock:
@@ -156,6 +197,7 @@ class StepSocket:
 
     def drain(self) -> None:
         """Refuse new steps (UNAVAILABLE); those started are still answered."""
+        self.refusal = "server is shutting down"
         self.accepting = False
 
     def close(self) -> None:
@@ -169,9 +211,11 @@ class StepSocket:
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
             with contextlib.suppress(OSError):
-                os.unlink(self.path)
+                if os.lstat(self.path).st_ino == self._inode:  # not another server's since
+                    os.unlink(self.path)
         for conn in conns:
             conn.close()
+        self.starter.shutdown(wait=False)
         if self._accepter is not None:
             self._accepter.join(5)
 
@@ -188,12 +232,14 @@ class _SocketConnection:
         self.principal: str | None = None  # set by the hello
         self.caller = ""  # whose upload share its steps count against
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # room to read (``_room``)
         self._order: deque[_Step] = deque()  # read, answer not sent yet, in order
         self._running: list[_Step] = []  # submitted, not finished
         self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
         # Whether the client sends steps before the last one is answered (see ``_scope``).
         self._pipelined = False
         self._free: dict[int, list[ByteBase]] = {}  # pinned blocks by size (``_block``)
+        self._kept = 0  # their bytes
         self._closed = False  # its client went (``on_close``): nothing more starts
         # Sends only (never blocking the engine's threads): ``_read_loop`` reads.
         self.channel = Channel(sock, _no_message, lambda: None, f"step-socket-{n}")
@@ -205,18 +251,18 @@ class _SocketConnection:
         self._reader.start()
 
     def _scope(self) -> contextlib.AbstractContextManager[object]:
-        """Around each read's steps. One step at a time: the executor's ``deferring``, so
+        """Around each read's step. One step at a time: the executor's ``deferring``, so
         that this thread, which issued the launch on an idle GPU, also waits for it and
         answers (no completer wake-up). But then it reads nothing meanwhile, and a client
         with a second step in flight (a ping-pong of micro-batches) would wait for every
-        launch to end before its next step is even read: once a step arrives during that
-        wait, the connection counts as pipelined and its reads no longer defer, until a
-        read finds none of its steps unanswered."""
-        if self._pipelined:
-            with self._lock:
-                self._pipelined = bool(self._order)
-            if self._pipelined:
-                return contextlib.nullcontext()
+        launch to end before its next step is even read. So a read does not defer when the
+        last deferred one saw the next step arrive while it waited (``_deferring``'s peek),
+        nor when this step came while earlier ones were unanswered."""
+        with self._lock:
+            ahead = bool(self._order)
+        if self._pipelined or ahead:
+            self._pipelined = ahead  # the peek counts once; then what the client does
+            return contextlib.nullcontext()
         return self._deferring()
 
     @contextlib.contextmanager
@@ -239,7 +285,7 @@ class _SocketConnection:
         head = memoryview(bytearray(SOCKET_FRAME.size))
         buf = bytearray(64 << 10)
         try:
-            while _fill(sock, head):
+            while self._room() and _fill(sock, head):
                 (size,) = SOCKET_FRAME.unpack(head)
                 if size > MAX_MESSAGE_BYTES:
                     log.info("step socket: %s sent a frame of %d bytes, over the %d allowed; "
@@ -257,6 +303,28 @@ class _SocketConnection:
         finally:
             self.channel.close()
             self.on_close()
+
+    def _room(self) -> bool:
+        """Wait, reading nothing, while STEPS_IN_FLIGHT steps are unanswered, or while more
+        answers wait in the channel than a client that reads them can leave there (as a gRPC
+        step stream stops reading: memory stays bounded). False once the connection is
+        closed. (Holding back for any unsent answer would deadlock a client that sends a
+        large step while its earlier answers wait: it reads only once the send is done.)"""
+        with self._cond:
+            while not self._closed and (len(self._order) >= STEPS_IN_FLIGHT
+                                        or self.channel.queued_bytes > _MAX_QUEUED_BYTES):
+                if self.channel.queued_bytes <= _MAX_QUEUED_BYTES:
+                    self._cond.wait()  # an answer (``_done``) or the close notifies
+                    continue
+                self._cond.wait(_BACKLOG_POLL_S)
+                try:  # a peer gone while its answers waited: b""
+                    if not self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                        return False
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    return False
+            return not self._closed
 
     def on_message(self, payload: memoryview) -> None:
         if self.principal is None:
@@ -290,12 +358,7 @@ class _SocketConnection:
         refusal = None
         with self._lock:
             if not self.owner.accepting:
-                refusal = unavailable("server is shutting down")
-            elif len(self._order) >= STEPS_IN_FLIGHT:
-                refusal = RequestError(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"steps: more than {STEPS_IN_FLIGHT} unanswered on one step socket "
-                    "connection (ServerInfo.steps_in_flight); read an answer first")
+                refusal = unavailable(self.owner.refusal)
             self._order.append(step)
             if refusal is None:
                 ids = step.ids
@@ -354,7 +417,12 @@ class _SocketConnection:
         started."""
         upload, step.upload = step.upload, None
         try:
-            answer, code, details, bytes_out = self._answer(upload, value)
+            try:
+                answer, code, details, bytes_out = self._answer(upload, value)
+            except Exception as exc:  # a bug: the step still gets an answer, the rest go on
+                log.exception("step socket: a step's answer failed")
+                value = RequestError.internal(exc)
+                answer, code, details, bytes_out = self._answer(None, value)
             with self._lock:
                 step.answer = answer
                 if step in self._running:
@@ -369,14 +437,16 @@ class _SocketConnection:
                     self.channel.send_raw(order.popleft().answer)  # type: ignore[arg-type]
                 if order and step in order:  # an earlier step is not done: it waits
                     step.answer = [b"".join(answer)]
+                self._cond.notify_all()  # room to read
         finally:
             if upload is not None:
                 upload.release()
             if step.block is not None:
                 self._give_back(step.block)
                 step.block = None
-        for w in ready:
-            self._start(w, issue_here=False)
+        for w in ready:  # off this thread (an executor's: its ``done`` must be quick)
+            with contextlib.suppress(RuntimeError):  # the server has closed the socket
+                self.owner.starter.submit(self._start, w, False)
         self._account(step, upload, value, code, details, bytes_out)
 
     def _block(self, nbytes: int) -> ByteBase:
@@ -386,17 +456,22 @@ class _SocketConnection:
         with self._lock:
             free = self._free.get(nbytes)
             if free:
+                self._kept -= nbytes
                 return free.pop()
         return ByteBase(self.core.backend.alloc_host(nbytes))
 
     def _give_back(self, block: ByteBase) -> None:
-        """``block``'s step is done with it (its launch ended, its answer is sent or copied)."""
+        """``block``'s step is done with it (its launch ended, its answer is sent or copied);
+        kept for the next step of its size within ``_KEPT_BYTES`` a connection."""
         with self._lock:
+            if self._kept + block.nbytes > _KEPT_BYTES:
+                return
             free = self._free.get(block.nbytes)
             if free is None and len(self._free) < _BLOCK_SIZES:
                 free = self._free[block.nbytes] = []
-            if free is not None and len(free) < _BLOCKS_PER_SIZE:
+            if free is not None and len(free) < STEPS_IN_FLIGHT:
                 free.append(block)
+                self._kept += block.nbytes
 
     @staticmethod
     def _answer(upload: Upload | None, value: ExecStats | BaseException
@@ -441,6 +516,9 @@ class _SocketConnection:
 
     def close(self) -> None:
         """The server closes it: its reader ends (and calls ``on_close``)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
         self.channel.close()
 
     def on_close(self) -> None:

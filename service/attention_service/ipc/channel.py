@@ -261,6 +261,7 @@ class Channel:
         self._rbuf = memoryview(bytearray(_READ))
         self._send_lock = threading.Lock()
         self._backlog = False  # frames wait in the writer's queue: later ones must too
+        self._queued = 0  # their bytes
         self._outbox: queue.SimpleQueue[tuple[bytes, Sequence[int]] | None] = queue.SimpleQueue()
         self._closed = threading.Event()
         self._closed_reported = False
@@ -285,6 +286,11 @@ class Channel:
     @property
     def closed(self) -> bool:
         return self._closed.is_set()
+
+    @property
+    def queued_bytes(self) -> int:
+        """Bytes waiting for the writer thread (the peer reads slower than this side sends)."""
+        return self._queued
 
     # ---- sending ------------------------------------------------------------------------
 
@@ -324,7 +330,9 @@ class Channel:
                 if sent == len(head) + sum(len(p) for p in parts):
                     return
                 self._backlog = True
-            self._outbox.put((b"".join([head, *parts])[sent:], ()))
+            rest = memoryview(b"".join([head, *parts]))[sent:]
+            self._queued += len(rest)
+            self._outbox.put((rest, ()))
 
     def _send_data(self, data: bytes, fds: Sequence[int]) -> None:
         with self._send_lock:
@@ -348,6 +356,7 @@ class Channel:
                     self._close_fds(fds)
                     data, fds = data[sent:], ()
                 self._backlog = True
+            self._queued += len(data)
             self._outbox.put((data, fds))
 
     def _write_loop(self) -> None:
@@ -366,6 +375,7 @@ class Channel:
             finally:
                 self._close_fds(fds)
             with self._send_lock:
+                self._queued -= len(data)
                 if self._outbox.empty():
                     self._backlog = False
         while True:  # drop what is left (descriptors included)

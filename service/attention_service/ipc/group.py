@@ -332,6 +332,8 @@ class Group:
                         pin_process(self.placement.engine)
                     if not self.draining:
                         serving = True
+                        if step_socket is not None:
+                            step_socket.serve()
                         for slot in self.slots:
                             if slot.bound:
                                 slot.conn.send(Serving())
