@@ -760,12 +760,23 @@ def test_socket_steps_are_counted_as_cache_decode(one):
 @pytest.mark.parametrize("frontends", ["1", "2"])
 def test_the_advertised_socket_is_there_once_the_server_answers(frontends):
     """Right after the ready line: a client that reads info() finds the step socket it
-    advertises (both process models listen before a front end can answer)."""
+    advertises (both process models listen before a front end can answer); until the
+    server serves, its steps are answered UNAVAILABLE "warming up", as gRPC calls are."""
     with _socket_server("--frontends", frontends) as running, \
             AttentionClient(running.target, timeout=60) as c:
         info = c.info()
         assert info["step_socket"] == running.path
         with c.decode_steps(step_socket=True) as steps:
             q, kn = _step_inputs(1, 2)
-            with pytest.raises(AttentionNotFoundError):  # answered by the engine
-                steps.step(q, ["early-none"], kn, kn)
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    steps.step(q, ["early-none"], kn, kn)
+                except AttentionUnavailableError as exc:
+                    assert "warming up" in str(exc)
+                    assert time.monotonic() < deadline, "never served"
+                    time.sleep(0.05)
+                    continue
+                except AttentionNotFoundError:  # answered by the engine, once serving
+                    break
+                raise AssertionError("a step on no cache was answered")
