@@ -381,10 +381,11 @@ class AsyncSocketStream:
             if self._unread - len(self._early) >= self._limit:
                 self._early.append(await asyncio.wait_for(self._read(), _SOCKET_READ_AHEAD_S))
             self._unread += 1
-        parts = message if isinstance(message, tuple) else (message,)
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        # Joined: asyncio's transports count a buffer's len(), not its bytes (Python 3.12's
+        # sendmsg path failed on numpy views: IndexError in _adjust_leftover_buffer).
+        data = message if isinstance(message, bytes) else b"".join(message)
         try:
-            self._writer.writelines([SOCKET_FRAME.pack(size), *parts])
+            self._writer.write(SOCKET_FRAME.pack(len(data)) + data)
             await self._writer.drain()
         except OSError as exc:
             self.drop()
