@@ -51,7 +51,12 @@ from attention_client._channel import (
     merge_metadata,
 )
 from attention_client._core import Steps, _io
-from attention_client._errors import OUTCOME_UNKNOWN, from_rpc_error, make_error
+from attention_client._errors import (
+    OUTCOME_UNKNOWN,
+    AttentionInputError,
+    from_rpc_error,
+    make_error,
+)
 from attention_client._regions import pointer
 from attention_client._requests import PreparedRequest, ScoreMods, stats_dict
 from attention_client._tensors import (
@@ -677,7 +682,8 @@ def _in_band(settings: CallSettings) -> CallSettings:
 
 def _socket_arg(step_socket: Any) -> str | bool | None:
     if step_socket is not None and not isinstance(step_socket, str | bool):
-        raise TypeError(f"step_socket must be a path, True or None, got {step_socket!r}")
+        raise AttentionInputError(
+            f"step_socket must be a path, True or None, got {step_socket!r}")
     return step_socket or None  # False, "": gRPC
 
 

@@ -27,6 +27,7 @@ from attention_client import (
     AttentionAuthError,
     AttentionClient,
     AttentionError,
+    AttentionInputError,
     AttentionNotFoundError,
     AttentionUnavailableError,
 )
@@ -500,7 +501,7 @@ def test_no_step_socket_or_nothing_there_fails(server, one):
                 pytest.raises(AttentionUnavailableError) as err:
             steps.step(q, ["x"], kn, kn)
         assert nowhere in str(err.value)
-        with pytest.raises(TypeError, match="step_socket"):
+        with pytest.raises(AttentionInputError, match="step_socket"):
             c.decode_steps(step_socket=1)
 
     async def main():
