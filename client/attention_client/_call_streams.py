@@ -208,7 +208,8 @@ class SocketStream:
     ``StreamCall``). Up to ``limit`` steps are sent before an answer is read; sending one
     more first reads the oldest answer into a queue (``receive`` takes from it first)."""
 
-    def __init__(self, path: str, settings: CallSettings, limit: int) -> None:
+    def __init__(self, path: str, settings: CallSettings, limit: int, instance: str = ""
+                 ) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock: socket.socket | None = sock
         self._limit = max(1, limit)
@@ -222,7 +223,7 @@ class SocketStream:
         try:
             sock.settimeout(_SOCKET_CONNECT_S)
             sock.connect(path)
-            sock.sendall(_hello(settings))
+            sock.sendall(_hello(settings, instance))
             answer = self._read()
             sock.settimeout(None)
         except (OSError, StreamError) as exc:
@@ -322,10 +323,12 @@ class SocketStream:
         self.drop()
 
 
-def _hello(settings: CallSettings) -> bytes:
-    """A step socket's first frame: the hello and the call's ``authorization`` value."""
+def _hello(settings: CallSettings, instance: str) -> bytes:
+    """A step socket's first frame: the hello, the server instance meant (the server refuses
+    the socket if it is another one) and the call's ``authorization`` value."""
     value = next((v for k, v in settings.metadata if k == "authorization"), "")
-    hello = STEP_SOCKET_HELLO + (value.encode() if isinstance(value, str) else bytes(value))
+    hello = (STEP_SOCKET_HELLO + instance.encode() + b"\n"
+             + (value.encode() if isinstance(value, str) else bytes(value)))
     return SOCKET_FRAME.pack(len(hello)) + hello
 
 
@@ -358,12 +361,13 @@ class AsyncSocketStream:
         self.failure: grpc.RpcError | None = None
 
     @classmethod
-    async def open(cls, path: str, settings: CallSettings, limit: int) -> AsyncSocketStream:
+    async def open(cls, path: str, settings: CallSettings, limit: int, instance: str = ""
+                   ) -> AsyncSocketStream:
         try:
             async with asyncio.timeout(_SOCKET_CONNECT_S):
                 reader, writer = await asyncio.open_unix_connection(path)
                 stream = cls(reader, writer, limit)
-                writer.write(_hello(settings))
+                writer.write(_hello(settings, instance))
                 answer = await stream._read()
         except (OSError, StreamError, asyncio.IncompleteReadError) as exc:
             raise _unreachable(path, exc) from None

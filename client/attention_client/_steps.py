@@ -610,7 +610,7 @@ class DecodeSteps(_StepsBase):
         info = self._client.info()  # the path (step_socket=True) and how many may be unread
         try:
             return SocketStream(_socket_path(self._socket, info), settings,
-                                info["steps_in_flight"])
+                                info["steps_in_flight"], info["instance_id"])
         except grpc.RpcError as err:
             raise from_rpc_error(err, _CALL, settings.names) from None
 
@@ -650,7 +650,7 @@ class AsyncDecodeSteps(_StepsBase):
         info = await self._client.info()
         try:
             return await AsyncSocketStream.open(_socket_path(self._socket, info), settings,
-                                                info["steps_in_flight"])
+                                                info["steps_in_flight"], info["instance_id"])
         except grpc.RpcError as err:
             raise from_rpc_error(err, _CALL, settings.names) from None
 

@@ -38,6 +38,7 @@ class EngineInfo:
     kv_page_bytes: int = 0
     nixl: bool = False  # NIXL regions can be registered (regions allowed, NIXL installed)
     nixl_backend: str = ""  # "UCX", with UCX_TLS when the server restricts UCX's transports
+    instance: str = ""  # this engine's start, unique (ServerInfo.instance_id)
 
 
 class ExecStats(NamedTuple):

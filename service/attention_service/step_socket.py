@@ -12,9 +12,11 @@ this thread) and, inside the executor's ``deferring`` block, answers it from thi
 The protocol (``attention_wire.messages``: STEP_SOCKET_HELLO, frames of a 4-byte little-endian
 length and the payload, both ways):
 
-* the client's first frame is STEP_SOCKET_HELLO followed by its ``authorization`` value
+* the client's first frame is STEP_SOCKET_HELLO, the server instance it means
+  (``ServerInfo.instance_id``, or nothing), a newline and its ``authorization`` value
   (``Bearer <token>``; nothing without auth); the server answers an AttentionResult, empty
-  when it is accepted, else with ``error`` (UNAUTHENTICATED), and closes;
+  when it is accepted, else with ``error`` (FAILED_PRECONDITION: another server's socket;
+  UNAUTHENTICATED) and closes;
 * then each client frame is one whole CacheDecode step, exactly a ``CacheDecodeSteps``
   message, and each server frame that step's AttentionResult, in the order the steps came;
   a failed step's with ``error`` (it changed no cache), as a step stream with in-band errors.
@@ -337,7 +339,18 @@ class _SocketConnection:
             log.info("step socket: %s sent no hello; closing", self.peer)
             self.channel.close()
             return
-        presented = payload[len(STEP_SOCKET_HELLO):]
+        expected, _, presented = payload[len(STEP_SOCKET_HELLO):].partition(b"\n")
+        instance = self.core.info.instance.encode()
+        if expected and expected != instance:
+            log.info("step socket: %s expected another server (%s); refused", self.peer,
+                     expected[:64].decode(errors="replace"))
+            self.channel.send_raw([error_answer(RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"hello: this step socket is server {instance.decode()}'s, not "
+                f"{expected[:64].decode(errors='replace')}'s (another server listens at "
+                "the path the one you called advertises)"))])
+            self.channel.close()
+            return
         principals = self.owner.principals
         principal = principals.match(presented or None) if principals.enabled else ""
         if principal is None:

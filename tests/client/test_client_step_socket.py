@@ -409,7 +409,7 @@ def test_the_hello_checks_the_token(authed):
     at all (garbage first): closed at once; a right token: an empty answer, and steps."""
     unauthenticated = grpc.StatusCode.UNAUTHENTICATED.value[0]
     for presented in (b"Bearer wrong", b"", b"Bearer a,b"):
-        with _connect(authed.path, STEP_SOCKET_HELLO + presented) as sock:
+        with _connect(authed.path, STEP_SOCKET_HELLO + b"\n" + presented) as sock:
             answer = _result(sock)
             assert answer.HasField("error") and answer.error.code == unauthenticated
             assert "bearer token" in answer.error.details
@@ -417,7 +417,7 @@ def test_the_hello_checks_the_token(authed):
     with _connect(authed.path, b"GET / HTTP/1.1\r\n\r\n") as sock:
         assert _closed_by_server(sock)
     for token in (b"a", b"b"):
-        with _connect(authed.path, STEP_SOCKET_HELLO + b"Bearer " + token) as sock:
+        with _connect(authed.path, STEP_SOCKET_HELLO + b"\nBearer " + token) as sock:
             assert _recv_frame(sock) == b""  # accepted: an empty AttentionResult
             # A step then: an in-band error for a cache it does not have, and still open.
             _send_frame(sock, _step_frame("hello-none", 3)[0])
@@ -485,6 +485,29 @@ def test_an_async_decode_loop_through_the_step_socket(both):
             await cache.release()
 
     asyncio.run(main())
+
+
+def test_a_socket_of_another_server_is_refused(one, group):
+    """The hello names the server instance meant (ServerInfo.instance_id): another server's
+    socket refuses it (FAILED_PRECONDITION) and closes, so steps never run on caches of a
+    server the client did not call; a client of one server given the other's path gets that
+    error, and no step runs."""
+    assert one.path != group.path
+    with AttentionClient(one.target) as a, AttentionClient(group.target) as b:
+        mine, theirs = a.info()["instance_id"], b.info()["instance_id"]
+        assert mine and theirs and mine != theirs
+        with _connect(group.path, STEP_SOCKET_HELLO + mine.encode() + b"\n") as sock:
+            answer = _result(sock)
+            assert answer.error.code == grpc.StatusCode.FAILED_PRECONDITION.value[0]
+            assert mine in answer.error.details and theirs in answer.error.details
+            assert _closed_by_server(sock)
+        with _connect(group.path, STEP_SOCKET_HELLO + theirs.encode() + b"\n") as sock:
+            _accepted(sock)
+        q, kn = _step_inputs(1, 2)
+        with a.decode_steps(step_socket=group.path) as steps, \
+                pytest.raises(AttentionError, match="another server") as err:
+            steps.step(q, ["x"], kn, kn)
+        assert err.value.code == grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_no_step_socket_or_nothing_there_fails(server, one):
@@ -703,7 +726,7 @@ def test_a_region_of_another_caller_is_refused_through_the_socket(authed):
             list(stub.CacheDecode(iter([pb.DecodeRequest(header=header)]),
                                   metadata=b._metadata or None))
         assert err.value.code() != grpc.StatusCode.OK
-        with _connect(authed.path, STEP_SOCKET_HELLO + b"Bearer b") as sock:
+        with _connect(authed.path, STEP_SOCKET_HELLO + b"\nBearer b") as sock:
             _accepted(sock)
             _send_frame(sock, pb.DecodeRequest(header=header).SerializeToString())
             answer = _result(sock)

@@ -16,6 +16,7 @@ import logging
 import mmap
 import os
 import threading
+import uuid
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor as ThreadPool
 from concurrent.futures import ThreadPoolExecutor
@@ -131,7 +132,7 @@ class EngineCore:
             kv_cache_bytes=pool.nbytes if pool is not None else 0,
             kv_page_bytes=pool.page_bytes if pool is not None else 0,
             nixl=(nixl := config.regions_allowed and config.nixl and nixl_available()),
-            nixl_backend=nixl_backend() if nixl else "",
+            nixl_backend=nixl_backend() if nixl else "", instance=uuid.uuid4().hex,
         )
 
     def queue_depth(self, op: Op) -> int:

@@ -53,6 +53,7 @@ def server_info(config: ServerConfig, info: EngineInfo, frontend: int = 0) -> pb
         gpu_region_bytes_per_caller=config.gpu_region_bytes_per_caller,
         frontend=frontend, nixl=info.nixl, nixl_backend=info.nixl_backend,
         steps_in_flight=STEPS_IN_FLIGHT, step_socket=config.step_socket,
+        instance_id=info.instance,
     )
 
 
