@@ -310,52 +310,41 @@ class Channel:
 
     def send_raw(self, parts: Sequence[bytes | memoryview]) -> None:
         """Send ``parts`` joined as one raw frame (``SOCKET_FRAME``: the step socket's), not
-        corked: from the parts themselves when the socket takes them all at once, else what
-        is left is copied for the writer thread. Never blocks; the parts may change once this
-        returns."""
-        head = SOCKET_FRAME.pack(sum(len(p) for p in parts))
-        with self._send_lock:
-            if self._closed.is_set():
-                return
-            sent = 0
-            if not self._backlog:
-                try:
-                    sent = self.sock.sendmsg([head, *parts], (), socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    pass
-                except OSError as exc:
-                    log.debug("%s: send failed (%s)", self.name, exc)
-                    self._shutdown()
-                    return
-                if sent == len(head) + sum(len(p) for p in parts):
-                    return
-                self._backlog = True
-            rest = memoryview(b"".join([head, *parts]))[sent:]
-            self._queued += len(rest)
-            self._outbox.put((rest, ()))
+        corked: from the parts themselves when the socket takes them all at once (else what
+        is left is copied for the writer thread). Never blocks; the parts may change once
+        this returns."""
+        self._send_parts([SOCKET_FRAME.pack(sum(len(p) for p in parts)), *parts], ())
 
     def _send_data(self, data: bytes, fds: Sequence[int]) -> None:
+        self._send_parts([data], fds)
+
+    def _send_parts(self, parts: Sequence[bytes | memoryview], fds: Sequence[int]) -> None:
+        """At once what the socket takes (``fds`` ride with the first bytes); the rest, and
+        everything while earlier frames wait, to the writer thread, in order."""
         with self._send_lock:
             if self._closed.is_set():
                 self._close_fds(fds)
                 return
+            sent = 0
             if not self._backlog:
                 try:
-                    sent = self.sock.sendmsg([data], _anc(fds), socket.MSG_DONTWAIT)
+                    sent = self.sock.sendmsg(parts, _anc(fds), socket.MSG_DONTWAIT)
                 except BlockingIOError:
-                    sent = 0
+                    pass
                 except OSError as exc:
                     log.debug("%s: send failed (%s)", self.name, exc)
                     self._close_fds(fds)
                     self._shutdown()
                     return
-                if sent == len(data):
+                if sent == sum(len(p) for p in parts):
                     self._close_fds(fds)
                     return
                 if sent:  # the descriptors went with the first bytes
                     self._close_fds(fds)
-                    data, fds = data[sent:], ()
+                    fds = ()
                 self._backlog = True
+            data = parts[0] if len(parts) == 1 and not sent else (
+                memoryview(b"".join(parts))[sent:])
             self._queued += len(data)
             self._outbox.put((data, fds))
 
