@@ -52,7 +52,7 @@ from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.engine.core import EngineCore
 from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.engine.local_link import LocalBuffers
-from attention_service.errors import Cancelled, RequestError, StartupError, unavailable
+from attention_service.errors import RequestError, StartupError, unavailable
 from attention_service.frontend.auth import Principals
 from attention_service.frontend.servicer import STEPS_IN_FLIGHT, call_log_level, logfmt
 from attention_service.frontend.streams import (
@@ -112,8 +112,7 @@ class StepSocket:
         self.path, self.core, self.config, self.metrics = path, core, config, metrics
         self.principals = principals
         self.limits = Limits.of(config)
-        self.budget = UploadBudget(config.max_upload_bytes, config.max_upload_share)
-        self.budget_lock = threading.Lock()  # the budget is shared by every connection
+        self.budget = _SharedBudget(config.max_upload_bytes, config.max_upload_share)
         # Steps are refused (UNAVAILABLE) until the server serves, as gRPC's are: a warm-up
         # launches on the backend without the executor, one thread at a time.
         self.accepting = False
@@ -271,10 +270,7 @@ class _SocketConnection:
     def _deferring(self) -> Iterator[None]:
         with self.core.executor.deferring():
             yield
-        # Did the next step arrive while this thread waited? (OSError: nothing yet.)
-        with contextlib.suppress(OSError):
-            self._pipelined = bool(self.channel.sock.recv(
-                1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        self._pipelined = bool(_peek(self.channel.sock))  # did the next step come meanwhile?
 
     # ---- reader thread ------------------------------------------------------------------
 
@@ -319,12 +315,7 @@ class _SocketConnection:
                     self._cond.wait()  # an answer (``_done``) or the close notifies
                     continue
                 self._cond.wait(_BACKLOG_POLL_S)
-                try:  # a peer gone while its answers waited: b""
-                    if not self.channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                        return False
-                except BlockingIOError:
-                    pass
-                except OSError:
+                if _peek(self.channel.sock) == b"":  # the peer went while its answers waited
                     return False
             return not self._closed
 
@@ -340,31 +331,29 @@ class _SocketConnection:
             self.channel.close()
             return
         expected, _, presented = payload[len(STEP_SOCKET_HELLO):].partition(b"\n")
-        instance = self.core.info.instance.encode()
-        if expected and expected != instance:
-            log.info("step socket: %s expected another server (%s); refused", self.peer,
-                     expected[:64].decode(errors="replace"))
-            self.channel.send_raw([error_answer(RequestError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"hello: this step socket is server {instance.decode()}'s, not "
-                f"{expected[:64].decode(errors='replace')}'s (another server listens at "
-                "the path the one you called advertises)"))])
-            self.channel.close()
+        instance = self.core.info.instance
+        meant = expected[:64].decode(errors="replace")
+        if expected and meant != instance:
+            self._refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"hello: this step socket is server {instance}'s, not {meant}'s "
+                         "(another server listens at the path the one you called advertises)")
             return
         principals = self.owner.principals
         principal = principals.match(presented or None) if principals.enabled else ""
         if principal is None:
-            reason = "missing" if not presented else "invalid"
-            log.info("step socket: %s refused: %s bearer token", self.peer, reason)
-            self.channel.send_raw([error_answer(RequestError(
-                grpc.StatusCode.UNAUTHENTICATED,
-                f"authorization: {reason} bearer token (send 'Bearer <token>' after the "
-                "hello)"))])
-            self.channel.close()
+            self._refuse(grpc.StatusCode.UNAUTHENTICATED,
+                         f"authorization: {'invalid' if presented else 'missing'} bearer token "
+                         "(send 'Bearer <token>' after the hello)")
             return
         self.principal = principal
         self.caller = principal or self.peer.partition(" ")[2]
         self.channel.send_raw([_ACCEPTED])
+
+    def _refuse(self, code: grpc.StatusCode, details: str) -> None:
+        """The hello refused: its answer, a log line, the connection closed."""
+        log.info("step socket: %s refused: %s", self.peer, details)
+        self.channel.send_raw([error_answer(RequestError(code, details))])
+        self.channel.close()
 
     def _read(self, raw: memoryview) -> None:
         step = _Step(raw, step_cache_ids(raw, OP))  # type: ignore[arg-type]
@@ -390,7 +379,7 @@ class _SocketConnection:
 
     def _start(self, step: _Step, issue_here: bool) -> None:
         """Check, buffer and submit one step (its answer comes to ``_done``)."""
-        upload = step.upload = Upload(_LockedBudget(self.owner))  # type: ignore[arg-type]
+        upload = step.upload = Upload(self.owner.budget)
         try:
             first, sizes = start_upload(upload, OP, step.raw, self.owner.limits,  # type: ignore[arg-type]
                                         self.caller)
@@ -491,12 +480,9 @@ class _SocketConnection:
                 ) -> tuple[list[bytes | memoryview], str, str, int]:
         """The step's AttentionResult in pieces (its outputs viewed in its buffers), its code,
         details and output bytes."""
-        if isinstance(value, BaseException):
+        if isinstance(value, BaseException):  # a RequestError, or Cancelled (its client went)
             if not isinstance(value, RequestError):
-                what = "cancelled" if isinstance(value, Cancelled) else "failed"
-                value = RequestError(grpc.StatusCode.CANCELLED
-                                     if isinstance(value, Cancelled) else grpc.StatusCode.INTERNAL,
-                                     f"the step was {what} in the engine")
+                value = RequestError(grpc.StatusCode.CANCELLED, "the step was cancelled")
             return [error_answer(value)], value.code.name, value.details, 0
         assert upload is not None
         parts: list[bytes | memoryview] = []
@@ -546,20 +532,21 @@ class _SocketConnection:
         self.owner.forget(self)
 
 
-class _LockedBudget:
-    """The step socket's ``UploadBudget`` as its steps use it: its connections' reader threads
-    and the engine's threads reserve and release it, so under a lock."""
+class _SharedBudget(UploadBudget):
+    """An ``UploadBudget`` under a lock: the socket's connections' reader threads and the
+    engine's threads reserve and release it (a front end's is its event loop's alone)."""
 
-    def __init__(self, owner: StepSocket) -> None:
-        self._budget, self._lock = owner.budget, owner.budget_lock
+    def __init__(self, limit: int, share: float) -> None:
+        super().__init__(limit, share)
+        self._lock = threading.Lock()
 
     def reserve(self, nbytes: int, caller: str = "", field: str = "header") -> None:
         with self._lock:
-            self._budget.reserve(nbytes, caller, field)
+            super().reserve(nbytes, caller, field)
 
     def release(self, nbytes: int, caller: str = "") -> None:
         with self._lock:
-            self._budget.release(nbytes, caller)
+            super().release(nbytes, caller)
 
 
 def start_step_socket(config: ServerConfig, core: EngineCore, metrics: Metrics) -> StepSocket:
@@ -586,3 +573,14 @@ def _fill(sock: socket.socket, view: memoryview) -> bool:
 
 def _no_message(_msg: Any, _fds: list[int]) -> None:  # the channel reads nothing
     raise AssertionError("a step socket's channel has no reader")
+
+
+def _peek(sock: socket.socket) -> bytes | None:
+    """The socket's next byte, left in it; b"" once the peer closed (or the socket failed),
+    None while nothing has come."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return None
+    except OSError:
+        return b""

@@ -245,7 +245,7 @@ def start_upload(
     upload: Upload, op: Op, raw: bytes, limits: Limits, caller: str, *, unary: bool = True,
     proxied: bool = False, lazy: bool = False,
 ) -> tuple[RawRequest, dict[str, int]]:
-    """A call's first message read into ``upload`` (``receive_request``; a step lane's
+    """A call's first message read into ``upload`` (``receive_request``; a step socket's
     whole call): its header checked, the upload started and charged (``lazy``: only for the
     bytes received so far), and the buffers it needs by name. Fills nothing: on failure
     nothing is held."""
