@@ -339,16 +339,24 @@ def test_steps_larger_than_the_servers_read_buffer(one, monkeypatch):
         assert _lengths(cache) == ctx.lengths(ids)
 
 
+def _one_checked_step(steps, cache, ctx, cid, seed):
+    """A cache ``cid`` of a few tokens and one step on it through ``steps``, checked against
+    the float64 reference; (q, k/v) of the step."""
+    _prompt(cache, ctx, [cid], [4], seed)
+    q, kn = _step_inputs(1, seed + 1)
+    out = steps.step(q, [cid], kn, kn)
+    ctx.add([cid], kn, kn, [1])
+    check_out(out, reference.decode_ref(f64(q), *ctx.packed([cid])), "float32", q)
+    assert isinstance(steps._stream, SocketStream)
+    return q, kn
+
+
 def test_a_failed_step_is_answered_in_band_and_the_socket_goes_on(one):
     ids = ["ib-a"]
     ctx = Context(ids)
     with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
             c.decode_steps(step_socket=True) as steps:
-        _prompt(cache, ctx, ids, [4], 3)
-        q, kn = _step_inputs(1, 5)
-        out = steps.step(q, ids, kn, kn)
-        ctx.add(ids, kn, kn, [1])
-        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+        q, kn = _one_checked_step(steps, cache, ctx, ids[0], 3)
         stream = steps._stream
         with pytest.raises(AttentionNotFoundError, match="ib-nope"):
             steps.step(q, ["ib-nope"], kn, kn)
@@ -639,16 +647,9 @@ def test_a_frame_over_the_limit_closes_its_connection_only(one):
             sock.sendall(SOCKET_FRAME.pack(MAX_MESSAGE_BYTES) + b"x" * 1024)
             assert not _closed_by_server(sock, 0.3)
         assert not _closed_by_server(other, 0.2)
-    ids = ["big-a"]
-    ctx = Context(ids)
     with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
-            c.decode_steps(step_socket=True) as steps:
-        _prompt(cache, ctx, ids, [3], 5)
-        q, kn = _step_inputs(1, 6)
-        out = steps.step(q, ids, kn, kn)
-        ctx.add(ids, kn, kn, [1])
-        check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
-        assert isinstance(steps._stream, SocketStream)
+            c.decode_steps(step_socket=True) as steps:  # the server still serves
+        _one_checked_step(steps, cache, Context(["big-a"]), "big-a", 5)
 
 
 def _region_header(ids, region, q_offset, nbytes=1 << 20):
