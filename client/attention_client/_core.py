@@ -751,9 +751,7 @@ class ClientCore:
         at a time per handle. ``step_socket`` (a model host on the server's machine):
         send the steps through the server's step socket (True: the path it advertises,
         ``info()["step_socket"]``; or a path) instead of gRPC."""
-        if step_socket:
-            return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket)
-        return self._DecodeSteps(self, timeout, metadata, wait_for_ready)
+        return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket)
 
     @_io
     def release_caches(self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,

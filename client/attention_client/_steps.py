@@ -243,7 +243,7 @@ class _StepsBase:
     """Both handles' steps, written once as steps their client drives (see ``_core``)."""
 
     def __init__(self, client: Any, timeout: Any, metadata: Any,
-                 wait_for_ready: bool | None, make_lock: Any) -> None:
+                 wait_for_ready: bool | None, make_lock: Any, step_socket: Any = None) -> None:
         self._client = client
         # Sends (and the stream's opening) one at a time, and reads one at a time: a step
         # waiting for its answer does not hold up the next step's send.
@@ -262,7 +262,7 @@ class _StepsBase:
         # them. One per layer's caches: a model host steps layer 0, 1, ..., L-1 in turn, so a
         # template of the last step alone never matched (bench_offload, 2 layers).
         self._templates: dict[tuple[Any, ...], _Template] = {}
-        self._socket: str | bool | None = None  # the step socket (DecodeSteps)
+        self._socket = _socket_arg(step_socket)  # the step socket: True, a path, or None
 
     @property
     def _lane(self) -> dict[str, Any]:
@@ -601,8 +601,7 @@ class DecodeSteps(_StepsBase):
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
                  wait_for_ready: bool | None = None, step_socket: str | bool | None = None
                  ) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock)
-        self._socket = _socket_arg(step_socket)
+        super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock, step_socket)
 
     def _open(self, settings: CallSettings) -> StreamCall | SocketStream:
         if not self._socket:
@@ -641,8 +640,7 @@ class AsyncDecodeSteps(_StepsBase):
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
                  wait_for_ready: bool | None = None, step_socket: str | bool | None = None
                  ) -> None:
-        super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock)
-        self._socket = _socket_arg(step_socket)
+        super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock, step_socket)
 
     async def _open(self, settings: CallSettings) -> AsyncStreamCall | AsyncSocketStream:
         if not self._socket:
