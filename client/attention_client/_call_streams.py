@@ -43,7 +43,7 @@ _SOCKET_CONNECT_S = 10.0  # connecting to a step socket and its hello
 # Reading an answer to make room for a step (a server that reads no more), or the answers
 # left at ``close``: a step socket's server answers steps in milliseconds.
 _SOCKET_READ_AHEAD_S = 60.0
-_STATUS = {s.value[0]: s for s in grpc.StatusCode}
+STATUS = {s.value[0]: s for s in grpc.StatusCode}  # a CallError's code -> its status
 
 
 class StreamError(grpc.RpcError):
@@ -341,7 +341,7 @@ def _check_hello(path: str, answer: bytes, drop: Any) -> None:
     error = call_error(answer)
     if error is not None:
         drop()
-        code = _STATUS.get(error.code, grpc.StatusCode.UNKNOWN)
+        code = STATUS.get(error.code, grpc.StatusCode.UNKNOWN)
         raise StreamError(code, f"step socket {path!r}: {error.details}")
 
 

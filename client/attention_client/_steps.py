@@ -35,6 +35,7 @@ import numpy as np
 
 from attention_client import _argnames as argnames
 from attention_client._call_streams import (
+    STATUS,
     AsyncSocketStream,
     AsyncStreamCall,
     SocketStream,
@@ -234,9 +235,6 @@ class PendingStep:
     def result(self) -> Any:
         """The step's result (a coroutine on the async client): ``out`` or ``(out, lse)``."""
         return self._handle._drive(self._handle._result(self))
-
-
-_STATUS = {s.value[0]: s for s in grpc.StatusCode}
 
 
 class _StepsBase:
@@ -530,7 +528,7 @@ class _StepsBase:
             error = None if stats else call_error(pending.raw)
             if error is not None:  # answered in-band: this step failed, changing nothing
                 client._abandon(prep)
-                raise from_rpc_error(StreamError(_STATUS.get(error.code, grpc.StatusCode.UNKNOWN),
+                raise from_rpc_error(StreamError(STATUS.get(error.code, grpc.StatusCode.UNKNOWN),
                                                  error.details), _CALL, pending.settings.names)
             assembler = pending.assembler or client._assembler(prep)
             return client._assemble(prep, assembler, answer)
