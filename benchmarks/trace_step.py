@@ -4,13 +4,14 @@ Starts a server (``python -m attention_service``, batching on) with the hooks of
 ``benchmarks/step_trace_hooks`` loaded in each of its processes, creates ``--batch`` KV caches,
 appends a ``--context``-token prompt to each and runs ``--steps`` CacheDecode steps over all of
 them (one new token per cache a step) one after another from one client (a unary call each,
-or ``--stream``: one CacheDecodeSteps stream, as ``decode_steps()`` sends them). The client
+or ``--stream``: one CacheDecodeSteps stream, as ``decode_steps()`` sends them, or ``--socket``:
+through the server's step socket, ``--step-socket``, from a raw blocking client). The client
 times each step; the server's processes record entry (``>``) and exit (``<``) of the functions
-a step passes through (front end, channel, engine, executor, launch) on one clock. For every
-step, the events inside its client interval are put in time order; the most common order is the
-step's path, and the table gives the median time between consecutive events over the steps
-that took that path, plus the client's own share (call start to the first server event, last
-event to the reply).
+a step passes through (front end, step socket, channel, engine, executor, launch) on one
+clock. For every step, the events inside its client interval are put in time order; the most
+common order is the step's path, and the table gives the median time between consecutive
+events over the steps that took that path, plus the client's own share (call start to the
+first server event, last event to the reply).
 
     python benchmarks/trace_step.py --out OUT                                # GPU defaults
     python benchmarks/trace_step.py --device cpu --heads 4 --kv-heads 2 --head-dim 32 \
@@ -27,6 +28,7 @@ import asyncio
 import collections
 import json
 import os
+import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +58,7 @@ from bench_sessions import (
     add_shape_args,
 )
 
+from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
 from attention_wire.pb import attention_pb2 as pb
 
 HOOKS = Path(__file__).resolve().parent / "step_trace_hooks"
@@ -73,11 +76,49 @@ def _batch_step(s: Shapes, ids: list[str], store: bool) -> list[bytes]:
                             _bytes(rng, kv, s.kv_dtype), _bytes(rng, kv, s.kv_dtype))
 
 
+def _exactly(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("the server closed the step socket")
+        got += k
+    return buf
+
+
+def _answer(sock: socket.socket) -> pb.AttentionResult:
+    """The step socket's next frame: a step's AttentionResult messages, which parse as one
+    (chunks appended, the last one's stats), or the hello's (empty when accepted)."""
+    (size,) = SOCKET_FRAME.unpack(_exactly(sock, SOCKET_FRAME.size))
+    result = pb.AttentionResult.FromString(_exactly(sock, size))
+    if result.HasField("error"):
+        raise RuntimeError(f"step socket: code {result.error.code}: {result.error.details}")
+    return result
+
+
+def _socket_steps(path: str, message: bytes, n: int) -> list[tuple[int, int, float]]:
+    """``n`` steps of ``message`` through the step socket at ``path``, one at a time."""
+    hello = STEP_SOCKET_HELLO + b"\n"  # any server instance, no token
+    frame = SOCKET_FRAME.pack(len(message)) + message  # built once: the loop times the trip
+    out = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(path)
+        sock.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
+        _answer(sock)
+        for _ in range(n):
+            t0 = time.perf_counter_ns()
+            sock.sendall(frame)
+            kernel = _answer(sock).stats.kernel_seconds
+            out.append((t0, time.perf_counter_ns(), kernel))
+    return out
+
+
 async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool, batch: int,
-                 store: bool) -> list[tuple[int, int, float]]:
+                 store: bool, socket_path: str | None = None) -> list[tuple[int, int, float]]:
     """(t0 ns, t1 ns, kernel seconds) of each measured step; ``stream``: the steps go on one
-    CacheDecodeSteps stream (``client.decode_steps()``), else a unary call each; ``batch``
-    caches per step."""
+    CacheDecodeSteps stream (``client.decode_steps()``), ``socket_path``: through that step
+    socket, else a unary call each; ``batch`` caches per step."""
     ids = [f"trace-{i}" for i in range(batch)]
     async with grpc.aio.insecure_channel(target) as ch:
         create = ch.unary_unary(METHOD + "CreateCaches",
@@ -89,6 +130,9 @@ async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool, ba
             await _call(ch, "AppendKV", setup)
         if batch > 1 or not store:
             step = _batch_step(s, ids, store)
+        if socket_path is not None:  # a blocking client: off the event loop
+            return (await asyncio.to_thread(_socket_steps, socket_path, step[0],
+                                            warm + steps))[warm:]
         out = []
         steps_stream = _StepStream(ch) if stream else None
         try:
@@ -116,7 +160,7 @@ def _load(trace_dir: Path) -> list[tuple[int, str]]:
         labels = {label for label, _ in data["events"]}
         if any(x.startswith("RemoteLink.") for x in labels):
             role = "fe"
-        elif any(x.startswith("FrontendConnection.") for x in labels):
+        elif any(x.startswith(("FrontendConnection.", "_SocketConnection.")) for x in labels):
             role = "engine"
         else:
             role = "server"
@@ -204,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
     p.add_argument("--stream", action="store_true",
                    help="steps on one CacheDecodeSteps stream (default: a unary call each)")
+    p.add_argument("--socket", action="store_true",
+                   help="steps through the server's step socket (--step-socket): no gRPC, no "
+                   "front end")
     p.add_argument("--batch", type=int, default=1, help="caches (sequences) per step")
     p.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
                    help="keep each step's token in the caches (--no-store: the caches stay "
@@ -212,20 +259,27 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(kv_dtype=None, max_batch_tokens=None, max_queue_delay_ms=None,
                    server_log_level="WARNING", startup_timeout=600.0)
     args = p.parse_args(argv)
+    if args.stream and args.socket:
+        p.error("--stream or --socket, not both")
+    socket_path = None
+    if args.socket:  # the server started here listens there too
+        socket_path = os.path.join(tempfile.gettempdir(), f"trace-step-{os.getpid()}.sock")
+        args.server_args = f"--step-socket {socket_path}"
     s = Shapes(args)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     steps, info, events = traced_run(
         args, out_dir, "trace_step",
         lambda target: asyncio.run(_drive(target, s, args.steps, args.warm_steps, args.stream,
-                                       args.batch, args.store)))
+                                       args.batch, args.store, socket_path)))
     if not events:
         print("no server events: were the hooks loaded? (see trace_step_server.log)")
         return 1
     result = breakdown(steps, events)
     kernel_us = statistics.median(k for *_, k in steps) * 1e6
+    mode = "socket" if args.socket else "stream" if args.stream else "unary"
     summary = (f"B={args.batch}, H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}, "
-               f"store={args.store}, {'stream' if args.stream else 'unary'}; {len(steps)} "
+               f"store={args.store}, {mode}; {len(steps)} "
                f"steps, {result['path_share']:.0%} took the path below. Step p50 "
                f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.")
     write_report(out_dir, "trace_step", "trace_step", info, argv, summary, result,

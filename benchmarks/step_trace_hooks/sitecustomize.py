@@ -2,11 +2,11 @@
 
 Loaded by Python at start-up when this folder is on PYTHONPATH; does nothing unless
 ATTENTION_STEP_TRACE names a folder. Then it wraps a fixed list of the service's functions
-(front end, channel, engine, executor, launch) so that each call records (label, entry or
-exit, perf_counter_ns) in this process, and writes them to ``<folder>/trace_<pid>.json``
-every half second and at exit. perf_counter is CLOCK_MONOTONIC on Linux: one clock for every
-process of the host, so a step's events line up across processes. Not for production: each
-wrapped call costs about a microsecond.
+(front end, step socket, channel, engine, executor, launch) so that each call records (label,
+entry or exit, perf_counter_ns) in this process, and writes them to
+``<folder>/trace_<pid>.json`` every half second and at exit. perf_counter is CLOCK_MONOTONIC
+on Linux: one clock for every process of the host, so a step's events line up across
+processes. Not for production: each wrapped call costs about a microsecond.
 """
 
 from __future__ import annotations
@@ -46,6 +46,20 @@ TARGETS = [
     ("attention_service.engine.backends", "CpuBackend.launch"),
     ("attention_service.engine.decode_steps", "_StepLaunch.wait"),
     ("attention_service.engine.cuda_launch", "_CudaLaunch.wait"),
+    # The step socket (--step-socket): its reader thread checks, submits and (an idle GPU's
+    # launch, run from that thread) answers each step; ``start_upload`` twice, as the module
+    # imports the name (``_install`` wraps a function once).
+    ("attention_service.step_socket", "_SocketConnection._read"),
+    ("attention_service.step_socket", "_SocketConnection._start"),
+    ("attention_service.step_socket", "_SocketConnection._done"),
+    ("attention_service.step_socket", "_SocketConnection._answer"),
+    ("attention_service.step_socket", "_SocketConnection._account"),
+    ("attention_service.frontend.streams", "start_upload"),
+    ("attention_service.step_socket", "start_upload"),
+    ("attention_service.ipc.channel", "Channel.send_raw"),
+    ("attention_service.engine.kv_caches", "CacheRegistry._finish"),
+    ("attention_service.metrics", "Metrics.observe_launch"),
+    ("attention_service.metrics", "Metrics.observe_request"),
     # Inside the steps above: the front end's parse and checks, the engine's cache
     # reservation and plan, the decode-step launch's parts (torch's own calls included).
     ("attention_service.frontend.streams", "parse_request"),
@@ -90,6 +104,7 @@ def _wrap(label: str, fn):  # noqa: ANN001, ANN202
                 return await fn(*a, **k)
             finally:
                 _mark(label + "<")
+        timed_async._step_trace = True  # type: ignore[attr-defined]
         return timed_async
 
     @functools.wraps(fn)
@@ -99,6 +114,7 @@ def _wrap(label: str, fn):  # noqa: ANN001, ANN202
             return fn(*a, **k)
         finally:
             _mark(label + "<")
+    timed._step_trace = True  # type: ignore[attr-defined]
     return timed
 
 
@@ -110,10 +126,12 @@ def _install(targets: list[tuple[str, str]] = TARGETS) -> None:
             continue
         *outer, name = path.split(".")
         for part in outer:
-            owner = getattr(owner, part)
+            owner = getattr(owner, part, None)  # a class this version lacks: skipped
         original = owner.__dict__.get(name) if isinstance(owner, type) else None
         original = original or getattr(owner, name, None)  # e.g. inherited from a C base
-        if original is None:
+        # Missing, or a name bound to one already wrapped (imported from the module wrapped).
+        if original is None or getattr(getattr(original, "__func__", original), "_step_trace",
+                                       False):
             continue
         if isinstance(original, staticmethod):
             setattr(owner, name, staticmethod(_wrap(path, original.__func__)))
