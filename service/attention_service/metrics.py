@@ -23,6 +23,8 @@ launch by its time, where a per-launch histogram weighs a tiny launch like a hug
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import logging
 import os
 import threading
@@ -315,9 +317,74 @@ def _standard_collectors(registry: CollectorRegistry) -> None:
     GCCollector(registry=registry)
 
 
+class _HeldCounter:
+    """A counter series' increments held as a plain number until ``flush``."""
+
+    __slots__ = ("child", "pending")
+
+    def __init__(self, child: Any) -> None:
+        self.child, self.pending = child, 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.pending += amount
+
+    def flush(self) -> None:
+        if self.pending:
+            self.child.inc(self.pending)
+            self.pending = 0.0
+
+
+class _HeldHistogram:
+    """A histogram series' observations held as a sum and bucket counts until ``flush``,
+    which adds them to the series' own values (prometheus_client's ``_sum``/``_buckets``:
+    its ``observe`` has no count argument)."""
+
+    __slots__ = ("child", "bounds", "sum", "counts")
+
+    def __init__(self, child: Any) -> None:
+        self.child, self.bounds = child, child._upper_bounds
+        self.sum, self.counts = 0.0, [0] * len(self.bounds)
+
+    def observe(self, amount: float) -> None:
+        self.sum += amount
+        if amount == amount:  # NaN falls in no bucket, as with ``observe``
+            self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # first bound >= it
+
+    def flush(self) -> None:
+        if self.sum:
+            self.child._sum.inc(self.sum)
+            self.sum = 0.0
+        for i, n in enumerate(self.counts):
+            if n:
+                self.child._buckets[i].inc(n)
+                self.counts[i] = 0
+
+
+class _FlushFirst(Collector):
+    """Registered before the series it flushes: a scrape reads them with nothing held."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush = flush
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        self._flush()
+        return iter(())
+
+
 class Metrics:
-    def __init__(self, multiprocess: bool = False) -> None:
+    def __init__(self, multiprocess: bool = False, held: bool = False) -> None:
+        """``held``: the per-call and per-launch series (``observe_request``,
+        ``observe_launch``) are counted in plain numbers and written to prometheus_client's
+        values only when this process's ``/metrics`` is read (and at ``close``): the serving
+        process's choice. Written at once, a B=64 decode step's ~30 values (a lock, a pid
+        check and an mmap write each in multiprocess mode) took ~60 us of the engine's one
+        interpreter lock (H200, benchmarks/trace_step.py --socket)."""
         self.multiprocess = multiprocess
+        self._held: list[_HeldCounter | _HeldHistogram] | None = [] if held else None
+        self._hold = threading.Lock() if held else contextlib.nullcontext()
         self._launch_children: dict[Op, tuple[Any, ...]] = {}  # observe_launch's series
         self._request_children: dict[tuple[str, str], tuple[Any, ...]] = {}  # observe_request's
         self._wait_children: dict[str, tuple[Any, Any]] = {}  # queue wait, engine time
@@ -325,6 +392,8 @@ class Metrics:
         r = None if multiprocess else CollectorRegistry(auto_describe=True)
         self.registry = r
         if r is not None:
+            if held:
+                r.register(_FlushFirst(self.flush))
             _standard_collectors(r)
         self.requests = Counter(
             "attention_requests", "Finished calls by rpc and gRPC status code.",
@@ -475,13 +544,33 @@ class Metrics:
             # and locks on every call, eight times per compute call here.
             compute = rpc in COMPUTE_RPCS
             children = self._request_children[(rpc, code)] = (
-                self.requests.labels(rpc=rpc, code=code),
-                self.duration.labels(rpc=rpc, code=code),
-                (self.input_bytes.labels(rpc=rpc), self.output_bytes.labels(rpc=rpc),
-                 self.region_bytes.labels(rpc=rpc, direction="in"),
-                 self.region_bytes.labels(rpc=rpc, direction="out"),
-                 self.tokens.labels(rpc=rpc), self.flops.labels(rpc=rpc)) if compute else None,
+                self._series(self.requests.labels(rpc=rpc, code=code)),
+                self._series(self.duration.labels(rpc=rpc, code=code)),
+                tuple(map(self._series, (
+                    self.input_bytes.labels(rpc=rpc), self.output_bytes.labels(rpc=rpc),
+                    self.region_bytes.labels(rpc=rpc, direction="in"),
+                    self.region_bytes.labels(rpc=rpc, direction="out"),
+                    self.tokens.labels(rpc=rpc), self.flops.labels(rpc=rpc)))
+                ) if compute else None,
             )
+        with self._hold:
+            self._count_request(children, code, seconds, bytes_in, bytes_out, region_in,
+                                region_out, tokens, flops)
+            if queue_seconds is not None or engine_seconds is not None:
+                waits = self._wait_children.get(rpc)
+                if waits is None:
+                    waits = self._wait_children[rpc] = (
+                        self._series(self.queue_wait.labels(rpc=rpc)),
+                        self._series(self.engine_time.labels(rpc=rpc)))
+                if queue_seconds is not None:
+                    waits[0].observe(queue_seconds)
+                if engine_seconds is not None:
+                    waits[1].observe(engine_seconds)
+
+    @staticmethod
+    def _count_request(children: tuple[Any, ...], code: str, seconds: float, bytes_in: int,
+                       bytes_out: int, region_in: int, region_out: int, tokens: int,
+                       flops: int) -> None:
         requests, duration, compute_children = children
         requests.inc()
         duration.observe(seconds)
@@ -497,15 +586,21 @@ class Metrics:
         if code == "OK":
             c_tokens.inc(tokens)
             c_flops.inc(flops)
-        if queue_seconds is not None or engine_seconds is not None:
-            waits = self._wait_children.get(rpc)
-            if waits is None:
-                waits = self._wait_children[rpc] = (self.queue_wait.labels(rpc=rpc),
-                                                     self.engine_time.labels(rpc=rpc))
-            if queue_seconds is not None:
-                waits[0].observe(queue_seconds)
-            if engine_seconds is not None:
-                waits[1].observe(engine_seconds)
+
+    def _series(self, child: Any) -> Any:
+        """``child`` itself, or with ``held``, its stand-in (kept for ``flush``)."""
+        if self._held is None:
+            return child
+        held = (_HeldHistogram if hasattr(child, "_upper_bounds") else _HeldCounter)(child)
+        self._held.append(held)
+        return held
+
+    def flush(self) -> None:
+        """Write what ``held`` series hold to their values (a scrape calls this first)."""
+        if self._held is not None:
+            with self._hold:
+                for held in self._held:
+                    held.flush()
 
     def observe_nixl(self, direction: str, nbytes: int, seconds: float) -> None:
         """One NIXL transfer of ``nbytes``, ``direction`` "in" or "out" (engine process)."""
@@ -526,13 +621,25 @@ class Metrics:
             # AppendKV stores only: no rate series (an empty one reads as NaN on the dashboard).
             rate_child = rate.labels(rpc=rpc) if op.queries else None
             children = self._launch_children[op] = (
-                self.batches.labels(rpc=rpc), self.batch_requests.labels(rpc=rpc),
-                self.batch_tokens.labels(rpc=rpc),
-                tuple(self.stage.labels(rpc=rpc, stage=stage) for stage in STAGES),
-                self.kernel_seconds.labels(rpc=rpc), self.kernel_flops.labels(rpc=rpc),
-                self.kernel_kv_bytes.labels(rpc=rpc), rate_child,
-                self.launch_issue.labels(rpc=rpc),
+                *map(self._series, (self.batches.labels(rpc=rpc),
+                                    self.batch_requests.labels(rpc=rpc),
+                                    self.batch_tokens.labels(rpc=rpc))),
+                tuple(self._series(self.stage.labels(rpc=rpc, stage=stage))
+                      for stage in STAGES),
+                *map(self._series, (self.kernel_seconds.labels(rpc=rpc),
+                                    self.kernel_flops.labels(rpc=rpc),
+                                    self.kernel_kv_bytes.labels(rpc=rpc))),
+                None if rate_child is None else self._series(rate_child),
+                self._series(self.launch_issue.labels(rpc=rpc)),
             )
+        with self._hold:
+            self._count_launch(op, children, requests, tokens, flops, kv_bytes, h2d, kernel,
+                               d2h, issue)
+
+    @staticmethod
+    def _count_launch(op: Op, children: tuple[Any, ...], requests: int, tokens: int,
+                      flops: int, kv_bytes: int, h2d: float, kernel: float, d2h: float,
+                      issue: float | None) -> None:
         (batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate,
          issued) = children
         batches.inc()
@@ -560,6 +667,8 @@ class Metrics:
         from prometheus_client import multiprocess
 
         registry = CollectorRegistry()
+        if self._held is not None:
+            registry.register(_FlushFirst(self.flush))
         multiprocess.MultiProcessCollector(registry)
         _standard_collectors(registry)
         if self._live is not None:
@@ -580,6 +689,7 @@ class Metrics:
         return int(self._http.server_port)
 
     def close(self) -> None:
+        self.flush()
         if self._http is not None:
             self._http.shutdown()
             self._http.server_close()

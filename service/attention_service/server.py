@@ -86,7 +86,7 @@ async def create_server(
     bound metrics port. ``backend`` overrides the one ``config.device`` selects (tests inject
     fakes)."""
     backend = backend or make_backend(config.device, config.cuda_graphs)
-    metrics = Metrics()
+    metrics = Metrics(held=True)
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                lambda: 1, core.caches.gauges, core.regions.gauges,

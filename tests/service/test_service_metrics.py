@@ -437,3 +437,37 @@ def test_stores_leave_no_empty_rate_series() -> None:
                if fam.name == "attention_batches" for s in fam.samples
                if s.name == "attention_batches_total"}
     assert batches["AppendKV"] == batches["Prefill"] == 1
+
+
+def test_held_series_read_as_written_at_once() -> None:
+    """``Metrics(held=True)`` (the serving process's): the per-call and per-launch series
+    hold their values in plain numbers until a scrape, which then reads exactly what direct
+    writes give (counts, sums, every bucket, a NaN in no bucket); nothing is lost between
+    scrapes."""
+    from attention_service.metrics import Metrics
+    from attention_service.params import Op
+
+    def samples(m: Metrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in m.registry.collect() if fam.name.startswith("attention_")
+                for s in fam.samples if not s.name.startswith("attention_process")}
+
+    def traffic(m: Metrics, rounds: range) -> None:
+        for i in rounds:
+            m.observe_launch(Op.CACHE_DECODE, requests=1 + i % 3, tokens=64 * i, flops=10**6 * i,
+                             kv_bytes=10**5 * (i + 1), h2d=0.0, kernel=1e-4 * (i % 4),
+                             d2h=0.0, issue=2e-5 * i)
+            m.observe_request("CacheDecode", "OK" if i % 5 else "ABORTED", 1e-3 * i,
+                              bytes_in=100 * i, bytes_out=50 * i, tokens=i, flops=10 * i,
+                              queue_seconds=float("nan") if i == 7 else 1e-4 * i)
+
+    direct, held = Metrics(), Metrics(held=True)
+    traffic(direct, range(20))
+    traffic(held, range(20))
+    assert held.requests.labels(rpc="CacheDecode", code="OK")._value.get() == 0  # held
+    want, got = samples(direct), samples(held)
+    assert got == pytest.approx(want, nan_ok=True)
+    assert got[("attention_requests_total", (("code", "OK"), ("rpc", "CacheDecode")))] == 16
+    traffic(direct, range(20, 30))
+    traffic(held, range(20, 30))
+    assert samples(held) == pytest.approx(samples(direct), nan_ok=True)

@@ -226,7 +226,7 @@ class Group:
             signal.signal(sig, lambda signum, _frame: self._post("signal", signum))
         cfg = self.config
         backend = make_backend(cfg.device, cfg.cuda_graphs)
-        metrics = Metrics(multiprocess=True)
+        metrics = Metrics(multiprocess=True, held=True)
         self.core = core = EngineCore(cfg, backend, observer=metrics, frontends=self.count,
                                       delivery_scope=corked)
         # The readers poll for the next request only while the engine is idle: with launches
