@@ -33,7 +33,12 @@ import grpc
 
 from attention_client._channel import STEP_METHODS, CallSettings
 from attention_client._errors import from_rpc_error
-from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO, call_error
+from attention_wire.messages import (
+    SOCKET_FRAME,
+    STEP_SOCKET_HELLO,
+    call_error,
+    widen_step_socket,
+)
 
 # Idle streams kept per key; more are closed when given back (a burst of concurrent calls
 # leaves at most this many open per lane).
@@ -211,6 +216,7 @@ class SocketStream:
     def __init__(self, path: str, settings: CallSettings, limit: int, instance: str = ""
                  ) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        widen_step_socket(sock)
         self._sock: socket.socket | None = sock
         self._limit = max(1, limit)
         self._unread = 0
@@ -365,7 +371,15 @@ class AsyncSocketStream:
                    ) -> AsyncSocketStream:
         try:
             async with asyncio.timeout(_SOCKET_CONNECT_S):
-                reader, writer = await asyncio.open_unix_connection(path)
+                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                sock.setblocking(False)
+                widen_step_socket(sock)
+                try:
+                    await asyncio.get_running_loop().sock_connect(sock, path)
+                except BaseException:
+                    sock.close()
+                    raise
+                reader, writer = await asyncio.open_unix_connection(sock=sock)
                 stream = cls(reader, writer, limit)
                 writer.write(_hello(settings, instance))
                 answer = await stream._read()

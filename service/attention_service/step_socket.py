@@ -47,6 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.engine.core import EngineCore
@@ -63,12 +64,18 @@ from attention_service.frontend.streams import (
     start_upload,
     stats_message,
 )
-from attention_service.frontend.validation import Limits, step_cache_ids
+from attention_service.frontend.validation import INPUT_FIELDS, Limits, step_cache_ids
 from attention_service.ipc.channel import Channel
 from attention_service.metrics import Metrics
 from attention_service.params import Op
 from attention_wire.alloc import layout
-from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
+from attention_wire.messages import (
+    DATA_ALIGN,
+    SOCKET_FRAME,
+    STEP_SOCKET_HELLO,
+    RawChunk,
+    widen_step_socket,
+)
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
@@ -90,14 +97,16 @@ _BACKLOG_POLL_S = 0.01
 class _Step:
     """One step read from the socket: its message, caches, upload, job, and answer once done."""
 
-    __slots__ = ("raw", "ids", "after", "upload", "block", "job", "answer", "t0")
+    __slots__ = ("raw", "frame", "ids", "after", "upload", "block", "job", "answer", "t0")
 
-    def __init__(self, raw: bytes | memoryview, ids: frozenset[str]) -> None:
-        # The message; a view into the reader's buffer only while the reader handles it.
-        self.raw, self.ids = raw, ids
+    def __init__(self, raw: memoryview, frame: ByteBase, ids: frozenset[str]) -> None:
+        # The message, in the block it was read into (its inputs may stay there: ``_start``).
+        self.raw: memoryview | None = raw
+        self.frame: ByteBase | None = frame
+        self.ids = ids
         self.after: list[_Step] = []  # earlier unanswered steps that name one of its caches
         self.upload: Upload | None = None
-        self.block: ByteBase | None = None  # its pinned buffers' block (``_block``)
+        self.block: ByteBase | None = None  # its other buffers' pinned block (``_block``)
         self.job: Job | None = None
         # Its AttentionResult in pieces, set when it is done (finished); sent in order.
         self.answer: list[bytes | memoryview] | None = None
@@ -175,6 +184,7 @@ class StepSocket:
             n += 1
             conn = None
             try:
+                widen_step_socket(sock)
                 conn = _SocketConnection(self, sock, n)
                 with self._lock:
                     if self._sock is None:
@@ -275,13 +285,13 @@ class _SocketConnection:
     # ---- reader thread ------------------------------------------------------------------
 
     def _read_loop(self) -> None:
-        """Frames straight from the socket into one buffer, reused: the kernel copies a
-        step's bytes there without the GIL, and each step is checked and its tensors copied
-        into its pinned buffers before the next frame is read (a B=64 bf16 step's 770 KiB
-        took ~180 us of the engine's GIL to pass through a generic frame decoder, H200)."""
+        """Frames straight from the socket into pinned blocks (``_block``): the kernel copies
+        a step's bytes there without the GIL, and its tensors, when they arrive aligned (the
+        client's ``message_frame``), stay there for the launch to read (a B=64 bf16 step's
+        770 KiB took ~180 us of the engine's GIL to pass through a generic frame decoder, and
+        ~70-90 us to copy into its buffers, H200)."""
         sock = self.channel.sock
         head = memoryview(bytearray(SOCKET_FRAME.size))
-        buf = bytearray(64 << 10)
         try:
             while self._room() and _fill(sock, head):
                 (size,) = SOCKET_FRAME.unpack(head)
@@ -289,13 +299,12 @@ class _SocketConnection:
                     log.info("step socket: %s sent a frame of %d bytes, over the %d allowed; "
                              "closing", self.peer, size, MAX_MESSAGE_BYTES)
                     break
-                if size > len(buf):  # a new one: views of the old may still be alive
-                    buf = bytearray(max(size, 2 * len(buf)))
-                payload = memoryview(buf)[:size]
+                frame = self._block(size)
+                payload = memoryview(frame.np)[:size]  # type: ignore[index]
                 if not _fill(sock, payload):
                     break
                 with self._scope():
-                    self.on_message(payload)
+                    self.on_message(payload, frame)
         except OSError as exc:
             log.debug("step socket: %s: %s", self.peer, exc)
         finally:
@@ -319,11 +328,11 @@ class _SocketConnection:
                     return False
             return not self._closed
 
-    def on_message(self, payload: memoryview) -> None:
+    def on_message(self, payload: memoryview, frame: ByteBase) -> None:
         if self.principal is None:
-            self._hello(bytes(payload))
+            self._hello(bytes(payload))  # its block is not kept: one hello a connection
         else:
-            self._read(payload)
+            self._read(payload, frame)
 
     def _hello(self, payload: bytes) -> None:
         if not payload.startswith(STEP_SOCKET_HELLO):
@@ -355,8 +364,8 @@ class _SocketConnection:
         self.channel.send_raw([error_answer(RequestError(code, details))])
         self.channel.close()
 
-    def _read(self, raw: memoryview) -> None:
-        step = _Step(raw, step_cache_ids(raw, OP))  # type: ignore[arg-type]
+    def _read(self, raw: memoryview, frame: ByteBase) -> None:
+        step = _Step(raw, frame, step_cache_ids(raw, OP))  # type: ignore[arg-type]
         refusal = None
         with self._lock:
             if not self.owner.accepting:
@@ -367,8 +376,7 @@ class _SocketConnection:
                 if ids:
                     step.after = [s for s in (*self._running, *self._waiting)
                                   if not ids.isdisjoint(s.ids)]
-                if step.after:  # started later, from another thread: its own copy
-                    step.raw = bytes(raw)
+                if step.after:  # started later, from another thread
                     self._waiting.append(step)
                     return
                 self._running.append(step)
@@ -383,13 +391,14 @@ class _SocketConnection:
         try:
             first, sizes = start_upload(upload, OP, step.raw, self.owner.limits,  # type: ignore[arg-type]
                                         self.caller)
-            offsets, total = layout(sizes)
+            placed = _in_place(first.chunks, step.frame, sizes)  # type: ignore[arg-type]
+            offsets, total = layout({n: b for n, b in sizes.items() if n not in placed})
             step.block = self._block(total)
-            upload.fill(LocalBuffers(step.block, offsets, sizes))
-            upload.add(first.chunks)
+            upload.fill(LocalBuffers(step.block, offsets, sizes, placed))
+            upload.add(first.chunks)  # skips the bytes already in place
             upload.check_complete()
             assert upload.params is not None and upload.buffers is not None
-            step.raw = b""  # the reader's buffer: read once, here
+            step.raw = None  # read once, here
             job = self.core.submit(
                 upload.params, {**upload.buffers.spans, **upload.regions},
                 self.principal or "", lambda value: self._done(step, value),
@@ -443,9 +452,10 @@ class _SocketConnection:
         finally:
             if upload is not None:
                 upload.release()
-            if step.block is not None:
-                self._give_back(step.block)
-                step.block = None
+            for block in (step.block, step.frame):
+                if block is not None:
+                    self._give_back(block)
+            step.block = step.frame = None
         for w in ready:  # off this thread (an executor's: its ``done`` must be quick)
             with contextlib.suppress(RuntimeError):  # the server has closed the socket
                 self.owner.starter.submit(self._start, w, False)
@@ -558,6 +568,26 @@ def start_step_socket(config: ServerConfig, core: EngineCore, metrics: Metrics) 
         raise StartupError(
             f"--step-socket: cannot listen at {config.step_socket!r}: {exc}") from None
     return sock
+
+
+def _in_place(chunks: list[RawChunk], frame: ByteBase, sizes: dict[str, int]
+              ) -> dict[str, tuple[ByteBase, int]]:
+    """The inputs whose bytes came whole in one chunk of ``frame`` at a DATA_ALIGN offset, by
+    name: (frame, offset), their buffers where they lie. (Anything else, e.g. a tensor in
+    several chunks, is copied into the step's block; ``Upload.add`` checks every chunk.)"""
+    placed: dict[str, tuple[ByteBase, int]] = {}
+    seen: set[str] = set()
+    for c in chunks:
+        name = INPUT_FIELDS.get(c.field)
+        if name is None or name in seen:
+            placed.pop(name, None)  # type: ignore[arg-type]
+            continue
+        seen.add(name)
+        at = np.frombuffer(c.data, dtype=np.uint8).ctypes.data - frame.ptr
+        if (c.offset == 0 and len(c.data) == sizes.get(name) and at % DATA_ALIGN == 0
+                and 0 <= at <= frame.nbytes - len(c.data)):
+            placed[name] = (frame, at)
+    return placed
 
 
 def _fill(sock: socket.socket, view: memoryview) -> bool:

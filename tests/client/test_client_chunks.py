@@ -11,9 +11,12 @@ from attention_client._prefill import prepare_prefill
 from attention_client._requests import MAX_HEADER_BYTES
 from attention_client._tensors import WireTensor
 from attention_wire.messages import (
+    DATA_ALIGN,
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
     encode_messages,
+    message_frame,
+    read_request,
     single_message,
     step_timeout,
     varint,
@@ -142,3 +145,30 @@ def test_oversized_header_is_a_clear_value_error():
     cu = np.full(MAX_HEADER_BYTES // 4, 2**30, dtype=np.int64)  # ~5 bytes a value on the wire
     with pytest.raises(ValueError, match="header is .* bytes"):
         prepare_prefill(q, q, q, cu)
+
+
+@pytest.mark.parametrize("header_bytes", [0, 1, 5, 54, 1495, 6070])
+@pytest.mark.parametrize("sizes", [(8192, 2048, 2048), (3, 0, 17), (98_304, 24_576, 24_575)])
+def test_whole_tensors_start_aligned_in_their_message(header_bytes, sizes):
+    """A tensor sent whole in one chunk starts at a multiple of DATA_ALIGN of its message
+    (TensorChunk.padding before it; the step socket reads such tensors in place), in
+    ``encode_messages`` and in a decode loop's ``message_frame`` alike, byte for byte the
+    same message, which protobuf parses to the same tensors."""
+    header = pb.DecodeHeader(cache=pb.CacheTarget(
+        cache_ids=["x" * max(0, header_bytes - 4)] if header_bytes else [])).SerializeToString()
+    tensors = [_tensor(n, s) for n, s in zip("qkv", sizes, strict=True)]
+    (message,) = encode_messages(header, tensors, MAX_CHUNK_BYTES)
+    frame = message_frame(header, list(sizes))
+    joined = b"".join(x for pair in zip(frame, (t.byte_view() for t in tensors), strict=True)
+                      for x in pair)
+    assert joined == message
+    base = np.frombuffer(message, np.uint8).ctypes.data
+    got = read_request(message, pb.DecodeHeader.FromString)
+    assert [c.field for c in got.chunks] == [f for f, s in zip((pb.Q, pb.K, pb.V), sizes,
+                                                               strict=True) if s]
+    for c in got.chunks:
+        assert (np.frombuffer(c.data, np.uint8).ctypes.data - base) % DATA_ALIGN == 0
+    parsed, data = _decode_stream([message], pb.DecodeRequest)
+    assert parsed[0].header.SerializeToString() == header
+    assert [bytes(data[f]) for f in (pb.Q, pb.K, pb.V)] == [bytes(t.byte_view())
+                                                            for t in tensors]

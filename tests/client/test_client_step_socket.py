@@ -306,10 +306,10 @@ def test_a_client_that_reads_no_answers_is_read_no_further(one):
         assert _lengths(cache) == [2] * 64  # store=False
 
 
-def test_steps_larger_than_the_servers_read_buffer(one, monkeypatch):
-    """Steps of 150-490 KiB (the server reads frames into a 64 KiB buffer that grows), sent
-    ahead on the same caches (so they wait, holding their own copies) between small ones:
-    every answer right, every token kept."""
+def test_large_steps_sent_ahead_between_small_ones(one, monkeypatch):
+    """Steps of 150-490 KiB (each read into a pinned block of its size), sent ahead on the
+    same caches (so they wait, their frames kept until they start) between small ones: every
+    answer right, every token kept."""
     sizes = []
     send = SocketStream.send
 
@@ -337,6 +337,44 @@ def test_steps_larger_than_the_servers_read_buffer(one, monkeypatch):
         assert len(sizes) == 6 and max(sizes) > 256 << 10
         assert sum(size > 64 << 10 for size in sizes) == 3
         assert _lengths(cache) == ctx.lengths(ids)
+
+
+def test_aligned_inputs_are_read_in_place_and_the_rest_copied():
+    """A step's q, k and v stay in the frame they arrived in when each came whole in one
+    chunk at a 16-byte offset (``message_frame`` lays a decode loop's steps out so); a tensor
+    in two chunks, or a frame read at an odd address, goes through the step's own block."""
+    from attention_service.engine.jobs import ByteBase
+    from attention_service.step_socket import _in_place
+    from attention_wire.messages import DATA_ALIGN, message_frame, read_request
+
+    b = 37
+    header = pb.DecodeHeader(cache=pb.CacheTarget(cache_ids=[f"c{i}" for i in range(b)])
+                             ).SerializeToString()
+    sizes = {"q": b * H * D * 2, "k": b * HKV * D * 2, "v": b * HKV * D * 2, "out": 1}
+    rng = np.random.default_rng(5)
+    data = {n: rng.integers(0, 256, sizes[n], dtype=np.uint8).tobytes() for n in "qkv"}
+
+    def placed(message: bytes, shift: int = 0) -> dict[str, tuple[object, int]]:
+        frame = ByteBase(torch.zeros(len(message) + shift, dtype=torch.uint8))
+        view = memoryview(frame.np)[shift:]
+        view[:] = message
+        got = _in_place(read_request(view, lambda raw: None).chunks, frame, sizes)
+        for name, (base, at) in got.items():
+            assert base is frame and at % DATA_ALIGN == 0
+            assert frame.np[at : at + sizes[name]].tobytes() == data[name]
+        return got
+
+    frame = message_frame(header, [sizes[n] for n in "qkv"])
+    aligned = b"".join(x for pair in zip(frame, data.values(), strict=True) for x in pair)
+    assert set(placed(aligned)) == {"q", "k", "v"}
+    assert placed(aligned, shift=1) == {}
+    half = sizes["q"] // 2
+    split = pb.DecodeRequest(header=pb.DecodeHeader.FromString(header), chunks=[
+        pb.TensorChunk(field=pb.Q, data=data["q"][:half]),
+        pb.TensorChunk(field=pb.Q, offset=half, data=data["q"][half:]),
+        pb.TensorChunk(field=pb.K, data=data["k"]), pb.TensorChunk(field=pb.V, data=data["v"]),
+    ]).SerializeToString()
+    assert "q" not in placed(split)
 
 
 def _one_checked_step(steps, cache, ctx, cid, seed):

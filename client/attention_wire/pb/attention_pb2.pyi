@@ -59,14 +59,16 @@ class TensorSpec(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TensorChunk(_message.Message):
-    __slots__ = ("field", "offset", "data")
+    __slots__ = ("field", "offset", "data", "padding")
     FIELD_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    PADDING_FIELD_NUMBER: _ClassVar[int]
     field: InputField
     offset: int
     data: bytes
-    def __init__(self, field: _Optional[_Union[InputField, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+    padding: bytes
+    def __init__(self, field: _Optional[_Union[InputField, str]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., padding: _Optional[bytes] = ...) -> None: ...
 
 class RegionSpan(_message.Message):
     __slots__ = ("region", "offset", "byte_size")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -28,11 +29,14 @@ _SEEN_SIZES = 4096  # block sizes remembered as cheap (a bound on the set, not a
 
 
 class LocalBuffers:
-    def __init__(self, base: ByteBase, offsets: dict[str, int], sizes: Mapping[str, int]) -> None:
-        assert base.np is not None
-        self.spans: dict[str, tuple[ByteBase, int]] = {n: (base, at) for n, at in offsets.items()}
+    def __init__(self, base: ByteBase, offsets: dict[str, int], sizes: Mapping[str, int],
+                 elsewhere: Mapping[str, tuple[ByteBase, int]] = MappingProxyType({})) -> None:
+        """Tensor ``n`` at ``offsets[n]`` of ``base``, or at ``elsewhere[n]`` (a block and
+        offset of its own: the step socket's inputs where they arrived)."""
+        self.spans: dict[str, tuple[ByteBase, int]] = {
+            **{n: (base, at) for n, at in offsets.items()}, **elsewhere}
         self.arrays: dict[str, np.ndarray] = {
-            n: base.np[at : at + sizes[n]] for n, at in offsets.items()}
+            n: b.np[at : at + sizes[n]] for n, (b, at) in self.spans.items()}  # type: ignore[index]
 
     def release(self) -> None:
         # The job holds its own references until its launch is done with them.
