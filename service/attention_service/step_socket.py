@@ -33,6 +33,7 @@ socket's: it is made readable and writable by the server's user only (mode 0600)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import os
@@ -47,7 +48,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
-import numpy as np
 
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.engine.core import EngineCore
@@ -394,8 +394,8 @@ class _SocketConnection:
             placed = _in_place(first.chunks, step.frame, sizes)  # type: ignore[arg-type]
             offsets, total = layout({n: b for n, b in sizes.items() if n not in placed})
             step.block = self._block(total)
-            upload.fill(LocalBuffers(step.block, offsets, sizes, placed))
-            upload.add(first.chunks)  # skips the bytes already in place
+            upload.fill(LocalBuffers(step.block, offsets, sizes, placed), placed.keys())
+            upload.add(first.chunks)  # checks every chunk, copies those not in place
             upload.check_complete()
             assert upload.params is not None and upload.buffers is not None
             step.raw = None  # read once, here
@@ -583,7 +583,9 @@ def _in_place(chunks: list[RawChunk], frame: ByteBase, sizes: dict[str, int]
             placed.pop(name, None)  # type: ignore[arg-type]
             continue
         seen.add(name)
-        at = np.frombuffer(c.data, dtype=np.uint8).ctypes.data - frame.ptr
+        # The chunk's address (a view of the frame's writable block): ctypes takes ~0.4 us
+        # where numpy's ``ctypes.data`` took ~1.6.
+        at = ctypes.addressof(ctypes.c_char.from_buffer(c.data)) - frame.ptr if c.data else -1
         if (c.offset == 0 and len(c.data) == sizes.get(name) and at % DATA_ALIGN == 0
                 and 0 <= at <= frame.nbytes - len(c.data)):
             placed[name] = (frame, at)

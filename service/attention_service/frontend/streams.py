@@ -6,7 +6,7 @@ import asyncio
 import functools
 import ipaddress
 import logging
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterable, AsyncIterator, Collection, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from urllib.parse import unquote
 
@@ -118,6 +118,7 @@ class Upload:
         self.budget, self.charged = budget, 0
         self.buffers: Buffers | None = None
         self._inputs: dict[str, np.ndarray] = {}  # uint8 views of the inputs sent as chunks
+        self._in_place: Collection[str] = ()
         self._received: dict[str, int] = {}
         self.start(caller, total, None)
 
@@ -138,11 +139,14 @@ class Upload:
         self.budget.reserve(more, self.caller, field)
         self.charged += more
 
-    def fill(self, buffers: Buffers) -> None:
-        """The buffers the chunks go into (and the outputs come back in)."""
+    def fill(self, buffers: Buffers, in_place: Collection[str] = ()) -> None:
+        """The buffers the chunks go into (and the outputs come back in); ``in_place``: the
+        inputs whose buffers are their one chunk's own bytes (the step socket's), checked
+        as any chunk and not copied."""
         self.buffers = buffers
         self._inputs = {n: a for n, a in buffers.arrays.items() if n in INPUTS}
         self._received = dict.fromkeys(self._inputs, 0)
+        self._in_place = in_place
 
     def add(self, chunks: Iterable[RawChunk]) -> None:
         for c in chunks:
@@ -171,9 +175,8 @@ class Upload:
                     f"bytes [{offset}, {offset + n}) run past the end of {name} "
                     f"({size} bytes for its shape and dtype)",
                 )
-            src, dst = np.frombuffer(data, dtype=np.uint8), self._inputs[name][done : done + n]
-            if src.ctypes.data != dst.ctypes.data:  # else read in place (the step socket)
-                dst[:] = src
+            if name not in self._in_place:
+                self._inputs[name][done : done + n] = np.frombuffer(data, dtype=np.uint8)
             self._received[name] = done + n
 
     def check_complete(self) -> None:
