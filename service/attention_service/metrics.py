@@ -380,8 +380,8 @@ class Metrics:
         ``observe_launch``) are counted in plain numbers and written to prometheus_client's
         values only when this process's ``/metrics`` is read (and at ``close``): the serving
         process's choice. Written at once, a B=64 decode step's ~30 values (a lock, a pid
-        check and an mmap write each in multiprocess mode) took ~60 us of the engine's one
-        interpreter lock (H200, benchmarks/trace_step.py --socket)."""
+        check and an mmap write each in multiprocess mode) took ~36 us of the engine's one
+        interpreter lock, held ~28 (H200, benchmarks/trace_step.py --socket)."""
         self.multiprocess = multiprocess
         self._held: list[_HeldCounter | _HeldHistogram] | None = [] if held else None
         self._hold = threading.Lock() if held else contextlib.nullcontext()
