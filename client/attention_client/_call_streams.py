@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grpc
+import numpy as np
 
 from attention_client._channel import STEP_METHODS, CallSettings
 from attention_client._errors import from_rpc_error
@@ -272,9 +273,9 @@ class SocketStream:
         return raw
 
     def _read(self, deadline: float | None = None) -> bytes:
-        """One frame's payload (a bytearray: the answer readers take any bytes-like), by
-        ``deadline`` (``time.monotonic()``; StreamError DEADLINE_EXCEEDED after it, the
-        socket dropped)."""
+        """One frame's payload (a uint8 array: the answer readers take any bytes-like, and
+        a compiled step's OUT is used where it lies), by ``deadline`` (``time.monotonic()``;
+        StreamError DEADLINE_EXCEEDED after it, the socket dropped)."""
         sock = self._sock
         if sock is None:
             raise _ended()
@@ -291,8 +292,10 @@ class SocketStream:
             if deadline is not None and self._sock is not None:
                 sock.settimeout(None)
 
-    def _exactly(self, sock: socket.socket, n: int) -> bytearray:
-        buf = bytearray(n)
+    def _exactly(self, sock: socket.socket, n: int) -> np.ndarray:
+        # Not a bytearray: it zeroes what recv_into then overwrites (a B=64 answer's 512 KiB:
+        # 11.6 us against 0.7, dev box).
+        buf = np.empty(n, dtype=np.uint8)
         view, got = memoryview(buf), 0
         while got < n:
             try:

@@ -156,7 +156,7 @@ class _Compiled:
         the template expects and then the RequestStats alone; None: read it the general way
         (which also reports what is wrong with it)."""
         lead = self.lead
-        if not raw.startswith(lead):
+        if memoryview(raw)[: len(lead)] != lead:
             return None
         end = len(lead) + self.out_count * self.out_storage.itemsize
         rest = parse_result(memoryview(raw)[end:])
@@ -164,7 +164,7 @@ class _Compiled:
             return None
         out = np.frombuffer(raw, self.out_storage, self.out_count, len(lead))
         # Read-only bytes, or misaligned (the lead is ~20 bytes): a copy. A step socket's
-        # answer is a fresh bytearray, used in place when aligned.
+        # answer is a fresh array, used in place when aligned.
         if isinstance(raw, bytes) or not out.flags.aligned:
             out = out.copy()
         return out, stats_dict(rest[0])

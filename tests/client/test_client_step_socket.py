@@ -179,6 +179,8 @@ def test_a_decode_loop_through_the_step_socket(both, kind, dtype):
                     else:
                         out = got
                     check_out(out, ref, dtype, q)  # numpy in -> numpy out, torch -> torch
+                    mem = out if isinstance(out, np.ndarray) else out.view(torch.uint8).numpy()
+                    assert mem.flags.writeable  # the answer's own memory
                     assert c.last_stats["cache_lengths"] == ctx.lengths(ids)
                 # No new tokens, store=False: the layout comes from the handle.
                 q = make(kind, dtype, 2, H, D, seed=40 + n)
