@@ -372,22 +372,25 @@ class AsyncSocketStream:
     @classmethod
     async def open(cls, path: str, settings: CallSettings, limit: int, instance: str = ""
                    ) -> AsyncSocketStream:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        stream = None
         try:
             async with asyncio.timeout(_SOCKET_CONNECT_S):
-                sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
                 sock.setblocking(False)
                 widen_step_socket(sock)
-                try:
-                    await asyncio.get_running_loop().sock_connect(sock, path)
-                except BaseException:
-                    sock.close()
-                    raise
+                await asyncio.get_running_loop().sock_connect(sock, path)
                 reader, writer = await asyncio.open_unix_connection(sock=sock)
                 stream = cls(reader, writer, limit)
                 writer.write(_hello(settings, instance))
                 answer = await stream._read()
-        except (OSError, StreamError, asyncio.IncompleteReadError) as exc:
-            raise _unreachable(path, exc) from None
+        except BaseException as exc:  # nothing left open: a failed hello closes its socket
+            if stream is not None:
+                stream.drop()
+            else:
+                sock.close()
+            if isinstance(exc, (OSError, StreamError, asyncio.IncompleteReadError)):
+                raise _unreachable(path, exc) from None
+            raise
         _check_hello(path, answer, stream.drop)
         return stream
 

@@ -326,12 +326,14 @@ class _HeldCounter:
         self.child, self.pending = child, 0.0
 
     def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:  # refused at the caller, as prometheus_client's ``inc`` refuses it
+            raise ValueError("Counters can only be incremented by non-negative amounts.")
         self.pending += amount
 
     def flush(self) -> None:
         if self.pending:
-            self.child.inc(self.pending)
-            self.pending = 0.0
+            pending, self.pending = self.pending, 0.0
+            self.child.inc(pending)
 
 
 class _HeldHistogram:
@@ -351,27 +353,30 @@ class _HeldHistogram:
             self.counts[bisect.bisect_left(self.bounds, amount)] += 1  # first bound >= it
 
     def flush(self) -> None:
-        if self.sum:
-            self.child._sum.inc(self.sum)
-            self.sum = 0.0
-        for i, n in enumerate(self.counts):
+        total, self.sum = self.sum, 0.0
+        counts, self.counts = self.counts, [0] * len(self.bounds)
+        if total:
+            self.child._sum.inc(total)
+        for i, n in enumerate(counts):
             if n:
                 self.child._buckets[i].inc(n)
-                self.counts[i] = 0
 
 
-class _FlushFirst(Collector):
-    """Registered before the series it flushes: a scrape reads them with nothing held."""
+class _FlushingRegistry(CollectorRegistry):
+    """A registry whose every read (a whole scrape, or one filtered with ``name[]``, which
+    prometheus_client serves from ``restricted_registry``) writes the held values first."""
 
-    def __init__(self, flush: Callable[[], None]) -> None:
+    def __init__(self, flush: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
         self._flush = flush
-
-    def describe(self) -> list[Metric]:
-        return []
 
     def collect(self) -> Iterator[Metric]:
         self._flush()
-        return iter(())
+        return super().collect()
+
+    def restricted_registry(self, names: Any) -> Any:
+        self._flush()
+        return super().restricted_registry(names)
 
 
 class Metrics:
@@ -389,11 +394,9 @@ class Metrics:
         self._request_children: dict[tuple[str, str], tuple[Any, ...]] = {}  # observe_request's
         self._wait_children: dict[str, tuple[Any, Any]] = {}  # queue wait, engine time
         # Multiprocess samples go to PROMETHEUS_MULTIPROC_DIR, not to a registry.
-        r = None if multiprocess else CollectorRegistry(auto_describe=True)
+        r = None if multiprocess else self._registry(auto_describe=True)
         self.registry = r
         if r is not None:
-            if held:
-                r.register(_FlushFirst(self.flush))
             _standard_collectors(r)
         self.requests = Counter(
             "attention_requests", "Finished calls by rpc and gRPC status code.",
@@ -595,12 +598,22 @@ class Metrics:
         self._held.append(held)
         return held
 
+    def _registry(self, **kwargs: Any) -> CollectorRegistry:
+        """A registry to serve from: one that flushes first on each read when ``held``."""
+        if self._held is None:
+            return CollectorRegistry(**kwargs)
+        return _FlushingRegistry(self.flush, **kwargs)
+
     def flush(self) -> None:
-        """Write what ``held`` series hold to their values (a scrape calls this first)."""
+        """Write what ``held`` series hold to their values (every read of the registry
+        calls this first). A series that fails is logged, the rest still written."""
         if self._held is not None:
             with self._hold:
                 for held in self._held:
-                    held.flush()
+                    try:
+                        held.flush()
+                    except Exception:
+                        log.exception("a held metric could not be written")
 
     def observe_nixl(self, direction: str, nbytes: int, seconds: float) -> None:
         """One NIXL transfer of ``nbytes``, ``direction`` "in" or "out" (engine process)."""
@@ -666,9 +679,7 @@ class Metrics:
             return self.registry
         from prometheus_client import multiprocess
 
-        registry = CollectorRegistry()
-        if self._held is not None:
-            registry.register(_FlushFirst(self.flush))
+        registry = self._registry()
         multiprocess.MultiProcessCollector(registry)
         _standard_collectors(registry)
         if self._live is not None:

@@ -48,6 +48,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
+import torch
 
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.engine.core import EngineCore
@@ -72,6 +73,7 @@ from attention_wire.alloc import layout
 from attention_wire.messages import (
     DATA_ALIGN,
     SOCKET_FRAME,
+    STEP_SOCKET_BUFFER,
     STEP_SOCKET_HELLO,
     RawChunk,
     widen_step_socket,
@@ -84,8 +86,9 @@ OP = Op.CACHE_DECODE
 _ACCEPTED = pb.AttentionResult().SerializeToString()  # the hello's answer: no error
 _PEERCRED = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 # Pinned blocks a connection keeps for its next steps: sizes, and bytes in all (a B=64 bf16
-# step's block is 1.3 MiB; blocks of one size: up to the steps in flight).
-_BLOCK_SIZES = 8
+# step: its 770 KiB frame and 512 KiB of outputs; blocks of one size: up to the steps in flight).
+_BLOCK_SIZES = 16  # a step takes two: its frame's and its outputs'
+_FRAME_ROUND = 64 << 10  # frames are read into blocks of a multiple of this
 _KEPT_BYTES = 32 << 20
 # Answers left unsent for a client that does not read them, past which its steps are read no
 # further (a client may leave its steps in flight unread: up to 8 answers of up to 4 MiB),
@@ -165,7 +168,11 @@ class StepSocket:
         self._accepter = threading.Thread(target=self._accept_loop, daemon=True,
                                           name="attention-step-socket")
         self._accepter.start()
-        log.info("step socket listening at %s", self.path)
+        widen_step_socket(sock)  # as each connection's: what the kernel grants, logged
+        log.info("step socket listening at %s (send buffers of %d KiB, %d asked; the kernel "
+                 "grants twice net.core.wmem_max at most)", self.path,
+                 sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >> 10,
+                 STEP_SOCKET_BUFFER >> 10)
 
     def _accept_loop(self) -> None:
         listening = self._sock
@@ -299,7 +306,7 @@ class _SocketConnection:
                     log.info("step socket: %s sent a frame of %d bytes, over the %d allowed; "
                              "closing", self.peer, size, MAX_MESSAGE_BYTES)
                     break
-                frame = self._block(size)
+                frame = self._frame_block(size)
                 payload = memoryview(frame.np)[:size]  # type: ignore[index]
                 if not _fill(sock, payload):
                     break
@@ -469,8 +476,23 @@ class _SocketConnection:
             free = self._free.get(nbytes)
             if free:
                 self._kept -= nbytes
-                return free.pop()
+                block = free.pop()
+                if not free:  # its size slot goes back too
+                    del self._free[nbytes]
+                return block
         return ByteBase(self.core.backend.alloc_host(nbytes))
+
+    def _frame_block(self, size: int) -> ByteBase:
+        """A block to read a frame of ``size`` bytes into: ``_block``'s, rounded up to
+        _FRAME_ROUND so a host's frames of near sizes share blocks; pageable when no pinned
+        memory is left (a step then still runs, its inputs copied unpinned)."""
+        rounded = -(-max(size, 1) // _FRAME_ROUND) * _FRAME_ROUND
+        try:
+            return self._block(rounded)
+        except (MemoryError, RuntimeError) as exc:
+            log.warning("step socket: no pinned block of %d bytes for a frame (%s); reading "
+                        "it into pageable memory", rounded, exc)
+            return ByteBase(torch.empty(rounded, dtype=torch.uint8))
 
     def _give_back(self, block: ByteBase) -> None:
         """``block``'s step is done with it (its launch ended, its answer is sent or copied);

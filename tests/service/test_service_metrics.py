@@ -471,3 +471,10 @@ def test_held_series_read_as_written_at_once() -> None:
     traffic(direct, range(20, 30))
     traffic(held, range(20, 30))
     assert samples(held) == pytest.approx(samples(direct), nan_ok=True)
+    # A scrape of some names only (``/metrics?name[]=...``) writes them first too.
+    held.observe_request("CacheDecode", "OK", 1e-3)
+    only = held.registry.restricted_registry(["attention_requests_total"])
+    assert [s.value for fam in only.collect() for s in fam.samples
+            if s.labels == {"rpc": "CacheDecode", "code": "OK"}] == [25]  # 24 + this one
+    with pytest.raises(ValueError):  # refused at the caller, as a direct counter does
+        held.observe_request("CacheDecode", "OK", 1e-3, bytes_in=-1)
