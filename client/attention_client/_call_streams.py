@@ -354,13 +354,88 @@ def _check_hello(path: str, answer: bytes, drop: Any) -> None:
         raise StreamError(code, f"step socket {path!r}: {error.details}")
 
 
+class _Frames(asyncio.BufferedProtocol):
+    """The asyncio client's step socket: each answer frame read by the transport straight
+    into a uint8 array of its size (no stream buffer, no bytes object: a compiled step's
+    OUT is used where it lies), and write flow control for ``AsyncSocketStream.send``."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.frames: collections.deque[Any] = collections.deque()
+        self.lost: str | None = None  # why the connection ended, once it has
+        self._head = bytearray(SOCKET_FRAME.size)
+        self._payload: np.ndarray | None = None  # the frame being read, after its head
+        self._target, self._got = memoryview(self._head), 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._drained: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._target[self._got :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._got += nbytes
+        if self._got < len(self._target):
+            return
+        if self._payload is None:  # a head: the payload comes next (an empty one is done)
+            (size,) = SOCKET_FRAME.unpack(self._head)
+            if size:
+                self._payload = np.empty(size, dtype=np.uint8)
+                self._target, self._got = memoryview(self._payload), 0
+                return
+            self._deliver(b"")
+        else:
+            self._deliver(self._payload)
+        self._payload, self._target, self._got = None, memoryview(self._head), 0
+
+    def _deliver(self, frame: Any) -> None:
+        self.frames.append(frame)
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = str(exc) if exc is not None else "it was closed"
+        self._wake()
+        self.resume_writing()
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        drained, self._drained = self._drained, None
+        if drained is not None and not drained.done():
+            drained.set_result(None)
+
+    async def drain(self) -> None:
+        """Until the transport's buffer is under its mark (or the connection is gone)."""
+        while self._paused and self.lost is None:
+            self._drained = asyncio.get_running_loop().create_future()
+            await self._drained
+
+    async def next_frame(self) -> Any:
+        while not self.frames:
+            if self.lost is not None:
+                raise StreamError(grpc.StatusCode.UNAVAILABLE,
+                                  f"the step socket closed: {self.lost}")
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self.frames.popleft()
+
+
 class AsyncSocketStream:
     """``SocketStream`` for the asyncio client (``await AsyncSocketStream.open(...)``; the
     interface of ``AsyncStreamCall``)."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 limit: int) -> None:
-        self._reader, self._writer = reader, writer
+    def __init__(self, frames: _Frames, limit: int) -> None:
+        self._frames = frames
         self._open = True
         self._limit = max(1, limit)
         self._unread = 0
@@ -378,17 +453,18 @@ class AsyncSocketStream:
             async with asyncio.timeout(_SOCKET_CONNECT_S):
                 sock.setblocking(False)
                 widen_step_socket(sock)
-                await asyncio.get_running_loop().sock_connect(sock, path)
-                reader, writer = await asyncio.open_unix_connection(sock=sock)
-                stream = cls(reader, writer, limit)
-                writer.write(_hello(settings, instance))
+                loop = asyncio.get_running_loop()
+                await loop.sock_connect(sock, path)
+                transport, frames = await loop.create_unix_connection(_Frames, sock=sock)
+                stream = cls(frames, limit)
+                transport.write(_hello(settings, instance))  # a whole frame already
                 answer = await stream._read()
         except BaseException as exc:  # nothing left open: a failed hello closes its socket
             if stream is not None:
                 stream.drop()
             else:
                 sock.close()
-            if isinstance(exc, (OSError, StreamError, asyncio.IncompleteReadError)):
+            if isinstance(exc, (OSError, StreamError)):
                 raise _unreachable(path, exc) from None
             raise
         _check_hello(path, answer, stream.drop)
@@ -405,16 +481,24 @@ class AsyncSocketStream:
             if self._unread - len(self._early) >= self._limit:
                 self._early.append(await asyncio.wait_for(self._read(), _SOCKET_READ_AHEAD_S))
             self._unread += 1
-        # Joined: asyncio's transports count a buffer's len(), not its bytes (Python 3.12's
-        # sendmsg path failed on numpy views: IndexError in _adjust_leftover_buffer).
-        data = message if isinstance(message, bytes) else b"".join(message)
         try:
-            self._writer.write(SOCKET_FRAME.pack(len(data)) + data)
-            await self._writer.drain()
+            await self._write(message)
         except OSError as exc:
             self.drop()
             raise StreamError(grpc.StatusCode.UNAVAILABLE,
                               f"the step socket closed while a step was sent: {exc}") from None
+
+    async def _write(self, message: bytes | tuple[Any, ...]) -> None:
+        """One frame: ``message`` joined once with its length in front (the caller's tensors
+        may change once this returns, and asyncio's transports count a buffer's len(), not
+        its bytes: Python 3.12's sendmsg path failed on numpy views)."""
+        frames = self._frames
+        parts = (message,) if isinstance(message, bytes) else message
+        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+        if frames.lost is not None or frames.transport is None:
+            raise ConnectionResetError(frames.lost or "not connected")
+        frames.transport.write(b"".join([SOCKET_FRAME.pack(size), *parts]))
+        await frames.drain()
 
     async def receive(self, deadline: float | None) -> bytes:
         """See ``SocketStream.receive``."""
@@ -437,18 +521,17 @@ class AsyncSocketStream:
         self.answered = True
         return raw
 
-    async def _read(self) -> bytes:
+    async def _read(self) -> Any:
         try:
-            (size,) = SOCKET_FRAME.unpack(await self._reader.readexactly(SOCKET_FRAME.size))
-            return await self._reader.readexactly(size) if size else b""
-        except (asyncio.IncompleteReadError, OSError) as exc:
+            return await self._frames.next_frame()
+        except StreamError:
             self.drop()
-            raise StreamError(grpc.StatusCode.UNAVAILABLE,
-                              f"the step socket closed: {exc}") from None
+            raise
 
     def drop(self) -> None:
         self._open = False
-        self._writer.close()
+        if self._frames.transport is not None:
+            self._frames.transport.close()
 
     async def close(self) -> None:
         """See ``SocketStream.close``."""

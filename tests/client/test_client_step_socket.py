@@ -494,6 +494,36 @@ def test_a_wrong_token_through_the_library_is_an_auth_error(authed):
                 assert authed.path in str(err.value)
 
 
+def test_the_async_clients_frames_are_read_whole_in_any_pieces():
+    """The asyncio client's protocol reads each answer frame, however the bytes arrive (a
+    byte at a time, a head split from its payload, empty frames), into an array of its own,
+    in order; a lost connection fails the reader waiting, after the frames that came."""
+    from attention_client._call_streams import StreamError, _Frames
+
+    payloads = [b"", b"x" * 70_000, b"ab", b"", bytes(range(256)) * 3]
+    wire = b"".join(SOCKET_FRAME.pack(len(p)) + p for p in payloads)
+
+    async def main() -> None:
+        frames = _Frames()
+        at, step = 0, 1
+        while at < len(wire):  # pieces of 1, 2, 3, ... bytes, as the transport may give
+            buf = frames.get_buffer(-1)
+            n = min(len(buf), step, len(wire) - at)
+            buf[:n] = wire[at : at + n]
+            frames.buffer_updated(n)
+            at, step = at + n, step % 4099 + 1
+        got = [await frames.next_frame() for _ in payloads]
+        assert [bytes(g) for g in got] == payloads
+        assert all(isinstance(g, np.ndarray) and g.flags.writeable for g in got if len(g))
+        waiting = asyncio.ensure_future(frames.next_frame())
+        await asyncio.sleep(0)
+        frames.connection_lost(None)
+        with pytest.raises(StreamError, match="closed"):
+            await waiting
+
+    asyncio.run(main())
+
+
 def test_an_async_decode_loop_through_the_step_socket(both):
     """The asyncio client through the socket: steps and 12 sent ahead on the same caches,
     answered in order and right against the float64 reference, an in-band error in between,
