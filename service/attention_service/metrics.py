@@ -556,39 +556,33 @@ class Metrics:
                     self.tokens.labels(rpc=rpc), self.flops.labels(rpc=rpc)))
                 ) if compute else None,
             )
+        waits = None
+        if queue_seconds is not None or engine_seconds is not None:
+            waits = self._wait_children.get(rpc)
+            if waits is None:
+                waits = self._wait_children[rpc] = (
+                    self._series(self.queue_wait.labels(rpc=rpc)),
+                    self._series(self.engine_time.labels(rpc=rpc)))
+        requests, duration, compute_children = children
         with self._hold:
-            self._count_request(children, code, seconds, bytes_in, bytes_out, region_in,
-                                region_out, tokens, flops)
-            if queue_seconds is not None or engine_seconds is not None:
-                waits = self._wait_children.get(rpc)
-                if waits is None:
-                    waits = self._wait_children[rpc] = (
-                        self._series(self.queue_wait.labels(rpc=rpc)),
-                        self._series(self.engine_time.labels(rpc=rpc)))
+            requests.inc()
+            duration.observe(seconds)
+            if compute_children is not None:
+                c_in, c_out, c_region_in, c_region_out, c_tokens, c_flops = compute_children
+                c_in.inc(bytes_in)
+                c_out.inc(bytes_out)
+                if region_in:
+                    c_region_in.inc(region_in)
+                if region_out:
+                    c_region_out.inc(region_out)
+                if code == "OK":
+                    c_tokens.inc(tokens)
+                    c_flops.inc(flops)
+            if waits is not None:
                 if queue_seconds is not None:
                     waits[0].observe(queue_seconds)
                 if engine_seconds is not None:
                     waits[1].observe(engine_seconds)
-
-    @staticmethod
-    def _count_request(children: tuple[Any, ...], code: str, seconds: float, bytes_in: int,
-                       bytes_out: int, region_in: int, region_out: int, tokens: int,
-                       flops: int) -> None:
-        requests, duration, compute_children = children
-        requests.inc()
-        duration.observe(seconds)
-        if compute_children is None:
-            return
-        c_in, c_out, c_region_in, c_region_out, c_tokens, c_flops = compute_children
-        c_in.inc(bytes_in)
-        c_out.inc(bytes_out)
-        if region_in:
-            c_region_in.inc(region_in)
-        if region_out:
-            c_region_out.inc(region_out)
-        if code == "OK":
-            c_tokens.inc(tokens)
-            c_flops.inc(flops)
 
     def _series(self, child: Any) -> Any:
         """``child`` itself, or with ``held``, its stand-in (kept for ``flush``)."""
@@ -645,32 +639,24 @@ class Metrics:
                 None if rate_child is None else self._series(rate_child),
                 self._series(self.launch_issue.labels(rpc=rpc)),
             )
-        with self._hold:
-            self._count_launch(op, children, requests, tokens, flops, kv_bytes, h2d, kernel,
-                               d2h, issue)
-
-    @staticmethod
-    def _count_launch(op: Op, children: tuple[Any, ...], requests: int, tokens: int,
-                      flops: int, kv_bytes: int, h2d: float, kernel: float, d2h: float,
-                      issue: float | None) -> None:
         (batches, batch_requests, batch_tokens, stages, k_seconds, k_flops, k_bytes, rate,
          issued) = children
-        batches.inc()
-        if issue is not None:
-            issued.observe(issue)
-        batch_requests.observe(requests)
-        batch_tokens.observe(tokens)
-        for child, seconds in zip(stages, (h2d, kernel, d2h), strict=True):
-            child.observe(seconds)
-        if kernel <= 0:
-            return  # nothing ran (no keys to attend to): no time, no work
-        # Work and time together, so their rates divide into a kernel-time-weighted rate.
-        k_seconds.inc(kernel)
-        k_flops.inc(flops)
-        k_bytes.inc(kv_bytes)
-        if rate is None:
-            return  # stores only (AppendKV): no attention to rate
-        rate.observe((kv_bytes if op.decode_like else flops) / kernel)
+        with self._hold:
+            batches.inc()
+            if issue is not None:
+                issued.observe(issue)
+            batch_requests.observe(requests)
+            batch_tokens.observe(tokens)
+            for child, seconds in zip(stages, (h2d, kernel, d2h), strict=True):
+                child.observe(seconds)
+            if kernel <= 0:
+                return  # nothing ran (no keys to attend to): no time, no work
+            # Work and time together, so their rates divide into a kernel-time-weighted rate.
+            k_seconds.inc(kernel)
+            k_flops.inc(flops)
+            k_bytes.inc(kv_bytes)
+            if rate is not None:  # AppendKV stores only: no attention to rate
+                rate.observe((kv_bytes if op.decode_like else flops) / kernel)
 
     def exposition_registry(self) -> CollectorRegistry:
         """What /metrics serves: this server's registry, or every process's samples merged
