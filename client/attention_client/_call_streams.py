@@ -251,12 +251,10 @@ class SocketStream:
             if self._unread - len(self._early) >= self._limit:  # the server reads no more
                 self._early.append(self._read(time.monotonic() + _SOCKET_READ_AHEAD_S))
             self._unread += 1  # before the send: a concurrent read may take its answer
-        parts = message if isinstance(message, tuple) else (message,)
+        frame, nbytes = _framed(message)
         try:
-            size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
-            frame = [SOCKET_FRAME.pack(size), *parts]
             sent = sock.sendmsg(frame)  # blocking: all of it, but for a signal
-            if sent < SOCKET_FRAME.size + size:
+            if sent < nbytes:
                 sock.sendall(b"".join(frame)[sent:])
         except OSError as exc:
             self.drop()
@@ -330,6 +328,14 @@ class SocketStream:
                 except StreamError:
                     break
         self.drop()
+
+
+def _framed(message: bytes | tuple[Any, ...]) -> tuple[list[Any], int]:
+    """One step's frame in pieces (its length, then the message, whole or in its pieces)
+    and its bytes in all."""
+    parts = message if isinstance(message, tuple) else (message,)
+    size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+    return [SOCKET_FRAME.pack(size), *parts], SOCKET_FRAME.size + size
 
 
 def _hello(settings: CallSettings, instance: str) -> bytes:
@@ -493,11 +499,9 @@ class AsyncSocketStream:
         may change once this returns, and asyncio's transports count a buffer's len(), not
         its bytes: Python 3.12's sendmsg path failed on numpy views)."""
         frames = self._frames
-        parts = (message,) if isinstance(message, bytes) else message
-        size = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
         if frames.lost is not None or frames.transport is None:
             raise ConnectionResetError(frames.lost or "not connected")
-        frames.transport.write(b"".join([SOCKET_FRAME.pack(size), *parts]))
+        frames.transport.write(b"".join(_framed(message)[0]))
         await frames.drain()
 
     async def receive(self, deadline: float | None) -> bytes:

@@ -175,14 +175,10 @@ def _tensor_chunk_head(field: int, offset: int, size: int, pad: int | None = Non
     return _CHUNKS_KEY + varint(len(prefix) + size) + prefix
 
 
+@functools.lru_cache(maxsize=1024)
 def _aligned_chunk_head(field: int, size: int, at: int) -> bytes:
     """``_tensor_chunk_head`` of a whole tensor that starts ``at`` bytes into its message,
     padded so that its data starts at a multiple of DATA_ALIGN."""
-    return _padded_head(field, size, at % DATA_ALIGN)
-
-
-@functools.lru_cache(maxsize=1024)
-def _padded_head(field: int, size: int, at: int) -> bytes:
     head = _tensor_chunk_head(field, 0, size)
     pad = None
     while (at + len(head)) % DATA_ALIGN:
