@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from ._helpers import CI, REPO
+from ._helpers import CI, REPO, free_ports
 from .conftest import Server
 
 if importlib.util.find_spec("locust") is None:
@@ -43,6 +43,9 @@ def _locust(
     host: str, run_time: str, csv_prefix: Path, *extra: str, **env: str
 ) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("LOADTEST_", "LOCUST_"))}
+    if "--processes" in extra:  # its master and workers on a port of their own, not 5557:
+        port = str(free_ports())  # two such runs side by side collided (a CI replica)
+        extra = (*extra, "--master-bind-port", port, "--master-port", port)
     cmd = [
         sys.executable,
         "-m",
