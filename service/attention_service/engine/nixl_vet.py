@@ -237,6 +237,27 @@ def _read_exact(n: int) -> bytes:
     return data
 
 
+# Waits before loading a blob again when its connection failed (nixlBackendError): a blob
+# NIXL read but whose peer UCX did not reach at once. On a loaded 2-core CI box the helper's
+# first ConnectNixl of a client failed so through all of gRPC's retries (~0.3-0.8 s of
+# backoff), twice in one session's replicas; not in 3 runs of the NIXL tests beside 3 busy
+# processes.
+_BACKEND_RETRY_S = (0.1, 0.3, 0.6)
+
+
+def _load(agent: Any, blob: bytes) -> None:
+    """``agent.add_remote_agent(blob)``, tried again after each of _BACKEND_RETRY_S when the
+    backend could not connect to the peer it names."""
+    for wait in (*_BACKEND_RETRY_S, None):
+        try:
+            agent.add_remote_agent(blob)
+            return
+        except Exception as exc:
+            if type(exc).__name__ != "nixlBackendError" or wait is None:
+                raise
+        time.sleep(wait)
+
+
 def _serve() -> None:
     """The helper: one agent of its own; each request's blobs loaded in turn, then dropped."""
     # Answers go to the stdout it was given; NIXL logs to stdout (INFO lines), so fd 1 itself
@@ -263,7 +284,7 @@ def _serve() -> None:
             name = metadata_agent(blob)
             try:
                 try:
-                    agent.add_remote_agent(blob)
+                    _load(agent, blob)
                 except Exception as exc:
                     # New connection info under a name loaded just before: the engine drops
                     # the old agent and reads the blob again; so does this.
@@ -271,7 +292,7 @@ def _serve() -> None:
                         raise
                     agent.remove_remote_agent(name)
                     loaded.discard(name)
-                    agent.add_remote_agent(blob)
+                    _load(agent, blob)
                 if name:
                     loaded.add(name)
             except Exception as exc:  # NIXL refused it: the engine's agent will too

@@ -555,3 +555,39 @@ def test_metadata_that_crashes_nixl_is_refused_and_the_server_goes_on(
     connect()  # the real helper reads it fine
     stub.RegisterRegion(agent.region(partial=True), timeout=20)
     assert peers.knows(agent.name)
+
+
+def test_the_helper_loads_again_a_blob_whose_peer_it_could_not_reach(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """NIXL's nixlBackendError (the peer not reached) is tried again after each wait; any
+    other refusal, and the last backend failure, are raised as they are."""
+    from attention_service.engine import nixl_vet
+
+    class nixlBackendError(Exception):  # noqa: N801 (NIXL's own class name)
+        pass
+
+    class nixlMismatchError(Exception):  # noqa: N801
+        pass
+
+    waits: list[float] = []
+    monkeypatch.setattr(nixl_vet.time, "sleep", waits.append)
+
+    class Agent:
+        def __init__(self, fails: list[Exception]) -> None:
+            self.fails, self.loaded = fails, []
+
+        def add_remote_agent(self, blob: bytes) -> None:
+            if self.fails:
+                raise self.fails.pop(0)
+            self.loaded.append(blob)
+
+    agent = Agent([nixlBackendError(), nixlBackendError()])
+    nixl_vet._load(agent, b"blob")
+    assert agent.loaded == [b"blob"] and waits == list(nixl_vet._BACKEND_RETRY_S[:2])
+    waits.clear()
+    with pytest.raises(nixlBackendError):
+        nixl_vet._load(Agent([nixlBackendError() for _ in range(9)]), b"blob")
+    assert waits == list(nixl_vet._BACKEND_RETRY_S)
+    waits.clear()
+    with pytest.raises(nixlMismatchError):
+        nixl_vet._load(Agent([nixlMismatchError()]), b"blob")
+    assert waits == []
