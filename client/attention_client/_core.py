@@ -71,7 +71,6 @@ from attention_client._requests import (
     CACHE_PREFILL,
     KvScales,
     PreparedRequest,
-    ResponseAssembler,
     ScoreMods,
     as_flag,
     kv_scales_of,
@@ -440,28 +439,27 @@ class ClientCore:
         self._abandon(prep)
         raise from_rpc_error(err, prep.method, settings.names) from err
 
-    def _assemble(self, prep: PreparedRequest, assembler: ResponseAssembler,
-                  responses: Any) -> Any:
+    def _assemble(self, prep: PreparedRequest, responses: Any) -> Any:
         """The result from a unary call's parsed responses
         (``attention_wire.messages.parse_result``)."""
         try:
             for response in responses:
-                assembler.add(response)
-            return self._complete(prep, assembler)
+                prep.add_reply(response)
+            return self._complete(prep)
         except BaseException:
             self._abandon(prep)
             raise
 
     @staticmethod
-    def _assembler(prep: PreparedRequest) -> ResponseAssembler:
+    def _expect_reply(prep: PreparedRequest) -> None:
+        """Before ``prep`` goes: the GPU work that fills its region tensors done, its reply's
+        arrays made."""
         if prep.placement is not None:
-            prep.placement.synchronize()  # the GPU work that fills the tensors is done
-        return ResponseAssembler(
-            prep.method, prep.streamed_out_shape, prep.out_dtype, prep.streamed_lse_shape
-        )
+            prep.placement.synchronize()
+        prep.expect_reply()
 
-    def _complete(self, prep: PreparedRequest, assembler: ResponseAssembler) -> Any:
-        out, lse, stats = assembler.finish()
+    def _complete(self, prep: PreparedRequest) -> Any:
+        out, lse, stats = prep.reply()
         self.last_stats = stats
         prep.take_stats(stats)
         result = prep.result(out, lse)
@@ -490,7 +488,7 @@ class ClientCore:
         """Before a compute call or a step stream uses lane ``lane_no``: placed (``spread``)."""
         raise NotImplementedError
 
-    def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest, assembler: Any,
+    def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest,
                      settings: CallSettings) -> Any:
         """A call streamed both ways (too large for one message, or unary off)."""
         raise NotImplementedError
@@ -636,7 +634,7 @@ class ClientCore:
                 listing = yield self._unary_rpc(
                     "ListRegions", pb.ListRegionsRequest(), settings.named(None))
                 release_idle(self._live_regions(), listing)
-            assembler = self._assembler(prep)
+            self._expect_reply(prep)
             yield self._ready_lane(lane_no, settings, prep.method)
         except BaseException:
             if prep.placement is not None:
@@ -651,7 +649,7 @@ class ClientCore:
                 self._abandon(prep)
                 raise
             if raw is not None:
-                return self._assemble(prep, assembler, parse_result(raw))
+                return self._assemble(prep, parse_result(raw))
         if message is not None:
             try:
                 responses = yield rpcs[unary_method(prep.method)](message, **settings.kwargs())
@@ -661,8 +659,8 @@ class ClientCore:
                 self._abandon(prep)
                 raise
             else:
-                return self._assemble(prep, assembler, responses)
-        return (yield self._stream_call(rpcs, prep, assembler, settings))
+                return self._assemble(prep, responses)
+        return (yield self._stream_call(rpcs, prep, settings))
 
     _run = _io(_call)
 

@@ -14,7 +14,7 @@ The KV-cache ops reuse the same headers with a ``CacheTarget``; AppendKV and Cac
 bytes, CacheDecode may use regions as Decode does, and their tensors are checked against the
 caches' layout when the caller knows it (a ``KvLayout``; both in ``_layouts``).
 
-At the end, the reply: ``ResponseAssembler`` fills the outputs from the parsed responses.
+At the end, the reply: the ``PreparedRequest`` fills its outputs from the parsed responses.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -273,6 +273,10 @@ class PreparedRequest:
     cache: CacheCall | None = None  # the cache ops' caches
     cache_lengths: list[int] | None = None  # their lengths after the call (set on completion)
     stats: dict[str, Any] | None = None  # the call's RequestStats (set on completion)
+    # The reply being read (``expect_reply``): None until then.
+    _reply: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int, str]] | None = field(
+        default=None, init=False, repr=False)
+    _reply_stats: pb.RequestStats | None = field(default=None, init=False, repr=False)
 
     @property
     def streamed_out_shape(self) -> tuple[int, ...] | None:
@@ -320,6 +324,107 @@ class PreparedRequest:
             return result
         return result, to_user(self.lse_fix(lse), self.result_dtype, self.result_device,
                                is_lse=True)
+
+    # ---- its reply: ``expect_reply`` before the request goes (the output arrays are made
+    # then, not after the server ran the call), every parsed response (``messages.
+    # parse_response``) to ``add_reply``, then ``reply``. An output whose shape is None is
+    # not streamed (it went into a region, or lse was not asked for) and must not arrive.
+
+    def expect_reply(self) -> None:
+        """Start (or restart, for a call sent again) this call's reply."""
+        # Per output field (pb.OUT, pb.LSE) that streams back, worked out once: its wire
+        # dtype, the storage array it is copied into, that array as rows of bytes, which of
+        # its rows have arrived, the bytes of one row, and the field's name.
+        self._reply = {}
+        for field_no, shape, dtype in ((pb.OUT, self.streamed_out_shape, self.out_dtype),
+                                       (pb.LSE, self.streamed_lse_shape, pb.FLOAT32)):
+            if shape is not None:
+                array = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
+                rows, row_bytes = array.shape[0], _row_bytes(array)
+                by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
+                self._reply[field_no] = (dtype, array, by_row, np.zeros(rows, dtype=bool),
+                                         row_bytes, pb.OutputField.Name(field_no))
+        self._reply_stats = None
+
+    @property
+    def expecting_reply(self) -> bool:
+        return self._reply is not None
+
+    def add_reply(self, response: OutputSlice | pb.RequestStats | None) -> None:
+        assert self._reply is not None, "expect_reply() first"
+        if self._reply_stats is not None:
+            raise ProtocolError("message after the final RequestStats", self.method)
+        if isinstance(response, pb.RequestStats):
+            self._reply_stats = response
+            return
+        if response is None:
+            raise ProtocolError("response message with no payload", self.method)
+        chunk = response
+        if chunk.field not in self._reply:
+            raise ProtocolError(
+                f"unexpected output field {pb.OutputField.Name(chunk.field)}"
+                if chunk.field in pb.OutputField.values()
+                else f"unknown output field {chunk.field}",
+                self.method,
+            )
+        self._fill(chunk)
+
+    def _fill(self, chunk: OutputSlice) -> None:
+        """Copy ``chunk``'s rows into its field's array, each row checked to come once."""
+        wire_dtype, array, by_row, seen, row_bytes, name = self._reply[chunk.field]  # type: ignore[index]
+        if chunk.dtype != wire_dtype or chunk.shape != array.shape:
+            raise ProtocolError(
+                f"{name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
+                f"expected {dtype_name(wire_dtype)}{list(array.shape)}",
+                self.method,
+            )
+        rows = array.shape[0]
+        start, count = chunk.row_start, chunk.row_count
+        if start < 0 or count < 0 or start + count > rows:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) outside [0, {rows})", self.method
+            )
+        data = chunk.data
+        if len(data) != count * row_bytes:
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) carry {len(data)} bytes, "
+                f"expected {count * row_bytes}",
+                self.method,
+            )
+        if seen[start : start + count].any():
+            raise ProtocolError(
+                f"{name} rows [{start}, {start + count}) arrived more than once", self.method
+            )
+        seen[start : start + count] = True
+        if count:
+            by_row[start : start + count] = np.frombuffer(data, np.uint8).reshape(
+                count, row_bytes
+            )
+
+    def reply(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
+        """(out, lse, stats) once every row and the stats have come; ProtocolError if not."""
+        assert self._reply is not None, "expect_reply() first"
+        for _, array, _, seen, row_bytes, name in self._reply.values():
+            if row_bytes == 0 or seen.all():  # zero-width rows carry nothing to wait for
+                continue
+            missing = np.flatnonzero(~seen)
+            raise ProtocolError(
+                f"{name} is missing {missing.size} of {array.shape[0]} "
+                f"rows (first missing row {int(missing[0])})",
+                self.method,
+            )
+        if self._reply_stats is None:
+            raise ProtocolError("response stream ended without RequestStats", self.method)
+        got = self._array(pb.OUT), self._array(pb.LSE), stats_dict(self._reply_stats)
+        self.forget_reply()  # read once; a request kept as a template holds no outputs
+        return got
+
+    def forget_reply(self) -> None:
+        self._reply = self._reply_stats = None
+
+    def _array(self, field_no: int) -> np.ndarray | None:
+        entry = self._reply.get(field_no)  # type: ignore[union-attr]
+        return None if entry is None else entry[1]
 
 
 def tensor_of(x: Any, name: str, placement: Placement | None) -> Tensor:
@@ -532,102 +637,6 @@ def _is_repeated(field: Any) -> bool:
 # RequestStats' fields by kind, read once (every call's stats go through stats_dict).
 _STATS_SCALARS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if not _is_repeated(f))
 _STATS_LISTS = tuple(f.name for f in pb.RequestStats.DESCRIPTOR.fields if _is_repeated(f))
-
-
-class ResponseAssembler:
-    """Feed every parsed response (``messages.parse_response``) to ``add``; ``finish`` returns
-    (out, lse, stats). A shape of None: that output is not streamed (it went into a region,
-    or lse was not asked for) and must not arrive."""
-
-    def __init__(
-        self,
-        method: str,
-        out_shape: tuple[int, ...] | None,
-        out_dtype: int,
-        lse_shape: tuple[int, ...] | None,
-    ) -> None:
-        self.method = method
-        # Per output field (pb.OUT, pb.LSE) that streams back, worked out once: its wire
-        # dtype, the storage array it is copied into, that array as rows of bytes, which of
-        # its rows have arrived, the bytes of one row, and the field's name.
-        self._fields: dict[int, tuple[int, np.ndarray, np.ndarray, np.ndarray, int, str]] = {}
-        for field, shape, dtype in ((pb.OUT, out_shape, out_dtype),
-                                    (pb.LSE, lse_shape, pb.FLOAT32)):
-            if shape is not None:
-                array = np.empty(tuple(int(d) for d in shape), storage_dtype(dtype))
-                rows, row_bytes = array.shape[0], _row_bytes(array)
-                by_row = array.reshape(-1).view(np.uint8).reshape(rows, row_bytes)
-                self._fields[field] = (dtype, array, by_row, np.zeros(rows, dtype=bool),
-                                       row_bytes, pb.OutputField.Name(field))
-        self._stats: pb.RequestStats | None = None
-
-    def add(self, response: OutputSlice | pb.RequestStats | None) -> None:
-        if self._stats is not None:
-            raise ProtocolError("message after the final RequestStats", self.method)
-        if isinstance(response, pb.RequestStats):
-            self._stats = response
-            return
-        if response is None:
-            raise ProtocolError("response message with no payload", self.method)
-        chunk = response
-        if chunk.field not in self._fields:
-            raise ProtocolError(
-                f"unexpected output field {pb.OutputField.Name(chunk.field)}"
-                if chunk.field in pb.OutputField.values()
-                else f"unknown output field {chunk.field}",
-                self.method,
-            )
-        self._fill(chunk)
-
-    def _fill(self, chunk: OutputSlice) -> None:
-        """Copy ``chunk``'s rows into its field's array, each row checked to come once."""
-        wire_dtype, array, by_row, seen, row_bytes, name = self._fields[chunk.field]
-        if chunk.dtype != wire_dtype or chunk.shape != array.shape:
-            raise ProtocolError(
-                f"{name} chunk has spec {_name(chunk.dtype)}{list(chunk.shape)}, "
-                f"expected {dtype_name(wire_dtype)}{list(array.shape)}",
-                self.method,
-            )
-        rows = array.shape[0]
-        start, count = chunk.row_start, chunk.row_count
-        if start < 0 or count < 0 or start + count > rows:
-            raise ProtocolError(
-                f"{name} rows [{start}, {start + count}) outside [0, {rows})", self.method
-            )
-        data = chunk.data
-        if len(data) != count * row_bytes:
-            raise ProtocolError(
-                f"{name} rows [{start}, {start + count}) carry {len(data)} bytes, "
-                f"expected {count * row_bytes}",
-                self.method,
-            )
-        if seen[start : start + count].any():
-            raise ProtocolError(
-                f"{name} rows [{start}, {start + count}) arrived more than once", self.method
-            )
-        seen[start : start + count] = True
-        if count:
-            by_row[start : start + count] = np.frombuffer(data, np.uint8).reshape(
-                count, row_bytes
-            )
-
-    def finish(self) -> tuple[np.ndarray | None, np.ndarray | None, dict[str, Any]]:
-        for _, array, _, seen, row_bytes, name in self._fields.values():
-            if row_bytes == 0 or seen.all():  # zero-width rows carry nothing to wait for
-                continue
-            missing = np.flatnonzero(~seen)
-            raise ProtocolError(
-                f"{name} is missing {missing.size} of {array.shape[0]} "
-                f"rows (first missing row {int(missing[0])})",
-                self.method,
-            )
-        if self._stats is None:
-            raise ProtocolError("response stream ended without RequestStats", self.method)
-        return self._array(pb.OUT), self._array(pb.LSE), stats_dict(self._stats)
-
-    def _array(self, field: int) -> np.ndarray | None:
-        entry = self._fields.get(field)
-        return None if entry is None else entry[1]
 
 
 def _row_bytes(array: np.ndarray) -> int:

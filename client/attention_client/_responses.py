@@ -1,6 +1,6 @@
 """The small rpcs' replies as plain Python values: GetServerInfo (``server_info_dict``),
 a cache's CacheInfo (``cache_info_dict``) and the cache pool's KvPoolInfo (``pool_info_dict``).
-A compute call's reply is read by ``_requests.ResponseAssembler``."""
+A compute call's reply is read by its ``_requests.PreparedRequest`` (``add_reply``)."""
 
 from __future__ import annotations
 

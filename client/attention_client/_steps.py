@@ -209,16 +209,16 @@ class PendingStep:
     returns what ``step`` would have, or raises its error (a coroutine on the async client).
     Answers are read in the order the steps were sent, whichever ``result()`` asks first."""
 
-    __slots__ = ("_handle", "stream", "prep", "compiled", "tensors", "settings", "assembler",
+    __slots__ = ("_handle", "stream", "prep", "compiled", "tensors", "settings",
                  "waiting", "raw", "failure", "first_failure", "rerun", "outcome")
 
     def __init__(self, handle: _StepsBase, stream: Any, prep: PreparedRequest,
                  compiled: _Compiled | None, tensors: tuple[Any, Any, Any],
-                 settings: CallSettings, assembler: Any) -> None:
+                 settings: CallSettings) -> None:
         self._handle = handle
         self.stream = stream  # the stream it was sent on (None: resolved when submitted)
         self.prep, self.compiled, self.tensors = prep, compiled, tensors
-        self.settings, self.assembler = settings, assembler
+        self.settings = settings
         self.waiting = stream is not None  # sent, its answer not read yet
         self.raw: bytes | None = None  # its answer
         self.failure: grpc.RpcError | None = None  # its stream's failure, which ended it
@@ -320,6 +320,7 @@ class _StepsBase:
         prep.tensors = (wq, wk, wv)
         prep.result_dtype, prep.result_device = result_flavour(q)
         prep.cache_lengths = prep.stats = None
+        prep.forget_reply()  # the template's, if it was read
         return prep
 
     def _remember(self, key: tuple[Any, ...] | None, prep: PreparedRequest,
@@ -433,7 +434,7 @@ class _StepsBase:
 
     def _resolved(self, prep: PreparedRequest, settings: CallSettings) -> Steps:
         """A step run at once the long way (``decode_step``'s): a PendingStep of its result."""
-        pending = PendingStep(self, None, prep, None, (None, None, None), settings, None)
+        pending = PendingStep(self, None, prep, None, (None, None, None), settings)
         with self._client._layouts_checked(prep):
             pending.outcome = (True, (yield self._client._run(prep, settings)))
         return pending
@@ -445,7 +446,8 @@ class _StepsBase:
         ended): its PendingStep, or the step run at once when the stream's rpc is missing."""
         client = self._client
         # The GPU work that fills region tensors is done before the request goes.
-        assembler = client._assembler(prep) if compiled is None else None
+        if compiled is None:
+            client._expect_reply(prep)
         yield self._send_lock.acquire()
         try:
             stream = self._stream
@@ -474,7 +476,7 @@ class _StepsBase:
                 client._abandon(prep)
                 raise
             if stream is not None:
-                pending = PendingStep(self, stream, prep, compiled, tensors, settings, assembler)
+                pending = PendingStep(self, stream, prep, compiled, tensors, settings)
                 self._pending.append(pending)
                 return pending
         finally:
@@ -530,8 +532,9 @@ class _StepsBase:
                 client._abandon(prep)
                 raise from_rpc_error(StreamError(STATUS.get(error.code, grpc.StatusCode.UNKNOWN),
                                                  error.details), _CALL, pending.settings.names)
-            assembler = pending.assembler or client._assembler(prep)
-            return client._assemble(prep, assembler, answer)
+            if not prep.expecting_reply:  # a compiled step's, made for the general path
+                client._expect_reply(prep)
+            return client._assemble(prep, answer)
 
     @staticmethod
     def _failure_error(pending: PendingStep) -> Exception:

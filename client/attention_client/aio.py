@@ -216,15 +216,15 @@ class AsyncAttentionClient(ClientCore):
         except grpc.RpcError as err:
             raise from_rpc_error(err, method, settings.names) from err
 
-    async def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest, assembler: Any,
+    async def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest,
                            settings: CallSettings) -> Any:
         # A plain generator is fine for grpc.aio: producing a message is one memcpy.
         call = lane[prep.method](encode_messages(prep.header, prep.tensors, self.max_chunk_bytes),
                                  **settings.kwargs())
         try:
             async for response in call:
-                assembler.add(response)
-            return self._complete(prep, assembler)
+                prep.add_reply(response)
+            return self._complete(prep)
         except grpc.RpcError as err:
             self._abandon(prep)
             raise _upload_error(err, prep.method, settings) from err

@@ -122,14 +122,14 @@ class AttentionClient(ClientCore):
         headers.update(call.initial_metadata() or ())
         return reply
 
-    def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest, assembler: Any,
+    def _stream_call(self, lane: dict[str, Any], prep: PreparedRequest,
                      settings: CallSettings) -> Any:
         call = lane[prep.method](encode_messages(prep.header, prep.tensors, self.max_chunk_bytes),
                                  **settings.kwargs())
         try:
             for response in call:
-                assembler.add(response)
-            return self._complete(prep, assembler)
+                prep.add_reply(response)
+            return self._complete(prep)
         except grpc.RpcError as err:
             self._abandon(prep)
             raise from_rpc_error(err, prep.method, settings.names) from err
