@@ -526,9 +526,14 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
         ex.submit(first, got.append)  # a caller that did not offer its thread
         _wait_until(lambda: bool(got))
         assert backend.threads == ["attention-batcher"]
+        # Alone on the idle device it skips the queue (the queue would hand it straight back).
+        queued: list[Job] = []
+        add = ex._queue.add
+        ex._queue.add = lambda j: (queued.append(j), add(j))[1]  # type: ignore[method-assign]
         job = _prefill_job(1, [5])
         ex.submit(job, got.append, issue_here=True)
         assert backend.threads[1:] == [threading.current_thread().name]  # issued right here
+        assert not queued
         _wait_until(lambda: len(got) == 2)
     finally:
         ex.close()
