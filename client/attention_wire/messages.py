@@ -381,6 +381,33 @@ def read_request(message: bytes, parse_header: Callable[[bytes], Any]) -> RawReq
     return RawRequest(header, chunks, header_bytes, step_timeout_ms)
 
 
+def leading_header(message: memoryview) -> memoryview | None:
+    """The header's bytes when ``message`` starts with its header field, as ``message_frame``
+    writes it; else None (the message may still be valid: ``read_request`` takes any order)."""
+    if not message or message[0] != _HEADER_KEY[0]:
+        return None
+    try:
+        size, pos = _varint_at(message, len(_HEADER_KEY))
+    except WireError:
+        return None
+    return message[pos : pos + size] if pos + size <= len(message) else None
+
+
+def tail_step_timeout(tail: memoryview) -> int | None:
+    """The ``step_timeout_ms`` of a message whose bytes after its last chunk are ``tail``: 0
+    when there are none, the value when they are that one field (``step_timeout``), None for
+    anything else (which ``read_request`` reads)."""
+    if not tail:
+        return 0
+    if tail[: len(_STEP_TIMEOUT_KEY)] != _STEP_TIMEOUT_KEY:
+        return None
+    try:
+        value, pos = _varint_at(tail, len(_STEP_TIMEOUT_KEY))
+    except WireError:
+        return None
+    return value & 0xFFFFFFFF if pos == len(tail) else None  # uint32, as protobuf reads it
+
+
 def out_dtype(q_dtype: int) -> int:
     """OUT's pb.DType for queries in ``q_dtype``: theirs, BFLOAT16 for FLOAT8_E4M3 queries (as
     FlashAttention-3's FP8 forward). The one rule both sides size and type the output by."""

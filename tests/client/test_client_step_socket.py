@@ -379,6 +379,90 @@ def test_aligned_inputs_are_read_in_place_and_the_rest_copied():
     assert "q" not in placed(split)
 
 
+def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not():
+    """A connection keeps the form of a message read the long way (its header, its chunk
+    heads at their offsets, every input whole and aligned); a later message with the same
+    fixed bytes, and nothing after its tensors but a ``step_timeout_ms``, has that form (its
+    params and buffers as checked), whatever its tensor bytes. Any other difference (a chunk
+    head, a field after the tensors, a shorter message, a header by a byte) reads the long
+    way; so does a form with a tensor in two chunks."""
+    import threading
+
+    from attention_service.config import ServerConfig
+    from attention_service.engine.jobs import ByteBase
+    from attention_service.frontend.streams import Upload, UploadBudget, start_upload
+    from attention_service.frontend.validation import Limits
+    from attention_service.step_socket import OP, _in_place, _SocketConnection, _StepForm
+    from attention_wire.alloc import layout
+    from attention_wire.messages import message_frame, step_timeout
+
+    b = 5
+    ids = [f"f{i}" for i in range(b)]
+    header = pb.DecodeHeader(
+        q=pb.TensorSpec(dtype=pb.FLOAT16, shape=[b, H, D]),
+        k=pb.TensorSpec(dtype=pb.FLOAT16, shape=[b, HKV, D]),
+        v=pb.TensorSpec(dtype=pb.FLOAT16, shape=[b, HKV, D]),
+        cu_seqlens_k=list(range(b + 1)), cache=pb.CacheTarget(cache_ids=ids, store=True),
+    ).SerializeToString()
+    sizes = [b * H * D * 2, b * HKV * D * 2, b * HKV * D * 2]
+    frame = message_frame(header, sizes)
+    rng = np.random.default_rng(11)
+
+    def message(head: bytes = header, tail: bytes = b"", pieces=frame) -> memoryview:
+        data = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+        if head != header:
+            pieces = message_frame(head, sizes)
+        raw = b"".join(x for pair in zip(pieces, data, strict=True) for x in pair) + tail
+        block = ByteBase(torch.zeros(len(raw), dtype=torch.uint8))
+        block.np[:] = np.frombuffer(raw, np.uint8)
+        return memoryview(block.np), block  # type: ignore[return-value]
+
+    conn = _SocketConnection.__new__(_SocketConnection)
+    conn._lock, conn._forms = threading.Lock(), {}
+    first, block = message()
+    upload = Upload(UploadBudget(1 << 30, 1.0))
+    parsed, by_name = start_upload(upload, OP, first, Limits.of(ServerConfig()), "")
+    placed = _in_place(parsed.chunks, block, by_name)
+    offsets, total = layout({n: x for n, x in by_name.items() if n not in placed})
+    form = _StepForm.of(first, header, upload, by_name, placed, offsets, total,
+                        frozenset(ids))
+    assert form is not None and form.params is upload.params
+    assert form.inputs_at == {n: at for n, (_, at) in placed.items()} and len(form.inputs_at) == 3
+    conn._forms[form.header] = form
+
+    assert conn._match(first) == (form, 0)
+    assert conn._match(message()[0]) == (form, 0)  # other tensor bytes: the same form
+    timed = message(tail=step_timeout(time.monotonic() + 3))[0]
+    got, ms = conn._match(timed)
+    assert got is form and 2900 < ms <= 3000
+    unknown = pb.DecodeRequest(step_timeout_ms=5).SerializeToString() + b"\x98\x06\x01"
+    assert conn._match(message(tail=unknown)[0]) == (None, 0)  # an unknown field after
+    assert conn._match(message()[0][:-1]) == (None, 0)  # a byte short
+    other = header.replace(b"f4", b"f5")
+    assert conn._match(message(head=other)[0]) == (None, 0)  # another header
+    heads = list(frame)
+    heads[1] = heads[1][:-1] + bytes([heads[1][-1] ^ 1])  # k's chunk head, one bit
+    assert conn._match(message(pieces=tuple(heads))[0]) == (None, 0)
+    # A tensor in two chunks has no form: its bytes are copied, not where they lie.
+    half = sizes[0] // 2
+    q = rng.integers(0, 256, sizes[0], dtype=np.uint8).tobytes()
+    split = pb.DecodeRequest(header=pb.DecodeHeader.FromString(header), chunks=[
+        pb.TensorChunk(field=pb.Q, data=q[:half]),
+        pb.TensorChunk(field=pb.Q, offset=half, data=q[half:]),
+        pb.TensorChunk(field=pb.K, data=bytes(sizes[1])),
+        pb.TensorChunk(field=pb.V, data=bytes(sizes[2])),
+    ]).SerializeToString()
+    sblock = ByteBase(torch.zeros(len(split), dtype=torch.uint8))
+    sblock.np[:] = np.frombuffer(split, np.uint8)
+    upload = Upload(UploadBudget(1 << 30, 1.0))
+    parsed, by_name = start_upload(upload, OP, memoryview(sblock.np), Limits.of(ServerConfig()),
+                                   "")
+    placed = _in_place(parsed.chunks, sblock, by_name)
+    offsets, total = layout({n: x for n, x in by_name.items() if n not in placed})
+    assert _StepForm.of(memoryview(sblock.np), header, upload, by_name, placed, offsets, total,
+                        frozenset(ids)) is None
+
+
 def _one_checked_step(steps, cache, ctx, cid, seed):
     """A cache ``cid`` of a few tokens and one step on it through ``steps``, checked against
     the float64 reference; (q, k/v) of the step."""

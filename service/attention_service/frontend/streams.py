@@ -179,6 +179,12 @@ class Upload:
                 self._inputs[name][done : done + n] = np.frombuffer(data, dtype=np.uint8)
             self._received[name] = done + n
 
+    def came_whole(self) -> None:
+        """Every input is in place (``fill``'s ``in_place``), each whole: a step socket
+        message of a form checked before (attention_service.step_socket)."""
+        for name in self._in_place:
+            self._received[name] = self._inputs[name].size
+
     def check_complete(self) -> None:
         """Every byte arrived?"""
         for name, arr in self._inputs.items():
