@@ -343,7 +343,9 @@ class BatchPlan:
         self.op = self.shared.op
         self.q_offsets = _offsets([p.rows for p in params])
         self.k_offsets = _offsets([p.total_k for p in params])
-        self.cu_seqlens_k = _merge_cu([p.cu_seqlens_k for p in params], self.k_offsets)
+        alone = len(params) == 1  # a lone job's lists serve as they are (read, never changed)
+        self.cu_seqlens_k = (list(self.shared.cu_seqlens_k) if alone else
+                             _merge_cu([p.cu_seqlens_k for p in params], self.k_offsets))
         self.cu_seqlens_q: list[int] | None = None
         if not self.op.decode_like:
             self.cu_seqlens_q = _merge_cu(
@@ -372,7 +374,13 @@ class BatchPlan:
         self.seq_lens: list[int] = []
         self.slot_pages: list[int] = []
         self.slot_offsets: list[int] = []
-        if self.op.cached:
+        if self.op.cached and alone:
+            work = self.jobs[0].cache
+            assert work is not None, "a cached op's job carries its cache work"
+            self.block_table, self.seq_lens = work.block_table, work.seq_lens
+            self.slot_pages, self.slot_offsets = work.slot_pages, work.slot_offsets
+            self.max_seqlen_k = max(self.seq_lens, default=0)
+        elif self.op.cached:
             for j in self.jobs:
                 work = j.cache
                 assert work is not None, "a cached op's job carries its cache work"
@@ -395,7 +403,7 @@ class BatchPlan:
                     self.seq_scales += j.params.sequence_scales
                 self.seq_new_rows += lens
         # Block-table columns (at least one, so the table is never empty).
-        self.table_width = max(1, max((len(r) for r in self.block_table), default=0))
+        self.table_width = max(1, max(map(len, self.block_table), default=0))
 
     def score_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' (and the reference's) window_size / softcap / alibi_slopes arguments;
