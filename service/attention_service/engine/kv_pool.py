@@ -156,13 +156,20 @@ class KvPool:
         """Drop one reference to each page; a page nobody references is free again."""
         refs, owners, held = self._refs, self._owner, self._held
         gone: dict[str, int] = {}  # pages freed per owner
+        freed: list[int] = []
         for p in pages:
             left = refs[p] - 1
             assert left >= 0, f"page {p} freed twice"
             refs[p] = left
             if not left:
-                self._free.append(p)
+                freed.append(p)
                 gone[owners[p]] = gone.get(owners[p], 0) + 1
+        # Last in, first out, in the order they were given: an ``alloc`` of as many pages next
+        # hands back these pages in this order. A decode step that stores nothing reserves a
+        # page per sequence at a page boundary and frees them at its end; the next such step
+        # then gets the same block table (a B=64 step at 2,048 cached tokens rewrote its 64
+        # staged table rows every step when the order alternated, decode_steps.Staging.fill).
+        self._free.extend(reversed(freed))
         for owner, n in gone.items():
             if held[owner] > n:
                 held[owner] -= n

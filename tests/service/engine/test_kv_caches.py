@@ -261,6 +261,31 @@ def test_release_while_busy_frees_pages_when_the_call_ends() -> None:
     assert pool.pages_used == 0
 
 
+def test_freed_pages_come_back_in_their_order_so_steps_that_store_nothing_repeat_a_table(
+) -> None:
+    """The pool is last in, first out in the order pages were given: an alloc of as many
+    pages as were just freed hands back the same pages in the same order. So decode steps that
+    store nothing, on caches at a page boundary (each reserves a fresh page per sequence and
+    frees it at its end), get the same block table step after step (the GPU path's staged table
+    is then not rewritten), and the caches end as they were."""
+    pool = KvPool(torch.zeros(40 * PAGE, dtype=torch.uint8), PAGE)
+    a = pool.alloc(5, "x")
+    pool.free(a[1:4])
+    assert pool.alloc(3, "x") == a[1:4]
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    ids = tuple(f"b{i}" for i in range(6))
+    _create(reg, list(ids))
+    reg.begin(_params(Op.APPEND_KV, ids, [16] * 6), "").finish(True)  # one full page each
+    used = pool.pages_used
+    tables = []
+    for _ in range(3):
+        work = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 6, store=False), "")
+        assert all(len(row) == 2 for row in work.block_table)  # each a fresh second page
+        tables.append(work.block_table)
+        assert work.finish(True) == (16,) * 6
+    assert tables[0] == tables[1] == tables[2] and pool.pages_used == used
+
+
 # ---- end to end ----------------------------------------------------------------------------
 
 
