@@ -382,6 +382,7 @@ class _StepGraph:
                 if free[i].table_rows == rows:
                     staging = free[i]
                     del free[i]
+                    staging.table_rows = rows  # equal: ``fill``'s check then compares by identity
                     return staging
         try:
             return free.pop()
