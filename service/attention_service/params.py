@@ -180,6 +180,12 @@ class Params:
         return tuple((k[i * h:(i + 1) * h], v[i * h:(i + 1) * h]) for i in range(n))
 
     @functools.cached_property
+    def new_keys(self) -> list[int]:
+        """Each sequence's keys in this request (``cu_seqlens_k``'s steps; a cached op's new
+        tokens): read, never changed, by every cached call carrying these params."""
+        return lengths(self.cu_seqlens_k)
+
+    @functools.cached_property
     def memo(self) -> dict[object, object]:
         """Scratch for values the engine derives from these (immutable) params and reuses on
         every request that carries the same params object (front ends define them once)."""

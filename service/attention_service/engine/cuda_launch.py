@@ -417,8 +417,9 @@ def launch_on_stream(
     so the caching allocator never hands their memory to another stream while they are in use.
     """
     # The stream made current by hand, as DecodeSteps.launch does (``with
-    # torch.cuda.device(...), torch.cuda.stream(...)`` took ~60 us on an idle engine).
-    previous = torch.cuda.current_stream()
+    # torch.cuda.device(...), torch.cuda.stream(...)`` took ~60 us on an idle engine), the
+    # current one asked for by device index (DecodeSteps.launch says why).
+    previous = torch.cuda.current_stream(torch.cuda.current_device())
     torch.cuda.set_stream(stream)
     try:
         return _launch(kernels, plan, device, stream)

@@ -15,7 +15,7 @@ import torch
 
 from attention_service.errors import Cancelled
 from attention_service.link import ExecStats
-from attention_service.params import BatchKey, KvScales, Params, key_fp8, key_with_fp8, lengths
+from attention_service.params import BatchKey, KvScales, Params, key_fp8, key_with_fp8
 from attention_wire.pb import attention_pb2 as pb
 
 __all__ = [
@@ -395,7 +395,7 @@ class BatchPlan:
         self.seq_new_rows: list[int] = []
         if self.fp8:
             for j in self.jobs:
-                lens = lengths(j.params.cu_seqlens_k)
+                lens = j.params.new_keys
                 if j.cache is not None:
                     assert j.cache.seq_scales is not None
                     self.seq_scales += j.cache.seq_scales

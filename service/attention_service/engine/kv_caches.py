@@ -172,7 +172,7 @@ class CacheRegistry:
         ids = params.cache_ids
         if not ids:  # validation names one cache per sequence, and a request has one or more
             raise invalid("header.cache.cache_ids", "empty")
-        new = lengths(params.cu_seqlens_k)
+        new = params.new_keys
         name = "q" if params.op.queries else "k"
         with self._lock:
             kept = self._resolved.get((owner, ids))
@@ -184,9 +184,8 @@ class CacheRegistry:
                                f"cache {caches[i].cache_id!r} is in use by another call; calls "
                                "on one cache must be sequential (a call cancelled or past its "
                                "deadline holds its caches until its launch ends: retry)")
-            flops, kv_bytes = _work(params, [c.length + n for c, n in zip(caches, new,
-                                                                         strict=True)],
-                                    caches[0].layout)
+            seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
+            flops, kv_bytes = _work(params, seq_lens, caches[0].layout)
             if flops > self.max_request_flops:
                 raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
                                 f"over the server's limit of {self.max_request_flops:.3g} "
@@ -194,8 +193,7 @@ class CacheRegistry:
             pt = caches[0].page_tokens  # one layout, one page size
             # Pages each cache needs for its new tokens, inline (a function call per cache was
             # a fifth of a 64-cache step's time in here).
-            need = [-(-(c.length + n) // pt) - len(c.pages)
-                    for c, n in zip(caches, new, strict=True)]
+            need = [-(-n // pt) - len(c.pages) for c, n in zip(caches, seq_lens, strict=True)]
             fresh = pool.alloc(sum(need), "header.k", owner)
             if kept is None:  # accepted: its caches are worth keeping resolved
                 self._keep(owner, ids, caches)
@@ -215,20 +213,18 @@ class CacheRegistry:
                              for c, k in zip(caches, need, strict=True)]
                 else:
                     table = [c.pages for c in caches]
-                seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
                 slot_pages = [t[c.length // pt] for c, t, n in zip(caches, table, new, strict=True)
                               if n]
                 slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
                 return self._work_of(params, caches, table, seq_lens, slot_pages,
-                                     slot_offsets, flops, kv_bytes, view)
-            table, seq_lens, slot_pages, slot_offsets = [], [], [], []
+                                     slot_offsets, flops, kv_bytes, view, fresh)
+            table, slot_pages, slot_offsets = [], [], []
             at = 0
             for c, n, k in zip(caches, new, need, strict=True):
                 c.busy, c.last_used = True, now
                 pages = c.pages + fresh[at : at + k]
                 at += k
                 table.append(pages)
-                seq_lens.append(c.length + n)
                 if n > _NUMPY_SLOTS:
                     pos = np.arange(c.length, c.length + n)
                     slot_pages += np.asarray(pages, dtype=np.int64)[pos // c.page_tokens].tolist()
@@ -239,7 +235,7 @@ class CacheRegistry:
                         slot_pages.append(pages[pos // pt])
                         slot_offsets.append(pos % pt)
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
-                             kv_bytes, view)
+                             kv_bytes, view, fresh)
 
     def _resolve(self, owner: str, ids: tuple[str, ...], params: Params, name: str
                  ) -> list[_Cache]:
@@ -279,11 +275,13 @@ class CacheRegistry:
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
         slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, view: Any,
+        fresh: list[int],
     ) -> CacheWork:
-        """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens."""
+        """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens
+        (``fresh``: the pages ``begin`` reserved for them, in the caches' order)."""
 
         def finish(ok: bool) -> tuple[int, ...]:
-            return self._finish(caches, table, seq_lens, keep=ok and params.store)
+            return self._finish(caches, table, seq_lens, fresh, keep=ok and params.store)
 
         return CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
@@ -293,23 +291,26 @@ class CacheRegistry:
         )
 
     def _finish(
-        self, caches: list[_Cache], table: list[list[int]], seq_lens: list[int], keep: bool
+        self, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
+        fresh: list[int], keep: bool,
     ) -> tuple[int, ...]:
         pool = self._pool()
         with self._lock:
             now = self._clock()
-            reserved: list[int] = []  # freed in one call (a 64-cache step's page each)
-            for c, pages, total in zip(caches, table, seq_lens, strict=True):
-                if keep:
+            if keep:
+                for c, pages, total in zip(caches, table, seq_lens, strict=True):
                     c.pages, c.length = pages, total
-                elif pages is not c.pages:  # a decode step on its own pages reserved none
-                    reserved += pages[len(c.pages) :]  # the reserved ones; the rest is intact
+            elif fresh:  # the reserved pages go back in one call; the caches are intact
+                pool.free(fresh)
+            released = False
+            for c in caches:
                 c.busy, c.last_used = False, now
-                if c.released:
-                    pool.free(c.pages)
-                    c.pages = []
-            if reserved:
-                pool.free(reserved)
+                released = released or c.released
+            if released:
+                for c in caches:
+                    if c.released:
+                        pool.free(c.pages)
+                        c.pages = []
             return tuple(c.length for c in caches)
 
     # ---- the control rpcs ---------------------------------------------------------------
