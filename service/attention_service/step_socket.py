@@ -28,6 +28,10 @@ metrics (counted as CacheDecode). A connection that closes cancels its steps (th
 change as for a cancelled call: not at all, unless the launch had run). Access control is the
 socket's: it is made readable and writable by the server's user only (mode 0600), and with
 ``--auth-token`` a client must also present a token.
+
+A model host repeats a few messages with new tensor bytes (one per layer): a connection keeps
+the form of each message it read the long way (``_StepForm``) and reads a message of a known
+form without parsing or checking it again.
 """
 
 from __future__ import annotations
