@@ -258,9 +258,10 @@ def transfer_seconds(
     return times
 
 
-def ceilings(iters: int) -> dict[str, float]:
-    """GB/s the machine itself gives: host memcpy (one thread), H2D/D2H from pinned memory."""
-    n = 256 << 20
+def ceilings(iters: int, mib: int = 256) -> dict[str, float]:
+    """GB/s the machine itself gives: host memcpy (one thread), H2D/D2H from pinned memory, of
+    ``mib`` MiB buffers."""
+    n = mib << 20
     src = np.random.default_rng(0).integers(0, 255, n, dtype=np.uint8)
     dst = np.empty_like(src)
     np.copyto(dst, src)
@@ -540,6 +541,9 @@ def main() -> int:
                    "0-15): with --client-cpus, as a server host whose clients are elsewhere")
     p.add_argument("--client-cpus", help="CPUs of this script and its client processes "
                    "(e.g. 16-31), apart from --server-cpus")
+    p.add_argument("--ceiling-mib", type=int, default=256,
+                   help="MiB copied per ceiling measurement (memcpy, H2D, D2H): several times "
+                        "the caches; less only for a quick check of the script")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--serve-transfer", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -579,7 +583,7 @@ def main() -> int:
                   "dtype": args.dtype, "causal": args.causal},
         "bytes_in": in_bytes, "bytes_out": out_bytes,
     }
-    result["ceilings"] = ceilings(args.iters)
+    result["ceilings"] = ceilings(args.iters, args.ceiling_mib)
     transfer, tport = _start([sys.executable, __file__, "--serve-transfer"], env)
     try:
         raw = transfer_seconds(tport, in_bytes, out_bytes, DEFAULT_CHUNK_BYTES, args.iters)

@@ -20,8 +20,8 @@ def test_bench_roundtrip_measures_every_path(tmp_path: Path) -> None:
     cmd = [
         sys.executable, str(ROOT / "benchmarks" / "bench_roundtrip.py"), "--device", "cpu",
         "--tokens", "128", "--heads", "4", "--head-dim", "32", "--frontends", "2",
-        "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "0.5", "--iters", "2",
-        "--min-seconds", "0.05",
+        "--clients", "2", "--agg-tokens", "64", "--agg-seconds", "0.2", "--iters", "2",
+        "--min-seconds", "0.05", "--ceiling-mib", "8",
         "--agg-channels", "1", "--stripes", "1,2", "--agg-spread", "1",
         "--out", str(tmp_path),
     ]
@@ -93,7 +93,7 @@ def test_bench_roundtrip_measures_a_baseline_tree_on_pinned_cpus(tmp_path: Path)
     proc = _run_bench(
         "bench_roundtrip.py", "--tokens", "64", "--heads", "2", "--head-dim", "16",
         "--frontends", "2", "--clients", "1", "--agg-tokens", "32", "--agg-seconds", "0.2",
-        "--iters", "1", "--min-seconds", "0", "--baseline-tree", str(tree),
+        "--iters", "1", "--min-seconds", "0", "--ceiling-mib", "8", "--baseline-tree", str(tree),
         "--client-cpus", str(client_cpu),
         *(["--server-cpus", str(server_cpu)] if servers_pinned else []), "--out", str(out),
     )

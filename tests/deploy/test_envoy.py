@@ -81,17 +81,32 @@ class Stack:
 
 
 @pytest.fixture(scope="module")
-def stack() -> Iterator[Stack]:
+def _stack() -> Iterator[Stack]:
     s = Stack()
     yield s
     s.close()
 
 
 @pytest.fixture
-def own_stack() -> Iterator[Stack]:
-    s = Stack()
-    yield s
-    s.close()
+def stack(_stack: Stack) -> Stack:
+    """The module's replicas and Envoy with every replica up: one a test before took down
+    (killed, or drained until it exited) is started again on its port, and Envoy sees all three
+    healthy. The tests count calls and caches from their own start, not from zero."""
+    s = _stack
+    for i, r in enumerate(s.replicas):
+        if r.proc.poll() is not None:
+            r.stop(signal.SIGTERM)  # reaps it, as close() would have
+            s.restart(i)
+    s.envoy.wait_healthy(len(s.replicas))
+    return s
+
+
+@pytest.fixture
+def own_stack(stack: Stack) -> Stack:
+    """For the tests that kill or drain a replica: the module's stack, which ``stack`` brings
+    back whole for whichever test comes next (each of these started three replicas and an
+    Envoy of its own before)."""
+    return stack
 
 
 def _prefill(seed: int) -> tuple[list[pb.PrefillRequest], torch.Tensor]:

@@ -80,7 +80,9 @@ def _rows(csv_prefix: Path) -> dict[str, dict[str, str]]:
 
 def test_locust_run_has_no_failures(server: Server, tmp_path: Path) -> None:
     prefix = tmp_path / "run"
-    res = _locust(server.target, "15s", prefix)
+    # 8 s as the FP8 and multiprocess runs: 4 users without waits make hundreds of calls, a
+    # session (AppendKV, CacheDecode steps, ReleaseCaches) one in six of their tasks.
+    res = _locust(server.target, "8s", prefix)
     log = res.stdout[-3000:] + res.stderr[-3000:]
     assert res.returncode == 0, log
     rows = _rows(prefix)
@@ -147,20 +149,48 @@ def test_locust_multiprocess_fails_on_failed_requests(tmp_path: Path) -> None:
     assert int(_rows(prefix)["Aggregated"]["Failure Count"]) > 0
 
 
-@pytest.mark.parametrize(("env", "want"), [
+TOKEN_TLS_CASES = [
     ({"LOADTEST_TOKEN": "tokA,tokB", "LOADTEST_TLS": "true"}, "'tokA' True"),
     ({"LOADTEST_TOKEN": "", "LOADTEST_TLS": "0"}, "None None"),
     ({"LOADTEST_TLS": "off"}, "None None"),
     ({"LOADTEST_TLS": "1"}, "None True"),
     ({"LOADTEST_TLS": "/certs/ca.pem"}, "None '/certs/ca.pem'"),
-])
-def test_locustfile_reads_token_lists_and_tls_words(env: dict[str, str], want: str) -> None:
+]
+
+# Each case's environment, then the locustfile run afresh (runpy: new globals, the module-level
+# parsing of LOADTEST_TOKEN / LOADTEST_TLS again) in one process for all cases: locust, gevent
+# and grpc load once (about 1.7 s of CPU each), not once per case.
+_TOKEN_TLS_CODE = """
+import json, os, runpy, sys
+for env in json.loads(sys.argv[1]):
+    for k in [k for k in os.environ if k.startswith("LOADTEST_")]:
+        del os.environ[k]
+    os.environ.update(env)
+    g = runpy.run_path("loadtest/locustfile.py")
+    print("CASE", repr(g["TOKEN"]), repr(g["TLS"]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def token_tls_read() -> list[str]:
+    """What the locustfile read (``repr(TOKEN) repr(TLS)``) for each of TOKEN_TLS_CASES."""
+    import json
+
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LOADTEST_")}
+    res = subprocess.run(
+        [sys.executable, "-c", _TOKEN_TLS_CODE, json.dumps([env for env, _ in TOKEN_TLS_CASES])],
+        capture_output=True, text=True, cwd=REPO, env=clean, timeout=120)
+    assert res.returncode == 0, res.stderr
+    read = [line[len("CASE "):] for line in res.stdout.splitlines() if line.startswith("CASE ")]
+    assert len(read) == len(TOKEN_TLS_CASES), res.stdout
+    return read
+
+
+@pytest.mark.parametrize(("case", "env", "want"),
+                         [(i, env, want) for i, (env, want) in enumerate(TOKEN_TLS_CASES)],
+                         ids=[f"env{i}-{want}" for i, (_, want) in enumerate(TOKEN_TLS_CASES)])
+def test_locustfile_reads_token_lists_and_tls_words(token_tls_read: list[str], case: int,
+                                                    env: dict[str, str], want: str) -> None:
     """The server takes a comma-separated token list (compose passes it as LOADTEST_TOKEN):
     a user sends the first; LOADTEST_TLS takes true/false words, not only 1/0 and a path."""
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("LOADTEST_")}
-    code = ("import runpy; g = runpy.run_path('loadtest/locustfile.py'); "
-            "print(repr(g['TOKEN']), repr(g['TLS']))")
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=REPO, env={**clean, **env}, timeout=120)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == want
+    assert token_tls_read[case] == want, (env, token_tls_read[case])

@@ -212,16 +212,23 @@ def test_paged_prefill(page_tokens: int) -> None:
     _prefill_case([3, 20], [50, 20], 8, 2, 64, torch.bfloat16, True, paged_tokens=page_tokens)
 
 
-@pytest.mark.parametrize("paged_tokens", [0, 16], ids=["contiguous", "paged"])
+# Paged prefills never widen (``prefill_kernel._plan``: only contiguous K/V are the call's to
+# copy) and no decode reads the widening threshold: the paged case is one run, whichever
+# prefill path the fixture sets (a "widened-paged" run repeated "tiles-paged" launch for launch).
+@pytest.mark.parametrize(("fp8_prefill_path", "paged_tokens"),
+                         [("tiles", 0), ("widened", 0), ("tiles", 16)],
+                         ids=["tiles-contiguous", "widened-contiguous", "tiles-paged"],
+                         indirect=["fp8_prefill_path"])
 def test_per_sequence_scales(paged_tokens: int, fp8_prefill_path: str) -> None:
     """``k_scale, v_scale [batch, H_kv]``: sequences whose magnitudes differ 10-30x per step,
     each quantized with its own scales (one shared set would lose the small ones), in decode
     (split and not) and prefill, contiguous and paged; with a softcap, whose scale K's folds
-    into."""
-    _decode_case([40, 0, 17, 3], 8, 2, 64, torch.bfloat16, 3, paged_tokens=paged_tokens,
-                 per_seq=True)
-    _decode_case([9, 70], 8, 4, 64, torch.float16, 1, paged_tokens=paged_tokens, per_seq=True,
-                 softcap=20.0)
+    into. The decodes once per layout (the prefill path is not theirs: "tiles" runs them)."""
+    if fp8_prefill_path == "tiles":
+        _decode_case([40, 0, 17, 3], 8, 2, 64, torch.bfloat16, 3, paged_tokens=paged_tokens,
+                     per_seq=True)
+        _decode_case([9, 70], 8, 4, 64, torch.float16, 1, paged_tokens=paged_tokens,
+                     per_seq=True, softcap=20.0)
     _prefill_case([3, 20, 0], [50, 20, 6], 8, 2, 64, torch.bfloat16, True,
                   paged_tokens=paged_tokens, per_seq=True)
 
@@ -231,7 +238,8 @@ def test_bf16_queries_of_any_magnitude(magnitude: float | str, fp8_prefill_path:
     """bf16 queries with FP8 K/V run their dots in fp16 (``_fp8_dot``), whose range is far
     narrower than bf16's: queries past fp16's largest (1e5) or below its smallest subnormal
     (1e-7), and heads 1e6 apart in one tile, must still give bf16 accuracy. The softmax scale
-    undoes the magnitude so the logits stay ordinary."""
+    undoes the magnitude so the logits stay ordinary. The decode once per magnitude (it does
+    not read the fixture's prefill path: the "tiles" run checks it)."""
     dim, heads, kv_heads = 64, 8, 2
     if magnitude == "mixed":
         factor = torch.logspace(-3, 3, heads, device=DEVICE)[None, :, None]
@@ -241,10 +249,11 @@ def test_bf16_queries_of_any_magnitude(magnitude: float | str, fp8_prefill_path:
     lens = [37, 70]
     cu = cu_seqlens(lens)
     k, v, k8, v8, ks, vs = _kv(sum(lens), kv_heads, dim)
-    q = (randn(len(lens), heads, dim, dtype=torch.float32) * factor).bfloat16()
-    got = decode(q, k8, v8, cu, num_splits=2, softmax_scale=scale, k_scale=ks, v_scale=vs)
-    ref8 = decode_ref(q.double(), k8, v8, cu, softmax_scale=scale, k_scale=ks, v_scale=vs)
-    assert rel_err(got, ref8) < TOL[torch.bfloat16]
+    if fp8_prefill_path == "tiles":
+        q = (randn(len(lens), heads, dim, dtype=torch.float32) * factor).bfloat16()
+        got = decode(q, k8, v8, cu, num_splits=2, softmax_scale=scale, k_scale=ks, v_scale=vs)
+        ref8 = decode_ref(q.double(), k8, v8, cu, softmax_scale=scale, k_scale=ks, v_scale=vs)
+        assert rel_err(got, ref8) < TOL[torch.bfloat16]
     qp = (randn(sum(lens), heads, dim, dtype=torch.float32) * factor).bfloat16()
     got = prefill(qp, k8, v8, cu, cu, causal=True, softmax_scale=scale, k_scale=ks,
                   v_scale=vs)
