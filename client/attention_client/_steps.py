@@ -328,7 +328,11 @@ class _StepsBase:
         if key is not None and prep.placement is None:
             if len(self._templates) >= MAX_TEMPLATES:
                 del self._templates[next(iter(self._templates))]  # the oldest
-            self._templates[key] = _Template(prep, _Compiled.of(prep, tensors))
+            # A copy: the step itself goes on to read its reply into ``prep``, and a template
+            # must not hold a step's outputs (a failed or unread step never drops them).
+            template = copy.copy(prep)
+            template.forget_reply()
+            self._templates[key] = _Template(template, _Compiled.of(template, tensors))
 
     def _remember_regions(self, key: tuple[Any, ...], prep: PreparedRequest) -> None:
         """A region step's request and message, when every tensor lies in a region as given

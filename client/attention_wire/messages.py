@@ -382,13 +382,16 @@ def read_request(message: bytes, parse_header: Callable[[bytes], Any]) -> RawReq
 
 
 def leading_header(message: memoryview) -> memoryview | None:
-    """The header's bytes when ``message`` starts with its header field, as ``message_frame``
-    writes it; else None (the message may still be valid: ``read_request`` takes any order)."""
+    """The header's bytes when ``message`` starts with its header field as ``message_frame``
+    writes it (its length in the shortest varint); else None (the message may still be valid:
+    ``read_request`` reads any order and encoding)."""
     if not message or message[0] != _HEADER_KEY[0]:
         return None
     try:
         size, pos = _varint_at(message, len(_HEADER_KEY))
     except WireError:
+        return None
+    if pos != len(_HEADER_KEY) + len(varint(size)):  # an overlong length: not the writer's
         return None
     return message[pos : pos + size] if pos + size <= len(message) else None
 

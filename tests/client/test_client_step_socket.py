@@ -384,8 +384,9 @@ def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not(
     heads at their offsets, every input whole and aligned); a later message with the same
     fixed bytes, and nothing after its tensors but a ``step_timeout_ms``, has that form (its
     params and buffers as checked), whatever its tensor bytes. Any other difference (a chunk
-    head, a field after the tensors, a shorter message, a header by a byte) reads the long
-    way; so does a form with a tensor in two chunks."""
+    head, a field after the tensors, a shorter message, a header by a byte, the header's
+    length in an overlong varint) reads the long way; so does a form with a tensor in two
+    chunks."""
     import threading
 
     from attention_service.config import ServerConfig
@@ -394,7 +395,7 @@ def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not(
     from attention_service.frontend.validation import Limits
     from attention_service.step_socket import OP, _in_place, _SocketConnection, _StepForm
     from attention_wire.alloc import layout
-    from attention_wire.messages import message_frame, step_timeout
+    from attention_wire.messages import message_frame, step_timeout, varint
 
     b = 5
     ids = [f"f{i}" for i in range(b)]
@@ -403,7 +404,9 @@ def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not(
         k=pb.TensorSpec(dtype=pb.FLOAT16, shape=[b, HKV, D]),
         v=pb.TensorSpec(dtype=pb.FLOAT16, shape=[b, HKV, D]),
         cu_seqlens_k=list(range(b + 1)), cache=pb.CacheTarget(cache_ids=ids, store=True),
-    ).SerializeToString()
+    ).SerializeToString() + pb.DecodeHeader(num_splits=18).SerializeToString()
+    # (num_splits written last: the header ends in 0x12, the chunks' key: see below)
+    assert header[-1] == 0x12 and len(header) < 128
     sizes = [b * H * D * 2, b * HKV * D * 2, b * HKV * D * 2]
     frame = message_frame(header, sizes)
     rng = np.random.default_rng(11)
@@ -440,6 +443,13 @@ def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not(
     assert conn._match(message()[0][:-1]) == (None, 0)  # a byte short
     other = header.replace(b"f4", b"f5")
     assert conn._match(message(head=other)[0]) == (None, 0)  # another header
+    # The header's length in an overlong varint, and q's chunk key (0x12) dropped: the same
+    # bytes at the same offsets from the header's last byte on, which is that key; corrupt for
+    # protobuf and the long way, so not of the form either.
+    skip = 1 + len(varint(len(header))) + len(header) + 1  # key, length, header, chunks' key
+    crafted = (bytes([0x0A, len(header) | 0x80, 0]) + header + frame[0][skip:], *frame[1:])
+    assert sum(map(len, crafted)) == sum(map(len, frame))
+    assert conn._match(message(pieces=crafted)[0]) == (None, 0)
     heads = list(frame)
     heads[1] = heads[1][:-1] + bytes([heads[1][-1] ^ 1])  # k's chunk head, one bit
     assert conn._match(message(pieces=tuple(heads))[0]) == (None, 0)
@@ -484,6 +494,9 @@ def test_a_failed_step_is_answered_in_band_and_the_socket_goes_on(one):
         stream = steps._stream
         with pytest.raises(AttentionNotFoundError, match="ib-nope"):
             steps.step(q, ["ib-nope"], kn, kn)
+        # The failed step's request was kept as a template: without the outputs it never read.
+        assert steps._templates and not any(t.prep.expecting_reply
+                                            for t in steps._templates.values())
         with pytest.raises(AttentionNotFoundError, match="ib-gone"):  # one of two ids
             steps.step(np.concatenate([q, q]), ["ib-a", "ib-gone"], np.concatenate([kn, kn]),
                        np.concatenate([kn, kn]))
