@@ -320,7 +320,6 @@ class _StepsBase:
         prep.tensors = (wq, wk, wv)
         prep.result_dtype, prep.result_device = result_flavour(q)
         prep.cache_lengths = prep.stats = None
-        prep.forget_reply()  # the template's, if it was read
         return prep
 
     def _remember(self, key: tuple[Any, ...] | None, prep: PreparedRequest,

@@ -379,7 +379,6 @@ class BatchPlan:
             assert work is not None, "a cached op's job carries its cache work"
             self.block_table, self.seq_lens = work.block_table, work.seq_lens
             self.slot_pages, self.slot_offsets = work.slot_pages, work.slot_offsets
-            self.max_seqlen_k = max(self.seq_lens, default=0)
         elif self.op.cached:
             for j in self.jobs:
                 work = j.cache
@@ -388,6 +387,7 @@ class BatchPlan:
                 self.seq_lens += work.seq_lens
                 self.slot_pages += work.slot_pages
                 self.slot_offsets += work.slot_offsets
+        if self.op.cached:
             self.max_seqlen_k = max(self.seq_lens, default=0)
         # FP8: every sequence's scales in launch order, and how many new k/v rows each
         # sequence brings (the rows a cached op's store quantizes with those scales).
