@@ -71,7 +71,6 @@ TARGETS = [
     ("attention_service.engine.decode_steps", "StepShape.of"),
     ("attention_service.engine.decode_steps", "DecodeSteps._graph"),
     ("attention_service.engine.decode_steps", "Staging.fill"),
-    ("attention_service.engine.decode_steps", "Staging.scatter"),
     ("torch.cuda.graphs", "CUDAGraph.replay"),
     ("torch.cuda.streams", "Event.record"),
     ("torch", "Tensor.copy_"),

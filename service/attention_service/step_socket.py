@@ -588,7 +588,8 @@ class _SocketConnection:
                 if not free:  # its size slot goes back too
                     del self._free[nbytes]
                 return block
-        return ByteBase(self.core.backend.alloc_host(nbytes))
+        u8 = self.core.backend.alloc_host(nbytes)
+        return ByteBase(u8, pinned=u8.is_pinned())
 
     def _frame_block(self, size: int) -> ByteBase:
         """A block to read a frame of ``size`` bytes into: ``_block``'s, rounded up to

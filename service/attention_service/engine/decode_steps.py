@@ -7,38 +7,34 @@ tokens with two indexing kernels and launches the Triton kernel through its Pyth
 profiled on an H100 at 64 clients, that was ~0.55 ms of engine time per launch and the engine
 (one process, one GIL) capped the server near 1,300 steps/s.
 
-Here a launch's inputs are packed on the host (numpy) into one pinned staging buffer, and one
-CUDA graph replay does the rest: the H2D copy of the staging into a device buffer of the same
-layout, the scatter of the new tokens into their pool slots, the split-K paged decode kernel,
-and the D2H copy of out and lse into the staging's pinned outputs, from where numpy copies
-each job's rows into its destination once the launch is done. Each staging has its own graph
-(captured with its addresses); a shape bucket keeps one staging per launch in flight, usually
-one. The copies are graph nodes because each torch call on the launch path costs the engine
-tens of microseconds at one client (a timestamp trace on an H100, benchmarks/trace_step.py:
-the two copies, their events and the destination's view took ~110 us of a step's ~340 us
-launch, against ~4 us each in a warm loop; git history: benchmarks/host_calls.py). So a step's
-``kernel_seconds`` is the graph's GPU time, its few-KB copies included, and its h2d/d2h
-seconds are 0.
+Here the host writes a launch's tables into one pinned staging buffer with numpy: where each
+job's q, new k/v and outputs are (a copy table of addresses, ``copy_segments``' rows), the new
+tokens' pool slots, the lengths and the block table. One CUDA graph replay does the rest: the
+staging's H2D copy into a device buffer of the same layout, one ``copy_segments`` launch that
+gathers every job's q and new k/v from wherever they lie (page-locked host memory the device
+reads at its host address, or device memory: CUDA IPC regions) into the graph's buffers, the
+scatter of the new tokens into their pool slots, the split-K paged decode kernel, and one more
+``copy_segments`` launch that writes out and lse straight into each job's destinations. The
+host touches no tensor bytes: packing a B=64 step's 768 KiB of inputs into the staging and its
+512 KiB of outputs back out with numpy took ~140 us of the engine's GIL per step (trace_step
+--socket, H200), and a device-memory job's per-tensor ``copy_`` calls ~10-20 us each. The
+copies are graph nodes because each torch call on the launch path costs the engine tens of
+microseconds at one client (benchmarks/trace_step.py). So a step's ``kernel_seconds`` is the
+graph's GPU time, its copies included, and its h2d/d2h seconds are 0.
 
 Shapes are bucketed so a few graphs serve every step: the batch to the power of two above it
 (padding rows have length 0: zeros out, never read), the block-table width likewise (entries
-past a sequence's length are never read). Padding slots repeat the first new token's slot and
-value, so their writes are identical duplicates. Graphs are captured lazily on first use, one
+past a sequence's length are never read), the jobs likewise (the copy table's rows; unused
+rows copy 0 bytes). Padding slots repeat the first new token's slot and value (extra copy
+rows), so their writes are identical duplicates. Graphs are captured lazily on first use, one
 set per launch stream (replays on two streams must not share buffers), each set sharing one
 memory pool (its graphs replay in stream order). ``--no-cuda-graphs`` keeps this staging but
 runs the same device work eagerly.
 
-Launches whose tensors are all in device memory (CUDA IPC regions: the caller's q, new k/v and
-outputs on this GPU) take the same graphs in a variant of their own (``StepShape.device``):
-the graph's copy-in moves the staged tables only, q and the new tokens are copied device to
-device into the graph's buffers before the replay, and out/lse from them into the callers'
-tensors after it, a few ``copy_`` calls instead of the general path's ~0.5 ms (issue 61: B=64
-CUDA IPC steps took 2.06-2.12 ms p50 on an H200 against 1.76-1.81 through system shared
-memory, which already came here).
-
-Only ``CacheDecode`` launches whose tensors are all in host memory or all on the device, and
-whose shape fits (``MAX_BATCH`` sequences, ``MAX_TABLE_WIDTH`` pages), come here; everything
-else (a launch mixing the two, say) takes the general path.
+Only ``CacheDecode`` launches whose tensors all lie where the device can read and write them
+at their addresses (``ByteBase.device_readable``: this device's memory, or page-locked host
+memory), and whose shape fits (``MAX_BATCH`` sequences, ``MAX_TABLE_WIDTH`` pages), come here;
+everything else (a step read into pageable memory, say) takes the general path.
 """
 
 from __future__ import annotations
@@ -52,6 +48,13 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from attention_kernels.copy_segments import (
+    ROW,
+    can_use_host_pointers,
+    copy_segments,
+    copy_segments_ref,
+    unit_of,
+)
 from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
@@ -62,6 +65,11 @@ from attention_wire.pb import attention_pb2 as pb
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
 _ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
+_INPUTS = ("q", "k", "v")
+_OUTPUTS = ("out", "lse")
+
+# A tensor's place for the copy table: (address, bytes).
+Place = tuple[int, int]
 
 
 def bucket(n: int) -> int:
@@ -69,40 +77,56 @@ def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def eligible(plan: BatchPlan) -> bool:
-    """A CacheDecode launch with keys, host tensors (outputs included) and a shape within this
-    path's limits."""
+def eligible(plan: BatchPlan, registered: bool = True) -> bool:
+    """A CacheDecode launch with keys, every tensor where the device reads and writes it at
+    its address, and a shape within this path's limits. ``registered``: whether host memory
+    page-locked by registration (``cudaHostRegister``: arenas, shared-memory regions) counts
+    (``can_use_host_pointers``)."""
     if plan.op.kernel != "paged_decode" or plan.max_seqlen_k == 0:
         return False
     if plan.shared.window != (-1, -1) or plan.shared.softcap > 0 or plan.shared.alibi_slopes:
         return False  # score modifiers run on the eager path (not staged or captured)
     if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
         return False
-    # Host tensors go through the staging and numpy, device ones device to device: a launch
-    # takes one way for all its tensors.
-    places = {_place(j) for j in plan.jobs}
-    return places == {"host"} or places == {"device"}
+    return all(_readable(job, name, registered) for job in plan.jobs
+               for name in _tensor_names(job))
 
 
-def _tensor_names(job: Job) -> list[str]:
-    names = ["q", "out"]
+def _tensor_names(job: Job) -> tuple[str, ...]:
+    names: tuple[str, ...] = ("q", "out")
     if job.params.return_lse:
-        names.append("lse")
+        names += ("lse",)
     if job.params.k_shape[0]:  # new tokens to store (k and v come together)
-        names += ["k", "v"]
+        names += ("k", "v")
     return names
 
 
-def _place(job: Job) -> str:
-    """"host" when all of the job's tensors are in host memory, "device" when all are on a
-    CUDA device, else "mixed"."""
-    names = _tensor_names(job)
-    if all(job.on_host(n) for n in names):
-        return "host"
-    tensors = [job.tensor(n) for n in names]
-    if all(t is not None and t.is_cuda for t in tensors):
-        return "device"
-    return "mixed"
+def _readable(job: Job, name: str, registered: bool) -> bool:
+    """Whether the device may take tensor ``name``'s address as it is (a kernel reads or
+    writes it there): a span of a ``device_readable`` block, or a contiguous tensor on a CUDA
+    device or in page-locked host memory."""
+    span = job.span(name)
+    if span is not None:
+        base = span[0]
+        return base.device_readable and (registered or base.on_device or base.pinned)
+    t = job.tensor(name)
+    return t is not None and t.is_contiguous() and (t.is_cuda or t.is_pinned())
+
+
+def places(job: Job) -> dict[str, Place]:
+    """Where each of the job's tensors lies: (address, bytes), from its span (no view made)
+    or its tensor."""
+    got = {}
+    for name in _tensor_names(job):
+        span = job.span(name)
+        if span is not None:
+            base, offset, dtype, dims = span
+            got[name] = (base.ptr + offset, math.prod(dims) * dtype.itemsize)
+        else:
+            t = job.tensor(name)
+            assert t is not None
+            got[name] = (t.data_ptr(), t.numel() * t.element_size())
+    return got
 
 
 @dataclass(frozen=True)
@@ -116,24 +140,19 @@ class StepShape:
     batch: int  # bucketed sequences
     width: int  # bucketed block-table columns
     new_rows: int  # bucketed new tokens to write first (usually one per sequence); 0: none
-    device: bool = False  # the jobs' tensors are on the device (see the module doc)
+    jobs: int = 1  # bucketed jobs: the copy table has rows for this many
+    unit: int = 8  # bytes the copies move per element: divides every address and length
 
     @staticmethod
-    def of(plan: BatchPlan) -> StepShape:
+    def of(plan: BatchPlan, unit: int = 8) -> StepShape:
         n = len(plan.slot_pages)
         return StepShape(plan.key, plan.shared, bucket(len(plan.seq_lens)),
                          bucket(plan.table_width), bucket(n) if n else 0,
-                         not plan.jobs[0].on_host("q"))
+                         bucket(len(plan.jobs)), unit)
 
     @property
     def fp8(self) -> bool:
         return key_fp8(self.key)
-
-    @functools.cached_property
-    def tables_at(self) -> int:
-        """Where the staged tables start (after q, k and v): a device launch copies in from
-        here only."""
-        return next(at for name, _, _, at in self.layout[0] if name == "slots")
 
     @property
     def store(self) -> bool:
@@ -144,16 +163,42 @@ class StepShape:
         """New tokens arrive in the queries' dtype for FP8 caches: quantized before the store."""
         return self.fp8 and self.store and self.params.kv_dtype != pb.FLOAT8_E4M3
 
+    @property
+    def padding_rows(self) -> int:
+        """At most this many new-token rows are padding (fewer than half the bucket)."""
+        return self.new_rows // 2
+
+    @property
+    def copies_in(self) -> int:
+        """Copy-table rows that gather inputs: q, k, v per job, and each padding row's k, v."""
+        return 3 * self.jobs + 2 * self.padding_rows
+
+    @property
+    def copies_out(self) -> int:
+        return 2 * self.jobs  # out and lse per job
+
     @functools.cached_property
-    def layout(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
+    def row_bytes(self) -> dict[str, int]:
+        """Bytes of one row (a sequence's, or a new token's) of each tensor."""
+        k = self.params
+        q = k.num_heads * k.head_dim * TORCH_DTYPES[k.dtype].itemsize
+        kv = k.num_kv_heads * k.head_dim * TORCH_DTYPES[k.kv_dtype].itemsize
+        return {"q": q, "k": kv, "v": kv, "out": q, "lse": k.num_heads * 4}
+
+    @functools.cached_property
+    def longest_copy(self) -> tuple[int, int]:
+        """The most units one input row and one output row of the copy table may move."""
+        r = self.row_bytes
+        most_in = max(self.batch * r["q"], self.new_rows * r["k"])
+        return -(-most_in // self.unit), -(-self.batch * r["out"] // self.unit)
+
+    @functools.cached_property
+    def tables(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
         """The staged fields (name, dtype, dims, byte offset, each 128-byte aligned) and the
         bytes they take: the same layout on host and device, so one copy moves them all."""
         k = self.params
-        dtype, kv_dtype = TORCH_DTYPES[k.dtype], TORCH_DTYPES[k.kv_dtype]
         fields = [
-            ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
-            ("k", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
-            ("v", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("copies", torch.int64, (self.copies_in + self.copies_out, ROW)),
             ("slots", torch.int64, (2, self.new_rows)),
             ("lens", torch.int32, (self.batch,)),
             ("table", torch.int32, (self.batch, self.width)),
@@ -162,62 +207,73 @@ class StepShape:
             fields.append(("scales", torch.float32, (2, self.batch, k.num_kv_heads)))
             if self.quantize:
                 fields.append(("new_scales", torch.float32, (2, self.new_rows, k.num_kv_heads)))
-        placed, at = [], 0
-        for name, dt, dims in fields:
-            placed.append((name, dt, dims, at))
-            at = -(-(at + math.prod(dims) * dt.itemsize) // _ALIGN) * _ALIGN
-        return placed, at
+        return _placed(fields)
 
-    def outputs(self, **alloc: object) -> tuple[torch.Tensor, torch.Tensor]:
-        """Buffers for the bucket's out ``[batch, H, D]`` and lse ``[batch, H]``."""
+    @functools.cached_property
+    def buffers(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
+        """The graph's device buffers the inputs are gathered into and the outputs computed
+        in, in one allocation."""
         k = self.params
-        out = torch.empty((self.batch, k.num_heads, k.head_dim), dtype=TORCH_DTYPES[k.dtype],
-                          **alloc)  # type: ignore[arg-type]
-        return out, torch.empty((self.batch, k.num_heads), dtype=torch.float32,
-                                **alloc)  # type: ignore[arg-type]
+        dtype, kv_dtype = TORCH_DTYPES[k.dtype], TORCH_DTYPES[k.kv_dtype]
+        return _placed([
+            ("q", dtype, (self.batch, k.num_heads, k.head_dim)),
+            ("k", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("v", kv_dtype, (self.new_rows, k.num_kv_heads, k.head_dim)),
+            ("out", dtype, (self.batch, k.num_heads, k.head_dim)),
+            ("lse", torch.float32, (self.batch, k.num_heads)),
+        ])
 
-    def carve(self, u8: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Typed views of the fields in ``u8`` (``layout[1]`` bytes)."""
-        return {name: u8[at : at + math.prod(dims) * dt.itemsize].view(dt).view(dims)
-                for name, dt, dims, at in self.layout[0]}
+
+def _placed(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]
+            ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
+    placed, at = [], 0
+    for name, dt, dims in fields:
+        placed.append((name, dt, dims, at))
+        at = -(-(at + math.prod(dims) * dt.itemsize) // _ALIGN) * _ALIGN
+    return placed, at
+
+
+def _carve(u8: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...], int]]
+           ) -> dict[str, torch.Tensor]:
+    """Typed views of the fields in ``u8``."""
+    return {name: u8[at : at + math.prod(dims) * dt.itemsize].view(dt).view(dims)
+            for name, dt, dims, at in layout}
+
+
+def step_unit(plan: BatchPlan, where: list[dict[str, Place]], shape: StepShape) -> int:
+    """The largest copy unit that divides every address and length of the launch's copies
+    (buffer offsets are multiples of 128 bytes and of the row sizes)."""
+    bits = 0
+    for job in where:
+        for at, n in job.values():
+            bits |= at | n
+    return unit_of(bits, *shape.row_bytes.values())
 
 
 class Staging:
-    """One launch's pinned host buffers: the packed inputs and, for batches, the outputs."""
+    """One launch's pinned host tables, each with the graph captured over its buffers."""
 
     def __init__(self, shape: StepShape, pin: bool = True) -> None:
-        self.u8 = torch.empty(shape.layout[1], dtype=torch.uint8, pin_memory=pin)
-        self.views = shape.carve(self.u8)
-        # The same fields as numpy bytes: jobs' tensors are packed in and unpacked out with
-        # numpy, no torch call per job (each would release and retake the engine's GIL).
-        u8 = self.u8.numpy()
-        self.bytes = {name: u8[at : at + math.prod(dims) * dt.itemsize]
-                      for name, dt, dims, at in shape.layout[0]}
+        self.u8 = torch.zeros(shape.tables[1], dtype=torch.uint8, pin_memory=pin)
+        self.views = _carve(self.u8, shape.tables[0])
+        self.copies = self.views["copies"].numpy()
         self.lens = self.views["lens"].numpy()
         self.table = self.views["table"].numpy()
         self.slots = self.views["slots"].numpy()
-        self.out, self.lse = shape.outputs(pin_memory=pin)
-        self.out_bytes = self.out.view(-1).view(torch.uint8).numpy()
-        self.lse_bytes = self.lse.view(-1).view(torch.uint8).numpy()
+        self.copied = (0, 0)  # copy-table rows written by the last fill (inputs, outputs)
         # The launch's two timing events, made on its first launch and reused with it: the
         # staging goes back to its graph only after they are read.
         self.events: list[torch.cuda.Event] | None = None
-        self.graph: torch.cuda.CUDAGraph | None = None  # copies in, work, copies out
+        self.graph: torch.cuda.CUDAGraph | None = None  # tables in, copies, work, copies out
         self.table_rows: list[list[int]] | None = None  # what ``table`` holds
 
-    def fill(self, plan: BatchPlan, shape: StepShape) -> None:
-        v = self.views
-        jobs = plan.jobs
+    def fill(self, plan: BatchPlan, shape: StepShape, where: list[dict[str, Place]],
+             buffers: dict[str, int]) -> None:
+        """The launch's tables: its copies (each job's tensors at ``where``, the graph's
+        buffers at the device addresses ``buffers``), slots, lengths, scales, block table."""
+        self._fill_copies(plan, shape, where, buffers)
         b = len(plan.seq_lens)
         n = len(plan.slot_pages)
-        if not shape.device:  # device tensors are copied on the device (``copy_in``)
-            _pack([j.host_bytes("q") for j in jobs], self.bytes["q"])
-            if shape.store:
-                _pack([j.host_bytes("k") for j in jobs], self.bytes["k"])
-                _pack([j.host_bytes("v") for j in jobs], self.bytes["v"])
-                if n < shape.new_rows:  # duplicates of the first write: harmless
-                    v["k"][n:] = v["k"][0]
-                    v["v"][n:] = v["v"][0]
         if shape.store:
             self.slots[0, :n] = plan.slot_pages
             self.slots[1, :n] = plan.slot_offsets
@@ -226,47 +282,68 @@ class Staging:
         self.lens[:b] = plan.seq_lens
         self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
         if shape.fp8:
-            scales = v["scales"].numpy()
+            scales = self.views["scales"].numpy()
             scales[:, :b] = np.asarray(plan.seq_scales, dtype=np.float32).transpose(1, 0, 2)
             scales[:, b:] = 1.0  # padding rows read no keys
             if shape.quantize:  # per new token, its sequence's scales; padding repeats row 0
-                new = v["new_scales"].numpy()
+                new = self.views["new_scales"].numpy()
                 new[:, :n] = np.repeat(scales[:, :b], plan.seq_new_rows, axis=1)
                 new[:, n:] = new[:, :1]
         # The table is written only when it changed: 64 rows of 32 pages a row at a time took
         # ~135 us in a loop on the dev box, the comparison ~4 us, and steps on the same caches
-        # repeat it until a store crosses into a new page. (On the H200 host the fill stayed
-        # ~110-130 us: there q's copy into the pinned staging is most of it.)
+        # repeat it until a store crosses into a new page.
         rows = plan.block_table
         if rows != self.table_rows:
             for i, row in enumerate(rows):
                 self.table[i, : len(row)] = row  # columns past a sequence's pages: never read
             self.table_rows = rows  # page lists are never changed in place (kv_caches)
 
-
-    def scatter(self, plan: BatchPlan) -> None:
-        """Each job's rows of the staged out [B, H, D] and lse [B, H] (contiguous bytes) into
-        its own destination, through numpy (a lone job's too: no torch view of it is made)."""
-        out_row = self.out_bytes.size // self.out.shape[0]
-        lse_row = self.lse_bytes.size // self.lse.shape[0]
-        for i, job in enumerate(plan.jobs):
-            r0, r1 = plan.rows(i)
-            job.host_bytes("out")[:] = self.out_bytes[r0 * out_row : r1 * out_row]  # type: ignore[index]
-            lse = job.host_bytes("lse")
-            if lse is not None:
-                lse[:] = self.lse_bytes[r0 * lse_row : r1 * lse_row]
-
-
-def _pack(parts: list[np.ndarray | None], dst: np.ndarray) -> None:
-    """The parts' bytes one after another at the start of ``dst`` (empty parts add none)."""
-    size = sum(p.size for p in parts)  # type: ignore[union-attr]
-    if size:
-        np.concatenate(parts, out=dst[:size])  # type: ignore[arg-type]
+    def _fill_copies(self, plan: BatchPlan, shape: StepShape, where: list[dict[str, Place]],
+                     buffers: dict[str, int]) -> None:
+        """Copy-table rows (source, destination, bytes): job i's q into the buffer's rows
+        ``plan.rows(i)``, its new k/v into rows ``k_offsets[i]:``, the padding tokens' k/v
+        from the first new token; its out/lse from the buffer's rows into its own. Rows the
+        last fill wrote past these copy nothing now (length 0)."""
+        r = shape.row_bytes
+        ins: list[tuple[int, int, int]] = []
+        outs: list[tuple[int, int, int]] = []
+        for i, job in enumerate(where):
+            r0 = plan.q_offsets[i]
+            k0 = plan.k_offsets[i]
+            for name, row in (("q", r0), ("k", k0), ("v", k0)):
+                if name in job:
+                    at, n = job[name]
+                    ins.append((at, buffers[name] + row * r[name], n))
+            for name in _OUTPUTS:
+                if name in job:
+                    at, n = job[name]
+                    outs.append((buffers[name] + r0 * r[name], at, n))
+        n_new = len(plan.slot_pages)
+        if shape.store and n_new < shape.new_rows:  # duplicates of the first write: harmless
+            # From the first token's own memory, not the buffer's row 0: the copies of one
+            # launch run in no order.
+            first = next(job for job in where if "k" in job)
+            for name in ("k", "v"):
+                src, dst = first[name][0], buffers[name]
+                ins += [(src, dst + row * r[name], r[name])
+                        for row in range(n_new, shape.new_rows)]
+        copies, unit = self.copies, shape.unit
+        n_in, n_out = len(ins), len(outs)
+        out_at = shape.copies_in
+        for at, rows in ((0, ins), (out_at, outs)):
+            if rows:
+                copies[at : at + len(rows), :3] = rows
+                copies[at : at + len(rows), 2] //= unit
+        last_in, last_out = self.copied
+        copies[n_in:last_in, 2] = 0
+        copies[out_at + n_out : out_at + last_out, 2] = 0
+        self.copied = (n_in, n_out)
 
 
 class _StepGraph:
-    """The device side of one shape bucket on one stream: the device buffers, the eager work,
-    and a free list of host stagings, each with the graph captured over its buffers."""
+    """The device side of one shape bucket on one stream: the device tables and buffers, the
+    eager work, and a free list of host stagings, each with the graph captured over its
+    tables."""
 
     def __init__(self, kernels: ModuleType, shape: StepShape, k_pages: torch.Tensor,
                  v_pages: torch.Tensor, device: torch.device,
@@ -275,9 +352,13 @@ class _StepGraph:
         None: run the staged work eagerly (``--no-cuda-graphs``)."""
         self.kernels, self.shape = kernels, shape
         self.k_pages, self.v_pages = k_pages, v_pages
-        self.dev_u8 = torch.zeros(shape.layout[1], dtype=torch.uint8, device=device)
-        self.dev = shape.carve(self.dev_u8)
-        self.out, self.lse = shape.outputs(device=device)
+        self.device = device
+        self.dev_u8 = torch.zeros(shape.tables[1], dtype=torch.uint8, device=device)
+        self.dev = _carve(self.dev_u8, shape.tables[0])
+        self.buf_u8 = torch.zeros(shape.buffers[1], dtype=torch.uint8, device=device)
+        self.buf = _carve(self.buf_u8, shape.buffers[0])
+        self.addresses = {name: t.data_ptr() for name, t in self.buf.items()}
+        self.out, self.lse = self.buf["out"], self.buf["lse"]
         # FP8 caches: the staged per-sequence scales ([batch, H_kv] each), so any caches'
         # scales share the bucket's graph.
         self.fp8: dict[str, torch.Tensor] = {}
@@ -288,11 +369,32 @@ class _StepGraph:
         # Popped by the launching thread, pushed back by the completer.
         self._free: deque[Staging] = deque()
 
-    def run_eager(self, store: bool = True) -> None:
-        d, shape = self.dev, self.shape
+    def _copy(self, rows: torch.Tensor, units: int) -> None:
+        if self.device.type == "cuda":
+            copy_segments(rows, self.shape.unit, units)
+        else:  # the CPU tests: host addresses, the reference's memmove per row
+            copy_segments_ref(rows, self.shape.unit)
+
+    def gather(self) -> None:
+        """Every job's q and new k/v (the copy table's input rows) into the buffers."""
+        shape = self.shape
+        self._copy(self.dev["copies"][: shape.copies_in], shape.longest_copy[0])
+
+    def scatter(self) -> None:
+        """The buffers' out and lse rows (the copy table's output rows) into each job's."""
+        shape = self.shape
+        self._copy(self.dev["copies"][shape.copies_in :], shape.longest_copy[1])
+
+    def run_eager(self, store: bool = True, copy: bool = True) -> None:
+        """The device work over the device tables: gather the inputs, store the new tokens,
+        decode, write the outputs to their destinations (``copy`` False: neither copy, as a
+        capture's first eager run over zero tables)."""
+        d, b, shape = self.dev, self.buf, self.shape
+        if copy:
+            self.gather()
         if store and shape.store:
             slots = (d["slots"][0], d["slots"][1])
-            k, v = d["k"], d["v"]
+            k, v = b["k"], b["v"]
             if shape.quantize:  # new tokens in the queries' dtype, FP8 cache
                 k = quantize_kv(k, d["new_scales"][0])[0]
                 v = quantize_kv(v, d["new_scales"][1])[0]
@@ -300,48 +402,18 @@ class _StepGraph:
             scatter_rows(self.v_pages, slots, v)
         key = shape.params
         self.kernels.paged_decode(
-            d["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
+            b["q"], self.k_pages, self.v_pages, d["table"], d["lens"],
             max_seqlen_k=shape.width * self.k_pages.shape[1], softmax_scale=key.softmax_scale,
             num_splits=key.num_splits, return_lse=True, out=self.out, lse_out=self.lse,
             **self.fp8,
         )
+        if copy:
+            self.scatter()
 
     def run_staged(self, staging: Staging) -> None:
-        """The whole step on the current stream: staging in, the work, out and lse back (a
-        device launch: the tables in, the work; its tensors move in ``copy_in``/``copy_out``)."""
-        if self.shape.device:
-            at = self.shape.tables_at
-            self.dev_u8[at:].copy_(staging.u8[at:], non_blocking=True)
-            self.run_eager()
-            return
+        """The whole step on the current stream: the staged tables in, the work."""
         self.dev_u8.copy_(staging.u8, non_blocking=True)
         self.run_eager()
-        staging.out.copy_(self.out, non_blocking=True)
-        staging.lse.copy_(self.lse, non_blocking=True)
-
-    def copy_in(self, plan: BatchPlan) -> None:
-        """A device launch's q and new k/v, device to device into this graph's buffers (on the
-        current stream, before the replay); padding rows of k/v repeat the first new token."""
-        d = self.dev
-        for i, job in enumerate(plan.jobs):
-            r0, r1 = plan.rows(i)
-            d["q"][r0:r1].copy_(job.q, non_blocking=True)  # type: ignore[arg-type]
-            k0, k1 = plan.k_offsets[i], plan.k_offsets[i + 1]
-            if self.shape.store and k1 > k0:
-                d["k"][k0:k1].copy_(job.k, non_blocking=True)  # type: ignore[arg-type]
-                d["v"][k0:k1].copy_(job.v, non_blocking=True)  # type: ignore[arg-type]
-        n = len(plan.slot_pages)
-        if self.shape.store and n < self.shape.new_rows:
-            d["k"][n:].copy_(d["k"][:1].expand_as(d["k"][n:]), non_blocking=True)
-            d["v"][n:].copy_(d["v"][:1].expand_as(d["v"][n:]), non_blocking=True)
-
-    def copy_out(self, plan: BatchPlan) -> None:
-        """A device launch's out (and lse) rows into each job's tensors (after the replay)."""
-        for i, job in enumerate(plan.jobs):
-            r0, r1 = plan.rows(i)
-            job.out.copy_(self.out[r0:r1], non_blocking=True)  # type: ignore[union-attr]
-            if job.params.return_lse:
-                job.lse.copy_(self.lse[r0:r1], non_blocking=True)  # type: ignore[union-attr]
 
     def _capture_for(self, staging: Staging) -> None:
         """Capture ``staging``'s graph on the capture stream (DecodeSteps' own, never a launch
@@ -350,20 +422,20 @@ class _StepGraph:
         pool, stream = self._capture
         # A first eager run compiles whatever Triton variant this shape needs (a compile inside
         # a capture failed for an fp32 variant on an H100), as the captured calls take it
-        # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its inputs are zeros: every
-        # length is 0, so nothing is read; the store is left out, since slot (0, 0) may hold a
-        # live cache's key.
+        # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its tables are zeros:
+        # every length is 0, so nothing is read; the store is left out, since slot (0, 0) may
+        # hold a live cache's key, and the copies (their variant is compiled at warm-up).
         # After this thread's work so far (the zero fill of this graph's fresh buffers).
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with self.kernels.for_cuda_graphs():
             if not self.captured:
                 with torch.cuda.stream(stream):
-                    self.run_eager(store=False)
+                    self.run_eager(store=False, copy=False)
                 stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the completer thread synchronizes on events meanwhile, which a
-            # global capture would refuse. The staging's pinned buffers are never freed while
-            # the graph lives (its copies are nodes of the graph).
+            # global capture would refuse. The staging's pinned buffer is never freed while
+            # the graph lives (its copy is a node of the graph).
             with torch.cuda.graph(graph, pool=pool, stream=stream,
                                   capture_error_mode="thread_local"):
                 self.run_staged(staging)
@@ -388,7 +460,7 @@ class _StepGraph:
             return free.pop()
         except IndexError:
             pass
-        staging = Staging(self.shape)
+        staging = Staging(self.shape, pin=self.device.type == "cuda")
         if self._capture is not None:
             self._capture_for(staging)
         return staging
@@ -398,20 +470,16 @@ class _StepGraph:
 
 
 class _StepLaunch:
-    """An issued step launch: waits, copies each job's rows from the pinned staging into its
-    destination, and returns the staging to its graph."""
+    """An issued step launch: waits, and returns the staging to its graph."""
 
-    def __init__(self, events: list[torch.cuda.Event], plan: BatchPlan, graph: _StepGraph,
+    def __init__(self, events: list[torch.cuda.Event], graph: _StepGraph,
                  staging: Staging) -> None:
-        self._events, self._plan, self._graph = events, plan, graph
-        self._staging = staging
+        self._events, self._graph, self._staging = events, graph, staging
 
     def wait(self) -> LaunchTimes:
         e = self._events
         e[1].synchronize()  # releases the GIL while the GPU finishes
         try:
-            if not self._graph.shape.device:  # device outputs are written already
-                self._staging.scatter(self._plan)
             # Read before the staging (and its events) can be launched again.
             return LaunchTimes(kernel_seconds=e[0].elapsed_time(e[1]) / 1e3)
         finally:
@@ -437,8 +505,10 @@ class DecodeSteps:
         # on this one; captures are one at a time (launches are, under the executor's lock).
         self._capture_stream = torch.cuda.Stream(device) if graphs else None
         self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
+        self._registered = can_use_host_pointers(device.index or 0)
 
-    eligible = staticmethod(eligible)
+    def eligible(self, plan: BatchPlan) -> bool:
+        return eligible(plan, self._registered)
 
     @property
     def captured(self) -> int:
@@ -461,11 +531,15 @@ class DecodeSteps:
         """Issue ``plan`` (``eligible``) on stream ``stream_index``; don't wait."""
         work = plan.jobs[0].cache
         assert work is not None
+        where = [places(job) for job in plan.jobs]
         shape = StepShape.of(plan)
+        unit = step_unit(plan, where, shape)
+        if unit != shape.unit:
+            shape = StepShape.of(plan, unit)
         graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
         staging = graph.staging(plan.block_table)
         try:
-            staging.fill(plan, shape)
+            staging.fill(plan, shape, where, graph.addresses)
         except BaseException:
             graph.give_back(staging)
             raise
@@ -484,15 +558,11 @@ class DecodeSteps:
         torch.cuda.set_stream(stream)
         try:
             events[0].record(stream)
-            if shape.device:
-                graph.copy_in(plan)
             if staging.graph is not None:
                 staging.graph.replay()
             else:
                 graph.run_staged(staging)
-            if shape.device:
-                graph.copy_out(plan)
             events[1].record(stream)
         finally:
             torch.cuda.set_stream(previous)
-        return _StepLaunch(events, plan, graph, staging)
+        return _StepLaunch(events, graph, staging)

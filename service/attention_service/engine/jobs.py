@@ -233,11 +233,14 @@ class ByteBase:
     offsets with one ``as_strided`` each, from a typed view per dtype made once. (A slice plus
     two views per tensor cost about a sixth of the engine's time per request: measured.)"""
 
-    def __init__(self, u8: torch.Tensor) -> None:
+    def __init__(self, u8: torch.Tensor, pinned: bool = False) -> None:
+        """``pinned``: ``u8`` is page-locked host memory the device reads at its address
+        (torch's pinned allocations: ``cudaHostAlloc``, mapped under unified addressing)."""
         self.u8 = u8
         self.nbytes = int(u8.numel())
         self._ptr = u8.data_ptr()
         self.on_device = u8.device.type == "cuda"
+        self.pinned = pinned
         # Host memory: the same bytes through numpy, sliced without torch calls.
         self.np: np.ndarray | None = u8.numpy() if u8.device.type == "cpu" else None
         # Per dtype: the typed view of the whole block and its storage offset (in elements).
@@ -251,7 +254,7 @@ class ByteBase:
     def device_readable(self) -> bool:
         """Whether a kernel may take this block's addresses as they are: device memory, or
         host memory page-locked whole (its registration may end before the block goes)."""
-        return self.on_device or PINNED.get(self._ptr, -1) >= self.nbytes
+        return self.on_device or self.pinned or PINNED.get(self._ptr, -1) >= self.nbytes
 
     def check_aligned(self, offset: int, dtype: torch.dtype) -> None:
         if (self._ptr + offset) % dtype.itemsize:

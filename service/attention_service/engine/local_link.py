@@ -59,7 +59,7 @@ class LocalLink:
 
         def alloc() -> LocalBuffers:
             block = self.core.backend.alloc_host(total)
-            return LocalBuffers(ByteBase(block), offsets, sizes)
+            return LocalBuffers(ByteBase(block, pinned=not self.lazy_buffers), offsets, sizes)
 
         if total <= _INLINE_ALLOC_BYTES or total in self._seen:
             return alloc()

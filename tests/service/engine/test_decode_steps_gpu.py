@@ -12,7 +12,7 @@ import torch
 
 import attention_kernels
 from attention_kernels.paged_reference import paged_decode_ref
-from attention_service.engine.decode_steps import DecodeSteps, eligible
+from attention_service.engine.decode_steps import DecodeSteps
 from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.jobs import BatchPlan, CacheWork, Job
 from attention_service.params import Op, make_params
@@ -46,10 +46,12 @@ def _job(pool: Pool, seq_lens: list[int], new: int, heads: int, seed: int,
     keys its new tokens (usually 1; 0: none)."""
     g = torch.Generator().manual_seed(seed)
     b, kv_heads, dim, dtype = len(seq_lens), pool.k.shape[2], pool.k.shape[3], pool.k.dtype
-    q = torch.randn(b, heads, dim, generator=g).to(dtype)
+    # Page-locked host tensors, as a step socket's frames and a front end's arena are: the
+    # launch's copies read them at their addresses.
+    q = torch.randn(b, heads, dim, generator=g).to(dtype).pin_memory()
     rows = b * new
-    k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
-    v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype)
+    k = torch.randn(rows, kv_heads, dim, generator=g).to(dtype).pin_memory()
+    v = torch.randn(rows, kv_heads, dim, generator=g).to(dtype).pin_memory()
     cu = [new * i for i in range(b + 1)]
     params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[dtype], tuple(q.shape), tuple(k.shape), cu,
                          return_lse=lse)
@@ -139,7 +141,7 @@ def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads
     ]
     for i, jobs in enumerate(launches):
         plan = BatchPlan(jobs)
-        assert eligible(plan)
+        assert steps.eligible(plan)
         steps.launch(plan, i % 2).wait()
         _expected(before_k, before_v, jobs)
         _check(jobs, before_k, before_v, heads)
@@ -153,8 +155,8 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
     """Jobs whose q, new k/v and outputs are all on the GPU (CUDA IPC regions) run on the
     staged path too: a padded batch (new-token rows padded as well), a job without new tokens,
     one without lse; against the reference, the pool changed only in the new tokens' slots,
-    and a replay with new data; a launch mixing host and device jobs (or a job mixing them)
-    is not eligible."""
+    and a replay with new data. A launch mixing host and device jobs, and a job mixing them,
+    take it as well (each copy reads its own address); a pageable tensor does not."""
     pool = Pool(256, 4, 128, torch.bfloat16)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
     for round_ in range(3):  # the same bucket: later rounds replay the first graph
@@ -162,18 +164,24 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
                 _on_device(_job(pool, [16], 0, 16, 60 + round_)),
                 _on_device(_job(pool, [33, 5, 129], 1, 16, 70 + round_, lse=False))]
         plan = BatchPlan(jobs)
-        assert eligible(plan)
+        assert steps.eligible(plan)
         steps.launch(plan, 0).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 16)
         assert steps.captured == (1 if steps.use_graphs else 0)
+    host, device = _job(pool, [9], 1, 16, 80), _on_device(_job(pool, [9], 1, 16, 81))
+    half = _job(pool, [9, 40], 1, 16, 82)
+    half.out = torch.full_like(half.q, float("nan"), device="cuda")  # q on the host, out on the GPU
+    mixed = [host, device, half]
+    assert steps.eligible(BatchPlan(mixed))
+    steps.launch(BatchPlan(mixed), 1).wait()
+    _expected(expect_k, expect_v, mixed)
+    _check(mixed, expect_k, expect_v, 16)
     torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
     torch.testing.assert_close(pool.v, expect_v, rtol=0, atol=0)
-    host, device = _job(pool, [9], 1, 16, 80), _on_device(_job(pool, [9], 1, 16, 81))
-    assert not eligible(BatchPlan([host, device]))
-    half = _job(pool, [9], 1, 16, 82)
-    half.out = torch.empty_like(half.q, device="cuda")  # q on the host, out on the GPU
-    assert not eligible(BatchPlan([half]))
+    pageable = _job(pool, [9], 1, 16, 83)
+    pageable.q = pageable.q.clone()  # pageable host memory: the general path
+    assert not pageable.q.is_pinned() and not steps.eligible(BatchPlan([pageable]))
 
 
 def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
@@ -238,7 +246,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
             job.params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[q.dtype], tuple(q.shape),
                                      tuple(k.shape), job.params.cu_seqlens_k, return_lse=True,
                                      kv_dtype=WIRE_DTYPES[k.dtype])
-            job.q, job.k, job.v = q, k, v
+            job.q, job.k, job.v = q.pin_memory(), k.pin_memory(), v.pin_memory()
             job.out = torch.full_like(q, float("nan")).pin_memory()
             work = job.cache
             assert work is not None
@@ -248,7 +256,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
                 expect_k[p, o] = k8[i].cuda()
                 expect_v[p, o] = v8[i].cuda()
         plan = BatchPlan(jobs)
-        assert eligible(plan) and plan.fp8
+        assert steps.eligible(plan) and plan.fp8
         steps.launch(plan, 0).wait()
         assert steps.captured == (1 if steps.use_graphs else 0)
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))
