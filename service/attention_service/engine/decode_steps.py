@@ -271,6 +271,7 @@ class Staging:
         self.table = self.views["table"].numpy()
         self.slots = self.views["slots"].numpy()
         self.copied = (0, 0)  # copy-table rows written by the last fill (inputs, outputs)
+        self.copy_rows: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] | None = None
         # The launch's two timing events, made on its first launch and reused with it: the
         # staging goes back to its graph only after they are read.
         self.events: list[torch.cuda.Event] | None = None
@@ -337,6 +338,12 @@ class Staging:
                 src, dst = first[name][0], buffers[name]
                 ins += [(src, dst + row * r[name], r[name])
                         for row in range(n_new, shape.new_rows)]
+        # Written only when they changed: a model host's steps come in the same few blocks
+        # (a step socket's frames and answers reuse theirs), so a staging usually finds its
+        # copies as they are; cutting and writing them took ~70 us (H200, B=64).
+        if (ins, outs) == self.copy_rows:
+            return
+        self.copy_rows = (ins, outs)
         copies, unit = self.copies, shape.unit
         out_at = shape.copies_in
         counts = []

@@ -196,6 +196,24 @@ def test_a_refill_leaves_no_stale_copy_rows() -> None:
     assert all((j.out == -1).all() and (j.lse == -1).all() for j in four.jobs)
 
 
+def test_a_staging_rewrites_its_copies_only_when_they_changed() -> None:
+    """The same tensors again (a step socket's reused blocks): the copy table is left as it
+    is; tensors elsewhere rewrite it."""
+    arena = Arena()
+    first = BatchPlan([_step([5, 9], new=True, seed=1, arena=arena)])
+    shape, graph, staging = _staged(first)
+    written = staging.copies.copy()
+    staging.copies[:] = -1  # nothing else writes it
+    again = Job(first.jobs[0].params, cache=first.jobs[0].cache,
+                spans={n: first.jobs[0].span(n) for n in NAMES})  # type: ignore[misc]
+    staging.fill(BatchPlan([again]), shape, [places(again)], graph.addresses)
+    assert (staging.copies == -1).all()
+    moved = BatchPlan([_step([5, 9], new=True, seed=2, arena=arena)])  # other spans
+    staging.fill(moved, shape, [places(j) for j in moved.jobs], graph.addresses)
+    assert (staging.copies[: staging.copied[0], 2] == written[: staging.copied[0], 2]).all()
+    assert (staging.copies[: staging.copied[0], 0] != written[: staging.copied[0], 0]).all()
+
+
 def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
     first = BatchPlan([_step([5, 9], new=False, seed=1)])
     _, _, staging = _staged(first)
