@@ -49,7 +49,6 @@ import numpy as np
 import torch
 
 from attention_kernels.copy_segments import (
-    BLOCK,
     ROW,
     can_use_host_pointers,
     copy_segments,
@@ -170,29 +169,13 @@ class StepShape:
         return self.new_rows // 2
 
     @property
-    def piece(self) -> int:
-        """Bytes one copy-table row moves at most: one program's block of units. Longer
-        copies are cut into pieces, so each copy launch runs one program per row: a grid of
-        rows times the longest copy's blocks was ~2,100 programs for a B=64 step's gather,
-        almost all of them idle, each queued for a slot beside the other stream's decode
-        with two steps in flight."""
-        return BLOCK * self.unit
-
-    @functools.cached_property
     def copies_in(self) -> int:
-        """Copy-table rows that gather inputs: every q and new k/v byte in pieces (a job's
-        copy may end in a short piece: one more row per job and tensor), and each padding
-        token's k and v."""
-        r, p = self.row_bytes, self.piece
-        q = -(-self.batch * r["q"] // p) + self.jobs
-        kv = -(-self.new_rows * r["k"] // p) + self.jobs
-        return q + 2 * kv + 2 * self.padding_rows * -(-r["k"] // p)
+        """Copy-table rows that gather inputs: q, k, v per job, and each padding row's k, v."""
+        return 3 * self.jobs + 2 * self.padding_rows
 
-    @functools.cached_property
+    @property
     def copies_out(self) -> int:
-        """Copy-table rows that write out and lse into each job's destinations."""
-        r, p = self.row_bytes, self.piece
-        return -(-self.batch * r["out"] // p) + -(-self.batch * r["lse"] // p) + 2 * self.jobs
+        return 2 * self.jobs  # out and lse per job
 
     @functools.cached_property
     def row_bytes(self) -> dict[str, int]:
@@ -201,6 +184,13 @@ class StepShape:
         q = k.num_heads * k.head_dim * TORCH_DTYPES[k.dtype].itemsize
         kv = k.num_kv_heads * k.head_dim * TORCH_DTYPES[k.kv_dtype].itemsize
         return {"q": q, "k": kv, "v": kv, "out": q, "lse": k.num_heads * 4}
+
+    @functools.cached_property
+    def longest_copy(self) -> tuple[int, int]:
+        """The most units one input row and one output row of the copy table may move."""
+        r = self.row_bytes
+        most_in = max(self.batch * r["q"], self.new_rows * r["k"])
+        return -(-most_in // self.unit), -(-self.batch * r["out"] // self.unit)
 
     @functools.cached_property
     def tables(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
@@ -339,43 +329,23 @@ class Staging:
                 ins += [(src, dst + row * r[name], r[name])
                         for row in range(n_new, shape.new_rows)]
         # Written only when they changed: a model host's steps come in the same few blocks
-        # (a step socket's frames and answers reuse theirs), so a staging usually finds its
-        # copies as they are; cutting and writing them took ~70 us (H200, B=64).
+        # (a step socket's frames and answers reuse theirs), so a staging often finds its
+        # copies as they are (the comparison: ~1 us for a lone job; the writes: a few numpy
+        # calls, each several us on a busy engine).
         if (ins, outs) == self.copy_rows:
             return
         self.copy_rows = (ins, outs)
         copies, unit = self.copies, shape.unit
+        n_in, n_out = len(ins), len(outs)
         out_at = shape.copies_in
-        counts = []
-        for at, rows, room in ((0, ins, out_at), (out_at, outs, shape.copies_out)):
-            pieces = _pieces(rows, shape.piece)
-            n = len(pieces)
-            assert n <= room, f"{n} copies for {room} rows"  # the bucket's bounds (see there)
-            copies[at : at + n, :3] = pieces
-            copies[at : at + n, 2] //= unit
-            counts.append(n)
-        n_in, n_out = counts
+        for at, rows in ((0, ins), (out_at, outs)):
+            if rows:
+                copies[at : at + len(rows), :3] = rows
+                copies[at : at + len(rows), 2] //= unit
         last_in, last_out = self.copied
         copies[n_in:last_in, 2] = 0
         copies[out_at + n_out : out_at + last_out, 2] = 0
         self.copied = (n_in, n_out)
-
-
-def _pieces(rows: list[tuple[int, int, int]], piece: int) -> np.ndarray:
-    """``rows`` (source, destination, bytes) cut into rows of at most ``piece`` bytes, in
-    order (rows of 0 bytes dropped)."""
-    a = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-    counts = -(-a[:, 2] // piece)
-    if (counts <= 1).all():
-        return a[counts == 1]
-    which = np.repeat(np.arange(len(a)), counts)
-    # Each piece's offset in its row: its index among the row's pieces, times ``piece``.
-    offsets = (np.arange(len(which)) - np.repeat(np.cumsum(counts) - counts, counts)) * piece
-    got = a[which]
-    got[:, 0] += offsets
-    got[:, 1] += offsets
-    got[:, 2] = np.minimum(got[:, 2] - offsets, piece)
-    return got
 
 
 class _StepGraph:
@@ -407,19 +377,21 @@ class _StepGraph:
         # Popped by the launching thread, pushed back by the completer.
         self._free: deque[Staging] = deque()
 
-    def _copy(self, rows: torch.Tensor) -> None:
+    def _copy(self, rows: torch.Tensor, units: int) -> None:
         if self.device.type == "cuda":
-            copy_segments(rows, self.shape.unit, BLOCK)  # rows of one block at most
+            copy_segments(rows, self.shape.unit, units)
         else:  # the CPU tests: host addresses, the reference's memmove per row
             copy_segments_ref(rows, self.shape.unit)
 
     def gather(self) -> None:
         """Every job's q and new k/v (the copy table's input rows) into the buffers."""
-        self._copy(self.dev["copies"][: self.shape.copies_in])
+        shape = self.shape
+        self._copy(self.dev["copies"][: shape.copies_in], shape.longest_copy[0])
 
     def scatter(self) -> None:
         """The buffers' out and lse rows (the copy table's output rows) into each job's."""
-        self._copy(self.dev["copies"][self.shape.copies_in :])
+        shape = self.shape
+        self._copy(self.dev["copies"][shape.copies_in :], shape.longest_copy[1])
 
     def run_eager(self, store: bool = True, copy: bool = True) -> None:
         """The device work over the device tables: gather the inputs, store the new tokens,

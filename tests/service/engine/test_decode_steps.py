@@ -15,7 +15,6 @@ from attention_service.engine.decode_steps import (
     MAX_BATCH,
     Staging,
     StepShape,
-    _pieces,
     _StepGraph,
     bucket,
     eligible,
@@ -254,29 +253,6 @@ def test_more_new_tokens_than_sequences_get_their_own_bucket() -> None:
     graph.gather()
     assert torch.equal(graph.buf["k"][:3], k) and torch.equal(graph.buf["k"][3], k[0])
     assert staging.slots.tolist() == [[0, 1, 1, 0], [3, 0, 1, 3]]
-
-
-def test_long_copies_are_cut_into_pieces_of_one_block() -> None:
-    """A job of 300 sequences (37.5 KiB of q: three pieces of at most 16 KiB) beside a small
-    one: every row of the copy table moves one block at most, and the gather and scatter
-    still copy every byte."""
-    assert _pieces([(1000, 5000, 40), (0, 64, 0), (7, 9, 16)], 16).tolist() == [
-        [1000, 5000, 16], [1016, 5016, 16], [1032, 5032, 8], [7, 9, 16]]
-    arena = Arena(1 << 20)
-    jobs = [_step([3] * 300, new=True, seed=12, arena=arena),
-            _step([9], new=True, seed=13, pages_from=400, arena=arena)]
-    plan = BatchPlan(jobs)
-    shape, graph, staging = _staged(plan)
-    assert shape.piece == 16384 and shape.row_bytes["q"] * 300 > 2 * shape.piece
-    used = staging.copies[: staging.copied[0]]
-    assert staging.copied[0] == 3 + 1 + 2 * (2 + 1) + 2 * 211  # q 3+1, k and v 2+1, padding
-    assert (used[:, 2] * shape.unit <= shape.piece).all()
-    graph.gather()
-    assert torch.equal(graph.buf["q"][:301], torch.cat([j.q for j in jobs]))
-    assert torch.equal(graph.buf["k"][:301], torch.cat([j.k for j in jobs]))
-    graph.out.copy_(torch.randn(graph.out.shape))
-    graph.scatter()
-    assert torch.equal(torch.cat([j.out for j in jobs]), graph.out[:301])
 
 
 def test_a_misaligned_span_takes_a_smaller_unit() -> None:
