@@ -225,6 +225,16 @@ def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
     _staged(moved, staging)
     assert staging.table[0, :2].tolist() == [7, 8]
     assert staging.table[1, :3].tolist() == [9, 10, 11]
+    # One cache gained a page (a new list; the other's is the same object): its row alone
+    # is written.
+    grown = _step([5, 13], new=False, seed=4)
+    assert grown.cache is not None and moved.jobs[0].cache is not None
+    kept = moved.jobs[0].cache.block_table
+    grown.cache.block_table = [kept[0], [*kept[1], 30]]
+    staging.table[:] = -1
+    _staged(BatchPlan([grown]), staging)
+    assert staging.table[1, :4].tolist() == [9, 10, 11, 30]
+    assert (staging.table[0] == -1).all() and (staging.table[2:] == -1).all()
 
 
 def test_padding_rows_have_no_keys() -> None:

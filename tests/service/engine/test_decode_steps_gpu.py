@@ -215,6 +215,32 @@ def test_steps_in_flight_on_one_stream_get_stagings_of_their_own(steps: DecodeSt
     torch.testing.assert_close(pool.k, expect_k, rtol=0, atol=0)
 
 
+def test_a_step_goes_to_the_stream_whose_staging_holds_its_table(steps: DecodeSteps) -> None:
+    """Two layers' steps staged on streams 0 and 1; when the round robin then names the
+    other stream for each (a merged launch shifted it), each still runs where its table is
+    staged: no staging's table is rewritten, and the results match."""
+    pool = Pool(128, 2, 64, torch.bfloat16)
+    expect_k, expect_v = pool.k.clone(), pool.v.clone()
+    layers = [_job(pool, [40, 9], 0, 8, 90), _job(pool, [17, 70], 0, 8, 91)]
+
+    def step(layer: int, stream: int, seed: int) -> None:
+        job = layers[layer]
+        job.q = torch.randn(job.q.shape, generator=torch.Generator().manual_seed(seed)
+                            ).to(job.q.dtype).pin_memory()
+        job.out.fill_(float("nan"))
+        steps.launch(BatchPlan([job]), stream).wait()
+        _check([job], expect_k, expect_v, 8)
+
+    step(0, 0, 1)
+    step(1, 1, 2)
+    stagings = {i: g._free[0] for (_, i, _), g in steps._graphs.items()}
+    tables = {i: s.table_rows for i, s in stagings.items()}
+    step(0, 1, 3)  # layer 0's table is staged on stream 0
+    step(1, 0, 4)
+    assert {i: s.table_rows for i, s in stagings.items()} == tables
+    assert len(steps._graphs) == 2 and steps.captured == (2 if steps.use_graphs else 0)
+
+
 @pytest.mark.parametrize("send_fp8", [False, True], ids=["bf16-in", "fp8-in"])
 def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
     """FP8 pool, each job's caches with scales of their own (one launch): new tokens sent in
