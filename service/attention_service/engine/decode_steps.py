@@ -556,9 +556,9 @@ class DecodeSteps:
         unit = step_unit(plan, where, shape)
         if unit != shape.unit:
             shape = StepShape.of(plan, unit)
-        graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
         rows = plan.block_table
-        if not graph.holds(rows):
+        graph = self._graphs.get((shape, stream_index, work.k_pages.data_ptr()))
+        if graph is None or not graph.holds(rows):
             # Another stream's graph whose staging holds this table (a model host's layers
             # alternate, each on the stream its table was staged on, until a merged launch
             # shifts the round robin by one: then every table was rewritten, ~7% of the
@@ -568,6 +568,8 @@ class DecodeSteps:
                 if other != stream_index and got is not None and got.holds(rows):
                     graph, stream_index = got, other
                     break
+        if graph is None:
+            graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
         staging = graph.staging(rows)
         try:
             staging.fill(plan, shape, where, graph.addresses)
