@@ -6,8 +6,8 @@ side of one front end -- ``FrontendConnection`` over a ``Channel`` on a socketpa
 ``EngineCore`` with its cache registry, executor and batching -- from a load process that
 speaks the channel protocol as a front end does (Submit frames in, Done frames back, one
 outstanding step per cache). Only the device work is left out: the backend stages each
-CacheDecode launch into a host staging buffer exactly as ``decode_steps`` does (same layout,
-same ``Staging.fill``), copies the outputs back out per job, and returns at once.
+CacheDecode launch's tables exactly as ``decode_steps`` does (same layout, same
+``Staging.fill``; the copies of the tensors themselves are device work) and returns at once.
 
 Reports steps/s, the engine process's CPU seconds per step and the mean batch, per client
 count. Diagnostic (runs anywhere, CPU only); the service-level numbers are bench_sessions.py.
@@ -34,7 +34,7 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.engine.core import EngineCore, FrontendConnection
-from attention_service.engine.decode_steps import Staging, StepShape, eligible
+from attention_service.engine.decode_steps import Staging, StepShape, fits, places, step_unit
 from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, ControlCall, Done, Failed, Submit, corked
 from attention_service.metrics import Metrics
@@ -50,20 +50,23 @@ STEPS_PER_S_BOUND = 50_000
 
 
 class StagingOnlyBackend(HostOnlyBackend):
-    """The cuda backend's host side of a CacheDecode launch (staging fill, per-job output
-    copies), no device: every other launch is a no-op."""
+    """The cuda backend's host side of a CacheDecode launch (where its tensors lie, its
+    shape, the staging fill), no device: every other launch is a no-op."""
 
     def __init__(self) -> None:
-        self._staging: dict[StepShape, Staging] = {}
+        self._staging: dict[StepShape, tuple[Staging, dict[str, int], torch.Tensor]] = {}
 
     def launch(self, plan: BatchPlan) -> PendingLaunch:
-        if eligible(plan):
+        if fits(plan):  # the load's arena is not page-locked here: the rest is as on a GPU
+            where = [places(job) for job in plan.jobs]
             shape = StepShape.of(plan)
-            staging = self._staging.get(shape)
-            if staging is None:
-                staging = self._staging[shape] = Staging(shape, pin=False)
-            staging.fill(plan, shape)
-            staging.scatter(plan)  # what _StepLaunch.wait does for a batch
+            shape = StepShape.of(plan, step_unit(plan, where, shape))
+            got = self._staging.get(shape)
+            if got is None:  # the graph's buffers, in host memory here
+                buffers = torch.empty(shape.buffers[1], dtype=torch.uint8)
+                at = {name: buffers.data_ptr() + off for name, _, _, off in shape.buffers[0]}
+                got = self._staging[shape] = (Staging(shape, pin=False), at, buffers)
+            got[0].fill(plan, shape, where, got[1])
         # The device's time: a launch "runs" for the H200's measured kernel time of that
         # batch (bench_sessions, 4K contexts: 0.038 ms alone, 0.327 ms for 46 steps), and
         # waiting for it releases the GIL as an event synchronize does.

@@ -77,19 +77,22 @@ def bucket(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def eligible(plan: BatchPlan, registered: bool = True) -> bool:
-    """A CacheDecode launch with keys, every tensor where the device reads and writes it at
-    its address, and a shape within this path's limits. ``registered``: whether host memory
-    page-locked by registration (``cudaHostRegister``: arenas, shared-memory regions) counts
-    (``can_use_host_pointers``)."""
+def fits(plan: BatchPlan) -> bool:
+    """A CacheDecode launch with keys, no score modifiers, and a shape within this path's
+    limits."""
     if plan.op.kernel != "paged_decode" or plan.max_seqlen_k == 0:
         return False
     if plan.shared.window != (-1, -1) or plan.shared.softcap > 0 or plan.shared.alibi_slopes:
         return False  # score modifiers run on the eager path (not staged or captured)
-    if len(plan.seq_lens) > MAX_BATCH or plan.table_width > MAX_TABLE_WIDTH:
-        return False
-    return all(_readable(job, name, registered) for job in plan.jobs
-               for name in _tensor_names(job))
+    return len(plan.seq_lens) <= MAX_BATCH and plan.table_width <= MAX_TABLE_WIDTH
+
+
+def eligible(plan: BatchPlan, registered: bool = True) -> bool:
+    """A launch that ``fits``, every tensor where the device reads and writes it at its
+    address. ``registered``: whether host memory page-locked by registration
+    (``cudaHostRegister``: arenas, shared-memory regions) counts (``can_use_host_pointers``)."""
+    return fits(plan) and all(_readable(job, name, registered) for job in plan.jobs
+                              for name in _tensor_names(job))
 
 
 def _tensor_names(job: Job) -> tuple[str, ...]:
