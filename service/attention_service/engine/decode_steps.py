@@ -87,11 +87,14 @@ def fits(plan: BatchPlan) -> bool:
     return len(plan.seq_lens) <= MAX_BATCH and plan.table_width <= MAX_TABLE_WIDTH
 
 
-def eligible(plan: BatchPlan, registered: bool = True) -> bool:
-    """A launch that ``fits``, every tensor where the device reads and writes it at its
-    address. ``registered``: whether host memory page-locked by registration
-    (``cudaHostRegister``: arenas, shared-memory regions) counts (``can_use_host_pointers``)."""
-    return fits(plan) and all(_readable(job, name, registered) for job in plan.jobs
+def eligible(plan: BatchPlan, registered: bool = True,
+             device: torch.device | None = None) -> bool:
+    """A launch that ``fits``, every tensor where ``device`` reads and writes it at its
+    address: that device's memory (another GPU's needs peer access a kernel cannot assume;
+    None: any device, for tests without one), or page-locked host memory. ``registered``:
+    whether host memory page-locked by registration (``cudaHostRegister``: arenas,
+    shared-memory regions) counts (``can_use_host_pointers``)."""
+    return fits(plan) and all(_readable(job, name, registered, device) for job in plan.jobs
                               for name in _tensor_names(job))
 
 
@@ -104,16 +107,22 @@ def _tensor_names(job: Job) -> tuple[str, ...]:
     return names
 
 
-def _readable(job: Job, name: str, registered: bool) -> bool:
-    """Whether the device may take tensor ``name``'s address as it is (a kernel reads or
-    writes it there): a span of a ``device_readable`` block, or a contiguous tensor on a CUDA
+def _readable(job: Job, name: str, registered: bool, device: torch.device | None) -> bool:
+    """Whether ``device`` may take tensor ``name``'s address as it is (a kernel reads or
+    writes it there): a span of a ``device_readable`` block, or a contiguous tensor on the
     device or in page-locked host memory."""
     span = job.span(name)
     if span is not None:
         base = span[0]
-        return base.device_readable and (registered or base.on_device or base.pinned)
+        if base.on_device:
+            return device is None or base.u8.device == device
+        return base.device_readable and (registered or base.pinned)
     t = job.tensor(name)
-    return t is not None and t.is_contiguous() and (t.is_cuda or t.is_pinned())
+    if t is None or not t.is_contiguous():
+        return False
+    if t.is_cuda:
+        return device is None or t.device == device
+    return t.is_pinned()
 
 
 def places(job: Job) -> dict[str, Place]:
@@ -531,7 +540,7 @@ class DecodeSteps:
         self._registered = can_use_host_pointers(device.index or 0)
 
     def eligible(self, plan: BatchPlan) -> bool:
-        return eligible(plan, self._registered)
+        return eligible(plan, self._registered, self.device)
 
     @property
     def captured(self) -> int:

@@ -127,6 +127,26 @@ def test_only_cache_decode_launches_with_keys_and_device_readable_tensors_take_t
         PINNED.pop(arena.base.ptr)
 
 
+def test_device_memory_counts_only_on_the_launching_device() -> None:
+    """A span of another GPU's memory (a CUDA IPC region opened there) is not taken at its
+    address: a kernel reading it needs peer access (the general path copies it)."""
+    from types import SimpleNamespace
+
+    from attention_service.engine.decode_steps import _readable
+
+    job = _step([5], new=True, seed=0)
+    other = SimpleNamespace(on_device=True, u8=SimpleNamespace(device=torch.device("cuda", 1)),
+                            device_readable=True, pinned=False)
+    span = job.span("q")
+    assert span is not None
+    job = Job(job.params, cache=job.cache,
+              spans={**{n: job.span(n) for n in NAMES}, "q": (other, *span[1:])})  # type: ignore[misc]
+    assert not _readable(job, "q", True, torch.device("cuda", 0))
+    assert _readable(job, "q", True, torch.device("cuda", 1))
+    assert _readable(job, "q", True, None)  # no device named: tests without one
+    assert not eligible(BatchPlan([job]), device=torch.device("cuda", 0))
+
+
 def test_a_batch_is_gathered_padded_and_scattered_through_its_copy_table() -> None:
     """Three jobs in one arena (5 sequences: bucket 8, 3 new tokens: bucket 4): the gather
     puts every q and new k/v in its rows of the buffers, padding tokens repeat the first, and
