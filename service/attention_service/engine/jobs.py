@@ -5,7 +5,6 @@ PendingLaunch handles the backends return."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -49,8 +48,8 @@ class CacheWork:
 
 
 # Where a tensor's bytes are, for a typed view made on first use: (base, byte offset, dtype,
-# shape). The engine's request path makes none (``Job.host_bytes`` reads the bytes through
-# numpy): every torch call releases and retakes the GIL, and on the engine's reader thread,
+# shape). The engine's step path makes none (``decode_steps.places`` reads the spans'
+# addresses): every torch call releases and retakes the GIL, and on the engine's reader thread,
 # against the dispatcher and completer, four views a request took a fifth of its GIL time
 # (py-spy, H100 host, 64 decode sessions).
 LazyTensor = tuple["ByteBase", int, torch.dtype, tuple[int, ...]]
@@ -114,28 +113,6 @@ class Job:
         since keeps the span: the same bytes); None when it was given as a tensor, or
         replaced by one (``set_tensor``)."""
         return self._spans.get(name)
-
-    def on_host(self, name: str) -> bool:
-        """Whether tensor ``name`` exists and lies in host memory (no view or slice made)."""
-        span = self._spans.get(name)
-        if span is not None:
-            return span[0].np is not None
-        t = self._tensors[name]
-        return t is not None and t.device.type == "cpu"
-
-    def host_bytes(self, name: str) -> np.ndarray | None:
-        """Tensor ``name``'s bytes as a uint8 numpy array over its memory when that is host
-        memory (None otherwise, or when absent): no torch call on the request path."""
-        span = self._spans.get(name)
-        if span is not None:
-            base, offset, dtype, shape = span
-            if base.np is None:
-                return None
-            return base.np[offset : offset + math.prod(shape) * dtype.itemsize]
-        t = self._tensors[name]
-        if t is None or t.device.type != "cpu":
-            return None
-        return t.reshape(-1).view(torch.uint8).numpy()
 
     @property
     def flops(self) -> int:
