@@ -122,7 +122,8 @@ def _readable(job: Job, name: str, registered: bool, device: torch.device | None
         return False
     if t.is_cuda:
         return device is None or t.device == device
-    return t.is_pinned()
+    # Registered memory is pinned too, and a tensor does not say which kind it is.
+    return registered and t.is_pinned()
 
 
 def places(job: Job) -> dict[str, Place]:
@@ -202,7 +203,8 @@ class StepShape:
         """The most units one input row and one output row of the copy table may move."""
         r = self.row_bytes
         most_in = max(self.batch * r["q"], self.new_rows * r["k"])
-        return -(-most_in // self.unit), -(-self.batch * r["out"] // self.unit)
+        most_out = self.batch * max(r["out"], r["lse"])  # lse rows are longer at head_dim 1
+        return -(-most_in // self.unit), -(-most_out // self.unit)
 
     @functools.cached_property
     def tables(self) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int]:
@@ -401,6 +403,9 @@ class _StepGraph:
         if self.device.type == "cuda":
             copy_segments(rows, self.shape.unit, units)
         else:  # the CPU tests: host addresses, the reference's memmove per row
+            # What the kernel's grid would leave out, refused: the reference copies any length.
+            longest = int(rows[:, 2].max()) if len(rows) else 0
+            assert longest <= units, f"a copy of {longest} units, the grid's {units}"
             copy_segments_ref(rows, self.shape.unit)
 
     def gather(self) -> None:
@@ -471,8 +476,11 @@ class _StepGraph:
         self.captured += 1
 
     def holds(self, rows: list[list[int]]) -> bool:
-        """Whether a free staging's block table holds ``rows`` already."""
-        return any(staging.table_rows == rows for staging in self._free)
+        """Whether a free staging's block table holds ``rows`` already. By index, as
+        ``staging`` walks it: the completer appends to the free list meanwhile, and an
+        iterator over a deque that grows raises."""
+        free = self._free
+        return any(free[i].table_rows == rows for i in range(len(free)))
 
     def staging(self, rows: list[list[int]] | None = None) -> Staging:
         """A free staging (its graph captured), or a new one when all are in flight. One

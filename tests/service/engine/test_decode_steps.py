@@ -290,10 +290,11 @@ def test_a_misaligned_span_takes_a_smaller_unit() -> None:
     launch's copies move 4-byte units, in a bucket of their own, and still copy exactly."""
     arena = Arena()
     job = _step([5, 9], new=True, seed=8, arena=arena)
-    base, offset, dtype, dims = job.span("q")  # type: ignore[misc]
+    base, _, dtype, dims = job.span("q")  # type: ignore[misc]
     q = job.q.clone()
-    moved = (base, offset + 4, dtype, dims)  # the arena's next bytes are free
-    base.u8[offset + 4 : offset + 4 + q.numel() * 4] = q.reshape(-1).view(torch.uint8)
+    at = arena.at + 4  # past every span placed: free bytes
+    moved = (base, at, dtype, dims)
+    base.u8[at : at + q.numel() * 4] = q.reshape(-1).view(torch.uint8)
     job = Job(job.params, cache=job.cache,
               spans={**{n: job.span(n) for n in NAMES if n != "q"}, "q": moved})  # type: ignore[misc]
     plan = BatchPlan([job])
@@ -301,6 +302,70 @@ def test_a_misaligned_span_takes_a_smaller_unit() -> None:
     assert shape.unit == 4 and shape != StepShape.of(plan)
     graph.gather()
     assert torch.equal(graph.buf["q"][:2], q)
+
+
+def test_lse_rows_longer_than_out_rows_are_copied_whole() -> None:
+    """head_dim 1 in bf16: a sequence's lse row (4 bytes a head) is twice its out row (2), so
+    the output copy's grid is sized by the longer (the CPU copy refuses what the kernel's grid
+    would leave out)."""
+    b, h, d = 4, 64, 1
+    q = torch.randn(b, h, d).bfloat16()
+    empty = torch.empty(0, HKV, d).bfloat16()
+    params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[q.dtype], (b, h, d), (0, HKV, d),
+                         [0] * (b + 1), None, return_lse=True)
+    pool = torch.zeros(b, PAGE_TOKENS, HKV, d, dtype=torch.bfloat16)
+    cache = CacheWork(k_pages=pool, v_pages=pool, block_table=[[i] for i in range(b)],
+                      seq_lens=[3] * b, slot_pages=[], slot_offsets=[], flops=0, kv_bytes=0,
+                      finish=lambda ok: ())
+    job = Arena().spans_of(Job(params, q, empty, empty, torch.zeros_like(q), torch.zeros(b, h),
+                               cache=cache))
+    plan = BatchPlan([job])
+    shape, graph, _ = _staged(plan)
+    assert shape.row_bytes["lse"] == 2 * shape.row_bytes["out"]
+    graph.out.copy_(torch.randn(graph.out.shape))
+    graph.lse.copy_(torch.randn(graph.lse.shape))
+    graph.scatter()
+    assert torch.equal(job.out, graph.out) and torch.equal(job.lse, graph.lse)
+
+
+def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``DecodeSteps.launch`` on the CPU (the device work and CUDA's stream calls stubbed):
+    two layers' steps staged on streams 0 and 1, then each named on the other stream (a
+    merged launch shifted the round robin): each runs where its table is staged, and no graph
+    is made for the stream it moved off."""
+    from attention_service.engine.decode_steps import DecodeSteps
+
+    class _Event:
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def record(self, stream: object = None) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+        def elapsed_time(self, other: object) -> float:
+            return 0.0
+
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
+    ran: list[tuple[object, Staging]] = []
+    monkeypatch.setattr(_StepGraph, "run_staged", lambda g, st: ran.append((g, st)))
+    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0", "s1"],  # type: ignore[list-item]
+                        graphs=False)
+    arena = Arena(1 << 20)
+    layers = [_step([40, 9], new=False, seed=1, arena=arena),
+              _step([17, 70], new=False, seed=2, pages_from=30, arena=arena)]
+    for layer, stream in ((0, 0), (1, 1), (0, 1), (1, 0), (0, 0)):
+        steps.launch(BatchPlan([layers[layer]]), stream).wait()
+    where = {id(g): i for (_, i, _), g in steps._graphs.items()}
+    assert sorted(where.values()) == [0, 1]  # one graph per layer's shape, on its own stream
+    assert [where[id(g)] for g, _ in ran] == [0, 1, 0, 1, 0]
+    assert ran[0][1] is ran[2][1] is ran[4][1] and ran[1][1] is ran[3][1]  # one staging each
 
 
 # ---- FP8 caches on the staged path: its host side, and its device work run eagerly on the
