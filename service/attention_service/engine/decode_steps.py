@@ -16,8 +16,9 @@ reads at its host address, or device memory: CUDA IPC regions) into the graph's 
 scatter of the new tokens into their pool slots, the split-K paged decode kernel, and one more
 ``copy_segments`` launch that writes out and lse straight into each job's destinations. The
 host touches no tensor bytes: packing a B=64 step's 768 KiB of inputs into the staging and its
-512 KiB of outputs back out with numpy took ~140 us of the engine's GIL per step (trace_step
---socket, H200), and a device-memory job's per-tensor ``copy_`` calls ~10-20 us each. The
+512 KiB of outputs back out with numpy took ~150 us of the engine's GIL per step (trace_step
+--socket, H200: the step's p50 went 1216 -> 1045 us without them, the graph's GPU time 209 ->
+195 us), and a device-memory job's per-tensor ``copy_`` calls ~10-20 us each. The
 copies are graph nodes because each torch call on the launch path costs the engine tens of
 microseconds at one client (benchmarks/trace_step.py). So a step's ``kernel_seconds`` is the
 graph's GPU time, its copies included, and its h2d/d2h seconds are 0.
