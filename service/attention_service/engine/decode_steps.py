@@ -419,13 +419,12 @@ class _StepGraph:
         shape = self.shape
         self._copy(self.dev["copies"][shape.copies_in :], shape.longest_copy[1])
 
-    def run_eager(self, store: bool = True, copy: bool = True) -> None:
-        """The device work over the device tables: gather the inputs, store the new tokens,
-        decode, write the outputs to their destinations (``copy`` False: neither copy, as a
-        capture's first eager run over zero tables)."""
+    def run_eager(self, store: bool = True) -> None:
+        """The device work over the device tables: gather the inputs, store the new tokens
+        (``store`` False: not, as a capture's first eager run over zero tables), decode, write
+        the outputs to their destinations."""
         d, b, shape = self.dev, self.buf, self.shape
-        if copy:
-            self.gather()
+        self.gather()
         if store and shape.store:
             slots = (d["slots"][0], d["slots"][1])
             k, v = b["k"], b["v"]
@@ -441,8 +440,7 @@ class _StepGraph:
             num_splits=key.num_splits, return_lse=True, out=self.out, lse_out=self.lse,
             **self.fp8,
         )
-        if copy:
-            self.scatter()
+        self.scatter()
 
     def run_staged(self, staging: Staging) -> None:
         """The whole step on the current stream: the staged tables in, the work."""
@@ -457,14 +455,15 @@ class _StepGraph:
         # A first eager run compiles whatever Triton variant this shape needs (a compile inside
         # a capture failed for an fp32 variant on an H100), as the captured calls take it
         # (``for_cuda_graphs``: on Hopper, the decode's PDL merge). Its tables are zeros:
-        # every length is 0, so nothing is read; the store is left out, since slot (0, 0) may
-        # hold a live cache's key, and the copies (their variant is compiled at warm-up).
+        # every length is 0, so nothing is read or copied (the copies run, so their unit's
+        # variant is compiled here too when no warm-up did); the store is left out, since
+        # slot (0, 0) may hold a live cache's key.
         # After this thread's work so far (the zero fill of this graph's fresh buffers).
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with self.kernels.for_cuda_graphs():
             if not self.captured:
                 with torch.cuda.stream(stream):
-                    self.run_eager(store=False, copy=False)
+                    self.run_eager(store=False)
                 stream.synchronize()
             graph = torch.cuda.CUDAGraph()
             # thread_local: the completer thread synchronizes on events meanwhile, which a
