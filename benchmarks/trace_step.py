@@ -1,9 +1,10 @@
 """Where one client's decode step spends its time: a timestamp at every hand-off, every process.
 
 Starts a server (``python -m attention_service``, batching on) with the hooks of
-``benchmarks/step_trace_hooks`` loaded in each of its processes, creates ``--batch`` KV caches,
-appends a ``--context``-token prompt to each and runs ``--steps`` CacheDecode steps over all of
-them (one new token per cache a step) one after another from one client (a unary call each,
+``benchmarks/step_trace_hooks`` loaded in each of its processes, creates ``--batch`` KV caches
+(per ``--layers`` layer), appends a ``--context``-token prompt to each and runs ``--steps``
+CacheDecode steps over all of a layer's (one new token per cache a step; the layers in turn)
+one after another from one client (a unary call each,
 or ``--stream``: one CacheDecodeSteps stream, as ``decode_steps()`` sends them, or ``--socket``:
 through the server's step socket, ``--step-socket``, from a raw blocking client). The client
 times each step; the server's processes record entry (``>``) and exit (``<``) of the functions
@@ -97,46 +98,53 @@ def _answer(sock: socket.socket) -> pb.AttentionResult:
     return result
 
 
-def _socket_steps(path: str, message: bytes, n: int) -> list[tuple[int, int, float]]:
-    """``n`` steps of ``message`` through the step socket at ``path``, one at a time."""
+def _socket_steps(path: str, messages: list[bytes], n: int) -> list[tuple[int, int, float]]:
+    """``n`` steps through the step socket at ``path``, one at a time, step i sending
+    ``messages[i % len(messages)]``."""
     hello = STEP_SOCKET_HELLO + b"\n"  # any server instance, no token
-    frame = SOCKET_FRAME.pack(len(message)) + message  # built once: the loop times the trip
+    # Built once: the loop times the trip.
+    frames = [SOCKET_FRAME.pack(len(m)) + m for m in messages]
     out = []
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(path)
         sock.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
         _answer(sock)
-        for _ in range(n):
+        for i in range(n):
             t0 = time.perf_counter_ns()
-            sock.sendall(frame)
+            sock.sendall(frames[i % len(frames)])
             kernel = _answer(sock).stats.kernel_seconds
             out.append((t0, time.perf_counter_ns(), kernel))
     return out
 
 
 async def _drive(target: str, s: Shapes, steps: int, warm: int, stream: bool, batch: int,
-                 store: bool, socket_path: str | None = None) -> list[tuple[int, int, float]]:
+                 store: bool, socket_path: str | None = None,
+                 layers: int = 1) -> list[tuple[int, int, float]]:
     """(t0 ns, t1 ns, kernel seconds) of each measured step; ``stream``: the steps go on one
     CacheDecodeSteps stream (``client.decode_steps()``), ``socket_path``: through that step
-    socket, else a unary call each; ``batch`` caches per step."""
-    ids = [f"trace-{i}" for i in range(batch)]
+    socket, else a unary call each; ``batch`` caches per step, step i on layer ``i % layers``
+    (each layer its own caches, as a model host's layers alternate)."""
+    per_layer = [[f"trace-l{j}-{i}" for i in range(batch)] for j in range(layers)]
     async with grpc.aio.insecure_channel(target) as ch:
         create = ch.unary_unary(METHOD + "CreateCaches",
                                 request_serializer=pb.CreateCachesRequest.SerializeToString,
                                 response_deserializer=pb.CreateCachesResponse.FromString)
-        await create(pb.CreateCachesRequest(cache_ids=ids, layout=s.layout()), timeout=60)
-        for cache_id in ids:
-            setup, step = _requests(s, "sessions", cache_id, 0)
-            await _call(ch, "AppendKV", setup)
-        if batch > 1 or not store:
-            step = _batch_step(s, ids, store)
+        layer_steps = []
+        for ids in per_layer:
+            await create(pb.CreateCachesRequest(cache_ids=ids, layout=s.layout()), timeout=60)
+            for cache_id in ids:
+                setup, step = _requests(s, "sessions", cache_id, 0)
+                await _call(ch, "AppendKV", setup)
+            layer_steps.append(_batch_step(s, ids, store) if batch > 1 or not store else step)
         if socket_path is not None:  # a blocking client: off the event loop
-            return (await asyncio.to_thread(_socket_steps, socket_path, step[0],
+            return (await asyncio.to_thread(_socket_steps, socket_path,
+                                            [step[0] for step in layer_steps],
                                             warm + steps))[warm:]
         out = []
         steps_stream = _StepStream(ch) if stream else None
         try:
             for i in range(warm + steps):
+                step = layer_steps[i % layers]
                 t0 = time.perf_counter_ns()
                 if steps_stream is not None:
                     stats = await steps_stream.step(step[0])
@@ -252,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="steps through the server's step socket (--step-socket): no gRPC, no "
                    "front end")
     p.add_argument("--batch", type=int, default=1, help="caches (sequences) per step")
+    p.add_argument("--layers", type=int, default=1,
+                   help="cache sets the steps alternate over, as a model host's layers")
     p.add_argument("--store", action=argparse.BooleanOptionalAction, default=True,
                    help="keep each step's token in the caches (--no-store: the caches stay "
                    "at --context)")
@@ -261,6 +271,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.stream and args.socket:
         p.error("--stream or --socket, not both")
+    if args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     socket_path = None
     if args.socket:  # the server started here listens there too
         socket_path = os.path.join(tempfile.gettempdir(), f"trace-step-{os.getpid()}.sock")
@@ -271,14 +283,16 @@ def main(argv: list[str] | None = None) -> int:
     steps, info, events = traced_run(
         args, out_dir, "trace_step",
         lambda target: asyncio.run(_drive(target, s, args.steps, args.warm_steps, args.stream,
-                                       args.batch, args.store, socket_path)))
+                                       args.batch, args.store, socket_path,
+                                       args.layers)))
     if not events:
         print("no server events: were the hooks loaded? (see trace_step_server.log)")
         return 1
     result = breakdown(steps, events)
     kernel_us = statistics.median(k for *_, k in steps) * 1e6
     mode = "socket" if args.socket else "stream" if args.stream else "unary"
-    summary = (f"B={args.batch}, H={s.h}, H_kv={s.hkv}, D={s.d} {s.dtype}, context {s.ctx}, "
+    summary = (f"B={args.batch}, {args.layers} layer(s), H={s.h}, H_kv={s.hkv}, D={s.d} "
+               f"{s.dtype}, context {s.ctx}, "
                f"store={args.store}, {mode}; {len(steps)} "
                f"steps, {result['path_share']:.0%} took the path below. Step p50 "
                f"{result['median_total_us']:.0f} us, kernel p50 {kernel_us:.1f} us.")

@@ -19,12 +19,14 @@ def test_trace_step_times_every_hop_of_a_step(tmp_path: Path, stream: bool) -> N
     cmd = [sys.executable, str(ROOT / "benchmarks" / "trace_step.py"), "--device", "cpu",
            "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--context", "40",
            "--steps", "40", "--warm-steps", "10", "--frontends", "2", "--out", str(tmp_path)]
-    cmd += ["--stream"] if stream else []
+    cmd += ["--stream", "--layers", "2"] if stream else []  # steps alternate over 2 layers
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=220, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     [path] = tmp_path.glob("trace_step_*.json")
     got = json.loads(path.read_text())
     assert got["steps"] == 40 and got["frontends"] == 2
+    assert got["args"]["layers"] == (2 if stream else 1)
+    assert f"{got['args']['layers']} layer(s)" in proc.stdout
     hops = [hop for hop, _ in got["rows"]]
     assert hops[0] == "client call" and hops[-1] == "reply"
     labels = " ".join(hops)
