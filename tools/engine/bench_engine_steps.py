@@ -34,8 +34,8 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.engine.core import EngineCore, FrontendConnection
-from attention_service.engine.decode_steps import Staging, StepShape, fits, places, step_unit
-from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
+from attention_service.engine.decode_steps import Staging, StepShape, places, step_shape
+from attention_service.engine.jobs import PINNED, BatchPlan, LaunchTimes, PendingLaunch
 from attention_service.ipc.channel import Channel, ControlCall, Done, Failed, Submit, corked
 from attention_service.metrics import Metrics
 from attention_service.params import Op, make_params
@@ -57,10 +57,9 @@ class StagingOnlyBackend(HostOnlyBackend):
         self._staging: dict[StepShape, tuple[Staging, dict[str, int], torch.Tensor]] = {}
 
     def launch(self, plan: BatchPlan) -> PendingLaunch:
-        if fits(plan):  # the load's arena is not page-locked here: the rest is as on a GPU
-            where = [places(job) for job in plan.jobs]
-            shape = StepShape.of(plan)
-            shape = StepShape.of(plan, step_unit(plan, where, shape))
+        where = places(plan)
+        if where is not None:
+            shape = step_shape(plan, where)
             got = self._staging.get(shape)
             if got is None:  # the graph's buffers, in host memory here
                 buffers = torch.empty(shape.buffers[1], dtype=torch.uint8)
@@ -229,6 +228,9 @@ def main() -> int:
     kv_bytes = args.kv_heads * args.head_dim * 2
     arena = torch.zeros(max(max(args.clients) * 2 * (args.heads * args.head_dim * 2 + kv_bytes),
                             args.context * kv_bytes), dtype=torch.uint8)
+    # Counted as page-locked, as the cuda backend registers an arena: the launches then take
+    # the step graphs' host side (``places``, its checks included) as on a GPU.
+    PINNED[arena.data_ptr()] = arena.numel()
     mine, theirs = socket.socketpair()
     conn = FrontendConnection(0, core, arena, ThreadPoolExecutor(1), lambda m: None)
     channel = Channel(mine, conn.on_message, conn.on_channel_close, "engine-0",

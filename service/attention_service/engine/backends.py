@@ -192,8 +192,9 @@ class CudaBackend:
             raise Cancelled()
         index = self._next_stream
         self._next_stream = (index + 1) % len(self.streams)
-        if self.steps.eligible(plan):
-            return self.steps.launch(plan, index)
+        where = self.steps.places(plan)  # None: not for the step graphs
+        if where is not None:
+            return self.steps.launch(plan, index, where)
         return self._cuda_launch.launch_on_stream(self._kernels, plan, self.device,
                                                   self.streams[index])
 

@@ -66,7 +66,6 @@ from attention_wire.pb import attention_pb2 as pb
 MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-token steps)
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
 _ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
-_INPUTS = ("q", "k", "v")
 _OUTPUTS = ("out", "lse")
 
 # A tensor's place for the copy table: (address, bytes).
@@ -88,15 +87,32 @@ def fits(plan: BatchPlan) -> bool:
     return len(plan.seq_lens) <= MAX_BATCH and plan.table_width <= MAX_TABLE_WIDTH
 
 
+def places(plan: BatchPlan, registered: bool = True,
+           device: torch.device | None = None) -> list[dict[str, Place]] | None:
+    """Where each job's tensors lie, as (address, bytes), when the launch ``fits`` and
+    ``device`` may take every address as it is (a kernel reads or writes it there); else None
+    (the general path). ``device``'s memory counts (another GPU's needs peer access a kernel
+    cannot assume; None: any device, for tests without one), and so does page-locked host
+    memory: torch's pinned blocks (``ByteBase.pinned``), and memory page-locked by registration
+    (``cudaHostRegister``: arenas, shared-memory regions) where ``registered``
+    (``can_use_host_pointers``). No view of a span is made."""
+    if not fits(plan):
+        return None
+    where = []
+    for job in plan.jobs:
+        got = {}
+        for name in _tensor_names(job):
+            place = _place(job, name, registered, device)
+            if place is None:
+                return None
+            got[name] = place
+        where.append(got)
+    return where
+
+
 def eligible(plan: BatchPlan, registered: bool = True,
              device: torch.device | None = None) -> bool:
-    """A launch that ``fits``, every tensor where ``device`` reads and writes it at its
-    address: that device's memory (another GPU's needs peer access a kernel cannot assume;
-    None: any device, for tests without one), or page-locked host memory. ``registered``:
-    whether host memory page-locked by registration (``cudaHostRegister``: arenas,
-    shared-memory regions) counts (``can_use_host_pointers``)."""
-    return fits(plan) and all(_readable(job, name, registered, device) for job in plan.jobs
-                              for name in _tensor_names(job))
+    return places(plan, registered, device) is not None
 
 
 def _tensor_names(job: Job) -> tuple[str, ...]:
@@ -108,39 +124,40 @@ def _tensor_names(job: Job) -> tuple[str, ...]:
     return names
 
 
-def _readable(job: Job, name: str, registered: bool, device: torch.device | None) -> bool:
-    """Whether ``device`` may take tensor ``name``'s address as it is (a kernel reads or
-    writes it there): a span of a ``device_readable`` block, or a contiguous tensor on the
-    device or in page-locked host memory."""
+def _place(job: Job, name: str, registered: bool, device: torch.device | None
+           ) -> Place | None:
+    """Tensor ``name``'s (address, bytes), or None where ``places`` says it may not be taken."""
     span = job.span(name)
     if span is not None:
-        base = span[0]
+        base, offset, dtype, dims = span
         if base.on_device:
-            return device is None or base.u8.device == device
-        return base.device_readable and (registered or base.pinned)
+            ok = device is None or base.u8.device == device
+        else:
+            ok = base.device_readable and (registered or base.pinned)
+        return (base.ptr + offset, math.prod(dims) * dtype.itemsize) if ok else None
     t = job.tensor(name)
     if t is None or not t.is_contiguous():
-        return False
-    if t.is_cuda:
-        return device is None or t.device == device
+        return None
     # Registered memory is pinned too, and a tensor does not say which kind it is.
-    return registered and t.is_pinned()
+    ok = (device is None or t.device == device) if t.is_cuda else registered and t.is_pinned()
+    return (t.data_ptr(), t.numel() * t.element_size()) if ok else None
 
 
-def places(job: Job) -> dict[str, Place]:
-    """Where each of the job's tensors lies: (address, bytes), from its span (no view made)
-    or its tensor."""
-    got = {}
-    for name in _tensor_names(job):
-        span = job.span(name)
-        if span is not None:
-            base, offset, dtype, dims = span
-            got[name] = (base.ptr + offset, math.prod(dims) * dtype.itemsize)
-        else:
-            t = job.tensor(name)
-            assert t is not None
-            got[name] = (t.data_ptr(), t.numel() * t.element_size())
-    return got
+def row_bytes(params: Params) -> dict[str, int]:
+    """Bytes of one row (a sequence's, or a new token's) of each of a launch's tensors."""
+    q = params.num_heads * params.head_dim * TORCH_DTYPES[params.dtype].itemsize
+    kv = params.num_kv_heads * params.head_dim * TORCH_DTYPES[params.kv_dtype].itemsize
+    return {"q": q, "k": kv, "v": kv, "out": q, "lse": params.num_heads * 4}
+
+
+def step_shape(plan: BatchPlan, where: list[dict[str, Place]]) -> StepShape:
+    """The launch's bucket, its copy unit the largest that divides every address and length
+    of its copies (buffer offsets are multiples of 128 bytes and of the row sizes)."""
+    bits = 0
+    for job in where:
+        for at, n in job.values():
+            bits |= at | n
+    return StepShape.of(plan, unit_of(bits, *row_bytes(plan.shared).values()))
 
 
 @dataclass(frozen=True)
@@ -159,6 +176,7 @@ class StepShape:
 
     @staticmethod
     def of(plan: BatchPlan, unit: int = 8) -> StepShape:
+        """``plan``'s bucket at copy unit ``unit`` (``step_shape`` finds the launch's)."""
         n = len(plan.slot_pages)
         return StepShape(plan.key, plan.shared, bucket(len(plan.seq_lens)),
                          bucket(plan.table_width), bucket(n) if n else 0,
@@ -193,11 +211,7 @@ class StepShape:
 
     @functools.cached_property
     def row_bytes(self) -> dict[str, int]:
-        """Bytes of one row (a sequence's, or a new token's) of each tensor."""
-        k = self.params
-        q = k.num_heads * k.head_dim * TORCH_DTYPES[k.dtype].itemsize
-        kv = k.num_kv_heads * k.head_dim * TORCH_DTYPES[k.kv_dtype].itemsize
-        return {"q": q, "k": kv, "v": kv, "out": q, "lse": k.num_heads * 4}
+        return row_bytes(self.params)
 
     @functools.cached_property
     def longest_copy(self) -> tuple[int, int]:
@@ -255,16 +269,6 @@ def _carve(u8: torch.Tensor, layout: list[tuple[str, torch.dtype, tuple[int, ...
             for name, dt, dims, at in layout}
 
 
-def step_unit(plan: BatchPlan, where: list[dict[str, Place]], shape: StepShape) -> int:
-    """The largest copy unit that divides every address and length of the launch's copies
-    (buffer offsets are multiples of 128 bytes and of the row sizes)."""
-    bits = 0
-    for job in where:
-        for at, n in job.values():
-            bits |= at | n
-    return unit_of(bits, *shape.row_bytes.values())
-
-
 class Staging:
     """One launch's pinned host tables, each with the graph captured over its buffers."""
 
@@ -275,8 +279,8 @@ class Staging:
         self.lens = self.views["lens"].numpy()
         self.table = self.views["table"].numpy()
         self.slots = self.views["slots"].numpy()
-        self.copied = (0, 0)  # copy-table rows written by the last fill (inputs, outputs)
-        self.copy_rows: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] | None = None
+        # The copy-table rows the last fill wrote (inputs, outputs).
+        self.copy_rows: tuple[list[tuple[int, int, int]], list[tuple[int, int, int]]] = ([], [])
         # The launch's two timing events, made on its first launch and reused with it: the
         # staging goes back to its graph only after they are read.
         self.events: list[torch.cuda.Event] | None = None
@@ -357,18 +361,13 @@ class Staging:
         # calls, each several us on a busy engine).
         if (ins, outs) == self.copy_rows:
             return
-        self.copy_rows = (ins, outs)
-        copies, unit = self.copies, shape.unit
-        n_in, n_out = len(ins), len(outs)
-        out_at = shape.copies_in
-        for at, rows in ((0, ins), (out_at, outs)):
+        copies, unit, out_at = self.copies, shape.unit, shape.copies_in
+        for at, rows, last in ((0, ins, self.copy_rows[0]), (out_at, outs, self.copy_rows[1])):
             if rows:
                 copies[at : at + len(rows), :3] = rows
                 copies[at : at + len(rows), 2] //= unit
-        last_in, last_out = self.copied
-        copies[n_in:last_in, 2] = 0
-        copies[out_at + n_out : out_at + last_out, 2] = 0
-        self.copied = (n_in, n_out)
+            copies[at + len(rows) : at + len(last), 2] = 0  # the last fill's extra rows
+        self.copy_rows = (ins, outs)
 
 
 class _StepGraph:
@@ -475,29 +474,26 @@ class _StepGraph:
         staging.graph = graph
         self.captured += 1
 
-    def holds(self, rows: list[list[int]]) -> bool:
-        """Whether a free staging's block table holds ``rows`` already. By index, as
-        ``staging`` walks it: the completer appends to the free list meanwhile, and an
-        iterator over a deque that grows raises."""
+    def take(self, rows: list[list[int]]) -> Staging | None:
+        """A free staging whose block table holds ``rows`` already, the most recent first
+        (with several steps in flight a model host's layers alternate, and each layer's steps
+        then find their table written; ``Staging.fill``), or None. By index: the completer
+        appends to the free list meanwhile, and an iterator over a deque that grows raises."""
         free = self._free
-        return any(free[i].table_rows == rows for i in range(len(free)))
+        for i in range(len(free) - 1, -1, -1):
+            if free[i].table_rows == rows:
+                staging = free[i]
+                del free[i]
+                staging.table_rows = rows  # equal: ``fill``'s check then compares by identity
+                return staging
+        return None
 
-    def staging(self, rows: list[list[int]] | None = None) -> Staging:
-        """A free staging (its graph captured), or a new one when all are in flight. One
-        whose block table holds ``rows`` already comes first: with several steps in flight a
-        model host's layers alternate, and each layer's steps then find their table written
-        (``Staging.fill``: ~100 us to rewrite 64 rows, dev box). No staging is made for that
-        alone: a capture in the middle of traffic holds the launching thread."""
-        free = self._free
-        if rows is not None:
-            for i in range(len(free) - 1, -1, -1):  # the most recent first
-                if free[i].table_rows == rows:
-                    staging = free[i]
-                    del free[i]
-                    staging.table_rows = rows  # equal: ``fill``'s check then compares by identity
-                    return staging
+    def staging(self) -> Staging:
+        """A free staging (its graph captured), or a new one when all are in flight. None is
+        made for a table alone (``take``): a capture in the middle of traffic holds the
+        launching thread."""
         try:
-            return free.pop()
+            return self._free.pop()
         except IndexError:
             pass
         staging = Staging(self.shape, pin=self.device.type == "cuda")
@@ -547,8 +543,13 @@ class DecodeSteps:
         self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
         self._registered = can_use_host_pointers(device.index or 0)
 
+    def places(self, plan: BatchPlan) -> list[dict[str, Place]] | None:
+        """``places`` for this device: where the launch's tensors lie when it takes this path
+        (``launch``), else None."""
+        return places(plan, self._registered, self.device)
+
     def eligible(self, plan: BatchPlan) -> bool:
-        return eligible(plan, self._registered, self.device)
+        return self.places(plan) is not None
 
     @property
     def captured(self) -> int:
@@ -567,30 +568,32 @@ class DecodeSteps:
             self._graphs[gkey] = got
         return got
 
-    def launch(self, plan: BatchPlan, stream_index: int) -> PendingLaunch:
-        """Issue ``plan`` (``eligible``) on stream ``stream_index``; don't wait."""
+    def launch(self, plan: BatchPlan, stream_index: int,
+               where: list[dict[str, Place]] | None = None) -> PendingLaunch:
+        """Issue ``plan`` on stream ``stream_index`` (or on the stream whose staging holds its
+        table already); don't wait. ``where``: ``places(plan)``, not None (made here if not
+        given)."""
         work = plan.jobs[0].cache
         assert work is not None
-        where = [places(job) for job in plan.jobs]
-        shape = StepShape.of(plan)
-        unit = step_unit(plan, where, shape)
-        if unit != shape.unit:
-            shape = StepShape.of(plan, unit)
-        rows = plan.block_table
-        graph = self._graphs.get((shape, stream_index, work.k_pages.data_ptr()))
-        if graph is None or not graph.holds(rows):
-            # Another stream's graph whose staging holds this table (a model host's layers
-            # alternate, each on the stream its table was staged on, until a merged launch
-            # shifts the round robin by one: then every table was rewritten, ~7% of the
-            # engine's GIL time at 2 B=64 steps in flight in a py-spy profile, H200).
-            for other in range(len(self.streams)):
-                got = self._graphs.get((shape, other, work.k_pages.data_ptr()))
-                if other != stream_index and got is not None and got.holds(rows):
-                    graph, stream_index = got, other
-                    break
-        if graph is None:
+        if where is None:
+            where = self.places(plan)
+        assert where is not None, "launch takes an eligible plan"
+        shape = step_shape(plan, where)
+        rows, pages = plan.block_table, work.k_pages.data_ptr()
+        # The named stream's graph first, then the others': a staging that holds this table
+        # (a model host's layers alternate, each on the stream its table was staged on, until
+        # a merged launch shifts the round robin by one: then every table was rewritten, ~7%
+        # of the engine's GIL time at 2 B=64 steps in flight in a py-spy profile, H200).
+        order = [stream_index, *(i for i in range(len(self.streams)) if i != stream_index)]
+        for index in order:
+            graph = self._graphs.get((shape, index, pages))
+            staging = graph.take(rows) if graph is not None else None
+            if staging is not None:
+                stream_index = index
+                break
+        else:  # no graph is made for a stream the step does not run on
             graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
-        staging = graph.staging(rows)
+            staging = graph.staging()
         try:
             staging.fill(plan, shape, where, graph.addresses)
         except BaseException:

@@ -19,7 +19,7 @@ from attention_service.engine.decode_steps import (
     bucket,
     eligible,
     places,
-    step_unit,
+    step_shape,
 )
 from attention_service.engine.dtypes import WIRE_DTYPES
 from attention_service.engine.jobs import PINNED, BatchPlan, ByteBase, CacheWork, Job
@@ -82,13 +82,19 @@ def _step(seq_lens: list[int], new: bool, seed: int, pages_from: int = 0,
     return (arena or Arena()).spans_of(job)
 
 
+def _copied(staging: Staging) -> tuple[int, int]:
+    """Copy-table rows the staging's last fill wrote (inputs, outputs)."""
+    ins, outs = staging.copy_rows
+    return len(ins), len(outs)
+
+
 def _staged(plan: BatchPlan, staging: Staging | None = None
             ) -> tuple[StepShape, _StepGraph, Staging]:
     """The plan's shape, a graph of it on the CPU (run eagerly) and a staging filled for it,
     its tables copied to the graph's as a replay's first node does."""
-    where = [places(j) for j in plan.jobs]
-    shape = StepShape.of(plan)
-    shape = StepShape.of(plan, step_unit(plan, where, shape))
+    where = places(plan)
+    assert where is not None
+    shape = step_shape(plan, where)
     work = plan.jobs[0].cache
     assert work is not None
     graph = _StepGraph(attention_kernels, shape, work.k_pages, work.v_pages,
@@ -132,18 +138,18 @@ def test_device_memory_counts_only_on_the_launching_device() -> None:
     address: a kernel reading it needs peer access (the general path copies it)."""
     from types import SimpleNamespace
 
-    from attention_service.engine.decode_steps import _readable
+    from attention_service.engine.decode_steps import _place
 
     job = _step([5], new=True, seed=0)
     other = SimpleNamespace(on_device=True, u8=SimpleNamespace(device=torch.device("cuda", 1)),
-                            device_readable=True, pinned=False)
+                            device_readable=True, pinned=False, ptr=1 << 20)
     span = job.span("q")
     assert span is not None
     job = Job(job.params, cache=job.cache,
               spans={**{n: job.span(n) for n in NAMES}, "q": (other, *span[1:])})  # type: ignore[misc]
-    assert not _readable(job, "q", True, torch.device("cuda", 0))
-    assert _readable(job, "q", True, torch.device("cuda", 1))
-    assert _readable(job, "q", True, None)  # no device named: tests without one
+    assert _place(job, "q", True, torch.device("cuda", 0)) is None
+    assert _place(job, "q", True, torch.device("cuda", 1)) is not None
+    assert _place(job, "q", True, None) is not None  # no device named: tests without one
     assert not eligible(BatchPlan([job]), device=torch.device("cuda", 0))
 
 
@@ -194,13 +200,13 @@ def test_a_refill_leaves_no_stale_copy_rows() -> None:
     arena = Arena()
     four = BatchPlan([_step([5], new=True, seed=s, arena=arena) for s in (4, 5, 6, 7)])
     shape, graph, staging = _staged(four)
-    assert staging.copied == (12, 8)
+    assert _copied(staging) == (12, 8)
     three = BatchPlan([_step([5, 6], new=True, seed=8, arena=arena),
                        _step([7], new=True, seed=9, arena=arena),
                        _step([3], new=False, seed=10, arena=arena)])
     assert StepShape.of(three) == shape
-    staging.fill(three, shape, [places(j) for j in three.jobs], graph.addresses)
-    assert staging.copied == (9, 6)  # 7 inputs, the padding token's k and v; 3 out, 3 lse
+    staging.fill(three, shape, places(three), graph.addresses)
+    assert _copied(staging) == (9, 6)  # 7 inputs, the padding token's k and v; 3 out, 3 lse
     assert (staging.copies[9 : shape.copies_in, 2] == 0).all()
     assert (staging.copies[shape.copies_in + 6 :, 2] == 0).all()
     graph.dev_u8.copy_(staging.u8)
@@ -225,12 +231,13 @@ def test_a_staging_rewrites_its_copies_only_when_they_changed() -> None:
     staging.copies[:] = -1  # nothing else writes it
     again = Job(first.jobs[0].params, cache=first.jobs[0].cache,
                 spans={n: first.jobs[0].span(n) for n in NAMES})  # type: ignore[misc]
-    staging.fill(BatchPlan([again]), shape, [places(again)], graph.addresses)
+    again_plan = BatchPlan([again])
+    staging.fill(again_plan, shape, places(again_plan), graph.addresses)
     assert (staging.copies == -1).all()
     moved = BatchPlan([_step([5, 9], new=True, seed=2, arena=arena)])  # other spans
-    staging.fill(moved, shape, [places(j) for j in moved.jobs], graph.addresses)
-    assert (staging.copies[: staging.copied[0], 2] == written[: staging.copied[0], 2]).all()
-    assert (staging.copies[: staging.copied[0], 0] != written[: staging.copied[0], 0]).all()
+    staging.fill(moved, shape, places(moved), graph.addresses)
+    assert (staging.copies[: _copied(staging)[0], 2] == written[: _copied(staging)[0], 2]).all()
+    assert (staging.copies[: _copied(staging)[0], 0] != written[: _copied(staging)[0], 0]).all()
 
 
 def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
