@@ -302,15 +302,11 @@ class CacheRegistry:
                     c.pages, c.length = pages, total
             elif fresh:  # the reserved pages go back in one call; the caches are intact
                 pool.free(fresh)
-            released = False
             for c in caches:
                 c.busy, c.last_used = False, now
-                released = released or c.released
-            if released:
-                for c in caches:
-                    if c.released:
-                        pool.free(c.pages)
-                        c.pages = []
+                if c.released:  # released during the call: its pages go now
+                    pool.free(c.pages)
+                    c.pages = []
             return tuple(c.length for c in caches)
 
     # ---- the control rpcs ---------------------------------------------------------------
