@@ -31,16 +31,12 @@ def _supported(t: torch.Tensor, fp8: bool) -> bool:
             or (fp8 and t.dtype in FP8_KV_DTYPES))
 
 
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q",
-               fp8_q: bool = False) -> None:
-    """``fp8_q``: the call takes float8_e4m3fn queries (contiguous prefill only)."""
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
     for name, t in ((q_name, q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-        if not _supported(t, name != q_name or fp8_q):
-            extra = " (float8_e4m3fn queries: contiguous prefill only)" if (
-                name == q_name and t.dtype in FP8_KV_DTYPES) else ""
-            raise ValueError(f"{name} has unsupported dtype {t.dtype}{extra}")
+        if not _supported(t, True):  # float8_e4m3fn q needs FP8 k, v (``_check_common``)
+            raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k, v, q_name, "k", "v")
 
 
@@ -89,7 +85,7 @@ def check_prefill_inputs(
     cu_seqlens_q: torch.Tensor,
     cu_seqlens_k: torch.Tensor,
 ) -> None:
-    _check_qkv(q, k, v, fp8_q=True)
+    _check_qkv(q, k, v)
     _check_cu(cu_seqlens_q, "cu_seqlens_q", q.device)
     _check_cu(cu_seqlens_k, "cu_seqlens_k", q.device)
     if cu_seqlens_q.shape[0] != cu_seqlens_k.shape[0]:
@@ -126,7 +122,7 @@ def check_paged_inputs(
             layout = ("[tokens, num_heads, head_dim]" if dims == 3 else
                       "[num_pages, page_tokens, num_kv_heads, head_dim]")
             raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
-        if not _supported(t, name != "q"):
+        if not _supported(t, True):
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k_pages, v_pages, "q", "k_pages", "v_pages")
     if k_pages.shape[1] < 1:

@@ -48,6 +48,7 @@ from attention_kernels._checks import (
     check_kv_scales,
     check_outputs,
     check_paged_inputs,
+    check_query_scale,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
@@ -81,6 +82,7 @@ from attention_kernels.configs import (
     paged_decode_config,
     paged_split_count,
 )
+from attention_kernels.fp8 import FP8_DTYPE, widened_queries
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
@@ -464,6 +466,7 @@ def decode(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of one query token per sequence against its packed keys/values.
@@ -486,10 +489,18 @@ def decode(
         k_scale, v_scale: with float8_e4m3fn ``k, v`` (fp16/bf16 ``q``), float32 ``[H_kv]``:
             kv head ``g`` stands for ``k[:, g] * k_scale[g]`` (``attention_kernels.fp8``); or
             ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
+        q_scale: with float8_e4m3fn ``q`` (and FP8 ``k, v``), float32 ``[H_kv]`` or
+            ``[batch, H_kv]`` (FlashAttention-3's ``q_descale``): the queries are widened to
+            bf16 and their scale folded into the key scale (``fp8.widened_queries``); the
+            output is bf16.
     Empty sequences give zeros (lse -inf). A call whose inputs have the shapes, strides, dtypes,
     devices and alignment of an earlier call with the same other arguments reuses that call's
     checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.
     """
+    if q.dtype == FP8_DTYPE:
+        q, k_scale, v_scale = widened_queries(q, k, q_scale, k_scale, v_scale, q.shape[0])
+    elif q_scale is not None:
+        check_query_scale(q, k, q_scale, 0)  # raises: q_scale is for FP8 queries
     mode = _merge_mode(q.device)
     if pads_decode(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
@@ -526,6 +537,7 @@ def paged_decode(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
     _config: DecodeConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``decode`` over a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -540,9 +552,14 @@ def paged_decode(
         seqlens_k: int32 ``[batch]`` keys per sequence (trusted values, 0 allowed).
         max_seqlen_k: a host-side hint for the split count (``max_pages_per_seq * page_tokens``
             otherwise, an upper bound); never read from the device.
-        Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
-        outputs as in ``decode``. One compiled variant per page size.
+        Other arguments (``window_size``, ``softcap``, ``alibi_slopes``, the FP8 scales
+        included) and the outputs as in ``decode``. One compiled variant per page size.
     """
+    if q.dtype == FP8_DTYPE:
+        q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale,
+                                              q.shape[0])
+    elif q_scale is not None:
+        check_query_scale(q, k_pages, q_scale, 0)  # raises: q_scale is for FP8 queries
     mode = _merge_mode(q.device)
     key = _plan_key(True, q, k_pages, v_pages, seqlens_k, block_table, max_seqlen_k,
                     softmax_scale, num_splits, return_lse, out, lse_out, window_size, softcap,

@@ -7,16 +7,19 @@ take such K/V beside fp16/bf16 queries (``k_scale=, v_scale=``), convert each lo
 queries' dtype and fold the scales into the softmax scale (K) and the output (V), so the
 arithmetic is that of the unquantized kernel on the dequantized values.
 
-Queries may be e4m3 too (``prefill(..., q_scale=)``, FlashAttention-3's ``q_descale``): a
+Queries may be e4m3 too (``q_scale=`` in every kernel, FlashAttention-3's ``q_descale``): a
 scale per kv head (or per sequence and kv head) for the query heads that read it. On Hopper
-the Gluon prefill then runs both dots on FP8 tensor cores (``prefill_hopper``); elsewhere the
-queries are widened exactly to bf16 (``prefill_kernel._fp8_prefill``). The output is bf16
-either way.
+the Gluon prefill then runs both dots on FP8 tensor cores (``prefill_hopper``); elsewhere, and
+in decode and the paged kernels, the queries are widened exactly to bf16 with their scale
+folded into the keys' (``widened_queries``): a decode step reads a query tile per head against
+thousands of keys, so its dots were never the bound. The output is bf16 either way.
 """
 
 from __future__ import annotations
 
 import torch
+
+from attention_kernels._checks import check_kv_scales, check_query_scale
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -89,3 +92,27 @@ def combined_scales(q_scale: torch.Tensor, k_scale: torch.Tensor, v_scale: torch
     when either input is per sequence."""
     ks = q_scale * k_scale
     return ks.contiguous(), v_scale.expand(ks.shape).contiguous()  # the kernels index them
+
+
+def folded_scales(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None,
+                  k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, batch: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key and value scales of float8_e4m3fn ``q`` beside FP8 ``k, v``, ``q_scale`` folded
+    into the key scale (``combined_scales``), after checking all three (ValueError naming the
+    argument; ``batch``: the sequences, for per-sequence rows)."""
+    if k.dtype != FP8_DTYPE:
+        raise ValueError(f"float8_e4m3fn queries need float8_e4m3fn k and v, got {k.dtype}")
+    check_query_scale(q, k, q_scale, batch)
+    check_kv_scales(k, k_scale, v_scale, batch)
+    assert q_scale is not None and k_scale is not None and v_scale is not None
+    return combined_scales(q_scale, k_scale, v_scale)
+
+
+def widened_queries(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None,
+                    k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, batch: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn ``q`` as the FP8 K/V path takes it: ``(q in bf16, key scale, value
+    scale)``, the widening exact (every e4m3 value is a bf16 one), the scales
+    ``folded_scales``'."""
+    ks, vs = folded_scales(q, k, q_scale, k_scale, v_scale, batch)
+    return q.to(torch.bfloat16), ks, vs

@@ -71,6 +71,7 @@ def paged_decode_ref(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_decode`` in plain torch: ``decode_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k)
@@ -78,7 +79,7 @@ def paged_decode_ref(
     return decode_ref(q, k, v, cu_k, max_seqlen_k=max_seqlen_k, softmax_scale=softmax_scale,
                       num_splits=num_splits, return_lse=return_lse, compute_dtype=compute_dtype,
                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)
 
 
 def paged_prefill_ref(
@@ -100,6 +101,7 @@ def paged_prefill_ref(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``paged_prefill`` in plain torch: ``prefill_ref`` on the gathered keys/values."""
     check_paged_inputs(q, k_pages, v_pages, block_table, seqlens_k, cu_seqlens_q)
@@ -108,4 +110,4 @@ def paged_prefill_ref(
                        max_seqlen_k=max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
                        return_lse=return_lse, compute_dtype=compute_dtype,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, q_scale=q_scale)

@@ -77,7 +77,7 @@ from attention_kernels.configs import (
     prefill_config,
     short_rows_bucket,
 )
-from attention_kernels.fp8 import combined_scales
+from attention_kernels.fp8 import folded_scales, widened_queries
 from attention_kernels.fp8_widen_kernel import widen_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
@@ -625,10 +625,7 @@ def _fp8_prefill(
     The output is bf16 both ways."""
     check_prefill_inputs(q, k, v, cu_q, cu_k)
     batch = cu_q.shape[0] - 1
-    check_query_scale(q, k, q_scale, batch)
-    check_kv_scales(k, k_scale, v_scale, batch)
-    assert q_scale is not None and k_scale is not None and v_scale is not None
-    ks, vs = combined_scales(q_scale, k_scale, v_scale)
+    ks, vs = folded_scales(q, k, q_scale, k_scale, v_scale, batch)
     plain = window_size == (-1, -1) and not softcap and alibi_slopes is None and config is None
     if not _fp8_gluon_ok(q, k, v, batch, plain):
         return prefill(q.to(torch.bfloat16), k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
@@ -673,6 +670,7 @@ def paged_prefill(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
     _config: PrefillConfig | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``prefill`` against a paged KV cache (``flash_attn_with_kvcache``'s layout).
@@ -691,8 +689,15 @@ def paged_prefill(
             the short-sequence ones were measured on contiguous keys of the same length only).
         Other arguments (``window_size``, ``softcap``, ``alibi_slopes`` included) and the
         outputs (``lse [H, total_q]``) as in ``prefill``. One compiled variant per page size.
+        FP8 queries (``q_scale``) are widened to bf16, their scale folded into the key scale
+        (``fp8.widened_queries``; the Gluon FP8 kernel reads contiguous keys only).
     """
     del max_seqlen_q, max_seqlen_k
+    if q.dtype == torch.float8_e4m3fn:
+        q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale,
+                                              cu_seqlens_q.shape[0] - 1)
+    elif q_scale is not None:
+        check_query_scale(q, k_pages, q_scale, 0)  # raises: q_scale is for FP8 queries
     key = _plan_key(True, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, causal,
                     softmax_scale, return_lse, out, lse_out, window_size, softcap,
                     alibi_slopes, k_scale, v_scale, _config, None)

@@ -188,9 +188,10 @@ def decode_ref(
     alibi_slopes: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One query token per sequence against its packed keys; same semantics as ``decode``
-    (FP8 ``k, v`` with their scales as in ``prefill_ref``).
+    (FP8 ``k, v`` and queries with their scales as in ``prefill_ref``).
 
     ``q [B, H, D]``; ``lse`` is float32 ``[B, H]``. ``num_splits`` and ``max_seqlen_k`` only
     steer the kernel's schedule and are ignored here. The query sits at position
@@ -205,7 +206,7 @@ def decode_ref(
     out, lse = prefill_ref(
         q, k, v, cu_q, cu_seqlens_k, softmax_scale=softmax_scale, return_lse=True,
         compute_dtype=compute_dtype, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale,
+        alibi_slopes=alibi_slopes, k_scale=k_scale, v_scale=v_scale, q_scale=q_scale,
     )
     lse = lse.t().contiguous()
     return (out, lse) if return_lse else out

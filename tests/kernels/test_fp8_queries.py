@@ -1,6 +1,7 @@
-"""FP8 (e4m3) queries beside FP8 keys and values (``prefill(..., q_scale=)``,
-FlashAttention-3's ``q_descale``), on any device: the widened path (queries to bf16, the query
-scale folded into the key scale) against the float64 reference, the scale layouts, bad input,
+"""FP8 (e4m3) queries beside FP8 keys and values (``q_scale=``, FlashAttention-3's
+``q_descale``) in prefill, decode and the paged kernels, on any device: the widened path
+(queries to bf16, the query scale folded into the key scale) against the float64 reference,
+the scale layouts, bad input,
 and the transposed values the Gluon kernel reads (``fp8_widen_kernel.transpose_values``)
 against their torch form. The FP8 tensor-core kernel itself: ``test_prefill_hopper.py``."""
 
@@ -9,7 +10,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from attention_kernels import decode, prefill, prefill_kernel, prefill_ref, quantize_kv
+from attention_kernels import (
+    decode,
+    decode_ref,
+    paged_decode,
+    paged_prefill,
+    paged_prefill_ref,
+    prefill,
+    prefill_kernel,
+    prefill_ref,
+    quantize_kv,
+)
 from attention_kernels.fp8 import (
     FP8_DTYPE,
     combined_scales,
@@ -24,6 +35,7 @@ from attention_kernels.prefill_hopper import (
     values_first_column,
 )
 from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, rel_err
+from tests.kernels.test_paged import Paged
 
 # Against the reference on the unquantized inputs, per sequence: e4m3 rounding of Q, K and V
 # (each value off by up to 1/16 of itself); measured 0.023-0.063 on these shapes (FP8 K/V
@@ -84,6 +96,80 @@ def test_prefill_of_fp8_queries(causal: bool, per_seq: bool) -> None:
     check_lse(got_lse, ref8_lse, torch.bfloat16)
 
 
+def _decode_inputs(lens: list[int], per_seq: bool) -> tuple[torch.Tensor, ...]:
+    """One query per sequence (``_inputs`` over ``lens`` keys, a query row per sequence)."""
+    q, k, v, _, k8, v8, _, ks, vs = _inputs(lens, 6, 2, 40, False)
+    q = q[: len(lens)].clone()
+    if not per_seq:
+        q8, qs = quantize_queries(q, 2)
+        return q, k, v, q8, k8, v8, qs, ks, vs
+    q *= torch.tensor([0.1 ** b for b in range(len(lens))], device=DEVICE)[:, None, None]
+    parts = [quantize_queries(q[b : b + 1], 2) for b in range(len(lens))]
+    return (q, k, v, torch.cat([p for p, _ in parts]), k8, v8,
+            torch.stack([s for _, s in parts]), ks.expand(len(lens), 2).contiguous(),
+            vs.expand(len(lens), 2).contiguous())
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["packed", "paged"])
+@pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
+def test_decode_of_fp8_queries(per_seq: bool, paged: bool) -> None:
+    """``decode`` and ``paged_decode`` of FP8 queries: bf16 output against the reference on the
+    same FP8 inputs at bf16's tolerance and on the unquantized ones at ``FP8_QKV_TOL``; lse;
+    poisoned buffers; GQA; an empty sequence, a sequence of one key, splits."""
+    lens = [1, 0, 37, 70]
+    q, k, v, q8, k8, v8, qs, ks, vs = _decode_inputs(lens, per_seq)
+    cu = cu_seqlens(lens)
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    lse = torch.empty(len(lens), 6, dtype=torch.float32, device=DEVICE)
+    poison_(out)
+    poison_(lse)
+    kw = dict(return_lse=True, out=out, lse_out=lse, num_splits=3, q_scale=qs, k_scale=ks,
+              v_scale=vs)
+    if paged:
+        c = Paged(lens, 16, 2, 40, FP8_DTYPE, kv=(k8, v8))
+        got, got_lse = paged_decode(q8, c.k_pages, c.v_pages, c.block_table, c.seqlens_k, **kw)
+    else:
+        got, got_lse = decode(q8, k8, v8, cu, **kw)
+    assert got.dtype == torch.bfloat16 and got.data_ptr() == out.data_ptr()
+    assert torch.isfinite(got).all()
+    ref8, ref8_lse = decode_ref(q8, k8, v8, cu, return_lse=True, compute_dtype=torch.float64,
+                                q_scale=qs, k_scale=ks, v_scale=vs)
+    assert ref8.dtype == torch.bfloat16
+    ref = decode_ref(q.double(), k.double(), v.double(), cu)
+    for b, n in enumerate(lens):
+        if n:
+            assert rel_err(got[b], ref8[b]) < TOL[torch.bfloat16]
+            assert rel_err(got[b], ref[b]) < FP8_QKV_TOL
+        else:
+            assert (got[b] == 0).all()
+    check_lse(got_lse, ref8_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_paged_prefill_of_fp8_queries(causal: bool) -> None:
+    """``paged_prefill`` of FP8 queries (per-sequence scales): as the contiguous prefill."""
+    lens_q, lens_k = [3, 0, 20], [3, 5, 50]
+    q, _, _, q8, _, _, qs, _, _ = _inputs(lens_q, 4, 2, 40, True)
+    _, k, v, _, k8, v8, _, ks, vs = _inputs(lens_k, 4, 2, 40, False)
+    cu_q, cu_k = cu_seqlens(lens_q), cu_seqlens(lens_k)
+    c = Paged(lens_k, 16, 2, 40, FP8_DTYPE, kv=(k8, v8))
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=DEVICE)
+    poison_(out)
+    got = paged_prefill(q8, c.k_pages, c.v_pages, c.block_table, cu_q, c.seqlens_k,
+                        causal=causal, out=out, q_scale=qs, k_scale=ks, v_scale=vs)
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    ref8 = paged_prefill_ref(q8, c.k_pages, c.v_pages, c.block_table, cu_q, c.seqlens_k,
+                             causal=causal, compute_dtype=torch.float64, q_scale=qs,
+                             k_scale=ks, v_scale=vs)
+    ref = prefill_ref(q.double(), k.double(), v.double(), cu_q, cu_k, causal=causal)
+    ends = cu_q.tolist()
+    for b in range(len(lens_q)):
+        rows = slice(ends[b], ends[b + 1])
+        if lens_q[b]:
+            assert rel_err(got[rows], ref8[rows]) < TOL[torch.bfloat16]
+            assert rel_err(got[rows], ref[rows]) < FP8_QKV_TOL
+
+
 def test_quantized_queries_take_their_kv_heads_scale() -> None:
     """Query head ``h`` takes kv head ``h // group``'s scale (FlashAttention-3's
     ``q_descale`` layout): the group's largest magnitude maps to 448, the round trip is
@@ -131,8 +217,24 @@ def test_fp8_queries_bad_input_names_the_argument() -> None:
         prefill(q8, bf, bf, cu, q_scale=qs)
     with pytest.raises(ValueError, match="q_scale is for float8_e4m3fn q"):
         prefill(q8.to(torch.bfloat16), k8, v8, cu, q_scale=qs, k_scale=ks, v_scale=vs)
-    with pytest.raises(ValueError, match="contiguous prefill only"):
-        decode(q8[:2], k8, v8, cu_seqlens([3, 4]), k_scale=ks, v_scale=vs)
+    # Decode and the paged kernels check the same way.
+    cu_k = cu_seqlens([3, 4])
+    with pytest.raises(ValueError, match="q_scale is required"):
+        decode(q8[:2], k8, v8, cu_k, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match="float8_e4m3fn queries need float8_e4m3fn k and v"):
+        decode(q8[:2], bf, bf, cu_k, q_scale=qs)
+    with pytest.raises(ValueError, match="q_scale is for float8_e4m3fn q"):
+        decode(q8[:2].to(torch.bfloat16), k8, v8, cu_k, q_scale=qs, k_scale=ks, v_scale=vs)
+    with pytest.raises(ValueError, match=r"q_scale must be float32 \[num_kv_heads=2\] or "
+                       r"\[batch=2"):
+        decode(q8[:2], k8, v8, cu_k, q_scale=torch.ones(3, 2, device=DEVICE), k_scale=ks,
+               v_scale=vs)
+    c = Paged(lens, 16, 2, 16, FP8_DTYPE, kv=(k8, v8))
+    with pytest.raises(ValueError, match="q_scale is required"):
+        paged_decode(q8[:2], c.k_pages, c.v_pages, c.block_table, c.seqlens_k, k_scale=ks,
+                     v_scale=vs)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        paged_prefill(q8, c.k_pages, c.v_pages, c.block_table, cu, c.seqlens_k, q_scale=qs)
 
 
 def test_fp8_gluon_path_is_taken_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
