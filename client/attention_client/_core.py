@@ -553,16 +553,16 @@ class ClientCore:
         self, q: Any, k: Any, v: Any, cu_seqlens_k: Any, *,
         softmax_scale: float | None = None, num_splits: int = 0, return_lse: bool = False,
         window_size: Any = (-1, -1), softcap: float = 0.0, alibi_slopes: Any = None,
-        k_scale: Any = None, v_scale: Any = None, out: Any = None,
+        k_scale: Any = None, v_scale: Any = None, q_scale: Any = None, out: Any = None,
         use_regions: bool | None = None, timeout: Any = DEFAULT, metadata: Any = None,
         wait_for_ready: bool | None = None,
     ) -> Any:
         """One query token per sequence: q ``[B, H, D]``, packed k/v; lse ``[B, H]``.
-        ``k_scale``/``v_scale`` (FP8 k/v), ``out``, ``use_regions``, ``timeout``,
-        ``metadata``, ``wait_for_ready`` as in ``attention``."""
+        ``k_scale``/``v_scale`` (FP8 k/v), ``q_scale`` (FP8 q: a bfloat16 output), ``out``,
+        ``use_regions``, ``timeout``, ``metadata``, ``wait_for_ready`` as in ``attention``."""
         settings = self._settings(timeout, metadata, wait_for_ready, argnames.DECODE)
         score, kv_scales = ScoreMods.of(window_size, softcap, alibi_slopes), kv_scales_of(
-            k_scale, v_scale)
+            k_scale, v_scale, q_scale)
         whole, parts = self._split_call(
             lambda q, k, v, score, kv_scales: self._prepare_decode(
                 q, k, v, cu_seqlens_k, softmax_scale, num_splits, return_lse, out, use_regions,

@@ -70,7 +70,7 @@ def prepare_decode(
     score: ScoreMods | None = None,
     kv_scales: KvScales | None = None,
 ) -> PreparedRequest:
-    wq, wk, wv = encode_qkv(q, k, v, placement)
+    wq, wk, wv = encode_qkv(q, k, v, placement, fp8_queries=True)
     require_rank(wq, 3, "[B, H, D]")
     for t in (wk, wv):
         require_rank(t, 3, "packed [total_k, H_kv, D]")

@@ -438,14 +438,15 @@ def encode_qkv(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Encode q, k, v (q None: k alone, and the q returned is k);
     AttentionInputError when their dtypes or k/v shapes differ. ``fp8_queries``: the call
-    takes float8_e4m3fn queries beside float8_e4m3fn keys and values (a stateless prefill)."""
+    takes float8_e4m3fn queries beside float8_e4m3fn keys and values (a stateless prefill or
+    decode)."""
     first = (q, names[0]) if q is not None else (k, names[1])
     describe(*first)  # q's errors (else k's) before the others'
     wk, wv = tensor_of(k, names[1], placement), tensor_of(v, names[2], placement)
     wq = tensor_of(q, names[0], placement) if q is not None else wk
     fp8_q = fp8_queries and wq.dtype == pb.FLOAT8_E4M3
     if q is not None and wq.dtype not in QUERY_DTYPES and not fp8_q:
-        also = (" (float8_e4m3fn queries: attention() only)"
+        also = (" (float8_e4m3fn queries: attention() and decode() only)"
                 if wq.dtype == pb.FLOAT8_E4M3 else "")
         raise AttentionInputError(f"{names[0]} has dtype {dtype_name(wq.dtype)}: queries take "
                                   f"float16, bfloat16 or float32{also}")

@@ -361,6 +361,9 @@ def flash_attn_with_kvcache(
     num_splits: int = 0,
     return_softmax_lse: bool = False,
     *,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
     client: AttentionClient | None = None,
 ) -> Any:
     """``flash_attn.flash_attn_with_kvcache`` (2.x), the compatibility path for decode code
@@ -373,7 +376,9 @@ def flash_attn_with_kvcache(
     ``[B, H, S_q]`` float32. Every step sends the whole context: a KV cache kept on the server
     (``client.kv_cache``, ``decode_steps``) sends only q and the new tokens (docs/client.md).
     Rotary embedding is not applied here: ``rotary_cos``/``rotary_sin`` raise
-    NotImplementedError; ``num_splits`` is accepted (the server chooses)."""
+    NotImplementedError; ``num_splits`` is accepted (the server chooses). FP8 caches (and
+    queries) take FlashAttention-3's ``q_descale`` / ``k_descale`` / ``v_descale``, as in
+    ``flash_attn_varlen_func``."""
     if rotary_cos is not None or rotary_sin is not None:
         raise _refuse("rotary_cos" if rotary_cos is not None else "rotary_sin",
                       "rotary embedding is not applied by the remote op; rotate q and k "
@@ -433,7 +438,9 @@ def flash_attn_with_kvcache(
     res = _varlen(q.reshape(batch * s_q, *q.shape[2:]), torch.cat(keys), torch.cat(values),
                   cu_q, torch.tensor(cu_k, dtype=torch.int32), causal=causal,
                   softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
-                  alibi_slopes=alibi_slopes, return_lse=return_softmax_lse, client=client)
+                  alibi_slopes=alibi_slopes, return_lse=return_softmax_lse, client=client,
+                  descales={"q_descale": q_descale, "k_descale": k_descale,
+                            "v_descale": v_descale})
     if not return_softmax_lse:
         return res.reshape(q.shape)
     out, lse = res  # lse [H, B * S_q] -> flash_attn's [B, H, S_q]

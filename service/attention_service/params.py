@@ -70,8 +70,9 @@ class Op(enum.Enum):
         # and computes attention at all (AppendKV: no q, no outputs, no kernel).
         op.kernel = kernel
         op.queries = kernel is not None
-        # Takes FLOAT8_E4M3 queries (with KvScales.q): the contiguous prefill kernel does.
-        op.fp8_queries = kernel == "prefill"
+        # Takes FLOAT8_E4M3 queries (with KvScales.q): the stateless ops, whose request
+        # carries its scales (a cached op's come from its caches' layout, with no query's).
+        op.fp8_queries = kernel in ("prefill", "decode")
         op.header = pb.DecodeHeader if decode_like else pb.PrefillHeader
         return op
 

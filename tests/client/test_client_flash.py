@@ -342,6 +342,38 @@ def test_flash_attn_with_kvcache_paged_and_without_new_tokens(client) -> None:  
     torch.testing.assert_close(out.double(), torch.stack(want), atol=1e-5, rtol=1e-5)
 
 
+def test_flash_attn_with_kvcache_in_fp8_with_descales(client) -> None:  # type: ignore[no-untyped-def]
+    """FP8 q and caches with FlashAttention-3's descales: the new FP8 tokens land in the
+    caller's cache, and the bfloat16 output matches float64 on the dequantized keys; a
+    descale on 16-bit inputs is an input error."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    g = torch.Generator().manual_seed(9)
+    k_cache8, ks = attention_kernels.quantize_kv(torch.randn(2, 12, 2, 16, generator=g))
+    v_cache8, vs = attention_kernels.quantize_kv(torch.randn(2, 12, 2, 16, generator=g))
+    q8, qs = quantize_queries(torch.randn(2, 4, 16, generator=g), 2)
+    k8, _ = attention_kernels.quantize_kv(torch.randn(2, 2, 16, generator=g), ks)
+    v8, _ = attention_kernels.quantize_kv(torch.randn(2, 2, 16, generator=g), vs)
+    seqlens = torch.tensor([3, 9], dtype=torch.int32)
+    out = flash.flash_attn_with_kvcache(q8[:, None], k_cache8, v_cache8, k8[:, None],
+                                        v8[:, None], cache_seqlens=seqlens, q_descale=qs,
+                                        k_descale=ks, v_descale=vs, client=client)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 1, 4, 16)
+    assert torch.equal(k_cache8[1, 9].view(torch.uint8), k8[1].view(torch.uint8))
+    deq = dequantize_queries(q8, qs, 2, torch.float64)
+    keys = [attention_kernels.dequantize_kv(k_cache8[b, : n + 1], ks, torch.float64)
+            for b, n in enumerate((3, 9))]
+    values = [attention_kernels.dequantize_kv(v_cache8[b, : n + 1], vs, torch.float64)
+              for b, n in enumerate((3, 9))]
+    want, _ = _kvcache_ref(deq[:, None], keys, values, causal=False)
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < 2e-2, err
+    with pytest.raises(AttentionInputError, match="q_descale is for float8_e4m3fn q"):
+        flash.flash_attn_with_kvcache(deq[:, None].bfloat16(), k_cache8, v_cache8,
+                                      cache_seqlens=4, q_descale=qs, k_descale=ks,
+                                      v_descale=vs, client=client)
+
+
 def test_flash_attn_with_kvcache_refusals() -> None:
     q = torch.randn(1, 1, 4, 16)
     cache = torch.randn(1, 8, 2, 16)

@@ -13,7 +13,7 @@ from attention_client import AsyncAttentionClient, AttentionClient, AttentionInp
 from attention_client._decode import prepare_decode
 from attention_client._layouts import KvLayout
 from attention_client._prefill import prepare_prefill
-from attention_client._requests import kv_scales_of
+from attention_client._requests import encode_qkv, kv_scales_of
 from attention_client._tensors import as_wire_dtype, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
@@ -322,8 +322,10 @@ def test_fp8_query_client_refusals(change, words):
     q8, k8, v8, qs, ks, vs = _qkv8(4)
     with pytest.raises(AttentionInputError, match="q_scale is missing|v_scale is missing"):
         kv_scales_of(ks, None, qs)
-    with pytest.raises(AttentionInputError, match="attention\\(\\) only"):
+    with pytest.raises(AttentionInputError, match="float8_e4m3fn q needs q_scale"):
         prepare_decode(q8[:2], k8, v8, [0, 2, 4], kv_scales=kv_scales_of(ks, vs))
+    with pytest.raises(AttentionInputError, match="attention\\(\\) and decode\\(\\) only"):
+        encode_qkv(q8, k8, v8, None)  # a cached op's: its caches' scales have no query's
     q_scale = change.get("q_scale", qs)
     if change.get("q") == "bf16":
         q8 = q8.to(torch.bfloat16)
@@ -337,9 +339,8 @@ def test_fp8_query_client_refusals(change, words):
 
 def test_fp8_queries_end_to_end(client):
     """FP8 q, k, v through the server (cpu backend: queries widened exactly, the query scale
-    folded into the key scale): bf16 out and lse like float64 on the dequantized inputs; an
-    ``out=``-less call and one with a bf16 ``out`` region buffer; the wrong ``out`` dtype is
-    refused naming bfloat16."""
+    folded into the key scale), in attention() and decode(): bf16 out and lse like float64 on
+    the dequantized inputs, q at one byte per element."""
     q8, k8, v8, qs, ks, vs = _qkv8(45)
     cu = torch.tensor([0, 1, 20, 45], dtype=torch.int32)
     out, lse = client.attention(q8, k8, v8, cu, causal=True, q_scale=qs, k_scale=ks,
@@ -347,6 +348,14 @@ def test_fp8_queries_end_to_end(client):
     assert out.dtype == torch.bfloat16
     ref, ref_lse = attention_kernels.prefill_ref(_deq_q(q8, qs), _deq(k8, ks), _deq(v8, vs),
                                                  cu, causal=True, return_lse=True)
+    check_out(out, ref, "bfloat16", out)
+    np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=1e-4, atol=2e-3)
+    # decode: one query per sequence, the same scales.
+    out, lse = client.decode(q8[:3], k8, v8, cu, q_scale=qs, k_scale=ks, v_scale=vs,
+                             return_lse=True)
+    assert out.dtype == torch.bfloat16 and client.last_stats["bytes_in"] == (3 * 4 + 90 * 2) * 32
+    ref, ref_lse = attention_kernels.decode_ref(_deq_q(q8[:3], qs), _deq(k8, ks), _deq(v8, vs),
+                                                cu, return_lse=True)
     check_out(out, ref, "bfloat16", out)
     np.testing.assert_allclose(lse.double().numpy(), ref_lse.numpy(), rtol=1e-4, atol=2e-3)
 

@@ -99,12 +99,12 @@ def dtype_name(value: int) -> str:
 def _dtype(header_spec: pb.TensorSpec, name: str, kv: bool = False,
            op: Op | None = None) -> int:
     """A tensor's dtype: FLOAT8_E4M3 for keys and values (``kv``), and for queries of an
-    ``op`` that takes them (``Op.fp8_queries``: Prefill)."""
+    ``op`` that takes them (``Op.fp8_queries``: Prefill and Decode)."""
     fp8_ok = kv or (op is not None and op.fp8_queries)
     if header_spec.dtype not in (ELEMENT_BYTES if fp8_ok else QUERY_DTYPES):
         also = (" (or FLOAT8_E4M3 for keys and values)" if kv else
-                " (FLOAT8_E4M3 queries: Prefill only)" if header_spec.dtype == pb.FLOAT8_E4M3
-                else "")
+                " (FLOAT8_E4M3 queries: Prefill and Decode only)"
+                if header_spec.dtype == pb.FLOAT8_E4M3 else "")
         raise invalid(
             f"header.{name}.dtype",
             f"unknown or unsupported dtype {dtype_name(header_spec.dtype)}; use FLOAT16, "
@@ -157,7 +157,7 @@ def _check_qkv(
     """Dtypes and shapes of q, k, v, checked: ``make_params``' dtype, kv_dtype, q_shape and
     k_shape. ``with_q`` False (AppendKV): q must be absent, its dtype is taken as k's and its
     shape as ``[0, num_kv_heads, head_dim]``. ``empty_q``: q may have 0 rows. ``op``: the
-    rpc (a Prefill may send FLOAT8_E4M3 queries)."""
+    rpc (a Prefill or Decode may send FLOAT8_E4M3 queries)."""
     if not with_q:
         if h.HasField("q"):
             raise invalid("header.q", "set, but AppendKV takes no queries: leave q unset")
@@ -409,10 +409,11 @@ def validate_decode_header(
     """Decode and CacheDecode (whose empty cu_seqlens_k means one new token per sequence, or
     none when k has no rows)."""
     qkv = _check_qkv(h, ("batch", "num_heads", "head_dim"),
-                     max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached)
+                     max_heads_ratio=limits.max_heads_ratio, empty_q=not op.cached, op=op)
     q_shape, k_shape = qkv["q_shape"], qkv["k_shape"]
     _check_sequences(q_shape[0], "header.q.shape[0]", limits)
-    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], q_shape[0])
+    qkv["kv_scales"] = _kv_scales(h, op, qkv["kv_dtype"], k_shape[1], q_shape[0],
+                                  qkv["dtype"])
     scale = _scale(h)
     if h.num_splits < 0:
         raise invalid(

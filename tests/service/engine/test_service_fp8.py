@@ -200,6 +200,8 @@ def test_fp8_refusals_name_the_field(server, msgs, field, words) -> None:  # typ
 
 
 def test_fp8_decode_refusal_and_info(server) -> None:  # type: ignore[no-untyped-def]
+    """FP8 k/v without scales, FP8 q without its own (a k and v scale alone), and FP8 q in a
+    cached op (whose scales are its caches', with none for queries) are refused by name."""
     q, k, v = random_qkv(2, 9, 4, 2, 16, torch.float16, seed=2)
     msgs = list(decode_messages(q, k.to(FP8), v.to(FP8), [0, 4, 9]))
     code, details = _code(server.stub().Decode(iter(msgs), timeout=10))
@@ -208,9 +210,45 @@ def test_fp8_decode_refusal_and_info(server) -> None:  # type: ignore[no-untyped
                         torch.ones(2), torch.ones(2))
     code, details = _code(server.stub().Decode(iter(msgs), timeout=10))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details.startswith("header.q.dtype:") and "Prefill only" in details, details
+    assert details.startswith("header.kv_scales.q:"), details
+    msgs = list(cache_decode_messages(["c"], q.to(FP8), k[:2].to(FP8), v[:2].to(FP8)))
+    code, details = _code(server.stub().CacheDecode(iter(msgs), timeout=10))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("header.q.dtype:") and "Prefill and Decode only" in details
     info = server.stub().GetServerInfo(pb.GetServerInfoRequest(), timeout=5)
     assert pb.FLOAT8_E4M3 in info.dtypes
+
+
+@pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
+def test_fp8_queries_decode_matches_float64_and_answers_bf16(server, per_seq) -> None:  # type: ignore[no-untyped-def]
+    """FP8 q, k and v in a Decode: a BFLOAT16 output like float64 on the dequantized inputs,
+    lse too (scales per kv head, or a row per sequence: each sequence's query 10x the last);
+    q travels at one byte per element."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    cu = [0, 1, 1, 20, 57]
+    q, k, v = random_qkv(4, 57, 8, 2, 40, torch.float32, seed=31)
+    k8, v8, ks, vs = _fp8_kv(_spread(k, 10.0), v)
+    if per_seq:
+        q = q * torch.tensor([10.0 ** -b for b in range(4)])[:, None, None]
+        rows = [quantize_queries(q[b : b + 1], 2) for b in range(4)]
+        q8, qs = torch.cat([r for r, _ in rows]), torch.stack([s for _, s in rows])
+        ks, vs = ks.expand(4, 2), vs.expand(4, 2)
+    else:
+        q8, qs = quantize_queries(q * 3, 2)
+    one_each = torch.arange(5) if per_seq else None  # one query per sequence
+    out, lse_ref = decode_oracle(dequantize_queries(q8, qs, 2, torch.float64, one_each),
+                                 _deq(k8, ks[0]) if per_seq else _deq(k8, ks),
+                                 _deq(v8, vs[0]) if per_seq else _deq(v8, vs), cu)
+    msgs = list(decode_messages(q8, k8, v8, cu, return_lse=True))
+    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=ks.flatten().tolist(),
+                                                  v=vs.flatten().tolist(),
+                                                  q=qs.flatten().tolist()))
+    resp = collect(server.stub().Decode(iter(msgs), timeout=30))
+    _no_nan(resp)
+    Req("Decode", msgs, out, lse_ref, torch.bfloat16, 57).check(resp)
+    assert resp.out.dtype == torch.bfloat16
+    assert resp.stats.bytes_in == 4 * 8 * 40 + 2 * 57 * 2 * 40
 
 
 def fp8q_prefill_req(seed: int, lengths: list[int], *, heads: int = 4, kv_heads: int = 2,
