@@ -6,8 +6,8 @@ signatures. ``paged_prefill`` / ``paged_decode`` read K/V from a paged cache thr
 table (``paged_*_ref`` and ``gather_pages`` are their torch side). Every one of them takes
 flash_attn's ``window_size=(left, right)``, ``softcap`` and ``alibi_slopes`` (see
 ``reference.py`` for the semantics), and FP8 (e4m3) K/V with per-kv-head scales
-(``k_scale=, v_scale=``; ``quantize_kv`` makes them, see ``fp8.py``), and ``prefill`` FP8
-queries too (``q_scale=``; ``quantize_queries``). A repeated kernel call
+(``k_scale=, v_scale=``; ``quantize_kv`` makes them, see ``fp8.py``), and FP8 queries too
+(``q_scale=``; ``quantize_queries``). A repeated kernel call
 with the same shapes, strides, dtypes and arguments reuses its checked set-up and launches the
 compiled kernel directly (``_launch.py``): a batch-1 decode step costs ~30 us of host time. The
 Triton modules are imported lazily so the reference works without Triton.

@@ -26,16 +26,17 @@ def supported_head_dim(head_dim: int) -> bool:
     return 1 <= head_dim <= MAX_HEAD_DIM
 
 
-def _supported(t: torch.Tensor, fp8: bool) -> bool:
-    return (t.dtype in SUPPORTED_DTYPES or t.dtype == torch.float64
-            or (fp8 and t.dtype in FP8_KV_DTYPES))
+def _supported(t: torch.Tensor) -> bool:
+    """fp16/bf16/fp32, float64 (the references), or float8_e4m3fn: keys and values, and queries
+    beside FP8 keys and values (``_check_common``)."""
+    return t.dtype in SUPPORTED_DTYPES or t.dtype == torch.float64 or t.dtype in FP8_KV_DTYPES
 
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_name: str = "q") -> None:
     for name, t in ((q_name, q), ("k", k), ("v", v)):
         if t.dim() != 3:
             raise ValueError(f"{name} must be 3-D, got shape {tuple(t.shape)}")
-        if not _supported(t, True):  # float8_e4m3fn q needs FP8 k, v (``_check_common``)
+        if not _supported(t):
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k, v, q_name, "k", "v")
 
@@ -122,7 +123,7 @@ def check_paged_inputs(
             layout = ("[tokens, num_heads, head_dim]" if dims == 3 else
                       "[num_pages, page_tokens, num_kv_heads, head_dim]")
             raise ValueError(f"{name} must be {dims}-D {layout}, got shape {tuple(t.shape)}")
-        if not _supported(t, True):
+        if not _supported(t):
             raise ValueError(f"{name} has unsupported dtype {t.dtype}")
     _check_common(q, k_pages, v_pages, "q", "k_pages", "v_pages")
     if k_pages.shape[1] < 1:

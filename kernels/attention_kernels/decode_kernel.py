@@ -491,8 +491,8 @@ def decode(
             ``[batch, H_kv]``: each sequence's keys and values with scales of their own.
         q_scale: with float8_e4m3fn ``q`` (and FP8 ``k, v``), float32 ``[H_kv]`` or
             ``[batch, H_kv]`` (FlashAttention-3's ``q_descale``): the queries are widened to
-            bf16 and their scale folded into the key scale (``fp8.widened_queries``); the
-            output is bf16.
+            bf16 and their scale folded into the key scale (``fp8.widened_queries``, on every
+            call: three small device ops before the reused set-up); the output is bf16.
     Empty sequences give zeros (lse -inf). A call whose inputs have the shapes, strides, dtypes,
     devices and alignment of an earlier call with the same other arguments reuses that call's
     checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.

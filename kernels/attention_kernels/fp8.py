@@ -102,6 +102,8 @@ def folded_scales(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None
     argument; ``batch``: the sequences, for per-sequence rows)."""
     if k.dtype != FP8_DTYPE:
         raise ValueError(f"float8_e4m3fn queries need float8_e4m3fn k and v, got {k.dtype}")
+    if q.device != k.device:
+        raise ValueError(f"q and k devices differ: {q.device}, {k.device}")
     check_query_scale(q, k, q_scale, batch)
     check_kv_scales(k, k_scale, v_scale, batch)
     assert q_scale is not None and k_scale is not None and v_scale is not None

@@ -228,7 +228,7 @@ class Params:
 
     def wire_dtype(self, name: str) -> int:
         """The pb.DType of tensor ``name`` (q, k, v, out): k and v may be FP8, and q too
-        (Prefill: out is then BFLOAT16)."""
+        (Prefill or Decode: out is then BFLOAT16)."""
         if name in ("k", "v"):
             return self.kv_dtype
         return out_dtype(self.dtype) if name == "out" else self.dtype

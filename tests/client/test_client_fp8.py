@@ -13,7 +13,7 @@ from attention_client import AsyncAttentionClient, AttentionClient, AttentionInp
 from attention_client._decode import prepare_decode
 from attention_client._layouts import KvLayout
 from attention_client._prefill import prepare_prefill
-from attention_client._requests import encode_qkv, kv_scales_of
+from attention_client._requests import kv_scales_of
 from attention_client._tensors import as_wire_dtype, to_wire
 from attention_wire.pb import attention_pb2 as pb
 
@@ -204,6 +204,10 @@ def test_fp8_kv_cache_session(client):
             cache.decode(q, ["s0", "s1"], kn8.half(), vn8.half())
         with pytest.raises(AttentionInputError, match=r"caches take BFLOAT16 \(or FLOAT8"):
             cache.append("s0", kn8.half(), vn8.half())
+        q8 = attention_kernels.fp8.quantize_queries(q.float(), 2)[0]
+        with pytest.raises(AttentionInputError, match=r"attention\(\) and decode\(\) only"):
+            cache.decode(q8, ["s0", "s1"], kn8, vn8)  # a cache's scales have no query's
+        assert cache.lengths == {"s0": 13, "s1": 19}  # refused before anything was sent
 
 
 def test_fp8_async_decode(server):
@@ -324,8 +328,6 @@ def test_fp8_query_client_refusals(change, words):
         kv_scales_of(ks, None, qs)
     with pytest.raises(AttentionInputError, match="float8_e4m3fn q needs q_scale"):
         prepare_decode(q8[:2], k8, v8, [0, 2, 4], kv_scales=kv_scales_of(ks, vs))
-    with pytest.raises(AttentionInputError, match="attention\\(\\) and decode\\(\\) only"):
-        encode_qkv(q8, k8, v8, None)  # a cached op's: its caches' scales have no query's
     q_scale = change.get("q_scale", qs)
     if change.get("q") == "bf16":
         q8 = q8.to(torch.bfloat16)

@@ -18,6 +18,7 @@ from .test_service_fp8 import (
     fp8_mixed_scales_case,
     fp8_per_sequence_prefill,
     fp8_prefill_req,
+    fp8q_decode_req,
     fp8q_prefill_req,
 )
 
@@ -123,3 +124,26 @@ def test_fp8_queries_on_gpu_alone_and_merged() -> None:
         for req, resp in zip([lone, *reqs], [lone_resp, *responses], strict=True):
             assert resp.out.dtype == torch.bfloat16
             _close(resp.out, req.out, torch.bfloat16, FP8_QUERIES_TOL)
+
+
+def test_fp8_queries_decode_on_gpu_alone_and_merged() -> None:
+    """FP8 q, k and v in Decodes through the cuda backend (the kernel widens the queries and
+    folds their scales into the keys'): one alone, then three held until all queue and
+    merged into one launch, per kv head and with a row of scales per sequence; each right
+    against its own float64 answer, in bf16."""
+    with held_gpu_server() as (srv, backend):
+        lone = fp8q_decode_req(40, [0, 1, 77, 3000], dim=128)
+        reqs = [fp8q_decode_req(41 + i, [5 + 40 * i, 200, 1], per_seq=i % 2 == 1, dim=128)
+                for i in range(3)]
+        with ThreadPoolExecutor(len(reqs) + 1) as pool:
+            first = start_all(pool, srv, [lone])[0]
+            assert backend.wait_launches(1)
+            futures = start_all(pool, srv, reqs)
+            assert wait_until(lambda: srv.server.executor.queue_depth(Op.DECODE) == len(reqs))
+            backend.open_all()
+            responses = [f.result(120) for f in futures]
+            lone_resp = first.result(120)
+        assert sorted(backend.batch_sizes()) == [1, 3]
+        for req, resp in zip([lone, *reqs], [lone_resp, *responses], strict=True):
+            assert resp.out.dtype == torch.bfloat16
+            _close(resp.out, req.out, torch.bfloat16)

@@ -219,34 +219,42 @@ def test_fp8_decode_refusal_and_info(server) -> None:  # type: ignore[no-untyped
     assert pb.FLOAT8_E4M3 in info.dtypes
 
 
+def fp8q_decode_req(seed: int, k_lengths: list[int], *, per_seq: bool = False,
+                    heads: int = 8, kv_heads: int = 2, dim: int = 40) -> Req:
+    """A Decode of FP8 q, k and v (the query scales in KvScales.q: per kv head, or with
+    ``per_seq`` a row per sequence, each sequence's query 10x the next's) and its float64
+    answer on the dequantized inputs, in BFLOAT16."""
+    from attention_kernels.fp8 import dequantize_queries, quantize_queries
+
+    batch, cu = len(k_lengths), cu_from_lengths(k_lengths)
+    q, k, v = random_qkv(batch, cu[-1], heads, kv_heads, dim, torch.float32, seed=seed)
+    k8, v8, ks, vs = _fp8_kv(_spread(k, 10.0), v)
+    one_each = None  # dequantize_queries' rows: one query per sequence
+    if per_seq:
+        q = q * torch.tensor([10.0 ** -b for b in range(batch)])[:, None, None]
+        rows = [quantize_queries(q[b : b + 1], kv_heads) for b in range(batch)]
+        q8, qs = torch.cat([r for r, _ in rows]), torch.stack([s for _, s in rows])
+        one_each = torch.arange(batch + 1)
+    else:
+        q8, qs = quantize_queries(q * 3, kv_heads)
+    out, lse_ref = decode_oracle(dequantize_queries(q8, qs, kv_heads, torch.float64, one_each),
+                                 _deq(k8, ks), _deq(v8, vs), cu)
+    msgs = list(decode_messages(q8, k8, v8, cu, return_lse=True))
+    rows_of = (lambda x: x.expand(batch, kv_heads)) if per_seq else (lambda x: x)
+    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=rows_of(ks).flatten().tolist(),
+                                                  v=rows_of(vs).flatten().tolist(),
+                                                  q=qs.flatten().tolist()))
+    return Req("Decode", msgs, out, lse_ref, torch.bfloat16, cu[-1])
+
+
 @pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
 def test_fp8_queries_decode_matches_float64_and_answers_bf16(server, per_seq) -> None:  # type: ignore[no-untyped-def]
     """FP8 q, k and v in a Decode: a BFLOAT16 output like float64 on the dequantized inputs,
-    lse too (scales per kv head, or a row per sequence: each sequence's query 10x the last);
-    q travels at one byte per element."""
-    from attention_kernels.fp8 import dequantize_queries, quantize_queries
-
-    cu = [0, 1, 1, 20, 57]
-    q, k, v = random_qkv(4, 57, 8, 2, 40, torch.float32, seed=31)
-    k8, v8, ks, vs = _fp8_kv(_spread(k, 10.0), v)
-    if per_seq:
-        q = q * torch.tensor([10.0 ** -b for b in range(4)])[:, None, None]
-        rows = [quantize_queries(q[b : b + 1], 2) for b in range(4)]
-        q8, qs = torch.cat([r for r, _ in rows]), torch.stack([s for _, s in rows])
-        ks, vs = ks.expand(4, 2), vs.expand(4, 2)
-    else:
-        q8, qs = quantize_queries(q * 3, 2)
-    one_each = torch.arange(5) if per_seq else None  # one query per sequence
-    out, lse_ref = decode_oracle(dequantize_queries(q8, qs, 2, torch.float64, one_each),
-                                 _deq(k8, ks[0]) if per_seq else _deq(k8, ks),
-                                 _deq(v8, vs[0]) if per_seq else _deq(v8, vs), cu)
-    msgs = list(decode_messages(q8, k8, v8, cu, return_lse=True))
-    msgs[0].header.kv_scales.CopyFrom(pb.KvScales(k=ks.flatten().tolist(),
-                                                  v=vs.flatten().tolist(),
-                                                  q=qs.flatten().tolist()))
-    resp = collect(server.stub().Decode(iter(msgs), timeout=30))
+    lse too; q travels at one byte per element."""
+    req = fp8q_decode_req(31, [1, 0, 19, 37], per_seq=per_seq)
+    resp = collect(server.stub().Decode(iter(req.messages), timeout=30))
     _no_nan(resp)
-    Req("Decode", msgs, out, lse_ref, torch.bfloat16, 57).check(resp)
+    req.check(resp)
     assert resp.out.dtype == torch.bfloat16
     assert resp.stats.bytes_in == 4 * 8 * 40 + 2 * 57 * 2 * 40
 
