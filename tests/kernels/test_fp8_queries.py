@@ -145,6 +145,24 @@ def test_decode_of_fp8_queries(per_seq: bool, paged: bool) -> None:
     check_lse(got_lse, ref8_lse, torch.bfloat16)
 
 
+def test_decode_of_fp8_queries_with_score_options() -> None:
+    """Window, softcap and ALiBi pass through the widened path unchanged: FP8 queries give
+    the reference's answer on the same FP8 inputs with the same options."""
+    lens = [1, 30, 70]
+    _, _, _, q8, k8, v8, qs, ks, vs = _decode_inputs(lens, False)
+    cu = cu_seqlens(lens)
+    opts = dict(window_size=(17, 0), softcap=5.0,
+                alibi_slopes=torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], device=DEVICE))
+    got = decode(q8, k8, v8, cu, q_scale=qs, k_scale=ks, v_scale=vs, **opts)
+    ref = decode_ref(q8, k8, v8, cu, compute_dtype=torch.float64, q_scale=qs, k_scale=ks,
+                     v_scale=vs, **opts)
+    for b in range(len(lens)):
+        assert rel_err(got[b], ref[b]) < TOL[torch.bfloat16]
+    plain = decode_ref(q8, k8, v8, cu, compute_dtype=torch.float64, q_scale=qs, k_scale=ks,
+                       v_scale=vs)
+    assert rel_err(plain[2], ref[2]) > 0.05  # the options changed the answer
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_paged_prefill_of_fp8_queries(causal: bool) -> None:
     """``paged_prefill`` of FP8 queries (per-sequence scales): as the contiguous prefill."""
