@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import attention_kernels
+from attention_service.engine import decode_steps
 from attention_service.engine.decode_steps import (
     MAX_BATCH,
+    DecodeSteps,
     Staging,
     StepShape,
     _StepGraph,
@@ -335,33 +337,38 @@ def test_lse_rows_longer_than_out_rows_are_copied_whole() -> None:
     assert torch.equal(job.out, graph.out) and torch.equal(job.lse, graph.lse)
 
 
-def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """``DecodeSteps.launch`` on the CPU (the device work and CUDA's stream calls stubbed):
-    two layers' steps staged on streams 0 and 1, then each named on the other stream (a
-    merged launch shifted the round robin): each runs where its table is staged, and no graph
-    is made for the stream it moved off."""
-    from attention_service.engine.decode_steps import DecodeSteps
+class _Event:
+    def __init__(self, **_: object) -> None:
+        pass
 
-    class _Event:
-        def __init__(self, **_: object) -> None:
-            pass
+    def record(self, stream: object = None) -> None:
+        pass
 
-        def record(self, stream: object = None) -> None:
-            pass
+    def synchronize(self) -> None:
+        pass
 
-        def synchronize(self) -> None:
-            pass
+    def elapsed_time(self, other: object) -> float:
+        return 0.0
 
-        def elapsed_time(self, other: object) -> float:
-            return 0.0
 
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, Staging]]:
+    """``DecodeSteps.launch`` on the CPU: CUDA's events and stream calls stubbed, the device
+    work not run; each launch's (graph, staging) is noted in the list returned."""
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "set_stream", lambda s: None)
     ran: list[tuple[object, Staging]] = []
     monkeypatch.setattr(_StepGraph, "run_staged", lambda g, st: ran.append((g, st)))
+    return ran
+
+
+def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
+        launches: list[tuple[object, Staging]]) -> None:
+    """Two layers' steps staged on streams 0 and 1, then each named on the other stream (a
+    merged launch shifted the round robin): each runs where its table is staged, and no graph
+    is made for the stream it moved off."""
     steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0", "s1"],  # type: ignore[list-item]
                         graphs=False)
     arena = Arena(1 << 20)
@@ -371,8 +378,48 @@ def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
         steps.launch(BatchPlan([layers[layer]]), stream).wait()
     where = {id(g): i for (_, i, _), g in steps._graphs.items()}
     assert sorted(where.values()) == [0, 1]  # one graph per layer's shape, on its own stream
-    assert [where[id(g)] for g, _ in ran] == [0, 1, 0, 1, 0]
+    assert [where[id(g)] for g, _ in launches] == [0, 1, 0, 1, 0]
+    ran = launches
     assert ran[0][1] is ran[2][1] is ran[4][1] and ran[1][1] is ran[3][1]  # one staging each
+
+
+def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
+        launches: list[tuple[object, Staging]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Five hosts' steps of one shape, one after another, three times over (as hosts x
+    layers rotate): each table gets a staging of its own while the graph is under its cap
+    (here 3), and then finds its table written; past the cap a table takes the free staging
+    last used and rewrites it."""
+    monkeypatch.setattr(decode_steps, "_MAX_STAGINGS", 3)
+    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
+                        graphs=False)
+    arena = Arena(1 << 20)
+    hosts = [_step([40, 9], new=False, seed=h, pages_from=10 * h, arena=arena)
+             for h in range(5)]
+    pool = hosts[-1].cache.k_pages  # type: ignore[union-attr]
+    for host in hosts:  # one pool, as the server's caches share one
+        host.cache.k_pages = host.cache.v_pages = pool  # type: ignore[union-attr]
+    rewrites = []
+    fill = Staging.fill
+
+    def spy(st: Staging, plan: BatchPlan, *args: object) -> None:
+        rewrites.append(st.table_rows is not plan.block_table)
+        fill(st, plan, *args)  # type: ignore[arg-type]
+        for i, row in enumerate(plan.block_table):  # it holds the rows it runs with
+            assert st.table[i, : len(row)].tolist() == row
+
+    monkeypatch.setattr(Staging, "fill", spy)
+    for _ in range(3):
+        for host in hosts:
+            steps.launch(BatchPlan([host]), 0).wait()
+    (graph,) = steps._graphs.values()
+    assert graph.made == 3
+    held = [launches[h][1] for h in range(5)]
+    assert len({id(st) for st in held[:3]}) == 3  # one each while under the cap
+    assert held[3] is held[2] and held[4] is held[3]  # then the last used, rewritten
+    # Hosts 0 and 1 keep theirs: every later step of theirs finds its table written.
+    for h in (0, 1):
+        assert all(launches[5 * r + h][1] is held[h] for r in range(3))
+        assert not any(rewrites[5 * r + h] for r in (1, 2))
 
 
 # ---- FP8 caches on the staged path: its host side, and its device work run eagerly on the
