@@ -508,8 +508,11 @@ class _StepGraph:
         (~ms), once per staging."""
         free = self._free
         if free and self.made >= self.cap:
-            staging = max(free, key=lambda st: st.written)
-            free.remove(staging)
+            # By index, as in ``take``: the completer appends meanwhile (at the right end, so
+            # the indices read stay valid; only the launching thread removes).
+            last = max(range(len(free)), key=lambda i: free[i].written)
+            staging = free[last]
+            del free[last]
         else:
             staging = Staging(self.shape, pin=self.device.type == "cuda")
             self.made += 1
