@@ -290,7 +290,8 @@ class Staging:
         self.events: list[torch.cuda.Event] | None = None
         self.graph: torch.cuda.CUDAGraph | None = None  # tables in, copies, work, copies out
         self.table_rows: list[list[int]] | None = None  # what ``table`` holds
-        self.written = 0  # when it was last handed out for another table (``_StepGraph``)
+        self.written = 0  # when ``_StepGraph.staging`` last handed it out
+        self.ids: object = None  # the cache ids of the jobs its table was last written for
 
     def fill(self, plan: BatchPlan, shape: StepShape, where: list[dict[str, Place]],
              buffers: dict[str, int]) -> None:
@@ -482,30 +483,35 @@ class _StepGraph:
         staging.graph = graph
         self.captured += 1
 
-    def take(self, rows: list[list[int]]) -> Staging | None:
+    def take(self, rows: list[list[int]], ids: object = None) -> Staging | None:
         """A free staging whose block table holds ``rows`` already, the most recent first
         (with several steps in flight a model host's layers alternate, and each layer's steps
-        then find their table written; ``Staging.fill``), or None. By index: the completer
-        appends to the free list meanwhile, and an iterator over a deque that grows raises."""
+        then find their table written; ``Staging.fill``), or None. With ``ids``: one last
+        written for the same caches instead (their table changed where a cache gained a
+        page: ``fill`` rewrites those rows). By index: the completer appends to the free list
+        meanwhile, and an iterator over a deque that grows raises."""
         free = self._free
         for i in range(len(free) - 1, -1, -1):
-            if free[i].table_rows == rows:
-                staging = free[i]
+            staging = free[i]
+            if (staging.ids == ids) if ids is not None else (staging.table_rows == rows):
                 del free[i]
-                staging.table_rows = rows  # equal: ``fill``'s check then compares by identity
+                if ids is None:
+                    staging.table_rows = rows  # equal: ``fill`` then compares by identity
                 return staging
         return None
 
     def staging(self) -> Staging:
-        """A staging for a table no free one holds (``take`` missed): a new one while fewer
-        than ``cap`` were made (or all are in flight), so each table in a rotation gets one of
-        its own and then finds itself written (with 8 hosts x 2 layers over the few stagings
-        made for launches in flight, every step rewrote a table: ~20% of the engine's GIL time
-        in a py-spy profile, H200; 16 tables of 64 x 33 pages in rotation took 105-109 us of
-        host time a launch, and 16-18 with a staging each, dev box with CUDA stubbed); past
-        the cap, the free one handed out last, so in a rotation of more tables one staging
-        takes the misses and the others keep theirs. A capture holds the launching thread
-        (~ms), once per staging."""
+        """A staging for caches no free one was written for (``take`` missed both ways): a
+        new one while fewer than ``cap`` were made (or all are in flight), so the caches of
+        each host and layer in a rotation get one of their own, and then find their table
+        written, or rewritten only where a cache gained a page (with 8 hosts x 2 layers over
+        the few stagings made for launches in flight, every step rewrote a table: ~20% of the
+        engine's GIL time in a py-spy profile, H200; 16 tables of 64 x 33 pages in rotation
+        took 105-109 us of host time a launch, and 16-18 with a staging each, dev box with
+        CUDA stubbed). Past the cap, the free one handed out here last: in a rotation of more
+        caches than stagings, the misses fall on one staging (one per launch in flight) and
+        the others keep theirs. A capture holds the launching thread (~ms), once per
+        staging."""
         free = self._free
         if free and self.made >= self.cap:
             # By index, as in ``take``: the completer appends meanwhile (at the right end, so
@@ -589,6 +595,16 @@ class DecodeSteps:
             self._graphs[gkey] = got
         return got
 
+    def _take(self, shape: StepShape, pages: int, order: list[int], rows: list[list[int]],
+              ids: object) -> tuple[int, _StepGraph, Staging] | None:
+        """The first stream in ``order`` whose graph has a free staging ``take`` gives."""
+        for index in order:
+            graph = self._graphs.get((shape, index, pages))
+            staging = graph.take(rows, ids) if graph is not None else None
+            if staging is not None:
+                return index, graph, staging  # type: ignore[return-value]
+        return None
+
     def launch(self, plan: BatchPlan, stream_index: int,
                where: list[dict[str, Place]] | None = None) -> PendingLaunch:
         """Issue ``plan`` on stream ``stream_index`` (or on the stream whose staging holds its
@@ -605,16 +621,17 @@ class DecodeSteps:
         # (a model host's layers alternate, each on the stream its table was staged on, until
         # a merged launch shifts the round robin by one: then every table was rewritten, ~7%
         # of the engine's GIL time at 2 B=64 steps in flight in a py-spy profile, H200).
+        # Then one last written for the same caches (a cache gained a page: a row changed).
         order = [stream_index, *(i for i in range(len(self.streams)) if i != stream_index)]
-        for index in order:
-            graph = self._graphs.get((shape, index, pages))
-            staging = graph.take(rows) if graph is not None else None
-            if staging is not None:
-                stream_index = index
-                break
+        ids = tuple(job.params.cache_ids for job in plan.jobs)
+        found = self._take(shape, pages, order, rows, None) or self._take(
+            shape, pages, order, rows, ids)
+        if found is not None:
+            stream_index, graph, staging = found
         else:  # no graph is made for a stream the step does not run on
             graph = self._graph(shape, stream_index, work.k_pages, work.v_pages)
             staging = graph.staging()
+        staging.ids = ids
         try:
             staging.fill(plan, shape, where, graph.addresses)
         except BaseException:

@@ -67,7 +67,8 @@ def _step(seq_lens: list[int], new: bool, seed: int, pages_from: int = 0,
     rows = b if new else 0
     k, v = torch.randn(rows, HKV, D, generator=g), torch.randn(rows, HKV, D, generator=g)
     params = make_params(Op.CACHE_DECODE, WIRE_DTYPES[q.dtype], tuple(q.shape), tuple(k.shape),
-                         list(range(b + 1)) if new else [0] * (b + 1), None, return_lse=True)
+                         list(range(b + 1)) if new else [0] * (b + 1), None, return_lse=True,
+                         cache_ids=tuple(f"c{seed}.{pages_from}.{i}" for i in range(b)))
     table, slot_pages, slot_offsets, page = [], [], [], pages_from
     for n in seq_lens:
         pages = list(range(page, page + -(-n // PAGE_TOKENS)))
@@ -386,9 +387,9 @@ def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
 def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
         launches: list[tuple[object, Staging]], monkeypatch: pytest.MonkeyPatch) -> None:
     """Five hosts' steps of one shape, one after another, three times over (as hosts x
-    layers rotate): each table gets a staging of its own while the graph is under its cap
-    (here 3), and then finds its table written; past the cap a table takes the free staging
-    last used and rewrites it."""
+    layers rotate): each host's caches get a staging of their own while the graph is under
+    its cap (here 3), and then find their table written (or rewritten in the row of a cache
+    that gained a page); past the cap a table takes the free staging handed out last."""
     monkeypatch.setattr(decode_steps, "_MAX_STAGINGS", 3)
     steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
                         graphs=False)
@@ -420,6 +421,17 @@ def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
     for h in (0, 1):
         assert all(launches[5 * r + h][1] is held[h] for r in range(3))
         assert not any(rewrites[5 * r + h] for r in (1, 2))
+    # Host 0's second cache gains a page (a new list): its own staging again, no new one,
+    # and only that row is written.
+    work = hosts[0].cache
+    assert work is not None
+    work.block_table = [work.block_table[0], [*work.block_table[1], 40]]
+    monkeypatch.setattr(Staging, "fill", fill)  # the spy's check would see the poison
+    held[0].table[0] = -1
+    steps.launch(BatchPlan([hosts[0]]), 0).wait()
+    assert launches[-1][1] is held[0] and graph.made == 3
+    assert (held[0].table[0] == -1).all()
+    assert held[0].table[1, : len(work.block_table[1])].tolist() == work.block_table[1]
 
 
 # ---- FP8 caches on the staged path: its host side, and its device work run eagerly on the
