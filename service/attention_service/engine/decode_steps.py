@@ -67,9 +67,11 @@ MAX_BATCH = 256  # sequences per launch on this path (the budget allows ~250 4K-
 MAX_TABLE_WIDTH = 4096  # pages per sequence (256K tokens of 64-token pages)
 _ALIGN = 128  # bytes: every staged tensor starts 128-byte aligned, like a fresh allocation
 # Stagings one shape bucket keeps per stream, each holding one table (``_StepGraph.staging``):
-# as many as tables in rotation (8 hosts x 2 layers: 16), within a count and pinned bytes.
+# as many as tables in rotation (8 hosts x 2 layers: 16), within a count and pinned bytes, and
+# the pinned bytes of all buckets' (a B=64 bucket's staging: ~30 KiB, B=256 x 4096 pages: 4).
 _MAX_STAGINGS = 32
 _MAX_STAGING_BYTES = 16 << 20
+_MAX_STAGING_BYTES_ALL = 256 << 20
 _OUTPUTS = ("out", "lse")
 
 # A tensor's place for the copy table: (address, bytes).
@@ -323,6 +325,7 @@ class Staging:
         rows, old = plan.block_table, self.table_rows
         if rows is not old and rows != old:
             table = self.table
+            self.table_rows = None  # a write that fails halfway leaves a table nobody matches
             if old is None or len(old) != len(rows):
                 for i, row in enumerate(rows):
                     table[i, : len(row)] = row  # columns past a sequence's pages: never read
@@ -376,6 +379,14 @@ class Staging:
         self.copy_rows = (ins, outs)
 
 
+@dataclass
+class _Budget:
+    """Pinned bytes a DecodeSteps' graphs may still take for stagings (``_StepGraph.staging``):
+    one shared count, only ever changed under the executor's launch lock."""
+
+    left: int = _MAX_STAGING_BYTES_ALL
+
+
 class _StepGraph:
     """The device side of one shape bucket on one stream: the device tables and buffers, the
     eager work, and a free list of host stagings, each with the graph captured over its
@@ -383,9 +394,11 @@ class _StepGraph:
 
     def __init__(self, kernels: ModuleType, shape: StepShape, k_pages: torch.Tensor,
                  v_pages: torch.Tensor, device: torch.device,
-                 capture: tuple[object, torch.cuda.Stream] | None) -> None:
+                 capture: tuple[object, torch.cuda.Stream] | None,
+                 budget: _Budget | None = None) -> None:
         """``capture``: (memory pool, capture stream) to capture each staging's graph with;
-        None: run the staged work eagerly (``--no-cuda-graphs``)."""
+        None: run the staged work eagerly (``--no-cuda-graphs``). ``budget``: the pinned
+        bytes left to all graphs' stagings (``staging``)."""
         self.kernels, self.shape = kernels, shape
         self.k_pages, self.v_pages = k_pages, v_pages
         self.device = device
@@ -405,6 +418,7 @@ class _StepGraph:
         self.made = 0  # stagings made, and how many it may make for tables of their own
         self.writes = 0  # stagings handed out for a table (each one's ``written``)
         self.cap = max(2, min(_MAX_STAGINGS, _MAX_STAGING_BYTES // shape.tables[1]))
+        self.budget = budget if budget is not None else _Budget()
         # Popped by the launching thread, pushed back by the completer.
         self._free: deque[Staging] = deque()
 
@@ -502,7 +516,8 @@ class _StepGraph:
 
     def staging(self) -> Staging:
         """A staging for caches no free one was written for (``take`` missed both ways): a
-        new one while fewer than ``cap`` were made (or all are in flight), so the caches of
+        new one while fewer than ``cap`` were made and the shared ``budget`` of pinned bytes
+        allows (or when all are in flight), so the caches of
         each host and layer in a rotation get one of their own, and then find their table
         written, or rewritten only where a cache gained a page (with 8 hosts x 2 layers over
         the few stagings made for launches in flight, every step rewrote a table: ~20% of the
@@ -512,8 +527,8 @@ class _StepGraph:
         caches than stagings, the misses fall on one staging (one per launch in flight) and
         the others keep theirs. A capture holds the launching thread (~ms), once per
         staging."""
-        free = self._free
-        if free and self.made >= self.cap:
+        free, nbytes = self._free, self.shape.tables[1]
+        if free and (self.made >= self.cap or self.budget.left < nbytes):
             # By index, as in ``take``: the completer appends meanwhile (at the right end, so
             # the indices read stay valid; only the launching thread removes).
             last = max(range(len(free)), key=lambda i: free[i].written)
@@ -522,6 +537,7 @@ class _StepGraph:
         else:
             staging = Staging(self.shape, pin=self.device.type == "cuda")
             self.made += 1
+            self.budget.left -= nbytes
             if self._capture is not None:
                 self._capture_for(staging)
         self.writes += 1
@@ -556,6 +572,7 @@ class DecodeSteps:
                  graphs: bool = True) -> None:
         self.kernels, self.device, self.streams = kernels, device, streams
         self.use_graphs = graphs
+        self._budget = _Budget()  # the pinned bytes all graphs' stagings may still take
         # One memory pool per stream: a stream's graphs replay one after another, so their
         # temporaries may share memory; graphs of two streams may run at once, so they don't.
         self._pools = [torch.cuda.graph_pool_handle() for _ in streams] if graphs else []
@@ -591,7 +608,8 @@ class DecodeSteps:
             if self.use_graphs:
                 assert self._capture_stream is not None
                 capture = (self._pools[stream_index], self._capture_stream)
-            got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device, capture)
+            got = _StepGraph(self.kernels, shape, k_pages, v_pages, self.device, capture,
+                             self._budget)
             self._graphs[gkey] = got
         return got
 

@@ -434,6 +434,28 @@ def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
     assert held[0].table[1, : len(work.block_table[1])].tolist() == work.block_table[1]
 
 
+def test_the_stagings_of_every_bucket_share_one_pinned_budget(
+        launches: list[tuple[object, Staging]]) -> None:
+    """Past the pinned bytes left to all graphs' stagings (here two stagings' worth), a
+    rotation of four hosts makes no more: the misses share what was made."""
+    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
+                        graphs=False)
+    arena = Arena(1 << 20)
+    hosts = [_step([40, 9], new=False, seed=h, pages_from=10 * h, arena=arena)
+             for h in range(4)]
+    pool = hosts[-1].cache.k_pages  # type: ignore[union-attr]
+    for host in hosts:
+        host.cache.k_pages = host.cache.v_pages = pool  # type: ignore[union-attr]
+    plan = BatchPlan([hosts[0]])
+    steps._budget.left = 2 * step_shape(plan, places(plan)).tables[1]
+    for _ in range(2):
+        for host in hosts:
+            steps.launch(BatchPlan([host]), 0).wait()
+    (graph,) = steps._graphs.values()
+    assert graph.made == 2 and steps._budget.left == 0
+    assert len({id(st) for _, st in launches}) == 2
+
+
 # ---- FP8 caches on the staged path: its host side, and its device work run eagerly on the
 # CPU (the kernels under TRITON_INTERPRET=1); test_decode_steps_gpu.py adds the CUDA graphs.
 
