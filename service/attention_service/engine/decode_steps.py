@@ -517,16 +517,15 @@ class _StepGraph:
     def staging(self) -> Staging:
         """A staging for caches no free one was written for (``take`` missed both ways): a
         new one while fewer than ``cap`` were made and the shared ``budget`` of pinned bytes
-        allows (or when all are in flight), so the caches of
-        each host and layer in a rotation get one of their own, and then find their table
-        written, or rewritten only where a cache gained a page (with 8 hosts x 2 layers over
-        the few stagings made for launches in flight, every step rewrote a table: ~20% of the
-        engine's GIL time in a py-spy profile, H200; 16 tables of 64 x 33 pages in rotation
-        took 105-109 us of host time a launch, and 16-18 with a staging each, dev box with
-        CUDA stubbed). Past the cap, the free one handed out here last: in a rotation of more
-        caches than stagings, the misses fall on one staging (one per launch in flight) and
-        the others keep theirs. A capture holds the launching thread (~ms), once per
-        staging."""
+        allows (or when all are in flight), so the caches of each host and layer in a
+        rotation get one of their own and then find their table written, or rewritten only
+        where a cache gained a page (with 8 hosts x 2 layers over the few stagings made for
+        launches in flight, every step rewrote a table: ~20% of the engine's GIL time in a
+        py-spy profile, H200; 16 tables of 64 x 33 pages in rotation took 105-109 us of host
+        time a launch, and 16-18 with a staging each, dev box with CUDA stubbed). Past the
+        cap, the free one handed out here last: in a rotation of more caches than stagings,
+        the misses fall on one staging (one per launch in flight) and the others keep theirs.
+        A capture holds the launching thread (~ms), once per staging."""
         free, nbytes = self._free, self.shape.tables[1]
         if free and (self.made >= self.cap or self.budget.left < nbytes):
             # By index, as in ``take``: the completer appends meanwhile (at the right end, so
