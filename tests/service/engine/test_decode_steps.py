@@ -384,6 +384,20 @@ def test_a_launch_goes_to_the_stream_whose_staging_holds_its_table(
     assert ran[0][1] is ran[2][1] is ran[4][1] and ran[1][1] is ran[3][1]  # one staging each
 
 
+def _rotation(n: int) -> tuple[DecodeSteps, list[Job]]:
+    """CPU ``DecodeSteps`` on one stream, and ``n`` hosts' steps of one shape over one pool
+    (as the server's caches share one), each on caches of its own."""
+    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
+                        graphs=False)
+    arena = Arena(1 << 20)
+    hosts = [_step([40, 9], new=False, seed=h, pages_from=10 * h, arena=arena)
+             for h in range(n)]
+    pool = hosts[-1].cache.k_pages  # type: ignore[union-attr]
+    for host in hosts:
+        host.cache.k_pages = host.cache.v_pages = pool  # type: ignore[union-attr]
+    return steps, hosts
+
+
 def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
         launches: list[tuple[object, Staging]], monkeypatch: pytest.MonkeyPatch) -> None:
     """Five hosts' steps of one shape, one after another, three times over (as hosts x
@@ -391,14 +405,7 @@ def test_tables_in_rotation_each_keep_a_staging_up_to_the_cap(
     its cap (here 3), and then find their table written (or rewritten in the row of a cache
     that gained a page); past the cap a table takes the free staging handed out last."""
     monkeypatch.setattr(decode_steps, "_MAX_STAGINGS", 3)
-    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
-                        graphs=False)
-    arena = Arena(1 << 20)
-    hosts = [_step([40, 9], new=False, seed=h, pages_from=10 * h, arena=arena)
-             for h in range(5)]
-    pool = hosts[-1].cache.k_pages  # type: ignore[union-attr]
-    for host in hosts:  # one pool, as the server's caches share one
-        host.cache.k_pages = host.cache.v_pages = pool  # type: ignore[union-attr]
+    steps, hosts = _rotation(5)
     rewrites = []
     fill = Staging.fill
 
@@ -438,14 +445,7 @@ def test_the_stagings_of_every_bucket_share_one_pinned_budget(
         launches: list[tuple[object, Staging]]) -> None:
     """Past the pinned bytes left to all graphs' stagings (here two stagings' worth), a
     rotation of four hosts makes no more: the misses share what was made."""
-    steps = DecodeSteps(attention_kernels, torch.device("cpu"), ["s0"],  # type: ignore[list-item]
-                        graphs=False)
-    arena = Arena(1 << 20)
-    hosts = [_step([40, 9], new=False, seed=h, pages_from=10 * h, arena=arena)
-             for h in range(4)]
-    pool = hosts[-1].cache.k_pages  # type: ignore[union-attr]
-    for host in hosts:
-        host.cache.k_pages = host.cache.v_pages = pool  # type: ignore[union-attr]
+    steps, hosts = _rotation(4)
     plan = BatchPlan([hosts[0]])
     steps._budget.left = 2 * step_shape(plan, places(plan)).tables[1]
     for _ in range(2):

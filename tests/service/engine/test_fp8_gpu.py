@@ -4,6 +4,7 @@ service): stateless Prefill/Decode, FP8 caches, and the FP8 warm-up; skipped wit
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import pytest
 import torch
@@ -105,45 +106,36 @@ def test_fp8_requests_of_different_scales_merge_on_gpu() -> None:
             _close(resp.out, req.out, req.dtype)
 
 
-def test_fp8_queries_on_gpu_alone_and_merged() -> None:
-    """FP8 q, k and v through the cuda backend: one request alone, then four held until all
-    queue and merged into one launch (a packed bf16 output beside one-byte queries), each
-    right against its own float64 answer."""
+def _alone_and_merged(lone: Any, reqs: list[Any], op: Op, tol: float | None = None) -> None:
+    """``lone`` through the cuda backend by itself, then ``reqs`` held until all queue and
+    merged into one launch; each answer bf16 and right against its own float64 one."""
     with held_gpu_server() as (srv, backend):
-        lone = fp8q_prefill_req(30, [300, 77], dim=128)
-        reqs = [fp8q_prefill_req(31 + i, [129 + 40 * i, 200], dim=128) for i in range(4)]
         with ThreadPoolExecutor(len(reqs) + 1) as pool:
             first = start_all(pool, srv, [lone])[0]
             assert backend.wait_launches(1)
             futures = start_all(pool, srv, reqs)
-            assert wait_until(lambda: srv.server.executor.queue_depth(Op.PREFILL) == len(reqs))
+            assert wait_until(lambda: srv.server.executor.queue_depth(op) == len(reqs))
             backend.open_all()
             responses = [f.result(120) for f in futures]
             lone_resp = first.result(120)
-        assert sorted(backend.batch_sizes()) == [1, 4]
+        assert sorted(backend.batch_sizes()) == [1, len(reqs)]
         for req, resp in zip([lone, *reqs], [lone_resp, *responses], strict=True):
             assert resp.out.dtype == torch.bfloat16
-            _close(resp.out, req.out, torch.bfloat16, FP8_QUERIES_TOL)
+            _close(resp.out, req.out, torch.bfloat16, tol)
+
+
+def test_fp8_queries_on_gpu_alone_and_merged() -> None:
+    """FP8 q, k and v through the cuda backend: one request alone, then four merged into one
+    launch (a packed bf16 output beside one-byte queries)."""
+    _alone_and_merged(fp8q_prefill_req(30, [300, 77], dim=128),
+                      [fp8q_prefill_req(31 + i, [129 + 40 * i, 200], dim=128) for i in range(4)],
+                      Op.PREFILL, FP8_QUERIES_TOL)
 
 
 def test_fp8_queries_decode_on_gpu_alone_and_merged() -> None:
-    """FP8 q, k and v in Decodes through the cuda backend (the kernel widens the queries and
-    folds their scales into the keys'): one alone, then three held until all queue and
-    merged into one launch, per kv head and with a row of scales per sequence; each right
-    against its own float64 answer, in bf16."""
-    with held_gpu_server() as (srv, backend):
-        lone = fp8q_decode_req(40, [0, 1, 77, 3000], dim=128)
-        reqs = [fp8q_decode_req(41 + i, [5 + 40 * i, 200, 1], per_seq=i % 2 == 1, dim=128)
-                for i in range(3)]
-        with ThreadPoolExecutor(len(reqs) + 1) as pool:
-            first = start_all(pool, srv, [lone])[0]
-            assert backend.wait_launches(1)
-            futures = start_all(pool, srv, reqs)
-            assert wait_until(lambda: srv.server.executor.queue_depth(Op.DECODE) == len(reqs))
-            backend.open_all()
-            responses = [f.result(120) for f in futures]
-            lone_resp = first.result(120)
-        assert sorted(backend.batch_sizes()) == [1, 3]
-        for req, resp in zip([lone, *reqs], [lone_resp, *responses], strict=True):
-            assert resp.out.dtype == torch.bfloat16
-            _close(resp.out, req.out, torch.bfloat16)
+    """FP8 q, k and v in Decodes (the kernel widens the queries and folds their scales into
+    the keys'): one alone, then three merged, per kv head and with a row of scales per
+    sequence."""
+    _alone_and_merged(fp8q_decode_req(40, [0, 1, 77, 3000], dim=128),
+                      [fp8q_decode_req(41 + i, [5 + 40 * i, 200, 1], per_seq=i % 2 == 1,
+                                       dim=128) for i in range(3)], Op.DECODE)
