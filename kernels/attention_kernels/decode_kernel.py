@@ -48,7 +48,6 @@ from attention_kernels._checks import (
     check_kv_scales,
     check_outputs,
     check_paged_inputs,
-    check_query_scale,
 )
 from attention_kernels._features import alibi_args, softcap_args, softcap_logits
 from attention_kernels._fp8_dot import f16_queries
@@ -82,7 +81,7 @@ from attention_kernels.configs import (
     paged_decode_config,
     paged_split_count,
 )
-from attention_kernels.fp8 import FP8_DTYPE, widened_queries
+from attention_kernels.fp8 import widened_queries
 
 LOG2E = 1.4426950408889634
 MAX_SPLITS = 128
@@ -497,10 +496,7 @@ def decode(
     devices and alignment of an earlier call with the same other arguments reuses that call's
     checked set-up (``_launch``): a batch-1 decode loop pays ~1/3 of the host time.
     """
-    if q.dtype == FP8_DTYPE:
-        q, k_scale, v_scale = widened_queries(q, k, q_scale, k_scale, v_scale, q.shape[0])
-    elif q_scale is not None:
-        check_query_scale(q, k, q_scale, 0)  # raises: q_scale is for FP8 queries
+    q, k_scale, v_scale = widened_queries(q, k, q_scale, k_scale, v_scale, q.shape[0])
     mode = _merge_mode(q.device)
     if pads_decode(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
         q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
@@ -555,11 +551,7 @@ def paged_decode(
         Other arguments (``window_size``, ``softcap``, ``alibi_slopes``, the FP8 scales
         included) and the outputs as in ``decode``. One compiled variant per page size.
     """
-    if q.dtype == FP8_DTYPE:
-        q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale,
-                                              q.shape[0])
-    elif q_scale is not None:
-        check_query_scale(q, k_pages, q_scale, 0)  # raises: q_scale is for FP8 queries
+    q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale, q.shape[0])
     mode = _merge_mode(q.device)
     key = _plan_key(True, q, k_pages, v_pages, seqlens_k, block_table, max_seqlen_k,
                     softmax_scale, num_splits, return_lse, out, lse_out, window_size, softcap,

@@ -112,9 +112,12 @@ def folded_scales(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None
 
 def widened_queries(q: torch.Tensor, k: torch.Tensor, q_scale: torch.Tensor | None,
                     k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, batch: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn ``q`` as the FP8 K/V path takes it: ``(q in bf16, key scale, value
-    scale)``, the widening exact (every e4m3 value is a bf16 one), the scales
-    ``folded_scales``'."""
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(q, key scale, value scale)`` as the 16-bit and FP8 K/V paths take them: float8_e4m3fn
+    ``q`` widened exactly to bf16 (every e4m3 value is a bf16 one) with the scales
+    ``folded_scales``'; any other ``q`` as it is, its scales too (a ``q_scale`` refused)."""
+    if q.dtype != FP8_DTYPE:
+        check_query_scale(q, k, q_scale, 0)  # raises for a q_scale
+        return q, k_scale, v_scale
     ks, vs = folded_scales(q, k, q_scale, k_scale, v_scale, batch)
     return q.to(torch.bfloat16), ks, vs

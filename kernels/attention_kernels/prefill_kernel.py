@@ -693,11 +693,8 @@ def paged_prefill(
         (``fp8.widened_queries``; the Gluon FP8 kernel reads contiguous keys only).
     """
     del max_seqlen_q, max_seqlen_k
-    if q.dtype == torch.float8_e4m3fn:
-        q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale,
-                                              cu_seqlens_q.shape[0] - 1)
-    elif q_scale is not None:
-        check_query_scale(q, k_pages, q_scale, 0)  # raises: q_scale is for FP8 queries
+    q, k_scale, v_scale = widened_queries(q, k_pages, q_scale, k_scale, v_scale,
+                                          cu_seqlens_q.shape[0] - 1)
     key = _plan_key(True, q, k_pages, v_pages, cu_seqlens_q, seqlens_k, block_table, causal,
                     softmax_scale, return_lse, out, lse_out, window_size, softcap,
                     alibi_slopes, k_scale, v_scale, _config, None)
