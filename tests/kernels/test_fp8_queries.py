@@ -38,9 +38,13 @@ from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, 
 from tests.kernels.test_paged import Paged
 
 # Against the reference on the unquantized inputs, per sequence: e4m3 rounding of Q, K and V
-# (each value off by up to 1/16 of itself); measured 0.023-0.063 on these shapes (FP8 K/V
-# alone: 0.03-0.04).
+# (each value off by up to 1/16 of itself). The float64 reference on the FP8 inputs, 1500
+# seeds of these shapes: prefill medians 0.03-0.06, max 0.081.
 FP8_QKV_TOL = 0.1
+# Decode's one query row per sequence has no rows to average the rounding over, and keys of
+# std 2 make its softmax sharp: 3000 seeds, median 0.06, p99 0.105, max 0.136. (The kernel
+# itself is held to bf16's tolerance against the reference on the FP8 inputs.)
+FP8_QKV_DECODE_TOL = 0.2
 
 
 def _inputs(lens: list[int], heads: int, kv_heads: int, dim: int,
@@ -114,7 +118,7 @@ def _decode_inputs(lens: list[int], per_seq: bool) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("per_seq", [False, True], ids=["per-head", "per-sequence"])
 def test_decode_of_fp8_queries(per_seq: bool, paged: bool) -> None:
     """``decode`` and ``paged_decode`` of FP8 queries: bf16 output against the reference on the
-    same FP8 inputs at bf16's tolerance and on the unquantized ones at ``FP8_QKV_TOL``; lse;
+    same FP8 inputs at bf16's tolerance and on the unquantized ones at ``FP8_QKV_DECODE_TOL``; lse;
     poisoned buffers; GQA; an empty sequence, a sequence of one key, splits."""
     lens = [1, 0, 37, 70]
     q, k, v, q8, k8, v8, qs, ks, vs = _decode_inputs(lens, per_seq)
@@ -139,7 +143,7 @@ def test_decode_of_fp8_queries(per_seq: bool, paged: bool) -> None:
     for b, n in enumerate(lens):
         if n:
             assert rel_err(got[b], ref8[b]) < TOL[torch.bfloat16]
-            assert rel_err(got[b], ref[b]) < FP8_QKV_TOL
+            assert rel_err(got[b], ref[b]) < FP8_QKV_DECODE_TOL
         else:
             assert (got[b] == 0).all()
     check_lse(got_lse, ref8_lse, torch.bfloat16)
