@@ -44,13 +44,13 @@ import torch
 from attention_service.config import ServerConfig
 from attention_service.cpus import parse_cpu_list, pin_process
 from attention_service.engine.core import EngineCore, FrontendConnection
-from attention_service.engine.jobs import BatchPlan, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import BatchPlan, PendingLaunch
 from attention_service.ipc.channel import Channel, Done, Failed, Submit, corked
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_backend import HostOnlyBackend, cpu_seconds  # noqa: E402
+from host_backend import DeviceTimeline, HostOnlyBackend, cpu_seconds, fine_timer_slack  # noqa: E402
 
 OWNER = ""
 ELEM = 2  # bf16
@@ -69,7 +69,7 @@ class ModelBackend(HostOnlyBackend):
         self.kernel_s = args.kernel_us / 1e6
         self.per_job_s = args.kernel_us_per_job / 1e6
         self.issue_seconds: list[float] = []  # per launch, as the executor times it
-        self._busy_until = 0.0  # the modelled device runs one launch at a time
+        self.timeline = DeviceTimeline()  # one launch at a time
 
     def launch(self, plan: BatchPlan) -> PendingLaunch:
         for _ in range(self.calls):
@@ -77,24 +77,7 @@ class ModelBackend(HostOnlyBackend):
             while time.perf_counter() < end:  # Python work between two C calls
                 pass
             torch.empty(16)  # lets the GIL go and takes it back
-        start = max(time.perf_counter(), self._busy_until)
-        self._busy_until = start + self.kernel_s + self.per_job_s * len(plan)
-        return _Timed(self._busy_until)
-
-
-class _Timed:
-    def __init__(self, until: float) -> None:
-        self.until = until
-
-    def wait(self) -> LaunchTimes:
-        # One wait with the GIL let go, as an event synchronize spins in the driver without
-        # it (polling with time.sleep(0) would take the GIL back thousands of times a second
-        # and compete with the threads this models; a sleep oversleeps by the timer slack,
-        # ~50 us, instead).
-        left = self.until - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
-        return LaunchTimes()
+        return self.timeline.run(self.kernel_s + self.per_job_s * len(plan))
 
 
 class _IssueObserver:
@@ -276,6 +259,7 @@ def main() -> int:
     p.add_argument("--load-cpus", default="", help="CPUs for the load process (a list)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args()
+    fine_timer_slack()
     torch.set_num_threads(1)
     rows = [_run(args, r, b == "on") for r in range(1, args.rounds + 1)
             for b in args.batching.split(",")]

@@ -34,15 +34,14 @@ import torch
 
 from attention_service.config import ServerConfig
 from attention_service.engine.core import EngineCore, FrontendConnection
-from attention_service.engine.decode_steps import Staging, StepShape, places, step_shape
-from attention_service.engine.jobs import PINNED, BatchPlan, LaunchTimes, PendingLaunch
+from attention_service.engine.jobs import PINNED, BatchPlan, PendingLaunch
 from attention_service.ipc.channel import Channel, ControlCall, Done, Failed, Submit, corked
 from attention_service.metrics import Metrics
 from attention_service.params import Op, make_params
 from attention_wire.pb import attention_pb2 as pb
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from host_backend import HostOnlyBackend, cpu_seconds
+from host_backend import HostOnlyBackend, StagedSteps, Timed, cpu_seconds, fine_timer_slack
 
 OWNER = ""
 # Far above the engine's rate on any host so far (7.5-8.4K steps/s on the dev box).
@@ -50,39 +49,17 @@ STEPS_PER_S_BOUND = 50_000
 
 
 class StagingOnlyBackend(HostOnlyBackend):
-    """The cuda backend's host side of a CacheDecode launch (where its tensors lie, its
-    shape, the staging fill), no device: every other launch is a no-op."""
+    """The cuda backend's host side of a CacheDecode launch (``StagedSteps``), no device:
+    every other launch is a no-op."""
 
     def __init__(self) -> None:
-        self._staging: dict[StepShape, tuple[Staging, dict[str, int], torch.Tensor]] = {}
+        self.steps = StagedSteps()
 
     def launch(self, plan: BatchPlan) -> PendingLaunch:
-        where = places(plan)
-        if where is not None:
-            shape = step_shape(plan, where)
-            got = self._staging.get(shape)
-            if got is None:  # the graph's buffers, in host memory here
-                buffers = torch.empty(shape.buffers[1], dtype=torch.uint8)
-                at = {name: buffers.data_ptr() + off for name, _, _, off in shape.buffers[0]}
-                got = self._staging[shape] = (Staging(shape, pin=False), at, buffers)
-            got[0].fill(plan, shape, where, got[1])
+        self.steps.stage(plan)
         # The device's time: a launch "runs" for the H200's measured kernel time of that
-        # batch (bench_sessions, 4K contexts: 0.038 ms alone, 0.327 ms for 46 steps), and
-        # waiting for it releases the GIL as an event synchronize does.
-        return _Timed(time.perf_counter() + 32e-6 + 6.3e-6 * len(plan))
-
-
-class _Timed:
-    def __init__(self, until: float) -> None:
-        self.until = until
-
-    def wait(self) -> LaunchTimes:
-        # Polled, as cudaEventSynchronize spins by default, with the GIL let go on each turn
-        # (torch releases it around the synchronize); a time.sleep of tens of microseconds
-        # would oversleep by the timer slack (~50 us and more).
-        while time.perf_counter() < self.until:
-            time.sleep(0)
-        return LaunchTimes()
+        # batch (bench_sessions, 4K contexts: 0.038 ms alone, 0.327 ms for 46 steps).
+        return Timed(time.perf_counter() + 32e-6 + 6.3e-6 * len(plan))
 
 
 class _Load:
@@ -210,6 +187,7 @@ def main() -> int:
                    help="leave out the launch metrics (the server always has them)")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args()
+    fine_timer_slack()
     args.clients = [int(x) for x in args.clients.split(",")]
     page_bytes = 2 * 64 * args.kv_heads * args.head_dim * 2  # 64-token pages
     # Each step stores one token. The appended tokens of a run are at most its steps (bounded
