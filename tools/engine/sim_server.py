@@ -4,10 +4,10 @@ socket, batching), whose backend does a cuda launch's host work and lets a devic
 it with ``bench_offload.py --target`` and profile it like the real one (outputs are not
 written: no correctness here).
 
-A cached decode launch that takes the step graphs gets the cuda backend's host side
-(``host_backend.StagedSteps``: where its tensors lie, its shape, the staging fill) and runs on
-the timeline for ``--kernel-us + --row-us`` per sequence; any other launch runs for
-``--kernel-us`` alone. The defaults model an H200 at B=64, context 2K, H=32, H_kv=8, D=128
+A launch runs on the timeline for ``--kernel-us`` plus ``--row-us`` per query row (a
+decode's sequences, a prefill's tokens); a cached decode launch that takes the step graphs
+also does the cuda backend's host side first (``host_backend.StagedSteps``: where its
+tensors lie, its shape, the staging fill). The defaults model an H200 at B=64, context 2K, H=32, H_kv=8, D=128
 bf16 (issue 61: 136 us for 64 sequences, 957 us for the merged 512). One launch runs at a
 time; waiting for one lets the GIL go, as an event synchronize does.
 
@@ -43,16 +43,15 @@ class SimulatedGpu(HostOnlyBackend):
         self.timeline = DeviceTimeline()
 
     def launch(self, plan: BatchPlan) -> PendingLaunch:
-        if self.steps.stage(plan):
-            return self.timeline.run(self.kernel_s + self.row_s * len(plan.seq_lens))
-        return self.timeline.run(self.kernel_s)
+        self.steps.stage(plan)
+        return self.timeline.run(self.kernel_s + self.row_s * plan.q_offsets[-1])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kernel-us", type=float, default=19.0, help="a launch's fixed time")
     p.add_argument("--row-us", type=float, default=1.83,
-                   help="a step-graph launch's time per sequence")
+                   help="a launch's time per query row")
     argv = sys.argv[1:]
     cut = argv.index("--") if "--" in argv else len(argv)
     args = p.parse_args(argv[:cut])
