@@ -314,11 +314,18 @@ class Executor:
         with self._cond:
             if self._closed:
                 raise unavailable("server is shutting down")
-            if (issue_here and self._direct and self._dispatcher_waits and self._inflight == 0
-                    and not self._waiting and self._queue.max_size > 0 and not job.cancelled):
-                # Alone on an idle device: the queue would hand this job straight back as a
-                # batch of one, so it skips the queue (its adds, the pick and the pops took
-                # ~6% of a B=64 socket step's engine GIL time in a py-spy profile, H200).
+            if (issue_here and self._direct and self._dispatcher_waits and not self._waiting
+                    and (self._inflight == 0 or (self._inflight < self._max_inflight
+                                                 and not self._in_deferring()))
+                    and self._queue.max_size > 0 and not job.cancelled):
+                # Alone, with a launch slot free: it skips the queue (its adds, the pick and
+                # the pops took ~6% of a B=64 socket step's engine GIL time in a py-spy
+                # profile, H200). On an idle device the queue would hand it straight back. On
+                # a busy one it would hold it until that launch ends or the queue delay is
+                # up, and the second step of a host with two in flight (its other
+                # micro-batch, which nothing queued can join) never overlapped the first's
+                # launch; inside a ``deferring`` block the steps read with it join the next
+                # launch instead, so there only an idle device takes it at once.
                 jobs, dropped = [job], []
                 self._inflight += 1
             else:
@@ -348,6 +355,9 @@ class Executor:
         held ~5% of a B=64 socket step's engine GIL time, py-spy, H200)."""
         if self._waiting or self._closed:
             self._cond.notify_all()
+
+    def _in_deferring(self) -> bool:
+        return getattr(self._deferred, "issued", None) is not None
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:

@@ -3,6 +3,7 @@ destinations), the launch policy (executor.BatchQueue) and the executor, without
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
@@ -541,6 +542,58 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
     ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
                       _cu(job.params.cu_seqlens_q), causal=True)
     torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+class _HeldFirst(_AsyncCpu):
+    """Its first launch stays in flight (its wait blocks) until ``release`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+
+    def launch(self, plan):  # type: ignore[no-untyped-def]
+        first = not self.threads
+        done = super().launch(plan)
+        if not first:
+            return done
+        release = self.release
+
+        class _Pending:
+            def wait(self) -> object:
+                release.wait(5)
+                return done.wait()
+
+        return _Pending()
+
+
+@pytest.mark.parametrize("in_block", [False, True], ids=["alone", "in-a-block"])
+def test_a_lone_job_takes_a_free_launch_slot_while_one_runs(in_block: bool) -> None:
+    """One launch in flight: a lone ``issue_here`` job launches at once on its own thread in
+    the second slot (a host's other micro-batch overlaps the first's launch), where the queue
+    would have held it for the queue delay (1 s here); inside a ``deferring`` block it waits
+    for the next launch, which the steps read with it may join."""
+    here = threading.current_thread().name
+    backend = _HeldFirst()
+    ex = Executor(backend, max_queue_delay_s=1.0)
+    got: dict[int, object] = {}
+    jobs = [_prefill_job(i, [3 + i]) for i in range(2)]
+    try:
+        time.sleep(0.05)  # the dispatcher is waiting: the device is idle
+        ex.submit(jobs[0], lambda v: got.__setitem__(0, v), issue_here=True)
+        with ex.deferring() if in_block else contextlib.nullcontext():
+            ex.submit(jobs[1], lambda v: got.__setitem__(1, v), issue_here=True)
+            assert len(backend.threads) == (1 if in_block else 2)
+            backend.release.set()
+        _wait_until(lambda: len(got) == 2)
+    finally:
+        ex.close()
+    assert backend.threads[0] == here
+    assert (backend.threads[1] == here) != in_block, backend.threads
+    assert not any(isinstance(g, BaseException) for g in got.values()), got
+    for job in jobs:
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() -> None:
