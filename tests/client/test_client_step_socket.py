@@ -473,6 +473,37 @@ def test_a_message_of_a_checked_form_skips_the_parse_and_anything_else_does_not(
                         frozenset(ids)) is None
 
 
+def test_a_step_of_regions_only_has_a_form():
+    """A step whose tensors all lie in regions sends its header alone: it has a form too (no
+    inputs in the message, its regions as the header named them), matched by that header
+    and, as any form, not by another or by a message with more after it."""
+    import threading
+
+    from attention_service.config import ServerConfig
+    from attention_service.frontend.streams import Upload, UploadBudget, start_upload
+    from attention_service.frontend.validation import Limits
+    from attention_service.step_socket import OP, _SocketConnection, _StepForm
+    from attention_wire.alloc import layout
+
+    header = _region_header(["rf-a"], "a-region", 4096).SerializeToString()
+    raw = memoryview(pb.DecodeRequest(header=pb.DecodeHeader.FromString(header))
+                     .SerializeToString())
+    upload = Upload(UploadBudget(1 << 30, 1.0))
+    parsed, by_name = start_upload(upload, OP, raw, Limits.of(ServerConfig()), "")
+    assert set(upload.regions) == {"q", "k", "v"} and not parsed.chunks
+    offsets, total = layout(by_name)
+    form = _StepForm.of(raw, parsed.header_bytes, upload, by_name, {}, offsets, total,
+                        frozenset(["rf-a"]))
+    assert form is not None and form.inputs_at == {} and form.end == len(raw)
+    assert form.regions is upload.regions and form.regions["q"].offset == 4096
+    conn = _SocketConnection.__new__(_SocketConnection)
+    conn._lock, conn._forms = threading.Lock(), {form.header: form}
+    assert conn._match(raw) == (form, 0)
+    other = pb.DecodeRequest(header=_region_header(["rf-a"], "a-region", 8192)).SerializeToString()
+    assert conn._match(memoryview(other)) == (None, 0)  # another span: another header
+    assert conn._match(memoryview(bytes(raw) + b"\x98\x06\x01")) == (None, 0)
+
+
 def _one_checked_step(steps, cache, ctx, cid, seed):
     """A cache ``cid`` of a few tokens and one step on it through ``steps``, checked against
     the float64 reference; (q, k/v) of the step."""
@@ -836,7 +867,8 @@ def _region_header(ids, region, q_offset, nbytes=1 << 20):
 def test_region_steps_through_the_socket(one):
     """q, k/v and ``out=`` in a registered region: no tensor bytes, the answer written into
     ``out``, the tokens kept; a span past the region's end is refused as over gRPC (same
-    code, naming the field) and changes nothing."""
+    code, naming the field) and changes nothing; a step of a kept form whose region has gone
+    is refused (NOT_FOUND, naming it) and changes nothing."""
     ids = ["rs-a", "rs-b"]
     ctx = Context(ids)
     with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache:
@@ -876,8 +908,20 @@ def test_region_steps_through_the_socket(one):
             ).SerializeToString())
             answer = _result(sock)
             assert not answer.HasField("error") and answer.stats.cache_lengths == [lengths[0] + 1]
-        assert _lengths(cache) == [lengths[0] + 1, lengths[1]]
-        region.close()
+            # Again: the connection kept that message's form (no tensor bytes: its header
+            # alone), and a step of that form still has its regions looked up every time.
+            in_bounds = pb.DecodeRequest(
+                header=_region_header(ids[:1], region.name, 2 * HKV * D * 4)
+            ).SerializeToString()
+            _send_frame(sock, in_bounds)
+            answer = _result(sock)
+            assert not answer.HasField("error") and answer.stats.cache_lengths == [lengths[0] + 2]
+            region.close()  # unregistered: the same form's next step is refused
+            _send_frame(sock, in_bounds)
+            answer = _result(sock)
+            assert answer.error.code == grpc.StatusCode.NOT_FOUND.value[0]
+            assert region.name in answer.error.details
+        assert _lengths(cache) == [lengths[0] + 2, lengths[1]]
 
 
 def test_a_region_of_another_caller_is_refused_through_the_socket(authed):
