@@ -7,9 +7,9 @@ written: no correctness here).
 A launch runs on the timeline for ``--kernel-us`` plus ``--row-us`` per query row (a
 decode's sequences, a prefill's tokens); a cached decode launch that takes the step graphs
 also does the cuda backend's host side first (``host_backend.StagedSteps``: where its
-tensors lie, its shape, the staging fill). The defaults model an H200 at B=64, context 2K, H=32, H_kv=8, D=128
-bf16 (issue 61: 136 us for 64 sequences, 957 us for the merged 512). One launch runs at a
-time; waiting for one lets the GIL go, as an event synchronize does.
+tensors lie, its shape, the staging fill). The defaults model an H200 at B=64, context 2K,
+H=32, H_kv=8, D=128 bf16 (issue 61: 136 us for 64 sequences, 957 us for the merged 512). One
+launch runs at a time; waiting for one lets the GIL go, as an event synchronize does.
 
     python tools/engine/sim_server.py [--kernel-us 19] [--row-us 1.83] -- --port 50070 ...
 
