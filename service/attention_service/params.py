@@ -242,10 +242,17 @@ class Params:
 
     def nbytes(self, name: str) -> int:
         """Bytes of tensor ``name`` (q, k, v, out, lse); 0 for an lse not asked for."""
-        if name == "lse":
-            lse = self.lse_shape
-            return math.prod(lse) * LSE_BYTES if lse else 0
-        return math.prod(self.shape(name)) * ELEMENT_BYTES[self.wire_dtype(name)]
+        return self._nbytes[name]
+
+    @functools.cached_property
+    def _nbytes(self) -> dict[str, int]:
+        """``nbytes`` of each tensor, worked out once (a step's answer and accounting read
+        them ~10 times: ~0.45 us each from the shapes)."""
+        lse = self.lse_shape
+        sizes = {n: math.prod(self.shape(n)) * ELEMENT_BYTES[self.wire_dtype(n)]
+                 for n in ("q", "k", "v", "out")}
+        sizes["lse"] = math.prod(lse) * LSE_BYTES if lse else 0
+        return sizes
 
     @property
     def bytes_in(self) -> int:
