@@ -187,13 +187,6 @@ class Params:
         return lengths(self.cu_seqlens_k)
 
     @functools.cached_property
-    def one_new_key_each(self) -> bool:
-        """Every sequence brings exactly one new token (a decode step that stores it, or
-        attends to it without storing): the KV caches' fast path (``CacheRegistry.begin``)."""
-        new = self.new_keys
-        return bool(new) and min(new) == 1 == max(new)
-
-    @functools.cached_property
     def memo(self) -> dict[object, object]:
         """Scratch for values the engine derives from these (immutable) params and reuses on
         every request that carries the same params object (front ends define them once)."""

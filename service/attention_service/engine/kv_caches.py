@@ -184,12 +184,7 @@ class CacheRegistry:
                                f"cache {caches[i].cache_id!r} is in use by another call; calls "
                                "on one cache must be sequential (a call cancelled or past its "
                                "deadline holds its caches until its launch ends: retry)")
-            ones = params.one_new_key_each
-            if ones:  # a decode step: the lengths once, then plain ints (~2x cheaper a list)
-                lens = [c.length for c in caches]
-                seq_lens = [n + 1 for n in lens]
-            else:
-                seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
+            seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
             flops, kv_bytes = _work(params, seq_lens, caches[0].layout)
             if flops > self.max_request_flops:
                 raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
@@ -204,7 +199,7 @@ class CacheRegistry:
                 self._keep(owner, ids, caches)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
             now = self._clock()
-            if (ones or max(new) <= 1) and min(need) >= 0 and max(need) <= 1:
+            if max(new) <= 1 and min(need) >= 0 and max(need) <= 1:
                 # A decode step: each new token lands on its cache's last page, or starts the
                 # one fresh page its cache gets. The same work in comprehensions, no list
                 # copies where no page is added (page lists are never changed in place): ~2 us
@@ -218,13 +213,9 @@ class CacheRegistry:
                              for c, k in zip(caches, need, strict=True)]
                 else:
                     table = [c.pages for c in caches]
-                if ones:
-                    slot_pages = [t[n // pt] for t, n in zip(table, lens, strict=True)]
-                    slot_offsets = [n % pt for n in lens]
-                else:
-                    slot_pages = [t[c.length // pt]
-                                  for c, t, n in zip(caches, table, new, strict=True) if n]
-                    slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
+                slot_pages = [t[c.length // pt] for c, t, n in zip(caches, table, new, strict=True)
+                              if n]
+                slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
                 return self._work_of(params, caches, table, seq_lens, slot_pages,
                                      slot_offsets, flops, kv_bytes, view, fresh)
             table, slot_pages, slot_offsets = [], [], []
