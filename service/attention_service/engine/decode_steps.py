@@ -116,11 +116,6 @@ def places(plan: BatchPlan, registered: bool = True,
     return where
 
 
-def eligible(plan: BatchPlan, registered: bool = True,
-             device: torch.device | None = None) -> bool:
-    return places(plan, registered, device) is not None
-
-
 def _tensor_names(job: Job) -> tuple[str, ...]:
     names: tuple[str, ...] = ("q", "out")
     if job.params.return_lse:
@@ -591,9 +586,6 @@ class DecodeSteps:
         (``launch``), else None."""
         return places(plan, self._registered, self.device)
 
-    def eligible(self, plan: BatchPlan) -> bool:
-        return self.places(plan) is not None
-
     @property
     def captured(self) -> int:
         return sum(g.captured for g in self._graphs.values())
@@ -631,7 +623,7 @@ class DecodeSteps:
         assert work is not None
         if where is None:
             where = self.places(plan)
-        assert where is not None, "launch takes an eligible plan"
+        assert where is not None, "launch takes a plan ``places`` placed"
         shape = step_shape(plan, where)
         rows, pages = plan.block_table, work.k_pages.data_ptr()
         # The named stream's graph first, then the others': a staging that holds this table

@@ -19,7 +19,6 @@ from attention_service.engine.decode_steps import (
     StepShape,
     _StepGraph,
     bucket,
-    eligible,
     places,
     step_shape,
 )
@@ -113,25 +112,25 @@ def test_buckets_are_powers_of_two() -> None:
 
 
 def test_only_cache_decode_launches_with_keys_and_device_readable_tensors_take_the_path() -> None:
-    assert eligible(BatchPlan([_step([5, 9], new=True, seed=0)]))
-    assert not eligible(BatchPlan([_step([0], new=False, seed=0)]))  # no keys at all
-    assert not eligible(BatchPlan([_step([1] * (MAX_BATCH + 1), new=False, seed=0)]))
+    assert places(BatchPlan([_step([5, 9], new=True, seed=0)])) is not None
+    assert places(BatchPlan([_step([0], new=False, seed=0)])) is None  # no keys at all
+    assert places(BatchPlan([_step([1] * (MAX_BATCH + 1), new=False, seed=0)])) is None
     job = _step([3], new=True, seed=0)
     job.params = make_params(Op.CACHE_PREFILL, job.params.dtype, (1, H, D), (1, HKV, D), [0, 1],
                              [0, 1])
-    assert not eligible(BatchPlan([job]))
+    assert places(BatchPlan([job])) is None
     # Pageable host memory (a frame read when no pinned block was left): the general path.
-    assert not eligible(BatchPlan([_step([5], new=True, seed=0, arena=Arena(pinned=False))]))
+    assert places(BatchPlan([_step([5], new=True, seed=0, arena=Arena(pinned=False))])) is None
     pageable = _step([5], new=True, seed=0)
     pageable.out = torch.zeros(1, H, D)  # one tensor given as a plain (pageable) tensor
-    assert not eligible(BatchPlan([pageable]))
+    assert places(BatchPlan([pageable])) is None
     # Registered host memory (an arena, a shared-memory region) counts where the device
     # reads registered memory at its host address.
     arena = Arena(pinned=False)
     PINNED[arena.base.ptr] = arena.base.nbytes
     try:
         plan = BatchPlan([_step([5], new=True, seed=0, arena=arena)])
-        assert eligible(plan) and not eligible(plan, registered=False)
+        assert places(plan) is not None and places(plan, registered=False) is None
     finally:
         PINNED.pop(arena.base.ptr)
 
@@ -153,7 +152,7 @@ def test_device_memory_counts_only_on_the_launching_device() -> None:
     assert _place(job, "q", True, torch.device("cuda", 0)) is None
     assert _place(job, "q", True, torch.device("cuda", 1)) is not None
     assert _place(job, "q", True, None) is not None  # no device named: tests without one
-    assert not eligible(BatchPlan([job]), device=torch.device("cuda", 0))
+    assert places(BatchPlan([job]), device=torch.device("cuda", 0)) is None
 
 
 def test_a_batch_is_gathered_padded_and_scattered_through_its_copy_table() -> None:
@@ -497,7 +496,7 @@ def _fp8_step(seq_lens: list[int], seed: int, send_fp8: bool, new: bool = True,
 def test_fp8_staging_holds_scales_and_the_buffers_one_byte_keys() -> None:
     job = _fp8_step([5, 9], seed=8, send_fp8=True)
     plan = BatchPlan([job])
-    assert eligible(plan) and plan.fp8
+    assert places(plan) is not None and plan.fp8
     shape, graph, staging = _staged(plan)
     assert graph.buf["k"].dtype == FP8 and graph.buf["q"].dtype == torch.bfloat16
     graph.gather()

@@ -141,7 +141,7 @@ def test_steps_match_the_reference(steps: DecodeSteps, dtype: torch.dtype, heads
     ]
     for i, jobs in enumerate(launches):
         plan = BatchPlan(jobs)
-        assert steps.eligible(plan)
+        assert steps.places(plan) is not None
         steps.launch(plan, i % 2).wait()
         _expected(before_k, before_v, jobs)
         _check(jobs, before_k, before_v, heads)
@@ -164,7 +164,7 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
                 _on_device(_job(pool, [16], 0, 16, 60 + round_)),
                 _on_device(_job(pool, [33, 5, 129], 1, 16, 70 + round_, lse=False))]
         plan = BatchPlan(jobs)
-        assert steps.eligible(plan)
+        assert steps.places(plan) is not None
         steps.launch(plan, 0).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 16)
@@ -173,7 +173,7 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
     half = _job(pool, [9, 40], 1, 16, 82)
     half.out = torch.full_like(half.q, float("nan"), device="cuda")  # q on the host, out on the GPU
     mixed = [host, device, half]
-    assert steps.eligible(BatchPlan(mixed))
+    assert steps.places(BatchPlan(mixed)) is not None
     steps.launch(BatchPlan(mixed), 1).wait()
     _expected(expect_k, expect_v, mixed)
     _check(mixed, expect_k, expect_v, 16)
@@ -181,7 +181,7 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
     torch.testing.assert_close(pool.v, expect_v, rtol=0, atol=0)
     pageable = _job(pool, [9], 1, 16, 83)
     pageable.q = pageable.q.clone()  # pageable host memory: the general path
-    assert not pageable.q.is_pinned() and not steps.eligible(BatchPlan([pageable]))
+    assert not pageable.q.is_pinned() and steps.places(BatchPlan([pageable])) is None
 
 
 def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
@@ -283,7 +283,7 @@ def test_fp8_cache_steps(steps: DecodeSteps, send_fp8: bool) -> None:
                 expect_k[p, o] = k8[i].cuda()
                 expect_v[p, o] = v8[i].cuda()
         plan = BatchPlan(jobs)
-        assert steps.eligible(plan) and plan.fp8
+        assert steps.places(plan) is not None and plan.fp8
         steps.launch(plan, 0).wait()
         assert steps.captured == (1 if steps.use_graphs else 0)
         assert torch.equal(pool.k.view(torch.uint8), expect_k.view(torch.uint8))
