@@ -95,11 +95,11 @@ class StagedSteps:
         self._staging: dict[tuple[StepShape, tuple], tuple[Staging, dict[str, int]]] = {}
         self._buffers: dict[StepShape, torch.Tensor] = {}
 
-    def stage(self, plan: BatchPlan) -> bool:
-        """Whether ``plan`` takes the step graphs (staged if so)."""
+    def stage(self, plan: BatchPlan) -> None:
+        """``plan``'s tables staged, when it takes the step graphs."""
         where = places(plan)
         if where is None:
-            return False
+            return
         shape = step_shape(plan, where)
         key = (shape, tuple(job.params.cache_ids for job in plan.jobs))
         got = self._staging.get(key)
@@ -113,4 +113,3 @@ class StagedSteps:
                 del self._staging[next(iter(self._staging))]
             got = self._staging[key] = (Staging(shape, pin=False), at)
         got[0].fill(plan, shape, where, got[1])
-        return True
