@@ -165,14 +165,14 @@ def _load(trace_dir: Path) -> list[tuple[int, str]]:
     merged: list[tuple[int, str]] = []
     for f in trace_dir.glob("trace_*.json"):
         data = json.loads(f.read_text())
-        labels = {label for label, _ in data["events"]}
+        labels = {label for label, *_ in data["events"]}
         if any(x.startswith("RemoteLink.") for x in labels):
             role = "fe"
         elif any(x.startswith(("FrontendConnection.", "_SocketConnection.")) for x in labels):
             role = "engine"
         else:
             role = "server"
-        merged += [(t, f"{label}@{role}") for label, t in data["events"]]
+        merged += [(t, f"{label}@{role}") for label, t, *_ in data["events"]]
     merged.sort()
     return merged
 

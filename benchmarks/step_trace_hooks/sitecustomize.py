@@ -3,7 +3,7 @@
 Loaded by Python at start-up when this folder is on PYTHONPATH; does nothing unless
 ATTENTION_STEP_TRACE names a folder. Then it wraps a fixed list of the service's functions
 (front end, step socket, channel, engine, executor, launch) so that each call records (label,
-entry or exit, perf_counter_ns) in this process, and writes them to
+entry or exit, perf_counter_ns, thread) in this process, and writes them to
 ``<folder>/trace_<pid>.json`` every half second and at exit. perf_counter is CLOCK_MONOTONIC
 on Linux: one clock for every process of the host, so a step's events line up across
 processes. Not for production: each wrapped call costs about a microsecond.
@@ -85,13 +85,13 @@ TARGETS = [
 # (module, function, label): functions that make a handler; the handlers they return are timed.
 FACTORIES = [("attention_service.frontend.servicer", "_compute_unary", "unary_handler")]
 
-events: list[tuple[str, int]] = []
+events: list[tuple[str, int, int]] = []  # (label, perf_counter_ns, thread ident)
 _lock = threading.Lock()
 
 
 def _mark(label: str) -> None:
     if len(events) < _MAX_EVENTS:
-        events.append((label, time.perf_counter_ns()))
+        events.append((label, time.perf_counter_ns(), threading.get_ident()))
 
 
 def _wrap(label: str, fn):  # noqa: ANN001, ANN202

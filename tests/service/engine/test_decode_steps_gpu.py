@@ -187,12 +187,15 @@ def test_device_tensors_take_the_graph_variant(steps: DecodeSteps) -> None:
 def test_a_graph_replays_with_new_data(steps: DecodeSteps) -> None:
     pool = Pool(128, 2, 64, torch.bfloat16)
     expect_k, expect_v = pool.k.clone(), pool.v.clone()
-    for seed in range(4):  # same shape bucket every time: one graph per stream
+    # The same shape bucket and caches (no ids) every time, new pages and data each: the
+    # staging last written for these caches is found on the stream it was staged on, whichever
+    # stream is asked for, and rewritten, so one capture replays four times with new tables.
+    for seed in range(4):
         jobs = [_job(pool, [20 + seed, 7], 1, 8, 10 + seed)]
         steps.launch(BatchPlan(jobs), seed % 2).wait()
         _expected(expect_k, expect_v, jobs)
         _check(jobs, expect_k, expect_v, 8)
-    assert steps.captured == (2 if steps.use_graphs else 0)
+    assert steps.captured == (1 if steps.use_graphs else 0)
 
 
 def test_steps_in_flight_on_one_stream_get_stagings_of_their_own(steps: DecodeSteps) -> None:
