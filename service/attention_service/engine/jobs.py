@@ -45,6 +45,10 @@ class CacheWork:
     finish: Callable[[bool], tuple[int, ...]]
     # FP8 caches: each sequence's cache's scales (the pool pages are e4m3); None otherwise.
     seq_scales: list[KvScales] | None = None
+    # A decode step's: each row's pages before the step (its cache's own list, the same object
+    # while the cache keeps its pages), the row being that or that plus one new page; None
+    # otherwise. A staging that last wrote a row over the same base rewrites only the new page.
+    table_bases: list[list[int]] | None = None
 
 
 # Where a tensor's bytes are, for a typed view made on first use: (base, byte offset, dtype,
@@ -351,6 +355,7 @@ class BatchPlan:
         # Cached ops: the sequences' pages and lengths, and where each new k/v row goes, in
         # the packed order (k's rows are the new tokens, packed like any k).
         self.block_table: list[list[int]] = []
+        self.table_bases: list[list[int]] | None = None  # ``CacheWork.table_bases``, merged
         self.seq_lens: list[int] = []
         self.slot_pages: list[int] = []
         self.slot_offsets: list[int] = []
@@ -359,7 +364,9 @@ class BatchPlan:
             assert work is not None, "a cached op's job carries its cache work"
             self.block_table, self.seq_lens = work.block_table, work.seq_lens
             self.slot_pages, self.slot_offsets = work.slot_pages, work.slot_offsets
+            self.table_bases = work.table_bases
         elif self.op.cached:
+            bases: list[list[int]] | None = []
             for j in self.jobs:
                 work = j.cache
                 assert work is not None, "a cached op's job carries its cache work"
@@ -367,6 +374,9 @@ class BatchPlan:
                 self.seq_lens += work.seq_lens
                 self.slot_pages += work.slot_pages
                 self.slot_offsets += work.slot_offsets
+                bases = None if bases is None or work.table_bases is None else (
+                    bases + work.table_bases)
+            self.table_bases = bases
         if self.op.cached:
             self.max_seqlen_k = max(self.seq_lens, default=0)
         # FP8: every sequence's scales in launch order, and how many new k/v rows each

@@ -217,7 +217,8 @@ class CacheRegistry:
                               if n]
                 slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
                 return self._work_of(params, caches, table, seq_lens, slot_pages,
-                                     slot_offsets, flops, kv_bytes, view, fresh)
+                                     slot_offsets, flops, kv_bytes, view, fresh,
+                                     [c.pages for c in caches])
             table, slot_pages, slot_offsets = [], [], []
             at = 0
             for c, n, k in zip(caches, new, need, strict=True):
@@ -275,10 +276,11 @@ class CacheRegistry:
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
         slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, view: Any,
-        fresh: list[int],
+        fresh: list[int], bases: list[list[int]] | None = None,
     ) -> CacheWork:
         """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens
-        (``fresh``: the pages ``begin`` reserved for them, in the caches' order)."""
+        (``fresh``: the pages ``begin`` reserved for them, in the caches' order; ``bases``:
+        ``CacheWork.table_bases``)."""
 
         def finish(ok: bool) -> tuple[int, ...]:
             return self._finish(caches, table, seq_lens, fresh, keep=ok and params.store)
@@ -288,6 +290,7 @@ class CacheRegistry:
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
             finish=finish,
             seq_scales=[c.kv_scales for c in caches] if caches[0].kv_scales else None,  # type: ignore[misc]
+            table_bases=bases,
         )
 
     def _finish(

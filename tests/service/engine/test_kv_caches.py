@@ -172,6 +172,9 @@ def test_decode_steps_place_each_new_token_in_its_own_slot() -> None:
         assert [len(r) for r in w.block_table] == [-(-n // 16) for n in w.seq_lens]
         assert w.slot_offsets == [before[cid][0] % 16 for cid in stepped]
         rows = dict(zip(ids, w.block_table, strict=True))
+        assert w.table_bases is not None  # each row its base, or its base and a fresh page
+        assert all(r is b or (len(r) == len(b) + 1 and r[:-1] == b)
+                   for r, b in zip(w.block_table, w.table_bases, strict=True))
         assert w.slot_pages == [rows[cid][before[cid][0] // 16] for cid in stepped]
         assert len(set(w.slot_pages)) == len(stepped)  # no two caches share a page
         lengths = w.finish(True)
@@ -277,13 +280,17 @@ def test_freed_pages_come_back_in_their_order_so_steps_that_store_nothing_repeat
     _create(reg, list(ids))
     reg.begin(_params(Op.APPEND_KV, ids, [16] * 6), "").finish(True)  # one full page each
     used = pool.pages_used
-    tables = []
+    tables, bases = [], []
     for _ in range(3):
         work = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 6, store=False), "")
         assert all(len(row) == 2 for row in work.block_table)  # each a fresh second page
         tables.append(work.block_table)
+        bases.append(work.table_bases)
         assert work.finish(True) == (16,) * 6
     assert tables[0] == tables[1] == tables[2] and pool.pages_used == used
+    # Each row's base is its cache's own page list, the same object while the cache keeps its
+    # pages (a staging then writes only the fresh page's column: decode_steps).
+    assert all(x is y is z for x, y, z in zip(*bases, strict=True))
 
 
 # ---- end to end ----------------------------------------------------------------------------
