@@ -286,9 +286,9 @@ class Staging:
         # staging goes back to its graph only after they are read.
         self.events: list[torch.cuda.Event] | None = None
         self.graph: torch.cuda.CUDAGraph | None = None  # tables in, copies, work, copies out
-        self.table_rows: list[list[int]] | None = None  # what ``table`` holds
-        # Per row, a list ``table`` holds at its start (``CacheWork.table_bases``), or None.
-        self.table_bases: list[list[int]] | None = None
+        # What ``table`` holds: these rows, and past them these pages (``CacheWork.new_pages``).
+        self.table_rows: list[list[int]] | None = None
+        self.new_pages: list[int] | None = None
         self.written = 0  # when ``_StepGraph.staging`` last handed it out
         self.ids: object = None  # the cache ids of the jobs its table was last written for
 
@@ -320,35 +320,29 @@ class Staging:
         # only that cache's page list is new (kv_caches: lists are never changed in place, a
         # cache's list is the same object until it gains a page), so its row alone is written.
         rows, old = plan.block_table, self.table_rows
-        bases, prior = plan.table_bases, self.table_bases
         if rows is not old and rows != old:
             table = self.table
             # A write that fails halfway leaves a table nobody matches.
-            self.table_rows = self.table_bases = None
+            self.table_rows = self.new_pages = None
             if old is None or len(old) != len(rows):
                 for i, row in enumerate(rows):
                     table[i, : len(row)] = row  # columns past a sequence's pages: never read
-            elif bases is not None and prior is not None:
-                # Decode steps: a row over the base it was last written over differs at most in
-                # its new page's column (a step without store adds a page at a page boundary
-                # every step, to every row: the whole table's rewrite, 64 rows of 129 pages,
-                # took ~100 us of the reader's GIL time a step, py-spy, H200 host).
-                at, cols, pages = [], [], []
-                for i, (row, base, was) in enumerate(zip(rows, bases, prior, strict=True)):
-                    if base is not was:
-                        table[i, : len(row)] = row
-                    elif row is not base:
-                        at.append(i)
-                        cols.append(len(base))
-                        pages.append(row[-1])
-                if at:
-                    table[at, cols] = pages
             else:
                 for i, (row, was) in enumerate(zip(rows, old, strict=True)):
                     if row is not was and row != was:
                         table[i, : len(row)] = row
-        # The table now holds ``rows``, and each base is the start of its row.
-        self.table_rows, self.table_bases = rows, bases
+            self.table_rows = rows
+        # A decode step's fresh pages, one column past their rows: a step without store on a
+        # page boundary takes one per sequence every step, other pages each time with steps
+        # in flight (one numpy write of <= 64 entries, ~5 us).
+        added = plan.new_pages
+        if added is not None and added != self.new_pages:
+            self.new_pages = None
+            at = [i for i, p in enumerate(added) if p >= 0]
+            if at:
+                table = self.table
+                table[at, [len(rows[i]) for i in at]] = [added[i] for i in at]
+        self.new_pages = added
 
     def _fill_copies(self, plan: BatchPlan, shape: StepShape, where: list[dict[str, Place]],
                      buffers: dict[str, int]) -> None:

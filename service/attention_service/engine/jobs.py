@@ -34,7 +34,8 @@ class CacheWork:
 
     k_pages: torch.Tensor  # [pages, page_tokens, H_kv, D] view of the pool (this layout)
     v_pages: torch.Tensor
-    block_table: list[list[int]]  # per sequence: its pages, in key order
+    # Per sequence: its pages, in key order; a decode step's, the pages before ``new_pages``.
+    block_table: list[list[int]]
     seq_lens: list[int]  # per sequence: keys after the new tokens (cached + new)
     slot_pages: list[int]  # per new token, in k's packed order: its page ...
     slot_offsets: list[int]  # ... and its row inside that page
@@ -45,10 +46,19 @@ class CacheWork:
     finish: Callable[[bool], tuple[int, ...]]
     # FP8 caches: each sequence's cache's scales (the pool pages are e4m3); None otherwise.
     seq_scales: list[KvScales] | None = None
-    # A decode step's: each row's pages before the step (its cache's own list, the same object
-    # while the cache keeps its pages), the row being that or that plus one new page; None
-    # otherwise. A staging that last wrote a row over the same base rewrites only the new page.
-    table_bases: list[list[int]] | None = None
+    # A decode step's: per sequence, the one page it starts past its ``block_table`` row (-1:
+    # none); the rows are then the caches' own page lists, the same objects step after step
+    # while the caches keep their pages, so neither ``begin`` copies them (64 rows of 129
+    # pages: ~66 us of the reader's GIL time a step, py-spy, H200 host) nor a staging rewrites
+    # them (``decode_steps``). None: the rows are whole.
+    new_pages: list[int] | None = None
+
+    def rows(self) -> list[list[int]]:
+        """Each sequence's whole page list (a copy per row that gains a page)."""
+        if self.new_pages is None:
+            return self.block_table
+        return [r if p < 0 else [*r, p]
+                for r, p in zip(self.block_table, self.new_pages, strict=True)]
 
 
 # Where a tensor's bytes are, for a typed view made on first use: (base, byte offset, dtype,
@@ -355,7 +365,7 @@ class BatchPlan:
         # Cached ops: the sequences' pages and lengths, and where each new k/v row goes, in
         # the packed order (k's rows are the new tokens, packed like any k).
         self.block_table: list[list[int]] = []
-        self.table_bases: list[list[int]] | None = None  # ``CacheWork.table_bases``, merged
+        self.new_pages: list[int] | None = None  # ``CacheWork.new_pages``, merged
         self.seq_lens: list[int] = []
         self.slot_pages: list[int] = []
         self.slot_offsets: list[int] = []
@@ -364,9 +374,8 @@ class BatchPlan:
             assert work is not None, "a cached op's job carries its cache work"
             self.block_table, self.seq_lens = work.block_table, work.seq_lens
             self.slot_pages, self.slot_offsets = work.slot_pages, work.slot_offsets
-            self.table_bases = work.table_bases
+            self.new_pages = work.new_pages
         elif self.op.cached:
-            bases: list[list[int]] | None = []
             for j in self.jobs:
                 work = j.cache
                 assert work is not None, "a cached op's job carries its cache work"
@@ -374,9 +383,13 @@ class BatchPlan:
                 self.seq_lens += work.seq_lens
                 self.slot_pages += work.slot_pages
                 self.slot_offsets += work.slot_offsets
-                bases = None if bases is None or work.table_bases is None else (
-                    bases + work.table_bases)
-            self.table_bases = bases
+            if any(j.cache.new_pages is not None for j in self.jobs):  # type: ignore[union-attr]
+                self.new_pages = []
+                for j in self.jobs:
+                    work = j.cache
+                    assert work is not None
+                    self.new_pages += (work.new_pages if work.new_pages is not None
+                                       else [-1] * len(work.block_table))
         if self.op.cached:
             self.max_seqlen_k = max(self.seq_lens, default=0)
         # FP8: every sequence's scales in launch order, and how many new k/v rows each
@@ -393,7 +406,9 @@ class BatchPlan:
                     self.seq_scales += j.params.sequence_scales
                 self.seq_new_rows += lens
         # Block-table columns (at least one, so the table is never empty).
-        self.table_width = max(1, max(map(len, self.block_table), default=0))
+        widths = map(len, self.block_table) if self.new_pages is None else (
+            len(r) + (p >= 0) for r, p in zip(self.block_table, self.new_pages, strict=True))
+        self.table_width = max(1, max(widths, default=0))
 
     def score_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' (and the reference's) window_size / softcap / alibi_slopes arguments;

@@ -207,18 +207,19 @@ class CacheRegistry:
                 # boundary, begin + finish: 180 -> 90 us, dev box).
                 for c in caches:
                     c.busy, c.last_used = True, now
+                table = [c.pages for c in caches]  # the fresh pages past them: new_pages
                 if fresh:
                     handed = iter(fresh)
-                    table = [c.pages + [next(handed)] if k else c.pages
-                             for c, k in zip(caches, need, strict=True)]
+                    added = [next(handed) if k else -1 for k in need]
+                    slot_pages = [p if p >= 0 else c.pages[c.length // pt]
+                                  for c, p, n in zip(caches, added, new, strict=True) if n]
                 else:
-                    table = [c.pages for c in caches]
-                slot_pages = [t[c.length // pt] for c, t, n in zip(caches, table, new, strict=True)
-                              if n]
+                    added = None
+                    slot_pages = [c.pages[c.length // pt]
+                                  for c, n in zip(caches, new, strict=True) if n]
                 slot_offsets = [c.length % pt for c, n in zip(caches, new, strict=True) if n]
                 return self._work_of(params, caches, table, seq_lens, slot_pages,
-                                     slot_offsets, flops, kv_bytes, view, fresh,
-                                     [c.pages for c in caches])
+                                     slot_offsets, flops, kv_bytes, view, fresh, added)
             table, slot_pages, slot_offsets = [], [], []
             at = 0
             for c, n, k in zip(caches, new, need, strict=True):
@@ -276,21 +277,24 @@ class CacheRegistry:
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
         slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, view: Any,
-        fresh: list[int], bases: list[list[int]] | None = None,
+        fresh: list[int], added: list[int] | None = None,
     ) -> CacheWork:
         """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens
-        (``fresh``: the pages ``begin`` reserved for them, in the caches' order; ``bases``:
-        ``CacheWork.table_bases``)."""
+        (``fresh``: the pages ``begin`` reserved for them, in the caches' order; ``added``:
+        ``CacheWork.new_pages``)."""
 
         def finish(ok: bool) -> tuple[int, ...]:
-            return self._finish(caches, table, seq_lens, fresh, keep=ok and params.store)
+            keep = ok and params.store
+            rows = table if added is None or not keep else [
+                r if p < 0 else [*r, p] for r, p in zip(table, added, strict=True)]
+            return self._finish(caches, rows, seq_lens, fresh, keep)
 
         return CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
             finish=finish,
             seq_scales=[c.kv_scales for c in caches] if caches[0].kv_scales else None,  # type: ignore[misc]
-            table_bases=bases,
+            new_pages=added,
         )
 
     def _finish(

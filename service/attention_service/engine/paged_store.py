@@ -18,6 +18,10 @@ def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tenso
     view = table.numpy()
     for i, r in enumerate(rows):
         view[i, : len(r)] = r
+    if plan.new_pages is not None:  # a decode step's fresh pages, past their rows
+        for i, (r, p) in enumerate(zip(rows, plan.new_pages, strict=True)):
+            if p >= 0:
+                view[i, len(r)] = p
     return table
 
 

@@ -266,18 +266,16 @@ def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
     assert (staging.table[0] == -1).all() and (staging.table[2:] == -1).all()
 
 
-def test_decode_steps_over_the_same_bases_write_only_their_new_pages() -> None:
-    """A step without store on a page boundary adds a page to every row, every step (a fresh
-    one each time): rows over the bases last written (``CacheWork.table_bases``) get only that
-    column; a row without a new page nothing; a row over another base whole."""
+def test_decode_steps_write_only_their_fresh_pages_past_the_same_rows() -> None:
+    """A step without store on a page boundary starts a page in every row, every step (other
+    pages each time with steps in flight): over the same rows (the caches' own page lists)
+    a staging writes only those pages' column; over other rows, the rows and the column."""
     bases = [[0, 1], [2, 3, 4]]
 
-    def step(seed: int, new_pages: list[int | None], over: list[list[int]]) -> Job:
+    def step(seed: int, added: list[int], rows: list[list[int]]) -> Job:
         job = _step([9, 13], new=True, seed=seed)  # 3 and 4 pages of 4 tokens
         assert job.cache is not None
-        job.cache.block_table = [b if p is None else [*b, p]
-                                 for b, p in zip(over, new_pages, strict=True)]
-        job.cache.table_bases = over
+        job.cache.block_table, job.cache.new_pages = rows, added
         return job
 
     _, _, staging = _staged(BatchPlan([step(1, [20, 21], bases)]))
@@ -288,17 +286,19 @@ def test_decode_steps_over_the_same_bases_write_only_their_new_pages() -> None:
     expect = torch.full(staging.table.shape, -1, dtype=torch.int32).numpy()
     expect[0, 2], expect[1, 3] = 22, 23
     assert (staging.table == expect).all()
-    staging.table[:] = -1
-    _staged(BatchPlan([step(3, [None, 24], [bases[0], [5, 6, 7]])]), staging)
+    staging.table[:] = -1  # the same pages again: nothing written
+    _staged(BatchPlan([step(3, [22, 23], bases)]), staging)
+    assert (staging.table == -1).all()
+    _staged(BatchPlan([step(4, [-1, 24], [[0, 1, 5], [6, 7, 8]])]), staging)
     expect[:] = -1
-    expect[1, :4] = [5, 6, 7, 24]
+    expect[0, :3], expect[1, :4] = [0, 1, 5], [6, 7, 8, 24]
     assert (staging.table == expect).all()
-    # Merged steps carry their bases in launch order; one without bases: none at all.
-    a, b = step(4, [25, 26], bases), step(5, [27, 28], bases)
-    assert BatchPlan([a, b]).table_bases == bases + bases
+    # Merged steps carry their pages in launch order, -1 for a step without.
+    a, b = step(5, [25, 26], bases), _step([9, 13], new=True, seed=6)
     assert b.cache is not None
-    b.cache.table_bases = None
-    assert BatchPlan([a, b]).table_bases is None
+    assert BatchPlan([a, b]).new_pages == [25, 26, -1, -1]
+    assert BatchPlan([a]).table_width == 4 and BatchPlan([b]).table_width == 4
+    assert a.cache is not None and a.cache.rows() == [[0, 1, 25], [2, 3, 4, 26]]
 
 
 def test_padding_rows_have_no_keys() -> None:

@@ -169,12 +169,11 @@ def test_decode_steps_place_each_new_token_in_its_own_slot() -> None:
         w = reg.begin(_params(Op.CACHE_DECODE, ids, new, store=store), "")
         stepped = [cid for cid, n in zip(ids, new, strict=True) if n]
         assert w.seq_lens == [before[cid][0] + n for cid, n in zip(ids, new, strict=True)]
-        assert [len(r) for r in w.block_table] == [-(-n // 16) for n in w.seq_lens]
+        assert [len(r) for r in w.rows()] == [-(-n // 16) for n in w.seq_lens]
         assert w.slot_offsets == [before[cid][0] % 16 for cid in stepped]
-        rows = dict(zip(ids, w.block_table, strict=True))
-        assert w.table_bases is not None  # each row its base, or its base and a fresh page
-        assert all(r is b or (len(r) == len(b) + 1 and r[:-1] == b)
-                   for r, b in zip(w.block_table, w.table_bases, strict=True))
+        rows = dict(zip(ids, w.rows(), strict=True))
+        # The fresh page past its row where a cache gets one (step 3: b's), none otherwise.
+        assert w.new_pages == ([-1, w.slot_pages[1], -1, -1] if step == 3 else None)
         assert w.slot_pages == [rows[cid][before[cid][0] // 16] for cid in stepped]
         assert len(set(w.slot_pages)) == len(stepped)  # no two caches share a page
         lengths = w.finish(True)
@@ -283,13 +282,13 @@ def test_freed_pages_come_back_in_their_order_so_steps_that_store_nothing_repeat
     tables, bases = [], []
     for _ in range(3):
         work = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 6, store=False), "")
-        assert all(len(row) == 2 for row in work.block_table)  # each a fresh second page
-        tables.append(work.block_table)
-        bases.append(work.table_bases)
+        assert all(len(row) == 2 for row in work.rows())  # each a fresh second page
+        tables.append(work.rows())
+        bases.append(work.block_table)
         assert work.finish(True) == (16,) * 6
     assert tables[0] == tables[1] == tables[2] and pool.pages_used == used
-    # Each row's base is its cache's own page list, the same object while the cache keeps its
-    # pages (a staging then writes only the fresh page's column: decode_steps).
+    # The rows are the caches' own page lists (the fresh pages past them, ``new_pages``): the
+    # same objects step after step, so nothing copies them and a staging does not rewrite them.
     assert all(x is y is z for x, y, z in zip(*bases, strict=True))
 
 
