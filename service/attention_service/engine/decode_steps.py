@@ -289,6 +289,8 @@ class Staging:
         # What ``table`` holds: these rows, and past them these pages (``CacheWork.new_pages``).
         self.table_rows: list[list[int]] | None = None
         self.new_pages: list[int] | None = None
+        # The slot pages, slot offsets and lengths ``slots`` and ``lens`` hold (lists as given).
+        self.written_lists: tuple[list[int], list[int], list[int]] | None = None
         self.written = 0  # when ``_StepGraph.staging`` last handed it out
         self.ids: object = None  # the cache ids of the jobs its table was last written for
 
@@ -299,13 +301,20 @@ class Staging:
         self._fill_copies(plan, shape, where, buffers)
         b = len(plan.seq_lens)
         n = len(plan.slot_pages)
+        # Lists of 64 ints take ~3 us each to convert and write, their comparison ~0.3 us: a
+        # step without store repeats its lengths and offsets (its pages too, but for fresh ones).
+        last = self.written_lists
+        self.written_lists = None  # a write that fails halfway leaves lists nobody matches
         if shape.store:
-            self.slots[0, :n] = plan.slot_pages
-            self.slots[1, :n] = plan.slot_offsets
-            self.slots[0, n:] = plan.slot_pages[0]
-            self.slots[1, n:] = plan.slot_offsets[0]
-        self.lens[:b] = plan.seq_lens
-        self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
+            if last is None or plan.slot_pages != last[0]:
+                self.slots[0, :n] = plan.slot_pages
+                self.slots[0, n:] = plan.slot_pages[0]
+            if last is None or plan.slot_offsets != last[1]:
+                self.slots[1, :n] = plan.slot_offsets
+                self.slots[1, n:] = plan.slot_offsets[0]
+        if last is None or plan.seq_lens != last[2]:
+            self.lens[:b] = plan.seq_lens
+            self.lens[b:] = 0  # padding rows: no keys, zeros out, the table row is never read
         if shape.fp8:
             scales = self.views["scales"].numpy()
             scales[:, :b] = np.asarray(plan.seq_scales, dtype=np.float32).transpose(1, 0, 2)
@@ -343,6 +352,7 @@ class Staging:
                 table = self.table
                 table[at, [len(rows[i]) for i in at]] = [added[i] for i in at]
         self.new_pages = added
+        self.written_lists = (plan.slot_pages, plan.slot_offsets, plan.seq_lens)
 
     def _fill_copies(self, plan: BatchPlan, shape: StepShape, where: list[dict[str, Place]],
                      buffers: dict[str, int]) -> None:

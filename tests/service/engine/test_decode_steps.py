@@ -301,6 +301,21 @@ def test_decode_steps_write_only_their_fresh_pages_past_the_same_rows() -> None:
     assert a.cache is not None and a.cache.rows() == [[0, 1, 25], [2, 3, 4, 26]]
 
 
+def test_a_staging_rewrites_lengths_and_slots_only_when_they_changed() -> None:
+    """A step without store repeats its lengths and slot offsets: left as they are; a list
+    that changed is written (its padding too)."""
+    _, _, staging = _staged(BatchPlan([_step([5, 9, 2], new=True, seed=1)]))  # 4 rows
+    assert staging.lens.tolist() == [5, 9, 2, 0]
+    staging.lens[:] = -1
+    staging.slots[:] = -1
+    _staged(BatchPlan([_step([5, 9, 2], new=True, seed=2)]), staging)
+    assert (staging.lens == -1).all() and (staging.slots == -1).all()
+    _staged(BatchPlan([_step([6, 9, 2], new=True, seed=3)]), staging)
+    assert staging.lens.tolist() == [6, 9, 2, 0]
+    assert staging.slots[1].tolist() == [1, 0, 1, 1]  # 5 % 4, 8 % 4, 1 % 4; padding: row 0's
+    assert (staging.slots[0] == -1).all()  # the same pages
+
+
 def test_padding_rows_have_no_keys() -> None:
     plan = BatchPlan([_step([7, 2, 30], new=False, seed=4)])
     shape = StepShape.of(plan)
