@@ -59,7 +59,7 @@ from attention_kernels.copy_segments import (
 from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
-from attention_service.engine.paged_store import scatter_rows
+from attention_service.engine.paged_store import scatter_rows, write_row
 from attention_service.params import BatchKey, Params, key_fp8
 from attention_wire.pb import attention_pb2 as pb
 
@@ -335,11 +335,11 @@ class Staging:
             self.table_rows = self.new_pages = None
             if old is None or len(old) != len(rows):
                 for i, row in enumerate(rows):
-                    table[i, : len(row)] = row  # columns past a sequence's pages: never read
+                    write_row(table, i, row)  # columns past a sequence's pages: never read
             else:
                 for i, (row, was) in enumerate(zip(rows, old, strict=True)):
                     if row is not was and row != was:
-                        table[i, : len(row)] = row
+                        write_row(table, i, row)
             self.table_rows = rows
         # A decode step's fresh pages, one column past their rows: a step without store on a
         # page boundary takes one per sequence every step, other pages each time with steps

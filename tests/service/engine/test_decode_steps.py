@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attention_kernels
-from attention_service.engine import decode_steps
+from attention_service.engine import decode_steps, paged_store
 from attention_service.engine.decode_steps import (
     MAX_BATCH,
     DecodeSteps,
@@ -314,6 +314,26 @@ def test_a_staging_rewrites_lengths_and_slots_only_when_they_changed() -> None:
     assert staging.lens.tolist() == [6, 9, 2, 0]
     assert staging.slots[1].tolist() == [1, 0, 1, 1]  # 5 % 4, 8 % 4, 1 % 4; padding: row 0's
     assert (staging.slots[0] == -1).all()  # the same pages
+
+
+def test_a_page_list_is_converted_once_and_the_memo_stays_bounded(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Block-table rows (page lists never changed in place) are converted to int32 once; an
+    equal list of its own gets its own array; past the bound the memo starts afresh."""
+    row = [5, 6, 7]
+    first = paged_store.row_array(row)
+    assert paged_store.row_array(row) is first and first.tolist() == row
+    twin = list(row)
+    assert paged_store.row_array(twin) is not first
+    monkeypatch.setattr(paged_store, "_MAX_ROW_INTS", 4)
+    monkeypatch.setattr(paged_store, "_row_ints", 0)
+    monkeypatch.setattr(paged_store, "_row_arrays", {})
+    a = paged_store.row_array([1, 2, 3])
+    paged_store.row_array([4, 5])  # 5 ints > 4: the memo is dropped, then holds this one
+    assert len(paged_store._row_arrays) == 1 and paged_store._row_ints == 2
+    assert a.tolist() == [1, 2, 3]
+    plan = BatchPlan([_step([5, 9], new=False, seed=1)])
+    assert paged_store.block_table(plan).tolist() == [[0, 1, 0], [2, 3, 4]]
 
 
 def test_padding_rows_have_no_keys() -> None:
