@@ -180,6 +180,21 @@ def _unframe(payload: bytes | bytearray, kind: int) -> Any:
     return expand(msg)
 
 
+def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> list[bytes | memoryview]:
+    """``parts`` past their first ``sent`` bytes: only those are copied for the writer thread
+    (a B=64 answer, 512 KiB, over a send buffer of 416 KiB joined whole took ~50 us of the
+    completer's GIL time a step, py-spy, H200 host)."""
+    rest: list[bytes | memoryview] = []
+    for part in parts:
+        n = len(part)
+        if sent >= n:
+            sent -= n
+            continue
+        rest.append(memoryview(part).cast("B")[sent:] if sent else part)
+        sent = 0
+    return rest
+
+
 def _anc(fds: Sequence[int]) -> list[tuple[int, int, bytes]]:
     if not fds:
         return []
@@ -343,8 +358,7 @@ class Channel:
                     self._close_fds(fds)
                     fds = ()
                 self._backlog = True
-            data = parts[0] if len(parts) == 1 and not sent else (
-                memoryview(b"".join(parts))[sent:])
+            data = parts[0] if len(parts) == 1 and not sent else b"".join(_unsent(parts, sent))
             self._queued += len(data)
             self._outbox.put((data, fds))
 

@@ -26,6 +26,7 @@ from attention_service.ipc.channel import (
     Submit,
     _Decoder,
     _frame,
+    _unsent,
     compact,
     corked,
 )
@@ -69,6 +70,40 @@ def test_corked_sends_wait_for_the_block_and_go_out_in_order(pair) -> None:  # t
     got, reads = _read_frames(theirs, 20)
     assert [m.call_id for m in got] == list(range(20))
     assert reads == 1  # one write, read at once
+
+
+def test_a_raw_frame_the_socket_takes_in_part_arrives_whole_and_in_order() -> None:
+    """Over a small send buffer a raw frame leaves in part at once, the rest (only what was
+    not sent, copied) from the writer thread; the parts may change once ``send_raw`` returns,
+    and a frame sent meanwhile follows it."""
+    mine, theirs = socket.socketpair()
+    mine.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+    channel = Channel(mine, lambda msg, fds: None, lambda: None, "test")
+    channel.start()
+    try:
+        body = bytearray(os.urandom(600_000))
+        parts = [b"head", memoryview(body)[:250_000], memoryview(body)[250_000:]]
+        channel.send_raw(parts)
+        want = b"head" + bytes(body)
+        body[:] = bytes(len(body))  # the caller's buffer reused at once
+        channel.send_raw([b"next"])
+        theirs.settimeout(5.0)
+        got = b""
+        while len(got) < 2 * 4 + len(want) + 4:
+            got += theirs.recv(1 << 20)
+        assert got == (len(want).to_bytes(4, "little") + want + (4).to_bytes(4, "little")
+                       + b"next")
+    finally:
+        channel.close()
+        theirs.close()
+
+
+def test_only_the_unsent_bytes_are_kept_for_the_writer() -> None:
+    parts = [b"abc", memoryview(b"defgh"), b"ij"]
+    for sent in range(11):
+        rest = _unsent(parts, sent)
+        assert b"".join(rest) == b"abcdefghij"[sent:]
+        assert sum(len(p) for p in rest) == 10 - sent  # nothing sent is copied again
 
 
 def test_cork_is_per_thread_and_nested_blocks_join_the_outer(pair) -> None:  # type: ignore[no-untyped-def]
