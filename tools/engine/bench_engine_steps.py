@@ -5,7 +5,8 @@ per step on the H200 host of 2026-11-23, ``profile-sessions``). This drives the 
 side of one front end -- ``FrontendConnection`` over a ``Channel`` on a socketpair, the
 ``EngineCore`` with its cache registry, executor and batching -- from a load process that
 speaks the channel protocol as a front end does (Submit frames in, Done frames back, one
-outstanding step per cache). Only the device work is left out: the backend stages each
+outstanding step per client, over ``--batch`` caches: 1, or a model host's B as in issue 61,
+whose steps store nothing). Only the device work is left out: the backend stages each
 CacheDecode launch's tables exactly as ``decode_steps`` does (same layout, same
 ``Staging.fill``; the copies of the tensors themselves are device work) and returns at once.
 
@@ -13,6 +14,7 @@ Reports steps/s, the engine process's CPU seconds per step and the mean batch, p
 count. Diagnostic (runs anywhere, CPU only); the service-level numbers are bench_sessions.py.
 
     python tools/engine/bench_engine_steps.py --clients 1,64 --seconds 3
+    python tools/engine/bench_engine_steps.py --clients 1,8 --batch 64 --context 2048
 """
 
 from __future__ import annotations
@@ -58,8 +60,10 @@ class StagingOnlyBackend(HostOnlyBackend):
     def launch(self, plan: BatchPlan) -> PendingLaunch:
         self.steps.stage(plan)
         # The device's time: a launch "runs" for the H200's measured kernel time of that
-        # batch (bench_sessions, 4K contexts: 0.038 ms alone, 0.327 ms for 46 steps).
-        return Timed(time.perf_counter() + 32e-6 + 6.3e-6 * len(plan))
+        # batch: bench_sessions' steps of one sequence (4K contexts: 0.038 ms alone, 0.327 ms
+        # for 46 steps), issue 61's of many (2K contexts: 19 us + 1.83 us a sequence).
+        device = max(32e-6 + 6.3e-6 * len(plan), 19e-6 + 1.83e-6 * len(plan.seq_lens))
+        return Timed(time.perf_counter() + device)
 
 
 class _Load:
@@ -99,26 +103,27 @@ class _Load:
 
     def run(self, n: int, seconds: float) -> dict[str, Any]:
         a = self.args
-        elem = 2
-        q_bytes, kv_bytes = a.heads * a.head_dim * elem, a.kv_heads * a.head_dim * elem
+        elem, b = 2, a.batch
+        q_bytes, kv_bytes = a.heads * a.head_dim * elem * b, a.kv_heads * a.head_dim * elem * b
         layout = pb.CacheLayout(dtype=pb.BFLOAT16, num_kv_heads=a.kv_heads, head_dim=a.head_dim)
-        ids = [f"c{n}-{i}" for i in range(n)]
+        ids = [f"c{n}-{i}" for i in range(n * b)]
         create = pb.CreateCachesRequest(cache_ids=ids, layout=layout)
         self.call(ControlCall(next(self._ids), "CreateCaches", create.SerializeToString(), OWNER))
         kv = (a.context, a.kv_heads, a.head_dim)
         for cid in ids:  # the prompt: lengths only (no device), as AppendKV leaves them
             p = make_params(Op.APPEND_KV, pb.BFLOAT16, (0, a.heads, a.head_dim), kv,
                             [0, a.context], [0, 0], cache_ids=[cid])
-            spans = {"q": (0, 0), "k": (0, a.context * kv_bytes),
-                     "v": (0, a.context * kv_bytes), "out": (0, 0)}
+            spans = {"q": (0, 0), "k": (0, a.context * kv_bytes // b),
+                     "v": (0, a.context * kv_bytes // b), "out": (0, 0)}
             self.call(self.submit(next(self._ids), p, spans))
         # Each client's step: its own arena block (q, k, v, out), as a front end lays it out.
         block = 2 * q_bytes + 2 * kv_bytes
         steps = []
-        for i, cid in enumerate(ids):
+        for i in range(n):
             at = i * block
-            p = make_params(Op.CACHE_DECODE, pb.BFLOAT16, (1, a.heads, a.head_dim),
-                            (1, a.kv_heads, a.head_dim), [0, 1], cache_ids=[cid], store=True)
+            p = make_params(Op.CACHE_DECODE, pb.BFLOAT16, (b, a.heads, a.head_dim),
+                            (b, a.kv_heads, a.head_dim), list(range(b + 1)),
+                            cache_ids=ids[i * b : (i + 1) * b], store=a.store)
             steps.append((p, {"q": (at, q_bytes),
                                            "k": (at + q_bytes, kv_bytes),
                                            "v": (at + q_bytes + kv_bytes, kv_bytes),
@@ -182,6 +187,12 @@ def main() -> int:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--context", type=int, default=4096)
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences (caches) per client step: a model host's B (issue 61)")
+    p.add_argument("--store", action=argparse.BooleanOptionalAction, default=None,
+                   help="steps store their token (default: with --batch 1 only; a batch "
+                        "stores nothing, as issue 61's benchmark, and a context on a page "
+                        "boundary then takes and frees a page per sequence every step)")
     p.add_argument("--batching", default="on", choices=["on", "off"])
     p.add_argument("--no-metrics", dest="metrics", action="store_false",
                    help="leave out the launch metrics (the server always has them)")
@@ -189,12 +200,17 @@ def main() -> int:
     args = p.parse_args()
     fine_timer_slack()
     args.clients = [int(x) for x in args.clients.split(",")]
+    if args.store is None:
+        args.store = args.batch == 1
+    if args.store and args.batch > 1:
+        p.error("--store takes --batch 1 (the pool is sized for one token a step)")
     page_bytes = 2 * 64 * args.kv_heads * args.head_dim * 2  # 64-token pages
     # Each step stores one token. The appended tokens of a run are at most its steps (bounded
     # by STEPS_PER_S_BOUND), spread over its caches; a 1-client run of 3 s used to fill a
     # pool sized for 4096 steps per client.
-    steps = int(STEPS_PER_S_BOUND * (args.seconds + args.warmup + 1))
-    pages = max(n * (-(-args.context // 64) + 1) + -(-steps // 64) for n in args.clients)
+    steps = int(STEPS_PER_S_BOUND * (args.seconds + args.warmup + 1)) if args.store else 0
+    pages = max(n * args.batch * (-(-args.context // 64) + 1) + -(-steps // 64)
+                for n in args.clients)
     config = ServerConfig(device="cpu", batching=args.batching == "on",
                           kv_cache_bytes=pages * page_bytes, kv_page_bytes=page_bytes,
                           kv_cache_ttl=0)
@@ -204,7 +220,8 @@ def main() -> int:
     core = EngineCore(config, backend, observer=Metrics() if args.metrics else None,
                       delivery_scope=corked)  # as the process group runs it
     kv_bytes = args.kv_heads * args.head_dim * 2
-    arena = torch.zeros(max(max(args.clients) * 2 * (args.heads * args.head_dim * 2 + kv_bytes),
+    arena = torch.zeros(max(max(args.clients) * args.batch * 2
+                            * (args.heads * args.head_dim * 2 + kv_bytes),
                             args.context * kv_bytes), dtype=torch.uint8)
     # Counted as page-locked, as the cuda backend registers an arena: the launches then take
     # the step graphs' host side (``places``, its checks included) as on a GPU.
@@ -223,8 +240,9 @@ def main() -> int:
     proc.join(30)
     channel.close()
     core.close()
-    print(f"engine host cost per CacheDecode step ({args.heads}/{args.kv_heads} heads x "
-          f"{args.head_dim} bf16, {args.context}-token caches, batching {args.batching}, "
+    print(f"engine host cost per CacheDecode step ({args.batch} sequences a step, "
+          f"{args.heads}/{args.kv_heads} heads x {args.head_dim} bf16, {args.context}-token "
+          f"caches, store {'on' if args.store else 'off'}, batching {args.batching}, "
           f"metrics {'on' if args.metrics else 'off'}; no gRPC, no device)")
     print("| clients | steps/s | engine CPU us/step | mean batch |")
     print("|---|---|---|---|")
