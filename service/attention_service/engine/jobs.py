@@ -54,7 +54,8 @@ class CacheWork:
     new_pages: list[int] | None = None
 
     def rows(self) -> list[list[int]]:
-        """Each sequence's whole page list (a copy per row that gains a page)."""
+        """Each sequence's whole page list (a copy per row that gains a page; the others are
+        the caches' own lists: never change them in place)."""
         if self.new_pages is None:
             return self.block_table
         return [r if p < 0 else [*r, p]

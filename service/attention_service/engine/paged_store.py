@@ -14,10 +14,14 @@ from attention_service.engine.jobs import BatchPlan
 # place (kv_caches) and the same objects step after step, so a row is converted once: numpy
 # converts ~25 ns an int, and a merged launch of 8 hosts' B=64 steps (428 rows of 129 pages)
 # took ~1.5 ms to write on the dev box (~130 us of the dispatcher's GIL time a step in a
-# py-spy profile, H200 host); from the arrays, ~170 us. Dropped whole past _MAX_ROW_INTS.
+# py-spy profile, H200 host); from the arrays, ~170 us. Dropped whole past _MAX_ROW_INTS, each
+# row counted as its pages plus _ROW_OVERHEAD (an entry's tuple and array header, ~350 bytes):
+# at most ~2M pages' arrays and the lists they keep (~50-100 MB if no cache holds them any
+# more); 8 hosts x 2 layers x 64 caches of 129 pages take ~200K.
 _row_arrays: dict[int, tuple[list[int], np.ndarray]] = {}
 _row_ints = 0
-_MAX_ROW_INTS = 1 << 22  # 16 MiB of arrays
+_MAX_ROW_INTS = 1 << 21
+_ROW_OVERHEAD = 64
 
 
 def row_array(row: list[int]) -> np.ndarray:
@@ -27,11 +31,12 @@ def row_array(row: list[int]) -> np.ndarray:
     if got is not None and got[0] is row:
         return got[1]
     array = np.array(row, dtype=np.int32)
-    if _row_ints + len(row) > _MAX_ROW_INTS:
+    cost = len(row) + _ROW_OVERHEAD
+    if _row_ints + cost > _MAX_ROW_INTS:
         _row_arrays.clear()
         _row_ints = 0
     _row_arrays[id(row)] = (row, array)
-    _row_ints += len(row)
+    _row_ints += cost  # racy across threads: only the bound drifts, never an array
     return array
 
 

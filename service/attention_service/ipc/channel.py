@@ -186,7 +186,7 @@ def _unsent(parts: Sequence[bytes | memoryview], sent: int) -> list[bytes | memo
     completer's GIL time a step, py-spy, H200 host)."""
     rest: list[bytes | memoryview] = []
     for part in parts:
-        n = len(part)
+        n = part.nbytes if isinstance(part, memoryview) else len(part)
         if sent >= n:
             sent -= n
             continue

@@ -325,12 +325,14 @@ def test_a_page_list_is_converted_once_and_the_memo_stays_bounded(
     assert paged_store.row_array(row) is first and first.tolist() == row
     twin = list(row)
     assert paged_store.row_array(twin) is not first
-    monkeypatch.setattr(paged_store, "_MAX_ROW_INTS", 4)
+    monkeypatch.setattr(paged_store, "_MAX_ROW_INTS", 24)
+    monkeypatch.setattr(paged_store, "_ROW_OVERHEAD", 10)
     monkeypatch.setattr(paged_store, "_row_ints", 0)
     monkeypatch.setattr(paged_store, "_row_arrays", {})
     a = paged_store.row_array([1, 2, 3])
-    paged_store.row_array([4, 5])  # 5 ints > 4: the memo is dropped, then holds this one
-    assert len(paged_store._row_arrays) == 1 and paged_store._row_ints == 2
+    paged_store.row_array([])  # an empty row counts too: 13 + 10
+    paged_store.row_array([4, 5])  # 23 + 12 > 24: the memo is dropped, then holds this one
+    assert len(paged_store._row_arrays) == 1 and paged_store._row_ints == 12
     assert a.tolist() == [1, 2, 3]
     plan = BatchPlan([_step([5, 9], new=False, seed=1)])
     assert paged_store.block_table(plan).tolist() == [[0, 1, 0], [2, 3, 4]]

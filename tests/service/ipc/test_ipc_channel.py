@@ -99,11 +99,13 @@ def test_a_raw_frame_the_socket_takes_in_part_arrives_whole_and_in_order() -> No
 
 
 def test_only_the_unsent_bytes_are_kept_for_the_writer() -> None:
-    parts = [b"abc", memoryview(b"defgh"), b"ij"]
-    for sent in range(11):
+    wide = memoryview(bytearray(b"klmn")).cast("H")  # 2 items of 2 bytes: counted in bytes
+    parts = [b"abc", memoryview(b"defgh"), b"ij", wide]
+    for sent in range(15):
         rest = _unsent(parts, sent)
-        assert b"".join(rest) == b"abcdefghij"[sent:]
-        assert sum(len(p) for p in rest) == 10 - sent  # nothing sent is copied again
+        assert b"".join(rest) == b"abcdefghijklmn"[sent:]
+        # Nothing sent is copied again.
+        assert sum(memoryview(p).nbytes for p in rest) == 14 - sent
 
 
 def test_cork_is_per_thread_and_nested_blocks_join_the_outer(pair) -> None:  # type: ignore[no-untyped-def]
