@@ -37,8 +37,10 @@ def srv() -> Any:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_decode_steps_on_the_gpu_match_the_reference(srv: ServerHandle, dtype: Any) -> None:
     stub = srv.stub()
-    ids, model = session(stub, f"g-{dtype}-", [0, 1, 16, 300, 1025], dtype=dtype, heads=32,
-                          kv_heads=8, dim=128)
+    # 0 and 64 (bf16/fp16's 64-token pages), 32 (fp32's): a step that starts a fresh page past
+    # its row (``CacheWork.new_pages``), over an empty row and a full one.
+    ids, model = session(stub, f"g-{dtype}-", [0, 1, 16, 32, 64, 300, 1025], dtype=dtype,
+                          heads=32, kv_heads=8, dim=128)
     for i in range(3):
         decode_step(stub, ids, model, heads=32, seed=10 + i, tol=GPU_TOL[dtype],
                     lse_tol=GPU_LSE_TOL[dtype])
