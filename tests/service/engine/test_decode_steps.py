@@ -298,6 +298,9 @@ def test_decode_steps_write_only_their_fresh_pages_past_the_same_rows() -> None:
     assert b.cache is not None
     assert BatchPlan([a, b]).new_pages == [25, 26, -1, -1]
     assert BatchPlan([a]).table_width == 4 and BatchPlan([b]).table_width == 4
+    # The width counts a fresh page only past a row that long: a shorter row's stays inside.
+    assert BatchPlan([step(7, [-1, 26], [[0, 1, 2], [3]])]).table_width == 3
+    assert BatchPlan([step(8, [25, -1], [[0, 1, 2], [3]])]).table_width == 4
     assert a.cache is not None and a.cache.rows() == [[0, 1, 25], [2, 3, 4, 26]]
 
 
