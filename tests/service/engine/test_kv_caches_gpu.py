@@ -47,6 +47,20 @@ def test_decode_steps_on_the_gpu_match_the_reference(srv: ServerHandle, dtype: A
     stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
 
 
+def test_a_step_past_the_step_graphs_batch_on_the_gpu(srv: ServerHandle) -> None:
+    """A step of 300 sequences (past ``decode_steps.MAX_BATCH``: the general launch path, its
+    block table from ``paged_store``), some on a page boundary (a fresh page past the row),
+    stored and not, matches the reference."""
+    stub = srv.stub()
+    lens = [(7 * i) % 130 for i in range(300)]  # 0, 64 and 128 among them
+    ids, model = session(stub, "big-", lens, dtype=torch.bfloat16, heads=8, kv_heads=8,
+                          dim=128)
+    for i, store in enumerate((True, False, True)):
+        decode_step(stub, ids, model, heads=8, seed=40 + i, store=store,
+                    tol=GPU_TOL[torch.bfloat16], lse_tol=GPU_LSE_TOL[torch.bfloat16])
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
+
+
 def test_cached_prefill_and_fork_on_the_gpu(srv: ServerHandle) -> None:
     stub = srv.stub()
     ids, model = session(stub, "gp-", [100, 0, 77], dtype=torch.bfloat16, heads=16,
