@@ -59,7 +59,7 @@ from attention_kernels.copy_segments import (
 from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
-from attention_service.engine.paged_store import scatter_rows, write_row
+from attention_service.engine.paged_store import scatter_rows, write_new_pages, write_row
 from attention_service.params import BatchKey, Params, key_fp8
 from attention_wire.pb import attention_pb2 as pb
 
@@ -341,16 +341,12 @@ class Staging:
                     if row is not was and row != was:
                         write_row(table, i, row)
             self.table_rows = rows
-        # A decode step's fresh pages, one column past their rows: a step without store on a
-        # page boundary takes one per sequence every step, other pages each time with steps
-        # in flight (one numpy write of <= 64 entries, ~5 us).
+        # A decode step's fresh pages: a step without store on a page boundary takes one per
+        # sequence every step, other pages each time with steps in flight (~5 us to write).
         added = plan.new_pages
         if added is not None and added != self.new_pages:
             self.new_pages = None
-            at = [i for i, p in enumerate(added) if p >= 0]
-            if at:
-                table = self.table
-                table[at, [len(rows[i]) for i in at]] = [added[i] for i in at]
+            write_new_pages(self.table, rows, added)
         self.new_pages = added
         self.written_lists = (plan.slot_pages, plan.slot_offsets, plan.seq_lens)
 

@@ -363,7 +363,7 @@ class Executor:
     def deferring(self) -> Iterator[None]:
         """Inside: this thread's direct launches of ``inline_ops`` are left in flight, and
         waited for and answered here when the block ends (in order). Nested blocks join."""
-        if getattr(self._deferred, "issued", None) is not None:
+        if self._in_deferring():
             yield
             return
         issued: list[_Issued] = []

@@ -284,18 +284,17 @@ class CacheRegistry:
         ``CacheWork.new_pages``)."""
 
         def finish(ok: bool) -> tuple[int, ...]:
-            keep = ok and params.store
-            rows = table if added is None or not keep else [
-                r if p < 0 else [*r, p] for r, p in zip(table, added, strict=True)]
-            return self._finish(caches, rows, seq_lens, fresh, keep)
+            keep = ok and params.store  # kept: the grown rows become the caches' page lists
+            return self._finish(caches, work.rows() if keep else table, seq_lens, fresh, keep)
 
-        return CacheWork(
+        work = CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
             finish=finish,
             seq_scales=[c.kv_scales for c in caches] if caches[0].kv_scales else None,  # type: ignore[misc]
             new_pages=added,
         )
+        return work
 
     def _finish(
         self, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],

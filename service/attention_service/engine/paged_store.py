@@ -45,6 +45,14 @@ def write_row(table: np.ndarray, i: int, row: list[int]) -> None:
     table[i, : len(row)] = row_array(row)
 
 
+def write_new_pages(table: np.ndarray, rows: list[list[int]], new_pages: list[int]) -> None:
+    """A decode step's fresh pages (``CacheWork.new_pages``; -1: none), each one column past
+    its row, in one numpy write (a step on a page boundary has one per sequence)."""
+    at = [i for i, p in enumerate(new_pages) if p >= 0]
+    if at:
+        table[at, [len(rows[i]) for i in at]] = [new_pages[i] for i in at]
+
+
 def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
     """A cached batch's block table as int32 ``[batch, max pages]`` (short rows padded with
     page 0, which the kernels never read past a sequence's length), written into ``out``."""
@@ -54,10 +62,8 @@ def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tenso
     view = table.numpy()
     for i, r in enumerate(rows):
         write_row(view, i, r)
-    if plan.new_pages is not None:  # a decode step's fresh pages, past their rows
-        for i, (r, p) in enumerate(zip(rows, plan.new_pages, strict=True)):
-            if p >= 0:
-                view[i, len(r)] = p
+    if plan.new_pages is not None:
+        write_new_pages(view, rows, plan.new_pages)
     return table
 
 
