@@ -176,6 +176,24 @@ class KvPool:
             else:
                 del held[owner]
 
+    def free_fresh(self, pages: list[int]) -> None:
+        """``free`` of pages one ``alloc`` handed out that nothing else took a reference to
+        since (a call's reserved pages given back): no per-page owner count (a B=64 step's
+        64 pages: ~8 -> ~3 us, dev box). Pages shared since take ``free``."""
+        refs = self._refs
+        if not pages or [refs[p] for p in pages].count(1) != len(pages):
+            self.free(pages)
+            return
+        for p in pages:
+            refs[p] = 0
+        self._free.extend(reversed(pages))  # as ``free`` orders them
+        owner = self._owner[pages[0]]  # one alloc: one owner
+        left = self._held[owner] - len(pages)
+        if left:
+            self._held[owner] = left
+        else:
+            del self._held[owner]
+
     def refs(self, page: int) -> int:
         return self._refs[page]
 

@@ -184,6 +184,56 @@ def test_decode_steps_place_each_new_token_in_its_own_slot() -> None:
     assert pool.pages_used == 1 + 2 + 2 + 1
 
 
+def test_one_token_steps_on_caches_empty_full_forked_failed_and_released() -> None:
+    """A step of one token per cache (16-token pages) over an empty cache, one at a page
+    boundary, one mid-page and a fork sharing full pages: a fresh page exactly where a token is
+    past its cache's pages; a failed step gives every page back (by owner), a stored one keeps
+    them, a cache released during its step frees its pages at the step's end."""
+    pool = KvPool(torch.zeros(32 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["empty", "full", "mid"], owner="o")
+    reg.begin(_params(Op.APPEND_KV, ("full", "mid"), [32, 5]), "o").finish(True)
+    reg.call("ForkCache", pb.ForkCacheRequest(source_id="full", target_id="fork"), "o")
+    ids = ("empty", "full", "mid", "fork")
+    used, held = pool.pages_used, pool.held("o")
+    assert (used, held) == (3, 3)  # full's two pages (the fork shares both), mid's one
+    w = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 4, store=True), "o")
+    assert w.seq_lens == [1, 33, 6, 33] and w.slot_offsets == [0, 0, 5, 0]
+    fresh = [p for p in w.new_pages if p >= 0]  # type: ignore[union-attr]
+    assert [p >= 0 for p in w.new_pages] == [True, True, False, True]  # type: ignore[union-attr]
+    assert w.slot_pages == [w.new_pages[0], w.new_pages[1], w.block_table[2][0],  # type: ignore[index]
+                            w.new_pages[3]]  # type: ignore[index]
+    assert len(set(fresh)) == 3 and pool.pages_used == used + 3
+    assert w.finish(False) == (0, 32, 5, 32)  # failed: the caches as they were
+    assert (pool.pages_used, pool.held("o")) == (used, held)
+    w = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 4, store=True), "o")
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["mid"]), "o")
+    assert pool.pages_used == used + 3  # mid's page is still written by the step
+    assert w.finish(True) == (1, 33, 6, 33)
+    assert pool.pages_used == used + 3 - 1  # mid's page went at the step's end
+    listed = reg.call("ListCaches", pb.ListCachesRequest(), "o").caches
+    assert [(c.cache_id, c.length, c.pages, c.busy) for c in listed] == [
+        ("empty", 1, 1, False), ("fork", 33, 3, False), ("full", 33, 3, False)]
+
+
+def test_free_fresh_gives_pages_back_as_free_does() -> None:
+    """``free_fresh`` leaves the pool as ``free`` would (order, counts by owner), and takes
+    ``free``'s way for pages shared since their alloc."""
+    pools = [KvPool(torch.zeros(12 * PAGE, dtype=torch.uint8), PAGE) for _ in range(2)]
+    for pool, give_back in zip(pools, (KvPool.free, KvPool.free_fresh), strict=True):
+        keep = pool.alloc(2, "x", "a")
+        pages = pool.alloc(5, "x", "b")
+        give_back(pool, pages[:3])
+        pool.share(pages[3:])  # shared since: one reference each stays
+        give_back(pool, pages[3:])
+        give_back(pool, [])
+        assert pool.alloc(3, "x", "c") == pages[:3]
+        assert [pool.refs(p) for p in pages] == [1, 1, 1, 1, 1] and keep
+    a, b = pools
+    assert (a._free, a._held, a._refs, a._owner) == (b._free, b._held, b._refs, b._owner)
+    assert (b.held("a"), b.held("b"), b.held("c")) == (2, 2, 3)
+
+
 def test_cached_keys_count_against_the_request_flops_limit() -> None:
     # A one-token step is cheap on the wire but reads every cached key: the limit the front
     # end checks on new tokens is applied here to the whole call.
