@@ -87,6 +87,7 @@ def _dist_version(name: str) -> str:
 
 
 _NO_WORK = ExecStats(0.0, 0.0, 0.0, 0.0, batch_requests=0, batch_tokens=0)
+assert ExecStats._fields[7:] == ("cache_lengths",)  # ``settle`` builds one positionally
 
 
 class EngineCore:
@@ -191,8 +192,8 @@ class EngineCore:
                         # finds the tokens stored: docs/service.md, "Rules".)
                         value, failed = Cancelled(), True
                     lengths = cache.finish(not failed)
-                    if not failed:
-                        value = value._replace(cache_lengths=lengths)  # type: ignore[union-attr]
+                    if not failed:  # positional: ``_replace`` took ~9 us of a step (H200)
+                        value = ExecStats(*value[:7], lengths)  # type: ignore[index,misc]
                 for release in held:
                     release()
                 done(as_request_failure(value) if failed else value)  # type: ignore[arg-type]

@@ -59,7 +59,12 @@ from attention_kernels.copy_segments import (
 from attention_kernels.fp8 import quantize_kv
 from attention_service.engine.dtypes import TORCH_DTYPES
 from attention_service.engine.jobs import BatchPlan, Job, LaunchTimes, PendingLaunch
-from attention_service.engine.paged_store import scatter_rows, write_new_pages, write_row
+from attention_service.engine.paged_store import (
+    new_page_cells,
+    scatter_rows,
+    write_new_pages,
+    write_row,
+)
 from attention_service.params import BatchKey, Params, key_fp8
 from attention_wire.pb import attention_pb2 as pb
 
@@ -289,6 +294,7 @@ class Staging:
         # What ``table`` holds: these rows, and past them these pages (``CacheWork.new_pages``).
         self.table_rows: list[list[int]] | None = None
         self.new_pages: list[int] | None = None
+        self.new_cells: tuple[np.ndarray, np.ndarray] | None = None  # of ``table_rows``
         # The slot pages, slot offsets and lengths ``slots`` and ``lens`` hold (lists as given).
         self.written_lists: tuple[list[int], list[int], list[int]] | None = None
         self.written = 0  # when ``_StepGraph.staging`` last handed it out
@@ -332,7 +338,7 @@ class Staging:
         if rows is not old and rows != old:
             table = self.table
             # A write that fails halfway leaves a table nobody matches.
-            self.table_rows = self.new_pages = None
+            self.table_rows = self.new_pages = self.new_cells = None
             if old is None or len(old) != len(rows):
                 for i, row in enumerate(rows):
                     write_row(table, i, row)  # columns past a sequence's pages: never read
@@ -342,11 +348,14 @@ class Staging:
                         write_row(table, i, row)
             self.table_rows = rows
         # A decode step's fresh pages: a step without store on a page boundary takes one per
-        # sequence every step, other pages each time with steps in flight (~5 us to write).
+        # sequence every step, other pages each time with steps in flight: written at cells kept
+        # while the rows stay.
         added = plan.new_pages
         if added is not None and added != self.new_pages:
             self.new_pages = None
-            write_new_pages(self.table, rows, added)
+            if self.new_cells is None:
+                self.new_cells = new_page_cells(rows)
+            write_new_pages(self.table, rows, added, self.new_cells)
         self.new_pages = added
         self.written_lists = (plan.slot_pages, plan.slot_offsets, plan.seq_lens)
 

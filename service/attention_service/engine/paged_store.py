@@ -45,12 +45,26 @@ def write_row(table: np.ndarray, i: int, row: list[int]) -> None:
     table[i, : len(row)] = row_array(row)
 
 
-def write_new_pages(table: np.ndarray, rows: list[list[int]], new_pages: list[int]) -> None:
+def new_page_cells(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Where a decode step's fresh pages go in a table of ``rows``: (row, column) indices,
+    the column one past each row."""
+    return (np.arange(len(rows)),
+            np.fromiter(map(len, rows), dtype=np.intp, count=len(rows)))
+
+
+def write_new_pages(table: np.ndarray, rows: list[list[int]], new_pages: list[int],
+                    cells: tuple[np.ndarray, np.ndarray] | None = None) -> None:
     """A decode step's fresh pages (``CacheWork.new_pages``; -1: none), each one column past
-    its row, in one numpy write (a step on a page boundary has one per sequence)."""
-    at = [i for i, p in enumerate(new_pages) if p >= 0]
-    if at:
-        table[at, [len(rows[i]) for i in at]] = [new_pages[i] for i in at]
+    its row, in one numpy write (a step on a page boundary has one per sequence). ``cells``:
+    ``new_page_cells(rows)``, kept by a staging while its rows stay (from lists, this write
+    took ~16 us of a B=64 step's reader, py-spy, H200)."""
+    added = np.array(new_pages, dtype=np.int32)
+    r, c = cells if cells is not None else new_page_cells(rows)
+    fresh = added >= 0
+    if fresh.all():
+        table[r, c] = added
+    else:
+        table[r[fresh], c[fresh]] = added[fresh]
 
 
 def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tensor:
