@@ -41,6 +41,7 @@ import ctypes
 import errno
 import logging
 import os
+import select
 import socket
 import stat
 import struct
@@ -57,6 +58,7 @@ import torch
 
 from attention_service.config import MAX_MESSAGE_BYTES, ServerConfig
 from attention_service.engine.core import EngineCore
+from attention_service.engine.executor import Hold
 from attention_service.engine.jobs import ByteBase, ExecStats, Job
 from attention_service.engine.local_link import LocalBuffers
 from attention_service.errors import RequestError, StartupError, unavailable
@@ -322,6 +324,7 @@ class _SocketConnection:
         self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
         # Whether the client sends steps before the last one is answered (see ``_scope``).
         self._pipelined = False
+        self._hold = Hold()  # its pipelined steps' launches, answered by its reader
         self._free: dict[int, list[ByteBase]] = {}  # pinned blocks by size (``_block``)
         self._forms: dict[bytes, _StepForm] = {}  # by header bytes (``_match``)
         self._kept = 0  # their bytes
@@ -342,12 +345,14 @@ class _SocketConnection:
         with a second step in flight (a ping-pong of micro-batches) would wait for every
         launch to end before its next step is even read. So a read does not defer when the
         last deferred one saw the next step arrive while it waited (``_deferring``'s peek),
-        nor when this step came while earlier ones were unanswered."""
+        nor when this step came while earlier ones were unanswered: then its launch is held
+        (``Executor.holding``), and this thread answers it once the completer has seen it end,
+        reading the next step meanwhile (``_answer_held``)."""
         with self._lock:
             ahead = bool(self._order)
         if self._pipelined or ahead:
             self._pipelined = ahead  # the peek counts once; then what the client does
-            return contextlib.nullcontext()
+            return self.core.executor.holding(self._hold)
         return self._deferring()
 
     @contextlib.contextmanager
@@ -367,7 +372,10 @@ class _SocketConnection:
         sock = self.channel.sock
         head = memoryview(bytearray(SOCKET_FRAME.size))
         try:
-            while self._room() and _fill(sock, head):
+            while True:
+                self._answer_held(until_frame=True)
+                if not (self._room() and _fill(sock, head)):
+                    break
                 (size,) = SOCKET_FRAME.unpack(head)
                 if size > MAX_MESSAGE_BYTES:
                     log.info("step socket: %s sent a frame of %d bytes, over the %d allowed; "
@@ -383,24 +391,48 @@ class _SocketConnection:
             log.debug("step socket: %s: %s", self.peer, exc)
         finally:
             self.channel.close()
-            self.on_close()
+            try:
+                self._answer_held(until_frame=False)  # their launches end; nobody reads them
+            finally:
+                self._hold.close()
+                self.on_close()
+
+    def _answer_held(self, until_frame: bool) -> None:
+        """Answer this connection's held launches as the completer sees each end: all of
+        them, or (``until_frame``) until the client's next frame can be read (it is read and
+        launched first; the GPU has the held ones meanwhile)."""
+        hold, executor = self._hold, self.core.executor
+        watch = [hold.fd, self.channel.sock] if until_frame else [hold.fd]
+        while executor.answer_held(hold):
+            ready, _, _ = select.select(watch, [], [])
+            if hold.fd in ready:
+                hold.clear()
+            elif until_frame:
+                return
 
     def _room(self) -> bool:
         """Wait, reading nothing, while STEPS_IN_FLIGHT steps are unanswered, or while more
         answers wait in the channel than a client that reads them can leave there (as a gRPC
-        step stream stops reading: memory stays bounded). False once the connection is
-        closed. (Holding back for any unsent answer would deadlock a client that sends a
-        large step while its earlier answers wait: it reads only once the send is done.)"""
-        with self._cond:
-            while not self._closed and (len(self._order) >= STEPS_IN_FLIGHT
-                                        or self.channel.queued_bytes > _MAX_QUEUED_BYTES):
-                if self.channel.queued_bytes <= _MAX_QUEUED_BYTES:
-                    self._cond.wait()  # an answer (``_done``) or the close notifies
-                    continue
-                self._cond.wait(_BACKLOG_POLL_S)
-                if _peek(self.channel.sock) == b"":  # the peer went while its answers waited
+        step stream stops reading: memory stays bounded); held launches are answered here
+        meanwhile. False once the connection is closed. (Holding back for any unsent answer
+        would deadlock a client that sends a large step while its earlier answers wait: it
+        reads only once the send is done.)"""
+        while True:
+            with self._cond:
+                if self._closed:
                     return False
-            return not self._closed
+                backlog = self.channel.queued_bytes > _MAX_QUEUED_BYTES
+                if len(self._order) < STEPS_IN_FLIGHT and not backlog:
+                    return True
+                if not self._hold.items:
+                    if not backlog:
+                        self._cond.wait()  # an answer (``_done``) or the close notifies
+                        continue
+                    self._cond.wait(_BACKLOG_POLL_S)
+                    if _peek(self.channel.sock) == b"":  # the peer went while answers waited
+                        return False
+                    continue
+            self._answer_held(until_frame=False)
 
     def on_message(self, payload: memoryview, frame: ByteBase) -> None:
         if self.principal is None:

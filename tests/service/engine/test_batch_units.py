@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -17,7 +18,7 @@ import torch
 from attention_kernels import decode_ref, prefill_ref
 from attention_service.engine.backends import CpuBackend
 from attention_service.engine.dtypes import WIRE_DTYPES
-from attention_service.engine.executor import BatchQueue, Executor
+from attention_service.engine.executor import BatchQueue, Executor, Hold
 from attention_service.engine.jobs import (
     CACHED_KEYS_PER_TOKEN,
     BatchPlan,
@@ -648,6 +649,71 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
     finally:
         ex.close()
     assert backend.threads == [here] and where == {5: "attention-completer"}, where
+
+
+class _FailsSecond(_HeldFirst):
+    """``_HeldFirst``, and its second launch's wait fails (as a launch the device refused)."""
+
+    def launch(self, plan):  # type: ignore[no-untyped-def]
+        second = len(self.threads) == 1
+        pending = super().launch(plan)
+        if not second:
+            return pending
+
+        class _Broken:
+            def wait(self) -> object:
+                raise RuntimeError("device fault")
+
+        return _Broken()
+
+
+def test_held_launches_are_answered_by_their_holder_in_order() -> None:
+    """Inside ``holding``, direct launches of an inline op take any free slot (the second
+    while the first runs) and are answered only by the holder, in launch order, once the
+    completer has seen each end and woken the hold's fd; a launch whose wait fails is answered
+    with its error; the executor's counts come back (idle), and a launch outside the hold is
+    the completer's as before."""
+    here = threading.current_thread().name
+    backend = _FailsSecond()
+    ex = Executor(backend, max_queue_delay_s=1.0, inline_ops=frozenset({Op.PREFILL}))
+    hold = Hold()
+    where: dict[int, str] = {}
+    got: dict[int, object] = {}
+
+    def done_for(i: int) -> Any:
+        def done(value: object) -> None:
+            where[i] = threading.current_thread().name
+            got[i] = value
+        return done
+
+    jobs = [_prefill_job(i, [4 + i]) for i in range(4)]
+    try:
+        time.sleep(0.05)  # the dispatcher is waiting: the device is idle
+        with ex.holding(hold):
+            for i in range(3):  # the third waits for a slot: the queue (the completer's)
+                ex.submit(jobs[i], done_for(i), issue_here=True)
+        assert backend.threads[:2] == [here, here] and len(hold.items) == 2
+        time.sleep(0.05)
+        assert not got and ex.answer_held(hold) == 2  # 0's launch has not ended: nothing
+        backend.release.set()
+        while ex.answer_held(hold):
+            select.select([hold.fd], [], [], 2.0)
+            hold.clear()
+        assert where == {0: here, 1: here} and isinstance(got[1], RuntimeError)
+        ex.submit(jobs[3], done_for(3), issue_here=True)  # no hold: the completer answers
+        _wait_until(lambda: len(got) == 4 and ex.idle)
+        assert ex.idle and not hold.items
+    finally:
+        backend.release.set()
+        ex.close()
+        hold.close()
+    assert where[2] == where[3] == "attention-completer", where
+    for i in (0, 2, 3):
+        job = jobs[i]
+        assert not isinstance(got[i], BaseException), got[i]
+        ref = prefill_ref(job.q.double(), job.k.double(), job.v.double(),
+                          _cu(job.params.cu_seqlens_q), causal=True)
+        torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
 def test_close_waits_for_a_deferred_launch() -> None:

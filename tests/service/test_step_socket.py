@@ -1,0 +1,166 @@
+"""The step socket's reader answering its own pipelined steps (``Executor.holding``): a cpu
+backend that launches as cuda's does (the launch only queued, waited for later, two slots), so
+a model host's second step in flight launches on the reader thread while its first runs, and
+the reader answers both. Checked against the float64 reference, with the executor's counts and
+the caches' state after, and a host that goes away with held steps in flight."""
+
+from __future__ import annotations
+
+import socket
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attention_client import AttentionClient
+from attention_client._call_streams import _framed
+from attention_service.engine.backends import CpuBackend
+from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
+
+from ..client.test_client_e2e import check_out, f64, make
+from ..client.test_client_kv_cache import HKV, Context, D, H
+
+torch = pytest.importorskip("torch")
+reference = pytest.importorskip("attention_kernels.reference")
+pytestmark = pytest.mark.timeout(120)
+
+
+class _QueuedCpu(CpuBackend):
+    """Launches as cuda's: ``launch`` returns once the work is "queued" (computed here), its
+    ``wait`` takes ``device_s`` more (the kernel's time); records each launch's thread."""
+
+    max_inflight = 2
+    async_launch = True
+
+    def __init__(self, device_s: float = 0.003) -> None:
+        super().__init__()
+        self.device_s = device_s
+        self.threads: list[str] = []
+
+    def launch(self, plan: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        done = super().launch(plan)
+        device_s = self.device_s
+
+        class _Pending:
+            def wait(self) -> Any:
+                time.sleep(device_s)
+                return done.wait()
+
+        return _Pending()
+
+
+@pytest.fixture
+def queued(start_server: Any) -> Any:
+    path = str(Path(tempfile.mkdtemp(prefix="hold-")) / "step.sock")
+    backend = _QueuedCpu()
+    server = start_server(backend=backend, step_socket=path)
+    return server, backend
+
+
+def _prompt(cache: Any, ctx: Context, ids: list[str], lengths: list[int], seed: int) -> None:
+    k = make("numpy", "float32", sum(lengths), HKV, D, seed=seed)
+    cache.append(ids, k, k, np.cumsum([0, *lengths]).astype(np.int32))
+    ctx.add(ids, k, k, lengths)
+
+
+def test_two_steps_in_flight_are_launched_and_answered_by_the_reader(queued: Any) -> None:
+    """A host's two layers' steps, two in flight, stored: every answer right against the
+    reference at the point it ran; the steps after the first launched on the socket's reader
+    thread (the second while the first ran) and answered there, none by the completer; the
+    executor idle and no cache busy at the end."""
+    server, backend = queued
+    layers = [[f"h-{layer}-{i}" for i in range(3)] for layer in range(2)]
+    ctx = Context([cid for ids in layers for cid in ids])
+    answered_on: list[str] = []
+    with AttentionClient(server.target, timeout=60) as c, \
+            c.kv_cache(HKV, D, "float32") as cache:
+        for n, ids in enumerate(layers):
+            _prompt(cache, ctx, ids, [5, 16, 31], 1 + n)
+        engine = server.server.core
+        done = engine.executor._deliver
+
+        def deliver(jobs: Any, values: Any) -> None:
+            answered_on.append(threading.current_thread().name)
+            done(jobs, values)
+
+        engine.executor._deliver = deliver
+        backend.threads.clear()
+        with c.decode_steps(step_socket=True) as steps:
+            sent = []
+            for n in range(12):
+                ids = layers[n % 2]
+                q = make("numpy", "float32", 3, H, D, seed=100 + n)
+                kn = make("numpy", "float32", 3, HKV, D, seed=200 + n)
+                if len(sent) == 2:  # two in flight: the oldest is read before the next goes
+                    pending, q0, ref = sent.pop(0)
+                    check_out(pending.result(), ref, "float32", q0)
+                pending = steps.submit(q, ids, kn, kn)
+                ctx.add(ids, kn, kn, [1, 1, 1])
+                sent.append((pending, q, reference.decode_ref(f64(q), *ctx.packed(ids))))
+            for pending, q0, ref in sent:
+                check_out(pending.result(), ref, "float32", q0)
+        assert [i["length"] for i in cache.info()] == ctx.lengths(
+            [cid for ids in layers for cid in ids])
+        assert not any(i["busy"] for i in cache.info())
+        deadline = time.monotonic() + 5
+        while not engine.executor.idle and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.executor.idle
+    readers = [t for t in backend.threads if t.startswith("attention-step-socket-")]
+    assert len(backend.threads) == 12 and len(readers) >= 10, backend.threads
+    socket_answers = [t for t in answered_on if t.startswith("attention-step-socket-")]
+    assert len(socket_answers) >= 10 and "attention-completer" not in answered_on, answered_on
+
+
+def test_a_host_gone_with_held_steps_leaves_its_caches_usable(queued: Any) -> None:
+    """A raw client sends two steps and closes without reading: the reader still answers
+    its held launches (into the closed socket), the caches are not left busy, and the next
+    host's steps run."""
+    server, backend = queued
+    backend.device_s = 0.05  # the launches are still running when the host goes
+    ids = ["gone-a", "gone-b"]
+    ctx = Context(ids)
+    with AttentionClient(server.target, timeout=60) as c, \
+            c.kv_cache(HKV, D, "float32") as cache:
+        _prompt(cache, ctx, ids, [4, 9], 3)
+        with c.decode_steps(step_socket=True) as steps:  # the messages a host sends
+            q = make("numpy", "float32", 2, H, D, seed=5)
+            kn = make("numpy", "float32", 2, HKV, D, seed=6)
+            steps.step(q, ids, kn, kn, store=False)
+            stream = steps._stream
+            frames: list[bytes] = []
+            send = stream.send
+
+            def record(message: Any) -> None:
+                frames.append(b"".join(bytes(p) for p in _framed(message)[0]))
+                send(message)
+
+            stream.send = record
+            steps.step(q, ids, kn, kn, store=False)
+        frame = frames[-1]
+        path = c.info()["step_socket"]
+        raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        raw.connect(path)
+        hello = STEP_SOCKET_HELLO + b"\n"
+        raw.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
+        raw.recv(64)
+        other = ["gone-b", "gone-a"]  # the same caches, another form: a second step waits
+        raw.sendall(frame)
+        raw.sendall(frame.replace(b"gone-a", b"gone-x").replace(b"gone-b", b"gone-a")
+                    .replace(b"gone-x", b"gone-b"))
+        time.sleep(0.02)
+        raw.close()
+        deadline = time.monotonic() + 5
+        while any(i["busy"] for i in cache.info()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not any(i["busy"] for i in cache.info())
+        with c.decode_steps(step_socket=True) as steps:
+            out = steps.step(q, other, kn, kn, store=False)
+        ref = reference.decode_ref(f64(q), *ctx.packed(other, kn, kn, per_seq=1))
+        check_out(out, ref, "float32", q)
+        assert [i["length"] for i in cache.info()] == [4, 9]
