@@ -325,6 +325,7 @@ class _SocketConnection:
         # Whether the client sends steps before the last one is answered (see ``_scope``).
         self._pipelined = False
         self._hold = Hold()  # its pipelined steps' launches, answered by its reader
+        self._holding = self.core.executor.holding(self._hold)
         self._free: dict[int, list[ByteBase]] = {}  # pinned blocks by size (``_block``)
         self._forms: dict[bytes, _StepForm] = {}  # by header bytes (``_match``)
         self._kept = 0  # their bytes
@@ -352,7 +353,7 @@ class _SocketConnection:
             ahead = bool(self._order)
         if self._pipelined or ahead:
             self._pipelined = ahead  # the peek counts once; then what the client does
-            return self.core.executor.holding(self._hold)
+            return self._holding
         return self._deferring()
 
     @contextlib.contextmanager
@@ -400,12 +401,18 @@ class _SocketConnection:
     def _answer_held(self, until_frame: bool) -> None:
         """Answer this connection's held launches as the completer sees each end: all of
         them, or (``until_frame``) until the client's next frame can be read (it is read and
-        launched first; the GPU has the held ones meanwhile)."""
+        launched first; the GPU has the held ones meanwhile). ``poll``, not ``select``: a
+        server with over 1024 descriptors open (connections, regions) is no exception."""
         hold, executor = self._hold, self.core.executor
-        watch = [hold.fd, self.channel.sock] if until_frame else [hold.fd]
+        if not hold.items:
+            return
+        watch = select.poll()
+        watch.register(hold.fd, select.POLLIN)
+        if until_frame:
+            watch.register(self.channel.sock, select.POLLIN)
         while executor.answer_held(hold):
-            ready, _, _ = select.select(watch, [], [])
-            if hold.fd in ready:
+            ready = watch.poll()
+            if any(fd == hold.fd for fd, _ in ready):
                 hold.clear()
             elif until_frame:
                 return

@@ -130,14 +130,28 @@ class Hold:
             os.write(self._wake_fd, b"\0")
 
     def clear(self) -> None:
-        """Read the wake-ups written so far."""
+        """Read the wake-ups written so far (one a launch: a read takes them all)."""
         with contextlib.suppress(BlockingIOError):
-            while os.read(self.fd, 4096):
-                pass
+            os.read(self.fd, 65536)
 
     def close(self) -> None:
         os.close(self.fd)
         os.close(self._wake_fd)
+
+
+class _Holding:
+    """``Executor.holding``'s block: the hold is this thread's while inside."""
+
+    __slots__ = ("_local", "_hold")
+
+    def __init__(self, local: threading.local, hold: Hold) -> None:
+        self._local, self._hold = local, hold
+
+    def __enter__(self) -> None:
+        self._local.hold = self._hold
+
+    def __exit__(self, *exc: object) -> None:
+        self._local.hold = None
 
 
 def _settle(fut: asyncio.Future[ExecStats], value: ExecStats | BaseException) -> None:
@@ -396,18 +410,14 @@ class Executor:
     def _holding(self) -> Hold | None:
         return getattr(self._deferred, "hold", None)
 
-    @contextlib.contextmanager
-    def holding(self, hold: Hold) -> Iterator[None]:
+    def holding(self, hold: Hold) -> AbstractContextManager[object]:
         """Inside: this thread's direct launches of ``inline_ops`` go to ``hold``: the
         completer waits for each and wakes the hold; this thread answers them
         (``answer_held``) before it next blocks on anything else. A direct launch here takes
         any free launch slot (a model host's second step in flight goes while its first
-        runs)."""
-        self._deferred.hold = hold
-        try:
-            yield
-        finally:
-            self._deferred.hold = None
+        runs). A plain object, made once and entered per step (a generator's context
+        manager cost ~10 us of a step's GIL time, py-spy, H200)."""
+        return _Holding(self._deferred, hold)
 
     def answer_held(self, hold: Hold) -> int:
         """Answer ``hold``'s launches whose wait is over, in order; how many are left."""
