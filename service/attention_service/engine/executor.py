@@ -33,6 +33,11 @@ the kernel
 went 1.43 -> 1.29 ms (faster in every round); 64 clients stayed at ~5.8K steps/s. Answering
 at once instead of at the block's end launched each of a read's steps alone: in
 tools/engine/bench_engine_steps.py (one channel) the 8-client mean batch fell from 5 to 1.0.
+Inside ``holding(hold)`` (a step socket's reader, for a host with steps in flight) a direct
+launch of an inline op takes any free slot and goes to ``hold``: the completer only waits for
+it, frees its slot and wakes the hold's pipe; the holding thread answers its launches in order
+(``answer_held``) between its reads. On an H200 host (2026-12-01, four paired rounds) B=64 CUDA
+IPC steps at 2 in flight went 2106 -> 2339 steps/s on the mean, inside the rounds' spread.
 
 ``submit``/``cancel`` are thread-safe and never block on the device; ``run`` wraps them for
 asyncio callers. ``done`` runs on an executor thread: it must be quick (hand off, don't work).
