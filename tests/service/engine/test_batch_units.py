@@ -518,6 +518,20 @@ def _wait_answers(answers: dict[int, list[object]], n: int, lock: threading.Lock
     _wait_until(ready, 4.0)
 
 
+def _answers() -> tuple[dict[int, str], dict[int, object], Callable[[int], Any]]:
+    """Per job number: the thread that answered it and its answer; and each job's ``done``."""
+    where: dict[int, str] = {}
+    got: dict[int, object] = {}
+
+    def done_for(i: int) -> Any:
+        def done(value: object) -> None:
+            where[i] = threading.current_thread().name
+            got[i] = value
+        return done
+
+    return where, got, done_for
+
+
 def test_idle_device_issues_on_the_submitting_thread() -> None:
     backend = _AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0)
@@ -605,15 +619,7 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
     backend = _AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
     here = threading.current_thread().name
-    where: dict[int, str] = {}
-    got: dict[int, object] = {}
-
-    def done_for(i: int) -> Any:
-        def done(value: object) -> None:
-            where[i] = threading.current_thread().name
-            got[i] = value
-        return done
-
+    where, got, done_for = _answers()
     jobs = [_prefill_job(i, [5 + i]) for i in range(5)]
     try:
         time.sleep(0.05)  # the dispatcher is waiting: the device is idle
@@ -677,15 +683,7 @@ def test_held_launches_are_answered_by_their_holder_in_order() -> None:
     backend = _FailsSecond()
     ex = Executor(backend, max_queue_delay_s=1.0, inline_ops=frozenset({Op.PREFILL}))
     hold = Hold()
-    where: dict[int, str] = {}
-    got: dict[int, object] = {}
-
-    def done_for(i: int) -> Any:
-        def done(value: object) -> None:
-            where[i] = threading.current_thread().name
-            got[i] = value
-        return done
-
+    where, got, done_for = _answers()
     jobs = [_prefill_job(i, [4 + i]) for i in range(4)]
     try:
         time.sleep(0.05)  # the dispatcher is waiting: the device is idle
