@@ -324,8 +324,10 @@ class _SocketConnection:
         self._waiting: list[_Step] = []  # behind an earlier step on one of its caches
         # Whether the client sends steps before the last one is answered (see ``_scope``).
         self._pipelined = False
-        self._hold = Hold()  # its pipelined steps' launches, answered by its reader
-        self._holding = self.core.executor.holding(self._hold)
+        # Its pipelined steps' launches, answered by its reader: made by the reader (its
+        # pipe is closed on the reader's way out, whatever ends it).
+        self._hold: Hold | None = None
+        self._holding: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
         self._free: dict[int, list[ByteBase]] = {}  # pinned blocks by size (``_block``)
         self._forms: dict[bytes, _StepForm] = {}  # by header bytes (``_match``)
         self._kept = 0  # their bytes
@@ -373,6 +375,8 @@ class _SocketConnection:
         sock = self.channel.sock
         head = memoryview(bytearray(SOCKET_FRAME.size))
         try:
+            self._hold = Hold()
+            self._holding = self.core.executor.holding(self._hold)
             while True:
                 self._answer_held(until_frame=True)
                 if not (self._room() and _fill(sock, head)):
@@ -392,11 +396,15 @@ class _SocketConnection:
             log.debug("step socket: %s: %s", self.peer, exc)
         finally:
             self.channel.close()
-            try:
-                self._answer_held(until_frame=False)  # their launches end; nobody reads them
-            finally:
-                self._hold.close()
-                self.on_close()
+            # Its running steps cancelled first (a held launch still running then changes
+            # no cache, as any of its steps' launches), then the held ones answered (into
+            # the closed socket): their slots, caches and the executor's count come back.
+            self.on_close()
+            if self._hold is not None:
+                try:
+                    self._answer_held(until_frame=False)
+                finally:
+                    self._hold.close()
 
     def _answer_held(self, until_frame: bool) -> None:
         """Answer this connection's held launches as the completer sees each end: all of
@@ -404,7 +412,7 @@ class _SocketConnection:
         launched first; the GPU has the held ones meanwhile). ``poll``, not ``select``: a
         server with over 1024 descriptors open (connections, regions) is no exception."""
         hold, executor = self._hold, self.core.executor
-        if not hold.items:
+        if hold is None or not hold.items:
             return
         watch = select.poll()
         watch.register(hold.fd, select.POLLIN)
@@ -431,7 +439,7 @@ class _SocketConnection:
                 backlog = self.channel.queued_bytes > _MAX_QUEUED_BYTES
                 if len(self._order) < STEPS_IN_FLIGHT and not backlog:
                     return True
-                if not self._hold.items:
+                if self._hold is None or not self._hold.items:
                     if not backlog:
                         self._cond.wait()  # an answer (``_done``) or the close notifies
                         continue

@@ -117,23 +117,24 @@ def test_two_steps_in_flight_are_launched_and_answered_by_the_reader(queued: Any
     assert len(socket_answers) >= 10 and "attention-completer" not in answered_on, answered_on
 
 
-def test_a_host_gone_with_held_steps_leaves_its_caches_usable(queued: Any) -> None:
-    """A raw client sends two steps and closes without reading: the reader still answers
-    its held launches (into the closed socket), the caches are not left busy, and the next
-    host's steps run."""
+def test_a_host_gone_with_a_held_step_running_stores_nothing_of_it(queued: Any) -> None:
+    """A raw host sends a stored step on caches A, then one on caches B, and goes while B's
+    launch runs (held by the reader: its client had a step unanswered). A's step ran before
+    the reader saw the host go: stored. B's is cancelled like any step of a host that went:
+    its tokens are not kept, no cache stays busy, and the next host's steps run right."""
     server, backend = queued
-    backend.device_s = 0.05  # the launches are still running when the host goes
-    ids = ["gone-a", "gone-b"]
-    ctx = Context(ids)
+    a, b = ["gone-a0", "gone-a1"], ["gone-b0", "gone-b1"]
+    ctx = Context(a + b)
+    frames: list[bytes] = []
     with AttentionClient(server.target, timeout=60) as c, \
             c.kv_cache(HKV, D, "float32") as cache:
-        _prompt(cache, ctx, ids, [4, 9], 3)
-        with c.decode_steps(step_socket=True) as steps:  # the messages a host sends
-            q = make("numpy", "float32", 2, H, D, seed=5)
-            kn = make("numpy", "float32", 2, HKV, D, seed=6)
-            steps.step(q, ids, kn, kn, store=False)
+        _prompt(cache, ctx, a, [4, 9], 3)
+        _prompt(cache, ctx, b, [6, 2], 4)
+        q = make("numpy", "float32", 2, H, D, seed=5)
+        kn = make("numpy", "float32", 2, HKV, D, seed=6)
+        with c.decode_steps(step_socket=True) as steps:  # the frames a host sends
+            steps.step(q, a, kn, kn)  # a first message: its form is kept
             stream = steps._stream
-            frames: list[bytes] = []
             send = stream.send
 
             def record(message: Any) -> None:
@@ -141,26 +142,35 @@ def test_a_host_gone_with_held_steps_leaves_its_caches_usable(queued: Any) -> No
                 send(message)
 
             stream.send = record
-            steps.step(q, ids, kn, kn, store=False)
-        frame = frames[-1]
-        path = c.info()["step_socket"]
+            for ids in (a, b):
+                steps.step(q, ids, kn, kn)
+                ctx.add(ids, kn, kn, [1, 1])
+        ctx.add(a, kn, kn, [1, 1])
+        assert [i["length"] for i in cache.info()] == [6, 11, 7, 3]
+        backend.device_s = 0.3  # B's launch still runs when the host goes
         raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        raw.connect(path)
+        raw.connect(c.info()["step_socket"])
         hello = STEP_SOCKET_HELLO + b"\n"
         raw.sendall(SOCKET_FRAME.pack(len(hello)) + hello)
         raw.recv(64)
-        other = ["gone-b", "gone-a"]  # the same caches, another form: a second step waits
-        raw.sendall(frame)
-        raw.sendall(frame.replace(b"gone-a", b"gone-x").replace(b"gone-b", b"gone-a")
-                    .replace(b"gone-x", b"gone-b"))
-        time.sleep(0.02)
+        raw.sendall(frames[0] + frames[1])  # A's step, then B's while A's is unanswered
+        time.sleep(0.45)  # A answered (0.3 s), B launched and held
         raw.close()
         deadline = time.monotonic() + 5
         while any(i["busy"] for i in cache.info()) and time.monotonic() < deadline:
             time.sleep(0.01)
         assert not any(i["busy"] for i in cache.info())
+        assert [i["length"] for i in cache.info()] == [7, 12, 7, 3]  # A stored, B not
+        backend.device_s = 0.0
         with c.decode_steps(step_socket=True) as steps:
-            out = steps.step(q, other, kn, kn, store=False)
-        ref = reference.decode_ref(f64(q), *ctx.packed(other, kn, kn, per_seq=1))
+            out = steps.step(q, b, kn, kn, store=False)
+        ref = reference.decode_ref(f64(q), *ctx.packed(b, kn, kn, per_seq=1))
         check_out(out, ref, "float32", q)
-        assert [i["length"] for i in cache.info()] == [4, 9]
+        assert engine_idle(server)
+
+
+def engine_idle(server: Any) -> bool:
+    deadline = time.monotonic() + 5
+    while not server.server.core.executor.idle and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return server.server.core.executor.idle

@@ -129,10 +129,15 @@ class Hold:
         self.fd, self._wake_fd = os.pipe()
         os.set_blocking(self.fd, False)
         os.set_blocking(self._wake_fd, False)
+        # The completer wakes a hold its holder may be closing: never a closed descriptor
+        # (its number may be another connection's by then).
+        self._lock = threading.Lock()
+        self._closed = False
 
     def wake(self) -> None:
-        with contextlib.suppress(BlockingIOError):  # full: the holder has wake-ups to read
-            os.write(self._wake_fd, b"\0")
+        with self._lock, contextlib.suppress(BlockingIOError):  # full: wake-ups to read
+            if not self._closed:
+                os.write(self._wake_fd, b"\0")
 
     def clear(self) -> None:
         """Read the wake-ups written so far (one a launch: a read takes them all)."""
@@ -140,8 +145,12 @@ class Hold:
             os.read(self.fd, 65536)
 
     def close(self) -> None:
-        os.close(self.fd)
-        os.close(self._wake_fd)
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            os.close(self.fd)
+            os.close(self._wake_fd)
 
 
 class _Holding:
@@ -368,8 +377,7 @@ class Executor:
                 raise unavailable("server is shutting down")
             if (issue_here and self._direct and self._dispatcher_waits and not self._waiting
                     and (self._inflight == 0 or (self._inflight < self._max_inflight
-                                                 and (not self._in_deferring()
-                                                      or self._holding() is not None)))
+                                                 and not self._in_deferring()))
                     and self._queue.max_size > 0 and not job.cancelled):
                 # Alone, with a launch slot free: it skips the queue (its adds, the pick and
                 # the pops took ~6% of a B=64 socket step's engine GIL time in a py-spy
@@ -381,6 +389,7 @@ class Executor:
                 # launch instead, so there only an idle device takes it at once.
                 jobs, dropped = [job], []
                 self._inflight += 1
+                alone = True
             else:
                 self._queue.add(job)
                 self._waiting.add(job)
@@ -391,11 +400,12 @@ class Executor:
                     return
                 # The device is idle: the dispatcher would launch at once; do it here.
                 jobs, dropped, _ = self._take(now, device_idle=True)
+                alone = False  # a batch of the queue's (other callers' too): never held
             self._issuing += 1  # the completer must not stop before this launch is queued
         try:
             self._deliver(dropped, [Cancelled()] * len(dropped))
             if jobs:
-                self._issue(jobs, here=True)
+                self._issue(jobs, here=True, holdable=alone)
         finally:
             with self._cond:
                 self._issuing -= 1
@@ -546,10 +556,11 @@ class Executor:
             self._waiting.difference_update(batch)
         return batch, dropped, timeout
 
-    def _issue(self, jobs: list[Job], here: bool = False) -> None:
+    def _issue(self, jobs: list[Job], here: bool = False, holdable: bool = False) -> None:
         """Plan and launch ``jobs``; the completer finishes the launch, or this thread
         at the end of its ``deferring()`` block when ``here`` (a submitter's direct launch)
-        and the op is one of ``inline_ops``."""
+        and the op is one of ``inline_ops``, or its hold (``holding``) when ``holdable`` too
+        (the submitter's own job alone: a thread answers only its own callers)."""
         started = time.perf_counter()
         try:
             plan = BatchPlan(jobs, jobs[0].key)
@@ -568,7 +579,7 @@ class Executor:
                 return
         issued = _Issued(jobs, plan, pending, started, time.perf_counter())
         deferred = getattr(self._deferred, "issued", None) if here else None
-        hold = self._holding() if here else None
+        hold = self._holding() if here and holdable else None
         if deferred is not None and plan.op in self._inline_ops:
             with self._cond:  # close() waits for it as for a launch being issued
                 self._issuing += 1

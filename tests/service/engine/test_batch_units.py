@@ -706,6 +706,8 @@ def test_held_launches_are_answered_by_their_holder_in_order() -> None:
         ex.close()
         hold.close()
     assert where[2] == where[3] == "attention-completer", where
+    hold.wake()  # closed: the completer's late wake-up writes nothing (the fd may be reused)
+    hold.close()
     for i in (0, 2, 3):
         job = jobs[i]
         assert not isinstance(got[i], BaseException), got[i]

@@ -214,6 +214,13 @@ def test_one_token_steps_on_caches_empty_full_forked_failed_and_released() -> No
     listed = reg.call("ListCaches", pb.ListCachesRequest(), "o").caches
     assert [(c.cache_id, c.length, c.pages, c.busy) for c in listed] == [
         ("empty", 1, 1, False), ("fork", 33, 3, False), ("full", 33, 3, False)]
+    # No new tokens (a step without k/v): the caches' own rows, nothing reserved or kept.
+    ids = ("empty", "fork", "full")
+    w = reg.begin(_params(Op.CACHE_DECODE, ids, [0] * 3, store=True), "o")
+    assert w.seq_lens == [1, 33, 33] and w.slot_pages == [] and w.new_pages is None
+    assert pool.pages_used == used + 2
+    assert all(r is c for r, c in zip(w.block_table, w.rows(), strict=True))
+    assert w.finish(True) == (1, 33, 33) and pool.pages_used == used + 2
 
 
 def test_free_fresh_gives_pages_back_as_free_does() -> None:
