@@ -377,6 +377,12 @@ class _SocketConnection:
         try:
             self._hold = Hold()
             self._holding = self.core.executor.holding(self._hold)
+            # What ``_answer_held`` waits on: the hold's wake-ups, and the socket's next frame.
+            self._watch_held = select.poll()
+            self._watch_held.register(self._hold.fd, select.POLLIN)
+            self._watch_frame = select.poll()
+            self._watch_frame.register(self._hold.fd, select.POLLIN)
+            self._watch_frame.register(sock, select.POLLIN)
             while True:
                 self._answer_held(until_frame=True)
                 if not (self._room() and _fill(sock, head)):
@@ -414,10 +420,7 @@ class _SocketConnection:
         hold, executor = self._hold, self.core.executor
         if hold is None or not hold.items:
             return
-        watch = select.poll()
-        watch.register(hold.fd, select.POLLIN)
-        if until_frame:
-            watch.register(self.channel.sock, select.POLLIN)
+        watch = self._watch_frame if until_frame else self._watch_held
         while executor.answer_held(hold):
             ready = watch.poll()
             if any(fd == hold.fd for fd, _ in ready):

@@ -355,7 +355,7 @@ class Staging:
             self.new_pages = None
             if self.new_cells is None:
                 self.new_cells = new_page_cells(rows)
-            write_new_pages(self.table, rows, added, self.new_cells)
+            write_new_pages(self.table, self.new_cells, added)
         self.new_pages = added
         self.written_lists = (plan.slot_pages, plan.slot_offsets, plan.seq_lens)
 

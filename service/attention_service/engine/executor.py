@@ -630,12 +630,7 @@ class Executor:
 
     def _wait_held(self, issued: _Issued) -> None:
         assert issued.hold is not None
-        try:
-            outcome: LaunchTimes | BaseException = issued.pending.wait()
-        except Exception as exc:
-            outcome = exc
-        self._release_slot()  # the device is done with it: the next batch may go
-        issued.outcome = outcome
+        issued.outcome = self._wait(issued)
         issued.hold.wake()
 
     def _release_slot(self) -> None:
@@ -644,12 +639,17 @@ class Executor:
             self._wake()
 
     def _complete(self, issued: _Issued) -> None:
+        self._answer(issued, self._wait(issued))
+
+    def _wait(self, issued: _Issued) -> LaunchTimes | BaseException:
+        """The launch's times, or why it failed, once the device is done with it; its launch
+        slot is free then (the next batch may go)."""
         try:
             outcome: LaunchTimes | BaseException = issued.pending.wait()
         except Exception as exc:
             outcome = exc
-        self._release_slot()  # the device is done with it: the next batch may go
-        self._answer(issued, outcome)
+        self._release_slot()
+        return outcome
 
     def _answer(self, issued: _Issued, times: LaunchTimes | BaseException) -> None:
         """A waited launch's jobs answered: its failure, or their stats."""

@@ -52,14 +52,14 @@ def new_page_cells(rows: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
             np.fromiter(map(len, rows), dtype=np.intp, count=len(rows)))
 
 
-def write_new_pages(table: np.ndarray, rows: list[list[int]], new_pages: list[int],
-                    cells: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-    """A decode step's fresh pages (``CacheWork.new_pages``; -1: none), each one column past
-    its row, in one numpy write (a step on a page boundary has one per sequence). ``cells``:
-    ``new_page_cells(rows)``, kept by a staging while its rows stay (from lists, this write
-    took ~16 us of a B=64 step's reader, py-spy, H200)."""
+def write_new_pages(table: np.ndarray, cells: tuple[np.ndarray, np.ndarray],
+                    new_pages: list[int]) -> None:
+    """A decode step's fresh pages (``CacheWork.new_pages``; -1: none) at ``cells``
+    (``new_page_cells`` of the table's rows: a staging keeps them while its rows stay; from
+    lists, this write took ~16 us of a B=64 step's reader, py-spy, H200), in one numpy write
+    (a step on a page boundary has one per sequence)."""
     added = np.array(new_pages, dtype=np.int32)
-    r, c = cells if cells is not None else new_page_cells(rows)
+    r, c = cells
     fresh = added >= 0
     if fresh.all():
         table[r, c] = added
@@ -77,7 +77,7 @@ def block_table(plan: BatchPlan, out: torch.Tensor | None = None) -> torch.Tenso
     for i, r in enumerate(rows):
         write_row(view, i, r)
     if plan.new_pages is not None:
-        write_new_pages(view, rows, plan.new_pages)
+        write_new_pages(view, new_page_cells(rows), plan.new_pages)
     return table
 
 

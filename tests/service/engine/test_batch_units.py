@@ -697,7 +697,8 @@ def test_held_launches_are_answered_by_their_holder_in_order() -> None:
         while ex.answer_held(hold):
             select.select([hold.fd], [], [], 2.0)
             hold.clear()
-        assert where == {0: here, 1: here} and isinstance(got[1], RuntimeError)
+        # (job 2, queued, may be answered meanwhile: it is the completer's, checked below)
+        assert where[0] == where[1] == here and isinstance(got[1], RuntimeError)
         ex.submit(jobs[3], done_for(3), issue_here=True)  # no hold: the completer answers
         _wait_until(lambda: len(got) == 4 and ex.idle)
         assert ex.idle and not hold.items

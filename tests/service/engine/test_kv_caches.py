@@ -223,22 +223,23 @@ def test_one_token_steps_on_caches_empty_full_forked_failed_and_released() -> No
     assert w.finish(True) == (1, 33, 33) and pool.pages_used == used + 2
 
 
-def test_free_fresh_gives_pages_back_as_free_does() -> None:
-    """``free_fresh`` leaves the pool as ``free`` would (order, counts by owner), and takes
-    ``free``'s way for pages shared since their alloc."""
-    pools = [KvPool(torch.zeros(12 * PAGE, dtype=torch.uint8), PAGE) for _ in range(2)]
-    for pool, give_back in zip(pools, (KvPool.free, KvPool.free_fresh), strict=True):
-        keep = pool.alloc(2, "x", "a")
-        pages = pool.alloc(5, "x", "b")
-        give_back(pool, pages[:3])
-        pool.share(pages[3:])  # shared since: one reference each stays
-        give_back(pool, pages[3:])
-        give_back(pool, [])
-        assert pool.alloc(3, "x", "c") == pages[:3]
-        assert [pool.refs(p) for p in pages] == [1, 1, 1, 1, 1] and keep
-    a, b = pools
-    assert (a._free, a._held, a._refs, a._owner) == (b._free, b._held, b._refs, b._owner)
-    assert (b.held("a"), b.held("b"), b.held("c")) == (2, 2, 3)
+def test_free_gives_pages_back_last_in_first_out_counted_by_owner() -> None:
+    """``free`` hands pages back so the next ``alloc`` of as many returns them in order; pages
+    shared since keep a reference; the pages each owner holds are counted down, when one call
+    frees one owner's pages and when it frees several owners'."""
+    pool = KvPool(torch.zeros(12 * PAGE, dtype=torch.uint8), PAGE)
+    keep = pool.alloc(2, "x", "a")
+    pages = pool.alloc(5, "x", "b")
+    pool.free(pages[:3])
+    pool.share(pages[3:])  # shared since: one reference each stays
+    pool.free(pages[3:])
+    pool.free([])
+    assert pool.alloc(3, "x", "c") == pages[:3]
+    assert [pool.refs(p) for p in pages] == [1, 1, 1, 1, 1] and keep
+    assert (pool.held("a"), pool.held("b"), pool.held("c")) == (2, 2, 3)
+    pool.free([keep[0], pages[3], pages[0]])  # three owners in one call
+    assert (pool.held("a"), pool.held("b"), pool.held("c")) == (1, 1, 2)
+    assert pool.alloc(3, "x", "d") == [keep[0], pages[3], pages[0]]
 
 
 def test_cached_keys_count_against_the_request_flops_limit() -> None:
