@@ -13,7 +13,9 @@ CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of host o
 (``nixl``, ``nixl-gpu``: UCX moves them, the way it would for a host on another machine)
 with the outputs written there (``out=``); ``socket``, ``socket-shm``, ``socket-cuda``: the
 steps through the server's step socket (``decode_steps(step_socket=True)``) instead of gRPC.
-All hosts start together against one server (started here, or ``--target``).
+All hosts start together against one server (started here, or ``--target``), or against
+several running ones (``--target A,B``: host i drives server i mod their count, e.g. two
+engine processes sharing one GPU; the pool check is per server).
 
 Per point (B, context, hosts, inflight): step latency p50/p99 over all hosts, aggregate
 steps/s, tokens/s (= B x steps/s: one layer's step of one sequence; divide by L for model
@@ -98,6 +100,7 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
     # One message per step even at B=256 bf16 (3 MiB): the stream path, not the fallback.
     kw = {"timeout": 60.0, "max_chunk_bytes": MAX_CHUNK_BYTES}
     try:
+        spec = {**spec, "target": spec["target"][idx % len(spec["target"])]}  # its server
         with attention_client.AttentionClient(spec["target"], **kw) as client, \
                 client.kv_cache(hkv, d, name) as cache:
             per = max(1, 65536 // ctx)  # sequences per append: a bounded upload buffer
@@ -288,7 +291,7 @@ def _tree_cpu(pid: int | None) -> float:
     return total
 
 
-def run_group(args: argparse.Namespace, target: str, B: int, ctx: int, hosts: int,
+def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hosts: int,
               inflight: list[int], server_pid: int | None, tag: str) -> list[dict[str, Any]]:
     """Spawn ``hosts`` hosts for (B, ctx) and measure one row per inflight value."""
     h, hkv, d, e = args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype][2]
@@ -445,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
     p.add_argument("--server-args", help="more server flags, e.g. '--max-queue-delay-ms 1'")
-    p.add_argument("--target", help="drive this running server (loopback) instead")
+    p.add_argument("--target", help="drive this running server (loopback) instead; several, "
+                   "comma-separated: host i drives the (i mod count)-th")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="time the local paged_decode kernel (cuda only)")
@@ -473,11 +477,11 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     server = None if args.target else Server(args, True, out_dir / "bench_offload_server.log")
-    target = args.target or server.target
+    targets = args.target.split(",") if args.target else [server.target]
     pid = server.proc.pid if server is not None else None
     rows: list[dict[str, Any]] = []
     try:
-        info = server_info(target)
+        info = server_info(targets[0])
         _, name, e = DTYPES[args.dtype]
         page_bytes = info.kv_page_bytes or 256 << 10
         page_tokens = page_bytes // (2 * args.kv_heads * args.head_dim * e)
@@ -488,13 +492,14 @@ def main(argv: list[str] | None = None) -> int:
         for ctx in args.context:
             for B in args.batch:
                 for hosts in args.hosts:
-                    pages = hosts * args.layers * B * -(-(ctx + grow) // page_tokens)
+                    per = -(-hosts // len(targets))  # hosts on the busiest server
+                    pages = per * args.layers * B * -(-(ctx + grow) // page_tokens)
                     if info.kv_cache_bytes and pages * page_bytes > info.kv_cache_bytes:
                         print(f"B={B} ctx={ctx} hosts={hosts}: needs {pages * page_bytes >> 20}"
                               f" MiB of pool, skipped", flush=True)
                         continue
                     tag = f"bo{os.getpid()}-{B}-{ctx}-{hosts}"
-                    for r in run_group(args, target, B, ctx, hosts, inflight, pid, tag):
+                    for r in run_group(args, targets, B, ctx, hosts, inflight, pid, tag):
                         rows.append(r)
                         if "steps" in r:
                             print(f"B={B} ctx={ctx} hosts={hosts} {r['transport']} "

@@ -50,3 +50,31 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
         assert r["wire_out_bytes"] == 2 * (4 + 2 * 2) * 32 * 2  # q + one k/v token, bf16
         assert r["wire_back_bytes"] == 2 * 4 * 32 * 2
     assert list(tmp_path.glob("bench_offload_*.md"))
+
+
+
+def test_bench_offload_spreads_hosts_over_several_targets(tmp_path: Path) -> None:
+    """``--target A,B``: host i drives server i mod 2 (e.g. two engine processes on one
+    GPU): every host's steps are measured, and each server ran decode steps (its log)."""
+    sys.path.insert(0, str(ROOT / "tests" / "client"))
+    from _server import start_server
+
+    servers = [start_server("--frontends", "1", "--access-log") for _ in range(2)]
+    try:
+        cmd = [
+            sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"),
+            "--target", ",".join(s.target for s in servers), "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "32", "--context", "16", "--batch", "2", "--hosts", "2",
+            "--inflight", "1", "--layers", "1", "--steps", "6", "--warmup", "1",
+            "--transport", "bytes", "--out", str(tmp_path),
+        ]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        [path] = tmp_path.glob("bench_offload_*.json")
+        [row] = json.loads(path.read_text())["rows"]
+        assert row["hosts"] == 2 and row["steps"] == 12 and "errors" not in row
+        for server in servers:
+            assert "rpc=CacheDecode" in "".join(server.lines), server.log()
+    finally:
+        for server in servers:
+            server.stop()

@@ -52,6 +52,18 @@ class CacheWork:
     # pages: ~66 us of the reader's GIL time a step, py-spy, H200 host) nor a staging rewrites
     # them (``decode_steps``). None: the rows are whole.
     new_pages: list[int] | None = None
+    # Counted once by ``begin``, which has the lists at hand (-1: counted here): the keys in
+    # all (``sum(seq_lens)``, which the job's weight, tokens and plan each took again) and
+    # the block table's columns (its longest row with ``new_pages``: a plan's scan of 64 rows
+    # took ~10 us of a B=64 step, py-spy, modelled GPU).
+    keys: int = -1
+    width: int = -1
+
+    def __post_init__(self) -> None:
+        if self.keys < 0:
+            self.keys = sum(self.seq_lens)
+        if self.width < 0:
+            self.width = max(map(len, self.rows()), default=0)
 
     def rows(self) -> list[list[int]]:
         """Each sequence's whole page list (a copy per row that gains a page; the others are
@@ -141,7 +153,7 @@ class Job:
     def tokens(self) -> int:
         """The batch-token unit (queries for prefill, keys for decode, cached keys included)."""
         if self.cache is not None and self.params.op.decode_like:
-            return sum(self.cache.seq_lens)
+            return self.cache.keys
         return self.params.tokens
 
     @property
@@ -156,7 +168,7 @@ class Job:
         """
         if self.cache is None:
             return self.params.budget_tokens
-        keys = sum(self.cache.seq_lens)
+        keys = self.cache.keys
         if self.params.op.decode_like:
             return max(self.params.rows, -(-keys // CACHED_KEYS_PER_TOKEN))
         return max(self.params.rows, keys)
@@ -391,8 +403,11 @@ class BatchPlan:
                     assert work is not None
                     self.new_pages += (work.new_pages if work.new_pages is not None
                                        else [-1] * len(work.block_table))
+        # Block-table columns (at least one, so the table is never empty).
+        self.table_width = 1
         if self.op.cached:
             self.max_seqlen_k = max(self.seq_lens, default=0)
+            self.table_width = max(1, *(j.cache.width for j in self.jobs))  # type: ignore[union-attr]
         # FP8: every sequence's scales in launch order, and how many new k/v rows each
         # sequence brings (the rows a cached op's store quantizes with those scales).
         self.seq_scales: list[KvScales] = []
@@ -406,15 +421,6 @@ class BatchPlan:
                 else:
                     self.seq_scales += j.params.sequence_scales
                 self.seq_new_rows += lens
-        # Block-table columns (at least one, so the table is never empty).
-        # Columns: the longest row, and one more when a row that long starts a page past it
-        # (a scan only then: 448 rows' lengths with their pages took ~35 us, dev box).
-        widest = max(map(len, self.block_table), default=0)
-        if self.new_pages is not None and any(
-                p >= 0 and len(r) == widest
-                for r, p in zip(self.block_table, self.new_pages, strict=True)):
-            widest += 1
-        self.table_width = max(1, widest)
 
     def score_kwargs(self, device: object = "cpu") -> dict[str, object]:
         """The kernels' (and the reference's) window_size / softcap / alibi_slopes arguments;

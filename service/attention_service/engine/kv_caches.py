@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -195,7 +196,7 @@ class CacheRegistry:
             if step >= 0:
                 return self._begin_step(params, owner, caches, kept is None, pool, step)
             seq_lens = [c.length + n for c, n in zip(caches, new, strict=True)]
-            flops, kv_bytes = self._checked_work(params, seq_lens, caches[0].layout)
+            flops, kv_bytes, keys = self._checked_work(params, seq_lens, caches[0].layout)
             pt = caches[0].page_tokens  # one layout, one page size
             need = [-(-n // pt) - len(c.pages) for c, n in zip(caches, seq_lens, strict=True)]
             fresh = pool.alloc(sum(need), "header.k", owner)
@@ -220,7 +221,7 @@ class CacheRegistry:
                         slot_pages.append(pages[pos // pt])
                         slot_offsets.append(pos % pt)
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
-                             kv_bytes, view, fresh)
+                             kv_bytes, keys, max(map(len, table)), view, fresh)
 
     def _begin_step(self, params: Params, owner: str, caches: list[_Cache], new_ids: bool,
                     pool: KvPool, tokens: int) -> CacheWork:
@@ -232,7 +233,7 @@ class CacheRegistry:
         boundary, 38 -> 26 with (dev box)."""
         lens = [c.length for c in caches]
         seq_lens = [n + 1 for n in lens] if tokens else lens
-        flops, kv_bytes = self._checked_work(params, seq_lens, caches[0].layout)
+        flops, kv_bytes, keys = self._checked_work(params, seq_lens, caches[0].layout)
         pt = caches[0].page_tokens  # one layout, one page size
         table = [c.pages for c in caches]
         slot_offsets = [n % pt for n in lens] if tokens else []
@@ -249,6 +250,9 @@ class CacheRegistry:
         now = self._clock()
         for c in caches:
             c.busy, c.last_used = True, now
+        # The table's width (``CacheWork.width``): its longest row with the fresh pages.
+        width = (max(map(operator.add, map(len, table), past)) if fresh  # type: ignore[arg-type]
+                 else max(map(len, table)))
         if fresh:
             handed = iter(fresh)
             added: list[int] | None = [next(handed) if p else -1 for p in past]  # type: ignore[union-attr]
@@ -259,18 +263,18 @@ class CacheRegistry:
             slot_pages = ([row[n // pt] for row, n in zip(table, lens, strict=True)]
                           if tokens else [])
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
-                             kv_bytes, view, fresh, added, lens)
+                             kv_bytes, keys, width, view, fresh, added, lens)
 
     def _checked_work(self, params: Params, seq_lens: list[int], layout: Layout
-                      ) -> tuple[int, int]:
-        """(FLOPs, K/V bytes) of the call over ``seq_lens``; RESOURCE_EXHAUSTED over the
-        server's FLOPs limit."""
-        flops, kv_bytes = _work(params, seq_lens, layout)
+                      ) -> tuple[int, int, int]:
+        """(FLOPs, K/V bytes, keys) of the call over ``seq_lens``; RESOURCE_EXHAUSTED over
+        the server's FLOPs limit."""
+        flops, kv_bytes, keys = _work(params, seq_lens, layout)
         if flops > self.max_request_flops:
             raise exhausted("header", f"attention FLOPs over the cached keys: {flops:.3g}, "
                             f"over the server's limit of {self.max_request_flops:.3g} "
                             "(--max-request-flops)")
-        return flops, kv_bytes
+        return flops, kv_bytes, keys
 
     def _resolve(self, owner: str, ids: tuple[str, ...], params: Params, name: str
                  ) -> list[_Cache]:
@@ -309,8 +313,9 @@ class CacheRegistry:
 
     def _work_of(
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
-        slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, view: Any,
-        fresh: list[int], added: list[int] | None = None, lens: list[int] | None = None,
+        slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, keys: int,
+        width: int, view: Any, fresh: list[int], added: list[int] | None = None,
+        lens: list[int] | None = None,
     ) -> CacheWork:
         """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens
         (``fresh``: the pages ``begin`` reserved for them, in the caches' order; ``added``:
@@ -326,7 +331,7 @@ class CacheRegistry:
         work = CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
             slot_pages=slot_pages, slot_offsets=slot_offsets, flops=flops, kv_bytes=kv_bytes,
-            finish=finish,
+            finish=finish, keys=keys, width=width,
             seq_scales=[c.kv_scales for c in caches] if caches[0].kv_scales else None,  # type: ignore[misc]
             new_pages=added,
         )
@@ -595,12 +600,12 @@ def _check_layout_msg(req: pb.CreateCachesRequest, pool: KvPool
     return layout, scales
 
 
-def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int]:
-    """(FLOPs, K/V bytes read) of a cached op over its sequences' full key ranges."""
-    if not params.op.queries:  # AppendKV stores, computes nothing
-        return 0, 0
-    h, d = params.num_heads, params.head_dim
+def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int, int]:
+    """(FLOPs, K/V bytes read, keys) of a cached op over its sequences' full key ranges."""
     keys = sum(seq_lens)
+    if not params.op.queries:  # AppendKV stores, computes nothing
+        return 0, 0, keys
+    h, d = params.num_heads, params.head_dim
     if params.op.decode_like and params.window[0] < 0:
         pairs = keys  # one query at the end of each sequence sees every key (a decode step)
     else:
@@ -611,4 +616,4 @@ def _work(params: Params, seq_lens: list[int], layout: Layout) -> tuple[int, int
             len_q = lengths(params.cu_seqlens_q)
         pairs = visible_pairs(len_q, seq_lens, params.causal, params.window)
     kv = 2 * keys * params.num_kv_heads * d * ELEMENT_BYTES[layout.stored_dtype]
-    return 4 * pairs * h * d, kv
+    return 4 * pairs * h * d, kv, keys

@@ -5,6 +5,7 @@ host addresses. engine/test_decode_steps_gpu.py runs it for real."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -259,7 +260,8 @@ def test_a_staging_rewrites_its_table_only_when_it_changed() -> None:
     grown = _step([5, 13], new=False, seed=4)
     assert grown.cache is not None and moved.jobs[0].cache is not None
     kept = moved.jobs[0].cache.block_table
-    grown.cache.block_table = [kept[0], [*kept[1], 30]]
+    grown.cache = dataclasses.replace(grown.cache, block_table=[kept[0], [*kept[1], 30]],
+                                      width=-1)  # counted again
     staging.table[:] = -1
     _staged(BatchPlan([grown]), staging)
     assert staging.table[1, :4].tolist() == [9, 10, 11, 30]
@@ -275,7 +277,8 @@ def test_decode_steps_write_only_their_fresh_pages_past_the_same_rows() -> None:
     def step(seed: int, added: list[int], rows: list[list[int]]) -> Job:
         job = _step([9, 13], new=True, seed=seed)  # 3 and 4 pages of 4 tokens
         assert job.cache is not None
-        job.cache.block_table, job.cache.new_pages = rows, added
+        job.cache = dataclasses.replace(job.cache, block_table=rows, new_pages=added,
+                                        width=-1)  # its width counted again
         return job
 
     _, _, staging = _staged(BatchPlan([step(1, [20, 21], bases)]))

@@ -170,6 +170,8 @@ def test_decode_steps_place_each_new_token_in_its_own_slot() -> None:
         stepped = [cid for cid, n in zip(ids, new, strict=True) if n]
         assert w.seq_lens == [before[cid][0] + n for cid, n in zip(ids, new, strict=True)]
         assert [len(r) for r in w.rows()] == [-(-n // 16) for n in w.seq_lens]
+        # What begin counted for the plan: the keys, and the table's width with fresh pages.
+        assert (w.keys, w.width) == (sum(w.seq_lens), max(len(r) for r in w.rows()))
         assert w.slot_offsets == [before[cid][0] % 16 for cid in stepped]
         rows = dict(zip(ids, w.rows(), strict=True))
         # The fresh page past its row where a cache gets one (step 3: b's), none otherwise.
@@ -199,6 +201,7 @@ def test_one_token_steps_on_caches_empty_full_forked_failed_and_released() -> No
     assert (used, held) == (3, 3)  # full's two pages (the fork shares both), mid's one
     w = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 4, store=True), "o")
     assert w.seq_lens == [1, 33, 6, 33] and w.slot_offsets == [0, 0, 5, 0]
+    assert (w.keys, w.width) == (73, 3)  # full's and fork's rows grow to three pages
     fresh = [p for p in w.new_pages if p >= 0]  # type: ignore[union-attr]
     assert [p >= 0 for p in w.new_pages] == [True, True, False, True]  # type: ignore[union-attr]
     assert w.slot_pages == [w.new_pages[0], w.new_pages[1], w.block_table[2][0],  # type: ignore[index]
