@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import inspect
 import json
 import math
@@ -88,7 +89,9 @@ ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
 
 def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
     """One model host: caches made once, then a measured round per inflight value, each
-    between two barrier waits shared with the main process (it samples server CPU there)."""
+    between two barrier waits shared with the main process (it samples server CPU there).
+    Its server: one of ``--target`` in turn; with ``--spread layers`` every one, layer i's
+    caches on server i mod their count."""
     torch.set_num_threads(1)
     B, L, ctx, t = spec["batch"], spec["layers"], spec["context"], spec["timeout"]
     tdt, name, _ = DTYPES[spec["dtype"]]
@@ -97,26 +100,30 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
     rnd = lambda *s: (torch.randn(*s) * 0.5).to(tdt)  # noqa: E731 (values do not matter)
     qs = [rnd(B, h, d) for _ in range(L)]
     ks, vs = [rnd(B, hkv, d) for _ in range(L)], [rnd(B, hkv, d) for _ in range(L)]
+    targets = spec["target"]
+    if spec["spread"] == "hosts":
+        targets = [targets[idx % len(targets)]]
     # One message per step even at B=256 bf16 (3 MiB): the stream path, not the fallback.
     kw = {"timeout": 60.0, "max_chunk_bytes": MAX_CHUNK_BYTES}
     try:
-        spec = {**spec, "target": spec["target"][idx % len(spec["target"])]}  # its server
-        with attention_client.AttentionClient(spec["target"], **kw) as client, \
-                client.kv_cache(hkv, d, name) as cache:
+        with contextlib.ExitStack() as stack:
+            clients = [stack.enter_context(attention_client.AttentionClient(x, **kw))
+                       for x in targets]
+            caches = [stack.enter_context(c.kv_cache(hkv, d, name)) for c in clients]
             per = max(1, 65536 // ctx)  # sequences per append: a bounded upload buffer
             k0, v0 = rnd(per * ctx, hkv, d), rnd(per * ctx, hkv, d)
-            for layer in ids:
+            for i, layer in enumerate(ids):
                 for s in range(0, B, per):
                     n = min(per, B - s)
-                    cache.append(layer[s:s + n], k0[:n * ctx], v0[:n * ctx],
-                                 [i * ctx for i in range(n + 1)])
+                    caches[i % len(caches)].append(layer[s:s + n], k0[:n * ctx], v0[:n * ctx],
+                                                   [i * ctx for i in range(n + 1)])
             for transport in spec["transports"]:
                 for k in spec["inflight"]:
-                    # The handle's session headers: its step streams reach its replica
+                    # The handles' session headers: their step streams reach their replicas
                     # behind Envoy (a server reached directly ignores them).
-                    meta = cache.session_metadata
-                    out.put(asyncio.run(_round(client, spec, transport, k, kw, ids, qs, ks,
-                                               vs, barrier, t, meta)))
+                    metas = [c.session_metadata for c in caches]
+                    out.put(asyncio.run(_round(clients, targets, spec, transport, k, kw, ids,
+                                               qs, ks, vs, barrier, t, metas)))
     except BaseException as exc:  # reported to the main process, which stops the group
         barrier.abort()
         out.put({"error": f"host {idx}: {type(exc).__name__}: {exc}"})
@@ -143,44 +150,52 @@ def _placed(region: Any, transport: str, qs: list[Any], ks: list[Any], vs: list[
             [region.empty(tuple(x.shape), x.dtype) for x in qs])
 
 
-async def _round(client: Any, spec: dict[str, Any], transport: str, k: int,
-                 kw: dict[str, Any], ids: list[list[str]], qs: list[Any], ks: list[Any],
-                 vs: list[Any], barrier: Any, t: float, meta: Any = None) -> dict[str, Any]:
-    """One handle, k steps outstanding: step i + k is sent once step i is read. A step's
-    latency runs from its send to its result (on cuda: the output on the GPU). The host's
-    sync client (``--client sync``) or an asyncio client made here (``async``): the same
-    calls, awaited when the client's give awaitables."""
+async def _round(clients: list[Any], targets: list[str], spec: dict[str, Any], transport: str,
+                 k: int, kw: dict[str, Any], ids: list[list[str]], qs: list[Any],
+                 ks: list[Any], vs: list[Any], barrier: Any, t: float, metas: list[Any]
+                 ) -> dict[str, Any]:
+    """The host's handles, k steps outstanding in all: step i + k is sent once step i is
+    read. A step's latency runs from its send to its result (on cuda: the output on the
+    GPU). The host's sync clients (``--client sync``) or asyncio clients made here
+    (``async``): the same calls, awaited when the client's give awaitables."""
     from attention_client.aio import AsyncAttentionClient
 
     async def done(x: Any) -> Any:
         return (await x) if inspect.isawaitable(x) else x
 
     if spec["client"] == "async":
-        async with AsyncAttentionClient(spec["target"], **kw) as aio:
-            return await _round_on(aio, spec, transport, k, ids, qs, ks, vs, barrier, t, meta,
-                                   done)
-    return await _round_on(client, spec, transport, k, ids, qs, ks, vs, barrier, t, meta, done)
+        async with contextlib.AsyncExitStack() as stack:
+            aio = [await stack.enter_async_context(AsyncAttentionClient(x, **kw))
+                   for x in targets]
+            return await _round_on(aio, spec, transport, k, ids, qs, ks, vs, barrier, t,
+                                   metas, done)
+    return await _round_on(clients, spec, transport, k, ids, qs, ks, vs, barrier, t, metas,
+                           done)
 
 
-async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
+async def _round_on(clients: list[Any], spec: dict[str, Any], transport: str, k: int,
                     ids: list[list[str]], qs: list[Any], ks: list[Any], vs: list[Any],
-                    barrier: Any, t: float, meta: Any, done: Any) -> dict[str, Any]:
-    L, lat = spec["layers"], []
+                    barrier: Any, t: float, metas: list[Any], done: Any) -> dict[str, Any]:
+    L, n, lat = spec["layers"], len(clients), []
     shared: list[int] = []  # per step: the calls its launch served (steps merged into one)
-    nbytes = 2 * _region_bytes([qs, ks, vs])
-    register = {"shm": lambda: client.register_shm(nbytes),
-                "cuda": lambda: client.register_cuda(nbytes),
-                "nixl": lambda: client.register_nixl(nbytes),
-                "nixl-gpu": lambda: client.register_nixl(nbytes, device="cuda")}
     via_socket, place = _route(transport)
-    region = None if place == "bytes" else await done(register[place]())
-    qs, ks, vs, outs = _placed(region, place, qs, ks, vs)
-    # Bytes: the step as any client sends it (no region arguments).
-    kw = [{} for _ in outs] if region is None else [{"out": o, "use_regions": True} for o in outs]
-    steps = (client.decode_steps(metadata=meta, step_socket=True) if via_socket
-             else client.decode_steps(metadata=meta))
+    regions: list[Any] = [None] * n
+    if place != "bytes":  # one region per server, with room for every layer's tensors
+        nbytes = 2 * _region_bytes([qs, ks, vs])
+        register = {"shm": "register_shm", "cuda": "register_cuda", "nixl": "register_nixl",
+                    "nixl-gpu": "register_nixl"}[place]
+        extra = {"device": "cuda"} if place == "nixl-gpu" else {}
+        regions = [await done(getattr(c, register)(nbytes, **extra)) for c in clients]
+    # Layer x's tensors in its server's region (bytes: as any client sends them, no region
+    # arguments).
+    placed = [_placed(regions[x % n], place, qs[x:x + 1], ks[x:x + 1], vs[x:x + 1])
+              for x in range(L)]
+    qs, ks, vs, outs = ([p[j][0] for p in placed] for j in range(4))
+    kw = [{} if o is None else {"out": o, "use_regions": True} for o in outs]
+    steps = [c.decode_steps(metadata=m, step_socket=True) if via_socket
+             else c.decode_steps(metadata=m) for c, m in zip(clients, metas, strict=True)]
 
-    async def read(t0: float, pending: Any, timed: bool) -> None:
+    async def read(t0: float, pending: Any, client: Any, timed: bool) -> None:
         await done(pending.result())
         if place in ("cuda", "nixl-gpu"):
             torch.cuda.synchronize()  # the answer is on the GPU when it returns
@@ -188,14 +203,14 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
             lat.append(time.perf_counter() - t0)
             shared.append(client.last_stats["batch_requests"])
 
-    async def run(n: int, timed: bool) -> None:
-        window: collections.deque[tuple[float, Any]] = collections.deque()
-        for i in range(n):
+    async def run(count: int, timed: bool) -> None:
+        window: collections.deque[tuple[float, Any, Any]] = collections.deque()
+        for i in range(count):
             if len(window) == k:
                 await read(*window.popleft(), timed)
             x = i % L
-            window.append((time.perf_counter(), await done(steps.submit(
-                qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x]))))
+            window.append((time.perf_counter(), await done(steps[x % n].submit(
+                qs[x], ids[x], ks[x], vs[x], store=spec["store"], **kw[x])), clients[x % n]))
         while window:
             await read(*window.popleft(), timed)
 
@@ -206,9 +221,11 @@ async def _round_on(client: Any, spec: dict[str, Any], transport: str, k: int,
     await run(spec["steps"], True)
     cpu = time.process_time() - c0
     await asyncio.to_thread(barrier.wait, t)
-    await done(steps.close())
-    if region is not None:
-        await region.aclose()  # either client's region (a sync one's closes at once)
+    for s in steps:
+        await done(s.close())
+    for region in regions:
+        if region is not None:
+            await region.aclose()  # either client's region (a sync one's closes at once)
     return {"lat": lat, "cpu_s": cpu, "steps": len(lat), "launch_calls": shared}
 
 
@@ -301,7 +318,7 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
     spec = {"target": target, "batch": B, "context": ctx, "layers": args.layers, "heads": h,
             "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "store": args.store,
             "warmup": args.warmup, "steps": args.steps, "inflight": inflight, "tag": tag,
-            "transports": args.transport, "client": args.client,
+            "transports": args.transport, "client": args.client, "spread": args.spread,
             "timeout": max(t, setup_t)}
     mpc = mp.get_context("spawn")
     barrier, out = mpc.Barrier(hosts + 1), mpc.Queue()
@@ -450,6 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--server-args", help="more server flags, e.g. '--max-queue-delay-ms 1'")
     p.add_argument("--target", help="drive this running server (loopback) instead; several, "
                    "comma-separated: host i drives the (i mod count)-th")
+    p.add_argument("--spread", choices=["hosts", "layers"], default="hosts",
+                   help="with several --target: each host on one server in turn (hosts), or "
+                   "each host on all, its layer i's caches on server i mod their count (layers: "
+                   "e.g. a host's two micro-batches on two engines of one GPU)")
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--kernel", action=argparse.BooleanOptionalAction, default=True,
                    help="time the local paged_decode kernel (cuda only)")

@@ -53,9 +53,12 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
 
 
 
-def test_bench_offload_spreads_hosts_over_several_targets(tmp_path: Path) -> None:
-    """``--target A,B``: host i drives server i mod 2 (e.g. two engine processes on one
-    GPU): every host's steps are measured, and each server ran decode steps (its log)."""
+@pytest.mark.parametrize(("spread", "hosts"), [("hosts", 2), ("layers", 1)])
+def test_bench_offload_spreads_its_steps_over_several_targets(tmp_path: Path, spread: str,
+                                                               hosts: int) -> None:
+    """``--target A,B``: host i drives server i mod 2 (``--spread hosts``, e.g. two engine
+    processes on one GPU), or one host's layer i (``--spread layers``: its two micro-batches
+    on two engines): every step is measured, and each server ran decode steps (its log)."""
     sys.path.insert(0, str(ROOT / "tests" / "client"))
     from _server import start_server
 
@@ -63,18 +66,21 @@ def test_bench_offload_spreads_hosts_over_several_targets(tmp_path: Path) -> Non
     try:
         cmd = [
             sys.executable, str(ROOT / "benchmarks" / "bench_offload.py"),
-            "--target", ",".join(s.target for s in servers), "--heads", "4", "--kv-heads", "2",
-            "--head-dim", "32", "--context", "16", "--batch", "2", "--hosts", "2",
-            "--inflight", "1", "--layers", "1", "--steps", "6", "--warmup", "1",
-            "--transport", "bytes", "--out", str(tmp_path),
+            "--target", ",".join(s.target for s in servers), "--spread", spread,
+            "--heads", "4", "--kv-heads", "2", "--head-dim", "32", "--context", "16",
+            "--batch", "2", "--hosts", str(hosts), "--inflight", "2", "--layers", "2",
+            "--steps", "6", "--warmup", "2", "--transport", "bytes,shm", "--out", str(tmp_path),
         ]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         [path] = tmp_path.glob("bench_offload_*.json")
-        [row] = json.loads(path.read_text())["rows"]
-        assert row["hosts"] == 2 and row["steps"] == 12 and "errors" not in row
+        rows = json.loads(path.read_text())["rows"]
+        assert [r["transport"] for r in rows] == ["bytes", "shm"]
+        for row in rows:
+            assert row["hosts"] == hosts and row["steps"] == 6 * hosts and "errors" not in row
         for server in servers:
-            assert "rpc=CacheDecode" in "".join(server.lines), server.log()
+            log = "".join(server.lines)
+            assert "rpc=CacheDecode" in log and "regions=" in log, server.log()
     finally:
         for server in servers:
             server.stop()
