@@ -174,3 +174,42 @@ def engine_idle(server: Any) -> bool:
     while not server.server.core.executor.idle and time.monotonic() < deadline:
         time.sleep(0.01)
     return server.server.core.executor.idle
+
+
+def test_a_host_with_one_step_at_a_time_is_polled_for_between_its_steps(
+        start_server: Any) -> None:
+    """``--spin-us``: between one host's steps (the engine idle: a launch as cuda's, waited
+    for and answered by the reader) the socket's reader polls for the next one before it
+    blocks: steps read that way are answered right, each cache's length as stored; a host
+    that closes while it is polled for ends its connection (no reader left behind)."""
+    path = str(Path(tempfile.mkdtemp(prefix="spin-")) / "step.sock")
+    server = start_server(backend=_QueuedCpu(device_s=0.001), step_socket=path,
+                          spin_us=500_000)  # the next step comes within it
+    spinner = server.server.step_socket.spinner
+    polled: list[bool] = []
+    poll = spinner.poll
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        got = poll(*args, **kwargs)
+        polled.append(got is not None)
+        return got
+
+    spinner.poll = counted
+    ids = ["spin-0", "spin-1"]
+    ctx = Context(ids)
+    with AttentionClient(server.target, timeout=60) as c, \
+            c.kv_cache(HKV, D, "float32") as cache:
+        _prompt(cache, ctx, ids, [7, 20], 9)
+        with c.decode_steps(step_socket=True) as steps:
+            for n in range(6):
+                q = make("numpy", "float32", 2, H, D, seed=300 + n)
+                kn = make("numpy", "float32", 2, HKV, D, seed=400 + n)
+                ctx.add(ids, kn, kn, [1, 1])
+                check_out(steps.step(q, ids, kn, kn), reference.decode_ref(
+                    f64(q), *ctx.packed(ids)), "float32", q)
+        assert [i["length"] for i in cache.info()] == ctx.lengths(ids)
+    assert polled.count(True) >= 5, polled  # the hello and the steps after it, polled for
+    deadline = time.monotonic() + 10  # the host went while polled for: its reader ended
+    while server.server.step_socket._conns and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server.server.step_socket._conns
