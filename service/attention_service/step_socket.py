@@ -73,7 +73,7 @@ from attention_service.frontend.streams import (
     stats_message,
 )
 from attention_service.frontend.validation import INPUT_FIELDS, Limits, step_cache_ids
-from attention_service.ipc.channel import Channel, Spinner
+from attention_service.ipc.channel import Channel
 from attention_service.metrics import Metrics
 from attention_service.params import INPUTS, Op, Params, RegionSpan
 from attention_wire.alloc import layout
@@ -188,14 +188,9 @@ class StepSocket:
     """The listening socket at ``path`` and its connections (one reader thread each)."""
 
     def __init__(self, path: str, core: EngineCore, config: ServerConfig, metrics: Metrics,
-                 principals: Principals, spinner: Spinner | None = None) -> None:
+                 principals: Principals) -> None:
         self.path, self.core, self.config, self.metrics = path, core, config, metrics
         self.principals = principals
-        # Its readers poll for a host's next step before they block (``--spin-us``), as the
-        # process group's channel readers do, and under the same ``Spinner`` (one poller at a
-        # time, only on an idle engine while other readers are quiet): a reader blocked
-        # between one host's steps took ~25 us to wake on the hosts measured.
-        self.spinner = spinner or Spinner(config.spin_seconds, lambda: core.executor.idle)
         self.limits = Limits.of(config)
         self.budget = _SharedBudget(config.max_upload_bytes, config.max_upload_share)
         # Steps are refused (UNAVAILABLE) until the server serves, as gRPC's are: a warm-up
@@ -390,7 +385,7 @@ class _SocketConnection:
             self._watch_frame.register(sock, select.POLLIN)
             while True:
                 self._answer_held(until_frame=True)
-                if not (self._room() and self._next_head(sock, head)):
+                if not (self._room() and _fill(sock, head)):
                     break
                 (size,) = SOCKET_FRAME.unpack(head)
                 if size > MAX_MESSAGE_BYTES:
@@ -416,23 +411,6 @@ class _SocketConnection:
                     self._answer_held(until_frame=False)
                 finally:
                     self._hold.close()
-
-    def _next_head(self, sock: socket.socket, head: memoryview) -> bool:
-        """The next frame's length read into ``head``: polled for within the spin when this
-        connection has nothing held (a host with one step at a time: its next one comes
-        while the engine is idle), then blocking; False once the peer closed."""
-        spinner = self.owner.spinner
-        got = None
-        if self._hold is None or not self._hold.items:
-            got = spinner.poll(sock, [head], descriptors=False)
-        if got is None:
-            ok = _fill(sock, head)
-        else:
-            n = got[0]
-            ok = n > 0 and (n == len(head) or _fill(sock, head[n:]))
-        if ok:
-            spinner.seen(sock)  # the other readers do not poll while this host steps
-        return ok
 
     def _answer_held(self, until_frame: bool) -> None:
         """Answer this connection's held launches as the completer sees each end: all of
@@ -766,12 +744,9 @@ class _SharedBudget(UploadBudget):
             super().release(nbytes, caller)
 
 
-def start_step_socket(config: ServerConfig, core: EngineCore, metrics: Metrics,
-                      spinner: Spinner | None = None) -> StepSocket:
-    """The socket at ``config.step_socket``, listening (StartupError when it cannot);
-    ``spinner``: the process group's (its readers and this socket's poll under one)."""
-    sock = StepSocket(config.step_socket, core, config, metrics, Principals(config.tokens),
-                      spinner)
+def start_step_socket(config: ServerConfig, core: EngineCore, metrics: Metrics) -> StepSocket:
+    """The socket at ``config.step_socket``, listening (StartupError when it cannot)."""
+    sock = StepSocket(config.step_socket, core, config, metrics, Principals(config.tokens))
     try:
         sock.start()
     except OSError as exc:

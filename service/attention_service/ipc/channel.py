@@ -86,12 +86,11 @@ class Spinner:
         since = time.perf_counter() - self.quiet
         return all(t < since for k, t in list(self._last.items()) if k != key)
 
-    def poll(self, sock: socket.socket, buf: list[memoryview], descriptors: bool = True
+    def poll(self, sock: socket.socket, buf: list[memoryview]
              ) -> tuple[int, list[tuple[int, int, bytes]]] | None:
         """What ``sock`` brings within the spin (``recvmsg_into``'s n and ancdata), or None
         (nothing came, another thread spins, other readers are busy, or spinning is not
-        allowed now). ``descriptors`` False: a socket whose peer sends none (a step socket's
-        model host): any it sends are dropped by the kernel, as a plain ``recv`` drops them."""
+        allowed now)."""
         if self.seconds <= 0 or not self._others_quiet(sock.fileno()):
             return None
         if not self._turn.acquire(blocking=False):
@@ -99,10 +98,9 @@ class Spinner:
         try:
             end = time.perf_counter() + self.seconds
             recv, flags = sock.recvmsg_into, socket.MSG_CMSG_CLOEXEC | socket.MSG_DONTWAIT
-            anc_size = _ANC if descriptors else 0
             while True:
                 try:
-                    n, anc, _, _ = recv(buf, anc_size, flags)
+                    n, anc, _, _ = recv(buf, _ANC, flags)
                     return n, anc
                 except BlockingIOError:
                     pass

@@ -260,7 +260,7 @@ class Group:
                 self.slots.append(_Slot(i, fd, tensor, unpin))
             metrics_port = metrics.serve(cfg.metrics_host, cfg.metrics_port)
             if cfg.step_socket:  # listening before any front end can advertise it
-                step_socket = start_step_socket(cfg, core, metrics, self._spinner)
+                step_socket = start_step_socket(cfg, core, metrics)
             for slot in self.slots:
                 self._spawn(slot)
             warm = threading.Event()
