@@ -87,6 +87,12 @@ ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
 
 # ---- model hosts (spawned processes) ------------------------------------------------------
 
+def servers_of(idx: int, targets: list[str], spread: str) -> list[str]:
+    """Host ``idx``'s servers: one of ``targets`` in turn (``hosts``), or every one (``layers``:
+    its layer i on the i mod len-th)."""
+    return [targets[idx % len(targets)]] if spread == "hosts" else targets
+
+
 def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
     """One model host: caches made once, then a measured round per inflight value, each
     between two barrier waits shared with the main process (it samples server CPU there).
@@ -100,9 +106,7 @@ def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
     rnd = lambda *s: (torch.randn(*s) * 0.5).to(tdt)  # noqa: E731 (values do not matter)
     qs = [rnd(B, h, d) for _ in range(L)]
     ks, vs = [rnd(B, hkv, d) for _ in range(L)], [rnd(B, hkv, d) for _ in range(L)]
-    targets = spec["target"]
-    if spec["spread"] == "hosts":
-        targets = [targets[idx % len(targets)]]
+    targets = servers_of(idx, spec["target"], spec["spread"])
     # One message per step even at B=256 bf16 (3 MiB): the stream path, not the fallback.
     kw = {"timeout": 60.0, "max_chunk_bytes": MAX_CHUNK_BYTES}
     try:
