@@ -482,20 +482,6 @@ def test_the_metadata_helper_survives_crashes_and_hangs_of_its_reader() -> None:
         assert not info.value.crashed and "ended (exit 0)" in info.value.why
     finally:
         vetter.close()
-    # The start has a budget of its own: a helper slow to start (1 s here) still reads a
-    # blob within a load budget shorter than its start; one never ready is Unread, not crashed.
-    slow = MetadataVetter([sys.executable, "-c", "import time; time.sleep(1)\n" + _FAKE_HELPER],
-                          timeout=0.5, start_timeout=20.0)
-    try:
-        assert slow.check([b"fine"]) == "ok"
-    finally:
-        slow.close()
-    stuck = MetadataVetter([sys.executable, "-c", "import time; time.sleep(3600)"],
-                           timeout=2.0, start_timeout=1.0)
-    with pytest.raises(Unread) as info:
-        stuck.check([b"fine"])
-    assert not info.value.crashed and "did not start within 1 s" in info.value.why
-    stuck.close()
     for command in ([sys.executable, "-c", "import sys; sys.exit(3)"],  # never ready
                     [sys.executable, "-c", "import os; os.write(1, b'2026 NIXL INFO'); input()"],
                     ["/nonexistent/attention-helper"]):  # cannot be spawned
