@@ -1,11 +1,12 @@
-"""Helpers of the batching tests: a cpu backend that holds launches on demand, and requests
-that carry their own float64 oracle."""
+"""Helpers of the batching tests: cpu backends that hold launches on demand or launch as
+cuda's do, and requests that carry their own float64 oracle."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,47 @@ from .svc_helpers import (
     prefill_oracle,
     random_qkv,
 )
+
+
+class AsyncCpu(CpuBackend):
+    """The cpu backend launching as cuda's does (``async_launch``, two launch slots): the
+    executor may issue on the submitting thread and keep two launches in flight. A launch
+    spends ``launch_s`` being issued (launches that overlap set ``overlapped``) and its wait
+    ``device_s`` more (the kernel's time, read when it is issued); ``threads`` records the
+    thread each launch was issued on."""
+
+    max_inflight = 2
+    async_launch = True
+
+    def __init__(self, launch_s: float = 0.0, device_s: float = 0.0) -> None:
+        super().__init__()
+        self.launch_s, self.device_s = launch_s, device_s
+        self.threads: list[str] = []
+        self.active = 0
+        self.overlapped = False
+
+    def launch(self, plan: Any) -> PendingLaunch:
+        self.active += 1
+        self.overlapped |= self.active > 1
+        try:
+            self.threads.append(threading.current_thread().name)
+            time.sleep(self.launch_s)
+            done = super().launch(plan)
+        finally:
+            self.active -= 1
+        device_s = self.device_s
+        return later(done, lambda: time.sleep(device_s)) if device_s else done
+
+
+def later(done: PendingLaunch, before: Callable[[], object]) -> PendingLaunch:
+    """``done``, its ``wait`` first calling ``before`` (the device still busy meanwhile)."""
+
+    class _Later:
+        def wait(self) -> Any:
+            before()
+            return done.wait()
+
+    return _Later()  # type: ignore[return-value]
 
 
 class Steps:

@@ -18,46 +18,21 @@ import pytest
 
 from attention_client import AttentionClient
 from attention_client._call_streams import _framed
-from attention_service.engine.backends import CpuBackend
 from attention_wire.messages import SOCKET_FRAME, STEP_SOCKET_HELLO
 
 from ..client.test_client_e2e import check_out, f64, make
 from ..client.test_client_kv_cache import HKV, Context, D, H
+from .batch_helpers import AsyncCpu
 
 torch = pytest.importorskip("torch")
 reference = pytest.importorskip("attention_kernels.reference")
 pytestmark = pytest.mark.timeout(120)
 
 
-class _QueuedCpu(CpuBackend):
-    """Launches as cuda's: ``launch`` returns once the work is "queued" (computed here), its
-    ``wait`` takes ``device_s`` more (the kernel's time); records each launch's thread."""
-
-    max_inflight = 2
-    async_launch = True
-
-    def __init__(self, device_s: float = 0.003) -> None:
-        super().__init__()
-        self.device_s = device_s
-        self.threads: list[str] = []
-
-    def launch(self, plan: Any) -> Any:
-        self.threads.append(threading.current_thread().name)
-        done = super().launch(plan)
-        device_s = self.device_s
-
-        class _Pending:
-            def wait(self) -> Any:
-                time.sleep(device_s)
-                return done.wait()
-
-        return _Pending()
-
-
 @pytest.fixture
 def queued(start_server: Any) -> Any:
     path = str(Path(tempfile.mkdtemp(prefix="hold-")) / "step.sock")
-    backend = _QueuedCpu()
+    backend = AsyncCpu(device_s=0.003)
     server = start_server(backend=backend, step_socket=path)
     return server, backend
 

@@ -29,6 +29,7 @@ from attention_service.engine.jobs import (
 from attention_service.errors import Cancelled, RequestError
 from attention_service.params import Op, make_params
 
+from ..batch_helpers import AsyncCpu, later
 from ..svc_helpers import cu_from_lengths, random_qkv, span_jobs
 
 pytestmark = pytest.mark.timeout(30)
@@ -477,31 +478,6 @@ def test_idle_holds_only_while_nothing_is_queued_or_in_flight() -> None:
         ex.close()
 
 
-class _AsyncCpu(CpuBackend):
-    """A backend that says its launches only queue work (as cuda's do): the executor may
-    issue on the submitting thread. Records where each launch ran and checks none overlap."""
-
-    max_inflight = 2
-    async_launch = True
-
-    def __init__(self, hold_s: float = 0.0) -> None:
-        super().__init__()
-        self.hold_s = hold_s
-        self.threads: list[str] = []
-        self.active = 0
-        self.overlapped = False
-
-    def launch(self, plan):  # type: ignore[no-untyped-def]
-        self.active += 1
-        self.overlapped |= self.active > 1
-        try:
-            self.threads.append(threading.current_thread().name)
-            time.sleep(self.hold_s)
-            return super().launch(plan)
-        finally:
-            self.active -= 1
-
-
 def _wait_until(ready: Callable[[], bool], seconds: float = 2.0) -> None:
     """Poll ``ready`` every 10 ms for up to ``seconds`` (the caller asserts what it needs)."""
     for _ in range(int(seconds / 0.01)):
@@ -533,7 +509,7 @@ def _answers() -> tuple[dict[int, str], dict[int, object], Callable[[int], Any]]
 
 
 def test_idle_device_issues_on_the_submitting_thread() -> None:
-    backend = _AsyncCpu()
+    backend = AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0)
     try:
         time.sleep(0.05)  # the dispatcher is waiting: the device is idle
@@ -559,7 +535,7 @@ def test_idle_device_issues_on_the_submitting_thread() -> None:
     torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
 
 
-class _HeldFirst(_AsyncCpu):
+class _HeldFirst(AsyncCpu):
     """Its first launch stays in flight (its wait blocks) until ``release`` is set."""
 
     def __init__(self) -> None:
@@ -569,16 +545,7 @@ class _HeldFirst(_AsyncCpu):
     def launch(self, plan):  # type: ignore[no-untyped-def]
         first = not self.threads
         done = super().launch(plan)
-        if not first:
-            return done
-        release = self.release
-
-        class _Pending:
-            def wait(self) -> object:
-                release.wait(5)
-                return done.wait()
-
-        return _Pending()
+        return later(done, lambda: self.release.wait(5)) if first else done
 
 
 @pytest.mark.parametrize("in_block", [False, True], ids=["alone", "in-a-block"])
@@ -616,7 +583,7 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
     submitter's ``deferring()`` block are answered by that thread when the block ends; jobs
     submitted in the same block meanwhile queue behind the launch and share the next one.
     Outside a block, or for other ops, the completer answers."""
-    backend = _AsyncCpu()
+    backend = AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
     here = threading.current_thread().name
     where, got, done_for = _answers()
@@ -644,7 +611,7 @@ def test_a_direct_launch_of_an_inline_op_is_answered_on_the_submitting_thread() 
                           _cu(job.params.cu_seqlens_q), causal=True)
         torch.testing.assert_close(job.out.double(), ref, atol=2e-5, rtol=2e-5)
     # Without the op in inline_ops, a direct launch in a block still hands its completion over.
-    backend = _AsyncCpu()
+    backend = AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0)
     where.clear()
     try:
@@ -720,7 +687,7 @@ def test_held_launches_are_answered_by_their_holder_in_order() -> None:
 def test_close_waits_for_a_deferred_launch() -> None:
     """close() during a deferring block: the block's launch is still answered (by its
     thread, at the block's end), and close returns after it."""
-    backend = _AsyncCpu()
+    backend = AsyncCpu()
     ex = Executor(backend, max_queue_delay_s=0.0, inline_ops=frozenset({Op.PREFILL}))
     got: list[object] = []
     closed = threading.Event()
@@ -736,7 +703,7 @@ def test_close_waits_for_a_deferred_launch() -> None:
 
 
 def test_direct_and_dispatched_launches_never_overlap_and_answer_once() -> None:
-    backend = _AsyncCpu(hold_s=0.002)
+    backend = AsyncCpu(launch_s=0.002)
     ex = Executor(backend, max_queue_delay_s=0.0005)
     answers: dict[int, list[object]] = {}
     lock = threading.Lock()
@@ -783,7 +750,7 @@ def test_a_direct_launch_racing_close_is_still_answered() -> None:
     """close() while a submitter issues on its own thread: the completer must not stop before
     that launch is queued, so its caller is answered (stats or UNAVAILABLE), never dropped."""
     for attempt in range(20):
-        backend = _AsyncCpu(hold_s=0.003)
+        backend = AsyncCpu(launch_s=0.003)
         ex = Executor(backend, max_queue_delay_s=0.0)
         time.sleep(0.01)  # the dispatcher waits: the next submit issues directly
         got: list[object] = []
