@@ -113,3 +113,56 @@ def test_window_softcap_and_alibi_match_the_reference(seed: int) -> None:
         assert not out.isnan().any() and not lse.isnan().any()
         torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_batch_of_short_sequences_is_one_tile_and_matches_the_reference(
+        seed: int, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Decode steps (one row each) and short prompts, empty sequences and q longer than k
+    # among them, with every score option: padded to one tile (two einsums in all), the
+    # padding never seen.
+    import random
+
+    rng = random.Random(100 + seed)
+    g = torch.Generator().manual_seed(100 + seed)
+    calls = [0]
+    real = torch.einsum
+
+    def spy(eq: str, *ops: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return real(eq, *ops)
+
+    monkeypatch.setattr(cpu_attention.torch, "einsum", spy)
+    for decode in (True, False):
+        batch, heads, kv_heads = rng.randint(1, 70), 8, rng.choice([1, 2, 8])
+        len_q = [1] * batch if decode else [rng.randint(0, 9) for _ in range(batch)]
+        len_k = [rng.randint(0 if not decode else 1, 40) for _ in range(batch)]
+        cu_q, cu_k = _cu(len_q), _cu(len_k)
+        causal = not decode and rng.random() < 0.5
+        window = (rng.randint(-1, 9), rng.randint(-1, 9)) if rng.random() < 0.5 else (-1, -1)
+        softcap = rng.choice([0.0, 2.0])
+        slopes = torch.rand(batch, heads, generator=g) if rng.random() < 0.5 else None
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        q = torch.randn(cu_q[-1], heads, 16, generator=g).to(dtype)
+        k = torch.randn(cu_k[-1], kv_heads, 16, generator=g).to(dtype)
+        v = torch.randn(cu_k[-1], kv_heads, 16, generator=g).to(dtype)
+        calls[0] = 0
+        out, lse = attend(q, k, v, cu_q, cu_k, causal=causal, scale=0.3,
+                          cancelled=threading.Event().is_set, window=window, softcap=softcap,
+                          alibi_slopes=slopes)
+        assert calls[0] == 2
+        ref, ref_lse = prefill_ref(
+            q.double(), k.double(), v.double(), torch.tensor(cu_q, dtype=torch.int32),
+            torch.tensor(cu_k, dtype=torch.int32), causal=causal, return_lse=True,
+            softmax_scale=0.3, window_size=window, softcap=softcap, alibi_slopes=slopes)
+        tol = 1e-5 if dtype == torch.float32 else 1.6e-2
+        assert out.dtype == dtype and not out.isnan().any() and not lse.isnan().any()
+        torch.testing.assert_close(out.double(), ref.double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(lse.double(), ref_lse.double(), atol=1e-4, rtol=1e-4)
+
+
+def test_a_cancel_before_a_one_tile_batch_stops_it() -> None:
+    q, k = torch.randn(4, 2, 8), torch.randn(12, 2, 8)
+    with pytest.raises(Cancelled):
+        attend(q, k, k, [0, 1, 2, 3, 4], [0, 3, 6, 9, 12], causal=False, scale=None,
+               cancelled=lambda: True)
