@@ -217,11 +217,13 @@ class LiveCollector(Collector):
         queue_capacity: int = 0,
         processes: Callable[[], list[tuple[str, int]]] = _own_process,
         gpu_uuid: str | None = None,
+        nixl_transports: Callable[[], list[tuple[str, ...]]] = list,
     ) -> None:
         """``kv_caches``: (pages used, pages total, caches live, caches expired so far);
         ``regions``: (regions registered, regions dropped by the idle TTL so far);
         ``queue_capacity``: requests the queue holds (``--max-queue-size``); ``processes``:
-        (role, pid) of every process to report; ``gpu_uuid``: the GPU to read NVML for."""
+        (role, pid) of every process to report; ``gpu_uuid``: the GPU to read NVML for;
+        ``nixl_transports``: the transports UCX picked for NIXL regions (``ucx_choices``)."""
         self._info = info
         self._versions = versions
         self._queue_depth = queue_depth
@@ -232,6 +234,7 @@ class LiveCollector(Collector):
         self._regions = regions
         self._processes = processes
         self._nvml = NvmlGauges(gpu_uuid) if gpu_uuid else None
+        self._nixl_transports = nixl_transports
 
     def describe(self) -> list[Metric]:
         return []  # nothing to check for clashes at registration; collect() says it all
@@ -276,6 +279,15 @@ class LiveCollector(Collector):
         yield CounterMetricFamily("attention_regions_expired",
                                   "Regions dropped by the idle TTL (--region-ttl).",
                                   value=regions_expired)
+        transports = GaugeMetricFamily(
+            "attention_nixl_transport",
+            "1 for each transport UCX picked to move NIXL regions' bytes (from its protocol "
+            "tables): peer intra-node or inter-node, op read or write, the memory here and "
+            "at the peer (host or cuda).",
+            labels=["peer", "op", "local_memory", "remote_memory", "transport"])
+        for choice in self._nixl_transports():
+            transports.add_metric(list(choice), 1)
+        yield transports
         # Exposed as attention_device_info{...} 1.
         yield InfoMetricFamily(
             "attention_device", "Device and versions.",

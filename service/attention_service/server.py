@@ -90,7 +90,8 @@ async def create_server(
     core = EngineCore(config, backend, observer=metrics, frontends=1)
     metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                lambda: 1, core.caches.gauges, core.regions.gauges,
-                               queue_capacity=config.max_queue_size, gpu_uuid=gpu_uuid(backend)))
+                               queue_capacity=config.max_queue_size, gpu_uuid=gpu_uuid(backend),
+                               nixl_transports=core.regions.nixl.transports))
     # Listening before the front end can advertise it (GetServerInfo answers during warm-up).
     step_socket = start_step_socket(config, core, metrics) if config.step_socket else None
     try:

@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import pytest
@@ -36,6 +38,21 @@ class RunningServer:
 
     def log(self) -> str:
         return "".join(self.lines[-60:])
+
+    def metrics_port(self) -> int:
+        """The metrics port the server logged (started with ``--metrics-port 0``)."""
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for line in list(self.lines):
+                if m := re.search(r"metrics on port (\d+)", line):
+                    return int(m.group(1))
+            time.sleep(0.05)
+        raise AssertionError("no 'metrics on port' line:\n" + self.log())
+
+    def metrics(self) -> str:
+        """Its /metrics page, as text."""
+        url = f"http://127.0.0.1:{self.metrics_port()}/metrics"
+        return urllib.request.urlopen(url, timeout=10).read().decode()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

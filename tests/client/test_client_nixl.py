@@ -6,6 +6,7 @@ Skipped without NIXL (``pip install 'attention-client[nixl]'``)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 
 import numpy as np
@@ -25,7 +26,7 @@ CU = [0, 10, 30]
 @pytest.fixture(scope="module", params=["1", "2"], ids=["one-process", "two-frontends"])
 def srv(request: pytest.FixtureRequest) -> Iterator[RunningServer]:
     require_server()
-    running = start_server("--frontends", request.param)
+    running = start_server("--frontends", request.param, "--metrics-port", "0")
     yield running
     running.stop()
 
@@ -71,10 +72,23 @@ def test_tensors_in_a_nixl_region_travel_by_nixl(srv: RunningServer) -> None:
                                      "byte_size": 1 << 20, "inflight": 0}]
         region.close()
         assert c.list_regions() == []
+    # The transports UCX picked to read the inputs and write the outputs (its own protocol
+    # tables), in the engine's metrics.
+    picked = _transports(srv)
+    assert {p["op"] for p in picked} == {"read", "write"}, picked
+    assert all(p["peer"] == "intra-node" and p["local_memory"] == p["remote_memory"] == "host"
+               and re.fullmatch(r"[a-z][a-z0-9_]*", p["transport"]) for p in picked), picked
     # The process's agent went with its last region: NIXL's progress thread spins a core.
     from attention_client import _regions
 
     assert not _regions._NIXL
+
+
+def _transports(running: RunningServer) -> list[dict[str, str]]:
+    """The server's ``attention_nixl_transport`` series, as label dicts."""
+    return [dict(re.findall(r'(\w+)="([^"]*)"', line))
+            for line in running.metrics().splitlines()
+            if line.startswith("attention_nixl_transport{") and line.endswith(" 1.0")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -282,7 +296,7 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region(client_gpu: str) ->
     require_server()
     from attention_client import AttentionInputError
 
-    running = start_server("--device", "cuda", startup_timeout=300)
+    running = start_server("--device", "cuda", "--metrics-port", "0", startup_timeout=300)
     try:
         with AttentionClient(running.target, timeout=300) as c:
             with pytest.raises(AttentionInputError, match="is not a GPU"):
@@ -325,6 +339,11 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region(client_gpu: str) ->
                 torch.testing.assert_close(step.cpu().double(), want, atol=2e-3, rtol=2e-3)
                 assert cache.lengths == {"s": 10}
             region.close()
+        # UCX's choice for GPU memory on both sides, both ways (printed: which transport).
+        picked = _transports(running)
+        print("nixl transports:", picked)
+        assert {(p["op"], p["local_memory"], p["remote_memory"]) for p in picked} >= {
+            ("read", "cuda", "cuda"), ("write", "cuda", "cuda")}, picked
     finally:
         running.stop()
 

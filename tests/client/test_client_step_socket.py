@@ -273,7 +273,7 @@ def test_a_client_that_reads_no_answers_is_read_no_further(one):
     lets the rest run, every one answered, right."""
     ids = [f"nr-{i}" for i in range(64)]
     ctx = Context(ids)
-    port = _metrics_port(one)
+    port = one.metrics_port()
     with AttentionClient(one.target, timeout=60) as c, \
             c.kv_cache(HKV, D, "float32") as cache, _connect(one.path) as sock:
         _prompt(cache, ctx, ids, [2] * 64, 12)
@@ -948,16 +948,6 @@ def test_a_region_of_another_caller_is_refused_through_the_socket(authed):
         region.close()
 
 
-def _metrics_port(running: RunningServer) -> int:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        for line in list(running.lines):
-            if m := re.search(r"metrics on port (\d+)", line):
-                return int(m.group(1))
-        time.sleep(0.05)
-    raise AssertionError("no 'metrics on port' line:\n" + running.log())
-
-
 def _requests(port: int, code: str) -> float:
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     total = 0.0
@@ -969,7 +959,7 @@ def _requests(port: int, code: str) -> float:
 
 
 def test_socket_steps_are_counted_as_cache_decode(one):
-    port = _metrics_port(one)
+    port = one.metrics_port()
     ok, missing = _requests(port, "OK"), _requests(port, "NOT_FOUND")
     ids = ["mt-a"]
     with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \

@@ -26,6 +26,7 @@ from typing import Any
 
 import grpc
 
+from attention_service.engine import ucx_choices
 from attention_service.engine.nixl_vet import (
     BACKEND,
     NIXL_MODULE,
@@ -43,6 +44,9 @@ TRANSFER_TIMEOUT_S = 60.0
 # Polls of a transfer's state before the waiter starts sleeping between polls: a 4 KiB
 # transfer between two processes finishes in 13-90 us (dev box, UCX over shared memory).
 _SPIN_POLLS = 200
+# How often transfers read UCX's log for new transport choices and warnings (a read is a file
+# open; a metrics scrape reads it too).
+UCX_READ_S = 1.0
 # Agents without regions kept known per caller (connected: a client registers its next region
 # without ConnectNixl again); the oldest idle one goes when there are more.
 MAX_IDLE_PEERS = 16
@@ -61,8 +65,8 @@ def available() -> bool:
 
 
 def backend_name() -> str:
-    """The backend, and UCX's transports when this process restricts them (UCX_TLS): NIXL
-    does not report the transport UCX picks for each peer."""
+    """The backend, and UCX's transports when this process restricts them (UCX_TLS). The
+    transport UCX picks for each peer is known only once it moved bytes: ``transports``."""
     tls = os.environ.get("UCX_TLS", "")
     return f"{BACKEND} UCX_TLS={tls}" if tls else BACKEND
 
@@ -108,6 +112,8 @@ class NixlAgent:
         self._vet_failed: dict[str, float] = {}
         self._vetting: set[str] = set()  # callers with a blob in the helper now: one each
         self._vet_done = threading.Condition(self._lock)  # one of theirs left the helper
+        self._ucx = ucx_choices.UcxChoices(None, "")  # the transports UCX picked, once made
+        self._ucx_read_at = 0.0  # when a transfer last read them (monotonic s)
 
     def _nixl(self) -> Any:
         """The agent, made on first use. Raises FAILED_PRECONDITION without NIXL."""
@@ -122,27 +128,33 @@ class NixlAgent:
                     grpc.StatusCode.FAILED_PRECONDITION,
                     "nixl: this server has no NIXL (pip install nixl-cu13 on the server's "
                     "host): register a system or cuda region, or send the bytes")
-            nixl = importlib.import_module(NIXL_MODULE)
             name = self.name = f"attention-server-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-            # RW: transfers from several mover threads at once; registrations and peers
-            # change under the writer's side (the default without a listener thread is no
-            # locking at all).
-            # No progress thread: NIXL's spins a whole core for the process's life (measured:
-            # 1.0 CPU s per s, idle), and the side that starts every transfer does not need
-            # one (its waiter drives it). The clients' agents, whose memory is read, do.
-            config = nixl.nixl_agent_config(
-                enable_prog_thread=False, backends=[BACKEND],
-                sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
-            try:
-                self._agent = nixl.nixl_agent(name, config)
-            except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
-                log.error("nixl could not start its %s backend: %s", BACKEND, exc)
-                raise RequestError(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    "nixl: the server's NIXL could not start its UCX backend (its UCX_TLS / "
-                    "UCX_NET_DEVICES settings): NIXL regions are unavailable") from None
+            with ucx_choices.loading(name) as self._ucx:  # UCX reads its settings as it loads
+                self._agent = self._make_agent(name)
             log.info("nixl agent %s up (backend %s)", name, BACKEND)
         return self._agent
+
+    @staticmethod
+    def _make_agent(name: str) -> Any:
+        """A NIXL agent with the UCX backend, or FAILED_PRECONDITION saying why not."""
+        nixl = importlib.import_module(NIXL_MODULE)
+        # RW: transfers from several mover threads at once; registrations and peers
+        # change under the writer's side (the default without a listener thread is no
+        # locking at all).
+        # No progress thread: NIXL's spins a whole core for the process's life (measured:
+        # 1.0 CPU s per s, idle), and the side that starts every transfer does not need
+        # one (its waiter drives it). The clients' agents, whose memory is read, do.
+        config = nixl.nixl_agent_config(
+            enable_prog_thread=False, backends=[BACKEND],
+            sync_mode=nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        try:
+            return nixl.nixl_agent(name, config)
+        except Exception as exc:  # UCX found no transport it may use (UCX_TLS, ...)
+            log.error("nixl could not start its %s backend: %s", BACKEND, exc)
+            raise RequestError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "nixl: the server's NIXL could not start its UCX backend (its UCX_TLS / "
+                "UCX_NET_DEVICES settings): NIXL regions are unavailable") from None
 
     # ---- peers --------------------------------------------------------------------------
 
@@ -295,6 +307,13 @@ class NixlAgent:
         """Engine shutdown: the metadata helper process goes."""
         self._vetter.close()
 
+    def transports(self) -> list[ucx_choices.Choice]:
+        """The transports UCX picked for this agent's transfers so far (its protocol tables:
+        ``ucx_choices``); empty before the first transfer, or where the operator routes
+        UCX's log."""
+        with self._lock:
+            return self._ucx.read()
+
     def knows(self, name: str) -> bool:
         with self._lock:
             return name in self._peers
@@ -344,6 +363,9 @@ class NixlAgent:
             if self._observe is not None:
                 self._observe(DIRECTIONS[op], sum(n for _, n, _ in local),
                               time.perf_counter() - t0)
+            if time.monotonic() - self._ucx_read_at > UCX_READ_S:  # new choices, warnings logged
+                self._ucx_read_at = time.monotonic()
+                self.transports()
         except RequestError:
             raise
         except Exception as exc:  # nixlRemoteDisconnectError: the client died or left

@@ -246,7 +246,8 @@ class Group:
         metrics.bind(LiveCollector(core.info, versions(core), core.queue_depth, backend.memory,
                                    alive, core.caches.gauges, core.regions.gauges,
                                    queue_capacity=cfg.max_queue_size,
-                                   processes=self._processes, gpu_uuid=gpu_uuid(backend)))
+                                   processes=self._processes, gpu_uuid=gpu_uuid(backend),
+                                   nixl_transports=core.regions.nixl.transports))
         metrics_port = None
         step_socket: StepSocket | None = None
         try:

@@ -591,3 +591,80 @@ def test_the_helper_loads_again_a_blob_whose_peer_it_could_not_reach(monkeypatch
     with pytest.raises(nixlMismatchError):
         nixl_vet._load(Agent([nixlMismatchError()]), b"blob")
     assert waits == []
+
+
+_UCX_LOG = """\
+[1.0] [vm:1:0]   +--------+-------------+------+
+[1.0] [vm:1:0]   | srv self cfg#0                                           |
+[1.0] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | cma/memory                        |
+[1.0] [vm:1:0]   | srv intra-node cfg#1                                              |
+[1.0] [vm:1:0]   | remote memory read by ucp_get*(multi) into cuda memory from cuda  |
+[1.0] [vm:1:0]   +--------+-------------+------+
+[1.0] [vm:1:0]   | Range  | Description |              Config                         |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                               |
+[1.0] [vm:1:0]   | srv intra-node cfg#1                                     |
+[1.0] [vm:1:0]   | active message by ucp_am_send* from host memory          |
+[1.0] [vm:1:0]   |          0 | short              | tcp/lo        |
+[1.0] [vm:1:0]   | client-7 intra-node cfg#1                                |
+[1.0] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+[1.0] [vm:1:0]       parser.c:2578 UCX  WARN  unused environment variable: UCX_X
+[1.0] [vm:1:0]   | srv inter-node cfg#2                                     |
+[1.0] [vm:1:0]   | remote memory write by ucp_put*(multi) from host memory to cuda |
+[1.0] [vm:1:0]   | 0..8k  | short       | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |
+[1.0] [vm:1:0]   | 8k..inf | zero-copy  | tcp/eth0"""
+
+
+def test_ucx_protocol_tables_name_the_transport_of_each_peer_op_and_memory(
+        tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
+    """``ucx_choices`` reads agent ``srv``'s tables (not its loopback's, not another agent's
+    in the same process): each (peer, op, memory here, memory there, transport) once, lanes
+    of one transport as one; a line still being written waits; UCX's warnings are logged."""
+    import logging
+
+    from attention_service.engine.ucx_choices import UcxChoices
+
+    path = tmp_path / "ucx.log"
+    text = _UCX_LOG + "\n"
+    cut = text.index("| 8k..inf") + 4
+    path.write_text(text[:cut])
+    choices = UcxChoices(str(path), "srv")
+    with caplog.at_level(logging.INFO, logger="attention_service"):
+        first = choices.read()
+        assert first == [("intra-node", "read", "cuda", "cuda", "cuda_ipc"),
+                         ("inter-node", "write", "host", "cuda", "rc_mlx5")]
+        with path.open("a") as f:
+            f.write(text[cut:])
+        assert choices.read() == [*first, ("inter-node", "write", "host", "cuda", "tcp")]
+        assert choices.read() == [*first, ("inter-node", "write", "host", "cuda", "tcp")]
+    assert any(r.levelno == logging.WARNING and "unused environment variable: UCX_X"
+               in r.getMessage() for r in caplog.records)
+    assert sum("by cuda_ipc" in r.getMessage() for r in caplog.records) == 1
+    assert UcxChoices(None, "srv").read() == []
+    assert UcxChoices(str(tmp_path / "not-yet"), "srv").read() == []
+
+
+def test_ucx_output_is_routed_only_while_ucx_loads(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The engine points UCX's output at its file only around the agent's making (processes
+    started later see the operator's environment), and not at all where the operator routes
+    it."""
+    import os
+
+    from attention_service.engine import ucx_choices
+
+    for key in ("UCX_PROTO_INFO", "UCX_LOG_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    ucx_choices._log_file.cache_clear()
+    try:
+        with ucx_choices.loading("a") as choices:
+            assert choices.path is not None and os.environ["UCX_LOG_FILE"] == choices.path
+            assert os.environ["UCX_PROTO_INFO"] == "y"
+        assert "UCX_LOG_FILE" not in os.environ and "UCX_PROTO_INFO" not in os.environ
+        ucx_choices._log_file.cache_clear()
+        monkeypatch.setenv("UCX_LOG_FILE", "/var/log/ucx.log")
+        with ucx_choices.loading("a") as choices:
+            assert choices.path is None and os.environ["UCX_LOG_FILE"] == "/var/log/ucx.log"
+        assert choices.read() == [] and os.environ["UCX_LOG_FILE"] == "/var/log/ucx.log"
+    finally:
+        ucx_choices._log_file.cache_clear()
