@@ -497,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_service import Server, server_info
+    from bench_service import Server, nixl_transports, server_info
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -505,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     targets = args.target.split(",") if args.target else [server.target]
     pid = server.proc.pid if server is not None else None
     rows: list[dict[str, Any]] = []
+    transports: list[dict[str, str]] = []
     try:
         info = server_info(targets[0])
         _, name, e = DTYPES[args.dtype]
@@ -531,6 +532,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"inflight={r['inflight']}: "
                                   f"p50 {r['p50_ms']:.3f} ms, {r['steps_per_s']:.1f} steps/s",
                                   flush=True)
+        if server is not None:  # which transport UCX picked for NIXL regions, if any
+            transports = nixl_transports(server.metrics_url)
     finally:
         if server is not None:
             server.stop()  # frees its pool for the kernel timings below
@@ -566,12 +569,16 @@ def main(argv: list[str] | None = None) -> int:
             "device": info.device, "backend": info.backend, "frontends": info.frontends,
             "server_version": info.server_version, "grpcio": grpc.__version__,
             "torch": torch.__version__, "kernel": use_kernel, "page_tokens": page_tokens,
-            "args": vars(args)}
+            "nixl_transports": transports, "args": vars(args)}
     md = (f"# bench_offload: {info.device}, {meta['date']}\n\n`{meta['command']}`\n\n"
           f"{info.frontends} front end(s); H={args.heads}, H_kv={args.kv_heads}, "
           f"D={args.head_dim} {name}, {args.layers} layers, store={args.store}, "
           f"{args.steps} steps/host/point; grpcio {grpc.__version__}, torch {torch.__version__}"
           f"\n\n{table(rows)}\n")
+    if transports:
+        md += "\nUCX's transports for NIXL regions: " + "; ".join(
+            f"{t['op']} {t['local_memory']} <-> {t['remote_memory']} ({t['peer']}): "
+            f"{t['transport']}" for t in transports) + "\n"
     print("\n" + md)
     stamp = f"{datetime.now(timezone.utc):%Y%m%d_%H%M%S}"
     (out_dir / f"bench_offload_{stamp}.md").write_text(md)

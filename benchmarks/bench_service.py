@@ -236,6 +236,17 @@ SUMMARY_SERIES = (
 )
 
 
+def nixl_transports(url: str) -> list[dict[str, str]]:
+    """The transports UCX picked for a server's NIXL regions so far (its
+    ``attention_nixl_transport`` series: peer, op, local and remote memory, transport)."""
+    try:
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+    except OSError:
+        return []
+    return [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name == "attention_nixl_transport"]
+
+
 def scrape(urls: str | None) -> dict[str, float] | None:
     """Sums of the series the report needs (all rpcs together, and all servers of a
     comma-separated list: replicas behind a proxy), or None without metrics."""

@@ -50,6 +50,9 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
         assert r["wire_out_bytes"] == 2 * (4 + 2 * 2) * 32 * 2  # q + one k/v token, bf16
         assert r["wire_back_bytes"] == 2 * 4 * 32 * 2
     assert list(tmp_path.glob("bench_offload_*.md"))
+    # The transports UCX picked, where a NIXL region moved the steps' tensors.
+    ops = {(t["op"], t["local_memory"]) for t in report["nixl_transports"]}
+    assert ops == ({("read", "host"), ("write", "host")} if "nixl" in transports else set())
 
 
 
