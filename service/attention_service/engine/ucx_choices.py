@@ -3,12 +3,12 @@
 NIXL does not say which transport UCX picked for a peer (cuda_ipc, rc_mlx5, tcp, cma...),
 and a silent fallback (GPU memory over TCP at 0.4 GB/s, issue 66) looks like a slow network.
 With ``UCX_PROTO_INFO=y`` UCX prints a table each time it selects protocols for an endpoint
-configuration and operation, e.g.::
+configuration and operation, e.g. (H200, a GPU region of a client on the same host)::
 
-    | attention-server-1-ab intra-node cfg#1                            |
-    | remote memory read by ucp_get*(multi) into cuda memory from cuda  |
-    | Range  | Description |              Config                         |
-    | 0..inf | zero-copy   | cuda_ipc/cuda                               |
+    | attention-server-7103-0a633f69 intra-node cfg#2                       |
+    | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
+    | Range  | Description |              Config                            |
+    | 0..inf | zero-copy   | cuda_ipc/cuda                                  |
 
 ``loading`` points those tables at a log file of this process (``UCX_LOG_FILE``) while UCX
 loads, unless the operator set either variable; ``UcxChoices.read`` takes the tables of one
@@ -33,9 +33,13 @@ log = logging.getLogger("attention_service")
 
 _PREFIX = re.compile(r"^\[[^\]]*\] \[[^\]]*\]\s*")  # "[time] [host:pid:thread]"
 _CONFIG = re.compile(r"^\|\s*(\S+)\s+(.+?)\s+cfg#\d+\s*\|$")  # "| <agent> intra-node cfg#1 |"
+# NIXL's transfers: UCX marks their tables "(multi)" (seen with the UCX 1.23 of nixl-cu13
+# 1.5.1); the tables without it are selections UCX makes ahead when an endpoint is made (e.g. a
+# put from host memory to GPU memory by TCP emulation, which none of our transfers does).
+# Memory: "host memory", "cuda/GPU0" (here), "cuda/dev[1]" (the peer's).
 _OPERATION = re.compile(
-    r"^\|\s*remote memory (read|write) by ucp_\w+\*(?:\([^)]*\))? (?:into|from) (\S+) memory "
-    r"(?:from|to) (\S+)")
+    r"^\|\s*remote memory (read|write) by ucp_\w+\*\(multi\) (?:into|from) (\w+)\S*(?: memory)? "
+    r"(?:from|to) (\w+)")
 _TRANSPORT = re.compile(r"([a-z][a-z0-9_]*)/\S")  # "cuda_ipc/cuda", "rc_mlx5/mlx5_0:1"
 _PROBLEM = re.compile(r"\b(WARN|ERROR)\b")
 try:  # UCX writes its log through a buffered stdio stream: fflush(NULL) flushes every one

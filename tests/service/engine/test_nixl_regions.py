@@ -595,32 +595,36 @@ def test_the_helper_loads_again_a_blob_whose_peer_it_could_not_reach(monkeypatch
 
 _UCX_LOG = """\
 [1.0] [vm:1:0]   +--------+-------------+------+
-[1.0] [vm:1:0]   | srv self cfg#0                                           |
-[1.0] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
-[1.0] [vm:1:0]   | 0..inf | zero-copy   | cma/memory                        |
-[1.0] [vm:1:0]   | srv intra-node cfg#1                                              |
-[1.0] [vm:1:0]   | remote memory read by ucp_get*(multi) into cuda memory from cuda  |
+[1.0] [vm:1:0]   | srv self cfg#1                                                  |
+[1.0] [vm:1:0]   | remote memory write by ucp_put*(multi) from host memory to host |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | cma/memory                               |
+[1.0] [vm:1:0]   | srv intra-node cfg#2                                            |
+[1.0] [vm:1:0]   | remote memory write by ucp_put* from host memory to cuda/dev[1] |
+[1.0] [vm:1:0]   | 0..inf | software emulation | tcp/lo                            |
+[1.0] [vm:1:0]   | srv intra-node cfg#2                                                  |
+[1.0] [vm:1:0]   | remote memory read by ucp_get*(multi) into cuda/GPU0 from cuda/dev[1] |
 [1.0] [vm:1:0]   +--------+-------------+------+
-[1.0] [vm:1:0]   | Range  | Description |              Config                         |
-[1.0] [vm:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                               |
-[1.0] [vm:1:0]   | srv intra-node cfg#1                                     |
+[1.0] [vm:1:0]   | Range  | Description |              Config                            |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | cuda_ipc/cuda                                  |
+[1.0] [vm:1:0]   | srv intra-node cfg#2                                     |
 [1.0] [vm:1:0]   | active message by ucp_am_send* from host memory          |
 [1.0] [vm:1:0]   |          0 | short              | tcp/lo        |
-[1.0] [vm:1:0]   | client-7 intra-node cfg#1                                |
-[1.0] [vm:1:0]   | remote memory write by ucp_put* from host memory to host |
-[1.0] [vm:1:0]   | 0..inf | zero-copy   | tcp/lo                            |
+[1.0] [vm:1:0]   | client-7 intra-node cfg#1                                       |
+[1.0] [vm:1:0]   | remote memory write by ucp_put*(multi) from host memory to host |
+[1.0] [vm:1:0]   | 0..inf | zero-copy   | tcp/lo                                   |
 [1.0] [vm:1:0]       parser.c:2578 UCX  WARN  unused environment variable: UCX_X
-[1.0] [vm:1:0]   | srv inter-node cfg#2                                     |
-[1.0] [vm:1:0]   | remote memory write by ucp_put*(multi) from host memory to cuda |
+[1.0] [vm:1:0]   | srv inter-node cfg#3                                            |
+[1.0] [vm:1:0]   | remote memory write by ucp_put*(multi) from host memory to cuda/dev[0] |
 [1.0] [vm:1:0]   | 0..8k  | short       | 50% on rc_mlx5/mlx5_0:1 and 50% on rc_mlx5/mlx5_1:1 |
 [1.0] [vm:1:0]   | 8k..inf | zero-copy  | tcp/eth0"""
 
 
 def test_ucx_protocol_tables_name_the_transport_of_each_peer_op_and_memory(
         tmp_path, caplog) -> None:  # type: ignore[no-untyped-def]
-    """``ucx_choices`` reads agent ``srv``'s tables (not its loopback's, not another agent's
-    in the same process): each (peer, op, memory here, memory there, transport) once, lanes
-    of one transport as one; a line still being written waits; UCX's warnings are logged."""
+    """``ucx_choices`` reads the tables of agent ``srv``'s transfers (not its loopback's, not
+    another agent's in the same process, not the selections UCX makes ahead for an endpoint):
+    each (peer, op, memory here, memory there, transport) once, lanes of one transport as
+    one; a line still being written waits; UCX's warnings are logged."""
     import logging
 
     from attention_service.engine.ucx_choices import UcxChoices
