@@ -71,13 +71,13 @@ class UcxChoices:
         if _flush_all is not None:
             _flush_all(None)
         try:
-            with open(self.path, encoding="utf-8", errors="replace") as f:
+            with open(self.path, "rb") as f:
                 f.seek(self._offset)
-                text = f.read()
+                data = f.read()
         except FileNotFoundError:  # UCX writes nothing until it has something to say
             return list(self._choices)
-        self._offset += len(text.encode("utf-8", errors="replace"))
-        lines = (self._partial + text).split("\n")
+        self._offset += len(data)
+        lines = (self._partial + data.decode("utf-8", errors="replace")).split("\n")
         self._partial = lines.pop()
         for line in lines:
             self._line(line)
