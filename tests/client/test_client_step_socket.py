@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Iterator
 
 import grpc
@@ -273,7 +272,6 @@ def test_a_client_that_reads_no_answers_is_read_no_further(one):
     lets the rest run, every one answered, right."""
     ids = [f"nr-{i}" for i in range(64)]
     ctx = Context(ids)
-    port = one.metrics_port()
     with AttentionClient(one.target, timeout=60) as c, \
             c.kv_cache(HKV, D, "float32") as cache, _connect(one.path) as sock:
         _prompt(cache, ctx, ids, [2] * 64, 12)
@@ -288,7 +286,7 @@ def test_a_client_that_reads_no_answers_is_read_no_further(one):
             pb.TensorChunk(field=f, offset=0, data=x.tobytes())
             for f, x in ((pb.Q, q), (pb.K, kn), (pb.V, kn))]).SerializeToString()
         data = SOCKET_FRAME.pack(len(frame)) + frame
-        before = _requests(port, "OK")
+        before = _requests(one, "OK")
         sock.settimeout(2.0)  # a send that waits this long: the server reads no more
         sent = 0
         with contextlib.suppress(TimeoutError):
@@ -296,7 +294,7 @@ def test_a_client_that_reads_no_answers_is_read_no_further(one):
                 sock.sendall(data)  # a partial frame only at the very end (then unread)
                 sent += 1
         assert sent < 2000, "the server read every step while nothing was read back"
-        ran = _requests(port, "OK") - before
+        ran = _requests(one, "OK") - before
         assert 8 <= ran < sent
         sock.settimeout(60)
         ref = reference.decode_ref(f64(q), *ctx.packed(ids, kn, kn, 1))
@@ -948,8 +946,8 @@ def test_a_region_of_another_caller_is_refused_through_the_socket(authed):
         region.close()
 
 
-def _requests(port: int, code: str) -> float:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+def _requests(running: RunningServer, code: str) -> float:
+    text = running.metrics()
     total = 0.0
     for line in text.splitlines():
         if line.startswith("attention_requests_total{") and 'rpc="CacheDecode"' in line \
@@ -959,8 +957,7 @@ def _requests(port: int, code: str) -> float:
 
 
 def test_socket_steps_are_counted_as_cache_decode(one):
-    port = one.metrics_port()
-    ok, missing = _requests(port, "OK"), _requests(port, "NOT_FOUND")
+    ok, missing = _requests(one, "OK"), _requests(one, "NOT_FOUND")
     ids = ["mt-a"]
     with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache, \
             c.decode_steps(step_socket=True) as steps:
@@ -974,13 +971,13 @@ def test_socket_steps_are_counted_as_cache_decode(one):
         assert isinstance(steps._stream, SocketStream)
     # A step is counted just after its answer is sent: wait for the counts to settle.
     deadline = time.monotonic() + 10
-    while (_requests(port, "OK") - ok, _requests(port, "NOT_FOUND") - missing) != (5, 1):
-        assert time.monotonic() < deadline, (_requests(port, "OK") - ok,
-                                             _requests(port, "NOT_FOUND") - missing)
+    while (_requests(one, "OK") - ok, _requests(one, "NOT_FOUND") - missing) != (5, 1):
+        assert time.monotonic() < deadline, (_requests(one, "OK") - ok,
+                                             _requests(one, "NOT_FOUND") - missing)
         time.sleep(0.05)
     time.sleep(0.2)  # and no more come
-    assert _requests(port, "OK") - ok == 5
-    assert _requests(port, "NOT_FOUND") - missing == 1
+    assert _requests(one, "OK") - ok == 5
+    assert _requests(one, "NOT_FOUND") - missing == 1
 
 
 @pytest.mark.parametrize("frontends", ["1", "2"])

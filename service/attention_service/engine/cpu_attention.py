@@ -66,12 +66,13 @@ def attend(
             padded.setdefault(shape, []).append(b)
         else:
             long.append(b)
+    cu = (torch.tensor(cu_q), torch.tensor(cu_k)) if padded else None
     for (rows, keys), seqs in padded.items():
         per_tile = tile_elements // (heads * rows * keys)
         for i in range(0, len(seqs), per_tile):
             if cancelled():
                 raise Cancelled()
-            _attend_padded(q, k, v, cu_q, cu_k, seqs[i : i + per_tile], rows, keys, out, lse,
+            _attend_padded(q, k, v, cu, seqs[i : i + per_tile], rows, keys, out, lse,
                            **opts)  # type: ignore[arg-type]
     for b in long:
         _attend_tiled(q, k, v, cu_q, cu_k, b, out, lse, cancelled=cancelled,
@@ -85,20 +86,20 @@ def _round_up(n: int) -> int:
 
 
 def _attend_padded(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: list[int], cu_k: list[int],
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor],
     seqs: list[int], rows: int, keys: int, out: torch.Tensor, lse: torch.Tensor, *,
     causal: bool, scale: float, window: tuple[int, int], softcap: float,
     alibi_slopes: torch.Tensor | None,
 ) -> None:
     """Sequences ``seqs`` at once, each padded to ``rows`` x ``keys``: the padding masked
-    like hidden keys (or dropped: rows), every kv head in one product. Writes ``out``,
-    ``lse``."""
+    like hidden keys (or dropped: rows), every kv head in one product. ``cu``: cu_seqlens
+    of q and k as tensors. Writes ``out``, ``lse``."""
     heads, dim = q.shape[1:]
     kv_heads = k.shape[1]
     group = heads // kv_heads
     batch = len(seqs)
     at = torch.tensor(seqs)
-    cq, ck = torch.tensor(cu_q), torch.tensor(cu_k)
+    cq, ck = cu
     q_from, k_from = cq[at].unsqueeze(1), ck[at].unsqueeze(1)
     lq, lk = cq[at + 1].unsqueeze(1) - q_from, ck[at + 1].unsqueeze(1) - k_from
     r, c = torch.arange(rows).unsqueeze(0), torch.arange(keys).unsqueeze(0)
