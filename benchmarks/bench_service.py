@@ -100,7 +100,25 @@ def split_cpus(server_cpus: str | None, client_cpus: str | None) -> str | None:
 class Server:
     """``python -m attention_service`` on free ports; its log goes to a file beside the results."""
 
+    # A free port may be taken between our look and the server's bind (by another process's
+    # outgoing connection, say: tests run servers side by side): start again on new ports.
+    BIND_TRIES = 3
+
     def __init__(self, args: argparse.Namespace, batching: bool, log_path: Path) -> None:
+        self.log_path = log_path
+        for attempt in range(self.BIND_TRIES):
+            self._start(args, batching)
+            try:
+                self._wait_serving(args)
+                return
+            except RuntimeError:
+                tail = self.log_tail()
+                if attempt + 1 < self.BIND_TRIES and (
+                        "could not bind" in tail or "could not serve /metrics" in tail):
+                    continue
+                raise
+
+    def _start(self, args: argparse.Namespace, batching: bool) -> None:
         port, mport = _free_port(), _free_port()
         self.target = f"127.0.0.1:{port}"
         self.metrics_url = f"http://127.0.0.1:{mport}/metrics"
@@ -116,15 +134,17 @@ class Server:
         if args.frontends is not None:
             cmd += ["--frontends", str(args.frontends)]
         cmd += shlex.split(getattr(args, "server_args", None) or "")
-        self.log_path = log_path
-        self._log = open(log_path, "w")  # noqa: SIM115 (closed in stop)
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=ROOT)
         if getattr(args, "server_cpus", None):
             # Before it starts its front ends (they inherit it), long before it serves.
             os.sched_setaffinity(self.proc.pid, cpu_list(args.server_cpus))
+
+    def _wait_serving(self, args: argparse.Namespace) -> None:
         end = time.monotonic() + args.startup_timeout
         while not _healthy(self.target):
             if self.proc.poll() is not None:
+                self._log.close()
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log_tail()}")
             if time.monotonic() > end:
                 self.stop()

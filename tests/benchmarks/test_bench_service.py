@@ -195,3 +195,32 @@ def test_load_requests_are_packed_as_the_client_packs_them() -> None:
                            pb.V: req.tokens * 2048}
             sizes.add(len(req.messages))
         assert 1 in sizes and max(sizes) > 1
+
+
+def test_a_server_whose_port_was_taken_starts_again_on_new_ports(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The port a bench picks may be taken before its server binds it (tests run servers side
+    by side): ``Server`` sees the bind refused and starts again on new ports."""
+    import socket
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_service
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    busy = taken.getsockname()[1]
+    ports = iter([busy])
+    real = bench_service._free_port
+    monkeypatch.setattr(bench_service, "_free_port", lambda: next(ports, None) or real())
+    args = bench_service.parse_args(["--device", "cpu", "--frontends", "0"])
+    args.server_args = "--no-warmup"
+    try:
+        server = bench_service.Server(args, True, tmp_path / "server.log")
+    finally:
+        taken.close()
+    try:
+        assert server.target != f"127.0.0.1:{busy}"
+        assert bench_service.server_info(server.target).device
+    finally:
+        server.stop()

@@ -285,6 +285,7 @@ class Group:
             serving = False
             forced = False
             failed_drain = False
+            reported: set[int] = set()  # pids whose exit this loop has handled
             deadline = time.monotonic() + START_TIMEOUT_S
             drain_deadline = math.inf
             while True:
@@ -352,6 +353,7 @@ class Group:
                         self._signal_all(signal.SIGTERM)
                 elif kind == "exited":
                     index, proc, rc = event[1], event[2], event[3]
+                    reported.add(proc.pid)
                     slot = self.slots[index]
                     if proc is not slot.proc:
                         continue
@@ -363,7 +365,9 @@ class Group:
                             log.error("front end %d (pid %d) exited with code %s while "
                                       "draining: its in-flight calls are lost", index,
                                       proc.pid, rc)
-                        if all(s.proc is None or s.proc.poll() is not None for s in self.slots):
+                        # Every exit handled, not every process dead: a front end killed
+                        # while another's exit is handled must still count as lost calls.
+                        if all(s.proc is None or s.proc.pid in reported for s in self.slots):
                             break
                         continue
                     if not started:
