@@ -1,8 +1,10 @@
-"""Shared test set-up: the ``gpu`` and ``slow`` markers (declared in pyproject.toml), and UCX
-kept to loopback."""
+"""Shared test set-up: the ``gpu`` and ``slow`` markers (declared in pyproject.toml), UCX
+kept to loopback, and Triton's interpreter spared a redundant step."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 
 import pytest
@@ -15,6 +17,76 @@ import torch
 # reproduced on the dev box with the two test files side by side: 0.7 s with this set).
 # Before any agent starts; inherited by the servers the tests start.
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+
+def _skip_repatching_in_launches() -> None:
+    """Under TRITON_INTERPRET, Triton 3.6 patches ``triton.language`` for the interpreter at
+    each kernel launch (and restores it after), and again at every call of a ``@triton.jit``
+    helper inside the kernel, never restored: the launch's patch is still in place then, so
+    the helper's finds nothing left to patch, yet its ``inspect.getmembers`` walks cost ~0.26
+    ms a call. A decode test made 30K such calls: 7.8 of its 27 s (cProfile, dev box,
+    2026-12-01). Inside a launch, a helper whose ``triton.language`` modules the launch
+    patched is now called without them. Kernel results are unchanged: every kernel test
+    still compares with its float64 reference."""
+    if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return
+    import triton.language as tl
+    from triton.runtime import interpreter as ti
+
+    if not (hasattr(ti, "GridExecutor") and hasattr(ti.InterpretedFunction, "rewrite")):
+        return  # another Triton: leave it as it is
+    patched: list[set[int]] = []  # the launches running now: their patched modules
+
+    @functools.cache
+    def langs(fn: object) -> frozenset[int]:
+        return frozenset(id(v) for v in fn.__globals__.values()  # type: ignore[attr-defined]
+                         if inspect.ismodule(v) and v in (tl, tl.core))
+
+    launch = ti.GridExecutor.__call__
+    helper = ti.InterpretedFunction.__call__
+
+    def launch_once(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        patched.append(set(langs(self.fn)))
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            patched.pop()
+
+    def call_helper(self, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not patched:
+            return helper(self, *args, **kwargs)
+        mine = langs(self.fn)
+        if not mine <= patched[-1]:
+            # A module the launch left alone (``tl.core`` for Triton's own helpers, tl.zeros
+            # and the like): patched by this call, and in place for the rest of the launch.
+            patched[-1] |= mine
+            return helper(self, *args, **kwargs)
+        try:
+            return self.rewrite()(*args, **kwargs)
+        except Exception as e:
+            raise ti.InterpreterError(repr(e)) from e
+
+    ti.GridExecutor.__call__ = launch_once
+    ti.InterpretedFunction.__call__ = call_helper
+    # And the numpy dtype of a Triton type, looked up per operation (it builds a dict of 17
+    # entries each time: 1.6 of the same test's seconds), is a pure function of the type.
+    np_dtype, memo = ti._get_np_dtype, {}
+
+    def np_dtype_of(tt_dtype):  # noqa: ANN001, ANN202
+        # A block's is its element's (a pointer's element is not: pointers are uint64).
+        element = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        try:
+            return memo[element]
+        except KeyError:
+            found = memo[element] = np_dtype(element)
+            return found
+        except TypeError:  # not hashable
+            return np_dtype(tt_dtype)
+
+    ti._get_np_dtype = np_dtype_of
+
+
+_skip_repatching_in_launches()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
