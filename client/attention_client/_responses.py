@@ -16,6 +16,8 @@ def server_info_dict(info: pb.ServerInfo) -> dict[str, Any]:
         value = getattr(info, field.name)
         if field.name == "dtypes":
             value = [pb.DType.Name(d) for d in value]
+        elif field.message_type is not None:  # nixl_transports: each as a dict
+            value = [{f.name: getattr(m, f.name) for f in m.DESCRIPTOR.fields} for m in value]
         elif not isinstance(value, str | bytes | int | float | bool):
             value = list(value)
         out[field.name] = value

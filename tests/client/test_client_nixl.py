@@ -72,12 +72,15 @@ def test_tensors_in_a_nixl_region_travel_by_nixl(srv: RunningServer) -> None:
                                      "byte_size": 1 << 20, "inflight": 0}]
         region.close()
         assert c.list_regions() == []
+        listed = c.info()["nixl_transports"]
     # The transports UCX picked to read the inputs and write the outputs (its own protocol
-    # tables), in the engine's metrics.
+    # tables), in the engine's metrics and in GetServerInfo.
     picked = _transports(srv)
     assert {p["op"] for p in picked} == {"read", "write"}, picked
     assert all(p["peer"] == "intra-node" and p["local_memory"] == p["remote_memory"] == "host"
                and re.fullmatch(r"[a-z][a-z0-9_]*", p["transport"]) for p in picked), picked
+    assert sorted(map(sorted, (p.items() for p in listed))) == sorted(
+        map(sorted, (p.items() for p in picked))), (listed, picked)
     # The process's agent went with its last region: NIXL's progress thread spins a core.
     from attention_client import _regions
 

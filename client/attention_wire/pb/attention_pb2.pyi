@@ -263,7 +263,7 @@ class GetServerInfoRequest(_message.Message):
     def __init__(self, connections: _Optional[bool] = ...) -> None: ...
 
 class ServerInfo(_message.Message):
-    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl", "nixl_backend", "steps_in_flight", "gpu_region_bytes_per_caller", "step_socket", "instance_id")
+    __slots__ = ("device", "backend", "dtypes", "head_dims", "max_request_bytes", "chunk_bytes", "max_message_bytes", "server_version", "torch_version", "triton_version", "cuda_version", "batching", "regions", "frontends", "kv_cache_bytes", "kv_page_bytes", "max_regions_per_caller", "system_region_bytes_per_caller", "frontend", "frontend_connections", "fewest_frontend_connections", "nixl", "nixl_backend", "steps_in_flight", "gpu_region_bytes_per_caller", "step_socket", "instance_id", "nixl_transports")
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPES_FIELD_NUMBER: _ClassVar[int]
@@ -291,6 +291,7 @@ class ServerInfo(_message.Message):
     GPU_REGION_BYTES_PER_CALLER_FIELD_NUMBER: _ClassVar[int]
     STEP_SOCKET_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NIXL_TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     device: str
     backend: str
     dtypes: _containers.RepeatedScalarFieldContainer[DType]
@@ -318,7 +319,22 @@ class ServerInfo(_message.Message):
     gpu_region_bytes_per_caller: int
     step_socket: str
     instance_id: str
-    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ..., nixl_backend: _Optional[str] = ..., steps_in_flight: _Optional[int] = ..., gpu_region_bytes_per_caller: _Optional[int] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ...) -> None: ...
+    nixl_transports: _containers.RepeatedCompositeFieldContainer[NixlTransport]
+    def __init__(self, device: _Optional[str] = ..., backend: _Optional[str] = ..., dtypes: _Optional[_Iterable[_Union[DType, str]]] = ..., head_dims: _Optional[_Iterable[int]] = ..., max_request_bytes: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., server_version: _Optional[str] = ..., torch_version: _Optional[str] = ..., triton_version: _Optional[str] = ..., cuda_version: _Optional[str] = ..., batching: _Optional[bool] = ..., regions: _Optional[bool] = ..., frontends: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ..., kv_page_bytes: _Optional[int] = ..., max_regions_per_caller: _Optional[int] = ..., system_region_bytes_per_caller: _Optional[int] = ..., frontend: _Optional[int] = ..., frontend_connections: _Optional[int] = ..., fewest_frontend_connections: _Optional[int] = ..., nixl: _Optional[bool] = ..., nixl_backend: _Optional[str] = ..., steps_in_flight: _Optional[int] = ..., gpu_region_bytes_per_caller: _Optional[int] = ..., step_socket: _Optional[str] = ..., instance_id: _Optional[str] = ..., nixl_transports: _Optional[_Iterable[_Union[NixlTransport, _Mapping]]] = ...) -> None: ...
+
+class NixlTransport(_message.Message):
+    __slots__ = ("peer", "op", "local_memory", "remote_memory", "transport")
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_MEMORY_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    peer: str
+    op: str
+    local_memory: str
+    remote_memory: str
+    transport: str
+    def __init__(self, peer: _Optional[str] = ..., op: _Optional[str] = ..., local_memory: _Optional[str] = ..., remote_memory: _Optional[str] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class SystemRegion(_message.Message):
     __slots__ = ("key", "offset")

@@ -218,6 +218,11 @@ class RegionRegistry:
             self._check_allowed()
             self.nixl.connect(owner, request.agent_name, bytes(request.agent_metadata))
             return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=nixl_backend())
+        if method == "GetServerInfo":  # the engine's live part of it (the front end's rest)
+            return pb.ServerInfo(nixl_transports=[
+                pb.NixlTransport(peer=peer, op=op, local_memory=local, remote_memory=remote,
+                                 transport=transport)
+                for peer, op, local, remote, transport in self.nixl.transports()])
         if method == "ListRegions":
             with self._lock:
                 mine = [r.info() for (o, _), r in self._regions.items() if o == owner]

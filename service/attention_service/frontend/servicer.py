@@ -170,6 +170,7 @@ class AttentionServicer:
         # already parsed then) to its reply.
         t0 = time.perf_counter()
         reply = self._info
+        counted = None
         # Not through a proxy: the caller's connection ends at the proxy, and the counts would
         # be of the proxy's upstream connections, which outlive the ones a spreading client
         # closes. Counted anyway, they herded every client behind Envoy onto the front end
@@ -177,10 +178,15 @@ class AttentionServicer:
         # replica at 1.8 cores, 0.85 GB/s of prefill uploads against 1.7-2.4 direct; 2 x H200).
         if request.connections and reply.frontends > 1 and not _proxy_headers(context)[0]:
             counted = await self._connection_counts()
+        # NIXL's transports are the engine's to know, and change as peers transfer: asked.
+        live = await self._link.control_call("GetServerInfo", request, "") if reply.nixl else None
+        if counted is not None or (live is not None and live.nixl_transports):
+            reply = pb.ServerInfo()
+            reply.CopyFrom(self._info)
             if counted is not None:
-                reply = pb.ServerInfo()
-                reply.CopyFrom(self._info)
                 reply.frontend_connections, reply.fewest_frontend_connections = counted
+            if live is not None:
+                reply.nixl_transports.extend(live.nixl_transports)
         self.record_control("GetServerInfo", "OK", t0, context)
         return reply
 
