@@ -342,11 +342,15 @@ def test_gpu_memory_travels_gpu_to_gpu_through_a_nixl_region(client_gpu: str) ->
                 torch.testing.assert_close(step.cpu().double(), want, atol=2e-3, rtol=2e-3)
                 assert cache.lengths == {"s": 10}
             region.close()
-        # UCX's choice for GPU memory on both sides, both ways (printed: which transport).
+            listed = c.info()["nixl_transports"]
+        # UCX's choice for GPU memory on both sides, both ways (printed: which transport), in
+        # the metrics and in GetServerInfo.
         picked = _transports(running)
         print("nixl transports:", picked)
         assert {(p["op"], p["local_memory"], p["remote_memory"]) for p in picked} >= {
             ("read", "cuda", "cuda"), ("write", "cuda", "cuda")}, picked
+        assert sorted(map(sorted, (p.items() for p in listed))) == sorted(
+            map(sorted, (p.items() for p in picked))), (listed, picked)
     finally:
         running.stop()
 
