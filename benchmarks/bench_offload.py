@@ -313,8 +313,12 @@ def _tree_cpu(pid: int | None) -> float:
 
 
 def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hosts: int,
-              inflight: list[int], server_pid: int | None, tag: str) -> list[dict[str, Any]]:
-    """Spawn ``hosts`` hosts for (B, ctx) and measure one row per inflight value."""
+              inflight: list[int], server_pid: int | None, tag: str,
+              metrics_url: str | None = None) -> list[dict[str, Any]]:
+    """Spawn ``hosts`` hosts for (B, ctx) and measure one row per inflight value (with
+    ``metrics_url``, the server's: also the mean NIXL transfer per direction)."""
+    from bench_service import nixl_transfer_seconds
+
     h, hkv, d, e = args.heads, args.kv_heads, args.head_dim, DTYPES[args.dtype][2]
     t = 120.0 + 2.0 * (args.warmup + args.steps)  # a round's bound (steps have 60 s each)
     # Spawn + imports + the appends (at a pessimistic 50 MB/s in all).
@@ -339,9 +343,11 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
             rows.append(row)
             try:
                 barrier.wait(setup_t if n == 0 else t)
+                x0 = nixl_transfer_seconds(metrics_url)
                 c0, w0 = _tree_cpu(server_pid), time.perf_counter()
                 barrier.wait(t)
                 c1, w1 = _tree_cpu(server_pid), time.perf_counter()
+                x1 = nixl_transfer_seconds(metrics_url)
                 res = [out.get(timeout=60) for _ in procs]
             except (threading.BrokenBarrierError, queue.Empty) as exc:
                 barrier.abort()
@@ -360,6 +366,10 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
                 server_cpu_ms=1e3 * (c1 - c0) / steps,
                 calls_per_launch=float(np.mean([x for r in res for x in r["launch_calls"]])),
                 wire_out_bytes=B * (h + 2 * hkv) * d * e, wire_back_bytes=B * h * d * e)
+            for direction, (n1, s1) in x1.items():  # NIXL transports: the engine's transfers
+                n0, s0 = x0.get(direction, (0.0, 0.0))
+                if n1 > n0:
+                    row[f"nixl_{direction}_us"] = 1e6 * (s1 - s0) / (n1 - n0)
     finally:
         while True:  # errors a host put after the break
             try:
@@ -425,12 +435,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ("| B | context | hosts | transport | inflight | p50 ms | p99 ms | steps/s | tokens/s "
             "| client CPU ms/step | server CPU ms/step | tensor KiB out/back | kernel us (step) "
             "| kernel us (merged) | fraction | gRPC echo p50 ms | echo client CPU ms "
-            "| calls per launch |")
+            "| calls per launch | NIXL us in/out |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         if "steps" not in r:
             lines.append(f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
-                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 12)
+                         f"{r['inflight']} | failed: {'; '.join(r['errors'])[:200]} |" + " |" * 13)
             continue
         lines.append(
             f"| {r['batch']} | {r['context']} | {r['hosts']} | {r['transport']} | "
@@ -440,7 +450,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['wire_back_bytes'] / 1024:.1f} | {_f(r.get('kernel_us'), 1)} | "
             f"{_f(r.get('merged_kernel_us'), 1)} | {_f(r.get('fraction'), 3)} | "
             f"{_f(r.get('echo_p50_ms'), 3)} | {_f(r.get('echo_client_cpu_ms'), 3)} | "
-            f"{_f(r.get('calls_per_launch'), 2)} |")
+            f"{_f(r.get('calls_per_launch'), 2)} | {_f(r.get('nixl_in_us'), 0)}/"
+            f"{_f(r.get('nixl_out_us'), 0)} |")
     return "\n".join(lines)
 
 
@@ -497,7 +508,7 @@ def main(argv: list[str] | None = None) -> int:
     if inflight != args.inflight:
         print(f"inflight values outside 1..layers skipped: {args.inflight} -> {inflight}")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from bench_service import Server, nixl_transports, server_info
+    from bench_service import Server, server_info
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -525,15 +536,17 @@ def main(argv: list[str] | None = None) -> int:
                               f" MiB of pool, skipped", flush=True)
                         continue
                     tag = f"bo{os.getpid()}-{B}-{ctx}-{hosts}"
-                    for r in run_group(args, targets, B, ctx, hosts, inflight, pid, tag):
+                    for r in run_group(args, targets, B, ctx, hosts, inflight, pid, tag,
+                                       server.metrics_url if server is not None else None):
                         rows.append(r)
                         if "steps" in r:
                             print(f"B={B} ctx={ctx} hosts={hosts} {r['transport']} "
                                   f"inflight={r['inflight']}: "
                                   f"p50 {r['p50_ms']:.3f} ms, {r['steps_per_s']:.1f} steps/s",
                                   flush=True)
-        if server is not None:  # which transport UCX picked for NIXL regions, if any
-            transports = nixl_transports(server.metrics_url)
+        # Which transport UCX picked for NIXL regions, if any (as dicts: peer, op, ...).
+        transports = [{f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
+                      for t in server_info(targets[0]).nixl_transports]
     finally:
         if server is not None:
             server.stop()  # frees its pool for the kernel timings below

@@ -256,15 +256,23 @@ SUMMARY_SERIES = (
 )
 
 
-def nixl_transports(url: str) -> list[dict[str, str]]:
-    """The transports UCX picked for a server's NIXL regions so far (its
-    ``attention_nixl_transport`` series: peer, op, local and remote memory, transport)."""
+def nixl_transfer_seconds(url: str | None) -> dict[str, tuple[float, float]]:
+    """Per direction ("in", "out"): (count, seconds) of a server's NIXL transfers so far (its
+    ``attention_nixl_transfer_seconds`` histogram); empty without metrics."""
+    if not url:
+        return {}
     try:
         text = urllib.request.urlopen(url, timeout=5).read().decode()
     except OSError:
-        return []
-    return [s.labels for fam in text_string_to_metric_families(text) for s in fam.samples
-            if s.name == "attention_nixl_transport"]
+        return {}
+    got: dict[str, list[float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in ("attention_nixl_transfer_seconds_count",
+                          "attention_nixl_transfer_seconds_sum"):
+                pair = got.setdefault(s.labels["direction"], [0.0, 0.0])
+                pair[s.name.endswith("_sum")] += s.value
+    return {d: (n, secs) for d, (n, secs) in got.items()}
 
 
 def scrape(urls: str | None) -> dict[str, float] | None:

@@ -49,6 +49,10 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
         assert 1 <= r["calls_per_launch"] <= r["hosts"] * r["inflight"]
         assert r["wire_out_bytes"] == 2 * (4 + 2 * 2) * 32 * 2  # q + one k/v token, bf16
         assert r["wire_back_bytes"] == 2 * 4 * 32 * 2
+        # The engine's mean NIXL transfer per direction, in the rows whose tensors NIXL moved.
+        nixl = [r.get("nixl_in_us"), r.get("nixl_out_us")]
+        assert all(0 < us < r["p99_ms"] * 1e3 for us in nixl) if r["transport"] == "nixl" else (
+            nixl == [None, None])
     assert list(tmp_path.glob("bench_offload_*.md"))
     # The transports UCX picked, where a NIXL region moved the steps' tensors.
     ops = {(t["op"], t["local_memory"]) for t in report["nixl_transports"]}
