@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -84,6 +85,48 @@ def _skip_repatching_in_launches() -> None:
             return np_dtype(tt_dtype)
 
     ti._get_np_dtype = np_dtype_of
+    _lazy_tuple_types(tl.core)
+
+
+def _lazy_tuple_types(core: Any) -> None:
+    """Every interpreted tensor stores its shape as a ``tl.tuple``, whose type (a
+    ``tuple_type`` with a name string built of its elements' reprs) Triton 3.6 builds at once:
+    60 of the 259 s of test_paged + test_features under cProfile (dev box, 2026-12-01), for
+    types the interpreter rarely reads. Built on first read instead, from the same values."""
+    tuple_type, tuple_ = core.tuple_type, core.tuple
+
+    def type_init(self, types, fields=None):  # noqa: ANN001, ANN202
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    def type_name(self) -> str:  # noqa: ANN001
+        pairs = zip(self.fields, self.types, strict=False)  # as Triton pairs them
+        return "[" + ",".join(f"{k}:{v}" for k, v in pairs) + "]"
+
+    def tuple_init(self, args, type=None):  # noqa: A002, ANN001, ANN202
+        self.values = list(args)
+        self.__dict__["_type_arg"] = type
+
+    def get_type(self):  # noqa: ANN001, ANN202
+        t = self.__dict__.get("_type")
+        if t is None:
+            arg = self.__dict__["_type_arg"]
+            if isinstance(arg, tuple_type):
+                t = arg
+            elif arg is not None:  # a list or tuple of types
+                t = tuple_type(arg)
+            else:
+                t = core._type_for_tuple_values(self.values)
+            self.__dict__["_type"] = t
+        return t
+
+    def set_type(self, t):  # noqa: ANN001, ANN202
+        self.__dict__["_type"] = t
+
+    tuple_type.__init__ = type_init
+    tuple_type.name = property(type_name)
+    tuple_.__init__ = tuple_init
+    tuple_.type = property(get_type, set_type)
 
 
 _skip_repatching_in_launches()
