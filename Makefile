@@ -6,7 +6,8 @@
 PYTHON ?= python3
 # Test processes without a GPU (pytest-xdist): the interpreter's kernel tests keep one core
 # each busy, while service tests often wait on servers, so a third process fills those waits.
-# A 2-core box, the whole suite: one process ~18 min, two 9.6, three 8.4 (2026-11-29). With a
+# A 2-core box, the whole suite: one process ~18 min, two 9.6, three 8.4 (2026-11-29); three
+# 7.3-7.8 since tests/conftest.py spares the interpreter its redundant work (2026-12-01). With a
 # GPU the suite runs in one process (its tests share the device).
 TEST_WORKERS ?= 3
 export PYTHONUNBUFFERED := 1
