@@ -178,8 +178,14 @@ class AttentionServicer:
         # replica at 1.8 cores, 0.85 GB/s of prefill uploads against 1.7-2.4 direct; 2 x H200).
         if request.connections and reply.frontends > 1 and not _proxy_headers(context)[0]:
             counted = await self._connection_counts()
-        # NIXL's transports are the engine's to know, and change as peers transfer: asked.
-        live = await self._link.control_call("GetServerInfo", request, "") if reply.nixl else None
+        # NIXL's transports are the engine's to know, and change as peers transfer: asked
+        # (an engine that cannot answer now leaves them out; the rest is still the answer).
+        live = None
+        if reply.nixl:
+            try:
+                live = await self._link.control_call("GetServerInfo", request, "")
+            except RequestError as exc:
+                log.debug("GetServerInfo without NIXL transports: %s", exc.details)
         if counted is not None or (live is not None and live.nixl_transports):
             reply = pb.ServerInfo()
             reply.CopyFrom(self._info)

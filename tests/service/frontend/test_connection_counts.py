@@ -1,5 +1,5 @@
-"""GetServerInfo's connection counts (``frontend/connections.py``): what /proc says, and how
-the servicer rations the counts."""
+"""GetServerInfo's live parts: its connection counts (``frontend/connections.py``: what /proc
+says, and how the servicer rations the counts) and the NIXL transports it asks the engine for."""
 
 from __future__ import annotations
 
@@ -113,3 +113,41 @@ def test_a_failed_count_is_an_answer_without_counts(monkeypatch: pytest.MonkeyPa
         return await servicer_mod.AttentionServicer._connection_counts(fake)  # type: ignore[arg-type]
 
     assert asyncio.run(main()) is None
+
+
+def test_server_info_asks_the_engine_for_nixl_transports_and_answers_without_them() -> None:
+    """On a server with NIXL, GetServerInfo adds the transports the engine reports; an engine
+    that cannot answer leaves them out, and the rest is still the answer."""
+    import grpc
+
+    from attention_service.errors import RequestError
+    from attention_wire.pb import attention_pb2 as pb
+
+    choice = pb.NixlTransport(peer="intra-node", op="read", local_memory="host",
+                              remote_memory="host", transport="cma")
+    asked: list[str] = []
+
+    class Link:
+        def __init__(self, fails: bool) -> None:
+            self.fails = fails
+
+        async def control_call(self, method: str, request: object, owner: str) -> pb.ServerInfo:
+            asked.append(method)
+            if self.fails:
+                raise RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is gone")
+            return pb.ServerInfo(nixl_transports=[choice])
+
+    context = SimpleNamespace(invocation_metadata=lambda: (), peer=lambda: "test")
+
+    def info(nixl: bool, fails: bool) -> pb.ServerInfo:
+        fake = SimpleNamespace(_info=pb.ServerInfo(device="d", frontends=1, nixl=nixl),
+                               _link=Link(fails), record_control=lambda *a: None)
+        return asyncio.run(servicer_mod.AttentionServicer.GetServerInfo(
+            fake, pb.GetServerInfoRequest(), context))  # type: ignore[arg-type]
+
+    got = info(nixl=True, fails=False)
+    assert got.device == "d" and list(got.nixl_transports) == [choice]
+    got = info(nixl=True, fails=True)
+    assert got.device == "d" and not got.nixl_transports
+    assert asked == ["GetServerInfo", "GetServerInfo"]
+    assert not info(nixl=False, fails=True).nixl_transports and len(asked) == 2  # not asked
