@@ -1,5 +1,5 @@
 """Shared test set-up: the ``gpu`` and ``slow`` markers (declared in pyproject.toml), UCX
-kept to loopback, and Triton's interpreter spared a redundant step."""
+kept to loopback, and Triton's interpreter spared work that changes nothing."""
 
 from __future__ import annotations
 
@@ -20,22 +20,32 @@ import torch
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
 
-def _skip_repatching_in_launches() -> None:
-    """Under TRITON_INTERPRET, Triton 3.6 patches ``triton.language`` for the interpreter at
-    each kernel launch (and restores it after), and again at every call of a ``@triton.jit``
-    helper inside the kernel, never restored: the launch's patch is still in place then, so
-    the helper's finds nothing left to patch, yet its ``inspect.getmembers`` walks cost ~0.26
-    ms a call. A decode test made 30K such calls: 7.8 of its 27 s (cProfile, dev box,
-    2026-12-01). Inside a launch, a helper whose ``triton.language`` modules the launch
-    patched is now called without them. Kernel results are unchanged: every kernel test
-    still compares with its float64 reference."""
+def _spare_the_interpreter() -> None:
+    """Under TRITON_INTERPRET, three things Triton 3.6's interpreter redoes without need,
+    which took ~46% of the kernel tests' time: the kernel tests 6:04 -> 3:17 of CPU with
+    them spared (``pytest tests/kernels -n 2``, dev box, 2026-12-01). Kernel results are
+    unchanged: every kernel test still compares with its float64 reference. Another Triton
+    (without these internals) is left as it is."""
     if os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return
     import triton.language as tl
     from triton.runtime import interpreter as ti
 
-    if not (hasattr(ti, "GridExecutor") and hasattr(ti.InterpretedFunction, "rewrite")):
-        return  # another Triton: leave it as it is
+    if not (hasattr(ti, "GridExecutor") and hasattr(ti.InterpretedFunction, "rewrite")
+            and hasattr(ti, "_get_np_dtype") and hasattr(tl.core, "_type_for_tuple_values")):
+        return
+    _skip_repatching_in_launches(tl, ti)
+    _memoized_np_dtypes(tl, ti)
+    _lazy_tuple_types(tl.core)
+
+
+def _skip_repatching_in_launches(tl: Any, ti: Any) -> None:
+    """Triton patches ``triton.language`` for the interpreter at each kernel launch (and
+    restores it after), and again at every call of a ``@triton.jit`` helper inside the
+    kernel, never restored: the launch's patch is still in place then, so the helper's finds
+    nothing left to patch, yet its ``inspect.getmembers`` walks cost ~0.26 ms a call. A
+    decode test made 30K such calls: 7.8 of its 27 s (cProfile). Inside a launch, a helper
+    whose language modules the launch patched is now called without patching them again."""
     patched: list[set[int]] = []  # the launches running now: their patched modules
 
     @functools.cache
@@ -69,8 +79,11 @@ def _skip_repatching_in_launches() -> None:
 
     ti.GridExecutor.__call__ = launch_once
     ti.InterpretedFunction.__call__ = call_helper
-    # And the numpy dtype of a Triton type, looked up per operation (it builds a dict of 17
-    # entries each time: 1.6 of the same test's seconds), is a pure function of the type.
+
+
+def _memoized_np_dtypes(tl: Any, ti: Any) -> None:
+    """The numpy dtype of a Triton type, looked up per operation (Triton builds a dict of 17
+    entries each time: 1.6 of the same test's 27 s), is a pure function of the type."""
     np_dtype, memo = ti._get_np_dtype, {}
 
     def np_dtype_of(tt_dtype):  # noqa: ANN001, ANN202
@@ -85,12 +98,11 @@ def _skip_repatching_in_launches() -> None:
             return np_dtype(tt_dtype)
 
     ti._get_np_dtype = np_dtype_of
-    _lazy_tuple_types(tl.core)
 
 
 def _lazy_tuple_types(core: Any) -> None:
     """Every interpreted tensor stores its shape as a ``tl.tuple``, whose type (a
-    ``tuple_type`` with a name string built of its elements' reprs) Triton 3.6 builds at once:
+    ``tuple_type`` with a name string built of its elements' reprs) Triton builds at once:
     60 of the 259 s of test_paged + test_features under cProfile (dev box, 2026-12-01), for
     types the interpreter rarely reads. Built on first read instead, from the same values."""
     tuple_type, tuple_ = core.tuple_type, core.tuple
@@ -129,7 +141,7 @@ def _lazy_tuple_types(core: Any) -> None:
     tuple_.type = property(get_type, set_type)
 
 
-_skip_repatching_in_launches()
+_spare_the_interpreter()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
