@@ -544,9 +544,9 @@ def main(argv: list[str] | None = None) -> int:
                                   f"inflight={r['inflight']}: "
                                   f"p50 {r['p50_ms']:.3f} ms, {r['steps_per_s']:.1f} steps/s",
                                   flush=True)
-        # Which transport UCX picked for NIXL regions, if any (as dicts: peer, op, ...).
-        transports = [{f.name: getattr(t, f.name) for f in t.DESCRIPTOR.fields}
-                      for t in server_info(targets[0]).nixl_transports]
+        # Which transport UCX picked for NIXL regions, if any (as a user reads them).
+        with attention_client.AttentionClient(targets[0], spread=False) as c:
+            transports = c.info()["nixl_transports"]
     finally:
         if server is not None:
             server.stop()  # frees its pool for the kernel timings below

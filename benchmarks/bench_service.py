@@ -256,22 +256,24 @@ SUMMARY_SERIES = (
 )
 
 
+def _samples(url: str) -> list[Any]:
+    """Every sample a /metrics endpoint shows now (OSError when it cannot be read)."""
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+
+
 def nixl_transfer_seconds(url: str | None) -> dict[str, tuple[float, float]]:
     """Per direction ("in", "out"): (count, seconds) of a server's NIXL transfers so far (its
     ``attention_nixl_transfer_seconds`` histogram); empty without metrics."""
-    if not url:
-        return {}
     try:
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        samples = _samples(url) if url else []
     except OSError:
         return {}
     got: dict[str, list[float]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name in ("attention_nixl_transfer_seconds_count",
-                          "attention_nixl_transfer_seconds_sum"):
-                pair = got.setdefault(s.labels["direction"], [0.0, 0.0])
-                pair[s.name.endswith("_sum")] += s.value
+    for s in samples:
+        if s.name in ("attention_nixl_transfer_seconds_count",
+                      "attention_nixl_transfer_seconds_sum"):
+            got.setdefault(s.labels["direction"], [0.0, 0.0])[s.name.endswith("_sum")] += s.value
     return {d: (n, secs) for d, (n, secs) in got.items()}
 
 
@@ -283,13 +285,12 @@ def scrape(urls: str | None) -> dict[str, float] | None:
     totals: dict[str, float] = dict.fromkeys(SUMMARY_SERIES, 0.0)
     for url in urls.split(","):
         try:
-            text = urllib.request.urlopen(url, timeout=5).read().decode()
+            samples = _samples(url)
         except OSError:
             return None
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                if s.name in SUMMARY_SERIES and s.labels.get("stage", "kernel") == "kernel":
-                    totals[s.name] += s.value
+        for s in samples:
+            if s.name in SUMMARY_SERIES and s.labels.get("stage", "kernel") == "kernel":
+                totals[s.name] += s.value
     return totals
 
 
