@@ -51,6 +51,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from attention_service.engine import ucx_choices
 from attention_service.errors import StartupError
 from attention_service.link import EngineInfo
 from attention_service.params import Op
@@ -284,7 +285,7 @@ class LiveCollector(Collector):
             "1 for each transport UCX picked to move NIXL regions' bytes (from its protocol "
             "tables): peer intra-node or inter-node, op read or write, the memory here and "
             "at the peer (host or cuda).",
-            labels=["peer", "op", "local_memory", "remote_memory", "transport"])
+            labels=list(ucx_choices.FIELDS))
         for choice in self._nixl_transports():
             transports.add_metric(list(choice), 1)
         yield transports

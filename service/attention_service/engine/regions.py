@@ -60,6 +60,7 @@ from typing import Any
 import grpc
 import torch
 
+from attention_service.engine import ucx_choices
 from attention_service.engine.jobs import PINNED, ByteBase
 from attention_service.engine.nixl_agent import NixlAgent, Observe
 from attention_service.engine.nixl_agent import backend_name as nixl_backend
@@ -220,9 +221,8 @@ class RegionRegistry:
             return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=nixl_backend())
         if method == "GetServerInfo":  # the engine's live part of it (the front end's rest)
             return pb.ServerInfo(nixl_transports=[
-                pb.NixlTransport(peer=peer, op=op, local_memory=local, remote_memory=remote,
-                                 transport=transport)
-                for peer, op, local, remote, transport in self.nixl.transports()])
+                pb.NixlTransport(**dict(zip(ucx_choices.FIELDS, choice, strict=True)))
+                for choice in self.nixl.transports()])
         if method == "ListRegions":
             with self._lock:
                 mine = [r.info() for (o, _), r in self._regions.items() if o == owner]

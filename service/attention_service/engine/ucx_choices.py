@@ -48,8 +48,10 @@ except (OSError, AttributeError):  # not glibc: a table shows once 4 KiB of log 
     _flush_all = None
 
 # One choice: (where the peer is: "intra-node" or "inter-node"; "read" or "write"; the local
-# memory, the remote memory: "host" or "cuda"; the transport).
+# memory, the remote memory: "host" or "cuda"; the transport), its parts named by FIELDS (the
+# metric's labels, NixlTransport's fields).
 Choice = tuple[str, str, str, str, str]
+FIELDS = ("peer", "op", "local_memory", "remote_memory", "transport")
 
 
 class UcxChoices:
