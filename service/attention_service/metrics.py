@@ -51,11 +51,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from attention_service.engine import ucx_choices
 from attention_service.errors import StartupError
 from attention_service.link import EngineInfo
 from attention_service.params import Op
 from attention_wire import unary_method
+from attention_wire.pb import attention_pb2 as pb
 
 # A `_created` timestamp beside every counter and histogram doubles the output; no query
 # reads them (multiprocess mode never had them).
@@ -285,7 +285,7 @@ class LiveCollector(Collector):
             "1 for each transport UCX picked to move NIXL regions' bytes (from its protocol "
             "tables): peer intra-node or inter-node, op read or write, the memory here and "
             "at the peer (host or cuda).",
-            labels=list(ucx_choices.FIELDS))
+            labels=[f.name for f in pb.NixlTransport.DESCRIPTOR.fields])
         for choice in self._nixl_transports():
             transports.add_metric(list(choice), 1)
         yield transports

@@ -60,7 +60,6 @@ from typing import Any
 import grpc
 import torch
 
-from attention_service.engine import ucx_choices
 from attention_service.engine.jobs import PINNED, ByteBase
 from attention_service.engine.nixl_agent import NixlAgent, Observe
 from attention_service.engine.nixl_agent import backend_name as nixl_backend
@@ -71,6 +70,8 @@ from attention_wire import cuda_ipc, shm
 from attention_wire.pb import attention_pb2 as pb
 
 log = logging.getLogger("attention_service")
+# A UCX choice (ucx_choices.Choice) as NixlTransport takes it: its fields, in order.
+_TRANSPORT_FIELDS = [f.name for f in pb.NixlTransport.DESCRIPTOR.fields]
 
 
 CUDA_KEY = "cuda:"  # _Region.key of a CUDA region: this and its IPC handle in hex
@@ -221,7 +222,7 @@ class RegionRegistry:
             return pb.ConnectNixlResponse(server_agent=self.nixl.name, backend=nixl_backend())
         if method == "GetServerInfo":  # the engine's live part of it (the front end's rest)
             return pb.ServerInfo(nixl_transports=[
-                pb.NixlTransport(**dict(zip(ucx_choices.FIELDS, choice, strict=True)))
+                pb.NixlTransport(**dict(zip(_TRANSPORT_FIELDS, choice, strict=True)))
                 for choice in self.nixl.transports()])
         if method == "ListRegions":
             with self._lock:

@@ -48,10 +48,9 @@ except (OSError, AttributeError):  # not glibc: a table shows once 4 KiB of log 
     _flush_all = None
 
 # One choice: (where the peer is: "intra-node" or "inter-node"; "read" or "write"; the local
-# memory, the remote memory: "host" or "cuda"; the transport), its parts named by FIELDS (the
-# metric's labels, NixlTransport's fields).
+# memory, the remote memory: "host" or "cuda"; the transport): NixlTransport's fields, in
+# their order (the metric's labels are those names too).
 Choice = tuple[str, str, str, str, str]
-FIELDS = ("peer", "op", "local_memory", "remote_memory", "transport")
 
 
 class UcxChoices:
