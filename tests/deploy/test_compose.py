@@ -20,9 +20,10 @@ BASE = ["-f", "docker-compose.yml"]
 CPU = [*BASE, "-f", "docker-compose.cpu.yml"]
 
 
-def _config(files: list[str], *extra: str) -> dict:
+def _config(files: list[str], *extra: str, **set_env: str) -> dict:
     # A clean environment: the defaults written in the files are what gets checked.
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ATTENTION_", "LOADTEST_"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ATTENTION_", "LOADTEST_", "ENVOY_"))} | set_env
     res = subprocess.run(
         [*compose_command(), *files, "--profile", "loadtest", *extra, "config", "--format", "json"],
         capture_output=True,
@@ -218,3 +219,18 @@ def test_replicas_override_runs_one_replica_per_gpu_behind_envoy(profile: str | 
     assert envoy["command"][envoy["command"].index("-c") + 1] == mount["target"]
     assert "LOCUST_HOST=envoy:50051" in services["loadtest"]["environment"] or \
         services["loadtest"]["environment"].get("LOCUST_HOST") == "envoy:50051"
+
+
+def test_the_latency_profile_keeps_envoys_cpus_awake() -> None:
+    # Envoy's hop on a B=1 step is two wake-ups of its CPUs (docs/deploy.md, "Envoy on a
+    # latency budget"): ENVOY_CPUS pins Envoy, the profile adds a keep-awake on the same CPUs.
+    files = [*BASE, "-f", "docker-compose.replicas.yml"]
+    plain = _config(files)["services"]
+    assert "envoy-keep-awake" not in plain and not plain["envoy"].get("cpuset")
+    services = _config(files, "--profile", "latency", ENVOY_CPUS="12-15")["services"]
+    awake = services["envoy-keep-awake"]
+    assert services["envoy"]["cpuset"] == awake["cpuset"] == "12-15"
+    assert awake["entrypoint"] == ["attention-keep-awake", "--cpus", "12-15"]
+    assert awake["image"] == services["attention"]["image"]  # the tool comes with the server
+    assert awake["network_mode"] == "none" and not awake.get("ports")
+
