@@ -11,8 +11,10 @@ caches).
 ``--transport``: tensors as gRPC bytes, or in a registered system shared-memory region (``shm``),
 CUDA IPC region (``cuda``, tensors on the server's GPU) or NIXL region of host or GPU memory
 (``nixl``, ``nixl-gpu``: UCX moves them, the way it would for a host on another machine)
-with the outputs written there (``out=``); ``socket``, ``socket-shm``, ``socket-cuda``: the
-steps through the server's step socket (``decode_steps(step_socket=True)``) instead of gRPC.
+with the outputs written there (``out=``); ``socket``, ``socket-shm``, ``socket-cuda``,
+``socket-nixl``, ``socket-nixl-gpu``: the steps through the server's step socket
+(``decode_steps(step_socket=True)``) instead of gRPC (with NIXL regions: a NIXL step's own cost
+without gRPC's, though a host on another machine has no step socket).
 All hosts start together against one server (started here, or ``--target``), or against
 several running ones (``--target A,B``: host i drives server i mod their count, e.g. two
 engine processes sharing one GPU; the pool check is per server).
@@ -72,7 +74,7 @@ from attention_wire.messages import MAX_CHUNK_BYTES
 # --transport's choices (each but bytes a region kind, registered in ``_round_on``); with
 # ``socket`` the steps go through the server's step socket instead of gRPC.
 TRANSPORTS = ("bytes", "shm", "cuda", "nixl", "nixl-gpu", "socket", "socket-shm",
-              "socket-cuda")
+              "socket-cuda", "socket-nixl", "socket-nixl-gpu")
 
 
 def _route(transport: str) -> tuple[bool, str]:
@@ -468,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", type=lambda x: x.split(","), default=["bytes"],
                    help="bytes (gRPC messages), shm (a registered system shared-memory "
                    "region), cuda (a CUDA IPC region on the server's GPU), nixl / nixl-gpu (a "
-                   "NIXL region of host / GPU memory); socket, socket-shm, socket-cuda: the "
-                   "same through the server's step socket: comma-separated")
+                   "NIXL region of host / GPU memory); socket, socket-shm, socket-cuda, "
+                   "socket-nixl, socket-nixl-gpu: the same through the server's step socket: "
+                   "comma-separated")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

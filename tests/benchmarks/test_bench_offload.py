@@ -14,12 +14,13 @@ pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
 
 
-ASYNC = (("bytes", "socket-shm", "nixl") if importlib.util.find_spec("nixl_cu13")
+ASYNC = (("bytes", "socket-shm", "nixl", "socket-nixl") if importlib.util.find_spec("nixl_cu13")
          else ("bytes", "socket-shm"))
 
 
 # Every point with the sync client; the asyncio client's round on the fewest (and a NIXL
-# region, where NIXL is installed); both through the step socket too.
+# region, where NIXL is installed, through gRPC and the step socket); both through the step
+# socket too.
 @pytest.mark.parametrize(("client", "hosts", "transports"),
                          [("sync", (1, 2), ("bytes", "shm", "socket")), ("async", (1,), ASYNC)])
 def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: tuple[int, ...],
@@ -51,7 +52,7 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
         assert r["wire_back_bytes"] == 2 * 4 * 32 * 2
         # The engine's mean NIXL transfer per direction, in the rows whose tensors NIXL moved.
         nixl = [r.get("nixl_in_us"), r.get("nixl_out_us")]
-        assert all(0 < us < r["p99_ms"] * 1e3 for us in nixl) if r["transport"] == "nixl" else (
+        assert all(0 < us < r["p99_ms"] * 1e3 for us in nixl) if "nixl" in r["transport"] else (
             nixl == [None, None])
     assert list(tmp_path.glob("bench_offload_*.md"))
     # The transports UCX picked, where a NIXL region moved the steps' tensors.
