@@ -604,7 +604,10 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
 # Bound by the softmax, not the tensor cores: turns off, three consumers or 64-key blocks
 # measured the same or slower (646-727); with P as the bare scaled scores (no row max, exp2 or
 # sum; wrong outputs) the same launch ran 1658-1774 TFLOP/s, without only the exp2 740-759
-# (call H): the row max and sum chain is what to shorten. D 64 measured 0.85-0.94x our bf16
+# (call H): the row max and sum chain is what to shorten. 256-key blocks (232 / 24 registers)
+# did not amortize it: 699 / 714 TFLOP/s against 694 / 719 non-causal at N 8K / 16K, 567
+# against 625 causal at 8K (H200, 2026-12-01; 192 and 224 are not powers of two, which Gluon's
+# shapes must be). D 64 measured 0.85-0.94x our bf16
 # (three consumers, 426-467 TFLOP/s), so FP8 queries at D 64 take the widened path, which runs
 # at bf16 speed.
 _FP8_TILES = {128: {"consumers": 2, "block_n": 128, "stages": 2}}
