@@ -38,10 +38,12 @@ class _Stop(Exception):
     """SIGTERM / SIGINT in the parent."""
 
 
-def _spin(cpu: int) -> None:
+def _spin(cpu: int, parent: int) -> None:
     """A child's whole life: pinned to ``cpu``, at SCHED_IDLE, busy until killed."""
     with contextlib.suppress(OSError, AttributeError):  # gone with its parent, even a kill -9
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    if os.getppid() != parent:  # it died before the line above: no signal will come
+        os._exit(0)
     os.sched_setaffinity(0, {cpu})
     os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -62,12 +64,12 @@ def start(cpus: Iterable[int]) -> list[int]:
     if not cpus or outside:
         raise ValueError(f"--cpus: {format_cpu_list(outside) or 'none given'} not among the "
                          f"CPUs this process may use ({format_cpu_list(allowed)})")
-    pids = []
+    pids, parent = [], os.getpid()
     for cpu in cpus:
         pid = os.fork()
         if pid == 0:  # pragma: no cover (the child never returns)
             try:
-                _spin(cpu)
+                _spin(cpu, parent)
             finally:
                 os._exit(1)
         pids.append(pid)
