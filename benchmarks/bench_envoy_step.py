@@ -18,7 +18,7 @@ of each path's p50 and of its paired difference to ``direct``.
     python benchmarks/bench_envoy_step.py --server-cpus 0-7 --client-cpus 8-11 \\
         --envoy-cpus 12-15 --keep-awake --rounds 16 --out benchmarks/results/envoy
     python benchmarks/bench_envoy_step.py --device cpu --heads 2 --kv-heads 1 --head-dim 16 \\
-        --context 32 --rounds 2 --steps 20 --warmup 5 --keep-awake --out /tmp/e   # cpu check
+        --context 32 --rounds 2 --steps 20 --warmup 5 --keep-awake --envoy-cpus 0 --out /tmp/e
 """
 
 from __future__ import annotations
@@ -66,8 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envoy-cpus", help="Envoy's CPUs (and what --keep-awake keeps awake)")
     p.add_argument("--envoy-concurrency", type=int, default=2, help="Envoy worker threads")
     p.add_argument("--keep-awake", action="store_true",
-                   help="a third path: through Envoy with its CPUs kept awake (needs "
-                        "--envoy-cpus unless this host's CPUs are few: then all of them)")
+                   help="a third path: through Envoy with its CPUs (--envoy-cpus) kept awake")
     p.add_argument("--server-args", help="more flags for the replica")
     p.add_argument("--rounds", type=int, default=16)
     p.add_argument("--steps", type=int, default=400, help="timed steps per block")
@@ -76,23 +75,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="benchmarks/results/envoy")
     p.set_defaults(frontends=None, max_batch_tokens=None, max_queue_delay_ms=None,
                    server_log_level="WARNING")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.keep_awake and not args.envoy_cpus:
+        p.error("--keep-awake keeps Envoy's CPUs awake: give them (--envoy-cpus)")
+    return args
 
 
 @contextlib.contextmanager
 def kept_awake(cpus: str) -> Iterator[None]:
-    """``attention-keep-awake --cpus CPUS`` for the block: running once it says so."""
-    proc = subprocess.Popen([sys.executable, "-m", "attention_service.keep_awake", "--cpus",
-                             cpus], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if "keeping CPUs" not in line:
-            raise RuntimeError(f"attention-keep-awake did not start: {line}"
-                               f"{proc.stderr.read() if proc.stderr else ''}")
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    """``attention-keep-awake --cpus CPUS`` for the block: from when its spinners run at
+    SCHED_IDLE (its first line) to its end; RuntimeError if it did not start or died meanwhile
+    (the block would not have been what it says)."""
+    with subprocess.Popen([sys.executable, "-m", "attention_service.keep_awake", "--cpus", cpus],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if "keeping CPUs" not in line:
+                raise RuntimeError(f"attention-keep-awake did not start: {line}"
+                                   f"{proc.stderr.read() if proc.stderr else ''}")
+            yield
+            if proc.poll() is not None:
+                raise RuntimeError(f"attention-keep-awake exited ({proc.returncode}) "
+                                   "during the block")
+        finally:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def round_order(names: list[str], r: int) -> list[str]:
+    """Round ``r``'s order of the paths: rotated by one each round, and every other cycle of
+    rotations reversed, so each path takes each place equally often (2 paths: AB, BA, BA,
+    AB; 3: all six orders in six rounds)."""
+    n = len(names)
+    turned = names[r % n:] + names[:r % n]
+    return turned[::-1] if (r // n) % 2 else turned
 
 
 class Side:
@@ -134,7 +154,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    awake_cpus = args.envoy_cpus or ",".join(map(str, sorted(os.sched_getaffinity(0))))
     ns = argparse.Namespace(**{**vars(args), "server_args": (
         "--gpu 0 " if args.device == "cuda" else "") + (args.server_args or "")})
     server = Server(ns, True, out_dir / "bench_envoy_step_server.log")
@@ -151,16 +170,16 @@ def main(argv: list[str] | None = None) -> int:
             os.sched_setaffinity(0, cpu_list(args.client_cpus))
         info = server_info(server.target)
         gen = torch.Generator().manual_seed(0)
-        paths = {DIRECT: Side(server.target, args, gen), ENVOY: Side(envoy.target, args, gen)}
+        paths[DIRECT] = Side(server.target, args, gen)  # one by one: each made is closed
+        paths[ENVOY] = Side(envoy.target, args, gen)
         names = [DIRECT, ENVOY] + ([AWAKE] if args.keep_awake else [])
         for name in paths:
             paths[name].block(args.warmup)
         for r in range(args.rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
             row: dict[str, Any] = {"round": r + 1}
-            for name in order if r % 2 == 0 else order[::-1]:
+            for name in round_order(names, r):
                 path = paths[ENVOY if name == AWAKE else name]
-                with kept_awake(awake_cpus) if name == AWAKE else contextlib.nullcontext():
+                with kept_awake(args.envoy_cpus) if name == AWAKE else contextlib.nullcontext():
                     times = path.block(args.steps)
                 row[name] = {"p50_ms": _ms(times, 0.5), "p99_ms": _ms(times, 0.99)}
             rows.append(row)

@@ -39,3 +39,17 @@ def test_bench_envoy_step_pairs_direct_envoy_and_awake_rounds(tmp_path: Path) ->
         assert summary[p]["rounds_slower"] in (0, 1, 2)
         assert abs(summary[p]["over_direct_ms"]) < summary[p]["p50_ms"]
     assert "| envoy, CPUs awake |" in (tmp_path / "bench_envoy_step.md").read_text()
+
+
+def test_rounds_put_each_path_in_each_place_equally_often() -> None:
+    # Run apart: importing the script applies the client's grpc settings to the environment.
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); from bench_envoy_step import "
+            "round_order as o; print([[o(list(n), r) for r in range(2 * len(n))] "
+            "for n in ('ab', 'abc')])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    for rounds in eval(out.stdout):  # noqa: S307 (our own script's printed lists)
+        names = sorted(rounds[0])
+        for place in range(len(names)):  # over 2n rounds, each path twice in each place
+            assert sorted(r[place] for r in rounds) == sorted(names * 2), rounds

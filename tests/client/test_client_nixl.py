@@ -227,6 +227,25 @@ def test_nixl_region_steps_through_the_step_socket() -> None:
     moves them (no tensor bytes in the frames), the answers match the reference over the
     whole context; a span past the region's end is refused naming ``header.regions.q`` and
     changes no cache (the socket's region checks are the gRPC path's)."""
+    from .test_client_kv_cache import HKV, D
+
+    require_server()
+    tmp = tempfile.mkdtemp(dir="/tmp", prefix="sn-")
+    g = torch.Generator().manual_seed(5)
+    ks, vs = torch.randn(12, HKV, D, generator=g), torch.randn(12, HKV, D, generator=g)
+    try:
+        running = start_server("--step-socket", os.path.join(tmp, "s.sock"))
+        try:
+            _steps_through_a_nixl_region(running, os.path.join(tmp, "s.sock"), g, ks, vs)
+        finally:
+            running.stop()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _steps_through_a_nixl_region(running: RunningServer, path: str, g: torch.Generator,
+                                 ks: torch.Tensor, vs: torch.Tensor) -> None:
+    """The test's steps and refusal against ``running`` (its step socket at ``path``)."""
     from .test_client_kv_cache import HKV, D, H
     from .test_client_step_socket import (
         _accepted,
@@ -237,43 +256,34 @@ def test_nixl_region_steps_through_the_step_socket() -> None:
         _send_frame,
     )
 
-    require_server()
-    tmp = tempfile.mkdtemp(dir="/tmp", prefix="sn-")
-    running = start_server("--step-socket", os.path.join(tmp, "s.sock"))
-    g = torch.Generator().manual_seed(5)
-    ks, vs = torch.randn(12, HKV, D, generator=g), torch.randn(12, HKV, D, generator=g)
-    try:
-        with AttentionClient(running.target) as c, c.kv_cache(HKV, D, torch.float32) as cache:
-            region = c.register_nixl(1 << 20)
-            cache.append(["n"], ks, vs)
-            q, out = (region.empty((1, H, D), torch.float32) for _ in "qo")
-            k1, v1 = (region.empty((1, HKV, D), torch.float32) for _ in "kv")
-            with c.decode_steps(step_socket=True) as steps:
-                for step in range(3):
-                    for t in (q, k1, v1):
-                        t.copy_(torch.randn(t.shape, generator=g))
-                    out.fill_(float("nan"))
-                    assert steps.step(q, ["n"], k1, v1, out=out, use_regions=True) is out
-                    assert isinstance(steps._stream, SocketStream)
-                    s = c.last_stats
-                    assert s["bytes_in"] == s["bytes_out"] == 0 and s["region_bytes_in"] > 0
-                    assert s["cache_lengths"] == [13 + step]
-                    ks, vs = torch.cat([ks, k1]), torch.cat([vs, v1])
-                    ref = decode_ref(q.double(), ks.double(), vs.double(),
-                                     torch.tensor([0, 13 + step], dtype=torch.int32))
-                    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
-            with _connect(os.path.join(tmp, "s.sock")) as sock:
-                _accepted(sock)
-                _send_frame(sock, pb.DecodeRequest(
-                    header=_region_header(["n"], region.name, (1 << 20) - 256)
-                ).SerializeToString())
-                answer = _result(sock)
-                assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                assert "header.regions.q" in answer.error.details
-            assert _lengths(cache) == [15]
-    finally:
-        running.stop()
-        shutil.rmtree(tmp, ignore_errors=True)
+    with AttentionClient(running.target) as c, c.kv_cache(HKV, D, torch.float32) as cache:
+        region = c.register_nixl(1 << 20)
+        cache.append(["n"], ks, vs)
+        q, out = (region.empty((1, H, D), torch.float32) for _ in "qo")
+        k1, v1 = (region.empty((1, HKV, D), torch.float32) for _ in "kv")
+        with c.decode_steps(step_socket=True) as steps:
+            for step in range(3):
+                for t in (q, k1, v1):
+                    t.copy_(torch.randn(t.shape, generator=g))
+                out.fill_(float("nan"))
+                assert steps.step(q, ["n"], k1, v1, out=out, use_regions=True) is out
+                assert isinstance(steps._stream, SocketStream)
+                s = c.last_stats
+                assert s["bytes_in"] == s["bytes_out"] == 0 and s["region_bytes_in"] > 0
+                assert s["cache_lengths"] == [13 + step]
+                ks, vs = torch.cat([ks, k1]), torch.cat([vs, v1])
+                ref = decode_ref(q.double(), ks.double(), vs.double(),
+                                 torch.tensor([0, 13 + step], dtype=torch.int32))
+                torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+        with _connect(path) as sock:
+            _accepted(sock)
+            _send_frame(sock, pb.DecodeRequest(
+                header=_region_header(["n"], region.name, (1 << 20) - 256)
+            ).SerializeToString())
+            answer = _result(sock)
+            assert answer.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "header.regions.q" in answer.error.details
+        assert _lengths(cache) == [15]
 
 
 def _count_connects(monkeypatch: pytest.MonkeyPatch) -> list[str]:

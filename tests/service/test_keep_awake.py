@@ -7,13 +7,18 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 from attention_service import keep_awake
 
-pytestmark = pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only")
+T = TypeVar("T")
+
+pytestmark = [pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="Linux scheduling only"),
+              pytest.mark.timeout(60)]
 
 
 def _children(pid: int) -> list[int]:
@@ -21,7 +26,7 @@ def _children(pid: int) -> list[int]:
     return [int(x) for x in path.read_text().split()] if path.exists() else []
 
 
-def _wait_for(check, timeout: float = 10.0):  # type: ignore[no-untyped-def]
+def _wait_for(check: Callable[[], T], timeout: float = 10.0) -> T:
     end = time.monotonic() + timeout
     while not (got := check()):
         assert time.monotonic() < end, "timed out"
@@ -74,10 +79,16 @@ def test_the_spinners_die_with_a_killed_parent() -> None:
 
 def test_a_cpu_outside_the_allowed_set_is_refused_by_name_before_any_starts() -> None:
     outside = max(os.sched_getaffinity(0)) + 1000
+    pids: list[int] = []
     with pytest.raises(ValueError, match=rf"--cpus: {outside} not among"):
-        keep_awake.start([outside])
+        keep_awake.start([outside], pids)
+    assert pids == []
     proc = _start(f"0,{outside}")
-    _, err = proc.communicate(timeout=10)
-    assert proc.returncode == 2 and f"{outside} not among" in err
+    try:
+        out, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == 2 and f"{outside} not among" in err and "keeping" not in out
     assert subprocess.run([sys.executable, "-m", "attention_service.keep_awake", "--cpus",
-                           "two"], capture_output=True, text=True).returncode == 2
+                           "two"], capture_output=True, text=True, timeout=30).returncode == 2
