@@ -741,15 +741,17 @@ class ClientCore:
 
     def decode_steps(self, *, timeout: Any = DEFAULT, metadata: Any = None,
                      wait_for_ready: bool | None = None,
-                     step_socket: str | bool | None = None) -> Any:
+                     step_socket: str | bool | None = None, spin_us: float = 0) -> Any:
         """A decode loop on one stream: ``steps.step(q, cache_ids, k_new, v_new, ...)`` takes
         and returns what ``decode_step`` does, at about half its host time per step (no call
         set-up per step). ``timeout`` (default: the client's) applies to each step. Use it as
         a context manager (``async with`` on the async client), or ``close()`` it; one step
         at a time per handle. ``step_socket`` (a model host on the server's machine):
         send the steps through the server's step socket (True: the path it advertises,
-        ``info()["step_socket"]``; or a path) instead of gRPC."""
-        return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket)
+        ``info()["step_socket"]``; or a path) instead of gRPC. ``spin_us`` (sync client, step
+        socket): wait for each answer by polling up to this many microseconds before blocking,
+        which spends the caller's CPU (and holds its GIL) to skip a wake-up."""
+        return self._DecodeSteps(self, timeout, metadata, wait_for_ready, step_socket, spin_us)
 
     @_io
     def release_caches(self, ids: Any = None, *, all: bool = False, timeout: Any = DEFAULT,

@@ -603,9 +603,10 @@ class DecodeSteps(_StepsBase):
     """A decode loop on one ``CacheDecodeSteps`` stream (``AttentionClient.decode_steps``)."""
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None
-                 ) -> None:
+                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None,
+                 spin_us: float = 0) -> None:
         super().__init__(client, timeout, metadata, wait_for_ready, threading.Lock, step_socket)
+        self._spin_s = _spin_arg(spin_us, self._socket) * 1e-6
 
     def _open(self, settings: CallSettings) -> StreamCall | SocketStream:
         if not self._socket:
@@ -613,7 +614,7 @@ class DecodeSteps(_StepsBase):
         info = self._client.info()  # the path (step_socket=True) and how many may be unread
         try:
             return SocketStream(_socket_path(self._socket, info), settings,
-                                info["steps_in_flight"], info["instance_id"])
+                                info["steps_in_flight"], info["instance_id"], self._spin_s)
         except grpc.RpcError as err:
             raise from_rpc_error(err, _CALL, settings.names) from None
 
@@ -642,9 +643,12 @@ class AsyncDecodeSteps(_StepsBase):
     """``DecodeSteps`` for ``AsyncAttentionClient`` (``async with client.decode_steps()``)."""
 
     def __init__(self, client: Any, timeout: Any = DEFAULT, metadata: Any = None,
-                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None
-                 ) -> None:
+                 wait_for_ready: bool | None = None, step_socket: str | bool | None = None,
+                 spin_us: float = 0) -> None:
         super().__init__(client, timeout, metadata, wait_for_ready, asyncio.Lock, step_socket)
+        if _spin_arg(spin_us, self._socket):
+            raise AttentionInputError("spin_us: the asyncio client waits for its answers on "
+                                      "its event loop (spin_us is the sync client's)")
 
     async def _open(self, settings: CallSettings) -> AsyncStreamCall | AsyncSocketStream:
         if not self._socket:
@@ -687,6 +691,22 @@ def _socket_arg(step_socket: Any) -> str | bool | None:
         raise AttentionInputError(
             f"step_socket must be a path, True or None, got {step_socket!r}")
     return step_socket or None  # False, "": gRPC
+
+
+# Longest wait for an answer spent polling (``spin_us``): past it the caller blocks as without.
+MAX_SPIN_US = 10_000
+
+
+def _spin_arg(spin_us: Any, step_socket: str | bool | None) -> float:
+    """``spin_us`` checked: microseconds in [0, MAX_SPIN_US], nonzero only on the step socket."""
+    if (isinstance(spin_us, bool) or not isinstance(spin_us, int | float)
+            or not 0 <= spin_us <= MAX_SPIN_US):
+        raise AttentionInputError(f"spin_us must be a number of microseconds in [0, "
+                                  f"{MAX_SPIN_US}], got {spin_us!r}")
+    if spin_us and not step_socket:
+        raise AttentionInputError("spin_us: only steps through the step socket wait by polling "
+                                  "(step_socket=True or a path)")
+    return float(spin_us)
 
 
 def _socket_path(step_socket: str | bool, info: dict[str, Any]) -> str:

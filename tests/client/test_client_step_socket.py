@@ -192,6 +192,36 @@ def test_a_decode_loop_through_the_step_socket(both, kind, dtype):
             assert _lengths(cache) == ctx.lengths(ids) == [5 + 4 * (n + 1), 18 + 4 * (n + 1)]
 
 
+def test_steps_that_wait_by_polling_are_answered_alike(one):
+    """``spin_us``: each answer is waited for by polling first; the answers are the same
+    (one step sent ahead too), and the step stream holds it; bad values, a spin without the
+    socket, and a spin on the asyncio client are refused naming ``spin_us``."""
+    ids = ["sp-a"]
+    ctx = Context(ids)
+    with AttentionClient(one.target, timeout=60) as c, c.kv_cache(HKV, D, "float32") as cache:
+        _prompt(cache, ctx, ids, [6], 3)
+        with c.decode_steps(step_socket=True, spin_us=2000) as steps:
+            for n in range(3):
+                q, kn = _step_inputs(1, 300 + 10 * n)
+                ahead = steps.submit(q, ids, kn, kn) if n == 2 else None
+                out = ahead.result() if ahead else steps.step(q, ids, kn, kn)
+                ctx.add(ids, kn, kn, [1])
+                check_out(out, reference.decode_ref(f64(q), *ctx.packed(ids)), "float32", q)
+            assert isinstance(steps._stream, SocketStream) and steps._stream._spin_s == 2e-3
+        for bad in (-1, 10_001, True, "5"):
+            with pytest.raises(AttentionInputError, match="spin_us"):
+                c.decode_steps(step_socket=True, spin_us=bad)
+        with pytest.raises(AttentionInputError, match="spin_us: only steps through the step"):
+            c.decode_steps(spin_us=100)
+
+    async def main():
+        async with AsyncAttentionClient(one.target) as c:
+            with pytest.raises(AttentionInputError, match="spin_us: the asyncio client"):
+                c.decode_steps(step_socket=True, spin_us=100)
+
+    asyncio.run(main())
+
+
 def test_steps_sent_ahead_through_the_socket_are_answered_in_order(one):
     """12 steps on the same caches sent before any answer is read (more than the server's
     steps_in_flight: the client reads the oldest first): each answered in order, right at the
