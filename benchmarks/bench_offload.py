@@ -198,7 +198,8 @@ async def _round_on(clients: list[Any], spec: dict[str, Any], transport: str, k:
               for x in range(L)]
     qs, ks, vs, outs = ([p[j][0] for p in placed] for j in range(4))
     kw = [{} if o is None else {"out": o, "use_regions": True} for o in outs]
-    steps = [c.decode_steps(metadata=m, step_socket=True) if via_socket
+    spin = {"spin_us": spec["spin_us"]} if spec["spin_us"] else {}
+    steps = [c.decode_steps(metadata=m, step_socket=True, **spin) if via_socket
              else c.decode_steps(metadata=m) for c, m in zip(clients, metas, strict=True)]
 
     async def read(t0: float, pending: Any, client: Any, timed: bool) -> None:
@@ -329,7 +330,7 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
             "kv_heads": hkv, "head_dim": d, "dtype": args.dtype, "store": args.store,
             "warmup": args.warmup, "steps": args.steps, "inflight": inflight, "tag": tag,
             "transports": args.transport, "client": args.client, "spread": args.spread,
-            "timeout": max(t, setup_t)}
+            "spin_us": args.spin_us, "timeout": max(t, setup_t)}
     mpc = mp.get_context("spawn")
     barrier, out = mpc.Barrier(hosts + 1), mpc.Queue()
     procs = [mpc.Process(target=_host, args=(i, spec, barrier, out), daemon=True)
@@ -480,6 +481,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="measured steps per host per point")
     p.add_argument("--warmup", type=int, default=40)
     p.add_argument("--store", action="store_true", help="store the new tokens (default off)")
+    p.add_argument("--spin-us", type=float, default=0,
+                   help="step-socket points, sync client: wait for each answer by polling up "
+                        "to this long first (decode_steps(spin_us=))")
     p.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     p.add_argument("--frontends", type=int, help="passed to the server (default: its own)")
     p.add_argument("--server-args", help="more server flags, e.g. '--max-queue-delay-ms 1'")
@@ -501,6 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.layers < 1:
         p.error("--steps >= 1, --warmup >= 0, --layers >= 1")
+    if args.spin_us and args.client != "sync":
+        p.error("--spin-us: the sync client's (the asyncio client waits on its event loop)")
     if not set(args.transport) <= set(TRANSPORTS):
         p.error(f"--transport: {args.transport}: use {', '.join(TRANSPORTS)}")
     via_socket = any(_route(t)[0] for t in args.transport)

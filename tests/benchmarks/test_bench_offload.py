@@ -31,13 +31,14 @@ def test_bench_offload_measures_every_point(tmp_path: Path, client: str, hosts: 
         "--batch", "2", "--hosts", ",".join(map(str, hosts)), "--inflight", "1,2",
         "--layers", "2", "--client", client, "--steps", "8", "--warmup", "2",
         "--transport", ",".join(transports), "--out", str(tmp_path),
-    ]
+    ] + (["--spin-us", "100"] if client == "sync" else [])  # the socket's answers polled for
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=100, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| B | context | hosts | transport | inflight |" in proc.stdout
     [path] = tmp_path.glob("bench_offload_*.json")
     report = json.loads(path.read_text())
     assert report["device"] == "cpu" and report["kernel"] is False
+    assert report["args"]["spin_us"] == (100 if client == "sync" else 0)
     rows = report["rows"]
     assert [(r["hosts"], r["transport"], r["inflight"]) for r in rows] == [
         (h, t, k) for h in hosts for t in transports for k in (1, 2)]
