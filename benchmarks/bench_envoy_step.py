@@ -47,13 +47,13 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "deploy" / "envoy"))
 from bench_service import Server, _free_port, cpu_list, server_info  # noqa: E402
-from bench_sessions import add_shape_args  # noqa: E402
+from bench_sessions import ELEM, add_shape_args  # noqa: E402
 from local_envoy import LocalEnvoy  # noqa: E402
 
 from attention_client import AttentionClient  # noqa: E402
+from attention_service.engine.dtypes import TORCH_DTYPES  # noqa: E402
 
 DIRECT, ENVOY, AWAKE = "direct", "envoy", "envoy, CPUs awake"
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,7 +119,7 @@ class Side:
     """One path's client, cache and step stream."""
 
     def __init__(self, target: str, args: argparse.Namespace, gen: torch.Generator) -> None:
-        dtype = DTYPES[args.dtype]
+        dtype = TORCH_DTYPES[ELEM[args.dtype][0]]
         self.client = AttentionClient(target)
         self.cache = self.client.kv_cache(num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                                           dtype=dtype)

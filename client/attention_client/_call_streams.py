@@ -228,10 +228,7 @@ class SocketStream:
         self._reading = threading.Lock()
         self.answered = False
         self.failure: grpc.RpcError | None = None
-        # ``decode_steps(spin_us=)``: each answer waited for by polling this long first.
-        self._spin_s = 0.0
-        self._poller = select.poll()
-        self._poller.register(sock, select.POLLIN)
+        self._spin_s = 0.0  # ``decode_steps(spin_us=)``: each answer polled for this long
         try:
             sock.settimeout(_SOCKET_CONNECT_S)
             sock.connect(path)
@@ -242,7 +239,9 @@ class SocketStream:
             self.drop()
             raise _unreachable(path, exc) from None
         _check_hello(path, answer, self.drop)
-        self._spin_s = spin_s  # from here on: the hello is read blocking
+        if spin_s:  # from here on: the hello is read blocking
+            self._spin_s, self._poller = spin_s, select.poll()
+            self._poller.register(sock, select.POLLIN)
 
     def alive(self) -> bool:
         return self._sock is not None

@@ -179,9 +179,10 @@ class AttentionServicer:
         if request.connections and reply.frontends > 1 and not _proxy_headers(context)[0]:
             counted = await self._connection_counts()
         # NIXL's transports are the engine's to know, and change as peers transfer: asked
-        # (an engine that cannot answer now leaves them out; the rest is still the answer).
+        # (an engine that cannot answer now leaves them out; the rest is still the answer),
+        # but not by a connections probe (a client's ``spread`` placing itself reads counts).
         live = None
-        if reply.nixl:
+        if reply.nixl and not request.connections:
             try:
                 live = await self._link.control_call("GetServerInfo", request, "")
             except RequestError as exc:

@@ -139,11 +139,11 @@ def test_server_info_asks_the_engine_for_nixl_transports_and_answers_without_the
 
     context = SimpleNamespace(invocation_metadata=lambda: (), peer=lambda: "test")
 
-    def info(nixl: bool, fails: bool) -> pb.ServerInfo:
+    def info(nixl: bool, fails: bool, probe: bool = False) -> pb.ServerInfo:
         fake = SimpleNamespace(_info=pb.ServerInfo(device="d", frontends=1, nixl=nixl),
                                _link=Link(fails), record_control=lambda *a: None)
         return asyncio.run(servicer_mod.AttentionServicer.GetServerInfo(
-            fake, pb.GetServerInfoRequest(), context))  # type: ignore[arg-type]
+            fake, pb.GetServerInfoRequest(connections=probe), context))  # type: ignore[arg-type]
 
     got = info(nixl=True, fails=False)
     assert got.device == "d" and list(got.nixl_transports) == [choice]
@@ -151,3 +151,5 @@ def test_server_info_asks_the_engine_for_nixl_transports_and_answers_without_the
     assert got.device == "d" and not got.nixl_transports
     assert asked == ["GetServerInfo", "GetServerInfo"]
     assert not info(nixl=False, fails=True).nixl_transports and len(asked) == 2  # not asked
+    # A connections probe (a client's spread placing itself) does not ask the engine either.
+    assert not info(nixl=True, fails=False, probe=True).nixl_transports and len(asked) == 2
