@@ -20,6 +20,11 @@ H100. This kernel is laid out as FlashAttention-3 is (and as cuDNN's sm90 kernel
       softmax of S_j -> P_j        (exp2 on the SFUs while the tensor cores do the PV)
       wait for the PV; V_{j-1}'s slot is empty; O *= alpha_j
 
+  ptxas hoists that last wait above the softmax (the PTX wait names no registers), so in the
+  SASS a warpgroup's softmax overlaps only the other warpgroup's GEMMs. The FP8 build (Q, K,
+  V and P in e4m3, where the GEMMs take half as long and the softmax is the bound) writes the
+  order so that ptxas cannot: P_j goes to shared memory, and the PV is waited for at the top
+  of the next block (``_ws_step_fp8``), which also frees the registers for a third consumer.
   Under a causal mask each warpgroup computes only the key blocks its own rows see and passes
   the tile's other blocks through;
 * persistent launches (``prefill`` uses them): one program per SM walks tiles, claiming the
@@ -42,13 +47,14 @@ TFLOP/s at D 128 non-causal; ncu at 2 x 8K x 16 heads: 2.40 ms against cuDNN's 1
 
 Scope: contiguous packed varlen inputs (``[total, H, D]``), fp16/bf16, D 64 or 128, causal or
 not, GQA, LSE, FP8 K/V handed in widened to 16 bits with their scales (``kv_scales``: applied
-per tile); no window, softcap, ALiBi or pages (those keep the portable kernel). The
-program-to-tile mapping is the portable kernel's (``prefill_kernel`` module docstring): reverse
-slots, heads fastest under a causal mask. Varlen edges: TMA reads whole tiles, so a tile can hold
-rows of the next sequence. Queries there only produce rows that are never stored; keys there
-are masked to -inf before the softmax (a ``where``, so NaN or inf in them cannot leak); values
-there would meet ``p = 0`` but ``0 * inf`` is NaN, so the producer brings the last key block's
-values through masked pointer loads (zeros past the sequence) instead of TMA.
+per tile), or FP8 Q, K and V at D 128 (both dots in e4m3, bf16 output); no window, softcap,
+ALiBi or pages (those keep the portable kernel). The program-to-tile mapping is the portable
+kernel's (``prefill_kernel`` module docstring): reverse slots, heads fastest under a causal
+mask. Varlen edges: TMA reads whole tiles, so a tile can hold rows of the next sequence. Queries
+there only produce rows that are never stored; keys there are masked to -inf before the softmax
+(a ``where``, so NaN or inf in them cannot leak); values there would meet ``p = 0`` but ``0 *
+inf`` is NaN, so the producer brings the last key block's values through masked pointer loads
+(zeros past the sequence) instead of TMA.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     mbarrier,
     tma,
     warpgroup_mma,
+    warpgroup_mma_init,
     warpgroup_mma_wait,
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -87,14 +94,53 @@ def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constex
 
 
 @gluon.jit
+def _halve(x, IS_MAX: gl.constexpr):
+    """``x [rows, cols]`` -> ``[rows, cols // 2]``: column ``c`` combined with ``c + cols // 2``
+    (max or sum). In the wgmma accumulator's layout a thread holds both while ``cols // 2`` is
+    a multiple of 8, so this is one instruction per pair, with no data moved."""
+    rows: gl.constexpr = x.shape[0]
+    cols: gl.constexpr = x.shape[1]
+    x = gl.permute(gl.reshape(x, [rows, 2, cols // 2]), (0, 2, 1))
+    a, b = gl.split(x)
+    if IS_MAX:
+        return gl.maximum(a, b)
+    else:
+        return a + b
+
+
+@gluon.jit
+def _row_reduce(x, IS_MAX: gl.constexpr):
+    """Row max or sum of a wgmma accumulator tile as a tree: Triton reduces a thread's values
+    in one dependent chain (31 ``FMNMX`` or ``FADD`` back to back per row at 128 columns,
+    sm_90a SASS), which the softmax waits on; halving first leaves a chain of 4 plus the
+    last 8 columns' reduction."""
+    rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
+    if x.shape[1] > 64:
+        x = _halve(x, IS_MAX)
+    if x.shape[1] > 32:
+        x = _halve(x, IS_MAX)
+    if x.shape[1] > 16:
+        x = _halve(x, IS_MAX)
+    if x.shape[1] > 8:
+        x = _halve(x, IS_MAX)
+    if IS_MAX:
+        return gl.convert_layout(gl.max(x, 1), rows)  # the same registers: no data moves
+    else:
+        return gl.convert_layout(gl.sum(x, 1), rows)
+
+
+@gluon.jit
 def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
-                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr):
+                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr,
+                   TREE: gl.constexpr = False):
     """Online-softmax update for one block of raw scores ``s`` (``qk_scale`` takes them to log2
     units). Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum.
     ``masked``: a compile-time or run-time flag; only the mask sits under it, so a run-time
     flag costs no second copy of the rest (``_attend``). ``P_SHIFT``: ``p`` and the sum are
     ``2**P_SHIFT`` times the probabilities (FP8 P: ``_P_SHIFT_FP8``); the output's
-    normalisation cancels it and the lse takes it off."""
+    normalisation cancels it and the lse takes it off. ``TREE``: the row max and sum as trees
+    (``_row_reduce``; FP8 only: the 16-bit builds ran 1-5% slower with them, H200,
+    2026-12-01)."""
     scale = qk_scale
     if masked:
         offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -107,12 +153,13 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     # Unmasked, every key of the block is visible to every row, and max(s) * scale, the max of
     # the scaled scores for a positive scale (as the portable kernel assumes there too), lets
     # one FMA per score scale and shift it.
-    m_new = gl.maximum(m_i, gl.max(s, 1) * scale)
+    row_max = _row_reduce(s, True) if TREE else gl.max(s, 1)
+    m_new = gl.maximum(m_i, row_max * scale)
     # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * scale - gl.expand_dims(m_shift - P_SHIFT, 1))
     alpha = gl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + gl.sum(p, 1)
+    l_i = l_i * alpha + (_row_reduce(p, False) if TREE else gl.sum(p, 1))
     return p, m_new, alpha, l_i
 
 
@@ -197,7 +244,7 @@ _VT_ALIGN = _VT_ALIGN_GL.value
 
 
 def _fp8_key_order(r: torch.Tensor) -> torch.Tensor:
-    """Where key ``r`` of a sequence sits among its block's columns (``_p_operand``): within
+    """Where key ``r`` of a sequence sits among its block's columns (``_p_store``): within
     each 16, key ``8g + 2t + e`` (``g, e`` in 0..1, ``t`` in 0..3: the QK^T accumulator gives
     thread ``t`` of a quad keys ``2t, 2t + 1, 2t + 8, 2t + 9``) at ``4t + 2g + e`` (the FP8
     operand gives thread ``t`` four consecutive keys, ``4t .. 4t + 3``)."""
@@ -337,7 +384,7 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     a fixed stride left programs 6-25% apart). ``FP8``: V comes transposed
     (``transposed_values_ref``), a ``[D, BLOCK_N]`` tile per block, all through TMA."""
     desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb = loads
-    q_smem, k_smem, v_smem, tile_info = bufs
+    q_smem, k_smem, v_smem, _, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     num_tiles = walk[6]
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
@@ -423,51 +470,26 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
 
 
 @gluon.jit
-def _p_operand(p, dtype: gl.constexpr, p_layout: gl.constexpr, FP8: gl.constexpr):
-    """P (fp32, the QK^T accumulator's layout) as the P.V dot's register operand. FP8: the
-    keys of each 16 are taken in the order ``transposed_values_ref`` stores V's tokens
-    (``_fp8_key_order``), which puts in each thread the four keys its operand registers hold:
-    no shuffles, only byte packing (FlashAttention-3 does the same)."""
-    if FP8:
-        rows: gl.constexpr = p.shape[0]
-        cols: gl.constexpr = p.shape[1]
-        p = gl.reshape(p, [rows, cols // 16, 2, 4, 2])
-        p = gl.permute(p, (0, 1, 3, 2, 4))
-        p = gl.reshape(p, [rows, cols])
-    return gl.convert_layout(p.to(dtype), p_layout)
-
-
-@gluon.jit
-def _pv_wait(acc_tok, p_prev, FP8: gl.constexpr):
-    """Wait for the P.V wgmma; its register operand ``p_prev`` stays live until then. Triton
-    3.6 lowers no 8-bit operand in that wait ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"),
-    so FP8 P is not named: nothing reads or rewrites it after the issue (the next P is a new
-    value), and ptxas orders register reuse after wgmma itself."""
-    if FP8:
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-    else:
-        acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
+def _pv_wait(acc_tok, p_prev):
+    """Wait for the 16-bit P.V wgmma; its register operand ``p_prev`` stays live until then."""
+    acc, p_prev = warpgroup_mma_wait(0, deps=(acc_tok, p_prev))
     return acc
-
-
-@gluon.jit
-def _values(v_tile, FP8: gl.constexpr):
-    """The P.V dot's B operand ``[BLOCK_N, D]``: FP8 tiles are held transposed (K-major)."""
-    if FP8:
-        return v_tile.permute((1, 0))
-    else:
-        return v_tile
 
 
 @gluon.jit
 def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
              v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, masked,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
-             FP8: gl.constexpr, P_SHIFT: gl.constexpr):
-    """Key block ``j`` of the tile, ring position ``r``: S_j issued, P_{j-1} V_{j-1} issued,
-    the softmax of S_j under that PV. ``PINGPONG``: both issues in this warpgroup's turn
-    (``turns``: its barrier and the next one's)."""
+             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key block ``j`` of the tile (16-bit), ring position ``r``: S_j issued, P_{j-1} V_{j-1}
+    issued, the softmax of S_j, then the PV waited for. ``PINGPONG``: both issues in this
+    warpgroup's turn (``turns``: its barrier and the next one's).
+
+    The softmax is written under the PV (FlashAttention-3's order), but ptxas hoists the
+    PV's wait above it (sm_90a SASS: ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` before the first row
+    max; the PTX wait has no register operands to hold it), so it overlaps only the other
+    warpgroup's GEMMs. FP8 avoids that (``_ws_step_fp8``); here the moved wait would keep two
+    P operands in registers, past the consumers' 224 (ptxas then serialized the wgmma)."""
     kslot = r % STAGES
     vslot = (r - 1) % STAGES
     mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
@@ -478,17 +500,17 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
                           is_async=True)
     if not PINGPONG:
         mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, _values(v_smem.index(vslot), FP8), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
     if PINGPONG:
         _turn(turns[1], True)
     s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT)
-    acc = _pv_wait(acc_tok, p_prev, FP8)
+                                        IS_CAUSAL, BLOCK_N, 0)
+    acc = _pv_wait(acc_tok, p_prev)
     mbarrier.arrive(v_empty.index(vslot))
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    p_next = _p_operand(p, p_prev.dtype, p_layout, FP8)
+    p_next = gl.convert_layout(p.to(p_prev.dtype), p_layout)
     return acc, p_next, m_i, l_i
 
 
@@ -496,11 +518,10 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
             seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
-            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr,
-            FP8: gl.constexpr, P_SHIFT: gl.constexpr):
-    """One warpgroup's 64 rows against ``n_blocks`` key blocks (ring positions from ``it``);
-    blocks below ``nb_full`` need no mask. Returns the unnormalised output, max and sum.
-    ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
+            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup's 64 rows (16-bit Q, K, V) against ``n_blocks`` key blocks (ring positions
+    from ``it``); blocks below ``nb_full`` need no mask. Returns the unnormalised output, max
+    and sum. ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
     ROWS: gl.constexpr = 64
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
@@ -518,8 +539,8 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT)
-    p_prev = _p_operand(p, q_part.dtype, p_layout, FP8)
+                                        IS_CAUSAL, BLOCK_N, 0)
+    p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
     # One loop, the mask under a run-time branch, rather than an unmasked loop and a masked
     # one: the consumers' code is a fifth smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
     # instructions over three consumer copies; spills 64 -> 52 bytes). H100, dense bf16
@@ -534,16 +555,125 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, j >= nb_full,
-            IS_CAUSAL, STAGES, BLOCK_N, p_layout, o_layout, PINGPONG, FP8, P_SHIFT)
+            IS_CAUSAL, STAGES, BLOCK_N, p_layout, o_layout, PINGPONG)
     last = it + n_blocks - 1
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
     if PINGPONG:
         _turn(turns[0], False)
-    acc_tok = warpgroup_mma(p_prev, _values(v_smem.index(vslot), FP8), acc, is_async=True)
+    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
     if PINGPONG:
         _turn(turns[1], True)
-    acc = _pv_wait(acc_tok, p_prev, FP8)
+    acc = _pv_wait(acc_tok, p_prev)
+    mbarrier.arrive(v_empty.index(vslot))
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _p_store(p, p_buf):
+    """FP8 P (fp32, the QK^T accumulator's layout) into its shared-memory buffer as e4m3, each
+    16 keys in V's token order (``_fp8_key_order``: four consecutive bytes per thread, one
+    32-bit store), for the P.V wgmma to read; fenced for the async proxy (the issue waits for
+    every thread's stores behind a barrier, ``_ws_step_fp8``)."""
+    rows: gl.constexpr = p.shape[0]
+    cols: gl.constexpr = p.shape[1]
+    p = gl.reshape(p, [rows, cols // 16, 2, 4, 2])
+    p = gl.permute(p, (0, 1, 3, 2, 4))
+    p = gl.reshape(p, [rows, cols])
+    p_buf.store(p.to(gl.float8e4nv))
+    fence_async_shared()
+
+
+@gluon.jit
+def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
+                 k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero,
+                 turns, masked, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCK_N: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
+                 P_SHIFT: gl.constexpr):
+    """``_ws_step`` for FP8, with P through shared memory and the PV waited for one block
+    late: P_{j-2} V_{j-2} waited for and the output rescaled, then S_j and P_{j-1} V_{j-1}
+    issued (P_{j-1} from buffer ``p_base + (j - 1) % 2``), and the softmax of S_j under that
+    PV, its P stored to the other buffer.
+
+    Why: with the wait after the softmax (``_ws_step``'s order) ptxas hoisted it above the
+    softmax (sm_90a SASS: ``WARPGROUP.DEPBAR`` right after the block's first row max), so a
+    warpgroup's softmax never ran under its own PV, and P's registers, read by the PV in
+    flight, could not be rewritten before it ended. At the top of the next block the PV has
+    long finished, and with P in shared memory no register is shared with a wgmma in flight."""
+    kslot = r % STAGES
+    vslot = (r - 1) % STAGES
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    mbarrier.arrive(v_empty.index((r + STAGES - 2) % STAGES), pred=j >= 2)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    gl.thread_barrier()  # every thread's P_{j-1} is stored (and fenced) before the issue
+    mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
+        _turn(turns[0], False)
+    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    if not PINGPONG:
+        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_smem.index(p_base + (j - 1) % 2),
+                            v_smem.index(vslot).permute((1, 0)), acc, is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(kslot))
+    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True)
+    _p_store(p, p_smem.index(p_base + j % 2))
+    return acc_tok, alpha, m_i, l_i
+
+
+@gluon.jit
+def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, k_ready, v_ready, k_empty, v_empty, it,
+                n_blocks, nb_full, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr,
+                STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                s_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
+                P_SHIFT: gl.constexpr):
+    """``_attend`` for FP8 Q, K, V (``_ws_step_fp8``): P in this warpgroup's two shared-memory
+    buffers from ``p_base``."""
+    ROWS: gl.constexpr = 64
+    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
+    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    kslot = it % STAGES
+    mbarrier.wait(k_ready.index(kslot), (it // STAGES) & 1)
+    if PINGPONG:
+        _turn(turns[0], False)
+    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
+    s = warpgroup_mma_wait(0, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(kslot))
+    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True)
+    _p_store(p, p_smem.index(p_base))
+    # No PV is in flight before block 1: its wait passes at once, and block 0's alpha
+    # (exp2(-inf) = 0) scales the zero output.
+    acc_tok = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout))
+    for j in range(1, n_blocks):
+        acc_tok, alpha, m_i, l_i = _ws_step_fp8(
+            it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
+            k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns,
+            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, o_layout, PINGPONG, P_SHIFT)
+    last = it + n_blocks - 1
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), pred=n_blocks >= 2)
+    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    gl.thread_barrier()
+    vslot = last % STAGES
+    mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
+    if PINGPONG:
+        _turn(turns[0], False)
+    acc_tok = warpgroup_mma(p_smem.index(p_base + (n_blocks - 1) % 2),
+                            v_smem.index(vslot).permute((1, 0)), acc, is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
     mbarrier.arrive(v_empty.index(vslot))
     return acc, m_i, l_i
 
@@ -585,11 +715,11 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
     ``PART`` waits on named barrier ``_TURN_BARRIER + PART`` and arrives on the next one's;
     the last consumer hands consumer 0 its first turn.
 
-    ``FP8``: Q, K, V and P in e4m3 (the dots on FP8 tensor cores: wgmma K 32, P in registers
-    four bytes to a 32-bit lane), V tiles transposed; P as ``2**_P_SHIFT_FP8`` times the
+    ``FP8``: Q, K, V and P in e4m3 (the dots on FP8 tensor cores: wgmma K 32), V tiles
+    transposed, P through shared memory (``_attend_fp8``) as ``2**_P_SHIFT_FP8`` times the
     probabilities."""
     Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
-    q_smem, k_smem, v_smem, tile_info = bufs
+    q_smem, k_smem, v_smem, p_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     ROWS: gl.constexpr = 64
     MMA_K: gl.constexpr = 32 if FP8 else 16  # one wgmma's reduction: 32 bytes
@@ -598,8 +728,7 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, MMA_K])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, MMA_K])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout,
-                                                 k_width=4 if FP8 else 2)
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
     turns = (_TURN_BARRIER + PART, _TURN_BARRIER + (PART + 1) % CONSUMERS)
     if PINGPONG and PART == CONSUMERS - 1:
@@ -635,11 +764,19 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                 if n_mine > 0:
                     rows_pos = (my_row0 + gl.arange(0, ROWS, layout=rows_layout)
                                 + (seqlen_k - seqlen_q))
-                    acc, m_i, l_i = _attend(
-                        q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready, v_ready,
-                        k_empty, v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
-                        tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
-                        o_layout, p_layout, PINGPONG, FP8, P_SHIFT)
+                    if FP8:
+                        acc, m_i, l_i = _attend_fp8(
+                            q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, p_smem,
+                            2 * PART, k_ready, v_ready, k_empty, v_empty, it, n_mine,
+                            my_full // BLOCK_N, seqlen_k, rows_pos, tile_scale, turns,
+                            IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout,
+                            PINGPONG, P_SHIFT)
+                    else:
+                        acc, m_i, l_i = _attend(
+                            q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready,
+                            v_ready, k_empty, v_empty, it, n_mine, my_full // BLOCK_N,
+                            seqlen_k, rows_pos, tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N,
+                            HEAD_DIM, s_layout, o_layout, p_layout, PINGPONG)
                 _pass_blocks(it + n_mine, it + n_blocks, k_ready, v_ready, k_empty, v_empty,
                              turns, n_mine == 0, STAGES, PINGPONG)
                 mbarrier.arrive(q_empty.index(qb))
@@ -672,6 +809,13 @@ def _hopper_prefill_ws_kernel(
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], desc_v.layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
+    if FP8:  # two P buffers per consumer (``_ws_step_fp8``)
+        p_smem = gl.allocate_shared_memory(
+            dtype, [2 * CONSUMERS, 64, BLOCK_N],
+            gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+    else:  # (unused: 16-bit P stays in registers)
+        p_smem = gl.allocate_shared_memory(
+            dtype, [1, 64, 16], gl.NVMMASharedLayout.get_default_for([64, 16], dtype))
     tile_info = gl.allocate_shared_memory(gl.int32, [2 * _TILE_FIELDS, 1],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -697,7 +841,7 @@ def _hopper_prefill_ws_kernel(
 
     # Runtime values travel in tuples, compile-time ones flat: a tuple loses the constexpr-ness
     # of its members in Triton 3.6's warp_specialize.
-    bufs = (q_smem, k_smem, v_smem, tile_info)
+    bufs = (q_smem, k_smem, v_smem, p_smem, tile_info)
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty)
     walk = (cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles)
     stores = (Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh)

@@ -211,12 +211,13 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     if not os.path.exists(ptxas):
         raise FileNotFoundError(ptxas)
     with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o",
-                               os.path.join(tmp, "k.cubin")],
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", cubin],
                               capture_output=True, text=True, check=True).stderr
+        sass = subprocess.run([os.path.join(os.path.dirname(ptxas), "cuobjdump"), "-sass",
+                               cubin], capture_output=True, text=True, check=True).stdout
     return {
         "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
         "setmaxnreg_inc": sorted({int(x) for x in re.findall(
@@ -225,7 +226,27 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         # The consumers' turns (``pingpong``): named barriers of 256 threads by register id.
         "turn_syncs": len(re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)),
         "shared_bytes": kernel.metadata.shared,
+        "ex2_under_pv": ex2_under_pv(sass),
     }
+
+
+def ex2_under_pv(sass: str) -> int:
+    """The most ``MUFU.EX2`` (the softmax's exponentials) in the SASS between a wait for the
+    QK^T wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the PV issued after it may run on) and the
+    next wait for every wgmma (``... 0x0``): the softmax work that runs while this warpgroup's
+    own PV does. 0 where ptxas moved the PV's wait above the softmax."""
+    best = count = 0
+    open_ = False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+            open_, count = True, 0
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
+            if open_:
+                best = max(best, count)
+            open_ = False
+        elif open_ and "MUFU.EX2" in line:
+            count += 1
+    return best
 
 
 def sweep(ns: list[int], dtype: torch.dtype = torch.bfloat16, rounds: int = 1) -> list[dict]:
