@@ -477,6 +477,29 @@ def _pv_wait(acc_tok, p_prev):
 
 
 @gluon.jit
+def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, acc, s_zero, turns,
+                 STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """Key block at ring position ``r``: S = Q K^T and O += P_prev V_prev issued (in this
+    warpgroup's turn with ``PINGPONG``; V_prev from position ``r - 1``), then S waited for and
+    its K slot released. Returns S and the PV in flight."""
+    kslot = r % STAGES
+    mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
+    if PINGPONG:
+        mbarrier.wait(v_ready.index((r - 1) % STAGES), ((r - 1) // STAGES) & 1)
+        _turn(turns[0], False)
+    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
+                          is_async=True)
+    if not PINGPONG:
+        mbarrier.wait(v_ready.index((r - 1) % STAGES), ((r - 1) // STAGES) & 1)
+    acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+    if PINGPONG:
+        _turn(turns[1], True)
+    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    mbarrier.arrive(k_empty.index(kslot))
+    return s, acc_tok
+
+
+@gluon.jit
 def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
              v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, masked,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -490,21 +513,9 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
     max; the PTX wait has no register operands to hold it), so it overlaps only the other
     warpgroup's GEMMs. FP8 avoids that (``_ws_step_fp8``); here the moved wait would keep two
     P operands in registers, past the consumers' 224 (ptxas then serialized the wgmma)."""
-    kslot = r % STAGES
     vslot = (r - 1) % STAGES
-    mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-        _turn(turns[0], False)
-    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    if not PINGPONG:
-        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, v_smem.index(vslot), acc, is_async=True)
-    if PINGPONG:
-        _turn(turns[1], True)
-    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(kslot))
+    s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_smem.index(vslot),
+                              v_ready, acc, s_zero, turns, STAGES, PINGPONG)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
                                         IS_CAUSAL, BLOCK_N, 0)
     acc = _pv_wait(acc_tok, p_prev)
@@ -515,19 +526,17 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 
 
 @gluon.jit
-def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
-            seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
-            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
-    """One warpgroup's 64 rows (16-bit Q, K, V) against ``n_blocks`` key blocks (ring positions
-    from ``it``); blocks below ``nb_full`` need no mask. Returns the unnormalised output, max
-    and sum. ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
-    ROWS: gl.constexpr = 64
+def _first_block(q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns,
+                 IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                 s_layout: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr,
+                 TREE: gl.constexpr):
+    """A warpgroup's first key block (ring position ``it``): S_0 in its turn, waited for, and
+    its softmax (masked). Returns P_0, the max, alpha, the sum, and the zero S operand the
+    next blocks reuse."""
     rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
-    acc = gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=rows_layout)
+    l_i = gl.zeros([64], gl.float32, layout=rows_layout)
+    s_zero = gl.zeros([64, BLOCK_N], gl.float32, layout=s_layout)
     kslot = it % STAGES
     mbarrier.wait(k_ready.index(kslot), (it // STAGES) & 1)
     if PINGPONG:
@@ -539,7 +548,22 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N, 0)
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, TREE)
+    return p, m_i, alpha, l_i, s_zero
+
+
+@gluon.jit
+def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_blocks, nb_full,
+            seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+            BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, s_layout: gl.constexpr,
+            o_layout: gl.constexpr, p_layout: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup's 64 rows (16-bit Q, K, V) against ``n_blocks`` key blocks (ring positions
+    from ``it``); blocks below ``nb_full`` need no mask. Returns the unnormalised output, max
+    and sum. ``PINGPONG``: ``n_blocks + 1`` turns (each block's issues, then the last PV's)."""
+    acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
+    p, m_i, alpha, l_i, s_zero = _first_block(
+        q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
+        STAGES, BLOCK_N, s_layout, PINGPONG, 0, False)
     p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
     # One loop, the mask under a run-time branch, rather than an unmasked loop and a masked
     # one: the consumers' code is a fifth smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
@@ -600,26 +624,14 @@ def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem,
     warpgroup's softmax never ran under its own PV, and P's registers, read by the PV in
     flight, could not be rewritten before it ended. At the top of the next block the PV has
     long finished, and with P in shared memory no register is shared with a wgmma in flight."""
-    kslot = r % STAGES
-    vslot = (r - 1) % STAGES
     acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
     mbarrier.arrive(v_empty.index((r + STAGES - 2) % STAGES), pred=j >= 2)
     acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
     gl.thread_barrier()  # every thread's P_{j-1} is stored (and fenced) before the issue
-    mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
-    if PINGPONG:
-        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-        _turn(turns[0], False)
-    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    if not PINGPONG:
-        mbarrier.wait(v_ready.index(vslot), ((r - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_smem.index(p_base + (j - 1) % 2),
-                            v_smem.index(vslot).permute((1, 0)), acc, is_async=True)
-    if PINGPONG:
-        _turn(turns[1], True)
-    s = warpgroup_mma_wait(1, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(kslot))
+    s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty,
+                              p_smem.index(p_base + (j - 1) % 2),
+                              v_smem.index((r - 1) % STAGES).permute((1, 0)), v_ready, acc,
+                              s_zero, turns, STAGES, PINGPONG)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
                                         IS_CAUSAL, BLOCK_N, P_SHIFT, True)
     _p_store(p, p_smem.index(p_base + j % 2))
@@ -634,27 +646,13 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, k_ready, v_ready, k_empt
                 P_SHIFT: gl.constexpr):
     """``_attend`` for FP8 Q, K, V (``_ws_step_fp8``): P in this warpgroup's two shared-memory
     buffers from ``p_base``."""
-    ROWS: gl.constexpr = 64
-    rows_layout: gl.constexpr = gl.SliceLayout(1, s_layout)
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=rows_layout)
-    l_i = gl.zeros([ROWS], gl.float32, layout=rows_layout)
-    s_zero = gl.zeros([ROWS, BLOCK_N], gl.float32, layout=s_layout)
-    kslot = it % STAGES
-    mbarrier.wait(k_ready.index(kslot), (it // STAGES) & 1)
-    if PINGPONG:
-        _turn(turns[0], False)
-    s_tok = warpgroup_mma(q_part, k_smem.index(kslot).permute((1, 0)), s_zero, use_acc=False,
-                          is_async=True)
-    if PINGPONG:
-        _turn(turns[1], True)
-    s = warpgroup_mma_wait(0, deps=(s_tok, ))
-    mbarrier.arrive(k_empty.index(kslot))
-    p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True)
+    p, m_i, alpha, l_i, s_zero = _first_block(
+        q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
+        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True)
     _p_store(p, p_smem.index(p_base))
     # No PV is in flight before block 1: its wait passes at once, and block 0's alpha
     # (exp2(-inf) = 0) scales the zero output.
-    acc_tok = warpgroup_mma_init(gl.zeros([ROWS, HEAD_DIM], gl.float32, layout=o_layout))
+    acc_tok = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout))
     for j in range(1, n_blocks):
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
             it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
