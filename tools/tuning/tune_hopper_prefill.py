@@ -151,7 +151,8 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
                  dynamic: bool = False, pingpong: bool | None = None,
                  kv_scales: bool = False, fp8: bool = False) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
-    without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits.
+    without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits,
+    and how much of the softmax runs under its own PV in the SASS (``ex2_under_pv``).
     ``kv_scales``: the build for FP8 K/V (widened, with their scales). ``fp8``: the build for
     FP8 queries, keys and values (both dots in e4m3, V transposed; implies ``kv_scales``)."""
     import os.path
