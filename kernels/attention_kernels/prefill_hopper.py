@@ -477,6 +477,12 @@ def _pv_wait(acc_tok, p_prev):
 
 
 @gluon.jit
+def _rescale(acc, alpha):
+    """The output rows times their softmax rescale ``alpha`` (a row vector of S's layout)."""
+    return acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
+
+
+@gluon.jit
 def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, acc, s_zero, turns,
                  STAGES: gl.constexpr, PINGPONG: gl.constexpr):
     """Key block at ring position ``r``: S = Q K^T and O += P_prev V_prev issued (in this
@@ -503,7 +509,7 @@ def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, a
 def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready, k_empty,
              v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, masked,
              IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-             p_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr):
+             p_layout: gl.constexpr, PINGPONG: gl.constexpr):
     """Key block ``j`` of the tile (16-bit), ring position ``r``: S_j issued, P_{j-1} V_{j-1}
     issued, the softmax of S_j, then the PV waited for. ``PINGPONG``: both issues in this
     warpgroup's turn (``turns``: its barrier and the next one's).
@@ -520,7 +526,7 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
                                         IS_CAUSAL, BLOCK_N, 0)
     acc = _pv_wait(acc_tok, p_prev)
     mbarrier.arrive(v_empty.index(vslot))
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
+    acc = _rescale(acc, alpha)
     p_next = gl.convert_layout(p.to(p_prev.dtype), p_layout)
     return acc, p_next, m_i, l_i
 
@@ -579,7 +585,7 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
         acc, p_prev, m_i, l_i = _ws_step(
             it + j, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_ready,
             k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns, j >= nb_full,
-            IS_CAUSAL, STAGES, BLOCK_N, p_layout, o_layout, PINGPONG)
+            IS_CAUSAL, STAGES, BLOCK_N, p_layout, PINGPONG)
     last = it + n_blocks - 1
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
@@ -609,11 +615,22 @@ def _p_store(p, p_buf):
 
 
 @gluon.jit
+def _settle_pv(acc_tok, alpha, v_slot_empty, release):
+    """FP8: the PV issued a block ago, waited for; its V slot released (``release``: there was
+    one), the output rescaled, and every thread's P store (fenced) done before the next
+    issue reads it."""
+    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    mbarrier.arrive(v_slot_empty, pred=release)
+    acc = _rescale(acc, alpha)
+    gl.thread_barrier()
+    return acc
+
+
+@gluon.jit
 def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
                  k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero,
                  turns, masked, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
-                 P_SHIFT: gl.constexpr):
+                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
     """``_ws_step`` for FP8, with P through shared memory and the PV waited for one block
     late: P_{j-2} V_{j-2} waited for and the output rescaled, then S_j and P_{j-1} V_{j-1}
     issued (P_{j-1} from buffer ``p_base + (j - 1) % 2``), and the softmax of S_j under that
@@ -624,10 +641,7 @@ def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem,
     warpgroup's softmax never ran under its own PV, and P's registers, read by the PV in
     flight, could not be rewritten before it ended. At the top of the next block the PV has
     long finished, and with P in shared memory no register is shared with a wgmma in flight."""
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-    mbarrier.arrive(v_empty.index((r + STAGES - 2) % STAGES), pred=j >= 2)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    gl.thread_barrier()  # every thread's P_{j-1} is stored (and fenced) before the issue
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((r + STAGES - 2) % STAGES), j >= 2)
     s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty,
                               p_smem.index(p_base + (j - 1) % 2),
                               v_smem.index((r - 1) % STAGES).permute((1, 0)), v_ready, acc,
@@ -657,12 +671,9 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, k_ready, v_ready, k_empt
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
             it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
             k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns,
-            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, o_layout, PINGPONG, P_SHIFT)
+            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT)
     last = it + n_blocks - 1
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-    mbarrier.arrive(v_empty.index((last + STAGES - 1) % STAGES), pred=n_blocks >= 2)
-    acc = acc * gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, o_layout)), 1)
-    gl.thread_barrier()
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2)
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
     if PINGPONG:
@@ -811,9 +822,8 @@ def _hopper_prefill_ws_kernel(
         p_smem = gl.allocate_shared_memory(
             dtype, [2 * CONSUMERS, 64, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
-    else:  # (unused: 16-bit P stays in registers)
-        p_smem = gl.allocate_shared_memory(
-            dtype, [1, 64, 16], gl.NVMMASharedLayout.get_default_for([64, 16], dtype))
+    else:  # unused: 16-bit P stays in registers (``bufs`` has one form for both builds)
+        p_smem = q_smem
     tile_info = gl.allocate_shared_memory(gl.int32, [2 * _TILE_FIELDS, 1],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
