@@ -132,7 +132,7 @@ def _row_reduce(x, IS_MAX: gl.constexpr):
 @gluon.jit
 def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
                    IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr,
-                   TREE: gl.constexpr = False):
+                   TREE: gl.constexpr = False, SUM: gl.constexpr = True):
     """Online-softmax update for one block of raw scores ``s`` (``qk_scale`` takes them to log2
     units). Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum.
     ``masked``: a compile-time or run-time flag; only the mask sits under it, so a run-time
@@ -140,7 +140,7 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     ``2**P_SHIFT`` times the probabilities (FP8 P: ``_P_SHIFT_FP8``); the output's
     normalisation cancels it and the lse takes it off. ``TREE``: the row max and sum as trees
     (``_row_reduce``; FP8 only: the 16-bit builds ran 1-5% slower with them, H200,
-    2026-12-01)."""
+    2026-12-01). ``SUM`` False: no row sum (``l_i`` as given; ``_pv_issue`` sums P)."""
     scale = qk_scale
     if masked:
         offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -159,7 +159,8 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * scale - gl.expand_dims(m_shift - P_SHIFT, 1))
     alpha = gl.exp2(m_i - m_shift)
-    l_i = l_i * alpha + (_row_reduce(p, False) if TREE else gl.sum(p, 1))
+    if SUM:
+        l_i = l_i * alpha + (_row_reduce(p, False) if TREE else gl.sum(p, 1))
     return p, m_new, alpha, l_i
 
 
@@ -384,7 +385,7 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     a fixed stride left programs 6-25% apart). ``FP8``: V comes transposed
     (``transposed_values_ref``), a ``[D, BLOCK_N]`` tile per block, all through TMA."""
     desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb = loads
-    q_smem, k_smem, v_smem, _, tile_info = bufs
+    q_smem, k_smem, v_smem, _, _, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     num_tiles = walk[6]
     BLOCK_M: gl.constexpr = 64 * CONSUMERS
@@ -483,11 +484,28 @@ def _rescale(acc, alpha):
 
 
 @gluon.jit
+def _pv_issue(p, v, acc, ones, ROW_SUM: gl.constexpr):
+    """O += P V issued; with ``ROW_SUM`` (FP8, ``acc`` = (O, L)) also L += P ones, each of L's 8
+    columns P's row sums: the softmax's sum moved off the FP32 units onto the tensor cores.
+    Why: issue slots, not the MUFU or the tensor cores, bound the FP8 build's block (ncu, H200,
+    D 128, N 8K: issue 47% busy, MUFU 49%; a build without the row sum ran 17-20% faster); its
+    64 FADD a thread and their shuffles go, for a wgmma 1/16 of the PV's size. The sum is then
+    over the e4m3 P the PV multiplies. Returns the token (or both)."""
+    if ROW_SUM:
+        return (warpgroup_mma(p, v, acc[0], is_async=True),
+                warpgroup_mma(p, ones, acc[1], is_async=True))
+    else:
+        return warpgroup_mma(p, v, acc, is_async=True)
+
+
+@gluon.jit
 def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, acc, s_zero, turns,
-                 STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+                 STAGES: gl.constexpr, PINGPONG: gl.constexpr, ones=None,
+                 ROW_SUM: gl.constexpr = False):
     """Key block at ring position ``r``: S = Q K^T and O += P_prev V_prev issued (in this
-    warpgroup's turn with ``PINGPONG``; V_prev from position ``r - 1``), then S waited for and
-    its K slot released. Returns S and the PV in flight."""
+    warpgroup's turn with ``PINGPONG``; V_prev from position ``r - 1``; ``ROW_SUM``: the row
+    sums' wgmma too, ``_pv_issue``), then S waited for and its K slot released. Returns S and
+    the PV in flight."""
     kslot = r % STAGES
     mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
     if PINGPONG:
@@ -497,10 +515,13 @@ def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, a
                           is_async=True)
     if not PINGPONG:
         mbarrier.wait(v_ready.index((r - 1) % STAGES), ((r - 1) // STAGES) & 1)
-    acc_tok = warpgroup_mma(p_prev, v_prev, acc, is_async=True)
+    acc_tok = _pv_issue(p_prev, v_prev, acc, ones, ROW_SUM)
     if PINGPONG:
         _turn(turns[1], True)
-    s = warpgroup_mma_wait(1, deps=(s_tok, ))
+    if ROW_SUM:  # noqa: SIM108 (compile-time). S, PV, P ones: S done at 2 groups pending
+        s = warpgroup_mma_wait(2, deps=(s_tok, ))
+    else:
+        s = warpgroup_mma_wait(1, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     return s, acc_tok
 
@@ -535,7 +556,7 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 def _first_block(q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns,
                  IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                  s_layout: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr,
-                 TREE: gl.constexpr):
+                 TREE: gl.constexpr, SUM: gl.constexpr = True):
     """A warpgroup's first key block (ring position ``it``): S_0 in its turn, waited for, and
     its softmax (masked). Returns P_0, the max, alpha, the sum, and the zero S operand the
     next blocks reuse."""
@@ -554,7 +575,7 @@ def _first_block(q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_sc
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, TREE)
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, TREE, SUM)
     return p, m_i, alpha, l_i, s_zero
 
 
@@ -615,22 +636,28 @@ def _p_store(p, p_buf):
 
 
 @gluon.jit
-def _settle_pv(acc_tok, alpha, v_slot_empty, release):
-    """FP8: the PV issued a block ago, waited for; its V slot released (``release``: there was
-    one), the output rescaled, and every thread's P store (fenced) done before the next
-    issue reads it."""
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-    mbarrier.arrive(v_slot_empty, pred=release)
-    acc = _rescale(acc, alpha)
+def _settle_pv(acc_tok, alpha, v_slot_empty, release, ROW_SUM: gl.constexpr):
+    """FP8: the PV issued a block ago (``ROW_SUM``: and its row sums), waited for; its V slot
+    released (``release``: there was one), the output (and sums) rescaled, and every thread's
+    P store (fenced) done before the next issue reads it."""
+    if ROW_SUM:
+        acc = warpgroup_mma_wait(0, deps=acc_tok)
+        mbarrier.arrive(v_slot_empty, pred=release)
+        acc = (_rescale(acc[0], alpha), _rescale(acc[1], alpha))
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+        mbarrier.arrive(v_slot_empty, pred=release)
+        acc = _rescale(acc, alpha)
     gl.thread_barrier()
     return acc
 
 
 @gluon.jit
-def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
+def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
                  k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero,
                  turns, masked, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
+                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr,
+                 ROW_SUM: gl.constexpr):
     """``_ws_step`` for FP8, with P through shared memory and the PV waited for one block
     late: P_{j-2} V_{j-2} waited for and the output rescaled, then S_j and P_{j-1} V_{j-1}
     issued (P_{j-1} from buffer ``p_base + (j - 1) % 2``), and the softmax of S_j under that
@@ -641,48 +668,59 @@ def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem,
     warpgroup's softmax never ran under its own PV, and P's registers, read by the PV in
     flight, could not be rewritten before it ended. At the top of the next block the PV has
     long finished, and with P in shared memory no register is shared with a wgmma in flight."""
-    acc = _settle_pv(acc_tok, alpha, v_empty.index((r + STAGES - 2) % STAGES), j >= 2)
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((r + STAGES - 2) % STAGES), j >= 2, ROW_SUM)
     s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty,
                               p_smem.index(p_base + (j - 1) % 2),
                               v_smem.index((r - 1) % STAGES).permute((1, 0)), v_ready, acc,
-                              s_zero, turns, STAGES, PINGPONG)
+                              s_zero, turns, STAGES, PINGPONG, ones, ROW_SUM)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True)
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True, not ROW_SUM)
     _p_store(p, p_smem.index(p_base + j % 2))
     return acc_tok, alpha, m_i, l_i
 
 
 @gluon.jit
-def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, k_ready, v_ready, k_empty, v_empty, it,
-                n_blocks, nb_full, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL: gl.constexpr,
-                STAGES: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                s_layout: gl.constexpr, o_layout: gl.constexpr, PINGPONG: gl.constexpr,
-                P_SHIFT: gl.constexpr):
+def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, k_empty,
+                v_empty, it, n_blocks, nb_full, seqlen_k, rows_pos, qk_scale, turns,
+                IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr, ROW_SUM: gl.constexpr):
     """``_attend`` for FP8 Q, K, V (``_ws_step_fp8``): P in this warpgroup's two shared-memory
-    buffers from ``p_base``."""
+    buffers from ``p_base``; ``ROW_SUM``: the row sums by wgmma against ``ones``."""
     p, m_i, alpha, l_i, s_zero = _first_block(
         q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
-        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True)
+        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True, not ROW_SUM)
     _p_store(p, p_smem.index(p_base))
     # No PV is in flight before block 1: its wait passes at once, and block 0's alpha
-    # (exp2(-inf) = 0) scales the zero output.
+    # (exp2(-inf) = 0) scales the zero output (and sums).
     acc_tok = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout))
+    if ROW_SUM:
+        sum_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+        acc_tok = (acc_tok,
+                   warpgroup_mma_init(gl.zeros([64, 8], gl.float32, layout=sum_layout)))
     for j in range(1, n_blocks):
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
-            it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base,
+            it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
             k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns,
-            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT)
+            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT, ROW_SUM)
     last = it + n_blocks - 1
-    acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2)
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2,
+                     ROW_SUM)
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
     if PINGPONG:
         _turn(turns[0], False)
-    acc_tok = warpgroup_mma(p_smem.index(p_base + (n_blocks - 1) % 2),
-                            v_smem.index(vslot).permute((1, 0)), acc, is_async=True)
+    acc_tok = _pv_issue(p_smem.index(p_base + (n_blocks - 1) % 2),
+                        v_smem.index(vslot).permute((1, 0)), acc, ones, ROW_SUM)
     if PINGPONG:
         _turn(turns[1], True)
-    acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    if ROW_SUM:
+        acc = warpgroup_mma_wait(0, deps=acc_tok)
+        l_i = gl.convert_layout(gl.max(acc[1], 1), m_i.type.layout)  # its 8 columns agree
+        acc = acc[0]
+    else:
+        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
     mbarrier.arrive(v_empty.index(vslot))
     return acc, m_i, l_i
 
@@ -728,9 +766,12 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
     transposed, P through shared memory (``_attend_fp8``) as ``2**_P_SHIFT_FP8`` times the
     probabilities."""
     Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh = stores
-    q_smem, k_smem, v_smem, p_smem, tile_info = bufs
+    q_smem, k_smem, v_smem, p_smem, ones_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     ROWS: gl.constexpr = 64
+    # The row sums on the tensor cores (``_pv_issue``): FP8 non-causal +10-19%, causal (two
+    # consumers) 1-2% slower (H200, D 128, N 4K-16K, 2026-12-01).
+    ROW_SUM: gl.constexpr = FP8 and not IS_CAUSAL
     MMA_K: gl.constexpr = 32 if FP8 else 16  # one wgmma's reduction: 32 bytes
     P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -776,10 +817,10 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                     if FP8:
                         acc, m_i, l_i = _attend_fp8(
                             q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, p_smem,
-                            2 * PART, k_ready, v_ready, k_empty, v_empty, it, n_mine,
-                            my_full // BLOCK_N, seqlen_k, rows_pos, tile_scale, turns,
-                            IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout, o_layout,
-                            PINGPONG, P_SHIFT)
+                            2 * PART, ones_smem.permute((1, 0)), k_ready, v_ready, k_empty,
+                            v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
+                            tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
+                            o_layout, PINGPONG, P_SHIFT, ROW_SUM)
                     else:
                         acc, m_i, l_i = _attend(
                             q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready,
@@ -818,12 +859,22 @@ def _hopper_prefill_ws_kernel(
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, HEAD_DIM, BLOCK_N], desc_v.layout)
     else:
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], desc_v.layout)
-    if FP8:  # two P buffers per consumer (``_ws_step_fp8``)
+    if FP8:  # two P buffers per consumer (``_ws_step_fp8``); the row sums' ones (``_pv_issue``)
         p_smem = gl.allocate_shared_memory(
             dtype, [2 * CONSUMERS, 64, BLOCK_N],
             gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], dtype))
+        ones_smem = gl.allocate_shared_memory(
+            dtype, [8, BLOCK_N], gl.NVMMASharedLayout.get_default_for([8, BLOCK_N], dtype))
+        # e4m3 1.0 is the byte 0x38, stored as bytes: the constant 1.0 converted to e4m3 came
+        # out as 0x00003838 words, half the keys' ones lost (ptxas filled each pair's other
+        # half from an unrelated register: F2FP.SATFINITE.E4M3.F32.PACK_AB_MERGE_C, sm_90a,
+        # Triton 3.6).
+        ones_smem._reinterpret(gl.uint8, [8, BLOCK_N], ones_smem.layout).store(
+            gl.full([8, BLOCK_N], 0x38, gl.uint8,
+                    layout=gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])))
     else:  # unused: 16-bit P stays in registers (``bufs`` has one form for both builds)
         p_smem = q_smem
+        ones_smem = q_smem
     tile_info = gl.allocate_shared_memory(gl.int32, [2 * _TILE_FIELDS, 1],
                                           gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFS, 1], mbarrier.MBarrierLayout())
@@ -849,7 +900,7 @@ def _hopper_prefill_ws_kernel(
 
     # Runtime values travel in tuples, compile-time ones flat: a tuple loses the constexpr-ness
     # of its members in Triton 3.6's warp_specialize.
-    bufs = (q_smem, k_smem, v_smem, p_smem, tile_info)
+    bufs = (q_smem, k_smem, v_smem, p_smem, ones_smem, tile_info)
     bars = (q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty)
     walk = (cu_q, cu_k, batch, num_heads, num_slots, slot_run, num_tiles)
     stores = (Out, Lse, qk_scale, stride_ot, stride_oh, stride_lh)

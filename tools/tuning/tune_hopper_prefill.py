@@ -223,23 +223,45 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
         "setmaxnreg_inc": sorted({int(x) for x in re.findall(
             r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        "wgmma_wait_1": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)),
+        # Waits that leave wgmma in flight (the PV, and the FP8 row sums, past the QK^T).
+        "wgmma_wait_some": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[12];", ptx)),
         # The consumers' turns (``pingpong``): named barriers of 256 threads by register id.
         "turn_syncs": len(re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)),
         "shared_bytes": kernel.metadata.shared,
         "ex2_under_pv": ex2_under_pv(sass),
+        "key_loop_spills": key_loop_spills(sass),
     }
+
+
+def key_loop_spills(sass: str) -> int:
+    """Local-memory loads and stores (``LDL``/``STL``: spills) inside the key loops: the
+    innermost SASS loops (a branch back to a lower address) that hold ``MUFU.EX2``."""
+    import re
+
+    ins = [(int(m.group(1), 16), m.group(2)) for m in
+           re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    loops = []
+    for addr, text in ins:
+        back = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        if back and int(back.group(1), 16) < addr:
+            body = [t for a, t in ins if int(back.group(1), 16) <= a <= addr]
+            if any("MUFU.EX2" in t for t in body):
+                loops.append((int(back.group(1), 16), addr, body))
+    inner = [lp for lp in loops  # no other loop's branch back inside it
+             if not any(o is not lp and lp[0] <= o[1] < lp[1] for o in loops)]
+    return sum(1 for _, _, body in inner for t in body if re.search(r"\b(LDL|STL)\b", t))
 
 
 def ex2_under_pv(sass: str) -> int:
     """The most ``MUFU.EX2`` (the softmax's exponentials) in the SASS between a wait for the
-    QK^T wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x1``: the PV issued after it may run on) and the
-    next wait for every wgmma (``... 0x0``): the softmax work that runs while this warpgroup's
-    own PV does. 0 where ptxas moved the PV's wait above the softmax."""
+    QK^T wgmma (``WARPGROUP.DEPBAR.LE gsb0, 0x1``, or ``0x2`` where the FP8 row sums' wgmma
+    follows the PV: those issued after it may run on) and the next wait for every wgmma
+    (``... 0x0``): the softmax work that runs while this warpgroup's own PV does. 0 where
+    ptxas moved the PV's wait above the softmax."""
     best = count = 0
     open_ = False
     for line in sass.splitlines():
-        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line:
+        if "WARPGROUP.DEPBAR.LE gsb0, 0x1" in line or "WARPGROUP.DEPBAR.LE gsb0, 0x2" in line:
             open_, count = True, 0
         elif "WARPGROUP.DEPBAR.LE gsb0, 0x0" in line:
             if open_:
