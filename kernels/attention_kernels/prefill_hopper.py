@@ -485,15 +485,18 @@ def _rescale(acc, alpha):
 
 @gluon.jit
 def _pv_issue(p, v, acc, ones, ROW_SUM: gl.constexpr):
-    """O += P V issued; with ``ROW_SUM`` (FP8, ``acc`` = (O, L)) also L += P ones, each of L's 8
-    columns P's row sums: the softmax's sum moved off the FP32 units onto the tensor cores.
-    Why: issue slots, not the MUFU or the tensor cores, bound the FP8 build's block (ncu, H200,
-    D 128, N 8K: issue 47% busy, MUFU 49%; a build without the row sum ran 17-20% faster); its
-    64 FADD a thread and their shuffles go, for a wgmma 1/16 of the PV's size. The sum is then
-    over the e4m3 P the PV multiplies. Returns the token (or both)."""
+    """O += P V issued. ``ROW_SUM`` (FP8; ``acc`` = (O, the running row sums, the last block's
+    sums, whose registers the next take)): also P ones from zero, each of its 8 columns P's row
+    sums, which ``_settle_pv`` adds to the running sums in fp32: the softmax's sum moved off
+    the FP32 units onto the tensor cores. Why: issue slots, not the MUFU or the tensor cores,
+    bound the FP8 build's block (ncu, H200, D 128, N 8K: issue 47% busy, MUFU 49%; a build
+    without the row sum ran 17-20% faster); its 64 FADD a thread go, for a wgmma 1/16 of the
+    PV. Sums kept in the wgmma's accumulator across blocks lost bits (FP8 wgmma adds with
+    ~14: relative error 0.080 against 0.053 at N 4K), so each block's starts from zero.
+    Returns the token (or both, and the running sums)."""
     if ROW_SUM:
         return (warpgroup_mma(p, v, acc[0], is_async=True),
-                warpgroup_mma(p, ones, acc[1], is_async=True))
+                warpgroup_mma(p, ones, acc[2], use_acc=False, is_async=True), acc[1])
     else:
         return warpgroup_mma(p, v, acc, is_async=True)
 
@@ -636,14 +639,21 @@ def _p_store(p, p_buf):
 
 
 @gluon.jit
+def _row_sums(sums, like):
+    """The row sums of a P ones wgmma (``_pv_issue``: its 8 columns agree), a row vector in the
+    layout of ``like``."""
+    return gl.convert_layout(gl.max(sums, 1), like.type.layout)
+
+
+@gluon.jit
 def _settle_pv(acc_tok, alpha, v_slot_empty, release, ROW_SUM: gl.constexpr):
     """FP8: the PV issued a block ago (``ROW_SUM``: and its row sums), waited for; its V slot
     released (``release``: there was one), the output (and sums) rescaled, and every thread's
     P store (fenced) done before the next issue reads it."""
     if ROW_SUM:
-        acc = warpgroup_mma_wait(0, deps=acc_tok)
+        o, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
         mbarrier.arrive(v_slot_empty, pred=release)
-        acc = (_rescale(acc[0], alpha), _rescale(acc[1], alpha))
+        acc = (_rescale(o, alpha), (acc_tok[2] + _row_sums(sums, alpha)) * alpha, sums)
     else:
         acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
         mbarrier.arrive(v_slot_empty, pred=release)
@@ -698,7 +708,8 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, 
         sum_layout: gl.constexpr = gl.NVMMADistributedLayout(
             version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
         acc_tok = (acc_tok,
-                   warpgroup_mma_init(gl.zeros([64, 8], gl.float32, layout=sum_layout)))
+                   warpgroup_mma_init(gl.zeros([64, 8], gl.float32, layout=sum_layout)),
+                   gl.zeros_like(l_i))
     for j in range(1, n_blocks):
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
             it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
@@ -716,9 +727,8 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, 
     if PINGPONG:
         _turn(turns[1], True)
     if ROW_SUM:
-        acc = warpgroup_mma_wait(0, deps=acc_tok)
-        l_i = gl.convert_layout(gl.max(acc[1], 1), m_i.type.layout)  # its 8 columns agree
-        acc = acc[0]
+        acc, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
+        l_i = acc_tok[2] + _row_sums(sums, m_i)
     else:
         acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
     mbarrier.arrive(v_empty.index(vslot))
