@@ -779,9 +779,9 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
     q_smem, k_smem, v_smem, p_smem, ones_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     ROWS: gl.constexpr = 64
-    # The row sums on the tensor cores (``_pv_issue``): FP8 non-causal +10-19%, causal (two
-    # consumers) 1-2% slower (H200, D 128, N 4K-16K, 2026-12-01).
-    ROW_SUM: gl.constexpr = FP8 and not IS_CAUSAL
+    # The row sums on the tensor cores (``_pv_issue``): FP8 +10-19% non-causal (H200, D 128,
+    # N 4K-16K, 2026-12-01); causal +1-2% with two consumers, +6-9% with three (N 8K, 16K).
+    ROW_SUM: gl.constexpr = FP8
     MMA_K: gl.constexpr = 32 if FP8 else 16  # one wgmma's reduction: 32 bytes
     P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
