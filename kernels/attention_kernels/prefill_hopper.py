@@ -491,9 +491,11 @@ def _pv_issue(p, v, acc, ones, ROW_SUM: gl.constexpr):
     the FP32 units onto the tensor cores. Why: issue slots, not the MUFU or the tensor cores,
     bound the FP8 build's block (ncu, H200, D 128, N 8K: issue 47% busy, MUFU 49%; a build
     without the row sum ran 17-20% faster); its 64 FADD a thread go, for a wgmma 1/16 of the
-    PV. Sums kept in the wgmma's accumulator across blocks lost bits (FP8 wgmma adds with
-    ~14: relative error 0.080 against 0.053 at N 4K), so each block's starts from zero.
-    Returns the token (or both, and the running sums)."""
+    PV: +10-19% non-causal in one call's interleaved A/B, causal +1-2% with two consumers and
+    +6-9% with three (H200, D 128, N 4K-16K, 2026-12-01). Sums kept in the wgmma's accumulator
+    across blocks lost bits (FP8 wgmma adds with ~14: the output's relative error against
+    cuDNN's bf16 at N 4K 0.080, not 0.053), so each block's start from zero. Returns the
+    token, or both and the running sums."""
     if ROW_SUM:
         return (warpgroup_mma(p, v, acc[0], is_async=True),
                 warpgroup_mma(p, ones, acc[2], use_acc=False, is_async=True), acc[1])
@@ -508,7 +510,7 @@ def _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_prev, v_ready, a
     """Key block at ring position ``r``: S = Q K^T and O += P_prev V_prev issued (in this
     warpgroup's turn with ``PINGPONG``; V_prev from position ``r - 1``; ``ROW_SUM``: the row
     sums' wgmma too, ``_pv_issue``), then S waited for and its K slot released. Returns S and
-    the PV in flight."""
+    the token(s) of what is still in flight."""
     kslot = r % STAGES
     mbarrier.wait(k_ready.index(kslot), (r // STAGES) & 1)
     if PINGPONG:
@@ -646,18 +648,14 @@ def _row_sums(sums, like):
 
 
 @gluon.jit
-def _settle_pv(acc_tok, alpha, v_slot_empty, release, ROW_SUM: gl.constexpr):
-    """FP8: the PV issued a block ago (``ROW_SUM``: and its row sums), waited for; its V slot
-    released (``release``: there was one), the output (and sums) rescaled, and every thread's
-    P store (fenced) done before the next issue reads it."""
-    if ROW_SUM:
-        o, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
-        mbarrier.arrive(v_slot_empty, pred=release)
-        acc = (_rescale(o, alpha), (acc_tok[2] + _row_sums(sums, alpha)) * alpha, sums)
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
-        mbarrier.arrive(v_slot_empty, pred=release)
-        acc = _rescale(acc, alpha)
+def _settle_pv(acc_tok, alpha, v_slot_empty, release):
+    """FP8: the PV and row sums issued a block ago (``_pv_issue``) waited for; the V slot
+    released (``release``: there was one); the output rescaled, the sums added to the running
+    ones and those rescaled; and every thread's P store (fenced) done before the next issue
+    reads it. Returns (O, the running sums, the sums' registers) for the next issue."""
+    o, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
+    mbarrier.arrive(v_slot_empty, pred=release)
+    acc = (_rescale(o, alpha), (acc_tok[2] + _row_sums(sums, alpha)) * alpha, sums)
     gl.thread_barrier()
     return acc
 
@@ -666,8 +664,7 @@ def _settle_pv(acc_tok, alpha, v_slot_empty, release, ROW_SUM: gl.constexpr):
 def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
                  k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero,
                  turns, masked, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr,
-                 ROW_SUM: gl.constexpr):
+                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
     """``_ws_step`` for FP8, with P through shared memory and the PV waited for one block
     late: P_{j-2} V_{j-2} waited for and the output rescaled, then S_j and P_{j-1} V_{j-1}
     issued (P_{j-1} from buffer ``p_base + (j - 1) % 2``), and the softmax of S_j under that
@@ -678,13 +675,13 @@ def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem,
     warpgroup's softmax never ran under its own PV, and P's registers, read by the PV in
     flight, could not be rewritten before it ended. At the top of the next block the PV has
     long finished, and with P in shared memory no register is shared with a wgmma in flight."""
-    acc = _settle_pv(acc_tok, alpha, v_empty.index((r + STAGES - 2) % STAGES), j >= 2, ROW_SUM)
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((r + STAGES - 2) % STAGES), j >= 2)
     s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty,
                               p_smem.index(p_base + (j - 1) % 2),
                               v_smem.index((r - 1) % STAGES).permute((1, 0)), v_ready, acc,
-                              s_zero, turns, STAGES, PINGPONG, ones, ROW_SUM)
+                              s_zero, turns, STAGES, PINGPONG, ones, True)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True, not ROW_SUM)
+                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True, False)
     _p_store(p, p_smem.index(p_base + j % 2))
     return acc_tok, alpha, m_i, l_i
 
@@ -694,43 +691,37 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, 
                 v_empty, it, n_blocks, nb_full, seqlen_k, rows_pos, qk_scale, turns,
                 IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr, ROW_SUM: gl.constexpr):
+                PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
     """``_attend`` for FP8 Q, K, V (``_ws_step_fp8``): P in this warpgroup's two shared-memory
-    buffers from ``p_base``; ``ROW_SUM``: the row sums by wgmma against ``ones``."""
+    buffers from ``p_base``, its row sums by wgmma against ``ones`` (``_pv_issue``)."""
     p, m_i, alpha, l_i, s_zero = _first_block(
         q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
-        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True, not ROW_SUM)
+        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True, False)
     _p_store(p, p_smem.index(p_base))
     # No PV is in flight before block 1: its wait passes at once, and block 0's alpha
     # (exp2(-inf) = 0) scales the zero output (and sums).
-    acc_tok = warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout))
-    if ROW_SUM:
-        sum_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
-        acc_tok = (acc_tok,
-                   warpgroup_mma_init(gl.zeros([64, 8], gl.float32, layout=sum_layout)),
-                   gl.zeros_like(l_i))
+    sum_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 8, 32])
+    acc_tok = (warpgroup_mma_init(gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)),
+               warpgroup_mma_init(gl.zeros([64, 8], gl.float32, layout=sum_layout)),
+               gl.zeros_like(l_i))
     for j in range(1, n_blocks):
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
             it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
             k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns,
-            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT, ROW_SUM)
+            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT)
     last = it + n_blocks - 1
-    acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2,
-                     ROW_SUM)
+    acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2)
     vslot = last % STAGES
     mbarrier.wait(v_ready.index(vslot), (last // STAGES) & 1)
     if PINGPONG:
         _turn(turns[0], False)
     acc_tok = _pv_issue(p_smem.index(p_base + (n_blocks - 1) % 2),
-                        v_smem.index(vslot).permute((1, 0)), acc, ones, ROW_SUM)
+                        v_smem.index(vslot).permute((1, 0)), acc, ones, True)
     if PINGPONG:
         _turn(turns[1], True)
-    if ROW_SUM:
-        acc, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
-        l_i = acc_tok[2] + _row_sums(sums, m_i)
-    else:
-        acc = warpgroup_mma_wait(0, deps=(acc_tok, ))
+    acc, sums = warpgroup_mma_wait(0, deps=(acc_tok[0], acc_tok[1]))
+    l_i = acc_tok[2] + _row_sums(sums, m_i)
     mbarrier.arrive(v_empty.index(vslot))
     return acc, m_i, l_i
 
@@ -779,9 +770,6 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
     q_smem, k_smem, v_smem, p_smem, ones_smem, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
     ROWS: gl.constexpr = 64
-    # The row sums on the tensor cores (``_pv_issue``): FP8 +10-19% non-causal (H200, D 128,
-    # N 4K-16K, 2026-12-01); causal +1-2% with two consumers, +6-9% with three (N 8K, 16K).
-    ROW_SUM: gl.constexpr = FP8
     MMA_K: gl.constexpr = 32 if FP8 else 16  # one wgmma's reduction: 32 bytes
     P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -830,7 +818,7 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                             2 * PART, ones_smem.permute((1, 0)), k_ready, v_ready, k_empty,
                             v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
                             tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
-                            o_layout, PINGPONG, P_SHIFT, ROW_SUM)
+                            o_layout, PINGPONG, P_SHIFT)
                     else:
                         acc, m_i, l_i = _attend(
                             q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready,

@@ -223,8 +223,10 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores", info)),
         "setmaxnreg_inc": sorted({int(x) for x in re.findall(
             r"setmaxnreg\.inc\.sync\.aligned\.u32\s+(\d+)", ptx)}),
-        # Waits that leave wgmma in flight (the PV, and the FP8 row sums, past the QK^T).
-        "wgmma_wait_some": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+[12];", ptx)),
+        # Waits that leave wgmma in flight past the QK^T: the PV (16-bit: 1), the PV and the
+        # row sums (FP8: 2).
+        "wgmma_wait_1": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)),
+        "wgmma_wait_2": len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+2;", ptx)),
         # The consumers' turns (``pingpong``): named barriers of 256 threads by register id.
         "turn_syncs": len(re.findall(r"bar\.sync\s+%r\d+, 256;", ptx)),
         "shared_bytes": kernel.metadata.shared,
@@ -233,22 +235,25 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
     }
 
 
-def key_loop_spills(sass: str) -> int:
+def key_loop_spills(sass: str) -> int | None:
     """Local-memory loads and stores (``LDL``/``STL``: spills) inside the key loops: the
-    innermost SASS loops (a branch back to a lower address) that hold ``MUFU.EX2``."""
+    innermost SASS loops (a branch back to a lower address) that hold ``MUFU.EX2``. None where
+    no such loop is found (a branch form this does not read), rather than a count of 0."""
     import re
 
     ins = [(int(m.group(1), 16), m.group(2)) for m in
            re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
     loops = []
     for addr, text in ins:
-        back = re.search(r"BRA\s+0x([0-9a-f]+)", text)
+        back = re.search(r"\bBRA(?:\.\w+)*\s+(?:!?U?P\w+,\s*)?0x([0-9a-f]+)", text)
         if back and int(back.group(1), 16) < addr:
             body = [t for a, t in ins if int(back.group(1), 16) <= a <= addr]
             if any("MUFU.EX2" in t for t in body):
                 loops.append((int(back.group(1), 16), addr, body))
     inner = [lp for lp in loops  # no other loop's branch back inside it
              if not any(o is not lp and lp[0] <= o[1] < lp[1] for o in loops)]
+    if not inner:
+        return None
     return sum(1 for _, _, body in inner for t in body if re.search(r"\b(LDL|STL)\b", t))
 
 
