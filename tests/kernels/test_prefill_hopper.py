@@ -342,8 +342,9 @@ def test_fp8_build_compiles_without_spills(compile_sm90: Callable[..., dict],
     assert got["spill_bytes"] <= 288, got
     assert got["key_loop_spills"] is not None and got["key_loop_spills"] <= 2, got
     assert {2: 224, 3: 160}[tile["consumers"]] in got["setmaxnreg_inc"], got
-    # S waited for with the PV and the row sums in flight (``_pv_issue``).
-    assert got["wgmma_wait_2"] > 0 and got["turn_syncs"] > 0, got
+    # S waited for with the PV and the row sums in flight (``_pv_issue``), their ones tile
+    # stored as e4m3 1.0 in every byte (0 words when ptxas mangled a converted constant).
+    assert got["wgmma_wait_2"] > 0 and got["turn_syncs"] > 0 and got["ones_words"] > 0, got
     # The softmax runs under the warpgroup's own PV: all of a block's exp2 (64 a thread at 128
     # keys) between the QK^T wait and the next full wait (``_ws_step_fp8``). With the PV's
     # wait after the softmax, as the 16-bit build writes it, ptxas hoisted it: 0.
