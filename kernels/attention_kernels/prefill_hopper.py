@@ -93,54 +93,39 @@ def _find_sequence(cu_q, slot, batch, BLOCK_M: gl.constexpr, BLOCK_B: gl.constex
     return count - 1
 
 
-@gluon.jit
-def _halve(x, IS_MAX: gl.constexpr):
-    """``x [rows, cols]`` -> ``[rows, cols // 2]``: column ``c`` combined with ``c + cols // 2``
-    (max or sum). In the wgmma accumulator's layout a thread holds both while ``cols // 2`` is
-    a multiple of 8, so this is one instruction per pair, with no data moved."""
-    rows: gl.constexpr = x.shape[0]
-    cols: gl.constexpr = x.shape[1]
-    x = gl.permute(gl.reshape(x, [rows, 2, cols // 2]), (0, 2, 1))
-    a, b = gl.split(x)
-    if IS_MAX:
-        return gl.maximum(a, b)
-    else:
-        return a + b
+# FP8 P (e4m3: normal from 2^-6, subnormal to 2^-9, largest 448) is taken as 2^8 times the
+# probabilities, in (0, 256]: probabilities down to 2^-14 keep all 3 mantissa bits instead of
+# 2^-6, for no instruction (the shift joins the exp2's subtraction).
+_P_SHIFT_FP8 = gl.constexpr(8)
 
 
 @gluon.jit
-def _row_reduce(x, IS_MAX: gl.constexpr):
-    """Row max or sum of a wgmma accumulator tile as a tree: Triton reduces a thread's values
-    in one dependent chain (31 ``FMNMX`` or ``FADD`` back to back per row at 128 columns,
-    sm_90a SASS), which the softmax waits on; halving first leaves a chain of 4 plus the
-    last 8 columns' reduction."""
+def _row_max(x):
+    """Row max of a wgmma accumulator tile as a tree: Triton reduces a thread's values in one
+    dependent chain (31 ``FMNMX`` back to back per row at 128 columns, sm_90a SASS), which the
+    softmax waits on. Halving first (column ``c`` against ``c + cols // 2``: a thread holds
+    both while ``cols // 2`` is a multiple of 8, so no data moves) leaves a chain of 4 plus
+    the last 8 columns' reduction."""
     rows: gl.constexpr = gl.SliceLayout(1, x.type.layout)
-    if x.shape[1] > 64:
-        x = _halve(x, IS_MAX)
-    if x.shape[1] > 32:
-        x = _halve(x, IS_MAX)
-    if x.shape[1] > 16:
-        x = _halve(x, IS_MAX)
-    if x.shape[1] > 8:
-        x = _halve(x, IS_MAX)
-    if IS_MAX:
-        return gl.convert_layout(gl.max(x, 1), rows)  # the same registers: no data moves
-    else:
-        return gl.convert_layout(gl.sum(x, 1), rows)
+    for _ in gl.static_range(4):
+        if x.shape[1] > 8:
+            x = gl.permute(gl.reshape(x, [x.shape[0], 2, x.shape[1] // 2]), (0, 2, 1))
+            a, b = gl.split(x)
+            x = gl.maximum(a, b)
+    return gl.convert_layout(gl.max(x, 1), rows)  # the same registers: no data moves
 
 
 @gluon.jit
 def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
-                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, P_SHIFT: gl.constexpr,
-                   TREE: gl.constexpr = False, SUM: gl.constexpr = True):
+                   IS_CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, FP8: gl.constexpr):
     """Online-softmax update for one block of raw scores ``s`` (``qk_scale`` takes them to log2
     units). Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum.
     ``masked``: a compile-time or run-time flag; only the mask sits under it, so a run-time
-    flag costs no second copy of the rest (``_attend``). ``P_SHIFT``: ``p`` and the sum are
-    ``2**P_SHIFT`` times the probabilities (FP8 P: ``_P_SHIFT_FP8``); the output's
-    normalisation cancels it and the lse takes it off. ``TREE``: the row max and sum as trees
-    (``_row_reduce``; FP8 only: the 16-bit builds ran 1-5% slower with them, H200,
-    2026-12-01). ``SUM`` False: no row sum (``l_i`` as given; ``_pv_issue`` sums P)."""
+    flag costs no second copy of the rest (``_attend``). ``FP8``: ``p`` is ``2**_P_SHIFT_FP8``
+    times the probabilities (the output's normalisation cancels it and the lse takes it off),
+    the row max a tree (``_row_max``; the 16-bit builds ran 1-5% slower with it, H200,
+    2026-12-01), and no row sum (``l_i`` returned as given: ``_pv_issue`` sums P)."""
+    P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     scale = qk_scale
     if masked:
         offs_n = block * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s.type.layout))
@@ -153,21 +138,16 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     # Unmasked, every key of the block is visible to every row, and max(s) * scale, the max of
     # the scaled scores for a positive scale (as the portable kernel assumes there too), lets
     # one FMA per score scale and shift it.
-    row_max = _row_reduce(s, True) if TREE else gl.max(s, 1)
+    row_max = _row_max(s) if FP8 else gl.max(s, 1)
     m_new = gl.maximum(m_i, row_max * scale)
     # A row that has seen no key keeps m = -inf; shift it by 0 so exp2 gives 0, not NaN.
     m_shift = gl.where(m_new == float("-inf"), 0.0, m_new)
     p = gl.exp2(s * scale - gl.expand_dims(m_shift - P_SHIFT, 1))
     alpha = gl.exp2(m_i - m_shift)
-    if SUM:
-        l_i = l_i * alpha + (_row_reduce(p, False) if TREE else gl.sum(p, 1))
+    if not FP8:
+        l_i = l_i * alpha + gl.sum(p, 1)
     return p, m_new, alpha, l_i
 
-
-# FP8 P (e4m3: normal from 2^-6, subnormal to 2^-9, largest 448) is taken as 2^8 times the
-# probabilities, in (0, 256]: probabilities down to 2^-14 keep all 3 mantissa bits instead of
-# 2^-6, for no instruction (the shift joins the exp2's subtraction).
-_P_SHIFT_FP8 = gl.constexpr(8)
 
 # Named barriers 8.. order the consumers' GEMM issues (Triton 3.6 numbers its own from 0: with
 # three consumers 0-3 appear in this kernel's PTX).
@@ -549,7 +529,7 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
     s, acc_tok = _block_gemms(r, q_part, k_smem, k_ready, k_empty, p_prev, v_smem.index(vslot),
                               v_ready, acc, s_zero, turns, STAGES, PINGPONG)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N, 0)
+                                        IS_CAUSAL, BLOCK_N, False)
     acc = _pv_wait(acc_tok, p_prev)
     mbarrier.arrive(v_empty.index(vslot))
     acc = _rescale(acc, alpha)
@@ -560,8 +540,7 @@ def _ws_step(r, j, acc, p_prev, m_i, l_i, q_part, k_smem, v_smem, k_ready, v_rea
 @gluon.jit
 def _first_block(q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns,
                  IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
-                 s_layout: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr,
-                 TREE: gl.constexpr, SUM: gl.constexpr = True):
+                 s_layout: gl.constexpr, PINGPONG: gl.constexpr, FP8: gl.constexpr):
     """A warpgroup's first key block (ring position ``it``): S_0 in its turn, waited for, and
     its softmax (masked). Returns P_0, the max, alpha, the sum, and the zero S operand the
     next blocks reuse."""
@@ -580,7 +559,7 @@ def _first_block(q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_sc
     s = warpgroup_mma_wait(0, deps=(s_tok, ))
     mbarrier.arrive(k_empty.index(kslot))
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, 0, seqlen_k, rows_pos, qk_scale, True,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, TREE, SUM)
+                                        IS_CAUSAL, BLOCK_N, FP8)
     return p, m_i, alpha, l_i, s_zero
 
 
@@ -595,7 +574,7 @@ def _attend(q_part, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, it, n_bl
     acc = gl.zeros([64, HEAD_DIM], gl.float32, layout=o_layout)
     p, m_i, alpha, l_i, s_zero = _first_block(
         q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
-        STAGES, BLOCK_N, s_layout, PINGPONG, 0, False)
+        STAGES, BLOCK_N, s_layout, PINGPONG, False)
     p_prev = gl.convert_layout(p.to(q_part.dtype), p_layout)
     # One loop, the mask under a run-time branch, rather than an unmasked loop and a masked
     # one: the consumers' code is a fifth smaller (sm_90a SASS, D 64 causal: 8.6K -> 6.9K
@@ -664,7 +643,7 @@ def _settle_pv(acc_tok, alpha, v_slot_empty, release):
 def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
                  k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero,
                  turns, masked, IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
+                 BLOCK_N: gl.constexpr, PINGPONG: gl.constexpr):
     """``_ws_step`` for FP8, with P through shared memory and the PV waited for one block
     late: P_{j-2} V_{j-2} waited for and the output rescaled, then S_j and P_{j-1} V_{j-1}
     issued (P_{j-1} from buffer ``p_base + (j - 1) % 2``), and the softmax of S_j under that
@@ -681,7 +660,7 @@ def _ws_step_fp8(r, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem,
                               v_smem.index((r - 1) % STAGES).permute((1, 0)), v_ready, acc,
                               s_zero, turns, STAGES, PINGPONG, ones, True)
     p, m_i, alpha, l_i = _softmax_block(s, m_i, l_i, j, seqlen_k, rows_pos, qk_scale, masked,
-                                        IS_CAUSAL, BLOCK_N, P_SHIFT, True, False)
+                                        IS_CAUSAL, BLOCK_N, True)
     _p_store(p, p_smem.index(p_base + j % 2))
     return acc_tok, alpha, m_i, l_i
 
@@ -691,12 +670,12 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, 
                 v_empty, it, n_blocks, nb_full, seqlen_k, rows_pos, qk_scale, turns,
                 IS_CAUSAL: gl.constexpr, STAGES: gl.constexpr, BLOCK_N: gl.constexpr,
                 HEAD_DIM: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-                PINGPONG: gl.constexpr, P_SHIFT: gl.constexpr):
+                PINGPONG: gl.constexpr):
     """``_attend`` for FP8 Q, K, V (``_ws_step_fp8``): P in this warpgroup's two shared-memory
     buffers from ``p_base``, its row sums by wgmma against ``ones`` (``_pv_issue``)."""
     p, m_i, alpha, l_i, s_zero = _first_block(
         q_part, k_smem, k_ready, k_empty, it, seqlen_k, rows_pos, qk_scale, turns, IS_CAUSAL,
-        STAGES, BLOCK_N, s_layout, PINGPONG, P_SHIFT, True, False)
+        STAGES, BLOCK_N, s_layout, PINGPONG, True)
     _p_store(p, p_smem.index(p_base))
     # No PV is in flight before block 1: its wait passes at once, and block 0's alpha
     # (exp2(-inf) = 0) scales the zero output (and sums).
@@ -709,7 +688,7 @@ def _attend_fp8(q_part, k_smem, v_smem, p_smem, p_base, ones, k_ready, v_ready, 
         acc_tok, alpha, m_i, l_i = _ws_step_fp8(
             it + j, j, acc_tok, alpha, m_i, l_i, q_part, k_smem, v_smem, p_smem, p_base, ones,
             k_ready, v_ready, k_empty, v_empty, seqlen_k, rows_pos, qk_scale, s_zero, turns,
-            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG, P_SHIFT)
+            j >= nb_full, IS_CAUSAL, STAGES, BLOCK_N, PINGPONG)
     last = it + n_blocks - 1
     acc = _settle_pv(acc_tok, alpha, v_empty.index((last + STAGES - 1) % STAGES), n_blocks >= 2)
     vslot = last % STAGES
@@ -818,7 +797,7 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                             2 * PART, ones_smem.permute((1, 0)), k_ready, v_ready, k_empty,
                             v_empty, it, n_mine, my_full // BLOCK_N, seqlen_k, rows_pos,
                             tile_scale, turns, IS_CAUSAL, STAGES, BLOCK_N, HEAD_DIM, s_layout,
-                            o_layout, PINGPONG, P_SHIFT)
+                            o_layout, PINGPONG)
                     else:
                         acc, m_i, l_i = _attend(
                             q_smem.index(qb * CONSUMERS + PART), k_smem, v_smem, k_ready,

@@ -579,15 +579,15 @@ def _on_sm90(t: torch.Tensor) -> bool:
 
 
 def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
-                  causal: bool, plain: bool) -> bool:
+                  plain: bool) -> bool:
     """FP8 queries, keys and values the Gluon kernel takes with both dots in FP8: sm_90, a
-    (head dim, causal) in ``_FP8_TILES``, no window, softcap or ALiBi (``plain``), ``[total, H, D]``
+    head dim in ``_FP8_TILES``, no window, softcap or ALiBi (``plain``), ``[total, H, D]``
     rows contiguous and 16-byte aligned (TMA), and sequences of at least a key block on
     average (the zeros between sequences of ``prefill_hopper.transposed_values_ref`` then
     about double V at most). ``ATTENTION_KERNELS_GLUON=0`` turns it off."""
     if not plain or batch == 0 or q.shape[0] == 0:
         return False
-    tile = _FP8_TILES.get((q.shape[2], causal))
+    tile = _FP8_TILES.get(q.shape[2])
     if tile is None or k.shape[0] < batch * tile["block_n"]:
         return False
     if not _on_sm90(q) or os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
@@ -596,27 +596,18 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
                and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-# The FP8 Gluon kernel's tiles by (head dim, causal), and its launches by the 16-byte alignment
-# of the pointers Triton specializes on (``_fp8_prefill``), then by their compile-time
-# arguments (``hopper_prefill_ws``). P goes through shared memory and each PV is waited for one
-# key block late (``prefill_hopper._ws_step_fp8``), which frees the registers a third consumer
-# needs. H200, dense B * N = 16K, 16 heads, D 128, TFLOP/s at N 4K / 8K / 16K, medians of 5
-# interleaved rounds, two processes (2026-12-01, call 3): non-causal three consumers, three
-# stages 719-737 / 768-777 / 823-826 (two consumers 723-727 / 748-753 / 758-759), our bf16
-# 626-628 / 653-656 / 646-651; causal two consumers, three stages 623-631 / 690-691 / 708-710
-# (three: 591-598 / 660-670 / 739-742), bf16 570-575 / 605-608 / 632-634. The kernel before
-# (P in registers, the PV's wait hoisted above the softmax by ptxas) ran 617-623 / 639-653 /
-# 633-644 non-causal in the same machine's earlier call (call 2). Bound by the softmax: the
-# row max and sum now reduce as trees (``prefill_hopper._row_reduce``), and 256-key blocks no
-# longer fit in shared memory with P there (246 KB). D 64 measured 0.85-0.94x our bf16 (the
-# kernel before), so FP8 queries at D 64 take the widened path, which runs at bf16 speed.
-# With the row sums on the tensor cores (``prefill_hopper._pv_issue``; H200, 2026-12-01,
-# interleaved, medians of 3): causal three consumers 764 / 848 TFLOP/s at N 8K / 16K against
-# two consumers' 733 / 789 (720 / 781 before the row sums).
-_FP8_TILES = {
-    (128, False): {"consumers": 3, "block_n": 128, "stages": 3},
-    (128, True): {"consumers": 3, "block_n": 128, "stages": 3},
-}
+# The FP8 Gluon kernel's tiles by head dim, and its launches by the 16-byte alignment of the
+# pointers Triton specializes on (``_fp8_prefill``), then by their compile-time arguments
+# (``hopper_prefill_ws``). P goes through shared memory, each PV is waited for a key block late
+# (``prefill_hopper._ws_step_fp8``) and the row sums are a wgmma (``_pv_issue``), which leaves
+# room for a third consumer. H200, dense B * N = 16K, 16 heads, D 128, TFLOP/s at N 4K / 8K /
+# 16K, interleaved rounds (2026-12-01): non-causal three consumers, three stages 719-737 /
+# 768-777 / 823-826 against two consumers' 723-727 / 748-753 / 758-759 (before the row-sum
+# wgmma); causal, with it, three consumers 608 / 764 / 848 against two consumers' 603 / 733 /
+# 789. 256-key blocks do not fit in shared memory with P there (246 KB). D 64 ran 0.85-0.94x
+# our bf16 (before the late wait and the row-sum wgmma), so FP8 queries at D 64 take the
+# widened path, which runs at bf16 speed.
+_FP8_TILES = {128: {"consumers": 3, "block_n": 128, "stages": 3}}
 _FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
 
 
@@ -636,7 +627,7 @@ def _fp8_prefill(
     batch = cu_q.shape[0] - 1
     ks, vs = folded_scales(q, k, q_scale, k_scale, v_scale, batch)
     plain = window_size == (-1, -1) and not softcap and alibi_slopes is None and config is None
-    if not _fp8_gluon_ok(q, k, v, batch, causal, plain):
+    if not _fp8_gluon_ok(q, k, v, batch, plain):
         return prefill(q.to(torch.bfloat16), k, v, cu_q, cu_k, max_seqlen_q=max_seqlen_q,
                        causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
                        out=out, lse_out=lse_out, window_size=window_size, softcap=softcap,
@@ -655,8 +646,7 @@ def _fp8_prefill(
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse if return_lse else None, causal,
                       scale * LOG2E, programs=num_sms(q.device.index or 0), dynamic=True,
                       kv_scales=(ks, vs, ks.shape[1] if ks.dim() == 2 else 0),
-                      launches=_FP8_LAUNCHES.setdefault(aligned, {}),
-                      **_FP8_TILES[(head_dim, causal)])
+                      launches=_FP8_LAUNCHES.setdefault(aligned, {}), **_FP8_TILES[head_dim])
     return (out, lse) if return_lse else out
 
 

@@ -267,17 +267,16 @@ def test_fp8_gluon_path_is_taken_only_where_it_applies(monkeypatch: pytest.Monke
     q = torch.empty(512, 4, 128, dtype=FP8_DTYPE)
     kv = torch.empty(512, 2, 128, dtype=FP8_DTYPE)
     ok = prefill_kernel._fp8_gluon_ok
-    for causal in (False, True):
-        assert ok(q, kv, kv, 4, causal, True)
-    assert not ok(q, kv, kv, 4, False, False)  # a feature
-    assert not ok(q, kv, kv, 5, False, True)  # a mean sequence under 128 keys
-    assert not ok(q[:, :, :64], kv[..., :64], kv[..., :64], 4, False, True)  # D 64: faster widened
-    assert not ok(q, kv[:, :1].expand(512, 2, 128), kv, 4, False, True)  # rows not contiguous
+    assert ok(q, kv, kv, 4, True)
+    assert not ok(q, kv, kv, 4, False)  # a feature
+    assert not ok(q, kv, kv, 5, True)  # a mean sequence under 128 keys
+    assert not ok(q[:, :, :64], kv[..., :64], kv[..., :64], 4, True)  # D 64: faster widened
+    assert not ok(q, kv[:, :1].expand(512, 2, 128), kv, 4, True)  # rows not contiguous
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
-    assert not ok(q, kv, kv, 4, False, True)
+    assert not ok(q, kv, kv, 4, True)
     monkeypatch.delenv("ATTENTION_KERNELS_GLUON")
     sm90[0] = False
-    assert not ok(q, kv, kv, 4, False, True)
+    assert not ok(q, kv, kv, 4, True)
 
 
 @pytest.mark.parametrize("lens", [[1, 0, 37, 70, 0], [300], [0, 5], [16] * 9, [200, 900]],
