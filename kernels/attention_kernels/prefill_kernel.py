@@ -604,10 +604,11 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
 # 16K, interleaved rounds (2026-12-01): non-causal three consumers, three stages 719-737 /
 # 768-777 / 823-826 against two consumers' 723-727 / 748-753 / 758-759 (before the row-sum
 # wgmma); causal, with it, three consumers 608 / 764 / 848 against two consumers' 603 / 733 /
-# 789. 256-key blocks do not fit in shared memory with P there (246 KB). D 64 ran 0.85-0.94x
-# our bf16 (before the late wait and the row-sum wgmma), so FP8 queries at D 64 take the
-# widened path, which runs at bf16 speed.
-_FP8_TILES = {128: {"consumers": 3, "block_n": 128, "stages": 3}}
+# 789. 256-key blocks do not fit in shared memory with P there (246 KB). D 64, three consumers
+# (``bench_kernels.py --only fp8``, 2026-12-01): 531 / 568 / 585 non-causal, 424 / 485 / 525
+# causal, against the widened path's 449 / 495 / 523 and 353 / 433 / 483 (bf16 speed or below).
+_FP8_TILES = {64: {"consumers": 3, "block_n": 128, "stages": 3},
+              128: {"consumers": 3, "block_n": 128, "stages": 3}}
 _FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
 
 

@@ -260,8 +260,8 @@ def test_fp8_queries_bad_input_names_the_argument() -> None:
 
 
 def test_fp8_gluon_path_is_taken_only_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``_fp8_gluon_ok``: sm_90, D 128, no window/softcap/ALiBi, a mean sequence of a key
-    block at least, contiguous rows."""
+    """``_fp8_gluon_ok``: sm_90, D 64 or 128, no window/softcap/ALiBi, a mean sequence of a
+    key block at least, contiguous rows."""
     sm90 = [True]
     monkeypatch.setattr(prefill_kernel, "_on_sm90", lambda t: sm90[0])
     q = torch.empty(512, 4, 128, dtype=FP8_DTYPE)
@@ -270,7 +270,10 @@ def test_fp8_gluon_path_is_taken_only_where_it_applies(monkeypatch: pytest.Monke
     assert ok(q, kv, kv, 4, True)
     assert not ok(q, kv, kv, 4, False)  # a feature
     assert not ok(q, kv, kv, 5, True)  # a mean sequence under 128 keys
-    assert not ok(q[:, :, :64], kv[..., :64], kv[..., :64], 4, True)  # D 64: faster widened
+    q64, kv64 = (t[..., :64].contiguous() for t in (q, kv))
+    assert ok(q64, kv64, kv64, 4, True)  # D 64
+    assert not ok(q[..., :96].contiguous(), kv[..., :96].contiguous(),
+                  kv[..., :96].contiguous(), 4, True)  # D 96: no FP8 tile, widened
     assert not ok(q, kv[:, :1].expand(512, 2, 128), kv, 4, True)  # rows not contiguous
     monkeypatch.setenv("ATTENTION_KERNELS_GLUON", "0")
     assert not ok(q, kv, kv, 4, True)

@@ -234,6 +234,8 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         # FP8: the row sums' ones tile written as whole words of e4m3 1.0 (``_pv_issue``; a
         # converted constant lost half its bytes in ptxas).
         "ones_words": sass.count("0x38383838"),
+        # FP8: the output's rescale behind a warp-uniform branch (``_rescale_skip``).
+        "rescale_skips": len(re.findall(r"\bVOTE\.ANY\b", sass)),
         "key_loop_spills": key_loop_spills(sass),
     }
 
