@@ -501,6 +501,8 @@ def _rescale_skip(acc, alpha):
     ``_softmax_block``): D / 2 FMUL a thread saved in most blocks. Triton has no such branch
     on a value (it would predicate each multiply), hence the PTX."""
     N: gl.constexpr = acc.shape[1] // 2  # a thread's values: 64 rows x D over 128 threads
+    gl.static_assert(acc.shape[0] == 64, "one warpgroup's 64 rows (two a thread)")
+    gl.static_assert(acc.shape[1] <= 128, "measured and compiled at D 64 and 128 only")
     a = gl.expand_dims(gl.convert_layout(alpha, gl.SliceLayout(1, acc.type.layout)), 1)
     a = gl.broadcast(a, acc)[0]
     return gl.inline_asm_elementwise(_rescale_skip_asm(N), _rescale_skip_constraints(N),
