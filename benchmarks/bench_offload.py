@@ -331,7 +331,9 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
             "warmup": args.warmup, "steps": args.steps, "inflight": inflight, "tag": tag,
             "transports": args.transport, "client": args.client, "spread": args.spread,
             "spin_us": args.spin_us, "timeout": max(t, setup_t)}
-    mpc = mp.get_context("spawn")
+    from bench_service import worker_context
+
+    mpc = worker_context()
     barrier, out = mpc.Barrier(hosts + 1), mpc.Queue()
     procs = [mpc.Process(target=_host, args=(i, spec, barrier, out), daemon=True)
              for i in range(hosts)]

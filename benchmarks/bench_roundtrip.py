@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import multiprocessing as mp
 import os
 import re
 import statistics
@@ -63,7 +62,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_service import _children, _free_port, _healthy, cpu_list, split_cpus
+from bench_service import (
+    _children,
+    _free_port,
+    _healthy,
+    cpu_list,
+    split_cpus,
+    worker_context,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRANSFER_METHOD = "/bench.Transfer/Echo"
@@ -403,7 +409,7 @@ def aggregate(target: str, clients: int, tokens: int, heads: int, dim: int, dtyp
     that share the port (SO_REUSEPORT hashes each connection to one of them): with one
     connection per client some front ends serve two clients while others idle; ``spread``:
     each client moves its connections off crowded front ends as it starts (``spread=``)."""
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     start = ctx.Event()
     pipes, procs = [], []
     for _ in range(clients):
