@@ -23,8 +23,9 @@ export PYTHONUNBUFFERED := 1
 # sets it) each of the suite's ~290 Python processes (servers, front ends, benchmark scripts)
 # compiled every module of ours it imported (a server's imports: 3.5 -> 2.7 s of CPU, 2-core
 # box, back to back; the compile itself ~1 s).
+COMPILE_SOURCES = $(PYTHON) -m compileall -q -j 0 kernels service client tests tools benchmarks loadtest deploy >/dev/null
 test:
-	@$(PYTHON) -m compileall -q -j 0 kernels service client tests tools benchmarks loadtest deploy >/dev/null
+	@$(COMPILE_SOURCES)
 	@if $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PYTHON) -m pytest -q; \
 	else \
@@ -48,7 +49,7 @@ QUICK_TESTS := \
 	tests/deploy/test_readme.py tests/deploy/test_compose.py tests/deploy/test_dockerfile.py
 
 test-quick:
-	@$(PYTHON) -m compileall -q -j 0 kernels service client tests tools benchmarks loadtest deploy >/dev/null
+	@$(COMPILE_SOURCES)
 	@if $(PYTHON) -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then \
 		$(PYTHON) -m pytest -q $(QUICK_TESTS); \
 	else \

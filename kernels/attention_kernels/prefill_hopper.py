@@ -123,9 +123,10 @@ def _softmax_block(s, m_i, l_i, block, seqlen_k, rows_pos, qk_scale, masked,
     units). Returns ``p`` (fp32), the new max, alpha (the old rows' rescale) and the new sum.
     ``masked``: a compile-time or run-time flag; only the mask sits under it, so a run-time
     flag costs no second copy of the rest (``_attend``). ``FP8``: ``p`` is ``2**_P_SHIFT_FP8``
-    times the probabilities (the output's normalisation cancels it and the lse takes it off),
-    the row max a tree (``_row_max``; the 16-bit builds ran 1-5% slower with it, H200,
-    2026-12-01), and no row sum (``l_i`` returned as given: ``_pv_issue`` sums P)."""
+    times the probabilities (up to 2^0.75 more under the lazy max below; the output's
+    normalisation cancels it and the lse takes it off), the row max a tree (``_row_max``; the
+    16-bit builds ran 1-5% slower with it, H200, 2026-12-01), and no row sum (``l_i``
+    returned as given: ``_pv_issue`` sums P)."""
     P_SHIFT: gl.constexpr = _P_SHIFT_FP8 if FP8 else 0
     scale = qk_scale
     if masked:

@@ -581,14 +581,13 @@ def _on_sm90(t: torch.Tensor) -> bool:
 def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
                   plain: bool) -> bool:
     """FP8 queries, keys and values the Gluon kernel takes with both dots in FP8: sm_90, a
-    head dim in ``_FP8_TILES``, no window, softcap or ALiBi (``plain``), ``[total, H, D]``
+    head dim in ``_FP8_HEAD_DIMS``, no window, softcap or ALiBi (``plain``), ``[total, H, D]``
     rows contiguous and 16-byte aligned (TMA), and sequences of at least a key block on
     average (the zeros between sequences of ``prefill_hopper.transposed_values_ref`` then
     about double V at most). ``ATTENTION_KERNELS_GLUON=0`` turns it off."""
     if not plain or batch == 0 or q.shape[0] == 0:
         return False
-    tile = _FP8_TILES.get(q.shape[2])
-    if tile is None or k.shape[0] < batch * tile["block_n"]:
+    if q.shape[2] not in _FP8_HEAD_DIMS or k.shape[0] < batch * _FP8_TILE["block_n"]:
         return False
     if not _on_sm90(q) or os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
         return False
@@ -596,19 +595,19 @@ def _fp8_gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int,
                and t.data_ptr() % 16 == 0 for t in (q, k, v))
 
 
-# The FP8 Gluon kernel's tiles by head dim, and its launches by the 16-byte alignment of the
-# pointers Triton specializes on (``_fp8_prefill``), then by their compile-time arguments
-# (``hopper_prefill_ws``). P goes through shared memory, each PV is waited for a key block late
-# (``prefill_hopper._ws_step_fp8``) and the row sums are a wgmma (``_pv_issue``), which leaves
-# room for a third consumer. H200, dense B * N = 16K, 16 heads, D 128, TFLOP/s at N 4K / 8K /
-# 16K, interleaved rounds (2026-12-01): non-causal three consumers, three stages 719-737 /
-# 768-777 / 823-826 against two consumers' 723-727 / 748-753 / 758-759 (before the row-sum
-# wgmma); causal, with it, three consumers 608 / 764 / 848 against two consumers' 603 / 733 /
-# 789. 256-key blocks do not fit in shared memory with P there (246 KB). D 64, three consumers
-# (``bench_kernels.py --only fp8``, 2026-12-01): 531 / 568 / 585 non-causal, 424 / 485 / 525
-# causal, against the widened path's 449 / 495 / 523 and 353 / 433 / 483 (bf16 speed or below).
-_FP8_TILES = {64: {"consumers": 3, "block_n": 128, "stages": 3},
-              128: {"consumers": 3, "block_n": 128, "stages": 3}}
+# The FP8 Gluon kernel's head dims and its tile (one for both), and its launches by the 16-byte
+# alignment of the pointers Triton specializes on (``_fp8_prefill``), then by their compile-time
+# arguments (``hopper_prefill_ws``). P goes through shared memory, each PV is waited for a key block
+# late (``prefill_hopper._ws_step_fp8``) and the row sums are a wgmma (``_pv_issue``), which leaves
+# room for a third consumer. H200, dense B * N = 16K, 16 heads, D 128, TFLOP/s at N 4K / 8K / 16K,
+# interleaved rounds (2026-12-01): non-causal three consumers, three stages 719-737 / 768-777 /
+# 823-826 against two consumers' 723-727 / 748-753 / 758-759 (before the row-sum wgmma); causal,
+# with it, three consumers 608 / 764 / 848 against two consumers' 603 / 733 / 789. 256-key blocks do
+# not fit in shared memory with P there (246 KB). D 64, three consumers (``bench_kernels.py --only
+# fp8``, 2026-12-01): 531 / 568 / 585 non-causal, 424 / 485 / 525 causal, against the widened path's
+# 449 / 495 / 523 and 353 / 433 / 483 (bf16 speed or below).
+_FP8_HEAD_DIMS = (64, 128)
+_FP8_TILE = {"consumers": 3, "block_n": 128, "stages": 3}
 _FP8_LAUNCHES: dict[tuple[bool, ...], dict[tuple[object, ...], KernelLaunch]] = {}
 
 
@@ -647,7 +646,7 @@ def _fp8_prefill(
     hopper_prefill_ws(q, k, v, cu_q, cu_k, out, lse if return_lse else None, causal,
                       scale * LOG2E, programs=num_sms(q.device.index or 0), dynamic=True,
                       kv_scales=(ks, vs, ks.shape[1] if ks.dim() == 2 else 0),
-                      launches=_FP8_LAUNCHES.setdefault(aligned, {}), **_FP8_TILES[head_dim])
+                      launches=_FP8_LAUNCHES.setdefault(aligned, {}), **_FP8_TILE)
     return (out, lse) if return_lse else out
 
 

@@ -336,9 +336,10 @@ def test_fp8_build_compiles_without_spills(compile_sm90: Callable[..., dict],
     spilled 8 KB; with the row sums' wgmma a three-consumer build's last consumer spills one
     register a block, of ~640 instructions, and 180-250 B at each tile's start and end), the
     consumers' register split, async wgmma, turns."""
-    from attention_kernels.prefill_kernel import _FP8_TILES
+    from attention_kernels.prefill_kernel import _FP8_HEAD_DIMS, _FP8_TILE
 
-    tile = _FP8_TILES[head_dim]
+    assert head_dim in _FP8_HEAD_DIMS
+    tile = _FP8_TILE
     got = compile_sm90(causal, head_dim,
                        f"{tile['block_n']},{tile['stages']},{tile['consumers']}", "--fp8")
     assert got["spill_bytes"] <= 288, got
