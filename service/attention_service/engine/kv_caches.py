@@ -99,7 +99,7 @@ def _page_after(token: str) -> str:
     raise invalid("page_token", "not a token a previous page of this listing gave")
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class _Cache:
     owner: str
     cache_id: str
@@ -109,6 +109,9 @@ class _Cache:
     last_used: float
     length: int = 0
     pages: list[int] = field(default_factory=list)
+    # The page its next token will start, held since a step without store took it on a page
+    # boundary (-1: none; ``CacheRegistry._begin_step``).
+    spare: int = -1
     busy: bool = False
     released: bool = False  # released while busy: pages go when its call ends
 
@@ -145,6 +148,8 @@ class CacheRegistry:
         self._resolved: dict[tuple[str, tuple[str, ...]], list[_Cache]] = {}
         self._resolved_ids = 0  # ids in the kept lists
         self._per_owner: dict[str, int] = {}
+        # Caches holding a spare page (``_Cache.spare``), for ``_alloc`` to take back.
+        self._spares: set[_Cache] = set()
         self.expired_total = 0  # caches released by the TTL (a metric)
         self._sweeper = (Sweeper("kv-cache-ttl", ttl_seconds, self.expire)
                          if pool is not None and ttl_seconds > 0 else None)
@@ -199,7 +204,7 @@ class CacheRegistry:
             flops, kv_bytes, keys = self._checked_work(params, seq_lens, caches[0].layout)
             pt = caches[0].page_tokens  # one layout, one page size
             need = [-(-n // pt) - len(c.pages) for c, n in zip(caches, seq_lens, strict=True)]
-            fresh = pool.alloc(sum(need), "header.k", owner)
+            fresh = self._alloc(sum(need), "header.k", owner)
             if kept is None:  # accepted: its caches are worth keeping resolved
                 self._keep(owner, ids, caches)
             view = pool.view(caches[0].layout)  # all checked equal to the request's layout
@@ -243,23 +248,36 @@ class CacheRegistry:
         past = ([o == 0 and n >= len(row) * pt
                  for o, n, row in zip(slot_offsets, lens, table, strict=True)]
                 if 0 in slot_offsets else None)
-        fresh = pool.alloc(past.count(True) if past else 0, "header.k", owner)
+        fresh: list[int] = []
+        added: list[int] | None = None
+        every = False  # every token starts a page, each its cache's spare
+        if past is not None and True in past:
+            # A cache's spare page first (a step without store on a page boundary left it),
+            # fresh pages for the others: steps without store then take the same pages step
+            # after step, none from the pool, and a staging finds its table as it left it
+            # (64 caches on a boundary, begin + finish: 80 -> 44 us, dev box).
+            added = [c.spare for c in caches]
+            every = -1 not in added and False not in past
+            if not every:
+                short = [p and s < 0 for p, s in zip(past, added, strict=True)]
+                fresh = self._alloc(short.count(True), "header.k", owner)
+                handed = iter(fresh)
+                added = [(next(handed) if n else s) if p else -1
+                         for p, n, s in zip(past, short, added, strict=True)]
         if new_ids:  # accepted: its caches are worth keeping resolved
             self._keep(owner, params.cache_ids, caches)
         view = pool.view(caches[0].layout)  # all checked equal to the request's layout
-        now = self._clock()
-        for c in caches:
-            c.busy, c.last_used = True, now
-        # The table's width (``CacheWork.width``): its longest row with the fresh pages.
-        width = (max(map(operator.add, map(len, table), past)) if fresh  # type: ignore[arg-type]
-                 else max(map(len, table)))
-        if fresh:
-            handed = iter(fresh)
-            added: list[int] | None = [next(handed) if p else -1 for p in past]  # type: ignore[union-attr]
+        for c in caches:  # ``last_used`` is set when the call ends (none expires while busy)
+            c.busy = True
+        if every:  # the table's width (``CacheWork.width``): its longest row with its page
+            width = max(map(len, table)) + 1
+            slot_pages = added  # type: ignore[assignment]
+        elif added is not None:
+            width = max(map(operator.add, map(len, table), past))  # type: ignore[arg-type]
             slot_pages = [p if p >= 0 else row[n // pt]
-                          for p, row, n in zip(added, table, lens, strict=True)]  # type: ignore[arg-type]
+                          for p, row, n in zip(added, table, lens, strict=True)]
         else:  # each token on its cache's last page; no slots without new tokens
-            added = None
+            width = max(map(len, table))
             slot_pages = ([row[n // pt] for row, n in zip(table, lens, strict=True)]
                           if tokens else [])
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
@@ -326,7 +344,7 @@ class CacheRegistry:
         def finish(ok: bool) -> tuple[int, ...]:
             keep = ok and params.store  # kept: the grown rows become the caches' page lists
             return self._finish(caches, work.rows() if keep else table,
-                                seq_lens if keep else lens, fresh, keep)
+                                seq_lens if keep else lens, fresh, keep, ok, added)
 
         work = CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
@@ -339,24 +357,61 @@ class CacheRegistry:
 
     def _finish(
         self, caches: list[_Cache], table: list[list[int]], lengths: list[int],
-        fresh: list[int], keep: bool,
+        fresh: list[int], keep: bool, ok: bool = False, added: list[int] | None = None,
     ) -> tuple[int, ...]:
         """The call's end: its rows and ``lengths`` kept (``keep``), else its ``fresh`` pages
-        given back; its caches free for the next call. Returns ``lengths``."""
-        pool = self._pool()
+        given back; its caches free for the next call. A decode step's new pages (``added``)
+        not kept are its caches' spares: those it took from the pool stay when it succeeded
+        without store, and go back when it failed (it changes nothing). Returns
+        ``lengths``."""
         with self._lock:
             now = self._clock()
             if keep:
                 for c, pages, total in zip(caches, table, lengths, strict=True):
                     c.pages, c.length = pages, total
-            elif fresh:  # the reserved pages go back in one call; the caches are intact
-                pool.free(fresh)
+                if added is not None:  # a spare a row took is its cache's own page now
+                    for c, p in zip(caches, added, strict=True):
+                        if p >= 0 and c.spare >= 0:
+                            c.spare = -1
+                            self._spares.discard(c)
+            elif fresh:
+                if ok and added is not None:  # without store: the next step's pages
+                    for c, p in zip(caches, added, strict=True):
+                        if p >= 0 and c.spare < 0:
+                            c.spare = p
+                            self._spares.add(c)
+                else:  # the reserved pages go back in one call; the caches are intact
+                    self._pool().free(fresh)
             for c in caches:
                 c.busy, c.last_used = False, now
                 if c.released:  # released during the call: its pages go now
-                    pool.free(c.pages)
-                    c.pages = []
+                    self._free_all(c)
             return tuple(lengths)
+
+    def _alloc(self, count: int, field_name: str, owner: str) -> list[int]:
+        """Under the lock: ``KvPool.alloc``, which on a full pool or quota first takes back
+        the spare pages of caches in no call (for a quota, the caller's own) and tries
+        again."""
+        pool = self._pool()
+        try:
+            return pool.alloc(count, field_name, owner)
+        except RequestError:
+            idle = [c for c in self._spares if not c.busy]
+            if pool.pages_free >= count:  # the quota, not the pool: only the caller's own
+                idle = [c for c in idle if c.owner == owner]
+            if not idle:
+                raise
+            pool.free([c.spare for c in idle])
+            for c in idle:
+                c.spare = -1
+            self._spares.difference_update(idle)
+            return pool.alloc(count, field_name, owner)
+
+    def _free_all(self, c: _Cache) -> None:
+        """Under the lock: a cache that went gives back its pages and its spare."""
+        self._pool().free(c.pages if c.spare < 0 else [*c.pages, c.spare])
+        c.pages, c.spare = [], -1
+        self._spares.discard(c)
 
     # ---- the control rpcs ---------------------------------------------------------------
 
@@ -428,7 +483,7 @@ class CacheRegistry:
                                 "caches is reached")
             full, part = divmod(length, src.page_tokens)
             shared = src.pages[:full]
-            copied = pool.alloc(1, "target_id", owner) if part else []
+            copied = self._alloc(1, "target_id", owner) if part else []
             if copied:
                 pool.copy_page(src.pages[full], copied[0])
             pool.share(shared)
@@ -505,8 +560,7 @@ class CacheRegistry:
             del self._per_owner[c.owner]
         c.released = True
         if not c.busy:
-            self._pool().free(c.pages)
-            c.pages = []
+            self._free_all(c)
 
     def _info(self, c: _Cache) -> pb.CacheInfo:
         pool = self._pool()

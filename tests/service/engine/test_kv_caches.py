@@ -324,33 +324,86 @@ def test_release_while_busy_frees_pages_when_the_call_ends() -> None:
     assert pool.pages_used == 0
 
 
-def test_freed_pages_come_back_in_their_order_so_steps_that_store_nothing_repeat_a_table(
-) -> None:
-    """The pool is last in, first out in the order pages were given: an alloc of as many
-    pages as were just freed hands back the same pages in the same order. So decode steps that
-    store nothing, on caches at a page boundary (each reserves a fresh page per sequence and
-    frees it at its end), get the same block table step after step (the GPU path's staged table
-    is then not rewritten), and the caches end as they were."""
-    pool = KvPool(torch.zeros(40 * PAGE, dtype=torch.uint8), PAGE)
+def test_free_gives_pages_back_last_in_first_out() -> None:
+    """An alloc of as many pages as were just freed hands back the same pages in order."""
+    pool = KvPool(torch.zeros(8 * PAGE, dtype=torch.uint8), PAGE)
     a = pool.alloc(5, "x")
     pool.free(a[1:4])
     assert pool.alloc(3, "x") == a[1:4]
+
+
+def test_steps_that_store_nothing_on_a_page_boundary_reuse_their_caches_spare_pages() -> None:
+    """A decode step without store on caches at a page boundary starts a page per sequence:
+    the first takes them from the pool and leaves them as the caches' spares, and later steps
+    take those again, whatever other caches did in between (a host's two layers in flight),
+    so their block tables repeat (the GPU path's staged table is not rewritten) and the pool
+    hands out nothing; the caches end as they were. A failed step gives back the pages it
+    took; a stored one makes the spare its cache's page; a released cache frees its spare."""
+    pool = KvPool(torch.zeros(40 * PAGE, dtype=torch.uint8), PAGE)
     reg = CacheRegistry(pool, ttl_seconds=0)
-    ids = tuple(f"b{i}" for i in range(6))
-    _create(reg, list(ids))
-    reg.begin(_params(Op.APPEND_KV, ids, [16] * 6), "").finish(True)  # one full page each
+    ids, other = tuple(f"b{i}" for i in range(6)), ("o0", "o1")
+    _create(reg, [*ids, *other])
+    reg.begin(_params(Op.APPEND_KV, ids + other, [16] * 8), "").finish(True)  # a page each
     used = pool.pages_used
     tables, bases = [], []
     for _ in range(3):
         work = reg.begin(_params(Op.CACHE_DECODE, ids, [1] * 6, store=False), "")
-        assert all(len(row) == 2 for row in work.rows())  # each a fresh second page
+        assert all(len(row) == 2 for row in work.rows())  # each a second page
+        assert work.slot_pages == work.new_pages and work.slot_offsets == [0] * 6
         tables.append(work.rows())
         bases.append(work.block_table)
-        assert work.finish(True) == (16,) * 6
-    assert tables[0] == tables[1] == tables[2] and pool.pages_used == used
-    # The rows are the caches' own page lists (the fresh pages past them, ``new_pages``): the
+        # Another set's step in between takes pages of its own, not these.
+        w2 = reg.begin(_params(Op.CACHE_DECODE, other, [1, 1], store=False), "")
+        assert not set(w2.new_pages) & set(work.new_pages)  # type: ignore[arg-type]
+        assert work.finish(True) == (16,) * 6 and w2.finish(True) == (16, 16)
+    assert tables[0] == tables[1] == tables[2]
+    assert pool.pages_used == used + 8  # the spares: one per cache
+    # The rows are the caches' own page lists (the new pages past them, ``new_pages``): the
     # same objects step after step, so nothing copies them and a staging does not rewrite them.
     assert all(x is y is z for x, y, z in zip(*bases, strict=True))
+    spares = tables[0]
+    # A failed step on caches of which one has no spare: the fresh page goes back, the
+    # spares stay.
+    _create(reg, ["new"])
+    reg.begin(_params(Op.APPEND_KV, ("new",), [16]), "").finish(True)
+    w = reg.begin(_params(Op.CACHE_DECODE, ("b0", "new"), [1, 1], store=False), "")
+    assert w.new_pages[0] == spares[0][1] and pool.pages_used == used + 8 + 2  # type: ignore[index]
+    assert w.finish(False) == (16, 16) and pool.pages_used == used + 8 + 1
+    # A stored step: the spare is the cache's second page now, and the next boundary (32)
+    # takes a fresh page.
+    w = reg.begin(_params(Op.CACHE_DECODE, ("b0",), [1], store=True), "")
+    assert w.finish(True) == (17,)
+    listed = reg.call("ListCaches", pb.ListCachesRequest(cache_ids=["b0"]), "")
+    assert (listed.caches[0].length, listed.caches[0].pages) == (17, 2)
+    assert pool.pages_used == used + 8 + 1
+    # Released: its pages and its spare go.
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["b1"]), "")
+    assert pool.pages_used == used + 8 + 1 - 2
+
+
+def test_spare_pages_go_to_a_call_that_finds_the_pool_or_its_quota_full() -> None:
+    """Spares are reserved, not owned: a call that would find the pool full, or its caller's
+    quota, gets the spares of caches in no call (a quota: only its caller's) first."""
+    pool = KvPool(torch.zeros(6 * PAGE, dtype=torch.uint8), PAGE, caller_pages=4)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["a", "b"], owner="x")
+    _create(reg, ["c"], owner="y")
+    reg.begin(_params(Op.APPEND_KV, ("a", "b"), [16, 16]), "x").finish(True)
+    reg.begin(_params(Op.CACHE_DECODE, ("a", "b"), [1, 1], store=False), "x").finish(True)
+    assert (pool.pages_used, pool.held("x")) == (4, 4)  # two pages, two spares
+    # x's quota (4) is full: its own spares make room for an append that needs one more page
+    # (of two tokens: one token a cache would take as a step does, into its spare).
+    reg.begin(_params(Op.APPEND_KV, ("a",), [2]), "x").finish(True)
+    assert (pool.pages_used, pool.held("x")) == (3, 3)
+    reg.begin(_params(Op.CACHE_DECODE, ("b",), [1], store=False), "x").finish(True)
+    assert pool.held("x") == 4 and pool.pages_free == 2
+    # The pool (6) is full for y's three pages: x's idle spare goes.
+    reg.begin(_params(Op.APPEND_KV, ("c",), [48]), "y").finish(True)
+    assert (pool.held("x"), pool.held("y"), pool.pages_free) == (3, 3, 0)
+    # No spare left: full is full.
+    with pytest.raises(RequestError) as err:
+        reg.begin(_params(Op.APPEND_KV, ("c",), [16]), "y")
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 # ---- end to end ----------------------------------------------------------------------------
