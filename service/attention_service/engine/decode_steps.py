@@ -163,7 +163,11 @@ def step_shape(plan: BatchPlan, where: list[dict[str, Place]]) -> StepShape:
     for job in where:
         for at, n in job.values():
             bits |= at | n
-    return StepShape.of(plan, unit_of(bits, *row_bytes(plan.shared).values()))
+    memo = plan.shared.memo
+    rows = memo.get(row_bytes)
+    if rows is None:
+        rows = memo[row_bytes] = tuple(row_bytes(plan.shared).values())
+    return StepShape.of(plan, unit_of(bits, *rows))  # type: ignore[misc]
 
 
 @dataclass(frozen=True)
@@ -180,13 +184,28 @@ class StepShape:
     jobs: int = 1  # bucketed jobs: the copy table has rows for this many
     unit: int = 8  # bytes the copies move per element: divides every address and length
 
+    def __post_init__(self) -> None:
+        # Hashed once: a launch looks its graphs up by shape on each stream (the generated
+        # hash went through the key's 13 fields each time).
+        object.__setattr__(self, "_hash", hash(
+            (self.key, self.batch, self.width, self.new_rows, self.jobs, self.unit)))
+
+    def __hash__(self) -> int:
+        return self._hash  # type: ignore[attr-defined,no-any-return]
+
     @staticmethod
     def of(plan: BatchPlan, unit: int = 8) -> StepShape:
-        """``plan``'s bucket at copy unit ``unit`` (``step_shape`` finds the launch's)."""
+        """``plan``'s bucket at copy unit ``unit`` (``step_shape`` finds the launch's): one
+        object per bucket, made once (``_SHAPES``)."""
         n = len(plan.slot_pages)
-        return StepShape(plan.key, plan.shared, bucket(len(plan.seq_lens)),
-                         bucket(plan.table_width), bucket(n) if n else 0,
-                         bucket(len(plan.jobs)), unit)
+        dims = (plan.key, bucket(len(plan.seq_lens)), bucket(plan.table_width),
+                bucket(n) if n else 0, bucket(len(plan.jobs)), unit)
+        shape = _SHAPES.get(dims)
+        if shape is None:
+            if len(_SHAPES) >= _MAX_SHAPES:
+                _SHAPES.clear()
+            shape = _SHAPES[dims] = StepShape(dims[0], plan.shared, *dims[1:])
+        return shape
 
     @property
     def fp8(self) -> bool:
@@ -257,6 +276,11 @@ class StepShape:
             ("out", dtype, (self.batch, k.num_heads, k.head_dim)),
             ("lse", torch.float32, (self.batch, k.num_heads)),
         ])
+
+
+# StepShape.of's shapes by (key, batch, width, new rows, jobs, unit): a few per model host.
+_SHAPES: dict[tuple[object, ...], StepShape] = {}
+_MAX_SHAPES = 4096
 
 
 def _placed(fields: list[tuple[str, torch.dtype, tuple[int, ...]]]
@@ -609,6 +633,7 @@ class DecodeSteps:
         self._capture_stream = torch.cuda.Stream(device) if graphs else None
         self._graphs: dict[tuple[StepShape, int, int], _StepGraph] = {}
         self._registered = can_use_host_pointers(device.index or 0)
+        self._stream_ids = [stream_ids(s) for s in streams]
 
     def places(self, plan: BatchPlan) -> list[dict[str, Place]] | None:
         """``places`` for this device: where the launch's tensors lie when it takes this path
@@ -679,15 +704,11 @@ class DecodeSteps:
         events = staging.events
         if events is None:
             events = staging.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        # The stream made current by hand (set_stream also makes its device current, and the
-        # restore puts both back): ``with torch.cuda.device(...), torch.cuda.stream(...)``
-        # took ~13 us a launch in a warm loop (host_calls.py), ~60 us on an idle engine.
-        # Events are recorded on the stream named (record() without one looks it up), and the
-        # current stream is asked for by device index: without one, torch finds the device
-        # through is_available() and an environment read (~5% of a B=64 socket step's
-        # engine GIL time in a py-spy profile, H200).
-        previous = torch.cuda.current_stream(torch.cuda.current_device())
-        torch.cuda.set_stream(stream)
+        # The stream made current by hand (``with torch.cuda.device(...),
+        # torch.cuda.stream(...)`` took ~13 us a launch in a warm loop, ~60 us on an idle
+        # engine), by its ids (``enter_stream``). Events are recorded on the stream named
+        # (record() without one looks it up).
+        previous = enter_stream(self._stream_ids[stream_index], self.device.index or 0)
         try:
             events[0].record(stream)
             if staging.graph is not None:
@@ -696,5 +717,28 @@ class DecodeSteps:
                 graph.run_staged(staging)
             events[1].record(stream)
         finally:
-            torch.cuda.set_stream(previous)
+            leave_stream(previous)
         return _StepLaunch(events, graph, staging)
+
+
+StreamIds = tuple[int, int, int]  # a CUDA stream's (stream_id, device_index, device_type)
+
+
+def stream_ids(stream: torch.cuda.Stream) -> StreamIds:
+    return stream.stream_id, stream.device_index, stream.device_type
+
+
+def enter_stream(ids: StreamIds, device_index: int) -> StreamIds:
+    """Make the stream of ``ids`` (and its device) current on this thread; returns the ids of
+    the one it replaced on ``device_index``, for ``leave_stream``. torch's
+    ``current_stream``/``set_stream`` make a Stream object a call and look the device up
+    (``current_device``): those took ~6% of a B=64 socket step's engine GIL time (py-spy,
+    H200)."""
+    previous = torch._C._cuda_getCurrentStream(device_index)
+    torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
+    return previous  # type: ignore[no-any-return]
+
+
+def leave_stream(previous: StreamIds) -> None:
+    torch._C._cuda_setStream(stream_id=previous[0], device_index=previous[1],
+                             device_type=previous[2])
