@@ -5,6 +5,7 @@ reference on the concatenated keys and values."""
 
 from __future__ import annotations
 
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -787,3 +788,83 @@ def test_resolved_id_lists_are_kept_only_for_accepted_calls_and_never_go_stale(
     reg._resolved.clear()
     reg.begin(step, "").finish(True)
     assert not reg._resolved
+
+
+class _Forgetful(dict):  # type: ignore[type-arg]
+    """A memo store that keeps nothing: the registry works every step out again."""
+
+    def __setitem__(self, key: object, value: object) -> None:
+        pass
+
+
+def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
+    """Random calls (steps with and without store, failed steps, appends, a fork, a release,
+    a second id list over some of the same caches, a full pool that takes spares back) on two
+    registries, one of which keeps no step memo: every call's work and end are the same."""
+    rng = random.Random(7)
+    regs = []
+    for memo in (True, False):
+        pool = KvPool(torch.zeros(90 * PAGE, dtype=torch.uint8), PAGE)
+        reg = CacheRegistry(pool, ttl_seconds=0)
+        if not memo:
+            reg._memos = _Forgetful()
+        _create(reg, [f"s{i}" for i in range(6)])
+        regs.append(reg)
+    lists = [tuple(f"s{i}" for i in range(6)), ("s1", "s3", "s4")]
+    params: dict[tuple[object, ...], Any] = {}  # one Params object per call form, as a host's
+
+    def form(op: Op, ids: tuple[str, ...], new: list[int], store: bool) -> Any:
+        key = (op, ids, tuple(new), store)
+        if key not in params:
+            params[key] = _params(op, ids, new, store=store)
+        return params[key]
+
+    def both(call: Any) -> list[Any]:
+        out = []
+        for reg in regs:
+            try:
+                out.append(call(reg))
+            except RequestError as exc:
+                out.append((exc.code, exc.details))
+        assert out[0] == out[1]
+        return out
+
+    def fields(w: Any) -> tuple[object, ...]:
+        return (w.seq_lens, w.rows(), w.slot_pages, w.slot_offsets, w.new_pages, w.width,
+                w.keys, w.flops, w.kv_bytes)
+
+    both(lambda r: r.begin(form(Op.APPEND_KV, lists[0], [16, 15, 16, 1, 32, 0], True),
+                           "").finish(True))
+    hits = 0
+    for step in range(300):
+        ids = lists[rng.random() < 0.3]
+        kind = rng.random()
+        if kind < 0.08:  # an append of a few tokens to each: lengths move off the boundary
+            n = [rng.randint(1, 20) for _ in ids]
+            both(lambda r, ids=ids, n=n: r.begin(form(Op.APPEND_KV, ids, n, True),
+                                                 "").finish(True))
+            continue
+        if kind < 0.1 and step > 100:  # a release, a fork, a new cache in its place
+            both(lambda r: r.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["s3"]),
+                                  "").released)
+            both(lambda r: r.call("ForkCache", pb.ForkCacheRequest(
+                source_id="s4", target_id="s3"), "").length)
+            continue
+        store, ok = rng.random() < 0.2, rng.random() < 0.9
+        p = form(Op.CACHE_DECODE, ids, [1] * len(ids), store)
+        hits += regs[0]._memos.get(("", ids)) is not None and not store
+        works: list[Any] = []
+        for reg in regs:  # a full pool refuses both alike
+            try:
+                works.append(reg.begin(p, ""))
+            except RequestError as exc:
+                works.append((exc.code, exc.details))
+        if isinstance(works[0], tuple) or isinstance(works[1], tuple):
+            assert works[0] == works[1]
+            continue
+        assert fields(works[0]) == fields(works[1])
+        assert works[0].finish(ok) == works[1].finish(ok)
+        assert regs[0].pool.pages_used == regs[1].pool.pages_used  # type: ignore[union-attr]
+        if rng.random() < 0.02:  # a full pool: an append that takes the spares back
+            both(lambda r: r.begin(form(Op.APPEND_KV, ("s0",), [200], False), "").finish(True))
+    assert hits > 50  # the memo was used
