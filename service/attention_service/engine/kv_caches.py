@@ -10,6 +10,9 @@ sequence's keys and values in ``KvPool`` pages. Rules (docs/service.md, "KV cach
 * A call reserves the pages its new tokens need when the engine accepts it, so a full pool
   answers RESOURCE_EXHAUSTED before anything is written; when the call ends, ``store`` keeps
   the tokens, anything else (no store, an error, a cancel) puts the cache back as it was.
+* A decode step without store on a page boundary leaves each cache the page it took (its
+  spare, for its next such step; given to any call that would otherwise find the pool or its
+  quota full).
 * Idle caches expire after the TTL; a cache in use never does. Releasing a cache in use
   removes its name at once and frees its pages when its call ends.
 
