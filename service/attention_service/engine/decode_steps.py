@@ -708,7 +708,7 @@ class DecodeSteps:
         # torch.cuda.stream(...)`` took ~13 us a launch in a warm loop, ~60 us on an idle
         # engine), by its ids (``enter_stream``). Events are recorded on the stream named
         # (record() without one looks it up).
-        previous = enter_stream(self._stream_ids[stream_index], self.device.index or 0)
+        previous = enter_stream(self._stream_ids[stream_index])
         try:
             events[0].record(stream)
             if staging.graph is not None:
@@ -728,13 +728,13 @@ def stream_ids(stream: torch.cuda.Stream) -> StreamIds:
     return stream.stream_id, stream.device_index, stream.device_type
 
 
-def enter_stream(ids: StreamIds, device_index: int) -> StreamIds:
+def enter_stream(ids: StreamIds) -> StreamIds:
     """Make the stream of ``ids`` (and its device) current on this thread; returns the ids of
-    the one it replaced on ``device_index``, for ``leave_stream``. torch's
-    ``current_stream``/``set_stream`` make a Stream object a call and look the device up
-    (``current_device``): those took ~6% of a B=64 socket step's engine GIL time (py-spy,
-    H200)."""
-    previous = torch._C._cuda_getCurrentStream(device_index)
+    the stream current before on the device current before, for ``leave_stream`` to make
+    both current again (as ``torch.cuda.set_stream`` would). torch's ``current_stream`` and
+    ``set_stream`` make a Stream object a call and look the device up: those took ~6% of a
+    B=64 socket step's engine GIL time (py-spy, H200)."""
+    previous = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())
     torch._C._cuda_setStream(stream_id=ids[0], device_index=ids[1], device_type=ids[2])
     return previous  # type: ignore[no-any-return]
 

@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from attention_service.engine.jobs import CacheWork
-from attention_service.engine.kv_pool import KvPool, Layout
+from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX, KvPool, Layout
 from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
@@ -299,7 +299,8 @@ class CacheRegistry:
             every = -1 not in added and False not in past
             if not every:
                 short = [p and s < 0 for p, s in zip(past, added, strict=True)]
-                fresh = self._alloc(short.count(True), "header.k", owner)
+                # Not from these caches' spares: ``added`` names them.
+                fresh = self._alloc(short.count(True), "header.k", owner, caches)
                 handed = iter(fresh)
                 added = [(next(handed) if n else s) if p else -1
                          for p, n, s in zip(past, short, added, strict=True)]
@@ -435,17 +436,20 @@ class CacheRegistry:
                     self._free_all(c)
             return tuple(lengths)
 
-    def _alloc(self, count: int, field_name: str, owner: str) -> list[int]:
+    def _alloc(self, count: int, field_name: str, owner: str,
+               using: list[_Cache] | None = None) -> list[int]:
         """Under the lock: ``KvPool.alloc``, which on a full pool or quota first takes back
-        the spare pages of caches in no call (for a quota, the caller's own) and tries
-        again."""
+        the spare pages of caches in no call and not in ``using`` (the caches whose spares
+        the caller is about to use; for a quota, only the caller's own) and tries again."""
         pool = self._pool()
         try:
             return pool.alloc(count, field_name, owner)
         except RequestError:
-            idle = [c for c in self._spares if not c.busy]
-            if pool.pages_free >= count:  # the quota, not the pool: only the caller's own
-                idle = [c for c in idle if c.owner == owner]
+            mine = set(using or ())
+            idle = [c for c in self._spares if not c.busy and c not in mine]
+            if (pool.caller_pages and not owner.startswith(SERVER_OWNER_PREFIX)
+                    and pool.held(owner) + count > pool.caller_pages):
+                idle = [c for c in idle if c.owner == owner]  # the quota: the caller's own
             if not idle:
                 raise
             pool.free([c.spare for c in idle])

@@ -435,7 +435,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list[tuple[object, Staging]]:
     work not run; each launch's (graph, staging) is noted in the list returned."""
     monkeypatch.setattr(torch.cuda, "Event", _Event)
     monkeypatch.setattr(decode_steps, "stream_ids", lambda s: (0, 0, 1))
-    monkeypatch.setattr(decode_steps, "enter_stream", lambda ids, device: ids)
+    monkeypatch.setattr(decode_steps, "enter_stream", lambda ids: ids)
     monkeypatch.setattr(decode_steps, "leave_stream", lambda ids: None)
     ran: list[tuple[object, Staging]] = []
     monkeypatch.setattr(_StepGraph, "run_staged", lambda g, st: ran.append((g, st)))

@@ -5,6 +5,7 @@ reference on the concatenated keys and values."""
 
 from __future__ import annotations
 
+import collections
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -790,6 +791,39 @@ def test_resolved_id_lists_are_kept_only_for_accepted_calls_and_never_go_stale(
     assert not reg._resolved
 
 
+def test_a_step_on_a_full_pool_never_takes_back_the_spares_it_uses() -> None:
+    """A step whose caches hold spares, on a full pool: the pages it still needs come from
+    other caches' spares, never from its own (which it uses), and with none left it is
+    refused with nothing changed; no page ends up in two caches or free while used."""
+    pool = KvPool(torch.zeros(5 * PAGE, dtype=torch.uint8), PAGE)
+    reg = CacheRegistry(pool, ttl_seconds=0)
+    _create(reg, ["c", "a", "b"])
+    reg.begin(_params(Op.APPEND_KV, ("c", "a", "b"), [16, 16, 16]), "").finish(True)
+    for one in ("c", "a"):  # c's and a's spares: the pool is full
+        reg.begin(_params(Op.CACHE_DECODE, (one,), [1], store=False), "").finish(True)
+    assert pool.pages_free == 0
+    spare_a = reg.begin(_params(Op.CACHE_DECODE, ("a",), [1], store=False), "")
+    a_page = spare_a.new_pages[0]  # type: ignore[index]
+    spare_a.finish(True)
+    w = reg.begin(_params(Op.CACHE_DECODE, ("a", "b"), [1, 1], store=True), "")
+    assert w.new_pages[0] == a_page and w.new_pages[1] != a_page  # type: ignore[index]
+    assert all(pool.refs(p) == 1 for p in w.new_pages)  # type: ignore[union-attr]
+    assert w.finish(True) == (17, 17)
+    a_pages = reg.begin(_params(Op.CACHE_DECODE, ("a",), [0], store=False), "")
+    b_pages = reg.begin(_params(Op.CACHE_DECODE, ("b",), [0], store=False), "")
+    assert not set(a_pages.block_table[0]) & set(b_pages.block_table[0])
+    a_pages.finish(True)
+    b_pages.finish(True)
+    # No spare left to take: a step that needs a page is refused and changes nothing.
+    _create(reg, ["d"])
+    with pytest.raises(RequestError) as err:
+        reg.begin(_params(Op.APPEND_KV, ("d",), [1]), "")
+    assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED and pool.pages_free == 0
+    # Both caches release cleanly: every page was referenced once.
+    reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["a", "b", "c"]), "")
+    assert pool.pages_used == 0
+
+
 class _Forgetful(dict):  # type: ignore[type-arg]
     """A memo store that keeps nothing: the registry works every step out again."""
 
@@ -804,7 +838,7 @@ def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
     rng = random.Random(7)
     regs = []
     for memo in (True, False):
-        pool = KvPool(torch.zeros(90 * PAGE, dtype=torch.uint8), PAGE)
+        pool = KvPool(torch.zeros(70 * PAGE, dtype=torch.uint8), PAGE)
         reg = CacheRegistry(pool, ttl_seconds=0)
         if not memo:
             reg._memos = _Forgetful()
@@ -829,20 +863,51 @@ def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
         assert out[0] == out[1]
         return out
 
+    def check_pages(reg: CacheRegistry) -> None:
+        """Every page is free with no reference, or held exactly as often as caches name it
+        (in their pages or as their spare), by one owner, counted once per owner."""
+        pool = reg.pool
+        assert pool is not None
+        named: collections.Counter[int] = collections.Counter()
+        owners: dict[int, str] = {}
+        for c in reg._caches.values():
+            for page in [*c.pages, *([c.spare] if c.spare >= 0 else [])]:
+                named[page] += 1
+                assert owners.setdefault(page, c.owner) == c.owner
+        free = set(pool._free)
+        assert len(free) == len(pool._free) and not free & set(named)
+        assert all(pool.refs(p) == named[p] for p in range(pool.pages_total))
+        assert pool._held == dict(collections.Counter(owners.values()))
+
     def fields(w: Any) -> tuple[object, ...]:
         return (w.seq_lens, w.rows(), w.slot_pages, w.slot_offsets, w.new_pages, w.width,
                 w.keys, w.flops, w.kv_bytes)
 
-    both(lambda r: r.begin(form(Op.APPEND_KV, lists[0], [16, 15, 16, 1, 32, 0], True),
+    both(lambda r: r.begin(form(Op.APPEND_KV, lists[0], [16, 16, 16, 32, 32, 0], True),
                            "").finish(True))
-    hits = 0
+    both(lambda r: _create(r, ["fill"], owner="f"))
+    hits, filled = 0, False
     for step in range(300):
         ids = lists[rng.random() < 0.3]
         kind = rng.random()
         if kind < 0.08:  # an append of a few tokens to each: lengths move off the boundary
-            n = [rng.randint(1, 20) for _ in ids]
+            n = [rng.choice([1, 15, 16, 16, 32]) for _ in ids]  # often back on a boundary
             both(lambda r, ids=ids, n=n: r.begin(form(Op.APPEND_KV, ids, n, True),
                                                  "").finish(True))
+            continue
+        if kind < 0.16 and not filled:  # another caller fills the pool (spares go first)
+            free = regs[0].pool.pages_free  # type: ignore[union-attr]
+            both(lambda r, free=free: r.begin(form(Op.APPEND_KV, ("fill",), [16 * free], True),
+                                              "f").finish(True) if free else None)
+            filled = True
+            continue
+        if kind < 0.2 and filled:  # and lets go
+            both(lambda r: r.call("ReleaseCaches", pb.ReleaseCachesRequest(all=True),
+                                  "f").released)
+            both(lambda r: r.call("CreateCaches", pb.CreateCachesRequest(
+                cache_ids=["fill"], layout=pb.CacheLayout(
+                    dtype=pb.FLOAT32, num_kv_heads=2, head_dim=16)), "f").created)
+            filled = False
             continue
         if kind < 0.1 and step > 100:  # a release, a fork, a new cache in its place
             both(lambda r: r.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["s3"]),
@@ -865,6 +930,7 @@ def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
         assert fields(works[0]) == fields(works[1])
         assert works[0].finish(ok) == works[1].finish(ok)
         assert regs[0].pool.pages_used == regs[1].pool.pages_used  # type: ignore[union-attr]
+        check_pages(regs[0])
         if rng.random() < 0.02:  # a full pool: an append that takes the spares back
             both(lambda r: r.begin(form(Op.APPEND_KV, ("s0",), [200], False), "").finish(True))
     assert hits > 50  # the memo was used
