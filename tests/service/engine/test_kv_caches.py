@@ -915,7 +915,7 @@ def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
             both(lambda r: r.call("ForkCache", pb.ForkCacheRequest(
                 source_id="s4", target_id="s3"), "").length)
             continue
-        store, ok = rng.random() < 0.2, rng.random() < 0.9
+        store, ok = rng.random() < 0.35, rng.random() < 0.9
         p = form(Op.CACHE_DECODE, ids, [1] * len(ids), store)
         hits += regs[0]._memos.get(("", ids)) is not None and not store
         works: list[Any] = []
