@@ -143,7 +143,10 @@ class _StepMemo:
     added: list[int] | None
     width: int
     work: tuple[int, int, int]  # flops, kv bytes, keys
-    after: list[int] | None  # the versions once this step stored its tokens (None: no store)
+    stores: bool  # the step stores one token per cache
+    # Its caches' versions right after it stored them (set by its ``finish`` when it kept its
+    # tokens; None until then, and for good when it failed or stores nothing).
+    after: list[int] | None = None
 
 
 # Resolved id lists kept (a step stream per layer of each model host names one): lists of up
@@ -281,7 +284,7 @@ class CacheRegistry:
                                      memo.width, pool.view(caches[0].layout), [], memo.added,
                                      memo.lens)
             pt = caches[0].page_tokens
-            if (memo.after == versions and memo.added is None
+            if (memo.after is not None and memo.after == versions and memo.added is None
                     and pt - 1 not in memo.slot_offsets):
                 # Its tokens stored, none of them a page's last: each cache's next token goes
                 # one row on, on the same page (64 caches, begin + finish 46 -> 36 us, dev box).
@@ -290,12 +293,12 @@ class CacheRegistry:
                 slot_offsets = [o + 1 for o in memo.slot_offsets]
                 for c in caches:
                     c.busy = True
-                self._memos[key] = _StepMemo(
+                made = self._memos[key] = _StepMemo(
                     params, caches, versions, lens, seq_lens, memo.table, memo.slot_pages,
-                    slot_offsets, None, memo.width, work, [v + 1 for v in versions])
+                    slot_offsets, None, memo.width, work, True)
                 return self._work_of(params, caches, memo.table, seq_lens, memo.slot_pages,
                                      slot_offsets, *work, memo.width,
-                                     pool.view(caches[0].layout), [], None, lens)
+                                     pool.view(caches[0].layout), [], None, lens, made)
         lens = [c.length for c in caches]
         seq_lens = [n + 1 for n in lens] if tokens else lens
         flops, kv_bytes, keys = self._checked_work(params, seq_lens, caches[0].layout)
@@ -341,15 +344,13 @@ class CacheRegistry:
             width = max(map(len, table))
             slot_pages = ([row[n // pt] for row, n in zip(table, lens, strict=True)]
                           if tokens else [])
+        made = None
         if not fresh and key in self._resolved:  # kept: memo it too
-            stored = params.store and tokens == 1  # (a stored step of no tokens: no ``after``)
-            if stored or not params.store:
-                self._memos[key] = _StepMemo(
-                    params, caches, versions, lens, seq_lens, table, slot_pages, slot_offsets,
-                    added, width, (flops, kv_bytes, keys),
-                    [v + 1 for v in versions] if stored else None)
+            made = self._memos[key] = _StepMemo(
+                params, caches, versions, lens, seq_lens, table, slot_pages, slot_offsets,
+                added, width, (flops, kv_bytes, keys), params.store and tokens == 1)
         return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
-                             kv_bytes, keys, width, view, fresh, added, lens)
+                             kv_bytes, keys, width, view, fresh, added, lens, made)
 
     def _checked_work(self, params: Params, seq_lens: list[int], layout: Layout
                       ) -> tuple[int, int, int]:
@@ -402,18 +403,19 @@ class CacheRegistry:
         self, params: Params, caches: list[_Cache], table: list[list[int]], seq_lens: list[int],
         slot_pages: list[int], slot_offsets: list[int], flops: int, kv_bytes: int, keys: int,
         width: int, view: Any, fresh: list[int], added: list[int] | None = None,
-        lens: list[int] | None = None,
+        lens: list[int] | None = None, memo: _StepMemo | None = None,
     ) -> CacheWork:
         """The accepted call's CacheWork; its ``finish`` keeps or rolls back its tokens
         (``fresh``: the pages ``begin`` reserved for them, in the caches' order; ``added``:
-        ``CacheWork.new_pages``; ``lens``: the caches' lengths before, when known)."""
+        ``CacheWork.new_pages``; ``lens``: the caches' lengths before, when known; ``memo``:
+        the step's, told when it stored its tokens)."""
         if lens is None:
             lens = [c.length for c in caches]
 
         def finish(ok: bool) -> tuple[int, ...]:
             keep = ok and params.store  # kept: the grown rows become the caches' page lists
             return self._finish(caches, work.rows() if keep else table,
-                                seq_lens if keep else lens, fresh, keep, ok, added)
+                                seq_lens if keep else lens, fresh, keep, ok, added, memo)
 
         work = CacheWork(
             k_pages=view.k_pages, v_pages=view.v_pages, block_table=table, seq_lens=seq_lens,
@@ -427,6 +429,7 @@ class CacheRegistry:
     def _finish(
         self, caches: list[_Cache], table: list[list[int]], lengths: list[int],
         fresh: list[int], keep: bool, ok: bool = False, added: list[int] | None = None,
+        memo: _StepMemo | None = None,
     ) -> tuple[int, ...]:
         """The call's end: its rows and ``lengths`` kept (``keep``), else its ``fresh`` pages
         given back; its caches free for the next call. A decode step's new pages (``added``)
@@ -444,6 +447,8 @@ class CacheRegistry:
                         if p >= 0 and c.spare >= 0:
                             c.spare = -1
                             self._spares.pop(c, None)
+                if memo is not None and memo.stores:  # the next step follows from it
+                    memo.after = [c.version for c in caches]
             elif fresh:
                 if ok and added is not None:  # without store: the next step's pages
                     for c, p in zip(caches, added, strict=True):

@@ -934,3 +934,34 @@ def test_a_step_memo_answers_exactly_as_working_the_step_out_again() -> None:
         if rng.random() < 0.02:  # a full pool: an append that takes the spares back
             both(lambda r: r.begin(form(Op.APPEND_KV, ("s0",), [200], False), "").finish(True))
     assert hits > 50  # the memo was used
+
+
+@pytest.mark.parametrize("between", [
+    [(Op.APPEND_KV, ("a",), [3], True)],  # every cache one version up, three tokens longer
+    [(Op.CACHE_DECODE, ("a", "b"), [0, 0], True)],  # one version up, no token longer
+    [(Op.APPEND_KV, ("a", "b"), [0, 2], True)],
+])
+def test_a_stored_step_follows_its_memo_only_after_that_step_stored(
+        between: list[tuple[Op, tuple[str, ...], list[int], bool]]) -> None:
+    """A stored step that failed leaves a memo whose tokens were never kept: a later change
+    that moves each cache's version by one, whatever it did, must not make the next step
+    follow from it (a review found the next step then wrote over a stored token)."""
+    regs = []
+    for memo in (True, False):
+        reg = CacheRegistry(KvPool(torch.zeros(16 * PAGE, dtype=torch.uint8), PAGE),
+                            ttl_seconds=0)
+        if not memo:
+            reg._memos = _Forgetful()
+        _create(reg, ["a", "b"])
+        reg.begin(_params(Op.APPEND_KV, ("a", "b"), [5, 5]), "").finish(True)
+        regs.append(reg)
+    step = _params(Op.CACHE_DECODE, ("a", "b"), [1, 1], store=True)  # one form, as a host's
+    for ok in (True, False):  # a memo that stored, then one whose step failed
+        assert [r.begin(step, "").finish(ok) for r in regs] == [(6, 6), (6, 6)]
+    for op, ids, new, store in between:
+        for r in regs:
+            r.begin(_params(op, ids, new, store=store), "").finish(True)
+    works = [r.begin(step, "") for r in regs]
+    assert (works[0].seq_lens, works[0].slot_offsets) == (works[1].seq_lens,
+                                                          works[1].slot_offsets)
+    assert works[0].finish(True) == works[1].finish(True)
