@@ -424,6 +424,35 @@ def test_append_then_decode_steps_match_the_reference(srv: ServerHandle,
     stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
 
 
+def test_steps_through_the_server_with_spares_and_memos_match_the_reference(
+        srv: ServerHandle) -> None:
+    """Through the server (cpu backend), caches on and off page boundaries: steps without
+    store (spare pages, then the step memo), stored steps that cross pages (the stored-step
+    memo between crossings), a refused step, and steps without store again, each checked
+    against the reference; the pool holds the caches' pages and one spare per cache on a
+    boundary, and nothing once they are released."""
+    stub = srv.stub()
+    pool = stub.ListCaches(pb.ListCachesRequest(pool_only=True), timeout=10).pool
+    ids, model = session(stub, "memo-", [16, 32, 15, 0])
+    for i in range(3):  # 16, 32 and 0 start a page: each takes its spare after the first
+        decode_step(stub, ids, model, heads=4, seed=400 + i, store=False)
+    used = stub.ListCaches(pb.ListCachesRequest(pool_only=True), timeout=10).pool.pages_used
+    assert used == pool.pages_used + (1 + 2 + 1 + 0) + 3  # the caches' pages, three spares
+    for i in range(20):  # 15 -> 35 and 0 -> 20: through page starts
+        decode_step(stub, ids, model, heads=4, seed=500 + i)
+    bad = rand(4, 4, 16, seed=1)  # refused: 3 query heads do not group over 2 kv heads
+    with pytest.raises(grpc.RpcError) as err:
+        collect(stub.CacheDecode(cache_decode_messages(
+            ids, bad[:, :3], rand(4, 2, 16, seed=2), rand(4, 2, 16, seed=3)), timeout=30))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    for i in range(3):
+        decode_step(stub, ids, model, heads=4, seed=600 + i, store=False)
+        decode_step(stub, ids, model, heads=4, seed=700 + i)
+    stub.ReleaseCaches(pb.ReleaseCachesRequest(cache_ids=ids), timeout=10)
+    after = stub.ListCaches(pb.ListCachesRequest(pool_only=True), timeout=10).pool
+    assert after.pages_used == pool.pages_used
+
+
 def test_prefill_against_a_cached_prefix(srv: ServerHandle) -> None:
     stub = srv.stub()
     ids, model = session(stub, "pf-", [0, 19, 33], heads=8, kv_heads=2)
