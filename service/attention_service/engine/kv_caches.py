@@ -35,7 +35,7 @@ import grpc
 import numpy as np
 
 from attention_service.engine.jobs import CacheWork
-from attention_service.engine.kv_pool import SERVER_OWNER_PREFIX, KvPool, Layout
+from attention_service.engine.kv_pool import KvPool, Layout
 from attention_service.engine.sweeper import Sweeper
 from attention_service.errors import RequestError, exhausted, invalid, not_found
 from attention_service.params import (
@@ -283,22 +283,15 @@ class CacheRegistry:
                                      memo.slot_pages, memo.slot_offsets, *memo.work,
                                      memo.width, pool.view(caches[0].layout), [], memo.added,
                                      memo.lens)
-            pt = caches[0].page_tokens
-            if (memo.after is not None and memo.after == versions and memo.added is None
-                    and pt - 1 not in memo.slot_offsets):
+            if (memo.after == versions and memo.added is None
+                    and caches[0].page_tokens - 1 not in memo.slot_offsets):
                 # Its tokens stored, none of them a page's last: each cache's next token goes
                 # one row on, on the same page (64 caches, begin + finish 46 -> 36 us, dev box).
-                lens, seq_lens = memo.seq_lens, [n + 1 for n in memo.seq_lens]
-                work = self._checked_work(params, seq_lens, caches[0].layout)
-                slot_offsets = [o + 1 for o in memo.slot_offsets]
-                for c in caches:
-                    c.busy = True
-                made = self._memos[key] = _StepMemo(
-                    params, caches, versions, lens, seq_lens, memo.table, memo.slot_pages,
-                    slot_offsets, None, memo.width, work, True)
-                return self._work_of(params, caches, memo.table, seq_lens, memo.slot_pages,
-                                     slot_offsets, *work, memo.width,
-                                     pool.view(caches[0].layout), [], None, lens, made)
+                seq_lens = [n + 1 for n in memo.seq_lens]
+                return self._step_work(
+                    params, owner, caches, versions, memo.seq_lens, seq_lens, memo.table,
+                    memo.slot_pages, [o + 1 for o in memo.slot_offsets], None, memo.width,
+                    self._checked_work(params, seq_lens, caches[0].layout), [], pool, tokens)
         lens = [c.length for c in caches]
         seq_lens = [n + 1 for n in lens] if tokens else lens
         flops, kv_bytes, keys = self._checked_work(params, seq_lens, caches[0].layout)
@@ -330,9 +323,6 @@ class CacheRegistry:
                          for p, n, s in zip(past, short, added, strict=True)]
         if new_ids:  # accepted: its caches are worth keeping resolved
             self._keep(owner, params.cache_ids, caches)
-        view = pool.view(caches[0].layout)  # all checked equal to the request's layout
-        for c in caches:  # ``last_used`` is set when the call ends (none expires while busy)
-            c.busy = True
         if every:  # the table's width (``CacheWork.width``): its longest row with its page
             width = max(map(len, table)) + 1
             slot_pages = added  # type: ignore[assignment]
@@ -344,13 +334,28 @@ class CacheRegistry:
             width = max(map(len, table))
             slot_pages = ([row[n // pt] for row, n in zip(table, lens, strict=True)]
                           if tokens else [])
+        return self._step_work(params, owner, caches, versions, lens, seq_lens, table,
+                               slot_pages, slot_offsets, added, width, (flops, kv_bytes, keys),
+                               fresh, pool, tokens)
+
+    def _step_work(
+        self, params: Params, owner: str, caches: list[_Cache], versions: list[int],
+        lens: list[int], seq_lens: list[int], table: list[list[int]], slot_pages: list[int],
+        slot_offsets: list[int], added: list[int] | None, width: int,
+        work: tuple[int, int, int], fresh: list[int], pool: KvPool, tokens: int,
+    ) -> CacheWork:
+        """Under the lock, ``_begin_step``'s end: its caches busy, its memo kept when it
+        reserved nothing and its ids are kept resolved, its CacheWork."""
+        for c in caches:  # ``last_used`` is set when the call ends (none expires while busy)
+            c.busy = True
+        key = (owner, params.cache_ids)
         made = None
-        if not fresh and key in self._resolved:  # kept: memo it too
+        if not fresh and key in self._resolved:
             made = self._memos[key] = _StepMemo(
                 params, caches, versions, lens, seq_lens, table, slot_pages, slot_offsets,
-                added, width, (flops, kv_bytes, keys), params.store and tokens == 1)
-        return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, flops,
-                             kv_bytes, keys, width, view, fresh, added, lens, made)
+                added, width, work, params.store and tokens == 1)
+        return self._work_of(params, caches, table, seq_lens, slot_pages, slot_offsets, *work,
+                             width, pool.view(caches[0].layout), fresh, added, lens, made)
 
     def _checked_work(self, params: Params, seq_lens: list[int], layout: Layout
                       ) -> tuple[int, int, int]:
@@ -475,8 +480,7 @@ class CacheRegistry:
         except RequestError:
             mine = set(using or ())
             idle = [c for c in self._spares if not c.busy and c not in mine]
-            if (pool.caller_pages and not owner.startswith(SERVER_OWNER_PREFIX)
-                    and pool.held(owner) + count > pool.caller_pages):
+            if pool.over_quota(owner, count):
                 idle = [c for c in idle if c.owner == owner]  # the quota: the caller's own
             if not idle:
                 raise

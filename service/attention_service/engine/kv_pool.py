@@ -97,6 +97,13 @@ class KvPool:
         """Pages ``owner``'s caches hold (a page its caches share counts once)."""
         return self._held.get(owner, 0)
 
+    def over_quota(self, owner: str, count: int) -> bool:
+        """Whether ``count`` more pages would pass ``owner``'s quota (the server's own
+        owners have none)."""
+        return bool(self.caller_pages and count
+                    and self._held.get(owner, 0) + count > self.caller_pages
+                    and not owner.startswith(SERVER_OWNER_PREFIX))
+
     def page_tokens(self, layout: Layout) -> int:
         """Tokens of ``layout`` per page (0: one token does not fit a page)."""
         return self.page_bytes // layout.token_bytes
@@ -123,8 +130,7 @@ class KvPool:
         """``count`` fresh pages (reference 1) for ``owner``, or RESOURCE_EXHAUSTED naming
         ``field`` and nothing taken."""
         held = self._held.get(owner, 0)
-        if (self.caller_pages and count and held + count > self.caller_pages
-                and not owner.startswith(SERVER_OWNER_PREFIX)):
+        if self.over_quota(owner, count):
             raise exhausted(
                 field,
                 f"this caller's KV-cache quota is full: it holds {held} pages of "
