@@ -28,6 +28,7 @@ Two pieces cut both:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Hashable
 from typing import Any
 
@@ -50,6 +51,21 @@ from attention_kernels.configs import interpreting
 # So prefill copies dims that are multiples of 4, decode only those padded to 128. The other
 # slow cases (odd dims, decode at 72-111) are the kernels' own to fix.
 ROW_ALIGN = 16
+
+
+def kv_row_align(k: torch.Tensor, v: torch.Tensor, *strides: int | None) -> int:
+    """The bytes every key and value row start is a multiple of (4, 8 or 16), for a kernel
+    to mark its K/V pointers with (``_paging.block_kv_ptrs``' ``KV_ALIGN``), given the row
+    strides (elements; None: unused); 0 where Triton sees it itself (every stride a multiple
+    of 16, 16-byte aligned data) or there is none worth marking (an odd stride: 2-byte rows).
+    The bases' own 16-byte alignment is part of a plan's key (``call_key``)."""
+    if k.data_ptr() % 16 or v.data_ptr() % 16:
+        return 0
+    g = math.gcd(*(s for s in strides if s is not None))
+    if g % 16 == 0:
+        return 0
+    nbytes = (g & -g) * k.element_size()
+    return min(nbytes, 16) if nbytes >= 4 else 0
 
 
 def pads_prefill(head_dim: int) -> bool:

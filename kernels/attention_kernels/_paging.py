@@ -85,14 +85,16 @@ def first_pages(table_row, lo, offs_n, end, PAGE_TOKENS: tl.constexpr, BLOCK_N: 
 def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n,
                   offs_n, end, stride_kp, stride_kt, stride_vp, stride_vt,
                   PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                  SPAN: tl.constexpr = 0):
+                  SPAN: tl.constexpr = 0, KV_ALIGN: tl.constexpr = 0):
     """(K pointers, V pointers, pages carried to the next block) of the key block at
     ``start_n``, for the bases and offsets ``kv_bases`` gave and what ``first_pages`` gave.
     Paged, ``SPAN`` > 0: the block's pages come out of the loop's page span in registers, so
     every block's addresses are known from the start and the loop's pipeliner can issue loads
     blocks ahead, as on contiguous keys. ``SPAN`` 0: ``page`` holds this block's pages and the
     next block's are looked up now, off this block's critical path (but the loads of a block
-    cannot be issued before the previous iteration has looked its pages up)."""
+    cannot be issued before the previous iteration has looked its pages up).
+    ``KV_ALIGN`` > 0: every key and value row starts at a multiple of that many bytes
+    (``_launch.kv_row_align``), which the pointers are marked with."""
     if PAGED:
         if SPAN > 0:
             # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
@@ -115,6 +117,13 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     else:
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
         v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
+    if KV_ALIGN > 0:
+        # Triton sees a row stride's alignment only when it is a multiple of 16 elements:
+        # rows of 72 bf16 (144 bytes) were read 2 bytes at a time, without the async copies
+        # (sm_90a: 144 ld.global.b16 a block, 255 registers, 280 bytes spilled; 64 x 4K decode
+        # ~60x the time of D 80). Dim 1 is the row; dim 0 (across rows) claims nothing.
+        k_ptrs = tl.multiple_of(k_ptrs, [1, KV_ALIGN])
+        v_ptrs = tl.multiple_of(v_ptrs, [1, KV_ALIGN])
     return k_ptrs, v_ptrs, page
 
 

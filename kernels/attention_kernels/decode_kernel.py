@@ -56,6 +56,7 @@ from attention_kernels._launch import (
     PlanCache,
     aligned_rows,
     call_key,
+    kv_row_align,
     launch_inputs,
     no_keys,
     outputs,
@@ -125,7 +126,7 @@ def _decode_inner(
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
-    PAGE_SPAN: tl.constexpr,
+    PAGE_SPAN: tl.constexpr, KV_ALIGN: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
@@ -149,7 +150,7 @@ def _decode_inner(
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n, offs_n,
             seqlen, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
-            PAGE_SPAN)
+            PAGE_SPAN, KV_ALIGN)
         n_ok = (start_n + offs_n) < hi
         if LOW_MASK:
             n_ok = n_ok & ((start_n + offs_n) >= key_lo)
@@ -261,7 +262,7 @@ def _decode_split_kernel(
     MERGE_S: tl.constexpr, PDL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr, KV_ALIGN: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -342,7 +343,7 @@ def _decode_split_kernel(
         lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         span, first, key_lo, cap_scale, cap_log2, slopes2,
         BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
-        PAGE_SPAN,
+        PAGE_SPAN, KV_ALIGN,
     )
 
     if KV_FP8:
@@ -729,7 +730,7 @@ def _plan(
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
-            PAGE_SPAN=page_span,
+            PAGE_SPAN=page_span, KV_ALIGN=kv_row_align(k, v, *strides[:4], *strides[5:]),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
     return _DecodePlan(

@@ -59,6 +59,7 @@ from attention_kernels._launch import (
     PlanCache,
     aligned_rows,
     call_key,
+    kv_row_align,
     launch_inputs,
     no_keys,
     outputs,
@@ -111,7 +112,7 @@ def _prefill_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
+    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr, KV_ALIGN: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -126,7 +127,8 @@ def _prefill_inner(
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, 0, table_row, start_n, offs_n,
-            seqlen_k, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED)
+            seqlen_k, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
+            0, KV_ALIGN)
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -215,6 +217,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr, WARP_SPEC: tl.constexpr,
+    KV_ALIGN: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -306,7 +309,7 @@ def _prefill_kernel(
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
             table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
             pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN,
         )
     else:
         n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
@@ -320,7 +323,7 @@ def _prefill_kernel(
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, KV_ALIGN,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
@@ -328,7 +331,7 @@ def _prefill_kernel(
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN,
     )
 
     if KV_SCALED:
@@ -883,6 +886,7 @@ def _plan(
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
+        KV_ALIGN=kv_row_align(k, v, *strides[:4], *strides[5:]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
