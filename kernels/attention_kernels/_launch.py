@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -38,54 +38,28 @@ from triton import knobs
 from attention_kernels._checks import kv_scale_args
 from attention_kernels.configs import interpreting
 
-# Triton specializes integer arguments on divisibility by 16: a row stride (elements) that is
-# a multiple of 16 lets it vectorize the rows' loads. ``aligned_rows`` copies a packed [T, H, D]
-# input into rows padded to one. Where it pays was measured, not derived (H200, bf16,
-# bench_kernels --only headdim, 2026-11-29; GPU time against the next multiple of 16, without
-# the copy -> with it):
-#   prefill (16K tokens, causal): D 40 2.20 -> 1.18x, 72 3.84 -> 1.38, 100 3.82 -> 1.69,
-#     200 2.21 -> 1.35; odd D gain nothing (59 2.60 -> 3.45, 111 3.86 -> 3.64);
-#   decode (64 x 4096, the copy reads and writes all of K/V): D 72 64 -> 6.2x, 100 62 -> 8.1x
-#     (BLOCK_D 128); elsewhere the copy costs more than it saves (40 2.9 -> 5.0x, 200 2.9 ->
-#     4.9, 59 3.6 -> 9.7, 111 59 -> 73).
-# So prefill copies dims that are multiples of 4, decode only those padded to 128. The other
-# slow cases (odd dims, decode at 72-111) are the kernels' own to fix.
-ROW_ALIGN = 16
 
-
-def kv_row_align(k: torch.Tensor, v: torch.Tensor, *strides: int | None) -> int:
-    """The bytes every key and value row start is a multiple of (4, 8 or 16), for a kernel
-    to mark its K/V pointers with (``_paging.block_kv_ptrs``' ``KV_ALIGN``), given the row
-    strides (elements; None: unused); 0 where Triton sees it itself (every stride a multiple
-    of 16, 16-byte aligned data) or there is none worth marking (an odd stride: 2-byte rows).
-    The bases' own 16-byte alignment is part of a plan's key (``call_key``)."""
-    if k.data_ptr() % 16 or v.data_ptr() % 16:
+# Triton specializes integer arguments on divisibility by 16 only, so the rows of head dims
+# that are multiples of 4 or 8 but not 16 (40, 72, 100, 200) were read 2 bytes at a time. The
+# kernels mark their row pointers instead (``_paging.row_ptrs``). H200, bf16, GPU time, 64 x
+# 4096 decode (32q/8kv) and causal 4 x 4096 prefill (16q/8kv), before (rows copied into
+# 16-aligned ones where that paid, else none) -> marked: decode D 72 939 -> 186 us (D 80: 178),
+# 100 1285 -> 254 (112: 225), 40 447 -> 155, 200 2068 -> 473; prefill 72 960 -> 850, 100 1209
+# -> 1063, 40 449 -> 416, 200 1890 -> 1777 (2026-12-02; the copies are gone).
+def row_align(tensors: Sequence[torch.Tensor | None], strides: Iterable[int | None]) -> int:
+    """The bytes (4, 8 or 16) every row of ``tensors`` starts at a multiple of, given their
+    row strides (elements; None: unused), for a kernel's ``ROW_ALIGN``; 0 where Triton sees it
+    itself (every stride a multiple of 16 elements) or there is nothing worth marking (odd
+    strides, or data not 16-byte aligned: a base's alignment is part of a plan's key,
+    ``call_key``)."""
+    present = [t for t in tensors if t is not None]
+    if any(t.data_ptr() % 16 for t in present):
         return 0
     g = math.gcd(*(s for s in strides if s is not None))
     if g % 16 == 0:
         return 0
-    nbytes = (g & -g) * k.element_size()
+    nbytes = (g & -g) * min(t.element_size() for t in present)
     return min(nbytes, 16) if nbytes >= 4 else 0
-
-
-def pads_prefill(head_dim: int) -> bool:
-    return head_dim % ROW_ALIGN != 0 and head_dim % 4 == 0
-
-
-def pads_decode(head_dim: int) -> bool:
-    return head_dim % ROW_ALIGN != 0 and head_dim % 4 == 0 and 64 < head_dim < 128
-
-
-def aligned_rows(t: torch.Tensor) -> torch.Tensor:
-    """``t`` ``[T, H, D]`` as it is when its head stride is a multiple of ``ROW_ALIGN`` (or off
-    the GPU); else a copy whose rows are padded to one (a ``[T, H, D]`` view of a ``[T, H,
-    D16]`` buffer)."""
-    if t.stride(-2) % ROW_ALIGN == 0 or t.device.type != "cuda" or interpreting():
-        return t
-    padded = -(-t.shape[-1] // ROW_ALIGN) * ROW_ALIGN
-    view = torch.empty((*t.shape[:-1], padded), dtype=t.dtype, device=t.device)[..., : t.shape[-1]]
-    view.copy_(t)
-    return view
 
 
 def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],

@@ -85,7 +85,7 @@ def first_pages(table_row, lo, offs_n, end, PAGE_TOKENS: tl.constexpr, BLOCK_N: 
 def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n,
                   offs_n, end, stride_kp, stride_kt, stride_vp, stride_vt,
                   PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                  SPAN: tl.constexpr = 0, KV_ALIGN: tl.constexpr = 0):
+                  SPAN: tl.constexpr = 0, ROW_ALIGN: tl.constexpr = 0):
     """(K pointers, V pointers, pages carried to the next block) of the key block at
     ``start_n``, for the bases and offsets ``kv_bases`` gave and what ``first_pages`` gave.
     Paged, ``SPAN`` > 0: the block's pages come out of the loop's page span in registers, so
@@ -93,8 +93,7 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     blocks ahead, as on contiguous keys. ``SPAN`` 0: ``page`` holds this block's pages and the
     next block's are looked up now, off this block's critical path (but the loads of a block
     cannot be issued before the previous iteration has looked its pages up).
-    ``KV_ALIGN`` > 0: every key and value row starts at a multiple of that many bytes
-    (``_launch.kv_row_align``), which the pointers are marked with."""
+    ``ROW_ALIGN``: the pointers marked with their rows' alignment (``row_ptrs``)."""
     if PAGED:
         if SPAN > 0:
             # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
@@ -110,21 +109,29 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
         else:
             here = page
             page = block_pages(table_row, start_n + BLOCK_N, offs_n, end, PAGE_TOKENS, BLOCK_N)
-        k_ptrs = k_base + block_rows(here, start_n, offs_n, stride_kp, stride_kt,
-                                     PAGE_TOKENS, BLOCK_N) + kv_offs_k
-        v_ptrs = v_base + block_rows(here, start_n, offs_n, stride_vp, stride_vt,
-                                     PAGE_TOKENS, BLOCK_N) + kv_offs_v
+        k_rows = k_base + block_rows(here, start_n, offs_n, stride_kp, stride_kt,
+                                     PAGE_TOKENS, BLOCK_N)
+        v_rows = v_base + block_rows(here, start_n, offs_n, stride_vp, stride_vt,
+                                     PAGE_TOKENS, BLOCK_N)
     else:
-        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kt + kv_offs_k
-        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vt + kv_offs_v
-    if KV_ALIGN > 0:
-        # Triton sees a row stride's alignment only when it is a multiple of 16 elements:
-        # rows of 72 bf16 (144 bytes) were read 2 bytes at a time, without the async copies
-        # (sm_90a: 144 ld.global.b16 a block, 255 registers, 280 bytes spilled; 64 x 4K decode
-        # ~60x the time of D 80). Dim 1 is the row; dim 0 (across rows) claims nothing.
-        k_ptrs = tl.multiple_of(k_ptrs, [1, KV_ALIGN])
-        v_ptrs = tl.multiple_of(v_ptrs, [1, KV_ALIGN])
-    return k_ptrs, v_ptrs, page
+        k_rows = k_base + tl.cast(start_n, tl.int64) * stride_kt
+        v_rows = v_base + tl.cast(start_n, tl.int64) * stride_vt
+    return row_ptrs(k_rows, kv_offs_k, ROW_ALIGN), row_ptrs(v_rows, kv_offs_v, ROW_ALIGN), page
+
+
+@triton.jit
+def row_ptrs(rows, offs, ROW_ALIGN: tl.constexpr):
+    """``rows + offs``: a ``[rows, D]`` tile of pointers (``offs`` unit stride along D) marked
+    as rows that start at a multiple of ``ROW_ALIGN`` bytes (``_launch.row_align``; 0: no
+    mark). Triton sees a row stride's alignment only when it is a multiple of 16 elements:
+    rows of 72 bf16 (144 bytes) were read 2 bytes at a time, without async copies (sm_90a
+    decode: 144 ld.global.b16 a key block, 255 registers, 280 bytes spilled; a 64 x 4K decode
+    took 64x D 80's GPU time). Dim 1 is the row; dim 0 (across rows) claims nothing. The sum
+    is made here: a mark on a function's argument is dropped (it needs the op that made it)."""
+    ptrs = rows + offs
+    if ROW_ALIGN > 0:
+        ptrs = tl.multiple_of(ptrs, [1, ROW_ALIGN])
+    return ptrs
 
 
 @triton.jit

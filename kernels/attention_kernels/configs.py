@@ -203,6 +203,12 @@ def prefill_config(
     if major < 9:
         # Pre-Hopper parts have less shared memory per SM: fewer stages.
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64), num_stages=2)
+    if head_dim % 2 and d == 128 and dtype != torch.float32:
+        # Odd head dims are read an element at a time (a row's mask changes every column): a
+        # 128-key block of such rows held its loads in registers and spilled 1 KB (sm_90a).
+        # H200, bf16, causal 4 x 4096, 16q/8kv, D 111: 2739 us -> 1269 with 64 keys (32: 1524;
+        # D 112: 724), 2026-12-02.
+        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64))
     return _fit_shared_memory(cfg, d, dtype.itemsize)
 
 
@@ -243,6 +249,12 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     d = padded_head_dim(head_dim)
+    if head_dim % 2 and d >= 128 and dtype != torch.float32:
+        # Odd head dims are read an element at a time (a row's mask changes every column), and
+        # the loads of a 64-key block of such rows spilled (sm_90a: 280 bytes at D 111, 336 at
+        # D 201 with 32 keys). H200, bf16, 64 x 4096, 32q/8kv, D 111: 9609 us -> 695 with 32
+        # keys (16: 988; D 112: 225), 2026-12-02.
+        return ODD_HEAD_TILES[d]
     if kv_fp8 and d == 128 and dtype != torch.float32:
         return DecodeConfig(128, 4, 3)
     if d >= 256 or dtype == torch.float32:
@@ -256,6 +268,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 DECODE_TILE = DecodeConfig(64, 4, 3)
 # 16-bit decode at head dim 64 and below (decode_config).
 SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
+# Odd head dims by padded head dim (decode_config).
+ODD_HEAD_TILES = {128: DecodeConfig(32, 4, 3), 256: DecodeConfig(16, 4, 3)}
 # decode_shape_config's other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)
 MANY_PROGRAMS_TILE = DecodeConfig(64, 4, 2)

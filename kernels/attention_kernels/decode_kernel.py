@@ -54,18 +54,17 @@ from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
-    aligned_rows,
     call_key,
-    kv_row_align,
     launch_inputs,
     no_keys,
     outputs,
-    pads_decode,
+    row_align,
 )
 from attention_kernels._paging import (
     block_kv_ptrs,
     first_pages,
     kv_bases,
+    row_ptrs,
     seq_keys,
     span_pages,
 )
@@ -126,7 +125,7 @@ def _decode_inner(
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
-    PAGE_SPAN: tl.constexpr, KV_ALIGN: tl.constexpr,
+    PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
@@ -150,7 +149,7 @@ def _decode_inner(
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n, offs_n,
             seqlen, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
-            PAGE_SPAN, KV_ALIGN)
+            PAGE_SPAN, ROW_ALIGN)
         n_ok = (start_n + offs_n) < hi
         if LOW_MASK:
             n_ok = n_ok & ((start_n + offs_n) >= key_lo)
@@ -262,7 +261,7 @@ def _decode_split_kernel(
     MERGE_S: tl.constexpr, PDL: tl.constexpr, RETURN_LSE: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr, KV_ALIGN: tl.constexpr,
+    KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -303,8 +302,8 @@ def _decode_split_kernel(
     g_ok = offs_g < group
     d_ok = offs_d < HEAD_DIM
     heads = kv_head * group + offs_g
-    q_ptrs = (Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
-              + offs_d[None, :])
+    q_ptrs = row_ptrs(Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh,
+                      offs_d[None, :], ROW_ALIGN)
     q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -343,7 +342,7 @@ def _decode_split_kernel(
         lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
         span, first, key_lo, cap_scale, cap_log2, slopes2,
         BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
-        PAGE_SPAN, KV_ALIGN,
+        PAGE_SPAN, ROW_ALIGN,
     )
 
     if KV_FP8:
@@ -353,8 +352,9 @@ def _decode_split_kernel(
     # log2-domain lse of this split; -inf for an empty split (weight 0 in the merge).
     lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     if DIRECT:
-        o_ptrs = (Out + seq.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh
-                  + offs_d[None, :])
+        o_ptrs = row_ptrs(
+            Out + seq.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh,
+            offs_d[None, :], ROW_ALIGN)
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_ok[:, None] & d_ok[None, :])
         if RETURN_LSE:
             tl.store(Lse + seq * num_heads + heads, lse2 * 0.6931471805599453, mask=g_ok)
@@ -499,8 +499,6 @@ def decode(
     """
     q, k_scale, v_scale = widened_queries(q, k, q_scale, k_scale, v_scale, q.shape[0])
     mode = _merge_mode(q.device)
-    if pads_decode(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
-        q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     key = _plan_key(False, q, k, v, cu_seqlens_k, None, max_seqlen_k, softmax_scale, num_splits,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
                     v_scale, _config, mode)
@@ -730,7 +728,7 @@ def _plan(
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
-            PAGE_SPAN=page_span, KV_ALIGN=kv_row_align(k, v, *strides[:4], *strides[5:]),
+            PAGE_SPAN=page_span, ROW_ALIGN=row_align((q, k, v, out), (*scalars[:8], *strides[5:])),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
     return _DecodePlan(

@@ -43,8 +43,8 @@ def widen_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
              row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` in ``dtype`` from float8_e4m3fn ``k, v [total, H_kv, D]`` (any token/head
     strides, unit stride along D); bitwise what ``k.to(dtype)`` gives. Rows of ``row``
-    elements (default D: contiguous): a caller whose kernel was planned on padded rows
-    (``_launch.aligned_rows``) gets its copies in that layout, strides and all."""
+    elements (default D: contiguous): a caller whose kernel was planned on padded rows (the
+    caller's own view of wider rows) gets its copies in that layout, strides and all."""
     total, heads, dim = k.shape
     row = row or dim
     k_out = torch.empty((total, heads, row), dtype=dtype, device=k.device)[..., :dim]

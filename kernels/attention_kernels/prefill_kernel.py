@@ -57,15 +57,13 @@ from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
-    aligned_rows,
     call_key,
-    kv_row_align,
     launch_inputs,
     no_keys,
     outputs,
-    pads_prefill,
+    row_align,
 )
-from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, seq_keys
+from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, row_ptrs, seq_keys
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
 from attention_kernels.configs import (
     PrefillConfig,
@@ -112,7 +110,7 @@ def _prefill_inner(
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
-    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr, KV_ALIGN: tl.constexpr,
+    KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr, ROW_ALIGN: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -128,7 +126,7 @@ def _prefill_inner(
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, 0, table_row, start_n, offs_n,
             seqlen_k, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
-            0, KV_ALIGN)
+            0, ROW_ALIGN)
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -217,7 +215,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr, WARP_SPEC: tl.constexpr,
-    KV_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -262,8 +260,8 @@ def _prefill_kernel(
     m_ok = offs_m < seqlen_q
 
     # int64 bases: total * heads * head_dim may exceed 2**31.
-    q_ptrs = (Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qt + offs_d[None, :])
+    q_ptrs = row_ptrs(Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+                      + offs_m[:, None].to(tl.int64) * stride_qt, offs_d[None, :], ROW_ALIGN)
     q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
@@ -309,7 +307,7 @@ def _prefill_kernel(
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
             table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
             pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN,
         )
     else:
         n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
@@ -323,7 +321,7 @@ def _prefill_kernel(
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, KV_ALIGN,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, ROW_ALIGN,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
@@ -331,7 +329,7 @@ def _prefill_kernel(
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN,
     )
 
     if KV_SCALED:
@@ -339,8 +337,8 @@ def _prefill_kernel(
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    o_ptrs = (Out + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
-              + offs_m[:, None].to(tl.int64) * stride_ot + offs_d[None, :])
+    o_ptrs = row_ptrs(Out + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
+                      + offs_m[:, None].to(tl.int64) * stride_ot, offs_d[None, :], ROW_ALIGN)
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     if RETURN_LSE:
         lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453,
@@ -559,8 +557,6 @@ def prefill(
                             softmax_scale, return_lse, out, lse_out, window_size, softcap,
                             alibi_slopes, q_scale, k_scale, v_scale, _config)
     check_query_scale(q, k, q_scale, 0)  # 16-bit q: refuses a q_scale
-    if pads_prefill(q.shape[-1]):  # rows padded where that was measured to pay (``_launch``)
-        q, k, v = aligned_rows(q), aligned_rows(k), aligned_rows(v)
     rows = short_rows_bucket(max_seqlen_q)
     key = _plan_key(False, q, k, v, cu_seqlens_q, cu_seqlens_k, None, causal, softmax_scale,
                     return_lse, out, lse_out, window_size, softcap, alibi_slopes, k_scale,
@@ -862,8 +858,8 @@ def _plan(
         strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
         if widen:
             # ``_run`` launches on the widened copies, not on ``k, v``: their strides, rows
-            # padded as ``k``'s were (``aligned_rows``; a D 40 plan on padded strides read
-            # unpadded copies as garbage on an H200).
+            # padded as ``k``'s were (a D 40 plan on padded strides read unpadded copies as
+            # garbage on an H200).
             padded = k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
             widen_row = k.stride(1) if padded else head_dim
             token = k.shape[1] * widen_row
@@ -886,7 +882,7 @@ def _plan(
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
-        KV_ALIGN=kv_row_align(k, v, *strides[:4], *strides[5:]),
+        ROW_ALIGN=row_align((q, k, v, out), (*scalars[:8], *strides[5:])),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,

@@ -133,22 +133,9 @@ def test_fp8_pages(head_dim: int) -> None:
     assert rel_err(got, ref) < TOL[torch.bfloat16]
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the padding is for the GPU's vector loads")
-def test_rows_not_16_aligned_are_padded_for_the_kernels() -> None:
-    """``aligned_rows``: [T, H, D] with a head stride that is not a multiple of 16 becomes a
-    view of a [T, H, D16] buffer with the same values; aligned ones pass through as they are."""
-    from attention_kernels._launch import aligned_rows
-
-    t = randn(5, 2, 72, dtype=torch.bfloat16)
-    got = aligned_rows(t)
-    assert got.shape == t.shape and got.stride() == (160, 80, 1) and torch.equal(got, t)
-    ok = randn(5, 2, 80, dtype=torch.bfloat16)
-    assert aligned_rows(ok) is ok
-
-
-# Rows 144 bytes apart (D 72: the kernels mark K/V pointers 16-byte aligned) and 200 (D 100:
-# 8-byte): on the GPU the marks decide the loads (``_launch.kv_row_align``); a base that is not
-# 16-byte aligned takes no mark.
+# Rows 144 bytes apart (D 72: the kernels mark their row pointers 16-byte aligned) and 200
+# (D 100: 8-byte): on the GPU the marks decide the loads (``_launch.row_align``); a base that is
+# not 16-byte aligned takes no mark.
 @pytest.mark.parametrize("head_dim", [72, 100])
 @pytest.mark.parametrize("offset_base", [False, True], ids=["aligned", "offset-base"])
 def test_marked_rows(head_dim: int, offset_base: bool) -> None:
@@ -176,9 +163,9 @@ def test_marked_rows(head_dim: int, offset_base: bool) -> None:
     assert rel_err(got, ref) < TOL[dtype]
 
 
-def test_kv_row_align() -> None:
-    """The bytes every K/V row start is a multiple of, where Triton cannot see it itself."""
-    from attention_kernels._launch import kv_row_align
+def test_row_align() -> None:
+    """The bytes every row start is a multiple of, where Triton cannot see it itself."""
+    from attention_kernels._launch import row_align
 
     def rows(d: int, dtype: torch.dtype = torch.bfloat16, offset: int = 0) -> torch.Tensor:
         flat = torch.empty(64 * 8 * d + 16, dtype=dtype)
@@ -190,11 +177,13 @@ def test_kv_row_align() -> None:
                            (72, torch.float8_e4m3fn, 8), (98, torch.bfloat16, 4)]:
         t = rows(d, dtype)
         assert t.data_ptr() % 16 == 0
-        assert kv_row_align(t, t, *t.stride()[:2], *t.stride()[:2]) == want, (d, dtype)
+        assert row_align((t, t, None), (*t.stride()[:2], None)) == want, (d, dtype)
+    q, k = rows(72), rows(72, torch.float8_e4m3fn)  # bf16 queries, FP8 keys: the narrower
+    assert row_align((q, k), (*q.stride()[:2], *k.stride()[:2])) == 8
     t = rows(72, offset=1)  # a base 2 bytes past 16-byte alignment
-    assert kv_row_align(t, t, *t.stride()[:2]) == 0
+    assert row_align((rows(72), t), t.stride()[:2]) == 0
     paged = rows(72).view(8, 8, 8, 72)  # [pages, page tokens, H_kv, D]: strides 4608, 576, 72
-    assert kv_row_align(paged, paged, None, *paged.stride()[:3]) == 16
+    assert row_align((paged,), paged.stride()[:3]) == 16
 
 
 _COMPILE_DECODE = r"""
@@ -202,7 +191,7 @@ import json, os, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attention_kernels._launch import kv_row_align
+from attention_kernels._launch import row_align
 from attention_kernels.configs import DECODE_TILE, padded_head_dim
 from attention_kernels.decode_kernel import _decode_split_kernel as fn
 
@@ -214,7 +203,7 @@ const = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_G=16, BLOCK_N=DECODE_
              DIRECT=False, FUSED_MERGE=False, MERGE_G=1, MERGE_S=1, PDL=True, RETURN_LSE=False,
              DOT_F32=False, PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
              HAS_ALIBI=False, KV_FP8=False, PAGE_SPAN=0,
-             KV_ALIGN=kv_row_align(k, k, *k.stride()[:2]),
+             ROW_ALIGN=row_align((k,), k.stride()[:2]),
              stride_tb=None, stride_kp=None, stride_vp=None, Table=None, win_left=None,
              cap_scale=None, cap_log2=None, Alibi=None, stride_ab=None, KScale=None,
              VScale=None, stride_sb=None, Lse=None)
@@ -244,7 +233,7 @@ with tempfile.TemporaryDirectory() as tmp:
         f.write(ptx)
     info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
                           capture_output=True, text=True, check=True).stderr
-print(json.dumps({"kv_align": const["KV_ALIGN"], "async_copies": ptx.count("cp.async.cg"),
+print(json.dumps({"row_align": const["ROW_ALIGN"], "async_copies": ptx.count("cp.async.cg"),
                   "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
                                                                   info))}))
 """
@@ -254,7 +243,7 @@ print(json.dumps({"kv_align": const["KV_ALIGN"], "async_copies": ptx.count("cp.a
 def test_decode_at_d72_compiles_to_async_copies_for_sm90() -> None:
     """Decode at D 72 as launched (sm_90a, any machine: Triton compiles without a GPU and
     ships ptxas): the 16-byte mark gives its K/V blocks 16-byte async copies and no spills.
-    Unmarked it compiled to 144 two-byte loads a block, 280 bytes of spills, ~60x D 80's time."""
+    Unmarked it compiled to 144 two-byte loads a block, 280 bytes of spills, 64x D 80's time."""
     import json
     import os
     import subprocess
@@ -267,5 +256,25 @@ def test_decode_at_d72_compiles_to_async_copies_for_sm90() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in got:
         pytest.skip(got["skip"])
-    assert got["kv_align"] == 16, got
+    assert got["row_align"] == 16, got
     assert got["async_copies"] > 0 and got["spill_bytes"] == 0, got
+
+
+def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Odd head dims (loads of one element, which spilled in longer blocks) take the short key
+    blocks on a GPU: decode 32 keys at padded D 128, 16 at 256; causal prefill at most 64 at
+    128. Even ones keep the measured tiles. As for an H100, no GPU needed."""
+    from attention_kernels import configs
+
+    monkeypatch.setattr(configs, "_INTERPRETING", False)
+    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    gpu = torch.device("cuda", 0)
+    decode_cfg, prefill_cfg = configs.decode_config.__wrapped__, configs.prefill_config.__wrapped__
+    assert decode_cfg(111, torch.bfloat16, gpu) == configs.DecodeConfig(32, 4, 3)
+    assert decode_cfg(111, torch.bfloat16, gpu, True) == configs.DecodeConfig(32, 4, 3)
+    assert decode_cfg(201, torch.float16, gpu) == configs.DecodeConfig(16, 4, 3)
+    assert decode_cfg(112, torch.bfloat16, gpu) == configs.DECODE_TILE
+    assert decode_cfg(59, torch.bfloat16, gpu) == configs.SMALL_HEAD_TILE  # no spill there
+    assert decode_cfg(111, torch.float32, gpu) == configs.DecodeConfig(32, 4, 3)
+    assert prefill_cfg(111, torch.bfloat16, True, gpu).block_n == 64
+    assert prefill_cfg(112, torch.bfloat16, True, gpu).block_n == 128

@@ -300,9 +300,9 @@ def test_widening_rule() -> None:
 
 
 def test_widened_kv_from_padded_rows(monkeypatch: pytest.MonkeyPatch) -> None:
-    """FP8 K/V in rows padded past the head dim (what ``aligned_rows`` makes of D 40 inputs on
-    a GPU), padding NaN: the widened copies keep the layout the launch was planned on. (Planned
-    on padded strides, the kernel once read unpadded copies: garbage at D 40 on an H200.)"""
+    """FP8 K/V in rows padded past the head dim (a caller's view of wider rows), padding NaN:
+    the widened copies keep the layout the launch was planned on. (Planned on padded strides,
+    the kernel once read unpadded copies: garbage at D 40 on an H200.)"""
     monkeypatch.setattr(prefill_kernel, "FP8_WIDEN_MIN_KEYS_SEEN", 0)  # always widen
     dim, row = 40, 48
 

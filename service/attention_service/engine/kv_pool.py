@@ -50,8 +50,9 @@ class Layout(NamedTuple):
     def head_stride(self) -> int:
         """Elements from one kv head's row to the next in a page: the head dim, rounded up to
         a multiple of 16 when it is not one, so the kernels' row loads vectorize (Triton
-        specializes strides divisible by 16; at D 72 a 64 x 4096 decode ran 64x slower than at
-        D 80, ``attention_kernels._launch.aligned_rows``). Pages of D 72 hold 80-wide rows."""
+        specializes strides divisible by 16; the kernels mark rows of 4, 8 and 16 bytes
+        themselves, ``attention_kernels._launch.row_align``, but not the rest). Pages of D 72
+        hold 80-wide rows."""
         return -(-self.head_dim // 16) * 16
 
     @property
