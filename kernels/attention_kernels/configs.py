@@ -203,12 +203,12 @@ def prefill_config(
     if major < 9:
         # Pre-Hopper parts have less shared memory per SM: fewer stages.
         cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64), num_stages=2)
-    if head_dim % 2 and d == 128 and dtype != torch.float32:
-        # Odd head dims are read an element at a time (a row's mask changes every column): a
-        # 128-key block of such rows held its loads in registers and spilled 1 KB (sm_90a).
-        # H200, bf16, causal 4 x 4096, 16q/8kv, D 111: 2739 us -> 1269 with 64 keys (32: 1524;
-        # D 112: 724), 2026-12-02.
-        cfg = dataclasses.replace(cfg, block_n=min(cfg.block_n, 64))
+    if head_dim % 2 and d == 128 and dtype != torch.float32 and not kv_fp8 and major == 9:
+        # Odd head dims are read an element at a time (a row's mask changes every column): the
+        # tiles above held those loads in registers and spilled 0.2-1 KB (sm_90a). H200, bf16,
+        # causal 4 x 4096, 16q/8kv, D 111 (many programs: 128x64 x4 warps x2): 2739 us ->
+        # 1269 in 128x64 x8 x3 (128x32 x8 x2: 1524, 64x64 x4 x2: 1635; D 112: 724), 2026-12-02.
+        cfg = ODD_HEAD_PREFILL_TILE
     return _fit_shared_memory(cfg, d, dtype.itemsize)
 
 
@@ -268,7 +268,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
 DECODE_TILE = DecodeConfig(64, 4, 3)
 # 16-bit decode at head dim 64 and below (decode_config).
 SMALL_HEAD_TILE = DecodeConfig(128, 4, 3)
-# Odd head dims by padded head dim (decode_config).
+# Odd head dims: decode by padded head dim (decode_config); prefill at padded 128.
+ODD_HEAD_PREFILL_TILE = PrefillConfig(128, 64, 8, 3)
 ODD_HEAD_TILES = {128: DecodeConfig(32, 4, 3), 256: DecodeConfig(16, 4, 3)}
 # decode_shape_config's other tiles (the warm-up compiles them).
 ONE_SPLIT_TILE = DecodeConfig(32, 4, 2)

@@ -262,7 +262,7 @@ def test_decode_at_d72_compiles_to_async_copies_for_sm90() -> None:
 
 def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Odd head dims (loads of one element, which spilled in longer blocks) take the short key
-    blocks on a GPU: decode 32 keys at padded D 128, 16 at 256; causal prefill at most 64 at
+    blocks on a GPU: decode 32 keys at padded D 128, 16 at 256; prefill 64 keys in 8 warps at
     128. Even ones keep the measured tiles. As for an H100, no GPU needed."""
     from attention_kernels import configs
 
@@ -276,5 +276,8 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
     assert decode_cfg(112, torch.bfloat16, gpu) == configs.DECODE_TILE
     assert decode_cfg(59, torch.bfloat16, gpu) == configs.SMALL_HEAD_TILE  # no spill there
     assert decode_cfg(111, torch.float32, gpu) == configs.DecodeConfig(32, 4, 3)
-    assert prefill_cfg(111, torch.bfloat16, True, gpu).block_n == 64
-    assert prefill_cfg(112, torch.bfloat16, True, gpu).block_n == 128
+    for many in (False, True):  # many programs took 128x64 x4 warps, which spilled more
+        assert prefill_cfg(111, torch.bfloat16, True, gpu, many=many) == (
+            configs.ODD_HEAD_PREFILL_TILE)
+        assert prefill_cfg(112, torch.bfloat16, True, gpu, many=many).num_warps == (
+            4 if many else 8)
