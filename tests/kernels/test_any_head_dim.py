@@ -281,3 +281,25 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
             configs.ODD_HEAD_PREFILL_TILE)
         assert prefill_cfg(112, torch.bfloat16, True, gpu, many=many).num_warps == (
             4 if many else 8)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the odd-dim tiles are the GPU's (the interpreter "
+                    "takes its own small tiles)")
+@pytest.mark.parametrize("head_dim", [111, 201])
+def test_odd_head_tiles(head_dim: int) -> None:
+    """Odd dims in their short-block tiles (``configs.ODD_HEAD_TILES``,
+    ``ODD_HEAD_PREFILL_TILE``) against float64: decode with many splits, causal prefill over
+    several key blocks."""
+    dtype = torch.bfloat16
+    lens = [300, 1, 517]
+    q, k, v = (randn(3, 8, head_dim, dtype=dtype), randn(sum(lens), 2, head_dim, dtype=dtype),
+               randn(sum(lens), 2, head_dim, dtype=dtype))
+    cu = cu_seqlens(lens)
+    out = torch.empty_like(q)
+    poison_(out)
+    got = decode(q, k, v, cu, out=out)
+    assert rel_err(got, decode_ref(q.double(), k.double(), v.double(), cu)) < TOL[dtype]
+    qp = randn(sum(lens), 8, head_dim, dtype=dtype)
+    got = prefill(qp, k, v, cu, cu, causal=True)
+    ref = prefill_ref(qp.double(), k.double(), v.double(), cu, cu, causal=True)
+    assert rel_err(got, ref) < TOL[dtype]
