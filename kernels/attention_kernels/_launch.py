@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -46,19 +46,31 @@ from attention_kernels.configs import interpreting
 # 16-aligned ones where that paid, else none) -> marked: decode D 72 939 -> 186 us (D 80: 178),
 # 100 1285 -> 254 (112: 225), 40 447 -> 155, 200 2068 -> 473; prefill 72 960 -> 850, 100 1209
 # -> 1063, 40 449 -> 416, 200 1890 -> 1777 (2026-12-02; the copies are gone).
-def row_align(tensors: Sequence[torch.Tensor | None], strides: Iterable[int | None]) -> int:
-    """The bytes (4, 8 or 16) every row of ``tensors`` starts at a multiple of, given their
-    row strides (elements; None: unused), for a kernel's ``ROW_ALIGN``; 0 where Triton sees it
-    itself (every stride a multiple of 16 elements) or there is nothing worth marking (odd
-    strides, or data not 16-byte aligned: a base's alignment is part of a plan's key,
-    ``call_key``)."""
-    present = [t for t in tensors if t is not None]
-    if any(t.data_ptr() % 16 for t in present):
+def row_align(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
+              strides: tuple[int | None, ...]) -> int:
+    """The bytes (4, 8 or 16) every row of q, k, v and out starts at a multiple of, for a
+    kernel's ``ROW_ALIGN``. ``strides``: the K/V strides as the launch passes them (k token,
+    k head, v token, v head, table, k page, v page; None: unused); q's are its own; out is
+    ``[T, H, D]`` contiguous, in q's dtype when the call makes it. Each stride counts in its
+    own tensor's element size. 0 where Triton sees the alignment itself (every stride a
+    multiple of 16 elements: a mark would replace its own finding), or where nothing is
+    worth marking (2-byte rows, or data not 16-byte aligned: a base's alignment is part of a
+    plan's key, ``call_key``)."""
+    head_dim = q.shape[-1]
+    rows = ((q, q.stride()[:2]), (k, (strides[0], strides[1], strides[5])),
+            (v, (strides[2], strides[3], strides[6])),
+            (out if out is not None else q, (q.shape[1] * head_dim, head_dim)))
+    g, seen = 0, True
+    for t, row_strides in rows:
+        if t.data_ptr() % 16:
+            return 0
+        for s in row_strides:
+            if s is not None:
+                seen = seen and s % 16 == 0
+                g = math.gcd(g, s * t.element_size())
+    if seen:
         return 0
-    g = math.gcd(*(s for s in strides if s is not None))
-    if g % 16 == 0:
-        return 0
-    nbytes = (g & -g) * min(t.element_size() for t in present)
+    nbytes = g & -g
     return min(nbytes, 16) if nbytes >= 4 else 0
 
 

@@ -728,7 +728,7 @@ def _plan(
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
-            PAGE_SPAN=page_span, ROW_ALIGN=row_align((q, k, v, out), (*scalars[:8], *strides[5:])),
+            PAGE_SPAN=page_span, ROW_ALIGN=row_align(q, k, v, out, strides),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
     return _DecodePlan(

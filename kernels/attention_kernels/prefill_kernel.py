@@ -882,7 +882,7 @@ def _plan(
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
-        ROW_ALIGN=row_align((q, k, v, out), (*scalars[:8], *strides[5:])),
+        ROW_ALIGN=row_align(q, k, v, out, strides),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,

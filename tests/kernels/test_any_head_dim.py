@@ -164,26 +164,38 @@ def test_marked_rows(head_dim: int, offset_base: bool) -> None:
 
 
 def test_row_align() -> None:
-    """The bytes every row start is a multiple of, where Triton cannot see it itself."""
+    """The bytes every row start is a multiple of, where Triton cannot see it itself; each
+    stride counted in its own tensor's element size."""
     from attention_kernels._launch import row_align
 
-    def rows(d: int, dtype: torch.dtype = torch.bfloat16, offset: int = 0) -> torch.Tensor:
-        flat = torch.empty(64 * 8 * d + 16, dtype=dtype)
-        return flat[offset : offset + 64 * 8 * d].view(64, 8, d)
+    def rows(d: int, dtype: torch.dtype = torch.bfloat16, offset: int = 0, heads: int = 8,
+             pad: int = 0) -> torch.Tensor:
+        token = heads * d + pad
+        flat = torch.empty(64 * token + 16, dtype=dtype)
+        return flat[offset : offset + 64 * token].view(64, token)[:, : heads * d].view(
+            64, heads, d)
+
+    def align(q: torch.Tensor, k: torch.Tensor, out: torch.Tensor | None = None) -> int:
+        return row_align(q, k, k, out, (*k.stride()[:2], *k.stride()[:2], None, None, None))
 
     for d, dtype, want in [(72, torch.bfloat16, 16), (100, torch.bfloat16, 8),
                            (40, torch.float32, 16), (59, torch.bfloat16, 0),
                            (80, torch.bfloat16, 0), (128, torch.bfloat16, 0),
-                           (72, torch.float8_e4m3fn, 8), (98, torch.bfloat16, 4)]:
+                           (98, torch.bfloat16, 4)]:
         t = rows(d, dtype)
         assert t.data_ptr() % 16 == 0
-        assert row_align((t, t, None), (*t.stride()[:2], None)) == want, (d, dtype)
-    q, k = rows(72), rows(72, torch.float8_e4m3fn)  # bf16 queries, FP8 keys: the narrower
-    assert row_align((q, k), (*q.stride()[:2], *k.stride()[:2])) == 8
-    t = rows(72, offset=1)  # a base 2 bytes past 16-byte alignment
-    assert row_align((rows(72), t), t.stride()[:2]) == 0
-    paged = rows(72).view(8, 8, 8, 72)  # [pages, page tokens, H_kv, D]: strides 4608, 576, 72
-    assert row_align((paged,), paged.stride()[:3]) == 16
+        assert align(t, t) == want, (d, dtype)
+    # bf16 queries of D 72 (144-byte rows), FP8 keys (72-byte rows): 8.
+    assert align(rows(72), rows(72, torch.float8_e4m3fn)) == 8
+    # FP8 keys of D 128 beside queries whose token stride is 8 elements past a multiple of 16:
+    # every row still starts on 16 bytes (counted in elements, the queries' 8 would win).
+    assert align(rows(128, heads=4, pad=8), rows(128, torch.float8_e4m3fn)) == 16
+    off = rows(72, offset=1)  # a base 2 bytes past 16-byte alignment
+    assert align(rows(72), off) == 0 and align(rows(72), rows(72), out=off) == 0
+    pages = rows(72).view(8, 8, 8, 72)  # [pages, page tokens, H_kv, D]: strides 4608, 576, 72
+    page_strides = (*pages.stride()[1:3], *pages.stride()[1:3], 8, pages.stride(0),
+                    pages.stride(0))
+    assert row_align(rows(72), pages, pages, None, page_strides) == 16
 
 
 _COMPILE_DECODE = r"""
@@ -196,14 +208,15 @@ from attention_kernels.configs import DECODE_TILE, padded_head_dim
 from attention_kernels.decode_kernel import _decode_split_kernel as fn
 
 d = int(sys.argv[1])
-k = torch.empty(64, 8, d, dtype=torch.bfloat16)
+q, k = torch.empty(64, 32, d, dtype=torch.bfloat16), torch.empty(64, 8, d, dtype=torch.bfloat16)
 strides = dict(stride_qb=32 * d, stride_qh=d, stride_kt=8 * d, stride_kh=d, stride_vt=8 * d,
                stride_vh=d, stride_ob=32 * d, stride_oh=d)
 const = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_G=16, BLOCK_N=DECODE_TILE.block_n,
              DIRECT=False, FUSED_MERGE=False, MERGE_G=1, MERGE_S=1, PDL=True, RETURN_LSE=False,
              DOT_F32=False, PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
              HAS_ALIBI=False, KV_FP8=False, PAGE_SPAN=0,
-             ROW_ALIGN=row_align((k,), k.stride()[:2]),
+             ROW_ALIGN=row_align(q, k, k, None, (*k.stride()[:2], *k.stride()[:2], None,
+                                                  None, None)),
              stride_tb=None, stride_kp=None, stride_vp=None, Table=None, win_left=None,
              cap_scale=None, cap_log2=None, Alibi=None, stride_ab=None, KScale=None,
              VScale=None, stride_sb=None, Lse=None)
