@@ -198,79 +198,102 @@ def test_row_align() -> None:
     assert row_align(rows(72), pages, pages, None, page_strides) == 16
 
 
-_COMPILE_DECODE = r"""
+# Decode (its default tile) and causal prefill (the Hopper table's tile) at head dim D, as
+# launched for sm_90a with bf16 rows packed [T, H, D]: the mark, the loads and stores the PTX
+# holds, ptxas's spills. One process for both (torch and Triton load once).
+_COMPILE_SM90 = r"""
 import json, os, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from attention_kernels._launch import row_align
-from attention_kernels.configs import DECODE_TILE, padded_head_dim
-from attention_kernels.decode_kernel import _decode_split_kernel as fn
+from attention_kernels.configs import _PREFILL_SM90, DECODE_TILE, padded_head_dim
+from attention_kernels.decode_kernel import _decode_split_kernel
+from attention_kernels.prefill_kernel import _prefill_kernel
 
-d = int(sys.argv[1])
-q, k = torch.empty(64, 32, d, dtype=torch.bfloat16), torch.empty(64, 8, d, dtype=torch.bfloat16)
-strides = dict(stride_qb=32 * d, stride_qh=d, stride_kt=8 * d, stride_kh=d, stride_vt=8 * d,
-               stride_vh=d, stride_ob=32 * d, stride_oh=d)
-const = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), BLOCK_G=16, BLOCK_N=DECODE_TILE.block_n,
-             DIRECT=False, FUSED_MERGE=False, MERGE_G=1, MERGE_S=1, PDL=True, RETURN_LSE=False,
-             DOT_F32=False, PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
-             HAS_ALIBI=False, KV_FP8=False, PAGE_SPAN=0,
-             ROW_ALIGN=row_align(q, k, k, None, (*k.stride()[:2], *k.stride()[:2], None,
-                                                  None, None)),
-             stride_tb=None, stride_kp=None, stride_vp=None, Table=None, win_left=None,
-             cap_scale=None, cap_log2=None, Alibi=None, stride_ab=None, KScale=None,
-             VScale=None, stride_sb=None, Lse=None)
+d, heads = int(sys.argv[1]), 32
+q, k = torch.empty(64, heads, d, dtype=torch.bfloat16), torch.empty(64, 8, d, dtype=torch.bfloat16)
+mark = row_align(q, k, k, None, (*k.stride()[:2], *k.stride()[:2], None, None, None))
+rows = dict(stride_kt=8 * d, stride_kh=d, stride_vt=8 * d, stride_vh=d)
+none = ("stride_tb", "stride_kp", "stride_vp", "Table", "win_left", "cap_scale", "cap_log2",
+        "Alibi", "stride_ab", "KScale", "VScale", "stride_sb", "Lse")
+common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), RETURN_LSE=False, DOT_F32=False,
+              PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
+              HAS_ALIBI=False, KV_FP8=False, ROW_ALIGN=mark, **dict.fromkeys(none))
+tile = _PREFILL_SM90[(padded_head_dim(d), True)]
+builds = {
+    "decode": (_decode_split_kernel, dict(
+        common, BLOCK_G=16, BLOCK_N=DECODE_TILE.block_n, DIRECT=False, FUSED_MERGE=False,
+        MERGE_G=1, MERGE_S=1, PDL=True, PAGE_SPAN=0),
+        dict(rows, stride_qb=heads * d, stride_qh=d, stride_ob=heads * d, stride_oh=d),
+        DECODE_TILE.num_warps, DECODE_TILE.num_stages),
+    "prefill": (_prefill_kernel, dict(
+        common, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_B=64, IS_CAUSAL=True,
+        USE_TMA=False, KV_SCALED=False, WARP_SPEC=False, desc_k=None, desc_v=None,
+        win_right=None, stride_lh=0),
+        dict(rows, stride_qt=heads * d, stride_qh=d, stride_ot=heads * d, stride_oh=d),
+        tile.num_warps, tile.num_stages),
+}
 ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "OutPart": "*fp32",
-        "LsePart": "*fp32", "Counter": "*i32", "cu_k": "*i32"}
-sig, attrs = {}, {}
-for i, name in enumerate(fn.arg_names):
-    if name in const:
-        sig[name] = "constexpr"
-    elif name in ptrs:
-        sig[name], attrs[(i,)] = ptrs[name], [["tt.divisibility", 16]]
-    else:
-        sig[name] = "fp32" if name == "qk_scale" else "i32"
-        if strides.get(name, 1) % 16 == 0:  # as Triton specializes a launch's integers
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        "LsePart": "*fp32", "Counter": "*i32", "cu_k": "*i32", "cu_q": "*i32"}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 if not os.path.exists(ptxas):
     print(json.dumps({"skip": "no ptxas in this triton"}))
     sys.exit(0)
-kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": DECODE_TILE.num_warps,
-                                 "num_stages": DECODE_TILE.num_stages})
-ptx = kernel.asm["ptx"]
-with tempfile.TemporaryDirectory() as tmp:
-    src = os.path.join(tmp, "k.ptx")
-    with open(src, "w") as f:
-        f.write(ptx)
-    info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
-                          capture_output=True, text=True, check=True).stderr
-print(json.dumps({"row_align": const["ROW_ALIGN"], "async_copies": ptx.count("cp.async.cg"),
-                  "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
-                                                                  info))}))
+got = {"row_align": mark}
+for name, (fn, const, strides, warps, stages) in builds.items():
+    sig, attrs = {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        if arg in const:
+            sig[arg] = "constexpr"
+        elif arg in ptrs:
+            sig[arg], attrs[(i,)] = ptrs[arg], [["tt.divisibility", 16]]
+        else:
+            sig[arg] = "fp32" if arg == "qk_scale" else "i32"
+            if strides.get(arg, 1) % 16 == 0:  # as Triton specializes a launch's integers
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": warps, "num_stages": stages})
+    ptx = kernel.asm["ptx"]
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
+                              capture_output=True, text=True, check=True).stderr
+    got[name] = {"async_copies": ptx.count("cp.async.cg"),
+                 "element_loads": ptx.count("ld.global.b16"),
+                 "element_stores": ptx.count("st.global.b16"),
+                 "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
+                                                               info))}
+print(json.dumps(got))
 """
 
 
 @pytest.mark.timeout(300)
-def test_decode_at_d72_compiles_to_async_copies_for_sm90() -> None:
-    """Decode at D 72 as launched (sm_90a, any machine: Triton compiles without a GPU and
-    ships ptxas): the 16-byte mark gives its K/V blocks 16-byte async copies and no spills.
-    Unmarked it compiled to 144 two-byte loads a block, 280 bytes of spills, 64x D 80's time."""
+def test_d72_compiles_to_async_copies_for_sm90() -> None:
+    """Decode and causal prefill at D 72 as launched (sm_90a, any machine: Triton compiles
+    without a GPU and ships ptxas): the 16-byte mark gives their K/V blocks 16-byte async
+    copies, Q and Out whole-row loads and stores, and no spills. Unmarked, decode compiled to
+    144 two-byte loads a block and 280 bytes of spills (64x D 80's time), prefill to 320
+    two-byte loads, 64 two-byte stores and 1 KB of spills."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_DECODE, "72"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "72"], capture_output=True,
                           text=True, env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in got:
         pytest.skip(got["skip"])
     assert got["row_align"] == 16, got
-    assert got["async_copies"] > 0 and got["spill_bytes"] == 0, got
+    for kernel in ("decode", "prefill"):
+        built = got[kernel]
+        assert built["async_copies"] > 0 and built["spill_bytes"] == 0, got
+        assert built["element_loads"] == built["element_stores"] == 0, got
 
 
 def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
