@@ -96,8 +96,9 @@ def servers_of(idx: int, targets: list[str], spread: str) -> list[str]:
 
 
 def _host(idx: int, spec: dict[str, Any], barrier: Any, out: Any) -> None:
-    """One model host: caches made once, then a measured round per inflight value, each
-    between two barrier waits shared with the main process (it samples server CPU there).
+    """One model host: caches made once, then a measured round per inflight value: warm-up
+    steps, two barrier waits shared with the main process (it samples the server between
+    them), the measured steps, a third wait (it samples the server again).
     Its server: one of ``--target`` in turn; with ``--spread layers`` every one, layer i's
     caches on server i mod their count."""
     torch.set_num_threads(1)
@@ -222,8 +223,10 @@ async def _round_on(clients: list[Any], spec: dict[str, Any], transport: str, k:
             await read(*window.popleft(), timed)
 
     await run(spec["warmup"], False)
-    # In a thread: an asyncio client's own tasks keep running on the loop meanwhile.
-    await asyncio.to_thread(barrier.wait, t)
+    # In a thread: an asyncio client's own tasks keep running on the loop meanwhile. Two
+    # waits: the main process samples the server between them, before any measured step.
+    for _ in range(2):
+        await asyncio.to_thread(barrier.wait, t)
     c0 = time.process_time()
     await run(spec["steps"], True)
     cpu = time.process_time() - c0
@@ -347,10 +350,14 @@ def run_group(args: argparse.Namespace, target: list[str], B: int, ctx: int, hos
                                    "transport": transport}
             rows.append(row)
             try:
-                barrier.wait(setup_t if n == 0 else t)
+                barrier.wait(setup_t if n == 0 else t)  # every host warmed up
+                # Sampled before the measured steps start: sampled after, a loaded machine's
+                # scrape once came back after a CPU run's 8 steps (no NIXL transfer between
+                # the samples).
                 x0 = nixl_transfer_seconds(metrics_url)
                 c0, w0 = _tree_cpu(server_pid), time.perf_counter()
-                barrier.wait(t)
+                barrier.wait(t)  # the measured steps start
+                barrier.wait(t)  # ... and end
                 c1, w1 = _tree_cpu(server_pid), time.perf_counter()
                 x1 = nixl_transfer_seconds(metrics_url)
                 res = [out.get(timeout=60) for _ in procs]
