@@ -289,7 +289,7 @@ class CacheRegistry:
                 # one row on, on the same page (64 caches, begin + finish 46 -> 36 us, dev box).
                 seq_lens = [n + 1 for n in memo.seq_lens]
                 return self._step_work(
-                    params, owner, caches, versions, memo.seq_lens, seq_lens, memo.table,
+                    params, key, caches, versions, memo.seq_lens, seq_lens, memo.table,
                     memo.slot_pages, [o + 1 for o in memo.slot_offsets], None, memo.width,
                     self._checked_work(params, seq_lens, caches[0].layout), [], pool, tokens)
         lens = [c.length for c in caches]
@@ -334,21 +334,21 @@ class CacheRegistry:
             width = max(map(len, table))
             slot_pages = ([row[n // pt] for row, n in zip(table, lens, strict=True)]
                           if tokens else [])
-        return self._step_work(params, owner, caches, versions, lens, seq_lens, table,
+        return self._step_work(params, key, caches, versions, lens, seq_lens, table,
                                slot_pages, slot_offsets, added, width, (flops, kv_bytes, keys),
                                fresh, pool, tokens)
 
     def _step_work(
-        self, params: Params, owner: str, caches: list[_Cache], versions: list[int],
-        lens: list[int], seq_lens: list[int], table: list[list[int]], slot_pages: list[int],
-        slot_offsets: list[int], added: list[int] | None, width: int,
+        self, params: Params, key: tuple[str, tuple[str, ...]], caches: list[_Cache],
+        versions: list[int], lens: list[int], seq_lens: list[int], table: list[list[int]],
+        slot_pages: list[int], slot_offsets: list[int], added: list[int] | None, width: int,
         work: tuple[int, int, int], fresh: list[int], pool: KvPool, tokens: int,
     ) -> CacheWork:
         """Under the lock, ``_begin_step``'s end: its caches busy, its memo kept when it
-        reserved nothing and its ids are kept resolved, its CacheWork."""
+        reserved nothing and its ids (``key``, as ``_resolved``'s) are kept resolved, its
+        CacheWork."""
         for c in caches:  # ``last_used`` is set when the call ends (none expires while busy)
             c.busy = True
-        key = (owner, params.cache_ids)
         made = None
         if not fresh and key in self._resolved:
             made = self._memos[key] = _StepMemo(
