@@ -47,7 +47,7 @@ from attention_kernels.configs import interpreting
 # 100 1285 -> 254 (112: 225), 40 447 -> 155, 200 2068 -> 473; prefill 72 960 -> 850, 100 1209
 # -> 1063, 40 449 -> 416, 200 1890 -> 1777 (2026-12-02; the copies are gone).
 def row_align(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None,
-              strides: tuple[int | None, ...]) -> int:
+              strides: tuple[int | None, ...], kv_shifted: bool = False) -> int:
     """The bytes (4, 8 or 16) every row of q, k, v and out starts at a multiple of, for a
     kernel's ``ROW_ALIGN``. ``strides``: the K/V strides as the launch passes them (k token,
     k head, v token, v head, table, k page, v page; None: unused); q's are its own; out is
@@ -55,11 +55,14 @@ def row_align(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
     own tensor's element size. 0 where Triton sees the alignment itself (every stride a
     multiple of 16 elements: a mark would replace its own finding), or where nothing is
     worth marking (2-byte rows, or data not 16-byte aligned: a base's alignment is part of a
-    plan's key, ``call_key``)."""
+    plan's key, ``call_key``). ``kv_shifted``: K/V rows are read skewed (``kv_shift``), so
+    only q's and out's count."""
     head_dim = q.shape[-1]
     rows = ((q, q.stride()[:2]), (k, (strides[0], strides[1], strides[5])),
             (v, (strides[2], strides[3], strides[6])),
             (out if out is not None else q, (q.shape[1] * head_dim, head_dim)))
+    if kv_shifted:
+        rows = (rows[0], rows[3])
     g, seen = 0, True
     for t, row_strides in rows:
         if t.data_ptr() % 16:
@@ -72,6 +75,41 @@ def row_align(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
         return 0
     nbytes = g & -g
     return min(nbytes, 16) if nbytes >= 4 else 0
+
+
+def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
+             head_dim: int, block_d: int) -> int:
+    """A kernel's ``KV_SHIFT``: the elements in 16 bytes of K/V (else 0) when a program can
+    read its K/V rows in whole 16-byte pieces although they do not start on 16-byte
+    boundaries, or end inside a piece:
+
+    * every row of one kv head starts equally far past a boundary, its skew (all strides but
+      the head's are multiples of 16 bytes, as in packed ``[T, 8, 100]`` bf16: token 1600
+      bytes, head 200), so the program reads its rows skewed (``_paging.kv_bases``), and the
+      largest skew plus the head dim fits ``block_d``;
+    * a piece can hold a neighbouring head's elements, or bytes past the last row up to the
+      next boundary: taken only when the tensor's extent (first to last element, from its
+      shape and strides: part of a plan's key) ends on one, so every such byte lies inside
+      its storage. (Rows padded to 16 bytes, a server's cache pages, take it for odd head
+      dims: a mask that ends inside a piece reads the whole row an element at a time.)
+
+    ``strides`` as ``row_align`` takes them."""
+    size = k.element_size()
+    vec = 16 // size
+    if v.element_size() != size:
+        return 0
+    skew = max(vec - math.gcd(strides[1], vec), vec - math.gcd(strides[3], vec))
+    if (skew == 0 and head_dim % vec == 0) or head_dim + skew > block_d:
+        return 0  # rows whole already (``row_align`` marks them), or the skew does not fit
+    if any(s is not None and s % vec for s in (strides[0], strides[2], strides[5], strides[6])):
+        return 0
+    for t in (k, v):
+        if t.data_ptr() % 16 or t.numel() == 0:
+            return 0
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+        if extent * size % 16:
+            return 0
+    return vec
 
 
 def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],

@@ -150,17 +150,26 @@ def seq_keys(lens, seq, PAGED: tl.constexpr):
 @triton.jit
 def kv_bases(K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt,
              stride_vh, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr = 1,
-             BLOCK_N: tl.constexpr = 1):
+             BLOCK_N: tl.constexpr = 1, KV_SHIFT: tl.constexpr = 0):
     """Where a program's keys and values start: (K base, V base, K tile offsets, V tile
-    offsets). Contiguous: the bases point at the sequence's first key and the offsets span a
-    tile of keys. Paged: the bases point at the kv head only; the offsets hold what every key
-    block shares (the rows within a page where a block sits in one, the slots of each page
-    where blocks start on page boundaries, else the head dim only), and each key block adds
-    its pages from the block table (``block_rows``). (The table row stays with the caller:
-    returning the contiguous path's None table would not compile.)"""
+    offsets, K skew, V skew). Contiguous: the bases point at the sequence's first key and the
+    offsets span a tile of keys. Paged: the bases point at the kv head only; the offsets hold
+    what every key block shares (the rows within a page where a block sits in one, the slots
+    of each page where blocks start on page boundaries, else the head dim only), and each key
+    block adds its pages from the block table (``block_rows``). (The table row stays with the
+    caller: returning the contiguous path's None table would not compile.)
+    ``KV_SHIFT`` (``_launch.kv_shift``: the elements in 16 bytes, 0: off): every row of this
+    kv head starts the same number of elements past a 16-byte boundary, its skew; the bases
+    move back by it, so column ``c`` of a tile is the row's element ``c - skew`` and each
+    row is read in whole 16-byte pieces (``skewed_cols``)."""
+    k_skew = 0
+    v_skew = 0
+    if KV_SHIFT > 0:
+        k_skew = ((kv_head.to(tl.int64) * stride_kh) % KV_SHIFT).to(tl.int32)
+        v_skew = ((kv_head.to(tl.int64) * stride_vh) % KV_SHIFT).to(tl.int32)
     if PAGED:
-        k_base = K + kv_head.to(tl.int64) * stride_kh
-        v_base = V + kv_head.to(tl.int64) * stride_vh
+        k_base = K + (kv_head.to(tl.int64) * stride_kh - k_skew)
+        v_base = V + (kv_head.to(tl.int64) * stride_vh - v_skew)
         if PAGE_TOKENS % BLOCK_N == 0:
             rows = offs_n
         elif BLOCK_N % PAGE_TOKENS == 0:
@@ -170,8 +179,30 @@ def kv_bases(K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, strid
         kv_offs_k = rows[:, None] * stride_kt + offs_d[None, :]
         kv_offs_v = rows[:, None] * stride_vt + offs_d[None, :]
     else:
-        k_base = K + k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
-        v_base = V + k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+        k_base = K + (k_start.to(tl.int64) * stride_kt + kv_head.to(tl.int64) * stride_kh
+                      - k_skew)
+        v_base = V + (k_start.to(tl.int64) * stride_vt + kv_head.to(tl.int64) * stride_vh
+                      - v_skew)
         kv_offs_k = offs_n[:, None] * stride_kt + offs_d[None, :]
         kv_offs_v = offs_n[:, None] * stride_vt + offs_d[None, :]
-    return k_base, v_base, kv_offs_k, kv_offs_v
+    return k_base, v_base, kv_offs_k, kv_offs_v, k_skew, v_skew
+
+
+@triton.jit
+def skewed_cols(offs_d, skew, HEAD_DIM: tl.constexpr, KV_SHIFT: tl.constexpr):
+    """(columns to load, columns of the row) of a tile whose rows start ``skew`` elements
+    into it (``kv_bases``): the loads take every 16-byte piece that holds part of the row, so
+    they stay whole (a mask that changed inside a piece would split it into element loads);
+    the pieces' other elements belong to the neighbouring heads."""
+    end = tl.multiple_of((skew + HEAD_DIM + KV_SHIFT - 1) // KV_SHIFT * KV_SHIFT, KV_SHIFT)
+    return offs_d < end, (offs_d >= skew) & (offs_d < skew + HEAD_DIM)
+
+
+@triton.jit
+def unskew(acc, skew, offs_d, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``acc`` (rows x ``BLOCK_D``) computed on V tiles whose rows started ``skew`` columns in
+    (``kv_bases``), moved back: column ``c`` of the result is the head dim's ``c``; columns
+    past the head dim are 0."""
+    cols = tl.minimum(offs_d + skew, BLOCK_D - 1)
+    acc = tl.gather(acc, tl.broadcast_to(cols[None, :], acc.shape), 1)
+    return tl.where((offs_d < HEAD_DIM)[None, :], acc, 0.0)

@@ -232,7 +232,7 @@ def _fit_shared_memory(cfg: PrefillConfig, d: int, itemsize: int) -> PrefillConf
 
 @functools.lru_cache(maxsize=512)
 def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
-                  kv_fp8: bool = False) -> DecodeConfig:
+                  kv_fp8: bool = False, skewed: bool = False) -> DecodeConfig:
     """``kv_fp8``: FP8 K/V (contiguous decode). 128-key blocks: a block of one-byte keys is
     half the bytes, and 64 of them too little work per load. tools/tuning/tune_fp8.py, H200,
     2026-11-23, 32q/8kv x 128, GPU time 64 -> 128 keys (4 warps, 3 stages): 1x32K 40.3 ->
@@ -249,11 +249,13 @@ def decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     if interpreting() or device.type != "cuda":
         return DecodeConfig(16, 4, 1)
     d = padded_head_dim(head_dim)
-    if head_dim % 2 and d >= 128 and dtype != torch.float32:
+    if head_dim % 2 and d >= 128 and dtype != torch.float32 and not skewed:
         # Odd head dims are read an element at a time (a row's mask changes every column), and
         # the loads of a 64-key block of such rows spilled (sm_90a: 280 bytes at D 111, 336 at
         # D 201 with 32 keys). H200, bf16, 64 x 4096, 32q/8kv, D 111: 9609 us -> 695 with 32
-        # keys (16: 988; D 112: 225), 2026-12-02.
+        # keys (16: 988; D 112: 225), 2026-12-02. Read in whole 16-byte pieces (``skewed``:
+        # ``_launch.kv_shift``) they take the others' tiles: D 111 366 us in 32-key blocks,
+        # 257 in 64 (D 112: 158); D 201 715 in 16-key blocks, 486 in 32 (D 208: 507), 2026-12-02.
         return ODD_HEAD_TILES[d]
     if kv_fp8 and d == 128 and dtype != torch.float32:
         return DecodeConfig(128, 4, 3)
@@ -404,7 +406,7 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int
 
 @functools.lru_cache(maxsize=512)
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
-                        kv_fp8: bool = False) -> DecodeConfig:
+                        kv_fp8: bool = False, skewed: bool = False) -> DecodeConfig:
     """``decode_config``, and 128-key blocks for FP8 pages at (padded) head dim 64 and below
     too (16-bit ones get them from ``decode_config``): a 64-key block there is too little work
     to hide a block's page lookups. Measured first on pages: H100, bf16, 32q/8kv, 8 x 8K keys,
@@ -414,7 +416,7 @@ def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
     FP8 pages at D128 take the contiguous FP8 tiles (128 keys, 4 warps, 3 stages): H200,
     2026-11-23, page 16, GPU time 64 -> 128 keys: 1x32K 55.2 -> 48.3 us, 16x32K 699 -> 534,
     but 64x8K 385 -> 412 and 128x2K 199 -> 213 (bf16 pages: 55.1, 761, 621, 260)."""
-    cfg = decode_config(head_dim, dtype, device, kv_fp8)
+    cfg = decode_config(head_dim, dtype, device, kv_fp8, skewed)
     if cfg.block_n == 64 and padded_head_dim(head_dim) <= 64:  # FP8 pages (16-bit: already)
         return DecodeConfig(128, cfg.num_warps, cfg.num_stages)
     return cfg

@@ -55,6 +55,7 @@ from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
     call_key,
+    kv_shift,
     launch_inputs,
     no_keys,
     outputs,
@@ -66,7 +67,9 @@ from attention_kernels._paging import (
     kv_bases,
     row_ptrs,
     seq_keys,
+    skewed_cols,
     span_pages,
+    unskew,
 )
 from attention_kernels.configs import (
     DecodeConfig,
@@ -120,12 +123,12 @@ PAGE_SPAN = 1024
 @triton.jit
 def _decode_inner(
     Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-    lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp, span, first,
-    key_lo, cap_scale, cap_log2, slopes2,
+    lo, hi, qk_scale, offs_n, k_cols, v_cols, k_row, table_row, seqlen, stride_kp, stride_vp,
+    span, first, key_lo, cap_scale, cap_log2, slopes2,
     BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
-    PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
@@ -142,7 +145,10 @@ def _decode_inner(
     Softcap / ALiBi: see ``_features``; ``slopes2`` are the rows' slopes times log2(e).
     ``KV_FP8``: K/V tiles are float8_e4m3fn, converted (exactly) to fp16 here, the dtype the
     caller brought ``q`` to (``_fp8_dot``); the caller folded K's scale into ``qk_scale`` /
-    ``cap_scale`` and applies V's to the output."""
+    ``cap_scale`` and applies V's to the output.
+    ``k_cols`` / ``v_cols``: the columns loaded; ``KV_SHIFT``: the tiles are skewed
+    (``kv_bases``) and K's columns outside its row (``k_row``, a neighbour's) are zeroed, so
+    an inf there cannot reach this head's scores (0 * inf)."""
     page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED, span,
                        PAGE_SPAN)
     for start_n in range(lo, hi, BLOCK_N):
@@ -153,8 +159,10 @@ def _decode_inner(
         n_ok = (start_n + offs_n) < hi
         if LOW_MASK:
             n_ok = n_ok & ((start_n + offs_n) >= key_lo)
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        k = tl.load(k_ptrs, mask=n_ok[:, None] & k_cols[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=n_ok[:, None] & v_cols[None, :], other=0.0)
+        if KV_SHIFT > 0:
+            k = tl.where(k_row[None, :], k, 0.0)
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -262,6 +270,7 @@ def _decode_split_kernel(
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    KV_SHIFT: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -270,7 +279,8 @@ def _decode_split_kernel(
     not the whole sequence, is split. ALiBi: the slope of (sequence b, head h) is
     ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` of sequence ``b`` stands
     for its values times ``KScale[b * stride_sb + g]`` / ``VScale[...]`` (``stride_sb`` 0: one
-    scale per kv head); the dots then run in fp16 (``_fp8_dot``).
+    scale per kv head); the dots then run in fp16 (``_fp8_dot``). ``KV_SHIFT``: K/V tiles
+    skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then counts Q and Out only.
     """
     if PDL:  # the merge kernel may be scheduled now; it waits for this grid's end
         gdc_launch_dependents()
@@ -302,19 +312,28 @@ def _decode_split_kernel(
     g_ok = offs_g < group
     d_ok = offs_d < HEAD_DIM
     heads = kv_head * group + offs_g
-    q_ptrs = row_ptrs(Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh,
-                      offs_d[None, :], ROW_ALIGN)
-    q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base, v_base, kv_offs_k, kv_offs_v, k_skew, v_skew = kv_bases(
+        K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
+        PAGE_TOKENS, BLOCK_N, KV_SHIFT,
+    )
+    k_cols, v_cols, k_row = d_ok, d_ok, d_ok
+    if KV_SHIFT > 0:  # q in K's skewed columns (loaded once: element loads are fine)
+        k_cols, k_row = skewed_cols(offs_d, k_skew, HEAD_DIM, KV_SHIFT)
+        v_cols, _ = skewed_cols(offs_d, v_skew, HEAD_DIM, KV_SHIFT)
+        q_ptrs = (Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
+                  + (offs_d - k_skew)[None, :])
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & k_row[None, :], other=0.0)
+    else:
+        q_ptrs = row_ptrs(
+            Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh,
+            offs_d[None, :], ROW_ALIGN)
+        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
 
     table_row = Table  # contiguous: None, never read
     if PAGED:
         table_row = Table + seq.to(tl.int64) * stride_tb
-    k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
-        K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
-        PAGE_TOKENS, BLOCK_N,
-    )
 
     if KV_FP8:  # q.(s k) = s (q.k): K's scale goes into the logit scale, V's onto the output
         k_s = tl.load(KScale + seq * stride_sb + kv_head)
@@ -339,14 +358,16 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     acc, l_i, m_i = _decode_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        lo, hi, qk_scale, offs_n, d_ok, table_row, seqlen, stride_kp, stride_vp,
-        span, first, key_lo, cap_scale, cap_log2, slopes2,
+        lo, hi, qk_scale, offs_n, k_cols, v_cols, k_row, table_row, seqlen, stride_kp,
+        stride_vp, span, first, key_lo, cap_scale, cap_log2, slopes2,
         BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
-        PAGE_SPAN, ROW_ALIGN,
+        PAGE_SPAN, 16 if KV_SHIFT > 0 else ROW_ALIGN, KV_SHIFT,
     )
 
     if KV_FP8:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
+    if KV_SHIFT > 0:
+        acc = unskew(acc, v_skew, offs_d, BLOCK_D, HEAD_DIM)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     # log2-domain lse of this split; -inf for an empty split (weight 0 in the merge).
@@ -661,12 +682,23 @@ def _plan(
             workspace_rows=0, block_d=0,
             counters=0, scalars=(), stride_ab=None, launch=None, merge=None,
             merge_scalars=())
+    if table is None:
+        # None for the paged-only arguments: Triton makes them compile-time constants, so the
+        # contiguous launch passes (and costs) no more than it did before paging existed.
+        page_tokens = 1
+        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
+    else:
+        page_tokens = k.shape[1]
+        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
+                   k.stride(0), v.stride(0))
+    block_d = padded_head_dim(head_dim)
+    shift = kv_shift(k, v, strides, head_dim, block_d)
     if config is not None:
         cfg = config
     elif table is None:
-        cfg = decode_config(head_dim, q.dtype, q.device, fp8)
+        cfg = decode_config(head_dim, q.dtype, q.device, fp8, shift > 0)
     else:
-        cfg = paged_decode_config(head_dim, q.dtype, q.device, fp8)
+        cfg = paged_decode_config(head_dim, q.dtype, q.device, fp8, shift > 0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     # A left bound past any sequence's length hides nothing: no window variant for it.
     max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]
@@ -683,22 +715,12 @@ def _plan(
             num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n,
                                            batch * num_kv_heads, sms, _dram_gbps(q.device))
     num_splits = min(num_splits, MAX_SPLITS)
-    block_d = padded_head_dim(head_dim)
     if sms:
         cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
                                   -(-est_seqlen // num_splits), sms, block_d,
                                   paged=table is not None,
                                   page_tokens=0 if table is None else k.shape[1],
                                   gbps=_dram_gbps(q.device))
-    if table is None:
-        # None for the paged-only arguments: Triton makes them compile-time constants, so the
-        # contiguous launch passes (and costs) no more than it did before paging existed.
-        page_tokens = 1
-        strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
-    else:
-        page_tokens = k.shape[1]
-        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
-                   k.stride(0), v.stride(0))
     page_span = 0 if table is None else _page_span(table.shape[1] * page_tokens, num_splits,
                                                    cfg.block_n, page_tokens)
     # Outputs are contiguous [batch, H, D] (fresh, or checked so).
@@ -728,7 +750,8 @@ def _plan(
             DOT_F32=dot_in_fp32(q.dtype) and not fp8, PAGED=table is not None,
             PAGE_TOKENS=page_tokens, HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
             HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8,
-            PAGE_SPAN=page_span, ROW_ALIGN=row_align(q, k, v, out, strides),
+            PAGE_SPAN=page_span, ROW_ALIGN=row_align(q, k, v, out, strides, shift > 0),
+            KV_SHIFT=shift,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         ))
     return _DecodePlan(

@@ -58,12 +58,21 @@ from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
     call_key,
+    kv_shift,
     launch_inputs,
     no_keys,
     outputs,
     row_align,
 )
-from attention_kernels._paging import block_kv_ptrs, first_pages, kv_bases, row_ptrs, seq_keys
+from attention_kernels._paging import (
+    block_kv_ptrs,
+    first_pages,
+    kv_bases,
+    row_ptrs,
+    seq_keys,
+    skewed_cols,
+    unskew,
+)
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
 from attention_kernels.configs import (
     PrefillConfig,
@@ -105,12 +114,13 @@ def _prefill_inner(
     k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
     desc_k, desc_v, k_row0, kv_col,
     lo, hi, seqlen_k, causal_offset, qk_scale,
-    offs_m, offs_n, d_ok, table_row, stride_kp, stride_vp,
+    offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp,
     win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
     MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr, ROW_ALIGN: tl.constexpr,
+    KV_SHIFT: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -120,7 +130,9 @@ def _prefill_inner(
     Softcap / ALiBi: see ``_features``; ``alibi2`` is this head's slope times log2(e) and
     ``pos_f`` the rows' key positions as floats. ``KV_FP8``: K/V tiles are float8_e4m3fn,
     converted (exactly) to fp16, the dtype the caller brought ``q`` to (``_fp8_dot``); their
-    scales are the caller's."""
+    scales are the caller's. ``k_cols`` / ``v_cols``: the columns loaded; ``KV_SHIFT``: the
+    tiles are skewed (``kv_bases``) and K's columns outside its row (``k_row``, a
+    neighbour's) are zeroed, so an inf there cannot reach this head's scores (0 * inf)."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
         k_ptrs, v_ptrs, page = block_kv_ptrs(
@@ -129,14 +141,16 @@ def _prefill_inner(
             0, ROW_ALIGN)
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & k_cols[None, :], other=0.0)
         elif USE_TMA:
             # Whole blocks inside this sequence: the copy engine moves them (no address math).
             k = desc_k.load([k_row0 + start_n, kv_col])
         elif EVEN_D:
             k = tl.load(k_ptrs)
         else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+            k = tl.load(k_ptrs, mask=k_cols[None, :], other=0.0)
+        if KV_SHIFT > 0:
+            k = tl.where(k_row[None, :], k, 0.0)
         if KV_FP8:
             k = k.to(tl.float16)
         if DOT_F32:
@@ -181,13 +195,13 @@ def _prefill_inner(
         if MASKED:
             # Masked loads here, never TMA: a block that crosses into the next sequence must not
             # bring its values in (p = 0 times an inf there would still be NaN).
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & v_cols[None, :], other=0.0)
         elif USE_TMA:
             v = desc_v.load([k_row0 + start_n, kv_col])
         elif EVEN_D:
             v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=v_cols[None, :], other=0.0)
         if KV_FP8:
             v = v.to(tl.float16)
         p = p.to(v.dtype)
@@ -215,7 +229,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr, WARP_SPEC: tl.constexpr,
-    ROW_ALIGN: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -227,8 +241,11 @@ def _prefill_kernel(
     ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence). With
     ``KV_FP8`` the tiles are still e4m3 and the dots run in fp16 (``_fp8_dot``); without it
     they were widened to ``q``'s dtype first (``fp8_widen_kernel``), and the dots run in it.
+    ``KV_SHIFT``: K/V tiles skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then
+    counts Q and Out only.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    KV_ALIGN: tl.constexpr = 16 if KV_SHIFT > 0 else ROW_ALIGN  # skewed rows: whole pieces
     head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
     if slot < 0:
         return
@@ -259,10 +276,25 @@ def _prefill_kernel(
     d_ok = offs_d < HEAD_DIM
     m_ok = offs_m < seqlen_q
 
+    table_row = Table  # contiguous: None, never read
+    if PAGED:
+        table_row = Table + seq.to(tl.int64) * stride_tb
+    k_base, v_base, kv_offs_k, kv_offs_v, k_skew, v_skew = kv_bases(
+        K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
+        PAGE_TOKENS, BLOCK_N, KV_SHIFT,
+    )
+    k_cols, v_cols, k_row = d_ok, d_ok, d_ok
     # int64 bases: total * heads * head_dim may exceed 2**31.
-    q_ptrs = row_ptrs(Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-                      + offs_m[:, None].to(tl.int64) * stride_qt, offs_d[None, :], ROW_ALIGN)
-    q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q_rows = (Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+              + offs_m[:, None].to(tl.int64) * stride_qt)
+    if KV_SHIFT > 0:  # q in K's skewed columns (loaded once: element loads are fine)
+        k_cols, k_row = skewed_cols(offs_d, k_skew, HEAD_DIM, KV_SHIFT)
+        v_cols, _ = skewed_cols(offs_d, v_skew, HEAD_DIM, KV_SHIFT)
+        q = tl.load(q_rows + (offs_d - k_skew)[None, :], mask=m_ok[:, None] & k_row[None, :],
+                    other=0.0)
+    else:
+        q = tl.load(row_ptrs(q_rows, offs_d[None, :], ROW_ALIGN),
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
     if KV_FP8:  # the dots run in fp16 (_fp8_dot)
@@ -270,13 +302,6 @@ def _prefill_kernel(
         qk_scale = qk_scale * q_unit
         if HAS_SOFTCAP:
             cap_scale = cap_scale * q_unit
-    table_row = Table  # contiguous: None, never read
-    if PAGED:
-        table_row = Table + seq.to(tl.int64) * stride_tb
-    k_base, v_base, kv_offs_k, kv_offs_v = kv_bases(
-        K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
-        PAGE_TOKENS, BLOCK_N,
-    )
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -304,10 +329,10 @@ def _prefill_kernel(
         acc, l_i, m_i = _prefill_inner(
             Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
             desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-            n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
-            table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2,
-            pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN,
+            n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols,
+            k_row, table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2,
+            alibi2, pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN, KV_SHIFT,
         )
     else:
         n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
@@ -318,23 +343,25 @@ def _prefill_kernel(
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, ROW_ALIGN,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, KV_ALIGN, KV_SHIFT,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
         desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, d_ok,
+        n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN, KV_SHIFT,
     )
 
     if KV_SCALED:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
     # Normalise once. Rows that saw no key have l = 0 and acc = 0: output 0, lse -inf.
+    if KV_SHIFT > 0:
+        acc = unskew(acc, v_skew, offs_d, BLOCK_D, HEAD_DIM)
     seen = l_i > 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     o_ptrs = row_ptrs(Out + q_start.to(tl.int64) * stride_ot + head.to(tl.int64) * stride_oh
@@ -873,6 +900,9 @@ def _plan(
                total_q if return_lse else 0, *strides[4:],
                scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots, slot_run,
                win_left, win_right, cap_scale, cap_log2)
+    # Skewed K/V rows: not through descriptors, nor the widened copies' own strides.
+    shift = 0 if use_tma or widen else kv_shift(k, v, strides, head_dim,
+                                                padded_head_dim(head_dim))
     launch = KernelLaunch(_prefill_kernel, (programs,), dict(
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -882,7 +912,7 @@ def _plan(
         HAS_WINDOW=has_window, HAS_SOFTCAP=cap_scale is not None,
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
-        ROW_ALIGN=row_align(q, k, v, out, strides),
+        ROW_ALIGN=row_align(q, k, v, out, strides, shift > 0), KV_SHIFT=shift,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,

@@ -198,6 +198,94 @@ def test_row_align() -> None:
     assert row_align(rows(72), pages, pages, None, page_strides) == 16
 
 
+def test_kv_shift() -> None:
+    """Which K/V layouts a program reads skewed, in whole 16-byte pieces (``kv_shift``): rows
+    a constant skew past a boundary per kv head, the skew plus the head dim within the tile,
+    and nothing read past the tensor's extent."""
+    from attention_kernels._launch import kv_shift, row_align
+
+    def shift(k: torch.Tensor, d: int, block_d: int = 0) -> int:
+        from attention_kernels.configs import padded_head_dim
+
+        pages = k.dim() == 4
+        st = k.stride()[1:] if pages else k.stride()
+        strides = (st[0], st[1], st[0], st[1], 1 if pages else None,
+                   k.stride(0) if pages else None, k.stride(0) if pages else None)
+        return kv_shift(k, k, strides, d, block_d or padded_head_dim(d))
+
+    bf = torch.bfloat16
+    assert shift(torch.empty(64, 8, 100, dtype=bf), 100) == 8  # skews 0 and 4
+    assert shift(torch.empty(64, 8, 111, dtype=bf), 111) == 8  # skews 0-7
+    assert shift(torch.empty(64, 8, 201, dtype=bf), 201) == 8
+    assert shift(torch.empty(64, 8, 100, dtype=torch.float32), 100) == 0  # 400-byte rows
+    assert shift(torch.empty(64, 8, 112, dtype=bf), 112) == 0  # whole already
+    assert shift(torch.empty(64, 2, 111, dtype=bf), 111) == 0  # 444-byte tokens
+    assert shift(torch.empty(64, 8, 59, dtype=bf), 59) == 0  # a skew of 7 past 64 columns
+    assert shift(torch.empty(64, 8, 60, dtype=bf), 60) == 8  # skews 0 and 4: fits 64
+    fp8 = torch.empty(64, 8, 100, dtype=torch.float8_e4m3fn)
+    assert shift(fp8, 100) == 16
+    assert shift(torch.empty(4, 16, 8, 111, dtype=bf), 111) == 8  # pages, packed
+    # The last row's piece would end past the view's extent (2 or 8 bytes short of a
+    # boundary): the storage may end there, so no (a server's pages, rows padded to 16 bytes,
+    # keep their element loads at odd head dims).
+    assert shift(torch.empty(4, 16, 2, 112, dtype=bf)[..., :111], 111) == 0
+    assert shift(torch.empty(64, 8, 104, dtype=bf)[..., :100], 100) == 0
+    assert shift(torch.empty(64 * 800 + 1, dtype=bf)[1:].view(64, 8, 100), 100) == 0  # base
+    # Skewed K/V: the Q and out rows alone set the mark.
+    q, k = torch.empty(64, 32, 100, dtype=bf), torch.empty(64, 8, 100, dtype=bf)
+    strides = (*k.stride()[:2], *k.stride()[:2], None, None, None)
+    assert row_align(q, k, k, None, strides, kv_shifted=True) == 8
+    assert row_align(torch.empty(64, 32, 104, dtype=bf), k, k, None, strides,
+                     kv_shifted=True) == 16
+
+
+@pytest.mark.parametrize("head_dim", [100, 111])
+def test_skewed_rows(head_dim: int) -> None:
+    """K/V rows read skewed (``kv_shift``: 8 kv heads packed, rows 2 or 8 bytes past 16-byte
+    boundaries) in every kernel against float64, with an inf in kv head 2's keys and a NaN in
+    its values: the pieces the neighbouring heads read hold them, and no other head's output
+    may change (their K columns are zeroed; their V columns are dropped). Pages too, packed
+    and with rows padded to 16 bytes (a server's: those read element by element)."""
+    dtype = torch.bfloat16
+    lens, lens_q = [70, 3, 130], [5, 3, 17]
+    ok = [h for h in range(16) if h // 2 != 2]  # query heads not of kv head 2
+
+    def kv(n: int) -> torch.Tensor:
+        t = randn(n, 8, head_dim, dtype=dtype)
+        t[:, 2] = float("inf")
+        return t
+
+    def close(got: torch.Tensor, ref: torch.Tensor) -> None:
+        assert not got[:, ok].isnan().any()
+        assert rel_err(got[:, ok], ref[:, ok]) < TOL[dtype]
+
+    k, v = kv(sum(lens)), kv(sum(lens))
+    v[:, 2] = float("nan")
+    q, cu = randn(3, 16, head_dim, dtype=dtype), cu_seqlens(lens)
+    close(decode(q, k, v, cu, num_splits=2), decode_ref(q.double(), k.double(), v.double(), cu))
+    qp, cu_q = randn(sum(lens_q), 16, head_dim, dtype=dtype), cu_seqlens(lens_q)
+    close(prefill(qp, k, v, cu_q, cu, causal=True),
+          prefill_ref(qp.double(), k.double(), v.double(), cu_q, cu, causal=True))
+    for pad in (0, 112 - head_dim):
+        rows = torch.full((12, 16, 8, head_dim + pad), float("nan"), device=DEVICE).to(dtype)
+        k_pages, v_pages = rows[..., :head_dim], rows.clone()[..., :head_dim]
+        table = torch.randperm(12, device=DEVICE)[:12].view(3, 4).to(torch.int32)
+        seqlens = torch.tensor([40, 3, 64], dtype=torch.int32, device=DEVICE)
+        for b, n in enumerate(seqlens.tolist()):
+            for i in range(-(-n // 16)):
+                k_pages[table[b, i]] = randn(16, 8, head_dim, dtype=dtype)
+                v_pages[table[b, i]] = randn(16, 8, head_dim, dtype=dtype)
+        k_pages[:, :, 2], v_pages[:, :, 2] = float("inf"), float("nan")
+        if pad:
+            rows[..., head_dim:] = float("inf")  # the pad, read with each row's last piece
+        close(paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=64, num_splits=2),
+              paged_decode_ref(q.double(), k_pages.double(), v_pages.double(), table, seqlens))
+        qs = randn(sum(lens_q), 16, head_dim, dtype=dtype)
+        close(paged_prefill(qs, k_pages, v_pages, table, cu_q, seqlens, causal=True),
+              paged_prefill_ref(qs.double(), k_pages.double(), v_pages.double(), table, cu_q,
+                                seqlens, causal=True))
+
+
 # Decode (its default tile) and causal prefill (the Hopper table's tile) at head dim D, as
 # launched for sm_90a with bf16 rows packed [T, H, D]: the mark, the loads and stores the PTX
 # holds, ptxas's spills. One process for both (torch and Triton load once).
@@ -206,42 +294,50 @@ import json, os, re, subprocess, sys, tempfile
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from attention_kernels._launch import row_align
+from attention_kernels._launch import kv_shift, row_align
 from attention_kernels.configs import _PREFILL_SM90, DECODE_TILE, padded_head_dim
 from attention_kernels.decode_kernel import _decode_split_kernel
 from attention_kernels.prefill_kernel import _prefill_kernel
 
-d, heads = int(sys.argv[1]), 32
-q, k = torch.empty(64, heads, d, dtype=torch.bfloat16), torch.empty(64, 8, d, dtype=torch.bfloat16)
-mark = row_align(q, k, k, None, (*k.stride()[:2], *k.stride()[:2], None, None, None))
-rows = dict(stride_kt=8 * d, stride_kh=d, stride_vt=8 * d, stride_vh=d)
-none = ("stride_tb", "stride_kp", "stride_vp", "Table", "win_left", "cap_scale", "cap_log2",
-        "Alibi", "stride_ab", "KScale", "VScale", "stride_sb", "Lse")
-common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), RETURN_LSE=False, DOT_F32=False,
-              PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
-              HAS_ALIBI=False, KV_FP8=False, ROW_ALIGN=mark, **dict.fromkeys(none))
-tile = _PREFILL_SM90[(padded_head_dim(d), True)]
-builds = {
-    "decode": (_decode_split_kernel, dict(
-        common, BLOCK_G=16, BLOCK_N=DECODE_TILE.block_n, DIRECT=False, FUSED_MERGE=False,
-        MERGE_G=1, MERGE_S=1, PDL=True, PAGE_SPAN=0),
-        dict(rows, stride_qb=heads * d, stride_qh=d, stride_ob=heads * d, stride_oh=d),
-        DECODE_TILE.num_warps, DECODE_TILE.num_stages),
-    "prefill": (_prefill_kernel, dict(
-        common, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_B=64, IS_CAUSAL=True,
-        USE_TMA=False, KV_SCALED=False, WARP_SPEC=False, desc_k=None, desc_v=None,
-        win_right=None, stride_lh=0),
-        dict(rows, stride_qt=heads * d, stride_qh=d, stride_ot=heads * d, stride_oh=d),
-        tile.num_warps, tile.num_stages),
-}
-ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "OutPart": "*fp32",
-        "LsePart": "*fp32", "Counter": "*i32", "cu_k": "*i32", "cu_q": "*i32"}
 ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 if not os.path.exists(ptxas):
     print(json.dumps({"skip": "no ptxas in this triton"}))
     sys.exit(0)
-got = {"row_align": mark}
-for name, (fn, const, strides, warps, stages) in builds.items():
+got = {}
+for d, kernels in (arg.split(":") for arg in sys.argv[1:]):
+  heads = 32
+  d = int(d)
+  q = torch.empty(64, heads, d, dtype=torch.bfloat16)
+  k = torch.empty(64, 8, d, dtype=torch.bfloat16)
+  st = (*k.stride()[:2], *k.stride()[:2], None, None, None)
+  shift = kv_shift(k, k, st, d, padded_head_dim(d))
+  mark = row_align(q, k, k, None, st, shift > 0)
+  rows = dict(stride_kt=8 * d, stride_kh=d, stride_vt=8 * d, stride_vh=d)
+  none = ("stride_tb", "stride_kp", "stride_vp", "Table", "win_left", "cap_scale", "cap_log2",
+          "Alibi", "stride_ab", "KScale", "VScale", "stride_sb", "Lse")
+  common = dict(HEAD_DIM=d, BLOCK_D=padded_head_dim(d), RETURN_LSE=False, DOT_F32=False,
+                PAGED=False, PAGE_TOKENS=1, HAS_WINDOW=False, HAS_SOFTCAP=False,
+                HAS_ALIBI=False, KV_FP8=False, ROW_ALIGN=mark, KV_SHIFT=shift,
+                **dict.fromkeys(none))
+  tile = _PREFILL_SM90[(padded_head_dim(d), True)]
+  builds = {
+      "decode": (_decode_split_kernel, dict(
+          common, BLOCK_G=16, BLOCK_N=DECODE_TILE.block_n, DIRECT=False, FUSED_MERGE=False,
+          MERGE_G=1, MERGE_S=1, PDL=True, PAGE_SPAN=0),
+          dict(rows, stride_qb=heads * d, stride_qh=d, stride_ob=heads * d, stride_oh=d),
+          DECODE_TILE.num_warps, DECODE_TILE.num_stages),
+      "prefill": (_prefill_kernel, dict(
+          common, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_B=64, IS_CAUSAL=True,
+          USE_TMA=False, KV_SCALED=False, WARP_SPEC=False, desc_k=None, desc_v=None,
+          win_right=None, stride_lh=0),
+          dict(rows, stride_qt=heads * d, stride_qh=d, stride_ot=heads * d, stride_oh=d),
+          tile.num_warps, tile.num_stages),
+  }
+  ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "OutPart": "*fp32",
+          "LsePart": "*fp32", "Counter": "*i32", "cu_k": "*i32", "cu_q": "*i32"}
+  got[d] = {"row_align": mark, "kv_shift": shift}
+  for name in kernels.split(","):
+    fn, const, strides, warps, stages = builds[name]
     sig, attrs = {}, {}
     for i, arg in enumerate(fn.arg_names):
         if arg in const:
@@ -261,11 +357,11 @@ for name, (fn, const, strides, warps, stages) in builds.items():
             f.write(ptx)
         info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
                               capture_output=True, text=True, check=True).stderr
-    got[name] = {"async_copies": ptx.count("cp.async.cg"),
-                 "element_loads": ptx.count("ld.global.b16"),
-                 "element_stores": ptx.count("st.global.b16"),
-                 "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
-                                                               info))}
+    got[d][name] = {"async_copies": ptx.count("cp.async.cg"),
+                    "element_loads": ptx.count("ld.global.b16"),
+                    "element_stores": ptx.count("st.global.b16"),
+                    "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
+                                                                  info))}
 print(json.dumps(got))
 """
 
@@ -276,24 +372,31 @@ def test_d72_compiles_to_async_copies_for_sm90() -> None:
     without a GPU and ships ptxas): the 16-byte mark gives their K/V blocks 16-byte async
     copies, Q and Out whole-row loads and stores, and no spills. Unmarked, decode compiled to
     144 two-byte loads a block and 280 bytes of spills (64x D 80's time), prefill to 320
-    two-byte loads, 64 two-byte stores and 1 KB of spills."""
+    two-byte loads, 64 two-byte stores and 1 KB of spills. Decode at D 111, skewed
+    (``kv_shift``): 16-byte async copies too, and no spills; its only element loads are Q's
+    (16 a thread, once); unskewed it took 144 element loads a block and spilled 280 bytes."""
     import json
     import os
     import subprocess
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "72"], capture_output=True,
-                          text=True, env=env, timeout=280)
+    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "72:decode,prefill",
+                           "111:decode"], capture_output=True, text=True, env=env, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     if "skip" in got:
         pytest.skip(got["skip"])
-    assert got["row_align"] == 16, got
+    d72, d111 = got["72"], got["111"]
+    assert d72["row_align"] == 16 and d72["kv_shift"] == 0, got
     for kernel in ("decode", "prefill"):
-        built = got[kernel]
+        built = d72[kernel]
         assert built["async_copies"] > 0 and built["spill_bytes"] == 0, got
         assert built["element_loads"] == built["element_stores"] == 0, got
+    assert d111["kv_shift"] == 8, got
+    built = d111["decode"]
+    assert built["async_copies"] > 0 and built["spill_bytes"] == 0, got
+    assert built["element_loads"] <= 16 and built["element_stores"] == 0, got
 
 
 def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
