@@ -846,8 +846,8 @@ def _plan(
     copy_q = q.stride(-1) != 1
     copy_kv = table is None and (k.stride(-1) != 1 or v.stride(-1) != 1)
     q = _head_dim_contiguous(q)
-    if copy_kv:
-        k, v = _head_dim_contiguous(k), _head_dim_contiguous(v)
+    if copy_kv:  # both, as ``launch_inputs`` copies them: the plan takes the copies' strides
+        k, v = k.contiguous(), v.contiguous()
     total_q, num_heads, head_dim = q.shape
     out_shape = (total_q, num_heads, head_dim)
     if total_q == 0 or batch == 0 or (table is not None and (k.shape[0] == 0

@@ -187,6 +187,15 @@ def test_strided_inputs_are_handled() -> None:
     got = prefill(qt, k, v, cu)
     ref = prefill_ref(qt.double(), k.double(), v.double(), cu)
     assert rel_err(got, ref) < TOL[torch.float16]
+    # K transposed, V in padded rows: both are copied at launch, and the plan takes the
+    # copies' strides (it once kept V's padded ones and read the packed copy past its end).
+    kt = randn(sum(lens), 64, 4, dtype=torch.float16).transpose(1, 2)
+    vp = randn(sum(lens), 4, 80, dtype=torch.float16)[..., :64]
+    out = torch.empty_like(q)
+    poison_(out)
+    got = prefill(q, kt, vp, cu, out=out)
+    ref = prefill_ref(q.double(), kt.double(), vp.double(), cu)
+    assert rel_err(got, ref) < TOL[torch.float16]
 
 
 def test_empty_batch_and_no_tokens() -> None:
