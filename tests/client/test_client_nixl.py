@@ -455,3 +455,37 @@ def test_memory_nixl_will_not_register_fails_the_region_and_leaves_no_agent(
         _regions.create_nixl_region(4096)
     assert info.value.code.name == "FAILED_PRECONDITION"
     assert not _regions._NIXL  # the agent (and its progress thread) went with the failure
+
+
+def test_the_client_agents_progress_thread_waits_instead_of_spinning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The client's agent asks NIXL for a progress thread that waits between polls
+    (``NIXL_PROGRESS_WAIT_US``; the wrapper's own is 0, a spin), and an idle agent then costs
+    next to no CPU (spinning: ~1 CPU second a second)."""
+    import time
+
+    import nixl_cu13
+    import nixl_cu13._api as api
+
+    from attention_client import _regions
+
+    seen = []
+    real = api.nixlBind.nixlAgent
+
+    def spy(name: str, config: object) -> object:
+        seen.append((config.useProgThread, config.pthrDelay))  # type: ignore[attr-defined]
+        return real(name, config)
+
+    monkeypatch.setattr(api.nixlBind, "nixlAgent", spy)
+    agent = _regions._make_nixl_agent(nixl_cu13, f"attention-client-wait-{os.getpid()}")
+    assert seen == [(True, _regions.NIXL_PROGRESS_WAIT_US)]
+    assert _regions.NIXL_PROGRESS_WAIT_US > 0
+    assert api.nixlBind.nixlAgent is spy  # the constructor is put back
+    try:
+        cpu, wall = time.process_time(), time.monotonic()
+        time.sleep(0.6)
+        spent = time.process_time() - cpu
+        assert spent < 0.25 * (time.monotonic() - wall), spent
+    finally:
+        del agent
