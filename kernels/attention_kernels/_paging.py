@@ -199,6 +199,26 @@ def skewed_cols(offs_d, skew, HEAD_DIM: tl.constexpr, KV_SHIFT: tl.constexpr):
 
 
 @triton.jit
+def q_and_kv_cols(q_rows, rows_ok, offs_d, k_skew, v_skew, HEAD_DIM: tl.constexpr,
+                  KV_SHIFT: tl.constexpr, ROW_ALIGN: tl.constexpr):
+    """(the query tile, K's columns to load, V's, K's columns of the row) for ``q_rows`` (a
+    ``[rows, 1]`` tile of row pointers) against K/V tiles from ``kv_bases``. Skewed
+    (``KV_SHIFT``): q is read into K's columns (once a program: element loads are fine);
+    else every mask is the head dim's, and q's rows carry their ``ROW_ALIGN`` mark."""
+    d_ok = offs_d < HEAD_DIM
+    if KV_SHIFT > 0:
+        k_cols, k_row = skewed_cols(offs_d, k_skew, HEAD_DIM, KV_SHIFT)
+        v_cols, _ = skewed_cols(offs_d, v_skew, HEAD_DIM, KV_SHIFT)
+        q = tl.load(q_rows + (offs_d - k_skew)[None, :], mask=rows_ok[:, None] & k_row[None, :],
+                    other=0.0)
+    else:
+        k_cols, v_cols, k_row = d_ok, d_ok, d_ok
+        q = tl.load(row_ptrs(q_rows, offs_d[None, :], ROW_ALIGN),
+                    mask=rows_ok[:, None] & d_ok[None, :], other=0.0)
+    return q, k_cols, v_cols, k_row
+
+
+@triton.jit
 def unskew(acc, skew, offs_d, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     """``acc`` (rows x ``BLOCK_D``) computed on V tiles whose rows started ``skew`` columns in
     (``kv_bases``), moved back: column ``c`` of the result is the head dim's ``c``; columns

@@ -65,9 +65,9 @@ from attention_kernels._paging import (
     block_kv_ptrs,
     first_pages,
     kv_bases,
+    q_and_kv_cols,
     row_ptrs,
     seq_keys,
-    skewed_cols,
     span_pages,
     unskew,
 )
@@ -316,18 +316,9 @@ def _decode_split_kernel(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
         PAGE_TOKENS, BLOCK_N, KV_SHIFT,
     )
-    k_cols, v_cols, k_row = d_ok, d_ok, d_ok
-    if KV_SHIFT > 0:  # q in K's skewed columns (loaded once: element loads are fine)
-        k_cols, k_row = skewed_cols(offs_d, k_skew, HEAD_DIM, KV_SHIFT)
-        v_cols, _ = skewed_cols(offs_d, v_skew, HEAD_DIM, KV_SHIFT)
-        q_ptrs = (Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
-                  + (offs_d - k_skew)[None, :])
-        q = tl.load(q_ptrs, mask=g_ok[:, None] & k_row[None, :], other=0.0)
-    else:
-        q_ptrs = row_ptrs(
-            Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh,
-            offs_d[None, :], ROW_ALIGN)
-        q = tl.load(q_ptrs, mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    q, k_cols, v_cols, k_row = q_and_kv_cols(
+        Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh, g_ok, offs_d,
+        k_skew, v_skew, HEAD_DIM, KV_SHIFT, ROW_ALIGN)
     if DOT_F32:
         q = q.to(tl.float32)
 

@@ -68,9 +68,9 @@ from attention_kernels._paging import (
     block_kv_ptrs,
     first_pages,
     kv_bases,
+    q_and_kv_cols,
     row_ptrs,
     seq_keys,
-    skewed_cols,
     unskew,
 )
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
@@ -283,18 +283,11 @@ def _prefill_kernel(
         K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, stride_vt, stride_vh, PAGED,
         PAGE_TOKENS, BLOCK_N, KV_SHIFT,
     )
-    k_cols, v_cols, k_row = d_ok, d_ok, d_ok
     # int64 bases: total * heads * head_dim may exceed 2**31.
-    q_rows = (Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
-              + offs_m[:, None].to(tl.int64) * stride_qt)
-    if KV_SHIFT > 0:  # q in K's skewed columns (loaded once: element loads are fine)
-        k_cols, k_row = skewed_cols(offs_d, k_skew, HEAD_DIM, KV_SHIFT)
-        v_cols, _ = skewed_cols(offs_d, v_skew, HEAD_DIM, KV_SHIFT)
-        q = tl.load(q_rows + (offs_d - k_skew)[None, :], mask=m_ok[:, None] & k_row[None, :],
-                    other=0.0)
-    else:
-        q = tl.load(row_ptrs(q_rows, offs_d[None, :], ROW_ALIGN),
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    q, k_cols, v_cols, k_row = q_and_kv_cols(
+        Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
+        + offs_m[:, None].to(tl.int64) * stride_qt, m_ok, offs_d, k_skew, v_skew, HEAD_DIM,
+        KV_SHIFT, ROW_ALIGN)
     if DOT_F32:
         q = q.to(tl.float32)
     if KV_FP8:  # the dots run in fp16 (_fp8_dot)
