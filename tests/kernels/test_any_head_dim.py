@@ -433,6 +433,9 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
     assert decode_cfg(112, torch.bfloat16, gpu) == configs.DECODE_TILE
     assert decode_cfg(59, torch.bfloat16, gpu) == configs.SMALL_HEAD_TILE  # no spill there
     assert decode_cfg(111, torch.float32, gpu) == configs.DecodeConfig(32, 4, 3)
+    # Read skewed, in whole 16-byte pieces (``kv_shift``), they take the others' tiles.
+    assert decode_cfg(111, torch.bfloat16, gpu, False, True) == configs.DECODE_TILE
+    assert decode_cfg(201, torch.bfloat16, gpu, False, True) == configs.DecodeConfig(32, 4, 3)
     for many in (False, True):  # many programs took 128x64 x4 warps, which spilled more
         assert prefill_cfg(111, torch.bfloat16, True, gpu, many=many) == (
             configs.ODD_HEAD_PREFILL_TILE)
