@@ -234,6 +234,13 @@ def launch_inputs(
     return q, k, v, table, slopes, ks, vs, stride_sb
 
 
+def table_row_stride(table: torch.Tensor) -> int:
+    """The block table's row stride as ``launch_inputs`` passes the table: one that is not
+    contiguous goes through a contiguous copy, its rows ``shape[1]`` apart (a plan that took
+    the caller's stride read a column slice of a wider table from the wrong entries)."""
+    return table.stride(0) if table.is_contiguous() else table.shape[1]
+
+
 def no_keys(out: torch.Tensor, lse: torch.Tensor, return_lse: bool) -> None:
     """What a launch with no keys at all would write: zeros, lse -inf."""
     out.zero_()

@@ -60,6 +60,7 @@ from attention_kernels._launch import (
     no_keys,
     outputs,
     row_align,
+    table_row_stride,
 )
 from attention_kernels._paging import (
     block_kv_ptrs,
@@ -680,7 +681,7 @@ def _plan(
         strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), None, None, None)
     else:
         page_tokens = k.shape[1]
-        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
+        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table_row_stride(table),
                    k.stride(0), v.stride(0))
     block_d = padded_head_dim(head_dim)
     shift = kv_shift(k, v, strides, head_dim, block_d)

@@ -63,6 +63,7 @@ from attention_kernels._launch import (
     no_keys,
     outputs,
     row_align,
+    table_row_stride,
 )
 from attention_kernels._paging import (
     block_kv_ptrs,
@@ -886,7 +887,7 @@ def _plan(
             strides = (token, widen_row, token, widen_row, None, None, None)
     else:
         page_tokens = k.shape[1]
-        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table.stride(0),
+        strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table_row_stride(table),
                    k.stride(0), v.stride(0))
     # Outputs are contiguous: out [total_q, H, D], lse [H, total_q] (fresh, or checked so).
     scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,

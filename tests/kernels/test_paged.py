@@ -507,6 +507,30 @@ def test_prefill_paged_equals_contiguous(causal: bool) -> None:
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
+def test_tables_that_are_not_contiguous() -> None:
+    """A block table sliced from a wider one (row stride 3 for 2 columns) or stored column
+    major: the launch copies it, and the plan takes the copy's row stride (it took the
+    caller's, and a sequence read its pages from the wrong entries: a NaN page here)."""
+    lens = torch.tensor([4, 7], dtype=torch.int32, device=DEVICE)
+    k_pages = randn(4, 4, 2, 16, dtype=torch.float32)
+    v_pages = randn(4, 4, 2, 16, dtype=torch.float32)
+    k_pages[3], v_pages[3] = float("nan"), float("nan")  # a page no sequence owns
+    wide = torch.tensor([[0, 3, 3], [1, 2, 3]], dtype=torch.int32, device=DEVICE)
+    column_major = wide[:, :2].t().contiguous().t()
+    for table in (wide[:, :2], column_major):
+        assert not table.is_contiguous()
+        q = randn(2, 4, 16, dtype=torch.float32)
+        got = paged_decode(q, k_pages, v_pages, table, lens, num_splits=1)
+        ref = paged_decode_ref(q.double(), k_pages.double(), v_pages.double(), table, lens)
+        assert rel_err(got, ref) < TOL[torch.float32]
+        cu_q = cu_seqlens([2, 3])
+        qp = randn(5, 4, 16, dtype=torch.float32)
+        got = paged_prefill(qp, k_pages, v_pages, table, cu_q, lens, causal=True)
+        ref = paged_prefill_ref(qp.double(), k_pages.double(), v_pages.double(), table, cu_q,
+                                lens, causal=True)
+        assert rel_err(got, ref) < TOL[torch.float32]
+
+
 def test_prefill_no_queries() -> None:
     c = Paged([5, 0], 16, 2, 64, torch.float16)
     q = randn(0, 4, 64, dtype=torch.float16)
