@@ -232,11 +232,20 @@ async def receive_request(
     call came through a proxy, so its tensors may not name regions (registered with one replica
     directly)."""
     it = requests.__aiter__()
+    idle_s = limits.upload_idle_timeout
     try:
-        raw = await it.__anext__()
+        # The wait for the first message is an idle wait too: a stream that never sent one
+        # held an in-flight slot, and a graceful stop's whole grace period, for ever.
+        async with asyncio.timeout(idle_s or None):
+            raw = await it.__anext__()
     except StopAsyncIteration:
         raise StreamEnded(grpc.StatusCode.INVALID_ARGUMENT,
                           "header: missing: the stream ended before any message") from None
+    except TimeoutError:
+        raise RequestError(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"header: no message for {idle_s:g} s after the call started "
+            "(--upload-idle-timeout)") from None
     first, sizes = start_upload(upload, op, raw, limits, caller, unary=unary, proxied=proxied,
                                 lazy=link.lazy_buffers)
     try:

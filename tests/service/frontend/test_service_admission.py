@@ -264,6 +264,29 @@ def test_an_idle_upload_ends_after_the_timeout_with_its_budget_back(start_server
     assert list(srv.stub().Prefill(iter(msgs), timeout=10))[-1].HasField("stats")
 
 
+def test_a_stream_that_sends_no_message_ends_after_the_idle_timeout(start_server: Any) -> None:
+    """No header at all: the same idle timeout as after one (the wait for the first message
+    had none: a silent stream stayed in flight, and held a graceful stop, for ever)."""
+    srv = start_server(upload_idle_timeout=0.5)
+    release = threading.Event()
+
+    def silent() -> Iterator[pb.PrefillRequest]:
+        release.wait(30)
+        return
+        yield
+
+    t0 = time.perf_counter()
+    try:
+        err = _refused(srv.stub().Prefill(silent(), timeout=20))
+    finally:
+        release.set()
+    assert err.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert err.details().startswith("header: no message for 0.5 s")
+    assert "--upload-idle-timeout" in err.details()
+    assert 0.4 < time.perf_counter() - t0 < 5.0
+    assert list(srv.stub().Prefill(iter(small_prefill()), timeout=10))[-1].HasField("stats")
+
+
 def test_an_upload_under_the_minimum_rate_ends(start_server: Any) -> None:
     # One chunk of 4 bytes every 0.1 s: never idle for 0.3 s, but far under 1 MiB/s.
     srv = start_server(upload_idle_timeout=0.3, min_upload_rate=1 << 20)
