@@ -267,15 +267,17 @@ def key_with_fp8(key: BatchKey) -> BatchKey:
     return (*key[:-1], True)
 
 
-def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
-    """Cache ids as the server accepts them: 1-256 bytes of UTF-8 each, none twice."""
+def check_cache_ids(ids: Sequence[str], field: str, indexed: bool = True) -> tuple[str, ...]:
+    """Cache ids as the server accepts them: 1-256 bytes of UTF-8 each, none twice. Errors
+    name ``field[i]``, or ``field`` alone when it is not a list (``indexed`` False)."""
     seen: set[str] = set()
     for i, cid in enumerate(ids):
+        named = f"{field}[{i}]" if indexed else field
         size = len(cid.encode())
         if not 1 <= size <= MAX_CACHE_ID_BYTES:
-            raise invalid(f"{field}[{i}]", f"{size} bytes; ids take 1-{MAX_CACHE_ID_BYTES}")
+            raise invalid(named, f"{size} bytes; ids take 1-{MAX_CACHE_ID_BYTES}")
         if cid in seen:
-            raise invalid(f"{field}[{i}]", f"{cid!r} appears twice")
+            raise invalid(named, f"{cid!r} appears twice")
         seen.add(cid)
     return tuple(ids)
 

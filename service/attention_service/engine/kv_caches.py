@@ -551,7 +551,7 @@ class CacheRegistry:
 
     def _fork(self, req: pb.ForkCacheRequest, owner: str) -> pb.CacheInfo:
         pool = self._pool()
-        (target,) = check_cache_ids([req.target_id], "target_id")
+        (target,) = check_cache_ids([req.target_id], "target_id", indexed=False)
         with self._lock:
             src = self._lookup(owner, req.source_id, "source_id")
             if src.busy:

@@ -281,6 +281,10 @@ def test_fork_shares_full_pages_and_release_frees_them_last() -> None:
     code = _registry_code(reg, "ForkCache", pb.ForkCacheRequest(source_id="a", target_id="h",
                                                                 length=41))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(RequestError) as info:  # one id, not a list: named without an index
+        reg.call("ForkCache", pb.ForkCacheRequest(source_id="a", target_id=""), "")
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert str(info.value).startswith("target_id: 0 bytes"), str(info.value)
     reg.call("ReleaseCaches", pb.ReleaseCachesRequest(cache_ids=["a"]), "")
     assert pool.pages_used == 3  # a's own partial page went; the shared two stay
     reg.call("ReleaseCaches", pb.ReleaseCachesRequest(all=True), "")
