@@ -176,14 +176,14 @@ def _check_qkv(
     if v_shape != k_shape:
         raise invalid("header.v.shape", f"{list(v_shape)} differs from k's shape {list(k_shape)}")
     num_heads, head_dim = q_shape[1], q_shape[2]
-    if k_shape[2] != head_dim:
-        raise invalid(
-            "header.k.shape[2]", f"head_dim {k_shape[2]} differs from q's head_dim {head_dim}"
-        )
-    if not supported_head_dim(head_dim):
+    if not supported_head_dim(head_dim):  # first: a k that differs from it is the lesser news
         raise invalid(
             f"header.{'q' if with_q else 'k'}.shape[2]",
             f"head_dim {head_dim} unsupported: must be in [1, {MAX_HEAD_DIM}]",
+        )
+    if k_shape[2] != head_dim:
+        raise invalid(
+            "header.k.shape[2]", f"head_dim {k_shape[2]} differs from q's head_dim {head_dim}"
         )
     if num_heads % k_shape[1] != 0:
         raise invalid(

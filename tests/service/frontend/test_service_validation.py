@@ -109,6 +109,9 @@ CASES: list[tuple[str, str, list[Any], grpc.StatusCode, str]] = [
     ("head_dim_over_256", "Prefill",
      _prefill(q=_spec([8, 2, 264]), k=_spec([8, 1, 264]), v=_spec([8, 1, 264])), INVALID,
      "header.q.shape[2]"),
+    # q's head dim unsupported and k's different: q's is named (it was k's mismatch).
+    ("huge_q_head_dim", "Prefill", _prefill(q=_spec([8, 2, 1 << 40])), INVALID,
+     "header.q.shape[2]"),
     ("row_over_message_limit", "Prefill",
      _prefill(q=_spec([8, 8192, 256]), k=_spec([8, 1, 256]), v=_spec([8, 1, 256])), INVALID,
      "header.q.shape[1]"),
