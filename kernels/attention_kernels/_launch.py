@@ -94,10 +94,8 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
       dims: a mask that ends inside a piece reads the whole row an element at a time.)
 
     ``strides`` as ``row_align`` takes them."""
-    size = k.element_size()
+    size = k.element_size()  # v's too (``_checks``)
     vec = 16 // size
-    if v.element_size() != size:
-        return 0
     skew = max(vec - math.gcd(strides[1], vec), vec - math.gcd(strides[3], vec))
     if (skew == 0 and head_dim % vec == 0) or head_dim + skew > block_d:
         return 0  # rows whole already (``row_align`` marks them), or the skew does not fit

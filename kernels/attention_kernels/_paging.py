@@ -85,7 +85,8 @@ def first_pages(table_row, lo, offs_n, end, PAGE_TOKENS: tl.constexpr, BLOCK_N: 
 def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n,
                   offs_n, end, stride_kp, stride_kt, stride_vp, stride_vt,
                   PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-                  SPAN: tl.constexpr = 0, ROW_ALIGN: tl.constexpr = 0):
+                  SPAN: tl.constexpr = 0, ROW_ALIGN: tl.constexpr = 0,
+                  KV_SHIFT: tl.constexpr = 0):
     """(K pointers, V pointers, pages carried to the next block) of the key block at
     ``start_n``, for the bases and offsets ``kv_bases`` gave and what ``first_pages`` gave.
     Paged, ``SPAN`` > 0: the block's pages come out of the loop's page span in registers, so
@@ -93,7 +94,9 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     blocks ahead, as on contiguous keys. ``SPAN`` 0: ``page`` holds this block's pages and the
     next block's are looked up now, off this block's critical path (but the loads of a block
     cannot be issued before the previous iteration has looked its pages up).
-    ``ROW_ALIGN``: the pointers marked with their rows' alignment (``row_ptrs``)."""
+    ``ROW_ALIGN``: the pointers marked with their rows' alignment (``row_ptrs``); rows read
+    skewed (``KV_SHIFT``, ``kv_bases``) start on 16 bytes whatever it says."""
+    KV_ALIGN: tl.constexpr = 16 if KV_SHIFT > 0 else ROW_ALIGN
     if PAGED:
         if SPAN > 0:
             # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
@@ -116,7 +119,7 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     else:
         k_rows = k_base + tl.cast(start_n, tl.int64) * stride_kt
         v_rows = v_base + tl.cast(start_n, tl.int64) * stride_vt
-    return row_ptrs(k_rows, kv_offs_k, ROW_ALIGN), row_ptrs(v_rows, kv_offs_v, ROW_ALIGN), page
+    return row_ptrs(k_rows, kv_offs_k, KV_ALIGN), row_ptrs(v_rows, kv_offs_v, KV_ALIGN), page
 
 
 @triton.jit

@@ -156,7 +156,7 @@ def _decode_inner(
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, start_n, offs_n,
             seqlen, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
-            PAGE_SPAN, ROW_ALIGN)
+            PAGE_SPAN, ROW_ALIGN, KV_SHIFT)
         n_ok = (start_n + offs_n) < hi
         if LOW_MASK:
             n_ok = n_ok & ((start_n + offs_n) >= key_lo)
@@ -353,7 +353,7 @@ def _decode_split_kernel(
         lo, hi, qk_scale, offs_n, k_cols, v_cols, k_row, table_row, seqlen, stride_kp,
         stride_vp, span, first, key_lo, cap_scale, cap_log2, slopes2,
         BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
-        PAGE_SPAN, 16 if KV_SHIFT > 0 else ROW_ALIGN, KV_SHIFT,
+        PAGE_SPAN, ROW_ALIGN, KV_SHIFT,
     )
 
     if KV_FP8:

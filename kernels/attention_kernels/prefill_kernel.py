@@ -139,7 +139,7 @@ def _prefill_inner(
         k_ptrs, v_ptrs, page = block_kv_ptrs(
             k_base, v_base, kv_offs_k, kv_offs_v, page, 0, table_row, start_n, offs_n,
             seqlen_k, stride_kp, stride_kt, stride_vp, stride_vt, PAGE_TOKENS, BLOCK_N, PAGED,
-            0, ROW_ALIGN)
+            0, ROW_ALIGN, KV_SHIFT)
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & k_cols[None, :], other=0.0)
@@ -246,7 +246,6 @@ def _prefill_kernel(
     counts Q and Out only.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
-    KV_ALIGN: tl.constexpr = 16 if KV_SHIFT > 0 else ROW_ALIGN  # skewed rows: whole pieces
     head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
     if slot < 0:
         return
@@ -326,7 +325,7 @@ def _prefill_kernel(
             n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols,
             k_row, table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2,
             alibi2, pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN, KV_SHIFT,
+            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN, KV_SHIFT,
         )
     else:
         n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
@@ -340,7 +339,7 @@ def _prefill_kernel(
         n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, KV_ALIGN, KV_SHIFT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, ROW_ALIGN, KV_SHIFT,
     )
     acc, l_i, m_i = _prefill_inner(
         Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
@@ -348,7 +347,7 @@ def _prefill_kernel(
         n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
         table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
         True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, KV_ALIGN, KV_SHIFT,
+        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN, KV_SHIFT,
     )
 
     if KV_SCALED:
