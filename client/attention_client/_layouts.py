@@ -31,7 +31,7 @@ from attention_client._tensors import (
 )
 from attention_wire.pb import attention_pb2 as pb
 
-# What the server takes as a cache id (check_cache_ids in attention_service.params).
+# What the server takes as a cache id (check_cache_id in attention_service.params).
 MAX_CACHE_ID_BYTES = 256
 
 

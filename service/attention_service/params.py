@@ -267,17 +267,21 @@ def key_with_fp8(key: BatchKey) -> BatchKey:
     return (*key[:-1], True)
 
 
-def check_cache_ids(ids: Sequence[str], field: str, indexed: bool = True) -> tuple[str, ...]:
-    """Cache ids as the server accepts them: 1-256 bytes of UTF-8 each, none twice. Errors
-    name ``field[i]``, or ``field`` alone when it is not a list (``indexed`` False)."""
+def check_cache_id(cid: str, field: str) -> str:
+    """A cache id as the server accepts it: 1-256 bytes of UTF-8."""
+    size = len(cid.encode())
+    if not 1 <= size <= MAX_CACHE_ID_BYTES:
+        raise invalid(field, f"{size} bytes; ids take 1-{MAX_CACHE_ID_BYTES}")
+    return cid
+
+
+def check_cache_ids(ids: Sequence[str], field: str) -> tuple[str, ...]:
+    """Cache ids as the server accepts them: each as ``check_cache_id``, none twice."""
     seen: set[str] = set()
     for i, cid in enumerate(ids):
-        named = f"{field}[{i}]" if indexed else field
-        size = len(cid.encode())
-        if not 1 <= size <= MAX_CACHE_ID_BYTES:
-            raise invalid(named, f"{size} bytes; ids take 1-{MAX_CACHE_ID_BYTES}")
+        check_cache_id(cid, f"{field}[{i}]")
         if cid in seen:
-            raise invalid(named, f"{cid!r} appears twice")
+            raise invalid(f"{field}[{i}]", f"{cid!r} appears twice")
         seen.add(cid)
     return tuple(ids)
 

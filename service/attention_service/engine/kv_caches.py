@@ -44,6 +44,7 @@ from attention_service.params import (
     QUERY_DTYPES,
     KvScales,
     Params,
+    check_cache_id,
     check_cache_ids,
     check_kv_scales,
     kv_dtype_allowed,
@@ -551,7 +552,7 @@ class CacheRegistry:
 
     def _fork(self, req: pb.ForkCacheRequest, owner: str) -> pb.CacheInfo:
         pool = self._pool()
-        (target,) = check_cache_ids([req.target_id], "target_id", indexed=False)
+        target = check_cache_id(req.target_id, "target_id")
         with self._lock:
             src = self._lookup(owner, req.source_id, "source_id")
             if src.busy:
