@@ -64,13 +64,17 @@ def test_decode(head_dim: int, dtype: torch.dtype) -> None:
     check_lse(lse, ref_lse, dtype)
 
 
-def _pages(lens: list[int], head_dim: int, dtype: torch.dtype, page: int = 16
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A NaN-filled pool with each sequence's keys on shuffled pages; the table and lengths."""
+def _pages(lens: list[int], head_dim: int, dtype: torch.dtype, page: int = 16, heads: int = 2,
+           pad: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A NaN-filled pool with each sequence's keys on shuffled pages; the table and lengths.
+    ``pad``: rows that many elements wider than the head dim (as a server's pool), the pads
+    inf (a kernel that read one into a row would show it)."""
     per = [-(-n // page) for n in lens]
     total = sum(per) + 2  # two pages no sequence owns
-    k_pages = torch.full((total, page, 2, head_dim), float("nan"), device=DEVICE).to(dtype)
-    v_pages = torch.full_like(k_pages, float("nan"))
+    rows = torch.full((total, page, heads, head_dim + pad), float("inf"), device=DEVICE)
+    k_pages, v_pages = rows.to(dtype)[..., :head_dim], rows.to(dtype)[..., :head_dim]
+    k_pages.fill_(float("nan"))
+    v_pages.fill_(float("nan"))
     order = torch.randperm(total)[: sum(per)].tolist()
     width = max(per)
     table = torch.zeros(len(lens), width, dtype=torch.int32)
@@ -81,8 +85,8 @@ def _pages(lens: list[int], head_dim: int, dtype: torch.dtype, page: int = 16
         table[b, :p] = torch.tensor(pages)
         for i, pg in enumerate(pages):
             rows = min(page, n - i * page)
-            k_pages[pg, :rows] = randn(rows, 2, head_dim, dtype=dtype)
-            v_pages[pg, :rows] = randn(rows, 2, head_dim, dtype=dtype)
+            k_pages[pg, :rows] = randn(rows, heads, head_dim, dtype=dtype)
+            v_pages[pg, :rows] = randn(rows, heads, head_dim, dtype=dtype)
     return k_pages, v_pages, table.to(DEVICE), torch.tensor(lens, dtype=torch.int32,
                                                              device=DEVICE)
 
@@ -267,17 +271,8 @@ def test_skewed_rows(head_dim: int) -> None:
     close(prefill(qp, k, v, cu_q, cu, causal=True),
           prefill_ref(qp.double(), k.double(), v.double(), cu_q, cu, causal=True))
     for pad in (0, 112 - head_dim) if head_dim % 2 else (0,):  # padded rows: odd dims
-        rows = torch.full((12, 16, 8, head_dim + pad), float("nan"), device=DEVICE).to(dtype)
-        k_pages, v_pages = rows[..., :head_dim], rows.clone()[..., :head_dim]
-        table = torch.randperm(12, device=DEVICE)[:12].view(3, 4).to(torch.int32)
-        seqlens = torch.tensor([40, 3, 64], dtype=torch.int32, device=DEVICE)
-        for b, n in enumerate(seqlens.tolist()):
-            for i in range(-(-n // 16)):
-                k_pages[table[b, i]] = randn(16, 8, head_dim, dtype=dtype)
-                v_pages[table[b, i]] = randn(16, 8, head_dim, dtype=dtype)
+        k_pages, v_pages, table, seqlens = _pages([40, 3, 64], head_dim, dtype, heads=8, pad=pad)
         k_pages[:, :, 2], v_pages[:, :, 2] = float("inf"), float("nan")
-        if pad:
-            rows[..., head_dim:] = float("inf")  # the pad, read with each row's last piece
         close(paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=64, num_splits=2),
               paged_decode_ref(q.double(), k_pages.double(), v_pages.double(), table, seqlens))
         qs = randn(sum(lens_q), 16, head_dim, dtype=dtype)
