@@ -36,7 +36,7 @@ import torch
 from triton import knobs
 
 from attention_kernels._checks import kv_scale_args
-from attention_kernels.configs import interpreting
+from attention_kernels.configs import interpreting, padded_head_dim
 
 
 # Triton specializes integer arguments on divisibility by 16 only, so the rows of head dims
@@ -109,6 +109,23 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
             return 0
     return vec
 
+
+
+def kv_tile(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
+            head_dim: int) -> tuple[int, int]:
+    """(``BLOCK_D``, ``KV_SHIFT``) of a decode launch: the padded head dim and ``kv_shift``
+    there; where the largest skew does not fit it, twice that (up to 256) when it fits
+    there. D 59 bf16, 8 kv heads packed: skews up to 7 elements, 66 > 64 columns. H200,
+    64 x 4096 keys, 32q/8kv, GPU time: 447 us read element by element, 170 in 128-wide
+    skewed tiles (D 64: 142), 2026-12-02. (Prefill gained 6% that way; it copies such rows
+    into padded ones instead.)"""
+    block_d = padded_head_dim(head_dim)
+    shift = kv_shift(k, v, strides, head_dim, block_d)
+    if shift == 0 and block_d < 256:
+        wide = kv_shift(k, v, strides, head_dim, 2 * block_d)
+        if wide:
+            return 2 * block_d, wide
+    return block_d, shift
 
 def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],
              window: object) -> tuple[Any, ...] | None:

@@ -55,7 +55,7 @@ from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
     call_key,
-    kv_shift,
+    kv_tile,
     launch_inputs,
     no_keys,
     outputs,
@@ -81,7 +81,6 @@ from attention_kernels.configs import (
     dram_gbps,
     interpreting,
     num_sms,
-    padded_head_dim,
     paged_decode_config,
     paged_split_count,
 )
@@ -130,6 +129,7 @@ def _decode_inner(
     PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr, LOW_MASK: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr,
     PAGE_SPAN: tl.constexpr, ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr,
+    ZERO_K: tl.constexpr,
 ):
     """Online-softmax update over keys ``[lo, hi)`` (log2 units). Contiguous: ``kv_offs_*`` are
     the tile's offsets from its first key. Paged: ``kv_offs_*`` are the head-dim offsets and
@@ -148,8 +148,8 @@ def _decode_inner(
     caller brought ``q`` to (``_fp8_dot``); the caller folded K's scale into ``qk_scale`` /
     ``cap_scale`` and applies V's to the output.
     ``k_cols`` / ``v_cols``: the columns loaded; ``KV_SHIFT``: the tiles are skewed
-    (``kv_bases``) and K's columns outside its row (``k_row``, a neighbour's) are zeroed, so
-    an inf there cannot reach this head's scores (0 * inf)."""
+    (``kv_bases``); ``ZERO_K``: K's columns outside its row (``k_row``, a neighbour's) are
+    zeroed, so an inf there cannot reach this head's scores (0 * inf)."""
     page = first_pages(table_row, lo, offs_n, seqlen, PAGE_TOKENS, BLOCK_N, PAGED, span,
                        PAGE_SPAN)
     for start_n in range(lo, hi, BLOCK_N):
@@ -162,7 +162,7 @@ def _decode_inner(
             n_ok = n_ok & ((start_n + offs_n) >= key_lo)
         k = tl.load(k_ptrs, mask=n_ok[:, None] & k_cols[None, :], other=0.0)
         v = tl.load(v_ptrs, mask=n_ok[:, None] & v_cols[None, :], other=0.0)
-        if KV_SHIFT > 0:
+        if ZERO_K:
             k = tl.where(k_row[None, :], k, 0.0)
         if DOT_F32:
             k = k.to(tl.float32)
@@ -353,8 +353,32 @@ def _decode_split_kernel(
         lo, hi, qk_scale, offs_n, k_cols, v_cols, k_row, table_row, seqlen, stride_kp,
         stride_vp, span, first, key_lo, cap_scale, cap_log2, slopes2,
         BLOCK_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
-        PAGE_SPAN, ROW_ALIGN, KV_SHIFT,
+        PAGE_SPAN, ROW_ALIGN, KV_SHIFT, False,
     )
+    # Skewed tiles hold a neighbouring head's K columns, against q's zeros there: only an inf
+    # or NaN among them changes a score (to NaN), so only a split whose sums end NaN reads its
+    # keys again with those columns zeroed. Zeroing every tile cost 9% at D 111 (H200, bf16,
+    # 64 x 4096, 270 -> 247 us, 2026-12-02).
+    if KV_SHIFT > 0:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if tl.max((l_i != l_i).to(tl.int32), 0) > 0:
+            m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+            # Its own key blocks, half as long: on the first loop's offsets ptxas kept both
+            # loops' tiles live (sm_90a, D 111: decode 149 -> 255 registers, prefill 132 B
+            # spilled; 4-9% of GPU time).
+            SLOW_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
+            offs_n2 = tl.arange(0, SLOW_N)
+            k_base2, v_base2, kv_offs_k2, kv_offs_v2, _, _ = kv_bases(
+                K, V, k_start, kv_head, offs_n2, offs_d, stride_kt, stride_kh, stride_vt,
+                stride_vh, PAGED, PAGE_TOKENS, SLOW_N, KV_SHIFT)
+            acc, l_i, m_i = _decode_inner(
+                Q, acc, l_i, m_i, q, k_base2, v_base2, stride_kt, stride_vt, kv_offs_k2,
+                kv_offs_v2, lo, hi, qk_scale, offs_n2, k_cols, v_cols, k_row, table_row, seqlen,
+                stride_kp, stride_vp, span, first, key_lo, cap_scale, cap_log2, slopes2,
+                SLOW_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
+                KV_FP8, 0, ROW_ALIGN, KV_SHIFT, True,  # pages looked up per block: any size
+            )
 
     if KV_FP8:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
@@ -683,14 +707,15 @@ def _plan(
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table_row_stride(table),
                    k.stride(0), v.stride(0))
-    block_d = padded_head_dim(head_dim)
-    shift = kv_shift(k, v, strides, head_dim, block_d)
+    block_d, shift = kv_tile(k, v, strides, head_dim)
+    # Skewed tiles are chosen by their width (which may be twice the padded head dim).
+    tile_dim = block_d if shift else head_dim
     if config is not None:
         cfg = config
     elif table is None:
-        cfg = decode_config(head_dim, q.dtype, q.device, fp8, shift > 0)
+        cfg = decode_config(tile_dim, q.dtype, q.device, fp8, shift > 0)
     else:
-        cfg = paged_decode_config(head_dim, q.dtype, q.device, fp8, shift > 0)
+        cfg = paged_decode_config(tile_dim, q.dtype, q.device, fp8, shift > 0)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     # A left bound past any sequence's length hides nothing: no window variant for it.
     max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]

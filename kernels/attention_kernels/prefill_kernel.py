@@ -59,6 +59,7 @@ from attention_kernels._launch import (
     PlanCache,
     call_key,
     kv_shift,
+    kv_tile,
     launch_inputs,
     no_keys,
     outputs,
@@ -121,7 +122,7 @@ def _prefill_inner(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr, ROW_ALIGN: tl.constexpr,
-    KV_SHIFT: tl.constexpr,
+    KV_SHIFT: tl.constexpr, ZERO_K: tl.constexpr,
 ):
     """Online-softmax update over key blocks ``[lo, hi)``; scores are in log2 units.
     Contiguous: ``kv_offs_*`` are the tile's offsets from its first key. Paged: ``kv_offs_*``
@@ -132,7 +133,7 @@ def _prefill_inner(
     ``pos_f`` the rows' key positions as floats. ``KV_FP8``: K/V tiles are float8_e4m3fn,
     converted (exactly) to fp16, the dtype the caller brought ``q`` to (``_fp8_dot``); their
     scales are the caller's. ``k_cols`` / ``v_cols``: the columns loaded; ``KV_SHIFT``: the
-    tiles are skewed (``kv_bases``) and K's columns outside its row (``k_row``, a
+    tiles are skewed (``kv_bases``); ``ZERO_K``: K's columns outside its row (``k_row``, a
     neighbour's) are zeroed, so an inf there cannot reach this head's scores (0 * inf)."""
     page = first_pages(table_row, lo, offs_n, seqlen_k, PAGE_TOKENS, BLOCK_N, PAGED)
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
@@ -150,7 +151,7 @@ def _prefill_inner(
             k = tl.load(k_ptrs)
         else:
             k = tl.load(k_ptrs, mask=k_cols[None, :], other=0.0)
-        if KV_SHIFT > 0:
+        if ZERO_K:
             k = tl.where(k_row[None, :], k, 0.0)
         if KV_FP8:
             k = k.to(tl.float16)
@@ -214,6 +215,51 @@ def _prefill_inner(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _prefill_keys(
+    Q, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v, desc_k, desc_v,
+    k_row0, kv_col, n_lo, n_a, n_b, n_hi, seqlen_k, causal_offset, qk_scale,
+    offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp,
+    win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IS_CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    HAS_ALIBI: tl.constexpr, KV_FP8: tl.constexpr, WARP_SPEC: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr, ZERO_K: tl.constexpr,
+):
+    """(acc, l, m) of a query block over its keys: ``[n_lo, n_a)`` masked (a window's left
+    edge; empty without a window), ``[n_a, n_b)`` unmasked, ``[n_b, n_hi)`` masked."""
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_WINDOW:
+        acc, l_i, m_i = _prefill_inner(
+            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+            desc_k, desc_v, k_row0, kv_col, n_lo, n_a, seqlen_k, causal_offset, qk_scale,
+            offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp, win_left,
+            win_right, cap_scale, cap_log2, alibi2, pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N,
+            DOT_F32, USE_TMA, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+            False, ROW_ALIGN, KV_SHIFT, ZERO_K,
+        )
+    acc, l_i, m_i = _prefill_inner(
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        desc_k, desc_v, k_row0, kv_col, n_a, n_b, seqlen_k, causal_offset, qk_scale,
+        offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp, win_left,
+        win_right, cap_scale, cap_log2, alibi2, pos_f, False, IS_CAUSAL, EVEN_D, BLOCK_N,
+        DOT_F32, USE_TMA, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        WARP_SPEC, ROW_ALIGN, KV_SHIFT, ZERO_K,
+    )
+    acc, l_i, m_i = _prefill_inner(
+        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
+        desc_k, desc_v, k_row0, kv_col, n_b, n_hi, seqlen_k, causal_offset, qk_scale,
+        offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp, win_left,
+        win_right, cap_scale, cap_log2, alibi2, pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N,
+        DOT_F32, USE_TMA, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        False, ROW_ALIGN, KV_SHIFT, ZERO_K,
+    )
+    return acc, l_i, m_i
+
+
 # Arguments that vary with the batch are not specialized (``do_not_specialize``): Triton
 # compiles a variant per value 1 / multiple of 16 of the others. ``stride_lh`` is total_q
 # (the lse rows): without it every lse launch compiled twice, by total_q % 16.
@@ -230,7 +276,7 @@ def _prefill_kernel(
     DOT_F32: tl.constexpr, USE_TMA: tl.constexpr, PAGED: tl.constexpr, PAGE_TOKENS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     KV_FP8: tl.constexpr, KV_SCALED: tl.constexpr, WARP_SPEC: tl.constexpr,
-    ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr,
+    ROW_ALIGN: tl.constexpr, KV_SHIFT: tl.constexpr, KV_PADDED: tl.constexpr,
 ):
     """Contiguous: ``K, V [total_k, H_kv, D]`` packed by ``cu_k``. Paged (``PAGED``): ``K, V``
     are the pages, ``cu_k`` holds ``seqlens_k`` and ``Table`` the block table; the page stride
@@ -243,9 +289,10 @@ def _prefill_kernel(
     ``KV_FP8`` the tiles are still e4m3 and the dots run in fp16 (``_fp8_dot``); without it
     they were widened to ``q``'s dtype first (``fp8_widen_kernel``), and the dots run in it.
     ``KV_SHIFT``: K/V tiles skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then
-    counts Q and Out only.
+    counts Q and Out only. ``KV_PADDED``: K/V rows hold ``BLOCK_D`` columns, zeros past the
+    head dim (copies, ``widen_kv``), read whole.
     """
-    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D
+    EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D or KV_PADDED  # K/V tiles need no column mask
     head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
     if slot < 0:
         return
@@ -288,6 +335,9 @@ def _prefill_kernel(
         Q + q_start.to(tl.int64) * stride_qt + head.to(tl.int64) * stride_qh
         + offs_m[:, None].to(tl.int64) * stride_qt, m_ok, offs_d, k_skew, v_skew, HEAD_DIM,
         KV_SHIFT, ROW_ALIGN)
+    if KV_PADDED:
+        k_cols = offs_d < BLOCK_D
+        v_cols = k_cols
     if DOT_F32:
         q = q.to(tl.float32)
     if KV_FP8:  # the dots run in fp16 (_fp8_dot)
@@ -295,10 +345,6 @@ def _prefill_kernel(
         qk_scale = qk_scale * q_unit
         if HAS_SOFTCAP:
             cap_scale = cap_scale * q_unit
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     causal_offset = seqlen_k - seqlen_q
     alibi2 = Alibi  # None without ALiBi, never read
@@ -319,36 +365,46 @@ def _prefill_kernel(
         full_hi = tl.minimum(tl.maximum(p_first + win_right + 1, 0), seqlen_k)
         n_a = tl.minimum(tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, n_lo), n_hi)
         n_b = tl.minimum(tl.maximum((full_hi // BLOCK_N) * BLOCK_N, n_a), n_hi)
-        acc, l_i, m_i = _prefill_inner(
-            Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-            desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-            n_lo, n_a, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols,
-            k_row, table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2,
-            alibi2, pos_f, True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-            HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN, KV_SHIFT,
-        )
     else:
         n_full, n_end = causal_key_range(block * BLOCK_M, seqlen_q, seqlen_k, BLOCK_M, IS_CAUSAL)
+        n_lo = 0
         n_a = 0
         n_b = (n_full // BLOCK_N) * BLOCK_N
         n_hi = n_end
 
-    acc, l_i, m_i = _prefill_inner(
-        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        n_a, n_b, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
-        table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
-        False, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, WARP_SPEC, ROW_ALIGN, KV_SHIFT,
+    acc, l_i, m_i = _prefill_keys(
+        Q, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v, desc_k, desc_v,
+        k_start, kv_head * HEAD_DIM, n_lo, n_a, n_b, n_hi, seqlen_k, causal_offset, qk_scale,
+        offs_m, offs_n, k_cols, v_cols, k_row, table_row, stride_kp, stride_vp, win_left,
+        win_right, cap_scale, cap_log2, alibi2, pos_f, BLOCK_M, BLOCK_D, IS_CAUSAL, EVEN_D,
+        BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8,
+        WARP_SPEC, ROW_ALIGN, KV_SHIFT, False,
     )
-    acc, l_i, m_i = _prefill_inner(
-        Q, acc, l_i, m_i, q, k_base, v_base, stride_kt, stride_vt, kv_offs_k, kv_offs_v,
-        desc_k, desc_v, k_start, kv_head * HEAD_DIM,
-        n_b, n_hi, seqlen_k, causal_offset, qk_scale, offs_m, offs_n, k_cols, v_cols, k_row,
-        table_row, stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
-        True, IS_CAUSAL, EVEN_D, BLOCK_N, DOT_F32, USE_TMA, PAGED, PAGE_TOKENS,
-        HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN, KV_SHIFT,
-    )
+    # Skewed tiles hold a neighbouring head's K columns, against q's zeros there: only an inf
+    # or NaN among them changes a score (to NaN). So the keys are read as they come, and only
+    # a block whose sums end NaN reads them again with those columns zeroed (a NaN of this
+    # head's own ends NaN either way). Zeroing every tile cost prefill 8-18% (K goes from
+    # shared memory through registers and back before the MMA; H200, bf16, causal 4 x 4096,
+    # D 100: 855 -> 783 us, D 111: 1036 -> 845, 2026-12-02).
+    if KV_SHIFT > 0:  # noqa: SIM102 (a compile-time test, then a run-time one)
+        if tl.max((l_i != l_i).to(tl.int32), 0) > 0:
+            # Its own key blocks, half as long: on the first loop's offsets ptxas kept both
+            # loops' tiles live (sm_90a, D 111: decode 149 -> 255 registers, prefill 132 B
+            # spilled; 4-9% of GPU time).
+            SLOW_N: tl.constexpr = BLOCK_N // 2 if BLOCK_N >= 32 else BLOCK_N
+            offs_n2 = tl.arange(0, SLOW_N)
+            k_base2, v_base2, kv_offs_k2, kv_offs_v2, _, _ = kv_bases(
+                K, V, k_start, kv_head, offs_n2, offs_d, stride_kt, stride_kh, stride_vt,
+                stride_vh, PAGED, PAGE_TOKENS, SLOW_N, KV_SHIFT)
+            acc, l_i, m_i = _prefill_keys(
+                Q, q, k_base2, v_base2, stride_kt, stride_vt, kv_offs_k2, kv_offs_v2, desc_k,
+                desc_v, k_start, kv_head * HEAD_DIM, n_lo, n_a, n_b, n_hi, seqlen_k,
+                causal_offset, qk_scale, offs_m, offs_n2, k_cols, v_cols, k_row, table_row,
+                stride_kp, stride_vp, win_left, win_right, cap_scale, cap_log2, alibi2, pos_f,
+                BLOCK_M, BLOCK_D, IS_CAUSAL, EVEN_D, SLOW_N, DOT_F32, USE_TMA, PAGED,
+                PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI, KV_FP8, False, ROW_ALIGN,
+                KV_SHIFT, True,
+            )
 
     if KV_SCALED:
         acc = acc * tl.load(VScale + seq * stride_sb + kv_head)
@@ -800,6 +856,7 @@ class _PrefillPlan:
     scale_log2: float = 0.0
     widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
     widen_row: int = 0  # the widened copies' row (elements): the strides the launch holds
+    pad_kv: bool = False  # K/V copied into rows of ``widen_row`` padded with zeros
     # The Gluon kernel's launches (``hopper_prefill_ws``): the plan's key is everything
     # Triton specializes them on, so each is bound once.
     gluon_launches: dict[tuple[object, ...], KernelLaunch] = field(default_factory=dict)
@@ -888,17 +945,26 @@ def _plan(
         page_tokens = k.shape[1]
         strides = (k.stride(1), k.stride(2), v.stride(1), v.stride(2), table_row_stride(table),
                    k.stride(0), v.stride(0))
+    # Skewed K/V rows: not through descriptors, nor the widened copies' own strides.
+    block_d = padded_head_dim(head_dim)
+    shift = 0 if use_tma or widen else kv_shift(k, v, strides, head_dim, block_d)
+    # Rows whose largest skew does not fit the tile (D 59 bf16: 7 past 64 columns; decode reads
+    # them in tiles twice as wide, ``kv_tile``) are copied into rows padded with zeros to it
+    # and read whole. H200, bf16, causal 4 x 4096, 16q/8kv, GPU time, D 59: 905 us element by
+    # element, 422 on the copies (the copy included; D 64: 328), 2026-12-02.
+    pad_kv = (table is None and not use_tma and not widen and not gluon and shift == 0
+              and kv_tile(k, v, strides, head_dim)[0] > block_d)
+    if pad_kv:
+        widen_row = block_d
+        token = k.shape[1] * block_d
+        strides = (token, block_d, token, block_d, None, None, None)
     # Outputs are contiguous: out [total_q, H, D], lse [H, total_q] (fresh, or checked so).
     scalars = (q.stride(0), q.stride(1), *strides[:4], num_heads * head_dim, head_dim,
                total_q if return_lse else 0, *strides[4:],
                scale * LOG2E, batch, num_heads, num_heads // k.shape[-2], num_slots, slot_run,
                win_left, win_right, cap_scale, cap_log2)
-    # Skewed K/V rows: not through descriptors, nor the widened copies' own strides.
-    shift = 0 if use_tma or widen else kv_shift(k, v, strides, head_dim,
-                                                padded_head_dim(head_dim))
     launch = KernelLaunch(_prefill_kernel, (programs,), dict(
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_B=_SEQ_SEARCH_BLOCK,
         IS_CAUSAL=causal, RETURN_LSE=return_lse, DOT_F32=dot_in_fp32(q.dtype) and not fp8_tiles,
         USE_TMA=use_tma, PAGED=table is not None, PAGE_TOKENS=page_tokens,
@@ -906,11 +972,11 @@ def _plan(
         HAS_ALIBI=alibi_slopes is not None, KV_FP8=fp8_tiles, KV_SCALED=fp8,
         WARP_SPEC=cfg.warp_specialize and not interpreting(),
         ROW_ALIGN=row_align(q, k, v, out, strides, shift > 0), KV_SHIFT=shift,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        KV_PADDED=pad_kv, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     ))
     return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv, use_tma,
                         cfg.block_n, scalars, stride_ab, launch, gluon, causal, scale * LOG2E,
-                        widen, widen_row)
+                        widen, widen_row, pad_kv)
 
 
 def _run(
@@ -943,8 +1009,8 @@ def _run(
         cu_seqlens_q = cu_seqlens_q.contiguous()
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
-    if plan.widen_kv:
-        k, v = widen_kv(k, v, q.dtype, plan.widen_row)
+    if plan.widen_kv or plan.pad_kv:
+        k, v = widen_kv(k, v, k.dtype if plan.pad_kv else q.dtype, plan.widen_row, plan.pad_kv)
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,

@@ -16,9 +16,11 @@ from attention_kernels import (
     paged_prefill,
     paged_prefill_ref,
     prefill,
+    prefill_kernel,
     prefill_ref,
     supported_head_dim,
 )
+from attention_kernels.configs import DecodeConfig, PrefillConfig
 from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, randn, rel_err
 
 # 1 and 3: below any tile; 59 and 130: odd sizes inside a padded tile; 250: near the top.
@@ -206,7 +208,7 @@ def test_kv_shift() -> None:
     """Which K/V layouts a program reads skewed, in whole 16-byte pieces (``kv_shift``): rows
     a constant skew past a boundary per kv head, the skew plus the head dim within the tile,
     and nothing read past the tensor's extent."""
-    from attention_kernels._launch import kv_shift, row_align
+    from attention_kernels._launch import kv_shift, kv_tile, row_align
 
     def shift(k: torch.Tensor, d: int, block_d: int = 0) -> int:
         from attention_kernels.configs import padded_head_dim
@@ -225,6 +227,11 @@ def test_kv_shift() -> None:
     assert shift(torch.empty(64, 8, 112, dtype=bf), 112) == 0  # whole already
     assert shift(torch.empty(64, 2, 111, dtype=bf), 111) == 0  # 444-byte tokens
     assert shift(torch.empty(64, 8, 59, dtype=bf), 59) == 0  # a skew of 7 past 64 columns
+    assert shift(torch.empty(64, 8, 59, dtype=bf), 59, 128) == 8
+    # Decode's tile width (kv_tile): twice the padded dim where the skew does not fit it.
+    for d, tile in ((59, (128, 8)), (100, (128, 8)), (64, (64, 0)), (251, (256, 0))):
+        k = torch.empty(64, 8, d, dtype=bf)
+        assert kv_tile(k, k, (*k.stride()[:2], *k.stride()[:2], None, None, None), d) == tile
     assert shift(torch.empty(64, 8, 60, dtype=bf), 60) == 8  # skews 0 and 4: fits 64
     fp8 = torch.empty(64, 8, 100, dtype=torch.float8_e4m3fn)
     assert shift(fp8, 100) == 16
@@ -243,14 +250,19 @@ def test_kv_shift() -> None:
                      kv_shifted=True) == 16
 
 
-@pytest.mark.parametrize("head_dim", [100, 111])
-def test_skewed_rows(head_dim: int) -> None:
-    """K/V rows read skewed (``kv_shift``: 8 kv heads packed, rows 2 or 8 bytes past 16-byte
-    boundaries) in every kernel against float64, with an inf in kv head 2's keys and a NaN in
-    its values: the pieces the neighbouring heads read hold them, and no other head's output
-    may change (their K columns are zeroed; their V columns are dropped). Pages too, packed
-    and with rows padded to 16 bytes (a server's: those read element by element)."""
+@pytest.mark.parametrize(("head_dim", "block_n"), [(59, None), (100, None), (111, None), (111, 32)])
+def test_skewed_rows(head_dim: int, block_n: int | None) -> None:
+    """K/V rows read skewed (``kv_shift``: 8 kv heads packed, rows 2 to 14 bytes past 16-byte
+    boundaries; D 59: decode in 128-wide tiles, ``kv_tile``, prefill on copies padded to 64)
+    in every kernel against float64, with an inf in kv head 2's keys and a NaN in its values:
+    the pieces the neighbouring heads read hold them, and no other head's output may change
+    (their sums end NaN, and their keys are read again with K's other columns zeroed; their V
+    columns are dropped). Pages too, packed and with rows padded to 16 bytes (a server's:
+    those read element by element). ``block_n`` 32: the re-read takes blocks of 16 keys, the
+    GPU's way (the interpreter's own 16-key blocks are not halved)."""
     dtype = torch.bfloat16
+    dec = {} if block_n is None else {"_config": DecodeConfig(block_n, 4, 1)}
+    pre = {} if block_n is None else {"_config": PrefillConfig(32, block_n, 4, 1)}
     lens, lens_q = [70, 3, 130], [5, 3, 17]
     ok = [h for h in range(16) if h // 2 != 2]  # query heads not of kv head 2
 
@@ -266,17 +278,22 @@ def test_skewed_rows(head_dim: int) -> None:
     k, v = kv(sum(lens)), kv(sum(lens))
     v[:, 2] = float("nan")
     q, cu = randn(3, 16, head_dim, dtype=dtype), cu_seqlens(lens)
-    close(decode(q, k, v, cu, num_splits=2), decode_ref(q.double(), k.double(), v.double(), cu))
+    close(decode(q, k, v, cu, num_splits=2, **dec),
+          decode_ref(q.double(), k.double(), v.double(), cu))
     qp, cu_q = randn(sum(lens_q), 16, head_dim, dtype=dtype), cu_seqlens(lens_q)
-    close(prefill(qp, k, v, cu_q, cu, causal=True),
+    prefill_kernel._PLANS.clear()
+    close(prefill(qp, k, v, cu_q, cu, causal=True, **pre),
           prefill_ref(qp.double(), k.double(), v.double(), cu_q, cu, causal=True))
+    # D 59: skews up to 7 past 64 columns; prefill reads copies padded to 64 instead.
+    assert [p.pad_kv for p in prefill_kernel._PLANS._plans.values()] == [head_dim == 59]
     for pad in (0, 112 - head_dim) if head_dim % 2 else (0,):  # padded rows: odd dims
         k_pages, v_pages, table, seqlens = _pages([40, 3, 64], head_dim, dtype, heads=8, pad=pad)
         k_pages[:, :, 2], v_pages[:, :, 2] = float("inf"), float("nan")
-        close(paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=64, num_splits=2),
+        close(paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=64, num_splits=2,
+                           **dec),
               paged_decode_ref(q.double(), k_pages.double(), v_pages.double(), table, seqlens))
         qs = randn(sum(lens_q), 16, head_dim, dtype=dtype)
-        close(paged_prefill(qs, k_pages, v_pages, table, cu_q, seqlens, causal=True),
+        close(paged_prefill(qs, k_pages, v_pages, table, cu_q, seqlens, causal=True, **pre),
               paged_prefill_ref(qs.double(), k_pages.double(), v_pages.double(), table, cu_q,
                                 seqlens, causal=True))
 
@@ -342,7 +359,7 @@ for d, kernels in (arg.split(":") for arg in sys.argv[1:]):
       "prefill": (_prefill_kernel, dict(
           common, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_B=64, IS_CAUSAL=True,
           USE_TMA=False, KV_SCALED=False, WARP_SPEC=False, desc_k=None, desc_v=None,
-          win_right=None, stride_lh=0),
+          win_right=None, stride_lh=0, KV_PADDED=False),
           dict(rows, stride_qt=heads * d, stride_qh=d, stride_ot=heads * d, stride_oh=d),
           tile.num_warps, tile.num_stages),
   }

@@ -31,3 +31,22 @@ def test_bitwise_torch_conversion(total: int, kv_heads: int, dim: int,
     assert torch.equal(k_out.view(torch.int16), k8.to(dtype).view(torch.int16))
     assert torch.equal(v_out.view(torch.int16), v8.to(dtype).view(torch.int16))
     assert str(k_out.device).startswith(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=str)
+def test_padded_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pad``: rows copied into rows of the padded head dim, zeros past D (the copies'
+    memory poisoned with NaN first), returned as views of D columns."""
+    k = randn(70, 3, 59, dtype=torch.float32).to(dtype)
+    v = randn(70, 4, 59, dtype=torch.float32)[:, 1:].to(dtype)  # strided heads
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    k_out, v_out = widen_kv(k, v, dtype, 64, pad=True)
+    monkeypatch.undo()
+    for got, src in ((k_out, k), (v_out, v)):
+        assert got.shape == (70, 3, 59) and got.stride() == (192, 64, 1)
+        assert torch.equal(got.float(), src.float())
+        rows = got.as_strided((70, 3, 64), (192, 64, 1))
+        assert (rows[..., 59:].float() == 0).all()
+    with pytest.raises(ValueError, match="64 wide"):
+        widen_kv(k, v, dtype, 72, pad=True)
