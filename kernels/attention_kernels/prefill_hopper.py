@@ -76,7 +76,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from attention_kernels._launch import KernelLaunch
 from attention_kernels._prefill_slots import causal_key_range, program_tile, slot_grid
-from attention_kernels.fp8_widen_kernel import transpose_values
+from attention_kernels.kv_copies import transpose_values
 
 
 @gluon.jit
@@ -265,7 +265,7 @@ def transposed_values_ref(v: torch.Tensor, cu_k: torch.Tensor, block_n: int) -> 
     sm_90a). They cost ``batch * (block_n + 16)`` columns (``_fp8_gluon_ok`` asks for a mean
     sequence of at least ``block_n``: about V's size again at most) and one pass over V, O(N)
     against the launch's O(N^2). Torch, for tests: the launch uses ``transpose_values``
-    (``fp8_widen_kernel``)."""
+    (``kv_copies``)."""
     total, heads, dim = v.shape
     batch = cu_k.shape[0] - 1
     cols = -(-total // _VT_ALIGN) * _VT_ALIGN + batch * (block_n + _VT_ALIGN)

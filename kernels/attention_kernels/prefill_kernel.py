@@ -88,7 +88,7 @@ from attention_kernels.configs import (
     short_rows_bucket,
 )
 from attention_kernels.fp8 import folded_scales, widened_queries
-from attention_kernels.fp8_widen_kernel import widen_kv
+from attention_kernels.kv_copies import widen_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
@@ -287,7 +287,7 @@ def _prefill_kernel(
     kv head ``g`` of sequence ``b`` stands for its values times ``KScale[b * stride_sb + g]`` /
     ``VScale[...]`` (``stride_sb`` 0: one scale per kv head for every sequence). With
     ``KV_FP8`` the tiles are still e4m3 and the dots run in fp16 (``_fp8_dot``); without it
-    they were widened to ``q``'s dtype first (``fp8_widen_kernel``), and the dots run in it.
+    they were widened to ``q``'s dtype first (``kv_copies``), and the dots run in it.
     ``KV_SHIFT``: K/V tiles skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then
     counts Q and Out only. ``KV_PADDED``: K/V rows hold ``BLOCK_D`` columns, zeros past the
     head dim (copies, ``widen_kv``), read whole.
@@ -510,7 +510,7 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
     kernel keeps pointer loads there; causal at D 64 only with long mean prompts.
 
     FP8 K/V qualify too: ``_run`` widens them exactly to ``q``'s dtype first (every e4m3
-    value is a bf16 and an fp16 value; ``fp8_widen_kernel``) and the kernel applies the
+    value is a bf16 and an fp16 value; ``kv_copies``) and the kernel applies the
     scales as the portable kernel does (key scale into the softmax scale, value scale into
     the output), so the arithmetic is the same. H100, bf16 queries, D 128, B * N = 16K, N 4K /
     8K / 16K (bench_kernels.py --only dense --rounds 3, 2026-11-24i call 8): FP8 K/V 584 /
@@ -535,7 +535,7 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
 
 
 # Contiguous FP8 K/V prefills the Gluon kernel does not take (which always widens) are widened
-# to the queries' dtype first (one launch, ``fp8_widen_kernel``) when a query sees at least
+# to the queries' dtype first (one launch, ``kv_copies``) when a query sees at least
 # this many keys on average (half at head dim 64 and below), then run as 16-bit prefills with
 # the scales applied in the kernel; others convert each tile in the key loop. Widening moves
 # 6 bytes per K/V element once; the per-tile conversion costs on every tile a query block

@@ -2,7 +2,7 @@
 ``q_descale``) in prefill, decode and the paged kernels, on any device: the widened path
 (queries to bf16, the query scale folded into the key scale) against the float64 reference,
 the scale layouts, bad input,
-and the transposed values the Gluon kernel reads (``fp8_widen_kernel.transpose_values``)
+and the transposed values the Gluon kernel reads (``kv_copies.transpose_values``)
 against their torch form. The FP8 tensor-core kernel itself: ``test_prefill_hopper.py``."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from attention_kernels.fp8 import (
     dequantize_queries,
     quantize_queries,
 )
-from attention_kernels.fp8_widen_kernel import transpose_values
+from attention_kernels.kv_copies import transpose_values
 from attention_kernels.prefill_hopper import (
     _VT_ALIGN,
     _fp8_key_order,

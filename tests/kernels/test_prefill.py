@@ -323,7 +323,7 @@ def test_warmup_compiles_what_prefill_serves() -> None:
     ratios and batch sizes (launches of few and of many programs) compile nothing new; nor
     does a long prompt with FP8 K/V (widened for the Gluon kernel on Hopper)."""
     from attention_kernels import quantize_kv, warmup
-    from attention_kernels.fp8_widen_kernel import _widen_kv_kernel
+    from attention_kernels.kv_copies import _widen_kv_kernel
     from attention_kernels.prefill_hopper import _hopper_prefill_ws_kernel
 
     def variants() -> int:

@@ -1,5 +1,5 @@
 """FP8 (e4m3) K/V prefill on the portable kernel: convert each tile in the key loop, or widen K/V
-to the queries' dtype first (one launch, ``fp8_widen_kernel``) and run the 16-bit kernel with
+to the queries' dtype first (one launch, ``kv_copies``) and run the 16-bit kernel with
 the scales applied. Picks ``prefill_kernel.FP8_WIDEN_MIN_KEYS_SEEN``.
 
     python tools/tuning/tune_fp8_widen.py [--rounds 3] [--out DIR]

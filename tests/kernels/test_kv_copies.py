@@ -1,5 +1,5 @@
-"""``fp8_widen_kernel``: FP8 K/V widened to bf16/fp16 for the Gluon prefill, bitwise what
-torch's conversion gives (every e4m3 value is exact in both)."""
+"""``kv_copies``: FP8 K/V widened to bf16/fp16 for the Gluon prefill, bitwise what
+torch's conversion gives (every e4m3 value is exact in both); rows padded with zeros."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention_kernels.fp8 import FP8_DTYPE, FP8_MAX
-from attention_kernels.fp8_widen_kernel import widen_kv
+from attention_kernels.kv_copies import widen_kv
 from tests.kernels.conftest import DEVICE, randn
 
 

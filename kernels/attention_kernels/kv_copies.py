@@ -1,11 +1,13 @@
-"""FP8 (e4m3) K/V made ready for the Gluon prefill in one launch: widened to bf16 or fp16 for
-16-bit queries (``widen_kv``), or V transposed for FP8 queries (``transpose_values``).
-``widen_kv`` also copies K/V rows into rows padded with zeros to the kernel's tile (``pad``),
-for head dims whose rows the prefill kernel could otherwise only read element by element.
+"""Copies of K/V that a prefill kernel reads instead of the caller's, each in one launch:
 
-Exact: every e4m3 value is a bf16 and an fp16 value (3 mantissa bits, exponents within both
-ranges), so the kernel that reads the copies with the scales applied in float32 does the FP8
-arithmetic of the portable kernel. One launch for both tensors, 16-byte stores: two torch
+* FP8 (e4m3) K/V widened to bf16 or fp16 for 16-bit queries (``widen_kv``), or V transposed
+  for FP8 queries (``transpose_values``), for the Gluon prefill;
+* rows padded with zeros to the kernel's tile (``widen_kv(..., pad=True)``), for head dims
+  whose rows the portable prefill could otherwise only read element by element (D 59).
+
+Widening is exact: every e4m3 value is a bf16 and an fp16 value (3 mantissa bits, exponents
+within both ranges), so the kernel that reads the copies with the scales applied in float32 does
+the FP8 arithmetic of the portable kernel. One launch for both tensors, 16-byte stores: two torch
 ``.to`` copies instead took the FP8 prefill from 561 to 508 TFLOP/s at N 4K and 468 to 385
 causal (H100, D 128, B * N = 16K; calls 6 and 7 of 2026-11-24i, different hosts).
 """
