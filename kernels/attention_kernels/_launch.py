@@ -89,9 +89,11 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
       largest skew plus the head dim fits ``block_d``;
     * a piece can hold a neighbouring head's elements, or bytes past the last row up to the
       next boundary: taken only when the tensor's extent (first to last element, from its
-      shape and strides: part of a plan's key) ends on one, so every such byte lies inside
-      its storage. (Rows padded to 16 bytes, a server's cache pages, take it for odd head
-      dims: a mask that ends inside a piece reads the whole row an element at a time.)
+      shape and strides) ends on one, or its storage holds those bytes (``kv_room``, part of
+      a plan's key), so every byte read lies inside the storage. Rows padded to 16 bytes, a
+      server's cache pages at odd head dims, are read so: skew 0, their pads (any values)
+      the neighbours' columns; a mask that ends inside a piece would read the whole row an
+      element at a time.
 
     ``strides`` as ``row_align`` takes them."""
     size = k.element_size()  # v's too (``_checks``)
@@ -102,12 +104,32 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
     if any(s is not None and s % vec for s in (strides[0], strides[2], strides[5], strides[6])):
         return 0
     for t in (k, v):
-        if t.data_ptr() % 16 or t.numel() == 0:
-            return 0
-        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
-        if extent * size % 16:
+        if t.data_ptr() % 16 or t.numel() == 0 or not _room(t):
             return 0
     return vec
+
+
+def _room(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds every byte from its start up to the first 16-byte
+    boundary at or past its extent's end (a non-empty ``t``)."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+    end = t.data_ptr() + extent * t.element_size()
+    if end % 16 == 0:
+        return True
+    storage = t.untyped_storage()
+    return -(-end // 16) * 16 <= storage.data_ptr() + storage.nbytes()
+
+
+def kv_room(k: torch.Tensor, v: torch.Tensor) -> bool | None:
+    """For a plan's key: whether ``kv_shift``'s pieces past K's and V's extents lie inside
+    their storage (``_room``); None for rows of whole 16-byte pieces, where it never asks (a
+    few Python operations per call only at odd head dims)."""
+    try:
+        if k.shape[-1] * k.element_size() % 16 == 0 or k.numel() == 0 or v.numel() == 0:
+            return None
+        return _room(k) and _room(v)
+    except (AttributeError, IndexError, TypeError):
+        return None  # not tensors: the checks refuse them
 
 
 

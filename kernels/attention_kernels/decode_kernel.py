@@ -55,6 +55,7 @@ from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
     call_key,
+    kv_room,
     kv_tile,
     launch_inputs,
     no_keys,
@@ -628,7 +629,7 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
                      config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS,
-                     MERGE_KERNEL_WARPS),
+                     MERGE_KERNEL_WARPS, kv_room(k, v)),
                     window_size)
 
 

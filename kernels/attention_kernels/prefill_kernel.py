@@ -58,6 +58,7 @@ from attention_kernels._launch import (
     KernelLaunch,
     PlanCache,
     call_key,
+    kv_room,
     kv_shift,
     kv_tile,
     launch_inputs,
@@ -831,7 +832,7 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      alibi_slopes, k_scale, v_scale),
                     (paged, causal, softmax_scale, return_lse, softcap, config, rows,
                      os.environ.get("ATTENTION_KERNELS_TMA"),
-                     os.environ.get("ATTENTION_KERNELS_GLUON")),
+                     os.environ.get("ATTENTION_KERNELS_GLUON"), kv_room(k, v)),
                     window_size)
 
 

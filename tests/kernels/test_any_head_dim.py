@@ -207,7 +207,7 @@ def test_row_align() -> None:
 def test_kv_shift() -> None:
     """Which K/V layouts a program reads skewed, in whole 16-byte pieces (``kv_shift``): rows
     a constant skew past a boundary per kv head, the skew plus the head dim within the tile,
-    and nothing read past the tensor's extent."""
+    and nothing read past the tensor's storage."""
     from attention_kernels._launch import kv_shift, kv_tile, row_align
 
     def shift(k: torch.Tensor, d: int, block_d: int = 0) -> int:
@@ -236,11 +236,12 @@ def test_kv_shift() -> None:
     fp8 = torch.empty(64, 8, 100, dtype=torch.float8_e4m3fn)
     assert shift(fp8, 100) == 16
     assert shift(torch.empty(4, 16, 8, 111, dtype=bf), 111) == 8  # pages, packed
-    # The last row's piece would end past the view's extent (2 or 8 bytes short of a
-    # boundary): the storage may end there, so no (a server's pages, rows padded to 16 bytes,
-    # keep their element loads at odd head dims).
-    assert shift(torch.empty(4, 16, 2, 112, dtype=bf)[..., :111], 111) == 0
-    assert shift(torch.empty(64, 8, 104, dtype=bf)[..., :100], 100) == 0
+    # The last row's piece ends past the view's extent (2 bytes short of a boundary): read
+    # only where the storage holds it, as a server's pages do (rows padded to 16 bytes).
+    assert shift(torch.empty(4, 16, 2, 112, dtype=bf)[..., :111], 111) == 8
+    flat = torch.empty(4 * 16 * 2 * 112 - 1, dtype=bf)  # the storage ends with the last row
+    assert shift(flat.as_strided((4, 16, 2, 111), (16 * 2 * 112, 2 * 112, 112, 1)), 111) == 0
+    assert shift(torch.empty(64, 8, 104, dtype=bf)[..., :100], 100) == 8  # its pads: room
     assert shift(torch.empty(64 * 800 + 1, dtype=bf)[1:].view(64, 8, 100), 100) == 0  # base
     # Skewed K/V: the Q and out rows alone set the mark.
     q, k = torch.empty(64, 32, 100, dtype=bf), torch.empty(64, 8, 100, dtype=bf)
@@ -248,6 +249,25 @@ def test_kv_shift() -> None:
     assert row_align(q, k, k, None, strides, kv_shifted=True) == 8
     assert row_align(torch.empty(64, 32, 104, dtype=bf), k, k, None, strides,
                      kv_shifted=True) == 16
+
+
+def test_storage_room_keys_the_plan() -> None:
+    """Two K/V views of one shape and strides (rows of 111 padded to 112), one whose storage
+    holds the bytes past its extent, one whose storage ends there: the first is read skewed,
+    the second element by element, each from a plan of its own, both against float64."""
+    from attention_kernels import decode_kernel
+
+    lens, d = [5, 3], 111
+    shape, strides = (sum(lens), 8, d), (8 * 112, 112, 1)
+    q, cu = randn(2, 16, d, dtype=torch.bfloat16), cu_seqlens(lens)
+    decode_kernel._PLANS.clear()
+    for spare in (1, 0):  # elements of storage past the last row
+        k, v = (randn(sum(lens) * 8 * 112 - 1 + spare, dtype=torch.bfloat16)
+                .as_strided(shape, strides) for _ in "kv")
+        got = decode(q, k, v, cu)
+        assert rel_err(got, decode_ref(q.double(), k.double(), v.double(), cu)) < TOL[
+            torch.bfloat16]
+    assert [p.launch.kwargs["KV_SHIFT"] for p in decode_kernel._PLANS._plans.values()] == [8, 0]
 
 
 @pytest.mark.parametrize(("head_dim", "block_n"), [(59, None), (100, None), (111, None), (111, 32)])

@@ -308,7 +308,9 @@ def _make_pool(config: ServerConfig, backend: Backend) -> KvPool | None:
     if nbytes <= 0:
         return None
     try:
-        storage = torch.empty(nbytes, dtype=torch.uint8, device=backend.device)
+        # Zeros: at odd head dims the kernels read each row with its pad (never written), and
+        # a non-finite pad would have every step read its keys twice (``kv_shift``).
+        storage = torch.zeros(nbytes, dtype=torch.uint8, device=backend.device)
     except RuntimeError as exc:  # out of memory: say which flag asked for it
         raise StartupError(f"--kv-cache-bytes: could not allocate a pool of {nbytes} bytes on "
                            f"{backend.device}: {str(exc).splitlines()[0]}") from None
