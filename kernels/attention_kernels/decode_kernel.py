@@ -373,9 +373,14 @@ def _decode_split_kernel(
             k_base2, v_base2, kv_offs_k2, kv_offs_v2, _, _ = kv_bases(
                 K, V, k_start, kv_head, offs_n2, offs_d, stride_kt, stride_kh, stride_vt,
                 stride_vh, PAGED, PAGE_TOKENS, SLOW_N, KV_SHIFT)
+            lo2 = lo
+            if HAS_WINDOW:
+                # Every block must hold a key the window shows (``_decode_inner``): a half
+                # block wholly below ``key_lo`` would give exp2(-inf - -inf), NaN.
+                lo2 = tl.maximum(lo, (key_lo // SLOW_N) * SLOW_N)
             acc, l_i, m_i = _decode_inner(
                 Q, acc, l_i, m_i, q, k_base2, v_base2, stride_kt, stride_vt, kv_offs_k2,
-                kv_offs_v2, lo, hi, qk_scale, offs_n2, k_cols, v_cols, k_row, table_row, seqlen,
+                kv_offs_v2, lo2, hi, qk_scale, offs_n2, k_cols, v_cols, k_row, table_row, seqlen,
                 stride_kp, stride_vp, span, first, key_lo, cap_scale, cap_log2, slopes2,
                 SLOW_N, DOT_F32, PAGED, PAGE_TOKENS, HAS_WINDOW, HAS_SOFTCAP, HAS_ALIBI,
                 KV_FP8, 0, ROW_ALIGN, KV_SHIFT, True,  # pages looked up per block: any size

@@ -300,6 +300,10 @@ def test_skewed_rows(head_dim: int, block_n: int | None) -> None:
     q, cu = randn(3, 16, head_dim, dtype=dtype), cu_seqlens(lens)
     close(decode(q, k, v, cu, num_splits=2, **dec),
           decode_ref(q.double(), k.double(), v.double(), cu))
+    # A window whose first key sits in the second half of a key block (70 keys: key 29 of
+    # 32; 130: 89): the re-read's half blocks must not start wholly below it.
+    close(decode(q, k, v, cu, num_splits=2, window_size=(40, -1), **dec),
+          decode_ref(q.double(), k.double(), v.double(), cu, window_size=(40, -1)))
     qp, cu_q = randn(sum(lens_q), 16, head_dim, dtype=dtype), cu_seqlens(lens_q)
     prefill_kernel._PLANS.clear()
     close(prefill(qp, k, v, cu_q, cu, causal=True, **pre),
