@@ -8,7 +8,7 @@ computed by a remote attention server, and a ``torch.library`` custom op so that
                                  causal=True, window_size=(256, 0))
 
 Same argument names, order and defaults as ``flash_attn.flash_attn_varlen_func`` /
-``flash_attn_func`` / ``flash_attn_with_kvcache`` (2.x) and
+``flash_attn_func`` / ``flash_attn_with_kvcache`` and the packed forms (2.x) and
 ``torch.nn.attention.varlen.varlen_attn``. What a remote inference op cannot do is refused with
 ``NotImplementedError`` naming the argument: dropout, rotary embedding, a local paged cache in
 torch's ``varlen_attn`` (``block_table``: keep the cache on the server instead,
@@ -16,7 +16,8 @@ torch's ``varlen_attn`` (``block_table``: keep the cache on the server instead,
 forward-only: an output that claimed ``requires_grad`` would fail only at ``backward()``).
 ``return_attn_probs=True`` returns flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask``
 None (it only means something with dropout, which is refused): lse is float32 ``[H, total_q]``
-(varlen) or ``[B, H, N_q]``. ``max_seqlen_*`` are accepted and checked against ``cu_seqlens``
+(varlen) or ``[B, H, N_q]``, +inf for a query that sees no key (flash_attn 2's value; the
+service's own calls give -inf). ``max_seqlen_*`` are accepted and checked against ``cu_seqlens``
 (the server derives them). FP8 attention takes FlashAttention-3's keyword arguments:
 float8_e4m3fn q, k, v with ``q_descale`` / ``k_descale`` / ``v_descale`` (float32
 ``[batch, H_kv]``, one row per sequence, or ``[H_kv]``; None: 1) and a bfloat16 output.
@@ -40,7 +41,11 @@ from attention_client.client import AttentionClient
 
 __all__ = [
     "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attn_with_kvcache",
     "get_client",
     "set_client",
@@ -243,8 +248,13 @@ def flash_attn_varlen_func(
                             "v_descale": v_descale})
     if return_attn_probs:
         out, lse = res
-        return out, lse, None  # flash_attn's S_dmask: only with dropout
+        return out, _flash_lse(lse), None  # flash_attn's S_dmask: only with dropout
     return res
+
+
+def _flash_lse(lse: torch.Tensor) -> torch.Tensor:
+    """flash_attn 2's lse of a query that sees no key: +inf (the service's: -inf, log 0)."""
+    return lse.masked_fill(lse == float("-inf"), float("inf"))
 
 
 def flash_attn_func(
@@ -274,6 +284,10 @@ def flash_attn_func(
             f"{list(k.shape)}, {list(v.shape)}"
         )
     batch, n_q, n_k = q.shape[0], q.shape[1], k.shape[1]
+    if k.shape[0] != batch or v.shape[:2] != k.shape[:2]:
+        raise AttentionInputError(
+            f"k and v must be [batch={batch}, seqlen_k, H_kv, D] with one seqlen_k, got "
+            f"{list(k.shape)}, {list(v.shape)}")
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * n_q
     cu_k = torch.arange(batch + 1, dtype=torch.int32) * n_k
     res = flash_attn_varlen_func(
@@ -288,6 +302,77 @@ def flash_attn_func(
         return (out.reshape(q.shape),
                 lse.reshape(heads, batch, n_q).transpose(0, 1).contiguous(), None)
     return res.reshape(q.shape)
+
+
+def _unpack(t: torch.Tensor, name: str, parts: int, dims: int) -> tuple[torch.Tensor, ...]:
+    """``t``'s ``parts`` tensors along dim ``dims - 3`` (flash_attn's packed layouts: qkv
+    ``[B, S, 3, H, D]`` / ``[total, 3, H, D]``, kv with 2), as views."""
+    axis = dims - 3
+    if not isinstance(t, torch.Tensor) or t.dim() != dims or t.shape[axis] != parts:
+        raise AttentionInputError(
+            f"{name} must be {dims}-D with {parts} at dim {axis} (flash_attn's packed layout), "
+            f"got {list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor, dropout_p: float = 0.0, softmax_scale: float | None = None,
+    causal: bool = False, window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False, *, client: AttentionClient | None = None,
+) -> Any:
+    """``flash_attn.flash_attn_qkvpacked_func``: qkv ``[B, S, 3, H, D]``; as
+    ``flash_attn_func``."""
+    q, k, v = _unpack(qkv, "qkv", 3, 5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, client=client)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor, kv: torch.Tensor, dropout_p: float = 0.0,
+    softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False, *, client: AttentionClient | None = None,
+) -> Any:
+    """``flash_attn.flash_attn_kvpacked_func``: q ``[B, S_q, H, D]``, kv ``[B, S_k, 2, H_kv,
+    D]``; as ``flash_attn_func``."""
+    k, v = _unpack(kv, "kv", 2, 5)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                           alibi_slopes, deterministic, return_attn_probs, client=client)
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, dropout_p: float = 0.0,
+    softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False, *, client: AttentionClient | None = None,
+) -> Any:
+    """``flash_attn.flash_attn_varlen_qkvpacked_func``: qkv ``[total, 3, H, D]``, one
+    ``cu_seqlens`` for queries and keys; as ``flash_attn_varlen_func``."""
+    q, k, v = _unpack(qkv, "qkv", 3, 4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs,
+                                  client=client)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor, kv: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float = 0.0,
+    softmax_scale: float | None = None, causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None, deterministic: bool = False,
+    return_attn_probs: bool = False, *, client: AttentionClient | None = None,
+) -> Any:
+    """``flash_attn.flash_attn_varlen_kvpacked_func``: q ``[total_q, H, D]``, kv ``[total_k,
+    2, H_kv, D]``; as ``flash_attn_varlen_func``."""
+    k, v = _unpack(kv, "kv", 2, 4)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                  max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                  softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  client=client)
 
 
 def _paged_keys(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
@@ -367,17 +452,18 @@ def flash_attn_with_kvcache(
     client: AttentionClient | None = None,
 ) -> Any:
     """``flash_attn.flash_attn_with_kvcache`` (2.x), the compatibility path for decode code
-    that keeps its KV cache locally: the new ``k``/``v`` ``[B, S_new, H_kv, D]`` are written
-    into ``k_cache``/``v_cache`` in place at ``cache_seqlens`` (rows ``cache_batch_idx``, or
-    pages through ``block_table`` ``[B, max_blocks]`` with the caches ``[num_blocks,
-    block_size, H_kv, D]``), then each sequence's keys from ``cache_leftpad`` to its new end
-    are sent with q ``[B, S_q, H, D]`` and attended remotely (``causal``: the queries are the
-    last S_q positions). Returns out ``[B, S_q, H, D]``, with ``return_softmax_lse`` also lse
-    ``[B, H, S_q]`` float32. Every step sends the whole context: a KV cache kept on the server
-    (``client.kv_cache``, ``decode_steps``) sends only q and the new tokens (docs/client.md).
-    Rotary embedding is not applied here: ``rotary_cos``/``rotary_sin`` raise
-    NotImplementedError; ``num_splits`` is accepted (the server chooses). FP8 caches (and
-    queries) take FlashAttention-3's ``q_descale`` / ``k_descale`` / ``v_descale``, as in
+    that keeps its KV cache locally: each sequence's keys from ``cache_leftpad`` to its new
+    end (the cached ones, then the new ``k``/``v`` ``[B, S_new, H_kv, D]``) are sent with q
+    ``[B, S_q, H, D]`` and attended remotely (``causal``: the queries are the last S_q
+    positions); once that succeeded the new ``k``/``v`` are written into ``k_cache``/``v_cache``
+    in place at ``cache_seqlens`` (rows ``cache_batch_idx``, or pages through ``block_table``
+    ``[B, max_blocks]`` with the caches ``[num_blocks, block_size, H_kv, D]``). Returns out
+    ``[B, S_q, H, D]``, with ``return_softmax_lse`` also lse ``[B, H, S_q]`` float32. Every
+    step sends the whole context: a KV cache kept on the server (``client.kv_cache``,
+    ``decode_steps``) sends only q and the new tokens (docs/client.md). Rotary embedding is
+    not applied here: ``rotary_cos``/``rotary_sin`` raise NotImplementedError; ``num_splits``
+    is accepted (the server chooses). FP8 caches (and queries) take FlashAttention-3's
+    ``q_descale`` / ``k_descale`` / ``v_descale``, as in
     ``flash_attn_varlen_func``."""
     if rotary_cos is not None or rotary_sin is not None:
         raise _refuse("rotary_cos" if rotary_cos is not None else "rotary_sin",
@@ -391,6 +477,10 @@ def flash_attn_with_kvcache(
             f"D] (paged: [num_blocks, block_size, H_kv, D]), got {list(q.shape)}, "
             f"{list(k_cache.shape)}, {list(v_cache.shape)}")
     batch, s_q = q.shape[0], q.shape[1]
+    if q.shape[3] != k_cache.shape[3] or q.shape[2] % k_cache.shape[2]:
+        raise AttentionInputError(
+            f"q [B, S_q, H, D] must have k_cache's head dim and a multiple of its heads, got "
+            f"{list(q.shape)} against {list(k_cache.shape)}")
     paged = block_table is not None
     if paged and cache_batch_idx is not None:
         raise AttentionInputError("cache_batch_idx cannot be used with block_table")
@@ -402,13 +492,17 @@ def flash_attn_with_kvcache(
         if k.dim() != 4 or k.shape[0] != batch or v.shape != k.shape:  # type: ignore[union-attr]
             raise AttentionInputError(f"k and v must be one shape [{batch}, S_new, H_kv, D], "
                                       f"got {list(k.shape)}, {list(v.shape)}")  # type: ignore[union-attr]
+        if k.shape[2:] != k_cache.shape[2:] or k.dtype != k_cache.dtype or \
+                v.dtype != v_cache.dtype:  # type: ignore[union-attr]
+            raise AttentionInputError(
+                f"k and v must have k_cache's heads, head dim and dtype ({list(k_cache.shape[2:])}"
+                f" {k_cache.dtype}), got {list(k.shape[2:])} {k.dtype}, {v.dtype}")  # type: ignore[union-attr]
         s_new = k.shape[1]
     page = k_cache.shape[1]
     capacity = block_table.shape[1] * page if paged else k_cache.shape[1]  # type: ignore[union-attr]
     lens = _seqlens(cache_seqlens, batch, "cache_seqlens", capacity - s_new)
     starts = _seqlens(cache_leftpad, batch, "cache_leftpad", 0)
-    rows = (torch.arange(batch) if cache_batch_idx is None
-            else cache_batch_idx.detach().to("cpu", torch.int64))
+    rows = _cache_rows(cache_batch_idx, batch, k_cache.shape[0], paged)
     ends = lens + s_new
     if bool((lens < 0).any()) or bool((ends > capacity).any()) or bool((starts < 0).any()) or \
             bool((starts > lens).any()):
@@ -416,23 +510,27 @@ def flash_attn_with_kvcache(
             f"cache_seqlens {lens.tolist()} (+ {s_new} new) and cache_leftpad "
             f"{starts.tolist()} must fit the cache's {capacity} positions")
     table = block_table.detach().to("cpu", torch.int64) if paged else None  # type: ignore[union-attr]
-    device = k_cache.device
-    keys, values, cu_k = [], [], [0]
+    # Where each sequence's cached keys are and its new ones go, every block id checked first;
+    # the new tokens are written into the caches only once the call has succeeded (a refused
+    # or failed call leaves them as they were).
+    places = []
     for b in range(batch):
         if paged:
-            pos = torch.arange(int(starts[b]), int(ends[b]))
-            at = _page_slots(table, b, pos, k_cache)  # type: ignore[arg-type]
-            fresh = (pos >= lens[b]).to(device)
-            new = (at[0][fresh], at[1][fresh])
+            at = _page_slots(table, b, torch.arange(int(starts[b]), int(ends[b])),  # type: ignore[arg-type]
+                             k_cache)
+            old = int(lens[b] - starts[b])
+            places.append(((at[0][:old], at[1][:old]), (at[0][old:], at[1][old:])))
         else:
             row = int(rows[b])
-            at = (row, slice(int(starts[b]), int(ends[b])))
-            new = (row, slice(int(lens[b]), int(ends[b])))
-        if s_new:
-            k_cache[new] = k[b]  # type: ignore[index]
-            v_cache[new] = v[b]  # type: ignore[index]
-        keys.append(k_cache[at])
-        values.append(v_cache[at])
+            places.append(((row, slice(int(starts[b]), int(lens[b]))),
+                           (row, slice(int(lens[b]), int(ends[b])))))
+    keys = [k_cache[c] for c, _ in places]
+    values = [v_cache[c] for c, _ in places]
+    if s_new:
+        keys = [x for b, c in enumerate(keys) for x in (c, k[b])]  # type: ignore[index]
+        values = [x for b, c in enumerate(values) for x in (c, v[b])]  # type: ignore[index]
+    cu_k = [0]
+    for b in range(batch):
         cu_k.append(cu_k[-1] + int(ends[b] - starts[b]))
     cu_q = torch.arange(batch + 1, dtype=torch.int32) * s_q
     res = _varlen(q.reshape(batch * s_q, *q.shape[2:]), torch.cat(keys), torch.cat(values),
@@ -441,10 +539,36 @@ def flash_attn_with_kvcache(
                   alibi_slopes=alibi_slopes, return_lse=return_softmax_lse, client=client,
                   descales={"q_descale": q_descale, "k_descale": k_descale,
                             "v_descale": v_descale})
+    if s_new:
+        for b, (_, fresh) in enumerate(places):
+            k_cache[fresh] = k[b]  # type: ignore[index]
+            v_cache[fresh] = v[b]  # type: ignore[index]
     if not return_softmax_lse:
         return res.reshape(q.shape)
     out, lse = res  # lse [H, B * S_q] -> flash_attn's [B, H, S_q]
-    return out.reshape(q.shape), lse.reshape(q.shape[2], batch, s_q).transpose(0, 1).contiguous()
+    lse = _flash_lse(lse.reshape(q.shape[2], batch, s_q).transpose(0, 1).contiguous())
+    return out.reshape(q.shape), lse
+
+
+def _cache_rows(cache_batch_idx: Any, batch: int, cache_rows: int, paged: bool) -> torch.Tensor:
+    """The cache row of each sequence (``cache_batch_idx``, default 0..batch-1) as CPU int64,
+    each inside the cache (a negative index would wrap around silently)."""
+    if paged:
+        return torch.zeros(0, dtype=torch.int64)
+    if cache_batch_idx is None:
+        if cache_rows < batch:
+            raise AttentionInputError(f"k_cache has {cache_rows} rows for a batch of {batch}: "
+                                      "pass cache_batch_idx")
+        return torch.arange(batch)
+    if (not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.shape != (batch,)
+            or cache_batch_idx.dtype.is_floating_point or cache_batch_idx.dtype == torch.bool):
+        raise AttentionInputError(f"cache_batch_idx must be an integer tensor of shape "
+                                  f"[{batch}], got {cache_batch_idx!r}")
+    rows = cache_batch_idx.detach().to("cpu", torch.int64)
+    if batch and (int(rows.min()) < 0 or int(rows.max()) >= cache_rows):
+        raise AttentionInputError(f"cache_batch_idx must name rows of k_cache (0..{cache_rows - 1}"
+                                  f"), got {rows.tolist()}")
+    return rows
 
 
 def varlen_attn(

@@ -63,6 +63,15 @@ def test_signatures_match_flash_attn() -> None:
         FLASH_VARLEN_ARGS)
     assert list(inspect.signature(flash.flash_attn_func).parameters)[:11] == FLASH_ARGS
     assert list(inspect.signature(flash.flash_attn_with_kvcache).parameters)[:19] == KVCACHE_ARGS
+    # The packed forms: their packed tensors first, then the same arguments.
+    tail = FLASH_ARGS[3:]
+    for fn, head in ((flash.flash_attn_qkvpacked_func, ["qkv"]),
+                     (flash.flash_attn_kvpacked_func, ["q", "kv"]),
+                     (flash.flash_attn_varlen_qkvpacked_func, ["qkv", "cu_seqlens", "max_seqlen"]),
+                     (flash.flash_attn_varlen_kvpacked_func,
+                      ["q", "kv", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q",
+                       "max_seqlen_k"])):
+        assert list(inspect.signature(fn).parameters)[:len(head) + len(tail)] == head + tail
     defaults = {n: p.default for n, p in
                 inspect.signature(flash.flash_attn_varlen_func).parameters.items()}
     assert defaults["dropout_p"] == 0.0 and defaults["causal"] is False
@@ -372,6 +381,91 @@ def test_flash_attn_with_kvcache_in_fp8_with_descales(client) -> None:  # type: 
         flash.flash_attn_with_kvcache(deq[:, None].bfloat16(), k_cache8, v_cache8,
                                       cache_seqlens=4, q_descale=qs, k_descale=ks,
                                       v_descale=vs, client=client)
+
+
+def test_packed_forms_equal_the_unpacked_calls(client) -> None:  # type: ignore[no-untyped-def]
+    """flash_attn's packed layouts (qkv [B, S, 3, H, D] / [total, 3, H, D], kv with 2): the
+    same answers as the unpacked calls on the same values (those are checked against float64
+    above); a wrongly packed tensor is refused naming it."""
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(2, 6, 3, 4, 16, generator=g)
+    q, k, v = qkv.unbind(2)
+    torch.testing.assert_close(flash.flash_attn_qkvpacked_func(qkv, causal=True),
+                               flash.flash_attn_func(q, k, v, causal=True), atol=0, rtol=0)
+    kv = torch.randn(2, 9, 2, 2, 16, generator=g)
+    out, lse, _ = flash.flash_attn_kvpacked_func(q, kv, return_attn_probs=True)
+    want, want_lse, _ = flash.flash_attn_func(q, kv[:, :, 0], kv[:, :, 1], return_attn_probs=True)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    qp, kp, vp, cu_q, cu_k = _packed([5, 2, 9], [5, 2, 9], seed=12)
+    qkv_v = torch.stack([qp, qp.roll(1, 0), qp.roll(2, 0)], 1)  # [total, 3, H, D]
+    torch.testing.assert_close(
+        flash.flash_attn_varlen_qkvpacked_func(qkv_v, cu_q, 9, causal=True),
+        flash.flash_attn_varlen_func(*qkv_v.unbind(1), cu_q, cu_q, 9, 9, causal=True),
+        atol=0, rtol=0)
+    torch.testing.assert_close(
+        flash.flash_attn_varlen_kvpacked_func(qp, torch.stack([kp, vp], 1), cu_q, cu_k, 9, 9),
+        flash.flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, 9, 9), atol=0, rtol=0)
+    with pytest.raises(AttentionInputError, match="^qkv must be 5-D with 3 at dim 2"):
+        flash.flash_attn_qkvpacked_func(kv)
+    with pytest.raises(AttentionInputError, match="^kv must be 4-D with 2 at dim 1"):
+        flash.flash_attn_varlen_kvpacked_func(qp, qkv_v, cu_q, cu_k, 9, 9)
+
+
+def test_a_query_that_sees_no_key_has_flash_attns_lse(client) -> None:  # type: ignore[no-untyped-def]
+    """Causal with more queries than keys (bottom-right aligned): the first queries see no
+    key; their output is 0 and their lse +inf, flash_attn 2's value (the service's is -inf)."""
+    g = torch.Generator().manual_seed(13)
+    q, k = torch.randn(1, 7, 2, 8, generator=g), torch.randn(1, 3, 2, 8, generator=g)
+    out, lse, _ = flash.flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    assert bool((out[0, :4] == 0).all()) and bool((lse[0, :, :4] == float("inf")).all())
+    assert bool(lse[0, :, 4:].isfinite().all())
+    cache = torch.randn(1, 8, 2, 8, generator=g)
+    _, lse = flash.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=3, causal=True,
+                                           return_softmax_lse=True)
+    assert bool((lse[0, :, :4] == float("inf")).all()) and bool(lse[0, :, 4:].isfinite().all())
+
+
+def test_refused_kvcache_calls_leave_the_cache_as_it_was() -> None:
+    """Every input is checked before the new k/v are written (and they are written only once
+    the call succeeded): each refusal names its argument and the caches keep their bytes."""
+    g = torch.Generator().manual_seed(14)
+    q, new = torch.randn(2, 1, 4, 16, generator=g), torch.randn(2, 1, 2, 16, generator=g)
+    dense = torch.randn(3, 8, 2, 16, generator=g)
+    pages = torch.randn(5, 4, 2, 16, generator=g)
+    cases = [
+        ("block_table names block 7", pages, dict(
+            cache_seqlens=5, block_table=torch.tensor([[0, 1], [2, 7]], dtype=torch.int32))),
+        ("q .* must have k_cache's head dim and a multiple of its heads", dense,
+         dict(cache_seqlens=2, q=torch.randn(2, 1, 3, 16))),
+        ("cache_batch_idx must name rows of k_cache", dense,
+         dict(cache_seqlens=2, cache_batch_idx=torch.tensor([0, -1]))),
+        ("cache_batch_idx must name rows of k_cache", dense,
+         dict(cache_seqlens=2, cache_batch_idx=torch.tensor([0, 3]))),
+        ("cache_batch_idx must be an integer tensor of shape", dense,
+         dict(cache_seqlens=2, cache_batch_idx=torch.tensor([0.0, 1.0]))),
+        ("cache_batch_idx must be an integer tensor of shape", dense,
+         dict(cache_seqlens=2, cache_batch_idx=torch.tensor([0]))),
+        ("k_cache has 1 rows for a batch of 2", dense[:1], dict(cache_seqlens=2)),
+        ("k and v must have k_cache's heads, head dim and dtype", dense,
+         dict(cache_seqlens=2, k=new[:, :, :1], v=new[:, :, :1])),
+        ("k and v must have k_cache's heads, head dim and dtype", dense,
+         dict(cache_seqlens=2, k=new.double(), v=new.double())),
+    ]
+    for match, cache, kw in cases:
+        kc, vc = cache.clone(), cache.clone()
+        args = {"q": q, "k": new, "v": new, **kw}
+        with pytest.raises(AttentionInputError, match=match):
+            flash.flash_attn_with_kvcache(args.pop("q"), kc, vc, **args)
+        assert torch.equal(kc, cache) and torch.equal(vc, cache), match
+
+
+def test_flash_attn_func_refuses_keys_of_another_batch_or_length() -> None:
+    q = torch.randn(2, 7, 4, 16)
+    for k, v in ((torch.randn(1, 7, 2, 16), torch.randn(1, 7, 2, 16)),
+                 (torch.randn(2, 7, 2, 16), torch.randn(2, 5, 2, 16))):
+        with pytest.raises(AttentionInputError, match=r"^k and v must be \[batch=2"):
+            flash.flash_attn_func(q, k, v)
 
 
 def test_flash_attn_with_kvcache_refusals() -> None:
