@@ -391,11 +391,20 @@ def _paged_keys(k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch
         raise AttentionInputError(
             f"block_table must be [{len(lens)}, max_blocks] with room for each sequence's keys "
             f"({lens.tolist()} at {page} per block), got {list(block_table.shape)}")
-    table = block_table.detach().to("cpu", torch.int64)
+    table = _block_ids(block_table)
     pos = torch.cat([torch.arange(int(n)) for n in lens] or [torch.zeros(0, dtype=torch.int64)])
     seq = torch.repeat_interleave(torch.arange(len(lens)), lens)
     at = _page_slots(table, seq, pos, k_pages)
     return k_pages[at], v_pages[at]
+
+
+def _block_ids(block_table: torch.Tensor) -> torch.Tensor:
+    """``block_table`` as CPU int64, refused unless it holds integers (a float table's ids
+    would be truncated silently)."""
+    if block_table.dtype.is_floating_point or block_table.dtype == torch.bool:
+        raise AttentionInputError(f"block_table must hold integer block ids (int32), got "
+                                  f"{block_table.dtype}")
+    return block_table.detach().to("cpu", torch.int64)
 
 
 def _page_slots(table: torch.Tensor, seq: torch.Tensor | int, pos: torch.Tensor,
@@ -509,7 +518,7 @@ def flash_attn_with_kvcache(
         raise AttentionInputError(
             f"cache_seqlens {lens.tolist()} (+ {s_new} new) and cache_leftpad "
             f"{starts.tolist()} must fit the cache's {capacity} positions")
-    table = block_table.detach().to("cpu", torch.int64) if paged else None  # type: ignore[union-attr]
+    table = _block_ids(block_table) if paged else None  # type: ignore[arg-type]
     # Where each sequence's cached keys are and its new ones go, every block id checked first;
     # the new tokens are written into the caches only once the call has succeeded (a refused
     # or failed call leaves them as they were).

@@ -521,6 +521,12 @@ def test_flash_attn_varlen_func_reads_flash_attns_pages(client) -> None:  # type
                                           block_table=wrong)
     with pytest.raises(NotImplementedError, match="^block_table: "):
         flash.varlen_attn(q, k, v, cu_q, cu_k, 3, 10, enable_gqa=True, block_table=table)
+    with pytest.raises(AttentionInputError, match="block_table must hold integer block ids"):
+        flash.flash_attn_varlen_func(q, k_pages, v_pages, cu_q, cu_k, 3, 10,
+                                     block_table=table.float())
+    with pytest.raises(AttentionInputError, match="block_table must hold integer block ids"):
+        flash.flash_attn_with_kvcache(q[:2, None], k_pages, v_pages, cache_seqlens=8,
+                                      block_table=table.float() + 0.5)
 
 
 def test_fp8_with_flash_attention_3s_descales(client) -> None:  # type: ignore[no-untyped-def]
