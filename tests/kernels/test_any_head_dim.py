@@ -277,9 +277,9 @@ def test_skewed_rows(head_dim: int, block_n: int | None) -> None:
     in every kernel against float64, with an inf in kv head 2's keys and a NaN in its values:
     the pieces the neighbouring heads read hold them, and no other head's output may change
     (their sums end NaN, and their keys are read again with K's other columns zeroed; their V
-    columns are dropped). Pages too, packed and with rows padded to 16 bytes (a server's:
-    those read element by element). ``block_n`` 32: the re-read takes blocks of 16 keys, the
-    GPU's way (the interpreter's own 16-key blocks are not halved)."""
+    columns are dropped). Pages too, packed and with rows padded to 16 bytes (a server's, read
+    whole with their inf pads: ``kv_room``). ``block_n`` 32: the re-read takes blocks of 16
+    keys, the GPU's way (the interpreter's own 16-key blocks are not halved)."""
     dtype = torch.bfloat16
     dec = {} if block_n is None else {"_config": DecodeConfig(block_n, 4, 1)}
     pre = {} if block_n is None else {"_config": PrefillConfig(32, block_n, 4, 1)}
@@ -310,7 +310,9 @@ def test_skewed_rows(head_dim: int, block_n: int | None) -> None:
           prefill_ref(qp.double(), k.double(), v.double(), cu_q, cu, causal=True))
     # D 59: skews up to 7 past 64 columns; prefill reads copies padded to 64 instead.
     assert [p.pad_kv for p in prefill_kernel._PLANS._plans.values()] == [head_dim == 59]
-    for pad in (0, 112 - head_dim) if head_dim % 2 else (0,):  # padded rows: odd dims
+    # Pages: packed, and (D 111) rows padded to 16 bytes as a server's; the 32-key tiles
+    # only on contiguous keys (the re-read's blocks are the same code on pages).
+    for pad in ((0, 1) if head_dim == 111 else (0,)) if block_n is None else ():
         k_pages, v_pages, table, seqlens = _pages([40, 3, 64], head_dim, dtype, heads=8, pad=pad)
         k_pages[:, :, 2], v_pages[:, :, 2] = float("inf"), float("nan")
         close(paged_decode(q, k_pages, v_pages, table, seqlens, max_seqlen_k=64, num_splits=2,
