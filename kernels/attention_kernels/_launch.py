@@ -122,10 +122,13 @@ def _room(t: torch.Tensor) -> bool:
 
 def kv_room(k: torch.Tensor, v: torch.Tensor) -> bool | None:
     """For a plan's key: whether ``kv_shift``'s pieces past K's and V's extents lie inside
-    their storage (``_room``); None for rows of whole 16-byte pieces, where it never asks (a
-    few Python operations per call only at odd head dims)."""
+    their storage (``_room``); None where it never asks: rows of whole 16-byte pieces that
+    start on 16 bytes (head strides too: D 64 rows 68 apart are skewed). A few Python
+    operations per call only for the others."""
     try:
-        if k.shape[-1] * k.element_size() % 16 == 0 or k.numel() == 0 or v.numel() == 0:
+        vec = 16 // k.element_size()
+        if (k.shape[-1] % vec == 0 and k.stride(-2) % vec == 0 and v.stride(-2) % vec == 0) \
+                or k.numel() == 0 or v.numel() == 0:
             return None
         return _room(k) and _room(v)
     except (AttributeError, IndexError, TypeError):

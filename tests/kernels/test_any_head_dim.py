@@ -251,18 +251,20 @@ def test_kv_shift() -> None:
                      kv_shifted=True) == 16
 
 
-def test_storage_room_keys_the_plan() -> None:
-    """Two K/V views of one shape and strides (rows of 111 padded to 112), one whose storage
-    holds the bytes past its extent, one whose storage ends there: the first is read skewed,
-    the second element by element, each from a plan of its own, both against float64."""
+@pytest.mark.parametrize(("d", "row"), [(111, 112), (64, 68)])
+def test_storage_room_keys_the_plan(d: int, row: int) -> None:
+    """Two K/V views of one shape and strides (rows of 111 padded to 112; rows of 64, 68
+    apart: skewed by 4), one whose storage holds the bytes past its extent, one whose storage
+    ends there: the first is read skewed, the second not, each from a plan of its own, both
+    against float64."""
     from attention_kernels import decode_kernel
 
-    lens, d = [5, 3], 111
-    shape, strides = (sum(lens), 8, d), (8 * 112, 112, 1)
+    lens = [5, 3]
+    shape, strides = (sum(lens), 8, d), (8 * row, row, 1)
     q, cu = randn(2, 16, d, dtype=torch.bfloat16), cu_seqlens(lens)
     decode_kernel._PLANS.clear()
-    for spare in (1, 0):  # elements of storage past the last row
-        k, v = (randn(sum(lens) * 8 * 112 - 1 + spare, dtype=torch.bfloat16)
+    for spare in (row - d, 0):  # elements of storage past the last row
+        k, v = (randn(sum(lens) * 8 * row - (row - d) + spare, dtype=torch.bfloat16)
                 .as_strided(shape, strides) for _ in "kv")
         got = decode(q, k, v, cu)
         assert rel_err(got, decode_ref(q.double(), k.double(), v.double(), cu)) < TOL[
