@@ -135,7 +135,6 @@ def kv_room(k: torch.Tensor, v: torch.Tensor) -> bool | None:
         return None  # not tensors: the checks refuse them
 
 
-
 def kv_tile(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
             head_dim: int) -> tuple[int, int]:
     """(``BLOCK_D``, ``KV_SHIFT``) of a decode launch: the padded head dim and ``kv_shift``
@@ -151,6 +150,7 @@ def kv_tile(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
         if wide:
             return 2 * block_d, wide
     return block_d, shift
+
 
 def call_key(tensors: tuple[object, ...], scalars: tuple[object, ...],
              window: object) -> tuple[Any, ...] | None:

@@ -59,7 +59,6 @@ from attention_kernels._launch import (
     PlanCache,
     call_key,
     kv_room,
-    kv_shift,
     kv_tile,
     launch_inputs,
     no_keys,
@@ -948,13 +947,14 @@ def _plan(
                    k.stride(0), v.stride(0))
     # Skewed K/V rows: not through descriptors, nor the widened copies' own strides.
     block_d = padded_head_dim(head_dim)
-    shift = 0 if use_tma or widen else kv_shift(k, v, strides, head_dim, block_d)
+    tile_d, shift = (block_d, 0) if use_tma or widen else kv_tile(k, v, strides, head_dim)
     # Rows whose largest skew does not fit the tile (D 59 bf16: 7 past 64 columns; decode reads
-    # them in tiles twice as wide, ``kv_tile``) are copied into rows padded with zeros to it
-    # and read whole. H200, bf16, causal 4 x 4096, 16q/8kv, GPU time, D 59: 905 us element by
-    # element, 422 on the copies (the copy included; D 64: 328), 2026-12-02.
-    pad_kv = (table is None and not use_tma and not widen and not gluon and shift == 0
-              and kv_tile(k, v, strides, head_dim)[0] > block_d)
+    # them in tiles twice as wide) are copied into rows padded with zeros to it and read
+    # whole. H200, bf16, causal 4 x 4096, 16q/8kv, GPU time, D 59: 905 us element by element,
+    # 422 on the copies (the copy included; D 64: 328), 2026-12-02.
+    if tile_d > block_d:
+        shift = 0
+    pad_kv = tile_d > block_d and table is None and not gluon
     if pad_kv:
         widen_row = block_d
         token = k.shape[1] * block_d
