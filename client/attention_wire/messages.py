@@ -301,12 +301,10 @@ _TC = pb.TensorChunk.DESCRIPTOR
 _TC_FIELD, _TC_OFFSET, _TC_DATA = (field_number(_TC, n) for n in ("field", "offset", "data"))
 
 
-class RawChunk(NamedTuple):
-    """A TensorChunk whose ``data`` is a view into the received message (no copy)."""
-
-    field: int  # pb.InputField value
-    offset: int
-    data: memoryview
+# A TensorChunk as ``(field, offset, data)``: its pb.InputField value, its byte offset, and its
+# bytes as a view into the received message (no copy). A plain tuple: a request's chunks are
+# unpacked where they are used, and a NamedTuple's ``__new__`` is a Python call per chunk.
+RawChunk = tuple[int, int, memoryview]
 
 
 class RawRequest(NamedTuple):
@@ -338,7 +336,7 @@ def _read_chunk(buf: memoryview) -> RawChunk:
             offset = value
         elif number == _TC_DATA and wire_type == LEN:
             data = value
-    return RawChunk(field, offset, data)
+    return field, offset, data
 
 
 def _fields(message: bytes) -> Any:

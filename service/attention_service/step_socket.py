@@ -760,14 +760,14 @@ def _in_place(chunks: list[RawChunk], frame: ByteBase, sizes: dict[str, int]
     """The inputs whose bytes came whole in one chunk of ``frame`` at a DATA_ALIGN offset, by
     name: (frame, offset), their buffers where they lie. (Anything else, e.g. a tensor in
     several chunks, is copied into the step's block; ``Upload.add`` checks every chunk.)"""
-    whole = [(name, c) for c in chunks
-             if (name := INPUT_FIELDS.get(c.field)) and c.data and c.offset == 0
-             and len(c.data) == sizes.get(name)]
+    whole = [(name, data) for field, offset, data in chunks
+             if (name := INPUT_FIELDS.get(field)) and data and offset == 0
+             and len(data) == sizes.get(name)]
     placed: dict[str, tuple[ByteBase, int]] = {}
-    for name, c in whole:
-        # The chunk's address in the frame (``c.data`` views it): ctypes takes ~0.4 us where
+    for name, data in whole:
+        # The chunk's address in the frame (``data`` views it): ctypes takes ~0.4 us where
         # numpy's ``ctypes.data`` took ~1.6.
-        at = ctypes.addressof(ctypes.c_char.from_buffer(c.data)) - frame.ptr
+        at = ctypes.addressof(ctypes.c_char.from_buffer(data)) - frame.ptr
         if at % DATA_ALIGN == 0:
             placed[name] = (frame, at)
     return placed

@@ -149,14 +149,13 @@ class Upload:
         self._in_place = in_place
 
     def add(self, chunks: Iterable[RawChunk]) -> None:
-        for c in chunks:
-            name = INPUT_FIELDS.get(c.field)
+        for field, offset, data in chunks:
+            name = INPUT_FIELDS.get(field)
             if name is None:
-                raise invalid("chunks.field", f"unknown input field {c.field} (use Q, K or V)")
+                raise invalid("chunks.field", f"unknown input field {field} (use Q, K or V)")
             if name not in self._inputs:
                 raise invalid(f"chunks[{name}]",
                               f"{name} lives in a region (header.regions.{name}): send no bytes")
-            offset, data = c.offset, c.data
             done, size = self._received[name], self._inputs[name].size
             if offset < done:
                 raise invalid(

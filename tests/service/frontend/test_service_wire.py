@@ -72,11 +72,11 @@ def test_request_parse_matches_protobuf_unknown_fields_included() -> None:
     raw = first.SerializeToString() + UNKNOWN
     parsed = parse_request(raw, Op.PREFILL)
     assert parsed.header == pb.PrefillRequest.FromString(raw).header
-    assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [(pb.Q, 0, b"xyz")]
+    assert [(f, o, bytes(d)) for f, o, d in parsed.chunks] == [(pb.Q, 0, b"xyz")]
     for msg in rest:
         parsed = parse_request(msg.SerializeToString(), Op.PREFILL)
         assert parsed.header is None
-        assert [(c.field, c.offset, bytes(c.data)) for c in parsed.chunks] == [
+        assert [(f, o, bytes(d)) for f, o, d in parsed.chunks] == [
             (c.field, c.offset, c.data) for c in msg.chunks
         ]
 
