@@ -164,10 +164,10 @@ def test_whole_tensors_start_aligned_in_their_message(header_bytes, sizes):
     assert joined == message
     base = np.frombuffer(message, np.uint8).ctypes.data
     got = read_request(message, pb.DecodeHeader.FromString)
-    assert [c.field for c in got.chunks] == [f for f, s in zip((pb.Q, pb.K, pb.V), sizes,
-                                                               strict=True) if s]
-    for c in got.chunks:
-        assert (np.frombuffer(c.data, np.uint8).ctypes.data - base) % DATA_ALIGN == 0
+    assert [field for field, _, _ in got.chunks] == [
+        f for f, s in zip((pb.Q, pb.K, pb.V), sizes, strict=True) if s]
+    for _, _, data in got.chunks:
+        assert (np.frombuffer(data, np.uint8).ctypes.data - base) % DATA_ALIGN == 0
     parsed, data = _decode_stream([message], pb.DecodeRequest)
     assert parsed[0].header.SerializeToString() == header
     assert [bytes(data[f]) for f in (pb.Q, pb.K, pb.V)] == [bytes(t.byte_view())
