@@ -88,7 +88,7 @@ from attention_kernels.configs import (
     short_rows_bucket,
 )
 from attention_kernels.fp8 import folded_scales, widened_queries
-from attention_kernels.kv_copies import widen_kv
+from attention_kernels.kv_copies import pad_rows, widen_kv
 from attention_kernels.prefill_hopper import hopper_prefill_ws
 
 LOG2E = 1.4426950408889634
@@ -534,6 +534,44 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
 
 
+# Head dims the Gluon kernel does not take run on it all the same, padded with zeros to the next
+# one it does: q, k, v copied into rows of 64 or 128 columns (``kv_copies.pad_rows``, one launch
+# each) and the output cut back (a strided copy). Zero columns add nothing to a
+# score and zero values only fill output columns that are dropped, so the result is the
+# unpadded one's (the scale stays 1 / sqrt(D)). The portable kernel is the slower of the two
+# at every such dim: H200, bf16, 4 x 4096, 16q / 8kv heads, GPU time, the portable kernel
+# against the Gluon kernel on copies made beforehand (2026-12-02, call 1), causal D 40 402 /
+# 312, 59 426 / 328, 72 720 / 474, 96 713 / 506, 100 806 / 508, 111 901 / 515, 112 730 / 512
+# us; non-causal D 59 779 / 575, 100 1513 / 928, 111 1618 / 948. With the copies (``prefill()``,
+# call 4): causal D 59 422 -> 394 (D 64: 326), 100 805 -> 608, 111 902 -> 625, 112 735 -> 616.
+# The copies hold q, k, v and the output again while the launch runs (for 8K x 16 x 111 bf16
+# queries, ~34 MB). Under 40 columns padding to 64 was not measured; FP8 K/V (widened for the
+# Gluon kernel) keep their own path.
+_GLUON_PAD_MIN_DIM = 40
+
+
+def _padded_gluon_dim(q: torch.Tensor, k: torch.Tensor, plain: bool, causal: bool,
+                      batch: int) -> int:
+    """The Gluon head dim a contiguous prefill at another head dim runs at once padded, or 0:
+    ``_gluon_ok``'s rules for the padded launch (sm_90, 16-bit K/V like ``q``, no features,
+    enough work, causal D 64 only for long prompts), where only shapes count (the copies are
+    fresh and aligned)."""
+    dim = q.shape[2]
+    if dim in _GLUON_HEAD_DIMS or not _GLUON_PAD_MIN_DIM <= dim < max(_GLUON_HEAD_DIMS):
+        return 0
+    if not plain or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+        return 0
+    padded = min(d for d in _GLUON_HEAD_DIMS if d > dim)
+    if causal and padded == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
+        return 0
+    if q.shape[0] * k.shape[0] * q.shape[1] < _TMA_MIN_WORK or not _on_sm90(q):
+        return 0
+    if os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0" or \
+            os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
+        return 0
+    return padded
+
+
 # Contiguous FP8 K/V prefills the Gluon kernel does not take (which always widens) are widened
 # to the queries' dtype first (one launch, ``kv_copies``) when a query sees at least
 # this many keys on average (half at head dim 64 and below), then run as 16-bit prefills with
@@ -857,6 +895,8 @@ class _PrefillPlan:
     widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
     widen_row: int = 0  # the widened copies' row (elements): the strides the launch holds
     pad_kv: bool = False  # K/V copied into rows of ``widen_row`` padded with zeros
+    # The Gluon kernel at this head dim on zero-padded copies of q, k, v (``_padded_gluon_dim``)
+    gluon_dim: int = 0
     # The Gluon kernel's launches (``hopper_prefill_ws``): the plan's key is everything
     # Triton specializes them on, so each is bound once.
     gluon_launches: dict[tuple[object, ...], KernelLaunch] = field(default_factory=dict)
@@ -917,6 +957,12 @@ def _plan(
     many = table is None and many_programs(total_q, batch, num_heads, q.device)
     scored = has_window or cap_scale is not None or alibi_slopes is not None
     gluon = table is None and _gluon_ok(q, k, v, not scored, causal, batch)
+    gluon_dim = 0 if gluon or table is not None else _padded_gluon_dim(
+        q, k, not scored, causal, batch)
+    if gluon_dim:
+        return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv,
+                            False, 0, (), None, None, gluon=True, causal=causal,
+                            scale_log2=scale * LOG2E, gluon_dim=gluon_dim)
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
@@ -1014,10 +1060,16 @@ def _run(
         k, v = widen_kv(k, v, k.dtype if plan.pad_kv else q.dtype, plan.widen_row, plan.pad_kv)
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
+        dest = out
+        if plan.gluon_dim:  # zero-padded copies in, the padded output cut back into ``out``
+            q, k, v = (pad_rows(t, plan.gluon_dim) for t in (q, k, v))
+            out = torch.empty_like(q)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, kv_scales=scales, launches=plan.gluon_launches,
                           **_GLUON_TILES[q.shape[2]])
+        if plan.gluon_dim:
+            out = dest.copy_(out[..., : dest.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)

@@ -29,6 +29,20 @@ def test_readme_stays_short() -> None:
     assert len(README.splitlines()) <= MAX_README_LINES
 
 
+def test_benchmarks_show_their_purpose() -> None:
+    """Issue 62's budget for benchmarks/: at most 16 scripts a user runs, each named in its
+    README; results/ the latest result of each benchmark (at most 60 files) under a summary
+    README of at most 300 lines."""
+    bench = REPO / "benchmarks"
+    scripts = sorted(p.name for p in [*bench.glob("*.py"), *bench.glob("*.sh")])
+    assert len(scripts) <= 16, scripts
+    guide = (bench / "README.md").read_text()
+    assert [s for s in scripts if s not in guide] == []
+    results = [p for p in (bench / "results").rglob("*") if p.is_file()]
+    assert len(results) <= 60, len(results)
+    assert len((bench / "results" / "README.md").read_text().splitlines()) <= MAX_README_LINES
+
+
 def test_setup_section_keeps_the_two_commands() -> None:
     section = README.split("## Set-up: the two commands", 1)[1].split("\n## ", 1)[0]
     assert "make serve" in section and "make test" in section

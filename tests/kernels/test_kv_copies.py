@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from attention_kernels.fp8 import FP8_DTYPE, FP8_MAX
-from attention_kernels.kv_copies import widen_kv
+from attention_kernels.kv_copies import pad_rows, widen_kv
 from tests.kernels.conftest import DEVICE, randn
 
 
@@ -50,3 +50,22 @@ def test_padded_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> Non
         assert (rows[..., 59:].float() == 0).all()
     with pytest.raises(ValueError, match="64 wide"):
         widen_kv(k, v, dtype, 72, pad=True)
+
+
+@pytest.mark.parametrize("total, heads, dim, row", [(0, 2, 59, 64), (1, 1, 40, 64),
+                                                    (70, 3, 59, 64), (33, 5, 111, 128)])
+def test_rows_padded(total: int, heads: int, dim: int, row: int,
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """``pad_rows``: a fresh contiguous copy with rows of ``row`` columns, zeros past D (its
+    memory poisoned with NaN first), from a source with a token stride that is not its
+    packed one (a slice of a packed qkv)."""
+    src = randn(total, heads + 2, dim, dtype=torch.bfloat16)[:, 1:-1]
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
+    padded = pad_rows(src, row)
+    monkeypatch.undo()
+    assert padded.shape == (total, heads, row) and padded.is_contiguous()
+    assert torch.equal(padded[..., :dim], src)
+    assert (padded[..., dim:] == 0).all()
+    with pytest.raises(ValueError, match="row >= D"):
+        pad_rows(src, dim - 1)

@@ -247,6 +247,71 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 1
 
 
+def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_padded_gluon_dim``: head dims 40-127 other than 64 run on the Gluon kernel padded to
+    the next of 64 and 128, under its rules (sm_90, 16-bit K/V like q, no features, enough
+    work, causal D 64 only for long prompts, its switches)."""
+    sm90 = [True]
+    monkeypatch.setattr(prefill_kernel, "_on_sm90", lambda t: sm90[0])
+    dim = prefill_kernel._padded_gluon_dim
+
+    def qk(d: int, tokens: int = 8192, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+        return (torch.empty(tokens, heads, d, dtype=torch.bfloat16),
+                torch.empty(tokens, 1, d, dtype=torch.bfloat16))
+
+    assert [dim(*qk(d), True, False, 1) for d in (32, 39, 40, 59, 64, 65, 100, 111, 127, 128,
+                                                  160)] == [0, 0, 64, 64, 0, 128, 128, 128,
+                                                            128, 0, 0]
+    assert dim(*qk(59), True, True, 4) == 64  # causal, mean 2K
+    assert dim(*qk(59), True, True, 5) == 0
+    assert dim(*qk(100), True, True, 5) == 128
+    assert dim(*qk(111), False, False, 1) == 0  # window / softcap / ALiBi
+    assert dim(*qk(111, tokens=2048), True, False, 1) == 0  # small launch: host-bound
+    q, k = qk(111)
+    assert dim(q.half(), k, True, False, 1) == 0
+    assert dim(q, k.to(torch.float8_e4m3fn), True, False, 1) == 0  # FP8 K/V: their own path
+    assert dim(q.float(), k.float(), True, False, 1) == 0
+    for switch in ("ATTENTION_KERNELS_GLUON", "ATTENTION_KERNELS_TMA"):
+        monkeypatch.setenv(switch, "0")
+        assert dim(q, k, True, False, 1) == 0
+        monkeypatch.delenv(switch)
+    sm90[0] = False
+    assert dim(q, k, True, False, 1) == 0
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("head_dim", [40, 59, 100, 111])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, head_dim: int,
+                                            causal: bool) -> None:
+    """``prefill`` at a head dim the Gluon kernel does not take, with enough work: one Gluon
+    launch at the padded dim, its result and lse against float64 in the caller's poisoned
+    ``out`` (inside a larger buffer) and ``lse_out``; varlen with a ragged last block, GQA."""
+    calls = []
+    real = prefill_kernel.hopper_prefill_ws
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    lens = [8192, 4097]
+    cu = cu_seqlens(lens)
+    q = randn(sum(lens), 8, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(sum(lens), 2, head_dim, dtype=torch.bfloat16) for _ in "kv")
+    buf = torch.empty(q.numel() + 64, dtype=torch.bfloat16, device=DEVICE)
+    out = buf[32 : 32 + q.numel()].view(q.shape)
+    lse = torch.empty(8, sum(lens), dtype=torch.float32, device=DEVICE)
+    poison_(buf)
+    poison_(lse)
+    got, got_lse = prefill(q, k, v, cu, causal=causal, return_lse=True, out=out, lse_out=lse)
+    assert calls == [64 if head_dim < 64 else 128]
+    assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
+    assert torch.isnan(buf[:32]).all() and torch.isnan(buf[-32:]).all()  # nothing past out
+    ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal,
+                               return_lse=True)
+    assert torch.isfinite(got).all()
+    err = ((got.double() - ref).norm() / ref.norm()).item()
+    assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
+    check_lse(got_lse, ref_lse, torch.bfloat16)
+
+
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
 def test_repeated_prefill_reuses_its_bound_gluon_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     """A repeated call of one shape goes straight to the kernel Triton compiled for the first
