@@ -997,7 +997,8 @@ def _plan(
     # Rows whose largest skew does not fit the tile (D 59 bf16: 7 past 64 columns; decode reads
     # them in tiles twice as wide) are copied into rows padded with zeros to it and read
     # whole. H200, bf16, causal 4 x 4096, 16q/8kv, GPU time, D 59: 905 us element by element,
-    # 422 on the copies (the copy included; D 64: 328), 2026-12-02.
+    # 422 on the copies (the copy included; D 64: 328), 2026-12-02; a launch that large now
+    # takes the Gluon kernel on padded copies (``_padded_gluon_dim``): this is for the rest.
     if tile_d > block_d:
         shift = 0
     pad_kv = tile_d > block_d and table is None and not gluon
