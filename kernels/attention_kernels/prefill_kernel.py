@@ -31,6 +31,10 @@ Loads: on Hopper at D 128 the unmasked key loop reads K/V through tensor descrip
 copy engine), worth 7-11% there (see ``_TMA_HEAD_DIMS``) for launches with enough work to hide
 the descriptors' host cost (``_TMA_MIN_WORK``); masked blocks always use masked
 pointer loads so a block that crosses into the next sequence never brings its values in.
+
+On sm_90 such launches without window, softcap or ALiBi take the warp-specialized Gluon kernel
+(``prefill_hopper``; ``_gluon_ok``) instead: at D 64 and 128 directly, at D 40-127 on copies of
+q, k, v padded with zeros to the next of them (``_padded_gluon_dim``).
 """
 
 from __future__ import annotations
