@@ -2,11 +2,11 @@
 
 * FP8 (e4m3) K/V widened to bf16 or fp16 for 16-bit queries (``widen_kv``), or V transposed
   for FP8 queries (``transpose_values``), for the Gluon prefill;
-* rows padded with zeros to the kernel's tile (``widen_kv(..., pad=True)``), for head dims
-  whose rows the portable prefill could otherwise only read element by element (D 59);
-* q, k, v padded with zeros to the Gluon prefill's head dim (``pad_rows``), for head dims it
-  does not take (``prefill_kernel``; its output is cut back with torch's strided copy, which
-  measured faster than two kernels of ours: 16K x 16 x 59 bf16 38 us against 57 and 82).
+* rows padded with zeros to a wider head dim (``pad_rows``): K/V to the portable prefill's
+  tile, for head dims whose rows it could otherwise only read element by element (D 59), and
+  q, k, v to the Gluon prefill's head dim, for head dims it does not take (``prefill_kernel``;
+  its output is cut back with torch's strided copy, which measured faster than two kernels of
+  ours: 16K x 16 x 59 bf16 38 us against 57 and 82).
 
 Widening is exact: every e4m3 value is a bf16 and an fp16 value (3 mantissa bits, exponents
 within both ranges), so the kernel that reads the copies with the scales applied in float32 does
@@ -32,42 +32,35 @@ _BLOCK_COLS = 64  # transposed columns per program (``transpose_values``)
 @triton.jit(do_not_specialize=["total", "num_kv_heads"])
 def _widen_kv_kernel(
     K, V, KOut, VOut, total, num_kv_heads, stride_kt, stride_kh, stride_vt, stride_vh, out_row,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr, STORE_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr,
 ):
-    """``STORE_D``: the columns written, ``HEAD_DIM`` or the whole padded row (zeros past the
-    head dim)."""
     head = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mask = (rows < total)[:, None] & (d[None, :] < HEAD_DIM)
-    store = (rows < total)[:, None] & (d[None, :] < STORE_D)
     r64 = rows.to(tl.int64)[:, None]
     out_at = (r64 * num_kv_heads + head) * out_row + d[None, :]
-    k = tl.load(K + r64 * stride_kt + head * stride_kh + d[None, :], mask=mask, other=0.0)
-    tl.store(KOut + out_at, k.to(KOut.dtype.element_ty), mask=store)
-    v = tl.load(V + r64 * stride_vt + head * stride_vh + d[None, :], mask=mask, other=0.0)
-    tl.store(VOut + out_at, v.to(VOut.dtype.element_ty), mask=store)
+    k = tl.load(K + r64 * stride_kt + head * stride_kh + d[None, :], mask=mask)
+    tl.store(KOut + out_at, k.to(KOut.dtype.element_ty), mask=mask)
+    v = tl.load(V + r64 * stride_vt + head * stride_vh + d[None, :], mask=mask)
+    tl.store(VOut + out_at, v.to(VOut.dtype.element_ty), mask=mask)
 
 
-def widen_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype, row: int = 0,
-             pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def widen_kv(k: torch.Tensor, v: torch.Tensor, dtype: torch.dtype,
+             row: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` in ``dtype`` from float8_e4m3fn ``k, v [total, H_kv, D]`` (any token/head
     strides, unit stride along D); bitwise what ``k.to(dtype)`` gives. Rows of ``row``
     elements (default D: contiguous): a caller whose kernel was planned on padded rows (the
-    caller's own view of wider rows) gets its copies in that layout, strides and all.
-    ``pad``: ``row`` is the padded head dim and its columns past D are written as zeros (any
-    ``k`` dtype; a kernel may then read whole rows)."""
+    caller's own view of wider rows) gets its copies in that layout, strides and all."""
     total, heads, dim = k.shape
     row = row or dim
-    if pad and row != padded_head_dim(dim):
-        raise ValueError(f"padded rows are {padded_head_dim(dim)} wide, got {row}")
     k_out = torch.empty((total, heads, row), dtype=dtype, device=k.device)[..., :dim]
     v_out = torch.empty((total, heads, row), dtype=dtype, device=k.device)[..., :dim]
     if total:
         _widen_kv_kernel[(triton.cdiv(total, _BLOCK_ROWS), heads)](
             k, v, k_out, v_out, total, heads, k.stride(0), k.stride(1), v.stride(0),
             v.stride(1), row, HEAD_DIM=dim, BLOCK_D=padded_head_dim(dim),
-            BLOCK_R=_BLOCK_ROWS, STORE_D=row if pad else dim, num_warps=4,
+            BLOCK_R=_BLOCK_ROWS, num_warps=4,
         )
     return k_out, v_out
 

@@ -294,7 +294,7 @@ def _prefill_kernel(
     they were widened to ``q``'s dtype first (``kv_copies``), and the dots run in it.
     ``KV_SHIFT``: K/V tiles skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then
     counts Q and Out only. ``KV_PADDED``: K/V rows hold ``BLOCK_D`` columns, zeros past the
-    head dim (copies, ``widen_kv``), read whole.
+    head dim (copies, ``pad_rows``), read whole.
     """
     EVEN_D: tl.constexpr = HEAD_DIM == BLOCK_D or KV_PADDED  # K/V tiles need no column mask
     head, slot = program_tile(tl.program_id(0), slot_run, num_heads, num_slots)
@@ -1061,8 +1061,10 @@ def _run(
         cu_seqlens_q = cu_seqlens_q.contiguous()
     if lens_k.stride(0) != 1:
         lens_k = lens_k.contiguous()
-    if plan.widen_kv or plan.pad_kv:
-        k, v = widen_kv(k, v, k.dtype if plan.pad_kv else q.dtype, plan.widen_row, plan.pad_kv)
+    if plan.widen_kv:
+        k, v = widen_kv(k, v, q.dtype, plan.widen_row)
+    elif plan.pad_kv:
+        k, v = pad_rows(k, plan.widen_row), pad_rows(v, plan.widen_row)
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
         dest = out

@@ -34,38 +34,21 @@ def test_bitwise_torch_conversion(total: int, kv_heads: int, dim: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE], ids=str)
-def test_padded_rows(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``pad``: rows copied into rows of the padded head dim, zeros past D (the copies'
-    memory poisoned with NaN first), returned as views of D columns."""
-    k = randn(70, 3, 59, dtype=torch.float32).to(dtype)
-    v = randn(70, 4, 59, dtype=torch.float32)[:, 1:].to(dtype)  # strided heads
-    empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
-    k_out, v_out = widen_kv(k, v, dtype, 64, pad=True)
-    monkeypatch.undo()
-    for got, src in ((k_out, k), (v_out, v)):
-        assert got.shape == (70, 3, 59) and got.stride() == (192, 64, 1)
-        assert torch.equal(got.float(), src.float())
-        rows = got.as_strided((70, 3, 64), (192, 64, 1))
-        assert (rows[..., 59:].float() == 0).all()
-    with pytest.raises(ValueError, match="64 wide"):
-        widen_kv(k, v, dtype, 72, pad=True)
-
-
 @pytest.mark.parametrize("total, heads, dim, row", [(0, 2, 59, 64), (1, 1, 40, 64),
                                                     (70, 3, 59, 64), (33, 5, 111, 128)])
-def test_rows_padded(total: int, heads: int, dim: int, row: int,
+def test_rows_padded(total: int, heads: int, dim: int, row: int, dtype: torch.dtype,
                      monkeypatch: pytest.MonkeyPatch) -> None:
     """``pad_rows``: a fresh contiguous copy with rows of ``row`` columns, zeros past D (its
     memory poisoned with NaN first), from a source with a token stride that is not its
-    packed one (a slice of a packed qkv)."""
-    src = randn(total, heads + 2, dim, dtype=torch.bfloat16)[:, 1:-1]
+    packed one (a slice of a packed qkv), 16-bit or FP8 (the prefill's K/V copies at D 59)."""
+    src = randn(total, heads + 2, dim, dtype=torch.float32)[:, 1:-1].to(dtype)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **kw: empty(*a, **kw).fill_(float("nan")))
     padded = pad_rows(src, row)
     monkeypatch.undo()
     assert padded.shape == (total, heads, row) and padded.is_contiguous()
-    assert torch.equal(padded[..., :dim], src)
-    assert (padded[..., dim:] == 0).all()
+    assert padded.dtype == dtype
+    assert torch.equal(padded[..., :dim].float(), src.float())
+    assert (padded[..., dim:].float() == 0).all()
     with pytest.raises(ValueError, match="row >= D"):
         pad_rows(src, dim - 1)
