@@ -446,13 +446,14 @@ TMA_FP8 = os.environ.get("ATTENTION_KERNELS_TMA_FP8", "0") == "1"
 
 
 def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None = None,
-            head_dims: tuple[int, ...] = _TMA_HEAD_DIMS, kv_copied: bool = False) -> bool:
+            head_dims: tuple[int, ...] = _TMA_HEAD_DIMS, kv_copied: bool = False,
+            dim: int = 0) -> bool:
     """Tensor-descriptor (TMA) loads of K/V in the unmasked key loop: Hopper or newer, 16-bit,
     a head dim in ``head_dims``, a work bound of at least ``_TMA_MIN_WORK``, and
     ``[total, H_kv * D]`` viewable with 16-byte aligned rows. ``span``: at most this many keys
     per query (a sliding window). ``kv_copied``: ``k, v`` reach the kernel as fresh
     contiguous copies in ``q``'s dtype (FP8 K/V widened for the Gluon kernel), so only their
-    shapes count.
+    shapes count. ``dim``: the head dim the launch runs at, when not ``q``'s (padded copies).
     ``ATTENTION_KERNELS_TMA=0`` turns it off (A/B measurements)."""
     if interpreting() or not q.is_cuda:
         return False
@@ -466,7 +467,7 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
         return False  # small launches (host-bound) return before the environment lookup
     if os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
         return False
-    if q.shape[2] not in head_dims or _capability(q.device.index or 0)[0] < 9:
+    if (dim or q.shape[2]) not in head_dims or _capability(q.device.index or 0)[0] < 9:
         return False
     return kv_copied or all(
         t.stride(2) == 1 and t.stride(1) == t.shape[2]
@@ -506,12 +507,14 @@ _GLUON_D64_CAUSAL_MIN_MEAN = 2048
 
 
 def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, causal: bool,
-              batch: int) -> bool:
+              batch: int, dim: int = 0) -> bool:
     """The Gluon kernel: a launch that could take descriptor loads (``_tma_ok`` at the Gluon
     head dims: Hopper, 16-bit K/V like ``q``, enough work, aligned rows) with no window,
     softcap or ALiBi (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with ``q``'s
     rows 16-byte aligned for its own descriptor. D 64 qualifies here though the portable
-    kernel keeps pointer loads there; causal at D 64 only with long mean prompts.
+    kernel keeps pointer loads there; causal at D 64 only with long mean prompts. ``dim``:
+    the launch runs at this head dim on zero-padded copies of q, k, v (``_padded_gluon_dim``),
+    fresh and aligned, so only their shapes count.
 
     FP8 K/V qualify too: ``_run`` widens them exactly to ``q``'s dtype first (every e4m3
     value is a bf16 and an fp16 value; ``kv_copies``) and the kernel applies the
@@ -524,17 +527,19 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
     ``ATTENTION_KERNELS_GLUON=0``). The copies cost one pass over K/V, O(N) against the
     launch's O(N^2), and 2 bytes per K/V element of memory while the launch runs."""
     widened = k.dtype == torch.float8_e4m3fn
-    if not plain or q.shape[2] not in _GLUON_HEAD_DIMS or (k.dtype != q.dtype and not widened):
+    padded = dim not in (0, q.shape[2])
+    dim = dim or q.shape[2]
+    if not plain or dim not in _GLUON_HEAD_DIMS or (k.dtype != q.dtype and not widened):
         return False
-    if causal and q.shape[2] == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
+    if causal and dim == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
         return False
-    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS, kv_copied=widened):
+    if not _tma_ok(q, k, v, head_dims=_GLUON_HEAD_DIMS, kv_copied=widened or padded, dim=dim):
         return False
     if _capability(q.device.index or 0)[0] != 9:
         return False
     if os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
         return False
-    return (q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    return padded or (q.stride(2) == 1 and q.stride(1) == q.shape[2]
             and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
 
 
@@ -554,26 +559,17 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
 _GLUON_PAD_MIN_DIM = 40
 
 
-def _padded_gluon_dim(q: torch.Tensor, k: torch.Tensor, plain: bool, causal: bool,
-                      batch: int) -> int:
+def _padded_gluon_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool,
+                      causal: bool, batch: int) -> int:
     """The Gluon head dim a contiguous prefill at another head dim runs at once padded, or 0:
-    ``_gluon_ok``'s rules for the padded launch (sm_90, 16-bit K/V like ``q``, no features,
-    enough work, causal D 64 only for long prompts), where only shapes count (the copies are
-    fresh and aligned)."""
+    the next of ``_GLUON_HEAD_DIMS`` where ``_gluon_ok`` takes the padded launch, for K/V in
+    ``q``'s dtype (FP8 K/V are widened, not padded)."""
     dim = q.shape[2]
-    if dim in _GLUON_HEAD_DIMS or not _GLUON_PAD_MIN_DIM <= dim < max(_GLUON_HEAD_DIMS):
-        return 0
-    if not plain or q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype:
+    if dim in _GLUON_HEAD_DIMS or not _GLUON_PAD_MIN_DIM <= dim < max(_GLUON_HEAD_DIMS) \
+            or k.dtype != q.dtype:
         return 0
     padded = min(d for d in _GLUON_HEAD_DIMS if d > dim)
-    if causal and padded == 64 and q.shape[0] < _GLUON_D64_CAUSAL_MIN_MEAN * batch:
-        return 0
-    if q.shape[0] * k.shape[0] * q.shape[1] < _TMA_MIN_WORK or not _on_sm90(q):
-        return 0
-    if os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0" or \
-            os.environ.get("ATTENTION_KERNELS_TMA", "1") == "0":
-        return 0
-    return padded
+    return padded if _gluon_ok(q, k, v, plain, causal, batch, padded) else 0
 
 
 # Contiguous FP8 K/V prefills the Gluon kernel does not take (which always widens) are widened
@@ -962,7 +958,7 @@ def _plan(
     scored = has_window or cap_scale is not None or alibi_slopes is not None
     gluon = table is None and _gluon_ok(q, k, v, not scored, causal, batch)
     gluon_dim = 0 if gluon or table is not None else _padded_gluon_dim(
-        q, k, not scored, causal, batch)
+        q, k, v, not scored, causal, batch)
     if gluon_dim:
         return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv,
                             False, 0, (), None, None, gluon=True, causal=causal,

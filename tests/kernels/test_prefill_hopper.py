@@ -125,8 +125,8 @@ def test_prefill_takes_it_only_where_it_applies(monkeypatch: pytest.MonkeyPatch)
     big = [True]
     monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(prefill_kernel, "_tma_ok",
-                        lambda q, k, v, span=None, head_dims=(), kv_copied=False:
-                        big[0] and q.shape[2] in head_dims)
+                        lambda q, k, v, span=None, head_dims=(), kv_copied=False, dim=0:
+                        big[0] and (dim or q.shape[2]) in head_dims)
     q = torch.empty(8, 4, 128, dtype=torch.bfloat16)
     assert prefill_kernel._gluon_ok(q, q, q, True, False, 1)
     big[0] = False
@@ -249,34 +249,41 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
 
 def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     """``_padded_gluon_dim``: head dims 40-127 other than 64 run on the Gluon kernel padded to
-    the next of 64 and 128, under its rules (sm_90, 16-bit K/V like q, no features, enough
-    work, causal D 64 only for long prompts, its switches)."""
-    sm90 = [True]
-    monkeypatch.setattr(prefill_kernel, "_on_sm90", lambda t: sm90[0])
+    the next of 64 and 128, under its rules (``_gluon_ok`` and ``_tma_ok`` as they are, on
+    an sm_90 device these CPU tensors stand for: 16-bit K/V like q, no features, enough work,
+    causal D 64 only for long prompts, its switches)."""
+    sm90 = [(9, 0)]
+    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: sm90[0])
+    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     dim = prefill_kernel._padded_gluon_dim
 
-    def qk(d: int, tokens: int = 8192, heads: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-        return (torch.empty(tokens, heads, d, dtype=torch.bfloat16),
-                torch.empty(tokens, 1, d, dtype=torch.bfloat16))
+    def qkv(d: int, tokens: int = 8192, heads: int = 4) -> tuple[torch.Tensor, ...]:
+        kv = torch.empty(tokens, 1, d, dtype=torch.bfloat16)
+        return torch.empty(tokens, heads, d, dtype=torch.bfloat16), kv, kv
 
-    assert [dim(*qk(d), True, False, 1) for d in (32, 39, 40, 59, 64, 65, 100, 111, 127, 128,
-                                                  160)] == [0, 0, 64, 64, 0, 128, 128, 128,
-                                                            128, 0, 0]
-    assert dim(*qk(59), True, True, 4) == 64  # causal, mean 2K
-    assert dim(*qk(59), True, True, 5) == 0
-    assert dim(*qk(100), True, True, 5) == 128
-    assert dim(*qk(111), False, False, 1) == 0  # window / softcap / ALiBi
-    assert dim(*qk(111, tokens=2048), True, False, 1) == 0  # small launch: host-bound
-    q, k = qk(111)
-    assert dim(q.half(), k, True, False, 1) == 0
-    assert dim(q, k.to(torch.float8_e4m3fn), True, False, 1) == 0  # FP8 K/V: their own path
-    assert dim(q.float(), k.float(), True, False, 1) == 0
+    assert [dim(*qkv(d), True, False, 1) for d in (32, 39, 40, 59, 64, 65, 100, 111, 127, 128,
+                                                   160)] == [0, 0, 64, 64, 0, 128, 128, 128,
+                                                             128, 0, 0]
+    assert dim(*qkv(59), True, True, 4) == 64  # causal, mean 2K
+    assert dim(*qkv(59), True, True, 5) == 0
+    assert dim(*qkv(100), True, True, 5) == 128
+    assert dim(*qkv(111), False, False, 1) == 0  # window / softcap / ALiBi
+    assert dim(*qkv(111, tokens=2048), True, False, 1) == 0  # small launch: host-bound
+    q, k, v = qkv(111)
+    assert dim(q.half(), k, v, True, False, 1) == 0
+    k8 = k.to(torch.float8_e4m3fn)
+    assert dim(q, k8, k8, True, False, 1) == 0  # FP8 K/V: their own path
+    assert dim(q.float(), k.float(), v.float(), True, False, 1) == 0
+    strided = torch.empty(8192, 8, 111, dtype=torch.bfloat16)[:, ::2]
+    assert dim(strided, k, v, True, False, 1) == 128  # q's own rows: copied anyway
     for switch in ("ATTENTION_KERNELS_GLUON", "ATTENTION_KERNELS_TMA"):
         monkeypatch.setenv(switch, "0")
-        assert dim(q, k, True, False, 1) == 0
+        assert dim(q, k, v, True, False, 1) == 0
         monkeypatch.delenv(switch)
-    sm90[0] = False
-    assert dim(q, k, True, False, 1) == 0
+    for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
+        sm90[0] = cap
+        assert dim(q, k, v, True, False, 1) == 0
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
