@@ -181,14 +181,19 @@ def _turn(bar_id, ARRIVE: gl.constexpr):
 
 @gluon.jit
 def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
-                stride_lh, out_scale, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
-                RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr, P_SHIFT: gl.constexpr):
+                stride_lh, out_scale, HEAD_DIM: gl.constexpr, OUT_D: gl.constexpr,
+                BLOCK_M: gl.constexpr, RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr,
+                P_SHIFT: gl.constexpr):
     """Normalise (times ``out_scale``: FP8 values' scale, else 1) and store rows ``row0 ..
-    row0 + BLOCK_M`` of the sequence (those that exist). Rows that saw no key: output 0, lse
-    -inf."""
-    # 16-byte stores along D (the wgmma layout holds 2 columns per thread per row).
-    TPW_D: gl.constexpr = HEAD_DIM // 8
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D],
+    row0 + BLOCK_M`` of the sequence (those that exist), columns ``0 .. OUT_D``. Rows that
+    saw no key: output 0, lse -inf."""
+    # 16-byte stores along D (the wgmma layout holds 2 columns per thread per row). Rows
+    # narrower than the tile (a zero-padded launch's, ``OUT_D`` < ``HEAD_DIM``) start off
+    # 16-byte boundaries (D 59: 118-byte rows), so their stores go one element at a time,
+    # a warp's lanes on 32 adjacent columns of one row: 64 contiguous bytes per store.
+    VEC: gl.constexpr = 8 if OUT_D == HEAD_DIM else 1
+    TPW_D: gl.constexpr = HEAD_DIM // 8 if OUT_D == HEAD_DIM else 32
+    out_layout: gl.constexpr = gl.BlockedLayout([1, VEC], [32 // TPW_D, TPW_D],
                                                 [NUM_WARPS, 1], [1, 0])
     seen = l_i > 0.0
     inv = gl.where(seen, out_scale / gl.where(seen, l_i, 1.0), 0.0)
@@ -200,7 +205,11 @@ def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_o
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, out_layout))
     o_ptrs = (Out + q_start.to(gl.int64) * stride_ot + head.to(gl.int64) * stride_oh
               + gl.expand_dims(offs_m.to(gl.int64) * stride_ot, 1) + gl.expand_dims(offs_d, 0))
-    gl.store(o_ptrs, out, mask=gl.expand_dims((offs_m >= 0) & (offs_m < seqlen_q), 1))
+    row_ok = gl.expand_dims((offs_m >= 0) & (offs_m < seqlen_q), 1)
+    if OUT_D == HEAD_DIM:
+        gl.store(o_ptrs, out, mask=row_ok)
+    else:
+        gl.store(o_ptrs, out, mask=row_ok & gl.expand_dims(offs_d < OUT_D, 0))
     if RETURN_LSE:
         lse = gl.where(seen, (m_i + gl.log2(gl.where(seen, l_i, 1.0)) - P_SHIFT)
                        * 0.6931471805599453,
@@ -776,8 +785,8 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
 
 @gluon.jit
 def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl.constexpr,
-                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
-                 Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+                 OUT_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                 CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
                  PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each tile the producer hands out.
     ``KV_SCALES``: K/V are FP8 values widened exactly; the tile's key scale joins the softmax
@@ -857,7 +866,8 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
                 it += n_blocks
                 tc += 1
             _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, my_row0, head, stride_ot,
-                        stride_oh, stride_lh, out_scale, HEAD_DIM, ROWS, RETURN_LSE, 4, P_SHIFT)
+                        stride_oh, stride_lh, out_scale, HEAD_DIM, OUT_D, ROWS, RETURN_LSE, 4,
+                        P_SHIFT)
         t, live, head, q_start, seqlen_q, row0, seqlen_k, n_end, k_scale, v_scale, n = (
             _take_tile(n, tile_info, tile_ready, tile_empty))
 
@@ -868,7 +878,7 @@ def _hopper_prefill_ws_kernel(
     desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k, Counter, KScale, VScale,
     stride_vt, stride_ot, stride_oh, stride_lh, stride_sb,
     qk_scale, batch, num_heads, group, num_slots, slot_run, num_tiles,
-    HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+    HEAD_DIM: gl.constexpr, OUT_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
     IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
     PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr,
@@ -931,20 +941,20 @@ def _hopper_prefill_ws_kernel(
     loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
                             CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
                             CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+            (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
                             CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
                             CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, BLOCK_N, STAGES,
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
                             CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
             (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
                             CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
@@ -997,8 +1007,10 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
                       kv_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                       launches: dict[tuple[object, ...], KernelLaunch] | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
-    with unit stride along D and 16-byte aligned rows, ``out`` like ``q``, ``lse`` float32
-    ``[H, total_q]`` or None; ``scale_log2`` is the softmax scale times log2(e).
+    with unit stride along D and 16-byte aligned rows, ``out`` like ``q`` with unit stride
+    along D, or narrower along D (the first ``out.shape[2]`` columns are stored: a launch on
+    zero-padded copies writes the caller's rows directly), ``lse`` float32 ``[H, total_q]`` or
+    None; ``scale_log2`` is the softmax scale times log2(e).
     ``kv_scales``: ``(k_scale, v_scale, stride_sb)`` (``_checks.kv_scale_args``) of FP8 K/V
     that ``k, v`` hold widened (exactly) to ``q``'s dtype: the kernel applies them per
     (sequence, kv head), as the portable kernel does. FP8 ``q, k, v`` (float8_e4m3fn, ``out``
@@ -1057,9 +1069,9 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     else:
         v_ptr, desc_v = v, descriptor(v, block_n)
     constexprs = dict(
-        HEAD_DIM=head_dim, BLOCK_N=block_n, BLOCK_B=64, STAGES=stages, CONSUMERS=consumers,
-        Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic, IS_CAUSAL=causal,
-        END_TILES=end_tiles,
+        HEAD_DIM=head_dim, OUT_D=out.shape[2], BLOCK_N=block_n, BLOCK_B=64, STAGES=stages,
+        CONSUMERS=consumers, Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic,
+        IS_CAUSAL=causal, END_TILES=end_tiles,
         RETURN_LSE=lse is not None, PINGPONG=pingpong, KV_SCALES=kv_scales is not None,
         FP8=fp8, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
     )

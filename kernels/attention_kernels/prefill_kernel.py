@@ -1063,16 +1063,12 @@ def _run(
         k, v = pad_rows(k, plan.widen_row), pad_rows(v, plan.widen_row)
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
-        dest = out
-        if plan.gluon_dim:  # zero-padded copies in, the padded output cut back into ``out``
+        if plan.gluon_dim:  # zero-padded copies in; the kernel stores ``out``'s D columns
             q, k, v = (pad_rows(t, plan.gluon_dim) for t in (q, k, v))
-            out = torch.empty_like(q)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, kv_scales=scales, launches=plan.gluon_launches,
                           **_GLUON_TILES[q.shape[2]])
-        if plan.gluon_dim:
-            out = dest.copy_(out[..., : dest.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)

@@ -292,8 +292,9 @@ def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPat
 def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, head_dim: int,
                                             causal: bool) -> None:
     """``prefill`` at a head dim the Gluon kernel does not take, with enough work: one Gluon
-    launch at the padded dim, its result and lse against float64 in the caller's poisoned
-    ``out`` (inside a larger buffer) and ``lse_out``; varlen with a ragged last block, GQA."""
+    launch at the padded dim, storing only the caller's columns, its result and lse against
+    float64 in the caller's poisoned ``out`` (inside a larger buffer, off 16-byte boundaries)
+    and ``lse_out``; varlen with a ragged last block, GQA."""
     calls = []
     real = prefill_kernel.hopper_prefill_ws
     monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
@@ -302,15 +303,15 @@ def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, hea
     cu = cu_seqlens(lens)
     q = randn(sum(lens), 8, head_dim, dtype=torch.bfloat16)
     k, v = (randn(sum(lens), 2, head_dim, dtype=torch.bfloat16) for _ in "kv")
-    buf = torch.empty(q.numel() + 64, dtype=torch.bfloat16, device=DEVICE)
-    out = buf[32 : 32 + q.numel()].view(q.shape)
+    buf = torch.empty(q.numel() + 66, dtype=torch.bfloat16, device=DEVICE)
+    out = buf[33 : 33 + q.numel()].view(q.shape)
     lse = torch.empty(8, sum(lens), dtype=torch.float32, device=DEVICE)
     poison_(buf)
     poison_(lse)
     got, got_lse = prefill(q, k, v, cu, causal=causal, return_lse=True, out=out, lse_out=lse)
     assert calls == [64 if head_dim < 64 else 128]
     assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
-    assert torch.isnan(buf[:32]).all() and torch.isnan(buf[-32:]).all()  # nothing past out
+    assert torch.isnan(buf[:33]).all() and torch.isnan(buf[-33:]).all()  # nothing past out
     ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal,
                                return_lse=True)
     assert torch.isfinite(got).all()

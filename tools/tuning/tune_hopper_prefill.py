@@ -149,12 +149,13 @@ def check(failures: list[str]) -> int:
 def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: int = 128,
                  tile: tuple[int, int, int] = (128, 2, 2), q_bufs: int = 1,
                  dynamic: bool = False, pingpong: bool | None = None,
-                 kv_scales: bool = False, fp8: bool = False) -> dict:
+                 kv_scales: bool = False, fp8: bool = False, out_dim: int = 0) -> dict:
     """Build the kernel as ``prefill`` launches it for sm_90a, on any machine (Triton compiles
     without a GPU and ships ptxas): spill bytes, ``setmaxnreg`` targets, async-wgmma waits,
     and how much of the softmax runs under its own PV in the SASS (``ex2_under_pv``).
     ``kv_scales``: the build for FP8 K/V (widened, with their scales). ``fp8``: the build for
-    FP8 queries, keys and values (both dots in e4m3, V transposed; implies ``kv_scales``)."""
+    FP8 queries, keys and values (both dots in e4m3, V transposed; implies ``kv_scales``).
+    ``out_dim``: the output's head dim when narrower than ``head_dim`` (a zero-padded launch)."""
     import os.path
     import re
     import subprocess
@@ -184,7 +185,7 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         vt = transposed_values_ref(t, torch.tensor([0, 256], dtype=torch.int32), bn)
         descs["desc_v"] = values_descriptor(vt, head_dim, bn)
     end_tiles, pingpong = tile_options(causal, cons, pingpong=pingpong)
-    const = dict(HEAD_DIM=head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
+    const = dict(HEAD_DIM=head_dim, OUT_D=out_dim or head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
                  Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles,
                  RETURN_LSE=True, PINGPONG=pingpong, KV_SCALES=kv_scales, FP8=fp8,
                  CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
@@ -341,6 +342,8 @@ def main() -> int:
                         "(exit 3 when this triton ships no ptxas)")
     p.add_argument("--causal", action="store_true", help="with --compile-only")
     p.add_argument("--head-dim", type=int, default=128, help="with --compile-only")
+    p.add_argument("--out-dim", type=int, default=0,
+                   help="with --compile-only: store this many output columns (padded launch)")
     p.add_argument("--kv-scales", action="store_true",
                    help="with --compile-only: the FP8 K/V build (scales per tile)")
     p.add_argument("--fp8", action="store_true",
@@ -363,7 +366,8 @@ def main() -> int:
         try:
             tile = tuple(int(x) for x in args.tile.split(","))
             print(json.dumps(compile_sm90(args.causal, head_dim=args.head_dim, tile=tile,
-                                          kv_scales=args.kv_scales, fp8=args.fp8)))
+                                          kv_scales=args.kv_scales, fp8=args.fp8,
+                                          out_dim=args.out_dim)))
         except FileNotFoundError as e:
             print(f"no ptxas in this triton wheel: {e}")
             return 3
