@@ -180,6 +180,21 @@ def _turn(bar_id, ARRIVE: gl.constexpr):
 
 
 @gluon.jit
+def _zero_columns(q_part, first: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Zero columns ``first ..`` of a consumer's landed 64-row Q part: q rows narrower than
+    the tile arrive with the next head's first columns (zeros past the last head), which
+    must score nothing against K's zero-padded columns, infinities included. Once per tile;
+    every thread's stores fenced and done before the first QK wgmma reads the part."""
+    TPW_D: gl.constexpr = HEAD_DIM // 8
+    layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_D, TPW_D], [4, 1], [1, 0])
+    vals = q_part.load(layout)
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, layout))
+    q_part.store(gl.where(gl.expand_dims(cols < first, 0), vals, gl.zeros_like(vals)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
 def _store_tile(acc, m_i, l_i, Out, Lse, q_start, seqlen_q, row0, head, stride_ot, stride_oh,
                 stride_lh, out_scale, HEAD_DIM: gl.constexpr, OUT_D: gl.constexpr,
                 BLOCK_M: gl.constexpr, RETURN_LSE: gl.constexpr, NUM_WARPS: gl.constexpr,
@@ -230,12 +245,14 @@ def _tile_layout(block_rows: int, cols: int, dtype: torch.dtype) -> gl.NVMMAShar
     return gl.NVMMASharedLayout.get_default_for([block_rows, cols], _GL_DTYPES[dtype])
 
 
-def descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+def descriptor(t: torch.Tensor, block_rows: int, cols: int = 0) -> TensorDescriptor:
     """A TMA descriptor over packed ``[total, heads, D]`` as ``[total, heads * D]``, one
-    ``[block_rows, D]`` tile per copy."""
+    ``[block_rows, cols]`` tile per copy (``cols``: D, or more: a copy at head ``h``'s column
+    ``h * D`` then holds the next head's first columns, zeros past the last head)."""
     rows, heads, dim = t.shape
-    layout = _tile_layout(block_rows, dim, t.dtype)
-    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, dim], layout)
+    cols = cols or dim
+    layout = _tile_layout(block_rows, cols, t.dtype)
+    return TensorDescriptor(t, [rows, heads * dim], [t.stride(0), 1], [block_rows, cols], layout)
 
 
 # Columns of ``transposed_values_ref``' rows are a multiple of this: TMA needs 16-byte strides.
@@ -371,7 +388,8 @@ def _take_tile(n, tile_info, tile_ready, tile_empty):
 
 
 @gluon.jit
-def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, Q_D: gl.constexpr,
+                 BLOCK_N: gl.constexpr,
                  BLOCK_B: gl.constexpr, STAGES: gl.constexpr, CONSUMERS: gl.constexpr,
                  Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr, IS_CAUSAL: gl.constexpr,
                  END_TILES: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr):
@@ -382,7 +400,9 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
     after the last tile one past the end, which stops them. ``DYNAMIC``: the next tile is
     claimed from ``Counter`` once this one's copies are issued (causal tiles differ in length;
     a fixed stride left programs 6-25% apart). ``FP8``: V comes transposed
-    (``transposed_values_ref``), a ``[D, BLOCK_N]`` tile per block, all through TMA."""
+    (``transposed_values_ref``), a ``[D, BLOCK_N]`` tile per block, all through TMA.
+    ``Q_D``: the head dim of q's rows (``HEAD_DIM`` or fewer: a head's Q tile starts at
+    column ``head * Q_D`` and runs on into the next head's, ``_zero_columns``)."""
     desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb = loads
     q_smem, k_smem, v_smem, _, _, tile_info = bufs
     q_ready, q_empty, k_ready, v_ready, k_empty, v_empty, tile_ready, tile_empty = bars
@@ -414,7 +434,7 @@ def _ws_producer(loads, bufs, bars, walk, HEAD_DIM: gl.constexpr, BLOCK_N: gl.co
             mbarrier.expect(q_ready.index(qb), CONSUMERS * desc_q.block_type.nbytes)
             for part in gl.static_range(CONSUMERS):
                 tma.async_copy_global_to_shared(
-                    desc_q, [q_start + row0 + part * 64, head * HEAD_DIM], q_ready.index(qb),
+                    desc_q, [q_start + row0 + part * 64, head * Q_D], q_ready.index(qb),
                     q_smem.index(qb * CONSUMERS + part))
             kv_col = (head // group) * HEAD_DIM
             ragged = n_blocks * BLOCK_N > seqlen_k  # the last block runs past the sequence
@@ -785,9 +805,10 @@ def _pass_blocks(r0, r1, k_ready, v_ready, k_empty, v_empty, turns, extra_turn,
 
 @gluon.jit
 def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl.constexpr,
-                 OUT_D: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                 CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
-                 PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr):
+                 Q_D: gl.constexpr, OUT_D: gl.constexpr, BLOCK_N: gl.constexpr,
+                 STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr,
+                 IS_CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, PINGPONG: gl.constexpr,
+                 KV_SCALES: gl.constexpr, FP8: gl.constexpr):
     """Rows ``PART * 64 .. PART * 64 + 64`` of each tile the producer hands out.
     ``KV_SCALES``: K/V are FP8 values widened exactly; the tile's key scale joins the softmax
     scale and its value scale the output's normalisation.
@@ -837,6 +858,8 @@ def _ws_consumer(PART: gl.constexpr, stores, bufs, bars, num_tiles, HEAD_DIM: gl
             if n_blocks > 0:
                 qb = tc % Q_BUFS
                 mbarrier.wait(q_ready.index(qb), (tc // Q_BUFS) & 1)
+                if Q_D < HEAD_DIM:
+                    _zero_columns(q_smem.index(qb * CONSUMERS + PART), Q_D, HEAD_DIM)
                 # This warpgroup's own key range: under a causal mask its 64 rows see fewer
                 # keys than the tile's last rows (and rows past the sequence's end need none);
                 # it passes the tile's other blocks through so the rings stay in step.
@@ -878,7 +901,8 @@ def _hopper_prefill_ws_kernel(
     desc_q, desc_k, desc_v, V, Out, Lse, cu_q, cu_k, Counter, KScale, VScale,
     stride_vt, stride_ot, stride_oh, stride_lh, stride_sb,
     qk_scale, batch, num_heads, group, num_slots, slot_run, num_tiles,
-    HEAD_DIM: gl.constexpr, OUT_D: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
+    HEAD_DIM: gl.constexpr, Q_D: gl.constexpr, OUT_D: gl.constexpr,
+    BLOCK_N: gl.constexpr, BLOCK_B: gl.constexpr,
     STAGES: gl.constexpr, CONSUMERS: gl.constexpr, Q_BUFS: gl.constexpr, DYNAMIC: gl.constexpr,
     IS_CAUSAL: gl.constexpr, END_TILES: gl.constexpr, RETURN_LSE: gl.constexpr,
     PINGPONG: gl.constexpr, KV_SCALES: gl.constexpr, FP8: gl.constexpr,
@@ -941,23 +965,30 @@ def _hopper_prefill_ws_kernel(
     loads = (desc_q, desc_k, desc_v, V, stride_vt, group, Counter, KScale, VScale, stride_sb)
     if CONSUMERS == 3:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, Q_D, OUT_D, BLOCK_N,
+                            STAGES, CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG,
+                            KV_SCALES, FP8)),
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, Q_D, OUT_D, BLOCK_N,
+                            STAGES, CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG,
+                            KV_SCALES, FP8)),
+            (_ws_consumer, (2, stores, bufs, bars, num_tiles, HEAD_DIM, Q_D, OUT_D, BLOCK_N,
+                            STAGES, CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG,
+                            KV_SCALES, FP8)),
+            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, Q_D, BLOCK_N, BLOCK_B,
+                            STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES,
+                            FP8)),
         ], [4, 4, 1], [CONSUMER_REGS, CONSUMER_REGS, PRODUCER_REGS])
     else:
         gl.warp_specialize([
-            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, OUT_D, BLOCK_N, STAGES,
-                            CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG, KV_SCALES, FP8)),
-            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, BLOCK_N, BLOCK_B, STAGES,
-                            CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES, FP8)),
+            (_ws_consumer, (0, stores, bufs, bars, num_tiles, HEAD_DIM, Q_D, OUT_D, BLOCK_N,
+                            STAGES, CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG,
+                            KV_SCALES, FP8)),
+            (_ws_consumer, (1, stores, bufs, bars, num_tiles, HEAD_DIM, Q_D, OUT_D, BLOCK_N,
+                            STAGES, CONSUMERS, Q_BUFS, IS_CAUSAL, RETURN_LSE, PINGPONG,
+                            KV_SCALES, FP8)),
+            (_ws_producer, (loads, bufs, bars, walk, HEAD_DIM, Q_D, BLOCK_N, BLOCK_B,
+                            STAGES, CONSUMERS, Q_BUFS, DYNAMIC, IS_CAUSAL, END_TILES, KV_SCALES,
+                            FP8)),
         ], [4, 1], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -1007,10 +1038,16 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
                       kv_scales: tuple[torch.Tensor, torch.Tensor, int] | None = None,
                       launches: dict[tuple[object, ...], KernelLaunch] | None = None) -> None:
     """The Gluon kernel over checked inputs: ``q [total_q, H, D]``, ``k, v [total_k, H_kv, D]``
-    with unit stride along D and 16-byte aligned rows, ``out`` like ``q`` with unit stride
-    along D, or narrower along D (the first ``out.shape[2]`` columns are stored: a launch on
-    zero-padded copies writes the caller's rows directly), ``lse`` float32 ``[H, total_q]`` or
-    None; ``scale_log2`` is the softmax scale times log2(e).
+    with unit stride along D, heads packed and 16-byte aligned rows, ``out`` like ``q`` with
+    unit stride along D, ``lse`` float32 ``[H, total_q]`` or None; ``scale_log2`` is the
+    softmax scale times log2(e).
+
+    16-bit ``q`` and ``out`` may hold fewer columns per head than ``k`` and ``v`` (a launch
+    at a padded head dim, ``prefill_kernel._padded_gluon_dim``: K and V zero-padded to it).
+    Each head's Q tile then starts at its own column and runs on into the next head's, and
+    those columns are zeroed in shared memory (``_zero_columns``); only ``out``'s columns
+    are stored (``_store_tile``). (V read the same way would need a column mask on its
+    masked last block, which spilled the producer's registers: 1.9 KB, sm_90a.)
     ``kv_scales``: ``(k_scale, v_scale, stride_sb)`` (``_checks.kv_scale_args``) of FP8 K/V
     that ``k, v`` hold widened (exactly) to ``q``'s dtype: the kernel applies them per
     (sequence, kv head), as the portable kernel does. FP8 ``q, k, v`` (float8_e4m3fn, ``out``
@@ -1051,7 +1088,8 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     c_regs = consumer_regs if consumer_regs is not None else _REGS[consumers][0]
     p_regs = producer_regs if producer_regs is not None else _REGS[consumers][1]
     register_split(consumers, c_regs, p_regs)
-    total_q, num_heads, head_dim = q.shape
+    total_q, num_heads, q_dim = q.shape
+    head_dim = k.shape[2]  # the tile's; q's rows may be narrower (docstring)
     batch = cu_q.shape[0] - 1
     block_m = 64 * consumers
     num_slots, slot_run, tiles = slot_grid(total_q, batch, num_heads, block_m, causal)
@@ -1063,17 +1101,19 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     counter = torch.zeros(1, dtype=torch.int32, device=q.device) if dynamic else cu_q
     k_scale, v_scale, stride_sb = kv_scales if kv_scales is not None else (cu_q, cu_q, 0)
     fp8 = q.dtype == torch.float8_e4m3fn
+    if q_dim != head_dim and (fp8 or v.shape[2] != head_dim):
+        raise ValueError("only 16-bit q may be narrower than k and v")
     if fp8:
         v_ptr = transpose_values(v, cu_k, block_n, _VT_ALIGN)
         desc_v = values_descriptor(v_ptr, head_dim, block_n)
     else:
         v_ptr, desc_v = v, descriptor(v, block_n)
     constexprs = dict(
-        HEAD_DIM=head_dim, OUT_D=out.shape[2], BLOCK_N=block_n, BLOCK_B=64, STAGES=stages,
-        CONSUMERS=consumers, Q_BUFS=1 if programs is None else 2, DYNAMIC=dynamic,
-        IS_CAUSAL=causal, END_TILES=end_tiles,
-        RETURN_LSE=lse is not None, PINGPONG=pingpong, KV_SCALES=kv_scales is not None,
-        FP8=fp8, CONSUMER_REGS=c_regs, PRODUCER_REGS=p_regs, num_warps=4,
+        HEAD_DIM=head_dim, Q_D=q_dim, OUT_D=out.shape[2], BLOCK_N=block_n, BLOCK_B=64,
+        STAGES=stages, CONSUMERS=consumers, Q_BUFS=1 if programs is None else 2,
+        DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles, RETURN_LSE=lse is not None,
+        PINGPONG=pingpong, KV_SCALES=kv_scales is not None, FP8=fp8, CONSUMER_REGS=c_regs,
+        PRODUCER_REGS=p_regs, num_warps=4,
     )
     key = (grid, *constexprs.values())
     launch = launches.get(key) if launches is not None else None
@@ -1082,7 +1122,7 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
         if launches is not None:
             launches[key] = launch
     launch(
-        descriptor(q, 64), descriptor(k, block_n), desc_v, v_ptr, out,
+        descriptor(q, 64, head_dim), descriptor(k, block_n), desc_v, v_ptr, out,
         lse if lse is not None else out, cu_q, cu_k, counter, k_scale, v_scale,
         v_ptr.stride(0), out.stride(0), out.stride(1), total_q if lse is not None else 0, stride_sb,
         scale_log2, batch, num_heads, num_heads // k.shape[1], num_slots, slot_run, tiles,

@@ -33,8 +33,9 @@ the descriptors' host cost (``_TMA_MIN_WORK``); masked blocks always use masked
 pointer loads so a block that crosses into the next sequence never brings its values in.
 
 On sm_90 such launches without window, softcap or ALiBi take the warp-specialized Gluon kernel
-(``prefill_hopper``; ``_gluon_ok``) instead: at D 64 and 128 directly, at D 40-127 on copies of
-q, k, v padded with zeros to the next of them (``_padded_gluon_dim``).
+(``prefill_hopper``; ``_gluon_ok``) instead: at D 64 and 128 directly, at D 40-127 at the next
+of them, on copies of k and v padded with zeros (q too unless its heads start on 16-byte
+boundaries) with only ``out``'s columns stored (``_padded_gluon_dim``).
 """
 
 from __future__ import annotations
@@ -469,11 +470,13 @@ def _tma_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, span: int | None 
         return False
     if (dim or q.shape[2]) not in head_dims or _capability(q.device.index or 0)[0] < 9:
         return False
-    return kv_copied or all(
-        t.stride(2) == 1 and t.stride(1) == t.shape[2]
-        and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
-        for t in (k, v)
-    )
+    return kv_copied or (_tma_rows(k) and _tma_rows(v))
+
+
+def _tma_rows(t: torch.Tensor) -> bool:
+    """``[total, H, D]`` viewable as ``[total, H * D]`` with 16-byte aligned rows (TMA)."""
+    return (t.stride(2) == 1 and t.stride(1) == t.shape[2]
+            and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0)
 
 
 # The warp-specialized Gluon kernel (``prefill_hopper``) for launches big enough for descriptor
@@ -513,8 +516,9 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
     softcap or ALiBi (``plain``), on sm_90 exactly (its wgmma/setmaxnreg code), with ``q``'s
     rows 16-byte aligned for its own descriptor. D 64 qualifies here though the portable
     kernel keeps pointer loads there; causal at D 64 only with long mean prompts. ``dim``:
-    the launch runs at this head dim on zero-padded copies of q, k, v (``_padded_gluon_dim``),
-    fresh and aligned, so only their shapes count.
+    the launch runs at this head dim on zero-padded copies of k, v (``_padded_gluon_dim``),
+    fresh and aligned, so only their shapes count; q is copied too unless TMA can read its
+    heads as they are (``_PrefillPlan.pad_q``).
 
     FP8 K/V qualify too: ``_run`` widens them exactly to ``q``'s dtype first (every e4m3
     value is a bf16 and an fp16 value; ``kv_copies``) and the kernel applies the
@@ -539,23 +543,26 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
         return False
     if os.environ.get("ATTENTION_KERNELS_GLUON", "1") == "0":
         return False
-    return padded or (q.stride(2) == 1 and q.stride(1) == q.shape[2]
-            and (q.stride(0) * q.element_size()) % 16 == 0 and q.data_ptr() % 16 == 0)
+    return padded or _tma_rows(q)
 
 
-# Head dims the Gluon kernel does not take run on it all the same, padded with zeros to the next
-# one it does: q, k, v copied into rows of 64 or 128 columns (``kv_copies.pad_rows``, one launch
-# each) and the output cut back (a strided copy). Zero columns add nothing to a
-# score and zero values only fill output columns that are dropped, so the result is the
-# unpadded one's (the scale stays 1 / sqrt(D)). The portable kernel is the slower of the two
-# at every such dim: H200, bf16, 4 x 4096, 16q / 8kv heads, GPU time, the portable kernel
-# against the Gluon kernel on copies made beforehand (2026-12-02, call 1), causal D 40 402 /
-# 312, 59 426 / 328, 72 720 / 474, 96 713 / 506, 100 806 / 508, 111 901 / 515, 112 730 / 512
-# us; non-causal D 59 779 / 575, 100 1513 / 928, 111 1618 / 948. With the copies (``prefill()``,
-# call 4): causal D 59 422 -> 394 (D 64: 326), 100 805 -> 608, 111 902 -> 625, 112 735 -> 616.
-# The copies hold q, k, v and the output again while the launch runs (for 8K x 16 x 111 bf16
-# queries, ~34 MB). Under 40 columns padding to 64 was not measured; FP8 K/V (widened for the
-# Gluon kernel) keep their own path.
+# Head dims the Gluon kernel does not take run on it all the same, at the next one it does: k and
+# v copied into rows of 64 or 128 columns padded with zeros (``kv_copies.pad_rows``, one launch
+# each); q read as it is where each head starts on a 16-byte boundary (D a multiple of 8 at 16
+# bits), each head's Q tile zeroed past its columns in shared memory, else copied too (``pad_q``:
+# a TMA copy must start on one); the caller's ``out`` columns stored directly.
+# Zero columns add nothing to a score and zero values only fill output columns that are not
+# stored, so the result is the unpadded one's (the scale stays 1 / sqrt(D)). The portable kernel
+# is the slower of the two at every such dim: H200, bf16, 4 x 4096, 16q / 8kv heads, GPU time,
+# the portable kernel against the Gluon kernel on copies made beforehand (2026-12-02, stop 100),
+# causal D 40 402 / 312, 59 426 / 328, 72 720 / 474, 96 713 / 506, 100 806 / 508, 111 901 /
+# 515, 112 730 / 512 us; non-causal D 59 779 / 575, 100 1513 / 928, 111 1618 / 948. The whole
+# call at causal D 59 (D 64: 325 us): q, k, v padded and the output copied back 394 us; the
+# output stored directly 380 (its element stores cost the kernel 340 against 325 us with whole
+# rows; 8 elements a lane 365, 2 349, 4 342). q read as it is (``bench_kernels.py --only
+# headdim``, same day): D 40 369 -> 352 us, 72 515 -> 493, 80 519 -> 496, 112 556 -> 530. The
+# copies hold k, v (and q) again while the launch runs. Under 40 columns padding to 64 was not measured; FP8 K/V
+# (widened for the Gluon kernel) keep their own path.
 _GLUON_PAD_MIN_DIM = 40
 
 
@@ -895,8 +902,12 @@ class _PrefillPlan:
     widen_kv: bool = False  # FP8 K/V widened to q's dtype first (``_widen_fp8``)
     widen_row: int = 0  # the widened copies' row (elements): the strides the launch holds
     pad_kv: bool = False  # K/V copied into rows of ``widen_row`` padded with zeros
-    # The Gluon kernel at this head dim on zero-padded copies of q, k, v (``_padded_gluon_dim``)
+    # The Gluon kernel at this head dim on zero-padded copies of k, v (``_padded_gluon_dim``),
+    # and of q where TMA cannot read its heads as they are (``pad_q``: rows or heads not on
+    # 16-byte boundaries, as D 59's, where a TMA copy at the head's column faults; or fewer
+    # columns in all than the tile)
     gluon_dim: int = 0
+    pad_q: bool = False
     # The Gluon kernel's launches (``hopper_prefill_ws``): the plan's key is everything
     # Triton specializes them on, so each is bound once.
     gluon_launches: dict[tuple[object, ...], KernelLaunch] = field(default_factory=dict)
@@ -962,7 +973,9 @@ def _plan(
     if gluon_dim:
         return _PrefillPlan(out_shape, q.dtype, return_lse, False, False, copy_q, copy_kv,
                             False, 0, (), None, None, gluon=True, causal=causal,
-                            scale_log2=scale * LOG2E, gluon_dim=gluon_dim)
+                            scale_log2=scale * LOG2E, gluon_dim=gluon_dim,
+                            pad_q=not _tma_rows(q) or (q.shape[2] * q.element_size()) % 16 != 0
+                            or q.shape[1] * q.shape[2] < gluon_dim)
     # The window's unmasked stage reads whole blocks inside the sequence, as the plain loop
     # does, so it takes the descriptor loads too; only the work bound shrinks.
     span = (win_left + win_right + 1) if has_window else None
@@ -1064,11 +1077,13 @@ def _run(
     if plan.gluon:
         scales = (ks, vs, stride_sb) if plan.widen_kv else None
         if plan.gluon_dim:  # zero-padded copies in; the kernel stores ``out``'s D columns
-            q, k, v = (pad_rows(t, plan.gluon_dim) for t in (q, k, v))
+            k, v = pad_rows(k, plan.gluon_dim), pad_rows(v, plan.gluon_dim)
+            if plan.pad_q:
+                q = pad_rows(q, plan.gluon_dim)
         hopper_prefill_ws(q, k, v, cu_seqlens_q, lens_k, out, lse if plan.return_lse else None,
                           plan.causal, plan.scale_log2, programs=num_sms(q.device.index or 0),
                           dynamic=True, kv_scales=scales, launches=plan.gluon_launches,
-                          **_GLUON_TILES[q.shape[2]])
+                          **_GLUON_TILES[k.shape[2]])
         return (out, lse) if plan.return_lse else out
     if plan.use_tma:
         desc_k, desc_v = _kv_descriptor(k, plan.block_n), _kv_descriptor(v, plan.block_n)

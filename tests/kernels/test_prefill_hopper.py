@@ -95,6 +95,22 @@ def test_compiles_for_sm90_without_spills(compile_sm90: Callable[..., dict], cau
     assert (got["turn_syncs"] > 0) == turns, got
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("head_dim, out_dim, tile, causal", [(64, 59, "128,3,3", True),
+                                                             (128, 72, "128,2,2", False)],
+                         ids=["d59-causal", "d72-full"])
+def test_narrow_rows_build_compiles_without_spills(compile_sm90: Callable[..., dict],
+                                                   head_dim: int, out_dim: int, tile: str,
+                                                   causal: bool) -> None:
+    """The builds of a padded launch (only ``out``'s columns stored; at D 72 q read as it is,
+    its extra columns zeroed in shared memory) keep the 16-bit build's spills and register
+    split. A column mask on V's masked block spilled 1.9 KB."""
+    got = compile_sm90(causal, head_dim, tile, "--out-dim", str(out_dim))
+    assert got["spill_bytes"] <= 96, got
+    assert (160 if tile.endswith("3") else 224) in got["setmaxnreg_inc"], got
+    assert got["wgmma_wait_1"] > 0, got
+
+
 def test_tile_option_defaults() -> None:
     """Causal 192-row tiles end at each sequence's last row, every other launch starts at the
     first; every launch takes turns; a value given wins."""
@@ -281,24 +297,57 @@ def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPat
         monkeypatch.setenv(switch, "0")
         assert dim(q, k, v, True, False, 1) == 0
         monkeypatch.delenv(switch)
+    def pad_q(q: torch.Tensor) -> bool:  # the plan's: q copied into padded rows
+        kv = torch.empty(q.shape[0], 1, q.shape[2], dtype=q.dtype)
+        cu = torch.tensor([0, q.shape[0]], dtype=torch.int32)
+        plan = prefill_kernel._plan(q, kv, kv, cu, None, False, None, False, None, (-1, -1),
+                                    0.0, None, q.shape[0], None, None, None, None)
+        assert plan.gluon_dim
+        return plan.pad_q
+
+    assert not pad_q(torch.empty(8192, 8, 72, dtype=torch.bfloat16))  # heads on 16 bytes
+    assert not pad_q(torch.empty(8192, 8, 40, dtype=torch.float16))
+    # Heads off 16-byte boundaries (a TMA copy must start on one: D 59's odd heads faulted).
+    assert pad_q(torch.empty(8192, 8, 59, dtype=torch.bfloat16))
+    assert pad_q(torch.empty(8192, 8, 100, dtype=torch.bfloat16))
+    assert pad_q(torch.empty(8192, 8, 80, dtype=torch.bfloat16)[..., :72])  # heads not packed
+    flat = torch.empty(8192 * 8 * 72 + 1, dtype=torch.bfloat16)
+    assert pad_q(flat[1:].view(8192, 8, 72))  # starts off 16 bytes
+    assert pad_q(torch.empty(32768, 1, 40, dtype=torch.bfloat16))  # a head under the tile
+
+    # What the launch gets: the tile's K/V and tiles, q as it is or padded, the caller's out.
+    launches = []
+    monkeypatch.setattr(prefill_kernel, "num_sms", lambda index: 132)
+    monkeypatch.setattr(prefill_kernel, "pad_rows",
+                        lambda t, d: torch.nn.functional.pad(t, (0, d - t.shape[2])))
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws", lambda *a, **kw: launches.append(
+        ([t.shape[2] for t in a[:3]], a[5], kw)))
+    for d, q_width, tile in ((72, 72, 128), (59, 64, 64), (100, 128, 128)):
+        q, k, v = qkv(d)
+        out = torch.empty_like(q)
+        prefill(q, k, v, torch.tensor([0, 8192], dtype=torch.int32), out=out)
+        widths, got_out, kw = launches.pop()
+        assert widths == [q_width, tile, tile] and got_out is out
+        assert kw == {**kw, **prefill_kernel._GLUON_TILES[tile]}
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         sm90[0] = cap
         assert dim(q, k, v, True, False, 1) == 0
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
-@pytest.mark.parametrize("head_dim", [40, 59, 100, 111])
+@pytest.mark.parametrize("head_dim", [40, 59, 72, 111])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, head_dim: int,
                                             causal: bool) -> None:
     """``prefill`` at a head dim the Gluon kernel does not take, with enough work: one Gluon
-    launch at the padded dim, storing only the caller's columns, its result and lse against
-    float64 in the caller's poisoned ``out`` (inside a larger buffer, off 16-byte boundaries)
-    and ``lse_out``; varlen with a ragged last block, GQA."""
+    launch at the padded dim on K/V padded and q as it is where its heads start on 16-byte
+    boundaries (D 40, 72; else padded too), storing only the caller's columns; its result and
+    lse against float64 in the caller's poisoned ``out`` (inside a larger buffer, off 16-byte
+    boundaries) and ``lse_out``; varlen with a ragged last block, GQA."""
     calls = []
     real = prefill_kernel.hopper_prefill_ws
-    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
-                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws", lambda *a, **kw: calls.append(
+        (a[0].shape[2], a[1].shape[2], a[2].shape[2])) or real(*a, **kw))
     lens = [8192, 4097]
     cu = cu_seqlens(lens)
     q = randn(sum(lens), 8, head_dim, dtype=torch.bfloat16)
@@ -309,7 +358,8 @@ def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, hea
     poison_(buf)
     poison_(lse)
     got, got_lse = prefill(q, k, v, cu, causal=causal, return_lse=True, out=out, lse_out=lse)
-    assert calls == [64 if head_dim < 64 else 128]
+    padded = 64 if head_dim < 64 else 128
+    assert calls == [(head_dim if head_dim % 8 == 0 else padded, padded, padded)]
     assert got.data_ptr() == out.data_ptr() and got_lse.data_ptr() == lse.data_ptr()
     assert torch.isnan(buf[:33]).all() and torch.isnan(buf[-33:]).all()  # nothing past out
     ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cu, causal=causal,
@@ -318,6 +368,39 @@ def test_padded_head_dims_against_reference(monkeypatch: pytest.MonkeyPatch, hea
     err = ((got.double() - ref).norm() / ref.norm()).item()
     assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
     check_lse(got_lse, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
+@pytest.mark.parametrize("head_dim", [40, 72])
+def test_padded_head_dims_keep_heads_apart(monkeypatch: pytest.MonkeyPatch,
+                                           head_dim: int) -> None:
+    """A padded launch reads each head's Q tile on into the next head's columns and zeroes
+    them in shared memory: infinities and NaN in one head's q, k or v leave every other
+    head's output and lse as float64 has them. A strided q (rows not TMA-readable) takes a
+    padded copy instead, with the same answers."""
+    calls = []
+    real = prefill_kernel.hopper_prefill_ws
+    monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws",
+                        lambda *a, **kw: calls.append(a[0].shape[2]) or real(*a, **kw))
+    lens = [8192, 300]
+    cu = cu_seqlens(lens)
+    q = randn(sum(lens), 8, head_dim, dtype=torch.bfloat16)
+    k, v = (randn(sum(lens), 8, head_dim, dtype=torch.bfloat16) for _ in "kv")
+    for t, value in ((q, math.inf), (k, -math.inf), (v, math.nan)):
+        t[::7, 3] = value  # head 3's rows: heads 2 and 4 are its neighbours
+    ref, ref_lse = prefill_ref(q.double(), k.double(), v.double(), cu,
+                               causal=True, return_lse=True)
+    keep = [h for h in range(8) if h != 3]
+    wide = randn(sum(lens), 8, head_dim + 8, dtype=torch.bfloat16)[..., :head_dim]
+    wide.copy_(q)
+    for query, width in ((q, head_dim), (wide, 64 if head_dim < 64 else 128)):
+        calls.clear()
+        got, lse = prefill(query, k, v, cu, causal=True, return_lse=True)
+        assert calls == [width]
+        assert torch.isfinite(got[:, keep]).all()
+        err = ((got[:, keep].double() - ref[:, keep]).norm() / ref[:, keep].norm()).item()
+        assert err < TOL[torch.bfloat16], f"relative error {err:.3g}"
+        check_lse(lse[keep], ref_lse[keep], torch.bfloat16)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")

@@ -185,7 +185,10 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
         vt = transposed_values_ref(t, torch.tensor([0, 256], dtype=torch.int32), bn)
         descs["desc_v"] = values_descriptor(vt, head_dim, bn)
     end_tiles, pingpong = tile_options(causal, cons, pingpong=pingpong)
-    const = dict(HEAD_DIM=head_dim, OUT_D=out_dim or head_dim, BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
+    # A padded launch reads q as it is only where its heads start on 16-byte boundaries.
+    q_d = out_dim if out_dim and out_dim * t.element_size() % 16 == 0 else head_dim
+    const = dict(HEAD_DIM=head_dim, Q_D=q_d, OUT_D=out_dim or head_dim,
+                 BLOCK_N=bn, BLOCK_B=64, STAGES=st, CONSUMERS=cons,
                  Q_BUFS=q_bufs, DYNAMIC=dynamic, IS_CAUSAL=causal, END_TILES=end_tiles,
                  RETURN_LSE=True, PINGPONG=pingpong, KV_SCALES=kv_scales, FP8=fp8,
                  CONSUMER_REGS=_REGS[cons][0], PRODUCER_REGS=_REGS[cons][1])
@@ -201,11 +204,12 @@ def compile_sm90(causal: bool, dtype: torch.dtype = torch.bfloat16, head_dim: in
             sig[name] = mangle_type(descs[name])
         elif name in ptrs:
             sig[name] = ptrs[name]
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            if not (name == "Out" and out_dim):  # a narrower out starts anywhere
+                attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name == "qk_scale" else "i32"
-            if name in ("stride_vt", "stride_ot", "stride_oh"):  # multiples of 16 on launch
-                attrs[(i,)] = [["tt.divisibility", 16]]
+            if name == "stride_vt" or (name in ("stride_ot", "stride_oh") and not out_dim):
+                attrs[(i,)] = [["tt.divisibility", 16]]  # multiples of 16 on launch
     kernel = triton.compile(GluonASTSource(fn, sig, const, attrs),
                             target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
