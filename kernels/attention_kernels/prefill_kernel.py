@@ -561,8 +561,8 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
 # output stored directly 380 (its element stores cost the kernel 340 against 325 us with whole
 # rows; 8 elements a lane 365, 2 349, 4 342). q read as it is (``bench_kernels.py --only
 # headdim``, same day): D 40 369 -> 352 us, 72 515 -> 493, 80 519 -> 496, 112 556 -> 530. The
-# copies hold k, v (and q) again while the launch runs. Under 40 columns padding to 64 was not measured; FP8 K/V
-# (widened for the Gluon kernel) keep their own path.
+# copies hold k, v (and q) again while the launch runs. Under 40 columns padding to 64 was not
+# measured; FP8 K/V (widened for the Gluon kernel) keep their own path.
 _GLUON_PAD_MIN_DIM = 40
 
 
