@@ -39,8 +39,10 @@ from attention_kernels.decode_kernel import (
 )
 from attention_kernels.prefill_kernel import (
     _GLUON_HEAD_DIMS,
+    _GLUON_PAD_MIN_DIM,
     _TMA_HEAD_DIMS,
     _gluon_ok,
+    _padded_gluon_dim,
     _tma_ok,
     paged_prefill,
     prefill,
@@ -279,8 +281,10 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     launches of few and of many programs (``configs.many_programs``), each with and without a
     short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
     (TMA) loads and the Gluon kernel, which only launches with enough work take
-    (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too. Without these the
-    first long prompt or first big batch compiled them (~1-2 s each)."""
+    (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too, and at D 40-127 the Gluon kernel
+    at its padded dim (``_padded_gluon_dim``: a build of its own per head dim, as it stores
+    only ``out``'s columns). Without these the first long prompt or first big batch compiled
+    them (~1-2 s each)."""
     d = q.shape[2]
     inputs = [(q, kv, cu)]
     fp8_calls: list[Callable[[], object]] = []
@@ -290,13 +294,14 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
         inputs.append((torch.randn(1, _many_heads(1, q.device), d, dtype=q.dtype,
                                    device=q.device), kv[:1], one))
         big_dims = _TMA_HEAD_DIMS + _GLUON_HEAD_DIMS  # descriptors / the Gluon kernel
-        if d in big_dims:
+        if d in big_dims or _GLUON_PAD_MIN_DIM <= d < max(_GLUON_HEAD_DIMS):
             n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
             big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
             big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
             for heads in {16, _many_heads(n, q.device)}:
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
-                if _tma_ok(big_q, big_kv, big_kv, head_dims=big_dims):
+                if (_tma_ok(big_q, big_kv, big_kv, head_dims=big_dims)
+                        or _padded_gluon_dim(big_q, big_kv, big_kv, True, False, 1)):
                     inputs.append((big_q, big_kv, big_cu))
                     k8 = big_kv.to(torch.float8_e4m3fn)
                     if _gluon_ok(big_q, k8, k8, True, False, 1):  # FP8 K/V, widened for it

@@ -126,3 +126,27 @@ def test_workers_leave_nothing_to_compile(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_prefill_variants_take_the_padded_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On an sm_90 device (these CPU tensors stand for one) the warm-up's prefill calls at a
+    head dim the Gluon kernel takes only padded (D 40-127 other than 64, 128) include launches
+    big enough for it: it compiles a build of its own per such head dim."""
+    from attention_kernels import prefill_kernel
+
+    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_warmup, "interpreting", lambda: False)
+    monkeypatch.setattr(kernel_warmup, "_many_heads", lambda total_q, device: 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+    def padded_calls(d: int) -> int:
+        q = torch.zeros(5, 4, d, dtype=torch.bfloat16)
+        kv = torch.zeros(5, 2, d, dtype=torch.bfloat16)
+        calls = kernel_warmup._prefill_variants(q, kv, torch.tensor([0, 5]), (False, True))
+        return sum(prefill_kernel._padded_gluon_dim(c.args[0], c.args[1], c.args[2], True,
+                                                    c.keywords["causal"], 1) > 0
+                   for c in calls)
+
+    assert padded_calls(72) == padded_calls(59) == 8  # (non-)causal x lse x hint
+    assert padded_calls(64) == padded_calls(32) == 0
