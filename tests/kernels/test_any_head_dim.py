@@ -483,6 +483,30 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
             4 if many else 8)
 
 
+@pytest.mark.parametrize("chosen, splits", [(1, 1), (2, 4), (16, 32)])
+def test_wide_skewed_tiles_take_more_splits(monkeypatch: pytest.MonkeyPatch, chosen: int,
+                                            splits: int) -> None:
+    """Decode tiles twice the padded head dim (D 59's skewed rows, 128 wide) take twice the
+    automatic split count, at least 4, on a Hopper GPU (its shape rules stood in for here);
+    one split stays one, D 64 keeps the count, and an explicit count is honoured."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: chosen)
+    monkeypatch.setattr(decode_kernel, "decode_shape_config", lambda cfg, *a, **kw: cfg)
+
+    def grid(d: int, num_splits: int = 0) -> tuple[int, int]:
+        q = torch.zeros(8, 32, d, dtype=torch.bfloat16)
+        k = torch.zeros(8 * 4096, 8, d, dtype=torch.bfloat16)
+        plan = decode_kernel._plan(q, k, k, None, 4096, None, num_splits, False, None, "fused",
+                                   (-1, -1), 0.0, None, None, None, None, None)
+        return plan.block_d, plan.launch.grid[0]
+
+    assert grid(59) == (128, splits)
+    assert grid(64) == (64, chosen)
+    assert grid(59, 3) == (128, 3)
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the odd-dim tiles are the GPU's (the interpreter "
                     "takes its own small tiles)")
 @pytest.mark.parametrize("head_dim", [111, 201])
