@@ -282,7 +282,7 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
     short ``max_seqlen_q`` hint, and on Hopper at the head dims that take them the descriptor
     (TMA) loads and the Gluon kernel, which only launches with enough work take
     (``_TMA_MIN_WORK``), the Gluon kernel with FP8 K/V too, and at D 40-127 the Gluon kernel
-    at its padded dim (``_padded_gluon_dim``: a build of its own per head dim, as it stores
+    at its padded dim (``_padded_gluon_dim``: builds of its own per head dim, as it stores
     only ``out``'s columns). Without these the first long prompt or first big batch compiled
     them (~1-2 s each)."""
     d = q.shape[2]
@@ -298,7 +298,13 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
             n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
             big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
             big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
-            for heads in {16, _many_heads(n, q.device)}:
+            head_counts = {16, _many_heads(n, q.device)}
+            if d not in big_dims and 18 * d % 16:
+                # A padded launch stores into out's own rows, and Triton builds apart for a
+                # token stride (H * D) that is a multiple of 16 and one that is not (D 59 at
+                # 8 heads): 18 heads make the other.
+                head_counts.add(18)
+            for heads in head_counts:
                 big_q = torch.randn(n, heads, d, dtype=q.dtype, device=q.device)
                 if (_tma_ok(big_q, big_kv, big_kv, head_dims=big_dims)
                         or _padded_gluon_dim(big_q, big_kv, big_kv, True, False, 1)):

@@ -1103,6 +1103,9 @@ def hopper_prefill_ws(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: t
     fp8 = q.dtype == torch.float8_e4m3fn
     if q_dim != head_dim and (fp8 or v.shape[2] != head_dim):
         raise ValueError("only 16-bit q may be narrower than k and v")
+    if any(t.stride(1) != t.shape[2] or t.stride(2) != 1 for t in (q, k, v)):
+        raise ValueError("q, k, v must hold their heads packed: [total, H, D] rows read as "
+                         "[total, H * D]")
     if fp8:
         v_ptr = transpose_values(v, cu_k, block_n, _VT_ALIGN)
         desc_v = values_descriptor(v_ptr, head_dim, block_n)

@@ -995,8 +995,10 @@ def _plan(
         if widen:
             # ``_run`` launches on the widened copies, not on ``k, v``: their strides, rows
             # padded as ``k``'s were (a D 40 plan on padded strides read unpadded copies as
-            # garbage on an H200).
-            padded = k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
+            # garbage on an H200). The Gluon kernel reads heads packed (``[rows, H * D]``
+            # descriptors): its copies are packed whatever ``k``'s rows were.
+            padded = (k.stride(0) == k.shape[1] * k.stride(1) and k.stride(1) > head_dim
+                      and not gluon)
             widen_row = k.stride(1) if padded else head_dim
             token = k.shape[1] * widen_row
             strides = (token, widen_row, token, widen_row, None, None, None)

@@ -316,6 +316,8 @@ def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPat
     assert pad_q(torch.empty(32768, 1, 40, dtype=torch.bfloat16))  # a head under the tile
 
     # What the launch gets: the tile's K/V and tiles, q as it is or padded, the caller's out.
+    # (Plans made here are for a GPU these tensors only stand for: kept out of the cache.)
+    monkeypatch.setattr(prefill_kernel, "_PLANS", type(prefill_kernel._PLANS)())
     launches = []
     monkeypatch.setattr(prefill_kernel, "num_sms", lambda index: 132)
     monkeypatch.setattr(prefill_kernel, "pad_rows",
@@ -323,15 +325,41 @@ def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(prefill_kernel, "hopper_prefill_ws", lambda *a, **kw: launches.append(
         ([t.shape[2] for t in a[:3]], a[5], kw)))
     for d, q_width, tile in ((72, 72, 128), (59, 64, 64), (100, 128, 128)):
-        q, k, v = qkv(d)
-        out = torch.empty_like(q)
-        prefill(q, k, v, torch.tensor([0, 8192], dtype=torch.int32), out=out)
+        q_d, k_d, v_d = qkv(d)
+        out = torch.empty_like(q_d)
+        prefill(q_d, k_d, v_d, torch.tensor([0, 8192], dtype=torch.int32), out=out)
         widths, got_out, kw = launches.pop()
         assert widths == [q_width, tile, tile] and got_out is out
         assert kw == {**kw, **prefill_kernel._GLUON_TILES[tile]}
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
         sm90[0] = cap
         assert dim(q, k, v, True, False, 1) == 0
+
+
+def test_widened_kv_for_it_hold_heads_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FP8 K/V in rows padded past D (heads not packed) are widened for the Gluon kernel into
+    packed copies: it reads each kv head at column ``head * D`` of ``[rows, H_kv * D]``. (The
+    copies once kept the rows' padding, and kv head 1 would have read head 0's pad.) The
+    portable kernel keeps the padded rows' strides."""
+    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    q = torch.empty(8192, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(8192, 2, 144, dtype=torch.bfloat16).to(torch.float8_e4m3fn)[..., :128]
+    cu = torch.tensor([0, 8192], dtype=torch.int32)
+    ones = torch.ones(2)
+
+    def plan(switch: str) -> prefill_kernel._PrefillPlan:
+        monkeypatch.setenv("ATTENTION_KERNELS_GLUON", switch)
+        return prefill_kernel._plan(q, k, k, cu, None, False, None, False, None, (-1, -1), 0.0,
+                                    None, 8192, ones, ones, None, None)
+
+    gluon, portable = plan("1"), plan("0")
+    assert gluon.gluon and gluon.widen_kv and gluon.widen_row == 128
+    assert not portable.gluon and portable.widen_kv and portable.widen_row == 144
+    with pytest.raises(ValueError, match="heads packed"):
+        padded = torch.empty(8192, 2, 144, dtype=torch.bfloat16)[..., :128]
+        hopper_prefill_ws(q, padded, padded, cu, cu, q, None, False, 1.0)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
