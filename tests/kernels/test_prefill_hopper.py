@@ -340,7 +340,8 @@ def test_widened_kv_for_it_hold_heads_packed(monkeypatch: pytest.MonkeyPatch) ->
     """FP8 K/V in rows padded past D (heads not packed) are widened for the Gluon kernel into
     packed copies: it reads each kv head at column ``head * D`` of ``[rows, H_kv * D]``. (The
     copies once kept the rows' padding, and kv head 1 would have read head 0's pad.) The
-    portable kernel keeps the padded rows' strides."""
+    portable kernel keeps the padded rows' strides. ``hopper_prefill_ws`` refuses heads not
+    packed, and a narrower q unless 16-bit with K and V at the tile's width."""
     monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
@@ -360,6 +361,16 @@ def test_widened_kv_for_it_hold_heads_packed(monkeypatch: pytest.MonkeyPatch) ->
     with pytest.raises(ValueError, match="heads packed"):
         padded = torch.empty(8192, 2, 144, dtype=torch.bfloat16)[..., :128]
         hopper_prefill_ws(q, padded, padded, cu, cu, q, None, False, 1.0)
+    # Only 16-bit q may be narrower than the tile (FP8 V is transposed whole; V never).
+    kv = torch.empty(8192, 2, 128, dtype=torch.bfloat16)
+    narrow = torch.empty(8192, 8, 120, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="only 16-bit q"):
+        hopper_prefill_ws(narrow, kv, kv[..., :120].contiguous(), cu, cu, narrow, None, False,
+                          1.0)
+    with pytest.raises(ValueError, match="only 16-bit q"):
+        e4m3 = torch.float8_e4m3fn
+        hopper_prefill_ws(narrow.to(e4m3), kv.to(e4m3), kv.to(e4m3), cu, cu, narrow, None,
+                          False, 1.0)
 
 
 @pytest.mark.skipif(not ON_SM90, reason="the Gluon kernel runs on sm_90 only")
