@@ -4,9 +4,9 @@
   for FP8 queries (``transpose_values``), for the Gluon prefill;
 * rows padded with zeros to a wider head dim (``pad_rows``): K/V to the portable prefill's
   tile, for head dims whose rows it could otherwise only read element by element (D 59), and
-  q, k, v to the Gluon prefill's head dim, for head dims it does not take (``prefill_kernel``;
-  its output is cut back with torch's strided copy, which measured faster than two kernels of
-  ours: 16K x 16 x 59 bf16 38 us against 57 and 82).
+  k, v (q where TMA cannot read its heads in place) to the Gluon prefill's head dim, for head
+  dims it does not take (``prefill_kernel._padded_gluon_dim``; the kernel stores the output's
+  own columns).
 
 Widening is exact: every e4m3 value is a bf16 and an fp16 value (3 mantissa bits, exponents
 within both ranges), so the kernel that reads the copies with the scales applied in float32 does
