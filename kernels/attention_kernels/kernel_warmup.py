@@ -39,9 +39,9 @@ from attention_kernels.decode_kernel import (
 )
 from attention_kernels.prefill_kernel import (
     _GLUON_HEAD_DIMS,
-    _GLUON_PAD_MIN_DIM,
     _TMA_HEAD_DIMS,
     _gluon_ok,
+    _gluon_padding,
     _padded_gluon_dim,
     _tma_ok,
     paged_prefill,
@@ -294,12 +294,13 @@ def _prefill_variants(q: torch.Tensor, kv: torch.Tensor, cu: torch.Tensor,
         inputs.append((torch.randn(1, _many_heads(1, q.device), d, dtype=q.dtype,
                                    device=q.device), kv[:1], one))
         big_dims = _TMA_HEAD_DIMS + _GLUON_HEAD_DIMS  # descriptors / the Gluon kernel
-        if d in big_dims or _GLUON_PAD_MIN_DIM <= d < max(_GLUON_HEAD_DIMS):
+        padded = _gluon_padding(d)
+        if d in big_dims or padded:
             n = 4096  # n * n * 16 heads = _TMA_MIN_WORK
             big_kv = torch.randn(n, 2, d, dtype=q.dtype, device=q.device)
             big_cu = torch.tensor([0, n], dtype=torch.int32, device=q.device)
             head_counts = {16, _many_heads(n, q.device)}
-            if d not in big_dims and 18 * d % 16:
+            if padded and 18 * d % 16:
                 # A padded launch stores into out's own rows, and Triton builds apart for a
                 # token stride (H * D) that is a multiple of 16 and one that is not (D 59 at
                 # 8 heads): 18 heads make the other.

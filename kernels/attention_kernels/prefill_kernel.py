@@ -566,16 +566,22 @@ def _gluon_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool, ca
 _GLUON_PAD_MIN_DIM = 40
 
 
+def _gluon_padding(dim: int) -> int:
+    """The Gluon head dim a head dim ``dim`` it does not take pads to, or 0 (outside
+    ``_GLUON_PAD_MIN_DIM`` up to its largest)."""
+    if dim in _GLUON_HEAD_DIMS or not _GLUON_PAD_MIN_DIM <= dim < max(_GLUON_HEAD_DIMS):
+        return 0
+    return min(d for d in _GLUON_HEAD_DIMS if d > dim)
+
+
 def _padded_gluon_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plain: bool,
                       causal: bool, batch: int) -> int:
     """The Gluon head dim a contiguous prefill at another head dim runs at once padded, or 0:
-    the next of ``_GLUON_HEAD_DIMS`` where ``_gluon_ok`` takes the padded launch, for K/V in
-    ``q``'s dtype (FP8 K/V are widened, not padded)."""
-    dim = q.shape[2]
-    if dim in _GLUON_HEAD_DIMS or not _GLUON_PAD_MIN_DIM <= dim < max(_GLUON_HEAD_DIMS) \
-            or k.dtype != q.dtype:
+    ``_gluon_padding`` where ``_gluon_ok`` takes the padded launch, for K/V in ``q``'s dtype
+    (FP8 K/V are widened, not padded)."""
+    padded = _gluon_padding(q.shape[2])
+    if not padded or k.dtype != q.dtype:
         return 0
-    padded = min(d for d in _GLUON_HEAD_DIMS if d > dim)
     return padded if _gluon_ok(q, k, v, plain, causal, batch, padded) else 0
 
 
