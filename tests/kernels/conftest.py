@@ -23,6 +23,20 @@ if not ON_GPU and not INTERPRET:
     pytest.skip("kernel tests need a GPU or TRITON_INTERPRET=1", allow_module_level=True)
 
 
+@pytest.fixture
+def sm90_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """CPU tensors standing for an sm_90 device in the prefill's routing (compiled, on CUDA,
+    capability 9.0), for tests of its decisions without a GPU. Returns the capability as a
+    one-item list a test may change."""
+    from attention_kernels import prefill_kernel
+
+    capability = [(9, 0)]
+    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: capability[0])
+    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    return capability
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     out64, ref64 = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out64).any(), "NaN in kernel output"

@@ -263,15 +263,12 @@ def test_prefill_routes_long_plain_launches_to_it(monkeypatch: pytest.MonkeyPatc
     assert len(calls) == 1
 
 
-def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPatch,
+                                                   sm90_stand_in: list[tuple[int, int]]) -> None:
     """``_padded_gluon_dim``: head dims 40-127 other than 64 run on the Gluon kernel padded to
     the next of 64 and 128, under its rules (``_gluon_ok`` and ``_tma_ok`` as they are, on
     an sm_90 device these CPU tensors stand for: 16-bit K/V like q, no features, enough work,
     causal D 64 only for long prompts, its switches)."""
-    sm90 = [(9, 0)]
-    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: sm90[0])
-    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     dim = prefill_kernel._padded_gluon_dim
 
     def qkv(d: int, tokens: int = 8192, heads: int = 4) -> tuple[torch.Tensor, ...]:
@@ -332,19 +329,17 @@ def test_padded_head_dims_take_it_where_it_applies(monkeypatch: pytest.MonkeyPat
         assert widths == [q_width, tile, tile] and got_out is out
         assert kw == {**kw, **prefill_kernel._GLUON_TILES[tile]}
     for cap in ((8, 0), (10, 0)):  # Ampere; Blackwell has no wgmma
-        sm90[0] = cap
+        sm90_stand_in[0] = cap
         assert dim(q, k, v, True, False, 1) == 0
 
 
-def test_widened_kv_for_it_hold_heads_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_widened_kv_for_it_hold_heads_packed(monkeypatch: pytest.MonkeyPatch,
+                                             sm90_stand_in: list[tuple[int, int]]) -> None:
     """FP8 K/V in rows padded past D (heads not packed) are widened for the Gluon kernel into
     packed copies: it reads each kv head at column ``head * D`` of ``[rows, H_kv * D]``. (The
     copies once kept the rows' padding, and kv head 1 would have read head 0's pad.) The
     portable kernel keeps the padded rows' strides. ``hopper_prefill_ws`` refuses heads not
     packed, and a narrower q unless 16-bit with K and V at the tile's width."""
-    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     q = torch.empty(8192, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(8192, 2, 144, dtype=torch.bfloat16).to(torch.float8_e4m3fn)[..., :128]
     cu = torch.tensor([0, 8192], dtype=torch.int32)

@@ -128,18 +128,16 @@ def test_workers_leave_nothing_to_compile(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-def test_prefill_variants_take_the_padded_gluon_launches(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_prefill_variants_take_the_padded_gluon_launches(
+        monkeypatch: pytest.MonkeyPatch, sm90_stand_in: list[tuple[int, int]]) -> None:
     """On an sm_90 device (these CPU tensors stand for one) the warm-up's prefill calls at a
     head dim the Gluon kernel takes only padded (D 40-127 other than 64, 128) include launches
     big enough for it: it compiles builds of its own per such head dim, and at D 59 (out's
     token stride a multiple of 16 at 16 heads, not at 18) for both kinds of token stride."""
     from attention_kernels import prefill_kernel
 
-    monkeypatch.setattr(prefill_kernel, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(prefill_kernel, "interpreting", lambda: False)
     monkeypatch.setattr(kernel_warmup, "interpreting", lambda: False)
     monkeypatch.setattr(kernel_warmup, "_many_heads", lambda total_q, device: 16)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
 
     def padded_calls(d: int) -> int:
         q = torch.zeros(5, 4, d, dtype=torch.bfloat16)
