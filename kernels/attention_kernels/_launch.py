@@ -78,9 +78,9 @@ def row_align(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tens
 
 
 def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
-             head_dim: int, block_d: int) -> int:
-    """A kernel's ``KV_SHIFT``: the elements in 16 bytes of K/V (else 0) when a program can
-    read its K/V rows in whole 16-byte pieces although they do not start on 16-byte
+             head_dim: int, block_d: int, piece: int = 16) -> int:
+    """A kernel's ``KV_SHIFT``: the elements in a ``piece`` of K/V (16 or 8 bytes; else 0)
+    when a program can read its K/V rows in whole pieces although they do not start on piece
     boundaries, or end inside a piece:
 
     * every row of one kv head starts equally far past a boundary, its skew (all strides but
@@ -97,7 +97,7 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
 
     ``strides`` as ``row_align`` takes them."""
     size = k.element_size()  # v's too (``_checks``)
-    vec = 16 // size
+    vec = piece // size
     skew = max(vec - math.gcd(strides[1], vec), vec - math.gcd(strides[3], vec))
     if (skew == 0 and head_dim % vec == 0) or head_dim + skew > block_d:
         return 0  # rows whole already (``row_align`` marks them), or the skew does not fit

@@ -95,8 +95,12 @@ def block_kv_ptrs(k_base, v_base, kv_offs_k, kv_offs_v, page, first, table_row, 
     next block's are looked up now, off this block's critical path (but the loads of a block
     cannot be issued before the previous iteration has looked its pages up).
     ``ROW_ALIGN``: the pointers marked with their rows' alignment (``row_ptrs``); rows read
-    skewed (``KV_SHIFT``, ``kv_bases``) start on 16 bytes whatever it says."""
-    KV_ALIGN: tl.constexpr = 16 if KV_SHIFT > 0 else ROW_ALIGN
+    skewed (``KV_SHIFT``, ``kv_bases``) start on a piece (``KV_SHIFT`` elements) whatever it
+    says."""
+    if KV_SHIFT > 0:  # a piece's bytes
+        KV_ALIGN: tl.constexpr = KV_SHIFT * k_base.dtype.element_ty.primitive_bitwidth // 8
+    else:
+        KV_ALIGN: tl.constexpr = ROW_ALIGN
     if PAGED:
         if SPAN > 0:
             # Spans are for pages smaller than a block (decode_kernel._page_span): one page per
@@ -161,10 +165,10 @@ def kv_bases(K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, strid
     of each page where blocks start on page boundaries, else the head dim only), and each key
     block adds its pages from the block table (``block_rows``). (The table row stays with the
     caller: returning the contiguous path's None table would not compile.)
-    ``KV_SHIFT`` (``_launch.kv_shift``: the elements in 16 bytes, 0: off): every row of this
-    kv head starts the same number of elements past a 16-byte boundary, its skew; the bases
-    move back by it, so column ``c`` of a tile is the row's element ``c - skew`` and each
-    row is read in whole 16-byte pieces (``skewed_cols``)."""
+    ``KV_SHIFT`` (``_launch.kv_shift``: the elements in a 16- or 8-byte piece, 0: off): every
+    row of this kv head starts the same number of elements past a piece boundary, its skew;
+    the bases move back by it, so column ``c`` of a tile is the row's element ``c - skew``
+    and each row is read in whole pieces (``skewed_cols``)."""
     k_skew = 0
     v_skew = 0
     if KV_SHIFT > 0:
@@ -194,9 +198,9 @@ def kv_bases(K, V, k_start, kv_head, offs_n, offs_d, stride_kt, stride_kh, strid
 @triton.jit
 def skewed_cols(offs_d, skew, HEAD_DIM: tl.constexpr, KV_SHIFT: tl.constexpr):
     """(columns to load, columns of the row) of a tile whose rows start ``skew`` elements
-    into it (``kv_bases``): the loads take every 16-byte piece that holds part of the row, so
-    they stay whole (a mask that changed inside a piece would split it into element loads);
-    the pieces' other elements belong to the neighbouring heads."""
+    into it (``kv_bases``): the loads take every piece (16 or 8 bytes) that holds part of the
+    row, so they stay whole (a mask that changed inside a piece would split it into element
+    loads); the pieces' other elements belong to the neighbouring heads."""
     end = tl.multiple_of((skew + HEAD_DIM + KV_SHIFT - 1) // KV_SHIFT * KV_SHIFT, KV_SHIFT)
     return offs_d < end, (offs_d >= skew) & (offs_d < skew + HEAD_DIM)
 
@@ -229,3 +233,4 @@ def unskew(acc, skew, offs_d, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     cols = tl.minimum(offs_d + skew, BLOCK_D - 1)
     acc = tl.gather(acc, tl.broadcast_to(cols[None, :], acc.shape), 1)
     return tl.where((offs_d < HEAD_DIM)[None, :], acc, 0.0)
+

@@ -404,6 +404,31 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int
     return num_splits
 
 
+# Decode tiles twice the padded head dim (``_launch.kv_tile``: skewed rows that do not fit it).
+WIDE_SKEW_TILE = DecodeConfig(64, 2, 3)
+
+
+def wide_skew_split_count(units: int, est_seqlen: int, sms: int) -> int:
+    """The automatic split count of a contiguous decode whose skewed K/V rows do not fit the
+    padded head dim (D 59 bf16, 8 kv heads packed: skews up to 7 elements, 66 > 64 columns),
+    for ``units`` (sequence, kv head) pairs on a Hopper GPU of ``sms`` SMs.
+
+    Up to 3 programs per SM: tiles twice as wide (``WIDE_SKEW_TILE``, 64 keys, 2 warps, 3
+    stages) in about 8 programs per SM, splits of at least 512 keys. More: one split, and the
+    decode plan reads the padded width in 8-byte pieces instead (D 59: skews up to 3) in
+    ``TWO_WARP_TILE``. H200, bf16, 32q/8kv, GPU time, 2026-12-02, D 59 before -> after (D
+    64): 1 x 16384 16.8 -> 16.6 us (11.6), 8 x 8192 53.9 -> 51.5 (37.7), 4 x 32768 101.0 ->
+    94.5 (69.1), 16 x 8192 136.6 -> 89.8 (71.2), 32 x 4096 94.5 -> 89.0 (65.0), 48 x 4096
+    179.1 -> 125.2 (97.2); 8-byte pieces: 64 x 4096 170.6 -> 147.2 (140.1), 128 x 2048 233.8
+    -> 153.0 (129.9), 256 x 1024 157.6 (129.6). Best of 4 tiles x 4 split counts at each
+    shape within 3% but at 8 x 8192 (50.2). 8-byte pieces lose at fewer programs (32 x 4096
+    119.2, 16 x 8192 210.2; 8 x 8192 with splits 79.7), and so did a 64-wide tile plus a
+    16-wide one for the columns past it (8 x 8192 74.7 at best: 255 registers)."""
+    if units > 3 * sms:
+        return 1
+    return max(1, min(8 * sms // units, est_seqlen // 512))
+
+
 @functools.lru_cache(maxsize=512)
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                         kv_fp8: bool = False, skewed: bool = False) -> DecodeConfig:

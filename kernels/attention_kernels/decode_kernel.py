@@ -56,6 +56,7 @@ from attention_kernels._launch import (
     PlanCache,
     call_key,
     kv_room,
+    kv_shift,
     kv_tile,
     launch_inputs,
     no_keys,
@@ -74,6 +75,8 @@ from attention_kernels._paging import (
     unskew,
 )
 from attention_kernels.configs import (
+    TWO_WARP_TILE,
+    WIDE_SKEW_TILE,
     DecodeConfig,
     _capability,
     decode_config,
@@ -85,6 +88,7 @@ from attention_kernels.configs import (
     padded_head_dim,
     paged_decode_config,
     paged_split_count,
+    wide_skew_split_count,
 )
 from attention_kernels.fp8 import widened_queries
 
@@ -733,18 +737,27 @@ def _plan(
     cap_scale, cap_log2 = softcap_args(softcap, scale)
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     sms = _shape_rule_sms(q.device) if config is None and not fp8 else 0
+    units = batch * num_kv_heads
+    # Skewed rows that do not fit the padded tile (D 59) read in tiles twice as wide: their
+    # own rules (``configs.wide_skew_split_count``), measured on contiguous keys.
+    wide = bool(sms) and table is None and block_d > padded_head_dim(head_dim)
     if num_splits == 0:
-        num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device, cfg.block_n)
+        if wide:
+            num_splits = wide_skew_split_count(units, est_seqlen, sms)
+        else:
+            num_splits = choose_num_splits(batch, num_kv_heads, est_seqlen, q.device,
+                                           cfg.block_n)
         if sms and table is not None:
-            num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n,
-                                           batch * num_kv_heads, sms, _dram_gbps(q.device))
-        elif sms and num_splits > 1 and block_d > padded_head_dim(head_dim):
-            # Tiles twice the padded head dim (skewed rows that do not fit it, D 59) stream
-            # slower per program: twice the splits, at least 4. H200, bf16, 32q/8kv, GPU time,
-            # D 59 (D 64), 2026-12-02: 8 x 8192 2 -> 4 splits 75.2 -> 53.4 us (37.5), 1 x 16384
-            # 16 -> 32 splits 22.1 -> 17.0 (11.7); one split (many programs) as before.
-            num_splits = max(2 * num_splits, 4)
+            num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n, units, sms,
+                                           _dram_gbps(q.device))
     num_splits = min(num_splits, MAX_SPLITS)
+    if wide:
+        cfg = WIDE_SKEW_TILE
+        if num_splits == 1 and units > 3 * sms:
+            # See ``wide_skew_split_count``: the padded width in 8-byte pieces.
+            narrow = kv_shift(k, v, strides, head_dim, block_d // 2, piece=8)
+            if narrow:
+                block_d, shift, cfg = block_d // 2, narrow, TWO_WARP_TILE
     if sms:
         cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
                                   -(-est_seqlen // num_splits), sms, block_d,

@@ -228,6 +228,11 @@ def test_kv_shift() -> None:
     assert shift(torch.empty(64, 2, 111, dtype=bf), 111) == 0  # 444-byte tokens
     assert shift(torch.empty(64, 8, 59, dtype=bf), 59) == 0  # a skew of 7 past 64 columns
     assert shift(torch.empty(64, 8, 59, dtype=bf), 59, 128) == 8
+    # 8-byte pieces (decode at many programs): D 59's skews are then up to 3, D 63's too.
+    for d, piece8 in ((59, 4), (63, 0)):
+        k = torch.empty(64, 8, d, dtype=bf)
+        st = (*k.stride()[:2], *k.stride()[:2], None, None, None)
+        assert kv_shift(k, k, st, d, 64, piece=8) == piece8
     # Decode's tile width (kv_tile): twice the padded dim where the skew does not fit it.
     for d, tile in ((59, (128, 8)), (100, (128, 8)), (64, (64, 0)), (251, (256, 0))):
         k = torch.empty(64, 8, d, dtype=bf)
@@ -324,6 +329,36 @@ def test_skewed_rows(head_dim: int, block_n: int | None) -> None:
         close(paged_prefill(qs, k_pages, v_pages, table, cu_q, seqlens, causal=True, **pre),
               paged_prefill_ref(qs.double(), k_pages.double(), v_pages.double(), table, cu_q,
                                 seqlens, causal=True))
+
+
+@pytest.mark.parametrize("head_dim", [59, 63])
+def test_many_programs_read_8_byte_pieces(monkeypatch: pytest.MonkeyPatch,
+                                          head_dim: int) -> None:
+    """Rows whose 16-byte skew does not fit the padded tile (D 59, 63) decode, with more
+    programs than 3 per SM (a Hopper GPU of 8 SMs stood in for), at the padded width in 8-byte
+    pieces (D 59: skews up to 3) against float64, with an inf in kv head 2's keys and a NaN in
+    its values that no other head may see; D 63 (skews up to 3 of 4 past 64 columns) and the
+    same call at fewer programs keep the 128-wide tiles."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 8)
+    dtype = torch.bfloat16
+    ok = [h for h in range(16) if h // 2 != 2]
+    decode_kernel._PLANS.clear()
+    for batch in (4, 3):  # 32 programs > 3 x 8; 24 are not
+        lens = [70, 3, 130, 33][:batch]
+        k, v = (randn(sum(lens), 8, head_dim, dtype=dtype) for _ in "kv")
+        k[:, 2], v[:, 2] = float("inf"), float("nan")
+        q, cu = randn(batch, 16, head_dim, dtype=dtype), cu_seqlens(lens)
+        out = torch.empty_like(q)
+        poison_(out)
+        decode(q, k, v, cu, out=out)
+        ref = decode_ref(q.double(), k.double(), v.double(), cu)
+        assert not out[:, ok].isnan().any()
+        assert rel_err(out[:, ok], ref[:, ok]) < TOL[dtype]
+    tiles = [(p.block_d, p.launch.kwargs["KV_SHIFT"])
+             for p in decode_kernel._PLANS._plans.values()]
+    assert tiles == ([(64, 4), (128, 8)] if head_dim == 59 else [(128, 8), (128, 8)])
 
 
 def test_skewed_fp8_rows() -> None:
@@ -483,28 +518,31 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
             4 if many else 8)
 
 
-@pytest.mark.parametrize("chosen, splits", [(1, 1), (2, 4), (16, 32)])
-def test_wide_skewed_tiles_take_more_splits(monkeypatch: pytest.MonkeyPatch, chosen: int,
-                                            splits: int) -> None:
-    """Decode tiles twice the padded head dim (D 59's skewed rows, 128 wide) take twice the
-    automatic split count, at least 4, on a Hopper GPU (its shape rules stood in for here);
-    one split stays one, D 64 keeps the count, and an explicit count is honoured."""
-    from attention_kernels import decode_kernel
+@pytest.mark.parametrize(("batch", "seqlen", "splits"),
+                         [(8, 4096, 8), (1, 16384, 32), (48, 4096, 2), (2, 300, 1)])
+def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch, batch: int,
+                                                 seqlen: int, splits: int) -> None:
+    """Decode tiles twice the padded head dim (D 59's skewed rows, 128 wide) on a Hopper GPU
+    (its shape rules stood in for here) take ``wide_skew_split_count``'s splits (about 8
+    programs per SM of 132, at least 512 keys each) in ``WIDE_SKEW_TILE``; D 64 keeps the
+    usual count, and an explicit count is honoured."""
+    from attention_kernels import configs, decode_kernel
 
     monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
-    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: chosen)
-    monkeypatch.setattr(decode_kernel, "decode_shape_config", lambda cfg, *a, **kw: cfg)
+    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: 5)
 
-    def grid(d: int, num_splits: int = 0) -> tuple[int, int]:
-        q = torch.zeros(8, 32, d, dtype=torch.bfloat16)
-        k = torch.zeros(8 * 4096, 8, d, dtype=torch.bfloat16)
-        plan = decode_kernel._plan(q, k, k, None, 4096, None, num_splits, False, None, "fused",
-                                   (-1, -1), 0.0, None, None, None, None, None)
-        return plan.block_d, plan.launch.grid[0]
+    def plan(d: int, num_splits: int = 0) -> tuple[int, int, DecodeConfig]:
+        q = torch.zeros(batch, 32, d, dtype=torch.bfloat16)
+        k = torch.zeros(batch * seqlen, 8, d, dtype=torch.bfloat16)
+        p = decode_kernel._plan(q, k, k, None, seqlen, None, num_splits, False, None, "fused",
+                                (-1, -1), 0.0, None, None, None, None, None)
+        kw = p.launch.kwargs
+        return p.block_d, p.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"],
+                                                         kw["num_stages"])
 
-    assert grid(59) == (128, splits)
-    assert grid(64) == (64, chosen)
-    assert grid(59, 3) == (128, 3)
+    assert plan(59) == (128, splits, configs.WIDE_SKEW_TILE)
+    assert plan(64)[:2] == (64, 5)
+    assert plan(59, 3) == (128, 3, configs.WIDE_SKEW_TILE)
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the odd-dim tiles are the GPU's (the interpreter "
