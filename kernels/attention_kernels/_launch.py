@@ -84,7 +84,7 @@ def kv_shift(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
     boundaries, or end inside a piece:
 
     * every row of one kv head starts equally far past a boundary, its skew (all strides but
-      the head's are multiples of 16 bytes, as in packed ``[T, 8, 100]`` bf16: token 1600
+      the head's are multiples of the piece, as in packed ``[T, 8, 100]`` bf16: token 1600
       bytes, head 200), so the program reads its rows skewed (``_paging.kv_bases``), and the
       largest skew plus the head dim fits ``block_d``;
     * a piece can hold a neighbouring head's elements, or bytes past the last row up to the
@@ -141,8 +141,9 @@ def kv_tile(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
     there; where the largest skew does not fit it, twice that (up to 256) when it fits
     there. D 59 bf16, 8 kv heads packed: skews up to 7 elements, 66 > 64 columns. H200,
     64 x 4096 keys, 32q/8kv, GPU time: 447 us read element by element, 170 in 128-wide
-    skewed tiles (D 64: 142), 2026-12-02. (Prefill gained 6% that way; it copies such rows
-    into padded ones instead.)"""
+    skewed tiles (D 64: 142), 2026-12-02; decode's plan now reads that shape at 64 in 8-byte
+    pieces (``configs.wide_skew_split_count``). (Prefill gained 6% that way; it copies such
+    rows into padded ones instead.)"""
     block_d = padded_head_dim(head_dim)
     shift = kv_shift(k, v, strides, head_dim, block_d)
     if shift == 0 and block_d < 256:

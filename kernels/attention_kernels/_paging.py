@@ -233,4 +233,3 @@ def unskew(acc, skew, offs_d, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
     cols = tl.minimum(offs_d + skew, BLOCK_D - 1)
     acc = tl.gather(acc, tl.broadcast_to(cols[None, :], acc.shape), 1)
     return tl.where((offs_d < HEAD_DIM)[None, :], acc, 0.0)
-

@@ -404,7 +404,8 @@ def paged_split_count(num_splits: int, est_seqlen: int, block_n: int, units: int
     return num_splits
 
 
-# Decode tiles twice the padded head dim (``_launch.kv_tile``: skewed rows that do not fit it).
+# 16-bit decode in 128-wide tiles for skewed rows that do not fit the padded 64
+# (``_launch.kv_tile``; ``wide_skew_split_count``).
 WIDE_SKEW_TILE = DecodeConfig(64, 2, 3)
 
 

@@ -287,7 +287,8 @@ def _decode_split_kernel(
     ``Alibi[b * stride_ab + h]``. FP8 K/V (``KV_FP8``): kv head ``g`` of sequence ``b`` stands
     for its values times ``KScale[b * stride_sb + g]`` / ``VScale[...]`` (``stride_sb`` 0: one
     scale per kv head); the dots then run in fp16 (``_fp8_dot``). ``KV_SHIFT``: K/V tiles
-    skewed to whole 16-byte loads (``kv_bases``); ``ROW_ALIGN`` then counts Q and Out only.
+    skewed to whole 16- or 8-byte loads (``kv_bases``); ``ROW_ALIGN`` then counts Q and Out
+    only.
     """
     if PDL:  # the merge kernel may be scheduled now; it waits for this grid's end
         gdc_launch_dependents()
@@ -738,9 +739,10 @@ def _plan(
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     sms = _shape_rule_sms(q.device) if config is None and not fp8 else 0
     units = batch * num_kv_heads
-    # Skewed rows that do not fit the padded tile (D 59) read in tiles twice as wide: their
-    # own rules (``configs.wide_skew_split_count``), measured on contiguous keys.
-    wide = bool(sms) and table is None and block_d > padded_head_dim(head_dim)
+    # 16-bit skewed rows that do not fit the padded 64 (D 59) read in 128-wide tiles: their own
+    # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
+    wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
+            and k.element_size() == 2)
     if num_splits == 0:
         if wide:
             num_splits = wide_skew_split_count(units, est_seqlen, sms)
@@ -751,13 +753,14 @@ def _plan(
             num_splits = paged_split_count(num_splits, est_seqlen, cfg.block_n, units, sms,
                                            _dram_gbps(q.device))
     num_splits = min(num_splits, MAX_SPLITS)
-    if wide:
+    if wide and units <= 3 * sms:
         cfg = WIDE_SKEW_TILE
-        if num_splits == 1 and units > 3 * sms:
-            # See ``wide_skew_split_count``: the padded width in 8-byte pieces.
-            narrow = kv_shift(k, v, strides, head_dim, block_d // 2, piece=8)
-            if narrow:
-                block_d, shift, cfg = block_d // 2, narrow, TWO_WARP_TILE
+    elif wide and num_splits == 1:
+        # See ``wide_skew_split_count``: the padded width in 8-byte pieces where the skews fit
+        # it (D 59: up to 3; not D 63, which keeps the 128-wide tile and the rules below).
+        narrow = kv_shift(k, v, strides, head_dim, 64, piece=8)
+        if narrow:
+            block_d, shift, cfg = 64, narrow, TWO_WARP_TILE
     if sms:
         cfg = decode_shape_config(cfg, batch * num_kv_heads, num_splits,
                                   -(-est_seqlen // num_splits), sms, block_d,

@@ -205,9 +205,9 @@ def test_row_align() -> None:
 
 
 def test_kv_shift() -> None:
-    """Which K/V layouts a program reads skewed, in whole 16-byte pieces (``kv_shift``): rows
-    a constant skew past a boundary per kv head, the skew plus the head dim within the tile,
-    and nothing read past the tensor's storage."""
+    """Which K/V layouts a program reads skewed, in whole 16-byte (or 8-byte) pieces
+    (``kv_shift``): rows a constant skew past a boundary per kv head, the skew plus the head
+    dim within the tile, and nothing read past the tensor's storage."""
     from attention_kernels._launch import kv_shift, kv_tile, row_align
 
     def shift(k: torch.Tensor, d: int, block_d: int = 0) -> int:
@@ -345,19 +345,22 @@ def test_many_programs_read_8_byte_pieces(monkeypatch: pytest.MonkeyPatch,
     dtype = torch.bfloat16
     ok = [h for h in range(16) if h // 2 != 2]
     decode_kernel._PLANS.clear()
-    for batch in (4, 3):  # 32 programs > 3 x 8; 24 are not
-        lens = [70, 3, 130, 33][:batch]
-        k, v = (randn(sum(lens), 8, head_dim, dtype=dtype) for _ in "kv")
-        k[:, 2], v[:, 2] = float("inf"), float("nan")
-        q, cu = randn(batch, 16, head_dim, dtype=dtype), cu_seqlens(lens)
-        out = torch.empty_like(q)
-        poison_(out)
-        decode(q, k, v, cu, out=out)
-        ref = decode_ref(q.double(), k.double(), v.double(), cu)
-        assert not out[:, ok].isnan().any()
-        assert rel_err(out[:, ok], ref[:, ok]) < TOL[dtype]
-    tiles = [(p.block_d, p.launch.kwargs["KV_SHIFT"])
-             for p in decode_kernel._PLANS._plans.values()]
+    try:  # the plans made for the stand-in GPU go with it
+        for batch in (4, 3):  # 32 programs > 3 x 8; 24 are not
+            lens = [70, 3, 130, 33][:batch]
+            k, v = (randn(sum(lens), 8, head_dim, dtype=dtype) for _ in "kv")
+            k[:, 2], v[:, 2] = float("inf"), float("nan")
+            q, cu = randn(batch, 16, head_dim, dtype=dtype), cu_seqlens(lens)
+            out = torch.empty_like(q)
+            poison_(out)
+            decode(q, k, v, cu, out=out)
+            ref = decode_ref(q.double(), k.double(), v.double(), cu)
+            assert not out[:, ok].isnan().any()
+            assert rel_err(out[:, ok], ref[:, ok]) < TOL[dtype]
+        tiles = [(p.block_d, p.launch.kwargs["KV_SHIFT"])
+                 for p in decode_kernel._PLANS._plans.values()]
+    finally:
+        decode_kernel._PLANS.clear()
     assert tiles == ([(64, 4), (128, 8)] if head_dim == 59 else [(128, 8), (128, 8)])
 
 
@@ -532,8 +535,8 @@ def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: 5)
 
     def plan(d: int, num_splits: int = 0) -> tuple[int, int, DecodeConfig]:
-        q = torch.zeros(batch, 32, d, dtype=torch.bfloat16)
-        k = torch.zeros(batch * seqlen, 8, d, dtype=torch.bfloat16)
+        q = torch.empty(batch, 32, d, dtype=torch.bfloat16)  # a plan reads no values
+        k = torch.empty(batch * seqlen, 8, d, dtype=torch.bfloat16)
         p = decode_kernel._plan(q, k, k, None, seqlen, None, num_splits, False, None, "fused",
                                 (-1, -1), 0.0, None, None, None, None, None)
         kw = p.launch.kwargs
