@@ -17,10 +17,11 @@ forward-only: an output that claimed ``requires_grad`` would fail only at ``back
 ``return_attn_probs=True`` returns flash_attn's ``(out, softmax_lse, S_dmask)`` with ``S_dmask``
 None (it only means something with dropout, which is refused): lse is float32 ``[H, total_q]``
 (varlen) or ``[B, H, N_q]``, +inf for a query that sees no key (flash_attn 2's value; the
-service's own calls give -inf). ``max_seqlen_*`` are accepted and checked against ``cu_seqlens``
-(the server derives them). FP8 attention takes FlashAttention-3's keyword arguments:
-float8_e4m3fn q, k, v with ``q_descale`` / ``k_descale`` / ``v_descale`` (float32
-``[batch, H_kv]``, one row per sequence, or ``[H_kv]``; None: 1) and a bfloat16 output.
+service's own calls give -inf). ``max_seqlen_*`` (any one integer, as flash_attn takes them) are
+accepted and checked against ``cu_seqlens`` (the server derives them). FP8 attention takes
+FlashAttention-3's keyword arguments: float8_e4m3fn q, k, v with ``q_descale`` /
+``k_descale`` / ``v_descale`` (float32 ``[batch, H_kv]``, one row per sequence, or
+``[H_kv]``; None: 1) and a bfloat16 output.
 Needs torch (the rest of the client does not).
 """
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import operator
 import os
 import threading
 from collections.abc import Iterator
@@ -144,10 +146,16 @@ def _refuse_grad(**tensors: torch.Tensor | None) -> None:
 
 
 def _check_max(name: str, value: Any, cu: torch.Tensor) -> None:
+    """Any integer flash_attn takes (an int, a numpy integer, a 0-d integer tensor such as
+    ``seqlens.max()``), at least the longest sequence in ``cu``."""
     if value is None or torch.compiler.is_compiling():
         return  # a data-dependent check: left out of compiled graphs (the server checks cu)
     longest = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-    if not isinstance(value, int) or value < longest:
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < longest:
         raise AttentionInputError(
             f"{name} must be an int >= the longest sequence ({longest}), got {value!r}"
         )

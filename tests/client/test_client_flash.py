@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -196,6 +197,14 @@ def test_bad_arguments_are_input_errors_in_the_callers_names(client) -> None:  #
     q, k, v, cu_q, cu_k = _packed([4, 6], [4, 6])
     with pytest.raises(AttentionInputError, match="max_seqlen_q"):
         flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 6)
+    for bad in (6.0, True, "6", torch.tensor([6, 6]), torch.tensor(6.0)):  # not one integer
+        with pytest.raises(AttentionInputError, match="max_seqlen_k must be an int"):
+            flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, bad)
+    # Integers as flash_attn takes them: numpy's, a 0-d tensor (``seqlens.max()``).
+    ref = _ref(q, k, v, cu_q, cu_k)
+    for n in (np.int64(6), torch.tensor(7, dtype=torch.int32)):
+        out = flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, n, n)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     with pytest.raises(AttentionInputError, match=r"window_size\[0\]"):
         flash.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 6, 6, window_size=(-3, 0))
     with pytest.raises(AttentionInputError, match="alibi_slopes"):
