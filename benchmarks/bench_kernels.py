@@ -28,10 +28,9 @@ distribution, beside quantizing Q/K/V alone and FlashAttention-3's published RMS
 
 ``--only headdim``: head dims that are not multiples of 16 (issue 65's list) against the next
 multiple of 16 on the same shapes, ours both sides: a varlen causal prefill (4 x 4096 tokens,
-16 q / 8 kv heads) and decodes of 64 x 4096 and 8 x 8192 (32 q / 8 kv heads; the small batch
-splits each sequence, where odd dims fell furthest behind), GPU time from a CUDA graph, and the
-ratios (the target: within 1.15x). Each dim is checked against the float64 reference on a
-small shape first.
+16 q / 8 kv heads) and decodes from 1 x 16384 to 128 x 2048 (32 q / 8 kv heads,
+``HEAD_DIM_DECODES``), GPU time from a CUDA graph, and the ratios (the target: within
+1.15x). Each dim is checked against the float64 reference on a small shape first.
 
 Prefill TFLOP/s count ``4 * Lq * Lk * H * D`` per sequence, halved for causal. Decode GB/s
 count the K and V bytes read. Every kernel output is checked against a peer (or the reference)
@@ -465,6 +464,11 @@ def decode_rows(quick: bool) -> list[dict]:
 
 # issue 65's head dims; each is timed beside the multiple of 16 at or above it.
 HEAD_DIMS = (40, 59, 72, 80, 96, 100, 111, 160, 192, 200, 224, 256)
+# The head-dim rows' decodes (32q/8kv): (name, sequences, keys each). Odd dims fell furthest
+# behind where few sequences split their keys (8 x 8192, 1 x 16384); 16 x 8192 is one program
+# per SM, 128 x 2048 many.
+HEAD_DIM_DECODES = (("decode", 64, 4096), ("decode_small", 8, 8192), ("decode_one", 1, 16384),
+                    ("decode_mid", 16, 8192), ("decode_many", 128, 2048))
 
 
 def head_dim_rows(quick: bool) -> list[dict]:
@@ -494,22 +498,19 @@ def head_dim_rows(quick: bool) -> list[dict]:
             row[f"prefill{side}_us"] = graph_us(
                 lambda q=q, k=k, v=v, c=cus: prefill(q, k, v, c, c, causal=True,
                                                      max_seqlen_q=4096, max_seqlen_k=4096))
-            qd = torch.randn(64, 32, dim, dtype=DTYPE, device="cuda")
-            kd, vd = (torch.randn(64 * 4096, 8, dim, dtype=DTYPE, device="cuda") for _ in "kv")
-            cud = cu([4096] * 64)
-            row[f"decode{side}_us"] = graph_us(
-                lambda q=qd, k=kd, v=vd, c=cud: decode(q, k, v, c, max_seqlen_k=4096))
-            qs = torch.randn(8, 32, dim, dtype=DTYPE, device="cuda")
-            ks, vs = (torch.randn(8 * 8192, 8, dim, dtype=DTYPE, device="cuda") for _ in "kv")
-            cus = cu([8192] * 8)
-            row[f"decode_small{side}_us"] = graph_us(
-                lambda q=qs, k=ks, v=vs, c=cus: decode(q, k, v, c, max_seqlen_k=8192))
-        row["prefill_ratio"] = row["prefill_us"] / row["prefill16_us"]
-        row["decode_ratio"] = row["decode_us"] / row["decode16_us"]
-        row["decode_small_ratio"] = row["decode_small_us"] / row["decode_small16_us"]
+            del q, k, v
+            for name, batch, keys in HEAD_DIM_DECODES:
+                qd = torch.randn(batch, 32, dim, dtype=DTYPE, device="cuda")
+                kd, vd = (torch.randn(batch * keys, 8, dim, dtype=DTYPE, device="cuda")
+                          for _ in "kv")
+                cud = cu([keys] * batch)
+                row[f"{name}{side}_us"] = graph_us(
+                    lambda q=qd, k=kd, v=vd, c=cud, n=keys: decode(q, k, v, c, max_seqlen_k=n))
+                del qd, kd, vd
+        for name in ("prefill", *(n for n, _, _ in HEAD_DIM_DECODES)):
+            row[f"{name}_ratio"] = row[f"{name}_us"] / row[f"{name}16_us"]
         rows.append(row)
         print_row(row)
-        del q, k, qd, kd, qs, ks, vs
         torch.cuda.empty_cache()
     return rows
 
@@ -542,12 +543,12 @@ def print_row(row: dict) -> None:
               + ", ".join(f"{k} {v:.1e}" for k, v in row["fa3_published_rmse"].items()),
               flush=True)
     elif row["kind"] == "headdim":
-        print(f"head dim {row['D']:<3d} vs {row['D16']:<3d} prefill {row['prefill_us']:8.1f} us"
-              f" / {row['prefill16_us']:8.1f} -> {row['prefill_ratio']:5.2f}x | decode "
-              f"{row['decode_us']:7.1f} us / {row['decode16_us']:7.1f} -> "
-              f"{row['decode_ratio']:5.2f}x | 8 x 8192 {row['decode_small_us']:6.1f} us / "
-              f"{row['decode_small16_us']:6.1f} -> {row['decode_small_ratio']:5.2f}x | check "
-              f"{row['check_rel_err']:.1e}", flush=True)
+        print(f"head dim {row['D']:<3d} vs {row['D16']:<3d} prefill {row['prefill_us']:7.1f} us"
+              f" / {row['prefill16_us']:7.1f} -> {row['prefill_ratio']:4.2f}x | decode "
+              + " | ".join(f"{b} x {n} {row[name + '_us']:6.1f} / {row[name + '16_us']:6.1f} "
+                           f"-> {row[name + '_ratio']:4.2f}x"
+                           for name, b, n in HEAD_DIM_DECODES)
+              + f" | check {row['check_rel_err']:.1e}", flush=True)
     elif row["kind"] == "dense":
         fl = row.get("flash_TFLOPs", float("nan"))
         print(f"dense  D={row['D']:<3d} N={row['N']:<6d} causal={row['causal']!s:<5} ours "
