@@ -90,6 +90,13 @@ from attention_kernels.configs import (
     paged_split_count,
     wide_skew_split_count,
 )
+from attention_kernels.decode_span import (
+    SPAN_TILE,
+    span_heads,
+    span_launch,
+    span_scalars,
+    span_split_count,
+)
 from attention_kernels.fp8 import widened_queries
 
 LOG2E = 1.4426950408889634
@@ -739,6 +746,12 @@ def _plan(
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     sms = _shape_rule_sms(q.device) if config is None and not fp8 else 0
     units = batch * num_kv_heads
+    if (table is None and config is None and num_splits == 0 and not fp8 and not has_window
+            and cap_scale is None and alibi_slopes is None):
+        hg = span_heads(q, k, v, batch * est_seqlen, _hopper(q.device))
+        if hg:
+            return _span_plan(q, k, v, hg, est_seqlen, scale, return_lse, merge_mode, sms,
+                              copy_q)
     # 16-bit skewed rows that do not fit the padded 64 (D 59) read in 128-wide tiles: their own
     # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
     wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
@@ -778,13 +791,8 @@ def _plan(
     merge_g = triton.next_power_of_2(group)
     merge_s = _merge_splits(merge_g, block_d, MERGE_TILE_ELEMS if mode == "fused"
                             else MERGE_KERNEL_TILE_ELEMS)
-    merge = None
-    if not direct and mode != "fused":
-        merge = KernelLaunch(
-            _decode_merge_kernel, (batch * num_kv_heads,), dict(
-                HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g, MERGE_S=merge_s,
-                RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
-                num_warps=MERGE_KERNEL_WARPS, num_stages=1))
+    merge = None if direct or mode == "fused" else _merge_launch(q, num_kv_heads, block_d, mode,
+                                                                  return_lse)
     fused = not direct and mode == "fused"
     launch = KernelLaunch(
         _decode_split_kernel, (num_splits, batch * num_kv_heads), dict(
@@ -807,6 +815,44 @@ def _plan(
         counters=batch * num_kv_heads if merge is None else 0, scalars=scalars,
         stride_ab=stride_ab, launch=launch, merge=merge,
         merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads, group, num_splits),
+    )
+
+
+def _merge_launch(q: torch.Tensor, num_kv_heads: int, block_d: int, mode: str,
+                  return_lse: bool) -> KernelLaunch:
+    """The merge kernel of its own (merge mode "separate" or "pdl")."""
+    batch, num_heads, head_dim = q.shape
+    merge_g = triton.next_power_of_2(num_heads // num_kv_heads)
+    return KernelLaunch(
+        _decode_merge_kernel, (batch * num_kv_heads,), dict(
+            HEAD_DIM=head_dim, BLOCK_D=block_d, MERGE_G=merge_g,
+            MERGE_S=_merge_splits(merge_g, block_d, MERGE_KERNEL_TILE_ELEMS),
+            RETURN_LSE=return_lse, PDL=mode == "pdl", launch_pdl=mode == "pdl",
+            num_warps=MERGE_KERNEL_WARPS, num_stages=1))
+
+
+def _span_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, est_seqlen: int,
+               scale: float, return_lse: bool, merge_mode: str, sms: int,
+               copy_q: bool) -> _DecodePlan:
+    """A contiguous call on ``decode_span``'s programs over ``hg`` kv heads each; its splits
+    merge in the merge kernel ("fused" counts on a (sequence, kv head) the span does not
+    own)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    num_splits = span_split_count(batch * (num_kv_heads // hg), est_seqlen, SPAN_TILE[0], sms)
+    block_d = padded_head_dim(head_dim)
+    direct = num_splits == 1
+    mode = "pdl" if merge_mode == "pdl" else "separate"
+    return _DecodePlan(
+        out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
+        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=False, direct=direct,
+        workspace_rows=batch * num_heads * num_splits, block_d=block_d, counters=0,
+        scalars=span_scalars(q, k, v, hg, scale, num_splits), stride_ab=None,
+        launch=span_launch(q, k, hg, num_splits, block_d, return_lse, mode == "pdl" and not direct,
+                           dot_in_fp32(q.dtype)),
+        merge=None if direct else _merge_launch(q, num_kv_heads, block_d, mode, return_lse),
+        merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads,
+                       num_heads // num_kv_heads, num_splits),
     )
 
 
