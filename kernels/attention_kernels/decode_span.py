@@ -110,19 +110,19 @@ def span_scalars(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, sca
 
 
 @triton.jit
-def _span_blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs_c, cols,
-                 ROWS: tl.constexpr, SPAN: tl.constexpr, BLOCK_N: tl.constexpr,
-                 ALIGN: tl.constexpr, DOT_F32: tl.constexpr):
-    """Online softmax over keys ``[lo, hi)`` of the span's ``cols``: un-normalised."""
+def _blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs, cols,
+            BLOCK_N: tl.constexpr, ALIGN: tl.constexpr, DOT_F32: tl.constexpr):
+    """Online softmax of ``q``'s rows over keys ``[lo, hi)``, K/V columns ``offs`` (``cols``
+    of them read, the rest zeros) of rows marked ``ALIGN`` bytes aligned: un-normalised."""
     offs_n = tl.arange(0, BLOCK_N)
-    m_i = tl.full([ROWS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([ROWS], dtype=tl.float32)
-    acc = tl.zeros([ROWS, SPAN], dtype=tl.float32)
+    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
+    acc = tl.zeros([q.shape[0], offs.shape[0]], dtype=tl.float32)
     for start_n in range(lo, hi, BLOCK_N):
         rows = start_n + offs_n
         n_ok = rows < hi
-        k_ptrs = k_base + rows[:, None].to(tl.int64) * stride_kt + offs_c[None, :]
-        v_ptrs = v_base + rows[:, None].to(tl.int64) * stride_vt + offs_c[None, :]
+        k_ptrs = k_base + rows[:, None].to(tl.int64) * stride_kt + offs[None, :]
+        v_ptrs = v_base + rows[:, None].to(tl.int64) * stride_vt + offs[None, :]
         if ALIGN > 0:
             k_ptrs = tl.multiple_of(k_ptrs, [1, ALIGN])
             v_ptrs = tl.multiple_of(v_ptrs, [1, ALIGN])
@@ -146,52 +146,8 @@ def _span_blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs
 
 
 @triton.jit
-def _span_finish(acc, l_i, m_i, own, offs_d, HEAD_DIM: tl.constexpr, SPAN: tl.constexpr):
-    """Each row's own head's columns, normalised, and its log2-domain lse (-inf: no keys)."""
-    idx = tl.minimum(own[:, None] * HEAD_DIM + offs_d[None, :], SPAN - 1)
-    o = tl.gather(acc, tl.broadcast_to(idx, [acc.shape[0], offs_d.shape[0]]), 1)
-    o = tl.where((offs_d < HEAD_DIM)[None, :], o, 0.0)
-    seen = l_i > 0.0
-    o = o / tl.where(seen, l_i, 1.0)[:, None]
-    lse2 = tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    return o, lse2
-
-
-@triton.jit
-def _head_blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs_d,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, ROW_ALIGN: tl.constexpr,
-                 DOT_F32: tl.constexpr):
-    """One head's rows alone (``decode``'s loop, without its options): the re-read's. Returns
-    the normalised ``[rows, BLOCK_D]`` output and its log2-domain lse."""
-    offs_n = tl.arange(0, BLOCK_N)
-    d_ok = offs_d < HEAD_DIM
-    m_i = tl.full([q.shape[0]], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([q.shape[0]], dtype=tl.float32)
-    acc = tl.zeros([q.shape[0], offs_d.shape[0]], dtype=tl.float32)
-    for start_n in range(lo, hi, BLOCK_N):
-        rows = start_n + offs_n
-        n_ok = rows < hi
-        k_ptrs = k_base + rows[:, None].to(tl.int64) * stride_kt + offs_d[None, :]
-        v_ptrs = v_base + rows[:, None].to(tl.int64) * stride_vt + offs_d[None, :]
-        if ROW_ALIGN > 0:
-            k_ptrs = tl.multiple_of(k_ptrs, [1, ROW_ALIGN])
-            v_ptrs = tl.multiple_of(v_ptrs, [1, ROW_ALIGN])
-        k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if DOT_F32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v_base.dtype.element_ty)
-        if DOT_F32:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+def _normalised(acc, l_i, m_i):
+    """``acc / l`` and the log2-domain lse (-inf, and zeros, where no key was seen)."""
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     return o, tl.where(seen, m_i + tl.math.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -235,14 +191,16 @@ def _decode_span_kernel(
                 + qcol, mask=r_ok[:, None] & (qcol >= 0) & (qcol < HEAD_DIM), other=0.0)
     if DOT_F32:
         q = q.to(tl.float32)
-    col_ok = offs_c < HG * HEAD_DIM
     first = grp.to(tl.int64) * (HG * HEAD_DIM)
     k_base = K + (k_start.to(tl.int64) * stride_kt + first)
     v_base = V + (k_start.to(tl.int64) * stride_vt + first)
 
-    acc, l_i, m_i = _span_blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale,
-                                 offs_c, col_ok, ROWS, SPAN, BLOCK_N, ALIGN, DOT_F32)
-    o, lse2 = _span_finish(acc, l_i, m_i, own, offs_d, HEAD_DIM, SPAN)
+    acc, l_i, m_i = _blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs_c,
+                            offs_c < HG * HEAD_DIM, BLOCK_N, ALIGN, DOT_F32)
+    # Each row's own head's columns.
+    idx = tl.minimum(own[:, None] * HEAD_DIM + offs_d[None, :], SPAN - 1)
+    o, lse2 = _normalised(tl.gather(acc, tl.broadcast_to(idx, [ROWS, BLOCK_D]), 1), l_i, m_i)
+    d_ok = offs_d < HEAD_DIM
     if tl.max((l_i != l_i).to(tl.int32), 0) > 0:
         # A NaN score: read the keys again one head at a time, that head's columns only, and
         # keep its rows. In the span's own loop this re-read took 255 registers and spilled
@@ -250,20 +208,21 @@ def _decode_span_kernel(
         q_rows = Q + seq.to(tl.int64) * stride_qb + heads[:, None].to(tl.int64) * stride_qh
         for h in range(HG):
             mine = own == h
-            q_h = tl.load(q_rows + offs_d[None, :],
-                          mask=(r_ok & mine)[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+            q_h = tl.load(q_rows + offs_d[None, :], mask=(r_ok & mine)[:, None] & d_ok[None, :],
+                          other=0.0)
             if DOT_F32:
                 q_h = q_h.to(tl.float32)
-            o_h, lse_h = _head_blocks(q_h, k_base + h * HEAD_DIM, v_base + h * HEAD_DIM,
-                                      stride_kt, stride_vt, lo, hi, qk_scale, offs_d, HEAD_DIM,
+            acc_h, l_h, m_h = _blocks(q_h, k_base + h * HEAD_DIM, v_base + h * HEAD_DIM,
+                                      stride_kt, stride_vt, lo, hi, qk_scale, offs_d, d_ok,
                                       BLOCK_N // 2, ROW_ALIGN, DOT_F32)
+            o_h, lse_h = _normalised(acc_h, l_h, m_h)
             o = tl.where(mine[:, None], o_h, o)
             lse2 = tl.where(mine, lse_h, lse2)
+    o = tl.where(d_ok[None, :], o, 0.0)
     if DIRECT:
         o_ptrs = (Out + seq.to(tl.int64) * stride_ob + heads[:, None].to(tl.int64) * stride_oh
                   + offs_d[None, :])
-        tl.store(o_ptrs, o.to(Out.dtype.element_ty),
-                 mask=r_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+        tl.store(o_ptrs, o.to(Out.dtype.element_ty), mask=r_ok[:, None] & d_ok[None, :])
         if RETURN_LSE:
             tl.store(Lse + seq * num_heads + heads, lse2 * 0.6931471805599453, mask=r_ok)
     else:
