@@ -62,15 +62,15 @@ def span_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, est_keys: int,
         hg *= 2
     if SPAN_MODE == "always":
         return hg
-    # Spans of whole sectors over rows that are not. Odd dims have none (D 111's 4-head span
-    # is 888 bytes; it lost 7-26% there), nor dims of 8 heads a span (D 40: 0.9-1.0x). The
-    # base needs 16 bytes (the plan key's alignment, ``_launch.call_key``; allocations are
-    # sector aligned).
+    # Spans of whole sectors over rows that are not, at D > 64 (2 or 4 heads a span). Odd
+    # dims have none (D 111's 4-head span is 888 bytes; it lost 7-26% there); D 40 in spans of
+    # 8 heads measured 0.9-1.0x. The base needs 16 bytes (the plan key's alignment,
+    # ``_launch.call_key``; allocations are sector aligned).
     sector, elem = 32, k.element_size()
     rows_whole = head_dim * elem % sector == 0
     span_whole = (k.stride(0) * elem % sector == 0 and hg * head_dim * elem % sector == 0
                   and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
-    if rows_whole or not span_whole or hg > 4 or est_keys < SPAN_MIN_KEYS.get(hg, 1 << 62):
+    if rows_whole or not span_whole or head_dim <= 64 or est_keys < SPAN_MIN_KEYS.get(hg, 1 << 62):
         return 0
     return hg
 

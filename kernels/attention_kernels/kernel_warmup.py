@@ -28,15 +28,18 @@ from attention_kernels.configs import (
     TWO_WARP_TILE,
     interpreting,
     many_programs,
+    num_sms,
     paged_decode_config,
 )
 from attention_kernels.decode_kernel import (
     PAGE_SPAN,
+    _hopper,
     _merge_mode,
     decode,
     for_cuda_graphs,
     paged_decode,
 )
+from attention_kernels.decode_span import span_heads
 from attention_kernels.prefill_kernel import (
     _GLUON_HEAD_DIMS,
     _TMA_HEAD_DIMS,
@@ -215,6 +218,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
                                                return_lse=lse))
             splits = functools.partial(_split_decodes, d, dtype, device, lse_flags, merges)
             calls += splits(decode, kv, kv, cu)
+            calls += _span_decodes(d, dtype, device, lse_flags, merges)
             rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
             if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
@@ -330,6 +334,35 @@ def _many_heads(total_q: int, device: torch.device) -> int:
     while not many_programs(total_q, 1, heads, device):
         heads += 2
     return heads
+
+
+def _span_decodes(d: int, dtype: torch.dtype, device: torch.device,
+                  lse_flags: tuple[bool, ...],
+                  merges: list[Callable[[], object]]) -> list[Callable[[], object]]:
+    """``decode``'s span route (``decode_span``) where its rule takes head dim ``d`` on this
+    device: 4 kv heads (a span's heads at D > 64 whatever the count above), each common group,
+    split (again for CUDA graphs) and direct (more sequences than SMs). The rule and the split
+    count read only the ``max_seqlen_k`` hint, so the calls name a long one over a few keys."""
+    kv = torch.randn(40, 4, d, dtype=dtype, device=device)
+    hint = 1 << 16
+    probe = torch.empty(1, 4, d, dtype=dtype, device=device)
+    hg = span_heads(probe, kv, kv, hint, _hopper(device)) if device.type == "cuda" else 0
+    if not hg:
+        return []
+    batch = num_sms(device.index or 0) // (4 // hg) + 1  # one split each
+    cu = torch.full((batch + 1,), 40, dtype=torch.int32, device=device)
+    cu[:2] = torch.tensor([0, 17])
+    calls: list[Callable[[], object]] = []
+    for group in (1, 2, 4, 8):
+        for lse in lse_flags:
+            q = torch.randn(2, 4 * group, d, dtype=dtype, device=device)
+            split = functools.partial(decode, q, kv, kv, cu[:3], max_seqlen_k=hint,
+                                      return_lse=lse)
+            merges.append(split)
+            q = torch.randn(batch, 4 * group, d, dtype=dtype, device=device)
+            calls += [split, functools.partial(decode, q, kv, kv, cu, max_seqlen_k=hint,
+                                               return_lse=lse)]
+    return calls
 
 
 def _split_decodes(d: int, dtype: torch.dtype, device: torch.device,

@@ -82,11 +82,11 @@ def _heads(head_dim: int, keys: int, dtype: torch.dtype = torch.bfloat16, kv_hea
 
 
 def test_the_rule() -> None:
-    """Hopper, 16-bit, packed rows that are not whole 32-byte sectors in spans that are, 2 or
-    4 heads a span, calls of at least ``SPAN_MIN_KEYS`` keys: D 100 four heads a program from
-    16K keys, D 200 two from 32K; not rows of whole sectors (D 112, 128), odd ones (D 111:
-    spans 8-byte aligned), small dims (D 40: 8 heads, measured no faster), fp32, off Hopper,
-    or data off 16 bytes."""
+    """Hopper, 16-bit, packed rows that are not whole 32-byte sectors in spans that are,
+    D > 64 (2 or 4 heads a span), calls of at least ``SPAN_MIN_KEYS`` keys: D 100 four heads
+    a program from 16K keys, D 200 two from 32K; not rows of whole sectors (D 112, 128), odd
+    ones (D 111: spans 8-byte aligned), D <= 64 (D 40 in spans of 8 heads measured no
+    faster), fp32, off Hopper, or data off 16 bytes."""
     assert _heads(100, 16384) == 4
     assert _heads(100, 16383) == 0
     assert _heads(200, 32768) == 2
@@ -98,6 +98,7 @@ def test_the_rule() -> None:
     assert _heads(100, 1 << 20, hopper=False) == 0
     assert _heads(100, 1 << 20, offset=4) == 0  # the base 8 bytes past 16
     assert _heads(100, 1 << 20, kv_heads=1) == 0
+    assert _heads(40, 1 << 20, kv_heads=4) == 0  # 4 heads a span, but D <= 64
 
 
 def test_plans_take_the_span_only_where_decode_has_no_other_work(
