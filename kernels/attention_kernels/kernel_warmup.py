@@ -346,10 +346,11 @@ def _span_decodes(d: int, dtype: torch.dtype, device: torch.device,
     kv = torch.randn(40, 4, d, dtype=dtype, device=device)
     hint = 1 << 16
     probe = torch.empty(1, 4, d, dtype=dtype, device=device)
-    hg = span_heads(probe, kv, kv, hint, _hopper(device)) if device.type == "cuda" else 0
+    hg = span_heads(probe, kv, kv, hint, _hopper(device))
     if not hg:
         return []
-    batch = num_sms(device.index or 0) // (4 // hg) + 1  # one split each
+    sms = num_sms(device.index or 0) if device.type == "cuda" else 8
+    batch = sms // (4 // hg) + 1  # one split each
     cu = torch.full((batch + 1,), 40, dtype=torch.int32, device=device)
     cu[:2] = torch.tensor([0, 17])
     calls: list[Callable[[], object]] = []

@@ -200,3 +200,20 @@ def test_span_kernel_compiles_to_async_copies_without_spills_for_sm90() -> None:
     assert len(got) == 3, got
     for built in got:
         assert built["async_copies"] > 0 and built["spill_bytes"] == 0, got
+
+
+def test_warmup_calls_take_the_span_route(span_always: None) -> None:
+    """``warmup``'s span calls (D 100: groups 1-8, lse or not, two sequences and more than one
+    per SM) run and each plans the span kernel; on Hopper the second of each pair is direct."""
+    from attention_kernels import kernel_warmup
+
+    merges: list = []
+    calls = kernel_warmup._span_decodes(100, torch.bfloat16, torch.device(DEVICE),
+                                        (False, True), merges)
+    assert len(calls) == 16 and merges == calls[::2]
+    for call in calls:
+        call()
+    plans = list(decode_kernel._PLANS._plans.values())
+    assert len(plans) == 16 and all(_is_span(p) for p in plans)
+    if DEVICE == "cuda" and decode_kernel._hopper(torch.device(DEVICE)):
+        assert [p.direct for p in plans] == [False, True] * 8
