@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from attention_kernels import decode_span
 from attention_kernels._checks import (
     check_decode_inputs,
     check_features,
@@ -647,7 +648,7 @@ def _plan_key(paged: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      k_scale, v_scale),
                     (paged, max_seqlen_k, softmax_scale, num_splits, return_lse, softcap,
                      config, merge_mode, MERGE_TILE_ELEMS, MERGE_KERNEL_TILE_ELEMS,
-                     MERGE_KERNEL_WARPS, kv_room(k, v)),
+                     MERGE_KERNEL_WARPS, kv_room(k, v), decode_span.SPAN_MODE),
                     window_size)
 
 
@@ -751,7 +752,7 @@ def _plan(
         hg = span_heads(q, k, v, batch * est_seqlen, _hopper(q.device))
         if hg:
             return _span_plan(q, k, v, hg, est_seqlen, scale, return_lse, merge_mode, sms,
-                              copy_q)
+                              copy_q, copy_kv)
     # 16-bit skewed rows that do not fit the padded 64 (D 59) read in 128-wide tiles: their own
     # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
     wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
@@ -833,22 +834,24 @@ def _merge_launch(q: torch.Tensor, num_kv_heads: int, block_d: int, mode: str,
 
 def _span_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, est_seqlen: int,
                scale: float, return_lse: bool, merge_mode: str, sms: int,
-               copy_q: bool) -> _DecodePlan:
+               copy_q: bool, copy_kv: bool) -> _DecodePlan:
     """A contiguous call on ``decode_span``'s programs over ``hg`` kv heads each; its splits
     merge in the merge kernel ("fused" counts on a (sequence, kv head) the span does not
-    own)."""
+    own). ``q``, ``k``, ``v`` as launched: the copies ``copy_q`` / ``copy_kv`` say ``_run``
+    makes."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     num_splits = span_split_count(batch * (num_kv_heads // hg), est_seqlen, SPAN_TILE[0], sms)
     block_d = padded_head_dim(head_dim)
     direct = num_splits == 1
     mode = "pdl" if merge_mode == "pdl" else "separate"
+    pdl = mode == "pdl" and not direct
     return _DecodePlan(
         out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
-        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=False, direct=direct,
+        empty=False, zero_fill=False, copy_q=copy_q, copy_kv=copy_kv, direct=direct,
         workspace_rows=batch * num_heads * num_splits, block_d=block_d, counters=0,
         scalars=span_scalars(q, k, v, hg, scale, num_splits), stride_ab=None,
-        launch=span_launch(q, k, hg, num_splits, block_d, return_lse, mode == "pdl" and not direct,
+        launch=span_launch(q, k, v, hg, num_splits, block_d, return_lse, pdl,
                            dot_in_fp32(q.dtype)),
         merge=None if direct else _merge_launch(q, num_kv_heads, block_d, mode, return_lse),
         merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads,

@@ -70,7 +70,12 @@ def span_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, est_keys: int,
     rows_whole = head_dim * elem % sector == 0
     span_whole = (k.stride(0) * elem % sector == 0 and hg * head_dim * elem % sector == 0
                   and k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0)
-    if rows_whole or not span_whole or head_dim <= 64 or est_keys < SPAN_MIN_KEYS.get(hg, 1 << 62):
+    # At most 16 query heads a span (ROWS): 32 (group 8 at 4 heads) took 255 registers and
+    # spilled 92-132 bytes (sm_90a, D 100), 64 spilled 3-4 KB.
+    too_many_rows = hg * (q.shape[1] // num_kv) > 16
+    if rows_whole or not span_whole or head_dim <= 64 or too_many_rows:
+        return 0
+    if est_keys < SPAN_MIN_KEYS.get(hg, 1 << 62):
         return 0
     return hg
 
@@ -83,8 +88,8 @@ def span_split_count(units: int, est_seqlen: int, block_n: int, sms: int) -> int
     return max(1, min(2 * sms // units, est_seqlen // (4 * block_n), 128))
 
 
-def span_launch(q: torch.Tensor, k: torch.Tensor, hg: int, num_splits: int, block_d: int,
-                return_lse: bool, pdl: bool, dot_f32: bool) -> KernelLaunch:
+def span_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, num_splits: int,
+                block_d: int, return_lse: bool, pdl: bool, dot_f32: bool) -> KernelLaunch:
     """The span kernel's launch; its run-time arguments are ``decode_kernel._run``'s, with the
     scalars ``span_scalars`` made."""
     batch, num_heads, head_dim = q.shape
@@ -93,6 +98,8 @@ def span_launch(q: torch.Tensor, k: torch.Tensor, hg: int, num_splits: int, bloc
     elem = k.element_size()
     align = math.gcd(k.stride(0) * elem, hg * head_dim * elem, 16)
     row_align = math.gcd(align, head_dim * elem)
+    if k.data_ptr() % 16 or v.data_ptr() % 16:  # the plan key holds no finer alignment
+        align = row_align = 0
     return KernelLaunch(_decode_span_kernel, (num_splits, batch * (k.shape[1] // hg)), dict(
         HEAD_DIM=head_dim, BLOCK_D=block_d, HG=hg, GQ=group,
         ROWS=max(16, triton.next_power_of_2(hg * group)),

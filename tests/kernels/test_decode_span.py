@@ -29,18 +29,19 @@ def _span_plans() -> list[bool]:
     return [_is_span(p) for p in decode_kernel._PLANS._plans.values()]
 
 
-# (head dim, kv heads): D 100 (4 heads a span) and 200 (2), the rule's dims; 20 (8 heads, rows
-# padded 20 -> 32 columns each) and 59 (odd rows) test the gather and masks off the rule.
-CASES = [(100, 8), (200, 4), (20, 8), (59, 4)]
+# (head dim, kv heads, group): D 100 (4 heads a span) and 200 (2), the rule's dims; 20 (8
+# heads, rows padded 20 -> 32 columns each) and 59 (odd rows) test the gather and masks off the
+# rule; groups of 1, 3 (padded rows) and 8 (32 rows); 2 and 6 kv heads (spans of 2).
+CASES = [(100, 8, 3), (200, 4, 3), (20, 8, 3), (59, 4, 3), (100, 8, 8), (100, 2, 1), (36, 6, 2)]
 
 
-@pytest.mark.parametrize(("head_dim", "kv_heads"), CASES)
+@pytest.mark.parametrize(("head_dim", "kv_heads", "group"), CASES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("max_seqlen", [130, 40])  # 2 splits (merge kernel) / 1 (direct)
-def test_span_decode(span_always: None, head_dim: int, kv_heads: int, dtype: torch.dtype,
-                     max_seqlen: int) -> None:
+def test_span_decode(span_always: None, head_dim: int, kv_heads: int, group: int,
+                     dtype: torch.dtype, max_seqlen: int) -> None:
     lens = [max_seqlen, 5, 0, 33]
-    q = randn(len(lens), 3 * kv_heads, head_dim, dtype=dtype)  # a group of 3: padded rows
+    q = randn(len(lens), group * kv_heads, head_dim, dtype=dtype)
     k, v = (randn(sum(lens), kv_heads, head_dim, dtype=dtype) for _ in "kv")
     cu = cu_seqlens(lens)
     out = torch.empty_like(q)
@@ -53,6 +54,22 @@ def test_span_decode(span_always: None, head_dim: int, kv_heads: int, dtype: tor
     assert rel_err(out, ref) < TOL[dtype]
     check_lse(lse, ref_lse, dtype)
     assert torch.equal(out[2], torch.zeros_like(out[2]))  # no keys: zeros, lse -inf
+
+
+def test_strided_keys_and_values(span_always: None) -> None:
+    """K/V of other layouts: columns apart (decode copies them packed, and the launch must read
+    the copies), and K and V as halves of one ``[T, 2 x H_kv, D]`` tensor (a token stride of
+    twice the span's)."""
+    dtype, lens = torch.bfloat16, [70, 3, 130]
+    cu, q = cu_seqlens(lens), randn(3, 16, 100, dtype=dtype)
+    k, v = (randn(sum(lens), 100, 8, dtype=dtype).transpose(1, 2) for _ in "kv")
+    kv = randn(sum(lens), 16, 100, dtype=dtype)
+    for keys, values in ((k, v), (kv[:, :8], kv[:, 8:])):
+        decode_kernel._PLANS.clear()
+        got = decode(q, keys, values, cu, max_seqlen_k=130)
+        assert _span_plans() == [True]
+        ref = decode_ref(q.double(), keys.double(), values.double(), cu)
+        assert rel_err(got, ref) < TOL[dtype]
 
 
 @pytest.mark.parametrize("head_dim", [100, 20])
@@ -74,8 +91,8 @@ def test_neighbours_inf_keys_and_nan_values(span_always: None, head_dim: int) ->
 
 
 def _heads(head_dim: int, keys: int, dtype: torch.dtype = torch.bfloat16, kv_heads: int = 8,
-           hopper: bool = True, offset: int = 0) -> int:
-    q = torch.empty(1, 4 * kv_heads, head_dim, dtype=dtype)  # the rule reads no values
+           hopper: bool = True, offset: int = 0, group: int = 4) -> int:
+    q = torch.empty(1, group * kv_heads, head_dim, dtype=dtype)  # the rule reads no values
     k = torch.empty(offset + 64 * kv_heads * head_dim, dtype=dtype)[offset:].view(
         64, kv_heads, head_dim)
     return decode_span.span_heads(q, k, k, keys, hopper)
@@ -86,7 +103,7 @@ def test_the_rule() -> None:
     D > 64 (2 or 4 heads a span), calls of at least ``SPAN_MIN_KEYS`` keys: D 100 four heads
     a program from 16K keys, D 200 two from 32K; not rows of whole sectors (D 112, 128), odd
     ones (D 111: spans 8-byte aligned), D <= 64 (D 40 in spans of 8 heads measured no
-    faster), fp32, off Hopper, or data off 16 bytes."""
+    faster), more than 16 query heads a span, fp32, off Hopper, or data off 16 bytes."""
     assert _heads(100, 16384) == 4
     assert _heads(100, 16383) == 0
     assert _heads(200, 32768) == 2
@@ -99,6 +116,8 @@ def test_the_rule() -> None:
     assert _heads(100, 1 << 20, offset=4) == 0  # the base 8 bytes past 16
     assert _heads(100, 1 << 20, kv_heads=1) == 0
     assert _heads(40, 1 << 20, kv_heads=4) == 0  # 4 heads a span, but D <= 64
+    assert _heads(100, 1 << 20, group=8) == 0  # 32 rows a span: spills
+    assert _heads(200, 1 << 20, group=8) == 2  # 16
 
 
 def test_plans_take_the_span_only_where_decode_has_no_other_work(
@@ -144,7 +163,7 @@ got = []
 for d, hg, splits in ((100, 4, 16), (100, 4, 1), (200, 2, 8)):
     q = torch.empty(8, 32, d, dtype=torch.bfloat16)
     k = torch.empty(64, 8, d, dtype=torch.bfloat16)
-    launch = span_launch(q, k, hg, splits, triton.next_power_of_2(d), False, splits > 1, False)
+    launch = span_launch(q, k, k, hg, splits, triton.next_power_of_2(d), False, splits > 1, False)
     const = {n: v for n, v in launch.kwargs.items() if n not in ("num_warps", "num_stages")}
     const.update(dict.fromkeys(("Lse", "Counter", "Table", "Alibi", "stride_ab", "KScale",
                                 "VScale", "stride_sb")))
