@@ -287,7 +287,7 @@ class SocketStream:
         if self._spin_s:
             # The caller's CPU polls instead of sleeping: where an idle CPU halts (VMs), the
             # wake-up that ends a blocking recv cost a B=1 step 0.07-0.15 ms of its 0.39-0.44
-            # (H200 host; benchmarks/results/offload, "Seventeenth session").
+            # (H200 host; benchmarks/results/offload, "Host settings").
             end = time.perf_counter() + self._spin_s
             while not self._poller.poll(0) and time.perf_counter() < end:
                 pass
