@@ -21,6 +21,7 @@ from attention_kernels import (
     supported_head_dim,
 )
 from attention_kernels.configs import DecodeConfig, PrefillConfig
+from tests.kernels import sm90_build
 from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, randn, rel_err
 
 # 1 and 3: below any tile; 59 and 130: odd sizes inside a padded tile; 250: near the top.
@@ -386,19 +387,14 @@ def test_skewed_fp8_rows() -> None:
 # launched for sm_90a with bf16 rows packed [T, H, D]: the mark, the loads and stores the PTX
 # holds, ptxas's spills. One process for both (torch and Triton load once).
 _COMPILE_SM90 = r"""
-import json, os, re, subprocess, sys, tempfile
-import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+import json, sys
+import torch
 from attention_kernels._launch import kv_shift, row_align
 from attention_kernels.configs import _PREFILL_SM90, DECODE_TILE, padded_head_dim
 from attention_kernels.decode_kernel import _decode_split_kernel
 from attention_kernels.prefill_kernel import _prefill_kernel
+from tests.kernels.sm90_build import build
 
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-if not os.path.exists(ptxas):
-    print(json.dumps({"skip": "no ptxas in this triton"}))
-    sys.exit(0)
 got = {}
 for d, kernels in (arg.split(":") for arg in sys.argv[1:]):
   heads = 32
@@ -434,30 +430,7 @@ for d, kernels in (arg.split(":") for arg in sys.argv[1:]):
   got[d] = {"row_align": mark, "kv_shift": shift}
   for name in kernels.split(","):
     fn, const, strides, warps, stages = builds[name]
-    sig, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in const:
-            sig[arg] = "constexpr"
-        elif arg in ptrs:
-            sig[arg], attrs[(i,)] = ptrs[arg], [["tt.divisibility", 16]]
-        else:
-            sig[arg] = "fp32" if arg == "qk_scale" else "i32"
-            if strides.get(arg, 1) % 16 == 0:  # as Triton specializes a launch's integers
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": warps, "num_stages": stages})
-    ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
-                              capture_output=True, text=True, check=True).stderr
-    got[d][name] = {"async_copies": ptx.count("cp.async.cg"),
-                    "element_loads": ptx.count("ld.global.b16"),
-                    "element_stores": ptx.count("st.global.b16"),
-                    "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
-                                                                  info))}
+    got[d][name] = build(fn, const, ptrs, strides, warps, stages)
 print(json.dumps(got))
 """
 
@@ -471,18 +444,7 @@ def test_d72_compiles_to_async_copies_for_sm90() -> None:
     two-byte loads, 64 two-byte stores and 1 KB of spills. Decode at D 111, skewed
     (``kv_shift``): 16-byte async copies too, and no spills; its only element loads are Q's
     (16 a thread, once); unskewed it took 144 element loads a block and spilled 280 bytes."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90, "72:decode,prefill",
-                           "111:decode"], capture_output=True, text=True, env=env, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in got:
-        pytest.skip(got["skip"])
+    got = sm90_build.run(_COMPILE_SM90, "72:decode,prefill", "111:decode")
     d72, d111 = got["72"], got["111"]
     assert d72["row_align"] == 16 and d72["kv_shift"] == 0, got
     for kernel in ("decode", "prefill"):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from attention_kernels import decode, decode_kernel, decode_ref, decode_span
+from tests.kernels import sm90_build
 from tests.kernels.conftest import DEVICE, TOL, check_lse, cu_seqlens, poison_, randn, rel_err
 
 
@@ -149,52 +150,26 @@ def test_plans_take_the_span_only_where_decode_has_no_other_work(
 # The span kernel as ``span_launch`` builds it (D 100 and 200, 32q/8kv bf16, split and direct)
 # compiled for sm_90a without a GPU (Triton ships ptxas): async copies, no spills.
 _COMPILE_SM90 = r"""
-import json, os, re, subprocess, sys, tempfile
+import json
 import torch, triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 from attention_kernels.decode_span import span_launch
+from tests.kernels.sm90_build import build
 
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-if not os.path.exists(ptxas):
-    print(json.dumps({"skip": "no ptxas in this triton"}))
-    sys.exit(0)
 got = []
 for d, hg, splits in ((100, 4, 16), (100, 4, 1), (200, 2, 8)):
     q = torch.empty(8, 32, d, dtype=torch.bfloat16)
     k = torch.empty(64, 8, d, dtype=torch.bfloat16)
-    launch = span_launch(q, k, k, hg, splits, triton.next_power_of_2(d), False, splits > 1, False)
+    launch = span_launch(q, k, k, hg, splits, triton.next_power_of_2(d), False, splits > 1,
+                         False)
     const = {n: v for n, v in launch.kwargs.items() if n not in ("num_warps", "num_stages")}
     const.update(dict.fromkeys(("Lse", "Counter", "Table", "Alibi", "stride_ab", "KScale",
                                 "VScale", "stride_sb")))
-    fn = launch.fn
     ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "Out": "*bf16", "OutPart": "*fp32",
             "LsePart": "*fp32", "cu_k": "*i32"}
-    strides = dict(stride_kt=8 * d, stride_vt=8 * d, stride_qb=32 * d, stride_qh=d,
-                   stride_ob=32 * d, stride_oh=d)
-    sig, attrs = {}, {}
-    for i, arg in enumerate(fn.arg_names):
-        if arg in const:
-            sig[arg] = "constexpr"
-        elif arg in ptrs:
-            sig[arg], attrs[(i,)] = ptrs[arg], [["tt.divisibility", 16]]
-        else:
-            sig[arg] = "fp32" if arg == "qk_scale" else "i32"
-            if strides.get(arg, 1) % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": launch.kwargs["num_warps"],
-                                     "num_stages": launch.kwargs["num_stages"]})
-    ptx = kernel.asm["ptx"]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "k.ptx")
-        with open(src, "w") as f:
-            f.write(ptx)
-        info = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", src, "-o", src + ".cubin"],
-                              capture_output=True, text=True, check=True).stderr
-    got.append({"d": d, "splits": splits, "async_copies": ptx.count("cp.async.cg"),
-                "spill_bytes": sum(int(x) for x in re.findall(r"(\d+) bytes spill stores",
-                                                              info))})
+    ints = dict(stride_kt=8 * d, stride_vt=8 * d, stride_qb=32 * d, stride_qh=d,
+                stride_ob=32 * d, stride_oh=d)
+    got.append(build(launch.fn, const, ptrs, ints, launch.kwargs["num_warps"],
+                     launch.kwargs["num_stages"]))
 print(json.dumps(got))
 """
 
@@ -204,18 +179,7 @@ def test_span_kernel_compiles_to_async_copies_without_spills_for_sm90() -> None:
     """As launched at D 100 (4 heads a span) and 200 (2), split and direct: 16-byte async
     copies of the spans, and no spills. The NaN re-read inside the span's own 512-column loop
     took 255 registers and spilled 56-164 bytes; one head's tiles fit (211-217 registers)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _COMPILE_SM90], capture_output=True, text=True,
-                          env=env, timeout=280)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    got = json.loads(proc.stdout.strip().splitlines()[-1])
-    if "skip" in got:
-        pytest.skip(got["skip"])
+    got = sm90_build.run(_COMPILE_SM90)
     assert len(got) == 3, got
     for built in got:
         assert built["async_copies"] > 0 and built["spill_bytes"] == 0, got
