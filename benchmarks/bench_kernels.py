@@ -30,7 +30,9 @@ distribution, beside quantizing Q/K/V alone and FlashAttention-3's published RMS
 multiple of 16 on the same shapes, ours both sides: a varlen causal prefill (4 x 4096 tokens,
 16 q / 8 kv heads) and decodes from 1 x 16384 to 128 x 2048 (32 q / 8 kv heads,
 ``HEAD_DIM_DECODES``), GPU time from a CUDA graph, and the ratios (the target: within
-1.15x). Each dim is checked against the float64 reference on a small shape first.
+1.15x). Each dim is checked against the float64 reference first: a small prefill, a small
+decode and one of 2 x 16384 keys (the span route's). The JSON is rewritten after each dim,
+marked ``unfinished`` until the run ends, so a run cut short keeps the dims it finished.
 
 Prefill TFLOP/s count ``4 * Lq * Lk * H * D`` per sequence, halved for causal. Decode GB/s
 count the K and V bytes read. Every kernel output is checked against a peer (or the reference)
@@ -471,22 +473,29 @@ HEAD_DIM_DECODES = (("decode", 64, 4096), ("decode_small", 8, 8192), ("decode_on
                     ("decode_mid", 16, 8192), ("decode_many", 128, 2048))
 
 
-def head_dim_rows(quick: bool) -> list[dict]:
+def head_dim_rows(quick: bool, checkpoint: Callable[[list[dict]], None]) -> list[dict]:
     from attention_kernels import decode_ref, prefill_ref
 
-    rows = []
+    rows: list[dict] = []
     for d in HEAD_DIMS[:4] if quick else HEAD_DIMS:
         d16 = -(-d // 16) * 16
         row: dict = {"kind": "headdim", "D": d, "D16": d16}
-        # Correct first: a small varlen causal prefill and a decode against float64.
+        # Correct first: a small varlen causal prefill and decodes against float64, one of
+        # 2 x 16384 keys (the long calls' routes: decode_span's from 16K or 32K keys).
         q = torch.randn(300, 16, d, dtype=DTYPE, device="cuda")
         k = torch.randn(300, 8, d, dtype=DTYPE, device="cuda")
         cus = cu([100, 200])
+        ql, kl, vl = (torch.randn(n, h, d, dtype=DTYPE, device="cuda")
+                      for n, h in ((2, 32), (2 * 16384, 8), (2 * 16384, 8)))
+        cul = cu([16384] * 2)
         row["check_rel_err"] = max(
             rel(prefill(q, k, k, cus, cus, causal=True),
                 prefill_ref(q.double(), k.double(), k.double(), cus, cus, causal=True)),
             rel(decode(q[:2], k, k, cus), decode_ref(q[:2].double(), k.double(), k.double(),
-                                                      cus)))
+                                                      cus)),
+            rel(decode(ql, kl, vl, cul, max_seqlen_k=16384),
+                decode_ref(ql.double(), kl.double(), vl.double(), cul)))
+        del ql, kl, vl
         if not row["check_rel_err"] < CHECK_TOL:
             raise SystemExit(f"head dim check failed: {row}")
         for side, dim in (("", d), ("16", d16)):
@@ -511,6 +520,7 @@ def head_dim_rows(quick: bool) -> list[dict]:
             row[f"{name}_ratio"] = row[f"{name}_us"] / row[f"{name}16_us"]
         rows.append(row)
         print_row(row)
+        checkpoint(rows)  # a run cut short keeps the rows it finished
         torch.cuda.empty_cache()
     return rows
 
@@ -638,20 +648,6 @@ def main() -> None:
     print(f"ceilings: copy {meta['copy_GBps']:.0f} GB/s, bf16 matmul "
           f"{meta['matmul_bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     only = set(args.only or ["dense", "varlen", "decode"])
-    rows: list[dict] = []
-    if "dense" in only:
-        rows += dense_prefill_rows(args.quick, args.rounds)
-    if "varlen" in only:
-        rows += varlen_prefill_rows(args.quick)
-    if "headdim" in only:
-        rows += head_dim_rows(args.quick)
-    if "fp8" in only:
-        rows += fp8_rows(args.quick, args.rounds)
-    if "decode" in only:
-        rows += decode_rows(args.quick)
-        for r in rows:
-            if r["kind"] == "decode":
-                r["ours_pct_of_copy"] = 100 * r["ours_GBps"] / meta["copy_GBps"]
     stamp = f"kernels_{meta['gpu'].replace(' ', '_')}"
     if only == {"headdim"}:
         stamp += "_headdims"
@@ -659,6 +655,25 @@ def main() -> None:
         stamp += "_fp8"
     if args.dtype != "bfloat16":
         stamp += f"_{args.dtype}"
+    rows: list[dict] = []
+
+    def checkpoint(section: list[dict]) -> None:  # the JSON so far, marked unfinished
+        (out / f"{stamp}.json").write_text(json.dumps(
+            {"meta": {**meta, "unfinished": True}, "rows": rows + section}, indent=1))
+
+    if "dense" in only:
+        rows += dense_prefill_rows(args.quick, args.rounds)
+    if "varlen" in only:
+        rows += varlen_prefill_rows(args.quick)
+    if "headdim" in only:
+        rows += head_dim_rows(args.quick, checkpoint)
+    if "fp8" in only:
+        rows += fp8_rows(args.quick, args.rounds)
+    if "decode" in only:
+        rows += decode_rows(args.quick)
+        for r in rows:
+            if r["kind"] == "decode":
+                r["ours_pct_of_copy"] = 100 * r["ours_GBps"] / meta["copy_GBps"]
     (out / f"{stamp}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     keys = sorted({k for r in rows for k in r})
     with open(out / f"{stamp}.csv", "w") as f:
