@@ -130,11 +130,12 @@ def test_plans_take_the_span_only_where_decode_has_no_other_work(
     monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
 
     def plan(num_splits: int = 0, window: int = -1, softcap: float = 0.0,
-             config: object = None) -> decode_kernel._DecodePlan:
+             config: object = None, alibi: torch.Tensor | None = None
+             ) -> decode_kernel._DecodePlan:
         q = torch.empty(8, 32, 100, dtype=torch.bfloat16)
         k = torch.empty(8 * 8192, 8, 100, dtype=torch.bfloat16)
         return decode_kernel._plan(q, k, k, None, 8192, None, num_splits, False, config,
-                                   "fused", (window, -1), softcap, None, None, None, None,
+                                   "fused", (window, -1), softcap, alibi, None, None, None,
                                    None)
 
     span = plan()
@@ -143,7 +144,8 @@ def test_plans_take_the_span_only_where_decode_has_no_other_work(
     assert span.launch.grid[:2] == (16, 16) and span.merge is not None
     assert span.launch.kwargs["HG"] == 4 and span.launch.kwargs["ALIGN"] == 16
     for other in (plan(num_splits=4), plan(window=100), plan(softcap=30.0),
-                  plan(config=decode_kernel.DecodeConfig(32, 4, 2))):
+                  plan(config=decode_kernel.DecodeConfig(32, 4, 2)),
+                  plan(alibi=torch.ones(32, dtype=torch.float32))):
         assert not _is_span(other)
 
 
