@@ -91,13 +91,6 @@ from attention_kernels.configs import (
     paged_split_count,
     wide_skew_split_count,
 )
-from attention_kernels.decode_span import (
-    SPAN_TILE,
-    span_heads,
-    span_launch,
-    span_scalars,
-    span_split_count,
-)
 from attention_kernels.fp8 import widened_queries
 
 LOG2E = 1.4426950408889634
@@ -718,6 +711,15 @@ def _plan(
             workspace_rows=0, block_d=0,
             counters=0, scalars=(), stride_ab=None, launch=None, merge=None,
             merge_scalars=())
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    # Contiguous 16-bit rows that are not whole sectors: a program over a span of kv heads
+    # (``decode_span``), where nothing asks for decode's own tiles, splits or options.
+    if (table is None and config is None and num_splits == 0 and not fp8 and softcap <= 0
+            and alibi_slopes is None and not 0 <= win_left < k.shape[0]):
+        hg = decode_span.span_heads(q, k, v, batch * est_seqlen, _hopper(q.device))
+        if hg:
+            return _span_plan(q, k, v, hg, est_seqlen, scale, return_lse, merge_mode, copy_q,
+                              copy_kv)
     if table is None:
         # None for the paged-only arguments: Triton makes them compile-time constants, so the
         # contiguous launch passes (and costs) no more than it did before paging existed.
@@ -736,7 +738,6 @@ def _plan(
         cfg = decode_config(tile_dim, q.dtype, q.device, fp8, shift > 0)
     else:
         cfg = paged_decode_config(tile_dim, q.dtype, q.device, fp8, shift > 0)
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     # A left bound past any sequence's length hides nothing: no window variant for it.
     max_keys = k.shape[0] if table is None else table.shape[1] * k.shape[1]
     has_window = 0 <= win_left < max_keys
@@ -747,12 +748,6 @@ def _plan(
     stride_ab = alibi_args(alibi_slopes, num_heads)[1]
     sms = _shape_rule_sms(q.device) if config is None and not fp8 else 0
     units = batch * num_kv_heads
-    if (table is None and config is None and num_splits == 0 and not fp8 and not has_window
-            and cap_scale is None and alibi_slopes is None):
-        hg = span_heads(q, k, v, batch * est_seqlen, _hopper(q.device))
-        if hg:
-            return _span_plan(q, k, v, hg, est_seqlen, scale, return_lse, merge_mode, sms,
-                              copy_q, copy_kv)
     # 16-bit skewed rows that do not fit the padded 64 (D 59) read in 128-wide tiles: their own
     # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
     wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
@@ -833,15 +828,16 @@ def _merge_launch(q: torch.Tensor, num_kv_heads: int, block_d: int, mode: str,
 
 
 def _span_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, est_seqlen: int,
-               scale: float, return_lse: bool, merge_mode: str, sms: int,
-               copy_q: bool, copy_kv: bool) -> _DecodePlan:
+               scale: float, return_lse: bool, merge_mode: str, copy_q: bool,
+               copy_kv: bool) -> _DecodePlan:
     """A contiguous call on ``decode_span``'s programs over ``hg`` kv heads each; its splits
     merge in the merge kernel ("fused" counts on a (sequence, kv head) the span does not
     own). ``q``, ``k``, ``v`` as launched: the copies ``copy_q`` / ``copy_kv`` say ``_run``
     makes."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    num_splits = span_split_count(batch * (num_kv_heads // hg), est_seqlen, SPAN_TILE[0], sms)
+    num_splits = decode_span.span_split_count(batch * (num_kv_heads // hg), est_seqlen,
+                                              _shape_rule_sms(q.device))
     block_d = padded_head_dim(head_dim)
     direct = num_splits == 1
     mode = "pdl" if merge_mode == "pdl" else "separate"
@@ -850,9 +846,9 @@ def _span_plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hg: int, est_s
         out_shape=(batch, num_heads, head_dim), dtype=q.dtype, return_lse=return_lse,
         empty=False, zero_fill=False, copy_q=copy_q, copy_kv=copy_kv, direct=direct,
         workspace_rows=batch * num_heads * num_splits, block_d=block_d, counters=0,
-        scalars=span_scalars(q, k, v, hg, scale, num_splits), stride_ab=None,
-        launch=span_launch(q, k, v, hg, num_splits, block_d, return_lse, pdl,
-                           dot_in_fp32(q.dtype)),
+        scalars=decode_span.span_scalars(q, k, v, hg, scale, num_splits), stride_ab=None,
+        launch=decode_span.span_launch(q, k, v, hg, num_splits, block_d, return_lse, pdl,
+                                       dot_in_fp32(q.dtype)),
         merge=None if direct else _merge_launch(q, num_kv_heads, block_d, mode, return_lse),
         merge_scalars=(num_heads * head_dim, head_dim, num_kv_heads,
                        num_heads // num_kv_heads, num_splits),

@@ -80,9 +80,10 @@ def span_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, est_keys: int,
     return hg
 
 
-def span_split_count(units: int, est_seqlen: int, block_n: int, sms: int) -> int:
+def span_split_count(units: int, est_seqlen: int, sms: int) -> int:
     """About two programs per SM (``units``: sequences x spans), splits of >= 4 key blocks.
     Half or twice that count measured 1-10% slower at D 100 / 200 (H200)."""
+    block_n = SPAN_TILE[0]
     if sms == 0:  # off Hopper / the interpreter: a few splits, so the merge is exercised
         return max(1, min(4, est_seqlen // (2 * block_n)))
     return max(1, min(2 * sms // units, est_seqlen // (4 * block_n), 128))
