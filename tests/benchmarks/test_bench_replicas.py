@@ -40,13 +40,16 @@ def test_bench_replicas_drives_one_replica_and_the_fleet_and_writes_results(
                                               ("replica 0 direct", 2))}
     for key, row in rows.items():
         assert row["rate"] > 0 and row["errors"] == 0, (key, row)
-        assert row["cores"]["replica 0"] > 0, (key, row["cores"])
+        # Through the fleet, the sessions' ring hash may put every session on replica 1 (4
+        # sessions: 1 time in 16; below), leaving replica 0 idle: then the replicas together.
+        cores = row["cores"]
+        used = cores["replica 0"] + (cores["replica 1"] if key[0] == "2 replicas" else 0)
+        assert used > 0, (key, cores)
         # Bytes reached each replica the point drove: all on replica 0 unless the fleet.
         assert len(row["split"]) == (2 if key[0] == "2 replicas" else 1), (key, row)
         assert sum(row["split"]) == pytest.approx(1.0)
-        # The diagnostics: replica 0's busiest thread, and the counters of the Envoy the
-        # point went through (none direct). Through the fleet, the sessions' ring hash may put
-        # every session on replica 1 (4 sessions: 1 time in 16), leaving replica 0 idle.
+        # The diagnostics: replica 0's busiest thread (idle as above), and the counters of
+        # the Envoy the point went through (none direct).
         least = 0 if key[0] == "2 replicas" else 1e-9
         assert least <= row["replica0_busiest_thread"] <= 1.5, (key, row)
         if key[0] == "replica 0 direct":
