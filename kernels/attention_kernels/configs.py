@@ -430,6 +430,60 @@ def wide_skew_split_count(units: int, est_seqlen: int, sms: int) -> int:
     return max(1, min(8 * sms // units, est_seqlen // 512))
 
 
+# Fast-DRAM decode tiles (``fast_dram_decode``): rows of at most 64 elements, and skewed rows
+# in 128-wide tiles.
+NARROW_ROWS_TILE = DecodeConfig(64, 2, 3)
+SKEWED_ROWS_TILE = DecodeConfig(128, 4, 3)
+# ... their programs per SM, and the fewest key blocks a split holds.
+FAST_DRAM_PROGRAMS_PER_SM = 4
+NARROW_ROWS_MIN_BLOCKS = 4
+SKEWED_ROWS_MIN_BLOCKS = 8
+
+
+def fast_dram_decode(units: int, est_seqlen: int, sms: int, block_d: int,
+                     skewed: bool) -> tuple[DecodeConfig, int] | None:
+    """(tile, automatic split count) of a contiguous 16-bit decode on a Hopper GPU of
+    ``FAST_DRAM_SM_GBPS`` (an H200) and ``sms`` SMs, for ``units`` (sequence, kv head) pairs,
+    where it was measured: unskewed rows in 64-wide tiles (D 33-64 packed on 16-byte
+    boundaries: D 40, 48, 64) at up to ``sms`` units, and skewed rows in 128-wide ones
+    (``_launch.kv_shift``: D 111); None elsewhere. About ``FAST_DRAM_PROGRAMS_PER_SM``
+    programs per SM, splits of at least a few key blocks.
+
+    The older rules (``SMALL_HEAD_TILE``, 128-key blocks, and ``choose_num_splits``' one
+    program per SM; ``DECODE_TILE`` for skewed rows) were measured on an H100, whose DRAM
+    feeds each SM 30% less. H200, bf16, 32q/8kv, GPU time (us), 2026-12-02 (``.gpu`` probe:
+    4 tiles x 2-3 split counts a shape), old -> this rule's tile and splits, at 1 x 16K,
+    8 x 8K, 16 x 8K and 64 x 4K keys:
+
+    * D 40: 14.4 -> 11.4, 45.4 -> 36.3, 84.0 -> 64.9, 154.2 -> 114.8;
+    * D 64: 11.7 -> 9.5, 37.4 -> 36.5, 70.9 -> 67.8, 140.6 -> 124.7;
+    * D 48: 12.0 -> 10.0, 38.1 -> 36.1, 70.5 -> 69.4 (32 keys, 2 warps: 62.5), 159.9 -> 137.6
+      (32 keys: 118.8);
+    * D 111 (skewed, 128 keys, 4 warps, 3 stages): 25.1 -> 21.9, 82.1 -> 74.0, 148.9 -> 133.6,
+      259.0 -> 252.3 (D 112 as it was: 21.5, 68.4, 126.3, 233.5). 16 splits beat 32 and 64 at
+      1 x 16K (21.9, 24.3, 31.7): splits of fewer than 8 blocks leave the 3-stage pipeline
+      half filled.
+
+    Narrow rows only up to one (sequence, kv head) pair per SM: past it the older rules won or
+    tied in an A/B on the same data (``.gpu`` probe, same day), older -> this tile, at 32 x 4K,
+    128 x 2K and 256 x 1K: D 40 62.7 -> 65.7, 113.5 -> 143.4, 109.8 -> 110.5; D 48 55.6 ->
+    64.4, 125.7 -> 149.1, 107.2 -> 121.5; D 64 63.2 -> 66.1, 125.9 -> 130.6, 124.2 -> 124.4
+    (64 x 4K went the other way in an earlier call: D 40 154.2 -> 114.8). Below it, at 2 x 8K,
+    4 x 32K and 8 x 8K: D 40 14.3 -> 11.6, 86.4 -> 78.1, 45.9 -> 35.4; D 48 12.0 -> 10.0, 71.2
+    -> 69.8, 38.1 -> 35.2; D 64 11.7 -> 9.6, 68.6 -> 65.3, 37.4 -> 35.8. Skewed rows gained
+    at every shape of that A/B but 32 x 4K (0.98x): D 111 2 x 8K 25.1 -> 21.4, 4 x 32K 159.5
+    -> 133.7, 128 x 2K 267.5 -> 254.7, 256 x 1K 277.3 -> 268.5."""
+    if block_d == 64 and not skewed and units <= sms:
+        tile, min_blocks = NARROW_ROWS_TILE, NARROW_ROWS_MIN_BLOCKS
+    elif block_d == 128 and skewed:
+        tile, min_blocks = SKEWED_ROWS_TILE, SKEWED_ROWS_MIN_BLOCKS
+    else:
+        return None
+    by_programs = round(FAST_DRAM_PROGRAMS_PER_SM * sms / max(1, units))
+    by_length = est_seqlen // (min_blocks * tile.block_n)
+    return tile, max(1, min(by_programs, by_length))
+
+
 @functools.lru_cache(maxsize=512)
 def paged_decode_config(head_dim: int, dtype: torch.dtype, device: torch.device,
                         kv_fp8: bool = False, skewed: bool = False) -> DecodeConfig:

@@ -76,6 +76,7 @@ from attention_kernels._paging import (
     unskew,
 )
 from attention_kernels.configs import (
+    FAST_DRAM_SM_GBPS,
     TWO_WARP_TILE,
     WIDE_SKEW_TILE,
     DecodeConfig,
@@ -84,6 +85,7 @@ from attention_kernels.configs import (
     decode_shape_config,
     dot_in_fp32,
     dram_gbps,
+    fast_dram_decode,
     interpreting,
     num_sms,
     padded_head_dim,
@@ -752,6 +754,14 @@ def _plan(
     # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
     wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
             and k.element_size() == 2)
+    # On GPUs whose DRAM feeds each SM faster (an H200), rows of at most 64 elements and
+    # skewed rows in 128-wide tiles take tiles and split counts of their own.
+    fast = (not wide and table is None and k.element_size() == 2 and bool(sms)
+            and fast_dram(q.device))
+    rule = fast_dram_decode(units, est_seqlen, sms, block_d, shift > 0) if fast else None
+    if rule is not None:
+        cfg = rule[0]
+        num_splits = num_splits or rule[1]
     if num_splits == 0:
         if wide:
             num_splits = wide_skew_split_count(units, est_seqlen, sms)
@@ -922,6 +932,13 @@ def _dram_gbps(device: torch.device) -> float:
     """``device``'s DRAM GB/s where the shape rules were measured (Hopper GPUs), else 0."""
     index = _hopper_index(device)
     return 0.0 if index is None else dram_gbps(index)
+
+
+def fast_dram(device: torch.device) -> bool:
+    """A Hopper GPU whose DRAM feeds each SM at least ``FAST_DRAM_SM_GBPS`` (an H200), where
+    ``configs.fast_dram_decode``'s tiles were measured."""
+    sms = _shape_rule_sms(device)
+    return bool(sms) and _dram_gbps(device) >= FAST_DRAM_SM_GBPS * sms
 
 
 def _shape_rule_sms(device: torch.device) -> int:

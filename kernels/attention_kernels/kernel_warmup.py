@@ -21,11 +21,13 @@ from typing import Any
 import torch
 from triton import knobs
 
+from attention_kernels._launch import kv_tile
 from attention_kernels.configs import (
     MANY_PROGRAMS_TILE,
     ONE_SPLIT_TILE,
     SHORT_PAGED_SPLIT_TILE,
     TWO_WARP_TILE,
+    fast_dram_decode,
     interpreting,
     many_programs,
     num_sms,
@@ -36,6 +38,7 @@ from attention_kernels.decode_kernel import (
     _hopper,
     _merge_mode,
     decode,
+    fast_dram,
     for_cuda_graphs,
     paged_decode,
 )
@@ -219,6 +222,7 @@ def warmup_calls(spec: WarmupSpec) -> list[Callable[[], object]]:
             splits = functools.partial(_split_decodes, d, dtype, device, lse_flags, merges)
             calls += splits(decode, kv, kv, cu)
             calls += _span_decodes(d, dtype, device, lse_flags, merges)
+            calls += _fast_dram_decodes(d, dtype, device, lse_flags, merges)
             rule = d == 128 and device.type == "cuda"  # decode_shape_config's other tiles
             if rule:
                 for lse in lse_flags:  # one split writes directly: one variant for any group
@@ -363,6 +367,45 @@ def _span_decodes(d: int, dtype: torch.dtype, device: torch.device,
             q = torch.randn(batch, 4 * group, d, dtype=dtype, device=device)
             calls += [split, functools.partial(decode, q, kv, kv, cu, max_seqlen_k=hint,
                                                return_lse=lse)]
+    return calls
+
+
+def _fast_dram_decodes(d: int, dtype: torch.dtype, device: torch.device,
+                       lse_flags: tuple[bool, ...],
+                       merges: list[Callable[[], object]]) -> list[Callable[[], object]]:
+    """On a GPU of fast DRAM (``decode_kernel.fast_dram``), ``configs.fast_dram_decode``'s
+    tiles at head dim ``d``, direct and split, over 2 kv heads and over 8 packed ones (their
+    rows skewed where 8 heads' rows are whole 16-byte pieces but one head's are not: D 111).
+    Named as configs: the plan then makes the variants the rule makes."""
+    if dtype not in (torch.float16, torch.bfloat16) or not fast_dram(device):
+        return []
+    calls: list[Callable[[], object]] = []
+    seen: set[tuple[int, int]] = set()
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
+    for heads in (2, 8):
+        kv = torch.randn(40, heads, d, dtype=dtype, device=device)
+        block_d, shift = kv_tile(kv, kv, (*kv.stride()[:2], *kv.stride()[:2], None, None, None),
+                                 d)
+        rule = fast_dram_decode(1, 1, 1, block_d, shift > 0)
+        if rule is None or (block_d, shift) in seen:
+            continue
+        seen.add((block_d, shift))
+        tile = rule[0]
+        q = torch.randn(2, 2 * heads, d, dtype=dtype, device=device)
+        for lse in lse_flags:  # one split writes directly: one variant for any group
+            calls.append(functools.partial(decode, q, kv, kv, cu, num_splits=1, return_lse=lse,
+                                           _config=tile))
+        if heads == 2:
+            calls += _split_decodes(d, dtype, device, lse_flags, merges, decode, kv, kv, cu,
+                                    _config=tile)
+        else:
+            for group in (1, 2, 4, 8):
+                for lse in lse_flags:
+                    qg = torch.randn(2, heads * group, d, dtype=dtype, device=device)
+                    split = functools.partial(decode, qg, kv, kv, cu, num_splits=2,
+                                              return_lse=lse, _config=tile)
+                    calls.append(split)
+                    merges.append(split)
     return calls
 
 

@@ -510,6 +510,58 @@ def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch
     assert plan(59, 3) == (128, 3, configs.WIDE_SKEW_TILE)
 
 
+@pytest.mark.parametrize(("batch", "seqlen", "splits"),
+                         [(1, 16384, 16), (8, 8192, 8), (16, 8192, 4), (64, 4096, 1)])
+def test_fast_dram_tiles_are_planned(monkeypatch: pytest.MonkeyPatch, batch: int, seqlen: int,
+                                     splits: int) -> None:
+    """On a faked H200 (132 SMs, 4.8 TB/s) decode's plan takes ``fast_dram_decode``'s tiles
+    and split counts: rows of at most 64 elements (D 40, 64) in 64-key tiles of 2 warps, skewed
+    rows in 128-wide tiles (D 111, 8 packed kv heads) in 128-key ones; D 112 (unskewed, 128
+    wide), an H100's bandwidth, an explicit config and an explicit split count keep theirs."""
+    from attention_kernels import configs, decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    gbps = {"now": 4800.0}
+    monkeypatch.setattr(decode_kernel, "_dram_gbps", lambda device: gbps["now"])
+
+    def plan(d: int, num_splits: int = 0, config: DecodeConfig | None = None,
+             ) -> tuple[int, DecodeConfig]:
+        q = torch.empty(batch, 32, d, dtype=torch.bfloat16)  # a plan reads no values
+        k = torch.empty(batch * seqlen, 8, d, dtype=torch.bfloat16)
+        p = decode_kernel._plan(q, k, k, None, seqlen, None, num_splits, False, config,
+                                "fused", (-1, -1), 0.0, None, None, None, None, None)
+        kw = p.launch.kwargs
+        return p.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+
+    assert plan(111) == (splits, configs.SKEWED_ROWS_TILE)
+    assert plan(112)[1] != configs.SKEWED_ROWS_TILE
+    assert plan(40, 2, configs.TWO_WARP_TILE) == (2, configs.TWO_WARP_TILE)
+    if batch * 8 > 132:  # narrow rows: up to one (sequence, kv head) pair per SM
+        assert configs.NARROW_ROWS_TILE not in (plan(40)[1], plan(64)[1])
+        return
+    narrow = min(round(4 * 132 / (batch * 8)), seqlen // 256)  # 4 per SM, >= 4 blocks a split
+    assert plan(40) == plan(64) == (narrow, configs.NARROW_ROWS_TILE)
+    assert plan(40, 3) == (3, configs.NARROW_ROWS_TILE)
+    gbps["now"] = 3352.0  # an H100 SXM: the older rules
+    assert configs.NARROW_ROWS_TILE not in (plan(40)[1], plan(64)[1])
+    assert plan(111)[1] != configs.SKEWED_ROWS_TILE
+
+
+def test_fast_dram_rule() -> None:
+    """``fast_dram_decode`` at its measured points (132 SMs) and where it does not apply."""
+    from attention_kernels.configs import NARROW_ROWS_TILE, SKEWED_ROWS_TILE, fast_dram_decode
+
+    for units, keys, narrow, skewed in ((8, 16384, 64, 16), (64, 8192, 8, 8),
+                                        (128, 8192, 4, 4), (132, 8192, 4, 4), (8, 300, 1, 1),
+                                        (133, 8192, None, 4), (512, 4096, None, 1),
+                                        (1024, 2048, None, 1)):
+        got = fast_dram_decode(units, keys, 132, 64, False)
+        assert got == (None if narrow is None else (NARROW_ROWS_TILE, narrow))
+        assert fast_dram_decode(units, keys, 132, 128, True) == (SKEWED_ROWS_TILE, skewed)
+    for block_d, skewed in ((64, True), (128, False), (256, True), (32, False)):
+        assert fast_dram_decode(64, 8192, 132, block_d, skewed) is None
+
+
 @pytest.mark.skipif(DEVICE != "cuda", reason="the odd-dim tiles are the GPU's (the interpreter "
                     "takes its own small tiles)")
 @pytest.mark.parametrize("head_dim", [111, 201])

@@ -216,7 +216,7 @@ def test_shape_rule_is_applied(monkeypatch: pytest.MonkeyPatch, lens: list[int],
 
 
 @pytest.mark.parametrize("config", [DecodeConfig(32, 4, 2), DecodeConfig(64, 2, 2),
-                                    DecodeConfig(128, 4, 3)],
+                                    DecodeConfig(64, 2, 3), DecodeConfig(128, 4, 3)],
                          ids=lambda c: f"{c.block_n}x{c.num_warps}x{c.num_stages}")
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_shape_config_tiles(config: DecodeConfig, num_splits: int) -> None:

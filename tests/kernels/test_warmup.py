@@ -150,3 +150,24 @@ def test_prefill_variants_take_the_padded_gluon_launches(
     assert padded_calls(72) == 8  # (non-)causal x lse x hint
     assert padded_calls(59) == padded_calls(100) == 16  # at 16 and 18 heads
     assert padded_calls(64) == padded_calls(32) == 0
+
+
+def test_fast_dram_decodes_name_the_rule_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU of fast DRAM (faked) the warm-up runs ``configs.fast_dram_decode``'s tiles,
+    direct and split: D 40 over 2 kv heads (unskewed, 64 wide), D 111 over 8 packed ones (rows
+    skewed, 128 wide; over 2 heads its rows have no common skew and no rule). Each call runs."""
+    from attention_kernels.configs import NARROW_ROWS_TILE, SKEWED_ROWS_TILE
+
+    monkeypatch.setattr(kernel_warmup, "fast_dram", lambda device: True)
+    device = torch.device(DEVICE)
+    for d, tile, heads in ((40, NARROW_ROWS_TILE, 2), (111, SKEWED_ROWS_TILE, 8)):
+        merges: list = []
+        calls = kernel_warmup._fast_dram_decodes(d, torch.bfloat16, device, (False, True),
+                                                 merges)
+        assert len(calls) == 10 and len(merges) == 8  # 2 direct; 4 groups x 2 lse flags split
+        for call in calls:
+            assert call.keywords["_config"] == tile and call.args[1].shape[1] == heads
+            call()
+    assert kernel_warmup._fast_dram_decodes(40, torch.float32, device, (False,), []) == []
+    monkeypatch.setattr(kernel_warmup, "fast_dram", lambda device: False)
+    assert kernel_warmup._fast_dram_decodes(40, torch.bfloat16, device, (False,), []) == []
