@@ -440,14 +440,20 @@ NARROW_ROWS_MIN_BLOCKS = 4
 SKEWED_ROWS_MIN_BLOCKS = 8
 
 
-def fast_dram_decode(units: int, est_seqlen: int, sms: int, block_d: int,
-                     skewed: bool) -> tuple[DecodeConfig, int] | None:
+def fast_dram_decode(units: int, est_seqlen: int, sms: int, head_dim: int, block_d: int,
+                     skewed: bool, rows16: bool) -> tuple[DecodeConfig, int] | None:
     """(tile, automatic split count) of a contiguous 16-bit decode on a Hopper GPU of
     ``FAST_DRAM_SM_GBPS`` (an H200) and ``sms`` SMs, for ``units`` (sequence, kv head) pairs,
-    where it was measured: unskewed rows in 64-wide tiles (D 33-64 packed on 16-byte
-    boundaries: D 40, 48, 64) at up to ``sms`` units, and skewed rows in 128-wide ones
-    (``_launch.kv_shift``: D 111); None elsewhere. About ``FAST_DRAM_PROGRAMS_PER_SM``
-    programs per SM, splits of at least a few key blocks.
+    where it was measured; None elsewhere:
+
+    * narrow rows: head dims 33-64 in their 64-wide tile, every K/V row on a 16-byte boundary
+      (``rows16``: D 40, 48, 64 packed; not D 59's or D 36's rows, read in pieces or skewed),
+      up to ``sms`` units;
+    * odd head dims 65-127 read skewed (``skewed``: ``_launch.kv_shift``) in their 128-wide
+      tile (D 111 with 8 packed kv heads). Not D 59's 128-wide tiles (the padded 64 read
+      wide: ``wide_skew_split_count``), nor even dims' skewed rows (D 100: unmeasured).
+
+    About ``FAST_DRAM_PROGRAMS_PER_SM`` programs per SM, splits of at least a few key blocks.
 
     The older rules (``SMALL_HEAD_TILE``, 128-key blocks, and ``choose_num_splits``' one
     program per SM; ``DECODE_TILE`` for skewed rows) were measured on an H100, whose DRAM
@@ -473,9 +479,10 @@ def fast_dram_decode(units: int, est_seqlen: int, sms: int, block_d: int,
     -> 69.8, 38.1 -> 35.2; D 64 11.7 -> 9.6, 68.6 -> 65.3, 37.4 -> 35.8. Skewed rows gained
     at every shape of that A/B but 32 x 4K (0.98x): D 111 2 x 8K 25.1 -> 21.4, 4 x 32K 159.5
     -> 133.7, 128 x 2K 267.5 -> 254.7, 256 x 1K 277.3 -> 268.5."""
-    if block_d == 64 and not skewed and units <= sms:
+    padded = padded_head_dim(head_dim)
+    if block_d == padded == 64 and not skewed and rows16 and units <= sms and head_dim > 32:
         tile, min_blocks = NARROW_ROWS_TILE, NARROW_ROWS_MIN_BLOCKS
-    elif block_d == 128 and skewed:
+    elif block_d == padded == 128 and skewed and head_dim % 2:
         tile, min_blocks = SKEWED_ROWS_TILE, SKEWED_ROWS_MIN_BLOCKS
     else:
         return None

@@ -754,11 +754,13 @@ def _plan(
     # rules (``configs.wide_skew_split_count``), measured there on contiguous keys only.
     wide = (bool(sms) and table is None and block_d == 128 and padded_head_dim(head_dim) == 64
             and k.element_size() == 2)
-    # On GPUs whose DRAM feeds each SM faster (an H200), rows of at most 64 elements and
-    # skewed rows in 128-wide tiles take tiles and split counts of their own.
-    fast = (not wide and table is None and k.element_size() == 2 and bool(sms)
-            and fast_dram(q.device))
-    rule = fast_dram_decode(units, est_seqlen, sms, block_d, shift > 0) if fast else None
+    # On GPUs whose DRAM feeds each SM faster (an H200), narrow 16-byte rows and odd dims'
+    # skewed rows take tiles and split counts of their own (``configs.fast_dram_decode``).
+    rule = None
+    if not wide and table is None and k.element_size() == 2 and sms and fast_dram(q.device):
+        rows16 = (k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+                  and all(s * k.element_size() % 16 == 0 for s in (*strides[:4], head_dim)))
+        rule = fast_dram_decode(units, est_seqlen, sms, head_dim, block_d, shift > 0, rows16)
     if rule is not None:
         cfg = rule[0]
         num_splits = num_splits or rule[1]

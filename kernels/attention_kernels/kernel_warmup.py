@@ -374,38 +374,38 @@ def _fast_dram_decodes(d: int, dtype: torch.dtype, device: torch.device,
                        lse_flags: tuple[bool, ...],
                        merges: list[Callable[[], object]]) -> list[Callable[[], object]]:
     """On a GPU of fast DRAM (``decode_kernel.fast_dram``), ``configs.fast_dram_decode``'s
-    tiles at head dim ``d``, direct and split, over 2 kv heads and over 8 packed ones (their
-    rows skewed where 8 heads' rows are whole 16-byte pieces but one head's are not: D 111).
-    Named as configs: the plan then makes the variants the rule makes."""
+    tiles at head dim ``d``, direct and split, named as configs so the plans make the rule's
+    variants. Layouts of 2, 8 and 16 packed kv heads: rows skewed where 8 heads' rows are whole
+    16-byte pieces but one head's are not (D 111), and token strides of both divisibilities
+    by 16 (Triton specializes on it: D 111 at 8 heads 888, at 16 1776). Direct calls at groups
+    1 and 2 for the same reason (q's token stride); splits at groups 1, 2, 4 and 8 (a merge
+    variant each)."""
     if dtype not in (torch.float16, torch.bfloat16) or not fast_dram(device):
         return []
     calls: list[Callable[[], object]] = []
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, bool]] = set()
     cu = torch.tensor([0, 17, 40], dtype=torch.int32, device=device)
-    for heads in (2, 8):
+    for heads in (2, 8, 16):
         kv = torch.randn(40, heads, d, dtype=dtype, device=device)
-        block_d, shift = kv_tile(kv, kv, (*kv.stride()[:2], *kv.stride()[:2], None, None, None),
-                                 d)
-        rule = fast_dram_decode(1, 1, 1, block_d, shift > 0)
-        if rule is None or (block_d, shift) in seen:
+        strides = (*kv.stride()[:2], *kv.stride()[:2], None, None, None)
+        block_d, shift = kv_tile(kv, kv, strides, d)
+        rows16 = all(s * kv.element_size() % 16 == 0 for s in (*kv.stride()[:2], d))
+        rule = fast_dram_decode(1, 1, 1, d, block_d, shift > 0, rows16)
+        layout = (block_d, shift, kv.stride(0) % 16 == 0)
+        if rule is None or layout in seen:
             continue
-        seen.add((block_d, shift))
+        seen.add(layout)
         tile = rule[0]
-        q = torch.randn(2, 2 * heads, d, dtype=dtype, device=device)
-        for lse in lse_flags:  # one split writes directly: one variant for any group
-            calls.append(functools.partial(decode, q, kv, kv, cu, num_splits=1, return_lse=lse,
-                                           _config=tile))
-        if heads == 2:
-            calls += _split_decodes(d, dtype, device, lse_flags, merges, decode, kv, kv, cu,
-                                    _config=tile)
-        else:
-            for group in (1, 2, 4, 8):
-                for lse in lse_flags:
-                    qg = torch.randn(2, heads * group, d, dtype=dtype, device=device)
-                    split = functools.partial(decode, qg, kv, kv, cu, num_splits=2,
-                                              return_lse=lse, _config=tile)
-                    calls.append(split)
-                    merges.append(split)
+        for group in (1, 2, 4, 8):
+            for lse in lse_flags:
+                q = torch.randn(2, heads * group, d, dtype=dtype, device=device)
+                if group <= 2:
+                    calls.append(functools.partial(decode, q, kv, kv, cu, num_splits=1,
+                                                   return_lse=lse, _config=tile))
+                split = functools.partial(decode, q, kv, kv, cu, num_splits=2, return_lse=lse,
+                                          _config=tile)
+                calls.append(split)
+                merges.append(split)
     return calls
 
 

@@ -510,41 +510,152 @@ def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch
     assert plan(59, 3) == (128, 3, configs.WIDE_SKEW_TILE)
 
 
+def _fake_h200(monkeypatch: pytest.MonkeyPatch, gbps: float = 4800.0) -> None:
+    """decode's plan as on an H200 (132 SMs, 4.8 TB/s): its Hopper shape rules on."""
+    from attention_kernels import decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    monkeypatch.setattr(decode_kernel, "_dram_gbps", lambda device: gbps)
+    decode_kernel._PLANS.clear()
+
+
+def _plan_of(q: torch.Tensor, k: torch.Tensor, est: int, num_splits: int = 0,
+             config: DecodeConfig | None = None, lse: bool = False,
+             table: torch.Tensor | None = None, scales: tuple = (None, None)):
+    from attention_kernels import decode_kernel
+
+    return decode_kernel._plan(q, k, k, table, est, None, num_splits, lse, config, "fused",
+                               (-1, -1), 0.0, None, *scales, None, None)
+
+
+def _tile(plan) -> tuple[int, DecodeConfig]:
+    kw = plan.launch.kwargs
+    return plan.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+
+
 @pytest.mark.parametrize(("batch", "seqlen", "splits"),
                          [(1, 16384, 16), (8, 8192, 8), (16, 8192, 4), (64, 4096, 1)])
 def test_fast_dram_tiles_are_planned(monkeypatch: pytest.MonkeyPatch, batch: int, seqlen: int,
                                      splits: int) -> None:
-    """On a faked H200 (132 SMs, 4.8 TB/s) decode's plan takes ``fast_dram_decode``'s tiles
-    and split counts: rows of at most 64 elements (D 40, 64) in 64-key tiles of 2 warps, skewed
-    rows in 128-wide tiles (D 111, 8 packed kv heads) in 128-key ones; D 112 (unskewed, 128
-    wide), an H100's bandwidth, an explicit config and an explicit split count keep theirs."""
-    from attention_kernels import configs, decode_kernel
+    """On a faked H200 decode's plan takes ``fast_dram_decode``'s tiles and split counts:
+    narrow 16-byte rows (D 40, 64) in 64-key tiles of 2 warps up to one (sequence, kv head)
+    pair per SM, odd dims' skewed rows (D 111, 8 packed kv heads) in 128-key ones; D 112
+    (unskewed, 128 wide), an H100's bandwidth, an explicit config and an explicit split count
+    keep theirs."""
+    from attention_kernels import configs
 
-    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
-    gbps = {"now": 4800.0}
-    monkeypatch.setattr(decode_kernel, "_dram_gbps", lambda device: gbps["now"])
+    _fake_h200(monkeypatch)
 
-    def plan(d: int, num_splits: int = 0, config: DecodeConfig | None = None,
-             ) -> tuple[int, DecodeConfig]:
+    def plan(d: int, num_splits: int = 0, config: DecodeConfig | None = None):
         q = torch.empty(batch, 32, d, dtype=torch.bfloat16)  # a plan reads no values
         k = torch.empty(batch * seqlen, 8, d, dtype=torch.bfloat16)
-        p = decode_kernel._plan(q, k, k, None, seqlen, None, num_splits, False, config,
-                                "fused", (-1, -1), 0.0, None, None, None, None, None)
-        kw = p.launch.kwargs
-        return p.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+        return _tile(_plan_of(q, k, seqlen, num_splits, config))
 
+    narrow = {1: 64, 8: 8, 16: 4}.get(batch)  # ~4 programs per SM, >= 4 blocks a split
     assert plan(111) == (splits, configs.SKEWED_ROWS_TILE)
     assert plan(112)[1] != configs.SKEWED_ROWS_TILE
     assert plan(40, 2, configs.TWO_WARP_TILE) == (2, configs.TWO_WARP_TILE)
-    if batch * 8 > 132:  # narrow rows: up to one (sequence, kv head) pair per SM
+    if narrow is None:  # 512 pairs: past one per SM, the older rules
         assert configs.NARROW_ROWS_TILE not in (plan(40)[1], plan(64)[1])
-        return
-    narrow = min(round(4 * 132 / (batch * 8)), seqlen // 256)  # 4 per SM, >= 4 blocks a split
-    assert plan(40) == plan(64) == (narrow, configs.NARROW_ROWS_TILE)
-    assert plan(40, 3) == (3, configs.NARROW_ROWS_TILE)
-    gbps["now"] = 3352.0  # an H100 SXM: the older rules
+    else:
+        assert plan(40) == plan(64) == (narrow, configs.NARROW_ROWS_TILE)
+        assert plan(40, 3) == (3, configs.NARROW_ROWS_TILE)
+    _fake_h200(monkeypatch, 3352.0)  # an H100 SXM: the older rules
     assert configs.NARROW_ROWS_TILE not in (plan(40)[1], plan(64)[1])
     assert plan(111)[1] != configs.SKEWED_ROWS_TILE
+
+
+def test_fast_dram_tiles_stay_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the fast-DRAM rule must not take, on a faked H200 at 8 x 8K: rows off 16-byte
+    boundaries (D 36: 72-byte rows; D 59 over 2 kv heads), D 59's wide tiles (8 kv heads: its
+    own split count, ``wide_skew_split_count``), even dims' skewed rows (D 102: 204-byte rows,
+    no span), FP8 K/V and pages."""
+    from attention_kernels import configs, fp8
+
+    _fake_h200(monkeypatch)
+    rule_tiles = (configs.NARROW_ROWS_TILE, configs.SKEWED_ROWS_TILE)
+
+    def plan(d: int, kv_heads: int = 8, group: int = 4, dtype=torch.bfloat16, **kw):
+        q = torch.empty(8, kv_heads * group, d, dtype=torch.bfloat16)
+        k = torch.empty(8 * 8192, kv_heads, d, dtype=dtype)
+        return _plan_of(q, k, 8192, **kw)
+
+    assert _tile(plan(36))[1] not in rule_tiles
+    assert _tile(plan(59, kv_heads=2))[1] not in rule_tiles
+    wide = plan(59)
+    assert wide.block_d == 128 and _tile(wide) == (
+        configs.wide_skew_split_count(64, 8192, 132), configs.WIDE_SKEW_TILE)
+    skewed_even = plan(102)
+    assert skewed_even.launch.kwargs["KV_SHIFT"] and _tile(skewed_even)[1] not in rule_tiles
+    scales = (torch.ones(8), torch.ones(8))
+    for d in (40, 111):
+        assert _tile(plan(d, dtype=fp8.FP8_DTYPE, scales=scales))[1] not in rule_tiles
+        pages = torch.empty(64, 64, 8, d, dtype=torch.bfloat16)
+        table = torch.zeros(8, 128, dtype=torch.int32)
+        q = torch.empty(8, 32, d, dtype=torch.bfloat16)
+        assert _tile(_plan_of(q, pages, 8192, table=table))[1] not in rule_tiles
+
+
+@pytest.mark.parametrize(("head_dim", "kv_heads"), [(40, 2), (111, 8)])
+def test_fast_dram_tiles_match_the_reference(monkeypatch: pytest.MonkeyPatch, head_dim: int,
+                                             kv_heads: int) -> None:
+    """decode through the rule's automatic tiles and splits on a faked H200 (D 40: narrow
+    rows, 8 splits; D 111 over 8 packed kv heads: skewed rows, 2 splits) against float64,
+    outputs poisoned first, with an empty sequence and lengths off the key blocks."""
+    from attention_kernels import decode_kernel
+
+    _fake_h200(monkeypatch)
+    dtype = torch.bfloat16
+    lens = [700, 0, 1030]
+    q = randn(3, kv_heads * 2, head_dim, dtype=dtype)
+    k, v = (randn(sum(lens), kv_heads, head_dim, dtype=dtype) for _ in "kv")
+    cu = cu_seqlens(lens)
+    out = torch.empty_like(q)
+    poison_(out)
+    try:
+        got = decode(q, k, v, cu, max_seqlen_k=2048, out=out)
+        (plan,) = decode_kernel._PLANS._plans.values()
+        assert plan.launch.grid[0] == (8 if head_dim == 40 else 2)
+        assert plan.launch.kwargs["BLOCK_N"] == (64 if head_dim == 40 else 128)
+        assert rel_err(got, decode_ref(q.double(), k.double(), v.double(), cu)) < TOL[dtype]
+    finally:
+        decode_kernel._PLANS.clear()
+
+
+@pytest.mark.parametrize(("head_dim", "kv_heads"), [(40, 8), (48, 8), (64, 8), (40, 2),
+                                                    (111, 8), (111, 16)])
+def test_fast_dram_warmup_makes_the_rule_variants(monkeypatch: pytest.MonkeyPatch,
+                                                  head_dim: int, kv_heads: int) -> None:
+    """Every variant the rule plans for real calls (groups 1-8, lse or not, 1-16 sequences
+    of 300-16K keys) is one the warm-up's calls plan too: the same constexprs and the same
+    divisibility by 16 of the integer arguments (Triton specializes on it)."""
+    from attention_kernels import configs, kernel_warmup
+
+    _fake_h200(monkeypatch)
+    monkeypatch.setattr(kernel_warmup, "fast_dram", lambda device: True)
+
+    def variant(plan) -> tuple:  # the first 8 scalars: the strides Triton specializes on
+        ints = tuple((x % 16 == 0, x == 1) for x in plan.scalars[:8])
+        return tuple(sorted(plan.launch.kwargs.items())), ints
+
+    warm = set()
+    for call in kernel_warmup._fast_dram_decodes(head_dim, torch.bfloat16, torch.device("cpu"),
+                                                 (False, True), []):
+        q, k, _, cu = call.args
+        warm.add(variant(_plan_of(q, k, -(-k.shape[0] // q.shape[0]), call.keywords[
+            "num_splits"], call.keywords["_config"], call.keywords["return_lse"])))
+    rule_tiles = (configs.NARROW_ROWS_TILE, configs.SKEWED_ROWS_TILE)
+    planned = 0
+    for group in (1, 2, 4, 8):
+        for batch, seqlen in ((1, 16384), (8, 8192), (16, 8192), (1, 300), (2, 100)):
+            for lse in (False, True):
+                q = torch.empty(batch, kv_heads * group, head_dim, dtype=torch.bfloat16)
+                k = torch.empty(batch * seqlen, kv_heads, head_dim, dtype=torch.bfloat16)
+                plan = _plan_of(q, k, seqlen, lse=lse)
+                if _tile(plan)[1] in rule_tiles:
+                    planned += 1
+                    assert variant(plan) in warm, (group, batch, seqlen, lse)
+    assert planned
 
 
 def test_fast_dram_rule() -> None:
@@ -555,11 +666,15 @@ def test_fast_dram_rule() -> None:
                                         (128, 8192, 4, 4), (132, 8192, 4, 4), (8, 300, 1, 1),
                                         (133, 8192, None, 4), (512, 4096, None, 1),
                                         (1024, 2048, None, 1)):
-        got = fast_dram_decode(units, keys, 132, 64, False)
+        got = fast_dram_decode(units, keys, 132, 40, 64, False, True)
         assert got == (None if narrow is None else (NARROW_ROWS_TILE, narrow))
-        assert fast_dram_decode(units, keys, 132, 128, True) == (SKEWED_ROWS_TILE, skewed)
-    for block_d, skewed in ((64, True), (128, False), (256, True), (32, False)):
-        assert fast_dram_decode(64, 8192, 132, block_d, skewed) is None
+        assert fast_dram_decode(units, keys, 132, 111, 128, True, False) == (
+            SKEWED_ROWS_TILE, skewed)
+    for d, block_d, skewed, rows16 in ((40, 64, True, True), (40, 64, False, False),
+                                       (59, 128, True, False), (100, 128, True, False),
+                                       (112, 128, False, True), (201, 256, True, False),
+                                       (32, 32, False, True), (24, 64, False, True)):
+        assert fast_dram_decode(64, 8192, 132, d, block_d, skewed, rows16) is None
 
 
 @pytest.mark.skipif(DEVICE != "cuda", reason="the odd-dim tiles are the GPU's (the interpreter "

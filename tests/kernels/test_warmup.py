@@ -154,20 +154,25 @@ def test_prefill_variants_take_the_padded_gluon_launches(
 
 def test_fast_dram_decodes_name_the_rule_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU of fast DRAM (faked) the warm-up runs ``configs.fast_dram_decode``'s tiles,
-    direct and split: D 40 over 2 kv heads (unskewed, 64 wide), D 111 over 8 packed ones (rows
-    skewed, 128 wide; over 2 heads its rows have no common skew and no rule). Each call runs."""
+    direct (groups 1, 2) and split (groups 1-8): D 40 over one layout (its 2, 8 and 16 kv
+    head layouts plan alike), D 111 over 8 and 16 packed kv heads (rows skewed; token strides
+    of both divisibilities by 16; over 2 heads no common skew, no rule). Each call runs.
+    ``test_any_head_dim`` checks that these plan the variants real calls plan."""
     from attention_kernels.configs import NARROW_ROWS_TILE, SKEWED_ROWS_TILE
 
     monkeypatch.setattr(kernel_warmup, "fast_dram", lambda device: True)
     device = torch.device(DEVICE)
-    for d, tile, heads in ((40, NARROW_ROWS_TILE, 2), (111, SKEWED_ROWS_TILE, 8)):
+    for d, tile, heads in ((40, NARROW_ROWS_TILE, {2}), (111, SKEWED_ROWS_TILE, {8, 16})):
         merges: list = []
         calls = kernel_warmup._fast_dram_decodes(d, torch.bfloat16, device, (False, True),
                                                  merges)
-        assert len(calls) == 10 and len(merges) == 8  # 2 direct; 4 groups x 2 lse flags split
+        layouts = len(heads)  # per layout: 2 groups x 2 lse direct, 4 groups x 2 lse split
+        assert len(calls) == 12 * layouts and len(merges) == 8 * layouts
+        assert {call.args[1].shape[1] for call in calls} == heads
         for call in calls:
-            assert call.keywords["_config"] == tile and call.args[1].shape[1] == heads
+            assert call.keywords["_config"] == tile
             call()
     assert kernel_warmup._fast_dram_decodes(40, torch.float32, device, (False,), []) == []
+    assert kernel_warmup._fast_dram_decodes(59, torch.bfloat16, device, (False,), []) == []
     monkeypatch.setattr(kernel_warmup, "fast_dram", lambda device: False)
     assert kernel_warmup._fast_dram_decodes(40, torch.bfloat16, device, (False,), []) == []
