@@ -1,4 +1,5 @@
-"""Softcap, ALiBi and sliding-window helpers shared by the prefill and decode kernels.
+"""Softcap, ALiBi and sliding-window helpers shared by the prefill and decode kernels, and the
+decode kernels' online-softmax step (``online_softmax_block``).
 
 The kernels keep scores in log2 units (``log2(e)`` folded into the scale, so the softmax uses
 ``exp2``). The features follow flash_attn, in natural units: the logit is
@@ -42,6 +43,23 @@ def softcap_logits(qk, cap_scale, cap_log2):
     """Log2-unit logits of raw ``q.k`` under a softcap (``cap_scale = scale / softcap``,
     ``cap_log2 = softcap * log2(e)``)."""
     return cap_log2 * tanh(qk * cap_scale)
+
+
+@triton.jit
+def online_softmax_block(s, v, m_i, l_i, acc, P_DTYPE: tl.constexpr, DOT_F32: tl.constexpr):
+    """One key block of the online softmax, in log2 units: ``s`` the block's scores (-inf
+    where masked), ``v`` its values; returns the new (acc, l, m), acc un-normalised. P is
+    rounded to ``P_DTYPE`` (the dot's, as the prefill kernel rounds it), then widened for the
+    interpreter's dots (``DOT_F32``)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.math.exp2(s - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(P_DTYPE)
+    if DOT_F32:
+        p = p.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p, v)
+    return acc, l_i, m_new
 
 
 def softcap_args(softcap: float, scale: float) -> tuple[float | None, float | None]:

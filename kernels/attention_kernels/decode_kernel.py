@@ -50,7 +50,12 @@ from attention_kernels._checks import (
     check_outputs,
     check_paged_inputs,
 )
-from attention_kernels._features import alibi_args, softcap_args, softcap_logits
+from attention_kernels._features import (
+    alibi_args,
+    online_softmax_block,
+    softcap_args,
+    softcap_logits,
+)
 from attention_kernels._fp8_dot import f16_queries
 from attention_kernels._launch import (
     KernelLaunch,
@@ -189,16 +194,8 @@ def _decode_inner(
             qk = qk - slopes2[:, None] * dist[None, :]
         qk = tl.where(n_ok[None, :], qk, float("-inf"))
         # At least one key per block is valid, so the running max is finite after this block.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        # Round P like the prefill kernel does (to the dot's dtype).
-        p = p.to(tl.float16) if KV_FP8 else p.to(Q.dtype.element_ty)
-        if DOT_F32:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        acc, l_i, m_i = online_softmax_block(
+            qk, v, m_i, l_i, acc, tl.float16 if KV_FP8 else Q.dtype.element_ty, DOT_F32)
     return acc, l_i, m_i
 
 

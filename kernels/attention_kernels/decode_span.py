@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents
 
+from attention_kernels._features import online_softmax_block
 from attention_kernels._launch import KernelLaunch
 
 # "auto": the measured rule (``span_heads``) on Hopper; "always": wherever the layout allows it
@@ -139,17 +140,9 @@ def _blocks(q, k_base, v_base, stride_kt, stride_vt, lo, hi, qk_scale, offs, col
         if DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        p = p.to(v_base.dtype.element_ty)
-        if DOT_F32:
-            p = p.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
-        m_i = m_new
+        s = tl.where(n_ok[None, :], tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
+        acc, l_i, m_i = online_softmax_block(s, v, m_i, l_i, acc, v_base.dtype.element_ty,
+                                             DOT_F32)
     return acc, l_i, m_i
 
 
