@@ -754,10 +754,8 @@ def _plan(
     # On GPUs whose DRAM feeds each SM faster (an H200), narrow 16-byte rows and odd dims'
     # skewed rows take tiles and split counts of their own (``configs.fast_dram_decode``).
     rule = None
-    if not wide and table is None and k.element_size() == 2 and sms and fast_dram(q.device):
-        rows16 = (k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
-                  and all(s * k.element_size() % 16 == 0 for s in (*strides[:4], head_dim)))
-        rule = fast_dram_decode(units, est_seqlen, sms, head_dim, block_d, shift > 0, rows16)
+    if table is None and k.element_size() == 2 and sms and fast_dram(q.device):
+        rule = fast_dram_rule(k, v, strides, head_dim, block_d, shift, units, est_seqlen, sms)
     if rule is not None:
         cfg = rule[0]
         num_splits = num_splits or rule[1]
@@ -938,6 +936,16 @@ def fast_dram(device: torch.device) -> bool:
     ``configs.fast_dram_decode``'s tiles were measured."""
     sms = _shape_rule_sms(device)
     return bool(sms) and _dram_gbps(device) >= FAST_DRAM_SM_GBPS * sms
+
+
+def fast_dram_rule(k: torch.Tensor, v: torch.Tensor, strides: tuple[int | None, ...],
+                   head_dim: int, block_d: int, shift: int, units: int, est_seqlen: int,
+                   sms: int) -> tuple[DecodeConfig, int] | None:
+    """``configs.fast_dram_decode`` for contiguous 16-bit K/V of these ``strides`` read in
+    (``block_d``, ``shift``) tiles (``kv_tile``); the plan's and the warm-up's."""
+    rows16 = (k.data_ptr() % 16 == 0 and v.data_ptr() % 16 == 0
+              and all(s * k.element_size() % 16 == 0 for s in (*strides[:4], head_dim)))
+    return fast_dram_decode(units, est_seqlen, sms, head_dim, block_d, shift > 0, rows16)
 
 
 def _shape_rule_sms(device: torch.device) -> int:

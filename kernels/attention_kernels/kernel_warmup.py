@@ -27,7 +27,6 @@ from attention_kernels.configs import (
     ONE_SPLIT_TILE,
     SHORT_PAGED_SPLIT_TILE,
     TWO_WARP_TILE,
-    fast_dram_decode,
     interpreting,
     many_programs,
     num_sms,
@@ -39,6 +38,7 @@ from attention_kernels.decode_kernel import (
     _merge_mode,
     decode,
     fast_dram,
+    fast_dram_rule,
     for_cuda_graphs,
     paged_decode,
 )
@@ -389,8 +389,7 @@ def _fast_dram_decodes(d: int, dtype: torch.dtype, device: torch.device,
         kv = torch.randn(40, heads, d, dtype=dtype, device=device)
         strides = (*kv.stride()[:2], *kv.stride()[:2], None, None, None)
         block_d, shift = kv_tile(kv, kv, strides, d)
-        rows16 = all(s * kv.element_size() % 16 == 0 for s in (*kv.stride()[:2], d))
-        rule = fast_dram_decode(1, 1, 1, d, block_d, shift > 0, rows16)
+        rule = fast_dram_rule(kv, kv, strides, d, block_d, shift, 1, 1, 1)
         layout = (block_d, shift, kv.stride(0) % 16 == 0)
         if rule is None or layout in seen:
             continue
