@@ -483,33 +483,6 @@ def test_odd_head_dims_take_short_key_blocks(monkeypatch: pytest.MonkeyPatch) ->
             4 if many else 8)
 
 
-@pytest.mark.parametrize(("batch", "seqlen", "splits"),
-                         [(8, 4096, 8), (1, 16384, 32), (48, 4096, 2), (2, 300, 1)])
-def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch, batch: int,
-                                                 seqlen: int, splits: int) -> None:
-    """Decode tiles twice the padded head dim (D 59's skewed rows, 128 wide) on a Hopper GPU
-    (its shape rules stood in for here) take ``wide_skew_split_count``'s splits (about 8
-    programs per SM of 132, at least 512 keys each) in ``WIDE_SKEW_TILE``; D 64 keeps the
-    usual count, and an explicit count is honoured."""
-    from attention_kernels import configs, decode_kernel
-
-    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
-    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: 5)
-
-    def plan(d: int, num_splits: int = 0) -> tuple[int, int, DecodeConfig]:
-        q = torch.empty(batch, 32, d, dtype=torch.bfloat16)  # a plan reads no values
-        k = torch.empty(batch * seqlen, 8, d, dtype=torch.bfloat16)
-        p = decode_kernel._plan(q, k, k, None, seqlen, None, num_splits, False, None, "fused",
-                                (-1, -1), 0.0, None, None, None, None, None)
-        kw = p.launch.kwargs
-        return p.block_d, p.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"],
-                                                         kw["num_stages"])
-
-    assert plan(59) == (128, splits, configs.WIDE_SKEW_TILE)
-    assert plan(64)[:2] == (64, 5)
-    assert plan(59, 3) == (128, 3, configs.WIDE_SKEW_TILE)
-
-
 def _fake_h200(monkeypatch: pytest.MonkeyPatch, gbps: float = 4800.0) -> None:
     """decode's plan as on an H200 (132 SMs, 4.8 TB/s): its Hopper shape rules on."""
     from attention_kernels import decode_kernel
@@ -531,6 +504,30 @@ def _plan_of(q: torch.Tensor, k: torch.Tensor, est: int, num_splits: int = 0,
 def _tile(plan) -> tuple[int, DecodeConfig]:
     kw = plan.launch.kwargs
     return plan.launch.grid[0], DecodeConfig(kw["BLOCK_N"], kw["num_warps"], kw["num_stages"])
+
+
+@pytest.mark.parametrize(("batch", "seqlen", "splits"),
+                         [(8, 4096, 8), (1, 16384, 32), (48, 4096, 2), (2, 300, 1)])
+def test_wide_skewed_tiles_take_their_own_splits(monkeypatch: pytest.MonkeyPatch, batch: int,
+                                                 seqlen: int, splits: int) -> None:
+    """Decode tiles twice the padded head dim (D 59's skewed rows, 128 wide) on a Hopper GPU
+    (its shape rules stood in for here) take ``wide_skew_split_count``'s splits (about 8
+    programs per SM of 132, at least 512 keys each) in ``WIDE_SKEW_TILE``; D 64 keeps the
+    usual count, and an explicit count is honoured."""
+    from attention_kernels import configs, decode_kernel
+
+    monkeypatch.setattr(decode_kernel, "_shape_rule_sms", lambda device: 132)
+    monkeypatch.setattr(decode_kernel, "choose_num_splits", lambda *args: 5)
+
+    def plan(d: int, num_splits: int = 0) -> tuple[int, int, DecodeConfig]:
+        q = torch.empty(batch, 32, d, dtype=torch.bfloat16)  # a plan reads no values
+        k = torch.empty(batch * seqlen, 8, d, dtype=torch.bfloat16)
+        p = _plan_of(q, k, seqlen, num_splits)
+        return (p.block_d, *_tile(p))
+
+    assert plan(59) == (128, splits, configs.WIDE_SKEW_TILE)
+    assert plan(64)[:2] == (64, 5)
+    assert plan(59, 3) == (128, 3, configs.WIDE_SKEW_TILE)
 
 
 @pytest.mark.parametrize(("batch", "seqlen", "splits"),
